@@ -1,0 +1,1 @@
+"""rollstream.broker"""

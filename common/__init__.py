@@ -1,0 +1,1 @@
+"""rollstream.common: the data model, wire codec and miles interop shared by every component."""

@@ -1,0 +1,62 @@
+"""Growable numpy buffers: appends cost amortised O(appended) because the
+capacity doubles, so a 1,000-turn trajectory is never re-concatenated."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class GrowableArray:
+    """A 1-D numpy array that grows geometrically on append."""
+
+    __slots__ = ("_buf", "_len")
+
+    def __init__(self, dtype: np.dtype, capacity: int = 0):
+        self._buf = np.empty(max(capacity, 16), dtype=dtype)
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _reserve(self, needed: int) -> None:
+        if needed > self._buf.shape[0]:
+            grown = np.empty(max(needed, 2 * self._buf.shape[0]), dtype=self._buf.dtype)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+
+    def extend(self, values: np.ndarray) -> None:
+        end = self._len + len(values)
+        self._reserve(end)
+        self._buf[self._len : end] = values
+        self._len = end
+
+    def extend_fill(self, value, count: int) -> None:
+        """Append `count` copies of `value` without building a temporary."""
+        end = self._len + count
+        self._reserve(end)
+        self._buf[self._len : end] = value
+        self._len = end
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._len:
+            raise ValueError(f"truncate length must be in [0, {self._len}], got {length}")
+        self._len = length
+
+    @property
+    def last(self):
+        return self._buf[self._len - 1]
+
+    def view(self) -> np.ndarray:
+        """Read-only view of the filled part; valid until the next append or truncate."""
+        view = self._buf[: self._len]
+        view.flags.writeable = False
+        return view
+
+    def copy(self) -> np.ndarray:
+        """An owned, read-only copy of the filled part."""
+        out = self._buf[: self._len].copy()
+        out.flags.writeable = False
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self._len * self._buf.itemsize

@@ -1,0 +1,270 @@
+"""The wire codec (PROTOCOL.md §2): a msgpack header plus one raw
+little-endian frame per array.
+
+Decoding is strict and runs its checks in the protocol's order, raising a
+`ProtocolError` with the reply code of the first failure; arrays are wrapped
+zero-copy and read-only. No pickle anywhere: arrays never enter msgpack.
+"""
+from __future__ import annotations
+
+import hashlib
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+from .contract import ARRAYS, DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WIRE_DTYPES
+from .errors import ProtocolError
+from .messages import CRC32, ENVELOPE_KEYS, MessageSpec, Schema
+from .validation import RULE_ALIGNED, check_message_arrays
+
+
+@dataclass(frozen=True, eq=False)
+class Message:
+    """A decoded message: its type, known header fields and arrays."""
+
+    type: str
+    fields: Mapping[str, Any]
+    arrays: Mapping[str, np.ndarray]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.fields[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.fields.get(name, default)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(arr.nbytes for arr in self.arrays.values())
+
+
+def _buffer(frame) -> memoryview:
+    """A zero-copy byte view of a frame: bytes, memoryview, or a zmq.Frame."""
+    view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _schema_error(message: str) -> ProtocolError:
+    return ProtocolError("schema", message)
+
+
+def _check_fields(spec: MessageSpec, header: Mapping[str, Any], array_names: frozenset) -> dict:
+    """Known fields of `header`, checked against `spec`; unknown keys are dropped."""
+    fields = {}
+    for name, value in header.items():
+        if name in ENVELOPE_KEYS:
+            continue
+        kind = spec.kind_of(name)
+        if kind is None:
+            continue
+        if not kind.accepts(value):
+            raise _schema_error(f"{spec.type}.{name} must be {kind.describe}, got {type(value).__name__} {value!r:.80}")
+        fields[name] = value
+    missing = [name for name in spec.required if name not in fields]
+    if missing:
+        raise _schema_error(f"{spec.type} is missing required field(s) {missing}")
+    unknown = array_names - spec.array_names
+    if unknown:
+        raise _schema_error(f"{spec.type} may not carry array(s) {sorted(unknown)}; allowed: {sorted(spec.array_names)}")
+    absent = [name for name in spec.arrays if name not in array_names]
+    if absent:
+        raise _schema_error(f"{spec.type} is missing required array(s) {absent}")
+    for rule in spec.rules:
+        problem = rule(fields, array_names)
+        if problem:
+            raise _schema_error(f"{spec.type}: {problem}")
+    return fields
+
+
+def _spec(schema: Schema, mtype) -> MessageSpec:
+    if not isinstance(mtype, str):
+        raise _schema_error(f"type must be a string, got {type(mtype).__name__}")
+    spec = schema.specs.get(mtype)
+    if spec is None:
+        raise _schema_error(f"unknown message type {mtype!r} for {schema.name}; expected one of {sorted(schema.specs)}")
+    return spec
+
+
+def _crc32(buffers: Sequence) -> int:
+    crc = 0
+    for buf in buffers:
+        crc = zlib.crc32(buf, crc)
+    return crc
+
+
+# -- encoding -----------------------------------------------------------------
+def encode(
+    schema: Schema,
+    mtype: str,
+    fields: Mapping[str, Any] | None = None,
+    arrays: Mapping[str, np.ndarray] | None = None,
+    *,
+    crc: bool = False,
+) -> list:
+    """Frames `[header, buf_0, ...]` for one message, checked against `schema`.
+
+    Arrays must already have their contract dtypes (nothing is converted);
+    frames are zero-copy views, so the arrays must not change until sent.
+    Raises `ProtocolError` when the message would break the schema.
+    """
+    spec = _spec(schema, mtype)
+    fields = dict(fields or {})
+    arrays = arrays or {}
+    _check_fields(spec, fields, frozenset(arrays))
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": mtype, **fields}
+    buffers = []
+    if arrays:
+        entries = []
+        for name, arr in arrays.items():
+            contract = ARRAYS[name]
+            if not isinstance(arr, np.ndarray) or arr.dtype != contract.dtype:
+                got = arr.dtype if isinstance(arr, np.ndarray) else type(arr).__name__
+                raise ProtocolError("dtype", f"array {name!r} must be {contract.wire_name}, got {got}")
+            if not contract.rank_ok(arr.ndim):
+                raise ProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {list(arr.shape)}")
+            entries.append([name, contract.wire_name, list(arr.shape)])
+            buffers.append(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
+        header["arrays"] = entries
+        if crc:
+            header["crc32"] = _crc32(buffers)
+    return [msgpack.packb(header, use_bin_type=True), *buffers]
+
+
+def encode_error(schema: Schema, error: ProtocolError, **extra) -> list:
+    """The `nack` answering a refused message."""
+    fields = {"code": error.code, "message": error.message, **extra}
+    if error.seq is not None:
+        fields["seq"] = error.seq
+    if error.expected is not None:
+        fields["expected"] = error.expected
+    return encode(schema, "nack", fields)
+
+
+# -- decoding -----------------------------------------------------------------
+def decode_header(frame) -> dict:
+    """The header map, or `ProtocolError("malformed")`."""
+    try:
+        header = msgpack.unpackb(_buffer(frame), raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError("malformed", f"header is not a msgpack map: {type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("malformed", f"header must be a msgpack map, got {type(header).__name__}")
+    if not all(isinstance(key, str) for key in header):
+        raise ProtocolError("malformed", "header map keys must all be strings")
+    return header
+
+
+def _array_entries(header: Mapping[str, Any], frame_count: int) -> list[tuple[str, Any, Any]]:
+    entries = header.get("arrays", [])
+    if not isinstance(entries, list):
+        raise _schema_error(f"arrays must be a list of [name, dtype, shape], got {type(entries).__name__}")
+    parsed, seen = [], set()
+    for entry in entries:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+            raise _schema_error(f"arrays entries must be [name, dtype, shape], got {entry!r:.80}")
+        name, dtype, shape = entry
+        if name not in ARRAYS:
+            raise _schema_error(f"unknown array {name!r}; expected one of {sorted(ARRAYS)}")
+        if name in seen:
+            raise _schema_error(f"array {name!r} is listed twice")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise _schema_error(f"array {name!r} shape must be a list of non-negative integers, got {shape!r:.80}")
+        seen.add(name)
+        parsed.append((name, dtype, shape))
+    if frame_count != 1 + len(parsed):
+        raise _schema_error(f"header lists {len(parsed)} array(s), message has {frame_count - 1} array frame(s)")
+    return parsed
+
+
+def decode(
+    frames: Sequence,
+    schema: Schema,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    vocab_size: int | None = None,
+    check_content: bool = True,
+) -> Message:
+    """Parse and check one message in protocol order:
+    malformed → version → schema → too_large → crc_mismatch → dtype → shape →
+    content (misaligned, mask_invalid, out_of_vocab, invalid_value)."""
+    if not frames:
+        raise ProtocolError("malformed", "empty message: expected a header frame")
+    buffers = [_buffer(frame) for frame in frames]
+    header = decode_header(buffers[0])
+    seq = header.get("seq") if type(header.get("seq")) is int else None
+    try:
+        return _decode_checked(header, buffers, schema, max_message_bytes, vocab_size, check_content)
+    except ProtocolError as error:
+        raise error.with_seq(seq) from None
+
+
+def _decode_checked(header, buffers, schema, max_message_bytes, vocab_size, check_content) -> Message:
+    version = header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError("version", f"protocol version must be {PROTOCOL_VERSION}, got {version!r}")
+    spec = _spec(schema, header.get("type"))
+    entries = _array_entries(header, len(buffers))
+    fields = _check_fields(spec, header, frozenset(name for name, _, _ in entries))
+    crc = header.get("crc32")
+    if crc is not None and not CRC32.accepts(crc):
+        raise _schema_error(f"crc32 must be {CRC32.describe}, got {crc!r:.40}")
+
+    size = sum(buf.nbytes for buf in buffers)
+    if size > max_message_bytes:
+        raise ProtocolError("too_large", f"message is {size} bytes, limit is max_message_bytes={max_message_bytes}")
+    if crc is not None:
+        actual = _crc32(buffers[1:])
+        if actual != crc:
+            raise ProtocolError("crc_mismatch", f"crc32 of array frames is {actual}, header says {crc}")
+
+    for name, dtype, _ in entries:
+        expected = ARRAYS[name].wire_name
+        if dtype != expected:
+            raise ProtocolError("dtype", f"array {name!r} must be {expected}, got {dtype!r:.40}")
+    arrays = {}
+    for (name, _, shape), buf in zip(entries, buffers[1:]):
+        contract = ARRAYS[name]
+        if not contract.rank_ok(len(shape)):
+            raise ProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {shape}")
+        expected_bytes = contract.dtype.itemsize * int(np.prod(shape, dtype=object))
+        if buf.nbytes != expected_bytes:
+            raise ProtocolError(
+                "shape", f"array {name!r} of shape {shape} needs {expected_bytes} bytes, its frame has {buf.nbytes}"
+            )
+        arr = np.frombuffer(buf, dtype=contract.dtype).reshape(shape)
+        arr.flags.writeable = False
+        arrays[name] = arr
+
+    if spec.content and check_content:
+        check_message_arrays(arrays, vocab_size=vocab_size)
+        length = fields.get("response_length")
+        if length is not None and length != len(arrays["tokens"]):
+            raise ProtocolError(
+                "misaligned", f"rule '{RULE_ALIGNED}' violated: response_length is {length}, tokens has {len(arrays['tokens'])}"
+            )
+    return Message(spec.type, fields, arrays)
+
+
+def _canonical(value):
+    """Maps as key-sorted pairs, so equal maps digest equally in any order."""
+    if isinstance(value, dict):
+        return [[key, _canonical(value[key])] for key in sorted(value, key=repr)]
+    if isinstance(value, list):
+        return [_canonical(item) for item in value]
+    return value
+
+
+def content_digest(message: Message, *, ignore: tuple[str, ...] = ("seq",)) -> bytes:
+    """A digest of what a message says: known header fields except `ignore`,
+    and arrays by name, dtype, shape and bytes. Equal digests mean identical
+    content in the protocol's sense (resends compare equal)."""
+    digest = hashlib.blake2b(digest_size=16)
+    fields = {name: value for name, value in message.fields.items() if name not in ignore}
+    digest.update(msgpack.packb([message.type, _canonical(fields)], use_bin_type=True))
+    for name in sorted(message.arrays):
+        arr = message.arrays[name]
+        digest.update(msgpack.packb([name, list(arr.shape)], use_bin_type=True))
+        digest.update(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
+    return digest.digest()

@@ -1,0 +1,95 @@
+"""The one contract table: array fields, their wire dtypes and shapes, the
+replay fields, statuses and reply codes.
+
+Everything that encodes, decodes, stores or validates rollstream data reads
+its names and dtypes from here, so a field is declared exactly once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+STATUSES = ("completed", "truncated", "aborted")
+TERMINAL_STATUSES = frozenset({"truncated", "aborted"})
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """Wire contract of one array field.
+
+    `per_token` arrays are 1-D with one entry per token of the message's own
+    token axis; `min_ndim` arrays (replay captures) are `[k, ...]`.
+    """
+
+    dtype: np.dtype
+    ndim: int | None  # exact rank, or None for "at least min_ndim"
+    min_ndim: int = 1
+
+    @property
+    def wire_name(self) -> str:
+        return self.dtype.name
+
+    def rank_ok(self, ndim: int) -> bool:
+        return ndim == self.ndim if self.ndim is not None else ndim >= self.min_ndim
+
+    def rank_rule(self) -> str:
+        return f"{self.ndim}-D" if self.ndim is not None else f"at least {self.min_ndim}-D"
+
+
+_INT32 = np.dtype("<i4")
+_INT64 = np.dtype("<i8")
+_FLOAT32 = np.dtype("<f4")
+_UINT8 = np.dtype("u1")
+
+ARRAYS: dict[str, ArraySpec] = {
+    "prompt_tokens": ArraySpec(_INT32, 1),
+    "tokens": ArraySpec(_INT32, 1),
+    "forced_tokens": ArraySpec(_INT32, 1),
+    "log_probs": ArraySpec(_FLOAT32, 1),
+    "loss_mask": ArraySpec(_UINT8, 1),
+    "mask_ids": ArraySpec(_INT32, 1),
+    "mask_offsets": ArraySpec(_INT64, 1),
+    "routed_experts": ArraySpec(_INT32, None, 1),
+    "indexer_topk": ArraySpec(_INT32, None, 1),
+}
+
+# Replay arrays that cover their engine call's whole context: the merged
+# trajectory keeps the latest, whose first dimension must not shrink.
+CONTEXT_REPLAY_ARRAYS = ("routed_experts", "indexer_topk")
+
+# Replay fields in the order a gap reports them: "mask" is the
+# `mask_ids` + `mask_offsets` pair.
+REPLAY_FIELDS = ("mask", *CONTEXT_REPLAY_ARRAYS)
+MASK_ARRAYS = ("mask_ids", "mask_offsets")
+
+# Token-id arrays whose values must lie in [0, vocab_size).
+TOKEN_ID_ARRAYS = ("prompt_tokens", "tokens", "forced_tokens", "mask_ids")
+
+WIRE_DTYPES = {spec.wire_name: spec.dtype for spec in ARRAYS.values()}
+
+# Reply codes of a refused frame, in the order the checks run (PROTOCOL.md §2).
+NACK_CODES = (
+    "malformed",
+    "version",
+    "schema",
+    "too_large",
+    "crc_mismatch",
+    "dtype",
+    "shape",
+    "misaligned",
+    "mask_invalid",
+    "out_of_vocab",
+    "invalid_value",
+    "out_of_order",
+    "conflict",
+    "mask_presence",
+    "unknown_trajectory",
+    "stale_lease",
+    "unavailable",
+    "internal",
+)
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024

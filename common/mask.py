@@ -1,0 +1,211 @@
+"""The sampling-support mask in CSR form (SEMANTICS.md §2).
+
+Token `t`'s support, the ids a top-k/top-p sampler could have emitted at that
+position, is `ids[offsets[t]:offsets[t+1]]`. Supports are ragged, so they are
+never padded to `[tokens, top_k]`.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+import warnings
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .contract import ARRAYS
+from .validation import csr_problem, inside_support
+
+IDS_DTYPE = ARRAYS["mask_ids"].dtype
+OFFSETS_DTYPE = ARRAYS["mask_offsets"].dtype
+
+
+def as_numpy(values) -> np.ndarray:
+    """A numpy view of a numpy array, torch tensor (moved to host) or sequence."""
+    if hasattr(values, "detach"):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values)
+
+
+def as_int_array(values, dtype: np.dtype, name: str) -> np.ndarray:
+    """`values` as a 1-D array of `dtype`, refusing bools, floats, complex and
+    values that do not fit (never cast or wrapped). May share memory."""
+    is_array = isinstance(values, np.ndarray) or hasattr(values, "detach")
+    arr = as_numpy(values)
+    if arr.ndim != 1:
+        raise ValueError(f"rule '1-D integer arrays' violated: {name} must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.dtype.kind not in "iu":
+        # An empty Python sequence converts to float64; it carries no values to refuse.
+        if not (arr.size == 0 and not is_array and arr.dtype.kind == "f"):
+            raise ValueError(
+                f"rule '1-D integer arrays' violated: {name} must hold integers, got dtype {arr.dtype} "
+                "(bool, float and complex are refused, never cast)"
+            )
+    elif arr.dtype != dtype and arr.size:
+        info = np.iinfo(dtype)
+        low, high = arr.min(), arr.max()
+        if low < info.min or high > info.max:
+            bad = low if low < info.min else high
+            raise ValueError(
+                f"rule 'values fit {dtype.name}' violated: {name} holds {int(bad)}, expected [{info.min}, {info.max}] "
+                "(never wrapped)"
+            )
+    return arr.astype(dtype, copy=False)
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr
+
+
+class SamplingMask:
+    """Immutable CSR sampling mask: int32 `ids`, int64 `offsets` (N + 1)."""
+
+    __slots__ = ("_ids", "_offsets")
+
+    def __init__(self, ids, offsets):
+        ids_arr = as_int_array(ids, IDS_DTYPE, "ids")
+        offsets_arr = as_int_array(offsets, OFFSETS_DTYPE, "offsets")
+        problem = csr_problem(ids_arr, offsets_arr)
+        if problem:
+            raise ValueError(problem)
+        # Own the memory: later changes to the caller's arrays change nothing.
+        self._ids = _frozen(np.array(ids_arr, copy=True))
+        self._offsets = _frozen(np.array(offsets_arr, copy=True))
+
+    @classmethod
+    def _wrap(cls, ids: np.ndarray, offsets: np.ndarray) -> "SamplingMask":
+        """Trusted constructor: arrays already checked, of the contract dtypes
+        and never written again (read-only frames, fresh buffers)."""
+        mask = object.__new__(cls)
+        mask._ids = ids if not ids.flags.writeable else _frozen(ids.view())
+        mask._offsets = offsets if not offsets.flags.writeable else _frozen(offsets.view())
+        return mask
+
+    # -- construction -----------------------------------------------------
+    @classmethod
+    def empty(cls) -> "SamplingMask":
+        return cls._wrap(_frozen(np.empty(0, IDS_DTYPE)), _frozen(np.zeros(1, OFFSETS_DTYPE)))
+
+    @classmethod
+    def from_supports(cls, supports: Sequence[Iterable[int]]) -> "SamplingMask":
+        """One support (a sequence of ids) per token."""
+        lengths = np.fromiter(map(len, supports), dtype=np.int64, count=len(supports))
+        total = int(lengths.sum())
+        flat = itertools.chain.from_iterable(supports)
+        try:
+            ids = np.fromiter(flat, dtype=np.int64, count=total)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"supports must hold integer ids: {exc}") from None
+        return cls.from_lengths(ids, lengths)
+
+    @classmethod
+    def from_lengths(cls, flat_ids, lengths) -> "SamplingMask":
+        """Flat ids plus the number of ids in each token's support."""
+        ids = as_int_array(flat_ids, IDS_DTYPE, "ids")
+        sizes = as_int_array(lengths, OFFSETS_DTYPE, "lengths")
+        if sizes.size and sizes.min() <= 0:
+            t = int(np.flatnonzero(sizes <= 0)[0])
+            raise ValueError(
+                f"sampling mask rule 'non-empty support (strictly increasing offsets)' violated at token {t}: "
+                f"support has {int(sizes[t])} ids"
+            )
+        offsets = np.zeros(sizes.size + 1, dtype=OFFSETS_DTYPE)
+        np.cumsum(sizes, out=offsets[1:])
+        if offsets[-1] != ids.size:
+            raise ValueError(
+                f"sampling mask rule 'offsets[-1] == len(ids)' violated: lengths sum to {int(offsets[-1])}, "
+                f"ids has {ids.size}"
+            )
+        return cls._wrap(_frozen(np.array(ids, copy=True)), _frozen(offsets))
+
+    @classmethod
+    def singletons(cls, tokens) -> "SamplingMask":
+        """Support `[t]` for every token `t`: forced tokens were not sampled."""
+        ids = as_int_array(tokens, IDS_DTYPE, "tokens")
+        return cls._wrap(_frozen(np.array(ids, copy=True)), _frozen(np.arange(ids.size + 1, dtype=OFFSETS_DTYPE)))
+
+    @classmethod
+    def concatenate(cls, masks: Sequence["SamplingMask"]) -> "SamplingMask":
+        """Supports of `masks` in order; no masks give the empty mask."""
+        if not masks:
+            return cls.empty()
+        ids = np.concatenate([m._ids for m in masks])
+        offsets = np.empty(1 + sum(len(m) for m in masks), dtype=OFFSETS_DTYPE)
+        offsets[0] = 0
+        base, pos = 0, 1
+        for m in masks:
+            n = len(m)
+            np.add(m._offsets[1:], base, out=offsets[pos : pos + n])
+            base += m._ids.size
+            pos += n
+        return cls._wrap(_frozen(ids), _frozen(offsets))
+
+    # -- access -------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._offsets.size - 1
+
+    def __getitem__(self, t) -> np.ndarray:
+        n = len(self)
+        t = operator.index(t)
+        if t < 0:
+            t += n
+        if not 0 <= t < n:
+            raise IndexError(f"token index out of range: mask has {n} tokens")
+        return self._ids[self._offsets[t] : self._offsets[t + 1]]
+
+    def prefix(self, n: int) -> "SamplingMask":
+        """The first `n` tokens' supports; `0 <= n <= len(self)`."""
+        n = operator.index(n)
+        if not 0 <= n <= len(self):
+            raise ValueError(f"prefix length must be in [0, {len(self)}], got {n}")
+        end = int(self._offsets[n])
+        return SamplingMask._wrap(self._ids[:end], self._offsets[: n + 1])
+
+    @property
+    def ids(self) -> np.ndarray:
+        """All supports concatenated (read-only int32 view)."""
+        return self._ids
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """`N + 1` support boundaries (read-only int64 view)."""
+        return self._offsets
+
+    @property
+    def support_sizes(self) -> np.ndarray:
+        return np.diff(self._offsets)
+
+    @property
+    def nbytes(self) -> int:
+        return self._ids.nbytes + self._offsets.nbytes
+
+    def contains(self, tokens) -> np.ndarray:
+        """Per token, whether `tokens[t]` is inside support `t` (vectorised)."""
+        tokens = as_int_array(tokens, IDS_DTYPE, "tokens")
+        if tokens.size != len(self):
+            raise ValueError(f"tokens has {tokens.size} entries, mask covers {len(self)}")
+        return inside_support(tokens, self._ids, self._offsets)
+
+    def to_torch(self, device=None):
+        """`(ids, offsets)` as torch tensors; zero-copy on CPU. Treat them as
+        read-only: they share this mask's memory."""
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            ids, offsets = torch.from_numpy(self._ids), torch.from_numpy(self._offsets)
+        if device is not None and torch.device(device).type != "cpu":
+            ids, offsets = ids.to(device, non_blocking=True), offsets.to(device, non_blocking=True)
+        return ids, offsets
+
+    # -- value semantics ----------------------------------------------------
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, SamplingMask):
+            return NotImplemented
+        return np.array_equal(self._offsets, other._offsets) and np.array_equal(self._ids, other._ids)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"SamplingMask(tokens={len(self)}, ids={self._ids.size})"

@@ -1,0 +1,224 @@
+"""The message catalogue of protocol version 1 (PROTOCOL.md §3-§5): for
+every message type on every endpoint and direction, its header fields with
+their kinds, the arrays it may carry, and its cross-field rules.
+
+The codec reads these tables to encode and to decode strictly; nothing else
+declares a message's shape.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, MASK_ARRAYS, REPLAY_FIELDS, STATUSES
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A header value's kind: a predicate plus the words for an error."""
+
+    describe: str
+    accepts: Callable[[Any], bool]
+
+
+def _is_int(value) -> bool:
+    return type(value) is int
+
+
+def _is_number(value) -> bool:
+    return (type(value) is int) or (type(value) is float and math.isfinite(value))
+
+
+def _is_str_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+TEXT = Kind("a non-empty string", lambda v: isinstance(v, str) and v != "")
+ANY_TEXT = Kind("a string", lambda v: isinstance(v, str))
+INT = Kind("an integer", _is_int)
+COUNT = Kind("a non-negative integer", lambda v: _is_int(v) and v >= 0)
+POSITIVE = Kind("a positive integer", lambda v: _is_int(v) and v > 0)
+BOOL = Kind("a boolean", lambda v: type(v) is bool)
+NUMBER = Kind("a finite number", _is_number)
+SECONDS = Kind("a positive number of seconds", lambda v: _is_number(v) and v > 0)
+MAP = Kind("a map", lambda v: isinstance(v, dict))
+LIST = Kind("a list", lambda v: isinstance(v, list))
+TEXT_LIST = Kind("a list of strings", _is_str_list)
+REWARD = Kind("a number or a map", lambda v: _is_number(v) or isinstance(v, dict))
+STATUS = Kind(f"one of {list(STATUSES)}", lambda v: v in STATUSES)
+UNIT = Kind("'trajectory' or 'group'", lambda v: v in ("trajectory", "group"))
+CRC32 = Kind("an unsigned 32-bit integer", lambda v: _is_int(v) and 0 <= v < 2**32)
+GAP = Kind(
+    f"a map {{turn: non-negative integer, field: one of {list(REPLAY_FIELDS)}}}",
+    lambda v: isinstance(v, dict) and _is_int(v.get("turn")) and v["turn"] >= 0 and v.get("field") in REPLAY_FIELDS,
+)
+
+# Header keys every message may carry, handled by the codec itself.
+ENVELOPE_KEYS = frozenset({"v", "type", "arrays", "crc32"})
+
+Rule = Callable[[Mapping[str, Any], frozenset], "str | None"]
+
+
+@dataclass(frozen=True)
+class MessageSpec:
+    type: str
+    required: Mapping[str, Kind] = field(default_factory=dict)
+    optional: Mapping[str, Kind] = field(default_factory=dict)
+    arrays: tuple[str, ...] = ()  # required arrays
+    optional_arrays: tuple[str, ...] = ()
+    rules: tuple[Rule, ...] = ()  # cross-field schema rules: return a problem or None
+    content: bool = False  # token arrays get the content checks (PROTOCOL.md §2)
+
+    def kind_of(self, name: str) -> Kind | None:
+        return self.required.get(name) or self.optional.get(name)
+
+    @property
+    def array_names(self) -> frozenset:
+        return frozenset(self.arrays) | frozenset(self.optional_arrays)
+
+
+@dataclass(frozen=True)
+class Schema:
+    """The messages one side of one endpoint may receive."""
+
+    name: str
+    specs: Mapping[str, MessageSpec]
+
+
+def _schema(name: str, *specs: MessageSpec) -> Schema:
+    for spec in specs:
+        unknown = spec.array_names - set(ARRAYS)
+        assert not unknown, f"{spec.type}: arrays {unknown} are not in the contract table"
+    return Schema(name, {spec.type: spec for spec in specs})
+
+
+# -- cross-field rules --------------------------------------------------------
+def mask_pair(header, arrays) -> str | None:
+    present = [name for name in MASK_ARRAYS if name in arrays]
+    if len(present) == 1:
+        return f"mask_ids and mask_offsets travel together; only {present[0]} is present"
+    return None
+
+
+_TURN0_ONLY = ("group_id", "group_size", "sample_index")
+
+
+def turn_zero_fields(header, arrays) -> str | None:
+    if header["turn"] == 0:
+        return None if "prompt_tokens" in arrays else "turn 0 must carry prompt_tokens"
+    late = [name for name in _TURN0_ONLY if name in header] + (["prompt_tokens"] if "prompt_tokens" in arrays else [])
+    return f"{', '.join(late)} may travel on turn 0 only, got turn {header['turn']}" if late else None
+
+
+# -- the catalogue ------------------------------------------------------------
+_SEQ = {"seq": INT}
+_TURN_ARRAYS = ("prompt_tokens", "loss_mask", *MASK_ARRAYS, "forced_tokens", *CONTEXT_REPLAY_ARRAYS)
+_DELIVER_ARRAYS = (*MASK_ARRAYS, *CONTEXT_REPLAY_ARRAYS)
+_NACK = MessageSpec("nack", {"code": TEXT, "message": ANY_TEXT}, {"seq": INT, "expected": COUNT, "leases": TEXT_LIST})
+
+PRODUCER_TO_BROKER = _schema(
+    "producer->broker",
+    MessageSpec("hello", {"producer_id": TEXT}, _SEQ),
+    MessageSpec(
+        "turn",
+        {"seq": INT, "trajectory_id": TEXT, "turn": COUNT, "status": STATUS},
+        {
+            "group_id": TEXT,
+            "group_size": POSITIVE,
+            "sample_index": COUNT,
+            "weight_version": ANY_TEXT,
+            "metadata": MAP,
+        },
+        arrays=("tokens", "log_probs"),
+        optional_arrays=_TURN_ARRAYS,
+        rules=(mask_pair, turn_zero_fields),
+        content=True,
+    ),
+    MessageSpec("end", {"seq": INT, "trajectory_id": TEXT, "reward": REWARD}, {"metadata": MAP}),
+    MessageSpec("abort", {"seq": INT, "trajectory_id": TEXT, "reason": ANY_TEXT}),
+    MessageSpec("ping", {"seq": INT}),
+)
+
+BROKER_TO_PRODUCER = _schema(
+    "broker->producer",
+    MessageSpec("welcome", {"broker_id": TEXT, "max_message_bytes": POSITIVE, "window": POSITIVE}, _SEQ),
+    MessageSpec(
+        "ack",
+        {"seq": INT, "trajectory_id": TEXT, "applied": BOOL},
+        {"turn": COUNT, "duplicate": BOOL, "reason": TEXT},
+    ),
+    _NACK,
+    MessageSpec("pong", {"seq": INT}),
+)
+
+CONSUMER_TO_BROKER = _schema(
+    "consumer->broker",
+    MessageSpec("hello", {"consumer_id": TEXT}, _SEQ),
+    MessageSpec("heartbeat", {}, _SEQ),
+    MessageSpec("credit", {"n": COUNT, "unit": UNIT}, _SEQ),
+    MessageSpec("ack", {"leases": TEXT_LIST}, _SEQ),
+    MessageSpec("nack", {"leases": TEXT_LIST, "reason": ANY_TEXT, "requeue": BOOL}, _SEQ),
+)
+
+BROKER_TO_CONSUMER = _schema(
+    "broker->consumer",
+    MessageSpec("welcome", {"broker_id": TEXT, "lease_timeout": SECONDS, "heartbeat_interval": SECONDS}, _SEQ),
+    MessageSpec(
+        "deliver",
+        {
+            "lease": TEXT,
+            "trajectory_id": TEXT,
+            "status": STATUS,
+            "reward": REWARD,
+            "response_length": COUNT,
+            "weight_versions": TEXT_LIST,
+            "metadata": MAP,
+        },
+        {
+            "sample_index": COUNT,
+            "group_id": TEXT,
+            "group_size": POSITIVE,
+            "group_left": COUNT,
+            "gap": GAP,
+            "turns": COUNT,
+            "delivery_count": POSITIVE,
+        },
+        arrays=("prompt_tokens", "tokens", "loss_mask", "log_probs"),
+        optional_arrays=_DELIVER_ARRAYS,
+        rules=(mask_pair,),
+        content=True,
+    ),
+    MessageSpec("acked", {"leases": TEXT_LIST}, _SEQ),
+    MessageSpec("nacked", {"leases": TEXT_LIST}, _SEQ),
+    _NACK,
+)
+
+ADMIN_REQUESTS = _schema(
+    "admin request",
+    MessageSpec("status", {}, _SEQ),
+    MessageSpec("dead_letters", {}, {"seq": INT, "limit": POSITIVE}),
+    MessageSpec("requeue", {"trajectory_ids": TEXT_LIST}, _SEQ),
+)
+
+ADMIN_REPLIES = _schema(
+    "admin reply",
+    MessageSpec(
+        "status",
+        {
+            "open": COUNT,
+            "ready": COUNT,
+            "leased": COUNT,
+            "dead": COUNT,
+            "producers": COUNT,
+            "consumers": COUNT,
+            "bytes_in_memory": COUNT,
+            "bytes_on_disk": COUNT,
+            "counters": MAP,
+        },
+        _SEQ,
+    ),
+    MessageSpec("dead_letters", {"items": LIST}, _SEQ),
+    MessageSpec("requeued", {"trajectory_ids": TEXT_LIST}, _SEQ),
+    _NACK,
+)

@@ -1,0 +1,457 @@
+"""Turns and the growable trajectory they merge into (SEMANTICS.md §3-§5).
+
+A `Turn` is what one engine call produced: sampled tokens with their
+log-probs and supports, then the forced tokens the environment appended.
+A `Trajectory` is the prompt followed by merged turns. It grows in place
+(geometric buffers), so appending costs O(tokens appended) however long the
+trajectory already is, and no step loops over tokens in Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from .buffers import GrowableArray
+from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, STATUSES, TERMINAL_STATUSES
+from .errors import ProtocolError
+from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, as_int_array, as_numpy
+from .validation import RULE_ALIGNED, check_message_arrays
+
+TOKEN_DTYPE = ARRAYS["tokens"].dtype
+LOG_PROB_DTYPE = ARRAYS["log_probs"].dtype
+LOSS_MASK_DTYPE = ARRAYS["loss_mask"].dtype
+REPLAY_DTYPE = ARRAYS["routed_experts"].dtype
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr
+
+
+EMPTY_TOKENS = _frozen(np.empty(0, TOKEN_DTYPE))
+
+
+def _as_float_array(values, name: str) -> np.ndarray:
+    arr = as_numpy(values)
+    if arr.ndim != 1 or (arr.dtype.kind not in "fiu" and arr.size):
+        raise ValueError(f"{name} must be a 1-D real array, got dtype {arr.dtype} shape {tuple(arr.shape)}")
+    return arr.astype(LOG_PROB_DTYPE, copy=False)
+
+
+def _as_loss_mask(values) -> np.ndarray:
+    arr = as_numpy(values)
+    return as_int_array(arr.astype(LOSS_MASK_DTYPE) if arr.dtype == bool else arr, LOSS_MASK_DTYPE, "loss_mask")
+
+
+def _as_replay(values, name: str) -> np.ndarray:
+    arr = as_numpy(values)
+    if arr.ndim < 1:
+        raise ValueError(f"{name} must have shape [k, ...], got a scalar")
+    return as_int_array(arr.reshape(-1), REPLAY_DTYPE, name).reshape(arr.shape)
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Where a replay gap cut a trajectory: the turn that lacked `field`."""
+
+    turn: int
+    field: str
+
+    def to_wire(self) -> dict:
+        return {"turn": self.turn, "field": self.field}
+
+
+@dataclass(frozen=True)
+class TurnOutcome:
+    """Result of offering a turn to a trajectory: applied, or why not."""
+
+    applied: bool
+    reason: str | None = None  # "after_terminal" | "replay_gap"
+
+
+APPLIED = TurnOutcome(True)
+
+
+@dataclass(frozen=True, eq=False)
+class Turn:
+    """One engine call's output. Construct from untrusted data with
+    `Turn.build`, which coerces and checks; the plain constructor trusts its
+    arrays (contract dtypes, aligned, checked)."""
+
+    tokens: np.ndarray
+    log_probs: np.ndarray
+    loss_mask: np.ndarray | None = None  # None: every sampled token trains
+    mask: SamplingMask | None = None
+    forced_tokens: np.ndarray = field(default_factory=lambda: EMPTY_TOKENS)
+    routed_experts: np.ndarray | None = None
+    indexer_topk: np.ndarray | None = None
+    status: str = "completed"
+    weight_version: str | None = None
+
+    @classmethod
+    def build(
+        cls,
+        tokens,
+        log_probs,
+        *,
+        mask: SamplingMask | None = None,
+        supports=None,
+        loss_mask=None,
+        forced_tokens=None,
+        routed_experts=None,
+        indexer_topk=None,
+        status: str = "completed",
+        weight_version: str | None = None,
+        vocab_size: int | None = None,
+    ) -> "Turn":
+        """A checked turn: every rule a broker would apply to this frame alone."""
+        if mask is not None and supports is not None:
+            raise ValueError("give the support either as `mask` or as `supports`, not both")
+        if status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+        tokens_arr = as_int_array(tokens, TOKEN_DTYPE, "tokens")
+        if supports is not None:
+            mask = SamplingMask.from_supports(supports)
+        elif mask is not None and not isinstance(mask, SamplingMask):
+            raise TypeError(f"mask must be a SamplingMask, got {type(mask).__name__}")
+        turn = cls(
+            tokens=_frozen(np.array(tokens_arr)),
+            log_probs=_frozen(np.array(_as_float_array(log_probs, "log_probs"))),
+            loss_mask=None if loss_mask is None else _frozen(np.array(_as_loss_mask(loss_mask))),
+            mask=mask,
+            forced_tokens=EMPTY_TOKENS if forced_tokens is None else _frozen(np.array(as_int_array(forced_tokens, TOKEN_DTYPE, "forced_tokens"))),
+            routed_experts=None if routed_experts is None else _frozen(np.array(_as_replay(routed_experts, "routed_experts"))),
+            indexer_topk=None if indexer_topk is None else _frozen(np.array(_as_replay(indexer_topk, "indexer_topk"))),
+            status=status,
+            weight_version=weight_version,
+        )
+        check_message_arrays(turn.arrays(), vocab_size=vocab_size)
+        return turn
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray], *, status: str, weight_version: str | None = None) -> "Turn":
+        """Trusted: arrays a decoder has already checked (contract names)."""
+        mask = None
+        if "mask_ids" in arrays:
+            mask = SamplingMask._wrap(arrays["mask_ids"], arrays["mask_offsets"])
+        return cls(
+            tokens=arrays["tokens"],
+            log_probs=arrays["log_probs"],
+            loss_mask=arrays.get("loss_mask"),
+            mask=mask,
+            forced_tokens=arrays.get("forced_tokens", EMPTY_TOKENS),
+            routed_experts=arrays.get("routed_experts"),
+            indexer_topk=arrays.get("indexer_topk"),
+            status=status,
+            weight_version=weight_version,
+        )
+
+    def carries(self, replay_field: str) -> bool:
+        return getattr(self, replay_field) is not None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The turn's arrays under their contract names (absent ones left out)."""
+        out = {"tokens": self.tokens, "log_probs": self.log_probs}
+        if self.loss_mask is not None:
+            out["loss_mask"] = self.loss_mask
+        if self.mask is not None:
+            out["mask_ids"], out["mask_offsets"] = self.mask.ids, self.mask.offsets
+        if self.forced_tokens.size:
+            out["forced_tokens"] = self.forced_tokens
+        for name in CONTEXT_REPLAY_ARRAYS:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+class _MaskBuffer:
+    """The growing CSR of a trajectory: ids and offsets in geometric buffers."""
+
+    def __init__(self, ids: np.ndarray | None = None, offsets: np.ndarray | None = None):
+        self.ids = GrowableArray(IDS_DTYPE)
+        self.offsets = GrowableArray(OFFSETS_DTYPE)
+        self.ids.extend(ids if ids is not None else np.empty(0, IDS_DTYPE))
+        self.offsets.extend(offsets if offsets is not None else np.zeros(1, OFFSETS_DTYPE))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def append(self, mask: SamplingMask) -> None:
+        base = self.offsets.last
+        self.ids.extend(mask.ids)
+        self.offsets.extend(mask.offsets[1:] + base)
+
+    def append_singletons(self, tokens: np.ndarray) -> None:
+        base = self.offsets.last
+        self.ids.extend(tokens)
+        self.offsets.extend(np.arange(base + 1, base + 1 + tokens.size, dtype=OFFSETS_DTYPE))
+
+    def truncate(self, n_tokens: int) -> None:
+        self.ids.truncate(int(self.offsets.view()[n_tokens]))
+        self.offsets.truncate(n_tokens + 1)
+
+
+class Trajectory:
+    """The prompt followed by merged turns; grows in place.
+
+    Turns go through `append_turn`, which applies SEMANTICS.md §4: forced
+    tokens between turns, the status rule, mask presence, and replay gaps over
+    every replay field.
+    """
+
+    def __init__(
+        self,
+        trajectory_id: str,
+        prompt_tokens=(),
+        *,
+        group_id: str | None = None,
+        group_size: int | None = None,
+        sample_index: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ):
+        self.trajectory_id = trajectory_id
+        self.prompt_tokens = _frozen(np.array(as_int_array(prompt_tokens, TOKEN_DTYPE, "prompt_tokens")))
+        self.group_id = group_id
+        self.group_size = group_size
+        self.sample_index = sample_index
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        self.reward: Any = None
+        self._tokens = GrowableArray(TOKEN_DTYPE)
+        self._loss_mask = GrowableArray(LOSS_MASK_DTYPE)
+        self._log_probs = GrowableArray(LOG_PROB_DTYPE)
+        self._reset_response()
+
+    def _reset_response(self) -> None:
+        self._tokens.truncate(0)
+        self._loss_mask.truncate(0)
+        self._log_probs.truncate(0)
+        self._mask: _MaskBuffer | None = None
+        self._context: dict[str, np.ndarray] = {}
+        self._sampled_end = 0  # end of the last applied turn's sampled tokens
+        self._terminal = False
+        self.turns = 0
+        self.status: str | None = None
+        self.gap: Gap | None = None
+        self.weight_versions: list[str] = []
+
+    # -- reading ------------------------------------------------------------
+    @property
+    def response_length(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Response tokens, sampled and forced (read-only view)."""
+        return self._tokens.view()
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        return self._loss_mask.view()
+
+    @property
+    def log_probs(self) -> np.ndarray:
+        return self._log_probs.view()
+
+    @property
+    def has_mask(self) -> bool:
+        return self._mask is not None
+
+    @property
+    def mask(self) -> SamplingMask | None:
+        """The whole response's supports (an owned snapshot), or None."""
+        if self._mask is None:
+            return None
+        return SamplingMask._wrap(self._mask.ids.copy(), self._mask.offsets.copy())
+
+    @property
+    def routed_experts(self) -> np.ndarray | None:
+        return self._context.get("routed_experts")
+
+    @property
+    def indexer_topk(self) -> np.ndarray | None:
+        return self._context.get("indexer_topk")
+
+    @property
+    def terminal(self) -> bool:
+        """No later turn can be applied: a truncated/aborted turn or a gap."""
+        return self._terminal
+
+    def carries(self, replay_field: str) -> bool:
+        if replay_field == "mask":
+            return self._mask is not None
+        return replay_field in self._context
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Read-only views under contract names; valid until the next change."""
+        out = {
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": self._tokens.view(),
+            "loss_mask": self._loss_mask.view(),
+            "log_probs": self._log_probs.view(),
+        }
+        if self._mask is not None:
+            out["mask_ids"], out["mask_offsets"] = self._mask.ids.view(), self._mask.offsets.view()
+        out.update(self._context)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays().values())
+
+    # -- building (SEMANTICS.md §3) -----------------------------------------
+    def start_mask(self) -> None:
+        """Begin carrying supports; only before any response token exists."""
+        if self._mask is not None:
+            return
+        if self.response_length:
+            raise ProtocolError(
+                "mask_presence",
+                f"cannot initialise a sampling mask after response tokens: trajectory {self.trajectory_id!r} "
+                f"already has {self.response_length} tokens without supports",
+            )
+        self._mask = _MaskBuffer()
+
+    def append_sampled(self, tokens: np.ndarray, log_probs: np.ndarray, loss_mask: np.ndarray | None, mask: SamplingMask | None) -> None:
+        """Sampled tokens (contract arrays, aligned with each other)."""
+        if mask is not None:
+            self.start_mask()
+            self._mask.append(mask)
+        elif self._mask is not None:
+            raise ProtocolError(
+                "misaligned",
+                f"rule '{RULE_ALIGNED}' violated: trajectory {self.trajectory_id!r} carries a sampling mask, "
+                f"{len(tokens)} sampled tokens without supports would misalign it",
+            )
+        self._tokens.extend(tokens)
+        self._log_probs.extend(log_probs)
+        if loss_mask is None:
+            self._loss_mask.extend_fill(1, len(tokens))
+        else:
+            self._loss_mask.extend(loss_mask)
+
+    def append_forced(self, tokens) -> None:
+        """Environment tokens: singleton support, loss 0, log-prob 0.0."""
+        tokens = as_int_array(tokens, TOKEN_DTYPE, "forced_tokens")
+        if self._mask is not None:
+            self._mask.append_singletons(tokens)
+        self._tokens.extend(tokens)
+        self._loss_mask.extend_fill(0, tokens.size)
+        self._log_probs.extend_fill(0.0, tokens.size)
+
+    # -- merging (SEMANTICS.md §4) -----------------------------------------
+    def append_turn(self, turn: Turn) -> TurnOutcome:
+        """Merge the next turn. Raises `ProtocolError` (and changes nothing)
+        when the turn is refused; returns why when it is valid but not applied."""
+        if self._terminal:
+            return TurnOutcome(False, "replay_gap" if self.gap else "after_terminal")
+        for name in REPLAY_FIELDS:
+            if turn.carries(name) and not self.carries(name) and self.response_length:
+                raise ProtocolError(
+                    "mask_presence",
+                    f"turn {self.turns} of {self.trajectory_id!r} carries {name} but the "
+                    f"{self.response_length} response tokens before it do not (missing, then present)",
+                )
+        for name in CONTEXT_REPLAY_ARRAYS:
+            new, old = getattr(turn, name), self._context.get(name)
+            if new is not None and old is not None and (new.shape[0] < old.shape[0] or new.shape[1:] != old.shape[1:]):
+                raise ProtocolError(
+                    "misaligned",
+                    f"rule '{name} covers a growing context' violated: turn {self.turns} of {self.trajectory_id!r} "
+                    f"has shape {tuple(new.shape)}, the trajectory already has {tuple(old.shape)}",
+                )
+        missing = [name for name in REPLAY_FIELDS if self.carries(name) and not turn.carries(name)]
+        if missing:
+            self._cut_at_gap(Gap(self.turns, missing[0]))
+            return TurnOutcome(False, "replay_gap")
+        self.append_sampled(turn.tokens, turn.log_probs, turn.loss_mask, turn.mask)
+        self._sampled_end = self.response_length
+        if turn.forced_tokens.size:
+            self.append_forced(turn.forced_tokens)
+        for name in CONTEXT_REPLAY_ARRAYS:
+            if getattr(turn, name) is not None:
+                self._context[name] = getattr(turn, name)
+        self.status = turn.status
+        if turn.weight_version is not None:
+            self.weight_versions.append(turn.weight_version)
+        self.turns += 1
+        self._terminal = turn.status in TERMINAL_STATUSES
+        return APPLIED
+
+    def _cut_at_gap(self, gap: Gap) -> None:
+        """Drop everything after the last fully captured turn's sampled tokens."""
+        self._truncate_response(self._sampled_end)
+        self.gap = gap
+        self._terminal = True
+
+    def _truncate_response(self, length: int) -> None:
+        self._tokens.truncate(length)
+        self._loss_mask.truncate(length)
+        self._log_probs.truncate(length)
+        if self._mask is not None:
+            self._mask.truncate(length)
+        self._sampled_end = min(self._sampled_end, length)
+
+    # -- lifecycle (SEMANTICS.md §5) ---------------------------------------
+    def validate(self) -> None:
+        """Every per-token field has `response_length` entries."""
+        n = self.response_length
+        for name, arr in (("loss_mask", self._loss_mask), ("log_probs", self._log_probs)):
+            if len(arr) != n:
+                raise ValueError(f"rule '{RULE_ALIGNED}' violated: {name} has {len(arr)} entries, response_length is {n}")
+        if self._mask is not None and len(self._mask) != n:
+            raise ValueError(f"rule '{RULE_ALIGNED}' violated: mask covers {len(self._mask)} tokens, response_length is {n}")
+
+    def strip_last_output_tokens(self, n: int) -> None:
+        """Cut the last `n` response tokens from every per-token field."""
+        if n <= 0:
+            return
+        if n > self.response_length:
+            raise ValueError(f"cannot strip {n} tokens: response_length is {self.response_length}")
+        self._truncate_response(self.response_length - n)
+
+    def reset_for_retry(self) -> None:
+        """Discard the response (and its replay capture) for a fresh attempt."""
+        self._reset_response()
+        self.status = "aborted"
+
+    # -- restoring ----------------------------------------------------------
+    @classmethod
+    def from_arrays(
+        cls,
+        trajectory_id: str,
+        arrays: Mapping[str, np.ndarray],
+        *,
+        status: str | None,
+        turns: int,
+        weight_versions=(),
+        gap: Gap | None = None,
+        sampled_end: int | None = None,
+        terminal: bool | None = None,
+        **identity,
+    ) -> "Trajectory":
+        """Rebuild a trajectory from its stored or delivered arrays."""
+        traj = cls(trajectory_id, arrays.get("prompt_tokens", ()), **identity)
+        traj._tokens.extend(arrays["tokens"])
+        traj._loss_mask.extend(arrays["loss_mask"])
+        traj._log_probs.extend(arrays["log_probs"])
+        if "mask_ids" in arrays:
+            traj._mask = _MaskBuffer(arrays["mask_ids"], arrays["mask_offsets"])
+        for name in CONTEXT_REPLAY_ARRAYS:
+            if name in arrays:
+                traj._context[name] = _frozen(np.array(arrays[name]))
+        traj.status = status
+        traj.turns = turns
+        traj.weight_versions = list(weight_versions)
+        traj.gap = gap
+        traj._sampled_end = traj.response_length if sampled_end is None else sampled_end
+        traj._terminal = (gap is not None or status in TERMINAL_STATUSES) if terminal is None else terminal
+        traj.validate()
+        return traj
+
+    def __repr__(self) -> str:
+        return (
+            f"Trajectory({self.trajectory_id!r}, turns={self.turns}, response_length={self.response_length}, "
+            f"status={self.status}, mask={self.has_mask}, gap={self.gap})"
+        )

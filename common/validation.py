@@ -1,0 +1,341 @@
+"""Vectorised checks of sampling masks, one mask or a whole packed batch.
+
+The checks are written once against a four-function array shim, so the same
+code runs on numpy (producer and broker, which never import torch) and on
+torch tensors on any device (the consumer's GPU batch validation). Only the
+handful of failing positions ever come back to the host.
+
+A packed batch is `S` samples laid end to end: `tokens` holds every sample's
+response tokens, `response_lengths` says how many belong to each, and the mask
+is one CSR over all of them (`mask_offsets` has `sum(response_lengths) + 1`
+entries).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .contract import NACK_CODES
+from .errors import ProtocolError
+
+RULE_ALIGNED = "per-token fields aligned (one entry per response token)"
+RULE_NONEMPTY_OFFSETS = "offsets non-empty (N + 1 entries)"
+RULE_OFFSETS_START = "offsets[0] == 0"
+RULE_OFFSETS_END = "offsets[-1] == len(ids)"
+RULE_NONEMPTY_SUPPORT = "non-empty support (strictly increasing offsets)"
+RULE_IN_SUPPORT = "sampled token inside its support"
+RULE_MASK_VOCAB = "mask ids in [0, vocab_size)"
+RULE_TOKEN_VOCAB = "token ids in [0, vocab_size)"
+RULE_LOSS_MASK = "loss_mask values in {0, 1}"
+RULE_WHOLE_BATCH = "whole batch carries masks or none does"
+
+
+class _NumpyOps:
+    @staticmethod
+    def repeat(values, counts):
+        return np.repeat(values, counts)
+
+    @staticmethod
+    def cumsum0(values):
+        out = np.zeros(len(values) + 1, dtype=np.int64)
+        np.cumsum(values, out=out[1:])
+        return out
+
+    @staticmethod
+    def nonzero(flags):
+        return np.flatnonzero(flags)
+
+    @staticmethod
+    def to_host(values) -> np.ndarray:
+        return np.asarray(values)
+
+    @staticmethod
+    def take(values, host_index: np.ndarray):
+        return values[host_index]
+
+
+class _TorchOps:
+    def __init__(self):
+        import torch
+
+        self._torch = torch
+
+    def repeat(self, values, counts):
+        return self._torch.repeat_interleave(values, counts)
+
+    def cumsum0(self, values):
+        torch = self._torch
+        out = torch.zeros(len(values) + 1, dtype=torch.int64, device=values.device)
+        torch.cumsum(values, 0, out=out[1:])
+        return out
+
+    @staticmethod
+    def nonzero(flags):
+        return flags.nonzero().flatten()
+
+    @staticmethod
+    def to_host(values) -> np.ndarray:
+        if isinstance(values, (np.ndarray, list, tuple)):
+            return np.asarray(values)
+        return values.detach().cpu().numpy()
+
+    def take(self, values, host_index: np.ndarray):
+        return values[self._torch.as_tensor(host_index, device=values.device)]
+
+
+_NUMPY = _NumpyOps()
+
+
+def _ops_for(array):
+    return _NUMPY if isinstance(array, np.ndarray) else _TorchOps()
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One rule broken by one sample: where it first fails and how often."""
+
+    rule: str
+    sample: int  # position of the sample in the batch
+    position: int | None  # first failing token position in that sample's response
+    count: int  # failing positions in that sample
+    detail: str
+
+    def describe(self, sample_name: str | None = None) -> str:
+        who = f"sample {self.sample}" + (f" ({sample_name})" if sample_name else "")
+        where = "" if self.position is None else f" token {self.position}"
+        more = f" (and {self.count - 1} more)" if self.count > 1 else ""
+        return f"{who}{where}: rule '{self.rule}' violated: {self.detail}{more}"
+
+
+class BatchValidationError(ValueError):
+    """A batch broke one or more mask rules; `violations` lists each."""
+
+    def __init__(self, violations: Sequence[Violation], sample_names: Sequence[str] | None = None):
+        self.violations = list(violations)
+        names = sample_names or [None] * (1 + max(v.sample for v in self.violations))
+        lines = [v.describe(names[v.sample] if v.sample >= 0 else None) for v in self.violations]
+        super().__init__(f"{len(self.violations)} mask violation(s):\n  " + "\n  ".join(lines))
+
+
+def _group_by_sample(rule, global_positions, cu_host, detail_of) -> list[Violation]:
+    """Turn failing global token positions into one Violation per sample."""
+    positions = np.asarray(global_positions, dtype=np.int64)
+    if positions.size == 0:
+        return []
+    samples = np.searchsorted(cu_host, positions, side="right") - 1
+    starts = np.flatnonzero(np.concatenate(([True], samples[1:] != samples[:-1])))
+    counts = np.diff(np.append(starts, positions.size))
+    out = []
+    for start, count in zip(starts.tolist(), counts.tolist()):
+        g = int(positions[start])
+        s = int(samples[start])
+        out.append(Violation(rule, s, g - int(cu_host[s]), count, detail_of(g)))
+    return out
+
+
+def _csr_violations(ops, ids, offsets, cu_host) -> list[Violation]:
+    """Structural CSR rules; when any fails, the per-token checks are unsafe."""
+    last = len(cu_host) - 2
+    if len(offsets) == 0:
+        return [Violation(RULE_NONEMPTY_OFFSETS, 0, None, 1, "offsets is empty")]
+    first, end = int(offsets[0]), int(offsets[-1])
+    found = []
+    if first != 0:
+        found.append(Violation(RULE_OFFSETS_START, 0, None, 1, f"expected 0, got {first}"))
+    if end != len(ids):
+        found.append(Violation(RULE_OFFSETS_END, max(last, 0), None, 1, f"expected {len(ids)}, got {end}"))
+    if len(offsets) > 1:
+        steps = offsets[1:] - offsets[:-1]
+        bad = ops.to_host(ops.nonzero(steps <= 0))
+        if bad.size:
+            host_offsets = ops.to_host(offsets)
+
+            def detail(g):
+                return f"offsets[{g}] = {int(host_offsets[g])}, offsets[{g + 1}] = {int(host_offsets[g + 1])}"
+
+            found += _group_by_sample(RULE_NONEMPTY_SUPPORT, bad, cu_host, detail)
+    return found
+
+
+def inside_support(tokens, ids, offsets):
+    """Per token, whether `tokens[t]` is in `ids[offsets[t]:offsets[t+1]]`.
+
+    One pass over the ids: compare each id with its token, then count hits per
+    support with a prefix sum (no per-token loop, no padding). Offsets must
+    already satisfy the CSR rules.
+    """
+    ops = _ops_for(tokens)
+    hits = ids == ops.repeat(tokens, offsets[1:] - offsets[:-1])
+    hit_counts = ops.cumsum0(hits)
+    return hit_counts[offsets[1:]] > hit_counts[offsets[:-1]]
+
+
+def csr_problem(ids, offsets) -> str | None:
+    """The first CSR rule a single mask breaks, as a message, or None."""
+    found = _csr_violations(_ops_for(offsets), ids, offsets, np.array([0, max(len(offsets) - 1, 0)]))
+    if not found:
+        return None
+    v = found[0]
+    where = "" if v.position is None else f" at token {v.position}"
+    return f"sampling mask rule '{v.rule}' violated{where}: {v.detail}"
+
+
+def _vocab_violations(ops, tokens, mask_ids, mask_offsets, cu_host, vocab_size, token_at) -> list[Violation]:
+    upper = "inf" if vocab_size is None else vocab_size
+
+    def outside(values):
+        return (values < 0) if vocab_size is None else ((values < 0) | (values >= vocab_size))
+
+    found = []
+    if mask_ids is not None:
+        bad_index = ops.to_host(ops.nonzero(outside(mask_ids)))
+        if bad_index.size:
+            bad_values = ops.to_host(ops.take(mask_ids, bad_index))
+            token_of_id = np.searchsorted(ops.to_host(mask_offsets), bad_index, side="right") - 1
+            bad_tokens, first = np.unique(token_of_id, return_index=True)
+            first_bad = dict(zip(bad_tokens.tolist(), bad_values[first].tolist()))
+            found += _group_by_sample(
+                RULE_MASK_VOCAB, bad_tokens, cu_host, lambda g: f"its support holds id {first_bad[g]}, outside [0, {upper})"
+            )
+    found += _group_by_sample(
+        RULE_TOKEN_VOCAB,
+        ops.to_host(ops.nonzero(outside(tokens))),
+        cu_host,
+        lambda g: f"token {token_at(g)} is outside [0, {upper})",
+    )
+    return found
+
+
+def packed_violations(
+    tokens,
+    response_lengths,
+    mask_ids=None,
+    mask_offsets=None,
+    *,
+    mask_lengths=None,
+    vocab_size: int | None = None,
+    loss_mask=None,
+) -> list[Violation]:
+    """Every rule each sample of a packed batch breaks (empty when valid).
+
+    Without a mask only the token ids and the loss mask are checked.
+    `mask_lengths`, when given, is each sample's mask length and is checked
+    against `response_lengths`; otherwise only the totals are compared.
+    """
+    ops = _ops_for(tokens)
+    lengths_host = ops.to_host(response_lengths).astype(np.int64, copy=False)
+    cu_host = _NUMPY.cumsum0(lengths_host)
+    total = int(cu_host[-1])
+    if len(tokens) != total:
+        raise ValueError(f"packed batch: tokens has {len(tokens)} entries, response_lengths sum to {total}")
+    if loss_mask is not None and len(loss_mask) != total:
+        return [Violation(RULE_ALIGNED, 0, None, 1, f"loss_mask has {len(loss_mask)} entries, expected {total}")]
+
+    if mask_offsets is not None:
+        if mask_lengths is not None:
+            mask_lengths_host = ops.to_host(mask_lengths).astype(np.int64, copy=False)
+            bad = np.flatnonzero(mask_lengths_host != lengths_host)
+            if bad.size:
+                return [
+                    Violation(
+                        RULE_ALIGNED, int(s), None, 1,
+                        f"mask has {int(mask_lengths_host[s])} tokens, response has {int(lengths_host[s])}",
+                    )
+                    for s in bad
+                ]
+        if len(mask_offsets) != total + 1:
+            return [Violation(RULE_ALIGNED, 0, None, 1, f"mask_offsets has {len(mask_offsets)} entries, expected {total + 1}")]
+        found = _csr_violations(ops, mask_ids, mask_offsets, cu_host)
+        if found:
+            return found
+
+    tokens_host = None
+
+    def token_at(g):
+        nonlocal tokens_host
+        if tokens_host is None:
+            tokens_host = ops.to_host(tokens)
+        return int(tokens_host[g])
+
+    found = []
+    if mask_offsets is not None and total:
+
+        def support_at(g):
+            lo, hi = int(mask_offsets[g]), int(mask_offsets[g + 1])
+            shown = ops.to_host(mask_ids[lo : min(hi, lo + 8)]).tolist()
+            return f"{shown}{'...' if hi - lo > 8 else ''}"
+
+        outside = ops.to_host(ops.nonzero(~inside_support(tokens, mask_ids, mask_offsets)))
+        found += _group_by_sample(
+            RULE_IN_SUPPORT, outside, cu_host, lambda g: f"token {token_at(g)} is not in its support {support_at(g)}"
+        )
+    found += _vocab_violations(ops, tokens, mask_ids, mask_offsets, cu_host, vocab_size, token_at)
+    if loss_mask is not None:
+        bad_loss = ops.to_host(ops.nonzero((loss_mask != 0) & (loss_mask != 1)))
+        loss_host = ops.to_host(loss_mask) if bad_loss.size else None
+        found += _group_by_sample(RULE_LOSS_MASK, bad_loss, cu_host, lambda g: f"loss_mask is {int(loss_host[g])}")
+    return found
+
+
+def check_whole_batch_rule(has_mask: Sequence[bool], sample_indices: Sequence[Any], statuses: Sequence[Any]) -> None:
+    """SEMANTICS.md §6: if any sample carries a mask, every sample must."""
+    if any(has_mask) and not all(has_mask):
+        position = list(has_mask).index(False)
+        raise ValueError(
+            f"rule '{RULE_WHOLE_BATCH}' violated: the batch carries sampling masks but the sample at "
+            f"position {position} (sample_index={sample_indices[position]}, status={statuses[position]}) has none"
+        )
+
+
+# Reply code of each rule, for refusing a single message (PROTOCOL.md §2).
+RULE_CODES = {
+    RULE_ALIGNED: "misaligned",
+    RULE_NONEMPTY_OFFSETS: "mask_invalid",
+    RULE_OFFSETS_START: "mask_invalid",
+    RULE_OFFSETS_END: "mask_invalid",
+    RULE_NONEMPTY_SUPPORT: "mask_invalid",
+    RULE_IN_SUPPORT: "mask_invalid",
+    RULE_MASK_VOCAB: "out_of_vocab",
+    RULE_TOKEN_VOCAB: "out_of_vocab",
+    RULE_LOSS_MASK: "invalid_value",
+}
+_CODE_ORDER = {code: i for i, code in enumerate(NACK_CODES)}
+
+
+def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | None = None) -> None:
+    """Content rules for the token arrays of one `turn` or `deliver` message.
+
+    Raises the `ProtocolError` of the first failing rule in protocol order
+    (`misaligned`, `mask_invalid`, `out_of_vocab`, `invalid_value`).
+    `arrays` must already have contract dtypes and ranks.
+    """
+    tokens = arrays["tokens"]
+    n = len(tokens)
+    for name in ("log_probs", "loss_mask"):
+        values = arrays.get(name)
+        if values is not None and len(values) != n:
+            raise ProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: {name} has {len(values)} entries, tokens has {n}")
+    found = packed_violations(
+        tokens, [n], arrays.get("mask_ids"), arrays.get("mask_offsets"),
+        vocab_size=vocab_size, loss_mask=arrays.get("loss_mask"),
+    )
+    for name in ("prompt_tokens", "forced_tokens"):
+        values = arrays.get(name)
+        if values is not None and values.size:
+            extra = packed_violations(values, [len(values)], vocab_size=vocab_size)
+            found += [Violation(v.rule, v.sample, v.position, v.count, f"{name}: {v.detail}") for v in extra]
+    if found:
+        first = min(found, key=lambda v: _CODE_ORDER[RULE_CODES[v.rule]])
+        where = "" if first.position is None else f" at token {first.position}"
+        raise ProtocolError(RULE_CODES[first.rule], f"rule '{first.rule}' violated{where}: {first.detail}")
+    log_probs = arrays.get("log_probs")
+    if log_probs is not None and log_probs.size:
+        bad = np.flatnonzero(np.isnan(log_probs) | np.isposinf(log_probs))
+        if bad.size:
+            raise ProtocolError(
+                "invalid_value",
+                f"rule 'log_probs are log-probabilities (not NaN, not +inf)' violated at token {int(bad[0])}: "
+                f"got {float(log_probs[bad[0]])}",
+            )
