@@ -1,1 +1,32 @@
-"""rollstream.common: the data model, wire codec and miles interop shared by every component."""
+"""rollstream.common: the data model, wire codec and miles interop that the
+producer, broker and consumer share."""
+from .codec import Message, content_digest, decode, encode, encode_error
+from .contract import ARRAYS, NACK_CODES, PROTOCOL_VERSION, REPLAY_FIELDS, STATUSES
+from .errors import ProtocolError
+from .ingest import turn_from_sglang
+from .mask import SamplingMask
+from .trajectory import Gap, Trajectory, Turn, TurnOutcome
+from .validation import BatchValidationError, Violation, packed_violations
+
+__all__ = [
+    "ARRAYS",
+    "BatchValidationError",
+    "Gap",
+    "Message",
+    "NACK_CODES",
+    "PROTOCOL_VERSION",
+    "ProtocolError",
+    "REPLAY_FIELDS",
+    "STATUSES",
+    "SamplingMask",
+    "Trajectory",
+    "Turn",
+    "TurnOutcome",
+    "Violation",
+    "content_digest",
+    "decode",
+    "encode",
+    "encode_error",
+    "packed_violations",
+    "turn_from_sglang",
+]

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .contract import ARRAYS
-from .validation import csr_problem, inside_support
+from .validation import csr_problem, inside_support, pack_csr
 
 IDS_DTYPE = ARRAYS["mask_ids"].dtype
 OFFSETS_DTYPE = ARRAYS["mask_offsets"].dtype
@@ -130,15 +130,7 @@ class SamplingMask:
         """Supports of `masks` in order; no masks give the empty mask."""
         if not masks:
             return cls.empty()
-        ids = np.concatenate([m._ids for m in masks])
-        offsets = np.empty(1 + sum(len(m) for m in masks), dtype=OFFSETS_DTYPE)
-        offsets[0] = 0
-        base, pos = 0, 1
-        for m in masks:
-            n = len(m)
-            np.add(m._offsets[1:], base, out=offsets[pos : pos + n])
-            base += m._ids.size
-            pos += n
+        ids, offsets = pack_csr([m._ids for m in masks], [m._offsets for m in masks])
         return cls._wrap(_frozen(ids), _frozen(offsets))
 
     # -- access -------------------------------------------------------------

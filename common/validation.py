@@ -29,7 +29,7 @@ RULE_IN_SUPPORT = "sampled token inside its support"
 RULE_MASK_VOCAB = "mask ids in [0, vocab_size)"
 RULE_TOKEN_VOCAB = "token ids in [0, vocab_size)"
 RULE_LOSS_MASK = "loss_mask values in {0, 1}"
-RULE_WHOLE_BATCH = "whole batch carries masks or none does"
+RULE_WHOLE_BATCH = "every sample of a batch carries the field or none does"
 
 
 class _NumpyOps:
@@ -279,12 +279,56 @@ def packed_violations(
     return found
 
 
-def check_whole_batch_rule(has_mask: Sequence[bool], sample_indices: Sequence[Any], statuses: Sequence[Any]) -> None:
-    """SEMANTICS.md §6: if any sample carries a mask, every sample must."""
-    if any(has_mask) and not all(has_mask):
-        position = list(has_mask).index(False)
+def pack_csr(ids_list: Sequence[np.ndarray], offsets_list: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Lay CSR masks end to end: one ids array, one offsets array over all
+    their tokens (a loop over masks, never over tokens)."""
+    ids = np.concatenate([np.empty(0, np.int32), *ids_list]).astype(np.int32, copy=False)
+    offsets = np.empty(1 + sum(len(o) - 1 for o in offsets_list), dtype=np.int64)
+    offsets[0] = 0
+    base, pos = 0, 1
+    for part_ids, part_offsets in zip(ids_list, offsets_list):
+        n = len(part_offsets) - 1
+        np.add(part_offsets[1:], base, out=offsets[pos : pos + n])
+        base += len(part_ids)
+        pos += n
+    return ids, offsets
+
+
+def validate_samples(
+    tokens: Sequence[np.ndarray],
+    masks: Sequence[tuple[np.ndarray, np.ndarray]],
+    *,
+    names: Sequence[str] | None = None,
+    vocab_size: int | None = None,
+    loss_masks: Sequence[np.ndarray] | None = None,
+) -> None:
+    """Check a batch of samples given as per-sample response tokens and
+    `(ids, offsets)` masks in one vectorised pass; raise
+    `BatchValidationError` naming every failing sample, position and rule."""
+    lengths = np.array([len(t) for t in tokens], dtype=np.int64)
+    mask_lengths = np.array([len(offsets) - 1 for _, offsets in masks], dtype=np.int64)
+    ids, offsets = pack_csr([m[0] for m in masks], [m[1] for m in masks])
+    found = packed_violations(
+        np.concatenate([np.empty(0, np.int32), *tokens]).astype(np.int32, copy=False),
+        lengths,
+        ids,
+        offsets,
+        mask_lengths=mask_lengths,
+        vocab_size=vocab_size,
+        loss_mask=None if loss_masks is None else np.concatenate([np.empty(0, np.uint8), *loss_masks]),
+    )
+    if found:
+        raise BatchValidationError(found, names)
+
+
+def check_whole_batch_rule(
+    has_field: Sequence[bool], sample_indices: Sequence[Any], statuses: Sequence[Any], field: str = "sampling mask"
+) -> None:
+    """SEMANTICS.md §6: if any sample of a batch carries `field`, every sample must."""
+    if any(has_field) and not all(has_field):
+        position = list(has_field).index(False)
         raise ValueError(
-            f"rule '{RULE_WHOLE_BATCH}' violated: the batch carries sampling masks but the sample at "
+            f"rule '{RULE_WHOLE_BATCH}' violated: the batch carries a {field} but the sample at "
             f"position {position} (sample_index={sample_indices[position]}, status={statuses[position]}) has none"
         )
 

@@ -1,0 +1,72 @@
+"""Turning an inference engine's response into a checked `Turn`.
+
+SGLang, asked with `return_sampling_mask`, returns for each generated token
+its support (`meta_info["output_token_sampling_mask"]`, a list of id lists)
+and the log-probability under the truncated distribution
+(`meta_info["output_token_sampling_logprobs"]`).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .errors import ProtocolError
+from .trajectory import Turn
+
+# SGLang's finish_reason.type → the turn status SEMANTICS.md uses.
+FINISH_REASON_STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+
+SUPPORTS_KEY = "output_token_sampling_mask"
+LOG_PROBS_KEY = "output_token_sampling_logprobs"
+
+
+def status_from_finish_reason(meta_info: Mapping[str, Any]) -> str:
+    reason = meta_info.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, Mapping) else reason
+    if kind is None:
+        return "completed"
+    if kind not in FINISH_REASON_STATUS:
+        raise ValueError(f"unknown finish_reason {kind!r}; expected one of {sorted(FINISH_REASON_STATUS)}")
+    return FINISH_REASON_STATUS[kind]
+
+
+def turn_from_sglang(
+    output_ids,
+    meta_info: Mapping[str, Any],
+    *,
+    forced_tokens=None,
+    loss_mask=None,
+    status: str | None = None,
+    weight_version: str | None = None,
+    vocab_size: int | None = None,
+    require_mask: bool = True,
+) -> Turn:
+    """A `Turn` from one `/generate` response.
+
+    Checks, vectorised, that there is one support and one log-prob per
+    sampled token, that every support is non-empty and holds its sampled
+    token, and (with `vocab_size`) that every id is in the vocabulary.
+    With `require_mask=False` a response without supports gives a turn
+    without a mask (a replay gap if the trajectory carried one).
+    """
+    supports = meta_info.get(SUPPORTS_KEY)
+    log_probs = meta_info.get(LOG_PROBS_KEY)
+    if supports is None and require_mask:
+        raise ProtocolError("mask_invalid", f"response has no {SUPPORTS_KEY}; request it with return_sampling_mask")
+    if log_probs is None:
+        raise ProtocolError("misaligned", f"response has no {LOG_PROBS_KEY}")
+    n = len(output_ids)
+    for name, values in ((SUPPORTS_KEY, supports), (LOG_PROBS_KEY, log_probs)):
+        if values is not None and len(values) != n:
+            raise ProtocolError("misaligned", f"{name} has {len(values)} entries, {n} tokens were sampled")
+    if weight_version is None and meta_info.get("weight_version") is not None:
+        weight_version = str(meta_info["weight_version"])
+    return Turn.build(
+        output_ids,
+        log_probs,
+        supports=supports,
+        loss_mask=loss_mask,
+        forced_tokens=forced_tokens,
+        status=status or status_from_finish_reason(meta_info),
+        weight_version=weight_version,
+        vocab_size=vocab_size,
+    )

@@ -1,0 +1,86 @@
+"""Typed helpers for the array-bearing messages: a `Turn` as a `turn` frame
+and back, a `Trajectory` as a `deliver` frame and back. Producer, broker and
+consumer all go through these, so the mapping exists once."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .codec import Message, encode
+from .messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
+from .trajectory import Gap, Trajectory, Turn
+
+
+def encode_turn(
+    trajectory_id: str,
+    index: int,
+    turn: Turn,
+    *,
+    seq: int,
+    prompt_tokens=None,
+    group_id: str | None = None,
+    group_size: int | None = None,
+    sample_index: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    crc: bool = False,
+) -> list:
+    """Frames of a `turn` message (turn 0 carries the prompt and group)."""
+    fields: dict[str, Any] = {"seq": seq, "trajectory_id": trajectory_id, "turn": index, "status": turn.status}
+    optional = {
+        "group_id": group_id,
+        "group_size": group_size,
+        "sample_index": sample_index,
+        "weight_version": turn.weight_version,
+        "metadata": metadata,
+    }
+    fields.update({name: value for name, value in optional.items() if value is not None})
+    arrays = turn.arrays()
+    if prompt_tokens is not None:
+        arrays["prompt_tokens"] = prompt_tokens
+    return encode(PRODUCER_TO_BROKER, "turn", fields, arrays, crc=crc)
+
+
+def turn_from_message(message: Message) -> Turn:
+    """The `Turn` a decoded `turn` message carries (arrays stay zero-copy)."""
+    return Turn.from_arrays(message.arrays, status=message["status"], weight_version=message.get("weight_version"))
+
+
+_IDENTITY = ("group_id", "group_size", "sample_index")
+
+
+def encode_deliver(trajectory: Trajectory, lease: str, **extra: Any) -> list:
+    """Frames of a `deliver` message for a finished trajectory (always CRC'd).
+
+    `extra` adds optional header fields such as `group_left` or
+    `delivery_count`."""
+    fields: dict[str, Any] = {
+        "lease": lease,
+        "trajectory_id": trajectory.trajectory_id,
+        "status": trajectory.status,
+        "reward": trajectory.reward,
+        "response_length": trajectory.response_length,
+        "weight_versions": list(trajectory.weight_versions),
+        "metadata": trajectory.metadata,
+        "turns": trajectory.turns,
+    }
+    fields.update({name: getattr(trajectory, name) for name in _IDENTITY if getattr(trajectory, name) is not None})
+    if trajectory.gap is not None:
+        fields["gap"] = trajectory.gap.to_wire()
+    fields.update(extra)
+    return encode(BROKER_TO_CONSUMER, "deliver", fields, trajectory.arrays(), crc=True)
+
+
+def trajectory_from_deliver(message: Message) -> Trajectory:
+    """Rebuild the delivered trajectory (its arrays are copied into it)."""
+    gap = message.get("gap")
+    trajectory = Trajectory.from_arrays(
+        message["trajectory_id"],
+        message.arrays,
+        status=message["status"],
+        turns=message.get("turns", 0),
+        weight_versions=message["weight_versions"],
+        gap=Gap(gap["turn"], gap["field"]) if gap else None,
+        metadata=message["metadata"],
+        **{name: message.get(name) for name in _IDENTITY},
+    )
+    trajectory.reward = message["reward"]
+    return trajectory
