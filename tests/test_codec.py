@@ -1,0 +1,315 @@
+"""Wire codec: PROTOCOL.md §2, every reply code in its check order, and
+every message type of §3-§5."""
+import zlib
+
+import msgpack
+import numpy as np
+import pytest
+
+from rollstream.common import ProtocolError, Trajectory, Turn
+from rollstream.common.codec import content_digest, decode, encode, encode_error
+from rollstream.common.messages import (
+    ADMIN_REPLIES,
+    ADMIN_REQUESTS,
+    BROKER_TO_CONSUMER,
+    BROKER_TO_PRODUCER,
+    CONSUMER_TO_BROKER,
+    PRODUCER_TO_BROKER,
+)
+from rollstream.common.wire import encode_deliver, encode_turn, trajectory_from_deliver, turn_from_message
+
+
+def raw_turn(header_extra=None, arrays=None, drop=()):
+    """A turn built with raw msgpack + numpy bytes, as a third-party peer would."""
+    arrays = arrays or {
+        "prompt_tokens": np.array([1, 2], "<i4"),
+        "tokens": np.array([10, 11], "<i4"),
+        "log_probs": np.array([-0.1, -0.2], "<f4"),
+        "mask_ids": np.array([10, 4, 11], "<i4"),
+        "mask_offsets": np.array([0, 2, 3], "<i8"),
+    }
+    header = {
+        "v": 1,
+        "type": "turn",
+        "seq": 7,
+        "trajectory_id": "t-1",
+        "turn": 0,
+        "status": "completed",
+        "arrays": [[name, arr.dtype.name, list(arr.shape)] for name, arr in arrays.items()],
+    }
+    header.update(header_extra or {})
+    for key in drop:
+        header.pop(key, None)
+    return [msgpack.packb(header)] + [arr.tobytes() for arr in arrays.values()]
+
+
+def code_of(frames, schema=PRODUCER_TO_BROKER, **kw):
+    with pytest.raises(ProtocolError) as err:
+        decode(frames, schema, **kw)
+    return err.value
+
+
+def test_raw_peer_message_decodes_zero_copy():
+    frames = raw_turn()
+    message = decode(frames, PRODUCER_TO_BROKER)
+    assert message.type == "turn" and message["trajectory_id"] == "t-1"
+    assert message.arrays["mask_offsets"].dtype == np.int64
+    assert message.arrays["tokens"].tolist() == [10, 11]
+    assert not message.arrays["tokens"].flags.writeable
+    assert np.shares_memory(message.arrays["tokens"], np.frombuffer(frames[2], np.uint8))
+
+
+def test_unknown_header_keys_are_ignored():
+    message = decode(raw_turn({"future_field": [1, 2]}), PRODUCER_TO_BROKER)
+    assert "future_field" not in message.fields
+
+
+@pytest.mark.parametrize("header", [b"\xc1", b"\x93\x01\x02\x03", msgpack.packb([1, 2]), msgpack.packb({1: 2}), b""])
+def test_malformed_header_has_no_seq(header):
+    err = code_of([header])
+    assert err.code == "malformed" and err.seq is None
+
+
+def test_empty_message_is_malformed():
+    assert code_of([]).code == "malformed"
+
+
+@pytest.mark.parametrize("version", [None, 2, True, 1.0, "1"])
+def test_version(version):
+    frames = raw_turn({"v": version}) if version is not None else raw_turn(drop=("v",))
+    err = code_of(frames)
+    assert err.code == "version" and err.seq == 7
+
+
+@pytest.mark.parametrize(
+    "extra, drop",
+    [
+        ({"type": "bogus"}, ()),
+        ({"type": 5}, ()),
+        ({}, ("trajectory_id",)),
+        ({"turn": -1}, ()),
+        ({"turn": True}, ()),
+        ({"status": "done"}, ()),
+        ({"trajectory_id": ""}, ()),
+        ({"arrays": "x"}, ()),
+        ({"group_size": 0}, ()),
+        ({"metadata": [1]}, ()),
+        ({"crc32": -1}, ()),
+        ({"turn": 1}, ()),  # prompt_tokens on a later turn
+    ],
+)
+def test_schema(extra, drop):
+    assert code_of(raw_turn(extra, drop=drop)).code == "schema"
+
+
+def test_schema_array_rules():
+    arrays = {"tokens": np.array([1], "<i4"), "log_probs": np.array([0.0], "<f4")}
+    assert code_of(raw_turn(arrays=arrays)).code == "schema"  # turn 0 without prompt
+    arrays["prompt_tokens"] = np.array([1], "<i4")
+    arrays["mask_ids"] = np.array([1], "<i4")
+    assert code_of(raw_turn(arrays=arrays)).code == "schema"  # mask_ids without offsets
+    frames = raw_turn()
+    assert code_of(frames[:-1]).code == "schema"  # a listed frame is missing
+    assert code_of(frames + [b""]).code == "schema"  # an extra frame
+    header = msgpack.unpackb(frames[0])
+    header["arrays"].append(list(header["arrays"][0]))
+    assert code_of([msgpack.packb(header)] + frames[1:] + [frames[1]]).code == "schema"  # listed twice
+    header = msgpack.unpackb(frames[0])
+    header["arrays"][0][0] = "secret"
+    assert code_of([msgpack.packb(header)] + frames[1:]).code == "schema"  # unknown name
+
+
+def test_too_large_is_checked_after_schema():
+    assert code_of(raw_turn(), max_message_bytes=50).code == "too_large"
+    assert code_of(raw_turn({"type": "bogus"}), max_message_bytes=50).code == "schema"
+
+
+def test_crc_mismatch_before_dtype():
+    frames = raw_turn()
+    crc = 0
+    for frame in frames[1:]:
+        crc = zlib.crc32(frame, crc)
+    assert decode(raw_turn({"crc32": crc}), PRODUCER_TO_BROKER).type == "turn"
+    bad = raw_turn({"crc32": crc ^ 1})
+    assert code_of(bad).code == "crc_mismatch"
+    header = msgpack.unpackb(frames[0])
+    header["arrays"][1][1] = "float32"
+    header["crc32"] = crc ^ 1
+    assert code_of([msgpack.packb(header)] + frames[1:]).code == "crc_mismatch"
+
+
+def test_dtype_is_never_converted():
+    arrays = {
+        "prompt_tokens": np.array([1], "<i4"),
+        "tokens": np.array([10], "<i8"),
+        "log_probs": np.array([-0.1], "<f4"),
+    }
+    err = code_of(raw_turn(arrays=arrays))
+    assert err.code == "dtype" and "int32" in err.message and "int64" in err.message
+
+
+def test_shape_byte_length_and_rank():
+    frames = raw_turn()
+    frames[2] = frames[2][:-1]
+    assert code_of(frames).code == "shape"
+    arrays = {
+        "prompt_tokens": np.array([[1]], "<i4"),
+        "tokens": np.array([10], "<i4"),
+        "log_probs": np.array([-0.1], "<f4"),
+    }
+    assert code_of(raw_turn(arrays=arrays)).code == "shape"
+
+
+@pytest.mark.parametrize(
+    "arrays, code",
+    [
+        ({"tokens": [10, 11], "log_probs": [-0.1]}, "misaligned"),
+        ({"tokens": [10], "log_probs": [-0.1], "loss_mask": [1, 1]}, "misaligned"),
+        ({"tokens": [10, 11], "log_probs": [-0.1, -0.1], "mask_ids": [10], "mask_offsets": [0, 1]}, "misaligned"),
+        ({"tokens": [10], "log_probs": [-0.1], "mask_ids": [10], "mask_offsets": [1, 1]}, "mask_invalid"),
+        ({"tokens": [10], "log_probs": [-0.1], "mask_ids": [9], "mask_offsets": [0, 1]}, "mask_invalid"),
+        ({"tokens": [10, 11], "log_probs": [-0.1, -0.1], "mask_ids": [10, 11], "mask_offsets": [0, 2, 2]}, "mask_invalid"),
+        ({"tokens": [-1], "log_probs": [-0.1]}, "out_of_vocab"),
+        ({"tokens": [10], "log_probs": [-0.1], "forced_tokens": [-5]}, "out_of_vocab"),
+        ({"tokens": [10], "log_probs": [-0.1], "loss_mask": [2]}, "invalid_value"),
+        ({"tokens": [10], "log_probs": [float("nan")]}, "invalid_value"),
+    ],
+)
+def test_content_codes(arrays, code):
+    dtypes = {"tokens": "<i4", "log_probs": "<f4", "loss_mask": "u1", "mask_ids": "<i4", "mask_offsets": "<i8", "forced_tokens": "<i4"}
+    typed = {"prompt_tokens": np.array([1], "<i4")}
+    typed.update({name: np.array(values, dtypes[name]) for name, values in arrays.items()})
+    assert code_of(raw_turn(arrays=typed)).code == code
+
+
+def test_vocab_size_bounds_every_token_array():
+    assert decode(raw_turn(), PRODUCER_TO_BROKER, vocab_size=12).type == "turn"
+    err = code_of(raw_turn(), vocab_size=11)
+    assert err.code == "out_of_vocab" and err.seq == 7
+    err = code_of(raw_turn(), vocab_size=3)  # prompt token 2 fits, token 10 does not
+    assert err.code == "out_of_vocab"
+
+
+def test_misaligned_wins_over_mask_invalid_and_vocab():
+    arrays = {
+        "prompt_tokens": np.array([1], "<i4"),
+        "tokens": np.array([-1, 5], "<i4"),
+        "log_probs": np.array([-0.1], "<f4"),
+        "mask_ids": np.array([7], "<i4"),
+        "mask_offsets": np.array([0, 1], "<i8"),
+    }
+    assert code_of(raw_turn(arrays=arrays)).code == "misaligned"
+
+
+def test_turn_round_trip_through_helpers():
+    t = Turn.build([10, 11], [-0.1, -0.2], supports=[[10, 4], [11]], forced_tokens=[20], weight_version="w3",
+                   routed_experts=np.arange(12, dtype=np.int32).reshape(3, 2, 2))
+    frames = encode_turn("t", 0, t, seq=1, prompt_tokens=np.array([1, 2], np.int32), group_id="g", group_size=4,
+                         sample_index=2, metadata={"k": "v"}, crc=True)
+    message = decode(frames, PRODUCER_TO_BROKER)
+    assert message["group_id"] == "g" and message["weight_version"] == "w3" and message["metadata"] == {"k": "v"}
+    back = turn_from_message(message)
+    assert back.mask == t.mask and back.forced_tokens.tolist() == [20]
+    assert back.routed_experts.shape == (3, 2, 2) and back.routed_experts.sum() == 66
+
+
+def test_deliver_round_trip():
+    traj = Trajectory("t", [1, 2], group_id="g", group_size=2, sample_index=0)
+    traj.append_turn(Turn.build([10], [-0.1], supports=[[10, 4]], forced_tokens=[20]))
+    traj.append_turn(Turn.build([11], [-0.3]))  # replay gap
+    traj.reward = {"score": 1.0}
+    message = decode(encode_deliver(traj, "lease-1", group_left=0), BROKER_TO_CONSUMER)
+    assert "crc32" not in message.fields and message["gap"] == {"turn": 1, "field": "mask"}
+    back = trajectory_from_deliver(message)
+    assert back.mask == traj.mask and back.gap == traj.gap and back.reward == {"score": 1.0}
+    assert back.tokens.tolist() == [10] and back.group_id == "g" and back.terminal
+
+
+def test_deliver_response_length_must_match():
+    traj = Trajectory("t", [1])
+    traj.append_turn(Turn.build([10], [-0.1]))
+    traj.reward = 0.0
+    frames = encode_deliver(traj, "l")
+    header = msgpack.unpackb(frames[0])
+    header["response_length"] = 2
+    err = code_of([msgpack.packb(header)] + frames[1:], BROKER_TO_CONSUMER)
+    assert err.code == "misaligned"
+
+
+MESSAGES = [
+    (PRODUCER_TO_BROKER, "hello", {"producer_id": "p"}),
+    (PRODUCER_TO_BROKER, "end", {"seq": 2, "trajectory_id": "t", "reward": 1.5, "metadata": {"a": 1}}),
+    (PRODUCER_TO_BROKER, "end", {"seq": 2, "trajectory_id": "t", "reward": {"acc": 1}}),
+    (PRODUCER_TO_BROKER, "abort", {"seq": 3, "trajectory_id": "t", "reason": "retry"}),
+    (PRODUCER_TO_BROKER, "ping", {"seq": 4}),
+    (BROKER_TO_PRODUCER, "welcome", {"broker_id": "b", "max_message_bytes": 100, "window": 8}),
+    (BROKER_TO_PRODUCER, "ack", {"seq": 1, "trajectory_id": "t", "turn": 0, "applied": False, "duplicate": True}),
+    (BROKER_TO_PRODUCER, "ack", {"seq": 1, "trajectory_id": "t", "applied": False, "reason": "replay_gap"}),
+    (BROKER_TO_PRODUCER, "nack", {"seq": 1, "code": "out_of_order", "message": "m", "expected": 0}),
+    (BROKER_TO_PRODUCER, "pong", {"seq": 4}),
+    (CONSUMER_TO_BROKER, "hello", {"consumer_id": "c"}),
+    (CONSUMER_TO_BROKER, "heartbeat", {}),
+    (CONSUMER_TO_BROKER, "credit", {"n": 4, "unit": "group"}),
+    (CONSUMER_TO_BROKER, "ack", {"leases": ["a", "b"]}),
+    (CONSUMER_TO_BROKER, "nack", {"leases": ["a"], "reason": "bad", "requeue": False}),
+    (BROKER_TO_CONSUMER, "welcome", {"broker_id": "b", "lease_timeout": 30.0, "heartbeat_interval": 1}),
+    (BROKER_TO_CONSUMER, "acked", {"leases": ["a"]}),
+    (BROKER_TO_CONSUMER, "nacked", {"leases": ["a"]}),
+    (BROKER_TO_CONSUMER, "nack", {"code": "stale_lease", "message": "m", "leases": ["x"]}),
+    (ADMIN_REQUESTS, "status", {}),
+    (ADMIN_REQUESTS, "dead_letters", {"limit": 10}),
+    (ADMIN_REQUESTS, "requeue", {"trajectory_ids": ["t"]}),
+    (ADMIN_REPLIES, "status", {"open": 1, "ready": 2, "leased": 0, "dead": 0, "producers": 1, "consumers": 1,
+                               "bytes_in_memory": 10, "bytes_on_disk": 20, "counters": {"frames": 3}}),
+    (ADMIN_REPLIES, "dead_letters", {"items": [{"trajectory_id": "t", "reason": "expired", "at": 1.0}]}),
+    (ADMIN_REPLIES, "requeued", {"trajectory_ids": ["t"]}),
+]
+
+
+@pytest.mark.parametrize("schema, mtype, fields", MESSAGES)
+def test_every_message_type_round_trips(schema, mtype, fields):
+    frames = encode(schema, mtype, fields)
+    assert len(frames) == 1
+    raw = msgpack.unpackb(frames[0])
+    assert raw["v"] == 1 and raw["type"] == mtype
+    message = decode(frames, schema)
+    assert message.type == mtype and dict(message.fields) == fields
+
+
+@pytest.mark.parametrize("schema, mtype, fields", MESSAGES)
+def test_every_required_field_is_enforced(schema, mtype, fields):
+    for name in schema.specs[mtype].required:
+        partial = {k: v for k, v in fields.items() if k != name}
+        with pytest.raises(ProtocolError) as err:
+            encode(schema, mtype, partial)
+        assert err.value.code == "schema" and name in err.value.message
+
+
+def test_encode_refuses_wrong_dtype_instead_of_casting():
+    with pytest.raises(ProtocolError) as err:
+        encode(PRODUCER_TO_BROKER, "turn", {"seq": 1, "trajectory_id": "t", "turn": 1, "status": "completed"},
+               {"tokens": np.array([1], np.int64), "log_probs": np.array([0.0], np.float32)})
+    assert err.value.code == "dtype"
+
+
+def test_encode_error_carries_seq_and_expected():
+    frames = encode_error(BROKER_TO_PRODUCER, ProtocolError("out_of_order", "turn 3, expected 1", seq=9, expected=1))
+    message = decode(frames, BROKER_TO_PRODUCER)
+    assert message.fields == {"code": "out_of_order", "message": "turn 3, expected 1", "seq": 9, "expected": 1}
+
+
+def test_content_digest_ignores_seq_and_map_order_only():
+    a = decode(raw_turn({"metadata": {"x": 1, "y": 2}}), PRODUCER_TO_BROKER)
+    b = decode(raw_turn({"seq": 99, "metadata": {"y": 2, "x": 1}}), PRODUCER_TO_BROKER)
+    assert content_digest(a) == content_digest(b)
+    c = decode(raw_turn({"status": "truncated"}), PRODUCER_TO_BROKER)
+    assert content_digest(a) != content_digest(c)
+    frames = raw_turn({"metadata": {"x": 1, "y": 2}})
+    frames[3] = np.array([-0.1, -0.25], "<f4").tobytes()
+    assert content_digest(decode(frames, PRODUCER_TO_BROKER)) != content_digest(a)
+
+
+def test_zmq_frames_are_accepted():
+    zmq = pytest.importorskip("zmq")
+    frames = [zmq.Frame(f) for f in raw_turn()]
+    assert decode(frames, PRODUCER_TO_BROKER)["turn"] == 0

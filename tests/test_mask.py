@@ -1,0 +1,165 @@
+"""SamplingMask: every rule of SEMANTICS.md §2 and worked examples 1-5."""
+import numpy as np
+import pytest
+import torch
+
+from rollstream.common import SamplingMask
+
+M = [[1, 3], [4], [5, 6, 7]]
+
+
+def test_example_1_from_supports():
+    mask = SamplingMask.from_supports([[5, 9], [2], [7, 8, 11]])
+    assert mask.ids.tolist() == [5, 9, 2, 7, 8, 11]
+    assert mask.offsets.tolist() == [0, 2, 3, 6]
+    assert mask.ids.dtype == np.int32 and mask.offsets.dtype == np.int64
+    assert len(mask) == 3
+
+
+def test_example_2_empty_support_refused():
+    with pytest.raises(ValueError, match="non-empty support"):
+        SamplingMask.from_supports([[], [1]])
+
+
+def test_example_3_end_offset_must_equal_id_count():
+    with pytest.raises(ValueError, match=r"offsets\[-1\] == len\(ids\)"):
+        SamplingMask([0, 1], [0, 1])
+
+
+def test_example_4_prefix():
+    mask = SamplingMask.from_supports(M)
+    assert mask.prefix(2).ids.tolist() == [1, 3, 4]
+    assert mask.prefix(2).offsets.tolist() == [0, 2, 3]
+    assert len(mask.prefix(0)) == 0 and mask.prefix(0).offsets.tolist() == [0]
+    for bad in (4, -1):
+        with pytest.raises(ValueError, match="prefix length"):
+            mask.prefix(bad)
+
+
+def test_example_5_concatenate():
+    mask = SamplingMask.concatenate(
+        [SamplingMask.from_supports(M), SamplingMask.singletons([20, 21]), SamplingMask.from_supports([[30, 7, 8]])]
+    )
+    assert mask.offsets.tolist() == [0, 2, 3, 6, 7, 8, 11]
+    assert mask.ids.tolist() == [1, 3, 4, 5, 6, 7, 20, 21, 30, 7, 8]
+
+
+def test_empty_mask_is_valid_and_concatenate_of_nothing_is_empty():
+    empty = SamplingMask([], [0])
+    assert len(empty) == 0 and empty.ids.dtype == np.int32
+    assert SamplingMask.concatenate([]) == empty
+
+
+@pytest.mark.parametrize(
+    "ids, offsets, rule",
+    [
+        ([1], [], "offsets non-empty"),
+        ([1], [1, 1], r"offsets\[0\] == 0"),
+        ([1, 2], [0, 1, 1, 2], "non-empty support"),
+        ([1, 2], [0, 2, 1, 2], "non-empty support"),
+    ],
+)
+def test_csr_invariants_name_their_rule(ids, offsets, rule):
+    with pytest.raises(ValueError, match=rule):
+        SamplingMask(ids, offsets)
+
+
+@pytest.mark.parametrize(
+    "ids, offsets",
+    [
+        (np.array([True]), [0, 1]),
+        (np.array([1.0]), [0, 1]),
+        (np.array([1 + 0j]), [0, 1]),
+        ([1], np.array([0.0, 1.0])),
+        ([1], np.array([False, True])),
+    ],
+)
+def test_bool_float_complex_are_refused_not_cast(ids, offsets):
+    with pytest.raises(ValueError, match="integers"):
+        SamplingMask(ids, offsets)
+
+
+def test_values_outside_int32_are_refused_not_wrapped():
+    with pytest.raises(ValueError, match="int32"):
+        SamplingMask(np.array([2**31], dtype=np.int64), [0, 1])
+    with pytest.raises(ValueError, match="int32"):
+        SamplingMask.from_supports([[2**40]])
+    with pytest.raises(ValueError, match="int64"):
+        SamplingMask([1], np.array([0, 2**63], dtype=np.uint64))
+
+
+def test_arrays_must_be_one_dimensional():
+    with pytest.raises(ValueError, match="1-D"):
+        SamplingMask(np.array([[1]]), [0, 1])
+
+
+def test_wider_integer_inputs_that_fit_are_accepted():
+    mask = SamplingMask(np.array([7], dtype=np.int64), np.array([0, 1], dtype=np.uint8))
+    assert mask.ids.dtype == np.int32 and mask.offsets.dtype == np.int64
+
+
+def test_owns_its_memory_and_is_read_only():
+    ids, offsets = np.array([1, 2, 3], dtype=np.int32), np.array([0, 1, 3], dtype=np.int64)
+    mask = SamplingMask(ids, offsets)
+    ids[0] = 99
+    offsets[1] = 2
+    assert mask.ids.tolist() == [1, 2, 3] and mask.offsets.tolist() == [0, 1, 3]
+    with pytest.raises(ValueError):
+        mask.ids[0] = 5
+    with pytest.raises(ValueError):
+        mask.offsets[0] = 5
+
+
+def test_indexing():
+    mask = SamplingMask.from_supports(M)
+    assert mask[0].tolist() == [1, 3]
+    assert mask[-1].tolist() == [5, 6, 7]
+    assert mask[np.int64(1)].tolist() == [4]
+    for bad in (3, -4):
+        with pytest.raises(IndexError):
+            mask[bad]
+
+
+def test_from_lengths_matches_from_supports_and_checks_lengths():
+    assert SamplingMask.from_lengths([1, 3, 4, 5, 6, 7], [2, 1, 3]) == SamplingMask.from_supports(M)
+    with pytest.raises(ValueError, match="non-empty support"):
+        SamplingMask.from_lengths([1, 2], [2, 0])
+    with pytest.raises(ValueError, match=r"offsets\[-1\] == len\(ids\)"):
+        SamplingMask.from_lengths([1, 2, 3], [1, 1])
+
+
+def test_singletons():
+    mask = SamplingMask.singletons([20, 21, 22])
+    assert [mask[t].tolist() for t in range(3)] == [[20], [21], [22]]
+
+
+def test_nbytes_counts_both_arrays():
+    mask = SamplingMask.from_supports(M)
+    assert mask.nbytes == 6 * 4 + 4 * 8
+
+
+def test_contains_is_per_token_membership():
+    mask = SamplingMask.from_supports(M)
+    assert mask.contains([3, 4, 8]).tolist() == [True, True, False]
+    with pytest.raises(ValueError, match="covers"):
+        mask.contains([3, 4])
+
+
+def test_to_torch_is_zero_copy_on_cpu():
+    mask = SamplingMask.from_supports(M)
+    ids, offsets = mask.to_torch()
+    assert ids.dtype == torch.int32 and offsets.dtype == torch.int64
+    assert ids.data_ptr() == mask.ids.ctypes.data
+    assert offsets.tolist() == [0, 2, 3, 6]
+
+
+def test_accepts_torch_tensors():
+    mask = SamplingMask(torch.tensor([4, 5], dtype=torch.int64), torch.tensor([0, 1, 2]))
+    assert mask.ids.tolist() == [4, 5]
+
+
+def test_prefix_is_cheap_view_that_stays_valid():
+    mask = SamplingMask.from_supports(M)
+    head = mask.prefix(1)
+    assert head.ids.tolist() == [1, 3]
+    assert not head.ids.flags.writeable

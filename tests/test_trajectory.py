@@ -1,0 +1,222 @@
+"""Trajectory merging and lifecycle: SEMANTICS.md §3-§5, examples 6-8."""
+import numpy as np
+import pytest
+
+from rollstream.common import ProtocolError, SamplingMask, Trajectory, Turn
+from rollstream.common.buffers import GrowableArray
+from rollstream.common.trajectory import Gap, TurnOutcome
+
+
+def turn(tokens, supports=None, forced=None, status="completed", **kw):
+    return Turn.build(tokens, [-0.5] * len(tokens), supports=supports, forced_tokens=forced, status=status, **kw)
+
+
+def test_example_6_forced_tokens_between_turns():
+    traj = Trajectory("t", [1, 2])
+    assert traj.append_turn(turn([10], [[10, 4]], forced=[20, 21])) == TurnOutcome(True)
+    assert traj.append_turn(turn([30], [[30, 7, 8]])) == TurnOutcome(True)
+    assert traj.mask.ids.tolist() == [10, 4, 20, 21, 30, 7, 8]
+    assert traj.mask.offsets.tolist() == [0, 2, 3, 4, 7]
+    assert traj.loss_mask.tolist() == [1, 0, 0, 1]
+    assert traj.log_probs.tolist() == [-0.5, 0.0, 0.0, -0.5]
+    assert traj.tokens.tolist() == [10, 20, 21, 30]
+    assert traj.response_length == 4 and traj.turns == 2
+
+
+def test_example_7_replay_gap_cuts_at_last_captured_turn():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10, 11], [[10], [11, 3]], forced=[20, 21]))
+    outcome = traj.append_turn(turn([30], None, status="aborted"))
+    assert outcome == TurnOutcome(False, "replay_gap")
+    assert traj.gap == Gap(turn=1, field="mask")
+    assert traj.tokens.tolist() == [10, 11]  # trailing forced tokens dropped
+    assert traj.mask == SamplingMask.from_supports([[10], [11, 3]])
+    assert traj.status == "completed"  # status of the last applied turn
+    assert traj.terminal
+    assert traj.append_turn(turn([40], [[40]])) == TurnOutcome(False, "replay_gap")
+    traj.validate()
+
+
+def test_example_8_missing_then_present_is_refused_and_changes_nothing():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10], None, forced=[5]))
+    with pytest.raises(ProtocolError) as err:
+        traj.append_turn(turn([30], [[30]]))
+    assert err.value.code == "mask_presence"
+    assert traj.tokens.tolist() == [10, 5] and not traj.has_mask and traj.turns == 1
+
+
+def test_mask_may_start_while_response_is_empty():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([], None))
+    traj.append_turn(turn([7], [[7, 8]]))
+    assert traj.mask.offsets.tolist() == [0, 2]
+
+
+def test_start_mask_after_tokens_is_an_error():
+    traj = Trajectory("t", [1])
+    traj.append_forced([3])
+    with pytest.raises(ValueError, match="cannot initialise a sampling mask after response tokens"):
+        traj.start_mask()
+
+
+def test_forced_tokens_get_singleton_support_loss_zero_logprob_zero():
+    traj = Trajectory("t", [1])
+    traj.start_mask()
+    traj.append_forced([8, 9])
+    assert traj.mask == SamplingMask.singletons([8, 9])
+    assert traj.loss_mask.tolist() == [0, 0] and traj.log_probs.tolist() == [0.0, 0.0]
+
+
+def test_sampled_tokens_without_support_cannot_join_a_masked_trajectory():
+    traj = Trajectory("t", [1])
+    traj.start_mask()
+    with pytest.raises(ProtocolError) as err:
+        traj.append_sampled(np.array([1], np.int32), np.array([-1.0], np.float32), None, None)
+    assert err.value.code == "misaligned"
+
+
+@pytest.mark.parametrize("status", ["truncated", "aborted"])
+def test_after_truncated_or_aborted_nothing_applies_but_trailing_forced_kept(status):
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10], [[10]], forced=[20], status=status))
+    assert traj.terminal and traj.status == status
+    assert traj.append_turn(turn([11], [[11]])) == TurnOutcome(False, "after_terminal")
+    assert traj.tokens.tolist() == [10, 20] and traj.gap is None
+
+
+def test_no_mask_anywhere_gives_no_mask():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10], forced=[20]))
+    traj.append_turn(turn([11]))
+    assert traj.mask is None and traj.tokens.tolist() == [10, 20, 11]
+
+
+@pytest.mark.parametrize("field", ["routed_experts", "indexer_topk"])
+def test_replay_gap_on_context_fields(field):
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10], forced=[20], **{field: np.zeros((3, 2), np.int32)}))
+    assert traj.append_turn(turn([11])) == TurnOutcome(False, "replay_gap")
+    assert traj.gap == Gap(1, field) and traj.tokens.tolist() == [10]
+
+
+@pytest.mark.parametrize("field", ["routed_experts", "indexer_topk"])
+def test_context_field_missing_then_present_is_mask_presence(field):
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10]))
+    with pytest.raises(ProtocolError) as err:
+        traj.append_turn(turn([11], **{field: np.zeros((3, 2), np.int32)}))
+    assert err.value.code == "mask_presence"
+
+
+def test_context_fields_keep_latest_and_must_not_shrink():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10], routed_experts=np.zeros((4, 2), np.int32)))
+    traj.append_turn(turn([11], routed_experts=np.ones((6, 2), np.int32)))
+    assert traj.routed_experts.shape == (6, 2) and traj.routed_experts.sum() == 12
+    with pytest.raises(ProtocolError) as err:
+        traj.append_turn(turn([12], routed_experts=np.ones((5, 2), np.int32)))
+    assert err.value.code == "misaligned"
+    with pytest.raises(ProtocolError):
+        traj.append_turn(turn([12], routed_experts=np.ones((7, 3), np.int32)))
+    assert traj.turns == 2
+
+
+def test_gap_reports_first_missing_field_in_contract_order():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10], [[10]], routed_experts=np.zeros((2, 1), np.int32)))
+    traj.append_turn(turn([11]))
+    assert traj.gap.field == "mask"
+
+
+def test_weight_versions_concatenate():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([1], weight_version="v1"))
+    traj.append_turn(turn([2], weight_version="v2"))
+    assert traj.weight_versions == ["v1", "v2"]
+
+
+def test_custom_loss_mask_is_kept():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([1, 2], loss_mask=[0, 1]))
+    assert traj.loss_mask.tolist() == [0, 1]
+
+
+def test_strip_last_output_tokens():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10, 11], [[10, 1], [11]], forced=[20]))
+    traj.strip_last_output_tokens(0)
+    traj.strip_last_output_tokens(-2)
+    assert traj.response_length == 3
+    traj.strip_last_output_tokens(2)
+    assert traj.tokens.tolist() == [10] and traj.mask.ids.tolist() == [10, 1]
+    assert traj.loss_mask.tolist() == [1] and traj.log_probs.tolist() == [-0.5]
+    with pytest.raises(ValueError, match="cannot strip"):
+        traj.strip_last_output_tokens(2)
+    traj.validate()
+
+
+def test_reset_for_retry_clears_response_and_allows_a_fresh_attempt():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10], [[10]], status="truncated"))
+    traj.reset_for_retry()
+    assert traj.status == "aborted" and traj.response_length == 0 and traj.mask is None
+    assert traj.append_turn(turn([5])) == TurnOutcome(True)
+    assert traj.tokens.tolist() == [5]
+
+
+def test_validate_detects_misalignment():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10]))
+    traj._log_probs.extend(np.zeros(1, np.float32))  # corrupt on purpose
+    with pytest.raises(ValueError, match="log_probs has 2 entries"):
+        traj.validate()
+
+
+def test_from_arrays_restores_state():
+    traj = Trajectory("t", [1, 2], group_id="g", group_size=2, sample_index=3)
+    traj.append_turn(turn([10], [[10]], forced=[20]))
+    copy = Trajectory.from_arrays(
+        "t", traj.arrays(), status=traj.status, turns=traj.turns, group_id="g", group_size=2, sample_index=3
+    )
+    assert copy.mask == traj.mask and copy.tokens.tolist() == [10, 20]
+    assert copy.group_id == "g" and copy.sample_index == 3 and not copy.terminal
+    assert copy.append_turn(turn([11], [[11]])).applied
+
+
+def test_mask_snapshot_is_immune_to_later_changes():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10, 11], [[10], [11]]))
+    snapshot = traj.mask
+    traj.strip_last_output_tokens(1)
+    traj.append_turn(turn([12], [[12]]))
+    assert snapshot == SamplingMask.from_supports([[10], [11]])
+
+
+def test_growable_array_grows_geometrically():
+    """Amortised O(appended): a thousand appends reallocate only O(log n) times."""
+    arr = GrowableArray(np.int32)
+    reallocations, last = 0, arr._buf
+    for _ in range(1000):
+        arr.extend(np.arange(100, dtype=np.int32))
+        if arr._buf is not last:
+            reallocations, last = reallocations + 1, arr._buf
+    assert len(arr) == 100_000 and reallocations <= 14
+    assert arr.view()[-100:].tolist() == list(range(100))
+
+
+def test_turn_build_checks_what_a_broker_would():
+    with pytest.raises(ProtocolError) as err:
+        turn([10], [[11]])
+    assert err.value.code == "mask_invalid"
+    with pytest.raises(ProtocolError) as err:
+        Turn.build([10], [-1.0, -2.0])
+    assert err.value.code == "misaligned"
+    with pytest.raises(ProtocolError) as err:
+        turn([10], [[10]], vocab_size=10)
+    assert err.value.code == "out_of_vocab"
+    with pytest.raises(ProtocolError) as err:
+        turn([1], forced=[-3])
+    assert err.value.code == "out_of_vocab"
+    with pytest.raises(ValueError, match="status"):
+        turn([1], status="done")
