@@ -6,6 +6,7 @@ never padded to `[tokens, top_k]`.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import warnings
@@ -27,6 +28,11 @@ def as_numpy(values) -> np.ndarray:
     return np.asarray(values)
 
 
+@functools.cache
+def _iinfo(dtype: np.dtype) -> np.iinfo:
+    return np.iinfo(dtype)
+
+
 def as_int_array(values, dtype: np.dtype, name: str) -> np.ndarray:
     """`values` as a 1-D array of `dtype`, refusing bools, floats, complex and
     values that do not fit (never cast or wrapped). May share memory."""
@@ -41,8 +47,8 @@ def as_int_array(values, dtype: np.dtype, name: str) -> np.ndarray:
                 f"rule '1-D integer arrays' violated: {name} must hold integers, got dtype {arr.dtype} "
                 "(bool, float and complex are refused, never cast)"
             )
-    elif arr.dtype != dtype and arr.size:
-        info = np.iinfo(dtype)
+    elif arr.dtype != dtype and arr.size and not np.can_cast(arr.dtype, dtype, "safe"):
+        info = _iinfo(dtype)
         low, high = arr.min(), arr.max()
         if low < info.min or high > info.max:
             bad = low if low < info.min else high
@@ -58,6 +64,14 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
+def owned(arr: np.ndarray, source) -> np.ndarray:
+    """`arr` made read-only, copied first if it may share memory with the
+    caller's `source` (so later changes to `source` change nothing)."""
+    if hasattr(source, "detach") or (isinstance(source, np.ndarray) and np.may_share_memory(arr, source)):
+        arr = arr.copy()
+    return _frozen(arr)
+
+
 class SamplingMask:
     """Immutable CSR sampling mask: int32 `ids`, int64 `offsets` (N + 1)."""
 
@@ -69,9 +83,8 @@ class SamplingMask:
         problem = csr_problem(ids_arr, offsets_arr)
         if problem:
             raise ValueError(problem)
-        # Own the memory: later changes to the caller's arrays change nothing.
-        self._ids = _frozen(np.array(ids_arr, copy=True))
-        self._offsets = _frozen(np.array(offsets_arr, copy=True))
+        self._ids = owned(ids_arr, ids)
+        self._offsets = owned(offsets_arr, offsets)
 
     @classmethod
     def _wrap(cls, ids: np.ndarray, offsets: np.ndarray) -> "SamplingMask":
@@ -89,21 +102,25 @@ class SamplingMask:
 
     @classmethod
     def from_supports(cls, supports: Sequence[Iterable[int]]) -> "SamplingMask":
-        """One support (a sequence of ids) per token."""
-        lengths = np.fromiter(map(len, supports), dtype=np.int64, count=len(supports))
-        total = int(lengths.sum())
-        flat = itertools.chain.from_iterable(supports)
+        """One support (a sequence of integer ids) per token."""
+        sizes = np.fromiter(map(len, supports), dtype=OFFSETS_DTYPE, count=len(supports))
         try:
-            ids = np.fromiter(flat, dtype=np.int64, count=total)
-        except (TypeError, ValueError, OverflowError) as exc:
+            ids = np.fromiter(itertools.chain.from_iterable(supports), dtype=IDS_DTYPE, count=int(sizes.sum()))
+        except OverflowError as exc:
+            raise ValueError(f"rule 'values fit int32' violated: supports hold an id outside int32 ({exc})") from None
+        except (TypeError, ValueError) as exc:
             raise ValueError(f"supports must hold integer ids: {exc}") from None
-        return cls.from_lengths(ids, lengths)
+        return cls._from_sizes(ids, sizes)
 
     @classmethod
     def from_lengths(cls, flat_ids, lengths) -> "SamplingMask":
         """Flat ids plus the number of ids in each token's support."""
-        ids = as_int_array(flat_ids, IDS_DTYPE, "ids")
-        sizes = as_int_array(lengths, OFFSETS_DTYPE, "lengths")
+        ids = owned(as_int_array(flat_ids, IDS_DTYPE, "ids"), flat_ids)
+        return cls._from_sizes(ids, as_int_array(lengths, OFFSETS_DTYPE, "lengths"))
+
+    @classmethod
+    def _from_sizes(cls, ids: np.ndarray, sizes: np.ndarray) -> "SamplingMask":
+        """Offsets from support sizes; `ids` must be an owned int32 array."""
         if sizes.size and sizes.min() <= 0:
             t = int(np.flatnonzero(sizes <= 0)[0])
             raise ValueError(
@@ -117,13 +134,13 @@ class SamplingMask:
                 f"sampling mask rule 'offsets[-1] == len(ids)' violated: lengths sum to {int(offsets[-1])}, "
                 f"ids has {ids.size}"
             )
-        return cls._wrap(_frozen(np.array(ids, copy=True)), _frozen(offsets))
+        return cls._wrap(_frozen(ids), _frozen(offsets))
 
     @classmethod
     def singletons(cls, tokens) -> "SamplingMask":
         """Support `[t]` for every token `t`: forced tokens were not sampled."""
-        ids = as_int_array(tokens, IDS_DTYPE, "tokens")
-        return cls._wrap(_frozen(np.array(ids, copy=True)), _frozen(np.arange(ids.size + 1, dtype=OFFSETS_DTYPE)))
+        ids = owned(as_int_array(tokens, IDS_DTYPE, "tokens"), tokens)
+        return cls._wrap(ids, _frozen(np.arange(ids.size + 1, dtype=OFFSETS_DTYPE)))
 
     @classmethod
     def concatenate(cls, masks: Sequence["SamplingMask"]) -> "SamplingMask":

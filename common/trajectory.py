@@ -16,7 +16,7 @@ import numpy as np
 from .buffers import GrowableArray
 from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, STATUSES, TERMINAL_STATUSES
 from .errors import ProtocolError
-from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, as_int_array, as_numpy
+from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, as_int_array, as_numpy, owned
 from .validation import RULE_ALIGNED, check_message_arrays
 
 TOKEN_DTYPE = ARRAYS["tokens"].dtype
@@ -117,13 +117,13 @@ class Turn:
         elif mask is not None and not isinstance(mask, SamplingMask):
             raise TypeError(f"mask must be a SamplingMask, got {type(mask).__name__}")
         turn = cls(
-            tokens=_frozen(np.array(tokens_arr)),
-            log_probs=_frozen(np.array(_as_float_array(log_probs, "log_probs"))),
-            loss_mask=None if loss_mask is None else _frozen(np.array(_as_loss_mask(loss_mask))),
+            tokens=owned(tokens_arr, tokens),
+            log_probs=owned(_as_float_array(log_probs, "log_probs"), log_probs),
+            loss_mask=None if loss_mask is None else owned(_as_loss_mask(loss_mask), loss_mask),
             mask=mask,
-            forced_tokens=EMPTY_TOKENS if forced_tokens is None else _frozen(np.array(as_int_array(forced_tokens, TOKEN_DTYPE, "forced_tokens"))),
-            routed_experts=None if routed_experts is None else _frozen(np.array(_as_replay(routed_experts, "routed_experts"))),
-            indexer_topk=None if indexer_topk is None else _frozen(np.array(_as_replay(indexer_topk, "indexer_topk"))),
+            forced_tokens=EMPTY_TOKENS if forced_tokens is None else owned(as_int_array(forced_tokens, TOKEN_DTYPE, "forced_tokens"), forced_tokens),
+            routed_experts=None if routed_experts is None else owned(_as_replay(routed_experts, "routed_experts"), routed_experts),
+            indexer_topk=None if indexer_topk is None else owned(_as_replay(indexer_topk, "indexer_topk"), indexer_topk),
             status=status,
             weight_version=weight_version,
         )
@@ -212,7 +212,7 @@ class Trajectory:
         metadata: Mapping[str, Any] | None = None,
     ):
         self.trajectory_id = trajectory_id
-        self.prompt_tokens = _frozen(np.array(as_int_array(prompt_tokens, TOKEN_DTYPE, "prompt_tokens")))
+        self.prompt_tokens = owned(as_int_array(prompt_tokens, TOKEN_DTYPE, "prompt_tokens"), prompt_tokens)
         self.group_id = group_id
         self.group_size = group_size
         self.sample_index = sample_index

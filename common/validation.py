@@ -38,10 +38,11 @@ class _NumpyOps:
         return np.repeat(values, counts)
 
     @staticmethod
-    def cumsum0(values):
-        out = np.zeros(len(values) + 1, dtype=np.int64)
-        np.cumsum(values, out=out[1:])
-        return out
+    def segment_any(flags, offsets):
+        """Per CSR segment, whether any flag is set (segments non-empty)."""
+        if len(offsets) < 2:
+            return np.zeros(0, dtype=bool)
+        return np.logical_or.reduceat(flags, offsets[:-1])
 
     @staticmethod
     def nonzero(flags):
@@ -65,11 +66,11 @@ class _TorchOps:
     def repeat(self, values, counts):
         return self._torch.repeat_interleave(values, counts)
 
-    def cumsum0(self, values):
+    def segment_any(self, flags, offsets):
         torch = self._torch
-        out = torch.zeros(len(values) + 1, dtype=torch.int64, device=values.device)
-        torch.cumsum(values, 0, out=out[1:])
-        return out
+        counts = torch.zeros(len(flags) + 1, dtype=torch.int64, device=flags.device)
+        torch.cumsum(flags, 0, out=counts[1:])
+        return counts[offsets[1:]] > counts[offsets[:-1]]
 
     @staticmethod
     def nonzero(flags):
@@ -135,46 +136,38 @@ def _group_by_sample(rule, global_positions, cu_host, detail_of) -> list[Violati
     return out
 
 
-def _csr_violations(ops, ids, offsets, cu_host) -> list[Violation]:
-    """Structural CSR rules; when any fails, the per-token checks are unsafe."""
-    last = len(cu_host) - 2
+def _cumsum0(values: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(values, out=out[1:])
+    return out
+
+
+def _csr_violations(ops, ids, offsets, cu_host) -> tuple[list[Violation], Any]:
+    """Structural CSR rules, and the support sizes when they hold (the
+    per-token checks need them and are unsafe when a rule fails)."""
     if len(offsets) == 0:
-        return [Violation(RULE_NONEMPTY_OFFSETS, 0, None, 1, "offsets is empty")]
-    first, end = int(offsets[0]), int(offsets[-1])
+        return [Violation(RULE_NONEMPTY_OFFSETS, 0, None, 1, "offsets is empty")], None
     found = []
+    first, end = int(offsets[0]), int(offsets[-1])
     if first != 0:
         found.append(Violation(RULE_OFFSETS_START, 0, None, 1, f"expected 0, got {first}"))
     if end != len(ids):
-        found.append(Violation(RULE_OFFSETS_END, max(last, 0), None, 1, f"expected {len(ids)}, got {end}"))
-    if len(offsets) > 1:
-        steps = offsets[1:] - offsets[:-1]
-        bad = ops.to_host(ops.nonzero(steps <= 0))
-        if bad.size:
-            host_offsets = ops.to_host(offsets)
-
-            def detail(g):
-                return f"offsets[{g}] = {int(host_offsets[g])}, offsets[{g + 1}] = {int(host_offsets[g + 1])}"
-
-            found += _group_by_sample(RULE_NONEMPTY_SUPPORT, bad, cu_host, detail)
-    return found
-
-
-def inside_support(tokens, ids, offsets):
-    """Per token, whether `tokens[t]` is in `ids[offsets[t]:offsets[t+1]]`.
-
-    One pass over the ids: compare each id with its token, then count hits per
-    support with a prefix sum (no per-token loop, no padding). Offsets must
-    already satisfy the CSR rules.
-    """
-    ops = _ops_for(tokens)
-    hits = ids == ops.repeat(tokens, offsets[1:] - offsets[:-1])
-    hit_counts = ops.cumsum0(hits)
-    return hit_counts[offsets[1:]] > hit_counts[offsets[:-1]]
+        found.append(Violation(RULE_OFFSETS_END, max(len(cu_host) - 2, 0), None, 1, f"expected {len(ids)}, got {end}"))
+    sizes = offsets[1:] - offsets[:-1]
+    if len(sizes) and int(sizes.min()) <= 0:
+        host_offsets = ops.to_host(offsets)
+        found += _group_by_sample(
+            RULE_NONEMPTY_SUPPORT,
+            ops.to_host(ops.nonzero(sizes <= 0)),
+            cu_host,
+            lambda g: f"offsets[{g}] = {int(host_offsets[g])}, offsets[{g + 1}] = {int(host_offsets[g + 1])}",
+        )
+    return found, sizes
 
 
 def csr_problem(ids, offsets) -> str | None:
     """The first CSR rule a single mask breaks, as a message, or None."""
-    found = _csr_violations(_ops_for(offsets), ids, offsets, np.array([0, max(len(offsets) - 1, 0)]))
+    found, _ = _csr_violations(_ops_for(offsets), ids, offsets, np.array([0, max(len(offsets) - 1, 0)]))
     if not found:
         return None
     v = found[0]
@@ -182,30 +175,27 @@ def csr_problem(ids, offsets) -> str | None:
     return f"sampling mask rule '{v.rule}' violated{where}: {v.detail}"
 
 
-def _vocab_violations(ops, tokens, mask_ids, mask_offsets, cu_host, vocab_size, token_at) -> list[Violation]:
-    upper = "inf" if vocab_size is None else vocab_size
+def inside_support(tokens, ids, offsets, sizes=None):
+    """Per token, whether `tokens[t]` is in `ids[offsets[t]:offsets[t+1]]`.
 
-    def outside(values):
-        return (values < 0) if vocab_size is None else ((values < 0) | (values >= vocab_size))
+    One pass over the ids: compare each id with its own token, then OR the
+    hits of each support (no per-token loop, no padding). The offsets must
+    already satisfy the CSR rules.
+    """
+    ops = _ops_for(tokens)
+    if sizes is None:
+        sizes = offsets[1:] - offsets[:-1]
+    return ops.segment_any(ids == ops.repeat(tokens, sizes), offsets)
 
-    found = []
-    if mask_ids is not None:
-        bad_index = ops.to_host(ops.nonzero(outside(mask_ids)))
-        if bad_index.size:
-            bad_values = ops.to_host(ops.take(mask_ids, bad_index))
-            token_of_id = np.searchsorted(ops.to_host(mask_offsets), bad_index, side="right") - 1
-            bad_tokens, first = np.unique(token_of_id, return_index=True)
-            first_bad = dict(zip(bad_tokens.tolist(), bad_values[first].tolist()))
-            found += _group_by_sample(
-                RULE_MASK_VOCAB, bad_tokens, cu_host, lambda g: f"its support holds id {first_bad[g]}, outside [0, {upper})"
-            )
-    found += _group_by_sample(
-        RULE_TOKEN_VOCAB,
-        ops.to_host(ops.nonzero(outside(tokens))),
-        cu_host,
-        lambda g: f"token {token_at(g)} is outside [0, {upper})",
-    )
-    return found
+
+def _outside_vocab(values, vocab_size: int | None):
+    """Flags of ids outside [0, vocab_size), or None when all are inside
+    (decided with two reductions, so valid data costs no mask array)."""
+    if len(values) == 0:
+        return None
+    if int(values.min()) >= 0 and (vocab_size is None or int(values.max()) < vocab_size):
+        return None
+    return (values < 0) if vocab_size is None else ((values < 0) | (values >= vocab_size))
 
 
 def packed_violations(
@@ -223,16 +213,28 @@ def packed_violations(
     Without a mask only the token ids and the loss mask are checked.
     `mask_lengths`, when given, is each sample's mask length and is checked
     against `response_lengths`; otherwise only the totals are compared.
+    Valid data costs a few whole-array reductions; positions are computed
+    only for rules that fail.
     """
     ops = _ops_for(tokens)
     lengths_host = ops.to_host(response_lengths).astype(np.int64, copy=False)
-    cu_host = _NUMPY.cumsum0(lengths_host)
+    cu_host = _cumsum0(lengths_host)
     total = int(cu_host[-1])
     if len(tokens) != total:
         raise ValueError(f"packed batch: tokens has {len(tokens)} entries, response_lengths sum to {total}")
     if loss_mask is not None and len(loss_mask) != total:
         return [Violation(RULE_ALIGNED, 0, None, 1, f"loss_mask has {len(loss_mask)} entries, expected {total}")]
 
+    tokens_host = None
+
+    def token_at(g):
+        nonlocal tokens_host
+        if tokens_host is None:
+            tokens_host = ops.to_host(tokens)
+        return int(tokens_host[g])
+
+    upper = "inf" if vocab_size is None else vocab_size
+    found: list[Violation] = []
     if mask_offsets is not None:
         if mask_lengths is not None:
             mask_lengths_host = ops.to_host(mask_lengths).astype(np.int64, copy=False)
@@ -247,34 +249,40 @@ def packed_violations(
                 ]
         if len(mask_offsets) != total + 1:
             return [Violation(RULE_ALIGNED, 0, None, 1, f"mask_offsets has {len(mask_offsets)} entries, expected {total + 1}")]
-        found = _csr_violations(ops, mask_ids, mask_offsets, cu_host)
+        found, sizes = _csr_violations(ops, mask_ids, mask_offsets, cu_host)
         if found:
             return found
+        inside = inside_support(tokens, mask_ids, mask_offsets, sizes)
+        if total and not bool(inside.all()):
 
-    tokens_host = None
+            def support_at(g):
+                lo, hi = int(mask_offsets[g]), int(mask_offsets[g + 1])
+                shown = ops.to_host(mask_ids[lo : min(hi, lo + 8)]).tolist()
+                return f"{shown}{'...' if hi - lo > 8 else ''}"
 
-    def token_at(g):
-        nonlocal tokens_host
-        if tokens_host is None:
-            tokens_host = ops.to_host(tokens)
-        return int(tokens_host[g])
-
-    found = []
-    if mask_offsets is not None and total:
-
-        def support_at(g):
-            lo, hi = int(mask_offsets[g]), int(mask_offsets[g + 1])
-            shown = ops.to_host(mask_ids[lo : min(hi, lo + 8)]).tolist()
-            return f"{shown}{'...' if hi - lo > 8 else ''}"
-
-        outside = ops.to_host(ops.nonzero(~inside_support(tokens, mask_ids, mask_offsets)))
+            found += _group_by_sample(
+                RULE_IN_SUPPORT, ops.to_host(ops.nonzero(~inside)), cu_host,
+                lambda g: f"token {token_at(g)} is not in its support {support_at(g)}",
+            )
+        bad_ids = _outside_vocab(mask_ids, vocab_size)
+        if bad_ids is not None:
+            bad_index = ops.to_host(ops.nonzero(bad_ids))
+            bad_values = ops.to_host(ops.take(mask_ids, bad_index))
+            token_of_id = np.searchsorted(ops.to_host(mask_offsets), bad_index, side="right") - 1
+            bad_tokens, first = np.unique(token_of_id, return_index=True)
+            first_bad = dict(zip(bad_tokens.tolist(), bad_values[first].tolist()))
+            found += _group_by_sample(
+                RULE_MASK_VOCAB, bad_tokens, cu_host, lambda g: f"its support holds id {first_bad[g]}, outside [0, {upper})"
+            )
+    bad_tokens = _outside_vocab(tokens, vocab_size)
+    if bad_tokens is not None:
         found += _group_by_sample(
-            RULE_IN_SUPPORT, outside, cu_host, lambda g: f"token {token_at(g)} is not in its support {support_at(g)}"
+            RULE_TOKEN_VOCAB, ops.to_host(ops.nonzero(bad_tokens)), cu_host,
+            lambda g: f"token {token_at(g)} is outside [0, {upper})",
         )
-    found += _vocab_violations(ops, tokens, mask_ids, mask_offsets, cu_host, vocab_size, token_at)
-    if loss_mask is not None:
-        bad_loss = ops.to_host(ops.nonzero((loss_mask != 0) & (loss_mask != 1)))
-        loss_host = ops.to_host(loss_mask) if bad_loss.size else None
+    if loss_mask is not None and total and (int(loss_mask.min()) < 0 or int(loss_mask.max()) > 1):
+        loss_host = ops.to_host(loss_mask)
+        bad_loss = np.flatnonzero((loss_host != 0) & (loss_host != 1))
         found += _group_by_sample(RULE_LOSS_MASK, bad_loss, cu_host, lambda g: f"loss_mask is {int(loss_host[g])}")
     return found
 
