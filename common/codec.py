@@ -91,7 +91,8 @@ def _spec(schema: Schema, mtype) -> MessageSpec:
     return spec
 
 
-def _crc32(buffers: Sequence) -> int:
+def crc32_of(buffers: Sequence) -> int:
+    """zlib CRC-32 over `buffers` in order, as the protocol's crc32 field."""
     crc = 0
     for buf in buffers:
         crc = _crc32_update(buf, crc)
@@ -132,7 +133,7 @@ def encode(
             buffers.append(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
         header["arrays"] = entries
         if crc:
-            header["crc32"] = _crc32(buffers)
+            header["crc32"] = crc32_of(buffers)
     return [msgpack.packb(header, use_bin_type=True), *buffers]
 
 
@@ -219,7 +220,7 @@ def _decode_checked(header, buffers, schema, max_message_bytes, vocab_size, chec
     if size > max_message_bytes:
         raise ProtocolError("too_large", f"message is {size} bytes, limit is max_message_bytes={max_message_bytes}")
     if crc is not None:
-        actual = _crc32(buffers[1:])
+        actual = crc32_of(buffers[1:])
         if actual != crc:
             raise ProtocolError("crc_mismatch", f"crc32 of array frames is {actual}, header says {crc}")
 

@@ -104,6 +104,12 @@ def mask_pair(header, arrays) -> str | None:
 _TURN0_ONLY = ("group_id", "group_size", "sample_index")
 
 
+def group_pair(header, arrays) -> str | None:
+    if ("group_id" in header) != ("group_size" in header):
+        return "group_id and group_size travel together"
+    return None
+
+
 def turn_zero_fields(header, arrays) -> str | None:
     if header["turn"] == 0:
         return None if "prompt_tokens" in arrays else "turn 0 must carry prompt_tokens"
@@ -132,7 +138,7 @@ PRODUCER_TO_BROKER = _schema(
         },
         arrays=("tokens", "log_probs"),
         optional_arrays=_TURN_ARRAYS,
-        rules=(mask_pair, turn_zero_fields),
+        rules=(mask_pair, turn_zero_fields, group_pair),
         content=True,
     ),
     MessageSpec("end", {"seq": INT, "trajectory_id": TEXT, "reward": REWARD}, {"metadata": MAP}),

@@ -363,7 +363,7 @@ class Trajectory:
                 )
         missing = [name for name in REPLAY_FIELDS if self.carries(name) and not turn.carries(name)]
         if missing:
-            self._cut_at_gap(Gap(self.turns, missing[0]))
+            self.cut_at_gap(Gap(self.turns, missing[0]))
             return TurnOutcome(False, "replay_gap")
         self.append_sampled(turn.tokens, turn.log_probs, turn.loss_mask, turn.mask)
         self._sampled_end = self.response_length
@@ -379,8 +379,10 @@ class Trajectory:
         self._terminal = turn.status in TERMINAL_STATUSES
         return APPLIED
 
-    def _cut_at_gap(self, gap: Gap) -> None:
-        """Drop everything after the last fully captured turn's sampled tokens."""
+    def cut_at_gap(self, gap: Gap) -> None:
+        """Record a replay gap: drop everything after the last fully captured
+        turn's sampled tokens; nothing later applies (also used to replay a
+        stored gap)."""
         self._truncate_response(self._sampled_end)
         self.gap = gap
         self._terminal = True

@@ -1,0 +1,201 @@
+"""The consumer side of the broker: credit, leases, liveness, redelivery.
+
+Sans-I/O like the merge engine: the service passes consumer messages and the
+time in, and gets back which trajectories to send to whom, which leases were
+settled, and which trajectories ran out of deliveries. Delivery is
+at-least-once: a lease not acked within `lease_timeout`, or held by a
+consumer that went silent for three heartbeat intervals, is redelivered.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from collections import deque
+from dataclasses import dataclass, field
+
+from .engine import Unit
+
+
+@dataclass
+class Consumer:
+    consumer_id: str
+    last_seen: float
+    trajectory_credit: int = 0
+    group_credit: int = 0
+    leases: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Lease:
+    lease: str
+    trajectory_id: str
+    unit: Unit
+    identity: bytes
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Send `trajectory_id` to `identity` under `lease`."""
+
+    identity: bytes
+    lease: str
+    trajectory_id: str
+    unit: Unit
+    delivery_count: int
+
+    @property
+    def group_fields(self) -> dict:
+        unit = self.unit
+        if unit.group_id is None:
+            return {}
+        return {"group_id": unit.group_id, "group_size": unit.group_size, "group_left": unit.group_left}
+
+
+@dataclass
+class DispatchSettings:
+    lease_timeout: float = 60.0
+    heartbeat_interval: float = 1.0
+    max_deliveries: int = 10
+
+
+class Dispatcher:
+    def __init__(self, settings: DispatchSettings | None = None):
+        self.settings = settings or DispatchSettings()
+        self.consumers: dict[bytes, Consumer] = {}
+        self.queue: deque[Unit] = deque()
+        self.leases: dict[str, Lease] = {}
+        self.delivery_counts: dict[str, int] = {}
+        self.redeliveries = 0
+        self._epoch = os.urandom(4).hex()
+        self._counter = itertools.count(1)
+        self._turn = 0  # round-robin start among consumers
+
+    # -- queue ---------------------------------------------------------------
+    def enqueue(self, unit: Unit, front: bool = False) -> None:
+        (self.queue.appendleft if front else self.queue.append)(unit)
+
+    @property
+    def queued_trajectories(self) -> int:
+        return sum(len(unit.trajectory_ids) for unit in self.queue)
+
+    # -- consumer messages ---------------------------------------------------
+    def hello(self, identity: bytes, consumer_id: str, now: float) -> list[str]:
+        """Register a connection; an older connection of the same consumer is
+        dropped and its leases requeued. Returns ids that ran out of deliveries."""
+        exhausted = []
+        for old_identity, consumer in list(self.consumers.items()):
+            if consumer.consumer_id == consumer_id and old_identity != identity:
+                exhausted += self._drop_consumer(old_identity)
+        if identity in self.consumers:
+            exhausted += self._drop_consumer(identity)
+        self.consumers[identity] = Consumer(consumer_id, now)
+        return exhausted
+
+    def seen(self, identity: bytes, now: float) -> bool:
+        """Any message counts as a heartbeat; False for an unknown connection."""
+        consumer = self.consumers.get(identity)
+        if consumer is None:
+            return False
+        consumer.last_seen = now
+        return True
+
+    def credit(self, identity: bytes, n: int, unit: str) -> None:
+        consumer = self.consumers[identity]
+        if unit == "group":
+            consumer.group_credit += n
+        else:
+            consumer.trajectory_credit += n
+
+    def settle(self, leases: list[str]) -> tuple[list[Lease], list[str]]:
+        """Remove `leases`: returns the valid ones and the stale ids."""
+        valid, stale = [], []
+        for lease_id in leases:
+            lease = self.leases.pop(lease_id, None)
+            if lease is None:
+                stale.append(lease_id)
+                continue
+            valid.append(lease)
+            consumer = self.consumers.get(lease.identity)
+            if consumer is not None:
+                consumer.leases.discard(lease_id)
+        return valid, stale
+
+    def requeue(self, leases: list[Lease]) -> list[str]:
+        """Put settled or lost leases' trajectories back at the front, unit
+        by unit; returns the ids that have used up `max_deliveries`."""
+        exhausted, by_unit = [], {}
+        for lease in leases:
+            if self.delivery_counts.get(lease.trajectory_id, 0) >= self.settings.max_deliveries:
+                exhausted.append(lease.trajectory_id)
+            else:
+                by_unit.setdefault(id(lease.unit), (lease.unit, []))[1].append(lease.trajectory_id)
+        for unit, tids in reversed(list(by_unit.values())):
+            left = (unit.group_size - len(tids)) if unit.group_id is not None else 0
+            self.enqueue(Unit(tuple(tids), unit.group_id, unit.group_size, left), front=True)
+            self.redeliveries += len(tids)
+        return exhausted
+
+    def forget(self, trajectory_id: str) -> None:
+        self.delivery_counts.pop(trajectory_id, None)
+
+    # -- time ----------------------------------------------------------------
+    def tick(self, now: float) -> list[str]:
+        """Requeue expired leases and the leases of silent consumers; returns
+        ids that ran out of deliveries."""
+        exhausted = []
+        silent_after = 3 * self.settings.heartbeat_interval
+        for identity in [i for i, c in self.consumers.items() if c.last_seen + silent_after < now]:
+            exhausted += self._drop_consumer(identity)
+        expired = [lease.lease for lease in self.leases.values() if lease.expires_at < now]
+        if expired:
+            valid, _ = self.settle(expired)
+            exhausted += self.requeue(valid)
+        return exhausted
+
+    def _drop_consumer(self, identity: bytes) -> list[str]:
+        consumer = self.consumers.pop(identity)
+        valid, _ = self.settle(sorted(consumer.leases))
+        return self.requeue(valid)
+
+    # -- sending -------------------------------------------------------------
+    def deliveries(self, now: float) -> list[Delivery]:
+        """Hand queued units to consumers with credit, round-robin."""
+        out: list[Delivery] = []
+        identities = list(self.consumers)
+        if not identities:
+            return out
+        progress = True
+        while self.queue and progress:
+            progress = False
+            for k in range(len(identities)):
+                if not self.queue:
+                    break
+                identity = identities[(self._turn + k) % len(identities)]
+                consumer = self.consumers[identity]
+                if consumer.group_credit > 0:
+                    consumer.group_credit -= 1
+                    unit = self.queue.popleft()
+                    tids = unit.trajectory_ids
+                elif consumer.trajectory_credit > 0:
+                    unit = self.queue.popleft()
+                    take = min(consumer.trajectory_credit, len(unit.trajectory_ids))
+                    tids = unit.trajectory_ids[:take]
+                    if take < len(unit.trajectory_ids):
+                        self.queue.appendleft(Unit(unit.trajectory_ids[take:], unit.group_id, unit.group_size, unit.group_left))
+                    consumer.trajectory_credit -= take
+                else:
+                    continue
+                progress = True
+                for tid in tids:
+                    out.append(self._lease(identity, consumer, tid, unit, now))
+            self._turn = (self._turn + 1) % len(identities)
+        return out
+
+    def _lease(self, identity: bytes, consumer: Consumer, tid: str, unit: Unit, now: float) -> Delivery:
+        lease_id = f"{self._epoch}-{next(self._counter)}"
+        self.leases[lease_id] = Lease(lease_id, tid, unit, identity, now + self.settings.lease_timeout)
+        consumer.leases.add(lease_id)
+        count = self.delivery_counts.get(tid, 0) + 1
+        self.delivery_counts[tid] = count
+        return Delivery(identity, lease_id, tid, unit, count)

@@ -1,0 +1,415 @@
+"""The broker's merge engine: producer frames in, replies and effects out.
+
+Sans-I/O: no sockets, files or clocks. The service feeds it decoded `turn`,
+`end` and `abort` messages with the current time and gets back, per message,
+the reply to send once durable and the effects to persist first. Refused
+frames change nothing. Deliverable units (a finished trajectory, or a whole
+group) are queued for the dispatcher in `ready_units`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollstream.common.codec import Message, content_digest
+from rollstream.common.errors import ProtocolError
+from rollstream.common.trajectory import Gap, Trajectory
+from rollstream.common.wire import turn_from_message
+
+# Trajectory states. "left" marks an aborted group member kept so the group
+# can count it; it holds no data.
+OPEN, ENDED, DEAD, LEFT = "open", "ended", "dead", "left"
+
+
+# -- effects: what must be durable before the reply goes out ------------------
+@dataclass(frozen=True)
+class OpenTrajectory:
+    trajectory_id: str
+    group_id: str | None
+    group_size: int | None
+    sample_index: int | None
+    at: float
+
+
+@dataclass(frozen=True)
+class PutTurn:
+    """A consumed turn: its digest and outcome; `message` when it was applied."""
+
+    trajectory_id: str
+    turn: int
+    digest: bytes
+    applied: bool
+    reason: str | None
+    message: Message | None
+    at: float
+    gap: Gap | None = None
+
+
+@dataclass(frozen=True)
+class EndTrajectory:
+    trajectory_id: str
+    reward: Any
+    metadata: dict
+    digest: bytes
+    at: float
+
+
+@dataclass(frozen=True)
+class DropTrajectory:
+    """Aborted: data discarded; a group member stays as a LEFT marker."""
+
+    trajectory_id: str
+    keep_marker: bool
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    trajectory_id: str
+    reason: str
+    at: float
+    dedup_until: float | None = None  # expired ids are remembered
+
+
+@dataclass(frozen=True)
+class Requeue:
+    trajectory_id: str
+
+
+@dataclass(frozen=True)
+class ReleaseGroup:
+    """A group is complete: its ended members are deliverable together."""
+
+    group_id: str
+    size: int
+
+
+@dataclass(frozen=True)
+class CloseGroup:
+    """Every ended member of a released group is gone: forget the group."""
+
+    group_id: str
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Delivered and acked: data deleted, id remembered until `dedup_until`."""
+
+    trajectory_id: str
+    dedup_until: float
+
+
+# -- deliverable units --------------------------------------------------------
+@dataclass(frozen=True)
+class Unit:
+    """What a consumer receives together: one trajectory, or a group's
+    ended members with how many left."""
+
+    trajectory_ids: tuple[str, ...]
+    group_id: str | None = None
+    group_size: int | None = None
+    group_left: int = 0
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to one message: `fields` of an `ack`, or a refusal."""
+
+    fields: dict | None = None
+    error: ProtocolError | None = None
+    effects: tuple = ()
+
+
+# -- state --------------------------------------------------------------------
+@dataclass
+class Entry:
+    trajectory_id: str
+    state: str
+    group_id: str | None = None
+    group_size: int | None = None
+    sample_index: int | None = None
+    outcomes: list[tuple[bytes, bool, str | None]] = field(default_factory=list)  # per consumed turn
+    end_digest: bytes | None = None
+    updated_at: float = 0.0
+    trajectory: Trajectory | None = None  # merged state; None once evicted to the store
+    dead_reason: str | None = None
+    dead_at: float | None = None
+
+    @property
+    def next_turn(self) -> int:
+        return len(self.outcomes)
+
+
+@dataclass
+class Group:
+    size: int
+    members: dict[str, str] = field(default_factory=dict)  # trajectory id -> state
+    updated_at: float = 0.0
+    pending: set[str] | None = None  # once released: ended members not yet delivered
+
+    @property
+    def released(self) -> bool:
+        return self.pending is not None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) == self.size and OPEN not in self.members.values()
+
+
+@dataclass
+class EngineSettings:
+    vocab_size: int | None = None
+    trajectory_ttl: float = 3600.0
+    dedup_window: float = 86_400.0
+
+
+def _ack(message: Message, applied: bool, *, reason: str | None = None, duplicate: bool = False) -> dict:
+    fields = {"seq": message["seq"], "trajectory_id": message["trajectory_id"], "applied": applied}
+    if "turn" in message.fields:
+        fields["turn"] = message["turn"]
+    if reason is not None:
+        fields["reason"] = reason
+    if duplicate:
+        fields["duplicate"] = True
+    return fields
+
+
+class MergeEngine:
+    """Turn ordering, idempotence, merging, groups, TTL and dedup."""
+
+    def __init__(self, settings: EngineSettings | None = None):
+        self.settings = settings or EngineSettings()
+        self.entries: dict[str, Entry] = {}
+        self.groups: dict[str, Group] = {}
+        self.dedup: dict[str, float] = {}  # trajectory id -> remembered until
+        self.ready_units: deque[Unit] = deque()
+        self._effects: list = []  # effects of the call in progress
+
+    def _drain(self, *first) -> tuple:
+        effects, self._effects = (*first, *self._effects), []
+        return effects
+
+    # -- producer messages --------------------------------------------------
+    def handle(self, message: Message, now: float) -> Reply:
+        """Apply one decoded `turn`, `end` or `abort`."""
+        tid = message["trajectory_id"]
+        remembered = self.dedup.get(tid)
+        if remembered is not None and remembered >= now:
+            return Reply(_ack(message, False, duplicate=True))
+        handler = {"turn": self._turn, "end": self._end, "abort": self._abort}.get(message.type)
+        if handler is None:
+            raise ValueError(f"the merge engine takes turn, end and abort messages, got {message.type!r}")
+        try:
+            fields, effects = handler(message, now)
+        except ProtocolError as error:
+            self._effects.clear()
+            return Reply(error=error.with_seq(message["seq"]))
+        return Reply(fields, effects=self._drain(*effects))
+
+    def _turn(self, message: Message, now: float) -> tuple[dict, tuple]:
+        tid, index = message["trajectory_id"], message["turn"]
+        entry = self.entries.get(tid)
+        if entry is None or entry.state == LEFT:
+            if index != 0:
+                raise ProtocolError("out_of_order", f"trajectory {tid!r} is unknown; expected turn 0, got {index}", expected=0)
+            return self._start(message, now)
+        digest = content_digest(message)
+        if index < entry.next_turn:
+            earlier, applied, reason = entry.outcomes[index]
+            if earlier != digest:
+                raise ProtocolError("conflict", f"turn {index} of {tid!r} was already received with different content")
+            return _ack(message, applied, reason=reason, duplicate=True), ()
+        if entry.state != OPEN:
+            return _ack(message, False, reason="after_terminal"), ()
+        traj = entry.trajectory
+        if traj.terminal:
+            return _ack(message, False, reason="replay_gap" if traj.gap else "after_terminal"), ()
+        if index > entry.next_turn:
+            raise ProtocolError(
+                "out_of_order", f"turn {index} of {tid!r} arrived before turn {entry.next_turn}", expected=entry.next_turn
+            )
+        outcome = traj.append_turn(turn_from_message(message))
+        entry.outcomes.append((digest, outcome.applied, outcome.reason))
+        entry.updated_at = now
+        effect = PutTurn(tid, index, digest, outcome.applied, outcome.reason, message if outcome.applied else None, now,
+                         gap=traj.gap if not outcome.applied else None)
+        self._touch_group(entry, now)
+        return _ack(message, outcome.applied, reason=outcome.reason), (effect,)
+
+    def _start(self, message: Message, now: float) -> tuple[dict, tuple]:
+        tid = message["trajectory_id"]
+        group_id, group_size = message.get("group_id"), message.get("group_size")
+        if group_id is not None:
+            self._check_join(tid, group_id, group_size)
+        traj = Trajectory(
+            tid,
+            message.arrays["prompt_tokens"],
+            group_id=group_id,
+            group_size=group_size,
+            sample_index=message.get("sample_index"),
+            metadata=message.get("metadata"),
+        )
+        outcome = traj.append_turn(turn_from_message(message))  # raises, changing nothing, when refused
+        digest = content_digest(message)
+        entry = Entry(tid, OPEN, group_id, group_size, message.get("sample_index"), [(digest, outcome.applied, outcome.reason)],
+                      updated_at=now, trajectory=traj)
+        self.entries[tid] = entry
+        if group_id is not None:
+            group = self.groups.setdefault(group_id, Group(group_size))
+            group.members[tid] = OPEN
+            group.updated_at = now
+        effects = (
+            OpenTrajectory(tid, group_id, group_size, entry.sample_index, now),
+            PutTurn(tid, 0, digest, outcome.applied, outcome.reason, message, now),
+        )
+        return _ack(message, outcome.applied, reason=outcome.reason), effects
+
+    def _check_join(self, tid: str, group_id: str, group_size: int) -> None:
+        group = self.groups.get(group_id)
+        if group is None:
+            return
+        if group.size != group_size:
+            raise ProtocolError("conflict", f"group {group_id!r} has group_size {group.size}, turn 0 of {tid!r} says {group_size}")
+        if tid not in group.members and len(group.members) >= group.size:
+            raise ProtocolError("conflict", f"group {group_id!r} already has its {group.size} members; {tid!r} is not one")
+        if group.released:
+            raise ProtocolError("conflict", f"group {group_id!r} is already complete and released")
+
+    def _end(self, message: Message, now: float) -> tuple[dict, tuple]:
+        tid = message["trajectory_id"]
+        entry = self.entries.get(tid)
+        if entry is None or entry.state == LEFT:
+            raise ProtocolError("unknown_trajectory", f"end for trajectory {tid!r}, which this broker does not hold")
+        digest = content_digest(message)
+        if entry.state != OPEN:
+            if entry.end_digest == digest:
+                return _ack(message, True, duplicate=True), ()
+            raise ProtocolError("conflict", f"trajectory {tid!r} already ended with a different end message")
+        traj = entry.trajectory
+        traj.reward = message["reward"]
+        traj.metadata.update(message.get("metadata") or {})
+        entry.state, entry.end_digest, entry.updated_at = ENDED, digest, now
+        effect = EndTrajectory(tid, traj.reward, traj.metadata, digest, now)
+        self._member_done(entry, ENDED, now)
+        return _ack(message, True), (effect,)
+
+    def _abort(self, message: Message, now: float) -> tuple[dict, tuple]:
+        tid = message["trajectory_id"]
+        entry = self.entries.get(tid)
+        if entry is None or entry.state == LEFT:
+            return _ack(message, False, reason="unknown_trajectory"), ()
+        if entry.state != OPEN:
+            raise ProtocolError("conflict", f"trajectory {tid!r} already ended; it can no longer be aborted")
+        keep = entry.group_id is not None
+        if keep:
+            self.entries[tid] = Entry(tid, LEFT, entry.group_id, entry.group_size, entry.sample_index, updated_at=now)
+            self._member_done(entry, LEFT, now)
+        else:
+            del self.entries[tid]
+        return _ack(message, True), (DropTrajectory(tid, keep),)
+
+    # -- groups -------------------------------------------------------------
+    def _touch_group(self, entry: Entry, now: float) -> None:
+        if entry.group_id is not None:
+            self.groups[entry.group_id].updated_at = now
+
+    def _member_done(self, entry: Entry, state: str, now: float) -> None:
+        if entry.group_id is None:
+            if state == ENDED:
+                self.ready_units.append(Unit((entry.trajectory_id,)))
+            return
+        group = self.groups[entry.group_id]
+        group.members[entry.trajectory_id] = state
+        group.updated_at = now
+        if group.complete:
+            self._release_group(entry.group_id, group)
+
+    def _release_group(self, group_id: str, group: Group) -> None:
+        ended = tuple(tid for tid, state in group.members.items() if state == ENDED)
+        group.pending = set(ended)
+        self._effects.append(ReleaseGroup(group_id, group.size))
+        if ended:
+            self.ready_units.append(Unit(ended, group_id, group.size, group.size - len(ended)))
+        else:
+            self._close_group(group_id)
+
+    def _close_group(self, group_id: str) -> None:
+        """Every ended member is gone: drop the group and its LEFT markers."""
+        group = self.groups.pop(group_id)
+        self._effects.append(CloseGroup(group_id))
+        for tid in group.members:
+            entry = self.entries.get(tid)
+            if entry is not None and entry.state == LEFT:
+                del self.entries[tid]
+
+    def _settle(self, entry: Entry) -> None:
+        """An ended member of a released group was delivered or dead-lettered."""
+        group = self.groups.get(entry.group_id) if entry.group_id else None
+        if group is None or not group.released:
+            return
+        group.pending.discard(entry.trajectory_id)
+        if not group.pending:
+            self._close_group(entry.group_id)
+
+    # -- time ---------------------------------------------------------------
+    def expire(self, now: float) -> list:
+        """Expire idle open trajectories (dead letter `expired`), close idle
+        incomplete groups, and forget dedup records past their window."""
+        ttl = self.settings.trajectory_ttl
+        for entry in [e for e in self.entries.values() if e.state == OPEN and e.updated_at + ttl < now]:
+            until = now + self.settings.dedup_window
+            self._effects.append(DeadLetter(entry.trajectory_id, "expired", now, dedup_until=until))
+            self.dedup[entry.trajectory_id] = until
+            self._kill(entry, "expired", now)
+        for group_id, group in list(self.groups.items()):
+            if group.released or OPEN in group.members.values() or group.updated_at + ttl >= now:
+                continue
+            self._release_group(group_id, group)  # members that never started count as left
+        for tid in [tid for tid, until in self.dedup.items() if until < now]:
+            del self.dedup[tid]
+        return list(self._drain())
+
+    def _kill(self, entry: Entry, reason: str, now: float) -> None:
+        was_open = entry.state == OPEN
+        entry.state, entry.dead_reason, entry.dead_at, entry.trajectory = DEAD, reason, now, None
+        if was_open:
+            self._member_done(entry, LEFT, now)
+
+    # -- consumer outcomes --------------------------------------------------
+    def delivered(self, tid: str, now: float) -> list:
+        """A consumer committed `tid`: forget its data, remember its id."""
+        entry = self.entries.pop(tid)
+        until = now + self.settings.dedup_window
+        self.dedup[tid] = until
+        self._settle(entry)
+        return list(self._drain(Forget(tid, until)))
+
+    def dead_letter(self, tid: str, reason: str, now: float) -> list:
+        """A consumer refused `tid` (or it ran out of deliveries)."""
+        entry = self.entries[tid]
+        self._kill(entry, reason, now)
+        self._settle(entry)
+        return list(self._drain(DeadLetter(tid, reason, now)))
+
+    def requeue(self, tid: str) -> Requeue | None:
+        """Move a dead letter back to ready; expired ones never come back."""
+        entry = self.entries.get(tid)
+        if entry is None or entry.state != DEAD or entry.dead_reason == "expired":
+            return None
+        entry.state, entry.dead_reason, entry.dead_at = ENDED, None, None
+        self.ready_units.append(Unit((tid,), entry.group_id, entry.group_size, (entry.group_size or 1) - 1))
+        return Requeue(tid)
+
+    # -- reading ------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        out = {OPEN: 0, ENDED: 0, DEAD: 0, LEFT: 0}
+        for entry in self.entries.values():
+            out[entry.state] += 1
+        return out
+
+    def bytes_in_memory(self) -> int:
+        return sum(e.trajectory.nbytes for e in self.entries.values() if e.trajectory is not None)
+
+    def dead_letters(self, limit: int) -> list[dict]:
+        dead = sorted((e for e in self.entries.values() if e.state == DEAD), key=lambda e: e.dead_at)
+        return [{"trajectory_id": e.trajectory_id, "reason": e.dead_reason, "at": e.dead_at} for e in dead[:limit]]
