@@ -280,12 +280,11 @@ class Store:
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
             elif int(version[0]) != SCHEMA_VERSION:
                 raise StoreCorrupted(f"{self.db_path} has schema version {version[0]}, this broker reads {SCHEMA_VERSION}")
-            trajectories = self._load_trajectories()
-            dedup = dict(db.execute("SELECT id, until FROM dedup"))
-            released = dict(db.execute("SELECT id, size FROM released_groups"))
+            recovered = self.reload()
         except sqlite3.DatabaseError as exc:
             raise StoreCorrupted(f"{self.db_path} is not a readable rollstream store: {exc}") from None
 
+        trajectories = recovered.trajectories
         locations = [t.location for traj in trajectories for t in traj.turns if t.location]
         for number, _, _ in locations:
             self.segments.live[number] = self.segments.live.get(number, 0) + 1
@@ -297,13 +296,28 @@ class Store:
             if number != current and number not in self.segments.live:
                 self.segments.path(number).unlink()
         self._next_ready_seq = 1 + max((t.ready_seq or 0 for t in trajectories), default=0)
-        return Recovered(trajectories, dedup, released)
+        return recovered
 
-    def _load_trajectories(self) -> list[StoredTrajectory]:
+    def reload(self) -> Recovered:
+        """Every state row as committed (also used to roll memory back after
+        a failed commit)."""
+        return Recovered(
+            self._load_trajectories(),
+            dict(self.db.execute("SELECT id, until FROM dedup")),
+            dict(self.db.execute("SELECT id, size FROM released_groups")),
+        )
+
+    def load_one(self, trajectory_id: str) -> StoredTrajectory:
+        found = self._load_trajectories("WHERE id = ?", (trajectory_id,))
+        if not found:
+            raise KeyError(f"trajectory {trajectory_id!r} is not in the store")
+        return found[0]
+
+    def _load_trajectories(self, where: str = "", args: tuple = ()) -> list[StoredTrajectory]:
         rows = {}
         for row in self.db.execute(
             "SELECT id, state, group_id, group_size, sample_index, updated_at, end_digest, reward, metadata, "
-            "ready_seq, gap_turn, gap_field, dead_reason, dead_at FROM trajectories"
+            "ready_seq, gap_turn, gap_field, dead_reason, dead_at FROM trajectories " + where, args
         ):
             (tid, state, gid, gsize, sidx, updated, end_digest, reward, metadata, ready_seq, gap_turn, gap_field,
              dead_reason, dead_at) = row
@@ -313,8 +327,10 @@ class Store:
                 msgpack.unpackb(metadata) if metadata is not None else None,
                 ready_seq, (gap_turn, gap_field) if gap_turn is not None else None, dead_reason, dead_at,
             )
+        turn_where = where.replace("WHERE id", "WHERE trajectory_id")
         for tid, turn, digest, applied, reason, seg, off, length in self.db.execute(
-            "SELECT trajectory_id, turn, digest, applied, reason, segment, offset, length FROM turns ORDER BY trajectory_id, turn"
+            "SELECT trajectory_id, turn, digest, applied, reason, segment, offset, length FROM turns "
+            + turn_where + " ORDER BY trajectory_id, turn", args
         ):
             if tid not in rows:
                 raise StoreCorrupted(f"turn {turn} refers to trajectory {tid!r}, which has no state row")
@@ -426,6 +442,18 @@ class Store:
         seq = self._next_ready_seq
         self._next_ready_seq += 1
         return seq
+
+    def probe(self) -> None:
+        """A small real write to both files; raises `StoreError` while the
+        cause of an earlier failure (disk full, I/O error) persists."""
+        try:
+            start = self.segments.size
+            self.segments.append([[bytes(4096)]])
+            self.segments.truncate_to(start)
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('probe', randomblob(4096))")
+            self.db.execute("DELETE FROM meta WHERE key = 'probe'")
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"store still unavailable: {exc}") from None
 
     def prune_dedup(self, now: float) -> None:
         self.db.execute("DELETE FROM dedup WHERE until < ?", (now,))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "ROLLSTREAM"})
 @click.version_option(package_name="rollstream")
 def main() -> None:
     """rollstream: stream RL rollouts with their sampling supports from
@@ -22,6 +22,15 @@ def demo(trajectories: int, turns: int, seed: int) -> None:
 
     click.echo(run_demo(trajectories=trajectories, turns=turns, seed=seed))
 
+
+def _register() -> None:
+    from rollstream.broker.cli import broker, requeue, status
+
+    for command in (broker, status, requeue):
+        main.add_command(command)
+
+
+_register()
 
 if __name__ == "__main__":
     main()

@@ -88,6 +88,7 @@ NACK_CODES = (
     "mask_presence",
     "unknown_trajectory",
     "stale_lease",
+    "unknown_consumer",
     "unavailable",
     "internal",
 )

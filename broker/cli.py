@@ -1,0 +1,106 @@
+"""`rollstream broker` and `rollstream status`."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from rollstream.common.config import BYTES, config_option, settings_options
+
+from .settings import BrokerSettings
+
+HELP = {
+    "producer_endpoint": "Where producers connect (tcp://, ipc:// or inproc://).",
+    "consumer_endpoint": "Where consumers connect.",
+    "admin_endpoint": "Where `rollstream status` and other admin peers connect.",
+    "data_dir": "Directory of the durable store (created if missing).",
+    "broker_id": "Name reported to peers; default host:data-dir.",
+    "vocab_size": "Refuse token and support ids outside [0, vocab_size) (out_of_vocab).",
+    "lease_timeout": "Seconds a consumer has to ack a delivery before it is redelivered.",
+    "heartbeat_interval": "Seconds between consumer heartbeats; three missed ones drop the consumer.",
+    "trajectory_ttl": "Seconds without a frame after which an open trajectory expires to dead letters.",
+    "dedup_window": "Seconds delivered or expired trajectory ids are remembered.",
+    "max_deliveries": "Deliveries before a trajectory is dead-lettered (max_deliveries).",
+    "sync": "normal: durable against a broker crash; full: fsync before every ack (power loss).",
+    "max_memory_bytes": "Memory budget; over it, producer frames wait (backpressure).",
+    "max_disk_bytes": "Disk budget of the store; over it, producer frames wait.",
+    "max_message_bytes": "Largest message accepted; larger ones are answered too_large.",
+    "window": "Frames in flight each producer is told it may have.",
+    "batch_max": "Most frames read and committed together.",
+    "segment_bytes": "Size at which a payload segment file is closed and a new one begun.",
+    "high_water_mark": "ZeroMQ send/receive queue bound, in messages.",
+    "metrics_port": "Prometheus /metrics port; 0 disables it.",
+    "metrics_host": "Address the metrics endpoint binds.",
+    "log_level": "debug, info, warning or error.",
+}
+TYPES = {
+    "sync": click.Choice(["normal", "full"]),
+    "max_memory_bytes": BYTES,
+    "max_disk_bytes": BYTES,
+    "max_message_bytes": BYTES,
+    "segment_bytes": BYTES,
+    "log_level": click.Choice(["debug", "info", "warning", "error"]),
+}
+
+
+@click.command()
+@config_option(BrokerSettings, "broker")
+@settings_options(BrokerSettings, HELP, TYPES)
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def broker(log_format: str, **values) -> None:
+    """Run the per-node broker: merge producer turns into durable
+    trajectories and lease them to consumers."""
+    from rollstream.common.config import settings_from
+    from rollstream.common.logs import setup_logging
+
+    from .service import BrokerService
+    from .store import StoreCorrupted
+
+    settings = settings_from(BrokerSettings, values)
+    setup_logging(settings.log_level, log_format)
+    service = BrokerService(settings)
+    try:
+        service.start()
+    except StoreCorrupted as exc:
+        raise click.ClickException(f"refusing to start: {exc}") from None
+    service.install_signal_handlers()
+    service.run()
+
+
+@click.command()
+@click.option("--admin", "endpoint", default="tcp://127.0.0.1:5557", show_default=True, help="The broker's admin endpoint.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--dead-letters", default=20, show_default=True, help="How many dead letters to list.")
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for the broker.")
+def status(endpoint: str, as_json: bool, dead_letters: int, timeout: float) -> None:
+    """Show a broker's queues, peers, budgets, counters and dead letters."""
+    from .admin import AdminClient
+
+    with AdminClient(endpoint, timeout=timeout) as admin:
+        report = admin.status()
+        report["dead_letters"] = admin.dead_letters(dead_letters) if dead_letters else []
+    if as_json:
+        click.echo(json.dumps(report, indent=None, sort_keys=True))
+        return
+    click.echo(f"broker at {endpoint}")
+    for key in ("open", "ready", "leased", "dead", "producers", "consumers", "bytes_in_memory", "bytes_on_disk"):
+        click.echo(f"  {key:<16} {report[key]}")
+    click.echo("  counters:")
+    for key, value in report["counters"].items():
+        click.echo(f"    {key:<40} {value}")
+    if report["dead_letters"]:
+        click.echo("  dead letters:")
+        for item in report["dead_letters"]:
+            click.echo(f"    {item['trajectory_id']}  {item['reason']}  at {item['at']:.3f}")
+
+
+@click.command()
+@click.option("--admin", "endpoint", default="tcp://127.0.0.1:5557", show_default=True, help="The broker's admin endpoint.")
+@click.argument("trajectory_ids", nargs=-1, required=True)
+def requeue(endpoint: str, trajectory_ids: tuple[str, ...]) -> None:
+    """Move dead letters back to the ready queue."""
+    from .admin import AdminClient
+
+    with AdminClient(endpoint) as admin:
+        done = admin.requeue(list(trajectory_ids))
+    click.echo(f"requeued {len(done)} of {len(trajectory_ids)}: {' '.join(done)}")

@@ -1,0 +1,470 @@
+"""The broker's I/O shell: three ROUTER sockets and one poll loop around the
+merge engine, the dispatcher and the store.
+
+Each pass reads a batch of producer frames, runs them through the engine,
+commits every effect of the batch in one store transaction (group commit),
+and only then sends the replies, so an `ack` always means durable. Consumer
+acks are made durable the same way before `acked` goes out.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from rollstream.common.codec import Message, decode, encode, encode_error
+from rollstream.common.errors import ProtocolError
+from rollstream.common.messages import (
+    ADMIN_REPLIES,
+    ADMIN_REQUESTS,
+    BROKER_TO_CONSUMER,
+    BROKER_TO_PRODUCER,
+    CONSUMER_TO_BROKER,
+    PRODUCER_TO_BROKER,
+)
+from rollstream.common.sockets import router
+from rollstream.common.wire import encode_deliver
+
+from .dispatch import Dispatcher, DispatchSettings
+from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, MergeEngine, PutTurn, Unit
+from .metrics import BrokerMetrics
+from .recovery import load_trajectory, restore
+from .settings import BrokerSettings
+from .store import Store, StoreError
+
+log = logging.getLogger("rollstream.broker")
+
+HOUSEKEEPING_EVERY = 0.2  # seconds between expiry, lease and budget checks
+PROBE_EVERY = 1.0  # seconds between store probes while unavailable
+
+
+@dataclass
+class _Pending:
+    """A producer reply waiting for its batch to commit."""
+
+    identity: bytes
+    frames: list | None = None  # ready to send (hello, ping, refusals)
+    ack: dict | None = None  # sent as `ack` if the commit succeeds
+    message: Message | None = None
+
+
+class BrokerService:
+    def __init__(self, settings: BrokerSettings, context: zmq.Context | None = None):
+        self.settings = settings
+        self.context = context or zmq.Context.instance()
+        self.metrics = BrokerMetrics()
+        self.store = Store(settings.data_dir, sync=settings.sync, segment_bytes=settings.segment_bytes)
+        self.engine = self._new_engine()
+        self.dispatcher = Dispatcher(
+            DispatchSettings(settings.lease_timeout, settings.heartbeat_interval, settings.max_deliveries)
+        )
+        self.broker_id = settings.broker_id or f"{socket.gethostname()}:{os.path.abspath(settings.data_dir)}"
+        self.unavailable = False
+        self.reading_producers = True
+        self.producers: dict[bytes, float] = {}
+        self._stopping = False
+        self._next_housekeeping = 0.0
+        self._next_probe = 0.0
+        self._next_dedup_prune = 0.0
+        self._memory_bytes = 0
+        self._disk_bytes = 0
+        self._redeliveries_seen = 0
+        self.sockets: dict[str, zmq.Socket] = {}
+        self._metrics_server = None
+
+    def _new_engine(self) -> MergeEngine:
+        s = self.settings
+        return MergeEngine(EngineSettings(s.vocab_size, s.trajectory_ttl, s.dedup_window))
+
+    # -- life cycle ---------------------------------------------------------
+    def start(self) -> None:
+        """Open and check the store, restore state, bind the sockets."""
+        recovered = self.store.open()
+        for unit in restore(self.engine, recovered, self.store):
+            self.dispatcher.enqueue(unit)
+        counts = self.engine.counts()
+        log.info("store recovered", extra={"data_dir": self.settings.data_dir, "open": counts[OPEN],
+                                           "ready": self.dispatcher.queued_trajectories, "dead": counts[DEAD]})
+        s = self.settings
+        options = dict(high_water_mark=s.high_water_mark, heartbeat_interval=s.heartbeat_interval,
+                       max_message_bytes=s.max_message_bytes)
+        for name, endpoint in (("producer", s.producer_endpoint), ("consumer", s.consumer_endpoint),
+                               ("admin", s.admin_endpoint)):
+            self.sockets[name] = router(self.context, endpoint, **options)
+        self.poller = zmq.Poller()
+        for sock in self.sockets.values():
+            self.poller.register(sock, zmq.POLLIN)
+        self._metrics_server = self.metrics.serve(s.metrics_host, s.metrics_port)
+        self._refresh_gauges(time.time())
+        log.info("broker listening", extra={"broker_id": self.broker_id, "producer": s.producer_endpoint,
+                                            "consumer": s.consumer_endpoint, "admin": s.admin_endpoint,
+                                            "sync": s.sync})
+
+    def endpoint(self, name: str) -> str:
+        return self.sockets[name].getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def stop(self, *_args) -> None:
+        """Finish the pass in progress (commit, reply), then leave `run`."""
+        self._stopping = True
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+
+    def run(self) -> None:
+        while not self._stopping:
+            self.run_once(timeout_ms=100)
+        self.close()
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close(linger=1000)
+        self.sockets.clear()
+        if self._metrics_server is not None:
+            server, thread = self._metrics_server
+            server.shutdown()
+            self._metrics_server = None
+        self.store.close()
+        log.info("broker stopped", extra={"broker_id": self.broker_id})
+
+    def run_once(self, timeout_ms: int = 100) -> None:
+        events = dict(self.poller.poll(timeout_ms))
+        now = time.time()
+        if events.get(self.sockets["producer"]):
+            self._serve_producers(now)
+        if events.get(self.sockets["consumer"]):
+            self._serve_consumers(now)
+        if events.get(self.sockets["admin"]):
+            self._serve_admin(now)
+        if now >= self._next_housekeeping:
+            self._housekeeping(now)
+            self._next_housekeeping = now + HOUSEKEEPING_EVERY
+        self._deliver(now)
+
+    # -- durability -----------------------------------------------------------
+    def _commit(self, effects: list) -> bool:
+        """Persist `effects`; on failure roll memory back to the store and
+        report unavailable until a probe succeeds."""
+        if not effects:
+            return True
+        started = time.perf_counter()
+        try:
+            self.store.commit(effects)
+        except StoreError as exc:
+            log.error("store commit failed; refusing writes until it recovers", extra={"error": str(exc)})
+            self.unavailable = True
+            self.metrics.unavailable.set(1)
+            self._rollback()
+            return False
+        self.metrics.commit_seconds.observe(time.perf_counter() - started)
+        for unit in self.engine.ready_units:
+            self.dispatcher.enqueue(unit)
+        self.engine.ready_units.clear()
+        return True
+
+    def _rollback(self) -> None:
+        """Memory back to exactly what the store holds. Committed units are
+        already with the dispatcher, so the restored list is not re-queued."""
+        self.engine = self._new_engine()
+        restore(self.engine, self.store.reload(), self.store)
+
+    # -- producers ------------------------------------------------------------
+    def _serve_producers(self, now: float) -> None:
+        sock = self.sockets["producer"]
+        pending: list[_Pending] = []
+        effects: list = []
+        for _ in range(self.settings.batch_max):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            identity = frames[0].bytes
+            self.producers[identity] = now
+            item, item_effects = self._producer_message(identity, frames[1:], now)
+            pending.append(item)
+            effects += item_effects
+        committed = self._commit(effects)
+        if committed:
+            self._count_effects(effects)
+        for item in pending:
+            if item.ack is not None:
+                if committed:
+                    item.frames = encode(BROKER_TO_PRODUCER, "ack", item.ack)
+                else:
+                    error = ProtocolError("unavailable", "the broker cannot persist right now; resend later",
+                                          seq=item.ack["seq"])
+                    item.frames = self._refuse("producer", error, item.message)
+            self._send("producer", item.identity, item.frames)
+
+    def _producer_message(self, identity: bytes, body: list, now: float) -> tuple[_Pending, list]:
+        s = self.settings
+        try:
+            message = decode(body, PRODUCER_TO_BROKER, max_message_bytes=s.max_message_bytes, vocab_size=s.vocab_size)
+        except ProtocolError as error:
+            return _Pending(identity, self._refuse("producer", error, None)), []
+        if message.type == "hello":
+            log.info("producer connected", extra={"producer_id": message["producer_id"]})
+            fields = {"broker_id": self.broker_id, "max_message_bytes": s.max_message_bytes, "window": s.window}
+            if "seq" in message.fields:
+                fields["seq"] = message["seq"]
+            return _Pending(identity, encode(BROKER_TO_PRODUCER, "welcome", fields)), []
+        if message.type == "ping":
+            return _Pending(identity, encode(BROKER_TO_PRODUCER, "pong", {"seq": message["seq"]})), []
+        if self.unavailable:
+            error = ProtocolError("unavailable", "the broker cannot persist right now; resend later", seq=message["seq"])
+            return _Pending(identity, self._refuse("producer", error, message)), []
+        reply = self.engine.handle(message, now)
+        if reply.error is not None:
+            return _Pending(identity, self._refuse("producer", reply.error, message)), []
+        ack = reply.fields
+        outcome = "duplicate" if ack.get("duplicate") else ("applied" if ack["applied"] else ack.get("reason", "not_applied"))
+        self.metrics.inc(self.metrics.frames, type=message.type, outcome=outcome)
+        return _Pending(identity, ack=ack, message=message), list(reply.effects)
+
+    def _refuse(self, endpoint: str, error: ProtocolError, message: Message | None, **extra) -> list:
+        self.metrics.inc(self.metrics.nacks, endpoint=endpoint, code=error.code)
+        context = {"endpoint": endpoint, "code": error.code, "reason": error.message}
+        if message is not None and "trajectory_id" in message.fields:
+            context["trajectory_id"] = message["trajectory_id"]
+            if "turn" in message.fields:
+                context["turn"] = message["turn"]
+        log.warning("message refused", extra=context)
+        schema = BROKER_TO_PRODUCER if endpoint == "producer" else BROKER_TO_CONSUMER if endpoint == "consumer" else ADMIN_REPLIES
+        return encode_error(schema, error, **extra)
+
+    def _count_effects(self, effects: list) -> None:
+        for effect in effects:
+            if isinstance(effect, PutTurn) and effect.gap is not None:
+                self.metrics.inc(self.metrics.gaps, field=effect.gap.field)
+                log.info("replay gap", extra={"trajectory_id": effect.trajectory_id, "turn": effect.gap.turn,
+                                              "field": effect.gap.field})
+            elif isinstance(effect, DropTrajectory):
+                self.metrics.inc(self.metrics.exits, exit="aborted")
+                log.info("trajectory aborted", extra={"trajectory_id": effect.trajectory_id})
+            elif isinstance(effect, DeadLetter):
+                self.metrics.inc(self.metrics.exits, exit="expired" if effect.reason == "expired" else "dead")
+                log.warning("trajectory dead-lettered", extra={"trajectory_id": effect.trajectory_id, "reason": effect.reason})
+
+    def _send(self, endpoint: str, identity: bytes, frames: list) -> bool:
+        """Send without blocking; False when the peer is gone or not reading."""
+        try:
+            self.sockets[endpoint].send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError as exc:  # EHOSTUNREACH (peer gone) or EAGAIN (peer's queue full)
+            log.warning("reply not delivered", extra={"endpoint": endpoint, "peer": identity.hex(), "error": exc.strerror})
+            return False
+
+    # -- consumers ------------------------------------------------------------
+    def _serve_consumers(self, now: float) -> None:
+        sock = self.sockets["consumer"]
+        for _ in range(self.settings.batch_max):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            identity = frames[0].bytes
+            try:
+                message = decode(frames[1:], CONSUMER_TO_BROKER, max_message_bytes=self.settings.max_message_bytes)
+            except ProtocolError as error:
+                self._send("consumer", identity, self._refuse("consumer", error, None))
+                continue
+            self._consumer_message(identity, message, now)
+
+    def _consumer_message(self, identity: bytes, message: Message, now: float) -> None:
+        dispatcher = self.dispatcher
+        if message.type == "hello":
+            self._dead_letter(dispatcher.hello(identity, message["consumer_id"], now), "max_deliveries", now)
+            log.info("consumer connected", extra={"consumer_id": message["consumer_id"]})
+            fields = {"broker_id": self.broker_id, "lease_timeout": self.settings.lease_timeout,
+                      "heartbeat_interval": self.settings.heartbeat_interval}
+            self._send("consumer", identity, encode(BROKER_TO_CONSUMER, "welcome", fields))
+            return
+        if not dispatcher.seen(identity, now):
+            error = ProtocolError("unknown_consumer", "this connection has not said hello (or was dropped); send hello first")
+            self._send("consumer", identity, self._refuse("consumer", error, message))
+            return
+        if message.type == "credit":
+            dispatcher.credit(identity, message["n"], message["unit"])
+        elif message.type in ("ack", "nack"):
+            self._settle(identity, message, now)
+
+    def _settle(self, identity: bytes, message: Message, now: float) -> None:
+        leases = list(dict.fromkeys(message["leases"]))
+        known = [lease for lease in leases if lease in self.dispatcher.leases]
+        stale = [lease for lease in leases if lease not in self.dispatcher.leases]
+        tids = [self.dispatcher.leases[lease].trajectory_id for lease in known]
+        requeue = message.type == "nack" and message["requeue"]
+        if message.type == "ack":
+            effects = [e for tid in tids for e in self.engine.delivered(tid, now)]
+        elif not requeue:
+            effects = [e for tid in tids for e in self.engine.dead_letter(tid, message["reason"], now)]
+        else:
+            effects = []
+        if not self._commit(effects):
+            error = ProtocolError("unavailable", "the broker cannot persist right now; resend later")
+            self._send("consumer", identity, self._refuse("consumer", error, message, leases=known))
+            return
+        self._count_effects(effects)
+        settled, _ = self.dispatcher.settle(known)
+        if requeue:
+            self._dead_letter(self.dispatcher.requeue(settled), "max_deliveries", now)
+        if not requeue:
+            for tid in tids:
+                self.dispatcher.forget(tid)
+        if message.type == "ack":
+            self.metrics.inc(self.metrics.exits, len(tids), exit="delivered")
+        if known:
+            reply = "acked" if message.type == "ack" else "nacked"
+            self._send("consumer", identity, encode(BROKER_TO_CONSUMER, reply, {"leases": known}))
+        if stale:
+            error = ProtocolError("stale_lease", f"{len(stale)} lease(s) are unknown or expired; they changed nothing")
+            self._send("consumer", identity, self._refuse("consumer", error, message, leases=stale))
+
+    def _dead_letter(self, tids: list[str], reason: str, now: float) -> None:
+        if not tids:
+            return
+        effects = [e for tid in tids for e in self.engine.dead_letter(tid, reason, now)]
+        if self._commit(effects):
+            self._count_effects(effects)
+            for tid in tids:
+                self.dispatcher.forget(tid)
+        else:  # not durable: keep them deliverable
+            for tid in tids:
+                self.dispatcher.enqueue(Unit((tid,)), front=True)
+
+    def _deliver(self, now: float) -> None:
+        for delivery in self.dispatcher.deliveries(now):
+            entry = self.engine.entries.get(delivery.trajectory_id)
+            if entry is None or entry.state != ENDED:  # cannot happen; never send what is not ready
+                log.error("queued trajectory is not ready", extra={"trajectory_id": delivery.trajectory_id})
+                self.dispatcher.settle([delivery.lease])
+                continue
+            if entry.trajectory is None:
+                entry.trajectory = load_trajectory(self.store, self.store.load_one(entry.trajectory_id))
+            frames = encode_deliver(entry.trajectory, delivery.lease, delivery_count=delivery.delivery_count,
+                                    **delivery.group_fields)
+            if not self._send("consumer", delivery.identity, frames):
+                settled, _ = self.dispatcher.settle([delivery.lease])
+                self._dead_letter(self.dispatcher.requeue(settled), "max_deliveries", now)
+
+    # -- admin ----------------------------------------------------------------
+    def _serve_admin(self, now: float) -> None:
+        sock = self.sockets["admin"]
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity, body, envelope = frames[0].bytes, frames[1:], []
+            if len(body) >= 2 and body[0].bytes == b"":  # a REQ peer's delimiter
+                envelope, body = [b""], body[1:]
+            try:
+                message = decode(body, ADMIN_REQUESTS)
+                reply = self._admin_reply(message, now)
+            except ProtocolError as error:
+                reply = self._refuse("admin", error, None)
+            self._send("admin", identity, [*envelope, *reply])
+
+    def _admin_reply(self, message: Message, now: float) -> list:
+        seq = {"seq": message["seq"]} if "seq" in message.fields else {}
+        if message.type == "status":
+            return encode(ADMIN_REPLIES, "status", {**self.status(now), **seq})
+        if message.type == "dead_letters":
+            items = self.engine.dead_letters(message.get("limit", 100))
+            return encode(ADMIN_REPLIES, "dead_letters", {"items": items, **seq})
+        requeued = []
+        effects = []
+        for tid in dict.fromkeys(message["trajectory_ids"]):
+            effect = self.engine.requeue(tid)
+            if effect is not None:
+                effects.append(effect)
+                requeued.append(tid)
+        if not self._commit(effects):
+            raise ProtocolError("unavailable", "the broker cannot persist right now; retry later")
+        for tid in requeued:
+            log.info("dead letter requeued", extra={"trajectory_id": tid})
+        return encode(ADMIN_REPLIES, "requeued", {"trajectory_ids": requeued, **seq})
+
+    def status(self, now: float) -> dict:
+        counts = self.engine.counts()
+        alive_after = now - 3 * max(self.settings.heartbeat_interval, 10.0)
+        return {
+            "open": counts[OPEN],
+            "ready": self.dispatcher.queued_trajectories,
+            "leased": len(self.dispatcher.leases),
+            "dead": counts[DEAD],
+            "producers": sum(1 for seen in self.producers.values() if seen >= alive_after),
+            "consumers": len(self.dispatcher.consumers),
+            "bytes_in_memory": self._memory_bytes,
+            "bytes_on_disk": self._disk_bytes,
+            "counters": {key: int(value) for key, value in sorted(self.metrics.totals.items())},
+        }
+
+    # -- housekeeping ---------------------------------------------------------
+    def _housekeeping(self, now: float) -> None:
+        effects = self.engine.expire(now)
+        if self._commit(effects):
+            self._count_effects(effects)
+        self._dead_letter(self.dispatcher.tick(now), "max_deliveries", now)
+        new_redeliveries = self.dispatcher.redeliveries - self._redeliveries_seen
+        if new_redeliveries:
+            self.metrics.inc(self.metrics.redeliveries, new_redeliveries)
+            self._redeliveries_seen = self.dispatcher.redeliveries
+        if self.unavailable and now >= self._next_probe:
+            self._next_probe = now + PROBE_EVERY
+            try:
+                self.store.probe()
+            except StoreError:
+                pass
+            else:
+                self.unavailable = False
+                self.metrics.unavailable.set(0)
+                log.info("store available again")
+        if now >= self._next_dedup_prune:
+            self._next_dedup_prune = now + 60.0
+            try:
+                self.store.prune_dedup(now)
+            except Exception as exc:  # a failed prune only delays pruning
+                log.warning("dedup prune failed", extra={"error": str(exc)})
+        self._apply_budgets()
+        self._refresh_gauges(now)
+
+    def _apply_budgets(self) -> None:
+        """Evict ready trajectories from memory first; if still over a
+        budget, stop reading producer frames until back under 90%."""
+        s = self.settings
+        self._memory_bytes = self.engine.bytes_in_memory()
+        if self._memory_bytes > s.max_memory_bytes:
+            leased = {lease.trajectory_id for lease in self.dispatcher.leases.values()}
+            for entry in self.engine.entries.values():
+                if entry.state == ENDED and entry.trajectory is not None and entry.trajectory_id not in leased:
+                    self._memory_bytes -= entry.trajectory.nbytes
+                    entry.trajectory = None
+                    if self._memory_bytes <= 0.9 * s.max_memory_bytes:
+                        break
+        self._disk_bytes = self.store.bytes_on_disk()
+        over = self._memory_bytes > s.max_memory_bytes or self._disk_bytes > s.max_disk_bytes
+        under = self._memory_bytes <= 0.9 * s.max_memory_bytes and self._disk_bytes <= 0.9 * s.max_disk_bytes
+        if self.reading_producers and over:
+            self.poller.unregister(self.sockets["producer"])
+            self.reading_producers = False
+            self.metrics.backpressure.set(1)
+            log.warning("over budget: producer frames paused", extra={"bytes_in_memory": self._memory_bytes,
+                                                                     "bytes_on_disk": self._disk_bytes})
+        elif not self.reading_producers and under:
+            self.poller.register(self.sockets["producer"], zmq.POLLIN)
+            self.reading_producers = True
+            self.metrics.backpressure.set(0)
+            log.info("back under budget: producer frames resumed")
+
+    def _refresh_gauges(self, now: float) -> None:
+        status = self.status(now)
+        for state in ("open", "ready", "leased", "dead"):
+            self.metrics.depth.labels(state=state).set(status[state])
+        self.metrics.bytes.labels(where="memory").set(status["bytes_in_memory"])
+        self.metrics.bytes.labels(where="disk").set(status["bytes_on_disk"])

@@ -1,0 +1,38 @@
+"""Prometheus helpers shared by the daemons: a private registry per daemon
+(so several can live in one process, as in tests) whose counters are also
+readable as a plain dict for the admin `status` reply."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class Metrics:
+    """A registry plus a flat view of every counter's value."""
+
+    def __init__(self, namespace: str):
+        self.registry = CollectorRegistry()
+        self.namespace = namespace
+        self.totals: dict[str, float] = {}
+        self._names: dict[int, str] = {}
+
+    def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        counter = Counter(name, doc, labels, namespace=self.namespace, registry=self.registry)
+        self._names[id(counter)] = name
+        return counter
+
+    def gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(name, doc, labels, namespace=self.namespace, registry=self.registry)
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, namespace=self.namespace, registry=self.registry, buckets=buckets)
+
+    def inc(self, counter: Counter, amount: float = 1, **labels: str) -> None:
+        (counter.labels(**labels) if labels else counter).inc(amount)
+        key = self._names[id(counter)] + "".join(f".{value}" for value in labels.values())
+        self.totals[key] = self.totals.get(key, 0) + amount
+
+    def serve(self, host: str, port: int):
+        """Expose /metrics on `host:port`; port 0 disables it."""
+        if port:
+            return start_http_server(port, addr=host, registry=self.registry)
+        return None

@@ -1,0 +1,44 @@
+"""Socket options every rollstream socket sets (PROTOCOL.md §1)."""
+from __future__ import annotations
+
+import zmq
+
+
+def tune(
+    sock: zmq.Socket,
+    *,
+    high_water_mark: int = 1000,
+    heartbeat_interval: float = 1.0,
+    max_message_bytes: int | None = None,
+    linger_ms: int = 1000,
+) -> zmq.Socket:
+    """Explicit HWMs, ZMTP heartbeats, a bounded linger, and a socket message
+    limit above the application's `max_message_bytes`, so an oversized
+    message is still read and answered `too_large`."""
+    sock.setsockopt(zmq.SNDHWM, high_water_mark)
+    sock.setsockopt(zmq.RCVHWM, high_water_mark)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    interval_ms = max(1, int(heartbeat_interval * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * interval_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * interval_ms)
+    if max_message_bytes is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, min(2 * max_message_bytes, 2**62))
+    return sock
+
+
+def router(context: zmq.Context, endpoint: str, **options) -> zmq.Socket:
+    """A bound ROUTER that refuses to drop messages for unknown peers."""
+    sock = tune(context.socket(zmq.ROUTER), **options)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    sock.bind(endpoint)
+    return sock
+
+
+def dealer(context: zmq.Context, endpoint: str, identity: bytes | None = None, **options) -> zmq.Socket:
+    sock = tune(context.socket(zmq.DEALER), **options)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(endpoint)
+    return sock
