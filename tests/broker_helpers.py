@@ -1,0 +1,31 @@
+"""Message builders shared by the broker tests: real encode -> decode round
+trips, so the engine sees exactly what the service would hand it."""
+import numpy as np
+
+from rollstream.common.codec import decode, encode
+from rollstream.common.messages import PRODUCER_TO_BROKER
+from rollstream.common.trajectory import Turn
+from rollstream.common.wire import encode_turn
+
+
+def turn_msg(tid, index, tokens=(10,), supports=None, forced=None, status="completed", seq=None, group=None,
+             prompt=(1, 2), **turn_kw):
+    turn = Turn.build(list(tokens), [-0.5] * len(tokens), supports=supports, forced_tokens=forced, status=status, **turn_kw)
+    extra = {}
+    if index == 0:
+        extra["prompt_tokens"] = np.array(prompt, np.int32)
+        if group:
+            extra["group_id"], extra["group_size"] = group
+    frames = encode_turn(tid, index, turn, seq=index if seq is None else seq, **extra)
+    return decode(frames, PRODUCER_TO_BROKER)
+
+
+def end_msg(tid, reward=1.0, seq=100, metadata=None):
+    fields = {"seq": seq, "trajectory_id": tid, "reward": reward}
+    if metadata is not None:
+        fields["metadata"] = metadata
+    return decode(encode(PRODUCER_TO_BROKER, "end", fields), PRODUCER_TO_BROKER)
+
+
+def abort_msg(tid, seq=200, reason="retry"):
+    return decode(encode(PRODUCER_TO_BROKER, "abort", {"seq": seq, "trajectory_id": tid, "reason": reason}), PRODUCER_TO_BROKER)

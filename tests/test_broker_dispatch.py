@@ -1,0 +1,120 @@
+"""The dispatcher on its own: credit, leases, liveness and redelivery."""
+import pytest
+
+from rollstream.broker.dispatch import Dispatcher, DispatchSettings
+from rollstream.broker.engine import Unit
+
+A, B = b"conn-a", b"conn-b"
+
+
+@pytest.fixture
+def d():
+    return Dispatcher(DispatchSettings(lease_timeout=10.0, heartbeat_interval=1.0, max_deliveries=3))
+
+
+def test_nothing_is_sent_without_credit(d):
+    d.hello(A, "a", now=0)
+    d.enqueue(Unit(("t1",)))
+    assert d.deliveries(now=0) == []
+    d.credit(A, 1, "trajectory")
+    (out,) = d.deliveries(now=0)
+    assert (out.identity, out.trajectory_id, out.delivery_count) == (A, "t1", 1)
+    d.enqueue(Unit(("t2",)))
+    assert d.deliveries(now=0) == []  # credit used up
+
+
+def test_round_robin_between_consumers(d):
+    for identity in (A, B):
+        d.hello(identity, identity.decode(), now=0)
+        d.credit(identity, 2, "trajectory")
+    for i in range(4):
+        d.enqueue(Unit((f"t{i}",)))
+    sent = d.deliveries(now=0)
+    assert sorted(x.trajectory_id for x in sent) == ["t0", "t1", "t2", "t3"]
+    assert sum(x.identity == A for x in sent) == 2 and sum(x.identity == B for x in sent) == 2
+
+
+def test_group_credit_takes_whole_units_and_trajectory_credit_splits(d):
+    d.hello(A, "a", now=0)
+    d.enqueue(Unit(("g0", "g1", "g2"), "G", 3, 0))
+    d.credit(A, 2, "trajectory")
+    first = d.deliveries(now=0)
+    assert [x.trajectory_id for x in first] == ["g0", "g1"]
+    assert first[0].group_fields == {"group_id": "G", "group_size": 3, "group_left": 0}
+    d.credit(A, 1, "group")
+    assert [x.trajectory_id for x in d.deliveries(now=0)] == ["g2"]
+
+
+def test_ack_settles_and_unknown_leases_are_stale(d):
+    d.hello(A, "a", now=0)
+    d.credit(A, 1, "trajectory")
+    d.enqueue(Unit(("t",)))
+    (out,) = d.deliveries(now=0)
+    valid, stale = d.settle([out.lease, "nope"])
+    assert [lease.trajectory_id for lease in valid] == ["t"] and stale == ["nope"]
+    assert d.settle([out.lease]) == ([], [out.lease])
+
+
+def test_expired_lease_is_redelivered(d):
+    d.hello(A, "a", now=0)
+    d.credit(A, 5, "trajectory")
+    d.enqueue(Unit(("t",)))
+    first = d.deliveries(now=0)[0]
+    d.seen(A, now=4)
+    assert d.tick(now=5) == [] and first.lease in d.leases
+    d.seen(A, now=9)
+    d.tick(now=11)
+    assert first.lease not in d.leases and d.redeliveries == 1
+    second = d.deliveries(now=11)[0]
+    assert second.trajectory_id == "t" and second.lease != first.lease and second.delivery_count == 2
+
+
+def test_silent_consumer_loses_leases_and_credit(d):
+    d.hello(A, "a", now=0)
+    d.hello(B, "b", now=0)
+    d.credit(A, 1, "trajectory")
+    d.enqueue(Unit(("t",)))
+    d.deliveries(now=0)
+    d.seen(B, now=3)
+    d.tick(now=3.5)  # A silent for 3.5 s > 3 heartbeat intervals
+    assert A not in d.consumers and B in d.consumers
+    assert [u.trajectory_ids for u in d.queue] == [("t",)]
+    d.credit(B, 1, "trajectory")
+    assert d.deliveries(now=4)[0].identity == B
+
+
+def test_hello_with_same_consumer_id_releases_the_old_connection(d):
+    d.hello(A, "worker", now=0)
+    d.credit(A, 1, "trajectory")
+    d.enqueue(Unit(("t",)))
+    d.deliveries(now=0)
+    d.hello(B, "worker", now=1)
+    assert A not in d.consumers and [u.trajectory_ids for u in d.queue] == [("t",)]
+
+
+def test_max_deliveries_exhausts(d):
+    d.hello(A, "a", now=0)
+    d.enqueue(Unit(("t",)))
+    now = 0
+    for attempt in range(3):
+        d.credit(A, 1, "trajectory")
+        (out,) = d.deliveries(now)
+        now += 11
+        d.seen(A, now)
+        exhausted = d.tick(now)
+    assert exhausted == ["t"] and not d.queue
+
+
+def test_requeue_keeps_group_together_with_its_size(d):
+    d.hello(A, "a", now=0)
+    d.credit(A, 1, "group")
+    d.enqueue(Unit(("g0", "g1", "g2"), "G", 4, 1))
+    sent = d.deliveries(now=0)
+    valid, _ = d.settle([sent[0].lease, sent[2].lease])
+    d.requeue(valid)
+    (unit,) = d.queue
+    assert unit == Unit(("g0", "g2"), "G", 4, 2)
+
+
+def test_unknown_connection_is_not_seen(d):
+    assert d.seen(A, now=0) is False

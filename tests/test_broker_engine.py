@@ -1,0 +1,241 @@
+"""The merge engine on its own (no sockets, files or clocks): every ordering,
+idempotence, merge, group, TTL and dedup rule of PROTOCOL.md §3 and
+SEMANTICS.md §3-§5."""
+import pytest
+from broker_helpers import abort_msg, end_msg, turn_msg
+
+from rollstream.broker.engine import (
+    DEAD,
+    ENDED,
+    CloseGroup,
+    DeadLetter,
+    DropTrajectory,
+    EndTrajectory,
+    EngineSettings,
+    Forget,
+    MergeEngine,
+    OpenTrajectory,
+    PutTurn,
+    ReleaseGroup,
+    Unit,
+)
+from rollstream.common import SamplingMask
+
+
+@pytest.fixture
+def engine():
+    return MergeEngine(EngineSettings(trajectory_ttl=100.0, dedup_window=1000.0))
+
+
+def ack(reply):
+    assert reply.error is None, reply.error
+    return reply.fields
+
+
+def refused(reply):
+    assert reply.error is not None and reply.fields is None
+    return reply.error
+
+
+def test_turns_in_order_are_applied_and_persisted(engine):
+    r0 = engine.handle(turn_msg("t", 0, [10], [[10, 4]], forced=[20, 21]), now=1)
+    assert ack(r0) == {"seq": 0, "trajectory_id": "t", "turn": 0, "applied": True}
+    assert [type(e) for e in r0.effects] == [OpenTrajectory, PutTurn]
+    r1 = engine.handle(turn_msg("t", 1, [30], [[30, 7, 8]]), now=2)
+    assert ack(r1)["applied"] and isinstance(r1.effects[0], PutTurn) and r1.effects[0].message is not None
+    traj = engine.entries["t"].trajectory
+    # SEMANTICS.md §8 example 6 through the engine
+    assert traj.mask.ids.tolist() == [10, 4, 20, 21, 30, 7, 8] and traj.mask.offsets.tolist() == [0, 2, 3, 4, 7]
+    assert traj.loss_mask.tolist() == [1, 0, 0, 1]
+
+
+def test_identical_resend_is_a_duplicate_repeating_the_outcome(engine):
+    engine.handle(turn_msg("t", 0, [10], [[10]]), now=1)
+    reply = engine.handle(turn_msg("t", 0, [10], [[10]], seq=9), now=2)
+    assert ack(reply) == {"seq": 9, "trajectory_id": "t", "turn": 0, "applied": True, "duplicate": True}
+    assert reply.effects == () and engine.entries["t"].trajectory.response_length == 1
+
+
+def test_different_content_for_an_earlier_turn_is_conflict(engine):
+    engine.handle(turn_msg("t", 0, [10], [[10]]), now=1)
+    error = refused(engine.handle(turn_msg("t", 0, [11], [[11]], seq=5), now=2))
+    assert error.code == "conflict" and error.seq == 5
+
+
+def test_later_turn_is_out_of_order_with_expected(engine):
+    error = refused(engine.handle(turn_msg("t", 2), now=1))
+    assert (error.code, error.expected) == ("out_of_order", 0)
+    engine.handle(turn_msg("t", 0), now=1)
+    error = refused(engine.handle(turn_msg("t", 3), now=1))
+    assert (error.code, error.expected) == ("out_of_order", 1)
+    assert "t" in engine.entries and engine.entries["t"].next_turn == 1
+
+
+def test_example_7_replay_gap(engine):
+    engine.handle(turn_msg("t", 0, [10], [[10, 4]], forced=[20]), now=1)
+    reply = engine.handle(turn_msg("t", 1, [30], None, status="aborted"), now=2)
+    assert ack(reply) == {"seq": 1, "trajectory_id": "t", "turn": 1, "applied": False, "reason": "replay_gap"}
+    (effect,) = reply.effects
+    assert effect.message is None and (effect.gap.turn, effect.gap.field) == (1, "mask")
+    assert engine.entries["t"].trajectory.tokens.tolist() == [10]
+    later = engine.handle(turn_msg("t", 2, [40], [[40]]), now=3)
+    assert ack(later)["reason"] == "replay_gap" and later.effects == ()
+    resend = engine.handle(turn_msg("t", 1, [30], None, status="aborted", seq=7), now=3)
+    assert ack(resend) == {"seq": 7, "trajectory_id": "t", "turn": 1, "applied": False, "reason": "replay_gap", "duplicate": True}
+
+
+def test_example_8_mask_presence_refused_unchanged(engine):
+    engine.handle(turn_msg("t", 0, [10], None), now=1)
+    error = refused(engine.handle(turn_msg("t", 1, [30], [[30]]), now=2))
+    assert error.code == "mask_presence"
+    assert engine.entries["t"].next_turn == 1
+    assert ack(engine.handle(turn_msg("t", 1, [30], None), now=2))["applied"]
+
+
+def test_after_truncated_turn_later_turns_are_not_applied(engine):
+    engine.handle(turn_msg("t", 0, [10], status="truncated"), now=1)
+    reply = engine.handle(turn_msg("t", 1, [11]), now=2)
+    assert ack(reply)["reason"] == "after_terminal" and reply.effects == ()
+
+
+def test_replay_array_shrinking_is_misaligned(engine):
+    import numpy as np
+
+    engine.handle(turn_msg("t", 0, [10], routed_experts=np.zeros((4, 2), np.int32)), now=1)
+    error = refused(engine.handle(turn_msg("t", 1, [11], routed_experts=np.zeros((3, 2), np.int32)), now=2))
+    assert error.code == "misaligned"
+
+
+def test_end_makes_a_ready_unit_and_is_idempotent(engine):
+    engine.handle(turn_msg("t", 0), now=1)
+    reply = engine.handle(end_msg("t", reward=0.5, metadata={"k": 1}), now=2)
+    assert ack(reply) == {"seq": 100, "trajectory_id": "t", "applied": True}
+    (effect,) = reply.effects
+    assert isinstance(effect, EndTrajectory) and effect.reward == 0.5 and effect.metadata == {"k": 1}
+    assert list(engine.ready_units) == [Unit(("t",))]
+    again = engine.handle(end_msg("t", reward=0.5, metadata={"k": 1}, seq=101), now=3)
+    assert ack(again)["duplicate"] and again.effects == ()
+    assert refused(engine.handle(end_msg("t", reward=0.7), now=3)).code == "conflict"
+    late = engine.handle(turn_msg("t", 1), now=3)
+    assert ack(late)["reason"] == "after_terminal"
+
+
+def test_end_for_unknown_trajectory(engine):
+    assert refused(engine.handle(end_msg("nope"), now=1)).code == "unknown_trajectory"
+
+
+def test_abort_discards_and_allows_a_fresh_turn_zero(engine):
+    engine.handle(turn_msg("t", 0, [10]), now=1)
+    reply = engine.handle(abort_msg("t"), now=2)
+    assert ack(reply)["applied"] and reply.effects == (DropTrajectory("t", False),)
+    assert "t" not in engine.entries
+    again = engine.handle(abort_msg("t", seq=201), now=2)
+    assert ack(again) == {"seq": 201, "trajectory_id": "t", "applied": False, "reason": "unknown_trajectory"}
+    fresh = engine.handle(turn_msg("t", 0, [99]), now=3)
+    assert ack(fresh)["applied"] and engine.entries["t"].trajectory.tokens.tolist() == [99]
+
+
+def test_abort_after_end_is_conflict(engine):
+    engine.handle(turn_msg("t", 0), now=1)
+    engine.handle(end_msg("t"), now=1)
+    assert refused(engine.handle(abort_msg("t"), now=2)).code == "conflict"
+
+
+def test_delivered_ids_are_remembered_for_the_dedup_window(engine):
+    engine.handle(turn_msg("t", 0), now=1)
+    engine.handle(end_msg("t"), now=1)
+    (forget,) = engine.delivered("t", now=10)
+    assert forget == Forget("t", 1010.0)
+    for message in (turn_msg("t", 0), end_msg("t"), abort_msg("t")):
+        reply = engine.handle(message, now=20)
+        assert ack(reply)["applied"] is False and ack(reply)["duplicate"] is True and reply.effects == ()
+    engine.expire(now=2000)
+    assert "t" not in engine.dedup
+    assert ack(engine.handle(turn_msg("t", 0), now=2001))["applied"]
+
+
+def test_idle_open_trajectory_expires_to_dead_letters(engine):
+    engine.handle(turn_msg("t", 0), now=1)
+    engine.handle(turn_msg("u", 0), now=90)
+    effects = engine.expire(now=150)
+    assert effects == [DeadLetter("t", "expired", 150, dedup_until=1150.0)]
+    assert engine.entries["t"].state == DEAD and engine.entries["u"].state == "open"
+    assert engine.dead_letters(10) == [{"trajectory_id": "t", "reason": "expired", "at": 150}]
+    assert ack(engine.handle(turn_msg("t", 1), now=151))["duplicate"]
+    assert engine.requeue("t") is None  # never delivered as if complete
+
+
+def test_dead_letter_and_requeue(engine):
+    engine.handle(turn_msg("t", 0), now=1)
+    engine.handle(end_msg("t"), now=1)
+    engine.ready_units.clear()
+    assert engine.dead_letter("t", "bad batch", now=5) == [DeadLetter("t", "bad batch", 5)]
+    assert engine.counts()[DEAD] == 1
+    assert engine.requeue("t") is not None
+    assert engine.entries["t"].state == ENDED and list(engine.ready_units) == [Unit(("t",), None, None, 0)]
+
+
+def test_group_is_released_when_every_member_ended_or_left(engine):
+    for i in range(3):
+        engine.handle(turn_msg(f"g{i}", 0, group=("G", 3)), now=1)
+    engine.handle(end_msg("g0"), now=2)
+    engine.handle(end_msg("g2"), now=2)
+    assert not engine.ready_units
+    reply = engine.handle(abort_msg("g1"), now=3)
+    assert ack(reply)["applied"]
+    assert DropTrajectory("g1", True) in reply.effects and ReleaseGroup("G", 3) in reply.effects
+    assert list(engine.ready_units) == [Unit(("g0", "g2"), "G", 3, 1)]
+    assert refused(engine.handle(turn_msg("g1", 0, group=("G", 3)), now=4)).code == "conflict"
+    engine.delivered("g0", now=5)
+    effects = engine.delivered("g2", now=5)
+    assert CloseGroup("G") in effects and "G" not in engine.groups and "g1" not in engine.entries
+
+
+def test_group_membership_rules(engine):
+    engine.handle(turn_msg("a", 0, group=("G", 2)), now=1)
+    assert refused(engine.handle(turn_msg("b", 0, group=("G", 3)), now=1)).code == "conflict"
+    engine.handle(turn_msg("b", 0, group=("G", 2)), now=1)
+    assert refused(engine.handle(turn_msg("c", 0, group=("G", 2)), now=1)).code == "conflict"
+
+
+def test_aborted_member_may_rejoin_before_release(engine):
+    engine.handle(turn_msg("a", 0, group=("G", 2)), now=1)
+    engine.handle(turn_msg("b", 0, group=("G", 2)), now=1)
+    engine.handle(abort_msg("a"), now=2)
+    assert ack(engine.handle(turn_msg("a", 0, group=("G", 2)), now=3))["applied"]
+    engine.handle(end_msg("a"), now=4)
+    engine.handle(end_msg("b", seq=101), now=4)
+    assert list(engine.ready_units) == [Unit(("a", "b"), "G", 2, 0)]
+
+
+def test_idle_incomplete_group_is_released_with_missing_members_left(engine):
+    engine.handle(turn_msg("a", 0, group=("G", 4)), now=1)
+    engine.handle(end_msg("a"), now=2)
+    assert engine.expire(now=50) == []
+    effects = engine.expire(now=200)
+    assert ReleaseGroup("G", 4) in effects
+    assert list(engine.ready_units) == [Unit(("a",), "G", 4, 3)]
+
+
+def test_expired_member_counts_as_left(engine):
+    engine.handle(turn_msg("a", 0, group=("G", 2)), now=1)
+    engine.handle(turn_msg("b", 0, group=("G", 2)), now=150)
+    engine.handle(end_msg("b"), now=150)
+    engine.expire(now=160)
+    assert list(engine.ready_units) == [Unit(("b",), "G", 2, 1)]
+
+
+def test_refused_turn_zero_leaves_no_trace(engine):
+    engine.handle(turn_msg("a", 0, group=("G", 1)), now=1)
+    error = refused(engine.handle(turn_msg("b", 0, group=("G", 1)), now=1))
+    assert error.code == "conflict" and "b" not in engine.entries
+    assert list(engine.groups["G"].members) == ["a"]
+
+
+def test_mask_through_the_engine_matches_concatenation(engine):
+    engine.handle(turn_msg("t", 0, [1, 2], [[1, 5], [2]], forced=[7]), now=1)
+    engine.handle(turn_msg("t", 1, [3], [[3, 9]]), now=1)
+    expected = SamplingMask.concatenate(
+        [SamplingMask.from_supports([[1, 5], [2]]), SamplingMask.singletons([7]), SamplingMask.from_supports([[3, 9]])]
+    )
+    assert engine.entries["t"].trajectory.mask == expected

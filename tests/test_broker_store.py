@@ -1,0 +1,229 @@
+"""The durable store and recovery, without sockets: what was committed comes
+back exactly; torn tails are cut; corruption is reported, never half-loaded;
+a failed write persists nothing."""
+import os
+import sqlite3
+
+import numpy as np
+import pytest
+from broker_helpers import abort_msg, end_msg, turn_msg
+
+from rollstream.broker.engine import EngineSettings, MergeEngine, Unit
+from rollstream.broker.recovery import load_trajectory, restore
+from rollstream.broker.store import Store, StoreCorrupted, StoreError
+
+
+def drive(engine, store, messages, now=1.0):
+    for message in messages:
+        reply = engine.handle(message, now)
+        assert reply.error is None, reply.error
+        store.commit(list(reply.effects))
+
+
+def reopen(path, **kw):
+    store = Store(path, **kw)
+    engine = MergeEngine(EngineSettings())
+    units = restore(engine, store.open(), store)
+    return store, engine, units
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "data")
+    s.open()
+    yield s
+    s.close()
+
+
+def scenario():
+    """Open, ended, gapped, aborted and grouped trajectories."""
+    return [
+        turn_msg("open", 0, [10, 11], [[10, 1], [11]], forced=[20]),
+        turn_msg("open", 1, [12], [[12, 3]]),
+        turn_msg("done", 0, [5], [[5]], forced=[6]),
+        end_msg("done", reward={"acc": 1.0}, metadata={"k": "v"}),
+        turn_msg("gap", 0, [7], [[7, 8]], forced=[9]),
+        turn_msg("gap", 1, [1], None),
+        end_msg("gap", reward=0.0, seq=101),
+        turn_msg("gone", 0),
+        abort_msg("gone"),
+        turn_msg("g0", 0, group=("G", 2)),
+        turn_msg("g1", 0, group=("G", 2)),
+        end_msg("g0", seq=102),
+        abort_msg("g1", seq=202),
+    ]
+
+
+def test_everything_comes_back_exactly(tmp_path, store):
+    engine = MergeEngine(EngineSettings())
+    drive(engine, store, scenario())
+    store.close()
+    store2, engine2, units = reopen(tmp_path / "data")
+    assert set(engine2.entries) == {"open", "done", "gap", "g0", "g1"}
+    original = engine.entries["open"].trajectory
+    restored = engine2.entries["open"].trajectory
+    assert restored.mask == original.mask and restored.tokens.tolist() == original.tokens.tolist()
+    assert engine2.entries["open"].outcomes == engine.entries["open"].outcomes
+    assert units == [Unit(("done",)), Unit(("gap",)), Unit(("g0",), "G", 2, 1)]
+    done = load_trajectory(store2, store2.load_one("done"))
+    assert done.reward == {"acc": 1.0} and done.metadata == {"k": "v"} and done.tokens.tolist() == [5, 6]
+    gap = load_trajectory(store2, store2.load_one("gap"))
+    assert gap.tokens.tolist() == [7] and (gap.gap.turn, gap.gap.field) == (1, "mask")
+    # duplicates are still recognised after the restart
+    reply = engine2.handle(turn_msg("open", 1, [12], [[12, 3]], seq=50), now=2)
+    assert reply.fields["duplicate"] is True
+    # and the open trajectory continues where it was
+    reply = engine2.handle(turn_msg("open", 2, [13], [[13]]), now=2)
+    assert reply.fields["applied"] and engine2.entries["open"].trajectory.response_length == 5
+    store2.close()
+
+
+def test_dedup_and_dead_letters_survive(tmp_path, store):
+    engine = MergeEngine(EngineSettings(trajectory_ttl=10, dedup_window=100))
+    drive(engine, store, [turn_msg("a", 0), end_msg("a"), turn_msg("b", 0)])
+    store.commit(engine.delivered("a", now=5))
+    store.commit(engine.expire(now=50))
+    store.close()
+    store2, engine2, units = reopen(tmp_path / "data")
+    assert units == [] and engine2.dedup == {"a": 105.0, "b": 150.0}
+    assert engine2.dead_letters(10) == [{"trajectory_id": "b", "reason": "expired", "at": 50.0}]
+    store2.close()
+
+
+def test_torn_tail_is_cut(tmp_path, store):
+    engine = MergeEngine(EngineSettings())
+    drive(engine, store, [turn_msg("a", 0, [1, 2], [[1], [2]])])
+    segment = store.segments.path(store.segments.current)
+    committed = segment.stat().st_size
+    store.close()
+    with open(segment, "ab") as f:
+        f.write(b"half a record that never committed")
+    store2, engine2, _ = reopen(tmp_path / "data")
+    assert segment.stat().st_size == committed
+    assert engine2.entries["a"].trajectory.tokens.tolist() == [1, 2]
+    store2.close()
+
+
+def test_corrupted_record_is_detected(tmp_path, store):
+    engine = MergeEngine(EngineSettings())
+    drive(engine, store, [turn_msg("a", 0, [1, 2], [[1], [2]])])
+    segment = store.segments.path(store.segments.current)
+    store.close()
+    data = bytearray(segment.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    with pytest.raises(StoreCorrupted, match="CRC mismatch"):
+        Store(tmp_path / "data").open()
+
+
+def test_missing_segment_is_detected(tmp_path, store):
+    drive(MergeEngine(EngineSettings()), store, [turn_msg("a", 0)])
+    store.close()
+    for path in (tmp_path / "data" / "segments").glob("*.log"):
+        path.unlink()
+    with pytest.raises(StoreCorrupted, match="missing"):
+        Store(tmp_path / "data").open()
+
+
+def test_corrupted_database_is_detected(tmp_path, store):
+    drive(MergeEngine(EngineSettings()), store, [turn_msg("a", 0)])
+    store.close()
+    db = tmp_path / "data" / "state.sqlite"
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / "data" / f"state.sqlite{suffix}").unlink(missing_ok=True)
+    db.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(StoreCorrupted):
+        Store(tmp_path / "data").open()
+
+
+def test_failed_segment_write_persists_nothing(tmp_path, store, monkeypatch):
+    engine = MergeEngine(EngineSettings())
+    drive(engine, store, [turn_msg("a", 0)])
+    size = store.segments.size
+
+    def disk_full(fd, buffers):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", disk_full)
+    reply = engine.handle(turn_msg("b", 0), now=2)
+    with pytest.raises(StoreError, match="No space left"):
+        store.commit(list(reply.effects))
+    monkeypatch.undo()
+    assert store.segments.size == size
+    store.close()
+    store2, engine2, _ = reopen(tmp_path / "data")
+    assert set(engine2.entries) == {"a"}
+    store2.close()
+
+
+def test_failed_database_commit_persists_nothing(tmp_path, store, monkeypatch):
+    engine = MergeEngine(EngineSettings())
+    drive(engine, store, [turn_msg("a", 0)])
+    segment = store.segments.path(store.segments.current)
+    size = segment.stat().st_size
+    original = store._apply
+
+    def failing(effect, location, released):
+        original(effect, location, released)
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "_apply", failing)
+    with pytest.raises(StoreError, match="disk is full"):
+        store.commit(list(engine.handle(turn_msg("b", 0), now=2).effects))
+    monkeypatch.undo()
+    assert segment.stat().st_size == size
+    store.close()
+    store2, engine2, _ = reopen(tmp_path / "data")
+    assert set(engine2.entries) == {"a"}
+    store2.close()
+
+
+def test_segments_rotate_and_finished_ones_are_deleted(tmp_path):
+    store = Store(tmp_path / "data", segment_bytes=4096)
+    store.open()
+    engine = MergeEngine(EngineSettings())
+    big = list(range(1, 600))
+    for i in range(4):
+        drive(engine, store, [turn_msg(f"t{i}", 0, big, [[t] for t in big]), end_msg(f"t{i}", seq=100 + i)])
+    assert len(list((tmp_path / "data" / "segments").glob("*.log"))) >= 3
+    first = store.segments.path(1)
+    assert first.exists()
+    store.commit(engine.delivered("t0", now=5))
+    assert not first.exists()
+    store.close()
+    store2, engine2, units = reopen(tmp_path / "data", segment_bytes=4096)
+    assert [u.trajectory_ids for u in units] == [("t1",), ("t2",), ("t3",)]
+    assert load_trajectory(store2, store2.load_one("t3")).tokens.tolist() == big
+    store2.close()
+
+
+def test_full_sync_mode_commits(tmp_path):
+    store = Store(tmp_path / "data", sync="full")
+    store.open()
+    drive(MergeEngine(EngineSettings()), store, [turn_msg("a", 0, [3], [[3]])])
+    assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    store.close()
+    with pytest.raises(ValueError, match="sync"):
+        Store(tmp_path / "x", sync="sometimes")
+
+
+def test_probe_reports_while_writes_fail(tmp_path, store, monkeypatch):
+    store.probe()
+
+    def broken(fd, buffers):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "writev", broken)
+    with pytest.raises(StoreError, match="Input/output"):
+        store.probe()
+
+
+def test_replay_arrays_survive(tmp_path, store):
+    engine = MergeEngine(EngineSettings())
+    experts = np.arange(24, dtype=np.int32).reshape(4, 3, 2)
+    drive(engine, store, [turn_msg("a", 0, [1], routed_experts=experts), end_msg("a")])
+    store.close()
+    store2, engine2, _ = reopen(tmp_path / "data")
+    traj = load_trajectory(store2, store2.load_one("a"))
+    assert np.array_equal(traj.routed_experts, experts)
+    store2.close()
