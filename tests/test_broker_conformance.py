@@ -1,0 +1,171 @@
+"""A peer written from docs/protocol.md with raw zmq + msgpack + numpy only
+(no rollstream imports) drives a live broker through every message type."""
+import zlib
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from broker_process import BrokerProcess
+
+I32, I64, F32, U8 = "<i4", "<i8", "<f4", "u1"
+
+
+def frames(mtype, arrays=None, crc=False, **fields):
+    header = {"v": 1, "type": mtype, **fields}
+    bufs = []
+    if arrays:
+        header["arrays"] = []
+        for name, (values, dtype) in arrays.items():
+            arr = np.asarray(values, dtype=dtype)
+            header["arrays"].append([name, arr.dtype.name, list(arr.shape)])
+            bufs.append(arr.tobytes())
+        if crc:
+            value = 0
+            for buf in bufs:
+                value = zlib.crc32(buf, value)
+            header["crc32"] = value
+    return [msgpack.packb(header)] + bufs
+
+
+def turn(seq, tid, index, tokens, supports=None, forced=None, status="completed", prompt=None, **fields):
+    arrays = {"tokens": (tokens, I32), "log_probs": ([-0.5] * len(tokens), F32)}
+    if supports is not None:
+        offsets = np.concatenate([[0], np.cumsum([len(s) for s in supports])])
+        arrays["mask_ids"] = ([i for s in supports for i in s], I32)
+        arrays["mask_offsets"] = (offsets, I64)
+    if forced:
+        arrays["forced_tokens"] = (forced, I32)
+    if prompt is not None:
+        arrays["prompt_tokens"] = (prompt, I32)
+    return frames("turn", arrays, crc=True, seq=seq, trajectory_id=tid, turn=index, status=status, **fields)
+
+
+class Peer:
+    def __init__(self, endpoint):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def call(self, message):
+        self.sock.send_multipart(message)
+        return self.recv()
+
+    def recv(self, timeout=10_000):
+        assert self.sock.poll(timeout), "no reply from the broker"
+        parts = self.sock.recv_multipart()
+        return msgpack.unpackb(parts[0]), parts[1:]
+
+
+@pytest.fixture
+def broker(tmp_path):
+    with BrokerProcess(tmp_path, vocab_size=1000, window=8) as b:
+        yield b
+
+
+def test_producer_and_consumer_conversation(broker):
+    producer = Peer(broker.producer)
+    welcome, _ = producer.call(frames("hello", producer_id="raw-peer", seq=0))
+    assert welcome["type"] == "welcome" and welcome["window"] == 8 and welcome["seq"] == 0
+    assert welcome["max_message_bytes"] == 256 * 1024 * 1024
+
+    reply, _ = producer.call(turn(1, "t1", 0, [10, 11], [[10, 4], [11]], forced=[20, 21], prompt=[1, 2, 3],
+                                  group_id="G", group_size=1, sample_index=7, weight_version="w1"))
+    assert reply == {"v": 1, "type": "ack", "seq": 1, "trajectory_id": "t1", "turn": 0, "applied": True}
+    reply, _ = producer.call(turn(2, "t1", 1, [30], [[30, 7, 8]], weight_version="w2"))
+    assert reply["applied"] is True
+    reply, _ = producer.call(turn(3, "t1", 1, [30], [[30, 7, 8]], weight_version="w2"))
+    assert reply["duplicate"] is True and reply["applied"] is True
+    reply, _ = producer.call(turn(4, "t1", 1, [31], [[31]]))
+    assert reply["type"] == "nack" and reply["code"] == "conflict" and reply["seq"] == 4
+    reply, _ = producer.call(turn(5, "t1", 5, [31], [[31]]))
+    assert (reply["code"], reply["expected"]) == ("out_of_order", 2)
+    reply, _ = producer.call(frames("end", seq=6, trajectory_id="t1", reward={"score": 0.75}, metadata={"env": "x"}))
+    assert reply["applied"] is True
+    reply, _ = producer.call(frames("ping", seq=7))
+    assert reply == {"v": 1, "type": "pong", "seq": 7}
+
+    consumer = Peer(broker.consumer)
+    welcome, _ = consumer.call(frames("hello", consumer_id="raw-consumer"))
+    assert welcome["type"] == "welcome" and welcome["lease_timeout"] > 0
+    consumer.sock.send_multipart(frames("credit", n=1, unit="group"))
+    header, bufs = consumer.recv()
+    assert header["type"] == "deliver" and header["trajectory_id"] == "t1"
+    crc = 0
+    for buf in bufs:
+        crc = zlib.crc32(buf, crc)
+    assert header["crc32"] == crc
+    arrays = {name: np.frombuffer(buf, dtype=dtype).reshape(shape)
+              for (name, dtype, shape), buf in zip(header["arrays"], bufs)}
+    # SEMANTICS.md example 6, built by hand
+    assert arrays["tokens"].tolist() == [10, 11, 20, 21, 30]
+    assert arrays["mask_ids"].tolist() == [10, 4, 11, 20, 21, 30, 7, 8]
+    assert arrays["mask_offsets"].tolist() == [0, 2, 3, 4, 5, 8]
+    assert arrays["loss_mask"].tolist() == [1, 1, 0, 0, 1]
+    assert arrays["prompt_tokens"].tolist() == [1, 2, 3]
+    assert header["reward"] == {"score": 0.75} and header["metadata"] == {"env": "x"}
+    assert header["weight_versions"] == ["w1", "w2"] and header["status"] == "completed"
+    assert (header["group_id"], header["group_size"], header["group_left"], header["sample_index"]) == ("G", 1, 0, 7)
+    assert header["response_length"] == 5 and header["delivery_count"] == 1
+
+    consumer.sock.send_multipart(frames("ack", leases=[header["lease"], "not-a-lease"]))
+    replies = [consumer.recv()[0], consumer.recv()[0]]
+    assert {"type": "acked", "leases": [header["lease"]], "v": 1} in replies
+    stale = next(r for r in replies if r["type"] == "nack")
+    assert stale["code"] == "stale_lease" and stale["leases"] == ["not-a-lease"]
+
+    reply, _ = producer.call(turn(8, "t1", 0, [10, 11], [[10, 4], [11]], prompt=[1, 2, 3]))
+    assert reply["applied"] is False and reply["duplicate"] is True
+
+    admin = Peer(broker.admin)
+    status, _ = admin.call(frames("status", seq=1))
+    assert status["type"] == "status" and status["seq"] == 1
+    assert status["open"] == 0 and status["ready"] == 0 and status["counters"]["trajectories.delivered"] == 1
+
+
+def test_gap_abort_and_dead_letters(broker):
+    producer = Peer(broker.producer)
+    reply, _ = producer.call(turn(1, "g", 0, [10], [[10]], forced=[5], prompt=[1]))
+    reply, _ = producer.call(turn(2, "g", 1, [11], None, status="aborted"))
+    assert (reply["applied"], reply["reason"]) == (False, "replay_gap")
+    reply, _ = producer.call(turn(3, "g", 2, [12], [[12]]))
+    assert reply["reason"] == "replay_gap"
+    producer.call(frames("end", seq=4, trajectory_id="g", reward=1))
+
+    reply, _ = producer.call(turn(5, "a", 0, [10], prompt=[1]))
+    reply, _ = producer.call(frames("abort", seq=6, trajectory_id="a", reason="retry"))
+    assert reply["applied"] is True
+    reply, _ = producer.call(frames("abort", seq=7, trajectory_id="a", reason="retry"))
+    assert (reply["applied"], reply["reason"]) == (False, "unknown_trajectory")
+    reply, _ = producer.call(frames("end", seq=8, trajectory_id="never", reward=1))
+    assert reply["code"] == "unknown_trajectory"
+
+    consumer = Peer(broker.consumer)
+    consumer.call(frames("hello", consumer_id="c"))
+    consumer.sock.send_multipart(frames("credit", n=5, unit="trajectory"))
+    header, bufs = consumer.recv()
+    assert header["gap"] == {"turn": 1, "field": "mask"} and header["response_length"] == 1
+    reply, _ = consumer.call(frames("nack", leases=[header["lease"]], reason="bad reward", requeue=False))
+    assert reply == {"v": 1, "type": "nacked", "leases": [header["lease"]]}
+
+    admin = zmq.Context.instance().socket(zmq.REQ)  # a REQ peer on the admin endpoint
+    admin.setsockopt(zmq.LINGER, 0)
+    admin.connect(broker.admin)
+    admin.send(msgpack.packb({"v": 1, "type": "dead_letters", "limit": 5}))
+    assert admin.poll(10_000)
+    dead = msgpack.unpackb(admin.recv())
+    assert [(i["trajectory_id"], i["reason"]) for i in dead["items"]] == [("g", "bad reward")]
+    admin.send(msgpack.packb({"v": 1, "type": "requeue", "trajectory_ids": ["g", "unknown"]}))
+    assert admin.poll(10_000)
+    assert msgpack.unpackb(admin.recv())["trajectory_ids"] == ["g"]
+    header, _ = consumer.recv()
+    assert header["trajectory_id"] == "g" and header["delivery_count"] == 1  # a requeue starts the count afresh
+    admin.close()
+
+
+def test_unknown_consumer_must_say_hello(broker):
+    consumer = Peer(broker.consumer)
+    reply, _ = consumer.call(frames("credit", n=1, unit="trajectory"))
+    assert reply["code"] == "unknown_consumer"
+    welcome, _ = consumer.call(frames("hello", consumer_id="late"))
+    assert welcome["type"] == "welcome"
