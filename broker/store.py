@@ -271,6 +271,7 @@ class Store:
         try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute(f"PRAGMA synchronous={'FULL' if self.sync == 'full' else 'NORMAL'}")
+            db.execute(f"PRAGMA journal_size_limit={16 << 20}")  # the WAL shrinks back after checkpoints
             result = db.execute("PRAGMA quick_check").fetchone()[0]
             if result != "ok":
                 raise StoreCorrupted(f"{self.db_path} failed its integrity check: {result}")
@@ -459,12 +460,12 @@ class Store:
         self.db.execute("DELETE FROM dedup WHERE until < ?", (now,))
 
     def bytes_on_disk(self) -> int:
-        total = self.segments.bytes_on_disk()
-        for suffix in ("", "-wal", "-shm"):
-            path = Path(f"{self.db_path}{suffix}")
-            if path.exists():
-                total += path.stat().st_size
-        return total
+        """Segment files, the SQLite pages in use, and its WAL: freed pages
+        are reused, so they do not count against the disk budget."""
+        pages, free, page_size = (self.db.execute(f"PRAGMA {name}").fetchone()[0]
+                                  for name in ("page_count", "freelist_count", "page_size"))
+        wal = Path(f"{self.db_path}-wal")
+        return self.segments.bytes_on_disk() + (pages - free) * page_size + (wal.stat().st_size if wal.exists() else 0)
 
     def close(self) -> None:
         self.segments.close()
