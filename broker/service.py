@@ -179,10 +179,15 @@ class BrokerService:
         pending: list[_Pending] = []
         effects: list = []
         for _ in range(self.settings.batch_max):
+            if self._over_budget():
+                break
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            size = sum(frame.buffer.nbytes for frame in frames)
+            self._memory_bytes += size  # estimates until the next measurement
+            self._disk_bytes += size
             identity = frames[0].bytes
             self.producers[identity] = now
             item, item_effects = self._producer_message(identity, frames[1:], now)
@@ -200,6 +205,7 @@ class BrokerService:
                                           seq=item.ack["seq"])
                     item.frames = self._refuse("producer", error, item.message)
             self._send("producer", item.identity, item.frames)
+        self._update_backpressure()
 
     def _producer_message(self, identity: bytes, body: list, now: float) -> tuple[_Pending, list]:
         s = self.settings
@@ -435,8 +441,8 @@ class BrokerService:
         self._refresh_gauges(now)
 
     def _apply_budgets(self) -> None:
-        """Evict ready trajectories from memory first; if still over a
-        budget, stop reading producer frames until back under 90%."""
+        """Measure memory and disk; evict ready trajectories from memory
+        first, then pause or resume producers."""
         s = self.settings
         self._memory_bytes = self.engine.bytes_in_memory()
         if self._memory_bytes > s.max_memory_bytes:
@@ -448,15 +454,28 @@ class BrokerService:
                     if self._memory_bytes <= 0.9 * s.max_memory_bytes:
                         break
         self._disk_bytes = self.store.bytes_on_disk()
-        over = self._memory_bytes > s.max_memory_bytes or self._disk_bytes > s.max_disk_bytes
-        under = self._memory_bytes <= 0.9 * s.max_memory_bytes and self._disk_bytes <= 0.9 * s.max_disk_bytes
-        if self.reading_producers and over:
+        if self._disk_bytes > s.max_disk_bytes:
+            try:
+                self.store.checkpoint()
+            except Exception as exc:  # a failed checkpoint only leaves the WAL larger
+                log.warning("WAL checkpoint failed", extra={"error": str(exc)})
+            self._disk_bytes = self.store.bytes_on_disk()
+        self._update_backpressure()
+
+    def _over_budget(self, fraction: float = 1.0) -> bool:
+        s = self.settings
+        return self._memory_bytes > fraction * s.max_memory_bytes or self._disk_bytes > fraction * s.max_disk_bytes
+
+    def _update_backpressure(self) -> None:
+        """Stop reading producer frames while over a budget; resume below 90%
+        of both (hysteresis, so the socket does not flap)."""
+        if self.reading_producers and self._over_budget():
             self.poller.unregister(self.sockets["producer"])
             self.reading_producers = False
             self.metrics.backpressure.set(1)
             log.warning("over budget: producer frames paused", extra={"bytes_in_memory": self._memory_bytes,
                                                                      "bytes_on_disk": self._disk_bytes})
-        elif not self.reading_producers and under:
+        elif not self.reading_producers and not self._over_budget(0.9):
             self.poller.register(self.sockets["producer"], zmq.POLLIN)
             self.reading_producers = True
             self.metrics.backpressure.set(0)

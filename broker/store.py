@@ -456,6 +456,10 @@ class Store:
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"store still unavailable: {exc}") from None
 
+    def checkpoint(self) -> None:
+        """Fold the WAL into the database and truncate it (reclaims disk)."""
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
     def prune_dedup(self, now: float) -> None:
         self.db.execute("DELETE FROM dedup WHERE until < ?", (now,))
 

@@ -1,0 +1,260 @@
+"""Bad input on every socket, a full disk, budgets, shutdown and settings,
+against a live broker subprocess."""
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from broker_process import BrokerProcess
+
+from rollstream.common.codec import decode, encode
+from rollstream.common.messages import (
+    ADMIN_REPLIES,
+    BROKER_TO_CONSUMER,
+    BROKER_TO_PRODUCER,
+    CONSUMER_TO_BROKER,
+    PRODUCER_TO_BROKER,
+)
+from rollstream.common.trajectory import Turn
+from rollstream.common.wire import encode_turn
+
+
+def dealer(endpoint):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def call(sock, frames, timeout=10_000):
+    sock.send_multipart(frames)
+    assert sock.poll(timeout), "no reply"
+    return sock.recv_multipart()
+
+
+def header(frames):
+    return msgpack.unpackb(frames[0])
+
+
+def good_turn(tid, index=0, seq=1, n=4):
+    tokens = list(range(10, 10 + n))
+    turn = Turn.build(tokens, [-0.1] * n, supports=[[t, t + 1] for t in tokens])
+    extra = {"prompt_tokens": np.array([1, 2], np.int32)} if index == 0 else {}
+    return encode_turn(tid, index, turn, seq=seq, **extra)
+
+
+def with_header(frames, **changes):
+    h = msgpack.unpackb(frames[0])
+    h.update(changes)
+    return [msgpack.packb(h)] + list(frames[1:])
+
+
+@pytest.fixture
+def broker(tmp_path):
+    with BrokerProcess(tmp_path, vocab_size=100, max_message_bytes=100_000) as b:
+        yield b
+
+
+def producer_bad_inputs():
+    good = good_turn("t")
+    h = msgpack.unpackb(good[0])
+    wrong_dtype = dict(h, arrays=[[n, "int64" if n == "tokens" else d, s] for n, d, s in h["arrays"]])
+    bad_support = Turn.build([10], [-0.1], supports=[[10]])
+    bad_support_frames = encode_turn("t", 0, bad_support, seq=1, prompt_tokens=np.array([1], np.int32))
+    bad_support_frames[3] = np.array([11], np.int32).tobytes()  # mask_ids no longer hold the token
+    return [
+        ("garbage", [b"\x00\xffgarbage"], "malformed"),
+        ("not a map", [msgpack.packb([1, 2])], "malformed"),
+        ("no version", [msgpack.packb({"type": "ping", "seq": 1})], "version"),
+        ("unknown type", [msgpack.packb({"v": 1, "type": "explode", "seq": 1})], "schema"),
+        ("missing frame", good[:-1], "schema"),
+        ("extra frame", good + [b"1234"], "schema"),
+        ("huge", with_header(good_turn("t", n=20_000)), "too_large"),
+        ("bad crc", with_header(good, crc32=12345), "crc_mismatch"),
+        ("wrong dtype", [msgpack.packb(wrong_dtype)] + good[1:], "dtype"),
+        ("short frame", good[:1] + [good[1][:-2]] + good[2:], "shape"),
+        ("support without token", bad_support_frames, "mask_invalid"),
+        ("out of vocab", good_turn("t", n=200), "out_of_vocab"),
+    ]
+
+
+def test_bad_producer_input_is_refused_and_changes_nothing(broker):
+    sock = dealer(broker.producer)
+    for name, frames, code in producer_bad_inputs():
+        reply = decode(call(sock, frames), BROKER_TO_PRODUCER)
+        assert (reply.type, reply["code"]) == ("nack", code), name
+        assert reply["message"], name
+    # nothing was stored, and the broker still works
+    status = broker.status()
+    assert status["open"] == 0
+    assert sum(v for k, v in status["counters"].items() if k.startswith("nacks.producer.")) == 12
+    reply = decode(call(sock, good_turn("t")), BROKER_TO_PRODUCER)
+    assert reply.type == "ack" and reply["applied"]
+    assert broker.status()["open"] == 1
+
+
+def test_bad_consumer_and_admin_input(broker):
+    consumer = dealer(broker.consumer)
+    for frames, code in (([b"junk"], "malformed"),
+                         ([msgpack.packb({"v": 1, "type": "credit", "n": -1, "unit": "trajectory"})], "schema"),
+                         ([msgpack.packb({"v": 1, "type": "credit", "n": 1, "unit": "bytes"})], "schema"),
+                         ([msgpack.packb({"v": 2, "type": "heartbeat"})], "version"),
+                         (encode(CONSUMER_TO_BROKER, "ack", {"leases": ["x"]}), "unknown_consumer")):
+        reply = decode(call(consumer, frames), BROKER_TO_CONSUMER)
+        assert reply["code"] == code
+    call(consumer, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "c"}))
+    reply = decode(call(consumer, encode(CONSUMER_TO_BROKER, "ack", {"leases": ["x"]})), BROKER_TO_CONSUMER)
+    assert (reply["code"], reply["leases"]) == ("stale_lease", ["x"])
+    admin = dealer(broker.admin)
+    for frames, code in (([b"\xc1"], "malformed"), ([msgpack.packb({"v": 1, "type": "shutdown"})], "schema")):
+        assert decode(call(admin, frames), ADMIN_REPLIES)["code"] == code
+    assert broker.status()["consumers"] == 1
+
+
+def test_disk_full_answers_unavailable_then_recovers(tmp_path):
+    """RLIMIT_FSIZE makes writes past 300 KB fail (EFBIG) like a full disk;
+    raising it from outside must bring the broker back without a restart."""
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, resource.RLIM_INFINITY))
+
+    broker = BrokerProcess(tmp_path, segment_bytes=10_000_000)
+    broker.start(preexec_fn=limit_file_size)
+    try:
+        sock = dealer(broker.producer)
+        acked, unavailable = [], []
+        for i in range(60):
+            reply = decode(call(sock, good_turn(f"t{i}", n=500)), BROKER_TO_PRODUCER)
+            (acked if reply.type == "ack" else unavailable).append((i, reply))
+        assert acked and unavailable
+        assert all(r["code"] == "unavailable" for _, r in unavailable)
+        assert broker.proc.poll() is None
+        resource.prlimit(broker.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        deadline = time.monotonic() + 20
+        retried = {}
+        while time.monotonic() < deadline and len(retried) < len(unavailable):
+            for i, _ in unavailable:
+                if i not in retried:
+                    reply = decode(call(sock, good_turn(f"t{i}", n=500)), BROKER_TO_PRODUCER)
+                    if reply.type == "ack":
+                        retried[i] = reply
+            time.sleep(0.2)
+        assert len(retried) == len(unavailable)
+        status = broker.status()
+        assert status["open"] == 60 and status["counters"]["nacks.producer.unavailable"] >= len(unavailable)
+        broker.kill()
+        broker.start()
+        assert broker.status()["open"] == 60  # every acked turn survived
+    finally:
+        broker.proc.kill()
+
+
+def test_disk_budget_applies_backpressure_until_consumers_drain(tmp_path):
+    with BrokerProcess(tmp_path, max_disk_bytes=400_000, segment_bytes=50_000) as broker:
+        producer = dealer(broker.producer)
+        sent = 0
+        stalled = False
+        for i in range(40):
+            producer.send_multipart(good_turn(f"t{i}", n=1500))
+            producer.send_multipart(encode(PRODUCER_TO_BROKER, "end", {"seq": 1000 + i, "trajectory_id": f"t{i}", "reward": 1.0}))
+            sent += 2
+        replies = 0
+        while producer.poll(1500):
+            producer.recv_multipart()
+            replies += 1
+        stalled = replies < sent
+        assert stalled, "the broker kept reading past its disk budget"
+        assert "over budget: producer frames paused" in broker.log()
+        consumer = dealer(broker.consumer)
+        call(consumer, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "drain"}))
+        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 100, "unit": "trajectory"}))
+        delivered = set()
+        deadline = time.monotonic() + 60
+        while (replies < sent or len(delivered) < 40) and time.monotonic() < deadline:
+            if producer.poll(10):
+                producer.recv_multipart()
+                replies += 1
+            if consumer.poll(10):
+                message = decode(consumer.recv_multipart(), BROKER_TO_CONSUMER)
+                if message.type == "deliver":
+                    delivered.add(message["trajectory_id"])
+                    consumer.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [message["lease"]]}))
+        assert replies == sent and len(delivered) == 40
+
+
+def test_sigterm_acks_what_it_read_and_stops_cleanly(tmp_path):
+    broker = BrokerProcess(tmp_path).start()
+    sock = dealer(broker.producer)
+    call(sock, encode(PRODUCER_TO_BROKER, "hello", {"producer_id": "p"}))
+    for i in range(50):
+        sock.send_multipart(good_turn(f"t{i}"))
+    broker.proc.send_signal(signal.SIGTERM)
+    acked = 0
+    while sock.poll(3000):
+        acked += decode(sock.recv_multipart(), BROKER_TO_PRODUCER).type == "ack"
+    assert broker.proc.wait(20) == 0
+    assert "broker stopped" in broker.log()
+    broker.start()
+    assert broker.status()["open"] == acked  # every ack was durable; nothing unacked was kept
+    broker.terminate()
+
+
+def test_status_command_and_config_precedence(tmp_path):
+    config = tmp_path / "broker.toml"
+    config.write_text('[broker]\nwindow = 7\nlease_timeout = 12.5\nmax_memory_bytes = "1GiB"\n')
+    broker = BrokerProcess(tmp_path, config=str(config))
+    env = dict(os.environ, ROLLSTREAM_BROKER_WINDOW="9")
+    log = open(broker.log_path, "ab")
+    broker.proc = subprocess.Popen(broker.command(), env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                broker.status(timeout=0.5)
+                break
+            except TimeoutError:
+                assert time.monotonic() < deadline, broker.log()
+        producer = dealer(broker.producer)
+        welcome = decode(call(producer, encode(PRODUCER_TO_BROKER, "hello", {"producer_id": "p"})), BROKER_TO_PRODUCER)
+        assert welcome["window"] == 9  # environment beats the config file
+        consumer = dealer(broker.consumer)
+        welcome = decode(call(consumer, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "c"})), BROKER_TO_CONSUMER)
+        assert welcome["lease_timeout"] == 12.5  # the config file beats the default
+        out = subprocess.run([sys.executable, "-m", "rollstream.common.cli", "status", "--admin", broker.admin, "--json"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        report = json.loads(out)
+        assert report["consumers"] == 1 and report["dead_letters"] == []
+        text = subprocess.run([sys.executable, "-m", "rollstream.common.cli", "status", "--admin", broker.admin],
+                              capture_output=True, text=True, timeout=60, check=True).stdout
+        assert "consumers" in text and "counters" in text
+    finally:
+        broker.proc.kill()
+        broker.proc.wait()
+
+
+def test_unknown_config_key_is_refused(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("windw = 3\n")
+    result = subprocess.run([sys.executable, "-m", "rollstream.common.cli", "broker", "--config", str(config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "windw" in result.stderr
+
+
+def test_corrupted_store_refuses_to_start(tmp_path):
+    broker = BrokerProcess(tmp_path).start()
+    call(dealer(broker.producer), good_turn("t"))
+    broker.terminate()
+    for segment in (broker.data_dir / "segments").glob("*.log"):
+        data = bytearray(segment.read_bytes())
+        data[-3] ^= 0xFF
+        segment.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="CRC mismatch"):
+        broker.start()
