@@ -253,9 +253,10 @@ def _decode_checked(header, buffers, schema, max_message_bytes, vocab_size, chec
 
 
 def _canonical(value):
-    """Maps as key-sorted pairs, so equal maps digest equally in any order."""
+    """Maps rebuilt with sorted keys (msgpack keeps insertion order), so
+    equal maps digest equally whatever their order, and stay maps."""
     if isinstance(value, dict):
-        return [[key, _canonical(value[key])] for key in sorted(value, key=repr)]
+        return {key: _canonical(value[key]) for key in sorted(value, key=repr)}
     if isinstance(value, list):
         return [_canonical(item) for item in value]
     return value

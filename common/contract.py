@@ -6,7 +6,7 @@ its names and dtypes from here, so a field is declared exactly once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,10 +27,10 @@ class ArraySpec:
     dtype: np.dtype
     ndim: int | None  # exact rank, or None for "at least min_ndim"
     min_ndim: int = 1
+    wire_name: str = field(init=False)  # the dtype string on the wire (cached: dtype.name is slow)
 
-    @property
-    def wire_name(self) -> str:
-        return self.dtype.name
+    def __post_init__(self):
+        object.__setattr__(self, "wire_name", self.dtype.name)
 
     def rank_ok(self, ndim: int) -> bool:
         return ndim == self.ndim if self.ndim is not None else ndim >= self.min_ndim

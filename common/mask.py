@@ -65,9 +65,11 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
 
 
 def owned(arr: np.ndarray, source) -> np.ndarray:
-    """`arr` made read-only, copied first if it may share memory with the
-    caller's `source` (so later changes to `source` change nothing)."""
-    if hasattr(source, "detach") or (isinstance(source, np.ndarray) and np.may_share_memory(arr, source)):
+    """`arr` made read-only, copied first unless it is memory numpy just
+    allocated for it (so later changes to the caller's `source`, whatever
+    buffer it is, change nothing, and the caller's own array stays writable)."""
+    fresh = arr.flags.owndata and arr is not source and not hasattr(source, "detach")
+    if not fresh or (isinstance(source, np.ndarray) and np.may_share_memory(arr, source)):
         arr = arr.copy()
     return _frozen(arr)
 

@@ -42,7 +42,7 @@ def _as_float_array(values, name: str) -> np.ndarray:
 
 def _as_loss_mask(values) -> np.ndarray:
     arr = as_numpy(values)
-    return as_int_array(arr.astype(LOSS_MASK_DTYPE) if arr.dtype == bool else arr, LOSS_MASK_DTYPE, "loss_mask")
+    return as_int_array(arr.astype(LOSS_MASK_DTYPE) if arr.dtype == bool else values, LOSS_MASK_DTYPE, "loss_mask")
 
 
 def _as_replay(values, name: str) -> np.ndarray:

@@ -30,6 +30,8 @@ RULE_MASK_VOCAB = "mask ids in [0, vocab_size)"
 RULE_TOKEN_VOCAB = "token ids in [0, vocab_size)"
 RULE_LOSS_MASK = "loss_mask values in {0, 1}"
 RULE_WHOLE_BATCH = "every sample of a batch carries the field or none does"
+RULE_FORCED_SINGLETON = "forced tokens (loss_mask 0, log_prob 0.0) have the singleton support [token]"
+RULE_LOG_PROBS = "log_probs are log-probabilities (not NaN, not +inf)"
 
 
 class _NumpyOps:
@@ -207,12 +209,17 @@ def packed_violations(
     mask_lengths=None,
     vocab_size: int | None = None,
     loss_mask=None,
+    log_probs=None,
 ) -> list[Violation]:
     """Every rule each sample of a packed batch breaks (empty when valid).
 
     Without a mask only the token ids and the loss mask are checked.
     `mask_lengths`, when given, is each sample's mask length and is checked
     against `response_lengths`; otherwise only the totals are compared.
+    `log_probs`, when given, must not hold NaN or +inf; with `loss_mask`
+    and a mask it also marks the forced tokens (loss 0 and log-prob exactly
+    0.0, SEMANTICS.md §3), whose supports must be singletons (the
+    in-support rule then makes the one id equal the token).
     Valid data costs a few whole-array reductions; positions are computed
     only for rules that fail.
     """
@@ -222,8 +229,9 @@ def packed_violations(
     total = int(cu_host[-1])
     if len(tokens) != total:
         raise ValueError(f"packed batch: tokens has {len(tokens)} entries, response_lengths sum to {total}")
-    if loss_mask is not None and len(loss_mask) != total:
-        return [Violation(RULE_ALIGNED, 0, None, 1, f"loss_mask has {len(loss_mask)} entries, expected {total}")]
+    for name, values in (("loss_mask", loss_mask), ("log_probs", log_probs)):
+        if values is not None and len(values) != total:
+            return [Violation(RULE_ALIGNED, 0, None, 1, f"{name} has {len(values)} entries, expected {total}")]
 
     tokens_host = None
 
@@ -264,6 +272,14 @@ def packed_violations(
                 RULE_IN_SUPPORT, ops.to_host(ops.nonzero(~inside)), cu_host,
                 lambda g: f"token {token_at(g)} is not in its support {support_at(g)}",
             )
+        if loss_mask is not None and log_probs is not None and total:
+            not_singleton = (loss_mask == 0) & (log_probs == 0) & (sizes != 1)
+            if bool(not_singleton.any()):
+                host_sizes = ops.to_host(sizes)
+                found += _group_by_sample(
+                    RULE_FORCED_SINGLETON, ops.to_host(ops.nonzero(not_singleton)), cu_host,
+                    lambda g: f"forced token {token_at(g)} has a support of {int(host_sizes[g])} ids, expected 1",
+                )
         bad_ids = _outside_vocab(mask_ids, vocab_size)
         if bad_ids is not None:
             bad_index = ops.to_host(ops.nonzero(bad_ids))
@@ -284,6 +300,14 @@ def packed_violations(
         loss_host = ops.to_host(loss_mask)
         bad_loss = np.flatnonzero((loss_host != 0) & (loss_host != 1))
         found += _group_by_sample(RULE_LOSS_MASK, bad_loss, cu_host, lambda g: f"loss_mask is {int(loss_host[g])}")
+    if log_probs is not None and total:
+        not_log_prob = (log_probs != log_probs) | (log_probs == float("inf"))
+        if bool(not_log_prob.any()):
+            log_probs_host = ops.to_host(log_probs)
+            found += _group_by_sample(
+                RULE_LOG_PROBS, ops.to_host(ops.nonzero(not_log_prob)), cu_host,
+                lambda g: f"log_prob is {float(log_probs_host[g])}",
+            )
     return found
 
 
@@ -352,8 +376,37 @@ RULE_CODES = {
     RULE_MASK_VOCAB: "out_of_vocab",
     RULE_TOKEN_VOCAB: "out_of_vocab",
     RULE_LOSS_MASK: "invalid_value",
+    RULE_FORCED_SINGLETON: "mask_invalid",
+    RULE_LOG_PROBS: "invalid_value",
 }
 _CODE_ORDER = {code: i for i, code in enumerate(NACK_CODES)}
+
+
+def _message_arrays_valid(arrays: Mapping[str, np.ndarray], vocab_size: int | None) -> bool:
+    """Whether every content rule holds, decided with as few whole-array
+    numpy calls as possible (the broker runs this on every frame)."""
+    tokens = arrays["tokens"]
+    n = len(tokens)
+    log_probs, loss_mask = arrays.get("log_probs"), arrays.get("loss_mask")
+    if (log_probs is not None and len(log_probs) != n) or (loss_mask is not None and len(loss_mask) != n):
+        return False
+    ids, offsets = arrays.get("mask_ids"), arrays.get("mask_offsets")
+    if offsets is not None:
+        if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != len(ids):
+            return False
+        if n:
+            sizes = offsets[1:] - offsets[:-1]
+            if sizes.min() <= 0 or not np.logical_or.reduceat(ids == np.repeat(tokens, sizes), offsets[:-1]).all():
+                return False
+        id_arrays = (ids, arrays.get("prompt_tokens"), arrays.get("forced_tokens"))  # tokens lie inside ids
+    else:
+        id_arrays = (tokens, arrays.get("prompt_tokens"), arrays.get("forced_tokens"))
+    for values in id_arrays:
+        if values is not None and len(values) and (values.min() < 0 or (vocab_size is not None and values.max() >= vocab_size)):
+            return False
+    if n and loss_mask is not None and loss_mask.max() > 1:
+        return False
+    return not (n and log_probs is not None and not log_probs.max() < np.inf)  # max is NaN if any is
 
 
 def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | None = None) -> None:
@@ -361,8 +414,11 @@ def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | 
 
     Raises the `ProtocolError` of the first failing rule in protocol order
     (`misaligned`, `mask_invalid`, `out_of_vocab`, `invalid_value`).
-    `arrays` must already have contract dtypes and ranks.
+    `arrays` must already have contract dtypes and ranks. Valid arrays take
+    the fast path; the per-rule search below only runs to explain a failure.
     """
+    if _message_arrays_valid(arrays, vocab_size):
+        return
     tokens = arrays["tokens"]
     n = len(tokens)
     for name in ("log_probs", "loss_mask"):
@@ -388,6 +444,6 @@ def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | 
         if bad.size:
             raise ProtocolError(
                 "invalid_value",
-                f"rule 'log_probs are log-probabilities (not NaN, not +inf)' violated at token {int(bad[0])}: "
+                f"rule '{RULE_LOG_PROBS}' violated at token {int(bad[0])}: "
                 f"got {float(log_probs[bad[0]])}",
             )

@@ -8,6 +8,7 @@ properties above), never from the code path under test.
 """
 from __future__ import annotations
 
+import array
 import itertools
 import math
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays as np_arrays
 
@@ -122,7 +123,7 @@ class TurnSpec:
             self.tokens,
             self.log_probs,
             supports=self.supports if self.with_mask else None,
-            loss_mask=self.loss_mask,
+            loss_mask=None if self.loss_mask is None else np.array(self.loss_mask, np.uint8),
             forced_tokens=self.forced,
             routed_experts=self.routed,
             status=self.status,
@@ -256,12 +257,54 @@ def test_from_lengths_equals_from_supports_and_owns_its_memory(supports, ids_dty
             assert not m[0].flags.writeable
             with pytest.raises(ValueError):
                 m.ids[0] = 1
-    flat[:] = 7
+    if flat.size:  # an empty array has nothing to change
+        flat[:] = 7
     lens[:] = 1
     offsets[:] = 0
     for m in (by_lengths, by_csr):
         assert supports_of(m) == supports
         assert m.offsets.tolist() == offsets_list
+
+
+@prop(40)
+@given(supports=st.lists(any_support, min_size=1, max_size=6))
+@example(supports=[[5, 9], [2]])
+def test_mask_owns_its_memory_for_buffer_protocol_inputs(supports):
+    """§2: "changing the arrays it was built from afterwards changes nothing",
+    whatever sequence the ids came in (here the stdlib's array.array)."""
+    flat_list, offsets_list = csr_of(supports)
+    flat, offsets = array.array("i", flat_list), array.array("q", offsets_list)
+    by_csr = SamplingMask(flat, offsets)
+    by_lengths = SamplingMask.from_lengths(flat, [len(s) for s in supports])
+    for i in range(len(flat)):
+        flat[i] = 7 if flat[i] != 7 else 8
+    offsets[-1] = offsets[-1] + 1  # would also break the checked CSR invariant
+    for m in (by_csr, by_lengths):
+        assert supports_of(m) == supports and m.offsets.tolist() == offsets_list
+
+
+def _empty(dtype):
+    return np.empty(0, dtype)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda a: SamplingMask(a, np.zeros(1, np.int64)),
+        lambda a: SamplingMask.from_lengths(a, []),
+        lambda a: SamplingMask.singletons(a),
+        lambda a: Turn.build(a, []),
+        lambda a: Trajectory("t", a),
+    ],
+    ids=["SamplingMask", "from_lengths", "singletons", "Turn.build", "Trajectory"],
+)
+def test_building_from_an_empty_array_leaves_the_callers_array_writable(build):
+    """Construction must not change the caller's objects: after building from
+    an empty int32 array, `arr[:] = 0` (a no-op) must still work."""
+    arr = _empty(np.int32)
+    build(arr)
+    assert arr.flags.writeable
+    arr[:] = 0
 
 
 @prop(60)
@@ -328,6 +371,13 @@ def test_singletons_give_one_support_per_forced_token(tokens):
     assert m.ids.dtype == np.int32 and m.offsets.tolist() == list(range(len(tokens) + 1))
 
 
+def test_empty_turn_accepts_an_empty_list_loss_mask():
+    """A turn with no sampled tokens (an abort with no output) is valid; its
+    loss_mask given as `[]` must be accepted like `tokens=[]` and `forced_tokens=[]`."""
+    turn = Turn.build([], [], loss_mask=[], forced_tokens=[5], supports=[])
+    assert turn.loss_mask.dtype == np.uint8 and turn.loss_mask.size == 0
+
+
 # == 3. codec round trips ===========================================================
 def expected_turn_arrays(spec: TurnSpec, prompt) -> dict:
     out = {"tokens": np.array(spec.tokens, "<i4"), "log_probs": np.array(spec.log_probs, "<f4")}
@@ -352,8 +402,10 @@ def turn_messages(draw, *, min_tokens=0):
     kwargs = {"seq": draw(st.integers(-(2**63), 2**64 - 1))}
     if index == 0:
         kwargs["prompt_tokens"] = np.array(draw(st.lists(st.integers(0, VOCAB - 1), max_size=5)), "<i4")
-        kwargs["group_id"] = draw(st.none() | st.text(min_size=1, max_size=4))
-        kwargs["group_size"] = draw(st.none() | st.integers(1, 16))
+        # group_id and group_size travel together (or not at all).
+        kwargs["group_id"], kwargs["group_size"] = draw(
+            st.just((None, None)) | st.tuples(st.text(min_size=1, max_size=4), st.integers(1, 16))
+        )
         kwargs["sample_index"] = draw(st.none() | st.integers(0, 16))
     kwargs["metadata"] = draw(st.none() | metadata_st)
     trajectory_id = draw(st.text(min_size=1, max_size=8))
@@ -384,9 +436,11 @@ def test_turn_message_round_trips_fields_and_array_bytes(msg, crc):
     # An empty forced_tokens frame may be left out; every other array must travel.
     assert set(decoded.arrays) - {"forced_tokens"} == set(expected) - {"forced_tokens"}
     for name, arr in expected.items():
-        got = decoded.arrays.get(name, np.empty(0, "<i4")) if name == "forced_tokens" else decoded.arrays[name]
-        assert_same_array(got, arr)
-        assert not got.flags.writeable
+        if name == "forced_tokens" and name not in decoded.arrays:
+            assert arr.size == 0
+            continue
+        assert_same_array(decoded.arrays[name], arr)
+        assert not decoded.arrays[name].flags.writeable
     back = turn_from_message(decoded)
     assert back.status == spec.status and back.weight_version == spec.weight_version
     assert_same_array(back.tokens, expected["tokens"])
@@ -436,11 +490,6 @@ def test_content_digest_ignores_seq_crc_and_map_order_but_not_array_bytes(msg, s
     assert content_digest(changed) != content_digest(original)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="content_digest canonicalises a map as a list of [key, value] pairs, so a map and the "
-    "equivalent list of pairs (or {} and []) inside a header field digest equally",
-)
 @pytest.mark.parametrize(
     "meta_a, meta_b",
     [({"x": {}}, {"x": []}), ({"x": {"a": 1}}, {"x": [["a", 1]]})],
@@ -580,11 +629,6 @@ ITEMSIZE = {
     "mask_ids": 4, "mask_offsets": 8, "routed_experts": 4, "indexer_topk": 4,
 }
 MULTI_DIM = {"routed_experts", "indexer_topk"}
-WIRE_DTYPE_NAMES = {
-    "prompt_tokens": "int32", "tokens": "int32", "forced_tokens": "int32", "log_probs": "float32",
-    "loss_mask": "uint8", "mask_ids": "int32", "mask_offsets": "int64", "routed_experts": "int32",
-    "indexer_topk": "int32",
-}
 CONTENT_CODES = {"misaligned", "mask_invalid", "out_of_vocab", "invalid_value"}
 CORRUPTIONS = ("flip", "truncate", "drop", "duplicate", "random_header", "dtype", "shape")
 
@@ -610,11 +654,17 @@ def shape_candidates(shape):
     if not (isinstance(shape, list) and all(type(d) is int for d in shape)):
         shape = [1]  # an earlier corruption already broke this entry
     p = math.prod(shape)
-    return st.sampled_from([list(shape), [p], [p, 1], [1, p], list(reversed(shape)), []]) | st.lists(
-        st.integers(-2, 2**40), max_size=4
-    ) | st.lists(st.integers(0, 12), min_size=1, max_size=3) | st.none() | st.integers(0, 9) | st.text(max_size=3) | st.lists(
-        st.booleans(), min_size=1, max_size=2
-    ) | st.lists(st.floats(0, 5), min_size=1, max_size=2)
+    same_size = st.sampled_from([list(shape), [p], [p, 1], [1, p], list(reversed(shape)), []])
+    broken = st.one_of(
+        st.lists(st.integers(-2, 2**40), max_size=4),
+        st.lists(st.integers(0, 12), min_size=1, max_size=3),
+        st.none(),
+        st.integers(0, 9),
+        st.text(max_size=3),
+        st.lists(st.booleans(), min_size=1, max_size=2),
+        st.lists(st.floats(0, 5), min_size=1, max_size=2),
+    )
+    return st.one_of(same_size, broken)  # half the time a same-size reshape
 
 
 dtype_candidates = st.sampled_from(
@@ -704,6 +754,7 @@ def test_single_corruption_is_refused_with_the_right_code_or_is_harmless(encoded
     damaged, hit = corrupt(data, frames, kind)
     message, err = decode_or_error(damaged)
     header_hit = hit["frame"] == 0 or kind in ("dtype", "shape")
+    event(f"{kind}{' header' if header_hit else ''}{' crc' if crc else ''}: {err.code if err else 'decoded'}")
 
     if kind == "flip" and not header_hit:
         if crc:
@@ -715,7 +766,7 @@ def test_single_corruption_is_refused_with_the_right_code_or_is_harmless(encoded
             # rules (a finite log-prob, a 0<->1 loss flip, a token or mask id that
             # stays non-negative and in its support, any routed_experts value, an
             # offset change that keeps the CSR valid). The bytes are read as sent.
-            assert {k: v for k, v in message.fields.items()} == dict(original.fields)
+            assert dict(message.fields) == dict(original.fields)
             for name, arr in message.arrays.items():
                 assert arr.tobytes() == damaged[1 + list(original.arrays).index(name)]
             assert_content_valid(message)
@@ -735,8 +786,7 @@ def test_single_corruption_is_refused_with_the_right_code_or_is_harmless(encoded
     elif kind == "dtype":
         if err is not None:
             assert err.code == "dtype"
-        else:
-            assert hit["value"] == WIRE_DTYPE_NAMES[hit["name"]]
+        else:  # only the same dtype (its contract name, or an alias of it) may pass
             assert_messages_equal(message, original)
     elif kind == "shape":
         nbytes = original.arrays[hit["name"]].nbytes
