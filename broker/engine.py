@@ -43,7 +43,14 @@ class PutTurn:
     reason: str | None
     message: Message | None
     at: float
-    gap: Gap | None = None
+
+
+@dataclass(frozen=True)
+class MarkGap:
+    """A replay gap cut the trajectory here."""
+
+    trajectory_id: str
+    gap: Gap
 
 
 @dataclass(frozen=True)
@@ -231,10 +238,11 @@ class MergeEngine:
         outcome = traj.append_turn(turn_from_message(message))
         entry.outcomes.append((digest, outcome.applied, outcome.reason))
         entry.updated_at = now
-        effect = PutTurn(tid, index, digest, outcome.applied, outcome.reason, message if outcome.applied else None, now,
-                         gap=traj.gap if not outcome.applied else None)
+        effects = (PutTurn(tid, index, digest, outcome.applied, outcome.reason, message if outcome.applied else None, now),)
+        if outcome.reason == "replay_gap":
+            effects += (MarkGap(tid, traj.gap),)
         self._touch_group(entry, now)
-        return _ack(message, outcome.applied, reason=outcome.reason), (effect,)
+        return _ack(message, outcome.applied, reason=outcome.reason), effects
 
     def _start(self, message: Message, now: float) -> tuple[dict, tuple]:
         tid = message["trajectory_id"]

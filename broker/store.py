@@ -25,6 +25,7 @@ from rollstream.common.messages import PRODUCER_TO_BROKER
 
 from .engine import (
     CloseGroup,
+    MarkGap,
     DeadLetter,
     DropTrajectory,
     EndTrajectory,
@@ -67,6 +68,7 @@ CREATE TABLE IF NOT EXISTS turns (
     segment INTEGER,
     offset INTEGER,
     length INTEGER,
+    at REAL NOT NULL,
     PRIMARY KEY (trajectory_id, turn)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS dedup (id TEXT PRIMARY KEY, until REAL NOT NULL) WITHOUT ROWID;
@@ -329,13 +331,15 @@ class Store:
                 ready_seq, (gap_turn, gap_field) if gap_turn is not None else None, dead_reason, dead_at,
             )
         turn_where = where.replace("WHERE id", "WHERE trajectory_id")
-        for tid, turn, digest, applied, reason, seg, off, length in self.db.execute(
-            "SELECT trajectory_id, turn, digest, applied, reason, segment, offset, length FROM turns "
+        for tid, turn, digest, applied, reason, seg, off, length, at in self.db.execute(
+            "SELECT trajectory_id, turn, digest, applied, reason, segment, offset, length, at FROM turns "
             + turn_where + " ORDER BY trajectory_id, turn", args
         ):
             if tid not in rows:
                 raise StoreCorrupted(f"turn {turn} refers to trajectory {tid!r}, which has no state row")
-            rows[tid].turns.append(StoredTurn(turn, digest, bool(applied), reason, (seg, off, length) if seg is not None else None))
+            stored = rows[tid]
+            stored.turns.append(StoredTurn(turn, digest, bool(applied), reason, (seg, off, length) if seg is not None else None))
+            stored.updated_at = max(stored.updated_at, at)
         return list(rows.values())
 
     def read_turn(self, location: tuple[int, int, int]) -> Message:
@@ -351,7 +355,7 @@ class Store:
         puts = [e for e in effects if isinstance(e, PutTurn) and e.message is not None]
         start = self.segments.size
         try:
-            locations = self.segments.append([_pack_frames(encode(PRODUCER_TO_BROKER, "turn", e.message.fields, e.message.arrays)) for e in puts])
+            locations = self.segments.append([_pack_frames(self._turn_frames(e.message)) for e in puts])
             if self.sync == "full" and puts:
                 self.segments.sync()
         except OSError as exc:
@@ -360,8 +364,14 @@ class Store:
         released: list[int] = []
         try:
             self.db.execute("BEGIN")
+            turn_rows: list[tuple] = []  # consecutive turns go in with one executemany
             for effect in effects:
-                self._apply(effect, where.get(id(effect)), released)
+                if isinstance(effect, PutTurn):
+                    turn_rows.append(self._turn_row(effect, where.get(id(effect))))
+                    continue
+                self._flush_turns(turn_rows)
+                self._apply(effect, released)
+            self._flush_turns(turn_rows)
             self.db.execute("COMMIT")
         except (sqlite3.Error, OSError) as exc:
             try:
@@ -378,7 +388,22 @@ class Store:
         for number in released:
             self.segments.release(number)
 
-    def _apply(self, effect, location, released: list[int]) -> None:
+    @staticmethod
+    def _turn_frames(message: Message) -> list:
+        """The frames a turn arrived in, or an encoding of it when built in memory."""
+        return list(message.frames) or encode(PRODUCER_TO_BROKER, "turn", message.fields, message.arrays)
+
+    @staticmethod
+    def _turn_row(effect: PutTurn, location) -> tuple:
+        seg, off, length = location if location else (None, None, None)
+        return (effect.trajectory_id, effect.turn, effect.digest, int(effect.applied), effect.reason, seg, off, length, effect.at)
+
+    def _flush_turns(self, rows: list[tuple]) -> None:
+        if rows:
+            self.db.executemany("INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+            rows.clear()
+
+    def _apply(self, effect, released: list[int]) -> None:
         db = self.db
         if isinstance(effect, OpenTrajectory):
             db.execute(
@@ -387,17 +412,9 @@ class Store:
                 (effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at),
             )
             released += self._delete_turns(effect.trajectory_id)
-        elif isinstance(effect, PutTurn):
-            seg, off, length = location if location else (None, None, None)
-            db.execute(
-                "INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (effect.trajectory_id, effect.turn, effect.digest, int(effect.applied), effect.reason, seg, off, length),
-            )
-            gap = effect.gap
-            db.execute(
-                "UPDATE trajectories SET updated_at=?, gap_turn=?, gap_field=? WHERE id=?",
-                (effect.at, gap.turn if gap else None, gap.field if gap else None, effect.trajectory_id),
-            )
+        elif isinstance(effect, MarkGap):
+            db.execute("UPDATE trajectories SET gap_turn=?, gap_field=? WHERE id=?",
+                       (effect.gap.turn, effect.gap.field, effect.trajectory_id))
         elif isinstance(effect, EndTrajectory):
             db.execute(
                 "UPDATE trajectories SET state='ended', updated_at=?, end_digest=?, reward=?, metadata=?, ready_seq=? WHERE id=?",

@@ -14,6 +14,8 @@ class Metrics:
         self.namespace = namespace
         self.totals: dict[str, float] = {}
         self._names: dict[int, str] = {}
+        self._children: dict[tuple, object] = {}
+        self._keys: dict[tuple, str] = {}
 
     def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         counter = Counter(name, doc, labels, namespace=self.namespace, registry=self.registry)
@@ -27,8 +29,14 @@ class Metrics:
         return Histogram(name, doc, namespace=self.namespace, registry=self.registry, buckets=buckets)
 
     def inc(self, counter: Counter, amount: float = 1, **labels: str) -> None:
-        (counter.labels(**labels) if labels else counter).inc(amount)
-        key = self._names[id(counter)] + "".join(f".{value}" for value in labels.values())
+        slot = (id(counter), *labels.values())
+        child = self._children.get(slot)
+        if child is None:  # first use of these labels: resolve them once
+            child = counter.labels(**labels) if labels else counter
+            self._children[slot] = child
+            self._keys[slot] = self._names[id(counter)] + "".join(f".{value}" for value in labels.values())
+        child.inc(amount)
+        key = self._keys[slot]
         self.totals[key] = self.totals.get(key, 0) + amount
 
     def serve(self, host: str, port: int):

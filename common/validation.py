@@ -382,31 +382,68 @@ RULE_CODES = {
 _CODE_ORDER = {code: i for i, code in enumerate(NACK_CODES)}
 
 
-def _message_arrays_valid(arrays: Mapping[str, np.ndarray], vocab_size: int | None) -> bool:
-    """Whether every content rule holds, decided with as few whole-array
-    numpy calls as possible (the broker runs this on every frame)."""
-    tokens = arrays["tokens"]
-    n = len(tokens)
-    log_probs, loss_mask = arrays.get("log_probs"), arrays.get("loss_mask")
-    if (log_probs is not None and len(log_probs) != n) or (loss_mask is not None and len(loss_mask) != n):
-        return False
-    ids, offsets = arrays.get("mask_ids"), arrays.get("mask_offsets")
-    if offsets is not None:
-        if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != len(ids):
+def _concat(parts: list[np.ndarray]) -> np.ndarray | None:
+    return None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: int | None = None) -> bool:
+    """Whether every message of `batch` passes every content rule.
+
+    The messages' arrays are packed end to end and checked with a fixed
+    handful of whole-array numpy calls, so the per-message cost is a few
+    Python comparisons (the broker runs this on every batch of frames).
+    False only says that some message fails; `check_message_arrays` then
+    finds which rule, per message.
+    """
+    tokens, ids, offsets, shifts, sizes, plain = [], [], [], [], [], []
+    loss_masks, log_probs, other_ids = [], [], []
+    base = 0
+    for arrays in batch:
+        message_tokens = arrays["tokens"]
+        n = len(message_tokens)
+        log_prob, loss_mask = arrays.get("log_probs"), arrays.get("loss_mask")
+        if (log_prob is not None and len(log_prob) != n) or (loss_mask is not None and len(loss_mask) != n):
             return False
-        if n:
-            sizes = offsets[1:] - offsets[:-1]
-            if sizes.min() <= 0 or not np.logical_or.reduceat(ids == np.repeat(tokens, sizes), offsets[:-1]).all():
+        message_ids, message_offsets = arrays.get("mask_ids"), arrays.get("mask_offsets")
+        if message_offsets is None:
+            plain.append(message_tokens)  # no support to imply their vocabulary check
+        else:
+            if len(message_offsets) != n + 1 or message_offsets[0] != 0 or message_offsets[-1] != len(message_ids):
                 return False
-        id_arrays = (ids, arrays.get("prompt_tokens"), arrays.get("forced_tokens"))  # tokens lie inside ids
-    else:
-        id_arrays = (tokens, arrays.get("prompt_tokens"), arrays.get("forced_tokens"))
-    for values in id_arrays:
-        if values is not None and len(values) and (values.min() < 0 or (vocab_size is not None and values.max() >= vocab_size)):
+            tokens.append(message_tokens)
+            ids.append(message_ids)
+            offsets.append(message_offsets[1:])
+            shifts.append(base)
+            sizes.append(n)
+            base += len(message_ids)
+        for name in ("prompt_tokens", "forced_tokens"):
+            if arrays.get(name) is not None:
+                other_ids.append(arrays[name])
+        if loss_mask is not None:
+            loss_masks.append(loss_mask)
+        if log_prob is not None:
+            log_probs.append(log_prob)
+    if sum(sizes):
+        packed_tokens, packed_ids = _concat(tokens), _concat(ids)
+        ends = _concat(offsets) + np.repeat(np.asarray(shifts, dtype=np.int64), sizes)
+        starts = np.empty_like(ends)
+        starts[0] = 0
+        starts[1:] = ends[:-1]
+        support_sizes = ends - starts
+        if support_sizes.min() <= 0:
             return False
-    if n and loss_mask is not None and loss_mask.max() > 1:
+        if not np.logical_or.reduceat(packed_ids == np.repeat(packed_tokens, support_sizes), starts).all():
+            return False
+        other_ids.append(packed_ids)  # sampled tokens lie inside their supports
+    bound = 2**31 if vocab_size is None else vocab_size  # negative int32 ids read as uint32 are >= 2**31
+    for values in (_concat(plain), _concat(other_ids)):
+        if values is not None and len(values) and values.view(np.uint32).max() >= bound:
+            return False
+    loss_mask = _concat(loss_masks)
+    if loss_mask is not None and len(loss_mask) and loss_mask.max() > 1:
         return False
-    return not (n and log_probs is not None and not log_probs.max() < np.inf)  # max is NaN if any is
+    log_prob = _concat(log_probs)
+    return log_prob is None or not len(log_prob) or log_prob.max() < np.inf  # max is NaN if any is
 
 
 def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | None = None) -> None:
@@ -417,7 +454,7 @@ def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | 
     `arrays` must already have contract dtypes and ranks. Valid arrays take
     the fast path; the per-rule search below only runs to explain a failure.
     """
-    if _message_arrays_valid(arrays, vocab_size):
+    if messages_content_valid([arrays], vocab_size):
         return
     tokens = arrays["tokens"]
     n = len(tokens)

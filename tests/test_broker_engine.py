@@ -75,8 +75,8 @@ def test_example_7_replay_gap(engine):
     engine.handle(turn_msg("t", 0, [10], [[10, 4]], forced=[20]), now=1)
     reply = engine.handle(turn_msg("t", 1, [30], None, status="aborted"), now=2)
     assert ack(reply) == {"seq": 1, "trajectory_id": "t", "turn": 1, "applied": False, "reason": "replay_gap"}
-    (effect,) = reply.effects
-    assert effect.message is None and (effect.gap.turn, effect.gap.field) == (1, "mask")
+    put, mark = reply.effects
+    assert put.message is None and not put.applied and (mark.gap.turn, mark.gap.field) == (1, "mask")
     assert engine.entries["t"].trajectory.tokens.tolist() == [10]
     later = engine.handle(turn_msg("t", 2, [40], [[40]]), now=3)
     assert ack(later)["reason"] == "replay_gap" and later.effects == ()

@@ -163,8 +163,8 @@ def test_failed_database_commit_persists_nothing(tmp_path, store, monkeypatch):
     size = segment.stat().st_size
     original = store._apply
 
-    def failing(effect, location, released):
-        original(effect, location, released)
+    def failing(effect, released):
+        original(effect, released)
         raise sqlite3.OperationalError("database or disk is full")
 
     monkeypatch.setattr(store, "_apply", failing)

@@ -1,0 +1,218 @@
+"""Broker throughput against the bare two-hop relay, in the same run.
+
+A producer process streams turn frames (pre-encoded, so it is not the
+bottleneck) through a live broker subprocess to a consumer process that
+acks every delivered trajectory; both hops are loopback TCP like the relay's.
+Two frame shapes: the `peer_seed.make_workload` turn (512 sampled tokens with
+geometric supports capped at 64, 128 forced tokens) and tiny 32-token turns.
+`../shared/bench/raw_relay.py` moves frames of the same total size. Printed:
+frames/s, tokens/s, bytes/s, the ratio to the relay, and the broker's peak
+RSS; `--sync full` is measured too. The last line is JSON.
+
+usage: python bench/broker_throughput.py [--frames N] [--window W]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1].parent / "shared" / "bench"))
+import raw_relay  # noqa: E402
+
+from rollstream.common.codec import decode, encode  # noqa: E402
+from rollstream.common.mask import SamplingMask  # noqa: E402
+from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER  # noqa: E402
+from rollstream.common.trajectory import Turn  # noqa: E402
+from rollstream.common.wire import encode_turn  # noqa: E402
+
+VOCAB = 151_936
+TURNS_PER_TRAJECTORY = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_turns(tokens: int, forced: int, seed: int = 0) -> list[Turn]:
+    """Turn shapes as in peer_seed.make_workload."""
+    rng = np.random.default_rng(seed)
+    turns = []
+    for t in range(TURNS_PER_TRAJECTORY):
+        sizes = np.minimum(rng.geometric(1 / 8, size=tokens), 64)
+        ids = rng.integers(0, VOCAB, size=int(sizes.sum()), dtype=np.int32)
+        mask = SamplingMask.from_lengths(ids, sizes)
+        turns.append(Turn.build(ids[mask.offsets[:-1]], -rng.exponential(size=tokens).astype(np.float32), mask=mask,
+                                forced_tokens=rng.integers(0, VOCAB, size=forced, dtype=np.int32) if t < TURNS_PER_TRAJECTORY - 1 else None))
+    return turns
+
+
+def encoded_stream(frames: int, tokens: int, forced: int) -> tuple[list[list], int, int]:
+    """All producer messages (turns and ends), the turn count and the bytes
+    of one turn frame on average."""
+    turns = make_turns(tokens, forced)
+    prompt = np.arange(64, dtype=np.int32)
+    messages, seq, turn_bytes = [], 0, 0
+    for i in range(frames // TURNS_PER_TRAJECTORY):
+        tid = f"traj-{i}"
+        for index, turn in enumerate(turns):
+            seq += 1
+            msg = encode_turn(tid, index, turn, seq=seq, prompt_tokens=prompt if index == 0 else None)
+            turn_bytes += sum(memoryview(f).nbytes for f in msg)
+            messages.append([bytes(memoryview(f)) for f in msg])
+        seq += 1
+        messages.append(encode(PRODUCER_TO_BROKER, "end", {"seq": seq, "trajectory_id": tid, "reward": 1.0}))
+    n_turns = (frames // TURNS_PER_TRAJECTORY) * TURNS_PER_TRAJECTORY
+    return messages, n_turns, turn_bytes // n_turns
+
+
+def _producer(endpoint, messages, window, out):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send_multipart(encode(PRODUCER_TO_BROKER, "hello", {"producer_id": "bench"}))
+    decode(sock.recv_multipart(), BROKER_TO_PRODUCER)
+    in_flight, sent, acked, refused = 0, 0, 0, 0
+    start = time.perf_counter()
+    while acked + refused < len(messages):
+        while in_flight < window and sent < len(messages):
+            sock.send_multipart(messages[sent], copy=False)
+            sent += 1
+            in_flight += 1
+        reply = decode(sock.recv_multipart(), BROKER_TO_PRODUCER)
+        in_flight -= 1
+        if reply.type == "ack":
+            acked += 1
+        else:
+            refused += 1
+    out.put(("producer", time.perf_counter() - start, acked, refused))
+    sock.close()
+    ctx.term()
+
+
+def _consumer(endpoint, trajectories, credit, out):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send_multipart(encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "bench"}))
+    decode(sock.recv_multipart(), BROKER_TO_CONSUMER)
+    sock.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": credit, "unit": "trajectory"}))
+    received, start, tokens = 0, None, 0
+    while received < trajectories:
+        message = decode(sock.recv_multipart(), BROKER_TO_CONSUMER, check_content=False)
+        if message.type != "deliver":
+            continue
+        start = start or time.perf_counter()
+        received += 1
+        tokens += message["response_length"]
+        sock.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [message["lease"]]}))
+        sock.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 1, "unit": "trajectory"}))
+    out.put(("consumer", time.perf_counter(), received, tokens))
+    time.sleep(0.5)  # let the last acks leave
+    sock.close()
+    ctx.term()
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_broker(messages: list, n_turns: int, window: int, sync: str) -> dict:
+    data = tempfile.mkdtemp(prefix="rollstream-bench-")
+    ports = [_free_port() for _ in range(3)]
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in ports]
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "rollstream.common.cli", "broker", "--producer-endpoint", endpoints[0],
+         "--consumer-endpoint", endpoints[1], "--admin-endpoint", endpoints[2], "--data-dir", data,
+         "--metrics-port", "0", "--sync", sync, "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(1.0)
+        out = mp.Queue()
+        trajectories = n_turns // TURNS_PER_TRAJECTORY
+        consumer = mp.Process(target=_consumer, args=(endpoints[1], trajectories, 32, out))
+        consumer.start()
+        time.sleep(0.3)
+        producer = mp.Process(target=_producer, args=(endpoints[0], messages, window, out))
+        t0 = time.perf_counter()
+        producer.start()
+        results = dict((item[0], item[1:]) for item in (out.get(timeout=600), out.get(timeout=600)))
+        producer.join()
+        consumer.join()
+        seconds = results["consumer"][0] - t0
+        rss = _peak_rss(broker.pid)
+    finally:
+        broker.terminate()
+        broker.wait(30)
+        shutil.rmtree(data, ignore_errors=True)
+    _, acked, refused = results["producer"]
+    assert refused == 0, f"{refused} frames were refused"
+    return {
+        "seconds": seconds,
+        "frames_per_s": n_turns / seconds,
+        "tokens_per_s": results["consumer"][2] / seconds,
+        "broker_peak_rss_bytes": rss,
+    }
+
+
+def run_relay(messages: int, frame_bytes: int) -> dict:
+    arrays = 5
+    return raw_relay.run(messages, max(1, frame_bytes // arrays), arrays, "tcp")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=4000, help="turn frames per 512-token run")
+    parser.add_argument("--tiny-frames", type=int, default=16000, help="turn frames per 32-token run")
+    parser.add_argument("--window", type=int, default=64)
+    args = parser.parse_args()
+
+    results = {}
+    for label, tokens, forced, frames in (("512", 512, 128, args.frames), ("32", 32, 8, args.tiny_frames)):
+        messages, n_turns, frame_bytes = encoded_stream(frames, tokens, forced)
+        relay = run_relay(n_turns, frame_bytes)
+        normal = run_broker(messages, n_turns, args.window, "normal")
+        results[label] = {"relay": relay, "normal": normal, "frame_bytes": frame_bytes}
+        if label == "512":
+            results[label]["full"] = run_broker(messages, n_turns, args.window, "full")
+        print(f"{label}-token turns ({frame_bytes} bytes/frame, {n_turns} frames):")
+        print(f"  raw relay     {relay['msgs_per_s']:>10.0f} frames/s  {relay['bytes_per_s'] / 1e6:>8.1f} MB/s")
+        for mode in ("normal", "full"):
+            if mode in results[label]:
+                r = results[label][mode]
+                print(f"  broker {mode:<6} {r['frames_per_s']:>10.0f} frames/s  {r['frames_per_s'] * frame_bytes / 1e6:>8.1f} MB/s"
+                      f"  {r['tokens_per_s']:>12.0f} tokens/s  ratio {r['frames_per_s'] / relay['msgs_per_s']:.2f}"
+                      f"  peak RSS {r['broker_peak_rss_bytes'] / 2**20:.0f} MiB")
+    r512, r32 = results["512"], results["32"]
+    print(json.dumps({
+        "relay_ratio_512": round(r512["normal"]["frames_per_s"] / r512["relay"]["msgs_per_s"], 3),
+        "relay_ratio_32": round(r32["normal"]["frames_per_s"] / r32["relay"]["msgs_per_s"], 3),
+        "relay_ratio_512_sync_full": round(r512["full"]["frames_per_s"] / r512["relay"]["msgs_per_s"], 3),
+        "frames_per_s_512": round(r512["normal"]["frames_per_s"]),
+        "frames_per_s_512_sync_full": round(r512["full"]["frames_per_s"]),
+        "frames_per_s_32": round(r32["normal"]["frames_per_s"]),
+        "relay_frames_per_s_512": round(r512["relay"]["msgs_per_s"]),
+        "relay_frames_per_s_32": round(r32["relay"]["msgs_per_s"]),
+        "broker_peak_rss_bytes": max(r512["normal"]["broker_peak_rss_bytes"], r32["normal"]["broker_peak_rss_bytes"]),
+    }))
+
+
+if __name__ == "__main__":
+    main()
