@@ -124,3 +124,54 @@ def test_validation_runs_on_torch_tensors():
     bad = torch.tensor([2, 3, 4, 9, 7], dtype=torch.int32)
     found = packed_violations(bad, torch.tensor([2, 3]), ids, offsets, vocab_size=8)
     assert {(v.rule, v.sample, v.position) for v in found} == {(RULE_IN_SUPPORT, 1, 1), (RULE_TOKEN_VOCAB, 1, 1)}
+
+
+def _turn_arrays(seed, masked=True):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 20))
+    supports = [list(rng.integers(0, 50, size=int(rng.integers(1, 5)))) for _ in range(n)]
+    arrays = {
+        "tokens": np.array([s[-1] for s in supports], np.int32),
+        "log_probs": -rng.random(n).astype(np.float32),
+        "loss_mask": np.ones(n, np.uint8),
+        "forced_tokens": rng.integers(0, 50, size=3).astype(np.int32),
+    }
+    if masked:
+        mask = SamplingMask.from_supports(supports)
+        arrays["mask_ids"], arrays["mask_offsets"] = mask.ids, mask.offsets
+    return arrays
+
+
+CORRUPTIONS = {
+    # outside its support when masked, outside the vocabulary either way
+    "token 1000": lambda a: a.__setitem__("tokens", np.where(np.arange(len(a["tokens"])) == 0, 1000, a["tokens"]).astype(np.int32)),
+    "negative forced token": lambda a: a.__setitem__("forced_tokens", np.array([-1], np.int32)),
+    "loss mask 2": lambda a: a.__setitem__("loss_mask", np.full(len(a["tokens"]), 2, np.uint8)),
+    "nan log prob": lambda a: a.__setitem__("log_probs", np.full(len(a["tokens"]), np.nan, np.float32)),
+    "short log probs": lambda a: a.__setitem__("log_probs", a["log_probs"][:-1]),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+@pytest.mark.parametrize("victim", [0, 3, 5])
+def test_batched_content_check_agrees_with_the_per_message_check(corruption, victim):
+    from rollstream.common.validation import check_message_arrays, messages_content_valid
+
+    batch = [_turn_arrays(seed, masked=seed % 2 == 0) for seed in range(6)]
+    assert messages_content_valid(batch, vocab_size=1000)
+    CORRUPTIONS[corruption](batch[victim])
+    assert not messages_content_valid(batch, vocab_size=1000)
+    for i, arrays in enumerate(batch):
+        if i == victim:
+            with pytest.raises(ProtocolError):
+                check_message_arrays(arrays, vocab_size=1000)
+        else:
+            check_message_arrays(arrays, vocab_size=1000)
+
+
+def test_batched_content_check_honours_the_vocabulary():
+    from rollstream.common.validation import messages_content_valid
+
+    batch = [_turn_arrays(1), _turn_arrays(2, masked=False)]
+    assert messages_content_valid(batch, vocab_size=50)
+    assert not messages_content_valid(batch, vocab_size=10)
