@@ -29,6 +29,13 @@ class GrowableArray:
         self._buf[self._len : end] = values
         self._len = end
 
+    def extend_shifted(self, values: np.ndarray, shift) -> None:
+        """Append `values + shift` without building a temporary."""
+        end = self._len + len(values)
+        self._reserve(end)
+        np.add(values, shift, out=self._buf[self._len : end])
+        self._len = end
+
     def extend_fill(self, value, count: int) -> None:
         """Append `count` copies of `value` without building a temporary."""
         end = self._len + count

@@ -179,9 +179,8 @@ class _MaskBuffer:
         return len(self.offsets) - 1
 
     def append(self, mask: SamplingMask) -> None:
-        base = self.offsets.last
+        self.offsets.extend_shifted(mask.offsets[1:], self.offsets.last)
         self.ids.extend(mask.ids)
-        self.offsets.extend(mask.offsets[1:] + base)
 
     def append_singletons(self, tokens: np.ndarray) -> None:
         base = self.offsets.last
@@ -333,7 +332,9 @@ class Trajectory:
 
     def append_forced(self, tokens) -> None:
         """Environment tokens: singleton support, loss 0, log-prob 0.0."""
-        tokens = as_int_array(tokens, TOKEN_DTYPE, "forced_tokens")
+        self._append_forced(as_int_array(tokens, TOKEN_DTYPE, "forced_tokens"))
+
+    def _append_forced(self, tokens: np.ndarray) -> None:
         if self._mask is not None:
             self._mask.append_singletons(tokens)
         self._tokens.extend(tokens)
@@ -346,13 +347,16 @@ class Trajectory:
         when the turn is refused; returns why when it is valid but not applied."""
         if self._terminal:
             return TurnOutcome(False, "replay_gap" if self.gap else "after_terminal")
-        for name in REPLAY_FIELDS:
-            if turn.carries(name) and not self.carries(name) and self.response_length:
-                raise ProtocolError(
-                    "mask_presence",
-                    f"turn {self.turns} of {self.trajectory_id!r} carries {name} but the "
-                    f"{self.response_length} response tokens before it do not (missing, then present)",
-                )
+        carried = [self.carries(name) for name in REPLAY_FIELDS]
+        brought = [turn.carries(name) for name in REPLAY_FIELDS]
+        if carried != brought:  # the rare case: a field starts or goes missing
+            for name, had, has in zip(REPLAY_FIELDS, carried, brought):
+                if has and not had and self.response_length:
+                    raise ProtocolError(
+                        "mask_presence",
+                        f"turn {self.turns} of {self.trajectory_id!r} carries {name} but the "
+                        f"{self.response_length} response tokens before it do not (missing, then present)",
+                    )
         for name in CONTEXT_REPLAY_ARRAYS:
             new, old = getattr(turn, name), self._context.get(name)
             if new is not None and old is not None and (new.shape[0] < old.shape[0] or new.shape[1:] != old.shape[1:]):
@@ -361,14 +365,14 @@ class Trajectory:
                     f"rule '{name} covers a growing context' violated: turn {self.turns} of {self.trajectory_id!r} "
                     f"has shape {tuple(new.shape)}, the trajectory already has {tuple(old.shape)}",
                 )
-        missing = [name for name in REPLAY_FIELDS if self.carries(name) and not turn.carries(name)]
+        missing = [name for name, had, has in zip(REPLAY_FIELDS, carried, brought) if had and not has]
         if missing:
             self.cut_at_gap(Gap(self.turns, missing[0]))
             return TurnOutcome(False, "replay_gap")
         self.append_sampled(turn.tokens, turn.log_probs, turn.loss_mask, turn.mask)
         self._sampled_end = self.response_length
         if turn.forced_tokens.size:
-            self.append_forced(turn.forced_tokens)
+            self._append_forced(turn.forced_tokens)
         for name in CONTEXT_REPLAY_ARRAYS:
             if getattr(turn, name) is not None:
                 self._context[name] = getattr(turn, name)
