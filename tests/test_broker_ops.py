@@ -1,0 +1,55 @@
+"""Operator-facing pieces: the metrics endpoint, structured logs, and the
+shipped configuration files."""
+import socket
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import zmq
+from broker_process import BrokerProcess
+
+from rollstream.broker.settings import BrokerSettings
+from rollstream.common.codec import decode, encode
+from rollstream.common.config import load_toml
+from rollstream.common.messages import BROKER_TO_PRODUCER, PRODUCER_TO_BROKER
+from rollstream.common.trajectory import Turn
+from rollstream.common.wire import encode_turn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_endpoint_and_trajectory_ids_in_logs(tmp_path):
+    port = free_port()
+    with BrokerProcess(tmp_path, metrics_port=port) as broker:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(broker.producer)
+        turn0 = Turn.build([5], [-0.1], supports=[[5, 6]], forced_tokens=[7])
+        sock.send_multipart(encode_turn("traj-metrics", 0, turn0, seq=1, prompt_tokens=np.array([1], np.int32)))
+        sock.send_multipart(encode_turn("traj-metrics", 1, Turn.build([8], [-0.2]), seq=2))  # replay gap
+        sock.send_multipart([b"junk"])
+        sock.send_multipart(encode(PRODUCER_TO_BROKER, "abort", {"seq": 3, "trajectory_id": "traj-metrics", "reason": "x"}))
+        replies = [decode(sock.recv_multipart(), BROKER_TO_PRODUCER) for _ in range(4)]
+        assert [r.type for r in replies] == ["ack", "ack", "nack", "ack"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'rollstream_broker_frames_total{outcome="applied",type="turn"} 1.0' in text
+        assert 'rollstream_broker_replay_gaps_total{field="mask"} 1.0' in text
+        assert 'rollstream_broker_nacks_total{code="malformed",endpoint="producer"} 1.0' in text
+        assert 'rollstream_broker_trajectories_total{exit="aborted"} 1.0' in text
+        assert "rollstream_broker_commit_seconds_bucket" in text
+        log = broker.log()
+    gap_lines = [line for line in log.splitlines() if "replay gap" in line]
+    assert gap_lines and all("trajectory_id=traj-metrics" in line for line in gap_lines)
+    assert any("trajectory aborted" in line and "trajectory_id=traj-metrics" in line for line in log.splitlines())
+
+
+def test_shipped_broker_config_uses_only_known_keys():
+    names = set(BrokerSettings.__dataclass_fields__)
+    values = load_toml(ROOT / "deploy" / "systemd" / "broker.toml", names, "broker")
+    assert values["sync"] == "normal" and values["metrics_port"] == 9464
