@@ -53,3 +53,18 @@ def test_shipped_broker_config_uses_only_known_keys():
     names = set(BrokerSettings.__dataclass_fields__)
     values = load_toml(ROOT / "deploy" / "systemd" / "broker.toml", names, "broker")
     assert values["sync"] == "normal" and values["metrics_port"] == 9464
+
+
+def test_the_broker_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, click\n"
+        "from rollstream.common.cli import main\n"
+        "ctx = click.Context(main)\n"
+        "main.get_command(ctx, 'broker'); main.get_command(ctx, 'status')\n"
+        "import rollstream.broker.service, rollstream.broker.recovery\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
