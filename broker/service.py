@@ -279,10 +279,11 @@ class BrokerService:
                 self.metrics.inc(self.metrics.exits, exit="expired" if effect.reason == "expired" else "dead")
                 log.warning("trajectory dead-lettered", extra={"trajectory_id": effect.trajectory_id, "reason": effect.reason})
 
-    def _send(self, endpoint: str, identity: bytes, frames: list) -> bool:
-        """Send without blocking; False when the peer is gone or not reading."""
+    def _send(self, endpoint: str, identity: bytes, frames: list, copy: bool = True) -> bool:
+        """Send without blocking; False when the peer is gone or not reading.
+        `copy=False` (zero-copy) pays off only for large frames: deliveries."""
         try:
-            self.sockets[endpoint].send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+            self.sockets[endpoint].send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=copy)
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH (peer gone) or EAGAIN (peer's queue full)
             log.warning("reply not delivered", extra={"endpoint": endpoint, "peer": identity.hex(), "error": exc.strerror})
@@ -377,7 +378,7 @@ class BrokerService:
                 entry.trajectory = load_trajectory(self.store, self.store.load_one(entry.trajectory_id))
             frames = encode_deliver(entry.trajectory, delivery.lease, delivery_count=delivery.delivery_count,
                                     **delivery.group_fields)
-            if not self._send("consumer", delivery.identity, frames):
+            if not self._send("consumer", delivery.identity, frames, copy=False):
                 settled, _ = self.dispatcher.settle([delivery.lease])
                 self._dead_letter(self.dispatcher.requeue(settled), "max_deliveries", now)
 

@@ -17,30 +17,37 @@ class GrowableArray:
     def __len__(self) -> int:
         return self._len
 
-    def _reserve(self, needed: int) -> None:
-        if needed > self._buf.shape[0]:
-            grown = np.empty(max(needed, 2 * self._buf.shape[0]), dtype=self._buf.dtype)
-            grown[: self._len] = self._buf[: self._len]
-            self._buf = grown
+    def _grow(self, needed: int) -> None:
+        grown = np.empty(max(needed, 2 * len(self._buf)), dtype=self._buf.dtype)
+        grown[: self._len] = self._buf[: self._len]
+        self._buf = grown
 
+    # The capacity test is inlined in each append: these run several times
+    # per frame on the broker's hot path.
     def extend(self, values: np.ndarray) -> None:
-        end = self._len + len(values)
-        self._reserve(end)
-        self._buf[self._len : end] = values
+        start = self._len
+        end = start + len(values)
+        if end > len(self._buf):
+            self._grow(end)
+        self._buf[start:end] = values
         self._len = end
 
     def extend_shifted(self, values: np.ndarray, shift) -> None:
         """Append `values + shift` without building a temporary."""
-        end = self._len + len(values)
-        self._reserve(end)
-        np.add(values, shift, out=self._buf[self._len : end])
+        start = self._len
+        end = start + len(values)
+        if end > len(self._buf):
+            self._grow(end)
+        np.add(values, shift, out=self._buf[start:end])
         self._len = end
 
     def extend_fill(self, value, count: int) -> None:
         """Append `count` copies of `value` without building a temporary."""
-        end = self._len + count
-        self._reserve(end)
-        self._buf[self._len : end] = value
+        start = self._len
+        end = start + count
+        if end > len(self._buf):
+            self._grow(end)
+        self._buf[start:end] = value
         self._len = end
 
     def truncate(self, length: int) -> None:

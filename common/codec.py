@@ -160,7 +160,7 @@ def encode_error(schema: Schema, error: ProtocolError, **extra) -> list:
 def decode_header(frame) -> dict:
     """The header map, or `ProtocolError("malformed")`."""
     try:
-        header = msgpack.unpackb(_buffer(frame), raw=False, strict_map_key=True)
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError("malformed", f"header is not a msgpack map: {type(exc).__name__}: {exc}") from None
     if not isinstance(header, dict):
@@ -183,8 +183,11 @@ def _array_entries(header: Mapping[str, Any], frame_count: int) -> list[tuple[st
             raise _schema_error(f"unknown array {name!r}; expected one of {sorted(ARRAYS)}")
         if name in seen:
             raise _schema_error(f"array {name!r} is listed twice")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        if not isinstance(shape, list):
             raise _schema_error(f"array {name!r} shape must be a list of non-negative integers, got {shape!r:.80}")
+        for extent in shape:
+            if type(extent) is not int or extent < 0:
+                raise _schema_error(f"array {name!r} shape must be a list of non-negative integers, got {shape!r:.80}")
         seen.add(name)
         parsed.append((name, dtype, shape))
     if frame_count != 1 + len(parsed):
@@ -247,8 +250,11 @@ def _decode_checked(header, buffers, schema, max_message_bytes, vocab_size, chec
             raise ProtocolError(
                 "shape", f"array {name!r} of shape {shape} needs {expected_bytes} bytes, its frame has {buf.nbytes}"
             )
-        arr = np.frombuffer(buf, dtype=contract.dtype).reshape(shape)
-        arr.flags.writeable = False
+        arr = np.frombuffer(buf, dtype=contract.dtype)
+        if len(shape) != 1:
+            arr = arr.reshape(shape)
+        if arr.flags.writeable:  # frames read as bytes are read-only already
+            arr.flags.writeable = False
         arrays[name] = arr
 
     if spec.content and check_content:

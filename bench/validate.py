@@ -1,0 +1,125 @@
+"""Batch validation throughput: rollstream's one-pass consumer validation
+against the seed's per-sample validation, on the same batch in the same run.
+
+The batch is `peer_seed.make_workload()` as `make_validation_batch` lays it
+out (64 trajectories x 8 turns x 512 sampled tokens, 128 forced tokens
+between turns; every sampled token inside its support, forced tokens as
+singletons). rollstream validates the packed batch on its device
+(`rollstream.consumer.batch_violations`: CSR rules, sampled token in
+support, forced tokens singleton, ids and tokens in the vocabulary, loss
+mask and log-probs); the seed runs `seed_validate_batch` (offset checks and a
+per-token membership test over Python lists). Both times are medians of
+repeated runs. Packing the batch (done once per batch anyway, for the
+trainer) is timed separately. With CUDA present, the GPU time of validating
+a 1M-token batch is printed too.
+
+usage: python bench/validate.py [--repeat R]
+The last line is one JSON object with the headline figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1].parent / "shared" / "bench"))
+import peer_seed  # noqa: E402
+
+from rollstream.consumer import Batch, Delivery, batch_violations  # noqa: E402
+
+VOCAB = 151_936
+
+
+def deliveries_of(work) -> tuple[list[Delivery], list, list]:
+    """The workload as delivered trajectories, plus the seed's view of it."""
+    masks, sampled = peer_seed.make_validation_batch(work)
+    rng = np.random.default_rng(0)
+    out = []
+    for i, (traj, mask, tokens) in enumerate(zip(work, masks, sampled)):
+        trained = np.concatenate([np.r_[np.ones(len(supports), np.uint8), np.zeros(len(obs), np.uint8)]
+                                  for supports, obs in traj])
+        log_probs = np.where(trained == 1, -rng.exponential(size=len(trained)) - 1e-3, 0.0).astype(np.float32)
+        arrays = {
+            "prompt_tokens": rng.integers(0, VOCAB, size=256).astype(np.int32),
+            "tokens": np.asarray(tokens, np.int32),
+            "loss_mask": trained,
+            "log_probs": log_probs,
+            "mask_ids": mask.ids.numpy(),
+            "mask_offsets": mask.offsets.numpy(),
+        }
+        fields = {"trajectory_id": f"t{i}", "status": "completed", "reward": 0.0, "response_length": len(tokens),
+                  "weight_versions": [], "metadata": {}}
+        out.append(Delivery(f"t{i}", fields, arrays, 0))
+    return out, masks, sampled
+
+
+def median_time(fn, repeat: int, sync=lambda: None) -> float:
+    times = []
+    for _ in range(repeat):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=15)
+    args = parser.parse_args()
+
+    work = peer_seed.make_workload()
+    deliveries, masks, sampled = deliveries_of(work)
+    batch = Batch.from_deliveries(deliveries, device="cpu")
+    tokens = int(batch.lengths["response"].sum())
+    ids = len(batch.mask_ids)
+    assert batch_violations(batch, vocab_size=VOCAB) == []
+    peer_seed.seed_validate_batch(masks, sampled)  # the seed agrees the batch is valid
+
+    ours = median_time(lambda: batch_violations(batch, vocab_size=VOCAB), args.repeat)
+    seed = median_time(lambda: peer_seed.seed_validate_batch(masks, sampled), max(3, args.repeat // 5))
+    packed = median_time(lambda: batch_violations(Batch.from_deliveries(deliveries, device="cpu"), vocab_size=VOCAB),
+                         args.repeat)
+    ratio = seed / ours
+    print(f"batch: {len(deliveries)} trajectories, {tokens:,} response tokens, {ids:,} support ids")
+    print(f"seed per-sample validation:   {seed * 1e3:8.2f} ms")
+    print(f"rollstream batch validation:  {ours * 1e3:8.2f} ms  ({tokens / ours / 1e6:.1f} M tokens/s, "
+          f"{ids / ours / 1e6:.1f} M ids/s) on cpu")
+    print(f"rollstream pack + validate:   {packed * 1e3:8.2f} ms")
+    print(f"validation speed-up over the seed: {ratio:.1f}x (target 15x)")
+    figures = {
+        "validate_ratio": round(ratio, 2),
+        "tokens_per_s": round(tokens / ours),
+        "ids_per_s": round(ids / ours),
+        "validate_s": ours,
+        "seed_validate_s": seed,
+        "pack_validate_s": packed,
+        "tokens": tokens,
+        "ids": ids,
+    }
+    if torch.cuda.is_available():
+        scale = -(-1_000_000 // tokens)
+        big = [d for _ in range(scale) for d in deliveries]
+        device = torch.device("cuda")
+        gpu_batch = Batch.from_deliveries(big, device=device)
+        gpu_tokens = int(gpu_batch.lengths["response"].sum())
+        assert batch_violations(gpu_batch, vocab_size=VOCAB) == []
+        gpu = median_time(lambda: batch_violations(gpu_batch, vocab_size=VOCAB), args.repeat, torch.cuda.synchronize)
+        upload = median_time(lambda: Batch.from_deliveries(big, device=device), max(3, args.repeat // 3),
+                             torch.cuda.synchronize)
+        print(f"gpu: {gpu_tokens:,}-token batch validated in {gpu * 1e3:.2f} ms "
+              f"({gpu_tokens / gpu / 1e6:.0f} M tokens/s); packed and uploaded in {upload * 1e3:.1f} ms")
+        figures.update(gpu_tokens=gpu_tokens, gpu_validate_s=gpu, gpu_tokens_per_s=round(gpu_tokens / gpu),
+                       gpu_pack_upload_s=upload)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
