@@ -86,7 +86,10 @@ class Producer(threading.Thread):
             if sock.poll(200):
                 reply = decode(sock.recv_multipart(), BROKER_TO_PRODUCER)
                 last_reply = time.monotonic()
-                if reply.type == "nack" and reply["code"] != "unavailable":
+                if reply.type == "nack" and reply["code"] in ("unavailable", "out_of_order"):
+                    # a frame that overtook earlier ones lost in the crash: keep it; the resend puts it in order
+                    continue
+                if reply.type == "nack":
                     self.errors.append(f"{reply.fields}")
                 entry = pending.pop(reply.get("seq"), None)
                 if entry is not None and reply.type == "ack" and "turn" not in reply.fields:
