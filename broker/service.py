@@ -478,7 +478,7 @@ class BrokerService:
                     if self._memory_bytes <= 0.9 * s.max_memory_bytes:
                         break
         self._disk_bytes = self.store.bytes_on_disk()
-        if self._disk_bytes > s.max_disk_bytes:
+        if self._disk_bytes > 0.9 * s.max_disk_bytes:  # also below the limit: the WAL must not hold off a resume
             try:
                 self.store.checkpoint()
             except Exception as exc:  # a failed checkpoint only leaves the WAL larger
