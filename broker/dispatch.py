@@ -136,6 +136,18 @@ class Dispatcher:
             self.redeliveries += len(tids)
         return exhausted
 
+    def retract(self, lease_id: str) -> None:
+        """A delivery that never left (the consumer's queue was full or it
+        vanished): undo the lease and its delivery count, requeue in front."""
+        lease = self.leases.pop(lease_id)
+        consumer = self.consumers.get(lease.identity)
+        if consumer is not None:
+            consumer.leases.discard(lease_id)
+        self.delivery_counts[lease.trajectory_id] -= 1
+        unit = lease.unit
+        left = (unit.group_size - 1) if unit.group_id is not None else 0
+        self.enqueue(Unit((lease.trajectory_id,), unit.group_id, unit.group_size, left), front=True)
+
     def forget(self, trajectory_id: str) -> None:
         self.delivery_counts.pop(trajectory_id, None)
 

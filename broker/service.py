@@ -312,11 +312,14 @@ class BrokerService:
             log.info("consumer connected", extra={"consumer_id": message["consumer_id"]})
             fields = {"broker_id": self.broker_id, "lease_timeout": self.settings.lease_timeout,
                       "heartbeat_interval": self.settings.heartbeat_interval}
+            if "seq" in message.fields:
+                fields["seq"] = message["seq"]
             self._send("consumer", identity, encode(BROKER_TO_CONSUMER, "welcome", fields))
             return
         if not dispatcher.seen(identity, now):
             error = ProtocolError("unknown_consumer", "this connection has not said hello (or was dropped); send hello first")
-            self._send("consumer", identity, self._refuse("consumer", error, message))
+            extra = {"leases": message["leases"]} if "leases" in message.fields else {}
+            self._send("consumer", identity, self._refuse("consumer", error, message, **extra))
             return
         if message.type == "credit":
             dispatcher.credit(identity, message["n"], message["unit"])
@@ -379,8 +382,7 @@ class BrokerService:
             frames = encode_deliver(entry.trajectory, delivery.lease, delivery_count=delivery.delivery_count,
                                     **delivery.group_fields)
             if not self._send("consumer", delivery.identity, frames, copy=False):
-                settled, _ = self.dispatcher.settle([delivery.lease])
-                self._dead_letter(self.dispatcher.requeue(settled), "max_deliveries", now)
+                self.dispatcher.retract(delivery.lease)
 
     # -- admin ----------------------------------------------------------------
     def _serve_admin(self, now: float) -> None:

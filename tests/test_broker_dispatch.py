@@ -118,3 +118,14 @@ def test_requeue_keeps_group_together_with_its_size(d):
 
 def test_unknown_connection_is_not_seen(d):
     assert d.seen(A, now=0) is False
+
+
+def test_a_delivery_that_never_left_does_not_count(d):
+    d.hello(A, "a", now=0)
+    d.credit(A, 2, "trajectory")
+    d.enqueue(Unit(("t",)))
+    (out,) = d.deliveries(now=0)
+    d.retract(out.lease)
+    assert out.lease not in d.leases and d.redeliveries == 0
+    (again,) = d.deliveries(now=0)
+    assert again.trajectory_id == "t" and again.delivery_count == 1

@@ -1,0 +1,369 @@
+"""The consumer's protocol state, with no sockets, clocks or threads.
+
+The I/O shell feeds it what the brokers said (`welcomed`, `delivered`,
+`settled`, ...) with the current time, and sends what collects in `outbox`.
+The trainer side takes complete units (a trajectory, or a whole group) and
+later commits or rejects them. Everything at-least-once delivery needs lives
+here: deduplication by trajectory id, the leases each trajectory was
+delivered under (several after a redelivery), group completion, bounded
+credit across brokers, and resending settlements the broker could not
+persist.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+UNITS = ("trajectory", "group")
+POLICIES = ("raise", "quarantine")  # what to do with a trajectory that fails batch validation
+ACKED = "acked"  # outcome of a committed trajectory in the dedup memory
+RETRY_AFTER = 1.0  # seconds before resending a settlement answered `unavailable`
+
+
+@dataclass(eq=False)
+class Delivery:
+    """One delivered trajectory: its `deliver` header fields and arrays, and
+    every `(broker, lease)` it is currently held under."""
+
+    trajectory_id: str
+    fields: Mapping[str, Any]
+    arrays: Mapping[str, np.ndarray]
+    broker: int
+    leases: set[tuple[int, str]] = field(default_factory=set)
+    received_at: float = 0.0
+
+
+@dataclass(eq=False)
+class Unit:
+    """What a batch is counted in: one trajectory, or one group's members
+    (`expected` = `group_size - group_left` of its delivery)."""
+
+    broker: int
+    members: dict[str, Delivery]
+    expected: int
+    group_id: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) >= self.expected
+
+    @property
+    def received_at(self) -> float:
+        return max(d.received_at for d in self.members.values())
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A message for broker `broker`: `type` and header `fields`."""
+
+    broker: int
+    type: str
+    fields: dict
+
+
+@dataclass
+class _Broker:
+    window: int  # most credit outstanding at once (see `Assembler`)
+    connected: bool = False  # welcomed, and not lost since
+    lease_timeout: float = math.inf
+    outstanding: int = 0  # credit granted and not yet used
+    burst: tuple[str, int] | None = None  # group being delivered: (group_id, members still to come)
+
+
+@dataclass
+class Stats:
+    delivered: int = 0
+    duplicates: int = 0
+    committed: int = 0
+    acked: int = 0
+    stale_leases: int = 0
+    rejected: int = 0
+    released: int = 0
+    expired_in_buffer: int = 0
+    undecodable: int = 0
+    resent_settlements: int = 0
+
+
+class Assembler:
+    """Deduplicating, group-completing buffer of deliveries from `n_brokers`.
+
+    Credit: the consumer never holds more than `prefetch` units buffered or
+    promised (credit granted, not yet used). Each broker has a window of
+    `(prefetch - batch_size) // n_brokers` credit, so credit parked at idle
+    brokers can never keep a batch from filling: `batch_size` units of room
+    always remain for the brokers that have data.
+    """
+
+    def __init__(
+        self,
+        n_brokers: int,
+        *,
+        batch_size: int,
+        unit: str = "trajectory",
+        prefetch: int | None = None,
+        dedup_capacity: int = 100_000,
+    ):
+        if unit not in UNITS:
+            raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
+        if batch_size < 1 or n_brokers < 1:
+            raise ValueError(f"batch_size and the broker count must be positive, got {batch_size} and {n_brokers}")
+        prefetch = max(2 * batch_size, batch_size + n_brokers) if prefetch is None else prefetch
+        if prefetch < batch_size + n_brokers:
+            raise ValueError(
+                f"prefetch must be at least batch_size + brokers = {batch_size + n_brokers} "
+                f"(one unit of credit per broker beyond a full batch), got {prefetch}"
+            )
+        self.unit = unit
+        self.batch_size = batch_size
+        self.prefetch = prefetch
+        self.dedup_capacity = dedup_capacity
+        window = (prefetch - batch_size) // n_brokers
+        self._brokers = [_Broker(window) for _ in range(n_brokers)]
+        self._ready: deque[Unit] = deque()
+        self._assembling: dict[str, Unit] = {}  # group id -> incomplete group
+        self._buffered: dict[str, Unit] = {}  # trajectory id -> its unit, not yet taken
+        self._taken: dict[str, Delivery] = {}  # handed to the trainer, not committed
+        self._done: OrderedDict[str, str] = OrderedDict()  # id -> ACKED or the rejection reason
+        self._settling: dict[tuple[int, str], Outgoing] = {}  # lease -> the ack/nack awaiting a reply
+        self._retry: list[tuple[float, tuple[int, str]]] = []
+        self.outbox: list[Outgoing] = []
+        self.stats = Stats()
+
+    # -- broker sessions ------------------------------------------------------
+    def welcomed(self, broker: int, lease_timeout: float) -> None:
+        """A (re)started session: the broker released every lease and all
+        credit of the previous one, so drop what it had delivered and is not
+        yet with the trainer (it is redelivered to us or to another consumer)."""
+        self.lost(broker)
+        self._brokers[broker].lease_timeout = lease_timeout
+        self._brokers[broker].connected = True
+
+    def lost(self, broker: int) -> None:
+        """The broker no longer knows this connection (`unknown_consumer`)."""
+        state = self._brokers[broker]
+        state.connected = False
+        state.outstanding = 0
+        state.burst = None
+        for unit in self._units():
+            if unit.broker == broker:
+                self._drop(unit)
+        for held in self._taken.values():
+            held.leases = {lease for lease in held.leases if lease[0] != broker}
+        self._settling = {lease: out for lease, out in self._settling.items() if lease[0] != broker}
+        self._retry = [(due, lease) for due, lease in self._retry if lease[0] != broker]
+
+    def credit_grants(self) -> dict[int, int]:
+        """Credit to send now, per connected broker (already counted as outstanding)."""
+        free = self.prefetch - len(self._ready) - len(self._assembling) - sum(b.outstanding for b in self._brokers)
+        grants = {}
+        for index, state in enumerate(self._brokers):
+            if not state.connected:
+                continue
+            n = min(state.window - state.outstanding, free)
+            if n > 0:
+                state.outstanding += n
+                free -= n
+                grants[index] = n
+        return grants
+
+    # -- deliveries -----------------------------------------------------------
+    def delivered(self, broker: int, fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray], now: float) -> None:
+        """A decoded `deliver` message."""
+        self._use_credit(broker, fields)
+        self.stats.delivered += 1
+        tid = fields["trajectory_id"]
+        lease = (broker, fields["lease"])
+        outcome = self._done.get(tid)
+        if outcome is not None:
+            self.stats.duplicates += 1
+            self._settle(lease, "ack" if outcome == ACKED else "nack", outcome)
+            return
+        held = self._taken.get(tid) or self._member(tid)
+        if held is not None:  # a redelivery while we still hold it: keep every lease
+            self.stats.duplicates += 1
+            held.leases.add(lease)
+            held.received_at = now
+            return
+        delivery = Delivery(tid, fields, arrays, broker, {lease}, now)
+        group_id = fields.get("group_id")
+        if self.unit == "trajectory" or group_id is None:
+            self._buffer(Unit(broker, {tid: delivery}, 1))
+            return
+        unit = self._assembling.get(group_id)
+        if unit is None:
+            unit = Unit(broker, {}, fields.get("group_size", 1) - fields.get("group_left", 0), group_id)
+            self._assembling[group_id] = unit
+        unit.members[tid] = delivery
+        self._buffered[tid] = unit
+        if unit.complete:
+            del self._assembling[group_id]
+            self._ready.append(unit)
+
+    def undecodable(self, broker: int, header: Mapping[str, Any], reason: str, *, requeue: bool) -> None:
+        """A `deliver` whose arrays could not be read (bad CRC, dtype, ...):
+        it used credit; hand its lease back (requeue) or dead-letter it."""
+        self._use_credit(broker, header)
+        self.stats.undecodable += 1
+        self._settle((broker, header["lease"]), "release" if requeue else "nack", reason)
+
+    def _use_credit(self, broker: int, fields: Mapping[str, Any]) -> None:
+        """Trajectory credit pays per message; group credit per delivery unit,
+        whose members a broker sends back to back."""
+        state = self._brokers[broker]
+        group_id = fields.get("group_id")
+        if self.unit == "group" and group_id is not None:
+            if state.burst is not None and state.burst[0] == group_id:
+                left = state.burst[1] - 1
+                state.burst = (group_id, left) if left > 0 else None
+                return
+            left = fields.get("group_size", 1) - fields.get("group_left", 0) - 1
+            state.burst = (group_id, left) if left > 0 else None
+        state.outstanding = max(0, state.outstanding - 1)
+
+    def _buffer(self, unit: Unit) -> None:
+        for tid in unit.members:
+            self._buffered[tid] = unit
+        self._ready.append(unit)
+
+    def _member(self, tid: str) -> Delivery | None:
+        unit = self._buffered.get(tid)
+        return None if unit is None else unit.members[tid]
+
+    def _units(self) -> list[Unit]:
+        return [*self._ready, *self._assembling.values()]
+
+    def _drop(self, unit: Unit) -> None:
+        """Forget a buffered unit entirely (its leases are gone)."""
+        if unit.group_id is not None and self._assembling.get(unit.group_id) is unit:
+            del self._assembling[unit.group_id]
+        else:
+            self._ready.remove(unit)
+        for tid in unit.members:
+            self._buffered.pop(tid, None)
+
+    def expire(self, now: float) -> None:
+        """Drop buffered units whose leases ran out (the broker is
+        redelivering them), and resend settlements that are due again."""
+        for unit in self._units():
+            if now > unit.received_at + self._brokers[unit.broker].lease_timeout:
+                self.stats.expired_in_buffer += len(unit.members)
+                self._drop(unit)
+        due = [lease for when, lease in self._retry if when <= now]
+        self._retry = [(when, lease) for when, lease in self._retry if when > now]
+        for lease in due:
+            if lease in self._settling:
+                self.stats.resent_settlements += 1
+                self.outbox.append(self._settling[lease])
+
+    # -- trainer side ---------------------------------------------------------
+    @property
+    def ready(self) -> int:
+        """Complete units waiting to be taken."""
+        return len(self._ready)
+
+    def take(self, n: int) -> list[Unit]:
+        """Up to `n` complete units in arrival order, now with the trainer."""
+        units = [self._ready.popleft() for _ in range(min(n, len(self._ready)))]
+        for unit in units:
+            for tid, delivery in unit.members.items():
+                del self._buffered[tid]
+                self._taken[tid] = delivery
+        return units
+
+    def commit(self, trajectory_ids: Iterable[str]) -> None:
+        """The trainer used these: ack every lease they were delivered under."""
+        for tid in trajectory_ids:
+            self.stats.committed += 1
+            self._finish(tid, ACKED)
+
+    def reject(self, reasons: Mapping[str, str]) -> None:
+        """Quarantine: move each trajectory to the broker's dead letters with its reason."""
+        for tid, reason in reasons.items():
+            self.stats.rejected += 1
+            self._finish(tid, reason)
+
+    def release(self, trajectory_ids: Iterable[str] | None = None) -> None:
+        """Give trajectories back for redelivery (all held ones when None):
+        the trainer will not use them. A buffered group goes back whole."""
+        if trajectory_ids is None:
+            trajectory_ids = [*self._taken, *self._buffered]
+        released: dict[str, Delivery] = {}
+        for tid in trajectory_ids:
+            if tid in self._taken:
+                released[tid] = self._taken.pop(tid)
+            elif tid in self._buffered:
+                unit = self._buffered[tid]
+                self._drop(unit)
+                released.update(unit.members)
+        self.stats.released += len(released)
+        for held in released.values():
+            for lease in sorted(held.leases):
+                self._settle(lease, "release", "released by the consumer")
+
+    def _finish(self, tid: str, outcome: str) -> None:
+        held = self._taken.pop(tid, None)
+        if held is None:
+            raise KeyError(f"trajectory {tid!r} is not held by the trainer (already committed, or never taken)")
+        self._done[tid] = outcome
+        self._done.move_to_end(tid)
+        while len(self._done) > self.dedup_capacity:
+            self._done.popitem(last=False)
+        for lease in sorted(held.leases):
+            self._settle(lease, "ack" if outcome == ACKED else "nack", outcome)
+
+    def _settle(self, lease: tuple[int, str], how: str, reason: str) -> None:
+        broker, lease_id = lease
+        if how == "ack":
+            out = Outgoing(broker, "ack", {"leases": [lease_id]})
+        else:
+            out = Outgoing(broker, "nack", {"leases": [lease_id], "reason": reason, "requeue": how == "release"})
+        self._settling[lease] = out
+        self.outbox.append(out)
+
+    def take_outbox(self) -> list[Outgoing]:
+        """Pending messages, settlements of one kind merged per broker."""
+        merged: dict[tuple, Outgoing] = {}
+        others = []
+        for out in self.outbox:
+            if out.type in ("ack", "nack"):
+                key = (out.broker, out.type, out.fields.get("reason"), out.fields.get("requeue"))
+                if key in merged:
+                    merged[key].fields["leases"].extend(out.fields["leases"])
+                else:
+                    merged[key] = Outgoing(out.broker, out.type, {**out.fields, "leases": list(out.fields["leases"])})
+            else:
+                others.append(out)
+        self.outbox = []
+        return [*others, *merged.values()]
+
+    # -- replies --------------------------------------------------------------
+    def settled(self, broker: int, leases: Iterable[str], *, stale: bool = False) -> None:
+        """`acked`/`nacked` (or `nack stale_lease`) for these leases."""
+        for lease_id in leases:
+            out = self._settling.pop((broker, lease_id), None)
+            if out is None:
+                continue
+            if stale:
+                self.stats.stale_leases += 1
+            elif out.type == "ack":
+                self.stats.acked += 1
+
+    def unavailable(self, broker: int, leases: Iterable[str], now: float) -> None:
+        """The broker could not persist a settlement: resend it later."""
+        for lease_id in leases:
+            if (broker, lease_id) in self._settling:
+                self._retry.append((now + RETRY_AFTER, (broker, lease_id)))
+
+    @property
+    def unsettled(self) -> int:
+        """Settlements sent and not yet answered."""
+        return len(self._settling)
+
+    @property
+    def held(self) -> int:
+        """Trajectories with the trainer, not committed."""
+        return len(self._taken)

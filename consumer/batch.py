@@ -1,0 +1,393 @@
+"""A training batch: packed torch tensors on one device.
+
+Samples lie end to end. `tokens` holds each sample's prompt then response
+(`cu_seqlens` bounds them, as variable-length attention wants); the
+per-response-token fields (`response_tokens`, `loss_mask`, `log_probs`) and
+the whole batch's sampling mask (one CSR, `mask_offsets` over all response
+tokens) are packed on the response axis, bounded by `response_cu`. Replay
+captures (`routed_experts`, `indexer_topk`) are packed along their first
+dimension. Host-side per-sample facts (ids, statuses, gaps, ...) are tuples,
+and the per-sample lengths of every packed field are kept on the host too,
+so selecting, concatenating and shipping a batch never waits on the device.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS
+from rollstream.common.miles import MASK_KEYS, REPLAY_KEYS, TRAIN_DTYPES, metric_view
+from rollstream.common.trajectory import Gap
+from rollstream.common.validation import pack_csr
+
+from .assembly import Delivery
+
+# Packed fields and the per-sample length that bounds each one.
+RAGGED = {
+    "tokens": "sequence",
+    "response_tokens": "response",
+    "loss_mask": "response",
+    "log_probs": "response",
+    "mask_ids": "mask_ids",
+    **{name: name for name in CONTEXT_REPLAY_ARRAYS},
+}
+PER_SAMPLE = ("prompt_lengths", "response_lengths", "rewards", "sample_indices")
+HOST_FIELDS = (
+    "trajectory_ids", "statuses", "gaps", "group_ids", "raw_rewards", "metadata", "weight_versions", "leases", "positions",
+)
+# Train-data keys holding ids, not quantities: metrics do not average them.
+_ID_KEYS = frozenset({"tokens", "sample_indices"})
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """The torch dtype of a numpy dtype."""
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+def as_device(device=None) -> torch.device:
+    """`device`, or CUDA when present, else the CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def _staging(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host buffer to fill: pinned when it will be copied to CUDA."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # A non-blocking copy from pinned memory is safe to let go of: torch's
+    # pinned allocator keeps the block until the copy has finished.
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A numpy array on `device` (shared memory on the CPU)."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        host = _staging(host.shape, host.dtype, device).copy_(host)
+    return _upload(host, device)
+
+
+def concat_to_device(parts: Sequence[np.ndarray], dtype: np.dtype, device: torch.device, trailing=()) -> torch.Tensor:
+    """`parts` concatenated along dim 0 straight into a (pinned) host buffer, then on `device`."""
+    rows = sum(len(part) for part in parts)
+    host = _staging((rows, *trailing), torch_dtype(dtype), device)
+    if parts:
+        np.concatenate(parts, out=host.numpy())
+    return _upload(host, device)
+
+
+def cumsum0(values: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(values, out=out[1:])
+    return out
+
+
+def group_index(group_ids: Sequence[str | None]) -> np.ndarray:
+    """Per sample, its group's number in first-appearance order; a sample
+    without a group is a group of its own."""
+    numbers: dict[Any, int] = {}
+    return np.array(
+        [numbers.setdefault(gid if gid is not None else ("sample", i), len(numbers)) for i, gid in enumerate(group_ids)],
+        dtype=np.int64,
+    )
+
+
+def ranges_index(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """Index of the ranges `[starts[k], starts[k] + lengths[k])` laid end to
+    end, `total` entries in all (one repeat and one add, no loop over ranges)."""
+    device = lengths.device
+    shift = starts - (torch.cumsum(lengths, 0) - lengths)
+    owner = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=total)
+    return torch.arange(total, device=device) + shift[owner]
+
+
+def gather_index(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`ranges_index` of host-known ranges, built on `device`."""
+    return ranges_index(torch.as_tensor(starts, device=device), torch.as_tensor(lengths, device=device), int(lengths.sum()))
+
+
+def segment_index(cu: np.ndarray, samples: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Positions, in a field packed with boundaries `cu`, of the entries of
+    `samples` in that order."""
+    return gather_index(cu[:-1][samples], (cu[1:] - cu[:-1])[samples], device)
+
+
+def reward_value(reward, reward_key: str | None, trajectory_id: str) -> float:
+    if isinstance(reward, Mapping):
+        if reward_key is None or reward_key not in reward:
+            raise ValueError(
+                f"trajectory {trajectory_id!r} has a map reward with keys {sorted(reward)}; expected a number, "
+                f"or a reward_key naming one of them (got reward_key={reward_key!r})"
+            )
+        reward = reward[reward_key]
+    return float(reward)
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """Packed samples on `device`; see the module docstring for the layout.
+
+    `seq` identifies the batch to `commit`; a shard keeps its batch's `seq`
+    and in `positions` each sample's place in that batch.
+    """
+
+    seq: int
+    device: torch.device
+    tokens: torch.Tensor  # int32 [sum(prompt + response)]
+    cu_seqlens: torch.Tensor  # int32 [S + 1], bounds of `tokens`
+    response_tokens: torch.Tensor  # int32 [R], each sample's response
+    response_cu: torch.Tensor  # int64 [S + 1], bounds on the response axis
+    prompt_lengths: torch.Tensor  # int64 [S]
+    response_lengths: torch.Tensor  # int64 [S]
+    loss_mask: torch.Tensor  # uint8 [R]
+    log_probs: torch.Tensor  # float32 [R]
+    rewards: torch.Tensor  # float32 [S]
+    sample_indices: torch.Tensor  # int64 [S]
+    group_index: torch.Tensor  # int64 [S], group number within the batch
+    mask_ids: torch.Tensor | None  # int32 [M]
+    mask_offsets: torch.Tensor | None  # int64 [R + 1]
+    replay: dict[str, torch.Tensor]  # routed_experts / indexer_topk, packed along dim 0
+    lengths: dict[str, np.ndarray]  # host per-sample length of each packed field
+    trajectory_ids: tuple[str, ...]
+    statuses: tuple[str, ...]
+    gaps: tuple[Gap | None, ...]
+    group_ids: tuple[str | None, ...]
+    raw_rewards: tuple[Any, ...]
+    metadata: tuple[Mapping[str, Any], ...]
+    weight_versions: tuple[tuple[str, ...], ...]
+    leases: tuple[tuple[str, ...], ...]  # when the batch was formed; commit uses the live set
+    positions: tuple[int, ...]
+
+    # -- building -------------------------------------------------------------
+    @classmethod
+    def from_deliveries(
+        cls, deliveries: Sequence[Delivery], *, device=None, seq: int = 0, reward_key: str | None = None
+    ) -> "Batch":
+        """Pack deliveries whose per-sample structure is already checked
+        (`validate.sample_violations`): aligned fields, well-formed offsets,
+        every sample carrying the same replay fields."""
+        device = as_device(device)
+        arrays = [d.arrays for d in deliveries]
+        prompt = np.array([len(a["prompt_tokens"]) for a in arrays], dtype=np.int64)
+        response = np.array([len(a["tokens"]) for a in arrays], dtype=np.int64)
+        lengths = {"prompt": prompt, "response": response, "sequence": prompt + response}
+        sequences = [part for a in arrays for part in (a["prompt_tokens"], a["tokens"])]
+        ragged = {
+            "tokens": concat_to_device(sequences, np.int32, device),
+            "response_tokens": concat_to_device([a["tokens"] for a in arrays], np.int32, device),
+            "loss_mask": concat_to_device([a["loss_mask"] for a in arrays], np.uint8, device),
+            "log_probs": concat_to_device([a["log_probs"] for a in arrays], np.float32, device),
+        }
+        mask_offsets = None
+        if arrays and "mask_ids" in arrays[0]:
+            ids, offsets = pack_csr([a["mask_ids"] for a in arrays], [a["mask_offsets"] for a in arrays])
+            ragged["mask_ids"], mask_offsets = to_device(ids, device), to_device(offsets, device)
+            lengths["mask_ids"] = np.array([len(a["mask_ids"]) for a in arrays], dtype=np.int64)
+        for name in CONTEXT_REPLAY_ARRAYS:
+            if arrays and name in arrays[0]:
+                parts = [a[name] for a in arrays]
+                ragged[name] = concat_to_device(parts, parts[0].dtype, device, parts[0].shape[1:])
+                lengths[name] = np.array([len(part) for part in parts], dtype=np.int64)
+        fields = [d.fields for d in deliveries]
+        per_sample = {
+            "prompt_lengths": to_device(prompt, device),
+            "response_lengths": to_device(response, device),
+            "rewards": to_device(np.array([reward_value(f["reward"], reward_key, f["trajectory_id"]) for f in fields],
+                                          dtype=np.float32), device),
+            "sample_indices": to_device(np.array([f.get("sample_index", i) for i, f in enumerate(fields)], np.int64), device),
+        }
+        host = {
+            "trajectory_ids": tuple(f["trajectory_id"] for f in fields),
+            "statuses": tuple(f["status"] for f in fields),
+            "gaps": tuple(Gap(f["gap"]["turn"], f["gap"]["field"]) if "gap" in f else None for f in fields),
+            "group_ids": tuple(f.get("group_id") for f in fields),
+            "raw_rewards": tuple(f["reward"] for f in fields),
+            "metadata": tuple(f["metadata"] for f in fields),
+            "weight_versions": tuple(tuple(f["weight_versions"]) for f in fields),
+            "leases": tuple(tuple(lease for _, lease in sorted(d.leases)) for d in deliveries),
+            "positions": tuple(range(len(deliveries))),
+        }
+        return cls._assemble(seq, device, ragged, per_sample, mask_offsets, lengths, host)
+
+    @classmethod
+    def _assemble(cls, seq, device, ragged, per_sample, mask_offsets, lengths, host) -> "Batch":
+        """The derived fields (bounds, group numbers) from the packed ones."""
+        return cls(
+            seq=seq,
+            device=device,
+            tokens=ragged["tokens"],
+            cu_seqlens=to_device(cumsum0(lengths["sequence"]).astype(np.int32), device),
+            response_tokens=ragged["response_tokens"],
+            response_cu=to_device(cumsum0(lengths["response"]), device),
+            loss_mask=ragged["loss_mask"],
+            log_probs=ragged["log_probs"],
+            group_index=to_device(group_index(host["group_ids"]), device),
+            mask_ids=ragged.get("mask_ids"),
+            mask_offsets=mask_offsets,
+            replay={name: ragged[name] for name in CONTEXT_REPLAY_ARRAYS if name in ragged},
+            lengths=lengths,
+            **per_sample,
+            **host,
+        )
+
+    # -- reading --------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.trajectory_ids)
+
+    @property
+    def has_mask(self) -> bool:
+        return self.mask_offsets is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths["sequence"].sum())
+
+    def ragged(self) -> dict[str, torch.Tensor]:
+        """Every packed field present, by name."""
+        out = {name: getattr(self, name) for name in ("tokens", "response_tokens", "loss_mask", "log_probs")}
+        if self.mask_ids is not None:
+            out["mask_ids"] = self.mask_ids
+        out.update(self.replay)
+        return out
+
+    def host_fields(self) -> dict[str, tuple]:
+        return {name: getattr(self, name) for name in HOST_FIELDS}
+
+    def support_sizes(self) -> torch.Tensor:
+        """Ids per response token (the CSR's row lengths)."""
+        return self.mask_offsets[1:] - self.mask_offsets[:-1]
+
+    @functools.cached_property
+    def _cu(self) -> dict[str, np.ndarray]:
+        return {key: cumsum0(values) for key, values in self.lengths.items()}
+
+    def _split(self, values: torch.Tensor, key: str) -> list[torch.Tensor]:
+        return list(values.split(self.lengths[key].tolist()))
+
+    def response_index(self) -> torch.Tensor:
+        """Where each response token sits in `tokens`; the logits that
+        predict it are one row earlier."""
+        starts = self._cu["sequence"][:-1] + self.lengths["prompt"]
+        return gather_index(starts, self.lengths["response"], self.device)
+
+    def sample_mask_offsets(self) -> list[torch.Tensor]:
+        """Each sample's own CSR offsets (starting at 0), in one pass."""
+        starts = self._cu["response"][:-1]
+        counts = self.lengths["response"] + 1  # a sample's offsets share its neighbours' ends
+        local = self.mask_offsets[gather_index(starts, counts, self.device)]
+        base = torch.repeat_interleave(
+            self.mask_offsets[torch.as_tensor(starts, device=self.device)], torch.as_tensor(counts, device=self.device),
+            output_size=len(local),
+        )
+        return list((local - base).split(counts.tolist()))
+
+    def sample(self, i: int) -> dict[str, Any]:
+        """Views of sample `i`'s fields (its mask offsets start at 0)."""
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample index {i} out of range for a batch of {len(self)}")
+        i %= len(self)
+        cu = self._cu
+        out: dict[str, Any] = {"trajectory_id": self.trajectory_ids[i], "status": self.statuses[i], "gap": self.gaps[i]}
+        for name, values in self.ragged().items():
+            key = RAGGED[name]
+            out[name] = values[int(cu[key][i]) : int(cu[key][i + 1])]
+        if self.has_mask:
+            lo, hi = int(cu["response"][i]), int(cu["response"][i + 1])
+            out["mask_offsets"] = self.mask_offsets[lo : hi + 1] - self.mask_offsets[lo]
+        return out
+
+    # -- reshaping ------------------------------------------------------------
+    def select(self, samples: Sequence[int]) -> "Batch":
+        """A batch of `samples` (positions in this one) in that order, on the same device."""
+        picked = np.asarray(samples, dtype=np.int64).reshape(-1)
+        index = torch.as_tensor(picked, device=self.device)
+        cu = self._cu
+        ragged = {name: values[segment_index(cu[RAGGED[name]], picked, self.device)] for name, values in self.ragged().items()}
+        mask_offsets = None
+        if self.has_mask:
+            sizes = self.support_sizes()[segment_index(cu["response"], picked, self.device)]
+            mask_offsets = _offsets_from_sizes(sizes)
+        per_sample = {name: getattr(self, name)[index] for name in PER_SAMPLE}
+        lengths = {key: values[picked] for key, values in self.lengths.items()}
+        host = {name: tuple(values[i] for i in picked.tolist()) for name, values in self.host_fields().items()}
+        return Batch._assemble(self.seq, self.device, ragged, per_sample, mask_offsets, lengths, host)
+
+    @classmethod
+    def concat(cls, batches: Sequence["Batch"]) -> "Batch":
+        """Samples of `batches` in order (same device, same fields present),
+        keeping the first one's `seq` and every sample's `positions`: shards
+        of one batch join back into it."""
+        first = batches[0]
+        names = first.ragged().keys()
+        for other in batches[1:]:
+            if other.ragged().keys() != names or other.device != first.device:
+                raise ValueError(
+                    f"cannot concatenate batches with different fields or devices: {sorted(names)} on {first.device} "
+                    f"and {sorted(other.ragged())} on {other.device}"
+                )
+        ragged = {name: torch.cat([b.ragged()[name] for b in batches]) for name in names}
+        mask_offsets = _offsets_from_sizes(torch.cat([b.support_sizes() for b in batches])) if first.has_mask else None
+        per_sample = {name: torch.cat([getattr(b, name) for b in batches]) for name in PER_SAMPLE}
+        lengths = {key: np.concatenate([b.lengths[key] for b in batches]) for key in first.lengths}
+        host = {name: tuple(item for b in batches for item in getattr(b, name)) for name in HOST_FIELDS}
+        return cls._assemble(first.seq, first.device, ragged, per_sample, mask_offsets, lengths, host)
+
+    # -- miles ----------------------------------------------------------------
+    def to_train_data(self) -> dict[str, Any]:
+        """miles' rollout data dict (SEMANTICS.md §6) with miles' dtypes:
+        per-sample lists of tensors on this batch's device (views where the
+        dtype already matches), `tokens` being prompt then response."""
+
+        def cast(values: torch.Tensor, key: str) -> torch.Tensor:
+            return values.to(torch_dtype(TRAIN_DTYPES[key]))
+
+        data: dict[str, Any] = {
+            "tokens": self._split(cast(self.tokens, "tokens"), "sequence"),
+            "response_lengths": cast(self.response_lengths, "response_lengths"),
+            "loss_masks": self._split(cast(self.loss_mask, "loss_masks"), "response"),
+            "rollout_log_probs": self._split(cast(self.log_probs, "rollout_log_probs"), "response"),
+            "rewards": self.rewards.tolist(),
+            "sample_indices": cast(self.sample_indices, "sample_indices"),
+        }
+        if self.has_mask:
+            ids_key, offsets_key = MASK_KEYS
+            data[ids_key] = self._split(cast(self.mask_ids, ids_key), "mask_ids")
+            data[offsets_key] = [cast(o, offsets_key) for o in self.sample_mask_offsets()]
+        for key, name in REPLAY_KEYS.items():
+            if name in self.replay:
+                data[key] = self._split(cast(self.replay[name], key), name)
+        return data
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars for logging. Averages come from `metric_view` of the train
+        data, which holds no mask or replay key, so those are never reduced."""
+        out: dict[str, float] = {"samples": float(len(self)), "tokens": float(self.num_tokens)}
+        for key, value in metric_view(self.to_train_data()).items():
+            if key in _ID_KEYS:
+                continue
+            flat = torch.cat(value) if isinstance(value, list) and value and torch.is_tensor(value[0]) else torch.as_tensor(value)
+            if flat.numel():
+                out[f"{key}/mean"] = float(flat.double().mean())
+        for status in ("truncated", "aborted"):
+            out[f"{status}/fraction"] = self.statuses.count(status) / max(len(self), 1)
+        out["gaps/fraction"] = sum(gap is not None for gap in self.gaps) / max(len(self), 1)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"Batch(seq={self.seq}, samples={len(self)}, tokens={self.num_tokens}, "
+            f"mask={self.has_mask}, replay={sorted(self.replay)}, device={self.device})"
+        )
+
+
+def _offsets_from_sizes(sizes: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(len(sizes) + 1, dtype=torch.int64, device=sizes.device)
+    torch.cumsum(sizes, 0, out=offsets[1:])
+    return offsets

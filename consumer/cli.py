@@ -1,0 +1,43 @@
+"""`rollstream consume`: pull validated batches from brokers and print one
+JSON line per batch, to inspect a deployment or drain it by hand."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from .assembly import POLICIES, UNITS
+
+
+@click.command()
+@click.option("--endpoint", "endpoints", multiple=True, required=True, help="A broker's consumer endpoint (repeatable).")
+@click.option("--batch-size", default=8, show_default=True, help="Units (trajectories or groups) per batch.")
+@click.option("--unit", type=click.Choice(UNITS), default="trajectory", show_default=True, help="What a batch counts.")
+@click.option("--batches", default=0, show_default=True, help="Stop after this many batches; 0 runs until interrupted.")
+@click.option("--vocab-size", type=int, default=None, help="Refuse token and support ids outside [0, vocab_size).")
+@click.option("--on-invalid", type=click.Choice(POLICIES), default="raise", show_default=True,
+              help="raise: stop on an invalid batch; quarantine: dead-letter invalid trajectories and go on.")
+@click.option("--reward-key", default=None, help="Key of a map reward to use as the scalar reward.")
+@click.option("--commit/--release", default=True, show_default=True,
+              help="Ack each batch, or give it back for redelivery (inspect without consuming).")
+@click.option("--device", default=None, help="torch device for the batches (default: cuda if present, else cpu).")
+@click.option("--timeout", type=float, default=None, help="Seconds to wait for a batch before giving up.")
+@click.option("--log-level", default="warning", show_default=True, help="debug, info, warning or error.")
+def consume(endpoints, batch_size, unit, batches, vocab_size, on_invalid, reward_key, commit, device, timeout, log_level):
+    """Pull validated batches and print, per batch, its trajectory ids and metrics as one JSON line."""
+    from rollstream.common.logs import setup_logging
+
+    from .client import Consumer
+
+    setup_logging(log_level)
+    with Consumer(list(endpoints), batch_size=batch_size, unit=unit, vocab_size=vocab_size, on_invalid=on_invalid,
+                  reward_key=reward_key, device=device) as consumer:
+        count = 0
+        while not batches or count < batches:
+            try:
+                batch = consumer.next_batch(timeout)
+            except TimeoutError as exc:
+                raise click.ClickException(str(exc)) from None
+            (consumer.commit if commit else consumer.release)(batch)
+            count += 1
+            click.echo(json.dumps({"seq": batch.seq, "trajectory_ids": list(batch.trajectory_ids), **batch.metrics()}))

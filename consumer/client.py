@@ -1,0 +1,370 @@
+"""The consumer client: the I/O shell around `Assembler`.
+
+One background thread owns every socket (a DEALER per broker plus an inproc
+wake-up pair) and runs one poll loop: it reads replies and deliveries, says
+hello again when a broker has forgotten us, grants credit, resends
+settlements, and sends heartbeats. The thread exists because heartbeats must
+keep flowing while the trainer computes: a training step easily outlasts
+three heartbeat intervals, after which the broker would call the consumer
+dead and hand its leases to someone else. Polling inside `next()` cannot do
+that. The thread never touches torch: the calling thread builds, validates
+and returns batches, and its `commit`/`release` only queue settlements in the
+shared, lock-guarded `Assembler` and wake the loop.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, replace
+from dataclasses import fields as dataclass_fields
+from typing import Sequence
+
+import zmq
+
+from rollstream.common.codec import decode, decode_header, encode
+from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES
+from rollstream.common.errors import ProtocolError
+from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
+from rollstream.common.sockets import dealer
+
+from .assembly import POLICIES, Assembler, Unit
+from .batch import Batch, as_device
+from .validate import checked_batch, violation_error
+
+log = logging.getLogger("rollstream.consumer")
+
+DEFAULT_HEARTBEAT = 1.0  # seconds, until a broker's welcome says otherwise
+
+
+class ConsumerClosed(Exception):
+    """The consumer was closed; no more batches."""
+
+
+@dataclass
+class _Session:
+    """One broker connection: where its handshake stands and when to speak next."""
+
+    state: str = "new"  # new -> hello_sent -> ready; back to new when the broker forgets us
+    hello_at: float = 0.0
+    heartbeat_interval: float = DEFAULT_HEARTBEAT
+    next_heartbeat: float = 0.0
+
+
+class Consumer:
+    """Pulls batches from one or many brokers (fan-in), validates them, and
+    acks what the trainer commits.
+
+    >>> with Consumer(["tcp://node0:5556", "tcp://node1:5556"], batch_size=64, vocab_size=151936) as consumer:
+    ...     for batch in consumer:
+    ...         train_step(batch)
+    ...         consumer.commit(batch)
+
+    `unit="group"` makes batches of `batch_size` whole groups (and grants
+    group credit); `prefetch` bounds the units buffered or promised by credit.
+    `on_invalid="quarantine"` sends failing trajectories to the broker's dead
+    letters with the reason and refills the batch; `"raise"` gives the whole
+    batch back for redelivery and raises `BatchValidationError`.
+    A batch not committed within the brokers' `lease_timeout` of its delivery
+    is redelivered (at-least-once), so the lease timeout must cover the wait
+    in the prefetch buffer plus a training step; redeliveries are
+    deduplicated by trajectory id (the last `dedup_capacity` settled ids are
+    remembered, and a late redelivery of one is settled at once). Units whose
+    leases ran out while still buffered are dropped, not trained.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        batch_size: int,
+        unit: str = "trajectory",
+        prefetch: int | None = None,
+        device=None,
+        vocab_size: int | None = None,
+        on_invalid: str = "raise",
+        reward_key: str | None = None,
+        consumer_id: str | None = None,
+        dedup_capacity: int = 100_000,
+        hello_timeout: float = 5.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        context: zmq.Context | None = None,
+    ):
+        if on_invalid not in POLICIES:
+            raise ValueError(f"on_invalid must be one of {POLICIES}, got {on_invalid!r}")
+        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not self.endpoints:
+            raise ValueError("give at least one broker endpoint")
+        self.batch_size = batch_size
+        self.device = as_device(device)
+        self.vocab_size = vocab_size
+        self.on_invalid = on_invalid
+        self.reward_key = reward_key
+        self.consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+        self.hello_timeout = hello_timeout
+        self.max_message_bytes = max_message_bytes
+        self._assembler = Assembler(
+            len(self.endpoints), batch_size=batch_size, unit=unit, prefetch=prefetch, dedup_capacity=dedup_capacity
+        )
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._context = context or zmq.Context.instance()
+        self._seq = itertools.count()
+        self._awaiting_commit: dict[int, tuple[str, ...]] = {}
+        self._closing = False
+        self._stopping = False
+        self._error: BaseException | None = None
+        wake_address = f"inproc://rollstream-consumer-{id(self)}-{os.urandom(4).hex()}"
+        self._wake_in = self._context.socket(zmq.PAIR)
+        self._wake_in.bind(wake_address)
+        self._wake_out = self._context.socket(zmq.PAIR)
+        self._wake_out.connect(wake_address)
+        self._thread = threading.Thread(target=self._run, name=f"rollstream-consumer-{self.consumer_id}", daemon=True)
+        self._thread.start()
+
+    # -- the trainer's side ---------------------------------------------------
+    def __iter__(self) -> "Consumer":
+        return self
+
+    def __next__(self) -> Batch:
+        try:
+            return self.next_batch()
+        except ConsumerClosed:
+            raise StopIteration from None
+
+    def __enter__(self) -> "Consumer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def next_batch(self, timeout: float | None = None) -> Batch:
+        """The next validated batch; blocks up to `timeout` seconds
+        (`TimeoutError`), raises `ConsumerClosed` once closed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seq = next(self._seq)
+        units: list[Unit] = []
+        while True:
+            units += self._take(self.batch_size - len(units), deadline, units)
+            deliveries = [d for unit in units for d in unit.members.values()]
+            try:
+                batch, violations, _ = checked_batch(
+                    deliveries, device=self.device, seq=seq, vocab_size=self.vocab_size, reward_key=self.reward_key
+                )
+                if violations and self.on_invalid == "raise":
+                    raise violation_error(violations, deliveries)
+            except BaseException:  # nothing stays taken without a batch to commit
+                self._settle(release=[d.trajectory_id for d in deliveries])
+                raise
+            if not violations:
+                break
+            reasons: dict[str, list[str]] = {}
+            for v in violations:
+                tid = deliveries[v.sample].trajectory_id
+                reasons.setdefault(tid, []).append(v.describe(tid))
+            log.warning("quarantined invalid trajectories", extra={"trajectory_ids": sorted(reasons)})
+            self._settle(reject={tid: "; ".join(lines) for tid, lines in reasons.items()})
+            # Refill: the rest of each unit stays (a group keeps its valid members),
+            # and the whole candidate set is checked again (the whole-batch rule spans it).
+            units = [replace(u, members={t: d for t, d in u.members.items() if t not in reasons}) for u in units]
+            units = [u for u in units if u.members]
+        with self._lock:
+            self._awaiting_commit[seq] = batch.trajectory_ids
+        return batch
+
+    def _take(self, n: int, deadline: float | None, held: list[Unit]) -> list[Unit]:
+        """`n` more complete units; on timeout the `held` ones go back too."""
+        with self._changed:
+            while True:
+                if self._error is not None:
+                    raise RuntimeError("the consumer's I/O thread failed") from self._error
+                if self._closing:
+                    raise ConsumerClosed("the consumer is closed")
+                if self._assembler.ready >= n:
+                    return self._assembler.take(n)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    self._assembler.release([tid for unit in held for tid in unit.members])
+                    self._wake()
+                    raise TimeoutError(f"no full batch within the timeout: {self._assembler.ready} of {n} units ready")
+                self._changed.wait(remaining if remaining is not None else 1.0)
+
+    def commit(self, batch: Batch) -> None:
+        """Ack the batch's trajectories (after the training step)."""
+        self._settle(commit=self._claim(batch))
+
+    def release(self, batch: Batch) -> None:
+        """Give an uncommitted batch back for redelivery: it will not be trained on."""
+        self._settle(release=self._claim(batch))
+
+    def _claim(self, batch: Batch) -> tuple[str, ...]:
+        with self._lock:
+            ids = self._awaiting_commit.pop(batch.seq, None)
+        if ids is None:
+            raise ValueError(f"batch seq={batch.seq} is not awaiting commit here (already committed or released, "
+                             "or from another consumer)")
+        return ids
+
+    def _settle(self, *, commit=(), reject=None, release=()) -> None:
+        with self._lock:
+            self._assembler.commit(commit)
+            self._assembler.reject(reject or {})
+            if release:
+                self._assembler.release(release)
+            self._wake()
+
+    def stats(self) -> dict[str, int]:
+        """Counters: deliveries, duplicates, acks, stale leases, quarantined, ..."""
+        with self._lock:
+            stats = self._assembler.stats
+            out = {f.name: getattr(stats, f.name) for f in dataclass_fields(stats)}
+            out.update(ready=self._assembler.ready, held=self._assembler.held, unsettled=self._assembler.unsettled)
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Give back every uncommitted trajectory, wait up to `timeout` for
+        the brokers to confirm pending settlements, then stop."""
+        with self._changed:
+            if self._stopping:
+                return
+            self._closing = True
+            self._awaiting_commit.clear()
+            self._assembler.release()
+            self._wake()
+            deadline = time.monotonic() + timeout
+            while self._assembler.unsettled and self._error is None and time.monotonic() < deadline:
+                self._changed.wait(deadline - time.monotonic())
+            self._stopping = True
+            self._wake()
+        self._thread.join(timeout)
+        self._wake_out.close(linger=0)
+
+    # -- the I/O thread -------------------------------------------------------
+    def _wake(self) -> None:
+        """Interrupt the poll loop (caller holds the lock, which serialises this socket)."""
+        try:
+            self._wake_out.send(b"", zmq.NOBLOCK)
+        except zmq.Again:  # a wake-up is already pending
+            pass
+
+    def _run(self) -> None:
+        socks = [dealer(self._context, endpoint, max_message_bytes=self.max_message_bytes) for endpoint in self.endpoints]
+        sessions = [_Session() for _ in socks]
+        poller = zmq.Poller()
+        for sock in (*socks, self._wake_in):
+            poller.register(sock, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll(100))
+                if events.get(self._wake_in):
+                    while self._wake_in.poll(0):
+                        self._wake_in.recv()
+                received = [(i, frames) for i, sock in enumerate(socks) if events.get(sock) for frames in _drain(sock)]
+                decoded = [(i, *self._decode(frames)) for i, frames in received]
+                now = time.monotonic()
+                with self._changed:
+                    if self._stopping:
+                        break
+                    for broker, message, header, error in decoded:
+                        self._handle(broker, sessions[broker], message, header, error, now)
+                    outgoing = self._due(sessions, now)
+                    self._changed.notify_all()
+                for broker, mtype, fields in outgoing:
+                    try:
+                        socks[broker].send_multipart(encode(CONSUMER_TO_BROKER, mtype, fields), zmq.NOBLOCK)
+                    except zmq.Again:  # the broker is not reading; heartbeats and resends try again
+                        log.warning("message to broker not sent", extra={"endpoint": self.endpoints[broker], "type": mtype})
+        except BaseException as exc:  # surfaced to the trainer by next_batch
+            log.exception("consumer I/O thread failed")
+            with self._changed:
+                self._error = exc
+                self._changed.notify_all()
+        finally:
+            for sock in socks:
+                sock.close(linger=200)
+            self._wake_in.close(linger=0)
+
+    def _decode(self, frames: list) -> tuple:
+        """`(message, header, error)`: the decoded message, or the raw header
+        and the reason it could not be decoded."""
+        try:
+            return decode(frames, BROKER_TO_CONSUMER, max_message_bytes=self.max_message_bytes, check_content=False), None, None
+        except ProtocolError as error:
+            try:
+                header = decode_header(frames[0])
+            except ProtocolError:
+                header = {}
+            return None, header, error
+
+    def _handle(self, broker: int, session: _Session, message, header, error, now: float) -> None:
+        assembler = self._assembler
+        endpoint = self.endpoints[broker]
+        if message is None:
+            lease = header.get("lease")
+            if header.get("type") == "deliver" and isinstance(lease, str) and session.state == "ready":
+                log.warning("undecodable delivery", extra={"endpoint": endpoint, "code": error.code, "reason": error.message})
+                credit_fields = {"lease": lease}
+                if error.code not in ("malformed", "version", "schema"):  # its header passed the schema check
+                    credit_fields.update({k: header[k] for k in ("group_id", "group_size", "group_left") if k in header})
+                assembler.undecodable(broker, credit_fields, f"{error.code}: {error.message}",
+                                      requeue=error.code == "crc_mismatch")
+            else:
+                log.warning("unreadable message from broker", extra={"endpoint": endpoint, "code": error.code, "reason": error.message})
+            return
+        kind = message.type
+        if kind == "welcome":
+            session.state = "ready"
+            session.heartbeat_interval = message["heartbeat_interval"]
+            session.next_heartbeat = now + session.heartbeat_interval / 2
+            assembler.welcomed(broker, message["lease_timeout"])
+            log.info("connected to broker", extra={"endpoint": endpoint, "broker_id": message["broker_id"]})
+        elif kind == "deliver":
+            if session.state == "ready":  # anything else belongs to a session the broker has dropped
+                assembler.delivered(broker, message.fields, message.arrays, now)
+        elif kind in ("acked", "nacked"):
+            assembler.settled(broker, message["leases"])
+        elif message["code"] == "unknown_consumer":
+            if session.state == "ready":
+                log.warning("broker forgot this consumer; saying hello again", extra={"endpoint": endpoint})
+                assembler.lost(broker)
+                session.state = "new"
+        elif message["code"] == "stale_lease":
+            assembler.settled(broker, message.get("leases", ()), stale=True)
+        elif message["code"] == "unavailable":
+            assembler.unavailable(broker, message.get("leases", ()), now)
+        else:
+            log.warning("broker refused a message", extra={"endpoint": endpoint, "code": message["code"],
+                                                           "reason": message["message"]})
+            assembler.settled(broker, message.get("leases", ()))
+
+    def _due(self, sessions: list[_Session], now: float) -> list[tuple[int, str, dict]]:
+        """Everything to send now: hellos, heartbeats, credit, settlements."""
+        assembler = self._assembler
+        out = []
+        for broker, session in enumerate(sessions):
+            retry_hello = session.state == "hello_sent" and now - session.hello_at > self.hello_timeout
+            if (session.state == "new" or retry_hello) and not self._closing:
+                out.append((broker, "hello", {"consumer_id": self.consumer_id}))
+                session.state, session.hello_at = "hello_sent", now
+            elif session.state == "ready" and now >= session.next_heartbeat:
+                out.append((broker, "heartbeat", {}))
+                session.next_heartbeat = now + session.heartbeat_interval / 2
+        assembler.expire(now)
+        if self._closing:
+            assembler.release()  # deliveries still arriving on old credit go straight back
+        else:
+            for broker, n in assembler.credit_grants().items():
+                out.append((broker, "credit", {"n": n, "unit": assembler.unit}))
+        out += [(o.broker, o.type, o.fields) for o in assembler.take_outbox()]
+        return out
+
+
+def _drain(sock: zmq.Socket):
+    while True:
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return

@@ -1,0 +1,196 @@
+"""Delivering shards to data-parallel ranks through torch.distributed.
+
+Every rank holds a `DistributedConsumer` and calls the same methods in the
+same order. The source rank alone owns a `Consumer`: it pulls and validates
+each batch, partitions it (`sharding`), keeps its own shard and sends every
+other rank its shard through the process group's backend (NCCL on GPUs,
+gloo on CPU). A shard crosses as three messages: its kind and two sizes
+(int64), a msgpack header (field names, dtypes, shapes and the host-side per-sample facts) and
+one uint8 payload with every tensor back to back. Nothing is pickled.
+`commit` is collective: the ranks check they finished the same batch, then
+the source acks it.
+"""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rollstream.common.trajectory import Gap
+
+from .batch import PER_SAMPLE, Batch
+from .client import ConsumerClosed
+from .sharding import STRATEGIES, partition_batch
+
+_SHARD, _STOP, _FAILED = 0, 1, 2  # what a message to a rank carries; STOP and FAILED carry a text
+_ALIGN = 8  # every tensor starts 8-byte aligned in the payload
+_DTYPES = {str(dtype): dtype for dtype in (torch.int32, torch.int64, torch.uint8, torch.float32)}
+
+
+def encode_shard(batch: Batch) -> tuple[bytes, torch.Tensor]:
+    """The header and the payload (uint8, on the batch's device) of a batch."""
+    tensors = {f"ragged.{name}": values for name, values in batch.ragged().items()}
+    tensors.update({f"sample.{name}": getattr(batch, name) for name in PER_SAMPLE})
+    if batch.has_mask:
+        tensors["mask_offsets"] = batch.mask_offsets
+    entries, chunks, offset = [], [], 0
+    for name, values in tensors.items():
+        raw = values.contiguous().reshape(-1).view(torch.uint8)
+        pad = -raw.numel() % _ALIGN
+        entries.append([name, str(values.dtype), list(values.shape), offset])
+        chunks += [raw, torch.zeros(pad, dtype=torch.uint8, device=raw.device)]
+        offset += raw.numel() + pad
+    host = batch.host_fields()
+    host["gaps"] = [gap.to_wire() if gap else None for gap in batch.gaps]
+    header = {
+        "seq": batch.seq,
+        "lengths": {key: values.tolist() for key, values in batch.lengths.items()},
+        "host": {name: list(values) for name, values in host.items()},
+        "tensors": entries,
+    }
+    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=batch.device)
+    return msgpack.packb(header, use_bin_type=True), payload
+
+
+def decode_shard(header: bytes, payload: torch.Tensor) -> Batch:
+    """The batch `encode_shard` described, on the payload's device."""
+    doc = msgpack.unpackb(header, raw=False)
+    tensors = {}
+    for name, dtype_name, shape, offset in doc["tensors"]:
+        dtype = _DTYPES.get(dtype_name)
+        if dtype is None:
+            raise ValueError(f"shard tensor {name!r} has dtype {dtype_name}, expected one of {sorted(_DTYPES)}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        tensors[name] = payload[offset : offset + nbytes].view(dtype).reshape(shape)
+    host = {name: tuple(values) for name, values in doc["host"].items()}
+    host["gaps"] = tuple(Gap(g["turn"], g["field"]) if g else None for g in host["gaps"])
+    host["weight_versions"] = tuple(tuple(v) for v in host["weight_versions"])
+    host["leases"] = tuple(tuple(v) for v in host["leases"])
+    ragged = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith("ragged.")}
+    per_sample = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith("sample.")}
+    lengths = {key: np.array(values, dtype=np.int64) for key, values in doc["lengths"].items()}
+    return Batch._assemble(doc["seq"], payload.device, ragged, per_sample, tensors.get("mask_offsets"), lengths, host)
+
+
+class DistributedConsumer:
+    """The same object on every rank of `group`; only rank `src` (a rank of
+    `group`) passes a `Consumer`.
+
+    >>> client = Consumer(endpoints, batch_size=256, vocab_size=V) if dist.get_rank() == 0 else None
+    >>> shards = DistributedConsumer(client, strategy="balanced")
+    >>> for shard in shards:          # every rank, in step
+    ...     train_step(shard)
+    ...     shards.commit(shard)      # collective; rank 0 acks the batch
+
+    When the source's client is closed every rank's iteration stops; when it
+    fails (a `BatchValidationError` under `on_invalid="raise"`, a timeout)
+    the source re-raises and every other rank raises `RuntimeError` with its
+    message, so no rank waits forever.
+    """
+
+    def __init__(self, client=None, *, src: int = 0, group=None, strategy: str = "balanced", device=None,
+                 timeout: float | None = None):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.src = src
+        if (self.rank == src) != (client is not None):
+            raise ValueError(f"exactly the source rank {src} passes a client (this is rank {self.rank})")
+        self.client = client
+        self.strategy = strategy
+        self.timeout = timeout
+        if device is None:
+            nccl = dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = torch.device(device)
+        self._batches: dict[int, Batch] = {}
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def __iter__(self) -> "DistributedConsumer":
+        return self
+
+    def __next__(self) -> Batch:
+        try:
+            return self.next_shard()
+        except ConsumerClosed:
+            raise StopIteration from None
+
+    def next_shard(self) -> Batch:
+        """This rank's shard of the next batch (collective)."""
+        if self.rank == self.src:
+            return self._scatter()
+        return self._receive()
+
+    def _scatter(self) -> Batch:
+        try:
+            batch = self.client.next_batch(self.timeout)
+        except BaseException as exc:
+            kind = _STOP if isinstance(exc, ConsumerClosed) else _FAILED
+            self._send_all({r: (kind, f"{type(exc).__name__}: {exc}".encode(), None) for r in self._others()})
+            raise
+        self._batches[batch.seq] = batch
+        parts = partition_batch(batch, self.world, self.strategy)
+        shards = {rank: batch.select(parts[rank]) for rank in range(self.world)}
+        self._send_all({rank: (_SHARD, *encode_shard(shards[rank])) for rank in self._others()})
+        return shards[self.src]
+
+    def _others(self) -> list[int]:
+        return [rank for rank in range(self.world) if rank != self.src]
+
+    def _send_all(self, messages: dict[int, tuple[int, bytes, torch.Tensor | None]]) -> None:
+        requests, in_flight = [], []
+        for rank, (kind, header, payload) in messages.items():
+            payload = torch.zeros(0, dtype=torch.uint8) if payload is None else payload.to(self.device)
+            header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
+            sizes = torch.tensor([kind, header_tensor.numel(), payload.numel()], dtype=torch.int64, device=self.device)
+            for tensor in (sizes, header_tensor, payload):
+                if tensor.numel():
+                    requests.append(dist.isend(tensor, self._global(rank), group=self.group))
+                    in_flight.append(tensor)  # alive until sent
+        for request in requests:
+            request.wait()
+
+    def _receive(self) -> Batch:
+        src = self._global(self.src)
+        sizes = torch.zeros(3, dtype=torch.int64, device=self.device)
+        dist.recv(sizes, src, group=self.group)
+        kind, header_bytes, payload_bytes = sizes.tolist()
+        header = torch.empty(header_bytes, dtype=torch.uint8, device=self.device)
+        if header_bytes:
+            dist.recv(header, src, group=self.group)
+        header = bytes(header.cpu().numpy())
+        if kind == _STOP:
+            raise ConsumerClosed(f"the source rank stopped: {header.decode()}")
+        if kind == _FAILED:
+            raise RuntimeError(f"the source rank failed to produce a batch: {header.decode()}")
+        payload = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
+        if payload_bytes:
+            dist.recv(payload, src, group=self.group)
+        return decode_shard(header, payload)
+
+    def commit(self, shard: Batch) -> None:
+        """Collective: every rank finished batch `shard.seq`; the source acks it."""
+        self._agree(shard, "commit")
+
+    def release(self, shard: Batch) -> None:
+        """Collective: give the batch back for redelivery."""
+        self._agree(shard, "release")
+
+    def _agree(self, shard: Batch, action: str) -> None:
+        mine = torch.tensor([shard.seq], dtype=torch.int64, device=self.device)
+        seqs = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(seqs, mine, group=self.group)
+        seqs = [int(s) for s in seqs]
+        if len(set(seqs)) != 1:
+            raise RuntimeError(f"collective {action} out of step: ranks hold batches {seqs}, expected all {shard.seq}")
+        if self.rank == self.src:
+            getattr(self.client, action)(self._batches.pop(shard.seq))
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()

@@ -1,0 +1,85 @@
+"""Partitioning a batch's samples across data-parallel ranks.
+
+Each strategy returns, per rank, the batch positions it gets (ascending);
+`Batch.select` then carries every per-sample field, mask included.
+- `round_robin`: sample `i` to rank `i % ranks`.
+- `balanced`: Karmarkar–Karp largest differencing over total (prompt +
+  response) lengths with equal counts per rank (counts differ by at most one
+  when the batch does not divide evenly).
+- `group`: whole groups to one rank, groups balanced the same way by their
+  total length with equal group counts per rank.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Sequence
+
+import numpy as np
+
+from .batch import group_index
+
+STRATEGIES = ("round_robin", "balanced", "group")
+
+
+def round_robin(n: int, ranks: int) -> list[list[int]]:
+    return [list(range(rank, n, ranks)) for rank in range(ranks)]
+
+
+def karmarkar_karp(weights: Sequence[int], ranks: int) -> list[list[int]]:
+    """Equal-count multiway largest differencing.
+
+    Items sorted by weight are cut into runs of `ranks` (padded with
+    zero-weight placeholders), each run a partial solution with one item per
+    rank. The two partial solutions with the largest spread (max - min sum)
+    are merged, heaviest part of one with lightest of the other, until one
+    remains. Merging never widens the spread beyond the larger of the two,
+    so the final spread is at most the heaviest item.
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks must be positive, got {ranks}")
+    order = sorted(range(len(weights)), key=lambda i: (weights[i], i))
+    pad = -len(order) % ranks
+    items = [(0, None)] * pad + [(int(weights[i]), i) for i in order]
+    tie = itertools.count()
+    heap = []
+    for start in range(0, len(items), ranks):
+        parts = [(w, [i] if i is not None else []) for w, i in items[start : start + ranks]]
+        parts.sort(key=lambda p: -p[0])
+        heapq.heappush(heap, (-(parts[0][0] - parts[-1][0]), next(tie), parts))
+    if not heap:
+        return [[] for _ in range(ranks)]
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = [(wa + wb, ia + ib) for (wa, ia), (wb, ib) in zip(a, reversed(b))]
+        merged.sort(key=lambda p: -p[0])
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), next(tie), merged))
+    return [sorted(members) for _, members in heap[0][2]]
+
+
+def group_preserving(weights: Sequence[int], groups: Sequence[int], ranks: int) -> list[list[int]]:
+    """Whole groups per rank, balanced by group weight (equal group counts)."""
+    groups = np.asarray(groups, dtype=np.int64)
+    n_groups = int(groups.max()) + 1 if len(groups) else 0
+    group_weights = np.bincount(groups, weights=np.asarray(weights, dtype=np.float64), minlength=n_groups)
+    members = [[] for _ in range(n_groups)]
+    for position, group in enumerate(groups.tolist()):
+        members[group].append(position)
+    return [sorted(p for g in chosen for p in members[g]) for chosen in karmarkar_karp(group_weights.tolist(), ranks)]
+
+
+def partition(lengths: Sequence[int], ranks: int, strategy: str = "balanced", groups=None) -> list[list[int]]:
+    """Per rank, the positions of its samples given each sample's total length."""
+    if strategy == "round_robin":
+        return round_robin(len(lengths), ranks)
+    if strategy == "balanced":
+        return karmarkar_karp(lengths, ranks)
+    if strategy == "group":
+        return group_preserving(lengths, range(len(lengths)) if groups is None else groups, ranks)
+    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+
+
+def partition_batch(batch, ranks: int, strategy: str = "balanced") -> list[list[int]]:
+    """`partition` of a `Batch` by its samples' prompt + response lengths."""
+    return partition(batch.lengths["sequence"].tolist(), ranks, strategy, group_index(batch.group_ids))

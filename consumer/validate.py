@@ -1,0 +1,153 @@
+"""Batch validation (SEMANTICS.md §2, §3, §6).
+
+Two stages. On the host, from array lengths and two offsets per sample, the
+structure packing relies on: aligned per-token fields, well-formed CSR ends,
+matching replay shapes, and the whole-batch rule. Then every per-token rule
+in one vectorised pass over the packed batch on its device, through
+`rollstream.common.validation.packed_violations`: strictly increasing
+offsets, each sampled token inside its support, forced tokens as singleton
+supports, ids and tokens in `[0, vocab_size)`, loss mask in {0, 1}, log-probs
+not NaN or +inf.
+
+A delivery does not say which tokens were forced, so they are recognised the
+way the merge model writes them (SEMANTICS.md §3): loss mask 0 and log-prob
+exactly 0.0. A sampled token kept out of the loss whose reported log-prob
+rounds to exactly 0.0 while its support holds several ids would be flagged
+too; it cannot affect training, but it is reported rather than guessed away.
+
+On the CPU the per-token pass runs on numpy views of the batch's
+tensors (zero-copy; numpy's segment reductions are several times faster
+than torch's there); on a GPU it runs as torch ops, and only failing
+positions come back to the host.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS
+from rollstream.common.validation import (
+    RULE_ALIGNED,
+    RULE_NONEMPTY_OFFSETS,
+    RULE_OFFSETS_END,
+    RULE_OFFSETS_START,
+    RULE_TOKEN_VOCAB,
+    RULE_WHOLE_BATCH,
+    BatchValidationError,
+    Violation,
+    packed_violations,
+)
+
+from .assembly import Delivery
+from .batch import Batch
+
+RULE_REPLAY_SHAPE = "replay arrays of a batch share their trailing shape"
+
+
+def _carries(arrays, replay_field: str) -> bool:
+    return ("mask_ids" if replay_field == "mask" else replay_field) in arrays
+
+
+def sample_violations(deliveries: Sequence[Delivery]) -> list[Violation]:
+    """Per-sample structure, checked on the host in O(samples): a sample
+    listed here cannot be packed. `sample` is the position in `deliveries`."""
+    arrays = [d.arrays for d in deliveries]
+    fields = [d.fields for d in deliveries]
+    found: list[Violation] = []
+
+    def flag(rule: str, bad: np.ndarray, detail) -> None:
+        found.extend(Violation(rule, int(s), None, 1, detail(int(s))) for s in np.flatnonzero(bad))
+
+    n = np.array([len(a["tokens"]) for a in arrays], dtype=np.int64)
+    declared = np.array([f["response_length"] for f in fields], dtype=np.int64)
+    flag(RULE_ALIGNED, declared != n, lambda s: f"response_length is {declared[s]}, tokens has {n[s]}")
+    for name in ("loss_mask", "log_probs"):
+        got = np.array([len(a[name]) for a in arrays], dtype=np.int64)
+        flag(RULE_ALIGNED, got != n, lambda s: f"{name} has {got[s]} entries, tokens has {n[s]}")
+
+    masked = np.array([_carries(a, "mask") for a in arrays], dtype=bool)
+    rows = np.array([len(a["mask_offsets"]) if m else 1 for a, m in zip(arrays, masked)], dtype=np.int64)
+    flag(RULE_NONEMPTY_OFFSETS, rows == 0, lambda s: "mask_offsets is empty")
+    filled = masked & (rows > 0)
+    flag(RULE_ALIGNED, filled & (rows - 1 != n), lambda s: f"mask covers {rows[s] - 1} tokens, response has {n[s]}")
+    first = np.array([a["mask_offsets"][0] if f else 0 for a, f in zip(arrays, filled)], dtype=np.int64)
+    last = np.array([a["mask_offsets"][-1] if f else 0 for a, f in zip(arrays, filled)], dtype=np.int64)
+    n_ids = np.array([len(a["mask_ids"]) if f else 0 for a, f in zip(arrays, filled)], dtype=np.int64)
+    flag(RULE_OFFSETS_START, first != 0, lambda s: f"expected 0, got {first[s]}")
+    flag(RULE_OFFSETS_END, last != n_ids, lambda s: f"expected {n_ids[s]}, got {last[s]}")
+
+    for name in CONTEXT_REPLAY_ARRAYS:
+        shapes = [a[name].shape[1:] if name in a else None for a in arrays]
+        reference = next((shape for shape in shapes if shape is not None), None)
+        flag(RULE_REPLAY_SHAPE, np.array([shape not in (None, reference) for shape in shapes], dtype=bool),
+             lambda s: f"{name} has shape {list(arrays[s][name].shape)}, expected [k, {', '.join(map(str, reference))}]")
+
+    for replay_field in REPLAY_FIELDS:
+        present = np.array([_carries(a, replay_field) for a in arrays], dtype=bool)
+        if present.any():
+            flag(RULE_WHOLE_BATCH, ~present, lambda s: (
+                f"the batch carries a {'sampling mask' if replay_field == 'mask' else replay_field} but the sample at "
+                f"position {s} (sample_index={fields[s].get('sample_index', s)}, status={fields[s]['status']}) has none"
+            ))
+    return sorted(found, key=lambda v: v.sample)
+
+
+def _on_device_array(tensor):
+    """The array the shared checks run on: a zero-copy numpy view on the CPU."""
+    if tensor is None or tensor.device.type != "cpu":
+        return tensor
+    return tensor.numpy()
+
+
+def batch_violations(batch: Batch, *, vocab_size: int | None = None) -> list[Violation]:
+    """Every per-token rule, one pass over the packed batch on its device."""
+    view = _on_device_array
+    found = packed_violations(
+        view(batch.response_tokens),
+        batch.lengths["response"],
+        view(batch.mask_ids),
+        view(batch.mask_offsets),
+        vocab_size=vocab_size,
+        loss_mask=view(batch.loss_mask),
+        log_probs=view(batch.log_probs),
+    )
+    # Prompt tokens feed the embedding too; response tokens were checked above
+    # (a sample's first out-of-vocab token is in its prompt, or none is).
+    prompt = batch.lengths["prompt"]
+    for v in packed_violations(view(batch.tokens), batch.lengths["sequence"], vocab_size=vocab_size):
+        if v.position < prompt[v.sample]:
+            found.append(Violation(RULE_TOKEN_VOCAB, v.sample, None, 1, f"prompt position {v.position}: {v.detail}"))
+    return sorted(found, key=lambda v: v.sample)
+
+
+def validate_batch(batch: Batch, *, vocab_size: int | None = None) -> None:
+    """Raise `BatchValidationError` naming every failing trajectory, token
+    position and rule."""
+    found = batch_violations(batch, vocab_size=vocab_size)
+    if found:
+        raise BatchValidationError(found, batch.trajectory_ids)
+
+
+def checked_batch(
+    deliveries: Sequence[Delivery],
+    *,
+    device=None,
+    seq: int = 0,
+    vocab_size: int | None = None,
+    reward_key: str | None = None,
+) -> tuple[Batch, list[Violation], list[int]]:
+    """Both stages. Returns the batch of every packable delivery, each
+    violation with `sample` = its position in `deliveries`, and for each
+    batch sample the position of its delivery."""
+    found = sample_violations(deliveries)
+    unpackable = {v.sample for v in found}
+    packed = [i for i in range(len(deliveries)) if i not in unpackable]
+    batch = Batch.from_deliveries([deliveries[i] for i in packed], device=device, seq=seq, reward_key=reward_key)
+    for v in batch_violations(batch, vocab_size=vocab_size):
+        found.append(Violation(v.rule, packed[v.sample], v.position, v.count, v.detail))
+    return batch, sorted(found, key=lambda v: v.sample), packed
+
+
+def violation_error(violations: Sequence[Violation], deliveries: Sequence[Delivery]) -> BatchValidationError:
+    return BatchValidationError(violations, [d.trajectory_id for d in deliveries])

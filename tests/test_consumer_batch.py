@@ -1,0 +1,180 @@
+"""Batch packing, miles train data, metrics, reshaping, partitioning and the
+shard wire format, checked against the reference merge model and miles
+conversion in rollstream.common and against brute force."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_consumer_helpers import assert_same_batch, delivery, make_rollout
+
+from rollstream.common.miles import MASK_KEYS, to_train_data
+from rollstream.common.trajectory import Trajectory, Turn
+from rollstream.consumer import Batch, partition
+from rollstream.consumer.distributed import decode_shard, encode_shard
+from rollstream.consumer.sharding import karmarkar_karp
+
+
+def rollouts(seed, n, **kw):
+    rng = np.random.default_rng(seed)
+    groups = [f"g{k}" for k in range(max(1, n // 2))]
+    out = []
+    for i in range(n):
+        group = (groups[int(rng.integers(len(groups)))], n) if i % 3 else None
+        out.append(make_rollout(rng, f"t{i}", sample_index=100 + i, group=group, **kw))
+    return out
+
+
+def batch_of(trajectories, **kw):
+    return Batch.from_deliveries([delivery(t) for t in trajectories], **kw)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6), mask=st.booleans())
+def test_packed_batch_matches_the_merged_trajectories(seed, n, mask):
+    trajectories = [r.merged() for r in rollouts(seed, n, mask=mask)]
+    batch = batch_of(trajectories)
+    assert batch.cu_seqlens.dtype == torch.int32 and batch.mask_offsets is None or batch.mask_offsets.dtype == torch.int64
+    for i, t in enumerate(trajectories):
+        view = batch.sample(i)
+        assert view["tokens"].tolist() == [*t.prompt_tokens.tolist(), *t.tokens.tolist()]
+        assert view["response_tokens"].tolist() == t.tokens.tolist()
+        assert view["loss_mask"].tolist() == t.loss_mask.tolist()
+        assert view["log_probs"].tolist() == t.log_probs.tolist()
+        if mask:
+            assert view["mask_ids"].tolist() == t.mask.ids.tolist()
+            assert view["mask_offsets"].tolist() == t.mask.offsets.tolist()
+        assert int(batch.sample_indices[i]) == t.sample_index and float(batch.rewards[i]) == pytest.approx(t.reward)
+    assert torch.equal(batch.tokens[batch.response_index()], batch.response_tokens)
+    if mask:  # the whole batch is one CSR over every response token
+        assert batch.mask_ids.dtype == torch.int32 and len(batch.mask_offsets) == int(batch.response_lengths.sum()) + 1
+        assert batch.mask_offsets[-1] == len(batch.mask_ids)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5), mask=st.booleans())
+def test_train_data_equals_the_miles_conversion(seed, n, mask):
+    trajectories = [r.merged() for r in rollouts(seed, n, mask=mask)]
+    ours = batch_of(trajectories).to_train_data()
+    reference = to_train_data(trajectories)
+    assert ours.keys() == reference.keys()
+    for key, expected in reference.items():
+        got = ours[key]
+        if isinstance(expected, list) and expected and isinstance(expected[0], np.ndarray):
+            assert len(got) == len(expected), key
+            for g, e in zip(got, expected):
+                assert g.numpy().dtype == e.dtype and np.array_equal(g.numpy(), e), key
+        elif isinstance(expected, np.ndarray):
+            assert got.numpy().dtype == expected.dtype and np.array_equal(got.numpy(), expected), key
+        else:
+            assert got == pytest.approx(expected), key
+
+
+def test_metrics_never_reduce_the_mask():
+    trajectories = [r.merged() for r in rollouts(7, 4)]
+    batch = batch_of(trajectories)
+    metrics = batch.metrics()
+    assert not any(key.startswith(prefix) for key in metrics for prefix in MASK_KEYS)
+    rewards = [t.reward for t in trajectories]
+    assert metrics["rewards/mean"] == pytest.approx(np.mean(rewards), rel=1e-6)
+    assert metrics["samples"] == 4
+    shifted = Batch._assemble(batch.seq, batch.device, {**batch.ragged(), "mask_ids": batch.mask_ids + 500},
+                              {n: getattr(batch, n) for n in ("prompt_lengths", "response_lengths", "rewards", "sample_indices")},
+                              batch.mask_offsets, batch.lengths, batch.host_fields())
+    assert shifted.metrics() == metrics
+
+
+def test_replay_arrays_travel_with_their_samples():
+    rng = np.random.default_rng(11)
+    trajectories = []
+    for i in range(3):
+        t = Trajectory(f"r{i}", [1, 2])
+        k = int(rng.integers(1, 5))
+        t.append_turn(Turn.build(list(range(k)), [-0.5] * k, supports=[[j] for j in range(k)],
+                                 routed_experts=rng.integers(0, 8, size=(k + 2, 3, 2))))
+        t.reward = 0.0
+        trajectories.append(t)
+    batch = batch_of(trajectories)
+    data = batch.to_train_data()
+    for got, t in zip(data["rollout_routed_experts"], trajectories):
+        assert np.array_equal(got.numpy(), t.routed_experts)
+    picked = batch.select([2, 0])
+    assert np.array_equal(picked.sample(0)["routed_experts"].numpy(), trajectories[2].routed_experts)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 7), pieces=st.integers(1, 3), mask=st.booleans())
+def test_select_and_concat_reassemble_the_batch(seed, n, pieces, mask):
+    batch = batch_of([r.merged() for r in rollouts(seed, n, mask=mask)])
+    order = np.random.default_rng(seed).permutation(n)
+    cuts = np.array_split(order, pieces)
+    joined = Batch.concat([batch.select(cut) for cut in cuts])
+    restored = joined.select(np.argsort(np.array(joined.positions)))
+    assert_same_batch(restored, batch)
+
+
+def test_shard_wire_format_round_trips():
+    batch = batch_of([r.merged() for r in rollouts(5, 5)])
+    header, payload = encode_shard(batch.select([4, 1, 2]))
+    assert payload.dtype == torch.uint8
+    assert_same_batch(decode_shard(header, payload.clone()), batch.select([4, 1, 2]))
+
+
+# -- partitions ---------------------------------------------------------------
+def _equal_count_partitions(n, ranks):
+    """Every assignment of n items to ranks with counts differing by at most one."""
+    for assignment in itertools.product(range(ranks), repeat=n):
+        counts = np.bincount(assignment, minlength=ranks)
+        if counts.max() - counts.min() <= 1:
+            yield assignment
+
+
+def _spread(weights, parts):
+    sums = [sum(weights[i] for i in part) for part in parts]
+    return max(sums), min(sums)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_balanced_partition_is_close_to_the_brute_force_optimum(ranks):
+    rng = np.random.default_rng(ranks)
+    ratios = []
+    for _ in range(40):
+        n = int(rng.integers(ranks, 9 if ranks == 2 else 8))
+        weights = rng.integers(50, 4000, size=n).tolist()
+        parts = partition(weights, ranks, "balanced")
+        assert sorted(i for p in parts for i in p) == list(range(n))
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+        high, low = _spread(weights, parts)
+        assert high - low <= max(weights)  # largest differencing never spreads wider than the heaviest item
+        best = min(
+            (max(sums) / min(sums))
+            for assignment in _equal_count_partitions(n, ranks)
+            for sums in [np.bincount(assignment, weights=weights, minlength=ranks)]
+            if min(sums) > 0
+        )
+        ratios.append((high / low) / best)
+    assert np.mean(ratios) < 1.05 and max(ratios) < 1.5, ratios
+
+
+def test_partition_strategies():
+    weights = [10, 1, 1, 1, 9, 2, 2, 2]
+    assert partition(weights, 2, "round_robin") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    groups = [0, 0, 1, 1, 2, 2, 3, 3]
+    parts = partition(weights, 2, "group", groups)
+    for part in parts:
+        assert {groups[i] for i in part}.isdisjoint({groups[i] for p in parts if p is not part for i in p})
+    assert sorted(map(len, parts)) == [4, 4]
+    assert _spread(weights, parts) == (15, 13)  # groups weigh 11, 2, 11, 4: {11, 4} against {11, 2}
+    assert sorted(map(len, partition([5], 4, "balanced"))) == [0, 0, 0, 1]
+    with pytest.raises(ValueError, match="strategy"):
+        partition(weights, 2, "random")
+
+
+def test_karmarkar_karp_beats_round_robin_on_sorted_lengths():
+    weights = list(range(1, 65))
+    parts = karmarkar_karp(weights, 4)
+    high, low = _spread(weights, parts)
+    rr_high, rr_low = _spread(weights, partition(weights, 4, "round_robin"))
+    assert high - low < rr_high - rr_low and high - low <= 1

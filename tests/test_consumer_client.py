@@ -1,0 +1,139 @@
+"""The client's protocol conduct against a scripted broker (a raw ROUTER):
+hello and credit, heartbeats while the trainer is busy, an undecodable
+delivery handed back, saying hello again after `unknown_consumer`, and the
+ack of a committed batch."""
+import shutil
+import tempfile
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from test_consumer_helpers import make_rollout
+
+from rollstream.common.codec import decode, encode
+from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
+from rollstream.common.wire import encode_deliver
+from rollstream.consumer import Consumer
+
+
+class ScriptedBroker:
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="rsb", dir="/tmp")
+        self.endpoint = f"ipc://{self.dir}/c"
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(self.endpoint)
+        self.peer = None
+
+    def expect(self, *types, timeout=10.0):
+        """The next message of one of `types`, skipping heartbeats and credit
+        top-ups unless asked for."""
+        while True:
+            if not self.sock.poll(int(timeout * 1000)):
+                raise AssertionError(f"no {types} from the consumer")
+            self.peer, *frames = self.sock.recv_multipart()
+            message = decode(frames, CONSUMER_TO_BROKER)
+            if message.type in types:
+                return message
+            assert message.type in ("heartbeat", "credit"), f"expected {types}, got {message.type} {dict(message.fields)}"
+
+    def send(self, frames):
+        self.sock.send_multipart([self.peer, *frames])
+
+    def reply(self, mtype, fields):
+        self.send(encode(BROKER_TO_CONSUMER, mtype, fields))
+
+    def welcome(self):
+        self.reply("welcome", {"broker_id": "scripted", "lease_timeout": 30.0, "heartbeat_interval": 0.2})
+
+
+@pytest.fixture
+def broker():
+    scripted = ScriptedBroker()
+    yield scripted
+    scripted.sock.close()
+    shutil.rmtree(scripted.dir, ignore_errors=True)
+
+
+def test_client_protocol_conduct(broker):
+    rng = np.random.default_rng(1)
+    trajectories = [make_rollout(rng, f"t{i}", sample_index=i).merged() for i in range(3)]
+    consumer = Consumer(broker.endpoint, batch_size=2, prefetch=4, consumer_id="c-1")
+    try:
+        assert broker.expect("hello")["consumer_id"] == "c-1"
+        broker.welcome()
+        credit = broker.expect("credit")
+        assert credit["unit"] == "trajectory" and 1 <= credit["n"] <= 4 - 2
+
+        # the trainer is busy (nothing calls into the consumer): heartbeats keep coming
+        for _ in range(3):
+            broker.expect("heartbeat")
+
+        frames = encode_deliver(trajectories[0], "L-bad")
+        header = msgpack.unpackb(frames[0])
+        header["crc32"] ^= 1
+        broker.send([msgpack.packb(header), *frames[1:]])
+        refused = broker.expect("nack")
+        assert refused["leases"] == ["L-bad"] and refused["requeue"] is True and "crc_mismatch" in refused["reason"]
+
+        broker.reply("nack", {"code": "unknown_consumer", "message": "who are you"})
+        assert broker.expect("hello")["consumer_id"] == "c-1"
+        broker.welcome()
+        broker.expect("credit")
+
+        for k, trajectory in enumerate(trajectories[1:]):
+            broker.send(encode_deliver(trajectory, f"L{k}"))
+        batch = consumer.next_batch(timeout=10)
+        assert batch.trajectory_ids == ("t1", "t2")
+        consumer.commit(batch)
+        ack = broker.expect("ack")
+        assert sorted(ack["leases"]) == ["L0", "L1"]
+        broker.reply("acked", {"leases": ack["leases"]})
+        broker.send(encode_deliver(trajectories[1], "L-again"))  # a late redelivery of a committed trajectory
+        assert broker.expect("ack")["leases"] == ["L-again"]
+        broker.reply("nack", {"code": "stale_lease", "message": "expired", "leases": ["L-again"]})
+    finally:
+        consumer.close()
+    stats = consumer.stats()
+    assert stats["undecodable"] == 1 and stats["duplicates"] == 1 and stats["acked"] == 2 and stats["stale_leases"] == 1
+    assert stats["unsettled"] == 0
+
+
+def test_commit_of_an_unknown_batch_is_refused(broker):
+    rng = np.random.default_rng(2)
+    with Consumer(broker.endpoint, batch_size=1) as consumer:
+        broker.expect("hello")
+        broker.welcome()
+        broker.expect("credit")
+        broker.send(encode_deliver(make_rollout(rng, "x").merged(), "L"))
+        batch = consumer.next_batch(timeout=10)
+        consumer.commit(batch)
+        broker.reply("acked", {"leases": broker.expect("ack")["leases"]})
+        with pytest.raises(ValueError, match="not awaiting commit"):
+            consumer.commit(batch)
+
+
+def test_quarantine_keeps_the_valid_members_of_a_group(broker):
+    from rollstream.common.trajectory import Trajectory, Turn
+
+    rng = np.random.default_rng(3)
+    members = [make_rollout(rng, f"g-{m}", group=("g", 3)).merged() for m in range(2)]
+    bad = Trajectory("g-bad", [1, 2], group_id="g", group_size=3)
+    bad.append_turn(Turn.build([5000], [-0.1], supports=[[5000]]))
+    bad.reward = 0.0
+    solo = make_rollout(rng, "solo").merged()
+    with Consumer(broker.endpoint, batch_size=2, unit="group", vocab_size=1000, on_invalid="quarantine") as consumer:
+        broker.expect("hello")
+        broker.welcome()
+        assert broker.expect("credit")["unit"] == "group"
+        for k, trajectory in enumerate([members[0], bad, members[1]]):
+            broker.send(encode_deliver(trajectory, f"L{k}", group_left=0))
+        broker.send(encode_deliver(solo, "L-solo"))
+        batch = consumer.next_batch(timeout=10)
+        assert batch.trajectory_ids == ("g-0", "g-1", "solo") and batch.group_index.tolist() == [0, 0, 1]
+        refused = broker.expect("nack")
+        assert refused["leases"] == ["L1"] and refused["requeue"] is False and "token ids in [0, vocab_size)" in refused["reason"]
+        broker.reply("nacked", {"leases": ["L1"]})
+        consumer.commit(batch)
+        broker.reply("acked", {"leases": broker.expect("ack")["leases"]})

@@ -1,0 +1,216 @@
+"""The consumer against live broker subprocesses on ipc:// endpoints, fed by
+a raw zmq + msgpack producer: complete batches from several brokers,
+deduplication after redelivery, a killed consumer losing nothing, broker
+restarts, quarantine and whole groups."""
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from test_consumer_helpers import VOCAB, BrokerProcess, RawProducer, Rollout, make_rollout, wait_for
+
+from rollstream.common.trajectory import Turn
+from rollstream.common.validation import RULE_TOKEN_VOCAB, BatchValidationError
+from rollstream.consumer import Consumer
+
+
+@pytest.fixture
+def brokers():
+    started = []
+
+    def start(**kw):
+        broker = BrokerProcess(**kw).start()
+        started.append(broker)
+        return broker
+
+    yield start
+    for broker in started:
+        broker.cleanup()
+
+
+def produce(broker, rollouts, **kw):
+    producer = RawProducer(broker.producer)
+    try:
+        producer.send(rollouts, **kw)
+    finally:
+        producer.close()
+
+
+def rollouts(prefix, n, seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    return [make_rollout(rng, f"{prefix}{i}", sample_index=i, **kw) for i in range(n)]
+
+
+def out_of_vocab_rollout(tid):
+    """Valid for a broker that does not know the vocabulary; token 1500 is
+    outside the consumer's."""
+    turn = Turn.build([1500, 7], [-0.1, -0.2], supports=[[3, 1500], [7]])
+    return Rollout(tid, np.array([1, 2], np.int32), [turn], reward=0.0)
+
+
+def drained(broker):
+    status = broker.status()
+    return status["ready"] == 0 and status["leased"] == 0
+
+
+def test_fan_in_batches_arrive_complete(brokers):
+    nodes = [brokers(), brokers()]
+    sent = {}
+    for k, node in enumerate(nodes):
+        batch = rollouts(f"n{k}-", 10, seed=k)
+        produce(node, batch)
+        sent.update({r.trajectory_id: r.merged() for r in batch})
+    seen = []
+    with Consumer([n.consumer for n in nodes], batch_size=5, vocab_size=VOCAB) as consumer:
+        for _ in range(4):
+            batch = consumer.next_batch(timeout=20)
+            assert len(batch) == 5 and batch.has_mask
+            for i, tid in enumerate(batch.trajectory_ids):
+                expected, got = sent[tid], batch.sample(i)
+                assert got["tokens"].tolist() == [*expected.prompt_tokens.tolist(), *expected.tokens.tolist()]
+                assert got["loss_mask"].tolist() == expected.loss_mask.tolist()
+                assert torch.equal(got["log_probs"], torch.from_numpy(expected.log_probs.copy()))
+                assert got["mask_ids"].tolist() == expected.mask.ids.tolist()
+                assert got["mask_offsets"].tolist() == expected.mask.offsets.tolist()
+                assert float(batch.rewards[i]) == pytest.approx(expected.reward)
+            seen += batch.trajectory_ids
+            consumer.commit(batch)
+        wait_for(lambda: consumer.stats()["acked"] == 20, what="20 acks")
+    assert sorted(seen) == sorted(sent)
+    for node in nodes:
+        assert drained(node) and node.status()["counters"]["trajectories.delivered"] == 10
+
+
+def test_redelivered_trajectories_are_seen_once(brokers):
+    node = brokers(lease_timeout=1.0)
+    produce(node, rollouts("r", 4))
+    with Consumer(node.consumer, batch_size=4, vocab_size=VOCAB) as consumer:
+        batch = consumer.next_batch(timeout=20)
+        wait_for(lambda: consumer.stats()["duplicates"] >= 4, what="redelivery after the lease ran out")
+        consumer.commit(batch)
+        wait_for(lambda: drained(node) and consumer.stats()["unsettled"] == 0, what="acks")
+        stats = consumer.stats()
+        assert stats["acked"] == 4 and stats["committed"] == 4 and stats["stale_leases"] >= 4
+        with pytest.raises(TimeoutError):
+            consumer.next_batch(timeout=1.5)
+    assert sorted(batch.trajectory_ids) == ["r0", "r1", "r2", "r3"]
+
+
+KILLED_CONSUMER = textwrap.dedent("""
+    import json, sys, time
+    from rollstream.consumer import Consumer
+    consumer = Consumer(sys.argv[1], batch_size=4)
+    batch = consumer.next_batch(timeout=30)
+    print(json.dumps(list(batch.trajectory_ids)), flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_consumer_killed_before_commit_loses_nothing(brokers):
+    node = brokers(lease_timeout=60.0)
+    batch = rollouts("k", 8)
+    produce(node, batch)
+    victim = subprocess.Popen([sys.executable, "-c", KILLED_CONSUMER, node.consumer], stdout=subprocess.PIPE)
+    try:
+        taken = json.loads(victim.stdout.readline())
+    finally:
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+    assert len(taken) == 4
+    collected = []
+    with Consumer(node.consumer, batch_size=4) as consumer:
+        while len(collected) < 8:
+            got = consumer.next_batch(timeout=30)
+            collected += got.trajectory_ids
+            consumer.commit(got)
+        wait_for(lambda: drained(node), what="acks")
+    assert sorted(collected) == sorted(r.trajectory_id for r in batch) and set(taken) <= set(collected)
+    assert node.dead_letters() == []
+
+
+def test_broker_restart_reconnects_and_nothing_is_trained_twice(brokers):
+    node = brokers()
+    produce(node, rollouts("a", 4))
+    with Consumer(node.consumer, batch_size=4) as consumer:
+        first = consumer.next_batch(timeout=20)
+        node.stop(signal.SIGKILL)
+        node.start()
+        consumer.commit(first)  # its leases died with the old broker process
+        produce(node, rollouts("b", 4, seed=1))
+        second = consumer.next_batch(timeout=30)
+        consumer.commit(second)
+        wait_for(lambda: drained(node), what="the restarted broker to drain")
+        assert consumer.stats()["duplicates"] >= 4  # the first batch came back and was acked, not trained
+    assert sorted(first.trajectory_ids) == ["a0", "a1", "a2", "a3"]
+    assert sorted(second.trajectory_ids) == ["b0", "b1", "b2", "b3"]
+
+
+def test_quarantine_dead_letters_invalid_trajectories_and_refills(brokers):
+    node = brokers()
+    bad = [out_of_vocab_rollout("bad0"), out_of_vocab_rollout("bad1")]
+    good = rollouts("g", 8)
+    produce(node, [good[0], bad[0], good[1], bad[1], *good[2:]])
+    with Consumer(node.consumer, batch_size=4, vocab_size=VOCAB, on_invalid="quarantine") as consumer:
+        batches = [consumer.next_batch(timeout=20) for _ in range(2)]
+        for batch in batches:
+            assert len(batch) == 4
+            consumer.commit(batch)
+        wait_for(lambda: drained(node), what="acks")
+    assert sorted(t for b in batches for t in b.trajectory_ids) == sorted(r.trajectory_id for r in good)
+    letters = {item["trajectory_id"]: item["reason"] for item in node.dead_letters()}
+    assert sorted(letters) == ["bad0", "bad1"]
+    assert all(RULE_TOKEN_VOCAB in reason and "token 0" in reason for reason in letters.values())
+
+
+def test_raise_names_the_trajectory_and_gives_the_batch_back(brokers):
+    node = brokers()
+    produce(node, [*rollouts("g", 3), out_of_vocab_rollout("bad")])
+    with Consumer(node.consumer, batch_size=4, vocab_size=VOCAB) as consumer:
+        with pytest.raises(BatchValidationError) as err:
+            consumer.next_batch(timeout=20)
+        assert "bad" in str(err.value) and RULE_TOKEN_VOCAB in str(err.value)
+        found = {(v.rule, v.sample, v.position) for v in err.value.violations}
+        assert (RULE_TOKEN_VOCAB, 3, 0) in found and {sample for _, sample, _ in found} == {3}
+        wait_for(lambda: consumer.stats()["released"] == 4 and consumer.stats()["unsettled"] == 0, what="release")
+        with pytest.raises(BatchValidationError):  # redelivered, still invalid
+            consumer.next_batch(timeout=20)
+    assert node.dead_letters() == []
+
+
+def test_group_batches_hold_whole_groups(brokers):
+    node = brokers()
+    rng = np.random.default_rng(9)
+    groups = {f"grp{g}": [make_rollout(rng, f"grp{g}-{m}", group=(f"grp{g}", 3)) for m in range(3)] for g in range(4)}
+    produce(node, [r for members in groups.values() for r in members], abort=("grp2-1",))
+    with Consumer(node.consumer, batch_size=2, unit="group", vocab_size=VOCAB) as consumer:
+        batches = [consumer.next_batch(timeout=20) for _ in range(2)]
+        for batch in batches:
+            consumer.commit(batch)
+            assert len(set(batch.group_ids)) == 2
+            for gid in set(batch.group_ids):
+                members = sorted(t for t, g in zip(batch.trajectory_ids, batch.group_ids) if g == gid)
+                expected = sorted(r.trajectory_id for r in groups[gid] if r.trajectory_id != "grp2-1")
+                assert members == expected
+            assert batch.group_index.tolist() == [sorted(set(batch.group_ids), key=batch.group_ids.index).index(g)
+                                                  for g in batch.group_ids]
+        wait_for(lambda: drained(node), what="acks")
+
+
+def test_consume_command_prints_one_json_line_per_batch(brokers):
+    node = brokers()
+    produce(node, rollouts("c", 4))
+    result = subprocess.run(
+        [sys.executable, "-m", "rollstream.common.cli", "consume", "--endpoint", node.consumer, "--batch-size", "2",
+         "--batches", "2", "--timeout", "30", "--vocab-size", str(VOCAB)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["samples"] for line in lines] == [2, 2]
+    assert sorted(t for line in lines for t in line["trajectory_ids"]) == ["c0", "c1", "c2", "c3"]
+    assert not any("rollout_sampling_mask" in key for line in lines for key in line)
+    wait_for(lambda: drained(node), what="acks from the command")

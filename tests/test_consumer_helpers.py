@@ -1,0 +1,226 @@
+"""Builders shared by the consumer tests (this file holds no tests).
+
+Synthetic rollouts go through the real merge model and wire codec; the live
+broker runs as a subprocess on ipc:// endpoints; the producer and admin
+clients are raw zmq + msgpack, as a peer following docs/protocol.md would
+write them.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import zmq
+
+from rollstream.common.codec import decode, encode
+from rollstream.common.messages import (
+    ADMIN_REPLIES,
+    ADMIN_REQUESTS,
+    BROKER_TO_CONSUMER,
+    BROKER_TO_PRODUCER,
+    PRODUCER_TO_BROKER,
+)
+from rollstream.common.trajectory import Trajectory, Turn
+from rollstream.common.wire import encode_deliver, encode_turn
+from rollstream.consumer import Batch, Delivery
+
+VOCAB = 1000
+
+
+@dataclass
+class Rollout:
+    """A trajectory as its producer sends it: prompt, turns, identity, reward."""
+
+    trajectory_id: str
+    prompt: np.ndarray
+    turns: list[Turn]
+    reward: float = 1.0
+    sample_index: int | None = None
+    group: tuple[str, int] | None = None
+    metadata: dict = field(default_factory=dict)
+
+    def merged(self) -> Trajectory:
+        """What the broker should deliver: the turns merged by the reference model."""
+        group_id, group_size = self.group or (None, None)
+        traj = Trajectory(self.trajectory_id, self.prompt, sample_index=self.sample_index, group_id=group_id,
+                          group_size=group_size, metadata=self.metadata)
+        for turn in self.turns:
+            traj.append_turn(turn)
+        traj.reward = self.reward
+        return traj
+
+
+def make_rollout(rng: np.random.Generator, tid: str, *, turns: int = 2, mask: bool = True, max_len: int = 6,
+                 max_support: int = 5, vocab: int = VOCAB, **identity) -> Rollout:
+    """Random turns: each sampled token inside a random support, forced tokens between turns."""
+    built = []
+    for k in range(turns):
+        n = int(rng.integers(1, max_len + 1))
+        tokens = rng.integers(0, vocab, size=n)
+        supports = None
+        if mask:
+            supports = []
+            for token in tokens.tolist():
+                others = rng.integers(0, vocab, size=int(rng.integers(0, max_support))).tolist()
+                others.insert(int(rng.integers(0, len(others) + 1)), token)
+                supports.append(others)
+        forced = rng.integers(0, vocab, size=int(rng.integers(0, 4))) if k < turns - 1 else None
+        log_probs = -rng.exponential(size=n) - 1e-3
+        built.append(Turn.build(tokens, log_probs, supports=supports, forced_tokens=forced))
+    prompt = rng.integers(0, vocab, size=int(rng.integers(1, 6))).astype(np.int32)
+    return Rollout(tid, prompt, built, reward=float(rng.normal()), **identity)
+
+
+def delivery(traj: Trajectory, lease: str | None = None, broker: int = 0, **extra) -> Delivery:
+    """The `Delivery` a consumer builds from the broker's `deliver` message."""
+    lease = lease or f"lease-{traj.trajectory_id}"
+    message = decode(encode_deliver(traj, lease, **extra), BROKER_TO_CONSUMER, check_content=False)
+    return Delivery(traj.trajectory_id, message.fields, message.arrays, broker, {(broker, lease)})
+
+
+def deliveries(rng: np.random.Generator, n: int, **kw) -> list[Delivery]:
+    return [delivery(make_rollout(rng, f"t{i}", sample_index=i, **kw).merged()) for i in range(n)]
+
+
+def assert_same_batch(a: Batch, b: Batch):
+    assert a.ragged().keys() == b.ragged().keys()
+    for name in a.ragged():
+        assert torch.equal(a.ragged()[name], b.ragged()[name]), name
+    for name in ("cu_seqlens", "response_cu", "prompt_lengths", "response_lengths", "rewards", "sample_indices",
+                 "group_index"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert (a.mask_offsets is None) == (b.mask_offsets is None)
+    if a.has_mask:
+        assert torch.equal(a.mask_offsets, b.mask_offsets)
+    for name in ("trajectory_ids", "statuses", "gaps", "group_ids", "raw_rewards", "metadata", "weight_versions", "leases"):
+        assert getattr(a, name) == getattr(b, name), name
+    assert {k: v.tolist() for k, v in a.lengths.items()} == {k: v.tolist() for k, v in b.lengths.items()}
+
+
+def writable(d: Delivery, **arrays) -> Delivery:
+    """A copy of `d` with writable arrays, some replaced."""
+    copied = {name: np.array(values) for name, values in d.arrays.items()}
+    copied.update(arrays)
+    return Delivery(d.trajectory_id, dict(d.fields), copied, d.broker, set(d.leases))
+
+
+# -- a live broker --------------------------------------------------------------
+class BrokerProcess:
+    """`rollstream broker` in a subprocess on ipc:// endpoints in a short tmp dir."""
+
+    def __init__(self, *, lease_timeout: float = 30.0, heartbeat_interval: float = 0.2, extra: tuple = ()):
+        self.dir = Path(tempfile.mkdtemp(prefix="rsc", dir="/tmp"))
+        self.producer = f"ipc://{self.dir}/p"
+        self.consumer = f"ipc://{self.dir}/c"
+        self.admin = f"ipc://{self.dir}/a"
+        self.args = [
+            sys.executable, "-m", "rollstream.common.cli", "broker",
+            "--producer-endpoint", self.producer, "--consumer-endpoint", self.consumer,
+            "--admin-endpoint", self.admin, "--data-dir", str(self.dir / "data"), "--metrics-port", "0",
+            "--lease-timeout", str(lease_timeout), "--heartbeat-interval", str(heartbeat_interval), *extra,
+        ]
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "BrokerProcess":
+        self.process = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=open(self.dir / "log", "ab"))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.admin_request("status", timeout=0.5)
+                return self
+            except TimeoutError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"broker did not start: {(self.dir / 'log').read_text()[-2000:]}") from None
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=20)
+        self.process = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def admin_request(self, mtype: str, fields: dict | None = None, timeout: float = 5.0):
+        with zmq.Context.instance().socket(zmq.DEALER) as sock:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.admin)
+            sock.send_multipart(encode(ADMIN_REQUESTS, mtype, fields or {}))
+            if not sock.poll(int(timeout * 1000)):
+                raise TimeoutError(f"no reply to admin {mtype}")
+            return decode(sock.recv_multipart(), ADMIN_REPLIES)
+
+    def status(self) -> dict:
+        return dict(self.admin_request("status").fields)
+
+    def dead_letters(self) -> list[dict]:
+        return self.admin_request("dead_letters", {"limit": 1000})["items"]
+
+
+class RawProducer:
+    """A producer from raw zmq + msgpack: hello, then turn and end frames with `seq`."""
+
+    def __init__(self, endpoint: str):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sock.send_multipart(encode(PRODUCER_TO_BROKER, "hello", {"producer_id": f"test-{os.getpid()}"}))
+        self.seq = 0
+
+    def _send(self, frames) -> None:
+        self.sock.send_multipart(frames)
+
+    def _next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def send(self, rollouts, *, abort: tuple[str, ...] = ()) -> None:
+        """Send every rollout (turns then end; `abort`ed ids get turn 0 then
+        abort) and wait until each frame is acked."""
+        sent = set()
+        for r in rollouts:
+            group = {"group_id": r.group[0], "group_size": r.group[1]} if r.group else {}
+            for k, turn in enumerate(r.turns if r.trajectory_id not in abort else r.turns[:1]):
+                first = {"prompt_tokens": r.prompt, "sample_index": r.sample_index, **group} if k == 0 else {}
+                seq = self._next_seq()
+                self._send(encode_turn(r.trajectory_id, k, turn, seq=seq, crc=True, **first))
+                sent.add(seq)
+            seq = self._next_seq()
+            if r.trajectory_id in abort:
+                self._send(encode(PRODUCER_TO_BROKER, "abort", {"seq": seq, "trajectory_id": r.trajectory_id, "reason": "test"}))
+            else:
+                self._send(encode(PRODUCER_TO_BROKER, "end", {"seq": seq, "trajectory_id": r.trajectory_id, "reward": r.reward}))
+            sent.add(seq)
+        while sent:
+            if not self.sock.poll(20_000):
+                raise TimeoutError(f"{len(sent)} frames unacknowledged")
+            reply = decode(self.sock.recv_multipart(), BROKER_TO_PRODUCER)
+            if reply.type == "nack":
+                raise AssertionError(f"broker refused a frame: {dict(reply.fields)}")
+            if reply.type == "ack":
+                sent.discard(reply["seq"])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
+    """Poll `predicate` until truthy (a bound for failing, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)

@@ -1,0 +1,183 @@
+"""Batch validation: every kind of corruption of a valid batch is caught and
+names the right trajectory, position and rule; valid batches pass. Runs the
+shared checks both on numpy views (the CPU path) and as torch ops (the path
+a GPU takes)."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_consumer_helpers import VOCAB, deliveries, delivery, make_rollout, writable
+
+from rollstream.common.validation import (
+    RULE_ALIGNED,
+    RULE_FORCED_SINGLETON,
+    RULE_IN_SUPPORT,
+    RULE_LOG_PROBS,
+    RULE_LOSS_MASK,
+    RULE_MASK_VOCAB,
+    RULE_NONEMPTY_SUPPORT,
+    RULE_OFFSETS_END,
+    RULE_OFFSETS_START,
+    RULE_TOKEN_VOCAB,
+    RULE_WHOLE_BATCH,
+    BatchValidationError,
+)
+from rollstream.consumer import Batch, checked_batch, validate_batch
+from rollstream.consumer import validate as validate_module
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def backend(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(validate_module, "_on_device_array", lambda tensor: tensor)
+    return request.param
+
+
+def _with_support(d, p, support):
+    """Replace token p's support in a delivery's CSR."""
+    ids, offsets = d.arrays["mask_ids"], d.arrays["mask_offsets"]
+    lo, hi = offsets[p], offsets[p + 1]
+    new_ids = np.concatenate([ids[:lo], np.asarray(support, np.int32), ids[hi:]]).astype(np.int32)
+    new_offsets = offsets.copy()
+    new_offsets[p + 1 :] += len(support) - (hi - lo)
+    return writable(d, mask_ids=new_ids, mask_offsets=new_offsets)
+
+
+def corrupt(kind, d, draw):
+    """`(corrupted delivery, expected rule, expected position)`."""
+    a = d.arrays
+    n = len(a["tokens"])
+    p = draw(st.integers(0, n - 1))
+    offsets = a["mask_offsets"]
+    support = a["mask_ids"][offsets[p] : offsets[p + 1]]
+    if kind == "token_outside_support":
+        choices = sorted(set(range(VOCAB)) - set(support.tolist()))
+        tokens = np.array(a["tokens"])
+        tokens[p] = choices[draw(st.integers(0, len(choices) - 1))]
+        return writable(d, tokens=tokens), RULE_IN_SUPPORT, p
+    if kind == "mask_id_out_of_vocab":
+        bad = draw(st.sampled_from([-1, -(2**31), VOCAB, VOCAB + 7, 2**31 - 1]))
+        return _with_support(d, p, [*support.tolist(), bad]), RULE_MASK_VOCAB, p
+    if kind == "token_out_of_vocab":
+        tokens = np.array(a["tokens"])
+        tokens[p] = draw(st.sampled_from([-3, VOCAB, VOCAB * 10]))
+        return writable(d, tokens=tokens), RULE_TOKEN_VOCAB, p
+    if kind == "loss_mask_value":
+        loss = np.array(a["loss_mask"])
+        loss[p] = draw(st.integers(2, 255))
+        return writable(d, loss_mask=loss), RULE_LOSS_MASK, p
+    if kind == "empty_support":
+        return _with_support(d, p, []), RULE_NONEMPTY_SUPPORT, p
+    if kind == "log_prob_nan":
+        log_probs = np.array(a["log_probs"])
+        log_probs[p] = draw(st.sampled_from([np.nan, np.inf]))
+        return writable(d, log_probs=log_probs), RULE_LOG_PROBS, p
+    if kind == "forced_not_singleton":
+        loss, log_probs = np.array(a["loss_mask"]), np.array(a["log_probs"])
+        loss[p], log_probs[p] = 0, 0.0
+        widened = _with_support(d, p, [*support.tolist(), (int(a["tokens"][p]) + 1) % VOCAB])
+        return writable(widened, loss_mask=loss, log_probs=log_probs), RULE_FORCED_SINGLETON, p
+    if kind == "offsets_start":
+        shifted = np.array(offsets)
+        shifted[0] = draw(st.integers(1, 3))
+        return writable(d, mask_offsets=shifted), RULE_OFFSETS_START, None
+    if kind == "offsets_end":
+        return writable(d, mask_ids=np.array(a["mask_ids"][:-1])), RULE_OFFSETS_END, None
+    if kind == "misaligned":
+        name = draw(st.sampled_from(["loss_mask", "log_probs", "mask_offsets"]))
+        return writable(d, **{name: np.array(a[name][:-1])}), RULE_ALIGNED, None
+    if kind == "prompt_out_of_vocab":
+        prompt = np.array(a["prompt_tokens"])
+        prompt[draw(st.integers(0, len(prompt) - 1))] = VOCAB + 1
+        return writable(d, prompt_tokens=prompt), RULE_TOKEN_VOCAB, None
+    if kind == "missing_mask":
+        stripped = {k: v for k, v in a.items() if k not in ("mask_ids", "mask_offsets")}
+        return type(d)(d.trajectory_id, d.fields, stripped, d.broker, d.leases), RULE_WHOLE_BATCH, None
+    raise AssertionError(kind)
+
+
+KINDS = [
+    "token_outside_support", "mask_id_out_of_vocab", "token_out_of_vocab", "loss_mask_value", "empty_support",
+    "log_prob_nan", "forced_not_singleton", "offsets_start", "offsets_end", "misaligned", "prompt_out_of_vocab",
+    "missing_mask",
+]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), size=st.integers(2, 6), kind=st.sampled_from(KINDS), data=st.data())
+def test_every_corruption_is_caught_with_trajectory_and_position(backend, seed, size, kind, data):
+    batch = deliveries(np.random.default_rng(seed), size)
+    victim = data.draw(st.integers(0, size - 1))
+    batch[victim], rule, position = corrupt(kind, batch[victim], data.draw)
+    _, found, packed = checked_batch(batch, vocab_size=VOCAB)
+    assert {v.sample for v in found} == {victim}, found
+    assert any(v.rule == rule and v.position == position for v in found), (rule, position, found)
+    error = BatchValidationError(found, [d.trajectory_id for d in batch])
+    assert batch[victim].trajectory_id in str(error) and rule in str(error)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), size=st.integers(1, 6), mask=st.booleans(), turns=st.integers(1, 4))
+def test_valid_batches_pass(backend, seed, size, mask, turns):
+    batch_deliveries = deliveries(np.random.default_rng(seed), size, mask=mask, turns=turns)
+    batch, found, packed = checked_batch(batch_deliveries, vocab_size=VOCAB)
+    assert found == [] and packed == list(range(size))
+    validate_batch(batch, vocab_size=VOCAB)
+
+
+def test_several_failures_are_all_named(backend):
+    rng = np.random.default_rng(3)
+    batch = deliveries(rng, 4)
+    tokens = np.array(batch[1].arrays["tokens"])
+    tokens[-1] = VOCAB + 5
+    batch[1] = writable(batch[1], tokens=tokens)
+    loss = np.array(batch[3].arrays["loss_mask"])
+    loss[0] = 7
+    batch[3] = writable(batch[3], loss_mask=loss)
+    packed_batch = Batch.from_deliveries(batch)
+    with pytest.raises(BatchValidationError) as err:
+        validate_batch(packed_batch, vocab_size=VOCAB)
+    rules = {(v.rule, v.sample, v.position) for v in err.value.violations}
+    last = len(tokens) - 1
+    assert {(RULE_TOKEN_VOCAB, 1, last), (RULE_IN_SUPPORT, 1, last), (RULE_LOSS_MASK, 3, 0)} <= rules
+    assert "t1" in str(err.value) and "t3" in str(err.value) and "t0" not in str(err.value)
+
+
+def test_whole_batch_rule_names_position_sample_index_and_status():
+    rng = np.random.default_rng(4)
+    with_mask = delivery(make_rollout(rng, "a", sample_index=8).merged())
+    without = delivery(make_rollout(rng, "b", sample_index=9, mask=False).merged())
+    _, found, _ = checked_batch([with_mask, without])
+    (violation,) = found
+    assert violation.rule == RULE_WHOLE_BATCH and violation.sample == 1
+    text = str(BatchValidationError(found, ["a", "b"]))
+    assert "position 1" in text and "sample_index=9" in text and "status=completed" in text
+    with pytest.raises(ValueError):  # BatchValidationError is the ValueError SEMANTICS.md §6 asks for
+        raise BatchValidationError(found, ["a", "b"])
+
+
+def test_forced_tokens_from_the_merge_model_pass():
+    """Forced tokens between turns are singletons with loss 0 and log-prob 0.0."""
+    rng = np.random.default_rng(5)
+    d = delivery(make_rollout(rng, "f", turns=4).merged())
+    forced = (np.asarray(d.arrays["loss_mask"]) == 0) & (np.asarray(d.arrays["log_probs"]) == 0)
+    assert forced.any()
+    _, found, _ = checked_batch([d], vocab_size=VOCAB)
+    assert found == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the validation pass as torch ops on CUDA")
+def test_gpu_batch_is_validated_on_the_device():
+    rng = np.random.default_rng(6)
+    batch = deliveries(rng, 5)
+    tokens = np.array(batch[2].arrays["tokens"])
+    tokens[1] = VOCAB + 1
+    batch[2] = writable(batch[2], tokens=tokens)
+    packed_batch, found, _ = checked_batch(batch, device="cuda", vocab_size=VOCAB)
+    assert packed_batch.tokens.is_cuda and packed_batch.mask_offsets.is_cuda
+    assert {(v.rule, v.sample, v.position) for v in found} >= {(RULE_TOKEN_VOCAB, 2, 1), (RULE_IN_SUPPORT, 2, 1)}
+    clean = packed_batch.select([0, 1, 3, 4])
+    validate_batch(clean, vocab_size=VOCAB)
+    cpu = checked_batch([batch[i] for i in (0, 1, 3, 4)], device="cpu")[0]
+    assert torch.equal(clean.mask_ids.cpu(), cpu.mask_ids) and torch.equal(clean.mask_offsets.cpu(), cpu.mask_offsets)
