@@ -153,7 +153,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trajectories", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--scaling-tokens", type=int, default=200_000)
+    # 1,000 turns of 512 tokens, the workload's turn size, against 10 turns of 51,200.
+    parser.add_argument("--scaling-tokens", type=int, default=512_000)
     args = parser.parse_args()
 
     work = peer_seed.make_workload(n_traj=args.trajectories)
