@@ -37,14 +37,19 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--trajectories", default=64, show_default=True, help="Trajectories to build.")
-@click.option("--turns", default=4, show_default=True, help="Turns per trajectory.")
-@click.option("--seed", default=0, show_default=True, help="Random seed of the synthetic rollouts.")
-def demo(trajectories: int, turns: int, seed: int) -> None:
-    """Run the pipeline on synthetic rollouts with embedded defaults."""
+@click.option("--producers", default=2, show_default=True, help="Synthetic producer daemons.")
+@click.option("--trajectories", default=24, show_default=True, help="Trajectories per producer.")
+@click.option("--turns", default=3, show_default=True, help="Turns per trajectory.")
+@click.option("--group-size", default=4, show_default=True, help="Samples per prompt (one group).")
+@click.option("--batch-size", default=4, show_default=True, help="Groups per training batch.")
+@click.option("--abort-rate", default=0.1, show_default=True, help="Chance a later turn aborts without supports (a replay gap).")
+@click.option("--keep-data", is_flag=True, help="Keep the broker's data dir and the daemons' log.")
+def demo(**options) -> None:
+    """Run the whole pipeline on loopback with embedded defaults: a broker,
+    synthetic producers and a consumer that validates and commits batches."""
     from .demo import run_demo
 
-    click.echo(run_demo(trajectories=trajectories, turns=turns, seed=seed))
+    click.echo(run_demo(**options))
 
 
 if __name__ == "__main__":

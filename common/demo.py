@@ -1,63 +1,105 @@
-"""The embedded-defaults job: synthetic multi-turn rollouts through every
-stage that exists, with a one-screen summary."""
+"""The embedded-defaults job: a broker, local synthetic producers and a
+training-loop consumer on loopback, end to end, with a one-screen summary.
+
+The broker and the producers run as real daemons (`rollstream broker`,
+`rollstream producer`) in subprocesses, exactly as they would on a node; the
+consumer runs here, as it would inside a trainer.
+"""
 from __future__ import annotations
 
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
-
-import numpy as np
-
-from .codec import decode
-from .mask import SamplingMask
-from .messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
-from .miles import to_train_data
-from .trajectory import Trajectory, Turn
-from .validation import validate_samples
-from .wire import encode_deliver, encode_turn, trajectory_from_deliver, turn_from_message
+from pathlib import Path
 
 VOCAB = 151_936
 
 
-def _synthetic_turn(rng: np.random.Generator, tokens: int, forced: int, last: bool) -> Turn:
-    sizes = np.minimum(rng.geometric(1 / 8, size=tokens), 64)
-    ids = rng.integers(0, VOCAB, size=int(sizes.sum()), dtype=np.int32)
-    mask = SamplingMask.from_lengths(ids, sizes)
-    sampled = ids[mask.offsets[:-1]]  # the first id of each support
-    return Turn.build(
-        sampled,
-        -rng.exponential(1.0, size=tokens).astype(np.float32),
-        mask=mask,
-        forced_tokens=None if last else rng.integers(0, VOCAB, size=forced, dtype=np.int32),
-        vocab_size=VOCAB,
-    )
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
-def run_demo(trajectories: int = 64, turns: int = 4, seed: int = 0) -> str:
-    rng = np.random.default_rng(seed)
-    start = time.perf_counter()
-    delivered = []
-    for i in range(trajectories):
-        tid = f"demo-{i}"
-        merged = Trajectory(tid, rng.integers(0, VOCAB, size=32, dtype=np.int32), sample_index=i)
-        for index in range(turns):
-            turn = _synthetic_turn(rng, tokens=128, forced=32, last=index == turns - 1)
-            frames = encode_turn(tid, index, turn, seq=index, prompt_tokens=merged.prompt_tokens if index == 0 else None)
-            merged.append_turn(turn_from_message(decode(frames, PRODUCER_TO_BROKER, vocab_size=VOCAB)))
-        merged.reward = float(rng.random())
-        frames = encode_deliver(merged, lease=f"lease-{i}")
-        delivered.append(trajectory_from_deliver(decode(frames, BROKER_TO_CONSUMER, vocab_size=VOCAB)))
-    validate_samples(
-        [t.tokens for t in delivered],
-        [(t.mask.ids, t.mask.offsets) for t in delivered],
-        names=[t.trajectory_id for t in delivered],
-        vocab_size=VOCAB,
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rollstream.common.cli", *args]
+
+
+def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, group_size: int = 4,
+             batch_size: int = 4, abort_rate: float = 0.1, keep_data: bool = False) -> str:
+    """Run the pipeline once; return the summary. Raises if any stage fails."""
+    from rollstream.broker.admin import AdminClient
+    from rollstream.consumer import Consumer
+
+    work = Path(tempfile.mkdtemp(prefix="rollstream-demo-"))
+    producer_port, consumer_port, admin_port = _free_ports(3)
+    endpoints = {name: f"tcp://127.0.0.1:{port}" for name, port in
+                 (("producer", producer_port), ("consumer", consumer_port), ("admin", admin_port))}
+    log = open(work / "daemons.log", "ab")
+    broker = subprocess.Popen(
+        _cli("broker", "--producer-endpoint", endpoints["producer"], "--consumer-endpoint", endpoints["consumer"],
+             "--admin-endpoint", endpoints["admin"], "--data-dir", str(work / "data"), "--vocab-size", str(VOCAB),
+             "--metrics-port", "0", "--log-level", "warning"),
+        stdout=log, stderr=log,
     )
-    data = to_train_data(delivered)
-    seconds = time.perf_counter() - start
-    tokens = int(data["response_lengths"].sum())
-    ids = sum(len(ids) for ids in data["rollout_sampling_mask_ids"])
-    return (
-        f"rollstream demo (in-process: encode -> decode -> merge -> deliver -> validate -> train data)\n"
-        f"  trajectories: {len(delivered)}  turns each: {turns}\n"
-        f"  response tokens: {tokens}  support ids: {ids}\n"
-        f"  valid: yes  time: {seconds:.3f} s"
-    )
+    started = time.perf_counter()
+    daemons = [broker]
+    try:
+        with AdminClient(endpoints["admin"], timeout=30.0) as admin:
+            admin.status()  # waits until the broker answers
+            for i in range(producers):
+                daemons.append(subprocess.Popen(
+                    _cli("producer", "--source", "synthetic", "--broker-endpoint", endpoints["producer"],
+                         "--producer-id", f"demo-producer-{i}", "--trajectories", str(trajectories),
+                         "--turns", str(turns), "--group-size", str(group_size), "--abort-rate", str(abort_rate),
+                         "--vocab-size", str(VOCAB), "--seed", str(i), "--metrics-port", "0", "--log-level", "warning"),
+                    stdout=log, stderr=log,
+                ))
+            expected = producers * trajectories
+            received = tokens = ids = gaps = batches = 0
+            with Consumer([endpoints["consumer"]], batch_size=batch_size, unit="group", vocab_size=VOCAB,
+                          device="cpu", on_invalid="raise") as consumer:
+                while received < expected:
+                    batch = consumer.next_batch(timeout=120.0)
+                    consumer.commit(batch)
+                    batches += 1
+                    received += len(batch)
+                    tokens += int(batch.response_lengths.sum())
+                    ids += int(batch.mask_ids.numel())
+                    gaps += sum(gap is not None for gap in batch.gaps)
+            for daemon in daemons[1:]:
+                if daemon.wait(60) != 0:
+                    raise RuntimeError(f"a producer exited with {daemon.returncode}; see {work / 'daemons.log'}")
+            status = admin.status()
+        seconds = time.perf_counter() - started
+    finally:
+        for daemon in reversed(daemons):
+            if daemon.poll() is None:
+                daemon.send_signal(signal.SIGTERM)
+                try:
+                    daemon.wait(30)
+                except subprocess.TimeoutExpired:
+                    daemon.kill()
+        log.close()
+        if not keep_data:
+            shutil.rmtree(work, ignore_errors=True)
+    counters = status["counters"]
+    return "\n".join([
+        "rollstream demo: broker + synthetic producers + consumer on loopback",
+        f"  producers: {producers}  trajectories: {received} in groups of {group_size}, {turns} turns each",
+        f"  batches: {batches} of {batch_size} groups, validated and committed",
+        f"  response tokens: {tokens}  support ids: {ids}  replay gaps: {gaps}",
+        f"  broker: frames applied {int(counters.get('frames.turn.applied', 0))}, "
+        f"delivered {int(counters.get('trajectories.delivered', 0))}, "
+        f"open {status['open']}, ready {status['ready']}, dead {status['dead']}",
+        f"  valid: yes  time: {seconds:.1f} s" + (f"  data kept in {work}" if keep_data else ""),
+    ])
