@@ -32,7 +32,7 @@ import peer_seed  # noqa: E402
 from rollstream.common.codec import decode  # noqa: E402
 from rollstream.common.ingest import turn_from_sglang  # noqa: E402
 from rollstream.common.messages import BROKER_TO_CONSUMER  # noqa: E402
-from rollstream.common.trajectory import Trajectory, Turn  # noqa: E402
+from rollstream.common.trajectory import Trajectory  # noqa: E402
 from rollstream.common.validation import validate_samples  # noqa: E402
 from rollstream.common.wire import encode_deliver  # noqa: E402
 

@@ -165,7 +165,6 @@ class Group:
 
 @dataclass
 class EngineSettings:
-    vocab_size: int | None = None
     trajectory_ttl: float = 3600.0
     dedup_window: float = 86_400.0
 

@@ -80,7 +80,7 @@ class BrokerService:
 
     def _new_engine(self) -> MergeEngine:
         s = self.settings
-        return MergeEngine(EngineSettings(s.vocab_size, s.trajectory_ttl, s.dedup_window))
+        return MergeEngine(EngineSettings(s.trajectory_ttl, s.dedup_window))
 
     # -- life cycle ---------------------------------------------------------
     def start(self) -> None:
@@ -105,9 +105,6 @@ class BrokerService:
         log.info("broker listening", extra={"broker_id": self.broker_id, "producer": s.producer_endpoint,
                                             "consumer": s.consumer_endpoint, "admin": s.admin_endpoint,
                                             "sync": s.sync})
-
-    def endpoint(self, name: str) -> str:
-        return self.sockets[name].getsockopt_string(zmq.LAST_ENDPOINT)
 
     def stop(self, *_args) -> None:
         """Finish the pass in progress (commit, reply), then leave `run`."""

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import msgpack
 import numpy as np
 
-from .contract import ARRAYS, DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION, WIRE_DTYPES
+from .contract import ARRAYS, DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION
 from .errors import ProtocolError
 from .messages import CRC32, ENVELOPE_KEYS, MessageSpec, Schema
 from .validation import RULE_ALIGNED, check_message_arrays

@@ -68,8 +68,6 @@ MASK_ARRAYS = ("mask_ids", "mask_offsets")
 # Token-id arrays whose values must lie in [0, vocab_size).
 TOKEN_ID_ARRAYS = ("prompt_tokens", "tokens", "forced_tokens", "mask_ids")
 
-WIRE_DTYPES = {spec.wire_name: spec.dtype for spec in ARRAYS.values()}
-
 # Reply codes of a refused frame, in the order the checks run (PROTOCOL.md §2).
 NACK_CODES = (
     "malformed",

@@ -2,7 +2,6 @@
 integration tests. Readiness is checked with a raw admin `status` call."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

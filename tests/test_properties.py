@@ -815,7 +815,6 @@ def test_chained_corruptions_never_crash_and_never_yield_unchecked_content(encod
     go unnoticed when the swapped frames have the same size and the values
     still pass the content rules."""
     frames, crc = encoded
-    original = decode(frames, PRODUCER_TO_BROKER)
     damaged = frames
     for kind in kinds:
         if not any(damaged) or (kind in ("dtype", "shape") and not _has_arrays_header(damaged)):
