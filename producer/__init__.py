@@ -1,1 +1,34 @@
-"""rollstream.producer"""
+"""rollstream.producer: stream rollout turns to the node's broker.
+
+- `AsyncProducer` / `Producer`: asyncio and blocking clients with the same
+  vocabulary (`trajectory(...)`, `turn`, `sglang`, `send`, `end`, `abort`):
+  a resend window, heartbeats and an optional disk spool underneath.
+- `Receipt` (a durable ack; `applied: false` outcomes are reported here) and
+  `Refused` (a nack, with its code).
+- `turns_from_miles_samples`: miles per-turn samples as turns.
+- `ResendWindow`: the sans-I/O core.
+
+Names load on first use, so `rollstream producer --help` stays fast.
+"""
+import importlib
+
+_EXPORTS = {
+    "AsyncProducer": "client",
+    "AsyncTrajectory": "client",
+    "Producer": "client",
+    "Trajectory": "client",
+    "Receipt": "window",
+    "ResendWindow": "window",
+    "Refused": "errors",
+    "ProducerClosed": "errors",
+    "MilesMergeError": "miles_samples",
+    "turns_from_miles_samples": "miles_samples",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

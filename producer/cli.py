@@ -1,0 +1,77 @@
+"""`rollstream producer`: the long-running producer daemon."""
+from __future__ import annotations
+
+import click
+
+from rollstream.common.config import BYTES, config_option, settings_options
+
+from .settings import SOURCES, ProducerSettings
+
+HELP = {
+    "source": "synthetic: sampled load; sglang: drive an SGLang /generate endpoint; replay: recorded turns.",
+    "broker_endpoint": "The node broker's producer endpoint (tcp://, ipc:// or inproc://).",
+    "producer_id": "Name sent in hello; keep it stable to resend a spool after a restart. Default: host-source.",
+    "window": "Most frames unsettled at once (the broker's welcome may lower it).",
+    "reply_timeout": "Seconds without a reply after which unacked frames are resent in order.",
+    "retry_delay": "Seconds before resending a frame the broker answered `unavailable`.",
+    "heartbeat_interval": "Seconds between pings.",
+    "heartbeat_timeout": "Seconds of broker silence after which it counts as down (broker_up = 0).",
+    "spool_dir": "Directory of the disk spool of unacked frames; none: frames live in memory only.",
+    "spool_bytes": "Spool budget; when it is used up, the source waits (backpressure).",
+    "spool_fsync": "fsync every spool write (survives power loss, slower).",
+    "shutdown_timeout": "Seconds to wait, on SIGTERM or at the end, for open trajectories and in-flight acks.",
+    "crc": "Send a CRC-32 of the array frames with every turn.",
+    "trajectories": "Trajectories to produce; 0: until stopped (replay and --prompts end with their files).",
+    "group_size": "Samples per prompt, sent as one group when more than 1.",
+    "turns": "Engine calls per trajectory.",
+    "prompt_tokens": "Mean prompt length of synthetic prompts (uniform in [x/2, 3x/2]).",
+    "response_tokens": "Mean sampled tokens per turn (synthetic); max_new_tokens (sglang).",
+    "tool_tokens": "Mean forced tool-output tokens between turns (synthetic); echoed tokens (sglang tool).",
+    "rate": "Trajectory starts per second; 0: as fast as the broker takes them.",
+    "concurrency": "Trajectories in progress at once.",
+    "vocab_size": "Vocabulary size: synthetic ids are drawn below it and every id is checked against it.",
+    "seed": "Random seed of the synthetic source and of random prompts.",
+    "temperature": "Sampling temperature.",
+    "top_k": "Top-k truncation; <= 0 disables it.",
+    "top_p": "Top-p (nucleus) truncation.",
+    "min_p": "Min-p truncation.",
+    "abort_rate": "Synthetic: chance that a later turn is aborted without supports (a replay gap).",
+    "sglang_url": "Base URL of the SGLang-compatible server (POST {url}/generate).",
+    "sglang_timeout": "Seconds one /generate call may take.",
+    "prompts": "sglang: JSON-lines file of prompts ({\"input_ids\": [...]} per line); default: random prompts.",
+    "replay_path": "replay: a .jsonl recording, a miles session payload (.safetensors), or a directory of them.",
+    "default_reward": "replay: reward when a recording gives none.",
+    "metrics_port": "Prometheus /metrics port; 0 disables it.",
+    "metrics_host": "Address the metrics endpoint binds.",
+    "log_level": "debug, info, warning or error.",
+}
+TYPES = {
+    "source": click.Choice(SOURCES),
+    "spool_bytes": BYTES,
+    "spool_fsync": click.BOOL,
+    "crc": click.BOOL,
+    "log_level": click.Choice(["debug", "info", "warning", "error"]),
+}
+
+
+@click.command()
+@config_option(ProducerSettings, "producer")
+@settings_options(ProducerSettings, HELP, TYPES)
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def producer(log_format: str, **values) -> None:
+    """Run a producer daemon: generate or replay rollouts and stream their
+    turns to the node's broker, resending until every frame is acked."""
+    import asyncio
+
+    from rollstream.common.config import settings_from
+    from rollstream.common.logs import setup_logging
+
+    from .daemon import check, run
+
+    settings = settings_from(ProducerSettings, values)
+    setup_logging(settings.log_level, log_format)
+    try:
+        check(settings)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    asyncio.run(run(settings))

@@ -1,0 +1,195 @@
+"""miles per-turn samples as rollstream turns (SEMANTICS.md §4).
+
+miles records a multi-turn rollout as one `Sample` per engine call whose
+`tokens` is the whole context so far (prompt, earlier responses, tool
+output) followed by this call's `response_length` sampled tokens. Its merge
+(`merge_samples`) folds them left to right; here each fold step instead
+yields a turn whose forced tokens are the observation between two samples:
+`b.tokens[len(a.tokens) : len(b.tokens) - b.response_length]`.
+
+The walk stops where miles' merge stops: after a turn that is not
+`completed`, and after a turn that introduces a replay gap (a replay field the
+previous samples carried is missing). The gap turn itself is kept, so the
+broker records the gap; later samples are counted as dropped. Each merged
+pair is checked with miles' conditions: both samples `validate()`, `b.tokens`
+starts with `a.tokens`, the observation is non-empty, and a mask on `b` needs
+one on `a` (replay arrays cannot shrink: `validate()` ties their rows to
+`len(tokens) - 1`, and `b.tokens` is longer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from rollstream.common.contract import STATUSES
+from rollstream.common.mask import SamplingMask, as_numpy
+from rollstream.common.trajectory import Turn
+
+_REPLAY = {"rollout_sampling_mask": "mask", "rollout_routed_experts": "routed_experts",
+           "rollout_indexer_topk": "indexer_topk"}
+
+
+class MilesMergeError(ValueError):
+    """Per-turn samples that miles' merge would refuse to merge."""
+
+
+@dataclass(frozen=True)
+class MilesTurns:
+    """A trajectory recovered from per-turn samples: its prompt, the turns to
+    send, and how many trailing samples the merge never reaches."""
+
+    prompt_tokens: np.ndarray
+    turns: list[Turn]
+    dropped: int
+
+
+@dataclass(frozen=True)
+class _Sample:
+    index: int
+    tokens: np.ndarray
+    response_length: int
+    loss_mask: Any
+    log_probs: Any
+    mask: SamplingMask | None
+    routed_experts: np.ndarray | None
+    indexer_topk: np.ndarray | None
+    status: str
+    weight_version: str | None
+
+    def carries(self, field: str) -> bool:
+        return getattr(self, field) is not None
+
+    @property
+    def response(self) -> np.ndarray:
+        return self.tokens[len(self.tokens) - self.response_length :]
+
+
+def _field(sample: Any, name: str) -> Any:
+    if isinstance(sample, Mapping):
+        return sample.get(name)
+    return getattr(sample, name, None)
+
+
+def _mask(value: Any, index: int) -> SamplingMask | None:
+    """A `SamplingMask`, a list of supports, or miles' `RolloutSamplingMask`."""
+    if value is None or isinstance(value, SamplingMask):
+        return value
+    for ids, offsets in (("ids", "offsets"), ("_ids", "_offsets")):
+        if hasattr(value, ids) and hasattr(value, offsets):
+            return SamplingMask(as_numpy(getattr(value, ids)), as_numpy(getattr(value, offsets)))
+    try:
+        return SamplingMask.from_supports(value)
+    except TypeError:
+        raise MilesMergeError(f"sample {index}: rollout_sampling_mask must be a sampling mask or a list of supports, "
+                              f"got {type(value).__name__}") from None
+
+
+def _status(value: Any, index: int) -> str:
+    status = getattr(value, "value", value)  # miles' Sample.Status enum or its string
+    if status not in STATUSES:
+        raise MilesMergeError(f"sample {index}: status must be one of {list(STATUSES)} to be streamed, got {status!r}")
+    return status
+
+
+def _weight_version(versions: Any, index: int) -> str | None:
+    """miles records one weight version per engine call; a per-turn sample is one call."""
+    if not versions:
+        return None
+    if len(versions) != 1:
+        raise MilesMergeError(f"sample {index}: rule 'one weight version per engine call' violated: "
+                              f"expected 1 entry in weight_versions, got {len(versions)}")
+    version = versions[0]
+    return str(version["version"] if isinstance(version, Mapping) else version)
+
+
+def _read(sample: Any, index: int) -> _Sample:
+    tokens = np.asarray(as_numpy(_field(sample, "tokens")))
+    length = _field(sample, "response_length")
+    replay = {name: _field(sample, name) for name in ("rollout_routed_experts", "rollout_indexer_topk")}
+    return _Sample(
+        index=index,
+        tokens=tokens,
+        response_length=int(length) if length is not None else -1,
+        loss_mask=_field(sample, "loss_mask"),
+        log_probs=_field(sample, "rollout_log_probs"),
+        mask=_mask(_field(sample, "rollout_sampling_mask"), index),
+        routed_experts=None if replay["rollout_routed_experts"] is None else as_numpy(replay["rollout_routed_experts"]),
+        indexer_topk=None if replay["rollout_indexer_topk"] is None else as_numpy(replay["rollout_indexer_topk"]),
+        status=_status(_field(sample, "status"), index),
+        weight_version=_weight_version(_field(sample, "weight_versions"), index),
+    )
+
+
+def _validate(s: _Sample) -> None:
+    """miles' `Sample.validate()` on the fields that cross."""
+    def fail(rule: str, expected, actual) -> MilesMergeError:
+        return MilesMergeError(f"sample {s.index}: rule '{rule}' violated: expected {expected}, got {actual}")
+
+    if s.response_length < 0:
+        raise fail("response_length >= 0", ">= 0", s.response_length)
+    if len(s.tokens) < s.response_length:
+        raise fail("len(tokens) >= response_length", f">= {s.response_length}", len(s.tokens))
+    for name, values in (("loss_mask", s.loss_mask), ("rollout_log_probs", s.log_probs), ("rollout_sampling_mask", s.mask)):
+        if values is not None and len(values) != s.response_length:
+            raise fail(f"len({name}) == response_length", s.response_length, len(values))
+    for name, values in (("rollout_routed_experts", s.routed_experts), ("rollout_indexer_topk", s.indexer_topk)):
+        if values is not None and len(values) != len(s.tokens) - 1:
+            raise fail(f"len({name}) == len(tokens) - 1", len(s.tokens) - 1, len(values))
+
+
+def _gap(a: _Sample, b: _Sample) -> bool:
+    return any(a.carries(field) and not b.carries(field) for field in _REPLAY.values())
+
+
+def _observation(a: _Sample, b: _Sample) -> np.ndarray:
+    """The tokens between two merged samples, checked as miles' merge checks."""
+    _validate(a)
+    _validate(b)
+    if len(b.tokens) < len(a.tokens) or not np.array_equal(b.tokens[: len(a.tokens)], a.tokens):
+        mismatch = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), min(len(a.tokens), len(b.tokens)))
+        raise MilesMergeError(
+            f"samples {a.index} -> {b.index}: rule 'b.tokens must start with a.tokens' violated: "
+            f"expected the {len(a.tokens)} tokens of sample {a.index} as a prefix, first difference at position "
+            f"{mismatch} (sample {b.index} has {len(b.tokens)} tokens)"
+        )
+    obs_len = len(b.tokens) - len(a.tokens) - b.response_length
+    if obs_len <= 0:
+        raise MilesMergeError(f"samples {a.index} -> {b.index}: rule 'obs_len > 0' violated: expected a non-empty "
+                              f"observation between the turns, got obs_len={obs_len}")
+    if b.mask is not None and a.mask is None:
+        raise MilesMergeError(f"samples {a.index} -> {b.index}: rule 'both turns carry a complete rollout sampling mask' "
+                              f"violated: expected a mask on sample {a.index} too, got none")
+    return b.tokens[len(a.tokens) : len(a.tokens) + obs_len]
+
+
+def _turn(s: _Sample, forced: np.ndarray | None, vocab_size: int | None) -> Turn:
+    log_probs = np.zeros(s.response_length) if s.log_probs is None else s.log_probs  # miles' default
+    return Turn.build(s.response, log_probs, mask=s.mask, loss_mask=s.loss_mask, forced_tokens=forced,
+                      routed_experts=s.routed_experts, indexer_topk=s.indexer_topk, status=s.status,
+                      weight_version=s.weight_version, vocab_size=vocab_size)
+
+
+def turns_from_miles_samples(samples: Sequence[Any], *, vocab_size: int | None = None) -> MilesTurns:
+    """Turns (with forced tokens derived from the full token lists) from
+    miles per-turn samples: dicts as `decode_session_samples` gives them, or
+    objects with the same attributes (miles' `Sample`)."""
+    if not samples:
+        raise MilesMergeError("no samples: a trajectory needs at least one turn")
+    read = [_read(sample, i) for i, sample in enumerate(samples)]
+    _validate(read[0])  # the prompt is what precedes its response
+    prompt = read[0].tokens[: len(read[0].tokens) - read[0].response_length]
+    turns: list[Turn] = []
+    acc = read[0]
+    for b in read[1:]:
+        if acc.status != "completed":
+            break
+        if _gap(acc, b):  # the gap turn goes too, so the broker records the gap; acc's forced tokens would be cut
+            turns.append(_turn(acc, None, vocab_size))
+            acc = b
+            break
+        turns.append(_turn(acc, _observation(acc, b), vocab_size))
+        acc = b
+    turns.append(_turn(acc, None, vocab_size))
+    return MilesTurns(prompt, turns, dropped=len(read) - acc.index - 1)

@@ -1,0 +1,67 @@
+"""The `synthetic` source: agentic multi-turn rollouts for load and demos.
+
+Each turn's tokens are drawn by the real top-k/top-p/min-p sampler over
+Zipf-like logits, so supports have the sizes real truncation gives; tool
+output between turns is forced tokens; `group_size` samples share a prompt;
+with `abort_rate`, a later turn is sometimes `aborted` without its supports,
+as an engine abort returns, which the broker records as a replay gap.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from .client import AsyncProducer, AsyncTrajectory
+from .sampler import SamplingParams, ZipfLogits, sample
+from .settings import ProducerSettings
+from .source import ABORTED, ENDED, STOPPING, Job, drive, jobs, retrieve, run_id
+
+
+def around(rng: np.random.Generator, mean: int) -> int:
+    """A length uniform in [mean/2, 3*mean/2], at least 1."""
+    return max(1, int(rng.integers(mean - mean // 2, mean + mean // 2 + 1)))
+
+
+class SyntheticSource:
+    def __init__(self, settings: ProducerSettings, producer_id: str):
+        self.settings = settings
+        self.rng = np.random.default_rng(settings.seed)
+        self.logits = ZipfLogits(settings.vocab_size, self.rng)
+        self.params = SamplingParams(settings.temperature, settings.top_k, settings.top_p, settings.min_p)
+        self.run_id = run_id(producer_id)
+
+    def prompts(self):
+        s = self.settings
+        while True:
+            yield self.rng.integers(0, s.vocab_size, size=around(self.rng, s.prompt_tokens), dtype=np.int32), None
+
+    def turn(self, tokens: int):
+        """One engine call: `tokens` positions sampled from synthetic logits."""
+        logits, ids = self.logits(tokens)
+        return sample(logits, self.params, self.rng, ids)
+
+    async def episode(self, traj: AsyncTrajectory, job: Job, stopping: asyncio.Event) -> str:
+        s = self.settings
+        for index in range(s.turns):
+            if stopping.is_set():
+                retrieve(await traj.abort(STOPPING))
+                return ABORTED
+            drawn = self.turn(around(self.rng, s.response_tokens))
+            aborted = index > 0 and self.rng.random() < s.abort_rate
+            last = aborted or index == s.turns - 1
+            forced = None if last else self.rng.integers(0, s.vocab_size, size=around(self.rng, s.tool_tokens),
+                                                         dtype=np.int32)
+            retrieve(await traj.turn(drawn.tokens, drawn.log_probs, mask=None if aborted else drawn.mask,
+                                     forced_tokens=forced, status="aborted" if aborted else "completed"))
+            await asyncio.sleep(0)  # let replies and other episodes in between turns
+            if aborted:
+                break
+        retrieve(await traj.end(float(self.rng.random())))
+        return ENDED
+
+    async def run(self, producer: AsyncProducer, stopping: asyncio.Event) -> None:
+        s = self.settings
+        await drive(producer, jobs(self.prompts(), self.run_id, s.group_size, s.trajectories), self.episode,
+                    concurrency=s.concurrency, rate=s.rate, stopping=stopping)
+

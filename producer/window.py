@@ -1,0 +1,295 @@
+"""The producer's resend window and heartbeat (PROTOCOL.md §3), sans-I/O.
+
+Plain synchronous objects: no sockets, no clocks, no files. The caller
+passes the current time in, transmits what `ready()` hands it, and feeds
+every decoded broker reply back. The window then decides what is settled,
+what must go out again and in which order, so reconnects, reply timeouts,
+lost, duplicate and reordered replies are all testable without a broker.
+
+Ordering rules, on top of "keep every frame until acked or nacked":
+- frames go out, and out again, in `seq` order;
+- turns of one trajectory may be pipelined, but an `end` or `abort` waits
+  until every earlier frame of its trajectory is settled, and nothing of that
+  trajectory goes out until the `end`/`abort` is settled. Otherwise a turn
+  lost on a dying connection could be overtaken by the `end` (the broker would
+  end the trajectory short) or, resent, restart a trajectory an `abort`
+  discarded.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any
+
+from rollstream.common.codec import decode_header
+
+from .errors import Refused
+
+TURN, END, ABORT = "turn", "end", "abort"
+KINDS = (TURN, END, ABORT)
+
+
+@dataclass(eq=False)
+class Outgoing:
+    """One frame the producer keeps until the broker settles it: the encoded
+    wire frames plus the header fields the window orders and matches by."""
+
+    seq: int
+    kind: str
+    trajectory_id: str
+    frames: list
+    turn: int | None = None
+    # bookkeeping of the window
+    attempts: int = 0  # transmissions so far
+    sent_at: float | None = None  # time of the last transmission
+    unsent: bool = True  # must (re)transmit
+    not_before: float = 0.0  # earliest retransmission after `unavailable`
+
+    @classmethod
+    def from_frames(cls, frames: list) -> "Outgoing":
+        """Read seq, kind, trajectory and turn from an encoded message's header."""
+        header = decode_header(frames[0])
+        kind = header.get("type")
+        if kind not in KINDS:
+            raise ValueError(f"the resend window holds {KINDS} messages, got type {kind!r}")
+        return cls(header["seq"], kind, header["trajectory_id"], list(frames), header.get("turn"))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(frame).nbytes for frame in self.frames)
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """The broker's durable `ack` of one frame. `applied: false` with a
+    `reason` (`after_terminal`, `replay_gap`, `unknown_trajectory`) is an
+    outcome to report, not an error."""
+
+    kind: str
+    trajectory_id: str
+    turn: int | None
+    seq: int
+    applied: bool
+    duplicate: bool = False
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A frame leaves the window: its receipt, or the refusal to raise."""
+
+    item: Outgoing
+    outcome: Receipt | Refused
+
+
+class WindowFull(RuntimeError):
+    pass
+
+
+class ResendWindow:
+    """At most `limit` unsettled frames, kept until the broker settles them."""
+
+    def __init__(self, limit: int, *, reply_timeout: float, retry_delay: float = 0.5):
+        if limit < 1:
+            raise ValueError(f"window must be at least 1 frame, got {limit}")
+        if reply_timeout <= 0 or retry_delay < 0:
+            raise ValueError(f"reply_timeout must be > 0 and retry_delay >= 0, got {reply_timeout} and {retry_delay}")
+        self.limit = limit
+        self.reply_timeout = reply_timeout
+        self.retry_delay = retry_delay
+        self._items: dict[int, Outgoing] = {}  # by seq, in seq order
+        self._unsent: list[int] = []  # sorted seqs waiting for (re)transmission
+        self._trajectories: dict[str, list[int]] = {}  # unsettled seqs of each trajectory, in order
+        self._last_seq: int | None = None
+        self.resends = 0  # retransmissions
+        self.ignored = 0  # replies that matched nothing this window sent
+
+    # -- state ----------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, seq: int) -> bool:
+        return seq in self._items
+
+    @property
+    def full(self) -> bool:
+        return len(self._items) >= self.limit
+
+    @property
+    def in_flight(self) -> int:
+        """Frames transmitted and not settled (not counting those due again)."""
+        return len(self._items) - len(self._unsent)
+
+    def items(self) -> list[Outgoing]:
+        return list(self._items.values())
+
+    # -- input ----------------------------------------------------------------
+    def push(self, item: Outgoing) -> None:
+        """Hold a new frame; seqs must increase. Raises `WindowFull`."""
+        if self.full:
+            raise WindowFull(f"window is full: {len(self._items)} of {self.limit} frames unsettled")
+        if self._last_seq is not None and item.seq <= self._last_seq:
+            raise ValueError(f"seq must increase: got {item.seq} after {self._last_seq}")
+        if item.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {item.kind!r}")
+        self._last_seq = item.seq
+        item.attempts, item.sent_at, item.unsent, item.not_before = 0, None, True, 0.0
+        self._items[item.seq] = item
+        self._unsent.append(item.seq)
+        self._trajectories.setdefault(item.trajectory_id, []).append(item.seq)
+
+    def ready(self, now: float) -> list[Outgoing]:
+        """Frames to transmit now, in the order to transmit them. Call `sent`
+        for each one actually transmitted, in this order, and stop at the
+        first that cannot be (later ones may depend on it)."""
+        out: list[Outgoing] = []
+        planned: set[int] = set()
+        for seq in self._unsent:
+            item = self._items[seq]
+            if item.not_before <= now and self._may_go(item, planned):
+                out.append(item)
+                planned.add(seq)
+        return out
+
+    def _may_go(self, item: Outgoing, planned: set[int]) -> bool:
+        """Turns pipeline behind turns already (or about to be) transmitted;
+        an `end`/`abort`, and anything after one, waits for settlement."""
+        for seq in self._trajectories[item.trajectory_id]:
+            if seq == item.seq:
+                return True
+            earlier = self._items[seq]
+            if item.kind != TURN or earlier.kind != TURN:
+                return False
+            if earlier.unsent and seq not in planned:
+                return False
+        raise AssertionError(f"seq {item.seq} is missing from its trajectory's list")
+
+    def sent(self, seq: int, now: float) -> None:
+        """`seq` was handed to the socket at `now`."""
+        item = self._items[seq]
+        if not item.unsent:
+            raise ValueError(f"seq {seq} is not waiting to be sent")
+        self._drop_unsent(seq)
+        item.unsent = False
+        item.sent_at = now
+        item.attempts += 1
+        if item.attempts > 1:
+            self.resends += 1
+
+    def on_reply(self, reply: Any, now: float) -> Settled | None:
+        """Apply a decoded `ack` or `nack` (a `Message`). Returns the settled
+        frame, or None when nothing settled: a reply to a seq this window did
+        not send (unknown, already settled, never transmitted, another
+        trajectory), or a transient refusal after which the frame goes again."""
+        seq = reply.get("seq")
+        item = self._items.get(seq) if type(seq) is int else None
+        if item is None or item.attempts == 0 or reply.get("trajectory_id", item.trajectory_id) != item.trajectory_id:
+            self.ignored += 1
+            return None
+        if reply.type == "ack":
+            receipt = Receipt(item.kind, item.trajectory_id, item.turn, seq, reply["applied"],
+                              reply.get("duplicate", False), reply.get("reason"))
+            return self._settle(item, receipt)
+        if reply.type != "nack":
+            raise ValueError(f"the window takes ack and nack replies, got {reply.type!r}")
+        code = reply["code"]
+        if code == "unavailable":  # the broker cannot persist now: same frame, later
+            item.not_before = now + self.retry_delay
+            self._mark_unsent(item)
+            return None
+        if code == "out_of_order" and self._retry_out_of_order(item):
+            return None
+        refused = Refused(code, reply["message"], kind=item.kind, trajectory_id=item.trajectory_id, turn=item.turn,
+                          seq=seq, expected=reply.get("expected"))
+        return self._settle(item, refused)
+
+    def _retry_out_of_order(self, item: Outgoing) -> bool:
+        """An earlier frame of the trajectory is still unsettled, so it was
+        lost on the way (the broker never saw it): send it and this one again,
+        in order. With no earlier frame pending the refusal stands."""
+        earlier = [self._items[seq] for seq in self._trajectories[item.trajectory_id] if seq < item.seq]
+        if not earlier:
+            return False
+        for frame in (*earlier, item):
+            self._mark_unsent(frame)
+        return True
+
+    def reconnected(self) -> int:
+        """The connection was re-established: whatever it carried may be lost,
+        so every transmitted, unsettled frame goes again (in seq order)."""
+        return self._resend_all()
+
+    def expire(self, now: float) -> int:
+        """If any reply is overdue by `reply_timeout`, resend every
+        transmitted, unsettled frame in order. Returns how many go again."""
+        overdue = any(not item.unsent and item.sent_at + self.reply_timeout <= now for item in self._items.values())
+        return self._resend_all() if overdue else 0
+
+    def set_limit(self, limit: int) -> None:
+        """A smaller window only stops new pushes; nothing held is dropped."""
+        if limit < 1:
+            raise ValueError(f"window must be at least 1 frame, got {limit}")
+        self.limit = limit
+
+    # -- internals ------------------------------------------------------------
+    def _resend_all(self) -> int:
+        count = 0
+        for item in self._items.values():
+            if not item.unsent:
+                self._mark_unsent(item)
+                count += 1
+        return count
+
+    def _mark_unsent(self, item: Outgoing) -> None:
+        if not item.unsent:
+            item.unsent = True
+            bisect.insort(self._unsent, item.seq)
+
+    def _drop_unsent(self, seq: int) -> None:
+        index = bisect.bisect_left(self._unsent, seq)
+        if index < len(self._unsent) and self._unsent[index] == seq:
+            del self._unsent[index]
+
+    def _settle(self, item: Outgoing, outcome: Receipt | Refused) -> Settled:
+        del self._items[item.seq]
+        if item.unsent:
+            self._drop_unsent(item.seq)
+        seqs = self._trajectories[item.trajectory_id]
+        seqs.remove(item.seq)
+        if not seqs:
+            del self._trajectories[item.trajectory_id]
+        return Settled(item, outcome)
+
+
+class Heartbeat:
+    """Application-level liveness: ping every `interval`; the broker counts
+    as lost when nothing at all was heard from it for `timeout` (any reply
+    counts, not only pongs). It is presumed alive at start."""
+
+    def __init__(self, interval: float, timeout: float, now: float):
+        if interval <= 0 or timeout <= interval:
+            raise ValueError(f"need 0 < heartbeat interval < timeout, got {interval} and {timeout}")
+        self.interval = interval
+        self.timeout = timeout
+        self.last_heard = now
+        self.next_ping = now
+        self.alive = True
+
+    def heard(self, now: float) -> bool:
+        """Something arrived from the broker. True when it was lost until now."""
+        self.last_heard = now
+        back, self.alive = not self.alive, True
+        return back
+
+    def ping_due(self, now: float) -> bool:
+        return now >= self.next_ping
+
+    def pinged(self, now: float) -> None:
+        self.next_ping = now + self.interval
+
+    def lost(self, now: float) -> bool:
+        """True once, when the broker has been silent for `timeout`."""
+        if self.alive and now - self.last_heard >= self.timeout:
+            self.alive = False
+            return True
+        return False

@@ -1,0 +1,141 @@
+"""miles per-turn samples (each carrying the full token list) as turns:
+forced tokens from the prefix relation, miles' merge stop rules and error
+conditions. Expected values are written out by hand."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from rollstream.common import SamplingMask, Trajectory
+from rollstream.common.miles import FIELDS_WITH_MASK, decode_session_samples, encode_session_samples
+from rollstream.producer.miles_samples import MilesMergeError, turns_from_miles_samples
+
+PROMPT = [1, 2, 3]
+R0, S0 = [10, 11], [[10, 4], [11]]
+OBS0 = [20, 21]
+R1, S1 = [30], [[30, 7, 8]]
+OBS1 = [40]
+R2, S2 = [50, 51], [[50], [51, 9]]
+
+
+def sample(tokens, response, supports, status="completed", **overrides):
+    base = {
+        "tokens": np.array(tokens, np.int64),
+        "response": "",
+        "response_length": len(response),
+        "loss_mask": np.ones(len(response), np.uint8),
+        "rollout_log_probs": np.full(len(response), -0.5),
+        "rollout_sampling_mask": None if supports is None else SamplingMask.from_supports(supports),
+        "rollout_routed_experts": None,
+        "rollout_indexer_topk": None,
+        "status": status,
+        "weight_versions": [{"engine": "e0", "version": 7}],
+        "spec_info": {},
+        "prefix_cache_info": {},
+        "metadata": {},
+    }
+    base.update(overrides)
+    return base
+
+
+def three_turns(per_turn=None):
+    per_turn = per_turn or {}
+    t0 = PROMPT + R0
+    t1 = t0 + OBS0 + R1
+    t2 = t1 + OBS1 + R2
+    return [sample(t0, R0, S0, **per_turn.get(0, {})), sample(t1, R1, S1, **per_turn.get(1, {})),
+            sample(t2, R2, S2, **per_turn.get(2, {}))]
+
+
+def test_forced_tokens_are_the_observation_between_full_token_lists():
+    out = turns_from_miles_samples(three_turns())
+    assert out.prompt_tokens.tolist() == PROMPT and out.dropped == 0
+    assert [t.tokens.tolist() for t in out.turns] == [R0, R1, R2]
+    assert [t.forced_tokens.tolist() for t in out.turns] == [OBS0, OBS1, []]
+    assert [t.mask.ids.tolist() for t in out.turns] == [[10, 4, 11], [30, 7, 8], [50, 51, 9]]
+    assert [t.weight_version for t in out.turns] == ["7", "7", "7"]
+    assert out.turns[0].log_probs.tolist() == [-0.5, -0.5]
+
+
+def test_merged_result_equals_miles_merge():
+    """Merged the rollstream way, the turns give what miles' merge_samples
+    gives for these samples: tokens = the last sample's tokens, loss 0 and
+    singleton supports over observations."""
+    out = turns_from_miles_samples(three_turns())
+    traj = Trajectory("t", out.prompt_tokens)
+    for turn in out.turns:
+        assert traj.append_turn(turn).applied
+    assert (PROMPT + traj.tokens.tolist()) == PROMPT + R0 + OBS0 + R1 + OBS1 + R2
+    assert traj.loss_mask.tolist() == [1, 1, 0, 0, 1, 0, 1, 1]
+    assert traj.mask.ids.tolist() == [10, 4, 11, 20, 21, 30, 7, 8, 40, 50, 51, 9]
+    assert traj.mask.offsets.tolist() == [0, 2, 3, 4, 5, 8, 9, 10, 12]
+    assert traj.log_probs.tolist() == [-0.5, -0.5, 0.0, 0.0, -0.5, 0.0, -0.5, -0.5]
+
+
+def test_objects_enums_and_miles_masks_are_accepted():
+    status = SimpleNamespace(value="completed")  # miles' Sample.Status.COMPLETED
+    samples = [SimpleNamespace(**s) for s in three_turns()]
+    for s, supports in zip(samples, (S0, S1, S2)):
+        mask = SamplingMask.from_supports(supports)
+        s.rollout_sampling_mask = SimpleNamespace(_ids=mask.ids.copy(), _offsets=mask.offsets.copy())
+        s.status = status
+    samples[2].rollout_sampling_mask = S2  # a list of supports works too
+    out = turns_from_miles_samples(samples)
+    assert [t.forced_tokens.tolist() for t in out.turns] == [OBS0, OBS1, []]
+    assert out.turns[2].mask.offsets.tolist() == [0, 1, 3]
+
+
+def test_the_merge_stops_after_a_turn_that_did_not_complete():
+    out = turns_from_miles_samples(three_turns({1: {"status": "truncated"}}))
+    assert [t.status for t in out.turns] == ["completed", "truncated"]
+    assert [t.forced_tokens.tolist() for t in out.turns] == [OBS0, []]
+    assert out.dropped == 1
+
+
+def test_a_replay_gap_turn_is_sent_and_the_rest_dropped():
+    """The gap turn goes (the broker records the gap); the turn before it
+    carries no forced tokens (a gap would cut them anyway)."""
+    out = turns_from_miles_samples(three_turns({1: {"rollout_sampling_mask": None, "status": "aborted"}}))
+    assert [t.mask is not None for t in out.turns] == [True, False]
+    assert [t.forced_tokens.tolist() for t in out.turns] == [[], []]
+    assert out.dropped == 1
+    traj = Trajectory("t", out.prompt_tokens)
+    assert [traj.append_turn(t).reason for t in out.turns] == [None, "replay_gap"]
+    assert traj.tokens.tolist() == R0 and traj.gap.turn == 1
+
+
+def test_a_single_sample_is_one_turn():
+    out = turns_from_miles_samples([sample(PROMPT + R0, R0, S0, rollout_log_probs=None)])
+    assert out.prompt_tokens.tolist() == PROMPT and len(out.turns) == 1
+    assert out.turns[0].log_probs.tolist() == [0.0, 0.0]  # miles fills missing log-probs with 0.0
+
+
+@pytest.mark.parametrize("samples, match", [
+    ([sample(PROMPT + R0, R0, S0), sample([1, 2, 9, 10, 11] + OBS0 + R1, R1, S1)],
+     r"samples 0 -> 1: rule 'b.tokens must start with a.tokens' violated: .* first difference at position 2"),
+    ([sample(PROMPT + R0, R0, S0), sample(PROMPT + R0 + R1, R1, S1)],
+     r"rule 'obs_len > 0' violated: expected a non-empty observation between the turns, got obs_len=0"),
+    ([sample(PROMPT + R0, R0, None), sample(PROMPT + R0 + OBS0 + R1, R1, S1)],
+     r"rule 'both turns carry a complete rollout sampling mask' violated: expected a mask on sample 0 too"),
+    ([sample(PROMPT + R0, R0, S0), sample(PROMPT + R0 + OBS0 + R1, R1, S1, loss_mask=np.ones(3, np.uint8))],
+     r"sample 1: rule 'len\(loss_mask\) == response_length' violated: expected 1, got 3"),
+    ([sample(PROMPT + R0, R0, S0, rollout_indexer_topk=np.zeros((2, 4), np.int32)),
+      sample(PROMPT + R0 + OBS0 + R1, R1, S1, rollout_indexer_topk=np.zeros((7, 4), np.int32))],
+     r"sample 0: rule 'len\(rollout_indexer_topk\) == len\(tokens\) - 1' violated: expected 4, got 2"),
+    ([sample([10], R0, S0)], r"sample 0: rule 'len\(tokens\) >= response_length' violated: expected >= 2, got 1"),
+    ([sample(PROMPT + R0, R0, S0, status="failed")], r"sample 0: status must be one of .* got 'failed'"),
+    ([sample(PROMPT + R0, R0, S0, weight_versions=["1", "2"])],
+     r"rule 'one weight version per engine call' violated: expected 1 entry in weight_versions, got 2"),
+    ([], "no samples"),
+])
+def test_miles_merge_errors(samples, match):
+    with pytest.raises(MilesMergeError, match=match):
+        turns_from_miles_samples(samples)
+
+
+def test_a_session_payload_round_trip_gives_the_same_turns():
+    payload = encode_session_samples(three_turns(), fields=FIELDS_WITH_MASK)
+    decoded = decode_session_samples(payload, fields=FIELDS_WITH_MASK)
+    out = turns_from_miles_samples(decoded.samples, vocab_size=100)
+    assert [t.forced_tokens.tolist() for t in out.turns] == [OBS0, OBS1, []]
+    assert out.turns[1].mask == SamplingMask.from_supports(S1)
