@@ -86,8 +86,9 @@ class Producer(threading.Thread):
             if sock.poll(200):
                 reply = decode(sock.recv_multipart(), BROKER_TO_PRODUCER)
                 last_reply = time.monotonic()
-                if reply.type == "nack" and reply["code"] in ("unavailable", "out_of_order"):
-                    # a frame that overtook earlier ones lost in the crash: keep it; the resend puts it in order
+                if reply.type == "nack" and reply["code"] in ("unavailable", "out_of_order", "unknown_trajectory"):
+                    # a frame (turn or end) that overtook earlier ones lost in the crash: keep it; the
+                    # in-order resend puts it in place
                     continue
                 if reply.type == "nack":
                     self.errors.append(f"{reply.fields}")
