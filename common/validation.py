@@ -192,10 +192,14 @@ def inside_support(tokens, ids, offsets, sizes=None):
 
 def _outside_vocab(values, vocab_size: int | None):
     """Flags of ids outside [0, vocab_size), or None when all are inside
-    (decided with two reductions, so valid data costs no mask array)."""
+    (decided with one or two reductions, so valid data costs no mask array)."""
     if len(values) == 0:
         return None
-    if int(values.min()) >= 0 and (vocab_size is None or int(values.max()) < vocab_size):
+    if isinstance(values, np.ndarray) and values.dtype == np.int32:
+        bound = 2**31 if vocab_size is None else vocab_size  # negative ids read as uint32 are >= 2**31
+        if int(values.view(np.uint32).max()) < bound:
+            return None
+    elif int(values.min()) >= 0 and (vocab_size is None or int(values.max()) < vocab_size):
         return None
     return (values < 0) if vocab_size is None else ((values < 0) | (values >= vocab_size))
 
