@@ -25,7 +25,7 @@ _EXPORTS = {
     "turns_from_miles_samples": "miles_samples",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):

@@ -67,6 +67,8 @@ def producer(log_format: str, **values) -> None:
     from rollstream.common.logs import setup_logging
 
     from .daemon import check, run
+    from .replay import ReplayError
+    from .spool import SpoolError
 
     settings = settings_from(ProducerSettings, values)
     setup_logging(settings.log_level, log_format)
@@ -74,4 +76,7 @@ def producer(log_format: str, **values) -> None:
         check(settings)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-    asyncio.run(run(settings))
+    try:
+        asyncio.run(run(settings))
+    except (ReplayError, SpoolError) as exc:
+        raise click.ClickException(str(exc)) from None

@@ -37,7 +37,7 @@ from rollstream.common.wire import encode_turn
 from .errors import ProducerClosed, Refused
 from .metrics import ProducerMetrics
 from .spool import Spool, record_bytes
-from .window import Heartbeat, Outgoing, Receipt, ResendWindow, Settled
+from .window import Heartbeat, Outgoing, ResendWindow, Settled
 
 log = logging.getLogger("rollstream.producer")
 
@@ -100,8 +100,7 @@ class AsyncProducer:
         self.metrics = ProducerMetrics()
         self._window_limit = window
         self._window = ResendWindow(window, reply_timeout=reply_timeout, retry_delay=retry_delay)
-        self._heartbeat_options = (heartbeat_interval, heartbeat_timeout)
-        self._heartbeat: Heartbeat | None = None
+        self._heartbeat = Heartbeat(heartbeat_interval, heartbeat_timeout, time.monotonic())
         self._spool_options = (spool_dir, spool_bytes, spool_fsync)
         self._spool: Spool | None = None
         self._hwm = high_water_mark
@@ -114,6 +113,7 @@ class AsyncProducer:
         self._sock = self._monitor = None
         self._closing = False
         self._started = False
+        self._failure: BaseException | None = None  # why the I/O loop died, if it did
 
     # -- life cycle -------------------------------------------------------------
     async def start(self) -> "AsyncProducer":
@@ -129,14 +129,16 @@ class AsyncProducer:
                 log.info("resending spooled frames", extra={"producer_id": self.producer_id,
                                                             "frames": self._spool.backlog, "spool_dir": spool_dir})
         self._changed = asyncio.Event()
-        self._heartbeat = Heartbeat(*self._heartbeat_options, now)
+        self._heartbeat.heard(now)  # presumed alive from the start
         sock = tune(self._context.socket(zmq.DEALER), high_water_mark=self._hwm,
-                    heartbeat_interval=self._heartbeat_options[0], linger_ms=0)
+                    heartbeat_interval=self._heartbeat.interval, linger_ms=0)
         self._monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         sock.connect(self.endpoint)
         self._sock = sock
         self._send_now([*encode(PRODUCER_TO_BROKER, "hello", {"producer_id": self.producer_id})])
         self._tasks = [asyncio.create_task(coro) for coro in (self._receive(), self._watch(), self._tick())]
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
         self._started = True
         self.metrics.broker_up.set(1)
         self._pump()
@@ -170,8 +172,19 @@ class AsyncProducer:
 
     async def _until(self, condition) -> None:
         while not condition():
+            if self._failure is not None:
+                raise ProducerClosed(f"producer {self.producer_id!r} stopped working: {self._failure!r}") from self._failure
             self._changed.clear()
             await self._changed.wait()
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        """A background task ended by an error: nothing would ever settle
+        again, so fail the waiters instead of hanging them."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self._failure = task.exception()
+        log.error("producer I/O loop failed", exc_info=self._failure)
+        self._changed.set()
 
     async def close(self, timeout: float | None = 10.0) -> int:
         """Stop accepting frames, wait up to `timeout` for the rest to settle,
@@ -181,7 +194,10 @@ class AsyncProducer:
             return 0
         self._closing = True
         self._changed.set()
-        await self.flush(timeout)
+        try:
+            await self.flush(timeout)
+        except ProducerClosed:  # the I/O loop failed: nothing more will settle
+            pass
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -268,7 +284,7 @@ class AsyncProducer:
         now = time.monotonic()
         spool = self._spool
         while spool is not None and spool.backlog and not self._window.full:
-            seq, frames = spool.next_backlog()
+            _, frames = spool.next_backlog()
             self._window.push(Outgoing.from_frames(frames))
         for item in self._window.ready(now):
             if not self._send_now(item.frames):
@@ -481,7 +497,11 @@ class Producer:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"rollstream-producer-{producer_id}",
                                         daemon=True)
         self._thread.start()
-        self._async: AsyncProducer = self._run(self._make(endpoint, producer_id, options))
+        try:
+            self._async: AsyncProducer = self._run(self._make(endpoint, producer_id, options))
+        except BaseException:
+            self._stop_loop()
+            raise
 
     @staticmethod
     async def _make(endpoint, producer_id, options) -> AsyncProducer:
@@ -520,10 +540,13 @@ class Producer:
         if self._loop.is_closed():
             return 0
         left = self._run(self._async.close(timeout))
+        self._stop_loop()
+        return left
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
-        return left
 
     def __enter__(self) -> "Producer":
         return self

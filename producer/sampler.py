@@ -58,15 +58,19 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
         candidate_ids = np.broadcast_to(np.arange(width, dtype=np.int32), (n, width))
     elif candidate_ids.shape != logits.shape:
         raise ValueError(f"candidate_ids must match logits' shape {logits.shape}, got {candidate_ids.shape}")
-    order = np.argsort(-logits, axis=1, kind="stable")
-    scaled = np.take_along_axis(logits, order, axis=1) / params.temperature
-    probs = np.exp(scaled - scaled[:, :1])
-    probs /= probs.sum(axis=1, keepdims=True)
+    scaled = logits / params.temperature
+    weights = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    total_weight = weights.sum(axis=1, keepdims=True)
+    if 0 < params.top_k < width:  # only the top_k can survive: partition, then sort just those
+        top = np.argpartition(-scaled, params.top_k - 1, axis=1)[:, : params.top_k]
+        order = np.take_along_axis(top, np.argsort(-np.take_along_axis(scaled, top, axis=1), axis=1, kind="stable"),
+                                   axis=1)
+    else:
+        order = np.argsort(-scaled, axis=1, kind="stable")
+    probs = np.take_along_axis(weights, order, axis=1) / total_weight
     keep = np.ones(probs.shape, dtype=bool)
     if params.top_p < 1:  # 1 disables it, as in engines (rounding could otherwise cut the tail)
         keep &= np.cumsum(probs, axis=1) - probs <= params.top_p
-    if params.top_k > 0:
-        keep[:, params.top_k:] = False
     if params.min_p > 0:
         keep &= probs >= params.min_p * probs[:, :1]
     sizes = keep.sum(axis=1)
@@ -87,19 +91,21 @@ class ZipfLogits:
     sharpness `s` varies per position, so confident positions (support 1)
     mix with uncertain ones as in a language model's output."""
 
-    def __init__(self, vocab_size: int, rng: np.random.Generator, *, candidates: int = 256):
+    def __init__(self, vocab_size: int, rng: np.random.Generator, *, candidates: int = 128):
         if not 1 <= candidates <= vocab_size:
             raise ValueError(f"candidates must be in [1, vocab_size={vocab_size}], got {candidates}")
         self.vocab_size = vocab_size
         self.candidates = candidates
         self.rng = rng
-        self._permutation = rng.permutation(vocab_size).astype(np.int32)
+        permutation = rng.permutation(vocab_size).astype(np.int32)
+        # row s is the `candidates` ids that follow position s of a fixed permutation (wrapping around)
+        self._windows = np.lib.stride_tricks.sliding_window_view(np.concatenate([permutation, permutation[:candidates]]),
+                                                                 candidates)
         self._log_rank = np.log(np.arange(1, candidates + 1, dtype=np.float64))
 
     def __call__(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """`(logits [n, C], candidate_ids [n, C])` for `n` positions."""
         sharpness = 0.8 + self.rng.gamma(2.0, 0.8, size=(n, 1))
-        logits = -sharpness * self._log_rank + self.rng.normal(0.0, 0.3, size=(n, self.candidates))
-        start = self.rng.integers(0, self.vocab_size, size=(n, 1))
-        ids = self._permutation[(start + np.arange(self.candidates)) % self.vocab_size]
-        return logits, ids
+        noise = self.rng.standard_normal(size=(n, self.candidates), dtype=np.float32)
+        logits = -sharpness * self._log_rank + 0.3 * noise
+        return logits, self._windows[self.rng.integers(0, self.vocab_size, size=n)]

@@ -5,13 +5,14 @@ Multi-turn comes from a small built-in tool environment (`EchoTool`): after
 each completed turn but the last, the tool answers with an observation that
 becomes the turn's forced tokens and is appended to the context of the next
 request. A turn that is not `completed` ends the episode. Requests go out on
-worker threads (stdlib `urllib`), `concurrency` episodes at a time.
+daemon threads (stdlib `urllib`), `concurrency` episodes at a time.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any, Mapping
@@ -45,6 +46,34 @@ class EchoTool:
     @staticmethod
     def reward(last_status: str) -> float:
         return 1.0 if last_status == "completed" else 0.0
+
+
+async def in_daemon_thread(fn, *args):
+    """`fn(*args)` on a daemon thread: a request still in flight at shutdown
+    must not hold the process (the default executor's threads are joined)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error):
+        if future.done():  # the episode was cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def work():
+        try:
+            result, error = fn(*args), None
+        except Exception as exc:  # handed to the awaiting coroutine
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is gone: nobody is waiting any more
+            pass
+
+    threading.Thread(target=work, name="rollstream-sglang-request", daemon=True).start()
+    return await future
 
 
 def output_ids(response: Mapping[str, Any]) -> list[int]:
@@ -105,7 +134,7 @@ class SGLangSource:
                 retrieve(await traj.abort(STOPPING))
                 return ABORTED
             try:
-                response = await asyncio.to_thread(self.generate, context)
+                response = await in_daemon_thread(self.generate, context)
                 ids, meta_info = output_ids(response), response["meta_info"]
                 status = status_from_finish_reason(meta_info)
                 last = status != "completed" or index == self.settings.turns - 1

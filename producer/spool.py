@@ -51,7 +51,10 @@ def record_bytes(frames: list) -> int:
 
 
 def default_segment_bytes(max_bytes: int) -> int:
-    return max(64 << 10, min(64 << 20, max_bytes // 16))
+    """A sixteenth of the budget (at most 64 MiB): space is freed a segment at
+    a time, so segments must be well below the budget or a full spool could
+    never free any."""
+    return max(1, min(64 << 20, max_bytes // 16))
 
 
 class Spool:
@@ -65,6 +68,9 @@ class Spool:
         self.producer_id = producer_id
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes or default_segment_bytes(max_bytes)
+        if self.segment_bytes > max_bytes // 2:
+            raise ValueError(f"segment_bytes must be at most half of max_bytes={max_bytes} (space is freed a segment "
+                             f"at a time), got {self.segment_bytes}")
         self.fsync = fsync
         self._segments: dict[int, _Segment] = {}  # by number, oldest first
         self._where: dict[int, int] = {}  # unsettled seq -> segment number

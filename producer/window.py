@@ -54,10 +54,6 @@ class Outgoing:
             raise ValueError(f"the resend window holds {KINDS} messages, got type {kind!r}")
         return cls(header["seq"], kind, header["trajectory_id"], list(frames), header.get("turn"))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(memoryview(frame).nbytes for frame in self.frames)
-
 
 @dataclass(frozen=True)
 class Receipt:

@@ -1,0 +1,649 @@
+"""The producer against a live broker subprocess on ipc:// endpoints:
+merging exactly as SEMANTICS.md says, broker and producer crashes, the
+spool, backpressure, and the daemon's sources. Deliveries are read with a
+raw zmq DEALER; expected trajectories are built here from plain lists."""
+import asyncio
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import zmq
+
+from rollstream.common import SamplingMask
+from rollstream.common.codec import decode, encode
+from rollstream.common.messages import ADMIN_REPLIES, ADMIN_REQUESTS, BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
+from rollstream.common.miles import FIELDS_WITH_MASK, encode_session_samples
+from rollstream.common.wire import trajectory_from_deliver
+from rollstream.producer import AsyncProducer, Producer, Receipt, Refused
+
+PATIENCE = 90.0  # seconds before a wait gives up (only ever reached when something hangs)
+
+
+# -- a broker subprocess and a raw consumer --------------------------------------------
+class Broker:
+    def __init__(self, root, *extra):
+        self.root = root
+        self.endpoints = {name: f"ipc://{root}/{name}.sock" for name in ("producer", "consumer", "admin")}
+        self.extra = extra
+        self.process = None
+
+    def start(self):
+        args = [sys.executable, "-m", "rollstream.common.cli", "broker",
+                "--producer-endpoint", self.endpoints["producer"], "--consumer-endpoint", self.endpoints["consumer"],
+                "--admin-endpoint", self.endpoints["admin"], "--data-dir", f"{self.root}/data", "--metrics-port", "0",
+                "--log-level", "warning", *self.extra]
+        with open(f"{self.root}/broker.log", "ab") as log:  # the child keeps its own copy of the descriptor
+            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log)
+        self.status()  # wait until it answers
+        return self
+
+    def signal(self, signum):
+        self.process.send_signal(signum)
+        if signum in (signal.SIGKILL, signal.SIGTERM):
+            self.process.wait(timeout=PATIENCE)
+
+    def status(self):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoints["admin"])
+        try:
+            deadline = time.monotonic() + PATIENCE
+            while time.monotonic() < deadline:
+                sock.send_multipart(encode(ADMIN_REQUESTS, "status", {"seq": 1}))
+                if sock.poll(1000):
+                    return decode(sock.recv_multipart(), ADMIN_REPLIES).fields
+            raise AssertionError("the broker never answered status")
+        finally:
+            sock.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+
+
+def drain(broker, count, *, settle=0.5):
+    """Read deliveries until `count` distinct trajectories arrived, then a
+    little longer to catch duplicates; ack them all. Returns (trajectories by
+    id, number of deliveries)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(broker.endpoints["consumer"])
+    sock.send_multipart(encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "test-consumer"}))
+    sock.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": count + 100, "unit": "trajectory"}))
+    got, deliveries = {}, 0
+    deadline = time.monotonic() + PATIENCE
+    quiet_until = None
+    try:
+        while time.monotonic() < deadline and (quiet_until is None or time.monotonic() < quiet_until):
+            sock.send_multipart(encode(CONSUMER_TO_BROKER, "heartbeat", {}))
+            if not sock.poll(200):
+                continue
+            message = decode(sock.recv_multipart(), BROKER_TO_CONSUMER)
+            if message.type != "deliver":
+                continue
+            deliveries += 1
+            trajectory = trajectory_from_deliver(message)
+            got[trajectory.trajectory_id] = trajectory
+            sock.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [message["lease"]]}))
+            if len(got) >= count and quiet_until is None:
+                quiet_until = time.monotonic() + settle
+    finally:
+        sock.close()
+    assert len(got) >= count, f"expected {count} trajectories, {len(got)} arrived"
+    return got, deliveries
+
+
+# -- expected merges, from plain lists (SEMANTICS.md section 4) ----------------------------
+def expected_merge(turns):
+    """turns: dicts with tokens, supports, log_probs, forced. Returns the
+    merged response, loss mask, log-probs and CSR mask as lists."""
+    tokens, loss, log_probs, ids, offsets = [], [], [], [], [0]
+    for turn in turns:
+        for token, support, lp in zip(turn["tokens"], turn["supports"], turn["log_probs"]):
+            tokens.append(token)
+            loss.append(1)
+            log_probs.append(float(np.float32(lp)))
+            ids.extend(support)
+            offsets.append(len(ids))
+        for token in turn.get("forced", []):
+            tokens.append(token)
+            loss.append(0)
+            log_probs.append(0.0)
+            ids.append(token)
+            offsets.append(len(ids))
+    return {"tokens": tokens, "loss_mask": loss, "log_probs": log_probs, "mask_ids": ids, "mask_offsets": offsets}
+
+
+def as_lists(trajectory):
+    return {"tokens": trajectory.tokens.tolist(), "loss_mask": trajectory.loss_mask.tolist(),
+            "log_probs": trajectory.log_probs.tolist(), "mask_ids": trajectory.mask.ids.tolist(),
+            "mask_offsets": trajectory.mask.offsets.tolist()}
+
+
+def plan(index, turns=3):
+    """A deterministic trajectory: prompt and turns derived from `index`."""
+    base = 1000 + 100 * index
+    return {
+        "prompt": [base, base + 1, base + 2],
+        "turns": [{"tokens": [base + 10 * t, base + 10 * t + 1], "supports": [[base + 10 * t, 7], [base + 10 * t + 1]],
+                   "log_probs": [-0.25 * (t + 1), -0.5], "forced": [] if t == turns - 1 else [base + 10 * t + 5]}
+                  for t in range(turns)],
+        "reward": float(index),
+    }
+
+
+async def send_plan(producer, tid, p, **identity):
+    traj = producer.trajectory(tid, p["prompt"], **identity)
+    futures = [await traj.turn(t["tokens"], t["log_probs"], supports=t["supports"], forced_tokens=t["forced"] or None)
+               for t in p["turns"]]
+    futures.append(await traj.end(p["reward"]))
+    return futures
+
+
+def check_delivered(trajectory, p):
+    assert trajectory.prompt_tokens.tolist() == p["prompt"]
+    assert as_lists(trajectory) == expected_merge(p["turns"])
+    assert trajectory.reward == p["reward"] and trajectory.turns == len(p["turns"])
+
+
+# -- the client against the broker -------------------------------------------------------------
+def test_a_multi_turn_trajectory_arrives_merged_exactly(tmp_path):
+    """SEMANTICS.md worked example 6 plus a third turn, with group fields;
+    then a replay gap and a turn after it are reported, not raised."""
+    async def main(broker):
+        async with AsyncProducer(broker.endpoints["producer"], "p-merge") as producer:
+            traj = producer.trajectory("t-6", [1, 2, 3], group_id="g", group_size=2, sample_index=0,
+                                       metadata={"task": "demo"})
+            receipts = [await f for f in [
+                await traj.turn([10], [-0.5], supports=[[10, 4]], forced_tokens=[20, 21], weight_version="w1"),
+                await traj.turn([30], [-0.25], mask=SamplingMask.from_supports([[30, 7, 8]]), forced_tokens=[40],
+                                weight_version="w2"),
+                await traj.turn([50, 51], [-1.0, -2.0], supports=[[50], [51, 9]], loss_mask=[1, 0]),
+                await traj.end({"score": 1.5}),
+            ]]
+            gap = producer.trajectory("t-7", [1], group_id="g", group_size=2, sample_index=1)
+            outcomes = [await f for f in [
+                await gap.turn([10], [-0.5], supports=[[10, 4]], forced_tokens=[20]),
+                await gap.turn([11], [-0.5], status="aborted"),  # no supports: a replay gap
+                await gap.turn([12], [-0.5], supports=[[12]]),
+                await gap.end(0.0),
+            ]]
+            return receipts, outcomes
+
+    with Broker(tmp_path) as broker:
+        receipts, outcomes = asyncio.run(main(broker))
+        got, deliveries = drain(broker, 2)
+    assert all(r.applied and not r.duplicate for r in receipts)
+    assert [(r.kind, r.turn) for r in receipts] == [("turn", 0), ("turn", 1), ("turn", 2), ("end", None)]
+    assert [(o.applied, o.reason) for o in outcomes] == [(True, None), (False, "replay_gap"), (False, "replay_gap"),
+                                                         (True, None)]
+    merged = got["t-6"]
+    assert merged.tokens.tolist() == [10, 20, 21, 30, 40, 50, 51]
+    assert merged.mask.ids.tolist() == [10, 4, 20, 21, 30, 7, 8, 40, 50, 51, 9]
+    assert merged.mask.offsets.tolist() == [0, 2, 3, 4, 7, 8, 9, 11]
+    assert merged.loss_mask.tolist() == [1, 0, 0, 1, 0, 1, 0]
+    assert merged.log_probs.tolist() == [-0.5, 0.0, 0.0, -0.25, 0.0, -1.0, -2.0]
+    assert merged.weight_versions == ["w1", "w2"] and merged.reward == {"score": 1.5}
+    assert (merged.group_id, merged.group_size, merged.sample_index) == ("g", 2, 0)
+    assert merged.metadata["task"] == "demo"
+    cut = got["t-7"]  # example 7: cut after turn 0's sampled token, its forced token dropped
+    assert cut.tokens.tolist() == [10] and cut.mask.offsets.tolist() == [0, 2]
+    assert (cut.gap.turn, cut.gap.field, cut.status) == (1, "mask", "completed")
+    assert deliveries == 2
+
+
+def test_a_refusal_raises_with_its_code_and_an_end_of_the_unknown_is_refused(tmp_path):
+    async def main(broker):
+        async with AsyncProducer(broker.endpoints["producer"], "p-refuse") as producer:
+            traj = producer.trajectory("t-vocab", [1, 2])
+            bad = await traj.turn([5000], [-0.1], supports=[[5000, 3]])  # the broker knows vocab_size=1000
+            with pytest.raises(Refused) as refused:
+                await bad
+            abort = await (await traj.abort("retry"))
+            return refused.value, abort
+
+    with Broker(tmp_path, "--vocab-size", "1000") as broker:
+        refused, abort = asyncio.run(main(broker))
+    assert (refused.code, refused.trajectory_id, refused.turn, refused.kind) == ("out_of_vocab", "t-vocab", 0, "turn")
+    assert "out_of_vocab" in str(refused) and "1000" in refused.message
+    assert (abort.applied, abort.reason) == (False, "unknown_trajectory")
+
+
+def test_the_blocking_client_has_the_same_vocabulary(tmp_path):
+    with Broker(tmp_path) as broker:
+        with Producer(broker.endpoints["producer"], "p-blocking", window=2) as producer:
+            futures = []
+            for i in range(3):
+                traj = producer.trajectory(f"b-{i}", plan(i)["prompt"])
+                for t in plan(i)["turns"]:
+                    futures.append(traj.turn(t["tokens"], t["log_probs"], supports=t["supports"],
+                                             forced_tokens=t["forced"] or None))
+                futures.append(traj.end(plan(i)["reward"]))
+            receipts = [f.result(timeout=PATIENCE) for f in futures]
+            assert producer.unsettled == 0
+        got, _ = drain(broker, 3)
+    assert all(isinstance(r, Receipt) and r.applied for r in receipts)
+    for i in range(3):
+        check_delivered(got[f"b-{i}"], plan(i))
+
+
+def test_broker_sigkill_and_restart_mid_stream_loses_and_duplicates_nothing(tmp_path):
+    count = 24
+
+    async def main(broker):
+        async with AsyncProducer(broker.endpoints["producer"], "p-crash", window=8, reply_timeout=5.0) as producer:
+            futures, restart = [], None
+            for i in range(count):
+                futures += await send_plan(producer, f"k-{i}", plan(i, turns=4))
+                if i == count // 3:
+                    await asyncio.gather(*futures)  # some are durable for sure, then the broker dies
+                    broker.signal(signal.SIGKILL)
+                    restart = asyncio.create_task(asyncio.to_thread(broker.start))  # while we keep sending
+            outcomes = await asyncio.gather(*futures, return_exceptions=True)
+            await restart
+            return outcomes, producer.metrics.totals
+
+    with Broker(tmp_path) as broker:
+        outcomes, totals = asyncio.run(main(broker))
+        got, deliveries = drain(broker, count)
+    assert not [o for o in outcomes if not isinstance(o, Receipt)]
+    assert all(o.applied for o in outcomes)  # resent frames the broker had already made durable come back applied too
+    assert totals.get("reconnects", 0) >= 1 and totals.get("resends", 0) >= 1
+    assert sorted(got) == sorted(f"k-{i}" for i in range(count)) and deliveries == count
+    for i in range(count):
+        check_delivered(got[f"k-{i}"], plan(i, turns=4))
+
+
+CHILD = r"""
+import asyncio, sys
+from rollstream.producer import AsyncProducer
+
+def plan(index, turns=3):
+    base = 1000 + 100 * index
+    return {"prompt": [base, base + 1, base + 2],
+            "turns": [{"tokens": [base + 10 * t, base + 10 * t + 1], "supports": [[base + 10 * t, 7], [base + 10 * t + 1]],
+                       "log_probs": [-0.25 * (t + 1), -0.5], "forced": [] if t == turns - 1 else [base + 10 * t + 5]}
+                      for t in range(turns)],
+            "reward": float(index)}
+
+async def main(endpoint, spool):
+    async with AsyncProducer(endpoint, "p-spool", window=4, spool_dir=spool, reply_timeout=60.0) as producer:
+        for i in range(10_000):
+            p = plan(i)
+            traj = producer.trajectory(f"s-{i}", p["prompt"])
+            for t in p["turns"]:
+                await traj.turn(t["tokens"], t["log_probs"], supports=t["supports"], forced_tokens=t["forced"] or None)
+            await traj.end(p["reward"])
+            print(f"submitted s-{i}", flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def read_lines(process, until, store):
+    """Collect `submitted` lines from a child until `until(store)` holds."""
+    deadline = time.monotonic() + PATIENCE
+    while not until(store):
+        assert time.monotonic() < deadline, f"child stalled after {len(store)} lines"
+        ready, _, _ = select.select([process.stdout], [], [], 1.0)
+        if ready:
+            line = process.stdout.readline()
+            assert line, "child exited early"
+            store.append(line.split()[1])
+
+
+def test_producer_sigkill_and_restart_resends_its_spool(tmp_path):
+    """The child streams into a live broker, then into a frozen one (frames
+    pile up in its spool, none acked), and is SIGKILLed. A new producer with
+    the same id and spool resends them: every trajectory the child had
+    accepted arrives once, exactly."""
+    spool = tmp_path / "spool"
+    with Broker(tmp_path) as broker:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, broker.endpoints["producer"], str(spool)],
+                                 stdout=subprocess.PIPE, text=True)
+        submitted = []
+        try:
+            read_lines(child, lambda s: len(s) >= 5, submitted)
+            broker.signal(signal.SIGSTOP)
+            read_lines(child, lambda s: len(s) >= 15, submitted)
+        finally:
+            child.kill()
+            child.wait()
+        submitted += [line.split()[1] for line in child.stdout.read().splitlines()]
+        child.stdout.close()
+        assert any(p.suffix == ".seg" and p.stat().st_size for p in spool.iterdir())
+        broker.signal(signal.SIGCONT)
+
+        async def restart():
+            async with AsyncProducer(broker.endpoints["producer"], "p-spool", spool_dir=str(spool)) as producer:
+                assert producer.unsettled > 0
+                assert await producer.flush(PATIENCE)
+                return producer.metrics.totals
+
+        totals = asyncio.run(restart())
+        got, deliveries = drain(broker, len(submitted))
+    assert sum(v for k, v in totals.items() if k.startswith("frames_sent")) > 0
+    assert set(submitted) <= set(got)
+    assert deliveries == len(got)  # nothing delivered twice
+    for tid in submitted:
+        check_delivered(got[tid], plan(int(tid.split("-")[1])))
+    assert not [p for p in spool.iterdir() if p.suffix == ".seg"]  # all settled: a clean close empties it
+
+
+async def fill(producer, prefix, release):
+    """Six one-turn trajectories (12 frames) against a broker that does not
+    answer yet; `release()` lets it answer. Returns the peak of frames held in
+    memory, how many senders were left waiting, how many frames were
+    accepted before the release, and every outcome."""
+    async def sender(i):
+        return await send_plan(producer, f"{prefix}-{i}", plan(i, turns=1))
+
+    tasks = [asyncio.create_task(sender(i)) for i in range(6)]
+    peak = 0
+    for _ in range(25):  # let every sender get as far as it can
+        await asyncio.sleep(0.02)
+        peak = max(peak, producer.held)
+    waiting, accepted = sum(not t.done() for t in tasks), producer.unsettled
+    release()
+    while not all(t.done() for t in tasks):
+        peak = max(peak, producer.held)
+        await asyncio.sleep(0.01)
+    return peak, waiting, accepted, [await f for t in tasks for f in t.result()]
+
+
+def test_a_full_window_blocks_instead_of_growing_memory(tmp_path):
+    """No broker yet: the first `window` frames are accepted, the other
+    senders wait; memory never holds more than the window."""
+    broker = Broker(tmp_path)
+
+    async def main():
+        async with AsyncProducer(broker.endpoints["producer"], "p-full", window=3) as producer:
+            return await fill(producer, "w", broker.start)
+
+    try:
+        peak, waiting, accepted, outcomes = asyncio.run(main())
+    finally:
+        broker.__exit__()
+    assert peak == 3 and accepted == 3 and waiting > 0
+    assert len(outcomes) == 12 and all(o.applied for o in outcomes)
+
+
+def test_with_a_spool_frames_beyond_the_window_go_to_disk_until_its_budget(tmp_path):
+    """A frozen broker: the window (2) fills, further frames are accepted
+    into the spool until its byte budget is used, then senders wait; memory
+    still holds only the window. After the broker thaws, all settle."""
+    async def main(broker):
+        async with AsyncProducer(broker.endpoints["producer"], "p-spool-full", window=2, spool_dir=str(tmp_path / "sp"),
+                                 spool_bytes=1500) as producer:
+            broker.signal(signal.SIGSTOP)
+            return await fill(producer, "d", lambda: broker.signal(signal.SIGCONT))
+
+    with Broker(tmp_path) as broker:
+        peak, waiting, accepted, outcomes = asyncio.run(main(broker))
+    assert peak == 2 and 2 < accepted < 12 and waiting > 0
+    assert len(outcomes) == 12 and all(o.applied for o in outcomes)
+
+
+def test_heartbeats_notice_a_silent_broker_and_its_return(tmp_path):
+    def broker_up(producer):
+        return producer.metrics.registry.get_sample_value("rollstream_producer_broker_up")
+
+    async def wait_until(condition):
+        deadline = time.monotonic() + PATIENCE
+        while not condition():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+
+    async def main(broker):
+        async with AsyncProducer(broker.endpoints["producer"], "p-beat", heartbeat_interval=0.1,
+                                 heartbeat_timeout=0.5) as producer:
+            await wait_until(lambda: broker_up(producer) == 1)
+            broker.signal(signal.SIGSTOP)
+            await wait_until(lambda: broker_up(producer) == 0)
+            broker.signal(signal.SIGCONT)
+            await wait_until(lambda: broker_up(producer) == 1)
+
+    with Broker(tmp_path) as broker:
+        asyncio.run(main(broker))
+
+
+# -- the daemon ---------------------------------------------------------------------------------------
+def daemon(broker, *args, env=None):
+    command = [sys.executable, "-m", "rollstream.common.cli", "producer", "--broker-endpoint",
+               broker.endpoints["producer"], "--metrics-port", "0", *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def finish(process):
+    _, err = process.communicate(timeout=PATIENCE)
+    assert process.returncode == 0, err
+    return err
+
+
+def test_the_synthetic_daemon_streams_sampled_groups_with_config_and_env(tmp_path):
+    config = tmp_path / "producer.toml"
+    config.write_text("[producer]\ntop_k = 8\ntop_p = 0.9\nturns = 3\n")
+    with Broker(tmp_path) as broker:
+        process = daemon(broker, "--config", str(config), "--trajectories", "6", "--group-size", "2",
+                         "--response-tokens", "16", "--tool-tokens", "4", "--prompt-tokens", "8",
+                         "--vocab-size", "5000", "--abort-rate", "0.4", "--seed", "3",
+                         env={"ROLLSTREAM_PRODUCER_WINDOW": "4"})
+        log = finish(process)
+        got, deliveries = drain(broker, 6)
+    assert "window=4" in log and "unsettled=0" in log
+    assert deliveries == 6
+    groups = {}
+    for traj in got.values():
+        groups.setdefault(traj.group_id, []).append(traj.sample_index)
+        assert traj.group_size == 2 and 1 <= traj.turns <= 3
+        assert traj.mask.contains(traj.tokens).all()  # every token lies in its support
+        assert traj.mask.support_sizes.max() <= 8  # top_k from the TOML file
+        assert traj.mask.ids.max() < 5000 and traj.prompt_tokens.max() < 5000
+        assert traj.log_probs[traj.loss_mask == 1].max() <= 0.0
+        if traj.gap is not None:
+            assert (traj.gap.field, traj.status) == ("mask", "completed")
+    assert len(groups) == 3 and all(len(members) == 2 for members in groups.values())
+    assert sorted(i for members in groups.values() for i in members) == list(range(6))
+
+
+def wait_for_line(stream, text):
+    deadline = time.monotonic() + PATIENCE
+    seen = []
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([stream], [], [], 1.0)
+        if ready:
+            line = stream.readline()
+            seen.append(line)
+            if text in line:
+                return
+            assert line, f"stream closed before {text!r}: {''.join(seen)}"
+    raise AssertionError(f"no {text!r} line: {''.join(seen)}")
+
+
+def test_sigterm_stops_cleanly_leaving_nothing_open(tmp_path):
+    """A daemon running forever gets SIGTERM: it aborts what it has open,
+    waits for the acks, exits 0 and leaves an empty spool and no open
+    trajectory at the broker."""
+    spool = tmp_path / "spool"
+    with Broker(tmp_path) as broker:
+        process = daemon(broker, "--trajectories", "0", "--rate", "40", "--turns", "4", "--vocab-size", "5000",
+                         "--spool-dir", str(spool), "--producer-id", "p-term")
+        wait_for_line(process.stderr, "producer daemon running")
+        deadline = time.monotonic() + PATIENCE
+        while broker.status()["ready"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        log = finish(process)
+        status = broker.status()
+    assert "stopping" in log and "producer stopped" in log and "unsettled=0" in log
+    assert status["open"] == 0 and status["ready"] >= 3
+    assert not [p for p in spool.iterdir() if p.suffix == ".seg"]
+
+
+class FakeSGLang:
+    """A local stand-in for SGLang's /generate: answers in its response shape
+    (output_ids, meta_info with the sampling mask and log-probs) and records
+    every call. Every fifth call stops at the length limit."""
+
+    def __init__(self, vocab_size):
+        self.vocab_size = vocab_size
+        self.calls = []
+        self.lock = threading.Lock()
+        self.rng = np.random.default_rng(11)
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                reply = json.dumps(fake.generate(self.path, body)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def generate(self, path, body):
+        assert path == "/generate" and body["return_sampling_mask"] is True
+        with self.lock:
+            n = body["sampling_params"]["max_new_tokens"]
+            out = self.rng.integers(0, self.vocab_size - 2, size=n).tolist()
+            supports = [[t] + self.rng.integers(0, self.vocab_size - 2, size=int(self.rng.integers(0, 4))).tolist()
+                        for t in out]
+            log_probs = (-self.rng.random(n)).tolist()
+            finish = "length" if len(self.calls) % 5 == 4 else "stop"
+            self.calls.append({"input_ids": body["input_ids"], "out": out, "supports": supports,
+                               "log_probs": log_probs, "finish": finish})
+        return {"text": "", "output_ids": out,
+                "meta_info": {"finish_reason": {"type": finish}, "output_token_sampling_mask": supports,
+                              "output_token_sampling_logprobs": log_probs, "weight_version": "7",
+                              "prompt_tokens": len(body["input_ids"]), "completion_tokens": n}}
+
+
+def episode_turns(calls, prompt, full):
+    """The turns of one delivered trajectory, rebuilt from the recorded calls:
+    each next call's input is the previous input, its output, then the forced
+    tool tokens."""
+    turns, context = [], list(prompt)
+    while True:
+        step = [c for c in calls if c["input_ids"] == context and full[len(context):len(context) + len(c["out"])] == c["out"]]
+        if not step:
+            return turns
+        call = step[0]
+        turns.append({"tokens": call["out"], "supports": call["supports"], "log_probs": call["log_probs"],
+                      "finish": call["finish"], "forced": []})
+        context = context + call["out"]
+        following = [c["input_ids"] for c in calls if len(c["input_ids"]) > len(context)
+                     and c["input_ids"][:len(context)] == context and full[:len(c["input_ids"])] == c["input_ids"]]
+        if following:
+            turns[-1]["forced"] = following[0][len(context):]
+            context = following[0]
+
+
+def test_the_sglang_daemon_drives_a_generate_endpoint_with_its_tool(tmp_path):
+    fake = FakeSGLang(vocab_size=1000)
+    try:
+        with Broker(tmp_path) as broker:
+            process = daemon(broker, "--source", "sglang", "--sglang-url", fake.url, "--trajectories", "4",
+                             "--group-size", "2", "--turns", "3", "--response-tokens", "4", "--tool-tokens", "2",
+                             "--prompt-tokens", "6", "--vocab-size", "1000", "--concurrency", "2")
+            finish(process)
+            got, _ = drain(broker, 4)
+    finally:
+        fake.server.shutdown()
+    used = 0
+    for traj in got.values():
+        turns = episode_turns(fake.calls, traj.prompt_tokens.tolist(), traj.prompt_tokens.tolist() + traj.tokens.tolist())
+        used += len(turns)
+        assert turns and len(turns) == traj.turns
+        assert as_lists(traj) == expected_merge(turns)
+        for turn in turns[:-1]:  # the tool's observation sits between turns
+            assert turn["finish"] == "stop" and turn["forced"][0] == 998 and turn["forced"][-1] == 999
+        assert len(turns) == 3 or turns[-1]["finish"] == "length"
+        assert traj.status == ("truncated" if turns[-1]["finish"] == "length" else "completed")
+        assert traj.reward == (1.0 if turns[-1]["finish"] == "stop" else 0.0)
+        assert traj.weight_versions == ["7"] * len(turns)
+    assert used == len(fake.calls)  # every engine call became a turn
+
+
+def test_the_replay_daemon_streams_jsonl_and_miles_payloads(tmp_path):
+    recordings = tmp_path / "recorded"
+    recordings.mkdir()
+    events = [
+        {"type": "turn", "trajectory_id": "r-1", "prompt_tokens": [1, 2], "tokens": [10, 11], "log_probs": [-0.5, -0.25],
+         "supports": [[10, 3], [11]], "forced_tokens": [20], "weight_version": "v1", "metadata": {"source": "test"}},
+        {"type": "turn", "trajectory_id": "r-2", "prompt_tokens": [5], "tokens": [50], "log_probs": [-1.0],
+         "mask_ids": [50, 51], "mask_offsets": [0, 2]},
+        {"type": "turn", "trajectory_id": "r-1", "turn": 1, "output_ids": [30],
+         "meta_info": {"finish_reason": {"type": "length"}, "output_token_sampling_mask": [[30, 31]],
+                       "output_token_sampling_logprobs": [-0.125]}},
+        {"type": "abort", "trajectory_id": "r-2", "reason": "retry"},
+        {"type": "end", "trajectory_id": "r-1", "reward": 2.0},
+        {"type": "turn", "trajectory_id": "r-2", "prompt_tokens": [5], "tokens": [52], "log_probs": [-0.5],
+         "supports": [[52]]},
+        {"type": "end", "trajectory_id": "r-2", "reward": {"score": 1}},
+    ]
+    (recordings / "a.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+    samples = [
+        {"tokens": np.array([7, 8, 60], np.int64), "response_length": 1, "loss_mask": np.ones(1, np.uint8),
+         "rollout_log_probs": np.array([-0.75]), "rollout_sampling_mask": SamplingMask.from_supports([[60, 61]]),
+         "status": "completed", "weight_versions": [], "metadata": {}},
+        {"tokens": np.array([7, 8, 60, 70, 71, 80], np.int64), "response_length": 1, "loss_mask": np.ones(1, np.uint8),
+         "rollout_log_probs": np.array([-0.5]), "rollout_sampling_mask": SamplingMask.from_supports([[80]]),
+         "status": "completed", "weight_versions": [], "metadata": {}},
+    ]
+    payload = encode_session_samples(samples, {"trajectory_id": "m-1", "reward": 3.0}, fields=FIELDS_WITH_MASK)
+    (recordings / "b.safetensors").write_bytes(payload)
+    with Broker(tmp_path) as broker:
+        finish(daemon(broker, "--source", "replay", "--replay-path", str(recordings), "--vocab-size", "1000"))
+        got, deliveries = drain(broker, 3)
+    assert deliveries == 3
+    r1 = got["r-1"]
+    assert r1.prompt_tokens.tolist() == [1, 2]
+    assert as_lists(r1) == expected_merge([
+        {"tokens": [10, 11], "supports": [[10, 3], [11]], "log_probs": [-0.5, -0.25], "forced": [20]},
+        {"tokens": [30], "supports": [[30, 31]], "log_probs": [-0.125]},
+    ])
+    assert (r1.status, r1.reward, r1.weight_versions, r1.metadata["source"]) == ("truncated", 2.0, ["v1"], "test")
+    r2 = got["r-2"]  # the aborted attempt is gone; the retry is what arrives
+    assert r2.tokens.tolist() == [52] and r2.reward == {"score": 1} and r2.turns == 1
+    m1 = got["m-1"]
+    assert m1.prompt_tokens.tolist() == [7, 8] and m1.reward == 3.0
+    assert as_lists(m1) == expected_merge([
+        {"tokens": [60], "supports": [[60, 61]], "log_probs": [-0.75], "forced": [70, 71]},
+        {"tokens": [80], "supports": [[80]], "log_probs": [-0.5]},
+    ])
+
+
+def test_bad_settings_and_recordings_are_refused_with_the_rule(tmp_path):
+    bad = subprocess.run([sys.executable, "-m", "rollstream.common.cli", "producer", "--turns", "0"],
+                         capture_output=True, text=True, timeout=PATIENCE, check=False)
+    assert bad.returncode != 0 and "turns must be >= 1, got 0" in bad.stderr
+    recording = tmp_path / "bad.jsonl"
+    recording.write_text(json.dumps({"type": "turn", "trajectory_id": "x", "prompt_tokens": [1], "turn": 1,
+                                     "tokens": [1], "log_probs": [0.0]}) + "\n")
+    with Broker(tmp_path) as broker:
+        process = daemon(broker, "--source", "replay", "--replay-path", str(recording))
+        _, err = process.communicate(timeout=PATIENCE)
+    assert process.returncode != 0
+    assert f"{recording}:1: turn of 'x' must be 0 (line order), got 1" in err and "Traceback" not in err
