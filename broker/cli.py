@@ -53,6 +53,8 @@ def broker(log_format: str, **values) -> None:
     from rollstream.common.config import settings_from
     from rollstream.common.logs import setup_logging
 
+    import zmq
+
     from .service import BrokerService
     from .store import StoreCorrupted
 
@@ -61,7 +63,7 @@ def broker(log_format: str, **values) -> None:
     service = BrokerService(settings)
     try:
         service.start()
-    except StoreCorrupted as exc:
+    except (StoreCorrupted, RuntimeError, zmq.ZMQError) as exc:
         raise click.ClickException(f"refusing to start: {exc}") from None
     service.install_signal_handlers()
     service.run()

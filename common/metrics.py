@@ -41,6 +41,10 @@ class Metrics:
 
     def serve(self, host: str, port: int):
         """Expose /metrics on `host:port`; port 0 disables it."""
-        if port:
+        if not port:
+            return None
+        try:
             return start_http_server(port, addr=host, registry=self.registry)
-        return None
+        except OSError as exc:
+            raise RuntimeError(f"cannot serve metrics on {host}:{port} ({exc.strerror}); "
+                               "choose another --metrics-port, or 0 to disable it") from None

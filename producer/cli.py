@@ -78,5 +78,5 @@ def producer(log_format: str, **values) -> None:
         raise click.BadParameter(str(exc)) from None
     try:
         asyncio.run(run(settings))
-    except (ReplayError, SpoolError) as exc:
+    except (ReplayError, SpoolError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None

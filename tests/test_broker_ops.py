@@ -68,3 +68,20 @@ def test_the_broker_never_imports_torch():
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_taken_metrics_port_is_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for command in (["broker", "--data-dir", str(tmp_path / "data"), "--producer-endpoint", f"ipc://{tmp_path}/p",
+                         "--consumer-endpoint", f"ipc://{tmp_path}/c", "--admin-endpoint", f"ipc://{tmp_path}/a"],
+                        ["producer", "--broker-endpoint", f"ipc://{tmp_path}/p", "--trajectories", "1"]):
+            result = subprocess.run([sys.executable, "-m", "rollstream.common.cli", *command, "--metrics-port", str(port)],
+                                    capture_output=True, text=True, timeout=120)
+            assert result.returncode != 0 and f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
+            assert "Traceback" not in result.stderr
