@@ -79,12 +79,18 @@ def encoded_stream(frames: int, tokens: int, forced: int) -> tuple[list[list], i
     return messages, n_turns, turn_bytes // n_turns
 
 
-def _producer(endpoint, messages, window, out):
+def _greeted(endpoint: str, to_broker, from_broker, hello: dict) -> tuple[zmq.Context, zmq.Socket]:
+    """A DEALER in a fresh context (we are a forked process) that said hello."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(endpoint)
-    sock.send_multipart(encode(PRODUCER_TO_BROKER, "hello", {"producer_id": "bench"}))
-    decode(sock.recv_multipart(), BROKER_TO_PRODUCER)
+    sock.send_multipart(encode(to_broker, "hello", hello))
+    decode(sock.recv_multipart(), from_broker)
+    return ctx, sock
+
+
+def _producer(endpoint, messages, window, out):
+    ctx, sock = _greeted(endpoint, PRODUCER_TO_BROKER, BROKER_TO_PRODUCER, {"producer_id": "bench"})
     in_flight, sent, acked, refused = 0, 0, 0, 0
     start = time.perf_counter()
     while acked + refused < len(messages):
@@ -104,11 +110,7 @@ def _producer(endpoint, messages, window, out):
 
 
 def _consumer(endpoint, trajectories, credit, out):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(endpoint)
-    sock.send_multipart(encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "bench"}))
-    decode(sock.recv_multipart(), BROKER_TO_CONSUMER)
+    ctx, sock = _greeted(endpoint, CONSUMER_TO_BROKER, BROKER_TO_CONSUMER, {"consumer_id": "bench"})
     sock.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": credit, "unit": "trajectory"}))
     received, start, tokens = 0, None, 0
     while received < trajectories:
