@@ -54,6 +54,19 @@ class _Pending:
     message: Message | None = None
 
 
+@dataclass
+class _Settlement:
+    """A consumer's ack or nack waiting for its batch to commit."""
+
+    identity: bytes
+    message: Message
+    known: list[str]
+    stale: list[str]
+    tids: list[str]
+    requeue: bool
+    effects: list
+
+
 class BrokerService:
     def __init__(self, settings: BrokerSettings, context: zmq.Context | None = None):
         self.settings = settings
@@ -288,7 +301,11 @@ class BrokerService:
 
     # -- consumers ------------------------------------------------------------
     def _serve_consumers(self, now: float) -> None:
+        """Read a batch of consumer messages; the acks and nacks among them
+        are made durable together (one commit), then answered."""
         sock = self.sockets["consumer"]
+        settling: list[_Settlement] = []
+        claimed: set[str] = set()  # leases settled by an earlier message of this batch
         for _ in range(self.settings.batch_max):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -300,9 +317,16 @@ class BrokerService:
             except ProtocolError as error:
                 self._send("consumer", identity, self._refuse("consumer", error, None))
                 continue
-            self._consumer_message(identity, message, now)
+            if message.type == "hello":
+                self._settle(settling, now)  # a hello drops leases: settle what came before it first
+                claimed.clear()
+            settlement = self._consumer_message(identity, message, now, claimed)
+            if settlement is not None:
+                settling.append(settlement)
+                claimed.update(settlement.known)
+        self._settle(settling, now)
 
-    def _consumer_message(self, identity: bytes, message: Message, now: float) -> None:
+    def _consumer_message(self, identity: bytes, message: Message, now: float, claimed: set) -> "_Settlement | None":
         dispatcher = self.dispatcher
         if message.type == "hello":
             self._dead_letter(dispatcher.hello(identity, message["consumer_id"], now), "max_deliveries", now)
@@ -312,21 +336,24 @@ class BrokerService:
             if "seq" in message.fields:
                 fields["seq"] = message["seq"]
             self._send("consumer", identity, encode(BROKER_TO_CONSUMER, "welcome", fields))
-            return
+            return None
         if not dispatcher.seen(identity, now):
             error = ProtocolError("unknown_consumer", "this connection has not said hello (or was dropped); send hello first")
             extra = {"leases": message["leases"]} if "leases" in message.fields else {}
             self._send("consumer", identity, self._refuse("consumer", error, message, **extra))
-            return
+            return None
         if message.type == "credit":
             dispatcher.credit(identity, message["n"], message["unit"])
         elif message.type in ("ack", "nack"):
-            self._settle(identity, message, now)
+            return self._prepare_settlement(identity, message, now, claimed)
+        return None
 
-    def _settle(self, identity: bytes, message: Message, now: float) -> None:
+    def _prepare_settlement(self, identity: bytes, message: Message, now: float, claimed: set) -> "_Settlement":
+        """Split the leases into known and stale (a lease already settled
+        earlier in this batch is stale), and apply the engine's side."""
         leases = list(dict.fromkeys(message["leases"]))
-        known = [lease for lease in leases if lease in self.dispatcher.leases]
-        stale = [lease for lease in leases if lease not in self.dispatcher.leases]
+        known = [lease for lease in leases if lease in self.dispatcher.leases and lease not in claimed]
+        stale = [lease for lease in leases if lease not in known]
         tids = [self.dispatcher.leases[lease].trajectory_id for lease in known]
         requeue = message.type == "nack" and message["requeue"]
         if message.type == "ack":
@@ -335,25 +362,37 @@ class BrokerService:
             effects = [e for tid in tids for e in self.engine.dead_letter(tid, message["reason"], now)]
         else:
             effects = []
-        if not self._commit(effects):
-            error = ProtocolError("unavailable", "the broker cannot persist right now; resend later")
-            self._send("consumer", identity, self._refuse("consumer", error, message, leases=known))
+        return _Settlement(identity, message, known, stale, tids, requeue, effects)
+
+    def _settle(self, settling: list["_Settlement"], now: float) -> None:
+        """Commit the batch's settlements at once, then update the
+        dispatcher and answer each (or answer `unavailable`)."""
+        if not settling:
             return
-        self._count_effects(effects)
-        settled, _ = self.dispatcher.settle(known)
-        if requeue:
-            self._dead_letter(self.dispatcher.requeue(settled), "max_deliveries", now)
-        if not requeue:
-            for tid in tids:
-                self.dispatcher.forget(tid)
-        if message.type == "ack":
-            self.metrics.inc(self.metrics.exits, len(tids), exit="delivered")
-        if known:
-            reply = "acked" if message.type == "ack" else "nacked"
-            self._send("consumer", identity, encode(BROKER_TO_CONSUMER, reply, {"leases": known}))
-        if stale:
-            error = ProtocolError("stale_lease", f"{len(stale)} lease(s) are unknown or expired; they changed nothing")
-            self._send("consumer", identity, self._refuse("consumer", error, message, leases=stale))
+        effects = [e for s in settling for e in s.effects]
+        committed = self._commit(effects)
+        if committed:
+            self._count_effects(effects)
+        for s in settling:
+            if not committed:
+                error = ProtocolError("unavailable", "the broker cannot persist right now; resend later")
+                self._send("consumer", s.identity, self._refuse("consumer", error, s.message, leases=s.known))
+                continue
+            settled, _ = self.dispatcher.settle(s.known)
+            if s.requeue:
+                self._dead_letter(self.dispatcher.requeue(settled), "max_deliveries", now)
+            else:
+                for tid in s.tids:
+                    self.dispatcher.forget(tid)
+            if s.message.type == "ack":
+                self.metrics.inc(self.metrics.exits, len(s.tids), exit="delivered")
+            if s.known:
+                reply = "acked" if s.message.type == "ack" else "nacked"
+                self._send("consumer", s.identity, encode(BROKER_TO_CONSUMER, reply, {"leases": s.known}))
+            if s.stale:
+                error = ProtocolError("stale_lease", f"{len(s.stale)} lease(s) are unknown or expired; they changed nothing")
+                self._send("consumer", s.identity, self._refuse("consumer", error, s.message, leases=s.stale))
+        settling.clear()
 
     def _dead_letter(self, tids: list[str], reason: str, now: float) -> None:
         if not tids:

@@ -152,3 +152,16 @@ def test_inproc_endpoints_in_one_process(tmp_path):
         service.stop()
         thread.join(10)
     assert not thread.is_alive()
+
+
+def test_a_lease_acked_twice_in_one_burst_is_settled_once(tmp_path):
+    with BrokerProcess(tmp_path) as broker:
+        produce(dealer(broker.producer), "t", 1)
+        sock = consumer(broker.consumer, "twice", 1)
+        lease = recv(sock, BROKER_TO_CONSUMER)["lease"]
+        for _ in range(2):
+            sock.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [lease]}))
+        replies = [recv_alive(sock, BROKER_TO_CONSUMER), recv_alive(sock, BROKER_TO_CONSUMER)]
+        assert sorted(r.type for r in replies) == ["acked", "nack"]
+        assert next(r for r in replies if r.type == "nack")["code"] == "stale_lease"
+        assert broker.status()["counters"]["trajectories.delivered"] == 1
