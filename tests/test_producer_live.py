@@ -460,17 +460,20 @@ def test_the_synthetic_daemon_streams_sampled_groups_with_config_and_env(tmp_pat
 
 
 def wait_for_line(stream, text):
+    """Wait for `text` on a child's pipe. Reads the file descriptor directly:
+    `select` cannot see lines a buffered `readline` has already pulled in."""
+    fd = stream.fileno()
     deadline = time.monotonic() + PATIENCE
-    seen = []
+    seen = ""
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([stream], [], [], 1.0)
+        ready, _, _ = select.select([fd], [], [], 1.0)
         if ready:
-            line = stream.readline()
-            seen.append(line)
-            if text in line:
+            chunk = os.read(fd, 65536)
+            assert chunk, f"stream closed before {text!r}: {seen}"
+            seen += chunk.decode(errors="replace")
+            if text in seen:
                 return
-            assert line, f"stream closed before {text!r}: {''.join(seen)}"
-    raise AssertionError(f"no {text!r} line: {''.join(seen)}")
+    raise AssertionError(f"no {text!r} line: {seen}")
 
 
 def test_sigterm_stops_cleanly_leaving_nothing_open(tmp_path):
