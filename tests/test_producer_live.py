@@ -293,15 +293,20 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 
 
 def read_lines(process, until, store):
-    """Collect `submitted` lines from a child until `until(store)` holds."""
+    """Collect `submitted` lines from a child until `until(store)` holds
+    (raw pipe reads, as in `wait_for_line`)."""
+    fd = process.stdout.fileno()
     deadline = time.monotonic() + PATIENCE
+    pending = ""
     while not until(store):
         assert time.monotonic() < deadline, f"child stalled after {len(store)} lines"
-        ready, _, _ = select.select([process.stdout], [], [], 1.0)
+        ready, _, _ = select.select([fd], [], [], 1.0)
         if ready:
-            line = process.stdout.readline()
-            assert line, "child exited early"
-            store.append(line.split()[1])
+            chunk = os.read(fd, 65536)
+            assert chunk, "child exited early"
+            pending += chunk.decode()
+            *lines, pending = pending.split("\n")
+            store.extend(line.split()[1] for line in lines if line)
 
 
 def test_producer_sigkill_and_restart_resends_its_spool(tmp_path):
