@@ -122,10 +122,9 @@ class Recovered:
 
 
 def _pack_frames(frames: list) -> list:
-    """Record payload: frame count, frame lengths, then the frames."""
-    views = [memoryview(f).cast("B") for f in frames]
-    head = struct.pack(f"<H{len(views)}I", len(views), *(v.nbytes for v in views))
-    return [head, *views]
+    """Record payload: frame count, frame lengths, then the frames (bytes or
+    byte memoryviews, whose `len` is their size)."""
+    return [struct.pack(f"<H{len(frames)}I", len(frames), *map(len, frames)), *frames]
 
 
 def _unpack_frames(payload: memoryview) -> list[memoryview]:
@@ -170,7 +169,7 @@ class Segments:
             self._rotate()
         locations, buffers, offset = [], [], self.size
         for parts in records:
-            length = sum(memoryview(p).nbytes for p in parts)
+            length = sum(map(len, parts))
             buffers.append(RECORD_HEADER.pack(RECORD_MAGIC, length, crc32_of(parts)))
             buffers.extend(parts)
             locations.append((self.current, offset + RECORD_HEADER.size, length))
@@ -179,7 +178,7 @@ class Segments:
         try:
             for i in range(0, len(buffers), _IOV_MAX):
                 chunk = buffers[i : i + _IOV_MAX]
-                expected = sum(memoryview(b).nbytes for b in chunk)
+                expected = sum(map(len, chunk))
                 written = os.writev(self._fd, chunk)
                 if written != expected:  # a short write: finish it the slow way
                     os.write(self._fd, b"".join(bytes(memoryview(b)) for b in chunk)[written:])

@@ -18,7 +18,7 @@ class GrowableArray:
         return self._len
 
     def _grow(self, needed: int) -> None:
-        grown = np.empty(max(needed, 2 * len(self._buf)), dtype=self._buf.dtype)
+        grown = np.empty(max(2 * needed, 2 * len(self._buf)), dtype=self._buf.dtype)
         grown[: self._len] = self._buf[: self._len]
         self._buf = grown
 

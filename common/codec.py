@@ -18,7 +18,7 @@ import numpy as np
 
 from .contract import ARRAYS, DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION
 from .errors import ProtocolError
-from .messages import CRC32, ENVELOPE_KEYS, MessageSpec, Schema
+from .messages import CRC32, MessageSpec, Schema
 from .validation import RULE_ALIGNED, check_message_arrays
 
 try:  # the same zlib checksums, several times faster where ISA-L is available
@@ -49,8 +49,11 @@ class Message:
         return sum(arr.nbytes for arr in self.arrays.values())
 
 
-def _buffer(frame) -> memoryview:
-    """A zero-copy byte view of a frame: bytes, memoryview, or a zmq.Frame."""
+def _buffer(frame) -> bytes | memoryview:
+    """A zero-copy byte view of a frame: bytes (as they are), a memoryview
+    or a zmq.Frame. Either way `len()` is its size in bytes."""
+    if type(frame) is bytes:
+        return frame
     view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
@@ -62,11 +65,10 @@ def _schema_error(message: str) -> ProtocolError:
 def _check_fields(spec: MessageSpec, header: Mapping[str, Any], array_names: frozenset) -> dict:
     """Known fields of `header`, checked against `spec`; unknown keys are dropped."""
     fields = {}
+    kinds = spec.kinds
     for name, value in header.items():
-        if name in ENVELOPE_KEYS:
-            continue
-        kind = spec.kind_of(name)
-        if kind is None:
+        kind = kinds.get(name)
+        if kind is None:  # the envelope (v, type, arrays, crc32) or a key from a newer peer
             continue
         if not kind.accepts(value):
             raise _schema_error(f"{spec.type}.{name} must be {kind.describe}, got {type(value).__name__} {value!r:.80}")
@@ -228,7 +230,7 @@ def _decode_checked(header, buffers, schema, max_message_bytes, vocab_size, chec
     if crc is not None and not CRC32.accepts(crc):
         raise _schema_error(f"crc32 must be {CRC32.describe}, got {crc!r:.40}")
 
-    size = sum(buf.nbytes for buf in buffers)
+    size = sum(map(len, buffers))
     if size > max_message_bytes:
         raise ProtocolError("too_large", f"message is {size} bytes, limit is max_message_bytes={max_message_bytes}")
     if crc is not None:
@@ -236,26 +238,31 @@ def _decode_checked(header, buffers, schema, max_message_bytes, vocab_size, chec
         if actual != crc:
             raise ProtocolError("crc_mismatch", f"crc32 of array frames is {actual}, header says {crc}")
 
-    for name, dtype, _ in entries:
-        expected = ARRAYS[name].wire_name
-        if dtype != expected:
-            raise ProtocolError("dtype", f"array {name!r} must be {expected}, got {dtype!r:.40}")
+    # One pass: every dtype error outranks any shape error, so a shape error
+    # is only raised once all dtypes have been seen to be right.
     arrays = {}
-    for (name, _, shape), buf in zip(entries, buffers[1:]):
+    shape_error = None
+    for (name, dtype, shape), buf in zip(entries, buffers[1:]):
         contract = ARRAYS[name]
+        if dtype != contract.wire_name:
+            raise ProtocolError("dtype", f"array {name!r} must be {contract.wire_name}, got {dtype!r:.40}")
+        if shape_error is not None:
+            continue
         if not contract.rank_ok(len(shape)):
-            raise ProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {shape}")
-        expected_bytes = contract.dtype.itemsize * math.prod(shape)
-        if buf.nbytes != expected_bytes:
-            raise ProtocolError(
-                "shape", f"array {name!r} of shape {shape} needs {expected_bytes} bytes, its frame has {buf.nbytes}"
-            )
+            shape_error = f"array {name!r} must be {contract.rank_rule()}, got shape {shape}"
+            continue
+        expected_bytes = contract.dtype.itemsize * (shape[0] if len(shape) == 1 else math.prod(shape))
+        if len(buf) != expected_bytes:
+            shape_error = f"array {name!r} of shape {shape} needs {expected_bytes} bytes, its frame has {len(buf)}"
+            continue
         arr = np.frombuffer(buf, dtype=contract.dtype)
         if len(shape) != 1:
             arr = arr.reshape(shape)
         if arr.flags.writeable:  # frames read as bytes are read-only already
             arr.flags.writeable = False
         arrays[name] = arr
+    if shape_error is not None:
+        raise ProtocolError("shape", shape_error)
 
     if spec.content and check_content:
         check_message_arrays(arrays, vocab_size=vocab_size)
@@ -295,10 +302,12 @@ def content_digest(message: Message, *, ignore: tuple[str, ...] = ("seq",)) -> b
     summarised by CRC-32 and Adler-32 together (64 bits, about 25x faster
     than a cryptographic hash on a 25 KB turn), which suffices to tell a
     resend from a different turn with the same index."""
-    fields = {name: value for name, value in message.fields.items() if name not in ignore}
+    fields = sorted((name, value) for name, value in message.fields.items() if name not in ignore)
+    if any(isinstance(value, (dict, list)) for _, value in fields):
+        fields = [(name, _canonical(value)) for name, value in fields]
     parts = _array_bytes(message)
-    layout = [[name, message.arrays[name].dtype.str, message.arrays[name].shape] for name, _ in parts]
-    head = hashlib.blake2b(msgpack.packb([message.type, _canonical(fields), layout], use_bin_type=True), digest_size=16)
+    layout = [(name, message.arrays[name].dtype.str, message.arrays[name].shape) for name, _ in parts]
+    head = hashlib.blake2b(msgpack.packb((message.type, fields, layout), use_bin_type=True), digest_size=16)
     crc, adler = 0, 1
     for _, data in parts:
         crc, adler = _crc32_update(data, crc), _adler32_update(data, adler)

@@ -69,13 +69,13 @@ class MessageSpec:
     optional_arrays: tuple[str, ...] = ()
     rules: tuple[Rule, ...] = ()  # cross-field schema rules: return a problem or None
     content: bool = False  # token arrays get the content checks (PROTOCOL.md §2)
+    # Derived once: the codec consults these on every message.
+    kinds: Mapping[str, Kind] = field(init=False)
+    array_names: frozenset = field(init=False)
 
-    def kind_of(self, name: str) -> Kind | None:
-        return self.required.get(name) or self.optional.get(name)
-
-    @property
-    def array_names(self) -> frozenset:
-        return frozenset(self.arrays) | frozenset(self.optional_arrays)
+    def __post_init__(self):
+        object.__setattr__(self, "kinds", {**self.optional, **self.required})
+        object.__setattr__(self, "array_names", frozenset(self.arrays) | frozenset(self.optional_arrays))
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,7 @@ def _schema(name: str, *specs: MessageSpec) -> Schema:
     for spec in specs:
         unknown = spec.array_names - set(ARRAYS)
         assert not unknown, f"{spec.type}: arrays {unknown} are not in the contract table"
+        assert not set(spec.kinds) & ENVELOPE_KEYS, f"{spec.type}: a field is named like an envelope key"
     return Schema(name, {spec.type: spec for spec in specs})
 
 

@@ -438,9 +438,11 @@ def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size
             return False
         if not np.logical_or.reduceat(packed_ids == np.repeat(packed_tokens, support_sizes), starts).all():
             return False
-        other_ids.append(packed_ids)  # sampled tokens lie inside their supports
+    else:
+        packed_ids = None
     bound = 2**31 if vocab_size is None else vocab_size  # negative int32 ids read as uint32 are >= 2**31
-    for values in (_concat(plain), _concat(other_ids)):
+    # Sampled tokens with a support lie inside it, so the support ids stand for them.
+    for values in (packed_ids, _concat(plain), _concat(other_ids)):
         if values is not None and len(values) and values.view(np.uint32).max() >= bound:
             return False
     loss_mask = _concat(loss_masks)
