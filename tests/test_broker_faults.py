@@ -258,3 +258,17 @@ def test_corrupted_store_refuses_to_start(tmp_path):
         segment.write_bytes(bytes(data))
     with pytest.raises(RuntimeError, match="CRC mismatch"):
         broker.start()
+
+
+def test_memory_budget_pauses_producers_without_dropping_what_was_read(tmp_path):
+    with BrokerProcess(tmp_path, max_memory_bytes=100_000) as broker:
+        producer = dealer(broker.producer)
+        for i in range(30):
+            producer.send_multipart(good_turn(f"open{i}", n=1500))  # ~36 KB each, all kept open in memory
+        replies = 0
+        while producer.poll(1500):
+            assert decode(producer.recv_multipart(), BROKER_TO_PRODUCER).type == "ack"
+            replies += 1
+        assert 0 < replies < 30, "the broker kept reading past its memory budget"
+        assert "over budget: producer frames paused" in broker.log()
+        assert broker.status()["open"] == replies  # everything read was kept, and acked
