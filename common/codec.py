@@ -44,10 +44,6 @@ class Message:
     def get(self, name: str, default: Any = None) -> Any:
         return self.fields.get(name, default)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(arr.nbytes for arr in self.arrays.values())
-
 
 def _buffer(frame) -> bytes | memoryview:
     """A zero-copy byte view of a frame: bytes (as they are), a memoryview

@@ -59,7 +59,7 @@ def as_int_array(values, dtype: np.dtype, name: str) -> np.ndarray:
     return arr.astype(dtype, copy=False)
 
 
-def _frozen(arr: np.ndarray) -> np.ndarray:
+def frozen(arr: np.ndarray) -> np.ndarray:
     arr.flags.writeable = False
     return arr
 
@@ -71,7 +71,7 @@ def owned(arr: np.ndarray, source) -> np.ndarray:
     fresh = arr.flags.owndata and arr is not source and not hasattr(source, "detach")
     if not fresh or (isinstance(source, np.ndarray) and np.may_share_memory(arr, source)):
         arr = arr.copy()
-    return _frozen(arr)
+    return frozen(arr)
 
 
 class SamplingMask:
@@ -93,14 +93,14 @@ class SamplingMask:
         """Trusted constructor: arrays already checked, of the contract dtypes
         and never written again (read-only frames, fresh buffers)."""
         mask = object.__new__(cls)
-        mask._ids = ids if not ids.flags.writeable else _frozen(ids.view())
-        mask._offsets = offsets if not offsets.flags.writeable else _frozen(offsets.view())
+        mask._ids = ids if not ids.flags.writeable else frozen(ids.view())
+        mask._offsets = offsets if not offsets.flags.writeable else frozen(offsets.view())
         return mask
 
     # -- construction -----------------------------------------------------
     @classmethod
     def empty(cls) -> "SamplingMask":
-        return cls._wrap(_frozen(np.empty(0, IDS_DTYPE)), _frozen(np.zeros(1, OFFSETS_DTYPE)))
+        return cls._wrap(frozen(np.empty(0, IDS_DTYPE)), frozen(np.zeros(1, OFFSETS_DTYPE)))
 
     @classmethod
     def from_supports(cls, supports: Sequence[Iterable[int]]) -> "SamplingMask":
@@ -136,13 +136,13 @@ class SamplingMask:
                 f"sampling mask rule 'offsets[-1] == len(ids)' violated: lengths sum to {int(offsets[-1])}, "
                 f"ids has {ids.size}"
             )
-        return cls._wrap(_frozen(ids), _frozen(offsets))
+        return cls._wrap(frozen(ids), frozen(offsets))
 
     @classmethod
     def singletons(cls, tokens) -> "SamplingMask":
         """Support `[t]` for every token `t`: forced tokens were not sampled."""
         ids = owned(as_int_array(tokens, IDS_DTYPE, "tokens"), tokens)
-        return cls._wrap(ids, _frozen(np.arange(ids.size + 1, dtype=OFFSETS_DTYPE)))
+        return cls._wrap(ids, frozen(np.arange(ids.size + 1, dtype=OFFSETS_DTYPE)))
 
     @classmethod
     def concatenate(cls, masks: Sequence["SamplingMask"]) -> "SamplingMask":
@@ -150,7 +150,7 @@ class SamplingMask:
         if not masks:
             return cls.empty()
         ids, offsets = pack_csr([m._ids for m in masks], [m._offsets for m in masks])
-        return cls._wrap(_frozen(ids), _frozen(offsets))
+        return cls._wrap(frozen(ids), frozen(offsets))
 
     # -- access -------------------------------------------------------------
     def __len__(self) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 from .buffers import GrowableArray
 from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, STATUSES, TERMINAL_STATUSES
 from .errors import ProtocolError
-from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, as_int_array, as_numpy, owned
+from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, frozen, as_int_array, as_numpy, owned
 from .validation import RULE_ALIGNED, check_message_arrays
 
 TOKEN_DTYPE = ARRAYS["tokens"].dtype
@@ -25,12 +25,7 @@ LOSS_MASK_DTYPE = ARRAYS["loss_mask"].dtype
 REPLAY_DTYPE = ARRAYS["routed_experts"].dtype
 
 
-def _frozen(arr: np.ndarray) -> np.ndarray:
-    arr.flags.writeable = False
-    return arr
-
-
-EMPTY_TOKENS = _frozen(np.empty(0, TOKEN_DTYPE))
+EMPTY_TOKENS = frozen(np.empty(0, TOKEN_DTYPE))
 
 
 def _as_float_array(values, name: str) -> np.ndarray:
@@ -446,7 +441,7 @@ class Trajectory:
             traj._mask = _MaskBuffer(arrays["mask_ids"], arrays["mask_offsets"])
         for name in CONTEXT_REPLAY_ARRAYS:
             if name in arrays:
-                traj._context[name] = _frozen(np.array(arrays[name]))
+                traj._context[name] = frozen(np.array(arrays[name]))
         traj.status = status
         traj.turns = turns
         traj.weight_versions = list(weight_versions)
