@@ -16,9 +16,10 @@ rounds to exactly 0.0 while its support holds several ids would be flagged
 too; it cannot affect training, but it is reported rather than guessed away.
 
 On the CPU the per-token pass runs on numpy views of the batch's
-tensors (zero-copy; numpy's segment reductions are several times faster
-than torch's there); on a GPU it runs as torch ops, and only failing
-positions come back to the host.
+tensors (zero-copy; numpy's element-wise passes and gathers are faster than
+torch's there, and torch's prefix sums are used on numpy buffers where they
+win); on a GPU it runs as torch ops, and only failing positions come back
+to the host.
 """
 from __future__ import annotations
 

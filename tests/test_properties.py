@@ -934,3 +934,50 @@ def test_torch_batch_validation_agrees_with_numpy(batch, data):
         (v.rule, v.sample, v.position, v.count) for v in on_numpy
     ]
     assert bool(on_numpy) == bool(moved)
+
+
+# Values that make hits likely and sit at the int32 edges the scan must survive.
+_edge_ids = st.sampled_from([INT32[0], INT32[0] + 1, -1, 0, 1, 2, 3, INT32[1] - 1, INT32[1]])
+
+
+@st.composite
+def _membership_case(draw):
+    """Tokens and supports (some longer than 255 ids, some holding the token
+    256 times) as plain lists."""
+    rows = draw(st.lists(st.tuples(_edge_ids, st.lists(_edge_ids, min_size=1, max_size=6), st.integers(0, 2)),
+                         max_size=12))
+    tokens, supports = [], []
+    for token, support, stretch in rows:
+        if stretch == 1:  # long support without the token
+            support = support + [v for v in range(300) if v != token][: 300 - len(support)]
+        elif stretch == 2:  # the token 256 times: a uint8 count would wrap to 0
+            support = support + [token] * 256
+        tokens.append(token)
+        supports.append(support)
+    return tokens, supports
+
+
+@prop(120)
+@given(case=_membership_case())
+@example(case=([5, 7], [[5] * 256, [7]]))
+@example(case=([INT32[0], INT32[1]], [[INT32[0]], [INT32[1], 0]]))
+def test_inside_support_matches_a_python_membership_test_on_every_path(case):
+    """Numpy with and without torch's prefix sums, and torch, all agree with
+    `token in support` (scan-based spreading must not overflow, uint8 hit
+    counts must not wrap)."""
+    from unittest import mock
+
+    from rollstream.common import validation
+
+    torch = pytest.importorskip("torch")
+    tokens, supports = case
+    ids, offsets = csr_of(supports)
+    arrays = np.array(tokens, np.int32), np.array(ids, np.int32), np.array(offsets, np.int64)
+    expected = [t in s for t, s in zip(tokens, supports)]
+    wide = np.array(tokens, np.int64) + 2**32  # int64 tokens no int32 support can hold
+    for fast in (True, False):
+        with mock.patch.object(validation._NumpyOps, "fast_running_sum", staticmethod(lambda: fast)):
+            assert validation.inside_support(*arrays).tolist() == expected, f"numpy, fast_running_sum={fast}"
+            assert not validation.inside_support(wide, *arrays[1:]).any(), f"wide numpy, fast_running_sum={fast}"
+    assert validation.inside_support(*(torch.from_numpy(a) for a in arrays)).tolist() == expected, "torch"
+    assert not validation.inside_support(torch.from_numpy(wide), *(torch.from_numpy(a) for a in arrays[1:])).any()
