@@ -27,7 +27,7 @@ from rollstream.common.messages import (
     CONSUMER_TO_BROKER,
     PRODUCER_TO_BROKER,
 )
-from rollstream.common.sockets import router
+from rollstream.common.sockets import recv_routed, router
 from rollstream.common.validation import check_message_arrays, messages_content_valid
 from rollstream.common.wire import encode_deliver
 
@@ -193,7 +193,7 @@ class BrokerService:
             if self._over_budget():
                 break
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)  # copying is cheaper than Frame objects at these sizes
+                frames = recv_routed(sock)
             except zmq.Again:
                 break
             size = sum(map(len, frames))

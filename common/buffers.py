@@ -4,73 +4,104 @@ from __future__ import annotations
 
 import numpy as np
 
+_RUNS: dict[tuple[str, object], np.ndarray] = {}  # shared read-only runs, by dtype and kind
+
+
+def _shared_run(key: tuple, count: int, make) -> np.ndarray:
+    run = _RUNS.get(key)
+    if run is None or len(run) < count:
+        run = _RUNS[key] = make(max(2 * count, 1024))
+        run.flags.writeable = False
+    return run[:count]
+
+
+def constant_run(value, count: int, dtype: np.dtype) -> np.ndarray:
+    """`count` copies of `value`, read-only: a view of a shared buffer (no
+    allocation once the buffer is long enough)."""
+    return _shared_run((np.dtype(dtype).str, "constant", value), count, lambda n: np.full(n, value, dtype=dtype))
+
+
+def counting_run(count: int, dtype: np.dtype) -> np.ndarray:
+    """`[1, 2, ..., count]`, read-only, a view of a shared buffer."""
+    return _shared_run((np.dtype(dtype).str, "counting"), count, lambda n: np.arange(1, n + 1, dtype=dtype))
+
 
 class GrowableArray:
-    """A 1-D numpy array that grows geometrically on append."""
+    """A 1-D numpy array that grows geometrically on append.
 
-    __slots__ = ("_buf", "_len")
+    Appends are queued and written together, in one concatenation, when the
+    array is next read or cut: the broker appends several parts per frame
+    but reads a trajectory once, at delivery, so most numpy calls move from
+    per part to per read. A writable array is copied when appended; a
+    read-only one is taken to be frozen (turn arrays are, and so are
+    `constant_run` fills)."""
+
+    __slots__ = ("_buf", "_len", "_parts", "_shifts", "_queued")
 
     def __init__(self, dtype: np.dtype, capacity: int = 0):
-        self._buf = np.empty(max(capacity, 16), dtype=dtype)
+        self._buf = np.empty(capacity, dtype=dtype)
         self._len = 0
+        self._parts: list[np.ndarray] = []
+        self._shifts: list | None = None  # per queued part, a value added to it; None while all are 0
+        self._queued = 0
 
     def __len__(self) -> int:
-        return self._len
+        return self._len + self._queued
 
-    def _grow(self, needed: int) -> None:
-        grown = np.empty(max(2 * needed, 2 * len(self._buf)), dtype=self._buf.dtype)
-        grown[: self._len] = self._buf[: self._len]
-        self._buf = grown
-
-    # The capacity test is inlined in each append: these run several times
-    # per frame on the broker's hot path.
     def extend(self, values: np.ndarray) -> None:
-        start = self._len
-        end = start + len(values)
-        if end > len(self._buf):
-            self._grow(end)
-        self._buf[start:end] = values
-        self._len = end
+        self._parts.append(values.copy() if values.flags.writeable else values)
+        self._queued += len(values)
+        if self._shifts is not None:
+            self._shifts.append(0)
 
     def extend_shifted(self, values: np.ndarray, shift) -> None:
-        """Append `values + shift` without building a temporary."""
-        start = self._len
-        end = start + len(values)
-        if end > len(self._buf):
-            self._grow(end)
-        np.add(values, shift, out=self._buf[start:end])
-        self._len = end
+        """Append `values + shift`."""
+        if self._shifts is None:
+            self._shifts = [0] * len(self._parts)
+        self._parts.append(values.copy() if values.flags.writeable else values)
+        self._queued += len(values)
+        self._shifts.append(shift)
 
     def extend_fill(self, value, count: int) -> None:
-        """Append `count` copies of `value` without building a temporary."""
-        start = self._len
-        end = start + count
+        """Append `count` copies of `value`."""
+        self.extend(constant_run(value, count, self._buf.dtype))
+
+    def _flush(self) -> None:
+        parts = self._parts
+        if not parts:
+            return
+        start, end = self._len, self._len + self._queued
         if end > len(self._buf):
-            self._grow(end)
-        self._buf[start:end] = value
-        self._len = end
+            # Exact size for a first write (a trajectory read once), doubling after.
+            grown = np.empty(end if start == 0 else max(2 * end, 2 * len(self._buf)), dtype=self._buf.dtype)
+            grown[:start] = self._buf[:start]
+            self._buf = grown
+        target = self._buf[start:end]
+        np.concatenate(parts, out=target)
+        if self._shifts is not None:
+            target += np.repeat(np.array(self._shifts, dtype=self._buf.dtype), [len(part) for part in parts])
+        self._len, self._parts, self._shifts, self._queued = end, [], None, 0
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= self._len:
-            raise ValueError(f"truncate length must be in [0, {self._len}], got {length}")
+        if not 0 <= length <= len(self):
+            raise ValueError(f"truncate length must be in [0, {len(self)}], got {length}")
+        self._flush()
         self._len = length
-
-    @property
-    def last(self):
-        return self._buf[self._len - 1]
 
     def view(self) -> np.ndarray:
         """Read-only view of the filled part; valid until the next append or truncate."""
+        self._flush()
         view = self._buf[: self._len]
         view.flags.writeable = False
         return view
 
     def copy(self) -> np.ndarray:
         """An owned, read-only copy of the filled part."""
+        self._flush()
         out = self._buf[: self._len].copy()
         out.flags.writeable = False
         return out
 
     @property
     def nbytes(self) -> int:
-        return self._len * self._buf.itemsize
+        return len(self) * self._buf.itemsize

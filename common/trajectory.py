@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .buffers import GrowableArray
+from .buffers import GrowableArray, counting_run
 from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, STATUSES, TERMINAL_STATUSES
 from .errors import ProtocolError
 from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, frozen, as_int_array, as_numpy, owned
@@ -174,13 +174,12 @@ class _MaskBuffer:
         return len(self.offsets) - 1
 
     def append(self, mask: SamplingMask) -> None:
-        self.offsets.extend_shifted(mask.offsets[1:], self.offsets.last)
+        self.offsets.extend_shifted(mask.offsets[1:], len(self.ids))  # the last offset is len(ids)
         self.ids.extend(mask.ids)
 
     def append_singletons(self, tokens: np.ndarray) -> None:
-        base = self.offsets.last
+        self.offsets.extend_shifted(counting_run(tokens.size, OFFSETS_DTYPE), len(self.ids))
         self.ids.extend(tokens)
-        self.offsets.extend(np.arange(base + 1, base + 1 + tokens.size, dtype=OFFSETS_DTYPE))
 
     def truncate(self, n_tokens: int) -> None:
         self.ids.truncate(int(self.offsets.view()[n_tokens]))

@@ -193,16 +193,40 @@ def test_mask_snapshot_is_immune_to_later_changes():
     assert snapshot == SamplingMask.from_supports([[10], [11]])
 
 
-def test_growable_array_grows_geometrically():
-    """Amortised O(appended): a thousand appends reallocate only O(log n) times."""
+def test_growable_array_grows_geometrically_when_read_between_appends():
+    """Amortised O(appended) even when every append is followed by a read:
+    a thousand appends reallocate only O(log n) times."""
     arr = GrowableArray(np.int32)
-    reallocations, last = 0, arr._buf
-    for _ in range(1000):
+    reallocations, last = 0, None
+    for i in range(1000):
         arr.extend(np.arange(100, dtype=np.int32))
+        assert arr.view()[-1] == 99 and len(arr.view()) == 100 * (i + 1)
         if arr._buf is not last:
             reallocations, last = reallocations + 1, arr._buf
     assert len(arr) == 100_000 and reallocations <= 14
     assert arr.view()[-100:].tolist() == list(range(100))
+
+
+def test_growable_array_queued_appends_keep_their_values_and_order():
+    """Appends are written at the next read: a writable source changed in
+    between changes nothing, shifts and fills land where they were queued."""
+    arr = GrowableArray(np.int64)
+    source = np.array([1, 2, 3], np.int64)
+    arr.extend(source)
+    source[:] = -1
+    frozen_part = np.array([7, 8], np.int64)
+    frozen_part.flags.writeable = False
+    arr.extend_shifted(frozen_part, 100)
+    arr.extend_fill(5, 2)
+    assert len(arr) == 7
+    assert arr.view().tolist() == [1, 2, 3, 107, 108, 5, 5]
+    arr.extend(np.array([9], np.int64))
+    arr.truncate(4)
+    assert arr.view().tolist() == [1, 2, 3, 107]
+    arr.extend_shifted(np.array([1], np.int64), 10)
+    assert arr.copy().tolist() == [1, 2, 3, 107, 11] and arr.nbytes == 5 * 8
+    with pytest.raises(ValueError, match="truncate"):
+        arr.truncate(6)
 
 
 def test_turn_build_checks_what_a_broker_would():
