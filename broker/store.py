@@ -36,7 +36,7 @@ from .engine import (
     Requeue,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: turn digests are XXH3-128
 RECORD_MAGIC = 0x52534731  # "RSG1"
 RECORD_HEADER = struct.Struct("<III")  # magic, payload length, crc32 of payload
 _IOV_MAX = 512

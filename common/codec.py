@@ -7,25 +7,22 @@ zero-copy and read-only. No pickle anywhere: arrays never enter msgpack.
 """
 from __future__ import annotations
 
-import hashlib
 import math
-import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import msgpack
 import numpy as np
+import xxhash
 
 from .contract import ARRAYS, DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION
 from .errors import ProtocolError
 from .messages import CRC32, MessageSpec, Schema
 from .validation import RULE_ALIGNED, check_message_arrays
 
-try:  # the same zlib checksums, several times faster where ISA-L is available
-    from isal.isal_zlib import adler32 as _adler32_update
+try:  # the same CRC-32 as zlib's, several times faster where ISA-L is available
     from isal.isal_zlib import crc32 as _crc32_update
 except ImportError:  # pragma: no cover - platforms without an isal wheel
-    from zlib import adler32 as _adler32_update
     from zlib import crc32 as _crc32_update
 
 
@@ -294,17 +291,16 @@ def content_digest(message: Message, *, ignore: tuple[str, ...] = ("seq",)) -> b
     and arrays by name, dtype, shape and bytes. Equal digests mean identical
     content in the protocol's sense (resends compare equal).
 
-    The header part is BLAKE2b; the array bytes, which dominate, are
-    summarised by CRC-32 and Adler-32 together (64 bits, about 25x faster
-    than a cryptographic hash on a 25 KB turn), which suffices to tell a
-    resend from a different turn with the same index."""
+    XXH3-128 over a canonical encoding of the header and then the array
+    bytes: a non-cryptographic hash (nothing adversarial is at stake, a
+    resend is compared with its own producer's earlier frame) at several
+    GB/s, so the broker pays about a microsecond per 25 KB turn."""
     fields = sorted((name, value) for name, value in message.fields.items() if name not in ignore)
     if any(isinstance(value, (dict, list)) for _, value in fields):
         fields = [(name, _canonical(value)) for name, value in fields]
     parts = _array_bytes(message)
     layout = [(name, message.arrays[name].dtype.str, message.arrays[name].shape) for name, _ in parts]
-    head = hashlib.blake2b(msgpack.packb((message.type, fields, layout), use_bin_type=True), digest_size=16)
-    crc, adler = 0, 1
+    digest = xxhash.xxh3_128(msgpack.packb((message.type, fields, layout), use_bin_type=True))
     for _, data in parts:
-        crc, adler = _crc32_update(data, crc), _adler32_update(data, adler)
-    return head.digest() + struct.pack("<II", crc, adler)
+        digest.update(data)
+    return digest.digest()
