@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import zmq
@@ -32,7 +33,7 @@ from rollstream.common.validation import check_message_arrays, messages_content_
 from rollstream.common.wire import encode_deliver
 
 from .dispatch import Dispatcher, DispatchSettings
-from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, MarkGap, MergeEngine, Unit
+from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, MarkGap, MergeEngine, PutTurn, Unit
 from .metrics import BrokerMetrics
 from .recovery import load_trajectory, restore
 from .settings import BrokerSettings
@@ -217,6 +218,7 @@ class BrokerService:
         committed = self._commit(effects)
         if committed:
             self._count_effects(effects)
+            self._count_outcomes(pending)
         for item in pending:
             if item.ack is not None:
                 if committed:
@@ -261,10 +263,7 @@ class BrokerService:
         reply = self.engine.handle(message, now)
         if reply.error is not None:
             return _Pending(identity, self._refuse("producer", reply.error, message)), []
-        ack = reply.fields
-        outcome = "duplicate" if ack.get("duplicate") else ("applied" if ack["applied"] else ack.get("reason", "not_applied"))
-        self.metrics.inc(self.metrics.frames, type=message.type, outcome=outcome)
-        return _Pending(identity, ack=ack, message=message), list(reply.effects)
+        return _Pending(identity, ack=reply.fields, message=message), list(reply.effects)
 
     def _refuse(self, endpoint: str, error: ProtocolError, message: Message | None, **extra) -> list:
         self.metrics.inc(self.metrics.nacks, endpoint=endpoint, code=error.code)
@@ -277,8 +276,21 @@ class BrokerService:
         schema = BROKER_TO_PRODUCER if endpoint == "producer" else BROKER_TO_CONSUMER if endpoint == "consumer" else ADMIN_REPLIES
         return encode_error(schema, error, **extra)
 
+    def _count_outcomes(self, pending: list) -> None:
+        """Frames by type and outcome, once their batch is durable (one
+        counter update per kind of outcome, not per frame)."""
+        outcomes = Counter(
+            (item.message.type, "duplicate" if ack.get("duplicate") else
+             "applied" if ack["applied"] else ack.get("reason", "not_applied"))
+            for item in pending if (ack := item.ack) is not None
+        )
+        for (mtype, outcome), count in outcomes.items():
+            self.metrics.inc(self.metrics.frames, count, type=mtype, outcome=outcome)
+
     def _count_effects(self, effects: list) -> None:
         for effect in effects:
+            if type(effect) is PutTurn:  # the common case, counted by _count_outcomes
+                continue
             if isinstance(effect, MarkGap):
                 self.metrics.inc(self.metrics.gaps, field=effect.gap.field)
                 log.info("replay gap", extra={"trajectory_id": effect.trajectory_id, "turn": effect.gap.turn,

@@ -150,6 +150,7 @@ def test_disk_full_answers_unavailable_then_recovers(tmp_path):
         assert len(retried) == len(unavailable)
         status = broker.status()
         assert status["open"] == 60 and status["counters"]["nacks.producer.unavailable"] >= len(unavailable)
+        assert status["counters"]["frames.turn.applied"] == 60  # a frame refused unavailable is not counted applied
         broker.kill()
         broker.start()
         assert broker.status()["open"] == 60  # every acked turn survived
