@@ -17,7 +17,6 @@ import argparse
 import json
 import multiprocessing as mp
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,18 +32,13 @@ import raw_relay  # noqa: E402
 
 from rollstream.common.codec import decode, encode  # noqa: E402
 from rollstream.common.mask import SamplingMask  # noqa: E402
+from rollstream.common.sockets import free_loopback_ports  # noqa: E402
 from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER  # noqa: E402
 from rollstream.common.trajectory import Turn  # noqa: E402
 from rollstream.common.wire import encode_turn  # noqa: E402
 
 VOCAB = 151_936
 TURNS_PER_TRAJECTORY = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_turns(tokens: int, forced: int, seed: int = 0) -> list[Turn]:
@@ -138,7 +132,7 @@ def _peak_rss(pid: int) -> int:
 
 def run_broker(messages: list, n_turns: int, window: int, sync: str) -> dict:
     data = tempfile.mkdtemp(prefix="rollstream-bench-")
-    ports = [_free_port() for _ in range(3)]
+    ports = free_loopback_ports(3)
     endpoints = [f"tcp://127.0.0.1:{p}" for p in ports]
     broker = subprocess.Popen(
         [sys.executable, "-m", "rollstream.common.cli", "broker", "--producer-endpoint", endpoints[0],

@@ -9,25 +9,15 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from .sockets import free_loopback_ports
+
 VOCAB = 151_936
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _cli(*args: str) -> list[str]:
@@ -41,7 +31,7 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
     from rollstream.consumer import Consumer
 
     work = Path(tempfile.mkdtemp(prefix="rollstream-demo-"))
-    producer_port, consumer_port, admin_port = _free_ports(3)
+    producer_port, consumer_port, admin_port = free_loopback_ports(3)
     endpoints = {name: f"tcp://127.0.0.1:{port}" for name, port in
                  (("producer", producer_port), ("consumer", consumer_port), ("admin", admin_port))}
     log = open(work / "daemons.log", "ab")

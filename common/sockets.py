@@ -1,6 +1,8 @@
 """Socket options every rollstream socket sets (PROTOCOL.md §1)."""
 from __future__ import annotations
 
+import socket
+
 import zmq
 
 
@@ -55,3 +57,16 @@ def recv_routed(sock: zmq.Socket, flags: int = zmq.NOBLOCK) -> list:
         frame = sock.recv(flags, copy=False)
         frames.append(frame.buffer)
     return frames
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free on 127.0.0.1 right now (all held open
+    while choosing, so none is picked twice)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()

@@ -461,6 +461,13 @@ def validate_samples(
         raise BatchValidationError(found, names)
 
 
+def whole_batch_problem(field: str, position: int, sample_index: Any, status: Any) -> str:
+    """How SEMANTICS.md §6's whole-batch rule reads when the sample at
+    `position` lacks `field`."""
+    return (f"the batch carries a {field} but the sample at position {position} "
+            f"(sample_index={sample_index}, status={status}) has none")
+
+
 def check_whole_batch_rule(
     has_field: Sequence[bool], sample_indices: Sequence[Any], statuses: Sequence[Any], field: str = "sampling mask"
 ) -> None:
@@ -468,8 +475,8 @@ def check_whole_batch_rule(
     if any(has_field) and not all(has_field):
         position = list(has_field).index(False)
         raise ValueError(
-            f"rule '{RULE_WHOLE_BATCH}' violated: the batch carries a {field} but the sample at "
-            f"position {position} (sample_index={sample_indices[position]}, status={statuses[position]}) has none"
+            f"rule '{RULE_WHOLE_BATCH}' violated: "
+            + whole_batch_problem(field, position, sample_indices[position], statuses[position])
         )
 
 

@@ -38,6 +38,7 @@ from rollstream.common.validation import (
     BatchValidationError,
     Violation,
     packed_violations,
+    whole_batch_problem,
 )
 
 from .assembly import Delivery
@@ -87,9 +88,9 @@ def sample_violations(deliveries: Sequence[Delivery]) -> list[Violation]:
     for replay_field in REPLAY_FIELDS:
         present = np.array([_carries(a, replay_field) for a in arrays], dtype=bool)
         if present.any():
-            flag(RULE_WHOLE_BATCH, ~present, lambda s: (
-                f"the batch carries a {'sampling mask' if replay_field == 'mask' else replay_field} but the sample at "
-                f"position {s} (sample_index={fields[s].get('sample_index', s)}, status={fields[s]['status']}) has none"
+            flag(RULE_WHOLE_BATCH, ~present, lambda s: whole_batch_problem(
+                "sampling mask" if replay_field == "mask" else replay_field, s,
+                fields[s].get("sample_index", s), fields[s]["status"],
             ))
     return sorted(found, key=lambda v: v.sample)
 

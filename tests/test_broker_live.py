@@ -6,11 +6,16 @@ import msgpack
 import numpy as np
 import zmq
 from broker_process import BrokerProcess
-
 from rollstream.broker.service import BrokerService
 from rollstream.broker.settings import BrokerSettings
 from rollstream.common.codec import decode, encode
-from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
+from rollstream.common.messages import (
+    BROKER_TO_CONSUMER,
+    BROKER_TO_PRODUCER,
+    CONSUMER_TO_BROKER,
+    PRODUCER_TO_BROKER,
+)
+from rollstream.common.sockets import free_loopback_ports
 from rollstream.common.trajectory import Turn
 from rollstream.common.wire import encode_turn
 
@@ -115,13 +120,7 @@ def test_idle_open_trajectory_expires_to_dead_letters(tmp_path):
 
 
 def test_tcp_endpoints(tmp_path):
-    import socket as pysocket
-
-    ports = []
-    for _ in range(3):
-        with pysocket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = free_loopback_ports(3)
     broker = BrokerProcess(tmp_path)
     broker.producer, broker.consumer, broker.admin = (f"tcp://127.0.0.1:{p}" for p in ports)
     with broker:

@@ -7,25 +7,19 @@ from pathlib import Path
 import numpy as np
 import zmq
 from broker_process import BrokerProcess
-
 from rollstream.broker.settings import BrokerSettings
 from rollstream.common.codec import decode, encode
 from rollstream.common.config import load_toml
 from rollstream.common.messages import BROKER_TO_PRODUCER, PRODUCER_TO_BROKER
+from rollstream.common.sockets import free_loopback_ports
 from rollstream.common.trajectory import Turn
 from rollstream.common.wire import encode_turn
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_metrics_endpoint_and_trajectory_ids_in_logs(tmp_path):
-    port = free_port()
+    (port,) = free_loopback_ports(1)
     with BrokerProcess(tmp_path, metrics_port=port) as broker:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
