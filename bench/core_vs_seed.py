@@ -67,6 +67,7 @@ def run_rollstream(responses) -> dict:
         for sampled, meta, obs in turns:
             traj.append_turn(turn_from_sglang(sampled, meta, forced_tokens=obs or None))
         traj.reward = 1.0
+        traj.arrays()  # queued appends are written here, as part of the merge
         merged.append(traj)
     timings["build_merge_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -124,11 +125,13 @@ def merge_scaling(total_tokens: int, repeat: int) -> dict:
             traj = Trajectory("scale", [1])
             for ids, meta in raw:
                 traj.append_turn(turn_from_sglang(ids, meta))
+            traj.arrays()  # appends are written at the first read; the seed's result is materialised too
             ingest_merge.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             traj = Trajectory("scale", [1])
             for turn in built:
                 traj.append_turn(turn)
+            traj.arrays()
             merge_only.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             acc = None
