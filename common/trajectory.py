@@ -291,7 +291,12 @@ class Trajectory:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays().values())
+        """Bytes of its arrays, counted without writing queued appends."""
+        buffers = [self._tokens, self._loss_mask, self._log_probs]
+        if self._mask is not None:
+            buffers += [self._mask.ids, self._mask.offsets]
+        return (self.prompt_tokens.nbytes + sum(buffer.nbytes for buffer in buffers)
+                + sum(array.nbytes for array in self._context.values()))
 
     # -- building (SEMANTICS.md §3) -----------------------------------------
     def start_mask(self) -> None:
