@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-_RUNS: dict[tuple[str, object], np.ndarray] = {}  # shared read-only runs, by dtype and kind
+_RUNS: dict[tuple, np.ndarray] = {}  # shared read-only runs, by dtype and kind
 
 
 def _shared_run(key: tuple, count: int, make) -> np.ndarray:
@@ -18,12 +18,12 @@ def _shared_run(key: tuple, count: int, make) -> np.ndarray:
 def constant_run(value, count: int, dtype: np.dtype) -> np.ndarray:
     """`count` copies of `value`, read-only: a view of a shared buffer (no
     allocation once the buffer is long enough)."""
-    return _shared_run((np.dtype(dtype).str, "constant", value), count, lambda n: np.full(n, value, dtype=dtype))
+    return _shared_run((dtype, "constant", value), count, lambda n: np.full(n, value, dtype=dtype))
 
 
 def counting_run(count: int, dtype: np.dtype) -> np.ndarray:
     """`[1, 2, ..., count]`, read-only, a view of a shared buffer."""
-    return _shared_run((np.dtype(dtype).str, "counting"), count, lambda n: np.arange(1, n + 1, dtype=dtype))
+    return _shared_run((dtype, "counting"), count, lambda n: np.arange(1, n + 1, dtype=dtype))
 
 
 class GrowableArray:
