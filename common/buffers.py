@@ -49,18 +49,16 @@ class GrowableArray:
         return self._len + self._queued
 
     def extend(self, values: np.ndarray) -> None:
-        self._parts.append(values.copy() if values.flags.writeable else values)
-        self._queued += len(values)
-        if self._shifts is not None:
-            self._shifts.append(0)
+        self.extend_shifted(values, 0)
 
     def extend_shifted(self, values: np.ndarray, shift) -> None:
         """Append `values + shift`."""
-        if self._shifts is None:
+        if shift and self._shifts is None:
             self._shifts = [0] * len(self._parts)
         self._parts.append(values.copy() if values.flags.writeable else values)
         self._queued += len(values)
-        self._shifts.append(shift)
+        if self._shifts is not None:
+            self._shifts.append(shift)
 
     def extend_fill(self, value, count: int) -> None:
         """Append `count` copies of `value`."""
