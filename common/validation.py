@@ -78,6 +78,9 @@ class _NumpyOps:
     def equal(self, a, b, name: str):
         return np.equal(a, b, out=self.scratch(name, len(a), "bool"))
 
+    def empty(self, n: int, dtype: str, name: str, like):
+        return self.scratch(name, n, dtype)
+
     def zeros(self, n: int, dtype: str, name: str, like):
         out = self.scratch(name, n, dtype)
         out.fill(0)
@@ -136,6 +139,9 @@ class _TorchOps:
     @staticmethod
     def equal(a, b, name: str):
         return a == b
+
+    def empty(self, n: int, dtype: str, name: str, like):
+        return self._torch.empty(n, dtype=getattr(self._torch, dtype), device=like.device)
 
     def zeros(self, n: int, dtype: str, name: str, like):
         return self._torch.zeros(n, dtype=getattr(self._torch, dtype), device=like.device)
@@ -287,7 +293,7 @@ def _spread(ops, values, sizes, offsets, total: int):
         return values[:0]
     if int(values.min()) < -(2**31) or int(values.max()) >= 2**31:
         return ops.repeat(values, sizes)
-    steps = ops.zeros(len(values), "int32", "steps", values)
+    steps = ops.empty(len(values), "int32", "steps", values)  # every entry is written next
     steps[:1] = values[:1]
     steps[1:] = values[1:] - values[:-1]
     spread = ops.zeros(total, "int32", "spread steps", values)
