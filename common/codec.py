@@ -47,8 +47,6 @@ def _buffer(frame) -> bytes | memoryview:
     or a zmq.Frame. Either way `len()` is its size in bytes."""
     if type(frame) is bytes:
         return frame
-    if type(frame) is memoryview and frame.format == "B" and frame.ndim == 1:
-        return frame  # as a routed receive hands them over
     view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
