@@ -30,6 +30,7 @@ class OpenTrajectory:
     group_size: int | None
     sample_index: int | None
     at: float
+    replaces: bool = False  # a LEFT marker of the same id exists (a brand-new id has nothing to clear)
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,7 @@ class MergeEngine:
         if entry is None or entry.state == LEFT:
             if index != 0:
                 raise ProtocolError("out_of_order", f"trajectory {tid!r} is unknown; expected turn 0, got {index}", expected=0)
-            return self._start(message, now)
+            return self._start(message, now, replaces=entry is not None)
         digest = content_digest(message)
         if index < entry.next_turn:
             earlier, applied, reason = entry.outcomes[index]
@@ -243,7 +244,7 @@ class MergeEngine:
         self._touch_group(entry, now)
         return _ack(message, outcome.applied, reason=outcome.reason), effects
 
-    def _start(self, message: Message, now: float) -> tuple[dict, tuple]:
+    def _start(self, message: Message, now: float, replaces: bool) -> tuple[dict, tuple]:
         tid = message["trajectory_id"]
         group_id, group_size = message.get("group_id"), message.get("group_size")
         if group_id is not None:
@@ -266,7 +267,7 @@ class MergeEngine:
             group.members[tid] = OPEN
             group.updated_at = now
         effects = (
-            OpenTrajectory(tid, group_id, group_size, entry.sample_index, now),
+            OpenTrajectory(tid, group_id, group_size, entry.sample_index, now, replaces),
             PutTurn(tid, 0, digest, outcome.applied, outcome.reason, message, now),
         )
         return _ack(message, outcome.applied, reason=outcome.reason), effects

@@ -76,6 +76,30 @@ CREATE TABLE IF NOT EXISTS released_groups (id TEXT PRIMARY KEY, size INTEGER NO
 """
 
 
+_OPEN = ("INSERT OR REPLACE INTO trajectories (id, state, group_id, group_size, sample_index, updated_at) "
+         "VALUES (?, 'open', ?, ?, ?, ?)")
+_END = "UPDATE trajectories SET state='ended', updated_at=?, end_digest=?, reward=?, metadata=?, ready_seq=? WHERE id=?"
+_TURN = "INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+
+
+class _DeferredRows:
+    """The batch's common statements, run as one executemany each: new
+    trajectories, then ends (an end may follow its own open in a batch),
+    then turns (another table). Any other effect may touch the same rows,
+    so the deferred rows run before it, keeping the batch's order."""
+
+    def __init__(self):
+        self.opens: list[tuple] = []
+        self.ends: list[tuple] = []
+        self.turns: list[tuple] = []
+
+    def execute(self, db: sqlite3.Connection) -> None:
+        for statement, rows in ((_OPEN, self.opens), (_END, self.ends), (_TURN, self.turns)):
+            if rows:
+                db.executemany(statement, rows)
+                rows.clear()
+
+
 class StoreError(RuntimeError):
     """The store cannot persist right now (disk full, I/O error): nothing of
     the failed batch is durable; retry later."""
@@ -363,14 +387,20 @@ class Store:
         released: list[int] = []
         try:
             self.db.execute("BEGIN")
-            turn_rows: list[tuple] = []  # consecutive turns go in with one executemany
+            rows = _DeferredRows()
             for effect in effects:
-                if isinstance(effect, PutTurn):
-                    turn_rows.append(self._turn_row(effect, where.get(id(effect))))
-                    continue
-                self._flush_turns(turn_rows)
-                self._apply(effect, released)
-            self._flush_turns(turn_rows)
+                kind = type(effect)
+                if kind is PutTurn:
+                    rows.turns.append(self._turn_row(effect, where.get(id(effect))))
+                elif kind is OpenTrajectory and not effect.replaces:
+                    rows.opens.append((effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at))
+                elif kind is EndTrajectory:
+                    rows.ends.append((effect.at, effect.digest, msgpack.packb(effect.reward), msgpack.packb(effect.metadata),
+                                      self._take_ready_seq(), effect.trajectory_id))
+                else:
+                    rows.execute(self.db)  # in order before anything that may touch the same rows
+                    self._apply(effect, released)
+            rows.execute(self.db)
             self.db.execute("COMMIT")
         except (sqlite3.Error, OSError) as exc:
             try:
@@ -397,29 +427,14 @@ class Store:
         seg, off, length = location if location else (None, None, None)
         return (effect.trajectory_id, effect.turn, effect.digest, int(effect.applied), effect.reason, seg, off, length, effect.at)
 
-    def _flush_turns(self, rows: list[tuple]) -> None:
-        if rows:
-            self.db.executemany("INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
-            rows.clear()
-
     def _apply(self, effect, released: list[int]) -> None:
         db = self.db
-        if isinstance(effect, OpenTrajectory):
-            db.execute(
-                "INSERT OR REPLACE INTO trajectories (id, state, group_id, group_size, sample_index, updated_at) "
-                "VALUES (?, 'open', ?, ?, ?, ?)",
-                (effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at),
-            )
+        if isinstance(effect, OpenTrajectory):  # one replacing a LEFT marker
             released += self._delete_turns(effect.trajectory_id)
+            db.execute(_OPEN, (effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at))
         elif isinstance(effect, MarkGap):
             db.execute("UPDATE trajectories SET gap_turn=?, gap_field=? WHERE id=?",
                        (effect.gap.turn, effect.gap.field, effect.trajectory_id))
-        elif isinstance(effect, EndTrajectory):
-            db.execute(
-                "UPDATE trajectories SET state='ended', updated_at=?, end_digest=?, reward=?, metadata=?, ready_seq=? WHERE id=?",
-                (effect.at, effect.digest, msgpack.packb(effect.reward), msgpack.packb(effect.metadata),
-                 self._take_ready_seq(), effect.trajectory_id),
-            )
         elif isinstance(effect, DropTrajectory):
             released += self._delete_turns(effect.trajectory_id)
             if effect.keep_marker:

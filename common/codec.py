@@ -43,12 +43,17 @@ class Message:
 
 
 def _buffer(frame) -> bytes | memoryview:
-    """A zero-copy byte view of a frame: bytes (as they are), a memoryview
-    or a zmq.Frame. Either way `len()` is its size in bytes."""
-    if type(frame) is bytes:
+    """A zero-copy, read-only byte view of a frame: bytes (as they are), a
+    memoryview or a zmq.Frame. Either way `len()` is its size in bytes, and
+    arrays wrapped around it are read-only without further calls."""
+    kind = type(frame)
+    if kind is bytes:
         return frame
-    view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    if kind is not memoryview or frame.ndim != 1 or frame.format != "B":  # a received frame's buffer already is
+        frame = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+        if frame.format != "B" or frame.ndim != 1:
+            frame = frame.cast("B")
+    return frame if frame.readonly else frame.toreadonly()
 
 
 def _schema_error(message: str) -> ProtocolError:
@@ -66,14 +71,14 @@ def _check_fields(spec: MessageSpec, header: Mapping[str, Any], array_names: fro
         if not kind.accepts(value):
             raise _schema_error(f"{spec.type}.{name} must be {kind.describe}, got {type(value).__name__} {value!r:.80}")
         fields[name] = value
-    missing = [name for name in spec.required if name not in fields]
-    if missing:
+    if not spec.required_names <= fields.keys():
+        missing = [name for name in spec.required if name not in fields]
         raise _schema_error(f"{spec.type} is missing required field(s) {missing}")
-    unknown = array_names - spec.array_names
-    if unknown:
+    if not array_names <= spec.array_names:
+        unknown = array_names - spec.array_names
         raise _schema_error(f"{spec.type} may not carry array(s) {sorted(unknown)}; allowed: {sorted(spec.array_names)}")
-    absent = [name for name in spec.arrays if name not in array_names]
-    if absent:
+    if not spec.required_arrays <= array_names:
+        absent = [name for name in spec.arrays if name not in array_names]
         raise _schema_error(f"{spec.type} is missing required array(s) {absent}")
     for rule in spec.rules:
         problem = rule(fields, array_names)
@@ -158,36 +163,35 @@ def decode_header(frame) -> dict:
         header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError("malformed", f"header is not a msgpack map: {type(exc).__name__}: {exc}") from None
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise ProtocolError("malformed", f"header must be a msgpack map, got {type(header).__name__}")
-    if not all(isinstance(key, str) for key in header):
+    if bytes in map(type, header):  # strict_map_key admits str and bytes keys only
         raise ProtocolError("malformed", "header map keys must all be strings")
     return header
 
 
-def _array_entries(header: Mapping[str, Any], frame_count: int) -> list[tuple[str, Any, Any]]:
-    entries = header.get("arrays", [])
-    if not isinstance(entries, list):
+def _array_entries(header: Mapping[str, Any], frame_count: int) -> tuple[list[tuple[str, Any, Any]], frozenset]:
+    """The header's array entries, checked, and the set of their names."""
+    entries = header.get("arrays", ())
+    if type(entries) is not list and entries != ():
         raise _schema_error(f"arrays must be a list of [name, dtype, shape], got {type(entries).__name__}")
-    parsed, seen = [], set()
+    parsed = []
     for entry in entries:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+        if not (type(entry) is list and len(entry) == 3 and type(entry[0]) is str):
             raise _schema_error(f"arrays entries must be [name, dtype, shape], got {entry!r:.80}")
         name, dtype, shape = entry
         if name not in ARRAYS:
             raise _schema_error(f"unknown array {name!r}; expected one of {sorted(ARRAYS)}")
-        if name in seen:
-            raise _schema_error(f"array {name!r} is listed twice")
-        if not isinstance(shape, list):
+        if type(shape) is not list or any(type(extent) is not int or extent < 0 for extent in shape):
             raise _schema_error(f"array {name!r} shape must be a list of non-negative integers, got {shape!r:.80}")
-        for extent in shape:
-            if type(extent) is not int or extent < 0:
-                raise _schema_error(f"array {name!r} shape must be a list of non-negative integers, got {shape!r:.80}")
-        seen.add(name)
         parsed.append((name, dtype, shape))
+    names = frozenset(name for name, _, _ in parsed)
+    if len(names) != len(parsed):
+        twice = next(name for name, _, _ in parsed if sum(1 for other, _, _ in parsed if other == name) > 1)
+        raise _schema_error(f"array {twice!r} is listed twice")
     if frame_count != 1 + len(parsed):
         raise _schema_error(f"header lists {len(parsed)} array(s), message has {frame_count - 1} array frame(s)")
-    return parsed
+    return parsed, names
 
 
 def decode(
@@ -217,8 +221,8 @@ def _decode_checked(header, buffers, schema, max_message_bytes, vocab_size, chec
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError("version", f"protocol version must be {PROTOCOL_VERSION}, got {version!r}")
     spec = _spec(schema, header.get("type"))
-    entries = _array_entries(header, len(buffers))
-    fields = _check_fields(spec, header, frozenset(name for name, _, _ in entries))
+    entries, array_names = _array_entries(header, len(buffers))
+    fields = _check_fields(spec, header, array_names)
     crc = header.get("crc32")
     if crc is not None and not CRC32.accepts(crc):
         raise _schema_error(f"crc32 must be {CRC32.describe}, got {crc!r:.40}")
@@ -248,12 +252,8 @@ def _decode_checked(header, buffers, schema, max_message_bytes, vocab_size, chec
         if len(buf) != expected_bytes:
             shape_error = f"array {name!r} of shape {shape} needs {expected_bytes} bytes, its frame has {len(buf)}"
             continue
-        arr = np.frombuffer(buf, dtype=contract.dtype)
-        if len(shape) != 1:
-            arr = arr.reshape(shape)
-        if arr.flags.writeable:  # frames read as bytes are read-only already
-            arr.flags.writeable = False
-        arrays[name] = arr
+        arr = np.frombuffer(buf, dtype=contract.dtype)  # read-only: so is every buffer
+        arrays[name] = arr if len(shape) == 1 else arr.reshape(shape)
     if shape_error is not None:
         raise ProtocolError("shape", shape_error)
 

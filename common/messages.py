@@ -72,10 +72,14 @@ class MessageSpec:
     # Derived once: the codec consults these on every message.
     kinds: Mapping[str, Kind] = field(init=False)
     array_names: frozenset = field(init=False)
+    required_names: frozenset = field(init=False)
+    required_arrays: frozenset = field(init=False)
 
     def __post_init__(self):
         object.__setattr__(self, "kinds", {**self.optional, **self.required})
         object.__setattr__(self, "array_names", frozenset(self.arrays) | frozenset(self.optional_arrays))
+        object.__setattr__(self, "required_names", frozenset(self.required))
+        object.__setattr__(self, "required_arrays", frozenset(self.arrays))
 
 
 @dataclass(frozen=True)

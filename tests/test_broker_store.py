@@ -161,13 +161,21 @@ def test_failed_database_commit_persists_nothing(tmp_path, store, monkeypatch):
     drive(engine, store, [turn_msg("a", 0)])
     segment = store.segments.path(store.segments.current)
     size = segment.stat().st_size
-    original = store._apply
+    class FailingOnTurns:
+        """The connection, failing the turn rows: after the new trajectory's row went in."""
 
-    def failing(effect, released):
-        original(effect, released)
-        raise sqlite3.OperationalError("database or disk is full")
+        def __init__(self, db):
+            self.db = db
 
-    monkeypatch.setattr(store, "_apply", failing)
+        def __getattr__(self, name):
+            return getattr(self.db, name)
+
+        def executemany(self, statement, rows):
+            if statement.startswith("INSERT INTO turns"):
+                raise sqlite3.OperationalError("database or disk is full")
+            return self.db.executemany(statement, rows)
+
+    monkeypatch.setattr(store, "db", FailingOnTurns(store.db))
     with pytest.raises(StoreError, match="disk is full"):
         store.commit(list(engine.handle(turn_msg("b", 0), now=2).effects))
     monkeypatch.undo()
