@@ -7,10 +7,14 @@ import numpy as np
 _RUNS: dict[tuple, np.ndarray] = {}  # shared read-only runs, by dtype and kind
 
 
-def _shared_run(key: tuple, count: int, make) -> np.ndarray:
+def _shared_run(key: tuple, count: int) -> np.ndarray:
+    """`count` items of the run `key` = (dtype, value) for a constant run,
+    (dtype, None) for counting; grown by doubling, never written in place."""
     run = _RUNS.get(key)
     if run is None or len(run) < count:
-        run = _RUNS[key] = make(max(2 * count, 1024))
+        dtype, value = key
+        n = max(2 * count, 1024)
+        run = _RUNS[key] = np.arange(1, n + 1, dtype=dtype) if value is None else np.full(n, value, dtype=dtype)
         run.flags.writeable = False
     return run[:count]
 
@@ -18,12 +22,12 @@ def _shared_run(key: tuple, count: int, make) -> np.ndarray:
 def constant_run(value, count: int, dtype: np.dtype) -> np.ndarray:
     """`count` copies of `value`, read-only: a view of a shared buffer (no
     allocation once the buffer is long enough)."""
-    return _shared_run((dtype, "constant", value), count, lambda n: np.full(n, value, dtype=dtype))
+    return _shared_run((dtype, value), count)
 
 
 def counting_run(count: int, dtype: np.dtype) -> np.ndarray:
     """`[1, 2, ..., count]`, read-only, a view of a shared buffer."""
-    return _shared_run((dtype, "counting"), count, lambda n: np.arange(1, n + 1, dtype=dtype))
+    return _shared_run((dtype, None), count)
 
 
 class GrowableArray:
@@ -49,16 +53,24 @@ class GrowableArray:
         return self._len + self._queued
 
     def extend(self, values: np.ndarray) -> None:
-        self.extend_shifted(values, 0)
+        self.extend_many([values])
 
     def extend_shifted(self, values: np.ndarray, shift) -> None:
         """Append `values + shift`."""
-        if shift and self._shifts is None:
-            self._shifts = [0] * len(self._parts)
-        self._parts.append(values.copy() if values.flags.writeable else values)
-        self._queued += len(values)
+        self.extend_many([values], [shift])
+
+    def extend_many(self, parts: list, shifts: list | None = None) -> None:
+        """Append each of `parts` in order, plus its entry of `shifts` when
+        given (one call for a whole trajectory's pending turns)."""
+        if shifts is not None and self._shifts is None:
+            if not any(shifts):
+                shifts = None
+            else:
+                self._shifts = [0] * len(self._parts)
         if self._shifts is not None:
-            self._shifts.append(shift)
+            self._shifts += shifts if shifts is not None else [0] * len(parts)
+        self._parts += [part.copy() if part.flags.writeable else part for part in parts]
+        self._queued += sum(map(len, parts))
 
     def extend_fill(self, value, count: int) -> None:
         """Append `count` copies of `value`."""

@@ -4,7 +4,9 @@ A `Turn` is what one engine call produced: sampled tokens with their
 log-probs and supports, then the forced tokens the environment appended.
 A `Trajectory` is the prompt followed by merged turns. It grows in place
 (geometric buffers), so appending costs O(tokens appended) however long the
-trajectory already is, and no step loops over tokens in Python.
+trajectory already is, and no step loops over tokens in Python. A merged
+turn's arrays are written at the next read, together with every other turn
+merged since: a broker merges each turn once but reads the trajectory once.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .buffers import GrowableArray, counting_run
+from .buffers import GrowableArray, constant_run, counting_run
 from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, STATUSES, TERMINAL_STATUSES
 from .errors import ProtocolError
 from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, frozen, as_int_array, as_numpy, owned
@@ -181,6 +183,25 @@ class _MaskBuffer:
         self.offsets.extend_shifted(counting_run(tokens.size, OFFSETS_DTYPE), len(self.ids))
         self.ids.extend(tokens)
 
+    def append_turns(self, turns: list[Turn]) -> None:
+        """Each turn's supports, then its forced tokens' singletons."""
+        ids, offsets, shifts = [], [], []
+        base = len(self.ids)
+        for turn in turns:
+            if turn.mask is not None:
+                ids.append(turn.mask.ids)
+                offsets.append(turn.mask.offsets[1:])  # the last offset is len(ids)
+                shifts.append(base)
+                base += len(turn.mask.ids)
+            forced = turn.forced_tokens
+            if forced.size:
+                ids.append(forced)
+                offsets.append(counting_run(forced.size, OFFSETS_DTYPE))
+                shifts.append(base)
+                base += forced.size
+        self.ids.extend_many(ids)
+        self.offsets.extend_many(offsets, shifts)
+
     def truncate(self, n_tokens: int) -> None:
         self.ids.truncate(int(self.offsets.view()[n_tokens]))
         self.offsets.truncate(n_tokens + 1)
@@ -217,6 +238,8 @@ class Trajectory:
         self._reset_response()
 
     def _reset_response(self) -> None:
+        self._pending: list[Turn] = []  # merged turns whose arrays are not written yet
+        self._pending_length = 0
         self._tokens.truncate(0)
         self._loss_mask.truncate(0)
         self._log_probs.truncate(0)
@@ -232,19 +255,22 @@ class Trajectory:
     # -- reading ------------------------------------------------------------
     @property
     def response_length(self) -> int:
-        return len(self._tokens)
+        return len(self._tokens) + self._pending_length
 
     @property
     def tokens(self) -> np.ndarray:
         """Response tokens, sampled and forced (read-only view)."""
+        self._write_pending()
         return self._tokens.view()
 
     @property
     def loss_mask(self) -> np.ndarray:
+        self._write_pending()
         return self._loss_mask.view()
 
     @property
     def log_probs(self) -> np.ndarray:
+        self._write_pending()
         return self._log_probs.view()
 
     @property
@@ -256,6 +282,7 @@ class Trajectory:
         """The whole response's supports (an owned snapshot), or None."""
         if self._mask is None:
             return None
+        self._write_pending()
         return SamplingMask._wrap(self._mask.ids.copy(), self._mask.offsets.copy())
 
     @property
@@ -278,6 +305,7 @@ class Trajectory:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Read-only views under contract names; valid until the next change."""
+        self._write_pending()
         out = {
             "prompt_tokens": self.prompt_tokens,
             "tokens": self._tokens.view(),
@@ -296,7 +324,42 @@ class Trajectory:
         if self._mask is not None:
             buffers += [self._mask.ids, self._mask.offsets]
         return (self.prompt_tokens.nbytes + sum(buffer.nbytes for buffer in buffers)
-                + sum(array.nbytes for array in self._context.values()))
+                + sum(array.nbytes for array in self._context.values()) + self._pending_nbytes())
+
+    def _pending_nbytes(self) -> int:
+        per_token = TOKEN_DTYPE.itemsize + LOG_PROB_DTYPE.itemsize + LOSS_MASK_DTYPE.itemsize
+        total = 0
+        for turn in self._pending:
+            forced = turn.forced_tokens.size
+            total += (len(turn.tokens) + forced) * per_token
+            if self._mask is not None:
+                total += (len(turn.tokens) + forced) * OFFSETS_DTYPE.itemsize + forced * IDS_DTYPE.itemsize
+                total += 0 if turn.mask is None else turn.mask.ids.nbytes
+        return total
+
+    def _write_pending(self) -> None:
+        """Append the pending turns' arrays: one call per array for all of
+        them, each turn's sampled tokens followed by its forced ones."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending, self._pending_length = [], 0
+        tokens, log_probs, loss_mask = [], [], []
+        for turn in pending:
+            n = len(turn.tokens)
+            tokens.append(turn.tokens)
+            log_probs.append(turn.log_probs)
+            loss_mask.append(constant_run(1, n, LOSS_MASK_DTYPE) if turn.loss_mask is None else turn.loss_mask)
+            forced = turn.forced_tokens.size
+            if forced:
+                tokens.append(turn.forced_tokens)
+                log_probs.append(constant_run(0.0, forced, LOG_PROB_DTYPE))
+                loss_mask.append(constant_run(0, forced, LOSS_MASK_DTYPE))
+        self._tokens.extend_many(tokens)
+        self._log_probs.extend_many(log_probs)
+        self._loss_mask.extend_many(loss_mask)
+        if self._mask is not None:
+            self._mask.append_turns(pending)
 
     # -- building (SEMANTICS.md §3) -----------------------------------------
     def start_mask(self) -> None:
@@ -313,6 +376,7 @@ class Trajectory:
 
     def append_sampled(self, tokens: np.ndarray, log_probs: np.ndarray, loss_mask: np.ndarray | None, mask: SamplingMask | None) -> None:
         """Sampled tokens (contract arrays, aligned with each other)."""
+        self._write_pending()
         if mask is not None:
             self.start_mask()
             self._mask.append(mask)
@@ -334,6 +398,7 @@ class Trajectory:
         self._append_forced(as_int_array(tokens, TOKEN_DTYPE, "forced_tokens"))
 
     def _append_forced(self, tokens: np.ndarray) -> None:
+        self._write_pending()
         if self._mask is not None:
             self._mask.append_singletons(tokens)
         self._tokens.extend(tokens)
@@ -368,10 +433,11 @@ class Trajectory:
         if missing:
             self.cut_at_gap(Gap(self.turns, missing[0]))
             return TurnOutcome(False, "replay_gap")
-        self.append_sampled(turn.tokens, turn.log_probs, turn.loss_mask, turn.mask)
-        self._sampled_end = self.response_length
-        if turn.forced_tokens.size:
-            self._append_forced(turn.forced_tokens)
+        if turn.mask is not None:
+            self.start_mask()
+        self._sampled_end = self.response_length + len(turn.tokens)
+        self._pending.append(turn)  # its arrays are written at the next read (see _write_pending)
+        self._pending_length += len(turn.tokens) + turn.forced_tokens.size
         for name in CONTEXT_REPLAY_ARRAYS:
             if getattr(turn, name) is not None:
                 self._context[name] = getattr(turn, name)
@@ -391,6 +457,7 @@ class Trajectory:
         self._terminal = True
 
     def _truncate_response(self, length: int) -> None:
+        self._write_pending()
         self._tokens.truncate(length)
         self._loss_mask.truncate(length)
         self._log_probs.truncate(length)
@@ -401,6 +468,7 @@ class Trajectory:
     # -- lifecycle (SEMANTICS.md §5) ---------------------------------------
     def validate(self) -> None:
         """Every per-token field has `response_length` entries."""
+        self._write_pending()
         n = self.response_length
         for name, arr in (("loss_mask", self._loss_mask), ("log_probs", self._log_probs)):
             if len(arr) != n:

@@ -198,10 +198,14 @@ def whole_build(specs, *, drop_last_forced=False) -> Expected:
     )
 
 
-def merge(specs, prompt=(1, 2, 3)) -> Trajectory:
+def merge(specs, prompt=(1, 2, 3), read_after=()) -> Trajectory:
+    """Merge `specs` in order; a read after the turns whose positions are in
+    `read_after` writes the pending ones, so later turns start a new batch."""
     traj = Trajectory("traj", np.array(prompt, np.int32))
-    for spec in specs:
+    for position, spec in enumerate(specs):
         assert traj.append_turn(spec.build()) == TurnOutcome(True)
+        if position in read_after:
+            traj.arrays()
     return traj
 
 
@@ -556,7 +560,7 @@ def test_merging_turns_one_by_one_equals_building_the_whole_trajectory(data, wit
     """§4: response = sampled ++ forced per turn; forced tokens get loss 0,
     log-prob 0.0 and singleton supports; status is the last turn's."""
     specs = data.draw(turn_sequences(mask=with_mask, routed=routed))
-    traj = merge(specs)
+    traj = merge(specs, read_after=data.draw(st.sets(st.integers(0, len(specs) - 1))))
     exp = whole_build(specs)
     assert_trajectory_is(traj, exp, with_mask=with_mask)
     assert traj.status == specs[-1].status and traj.turns == len(specs) and traj.gap is None
