@@ -10,6 +10,9 @@ frames/s, tokens/s, bytes/s, the ratio to the relay, and the broker's peak
 RSS; `--sync full` is measured too. The last line is JSON.
 
 usage: python bench/broker_throughput.py [--frames N] [--window W] [--repeat R]
+
+The producer keeps the broker's advertised window in flight, as the
+producer library does.
 """
 from __future__ import annotations
 
@@ -73,18 +76,19 @@ def encoded_stream(frames: int, tokens: int, forced: int) -> tuple[list[list], i
     return messages, n_turns, turn_bytes // n_turns
 
 
-def _greeted(endpoint: str, to_broker, from_broker, hello: dict) -> tuple[zmq.Context, zmq.Socket]:
-    """A DEALER in a fresh context (we are a forked process) that said hello."""
+def _greeted(endpoint: str, to_broker, from_broker, hello: dict) -> tuple[zmq.Context, zmq.Socket, dict]:
+    """A DEALER in a fresh context (we are a forked process) that said
+    hello, and the broker's welcome."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(endpoint)
     sock.send_multipart(encode(to_broker, "hello", hello))
-    decode(sock.recv_multipart(), from_broker)
-    return ctx, sock
+    return ctx, sock, decode(sock.recv_multipart(), from_broker).fields
 
 
 def _producer(endpoint, messages, window, out):
-    ctx, sock = _greeted(endpoint, PRODUCER_TO_BROKER, BROKER_TO_PRODUCER, {"producer_id": "bench"})
+    ctx, sock, welcome = _greeted(endpoint, PRODUCER_TO_BROKER, BROKER_TO_PRODUCER, {"producer_id": "bench"})
+    window = window or welcome["window"]  # as a producer does: the broker's window unless told less
     in_flight, sent, acked, refused = 0, 0, 0, 0
     start = time.perf_counter()
     while acked + refused < len(messages):
@@ -104,7 +108,7 @@ def _producer(endpoint, messages, window, out):
 
 
 def _consumer(endpoint, trajectories, credit, out):
-    ctx, sock = _greeted(endpoint, CONSUMER_TO_BROKER, BROKER_TO_CONSUMER, {"consumer_id": "bench"})
+    ctx, sock, _ = _greeted(endpoint, CONSUMER_TO_BROKER, BROKER_TO_CONSUMER, {"consumer_id": "bench"})
     sock.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": credit, "unit": "trajectory"}))
     received, start, tokens = 0, None, 0
     while received < trajectories:
@@ -178,7 +182,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=4000, help="turn frames per 512-token run")
     parser.add_argument("--tiny-frames", type=int, default=16000, help="turn frames per 32-token run")
-    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--window", type=int, default=0, help="frames in flight; 0: the broker's welcome window")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs of each; the best is reported")
     args = parser.parse_args()
 

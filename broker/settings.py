@@ -24,7 +24,7 @@ class BrokerSettings:
     max_memory_bytes: int = 2 << 30
     max_disk_bytes: int = 64 << 30
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    window: int = 64
+    window: int = 256
     batch_max: int = 256
     segment_bytes: int = 64 << 20
     high_water_mark: int = 1000

@@ -78,7 +78,7 @@ class AsyncProducer:
         endpoint: str,
         producer_id: str,
         *,
-        window: int = 64,
+        window: int = 256,
         reply_timeout: float = 30.0,
         retry_delay: float = 0.5,
         heartbeat_interval: float = 1.0,

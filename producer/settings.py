@@ -14,7 +14,7 @@ class ProducerSettings:
     broker_endpoint: str = "tcp://127.0.0.1:5555"
     producer_id: str | None = None  # default: host name and source; keep it stable to reuse a spool
     # reliability
-    window: int = 64
+    window: int = 256
     reply_timeout: float = 30.0
     retry_delay: float = 0.5
     heartbeat_interval: float = 1.0
