@@ -36,9 +36,10 @@ class GrowableArray:
     Appends are queued and written together, in one concatenation, when the
     array is next read or cut: the broker appends several parts per frame
     but reads a trajectory once, at delivery, so most numpy calls move from
-    per part to per read. A writable array is copied when appended; a
-    read-only one is taken to be frozen (turn arrays are, and so are
-    `constant_run` fills)."""
+    per part to per read. A writable array, or one of another dtype (cast
+    as numpy's `same_kind` allows), is copied when appended; a read-only
+    one is taken to be frozen (turn arrays are, and so are `constant_run`
+    fills). Queued parts therefore always have the buffer's dtype."""
 
     __slots__ = ("_buf", "_len", "_parts", "_shifts", "_queued")
 
@@ -69,7 +70,9 @@ class GrowableArray:
                 self._shifts = [0] * len(self._parts)
         if self._shifts is not None:
             self._shifts += shifts if shifts is not None else [0] * len(parts)
-        self._parts += [part.copy() if part.flags.writeable else part for part in parts]
+        dtype = self._buf.dtype
+        self._parts += [part if part.dtype == dtype and not part.flags.writeable else part.astype(dtype, casting="same_kind")
+                        for part in parts]
         self._queued += sum(map(len, parts))
 
     def extend_fill(self, value, count: int) -> None:
@@ -81,16 +84,30 @@ class GrowableArray:
         if not parts:
             return
         start, end = self._len, self._len + self._queued
-        if end > len(self._buf):
-            # Exact size for a first write (a trajectory read once), doubling after.
-            grown = np.empty(end if start == 0 else max(2 * end, 2 * len(self._buf)), dtype=self._buf.dtype)
-            grown[:start] = self._buf[:start]
-            self._buf = grown
+        if start == 0 and end > len(self._buf) and self._join(parts):
+            pass  # a first write (a trajectory read once): exactly its size
+        else:
+            if end > len(self._buf):  # doubling
+                grown = np.empty(max(2 * end, 2 * len(self._buf)), dtype=self._buf.dtype)
+                grown[:start] = self._buf[:start]
+                self._buf = grown
+            np.concatenate(parts, out=self._buf[start:end])
         target = self._buf[start:end]
-        np.concatenate(parts, out=target)
         if self._shifts is not None:
             target += np.repeat(np.array(self._shifts, dtype=self._buf.dtype), [len(part) for part in parts])
         self._len, self._parts, self._shifts, self._queued = end, [], None, 0
+
+    def _join(self, parts: list) -> bool:
+        """The parts' bytes joined into a new, exactly sized buffer: for the
+        many small parts of a trajectory about twice as fast as numpy's
+        concatenate (queued parts have the buffer's dtype). False (nothing
+        changed) when a part is not contiguous."""
+        try:
+            joined = bytearray().join(parts)
+        except (TypeError, BufferError, ValueError):
+            return False
+        self._buf = np.frombuffer(joined, dtype=self._buf.dtype)
+        return True
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= len(self):

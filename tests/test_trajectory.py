@@ -229,6 +229,22 @@ def test_growable_array_queued_appends_keep_their_values_and_order():
         arr.truncate(6)
 
 
+def test_growable_array_casts_other_dtypes_and_takes_strided_parts():
+    """The first write joins the parts' bytes, so a part of another dtype
+    must be cast when queued (not reinterpreted) and a strided one must be
+    read element by element."""
+    arr = GrowableArray(np.int32)
+    strided = np.arange(10, dtype=np.int32)[::3]
+    strided.flags.writeable = False
+    arr.extend_many([np.array([2**40 + 5, -1], np.int64), strided, np.array([True], bool)])
+    assert arr.view().tolist() == [5, -1, 0, 3, 6, 9, 1]  # int64 wraps like numpy's same_kind cast
+    with pytest.raises(TypeError):
+        arr.extend(np.array([1.5], np.float32))  # float into int: refused, as numpy refuses
+    floats = GrowableArray(np.float32)
+    floats.extend_many([np.array([1, 2], np.int32), np.array([0.5], np.float64)])
+    assert floats.view().tolist() == [1.0, 2.0, 0.5]
+
+
 def test_turn_build_checks_what_a_broker_would():
     with pytest.raises(ProtocolError) as err:
         turn([10], [[11]])
