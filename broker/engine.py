@@ -203,11 +203,11 @@ class MergeEngine:
         remembered = self.dedup.get(tid)
         if remembered is not None and remembered >= now:
             return Reply(_ack(message, False, duplicate=True))
-        handler = {"turn": self._turn, "end": self._end, "abort": self._abort}.get(message.type)
+        handler = _HANDLERS.get(message.type)
         if handler is None:
             raise ValueError(f"the merge engine takes turn, end and abort messages, got {message.type!r}")
         try:
-            fields, effects = handler(message, now)
+            fields, effects = handler(self, message, now)
         except ProtocolError as error:
             self._effects.clear()
             return Reply(error=error.with_seq(message["seq"]))
@@ -421,3 +421,7 @@ class MergeEngine:
     def dead_letters(self, limit: int) -> list[dict]:
         dead = sorted((e for e in self.entries.values() if e.state == DEAD), key=lambda e: e.dead_at)
         return [{"trajectory_id": e.trajectory_id, "reason": e.dead_reason, "at": e.dead_at} for e in dead[:limit]]
+
+
+# The producer messages the engine applies, by type.
+_HANDLERS = {"turn": MergeEngine._turn, "end": MergeEngine._end, "abort": MergeEngine._abort}

@@ -56,6 +56,13 @@ def _buffer(frame) -> bytes | memoryview:
     return frame if frame.readonly else frame.toreadonly()
 
 
+def _bytes_view(arr: np.ndarray) -> memoryview:
+    """The array's bytes in C order, zero-copy when it is C-contiguous."""
+    if not arr.size:
+        return memoryview(b"")  # a view with a zero in its shape cannot be cast
+    return memoryview(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)).cast("B")
+
+
 def _schema_error(message: str) -> ProtocolError:
     return ProtocolError("schema", message)
 
@@ -139,7 +146,7 @@ def encode(
             if not contract.rank_ok(arr.ndim):
                 raise ProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {list(arr.shape)}")
             entries.append([name, contract.wire_name, list(arr.shape)])
-            buffers.append(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
+            buffers.append(_bytes_view(arr))
         header["arrays"] = entries
         if crc:
             header["crc32"] = crc32_of(buffers)
@@ -282,8 +289,7 @@ def _array_bytes(message: Message) -> list[tuple[str, memoryview]]:
     any (no numpy calls), sorted by name."""
     if message.frames:
         return sorted(zip(message.arrays, message.frames[1:]))
-    return sorted((name, memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
-                  for name, arr in message.arrays.items())
+    return sorted((name, _bytes_view(arr)) for name, arr in message.arrays.items())
 
 
 def content_digest(message: Message, *, ignore: tuple[str, ...] = ("seq",)) -> bytes:

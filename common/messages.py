@@ -100,9 +100,9 @@ def _schema(name: str, *specs: MessageSpec) -> Schema:
 
 # -- cross-field rules --------------------------------------------------------
 def mask_pair(header, arrays) -> str | None:
-    present = [name for name in MASK_ARRAYS if name in arrays]
-    if len(present) == 1:
-        return f"mask_ids and mask_offsets travel together; only {present[0]} is present"
+    ids, offsets = MASK_ARRAYS
+    if (ids in arrays) != (offsets in arrays):
+        return f"mask_ids and mask_offsets travel together; only {ids if ids in arrays else offsets} is present"
     return None
 
 

@@ -343,18 +343,20 @@ class Trajectory:
         pending = self._pending
         if not pending:
             return
+        longest = self._pending_length  # no turn has more sampled or forced tokens
         self._pending, self._pending_length = [], 0
+        ones, zeros = constant_run(1, longest, LOSS_MASK_DTYPE), constant_run(0, longest, LOSS_MASK_DTYPE)
+        zero_log_probs = constant_run(0.0, longest, LOG_PROB_DTYPE)
         tokens, log_probs, loss_mask = [], [], []
         for turn in pending:
-            n = len(turn.tokens)
             tokens.append(turn.tokens)
             log_probs.append(turn.log_probs)
-            loss_mask.append(constant_run(1, n, LOSS_MASK_DTYPE) if turn.loss_mask is None else turn.loss_mask)
+            loss_mask.append(ones[: len(turn.tokens)] if turn.loss_mask is None else turn.loss_mask)
             forced = turn.forced_tokens.size
             if forced:
                 tokens.append(turn.forced_tokens)
-                log_probs.append(constant_run(0.0, forced, LOG_PROB_DTYPE))
-                loss_mask.append(constant_run(0, forced, LOSS_MASK_DTYPE))
+                log_probs.append(zero_log_probs[:forced])
+                loss_mask.append(zeros[:forced])
         self._tokens.extend_many(tokens)
         self._log_probs.extend_many(log_probs)
         self._loss_mask.extend_many(loss_mask)
