@@ -177,22 +177,31 @@ def decode_header(frame) -> dict:
     return header
 
 
+def _is_extents(shape: list) -> bool:
+    """Every entry a non-negative int (the 1-D case without a generator)."""
+    if len(shape) == 1:
+        extent = shape[0]
+        return type(extent) is int and extent >= 0
+    return all(type(extent) is int and extent >= 0 for extent in shape)
+
+
 def _array_entries(header: Mapping[str, Any], frame_count: int) -> tuple[list[tuple[str, Any, Any]], frozenset]:
     """The header's array entries, checked, and the set of their names."""
     entries = header.get("arrays", ())
     if type(entries) is not list and entries != ():
         raise _schema_error(f"arrays must be a list of [name, dtype, shape], got {type(entries).__name__}")
-    parsed = []
+    parsed, listed = [], []
     for entry in entries:
         if not (type(entry) is list and len(entry) == 3 and type(entry[0]) is str):
             raise _schema_error(f"arrays entries must be [name, dtype, shape], got {entry!r:.80}")
         name, dtype, shape = entry
         if name not in ARRAYS:
             raise _schema_error(f"unknown array {name!r}; expected one of {sorted(ARRAYS)}")
-        if type(shape) is not list or any(type(extent) is not int or extent < 0 for extent in shape):
+        if type(shape) is not list or not _is_extents(shape):
             raise _schema_error(f"array {name!r} shape must be a list of non-negative integers, got {shape!r:.80}")
         parsed.append((name, dtype, shape))
-    names = frozenset(name for name, _, _ in parsed)
+        listed.append(name)
+    names = frozenset(listed)
     if len(names) != len(parsed):
         twice = next(name for name, _, _ in parsed if sum(1 for other, _, _ in parsed if other == name) > 1)
         raise _schema_error(f"array {twice!r} is listed twice")

@@ -118,8 +118,10 @@ def group_pair(header, arrays) -> str | None:
 def turn_zero_fields(header, arrays) -> str | None:
     if header["turn"] == 0:
         return None if "prompt_tokens" in arrays else "turn 0 must carry prompt_tokens"
+    if "prompt_tokens" not in arrays and header.keys().isdisjoint(_TURN0_ONLY):
+        return None
     late = [name for name in _TURN0_ONLY if name in header] + (["prompt_tokens"] if "prompt_tokens" in arrays else [])
-    return f"{', '.join(late)} may travel on turn 0 only, got turn {header['turn']}" if late else None
+    return f"{', '.join(late)} may travel on turn 0 only, got turn {header['turn']}"
 
 
 # -- the catalogue ------------------------------------------------------------
