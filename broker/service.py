@@ -302,15 +302,18 @@ class BrokerService:
                 self.metrics.inc(self.metrics.exits, exit="expired" if effect.reason == "expired" else "dead")
                 log.warning("trajectory dead-lettered", extra={"trajectory_id": effect.trajectory_id, "reason": effect.reason})
 
-    def _send(self, endpoint: str, identity: bytes, frames: list, copy: bool = True) -> bool:
+    def _send(self, endpoint: str, identity: bytes, frames: list) -> bool:
         """Send without blocking; False when the peer is gone or not reading.
-        `copy=False` (zero-copy) pays off only for large frames: deliveries."""
+        Every frame is copied, deliveries too: a zero-copy send hands each
+        large frame to pyzmq's garbage-collector thread, which must take the
+        interpreter lock to let it go, and the broker delivered 5-10% fewer
+        frames/s that way than by copying ~200 KB per trajectory."""
         sock = self.sockets[endpoint]
         try:  # part by part: send_multipart's per-part type checks cost more than an ack's sending
             sock.send(identity, _SEND_MORE)
             for frame in frames[:-1]:
-                sock.send(frame, _SEND_MORE, copy=copy)
-            sock.send(frames[-1], zmq.NOBLOCK, copy=copy)
+                sock.send(frame, _SEND_MORE)
+            sock.send(frames[-1], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH (peer gone) or EAGAIN (peer's queue full)
             log.warning("reply not delivered", extra={"endpoint": endpoint, "peer": identity.hex(), "error": exc.strerror})
@@ -434,7 +437,7 @@ class BrokerService:
                 entry.trajectory = load_trajectory(self.store, self.store.load_one(entry.trajectory_id))
             frames = encode_deliver(entry.trajectory, delivery.lease, delivery_count=delivery.delivery_count,
                                     **delivery.group_fields)
-            if not self._send("consumer", delivery.identity, frames, copy=False):
+            if not self._send("consumer", delivery.identity, frames):
                 self.dispatcher.retract(delivery.lease)
 
     # -- admin ----------------------------------------------------------------
