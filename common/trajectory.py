@@ -6,7 +6,8 @@ A `Trajectory` is the prompt followed by merged turns. It grows in place
 (geometric buffers), so appending costs O(tokens appended) however long the
 trajectory already is, and no step loops over tokens in Python. A merged
 turn's arrays are written at the next read, together with every other turn
-merged since: a broker merges each turn once but reads the trajectory once.
+merged since: the broker merges many turns into a trajectory and reads it
+once, at delivery.
 """
 from __future__ import annotations
 
@@ -327,6 +328,7 @@ class Trajectory:
                 + sum(array.nbytes for array in self._context.values()) + self._pending_nbytes())
 
     def _pending_nbytes(self) -> int:
+        """What the pending turns will add once written."""
         per_token = TOKEN_DTYPE.itemsize + LOG_PROB_DTYPE.itemsize + LOSS_MASK_DTYPE.itemsize
         total = 0
         for turn in self._pending:
