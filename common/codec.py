@@ -190,24 +190,22 @@ def _array_entries(header: Mapping[str, Any], frame_count: int) -> tuple[list[tu
     entries = header.get("arrays", ())
     if type(entries) is not list and entries != ():
         raise _schema_error(f"arrays must be a list of [name, dtype, shape], got {type(entries).__name__}")
-    parsed, listed = [], []
+    parsed, seen = [], set()
     for entry in entries:
         if not (type(entry) is list and len(entry) == 3 and type(entry[0]) is str):
             raise _schema_error(f"arrays entries must be [name, dtype, shape], got {entry!r:.80}")
         name, dtype, shape = entry
         if name not in ARRAYS:
             raise _schema_error(f"unknown array {name!r}; expected one of {sorted(ARRAYS)}")
+        if name in seen:
+            raise _schema_error(f"array {name!r} is listed twice")
         if type(shape) is not list or not _is_extents(shape):
             raise _schema_error(f"array {name!r} shape must be a list of non-negative integers, got {shape!r:.80}")
+        seen.add(name)
         parsed.append((name, dtype, shape))
-        listed.append(name)
-    names = frozenset(listed)
-    if len(names) != len(parsed):
-        twice = next(name for name, _, _ in parsed if sum(1 for other, _, _ in parsed if other == name) > 1)
-        raise _schema_error(f"array {twice!r} is listed twice")
     if frame_count != 1 + len(parsed):
         raise _schema_error(f"header lists {len(parsed)} array(s), message has {frame_count - 1} array frame(s)")
-    return parsed, names
+    return parsed, frozenset(seen)
 
 
 def decode(
