@@ -56,10 +56,6 @@ class GrowableArray:
     def extend(self, values: np.ndarray) -> None:
         self.extend_many([values])
 
-    def extend_shifted(self, values: np.ndarray, shift) -> None:
-        """Append `values + shift`."""
-        self.extend_many([values], [shift])
-
     def extend_many(self, parts: list, shifts: list | None = None) -> None:
         """Append each of `parts` in order, plus its entry of `shifts` when
         given (one call for a whole trajectory's pending turns)."""
@@ -74,10 +70,6 @@ class GrowableArray:
         self._parts += [part if part.dtype == dtype and not part.flags.writeable else part.astype(dtype, casting="same_kind")
                         for part in parts]
         self._queued += sum(map(len, parts))
-
-    def extend_fill(self, value, count: int) -> None:
-        """Append `count` copies of `value`."""
-        self.extend(constant_run(value, count, self._buf.dtype))
 
     def _flush(self) -> None:
         parts = self._parts

@@ -29,6 +29,7 @@ REPLAY_DTYPE = ARRAYS["routed_experts"].dtype
 
 
 EMPTY_TOKENS = frozen(np.empty(0, TOKEN_DTYPE))
+EMPTY_LOG_PROBS = frozen(np.empty(0, LOG_PROB_DTYPE))
 
 
 def _as_float_array(values, name: str) -> np.ndarray:
@@ -175,14 +176,6 @@ class _MaskBuffer:
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
-
-    def append(self, mask: SamplingMask) -> None:
-        self.offsets.extend_shifted(mask.offsets[1:], len(self.ids))  # the last offset is len(ids)
-        self.ids.extend(mask.ids)
-
-    def append_singletons(self, tokens: np.ndarray) -> None:
-        self.offsets.extend_shifted(counting_run(tokens.size, OFFSETS_DTYPE), len(self.ids))
-        self.ids.extend(tokens)
 
     def append_turns(self, turns: list[Turn]) -> None:
         """Each turn's supports, then its forced tokens' singletons."""
@@ -379,35 +372,28 @@ class Trajectory:
         self._mask = _MaskBuffer()
 
     def append_sampled(self, tokens: np.ndarray, log_probs: np.ndarray, loss_mask: np.ndarray | None, mask: SamplingMask | None) -> None:
-        """Sampled tokens (contract arrays, aligned with each other)."""
-        self._write_pending()
+        """Sampled tokens (contract arrays, aligned with each other; copied,
+        so later changes to them change nothing)."""
         if mask is not None:
             self.start_mask()
-            self._mask.append(mask)
         elif self._mask is not None:
             raise ProtocolError(
                 "misaligned",
                 f"rule '{RULE_ALIGNED}' violated: trajectory {self.trajectory_id!r} carries a sampling mask, "
                 f"{len(tokens)} sampled tokens without supports would misalign it",
             )
-        self._tokens.extend(tokens)
-        self._log_probs.extend(log_probs)
-        if loss_mask is None:
-            self._loss_mask.extend_fill(1, len(tokens))
-        else:
-            self._loss_mask.extend(loss_mask)
+        self._queue(Turn(owned(tokens, tokens), owned(log_probs, log_probs),
+                         loss_mask=None if loss_mask is None else owned(loss_mask, loss_mask), mask=mask))
 
     def append_forced(self, tokens) -> None:
         """Environment tokens: singleton support, loss 0, log-prob 0.0."""
-        self._append_forced(as_int_array(tokens, TOKEN_DTYPE, "forced_tokens"))
+        forced = owned(as_int_array(tokens, TOKEN_DTYPE, "forced_tokens"), tokens)
+        self._queue(Turn(EMPTY_TOKENS, EMPTY_LOG_PROBS, forced_tokens=forced))
 
-    def _append_forced(self, tokens: np.ndarray) -> None:
-        self._write_pending()
-        if self._mask is not None:
-            self._mask.append_singletons(tokens)
-        self._tokens.extend(tokens)
-        self._loss_mask.extend_fill(0, tokens.size)
-        self._log_probs.extend_fill(0.0, tokens.size)
+    def _queue(self, turn: Turn) -> None:
+        """Keep `turn` until the next read writes it (see _write_pending)."""
+        self._pending.append(turn)
+        self._pending_length += len(turn.tokens) + turn.forced_tokens.size
 
     # -- merging (SEMANTICS.md §4) -----------------------------------------
     def append_turn(self, turn: Turn) -> TurnOutcome:
@@ -440,8 +426,7 @@ class Trajectory:
         if turn.mask is not None:
             self.start_mask()
         self._sampled_end = self.response_length + len(turn.tokens)
-        self._pending.append(turn)  # its arrays are written at the next read (see _write_pending)
-        self._pending_length += len(turn.tokens) + turn.forced_tokens.size
+        self._queue(turn)
         for name in CONTEXT_REPLAY_ARRAYS:
             if getattr(turn, name) is not None:
                 self._context[name] = getattr(turn, name)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from rollstream.common import ProtocolError, SamplingMask, Trajectory, Turn
-from rollstream.common.buffers import GrowableArray
+from rollstream.common.buffers import GrowableArray, constant_run
 from rollstream.common.trajectory import Gap, TurnOutcome
 
 
@@ -216,14 +216,14 @@ def test_growable_array_queued_appends_keep_their_values_and_order():
     source[:] = -1
     frozen_part = np.array([7, 8], np.int64)
     frozen_part.flags.writeable = False
-    arr.extend_shifted(frozen_part, 100)
-    arr.extend_fill(5, 2)
+    arr.extend_many([frozen_part], [100])
+    arr.extend(constant_run(5, 2, np.dtype(np.int64)))
     assert len(arr) == 7
     assert arr.view().tolist() == [1, 2, 3, 107, 108, 5, 5]
     arr.extend(np.array([9], np.int64))
     arr.truncate(4)
     assert arr.view().tolist() == [1, 2, 3, 107]
-    arr.extend_shifted(np.array([1], np.int64), 10)
+    arr.extend_many([np.array([1], np.int64)], [10])
     assert arr.copy().tolist() == [1, 2, 3, 107, 11] and arr.nbytes == 5 * 8
     with pytest.raises(ValueError, match="truncate"):
         arr.truncate(6)
