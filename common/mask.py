@@ -59,6 +59,11 @@ def as_int_array(values, dtype: np.dtype, name: str) -> np.ndarray:
     return arr.astype(dtype, copy=False)
 
 
+def _is_integer_type(kind: type) -> bool:
+    """A Python or numpy integer type; bools are not ids."""
+    return issubclass(kind, (int, np.integer)) and not issubclass(kind, bool)
+
+
 def frozen(arr: np.ndarray) -> np.ndarray:
     arr.flags.writeable = False
     return arr
@@ -104,14 +109,21 @@ class SamplingMask:
 
     @classmethod
     def from_supports(cls, supports: Sequence[Iterable[int]]) -> "SamplingMask":
-        """One support (a sequence of integer ids) per token."""
+        """One support (a sequence of integer ids) per token. Ids of any other
+        type are refused, as SEMANTICS.md §2 asks: checking the types costs
+        about as much as the conversion, and a float would be truncated."""
         sizes = np.fromiter(map(len, supports), dtype=OFFSETS_DTYPE, count=len(supports))
+        flat = list(itertools.chain.from_iterable(supports))
+        kinds = set(map(type, flat))
+        if not kinds <= {int}:  # fromiter would truncate a float and take a bool or a numeric string
+            refused = [kind.__name__ for kind in kinds if not _is_integer_type(kind)]
+            if refused:
+                raise ValueError(f"rule '1-D integer arrays' violated: supports must hold integer ids, got "
+                                 f"{', '.join(sorted(refused))} (bool, float, complex and str are refused, never cast)")
         try:
-            ids = np.fromiter(itertools.chain.from_iterable(supports), dtype=IDS_DTYPE, count=int(sizes.sum()))
+            ids = np.fromiter(flat, dtype=IDS_DTYPE, count=len(flat))
         except OverflowError as exc:
             raise ValueError(f"rule 'values fit int32' violated: supports hold an id outside int32 ({exc})") from None
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"supports must hold integer ids: {exc}") from None
         return cls._from_sizes(ids, sizes)
 
     @classmethod

@@ -88,6 +88,25 @@ def test_values_outside_int32_are_refused_not_wrapped():
         SamplingMask([1], np.array([0, 2**63], dtype=np.uint64))
 
 
+@pytest.mark.parametrize("supports, refused", [
+    ([[1, 2.5]], "float"),  # np.fromiter alone would truncate it to 2
+    ([[4.0]], "float"),
+    ([[1, True]], "bool"),
+    ([[np.bool_(True)]], "bool"),
+    ([["7"]], "str"),
+    (["12"], "str"),  # a string support iterates as characters
+    ([[np.float32(3)]], "float32"),
+])
+def test_supports_refuse_non_integer_ids_instead_of_casting(supports, refused):
+    with pytest.raises(ValueError, match=rf"integer ids, got {refused} "):
+        SamplingMask.from_supports(supports)
+
+
+def test_supports_take_numpy_integer_ids():
+    mask = SamplingMask.from_supports([[np.int64(3), 4], np.array([9, 2], dtype=np.uint16)])
+    assert mask.ids.tolist() == [3, 4, 9, 2] and mask.offsets.tolist() == [0, 2, 4]
+
+
 def test_arrays_must_be_one_dimensional():
     with pytest.raises(ValueError, match="1-D"):
         SamplingMask(np.array([[1]]), [0, 1])
