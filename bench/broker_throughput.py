@@ -86,7 +86,11 @@ def _greeted(endpoint: str, to_broker, from_broker, hello: dict) -> tuple[zmq.Co
     return ctx, sock, decode(sock.recv_multipart(), from_broker).fields
 
 
-def _producer(endpoint, messages, window, out):
+def _producer(endpoint, shape, window, out):
+    # Encoded here rather than inherited from the parent: touching the
+    # parent's objects after the fork would copy their pages on write, work
+    # the relay's sender does not do, on the same two cores as the broker.
+    messages, _, _ = encoded_stream(*shape)
     ctx, sock, welcome = _greeted(endpoint, PRODUCER_TO_BROKER, BROKER_TO_PRODUCER, {"producer_id": "bench"})
     window = window or welcome["window"]  # as a producer does: the broker's window unless told less
     in_flight, sent, acked, refused = 0, 0, 0, 0
@@ -112,7 +116,7 @@ def _consumer(endpoint, trajectories, credit, out):
     sock.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": credit, "unit": "trajectory"}))
     received, start, tokens = 0, None, 0
     while received < trajectories:
-        message = decode(sock.recv_multipart(), BROKER_TO_CONSUMER, check_content=False)
+        message = decode(sock.recv_multipart(copy=False), BROKER_TO_CONSUMER, check_content=False)  # as the relay's receiver
         if message.type != "deliver":
             continue
         start = start or time.perf_counter()
@@ -134,7 +138,7 @@ def _peak_rss(pid: int) -> int:
     return 0
 
 
-def run_broker(messages: list, n_turns: int, window: int, sync: str) -> dict:
+def run_broker(shape: tuple, n_turns: int, window: int, sync: str) -> dict:
     data = tempfile.mkdtemp(prefix="rollstream-bench-")
     ports = free_loopback_ports(3)
     endpoints = [f"tcp://127.0.0.1:{p}" for p in ports]
@@ -151,7 +155,7 @@ def run_broker(messages: list, n_turns: int, window: int, sync: str) -> dict:
         consumer = mp.Process(target=_consumer, args=(endpoints[1], trajectories, 32, out))
         consumer.start()
         time.sleep(0.3)
-        producer = mp.Process(target=_producer, args=(endpoints[0], messages, window, out))
+        producer = mp.Process(target=_producer, args=(endpoints[0], shape, window, out))
         producer.start()
         results = dict((item[0], item[1:]) for item in (out.get(timeout=600), out.get(timeout=600)))
         producer.join()
@@ -193,13 +197,13 @@ def main() -> None:
 
     results = {}
     for label, tokens, forced, frames in (("512", 512, 128, args.frames), ("32", 32, 8, args.tiny_frames)):
-        messages, n_turns, frame_bytes = encoded_stream(frames, tokens, forced)
+        _, n_turns, frame_bytes = encoded_stream(frames, tokens, forced)
         runs = {"relay": [], "normal": [], "full": []}
         for _ in range(args.repeat):  # interleaved, best of each: the machine is shared and noisy
             runs["relay"].append(run_relay(n_turns, frame_bytes))
-            runs["normal"].append(run_broker(messages, n_turns, args.window, "normal"))
+            runs["normal"].append(run_broker((frames, tokens, forced), n_turns, args.window, "normal"))
             if label == "512":
-                runs["full"].append(run_broker(messages, n_turns, args.window, "full"))
+                runs["full"].append(run_broker((frames, tokens, forced), n_turns, args.window, "full"))
         results[label] = {"relay": best(runs["relay"], "msgs_per_s"), "normal": best(runs["normal"], "frames_per_s"),
                           "frame_bytes": frame_bytes}
         if runs["full"]:
