@@ -90,6 +90,7 @@ class BrokerService:
         self._memory_bytes = 0
         self._disk_bytes = 0
         self._redeliveries_seen = 0
+        self._evicted_open: set[str] = set()  # open trajectories the memory budget moved to the store
         self.sockets: dict[str, zmq.Socket] = {}
         self._metrics_server = None
 
@@ -185,6 +186,7 @@ class BrokerService:
         already with the dispatcher, so the restored list is not re-queued."""
         self.engine = self._new_engine()
         restore(self.engine, self.store.reload(), self.store)
+        self._evicted_open.clear()  # restore loads every open trajectory
 
     # -- producers ------------------------------------------------------------
     def _serve_producers(self, now: float) -> None:
@@ -209,6 +211,8 @@ class BrokerService:
             except ProtocolError as error:
                 received.append((frames[0], None, error))
         self._check_content(received)
+        if self._evicted_open:
+            self._reload_evicted(received)
         pending: list[_Pending] = []
         effects: list = []
         for identity, message, error in received:
@@ -243,6 +247,19 @@ class BrokerService:
                 check_message_arrays(message.arrays, vocab_size=vocab)
             except ProtocolError as error:
                 received[i] = (identity, message, error.with_seq(message["seq"]))
+
+    def _reload_evicted(self, received: list) -> None:
+        """Bring back the evicted open trajectories this batch continues
+        (the engine merges into them); their turns are in the store."""
+        for _, message, error in received:
+            if error is None and message.type in ("turn", "end"):
+                tid = message["trajectory_id"]
+                if tid in self._evicted_open:
+                    self._evicted_open.discard(tid)
+                    entry = self.engine.entries.get(tid)
+                    if entry is not None and entry.state == OPEN and entry.trajectory is None:
+                        entry.trajectory = load_trajectory(self.store, self.store.load_one(tid))
+                        log.debug("evicted trajectory reloaded", extra={"trajectory_id": tid})
 
     def _producer_message(self, identity: bytes, message: Message | None, error: ProtocolError | None,
                           now: float) -> tuple[_Pending, list]:
@@ -523,18 +540,16 @@ class BrokerService:
         self._refresh_gauges(now)
 
     def _apply_budgets(self) -> None:
-        """Measure memory and disk; evict ready trajectories from memory
-        first, then pause or resume producers."""
+        """Measure memory and disk; over the memory budget, evict trajectories
+        (all durable in the store) before pausing producers; then pause or
+        resume them."""
         s = self.settings
         self._memory_bytes = self.engine.bytes_in_memory()
         if self._memory_bytes > s.max_memory_bytes:
-            leased = {lease.trajectory_id for lease in self.dispatcher.leases.values()}
-            for entry in self.engine.entries.values():
-                if entry.state == ENDED and entry.trajectory is not None and entry.trajectory_id not in leased:
-                    self._memory_bytes -= entry.trajectory.nbytes
-                    entry.trajectory = None
-                    if self._memory_bytes <= 0.9 * s.max_memory_bytes:
-                        break
+            self._evict(0.9 * s.max_memory_bytes)
+        if self._evicted_open:  # forget those that ended, expired or were aborted meanwhile
+            self._evicted_open = {tid for tid in self._evicted_open
+                                  if (e := self.engine.entries.get(tid)) is not None and e.trajectory is None and e.state == OPEN}
         self._disk_bytes = self.store.bytes_on_disk()
         if self._disk_bytes > 0.9 * s.max_disk_bytes:  # also below the limit: the WAL must not hold off a resume
             try:
@@ -543,6 +558,25 @@ class BrokerService:
                 log.warning("WAL checkpoint failed", extra={"error": str(exc)})
             self._disk_bytes = self.store.bytes_on_disk()
         self._update_backpressure()
+
+    def _evict(self, target: float) -> None:
+        """Drop merged arrays from memory until `target` bytes are left:
+        ready trajectories first (reloaded when delivered), then open ones,
+        least recently continued first (reloaded by their next frame). Open
+        ones must be evictable too: were the budget full of trajectories
+        waiting for their `end`, and producer frames paused, those ends
+        would never be read."""
+        leased = {lease.trajectory_id for lease in self.dispatcher.leases.values()}
+        entries = self.engine.entries.values()
+        ready = [e for e in entries if e.state == ENDED and e.trajectory is not None and e.trajectory_id not in leased]
+        opened = sorted((e for e in entries if e.state == OPEN and e.trajectory is not None), key=lambda e: e.updated_at)
+        for entry in (*ready, *opened):
+            if self._memory_bytes <= target:
+                break
+            self._memory_bytes -= entry.trajectory.nbytes
+            entry.trajectory = None
+            if entry.state == OPEN:
+                self._evicted_open.add(entry.trajectory_id)
 
     def _over_budget(self, fraction: float = 1.0) -> bool:
         s = self.settings

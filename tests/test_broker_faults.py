@@ -43,8 +43,8 @@ def header(frames):
     return msgpack.unpackb(frames[0])
 
 
-def good_turn(tid, index=0, seq=1, n=4):
-    tokens = list(range(10, 10 + n))
+def good_turn(tid, index=0, seq=1, n=4, first=10):
+    tokens = list(range(first, first + n))
     turn = Turn.build(tokens, [-0.1] * n, supports=[[t, t + 1] for t in tokens])
     extra = {"prompt_tokens": np.array([1, 2], np.int32)} if index == 0 else {}
     return encode_turn(tid, index, turn, seq=seq, **extra)
@@ -261,15 +261,43 @@ def test_corrupted_store_refuses_to_start(tmp_path):
         broker.start()
 
 
-def test_memory_budget_pauses_producers_without_dropping_what_was_read(tmp_path):
+def test_memory_budget_pauses_producers_and_evicts_open_trajectories(tmp_path):
+    """Thirty open trajectories need about 1 MB and the budget is 100 KB.
+    The broker pauses producers, moves open trajectories out of memory (they
+    are in the store) and resumes, so their ends are still read instead of
+    waiting behind the paused socket forever; each trajectory comes back
+    from the store with its own tokens."""
+    n = 1500  # ~36 KB per turn
     with BrokerProcess(tmp_path, max_memory_bytes=100_000) as broker:
         producer = dealer(broker.producer)
         for i in range(30):
-            producer.send_multipart(good_turn(f"open{i}", n=1500))  # ~36 KB each, all kept open in memory
-        replies = 0
-        while producer.poll(1500):
-            assert decode(producer.recv_multipart(), BROKER_TO_PRODUCER).type == "ack"
-            replies += 1
-        assert 0 < replies < 30, "the broker kept reading past its memory budget"
+            producer.send_multipart(good_turn(f"open{i}", seq=i, n=n, first=i))
+        for i in range(30):  # a second turn merges into a trajectory that may have been evicted
+            producer.send_multipart(good_turn(f"open{i}", index=1, seq=100 + i, n=2, first=i + n))
+        for i in range(30):
+            producer.send_multipart(encode(PRODUCER_TO_BROKER, "end", {"seq": 200 + i, "trajectory_id": f"open{i}",
+                                                                       "reward": float(i)}))
+        replies = []
+        deadline = time.monotonic() + 60
+        while len(replies) < 90 and time.monotonic() < deadline:
+            if producer.poll(100):
+                replies.append(decode(producer.recv_multipart(), BROKER_TO_PRODUCER))
+        assert len(replies) == 90 and all(r.type == "ack" and r["applied"] for r in replies)
         assert "over budget: producer frames paused" in broker.log()
-        assert broker.status()["open"] == replies  # everything read was kept, and acked
+        assert broker.status()["ready"] == 30
+
+        consumer = dealer(broker.consumer)
+        call(consumer, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "c"}))
+        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 30, "unit": "trajectory"}))
+        seen = set()
+        while len(seen) < 30 and consumer.poll(10_000):
+            message = decode(consumer.recv_multipart(), BROKER_TO_CONSUMER)
+            if message.type != "deliver":
+                continue
+            i = int(message["trajectory_id"][4:])
+            assert message.arrays["tokens"].tolist() == list(range(i, i + n + 2))
+            assert message.arrays["mask_ids"].tolist() == [v for t in range(i, i + n + 2) for v in (t, t + 1)]
+            assert message["reward"] == float(i)
+            seen.add(i)
+            consumer.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [message["lease"]]}))
+        assert seen == set(range(30))
