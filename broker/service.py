@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import sqlite3
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSetting
 from .metrics import BrokerMetrics
 from .recovery import load_trajectory, restore
 from .settings import BrokerSettings
-from .store import Store, StoreError
+from .store import Store, StoreCorrupted, StoreError
 
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 log = logging.getLogger("rollstream.broker")
@@ -170,9 +171,7 @@ class BrokerService:
         try:
             self.store.commit(effects)
         except StoreError as exc:
-            log.error("store commit failed; refusing writes until it recovers", extra={"error": str(exc)})
-            self.unavailable = True
-            self.metrics.unavailable.set(1)
+            self._store_failed(f"commit failed: {exc}")
             self._rollback()
             return False
         self.metrics.commit_seconds.observe(time.perf_counter() - started)
@@ -180,6 +179,11 @@ class BrokerService:
             self.dispatcher.enqueue(unit)
         self.engine.ready_units.clear()
         return True
+
+    def _store_failed(self, error: str) -> None:
+        log.error("store failed; refusing writes until it recovers", extra={"error": error})
+        self.unavailable = True
+        self.metrics.unavailable.set(1)
 
     def _rollback(self) -> None:
         """Memory back to exactly what the store holds. Committed units are
@@ -250,16 +254,22 @@ class BrokerService:
 
     def _reload_evicted(self, received: list) -> None:
         """Bring back the evicted open trajectories this batch continues
-        (the engine merges into them); their turns are in the store."""
+        (the engine merges into them); their turns are in the store. If one
+        cannot be read, the store is unavailable and the batch is refused,
+        to be resent: nothing is merged into a trajectory that is not there."""
         for _, message, error in received:
             if error is None and message.type in ("turn", "end"):
                 tid = message["trajectory_id"]
-                if tid in self._evicted_open:
-                    self._evicted_open.discard(tid)
-                    entry = self.engine.entries.get(tid)
-                    if entry is not None and entry.state == OPEN and entry.trajectory is None:
-                        entry.trajectory = load_trajectory(self.store, self.store.load_one(tid))
-                        log.debug("evicted trajectory reloaded", extra={"trajectory_id": tid})
+                entry = self.engine.entries.get(tid)
+                if tid not in self._evicted_open or entry is None or entry.trajectory is not None:
+                    continue
+                try:
+                    entry.trajectory = load_trajectory(self.store, self.store.load_one(tid))
+                except (OSError, sqlite3.Error, StoreCorrupted) as exc:
+                    self._store_failed(f"cannot read evicted trajectory {tid!r} back: {exc}")
+                    return
+                self._evicted_open.discard(tid)
+                log.debug("evicted trajectory reloaded", extra={"trajectory_id": tid})
 
     def _producer_message(self, identity: bytes, message: Message | None, error: ProtocolError | None,
                           now: float) -> tuple[_Pending, list]:

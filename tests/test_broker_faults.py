@@ -6,6 +6,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import msgpack
@@ -14,6 +15,8 @@ import pytest
 import zmq
 from broker_process import BrokerProcess
 
+from rollstream.broker.service import BrokerService
+from rollstream.broker.settings import BrokerSettings
 from rollstream.common.codec import decode, encode
 from rollstream.common.messages import (
     ADMIN_REPLIES,
@@ -26,8 +29,8 @@ from rollstream.common.trajectory import Turn
 from rollstream.common.wire import encode_turn
 
 
-def dealer(endpoint):
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+def dealer(endpoint, context=None):
+    sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     return sock
@@ -301,3 +304,42 @@ def test_memory_budget_pauses_producers_and_evicts_open_trajectories(tmp_path):
             seen.add(i)
             consumer.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [message["lease"]]}))
         assert seen == set(range(30))
+
+def test_an_evicted_trajectory_that_cannot_be_read_back_refuses_its_batch_then_recovers(tmp_path):
+    context = zmq.Context()
+    settings = BrokerSettings(producer_endpoint="inproc://p", consumer_endpoint="inproc://c", admin_endpoint="inproc://a",
+                              data_dir=str(tmp_path / "data"), metrics_port=0, max_memory_bytes=100_000)
+    service = BrokerService(settings, context=context)
+    service.start()
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    try:
+        producer = dealer("inproc://p", context)
+        for i in range(4):  # ~144 KB of open trajectories against a 100 KB budget
+            assert decode(call(producer, good_turn(f"t{i}", seq=i, n=1500)), BROKER_TO_PRODUCER)["applied"]
+        deadline = time.monotonic() + 10
+        while not service._evicted_open and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tid = sorted(service._evicted_open)[0]
+        real_load = service.store.load_one
+
+        def unreadable(trajectory_id):
+            raise OSError(5, "Input/output error")
+
+        service.store.load_one = unreadable
+        reply = decode(call(producer, good_turn(tid, index=1, seq=10, n=2)), BROKER_TO_PRODUCER)
+        assert reply.type == "nack" and reply["code"] == "unavailable"
+        service.store.load_one = real_load
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the next probe clears the failure; the resend is merged
+            reply = decode(call(producer, good_turn(tid, index=1, seq=11, n=2)), BROKER_TO_PRODUCER)
+            if reply.type == "ack":
+                break
+            time.sleep(0.2)
+        assert reply.type == "ack" and reply["applied"]
+        assert service.engine.entries[tid].trajectory.response_length == 1502
+        assert thread.is_alive()
+    finally:
+        service.stop()
+        thread.join(10)
+    assert not thread.is_alive()
