@@ -8,7 +8,9 @@ group) are queued for the dispatcher in `ready_units`.
 """
 from __future__ import annotations
 
+import heapq
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,6 +191,7 @@ class MergeEngine:
         self.entries: dict[str, Entry] = {}
         self.groups: dict[str, Group] = {}
         self.dedup: dict[str, float] = {}  # trajectory id -> remembered until
+        self._dedup_expiry: list[tuple[float, str]] = []  # a heap of (until, id): expiry without scanning every id
         self.ready_units: deque[Unit] = deque()
         self._effects: list = []  # effects of the call in progress
 
@@ -367,14 +370,17 @@ class MergeEngine:
         for entry in [e for e in self.entries.values() if e.state == OPEN and e.updated_at + ttl < now]:
             until = now + self.settings.dedup_window
             self._effects.append(DeadLetter(entry.trajectory_id, "expired", now, dedup_until=until))
-            self.dedup[entry.trajectory_id] = until
+            self.remember({entry.trajectory_id: until})
             self._kill(entry, "expired", now)
         for group_id, group in list(self.groups.items()):
             if group.released or OPEN in group.members.values() or group.updated_at + ttl >= now:
                 continue
             self._release_group(group_id, group)  # members that never started count as left
-        for tid in [tid for tid, until in self.dedup.items() if until < now]:
-            del self.dedup[tid]
+        expiry = self._dedup_expiry
+        while expiry and expiry[0][0] < now:
+            until, tid = heapq.heappop(expiry)
+            if self.dedup.get(tid) == until:  # not remembered again since
+                del self.dedup[tid]
         return list(self._drain())
 
     def _kill(self, entry: Entry, reason: str, now: float) -> None:
@@ -383,12 +389,24 @@ class MergeEngine:
         if was_open:
             self._member_done(entry, LEFT, now)
 
+    def remember(self, records: Mapping[str, float]) -> None:
+        """Refuse these trajectory ids as duplicates until their times (also
+        how recovery restores the dedup records)."""
+        self.dedup.update(records)
+        expiry = self._dedup_expiry
+        if len(records) > len(expiry):
+            expiry += [(until, tid) for tid, until in records.items()]
+            heapq.heapify(expiry)
+        else:
+            for tid, until in records.items():
+                heapq.heappush(expiry, (until, tid))
+
     # -- consumer outcomes --------------------------------------------------
     def delivered(self, tid: str, now: float) -> list:
         """A consumer committed `tid`: forget its data, remember its id."""
         entry = self.entries.pop(tid)
         until = now + self.settings.dedup_window
-        self.dedup[tid] = until
+        self.remember({tid: until})
         self._settle(entry)
         return list(self._drain(Forget(tid, until)))
 

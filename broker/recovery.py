@@ -66,7 +66,7 @@ def restore(engine: MergeEngine, recovered: Recovered, store: Store) -> list[Uni
             group = engine.groups.setdefault(entry.group_id, Group(entry.group_size))
             group.members[entry.trajectory_id] = LEFT if entry.state == DEAD else entry.state
             group.updated_at = max(group.updated_at, entry.updated_at)
-    engine.dedup.update(recovered.dedup)
+    engine.remember(recovered.dedup)
 
     # Group releases commit atomically with the frame that completed the
     # group, so every complete group is in `released_groups`.

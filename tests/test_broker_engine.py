@@ -154,6 +154,21 @@ def test_delivered_ids_are_remembered_for_the_dedup_window(engine):
     assert ack(engine.handle(turn_msg("t", 0), now=2001))["applied"]
 
 
+def test_dedup_records_expire_in_time_order_whatever_order_they_came_in(engine):
+    engine.remember({f"r{i}": float(1000 - i) for i in range(1000)})  # a restore: in any order
+    engine.remember({"a": 300.5, "b": 100.5})
+    engine.remember({"c": 200.5})
+    engine.remember({"b": 400.5})  # remembered again, for longer
+    engine.expire(now=250)
+    assert set(engine.dedup) == {"a", "b"} | {f"r{i}" for i in range(1000) if 1000 - i >= 250}
+    assert engine.dedup["b"] == 400.5
+    engine.expire(now=350)
+    assert set(engine.dedup) == {"b"} | {f"r{i}" for i in range(1000) if 1000 - i >= 350}
+    engine.expire(now=1001)
+    assert engine.dedup == {}
+    assert ack(engine.handle(turn_msg("b", 0), now=1001))["applied"]
+
+
 def test_idle_open_trajectory_expires_to_dead_letters(engine):
     engine.handle(turn_msg("t", 0), now=1)
     engine.handle(turn_msg("u", 0), now=90)
