@@ -173,6 +173,7 @@ class Segments:
         numbers = sorted(int(p.stem.split("-")[1]) for p in directory.glob("seg-*.log"))
         self.current = numbers[-1] if numbers else 1
         self._fd = None
+        self._closed_sizes: dict[int, int] = {}  # finished segments never grow, so their sizes are kept
 
     def path(self, number: int) -> Path:
         return self.directory / f"seg-{number:08d}.log"
@@ -186,6 +187,7 @@ class Segments:
         if os.fstat(self._fd).st_size > committed_end:
             os.ftruncate(self._fd, committed_end)
         self.size = committed_end
+        self._closed_sizes = {n: self.path(n).stat().st_size for n in self.existing() if n != self.current}
 
     def append(self, records: list[list]) -> list[tuple[int, int, int]]:
         """Write records (each a list of buffers) in as few syscalls as
@@ -222,6 +224,7 @@ class Segments:
 
     def _rotate(self) -> None:
         os.close(self._fd)
+        self._closed_sizes[self.current] = self.size
         self.current += 1
         self._fd = os.open(self.path(self.current), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         self.size = 0
@@ -265,10 +268,16 @@ class Segments:
         self.live[number] -= 1
         if self.live[number] == 0 and number != self.current:
             del self.live[number]
-            self.path(number).unlink(missing_ok=True)
+            self.remove(number)
+
+    def remove(self, number: int) -> None:
+        """Delete a finished segment."""
+        self.path(number).unlink(missing_ok=True)
+        self._closed_sizes.pop(number, None)
 
     def bytes_on_disk(self) -> int:
-        return sum(p.stat().st_size for p in self.directory.glob("seg-*.log"))
+        """Without listing the directory: the broker asks five times a second."""
+        return sum(self._closed_sizes.values()) + self.size
 
     def close(self) -> None:
         if self._fd is not None:
@@ -321,7 +330,7 @@ class Store:
         self.segments.open_current(committed_end)
         for number in self.segments.existing():  # segments no record refers to any more
             if number != current and number not in self.segments.live:
-                self.segments.path(number).unlink()
+                self.segments.remove(number)
         self._next_ready_seq = 1 + max((t.ready_seq or 0 for t in trajectories), default=0)
         return recovered
 

@@ -198,8 +198,11 @@ def test_segments_rotate_and_finished_ones_are_deleted(tmp_path):
     assert first.exists()
     store.commit(engine.delivered("t0", now=5))
     assert not first.exists()
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "data" / "segments").glob("*.log"))
+    assert store.segments.bytes_on_disk() == on_disk  # kept up to date without listing the directory
     store.close()
     store2, engine2, units = reopen(tmp_path / "data", segment_bytes=4096)
+    assert store2.segments.bytes_on_disk() == on_disk
     assert [u.trajectory_ids for u in units] == [("t1",), ("t2",), ("t3",)]
     assert load_trajectory(store2, store2.load_one("t3")).tokens.tolist() == big
     store2.close()
