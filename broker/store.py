@@ -86,19 +86,36 @@ _TURN = "INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 class _DeferredRows:
     """The batch's common statements, run as one executemany each: new
     trajectories, then ends (an end may follow its own open in a batch),
-    then turns (another table). Any other effect may touch the same rows,
-    so the deferred rows run before it, keeping the batch's order."""
+    then turns (another table), then forgotten trajectories (delivered ones:
+    no later effect of a batch can concern a forgotten id, which the engine
+    answers as a duplicate). Any other effect may touch the same rows, so
+    the deferred rows run before it, keeping the batch's order."""
+
+    _IN_CHUNK = 500  # ids per `IN (...)` query, under SQLite's variable limit
 
     def __init__(self):
         self.opens: list[tuple] = []
         self.ends: list[tuple] = []
         self.turns: list[tuple] = []
+        self.forgets: list[tuple] = []  # (id, dedup until)
 
-    def execute(self, db: sqlite3.Connection) -> None:
+    def execute(self, db: sqlite3.Connection, released: list[int]) -> None:
+        """Run the rows; segments that lose a record are added to `released`."""
         for statement, rows in ((_OPEN, self.opens), (_END, self.ends), (_TURN, self.turns)):
             if rows:
                 db.executemany(statement, rows)
                 rows.clear()
+        if self.forgets:
+            ids = [(tid,) for tid, _ in self.forgets]
+            for i in range(0, len(ids), self._IN_CHUNK):
+                chunk = [tid for (tid,) in ids[i : i + self._IN_CHUNK]]
+                released += [row[0] for row in db.execute(
+                    f"SELECT segment FROM turns WHERE trajectory_id IN ({','.join('?' * len(chunk))}) "
+                    "AND segment IS NOT NULL", chunk)]
+            db.executemany("DELETE FROM turns WHERE trajectory_id=?", ids)
+            db.executemany("DELETE FROM trajectories WHERE id=?", ids)
+            db.executemany("INSERT OR REPLACE INTO dedup VALUES (?, ?)", self.forgets)
+            self.forgets.clear()
 
 
 class StoreError(RuntimeError):
@@ -407,10 +424,12 @@ class Store:
                 elif kind is EndTrajectory:
                     rows.ends.append((effect.at, effect.digest, msgpack.packb(effect.reward), msgpack.packb(effect.metadata),
                                       self._take_ready_seq(), effect.trajectory_id))
+                elif kind is Forget:
+                    rows.forgets.append((effect.trajectory_id, effect.dedup_until))
                 else:
-                    rows.execute(self.db)  # in order before anything that may touch the same rows
+                    rows.execute(self.db, released)  # in order before anything that may touch the same rows
                     self._apply(effect, released)
-            rows.execute(self.db)
+            rows.execute(self.db, released)
             self.db.execute("COMMIT")
         except (sqlite3.Error, OSError) as exc:
             try:
@@ -468,10 +487,6 @@ class Store:
         elif isinstance(effect, CloseGroup):
             db.execute("DELETE FROM released_groups WHERE id=?", (effect.group_id,))
             db.execute("DELETE FROM trajectories WHERE group_id=? AND state='left'", (effect.group_id,))
-        elif isinstance(effect, Forget):
-            released += self._delete_turns(effect.trajectory_id)
-            db.execute("DELETE FROM trajectories WHERE id=?", (effect.trajectory_id,))
-            db.execute("INSERT OR REPLACE INTO dedup VALUES (?, ?)", (effect.trajectory_id, effect.dedup_until))
         else:
             raise TypeError(f"unknown store effect {type(effect).__name__}")
 

@@ -208,6 +208,30 @@ def test_segments_rotate_and_finished_ones_are_deleted(tmp_path):
     store2.close()
 
 
+def test_trajectories_delivered_together_are_forgotten_in_one_commit(tmp_path, monkeypatch):
+    monkeypatch.setattr("rollstream.broker.store._DeferredRows._IN_CHUNK", 2)  # several `IN` queries
+    store = Store(tmp_path / "data", segment_bytes=4096)
+    store.open()
+    engine = MergeEngine(EngineSettings(dedup_window=100))
+    big = list(range(1, 600))  # a segment per trajectory or so
+    for i in range(5):
+        drive(engine, store, [turn_msg(f"t{i}", 0, big, [[t] for t in big]), turn_msg(f"t{i}", 1, [7], [[7]]),
+                              end_msg(f"t{i}", seq=100 + i)])
+    segments = tmp_path / "data" / "segments"
+    before = sorted(p.name for p in segments.glob("*.log"))
+    store.commit([e for i in range(4) for e in engine.delivered(f"t{i}", now=5)])
+    after = sorted(p.name for p in segments.glob("*.log"))
+    kept = {n for (n,) in store.db.execute("SELECT segment FROM turns")} | {store.segments.current}
+    assert after == sorted(store.segments.path(n).name for n in kept) and len(after) < len(before)
+    assert store.db.execute("SELECT COUNT(*) FROM turns").fetchone()[0] == 2  # t4's two turns
+    store.close()
+    store2, engine2, units = reopen(tmp_path / "data", segment_bytes=4096)
+    assert set(engine2.entries) == {"t4"} and [u.trajectory_ids for u in units] == [("t4",)]
+    assert engine2.dedup == {f"t{i}": 105.0 for i in range(4)}
+    assert load_trajectory(store2, store2.load_one("t4")).tokens.tolist() == [*big, 7]
+    store2.close()
+
+
 def test_full_sync_mode_commits(tmp_path):
     store = Store(tmp_path / "data", sync="full")
     store.open()
