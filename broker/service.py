@@ -198,7 +198,7 @@ class BrokerService:
         sock = self.sockets["producer"]
         received: list[tuple[bytes, Message | None, ProtocolError | None]] = []
         for _ in range(self.settings.batch_max):
-            if self._over_budget():
+            if self._must_wait():
                 break
             try:
                 frames = recv_routed(sock)
@@ -355,7 +355,7 @@ class BrokerService:
         claimed: set[str] = set()  # leases settled by an earlier message of this batch
         for _ in range(self.settings.batch_max):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = recv_routed(sock)
             except zmq.Again:
                 break
             identity = frames[0]
@@ -592,20 +592,38 @@ class BrokerService:
         s = self.settings
         return self._memory_bytes > fraction * s.max_memory_bytes or self._disk_bytes > fraction * s.max_disk_bytes
 
+    def _must_wait(self, fraction: float = 1.0) -> bool:
+        """Over the memory budget (eviction brings it down), or over the disk
+        budget while consumers have something to take. With nothing ready or
+        leased, only producer frames (the `end`s of open trajectories) can
+        free the store, so pausing them would wait forever: the broker reads
+        on over its disk budget, and the disk itself is the limit (a write
+        that fails is answered `unavailable`)."""
+        s = self.settings
+        if self._memory_bytes > fraction * s.max_memory_bytes:
+            return True
+        return self._disk_bytes > fraction * s.max_disk_bytes and bool(self.dispatcher.queue or self.dispatcher.leases)
+
     def _update_backpressure(self) -> None:
-        """Stop reading producer frames while over a budget; resume below 90%
-        of both (hysteresis, so the socket does not flap)."""
-        if self.reading_producers and self._over_budget():
+        """Stop reading producer frames while `_must_wait`; resume below 90%
+        of both budgets (hysteresis, so the socket does not flap) or when
+        nothing is left for consumers to drain."""
+        if self.reading_producers and self._must_wait():
             self.poller.unregister(self.sockets["producer"])
             self.reading_producers = False
             self.metrics.backpressure.set(1)
             log.warning("over budget: producer frames paused", extra={"bytes_in_memory": self._memory_bytes,
                                                                      "bytes_on_disk": self._disk_bytes})
-        elif not self.reading_producers and not self._over_budget(0.9):
+        elif not self.reading_producers and not self._must_wait(0.9):
             self.poller.register(self.sockets["producer"], zmq.POLLIN)
             self.reading_producers = True
             self.metrics.backpressure.set(0)
-            log.info("back under budget: producer frames resumed")
+            if self._over_budget(0.9):
+                log.warning("over budget with nothing left to deliver: producer frames resumed, so open "
+                            "trajectories can end", extra={"bytes_in_memory": self._memory_bytes,
+                                                           "bytes_on_disk": self._disk_bytes})
+            else:
+                log.info("back under budget: producer frames resumed")
 
     def _refresh_gauges(self, now: float) -> None:
         status = self.status(now)

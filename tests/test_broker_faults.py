@@ -194,6 +194,34 @@ def test_disk_budget_applies_backpressure_until_consumers_drain(tmp_path):
         assert replies == sent and len(delivered) == 40
 
 
+def test_open_trajectories_over_the_disk_budget_still_get_their_ends_read(tmp_path):
+    """Ten open trajectories fill twice the disk budget and none is ready:
+    only their ends can free the store, so the broker must keep reading
+    rather than pause forever (a consumer is there all along)."""
+    with BrokerProcess(tmp_path, max_disk_bytes=200_000, segment_bytes=50_000) as broker:
+        consumer = dealer(broker.consumer)
+        call(consumer, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "drain"}))
+        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 10, "unit": "trajectory"}))
+        producer = dealer(broker.producer)
+        for i in range(10):  # ~36 KB each, all open
+            assert decode(call(producer, good_turn(f"t{i}", seq=i, n=1500)), BROKER_TO_PRODUCER)["applied"]
+        assert broker.status()["bytes_on_disk"] > 200_000
+        for i in range(10):
+            producer.send_multipart(encode(PRODUCER_TO_BROKER, "end", {"seq": 100 + i, "trajectory_id": f"t{i}",
+                                                                       "reward": 1.0}))
+        acked, delivered = 0, set()
+        deadline = time.monotonic() + 30
+        while (acked < 10 or len(delivered) < 10) and time.monotonic() < deadline:
+            if producer.poll(10):
+                acked += decode(producer.recv_multipart(), BROKER_TO_PRODUCER).type == "ack"
+            if consumer.poll(10):
+                message = decode(consumer.recv_multipart(), BROKER_TO_CONSUMER)
+                if message.type == "deliver":
+                    delivered.add(message["trajectory_id"])
+                    consumer.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [message["lease"]]}))
+        assert acked == 10 and delivered == {f"t{i}" for i in range(10)}
+
+
 def test_sigterm_acks_what_it_read_and_stops_cleanly(tmp_path):
     broker = BrokerProcess(tmp_path).start()
     sock = dealer(broker.producer)
