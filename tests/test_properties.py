@@ -23,7 +23,7 @@ from hypothesis.extra.numpy import arrays as np_arrays
 from rollstream.common.codec import content_digest, decode
 from rollstream.common.contract import NACK_CODES, REPLAY_FIELDS, STATUSES
 from rollstream.common.errors import ProtocolError
-from rollstream.common.mask import SamplingMask
+from rollstream.common.mask import IDS_DTYPE, SamplingMask, as_int_array
 from rollstream.common.messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
 from rollstream.common.trajectory import Gap, Trajectory, Turn, TurnOutcome
 from rollstream.common.validation import (
@@ -238,6 +238,21 @@ def test_from_supports_round_trips_supports_ids_and_offsets(supports):
     for bad in (len(m), -len(m) - 1):
         with pytest.raises(IndexError):
             m[bad]
+
+
+@prop(150)
+@given(ids=st.lists(st.integers(-(2**32), 2**32) | st.booleans() | st.floats(allow_nan=False, width=16), max_size=12))
+def test_support_ids_convert_exactly_as_any_integer_list_does(ids):
+    """from_supports takes a fast path for plain vocabulary ids; whatever
+    the ids, it keeps or refuses them exactly as `as_int_array` does."""
+    try:
+        expected = as_int_array(ids, IDS_DTYPE, "supports").tolist()
+    except ValueError:
+        with pytest.raises(ValueError):
+            SamplingMask.from_supports([ids])
+        return
+    if ids:
+        assert SamplingMask.from_supports([ids]).ids.tolist() == expected
 
 
 @prop(150)
