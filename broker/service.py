@@ -555,8 +555,9 @@ class BrokerService:
         resume them."""
         s = self.settings
         self._memory_bytes = self.engine.bytes_in_memory()
-        if self._memory_bytes > s.max_memory_bytes:
-            self._evict(0.9 * s.max_memory_bytes)
+        resume_at = 0.9 * s.max_memory_bytes
+        if self._memory_bytes > s.max_memory_bytes or (not self.reading_producers and self._memory_bytes > resume_at):
+            self._evict(resume_at)  # also while paused between 90% and 100%: nothing else may ever free memory
         if self._evicted_open:  # forget those that ended, expired or were aborted meanwhile
             self._evicted_open = {tid for tid in self._evicted_open
                                   if (e := self.engine.entries.get(tid)) is not None and e.trajectory is None and e.state == OPEN}

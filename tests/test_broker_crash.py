@@ -6,6 +6,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import zmq
 from broker_process import BrokerProcess
 
@@ -141,9 +142,12 @@ class Consumer(threading.Thread):
         sock.close()
 
 
-def test_broker_sigkill_loses_nothing_acked(tmp_path):
+# A tiny memory budget makes the broker evict open and ready trajectories
+# all the time and rebuild them from the store as frames and deliveries need.
+@pytest.mark.parametrize("flags", [{}, {"max_memory_bytes": 1000}], ids=["default", "tiny-memory-budget"])
+def test_broker_sigkill_loses_nothing_acked(tmp_path, flags):
     work = workload()
-    broker = BrokerProcess(tmp_path, lease_timeout=3.0).start()
+    broker = BrokerProcess(tmp_path, lease_timeout=3.0, **flags).start()
     producer, consumer = Producer(broker.producer, work), Consumer(broker.consumer)
     producer.start()
     consumer.start()
