@@ -260,8 +260,10 @@ class BrokerService:
         for _, message, error in received:
             if error is None and message.type in ("turn", "end"):
                 tid = message["trajectory_id"]
+                if tid not in self._evicted_open:
+                    continue
                 entry = self.engine.entries.get(tid)
-                if tid not in self._evicted_open or entry is None or entry.trajectory is not None:
+                if entry is None or entry.trajectory is not None:
                     continue
                 try:
                     entry.trajectory = load_trajectory(self.store, self.store.load_one(tid))

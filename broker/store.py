@@ -91,8 +91,6 @@ class _DeferredRows:
     answers as a duplicate). Any other effect may touch the same rows, so
     the deferred rows run before it, keeping the batch's order."""
 
-    _IN_CHUNK = 500  # ids per `IN (...)` query, under SQLite's variable limit
-
     def __init__(self):
         self.opens: list[tuple] = []
         self.ends: list[tuple] = []
@@ -106,16 +104,27 @@ class _DeferredRows:
                 db.executemany(statement, rows)
                 rows.clear()
         if self.forgets:
-            ids = [(tid,) for tid, _ in self.forgets]
-            for i in range(0, len(ids), self._IN_CHUNK):
-                chunk = [tid for (tid,) in ids[i : i + self._IN_CHUNK]]
-                released += [row[0] for row in db.execute(
-                    f"SELECT segment FROM turns WHERE trajectory_id IN ({','.join('?' * len(chunk))}) "
-                    "AND segment IS NOT NULL", chunk)]
-            db.executemany("DELETE FROM turns WHERE trajectory_id=?", ids)
-            db.executemany("DELETE FROM trajectories WHERE id=?", ids)
+            tids = [tid for tid, _ in self.forgets]
+            released += _delete_turns(db, tids)
+            db.executemany("DELETE FROM trajectories WHERE id=?", [(tid,) for tid in tids])
             db.executemany("INSERT OR REPLACE INTO dedup VALUES (?, ?)", self.forgets)
             self.forgets.clear()
+
+
+_IN_CHUNK = 500  # ids per `IN (...)` query, under SQLite's variable limit
+
+
+def _delete_turns(db: sqlite3.Connection, tids: list[str]) -> list[int]:
+    """Delete the turn rows of `tids`; returns the segment of each stored
+    record they referred to (one lookup per chunk of ids)."""
+    segments = []
+    for i in range(0, len(tids), _IN_CHUNK):
+        chunk = tids[i : i + _IN_CHUNK]
+        segments += [row[0] for row in db.execute(
+            f"SELECT segment FROM turns WHERE trajectory_id IN ({','.join('?' * len(chunk))}) AND segment IS NOT NULL",
+            chunk)]
+    db.executemany("DELETE FROM turns WHERE trajectory_id=?", [(tid,) for tid in tids])
+    return segments
 
 
 class StoreError(RuntimeError):
@@ -459,13 +468,13 @@ class Store:
     def _apply(self, effect, released: list[int]) -> None:
         db = self.db
         if isinstance(effect, OpenTrajectory):  # one replacing a LEFT marker
-            released += self._delete_turns(effect.trajectory_id)
+            released += _delete_turns(db, [effect.trajectory_id])
             db.execute(_OPEN, (effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at))
         elif isinstance(effect, MarkGap):
             db.execute("UPDATE trajectories SET gap_turn=?, gap_field=? WHERE id=?",
                        (effect.gap.turn, effect.gap.field, effect.trajectory_id))
         elif isinstance(effect, DropTrajectory):
-            released += self._delete_turns(effect.trajectory_id)
+            released += _delete_turns(db, [effect.trajectory_id])
             if effect.keep_marker:
                 db.execute("UPDATE trajectories SET state='left' WHERE id=?", (effect.trajectory_id,))
             else:
@@ -489,11 +498,6 @@ class Store:
             db.execute("DELETE FROM trajectories WHERE group_id=? AND state='left'", (effect.group_id,))
         else:
             raise TypeError(f"unknown store effect {type(effect).__name__}")
-
-    def _delete_turns(self, tid: str) -> list[int]:
-        segments = [row[0] for row in self.db.execute("SELECT segment FROM turns WHERE trajectory_id=? AND segment IS NOT NULL", (tid,))]
-        self.db.execute("DELETE FROM turns WHERE trajectory_id=?", (tid,))
-        return segments
 
     def _take_ready_seq(self) -> int:
         seq = self._next_ready_seq

@@ -209,7 +209,7 @@ def test_segments_rotate_and_finished_ones_are_deleted(tmp_path):
 
 
 def test_trajectories_delivered_together_are_forgotten_in_one_commit(tmp_path, monkeypatch):
-    monkeypatch.setattr("rollstream.broker.store._DeferredRows._IN_CHUNK", 2)  # several `IN` queries
+    monkeypatch.setattr("rollstream.broker.store._IN_CHUNK", 2)  # several `IN` queries
     store = Store(tmp_path / "data", segment_bytes=4096)
     store.open()
     engine = MergeEngine(EngineSettings(dedup_window=100))
