@@ -5,9 +5,11 @@ bottleneck) through a live broker subprocess to a consumer process that
 acks every delivered trajectory; both hops are loopback TCP like the relay's.
 Two frame shapes: the `peer_seed.make_workload` turn (512 sampled tokens with
 geometric supports capped at 64, 128 forced tokens) and tiny 32-token turns.
-`../shared/bench/raw_relay.py` moves frames of the same total size. Printed:
-frames/s, tokens/s, bytes/s, the ratio to the relay, and the broker's peak
-RSS; `--sync full` is measured too. The last line is JSON.
+The consumer acks and re-grants credit once per burst of deliveries it has
+read, as the consumer library does. `../shared/bench/raw_relay.py` moves
+frames of the same total size. Printed: frames/s, tokens/s, bytes/s, the
+ratio to the relay, and the broker's peak RSS; `--sync full` is measured
+too. The last line is JSON.
 
 usage: python bench/broker_throughput.py [--frames N] [--window W] [--repeat R]
 
@@ -112,18 +114,29 @@ def _producer(endpoint, shape, window, out):
 
 
 def _consumer(endpoint, trajectories, credit, out):
+    """Acks every delivery, as the consumer library does: the deliveries
+    read in one go are acked in one message and their credit re-granted
+    in one more (the library merges settlements and grants per broker)."""
     ctx, sock, _ = _greeted(endpoint, CONSUMER_TO_BROKER, BROKER_TO_CONSUMER, {"consumer_id": "bench"})
     sock.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": credit, "unit": "trajectory"}))
     received, start, tokens = 0, None, 0
     while received < trajectories:
-        message = decode(sock.recv_multipart(copy=False), BROKER_TO_CONSUMER, check_content=False)  # as the relay's receiver
-        if message.type != "deliver":
-            continue
-        start = start or time.perf_counter()
-        received += 1
-        tokens += message["response_length"]
-        sock.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [message["lease"]]}))
-        sock.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 1, "unit": "trajectory"}))
+        leases, flags = [], 0
+        while True:
+            try:
+                frames = sock.recv_multipart(flags, copy=False)
+            except zmq.Again:
+                break
+            flags = zmq.NOBLOCK  # the first waits; the rest are what has already arrived
+            message = decode(frames, BROKER_TO_CONSUMER, check_content=False)  # as the relay's receiver
+            if message.type == "deliver":
+                start = start or time.perf_counter()
+                tokens += message["response_length"]
+                leases.append(message["lease"])
+        if leases:
+            received += len(leases)
+            sock.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": leases}))
+            sock.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": len(leases), "unit": "trajectory"}))
     out.put(("consumer", time.perf_counter(), received, tokens))
     time.sleep(0.5)  # let the last acks leave
     sock.close()
