@@ -25,7 +25,7 @@ OPEN, ENDED, DEAD, LEFT = "open", "ended", "dead", "left"
 
 
 # -- effects: what must be durable before the reply goes out ------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OpenTrajectory:
     trajectory_id: str
     group_id: str | None
@@ -35,7 +35,7 @@ class OpenTrajectory:
     replaces: bool = False  # a LEFT marker of the same id exists (a brand-new id has nothing to clear)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PutTurn:
     """A consumed turn: its digest and outcome; `message` when it was applied."""
 
@@ -48,7 +48,7 @@ class PutTurn:
     at: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MarkGap:
     """A replay gap cut the trajectory here."""
 
@@ -56,7 +56,7 @@ class MarkGap:
     gap: Gap
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EndTrajectory:
     trajectory_id: str
     reward: Any
@@ -65,7 +65,7 @@ class EndTrajectory:
     at: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DropTrajectory:
     """Aborted: data discarded; a group member stays as a LEFT marker."""
 
@@ -73,7 +73,7 @@ class DropTrajectory:
     keep_marker: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DeadLetter:
     trajectory_id: str
     reason: str
@@ -81,12 +81,12 @@ class DeadLetter:
     dedup_until: float | None = None  # expired ids are remembered
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Requeue:
     trajectory_id: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ReleaseGroup:
     """A group is complete: its ended members are deliverable together."""
 
@@ -94,14 +94,14 @@ class ReleaseGroup:
     size: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CloseGroup:
     """Every ended member of a released group is gone: forget the group."""
 
     group_id: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Forget:
     """Delivered and acked: data deleted, id remembered until `dedup_until`."""
 
@@ -110,7 +110,7 @@ class Forget:
 
 
 # -- deliverable units --------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Unit:
     """What a consumer receives together: one trajectory, or a group's
     ended members with how many left."""
@@ -121,7 +121,7 @@ class Unit:
     group_left: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Reply:
     """The answer to one message: `fields` of an `ack`, or a refusal."""
 

@@ -73,7 +73,7 @@ class TurnOutcome:
 APPLIED = TurnOutcome(True)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class Turn:
     """One engine call's output. Construct from untrusted data with
     `Turn.build`, which coerces and checks; the plain constructor trusts its
@@ -401,9 +401,12 @@ class Trajectory:
         when the turn is refused; returns why when it is valid but not applied."""
         if self._terminal:
             return TurnOutcome(False, "replay_gap" if self.gap else "after_terminal")
+        if (turn.mask is None) == (self._mask is None) and not self._context and turn.routed_experts is None \
+                and turn.indexer_topk is None:
+            return self._apply(turn)  # the common case: the turn carries what the trajectory carries
         carried = [self.carries(name) for name in REPLAY_FIELDS]
         brought = [turn.carries(name) for name in REPLAY_FIELDS]
-        if carried != brought:  # the rare case: a field starts or goes missing
+        if carried != brought:  # a field starts or goes missing
             for name, had, has in zip(REPLAY_FIELDS, carried, brought):
                 if has and not had and self.response_length:
                     raise ProtocolError(
@@ -425,11 +428,15 @@ class Trajectory:
             return TurnOutcome(False, "replay_gap")
         if turn.mask is not None:
             self.start_mask()
-        self._sampled_end = self.response_length + len(turn.tokens)
-        self._queue(turn)
         for name in CONTEXT_REPLAY_ARRAYS:
             if getattr(turn, name) is not None:
                 self._context[name] = getattr(turn, name)
+        return self._apply(turn)
+
+    def _apply(self, turn: Turn) -> TurnOutcome:
+        """Queue an accepted turn and take its status and weight version."""
+        self._sampled_end = self.response_length + len(turn.tokens)
+        self._queue(turn)
         self.status = turn.status
         if turn.weight_version is not None:
             self.weight_versions.append(turn.weight_version)
