@@ -48,7 +48,8 @@ def expected_arrays(prompt, turns):
 
 class Producer(threading.Thread):
     """Windowed sender that resends every unacked frame, in order, whenever
-    replies stop coming (as after a broker crash)."""
+    replies stop coming (as after a broker crash), and holds each `end`
+    until its trajectory's turns are settled, as docs/protocol.md asks."""
 
     def __init__(self, endpoint, work):
         super().__init__(daemon=True)
@@ -63,9 +64,9 @@ class Producer(threading.Thread):
                 turn = Turn.build(sampled, [-0.25] * len(sampled), supports=supports, forced_tokens=forced or None)
                 extra = {"prompt_tokens": np.array(prompt, np.int32)} if index == 0 else {}
                 seq += 1
-                yield seq, tid, encode_turn(tid, index, turn, seq=seq, **extra)
+                yield seq, tid, encode_turn(tid, index, turn, seq=seq, **extra), False
             seq += 1
-            yield seq, tid, encode(PRODUCER_TO_BROKER, "end", {"seq": seq, "trajectory_id": tid, "reward": float(len(tid))})
+            yield seq, tid, encode(PRODUCER_TO_BROKER, "end", {"seq": seq, "trajectory_id": tid, "reward": float(len(tid))}), True
 
     def run(self):
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -73,15 +74,21 @@ class Producer(threading.Thread):
         sock.connect(self.endpoint)
         pending: dict[int, tuple[str, list]] = {}
         source = self.frames()
-        exhausted = False
+        exhausted, held = False, None
         last_reply = time.monotonic()
         while not exhausted or pending:
             while not exhausted and len(pending) < WINDOW:
-                item = next(source, None)
+                item = held or next(source, None)
                 if item is None:
                     exhausted = True
                     break
-                seq, tid, frames = item
+                seq, tid, frames, is_end = item
+                if is_end and any(t == tid for t, _ in pending.values()):
+                    # the producer duty (docs/protocol.md): an end goes once every earlier frame of its
+                    # trajectory is settled, or a turn lost in a crash could be overtaken by it
+                    held = item
+                    break
+                held = None
                 pending[seq] = (tid, frames)
                 sock.send_multipart(frames)
             if sock.poll(200):
