@@ -172,10 +172,17 @@ class Recovered:
     released_groups: dict[str, int]
 
 
-def _pack_frames(frames: list) -> list:
+_FRAME_TABLES: dict[int, struct.Struct] = {}  # by frame count: the record's frame-length table
+
+
+def _pack_frames(frames) -> list:
     """Record payload: frame count, frame lengths, then the frames (bytes or
     byte memoryviews, whose `len` is their size)."""
-    return [struct.pack(f"<H{len(frames)}I", len(frames), *map(len, frames)), *frames]
+    count = len(frames)
+    table = _FRAME_TABLES.get(count)
+    if table is None:
+        table = _FRAME_TABLES[count] = struct.Struct(f"<H{count}I")
+    return [table.pack(count, *map(len, frames)), *frames]
 
 
 def _unpack_frames(payload: memoryview) -> list[memoryview]:
@@ -411,7 +418,7 @@ class Store:
         nothing of the batch persisted."""
         if not effects:
             return
-        puts = [e for e in effects if isinstance(e, PutTurn) and e.message is not None]
+        puts = [e for e in effects if type(e) is PutTurn and e.message is not None]
         start = self.segments.size
         try:
             locations = self.segments.append([_pack_frames(self._turn_frames(e.message)) for e in puts])
@@ -419,7 +426,7 @@ class Store:
                 self.segments.sync()
         except OSError as exc:
             raise StoreError(f"cannot append to {self.segments.path(self.segments.current)}: {exc}") from None
-        where = dict(zip(map(id, puts), locations))
+        stored = iter(locations)  # in the order of `puts`, which is the effects' order
         released: list[int] = []
         try:
             self.db.execute("BEGIN")
@@ -427,7 +434,7 @@ class Store:
             for effect in effects:
                 kind = type(effect)
                 if kind is PutTurn:
-                    rows.turns.append(self._turn_row(effect, where.get(id(effect))))
+                    rows.turns.append(self._turn_row(effect, next(stored) if effect.message is not None else None))
                 elif kind is OpenTrajectory and not effect.replaces:
                     rows.opens.append((effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at))
                 elif kind is EndTrajectory:
@@ -458,7 +465,7 @@ class Store:
     @staticmethod
     def _turn_frames(message: Message) -> list:
         """The frames a turn arrived in, or an encoding of it when built in memory."""
-        return list(message.frames) or encode(PRODUCER_TO_BROKER, "turn", message.fields, message.arrays)
+        return message.frames or encode(PRODUCER_TO_BROKER, "turn", message.fields, message.arrays)
 
     @staticmethod
     def _turn_row(effect: PutTurn, location) -> tuple:
