@@ -142,7 +142,7 @@ def encode(
     that were themselves checked (the broker's acks, on its hot path).
     """
     spec = _spec(schema, mtype)
-    fields = dict(fields or {})
+    fields = fields or {}
     arrays = arrays or {}
     if checked:
         _check_fields(spec, fields, frozenset(arrays))
