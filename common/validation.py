@@ -504,7 +504,14 @@ _CODE_ORDER = {code: i for i, code in enumerate(NACK_CODES)}
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray | None:
-    return None if not parts else parts[0] if len(parts) == 1 else np.concatenate(parts)
+    """1-D parts of one (contract) dtype end to end: joined as bytes, which
+    costs less per part than `np.concatenate` (a batch has hundreds)."""
+    if len(parts) < 2:
+        return parts[0] if parts else None
+    try:
+        return np.frombuffer(bytearray().join(parts), dtype=parts[0].dtype)
+    except TypeError:  # a strided view is not bytes-like
+        return np.concatenate(parts)
 
 
 def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: int | None = None) -> bool:
