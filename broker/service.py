@@ -43,7 +43,7 @@ from .store import Store, StoreCorrupted, StoreError
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 # The compiled send under pyzmq's Python wrapper, whose routing-id and group
 # handling (for draft socket types) cost more than sending an ack's frame.
-_send_part = zmq.backend.Socket.send
+_send_part = getattr(zmq.backend, "Socket", zmq.Socket).send
 log = logging.getLogger("rollstream.broker")
 
 HOUSEKEEPING_EVERY = 0.2  # seconds between expiry, lease and budget checks
