@@ -32,6 +32,7 @@ class Lease:
     unit: Unit
     identity: bytes
     expires_at: float
+    credit: str = "trajectory"  # the kind of credit the delivery used
 
 
 @dataclass(frozen=True)
@@ -136,13 +137,21 @@ class Dispatcher:
             self.redeliveries += len(tids)
         return exhausted
 
-    def retract(self, lease_id: str) -> None:
-        """A delivery that never left (the consumer's queue was full or it
-        vanished): undo the lease and its delivery count, requeue in front."""
+    def retract(self, lease_id: str, refund: bool = False) -> None:
+        """A delivery that never left: undo the lease and its delivery count
+        and requeue the trajectory in front. `refund` gives the consumer back
+        the credit it used, for a delivery the broker itself could not make
+        (the trajectory did not read back). A send the consumer's connection
+        refused (gone, or its queue full) keeps the credit spent, so a dead
+        peer is not retried on every pass until its heartbeats time out."""
         lease = self.leases.pop(lease_id)
         consumer = self.consumers.get(lease.identity)
         if consumer is not None:
             consumer.leases.discard(lease_id)
+            if refund and lease.credit == "group":
+                consumer.group_credit += 1
+            elif refund:
+                consumer.trajectory_credit += 1
         self.delivery_counts[lease.trajectory_id] -= 1
         unit = lease.unit
         left = (unit.group_size - 1) if unit.group_id is not None else 0
@@ -189,6 +198,7 @@ class Dispatcher:
                     consumer.group_credit -= 1
                     unit = self.queue.popleft()
                     tids = unit.trajectory_ids
+                    credit = "group"
                 elif consumer.trajectory_credit > 0:
                     unit = self.queue.popleft()
                     take = min(consumer.trajectory_credit, len(unit.trajectory_ids))
@@ -196,17 +206,18 @@ class Dispatcher:
                     if take < len(unit.trajectory_ids):
                         self.queue.appendleft(Unit(unit.trajectory_ids[take:], unit.group_id, unit.group_size, unit.group_left))
                     consumer.trajectory_credit -= take
+                    credit = "trajectory"
                 else:
                     continue
                 progress = True
                 for tid in tids:
-                    out.append(self._lease(identity, consumer, tid, unit, now))
+                    out.append(self._lease(identity, consumer, tid, unit, now, credit))
             self._turn = (self._turn + 1) % len(identities)
         return out
 
-    def _lease(self, identity: bytes, consumer: Consumer, tid: str, unit: Unit, now: float) -> Delivery:
+    def _lease(self, identity: bytes, consumer: Consumer, tid: str, unit: Unit, now: float, credit: str) -> Delivery:
         lease_id = f"{self._epoch}-{next(self._counter)}"
-        self.leases[lease_id] = Lease(lease_id, tid, unit, identity, now + self.settings.lease_timeout)
+        self.leases[lease_id] = Lease(lease_id, tid, unit, identity, now + self.settings.lease_timeout, credit)
         consumer.leases.add(lease_id)
         count = self.delivery_counts.get(tid, 0) + 1
         self.delivery_counts[tid] = count

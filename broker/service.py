@@ -459,14 +459,26 @@ class BrokerService:
                 self.dispatcher.enqueue(Unit((tid,)), front=True)
 
     def _deliver(self, now: float) -> None:
-        for delivery in self.dispatcher.deliveries(now):
+        """Send queued trajectories to consumers with credit. Not while the
+        store is unavailable: their acks could not be made durable, and an
+        evicted trajectory may not read back."""
+        if self.unavailable:
+            return
+        deliveries = self.dispatcher.deliveries(now)
+        for i, delivery in enumerate(deliveries):
             entry = self.engine.entries.get(delivery.trajectory_id)
             if entry is None or entry.state != ENDED:  # cannot happen; never send what is not ready
                 log.error("queued trajectory is not ready", extra={"trajectory_id": delivery.trajectory_id})
                 self.dispatcher.settle([delivery.lease])
                 continue
             if entry.trajectory is None:
-                entry.trajectory = load_trajectory(self.store, self.store.load_one(entry.trajectory_id))
+                try:
+                    entry.trajectory = load_trajectory(self.store, self.store.load_one(entry.trajectory_id))
+                except (OSError, sqlite3.Error, StoreCorrupted) as exc:
+                    self._store_failed(f"cannot read trajectory {entry.trajectory_id!r} back to deliver it: {exc}")
+                    for unsent in reversed(deliveries[i:]):  # back in front, in their order, for when it recovers
+                        self.dispatcher.retract(unsent.lease, refund=True)
+                    return
             frames = encode_deliver(entry.trajectory, delivery.lease, delivery_count=delivery.delivery_count,
                                     **delivery.group_fields)
             if not self._send("consumer", delivery.identity, frames):

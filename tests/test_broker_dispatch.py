@@ -129,3 +129,19 @@ def test_a_delivery_that_never_left_does_not_count(d):
     assert out.lease not in d.leases and d.redeliveries == 0
     (again,) = d.deliveries(now=0)
     assert again.trajectory_id == "t" and again.delivery_count == 1
+
+
+@pytest.mark.parametrize("kind", ["trajectory", "group"])
+def test_a_retracted_delivery_refunds_its_credit_only_when_asked(d, kind):
+    d.hello(A, "a", now=0)
+    d.credit(A, 1, kind)
+    d.enqueue(Unit(("t",)))
+    (out,) = d.deliveries(now=0)
+    d.retract(out.lease)  # the connection refused it: the credit stays spent
+    assert d.deliveries(now=0) == []
+    d.credit(A, 1, kind)
+    (again,) = d.deliveries(now=0)
+    d.retract(again.lease, refund=True)  # the broker could not make it: the consumer keeps its credit
+    (third,) = d.deliveries(now=0)
+    assert third.trajectory_id == "t" and third.delivery_count == 1
+    assert d.deliveries(now=0) == []  # one credit, one delivery

@@ -371,3 +371,66 @@ def test_an_evicted_trajectory_that_cannot_be_read_back_refuses_its_batch_then_r
         service.stop()
         thread.join(10)
     assert not thread.is_alive()
+
+
+def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_path):
+    """An evicted ready trajectory whose read-back fails at delivery: the
+    daemon keeps running, reports the store unavailable, and delivers it
+    (under the consumer's original credit) once the store reads again."""
+    context = zmq.Context()
+    settings = BrokerSettings(producer_endpoint="inproc://p2", consumer_endpoint="inproc://c2", admin_endpoint="inproc://a2",
+                              data_dir=str(tmp_path / "data"), metrics_port=0, max_memory_bytes=100_000)
+    service = BrokerService(settings, context=context)
+    service.start()
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    try:
+        producer = dealer("inproc://p2", context)
+        n = 1500
+        for i in range(4):  # ~144 KB of ready trajectories against a 100 KB budget: some are evicted
+            assert decode(call(producer, good_turn(f"t{i}", seq=i, n=n, first=i)), BROKER_TO_PRODUCER)["applied"]
+            end = encode(PRODUCER_TO_BROKER, "end", {"seq": 10 + i, "trajectory_id": f"t{i}", "reward": float(i)})
+            assert decode(call(producer, end), BROKER_TO_PRODUCER)["applied"]
+        deadline = time.monotonic() + 10
+        evicted = []
+        while not evicted and time.monotonic() < deadline:
+            evicted = [tid for tid, e in list(service.engine.entries.items()) if e.trajectory is None]
+            time.sleep(0.05)
+        assert evicted
+        real_load = service.store.load_one
+
+        def unreadable(trajectory_id):
+            raise OSError(5, "Input/output error")
+
+        service.store.load_one = unreadable
+        consumer = dealer("inproc://c2", context)
+        call(consumer, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "c"}))
+        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 4, "unit": "trajectory"}))
+        delivered = {}
+
+        def receive(timeout_ms):
+            while consumer.poll(timeout_ms):
+                message = decode(consumer.recv_multipart(), BROKER_TO_CONSUMER)
+                if message.type == "deliver":
+                    delivered[message["trajectory_id"]] = message
+
+        deadline = time.monotonic() + 10
+        while not service.unavailable and time.monotonic() < deadline:
+            receive(50)
+        assert service.unavailable and thread.is_alive()
+        receive(300)
+        assert set(evicted).isdisjoint(delivered)  # nothing it could not read went out
+        service.store.load_one = real_load
+        deadline = time.monotonic() + 10
+        while len(delivered) < 4 and time.monotonic() < deadline:  # the next probe clears the failure
+            receive(100)
+        assert sorted(delivered) == ["t0", "t1", "t2", "t3"]  # no new credit was needed
+        for tid, message in delivered.items():
+            i = int(tid[1:])
+            assert message.arrays["tokens"].tolist() == list(range(i, i + n))
+            assert message["delivery_count"] == 1
+        assert thread.is_alive()
+    finally:
+        service.stop()
+        thread.join(10)
+    assert not thread.is_alive()
