@@ -1,5 +1,6 @@
 """Bad input on every socket, a full disk, budgets, shutdown and settings,
 against a live broker subprocess."""
+import contextlib
 import json
 import os
 import resource
@@ -333,15 +334,27 @@ def test_memory_budget_pauses_producers_and_evicts_open_trajectories(tmp_path):
             consumer.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [message["lease"]]}))
         assert seen == set(range(30))
 
-def test_an_evicted_trajectory_that_cannot_be_read_back_refuses_its_batch_then_recovers(tmp_path):
+@contextlib.contextmanager
+def threaded_broker(tmp_path, **settings):
+    """A broker service on inproc endpoints, run on a thread of this
+    process, so a test can break its store's methods while it runs."""
     context = zmq.Context()
-    settings = BrokerSettings(producer_endpoint="inproc://p", consumer_endpoint="inproc://c", admin_endpoint="inproc://a",
-                              data_dir=str(tmp_path / "data"), metrics_port=0, max_memory_bytes=100_000)
-    service = BrokerService(settings, context=context)
+    service = BrokerService(BrokerSettings(producer_endpoint="inproc://p", consumer_endpoint="inproc://c",
+                                           admin_endpoint="inproc://a", data_dir=str(tmp_path / "data"), metrics_port=0,
+                                           **settings), context=context)
     service.start()
     thread = threading.Thread(target=service.run, daemon=True)
     thread.start()
     try:
+        yield service, thread, context
+    finally:
+        service.stop()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_an_evicted_trajectory_that_cannot_be_read_back_refuses_its_batch_then_recovers(tmp_path):
+    with threaded_broker(tmp_path, max_memory_bytes=100_000) as (service, thread, context):
         producer = dealer("inproc://p", context)
         for i in range(4):  # ~144 KB of open trajectories against a 100 KB budget
             assert decode(call(producer, good_turn(f"t{i}", seq=i, n=1500)), BROKER_TO_PRODUCER)["applied"]
@@ -367,25 +380,14 @@ def test_an_evicted_trajectory_that_cannot_be_read_back_refuses_its_batch_then_r
         assert reply.type == "ack" and reply["applied"]
         assert service.engine.entries[tid].trajectory.response_length == 1502
         assert thread.is_alive()
-    finally:
-        service.stop()
-        thread.join(10)
-    assert not thread.is_alive()
 
 
 def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_path):
     """An evicted ready trajectory whose read-back fails at delivery: the
     daemon keeps running, reports the store unavailable, and delivers it
     (under the consumer's original credit) once the store reads again."""
-    context = zmq.Context()
-    settings = BrokerSettings(producer_endpoint="inproc://p2", consumer_endpoint="inproc://c2", admin_endpoint="inproc://a2",
-                              data_dir=str(tmp_path / "data"), metrics_port=0, max_memory_bytes=100_000)
-    service = BrokerService(settings, context=context)
-    service.start()
-    thread = threading.Thread(target=service.run, daemon=True)
-    thread.start()
-    try:
-        producer = dealer("inproc://p2", context)
+    with threaded_broker(tmp_path, max_memory_bytes=100_000) as (service, thread, context):
+        producer = dealer("inproc://p", context)
         n = 1500
         for i in range(4):  # ~144 KB of ready trajectories against a 100 KB budget: some are evicted
             assert decode(call(producer, good_turn(f"t{i}", seq=i, n=n, first=i)), BROKER_TO_PRODUCER)["applied"]
@@ -403,7 +405,7 @@ def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_pat
             raise OSError(5, "Input/output error")
 
         service.store.load_one = unreadable
-        consumer = dealer("inproc://c2", context)
+        consumer = dealer("inproc://c", context)
         call(consumer, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "c"}))
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 4, "unit": "trajectory"}))
         delivered = {}
@@ -430,7 +432,3 @@ def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_pat
             assert message.arrays["tokens"].tolist() == list(range(i, i + n))
             assert message["delivery_count"] == 1
         assert thread.is_alive()
-    finally:
-        service.stop()
-        thread.join(10)
-    assert not thread.is_alive()
