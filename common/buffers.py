@@ -30,6 +30,17 @@ def counting_run(count: int, dtype: np.dtype) -> np.ndarray:
     return _shared_run((dtype, None), count)
 
 
+def join_contiguous(parts: list, dtype: np.dtype) -> np.ndarray | None:
+    """1-D arrays of `dtype` end to end in a new, writable array, joined as
+    bytes: for the many small parts of a trajectory or of a batch about
+    twice as fast as `np.concatenate`, whose cost is per part. None when a
+    part is not contiguous (a strided view is not bytes-like)."""
+    try:
+        return np.frombuffer(bytearray().join(parts), dtype=dtype)
+    except (TypeError, BufferError, ValueError):
+        return None
+
+
 class GrowableArray:
     """A 1-D numpy array that grows geometrically on append.
 
@@ -90,15 +101,13 @@ class GrowableArray:
         self._len, self._parts, self._shifts, self._queued = end, [], None, 0
 
     def _join(self, parts: list) -> bool:
-        """The parts' bytes joined into a new, exactly sized buffer: for the
-        many small parts of a trajectory about twice as fast as numpy's
-        concatenate (queued parts have the buffer's dtype). False (nothing
-        changed) when a part is not contiguous."""
-        try:
-            joined = bytearray().join(parts)
-        except (TypeError, BufferError, ValueError):
+        """The parts joined into a new, exactly sized buffer (queued parts
+        have the buffer's dtype). False (nothing changed) when a part is not
+        contiguous."""
+        joined = join_contiguous(parts, self._buf.dtype)
+        if joined is None:
             return False
-        self._buf = np.frombuffer(joined, dtype=self._buf.dtype)
+        self._buf = joined
         return True
 
     def truncate(self, length: int) -> None:
