@@ -34,7 +34,7 @@ from rollstream.common.validation import check_message_arrays, messages_content_
 from rollstream.common.wire import encode_deliver
 
 from .dispatch import Dispatcher, DispatchSettings
-from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, MarkGap, MergeEngine, PutTurn, Unit
+from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, Entry, MarkGap, MergeEngine, PutTurn, Unit
 from .metrics import BrokerMetrics
 from .recovery import load_trajectory, restore
 from .settings import BrokerSettings
@@ -268,13 +268,20 @@ class BrokerService:
                 entry = self.engine.entries.get(tid)
                 if entry is None or entry.trajectory is not None:
                     continue
-                try:
-                    entry.trajectory = load_trajectory(self.store, self.store.load_one(tid))
-                except (OSError, sqlite3.Error, StoreCorrupted) as exc:
-                    self._store_failed(f"cannot read evicted trajectory {tid!r} back: {exc}")
+                if not self._read_back(entry, "to merge into it"):
                     return
                 self._evicted_open.discard(tid)
                 log.debug("evicted trajectory reloaded", extra={"trajectory_id": tid})
+
+    def _read_back(self, entry: Entry, purpose: str) -> bool:
+        """Rebuild an evicted trajectory from the store; False (and the
+        store unavailable) when it cannot be read."""
+        try:
+            entry.trajectory = load_trajectory(self.store, self.store.load_one(entry.trajectory_id))
+        except (OSError, sqlite3.Error, StoreCorrupted) as exc:
+            self._store_failed(f"cannot read evicted trajectory {entry.trajectory_id!r} back {purpose}: {exc}")
+            return False
+        return True
 
     def _producer_message(self, identity: bytes, message: Message | None, error: ProtocolError | None,
                           now: float) -> tuple[_Pending, list]:
@@ -471,14 +478,10 @@ class BrokerService:
                 log.error("queued trajectory is not ready", extra={"trajectory_id": delivery.trajectory_id})
                 self.dispatcher.settle([delivery.lease])
                 continue
-            if entry.trajectory is None:
-                try:
-                    entry.trajectory = load_trajectory(self.store, self.store.load_one(entry.trajectory_id))
-                except (OSError, sqlite3.Error, StoreCorrupted) as exc:
-                    self._store_failed(f"cannot read trajectory {entry.trajectory_id!r} back to deliver it: {exc}")
-                    for unsent in reversed(deliveries[i:]):  # back in front, in their order, for when it recovers
-                        self.dispatcher.retract(unsent.lease, refund=True)
-                    return
+            if entry.trajectory is None and not self._read_back(entry, "to deliver it"):
+                for unsent in reversed(deliveries[i:]):  # back in front, in their order, for when it recovers
+                    self.dispatcher.retract(unsent.lease, refund=True)
+                return
             frames = encode_deliver(entry.trajectory, delivery.lease, delivery_count=delivery.delivery_count,
                                     **delivery.group_fields)
             if not self._send("consumer", delivery.identity, frames):
