@@ -97,6 +97,8 @@ class Turn:
         *,
         mask: SamplingMask | None = None,
         supports=None,
+        mask_ids=None,
+        mask_offsets=None,
         loss_mask=None,
         forced_tokens=None,
         routed_experts=None,
@@ -108,6 +110,8 @@ class Turn:
         """A checked turn: every rule a broker would apply to this frame alone."""
         if mask is not None and supports is not None:
             raise ValueError("give the support either as `mask` or as `supports`, not both")
+        if mask_ids is not None:
+            mask = SamplingMask(mask_ids, mask_offsets)
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
         tokens_arr = as_int_array(tokens, TOKEN_DTYPE, "tokens")

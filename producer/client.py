@@ -411,13 +411,15 @@ class AsyncTrajectory:
         self.next_turn = 0
         self._lock = asyncio.Lock()
 
-    async def turn(self, tokens, log_probs, *, mask: SamplingMask | None = None, supports=None, loss_mask=None,
+    async def turn(self, tokens, log_probs, *, mask: SamplingMask | None = None, supports=None, mask_ids=None,
+                   mask_offsets=None, loss_mask=None,
                    forced_tokens=None, routed_experts=None, indexer_topk=None, status: str = "completed",
                    weight_version: str | None = None, metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
         """Send the next turn: the sampled tokens with their log-probs and
         supports (`mask`, or `supports` as one id list per token), then the
         forced tokens the environment appended after them."""
-        turn = Turn.build(tokens, log_probs, mask=mask, supports=supports, loss_mask=loss_mask,
+        turn = Turn.build(tokens, log_probs, mask=mask, supports=supports, mask_ids=mask_ids, mask_offsets=mask_offsets,
+                          loss_mask=loss_mask,
                           forced_tokens=forced_tokens, routed_experts=routed_experts, indexer_topk=indexer_topk,
                           status=status, weight_version=weight_version, vocab_size=self.producer.vocab_size)
         return await self.send(turn, metadata=metadata)

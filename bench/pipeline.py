@@ -1,0 +1,378 @@
+"""The whole pipeline against TransferQueue's streaming benchmark, in one run.
+
+Producer process(es) → `rollstream broker` (a daemon on its durable
+defaults) → consumer process, on loopback TCP, moving TransferQueue 0.1.11's
+streaming workload: 256 samples of a 512-token prompt and 5,000 response
+tokens, supports of size min(geometric(1/8), 64), float32 log-probs, a 0/1
+loss mask (63.2 MB). The workload is `make_workload` of
+`../shared/bench/peer_tq.py`, read from that file, with each response token
+replaced by a member of its own support (rollstream checks that rule).
+
+Each rollstream rep sends every sample as 1 turn (`t1`) or as 8 turns of 625
+tokens (`t8`) with the library's `AsyncProducer` (or the blocking
+`Producer`), from arrays built before the clock starts, as TransferQueue's
+producer puts arrays built before its clock starts; then `end`. The consumer
+is the library's `Consumer` (batches of 32, validated, committed). A rep is
+timed from the first send to the last batch committed.
+
+With `--tq-python PATH` (a virtualenv's python with transferqueue, see
+`../shared/bench/README.md`), `peer_tq.py --stream` runs interleaved: each
+round runs TransferQueue (one warm-up and `--reps` timed reps in one Ray
+session, as its script does), then `--reps` reps of t1 and of t8 on a
+fresh broker. Medians over every timed rep are reported.
+
+Printed per mode: seconds, MB/s, tokens/s, CPU seconds of the producer
+process(es), of the broker's main thread and of the consumer process, peak
+RSS of each, p50/p99 latency from a trajectory's `end` being handed to the
+producer to its batch being committed, and whether every delivered
+trajectory was byte-equal to what was sent, exactly once. The last line is
+one JSON object.
+
+    .venv/bin/python bench/pipeline.py [--rounds 5] [--reps 3] [--tq-python .venv-tq/bin/python]
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHARED_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "bench"
+PEER_TQ = SHARED_BENCH / "peer_tq.py"
+VOCAB = 151_936
+FIELDS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets")
+
+
+# -- the workload -------------------------------------------------------------
+def _tq_make_workload():
+    """`make_workload` from peer_tq.py, compiled alone: the file imports Ray
+    and TransferQueue at its top, which this virtualenv does not have."""
+    tree = ast.parse(PEER_TQ.read_text())
+    nodes = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "make_workload"]
+    if not nodes:
+        raise RuntimeError(f"{PEER_TQ} has no make_workload function")
+    namespace = {"np": np, "VOCAB": VOCAB}
+    exec(compile(ast.Module(nodes, type_ignores=[]), str(PEER_TQ), "exec"), namespace)
+    return namespace["make_workload"]
+
+
+def workload(samples: int, seed: int = 0) -> list[dict]:
+    """TransferQueue's samples as rollstream trajectories: the prompt, and
+    the response with every token moved inside its own support."""
+    rng = np.random.default_rng(seed + 1)
+    out = []
+    for sample in _tq_make_workload()(samples, 5000, 512, seed):
+        offsets, ids = sample["mask_offsets"], sample["mask_ids"]
+        length = sample["_resp_len"]
+        sizes = np.diff(offsets)
+        tokens = ids[offsets[:-1] + rng.integers(0, sizes)]
+        out.append({"prompt_tokens": sample["input_ids"][: len(sample["input_ids"]) - length], "tokens": tokens,
+                    "log_probs": sample["log_probs"], "loss_mask": sample["loss_mask"], "mask_ids": ids,
+                    "mask_offsets": offsets})
+    return out
+
+
+def split_turns(sample: dict, turns: int) -> list[dict]:
+    """The sample's response as `turns` engine calls of equal length, each
+    with its own CSR (offsets from 0), as an engine reports them."""
+    n = len(sample["tokens"])
+    bounds = np.linspace(0, n, turns + 1).astype(int)
+    offsets = sample["mask_offsets"]
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        out.append({"tokens": sample["tokens"][a:b], "log_probs": sample["log_probs"][a:b],
+                    "loss_mask": sample["loss_mask"][a:b], "mask_ids": sample["mask_ids"][offsets[a]:offsets[b]],
+                    "mask_offsets": offsets[a:b + 1] - offsets[a]})
+    return out
+
+
+def digest(arrays: dict) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in FIELDS:
+        array = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}:{array.dtype.str}:{array.size};".encode())
+        h.update(array.view(np.uint8).data)
+    return h.hexdigest()
+
+
+# -- the processes --------------------------------------------------------------
+def _producer_main(conn, endpoint: str, samples: int, share: range, turns: int, client: str) -> None:
+    from rollstream.producer import AsyncProducer, Producer
+
+    data = workload(samples)
+    plan = [(i, data[i]["prompt_tokens"], split_turns(data[i], turns)) for i in share]
+    del data
+    producer_id = f"bench-producer-{share.start}"
+
+    def send_all(tag: str, traj_of) -> tuple[float, dict, int]:
+        ends, frames = {}, 0
+        first = time.perf_counter()
+        for i, prompt, parts in plan:
+            tid = f"{tag}-{i}"
+            traj = traj_of(tid, prompt)
+            for part in parts:
+                traj.turn(part["tokens"], part["log_probs"], loss_mask=part["loss_mask"],
+                          mask_ids=part["mask_ids"], mask_offsets=part["mask_offsets"])
+            ends[tid] = time.perf_counter()
+            traj.end(0.0)
+            frames += len(parts) + 1
+        return first, ends, frames
+
+    if client == "blocking":
+        with Producer(endpoint, producer_id) as producer:
+            conn.send("ready")
+            while (tag := conn.recv()) is not None:
+                cpu = time.process_time()
+                first, ends, frames = send_all(tag, producer.trajectory)
+                producer.flush()
+                conn.send({"first": first, "cpu": time.process_time() - cpu, "ends": ends, "frames": frames})
+        return
+
+    async def run() -> None:
+        async with AsyncProducer(endpoint, producer_id) as producer:
+            loop = asyncio.get_running_loop()
+            conn.send("ready")
+            while (tag := await loop.run_in_executor(None, conn.recv)) is not None:
+                cpu = time.process_time()
+                ends, frames = {}, 0
+                first = time.perf_counter()
+                for i, prompt, parts in plan:
+                    tid = f"{tag}-{i}"
+                    traj = producer.trajectory(tid, prompt)
+                    for part in parts:
+                        await traj.turn(part["tokens"], part["log_probs"], loss_mask=part["loss_mask"],
+                                        mask_ids=part["mask_ids"], mask_offsets=part["mask_offsets"])
+                    ends[tid] = time.perf_counter()
+                    await traj.end(0.0)
+                    frames += len(parts) + 1
+                await producer.flush()
+                conn.send({"first": first, "cpu": time.process_time() - cpu, "ends": ends, "frames": frames})
+
+    asyncio.run(run())
+
+
+def _consumer_main(conn, endpoint: str, batch_size: int) -> None:
+    from rollstream.consumer import Consumer
+
+    with Consumer(endpoint, batch_size=batch_size, vocab_size=VOCAB, device="cpu") as consumer:
+        conn.send("ready")
+        while (job := conn.recv()) is not None:
+            tag, expected = job
+            cpu = time.process_time()
+            committed_at, kept, received = {}, [], 0
+            while received < expected:
+                batch = consumer.next_batch(timeout=300)
+                consumer.commit(batch)
+                now = time.perf_counter()
+                kept.append(batch)
+                received += len(batch)
+                for tid in batch.trajectory_ids:
+                    committed_at[tid] = now
+            cpu = time.process_time() - cpu
+            seen: dict[str, list[str]] = {}
+            for batch in kept:  # outside the clock: what the trainer got, sample by sample
+                for i in range(len(batch)):
+                    sample = batch.sample(i)
+                    prompt = int(batch.prompt_lengths[i])
+                    arrays = {"prompt_tokens": sample["tokens"][:prompt].numpy(),
+                              "tokens": sample["response_tokens"].numpy(), "log_probs": sample["log_probs"].numpy(),
+                              "loss_mask": sample["loss_mask"].numpy(), "mask_ids": sample["mask_ids"].numpy(),
+                              "mask_offsets": sample["mask_offsets"].numpy()}
+                    seen.setdefault(sample["trajectory_id"], []).append(digest(arrays))
+            conn.send({"cpu": cpu, "committed": committed_at, "digests": seen})
+
+
+def _thread_cpu(pid: int, tid: int) -> float:
+    """CPU seconds (user + system) of one thread of a process."""
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class Rollstream:
+    """One broker, its producer process(es) and a consumer process, kept
+    for a round of reps (each rep sends fresh trajectory ids)."""
+
+    def __init__(self, samples: int, turns: int, producers: int, batch_size: int, client: str):
+        from rollstream.common.sockets import free_loopback_ports
+
+        self.samples, self.turns = samples, turns
+        self.data = tempfile.mkdtemp(prefix="rollstream-pipeline-")
+        ports = free_loopback_ports(3)
+        endpoints = [f"tcp://127.0.0.1:{port}" for port in ports]
+        self.broker = subprocess.Popen(
+            [sys.executable, "-m", "rollstream.common.cli", "broker", "--producer-endpoint", endpoints[0],
+             "--consumer-endpoint", endpoints[1], "--admin-endpoint", endpoints[2], "--data-dir", self.data,
+             "--vocab-size", str(VOCAB), "--metrics-port", "0", "--log-level", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        ctx = mp.get_context("spawn")
+        self.children = []
+        self.consumer, child = ctx.Pipe()
+        self.children.append(ctx.Process(target=_consumer_main, args=(child, endpoints[1], batch_size), daemon=True))
+        self.producers = []
+        per = -(-samples // producers)
+        for p in range(producers):
+            share = range(p * per, min(samples, (p + 1) * per))
+            parent, child = ctx.Pipe()
+            self.producers.append(parent)
+            self.children.append(ctx.Process(target=_producer_main, args=(child, endpoints[0], samples, share, turns, client),
+                                             daemon=True))
+        for process in self.children:
+            process.start()
+        for conn in (self.consumer, *self.producers):
+            if not conn.poll(300) or conn.recv() != "ready":
+                raise RuntimeError("a bench process did not start")
+
+    def rep(self, tag: str, expected: dict[str, str]) -> dict:
+        broker_cpu = _thread_cpu(self.broker.pid, self.broker.pid)
+        self.consumer.send((tag, self.samples))
+        for conn in self.producers:
+            conn.send(tag)
+        sent = [conn.recv() for conn in self.producers]
+        got = self.consumer.recv()
+        broker_cpu = _thread_cpu(self.broker.pid, self.broker.pid) - broker_cpu
+        first = min(s["first"] for s in sent)
+        last = max(got["committed"].values())
+        ends = {tid: at for s in sent for tid, at in s["ends"].items()}
+        latencies = sorted(got["committed"][tid] - ends[tid] for tid in got["committed"])
+        frames = sum(s["frames"] for s in sent)
+        want = {f"{tag}-{i}": d for i, d in enumerate(expected.values())}
+        verified = got["digests"].keys() == want.keys() and all(
+            digests == [want[tid]] for tid, digests in got["digests"].items())
+        return {"seconds": last - first, "producer_cpu": sum(s["cpu"] for s in sent), "broker_cpu": broker_cpu,
+                "consumer_cpu": got["cpu"], "frames": frames, "p50": latencies[len(latencies) // 2],
+                "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], "verified": verified}
+
+    def peak_rss(self) -> dict:
+        return {"producer": sum(_peak_rss(p.pid) for p in self.children[1:]),
+                "broker": _peak_rss(self.broker.pid), "consumer": _peak_rss(self.children[0].pid)}
+
+    def close(self) -> None:
+        for conn in (*self.producers, self.consumer):
+            conn.send(None)
+        for process in self.children:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+        self.broker.terminate()
+        self.broker.wait(30)
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+def run_tq(python: str, reps: int, samples: int) -> dict:
+    """One TransferQueue session: a warm-up and `reps` timed streaming reps."""
+    with tempfile.TemporaryDirectory(prefix="tq-pipeline-") as work:
+        out = Path(work) / "tq.json"
+        subprocess.run([python, str(PEER_TQ), "--stream", "--n", str(samples), "--reps", str(reps), "--warmup", "1",
+                        "--json", str(out)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        result = json.loads(out.read_text())
+    verified = all(r["digest_mismatches"] == 0 and r["array_equal_ok"] for r in result["verify"])
+    return {"seconds": result["summary"]["stream_e2e_s"]["all"], "rss_mib": result["rss_peak_mib"],
+            "verified": verified, "payload": result["payload_bytes"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (a fresh broker and TQ session each)")
+    parser.add_argument("--reps", type=int, default=3, help="timed reps of each mode per round (after a warm-up)")
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--producers", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--client", choices=("async", "blocking"), default="async")
+    parser.add_argument("--modes", default="1,8", help="turns per sample to run, comma-separated")
+    parser.add_argument("--tq-python", help="python of a virtualenv with transferqueue 0.1.11 and psutil")
+    args = parser.parse_args()
+    modes = [int(m) for m in args.modes.split(",")]
+
+    data = workload(args.samples)
+    expected = {str(i): digest(sample) for i, sample in enumerate(data)}
+    payload = sum(sample[name].nbytes for sample in data for name in FIELDS)
+    tokens = sum(len(sample["tokens"]) for sample in data)
+    del data
+    print(f"workload: {args.samples} samples, {tokens:,} response tokens, {payload / 1e6:.1f} MB "
+          f"(rollstream fields; TransferQueue's input_ids are the same prompt + response)")
+
+    runs: dict[str, list[dict]] = {f"t{m}": [] for m in modes}
+    tq_seconds, tq_rss, tq_verified = [], [], True
+    rss: dict[str, dict] = {}
+    for round_index in range(args.rounds):
+        if args.tq_python:
+            tq = run_tq(args.tq_python, args.reps, args.samples)
+            tq_seconds += tq["seconds"]
+            tq_rss.append(sum(tq["rss_mib"].values()))
+            tq_verified &= tq["verified"]
+            print(f"round {round_index}: TransferQueue {' '.join(f'{s:.3f}' for s in tq['seconds'])} s")
+        for mode in modes:
+            key = f"t{mode}"
+            system = Rollstream(args.samples, mode, args.producers, args.batch_size, args.client)
+            try:
+                system.rep(f"r{round_index}-{key}-warmup", expected)
+                reps = [system.rep(f"r{round_index}-{key}-{rep}", expected) for rep in range(args.reps)]
+                peak = system.peak_rss()
+            finally:
+                system.close()
+            runs[key] += reps
+            rss[key] = {name: max(value, rss.get(key, {}).get(name, 0)) for name, value in peak.items()}
+            print(f"round {round_index}: rollstream {key} " + " ".join(f"{r['seconds']:.3f}" for r in reps) + " s"
+                  + ("" if all(r["verified"] for r in reps) else "  NOT VERIFIED"))
+
+    def med(key: str, field: str) -> float:
+        return statistics.median(r[field] for r in runs[key])
+
+    summary = {}
+    print(f"\n{'':<14}{'seconds':>9}{'MB/s':>9}{'Mtok/s':>8}{'prod CPU':>10}{'broker':>8}{'cons':>7}"
+          f"{'p50 s':>8}{'p99 s':>8}{'RSS MiB':>9}  verified")
+    if tq_seconds:
+        seconds = statistics.median(tq_seconds)
+        print(f"{'TransferQueue':<14}{seconds:>9.3f}{payload / seconds / 1e6:>9.0f}{tokens / seconds / 1e6:>8.2f}"
+              f"{'':>49}{max(tq_rss):>9.0f}  {tq_verified}")
+        summary["tq_stream_s"] = round(seconds, 4)
+        summary["tq_total_peak_rss_mb"] = round(max(tq_rss), 1)
+    for key, reps in runs.items():
+        seconds = med(key, "seconds")
+        frames = reps[0]["frames"]
+        verified = all(r["verified"] for r in reps)
+        total_rss = sum(rss[key].values()) / 2**20
+        print(f"{'rollstream ' + key:<14}{seconds:>9.3f}{payload / seconds / 1e6:>9.0f}{tokens / seconds / 1e6:>8.2f}"
+              f"{med(key, 'producer_cpu'):>10.3f}{med(key, 'broker_cpu'):>8.3f}{med(key, 'consumer_cpu'):>7.3f}"
+              f"{med(key, 'p50'):>8.3f}{statistics.median(r['p99'] for r in reps):>8.3f}{total_rss:>9.0f}  {verified}")
+        print(f"{'':<14}frames {frames}, producer {med(key, 'producer_cpu') / frames * 1e6:.0f} µs/frame, "
+              f"broker main thread {med(key, 'broker_cpu') / frames * 1e6:.0f} µs/frame; peak RSS MiB "
+              + ", ".join(f"{name} {value / 2**20:.0f}" for name, value in rss[key].items()))
+        summary[f"rs_stream_s_{key}"] = round(seconds, 4)
+        if tq_seconds:
+            summary[f"rs_vs_tq_{key}"] = round(summary["tq_stream_s"] / seconds, 3)
+        summary[f"producer_us_per_frame_{key}"] = round(med(key, "producer_cpu") / frames * 1e6, 1)
+        summary[f"broker_us_per_frame_{key}"] = round(med(key, "broker_cpu") / frames * 1e6, 1)
+        summary[f"consumer_cpu_s_{key}"] = round(med(key, "consumer_cpu"), 3)
+        summary[f"p50_latency_s_{key}"] = round(med(key, "p50"), 4)
+        summary[f"p99_latency_s_{key}"] = round(statistics.median(r["p99"] for r in reps), 4)
+        summary[f"rs_peak_rss_mb_{key}"] = round(total_rss, 1)
+    summary["p99_latency_s"] = max(v for k, v in summary.items() if k.startswith("p99_latency_s_"))
+    summary["rs_total_peak_rss_mb"] = max(v for k, v in summary.items() if k.startswith("rs_peak_rss_mb_"))
+    summary["verified"] = all(r["verified"] for reps in runs.values() for r in reps) and tq_verified
+    summary["reps"] = args.rounds * args.reps
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
