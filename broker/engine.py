@@ -297,12 +297,32 @@ class MergeEngine:
                 return _ack(message, True, duplicate=True), ()
             raise ProtocolError("conflict", f"trajectory {tid!r} already ended with a different end message")
         traj = entry.trajectory
+        self._check_turn_count(message, entry)
         traj.reward = message["reward"]
         traj.metadata.update(message.get("metadata") or {})
         entry.state, entry.end_digest, entry.updated_at = ENDED, digest, now
         effect = EndTrajectory(tid, traj.reward, traj.metadata, digest, now)
         self._member_done(entry, ENDED, now)
         return _ack(message, True), (effect,)
+
+    @staticmethod
+    def _check_turn_count(message: Message, entry: Entry) -> None:
+        """An `end` that says how many turns its producer sent must find
+        them all consumed, so a lost turn can never end a trajectory short.
+        Turns sent after the trajectory became terminal were answered
+        `after_terminal` without being consumed, so a terminal trajectory
+        may have consumed fewer."""
+        sent = message.get("turns")
+        if sent is None:
+            return
+        consumed = entry.next_turn
+        if sent < consumed:
+            raise ProtocolError("conflict", f"end of {entry.trajectory_id!r} says {sent} turns were sent, "
+                                            f"the broker has consumed {consumed}")
+        if sent > consumed and not entry.trajectory.terminal:
+            raise ProtocolError("out_of_order", f"end of {entry.trajectory_id!r} says {sent} turns were sent, "
+                                                f"the broker has consumed {consumed}; resend turn {consumed} first",
+                                expected=consumed)
 
     def _abort(self, message: Message, now: float) -> tuple[dict, tuple]:
         tid = message["trajectory_id"]

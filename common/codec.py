@@ -132,6 +132,7 @@ def encode(
     *,
     crc: bool = False,
     checked: bool = True,
+    numbered: bool = True,
 ) -> list:
     """Frames `[header, buf_0, ...]` for one message, checked against `schema`.
 
@@ -140,12 +141,15 @@ def encode(
     Raises `ProtocolError` when the message would break the schema.
     `checked=False` skips the header check for replies built from fields
     that were themselves checked (the broker's acks, on its hot path).
+    `numbered=False` leaves `seq` out of the header (and out of `fields`):
+    `number_header` adds it later at a fixed width, so a producer knows a
+    frame's size before it numbers it.
     """
     spec = _spec(schema, mtype)
     fields = fields or {}
     arrays = arrays or {}
     if checked:
-        _check_fields(spec, fields, frozenset(arrays))
+        _check_fields(spec, fields if numbered else {**fields, "seq": 0}, frozenset(arrays))
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": mtype, **fields}
     buffers = []
     if arrays:
@@ -163,6 +167,26 @@ def encode(
         if crc:
             header["crc32"] = crc32_of(buffers)
     return [_PACKERS.pack(header), *buffers]
+
+
+_SEQ_ENTRY = msgpack.packb("seq") + b"\xcf"  # the key, then a uint64 marker: 8 big-endian bytes follow
+
+
+def number_header(header: bytes, seq: int) -> bytes:
+    """A header packed with `numbered=False`, with `seq` added as its last
+    entry. The value always takes 9 bytes (msgpack's uint64 form, which
+    every msgpack reader accepts for any integer), so the result's length
+    does not depend on `seq`."""
+    first = header[0]
+    if 0x80 <= first < 0x8F:  # a fixmap with room for one more entry
+        head, body = bytes((first + 1,)), header[1:]
+    elif first == 0x8F:  # 15 entries: the 16th needs a map16
+        head, body = b"\xde\x00\x10", header[1:]
+    elif first == 0xDE:
+        head, body = b"\xde" + (int.from_bytes(header[1:3], "big") + 1).to_bytes(2, "big"), header[3:]
+    else:
+        raise ValueError(f"a header must be a packed msgpack map of at most 65,534 entries, starts with {first:#04x}")
+    return b"".join((head, body, _SEQ_ENTRY, seq.to_bytes(8, "big")))
 
 
 def encode_error(schema: Schema, error: ProtocolError, **extra) -> list:

@@ -83,10 +83,19 @@ def frozen(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def owned(arr: np.ndarray, source) -> np.ndarray:
+def owned(arr: np.ndarray, source, *, borrow: bool = False) -> np.ndarray:
     """`arr` made read-only, copied first unless it is memory numpy just
     allocated for it (so later changes to the caller's `source`, whatever
-    buffer it is, change nothing, and the caller's own array stays writable)."""
+    buffer it is, change nothing, and the caller's own array stays writable).
+
+    With `borrow`, a numpy `source` that already is the array wanted (its
+    dtype fits) is taken by reference instead, as a read-only view: the
+    caller promises to leave it unchanged while it is in use (the producer
+    sends turns this way, zero-copy)."""
+    if borrow and arr is source:
+        view = arr.view()
+        view.flags.writeable = False
+        return view
     fresh = arr.flags.owndata and arr is not source and not hasattr(source, "detach")
     if not fresh or (isinstance(source, np.ndarray) and np.may_share_memory(arr, source)):
         arr = arr.copy()

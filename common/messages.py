@@ -49,6 +49,25 @@ REWARD = Kind("a number or a map", lambda v: _is_number(v) or isinstance(v, dict
 STATUS = Kind(f"one of {list(STATUSES)}", lambda v: v in STATUSES)
 UNIT = Kind("'trajectory' or 'group'", lambda v: v in ("trajectory", "group"))
 CRC32 = Kind("an unsigned 32-bit integer", lambda v: _is_int(v) and 0 <= v < 2**32)
+
+
+def _is_seq_ranges(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(r, list) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1]) and r[0] <= r[1] for r in value
+    )
+
+
+def _is_outcome(value) -> bool:
+    return (isinstance(value, dict) and _is_int(value.get("seq")) and type(value.get("applied")) is bool
+            and type(value.get("duplicate", False)) is bool
+            and (value.get("reason") is None or (isinstance(value["reason"], str) and value["reason"] != "")))
+
+
+SEQ_RANGES = Kind("a list of [first, last] integer pairs with first <= last", _is_seq_ranges)
+OUTCOMES = Kind(
+    "a list of maps {seq: integer, applied: boolean, duplicate?: boolean, reason?: non-empty string}",
+    lambda v: isinstance(v, list) and all(map(_is_outcome, v)),
+)
 GAP = Kind(
     f"a map {{turn: non-negative integer, field: one of {list(REPLAY_FIELDS)}}}",
     lambda v: isinstance(v, dict) and _is_int(v.get("turn")) and v["turn"] >= 0 and v.get("field") in REPLAY_FIELDS,
@@ -132,7 +151,7 @@ _NACK = MessageSpec("nack", {"code": TEXT, "message": ANY_TEXT}, {"seq": INT, "e
 
 PRODUCER_TO_BROKER = _schema(
     "producer->broker",
-    MessageSpec("hello", {"producer_id": TEXT}, _SEQ),
+    MessageSpec("hello", {"producer_id": TEXT}, {"seq": INT, "batch_acks": BOOL}),
     MessageSpec(
         "turn",
         {"seq": INT, "trajectory_id": TEXT, "turn": COUNT, "status": STATUS},
@@ -148,19 +167,21 @@ PRODUCER_TO_BROKER = _schema(
         rules=(mask_pair, turn_zero_fields, group_pair),
         content=True,
     ),
-    MessageSpec("end", {"seq": INT, "trajectory_id": TEXT, "reward": REWARD}, {"metadata": MAP}),
+    MessageSpec("end", {"seq": INT, "trajectory_id": TEXT, "reward": REWARD}, {"metadata": MAP, "turns": COUNT}),
     MessageSpec("abort", {"seq": INT, "trajectory_id": TEXT, "reason": ANY_TEXT}),
     MessageSpec("ping", {"seq": INT}),
 )
 
 BROKER_TO_PRODUCER = _schema(
     "broker->producer",
-    MessageSpec("welcome", {"broker_id": TEXT, "max_message_bytes": POSITIVE, "window": POSITIVE}, _SEQ),
+    MessageSpec("welcome", {"broker_id": TEXT, "max_message_bytes": POSITIVE, "window": POSITIVE},
+                {"seq": INT, "batch_acks": BOOL}),
     MessageSpec(
         "ack",
         {"seq": INT, "trajectory_id": TEXT, "applied": BOOL},
         {"turn": COUNT, "duplicate": BOOL, "reason": TEXT},
     ),
+    MessageSpec("acks", {"ranges": SEQ_RANGES}, {"outcomes": OUTCOMES}),
     _NACK,
     MessageSpec("pong", {"seq": INT}),
 )

@@ -5,6 +5,12 @@ import socket
 
 import zmq
 
+# The compiled send under pyzmq's Python wrapper, whose per-call handling
+# (routing ids and groups of draft socket types, Frame objects, copy
+# thresholds) costs more than sending a small frame.
+_send_part = getattr(zmq.backend, "Socket", zmq.Socket).send
+_SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
+
 
 def tune(
     sock: zmq.Socket,
@@ -70,3 +76,22 @@ def free_loopback_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def send_frames(sock: zmq.Socket, frames: list, *, identity: bytes | None = None,
+                zero_copy_above: int | None = None) -> None:
+    """Send one message without blocking, part by part through the compiled
+    send: about half the cost of `send_multipart` per part. Parts are copied
+    into ZeroMQ, except those larger than `zero_copy_above` bytes, which are
+    handed over by reference (the caller keeps them unchanged until sent).
+    Raises `zmq.Again` when the queue is full (only ever at the first part:
+    a message goes whole or not at all) and `zmq.ZMQError` otherwise."""
+    if identity is not None:
+        _send_part(sock, identity, _SEND_MORE)
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        flags = _SEND_MORE if i < last else zmq.NOBLOCK
+        if zero_copy_above is None or len(frame) <= zero_copy_above:
+            _send_part(sock, frame, flags)
+        else:
+            _send_part(sock, frame, flags, copy=False)

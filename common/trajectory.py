@@ -106,27 +106,44 @@ class Turn:
         status: str = "completed",
         weight_version: str | None = None,
         vocab_size: int | None = None,
+        borrow: bool = False,
     ) -> "Turn":
-        """A checked turn: every rule a broker would apply to this frame alone."""
-        if mask is not None and supports is not None:
-            raise ValueError("give the support either as `mask` or as `supports`, not both")
-        if mask_ids is not None:
-            mask = SamplingMask(mask_ids, mask_offsets)
+        """A checked turn: every rule a broker would apply to this frame
+        alone, each checked once (one packed pass; a `mask` was checked when
+        it was built). The support comes as a `SamplingMask`, as CSR arrays
+        `mask_ids` + `mask_offsets`, or as `supports` (one id list per token).
+
+        Lists are converted; numpy arrays whose dtype fits are copied, or
+        with `borrow` taken by reference (read-only views, no copy: the
+        caller leaves them unchanged while the turn is in use)."""
+        given = [name for name, value in (("mask", mask), ("supports", supports), ("mask_ids", mask_ids))
+                 if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"give the support once, as `mask`, `supports` or `mask_ids` + `mask_offsets`; got {given}")
+        if (mask_ids is None) != (mask_offsets is None):
+            raise ValueError("mask_ids and mask_offsets travel together; "
+                             f"got only {'mask_ids' if mask_offsets is None else 'mask_offsets'}")
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
-        tokens_arr = as_int_array(tokens, TOKEN_DTYPE, "tokens")
+
+        def take(values, arr):
+            return owned(arr, values, borrow=borrow)
+
         if supports is not None:
             mask = SamplingMask.from_supports(supports)
+        elif mask_ids is not None:  # checked below with the rest of the turn, not by the SamplingMask constructor
+            mask = SamplingMask._wrap(take(mask_ids, as_int_array(mask_ids, IDS_DTYPE, "mask_ids")),
+                                      take(mask_offsets, as_int_array(mask_offsets, OFFSETS_DTYPE, "mask_offsets")))
         elif mask is not None and not isinstance(mask, SamplingMask):
             raise TypeError(f"mask must be a SamplingMask, got {type(mask).__name__}")
         turn = cls(
-            tokens=owned(tokens_arr, tokens),
-            log_probs=owned(_as_float_array(log_probs, "log_probs"), log_probs),
-            loss_mask=None if loss_mask is None else owned(_as_loss_mask(loss_mask), loss_mask),
+            tokens=take(tokens, as_int_array(tokens, TOKEN_DTYPE, "tokens")),
+            log_probs=take(log_probs, _as_float_array(log_probs, "log_probs")),
+            loss_mask=None if loss_mask is None else take(loss_mask, _as_loss_mask(loss_mask)),
             mask=mask,
-            forced_tokens=EMPTY_TOKENS if forced_tokens is None else owned(as_int_array(forced_tokens, TOKEN_DTYPE, "forced_tokens"), forced_tokens),
-            routed_experts=None if routed_experts is None else owned(_as_replay(routed_experts, "routed_experts"), routed_experts),
-            indexer_topk=None if indexer_topk is None else owned(_as_replay(indexer_topk, "indexer_topk"), indexer_topk),
+            forced_tokens=EMPTY_TOKENS if forced_tokens is None else take(forced_tokens, as_int_array(forced_tokens, TOKEN_DTYPE, "forced_tokens")),
+            routed_experts=None if routed_experts is None else take(routed_experts, _as_replay(routed_experts, "routed_experts")),
+            indexer_topk=None if indexer_topk is None else take(indexer_topk, _as_replay(indexer_topk, "indexer_topk")),
             status=status,
             weight_version=weight_version,
         )

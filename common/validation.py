@@ -512,14 +512,22 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray | None:
     return np.concatenate(parts) if joined is None else joined
 
 
+def _tokens_in_supports(tokens: np.ndarray, ids: np.ndarray, offsets: np.ndarray) -> bool:
+    """Every support non-empty and holding its token (`offsets` has one
+    entry more than `tokens`, starts at 0 and ends at `len(ids)`)."""
+    starts = offsets[:-1]
+    sizes = offsets[1:] - starts
+    return bool(sizes.min() > 0) and bool(np.logical_or.reduceat(ids == np.repeat(tokens, sizes), starts).all())
+
+
 def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: int | None = None) -> bool:
     """Whether every message of `batch` passes every content rule.
 
     The messages' arrays are packed end to end and checked with a fixed
     handful of whole-array numpy calls, so the per-message cost is a few
-    Python comparisons (the broker runs this on every batch of frames).
-    False only says that some message fails; `check_message_arrays` then
-    finds which rule, per message.
+    Python comparisons (the broker runs this on every batch of frames; a
+    batch of one is not packed at all). False only says that some message
+    fails; `check_message_arrays` then finds which rule, per message.
     """
     tokens, ids, offsets, shifts, sizes, plain = [], [], [], [], [], []
     loss_masks, log_probs, other_ids = [], [], []
@@ -536,12 +544,13 @@ def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size
         else:
             if len(message_offsets) != n + 1 or message_offsets[0] != 0 or message_offsets[-1] != len(message_ids):
                 return False
-            tokens.append(message_tokens)
-            ids.append(message_ids)
-            offsets.append(message_offsets[1:])
-            shifts.append(base)
-            sizes.append(n)
-            base += len(message_ids)
+            if n:
+                tokens.append(message_tokens)
+                ids.append(message_ids)
+                offsets.append(message_offsets)
+                shifts.append(base)
+                sizes.append(n)
+                base += len(message_ids)
         for name in ("prompt_tokens", "forced_tokens"):
             if arrays.get(name) is not None:
                 other_ids.append(arrays[name])
@@ -549,19 +558,19 @@ def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size
             loss_masks.append(loss_mask)
         if log_prob is not None:
             log_probs.append(log_prob)
-    if sum(sizes):
-        packed_tokens, packed_ids = _concat(tokens), _concat(ids)
-        ends = _concat(offsets) + np.repeat(np.asarray(shifts, dtype=np.int64), sizes)
-        starts = np.empty_like(ends)
-        starts[0] = 0
-        starts[1:] = ends[:-1]
-        support_sizes = ends - starts
-        if support_sizes.min() <= 0:
+    packed_ids = None
+    if len(tokens) == 1:
+        packed_ids = ids[0]
+        if not _tokens_in_supports(tokens[0], packed_ids, offsets[0]):
             return False
-        if not np.logical_or.reduceat(packed_ids == np.repeat(packed_tokens, support_sizes), starts).all():
+    elif tokens:
+        packed_ids = _concat(ids)
+        packed_offsets = np.empty(sum(sizes) + 1, dtype=np.int64)
+        packed_offsets[0] = 0
+        np.add(_concat([o[1:] for o in offsets]), np.repeat(np.asarray(shifts, dtype=np.int64), sizes),
+               out=packed_offsets[1:])
+        if not _tokens_in_supports(_concat(tokens), packed_ids, packed_offsets):
             return False
-    else:
-        packed_ids = None
     bound = 2**31 if vocab_size is None else vocab_size  # negative int32 ids read as uint32 are >= 2**31
     # Sampled tokens with a support lie inside it, so the support ids stand for them.
     for values in (packed_ids, _concat(plain), _concat(other_ids)):

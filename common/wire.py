@@ -15,7 +15,7 @@ def encode_turn(
     index: int,
     turn: Turn,
     *,
-    seq: int,
+    seq: int | None,
     prompt_tokens=None,
     group_id: str | None = None,
     group_size: int | None = None,
@@ -23,8 +23,11 @@ def encode_turn(
     metadata: Mapping[str, Any] | None = None,
     crc: bool = False,
 ) -> list:
-    """Frames of a `turn` message (turn 0 carries the prompt and group)."""
-    fields: dict[str, Any] = {"seq": seq, "trajectory_id": trajectory_id, "turn": index, "status": turn.status}
+    """Frames of a `turn` message (turn 0 carries the prompt and group);
+    `seq=None` leaves the header unnumbered (`codec.number_header`)."""
+    fields: dict[str, Any] = {"trajectory_id": trajectory_id, "turn": index, "status": turn.status}
+    if seq is not None:
+        fields["seq"] = seq
     optional = {
         "group_id": group_id,
         "group_size": group_size,
@@ -36,7 +39,7 @@ def encode_turn(
     arrays = turn.arrays()
     if prompt_tokens is not None:
         arrays["prompt_tokens"] = prompt_tokens
-    return encode(PRODUCER_TO_BROKER, "turn", fields, arrays, crc=crc)
+    return encode(PRODUCER_TO_BROKER, "turn", fields, arrays, crc=crc, numbered=seq is not None)
 
 
 def turn_from_message(message: Message) -> Turn:

@@ -1,14 +1,18 @@
 """Producer clients: stream a rollout's turns to the node's broker.
 
-`AsyncProducer` is the I/O shell (zmq.asyncio) around the sans-I/O
-`ResendWindow` and the optional disk `Spool`; `Producer` is the blocking
-client with the same vocabulary, running an `AsyncProducer` on one
-background event-loop thread.
+`AsyncProducer` is the I/O shell around the sans-I/O `ResendWindow` and the
+optional disk `Spool`: one plain ZeroMQ DEALER whose replies the asyncio
+loop reads from a reader callback on the socket's descriptor, and whose
+sends never wait (no per-message futures of zmq.asyncio). `Producer` is the
+blocking client: it checks, encodes and numbers frames in the caller's
+thread and hands them to an `AsyncProducer` whose loop runs on one
+background thread, waking that loop once per burst of calls, not per call.
 
 Every send first waits for room (the window, or the spool's byte budget when
 there is a spool: backpressure, memory does not grow), then returns a future
 that resolves to a `Receipt` once the broker has made the frame durable, or
-raises `Refused` carrying the nack code.
+raises `Refused` carrying the nack code. Arrays travel zero-copy: a send keeps
+references to the caller's arrays until the frame is settled.
 """
 from __future__ import annotations
 
@@ -17,19 +21,18 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from collections import Counter, deque
+from typing import Any, Callable, Mapping, Sequence
 
-import msgpack
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from rollstream.common.codec import decode, encode
+from rollstream.common.codec import decode, encode, number_header
 from rollstream.common.errors import ProtocolError
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.mask import SamplingMask, as_int_array, owned
 from rollstream.common.messages import BROKER_TO_PRODUCER, PRODUCER_TO_BROKER
-from rollstream.common.sockets import tune
+from rollstream.common.sockets import send_frames, tune
 from rollstream.common.trajectory import TOKEN_DTYPE, Turn
 from rollstream.common.validation import check_message_arrays
 from rollstream.common.wire import encode_turn
@@ -37,19 +40,13 @@ from rollstream.common.wire import encode_turn
 from .errors import ProducerClosed, Refused
 from .metrics import ProducerMetrics
 from .spool import Spool, record_bytes
-from .window import Heartbeat, Outgoing, ResendWindow, Settled
+from .window import ABORT, END, TURN, Heartbeat, Outgoing, Receipt, ResendWindow, Settled
 
 log = logging.getLogger("rollstream.producer")
 
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-
-
-def _with_seq(header: bytes, seq: int) -> bytes:
-    """The header frame with its `seq` replaced (arrays and CRC unchanged:
-    the CRC covers array frames only)."""
-    fields = msgpack.unpackb(header, raw=False)
-    fields["seq"] = seq
-    return msgpack.packb(fields, use_bin_type=True)
+_SEQ_BYTES = len(number_header(b"\x80", 0)) - 1  # what numbering adds to a header
+_ZERO_COPY_ABOVE = 65536  # bytes: smaller frames are cheaper to copy than to hand over (pyzmq's own threshold)
 
 
 def _reward(value: Any) -> Any:
@@ -58,12 +55,28 @@ def _reward(value: Any) -> Any:
 
 
 def _prompt_array(prompt_tokens, vocab_size: int | None):
-    """The prompt as an owned int32 array, checked against the vocabulary."""
-    prompt = owned(as_int_array(prompt_tokens, TOKEN_DTYPE, "prompt_tokens"), prompt_tokens)
+    """The prompt as a read-only int32 array (the caller's own when it is one),
+    checked against the vocabulary."""
+    prompt = owned(as_int_array(prompt_tokens, TOKEN_DTYPE, "prompt_tokens"), prompt_tokens, borrow=True)
     empty = prompt[:0]
     check_message_arrays({"tokens": empty, "log_probs": empty.astype("<f4"), "prompt_tokens": prompt},
                          vocab_size=vocab_size)
     return prompt
+
+
+class _Draft:
+    """A frame checked and encoded but not yet numbered: its header lacks
+    `seq`, which `AsyncProducer._accept` adds (at a fixed width, so the
+    draft's size is final)."""
+
+    __slots__ = ("kind", "handle", "frames", "size", "index", "encode", "tokens")
+
+    def __init__(self, kind: str, handle: "AsyncTrajectory", index: int, encode_at: Callable[[int], list],
+                 tokens: tuple[int, int] = (0, 0)):
+        self.kind, self.handle, self.index, self.encode = kind, handle, index, encode_at
+        self.frames = encode_at(index)
+        self.size = record_bytes(self.frames) + _SEQ_BYTES
+        self.tokens = tokens  # sampled, forced
 
 
 class AsyncProducer:
@@ -89,7 +102,8 @@ class AsyncProducer:
         vocab_size: int | None = None,
         crc: bool = True,
         high_water_mark: int = 1000,
-        context: zmq.asyncio.Context | None = None,
+        batch_acks: bool = True,
+        context: zmq.Context | None = None,
     ):
         if not producer_id:
             raise ValueError("producer_id must be a non-empty string")
@@ -97,6 +111,7 @@ class AsyncProducer:
         self.producer_id = producer_id
         self.vocab_size = vocab_size
         self.crc = crc
+        self.batch_acks = batch_acks
         self.metrics = ProducerMetrics()
         self._window_limit = window
         self._window = ResendWindow(window, reply_timeout=reply_timeout, retry_delay=retry_delay)
@@ -104,10 +119,21 @@ class AsyncProducer:
         self._spool_options = (spool_dir, spool_bytes, spool_fsync)
         self._spool: Spool | None = None
         self._hwm = high_water_mark
-        self._context = context or zmq.asyncio.Context.instance()
-        self._pending: dict[int, tuple[asyncio.Future, float]] = {}  # seq -> (future, accepted at)
+        self._context = context or zmq.Context.instance()
+        # Intake, shared with blocking callers on other threads (all under `_lock`):
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # blocking callers wait here for room
+        self._blocked = 0  # how many wait there
+        self._intake: deque[Outgoing] = deque()  # accepted, in seq order, not yet in the window
+        self._in_memory = 0  # accepted and unsettled frames held in memory (intake and window)
+        self._pending: dict[int, tuple[Any, float, AsyncTrajectory | None]] = {}  # seq -> future, accepted at, handle
         self._next_seq = 1
+        self._pump_scheduled = False  # a blocking caller asked the loop to take the intake
+        # The loop's own:
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None  # set whenever frames settle (room may have appeared)
+        self._read_scheduled = False
+        self._connected_before = False
         self._tick_seconds = min(0.25, max(0.01, min(heartbeat_interval, reply_timeout, retry_delay or 1.0) / 4))
         self._tasks: list[asyncio.Task] = []
         self._sock = self._monitor = None
@@ -126,23 +152,27 @@ class AsyncProducer:
             self._spool = Spool(spool_dir, self.producer_id, max_bytes=spool_bytes, fsync=spool_fsync)
             self._next_seq = self._spool.last_seq + 1
             if self._spool.backlog:
-                log.info("resending spooled frames", extra={"producer_id": self.producer_id,
-                                                            "frames": self._spool.backlog, "spool_dir": spool_dir})
+                log.info(f"resending {self._spool.backlog} spooled frames from {spool_dir}",
+                         extra={"producer_id": self.producer_id, "frames": self._spool.backlog, "spool_dir": spool_dir})
+        self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         self._heartbeat.heard(now)  # presumed alive from the start
-        sock = tune(self._context.socket(zmq.DEALER), high_water_mark=self._hwm,
+        sock = tune(zmq.Socket(self._context, zmq.DEALER), high_water_mark=self._hwm,
                     heartbeat_interval=self._heartbeat.interval, linger_ms=0)
         self._monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         sock.connect(self.endpoint)
         self._sock = sock
-        self._send_now([*encode(PRODUCER_TO_BROKER, "hello", {"producer_id": self.producer_id})])
-        self._tasks = [asyncio.create_task(coro) for coro in (self._receive(), self._watch(), self._tick())]
-        for task in self._tasks:
-            task.add_done_callback(self._task_done)
+        self._send_now(self._hello())
+        self._loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
+        self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_monitor)
+        self._on_monitor()  # the descriptors signal edges: whatever came before the readers were added is read now
+        self._tasks = [asyncio.create_task(self._tick())]
+        self._tasks[0].add_done_callback(self._task_done)
         self._started = True
         self.metrics.broker_up.set(1)
         self._pump()
-        log.info("producer started", extra={"producer_id": self.producer_id, "endpoint": self.endpoint})
+        log.info(f"producer started: {self.producer_id}, broker {self.endpoint}",
+                 extra={"producer_id": self.producer_id, "endpoint": self.endpoint})
         return self
 
     async def __aenter__(self) -> "AsyncProducer":
@@ -154,12 +184,12 @@ class AsyncProducer:
     @property
     def unsettled(self) -> int:
         """Frames accepted and not yet settled (in memory and in the spool)."""
-        return len(self._window) + (self._spool.backlog if self._spool else 0)
+        return self._in_memory + (self._spool.backlog if self._spool else 0)
 
     @property
     def held(self) -> int:
         """Frames held in memory (never more than the window)."""
-        return len(self._window)
+        return self._in_memory
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until every accepted frame is settled; False on timeout."""
@@ -172,19 +202,27 @@ class AsyncProducer:
 
     async def _until(self, condition) -> None:
         while not condition():
-            if self._failure is not None:
-                raise ProducerClosed(f"producer {self.producer_id!r} stopped working: {self._failure!r}") from self._failure
+            self._check_alive()
             self._changed.clear()
             await self._changed.wait()
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise ProducerClosed(f"producer {self.producer_id!r} stopped working: {self._failure!r}") from self._failure
 
     def _task_done(self, task: asyncio.Task) -> None:
         """A background task ended by an error: nothing would ever settle
         again, so fail the waiters instead of hanging them."""
         if task.cancelled() or task.exception() is None:
             return
-        self._failure = task.exception()
-        log.error("producer I/O loop failed", exc_info=self._failure)
+        self._fail(task.exception())
+
+    def _fail(self, error: BaseException) -> None:
+        self._failure = error
+        log.error(f"producer I/O loop failed: {self.producer_id}: {error!r}", exc_info=error)
         self._changed.set()
+        with self._room:
+            self._room.notify_all()
 
     async def close(self, timeout: float | None = 10.0) -> int:
         """Stop accepting frames, wait up to `timeout` for the rest to settle,
@@ -192,7 +230,9 @@ class AsyncProducer:
         the spool if there is one; their futures raise `ProducerClosed`)."""
         if not self._started or self._closing:
             return 0
-        self._closing = True
+        with self._room:
+            self._closing = True
+            self._room.notify_all()
         self._changed.set()
         try:
             await self.flush(timeout)
@@ -201,19 +241,25 @@ class AsyncProducer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        left = self.unsettled
         where = "left in the spool" if self._spool else "dropped"
-        for future, _ in self._pending.values():
-            if not future.done():
-                future.set_exception(ProducerClosed(f"producer {self.producer_id!r} closed before the broker acked this frame ({where})"))
-        self._pending.clear()
+        with self._lock:
+            left = len(self._pending)
+            for future, _, _ in self._pending.values():
+                if not future.done():
+                    future.set_exception(ProducerClosed(
+                        f"producer {self.producer_id!r} closed before the broker acked this frame ({where})"))
+            self._pending.clear()
+            self._intake.clear()
+        self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+        self._loop.remove_reader(self._monitor.getsockopt(zmq.FD))
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._sock = None
         if self._spool is not None:
             self._spool.close()
-        log.info("producer stopped", extra={"producer_id": self.producer_id, "unsettled": left,
-                                            "resends": self._window.resends})
+        log.info(f"producer stopped: {self.producer_id}, {left} frames unsettled ({where}), "
+                 f"{self._window.resends} resends",
+                 extra={"producer_id": self.producer_id, "unsettled": left, "resends": self._window.resends})
         return left
 
     # -- sending ----------------------------------------------------------------
@@ -233,82 +279,157 @@ class AsyncProducer:
         futures.append(await traj.end(reward))
         return futures
 
-    async def submit(self, frames: list) -> asyncio.Future:
-        """Accept one encoded `turn`/`end`/`abort` message (its header's seq is
-        replaced): wait for room, keep it until settled, return its future."""
+    def _check_size(self, draft: _Draft) -> None:
+        if self._spool is not None and draft.size > self._spool.max_bytes:
+            raise ValueError(f"a frame of {draft.size} spool bytes exceeds spool_bytes={self._spool.max_bytes}")
+
+    def _has_room(self, size: int) -> bool:
+        if self._spool is None:
+            return self._in_memory < self._window.limit
+        return self._spool.nbytes + size <= self._spool.max_bytes
+
+    async def _submit(self, draft: _Draft) -> asyncio.Future:
+        """On the loop: wait for room, then accept the draft; its future."""
         if not self._started:
             raise RuntimeError("start the producer first (await producer.start() or use `async with`)")
-        if self._spool is not None and record_bytes(frames) > self._spool.max_bytes:
-            raise ValueError(f"a frame of {record_bytes(frames)} spool bytes exceeds spool_bytes={self._spool.max_bytes}")
-        await self._until(lambda: self._closing or self._has_room(frames))
-        if self._closing:
-            raise ProducerClosed(f"producer {self.producer_id!r} is closing; no new frames")
-        # From here to the end nothing awaits, so seqs enter the window in order.
-        seq = self._take_seq()
-        frames = [_with_seq(bytes(frames[0]), seq), *frames[1:]]
-        item = Outgoing.from_frames(frames)
-        if self._spool is None:
-            self._window.push(item)
-        else:
-            direct = not self._spool.backlog and not self._window.full
-            self._spool.append(seq, frames, handed_out=direct)
-            if direct:
-                self._window.push(item)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[seq] = (future, time.monotonic())
+        self._check_size(draft)
+        if not (self._closing or self._has_room(draft.size)):
+            await self._until(lambda: self._closing or self._has_room(draft.size))
+        future = self._loop.create_future()
+        with self._lock:
+            self._accept(draft, future)
         self._pump()
         return future
 
-    def _has_room(self, frames: list) -> bool:
-        if self._spool is None:
-            return not self._window.full
-        return self._spool.fits(frames)
+    def _submit_blocking(self, draft: _Draft, timeout: float | None) -> concurrent.futures.Future:
+        """From another thread: wait for room, accept, and wake the loop if
+        it is not already due to take the intake. No round trip to the loop."""
+        self._check_size(draft)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._room:
+            while not (self._closing or self._failure is not None or self._has_room(draft.size)):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"no room for a frame within {timeout} s ({self._in_memory} frames unsettled)")
+                self._blocked += 1
+                try:
+                    self._room.wait(remaining)
+                finally:
+                    self._blocked -= 1
+            self._check_alive()
+            self._accept(draft, future)
+            wake = not self._pump_scheduled
+            self._pump_scheduled = True
+        if wake:
+            self._loop.call_soon_threadsafe(self._pump)
+        return future
+
+    def _accept(self, draft: _Draft, future) -> None:
+        """Under the lock: number the draft, keep it (spool, intake), register
+        its future. Raises `ProducerClosed` while closing."""
+        if self._closing:
+            raise ProducerClosed(f"producer {self.producer_id!r} is closing; no new frames")
+        handle = draft.handle
+        if draft.kind != ABORT and handle.next_turn != draft.index:  # a refusal rewound the handle meanwhile
+            draft.index = handle.next_turn
+            draft.frames = draft.encode(draft.index)
+        seq = self._take_seq()
+        frames = [number_header(draft.frames[0], seq), *draft.frames[1:]]
+        item = Outgoing(seq, draft.kind, handle.trajectory_id, frames, draft.index if draft.kind == TURN else None)
+        spool = self._spool
+        direct = spool is None or (not spool.backlog and self._in_memory < self._window.limit)
+        if spool is not None:
+            spool.append(seq, frames, handed_out=direct)
+        if direct:
+            self._intake.append(item)
+            self._in_memory += 1
+        self._pending[seq] = (future, time.monotonic(), handle if draft.kind == TURN else None)
+        handle.next_turn = draft.index + 1 if draft.kind == TURN else 0 if draft.kind == ABORT else handle.next_turn
+        sampled, forced = draft.tokens
+        if sampled or forced:
+            metrics = self.metrics
+            metrics.inc(metrics.tokens, sampled, kind="sampled")
+            if forced:
+                metrics.inc(metrics.tokens, forced, kind="forced")
 
     def _take_seq(self) -> int:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         return seq
 
+    def _hello(self) -> list:
+        fields = {"producer_id": self.producer_id}
+        if self.batch_acks:
+            fields["batch_acks"] = True
+        return encode(PRODUCER_TO_BROKER, "hello", fields)
+
     def _send_now(self, frames: list) -> bool:
-        """Hand frames to the socket without waiting; False if its queue is full."""
-        sent = self._sock.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
-        if sent.done() and sent.exception() is not None:
-            if isinstance(sent.exception(), zmq.Again):
-                return False
-            raise sent.exception()
+        """Hand frames to the socket without waiting; False if its queue is
+        full. Large arrays go zero-copy (the window keeps them until settled)."""
+        try:
+            send_frames(self._sock, frames, zero_copy_above=_ZERO_COPY_ABOVE)
+        except zmq.Again:
+            return False
         return True
 
     def _pump(self) -> None:
-        """Move spooled backlog into the window, transmit what may go now."""
+        """Take the intake and the spooled backlog into the window, transmit
+        what may go now. Runs on the loop."""
         if self._sock is None:  # closed
             return
+        window = self._window
+        with self._lock:
+            self._pump_scheduled = False
+            intake = self._intake
+            while intake and not window.full:
+                window.push(intake.popleft())
+            spool = self._spool
+            while spool is not None and spool.backlog and not window.full and not intake:
+                _, frames = spool.next_backlog()
+                window.push(Outgoing.from_frames(frames))
+                self._in_memory += 1
         now = time.monotonic()
-        spool = self._spool
-        while spool is not None and spool.backlog and not self._window.full:
-            _, frames = spool.next_backlog()
-            self._window.push(Outgoing.from_frames(frames))
-        for item in self._window.ready(now):
+        first_sends: Counter | None = None
+        for item in window.ready(now):
             if not self._send_now(item.frames):
                 break
-            first = item.attempts == 0
-            self._window.sent(item.seq, now)
-            if first:
-                self.metrics.inc(self.metrics.sent, type=item.kind)
+            if item.attempts == 0:
+                first_sends = first_sends or Counter()
+                first_sends[item.kind] += 1
             else:
                 self.metrics.inc(self.metrics.resends)
-        self._refresh_gauges()
+            window.sent(item.seq, now)
+        if first_sends:
+            for kind, count in first_sends.items():
+                self.metrics.inc(self.metrics.sent, count, type=kind)
+        self._read_soon()
 
     def _refresh_gauges(self) -> None:
         self.metrics.in_flight.set(self._window.in_flight)
-        self.metrics.held.set(len(self._window))
+        self.metrics.held.set(self._in_memory)
         if self._spool is not None:
             self.metrics.spool_bytes.set(self._spool.nbytes)
             self.metrics.backlog.set(self._spool.backlog)
 
     # -- replies ------------------------------------------------------------------
-    async def _receive(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            self._on_message(frames)
+    def _read_soon(self) -> None:
+        """ZeroMQ's descriptor signals edge-triggered, and a send can take in
+        replies without signalling: look again after sending."""
+        if not self._read_scheduled and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._read_scheduled = True
+            self._loop.call_soon(self._on_readable)
+
+    def _on_readable(self) -> None:
+        self._read_scheduled = False
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._on_message(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            self._pump()
+        except Exception as exc:  # nothing would settle again: fail loudly rather than hang
+            self._fail(exc)
 
     def _on_message(self, frames: list) -> None:
         now = time.monotonic()
@@ -316,44 +437,73 @@ class AsyncProducer:
             reply = decode(frames, BROKER_TO_PRODUCER)
         except ProtocolError as error:
             self.metrics.inc(self.metrics.ignored)
-            log.warning("undecodable reply from the broker ignored", extra={"code": error.code, "reason": error.message})
+            log.warning(f"undecodable reply from the broker ignored: {error.code}: {error.message}",
+                        extra={"code": error.code, "reason": error.message})
             return
         if self._heartbeat.heard(now):
             self.metrics.broker_up.set(1)
-            log.info("broker answering again", extra={"endpoint": self.endpoint})
-        if reply.type == "welcome":
-            self._window.set_limit(min(self._window_limit, reply["window"]))
-            log.info("broker welcomed us", extra={"broker_id": reply["broker_id"], "window": self._window.limit})
+            log.info(f"broker {self.endpoint} answering again", extra={"endpoint": self.endpoint})
+        window = self._window
+        ignored = window.ignored
+        if reply.type == "acks":
+            self._settle(window.on_acks(reply), now)
+        elif reply.type == "welcome":
+            window.set_limit(min(self._window_limit, reply["window"]))
+            log.info(f"broker {reply['broker_id']} welcomed us: window {window.limit}",
+                     extra={"broker_id": reply["broker_id"], "window": window.limit})
         elif reply.type == "nack" and "seq" not in reply.fields:
             self.metrics.inc(self.metrics.ignored)
-            log.warning("broker refused a message it could not read", extra={"code": reply["code"],
-                                                                             "reason": reply["message"]})
+            log.warning(f"broker refused a message it could not read: {reply['code']}: {reply['message']}",
+                        extra={"code": reply["code"], "reason": reply["message"]})
         elif reply.type in ("ack", "nack"):
-            ignored = self._window.ignored
-            settled = self._window.on_reply(reply, now)
+            settled = window.on_reply(reply, now)
             if settled is not None:
-                self._settled(settled, now)
-            elif self._window.ignored > ignored:
-                self.metrics.inc(self.metrics.ignored)
-        self._pump()
+                self._settle([settled], now)
+        if window.ignored > ignored:
+            self.metrics.inc(self.metrics.ignored, window.ignored - ignored)
 
-    def _settled(self, settled: Settled, now: float) -> None:
-        item, outcome = settled.item, settled.outcome
-        if self._spool is not None:
-            self._spool.settle(item.seq)
-        future, accepted_at = self._pending.pop(item.seq, (None, None))
-        if accepted_at is not None:
-            self.metrics.ack_latency.observe(now - accepted_at)
-        if isinstance(outcome, Refused):
-            self.metrics.inc(self.metrics.nacked, code=outcome.code)
-            log.warning("frame refused", extra={"trajectory_id": item.trajectory_id, "kind": item.kind,
-                                                "turn": item.turn, "code": outcome.code, "reason": outcome.message})
-            if future is not None and not future.done():
-                future.set_exception(outcome)
-        else:
-            label = "duplicate" if outcome.duplicate else "applied" if outcome.applied else outcome.reason or "not_applied"
-            self.metrics.inc(self.metrics.acked, outcome=label)
-            if future is not None and not future.done():
+    def _settle(self, settled: list[Settled], now: float) -> None:
+        """Frames left the window: free their spool records and room, resolve
+        their futures; a refused turn rewinds its handle to that turn, so the
+        corrected turn can be sent under the same index."""
+        if not settled:
+            return
+        outcomes: Counter = Counter()
+        resolved = []
+        observe = self.metrics.ack_latency.observe
+        with self._lock:
+            spool = self._spool
+            for done in settled:
+                item, outcome = done.item, done.outcome
+                if spool is not None:
+                    spool.settle(item.seq)
+                self._in_memory -= 1
+                future, accepted_at, handle = self._pending.pop(item.seq, (None, None, None))
+                if accepted_at is not None:
+                    observe(now - accepted_at)
+                if isinstance(outcome, Refused):
+                    if handle is not None and outcome.code != "conflict":  # conflict: the broker holds that turn
+                        handle.next_turn = min(handle.next_turn, item.turn)
+                else:
+                    outcomes["duplicate" if outcome.duplicate else "applied" if outcome.applied
+                             else outcome.reason or "not_applied"] += 1
+                if future is not None or isinstance(outcome, Refused):
+                    resolved.append((future, outcome))
+            if self._blocked:
+                self._room.notify_all()
+        for label, count in outcomes.items():
+            self.metrics.inc(self.metrics.acked, count, outcome=label)
+        for future, outcome in resolved:  # outside the lock: a blocking future runs its callbacks right here
+            if isinstance(outcome, Refused):
+                self.metrics.inc(self.metrics.nacked, code=outcome.code)
+                log.warning(f"broker refused {outcome.kind} of {outcome.trajectory_id!r}"
+                            + (f" turn {outcome.turn}" if outcome.turn is not None else "")
+                            + f": {outcome.code}: {outcome.message}",
+                            extra={"trajectory_id": outcome.trajectory_id, "kind": outcome.kind, "turn": outcome.turn,
+                                   "code": outcome.code, "reason": outcome.message})
+                if future is not None and not future.done():
+                    future.set_exception(outcome)
+            elif not future.done():
                 future.set_result(outcome)
         self._changed.set()
 
@@ -365,37 +515,45 @@ class AsyncProducer:
             now = time.monotonic()
             resent = self._window.expire(now)
             if resent:
-                log.warning("replies overdue; resending in order", extra={"frames": resent})
+                log.warning(f"replies overdue; resending {resent} frames in order", extra={"frames": resent})
             if self._heartbeat.lost(now):
                 self.metrics.broker_up.set(0)
-                log.warning("broker silent", extra={"endpoint": self.endpoint, "seconds": self._heartbeat.timeout})
-            if self._heartbeat.ping_due(now) and self._send_now(encode(PRODUCER_TO_BROKER, "ping", {"seq": self._take_seq()})):
-                self._heartbeat.pinged(now)
+                log.warning(f"broker {self.endpoint} silent for {self._heartbeat.timeout} s",
+                            extra={"endpoint": self.endpoint, "seconds": self._heartbeat.timeout})
+            if self._heartbeat.ping_due(now):
+                with self._lock:
+                    seq = self._take_seq()
+                if self._send_now(encode(PRODUCER_TO_BROKER, "ping", {"seq": seq})):
+                    self._heartbeat.pinged(now)
             self._pump()
+            self._on_monitor()  # a missed edge costs at most a tick
+            self._refresh_gauges()
             await asyncio.sleep(self._tick_seconds)
 
-    async def _watch(self) -> None:
+    def _on_monitor(self) -> None:
         """Connection events: after a reconnect, whatever was in flight may be
         lost, so it is all resent (in order) behind a fresh hello."""
-        connected_before = False
-        while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+        monitor = self._monitor
+        while monitor is not None and monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
             if event == zmq.EVENT_DISCONNECTED:
-                log.info("disconnected from the broker", extra={"endpoint": self.endpoint})
+                log.info(f"disconnected from the broker {self.endpoint}", extra={"endpoint": self.endpoint})
                 continue
-            if connected_before:
+            if self._connected_before:
                 resent = self._window.reconnected()
                 self.metrics.inc(self.metrics.reconnects)
-                self._send_now(encode(PRODUCER_TO_BROKER, "hello", {"producer_id": self.producer_id}))
-                log.info("reconnected to the broker; resending in order", extra={"endpoint": self.endpoint,
-                                                                                 "frames": resent})
+                self._send_now(self._hello())
+                log.info(f"reconnected to the broker {self.endpoint}; resending {resent} frames in order",
+                         extra={"endpoint": self.endpoint, "frames": resent})
                 self._pump()
-            connected_before = True
+            self._connected_before = True
 
 
 class AsyncTrajectory:
     """Sends one trajectory's turns, end or abort, in order. Turn indices
-    count from 0; after `abort` the next turn is turn 0 again (a retry)."""
+    count from 0; after `abort` the next turn is turn 0 again (a retry).
+    After a refused turn (anything but `conflict`) `next_turn` is that
+    turn's index again: send the corrected turn next."""
 
     def __init__(self, producer: AsyncProducer, trajectory_id: str, prompt_tokens, *, group_id: str | None,
                  group_size: int | None, sample_index: int | None, metadata: Mapping[str, Any] | None):
@@ -411,34 +569,13 @@ class AsyncTrajectory:
         self.next_turn = 0
         self._lock = asyncio.Lock()
 
-    async def turn(self, tokens, log_probs, *, mask: SamplingMask | None = None, supports=None, mask_ids=None,
-                   mask_offsets=None, loss_mask=None,
-                   forced_tokens=None, routed_experts=None, indexer_topk=None, status: str = "completed",
-                   weight_version: str | None = None, metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
-        """Send the next turn: the sampled tokens with their log-probs and
-        supports (`mask`, or `supports` as one id list per token), then the
-        forced tokens the environment appended after them."""
-        turn = Turn.build(tokens, log_probs, mask=mask, supports=supports, mask_ids=mask_ids, mask_offsets=mask_offsets,
-                          loss_mask=loss_mask,
-                          forced_tokens=forced_tokens, routed_experts=routed_experts, indexer_topk=indexer_topk,
-                          status=status, weight_version=weight_version, vocab_size=self.producer.vocab_size)
-        return await self.send(turn, metadata=metadata)
-
-    async def sglang(self, output_ids, meta_info: Mapping[str, Any], *, forced_tokens=None, loss_mask=None,
-                     require_mask: bool = True, metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
-        """Send the next turn straight from an SGLang `/generate` response."""
-        turn = turn_from_sglang(output_ids, meta_info, forced_tokens=forced_tokens, loss_mask=loss_mask,
-                                vocab_size=self.producer.vocab_size, require_mask=require_mask)
-        return await self.send(turn, metadata=metadata)
-
-    async def send(self, turn: Turn, *, metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
-        """Send an already built `Turn` as the next turn."""
-        async with self._lock:
-            index = self.next_turn
+    # -- drafts (any thread) ---------------------------------------------------
+    def _turn_draft(self, turn: Turn, metadata: Mapping[str, Any] | None) -> _Draft:
+        def encode_at(index: int) -> list:
             first = index == 0
             merged = {**self.metadata, **(metadata or {})} if first else metadata
-            frames = encode_turn(
-                self.trajectory_id, index, turn, seq=0,
+            return encode_turn(
+                self.trajectory_id, index, turn, seq=None,
                 prompt_tokens=self.prompt_tokens if first else None,
                 group_id=self.group_id if first else None,
                 group_size=self.group_size if first else None,
@@ -446,53 +583,85 @@ class AsyncTrajectory:
                 metadata=merged or None,
                 crc=self.producer.crc,
             )
-            future = await self.producer.submit(frames)
-            self.next_turn = index + 1
-        metrics = self.producer.metrics
-        metrics.inc(metrics.tokens, len(turn.tokens), kind="sampled")
-        if turn.forced_tokens.size:
-            metrics.inc(metrics.tokens, int(turn.forced_tokens.size), kind="forced")
-        return future
+        return _Draft(TURN, self, self.next_turn, encode_at, (len(turn.tokens), int(turn.forced_tokens.size)))
 
-    async def end(self, reward, metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
-        """Finish the trajectory with its reward (a number or a map)."""
-        fields = {"seq": 0, "trajectory_id": self.trajectory_id, "reward": _reward(reward)}
+    def _end_draft(self, reward, metadata: Mapping[str, Any] | None) -> _Draft:
+        fields = {"trajectory_id": self.trajectory_id, "reward": _reward(reward)}
         if metadata:
             fields["metadata"] = dict(metadata)
+
+        def encode_at(turns: int) -> list:
+            return encode(PRODUCER_TO_BROKER, "end", {**fields, "turns": turns}, numbered=False)
+        return _Draft(END, self, self.next_turn, encode_at)
+
+    def _abort_draft(self, reason: str) -> _Draft:
+        frames = encode(PRODUCER_TO_BROKER, "abort", {"trajectory_id": self.trajectory_id, "reason": reason},
+                        numbered=False)
+        return _Draft(ABORT, self, self.next_turn, lambda _: frames)
+
+    def _build(self, tokens, log_probs, options: dict) -> Turn:
+        return Turn.build(tokens, log_probs, vocab_size=self.producer.vocab_size, borrow=True, **options)
+
+    def _sglang_turn(self, output_ids, meta_info, options: dict) -> Turn:
+        return turn_from_sglang(output_ids, meta_info, vocab_size=self.producer.vocab_size, **options)
+
+    # -- sending -----------------------------------------------------------------
+    async def _send(self, make_draft: Callable[[], _Draft]) -> asyncio.Future:
         async with self._lock:
-            return await self.producer.submit(encode(PRODUCER_TO_BROKER, "end", fields))
+            return await self.producer._submit(make_draft())
+
+    async def turn(self, tokens, log_probs, *, mask: SamplingMask | None = None, supports=None, mask_ids=None,
+                   mask_offsets=None, loss_mask=None, forced_tokens=None, routed_experts=None, indexer_topk=None,
+                   status: str = "completed", weight_version: str | None = None,
+                   metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
+        """Send the next turn: the sampled tokens with their log-probs and
+        supports (`mask`, `mask_ids` + `mask_offsets` as CSR arrays, or
+        `supports` as one id list per token), then the forced tokens the
+        environment appended after them. Arrays of the contract dtypes are
+        sent as they are (not copied): leave them unchanged until settled."""
+        turn = self._build(tokens, log_probs, dict(
+            mask=mask, supports=supports, mask_ids=mask_ids, mask_offsets=mask_offsets, loss_mask=loss_mask,
+            forced_tokens=forced_tokens, routed_experts=routed_experts, indexer_topk=indexer_topk, status=status,
+            weight_version=weight_version))
+        return await self.send(turn, metadata=metadata)
+
+    async def turn_and_wait(self, tokens, log_probs, **options) -> Receipt:
+        """`turn`, then wait for the broker's receipt (raises `Refused`)."""
+        return await (await self.turn(tokens, log_probs, **options))
+
+    async def sglang(self, output_ids, meta_info: Mapping[str, Any], *, forced_tokens=None, loss_mask=None,
+                     require_mask: bool = True, metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
+        """Send the next turn straight from an SGLang `/generate` response."""
+        turn = self._sglang_turn(output_ids, meta_info, dict(forced_tokens=forced_tokens, loss_mask=loss_mask,
+                                                             require_mask=require_mask))
+        return await self.send(turn, metadata=metadata)
+
+    async def send(self, turn: Turn, *, metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
+        """Send an already built `Turn` as the next turn."""
+        return await self._send(lambda: self._turn_draft(turn, metadata))
+
+    async def end(self, reward, metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
+        """Finish the trajectory with its reward (a number or a map). The
+        `end` says how many turns were sent, so the broker refuses it
+        (`out_of_order`) rather than end the trajectory short of one."""
+        return await self._send(lambda: self._end_draft(reward, metadata))
+
+    async def end_and_wait(self, reward, metadata: Mapping[str, Any] | None = None) -> Receipt:
+        """`end`, then wait for the broker's receipt (raises `Refused`)."""
+        return await (await self.end(reward, metadata))
 
     async def abort(self, reason: str = "") -> asyncio.Future:
         """Discard the trajectory at the broker; the next turn starts it afresh."""
-        async with self._lock:
-            future = await self.producer.submit(
-                encode(PRODUCER_TO_BROKER, "abort", {"seq": 0, "trajectory_id": self.trajectory_id, "reason": reason})
-            )
-            self.next_turn = 0
-        return future
+        return await self._send(lambda: self._abort_draft(reason))
 
 
 # -- the blocking client ---------------------------------------------------------
-def _concurrent(future: asyncio.Future) -> concurrent.futures.Future:
-    """A thread-safe future that settles with `future` (called on its loop)."""
-    out: concurrent.futures.Future = concurrent.futures.Future()
-
-    def copy(done: asyncio.Future) -> None:
-        if done.cancelled():
-            out.cancel()
-        elif done.exception() is not None:
-            out.set_exception(done.exception())
-        else:
-            out.set_result(done.result())
-
-    future.add_done_callback(copy)
-    return out
-
-
 class Producer:
     """The blocking producer: same arguments and vocabulary as
     `AsyncProducer`; sends block while there is no room and return
-    `concurrent.futures.Future`s. One background thread runs the event loop."""
+    `concurrent.futures.Future`s. One background thread runs the event
+    loop that does the socket I/O; a send does its checks and encoding in
+    the calling thread and does not wait for that loop."""
 
     def __init__(self, endpoint: str, producer_id: str, **options):
         self._loop = asyncio.new_event_loop()
@@ -512,14 +681,6 @@ class Producer:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def _future(self, coro):
-        """Run a sending coroutine; its asyncio future(s) come back thread-safe."""
-        async def accepted():
-            result = await coro
-            return [_concurrent(f) for f in result] if isinstance(result, list) else _concurrent(result)
-
-        return self._run(accepted())
-
     @property
     def metrics(self) -> ProducerMetrics:
         return self._async.metrics
@@ -528,12 +689,17 @@ class Producer:
     def unsettled(self) -> int:
         return self._async.unsettled
 
-    def trajectory(self, trajectory_id: str, prompt_tokens, **identity) -> "Trajectory":
-        return Trajectory(self, self._async.trajectory(trajectory_id, prompt_tokens, **identity))
+    def trajectory(self, trajectory_id: str, prompt_tokens, *, group_id: str | None = None,
+                   group_size: int | None = None, sample_index: int | None = None,
+                   metadata: Mapping[str, Any] | None = None) -> "Trajectory":
+        return Trajectory(self._async, AsyncTrajectory(self._async, trajectory_id, prompt_tokens, group_id=group_id,
+                                                       group_size=group_size, sample_index=sample_index,
+                                                       metadata=metadata))
 
-    def send_trajectory(self, trajectory_id: str, prompt_tokens, turns: Sequence[Turn], reward,
-                        **options) -> list[concurrent.futures.Future]:
-        return self._future(self._async.send_trajectory(trajectory_id, prompt_tokens, turns, reward, **options))
+    def send_trajectory(self, trajectory_id: str, prompt_tokens, turns: Sequence[Turn], reward, *,
+                        metadata: Mapping[str, Any] | None = None, **identity) -> list[concurrent.futures.Future]:
+        traj = self.trajectory(trajectory_id, prompt_tokens, metadata=metadata, **identity)
+        return [*(traj.send(turn) for turn in turns), traj.end(reward)]
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._run(self._async.flush(timeout))
@@ -558,10 +724,11 @@ class Producer:
 
 
 class Trajectory:
-    """Blocking twin of `AsyncTrajectory`: each call blocks for room and
-    returns a future of the broker's receipt."""
+    """Blocking twin of `AsyncTrajectory`: each call blocks for room (up to
+    `timeout` seconds, then `TimeoutError`) and returns a future of the
+    broker's receipt. Use one handle from one thread at a time."""
 
-    def __init__(self, producer: Producer, handle: AsyncTrajectory):
+    def __init__(self, producer: AsyncProducer, handle: AsyncTrajectory):
         self._producer = producer
         self._handle = handle
         self.trajectory_id = handle.trajectory_id
@@ -570,18 +737,33 @@ class Trajectory:
     def next_turn(self) -> int:
         return self._handle.next_turn
 
-    def turn(self, tokens, log_probs, **options) -> concurrent.futures.Future:
-        return self._producer._future(self._handle.turn(tokens, log_probs, **options))
+    def _submit(self, draft: _Draft, timeout: float | None) -> concurrent.futures.Future:
+        return self._producer._submit_blocking(draft, timeout)
 
-    def sglang(self, output_ids, meta_info: Mapping[str, Any], **options) -> concurrent.futures.Future:
-        return self._producer._future(self._handle.sglang(output_ids, meta_info, **options))
+    def turn(self, tokens, log_probs, *, metadata: Mapping[str, Any] | None = None, timeout: float | None = None,
+             **options) -> concurrent.futures.Future:
+        return self.send(self._handle._build(tokens, log_probs, options), metadata=metadata, timeout=timeout)
 
-    def send(self, turn: Turn, **options) -> concurrent.futures.Future:
-        return self._producer._future(self._handle.send(turn, **options))
+    def turn_and_wait(self, tokens, log_probs, *, timeout: float | None = None, **options) -> Receipt:
+        """`turn`, then wait up to `timeout` for the receipt (raises `Refused`)."""
+        return self.turn(tokens, log_probs, timeout=timeout, **options).result(timeout)
 
-    def end(self, reward, metadata: Mapping[str, Any] | None = None) -> concurrent.futures.Future:
-        return self._producer._future(self._handle.end(reward, metadata))
+    def sglang(self, output_ids, meta_info: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None,
+               timeout: float | None = None, **options) -> concurrent.futures.Future:
+        return self.send(self._handle._sglang_turn(output_ids, meta_info, options), metadata=metadata, timeout=timeout)
 
-    def abort(self, reason: str = "") -> concurrent.futures.Future:
-        return self._producer._future(self._handle.abort(reason))
+    def send(self, turn: Turn, *, metadata: Mapping[str, Any] | None = None,
+             timeout: float | None = None) -> concurrent.futures.Future:
+        return self._submit(self._handle._turn_draft(turn, metadata), timeout)
 
+    def end(self, reward, metadata: Mapping[str, Any] | None = None, *,
+            timeout: float | None = None) -> concurrent.futures.Future:
+        return self._submit(self._handle._end_draft(reward, metadata), timeout)
+
+    def end_and_wait(self, reward, metadata: Mapping[str, Any] | None = None, *,
+                     timeout: float | None = None) -> Receipt:
+        """`end`, then wait up to `timeout` for the receipt (raises `Refused`)."""
+        return self.end(reward, metadata, timeout=timeout).result(timeout)
+
+    def abort(self, reason: str = "", *, timeout: float | None = None) -> concurrent.futures.Future:
+        return self._submit(self._handle._abort_draft(reason), timeout)

@@ -29,7 +29,7 @@ TURN, END, ABORT = "turn", "end", "abort"
 KINDS = (TURN, END, ABORT)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Outgoing:
     """One frame the producer keeps until the broker settles it: the encoded
     wire frames plus the header fields the window orders and matches by."""
@@ -44,6 +44,7 @@ class Outgoing:
     sent_at: float | None = None  # time of the last transmission
     unsent: bool = True  # must (re)transmit
     not_before: float = 0.0  # earliest retransmission after `unavailable`
+    parked: bool = False  # unsent, and held back by its trajectory's order (see `ResendWindow._may_go`)
 
     @classmethod
     def from_frames(cls, frames: list) -> "Outgoing":
@@ -55,7 +56,7 @@ class Outgoing:
         return cls(header["seq"], kind, header["trajectory_id"], list(frames), header.get("turn"))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Receipt:
     """The broker's durable `ack` of one frame. `applied: false` with a
     `reason` (`after_terminal`, `replay_gap`, `unknown_trajectory`) is an
@@ -70,7 +71,7 @@ class Receipt:
     reason: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Settled:
     """A frame leaves the window: its receipt, or the refusal to raise."""
 
@@ -83,7 +84,13 @@ class WindowFull(RuntimeError):
 
 
 class ResendWindow:
-    """At most `limit` unsettled frames, kept until the broker settles them."""
+    """At most `limit` unsettled frames, kept until the broker settles them.
+
+    Unsent frames that may go now wait in `_unsent` (seq order); a frame its
+    trajectory's order holds back (an `end` behind unsettled turns, anything
+    behind an unsettled `end`/`abort`) is parked instead and joins `_unsent`
+    when a settlement frees it, so handing out frames costs what goes out,
+    not what waits."""
 
     def __init__(self, limit: int, *, reply_timeout: float, retry_delay: float = 0.5):
         if limit < 1:
@@ -94,7 +101,8 @@ class ResendWindow:
         self.reply_timeout = reply_timeout
         self.retry_delay = retry_delay
         self._items: dict[int, Outgoing] = {}  # by seq, in seq order
-        self._unsent: list[int] = []  # sorted seqs waiting for (re)transmission
+        self._unsent: list[int] = []  # sorted seqs waiting for (re)transmission, not parked
+        self._parked = 0  # how many items are parked
         self._trajectories: dict[str, list[int]] = {}  # unsettled seqs of each trajectory, in order
         self._last_seq: int | None = None
         self.resends = 0  # retransmissions
@@ -114,7 +122,7 @@ class ResendWindow:
     @property
     def in_flight(self) -> int:
         """Frames transmitted and not settled (not counting those due again)."""
-        return len(self._items) - len(self._unsent)
+        return len(self._items) - len(self._unsent) - self._parked
 
     def items(self) -> list[Outgoing]:
         return list(self._items.values())
@@ -131,39 +139,45 @@ class ResendWindow:
         self._last_seq = item.seq
         item.attempts, item.sent_at, item.unsent, item.not_before = 0, None, True, 0.0
         self._items[item.seq] = item
-        self._unsent.append(item.seq)
         self._trajectories.setdefault(item.trajectory_id, []).append(item.seq)
+        if self._may_go(item):
+            item.parked = False
+            self._unsent.append(item.seq)  # the largest seq so far
+        else:
+            item.parked = True
+            self._parked += 1
 
     def ready(self, now: float) -> list[Outgoing]:
         """Frames to transmit now, in the order to transmit them. Call `sent`
         for each one actually transmitted, in this order, and stop at the
         first that cannot be (later ones may depend on it)."""
         out: list[Outgoing] = []
-        planned: set[int] = set()
+        waiting: set[str] = set()  # trajectories with a turn backing off: later turns wait behind it
+        items = self._items
         for seq in self._unsent:
-            item = self._items[seq]
-            if item.not_before <= now and self._may_go(item, planned):
+            item = items[seq]
+            if item.not_before > now:
+                waiting.add(item.trajectory_id)
+            elif not waiting or item.trajectory_id not in waiting:
                 out.append(item)
-                planned.add(seq)
         return out
 
-    def _may_go(self, item: Outgoing, planned: set[int]) -> bool:
-        """Turns pipeline behind turns already (or about to be) transmitted;
-        an `end`/`abort`, and anything after one, waits for settlement."""
+    def _may_go(self, item: Outgoing) -> bool:
+        """Turns pipeline behind earlier turns of their trajectory; an
+        `end`/`abort`, and anything after one, waits until every earlier
+        frame of the trajectory is settled."""
+        items = self._items
         for seq in self._trajectories[item.trajectory_id]:
             if seq == item.seq:
                 return True
-            earlier = self._items[seq]
-            if item.kind != TURN or earlier.kind != TURN:
-                return False
-            if earlier.unsent and seq not in planned:
+            if item.kind != TURN or items[seq].kind != TURN:
                 return False
         raise AssertionError(f"seq {item.seq} is missing from its trajectory's list")
 
     def sent(self, seq: int, now: float) -> None:
         """`seq` was handed to the socket at `now`."""
         item = self._items[seq]
-        if not item.unsent:
+        if not item.unsent or item.parked:
             raise ValueError(f"seq {seq} is not waiting to be sent")
         self._drop_unsent(seq)
         item.unsent = False
@@ -198,6 +212,28 @@ class ResendWindow:
         refused = Refused(code, reply["message"], kind=item.kind, trajectory_id=item.trajectory_id, turn=item.turn,
                           seq=seq, expected=reply.get("expected"))
         return self._settle(item, refused)
+
+    def on_acks(self, reply: Any) -> list[Settled]:
+        """Apply a decoded batched `acks` (PROTOCOL.md §3): every seq in its
+        ranges is acked `applied`, except those `outcomes` lists with their
+        own outcome. Seqs this window did not send are ignored and counted."""
+        items = self._items
+        differ = {outcome["seq"]: outcome for outcome in reply.get("outcomes", ())}
+        settled = []
+        for first, last in reply["ranges"]:
+            for seq in range(first, last + 1):
+                item = items.get(seq)
+                if item is None or item.attempts == 0:
+                    self.ignored += 1
+                    continue
+                outcome = differ.get(seq)
+                if outcome is None:
+                    receipt = Receipt(item.kind, item.trajectory_id, item.turn, seq, True)
+                else:
+                    receipt = Receipt(item.kind, item.trajectory_id, item.turn, seq, outcome["applied"],
+                                      outcome.get("duplicate", False), outcome.get("reason"))
+                settled.append(self._settle(item, receipt))
+        return settled
 
     def _retry_out_of_order(self, item: Outgoing) -> bool:
         """An earlier frame of the trajectory is still unsettled, so it was
@@ -237,6 +273,8 @@ class ResendWindow:
         return count
 
     def _mark_unsent(self, item: Outgoing) -> None:
+        """Due again. A frame that was transmitted was free to go then, and
+        only settlements change that, so it never parks."""
         if not item.unsent:
             item.unsent = True
             bisect.insort(self._unsent, item.seq)
@@ -254,7 +292,21 @@ class ResendWindow:
         seqs.remove(item.seq)
         if not seqs:
             del self._trajectories[item.trajectory_id]
+        else:
+            self._unpark(seqs)
         return Settled(item, outcome)
+
+    def _unpark(self, seqs: list[int]) -> None:
+        """A settlement may free the trajectory's parked frames (in order)."""
+        for seq in seqs:
+            item = self._items[seq]
+            if not item.parked:
+                continue
+            if not self._may_go(item):
+                return  # later ones wait behind this one
+            item.parked = False
+            self._parked -= 1
+            bisect.insort(self._unsent, seq)
 
 
 class Heartbeat:
