@@ -211,7 +211,8 @@ class Rollstream:
     """One broker, its producer process(es) and a consumer process, kept
     for a round of reps (each rep sends fresh trajectory ids)."""
 
-    def __init__(self, samples: int, turns: int, producers: int, batch_size: int, client: str):
+    def __init__(self, samples: int, turns: int, producers: int, batch_size: int, client: str,
+                 broker_args: list[str] = ()):
         from rollstream.common.sockets import free_loopback_ports
 
         self.samples, self.turns = samples, turns
@@ -221,7 +222,7 @@ class Rollstream:
         self.broker = subprocess.Popen(
             [sys.executable, "-m", "rollstream.common.cli", "broker", "--producer-endpoint", endpoints[0],
              "--consumer-endpoint", endpoints[1], "--admin-endpoint", endpoints[2], "--data-dir", self.data,
-             "--vocab-size", str(VOCAB), "--metrics-port", "0", "--log-level", "warning"],
+             "--vocab-size", str(VOCAB), "--metrics-port", "0", "--log-level", "warning", *broker_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         ctx = mp.get_context("spawn")
@@ -300,6 +301,7 @@ def main() -> None:
     parser.add_argument("--client", choices=("async", "blocking"), default="async")
     parser.add_argument("--modes", default="1,8", help="turns per sample to run, comma-separated")
     parser.add_argument("--tq-python", help="python of a virtualenv with transferqueue 0.1.11 and psutil")
+    parser.add_argument("--broker-arg", action="append", default=[], help="an extra `rollstream broker` argument (repeatable)")
     args = parser.parse_args()
     modes = [int(m) for m in args.modes.split(",")]
 
@@ -323,7 +325,7 @@ def main() -> None:
             print(f"round {round_index}: TransferQueue {' '.join(f'{s:.3f}' for s in tq['seconds'])} s")
         for mode in modes:
             key = f"t{mode}"
-            system = Rollstream(args.samples, mode, args.producers, args.batch_size, args.client)
+            system = Rollstream(args.samples, mode, args.producers, args.batch_size, args.client, args.broker_arg)
             try:
                 system.rep(f"r{round_index}-{key}-warmup", expected)
                 reps = [system.rep(f"r{round_index}-{key}-{rep}", expected) for rep in range(args.reps)]

@@ -70,9 +70,9 @@ def _buffer(frame) -> bytes | memoryview:
 
 def _bytes_view(arr: np.ndarray) -> memoryview:
     """The array's bytes in C order, zero-copy when it is C-contiguous."""
-    if not arr.size:
-        return memoryview(b"")  # a view with a zero in its shape cannot be cast
-    return memoryview(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)).cast("B")
+    if arr.flags.c_contiguous:
+        return arr.data.cast("B") if arr.size else memoryview(b"")  # a view with a zero in its shape cannot be cast
+    return memoryview(np.ascontiguousarray(arr)).cast("B")
 
 
 def _schema_error(message: str) -> ProtocolError:
@@ -104,6 +104,18 @@ def _check_fields(spec: MessageSpec, header: Mapping[str, Any], array_names: fro
         if problem:
             raise _schema_error(f"{spec.type}: {problem}")
     return fields
+
+
+def check_values(schema: Schema, mtype: str, values: Mapping[str, Any]) -> None:
+    """Each of `values` (those not None) against its kind in the message
+    type's spec, as decoding checks it (`ProtocolError("schema")` naming the
+    field): for a sender that checks a trajectory's fields once and then
+    encodes its turns unchecked."""
+    spec = _spec(schema, mtype)
+    for name, value in values.items():
+        if value is not None and not spec.kinds[name].accepts(value):
+            kind = spec.kinds[name]
+            raise _schema_error(f"{spec.type}.{name} must be {kind.describe}, got {type(value).__name__} {value!r:.80}")
 
 
 def _spec(schema: Schema, mtype) -> MessageSpec:
@@ -151,21 +163,24 @@ def encode(
     if checked:
         _check_fields(spec, fields if numbered else {**fields, "seq": 0}, frozenset(arrays))
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": mtype, **fields}
-    buffers = []
-    if arrays:
-        entries = []
-        for name, arr in arrays.items():
-            contract = ARRAYS[name]
-            if not isinstance(arr, np.ndarray) or arr.dtype != contract.dtype:
-                got = arr.dtype if isinstance(arr, np.ndarray) else type(arr).__name__
-                raise ProtocolError("dtype", f"array {name!r} must be {contract.wire_name}, got {got}")
-            if not contract.rank_ok(arr.ndim):
-                raise ProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {list(arr.shape)}")
-            entries.append([name, contract.wire_name, list(arr.shape)])
-            buffers.append(_bytes_view(arr))
-        header["arrays"] = entries
+    if not arrays:
+        return [_PACKERS.pack(header)]
+    entries, buffers, value = [], [], 0
+    for name, arr in arrays.items():
+        contract = ARRAYS[name]
+        if not isinstance(arr, np.ndarray) or (arr.dtype is not contract.dtype and arr.dtype != contract.dtype):
+            got = arr.dtype if isinstance(arr, np.ndarray) else type(arr).__name__
+            raise ProtocolError("dtype", f"array {name!r} must be {contract.wire_name}, got {got}")
+        if arr.ndim != contract.ndim and not contract.rank_ok(arr.ndim):
+            raise ProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {list(arr.shape)}")
+        entries.append([name, contract.wire_name, list(arr.shape)])
+        view = _bytes_view(arr)
+        buffers.append(view)
         if crc:
-            header["crc32"] = crc32_of(buffers)
+            value = _crc32_update(view, value)
+    header["arrays"] = entries
+    if crc:
+        header["crc32"] = value
     return [_PACKERS.pack(header), *buffers]
 
 

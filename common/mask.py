@@ -36,6 +36,8 @@ def _iinfo(dtype: np.dtype) -> np.iinfo:
 def as_int_array(values, dtype: np.dtype, name: str) -> np.ndarray:
     """`values` as a 1-D array of `dtype`, refusing bools, floats, complex and
     values that do not fit (never cast or wrapped). May share memory."""
+    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1:
+        return values  # already what is wanted (the common case on hot paths)
     is_array = isinstance(values, np.ndarray) or hasattr(values, "detach")
     arr = as_numpy(values)
     if arr.ndim != 1:
@@ -89,13 +91,11 @@ def owned(arr: np.ndarray, source, *, borrow: bool = False) -> np.ndarray:
     buffer it is, change nothing, and the caller's own array stays writable).
 
     With `borrow`, a numpy `source` that already is the array wanted (its
-    dtype fits) is taken by reference instead, as a read-only view: the
+    dtype fits) is taken as it is instead, the caller's own array: the
     caller promises to leave it unchanged while it is in use (the producer
     sends turns this way, zero-copy)."""
     if borrow and arr is source:
-        view = arr.view()
-        view.flags.writeable = False
-        return view
+        return arr
     fresh = arr.flags.owndata and arr is not source and not hasattr(source, "detach")
     if not fresh or (isinstance(source, np.ndarray) and np.may_share_memory(arr, source)):
         arr = arr.copy()

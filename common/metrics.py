@@ -1,43 +1,100 @@
-"""Prometheus helpers shared by the daemons: a private registry per daemon
-(so several can live in one process, as in tests) whose counters are also
-readable as a plain dict for the admin `status` reply."""
+"""Prometheus helpers shared by the daemons and clients: a private registry
+per owner (so several can live in one process, as in tests).
+
+Counters and histograms are plain numbers that the hot paths add to (a dict
+entry, a list slot), and Prometheus reads them when it scrapes: a producer
+or broker counts several things per frame, and a prometheus-client metric
+takes a lock and a call per update. `totals` is the flat view of every
+counter for the admin `status` reply. Gauges, set a few times a second, are
+prometheus-client's own.
+"""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import bisect
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+
+class Counter:
+    """A counter with labels: a value per tuple of label values."""
+
+    __slots__ = ("name", "doc", "labels", "values")
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...]):
+        self.name, self.doc, self.labels = name, doc, labels
+        self.values: dict[tuple, float] = {}
+
+
+class Histogram:
+    """Observations counted into fixed buckets (upper bounds, ascending)."""
+
+    __slots__ = ("name", "doc", "bounds", "counts", "sum")
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]):
+        self.name, self.doc, self.bounds = name, doc, tuple(sorted(bounds))
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
 
 
 class Metrics:
-    """A registry plus a flat view of every counter's value."""
+    """A registry of counters, histograms and gauges under one namespace."""
 
     def __init__(self, namespace: str):
         self.registry = CollectorRegistry()
         self.namespace = namespace
-        self.totals: dict[str, float] = {}
-        self._names: dict[int, str] = {}
-        self._children: dict[tuple, object] = {}
-        self._keys: dict[tuple, str] = {}
+        self._counters: list[Counter] = []
+        self._histograms: list[Histogram] = []
+        self.registry.register(self)
 
     def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-        counter = Counter(name, doc, labels, namespace=self.namespace, registry=self.registry)
-        self._names[id(counter)] = name
+        counter = Counter(name, doc, labels)
+        self._counters.append(counter)
         return counter
 
     def gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
         return Gauge(name, doc, labels, namespace=self.namespace, registry=self.registry)
 
     def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-        return Histogram(name, doc, namespace=self.namespace, registry=self.registry, buckets=buckets)
+        histogram = Histogram(name, doc, buckets)
+        self._histograms.append(histogram)
+        return histogram
 
-    def inc(self, counter: Counter, amount: float = 1, **labels: str) -> None:
-        slot = (id(counter), *labels.values())
-        child = self._children.get(slot)
-        if child is None:  # first use of these labels: resolve them once
-            child = counter.labels(**labels) if labels else counter
-            self._children[slot] = child
-            self._keys[slot] = self._names[id(counter)] + "".join(f".{value}" for value in labels.values())
-        child.inc(amount)
-        key = self._keys[slot]
-        self.totals[key] = self.totals.get(key, 0) + amount
+    @staticmethod
+    def inc(counter: Counter, amount: float = 1, **labels: str) -> None:
+        key = tuple(labels.values())
+        values = counter.values
+        values[key] = values.get(key, 0) + amount
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Every counter's value as `name.label...` (labels in declared order)."""
+        return {counter.name + "".join(f".{value}" for value in key): amount
+                for counter in self._counters for key, amount in counter.values.items()}
+
+    def collect(self) -> Iterator:
+        """Prometheus's view, read at scrape time (the registry calls this)."""
+        for counter in self._counters:
+            family = CounterMetricFamily(f"{self.namespace}_{counter.name}", counter.doc, labels=counter.labels)
+            for key, amount in list(counter.values.items()):
+                family.add_metric(list(key), amount)
+            yield family
+        for histogram in self._histograms:
+            cumulative, buckets = 0, []
+            for bound, count in zip((*map(str, histogram.bounds), "+Inf"), list(histogram.counts)):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            yield HistogramMetricFamily(f"{self.namespace}_{histogram.name}", histogram.doc, buckets=buckets,
+                                        sum_value=histogram.sum)
 
     def serve(self, host: str, port: int):
         """Expose /metrics on `host:port`; port 0 disables it."""

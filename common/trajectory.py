@@ -20,7 +20,7 @@ from .buffers import GrowableArray, constant_run, counting_run
 from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, STATUSES, TERMINAL_STATUSES
 from .errors import ProtocolError
 from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, frozen, as_int_array, as_numpy, owned
-from .validation import RULE_ALIGNED, check_message_arrays
+from .validation import RULE_ALIGNED, check_message_arrays, check_message_structure
 
 TOKEN_DTYPE = ARRAYS["tokens"].dtype
 LOG_PROB_DTYPE = ARRAYS["log_probs"].dtype
@@ -33,6 +33,8 @@ EMPTY_LOG_PROBS = frozen(np.empty(0, LOG_PROB_DTYPE))
 
 
 def _as_float_array(values, name: str) -> np.ndarray:
+    if type(values) is np.ndarray and values.dtype == LOG_PROB_DTYPE and values.ndim == 1:
+        return values
     arr = as_numpy(values)
     if arr.ndim != 1 or (arr.dtype.kind not in "fiu" and arr.size):
         raise ValueError(f"{name} must be a 1-D real array, got dtype {arr.dtype} shape {tuple(arr.shape)}")
@@ -107,18 +109,22 @@ class Turn:
         weight_version: str | None = None,
         vocab_size: int | None = None,
         borrow: bool = False,
+        check_content: bool = True,
     ) -> "Turn":
         """A checked turn: every rule a broker would apply to this frame
         alone, each checked once (one packed pass; a `mask` was checked when
-        it was built). The support comes as a `SamplingMask`, as CSR arrays
+        it was built). With `check_content=False` only the rules that need no
+        pass over the arrays are checked (`check_message_structure`: the
+        frame encodes and lines up), leaving the content rules to whoever
+        receives it. The support comes as a `SamplingMask`, as CSR arrays
         `mask_ids` + `mask_offsets`, or as `supports` (one id list per token).
 
         Lists are converted; numpy arrays whose dtype fits are copied, or
         with `borrow` taken by reference (read-only views, no copy: the
         caller leaves them unchanged while the turn is in use)."""
-        given = [name for name, value in (("mask", mask), ("supports", supports), ("mask_ids", mask_ids))
-                 if value is not None]
-        if len(given) > 1:
+        if (mask is not None) + (supports is not None) + (mask_ids is not None) > 1:
+            given = [name for name, value in (("mask", mask), ("supports", supports), ("mask_ids", mask_ids))
+                     if value is not None]
             raise ValueError(f"give the support once, as `mask`, `supports` or `mask_ids` + `mask_offsets`; got {given}")
         if (mask_ids is None) != (mask_offsets is None):
             raise ValueError("mask_ids and mask_offsets travel together; "
@@ -147,7 +153,10 @@ class Turn:
             status=status,
             weight_version=weight_version,
         )
-        check_message_arrays(turn.arrays(), vocab_size=vocab_size)
+        if check_content:
+            check_message_arrays(turn.arrays(), vocab_size=vocab_size)
+        else:
+            check_message_structure(turn.arrays())
         return turn
 
     @classmethod

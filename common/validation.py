@@ -512,12 +512,16 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray | None:
     return np.concatenate(parts) if joined is None else joined
 
 
+_MIN, _MAX, _ALL, _ANY_IN = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce, np.logical_or.reduceat
+
+
 def _tokens_in_supports(tokens: np.ndarray, ids: np.ndarray, offsets: np.ndarray) -> bool:
     """Every support non-empty and holding its token (`offsets` has one
     entry more than `tokens`, starts at 0 and ends at `len(ids)`)."""
     starts = offsets[:-1]
     sizes = offsets[1:] - starts
-    return bool(sizes.min() > 0) and bool(np.logical_or.reduceat(ids == np.repeat(tokens, sizes), starts).all())
+    # ufunc reductions and array methods directly: the numpy function wrappers cost more than these arrays' work
+    return _MIN(sizes) > 0 and _ALL(_ANY_IN(ids == tokens.repeat(sizes), starts))
 
 
 def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: int | None = None) -> bool:
@@ -574,13 +578,38 @@ def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size
     bound = 2**31 if vocab_size is None else vocab_size  # negative int32 ids read as uint32 are >= 2**31
     # Sampled tokens with a support lie inside it, so the support ids stand for them.
     for values in (packed_ids, _concat(plain), _concat(other_ids)):
-        if values is not None and len(values) and values.view(np.uint32).max() >= bound:
+        if values is not None and len(values) and _MAX(values.view(np.uint32)) >= bound:
             return False
     loss_mask = _concat(loss_masks)
-    if loss_mask is not None and len(loss_mask) and loss_mask.max() > 1:
+    if loss_mask is not None and len(loss_mask) and _MAX(loss_mask) > 1:
         return False
     log_prob = _concat(log_probs)
-    return log_prob is None or not len(log_prob) or log_prob.max() < np.inf  # max is NaN if any is
+    return log_prob is None or not len(log_prob) or _MAX(log_prob) < np.inf  # max is NaN if any is
+
+
+def check_message_structure(arrays: Mapping[str, np.ndarray]) -> None:
+    """The rules of one message that need no pass over its arrays: per-token
+    fields aligned with the tokens, mask offsets one longer than the tokens,
+    from 0 to `len(mask_ids)` (`misaligned`, then `mask_invalid`). Enough to
+    encode a frame the broker can read; `check_message_arrays` adds the
+    content rules."""
+    tokens = arrays["tokens"]
+    n = len(tokens)
+    for name in ("log_probs", "loss_mask"):
+        values = arrays.get(name)
+        if values is not None and len(values) != n:
+            raise ProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: {name} has {len(values)} entries, tokens has {n}")
+    offsets = arrays.get("mask_offsets")
+    if offsets is None:
+        return
+    if len(offsets) != n + 1:
+        raise ProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: mask_offsets has {len(offsets)} entries, "
+                                          f"expected {n + 1} (one more than the {n} tokens)")
+    if offsets[0] != 0:
+        raise ProtocolError("mask_invalid", f"rule '{RULE_OFFSETS_START}' violated: expected 0, got {int(offsets[0])}")
+    if offsets[-1] != len(arrays["mask_ids"]):
+        raise ProtocolError("mask_invalid", f"rule '{RULE_OFFSETS_END}' violated: expected {len(arrays['mask_ids'])}, "
+                                            f"got {int(offsets[-1])}")
 
 
 def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | None = None) -> None:
@@ -593,12 +622,9 @@ def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | 
     """
     if messages_content_valid([arrays], vocab_size):
         return
+    check_message_structure(arrays)
     tokens = arrays["tokens"]
     n = len(tokens)
-    for name in ("log_probs", "loss_mask"):
-        values = arrays.get(name)
-        if values is not None and len(values) != n:
-            raise ProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: {name} has {len(values)} entries, tokens has {n}")
     found = packed_violations(
         tokens, [n], arrays.get("mask_ids"), arrays.get("mask_offsets"),
         vocab_size=vocab_size, loss_mask=arrays.get("loss_mask"),

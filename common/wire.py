@@ -22,9 +22,11 @@ def encode_turn(
     sample_index: int | None = None,
     metadata: Mapping[str, Any] | None = None,
     crc: bool = False,
+    checked: bool = True,
 ) -> list:
     """Frames of a `turn` message (turn 0 carries the prompt and group);
-    `seq=None` leaves the header unnumbered (`codec.number_header`)."""
+    `seq=None` leaves the header unnumbered (`codec.number_header`), and
+    `checked=False` trusts fields the caller has checked (`codec.check_values`)."""
     fields: dict[str, Any] = {"trajectory_id": trajectory_id, "turn": index, "status": turn.status}
     if seq is not None:
         fields["seq"] = seq
@@ -39,7 +41,7 @@ def encode_turn(
     arrays = turn.arrays()
     if prompt_tokens is not None:
         arrays["prompt_tokens"] = prompt_tokens
-    return encode(PRODUCER_TO_BROKER, "turn", fields, arrays, crc=crc, numbered=seq is not None)
+    return encode(PRODUCER_TO_BROKER, "turn", fields, arrays, crc=crc, checked=checked, numbered=seq is not None)
 
 
 def turn_from_message(message: Message) -> Turn:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from rollstream.common.codec import decode, encode, number_header
+from rollstream.common.codec import check_values, decode, encode, number_header
 from rollstream.common.errors import ProtocolError
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.mask import SamplingMask, as_int_array, owned
@@ -46,6 +46,7 @@ log = logging.getLogger("rollstream.producer")
 
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 _SEQ_BYTES = len(number_header(b"\x80", 0)) - 1  # what numbering adds to a header
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum arithmetic costs more than the call
 _ZERO_COPY_ABOVE = 65536  # bytes: smaller frames are cheaper to copy than to hand over (pyzmq's own threshold)
 
 
@@ -69,14 +70,18 @@ class _Draft:
     `seq`, which `AsyncProducer._accept` adds (at a fixed width, so the
     draft's size is final)."""
 
-    __slots__ = ("kind", "handle", "frames", "size", "index", "encode", "tokens")
+    __slots__ = ("kind", "handle", "frames", "index", "encode", "tokens")
 
     def __init__(self, kind: str, handle: "AsyncTrajectory", index: int, encode_at: Callable[[int], list],
                  tokens: tuple[int, int] = (0, 0)):
         self.kind, self.handle, self.index, self.encode = kind, handle, index, encode_at
         self.frames = encode_at(index)
-        self.size = record_bytes(self.frames) + _SEQ_BYTES
         self.tokens = tokens  # sampled, forced
+
+    @property
+    def spool_bytes(self) -> int:
+        """What the numbered frame will take in a spool."""
+        return record_bytes(self.frames) + _SEQ_BYTES
 
 
 class AsyncProducer:
@@ -103,6 +108,7 @@ class AsyncProducer:
         crc: bool = True,
         high_water_mark: int = 1000,
         batch_acks: bool = True,
+        check_content: bool = False,
         context: zmq.Context | None = None,
     ):
         if not producer_id:
@@ -111,6 +117,7 @@ class AsyncProducer:
         self.producer_id = producer_id
         self.vocab_size = vocab_size
         self.crc = crc
+        self.check_content = check_content
         self.batch_acks = batch_acks
         self.metrics = ProducerMetrics()
         self._window_limit = window
@@ -279,36 +286,52 @@ class AsyncProducer:
         futures.append(await traj.end(reward))
         return futures
 
-    def _check_size(self, draft: _Draft) -> None:
-        if self._spool is not None and draft.size > self._spool.max_bytes:
-            raise ValueError(f"a frame of {draft.size} spool bytes exceeds spool_bytes={self._spool.max_bytes}")
+    def _spool_bytes(self, draft: _Draft) -> int:
+        """The draft's spool footprint (0 without a spool); too big for the spool is an error."""
+        if self._spool is None:
+            return 0
+        size = draft.spool_bytes
+        if size > self._spool.max_bytes:
+            raise ValueError(f"a frame of {size} spool bytes exceeds spool_bytes={self._spool.max_bytes}")
+        return size
 
     def _has_room(self, size: int) -> bool:
         if self._spool is None:
             return self._in_memory < self._window.limit
         return self._spool.nbytes + size <= self._spool.max_bytes
 
-    async def _submit(self, draft: _Draft) -> asyncio.Future:
-        """On the loop: wait for room, then accept the draft; its future."""
+    def _submit_now(self, draft: _Draft) -> asyncio.Future | None:
+        """On the loop: accept the draft if there is room right away (no
+        await, so nothing can come between the check and the acceptance)
+        and send it. None when it must wait."""
         if not self._started:
             raise RuntimeError("start the producer first (await producer.start() or use `async with`)")
-        self._check_size(draft)
-        if not (self._closing or self._has_room(draft.size)):
-            await self._until(lambda: self._closing or self._has_room(draft.size))
+        size = self._spool_bytes(draft)
+        if not (self._closing or self._has_room(size)):
+            return None
         future = self._loop.create_future()
         with self._lock:
             self._accept(draft, future)
-        self._pump()
+        self._pump()  # at once: the broker works on it while the caller makes the next one
+        return future
+
+    async def _submit(self, draft: _Draft) -> asyncio.Future:
+        """On the loop: wait for room, then accept the draft; its future."""
+        future = self._submit_now(draft)
+        while future is None:
+            size = self._spool_bytes(draft)
+            await self._until(lambda: self._closing or self._has_room(size))
+            future = self._submit_now(draft)
         return future
 
     def _submit_blocking(self, draft: _Draft, timeout: float | None) -> concurrent.futures.Future:
         """From another thread: wait for room, accept, and wake the loop if
         it is not already due to take the intake. No round trip to the loop."""
-        self._check_size(draft)
+        size = self._spool_bytes(draft)
         future: concurrent.futures.Future = concurrent.futures.Future()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._room:
-            while not (self._closing or self._failure is not None or self._has_room(draft.size)):
+            while not (self._closing or self._failure is not None or self._has_room(size)):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"no room for a frame within {timeout} s ({self._in_memory} frames unsettled)")
@@ -372,9 +395,10 @@ class AsyncProducer:
             return False
         return True
 
-    def _pump(self) -> None:
+    def _pump(self, *, look_again: bool = True) -> None:
         """Take the intake and the spooled backlog into the window, transmit
-        what may go now. Runs on the loop."""
+        what may go now, and (unless the caller reads replies right after)
+        look for replies once the loop runs next. Runs on the loop."""
         if self._sock is None:  # closed
             return
         window = self._window
@@ -389,20 +413,17 @@ class AsyncProducer:
                 window.push(Outgoing.from_frames(frames))
                 self._in_memory += 1
         now = time.monotonic()
-        first_sends: Counter | None = None
+        metrics = self.metrics
         for item in window.ready(now):
             if not self._send_now(item.frames):
                 break
             if item.attempts == 0:
-                first_sends = first_sends or Counter()
-                first_sends[item.kind] += 1
+                metrics.inc(metrics.sent, type=item.kind)
             else:
-                self.metrics.inc(self.metrics.resends)
+                metrics.inc(metrics.resends)
             window.sent(item.seq, now)
-        if first_sends:
-            for kind, count in first_sends.items():
-                self.metrics.inc(self.metrics.sent, count, type=kind)
-        self._read_soon()
+        if look_again:
+            self._read_soon()
 
     def _refresh_gauges(self) -> None:
         self.metrics.in_flight.set(self._window.in_flight)
@@ -414,20 +435,23 @@ class AsyncProducer:
     # -- replies ------------------------------------------------------------------
     def _read_soon(self) -> None:
         """ZeroMQ's descriptor signals edge-triggered, and a send can take in
-        replies without signalling: look again after sending."""
-        if not self._read_scheduled and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        replies without signalling: look again once the loop runs next (once
+        per loop pass, however many sends came before)."""
+        if not self._read_scheduled:
             self._read_scheduled = True
             self._loop.call_soon(self._on_readable)
 
     def _on_readable(self) -> None:
+        """Read every reply, send what they made room for, and read again
+        until nothing is waiting (sending can take replies in)."""
         self._read_scheduled = False
         sock = self._sock
-        if sock is None:
-            return
         try:
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                self._on_message(sock.recv_multipart(zmq.NOBLOCK, copy=False))
-            self._pump()
+            while sock is not None and sock.getsockopt(_EVENTS) & _POLLIN:
+                while sock.getsockopt(_EVENTS) & _POLLIN:
+                    self._on_message(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                self._pump(look_again=False)
+                sock = self._sock
         except Exception as exc:  # nothing would settle again: fail loudly rather than hang
             self._fail(exc)
 
@@ -534,7 +558,7 @@ class AsyncProducer:
         """Connection events: after a reconnect, whatever was in flight may be
         lost, so it is all resent (in order) behind a fresh hello."""
         monitor = self._monitor
-        while monitor is not None and monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while monitor is not None and monitor.getsockopt(_EVENTS) & _POLLIN:
             event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
             if event == zmq.EVENT_DISCONNECTED:
                 log.info(f"disconnected from the broker {self.endpoint}", extra={"endpoint": self.endpoint})
@@ -566,11 +590,16 @@ class AsyncTrajectory:
         self.group_size = group_size
         self.sample_index = sample_index
         self.metadata = dict(metadata or {})
+        check_values(PRODUCER_TO_BROKER, "turn", {"trajectory_id": trajectory_id, "group_id": group_id,
+                                                  "group_size": group_size, "sample_index": sample_index})
         self.next_turn = 0
         self._lock = asyncio.Lock()
 
     # -- drafts (any thread) ---------------------------------------------------
     def _turn_draft(self, turn: Turn, metadata: Mapping[str, Any] | None) -> _Draft:
+        """The turn's fields are checked here, once; its frame is then encoded unchecked."""
+        check_values(PRODUCER_TO_BROKER, "turn", {"weight_version": turn.weight_version, "metadata": metadata})
+
         def encode_at(index: int) -> list:
             first = index == 0
             merged = {**self.metadata, **(metadata or {})} if first else metadata
@@ -582,6 +611,7 @@ class AsyncTrajectory:
                 sample_index=self.sample_index if first else None,
                 metadata=merged or None,
                 crc=self.producer.crc,
+                checked=False,
             )
         return _Draft(TURN, self, self.next_turn, encode_at, (len(turn.tokens), int(turn.forced_tokens.size)))
 
@@ -600,15 +630,23 @@ class AsyncTrajectory:
         return _Draft(ABORT, self, self.next_turn, lambda _: frames)
 
     def _build(self, tokens, log_probs, options: dict) -> Turn:
-        return Turn.build(tokens, log_probs, vocab_size=self.producer.vocab_size, borrow=True, **options)
+        producer = self.producer
+        return Turn.build(tokens, log_probs, vocab_size=producer.vocab_size, borrow=True,
+                          check_content=producer.check_content, **options)
 
     def _sglang_turn(self, output_ids, meta_info, options: dict) -> Turn:
         return turn_from_sglang(output_ids, meta_info, vocab_size=self.producer.vocab_size, **options)
 
     # -- sending -----------------------------------------------------------------
-    async def _send(self, make_draft: Callable[[], _Draft]) -> asyncio.Future:
+    async def _send(self, draft: _Draft) -> asyncio.Future:
+        """Accept at once when there is room and no earlier send of this
+        handle waits for it; otherwise wait in call order."""
+        if not self._lock.locked():
+            future = self.producer._submit_now(draft)
+            if future is not None:
+                return future
         async with self._lock:
-            return await self.producer._submit(make_draft())
+            return await self.producer._submit(draft)
 
     async def turn(self, tokens, log_probs, *, mask: SamplingMask | None = None, supports=None, mask_ids=None,
                    mask_offsets=None, loss_mask=None, forced_tokens=None, routed_experts=None, indexer_topk=None,
@@ -623,7 +661,7 @@ class AsyncTrajectory:
             mask=mask, supports=supports, mask_ids=mask_ids, mask_offsets=mask_offsets, loss_mask=loss_mask,
             forced_tokens=forced_tokens, routed_experts=routed_experts, indexer_topk=indexer_topk, status=status,
             weight_version=weight_version))
-        return await self.send(turn, metadata=metadata)
+        return await self._send(self._turn_draft(turn, metadata))
 
     async def turn_and_wait(self, tokens, log_probs, **options) -> Receipt:
         """`turn`, then wait for the broker's receipt (raises `Refused`)."""
@@ -634,17 +672,17 @@ class AsyncTrajectory:
         """Send the next turn straight from an SGLang `/generate` response."""
         turn = self._sglang_turn(output_ids, meta_info, dict(forced_tokens=forced_tokens, loss_mask=loss_mask,
                                                              require_mask=require_mask))
-        return await self.send(turn, metadata=metadata)
+        return await self._send(self._turn_draft(turn, metadata))
 
     async def send(self, turn: Turn, *, metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
         """Send an already built `Turn` as the next turn."""
-        return await self._send(lambda: self._turn_draft(turn, metadata))
+        return await self._send(self._turn_draft(turn, metadata))
 
     async def end(self, reward, metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
         """Finish the trajectory with its reward (a number or a map). The
         `end` says how many turns were sent, so the broker refuses it
         (`out_of_order`) rather than end the trajectory short of one."""
-        return await self._send(lambda: self._end_draft(reward, metadata))
+        return await self._send(self._end_draft(reward, metadata))
 
     async def end_and_wait(self, reward, metadata: Mapping[str, Any] | None = None) -> Receipt:
         """`end`, then wait for the broker's receipt (raises `Refused`)."""
@@ -652,7 +690,7 @@ class AsyncTrajectory:
 
     async def abort(self, reason: str = "") -> asyncio.Future:
         """Discard the trajectory at the broker; the next turn starts it afresh."""
-        return await self._send(lambda: self._abort_draft(reason))
+        return await self._send(self._abort_draft(reason))
 
 
 # -- the blocking client ---------------------------------------------------------
