@@ -12,7 +12,7 @@ import heapq
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from rollstream.common.codec import Message, content_digest
 from rollstream.common.errors import ProtocolError
@@ -35,9 +35,10 @@ class OpenTrajectory:
     replaces: bool = False  # a LEFT marker of the same id exists (a brand-new id has nothing to clear)
 
 
-@dataclass(frozen=True, slots=True)
-class PutTurn:
-    """A consumed turn: its digest and outcome; `message` when it was applied."""
+class PutTurn(NamedTuple):
+    """A consumed turn: its digest and outcome; `message` when it was
+    applied. (A named tuple: one is made per frame, three times cheaper
+    than a frozen dataclass.)"""
 
     trajectory_id: str
     turn: int
@@ -121,8 +122,7 @@ class Unit:
     group_left: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Reply:
+class Reply(NamedTuple):
     """The answer to one message: `fields` of an `ack`, or a refusal."""
 
     fields: dict | None = None

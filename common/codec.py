@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import msgpack
+import msgspec
 import numpy as np
 import xxhash
 
@@ -93,6 +94,12 @@ def _check_fields(spec: MessageSpec, header: Mapping[str, Any], array_names: fro
     if not spec.required_names <= fields.keys():
         missing = [name for name in spec.required if name not in fields]
         raise _schema_error(f"{spec.type} is missing required field(s) {missing}")
+    _check_arrays_and_rules(spec, fields, array_names)
+    return fields
+
+
+def _check_arrays_and_rules(spec: MessageSpec, fields: Mapping[str, Any], array_names: frozenset) -> None:
+    """The arrays a message type may and must carry, and its cross-field rules."""
     if not array_names <= spec.array_names:
         unknown = array_names - spec.array_names
         raise _schema_error(f"{spec.type} may not carry array(s) {sorted(unknown)}; allowed: {sorted(spec.array_names)}")
@@ -103,7 +110,6 @@ def _check_fields(spec: MessageSpec, header: Mapping[str, Any], array_names: fro
         problem = rule(fields, array_names)
         if problem:
             raise _schema_error(f"{spec.type}: {problem}")
-    return fields
 
 
 def check_values(schema: Schema, mtype: str, values: Mapping[str, Any]) -> None:
@@ -246,17 +252,45 @@ def _array_entries(header: Mapping[str, Any], frame_count: int) -> tuple[list[tu
         if not (type(entry) is list and len(entry) == 3 and type(entry[0]) is str):
             raise _schema_error(f"arrays entries must be [name, dtype, shape], got {entry!r:.80}")
         name, dtype, shape = entry
-        if name not in ARRAYS:
-            raise _schema_error(f"unknown array {name!r}; expected one of {sorted(ARRAYS)}")
-        if name in seen:
-            raise _schema_error(f"array {name!r} is listed twice")
+        _check_array_name(name, seen)
         if type(shape) is not list or not _is_extents(shape):
             raise _schema_error(f"array {name!r} shape must be a list of non-negative integers, got {shape!r:.80}")
-        seen.add(name)
         parsed.append((name, dtype, shape))
-    if frame_count != 1 + len(parsed):
-        raise _schema_error(f"header lists {len(parsed)} array(s), message has {frame_count - 1} array frame(s)")
-    return parsed, frozenset(seen)
+    return parsed, _frame_count_checked(seen, frame_count)
+
+
+def _check_array_name(name: str, seen: set) -> None:
+    if name not in ARRAYS:
+        raise _schema_error(f"unknown array {name!r}; expected one of {sorted(ARRAYS)}")
+    if name in seen:
+        raise _schema_error(f"array {name!r} is listed twice")
+    seen.add(name)
+
+
+def _frame_count_checked(names: set, frame_count: int) -> frozenset:
+    if frame_count != 1 + len(names):
+        raise _schema_error(f"header lists {len(names)} array(s), message has {frame_count - 1} array frame(s)")
+    return frozenset(names)
+
+
+def _plain_header(schema: Schema, frame) -> tuple[MessageSpec, dict, list, int | None] | None:
+    """The header decoded and its fields checked by the schema's msgspec
+    decoder: its spec, fields, array entries and CRC. None when that decoder
+    refuses it (any rule broken, or a key it does not know): then the
+    checked way decodes it, and names the rule if there is one."""
+    try:
+        header = schema.fast.decode(frame)
+    except msgspec.MsgspecError:
+        return None
+    unset = msgspec.UNSET
+    spec, names = schema.fast_specs[type(header)]
+    fields = {}
+    for name in names:
+        value = getattr(header, name)
+        if value is not unset:
+            fields[name] = value
+    crc = header.crc32
+    return spec, fields, header.arrays, None if crc is unset else crc
 
 
 def decode(
@@ -269,29 +303,48 @@ def decode(
 ) -> Message:
     """Parse and check one message in protocol order:
     malformed → version → schema → too_large → crc_mismatch → dtype → shape →
-    content (misaligned, mask_invalid, out_of_vocab, invalid_value)."""
+    content (misaligned, mask_invalid, out_of_vocab, invalid_value).
+
+    A plain header (every key one its msgspec decoder checks whole) is
+    decoded and checked in C; any other goes the checked Python way. Both
+    accept and refuse the same headers (a property test holds them to it)."""
     if not frames:
         raise ProtocolError("malformed", "empty message: expected a header frame")
     buffers = [_buffer(frame) for frame in frames]
-    header = decode_header(buffers[0])
-    seq = header.get("seq") if type(header.get("seq")) is int else None
+    plain = _plain_header(schema, buffers[0]) if schema.fast is not None else None
+    if plain is None:
+        header = decode_header(buffers[0])
+        seq = header.get("seq") if type(header.get("seq")) is int else None
+    else:
+        spec, fields, entries, crc = plain
+        seq = fields.get("seq")
     try:
-        return _decode_checked(header, buffers, schema, max_message_bytes, vocab_size, check_content)
+        if plain is None:
+            spec, fields, entries, crc = _checked_header(header, len(buffers), schema)
+        else:
+            seen: set = set()
+            for name, _, _ in entries:
+                _check_array_name(name, seen)
+            _check_arrays_and_rules(spec, fields, _frame_count_checked(seen, len(buffers)))
+        return _decode_body(spec, fields, entries, crc, buffers, max_message_bytes, vocab_size, check_content)
     except ProtocolError as error:
         raise error.with_seq(seq) from None
 
 
-def _decode_checked(header, buffers, schema, max_message_bytes, vocab_size, check_content) -> Message:
+def _checked_header(header: dict, frame_count: int, schema: Schema) -> tuple[MessageSpec, dict, list, int | None]:
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError("version", f"protocol version must be {PROTOCOL_VERSION}, got {version!r}")
     spec = _spec(schema, header.get("type"))
-    entries, array_names = _array_entries(header, len(buffers))
+    entries, array_names = _array_entries(header, frame_count)
     fields = _check_fields(spec, header, array_names)
     crc = header.get("crc32")
     if crc is not None and not CRC32.accepts(crc):
         raise _schema_error(f"crc32 must be {CRC32.describe}, got {crc!r:.40}")
+    return spec, fields, entries, crc
 
+
+def _decode_body(spec, fields, entries, crc, buffers, max_message_bytes, vocab_size, check_content) -> Message:
     size = sum(map(len, buffers))
     if size > max_message_bytes:
         raise ProtocolError("too_large", f"message is {size} bytes, limit is max_message_bytes={max_message_bytes}")

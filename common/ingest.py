@@ -45,16 +45,22 @@ def turn_from_sglang(
     Checks, vectorised, that there is one support and one log-prob per
     sampled token, that every support is non-empty and holds its sampled
     token, and (with `vocab_size`) that every id is in the vocabulary.
-    With `require_mask=False` a response without supports gives a turn
-    without a mask (a replay gap if the trajectory carried one).
+    An aborted response (`finish_reason` abort) may come without supports,
+    and, when it sampled nothing, without log-probs: an engine abort
+    returns neither. It gives an `aborted` turn without a mask, which cuts
+    a trajectory that carries one at a replay gap (SEMANTICS.md example 7).
+    With `require_mask=False` any response without supports does the same.
     """
+    status = status or status_from_finish_reason(meta_info)
     supports = meta_info.get(SUPPORTS_KEY)
     log_probs = meta_info.get(LOG_PROBS_KEY)
-    if supports is None and require_mask:
+    n = len(output_ids)
+    if supports is None and require_mask and status != "aborted":
         raise ProtocolError("mask_invalid", f"response has no {SUPPORTS_KEY}; request it with return_sampling_mask")
     if log_probs is None:
-        raise ProtocolError("misaligned", f"response has no {LOG_PROBS_KEY}")
-    n = len(output_ids)
+        if n:
+            raise ProtocolError("misaligned", f"response has no {LOG_PROBS_KEY} for its {n} sampled tokens")
+        log_probs = ()
     for name, values in ((SUPPORTS_KEY, supports), (LOG_PROBS_KEY, log_probs)):
         if values is not None and len(values) != n:
             raise ProtocolError("misaligned", f"{name} has {len(values)} entries, {n} tokens were sampled")
@@ -66,7 +72,7 @@ def turn_from_sglang(
         supports=supports,
         loss_mask=loss_mask,
         forced_tokens=forced_tokens,
-        status=status or status_from_finish_reason(meta_info),
+        status=status,
         weight_version=weight_version,
         vocab_size=vocab_size,
     )

@@ -3,23 +3,32 @@ every message type on every endpoint and direction, its header fields with
 their kinds, the arrays it may carry, and its cross-field rules.
 
 The codec reads these tables to encode and to decode strictly; nothing else
-declares a message's shape.
+declares a message's shape. From the same tables each schema also gets a
+msgspec decoder for the plain case (`Schema.fast`): headers whose every key
+is a field msgspec checks whole, decoded and checked in C. Anything else
+goes the checked Python way, which names the rule.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Annotated, Any, Callable, Literal, Mapping, Union
 
-from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, MASK_ARRAYS, REPLAY_FIELDS, STATUSES
+import msgspec
+
+from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, MASK_ARRAYS, PROTOCOL_VERSION, REPLAY_FIELDS, STATUSES
 
 
 @dataclass(frozen=True)
 class Kind:
-    """A header value's kind: a predicate plus the words for an error."""
+    """A header value's kind: a predicate plus the words for an error, and
+    the same kind as a msgspec type where msgspec checks all of it (None
+    where it cannot: maps, whose keys and nesting msgpack's strict decoder
+    polices, and checks across a value's parts)."""
 
     describe: str
     accepts: Callable[[Any], bool]
+    annotation: Any = None
 
 
 def _is_int(value) -> bool:
@@ -34,21 +43,22 @@ def _is_str_list(value) -> bool:
     return isinstance(value, list) and all(isinstance(item, str) for item in value)
 
 
-TEXT = Kind("a non-empty string", lambda v: isinstance(v, str) and v != "")
-ANY_TEXT = Kind("a string", lambda v: isinstance(v, str))
-INT = Kind("an integer", _is_int)
-COUNT = Kind("a non-negative integer", lambda v: _is_int(v) and v >= 0)
-POSITIVE = Kind("a positive integer", lambda v: _is_int(v) and v > 0)
-BOOL = Kind("a boolean", lambda v: type(v) is bool)
+TEXT = Kind("a non-empty string", lambda v: isinstance(v, str) and v != "", Annotated[str, msgspec.Meta(min_length=1)])
+ANY_TEXT = Kind("a string", lambda v: isinstance(v, str), str)
+INT = Kind("an integer", _is_int, int)
+COUNT = Kind("a non-negative integer", lambda v: _is_int(v) and v >= 0, Annotated[int, msgspec.Meta(ge=0)])
+POSITIVE = Kind("a positive integer", lambda v: _is_int(v) and v > 0, Annotated[int, msgspec.Meta(gt=0)])
+BOOL = Kind("a boolean", lambda v: type(v) is bool, bool)
 NUMBER = Kind("a finite number", _is_number)
 SECONDS = Kind("a positive number of seconds", lambda v: _is_number(v) and v > 0)
 MAP = Kind("a map", lambda v: isinstance(v, dict))
 LIST = Kind("a list", lambda v: isinstance(v, list))
-TEXT_LIST = Kind("a list of strings", _is_str_list)
+TEXT_LIST = Kind("a list of strings", _is_str_list, list[str])
 REWARD = Kind("a number or a map", lambda v: _is_number(v) or isinstance(v, dict))
-STATUS = Kind(f"one of {list(STATUSES)}", lambda v: v in STATUSES)
-UNIT = Kind("'trajectory' or 'group'", lambda v: v in ("trajectory", "group"))
-CRC32 = Kind("an unsigned 32-bit integer", lambda v: _is_int(v) and 0 <= v < 2**32)
+STATUS = Kind(f"one of {list(STATUSES)}", lambda v: v in STATUSES, Literal[STATUSES])
+UNIT = Kind("'trajectory' or 'group'", lambda v: v in ("trajectory", "group"), Literal["trajectory", "group"])
+CRC32 = Kind("an unsigned 32-bit integer", lambda v: _is_int(v) and 0 <= v < 2**32,
+             Annotated[int, msgspec.Meta(ge=0, lt=2**32)])
 
 
 def _is_seq_ranges(value) -> bool:
@@ -103,18 +113,48 @@ class MessageSpec:
 
 @dataclass(frozen=True)
 class Schema:
-    """The messages one side of one endpoint may receive."""
+    """The messages one side of one endpoint may receive, and the msgspec
+    decoder of their plain headers (None when no type has one)."""
 
     name: str
     specs: Mapping[str, MessageSpec]
+    fast: msgspec.msgpack.Decoder | None = None
+    fast_specs: Mapping[type, tuple[MessageSpec, tuple[str, ...]]] = field(default_factory=dict)  # per header struct: its spec and fields
+
+
+# The envelope as msgspec types: the version, and the arrays' [name, dtype, shape] entries.
+_VERSION = Literal[PROTOCOL_VERSION]
+_ENTRIES = list[tuple[str, str, list[Annotated[int, msgspec.Meta(ge=0)]]]]
+
+
+def header_struct(spec: MessageSpec) -> type | None:
+    """`spec` as a msgspec Struct tagged by `type`: the envelope and every
+    field whose kind has an annotation. None when a required field has
+    none. Unknown keys are refused, so a header with a key the struct lacks
+    (an optional map, a key from a newer peer) is left to the checked way."""
+    fields: list[tuple] = [("v", _VERSION)]
+    for name, kind in spec.required.items():
+        if kind.annotation is None:
+            return None
+        fields.append((name, kind.annotation))
+    fields += [(name, Union[kind.annotation, msgspec.UnsetType], msgspec.UNSET)
+               for name, kind in spec.optional.items() if kind.annotation is not None]
+    fields += [("arrays", _ENTRIES, []), ("crc32", Union[CRC32.annotation, msgspec.UnsetType], msgspec.UNSET)]
+    return msgspec.defstruct(f"{spec.type.capitalize()}Header", fields, tag_field="type", tag=spec.type,
+                             forbid_unknown_fields=True)
 
 
 def _schema(name: str, *specs: MessageSpec) -> Schema:
+    structs = {}
     for spec in specs:
         unknown = spec.array_names - set(ARRAYS)
         assert not unknown, f"{spec.type}: arrays {unknown} are not in the contract table"
         assert not set(spec.kinds) & ENVELOPE_KEYS, f"{spec.type}: a field is named like an envelope key"
-    return Schema(name, {spec.type: spec for spec in specs})
+        struct = header_struct(spec)
+        if struct is not None:
+            structs[struct] = (spec, tuple(name for name in spec.kinds if name in struct.__struct_fields__))
+    fast = msgspec.msgpack.Decoder(Union[tuple(structs)]) if structs else None
+    return Schema(name, {spec.type: spec for spec in specs}, fast, structs)
 
 
 # -- cross-field rules --------------------------------------------------------

@@ -11,8 +11,8 @@ once, at delivery.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
@@ -75,17 +75,19 @@ class TurnOutcome:
 APPLIED = TurnOutcome(True)
 
 
-@dataclass(frozen=True, eq=False, slots=True)
-class Turn:
+class Turn(NamedTuple):
     """One engine call's output. Construct from untrusted data with
     `Turn.build`, which coerces and checks; the plain constructor trusts its
-    arrays (contract dtypes, aligned, checked)."""
+    arrays (contract dtypes, aligned, checked). Immutable: a named tuple,
+    which costs a third of a frozen dataclass to make (the producer and the
+    broker make one per frame); two turns are equal only when they are the
+    same turn."""
 
     tokens: np.ndarray
     log_probs: np.ndarray
     loss_mask: np.ndarray | None = None  # None: every sampled token trains
     mask: SamplingMask | None = None
-    forced_tokens: np.ndarray = field(default_factory=lambda: EMPTY_TOKENS)
+    forced_tokens: np.ndarray = EMPTY_TOKENS
     routed_experts: np.ndarray | None = None
     indexer_topk: np.ndarray | None = None
     status: str = "completed"
@@ -179,6 +181,14 @@ class Turn:
 
     def carries(self, replay_field: str) -> bool:
         return getattr(self, replay_field) is not None
+
+    def __eq__(self, other) -> bool:  # not field by field: fields are arrays
+        return self is other
+
+    def __ne__(self, other) -> bool:
+        return self is not other
+
+    __hash__ = object.__hash__
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The turn's arrays under their contract names (absent ones left out)."""

@@ -21,6 +21,7 @@ HELP = {
     "spool_fsync": "fsync every spool write (survives power loss, slower).",
     "shutdown_timeout": "Seconds to wait, on SIGTERM or at the end, for open trajectories and in-flight acks.",
     "crc": "Send a CRC-32 of the array frames with every turn.",
+    "check_content": "Also check each turn's content rules before sending (the broker checks every frame anyway).",
     "trajectories": "Trajectories to produce; 0: until stopped (replay and --prompts end with their files).",
     "group_size": "Samples per prompt, sent as one group when more than 1.",
     "turns": "Engine calls per trajectory.",
@@ -50,6 +51,7 @@ TYPES = {
     "spool_bytes": BYTES,
     "spool_fsync": click.BOOL,
     "crc": click.BOOL,
+    "check_content": click.BOOL,
     "log_level": click.Choice(["debug", "info", "warning", "error"]),
 }
 

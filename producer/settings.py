@@ -24,6 +24,7 @@ class ProducerSettings:
     spool_fsync: bool = False
     shutdown_timeout: float = 10.0
     crc: bool = True
+    check_content: bool = False
     # what to produce (synthetic and sglang)
     trajectories: int = 0  # 0: until stopped (or until the replay/prompt files end)
     group_size: int = 1

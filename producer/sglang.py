@@ -139,7 +139,7 @@ class SGLangSource:
                 status = status_from_finish_reason(meta_info)
                 last = status != "completed" or index == self.settings.turns - 1
                 forced = None if last else self.tool.observe(np.asarray(ids, dtype=np.int32))
-                retrieve(await traj.sglang(ids, meta_info, forced_tokens=forced, require_mask=status != "aborted"))
+                retrieve(await traj.sglang(ids, meta_info, forced_tokens=forced))
             except (OSError, ValueError, KeyError, TypeError) as exc:  # unreachable server or unusable response
                 log.warning("generate failed; aborting the trajectory",
                             extra={"trajectory_id": traj.trajectory_id, "url": self.url, "error": str(exc)})
