@@ -220,7 +220,12 @@ class ResendWindow:
         differ = {outcome["seq"]: outcome for outcome in reply.get("outcomes", ())}
         settled = []
         for first, last in reply["ranges"]:
-            for seq in range(first, last + 1):
+            if last - first >= len(items):  # a range wider than the window: walk what is held, not the range
+                seqs = [seq for seq in items if first <= seq <= last]
+                self.ignored += last - first + 1 - len(seqs)
+            else:
+                seqs = range(first, last + 1)
+            for seq in seqs:
                 item = items.get(seq)
                 if item is None or item.attempts == 0:
                     self.ignored += 1

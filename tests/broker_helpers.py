@@ -20,10 +20,12 @@ def turn_msg(tid, index, tokens=(10,), supports=None, forced=None, status="compl
     return decode(frames, PRODUCER_TO_BROKER)
 
 
-def end_msg(tid, reward=1.0, seq=100, metadata=None):
+def end_msg(tid, reward=1.0, seq=100, metadata=None, turns=None):
     fields = {"seq": seq, "trajectory_id": tid, "reward": reward}
     if metadata is not None:
         fields["metadata"] = metadata
+    if turns is not None:
+        fields["turns"] = turns
     return decode(encode(PRODUCER_TO_BROKER, "end", fields), PRODUCER_TO_BROKER)
 
 

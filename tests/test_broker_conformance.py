@@ -169,3 +169,56 @@ def test_unknown_consumer_must_say_hello(broker):
     assert reply["code"] == "unknown_consumer"
     welcome, _ = consumer.call(frames("hello", consumer_id="late"))
     assert welcome["type"] == "welcome"
+
+
+def test_batched_acks_cover_a_commit_and_refusals_stay_per_frame(broker):
+    """A peer that asks in its hello gets one `acks` per commit: seq ranges,
+    with the outcomes that are not a plain applied listed on their own."""
+    producer = Peer(broker.producer)
+    welcome, _ = producer.call(frames("hello", producer_id="batched", seq=0, batch_acks=True))
+    assert welcome["batch_acks"] is True and welcome["seq"] == 0
+    # Pipelined as one burst: the broker reads them together and commits once.
+    burst = [turn(1, "b1", 0, [10], [[10, 4]], prompt=[1]), turn(2, "b1", 1, [11], [[11]]),
+             turn(3, "b2", 0, [12], [[12]], prompt=[1], status="truncated"), turn(4, "b2", 1, [13], [[13]]),
+             turn(5, "b1", 1, [11], [[11]]), turn(6, "b1", 2, [5000], [[5000]]),  # a resend; an id outside vocab 1000
+             turn(7, "b1", 2, [14], [[14]]),
+             frames("end", seq=8, trajectory_id="b1", reward=1.0, turns=3)]
+    for message in burst:
+        producer.sock.send_multipart(message)
+    acked, nacked = {}, {}
+    while len(acked) + len(nacked) < len(burst):
+        reply, _ = producer.recv()
+        if reply["type"] == "acks":
+            assert set(reply) <= {"v", "type", "ranges", "outcomes"}
+            assert all(first <= last for first, last in reply["ranges"])
+            others = {o["seq"]: o for o in reply.get("outcomes", [])}
+            for first, last in reply["ranges"]:
+                for seq in range(first, last + 1):
+                    acked[seq] = others.pop(seq, {"seq": seq, "applied": True})
+            assert not others  # every listed outcome lies inside a range
+        else:
+            assert reply["type"] == "nack", reply  # never a per-frame ack on this connection
+            nacked[reply["seq"]] = reply
+    assert sorted(acked) == [1, 2, 3, 4, 5, 7, 8] and sorted(nacked) == [6]
+    assert nacked[6]["code"] == "out_of_vocab"
+    assert acked[4] == {"seq": 4, "applied": False, "reason": "after_terminal"}
+    assert acked[5] == {"seq": 5, "applied": True, "duplicate": True}
+    assert all(acked[seq] == {"seq": seq, "applied": True} for seq in (1, 2, 3, 7, 8))
+
+    plain = Peer(broker.producer)  # a peer that does not ask keeps getting one ack per frame
+    plain.call(frames("hello", producer_id="plain"))
+    reply, _ = plain.call(turn(1, "p1", 0, [10], [[10]], prompt=[1]))
+    assert reply == {"v": 1, "type": "ack", "seq": 1, "trajectory_id": "p1", "turn": 0, "applied": True}
+
+
+def test_an_end_counting_a_lost_turn_is_refused_out_of_order(broker):
+    producer = Peer(broker.producer)
+    producer.call(turn(1, "e", 0, [10], [[10]], prompt=[1]))
+    reply, _ = producer.call(frames("end", seq=2, trajectory_id="e", reward=1.0, turns=2))  # turn 1 never came
+    assert (reply["type"], reply["code"], reply["expected"], reply["seq"]) == ("nack", "out_of_order", 1, 2)
+    reply, _ = producer.call(turn(3, "e", 1, [11], [[11]]))
+    assert reply["applied"] is True
+    reply, _ = producer.call(frames("end", seq=4, trajectory_id="e", reward=1.0, turns=2))
+    assert reply["applied"] is True
+    reply, _ = producer.call(frames("end", seq=5, trajectory_id="e", reward=1.0, turns=1))
+    assert reply["code"] == "conflict"  # a different end than the one applied

@@ -56,6 +56,41 @@ def test_identical_resend_is_a_duplicate_repeating_the_outcome(engine):
     assert reply.effects == () and engine.entries["t"].trajectory.response_length == 1
 
 
+def test_an_end_that_counts_a_turn_the_broker_never_saw_is_out_of_order_and_changes_nothing(engine):
+    engine.handle(turn_msg("t", 0, [10], [[10]]), now=1)
+    engine.handle(turn_msg("t", 1, [11], [[11]]), now=2)
+    error = refused(engine.handle(end_msg("t", turns=3, seq=7), now=3))  # turn 2 was lost on the way
+    assert (error.code, error.expected, error.seq) == ("out_of_order", 2, 7)
+    assert "says 3 turns were sent" in error.message and "consumed 2" in error.message
+    assert engine.entries["t"].state == "open" and not engine.ready_units
+    engine.handle(turn_msg("t", 2, [12], [[12]]), now=4)  # the resent turn, then the end again
+    reply = engine.handle(end_msg("t", turns=3, seq=8), now=5)
+    assert ack(reply)["applied"] and [type(e) for e in reply.effects] == [EndTrajectory]
+    assert engine.entries["t"].state == ENDED and engine.entries["t"].trajectory.tokens.tolist() == [10, 11, 12]
+    assert ack(engine.handle(end_msg("t", turns=3, seq=9), now=6))["duplicate"] is True
+
+
+def test_an_end_that_counts_fewer_turns_than_were_consumed_is_a_conflict(engine):
+    engine.handle(turn_msg("t", 0, [10], [[10]]), now=1)
+    engine.handle(turn_msg("t", 1, [11], [[11]]), now=2)
+    error = refused(engine.handle(end_msg("t", turns=1), now=3))
+    assert error.code == "conflict" and "says 1 turns were sent" in error.message
+    assert engine.entries["t"].state == "open"
+
+
+def test_an_end_may_count_turns_a_terminal_trajectory_answered_after_terminal(engine):
+    engine.handle(turn_msg("t", 0, [10], [[10]], status="truncated"), now=1)
+    late = ack(engine.handle(turn_msg("t", 1, [11], [[11]]), now=2))
+    assert (late["applied"], late["reason"]) == (False, "after_terminal")
+    assert ack(engine.handle(end_msg("t", turns=2), now=3))["applied"] is True
+    assert engine.entries["t"].state == ENDED
+
+
+def test_an_end_without_turns_ends_whatever_was_consumed(engine):
+    engine.handle(turn_msg("t", 0, [10], [[10]]), now=1)
+    assert ack(engine.handle(end_msg("t"), now=2))["applied"] is True
+
+
 def test_different_content_for_an_earlier_turn_is_conflict(engine):
     engine.handle(turn_msg("t", 0, [10], [[10]]), now=1)
     error = refused(engine.handle(turn_msg("t", 0, [11], [[11]], seq=5), now=2))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rollstream.common import ProtocolError, Trajectory, Turn
-from rollstream.common.codec import content_digest, decode, encode, encode_error
+from rollstream.common.codec import check_values, content_digest, decode, encode, encode_error, number_header
 from rollstream.common.messages import (
     ADMIN_REPLIES,
     ADMIN_REQUESTS,
@@ -238,6 +238,8 @@ def test_deliver_response_length_must_match():
 
 MESSAGES = [
     (PRODUCER_TO_BROKER, "hello", {"producer_id": "p"}),
+    (PRODUCER_TO_BROKER, "hello", {"producer_id": "p", "seq": 0, "batch_acks": True}),
+    (PRODUCER_TO_BROKER, "end", {"seq": 2, "trajectory_id": "t", "reward": 0.5, "turns": 3}),
     (PRODUCER_TO_BROKER, "end", {"seq": 2, "trajectory_id": "t", "reward": 1.5, "metadata": {"a": 1}}),
     (PRODUCER_TO_BROKER, "end", {"seq": 2, "trajectory_id": "t", "reward": {"acc": 1}}),
     (PRODUCER_TO_BROKER, "abort", {"seq": 3, "trajectory_id": "t", "reason": "retry"}),
@@ -247,6 +249,10 @@ MESSAGES = [
     (BROKER_TO_PRODUCER, "ack", {"seq": 1, "trajectory_id": "t", "applied": False, "reason": "replay_gap"}),
     (BROKER_TO_PRODUCER, "nack", {"seq": 1, "code": "out_of_order", "message": "m", "expected": 0}),
     (BROKER_TO_PRODUCER, "pong", {"seq": 4}),
+    (BROKER_TO_PRODUCER, "welcome", {"broker_id": "b", "max_message_bytes": 100, "window": 8, "batch_acks": True}),
+    (BROKER_TO_PRODUCER, "acks", {"ranges": [[1, 3], [7, 7]]}),
+    (BROKER_TO_PRODUCER, "acks", {"ranges": [[1, 3]], "outcomes": [{"seq": 2, "applied": False, "reason": "replay_gap"},
+                                                                  {"seq": 3, "applied": True, "duplicate": True}]}),
     (CONSUMER_TO_BROKER, "hello", {"consumer_id": "c"}),
     (CONSUMER_TO_BROKER, "heartbeat", {}),
     (CONSUMER_TO_BROKER, "credit", {"n": 4, "unit": "group"}),
@@ -313,3 +319,42 @@ def test_zmq_frames_are_accepted():
     zmq = pytest.importorskip("zmq")
     frames = [zmq.Frame(f) for f in raw_turn()]
     assert decode(frames, PRODUCER_TO_BROKER)["turn"] == 0
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"ranges": [[3, 1]]}, "first <= last"),
+    ({"ranges": [[1]]}, "first <= last"),
+    ({"ranges": [[1, 2]], "outcomes": [{"seq": 1}]}, "applied: boolean"),
+    ({"ranges": [[1, 2]], "outcomes": [{"seq": 1, "applied": True, "reason": ""}]}, "reason?: non-empty string"),
+])
+def test_batched_acks_are_checked(fields, problem):
+    with pytest.raises(ProtocolError) as err:
+        decode([msgpack.packb({"v": 1, "type": "acks", **fields})], BROKER_TO_PRODUCER)
+    assert err.value.code == "schema" and problem in err.value.message
+
+
+@pytest.mark.parametrize("keys", [1, 14, 15, 16, 40])
+def test_number_header_adds_seq_at_a_fixed_width_to_maps_of_any_size(keys):
+    header = msgpack.packb({f"k{i}": i for i in range(keys)})
+    numbered = [number_header(header, seq) for seq in (0, 1, 2**40, 2**63)]
+    assert len({len(n) for n in numbered}) == 1  # the size is known before the number
+    for seq, frame in zip((0, 1, 2**40, 2**63), numbered):
+        assert msgpack.unpackb(frame) == {**{f"k{i}": i for i in range(keys)}, "seq": seq}
+
+
+def test_an_unnumbered_turn_numbered_later_decodes_as_one_encoded_numbered():
+    turn = Turn.build([5, 6], [-0.1, -0.2], supports=[[5], [6, 1]])
+    later = encode_turn("t", 2, turn, seq=None, crc=True)
+    later[0] = number_header(later[0], 41)
+    got, want = decode(later, PRODUCER_TO_BROKER), decode(encode_turn("t", 2, turn, seq=41, crc=True), PRODUCER_TO_BROKER)
+    assert got.fields == want.fields and got.fields["seq"] == 41
+    assert {k: v.tobytes() for k, v in got.arrays.items()} == {k: v.tobytes() for k, v in want.arrays.items()}
+
+
+def test_check_values_refuses_a_field_as_decoding_would():
+    check_values(PRODUCER_TO_BROKER, "turn", {"trajectory_id": "t", "group_size": None})
+    with pytest.raises(ProtocolError) as err:
+        check_values(PRODUCER_TO_BROKER, "turn", {"trajectory_id": ""})
+    assert err.value.code == "schema" and "turn.trajectory_id must be a non-empty string" in err.value.message
+    with pytest.raises(ProtocolError, match="group_size must be a positive integer"):
+        check_values(PRODUCER_TO_BROKER, "turn", {"group_size": 0})

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from rollstream.common import BatchValidationError, ProtocolError, SamplingMask
+from rollstream.common import BatchValidationError, ProtocolError, SamplingMask, Trajectory
+from rollstream.common.trajectory import Gap
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.validation import (
     RULE_ALIGNED,
@@ -52,6 +53,21 @@ def test_sglang_without_mask():
         turn_from_sglang([5], {"output_token_sampling_logprobs": [-0.1]})
     turn = turn_from_sglang([5], {"output_token_sampling_logprobs": [-0.1]}, require_mask=False)
     assert turn.mask is None and turn.status == "completed"
+
+
+def test_an_sglang_abort_without_tokens_supports_or_log_probs_is_an_aborted_turn_without_mask():
+    """SEMANTICS.md example 7 straight from an engine abort: no workaround flags."""
+    abort = turn_from_sglang([], {"finish_reason": {"type": "abort", "message": "client disconnected"}})
+    assert (abort.status, abort.mask, len(abort.tokens), len(abort.log_probs)) == ("aborted", None, 0, 0)
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn_from_sglang([5], meta([[5, 6]], [-0.1]), forced_tokens=[9]))
+    outcome = traj.append_turn(abort)
+    assert (outcome.applied, outcome.reason) == (False, "replay_gap")
+    assert traj.gap == Gap(1, "mask") and traj.tokens.tolist() == [5]  # turn 0 alone, its forced token dropped
+    with pytest.raises(ProtocolError, match="no output_token_sampling_logprobs for its 1 sampled tokens"):
+        turn_from_sglang([5], {"finish_reason": {"type": "abort"}})  # tokens need their log-probs
+    with pytest.raises(ProtocolError, match="request it with return_sampling_mask"):
+        turn_from_sglang([5], {"output_token_sampling_logprobs": [-0.1], "finish_reason": {"type": "stop"}})
 
 
 def test_sglang_vocab_and_finish_reason():

@@ -116,6 +116,61 @@ def test_replies_that_match_nothing_sent_are_ignored():
     assert w.on_reply(ack(1), 1.0) is not None
 
 
+def acks(*ranges, outcomes=None):
+    fields = {"ranges": [list(r) for r in ranges]}
+    if outcomes is not None:
+        fields["outcomes"] = outcomes
+    return decode(encode(BROKER_TO_PRODUCER, "acks", fields), BROKER_TO_PRODUCER)
+
+
+def test_batched_acks_settle_whole_ranges_with_the_outcomes_that_differ():
+    w = window()
+    for seq, tid, turn in ((1, "a", 0), (2, "a", 1), (3, "b", 0), (4, "c", 0), (5, "c", 1)):
+        w.push(frame(seq, tid=tid, turn=turn))
+    send_ready(w)
+    settled = w.on_acks(acks((1, 3), (5, 5), outcomes=[{"seq": 2, "applied": False, "reason": "after_terminal"},
+                                                       {"seq": 5, "applied": True, "duplicate": True}]))
+    by_seq = {s.item.seq: s.outcome for s in settled}
+    assert sorted(by_seq) == [1, 2, 3, 5] and len(settled) == 4
+    assert by_seq[1] == Receipt("turn", "a", 0, 1, True, False, None)
+    assert by_seq[2] == Receipt("turn", "a", 1, 2, False, False, "after_terminal")
+    assert by_seq[3] == Receipt("turn", "b", 0, 3, True, False, None)
+    assert (by_seq[5].duplicate, by_seq[5].applied) == (True, True)
+    assert [item.seq for item in w.items()] == [4] and w.ignored == 0
+
+
+def test_batched_acks_for_frames_not_sent_or_settled_are_ignored():
+    w = window()
+    w.push(frame(1, turn=0))
+    w.push(frame(2, tid="u", turn=0))
+    w.sent(1, 0.0)  # seq 2 never transmitted
+    assert [s.item.seq for s in w.on_acks(acks((1, 2)))] == [1]
+    assert w.on_acks(acks((1, 1))) == []  # already settled
+    assert w.ignored == 2 and [item.seq for item in w.items()] == [2]
+
+
+def test_a_batched_ack_range_wider_than_the_window_walks_only_what_is_held():
+    w = window()
+    w.push(frame(7, turn=0))
+    send_ready(w)
+    settled = w.on_acks(acks((-(2**62), 2**62)))  # a loop over the range itself would never end
+    assert [s.item.seq for s in settled] == [7] and len(w) == 0
+    assert w.ignored == 2**63
+
+
+def test_an_end_held_behind_its_turns_goes_once_batched_acks_settle_them():
+    w = window()
+    w.push(frame(1, turn=0))
+    w.push(frame(2, turn=1))
+    w.push(frame(3, kind="end"))
+    w.push(frame(4, tid="u", turn=0))
+    assert send_ready(w) == [1, 2, 4]  # the end waits; the other trajectory does not
+    w.on_acks(acks((1, 1)))
+    assert send_ready(w) == []  # turn 1 still unsettled
+    w.on_acks(acks((2, 2), (4, 4)))
+    assert send_ready(w) == [3]
+
+
 def test_a_duplicate_reply_settles_nothing_twice():
     w = window()
     w.push(frame(1))

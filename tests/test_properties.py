@@ -9,6 +9,7 @@ properties above), never from the code path under test.
 from __future__ import annotations
 
 import array
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -24,7 +25,14 @@ from rollstream.common.codec import content_digest, decode
 from rollstream.common.contract import NACK_CODES, REPLAY_FIELDS, STATUSES
 from rollstream.common.errors import ProtocolError
 from rollstream.common.mask import IDS_DTYPE, SamplingMask, as_int_array
-from rollstream.common.messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
+from rollstream.common.messages import (
+    ADMIN_REPLIES,
+    ADMIN_REQUESTS,
+    BROKER_TO_CONSUMER,
+    BROKER_TO_PRODUCER,
+    CONSUMER_TO_BROKER,
+    PRODUCER_TO_BROKER,
+)
 from rollstream.common.trajectory import Gap, Trajectory, Turn, TurnOutcome
 from rollstream.common.validation import (
     RULE_IN_SUPPORT,
@@ -858,6 +866,90 @@ def _has_arrays_header(frames) -> bool:
     return isinstance(header, dict) and isinstance(header.get("arrays"), list) and len(header["arrays"]) > 0 and all(
         isinstance(e, list) and len(e) == 3 for e in header["arrays"]
     )
+
+
+# == 6b. the decoder's msgspec fast path against the checked way ========================
+CHECKED = {schema.name: dataclasses.replace(schema, fast=None)
+           for schema in (PRODUCER_TO_BROKER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, BROKER_TO_CONSUMER,
+                          ADMIN_REQUESTS, ADMIN_REPLIES)}
+
+# Header values of every kind a peer could send, nested maps with non-string keys included.
+header_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=4)
+    | st.binary(max_size=3) | st.sampled_from(["", "turn", "completed", "aborted", "trajectory", "group"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3) | st.integers(0, 3), inner, max_size=2),
+    max_leaves=6,
+)
+
+# Values at the edges of the kinds: an empty string, zero, a negative, a bool for an int, 2**32 for a CRC.
+boundary_values = st.sampled_from(["", 0, -1, True, False, 1.5, 2**32, 2**32 - 1, [], {}, [1, 2], [[1, 2]], [[2, 1]]])
+
+plain_headers = st.sampled_from([
+    (PRODUCER_TO_BROKER, {"v": 1, "type": "hello", "producer_id": "p", "seq": 0, "batch_acks": True}),
+    (PRODUCER_TO_BROKER, {"v": 1, "type": "ping", "seq": 3}),
+    (PRODUCER_TO_BROKER, {"v": 1, "type": "abort", "seq": 4, "trajectory_id": "t", "reason": "retry"}),
+    (PRODUCER_TO_BROKER, {"v": 1, "type": "end", "seq": 5, "trajectory_id": "t", "reward": 1.0, "turns": 2}),
+    (BROKER_TO_PRODUCER, {"v": 1, "type": "ack", "seq": 6, "trajectory_id": "t", "applied": True, "turn": 0}),
+    (BROKER_TO_PRODUCER, {"v": 1, "type": "acks", "ranges": [[1, 4]], "outcomes": [{"seq": 2, "applied": False}]}),
+    (BROKER_TO_PRODUCER, {"v": 1, "type": "welcome", "broker_id": "b", "max_message_bytes": 9, "window": 8}),
+    (CONSUMER_TO_BROKER, {"v": 1, "type": "credit", "n": 3, "unit": "group"}),
+    (CONSUMER_TO_BROKER, {"v": 1, "type": "ack", "leases": ["l1", "l2"]}),
+    (CONSUMER_TO_BROKER, {"v": 1, "type": "nack", "leases": ["l1"], "reason": "bad", "requeue": False}),
+    (BROKER_TO_CONSUMER, {"v": 1, "type": "acked", "leases": ["l1"], "seq": 1}),
+    (ADMIN_REQUESTS, {"v": 1, "type": "dead_letters", "limit": 5}),
+    (ADMIN_REPLIES, {"v": 1, "type": "requeued", "trajectory_ids": ["t"]}),
+])
+
+
+@st.composite
+def edited_messages(draw):
+    """A real message (a turn with its arrays, or a header-only one), its
+    header then edited: keys set to values of any kind, removed, or added."""
+    if draw(st.booleans()):
+        frames, _ = draw(encoded_turns())
+        schema = PRODUCER_TO_BROKER
+    else:
+        schema, header = draw(plain_headers)
+        frames = [msgpack.packb(header, use_bin_type=True)]
+    header = msgpack.unpackb(frames[0], raw=False)
+    names = sorted(header) + ["seq", "metadata", "group_id", "newer_key", "arrays", "crc32"]
+    for _ in range(draw(st.integers(0, 3))):
+        name = draw(st.sampled_from(names))
+        if draw(st.integers(0, 3)) == 0:
+            header.pop(name, None)
+        else:
+            header[name] = draw(boundary_values | header_values)
+    return schema, [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+
+
+def decode_outcome(frames, schema):
+    """What decoding gives: the message as plain values, or the refusal."""
+    try:
+        message = decode(frames, schema)
+    except ProtocolError as err:
+        return ("refused", err.code, err.message, err.seq)
+    return ("decoded", message.type, message.fields,
+            {name: (arr.dtype.str, arr.shape, arr.tobytes()) for name, arr in message.arrays.items()})
+
+
+@prop(600)
+@given(case=edited_messages())
+def test_the_fast_decoder_decodes_and_refuses_exactly_as_the_checked_way(case):
+    """Plain headers go through msgspec structs built from the catalogue;
+    whatever those accept must come out as the checked decoder gives it, and
+    whatever they refuse must get the checked decoder's answer (it decodes
+    them), so both paths give one result for every header."""
+    schema, frames = case
+    fast, checked = decode_outcome(frames, schema), decode_outcome(frames, CHECKED[schema.name])
+    event(f"{fast[0]} {fast[1]}")
+    assert fast == checked
+
+
+def test_the_fast_decoder_is_used_for_plain_turns_and_not_for_maps():
+    spec_turn = next(t for t in PRODUCER_TO_BROKER.fast_specs.values() if t[0].type == "turn")
+    assert "metadata" not in spec_turn[1] and "trajectory_id" in spec_turn[1]
+    assert {spec.type for spec, _ in PRODUCER_TO_BROKER.fast_specs.values()} == {"hello", "turn", "abort", "ping"}
+    assert BROKER_TO_CONSUMER.fast_specs and "deliver" not in {s.type for s, _ in BROKER_TO_CONSUMER.fast_specs.values()}
 
 
 # == 7. batch validation ==============================================================
