@@ -42,6 +42,8 @@ def _as_float_array(values, name: str) -> np.ndarray:
 
 
 def _as_loss_mask(values) -> np.ndarray:
+    if type(values) is np.ndarray and values.dtype == LOSS_MASK_DTYPE and values.ndim == 1:
+        return values
     arr = as_numpy(values)
     return as_int_array(arr.astype(LOSS_MASK_DTYPE) if arr.dtype == bool else values, LOSS_MASK_DTYPE, "loss_mask")
 
@@ -196,12 +198,13 @@ class Turn(NamedTuple):
         if self.loss_mask is not None:
             out["loss_mask"] = self.loss_mask
         if self.mask is not None:
-            out["mask_ids"], out["mask_offsets"] = self.mask.ids, self.mask.offsets
+            out["mask_ids"], out["mask_offsets"] = self.mask._ids, self.mask._offsets
         if self.forced_tokens.size:
             out["forced_tokens"] = self.forced_tokens
-        for name in CONTEXT_REPLAY_ARRAYS:
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
+        if self.routed_experts is not None:
+            out["routed_experts"] = self.routed_experts
+        if self.indexer_topk is not None:
+            out["indexer_topk"] = self.indexer_topk
         return out
 
 

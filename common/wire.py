@@ -30,14 +30,14 @@ def encode_turn(
     fields: dict[str, Any] = {"trajectory_id": trajectory_id, "turn": index, "status": turn.status}
     if seq is not None:
         fields["seq"] = seq
-    optional = {
-        "group_id": group_id,
-        "group_size": group_size,
-        "sample_index": sample_index,
-        "weight_version": turn.weight_version,
-        "metadata": metadata,
-    }
-    fields.update({name: value for name, value in optional.items() if value is not None})
+    if index == 0 or prompt_tokens is not None or group_id is not None or sample_index is not None:
+        for name, value in (("group_id", group_id), ("group_size", group_size), ("sample_index", sample_index)):
+            if value is not None:
+                fields[name] = value
+    if turn.weight_version is not None:
+        fields["weight_version"] = turn.weight_version
+    if metadata is not None:
+        fields["metadata"] = metadata
     arrays = turn.arrays()
     if prompt_tokens is not None:
         arrays["prompt_tokens"] = prompt_tokens

@@ -371,10 +371,10 @@ class AsyncProducer:
         handle.next_turn = draft.index + 1 if draft.kind == TURN else 0 if draft.kind == ABORT else handle.next_turn
         sampled, forced = draft.tokens
         if sampled or forced:
-            metrics = self.metrics
-            metrics.inc(metrics.tokens, sampled, kind="sampled")
+            tokens = self.metrics.tokens
+            tokens.add(sampled, "sampled")
             if forced:
-                metrics.inc(metrics.tokens, forced, kind="forced")
+                tokens.add(forced, "forced")
 
     def _take_seq(self) -> int:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
@@ -418,9 +418,9 @@ class AsyncProducer:
             if not self._send_now(item.frames):
                 break
             if item.attempts == 0:
-                metrics.inc(metrics.sent, type=item.kind)
+                metrics.sent.add(1, item.kind)
             else:
-                metrics.inc(metrics.resends)
+                metrics.resends.add(1)
             window.sent(item.seq, now)
         if look_again:
             self._read_soon()
@@ -516,7 +516,7 @@ class AsyncProducer:
             if self._blocked:
                 self._room.notify_all()
         for label, count in outcomes.items():
-            self.metrics.inc(self.metrics.acked, count, outcome=label)
+            self.metrics.acked.add(count, label)
         for future, outcome in resolved:  # outside the lock: a blocking future runs its callbacks right here
             if isinstance(outcome, Refused):
                 self.metrics.inc(self.metrics.nacked, code=outcome.code)
@@ -598,7 +598,8 @@ class AsyncTrajectory:
     # -- drafts (any thread) ---------------------------------------------------
     def _turn_draft(self, turn: Turn, metadata: Mapping[str, Any] | None) -> _Draft:
         """The turn's fields are checked here, once; its frame is then encoded unchecked."""
-        check_values(PRODUCER_TO_BROKER, "turn", {"weight_version": turn.weight_version, "metadata": metadata})
+        if turn.weight_version is not None or metadata is not None:
+            check_values(PRODUCER_TO_BROKER, "turn", {"weight_version": turn.weight_version, "metadata": metadata})
 
         def encode_at(index: int) -> list:
             first = index == 0
