@@ -50,7 +50,9 @@ class GrowableArray:
     per part to per read. A writable array, or one of another dtype (cast
     as numpy's `same_kind` allows), is copied when appended; a read-only
     one is taken to be frozen (turn arrays are, and so are `constant_run`
-    fills). Queued parts therefore always have the buffer's dtype."""
+    fills). Queued parts therefore always have the buffer's dtype, and a
+    lone frozen part written into an empty array becomes its buffer as it
+    is (copied only when something is appended after it)."""
 
     __slots__ = ("_buf", "_len", "_parts", "_shifts", "_queued")
 
@@ -87,10 +89,12 @@ class GrowableArray:
         if not parts:
             return
         start, end = self._len, self._len + self._queued
-        if start == 0 and end > len(self._buf) and self._join(parts):
+        if start == 0 and len(parts) == 1 and self._shifts is None and not parts[0].flags.writeable:
+            self._buf = parts[0]  # one frozen part is the whole array: no copy (a single-turn trajectory)
+        elif start == 0 and end > len(self._buf) and self._join(parts):
             pass  # a first write (a trajectory read once): exactly its size
         else:
-            if end > len(self._buf):  # doubling
+            if end > len(self._buf) or not self._buf.flags.writeable:  # doubling; or the buffer is a frozen part
                 grown = np.empty(max(2 * end, 2 * len(self._buf)), dtype=self._buf.dtype)
                 grown[:start] = self._buf[:start]
                 self._buf = grown

@@ -29,6 +29,7 @@ REPLAY_DTYPE = ARRAYS["routed_experts"].dtype
 
 
 EMPTY_TOKENS = frozen(np.empty(0, TOKEN_DTYPE))
+_LEADING_ZERO = frozen(np.zeros(1, OFFSETS_DTYPE))
 EMPTY_LOG_PROBS = frozen(np.empty(0, LOG_PROB_DTYPE))
 
 
@@ -214,20 +215,31 @@ class _MaskBuffer:
     def __init__(self, ids: np.ndarray | None = None, offsets: np.ndarray | None = None):
         self.ids = GrowableArray(IDS_DTYPE)
         self.offsets = GrowableArray(OFFSETS_DTYPE)
-        self.ids.extend(ids if ids is not None else np.empty(0, IDS_DTYPE))
-        self.offsets.extend(offsets if offsets is not None else np.zeros(1, OFFSETS_DTYPE))
+        if ids is not None:
+            self.ids.extend(ids)
+            self.offsets.extend(offsets)
+        else:
+            self.offsets.extend(_LEADING_ZERO)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def append_turns(self, turns: list[Turn]) -> None:
-        """Each turn's supports, then its forced tokens' singletons."""
+        """Each turn's supports, then its forced tokens' singletons. The
+        first turn of an empty mask brings its offsets whole, leading 0
+        included, so a one-turn trajectory's CSR is that turn's own arrays."""
         ids, offsets, shifts = [], [], []
         base = len(self.ids)
+        first = base == 0 and len(self.offsets) == 1 and turns[0].mask is not None
         for turn in turns:
             if turn.mask is not None:
                 ids.append(turn.mask.ids)
-                offsets.append(turn.mask.offsets[1:])  # the last offset is len(ids)
+                if first:
+                    self.offsets.truncate(0)
+                    offsets.append(turn.mask.offsets)
+                    first = False
+                else:
+                    offsets.append(turn.mask.offsets[1:])  # the last offset is len(ids)
                 shifts.append(base)
                 base += len(turn.mask.ids)
             forced = turn.forced_tokens

@@ -75,7 +75,7 @@ def encode_deliver(trajectory: Trajectory, lease: str, **extra: Any) -> list:
 
 
 def trajectory_from_deliver(message: Message) -> Trajectory:
-    """Rebuild the delivered trajectory (its arrays are copied into it)."""
+    """Rebuild the delivered trajectory (its read-only arrays are taken as they are, zero-copy)."""
     gap = message.get("gap")
     trajectory = Trajectory.from_arrays(
         message["trajectory_id"],
