@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import msgpack
@@ -39,14 +38,18 @@ class _Packers(threading.local):
 _PACKERS = _Packers()
 
 
-@dataclass(frozen=True, eq=False, slots=True)
 class Message:
-    """A decoded message: its type, known header fields and arrays."""
+    """A decoded message: its type, known header fields and arrays, and the
+    received frames (when decoded: a store keeps them verbatim). Treated as
+    immutable; a plain slotted class because one is made per frame."""
 
-    type: str
-    fields: Mapping[str, Any]
-    arrays: Mapping[str, np.ndarray]
-    frames: tuple = ()  # the received frames, when decoded (lets a store keep them verbatim)
+    __slots__ = ("type", "fields", "arrays", "frames")
+
+    def __init__(self, type: str, fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray], frames: tuple = ()):
+        self.type, self.fields, self.arrays, self.frames = type, fields, arrays, frames
+
+    def __repr__(self) -> str:
+        return f"Message({self.type!r}, fields={dict(self.fields)!r}, arrays={sorted(self.arrays)})"
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]
@@ -357,21 +360,23 @@ def _decode_body(spec, fields, entries, crc, buffers, max_message_bytes, vocab_s
     # is only raised once all dtypes have been seen to be right.
     arrays = {}
     shape_error = None
+    frombuffer = np.frombuffer
     for (name, dtype, shape), buf in zip(entries, buffers[1:]):
-        contract = ARRAYS[name]
-        if dtype != contract.wire_name:
-            raise ProtocolError("dtype", f"array {name!r} must be {contract.wire_name}, got {dtype!r:.40}")
+        wire, array_dtype, itemsize, contract = _DECODING[name]
+        if dtype != wire:
+            raise ProtocolError("dtype", f"array {name!r} must be {wire}, got {dtype!r:.40}")
         if shape_error is not None:
             continue
-        if not contract.rank_ok(len(shape)):
+        one_d = len(shape) == 1
+        if not (one_d and contract.ndim == 1) and not contract.rank_ok(len(shape)):
             shape_error = f"array {name!r} must be {contract.rank_rule()}, got shape {shape}"
             continue
-        expected_bytes = contract.dtype.itemsize * (shape[0] if len(shape) == 1 else math.prod(shape))
+        expected_bytes = itemsize * (shape[0] if one_d else math.prod(shape))
         if len(buf) != expected_bytes:
             shape_error = f"array {name!r} of shape {shape} needs {expected_bytes} bytes, its frame has {len(buf)}"
             continue
-        arr = np.frombuffer(buf, dtype=contract.dtype)  # read-only: so is every buffer
-        arrays[name] = arr if len(shape) == 1 else arr.reshape(shape)
+        arr = frombuffer(buf, dtype=array_dtype)  # read-only: so is every buffer
+        arrays[name] = arr if one_d else arr.reshape(shape)
     if shape_error is not None:
         raise ProtocolError("shape", shape_error)
 
@@ -423,3 +428,5 @@ def content_digest(message: Message, *, ignore: tuple[str, ...] = ("seq",)) -> b
 
 
 _DTYPE_STRINGS = {name: spec.dtype.str for name, spec in ARRAYS.items()}
+# Per array name, what decoding compares and builds with (looked up once per array).
+_DECODING = {name: (spec.wire_name, spec.dtype, spec.dtype.itemsize, spec) for name, spec in ARRAYS.items()}
