@@ -109,10 +109,14 @@ class AsyncProducer:
         high_water_mark: int = 1000,
         batch_acks: bool = True,
         check_content: bool = False,
+        send_burst: int = 32,
         context: zmq.Context | None = None,
     ):
         if not producer_id:
             raise ValueError("producer_id must be a non-empty string")
+        if send_burst < 1:
+            raise ValueError(f"send_burst must be at least 1 frame, got {send_burst}")
+        self.send_burst = send_burst
         self.endpoint = endpoint
         self.producer_id = producer_id
         self.vocab_size = vocab_size
@@ -135,7 +139,7 @@ class AsyncProducer:
         self._in_memory = 0  # accepted and unsettled frames held in memory (intake and window)
         self._pending: dict[int, tuple[Any, float, AsyncTrajectory | None]] = {}  # seq -> future, accepted at, handle
         self._next_seq = 1
-        self._pump_scheduled = False  # a blocking caller asked the loop to take the intake
+        self._pump_scheduled = False  # the loop is due to take the intake
         # The loop's own:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None  # set whenever frames settle (room may have appeared)
@@ -302,8 +306,12 @@ class AsyncProducer:
 
     def _submit_now(self, draft: _Draft) -> asyncio.Future | None:
         """On the loop: accept the draft if there is room right away (no
-        await, so nothing can come between the check and the acceptance)
-        and send it. None when it must wait."""
+        await, so nothing can come between the check and the acceptance).
+        It goes out with the others accepted since: at once when
+        `send_burst` of them wait, else when the loop next runs (a caller
+        that sends several turns without yielding pays for one hand-over to
+        the socket per burst, and the broker still gets frames as they come).
+        None when it must wait for room."""
         if not self._started:
             raise RuntimeError("start the producer first (await producer.start() or use `async with`)")
         size = self._spool_bytes(draft)
@@ -312,7 +320,14 @@ class AsyncProducer:
         future = self._loop.create_future()
         with self._lock:
             self._accept(draft, future)
-        self._pump()  # at once: the broker works on it while the caller makes the next one
+            burst = len(self._intake) >= self.send_burst
+            later = not burst and not self._pump_scheduled
+            if later:
+                self._pump_scheduled = True
+        if burst:
+            self._pump()
+        elif later:
+            self._loop.call_soon(self._pump)
         return future
 
     async def _submit(self, draft: _Draft) -> asyncio.Future:
