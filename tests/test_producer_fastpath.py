@@ -210,3 +210,29 @@ def test_a_blocking_send_times_out_when_there_is_no_room():
             traj.turn(TOKENS, LOG_PROBS, timeout=0.2, **numpy_turn())
         producer.close(timeout=0.1)
     context.destroy(linger=0)
+
+
+def test_turns_accepted_without_yielding_go_out_a_burst_at_a_time_or_when_the_loop_runs():
+    context = zmq.Context()
+    broker = ScriptedBroker(context, "inproc://scripted-burst")
+
+    async def main():
+        async with AsyncProducer("inproc://scripted-burst", "p-burst", send_burst=3, context=context) as producer:
+            broker.handshake()
+            traj = producer.trajectory("t", [1])
+            sent = []
+            for _ in range(4):  # no await below yields: room is there
+                await traj.turn(TOKENS, LOG_PROBS, **numpy_turn())
+                sent.append(producer.metrics.totals.get("frames_sent.turn", 0))
+            await asyncio.sleep(0)  # the loop runs: the fourth goes too
+            sent.append(producer.metrics.totals.get("frames_sent.turn", 0))
+            got = await asyncio.to_thread(broker.frames, 4)
+            broker.reply("acks", ranges=[[got[0]["seq"], got[-1]["seq"]]])
+            await producer.flush(PATIENCE)
+            return sent, [m["turn"] for m in got]
+
+    sent, turns = asyncio.run(main())
+    context.destroy(linger=0)
+    assert sent == [0, 0, 3, 3, 4] and turns == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="send_burst must be at least 1"):
+        AsyncProducer("inproc://x", "p", send_burst=0)
