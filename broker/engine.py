@@ -12,7 +12,7 @@ import heapq
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from rollstream.common.codec import Message, content_digest
 from rollstream.common.errors import ProtocolError
@@ -36,13 +36,14 @@ class OpenTrajectory:
 
 
 class PutTurn(NamedTuple):
-    """A consumed turn: its digest and outcome; `message` when it was
-    applied. (A named tuple: one is made per frame, three times cheaper
-    than a frozen dataclass.)"""
+    """A consumed turn: its outcome, and `message` when it was applied or
+    else its digest (an applied turn's record is its digest's source). (A
+    named tuple: one is made per frame, three times cheaper than a frozen
+    dataclass.)"""
 
     trajectory_id: str
     turn: int
-    digest: bytes
+    digest: bytes | None
     applied: bool
     reason: str | None
     message: Message | None
@@ -138,7 +139,7 @@ class Entry:
     group_id: str | None = None
     group_size: int | None = None
     sample_index: int | None = None
-    outcomes: list[tuple[bytes, bool, str | None]] = field(default_factory=list)  # per consumed turn
+    outcomes: list[tuple[bytes | None, bool, str | None]] = field(default_factory=list)  # per consumed turn; None: applied, digest from its record
     end_digest: bytes | None = None
     updated_at: float = 0.0
     trajectory: Trajectory | None = None  # merged state; None once evicted to the store
@@ -186,8 +187,15 @@ def _ack(message: Message, applied: bool, *, reason: str | None = None, duplicat
 class MergeEngine:
     """Turn ordering, idempotence, merging, groups, TTL and dedup."""
 
-    def __init__(self, settings: EngineSettings | None = None):
+    def __init__(self, settings: EngineSettings | None = None,
+                 stored_digest: Callable[[str, int], bytes] | None = None):
         self.settings = settings or EngineSettings()
+        # An applied turn's digest is only needed when the turn is resent, so
+        # it is not computed as it arrives: it comes from the message while
+        # the turn is not yet durable (`_unsaved`, until `saved()`), then from
+        # its record, through `stored_digest` (the I/O shell reads the store).
+        self.stored_digest = stored_digest
+        self._unsaved: dict[tuple[str, int], Message] = {}
         self.entries: dict[str, Entry] = {}
         self.groups: dict[str, Group] = {}
         self.dedup: dict[str, float] = {}  # trajectory id -> remembered until
@@ -223,10 +231,9 @@ class MergeEngine:
             if index != 0:
                 raise ProtocolError("out_of_order", f"trajectory {tid!r} is unknown; expected turn 0, got {index}", expected=0)
             return self._start(message, now, replaces=entry is not None)
-        digest = content_digest(message)
         if index < entry.next_turn:
             earlier, applied, reason = entry.outcomes[index]
-            if earlier != digest:
+            if (earlier if earlier is not None else self._applied_digest(tid, index)) != content_digest(message):
                 raise ProtocolError("conflict", f"turn {index} of {tid!r} was already received with different content")
             return _ack(message, applied, reason=reason, duplicate=True), ()
         if entry.state != OPEN:
@@ -239,6 +246,7 @@ class MergeEngine:
                 "out_of_order", f"turn {index} of {tid!r} arrived before turn {entry.next_turn}", expected=entry.next_turn
             )
         outcome = traj.append_turn(turn_from_message(message))
+        digest = self._digest_unless_applied(message, index, outcome.applied)
         entry.outcomes.append((digest, outcome.applied, outcome.reason))
         entry.updated_at = now
         effects = (PutTurn(tid, index, digest, outcome.applied, outcome.reason, message if outcome.applied else None, now),)
@@ -261,7 +269,7 @@ class MergeEngine:
             metadata=message.get("metadata"),
         )
         outcome = traj.append_turn(turn_from_message(message))  # raises, changing nothing, when refused
-        digest = content_digest(message)
+        digest = self._digest_unless_applied(message, 0, outcome.applied)
         entry = Entry(tid, OPEN, group_id, group_size, message.get("sample_index"), [(digest, outcome.applied, outcome.reason)],
                       updated_at=now, trajectory=traj)
         self.entries[tid] = entry
@@ -274,6 +282,28 @@ class MergeEngine:
             PutTurn(tid, 0, digest, outcome.applied, outcome.reason, message, now),
         )
         return _ack(message, outcome.applied, reason=outcome.reason), effects
+
+    def _digest_unless_applied(self, message: Message, index: int, applied: bool) -> bytes | None:
+        """None for an applied turn (kept until `saved()`; its record stands
+        for it after that); the digest of one that was consumed unapplied,
+        which is stored nowhere else."""
+        if applied:
+            self._unsaved[(message["trajectory_id"], index)] = message
+            return None
+        return content_digest(message)
+
+    def _applied_digest(self, tid: str, index: int) -> bytes:
+        unsaved = self._unsaved.get((tid, index))
+        if unsaved is not None:
+            return content_digest(unsaved)
+        if self.stored_digest is None:
+            raise RuntimeError(f"turn {index} of {tid!r} was saved but this engine has no store to read it from")
+        return self.stored_digest(tid, index)
+
+    def saved(self) -> None:
+        """Everything handled so far is durable: applied turns' digests now
+        come from the store."""
+        self._unsaved.clear()
 
     def _check_join(self, tid: str, group_id: str, group_size: int) -> None:
         group = self.groups.get(group_id)

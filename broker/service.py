@@ -99,7 +99,17 @@ class BrokerService:
 
     def _new_engine(self) -> MergeEngine:
         s = self.settings
-        return MergeEngine(EngineSettings(s.trajectory_ttl, s.dedup_window))
+        return MergeEngine(EngineSettings(s.trajectory_ttl, s.dedup_window), stored_digest=self._stored_digest)
+
+    def _stored_digest(self, trajectory_id: str, turn: int) -> bytes:
+        """A stored applied turn's digest, read back to compare a resend with
+        it; a store that cannot be read is unavailable, and the resend is
+        refused `unavailable` (to come again) rather than judged."""
+        try:
+            return self.store.turn_digest(trajectory_id, turn)
+        except (OSError, sqlite3.Error, StoreCorrupted) as exc:
+            self._store_failed(f"cannot read turn {turn} of {trajectory_id!r} back to compare a resend: {exc}")
+            raise ProtocolError("unavailable", "the broker cannot read its store right now; resend later") from None
 
     # -- life cycle ---------------------------------------------------------
     def start(self) -> None:
@@ -227,6 +237,7 @@ class BrokerService:
             effects += item_effects
         committed = self._commit(effects)
         if committed:
+            self.engine.saved()
             self._count_effects(effects)
             self._count_outcomes(pending)
             for identity, acks in self._batched_acks(pending).items():

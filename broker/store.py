@@ -20,7 +20,7 @@ from typing import Iterable
 
 import msgpack
 
-from rollstream.common.codec import Message, crc32_of, decode, encode
+from rollstream.common.codec import Message, content_digest, crc32_of, decode, encode
 from rollstream.common.messages import PRODUCER_TO_BROKER
 
 from .engine import (
@@ -36,7 +36,8 @@ from .engine import (
     Requeue,
 )
 
-SCHEMA_VERSION = 2  # 2: turn digests are XXH3-128
+SCHEMA_VERSION = 3  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it
+_READABLE_VERSIONS = (2, 3)  # a version 2 store is readable as it is (its digests are all there) and becomes 3
 RECORD_MAGIC = 0x52534731  # "RSG1"
 RECORD_HEADER = struct.Struct("<III")  # magic, payload length, crc32 of payload
 _IOV_MAX = 512
@@ -139,7 +140,7 @@ class StoreCorrupted(RuntimeError):
 @dataclass
 class StoredTurn:
     turn: int
-    digest: bytes
+    digest: bytes | None  # None: the turn was applied, and its record gives its digest
     applied: bool
     reason: str | None
     location: tuple[int, int, int] | None  # segment, offset, length
@@ -347,8 +348,11 @@ class Store:
             version = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if version is None:
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
+            elif int(version[0]) not in _READABLE_VERSIONS:
+                raise StoreCorrupted(f"{self.db_path} has schema version {version[0]}, this broker reads "
+                                     f"{' or '.join(map(str, _READABLE_VERSIONS))}")
             elif int(version[0]) != SCHEMA_VERSION:
-                raise StoreCorrupted(f"{self.db_path} has schema version {version[0]}, this broker reads {SCHEMA_VERSION}")
+                db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (SCHEMA_VERSION,))
             recovered = self.reload()
         except sqlite3.DatabaseError as exc:
             raise StoreCorrupted(f"{self.db_path} is not a readable rollstream store: {exc}") from None
@@ -404,7 +408,8 @@ class Store:
             if tid not in rows:
                 raise StoreCorrupted(f"turn {turn} refers to trajectory {tid!r}, which has no state row")
             stored = rows[tid]
-            stored.turns.append(StoredTurn(turn, digest, bool(applied), reason, (seg, off, length) if seg is not None else None))
+            stored.turns.append(StoredTurn(turn, digest or None, bool(applied), reason,  # empty: from the record
+                                           (seg, off, length) if seg is not None else None))
             stored.updated_at = max(stored.updated_at, at)
         return list(rows.values())
 
@@ -470,7 +475,17 @@ class Store:
     @staticmethod
     def _turn_row(effect: PutTurn, location) -> tuple:
         seg, off, length = location if location else (None, None, None)
-        return (effect.trajectory_id, effect.turn, effect.digest, int(effect.applied), effect.reason, seg, off, length, effect.at)
+        return (effect.trajectory_id, effect.turn, effect.digest or b"", int(effect.applied), effect.reason, seg, off,
+                length, effect.at)
+
+    def turn_digest(self, trajectory_id: str, turn: int) -> bytes:
+        """The content digest of a stored applied turn, from its record (a
+        resend is compared with it)."""
+        row = self.db.execute("SELECT segment, offset, length FROM turns WHERE trajectory_id=? AND turn=?",
+                              (trajectory_id, turn)).fetchone()
+        if row is None or row[0] is None:
+            raise StoreCorrupted(f"turn {turn} of {trajectory_id!r} was applied but has no stored record")
+        return content_digest(self.read_turn(row))
 
     def _apply(self, effect, released: list[int]) -> None:
         db = self.db

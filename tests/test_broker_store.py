@@ -22,7 +22,7 @@ def drive(engine, store, messages, now=1.0):
 
 def reopen(path, **kw):
     store = Store(path, **kw)
-    engine = MergeEngine(EngineSettings())
+    engine = MergeEngine(EngineSettings(), stored_digest=store.turn_digest)
     units = restore(engine, store.open(), store)
     return store, engine, units
 
@@ -72,6 +72,9 @@ def test_everything_comes_back_exactly(tmp_path, store):
     # duplicates are still recognised after the restart
     reply = engine2.handle(turn_msg("open", 1, [12], [[12, 3]], seq=50), now=2)
     assert reply.fields["duplicate"] is True
+    # compared with the stored record: an applied turn's row keeps no digest of its own
+    assert store2.db.execute("SELECT digest FROM turns WHERE trajectory_id='open' AND turn=1").fetchone()[0] == b""
+    assert engine2.handle(turn_msg("open", 1, [12], [[12, 4]], seq=51), now=2).error.code == "conflict"
     # and the open trajectory continues where it was
     reply = engine2.handle(turn_msg("open", 2, [13], [[13]]), now=2)
     assert reply.fields["applied"] and engine2.entries["open"].trajectory.response_length == 5
@@ -262,3 +265,17 @@ def test_replay_arrays_survive(tmp_path, store):
     traj = load_trajectory(store2, store2.load_one("a"))
     assert np.array_equal(traj.routed_experts, experts)
     store2.close()
+
+
+def test_a_version_2_store_opens_and_becomes_version_3(tmp_path):
+    store = Store(tmp_path / "data")
+    store.open()
+    store.db.execute("UPDATE meta SET value=2 WHERE key='schema_version'")
+    store.close()
+    store = Store(tmp_path / "data")
+    store.open()
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 3
+    store.db.execute("UPDATE meta SET value=1 WHERE key='schema_version'")
+    store.close()
+    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3"):
+        Store(tmp_path / "data").open()
