@@ -432,3 +432,27 @@ def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_pat
             assert message.arrays["tokens"].tolist() == list(range(i, i + n))
             assert message["delivery_count"] == 1
         assert thread.is_alive()
+
+
+def test_a_resend_whose_stored_turn_cannot_be_read_is_refused_unavailable_then_recognised(tmp_path):
+    """An applied turn's digest comes from its record when it is resent; a
+    record that cannot be read makes the store unavailable and the resend
+    comes again, never judged a conflict or a duplicate blindly."""
+    with threaded_broker(tmp_path) as (service, thread, context):
+        producer = dealer("inproc://p", context)
+        assert decode(call(producer, good_turn("t", seq=1)), BROKER_TO_PRODUCER)["applied"]
+        real_digest = service.store.turn_digest
+
+        def unreadable(trajectory_id, turn):
+            raise OSError(5, "Input/output error")
+
+        service.store.turn_digest = unreadable
+        reply = decode(call(producer, good_turn("t", seq=2)), BROKER_TO_PRODUCER)
+        assert (reply.type, reply["code"], reply["seq"]) == ("nack", "unavailable", 2)
+        assert thread.is_alive() and service.unavailable
+        service.store.turn_digest = real_digest
+        deadline = time.monotonic() + 10
+        while service.unavailable and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reply = decode(call(producer, good_turn("t", seq=3)), BROKER_TO_PRODUCER)
+        assert reply.type == "ack" and reply["duplicate"] is True and reply["applied"] is True
