@@ -125,8 +125,8 @@ class Turn(NamedTuple):
         `mask_ids` + `mask_offsets`, or as `supports` (one id list per token).
 
         Lists are converted; numpy arrays whose dtype fits are copied, or
-        with `borrow` taken by reference (read-only views, no copy: the
-        caller leaves them unchanged while the turn is in use)."""
+        with `borrow` taken as they are (no copy: the caller leaves them
+        unchanged while the turn is in use)."""
         if (mask is not None) + (supports is not None) + (mask_ids is not None) > 1:
             given = [name for name, value in (("mask", mask), ("supports", supports), ("mask_ids", mask_ids))
                      if value is not None]
