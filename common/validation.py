@@ -512,27 +512,55 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray | None:
     return np.concatenate(parts) if joined is None else joined
 
 
-_MIN, _MAX, _ALL, _ANY_IN = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce, np.logical_or.reduceat
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
+_COUNT_DTYPE = np.dtype(np.int64)  # a count of matching ids; int32 could wrap past 2**31 ids
 
 
 def _tokens_in_supports(tokens: np.ndarray, ids: np.ndarray, offsets: np.ndarray) -> bool:
     """Every support non-empty and holding its token (`offsets` has one
-    entry more than `tokens`, starts at 0 and ends at `len(ids)`)."""
-    starts = offsets[:-1]
-    sizes = offsets[1:] - starts
+    entry more than `tokens`, starts at 0 and ends at `len(ids)`). A support
+    holds its token when the running count of matching ids grows across it:
+    a cumulative sum read at the offsets, several times cheaper than
+    `logical_or.reduceat`, whose cost is per support."""
+    sizes = offsets[1:] - offsets[:-1]
     # ufunc reductions and array methods directly: the numpy function wrappers cost more than these arrays' work
-    return _MIN(sizes) > 0 and _ALL(_ANY_IN(ids == tokens.repeat(sizes), starts))
+    if not _MIN(sizes) > 0:
+        return False
+    matches = np.empty(len(ids) + 1, dtype=_COUNT_DTYPE)
+    matches[0] = 0
+    np.cumsum(ids == tokens.repeat(sizes), dtype=_COUNT_DTYPE, out=matches[1:])
+    at = matches[offsets]
+    return bool(_MIN(at[1:] - at[:-1]) > 0)
+
+
+# Support ids checked together at most: the packed arrays and their
+# temporaries of one group stay in a core's cache (a group of 96 turns of
+# 5,000 ids took twice as long per turn as groups of 16).
+_GROUP_IDS = 1 << 17
 
 
 def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: int | None = None) -> bool:
     """Whether every message of `batch` passes every content rule.
 
-    The messages' arrays are packed end to end and checked with a fixed
-    handful of whole-array numpy calls, so the per-message cost is a few
-    Python comparisons (the broker runs this on every batch of frames; a
-    batch of one is not packed at all). False only says that some message
-    fails; `check_message_arrays` then finds which rule, per message.
+    The messages' arrays are packed end to end, a cache-sized group of
+    messages at a time, and each group is checked with a fixed handful of
+    whole-array numpy calls, so the per-message cost is a few Python
+    comparisons (the broker runs this on every batch of frames; a group of
+    one is not packed at all). False only says that some message fails;
+    `check_message_arrays` then finds which rule, per message.
     """
+    start, held = 0, 0
+    for end, arrays in enumerate(batch, 1):
+        ids = arrays.get("mask_ids")
+        held += 0 if ids is None else len(ids)
+        if held >= _GROUP_IDS or end == len(batch):
+            if not _group_content_valid(batch[start:end], vocab_size):
+                return False
+            start, held = end, 0
+    return True
+
+
+def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: int | None) -> bool:
     tokens, ids, offsets, shifts, sizes, plain = [], [], [], [], [], []
     loss_masks, log_probs, other_ids = [], [], []
     base = 0

@@ -1,6 +1,8 @@
 """SGLang ingest and whole-batch validation helpers."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollstream.common import BatchValidationError, ProtocolError, SamplingMask, Trajectory
 from rollstream.common.trajectory import Gap
@@ -191,3 +193,103 @@ def test_batched_content_check_honours_the_vocabulary():
     batch = [_turn_arrays(1), _turn_arrays(2, masked=False)]
     assert messages_content_valid(batch, vocab_size=50)
     assert not messages_content_valid(batch, vocab_size=10)
+
+
+def _reference_valid(arrays, vocab_size):
+    """Every content rule of one message, token by token in plain Python."""
+    tokens = arrays["tokens"].tolist()
+    n = len(tokens)
+    if any(len(arrays[name]) != n for name in ("log_probs", "loss_mask") if name in arrays):
+        return False
+    if any(value not in (0, 1) for value in arrays.get("loss_mask", np.zeros(0)).tolist()):
+        return False
+    if any(value != value or value == float("inf") for value in arrays.get("log_probs", np.zeros(0)).tolist()):
+        return False
+    in_vocab = lambda values: all(0 <= value < vocab_size for value in values)  # noqa: E731
+    if not all(in_vocab(arrays[name].tolist()) for name in ("prompt_tokens", "forced_tokens") if name in arrays):
+        return False
+    if "mask_offsets" not in arrays:
+        return in_vocab(tokens)
+    ids, offsets = arrays["mask_ids"].tolist(), arrays["mask_offsets"].tolist()
+    if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != len(ids):
+        return False
+    supports = [ids[offsets[i]:offsets[i + 1]] for i in range(n)]
+    if any(offsets[i + 1] <= offsets[i] for i in range(n)):
+        return False
+    return all(token in support for token, support in zip(tokens, supports)) and in_vocab(ids)
+
+
+def _break_rule(arrays, rule, vocab):
+    """One content rule broken in a valid message (those that have the field to break)."""
+    n = len(arrays["tokens"])
+    masked = "mask_offsets" in arrays
+    if rule == "empty support" and masked and n:
+        offsets = arrays["mask_offsets"].copy()
+        offsets[1] = 0  # the first support is empty; its ids go to the next
+        arrays["mask_offsets"] = offsets
+    elif rule == "token outside its support" and n:
+        tokens = arrays["tokens"].copy()
+        tokens[-1] = vocab - 1 if not masked else next(
+            (t for t in range(vocab) if t not in arrays["mask_ids"][arrays["mask_offsets"][-2]:].tolist()), vocab)
+        arrays["tokens"] = tokens
+    elif rule == "id outside the vocabulary" and masked and n:
+        ids = arrays["mask_ids"].copy()
+        ids[0] = -1 if ids[0] else vocab
+        arrays["mask_ids"] = ids
+    elif rule == "loss mask 2" and n:
+        arrays["loss_mask"] = np.full(n, 2, np.uint8)
+    elif rule == "NaN log-prob" and n:
+        arrays["log_probs"] = np.where(np.arange(n) == n - 1, np.nan, arrays["log_probs"]).astype(np.float32)
+    elif rule == "+inf log-prob" and n:
+        arrays["log_probs"] = np.full(n, np.inf, np.float32)
+    elif rule == "forced token -1":
+        arrays["forced_tokens"] = np.array([-1], np.int32)
+    elif rule == "log-probs one short" and n:
+        arrays["log_probs"] = arrays["log_probs"][:-1]
+
+
+_RULES_TO_BREAK = ["empty support", "token outside its support", "id outside the vocabulary", "loss mask 2",
+                   "NaN log-prob", "+inf log-prob", "forced token -1", "log-probs one short"]
+
+
+@st.composite
+def _content_batches(draw):
+    """Batches of small valid messages (supports with repeated ids, ids at
+    the vocabulary's edges, -inf log-probs), each one possibly made to
+    break one content rule."""
+    vocab = 8
+    messages = []
+    for _ in range(draw(st.integers(1, 7))):
+        n = draw(st.integers(0, 4))
+        supports = [draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3)) for _ in range(n)]
+        arrays = {"tokens": np.array([draw(st.sampled_from(support)) for support in supports], np.int32),
+                  "log_probs": np.array(draw(st.lists(st.sampled_from([-0.5, 0.0, -np.inf]), min_size=n, max_size=n)),
+                                        np.float32),
+                  "loss_mask": np.array(draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)), np.uint8)}
+        if draw(st.booleans()):
+            mask = SamplingMask.from_supports(supports)
+            arrays["mask_ids"], arrays["mask_offsets"] = np.array(mask.ids), np.array(mask.offsets)
+        if draw(st.booleans()):
+            arrays["forced_tokens"] = np.array(draw(st.lists(st.integers(0, vocab - 1), max_size=2)), np.int32)
+        if draw(st.integers(0, 3)) == 0:
+            _break_rule(arrays, draw(st.sampled_from(_RULES_TO_BREAK)), vocab)
+        messages.append(arrays)
+    return vocab, messages
+
+
+@settings(max_examples=400, deadline=None)
+@given(_content_batches(), st.integers(1, 6))
+def test_batched_content_check_accepts_exactly_what_the_rules_accept(case, group_ids):
+    """Any batch, checked in groups of any size (small groups put messages
+    of one batch in several), is valid exactly when each message is."""
+    from rollstream.common import validation
+
+    vocab, batch = case
+    expected = all(_reference_valid(arrays, vocab) for arrays in batch)
+    original = validation._GROUP_IDS
+    validation._GROUP_IDS = group_ids
+    try:
+        assert validation.messages_content_valid(batch, vocab_size=vocab) == expected
+    finally:
+        validation._GROUP_IDS = original
+    assert validation.messages_content_valid(batch, vocab_size=vocab) == expected
