@@ -85,6 +85,7 @@ class BrokerService:
         self.reading_producers = True
         self.producers: dict[bytes, float] = {}  # connection -> last heard
         self.batch_acks: set[bytes] = set()  # connections whose hello asked for one `acks` per commit
+        self.packed_consumers: set[bytes] = set()  # consumer connections whose hello asked for packed deliveries
         self._stopping = False
         self._next_housekeeping = 0.0
         self._next_probe = 0.0
@@ -440,6 +441,12 @@ class BrokerService:
             log.info("consumer connected", extra={"consumer_id": message["consumer_id"]})
             fields = {"broker_id": self.broker_id, "lease_timeout": self.settings.lease_timeout,
                       "heartbeat_interval": self.settings.heartbeat_interval}
+            self.packed_consumers &= dispatcher.consumers.keys()  # forget connections the dispatcher dropped
+            if message.get("packed_arrays"):
+                self.packed_consumers.add(identity)
+                fields["packed_arrays"] = True
+            else:
+                self.packed_consumers.discard(identity)
             if "seq" in message.fields:
                 fields["seq"] = message["seq"]
             self._send("consumer", identity, encode(BROKER_TO_CONSUMER, "welcome", fields))
@@ -531,7 +538,7 @@ class BrokerService:
                     self.dispatcher.retract(unsent.lease, refund=True)
                 return
             frames = encode_deliver(entry.trajectory, delivery.lease, delivery_count=delivery.delivery_count,
-                                    **delivery.group_fields)
+                                    packed=delivery.identity in self.packed_consumers, **delivery.group_fields)
             if not self._send("consumer", delivery.identity, frames):
                 self.dispatcher.retract(delivery.lease)
 

@@ -154,6 +154,7 @@ def encode(
     crc: bool = False,
     checked: bool = True,
     numbered: bool = True,
+    packed: bool = False,
 ) -> list:
     """Frames `[header, buf_0, ...]` for one message, checked against `schema`.
 
@@ -164,7 +165,10 @@ def encode(
     that were themselves checked (the broker's acks, on its hot path).
     `numbered=False` leaves `seq` out of the header (and out of `fields`):
     `number_header` adds it later at a fixed width, so a producer knows a
-    frame's size before it numbers it.
+    frame's size before it numbers it. `packed=True` sends every array in
+    one frame, `[header, arrays]`, widest items first (PROTOCOL.md §2):
+    one copy of the arrays, and one frame for each side to handle instead of
+    one per array.
     """
     spec = _spec(schema, mtype)
     fields = fields or {}
@@ -175,6 +179,8 @@ def encode(
     if not arrays:
         return [_PACKERS.pack(header)]
     entries, buffers, value = [], [], 0
+    if packed:  # widest items first: every array then starts aligned within the one frame
+        arrays = dict(sorted(arrays.items(), key=_widest_first))
     for name, arr in arrays.items():
         contract = ARRAYS[name]
         if not isinstance(arr, np.ndarray) or (arr.dtype is not contract.dtype and arr.dtype != contract.dtype):
@@ -190,7 +196,15 @@ def encode(
     header["arrays"] = entries
     if crc:
         header["crc32"] = value
+    if packed:
+        header["packed"] = True
+        return [_PACKERS.pack(header), b"".join(buffers)]
     return [_PACKERS.pack(header), *buffers]
+
+
+def _widest_first(item: tuple[str, Any]) -> int:
+    contract = ARRAYS.get(item[0])
+    return 0 if contract is None else -contract.dtype.itemsize
 
 
 _SEQ_ENTRY = msgpack.packb("seq") + b"\xcf"  # the key, then a uint64 marker: 8 big-endian bytes follow
@@ -245,7 +259,7 @@ def _is_extents(shape: list) -> bool:
     return all(type(extent) is int and extent >= 0 for extent in shape)
 
 
-def _array_entries(header: Mapping[str, Any], frame_count: int) -> tuple[list[tuple[str, Any, Any]], frozenset]:
+def _array_entries(header: Mapping[str, Any], frame_count: int, packed: bool) -> tuple[list[tuple[str, Any, Any]], frozenset]:
     """The header's array entries, checked, and the set of their names."""
     entries = header.get("arrays", ())
     if type(entries) is not list and entries != ():
@@ -259,7 +273,7 @@ def _array_entries(header: Mapping[str, Any], frame_count: int) -> tuple[list[tu
         if type(shape) is not list or not _is_extents(shape):
             raise _schema_error(f"array {name!r} shape must be a list of non-negative integers, got {shape!r:.80}")
         parsed.append((name, dtype, shape))
-    return parsed, _frame_count_checked(seen, frame_count)
+    return parsed, _frame_count_checked(seen, frame_count, packed)
 
 
 def _check_array_name(name: str, seen: set) -> None:
@@ -270,15 +284,19 @@ def _check_array_name(name: str, seen: set) -> None:
     seen.add(name)
 
 
-def _frame_count_checked(names: set, frame_count: int) -> frozenset:
-    if frame_count != 1 + len(names):
+def _frame_count_checked(names: set, frame_count: int, packed: bool) -> frozenset:
+    if packed:
+        if frame_count != 1 + min(1, len(names)):
+            raise _schema_error(f"a packed message has its {len(names)} array(s) in {min(1, len(names))} frame(s), "
+                                f"this one has {frame_count - 1}")
+    elif frame_count != 1 + len(names):
         raise _schema_error(f"header lists {len(names)} array(s), message has {frame_count - 1} array frame(s)")
     return frozenset(names)
 
 
-def _plain_header(schema: Schema, frame) -> tuple[MessageSpec, dict, list, int | None] | None:
+def _plain_header(schema: Schema, frame) -> tuple[MessageSpec, dict, list, int | None, bool] | None:
     """The header decoded and its fields checked by the schema's msgspec
-    decoder: its spec, fields, array entries and CRC. None when that decoder
+    decoder: its spec, fields, array entries, CRC and layout. None when that decoder
     refuses it (any rule broken, or a key it does not know): then the
     checked way decodes it, and names the rule if there is one."""
     try:
@@ -293,7 +311,7 @@ def _plain_header(schema: Schema, frame) -> tuple[MessageSpec, dict, list, int |
         if value is not unset:
             fields[name] = value
     crc = header.crc32
-    return spec, fields, header.arrays, None if crc is unset else crc
+    return spec, fields, header.arrays, None if crc is unset else crc, header.packed
 
 
 def decode(
@@ -319,35 +337,58 @@ def decode(
         header = decode_header(buffers[0])
         seq = header.get("seq") if type(header.get("seq")) is int else None
     else:
-        spec, fields, entries, crc = plain
+        spec, fields, entries, crc, packed = plain
         seq = fields.get("seq")
     try:
         if plain is None:
-            spec, fields, entries, crc = _checked_header(header, len(buffers), schema)
+            spec, fields, entries, crc, packed = _checked_header(header, len(buffers), schema)
         else:
             seen: set = set()
             for name, _, _ in entries:
                 _check_array_name(name, seen)
-            _check_arrays_and_rules(spec, fields, _frame_count_checked(seen, len(buffers)))
-        return _decode_body(spec, fields, entries, crc, buffers, max_message_bytes, vocab_size, check_content)
+            _check_arrays_and_rules(spec, fields, _frame_count_checked(seen, len(buffers), packed))
+        return _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes, vocab_size, check_content)
     except ProtocolError as error:
         raise error.with_seq(seq) from None
 
 
-def _checked_header(header: dict, frame_count: int, schema: Schema) -> tuple[MessageSpec, dict, list, int | None]:
+def _checked_header(header: dict, frame_count: int, schema: Schema) -> tuple[MessageSpec, dict, list, int | None, bool]:
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError("version", f"protocol version must be {PROTOCOL_VERSION}, got {version!r}")
     spec = _spec(schema, header.get("type"))
-    entries, array_names = _array_entries(header, frame_count)
+    packed = header.get("packed", False)
+    if type(packed) is not bool:
+        raise _schema_error(f"packed must be a boolean, got {type(packed).__name__} {packed!r:.40}")
+    entries, array_names = _array_entries(header, frame_count, packed)
     fields = _check_fields(spec, header, array_names)
     crc = header.get("crc32")
     if crc is not None and not CRC32.accepts(crc):
         raise _schema_error(f"crc32 must be {CRC32.describe}, got {crc!r:.40}")
-    return spec, fields, entries, crc
+    return spec, fields, entries, crc, packed
 
 
-def _decode_body(spec, fields, entries, crc, buffers, max_message_bytes, vocab_size, check_content) -> Message:
+def _packed_parts(entries: list, frame) -> list:
+    """A packed frame cut into one view per listed array, by the sizes their
+    contract dtypes and shapes give. A wrong dtype is `ProtocolError("dtype")`
+    (it outranks any shape error), then a frame whose length is not the sum
+    is `ProtocolError("shape")`."""
+    for name, dtype, _ in entries:
+        wire = _DECODING[name][0]
+        if dtype != wire:
+            raise ProtocolError("dtype", f"array {name!r} must be {wire}, got {dtype!r:.40}")
+    view = frame if type(frame) is memoryview else memoryview(frame)
+    parts, start = [], 0
+    for name, _, shape in entries:
+        end = start + _DECODING[name][2] * (shape[0] if len(shape) == 1 else math.prod(shape))
+        parts.append(view[start:end])
+        start = end
+    if start != len(view):
+        raise ProtocolError("shape", f"the arrays listed need {start} bytes, the packed frame has {len(view)}")
+    return parts
+
+
+def _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes, vocab_size, check_content) -> Message:
     size = sum(map(len, buffers))
     if size > max_message_bytes:
         raise ProtocolError("too_large", f"message is {size} bytes, limit is max_message_bytes={max_message_bytes}")
@@ -361,7 +402,7 @@ def _decode_body(spec, fields, entries, crc, buffers, max_message_bytes, vocab_s
     arrays = {}
     shape_error = None
     frombuffer = np.frombuffer
-    for (name, dtype, shape), buf in zip(entries, buffers[1:]):
+    for (name, dtype, shape), buf in zip(entries, _packed_parts(entries, buffers[1]) if packed and entries else buffers[1:]):
         wire, array_dtype, itemsize, contract = _DECODING[name]
         if dtype != wire:
             raise ProtocolError("dtype", f"array {name!r} must be {wire}, got {dtype!r:.40}")
@@ -415,7 +456,7 @@ def content_digest(message: Message, *, ignore: tuple[str, ...] = ("seq",)) -> b
             fields = [(name, _canonical(value)) for name, value in fields]
             break
     arrays = message.arrays
-    if message.frames:  # the received bytes, in the arrays' order: no numpy calls
+    if len(message.frames) == len(arrays) + 1:  # received one frame per array, in the arrays' order: no numpy calls
         named = sorted(zip(arrays, message.frames[1:]))
     else:
         named = sorted((name, _bytes_view(arr)) for name, arr in arrays.items())

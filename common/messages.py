@@ -84,7 +84,7 @@ GAP = Kind(
 )
 
 # Header keys every message may carry, handled by the codec itself.
-ENVELOPE_KEYS = frozenset({"v", "type", "arrays", "crc32"})
+ENVELOPE_KEYS = frozenset({"v", "type", "arrays", "crc32", "packed"})
 
 Rule = Callable[[Mapping[str, Any], frozenset], "str | None"]
 
@@ -139,7 +139,8 @@ def header_struct(spec: MessageSpec) -> type | None:
         fields.append((name, kind.annotation))
     fields += [(name, Union[kind.annotation, msgspec.UnsetType], msgspec.UNSET)
                for name, kind in spec.optional.items() if kind.annotation is not None]
-    fields += [("arrays", _ENTRIES, []), ("crc32", Union[CRC32.annotation, msgspec.UnsetType], msgspec.UNSET)]
+    fields += [("arrays", _ENTRIES, []), ("crc32", Union[CRC32.annotation, msgspec.UnsetType], msgspec.UNSET),
+               ("packed", bool, False)]
     return msgspec.defstruct(f"{spec.type.capitalize()}Header", fields, tag_field="type", tag=spec.type,
                              forbid_unknown_fields=True)
 
@@ -228,7 +229,7 @@ BROKER_TO_PRODUCER = _schema(
 
 CONSUMER_TO_BROKER = _schema(
     "consumer->broker",
-    MessageSpec("hello", {"consumer_id": TEXT}, _SEQ),
+    MessageSpec("hello", {"consumer_id": TEXT}, {"seq": INT, "packed_arrays": BOOL}),
     MessageSpec("heartbeat", {}, _SEQ),
     MessageSpec("credit", {"n": COUNT, "unit": UNIT}, _SEQ),
     MessageSpec("ack", {"leases": TEXT_LIST}, _SEQ),
@@ -237,7 +238,8 @@ CONSUMER_TO_BROKER = _schema(
 
 BROKER_TO_CONSUMER = _schema(
     "broker->consumer",
-    MessageSpec("welcome", {"broker_id": TEXT, "lease_timeout": SECONDS, "heartbeat_interval": SECONDS}, _SEQ),
+    MessageSpec("welcome", {"broker_id": TEXT, "lease_timeout": SECONDS, "heartbeat_interval": SECONDS},
+                {"seq": INT, "packed_arrays": BOOL}),
     MessageSpec(
         "deliver",
         {

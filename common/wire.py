@@ -23,10 +23,12 @@ def encode_turn(
     metadata: Mapping[str, Any] | None = None,
     crc: bool = False,
     checked: bool = True,
+    packed: bool = False,
 ) -> list:
     """Frames of a `turn` message (turn 0 carries the prompt and group);
-    `seq=None` leaves the header unnumbered (`codec.number_header`), and
-    `checked=False` trusts fields the caller has checked (`codec.check_values`)."""
+    `seq=None` leaves the header unnumbered (`codec.number_header`),
+    `checked=False` trusts fields the caller has checked (`codec.check_values`),
+    and `packed=True` puts the arrays in one frame."""
     fields: dict[str, Any] = {"trajectory_id": trajectory_id, "turn": index, "status": turn.status}
     if seq is not None:
         fields["seq"] = seq
@@ -41,7 +43,8 @@ def encode_turn(
     arrays = turn.arrays()
     if prompt_tokens is not None:
         arrays["prompt_tokens"] = prompt_tokens
-    return encode(PRODUCER_TO_BROKER, "turn", fields, arrays, crc=crc, checked=checked, numbered=seq is not None)
+    return encode(PRODUCER_TO_BROKER, "turn", fields, arrays, crc=crc, checked=checked, numbered=seq is not None,
+                  packed=packed)
 
 
 def turn_from_message(message: Message) -> Turn:
@@ -52,8 +55,9 @@ def turn_from_message(message: Message) -> Turn:
 _IDENTITY = ("group_id", "group_size", "sample_index")
 
 
-def encode_deliver(trajectory: Trajectory, lease: str, **extra: Any) -> list:
-    """Frames of a `deliver` message for a finished trajectory (always CRC'd).
+def encode_deliver(trajectory: Trajectory, lease: str, *, packed: bool = False, **extra: Any) -> list:
+    """Frames of a `deliver` message for a finished trajectory (always CRC'd;
+    `packed=True` puts the arrays in one frame).
 
     `extra` adds optional header fields such as `group_left` or
     `delivery_count`."""
@@ -71,7 +75,7 @@ def encode_deliver(trajectory: Trajectory, lease: str, **extra: Any) -> list:
     if trajectory.gap is not None:
         fields["gap"] = trajectory.gap.to_wire()
     fields.update(extra)
-    return encode(BROKER_TO_CONSUMER, "deliver", fields, trajectory.arrays(), crc=True)
+    return encode(BROKER_TO_CONSUMER, "deliver", fields, trajectory.arrays(), crc=True, packed=packed)
 
 
 def trajectory_from_deliver(message: Message) -> Trajectory:

@@ -110,6 +110,7 @@ class AsyncProducer:
         batch_acks: bool = True,
         check_content: bool = False,
         send_burst: int = 32,
+        pack_arrays: bool = True,
         context: zmq.Context | None = None,
     ):
         if not producer_id:
@@ -123,6 +124,7 @@ class AsyncProducer:
         self.crc = crc
         self.check_content = check_content
         self.batch_acks = batch_acks
+        self.pack_arrays = pack_arrays
         self.metrics = ProducerMetrics()
         self._window_limit = window
         self._window = ResendWindow(window, reply_timeout=reply_timeout, retry_delay=retry_delay)
@@ -628,6 +630,7 @@ class AsyncTrajectory:
                 metadata=merged or None,
                 crc=self.producer.crc,
                 checked=False,
+                packed=self.producer.pack_arrays,
             )
         return _Draft(TURN, self, self.next_turn, encode_at, (len(turn.tokens), int(turn.forced_tokens.size)))
 

@@ -222,3 +222,56 @@ def test_an_end_counting_a_lost_turn_is_refused_out_of_order(broker):
     assert reply["applied"] is True
     reply, _ = producer.call(frames("end", seq=5, trajectory_id="e", reward=1.0, turns=1))
     assert reply["code"] == "conflict"  # a different end than the one applied
+
+
+def packed(message):
+    """A message's arrays end to end in one frame under `packed: true`."""
+    header = msgpack.unpackb(message[0])
+    header["packed"] = True
+    return [msgpack.packb(header), b"".join(message[1:])]
+
+
+def unpack(header, bufs):
+    """The arrays of a received message, either layout."""
+    if header.get("packed"):
+        assert len(bufs) == 1
+        whole, bufs, start = bufs[0], [], 0
+        for _, dtype, shape in header["arrays"]:
+            end = start + np.dtype(dtype).itemsize * int(np.prod(shape))
+            bufs.append(whole[start:end])
+            start = end
+        assert start == len(whole)
+    assert header["crc32"] == zlib.crc32(b"".join(bufs))
+    return {name: np.frombuffer(buf, dtype=dtype).reshape(shape).tolist()
+            for (name, dtype, shape), buf in zip(header["arrays"], bufs)}
+
+
+def test_packed_turns_are_read_and_packed_deliveries_go_to_consumers_that_ask(broker):
+    """A producer may send any message packed; a consumer that asks in its
+    hello gets its deliveries packed, the others one frame per array."""
+    producer = Peer(broker.producer)
+    producer.call(frames("hello", producer_id="packer"))
+    for tid in ("k1", "k2"):
+        reply, _ = producer.call(packed(turn(1, tid, 0, [10, 11], [[10, 4], [11]], forced=[20], prompt=[1, 2])))
+        assert reply["applied"] is True, reply
+        reply, _ = producer.call(packed(turn(2, tid, 1, [30], [[30, 7]])))
+        assert reply["applied"] is True, reply
+        reply, _ = producer.call(frames("end", seq=3, trajectory_id=tid, reward=1.0, turns=2, packed=True))
+        assert reply["applied"] is True, reply
+    short = packed(turn(4, "k3", 0, [10], [[10]], prompt=[1]))
+    reply, _ = producer.call([short[0], short[1][:-1]])
+    assert (reply["code"], reply["seq"]) == ("crc_mismatch", 4)  # the CRC covers the packed frame as it would the arrays
+
+    expected = {"tokens": [10, 11, 20, 30], "mask_ids": [10, 4, 11, 20, 30, 7], "mask_offsets": [0, 2, 3, 4, 6],
+                "loss_mask": [1, 1, 0, 1], "prompt_tokens": [1, 2], "log_probs": [-0.5, -0.5, 0.0, -0.5]}
+    for asks in (True, False):
+        consumer = Peer(broker.consumer)
+        welcome, _ = consumer.call(frames("hello", consumer_id=f"asks-{asks}", **({"packed_arrays": True} if asks else {})))
+        assert welcome.get("packed_arrays", False) is asks
+        consumer.sock.send_multipart(frames("credit", n=1, unit="trajectory"))
+        header, bufs = consumer.recv()
+        assert header["type"] == "deliver" and header.get("packed", False) is asks
+        assert len(bufs) == (1 if asks else len(header["arrays"]))
+        assert unpack(header, bufs) == expected
+        consumer.sock.send_multipart(frames("ack", leases=[header["lease"]]))
+        assert consumer.recv()[0]["type"] == "acked"

@@ -358,3 +358,89 @@ def test_check_values_refuses_a_field_as_decoding_would():
     assert err.value.code == "schema" and "turn.trajectory_id must be a non-empty string" in err.value.message
     with pytest.raises(ProtocolError, match="group_size must be a positive integer"):
         check_values(PRODUCER_TO_BROKER, "turn", {"group_size": 0})
+
+
+def raw_packed_turn(header_extra=None, arrays=None):
+    """`raw_turn`'s message with its arrays end to end in one frame, as a peer would pack them."""
+    frames = raw_turn({"packed": True, **(header_extra or {})}, arrays)
+    return [frames[0], b"".join(frames[1:])]
+
+
+def test_a_packed_message_decodes_as_its_one_frame_per_array_form():
+    packed, plain = raw_packed_turn(), raw_turn()
+    a, b = decode(packed, PRODUCER_TO_BROKER), decode(plain, PRODUCER_TO_BROKER)
+    assert a.fields == b.fields
+    assert {k: v.tobytes() for k, v in a.arrays.items()} == {k: v.tobytes() for k, v in b.arrays.items()}
+    assert content_digest(a) == content_digest(b)
+    assert not a.arrays["tokens"].flags.writeable
+
+
+def test_a_packed_crc_covers_the_arrays_as_the_frames_do():
+    plain = raw_turn()
+    crc = zlib.crc32(b"".join(plain[1:]))
+    packed = raw_packed_turn({"crc32": crc})
+    assert decode(packed, PRODUCER_TO_BROKER).arrays["tokens"].tolist() == [10, 11]
+    damaged = [packed[0], packed[1][:-1] + bytes([packed[1][-1] ^ 1])]
+    with pytest.raises(ProtocolError) as err:
+        decode(damaged, PRODUCER_TO_BROKER)
+    assert err.value.code == "crc_mismatch"
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None, [True]])
+def test_packed_must_be_a_boolean(value):
+    with pytest.raises(ProtocolError) as err:
+        decode(raw_packed_turn({"packed": value}), PRODUCER_TO_BROKER)
+    assert err.value.code == "schema" and "packed must be a boolean" in err.value.message and err.value.seq == 7
+
+
+def test_packed_false_is_the_one_frame_per_array_form():
+    assert decode(raw_turn({"packed": False}), PRODUCER_TO_BROKER).arrays["tokens"].tolist() == [10, 11]
+
+
+def test_a_packed_message_has_one_array_frame():
+    header, body = raw_packed_turn()
+    for frames in ([header, body, body], [header]):
+        with pytest.raises(ProtocolError) as err:
+            decode(frames, PRODUCER_TO_BROKER)
+        assert err.value.code == "schema" and "packed message" in err.value.message
+    with pytest.raises(ProtocolError) as err:  # the arrays as separate frames under a packed header
+        decode([header, *raw_turn()[1:]], PRODUCER_TO_BROKER)
+    assert err.value.code == "schema"
+
+
+@pytest.mark.parametrize("cut", [-1, 1])
+def test_a_packed_frame_must_hold_exactly_the_listed_arrays(cut):
+    header, body = raw_packed_turn()
+    body = body[:cut] if cut < 0 else body + b"\0" * cut
+    with pytest.raises(ProtocolError) as err:
+        decode([header, body], PRODUCER_TO_BROKER)
+    assert err.value.code == "shape"
+    assert f"the packed frame has {len(body)}" in err.value.message and f"need {len(body) - cut}" in err.value.message
+
+
+def test_in_a_packed_message_a_dtype_error_outranks_the_frame_length():
+    header, body = raw_packed_turn()
+    edited = msgpack.unpackb(header)
+    edited["arrays"][1][1] = "int64"  # tokens: the wrong dtype, and the frame no longer adds up
+    with pytest.raises(ProtocolError) as err:
+        decode([msgpack.packb(edited), body], PRODUCER_TO_BROKER)
+    assert err.value.code == "dtype" and "tokens" in err.value.message
+
+
+def test_a_packed_message_without_arrays_is_its_header():
+    frames = [msgpack.packb({"v": 1, "type": "end", "seq": 3, "trajectory_id": "t", "reward": 1.0, "packed": True})]
+    assert decode(frames, PRODUCER_TO_BROKER)["reward"] == 1.0
+    assert len(encode(PRODUCER_TO_BROKER, "end", {"seq": 3, "trajectory_id": "t", "reward": 1.0}, packed=True)) == 1
+
+
+def test_encode_packs_the_widest_items_first():
+    frames = encode(PRODUCER_TO_BROKER, "turn", {"seq": 1, "trajectory_id": "t", "turn": 0, "status": "completed"},
+                    {"prompt_tokens": np.array([1], "<i4"), "tokens": np.array([10], "<i4"),
+                     "log_probs": np.array([-0.5], "<f4"), "loss_mask": np.array([1], np.uint8),
+                     "mask_ids": np.array([10], "<i4"), "mask_offsets": np.array([0, 1], "<i8")}, packed=True)
+    header = msgpack.unpackb(frames[0])
+    assert header["packed"] is True and len(frames) == 2
+    assert [entry[0] for entry in header["arrays"]] == ["mask_offsets", "prompt_tokens", "tokens", "log_probs",
+                                                         "mask_ids", "loss_mask"]
+    assert frames[1] == (np.array([0, 1], "<i8").tobytes() + np.array([1, 10], "<i4").tobytes()
+                         + np.array([-0.5], "<f4").tobytes() + np.array([10], "<i4").tobytes() + b"\x01")

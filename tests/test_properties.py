@@ -450,13 +450,17 @@ def expected_turn_fields(spec, trajectory_id, index, kwargs) -> dict:
 
 
 @prop(150)
-@given(msg=turn_messages(), crc=st.booleans())
-def test_turn_message_round_trips_fields_and_array_bytes(msg, crc):
-    """What a producer sends is exactly what the broker reads (PROTOCOL.md §2-§3)."""
+@given(msg=turn_messages(), crc=st.booleans(), packed=st.booleans())
+def test_turn_message_round_trips_fields_and_array_bytes(msg, crc, packed):
+    """What a producer sends is exactly what the broker reads (PROTOCOL.md §2-§3),
+    one frame per array or all in one (packed: then each array starts aligned
+    to its item size, widest first)."""
     spec, trajectory_id, index, kwargs = msg
     turn = spec.build()
-    frames = encode_turn(trajectory_id, index, turn, crc=crc, **kwargs)
-    decoded = decode(frames, PRODUCER_TO_BROKER)
+    frames = encode_turn(trajectory_id, index, turn, crc=crc, packed=packed, **kwargs)
+    decoded = decode([bytes(frame) for frame in frames], PRODUCER_TO_BROKER)
+    assert len(frames) == (2 if packed else 1 + len(decoded.arrays))
+    assert all(arr.flags.aligned for arr in decoded.arrays.values())
     assert decoded.type == "turn"
     assert dict(decoded.fields) == expected_turn_fields(spec, trajectory_id, index, kwargs)
     expected = expected_turn_arrays(spec, kwargs.get("prompt_tokens"))
@@ -551,15 +555,19 @@ def trajectories(draw):
     reward=st.integers(-100, 100) | st.floats(allow_nan=False, allow_infinity=False) | st.dictionaries(st.text(max_size=3), st.floats(-1, 1), max_size=2),
     lease=st.text(min_size=1, max_size=6),
     meta=metadata_st,
+    packed=st.booleans(),
 )
-def test_deliver_round_trips_a_merged_trajectory(built, reward, lease, meta):
-    """A consumer must rebuild exactly what the broker merged, gap included (§4)."""
+def test_deliver_round_trips_a_merged_trajectory(built, reward, lease, meta, packed):
+    """A consumer must rebuild exactly what the broker merged, gap included
+    (§4), from one frame per array or from one packed frame."""
     specs, with_mask, routed, gap_spec = built
     traj = merge(specs)
     if gap_spec is not None:
         assert traj.append_turn(gap_spec.build()) == TurnOutcome(False, "replay_gap")
     traj.reward, traj.metadata = reward, meta
-    message = decode(encode_deliver(traj, lease), BROKER_TO_CONSUMER)
+    frames = encode_deliver(traj, lease, packed=packed)
+    assert len(frames) == (2 if packed else 1 + len(traj.arrays()))
+    message = decode(frames, BROKER_TO_CONSUMER)
     assert message["lease"] == lease and message["response_length"] == traj.response_length
     back = trajectory_from_deliver(message)
     exp = whole_build(specs, drop_last_forced=gap_spec is not None)
@@ -756,10 +764,25 @@ def assert_arrays_unchanged_by_header_edit(message, original) -> None:
 
 @st.composite
 def encoded_turns(draw):
+    """A turn's frames, CRC'd or not, one frame per array or packed in one."""
     spec, trajectory_id, index, kwargs = draw(turn_messages())
     crc = draw(st.booleans())
-    frames = [bytes(f) for f in encode_turn(trajectory_id, index, spec.build(), crc=crc, **kwargs)]
+    frames = [bytes(f) for f in encode_turn(trajectory_id, index, spec.build(), crc=crc, packed=draw(st.booleans()),
+                                            **kwargs)]
     return frames, crc
+
+
+def array_bytes(frames) -> dict[str, bytes]:
+    """Each listed array's bytes as the frames carry them, for either layout."""
+    header = msgpack.unpackb(frames[0], raw=False)
+    if not header.get("packed"):
+        return {entry[0]: bytes(frame) for entry, frame in zip(header["arrays"], frames[1:])}
+    out, start = {}, 0
+    for name, _, shape in header["arrays"]:
+        end = start + ITEMSIZE[name] * math.prod(shape)
+        out[name] = bytes(frames[1][start:end])
+        start = end
+    return out
 
 
 @prop(400)
@@ -794,8 +817,9 @@ def test_single_corruption_is_refused_with_the_right_code_or_is_harmless(encoded
             # stays non-negative and in its support, any routed_experts value, an
             # offset change that keeps the CSR valid). The bytes are read as sent.
             assert dict(message.fields) == dict(original.fields)
+            sent = array_bytes(damaged)
             for name, arr in message.arrays.items():
-                assert arr.tobytes() == damaged[1 + list(original.arrays).index(name)]
+                assert arr.tobytes() == sent[name]
             assert_content_valid(message)
     elif kind == "truncate":
         assert err is not None
@@ -912,7 +936,7 @@ def edited_messages(draw):
         schema, header = draw(plain_headers)
         frames = [msgpack.packb(header, use_bin_type=True)]
     header = msgpack.unpackb(frames[0], raw=False)
-    names = sorted(header) + ["seq", "metadata", "group_id", "newer_key", "arrays", "crc32"]
+    names = sorted(header) + ["seq", "metadata", "group_id", "newer_key", "arrays", "crc32", "packed"]
     for _ in range(draw(st.integers(0, 3))):
         name = draw(st.sampled_from(names))
         if draw(st.integers(0, 3)) == 0:
