@@ -83,6 +83,7 @@ class ScriptedBroker:
     def receive(self):
         assert self.sock.poll(int(PATIENCE * 1000)), "the producer sent nothing"
         identity, *frames = self.sock.recv_multipart()
+        self.last_frame_count = len(frames)
         return identity, decode(frames, PRODUCER_TO_BROKER, check_content=False)
 
     def handshake(self):
@@ -125,6 +126,28 @@ def test_the_library_asks_for_batched_acks_and_settles_each_frame_from_them():
     assert turn_indices == [0, 1, 2] and end["turns"] == 3
     assert [(r.kind, r.turn, r.applied, r.reason) for r in receipts] == [
         ("turn", 0, True, None), ("turn", 1, False, "replay_gap"), ("turn", 2, True, None), ("end", None, True, None)]
+
+
+@pytest.mark.parametrize("pack_arrays", [True, False])
+def test_turns_go_packed_in_one_frame_unless_asked_not_to(pack_arrays):
+    context = zmq.Context()
+    endpoint = f"inproc://scripted-pack-{pack_arrays}"
+    broker = ScriptedBroker(context, endpoint)
+
+    async def main():
+        async with AsyncProducer(endpoint, "p-pack", context=context, pack_arrays=pack_arrays) as producer:
+            broker.handshake()
+            await producer.trajectory("t", [1, 2]).turn(TOKENS, LOG_PROBS, **numpy_turn())
+            (turn,) = await asyncio.to_thread(broker.frames, 1)
+            broker.reply("acks", ranges=[[turn["seq"], turn["seq"]]])
+            await producer.flush()
+            return turn
+
+    turn = asyncio.run(main())
+    context.destroy(linger=0)
+    assert broker.last_frame_count == (2 if pack_arrays else 1 + len(turn.arrays))
+    assert turn.arrays["mask_ids"].tolist() == MASK_IDS.tolist() and turn.arrays["tokens"].tolist() == TOKENS.tolist()
+    assert turn.arrays["prompt_tokens"].tolist() == [1, 2]
 
 
 # -- against a live broker -----------------------------------------------------------------
