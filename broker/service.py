@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from rollstream.common.codec import Message, decode, encode, encode_error
+from rollstream.common.codec import PACK_UP_TO_BYTES, Message, decode, encode, encode_error
 from rollstream.common.errors import ProtocolError
 from rollstream.common.messages import (
     ADMIN_REPLIES,
@@ -85,7 +85,7 @@ class BrokerService:
         self.reading_producers = True
         self.producers: dict[bytes, float] = {}  # connection -> last heard
         self.batch_acks: set[bytes] = set()  # connections whose hello asked for one `acks` per commit
-        self.packed_consumers: set[bytes] = set()  # consumer connections whose hello asked for packed deliveries
+        self.packed_consumers: set[bytes] = set()  # consumer connections that read packed deliveries (their hello said so)
         self._stopping = False
         self._next_housekeeping = 0.0
         self._next_probe = 0.0
@@ -537,8 +537,9 @@ class BrokerService:
                 for unsent in reversed(deliveries[i:]):  # back in front, in their order, for when it recovers
                     self.dispatcher.retract(unsent.lease, refund=True)
                 return
+            packed = delivery.identity in self.packed_consumers and entry.trajectory.nbytes <= PACK_UP_TO_BYTES
             frames = encode_deliver(entry.trajectory, delivery.lease, delivery_count=delivery.delivery_count,
-                                    packed=delivery.identity in self.packed_consumers, **delivery.group_fields)
+                                    packed=packed, **delivery.group_fields)
             if not self._send("consumer", delivery.identity, frames):
                 self.dispatcher.retract(delivery.lease)
 

@@ -207,6 +207,18 @@ def _widest_first(item: tuple[str, Any]) -> int:
     return 0 if contract is None else -contract.dtype.itemsize
 
 
+# Packing copies the arrays into one frame. Up to this many bytes the copy
+# costs less than the per-frame work it saves at both ends; larger arrays
+# are cheaper to send one frame each (the producer hands those to ZeroMQ
+# without copying them).
+PACK_UP_TO_BYTES = 65536
+
+
+def worth_packing(arrays: Mapping[str, np.ndarray]) -> bool:
+    """Whether `arrays` are small enough to send packed (`PACK_UP_TO_BYTES`)."""
+    return sum(arr.nbytes for arr in arrays.values()) <= PACK_UP_TO_BYTES
+
+
 _SEQ_ENTRY = msgpack.packb("seq") + b"\xcf"  # the key, then a uint64 marker: 8 big-endian bytes follow
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from rollstream.common.codec import check_values, decode, encode, number_header
+from rollstream.common.codec import check_values, decode, encode, number_header, worth_packing
 from rollstream.common.errors import ProtocolError
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.mask import SamplingMask, as_int_array, owned
@@ -614,9 +614,13 @@ class AsyncTrajectory:
 
     # -- drafts (any thread) ---------------------------------------------------
     def _turn_draft(self, turn: Turn, metadata: Mapping[str, Any] | None) -> _Draft:
-        """The turn's fields are checked here, once; its frame is then encoded unchecked."""
+        """The turn's fields are checked here, once; its frame is then encoded
+        unchecked. Its arrays go packed in one frame when that copy is small
+        (`codec.worth_packing`); larger ones go as they are, each handed to
+        the socket without a copy."""
         if turn.weight_version is not None or metadata is not None:
             check_values(PRODUCER_TO_BROKER, "turn", {"weight_version": turn.weight_version, "metadata": metadata})
+        packed = self.producer.pack_arrays and worth_packing(turn.arrays())
 
         def encode_at(index: int) -> list:
             first = index == 0
@@ -630,7 +634,7 @@ class AsyncTrajectory:
                 metadata=merged or None,
                 crc=self.producer.crc,
                 checked=False,
-                packed=self.producer.pack_arrays,
+                packed=packed,
             )
         return _Draft(TURN, self, self.next_turn, encode_at, (len(turn.tokens), int(turn.forced_tokens.size)))
 

@@ -275,3 +275,15 @@ def test_packed_turns_are_read_and_packed_deliveries_go_to_consumers_that_ask(br
         assert unpack(header, bufs) == expected
         consumer.sock.send_multipart(frames("ack", leases=[header["lease"]]))
         assert consumer.recv()[0]["type"] == "acked"
+
+    # Over 64 KiB of arrays a delivery goes a frame per array even to a consumer that reads packed ones.
+    long = list(range(900)) * 10
+    reply, _ = producer.call(packed(turn(5, "big", 0, long, [[t] for t in long], prompt=[1])))
+    assert reply["applied"] is True, reply
+    producer.call(frames("end", seq=6, trajectory_id="big", reward=0.0, turns=1))
+    consumer = Peer(broker.consumer)
+    consumer.call(frames("hello", consumer_id="reads-packed", packed_arrays=True))
+    consumer.sock.send_multipart(frames("credit", n=1, unit="trajectory"))
+    header, bufs = consumer.recv()
+    assert header["trajectory_id"] == "big" and "packed" not in header and len(bufs) == len(header["arrays"])
+    assert unpack(header, bufs)["tokens"] == long

@@ -128,16 +128,22 @@ def test_the_library_asks_for_batched_acks_and_settles_each_frame_from_them():
         ("turn", 0, True, None), ("turn", 1, False, "replay_gap"), ("turn", 2, True, None), ("end", None, True, None)]
 
 
-@pytest.mark.parametrize("pack_arrays", [True, False])
-def test_turns_go_packed_in_one_frame_unless_asked_not_to(pack_arrays):
+LONG = 8192  # tokens: 8192 * (4 + 4 + 1 + 4 + 8) bytes of arrays, past the 64 KiB that are packed
+
+
+@pytest.mark.parametrize("pack_arrays,tokens,packed", [(True, 3, True), (False, 3, False), (True, LONG, False)])
+def test_small_turns_go_packed_in_one_frame_unless_asked_not_to(pack_arrays, tokens, packed):
     context = zmq.Context()
-    endpoint = f"inproc://scripted-pack-{pack_arrays}"
+    endpoint = f"inproc://scripted-pack-{pack_arrays}-{tokens}"
     broker = ScriptedBroker(context, endpoint)
+    ids = np.arange(tokens, dtype=np.int32)
+    arrays = dict(mask_ids=ids, mask_offsets=np.arange(tokens + 1, dtype=np.int64),
+                  loss_mask=np.ones(tokens, np.uint8))
 
     async def main():
         async with AsyncProducer(endpoint, "p-pack", context=context, pack_arrays=pack_arrays) as producer:
             broker.handshake()
-            await producer.trajectory("t", [1, 2]).turn(TOKENS, LOG_PROBS, **numpy_turn())
+            await producer.trajectory("t", [1, 2]).turn(ids, np.zeros(tokens, np.float32), **arrays)
             (turn,) = await asyncio.to_thread(broker.frames, 1)
             broker.reply("acks", ranges=[[turn["seq"], turn["seq"]]])
             await producer.flush()
@@ -145,8 +151,8 @@ def test_turns_go_packed_in_one_frame_unless_asked_not_to(pack_arrays):
 
     turn = asyncio.run(main())
     context.destroy(linger=0)
-    assert broker.last_frame_count == (2 if pack_arrays else 1 + len(turn.arrays))
-    assert turn.arrays["mask_ids"].tolist() == MASK_IDS.tolist() and turn.arrays["tokens"].tolist() == TOKENS.tolist()
+    assert broker.last_frame_count == (2 if packed else 1 + len(turn.arrays))
+    assert turn.arrays["mask_ids"].tolist() == ids.tolist() and turn.arrays["tokens"].tolist() == ids.tolist()
     assert turn.arrays["prompt_tokens"].tolist() == [1, 2]
 
 
