@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from rollstream.common.codec import PACK_UP_TO_BYTES, Message, decode, encode, encode_error
+from rollstream.common.codec import Message, decode, encode, encode_error
 from rollstream.common.errors import ProtocolError
 from rollstream.common.messages import (
     ADMIN_REPLIES,
@@ -537,9 +537,8 @@ class BrokerService:
                 for unsent in reversed(deliveries[i:]):  # back in front, in their order, for when it recovers
                     self.dispatcher.retract(unsent.lease, refund=True)
                 return
-            packed = delivery.identity in self.packed_consumers and entry.trajectory.nbytes <= PACK_UP_TO_BYTES
             frames = encode_deliver(entry.trajectory, delivery.lease, delivery_count=delivery.delivery_count,
-                                    packed=packed, **delivery.group_fields)
+                                    may_pack=delivery.identity in self.packed_consumers, **delivery.group_fields)
             if not self._send("consumer", delivery.identity, frames):
                 self.dispatcher.retract(delivery.lease)
 

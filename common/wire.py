@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .codec import Message, encode
+from .codec import Message, encode, worth_packing
 from .messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
 from .trajectory import Gap, Trajectory, Turn
 
@@ -55,9 +55,9 @@ def turn_from_message(message: Message) -> Turn:
 _IDENTITY = ("group_id", "group_size", "sample_index")
 
 
-def encode_deliver(trajectory: Trajectory, lease: str, *, packed: bool = False, **extra: Any) -> list:
+def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False, **extra: Any) -> list:
     """Frames of a `deliver` message for a finished trajectory (always CRC'd;
-    `packed=True` puts the arrays in one frame).
+    with `may_pack`, its arrays go in one frame when `worth_packing`).
 
     `extra` adds optional header fields such as `group_left` or
     `delivery_count`."""
@@ -75,7 +75,8 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, packed: bool = False, 
     if trajectory.gap is not None:
         fields["gap"] = trajectory.gap.to_wire()
     fields.update(extra)
-    return encode(BROKER_TO_CONSUMER, "deliver", fields, trajectory.arrays(), crc=True, packed=packed)
+    arrays = trajectory.arrays()
+    return encode(BROKER_TO_CONSUMER, "deliver", fields, arrays, crc=True, packed=may_pack and worth_packing(arrays))
 
 
 def trajectory_from_deliver(message: Message) -> Trajectory:

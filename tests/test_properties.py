@@ -565,7 +565,7 @@ def test_deliver_round_trips_a_merged_trajectory(built, reward, lease, meta, pac
     if gap_spec is not None:
         assert traj.append_turn(gap_spec.build()) == TurnOutcome(False, "replay_gap")
     traj.reward, traj.metadata = reward, meta
-    frames = encode_deliver(traj, lease, packed=packed)
+    frames = encode_deliver(traj, lease, may_pack=packed)  # these trajectories are well under 64 KiB
     assert len(frames) == (2 if packed else 1 + len(traj.arrays()))
     message = decode(frames, BROKER_TO_CONSUMER)
     assert message["lease"] == lease and message["response_length"] == traj.response_length
