@@ -11,7 +11,9 @@ replaced by a member of its own support (rollstream checks that rule).
 Each rollstream rep sends every sample as 1 turn (`t1`) or as 8 turns of 625
 tokens (`t8`) with the library's `AsyncProducer` (or the blocking
 `Producer`), from arrays built before the clock starts, as TransferQueue's
-producer puts arrays built before its clock starts; then `end`. The consumer
+producer puts arrays built before its clock starts (and frozen out of the
+garbage collector's passes, `gc.freeze()`, as a long-lived workload would
+be); then `end`. The consumer
 is the library's `Consumer` (batches of 32, validated, committed). A rep is
 timed from the first send to the last batch committed.
 
