@@ -1116,3 +1116,16 @@ def test_inside_support_matches_a_python_membership_test_on_every_path(case):
             assert not validation.inside_support(wide, *arrays[1:]).any(), f"wide numpy, fast_running_sum={fast}"
     assert validation.inside_support(*(torch.from_numpy(a) for a in arrays)).tolist() == expected, "torch"
     assert not validation.inside_support(torch.from_numpy(wide), *(torch.from_numpy(a) for a in arrays[1:])).any()
+
+
+@prop(150)
+@given(flags=st.lists(st.booleans(), max_size=20), data=st.data())
+def test_segment_any_says_whether_each_segment_holds_a_set_flag(flags, data):
+    """Empty segments included: they hold nothing (logical_or.reduceat would
+    read the next segment's first flag for them)."""
+    from rollstream.common import validation
+
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(flags)), max_size=8)))
+    offsets = np.array([0, *cuts, len(flags)], dtype=np.int64)
+    got = validation._NumpyOps.segment_any(np.array(flags, dtype=bool), offsets)
+    assert got.tolist() == [any(flags[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
