@@ -203,8 +203,7 @@ def encode(
 
 
 def _widest_first(item: tuple[str, Any]) -> int:
-    contract = ARRAYS.get(item[0])
-    return 0 if contract is None else -contract.dtype.itemsize
+    return -ARRAYS[item[0]].dtype.itemsize
 
 
 # Packing copies the arrays into one frame. Up to this many bytes the copy

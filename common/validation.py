@@ -529,17 +529,17 @@ def _tokens_in_supports(tokens: np.ndarray, ids: np.ndarray, offsets: np.ndarray
     return _MIN(sizes) > 0 and bool(_ALL(inside_support(tokens, ids, offsets, sizes)))
 
 
-# Support ids checked together at most: the packed arrays and their
-# temporaries of one group stay in a core's cache (a group of 96 turns of
-# 5,000 ids took twice as long per turn as groups of 16).
+# Support ids checked together at most: bounds the packed arrays and
+# temporaries of one group (a batch of a hundred 5,000-id turns would
+# otherwise allocate several MB of fresh pages per check).
 _GROUP_IDS = 1 << 17
 
 
 def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: int | None = None) -> bool:
     """Whether every message of `batch` passes every content rule.
 
-    The messages' arrays are packed end to end, a cache-sized group of
-    messages at a time, and each group is checked with a fixed handful of
+    The messages' arrays are packed end to end, a bounded group of
+    messages at a time (`_GROUP_IDS`), and each group is checked with a fixed handful of
     whole-array numpy calls, so the per-message cost is a few Python
     comparisons (the broker runs this on every batch of frames; a group of
     one is not packed at all). False only says that some message fails;

@@ -23,12 +23,12 @@ def encode_turn(
     metadata: Mapping[str, Any] | None = None,
     crc: bool = False,
     checked: bool = True,
-    packed: bool = False,
+    may_pack: bool = False,
 ) -> list:
     """Frames of a `turn` message (turn 0 carries the prompt and group);
     `seq=None` leaves the header unnumbered (`codec.number_header`),
     `checked=False` trusts fields the caller has checked (`codec.check_values`),
-    and `packed=True` puts the arrays in one frame."""
+    and with `may_pack` the arrays go in one frame when `worth_packing`."""
     fields: dict[str, Any] = {"trajectory_id": trajectory_id, "turn": index, "status": turn.status}
     if seq is not None:
         fields["seq"] = seq
@@ -44,7 +44,7 @@ def encode_turn(
     if prompt_tokens is not None:
         arrays["prompt_tokens"] = prompt_tokens
     return encode(PRODUCER_TO_BROKER, "turn", fields, arrays, crc=crc, checked=checked, numbered=seq is not None,
-                  packed=packed)
+                  packed=may_pack and worth_packing(arrays))
 
 
 def turn_from_message(message: Message) -> Turn:

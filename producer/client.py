@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from rollstream.common.codec import check_values, decode, encode, number_header, worth_packing
+from rollstream.common.codec import check_values, decode, encode, number_header
 from rollstream.common.errors import ProtocolError
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.mask import SamplingMask, as_int_array, owned
@@ -620,7 +620,6 @@ class AsyncTrajectory:
         the socket without a copy."""
         if turn.weight_version is not None or metadata is not None:
             check_values(PRODUCER_TO_BROKER, "turn", {"weight_version": turn.weight_version, "metadata": metadata})
-        packed = self.producer.pack_arrays and worth_packing(turn.arrays())
 
         def encode_at(index: int) -> list:
             first = index == 0
@@ -634,7 +633,7 @@ class AsyncTrajectory:
                 metadata=merged or None,
                 crc=self.producer.crc,
                 checked=False,
-                packed=packed,
+                may_pack=self.producer.pack_arrays,
             )
         return _Draft(TURN, self, self.next_turn, encode_at, (len(turn.tokens), int(turn.forced_tokens.size)))
 

@@ -457,7 +457,7 @@ def test_turn_message_round_trips_fields_and_array_bytes(msg, crc, packed):
     to its item size, widest first)."""
     spec, trajectory_id, index, kwargs = msg
     turn = spec.build()
-    frames = encode_turn(trajectory_id, index, turn, crc=crc, packed=packed, **kwargs)
+    frames = encode_turn(trajectory_id, index, turn, crc=crc, may_pack=packed, **kwargs)  # small turns: packed when asked
     decoded = decode([bytes(frame) for frame in frames], PRODUCER_TO_BROKER)
     assert len(frames) == (2 if packed else 1 + len(decoded.arrays))
     assert all(arr.flags.aligned for arr in decoded.arrays.values())
@@ -767,7 +767,7 @@ def encoded_turns(draw):
     """A turn's frames, CRC'd or not, one frame per array or packed in one."""
     spec, trajectory_id, index, kwargs = draw(turn_messages())
     crc = draw(st.booleans())
-    frames = [bytes(f) for f in encode_turn(trajectory_id, index, spec.build(), crc=crc, packed=draw(st.booleans()),
+    frames = [bytes(f) for f in encode_turn(trajectory_id, index, spec.build(), crc=crc, may_pack=draw(st.booleans()),
                                             **kwargs)]
     return frames, crc
 
