@@ -64,7 +64,8 @@ class Dispatcher:
     def __init__(self, settings: DispatchSettings | None = None):
         self.settings = settings or DispatchSettings()
         self.consumers: dict[bytes, Consumer] = {}
-        self.queue: deque[Unit] = deque()
+        self.queue: deque[Unit] = deque()  # changed only by `enqueue` and `_take` (they keep the count)
+        self.queued_trajectories = 0
         self.leases: dict[str, Lease] = {}
         self.delivery_counts: dict[str, int] = {}
         self.redeliveries = 0
@@ -75,10 +76,12 @@ class Dispatcher:
     # -- queue ---------------------------------------------------------------
     def enqueue(self, unit: Unit, front: bool = False) -> None:
         (self.queue.appendleft if front else self.queue.append)(unit)
+        self.queued_trajectories += len(unit.trajectory_ids)
 
-    @property
-    def queued_trajectories(self) -> int:
-        return sum(len(unit.trajectory_ids) for unit in self.queue)
+    def _take(self) -> Unit:
+        unit = self.queue.popleft()
+        self.queued_trajectories -= len(unit.trajectory_ids)
+        return unit
 
     # -- consumer messages ---------------------------------------------------
     def hello(self, identity: bytes, consumer_id: str, now: float) -> list[str]:
@@ -196,15 +199,15 @@ class Dispatcher:
                 consumer = self.consumers[identity]
                 if consumer.group_credit > 0:
                     consumer.group_credit -= 1
-                    unit = self.queue.popleft()
+                    unit = self._take()
                     tids = unit.trajectory_ids
                     credit = "group"
                 elif consumer.trajectory_credit > 0:
-                    unit = self.queue.popleft()
+                    unit = self._take()
                     take = min(consumer.trajectory_credit, len(unit.trajectory_ids))
                     tids = unit.trajectory_ids[:take]
                     if take < len(unit.trajectory_ids):
-                        self.queue.appendleft(Unit(unit.trajectory_ids[take:], unit.group_id, unit.group_size, unit.group_left))
+                        self.enqueue(Unit(unit.trajectory_ids[take:], unit.group_id, unit.group_size, unit.group_left), front=True)
                     consumer.trajectory_credit -= take
                     credit = "trajectory"
                 else:

@@ -12,6 +12,9 @@ class BrokerMetrics(Metrics):
         self.exits = self.counter("trajectories", "Trajectories leaving the broker, by exit", ("exit",))
         self.gaps = self.counter("replay_gaps", "Replay gaps by the field that went missing", ("field",))
         self.redeliveries = self.counter("redeliveries", "Trajectories delivered again after a lost lease")
+        self.evictions = self.counter("evictions", "Trajectories moved out of memory by the memory budget, by state",
+                                      ("state",))
+        self.reloads = self.counter("reloads", "Evicted trajectories read back from the store")
         self.depth = self.gauge("queue_depth", "Trajectories by state", ("state",))
         self.bytes = self.gauge("bytes", "Bytes held, in memory and on disk", ("where",))
         self.backpressure = self.gauge("backpressure", "1 while producer frames are not being read")

@@ -77,6 +77,7 @@ def restore(engine: MergeEngine, recovered: Recovered, store: Store) -> list[Uni
             group.pending = set(ended)
             if ended:
                 ready.append((min(ready_seq[t] for t in ended), Unit(ended, group_id, group.size, group.size - len(ended))))
+    engine.reindex()
     for entry in engine.entries.values():
         if entry.state == ENDED and entry.group_id is None:
             ready.append((ready_seq[entry.trajectory_id], Unit((entry.trajectory_id,))))

@@ -94,7 +94,6 @@ class BrokerService:
         self._memory_bytes = 0
         self._disk_bytes = 0
         self._redeliveries_seen = 0
-        self._evicted_open: set[str] = set()  # open trajectories the memory budget moved to the store
         self.sockets: dict[str, zmq.Socket] = {}
         self._metrics_server = None
 
@@ -203,7 +202,6 @@ class BrokerService:
         already with the dispatcher, so the restored list is not re-queued."""
         self.engine = self._new_engine()
         restore(self.engine, self.store.reload(), self.store)
-        self._evicted_open.clear()  # restore loads every open trajectory
 
     # -- producers ------------------------------------------------------------
     def _serve_producers(self, now: float) -> None:
@@ -228,7 +226,7 @@ class BrokerService:
             except ProtocolError as error:
                 received.append((frames[0], None, error))
         self._check_content(received)
-        if self._evicted_open:
+        if self.engine.evicted_open:
             self._reload_evicted(received)
         pending: list[_Pending] = []
         effects: list = []
@@ -254,7 +252,7 @@ class BrokerService:
                 else:
                     item.frames = encode(BROKER_TO_PRODUCER, "ack", item.ack, checked=False)
             self._send("producer", item.identity, item.frames)
-        self._update_backpressure()
+        self._apply_memory_budget()
 
     def _batched_acks(self, pending: list[_Pending]) -> dict[bytes, dict]:
         """One `acks` per connection that asked for them (PROTOCOL.md §3):
@@ -303,24 +301,21 @@ class BrokerService:
         for _, message, error in received:
             if error is None and message.type in ("turn", "end"):
                 tid = message["trajectory_id"]
-                if tid not in self._evicted_open:
+                if tid not in self.engine.evicted_open:
                     continue
-                entry = self.engine.entries.get(tid)
-                if entry is None or entry.trajectory is not None:
-                    continue
-                if not self._read_back(entry, "to merge into it"):
+                if not self._read_back(self.engine.entries[tid], "to merge into it"):
                     return
-                self._evicted_open.discard(tid)
                 log.debug("evicted trajectory reloaded", extra={"trajectory_id": tid})
 
     def _read_back(self, entry: Entry, purpose: str) -> bool:
         """Rebuild an evicted trajectory from the store; False (and the
         store unavailable) when it cannot be read."""
         try:
-            entry.trajectory = load_trajectory(self.store, self.store.load_one(entry.trajectory_id))
+            self.engine.reload(entry, load_trajectory(self.store, self.store.load_one(entry.trajectory_id)))
         except (OSError, sqlite3.Error, StoreCorrupted) as exc:
             self._store_failed(f"cannot read evicted trajectory {entry.trajectory_id!r} back {purpose}: {exc}")
             return False
+        self.metrics.inc(self.metrics.reloads)
         return True
 
     def _producer_message(self, identity: bytes, message: Message | None, error: ProtocolError | None,
@@ -507,6 +502,8 @@ class BrokerService:
                 error = ProtocolError("stale_lease", f"{len(s.stale)} lease(s) are unknown or expired; they changed nothing")
                 self._send("consumer", s.identity, self._refuse("consumer", error, s.message, leases=s.stale))
         settling.clear()
+        if committed:
+            self._apply_memory_budget()  # delivered trajectories left memory: paused producers may go on
 
     def _dead_letter(self, tids: list[str], reason: str, now: float) -> None:
         if not tids:
@@ -604,6 +601,8 @@ class BrokerService:
         effects = self.engine.expire(now)
         if self._commit(effects):
             self._count_effects(effects)
+        if self.sockets["consumer"].get(zmq.EVENTS) & zmq.POLLIN:
+            self._serve_consumers(now)  # heartbeats that waited behind a long pass: never drop a live consumer unheard
         self._dead_letter(self.dispatcher.tick(now), "max_deliveries", now)
         new_redeliveries = self.dispatcher.redeliveries - self._redeliveries_seen
         if new_redeliveries:
@@ -628,18 +627,28 @@ class BrokerService:
         self._apply_budgets()
         self._refresh_gauges(now)
 
-    def _apply_budgets(self) -> None:
-        """Measure memory and disk; over the memory budget, evict trajectories
-        (all durable in the store) before pausing producers; then pause or
-        resume them."""
+    def _apply_memory_budget(self) -> None:
+        """Over the memory budget, evict trajectories (all durable in the
+        store) before pausing producers; then pause or resume them. Run
+        after every batch, not only at housekeeping: the engine keeps its
+        count as it changes, so producers resume as soon as room is made."""
         s = self.settings
-        self._memory_bytes = self.engine.bytes_in_memory()
+        self._memory_bytes = self.engine.bytes_in_memory
         resume_at = 0.9 * s.max_memory_bytes
         if self._memory_bytes > s.max_memory_bytes or (not self.reading_producers and self._memory_bytes > resume_at):
-            self._evict(resume_at)  # also while paused between 90% and 100%: nothing else may ever free memory
-        if self._evicted_open:  # forget those that ended, expired or were aborted meanwhile
-            self._evicted_open = {tid for tid in self._evicted_open
-                                  if (e := self.engine.entries.get(tid)) is not None and e.trajectory is None and e.state == OPEN}
+            # also while paused between 90% and 100%: nothing else may ever free memory
+            evicted = self.engine.evict(resume_at, keep={lease.trajectory_id for lease in self.dispatcher.leases.values()})
+            for state, count in evicted.items():
+                if count:
+                    self.metrics.inc(self.metrics.evictions, count, state=state)
+            self._memory_bytes = self.engine.bytes_in_memory
+        self._update_backpressure()
+
+    def _apply_budgets(self) -> None:
+        """Memory, then disk (measured from the store, and its WAL
+        checkpointed when near the limit)."""
+        s = self.settings
+        self._apply_memory_budget()
         self._disk_bytes = self.store.bytes_on_disk()
         if self._disk_bytes > 0.9 * s.max_disk_bytes:  # also below the limit: the WAL must not hold off a resume
             try:
@@ -648,25 +657,6 @@ class BrokerService:
                 log.warning("WAL checkpoint failed", extra={"error": str(exc)})
             self._disk_bytes = self.store.bytes_on_disk()
         self._update_backpressure()
-
-    def _evict(self, target: float) -> None:
-        """Drop merged arrays from memory until `target` bytes are left:
-        ready trajectories first (reloaded when delivered), then open ones,
-        least recently continued first (reloaded by their next frame). Open
-        ones must be evictable too: were the budget full of trajectories
-        waiting for their `end`, and producer frames paused, those ends
-        would never be read."""
-        leased = {lease.trajectory_id for lease in self.dispatcher.leases.values()}
-        entries = self.engine.entries.values()
-        ready = [e for e in entries if e.state == ENDED and e.trajectory is not None and e.trajectory_id not in leased]
-        opened = sorted((e for e in entries if e.state == OPEN and e.trajectory is not None), key=lambda e: e.updated_at)
-        for entry in (*ready, *opened):
-            if self._memory_bytes <= target:
-                break
-            self._memory_bytes -= entry.trajectory.nbytes
-            entry.trajectory = None
-            if entry.state == OPEN:
-                self._evicted_open.add(entry.trajectory_id)
 
     def _over_budget(self, fraction: float = 1.0) -> bool:
         s = self.settings

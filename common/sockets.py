@@ -52,16 +52,26 @@ def dealer(context: zmq.Context, endpoint: str, identity: bytes | None = None, *
     return sock
 
 
+# libzmq reads small messages into shared receive buffers of this size (its
+# default ZMQ_IN_BATCH_SIZE) and larger ones into buffers of their own. A
+# small frame held zero-copy therefore keeps a whole shared buffer alive:
+# the broker holds turns for as long as their trajectory is open, and held
+# that way they cost about twice their size in memory.
+SHARED_RECEIVE_BUFFER_BYTES = 8192
+
+
 def recv_routed(sock: zmq.Socket, flags: int = zmq.NOBLOCK) -> list:
     """One message from a ROUTER: the sender's identity as bytes, then each
-    frame as a zero-copy memoryview. About half the cost of
-    `recv_multipart()` per message: no copies and no socket-option call per
-    part (each zmq.Frame says whether more follow)."""
+    frame: as a zero-copy memoryview when it has a receive buffer of its own
+    (larger than `SHARED_RECEIVE_BUFFER_BYTES`), else copied out as bytes,
+    so keeping it keeps only its own bytes. About half the cost of
+    `recv_multipart()` per message: no socket-option call per part (each
+    zmq.Frame says whether more follow)."""
     frame = sock.recv(flags, copy=False)
     frames = [frame.bytes]
     while frame.more:
         frame = sock.recv(flags, copy=False)
-        frames.append(frame.buffer)
+        frames.append(frame.buffer if len(frame) > SHARED_RECEIVE_BUFFER_BYTES else frame.bytes)
     return frames
 
 

@@ -26,6 +26,7 @@ TOKEN_DTYPE = ARRAYS["tokens"].dtype
 LOG_PROB_DTYPE = ARRAYS["log_probs"].dtype
 LOSS_MASK_DTYPE = ARRAYS["loss_mask"].dtype
 REPLAY_DTYPE = ARRAYS["routed_experts"].dtype
+_PER_TOKEN_BYTES = TOKEN_DTYPE.itemsize + LOG_PROB_DTYPE.itemsize + LOSS_MASK_DTYPE.itemsize
 
 
 EMPTY_TOKENS = frozen(np.empty(0, TOKEN_DTYPE))
@@ -289,6 +290,7 @@ class Trajectory:
     def _reset_response(self) -> None:
         self._pending: list[Turn] = []  # merged turns whose arrays are not written yet
         self._pending_length = 0
+        self._pending_bytes = 0  # what they will add once written
         self._tokens.truncate(0)
         self._loss_mask.truncate(0)
         self._log_probs.truncate(0)
@@ -373,18 +375,15 @@ class Trajectory:
         if self._mask is not None:
             buffers += [self._mask.ids, self._mask.offsets]
         return (self.prompt_tokens.nbytes + sum(buffer.nbytes for buffer in buffers)
-                + sum(array.nbytes for array in self._context.values()) + self._pending_nbytes())
+                + sum(array.nbytes for array in self._context.values()) + self._pending_bytes)
 
-    def _pending_nbytes(self) -> int:
-        """What the pending turns will add once written."""
-        per_token = TOKEN_DTYPE.itemsize + LOG_PROB_DTYPE.itemsize + LOSS_MASK_DTYPE.itemsize
-        total = 0
-        for turn in self._pending:
-            forced = turn.forced_tokens.size
-            total += (len(turn.tokens) + forced) * per_token
-            if self._mask is not None:
-                total += (len(turn.tokens) + forced) * OFFSETS_DTYPE.itemsize + forced * IDS_DTYPE.itemsize
-                total += 0 if turn.mask is None else turn.mask.ids.nbytes
+    def _written_bytes(self, turn: Turn) -> int:
+        """What a pending turn adds to the buffers once written."""
+        forced = turn.forced_tokens.size
+        total = (len(turn.tokens) + forced) * _PER_TOKEN_BYTES
+        if self._mask is not None:
+            total += (len(turn.tokens) + forced) * OFFSETS_DTYPE.itemsize + forced * IDS_DTYPE.itemsize
+            total += 0 if turn.mask is None else turn.mask.ids.nbytes
         return total
 
     def _write_pending(self) -> None:
@@ -394,7 +393,7 @@ class Trajectory:
         if not pending:
             return
         longest = self._pending_length  # no turn has more sampled or forced tokens
-        self._pending, self._pending_length = [], 0
+        self._pending, self._pending_length, self._pending_bytes = [], 0, 0
         ones, zeros = constant_run(1, longest, LOSS_MASK_DTYPE), constant_run(0, longest, LOSS_MASK_DTYPE)
         zero_log_probs = constant_run(0.0, longest, LOG_PROB_DTYPE)
         tokens, log_probs, loss_mask = [], [], []
@@ -449,6 +448,7 @@ class Trajectory:
         """Keep `turn` until the next read writes it (see _write_pending)."""
         self._pending.append(turn)
         self._pending_length += len(turn.tokens) + turn.forced_tokens.size
+        self._pending_bytes += self._written_bytes(turn)
 
     # -- merging (SEMANTICS.md §4) -----------------------------------------
     def append_turn(self, turn: Turn) -> TurnOutcome:

@@ -1,0 +1,272 @@
+"""What keeps the broker's periodic work proportional to what changed, not
+to what it holds: the merge engine's indexes (counts by state, bytes in
+memory, recency for expiry and eviction), the dispatcher's queue count, and
+the receive path that keeps a held frame from pinning a shared buffer.
+Each index is checked against a count made from scratch."""
+import random
+import time
+from collections import Counter, OrderedDict
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import zmq
+from broker_helpers import abort_msg, end_msg, turn_msg
+
+from rollstream.broker.dispatch import Dispatcher, DispatchSettings
+from rollstream.broker.engine import DEAD, ENDED, OPEN, EngineSettings, MergeEngine, Unit, _idle_since, held_bytes
+from rollstream.broker.service import BrokerService
+from rollstream.broker.settings import BrokerSettings
+from rollstream.common.codec import decode, encode
+from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
+from rollstream.common.sockets import SHARED_RECEIVE_BUFFER_BYTES, recv_routed
+from rollstream.common.trajectory import Trajectory, Turn
+from rollstream.common.wire import encode_turn
+
+
+def check_indexes(engine: MergeEngine) -> None:
+    """The engine's kept figures against the entries, counted from scratch."""
+    entries = engine.entries.values()
+    assert engine.counts() == {**dict.fromkeys(("open", "ended", "dead", "left"), 0),
+                               **Counter(e.state for e in entries)}
+    assert engine.bytes_in_memory == sum(held_bytes(e.trajectory) for e in entries if e.trajectory is not None)
+    assert engine.evicted_open == {e.trajectory_id for e in entries if e.state == OPEN and e.trajectory is None}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_counts_bytes_and_evictions_follow_every_change(seed):
+    rng = random.Random(seed)
+    engine = MergeEngine(EngineSettings(trajectory_ttl=50.0, dedup_window=1000.0))
+    evicted: dict[str, Trajectory] = {}  # what the store would give back
+    now, made = 0.0, 0
+    for _ in range(400):
+        now += rng.random()
+        by_state = {state: [t for t, e in engine.entries.items() if e.state == state] for state in (OPEN, ENDED, DEAD)}
+        action = rng.choice(["start", "start", "turn", "turn", "turn", "end", "abort", "deliver", "dead", "requeue",
+                             "evict", "reload", "expire"])
+        if action == "start":
+            made += 1
+            group = (f"g{made // 3}", 3) if rng.random() < 0.3 else None
+            engine.handle(turn_msg(f"t{made}", 0, [5] * rng.randint(1, 9), forced=[7] * rng.randint(0, 3), group=group), now)
+        elif action == "turn" and by_state[OPEN]:
+            tid = rng.choice(by_state[OPEN])
+            entry = engine.entries[tid]
+            if tid in evicted:
+                engine.reload(entry, evicted.pop(tid))
+            supports = [[5, 6]] * rng.randint(1, 9) if rng.random() < 0.5 else None
+            engine.handle(turn_msg(tid, entry.next_turn, [5] * (len(supports) if supports else rng.randint(1, 9)),
+                                   supports=supports), now)
+        elif action == "end" and by_state[OPEN]:
+            tid = rng.choice(by_state[OPEN])
+            if tid in evicted:
+                engine.reload(engine.entries[tid], evicted.pop(tid))
+            engine.handle(end_msg(tid), now)
+        elif action == "abort" and by_state[OPEN]:
+            engine.handle(abort_msg(rng.choice(by_state[OPEN])), now)
+        elif action == "deliver" and by_state[ENDED]:
+            engine.delivered(rng.choice(by_state[ENDED]), now)
+        elif action == "dead" and by_state[ENDED]:
+            engine.dead_letter(rng.choice(by_state[ENDED]), "refused", now)
+        elif action == "requeue" and by_state[DEAD]:
+            engine.requeue(rng.choice(by_state[DEAD]))
+        elif action == "evict":
+            held = {t: e.trajectory for t, e in engine.entries.items() if e.trajectory is not None and e.state == OPEN}
+            engine.evict(rng.randint(0, max(1, engine.bytes_in_memory)))
+            evicted.update((t, traj) for t, traj in held.items() if engine.entries[t].trajectory is None)
+        elif action == "reload" and engine.evicted_open:
+            tid = rng.choice(sorted(engine.evicted_open))
+            engine.reload(engine.entries[tid], evicted.pop(tid))
+        elif action == "expire":
+            engine.expire(now + rng.choice([0.0, 30.0]))
+        for tid in [t for t in evicted if t not in engine.evicted_open]:  # ended, expired or aborted since
+            del evicted[tid]
+        check_indexes(engine)
+    assert made > 30 and engine.counts()[ENDED] + engine.counts()[DEAD] > 0
+
+
+def test_an_engine_restored_directly_is_reindexed():
+    engine = MergeEngine()
+    engine.handle(turn_msg("a", 0, [5, 5]), 1.0)
+    engine.handle(turn_msg("b", 0, [5]), 2.0)
+    engine.handle(end_msg("b"), 3.0)
+    fresh = MergeEngine()
+    fresh.entries, fresh.groups = engine.entries, engine.groups  # as recovery fills them
+    fresh.reindex()
+    check_indexes(fresh)
+    assert fresh.counts()[OPEN] == 1 and fresh.bytes_in_memory == engine.bytes_in_memory > 0
+
+
+def test_expiry_counts_from_the_last_frame_in_the_order_trajectories_went_idle():
+    engine = MergeEngine(EngineSettings(trajectory_ttl=10.0))
+    for i, tid in enumerate(["first", "second", "third"]):
+        engine.handle(turn_msg(tid, 0), float(i))
+    engine.handle(turn_msg("first", 1), 8.0)  # continued: now the most recent
+    expired = engine.expire(12.5)
+    assert sorted(e.trajectory_id for e in expired) == ["second", "third"]
+    assert engine.entries["first"].state == OPEN and engine.counts()[DEAD] == 2
+    assert [e.trajectory_id for e in engine.expire(18.5)] == ["first"]
+
+
+def test_idle_groups_are_released_in_the_order_they_went_idle():
+    engine = MergeEngine(EngineSettings(trajectory_ttl=10.0))
+    engine.handle(turn_msg("a1", 0, group=("G1", 3)), 0.0)
+    engine.handle(turn_msg("b1", 0, group=("G2", 3)), 1.0)
+    engine.handle(abort_msg("b1"), 2.0)
+    engine.handle(abort_msg("a1"), 8.0)  # G1 was touched last
+    engine.expire(12.5)
+    assert "G2" not in engine.groups and "G1" in engine.groups
+    engine.expire(18.5)
+    assert not engine.groups
+    check_indexes(engine)
+
+
+def test_expiry_looks_no_further_than_the_first_recent_entry():
+    """The idle scan stops at the first entry updated since the cutoff, so a
+    pass over 50,000 busy trajectories reads one (an entry behind it that
+    is older cannot exist: every update moves its entry to the back)."""
+    ordered = OrderedDict((name, SimpleNamespace(updated_at=at)) for name, at in [("a", 1.0), ("b", 5.0), ("c", 2.0)])
+    assert [key for key, _ in _idle_since(ordered, 3.0)] == ["a"]
+    assert _idle_since(ordered, 0.5) == []
+
+
+def test_eviction_takes_ready_ones_oldest_first_then_open_ones_least_recently_continued():
+    engine = MergeEngine()
+    for i, tid in enumerate(["o1", "o2", "r1", "r2", "leased"]):
+        engine.handle(turn_msg(tid, 0, [5] * 100), float(i))
+    for tid in ["r1", "r2", "leased"]:
+        engine.handle(end_msg(tid), 10.0)
+    engine.handle(turn_msg("o1", 1, [5] * 100), 11.0)  # o2 is now the least recently continued
+    order = []
+    while engine.bytes_in_memory:
+        held = {t for t, e in engine.entries.items() if e.trajectory is not None}
+        engine.evict(engine.bytes_in_memory - 1, keep={"leased"})
+        gone = held - {t for t, e in engine.entries.items() if e.trajectory is not None}
+        if not gone:
+            break
+        order += sorted(gone)
+    assert order == ["r1", "r2", "o2", "o1"]
+    assert engine.entries["leased"].trajectory is not None and engine.evicted_open == {"o1", "o2"}
+    check_indexes(engine)
+
+
+def test_a_trajectory_knows_its_size_before_and_after_its_turns_are_written():
+    traj = Trajectory("t", [1, 2, 3])
+    traj.append_turn(Turn.build([4, 5], [-0.1, -0.2], supports=[[4, 9], [5]], forced_tokens=[6, 7, 8]))
+    traj.append_turn(Turn.build([9], [-0.3], supports=[[9, 1, 2]]))
+    pending = traj.nbytes
+    written = sum(array.nbytes for array in traj.arrays().values())  # reading writes the pending turns
+    assert pending == traj.nbytes == written
+
+
+def test_dispatcher_keeps_its_queue_count_through_splits_retracts_and_requeues():
+    dispatcher = Dispatcher(DispatchSettings(max_deliveries=5))
+
+    def check():
+        assert dispatcher.queued_trajectories == sum(len(unit.trajectory_ids) for unit in dispatcher.queue)
+
+    dispatcher.enqueue(Unit(("a", "b", "c"), "g", 3))
+    dispatcher.enqueue(Unit(("d",)))
+    dispatcher.hello(b"c1", "c1", 0.0)
+    dispatcher.credit(b"c1", 2, "trajectory")
+    deliveries = dispatcher.deliveries(0.0)  # takes two of the group's three: the rest goes back in front
+    check()
+    assert [d.trajectory_id for d in deliveries] == ["a", "b"] and dispatcher.queued_trajectories == 2
+    dispatcher.retract(deliveries[0].lease)
+    check()
+    settled, _ = dispatcher.settle([deliveries[1].lease])
+    dispatcher.requeue(settled)
+    check()
+    assert dispatcher.queued_trajectories == 4
+
+
+def test_small_received_frames_are_copied_out_and_large_ones_kept_zero_copy():
+    context = zmq.Context()
+    try:
+        server = context.socket(zmq.ROUTER)
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        client = context.socket(zmq.DEALER)
+        client.connect(f"tcp://127.0.0.1:{port}")
+        small, large = b"s" * 100, np.ones(SHARED_RECEIVE_BUFFER_BYTES + 1, np.uint8).tobytes()
+        client.send_multipart([b"header", small, large])
+        assert server.poll(10_000)
+        identity, header, got_small, got_large = recv_routed(server)
+        assert type(header) is bytes and type(got_small) is bytes and got_small == small
+        assert isinstance(got_large, memoryview) and got_large.tobytes() == large
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_long_pass_does_not_drop_a_consumer_whose_heartbeats_wait_unread(tmp_path):
+    """A consumer heard from at 0 whose heartbeat arrives while the broker is
+    busy: when housekeeping next runs, long after 3 heartbeat intervals, it
+    reads the waiting heartbeat before judging the consumer silent."""
+    context = zmq.Context()
+    settings = BrokerSettings(producer_endpoint="inproc://p", consumer_endpoint="inproc://c",
+                              admin_endpoint="inproc://a", data_dir=str(tmp_path / "data"), metrics_port=0,
+                              heartbeat_interval=1.0)
+    service = BrokerService(settings, context=context)
+    service.start()
+    try:
+        consumer = context.socket(zmq.DEALER)
+        consumer.connect("inproc://c")
+        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "trainer"}))
+        deadline = time.monotonic() + 10
+        while not service.dispatcher.consumers and time.monotonic() < deadline:
+            service.run_once(timeout_ms=50)
+        assert consumer.poll(5000) and decode(consumer.recv_multipart(), BROKER_TO_CONSUMER).type == "welcome"
+        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "heartbeat", {}))
+        time.sleep(0.05)  # inproc: queued for the broker's socket, not yet read
+        later = time.time() + 10 * settings.heartbeat_interval
+        service._housekeeping(later)
+        assert len(service.dispatcher.consumers) == 1
+        service._housekeeping(later + 10 * settings.heartbeat_interval)  # silent this time: dropped
+        assert not service.dispatcher.consumers
+    finally:
+        service.close()
+        context.destroy(linger=0)
+
+
+def test_paused_producers_resume_as_soon_as_an_ack_frees_memory(tmp_path):
+    """A leased trajectory cannot be evicted, so with it out on a lease a
+    second one puts the broker over its budget and producer frames pause.
+    The consumer's ack frees the memory and producers resume in that same
+    pass, with no housekeeping pass (disabled here) in between."""
+    context = zmq.Context()
+    settings = BrokerSettings(producer_endpoint="inproc://p", consumer_endpoint="inproc://c",
+                              admin_endpoint="inproc://a", data_dir=str(tmp_path / "data"), metrics_port=0,
+                              max_memory_bytes=20_000)
+    service = BrokerService(settings, context=context)
+    service.start()
+    service._next_housekeeping = float("inf")
+    try:
+        def until(sock, schema, wanted):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                service.run_once(timeout_ms=20)
+                while sock.poll(0):
+                    message = decode(sock.recv_multipart(), schema)
+                    if message.type == wanted:
+                        return message
+            raise AssertionError(f"no {wanted} within 10 s")
+
+        consumer, producer = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+        consumer.connect("inproc://c")
+        producer.connect("inproc://p")
+        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "trainer"}))
+        until(consumer, BROKER_TO_CONSUMER, "welcome")
+        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 1, "unit": "trajectory"}))
+        turn = Turn.build(np.arange(3000, dtype=np.int32), np.zeros(3000, np.float32))  # about 30 KB held
+        producer.send_multipart(encode_turn("a", 0, turn, seq=0, prompt_tokens=np.ones(4, np.int32)))
+        producer.send_multipart(encode(PRODUCER_TO_BROKER, "end", {"seq": 1, "trajectory_id": "a", "reward": 1.0}))
+        lease = until(consumer, BROKER_TO_CONSUMER, "deliver")["lease"]
+        producer.send_multipart(encode_turn("b", 0, turn, seq=2, prompt_tokens=np.ones(4, np.int32)))
+        deadline = time.monotonic() + 10
+        while service.reading_producers and time.monotonic() < deadline:
+            service.run_once(timeout_ms=20)
+        assert not service.reading_producers and service.engine.evicted_open == {"b"}
+        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [lease]}))
+        until(consumer, BROKER_TO_CONSUMER, "acked")
+        assert service.reading_producers and service.engine.bytes_in_memory == 0
+    finally:
+        service.close()
+        context.destroy(linger=0)
