@@ -34,11 +34,15 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1].parent / "shared" / "bench"))
 import raw_relay  # noqa: E402
-
 from rollstream.common.codec import decode, encode  # noqa: E402
 from rollstream.common.mask import SamplingMask  # noqa: E402
+from rollstream.common.messages import (  # noqa: E402
+    BROKER_TO_CONSUMER,
+    BROKER_TO_PRODUCER,
+    CONSUMER_TO_BROKER,
+    PRODUCER_TO_BROKER,
+)
 from rollstream.common.sockets import free_loopback_ports  # noqa: E402
-from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER  # noqa: E402
 from rollstream.common.trajectory import Turn  # noqa: E402
 from rollstream.common.wire import encode_turn  # noqa: E402
 

@@ -41,16 +41,14 @@ import gc
 import hashlib
 import json
 import multiprocessing as mp
-import os
-import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from procs import Broker, peak_rss, thread_cpu
 
 SHARED_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "bench"
 PEER_TQ = SHARED_BENCH / "peer_tq.py"
@@ -198,37 +196,15 @@ def _consumer_main(conn, endpoint: str, batch_size: int) -> None:
             conn.send({"cpu": cpu, "committed": committed_at, "digests": seen})
 
 
-def _thread_cpu(pid: int, tid: int) -> float:
-    """CPU seconds (user + system) of one thread of a process."""
-    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 class Rollstream:
     """One broker, its producer process(es) and a consumer process, kept
     for a round of reps (each rep sends fresh trajectory ids)."""
 
     def __init__(self, samples: int, turns: int, producers: int, batch_size: int, client: str,
                  broker_args: list[str] = ()):
-        from rollstream.common.sockets import free_loopback_ports
-
         self.samples, self.turns = samples, turns
-        self.data = tempfile.mkdtemp(prefix="rollstream-pipeline-")
-        ports = free_loopback_ports(3)
-        endpoints = [f"tcp://127.0.0.1:{port}" for port in ports]
-        self.broker = subprocess.Popen(
-            [sys.executable, "-m", "rollstream.common.cli", "broker", "--producer-endpoint", endpoints[0],
-             "--consumer-endpoint", endpoints[1], "--admin-endpoint", endpoints[2], "--data-dir", self.data,
-             "--vocab-size", str(VOCAB), "--metrics-port", "0", "--log-level", "warning", *broker_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        self.broker = Broker(VOCAB, broker_args)
+        endpoints = [self.broker.producer, self.broker.consumer]
         ctx = mp.get_context("spawn")
         self.children = []
         self.consumer, child = ctx.Pipe()
@@ -248,13 +224,13 @@ class Rollstream:
                 raise RuntimeError("a bench process did not start")
 
     def rep(self, tag: str, expected: dict[str, str]) -> dict:
-        broker_cpu = _thread_cpu(self.broker.pid, self.broker.pid)
+        broker_cpu = thread_cpu(self.broker.pid, self.broker.pid)
         self.consumer.send((tag, self.samples))
         for conn in self.producers:
             conn.send(tag)
         sent = [conn.recv() for conn in self.producers]
         got = self.consumer.recv()
-        broker_cpu = _thread_cpu(self.broker.pid, self.broker.pid) - broker_cpu
+        broker_cpu = thread_cpu(self.broker.pid, self.broker.pid) - broker_cpu
         first = min(s["first"] for s in sent)
         last = max(got["committed"].values())
         ends = {tid: at for s in sent for tid, at in s["ends"].items()}
@@ -268,8 +244,8 @@ class Rollstream:
                 "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], "verified": verified}
 
     def peak_rss(self) -> dict:
-        return {"producer": sum(_peak_rss(p.pid) for p in self.children[1:]),
-                "broker": _peak_rss(self.broker.pid), "consumer": _peak_rss(self.children[0].pid)}
+        return {"producer": sum(peak_rss(p.pid) for p in self.children[1:]),
+                "broker": peak_rss(self.broker.pid), "consumer": peak_rss(self.children[0].pid)}
 
     def close(self) -> None:
         for conn in (*self.producers, self.consumer):
@@ -278,9 +254,7 @@ class Rollstream:
             process.join(30)
             if process.is_alive():
                 process.kill()
-        self.broker.terminate()
-        self.broker.wait(30)
-        shutil.rmtree(self.data, ignore_errors=True)
+        self.broker.close()
 
 
 def run_tq(python: str, reps: int, samples: int) -> dict:

@@ -24,7 +24,6 @@ import tempfile
 import time
 
 import numpy as np
-
 from rollstream.producer import AsyncProducer
 from rollstream.producer.settings import ProducerSettings
 from rollstream.producer.synthetic import SyntheticSource, around

@@ -1,0 +1,54 @@
+"""What the bench scripts read about their processes, from /proc, and how
+they start a broker daemon to measure."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def thread_cpu(pid: int, tid: int) -> float:
+    """CPU seconds (user + system) of one thread of a process."""
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds of a whole process, every thread."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss(pid: int) -> int:
+    """The process's peak resident set, bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class Broker:
+    """`rollstream broker` on loopback TCP with its own data directory."""
+
+    def __init__(self, vocab_size: int, extra_args: list[str] = ()):
+        from rollstream.common.sockets import free_loopback_ports
+
+        self.data = tempfile.mkdtemp(prefix="rollstream-bench-")
+        ports = free_loopback_ports(3)
+        self.producer, self.consumer, self.admin = (f"tcp://127.0.0.1:{port}" for port in ports)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "rollstream.common.cli", "broker", "--producer-endpoint", self.producer,
+             "--consumer-endpoint", self.consumer, "--admin-endpoint", self.admin, "--data-dir", self.data,
+             "--vocab-size", str(vocab_size), "--metrics-port", "0", "--log-level", "warning", *extra_args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        self.pid = self.process.pid
+
+    def close(self) -> None:
+        import shutil
+
+        self.process.terminate()
+        self.process.wait(60)
+        shutil.rmtree(self.data, ignore_errors=True)
