@@ -17,10 +17,7 @@ from .store import Recovered, Store, StoredTrajectory
 def load_trajectory(store: Store, stored: StoredTrajectory) -> Trajectory:
     """Replay a stored trajectory's applied turns."""
     traj = None
-    for turn in stored.turns:
-        if turn.location is None:
-            continue
-        message = store.read_turn(turn.location)
+    for message in store.read_turns([turn.location for turn in stored.turns if turn.location is not None]):
         if traj is None:
             traj = Trajectory(
                 stored.trajectory_id,
