@@ -12,7 +12,7 @@ HELP = {
     "broker_endpoint": "The node broker's producer endpoint (tcp://, ipc:// or inproc://).",
     "producer_id": "Name sent in hello; keep it stable to resend a spool after a restart. Default: host-source.",
     "window": "Most frames unsettled at once (the broker's welcome may lower it).",
-    "reply_timeout": "Seconds without a reply after which unacked frames are resent in order.",
+    "reply_timeout": "Seconds without a reply after which unacked frames are reported (they are resent only after a reconnect, or when a later ping is answered first).",
     "retry_delay": "Seconds before resending a frame the broker answered `unavailable`.",
     "heartbeat_interval": "Seconds between pings.",
     "heartbeat_timeout": "Seconds of broker silence after which it counts as down (broker_up = 0).",

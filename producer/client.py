@@ -147,6 +147,8 @@ class AsyncProducer:
         self._changed: asyncio.Event | None = None  # set whenever frames settle (room may have appeared)
         self._read_scheduled = False
         self._connected_before = False
+        self._pings: dict[int, float] = {}  # seq -> when transmitted, until answered
+        self._next_overdue_report = 0.0
         self._tick_seconds = min(0.25, max(0.01, min(heartbeat_interval, reply_timeout, retry_delay or 1.0) / 4))
         self._tasks: list[asyncio.Task] = []
         self._sock = self._monitor = None
@@ -488,6 +490,8 @@ class AsyncProducer:
         ignored = window.ignored
         if reply.type == "acks":
             self._settle(window.on_acks(reply), now)
+        elif reply.type == "pong":
+            self._on_pong(reply["seq"])
         elif reply.type == "welcome":
             window.set_limit(min(self._window_limit, reply["window"]))
             log.info(f"broker {reply['broker_id']} welcomed us: window {window.limit}",
@@ -502,6 +506,20 @@ class AsyncProducer:
                 self._settle([settled], now)
         if window.ignored > ignored:
             self.metrics.inc(self.metrics.ignored, window.ignored - ignored)
+
+    def _on_pong(self, seq: int) -> None:
+        """The broker answered everything sent before this ping: frames sent
+        before it and still unsettled lost their replies, and go again."""
+        sent_at = self._pings.pop(seq, None)
+        if sent_at is None:
+            return
+        for earlier in [ping for ping in self._pings if ping < seq]:  # their pongs would have come first
+            del self._pings[earlier]
+        resent = self._window.answered_until(sent_at)
+        if resent:
+            log.warning(f"the broker answered a later ping but not {resent} frames sent before it; resending them in order",
+                        extra={"frames": resent})
+            self._pump(look_again=False)
 
     def _settle(self, settled: list[Settled], now: float) -> None:
         """Frames left the window: free their spool records and room, resolve
@@ -554,9 +572,13 @@ class AsyncProducer:
         heartbeat interval."""
         while True:
             now = time.monotonic()
-            resent = self._window.expire(now)
-            if resent:
-                log.warning(f"replies overdue; resending {resent} frames in order", extra={"frames": resent})
+            if now >= self._next_overdue_report:
+                overdue = self._window.overdue(now)
+                if overdue:  # reported, not resent: a live connection loses nothing, and pongs find lost replies
+                    self._next_overdue_report = now + self._window.reply_timeout
+                    log.warning(f"{overdue} frames without a reply for {self._window.reply_timeout} s; waiting "
+                                f"(the broker {'answers pings' if self._heartbeat.alive else 'is silent'})",
+                                extra={"frames": overdue})
             if self._heartbeat.lost(now):
                 self.metrics.broker_up.set(0)
                 log.warning(f"broker {self.endpoint} silent for {self._heartbeat.timeout} s",
@@ -566,6 +588,9 @@ class AsyncProducer:
                     seq = self._take_seq()
                 if self._send_now(encode(PRODUCER_TO_BROKER, "ping", {"seq": seq})):
                     self._heartbeat.pinged(now)
+                    self._pings[seq] = now
+                    if len(self._pings) > 64:  # a silent broker: keep the latest only
+                        del self._pings[min(self._pings)]
             self._pump()
             self._on_monitor()  # a missed edge costs at most a tick
             self._refresh_gauges()
@@ -581,6 +606,7 @@ class AsyncProducer:
                 log.info(f"disconnected from the broker {self.endpoint}", extra={"endpoint": self.endpoint})
                 continue
             if self._connected_before:
+                self._pings.clear()  # they went with the old connection
                 resent = self._window.reconnected()
                 self.metrics.inc(self.metrics.reconnects)
                 self._send_now(self._hello())

@@ -255,11 +255,25 @@ class ResendWindow:
         so every transmitted, unsettled frame goes again (in seq order)."""
         return self._resend_all()
 
-    def expire(self, now: float) -> int:
-        """If any reply is overdue by `reply_timeout`, resend every
-        transmitted, unsettled frame in order. Returns how many go again."""
-        overdue = any(not item.unsent and item.sent_at + self.reply_timeout <= now for item in self._items.values())
-        return self._resend_all() if overdue else 0
+    def answered_until(self, sent_at: float) -> int:
+        """The broker answered a ping transmitted at `sent_at`. It reads a
+        connection in order and answers in order, so it has answered every
+        frame transmitted before that ping: one still unsettled lost its
+        reply on the way (the broker could not send it), and goes again, in
+        order. Slow replies are never a reason to resend on a live
+        connection: they would only queue duplicates behind the originals.
+        Returns how many go again."""
+        count = 0
+        for item in self._items.values():
+            if not item.unsent and item.sent_at < sent_at:
+                self._mark_unsent(item)
+                count += 1
+        return count
+
+    def overdue(self, now: float) -> int:
+        """Transmitted frames without a reply for `reply_timeout` (reported,
+        not resent: heartbeats tell a slow broker from a lost reply)."""
+        return sum(1 for item in self._items.values() if not item.unsent and item.sent_at + self.reply_timeout <= now)
 
     def set_limit(self, limit: int) -> None:
         """A smaller window only stops new pushes; nothing held is dropped."""

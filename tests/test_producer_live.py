@@ -19,7 +19,14 @@ import zmq
 
 from rollstream.common import SamplingMask
 from rollstream.common.codec import decode, encode
-from rollstream.common.messages import ADMIN_REPLIES, ADMIN_REQUESTS, BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
+from rollstream.common.messages import (
+    ADMIN_REPLIES,
+    ADMIN_REQUESTS,
+    BROKER_TO_CONSUMER,
+    BROKER_TO_PRODUCER,
+    CONSUMER_TO_BROKER,
+    PRODUCER_TO_BROKER,
+)
 from rollstream.common.miles import FIELDS_WITH_MASK, encode_session_samples
 from rollstream.common.wire import trajectory_from_deliver
 from rollstream.producer import AsyncProducer, Producer, Receipt, Refused
@@ -422,6 +429,89 @@ def test_heartbeats_notice_a_silent_broker_and_its_return(tmp_path):
 
     with Broker(tmp_path) as broker:
         asyncio.run(main(broker))
+
+
+class FakeBroker:
+    """A raw ROUTER in a thread that answers in order, as a broker does:
+    `welcome`, `pong`, and an `ack` per frame, each `delay` seconds after
+    the message came in; `drop_first_turn` loses the first turn's ack."""
+
+    def __init__(self, *, delay=0.0, drop_first_turn=False):
+        self.context = zmq.Context()
+        self.endpoint = f"inproc://fake-broker-{id(self)}"
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.bind(self.endpoint)
+        self.delay, self.drop_first_turn = delay, drop_first_turn
+        self.seen: list[tuple[str, int | None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _answer(self, message):
+        seq = message.get("seq")
+        if message.type == "hello":
+            return encode(BROKER_TO_PRODUCER, "welcome", {"broker_id": "fake", "max_message_bytes": 2**26, "window": 64})
+        if message.type == "ping":
+            return encode(BROKER_TO_PRODUCER, "pong", {"seq": seq})
+        if message.type == "turn" and self.drop_first_turn:
+            self.drop_first_turn = False
+            return None
+        return encode(BROKER_TO_PRODUCER, "ack", {"seq": seq, "trajectory_id": message["trajectory_id"], "applied": True})
+
+    def _serve(self):
+        waiting = []  # (due, identity, reply), in arrival order
+        while not self._stop.is_set():
+            if self.router.poll(10):
+                identity, *frames = self.router.recv_multipart()
+                message = decode(frames, PRODUCER_TO_BROKER)
+                self.seen.append((message.type, message.get("seq")))
+                waiting.append((time.monotonic() + self.delay, identity, self._answer(message)))
+            while waiting and waiting[0][0] <= time.monotonic():
+                _, identity, reply = waiting.pop(0)
+                if reply is not None:
+                    self.router.send_multipart([identity, *reply])
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.context.destroy(linger=0)
+
+
+def test_a_slow_broker_gets_no_resends_on_a_live_connection():
+    """Every answer comes five reply timeouts late, in order, on a live
+    connection: waiting loses nothing, so no frame is sent twice."""
+    async def main(fake):
+        async with AsyncProducer(fake.endpoint, "p-slow", context=fake.context, batch_acks=False, reply_timeout=0.3,
+                                 heartbeat_interval=0.1, heartbeat_timeout=30.0) as producer:
+            futures = []
+            for i in range(8):
+                futures += await send_plan(producer, f"slow{i}", plan(i))
+            receipts = await asyncio.wait_for(asyncio.gather(*futures), PATIENCE)
+            return receipts, producer.metrics.resends.values
+    with FakeBroker(delay=1.5) as fake:
+        receipts, resends = asyncio.run(main(fake))
+    assert all(r.applied for r in receipts) and not sum(resends.values())
+    frames = [seq for kind, seq in fake.seen if kind in ("turn", "end")]
+    assert len(frames) == 32 and len(set(frames)) == 32
+
+
+def test_a_reply_lost_before_an_answered_ping_is_resent_once():
+    """A broker that lost one ack (its send failed) but answers the ping sent
+    after that frame: the producer resends just that frame, and settles it
+    from the second answer."""
+    async def main(fake):
+        async with AsyncProducer(fake.endpoint, "p-lost", context=fake.context, batch_acks=False, reply_timeout=60.0,
+                                 heartbeat_interval=0.1, heartbeat_timeout=30.0) as producer:
+            traj = producer.trajectory("t", [1, 2])
+            receipt = await asyncio.wait_for(await traj.turn([5], [-0.5], supports=[[5, 6]]), PATIENCE)
+            return receipt, producer.metrics.resends.values
+    with FakeBroker(drop_first_turn=True) as fake:
+        receipt, resends = asyncio.run(main(fake))
+    assert receipt.applied and sum(resends.values()) == 1
+    assert [kind for kind, _ in fake.seen].count("turn") == 2
 
 
 # -- the daemon ---------------------------------------------------------------------------------------
