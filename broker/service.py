@@ -45,6 +45,7 @@ log = logging.getLogger("rollstream.broker")
 HOUSEKEEPING_EVERY = 0.2  # seconds between expiry, lease and budget checks
 PROBE_EVERY = 1.0  # seconds between store probes while unavailable
 PRODUCER_FORGET_AFTER = 3600.0  # seconds after which a silent producer connection is forgotten
+PRODUCER_ACTIVE_FOR = 30.0  # seconds a producer connection counts as active after its last frame (it pings every second)
 
 
 @dataclass(slots=True)
@@ -84,6 +85,7 @@ class BrokerService:
         self.unavailable = False
         self.reading_producers = True
         self.producers: dict[bytes, float] = {}  # connection -> last heard
+        self.window_grant = settings.window  # frames in flight each active producer may have (`_grant_windows`)
         self.batch_acks: set[bytes] = set()  # connections whose hello asked for one `acks` per commit
         self.packed_consumers: set[bytes] = set()  # consumer connections that read packed deliveries (their hello said so)
         self._stopping = False
@@ -266,7 +268,7 @@ class BrokerService:
             seq = ack["seq"]
             acks = by_identity.get(item.identity)
             if acks is None:
-                acks = by_identity[item.identity] = {"ranges": [[seq, seq]]}
+                acks = by_identity[item.identity] = {"ranges": [[seq, seq]], "window": self.window_grant}
             else:
                 last = acks["ranges"][-1]
                 if seq == last[1] + 1:
@@ -325,7 +327,8 @@ class BrokerService:
         if message.type == "hello":
             s = self.settings
             log.info("producer connected", extra={"producer_id": message["producer_id"]})
-            fields = {"broker_id": self.broker_id, "max_message_bytes": s.max_message_bytes, "window": s.window}
+            self._grant_windows(now)
+            fields = {"broker_id": self.broker_id, "max_message_bytes": s.max_message_bytes, "window": self.window_grant}
             if "seq" in message.fields:
                 fields["seq"] = message["seq"]
             if message.get("batch_acks"):
@@ -335,7 +338,7 @@ class BrokerService:
                 self.batch_acks.discard(identity)
             return _Pending(identity, encode(BROKER_TO_PRODUCER, "welcome", fields)), []
         if message.type == "ping":
-            return _Pending(identity, encode(BROKER_TO_PRODUCER, "pong", {"seq": message["seq"]})), []
+            return _Pending(identity, encode(BROKER_TO_PRODUCER, "pong", {"seq": message["seq"], "window": self.window_grant})), []
         if self.unavailable:
             error = ProtocolError("unavailable", "the broker cannot persist right now; resend later", seq=message["seq"])
             return _Pending(identity, self._refuse("producer", error, message)), []
@@ -396,6 +399,16 @@ class BrokerService:
             if endpoint == "producer" and exc.errno == zmq.EHOSTUNREACH:
                 self._forget_producer(identity)
             return False
+
+    def _grant_windows(self, now: float) -> None:
+        """Share `max_in_flight` among the active producer connections, so
+        frames queued at the broker, and so the wait for an ack, stay bounded
+        however many producers there are. Producers learn their grant from
+        `welcome`, `acks` and `pong`; a smaller one only holds back their
+        next frames."""
+        s = self.settings
+        active = sum(1 for seen in self.producers.values() if seen >= now - PRODUCER_ACTIVE_FOR)
+        self.window_grant = max(1, min(s.window, s.max_in_flight // max(1, active)))
 
     def _forget_producer(self, identity: bytes) -> None:
         """A connection that is gone (a reconnect comes with a new identity)."""
@@ -598,6 +611,7 @@ class BrokerService:
             self._next_producer_prune = now + PRODUCER_FORGET_AFTER / 10
             for identity in [i for i, seen in self.producers.items() if seen < now - PRODUCER_FORGET_AFTER]:
                 self._forget_producer(identity)
+        self._grant_windows(now)
         effects = self.engine.expire(now)
         if self._commit(effects):
             self._count_effects(effects)

@@ -222,9 +222,9 @@ BROKER_TO_PRODUCER = _schema(
         {"seq": INT, "trajectory_id": TEXT, "applied": BOOL},
         {"turn": COUNT, "duplicate": BOOL, "reason": TEXT},
     ),
-    MessageSpec("acks", {"ranges": SEQ_RANGES}, {"outcomes": OUTCOMES}),
+    MessageSpec("acks", {"ranges": SEQ_RANGES}, {"outcomes": OUTCOMES, "window": POSITIVE}),
     _NACK,
-    MessageSpec("pong", {"seq": INT}),
+    MessageSpec("pong", {"seq": INT}, {"window": POSITIVE}),
 )
 
 CONSUMER_TO_BROKER = _schema(

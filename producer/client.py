@@ -488,6 +488,8 @@ class AsyncProducer:
             log.info(f"broker {self.endpoint} answering again", extra={"endpoint": self.endpoint})
         window = self._window
         ignored = window.ignored
+        if "window" in reply.fields and reply.type != "welcome":  # the broker's share of its in-flight bound
+            window.set_limit(min(self._window_limit, reply["window"]))
         if reply.type == "acks":
             self._settle(window.on_acks(reply), now)
         elif reply.type == "pong":

@@ -63,6 +63,18 @@ def broker(tmp_path):
         yield b
 
 
+def test_the_in_flight_bound_is_shared_among_producers_as_they_join(tmp_path):
+    """`max_in_flight` 8 with `window` 8: one producer may have 8 frames in
+    flight, then 4 each for two, 2 each for three; an earlier producer
+    learns its smaller share from its next pong (and acks)."""
+    with BrokerProcess(tmp_path, window=8, max_in_flight=8) as b:
+        peers = [Peer(b.producer) for _ in range(3)]
+        grants = [peer.call(frames("hello", producer_id=f"p{i}", seq=0))[0]["window"] for i, peer in enumerate(peers)]
+        assert grants == [8, 4, 2]
+        pong, _ = peers[0].call(frames("ping", seq=1))
+        assert (pong["type"], pong["window"]) == ("pong", 2)
+
+
 def test_producer_and_consumer_conversation(broker):
     producer = Peer(broker.producer)
     welcome, _ = producer.call(frames("hello", producer_id="raw-peer", seq=0))
@@ -83,7 +95,7 @@ def test_producer_and_consumer_conversation(broker):
     reply, _ = producer.call(frames("end", seq=6, trajectory_id="t1", reward={"score": 0.75}, metadata={"env": "x"}))
     assert reply["applied"] is True
     reply, _ = producer.call(frames("ping", seq=7))
-    assert reply == {"v": 1, "type": "pong", "seq": 7}
+    assert reply == {"v": 1, "type": "pong", "seq": 7, "window": 8}
 
     consumer = Peer(broker.consumer)
     welcome, _ = consumer.call(frames("hello", consumer_id="raw-consumer"))
@@ -189,7 +201,7 @@ def test_batched_acks_cover_a_commit_and_refusals_stay_per_frame(broker):
     while len(acked) + len(nacked) < len(burst):
         reply, _ = producer.recv()
         if reply["type"] == "acks":
-            assert set(reply) <= {"v", "type", "ranges", "outcomes"}
+            assert set(reply) <= {"v", "type", "ranges", "outcomes", "window"}
             assert all(first <= last for first, last in reply["ranges"])
             others = {o["seq"]: o for o in reply.get("outcomes", [])}
             for first, last in reply["ranges"]:
