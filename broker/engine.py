@@ -274,7 +274,8 @@ class MergeEngine:
         entry.outcomes.append((digest, outcome.applied, outcome.reason))
         entry.updated_at = now
         self._open.move_to_end(tid)
-        self._resident_open.move_to_end(tid)
+        if tid in self._resident_open:
+            self._resident_open.move_to_end(tid)
         self._grow(entry)  # a gap can also shrink it
         effects = (PutTurn(tid, index, digest, outcome.applied, outcome.reason, message if outcome.applied else None, now),)
         if outcome.reason == "replay_gap":
@@ -517,25 +518,32 @@ class MergeEngine:
 
     # -- memory -------------------------------------------------------------
     def evict(self, target: int, keep: set[str] | frozenset = frozenset()) -> int:
-        """Drop merged trajectories from memory (all are durable in the
-        store) until at most `target` bytes are held: ready ones first,
-        oldest first (read back when delivered), then open ones, least
-        recently continued first (read back by their next frame), never
-        those in `keep` (out on a lease). Open ones must be evictable too:
-        were the budget full of trajectories waiting for their `end`, and
-        producer frames paused, those ends would never be read. Costs what
-        it evicts (plus the kept ones it passes). Returns how many of each
-        state."""
+        """Drop merged trajectories' arrays from memory (all are durable in
+        the store) until at most `target` bytes are held: ready ones first,
+        oldest first, then open ones, least recently continued first, never
+        those in `keep` (out on a lease). Both are read back when delivered.
+        An open one keeps merging its next frames meanwhile, shed
+        (`Trajectory.shed`: what the merge rules need, no arrays), so a
+        busy broker with more open trajectories than its budget holds never
+        rebuilds one to merge into it. Open ones must be evictable: were the
+        budget full of trajectories waiting for their `end`, and producer
+        frames paused, those ends would never be read. Costs what it evicts
+        (plus the kept ones it passes). Returns how many of each state."""
         evicted = dict.fromkeys((ENDED, OPEN), 0)
         for resident in (self._resident_ready, self._resident_open):
             for entry in [e for e in resident.values() if e.trajectory_id not in keep]:
                 if self.bytes_in_memory <= target:
                     return evicted
-                self._release(entry)
                 if entry.state == OPEN:
-                    self.evicted_open.add(entry.trajectory_id)
+                    self._shed(entry)
+                else:
+                    self._release(entry)
                 evicted[entry.state] += 1
         return evicted
+
+    def needs_reload(self, entry: Entry) -> bool:
+        """Its arrays are only in the store (evicted, or not loaded at start)."""
+        return entry.trajectory is None or entry.trajectory.is_shed
 
     def reload(self, entry: Entry, trajectory: Trajectory) -> None:
         """An evicted trajectory read back from the store."""
@@ -543,16 +551,17 @@ class MergeEngine:
 
     def reindex(self) -> None:
         """Rebuild the indexes from `entries` and `groups` as filled directly
-        (recovery does): counts, recency by `updated_at`, residency."""
+        (recovery does): counts, recency by `updated_at`, residency and
+        bytes."""
         self._counts = dict.fromkeys(STATES, 0)
         self._open.clear(), self._idle_groups.clear(), self._resident_ready.clear(), self._resident_open.clear()
         self.evicted_open.clear()
         self.bytes_in_memory = 0
         for entry in sorted(self.entries.values(), key=lambda e: e.updated_at):
-            trajectory, entry.trajectory = entry.trajectory, None
+            trajectory, entry.trajectory, entry.held = entry.trajectory, None, 0
             self._index(entry)
             if trajectory is not None:
-                self.reload(entry, trajectory)
+                self._hold(entry, trajectory)
         for group_id, group in sorted(self.groups.items(), key=lambda item: item[1].updated_at):
             if not group.released:
                 self._idle_groups[group_id] = group
@@ -590,6 +599,10 @@ class MergeEngine:
         entry.trajectory, entry.held = trajectory, 0
         self._grow(entry)
         tid = entry.trajectory_id
+        if trajectory.is_shed:
+            if entry.state == OPEN:
+                self.evicted_open.add(tid)
+            return
         (self._resident_open if entry.state == OPEN else self._resident_ready)[tid] = entry
         self.evicted_open.discard(tid)
 
@@ -598,6 +611,12 @@ class MergeEngine:
         held = held_bytes(entry.trajectory)
         self.bytes_in_memory += held - entry.held
         entry.held = held
+
+    def _shed(self, entry: Entry) -> None:
+        entry.trajectory.shed()
+        self._resident_open.pop(entry.trajectory_id, None)
+        self.evicted_open.add(entry.trajectory_id)
+        self._grow(entry)
 
     def _release(self, entry: Entry) -> None:
         if entry.trajectory is None:
@@ -618,7 +637,12 @@ class MergeEngine:
 
 def held_bytes(trajectory: Trajectory) -> int:
     """What a trajectory in memory counts against the budget: its arrays and
-    the objects that hold them."""
+    the objects that hold them. A shed one counts nothing, as an entry's
+    own bookkeeping never does (about a kilobyte, outside the budget): were
+    it counted, enough open trajectories could hold the broker over a small
+    budget with nothing left to evict, and their ends would never be read."""
+    if trajectory.is_shed:
+        return 0
     return TRAJECTORY_OVERHEAD_BYTES + TURN_OVERHEAD_BYTES * trajectory.turns + trajectory.nbytes
 
 

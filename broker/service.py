@@ -228,8 +228,6 @@ class BrokerService:
             except ProtocolError as error:
                 received.append((frames[0], None, error))
         self._check_content(received)
-        if self.engine.evicted_open:
-            self._reload_evicted(received)
         pending: list[_Pending] = []
         effects: list = []
         for identity, message, error in received:
@@ -294,20 +292,6 @@ class BrokerService:
                 check_message_arrays(message.arrays, vocab_size=vocab)
             except ProtocolError as error:
                 received[i] = (identity, message, error.with_seq(message["seq"]))
-
-    def _reload_evicted(self, received: list) -> None:
-        """Bring back the evicted open trajectories this batch continues
-        (the engine merges into them); their turns are in the store. If one
-        cannot be read, the store is unavailable and the batch is refused,
-        to be resent: nothing is merged into a trajectory that is not there."""
-        for _, message, error in received:
-            if error is None and message.type in ("turn", "end"):
-                tid = message["trajectory_id"]
-                if tid not in self.engine.evicted_open:
-                    continue
-                if not self._read_back(self.engine.entries[tid], "to merge into it"):
-                    return
-                log.debug("evicted trajectory reloaded", extra={"trajectory_id": tid})
 
     def _read_back(self, entry: Entry, purpose: str) -> bool:
         """Rebuild an evicted trajectory from the store; False (and the
@@ -543,7 +527,7 @@ class BrokerService:
                 log.error("queued trajectory is not ready", extra={"trajectory_id": delivery.trajectory_id})
                 self.dispatcher.settle([delivery.lease])
                 continue
-            if entry.trajectory is None and not self._read_back(entry, "to deliver it"):
+            if self.engine.needs_reload(entry) and not self._read_back(entry, "to deliver it"):
                 for unsent in reversed(deliveries[i:]):  # back in front, in their order, for when it recovers
                     self.dispatcher.retract(unsent.lease, refund=True)
                 return

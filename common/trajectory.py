@@ -29,6 +29,12 @@ REPLAY_DTYPE = ARRAYS["routed_experts"].dtype
 _PER_TOKEN_BYTES = TOKEN_DTYPE.itemsize + LOG_PROB_DTYPE.itemsize + LOSS_MASK_DTYPE.itemsize
 
 
+def _shape_of(array: np.ndarray) -> np.ndarray:
+    """An array of `array`'s shape and dtype that holds no memory (a shed
+    trajectory checks context shapes against it)."""
+    return np.broadcast_to(np.zeros(1, array.dtype), array.shape)
+
+
 EMPTY_TOKENS = frozen(np.empty(0, TOKEN_DTYPE))
 _LEADING_ZERO = frozen(np.zeros(1, OFFSETS_DTYPE))
 EMPTY_LOG_PROBS = frozen(np.empty(0, LOG_PROB_DTYPE))
@@ -288,6 +294,8 @@ class Trajectory:
         self._reset_response()
 
     def _reset_response(self) -> None:
+        self.is_shed = False  # True once `shed()`: only what merging needs is kept, the arrays are in the broker's store
+        self._shed_length = 0  # response tokens merged while shed, or before
         self._pending: list[Turn] = []  # merged turns whose arrays are not written yet
         self._pending_length = 0
         self._pending_bytes = 0  # what they will add once written
@@ -306,7 +314,26 @@ class Trajectory:
     # -- reading ------------------------------------------------------------
     @property
     def response_length(self) -> int:
-        return len(self._tokens) + self._pending_length
+        return self._shed_length + len(self._tokens) + self._pending_length
+
+    def shed(self) -> None:
+        """Drop the arrays (the prompt too), keep what merging needs: lengths, status, gap,
+        weight versions, which replay fields it carries and the context
+        arrays' shapes. Later turns merge with the same outcomes and add
+        only to those counts; the arrays are then read back from where the
+        turns are stored (the broker's store), by replaying them into a new
+        trajectory. Reading a shed trajectory's arrays is an error."""
+        if self.is_shed:
+            return
+        self._shed_length = self.response_length
+        self.prompt_tokens = EMPTY_TOKENS
+        self._pending, self._pending_length, self._pending_bytes = [], 0, 0
+        self._tokens, self._loss_mask, self._log_probs = (
+            GrowableArray(TOKEN_DTYPE), GrowableArray(LOSS_MASK_DTYPE), GrowableArray(LOG_PROB_DTYPE))
+        if self._mask is not None:
+            self._mask = _MaskBuffer()
+        self._context = {name: _shape_of(array) for name, array in self._context.items()}
+        self.is_shed = True
 
     @property
     def tokens(self) -> np.ndarray:
@@ -338,11 +365,16 @@ class Trajectory:
 
     @property
     def routed_experts(self) -> np.ndarray | None:
-        return self._context.get("routed_experts")
+        return self._context_array("routed_experts")
 
     @property
     def indexer_topk(self) -> np.ndarray | None:
-        return self._context.get("indexer_topk")
+        return self._context_array("indexer_topk")
+
+    def _context_array(self, name: str) -> np.ndarray | None:
+        if self.is_shed:
+            raise RuntimeError(f"trajectory {self.trajectory_id!r} was shed: its arrays are in the store; read it back")
+        return self._context.get(name)
 
     @property
     def terminal(self) -> bool:
@@ -374,8 +406,8 @@ class Trajectory:
         buffers = [self._tokens, self._loss_mask, self._log_probs]
         if self._mask is not None:
             buffers += [self._mask.ids, self._mask.offsets]
-        return (self.prompt_tokens.nbytes + sum(buffer.nbytes for buffer in buffers)
-                + sum(array.nbytes for array in self._context.values()) + self._pending_bytes)
+        context = 0 if self.is_shed else sum(array.nbytes for array in self._context.values())
+        return self.prompt_tokens.nbytes + sum(buffer.nbytes for buffer in buffers) + context + self._pending_bytes
 
     def _written_bytes(self, turn: Turn) -> int:
         """What a pending turn adds to the buffers once written."""
@@ -389,6 +421,8 @@ class Trajectory:
     def _write_pending(self) -> None:
         """Append the pending turns' arrays: one call per array for all of
         them, each turn's sampled tokens followed by its forced ones."""
+        if self.is_shed:
+            raise RuntimeError(f"trajectory {self.trajectory_id!r} was shed: its arrays are in the store; read it back")
         pending = self._pending
         if not pending:
             return
@@ -445,7 +479,11 @@ class Trajectory:
         self._queue(Turn(EMPTY_TOKENS, EMPTY_LOG_PROBS, forced_tokens=forced))
 
     def _queue(self, turn: Turn) -> None:
-        """Keep `turn` until the next read writes it (see _write_pending)."""
+        """Keep `turn` until the next read writes it (see _write_pending);
+        shed, only count its tokens."""
+        if self.is_shed:
+            self._shed_length += len(turn.tokens) + turn.forced_tokens.size
+            return
         self._pending.append(turn)
         self._pending_length += len(turn.tokens) + turn.forced_tokens.size
         self._pending_bytes += self._written_bytes(turn)
@@ -485,7 +523,7 @@ class Trajectory:
             self.start_mask()
         for name in CONTEXT_REPLAY_ARRAYS:
             if getattr(turn, name) is not None:
-                self._context[name] = getattr(turn, name)
+                self._context[name] = _shape_of(getattr(turn, name)) if self.is_shed else getattr(turn, name)
         return self._apply(turn)
 
     def _apply(self, turn: Turn) -> TurnOutcome:
@@ -508,6 +546,10 @@ class Trajectory:
         self._terminal = True
 
     def _truncate_response(self, length: int) -> None:
+        if self.is_shed:
+            self._shed_length = min(self._shed_length, length)
+            self._sampled_end = min(self._sampled_end, length)
+            return
         self._write_pending()
         self._tokens.truncate(length)
         self._loss_mask.truncate(length)

@@ -15,8 +15,10 @@ from broker_helpers import abort_msg, end_msg, turn_msg
 
 from rollstream.broker.dispatch import Dispatcher, DispatchSettings
 from rollstream.broker.engine import DEAD, ENDED, OPEN, EngineSettings, MergeEngine, Unit, _idle_since, held_bytes
+from rollstream.broker.recovery import load_trajectory
 from rollstream.broker.service import BrokerService
 from rollstream.broker.settings import BrokerSettings
+from rollstream.broker.store import Store
 from rollstream.common.codec import decode, encode
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
 from rollstream.common.sockets import SHARED_RECEIVE_BUFFER_BYTES, recv_routed
@@ -30,16 +32,24 @@ def check_indexes(engine: MergeEngine) -> None:
     assert engine.counts() == {**dict.fromkeys(("open", "ended", "dead", "left"), 0),
                                **Counter(e.state for e in entries)}
     assert engine.bytes_in_memory == sum(held_bytes(e.trajectory) for e in entries if e.trajectory is not None)
-    assert engine.evicted_open == {e.trajectory_id for e in entries if e.state == OPEN and e.trajectory is None}
+    assert engine.evicted_open == {e.trajectory_id for e in entries if e.state == OPEN and engine.needs_reload(e)}
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_counts_bytes_and_evictions_follow_every_change(seed):
+def test_counts_bytes_and_evictions_follow_every_change(seed, tmp_path):
+    """Random frames, consumer outcomes, expiry and evictions (with reads
+    back from a real store), the indexes checked after each."""
     rng = random.Random(seed)
-    engine = MergeEngine(EngineSettings(trajectory_ttl=50.0, dedup_window=1000.0))
-    evicted: dict[str, Trajectory] = {}  # what the store would give back
-    now, made = 0.0, 0
-    for _ in range(400):
+    store = Store(tmp_path / "data")
+    store.open()
+    engine = MergeEngine(EngineSettings(trajectory_ttl=50.0, dedup_window=1000.0), stored_digest=store.turn_digest)
+
+    def apply(effects):
+        store.commit(list(effects))
+        engine.saved()
+
+    now, made, observed, shed_seen = 0.0, 0, set(), False
+    for _ in range(300):
         now += rng.random()
         by_state = {state: [t for t, e in engine.entries.items() if e.state == state] for state in (OPEN, ENDED, DEAD)}
         action = rng.choice(["start", "start", "turn", "turn", "turn", "end", "abort", "deliver", "dead", "requeue",
@@ -47,41 +57,38 @@ def test_counts_bytes_and_evictions_follow_every_change(seed):
         if action == "start":
             made += 1
             group = (f"g{made // 3}", 3) if rng.random() < 0.3 else None
-            engine.handle(turn_msg(f"t{made}", 0, [5] * rng.randint(1, 9), forced=[7] * rng.randint(0, 3), group=group), now)
+            apply(engine.handle(turn_msg(f"t{made}", 0, [5] * rng.randint(1, 9), forced=[7] * rng.randint(0, 3),
+                                         group=group), now).effects)
         elif action == "turn" and by_state[OPEN]:
             tid = rng.choice(by_state[OPEN])
-            entry = engine.entries[tid]
-            if tid in evicted:
-                engine.reload(entry, evicted.pop(tid))
             supports = [[5, 6]] * rng.randint(1, 9) if rng.random() < 0.5 else None
-            engine.handle(turn_msg(tid, entry.next_turn, [5] * (len(supports) if supports else rng.randint(1, 9)),
-                                   supports=supports), now)
+            n = len(supports) if supports else rng.randint(1, 9)
+            apply(engine.handle(turn_msg(tid, engine.entries[tid].next_turn, [5] * n, supports=supports), now).effects)
         elif action == "end" and by_state[OPEN]:
-            tid = rng.choice(by_state[OPEN])
-            if tid in evicted:
-                engine.reload(engine.entries[tid], evicted.pop(tid))
-            engine.handle(end_msg(tid), now)
+            apply(engine.handle(end_msg(rng.choice(by_state[OPEN])), now).effects)
         elif action == "abort" and by_state[OPEN]:
-            engine.handle(abort_msg(rng.choice(by_state[OPEN])), now)
+            apply(engine.handle(abort_msg(rng.choice(by_state[OPEN])), now).effects)
         elif action == "deliver" and by_state[ENDED]:
-            engine.delivered(rng.choice(by_state[ENDED]), now)
+            apply(engine.delivered(rng.choice(by_state[ENDED]), now))
         elif action == "dead" and by_state[ENDED]:
-            engine.dead_letter(rng.choice(by_state[ENDED]), "refused", now)
+            apply(engine.dead_letter(rng.choice(by_state[ENDED]), "refused", now))
         elif action == "requeue" and by_state[DEAD]:
-            engine.requeue(rng.choice(by_state[DEAD]))
+            effect = engine.requeue(rng.choice(by_state[DEAD]))
+            apply([effect] if effect else [])
         elif action == "evict":
-            held = {t: e.trajectory for t, e in engine.entries.items() if e.trajectory is not None and e.state == OPEN}
             engine.evict(rng.randint(0, max(1, engine.bytes_in_memory)))
-            evicted.update((t, traj) for t, traj in held.items() if engine.entries[t].trajectory is None)
-        elif action == "reload" and engine.evicted_open:
-            tid = rng.choice(sorted(engine.evicted_open))
-            engine.reload(engine.entries[tid], evicted.pop(tid))
+        elif action == "reload":
+            stale = [e for e in engine.entries.values() if e.state in (OPEN, ENDED) and engine.needs_reload(e)]
+            if stale:
+                entry = rng.choice(stale)
+                engine.reload(entry, load_trajectory(store, store.load_one(entry.trajectory_id)))
         elif action == "expire":
-            engine.expire(now + rng.choice([0.0, 30.0]))
-        for tid in [t for t in evicted if t not in engine.evicted_open]:  # ended, expired or aborted since
-            del evicted[tid]
+            apply(engine.expire(now + rng.choice([0.0, 30.0])))
         check_indexes(engine)
-    assert made > 30 and engine.counts()[ENDED] + engine.counts()[DEAD] > 0
+        observed |= {e.state for e in engine.entries.values()}
+        shed_seen |= bool(engine.evicted_open)
+    assert made > 30 and {OPEN, ENDED, DEAD} <= observed and shed_seen
+    store.close()
 
 
 def test_an_engine_restored_directly_is_reindexed():
@@ -137,15 +144,20 @@ def test_eviction_takes_ready_ones_oldest_first_then_open_ones_least_recently_co
         engine.handle(end_msg(tid), 10.0)
     engine.handle(turn_msg("o1", 1, [5] * 100), 11.0)  # o2 is now the least recently continued
     order = []
-    while engine.bytes_in_memory:
-        held = {t for t, e in engine.entries.items() if e.trajectory is not None}
+
+    def in_memory():
+        return {t for t, e in engine.entries.items() if not engine.needs_reload(e)}
+
+    while True:
+        held = in_memory()
         engine.evict(engine.bytes_in_memory - 1, keep={"leased"})
-        gone = held - {t for t, e in engine.entries.items() if e.trajectory is not None}
+        gone = held - in_memory()
         if not gone:
             break
         order += sorted(gone)
     assert order == ["r1", "r2", "o2", "o1"]
-    assert engine.entries["leased"].trajectory is not None and engine.evicted_open == {"o1", "o2"}
+    assert in_memory() == {"leased"} and engine.evicted_open == {"o1", "o2"}
+    assert engine.entries["o1"].trajectory.is_shed and engine.entries["r1"].trajectory is None
     check_indexes(engine)
 
 
@@ -266,7 +278,8 @@ def test_paused_producers_resume_as_soon_as_an_ack_frees_memory(tmp_path):
         assert not service.reading_producers and service.engine.evicted_open == {"b"}
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [lease]}))
         until(consumer, BROKER_TO_CONSUMER, "acked")
-        assert service.reading_producers and service.engine.bytes_in_memory == 0
+        b = service.engine.entries["b"].trajectory  # shed: only what merging needs stays
+        assert service.reading_producers and b.is_shed and service.engine.bytes_in_memory == held_bytes(b)
     finally:
         service.close()
         context.destroy(linger=0)
@@ -277,7 +290,6 @@ def test_a_rebuild_reads_its_turns_opening_each_segment_once(tmp_path, monkeypat
     over two segment files: rebuilding it opens two files, not twelve, and
     gives back every token in order."""
     from rollstream.broker import store as store_module
-    from rollstream.broker.recovery import load_trajectory
 
     store = store_module.Store(tmp_path / "data")
     store.open()

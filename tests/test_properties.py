@@ -657,6 +657,50 @@ def test_replay_gap_cuts_at_last_captured_sampled_tokens(scenario):
     assert traj.gap == Gap(len(captured), expected_field)
 
 
+# == 5b. shed trajectories (the broker's eviction of open ones) =========================
+def outcome_of(traj: Trajectory, turn):
+    try:
+        return traj.append_turn(turn)
+    except ProtocolError as error:
+        return error.code
+
+
+@prop(200)
+@given(specs=st.lists(turn_specs(), min_size=1, max_size=7), data=st.data())
+def test_a_shed_trajectory_merges_exactly_as_the_whole_one_and_replays_to_it(specs, data):
+    """Any turns, valid or not (mask and replay fields starting, going
+    missing, shrinking; any status): shed at any point, the trajectory
+    gives every later turn the outcome the whole one gives it, keeps the
+    same lengths, status and gap, and replaying the applied turns into a
+    fresh trajectory (as the broker reads one back from its store) gives
+    the whole one's arrays."""
+    whole, shed = Trajectory("t", np.array([1, 2], np.int32)), Trajectory("t", np.array([1, 2], np.int32))
+    cut = data.draw(st.integers(0, len(specs)))
+    applied = []
+    for position, spec in enumerate(specs):
+        if position == cut:
+            shed.shed()
+        turn = spec.build()
+        outcome = outcome_of(whole, turn)
+        assert outcome_of(shed, turn) == outcome
+        if outcome == TurnOutcome(True):
+            applied.append(turn)
+        assert (shed.response_length, shed.turns, shed.status, shed.gap, shed.terminal, shed.weight_versions) == (
+            whole.response_length, whole.turns, whole.status, whole.gap, whole.terminal, whole.weight_versions)
+    replayed = Trajectory("t", np.array([1, 2], np.int32))
+    for turn in applied:
+        assert replayed.append_turn(turn) == TurnOutcome(True)
+    if whole.gap is not None:
+        replayed.cut_at_gap(whole.gap)
+    expected, got = whole.arrays(), replayed.arrays()
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert_same_array(got[name], expected[name])
+    if cut < len(specs):
+        with pytest.raises(RuntimeError, match="shed"):
+            shed.arrays()
+
+
 # == 6. corruption ====================================================================
 # Contract facts restated from PROTOCOL.md §2 (not read from the code under test).
 ITEMSIZE = {
