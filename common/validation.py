@@ -42,6 +42,9 @@ RULE_FORCED_SINGLETON = "forced tokens (loss_mask 0, log_prob 0.0) have the sing
 RULE_LOG_PROBS = "log_probs are log-probabilities (not NaN, not +inf)"
 
 
+_LONG_SEGMENT = 32  # mean ids per support from which a per-segment reduction is the cheaper one
+
+
 class _NumpyOps:
     @staticmethod
     def fast_running_sum() -> bool:
@@ -100,15 +103,28 @@ class _NumpyOps:
     def repeat(values, counts):
         return np.repeat(values, counts)
 
-    @staticmethod
-    def segment_any(flags, offsets):
-        """Per CSR segment, whether any flag is set: the running count of set
-        flags grows across it (a prefix sum read at the offsets, two to three
-        times cheaper than `logical_or.reduceat`, whose cost is per segment;
-        an empty segment has none)."""
-        counts = np.empty(len(flags) + 1, dtype=np.int64)  # int64: no wrap, however many flags
+    @classmethod
+    def segment_any(cls, flags, offsets):
+        """Per CSR segment, whether any flag is set. Short segments (top-k
+        supports): the running count of set flags grows across the segment
+        (a prefix sum read at the offsets, two to three times cheaper than
+        `logical_or.reduceat`, whose cost is per segment). Long ones (top-p
+        supports of thousands of ids): `logical_or.reduceat`, which then
+        costs next to nothing, over the non-empty segments (it would read
+        an empty one's next flag)."""
+        segments = len(offsets) - 1
+        if segments and len(flags) >= _LONG_SEGMENT * segments:
+            out = np.zeros(segments, dtype=bool)
+            nonempty = offsets[1:] > offsets[:-1]
+            starts = offsets[:-1][nonempty]
+            if len(starts):
+                out[nonempty] = np.logical_or.reduceat(flags, starts)
+            return out
+        # Counted from uint8 flags into a reused buffer: a bool-to-int64 prefix
+        # sum into fresh pages cost ten times as much here.
+        counts = cls.scratch("segment counts", len(flags) + 1, "int32" if len(flags) < 2**31 else "int64")
         counts[0] = 0
-        np.cumsum(flags, dtype=np.int64, out=counts[1:])
+        np.cumsum(flags.view(np.uint8), dtype=counts.dtype, out=counts[1:])
         at = counts[offsets]
         return at[1:] != at[:-1]
 

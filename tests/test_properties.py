@@ -1162,14 +1162,24 @@ def test_inside_support_matches_a_python_membership_test_on_every_path(case):
     assert not validation.inside_support(torch.from_numpy(wide), *(torch.from_numpy(a) for a in arrays[1:])).any()
 
 
-@prop(150)
-@given(flags=st.lists(st.booleans(), max_size=20), data=st.data())
+@prop(200)
+@given(flags=st.lists(st.booleans(), max_size=300), data=st.data())
 def test_segment_any_says_whether_each_segment_holds_a_set_flag(flags, data):
-    """Empty segments included: they hold nothing (logical_or.reduceat would
-    read the next segment's first flag for them)."""
+    """Short segments and long ones (two ways of computing it), empty ones
+    included: they hold nothing (logical_or.reduceat would read the next
+    segment's first flag for them)."""
     from rollstream.common import validation
 
     cuts = sorted(data.draw(st.lists(st.integers(0, len(flags)), max_size=8)))
     offsets = np.array([0, *cuts, len(flags)], dtype=np.int64)
     got = validation._NumpyOps.segment_any(np.array(flags, dtype=bool), offsets)
     assert got.tolist() == [any(flags[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def test_segment_any_on_long_segments_skips_the_empty_ones():
+    from rollstream.common import validation
+
+    flags = np.zeros(200, dtype=bool)
+    flags[100] = True  # the first flag of the segment after an empty one
+    offsets = np.array([0, 0, 100, 100, 200], dtype=np.int64)
+    assert validation._NumpyOps.segment_any(flags, offsets).tolist() == [False, False, False, True]
