@@ -45,6 +45,7 @@ log = logging.getLogger("rollstream.broker")
 HOUSEKEEPING_EVERY = 0.2  # seconds between expiry, lease and budget checks
 PROBE_EVERY = 1.0  # seconds between store probes while unavailable
 PRODUCER_FORGET_AFTER = 3600.0  # seconds after which a silent producer connection is forgotten
+ZERO_COPY_SEND_ABOVE = 1 << 20  # bytes: a frame larger than this is sent without a copy (see `_send`)
 PRODUCER_ACTIVE_FOR = 30.0  # seconds a producer connection counts as active after its last frame (it pings every second)
 
 
@@ -370,13 +371,15 @@ class BrokerService:
 
     def _send(self, endpoint: str, identity: bytes, frames: list) -> bool:
         """Send without blocking; False when the peer is gone or not reading.
-        Every frame is copied, deliveries too: a zero-copy send hands each
-        large frame to pyzmq's garbage-collector thread, which must take the
-        interpreter lock to let it go, and the broker delivered 5-10% fewer
-        frames/s that way than by copying ~200 KB per trajectory."""
+        Frames up to `ZERO_COPY_SEND_ABOVE` are copied: a zero-copy send
+        hands each frame to pyzmq's garbage-collector thread, which must take
+        the interpreter lock to let it go, and the broker delivered 5-10%
+        fewer frames/s that way than by copying ~200 KB per trajectory.
+        Larger ones (long top-p supports) go without the copy, which then
+        costs more than the hand-over."""
         sock = self.sockets[endpoint]
         try:
-            send_frames(sock, frames, identity=identity)
+            send_frames(sock, frames, identity=identity, zero_copy_above=ZERO_COPY_SEND_ABOVE)
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH (peer gone) or EAGAIN (peer's queue full)
             log.warning("reply not delivered", extra={"endpoint": endpoint, "peer": identity.hex(), "error": exc.strerror})
