@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import resource
 import statistics
 import threading
 import time
@@ -63,18 +64,21 @@ def _producer_main(conn, endpoint: str, plan: dict) -> None:
     arrays = [turn_arrays(plan["tokens"], plan["ids"], seed) for seed in range(4)]
     prompt = np.arange(64, dtype=np.int32)
 
+    context = zmq.Context()
+    context.set(zmq.MAX_SOCKETS, 4 * plan["connections"] + 64)  # two sockets per producer (its own and its monitor)
+
     async def one(index: int, tids: list[str], latencies: list, state: dict) -> None:
-        async with AsyncProducer(endpoint, f"scale-{plan['tag']}-{index}") as producer:
+        async with AsyncProducer(endpoint, f"scale-{plan['tag']}-{index}", context=context) as producer:
             loop = asyncio.get_running_loop()
             for start in range(0, len(tids), plan["open"]):
                 wave = [producer.trajectory(tid, prompt) for tid in tids[start:start + plan["open"]]]
                 for turn in range(plan["turns"]):
                     for k, traj in enumerate(wave):
                         part = arrays[(k + turn) % len(arrays)]
-                        sent = loop.time()
                         future = await traj.turn(part["tokens"], part["log_probs"], mask_ids=part["mask_ids"],
                                                  mask_offsets=part["mask_offsets"])
-                        future.add_done_callback(lambda _, at=sent: latencies.append(loop.time() - at))
+                        accepted = loop.time()  # the wait for room in the window is not the broker's
+                        future.add_done_callback(lambda _, at=accepted: latencies.append(loop.time() - at))
                 for traj in wave:
                     await traj.end(0.0)
             await producer.flush()
@@ -90,6 +94,8 @@ def _producer_main(conn, endpoint: str, plan: dict) -> None:
         return {"p50": latencies[len(latencies) // 2], "p99": latencies[int(0.99 * (len(latencies) - 1))],
                 "resends": state["resends"], "last_ack": state["last_ack"]}
 
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a few descriptors per connection
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     conn.send("ready")
     conn.recv()
     conn.send(asyncio.run(run()))

@@ -35,6 +35,7 @@ from rollstream.common.wire import encode_deliver
 
 from .dispatch import Dispatcher, DispatchSettings
 from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, Entry, MarkGap, MergeEngine, PutTurn, Unit
+from .flow import WindowGrants
 from .metrics import BrokerMetrics
 from .recovery import load_trajectory, restore
 from .settings import BrokerSettings
@@ -86,7 +87,7 @@ class BrokerService:
         self.unavailable = False
         self.reading_producers = True
         self.producers: dict[bytes, float] = {}  # connection -> last heard
-        self.window_grant = settings.window  # frames in flight each active producer may have (`_grant_windows`)
+        self.grants = WindowGrants(settings.window, settings.max_in_flight)  # frames in flight per producer connection
         self.batch_acks: set[bytes] = set()  # connections whose hello asked for one `acks` per commit
         self.packed_consumers: set[bytes] = set()  # consumer connections that read packed deliveries (their hello said so)
         self._stopping = False
@@ -267,7 +268,7 @@ class BrokerService:
             seq = ack["seq"]
             acks = by_identity.get(item.identity)
             if acks is None:
-                acks = by_identity[item.identity] = {"ranges": [[seq, seq]], "window": self.window_grant}
+                acks = by_identity[item.identity] = {"ranges": [[seq, seq]], "window": self.grants.grant(item.identity)}
             else:
                 last = acks["ranges"][-1]
                 if seq == last[1] + 1:
@@ -312,8 +313,9 @@ class BrokerService:
         if message.type == "hello":
             s = self.settings
             log.info("producer connected", extra={"producer_id": message["producer_id"]})
-            self._grant_windows(now)
-            fields = {"broker_id": self.broker_id, "max_message_bytes": s.max_message_bytes, "window": self.window_grant}
+            self._count_active_producers(now)
+            fields = {"broker_id": self.broker_id, "max_message_bytes": s.max_message_bytes,
+                      "window": self.grants.grant(identity)}
             if "seq" in message.fields:
                 fields["seq"] = message["seq"]
             if message.get("batch_acks"):
@@ -323,7 +325,8 @@ class BrokerService:
                 self.batch_acks.discard(identity)
             return _Pending(identity, encode(BROKER_TO_PRODUCER, "welcome", fields)), []
         if message.type == "ping":
-            return _Pending(identity, encode(BROKER_TO_PRODUCER, "pong", {"seq": message["seq"], "window": self.window_grant})), []
+            pong = {"seq": message["seq"], "window": self.grants.grant(identity)}
+            return _Pending(identity, encode(BROKER_TO_PRODUCER, "pong", pong)), []
         if self.unavailable:
             error = ProtocolError("unavailable", "the broker cannot persist right now; resend later", seq=message["seq"])
             return _Pending(identity, self._refuse("producer", error, message)), []
@@ -387,20 +390,17 @@ class BrokerService:
                 self._forget_producer(identity)
             return False
 
-    def _grant_windows(self, now: float) -> None:
-        """Share `max_in_flight` among the active producer connections, so
-        frames queued at the broker, and so the wait for an ack, stay bounded
-        however many producers there are. Producers learn their grant from
-        `welcome`, `acks` and `pong`; a smaller one only holds back their
-        next frames."""
-        s = self.settings
-        active = sum(1 for seen in self.producers.values() if seen >= now - PRODUCER_ACTIVE_FOR)
-        self.window_grant = max(1, min(s.window, s.max_in_flight // max(1, active)))
+    def _count_active_producers(self, now: float) -> None:
+        """The grants share `max_in_flight` among the connections heard from
+        lately, so frames queued at the broker, and so the wait for an ack,
+        stay bounded however many producers there are."""
+        self.grants.active(sum(1 for seen in self.producers.values() if seen >= now - PRODUCER_ACTIVE_FOR))
 
     def _forget_producer(self, identity: bytes) -> None:
         """A connection that is gone (a reconnect comes with a new identity)."""
         self.producers.pop(identity, None)
         self.batch_acks.discard(identity)
+        self.grants.forget(identity)
 
     # -- consumers ------------------------------------------------------------
     def _serve_consumers(self, now: float) -> None:
@@ -598,7 +598,7 @@ class BrokerService:
             self._next_producer_prune = now + PRODUCER_FORGET_AFTER / 10
             for identity in [i for i, seen in self.producers.items() if seen < now - PRODUCER_FORGET_AFTER]:
                 self._forget_producer(identity)
-        self._grant_windows(now)
+        self._count_active_producers(now)
         effects = self.engine.expire(now)
         if self._commit(effects):
             self._count_effects(effects)

@@ -47,6 +47,7 @@ log = logging.getLogger("rollstream.producer")
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 _SEQ_BYTES = len(number_header(b"\x80", 0)) - 1  # what numbering adds to a header
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum arithmetic costs more than the call
+BEFORE_WELCOME_WINDOW = 8  # frames in flight until the broker's welcome grants a window
 _ZERO_COPY_ABOVE = 65536  # bytes: smaller frames are cheaper to copy than to hand over (pyzmq's own threshold)
 
 
@@ -127,7 +128,11 @@ class AsyncProducer:
         self.pack_arrays = pack_arrays
         self.metrics = ProducerMetrics()
         self._window_limit = window
-        self._window = ResendWindow(window, reply_timeout=reply_timeout, retry_delay=retry_delay)
+        # Until the welcome says how many frames this connection may have in
+        # flight, a few: hundreds of producers starting at once would
+        # otherwise queue a full window each at the broker before any grant.
+        self._window = ResendWindow(min(window, BEFORE_WELCOME_WINDOW), reply_timeout=reply_timeout,
+                                    retry_delay=retry_delay)
         self._heartbeat = Heartbeat(heartbeat_interval, heartbeat_timeout, time.monotonic())
         self._spool_options = (spool_dir, spool_bytes, spool_fsync)
         self._spool: Spool | None = None

@@ -64,15 +64,16 @@ def broker(tmp_path):
 
 
 def test_the_in_flight_bound_is_shared_among_producers_as_they_join(tmp_path):
-    """`max_in_flight` 8 with `window` 8: one producer may have 8 frames in
-    flight, then 4 each for two, 2 each for three; an earlier producer
-    learns its smaller share from its next pong (and acks)."""
+    """`max_in_flight` 8 with `window` 8: the first producer may have all 8
+    frames in flight; those joining while it holds them start with 1; the
+    first learns its share of 2 (of three) from its next pong, and the room
+    it gives back goes to the others with theirs."""
     with BrokerProcess(tmp_path, window=8, max_in_flight=8) as b:
         peers = [Peer(b.producer) for _ in range(3)]
         grants = [peer.call(frames("hello", producer_id=f"p{i}", seq=0))[0]["window"] for i, peer in enumerate(peers)]
-        assert grants == [8, 4, 2]
-        pong, _ = peers[0].call(frames("ping", seq=1))
-        assert (pong["type"], pong["window"]) == ("pong", 2)
+        assert grants == [8, 1, 1]
+        pongs = [peer.call(frames("ping", seq=1))[0] for peer in peers]
+        assert [(pong["type"], pong["window"]) for pong in pongs] == [("pong", 2)] * 3
 
 
 def test_producer_and_consumer_conversation(broker):

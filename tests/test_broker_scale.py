@@ -15,6 +15,7 @@ from broker_helpers import abort_msg, end_msg, turn_msg
 
 from rollstream.broker.dispatch import Dispatcher, DispatchSettings
 from rollstream.broker.engine import DEAD, ENDED, OPEN, EngineSettings, MergeEngine, Unit, _idle_since, held_bytes
+from rollstream.broker.flow import WindowGrants
 from rollstream.broker.recovery import load_trajectory
 from rollstream.broker.service import BrokerService
 from rollstream.broker.settings import BrokerSettings
@@ -308,3 +309,34 @@ def test_a_rebuild_reads_its_turns_opening_each_segment_once(tmp_path, monkeypat
     assert rebuilt.tokens.tolist() == [i for i in range(14) for _ in range(20)]
     assert len(opened) == 2
     store.close()
+
+
+def test_grants_share_the_bound_and_a_late_joiner_starts_with_what_is_left():
+    grants = WindowGrants(window=256, max_in_flight=1024)
+    early = [f"p{i}".encode() for i in range(4)]
+    grants.active(4)
+    assert [grants.grant(p) for p in early] == [256] * 4  # the whole bound is told
+    late = [f"q{i}".encode() for i in range(4)]
+    grants.active(8)
+    assert [grants.grant(q) for q in late] == [1] * 4  # nothing left over: one frame each until the others shrink
+    assert [grants.grant(p) for p in early] == [128] * 4  # their next answers tell them the fair share
+    assert [grants.grant(q) for q in late] == [128] * 4  # and the room they left goes to the late ones
+    assert grants.told == 1024
+    grants.forget(early[0])
+    grants.active(7)
+    assert grants.grant(late[0]) == 146 and grants.told <= 1024
+
+
+def test_grants_never_tell_more_than_the_bound_plus_one_frame_per_connection():
+    rng = random.Random(7)
+    grants = WindowGrants(window=64, max_in_flight=200)
+    connections: list[bytes] = []
+    for _ in range(2000):
+        if not connections or rng.random() < 0.05:
+            connections.append(f"c{len(connections)}".encode())
+        elif rng.random() < 0.02:
+            grants.forget(connections.pop(rng.randrange(len(connections))))
+        grants.active(len(connections))
+        if connections:
+            assert 1 <= grants.grant(rng.choice(connections)) <= 64
+        assert grants.told <= 200 + len(connections)
