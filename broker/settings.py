@@ -25,7 +25,7 @@ class BrokerSettings:
     max_disk_bytes: int = 64 << 30
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     window: int = 256
-    max_in_flight: int = 2048
+    max_in_flight: int = 1024
     batch_max: int = 256
     segment_bytes: int = 64 << 20
     high_water_mark: int = 1000

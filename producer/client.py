@@ -47,7 +47,7 @@ log = logging.getLogger("rollstream.producer")
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 _SEQ_BYTES = len(number_header(b"\x80", 0)) - 1  # what numbering adds to a header
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum arithmetic costs more than the call
-BEFORE_WELCOME_WINDOW = 8  # frames in flight until the broker's welcome grants a window
+BEFORE_WELCOME_WINDOW = 2  # frames in flight until the broker's welcome grants a window
 _ZERO_COPY_ABOVE = 65536  # bytes: smaller frames are cheaper to copy than to hand over (pyzmq's own threshold)
 
 
