@@ -30,6 +30,7 @@ from rollstream.common.messages import (
 from rollstream.common.miles import FIELDS_WITH_MASK, encode_session_samples
 from rollstream.common.wire import trajectory_from_deliver
 from rollstream.producer import AsyncProducer, Producer, Receipt, Refused
+from rollstream.producer.client import BEFORE_WELCOME_WINDOW
 
 PATIENCE = 90.0  # seconds before a wait gives up (only ever reached when something hangs)
 
@@ -376,8 +377,9 @@ async def fill(producer, prefix, release):
 
 
 def test_a_full_window_blocks_instead_of_growing_memory(tmp_path):
-    """No broker yet: the first `window` frames are accepted, the other
-    senders wait; memory never holds more than the window."""
+    """No broker yet, so no welcome: the first frames the window holds
+    before a welcome (`BEFORE_WELCOME_WINDOW`, fewer than `window`) are
+    accepted, the other senders wait; memory never holds more."""
     broker = Broker(tmp_path)
 
     async def main():
@@ -388,7 +390,7 @@ def test_a_full_window_blocks_instead_of_growing_memory(tmp_path):
         peak, waiting, accepted, outcomes = asyncio.run(main())
     finally:
         broker.__exit__()
-    assert peak == 3 and accepted == 3 and waiting > 0
+    assert peak == accepted == BEFORE_WELCOME_WINDOW < 3 and waiting > 0
     assert len(outcomes) == 12 and all(o.applied for o in outcomes)
 
 
