@@ -493,14 +493,13 @@ class AsyncProducer:
             log.info(f"broker {self.endpoint} answering again", extra={"endpoint": self.endpoint})
         window = self._window
         ignored = window.ignored
-        if "window" in reply.fields and reply.type != "welcome":  # the broker's share of its in-flight bound
-            window.set_limit(min(self._window_limit, reply["window"]))
+        if "window" in reply.fields:  # the welcome's window, or the broker's share of its in-flight bound since
+            self._set_window(reply["window"])
         if reply.type == "acks":
             self._settle(window.on_acks(reply), now)
         elif reply.type == "pong":
             self._on_pong(reply["seq"])
         elif reply.type == "welcome":
-            window.set_limit(min(self._window_limit, reply["window"]))
             log.info(f"broker {reply['broker_id']} welcomed us: window {window.limit}",
                      extra={"broker_id": reply["broker_id"], "window": window.limit})
         elif reply.type == "nack" and "seq" not in reply.fields:
@@ -513,6 +512,21 @@ class AsyncProducer:
                 self._settle([settled], now)
         if window.ignored > ignored:
             self.metrics.inc(self.metrics.ignored, window.ignored - ignored)
+
+    def _set_window(self, granted: int) -> None:
+        """Frames in flight the broker allows now; senders waiting for room
+        look again when it grows."""
+        window = self._window
+        limit = min(self._window_limit, granted)
+        if limit == window.limit:
+            return
+        grew = limit > window.limit
+        window.set_limit(limit)
+        if grew:
+            with self._lock:
+                if self._blocked:
+                    self._room.notify_all()
+            self._changed.set()
 
     def _on_pong(self, seq: int) -> None:
         """The broker answered everything sent before this ping: frames sent

@@ -3,6 +3,7 @@ to what it holds: the merge engine's indexes (counts by state, bytes in
 memory, recency for expiry and eviction), the dispatcher's queue count, and
 the receive path that keeps a held frame from pinning a shared buffer.
 Each index is checked against a count made from scratch."""
+import contextlib
 import random
 import time
 from collections import Counter, OrderedDict
@@ -209,17 +210,28 @@ def test_small_received_frames_are_copied_out_and_large_ones_kept_zero_copy():
         context.destroy(linger=0)
 
 
+@contextlib.contextmanager
+def driven_service(tmp_path, **settings):
+    """A broker service on inproc endpoints that the test drives itself
+    (`run_once`, `_housekeeping`), with the time it chooses."""
+    context = zmq.Context()
+    service = BrokerService(BrokerSettings(producer_endpoint="inproc://p", consumer_endpoint="inproc://c",
+                                           admin_endpoint="inproc://a", data_dir=str(tmp_path / "data"),
+                                           metrics_port=0, **settings), context=context)
+    service.start()
+    try:
+        yield service, context
+    finally:
+        service.close()
+        context.destroy(linger=0)
+
+
 def test_a_long_pass_does_not_drop_a_consumer_whose_heartbeats_wait_unread(tmp_path):
     """A consumer heard from at 0 whose heartbeat arrives while the broker is
     busy: when housekeeping next runs, long after 3 heartbeat intervals, it
     reads the waiting heartbeat before judging the consumer silent."""
-    context = zmq.Context()
-    settings = BrokerSettings(producer_endpoint="inproc://p", consumer_endpoint="inproc://c",
-                              admin_endpoint="inproc://a", data_dir=str(tmp_path / "data"), metrics_port=0,
-                              heartbeat_interval=1.0)
-    service = BrokerService(settings, context=context)
-    service.start()
-    try:
+    with driven_service(tmp_path, heartbeat_interval=1.0) as (service, context):
+        settings = service.settings
         consumer = context.socket(zmq.DEALER)
         consumer.connect("inproc://c")
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "trainer"}))
@@ -234,9 +246,6 @@ def test_a_long_pass_does_not_drop_a_consumer_whose_heartbeats_wait_unread(tmp_p
         assert len(service.dispatcher.consumers) == 1
         service._housekeeping(later + 10 * settings.heartbeat_interval)  # silent this time: dropped
         assert not service.dispatcher.consumers
-    finally:
-        service.close()
-        context.destroy(linger=0)
 
 
 def test_paused_producers_resume_as_soon_as_an_ack_frees_memory(tmp_path):
@@ -244,14 +253,9 @@ def test_paused_producers_resume_as_soon_as_an_ack_frees_memory(tmp_path):
     second one puts the broker over its budget and producer frames pause.
     The consumer's ack frees the memory and producers resume in that same
     pass, with no housekeeping pass (disabled here) in between."""
-    context = zmq.Context()
-    settings = BrokerSettings(producer_endpoint="inproc://p", consumer_endpoint="inproc://c",
-                              admin_endpoint="inproc://a", data_dir=str(tmp_path / "data"), metrics_port=0,
-                              max_memory_bytes=20_000)
-    service = BrokerService(settings, context=context)
-    service.start()
-    service._next_housekeeping = float("inf")
-    try:
+    with driven_service(tmp_path, max_memory_bytes=20_000) as (service, context):
+        service._next_housekeeping = float("inf")
+
         def until(sock, schema, wanted):
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
@@ -281,9 +285,6 @@ def test_paused_producers_resume_as_soon_as_an_ack_frees_memory(tmp_path):
         until(consumer, BROKER_TO_CONSUMER, "acked")
         b = service.engine.entries["b"].trajectory  # shed: only what merging needs stays
         assert service.reading_producers and b.is_shed and service.engine.bytes_in_memory == held_bytes(b)
-    finally:
-        service.close()
-        context.destroy(linger=0)
 
 
 def test_a_rebuild_reads_its_turns_opening_each_segment_once(tmp_path, monkeypatch):
