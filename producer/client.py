@@ -211,6 +211,12 @@ class AsyncProducer:
         """Frames held in memory (never more than the window)."""
         return self._in_memory
 
+    @property
+    def window(self) -> int:
+        """Frames it may have unsettled now: its `window` setting or less, as
+        the broker grants (`BEFORE_WELCOME_WINDOW` until the welcome)."""
+        return self._window.limit
+
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until every accepted frame is settled; False on timeout."""
         try:

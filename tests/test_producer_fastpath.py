@@ -6,6 +6,7 @@ and refusals logged with the trajectory and the code in the text."""
 import asyncio
 import logging
 import threading
+import time
 
 import msgpack
 import numpy as np
@@ -89,6 +90,14 @@ class ScriptedBroker:
     def handshake(self):
         self.identity, self.hello = self.receive()
         self.reply("welcome", broker_id="scripted", max_message_bytes=1 << 20, window=64, batch_acks=True)
+
+    async def welcomed(self, producer):
+        """Once the producer has read the welcome (its window is granted)."""
+        self.handshake()
+        deadline = time.monotonic() + PATIENCE
+        while producer.window < 64:
+            assert time.monotonic() < deadline, "the producer never read the welcome"
+            await asyncio.sleep(0.001)
 
     def frames(self, count):
         got = []
@@ -247,7 +256,7 @@ def test_turns_accepted_without_yielding_go_out_a_burst_at_a_time_or_when_the_lo
 
     async def main():
         async with AsyncProducer("inproc://scripted-burst", "p-burst", send_burst=3, context=context) as producer:
-            broker.handshake()
+            await broker.welcomed(producer)
             traj = producer.trajectory("t", [1])
             sent = []
             for _ in range(4):  # no await below yields: room is there
