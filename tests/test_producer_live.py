@@ -377,9 +377,9 @@ async def fill(producer, prefix, release):
 
 
 def test_a_full_window_blocks_instead_of_growing_memory(tmp_path):
-    """No broker yet, so no welcome: the first frames the window holds
-    before a welcome (`BEFORE_WELCOME_WINDOW`, fewer than `window`) are
-    accepted, the other senders wait; memory never holds more."""
+    """No broker yet, so no welcome: the frames a window holds before a
+    welcome (`BEFORE_WELCOME_WINDOW`, fewer than `window`) are accepted, the
+    other senders wait; memory never holds more than the window."""
     broker = Broker(tmp_path)
 
     async def main():
@@ -390,7 +390,7 @@ def test_a_full_window_blocks_instead_of_growing_memory(tmp_path):
         peak, waiting, accepted, outcomes = asyncio.run(main())
     finally:
         broker.__exit__()
-    assert peak == accepted == BEFORE_WELCOME_WINDOW < 3 and waiting > 0
+    assert accepted == BEFORE_WELCOME_WINDOW < 3 and waiting > 0 and peak <= 3  # the window, once welcomed
     assert len(outcomes) == 12 and all(o.applied for o in outcomes)
 
 
