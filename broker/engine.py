@@ -220,7 +220,6 @@ class MergeEngine:
         self._idle_groups: OrderedDict[str, Group] = OrderedDict()
         self._resident_ready: OrderedDict[str, Entry] = OrderedDict()  # ended, in memory, oldest first
         self._resident_open: OrderedDict[str, Entry] = OrderedDict()  # open, in memory, least recently continued first
-        self.evicted_open: set[str] = set()  # open trajectories whose merged state is only in the store
         self.bytes_in_memory = 0  # of the trajectories in memory (arrays and overheads), kept as they change
         self.dedup: dict[str, float] = {}  # trajectory id -> remembered until
         self._dedup_expiry: list[tuple[float, str]] = []  # a heap of (until, id): expiry without scanning every id
@@ -517,7 +516,7 @@ class MergeEngine:
         return Requeue(tid)
 
     # -- memory -------------------------------------------------------------
-    def evict(self, target: int, keep: set[str] | frozenset = frozenset()) -> int:
+    def evict(self, target: int, keep: set[str] | frozenset = frozenset()) -> dict[str, int]:
         """Drop merged trajectories' arrays from memory (all are durable in
         the store) until at most `target` bytes are held: ready ones first,
         oldest first, then open ones, least recently continued first, never
@@ -545,6 +544,11 @@ class MergeEngine:
         """Its arrays are only in the store (evicted, or not loaded at start)."""
         return entry.trajectory is None or entry.trajectory.is_shed
 
+    def evicted_open(self) -> set[str]:
+        """Open trajectories whose arrays are only in the store (a scan of
+        the open ones: for inspection, not for the hot path)."""
+        return {tid for tid, entry in self._open.items() if self.needs_reload(entry)}
+
     def reload(self, entry: Entry, trajectory: Trajectory) -> None:
         """An evicted trajectory read back from the store."""
         self._hold(entry, trajectory)
@@ -555,7 +559,6 @@ class MergeEngine:
         bytes."""
         self._counts = dict.fromkeys(STATES, 0)
         self._open.clear(), self._idle_groups.clear(), self._resident_ready.clear(), self._resident_open.clear()
-        self.evicted_open.clear()
         self.bytes_in_memory = 0
         for entry in sorted(self.entries.values(), key=lambda e: e.updated_at):
             trajectory, entry.trajectory, entry.held = entry.trajectory, None, 0
@@ -580,7 +583,6 @@ class MergeEngine:
         self._release(entry)
         self._counts[entry.state] -= 1
         self._open.pop(tid, None)
-        self.evicted_open.discard(tid)
         return entry
 
     def _set_state(self, entry: Entry, state: str) -> None:
@@ -589,7 +591,6 @@ class MergeEngine:
         self._counts[state] += 1
         if entry.state == OPEN:
             self._open.pop(tid, None)
-            self.evicted_open.discard(tid)
             if self._resident_open.pop(tid, None) is not None and state == ENDED:
                 self._resident_ready[tid] = entry
         entry.state = state
@@ -598,13 +599,8 @@ class MergeEngine:
         self._release(entry)
         entry.trajectory, entry.held = trajectory, 0
         self._grow(entry)
-        tid = entry.trajectory_id
-        if trajectory.is_shed:
-            if entry.state == OPEN:
-                self.evicted_open.add(tid)
-            return
-        (self._resident_open if entry.state == OPEN else self._resident_ready)[tid] = entry
-        self.evicted_open.discard(tid)
+        if not trajectory.is_shed:
+            (self._resident_open if entry.state == OPEN else self._resident_ready)[entry.trajectory_id] = entry
 
     def _grow(self, entry: Entry) -> None:
         """Count the entry's trajectory as it is now (O(1): it keeps its own size)."""
@@ -615,7 +611,6 @@ class MergeEngine:
     def _shed(self, entry: Entry) -> None:
         entry.trajectory.shed()
         self._resident_open.pop(entry.trajectory_id, None)
-        self.evicted_open.add(entry.trajectory_id)
         self._grow(entry)
 
     def _release(self, entry: Entry) -> None:

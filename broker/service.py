@@ -629,10 +629,15 @@ class BrokerService:
         self._refresh_gauges(now)
 
     def _apply_memory_budget(self) -> None:
-        """Over the memory budget, evict trajectories (all durable in the
-        store) before pausing producers; then pause or resume them. Run
-        after every batch, not only at housekeeping: the engine keeps its
+        """Evict down to the memory budget, then pause or resume producers.
+        Run after every batch, not only at housekeeping: the engine keeps its
         count as it changes, so producers resume as soon as room is made."""
+        self._evict_to_budget()
+        self._update_backpressure()
+
+    def _evict_to_budget(self) -> None:
+        """Over the memory budget, evict trajectories (all durable in the
+        store) before producers are paused."""
         s = self.settings
         self._memory_bytes = self.engine.bytes_in_memory
         resume_at = 0.9 * s.max_memory_bytes
@@ -643,13 +648,12 @@ class BrokerService:
                 if count:
                     self.metrics.inc(self.metrics.evictions, count, state=state)
             self._memory_bytes = self.engine.bytes_in_memory
-        self._update_backpressure()
 
     def _apply_budgets(self) -> None:
         """Memory, then disk (measured from the store, and its WAL
-        checkpointed when near the limit)."""
+        checkpointed when near the limit), then pause or resume producers."""
         s = self.settings
-        self._apply_memory_budget()
+        self._evict_to_budget()
         self._disk_bytes = self.store.bytes_on_disk()
         if self._disk_bytes > 0.9 * s.max_disk_bytes:  # also below the limit: the WAL must not hold off a resume
             try:

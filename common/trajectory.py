@@ -372,9 +372,13 @@ class Trajectory:
         return self._context_array("indexer_topk")
 
     def _context_array(self, name: str) -> np.ndarray | None:
+        self._require_arrays()
+        return self._context.get(name)
+
+    def _require_arrays(self) -> None:
+        """Reading a shed trajectory's arrays is a bug: they are in the store."""
         if self.is_shed:
             raise RuntimeError(f"trajectory {self.trajectory_id!r} was shed: its arrays are in the store; read it back")
-        return self._context.get(name)
 
     @property
     def terminal(self) -> bool:
@@ -421,8 +425,7 @@ class Trajectory:
     def _write_pending(self) -> None:
         """Append the pending turns' arrays: one call per array for all of
         them, each turn's sampled tokens followed by its forced ones."""
-        if self.is_shed:
-            raise RuntimeError(f"trajectory {self.trajectory_id!r} was shed: its arrays are in the store; read it back")
+        self._require_arrays()
         pending = self._pending
         if not pending:
             return

@@ -363,9 +363,9 @@ def test_an_evicted_open_trajectory_merges_without_reading_the_store_and_is_read
         for i in range(4):  # ~144 KB of open trajectories against a 100 KB budget
             assert decode(call(producer, good_turn(f"t{i}", seq=i, n=1500, first=i)), BROKER_TO_PRODUCER)["applied"]
         deadline = time.monotonic() + 10
-        while not service.engine.evicted_open and time.monotonic() < deadline:
+        while not service.engine.evicted_open() and time.monotonic() < deadline:
             time.sleep(0.05)
-        tid = sorted(service.engine.evicted_open)[0]
+        tid = sorted(service.engine.evicted_open())[0]
         first = int(tid[1:])
         real_load = service.store.load_one
 

@@ -34,7 +34,7 @@ def check_indexes(engine: MergeEngine) -> None:
     assert engine.counts() == {**dict.fromkeys(("open", "ended", "dead", "left"), 0),
                                **Counter(e.state for e in entries)}
     assert engine.bytes_in_memory == sum(held_bytes(e.trajectory) for e in entries if e.trajectory is not None)
-    assert engine.evicted_open == {e.trajectory_id for e in entries if e.state == OPEN and engine.needs_reload(e)}
+    assert engine.evicted_open() == {e.trajectory_id for e in entries if e.state == OPEN and engine.needs_reload(e)}
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -88,7 +88,7 @@ def test_counts_bytes_and_evictions_follow_every_change(seed, tmp_path):
             apply(engine.expire(now + rng.choice([0.0, 30.0])))
         check_indexes(engine)
         observed |= {e.state for e in engine.entries.values()}
-        shed_seen |= bool(engine.evicted_open)
+        shed_seen |= bool(engine.evicted_open())
     assert made > 30 and {OPEN, ENDED, DEAD} <= observed and shed_seen
     store.close()
 
@@ -158,7 +158,7 @@ def test_eviction_takes_ready_ones_oldest_first_then_open_ones_least_recently_co
             break
         order += sorted(gone)
     assert order == ["r1", "r2", "o2", "o1"]
-    assert in_memory() == {"leased"} and engine.evicted_open == {"o1", "o2"}
+    assert in_memory() == {"leased"} and engine.evicted_open() == {"o1", "o2"}
     assert engine.entries["o1"].trajectory.is_shed and engine.entries["r1"].trajectory is None
     check_indexes(engine)
 
@@ -280,7 +280,7 @@ def test_paused_producers_resume_as_soon_as_an_ack_frees_memory(tmp_path):
         deadline = time.monotonic() + 10
         while service.reading_producers and time.monotonic() < deadline:
             service.run_once(timeout_ms=20)
-        assert not service.reading_producers and service.engine.evicted_open == {"b"}
+        assert not service.reading_producers and service.engine.evicted_open() == {"b"}
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [lease]}))
         until(consumer, BROKER_TO_CONSUMER, "acked")
         b = service.engine.entries["b"].trajectory  # shed: only what merging needs stays
