@@ -218,7 +218,7 @@ class MergeEngine:
         self._counts = dict.fromkeys(STATES, 0)
         self._open: OrderedDict[str, Entry] = OrderedDict()
         self._idle_groups: OrderedDict[str, Group] = OrderedDict()
-        self._resident_ready: OrderedDict[str, Entry] = OrderedDict()  # ended, in memory, oldest first
+        self._resident_ready: OrderedDict[str, Entry] = OrderedDict()  # ended, in memory, oldest first (evicted newest first)
         self._resident_open: OrderedDict[str, Entry] = OrderedDict()  # open, in memory, least recently continued first
         self.bytes_in_memory = 0  # of the trajectories in memory (arrays and overheads), kept as they change
         self.dedup: dict[str, float] = {}  # trajectory id -> remembered until
@@ -519,7 +519,8 @@ class MergeEngine:
     def evict(self, target: int, keep: set[str] | frozenset = frozenset()) -> dict[str, int]:
         """Drop merged trajectories' arrays from memory (all are durable in
         the store) until at most `target` bytes are held: ready ones first,
-        oldest first, then open ones, least recently continued first, never
+        newest first (consumers take the oldest first, so these are needed
+        last), then open ones, least recently continued first, never
         those in `keep` (out on a lease). Both are read back when delivered.
         An open one keeps merging its next frames meanwhile, shed
         (`Trajectory.shed`: what the merge rules need, no arrays), so a
@@ -529,8 +530,8 @@ class MergeEngine:
         frames paused, those ends would never be read. Costs what it evicts
         (plus the kept ones it passes). Returns how many of each state."""
         evicted = dict.fromkeys((ENDED, OPEN), 0)
-        for resident in (self._resident_ready, self._resident_open):
-            for entry in [e for e in resident.values() if e.trajectory_id not in keep]:
+        for resident in (reversed(self._resident_ready.values()), self._resident_open.values()):
+            for entry in [e for e in resident if e.trajectory_id not in keep]:
                 if self.bytes_in_memory <= target:
                     return evicted
                 if entry.state == OPEN:

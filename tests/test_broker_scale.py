@@ -138,7 +138,8 @@ def test_expiry_looks_no_further_than_the_first_recent_entry():
     assert _idle_since(ordered, 0.5) == []
 
 
-def test_eviction_takes_ready_ones_oldest_first_then_open_ones_least_recently_continued():
+def test_eviction_takes_ready_ones_newest_first_then_open_ones_least_recently_continued():
+    """Consumers take ready ones oldest first: the newest are needed last."""
     engine = MergeEngine()
     for i, tid in enumerate(["o1", "o2", "r1", "r2", "leased"]):
         engine.handle(turn_msg(tid, 0, [5] * 100), float(i))
@@ -157,7 +158,7 @@ def test_eviction_takes_ready_ones_oldest_first_then_open_ones_least_recently_co
         if not gone:
             break
         order += sorted(gone)
-    assert order == ["r1", "r2", "o2", "o1"]
+    assert order == ["r2", "r1", "o2", "o1"]
     assert in_memory() == {"leased"} and engine.evicted_open() == {"o1", "o2"}
     assert engine.entries["o1"].trajectory.is_shed and engine.entries["r1"].trajectory is None
     check_indexes(engine)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rollstream.common import ProtocolError, Trajectory, Turn
-from rollstream.common.codec import check_values, content_digest, decode, encode, encode_error, number_header
+from rollstream.common.codec import check_values, content_digest, decode, decode_trusted, encode, encode_error, number_header
 from rollstream.common.messages import (
     ADMIN_REPLIES,
     ADMIN_REQUESTS,
@@ -444,3 +444,29 @@ def test_encode_packs_the_widest_items_first():
                                                          "mask_ids", "loss_mask"]
     assert frames[1] == (np.array([0, 1], "<i8").tobytes() + np.array([1, 10], "<i4").tobytes()
                          + np.array([-0.5], "<f4").tobytes() + np.array([10], "<i4").tobytes() + b"\x01")
+
+
+def _experts_turn():
+    arrays = {"prompt_tokens": np.array([1], "<i4"), "tokens": np.array([5, 6], "<i4"),
+              "log_probs": np.array([-0.5, -0.25], "<f4"), "routed_experts": np.arange(12, dtype="<i4").reshape(2, 3, 2)}
+    return raw_turn(arrays=arrays)
+
+
+@pytest.mark.parametrize("frames", [raw_turn(), raw_packed_turn(), _experts_turn(), raw_turn({"metadata": {"k": 1}})],
+                         ids=["frames", "packed", "3-d", "metadata"])
+def test_a_trusted_decode_reads_what_decode_reads(frames):
+    trusted, checked = decode_trusted(frames, PRODUCER_TO_BROKER), decode(frames, PRODUCER_TO_BROKER)
+    assert trusted.type == checked.type == "turn" and trusted.fields == checked.fields
+    assert {k: (v.dtype, v.shape, v.tobytes()) for k, v in trusted.arrays.items()} == \
+        {k: (v.dtype, v.shape, v.tobytes()) for k, v in checked.arrays.items()}
+    assert not trusted.arrays["tokens"].flags.writeable
+    assert any(np.shares_memory(trusted.arrays["tokens"], np.frombuffer(f, np.uint8)) for f in frames[1:])  # zero-copy
+
+
+def test_a_trusted_decode_of_what_it_does_not_expect_is_decode_with_its_error():
+    frames = raw_turn()
+    frames[2] = frames[2][:-1]  # tokens a byte short
+    with pytest.raises(ProtocolError) as err:
+        decode_trusted(frames, PRODUCER_TO_BROKER)
+    assert err.value.code == "shape"
+    assert decode_trusted(raw_turn({"x-extension": 1}), PRODUCER_TO_BROKER)["trajectory_id"] == "t-1"  # not a plain header
