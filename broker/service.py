@@ -46,7 +46,8 @@ log = logging.getLogger("rollstream.broker")
 HOUSEKEEPING_EVERY = 0.2  # seconds between expiry, lease and budget checks
 PROBE_EVERY = 1.0  # seconds between store probes while unavailable
 PRODUCER_FORGET_AFTER = 3600.0  # seconds after which a silent producer connection is forgotten
-ZERO_COPY_SEND_ABOVE = 1 << 20  # bytes: a frame larger than this is sent without a copy (see `_send`)
+ZERO_COPY_SEND_ABOVE = 1 << 19  # bytes: a larger frame (a 1 MiB turn of top-p supports, sent split) goes without a copy (see `_send`)
+DELIVER_LAYOUTS = ("packed_arrays", "split_arrays")  # hello flags for `deliver` layouts a consumer reads (PROTOCOL.md §4)
 PRODUCER_ACTIVE_FOR = 30.0  # seconds a producer connection counts as active after its last frame (it pings every second)
 
 
@@ -89,7 +90,7 @@ class BrokerService:
         self.producers: dict[bytes, float] = {}  # connection -> last heard
         self.grants = WindowGrants(settings.window, settings.max_in_flight)  # frames in flight per producer connection
         self.batch_acks: set[bytes] = set()  # connections whose hello asked for one `acks` per commit
-        self.packed_consumers: set[bytes] = set()  # consumer connections that read packed deliveries (their hello said so)
+        self.consumer_layouts: dict[bytes, frozenset] = {}  # per consumer connection, the `deliver` layouts its hello said it reads
         self._stopping = False
         self._next_housekeeping = 0.0
         self._next_probe = 0.0
@@ -436,12 +437,11 @@ class BrokerService:
             log.info("consumer connected", extra={"consumer_id": message["consumer_id"]})
             fields = {"broker_id": self.broker_id, "lease_timeout": self.settings.lease_timeout,
                       "heartbeat_interval": self.settings.heartbeat_interval}
-            self.packed_consumers &= dispatcher.consumers.keys()  # forget connections the dispatcher dropped
-            if message.get("packed_arrays"):
-                self.packed_consumers.add(identity)
-                fields["packed_arrays"] = True
-            else:
-                self.packed_consumers.discard(identity)
+            for gone in self.consumer_layouts.keys() - dispatcher.consumers.keys():  # connections the dispatcher dropped
+                del self.consumer_layouts[gone]
+            layouts = frozenset(name for name in DELIVER_LAYOUTS if message.get(name))
+            self.consumer_layouts[identity] = layouts
+            fields.update(dict.fromkeys(layouts, True))
             if "seq" in message.fields:
                 fields["seq"] = message["seq"]
             self._send("consumer", identity, encode(BROKER_TO_CONSUMER, "welcome", fields))
@@ -534,8 +534,10 @@ class BrokerService:
                 for unsent in reversed(deliveries[i:]):  # back in front, in their order, for when it recovers
                     self.dispatcher.retract(unsent.lease, refund=True)
                 return
+            layouts = self.consumer_layouts.get(delivery.identity, frozenset())
             frames = encode_deliver(entry.trajectory, delivery.lease, delivery_count=delivery.delivery_count,
-                                    may_pack=delivery.identity in self.packed_consumers, **delivery.group_fields)
+                                    may_pack="packed_arrays" in layouts, may_split="split_arrays" in layouts,
+                                    **delivery.group_fields)
             if not self._send("consumer", delivery.identity, frames):
                 self.dispatcher.retract(delivery.lease)
 

@@ -127,6 +127,14 @@ class GrowableArray:
         view.flags.writeable = False
         return view
 
+    def parts(self) -> list[np.ndarray]:
+        """The filled part as read-only pieces, not joined: the queued
+        appends themselves while nothing has been written yet (a trajectory
+        read once: its turns' own arrays), otherwise `[view()]`."""
+        if self._len == 0 and self._shifts is None and len(self._parts) > 1:
+            return list(self._parts)
+        return [self.view()]
+
     def copy(self) -> np.ndarray:
         """An owned, read-only copy of the filled part."""
         self._flush()

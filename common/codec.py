@@ -163,6 +163,9 @@ def encode(
     Raises `ProtocolError` when the message would break the schema.
     `checked=False` skips the header check for replies built from fields
     that were themselves checked (the broker's acks, on its hot path).
+    A 1-D array may be given as a list of parts: it travels as one frame
+    per part, its entry saying how many (PROTOCOL.md §2, `split_arrays`),
+    so a sender holding it in pieces need not join them.
     `numbered=False` leaves `seq` out of the header (and out of `fields`):
     `number_header` adds it later at a fixed width, so a producer knows a
     frame's size before it numbers it. `packed=True` sends every array in
@@ -183,16 +186,24 @@ def encode(
         arrays = dict(sorted(arrays.items(), key=_widest_first))
     for name, arr in arrays.items():
         contract = ARRAYS[name]
-        if not isinstance(arr, np.ndarray) or (arr.dtype is not contract.dtype and arr.dtype != contract.dtype):
-            got = arr.dtype if isinstance(arr, np.ndarray) else type(arr).__name__
-            raise ProtocolError("dtype", f"array {name!r} must be {contract.wire_name}, got {got}")
-        if arr.ndim != contract.ndim and not contract.rank_ok(arr.ndim):
-            raise ProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {list(arr.shape)}")
-        entries.append([name, contract.wire_name, list(arr.shape)])
-        view = _bytes_view(arr)
-        buffers.append(view)
-        if crc:
-            value = _crc32_update(view, value)
+        parts = arr if type(arr) is list else None  # one array in several frames (`split_arrays`)
+        for part in parts or (arr,):
+            if not isinstance(part, np.ndarray) or (part.dtype is not contract.dtype and part.dtype != contract.dtype):
+                got = part.dtype if isinstance(part, np.ndarray) else type(part).__name__
+                raise ProtocolError("dtype", f"array {name!r} must be {contract.wire_name}, got {got}")
+            if part.ndim != contract.ndim and not contract.rank_ok(part.ndim):
+                raise ProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {list(part.shape)}")
+            view = _bytes_view(part)
+            buffers.append(view)
+            if crc:
+                value = _crc32_update(view, value)
+        if parts is None:
+            entries.append([name, contract.wire_name, list(arr.shape)])
+        elif contract.ndim != 1:
+            raise ProtocolError("shape", f"array {name!r} is {contract.rank_rule()}: only a 1-D array travels in parts")
+        else:
+            entries.append([name, contract.wire_name, [sum(len(part) for part in parts)]]
+                           + ([] if packed else [len(parts)]))
     header["arrays"] = entries
     if crc:
         header["crc32"] = value
@@ -213,9 +224,16 @@ def _widest_first(item: tuple[str, Any]) -> int:
 PACK_UP_TO_BYTES = 65536
 
 
-def worth_packing(arrays: Mapping[str, np.ndarray]) -> bool:
+def worth_packing(arrays: Mapping[str, np.ndarray | list[np.ndarray]]) -> bool:
     """Whether `arrays` are small enough to send packed (`PACK_UP_TO_BYTES`)."""
-    return sum(arr.nbytes for arr in arrays.values()) <= PACK_UP_TO_BYTES
+    return sum(sum(part.nbytes for part in arr) if type(arr) is list else arr.nbytes
+               for arr in arrays.values()) <= PACK_UP_TO_BYTES
+
+
+# An array held in pieces this large on average (a trajectory's turns of
+# large supports) is sent a frame per piece rather than joined first: the
+# join copies every byte, a frame costs each end a microsecond or two.
+SPLIT_FROM_BYTES = 256 << 10
 
 
 _SEQ_ENTRY = msgpack.packb("seq") + b"\xcf"  # the key, then a uint64 marker: 8 big-endian bytes follow
@@ -270,21 +288,33 @@ def _is_extents(shape: list) -> bool:
     return all(type(extent) is int and extent >= 0 for extent in shape)
 
 
-def _array_entries(header: Mapping[str, Any], frame_count: int, packed: bool) -> tuple[list[tuple[str, Any, Any]], frozenset]:
-    """The header's array entries, checked, and the set of their names."""
+def _array_entries(header: Mapping[str, Any], frame_count: int, packed: bool) -> tuple[list, frozenset, list | None]:
+    """The header's array entries `(name, dtype, shape)`, checked, the set
+    of their names, and how many frames each spans (None: one each)."""
     entries = header.get("arrays", ())
     if type(entries) is not list and entries != ():
         raise _schema_error(f"arrays must be a list of [name, dtype, shape], got {type(entries).__name__}")
-    parsed, seen = [], set()
+    parsed, seen, spans = [], set(), []
     for entry in entries:
-        if not (type(entry) is list and len(entry) == 3 and type(entry[0]) is str):
-            raise _schema_error(f"arrays entries must be [name, dtype, shape], got {entry!r:.80}")
-        name, dtype, shape = entry
+        if not (type(entry) is list and len(entry) in (3, 4) and type(entry[0]) is str):
+            raise _schema_error(f"arrays entries must be [name, dtype, shape] or [name, dtype, shape, frames], "
+                                f"got {entry!r:.80}")
+        name, dtype, shape = entry[:3]
         _check_array_name(name, seen)
         if type(shape) is not list or not _is_extents(shape):
             raise _schema_error(f"array {name!r} shape must be a list of non-negative integers, got {shape!r:.80}")
+        span = entry[3] if len(entry) == 4 else 1
+        if len(entry) == 4:
+            if packed:
+                raise _schema_error(f"array {name!r} lists its frames in a packed message, which has one frame in all")
+            if type(span) is not int or span < 1:
+                raise _schema_error(f"array {name!r} frames must be an integer >= 1, got {span!r:.40}")
+            if len(shape) != 1:
+                raise _schema_error(f"array {name!r} in {span} frames must be 1-D, got shape {shape}")
         parsed.append((name, dtype, shape))
-    return parsed, _frame_count_checked(seen, frame_count, packed)
+        spans.append(span)
+    spanned = sum(spans) != len(spans)
+    return parsed, _frame_count_checked(seen, frame_count, packed, sum(spans)), spans if spanned else None
 
 
 def _check_array_name(name: str, seen: set) -> None:
@@ -295,13 +325,15 @@ def _check_array_name(name: str, seen: set) -> None:
     seen.add(name)
 
 
-def _frame_count_checked(names: set, frame_count: int, packed: bool) -> frozenset:
+def _frame_count_checked(names: set, frame_count: int, packed: bool, listed_frames: int | None = None) -> frozenset:
     if packed:
         if frame_count != 1 + min(1, len(names)):
             raise _schema_error(f"a packed message has its {len(names)} array(s) in {min(1, len(names))} frame(s), "
                                 f"this one has {frame_count - 1}")
-    elif frame_count != 1 + len(names):
-        raise _schema_error(f"header lists {len(names)} array(s), message has {frame_count - 1} array frame(s)")
+    elif frame_count != 1 + (len(names) if listed_frames is None else listed_frames):
+        listed = len(names) if listed_frames is None else listed_frames
+        raise _schema_error(f"header lists {len(names)} array(s) in {listed} frame(s), message has "
+                            f"{frame_count - 1} array frame(s)")
     return frozenset(names)
 
 
@@ -350,15 +382,17 @@ def decode(
     else:
         spec, fields, entries, crc, packed = plain
         seq = fields.get("seq")
+    spans = None  # a plain header's arrays are one frame each
     try:
         if plain is None:
-            spec, fields, entries, crc, packed = _checked_header(header, len(buffers), schema)
+            spec, fields, entries, crc, packed, spans = _checked_header(header, len(buffers), schema)
         else:
             seen: set = set()
             for name, _, _ in entries:
                 _check_array_name(name, seen)
             _check_arrays_and_rules(spec, fields, _frame_count_checked(seen, len(buffers), packed))
-        return _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes, vocab_size, check_content)
+        return _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes, vocab_size, check_content,
+                            spans)
     except ProtocolError as error:
         raise error.with_seq(seq) from None
 
@@ -387,7 +421,8 @@ def decode_trusted(frames: Sequence, schema: Schema) -> Message:
     return Message(spec.type, fields, arrays, tuple(buffers))
 
 
-def _checked_header(header: dict, frame_count: int, schema: Schema) -> tuple[MessageSpec, dict, list, int | None, bool]:
+def _checked_header(header: dict, frame_count: int, schema: Schema) -> tuple[MessageSpec, dict, list, int | None, bool,
+                                                                            list | None]:
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError("version", f"protocol version must be {PROTOCOL_VERSION}, got {version!r}")
@@ -395,12 +430,22 @@ def _checked_header(header: dict, frame_count: int, schema: Schema) -> tuple[Mes
     packed = header.get("packed", False)
     if type(packed) is not bool:
         raise _schema_error(f"packed must be a boolean, got {type(packed).__name__} {packed!r:.40}")
-    entries, array_names = _array_entries(header, frame_count, packed)
+    entries, array_names, spans = _array_entries(header, frame_count, packed)
     fields = _check_fields(spec, header, array_names)
     crc = header.get("crc32")
     if crc is not None and not CRC32.accepts(crc):
         raise _schema_error(f"crc32 must be {CRC32.describe}, got {crc!r:.40}")
-    return spec, fields, entries, crc, packed
+    return spec, fields, entries, crc, packed, spans
+
+
+def _joined_spans(frames: list, spans: list[int]) -> list:
+    """One buffer per listed array: an array sent in several frames is
+    joined here, at the receiver, into one read-only buffer."""
+    out, start = [], 0
+    for span in spans:
+        out.append(frames[start] if span == 1 else memoryview(bytearray().join(frames[start:start + span])).toreadonly())
+        start += span
+    return out
 
 
 def _packed_parts(entries: list, frame) -> list:
@@ -423,7 +468,8 @@ def _packed_parts(entries: list, frame) -> list:
     return parts
 
 
-def _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes, vocab_size, check_content) -> Message:
+def _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes, vocab_size, check_content,
+                 spans=None) -> Message:
     size = sum(map(len, buffers))
     if size > max_message_bytes:
         raise ProtocolError("too_large", f"message is {size} bytes, limit is max_message_bytes={max_message_bytes}")
@@ -437,7 +483,11 @@ def _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes,
     arrays = {}
     shape_error = None
     frombuffer = np.frombuffer
-    for (name, dtype, shape), buf in zip(entries, _packed_parts(entries, buffers[1]) if packed and entries else buffers[1:]):
+    if packed and entries:
+        array_buffers = _packed_parts(entries, buffers[1])
+    else:
+        array_buffers = buffers[1:] if spans is None else _joined_spans(buffers[1:], spans)
+    for (name, dtype, shape), buf in zip(entries, array_buffers):
         wire, array_dtype, itemsize, contract = _DECODING[name]
         if dtype != wire:
             raise ProtocolError("dtype", f"array {name!r} must be {wire}, got {dtype!r:.40}")

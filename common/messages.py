@@ -229,7 +229,7 @@ BROKER_TO_PRODUCER = _schema(
 
 CONSUMER_TO_BROKER = _schema(
     "consumer->broker",
-    MessageSpec("hello", {"consumer_id": TEXT}, {"seq": INT, "packed_arrays": BOOL}),
+    MessageSpec("hello", {"consumer_id": TEXT}, {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL}),
     MessageSpec("heartbeat", {}, _SEQ),
     MessageSpec("credit", {"n": COUNT, "unit": UNIT}, _SEQ),
     MessageSpec("ack", {"leases": TEXT_LIST}, _SEQ),
@@ -239,7 +239,7 @@ CONSUMER_TO_BROKER = _schema(
 BROKER_TO_CONSUMER = _schema(
     "broker->consumer",
     MessageSpec("welcome", {"broker_id": TEXT, "lease_timeout": SECONDS, "heartbeat_interval": SECONDS},
-                {"seq": INT, "packed_arrays": BOOL}),
+                {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL}),
     MessageSpec(
         "deliver",
         {

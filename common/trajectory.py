@@ -390,17 +390,28 @@ class Trajectory:
             return self._mask is not None
         return replay_field in self._context
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """Read-only views under contract names; valid until the next change."""
+    def arrays(self, *, parts_from: int | None = None) -> dict[str, np.ndarray | list[np.ndarray]]:
+        """Read-only views under contract names; valid until the next change.
+        With `parts_from`, an array still held as its turns' pieces, of at
+        least that many bytes each on average, comes as the list of them
+        (for `codec.encode` to send unjoined: joining copies every byte)."""
         self._write_pending()
+
+        def read(buffer: GrowableArray):
+            if parts_from is not None:
+                parts = buffer.parts()
+                if len(parts) > 1 and buffer.nbytes >= parts_from * len(parts):
+                    return parts
+            return buffer.view()
+
         out = {
             "prompt_tokens": self.prompt_tokens,
-            "tokens": self._tokens.view(),
-            "loss_mask": self._loss_mask.view(),
-            "log_probs": self._log_probs.view(),
+            "tokens": read(self._tokens),
+            "loss_mask": read(self._loss_mask),
+            "log_probs": read(self._log_probs),
         }
         if self._mask is not None:
-            out["mask_ids"], out["mask_offsets"] = self._mask.ids.view(), self._mask.offsets.view()
+            out["mask_ids"], out["mask_offsets"] = read(self._mask.ids), self._mask.offsets.view()
         out.update(self._context)
         return out
 

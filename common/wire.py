@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .codec import Message, encode, worth_packing
+from .codec import SPLIT_FROM_BYTES, Message, encode, worth_packing
 from .messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
 from .trajectory import Gap, Trajectory, Turn
 
@@ -55,9 +55,12 @@ def turn_from_message(message: Message) -> Turn:
 _IDENTITY = ("group_id", "group_size", "sample_index")
 
 
-def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False, **extra: Any) -> list:
+def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False, may_split: bool = False,
+                   **extra: Any) -> list:
     """Frames of a `deliver` message for a finished trajectory (always CRC'd;
-    with `may_pack`, its arrays go in one frame when `worth_packing`).
+    with `may_pack`, its arrays go in one frame when `worth_packing`; with
+    `may_split`, an array held as large pieces goes a frame per piece,
+    unjoined, `SPLIT_FROM_BYTES`).
 
     `extra` adds optional header fields such as `group_left` or
     `delivery_count`."""
@@ -75,7 +78,7 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
     if trajectory.gap is not None:
         fields["gap"] = trajectory.gap.to_wire()
     fields.update(extra)
-    arrays = trajectory.arrays()
+    arrays = trajectory.arrays(parts_from=SPLIT_FROM_BYTES if may_split else None)
     return encode(BROKER_TO_CONSUMER, "deliver", fields, arrays, crc=True, packed=may_pack and worth_packing(arrays))
 
 

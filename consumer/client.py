@@ -347,7 +347,7 @@ class Consumer:
         for broker, session in enumerate(sessions):
             retry_hello = session.state == "hello_sent" and now - session.hello_at > self.hello_timeout
             if (session.state == "new" or retry_hello) and not self._closing:
-                out.append((broker, "hello", {"consumer_id": self.consumer_id, "packed_arrays": True}))
+                out.append((broker, "hello", {"consumer_id": self.consumer_id, "packed_arrays": True, "split_arrays": True}))
                 session.state, session.hello_at = "hello_sent", now
             elif session.state == "ready" and now >= session.next_heartbeat:
                 out.append((broker, "heartbeat", {}))

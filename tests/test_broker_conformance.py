@@ -259,6 +259,38 @@ def unpack(header, bufs):
             for (name, dtype, shape), buf in zip(header["arrays"], bufs)}
 
 
+def test_large_supports_go_unjoined_to_consumers_that_read_split_arrays(broker):
+    """A trajectory whose turns carry 256 KiB of support ids each reaches a
+    consumer whose hello says `split_arrays` with `mask_ids` in one frame
+    per turn, as the turns brought them (the broker joins nothing); any
+    other consumer gets it one frame per array. Same bytes, same CRC."""
+    producer = Peer(broker.producer)
+    producer.call(frames("hello", producer_id="wide"))
+    supports = [list(range(1000)) for _ in range(66)]  # 66 tokens x 1,000 ids: over 256 KiB per turn
+    tokens = [7 * i for i in range(66)]
+    for index in range(3):
+        reply, _ = producer.call(turn(index + 1, "wide", index, tokens, supports, prompt=[1] if index == 0 else None))
+        assert reply["applied"] is True, reply
+    producer.call(frames("end", seq=9, trajectory_id="wide", reward=0.0, turns=3))
+    expected_ids = [i for _ in range(3) for s in supports for i in s]
+    for asks in (True, False):
+        consumer = Peer(broker.consumer)
+        welcome, _ = consumer.call(frames("hello", consumer_id=f"split-{asks}", **({"split_arrays": True} if asks else {})))
+        assert welcome.get("split_arrays", False) is asks
+        consumer.sock.send_multipart(frames("credit", n=1, unit="trajectory"))
+        header, bufs = consumer.recv()
+        entries = {entry[0]: entry for entry in header["arrays"]}
+        assert entries["mask_ids"] == (["mask_ids", "int32", [3 * 66000], 3] if asks else ["mask_ids", "int32", [3 * 66000]])
+        spans = [entry[3] if len(entry) == 4 else 1 for entry in header["arrays"]]
+        assert len(bufs) == sum(spans) and header["crc32"] == zlib.crc32(b"".join(bufs))
+        joined, start = {}, 0
+        for (name, dtype, shape, *_), span in zip(header["arrays"], spans):
+            joined[name] = np.frombuffer(b"".join(bufs[start:start + span]), dtype=dtype).reshape(shape).tolist()
+            start += span
+        assert joined["mask_ids"] == expected_ids and joined["tokens"] == tokens * 3
+        consumer.sock.send_multipart(frames("nack", leases=[header["lease"]], reason="again", requeue=True))
+
+
 def test_packed_turns_are_read_and_packed_deliveries_go_to_consumers_that_ask(broker):
     """A producer may send any message packed; a consumer that asks in its
     hello gets its deliveries packed, the others one frame per array."""

@@ -470,3 +470,58 @@ def test_a_trusted_decode_of_what_it_does_not_expect_is_decode_with_its_error():
         decode_trusted(frames, PRODUCER_TO_BROKER)
     assert err.value.code == "shape"
     assert decode_trusted(raw_turn({"x-extension": 1}), PRODUCER_TO_BROKER)["trajectory_id"] == "t-1"  # not a plain header
+
+
+def _split_turn(**kw):
+    ids = [np.array([10, 4], np.int32), np.array([11], np.int32), np.array([12, 3, 5], np.int32)]
+    arrays = {"prompt_tokens": np.array([1], np.int32), "tokens": np.array([10, 11, 12], np.int32),
+              "log_probs": np.array([-0.5] * 3, np.float32), "mask_ids": ids,
+              "mask_offsets": np.array([0, 2, 3, 6], np.int64)}
+    return encode(PRODUCER_TO_BROKER, "turn", {"seq": 1, "trajectory_id": "t", "turn": 0, "status": "completed"},
+                  arrays, **kw)
+
+
+def test_an_array_sent_in_parts_is_one_array_to_the_receiver():
+    frames = _split_turn(crc=True)
+    header = msgpack.unpackb(frames[0])
+    assert ["mask_ids", "int32", [6], 3] in header["arrays"] and len(frames) == 1 + 4 + 3
+    assert header["crc32"] == zlib.crc32(b"".join(bytes(memoryview(f)) for f in frames[1:]))
+    message = decode(frames, PRODUCER_TO_BROKER)
+    assert message.arrays["mask_ids"].tolist() == [10, 4, 11, 12, 3, 5]
+    assert message.arrays["mask_offsets"].tolist() == [0, 2, 3, 6] and not message.arrays["mask_ids"].flags.writeable
+    packed = _split_turn(packed=True)  # packed: the parts simply follow each other in the one frame
+    assert len(packed) == 2 and all(len(entry) == 3 for entry in msgpack.unpackb(packed[0])["arrays"])
+    assert decode(packed, PRODUCER_TO_BROKER).arrays["mask_ids"].tolist() == [10, 4, 11, 12, 3, 5]
+    assert content_digest(decode(packed, PRODUCER_TO_BROKER)) == content_digest(message)
+
+
+def _with_entry(frames, name, entry):
+    header = msgpack.unpackb(frames[0])
+    header["arrays"] = [entry if e[0] == name else e for e in header["arrays"]]
+    return [msgpack.packb(header), *frames[1:]]
+
+
+@pytest.mark.parametrize("entry, cut, code, words", [
+    (["mask_ids", "int32", [6], 3], 1, "schema", "in 7 frame(s), message has 6"),  # a part missing
+    (["mask_ids", "int32", [6], 0], 0, "schema", "integer >= 1"),
+    (["mask_ids", "int32", [6], True], 0, "schema", "integer >= 1"),
+    (["mask_ids", "int32", [6], 2], 0, "schema", "message has 7"),  # says 2, sends 3
+    (["mask_ids", "int32", [7], 3], 0, "shape", "needs 28 bytes"),
+    (["mask_ids", "int32", [3, 2], 3], 0, "schema", "must be 1-D"),
+])
+def test_an_array_in_parts_is_checked_like_any_other(entry, cut, code, words):
+    frames = _with_entry(_split_turn(), "mask_ids", entry)
+    frames = frames[: len(frames) - cut]
+    error = code_of(frames)
+    assert error.code == code and words in error.message, error.message
+
+
+def test_parts_are_refused_in_a_packed_message_and_for_an_array_that_is_not_1d():
+    header = msgpack.unpackb(_split_turn(packed=True)[0])
+    header["arrays"] = [e + [1] if e[0] == "tokens" else e for e in header["arrays"]]
+    error = code_of([msgpack.packb(header), _split_turn(packed=True)[1]])
+    assert error.code == "schema" and "packed" in error.message
+    with pytest.raises(ProtocolError, match="only a 1-D array travels in parts"):
+        encode(PRODUCER_TO_BROKER, "turn", {"seq": 1, "trajectory_id": "t", "turn": 1, "status": "completed"},
+               {"tokens": np.array([1], np.int32), "log_probs": np.array([-1.0], np.float32),
+                "routed_experts": [np.zeros((1, 2), np.int32)]})

@@ -270,3 +270,23 @@ def test_nbytes_counts_every_array_without_writing_queued_appends():
     assert traj.nbytes == expected
     assert len(traj._pending) == 2  # counting wrote nothing
     assert sum(a.nbytes for a in traj.arrays().values()) == expected
+
+
+def test_arrays_in_parts_are_the_turns_own_pieces_unjoined():
+    ids = [np.arange(1000, dtype=np.int32) for _ in range(3)]
+    offsets = np.arange(0, 1001, 100, dtype=np.int64)
+    turns = [Turn.build(np.arange(0, 1000, 100, dtype=np.int32), np.full(10, -0.5, np.float32), mask_ids=part,
+                        mask_offsets=offsets, borrow=True) for part in ids]
+    traj = Trajectory("t", [1])
+    for turn in turns:
+        traj.append_turn(turn)
+    split = traj.arrays(parts_from=4000)  # 4,000-byte pieces: mask_ids qualifies, the 40-byte token pieces do not
+    assert type(split["mask_ids"]) is list and len(split["mask_ids"]) == 3
+    assert all(np.shares_memory(piece, turn.mask.ids) for piece, turn in zip(split["mask_ids"], turns))
+    assert type(split["tokens"]) is np.ndarray and type(split["mask_offsets"]) is np.ndarray
+    assert type(traj.arrays(parts_from=4001)["mask_ids"]) is np.ndarray  # pieces smaller than asked: joined
+    traj = Trajectory("t", [1])
+    for turn in turns:
+        traj.append_turn(turn)
+    assert np.concatenate(split["mask_ids"]).tolist() == traj.arrays()["mask_ids"].tolist() == list(range(1000)) * 3
+    assert type(traj.arrays(parts_from=4000)["mask_ids"]) is np.ndarray  # once joined, it is one array
