@@ -29,6 +29,7 @@ HELP = {
     "window": "Frames in flight each producer is told it may have, at most.",
     "max_in_flight": "Frames in flight across all producers: each of P active ones is granted max_in_flight / P (at most window).",
     "batch_max": "Most frames read and committed together.",
+    "batch_max_bytes": "Bytes after which a batch takes no more frames (large frames: the batch's check, CRC and write then read it from cache).",
     "segment_bytes": "Size at which a payload segment file is closed and a new one begun.",
     "high_water_mark": "ZeroMQ send/receive queue bound, in messages.",
     "metrics_port": "Prometheus /metrics port; 0 disables it.",
@@ -41,6 +42,7 @@ TYPES = {
     "max_disk_bytes": BYTES,
     "max_message_bytes": BYTES,
     "segment_bytes": BYTES,
+    "batch_max_bytes": BYTES,
     "log_level": click.Choice(["debug", "info", "warning", "error"]),
 }
 

@@ -213,14 +213,16 @@ class BrokerService:
         """Read a batch, check it, merge it, commit it once, then reply."""
         sock = self.sockets["producer"]
         received: list[tuple[bytes, Message | None, ProtocolError | None]] = []
+        batch_bytes = 0
         for _ in range(self.settings.batch_max):
-            if self._must_wait():
+            if self._must_wait() or (received and batch_bytes >= self.settings.batch_max_bytes):  # the frame crossing it is the last
                 break
             try:
                 frames = recv_routed(sock)
             except zmq.Again:
                 break
             size = sum(map(len, frames))
+            batch_bytes += size
             self._memory_bytes += size  # estimates until the next measurement
             self._disk_bytes += size
             self.producers[frames[0]] = now

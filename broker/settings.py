@@ -27,6 +27,7 @@ class BrokerSettings:
     window: int = 256
     max_in_flight: int = 1024
     batch_max: int = 256
+    batch_max_bytes: int = 8 << 20
     segment_bytes: int = 64 << 20
     high_water_mark: int = 1000
     metrics_port: int = 9464

@@ -342,3 +342,23 @@ def test_grants_never_tell_more_than_the_bound_plus_one_frame_per_connection():
         if connections:
             assert 1 <= grants.grant(rng.choice(connections)) <= 64
         assert grants.told <= 200 + len(connections)
+
+
+@pytest.mark.parametrize("limit, per_batch", [(0, [1, 1, 1, 1, 1]), (20_000, [1, 1, 1, 1, 1]), (60_000, [3, 2]),
+                                              (1 << 30, [5])])
+def test_a_batch_takes_no_more_frames_once_it_holds_batch_max_bytes(tmp_path, limit, per_batch):
+    """Five 24 KB turns waiting: each batch reads frames until it holds
+    `batch_max_bytes` (the frame that crosses it is the last), and always at least one."""
+    with driven_service(tmp_path, batch_max_bytes=limit) as (service, context):
+        producer = context.socket(zmq.DEALER)
+        producer.connect("inproc://p")
+        turn = Turn.build(np.arange(3000, dtype=np.int32), np.zeros(3000, np.float32))
+        for i in range(5):
+            producer.send_multipart(encode_turn(f"t{i}", 0, turn, seq=i, prompt_tokens=np.ones(4, np.int32)))
+        time.sleep(0.1)  # inproc: all five queued for the broker's socket
+        taken = []
+        while sum(taken) < 5 and len(taken) < 10:
+            before = len(service.engine.entries)
+            service._serve_producers(time.time())
+            taken.append(len(service.engine.entries) - before)
+        assert taken == per_batch
