@@ -20,7 +20,7 @@ from typing import Iterable
 
 import msgpack
 
-from rollstream.common.codec import Message, content_digest, crc32_of, decode_trusted, encode
+from rollstream.common.codec import Message, content_digest, crc32_continued, crc32_of, decode_trusted, encode
 from rollstream.common.messages import PRODUCER_TO_BROKER
 
 from .engine import (
@@ -223,15 +223,16 @@ class Segments:
         self.size = committed_end
         self._closed_sizes = {n: self.path(n).stat().st_size for n in self.existing() if n != self.current}
 
-    def append(self, records: list[list]) -> list[tuple[int, int, int]]:
-        """Write records (each a list of buffers) in as few syscalls as
-        possible; returns (segment, offset, length) per record."""
+    def append(self, records: list[tuple[list, int | None]]) -> list[tuple[int, int, int]]:
+        """Write records (each a list of buffers and its CRC, or None to
+        compute it) in as few syscalls as possible; returns (segment,
+        offset, length) per record."""
         if self.size >= self.max_bytes:
             self._rotate()
         locations, buffers, offset = [], [], self.size
-        for parts in records:
+        for parts, crc in records:
             length = sum(map(len, parts))
-            buffers.append(RECORD_HEADER.pack(RECORD_MAGIC, length, crc32_of(parts)))
+            buffers.append(RECORD_HEADER.pack(RECORD_MAGIC, length, crc32_of(parts) if crc is None else crc))
             buffers.extend(parts)
             locations.append((self.current, offset + RECORD_HEADER.size, length))
             offset += RECORD_HEADER.size + length
@@ -446,7 +447,7 @@ class Store:
         puts = [e for e in effects if type(e) is PutTurn and e.message is not None]
         start = self.segments.size
         try:
-            locations = self.segments.append([_pack_frames(self._turn_frames(e.message)) for e in puts])
+            locations = self.segments.append([self._turn_record(e.message) for e in puts])
             if self.sync == "full" and puts:
                 self.segments.sync()
         except OSError as exc:
@@ -488,9 +489,16 @@ class Store:
             self.segments.release(number)
 
     @staticmethod
-    def _turn_frames(message: Message) -> list:
-        """The frames a turn arrived in, or an encoding of it when built in memory."""
-        return message.frames or encode(PRODUCER_TO_BROKER, "turn", message.fields, message.arrays)
+    def _turn_record(message: Message) -> tuple[list, int]:
+        """A turn's record: the frames it arrived in (or an encoding of it
+        when built in memory) and their CRC. The array frames' share of the
+        CRC comes from the message's own verified `crc32` when it has one,
+        so large frames are not read again for it."""
+        if not message.frames:
+            parts = _pack_frames(encode(PRODUCER_TO_BROKER, "turn", message.fields, message.arrays))
+            return parts, crc32_of(parts)
+        parts = _pack_frames(message.frames)
+        return parts, crc32_continued(parts[:2], parts[2:], message.crc32)
 
     @staticmethod
     def _turn_row(effect: PutTurn, location) -> tuple:
@@ -551,7 +559,7 @@ class Store:
         cause of an earlier failure (disk full, I/O error) persists."""
         try:
             start = self.segments.size
-            self.segments.append([[bytes(4096)]])
+            self.segments.append([([bytes(4096)], None)])
             self.segments.truncate_to(start)
             self.db.execute("INSERT OR REPLACE INTO meta VALUES ('probe', randomblob(4096))")
             self.db.execute("DELETE FROM meta WHERE key = 'probe'")

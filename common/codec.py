@@ -22,9 +22,10 @@ from .messages import CRC32, MessageSpec, Schema
 from .validation import RULE_ALIGNED, check_message_arrays
 
 try:  # the same CRC-32 as zlib's, several times faster where ISA-L is available
-    from isal.isal_zlib import crc32 as _crc32_update
+    from isal.isal_zlib import crc32 as _crc32_update, crc32_combine as _crc32_combine
 except ImportError:  # pragma: no cover - platforms without an isal wheel
     from zlib import crc32 as _crc32_update
+    _crc32_combine = None
 
 
 class _Packers(threading.local):
@@ -43,10 +44,12 @@ class Message:
     received frames (when decoded: a store keeps them verbatim). Treated as
     immutable; a plain slotted class because one is made per frame."""
 
-    __slots__ = ("type", "fields", "arrays", "frames")
+    __slots__ = ("type", "fields", "arrays", "frames", "crc32")
 
-    def __init__(self, type: str, fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray], frames: tuple = ()):
+    def __init__(self, type: str, fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray], frames: tuple = (),
+                 crc32: int | None = None):
         self.type, self.fields, self.arrays, self.frames = type, fields, arrays, frames
+        self.crc32 = crc32  # the CRC of its array frames, when decoding verified one
 
     def __repr__(self) -> str:
         return f"Message({self.type!r}, fields={dict(self.fields)!r}, arrays={sorted(self.arrays)})"
@@ -142,6 +145,14 @@ def crc32_of(buffers: Sequence) -> int:
     for buf in buffers:
         crc = _crc32_update(buf, crc)
     return crc
+
+
+def crc32_continued(head: Sequence, tail: Sequence, tail_crc: int | None) -> int:
+    """`crc32_of([*head, *tail])`; given `tail_crc`, the CRC of `tail` (a
+    received message's verified `crc32`), without reading `tail` again."""
+    if tail_crc is None or _crc32_combine is None:
+        return crc32_of([*head, *tail])
+    return _crc32_combine(crc32_of(head), tail_crc, sum(map(len, tail)))
 
 
 # -- encoding -----------------------------------------------------------------
@@ -513,7 +524,7 @@ def _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes,
             raise ProtocolError(
                 "misaligned", f"rule '{RULE_ALIGNED}' violated: response_length is {length}, tokens has {len(arrays['tokens'])}"
             )
-    return Message(spec.type, fields, arrays, tuple(buffers))
+    return Message(spec.type, fields, arrays, tuple(buffers), crc)
 
 
 def _canonical(value):

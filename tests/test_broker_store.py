@@ -3,6 +3,7 @@ back exactly; torn tails are cut; corruption is reported, never half-loaded;
 a failed write persists nothing."""
 import os
 import sqlite3
+import struct
 
 import numpy as np
 import pytest
@@ -279,3 +280,34 @@ def test_a_version_2_store_opens_and_becomes_version_3(tmp_path):
     store.close()
     with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3"):
         Store(tmp_path / "data").open()
+
+
+def test_a_received_crc_makes_the_record_crc_without_a_second_pass(tmp_path, store, monkeypatch):
+    """A turn that arrived with a verified `crc32`: its record's CRC is
+    derived from it (the array frames are not read again), and equals
+    zlib's CRC of the record as written."""
+    import zlib
+
+    from rollstream.common.codec import decode
+    from rollstream.common.messages import PRODUCER_TO_BROKER
+    from rollstream.common.trajectory import Turn
+    from rollstream.common.wire import encode_turn
+
+    turn = Turn.build(list(range(1, 300)), [-0.5] * 299, supports=[[t, t + 1] for t in range(1, 300)])
+    message = decode(encode_turn("a", 0, turn, seq=0, prompt_tokens=np.array([1, 2], np.int32), crc=True),
+                     PRODUCER_TO_BROKER)
+    assert message.crc32 == zlib.crc32(b"".join(bytes(memoryview(f)) for f in message.frames[1:]))
+    read = []
+    monkeypatch.setattr("rollstream.common.codec._crc32_update", lambda buf, crc=0: read.append(len(buf)) or zlib.crc32(buf, crc))
+    engine = MergeEngine(EngineSettings())
+    drive(engine, store, [message])
+    assert max(read) < 1000  # only the frame table and header were read for the CRC, not the 4.8 KB of arrays
+    monkeypatch.undo()
+    seg, off, length = store.db.execute("SELECT segment, offset, length FROM turns").fetchone()
+    data = store.segments.path(seg).read_bytes()
+    magic, stored_length, crc = struct.unpack_from("<III", data, off - 12)
+    assert stored_length == length and crc == zlib.crc32(data[off:off + length])
+    store.close()
+    store2, engine2, _ = reopen(tmp_path / "data")  # verifies every record's CRC
+    assert engine2.entries["a"].trajectory.tokens.tolist() == list(range(1, 300))
+    store2.close()
