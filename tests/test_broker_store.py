@@ -311,3 +311,20 @@ def test_a_received_crc_makes_the_record_crc_without_a_second_pass(tmp_path, sto
     store2, engine2, _ = reopen(tmp_path / "data")  # verifies every record's CRC
     assert engine2.entries["a"].trajectory.tokens.tolist() == list(range(1, 300))
     store2.close()
+
+
+def test_a_turn_that_arrived_with_a_split_array_is_stored_and_read_back_whole(tmp_path, store):
+    from rollstream.common.codec import decode, encode
+    from rollstream.common.messages import PRODUCER_TO_BROKER
+
+    ids = [np.array([10, 4], np.int32), np.array([11, 12, 3], np.int32)]  # two frames for one array
+    frames = encode(PRODUCER_TO_BROKER, "turn", {"seq": 0, "trajectory_id": "a", "turn": 0, "status": "completed"},
+                    {"prompt_tokens": np.array([1], np.int32), "tokens": np.array([10, 11, 12], np.int32),
+                     "log_probs": np.full(3, -0.5, np.float32), "mask_ids": ids,
+                     "mask_offsets": np.array([0, 2, 3, 5], np.int64)}, crc=True)
+    drive(MergeEngine(EngineSettings()), store, [decode(frames, PRODUCER_TO_BROKER)])
+    store.close()
+    store2, engine2, _ = reopen(tmp_path / "data")  # replays the stored frames as they arrived
+    arrays = engine2.entries["a"].trajectory.arrays()
+    assert arrays["mask_ids"].tolist() == [10, 4, 11, 12, 3] and arrays["tokens"].tolist() == [10, 11, 12]
+    store2.close()
