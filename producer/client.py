@@ -278,6 +278,10 @@ class AsyncProducer:
             self._intake.clear()
         self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
         self._loop.remove_reader(self._monitor.getsockopt(zmq.FD))
+        # Stop the events first: libzmq's I/O thread sends them blocking, so an
+        # event for a closed monitor (the disconnect that closing the socket
+        # causes) would stall that thread, and every socket of the context.
+        self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._sock = None

@@ -747,3 +747,28 @@ def test_bad_settings_and_recordings_are_refused_with_the_rule(tmp_path):
         _, err = process.communicate(timeout=PATIENCE)
     assert process.returncode != 0
     assert f"{recording}:1: turn of 'x' must be 0 (line order), got 1" in err and "Traceback" not in err
+
+
+def test_producers_opened_and_closed_one_after_another_never_stall_the_context(tmp_path):
+    """Closing a producer must not leave libzmq's I/O thread (shared by every
+    socket of the context) blocked on a connection event for the closed
+    monitor. Each round closes one producer at once, before its connection
+    is even up, then sends a turn through a second: with the monitor closed
+    first, the I/O thread stalled within a few dozen rounds, and every later
+    hello went unanswered."""
+    context = zmq.Context()
+
+    async def one(broker, i):
+        async with AsyncProducer(broker.endpoints["producer"], f"brief-{i}", context=context):
+            pass
+        async with AsyncProducer(broker.endpoints["producer"], f"p-{i}", context=context) as producer:
+            receipt = await asyncio.wait_for(
+                producer.trajectory(f"t-{i}", [1]).turn_and_wait(np.array([3], np.int32), np.array([-0.5], np.float32)),
+                PATIENCE)
+            return receipt.applied
+
+    try:
+        with Broker(tmp_path) as broker:
+            assert all(asyncio.run(one(broker, i)) for i in range(150))
+    finally:
+        context.destroy(linger=0)
