@@ -494,11 +494,8 @@ class Store:
         when built in memory) and their CRC. The array frames' share of the
         CRC comes from the message's own verified `crc32` when it has one,
         so large frames are not read again for it."""
-        if not message.frames:
-            parts = _pack_frames(encode(PRODUCER_TO_BROKER, "turn", message.fields, message.arrays))
-            return parts, crc32_of(parts)
-        parts = _pack_frames(message.frames)
-        return parts, crc32_continued(parts[:2], parts[2:], message.crc32)
+        parts = _pack_frames(message.frames or encode(PRODUCER_TO_BROKER, "turn", message.fields, message.arrays))
+        return parts, crc32_continued(parts[:2], parts[2:], message.crc32)  # no crc32 without received frames
 
     @staticmethod
     def _turn_row(effect: PutTurn, location) -> tuple:

@@ -314,8 +314,9 @@ def _array_entries(header: Mapping[str, Any], frame_count: int, packed: bool) ->
         _check_array_name(name, seen)
         if type(shape) is not list or not _is_extents(shape):
             raise _schema_error(f"array {name!r} shape must be a list of non-negative integers, got {shape!r:.80}")
-        span = entry[3] if len(entry) == 4 else 1
+        span = 1
         if len(entry) == 4:
+            span = entry[3]
             if packed:
                 raise _schema_error(f"array {name!r} lists its frames in a packed message, which has one frame in all")
             if type(span) is not int or span < 1:
@@ -341,8 +342,7 @@ def _frame_count_checked(names: set, frame_count: int, packed: bool, listed_fram
         if frame_count != 1 + min(1, len(names)):
             raise _schema_error(f"a packed message has its {len(names)} array(s) in {min(1, len(names))} frame(s), "
                                 f"this one has {frame_count - 1}")
-    elif frame_count != 1 + (len(names) if listed_frames is None else listed_frames):
-        listed = len(names) if listed_frames is None else listed_frames
+    elif frame_count != 1 + (listed := len(names) if listed_frames is None else listed_frames):
         raise _schema_error(f"header lists {len(names)} array(s) in {listed} frame(s), message has "
                             f"{frame_count - 1} array frame(s)")
     return frozenset(names)
@@ -454,7 +454,7 @@ def _joined_spans(frames: list, spans: list[int]) -> list:
     joined here, at the receiver, into one read-only buffer."""
     out, start = [], 0
     for span in spans:
-        out.append(frames[start] if span == 1 else memoryview(bytearray().join(frames[start:start + span])).toreadonly())
+        out.append(frames[start] if span == 1 else b"".join(frames[start:start + span]))
         start += span
     return out
 

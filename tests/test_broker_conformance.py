@@ -245,7 +245,9 @@ def packed(message):
 
 
 def unpack(header, bufs):
-    """The arrays of a received message, either layout."""
+    """The arrays of a received message, any layout: one frame per array,
+    packed, or an array split over the frames its entry's fourth element says."""
+    assert header["crc32"] == zlib.crc32(b"".join(bufs))
     if header.get("packed"):
         assert len(bufs) == 1
         whole, bufs, start = bufs[0], [], 0
@@ -254,9 +256,26 @@ def unpack(header, bufs):
             bufs.append(whole[start:end])
             start = end
         assert start == len(whole)
-    assert header["crc32"] == zlib.crc32(b"".join(bufs))
-    return {name: np.frombuffer(buf, dtype=dtype).reshape(shape).tolist()
-            for (name, dtype, shape), buf in zip(header["arrays"], bufs)}
+    spans = [entry[3] if len(entry) == 4 else 1 for entry in header["arrays"]]
+    assert len(bufs) == sum(spans)
+    arrays, start = {}, 0
+    for (name, dtype, shape, *_), span in zip(header["arrays"], spans):
+        arrays[name] = np.frombuffer(b"".join(bufs[start:start + span]), dtype=dtype).reshape(shape).tolist()
+        start += span
+    return arrays
+
+
+def delivery_to(broker, consumer_id, **hello):
+    """A new consumer connection saying `hello` (the layout flags asked for;
+    those not asked for are left out), checked as the welcome echoes them,
+    given one credit: the connection and its delivery."""
+    consumer = Peer(broker.consumer)
+    welcome, _ = consumer.call(frames("hello", consumer_id=consumer_id, **{flag: True for flag, asked in hello.items() if asked}))
+    assert all(welcome.get(flag, False) is asked for flag, asked in hello.items())
+    consumer.sock.send_multipart(frames("credit", n=1, unit="trajectory"))
+    header, bufs = consumer.recv()
+    assert header["type"] == "deliver"
+    return consumer, header, bufs
 
 
 def test_large_supports_go_unjoined_to_consumers_that_read_split_arrays(broker):
@@ -281,19 +300,11 @@ def test_large_supports_go_unjoined_to_consumers_that_read_split_arrays(broker):
     producer.call(frames("end", seq=9, trajectory_id="wide", reward=0.0, turns=3))
     expected_ids = [i for _ in range(3) for s in supports for i in s]
     for asks in (True, False):
-        consumer = Peer(broker.consumer)
-        welcome, _ = consumer.call(frames("hello", consumer_id=f"split-{asks}", **({"split_arrays": True} if asks else {})))
-        assert welcome.get("split_arrays", False) is asks
-        consumer.sock.send_multipart(frames("credit", n=1, unit="trajectory"))
-        header, bufs = consumer.recv()
+        consumer, header, bufs = delivery_to(broker, f"split-{asks}", split_arrays=asks)
         entries = {entry[0]: entry for entry in header["arrays"]}
         assert entries["mask_ids"] == (["mask_ids", "int32", [3 * 66000], 3] if asks else ["mask_ids", "int32", [3 * 66000]])
-        spans = [entry[3] if len(entry) == 4 else 1 for entry in header["arrays"]]
-        assert len(bufs) == sum(spans) and header["crc32"] == zlib.crc32(b"".join(bufs))
-        joined, start = {}, 0
-        for (name, dtype, shape, *_), span in zip(header["arrays"], spans):
-            joined[name] = np.frombuffer(b"".join(bufs[start:start + span]), dtype=dtype).reshape(shape).tolist()
-            start += span
+        assert len(bufs) == len(header["arrays"]) + (2 if asks else 0)  # mask_ids in 3 frames, the rest in 1 each
+        joined = unpack(header, bufs)
         assert joined["mask_ids"] == expected_ids and joined["tokens"] == tokens * 3
         consumer.sock.send_multipart(frames("nack", leases=[header["lease"]], reason="again", requeue=True))
 
@@ -317,12 +328,8 @@ def test_packed_turns_are_read_and_packed_deliveries_go_to_consumers_that_ask(br
     expected = {"tokens": [10, 11, 20, 30], "mask_ids": [10, 4, 11, 20, 30, 7], "mask_offsets": [0, 2, 3, 4, 6],
                 "loss_mask": [1, 1, 0, 1], "prompt_tokens": [1, 2], "log_probs": [-0.5, -0.5, 0.0, -0.5]}
     for asks in (True, False):
-        consumer = Peer(broker.consumer)
-        welcome, _ = consumer.call(frames("hello", consumer_id=f"asks-{asks}", **({"packed_arrays": True} if asks else {})))
-        assert welcome.get("packed_arrays", False) is asks
-        consumer.sock.send_multipart(frames("credit", n=1, unit="trajectory"))
-        header, bufs = consumer.recv()
-        assert header["type"] == "deliver" and header.get("packed", False) is asks
+        consumer, header, bufs = delivery_to(broker, f"asks-{asks}", packed_arrays=asks)
+        assert header.get("packed", False) is asks
         assert len(bufs) == (1 if asks else len(header["arrays"]))
         assert unpack(header, bufs) == expected
         consumer.sock.send_multipart(frames("ack", leases=[header["lease"]]))
@@ -333,9 +340,6 @@ def test_packed_turns_are_read_and_packed_deliveries_go_to_consumers_that_ask(br
     reply, _ = producer.call(packed(turn(5, "big", 0, long, [[t] for t in long], prompt=[1])))
     assert reply["applied"] is True, reply
     producer.call(frames("end", seq=6, trajectory_id="big", reward=0.0, turns=1))
-    consumer = Peer(broker.consumer)
-    consumer.call(frames("hello", consumer_id="reads-packed", packed_arrays=True))
-    consumer.sock.send_multipart(frames("credit", n=1, unit="trajectory"))
-    header, bufs = consumer.recv()
+    consumer, header, bufs = delivery_to(broker, "reads-packed", packed_arrays=True)
     assert header["trajectory_id"] == "big" and "packed" not in header and len(bufs) == len(header["arrays"])
     assert unpack(header, bufs)["tokens"] == long
