@@ -182,7 +182,7 @@ class BrokerService:
     def _commit(self, effects: list) -> bool:
         """Persist `effects`; on failure roll memory back to the store and
         report unavailable until a probe succeeds."""
-        if not effects:
+        if not effects and not self.store.writing_ahead:
             return True
         started = time.perf_counter()
         try:
@@ -230,6 +230,8 @@ class BrokerService:
                 message = decode(frames[1:], PRODUCER_TO_BROKER, max_message_bytes=self.settings.max_message_bytes,
                                  check_content=False)
                 received.append((frames[0], message, None))
+                if message.type == "turn" and not self.unavailable:
+                    self.store.write_ahead(message)  # on the writer thread while the batch is checked and merged
             except ProtocolError as error:
                 received.append((frames[0], None, error))
         self._check_content(received)

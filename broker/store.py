@@ -8,12 +8,19 @@ batch is written segment-first, then the SQLite transaction that refers to it
 commits, so a crash between the two leaves only an unreferenced tail, which
 start-up cuts off. `sync="full"` adds an fdatasync of the segment and
 `PRAGMA synchronous=FULL` before the commit returns.
+
+Large turns are written ahead (`Store.write_ahead`): their records go to the
+segment on a writer thread as soon as they are decoded, while the broker
+checks and merges the rest of the batch, and the commit then only waits for
+them and adds its rows. A turn refused after its write leaves an unreferenced
+record, which costs disk until its segment is retired like any other.
 """
 from __future__ import annotations
 
 import os
 import sqlite3
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -41,6 +48,11 @@ _READABLE_VERSIONS = (2, 3)  # a version 2 store is readable as it is (its diges
 RECORD_MAGIC = 0x52534731  # "RSG1"
 RECORD_HEADER = struct.Struct("<III")  # magic, payload length, crc32 of payload
 _IOV_MAX = 512
+
+# Turns are written ahead on the writer thread once this many of their bytes
+# wait: a smaller batch is written inline at its commit, where handing it to
+# a thread would cost more than the copy it moves off the broker's loop.
+WRITE_AHEAD_FROM_BYTES = 1 << 20
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB);
@@ -208,6 +220,7 @@ class Segments:
         self.current = numbers[-1] if numbers else 1
         self._fd = None
         self._closed_sizes: dict[int, int] = {}  # finished segments never grow, so their sizes are kept
+        self._rotated: list[int] = []  # finished since the last `retire_unreferenced`
 
     def path(self, number: int) -> Path:
         return self.directory / f"seg-{number:08d}.log"
@@ -253,13 +266,24 @@ class Segments:
     def sync(self) -> None:
         os.fdatasync(self._fd)
 
-    def truncate_to(self, size: int) -> None:
+    @property
+    def mark(self) -> tuple[int, int]:
+        """Where the next record goes: `rewind` to it undoes what follows."""
+        return self.current, self.size
+
+    def rewind(self, mark: tuple[int, int]) -> None:
+        """Cut what was appended since `mark`. Past a rotation the current
+        segment holds only those records; the older one's tail is
+        unreferenced and start-up cuts it."""
+        number, size = mark
+        size = size if number == self.current else 0
         os.ftruncate(self._fd, size)
         self.size = size
 
     def _rotate(self) -> None:
         os.close(self._fd)
         self._closed_sizes[self.current] = self.size
+        self._rotated.append(self.current)
         self.current += 1
         self._fd = os.open(self.path(self.current), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         self.size = 0
@@ -319,6 +343,17 @@ class Segments:
             del self.live[number]
             self.remove(number)
 
+    def retire_unreferenced(self) -> None:
+        """Delete the segments finished since the last call that no record
+        refers to: one whose records were all released while it was
+        current, or held only refused turns written ahead. Called between
+        commits, when every record written is either referenced or not."""
+        for number in self._rotated:
+            if not self.live.get(number):
+                self.live.pop(number, None)
+                self.remove(number)
+        self._rotated.clear()
+
     def remove(self, number: int) -> None:
         """Delete a finished segment."""
         self.path(number).unlink(missing_ok=True)
@@ -337,7 +372,8 @@ class Segments:
 class Store:
     """Durable broker state under `data_dir`."""
 
-    def __init__(self, data_dir: str | os.PathLike, *, sync: str = "normal", segment_bytes: int = 64 << 20):
+    def __init__(self, data_dir: str | os.PathLike, *, sync: str = "normal", segment_bytes: int = 64 << 20,
+                 write_ahead_from: int = WRITE_AHEAD_FROM_BYTES):
         if sync not in ("normal", "full"):
             raise ValueError(f"sync must be 'normal' or 'full', got {sync!r}")
         self.data_dir = Path(data_dir)
@@ -347,6 +383,12 @@ class Store:
         self.db_path = self.data_dir / "state.sqlite"
         self.db = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False)
         self._next_ready_seq = 1
+        self.write_ahead_from = write_ahead_from
+        self._writer: ThreadPoolExecutor | None = None  # started by the first write ahead
+        self._waiting: list[Message] = []  # turns written ahead, not yet handed to the writer
+        self._waiting_bytes = 0
+        self._writes: list[tuple[Future, list[Message]]] = []  # handed to the writer, in order
+        self._ahead_mark: tuple[int, int] | None = None  # where this batch's records start
 
     # -- start-up -----------------------------------------------------------
     def open(self) -> "Recovered":
@@ -439,19 +481,71 @@ class Store:
         return [decode_trusted(_unpack_frames(record), PRODUCER_TO_BROKER) for record in self.segments.read_many(locations)]
 
     # -- writing ------------------------------------------------------------
+    # -- commits --------------------------------------------------------------
+    @property
+    def writing_ahead(self) -> bool:
+        """Turns were written ahead: the next `commit` must settle them, even
+        one without effects."""
+        return bool(self._waiting)
+
+    def write_ahead(self, message: Message) -> None:
+        """Start writing a received turn's record before its batch commits.
+        Nothing refers to it until a `commit` puts it; whether its batch
+        commits or not, that commit waits for every write ahead first."""
+        if not self._waiting:
+            self._ahead_mark = self.segments.mark
+        self._waiting.append(message)
+        self._waiting_bytes += sum(map(len, message.frames))
+        if self._waiting_bytes >= self.write_ahead_from:
+            self._hand_to_writer()
+
+    def _hand_to_writer(self) -> None:
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="rollstream-store-writer")
+        turns = self._waiting[sum(len(batch) for _, batch in self._writes):]
+        self._writes.append((self._writer.submit(self._append_turns, turns), turns))
+        self._waiting_bytes = 0
+
+    def _append_turns(self, turns: list[Message]) -> list[tuple[int, int, int]]:
+        return self.segments.append([self._turn_record(message) for message in turns])
+
+    def _written_ahead(self) -> dict[int, tuple[int, int, int]]:
+        """Wait for the writes ahead: each written turn's location, by the
+        message's id. Turns still waiting for the writer are dropped: a
+        small remainder is cheaper written with the commit's own records."""
+        writes, self._writes, self._waiting, self._waiting_bytes = self._writes, [], [], 0
+        located: dict[int, tuple[int, int, int]] = {}
+        failure = None
+        for future, turns in writes:
+            try:
+                located.update(zip(map(id, turns), future.result()))
+            except OSError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return located
+
     def commit(self, effects: list) -> None:
         """Make `effects` durable as one batch, or raise `StoreError` with
-        nothing of the batch persisted."""
-        if not effects:
+        nothing of the batch persisted. Writes ahead are settled first."""
+        start = self._ahead_mark if self._waiting else self.segments.mark
+        if not effects and not self._waiting:
             return
         puts = [e for e in effects if type(e) is PutTurn and e.message is not None]
-        start = self.segments.size
         try:
-            locations = self.segments.append([self._turn_record(e.message) for e in puts])
+            located = self._written_ahead()
+            if not effects:
+                self.segments.retire_unreferenced()
+                return  # what was written ahead was all refused: unreferenced records
+            inline = [e.message for e in puts if id(e.message) not in located]
+            if inline:
+                located.update(zip(map(id, inline), self.segments.append([self._turn_record(m) for m in inline])))
             if self.sync == "full" and puts:
                 self.segments.sync()
         except OSError as exc:
+            self._rewind(start)
             raise StoreError(f"cannot append to {self.segments.path(self.segments.current)}: {exc}") from None
+        locations = [located[id(e.message)] for e in puts]
         stored = iter(locations)  # in the order of `puts`, which is the effects' order
         released: list[int] = []
         try:
@@ -478,15 +572,20 @@ class Store:
                 self.db.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-            try:
-                self.segments.truncate_to(start)
-            except OSError:
-                pass  # the unreferenced tail is cut at the next start-up
+            self._rewind(start)
             raise StoreError(f"cannot commit to {self.db_path}: {exc}") from None
         for number, _, _ in locations:
             self.segments.live[number] = self.segments.live.get(number, 0) + 1
         for number in released:
             self.segments.release(number)
+        self.segments.retire_unreferenced()
+
+    def _rewind(self, mark: tuple[int, int]) -> None:
+        try:
+            self.segments.rewind(mark)
+            self.segments.retire_unreferenced()
+        except OSError:
+            pass  # the unreferenced tail is cut at the next start-up
 
     @staticmethod
     def _turn_record(message: Message) -> tuple[list, int]:
@@ -555,9 +654,10 @@ class Store:
         """A small real write to both files; raises `StoreError` while the
         cause of an earlier failure (disk full, I/O error) persists."""
         try:
-            start = self.segments.size
+            start = self.segments.mark
             self.segments.append([([bytes(4096)], None)])
-            self.segments.truncate_to(start)
+            self.segments.rewind(start)
+            self.segments.retire_unreferenced()
             self.db.execute("INSERT OR REPLACE INTO meta VALUES ('probe', randomblob(4096))")
             self.db.execute("DELETE FROM meta WHERE key = 'probe'")
         except (OSError, sqlite3.Error) as exc:
@@ -579,5 +679,7 @@ class Store:
         return self.segments.bytes_on_disk() + (pages - free) * page_size + (wal.stat().st_size if wal.exists() else 0)
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown()
         self.segments.close()
         self.db.close()

@@ -463,3 +463,41 @@ def test_a_resend_whose_stored_turn_cannot_be_read_is_refused_unavailable_then_r
             time.sleep(0.05)
         reply = decode(call(producer, good_turn("t", seq=3)), BROKER_TO_PRODUCER)
         assert reply.type == "ack" and reply["duplicate"] is True and reply["applied"] is True
+
+
+def test_large_turns_written_ahead_keep_refusals_out_of_the_store(tmp_path):
+    """Turns over the write-ahead threshold reach the segment before their
+    content check: one that fails it is still refused, the good one of the
+    same burst is acked, and after a restart only the good one is there."""
+    n, size = 300, 1000  # 300 tokens of 1,000-id supports: 1.2 MB of ids per turn
+    tokens = np.arange(n, dtype=np.int32) * 3 + 1
+
+    def big_turn(tid, seq, token_inside=True):
+        ids = (np.arange(size, dtype=np.int32)[None, :] + tokens[:, None]).ravel()
+        turn = Turn.build(tokens, np.full(n, -0.5, np.float32), mask_ids=ids,
+                          mask_offsets=np.arange(n + 1, dtype=np.int64) * size)
+        frames = encode_turn(tid, 0, turn, seq=seq, prompt_tokens=np.array([1], np.int32))
+        if not token_inside:  # the first token's support no longer holds it (the library would refuse to send it)
+            at = 1 + [entry[0] for entry in header(frames)["arrays"]].index("mask_ids")
+            bad = np.frombuffer(frames[at], np.int32).copy()
+            bad[0] = 0
+            frames[at] = bad.tobytes()
+        return frames
+
+    with BrokerProcess(tmp_path, vocab_size=5000) as broker:
+        sock = dealer(broker.producer)
+        sock.send_multipart(big_turn("refused", 1, token_inside=False))
+        sock.send_multipart(big_turn("kept", 2))
+        replies = {}
+        while len(replies) < 2:
+            assert sock.poll(10_000), "no reply"
+            reply = decode(sock.recv_multipart(), BROKER_TO_PRODUCER)
+            replies[reply["seq"]] = reply
+        assert (replies[1].type, replies[1]["code"]) == ("nack", "mask_invalid")
+        assert replies[2].type == "ack" and replies[2]["applied"]
+        written = sum(path.stat().st_size for path in (tmp_path / "data" / "segments").glob("*.log"))
+        assert written > 2 * n * size * 4  # the refused turn was written ahead too, unreferenced
+        sock.close()
+        broker.terminate()
+        broker.start()  # start-up verifies every record a row refers to
+        assert broker.status()["open"] == 1

@@ -328,3 +328,130 @@ def test_a_turn_that_arrived_with_a_split_array_is_stored_and_read_back_whole(tm
     arrays = engine2.entries["a"].trajectory.arrays()
     assert arrays["mask_ids"].tolist() == [10, 4, 11, 12, 3] and arrays["tokens"].tolist() == [10, 11, 12]
     store2.close()
+
+
+# -- writes ahead ---------------------------------------------------------------
+def _record_bytes(message) -> int:
+    """A turn's record as written: the 12-byte record header, the frame
+    table (count, then one length per frame) and the frames."""
+    return 12 + 2 + 4 * len(message.frames) + sum(map(len, message.frames))
+
+
+def test_turns_written_ahead_are_put_once_and_a_refused_one_stays_unreferenced(tmp_path):
+    store = Store(tmp_path / "data", write_ahead_from=1)  # every turn goes to the writer
+    store.open()
+    engine = MergeEngine(EngineSettings())
+    refused, kept = turn_msg("refused", 0, [7, 8]), turn_msg("kept", 0, [5, 6, 9], [[5], [6, 1], [9]])
+    start = store.segments.size
+    store.write_ahead(refused)
+    store.write_ahead(kept)
+    assert store.writing_ahead
+    store.commit(list(engine.handle(kept, now=1).effects))  # the refused turn is never handled
+    assert not store.writing_ahead
+    assert store.segments.size == start + _record_bytes(refused) + _record_bytes(kept)  # each written once
+    assert store.db.execute("SELECT trajectory_id FROM turns").fetchall() == [("kept",)]
+    store.close()
+    store2, engine2, _ = reopen(tmp_path / "data")  # verifies the record the row points at
+    assert set(engine2.entries) == {"kept"}
+    assert engine2.entries["kept"].trajectory.tokens.tolist() == [5, 6, 9]
+    store2.close()
+
+
+def test_a_write_ahead_runs_on_the_writer_thread_and_the_commit_waits_for_it(tmp_path, monkeypatch):
+    import threading
+
+    from rollstream.broker.store import Segments
+
+    store = Store(tmp_path / "data", write_ahead_from=1)
+    store.open()
+    entered, release, threads = threading.Event(), threading.Event(), []
+    real_append = Segments.append
+
+    def held_append(self, records):
+        threads.append(threading.current_thread())
+        entered.set()
+        assert release.wait(10)
+        return real_append(self, records)
+
+    monkeypatch.setattr(Segments, "append", held_append)
+    message = turn_msg("a", 0, [5, 6])
+    store.write_ahead(message)  # returns while the write is still held
+    assert entered.wait(10) and threads[0] is not threading.current_thread()
+    effects = list(MergeEngine(EngineSettings()).handle(message, now=1).effects)
+    committing = threading.Thread(target=store.commit, args=(effects,))
+    committing.start()
+    committing.join(0.3)
+    assert committing.is_alive()  # waiting for the write: no row may refer to an unwritten record
+    release.set()
+    committing.join(10)
+    assert store.db.execute("SELECT count(*) FROM turns").fetchone() == (1,)
+    assert len(threads) == 1  # the commit did not write the turn a second time
+    store.close()
+
+
+def test_a_small_batch_is_written_inline_by_its_commit(tmp_path, monkeypatch):
+    import threading
+
+    from rollstream.broker.store import Segments
+
+    store = Store(tmp_path / "data")  # the default threshold: far above two small turns
+    store.open()
+    threads = []
+    real_append = Segments.append
+    monkeypatch.setattr(Segments, "append", lambda self, records: threads.append(threading.current_thread())
+                        or real_append(self, records))
+    engine = MergeEngine(EngineSettings())
+    messages = [turn_msg("a", 0, [5]), turn_msg("b", 0, [6])]
+    for message in messages:
+        store.write_ahead(message)
+    store.commit([e for m in messages for e in engine.handle(m, now=1).effects])
+    assert threads == [threading.current_thread()]  # one append, by the commit itself
+    assert store.db.execute("SELECT count(*) FROM turns").fetchone() == (2,)
+    store.close()
+
+
+def test_a_failed_write_ahead_fails_the_commit_and_persists_nothing(tmp_path, monkeypatch):
+    store = Store(tmp_path / "data", write_ahead_from=1)
+    store.open()
+    engine = MergeEngine(EngineSettings())
+    drive(engine, store, [turn_msg("a", 0)])
+    size = store.segments.size
+    calls = []
+
+    def disk_full_on_second(fd, buffers):  # the first write ahead lands, the second fails
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_writev(fd, buffers)
+
+    real_writev = os.writev
+    monkeypatch.setattr(os, "writev", disk_full_on_second)
+    messages = [turn_msg("b", 0, [5]), turn_msg("c", 0, [6])]
+    for message in messages:
+        store.write_ahead(message)
+    with pytest.raises(StoreError, match="No space left"):
+        store.commit([e for m in messages for e in engine.handle(m, now=2).effects])
+    monkeypatch.undo()
+    assert store.segments.size == size  # the write that landed was cut too
+    assert not store.writing_ahead
+    store.close()
+    store2, engine2, _ = reopen(tmp_path / "data")
+    assert set(engine2.entries) == {"a"}
+    store2.close()
+
+
+def test_a_segment_of_refused_turns_only_is_deleted_once_finished(tmp_path):
+    store = Store(tmp_path / "data", segment_bytes=2048, write_ahead_from=1)
+    store.open()
+    engine = MergeEngine(EngineSettings())
+    big = list(range(1, 200))
+    for i in range(3):  # each record is over 2 KB: one segment per write ahead
+        store.write_ahead(turn_msg(f"refused{i}", 0, big))
+    store.commit([])  # nothing of the batch was accepted
+    drive(engine, store, [turn_msg("kept", 0, big)])
+    segments = sorted(p.name for p in (tmp_path / "data" / "segments").glob("*.log"))
+    assert segments == [store.segments.path(store.segments.current).name]  # the three refused ones are gone
+    store.close()
+    store2, engine2, _ = reopen(tmp_path / "data", segment_bytes=2048)
+    assert set(engine2.entries) == {"kept"}
+    store2.close()
