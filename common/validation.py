@@ -294,6 +294,12 @@ def inside_support(tokens, ids, offsets, sizes=None):
     ops = _ops_for(tokens)
     if sizes is None:
         sizes = offsets[1:] - offsets[:-1]
+    if type(ids) is np.ndarray and type(tokens) is np.ndarray and _equal_and_long(sizes, offsets, len(ids)):
+        # Every support equally long (top-k, a fixed top-p cut): the ids as a
+        # (tokens, size) matrix against the tokens as a column, with no
+        # spread copy of the tokens (about a third cheaper, and far less
+        # memory traffic on 4,096-id supports).
+        return np.logical_or.reduce(np.equal(ids.reshape(len(sizes), -1), tokens[:, None]), axis=1)
     if not ops.fast_running_sum():
         return ops.segment_any(ids == ops.repeat(tokens, sizes), offsets)
     hits = ops.equal(ids, _spread(ops, tokens, sizes, offsets, len(ids)), "hits")
@@ -302,6 +308,14 @@ def inside_support(tokens, ids, offsets, sizes=None):
     longest = int(sizes.max()) if len(sizes) else 0
     running = ops.gather(ops.running_sum(hits, "uint8" if longest < 256 else "int64", "hit counts"), offsets)
     return running[1:] != running[:-1]
+
+
+def _equal_and_long(sizes, offsets, total: int) -> bool:
+    """Whether every support has the same size, of at least `_LONG_SEGMENT`
+    ids (shorter ones are cheaper through the running count), laid end to
+    end from 0."""
+    return (len(sizes) > 0 and sizes[0] >= _LONG_SEGMENT and total == sizes[0] * len(sizes) and offsets[0] == 0
+            and _MIN(sizes) == _MAX(sizes))
 
 
 def _spread(ops, values, sizes, offsets, total: int):

@@ -1162,6 +1162,31 @@ def test_inside_support_matches_a_python_membership_test_on_every_path(case):
     assert not validation.inside_support(torch.from_numpy(wide), *(torch.from_numpy(a) for a in arrays[1:])).any()
 
 
+@prop(120)
+@given(rows=st.lists(st.tuples(_edge_ids, st.booleans()), min_size=1, max_size=10), size=st.integers(32, 300),
+       seed=st.integers(0, 2**16))
+def test_supports_of_one_length_agree_with_a_python_membership_test(rows, size, seed):
+    """Supports all of one length (the matrix path, from 32 ids): the same
+    answers as `token in support`, whether the token is anywhere in its
+    support or only in a neighbour's."""
+    from rollstream.common import validation
+
+    rng = np.random.default_rng(seed)
+    tokens, supports = [], []
+    for token, inside in rows:
+        support = [int(v) for v in rng.integers(-2**31, 2**31 - 1, size) if v != token]
+        support += [int(rng.integers(0, 2**31 - 1))] * (size - len(support))
+        if inside:
+            support[int(rng.integers(0, size))] = token
+        tokens.append(token)
+        supports.append(support)
+    if len(rows) > 1 and not rows[1][1]:
+        supports[0][-1] = tokens[1]  # the next token at the end of this support: not its own
+    ids, offsets = csr_of(supports)
+    got = validation.inside_support(np.array(tokens, np.int32), np.array(ids, np.int32), np.array(offsets, np.int64))
+    assert got.tolist() == [t in s for t, s in zip(tokens, supports)]
+
+
 @prop(200)
 @given(flags=st.lists(st.booleans(), max_size=300), data=st.data())
 def test_segment_any_says_whether_each_segment_holds_a_set_flag(flags, data):
