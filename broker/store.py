@@ -273,8 +273,8 @@ class Segments:
 
     def rewind(self, mark: tuple[int, int]) -> None:
         """Cut what was appended since `mark`. Past a rotation the current
-        segment holds only those records; the older one's tail is
-        unreferenced and start-up cuts it."""
+        segment holds only those records; in the older one they stay as
+        bytes no row refers to, deleted with it."""
         number, size = mark
         size = size if number == self.current else 0
         os.ftruncate(self._fd, size)
@@ -385,7 +385,7 @@ class Store:
         self._next_ready_seq = 1
         self.write_ahead_from = write_ahead_from
         self._writer: ThreadPoolExecutor | None = None  # started by the first write ahead
-        self._waiting: list[Message] = []  # turns written ahead, not yet handed to the writer
+        self._waiting: list[Message] = []  # written ahead, not yet handed to the writer
         self._waiting_bytes = 0
         self._writes: list[tuple[Future, list[Message]]] = []  # handed to the writer, in order
         self._ahead_mark: tuple[int, int] | None = None  # where this batch's records start
@@ -481,18 +481,17 @@ class Store:
         return [decode_trusted(_unpack_frames(record), PRODUCER_TO_BROKER) for record in self.segments.read_many(locations)]
 
     # -- writing ------------------------------------------------------------
-    # -- commits --------------------------------------------------------------
     @property
     def writing_ahead(self) -> bool:
         """Turns were written ahead: the next `commit` must settle them, even
         one without effects."""
-        return bool(self._waiting)
+        return bool(self._waiting or self._writes)
 
     def write_ahead(self, message: Message) -> None:
         """Start writing a received turn's record before its batch commits.
         Nothing refers to it until a `commit` puts it; whether its batch
         commits or not, that commit waits for every write ahead first."""
-        if not self._waiting:
+        if not self.writing_ahead:
             self._ahead_mark = self.segments.mark
         self._waiting.append(message)
         self._waiting_bytes += sum(map(len, message.frames))
@@ -502,9 +501,8 @@ class Store:
     def _hand_to_writer(self) -> None:
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="rollstream-store-writer")
-        turns = self._waiting[sum(len(batch) for _, batch in self._writes):]
+        turns, self._waiting, self._waiting_bytes = self._waiting, [], 0
         self._writes.append((self._writer.submit(self._append_turns, turns), turns))
-        self._waiting_bytes = 0
 
     def _append_turns(self, turns: list[Message]) -> list[tuple[int, int, int]]:
         return self.segments.append([self._turn_record(message) for message in turns])
@@ -528,8 +526,8 @@ class Store:
     def commit(self, effects: list) -> None:
         """Make `effects` durable as one batch, or raise `StoreError` with
         nothing of the batch persisted. Writes ahead are settled first."""
-        start = self._ahead_mark if self._waiting else self.segments.mark
-        if not effects and not self._waiting:
+        start = self._ahead_mark if self.writing_ahead else self.segments.mark
+        if not effects and not self.writing_ahead:
             return
         puts = [e for e in effects if type(e) is PutTurn and e.message is not None]
         try:
