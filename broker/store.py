@@ -12,7 +12,7 @@ start-up cuts off. `sync="full"` adds an fdatasync of the segment and
 Large turns are written ahead (`Store.write_ahead`): their records go to the
 segment on a writer thread as soon as they are decoded, while the broker
 checks and merges the rest of the batch, and the commit then only waits for
-them and adds its rows. A turn refused after its write leaves an unreferenced
+them, writes the small ones and adds its rows. A turn refused after its write leaves an unreferenced
 record, which costs disk until its segment is retired like any other.
 """
 from __future__ import annotations
@@ -49,10 +49,10 @@ RECORD_MAGIC = 0x52534731  # "RSG1"
 RECORD_HEADER = struct.Struct("<III")  # magic, payload length, crc32 of payload
 _IOV_MAX = 512
 
-# Turns are written ahead on the writer thread once this many of their bytes
-# wait: a smaller batch is written inline at its commit, where handing it to
-# a thread would cost more than the copy it moves off the broker's loop.
-WRITE_AHEAD_FROM_BYTES = 1 << 20
+# A turn this large is written ahead on the writer thread; smaller ones are
+# written inline by their commit, where handing them to a thread costs about
+# what the copy it moves off the broker's loop does.
+WRITE_AHEAD_FROM_BYTES = 1 << 18
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB);
@@ -385,9 +385,7 @@ class Store:
         self._next_ready_seq = 1
         self.write_ahead_from = write_ahead_from
         self._writer: ThreadPoolExecutor | None = None  # started by the first write ahead
-        self._waiting: list[Message] = []  # written ahead, not yet handed to the writer
-        self._waiting_bytes = 0
-        self._writes: list[tuple[Future, list[Message]]] = []  # handed to the writer, in order
+        self._writes: list[tuple[Future, Message]] = []  # this batch's writes ahead, in order
         self._ahead_mark: tuple[int, int] | None = None  # where this batch's records start
 
     # -- start-up -----------------------------------------------------------
@@ -485,38 +483,34 @@ class Store:
     def writing_ahead(self) -> bool:
         """Turns were written ahead: the next `commit` must settle them, even
         one without effects."""
-        return bool(self._waiting or self._writes)
+        return bool(self._writes)
 
     def write_ahead(self, message: Message) -> None:
-        """Start writing a received turn's record before its batch commits.
-        Nothing refers to it until a `commit` puts it; whether its batch
-        commits or not, that commit waits for every write ahead first."""
-        if not self.writing_ahead:
+        """Start writing a received turn's record before its batch commits,
+        when it is at least `write_ahead_from` bytes (a smaller one is written
+        by the commit that puts it). Nothing refers to the record until a
+        `commit` puts the turn; whether its batch commits or not, that
+        commit waits for every write ahead first."""
+        if sum(map(len, message.frames)) < self.write_ahead_from:
+            return
+        if not self._writes:
             self._ahead_mark = self.segments.mark
-        self._waiting.append(message)
-        self._waiting_bytes += sum(map(len, message.frames))
-        if self._waiting_bytes >= self.write_ahead_from:
-            self._hand_to_writer()
-
-    def _hand_to_writer(self) -> None:
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="rollstream-store-writer")
-        turns, self._waiting, self._waiting_bytes = self._waiting, [], 0
-        self._writes.append((self._writer.submit(self._append_turns, turns), turns))
+        self._writes.append((self._writer.submit(self._append_turn, message), message))
 
-    def _append_turns(self, turns: list[Message]) -> list[tuple[int, int, int]]:
-        return self.segments.append([self._turn_record(message) for message in turns])
+    def _append_turn(self, message: Message) -> tuple[int, int, int]:
+        return self.segments.append([self._turn_record(message)])[0]
 
     def _written_ahead(self) -> dict[int, tuple[int, int, int]]:
         """Wait for the writes ahead: each written turn's location, by the
-        message's id. Turns still waiting for the writer are dropped: a
-        small remainder is cheaper written with the commit's own records."""
-        writes, self._writes, self._waiting, self._waiting_bytes = self._writes, [], [], 0
+        message's id."""
+        writes, self._writes = self._writes, []
         located: dict[int, tuple[int, int, int]] = {}
         failure = None
-        for future, turns in writes:
+        for future, message in writes:
             try:
-                located.update(zip(map(id, turns), future.result()))
+                located[id(message)] = future.result()
             except OSError as exc:
                 failure = failure or exc
         if failure is not None:

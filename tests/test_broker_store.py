@@ -389,12 +389,12 @@ def test_a_write_ahead_runs_on_the_writer_thread_and_the_commit_waits_for_it(tmp
     store.close()
 
 
-def test_a_small_batch_is_written_inline_by_its_commit(tmp_path, monkeypatch):
+def test_small_turns_are_written_inline_by_their_commit(tmp_path, monkeypatch):
     import threading
 
     from rollstream.broker.store import Segments
 
-    store = Store(tmp_path / "data")  # the default threshold: far above two small turns
+    store = Store(tmp_path / "data")  # the default threshold: far above a small turn
     store.open()
     threads = []
     real_append = Segments.append
