@@ -49,10 +49,10 @@ RECORD_MAGIC = 0x52534731  # "RSG1"
 RECORD_HEADER = struct.Struct("<III")  # magic, payload length, crc32 of payload
 _IOV_MAX = 512
 
-# A turn this large is written ahead on the writer thread; smaller ones are
+# A turn this large (long top-p supports) is written ahead on the writer thread; smaller ones are
 # written inline by their commit, where handing them to a thread costs about
 # what the copy it moves off the broker's loop does.
-WRITE_AHEAD_FROM_BYTES = 1 << 18
+WRITE_AHEAD_FROM_BYTES = 1 << 20
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB);
