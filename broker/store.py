@@ -12,8 +12,9 @@ start-up cuts off. `sync="full"` adds an fdatasync of the segment and
 Large turns are written ahead (`Store.write_ahead`): their records go to the
 segment on a writer thread as soon as they are decoded, while the broker
 checks and merges the rest of the batch, and the commit then only waits for
-them, writes the small ones and adds its rows. A turn refused after its write leaves an unreferenced
-record, which costs disk until its segment is retired like any other.
+them, writes the small ones and adds its rows. A turn refused after its
+write leaves an unreferenced record, which costs disk until its segment is
+retired like any other.
 """
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ RECORD_MAGIC = 0x52534731  # "RSG1"
 RECORD_HEADER = struct.Struct("<III")  # magic, payload length, crc32 of payload
 _IOV_MAX = 512
 
-# A turn this large (long top-p supports) is written ahead on the writer thread; smaller ones are
-# written inline by their commit, where handing them to a thread costs about
-# what the copy it moves off the broker's loop does.
+# A turn this large (long top-p supports) is written ahead on the writer
+# thread; smaller ones are written inline by their commit, where handing them
+# to a thread costs about what the copy it moves off the broker's loop does.
 WRITE_AHEAD_FROM_BYTES = 1 << 20
 
 _SCHEMA = """
