@@ -15,6 +15,7 @@ import socket
 import sqlite3
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq
@@ -48,7 +49,21 @@ PROBE_EVERY = 1.0  # seconds between store probes while unavailable
 PRODUCER_FORGET_AFTER = 3600.0  # seconds after which a silent producer connection is forgotten
 ZERO_COPY_SEND_ABOVE = 1 << 19  # bytes: a larger frame (a 1 MiB turn of top-p supports, sent split) goes without a copy (see `_send`)
 DELIVER_LAYOUTS = ("packed_arrays", "split_arrays")  # hello flags for `deliver` layouts a consumer reads (PROTOCOL.md §4)
+# A turn frame this large (a turn of top-p-sized supports) has its content
+# rules checked on a thread of their own as soon as it is decoded, while the
+# main thread receives and decodes the rest of the batch; numpy releases the
+# GIL over arrays this size. The outcome is taken before the batch merges.
+CHECK_AHEAD_FROM_BYTES = 1 << 20
 PRODUCER_ACTIVE_FOR = 30.0  # seconds a producer connection counts as active after its last frame (it pings every second)
+
+
+def _content_error(arrays, vocab_size: int | None) -> ProtocolError | None:
+    """The first content rule a turn's arrays break, or None."""
+    try:
+        check_message_arrays(arrays, vocab_size=vocab_size)
+    except ProtocolError as error:
+        return error
+    return None
 
 
 @dataclass(slots=True)
@@ -101,6 +116,7 @@ class BrokerService:
         self._redeliveries_seen = 0
         self.sockets: dict[str, zmq.Socket] = {}
         self._metrics_server = None
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="rollstream-checker")  # see CHECK_AHEAD_FROM_BYTES
 
     def _new_engine(self) -> MergeEngine:
         s = self.settings
@@ -161,6 +177,7 @@ class BrokerService:
             server, thread = self._metrics_server
             server.shutdown()
             self._metrics_server = None
+        self._checker.shutdown()
         self.store.close()
         log.info("broker stopped", extra={"broker_id": self.broker_id})
 
@@ -213,6 +230,7 @@ class BrokerService:
         """Read a batch, check it, merge it, commit it once, then reply."""
         sock = self.sockets["producer"]
         received: list[tuple[bytes, Message | None, ProtocolError | None]] = []
+        checks: dict[int, Future] = {}  # index in `received` -> its content check, running ahead
         batch_bytes = 0
         for _ in range(self.settings.batch_max):
             if self._must_wait() or (received and batch_bytes >= self.settings.batch_max_bytes):  # the frame crossing it is the last
@@ -230,11 +248,15 @@ class BrokerService:
                 message = decode(frames[1:], PRODUCER_TO_BROKER, max_message_bytes=self.settings.max_message_bytes,
                                  check_content=False)
                 received.append((frames[0], message, None))
-                if message.type == "turn" and not self.unavailable:
-                    self.store.write_ahead(message)  # on the writer thread while the batch is checked and merged
+                if message.type == "turn":
+                    if size >= CHECK_AHEAD_FROM_BYTES:
+                        checks[len(received) - 1] = self._checker.submit(_content_error, message.arrays,
+                                                                         self.settings.vocab_size)
+                    if not self.unavailable:
+                        self.store.write_ahead(message)  # on the writer thread while the batch is checked and merged
             except ProtocolError as error:
                 received.append((frames[0], None, error))
-        self._check_content(received)
+        self._check_content(received, checks)
         pending: list[_Pending] = []
         effects: list = []
         for identity, message, error in received:
@@ -286,19 +308,25 @@ class BrokerService:
                 acks.setdefault("outcomes", []).append(outcome)
         return by_identity
 
-    def _check_content(self, received: list) -> None:
-        """The content rules for every turn of the batch in one packed pass;
-        only when it fails is each turn checked alone, to refuse the culprits."""
+    def _check_content(self, received: list, checks: dict[int, Future]) -> None:
+        """The content rules for every turn of the batch: those not already
+        being checked ahead in one packed pass (only when it fails is each
+        checked alone, to refuse the culprits), then the outcomes of the
+        checks ahead."""
         vocab = self.settings.vocab_size
-        turns = [i for i, (_, message, _) in enumerate(received) if message is not None and message.type == "turn"]
-        if not turns or messages_content_valid([received[i][1].arrays for i in turns], vocab):
-            return
-        for i in turns:
+        turns = [i for i, (_, message, _) in enumerate(received)
+                 if message is not None and message.type == "turn" and i not in checks]
+        if turns and not messages_content_valid([received[i][1].arrays for i in turns], vocab):
+            for i in turns:
+                self._refuse_if(received, i, _content_error(received[i][1].arrays, vocab))
+        for i, check in checks.items():
+            self._refuse_if(received, i, check.result())
+
+    @staticmethod
+    def _refuse_if(received: list, i: int, error: ProtocolError | None) -> None:
+        if error is not None:
             identity, message, _ = received[i]
-            try:
-                check_message_arrays(message.arrays, vocab_size=vocab)
-            except ProtocolError as error:
-                received[i] = (identity, message, error.with_seq(message["seq"]))
+            received[i] = (identity, message, error.with_seq(message["seq"]))
 
     def _read_back(self, entry: Entry, purpose: str) -> bool:
         """Rebuild an evicted trajectory from the store; False (and the

@@ -41,6 +41,18 @@ def join_contiguous(parts: list, dtype: np.dtype) -> np.ndarray | None:
         return None
 
 
+class Pieces(list):
+    """An array's pieces in order, not joined, with each piece's CRC-32
+    where it is known (`crcs[i]`, None where not): `codec.encode` combines
+    a known CRC instead of reading the piece again."""
+
+    __slots__ = ("crcs",)
+
+    def __init__(self, parts, crcs):
+        super().__init__(parts)
+        self.crcs = crcs
+
+
 class GrowableArray:
     """A 1-D numpy array that grows geometrically on append.
 
@@ -54,13 +66,14 @@ class GrowableArray:
     lone frozen part written into an empty array becomes its buffer as it
     is (copied only when something is appended after it)."""
 
-    __slots__ = ("_buf", "_len", "_parts", "_shifts", "_queued")
+    __slots__ = ("_buf", "_len", "_parts", "_shifts", "_crcs", "_queued")
 
     def __init__(self, dtype: np.dtype, capacity: int = 0):
         self._buf = np.empty(capacity, dtype=dtype)
         self._len = 0
         self._parts: list[np.ndarray] = []
         self._shifts: list | None = None  # per queued part, a value added to it; None while all are 0
+        self._crcs: list | None = None  # per queued part, its bytes' CRC-32 or None; None while none is known
         self._queued = 0
 
     def __len__(self) -> int:
@@ -69,9 +82,15 @@ class GrowableArray:
     def extend(self, values: np.ndarray) -> None:
         self.extend_many([values])
 
-    def extend_many(self, parts: list, shifts: list | None = None) -> None:
+    def extend_many(self, parts: list, shifts: list | None = None, crcs: list | None = None) -> None:
         """Append each of `parts` in order, plus its entry of `shifts` when
-        given (one call for a whole trajectory's pending turns)."""
+        given (one call for a whole trajectory's pending turns). `crcs`
+        gives parts' CRC-32s where known (a verified received frame), kept
+        for `parts()` while the part is held as it is."""
+        if crcs is not None and self._crcs is None and any(crc is not None for crc in crcs):
+            self._crcs = [None] * len(self._parts)
+        if self._crcs is not None:
+            self._crcs += crcs if crcs is not None else [None] * len(parts)
         if shifts is not None and self._shifts is None:
             if not any(shifts):
                 shifts = None
@@ -80,8 +99,13 @@ class GrowableArray:
         if self._shifts is not None:
             self._shifts += shifts if shifts is not None else [0] * len(parts)
         dtype = self._buf.dtype
+        start = len(self._parts)
         self._parts += [part if part.dtype == dtype and not part.flags.writeable else part.astype(dtype, casting="same_kind")
                         for part in parts]
+        if self._crcs is not None:  # a converted part's bytes are new
+            for i, (given, kept) in enumerate(zip(parts, self._parts[start:]), start):
+                if kept is not given:
+                    self._crcs[i] = None
         self._queued += sum(map(len, parts))
 
     def _flush(self) -> None:
@@ -102,7 +126,7 @@ class GrowableArray:
         target = self._buf[start:end]
         if self._shifts is not None:
             target += np.repeat(np.array(self._shifts, dtype=self._buf.dtype), [len(part) for part in parts])
-        self._len, self._parts, self._shifts, self._queued = end, [], None, 0
+        self._len, self._parts, self._shifts, self._crcs, self._queued = end, [], None, None, 0
 
     def _join(self, parts: list) -> bool:
         """The parts joined into a new, exactly sized buffer (queued parts
@@ -127,13 +151,14 @@ class GrowableArray:
         view.flags.writeable = False
         return view
 
-    def parts(self) -> list[np.ndarray]:
+    def parts(self) -> Pieces:
         """The filled part as read-only pieces, not joined: the queued
         appends themselves while nothing has been written yet (a trajectory
-        read once: its turns' own arrays), otherwise `[view()]`."""
+        read once: its turns' own arrays, with the CRCs given for them),
+        otherwise `[view()]`."""
         if self._len == 0 and self._shifts is None and len(self._parts) > 1:
-            return list(self._parts)
-        return [self.view()]
+            return Pieces(self._parts, self._crcs or [None] * len(self._parts))
+        return Pieces([self.view()], [None])
 
     def copy(self) -> np.ndarray:
         """An owned, read-only copy of the filled part."""

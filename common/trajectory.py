@@ -102,6 +102,7 @@ class Turn(NamedTuple):
     indexer_topk: np.ndarray | None = None
     status: str = "completed"
     weight_version: str | None = None
+    mask_ids_crc32: int | None = None  # the CRC-32 of `mask.ids`' bytes, when a decoder verified it
 
     @classmethod
     def build(
@@ -172,8 +173,10 @@ class Turn(NamedTuple):
         return turn
 
     @classmethod
-    def from_arrays(cls, arrays: Mapping[str, np.ndarray], *, status: str, weight_version: str | None = None) -> "Turn":
-        """Trusted: arrays a decoder has already checked (contract names)."""
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray], *, status: str, weight_version: str | None = None,
+                    crcs: Mapping[str, int] | None = None) -> "Turn":
+        """Trusted: arrays a decoder has already checked (contract names),
+        with the CRCs it verified of some of them (`Message.array_crcs`)."""
         mask = None
         if "mask_ids" in arrays:
             mask = SamplingMask._wrap(arrays["mask_ids"], arrays["mask_offsets"])
@@ -187,6 +190,7 @@ class Turn(NamedTuple):
             indexer_topk=arrays.get("indexer_topk"),
             status=status,
             weight_version=weight_version,
+            mask_ids_crc32=None if crcs is None else crcs.get("mask_ids"),
         )
 
     def carries(self, replay_field: str) -> bool:
@@ -235,12 +239,13 @@ class _MaskBuffer:
         """Each turn's supports, then its forced tokens' singletons. The
         first turn of an empty mask brings its offsets whole, leading 0
         included, so a one-turn trajectory's CSR is that turn's own arrays."""
-        ids, offsets, shifts = [], [], []
+        ids, offsets, shifts, crcs = [], [], [], []
         base = len(self.ids)
         first = base == 0 and len(self.offsets) == 1 and turns[0].mask is not None
         for turn in turns:
             if turn.mask is not None:
                 ids.append(turn.mask.ids)
+                crcs.append(turn.mask_ids_crc32)
                 if first:
                     self.offsets.truncate(0)
                     offsets.append(turn.mask.offsets)
@@ -252,10 +257,11 @@ class _MaskBuffer:
             forced = turn.forced_tokens
             if forced.size:
                 ids.append(forced)
+                crcs.append(None)
                 offsets.append(counting_run(forced.size, OFFSETS_DTYPE))
                 shifts.append(base)
                 base += forced.size
-        self.ids.extend_many(ids)
+        self.ids.extend_many(ids, crcs=crcs)
         self.offsets.extend_many(offsets, shifts)
 
     def truncate(self, n_tokens: int) -> None:

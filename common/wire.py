@@ -48,8 +48,10 @@ def encode_turn(
 
 
 def turn_from_message(message: Message) -> Turn:
-    """The `Turn` a decoded `turn` message carries (arrays stay zero-copy)."""
-    return Turn.from_arrays(message.arrays, status=message["status"], weight_version=message.get("weight_version"))
+    """The `Turn` a decoded `turn` message carries (arrays stay zero-copy,
+    with the CRCs decoding verified of its large ones)."""
+    return Turn.from_arrays(message.arrays, status=message["status"], weight_version=message.get("weight_version"),
+                            crcs=message.array_crcs)
 
 
 _IDENTITY = ("group_id", "group_size", "sample_index")

@@ -465,24 +465,29 @@ def test_a_resend_whose_stored_turn_cannot_be_read_is_refused_unavailable_then_r
         assert reply.type == "ack" and reply["duplicate"] is True and reply["applied"] is True
 
 
+def large_turn(tid, seq, token_inside=True, n=300, size=1000):
+    """Turn 0 of `n` tokens with `size`-id supports (1.2 MB of ids by
+    default); with `token_inside=False` the first token's support lacks it
+    (the library would refuse to send that)."""
+    tokens = np.arange(n, dtype=np.int32) * 3 + 1
+    ids = (np.arange(size, dtype=np.int32)[None, :] + tokens[:, None]).ravel()
+    turn = Turn.build(tokens, np.full(n, -0.5, np.float32), mask_ids=ids,
+                      mask_offsets=np.arange(n + 1, dtype=np.int64) * size)
+    frames = encode_turn(tid, 0, turn, seq=seq, prompt_tokens=np.array([1], np.int32))
+    if not token_inside:
+        at = 1 + [entry[0] for entry in header(frames)["arrays"]].index("mask_ids")
+        bad = np.frombuffer(frames[at], np.int32).copy()
+        bad[0] = 0
+        frames[at] = bad.tobytes()
+    return frames
+
+
 def test_large_turns_written_ahead_keep_refusals_out_of_the_store(tmp_path):
     """Turns over the write-ahead threshold reach the segment before their
     content check: one that fails it is still refused, the good one of the
     same burst is acked, and after a restart only the good one is there."""
-    n, size = 300, 1000  # 300 tokens of 1,000-id supports: 1.2 MB of ids per turn
-    tokens = np.arange(n, dtype=np.int32) * 3 + 1
-
-    def big_turn(tid, seq, token_inside=True):
-        ids = (np.arange(size, dtype=np.int32)[None, :] + tokens[:, None]).ravel()
-        turn = Turn.build(tokens, np.full(n, -0.5, np.float32), mask_ids=ids,
-                          mask_offsets=np.arange(n + 1, dtype=np.int64) * size)
-        frames = encode_turn(tid, 0, turn, seq=seq, prompt_tokens=np.array([1], np.int32))
-        if not token_inside:  # the first token's support no longer holds it (the library would refuse to send it)
-            at = 1 + [entry[0] for entry in header(frames)["arrays"]].index("mask_ids")
-            bad = np.frombuffer(frames[at], np.int32).copy()
-            bad[0] = 0
-            frames[at] = bad.tobytes()
-        return frames
+    n, size = 300, 1000
+    big_turn = large_turn
 
     with BrokerProcess(tmp_path, vocab_size=5000) as broker:
         sock = dealer(broker.producer)
@@ -501,3 +506,37 @@ def test_large_turns_written_ahead_keep_refusals_out_of_the_store(tmp_path):
         broker.terminate()
         broker.start()  # start-up verifies every record a row refers to
         assert broker.status()["open"] == 1
+
+
+def test_large_turns_are_checked_ahead_on_their_own_thread_and_refused_by_rule(tmp_path, monkeypatch):
+    """A turn frame of `CHECK_AHEAD_FROM_BYTES` or more is checked on the
+    checker thread while the batch is read; smaller ones on the main
+    thread, packed. Either way a culprit is refused with its rule's code
+    and its own seq, and the rest of the burst is acked."""
+    from rollstream.broker import service as service_module
+
+    checked = []
+    real = service_module._content_error
+
+    def recording(arrays, vocab_size):
+        checked.append((len(arrays["mask_ids"]), threading.current_thread().name))
+        return real(arrays, vocab_size)
+
+    monkeypatch.setattr(service_module, "_content_error", recording)
+    small_bad = encode_turn("small-bad", 0, Turn.build([5], [-0.5], supports=[[6, 7]], check_content=False),
+                            seq=3, prompt_tokens=np.array([1], np.int32))
+    with threaded_broker(tmp_path, vocab_size=5000) as (service, thread, context):
+        producer = dealer("inproc://p", context)
+        for frames in (large_turn("big-bad", 1, token_inside=False), large_turn("big-good", 2), small_bad,
+                       large_turn("big-good-2", 4)):
+            producer.send_multipart(frames)
+        replies = {}
+        while len(replies) < 4:
+            assert producer.poll(10_000), "no reply"
+            reply = decode(producer.recv_multipart(), BROKER_TO_PRODUCER)
+            replies[reply["seq"]] = reply
+        assert {seq: (r.type, r.get("code")) for seq, r in replies.items()} == {
+            1: ("nack", "mask_invalid"), 2: ("ack", None), 3: ("nack", "mask_invalid"), 4: ("ack", None)}
+        assert thread.is_alive()
+    on_checker = [(ids, name.startswith("rollstream-checker")) for ids, name in checked]
+    assert sorted(on_checker) == [(2, False), *[(300 * 1000, True)] * 3]  # every large turn, good ones too

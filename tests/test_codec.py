@@ -7,7 +7,17 @@ import numpy as np
 import pytest
 
 from rollstream.common import ProtocolError, Trajectory, Turn
-from rollstream.common.codec import check_values, content_digest, decode, decode_trusted, encode, encode_error, number_header
+from rollstream.common.buffers import Pieces
+from rollstream.common.codec import (
+    CRC_KEPT_FROM_BYTES,
+    check_values,
+    content_digest,
+    decode,
+    decode_trusted,
+    encode,
+    encode_error,
+    number_header,
+)
 from rollstream.common.messages import (
     ADMIN_REPLIES,
     ADMIN_REQUESTS,
@@ -493,6 +503,45 @@ def test_an_array_sent_in_parts_is_one_array_to_the_receiver():
     assert len(packed) == 2 and all(len(entry) == 3 for entry in msgpack.unpackb(packed[0])["arrays"])
     assert decode(packed, PRODUCER_TO_BROKER).arrays["mask_ids"].tolist() == [10, 4, 11, 12, 3, 5]
     assert content_digest(decode(packed, PRODUCER_TO_BROKER)) == content_digest(message)
+
+
+def _one_wide_support(ids: int, crc: bool = True) -> list:
+    """A one-token turn whose support has `ids` ids (token 0 among them)."""
+    arrays = {"tokens": np.array([0], "<i4"), "log_probs": np.array([-0.5], "<f4"),
+              "mask_ids": np.arange(ids, dtype="<i4"), "mask_offsets": np.array([0, ids], "<i8")}
+    header = {"turn": 1, **({"crc32": zlib.crc32(b"".join(a.tobytes() for a in arrays.values()))} if crc else {})}
+    return raw_turn(header, arrays)
+
+
+def test_a_verified_frame_of_the_kept_size_keeps_its_own_crc():
+    """So that a delivery sending those bytes on as a piece needs no second
+    pass over them; smaller frames, or no CRC to verify, keep none."""
+    wide = CRC_KEPT_FROM_BYTES // 4
+    message = decode(_one_wide_support(wide), PRODUCER_TO_BROKER)
+    assert message.array_crcs == {"mask_ids": zlib.crc32(np.arange(wide, dtype="<i4").tobytes())}
+    assert message.crc32 == msgpack.unpackb(_one_wide_support(wide)[0])["crc32"]
+    assert turn_from_message(message).mask_ids_crc32 == message.array_crcs["mask_ids"]
+    assert decode(_one_wide_support(wide - 1), PRODUCER_TO_BROKER).array_crcs is None
+    assert decode(_one_wide_support(wide, crc=False), PRODUCER_TO_BROKER).array_crcs is None
+    damaged = _one_wide_support(wide)
+    damaged[3] = damaged[3][:-1] + b"\x01"
+    assert code_of(damaged).code == "crc_mismatch"  # a kept CRC is still checked against the header
+
+
+def test_a_piece_with_a_known_crc_is_combined_into_the_message_crc_not_read():
+    first, second = np.arange(5000, dtype=np.int32), np.arange(7, dtype=np.int32)
+    arrays = {"tokens": np.array([0], np.int32), "log_probs": np.array([-1.0], np.float32),
+              "mask_offsets": np.array([0, 5007], np.int64)}
+    fields = {"seq": 1, "trajectory_id": "t", "turn": 1, "status": "completed"}
+    whole = zlib.crc32(b"".join(a.tobytes() for a in (*arrays.values(), first, second)))  # mask_ids goes last
+    for crcs in ([zlib.crc32(first.tobytes()), None], [None, None]):
+        frames = encode(PRODUCER_TO_BROKER, "turn", fields, {**arrays, "mask_ids": Pieces([first, second], crcs)},
+                        crc=True)
+        assert msgpack.unpackb(frames[0])["crc32"] == whole
+        assert decode(frames, PRODUCER_TO_BROKER).arrays["mask_ids"].tolist() == [*range(5000), *range(7)]
+    lying = encode(PRODUCER_TO_BROKER, "turn", fields, {**arrays, "mask_ids": Pieces([first, second], [1, None])},
+                   crc=True)
+    assert msgpack.unpackb(lying[0])["crc32"] != whole  # the given CRC was used: the bytes were not read for it
 
 
 def _with_entry(frames, name, entry):

@@ -272,6 +272,35 @@ def test_nbytes_counts_every_array_without_writing_queued_appends():
     assert sum(a.nbytes for a in traj.arrays().values()) == expected
 
 
+def test_pieces_carry_the_crcs_their_turns_arrived_with():
+    """A turn decoded with a verified CRC for its support ids hands it on
+    with the piece; a forced-token piece, a piece copied on append, or a
+    buffer already written has none to hand on."""
+    ids = [np.arange(i, 1000 + i, dtype=np.int32) for i in range(3)]
+    offsets = np.arange(0, 1001, 100, dtype=np.int64)
+    tokens = np.arange(0, 1000, 100, dtype=np.int32)
+
+    def decoded(part, crc, forced=None):
+        return Turn.build(tokens + part[0], np.full(10, -0.5, np.float32), mask_ids=part, mask_offsets=offsets,
+                          forced_tokens=forced, borrow=True)._replace(mask_ids_crc32=crc)
+
+    traj = Trajectory("t", [1])
+    traj.append_turn(decoded(ids[0], 111, forced=[5]))
+    traj.append_turn(decoded(ids[1], 222))
+    pieces = traj.arrays(parts_from=1)["mask_ids"]
+    assert [p.tolist()[:2] for p in pieces] == [[0, 1], [5], [1, 2]] and pieces.crcs == [111, None, 222]
+    assert traj.arrays()["mask_ids"].size == 2001  # read whole: written
+    assert type(traj.arrays(parts_from=1)["mask_ids"]) is np.ndarray  # one written buffer, its CRC unknown
+
+    buffer = GrowableArray(np.int32)
+    frozen = ids[0].copy()
+    frozen.flags.writeable = False
+    buffer.extend_many([frozen, ids[2]], crcs=[1, 2])  # the writable part is copied: its CRC is not kept
+    assert buffer.parts().crcs == [1, None]
+    buffer.extend(frozen)
+    assert buffer.parts().crcs == [1, None, None]
+
+
 def test_arrays_in_parts_are_the_turns_own_pieces_unjoined():
     ids = [np.arange(1000, dtype=np.int32) for _ in range(3)]
     offsets = np.arange(0, 1001, 100, dtype=np.int64)
@@ -281,7 +310,7 @@ def test_arrays_in_parts_are_the_turns_own_pieces_unjoined():
     for turn in turns:
         traj.append_turn(turn)
     split = traj.arrays(parts_from=4000)  # 4,000-byte pieces: mask_ids qualifies, the 40-byte token pieces do not
-    assert type(split["mask_ids"]) is list and len(split["mask_ids"]) == 3
+    assert isinstance(split["mask_ids"], list) and len(split["mask_ids"]) == 3
     assert all(np.shares_memory(piece, turn.mask.ids) for piece, turn in zip(split["mask_ids"], turns))
     assert type(split["tokens"]) is np.ndarray and type(split["mask_offsets"]) is np.ndarray
     assert type(traj.arrays(parts_from=4001)["mask_ids"]) is np.ndarray  # pieces smaller than asked: joined
