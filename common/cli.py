@@ -44,12 +44,31 @@ def main() -> None:
 @click.option("--batch-size", default=4, show_default=True, help="Groups per training batch.")
 @click.option("--abort-rate", default=0.1, show_default=True, help="Chance a later turn aborts without supports (a replay gap).")
 @click.option("--keep-data", is_flag=True, help="Keep the broker's data dir and the daemons' log.")
-def demo(**options) -> None:
+@click.option("--train", is_flag=True, help="The model in the loop: model producers and a trainer that replays "
+              "their sampling distribution and takes policy-gradient steps (docs/training.md).")
+@click.option("--steps", default=60, show_default=True, help="--train: training steps (one batch each).")
+@click.option("--plot", "plot", default="rollstream-train.png", show_default=True,
+              help="--train: where to write the PNG plot (needs the `plot` extra); '' for none.")
+@click.option("--json", "as_json", is_flag=True, help="--train: print the summary as one JSON line instead of a table.")
+def demo(train: bool, steps: int, plot: str, as_json: bool, **options) -> None:
     """Run the whole pipeline on loopback with embedded defaults: a broker,
-    synthetic producers and a consumer that validates and commits batches."""
-    from .demo import run_demo
+    synthetic producers and a consumer that validates and commits batches.
+    With --train, producers sample from a small torch model and the
+    consumer is a trainer that replays and learns from their rollouts."""
+    if not train:
+        from .demo import run_demo
 
-    click.echo(run_demo(**options))
+        click.echo(run_demo(**options))
+        return
+    import json
+
+    from rollstream.consumer.train_demo import run_train_demo, summary_table
+
+    summary = run_train_demo(steps=steps, producers=options["producers"], group_size=options["group_size"],
+                             batch_groups=options["batch_size"],
+                             plot=plot or None, keep_data=options["keep_data"],
+                             progress=(lambda line: None) if as_json else click.echo)
+    click.echo(json.dumps(summary) if as_json else summary_table(summary))
 
 
 if __name__ == "__main__":

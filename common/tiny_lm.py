@@ -61,7 +61,8 @@ class _Block(nn.Module):
 class TinyLM(nn.Module):
     """Token and position embeddings, `layers` blocks, a final norm and an
     output projection: `forward(tokens [B, T]) -> logits [B, T, vocab]`,
-    where row `t` scores the token after position `t`."""
+    where row `t` scores the token after position `t` (with `last_only`,
+    `[B, 1, vocab]` for the last position alone: what generating needs)."""
 
     def __init__(self, config: TinyLMConfig = TinyLMConfig(), *, seed: int = 0):
         super().__init__()
@@ -79,7 +80,7 @@ class TinyLM(nn.Module):
                 elif name.endswith("bias"):
                     parameter.zero_()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
         length = tokens.shape[-1]
         if length > self.config.max_len:
             raise ValueError(f"a sequence may have at most max_len={self.config.max_len} tokens, got {length}")
@@ -87,7 +88,7 @@ class TinyLM(nn.Module):
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
             x = block(x)
-        return self.output(self.final_norm(x))
+        return self.output(self.final_norm(x[:, -1:] if last_only else x))
 
 
 _VERSION_KEY = "weight_version"

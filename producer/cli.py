@@ -8,7 +8,8 @@ from rollstream.common.config import BYTES, config_option, settings_options
 from .settings import SOURCES, ProducerSettings
 
 HELP = {
-    "source": "synthetic: sampled load; sglang: drive an SGLang /generate endpoint; replay: recorded turns.",
+    "source": "synthetic: sampled load; sglang: drive an SGLang /generate endpoint; replay: recorded turns; "
+              "model: sample from a small torch LM (common.tiny_lm).",
     "broker_endpoint": "The node broker's producer endpoint (tcp://, ipc:// or inproc://).",
     "producer_id": "Name sent in hello; keep it stable to resend a spool after a restart. Default: host-source.",
     "window": "Most frames unsettled at once (the broker's welcome may lower it).",
@@ -31,7 +32,7 @@ HELP = {
     "rate": "Trajectory starts per second; 0: as fast as the broker takes them.",
     "concurrency": "Trajectories in progress at once.",
     "vocab_size": "Vocabulary size: synthetic ids are drawn below it and every id is checked against it.",
-    "seed": "Random seed of the synthetic source and of random prompts.",
+    "seed": "Random seed of the synthetic source, of random prompts and of the model source's initial weights.",
     "temperature": "Sampling temperature.",
     "top_k": "Top-k truncation; <= 0 disables it.",
     "top_p": "Top-p (nucleus) truncation.",
@@ -40,6 +41,7 @@ HELP = {
     "sglang_url": "Base URL of the SGLang-compatible server (POST {url}/generate).",
     "sglang_timeout": "Seconds one /generate call may take.",
     "prompts": "sglang: JSON-lines file of prompts ({\"input_ids\": [...]} per line); default: random prompts.",
+    "model_weights": "model: a TinyLM safetensors file, reloaded whenever it changes; until it exists, weights from --seed.",
     "replay_path": "replay: a .jsonl recording, a miles session payload (.safetensors), or a directory of them.",
     "default_reward": "replay: reward when a recording gives none.",
     "metrics_port": "Prometheus /metrics port; 0 disables it.",
@@ -70,6 +72,7 @@ def producer(log_format: str, **values) -> None:
 
     from .daemon import check, run
     from .replay import ReplayError
+    from .source import SourceSettingsError
     from .spool import SpoolError
 
     settings = settings_from(ProducerSettings, values)
@@ -80,5 +83,7 @@ def producer(log_format: str, **values) -> None:
         raise click.BadParameter(str(exc)) from None
     try:
         asyncio.run(run(settings))
+    except SourceSettingsError as exc:
+        raise click.BadParameter(str(exc)) from None
     except (ReplayError, SpoolError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None

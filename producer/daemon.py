@@ -10,7 +10,7 @@ import socket
 
 from .client import AsyncProducer
 from .replay import ReplaySource
-from .settings import ProducerSettings
+from .settings import SOURCES, ProducerSettings
 from .sglang import SGLangSource
 from .synthetic import SyntheticSource
 
@@ -19,10 +19,19 @@ log = logging.getLogger("rollstream.producer")
 SOURCE_CLASSES = {"synthetic": SyntheticSource, "sglang": SGLangSource, "replay": ReplaySource}
 
 
+def source_class(name: str):
+    """The source's class; the model source's module (torch) loads only when asked for."""
+    if name == "model":
+        from .model_source import ModelSource
+
+        return ModelSource
+    return SOURCE_CLASSES[name]
+
+
 def check(settings: ProducerSettings) -> None:
     """Refuse settings no source can run with, naming the rule and the value."""
     rules = [
-        ("source", settings.source in SOURCE_CLASSES, f"one of {sorted(SOURCE_CLASSES)}"),
+        ("source", settings.source in SOURCES, f"one of {sorted(SOURCES)}"),
         ("turns", settings.turns >= 1, ">= 1"),
         ("group_size", settings.group_size >= 1, ">= 1"),
         ("concurrency", settings.concurrency >= 1, ">= 1"),
@@ -45,7 +54,7 @@ async def run(settings: ProducerSettings) -> int:
     frames left unsettled at exit."""
     check(settings)
     producer_id = settings.producer_id or f"{socket.gethostname()}-{settings.source}"
-    source = SOURCE_CLASSES[settings.source](settings, producer_id)
+    source = source_class(settings.source)(settings, producer_id)
     producer = AsyncProducer(
         settings.broker_endpoint, producer_id, window=settings.window, reply_timeout=settings.reply_timeout,
         retry_delay=settings.retry_delay, heartbeat_interval=settings.heartbeat_interval,

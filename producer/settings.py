@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SOURCES = ("synthetic", "sglang", "replay")
+SOURCES = ("synthetic", "sglang", "replay", "model")
 
 
 @dataclass
@@ -45,6 +45,8 @@ class ProducerSettings:
     sglang_url: str = "http://127.0.0.1:30000"
     sglang_timeout: float = 600.0
     prompts: str | None = None
+    # model
+    model_weights: str | None = None
     # replay
     replay_path: str | None = None
     default_reward: float = 0.0

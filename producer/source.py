@@ -21,6 +21,11 @@ ENDED, ABORTED = "ended", "aborted"
 STOPPING = "producer stopping"
 
 
+class SourceSettingsError(ValueError):
+    """Settings a source found it cannot run with, once it knew enough
+    (a model's context length, say): reported like a bad option."""
+
+
 @dataclass(frozen=True)
 class Job:
     """One trajectory to produce."""

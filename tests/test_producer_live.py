@@ -735,6 +735,36 @@ def test_the_replay_daemon_streams_jsonl_and_miles_payloads(tmp_path):
     ])
 
 
+def test_the_model_daemon_streams_rollouts_a_trainer_replays_exactly(tmp_path):
+    """Rollouts sampled from the small torch LM reach a consumer with their
+    weight version, and the same weights recompute every delivered
+    log-prob over the delivered supports; the reward is the environment's."""
+    import torch
+
+    from rollstream.common.tiny_lm import TinyLM
+    from rollstream.consumer.primitives import masked_log_probs
+
+    with Broker(tmp_path) as broker:
+        finish(daemon(broker, "--source", "model", "--trajectories", "4", "--group-size", "2", "--turns", "2",
+                      "--prompt-tokens", "8", "--response-tokens", "6", "--tool-tokens", "3", "--vocab-size", "5000",
+                      "--top-k", "20", "--top-p", "0.9", "--temperature", "0.9", "--seed", "2"))
+        got, deliveries = drain(broker, 4)
+    assert deliveries == 4
+    model = TinyLM(seed=2).eval()
+    for traj in got.values():
+        assert traj.weight_versions == ["seed-2"] * 2 and traj.group_size == 2 and traj.turns == 2  # one per turn
+        assert len(traj.tokens) == 6 + 3 + 6 and traj.loss_mask.tolist() == [1] * 6 + [0] * 3 + [1] * 6
+        sampled = traj.tokens[traj.loss_mask == 1]
+        assert traj.reward == pytest.approx(float(np.mean(sampled % 8 == 0)))
+        sequence = torch.as_tensor(np.concatenate([traj.prompt_tokens, traj.tokens]), dtype=torch.int64)[None]
+        with torch.no_grad():
+            logits = model(sequence)[0, len(traj.prompt_tokens) - 1:-1]
+        rows = torch.as_tensor(np.flatnonzero(traj.loss_mask == 1))
+        replayed = masked_log_probs(logits[rows], torch.as_tensor(sampled.copy()), torch.as_tensor(traj.mask.ids.copy()),
+                                    torch.as_tensor(traj.mask.offsets.copy()), rows, temperature=0.9)
+        np.testing.assert_allclose(replayed.numpy(), traj.log_probs[traj.loss_mask == 1], atol=1e-4, rtol=0)
+
+
 def test_bad_settings_and_recordings_are_refused_with_the_rule(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "rollstream.common.cli", "producer", "--turns", "0"],
                          capture_output=True, text=True, timeout=PATIENCE, check=False)

@@ -4,6 +4,8 @@ What the sampler reports for each token (its log-prob under the truncated,
 renormalised distribution) must be what the trainer recomputes from the
 same weights over the transported support, and must differ from the
 full-vocabulary log-prob by the support's probability mass."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -11,8 +13,10 @@ from safetensors.torch import save_file
 
 from rollstream.common.tiny_lm import TinyLM, TinyLMConfig, load_weights, save_weights
 from rollstream.consumer.primitives import masked_log_probs
-from rollstream.producer.model_source import generate
+from rollstream.producer.model_source import ModelSource, TargetEnvironment, WeightsWatch, generate
 from rollstream.producer.sampler import SamplingParams
+from rollstream.producer.settings import ProducerSettings
+from rollstream.producer.source import SourceSettingsError
 
 CONFIG = TinyLMConfig(vocab_size=300, d_model=32, layers=2, heads=4, max_len=64)
 
@@ -92,3 +96,36 @@ def test_weights_round_trip_with_their_version_and_a_foreign_file_is_refused(tmp
     save_file({"w": torch.zeros(2)}, str(foreign))
     with pytest.raises(ValueError, match="not a TinyLM weights file.*vocab_size"):
         load_weights(foreign)
+
+
+def test_the_weights_watch_reloads_a_changed_file_and_keeps_its_weights_over_a_bad_one(tmp_path, caplog):
+    path = tmp_path / "policy.safetensors"
+    watch = WeightsWatch(str(path), seed=5)
+    assert watch.version == "seed-5" and not watch.refresh()  # no file yet: the seed's weights
+    save_weights(TinyLM(seed=6), path, "step-1")
+    assert watch.refresh() and watch.version == "step-1" and not watch.refresh()
+    tokens = torch.arange(8)[None]
+    assert torch.equal(watch.model(tokens), TinyLM(seed=6).eval()(tokens))
+    save_weights(TinyLM(seed=7), path, "step-2")
+    os.utime(path, ns=(1, 1))  # a new stamp even on a coarse clock
+    assert watch.refresh() and watch.version == "step-2"
+    path.write_bytes(b"not safetensors")
+    os.utime(path, ns=(2, 2))
+    assert not watch.refresh() and watch.version == "step-2"  # logged, kept
+    assert "cannot be loaded, keeping step-2" in caplog.text
+    with pytest.raises(SourceSettingsError, match="model_weights must be a TinyLM weights file"):
+        WeightsWatch(str(path), seed=5)  # at start the same file is a setting error
+
+
+def test_the_toy_environment_echoes_the_turn_and_rewards_target_tokens():
+    env = TargetEnvironment(tool_tokens=5)
+    assert env.answer(np.array([3, 4], np.int32)).tolist() == [3, 4, 3, 4, 3]
+    assert TargetEnvironment.reward(np.array([0, 8, 3, 5])) == 0.5 and TargetEnvironment.reward(np.array([])) == 0.0
+
+
+def test_the_model_source_refuses_a_rollout_longer_than_the_model_and_a_narrower_vocabulary():
+    too_long = ProducerSettings(source="model", prompt_tokens=1000, turns=2, response_tokens=20, tool_tokens=10)
+    with pytest.raises(SourceSettingsError, match="must be at most the model's max_len=1024, got 1050"):
+        ModelSource(too_long, "p")
+    with pytest.raises(SourceSettingsError, match="vocab_size must be at least the model's 4096, got 1000"):
+        ModelSource(ProducerSettings(source="model", vocab_size=1000), "p")

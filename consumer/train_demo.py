@@ -1,0 +1,303 @@
+"""`rollstream demo --train`: the model in the loop.
+
+Producers sample multi-turn rollouts from `TinyLM` (the `model` source);
+this trainer holds the same model, and for every batch recomputes each
+sampled token's log-prob from the weights it was sampled with, (a) over the
+transported support with `masked_log_probs` and (b) over the whole
+vocabulary, and compares both with what the sampler reported: (a) agrees to
+float tolerance, (b) is lower by the log of the support's probability mass,
+the bias a trainer that ignores the support would carry. It then takes a
+GRPO-style policy-gradient step (group-normalised advantages, the importance
+ratio against the rollout's truncated log-probs, clipped), writes the new
+weights for the producers and goes on.
+"""
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rollstream.common.sockets import free_loopback_ports
+from rollstream.common.tiny_lm import TinyLM, TinyLMConfig, save_weights
+
+from .batch import Batch
+from .primitives import masked_log_probs
+
+VOCAB = TinyLMConfig().vocab_size
+
+
+def response_logits(model: TinyLM, batch: Batch) -> torch.Tensor:
+    """`[R, V]`: for every response token of the batch (its response axis),
+    the logits that scored it, from one forward pass per sample."""
+    starts = np.concatenate([[0], np.cumsum(batch.lengths["sequence"])])
+    rows = []
+    for i in range(len(batch)):
+        sequence = batch.tokens[int(starts[i]):int(starts[i + 1])].long()[None]
+        prompt = int(batch.lengths["prompt"][i])
+        rows.append(model(sequence)[0, prompt - 1:-1])
+    return torch.cat(rows)
+
+
+class WeightVersions:
+    """The trainer's recent weights by version, so a trajectory sampled with
+    an older one is replayed with exactly those weights."""
+
+    def __init__(self, config: TinyLMConfig, keep: int = 16):
+        self.keep = keep
+        self._states: OrderedDict[str, dict] = OrderedDict()
+        self._scratch = TinyLM(config).eval()
+
+    def add(self, version: str, model: TinyLM) -> None:
+        self._states[version] = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        while len(self._states) > self.keep:
+            self._states.popitem(last=False)
+
+    def model(self, version: str) -> TinyLM | None:
+        """A model holding `version`'s weights (one shared scratch model), or None if no longer kept."""
+        state = self._states.get(version)
+        if state is None:
+            return None
+        self._scratch.load_state_dict(state)
+        return self._scratch
+
+
+@dataclass
+class Replay:
+    """One batch replayed with the weights each trajectory was sampled with."""
+
+    support_diffs: np.ndarray  # |masked_log_probs - rollout| per sampled token replayed
+    full_diffs: np.ndarray  # |full-vocabulary log-prob - rollout| per sampled token replayed
+    truncated: np.ndarray  # per sampled token replayed: its support is smaller than the vocabulary
+    replayed: int  # trajectories replayed (one weight version, still kept)
+    skipped: int  # trajectories not replayed (several versions, or one no longer kept)
+
+
+@torch.no_grad()
+def replay(batch: Batch, versions: WeightVersions, temperature: float) -> Replay:
+    """Recompute every sampled token's log-prob both ways, per trajectory,
+    with the weights named by its (single) weight version."""
+    support, full, truncated = [], [], []
+    skipped = 0
+    for i, names in enumerate(batch.weight_versions):
+        model = versions.model(names[0]) if len(set(names)) == 1 else None
+        if model is None:
+            skipped += 1
+            continue
+        one = batch.select([i])
+        logits = response_logits(model, one)
+        sampled = one.loss_mask.bool()
+        rollout = one.log_probs[sampled].double()
+        masked = masked_log_probs(logits, one.response_tokens, one.mask_ids, one.mask_offsets, temperature=temperature)
+        whole = torch.log_softmax(logits.double() / temperature, dim=-1)
+        whole = whole[torch.arange(len(logits)), one.response_tokens.long()]
+        support.append((masked[sampled].double() - rollout).abs().numpy())
+        full.append((whole[sampled] - rollout).abs().numpy())
+        truncated.append((one.support_sizes()[sampled] < logits.shape[1]).numpy())
+    cat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))
+    return Replay(cat(support, np.float64), cat(full, np.float64), cat(truncated, bool), len(batch) - skipped, skipped)
+
+
+def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Each reward minus its group's mean, over the group's standard
+    deviation (GRPO); 0 for a group whose rewards are all equal."""
+    groups = int(group_index.max()) + 1 if len(group_index) else 0
+    count = torch.zeros(groups).index_add(0, group_index, torch.ones_like(rewards))
+    mean = torch.zeros(groups).index_add(0, group_index, rewards) / count
+    centred = rewards - mean[group_index]
+    spread = (torch.zeros(groups).index_add(0, group_index, centred ** 2) / count).sqrt()
+    return centred / (spread[group_index] + 1e-6)
+
+
+def policy_loss(model: TinyLM, batch: Batch, temperature: float, clip: float = 0.2) -> torch.Tensor:
+    """The clipped surrogate over sampled tokens: the importance ratio of the
+    current weights' truncated log-prob (over the transported support) to
+    the rollout's, times the trajectory's group advantage."""
+    logits = response_logits(model, batch)
+    new = masked_log_probs(logits, batch.response_tokens, batch.mask_ids, batch.mask_offsets, temperature=temperature)
+    ratio = torch.exp(new - batch.log_probs)
+    advantage = torch.repeat_interleave(group_advantages(batch.rewards, batch.group_index),
+                                        torch.as_tensor(batch.lengths["response"]))
+    surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage)
+    return -surrogate[batch.loss_mask.bool()].mean()
+
+
+@dataclass
+class TrainingLog:
+    """What the loop saw, step by step."""
+
+    rewards: list[float] = field(default_factory=list)  # mean reward of each step's batch
+    staleness: list[int] = field(default_factory=list)  # per trajectory: trainer steps since its weights
+    support_diffs: list[np.ndarray] = field(default_factory=list)
+    full_diffs: list[np.ndarray] = field(default_factory=list)
+    truncated: list[np.ndarray] = field(default_factory=list)
+    skipped: int = 0
+
+    def summary(self, steps: int) -> dict:
+        support = np.concatenate(self.support_diffs) if self.support_diffs else np.zeros(0)
+        full = np.concatenate(self.full_diffs) if self.full_diffs else np.zeros(0)
+        truncated = np.concatenate(self.truncated) if self.truncated else np.zeros(0, bool)
+        window = max(1, min(5, len(self.rewards) // 4))
+        return {
+            "steps": steps,
+            "reward_first": round(float(np.mean(self.rewards[:window])), 4),
+            "reward_last": round(float(np.mean(self.rewards[-window:])), 4),
+            "replay_max_abs_diff_support": float(support.max()) if support.size else None,
+            "replay_mean_abs_diff_full": float(full.mean()) if full.size else None,
+            "replay_tokens": int(support.size),
+            "truncated_share": round(float(truncated.mean()), 4) if truncated.size else None,
+            "full_diff_min_where_truncated": float(full[truncated].min()) if truncated.any() else None,
+            "staleness_mean": round(float(np.mean(self.staleness)), 3) if self.staleness else None,
+            "staleness_max": int(max(self.staleness)) if self.staleness else None,
+            "skipped_trajectories": self.skipped,
+        }
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rollstream.common.cli", *args]
+
+
+def _version_step(version: str) -> int:
+    return int(version.split("-")[1]) if version.startswith("step-") else 0
+
+
+def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, batch_groups: int = 4, turns: int = 2,
+                   prompt_tokens: int = 8, response_tokens: int = 16, tool_tokens: int = 4, temperature: float = 1.0,
+                   top_k: int = 20, top_p: float = 0.95, learning_rate: float = 3e-3, seed: int = 0,
+                   plot: str | None = None, progress=print, keep_data: bool = False) -> dict:
+    """Run the loop for `steps` batches; return the summary (and write the
+    plot to `plot` when given). Raises if any stage fails."""
+    from rollstream.broker.admin import AdminClient
+
+    from .client import Consumer
+
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)  # a model this small gains nothing from a thread pool beside the daemons
+    work = Path(tempfile.mkdtemp(prefix="rollstream-train-"))
+    weights = work / "policy.safetensors"
+    model = TinyLM(seed=seed)
+    save_weights(model, weights, f"seed-{seed}")  # the producers start from the file, as after every step
+    versions = WeightVersions(model.config)
+    versions.add(f"seed-{seed}", model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
+    ports = free_loopback_ports(3)
+    endpoints = dict(zip(("producer", "consumer", "admin"), (f"tcp://127.0.0.1:{port}" for port in ports)))
+    log_file = open(work / "daemons.log", "ab")
+    daemons = [subprocess.Popen(
+        _cli("broker", "--producer-endpoint", endpoints["producer"], "--consumer-endpoint", endpoints["consumer"],
+             "--admin-endpoint", endpoints["admin"], "--data-dir", str(work / "data"), "--vocab-size", str(VOCAB),
+             "--metrics-port", "0", "--log-level", "warning"), stdout=log_file, stderr=log_file)]
+    log = TrainingLog()
+    started = time.perf_counter()
+    try:
+        with AdminClient(endpoints["admin"], timeout=30.0) as admin:
+            admin.status()  # waits until the broker answers
+            for i in range(producers):
+                daemons.append(subprocess.Popen(
+                    _cli("producer", "--source", "model", "--model-weights", str(weights),
+                         "--broker-endpoint", endpoints["producer"], "--producer-id", f"train-producer-{i}",
+                         "--trajectories", "0", "--group-size", str(group_size), "--turns", str(turns),
+                         "--prompt-tokens", str(prompt_tokens), "--response-tokens", str(response_tokens),
+                         "--tool-tokens", str(tool_tokens), "--temperature", str(temperature), "--top-k", str(top_k),
+                         "--top-p", str(top_p), "--vocab-size", str(VOCAB), "--seed", str(seed + 1 + i),
+                         "--concurrency", "2", "--metrics-port", "0", "--log-level", "warning"),
+                    stdout=log_file, stderr=log_file))
+            with Consumer([endpoints["consumer"]], batch_size=batch_groups, unit="group", vocab_size=VOCAB,
+                          device="cpu", on_invalid="raise") as consumer:
+                for step in range(1, steps + 1):
+                    batch = consumer.next_batch(timeout=120.0)
+                    replayed = replay(batch, versions, temperature)
+                    log.support_diffs.append(replayed.support_diffs)
+                    log.full_diffs.append(replayed.full_diffs)
+                    log.truncated.append(replayed.truncated)
+                    log.skipped += replayed.skipped
+                    log.rewards.append(float(batch.rewards.mean()))
+                    log.staleness += [step - 1 - _version_step(names[-1]) for names in batch.weight_versions if names]
+                    optimizer.zero_grad()
+                    loss = policy_loss(model, batch, temperature)
+                    loss.backward()
+                    optimizer.step()
+                    consumer.commit(batch)
+                    versions.add(f"step-{step}", model)
+                    save_weights(model, weights, f"step-{step}")
+                    worst = float(replayed.support_diffs.max()) if replayed.support_diffs.size else float("nan")
+                    progress(f"step {step:>3}/{steps}  reward {log.rewards[-1]:.3f}  loss {loss.item():+.4f}  "
+                             f"replay |diff| support {worst:.1e}, full {float(replayed.full_diffs.mean()):.3f}")
+            for daemon in daemons[1:]:
+                daemon.send_signal(signal.SIGTERM)
+            for daemon in daemons[1:]:
+                if daemon.wait(60) != 0:
+                    raise RuntimeError(f"a producer exited with {daemon.returncode}; see {work / 'daemons.log'}")
+    finally:
+        for daemon in reversed(daemons):
+            if daemon.poll() is None:
+                daemon.send_signal(signal.SIGTERM)
+                try:
+                    daemon.wait(30)
+                except subprocess.TimeoutExpired:
+                    daemon.kill()
+        log_file.close()
+        if not keep_data:
+            shutil.rmtree(work, ignore_errors=True)
+    summary = log.summary(steps)
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    if plot:
+        summary["plot"] = _plot(log, plot)
+    return summary
+
+
+def _plot(log: TrainingLog, path: str) -> str | None:
+    """The per-token replay error both ways and the reward curve, as a PNG;
+    None (and nothing written) without matplotlib (the `plot` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    support, full = np.concatenate(log.support_diffs), np.concatenate(log.full_diffs)
+    figure, (errors, rewards) = plt.subplots(1, 2, figsize=(11, 4))
+    floor = 1e-12  # a difference of exactly 0 on a log axis
+    errors.semilogy(np.maximum(full, floor), ".", markersize=2, label="full vocabulary")
+    errors.semilogy(np.maximum(support, floor), ".", markersize=2, label="over the transported support")
+    errors.set(xlabel="sampled token (in batch order)", ylabel="|recomputed - rollout log-prob|",
+               title="replaying the sampler's distribution")
+    errors.legend(loc="center right")
+    rewards.plot(range(1, len(log.rewards) + 1), log.rewards)
+    rewards.set(xlabel="step", ylabel="mean reward of the batch", title="reward")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return str(path)
+
+
+def summary_table(summary: dict) -> str:
+    def number(value, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    rows = [
+        ("steps", summary["steps"]),
+        ("reward, first / last", f"{number(summary['reward_first'], '.3f')} / {number(summary['reward_last'], '.3f')}"),
+        ("replay max |diff|, over the support", number(summary["replay_max_abs_diff_support"], ".2e")),
+        ("replay mean |diff|, full vocabulary", number(summary["replay_mean_abs_diff_full"], ".4f")),
+        ("sampled tokens replayed", summary["replay_tokens"]),
+        ("share of them with a truncated support", number(summary["truncated_share"], ".3f")),
+        ("staleness in weight versions, mean / max",
+         f"{number(summary['staleness_mean'], '.2f')} / {number(summary['staleness_max'], 'd')}"),
+        ("trajectories not replayed (weights no longer kept)", summary["skipped_trajectories"]),
+        ("time", f"{summary['seconds']} s"),
+    ]
+    if summary.get("plot"):
+        rows.append(("plot", summary["plot"]))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(["rollstream demo --train: model producers + broker + a replaying trainer on loopback",
+                      *(f"  {name:<{width}}  {value}" for name, value in rows)])

@@ -1,0 +1,46 @@
+"""The model-in-the-loop training demo: its pieces, then a short run of the
+whole loop (real broker and producer daemons on loopback)."""
+import numpy as np
+import pytest
+import torch
+
+from rollstream.common.tiny_lm import TinyLM, TinyLMConfig
+from rollstream.consumer.train_demo import WeightVersions, group_advantages, run_train_demo, summary_table
+
+
+def test_group_advantages_are_rewards_normalised_within_each_group():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0])
+    groups = torch.tensor([0, 0, 1, 1, 2])
+    advantages = group_advantages(rewards, groups)
+    # group 0: mean 0.5, std 0.5 -> +1, -1; group 1 and the lone group 2: no spread -> 0
+    np.testing.assert_allclose(advantages.numpy(), [1.0, -1.0, 0.0, 0.0, 0.0], atol=1e-5)
+
+
+def test_weight_versions_hand_back_the_weights_of_a_kept_version_only():
+    config = TinyLMConfig(vocab_size=50, d_model=8, layers=1, heads=2, max_len=16)
+    versions = WeightVersions(config, keep=2)
+    models = {name: TinyLM(config, seed=seed) for seed, name in enumerate(("a", "b", "c"))}
+    for name, model in models.items():
+        versions.add(name, model)
+    tokens = torch.arange(6)[None]
+    assert versions.model("a") is None  # only the last two are kept
+    assert torch.equal(versions.model("b")(tokens), models["b"].eval()(tokens))
+    assert torch.equal(versions.model("c")(tokens), models["c"].eval()(tokens))
+
+
+def test_a_short_training_run_replays_exactly_over_the_support_and_not_over_the_vocabulary(tmp_path):
+    plot = tmp_path / "train.png"
+    lines = []
+    summary = run_train_demo(steps=3, producers=1, group_size=2, batch_groups=2, plot=str(plot), progress=lines.append)
+    assert summary["steps"] == 3 and len(lines) == 3 and lines[0].startswith("step   1/3")
+    assert summary["replay_tokens"] > 0 and summary["skipped_trajectories"] == 0
+    assert summary["replay_max_abs_diff_support"] < 1e-4  # the same weights over the same support
+    assert summary["truncated_share"] == 1.0  # top-k 20 of 4,096 ids truncates every support
+    # the full-vocabulary log-prob is off by the log of the support's mass, wherever it was truncated
+    assert summary["full_diff_min_where_truncated"] > 1e-3
+    assert summary["replay_mean_abs_diff_full"] > 100 * summary["replay_max_abs_diff_support"]
+    assert 0.0 <= summary["reward_first"] <= 1.0 and 0.0 <= summary["reward_last"] <= 1.0
+    assert summary["staleness_max"] >= 0
+    pytest.importorskip("matplotlib")
+    assert summary["plot"] == str(plot) and plot.stat().st_size > 1000
+    assert "replay max |diff|, over the support" in summary_table(summary)
