@@ -13,6 +13,7 @@ weights for the producers and goes on.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -277,7 +278,7 @@ def _plot(log: TrainingLog, path: str) -> str | None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
-    return str(path)
+    return os.path.abspath(path)
 
 
 def summary_table(summary: dict) -> str:
