@@ -45,7 +45,8 @@ def main() -> None:
 @click.option("--abort-rate", default=0.1, show_default=True, help="Chance a later turn aborts without supports (a replay gap).")
 @click.option("--keep-data", is_flag=True, help="Keep the broker's data dir and the daemons' log.")
 @click.option("--train", is_flag=True, help="The model in the loop: model producers and a trainer that replays "
-              "their sampling distribution and takes policy-gradient steps (docs/training.md).")
+              "their sampling distribution and takes policy-gradient steps (docs/training.md); it takes "
+              "--producers, --group-size, --batch-size, --turns and --keep-data of the options above.")
 @click.option("--steps", default=60, show_default=True, help="--train: training steps (one batch each).")
 @click.option("--plot", "plot", default="rollstream-train.png", show_default=True,
               help="--train: where to write the PNG plot (needs the `plot` extra); '' for none.")
@@ -65,7 +66,7 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, **options) -> None:
     from rollstream.consumer.train_demo import run_train_demo, summary_table
 
     summary = run_train_demo(steps=steps, producers=options["producers"], group_size=options["group_size"],
-                             batch_groups=options["batch_size"],
+                             batch_groups=options["batch_size"], turns=options["turns"],
                              plot=plot or None, keep_data=options["keep_data"],
                              progress=(lambda line: None) if as_json else click.echo)
     click.echo(json.dumps(summary) if as_json else summary_table(summary))

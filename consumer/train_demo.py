@@ -272,7 +272,7 @@ def _plot(log: TrainingLog, path: str) -> str | None:
     errors.semilogy(np.maximum(support, floor), ".", markersize=2, label="over the transported support")
     errors.set(xlabel="sampled token (in batch order)", ylabel="|recomputed - rollout log-prob|",
                title="replaying the sampler's distribution")
-    errors.legend(loc="center right")
+    errors.legend(loc="lower center", bbox_to_anchor=(0.5, 0.08))  # between the two bands and the exact zeros
     rewards.plot(range(1, len(log.rewards) + 1), log.rewards)
     rewards.set(xlabel="step", ylabel="mean reward of the batch", title="reward")
     figure.tight_layout()
