@@ -158,9 +158,11 @@ CRC_KEPT_FROM_BYTES = 64 << 10
 def _crc32_keeping_large(buffers: Sequence) -> tuple[int, dict[int, int] | None]:
     """`crc32_of(buffers)`, and the CRC of each buffer of at least
     `CRC_KEPT_FROM_BYTES` by its index (None when there is none)."""
+    if _crc32_combine is None:
+        return crc32_of(buffers), None
     crc, kept = 0, None
     for i, buf in enumerate(buffers):
-        if len(buf) < CRC_KEPT_FROM_BYTES or _crc32_combine is None:
+        if len(buf) < CRC_KEPT_FROM_BYTES:
             crc = _crc32_update(buf, crc)
             continue
         own = _crc32_update(buf)

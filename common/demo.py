@@ -24,64 +24,104 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "rollstream.common.cli", *args]
 
 
-def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, group_size: int = 4,
-             batch_size: int = 4, abort_rate: float = 0.1, keep_data: bool = False) -> str:
-    """Run the pipeline once; return the summary. Raises if any stage fails."""
-    from rollstream.broker.admin import AdminClient
-    from rollstream.consumer import Consumer
+class LoopbackNode:
+    """A broker on a fresh data directory and producer daemons beside it,
+    all on loopback, as the demos run them: `with LoopbackNode(...) as
+    node:` starts the broker and waits until it answers; on exit every
+    daemon still running is stopped (SIGTERM, then SIGKILL after 30 s) and
+    the directory removed unless `keep_data`. The daemons' output goes to
+    `daemons.log` in it."""
 
-    work = Path(tempfile.mkdtemp(prefix="rollstream-demo-"))
-    producer_port, consumer_port, admin_port = free_loopback_ports(3)
-    endpoints = {name: f"tcp://127.0.0.1:{port}" for name, port in
-                 (("producer", producer_port), ("consumer", consumer_port), ("admin", admin_port))}
-    log = open(work / "daemons.log", "ab")
-    broker = subprocess.Popen(
-        _cli("broker", "--producer-endpoint", endpoints["producer"], "--consumer-endpoint", endpoints["consumer"],
-             "--admin-endpoint", endpoints["admin"], "--data-dir", str(work / "data"), "--vocab-size", str(VOCAB),
-             "--metrics-port", "0", "--log-level", "warning"),
-        stdout=log, stderr=log,
-    )
-    started = time.perf_counter()
-    daemons = [broker]
-    try:
-        with AdminClient(endpoints["admin"], timeout=30.0) as admin:
-            admin.status()  # waits until the broker answers
-            for i in range(producers):
-                daemons.append(subprocess.Popen(
-                    _cli("producer", "--source", "synthetic", "--broker-endpoint", endpoints["producer"],
-                         "--producer-id", f"demo-producer-{i}", "--trajectories", str(trajectories),
-                         "--turns", str(turns), "--group-size", str(group_size), "--abort-rate", str(abort_rate),
-                         "--vocab-size", str(VOCAB), "--seed", str(i), "--metrics-port", "0", "--log-level", "warning"),
-                    stdout=log, stderr=log,
-                ))
-            expected = producers * trajectories
-            received = tokens = ids = gaps = batches = 0
-            with Consumer([endpoints["consumer"]], batch_size=batch_size, unit="group", vocab_size=VOCAB,
-                          device="cpu", on_invalid="raise") as consumer:
-                while received < expected:
-                    batch = consumer.next_batch(timeout=120.0)
-                    consumer.commit(batch)
-                    batches += 1
-                    received += len(batch)
-                    tokens += int(batch.response_lengths.sum())
-                    ids += int(batch.mask_ids.numel())
-                    gaps += sum(gap is not None for gap in batch.gaps)
-            for daemon in daemons[1:]:
-                if daemon.wait(60) != 0:
-                    raise RuntimeError(f"a producer exited with {daemon.returncode}; see {work / 'daemons.log'}")
-            status = admin.status()
-        seconds = time.perf_counter() - started
-    finally:
-        for daemon in reversed(daemons):
+    def __init__(self, prefix: str, vocab_size: int, *, keep_data: bool = False):
+        self.vocab_size = vocab_size
+        self.keep_data = keep_data
+        self.work = Path(tempfile.mkdtemp(prefix=prefix))
+        ports = free_loopback_ports(3)
+        self.endpoints = {name: f"tcp://127.0.0.1:{port}" for name, port in zip(("producer", "consumer", "admin"), ports)}
+        self._daemons: list[subprocess.Popen] = []
+        self._producers: list[subprocess.Popen] = []
+        self._log = None
+        self.admin = None
+
+    def __enter__(self) -> "LoopbackNode":
+        from rollstream.broker.admin import AdminClient
+
+        self._log = open(self.work / "daemons.log", "ab")
+        try:
+            self._start("broker", "--producer-endpoint", self.endpoints["producer"], "--consumer-endpoint",
+                        self.endpoints["consumer"], "--admin-endpoint", self.endpoints["admin"], "--data-dir",
+                        str(self.work / "data"), "--vocab-size", str(self.vocab_size), "--metrics-port", "0",
+                        "--log-level", "warning")
+            self.admin = AdminClient(self.endpoints["admin"], timeout=30.0).__enter__()
+            self.admin.status()  # waits until the broker answers
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _start(self, *args: str) -> subprocess.Popen:
+        daemon = subprocess.Popen(_cli(*args), stdout=self._log, stderr=self._log)
+        self._daemons.append(daemon)
+        return daemon
+
+    def producer(self, *args: str) -> None:
+        """Start a producer daemon of this node with `args`."""
+        self._producers.append(self._start("producer", "--broker-endpoint", self.endpoints["producer"],
+                                           "--vocab-size", str(self.vocab_size), "--metrics-port", "0",
+                                           "--log-level", "warning", *args))
+
+    def finish_producers(self, *, stop: bool = False) -> None:
+        """Wait for every producer to exit (after a SIGTERM when `stop`);
+        raises if one did not exit cleanly."""
+        if stop:
+            for daemon in self._producers:
+                daemon.send_signal(signal.SIGTERM)
+        for daemon in self._producers:
+            if daemon.wait(60) != 0:
+                raise RuntimeError(f"a producer exited with {daemon.returncode}; see {self.work / 'daemons.log'}")
+
+    def __exit__(self, *exc) -> None:
+        if self.admin is not None:
+            self.admin.__exit__(None, None, None)
+        for daemon in reversed(self._daemons):
             if daemon.poll() is None:
                 daemon.send_signal(signal.SIGTERM)
                 try:
                     daemon.wait(30)
                 except subprocess.TimeoutExpired:
                     daemon.kill()
-        log.close()
-        if not keep_data:
-            shutil.rmtree(work, ignore_errors=True)
+        if self._log is not None:
+            self._log.close()
+        if not self.keep_data:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+
+def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, group_size: int = 4,
+             batch_size: int = 4, abort_rate: float = 0.1, keep_data: bool = False) -> str:
+    """Run the pipeline once; return the summary. Raises if any stage fails."""
+    from rollstream.consumer import Consumer
+
+    with LoopbackNode("rollstream-demo-", VOCAB, keep_data=keep_data) as node:
+        started = time.perf_counter()
+        for i in range(producers):
+            node.producer("--source", "synthetic", "--producer-id", f"demo-producer-{i}", "--trajectories",
+                          str(trajectories), "--turns", str(turns), "--group-size", str(group_size),
+                          "--abort-rate", str(abort_rate), "--seed", str(i))
+        expected = producers * trajectories
+        received = tokens = ids = gaps = batches = 0
+        with Consumer([node.endpoints["consumer"]], batch_size=batch_size, unit="group", vocab_size=VOCAB,
+                      device="cpu", on_invalid="raise") as consumer:
+            while received < expected:
+                batch = consumer.next_batch(timeout=120.0)
+                consumer.commit(batch)
+                batches += 1
+                received += len(batch)
+                tokens += int(batch.response_lengths.sum())
+                ids += int(batch.mask_ids.numel())
+                gaps += sum(gap is not None for gap in batch.gaps)
+        node.finish_producers()
+        status = node.admin.status()
+        seconds = time.perf_counter() - started
     counters = status["counters"]
     return "\n".join([
         "rollstream demo: broker + synthetic producers + consumer on loopback",
@@ -91,5 +131,5 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
         f"  broker: frames applied {int(counters.get('frames.turn.applied', 0))}, "
         f"delivered {int(counters.get('trajectories.delivered', 0))}, "
         f"open {status['open']}, ready {status['ready']}, dead {status['dead']}",
-        f"  valid: yes  time: {seconds:.1f} s" + (f"  data kept in {work}" if keep_data else ""),
+        f"  valid: yes  time: {seconds:.1f} s" + (f"  data kept in {node.work}" if keep_data else ""),
     ])

@@ -30,9 +30,9 @@ class TinyLMConfig:
     max_len: int = 1024  # positions: prompt, every turn and every tool answer together
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "layers", "heads", "max_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for spec in fields(self):
+            if getattr(self, spec.name) < 1:
+                raise ValueError(f"{spec.name} must be at least 1, got {getattr(self, spec.name)}")
         if self.d_model % self.heads:
             raise ValueError(f"d_model must be a multiple of heads, got d_model={self.d_model}, heads={self.heads}")
 

@@ -14,20 +14,13 @@ weights for the producers and goes on.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from rollstream.common.sockets import free_loopback_ports
 from rollstream.common.tiny_lm import TinyLM, TinyLMConfig, save_weights
 
 from .batch import Batch
@@ -162,10 +155,6 @@ class TrainingLog:
         }
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "rollstream.common.cli", *args]
-
-
 def _version_step(version: str) -> int:
     return int(version.split("-")[1]) if version.startswith("step-") else 0
 
@@ -176,78 +165,49 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                    plot: str | None = None, progress=print, keep_data: bool = False) -> dict:
     """Run the loop for `steps` batches; return the summary (and write the
     plot to `plot` when given). Raises if any stage fails."""
-    from rollstream.broker.admin import AdminClient
+    from rollstream.common.demo import LoopbackNode
 
     from .client import Consumer
 
     torch.manual_seed(seed)
     torch.set_num_threads(1)  # a model this small gains nothing from a thread pool beside the daemons
-    work = Path(tempfile.mkdtemp(prefix="rollstream-train-"))
-    weights = work / "policy.safetensors"
     model = TinyLM(seed=seed)
-    save_weights(model, weights, f"seed-{seed}")  # the producers start from the file, as after every step
     versions = WeightVersions(model.config)
     versions.add(f"seed-{seed}", model)
     optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
-    ports = free_loopback_ports(3)
-    endpoints = dict(zip(("producer", "consumer", "admin"), (f"tcp://127.0.0.1:{port}" for port in ports)))
-    log_file = open(work / "daemons.log", "ab")
-    daemons = [subprocess.Popen(
-        _cli("broker", "--producer-endpoint", endpoints["producer"], "--consumer-endpoint", endpoints["consumer"],
-             "--admin-endpoint", endpoints["admin"], "--data-dir", str(work / "data"), "--vocab-size", str(VOCAB),
-             "--metrics-port", "0", "--log-level", "warning"), stdout=log_file, stderr=log_file)]
     log = TrainingLog()
-    started = time.perf_counter()
-    try:
-        with AdminClient(endpoints["admin"], timeout=30.0) as admin:
-            admin.status()  # waits until the broker answers
-            for i in range(producers):
-                daemons.append(subprocess.Popen(
-                    _cli("producer", "--source", "model", "--model-weights", str(weights),
-                         "--broker-endpoint", endpoints["producer"], "--producer-id", f"train-producer-{i}",
-                         "--trajectories", "0", "--group-size", str(group_size), "--turns", str(turns),
-                         "--prompt-tokens", str(prompt_tokens), "--response-tokens", str(response_tokens),
-                         "--tool-tokens", str(tool_tokens), "--temperature", str(temperature), "--top-k", str(top_k),
-                         "--top-p", str(top_p), "--vocab-size", str(VOCAB), "--seed", str(seed + 1 + i),
-                         "--concurrency", "2", "--metrics-port", "0", "--log-level", "warning"),
-                    stdout=log_file, stderr=log_file))
-            with Consumer([endpoints["consumer"]], batch_size=batch_groups, unit="group", vocab_size=VOCAB,
-                          device="cpu", on_invalid="raise") as consumer:
-                for step in range(1, steps + 1):
-                    batch = consumer.next_batch(timeout=120.0)
-                    replayed = replay(batch, versions, temperature)
-                    log.support_diffs.append(replayed.support_diffs)
-                    log.full_diffs.append(replayed.full_diffs)
-                    log.truncated.append(replayed.truncated)
-                    log.skipped += replayed.skipped
-                    log.rewards.append(float(batch.rewards.mean()))
-                    log.staleness += [step - 1 - _version_step(names[-1]) for names in batch.weight_versions if names]
-                    optimizer.zero_grad()
-                    loss = policy_loss(model, batch, temperature)
-                    loss.backward()
-                    optimizer.step()
-                    consumer.commit(batch)
-                    versions.add(f"step-{step}", model)
-                    save_weights(model, weights, f"step-{step}")
-                    worst = float(replayed.support_diffs.max()) if replayed.support_diffs.size else float("nan")
-                    progress(f"step {step:>3}/{steps}  reward {log.rewards[-1]:.3f}  loss {loss.item():+.4f}  "
-                             f"replay |diff| support {worst:.1e}, full {float(replayed.full_diffs.mean()):.3f}")
-            for daemon in daemons[1:]:
-                daemon.send_signal(signal.SIGTERM)
-            for daemon in daemons[1:]:
-                if daemon.wait(60) != 0:
-                    raise RuntimeError(f"a producer exited with {daemon.returncode}; see {work / 'daemons.log'}")
-    finally:
-        for daemon in reversed(daemons):
-            if daemon.poll() is None:
-                daemon.send_signal(signal.SIGTERM)
-                try:
-                    daemon.wait(30)
-                except subprocess.TimeoutExpired:
-                    daemon.kill()
-        log_file.close()
-        if not keep_data:
-            shutil.rmtree(work, ignore_errors=True)
+    with LoopbackNode("rollstream-train-", VOCAB, keep_data=keep_data) as node:
+        started = time.perf_counter()
+        weights = node.work / "policy.safetensors"
+        save_weights(model, weights, f"seed-{seed}")  # the producers start from the file, as after every step
+        for i in range(producers):
+            node.producer("--source", "model", "--model-weights", str(weights), "--producer-id", f"train-producer-{i}",
+                          "--trajectories", "0", "--group-size", str(group_size), "--turns", str(turns),
+                          "--prompt-tokens", str(prompt_tokens), "--response-tokens", str(response_tokens),
+                          "--tool-tokens", str(tool_tokens), "--temperature", str(temperature), "--top-k", str(top_k),
+                          "--top-p", str(top_p), "--seed", str(seed + 1 + i), "--concurrency", "2")
+        with Consumer([node.endpoints["consumer"]], batch_size=batch_groups, unit="group", vocab_size=VOCAB,
+                      device="cpu", on_invalid="raise") as consumer:
+            for step in range(1, steps + 1):
+                batch = consumer.next_batch(timeout=120.0)
+                replayed = replay(batch, versions, temperature)
+                log.support_diffs.append(replayed.support_diffs)
+                log.full_diffs.append(replayed.full_diffs)
+                log.truncated.append(replayed.truncated)
+                log.skipped += replayed.skipped
+                log.rewards.append(float(batch.rewards.mean()))
+                log.staleness += [step - 1 - _version_step(names[-1]) for names in batch.weight_versions if names]
+                optimizer.zero_grad()
+                loss = policy_loss(model, batch, temperature)
+                loss.backward()
+                optimizer.step()
+                consumer.commit(batch)
+                versions.add(f"step-{step}", model)
+                save_weights(model, weights, f"step-{step}")
+                worst = float(replayed.support_diffs.max()) if replayed.support_diffs.size else float("nan")
+                progress(f"step {step:>3}/{steps}  reward {log.rewards[-1]:.3f}  loss {loss.item():+.4f}  "
+                         f"replay |diff| support {worst:.1e}, full {float(replayed.full_diffs.mean()):.3f}")
+        node.finish_producers(stop=True)
     summary = log.summary(steps)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     if plot:
