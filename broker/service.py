@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import zmq
 
-from rollstream.common.codec import Message, decode, encode, encode_error
+from rollstream.common.codec import Message, decode, encode, encode_error, split_batch
 from rollstream.common.errors import ProtocolError
 from rollstream.common.messages import (
     ADMIN_REPLIES,
     ADMIN_REQUESTS,
+    BATCHABLE_TYPES,
     BROKER_TO_CONSUMER,
     BROKER_TO_PRODUCER,
     CONSUMER_TO_BROKER,
@@ -232,30 +233,37 @@ class BrokerService:
         received: list[tuple[bytes, Message | None, ProtocolError | None]] = []
         checks: dict[int, Future] = {}  # index in `received` -> its content check, running ahead
         batch_bytes = 0
-        for _ in range(self.settings.batch_max):
+        while len(received) < self.settings.batch_max:
             if self._must_wait() or (received and batch_bytes >= self.settings.batch_max_bytes):  # the frame crossing it is the last
                 break
             try:
                 frames = recv_routed(sock)
             except zmq.Again:
                 break
+            identity = frames[0]
             size = sum(map(len, frames))
             batch_bytes += size
             self._memory_bytes += size  # estimates until the next measurement
             self._disk_bytes += size
-            self.producers[frames[0]] = now
+            self.producers[identity] = now
             try:
-                message = decode(frames[1:], PRODUCER_TO_BROKER, max_message_bytes=self.settings.max_message_bytes,
-                                 check_content=False)
-                received.append((frames[0], message, None))
-                if message.type == "turn":
-                    if size >= CHECK_AHEAD_FROM_BYTES:
-                        checks[len(received) - 1] = self._checker.submit(_content_error, message.arrays,
-                                                                         self.settings.vocab_size)
-                    if not self.unavailable:
-                        self.store.write_ahead(message)  # on the writer thread while the batch is checked and merged
+                message = self._decode_producer_frames(frames[1:])
+                if message.type != "batch":
+                    self._take(identity, message, size, received, checks)
+                    continue
+                elements = split_batch(message)
             except ProtocolError as error:
-                received.append((frames[0], None, error))
+                received.append((identity, None, error))
+                continue
+            for element in elements:
+                try:
+                    message = self._decode_producer_frames(element)
+                    if message.type not in BATCHABLE_TYPES:
+                        raise ProtocolError("schema", f"a batch carries {list(BATCHABLE_TYPES)} messages, "
+                                                      f"got a {message.type}", seq=message.get("seq"))
+                    self._take(identity, message, sum(map(len, element)), received, checks)
+                except ProtocolError as error:
+                    received.append((identity, None, error))
         self._check_content(received, checks)
         pending: list[_Pending] = []
         effects: list = []
@@ -282,6 +290,19 @@ class BrokerService:
                     item.frames = encode(BROKER_TO_PRODUCER, "ack", item.ack, checked=False)
             self._send("producer", item.identity, item.frames)
         self._apply_memory_budget()
+
+    def _decode_producer_frames(self, frames: list) -> Message:
+        return decode(frames, PRODUCER_TO_BROKER, max_message_bytes=self.settings.max_message_bytes, check_content=False)
+
+    def _take(self, identity: bytes, message: Message, size: int, received: list, checks: dict[int, Future]) -> None:
+        """A decoded message into the batch being read: a large turn's
+        content check starts ahead, and a turn's frames go to the writer."""
+        received.append((identity, message, None))
+        if message.type == "turn":
+            if size >= CHECK_AHEAD_FROM_BYTES:
+                checks[len(received) - 1] = self._checker.submit(_content_error, message.arrays, self.settings.vocab_size)
+            if not self.unavailable:
+                self.store.write_ahead(message)  # on the writer thread while the batch is checked and merged
 
     def _batched_acks(self, pending: list[_Pending]) -> dict[bytes, dict]:
         """One `acks` per connection that asked for them (PROTOCOL.md §3):
@@ -356,6 +377,8 @@ class BrokerService:
                 fields["batch_acks"] = True
             else:
                 self.batch_acks.discard(identity)
+            if message.get("batch_frames"):  # any producer may send batches: this tells it this broker reads them
+                fields["batch_frames"] = True
             return _Pending(identity, encode(BROKER_TO_PRODUCER, "welcome", fields)), []
         if message.type == "ping":
             pong = {"seq": message["seq"], "window": self.grants.grant(identity)}

@@ -254,6 +254,62 @@ def encode(
     return [_PACKERS.pack(header), *buffers]
 
 
+# -- batches (PROTOCOL.md §3, batched frames) ---------------------------------
+BATCH_ALIGN = 8  # every frame of a batched message starts at a multiple of this in the body
+_PADDING = bytes(BATCH_ALIGN)
+
+
+def encode_batch(messages: Sequence[list]) -> list:
+    """`[header, body]` of one `batch` carrying `messages` (each an encoded
+    message's frames, numbered) in order: their headers in the batch's
+    header, every later frame end to end in the body, each padded to start
+    at a multiple of `BATCH_ALIGN` so the arrays in it stay aligned. One
+    copy of those frames; one message for both ZeroMQ ends to handle."""
+    entries, pieces, offset = [], [], 0
+    for frames in messages:
+        lengths = []
+        for frame in frames[1:]:
+            pad = -offset % BATCH_ALIGN
+            if pad:
+                pieces.append(_PADDING[:pad])
+            size = memoryview(frame).nbytes
+            pieces.append(frame)
+            lengths.append(size)
+            offset += pad + size
+        entries.append([frames[0], lengths])
+    header = {"v": PROTOCOL_VERSION, "type": "batch", "messages": entries}  # 16 bytes: `batched_size` leaves room
+    return [_PACKERS.pack(header), b"".join(pieces)]
+
+
+def batched_size(frames: list) -> int:
+    """At most how many bytes a message adds to a batch: its frames, the
+    padding before each and the entry listing them (a few bytes a frame)."""
+    return sum(map(len, frames)) + 16 * len(frames)
+
+
+def split_batch(batch: Message) -> list[list]:
+    """The messages a decoded `batch` carries, each as its frames (header
+    first), in order. Each frame is copied into its own buffer, so keeping
+    one message keeps none of the rest. Raises `ProtocolError("shape")`
+    when the body is not exactly the frames listed."""
+    body = memoryview(batch.frames[1])
+    messages, offset = [], 0
+    for header, lengths in batch["messages"]:
+        frames = [header]
+        for size in lengths:
+            offset += -offset % BATCH_ALIGN
+            end = offset + size
+            if end > len(body):
+                raise ProtocolError("shape", f"batch message {len(messages)} needs bytes up to {end}, "
+                                             f"the body has {len(body)}")
+            frames.append(body[offset:end].tobytes())
+            offset = end
+        messages.append(frames)
+    if offset != len(body):
+        raise ProtocolError("shape", f"the batched messages take {offset} bytes, the body has {len(body)}")
+    return messages
+
+
 def _widest_first(item: tuple[str, Any]) -> int:
     return -ARRAYS[item[0]].dtype.itemsize
 
@@ -367,6 +423,20 @@ def _check_array_name(name: str, seen: set) -> None:
     seen.add(name)
 
 
+def _array_frame_count(spec: MessageSpec, frame_count: int, entries) -> int:
+    """How many of a message's frames the array rules count: all of them,
+    but for a type with a body frame, which must have exactly that one
+    and list no arrays."""
+    if not spec.body:
+        return frame_count
+    if entries:
+        raise _schema_error(f"a {spec.type} lists no arrays: what it carries is in its body frame")
+    if frame_count != 2:
+        raise _schema_error(f"a {spec.type} is a header and one body frame, this one has {frame_count - 1} frame(s) "
+                            "after its header")
+    return 1
+
+
 def _frame_count_checked(names: set, frame_count: int, packed: bool, listed_frames: int | None = None) -> frozenset:
     if packed:
         if frame_count != 1 + min(1, len(names)):
@@ -431,7 +501,8 @@ def decode(
             seen: set = set()
             for name, _, _ in entries:
                 _check_array_name(name, seen)
-            _check_arrays_and_rules(spec, fields, _frame_count_checked(seen, len(buffers), packed))
+            _check_arrays_and_rules(spec, fields,
+                                    _frame_count_checked(seen, _array_frame_count(spec, len(buffers), entries), packed))
         return _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes, vocab_size, check_content,
                             spans)
     except ProtocolError as error:
@@ -471,7 +542,7 @@ def _checked_header(header: dict, frame_count: int, schema: Schema) -> tuple[Mes
     packed = header.get("packed", False)
     if type(packed) is not bool:
         raise _schema_error(f"packed must be a boolean, got {type(packed).__name__} {packed!r:.40}")
-    entries, array_names, spans = _array_entries(header, frame_count, packed)
+    entries, array_names, spans = _array_entries(header, _array_frame_count(spec, frame_count, header.get("arrays")), packed)
     fields = _check_fields(spec, header, array_names)
     crc = header.get("crc32")
     if crc is not None and not CRC32.accepts(crc):

@@ -73,6 +73,18 @@ def _is_outcome(value) -> bool:
             and (value.get("reason") is None or (isinstance(value["reason"], str) and value["reason"] != "")))
 
 
+def _is_batched_messages(value) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(
+        isinstance(m, list) and len(m) == 2 and isinstance(m[0], bytes)
+        and isinstance(m[1], list) and all(_is_int(n) and n >= 0 for n in m[1]) for m in value
+    )
+
+
+BATCHED_MESSAGES = Kind(
+    "a non-empty list of [header: bytes, frame lengths: list of non-negative integers]",
+    _is_batched_messages,
+    Annotated[list[tuple[bytes, list[Annotated[int, msgspec.Meta(ge=0)]]]], msgspec.Meta(min_length=1)],
+)
 SEQ_RANGES = Kind("a list of [first, last] integer pairs with first <= last", _is_seq_ranges)
 OUTCOMES = Kind(
     "a list of maps {seq: integer, applied: boolean, duplicate?: boolean, reason?: non-empty string}",
@@ -98,6 +110,7 @@ class MessageSpec:
     optional_arrays: tuple[str, ...] = ()
     rules: tuple[Rule, ...] = ()  # cross-field schema rules: return a problem or None
     content: bool = False  # token arrays get the content checks (PROTOCOL.md §2)
+    body: bool = False  # one opaque frame follows the header instead of array frames (a `batch`)
     # Derived once: the codec consults these on every message.
     kinds: Mapping[str, Kind] = field(init=False)
     array_names: frozenset = field(init=False)
@@ -192,7 +205,7 @@ _NACK = MessageSpec("nack", {"code": TEXT, "message": ANY_TEXT}, {"seq": INT, "e
 
 PRODUCER_TO_BROKER = _schema(
     "producer->broker",
-    MessageSpec("hello", {"producer_id": TEXT}, {"seq": INT, "batch_acks": BOOL}),
+    MessageSpec("hello", {"producer_id": TEXT}, {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL}),
     MessageSpec(
         "turn",
         {"seq": INT, "trajectory_id": TEXT, "turn": COUNT, "status": STATUS},
@@ -211,12 +224,15 @@ PRODUCER_TO_BROKER = _schema(
     MessageSpec("end", {"seq": INT, "trajectory_id": TEXT, "reward": REWARD}, {"metadata": MAP, "turns": COUNT}),
     MessageSpec("abort", {"seq": INT, "trajectory_id": TEXT, "reason": ANY_TEXT}),
     MessageSpec("ping", {"seq": INT}),
+    MessageSpec("batch", {"messages": BATCHED_MESSAGES}, body=True),
 )
+# What a `batch` may carry: the frames a producer keeps until settled.
+BATCHABLE_TYPES = ("turn", "end", "abort")
 
 BROKER_TO_PRODUCER = _schema(
     "broker->producer",
     MessageSpec("welcome", {"broker_id": TEXT, "max_message_bytes": POSITIVE, "window": POSITIVE},
-                {"seq": INT, "batch_acks": BOOL}),
+                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL}),
     MessageSpec(
         "ack",
         {"seq": INT, "trajectory_id": TEXT, "applied": BOOL},

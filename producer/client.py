@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from rollstream.common.codec import check_values, decode, encode, number_header
+from rollstream.common.codec import PACK_UP_TO_BYTES, check_values, decode, encode, encode_batch, number_header
 from rollstream.common.errors import ProtocolError
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.mask import SamplingMask, as_int_array, owned
@@ -40,7 +40,7 @@ from rollstream.common.wire import encode_turn
 from .errors import ProducerClosed, Refused
 from .metrics import ProducerMetrics
 from .spool import Spool, record_bytes
-from .window import ABORT, END, TURN, Heartbeat, Outgoing, Receipt, ResendWindow, Settled
+from .window import ABORT, END, TURN, Heartbeat, Outgoing, Receipt, ResendWindow, Settled, batch_runs
 
 log = logging.getLogger("rollstream.producer")
 
@@ -49,6 +49,7 @@ _SEQ_BYTES = len(number_header(b"\x80", 0)) - 1  # what numbering adds to a head
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum arithmetic costs more than the call
 BEFORE_WELCOME_WINDOW = 2  # frames in flight until the broker's welcome grants a window
 _ZERO_COPY_ABOVE = 65536  # bytes: smaller frames are cheaper to copy than to hand over (pyzmq's own threshold)
+BATCH_UP_TO_BYTES = 1 << 20  # a batch of frames stops growing here (or at the broker's max_message_bytes)
 
 
 def _reward(value: Any) -> Any:
@@ -109,6 +110,7 @@ class AsyncProducer:
         crc: bool = True,
         high_water_mark: int = 1000,
         batch_acks: bool = True,
+        batch_frames: bool = True,
         check_content: bool = False,
         send_burst: int = 32,
         pack_arrays: bool = True,
@@ -125,6 +127,8 @@ class AsyncProducer:
         self.crc = crc
         self.check_content = check_content
         self.batch_acks = batch_acks
+        self.batch_frames = batch_frames
+        self._batch_bytes = 0  # how large a batch may be: 0 until a welcome says the broker reads them
         self.pack_arrays = pack_arrays
         self.metrics = ProducerMetrics()
         self._window_limit = window
@@ -418,6 +422,9 @@ class AsyncProducer:
         fields = {"producer_id": self.producer_id}
         if self.batch_acks:
             fields["batch_acks"] = True
+        if self.batch_frames:
+            fields["batch_frames"] = True
+        self._batch_bytes = 0  # one frame a message until this connection's welcome
         return encode(PRODUCER_TO_BROKER, "hello", fields)
 
     def _send_now(self, frames: list) -> bool:
@@ -448,14 +455,18 @@ class AsyncProducer:
                 self._in_memory += 1
         now = time.monotonic()
         metrics = self.metrics
-        for item in window.ready(now):
-            if not self._send_now(item.frames):
+        ready = window.ready(now)
+        runs = ([[item] for item in ready] if not self._batch_bytes or len(ready) < 2 else
+                batch_runs(ready, max_items=self.send_burst, max_bytes=self._batch_bytes, item_max_bytes=PACK_UP_TO_BYTES))
+        for run in runs:
+            if not self._send_now(run[0].frames if len(run) == 1 else encode_batch([item.frames for item in run])):
                 break
-            if item.attempts == 0:
-                metrics.sent.add(1, item.kind)
-            else:
-                metrics.resends.add(1)
-            window.sent(item.seq, now)
+            for item in run:
+                if item.attempts == 0:
+                    metrics.sent.add(1, item.kind)
+                else:
+                    metrics.resends.add(1)
+                window.sent(item.seq, now)
         if look_again:
             self._read_soon()
 
@@ -510,6 +521,8 @@ class AsyncProducer:
         elif reply.type == "pong":
             self._on_pong(reply["seq"])
         elif reply.type == "welcome":
+            if self.batch_frames and reply.get("batch_frames"):
+                self._batch_bytes = min(BATCH_UP_TO_BYTES, reply["max_message_bytes"])
             log.info(f"broker {reply['broker_id']} welcomed us: window {window.limit}",
                      extra={"broker_id": reply["broker_id"], "window": window.limit})
         elif reply.type == "nack" and "seq" not in reply.fields:

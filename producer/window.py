@@ -21,7 +21,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from rollstream.common.codec import decode_header
+from rollstream.common.codec import batched_size, decode_header
 
 from .errors import Refused
 
@@ -76,6 +76,34 @@ class Settled(NamedTuple):
 
     item: Outgoing
     outcome: Receipt | Refused
+
+
+def batch_runs(items: list[Outgoing], *, max_items: int, max_bytes: int, item_max_bytes: int) -> list[list[Outgoing]]:
+    """`items` (in transmission order) cut into runs to send as one message
+    each: consecutive frames whose bytes after the header are at most
+    `item_max_bytes` go together, up to `max_items` and `max_bytes` a run
+    (PROTOCOL.md §3, batched frames); a larger frame goes alone, as it is.
+    Batching copies what it carries, so it is for the frames that ZeroMQ
+    would copy anyway."""
+    runs: list[list[Outgoing]] = []
+    run: list[Outgoing] = []
+    run_bytes = 0
+    for item in items:
+        size = batched_size(item.frames)
+        if size - len(item.frames[0]) - 16 * len(item.frames) > item_max_bytes:
+            if run:
+                runs.append(run)
+                run, run_bytes = [], 0
+            runs.append([item])
+            continue
+        if run and (len(run) == max_items or 16 + run_bytes + size > max_bytes):
+            runs.append(run)
+            run, run_bytes = [], 0
+        run.append(item)
+        run_bytes += size
+    if run:
+        runs.append(run)
+    return runs
 
 
 class WindowFull(RuntimeError):

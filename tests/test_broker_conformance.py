@@ -343,3 +343,50 @@ def test_packed_turns_are_read_and_packed_deliveries_go_to_consumers_that_ask(br
     consumer, header, bufs = delivery_to(broker, "reads-packed", packed_arrays=True)
     assert header["trajectory_id"] == "big" and "packed" not in header and len(bufs) == len(header["arrays"])
     assert unpack(header, bufs)["tokens"] == long
+
+
+def batch(*messages):
+    """Messages in one `batch`: each header as a bin with the lengths of its
+    frames, the frames end to end in the body, each at a multiple of 8."""
+    entries, body = [], b""
+    for message in messages:
+        lengths = []
+        for frame in message[1:]:
+            body += bytes(-len(body) % 8) + frame
+            lengths.append(len(frame))
+        entries.append([message[0], lengths])
+    return [msgpack.packb({"v": 1, "type": "batch", "messages": entries}), body]
+
+
+def test_a_batch_is_handled_as_its_messages_one_after_another_each_answered_by_its_seq(broker):
+    producer = Peer(broker.producer)
+    welcome, _ = producer.call(frames("hello", producer_id="batcher", batch_frames=True))
+    assert welcome["batch_frames"] is True
+    producer.sock.send_multipart(batch(
+        turn(1, "c1", 0, [10, 11, 12], [[10, 4], [11], [12]], prompt=[1, 2, 3]),  # 3 tokens: frames of 12 and 3 bytes
+        packed(turn(2, "c1", 1, [13], [[13]])),
+        turn(3, "c1", 2, [5000], [[5000]]),  # outside vocab 1000: refused alone
+        frames("ping", seq=4),  # not a frame a batch carries
+        frames("end", seq=5, trajectory_id="c1", reward=1.0, turns=2)))
+    replies = [producer.recv()[0] for _ in range(5)]
+    assert [(r["type"], r["seq"]) for r in replies] == [("ack", 1), ("ack", 2), ("nack", 3), ("nack", 4), ("ack", 5)]
+    assert all(replies[i]["applied"] is True for i in (0, 1, 4))
+    assert replies[2]["code"] == "out_of_vocab"
+    assert replies[3]["code"] == "schema" and "ping" in replies[3]["message"]
+
+    consumer, header, bufs = delivery_to(broker, "batch-reader")
+    arrays = unpack(header, bufs)
+    assert arrays["prompt_tokens"] == [1, 2, 3] and arrays["tokens"] == [10, 11, 12, 13]
+    assert arrays["mask_ids"] == [10, 4, 11, 12, 13]
+
+
+def test_a_batch_that_cannot_be_read_is_refused_whole_and_applies_nothing(broker):
+    producer = Peer(broker.producer)
+    producer.call(frames("hello", producer_id="broken-batch"))
+    whole = batch(turn(1, "c2", 0, [10], [[10]], prompt=[1]), turn(2, "c2", 1, [11], [[11]]))
+    reply, _ = producer.call([whole[0], whole[1][:-4]])  # the body ends before the last frame does
+    assert reply["type"] == "nack" and reply["code"] == "shape" and "seq" not in reply
+    reply, _ = producer.call(turn(3, "c2", 1, [11], [[11]]))
+    assert (reply["type"], reply["code"], reply["expected"]) == ("nack", "out_of_order", 0), reply  # turn 0 never applied
+    reply, _ = producer.call(turn(4, "c2", 0, [10], [[10]], prompt=[1]))
+    assert reply["type"] == "ack" and reply["applied"] is True and "duplicate" not in reply

@@ -15,8 +15,10 @@ from rollstream.common.codec import (
     decode,
     decode_trusted,
     encode,
+    encode_batch,
     encode_error,
     number_header,
+    split_batch,
 )
 from rollstream.common.messages import (
     ADMIN_REPLIES,
@@ -574,3 +576,81 @@ def test_parts_are_refused_in_a_packed_message_and_for_an_array_that_is_not_1d()
         encode(PRODUCER_TO_BROKER, "turn", {"seq": 1, "trajectory_id": "t", "turn": 1, "status": "completed"},
                {"tokens": np.array([1], np.int32), "log_probs": np.array([-1.0], np.float32),
                 "routed_experts": [np.zeros((1, 2), np.int32)]})
+
+
+# -- batched frames (PROTOCOL.md §3) ------------------------------------------
+def _batchable():
+    """A packed turn 0 (odd-sized arrays: 3 tokens, a 1-byte loss mask),
+    an unpacked turn 1 and an end, numbered, as a producer holds them."""
+    turn0 = encode_turn("b", 0, Turn.build([5, 6, 7], [-0.1, -0.2, -0.3], supports=[[5], [6, 1], [7]], loss_mask=[1, 0, 1]),
+                        seq=1, prompt_tokens=np.array([1, 2], np.int32), crc=True, may_pack=True)
+    turn1 = encode_turn("b", 1, Turn.build([8], [-0.5]), seq=2, crc=True)
+    end = encode(PRODUCER_TO_BROKER, "end", {"seq": 3, "trajectory_id": "b", "reward": 1.0, "turns": 2})
+    return [turn0, turn1, end]
+
+
+def test_a_batch_carries_messages_that_decode_as_sent_with_every_frame_aligned():
+    messages = _batchable()
+    batch = encode_batch(messages)
+    assert len(batch) == 2
+    header = msgpack.unpackb(batch[0])
+    assert header["type"] == "batch" and [m[0] for m in header["messages"]] == [m[0] for m in messages]
+    assert [m[1] for m in header["messages"]] == [[len(f) for f in m[1:]] for m in messages]
+    offset, body = 0, bytes(batch[1])
+    for message in messages:  # each frame at the next multiple of 8, its bytes unchanged
+        for frame in message[1:]:
+            offset += -offset % 8
+            assert body[offset:offset + len(frame)] == bytes(frame)
+            offset += len(frame)
+    assert offset == len(body)
+    carried = split_batch(decode(batch, PRODUCER_TO_BROKER))
+    assert [[bytes(f) for f in m] for m in carried] == [[bytes(f) for f in m] for m in messages]
+    for got, sent in zip(carried, messages):
+        assert content_digest(decode(got, PRODUCER_TO_BROKER)) == content_digest(decode(sent, PRODUCER_TO_BROKER))
+
+
+def test_a_batched_message_keeps_no_reference_to_the_batch():
+    batch = encode_batch(_batchable())
+    carried = split_batch(decode(batch, PRODUCER_TO_BROKER))
+    assert all(type(frame) is bytes for message in carried for frame in message)
+
+
+def _batch_with(messages=None, body=None, **header_extra):
+    good = encode_batch(_batchable())
+    header = msgpack.unpackb(good[0])
+    if messages is not None:
+        header["messages"] = messages
+    header.update(header_extra)
+    return [msgpack.packb(header), good[1] if body is None else body]
+
+
+@pytest.mark.parametrize("frames, code, words", [
+    (lambda: _batch_with(messages=[]), "schema", "non-empty list"),
+    (lambda: _batch_with(messages=[["not bytes", [1]]]), "schema", "header: bytes"),
+    (lambda: _batch_with(messages=[[b"\x80", [-1]]]), "schema", "non-negative"),
+    (lambda: _batch_with()[:1], "schema", "a batch is a header and one body frame, this one has 0"),
+    (lambda: _batch_with() + [b"x"], "schema", "this one has 2"),
+    (lambda: _batch_with(arrays=[["tokens", "int32", [1]]]), "schema", "a batch lists no arrays"),
+])
+def test_a_malformed_batch_is_refused_by_rule(frames, code, words):
+    error = code_of(frames())
+    assert error.code == code and words in error.message, error.message
+    assert error.seq is None
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda body: body[:-1], "the body has"),
+    (lambda body: body + b"\0", "the batched messages take"),
+])
+def test_a_batch_body_that_is_not_its_frames_is_a_shape_error(change, words):
+    frames = _batch_with()
+    frames[1] = change(bytes(frames[1]))
+    with pytest.raises(ProtocolError) as err:
+        split_batch(decode(frames, PRODUCER_TO_BROKER))
+    assert err.value.code == "shape" and words in err.value.message
+
+
+def test_a_batch_body_may_carry_a_crc_and_decoding_checks_it():
+    frames = _batch_with(crc32=zlib.crc32(bytes(_batch_with()[1])))
+    assert decode(frames, PRODUCER_TO_BROKER).type == "batch"
+    assert code_of(_batch_with(crc32=1)).code == "crc_mismatch"

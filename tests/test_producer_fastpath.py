@@ -14,7 +14,7 @@ import pytest
 import zmq
 from test_producer_live import PATIENCE, Broker, drain
 
-from rollstream.common.codec import decode
+from rollstream.common.codec import decode, split_batch
 from rollstream.common.messages import PRODUCER_TO_BROKER
 from rollstream.common.trajectory import Turn
 from rollstream.common.wire import encode_turn
@@ -87,13 +87,13 @@ class ScriptedBroker:
         self.last_frame_count = len(frames)
         return identity, decode(frames, PRODUCER_TO_BROKER, check_content=False)
 
-    def handshake(self):
+    def handshake(self, **welcome):
         self.identity, self.hello = self.receive()
-        self.reply("welcome", broker_id="scripted", max_message_bytes=1 << 20, window=64, batch_acks=True)
+        self.reply("welcome", broker_id="scripted", max_message_bytes=1 << 20, window=64, batch_acks=True, **welcome)
 
-    async def welcomed(self, producer):
+    async def welcomed(self, producer, **welcome):
         """Once the producer has read the welcome (its window is granted)."""
-        self.handshake()
+        self.handshake(**welcome)
         deadline = time.monotonic() + PATIENCE
         while producer.window < 64:
             assert time.monotonic() < deadline, "the producer never read the welcome"
@@ -131,7 +131,7 @@ def test_the_library_asks_for_batched_acks_and_settles_each_frame_from_them():
 
     receipts, turn_indices, end = asyncio.run(main())
     context.destroy(linger=0)
-    assert broker.hello.fields == {"producer_id": "p-batched", "batch_acks": True}
+    assert broker.hello.fields == {"producer_id": "p-batched", "batch_acks": True, "batch_frames": True}
     assert turn_indices == [0, 1, 2] and end["turns"] == 3
     assert [(r.kind, r.turn, r.applied, r.reason) for r in receipts] == [
         ("turn", 0, True, None), ("turn", 1, False, "replay_gap"), ("turn", 2, True, None), ("end", None, True, None)]
@@ -274,3 +274,49 @@ def test_turns_accepted_without_yielding_go_out_a_burst_at_a_time_or_when_the_lo
     assert sent == [0, 0, 3, 3, 4] and turns == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="send_burst must be at least 1"):
         AsyncProducer("inproc://x", "p", send_burst=0)
+
+
+def test_small_frames_ready_together_go_as_one_batch_once_the_broker_says_it_reads_them():
+    """Welcomed with `batch_frames`, the producer sends a burst of small
+    turns as one batch (the large turn alone, unjoined); each carried
+    message is the frame it would have sent alone. A frame ready alone
+    goes as itself."""
+    context = zmq.Context()
+    broker = ScriptedBroker(context, "inproc://scripted-batch")
+    ids = np.arange(LONG, dtype=np.int32)
+    large = dict(mask_ids=ids, mask_offsets=np.arange(LONG + 1, dtype=np.int64), loss_mask=np.ones(LONG, np.uint8))
+
+    def received(count):
+        """The next `count` messages other than pings, with their frame counts."""
+        got = []
+        while len(got) < count:
+            _, message = broker.receive()
+            if message.type != "ping":
+                got.append((message, broker.last_frame_count))
+        return got
+
+    async def main():
+        async with AsyncProducer("inproc://scripted-batch", "p-batch", send_burst=4, context=context) as producer:
+            await broker.welcomed(producer, batch_frames=True)
+            small = producer.trajectory("s", [1])
+            for _ in range(3):
+                await small.turn(TOKENS, LOG_PROBS, **numpy_turn())
+            await producer.trajectory("l", [1]).turn(ids, np.zeros(LONG, np.float32), **large)  # the 4th: a burst
+            burst = await asyncio.to_thread(received, 2)
+            broker.reply("acks", ranges=[[burst[1][0]["seq"] - 3, burst[1][0]["seq"]]])
+            await small.end(1.0)  # nothing else is ready: it goes as itself
+            (end, _), = await asyncio.to_thread(received, 1)
+            broker.reply("acks", ranges=[[end["seq"], end["seq"]]])
+            await producer.flush(PATIENCE)
+            return burst, end
+
+    ((batch, batch_frames), (large_turn, large_frames)), end = asyncio.run(main())
+    context.destroy(linger=0)
+    assert batch.type == "batch" and batch_frames == 2
+    carried = [decode(frames, PRODUCER_TO_BROKER) for frames in split_batch(batch)]
+    first = carried[0]["seq"]
+    assert [(m.type, m["trajectory_id"], m["turn"], m["seq"]) for m in carried] == [
+        ("turn", "s", 0, first), ("turn", "s", 1, first + 1), ("turn", "s", 2, first + 2)]
+    assert all(m.arrays["mask_ids"].tolist() == MASK_IDS.tolist() for m in carried)
+    assert large_turn.type == "turn" and large_turn["seq"] == first + 3 and large_frames == 1 + len(large_turn.arrays)
+    assert end.type == "end" and end["turns"] == 3

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from rollstream.common.codec import decode, encode
 from rollstream.common.messages import BROKER_TO_PRODUCER
 from rollstream.producer.errors import Refused
-from rollstream.producer.window import Heartbeat, Outgoing, Receipt, ResendWindow, WindowFull
+from rollstream.producer.window import Heartbeat, Outgoing, Receipt, ResendWindow, WindowFull, batch_runs
 
 TIMEOUT = 10.0
 
@@ -492,3 +492,35 @@ def test_heartbeat_pings_each_interval_and_reports_loss_and_return_once():
 def test_heartbeat_timeout_must_exceed_the_interval():
     with pytest.raises(ValueError, match="interval < timeout"):
         Heartbeat(2.0, 2.0, now=0.0)
+
+
+# -- batching what goes out together -----------------------------------------------
+def sized(seq, body_bytes):
+    """A frame with a 10-byte header and `body_bytes` after it."""
+    return Outgoing(seq, "turn", "t", [b"h" * 10, b"b" * body_bytes], seq - 1)
+
+
+def test_batch_runs_group_consecutive_small_frames_and_send_a_large_one_alone():
+    items = [sized(1, 100), sized(2, 100), sized(3, 5000), sized(4, 100), Outgoing(5, "end", "t", [b"h" * 10])]
+    runs = batch_runs(items, max_items=8, max_bytes=1 << 20, item_max_bytes=1000)
+    assert [[item.seq for item in run] for run in runs] == [[1, 2], [3], [4, 5]]
+
+
+def test_batch_runs_stop_at_max_items_and_at_max_bytes_with_room_for_the_entries():
+    items = [sized(seq, 100) for seq in range(1, 8)]
+    assert [len(run) for run in batch_runs(items, max_items=3, max_bytes=1 << 20, item_max_bytes=1000)] == [3, 3, 1]
+    # 110 bytes of frames and 32 of entries a message: 142; three fit in 16 + 426 bytes, a fourth does not
+    assert [len(run) for run in batch_runs(items, max_items=99, max_bytes=442, item_max_bytes=1000)] == [3, 3, 1]
+    assert [len(run) for run in batch_runs(items, max_items=99, max_bytes=441, item_max_bytes=1000)] == [2, 2, 2, 1]
+
+
+@given(st.lists(st.integers(0, 3000), max_size=40), st.integers(1, 6), st.integers(200, 5000))
+@settings(max_examples=100, deadline=None)
+def test_batch_runs_keep_every_frame_once_in_order_within_the_bounds(sizes, max_items, max_bytes):
+    items = [sized(seq, size) for seq, size in enumerate(sizes, 1)]
+    runs = batch_runs(items, max_items=max_items, max_bytes=max_bytes, item_max_bytes=1000)
+    assert [item for run in runs for item in run] == items
+    for run in runs:
+        if len(run) > 1:
+            assert len(run) <= max_items and all(len(item.frames[1]) <= 1000 for item in run)
+            assert 16 + sum(sum(map(len, item.frames)) + 16 * len(item.frames) for item in run) <= max_bytes
