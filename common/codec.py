@@ -219,19 +219,15 @@ def encode(
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": mtype, **fields}
     if not arrays:
         return [_PACKERS.pack(header)]
+    if packed:
+        return _packed_frames(header, arrays, crc)
     entries, buffers, value = [], [], 0
-    if packed:  # widest items first: every array then starts aligned within the one frame
-        arrays = dict(sorted(arrays.items(), key=_widest_first))
     for name, arr in arrays.items():
         contract = ARRAYS[name]
         parts = arr if isinstance(arr, list) else None  # one array in several frames (`split_arrays`)
         known = getattr(parts, "crcs", None) if crc and _crc32_combine is not None else None
         for i, part in enumerate(parts or (arr,)):
-            if not isinstance(part, np.ndarray) or (part.dtype is not contract.dtype and part.dtype != contract.dtype):
-                got = part.dtype if isinstance(part, np.ndarray) else type(part).__name__
-                raise ProtocolError("dtype", f"array {name!r} must be {contract.wire_name}, got {got}")
-            if part.ndim != contract.ndim and not contract.rank_ok(part.ndim):
-                raise ProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {list(part.shape)}")
+            _check_part(name, contract, part)
             view = _bytes_view(part)
             buffers.append(view)
             if known is not None and known[i] is not None:
@@ -243,15 +239,48 @@ def encode(
         elif contract.ndim != 1:
             raise ProtocolError("shape", f"array {name!r} is {contract.rank_rule()}: only a 1-D array travels in parts")
         else:
-            entries.append([name, contract.wire_name, [sum(len(part) for part in parts)]]
-                           + ([] if packed else [len(parts)]))
+            entries.append([name, contract.wire_name, [sum(len(part) for part in parts)], len(parts)])
     header["arrays"] = entries
     if crc:
         header["crc32"] = value
-    if packed:
-        header["packed"] = True
-        return [_PACKERS.pack(header), b"".join(buffers)]
     return [_PACKERS.pack(header), *buffers]
+
+
+def _check_part(name: str, contract, part) -> None:
+    """An array (or a piece of one) of the contract's dtype and rank."""
+    if not isinstance(part, np.ndarray) or (part.dtype is not contract.dtype and part.dtype != contract.dtype):
+        got = part.dtype if isinstance(part, np.ndarray) else type(part).__name__
+        raise ProtocolError("dtype", f"array {name!r} must be {contract.wire_name}, got {got}")
+    if part.ndim != contract.ndim and not contract.rank_ok(part.ndim):
+        raise ProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {list(part.shape)}")
+
+
+_WIDEST_FIRST = {name: -spec.dtype.itemsize for name, spec in ARRAYS.items()}
+
+
+def _packed_frames(header: dict, arrays: Mapping[str, Any], crc: bool) -> list:
+    """`[header, body]`: every array (the pieces of one given as a list, in
+    order) end to end in one frame, widest items first so each starts
+    aligned, joined in one pass, and the CRC read over the joined bytes."""
+    entries, pieces = [], []
+    for name in sorted(arrays, key=_WIDEST_FIRST.__getitem__):
+        arr, contract = arrays[name], ARRAYS[name]
+        parts = arr if isinstance(arr, list) else (arr,)
+        for part in parts:
+            _check_part(name, contract, part)
+            pieces.append(part if part.flags.c_contiguous else np.ascontiguousarray(part))
+        if parts is not arr:
+            entries.append([name, contract.wire_name, list(arr.shape)])
+        elif contract.ndim != 1:
+            raise ProtocolError("shape", f"array {name!r} is {contract.rank_rule()}: only a 1-D array travels in parts")
+        else:
+            entries.append([name, contract.wire_name, [sum(len(part) for part in parts)]])
+    body = b"".join(pieces)
+    header["arrays"] = entries
+    if crc:
+        header["crc32"] = _crc32_update(body)
+    header["packed"] = True
+    return [_PACKERS.pack(header), body]
 
 
 # -- batches (PROTOCOL.md §3, batched frames) ---------------------------------
@@ -310,10 +339,6 @@ def split_batch(batch: Message) -> list[list]:
     return messages
 
 
-def _widest_first(item: tuple[str, Any]) -> int:
-    return -ARRAYS[item[0]].dtype.itemsize
-
-
 # Packing copies the arrays into one frame. Up to this many bytes the copy
 # costs less than the per-frame work it saves at both ends; larger arrays
 # are cheaper to send one frame each (the producer hands those to ZeroMQ
@@ -323,8 +348,10 @@ PACK_UP_TO_BYTES = 65536
 
 def worth_packing(arrays: Mapping[str, np.ndarray | list[np.ndarray]]) -> bool:
     """Whether `arrays` are small enough to send packed (`PACK_UP_TO_BYTES`)."""
-    return sum(sum(part.nbytes for part in arr) if isinstance(arr, list) else arr.nbytes
-               for arr in arrays.values()) <= PACK_UP_TO_BYTES
+    total = 0
+    for arr in arrays.values():
+        total += arr.nbytes if type(arr) is np.ndarray else sum(part.nbytes for part in arr)
+    return total <= PACK_UP_TO_BYTES
 
 
 # An array held in pieces this large on average (a trajectory's turns of

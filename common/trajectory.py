@@ -40,6 +40,11 @@ _LEADING_ZERO = frozen(np.zeros(1, OFFSETS_DTYPE))
 EMPTY_LOG_PROBS = frozen(np.empty(0, LOG_PROB_DTYPE))
 
 
+def _taken_as_is(values, dtype: np.dtype) -> bool:
+    """Whether `values` is already a 1-D numpy array of exactly `dtype`."""
+    return type(values) is np.ndarray and (values.dtype is dtype or values.dtype == dtype) and values.ndim == 1
+
+
 def _as_float_array(values, name: str) -> np.ndarray:
     if type(values) is np.ndarray and values.dtype == LOG_PROB_DTYPE and values.ndim == 1:
         return values
@@ -135,6 +140,22 @@ class Turn(NamedTuple):
         Lists are converted; numpy arrays whose dtype fits are copied, or
         with `borrow` taken as they are (no copy: the caller leaves them
         unchanged while the turn is in use)."""
+        if (borrow and mask is None and supports is None and forced_tokens is None and routed_experts is None
+                and indexer_topk is None and _taken_as_is(tokens, TOKEN_DTYPE) and _taken_as_is(log_probs, LOG_PROB_DTYPE)
+                and (loss_mask is None or _taken_as_is(loss_mask, LOSS_MASK_DTYPE))
+                and (mask_ids is None if mask_offsets is None
+                     else _taken_as_is(mask_ids, IDS_DTYPE) and _taken_as_is(mask_offsets, OFFSETS_DTYPE))
+                and status in STATUSES):
+            # The producer's common call: arrays already of the contract's dtypes, borrowed as they are.
+            turn = cls(tokens, log_probs, loss_mask,
+                       None if mask_ids is None else SamplingMask._wrap(mask_ids, mask_offsets), EMPTY_TOKENS,
+                       status=status, weight_version=weight_version)
+            arrays = turn.arrays()
+            if check_content:
+                check_message_arrays(arrays, vocab_size=vocab_size)
+            else:
+                check_message_structure(arrays)
+            return turn
         if (mask is not None) + (supports is not None) + (mask_ids is not None) > 1:
             given = [name for name, value in (("mask", mask), ("supports", supports), ("mask_ids", mask_ids))
                      if value is not None]

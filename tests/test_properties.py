@@ -405,6 +405,54 @@ def test_empty_turn_accepts_an_empty_list_loss_mask():
     assert turn.loss_mask.dtype == np.uint8 and turn.loss_mask.size == 0
 
 
+@st.composite
+def contract_turn_arrays(draw):
+    """Arrays of exactly the contract's dtypes, as a producer hands them
+    over: lengths, offsets and ids that fit each other or break one rule."""
+    n = draw(st.integers(0, 6))
+    ints = st.integers(-3, VOCAB + 3)
+
+    def length():
+        return n + draw(st.sampled_from([0, 0, 0, 1, -1])) if n else draw(st.sampled_from([0, 0, 1]))
+
+    def listed(values, size):
+        return draw(st.lists(values, min_size=size, max_size=size))
+
+    arrays = {"tokens": np.array(listed(ints, n), "<i4"), "log_probs": np.array(listed(st.floats(-5, 0, width=32), length()), "<f4")}
+    if draw(st.booleans()):
+        arrays["loss_mask"] = np.array(listed(st.integers(0, 1), length()), "u1")
+    if draw(st.booleans()):
+        sizes = listed(st.integers(0, 3), max(0, length()))
+        offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype("<i8")
+        offsets += draw(st.sampled_from([0, 0, 0, 1]))
+        arrays["mask_ids"] = np.array(listed(ints, sum(sizes) + draw(st.sampled_from([0, 0, 0, 1]))), "<i4")
+        arrays["mask_offsets"] = offsets
+    return arrays
+
+
+@prop(300)
+@given(arrays=contract_turn_arrays(), status=st.sampled_from(STATUSES), check_content=st.booleans())
+def test_a_borrowed_turn_of_contract_arrays_is_the_turn_the_general_path_builds(arrays, status, check_content):
+    """The producer's fast path (contract dtypes, borrowed as they are)
+    accepts and refuses exactly what the general path does, with the same
+    words, and builds the same turn; only it shares the caller's memory."""
+    def built(borrow):
+        given = {name: arr.copy() for name, arr in arrays.items()}
+        try:
+            turn = Turn.build(given.pop("tokens"), given.pop("log_probs"), borrow=borrow, status=status, vocab_size=VOCAB,
+                              check_content=check_content, **given)
+        except ValueError as error:
+            return None, f"{type(error).__name__}: {error}"
+        return turn, {name: (arr.dtype.str, arr.tobytes()) for name, arr in turn.arrays().items()}
+
+    fast, fast_outcome = built(True)
+    general, general_outcome = built(False)
+    assert fast_outcome == general_outcome
+    if fast is not None:
+        assert fast.status == general.status == status and fast.forced_tokens.size == 0
+        assert not np.shares_memory(general.tokens, fast.tokens)
+
+
 # == 3. codec round trips ===========================================================
 def expected_turn_arrays(spec: TurnSpec, prompt) -> dict:
     out = {"tokens": np.array(spec.tokens, "<i4"), "log_probs": np.array(spec.log_probs, "<f4")}
