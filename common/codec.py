@@ -267,7 +267,8 @@ def _packed_frames(header: dict, arrays: Mapping[str, Any], crc: bool) -> list:
         arr, contract = arrays[name], ARRAYS[name]
         parts = arr if isinstance(arr, list) else (arr,)
         for part in parts:
-            _check_part(name, contract, part)
+            if type(part) is not np.ndarray or part.dtype is not contract.dtype or part.ndim != contract.ndim:
+                _check_part(name, contract, part)  # the exact dtype object and rank are the common case
             pieces.append(part if part.flags.c_contiguous else np.ascontiguousarray(part))
         if parts is not arr:
             entries.append([name, contract.wire_name, list(arr.shape)])
