@@ -1,5 +1,11 @@
-"""A small admin client for the broker's admin endpoint."""
+"""A small admin client for the broker's admin endpoint, and the
+endpoints file a broker writes once it is listening."""
 from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
 
 import zmq
 
@@ -49,3 +55,54 @@ class AdminClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+ENDPOINT_NAMES = ("producer", "consumer", "admin")
+
+
+def write_endpoints_file(path: str, endpoints: dict[str, str]) -> None:
+    """The bound endpoints as one JSON object, renamed into place, so a
+    reader sees the whole file or none."""
+    target = Path(path)
+    partial = target.with_name(target.name + ".partial")
+    partial.write_text(json.dumps(endpoints, sort_keys=True) + "\n")
+    os.replace(partial, target)
+
+
+def read_endpoints_file(path: str) -> dict[str, str]:
+    """What `write_endpoints_file` wrote; `AdminError` naming the file and
+    the rule when it is absent or not such an object."""
+    try:
+        endpoints = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise AdminError(f"endpoints file {path} does not exist (yet): is the broker started with --endpoints-file?") from None
+    except (OSError, ValueError) as exc:
+        raise AdminError(f"endpoints file {path} is not readable JSON: {exc}") from None
+    if not (isinstance(endpoints, dict) and all(isinstance(endpoints.get(name), str) for name in ENDPOINT_NAMES)):
+        raise AdminError(f"endpoints file {path} must be a JSON object with string {list(ENDPOINT_NAMES)}, "
+                         f"got {str(endpoints)[:120]}")
+    return endpoints
+
+
+def ask_status(endpoint: str, *, endpoints_file: str | None = None, timeout: float = 5.0, wait: float | None = None,
+               dead_letters: int = 0) -> tuple[dict, str]:
+    """The broker's status (with up to `dead_letters` dead letters) and the
+    admin endpoint that answered. With `wait`, tries again (re-reading the
+    endpoints file, which a starting broker writes once it listens) until
+    that many seconds have passed; then the last error is raised."""
+    deadline = None if wait is None else time.monotonic() + wait
+    while True:
+        try:
+            if endpoints_file is not None:
+                endpoint = read_endpoints_file(endpoints_file)["admin"]
+            patience = timeout if deadline is None else max(0.05, min(timeout, deadline - time.monotonic()))
+            with AdminClient(endpoint, timeout=patience) as admin:
+                report = admin.status()
+                report["dead_letters"] = admin.dead_letters(dead_letters) if dead_letters else []
+            return report, endpoint
+        except AdminError as exc:
+            if deadline is None:
+                raise
+            if time.monotonic() >= deadline:
+                raise AdminError(f"the broker did not answer within --wait {wait} s; last: {exc}") from None
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))

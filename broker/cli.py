@@ -14,6 +14,7 @@ HELP = {
     "producer_endpoint": "Where producers connect (tcp://, ipc:// or inproc://).",
     "consumer_endpoint": "Where consumers connect.",
     "admin_endpoint": "Where `rollstream status` and other admin peers connect.",
+    "endpoints_file": "Write the bound endpoints here as JSON once they accept peers (port 0 in an endpoint picks a free one).",
     "data_dir": "Directory of the durable store (created if missing).",
     "broker_id": "Name reported to peers; default host:data-dir.",
     "vocab_size": "Refuse token and support ids outside [0, vocab_size) (out_of_vocab).",
@@ -107,22 +108,31 @@ def broker(log_format: str, **values) -> None:
 
 @click.command()
 @click.option("--admin", "endpoint", default="tcp://127.0.0.1:5557", show_default=True, help="The broker's admin endpoint.")
+@click.option("--endpoints-file", type=click.Path(dir_okay=False),
+              help="Read the admin endpoint from the file a broker's --endpoints-file names (instead of --admin).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--dead-letters", default=20, show_default=True, help="How many dead letters to list.")
 @click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for the broker.")
-def status(endpoint: str, as_json: bool, dead_letters: int, timeout: float) -> None:
+@click.option("--wait", "wait_seconds", type=float, default=None,
+              help="Keep trying for up to this many seconds until the broker answers (readiness for scripts).")
+def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letters: int, timeout: float,
+           wait_seconds: float | None) -> None:
     """Show a broker's queues, peers, budgets, counters and dead letters."""
-    from .admin import AdminClient
+    from .admin import AdminError, ask_status
 
-    with AdminClient(endpoint, timeout=timeout) as admin:
-        report = admin.status()
-        report["dead_letters"] = admin.dead_letters(dead_letters) if dead_letters else []
+    try:
+        report, endpoint = ask_status(endpoint, endpoints_file=endpoints_file, timeout=timeout, wait=wait_seconds,
+                                      dead_letters=dead_letters)
+    except AdminError as exc:
+        raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(report, indent=None, sort_keys=True))
         return
     click.echo(f"broker at {endpoint}")
     for key in ("open", "ready", "leased", "dead", "producers", "consumers", "bytes_in_memory", "bytes_on_disk"):
-        click.echo(f"  {key:<16} {report[key]}")
+        click.echo(f"  {key:<18} {report[key]}")
+    for name, bound in report.get("endpoints", {}).items():
+        click.echo(f"  {name + ' endpoint':<18} {bound}")
     click.echo("  counters:")
     for key, value in report["counters"].items():
         click.echo(f"    {key:<40} {value}")

@@ -14,6 +14,7 @@ import signal
 import socket
 import sqlite3
 import time
+from pathlib import Path
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from rollstream.common.sockets import recv_routed, router, send_frames
 from rollstream.common.validation import check_message_arrays, messages_content_valid
 from rollstream.common.wire import encode_deliver
 
+from .admin import write_endpoints_file
 from .dispatch import Dispatcher, DispatchSettings
 from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, Entry, MarkGap, MergeEngine, PutTurn, Unit
 from .flow import WindowGrants
@@ -116,6 +118,7 @@ class BrokerService:
         self._disk_bytes = 0
         self._redeliveries_seen = 0
         self.sockets: dict[str, zmq.Socket] = {}
+        self.endpoints: dict[str, str] = {}  # by socket name, as bound (a port 0 resolved)
         self._metrics_server = None
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="rollstream-checker")  # see CHECK_AHEAD_FROM_BYTES
 
@@ -145,17 +148,20 @@ class BrokerService:
         s = self.settings
         options = dict(high_water_mark=s.high_water_mark, heartbeat_interval=s.heartbeat_interval,
                        max_message_bytes=s.max_message_bytes)
+        if s.endpoints_file:  # a file left by an earlier run must not send anyone to its old ports
+            Path(s.endpoints_file).unlink(missing_ok=True)
         for name, endpoint in (("producer", s.producer_endpoint), ("consumer", s.consumer_endpoint),
                                ("admin", s.admin_endpoint)):
             self.sockets[name] = router(self.context, endpoint, **options)
+            self.endpoints[name] = self.sockets[name].getsockopt_string(zmq.LAST_ENDPOINT) or endpoint  # port 0: the one picked
         self.poller = zmq.Poller()
         for sock in self.sockets.values():
             self.poller.register(sock, zmq.POLLIN)
         self._metrics_server = self.metrics.serve(s.metrics_host, s.metrics_port)
         self._refresh_gauges(time.time())
-        log.info("broker listening", extra={"broker_id": self.broker_id, "producer": s.producer_endpoint,
-                                            "consumer": s.consumer_endpoint, "admin": s.admin_endpoint,
-                                            "sync": s.sync})
+        if s.endpoints_file:
+            write_endpoints_file(s.endpoints_file, self.endpoints)
+        log.info("broker listening", extra={"broker_id": self.broker_id, **self.endpoints, "sync": s.sync})
 
     def stop(self, *_args) -> None:
         """Finish the pass in progress (commit, reply), then leave `run`."""
@@ -174,6 +180,8 @@ class BrokerService:
         for sock in self.sockets.values():
             sock.close(linger=1000)
         self.sockets.clear()
+        if self.settings.endpoints_file and self.endpoints:  # nobody should connect to these any more
+            Path(self.settings.endpoints_file).unlink(missing_ok=True)
         if self._metrics_server is not None:
             server, thread = self._metrics_server
             server.shutdown()
@@ -647,6 +655,7 @@ class BrokerService:
             "bytes_in_memory": self._memory_bytes,
             "bytes_on_disk": self._disk_bytes,
             "counters": {key: int(value) for key, value in sorted(self.metrics.totals.items())},
+            "endpoints": dict(self.endpoints),
         }
 
     # -- housekeeping ---------------------------------------------------------

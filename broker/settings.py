@@ -12,6 +12,7 @@ class BrokerSettings:
     producer_endpoint: str = "tcp://127.0.0.1:5555"
     consumer_endpoint: str = "tcp://127.0.0.1:5556"
     admin_endpoint: str = "tcp://127.0.0.1:5557"
+    endpoints_file: str | None = None  # where the bound endpoints are written (JSON) once they accept peers
     data_dir: str = "rollstream-data"
     broker_id: str | None = None  # default: derived from the host name and data dir
     vocab_size: int | None = None

@@ -308,7 +308,7 @@ ADMIN_REPLIES = _schema(
             "bytes_on_disk": COUNT,
             "counters": MAP,
         },
-        _SEQ,
+        {"seq": INT, "endpoints": MAP},
     ),
     MessageSpec("dead_letters", {"items": LIST}, _SEQ),
     MessageSpec("requeued", {"trajectory_ids": TEXT_LIST}, _SEQ),

@@ -246,18 +246,23 @@ class Assembler:
             self._buffered.pop(tid, None)
 
     def expire(self, now: float) -> None:
-        """Drop buffered units whose leases ran out (the broker is
-        redelivering them), and resend settlements that are due again."""
-        for unit in self._units():
-            if now > unit.received_at + self._brokers[unit.broker].lease_timeout:
-                self.stats.expired_in_buffer += len(unit.members)
-                self._drop(unit)
+        """Drop buffered units whose leases ran out, and resend settlements
+        that are due again."""
+        self.drop_expired(now)
         due = [lease for when, lease in self._retry if when <= now]
         self._retry = [(when, lease) for when, lease in self._retry if when > now]
         for lease in due:
             if lease in self._settling:
                 self.stats.resent_settlements += 1
                 self.outbox.append(self._settling[lease])
+
+    def drop_expired(self, now: float) -> None:
+        """Drop buffered units whose leases ran out: the broker is
+        redelivering them, so training one would train it twice."""
+        for unit in self._units():
+            if now > unit.received_at + self._brokers[unit.broker].lease_timeout:
+                self.stats.expired_in_buffer += len(unit.members)
+                self._drop(unit)
 
     # -- trainer side ---------------------------------------------------------
     @property

@@ -183,6 +183,8 @@ class Consumer:
                     raise RuntimeError("the consumer's I/O thread failed") from self._error
                 if self._closing:
                     raise ConsumerClosed("the consumer is closed")
+                # A trainer that stalled past a lease must not get that unit: the broker redelivers it.
+                self._assembler.drop_expired(time.monotonic())
                 if self._assembler.ready >= n:
                     return self._assembler.take(n)
                 remaining = None if deadline is None else deadline - time.monotonic()

@@ -540,3 +540,51 @@ def test_large_turns_are_checked_ahead_on_their_own_thread_and_refused_by_rule(t
         assert thread.is_alive()
     on_checker = [(ids, name.startswith("rollstream-checker")) for ids, name in checked]
     assert sorted(on_checker) == [(2, False), *[(300 * 1000, True)] * 3]  # every large turn, good ones too
+
+
+def rollstream_cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "rollstream.common.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_port_zero_endpoints_are_reported_bound_in_the_endpoints_file_and_status(tmp_path):
+    """Every endpoint on port 0: the broker writes the ports it got to
+    --endpoints-file once it listens, `status --endpoints-file --wait`
+    finds it there while it starts, peers connect through the file, and
+    the file goes away when the broker stops."""
+    endpoints_file = tmp_path / "endpoints.json"
+    endpoints_file.write_text('{"producer": "tcp://127.0.0.1:1", "consumer": "x", "admin": "tcp://127.0.0.1:1"}')  # stale
+    broker = BrokerProcess(tmp_path, endpoints_file=str(endpoints_file))
+    broker.producer = broker.consumer = broker.admin = "tcp://127.0.0.1:0"
+    log = open(broker.log_path, "ab")
+    broker.proc = subprocess.Popen(broker.command(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        waited = rollstream_cli("status", "--endpoints-file", str(endpoints_file), "--wait", "30", "--json")
+        assert waited.returncode == 0, waited.stderr + broker.log()
+        report = json.loads(waited.stdout)
+        written = json.loads(endpoints_file.read_text())
+        assert report["endpoints"] == written and sorted(written) == ["admin", "consumer", "producer"]
+        ports = {name: int(endpoint.rsplit(":", 1)[1]) for name, endpoint in written.items()}
+        assert all(endpoint.startswith("tcp://127.0.0.1:") for endpoint in written.values())
+        assert len(set(ports.values())) == 3 and 1 not in ports.values()
+        welcome = decode(call(dealer(written["producer"]), encode(PRODUCER_TO_BROKER, "hello", {"producer_id": "p"})),
+                         BROKER_TO_PRODUCER)
+        assert welcome.type == "welcome"
+        text = rollstream_cli("status", "--endpoints-file", str(endpoints_file)).stdout
+        assert ["producer", "endpoint", written["producer"]] in [line.split() for line in text.splitlines()]
+        broker.proc.send_signal(signal.SIGTERM)
+        assert broker.proc.wait(30) == 0
+        assert not endpoints_file.exists()
+    finally:
+        if broker.proc.poll() is None:
+            broker.proc.kill()
+            broker.proc.wait()
+
+
+def test_status_wait_gives_up_after_its_seconds_naming_the_broker():
+    started = time.monotonic()
+    result = rollstream_cli("status", "--admin", "tcp://127.0.0.1:1", "--wait", "1", "--timeout", "0.3")
+    assert result.returncode == 1 and time.monotonic() - started >= 1.0
+    assert "did not answer within --wait 1.0 s" in result.stderr and "tcp://127.0.0.1:1" in result.stderr
+    missing = rollstream_cli("status", "--endpoints-file", "/nonexistent/endpoints.json")
+    assert missing.returncode == 1 and "endpoints file /nonexistent/endpoints.json does not exist" in missing.stderr

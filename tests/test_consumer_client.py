@@ -4,6 +4,7 @@ delivery handed back, saying hello again after `unknown_consumer`, and the
 ack of a committed batch."""
 import shutil
 import tempfile
+import time
 
 import msgpack
 import numpy as np
@@ -15,6 +16,7 @@ from rollstream.common.codec import decode, encode
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 from rollstream.common.wire import encode_deliver
 from rollstream.consumer import Consumer
+from rollstream.consumer.assembly import Assembler
 
 
 class ScriptedBroker:
@@ -137,3 +139,27 @@ def test_quarantine_keeps_the_valid_members_of_a_group(broker):
         broker.reply("nacked", {"leases": ["L1"]})
         consumer.commit(batch)
         broker.reply("acked", {"leases": broker.expect("ack")["leases"]})
+
+
+def test_a_trainer_that_stalls_past_a_lease_is_not_handed_that_unit(broker, monkeypatch):
+    """A delivery buffered while the trainer was busy, whose lease ran out
+    before the trainer asked, is dropped when it asks, even before the I/O
+    thread's own pass: the broker is redelivering it, so training it here
+    would train it twice. (The I/O thread's pass is held off to show it.)"""
+    monkeypatch.setattr(Assembler, "expire", lambda self, now: None)
+    rng = np.random.default_rng(3)
+    with Consumer(broker.endpoint, batch_size=1, prefetch=2) as consumer:
+        broker.expect("hello")
+        broker.reply("welcome", {"broker_id": "scripted", "lease_timeout": 0.3, "heartbeat_interval": 0.2})
+        broker.expect("credit")
+        broker.send(encode_deliver(make_rollout(rng, "stale").merged(), "L-stale"))
+        deadline = time.monotonic() + 10
+        while consumer.stats()["ready"] == 0:
+            assert time.monotonic() < deadline, "the delivery never arrived"
+            time.sleep(0.01)
+        time.sleep(0.5)  # the trainer is busy past the lease
+        with pytest.raises(TimeoutError):
+            consumer.next_batch(timeout=0.3)
+        assert consumer.stats()["expired_in_buffer"] == 1
+        broker.send(encode_deliver(make_rollout(rng, "stale").merged(), "L-again"))  # the broker's redelivery
+        assert consumer.next_batch(timeout=10).trajectory_ids == ("stale",)
