@@ -364,6 +364,11 @@ class Assembler:
                 self._retry.append((now + RETRY_AFTER, (broker, lease_id)))
 
     @property
+    def silent_brokers(self) -> list[int]:
+        """The brokers (by index) that have not welcomed the current session."""
+        return [i for i, state in enumerate(self._brokers) if not state.connected]
+
+    @property
     def unsettled(self) -> int:
         """Settlements sent and not yet answered."""
         return len(self._settling)

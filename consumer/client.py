@@ -219,12 +219,42 @@ class Consumer:
             self._wake()
 
     def stats(self) -> dict[str, int]:
-        """Counters: deliveries, duplicates, acks, stale leases, quarantined, ..."""
+        """The client's counters (the `Assembler`'s `stats`, listed in
+        docs/consumer.md) and, at the moment of the call, `ready` units
+        buffered, `held` by the trainer and `unsettled` settlements
+        awaiting their broker's answer."""
         with self._lock:
             stats = self._assembler.stats
             out = {f.name: getattr(stats, f.name) for f in dataclass_fields(stats)}
             out.update(ready=self._assembler.ready, held=self._assembler.held, unsettled=self._assembler.unsettled)
         return out
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until every broker has welcomed this consumer (credit is
+        then on its way); `TimeoutError` naming those still silent."""
+        self._wait_until(lambda: not self._assembler.silent_brokers, timeout,
+                         lambda: f"no welcome within {timeout} s from "
+                                 f"{[self.endpoints[i] for i in self._assembler.silent_brokers]}")
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until the brokers have confirmed every commit and release
+        made so far (each is then durable at its broker); `TimeoutError`
+        saying how many are unconfirmed."""
+        self._wait_until(lambda: not self._assembler.unsettled, timeout,
+                         lambda: f"{self._assembler.unsettled} settlement(s) unconfirmed after {timeout} s")
+
+    def _wait_until(self, done, timeout: float | None, describe) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while not done():
+                if self._error is not None:
+                    raise RuntimeError("the consumer's I/O thread failed") from self._error
+                if self._stopping:
+                    raise ConsumerClosed("the consumer is closed")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(describe())
+                self._changed.wait(1.0 if remaining is None else min(remaining, 1.0))
 
     def close(self, timeout: float = 5.0) -> None:
         """Give back every uncommitted trajectory, wait up to `timeout` for

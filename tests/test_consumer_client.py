@@ -163,3 +163,22 @@ def test_a_trainer_that_stalls_past_a_lease_is_not_handed_that_unit(broker, monk
         assert consumer.stats()["expired_in_buffer"] == 1
         broker.send(encode_deliver(make_rollout(rng, "stale").merged(), "L-again"))  # the broker's redelivery
         assert consumer.next_batch(timeout=10).trajectory_ids == ("stale",)
+
+
+def test_wait_ready_returns_once_welcomed_and_flush_once_the_broker_confirms_commits(broker):
+    rng = np.random.default_rng(4)
+    with Consumer(broker.endpoint, batch_size=1) as consumer:
+        with pytest.raises(TimeoutError, match=f"no welcome within 0.3 s from .*{broker.endpoint}"):
+            consumer.wait_ready(timeout=0.3)
+        broker.expect("hello")
+        broker.welcome()
+        consumer.wait_ready(timeout=10)
+        broker.expect("credit")
+        broker.send(encode_deliver(make_rollout(rng, "f").merged(), "L-f"))
+        consumer.commit(consumer.next_batch(timeout=10))
+        ack = broker.expect("ack")
+        with pytest.raises(TimeoutError, match="1 settlement"):
+            consumer.flush(timeout=0.3)  # sent, not yet confirmed
+        broker.reply("acked", {"leases": ack["leases"]})
+        consumer.flush(timeout=10)
+        assert consumer.stats()["unsettled"] == 0 and consumer.stats()["acked"] == 1
