@@ -14,10 +14,10 @@ import signal
 import socket
 import sqlite3
 import time
-from pathlib import Path
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 

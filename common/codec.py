@@ -234,16 +234,22 @@ def encode(
                 value = _crc32_combine(value, known[i], len(view))
             elif crc:
                 value = _crc32_update(view, value)
-        if parts is None:
-            entries.append([name, contract.wire_name, list(arr.shape)])
-        elif contract.ndim != 1:
-            raise ProtocolError("shape", f"array {name!r} is {contract.rank_rule()}: only a 1-D array travels in parts")
-        else:
-            entries.append([name, contract.wire_name, [sum(len(part) for part in parts)], len(parts)])
+        entry = _array_entry(name, contract, arr, parts)
+        entries.append(entry if parts is None else [*entry, len(parts)])
     header["arrays"] = entries
     if crc:
         header["crc32"] = value
     return [_PACKERS.pack(header), *buffers]
+
+
+def _array_entry(name: str, contract, arr, parts: list | None) -> list:
+    """The header's `[name, dtype, shape]` of an array, or of one given in
+    `parts` (1-D only: their lengths end to end)."""
+    if parts is None:
+        return [name, contract.wire_name, list(arr.shape)]
+    if contract.ndim != 1:
+        raise ProtocolError("shape", f"array {name!r} is {contract.rank_rule()}: only a 1-D array travels in parts")
+    return [name, contract.wire_name, [sum(len(part) for part in parts)]]
 
 
 def _check_part(name: str, contract, part) -> None:
@@ -265,17 +271,12 @@ def _packed_frames(header: dict, arrays: Mapping[str, Any], crc: bool) -> list:
     entries, pieces = [], []
     for name in sorted(arrays, key=_WIDEST_FIRST.__getitem__):
         arr, contract = arrays[name], ARRAYS[name]
-        parts = arr if isinstance(arr, list) else (arr,)
-        for part in parts:
+        parts = arr if isinstance(arr, list) else None
+        for part in (arr,) if parts is None else parts:
             if type(part) is not np.ndarray or part.dtype is not contract.dtype or part.ndim != contract.ndim:
                 _check_part(name, contract, part)  # the exact dtype object and rank are the common case
             pieces.append(part if part.flags.c_contiguous else np.ascontiguousarray(part))
-        if parts is not arr:
-            entries.append([name, contract.wire_name, list(arr.shape)])
-        elif contract.ndim != 1:
-            raise ProtocolError("shape", f"array {name!r} is {contract.rank_rule()}: only a 1-D array travels in parts")
-        else:
-            entries.append([name, contract.wire_name, [sum(len(part) for part in parts)]])
+        entries.append(_array_entry(name, contract, arr, parts))
     body = b"".join(pieces)
     header["arrays"] = entries
     if crc:
@@ -307,14 +308,25 @@ def encode_batch(messages: Sequence[list]) -> list:
             lengths.append(size)
             offset += pad + size
         entries.append([frames[0], lengths])
-    header = {"v": PROTOCOL_VERSION, "type": "batch", "messages": entries}  # 16 bytes: `batched_size` leaves room
+    header = {"v": PROTOCOL_VERSION, "type": "batch", "messages": entries}
     return [_PACKERS.pack(header), b"".join(pieces)]
+
+
+# A carried frame adds at most this to a batch besides its bytes: its
+# padding (up to 7) and its part of the message's entry (a length, up to 9;
+# a header's bin and list markers, up to 9).
+BATCH_BYTES_PER_FRAME = 16
+# What a batch adds for its own keys, beyond `batched_size` of each message
+# it carries: about 25 bytes, which the 7 bytes every carried header leaves
+# unused of its allowance cover once a batch carries two messages (a batch
+# of one is never sent: that message goes as itself).
+BATCH_ENVELOPE_BYTES = 16
 
 
 def batched_size(frames: list) -> int:
     """At most how many bytes a message adds to a batch: its frames, the
-    padding before each and the entry listing them (a few bytes a frame)."""
-    return sum(map(len, frames)) + 16 * len(frames)
+    padding before each and the entry listing them."""
+    return sum(map(len, frames)) + BATCH_BYTES_PER_FRAME * len(frames)
 
 
 def split_batch(batch: Message) -> list[list]:

@@ -150,12 +150,7 @@ class Turn(NamedTuple):
             turn = cls(tokens, log_probs, loss_mask,
                        None if mask_ids is None else SamplingMask._wrap(mask_ids, mask_offsets), EMPTY_TOKENS,
                        status=status, weight_version=weight_version)
-            arrays = turn.arrays()
-            if check_content:
-                check_message_arrays(arrays, vocab_size=vocab_size)
-            else:
-                check_message_structure(arrays)
-            return turn
+            return turn._checked(check_content, vocab_size)
         if (mask is not None) + (supports is not None) + (mask_ids is not None) > 1:
             given = [name for name, value in (("mask", mask), ("supports", supports), ("mask_ids", mask_ids))
                      if value is not None]
@@ -187,11 +182,16 @@ class Turn(NamedTuple):
             status=status,
             weight_version=weight_version,
         )
+        return turn._checked(check_content, vocab_size)
+
+    def _checked(self, check_content: bool, vocab_size: int | None) -> "Turn":
+        """This turn, once its arrays pass every rule of one frame (or, with
+        `check_content=False`, the rules that need no pass over them)."""
         if check_content:
-            check_message_arrays(turn.arrays(), vocab_size=vocab_size)
+            check_message_arrays(self.arrays(), vocab_size=vocab_size)
         else:
-            check_message_structure(turn.arrays())
-        return turn
+            check_message_structure(self.arrays())
+        return self
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray], *, status: str, weight_version: str | None = None,

@@ -21,7 +21,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from rollstream.common.codec import batched_size, decode_header
+from rollstream.common.codec import BATCH_ENVELOPE_BYTES, batched_size, decode_header
 
 from .errors import Refused
 
@@ -89,14 +89,14 @@ def batch_runs(items: list[Outgoing], *, max_items: int, max_bytes: int, item_ma
     run: list[Outgoing] = []
     run_bytes = 0
     for item in items:
-        size = batched_size(item.frames)
-        if size - len(item.frames[0]) - 16 * len(item.frames) > item_max_bytes:
+        if sum(map(len, item.frames[1:])) > item_max_bytes:
             if run:
                 runs.append(run)
                 run, run_bytes = [], 0
             runs.append([item])
             continue
-        if run and (len(run) == max_items or 16 + run_bytes + size > max_bytes):
+        size = batched_size(item.frames)
+        if run and (len(run) == max_items or BATCH_ENVELOPE_BYTES + run_bytes + size > max_bytes):
             runs.append(run)
             run, run_bytes = [], 0
         run.append(item)
