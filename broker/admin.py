@@ -84,10 +84,11 @@ def read_endpoints_file(path: str) -> dict[str, str]:
     return endpoints
 
 
-def ask_status(endpoint: str, *, endpoints_file: str | None = None, timeout: float = 5.0, wait: float | None = None,
-               dead_letters: int = 0) -> tuple[dict, str]:
+def ask_status(endpoint: str | None, *, endpoints_file: str | None = None, timeout: float = 5.0,
+               wait: float | None = None, dead_letters: int = 0) -> tuple[dict, str]:
     """The broker's status (with up to `dead_letters` dead letters) and the
-    admin endpoint that answered. With `wait`, tries again (re-reading the
+    admin endpoint that answered: `endpoint`, or the one `endpoints_file`
+    names when it is given. With `wait`, tries again (re-reading the
     endpoints file, which a starting broker writes once it listens) until
     that many seconds have passed; then the last error is raised."""
     deadline = None if wait is None else time.monotonic() + wait

@@ -15,7 +15,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from .sockets import free_loopback_ports
 
 VOCAB = 151_936
 
@@ -27,7 +26,8 @@ def _cli(*args: str) -> list[str]:
 class LoopbackNode:
     """A broker on a fresh data directory and producer daemons beside it,
     all on loopback, as the demos run them: `with LoopbackNode(...) as
-    node:` starts the broker and waits until it answers; on exit every
+    node:` starts the broker on ports the system picks and waits until it
+    answers (`endpoints` are then the ones it bound); on exit every
     daemon still running is stopped (SIGTERM, then SIGKILL after 30 s) and
     the directory removed unless `keep_data`. The daemons' output goes to
     `daemons.log` in it."""
@@ -36,24 +36,26 @@ class LoopbackNode:
         self.vocab_size = vocab_size
         self.keep_data = keep_data
         self.work = Path(tempfile.mkdtemp(prefix=prefix))
-        ports = free_loopback_ports(3)
-        self.endpoints = {name: f"tcp://127.0.0.1:{port}" for name, port in zip(("producer", "consumer", "admin"), ports)}
+        self.endpoints: dict[str, str] = {}  # as the broker bound them, once it answers
         self._daemons: list[subprocess.Popen] = []
         self._producers: list[subprocess.Popen] = []
         self._log = None
         self.admin = None
 
     def __enter__(self) -> "LoopbackNode":
-        from rollstream.broker.admin import AdminClient
+        from rollstream.broker.admin import AdminClient, ask_status
 
         self._log = open(self.work / "daemons.log", "ab")
+        endpoints_file = str(self.work / "endpoints.json")
         try:
-            self._start("broker", "--producer-endpoint", self.endpoints["producer"], "--consumer-endpoint",
-                        self.endpoints["consumer"], "--admin-endpoint", self.endpoints["admin"], "--data-dir",
+            any_port = "tcp://127.0.0.1:0"
+            self._start("broker", "--producer-endpoint", any_port, "--consumer-endpoint", any_port,
+                        "--admin-endpoint", any_port, "--endpoints-file", endpoints_file, "--data-dir",
                         str(self.work / "data"), "--vocab-size", str(self.vocab_size), "--metrics-port", "0",
                         "--log-level", "warning")
+            status, _ = ask_status(None, endpoints_file=endpoints_file, wait=30.0)  # once the broker answers
+            self.endpoints = status["endpoints"]
             self.admin = AdminClient(self.endpoints["admin"], timeout=30.0).__enter__()
-            self.admin.status()  # waits until the broker answers
         except BaseException:
             self.__exit__(None, None, None)
             raise
