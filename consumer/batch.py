@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from rollstream.common.checker import Ledger, delivered_digest
 from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS
 from rollstream.common.miles import MASK_KEYS, REPLAY_KEYS, TRAIN_DTYPES, metric_view
 from rollstream.common.trajectory import Gap
@@ -302,6 +303,29 @@ class Batch:
             lo, hi = int(cu["response"][i]), int(cu["response"][i + 1])
             out["mask_offsets"] = self.mask_offsets[lo : hi + 1] - self.mask_offsets[lo]
         return out
+
+    def content_digests(self) -> list[str]:
+        """Each sample's content digest as the end-to-end checker computes
+        it (`checker.delivered_digest`), from the arrays the trainer got
+        (on a GPU, each sample's arrays are read back to the host)."""
+        digests = []
+        for i in range(len(self)):
+            sample = {name: value.cpu().numpy() if isinstance(value, torch.Tensor) else value
+                      for name, value in self.sample(i).items()}
+            prompt = int(self.lengths["prompt"][i])
+            digests.append(delivered_digest({**sample, "prompt_tokens": sample["tokens"][:prompt],
+                                             "tokens": sample["response_tokens"]}))
+        return digests
+
+    def record(self, ledger: Ledger, kind: str, **extra: Any) -> None:
+        """Write one ledger record per sample: `handed` (given to the
+        trainer) or `committed` (with the content digest and the gap)."""
+        if kind == "committed":
+            for tid, digest, gap in zip(self.trajectory_ids, self.content_digests(), self.gaps):
+                ledger.write(kind, id=tid, digest=digest, gap=None if gap is None else [gap.turn, gap.field], **extra)
+        else:
+            for tid in self.trajectory_ids:
+                ledger.write(kind, id=tid, **extra)
 
     # -- reshaping ------------------------------------------------------------
     def select(self, samples: Sequence[int]) -> "Batch":

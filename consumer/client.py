@@ -25,6 +25,7 @@ from typing import Sequence
 
 import zmq
 
+from rollstream.common.checker import Ledger
 from rollstream.common.codec import decode, decode_header, encode
 from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES
 from rollstream.common.errors import ProtocolError
@@ -91,6 +92,7 @@ class Consumer:
         dedup_capacity: int = 100_000,
         hello_timeout: float = 5.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        ledger: str | os.PathLike | None = None,
         context: zmq.Context | None = None,
     ):
         if on_invalid not in POLICIES:
@@ -106,6 +108,8 @@ class Consumer:
         self.consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.hello_timeout = hello_timeout
         self.max_message_bytes = max_message_bytes
+        # What the trainer was handed and committed, for the end-to-end checker (`rollstream.common.checker`):
+        self.ledger = None if ledger is None else Ledger(ledger)
         self._assembler = Assembler(
             len(self.endpoints), batch_size=batch_size, unit=unit, prefetch=prefetch, dedup_capacity=dedup_capacity
         )
@@ -173,6 +177,8 @@ class Consumer:
             units = [u for u in units if u.members]
         with self._lock:
             self._awaiting_commit[seq] = batch.trajectory_ids
+        if self.ledger is not None:
+            batch.record(self.ledger, "handed", consumer=self.consumer_id)
         return batch
 
     def _take(self, n: int, deadline: float | None, held: list[Unit]) -> list[Unit]:
@@ -196,7 +202,10 @@ class Consumer:
 
     def commit(self, batch: Batch) -> None:
         """Ack the batch's trajectories (after the training step)."""
-        self._settle(commit=self._claim(batch))
+        ids = self._claim(batch)
+        if self.ledger is not None:
+            batch.record(self.ledger, "committed", consumer=self.consumer_id)
+        self._settle(commit=ids)
 
     def release(self, batch: Batch) -> None:
         """Give an uncommitted batch back for redelivery: it will not be trained on."""
@@ -273,6 +282,8 @@ class Consumer:
             self._wake()
         self._thread.join(timeout)
         self._wake_out.close(linger=0)
+        if self.ledger is not None:
+            self.ledger.close()
 
     # -- the I/O thread -------------------------------------------------------
     def _wake(self) -> None:

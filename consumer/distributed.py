@@ -12,11 +12,14 @@ the source acks it.
 """
 from __future__ import annotations
 
+import os
+
 import msgpack
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from rollstream.common.checker import Ledger
 from rollstream.common.trajectory import Gap
 
 from .batch import PER_SAMPLE, Batch
@@ -90,7 +93,7 @@ class DistributedConsumer:
     """
 
     def __init__(self, client=None, *, src: int = 0, group=None, strategy: str = "balanced", device=None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, ledger: str | os.PathLike | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.group = group
@@ -107,6 +110,8 @@ class DistributedConsumer:
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
         self._batches: dict[int, Batch] = {}
+        # This rank's shards as handed and committed, for the end-to-end checker (`rollstream.common.checker`):
+        self.ledger = None if ledger is None else Ledger(ledger)
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -122,9 +127,10 @@ class DistributedConsumer:
 
     def next_shard(self) -> Batch:
         """This rank's shard of the next batch (collective)."""
-        if self.rank == self.src:
-            return self._scatter()
-        return self._receive()
+        shard = self._scatter() if self.rank == self.src else self._receive()
+        if self.ledger is not None:
+            shard.record(self.ledger, "handed", rank=self.rank)
+        return shard
 
     def _scatter(self) -> Batch:
         try:
@@ -175,6 +181,8 @@ class DistributedConsumer:
 
     def commit(self, shard: Batch) -> None:
         """Collective: every rank finished batch `shard.seq`; the source acks it."""
+        if self.ledger is not None:
+            shard.record(self.ledger, "committed", rank=self.rank)
         self._agree(shard, "commit")
 
     def release(self, shard: Batch) -> None:
@@ -194,3 +202,5 @@ class DistributedConsumer:
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+        if self.ledger is not None:
+            self.ledger.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -27,6 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from rollstream.common.checker import ContentDigest, Ledger, TurnRecord, turn_record
 from rollstream.common.codec import PACK_UP_TO_BYTES, check_values, decode, encode, encode_batch, number_header
 from rollstream.common.errors import ProtocolError
 from rollstream.common.ingest import turn_from_sglang
@@ -72,13 +74,14 @@ class _Draft:
     `seq`, which `AsyncProducer._accept` adds (at a fixed width, so the
     draft's size is final)."""
 
-    __slots__ = ("kind", "handle", "frames", "index", "encode", "tokens")
+    __slots__ = ("kind", "handle", "frames", "index", "encode", "tokens", "turn")
 
     def __init__(self, kind: str, handle: "AsyncTrajectory", index: int, encode_at: Callable[[int], list],
-                 tokens: tuple[int, int] = (0, 0)):
+                 tokens: tuple[int, int] = (0, 0), turn: Turn | None = None):
         self.kind, self.handle, self.index, self.encode = kind, handle, index, encode_at
         self.frames = encode_at(index)
         self.tokens = tokens  # sampled, forced
+        self.turn = turn  # a turn draft's turn, for the ledger
 
     @property
     def spool_bytes(self) -> int:
@@ -114,6 +117,7 @@ class AsyncProducer:
         check_content: bool = False,
         send_burst: int = 32,
         pack_arrays: bool = True,
+        ledger: str | os.PathLike | None = None,
         context: zmq.Context | None = None,
     ):
         if not producer_id:
@@ -130,6 +134,8 @@ class AsyncProducer:
         self.batch_frames = batch_frames
         self._batch_bytes = 0  # how large a batch may be: 0 until a welcome says the broker reads them
         self.pack_arrays = pack_arrays
+        # What was sent and acked, for the end-to-end checker (`rollstream.common.checker`):
+        self.ledger = None if ledger is None else Ledger(ledger)
         self.metrics = ProducerMetrics()
         self._window_limit = window
         # Until the welcome says how many frames this connection may have in
@@ -291,6 +297,8 @@ class AsyncProducer:
         self._sock = None
         if self._spool is not None:
             self._spool.close()
+        if self.ledger is not None:
+            self.ledger.close()
         log.info(f"producer stopped: {self.producer_id}, {left} frames unsettled ({where}), "
                  f"{self._window.resends} resends",
                  extra={"producer_id": self.producer_id, "unsettled": left, "resends": self._window.resends})
@@ -406,6 +414,8 @@ class AsyncProducer:
             self._intake.append(item)
             self._in_memory += 1
         self._pending[seq] = (future, time.monotonic(), handle if draft.kind == TURN else None)
+        if self.ledger is not None:
+            handle._record(draft, self.ledger)
         handle.next_turn = draft.index + 1 if draft.kind == TURN else 0 if draft.kind == ABORT else handle.next_turn
         sampled, forced = draft.tokens
         if sampled or forced:
@@ -590,6 +600,9 @@ class AsyncProducer:
                 else:
                     outcomes["duplicate" if outcome.duplicate else "applied" if outcome.applied
                              else outcome.reason or "not_applied"] += 1
+                    if item.kind == END and self.ledger is not None:
+                        self.ledger.write("acked", id=item.trajectory_id, applied=outcome.applied,
+                                          duplicate=outcome.duplicate, reason=outcome.reason)
                 if future is not None or isinstance(outcome, Refused):
                     resolved.append((future, outcome))
             if self._blocked:
@@ -681,6 +694,29 @@ class AsyncTrajectory:
                                                   "group_size": group_size, "sample_index": sample_index})
         self.next_turn = 0
         self._lock = asyncio.Lock()
+        # For the ledger (only with one): the content digest after the prompt and after each turn sent.
+        self._digests: list[ContentDigest] = []
+        self._turn_records: list[TurnRecord] = []
+
+    def _record(self, draft: _Draft, ledger: Ledger) -> None:
+        """Under the producer's lock, as a draft is accepted: a turn's digest
+        goes on from the turn before it (a corrected turn replaces a refused
+        one), an `end` writes the trajectory's `sent` record, an `abort`
+        starts it afresh."""
+        if draft.kind == TURN:
+            if not self._digests:
+                self._digests.append(ContentDigest(self.prompt_tokens))
+            del self._digests[draft.index + 1:], self._turn_records[draft.index:]
+            record, after = turn_record(self._digests[draft.index], draft.turn)
+            self._digests.append(after)
+            self._turn_records.append(record)
+        elif draft.kind == END:
+            prompt = (self._digests[0] if self._digests else ContentDigest(self.prompt_tokens)).hexdigest()
+            ledger.write("sent", id=self.trajectory_id, producer=self.producer.producer_id, prompt=prompt,
+                         turns=[list(record) for record in self._turn_records[:draft.index]])
+        else:
+            self._digests.clear()
+            self._turn_records.clear()
 
     # -- drafts (any thread) ---------------------------------------------------
     def _turn_draft(self, turn: Turn, metadata: Mapping[str, Any] | None) -> _Draft:
@@ -705,7 +741,7 @@ class AsyncTrajectory:
                 checked=False,
                 may_pack=self.producer.pack_arrays,
             )
-        return _Draft(TURN, self, self.next_turn, encode_at, (len(turn.tokens), int(turn.forced_tokens.size)))
+        return _Draft(TURN, self, self.next_turn, encode_at, (len(turn.tokens), int(turn.forced_tokens.size)), turn)
 
     def _end_draft(self, reward, metadata: Mapping[str, Any] | None) -> _Draft:
         fields = {"trajectory_id": self.trajectory_id, "reward": _reward(reward)}

@@ -1,0 +1,304 @@
+"""The end-to-end checker: what producers had acknowledged, joined with what
+consumers handed to the trainer and what the broker dead-lettered.
+
+Each side writes a `Ledger` (JSON lines, one file per process):
+- a producer writes `sent` when it accepts a trajectory's `end` (every
+  turn's content digest, taken as the turn was sent) and `acked` when the
+  broker acknowledges that `end` durably;
+- a consumer writes `handed` when it gives a trajectory to the trainer and
+  `committed`, with the digest of the arrays it delivered, when the trainer
+  commits it.
+
+The digests are computed here from SEMANTICS.md §3-§4 alone (forced tokens
+get log-prob 0, loss 0 and a singleton support; a replay gap cuts the
+trajectory after the last fully captured turn's sampled tokens; nothing is
+applied after a `truncated` or `aborted` turn), never by the broker's merge
+code, so a merge bug shows as `corrupted` or `partial`. Records hold
+digests, not arrays: hashing is a pass over bytes the caller already has.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, NamedTuple
+
+import numpy as np
+import xxhash
+
+from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS
+
+# The digest's streams: each is the field's values over the whole trajectory,
+# in order, in the contract dtype; a support is hashed as its size and ids.
+_STREAMS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "support_sizes", "mask_ids")
+_TOKENS, _LOG_PROBS, _LOSS, _SIZES, _IDS = range(1, 6)
+_SIZE_DTYPE = ARRAYS["mask_offsets"].dtype
+
+
+def _raw(values, name: str) -> memoryview:
+    """The bytes of `values` in the contract dtype of `name` (no copy when it already is)."""
+    array = np.ascontiguousarray(np.asarray(values), dtype=ARRAYS[name].dtype)
+    return memoryview(array).cast("B")
+
+
+class ContentDigest:
+    """A streaming digest of a trajectory's content as SEMANTICS.md merges
+    it: feed the prompt, then each turn's sampled tokens and its forced
+    tokens, in order. `copy` forks it (a turn sent again after a refusal
+    goes on from the state before it)."""
+
+    __slots__ = ("_streams", "has_mask", "_replay")
+
+    def __init__(self, prompt_tokens=None):
+        self._streams = [xxhash.xxh3_64() for _ in _STREAMS]
+        self.has_mask = False
+        self._replay = b""  # the latest turn's context replay arrays (the merged trajectory keeps those)
+        if prompt_tokens is not None:
+            self._streams[0].update(_raw(prompt_tokens, "prompt_tokens"))
+
+    def copy(self) -> "ContentDigest":
+        other = ContentDigest.__new__(ContentDigest)
+        other._streams = [stream.copy() for stream in self._streams]
+        other.has_mask, other._replay = self.has_mask, self._replay
+        return other
+
+    def add_sampled(self, tokens, log_probs, loss_mask=None, mask_ids=None, mask_offsets=None,
+                    replay: Mapping[str, Any] | None = None) -> None:
+        """One turn's sampled tokens; `loss_mask` None means every one trains."""
+        streams = self._streams
+        n = len(tokens)
+        streams[_TOKENS].update(_raw(tokens, "tokens"))
+        streams[_LOG_PROBS].update(_raw(log_probs, "log_probs"))
+        streams[_LOSS].update(b"\x01" * n if loss_mask is None else _raw(loss_mask, "loss_mask"))
+        if mask_offsets is not None:
+            self.has_mask = True
+            streams[_SIZES].update(memoryview(np.diff(np.asarray(mask_offsets, dtype=_SIZE_DTYPE))).cast("B"))
+            streams[_IDS].update(_raw(mask_ids, "mask_ids"))
+        if replay:
+            kept = xxhash.xxh3_64()
+            for name in CONTEXT_REPLAY_ARRAYS:
+                if replay.get(name) is not None:
+                    array = np.asarray(replay[name])
+                    kept.update(f"{name}{list(array.shape)}".encode())
+                    kept.update(_raw(array, name))
+            self._replay = kept.digest()
+
+    def add_forced(self, forced_tokens) -> None:
+        """Forced tokens: log-prob 0, loss 0, a singleton support each when the trajectory carries a mask."""
+        n = len(forced_tokens)
+        if not n:
+            return
+        streams = self._streams
+        raw = _raw(forced_tokens, "tokens")
+        streams[_TOKENS].update(raw)
+        streams[_LOG_PROBS].update(bytes(ARRAYS["log_probs"].dtype.itemsize * n))
+        streams[_LOSS].update(bytes(n))
+        if self.has_mask:
+            streams[_SIZES].update(memoryview(np.ones(n, _SIZE_DTYPE)).cast("B"))
+            streams[_IDS].update(raw)
+
+    def hexdigest(self) -> str:
+        whole = xxhash.xxh3_128()
+        for stream in self._streams:
+            whole.update(stream.digest())
+        whole.update(self._replay)
+        return whole.hexdigest()
+
+
+def delivered_digest(arrays: Mapping[str, Any]) -> str:
+    """The digest of a delivered trajectory's arrays (contract names:
+    `prompt_tokens`, `tokens` for the response, `log_probs`, `loss_mask`,
+    and `mask_ids` + `mask_offsets` when it carries a mask)."""
+    digest = ContentDigest(arrays["prompt_tokens"])
+    digest.add_sampled(arrays["tokens"], arrays["log_probs"], arrays["loss_mask"], arrays.get("mask_ids"),
+                       arrays.get("mask_offsets"), {name: arrays.get(name) for name in CONTEXT_REPLAY_ARRAYS})
+    return digest.hexdigest()
+
+
+class TurnRecord(NamedTuple):
+    """What the checker needs of one sent turn: its status, the replay
+    fields it carried, and the trajectory's digest after its sampled
+    tokens and after its forced tokens."""
+
+    status: str
+    carries: tuple[str, ...]
+    after_sampled: str
+    after_forced: str
+
+
+def turn_record(before: ContentDigest, turn) -> tuple[TurnRecord, ContentDigest]:
+    """The record of `turn` (a `Turn`) sent on top of `before`, and the digest after it."""
+    after = before.copy()
+    mask = turn.mask
+    after.add_sampled(turn.tokens, turn.log_probs, turn.loss_mask, None if mask is None else mask._ids,
+                      None if mask is None else mask._offsets,
+                      {name: getattr(turn, name) for name in CONTEXT_REPLAY_ARRAYS})
+    sampled = after.hexdigest()
+    after.add_forced(turn.forced_tokens)
+    carries = tuple(name for name in REPLAY_FIELDS if turn.carries(name))
+    return TurnRecord(turn.status, carries, sampled, after.hexdigest()), after
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a trajectory's consumer must get: the final digest, the gap it
+    must report (turn, field) or None, and the digests of shorter versions
+    of it (a delivery matching one of those lost turns)."""
+
+    digest: str
+    gap: tuple[int, str] | None
+    shorter: frozenset[str]
+
+
+def expected(prompt_digest: str, turns: list[TurnRecord]) -> Expected:
+    """Apply SEMANTICS.md §4 to the sent turns: stop after a terminal
+    status; at a turn lacking a replay field the trajectory carried, cut
+    after the previous turn's sampled tokens and report the gap."""
+    final, seen = prompt_digest, [prompt_digest]
+    carried: set[str] | None = None
+    for index, turn in enumerate(turns):
+        if carried is None:
+            carried = set(turn.carries)
+        else:
+            missing = [name for name in REPLAY_FIELDS if name in carried and name not in turn.carries]
+            if missing:
+                cut = turns[index - 1].after_sampled
+                return Expected(cut, (index, missing[0]), frozenset(seen) - {cut})
+        seen += [turn.after_sampled, turn.after_forced]
+        final = turn.after_forced
+        if turn.status != "completed":
+            break
+    return Expected(final, None, frozenset(seen) - {final})
+
+
+class Ledger:
+    """One process's records, appended to `path` as JSON lines. Each record
+    is one `write` of one line to a file opened for appending, so a process
+    killed at any point leaves whole lines behind (a torn last line is
+    skipped when read). Safe to share between threads."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._lock = threading.Lock()
+
+    def write(self, kind: str, **fields: Any) -> None:
+        line = json.dumps({"kind": kind, **fields}, separators=(",", ":")).encode() + b"\n"
+        with self._lock:
+            if self._fd is not None:
+                os.write(self._fd, line)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def read_records(paths: Iterable[str | os.PathLike]) -> list[dict]:
+    """Every whole record of the ledgers at `paths` (a directory stands for its `*.jsonl` files)."""
+    records = []
+    for path in paths:
+        path = Path(path)
+        files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+        for file in files:
+            for line in file.read_bytes().splitlines():
+                try:
+                    records.append(json.loads(line))
+                except ValueError:  # the torn last line of a killed process
+                    continue
+    return records
+
+
+@dataclass
+class Report:
+    """The checker's verdict. Each list names trajectories; all must be
+    empty (and dead letters only those a scenario expects)."""
+
+    acked: int = 0
+    committed: int = 0
+    lost: list[str] = field(default_factory=list)  # acked, not delivered, and the broker holds nothing more to deliver
+    duplicated: list[str] = field(default_factory=list)  # committed by the trainer more than once
+    partial: list[str] = field(default_factory=list)  # delivered with turns missing and no matching gap
+    corrupted: list[str] = field(default_factory=list)  # delivered bytes differ from what was acked
+    unseen: list[str] = field(default_factory=list)  # acked, still neither delivered nor dead-lettered
+    dead_lettered: Counter = field(default_factory=Counter)  # acked trajectories dead-lettered, by reason
+    redelivered: int = 0  # hand-outs to the trainer beyond the committed one (a consumer died before committing)
+    unacked_committed: int = 0  # committed with no ack recorded (a producer killed before it read the ack)
+
+    PROBLEMS = ("lost", "duplicated", "partial", "corrupted", "unseen")
+
+    def counts(self) -> dict[str, int]:
+        return {name: len(getattr(self, name)) for name in self.PROBLEMS}
+
+    def ok(self, expected_dead_reasons: Iterable[str] = ()) -> bool:
+        """Nothing lost, duplicated, partial, corrupted or unseen, and no
+        acked trajectory dead-lettered for a reason not expected."""
+        allowed = set(expected_dead_reasons)
+        return not any(self.counts().values()) and all(reason in allowed for reason in self.dead_lettered)
+
+    def line(self) -> str:
+        return "  ".join(f"{name} {count}" for name, count in self.counts().items())
+
+    def summary(self) -> dict[str, Any]:
+        return {"acked": self.acked, "committed": self.committed, **self.counts(),
+                "dead_lettered": dict(self.dead_lettered), "redelivered": self.redelivered,
+                "unacked_committed": self.unacked_committed}
+
+
+def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[str, Any]] = (), *,
+          broker_backlog: int = 0) -> Report:
+    """Join ledger records with the broker's dead letters (`trajectory_id`,
+    `reason`). An acked trajectory neither committed nor dead-lettered is
+    `unseen` while the broker still has trajectories to deliver
+    (`broker_backlog`: ready plus leased) and `lost` once it has none."""
+    sent: dict[str, dict] = {}
+    acked: set[str] = set()
+    handed: Counter = Counter()
+    committed: dict[str, list[dict]] = {}
+    for record in records:
+        kind, tid = record.get("kind"), record.get("id")
+        if kind == "sent":
+            sent[tid] = record
+        elif kind == "acked" and (record.get("applied") or record.get("duplicate")):
+            acked.add(tid)
+        elif kind == "handed":
+            handed[tid] += 1
+        elif kind == "committed":
+            committed.setdefault(tid, []).append(record)
+    dead = {item["trajectory_id"]: item.get("reason") or "unknown" for item in dead_letters}
+    report = Report(acked=len(acked), committed=len(committed))
+    for tid in sorted(acked):
+        deliveries = committed.get(tid)
+        if not deliveries:
+            if tid in dead:
+                report.dead_lettered[dead[tid]] += 1
+            else:
+                (report.unseen if broker_backlog else report.lost).append(tid)
+            continue
+        if len(deliveries) > 1:
+            report.duplicated.append(tid)
+        want = _expected_of(sent.get(tid))
+        if want is None:
+            report.corrupted.append(tid)  # acked with no record of what was sent: nothing vouches for the bytes
+            continue
+        for delivery in deliveries:
+            gap = tuple(delivery["gap"]) if delivery.get("gap") else None
+            if delivery["digest"] == want.digest and gap == want.gap:
+                continue
+            (report.partial if delivery["digest"] in want.shorter else report.corrupted).append(tid)
+            break
+    report.unacked_committed = sum(1 for tid in committed if tid not in acked)
+    report.redelivered = sum(max(0, count - len(committed.get(tid, ()))) for tid, count in handed.items())
+    return report
+
+
+def _expected_of(record: Mapping[str, Any] | None) -> Expected | None:
+    if record is None:
+        return None
+    return expected(record["prompt"], [TurnRecord(status, tuple(carries), sampled, forced)
+                                       for status, carries, sampled, forced in record["turns"]])

@@ -1,0 +1,211 @@
+"""The end-to-end checker: its digest against hand-merged trajectories
+(SEMANTICS.md §8), its verdicts on made-up ledgers, and the ledgers the
+producer and consumer clients write over a live broker."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollstream.common.checker import (
+    ContentDigest,
+    Ledger,
+    TurnRecord,
+    check,
+    delivered_digest,
+    expected,
+    read_records,
+    turn_record,
+)
+from rollstream.common.trajectory import Trajectory, Turn
+
+
+def hand_merged(prompt, tokens, log_probs, loss_mask, ids=None, offsets=None) -> dict:
+    arrays = {"prompt_tokens": np.array(prompt, np.int32), "tokens": np.array(tokens, np.int32),
+              "log_probs": np.array(log_probs, np.float32), "loss_mask": np.array(loss_mask, np.uint8)}
+    if ids is not None:
+        arrays["mask_ids"], arrays["mask_offsets"] = np.array(ids, np.int32), np.array(offsets, np.int64)
+    return arrays
+
+
+def sent(turns: list[Turn], prompt=(1, 2, 3)) -> tuple[str, list[TurnRecord]]:
+    """The producer's side: the prompt digest and each turn's record."""
+    digest = ContentDigest(np.array(prompt, np.int32))
+    records = []
+    for turn in turns:
+        record, digest = turn_record(digest, turn)
+        records.append(record)
+    return ContentDigest(np.array(prompt, np.int32)).hexdigest(), records
+
+
+EXAMPLE_6 = [Turn.build([10], [-0.1], supports=[[10, 4]], forced_tokens=[20, 21]),
+             Turn.build([30], [-0.2], supports=[[30, 7, 8]])]
+
+
+def test_the_digest_of_sent_turns_is_that_of_the_trajectory_merged_by_hand():
+    """SEMANTICS example 6: forced tokens have log-prob 0, loss 0 and a singleton support."""
+    prompt, records = sent(EXAMPLE_6)
+    want = expected(prompt, records)
+    merged = hand_merged([1, 2, 3], [10, 20, 21, 30], [-0.1, 0, 0, -0.2], [1, 0, 0, 1],
+                         [10, 4, 20, 21, 30, 7, 8], [0, 2, 3, 4, 7])
+    assert want.gap is None
+    assert delivered_digest(merged) == want.digest
+    for name, index, value in (("tokens", 1, 21), ("log_probs", 0, -0.11), ("loss_mask", 1, 1), ("mask_ids", 1, 5),
+                               ("prompt_tokens", 0, 9)):
+        broken = {key: array.copy() for key, array in merged.items()}
+        broken[name][index] = value
+        assert delivered_digest(broken) != want.digest, name
+    moved = {key: array.copy() for key, array in merged.items()}
+    moved["mask_offsets"] = np.array([0, 1, 3, 4, 7], np.int64)  # same ids, other supports
+    assert delivered_digest(moved) != want.digest
+
+
+def test_a_replay_gap_expects_the_last_full_turn_without_its_trailing_forced_tokens():
+    """SEMANTICS example 7: the aborted turn without a mask cuts the trajectory after turn 0's sampled tokens."""
+    turns = [Turn.build([10], [-0.1], supports=[[10, 4]], forced_tokens=[20, 21]),
+             Turn.build([30], [-0.2], status="aborted")]
+    prompt, records = sent(turns)
+    want = expected(prompt, records)
+    assert want.gap == (1, "mask")
+    assert want.digest == delivered_digest(hand_merged([1, 2, 3], [10], [-0.1], [1], [10, 4], [0, 2]))
+    assert records[0].after_forced in want.shorter
+
+
+def test_nothing_is_expected_after_a_terminal_turn():
+    turns = [Turn.build([10], [-0.1], supports=[[10, 4]], status="truncated", forced_tokens=[20]),
+             Turn.build([30], [-0.2], supports=[[30]])]
+    prompt, records = sent(turns)
+    want = expected(prompt, records)
+    assert want.gap is None
+    assert want.digest == delivered_digest(hand_merged([1, 2, 3], [10, 20], [-0.1, 0], [1, 0], [10, 4, 20], [0, 2, 3]))
+
+
+supports_strategy = st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=4, unique=True), min_size=0, max_size=5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(supports_strategy, st.lists(st.integers(0, 50), max_size=3), st.booleans()),
+                min_size=1, max_size=4),
+       st.sampled_from(["completed", "aborted"]))
+def test_the_merge_engines_trajectory_has_the_digest_the_checker_expects(shapes, last_status):
+    """The checker models SEMANTICS independently; the library's merge must agree with it."""
+    turns = []
+    for index, (supports, forced, keeps_mask) in enumerate(shapes):
+        status = last_status if index == len(shapes) - 1 else "completed"
+        tokens = [support[-1] for support in supports]
+        has_mask = keeps_mask or index == 0
+        turns.append(Turn.build(tokens, [-0.5] * len(tokens), supports=supports if has_mask else None,
+                                forced_tokens=forced or None, status=status))
+    prompt, records = sent(turns, prompt=(7, 8))
+    traj = Trajectory("t", [7, 8])
+    for turn in turns:
+        traj.append_turn(turn)
+    arrays = {"prompt_tokens": traj.prompt_tokens, "tokens": traj.tokens, "log_probs": traj.log_probs,
+              "loss_mask": traj.loss_mask}
+    if traj.mask is not None:
+        arrays["mask_ids"], arrays["mask_offsets"] = traj.mask.ids, traj.mask.offsets
+    want = expected(prompt, records)
+    assert delivered_digest(arrays) == want.digest
+    assert (None if traj.gap is None else (traj.gap.turn, traj.gap.field)) == want.gap
+
+
+def ledger_records(tmp_path, **kinds) -> list[dict]:
+    ledger = Ledger(tmp_path / "x.jsonl")
+    for kind, items in kinds.items():
+        for fields in items:
+            ledger.write(kind, **fields)
+    ledger.close()
+    return read_records([tmp_path])
+
+
+def test_the_checker_names_each_kind_of_failure(tmp_path):
+    prompt, records = sent(EXAMPLE_6)
+    turns = [list(r) for r in records]
+    good = expected(prompt, records).digest
+    ids = ["ok", "lost", "dup", "partial", "corrupt", "dead", "gapless"]
+    records_ = ledger_records(
+        tmp_path,
+        sent=[{"id": tid, "prompt": prompt, "turns": turns} for tid in ids],
+        acked=[{"id": tid, "applied": True} for tid in ids],
+        handed=[{"id": tid} for tid in ("ok", "dup", "dup", "partial", "corrupt", "gapless", "ok")],
+        committed=[{"id": "ok", "digest": good, "gap": None},
+                   {"id": "dup", "digest": good, "gap": None}, {"id": "dup", "digest": good, "gap": None},
+                   {"id": "partial", "digest": records[0].after_forced, "gap": None},
+                   {"id": "corrupt", "digest": "0" * 32, "gap": None},
+                   {"id": "gapless", "digest": good, "gap": [1, "mask"]},
+                   {"id": "stray", "digest": good, "gap": None}],
+    )
+    report = check(records_, [{"trajectory_id": "dead", "reason": "expired"}])
+    assert (report.lost, report.duplicated, report.partial, report.unseen) == (["lost"], ["dup"], ["partial"], [])
+    assert report.corrupted == ["corrupt", "gapless"]  # a gap the sent turns do not explain
+    assert report.dead_lettered == {"expired": 1}
+    assert report.acked == 7 and report.committed == 6
+    assert report.redelivered == 1 and report.unacked_committed == 1
+    assert report.line() == "lost 1  duplicated 1  partial 1  corrupted 2  unseen 0"
+    assert not report.ok(["expired"])
+    assert check(records_, [], broker_backlog=3).unseen == ["dead", "lost"]
+
+
+def test_a_clean_run_is_ok_and_unapplied_acks_are_not_expected(tmp_path):
+    prompt, records = sent(EXAMPLE_6)
+    good = expected(prompt, records).digest
+    records_ = ledger_records(
+        tmp_path,
+        sent=[{"id": "a", "prompt": prompt, "turns": [list(r) for r in records]},
+              {"id": "b", "prompt": prompt, "turns": []}],
+        acked=[{"id": "a", "applied": False, "duplicate": True}, {"id": "b", "applied": False, "reason": "unknown_trajectory"}],
+        committed=[{"id": "a", "digest": good, "gap": None}],
+    )
+    report = check(records_, [{"trajectory_id": "a", "reason": "max_deliveries"}])
+    assert report.ok() and report.acked == 1 and not report.dead_lettered
+    assert report.summary()["committed"] == 1
+
+
+def test_a_torn_last_line_is_skipped(tmp_path):
+    ledger = Ledger(tmp_path / "p.jsonl")
+    ledger.write("acked", id="a", applied=True)
+    ledger.close()
+    with open(tmp_path / "p.jsonl", "ab") as f:
+        f.write(b'{"kind":"acked","id":"b","app')
+    assert [r["id"] for r in read_records([tmp_path / "p.jsonl"])] == ["a"]
+
+
+def test_client_ledgers_over_a_live_broker_check_clean(tmp_path):
+    """A producer's and a consumer's own ledgers, joined: every acked trajectory committed once, byte-equal."""
+    from test_consumer_helpers import BrokerProcess
+
+    from rollstream.consumer import Consumer
+    from rollstream.producer import AsyncProducer
+
+    rng = np.random.default_rng(3)
+    broker = BrokerProcess().start()
+    try:
+        async def produce():
+            async with AsyncProducer(broker.producer, "ledgered", ledger=tmp_path / "producer.jsonl") as producer:
+                for i in range(6):
+                    traj = producer.trajectory(f"t{i}", rng.integers(0, 1000, 5, dtype=np.int32))
+                    for index in range(3):
+                        supports = [list(rng.choice(1000, size=3, replace=False)) for _ in range(4)]
+                        aborted = i == 5 and index == 2
+                        await traj.turn([s[0] for s in supports], rng.normal(size=4).astype(np.float32) - 1,
+                                        supports=None if aborted else supports, forced_tokens=[9, 8] if index < 2 else None,
+                                        status="aborted" if aborted else "completed")
+                    await traj.end_and_wait(1.0)
+        asyncio.run(produce())
+        with Consumer(broker.consumer, batch_size=3, vocab_size=1000, ledger=tmp_path / "consumer.jsonl") as consumer:
+            for _ in range(2):
+                consumer.commit(consumer.next_batch(timeout=30))
+            consumer.flush(30)
+        records = read_records([tmp_path])
+        report = check(records, broker.dead_letters(), broker_backlog=broker.status()["ready"])
+    finally:
+        broker.cleanup()
+    assert report.summary() == {"acked": 6, "committed": 6, "lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0,
+                                "unseen": 0, "dead_lettered": {}, "redelivered": 0, "unacked_committed": 0}
+    committed = [r for r in records if r["kind"] == "committed"]
+    assert [r["gap"] for r in committed if r["id"] == "t5"] == [[2, "mask"]]
+    assert json.loads((tmp_path / "producer.jsonl").read_text().splitlines()[0])["kind"] == "sent"
