@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,7 +188,8 @@ class Ledger:
         self._lock = threading.Lock()
 
     def write(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"kind": kind, **fields}, separators=(",", ":")).encode() + b"\n"
+        """Append one record: its `kind`, `fields` and `at` (wall-clock seconds, comparable across processes)."""
+        line = json.dumps({"kind": kind, **fields, "at": time.time()}, separators=(",", ":")).encode() + b"\n"
         with self._lock:
             if self._fd is not None:
                 os.write(self._fd, line)

@@ -145,14 +145,18 @@ class Consumer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def next_batch(self, timeout: float | None = None) -> Batch:
+    def next_batch(self, timeout: float | None = None, *, partial_after: float | None = None) -> Batch:
         """The next validated batch; blocks up to `timeout` seconds
-        (`TimeoutError`), raises `ConsumerClosed` once closed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        (`TimeoutError`), raises `ConsumerClosed` once closed. With
+        `partial_after`, a batch of the units ready once that many seconds
+        passed without a full batch (the tail of a run): smaller, never empty."""
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        partial_at = None if partial_after is None else now + partial_after
         seq = next(self._seq)
         units: list[Unit] = []
         while True:
-            units += self._take(self.batch_size - len(units), deadline, units)
+            units += self._take(self.batch_size - len(units), deadline, units, partial_at)
             deliveries = [d for unit in units for d in unit.members.values()]
             try:
                 batch, violations, _ = checked_batch(
@@ -181,24 +185,31 @@ class Consumer:
             batch.record(self.ledger, "handed", consumer=self.consumer_id)
         return batch
 
-    def _take(self, n: int, deadline: float | None, held: list[Unit]) -> list[Unit]:
-        """`n` more complete units; on timeout the `held` ones go back too."""
+    def _take(self, n: int, deadline: float | None, held: list[Unit], partial_at: float | None) -> list[Unit]:
+        """`n` more complete units, or after `partial_at` whatever is ready
+        (when that and `held` make at least one); on timeout the `held`
+        ones go back too."""
         with self._changed:
             while True:
                 if self._error is not None:
                     raise RuntimeError("the consumer's I/O thread failed") from self._error
                 if self._closing:
                     raise ConsumerClosed("the consumer is closed")
+                now = time.monotonic()
                 # A trainer that stalled past a lease must not get that unit: the broker redelivers it.
-                self._assembler.drop_expired(time.monotonic())
-                if self._assembler.ready >= n:
+                self._assembler.drop_expired(now)
+                ready = self._assembler.ready
+                if ready >= n or (partial_at is not None and now >= partial_at and (ready or held)):
                     return self._assembler.take(n)
-                remaining = None if deadline is None else deadline - time.monotonic()
+                remaining = None if deadline is None else deadline - now
                 if remaining is not None and remaining <= 0:
                     self._assembler.release([tid for unit in held for tid in unit.members])
                     self._wake()
-                    raise TimeoutError(f"no full batch within the timeout: {self._assembler.ready} of {n} units ready")
-                self._changed.wait(remaining if remaining is not None else 1.0)
+                    raise TimeoutError(f"no full batch within the timeout: {ready} of {n} units ready")
+                waits = [1.0 if remaining is None else remaining]
+                if partial_at is not None and partial_at > now:
+                    waits.append(partial_at - now)
+                self._changed.wait(min(waits))
 
     def commit(self, batch: Batch) -> None:
         """Ack the batch's trajectories (after the training step)."""

@@ -93,7 +93,8 @@ class DistributedConsumer:
     """
 
     def __init__(self, client=None, *, src: int = 0, group=None, strategy: str = "balanced", device=None,
-                 timeout: float | None = None, ledger: str | os.PathLike | None = None):
+                 timeout: float | None = None, partial_after: float | None = None,
+                 ledger: str | os.PathLike | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.group = group
@@ -105,6 +106,7 @@ class DistributedConsumer:
         self.client = client
         self.strategy = strategy
         self.timeout = timeout
+        self.partial_after = partial_after  # the source's `Consumer.next_batch(partial_after=...)`
         if device is None:
             nccl = dist.get_backend(group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -134,7 +136,8 @@ class DistributedConsumer:
 
     def _scatter(self) -> Batch:
         try:
-            batch = self.client.next_batch(self.timeout)
+            batch = (self.client.next_batch(self.timeout) if self.partial_after is None
+                     else self.client.next_batch(self.timeout, partial_after=self.partial_after))
         except BaseException as exc:
             kind = _STOP if isinstance(exc, ConsumerClosed) else _FAILED
             self._send_all({r: (kind, f"{type(exc).__name__}: {exc}".encode(), None) for r in self._others()})
@@ -181,9 +184,9 @@ class DistributedConsumer:
 
     def commit(self, shard: Batch) -> None:
         """Collective: every rank finished batch `shard.seq`; the source acks it."""
-        if self.ledger is not None:
-            shard.record(self.ledger, "committed", rank=self.rank)
         self._agree(shard, "commit")
+        if self.ledger is not None:  # once every rank agreed: a rank lost before that commits nothing
+            shard.record(self.ledger, "committed", rank=self.rank)
 
     def release(self, shard: Batch) -> None:
         """Collective: give the batch back for redelivery."""

@@ -22,6 +22,8 @@ HELP = {
     "spool_fsync": "fsync every spool write (survives power loss, slower).",
     "shutdown_timeout": "Seconds to wait, on SIGTERM or at the end, for open trajectories and in-flight acks.",
     "crc": "Send a CRC-32 of the array frames with every turn.",
+    "ledger": "Append a record of every trajectory sent and acked to this JSON-lines file, for the end-to-end "
+              "checker (rollstream.common.checker; docs/operations.md).",
     "check_content": "Also check each turn's content rules before sending (the broker checks every frame anyway).",
     "trajectories": "Trajectories to produce; 0: until stopped (replay and --prompts end with their files).",
     "group_size": "Samples per prompt, sent as one group when more than 1.",

@@ -602,7 +602,8 @@ class AsyncProducer:
                              else outcome.reason or "not_applied"] += 1
                     if item.kind == END and self.ledger is not None:
                         self.ledger.write("acked", id=item.trajectory_id, applied=outcome.applied,
-                                          duplicate=outcome.duplicate, reason=outcome.reason)
+                                          duplicate=outcome.duplicate, reason=outcome.reason,
+                                          latency=None if accepted_at is None else now - accepted_at)
                 if future is not None or isinstance(outcome, Refused):
                     resolved.append((future, outcome))
             if self._blocked:

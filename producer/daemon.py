@@ -60,7 +60,7 @@ async def run(settings: ProducerSettings) -> int:
         retry_delay=settings.retry_delay, heartbeat_interval=settings.heartbeat_interval,
         heartbeat_timeout=settings.heartbeat_timeout, spool_dir=settings.spool_dir,
         spool_bytes=settings.spool_bytes, spool_fsync=settings.spool_fsync, vocab_size=settings.vocab_size,
-        crc=settings.crc, check_content=settings.check_content,
+        crc=settings.crc, check_content=settings.check_content, ledger=settings.ledger,
     )
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

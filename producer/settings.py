@@ -25,6 +25,7 @@ class ProducerSettings:
     shutdown_timeout: float = 10.0
     crc: bool = True
     check_content: bool = False
+    ledger: str | None = None  # JSON-lines record of what was sent and acked (the end-to-end checker's)
     # what to produce (synthetic and sglang)
     trajectories: int = 0  # 0: until stopped (or until the replay/prompt files end)
     group_size: int = 1

@@ -182,3 +182,20 @@ def test_wait_ready_returns_once_welcomed_and_flush_once_the_broker_confirms_com
         broker.reply("acked", {"leases": ack["leases"]})
         consumer.flush(timeout=10)
         assert consumer.stats()["unsettled"] == 0 and consumer.stats()["acked"] == 1
+
+
+def test_partial_after_hands_out_the_tail_of_a_run_smaller_but_never_empty(broker):
+    rng = np.random.default_rng(5)
+    with Consumer(broker.endpoint, batch_size=3) as consumer:
+        broker.expect("hello")
+        broker.welcome()
+        broker.expect("credit")
+        with pytest.raises(TimeoutError, match="0 of 3 units ready"):
+            consumer.next_batch(timeout=0.5, partial_after=0.1)  # nothing ready: no batch at all
+        for name in ("a", "b"):
+            broker.send(encode_deliver(make_rollout(rng, name).merged(), f"L-{name}"))
+        with pytest.raises(TimeoutError, match="2 of 3 units ready"):
+            consumer.next_batch(timeout=0.5)  # without it, only a full batch
+        batch = consumer.next_batch(timeout=10, partial_after=0.2)
+        assert batch.trajectory_ids == ("a", "b")
+        consumer.commit(batch)
