@@ -45,3 +45,74 @@ class WindowGrants:
     def told(self) -> int:
         """Frames the grants last told add up to."""
         return self._told_total
+
+
+class DiskAdmission:
+    """Which producer frames the broker takes while its disk is short.
+
+    Sans-I/O like `WindowGrants`: the service reports the store's size, the
+    free space of its file system and whether consumers have something to
+    take, and asks per frame. Over the disk budget a budget must slow the
+    pipeline, never stop it: a consumer may hold leases while it waits for
+    a full batch, and the `end`s that would complete that batch must get
+    in. So only turns that would open a new trajectory wait (answered
+    `unavailable`, and resent by their producer), and only while consumers
+    have something to drain; `end`s, `abort`s and turns of open
+    trajectories always enter. Below the free-space reserve no turn enters
+    at all: the reserve is kept for what frees space (the rows an `end`
+    adds, the deletes a consumer's ack causes), so the broker never fills
+    its disk to where an ack can no longer be written. Both resume with a
+    margin (below 90% of the budget, above 110% of the reserve), so the
+    producers are not flipped at every batch."""
+
+    RESUME_BELOW = (9, 10)  # of the budget
+    RESUME_ABOVE = (11, 10)  # of the reserve
+
+    def __init__(self, budget: int, reserve: int):
+        if budget < 1 or reserve < 0:
+            raise ValueError(f"the disk budget must be at least 1 byte and the reserve at least 0, got {budget} and {reserve}")
+        self.budget = budget
+        self.reserve = reserve
+        self.new_trajectories = True  # turns that open a trajectory enter
+        self.turns = True  # turns of open trajectories enter
+        self._resume_used = budget * self.RESUME_BELOW[0] // self.RESUME_BELOW[1]
+        self._resume_free = reserve * self.RESUME_ABOVE[0] // self.RESUME_ABOVE[1]
+        self.used = 0
+        self.free = 0
+
+    @property
+    def everything(self) -> bool:
+        """Every frame enters (the common case: no per-frame question)."""
+        return self.new_trajectories and self.turns
+
+    def update(self, used: int, free: int, drainable: bool) -> bool:
+        """The store holds `used` bytes and its file system has `free`;
+        `drainable`: something is ready or leased, so consumers can free
+        space. Returns whether what enters changed."""
+        before = (self.new_trajectories, self.turns)
+        self.used, self.free = used, free
+        if free < self.reserve:
+            self.turns = False
+        elif free >= self._resume_free:
+            self.turns = True
+        if used > self.budget and drainable:
+            self.new_trajectories = False
+        elif used <= self._resume_used or not drainable:
+            self.new_trajectories = True
+        return (self.new_trajectories, self.turns) != before
+
+    def admits(self, kind: str, trajectory_open: bool) -> bool:
+        """Whether a producer frame of `kind` ("turn", "end", "abort") for a
+        trajectory that is (or is not) open enters now."""
+        if kind != "turn":
+            return True
+        return self.turns and (trajectory_open or self.new_trajectories)
+
+    def refusal(self) -> str:
+        """Why a turn is refused now: the rule, the limit and the figure."""
+        if not self.turns:
+            return (f"the disk is short of space: {self.free} bytes free, and the broker keeps "
+                    f"{self.reserve} in reserve for ends and consumer acks; turns wait until "
+                    f"{self._resume_free} bytes are free; resend later")
+        return (f"over the disk budget: {self.used} bytes on disk, budget {self.budget}; new trajectories wait "
+                f"until consumers bring it to {self._resume_used}; resend later")

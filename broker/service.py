@@ -39,7 +39,7 @@ from rollstream.common.wire import encode_deliver
 from .admin import write_endpoints_file
 from .dispatch import Dispatcher, DispatchSettings
 from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, Entry, MarkGap, MergeEngine, PutTurn, Unit
-from .flow import WindowGrants
+from .flow import DiskAdmission, WindowGrants
 from .metrics import BrokerMetrics
 from .recovery import load_trajectory, restore
 from .settings import BrokerSettings
@@ -103,8 +103,10 @@ class BrokerService:
             DispatchSettings(settings.lease_timeout, settings.heartbeat_interval, settings.max_deliveries)
         )
         self.broker_id = settings.broker_id or f"{socket.gethostname()}:{os.path.abspath(settings.data_dir)}"
-        self.unavailable = False
+        self.unavailable = False  # writes fail: producer frames are refused until a probe succeeds
+        self._reads_failed = False  # a trajectory could not be read back: deliveries wait for the probe too
         self.reading_producers = True
+        self.admission = DiskAdmission(settings.max_disk_bytes, self._disk_reserve())
         self.producers: dict[bytes, float] = {}  # connection -> last heard
         self.grants = WindowGrants(settings.window, settings.max_in_flight)  # frames in flight per producer connection
         self.batch_acks: set[bytes] = set()  # connections whose hello asked for one `acks` per commit
@@ -116,11 +118,26 @@ class BrokerService:
         self._next_producer_prune = 0.0
         self._memory_bytes = 0
         self._disk_bytes = 0
+        self._free_bytes = 0  # on the data dir's file system
         self._redeliveries_seen = 0
         self.sockets: dict[str, zmq.Socket] = {}
         self.endpoints: dict[str, str] = {}  # by socket name, as bound (a port 0 resolved)
         self._metrics_server = None
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="rollstream-checker")  # see CHECK_AHEAD_FROM_BYTES
+
+    def _disk_reserve(self) -> int:
+        """Free space the broker keeps for ends and consumer acks: the
+        setting, or 5% of the data dir's file system, at most 1 GiB (as
+        databases keep free space so that deletes can still be written)."""
+        if self.settings.disk_reserve_bytes is not None:
+            return self.settings.disk_reserve_bytes
+        Path(self.settings.data_dir).mkdir(parents=True, exist_ok=True)
+        fs = os.statvfs(self.settings.data_dir)
+        return min(1 << 30, fs.f_blocks * fs.f_frsize // 20)
+
+    def _free_space(self) -> int:
+        fs = os.statvfs(self.settings.data_dir)
+        return fs.f_bavail * fs.f_frsize
 
     def _new_engine(self) -> MergeEngine:
         s = self.settings
@@ -140,6 +157,7 @@ class BrokerService:
     def start(self) -> None:
         """Open and check the store, restore state, bind the sockets."""
         recovered = self.store.open()
+        self._disk_bytes, self._free_bytes = self.store.bytes_on_disk(), self._free_space()
         for unit in restore(self.engine, recovered, self.store):
             self.dispatcher.enqueue(unit)
         counts = self.engine.counts()
@@ -253,6 +271,10 @@ class BrokerService:
             batch_bytes += size
             self._memory_bytes += size  # estimates until the next measurement
             self._disk_bytes += size
+            self._free_bytes -= size
+            if self.admission.everything and (self._disk_bytes > self.admission.budget
+                                              or self._free_bytes < self.admission.reserve):
+                self._update_backpressure()  # from the next frame on, only what may enter is taken
             self.producers[identity] = now
             try:
                 message = self._decode_producer_frames(frames[1:])
@@ -309,7 +331,7 @@ class BrokerService:
         if message.type == "turn":
             if size >= CHECK_AHEAD_FROM_BYTES:
                 checks[len(received) - 1] = self._checker.submit(_content_error, message.arrays, self.settings.vocab_size)
-            if not self.unavailable:
+            if not self.unavailable and self._admits(message):
                 self.store.write_ahead(message)  # on the writer thread while the batch is checked and merged
 
     def _batched_acks(self, pending: list[_Pending]) -> dict[bytes, dict]:
@@ -364,6 +386,7 @@ class BrokerService:
             self.engine.reload(entry, load_trajectory(self.store, self.store.load_one(entry.trajectory_id)))
         except (OSError, sqlite3.Error, StoreCorrupted) as exc:
             self._store_failed(f"cannot read evicted trajectory {entry.trajectory_id!r} back {purpose}: {exc}")
+            self._reads_failed = True
             return False
         self.metrics.inc(self.metrics.reloads)
         return True
@@ -394,19 +417,34 @@ class BrokerService:
         if self.unavailable:
             error = ProtocolError("unavailable", "the broker cannot persist right now; resend later", seq=message["seq"])
             return _Pending(identity, self._refuse("producer", error, message)), []
+        if not self._admits(message):  # resent by the producer; counted, not logged per frame (see DiskAdmission)
+            error = ProtocolError("unavailable", self.admission.refusal(), seq=message["seq"])
+            return _Pending(identity, self._refuse("producer", error, message, quiet=True)), []
         reply = self.engine.handle(message, now)
         if reply.error is not None:
             return _Pending(identity, self._refuse("producer", reply.error, message)), []
         return _Pending(identity, ack=reply.fields, message=message), list(reply.effects)
 
-    def _refuse(self, endpoint: str, error: ProtocolError, message: Message | None, **extra) -> list:
+    def _admits(self, message: Message) -> bool:
+        """Whether the disk lets a producer frame in now (`DiskAdmission`)."""
+        if self.admission.everything:
+            return True
+        entry = self.engine.entries.get(message["trajectory_id"])
+        return self.admission.admits(message.type, entry is not None and entry.state == OPEN)
+
+    def _refuse(self, endpoint: str, error: ProtocolError, message: Message | None, *, quiet: bool = False,
+                **extra) -> list:
+        """A `nack` for `error`, counted and logged (`quiet`: only counted,
+        for refusals that repeat by design until a state changes, which is
+        logged once)."""
         self.metrics.inc(self.metrics.nacks, endpoint=endpoint, code=error.code)
-        context = {"endpoint": endpoint, "code": error.code, "reason": error.message}
-        if message is not None and "trajectory_id" in message.fields:
-            context["trajectory_id"] = message["trajectory_id"]
-            if "turn" in message.fields:
-                context["turn"] = message["turn"]
-        log.warning("message refused", extra=context)
+        if not quiet:
+            context = {"endpoint": endpoint, "code": error.code, "reason": error.message}
+            if message is not None and "trajectory_id" in message.fields:
+                context["trajectory_id"] = message["trajectory_id"]
+                if "turn" in message.fields:
+                    context["turn"] = message["turn"]
+            log.warning("message refused", extra=context)
         schema = BROKER_TO_PRODUCER if endpoint == "producer" else BROKER_TO_CONSUMER if endpoint == "consumer" else ADMIN_REPLIES
         return encode_error(schema, error, **extra)
 
@@ -581,10 +619,12 @@ class BrokerService:
                 self.dispatcher.enqueue(Unit((tid,)), front=True)
 
     def _deliver(self, now: float) -> None:
-        """Send queued trajectories to consumers with credit. Not while the
-        store is unavailable: their acks could not be made durable, and an
-        evicted trajectory may not read back."""
-        if self.unavailable:
+        """Send queued trajectories to consumers with credit, also while
+        writes fail: a consumer's ack deletes data, which is what frees a
+        full disk (the reserve keeps room to write those deletes). Not once
+        an evicted trajectory could not be read back, until the probe
+        succeeds."""
+        if self._reads_failed:
             return
         deliveries = self.dispatcher.deliveries(now)
         for i, delivery in enumerate(deliveries):
@@ -682,7 +722,7 @@ class BrokerService:
             except StoreError:
                 pass
             else:
-                self.unavailable = False
+                self.unavailable = self._reads_failed = False
                 self.metrics.unavailable.set(0)
                 log.info("store available again")
         if now >= self._next_dedup_prune:
@@ -721,6 +761,7 @@ class BrokerService:
         s = self.settings
         self._evict_to_budget()
         self._disk_bytes = self.store.bytes_on_disk()
+        self._free_bytes = self._free_space()
         if self._disk_bytes > 0.9 * s.max_disk_bytes:  # also below the limit: the WAL must not hold off a resume
             try:
                 self.store.checkpoint()
@@ -729,42 +770,35 @@ class BrokerService:
             self._disk_bytes = self.store.bytes_on_disk()
         self._update_backpressure()
 
-    def _over_budget(self, fraction: float = 1.0) -> bool:
-        s = self.settings
-        return self._memory_bytes > fraction * s.max_memory_bytes or self._disk_bytes > fraction * s.max_disk_bytes
-
     def _must_wait(self, fraction: float = 1.0) -> bool:
-        """Over the memory budget (eviction brings it down), or over the disk
-        budget while consumers have something to take. With nothing ready or
-        leased, only producer frames (the `end`s of open trajectories) can
-        free the store, so pausing them would wait forever: the broker reads
-        on over its disk budget, and the disk itself is the limit (a write
-        that fails is answered `unavailable`)."""
-        s = self.settings
-        if self._memory_bytes > fraction * s.max_memory_bytes:
-            return True
-        return self._disk_bytes > fraction * s.max_disk_bytes and bool(self.dispatcher.queue or self.dispatcher.leases)
+        """Over the memory budget once eviction has brought it down as far
+        as it can (everything left is out on a lease): producer frames are
+        not read. The disk is a budget of another kind: frames are read
+        and `DiskAdmission` says which enter."""
+        return self._memory_bytes > fraction * self.settings.max_memory_bytes
 
     def _update_backpressure(self) -> None:
-        """Stop reading producer frames while `_must_wait`; resume below 90%
-        of both budgets (hysteresis, so the socket does not flap) or when
-        nothing is left for consumers to drain."""
+        """Stop reading producer frames while `_must_wait`, resuming below
+        90% of the memory budget (hysteresis, so the socket does not flap);
+        tell `DiskAdmission` the store's size and free space, logging when
+        what enters changes."""
         if self.reading_producers and self._must_wait():
             self.poller.unregister(self.sockets["producer"])
             self.reading_producers = False
-            self.metrics.backpressure.set(1)
-            log.warning("over budget: producer frames paused", extra={"bytes_in_memory": self._memory_bytes,
-                                                                     "bytes_on_disk": self._disk_bytes})
+            log.warning("over the memory budget: producer frames paused", extra={"bytes_in_memory": self._memory_bytes})
         elif not self.reading_producers and not self._must_wait(0.9):
             self.poller.register(self.sockets["producer"], zmq.POLLIN)
             self.reading_producers = True
-            self.metrics.backpressure.set(0)
-            if self._over_budget(0.9):
-                log.warning("over budget with nothing left to deliver: producer frames resumed, so open "
-                            "trajectories can end", extra={"bytes_in_memory": self._memory_bytes,
-                                                           "bytes_on_disk": self._disk_bytes})
+            log.info("back under the memory budget: producer frames resumed")
+        admission = self.admission
+        drainable = bool(self.dispatcher.queue or self.dispatcher.leases)
+        if admission.update(self._disk_bytes, self._free_bytes, drainable):
+            figures = {"bytes_on_disk": self._disk_bytes, "bytes_free": self._free_bytes}
+            if admission.everything:
+                log.info("disk back under budget: every producer frame enters", extra=figures)
             else:
-                log.info("back under budget: producer frames resumed")
+                log.warning("disk over budget: some producer frames wait", extra={**figures, "reason": admission.refusal()})
+        self.metrics.backpressure.set(int(not (self.reading_producers and admission.everything)))
 
     def _refresh_gauges(self, now: float) -> None:
         status = self.status(now)

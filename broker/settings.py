@@ -24,6 +24,7 @@ class BrokerSettings:
     sync: str = "normal"
     max_memory_bytes: int = 2 << 30
     max_disk_bytes: int = 64 << 30
+    disk_reserve_bytes: int | None = None  # free space kept for ends and acks; default: 5% of the file system, at most 1 GiB
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     window: int = 256
     max_in_flight: int = 1024

@@ -162,37 +162,48 @@ def test_disk_full_answers_unavailable_then_recovers(tmp_path):
         broker.proc.kill()
 
 
-def test_disk_budget_applies_backpressure_until_consumers_drain(tmp_path):
+def test_disk_budget_refuses_new_trajectories_until_consumers_drain(tmp_path):
+    """Over the disk budget with trajectories ready, a turn that would open
+    a new trajectory is answered `unavailable`, naming the budget, and
+    enters once a consumer has drained the store below it."""
+
+    def send(i):
+        producer.send_multipart(good_turn(f"t{i}", seq=i, n=1500))
+        producer.send_multipart(encode(PRODUCER_TO_BROKER, "end", {"seq": 1000 + i, "trajectory_id": f"t{i}", "reward": 1.0}))
+
     with BrokerProcess(tmp_path, max_disk_bytes=400_000, segment_bytes=50_000) as broker:
         producer = dealer(broker.producer)
-        sent = 0
-        stalled = False
         for i in range(40):
-            producer.send_multipart(good_turn(f"t{i}", n=1500))
-            producer.send_multipart(encode(PRODUCER_TO_BROKER, "end", {"seq": 1000 + i, "trajectory_id": f"t{i}", "reward": 1.0}))
-            sent += 2
-        replies = 0
+            send(i)
+        acked, refused = set(), set()
         while producer.poll(1500):
-            producer.recv_multipart()
-            replies += 1
-        stalled = replies < sent
-        assert stalled, "the broker kept reading past its disk budget"
-        assert "over budget: producer frames paused" in broker.log()
+            reply = decode(producer.recv_multipart(), BROKER_TO_PRODUCER)
+            if reply.type == "ack":
+                acked.add(reply["seq"])
+            elif reply["code"] == "unavailable":
+                assert "over the disk budget" in reply["message"] and "budget 400000" in reply["message"]
+                refused.add(reply["seq"])
+        assert refused, "the broker took new trajectories past its disk budget"
+        assert all(i in acked and 1000 + i in acked for i in range(40) if i not in refused)
+        assert "disk over budget: some producer frames wait" in broker.log()
         consumer = dealer(broker.consumer)
         call(consumer, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "drain"}))
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 100, "unit": "trajectory"}))
         delivered = set()
         deadline = time.monotonic() + 60
-        while (replies < sent or len(delivered) < 40) and time.monotonic() < deadline:
-            if producer.poll(10):
-                producer.recv_multipart()
-                replies += 1
-            if consumer.poll(10):
+        while (refused or len(delivered) < 40) and time.monotonic() < deadline:
+            for i in sorted(refused):  # resent as a producer does: the turn, then (once it is acked) the end
+                reply = decode(call(producer, good_turn(f"t{i}", seq=i, n=1500)), BROKER_TO_PRODUCER)
+                if reply.type == "ack":
+                    assert decode(call(producer, encode(PRODUCER_TO_BROKER, "end", {
+                        "seq": 1000 + i, "trajectory_id": f"t{i}", "reward": 1.0})), BROKER_TO_PRODUCER).type == "ack"
+                    refused.discard(i)
+            while consumer.poll(50):
                 message = decode(consumer.recv_multipart(), BROKER_TO_CONSUMER)
                 if message.type == "deliver":
                     delivered.add(message["trajectory_id"])
                     consumer.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [message["lease"]]}))
-        assert replies == sent and len(delivered) == 40
+        assert not refused and len(delivered) == 40
 
 
 def test_open_trajectories_over_the_disk_budget_still_get_their_ends_read(tmp_path):
