@@ -414,7 +414,29 @@ def decode_header(frame) -> dict:
         raise ProtocolError("malformed", f"header must be a msgpack map, got {type(header).__name__}")
     if bytes in map(type, header):  # strict_map_key admits str and bytes keys only
         raise ProtocolError("malformed", "header map keys must all be strings")
+    depth = _nesting(header)
+    if depth > MAX_HEADER_DEPTH:
+        raise ProtocolError("malformed", f"header maps and lists may nest at most {MAX_HEADER_DEPTH} levels deep, "
+                                         f"this one nests {depth}")
     return header
+
+
+# Levels of maps and lists a header may nest (the header map itself is the
+# first). Deeper values (msgpack reads about 1,000 levels) would overflow
+# the recursion of whatever later digests, compares or stores them: the
+# broker crashed on 600 levels of `metadata`.
+MAX_HEADER_DEPTH = 32
+
+
+def _nesting(header: dict) -> int:
+    """Levels of maps and lists in `header`, level by level (no recursion:
+    the point is to refuse what recursion cannot handle)."""
+    depth, level = 0, [header]
+    while level:
+        depth += 1
+        level = [child for item in level for child in (item.values() if type(item) is dict else item)
+                 if type(child) is dict or type(child) is list]
+    return depth
 
 
 def _is_extents(shape: list) -> bool:
