@@ -57,6 +57,14 @@ TEXT_LIST = Kind("a list of strings", _is_str_list, list[str])
 REWARD = Kind("a number or a map", lambda v: _is_number(v) or isinstance(v, dict))
 STATUS = Kind(f"one of {list(STATUSES)}", lambda v: v in STATUSES, Literal[STATUSES])
 UNIT = Kind("'trajectory' or 'group'", lambda v: v in ("trajectory", "group"), Literal["trajectory", "group"])
+# Values the broker keeps in SQLite, whose integers are signed 64-bit: a
+# larger one (msgpack carries up to 2**64 - 1) is refused `schema` instead
+# of failing the commit (the broker died on a turn 0 with sample_index 2**64 - 1).
+INT64_MAX = 2**63 - 1
+STORED_COUNT = Kind("a non-negative integer below 2**63", lambda v: _is_int(v) and 0 <= v <= INT64_MAX,
+                    Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)])
+STORED_POSITIVE = Kind("a positive integer below 2**63", lambda v: _is_int(v) and 0 < v <= INT64_MAX,
+                       Annotated[int, msgspec.Meta(gt=0, le=INT64_MAX)])
 CRC32 = Kind("an unsigned 32-bit integer", lambda v: _is_int(v) and 0 <= v < 2**32,
              Annotated[int, msgspec.Meta(ge=0, lt=2**32)])
 
@@ -211,8 +219,8 @@ PRODUCER_TO_BROKER = _schema(
         {"seq": INT, "trajectory_id": TEXT, "turn": COUNT, "status": STATUS},
         {
             "group_id": TEXT,
-            "group_size": POSITIVE,
-            "sample_index": COUNT,
+            "group_size": STORED_POSITIVE,
+            "sample_index": STORED_COUNT,
             "weight_version": ANY_TEXT,
             "metadata": MAP,
         },
