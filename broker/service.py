@@ -437,6 +437,8 @@ class BrokerService:
         """A `nack` for `error`, counted and logged (`quiet`: only counted,
         for refusals that repeat by design until a state changes, which is
         logged once)."""
+        if error.seq is None and message is not None and "seq" in message.fields:  # protocol.md §2: answer its seq
+            error = error.with_seq(message["seq"])
         self.metrics.inc(self.metrics.nacks, endpoint=endpoint, code=error.code)
         if not quiet:
             context = {"endpoint": endpoint, "code": error.code, "reason": error.message}
@@ -656,7 +658,7 @@ class BrokerService:
             if len(body) >= 2 and body[0] == b"":  # a REQ peer's delimiter
                 envelope, body = [b""], body[1:]
             try:
-                message = decode(body, ADMIN_REQUESTS)
+                message = decode(body, ADMIN_REQUESTS, max_message_bytes=self.settings.max_message_bytes)
                 reply = self._admin_reply(message, now)
             except ProtocolError as error:
                 reply = self._refuse("admin", error, None)
