@@ -184,8 +184,11 @@ class Ledger:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()
+        size = os.fstat(self._fd).st_size
+        if size and os.pread(self._fd, 1, size - 1) != b"\n":  # a killed writer's torn line: end it
+            os.write(self._fd, b"\n")
 
     def write(self, kind: str, **fields: Any) -> None:
         """Append one record: its `kind`, `fields` and `at` (wall-clock seconds, comparable across processes)."""
@@ -201,19 +204,47 @@ class Ledger:
                 self._fd = None
 
 
+class LedgerReader:
+    """Follows the ledgers at `paths` (a directory stands for the `*.jsonl`
+    files in it, including ones that appear later) as they grow: each
+    `read_new` returns the whole records written since the last. A line
+    still being written waits for its newline; the torn last line of a
+    killed process gets one from the next `Ledger` opened on that file, and
+    is skipped."""
+
+    def __init__(self, paths: Iterable[str | os.PathLike]):
+        self.paths = [Path(path) for path in paths]
+        self._offsets: dict[Path, int] = {}
+
+    def read_new(self) -> list[dict]:
+        records = []
+        for path in self.paths:
+            for file in sorted(path.glob("*.jsonl")) if path.is_dir() else [path]:
+                records += self._read(file)
+        return records
+
+    def _read(self, file: Path) -> list[dict]:
+        start = self._offsets.get(file, 0)
+        try:
+            with open(file, "rb") as f:
+                f.seek(start)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self._offsets[file] = start + end
+        records = []
+        for line in data[:end].splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a killed writer's torn line
+                continue
+        return records
+
+
 def read_records(paths: Iterable[str | os.PathLike]) -> list[dict]:
     """Every whole record of the ledgers at `paths` (a directory stands for its `*.jsonl` files)."""
-    records = []
-    for path in paths:
-        path = Path(path)
-        files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-        for file in files:
-            for line in file.read_bytes().splitlines():
-                try:
-                    records.append(json.loads(line))
-                except ValueError:  # the torn last line of a killed process
-                    continue
-    return records
+    return LedgerReader(paths).read_new()
 
 
 @dataclass

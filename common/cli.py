@@ -38,38 +38,58 @@ def main() -> None:
 
 @main.command()
 @click.option("--producers", default=2, show_default=True, help="Synthetic producer daemons.")
-@click.option("--trajectories", default=24, show_default=True, help="Trajectories per producer.")
+@click.option("--trajectories", default=24, show_default=True, help="Trajectories per producer (whole groups).")
 @click.option("--turns", default=3, show_default=True, help="Turns per trajectory.")
 @click.option("--group-size", default=4, show_default=True, help="Samples per prompt (one group).")
 @click.option("--batch-size", default=4, show_default=True, help="Groups per training batch.")
 @click.option("--abort-rate", default=0.1, show_default=True, help="Chance a later turn aborts without supports (a replay gap).")
-@click.option("--keep-data", is_flag=True, help="Keep the broker's data dir and the daemons' log.")
+@click.option("--dp-size", default=2, show_default=True, help="Trainer ranks (DistributedConsumer over gloo, CPU).")
+@click.option("--chaos", is_flag=True, help="SIGKILL and restart the broker (3 times), a producer and the trainer's "
+              "source rank during the run; the checker must still find nothing wrong.")
+@click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for the run to drain.")
+@click.option("--keep-data", is_flag=True, help="Keep the broker's data dir, the ledgers and the daemons' log.")
 @click.option("--train", is_flag=True, help="The model in the loop: model producers and a trainer that replays "
               "their sampling distribution and takes policy-gradient steps (docs/training.md); it takes "
               "--producers, --group-size, --batch-size, --turns and --keep-data of the options above.")
 @click.option("--steps", default=60, show_default=True, help="--train: training steps (one batch each).")
 @click.option("--plot", "plot", default="rollstream-train.png", show_default=True,
               help="--train: where to write the PNG plot (needs the `plot` extra); '' for none.")
-@click.option("--json", "as_json", is_flag=True, help="--train: print the summary as one JSON line instead of a table.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary's figures as one JSON line (after the "
+              "table; with --train, instead of it).")
 def demo(train: bool, steps: int, plot: str, as_json: bool, **options) -> None:
     """Run the whole pipeline on loopback with embedded defaults: a broker,
-    synthetic producers and a consumer that validates and commits batches.
-    With --train, producers sample from a small torch model and the
-    consumer is a trainer that replays and learns from their rollouts."""
-    if not train:
-        from .demo import run_demo
-
-        click.echo(run_demo(**options))
-        return
+    synthetic producers and a trainer of --dp-size ranks that validates,
+    takes a mock step and commits every batch, with live progress, a
+    summary and the end-to-end checker's verdict (exit status 1 when it
+    finds anything). With --train, producers sample from a small torch
+    model and the trainer learns from their rollouts."""
     import json
 
-    from rollstream.consumer.train_demo import run_train_demo, summary_table
+    if train:
+        from rollstream.consumer.train_demo import run_train_demo, summary_table
 
-    summary = run_train_demo(steps=steps, producers=options["producers"], group_size=options["group_size"],
-                             batch_groups=options["batch_size"], turns=options["turns"],
-                             plot=plot or None, keep_data=options["keep_data"],
-                             progress=(lambda line: None) if as_json else click.echo)
-    click.echo(json.dumps(summary) if as_json else summary_table(summary))
+        summary = run_train_demo(steps=steps, producers=options["producers"], group_size=options["group_size"],
+                                 batch_groups=options["batch_size"], turns=options["turns"],
+                                 plot=plot or None, keep_data=options["keep_data"],
+                                 progress=(lambda line: None) if as_json else click.echo)
+        click.echo(json.dumps(summary) if as_json else summary_table(summary))
+        return
+    from rich.console import Console
+
+    from .demo import live_progress, run_demo, summary_table
+
+    if options["trajectories"] % options["group_size"]:
+        raise click.BadParameter(f"must be a multiple of --group-size {options['group_size']} (whole groups), "
+                                 f"got {options['trajectories']}", param_hint="--trajectories")
+    console = Console()
+    bars, show = live_progress(console, options["producers"] * options["trajectories"])
+    with bars:
+        summary = run_demo(show=show, **options)
+    console.print(summary_table(summary))
+    if as_json:
+        click.echo(json.dumps(summary))
+    if not summary["ok"]:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

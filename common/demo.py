@@ -1,9 +1,14 @@
-"""The embedded-defaults job: a broker, local synthetic producers and a
-training-loop consumer on loopback, end to end, with a one-screen summary.
+"""`rollstream demo`: the whole pipeline on loopback with embedded defaults,
+shown and checked end to end.
 
 The broker and the producers run as real daemons (`rollstream broker`,
-`rollstream producer`) in subprocesses, exactly as they would on a node; the
-consumer runs here, as it would inside a trainer.
+`rollstream producer`) in subprocesses, exactly as on a node; the trainer
+is `--dp-size` rank processes (`rollstream.consumer.demo_rank`, gloo on the
+CPU). Producers and ranks keep ledgers, and the end-to-end checker
+(`checker.check`) joins them with the broker's dead letters: the run fails
+when anything acknowledged was lost, duplicated, cut short or changed.
+`--chaos` kills the broker, a producer and the trainer's source rank
+during the run and restarts each, as a crash and a supervisor would.
 """
 from __future__ import annotations
 
@@ -13,10 +18,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
+from .checker import LedgerReader, check
 
 VOCAB = 151_936
+TOP_K = 20  # the synthetic producers' top-k (ProducerSettings.top_k): the padded layout's width
 
 
 def _cli(*args: str) -> list[str]:
@@ -27,60 +37,97 @@ class LoopbackNode:
     """A broker on a fresh data directory and producer daemons beside it,
     all on loopback, as the demos run them: `with LoopbackNode(...) as
     node:` starts the broker on ports the system picks and waits until it
-    answers (`endpoints` are then the ones it bound); on exit every
-    daemon still running is stopped (SIGTERM, then SIGKILL after 30 s) and
-    the directory removed unless `keep_data`. The daemons' output goes to
-    `daemons.log` in it."""
+    answers (`endpoints` are then the ones it bound; a restarted broker
+    binds the same ones); on exit every daemon still running is stopped
+    (SIGTERM, then SIGKILL after 30 s) and the directory removed unless
+    `keep_data`. The daemons' output goes to `daemons.log` in it."""
 
-    def __init__(self, prefix: str, vocab_size: int, *, keep_data: bool = False):
+    def __init__(self, prefix: str, vocab_size: int, *, keep_data: bool = False, broker_args: tuple[str, ...] = ()):
         self.vocab_size = vocab_size
         self.keep_data = keep_data
+        self.broker_args = tuple(broker_args)
         self.work = Path(tempfile.mkdtemp(prefix=prefix))
         self.endpoints: dict[str, str] = {}  # as the broker bound them, once it answers
+        self.broker: subprocess.Popen | None = None
         self._daemons: list[subprocess.Popen] = []
-        self._producers: list[subprocess.Popen] = []
+        self._producers: list[tuple[subprocess.Popen, tuple[str, ...]]] = []
         self._log = None
         self.admin = None
 
     def __enter__(self) -> "LoopbackNode":
-        from rollstream.broker.admin import AdminClient, ask_status
-
         self._log = open(self.work / "daemons.log", "ab")
-        endpoints_file = str(self.work / "endpoints.json")
         try:
             any_port = "tcp://127.0.0.1:0"
-            self._start("broker", "--producer-endpoint", any_port, "--consumer-endpoint", any_port,
-                        "--admin-endpoint", any_port, "--endpoints-file", endpoints_file, "--data-dir",
-                        str(self.work / "data"), "--vocab-size", str(self.vocab_size), "--metrics-port", "0",
-                        "--log-level", "warning")
-            status, _ = ask_status(None, endpoints_file=endpoints_file, wait=30.0)  # once the broker answers
-            self.endpoints = status["endpoints"]
-            self.admin = AdminClient(self.endpoints["admin"], timeout=30.0).__enter__()
+            self._start_broker({"producer": any_port, "consumer": any_port, "admin": any_port})
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _start_broker(self, endpoints: dict[str, str]) -> None:
+        from rollstream.broker.admin import AdminClient, ask_status
+
+        endpoints_file = str(self.work / "endpoints.json")
+        self.broker = self._start("broker", "--producer-endpoint", endpoints["producer"], "--consumer-endpoint",
+                                  endpoints["consumer"], "--admin-endpoint", endpoints["admin"], "--endpoints-file",
+                                  endpoints_file, "--data-dir", str(self.work / "data"), "--vocab-size",
+                                  str(self.vocab_size), "--metrics-port", "0", "--log-level", "warning",
+                                  *self.broker_args)
+        status, _ = ask_status(None, endpoints_file=endpoints_file, wait=60.0)  # once the broker answers
+        self.endpoints = status["endpoints"]
+        if self.admin is None:
+            self.admin = AdminClient(self.endpoints["admin"], timeout=5.0).__enter__()
+
+    def kill_broker(self) -> None:
+        """SIGKILL the broker, as a crash would."""
+        self.broker.kill()
+        self.broker.wait()
+
+    def restart_broker(self) -> None:
+        """Start the broker again on its data directory and the endpoints it had."""
+        self._start_broker(self.endpoints)
 
     def _start(self, *args: str) -> subprocess.Popen:
         daemon = subprocess.Popen(_cli(*args), stdout=self._log, stderr=self._log)
         self._daemons.append(daemon)
         return daemon
 
-    def producer(self, *args: str) -> None:
-        """Start a producer daemon of this node with `args`."""
-        self._producers.append(self._start("producer", "--broker-endpoint", self.endpoints["producer"],
-                                           "--vocab-size", str(self.vocab_size), "--metrics-port", "0",
-                                           "--log-level", "warning", *args))
+    def producer(self, *args: str) -> int:
+        """Start a producer daemon of this node with `args`; its index."""
+        args = ("producer", "--broker-endpoint", self.endpoints["producer"], "--vocab-size", str(self.vocab_size),
+                "--metrics-port", "0", "--log-level", "warning", *args)
+        self._producers.append((self._start(*args), args))
+        return len(self._producers) - 1
+
+    def kill_producer(self, index: int) -> None:
+        daemon, _ = self._producers[index]
+        daemon.kill()
+        daemon.wait()
+
+    def restart_producer(self, index: int, *more_args: str) -> None:
+        """Start producer `index` again with its arguments (and `more_args`, which win)."""
+        _, args = self._producers[index]
+        self._producers[index] = (self._start(*args, *more_args), args)
+
+    @property
+    def producers_done(self) -> bool:
+        """Every producer exited; raises if one did not exit cleanly."""
+        for daemon, _ in self._producers:
+            if daemon.poll() is None:
+                return False
+            if daemon.returncode != 0:
+                raise RuntimeError(f"a producer exited with {daemon.returncode}; see {self.work / 'daemons.log'}")
+        return True
 
     def finish_producers(self, *, stop: bool = False) -> None:
         """Wait for every producer to exit (after a SIGTERM when `stop`);
         raises if one did not exit cleanly."""
         if stop:
-            for daemon in self._producers:
+            for daemon, _ in self._producers:
                 daemon.send_signal(signal.SIGTERM)
-        for daemon in self._producers:
-            if daemon.wait(60) != 0:
-                raise RuntimeError(f"a producer exited with {daemon.returncode}; see {self.work / 'daemons.log'}")
+        for daemon, _ in self._producers:
+            daemon.wait(60)
+        assert self.producers_done
 
     def __exit__(self, *exc) -> None:
         if self.admin is not None:
@@ -98,40 +145,311 @@ class LoopbackNode:
             shutil.rmtree(self.work, ignore_errors=True)
 
 
-def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, group_size: int = 4,
-             batch_size: int = 4, abort_rate: float = 0.1, keep_data: bool = False) -> str:
-    """Run the pipeline once; return the summary. Raises if any stage fails."""
-    from rollstream.consumer import Consumer
+class Trainer:
+    """The mock trainer: `dp_size` rank processes fanning in from the
+    node's broker, each keeping its ledger. `restart` starts a fresh group
+    (new rendezvous, new consumer) after one was lost, as a job supervisor
+    would."""
 
-    with LoopbackNode("rollstream-demo-", VOCAB, keep_data=keep_data) as node:
+    def __init__(self, node: LoopbackNode, *, dp_size: int, batch_size: int, ledgers: Path):
+        self.node, self.dp_size, self.batch_size, self.ledgers = node, dp_size, batch_size, ledgers
+        self.stop_file = node.work / "trainer.stop"
+        self.generation = 0
+        self.ranks: list[subprocess.Popen] = []
+
+    def start(self, *, die_before_commit: int = 0) -> None:
+        self.generation += 1
+        init = self.node.work / f"gloo-{self.generation}"
+        self.ranks = [subprocess.Popen(
+            [sys.executable, "-m", "rollstream.consumer.demo_rank", "--rank", str(rank), "--world", str(self.dp_size),
+             "--init-file", str(init), "--endpoint", self.node.endpoints["consumer"], "--batch-size",
+             str(self.batch_size), "--vocab-size", str(self.node.vocab_size), "--ledger",
+             str(self.ledgers / f"rank-{rank}.jsonl"), "--stop-file", str(self.stop_file),
+             *(["--die-before-commit", str(die_before_commit)] if rank == 0 and die_before_commit else [])],
+            stdout=self.node._log, stderr=self.node._log) for rank in range(self.dp_size)]
+
+    def wait_welcomed(self, timeout: float) -> None:
+        """Until the broker counts the trainer's consumer (its ranks took a few seconds to start)."""
+        deadline = time.monotonic() + timeout
+        while (_status(self.node) or {}).get("consumers", 0) < 1:
+            if self.lost or time.monotonic() > deadline:
+                raise RuntimeError(f"the trainer did not connect within {timeout} s; see {self.node.work / 'daemons.log'}")
+            time.sleep(0.1)
+
+    @property
+    def lost(self) -> bool:
+        """A rank died (the rest of its group cannot go on without it)."""
+        return any(rank.poll() not in (None, 0) for rank in self.ranks)
+
+    def restart(self) -> None:
+        for rank in self.ranks:
+            if rank.poll() is None:
+                rank.kill()
+            rank.wait()
+        self.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Ask the source rank to stop after its last batch; every rank then exits."""
+        self.stop_file.touch()
+        for rank in self.ranks:
+            try:
+                rank.wait(timeout)
+            except subprocess.TimeoutExpired:
+                rank.kill()
+                rank.wait()
+        if any(rank.returncode != 0 for rank in self.ranks):
+            raise RuntimeError(f"a trainer rank exited with {[r.returncode for r in self.ranks]}; "
+                               f"see {self.node.work / 'daemons.log'}")
+
+
+@dataclass
+class Chaos:
+    """When `--chaos` strikes, by the share of planned trajectories acked
+    so far (so it lands during the run whatever the machine's speed)."""
+
+    broker_kills_at: tuple[float, ...] = (0.15, 0.4, 0.65)
+    producer_kill_at: float = 0.3
+    trainer_kill_before_commit: int = 2  # the source rank dies just before this commit
+    done: list[str] = field(default_factory=list)  # the faults injected, in order
+
+    def due(self, acked_share: float) -> list[str]:
+        """Faults due now and not yet injected."""
+        due = [f"broker-{i}" for i, share in enumerate(self.broker_kills_at)
+               if acked_share >= share and f"broker-{i}" not in self.done]
+        if acked_share >= self.producer_kill_at and "producer" not in self.done:
+            due.append("producer")
+        return due
+
+
+@dataclass
+class Counts:
+    """Counts the demo shows while it runs."""
+
+    produced: int = 0
+    acked: int = 0
+    merged: int = 0
+    delivered: int = 0
+    committed: int = 0
+
+
+def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, group_size: int = 4, batch_size: int = 4,
+             abort_rate: float = 0.1, dp_size: int = 2, chaos: bool = False, timeout: float = 180.0,
+             keep_data: bool = False, show: Callable[[Counts, list[str]], None] | None = None) -> dict[str, Any]:
+    """Run the pipeline until every acknowledged trajectory is committed or
+    dead-lettered (or `timeout` seconds pass); return the summary, the
+    checker's verdict in it. `show` is called with the progress a few
+    times a second."""
+    if trajectories % group_size:
+        raise ValueError(f"trajectories per producer must be a multiple of group_size (whole groups): "
+                         f"expected a multiple of {group_size}, got {trajectories}")
+    plan = producers * trajectories
+    faults = Chaos() if chaos else None
+    broker_args = ("--trajectory-ttl", "3", "--heartbeat-interval", "0.5") if chaos else ()
+    with LoopbackNode("rollstream-demo-", VOCAB, keep_data=keep_data, broker_args=broker_args) as node:
+        ledgers = node.work / "ledgers"
+        ledgers.mkdir()
+        reader = LedgerReader([ledgers])
+        records: list[dict] = []
+        trainer = Trainer(node, dp_size=dp_size, batch_size=batch_size, ledgers=ledgers)
+        trainer.start(die_before_commit=faults.trainer_kill_before_commit if faults else 0)
+        trainer.wait_welcomed(timeout)
         started = time.perf_counter()
         for i in range(producers):
             node.producer("--source", "synthetic", "--producer-id", f"demo-producer-{i}", "--trajectories",
                           str(trajectories), "--turns", str(turns), "--group-size", str(group_size),
-                          "--abort-rate", str(abort_rate), "--seed", str(i))
-        expected = producers * trajectories
-        received = tokens = ids = gaps = batches = 0
-        with Consumer([node.endpoints["consumer"]], batch_size=batch_size, unit="group", vocab_size=VOCAB,
-                      device="cpu", on_invalid="raise") as consumer:
-            while received < expected:
-                batch = consumer.next_batch(timeout=120.0)
-                consumer.commit(batch)
-                batches += 1
-                received += len(batch)
-                tokens += int(batch.response_lengths.sum())
-                ids += int(batch.mask_ids.numel())
-                gaps += sum(gap is not None for gap in batch.gaps)
-        node.finish_producers()
-        status = node.admin.status()
+                          "--abort-rate", str(abort_rate), "--seed", str(i), "--spool-dir", str(node.work / f"spool-{i}"),
+                          "--ledger", str(ledgers / f"producer-{i}.jsonl"),
+                          *(("--rate", "12", "--heartbeat-interval", "0.5") if chaos else ()))
+        progress, counters = Counts(), _BrokerCounters()
+        deadline = time.monotonic() + timeout
+        drained = False
+        while time.monotonic() < deadline:
+            records += reader.read_new()
+            status = _status(node)
+            _count(progress, records, counters.update(status))
+            if faults is not None:
+                _inject(faults, node, trainer, records, progress, plan, group_size)
+            if show is not None:
+                show(progress, faults.done if faults else [])
+            if status is not None and node.producers_done and _drained(status, records, node):
+                drained = True
+                break
+            time.sleep(0.2)
         seconds = time.perf_counter() - started
-    counters = status["counters"]
-    return "\n".join([
-        "rollstream demo: broker + synthetic producers + consumer on loopback",
-        f"  producers: {producers}  trajectories: {received} in groups of {group_size}, {turns} turns each",
-        f"  batches: {batches} of {batch_size} groups, validated and committed",
-        f"  response tokens: {tokens}  support ids: {ids}  replay gaps: {gaps}",
-        f"  broker: frames applied {int(counters.get('frames.turn.applied', 0))}, "
-        f"delivered {int(counters.get('trajectories.delivered', 0))}, "
-        f"open {status['open']}, ready {status['ready']}, dead {status['dead']}",
-        f"  valid: yes  time: {seconds:.1f} s" + (f"  data kept in {node.work}" if keep_data else ""),
-    ])
+        trainer.stop()
+        records += reader.read_new()
+        status = _status(node) or {}
+        dead = node.admin.dead_letters(1_000_000)
+        report = check(records, dead, broker_backlog=status.get("ready", 1) + status.get("leased", 1))
+        _count(progress, records, counters.update(status))
+        if show is not None:
+            show(progress, faults.done if faults else [])
+        work = node.work
+    return _summary(records, report, dead, seconds, drained=drained, faults=faults, dp_size=dp_size,
+                    kept=work if keep_data else None)
+
+
+class _BrokerCounters:
+    """The broker's counters summed over its restarts (each restart starts them at 0)."""
+
+    def __init__(self):
+        self.before: Counter = Counter()
+        self.last: dict[str, int] = {}
+
+    def update(self, status: dict | None) -> Counter:
+        if status is not None:
+            now = status["counters"]
+            if any(now.get(key, 0) < value for key, value in self.last.items()):  # a new broker
+                self.before.update(self.last)
+            self.last = now
+        return self.before + Counter(self.last)
+
+
+def _status(node: LoopbackNode) -> dict | None:
+    from rollstream.broker.admin import AdminError
+
+    if node.broker is None or node.broker.poll() is not None:
+        return None
+    try:
+        return node.admin.status()
+    except AdminError:  # restarting
+        return None
+
+
+def _count(progress: Counts, records: list[dict], counters: Counter) -> None:
+    kinds = Counter(record["kind"] for record in records)
+    progress.produced = kinds["sent"]
+    progress.acked = len({r["id"] for r in records if r["kind"] == "acked" and (r["applied"] or r.get("duplicate"))})
+    progress.committed = len({r["id"] for r in records if r["kind"] == "committed"})
+    progress.merged = counters["frames.end.applied"]
+    progress.delivered = counters["trajectories.delivered"]
+
+
+def _drained(status: dict, records: list[dict], node: LoopbackNode) -> bool:
+    """Nothing left to deliver and every acked trajectory committed or dead-lettered."""
+    if status["open"] or status["ready"] or status["leased"]:
+        return False
+    pending = check(records, node.admin.dead_letters(1_000_000), broker_backlog=1)
+    return not pending.unseen
+
+
+def _inject(faults: Chaos, node: LoopbackNode, trainer: Trainer, records: list[dict], progress: Counts,
+            plan: int, group_size: int) -> None:
+    """Inject the faults now due; restart what they killed."""
+    for fault in faults.due(progress.acked / plan):
+        if fault.startswith("broker"):
+            node.kill_broker()
+            node.restart_broker()
+        else:
+            node.kill_producer(0)
+            sent = sum(1 for r in records if r["kind"] == "sent" and r.get("producer") == "demo-producer-0")
+            # the rest of its plan, under the same id and spool: its spooled frames go first
+            left = max(1, _planned(node, 0) - sent)
+            node.restart_producer(0, "--trajectories", str(-(-left // group_size) * group_size))
+        faults.done.append(fault)
+    if trainer.lost:
+        trainer.restart()
+        faults.done.append("trainer-source")
+
+
+def _planned(node: LoopbackNode, index: int) -> int:
+    _, args = node._producers[index]
+    return int(args[args.index("--trajectories") + 1])
+
+
+def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return pick(0.5), pick(0.99)
+
+
+def _summary(records: list[dict], report, dead: list[dict], seconds: float, *, drained: bool, faults: Chaos | None,
+             dp_size: int, kept: Path | None) -> dict[str, Any]:
+    committed: dict[str, dict] = {}
+    for record in records:
+        if record["kind"] == "committed":
+            committed.setdefault(record["id"], record)
+    sent_at = {r["id"]: r["at"] for r in records if r["kind"] == "sent"}
+    tokens = sum(r["tokens"] for r in committed.values())
+    ids = sum(r["support_ids"] for r in committed.values())
+    csr_bytes = 4 * ids + 8 * (tokens + len(committed))
+    ack_p50, ack_p99 = _percentiles([r["latency"] for r in records if r["kind"] == "acked" and r.get("latency") is not None])
+    e2e_p50, e2e_p99 = _percentiles([r["at"] - sent_at[tid] for tid, r in committed.items() if tid in sent_at])
+    return {
+        "trajectories": len(committed),
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0,
+        "dp_size": dp_size,
+        "replay_gaps": dict(Counter(r["gap"][1] for r in committed.values() if r.get("gap"))),
+        "dead_letters": dict(Counter(item.get("reason") or "unknown" for item in dead)),
+        "csr_bytes": csr_bytes,
+        "padded_bytes": 4 * TOP_K * tokens,
+        "ack_latency_p50_s": ack_p50,
+        "ack_latency_p99_s": ack_p99,
+        "e2e_latency_p50_s": e2e_p50,
+        "e2e_latency_p99_s": e2e_p99,
+        **report.summary(),
+        "drained": drained,
+        "faults_injected": len(faults.done) if faults else 0,
+        "faults": list(faults.done) if faults else [],
+        "ok": drained and report.ok(),
+        **({"data_kept_in": str(kept)} if kept else {}),
+    }
+
+
+# -- showing it ------------------------------------------------------------------
+STAGES = ("produced", "acked", "merged", "delivered", "committed")
+
+
+def live_progress(console, plan: int):
+    """A rich progress display of the five stages; returns it (a context
+    manager) and the `show` callback `run_demo` takes."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    bars = Progress(TextColumn("{task.description:>10}"), BarColumn(bar_width=32), MofNCompleteColumn(),
+                    TextColumn("{task.fields[note]}"), console=console, transient=False)
+    tasks = {stage: bars.add_task(stage, total=plan, note="") for stage in STAGES}
+
+    def show(counts: Counts, faults: list[str]) -> None:
+        for stage in STAGES:
+            value = getattr(counts, stage)
+            bars.update(tasks[stage], completed=min(value, plan), total=max(plan, value),
+                        note=f"faults: {', '.join(faults)}" if stage == "committed" and faults else "")
+
+    return bars, show
+
+
+def summary_table(summary: dict[str, Any]):
+    """The run's figures as a rich table."""
+    from rich.table import Table
+
+    def seconds(value) -> str:
+        return "-" if value is None else f"{value * 1000:.1f} ms"
+
+    table = Table(title="rollstream demo", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("trajectories", f"{summary['trajectories']} committed of {summary['acked']} acked, "
+                         f"{summary['tokens']:,} response tokens, {summary['dp_size']} trainer ranks"),
+        ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['seconds']:.1f} s"),
+        ("replay gaps", ", ".join(f"{field} {n}" for field, n in summary["replay_gaps"].items()) or "none"),
+        ("dead letters", ", ".join(f"{reason} {n}" for reason, n in summary["dead_letters"].items()) or "none"),
+        ("supports (CSR)", f"{summary['csr_bytes'] / 1e6:.2f} MB, against {summary['padded_bytes'] / 1e6:.2f} MB "
+                           f"padded to \\[tokens, top_k={TOP_K}]"),
+        ("ack latency", f"p50 {seconds(summary['ack_latency_p50_s'])}, p99 {seconds(summary['ack_latency_p99_s'])}"),
+        ("end to end", f"p50 {seconds(summary['e2e_latency_p50_s'])}, p99 {seconds(summary['e2e_latency_p99_s'])} "
+                       "(end sent to batch committed)"),
+        ("faults injected", ", ".join(summary["faults"]) or "none"),
+        ("redelivered", f"{summary['redelivered']} hand-outs again after a lost consumer"),
+        ("checker", "  ".join(f"{name} {summary[name]}" for name in ("lost", "duplicated", "partial", "corrupted", "unseen"))
+                    + ("" if summary["drained"] else "  (not drained before the timeout)")),
+    ]
+    if "data_kept_in" in summary:
+        rows.append(("data kept in", summary["data_kept_in"]))
+    for name, value in rows:
+        table.add_row(name, value)
+    return table

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from rollstream.common.checker import (
     ContentDigest,
     Ledger,
+    LedgerReader,
     TurnRecord,
     check,
     delivered_digest,
@@ -172,6 +173,17 @@ def test_a_torn_last_line_is_skipped(tmp_path):
     with open(tmp_path / "p.jsonl", "ab") as f:
         f.write(b'{"kind":"acked","id":"b","app')
     assert [r["id"] for r in read_records([tmp_path / "p.jsonl"])] == ["a"]
+    follower = LedgerReader([tmp_path])
+    assert [r["id"] for r in follower.read_new()] == ["a"]
+    again = Ledger(tmp_path / "p.jsonl")  # a restarted writer: the torn line stays alone, its records count
+    again.write("acked", id="c", applied=True)
+    with open(tmp_path / "p.jsonl", "ab") as f:
+        f.write(b'{"kind":"acked","id":"d"')  # being written: not yet a record
+    assert [r["id"] for r in follower.read_new()] == ["c"]
+    with open(tmp_path / "p.jsonl", "ab") as f:
+        f.write(b',"applied":true}\n')
+    assert [r["id"] for r in follower.read_new()] == ["d"]
+    assert [r["id"] for r in read_records([tmp_path])] == ["a", "c", "d"]
 
 
 def test_client_ledgers_over_a_live_broker_check_clean(tmp_path):

@@ -1,19 +1,59 @@
 """The README's main command runs the whole pipeline on its embedded defaults."""
-import re
+import json
 import subprocess
 import sys
 
 
+def demo(*args: str) -> tuple[str, dict]:
+    """Run `rollstream demo --json` with `args`; its output and its summary (the last line)."""
+    out = subprocess.run([sys.executable, "-m", "rollstream.common.cli", "demo", "--json", *args],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    return out, json.loads(out.strip().splitlines()[-1])
+
+
+CLEAN = {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
+
+
 def test_demo_runs_the_pipeline_end_to_end():
-    out = subprocess.run(
-        [sys.executable, "-m", "rollstream.common.cli", "demo", "--producers", "2", "--trajectories", "8",
-         "--group-size", "2", "--batch-size", "2"],
-        capture_output=True, text=True, timeout=300, check=True,
-    ).stdout
-    assert "trajectories: 16 in groups of 2" in out and "valid: yes" in out
-    applied, delivered = map(int, re.search(r"frames applied (\d+), delivered (\d+)", out).groups())
-    assert delivered == 16 and applied >= 16
-    assert "open 0, ready 0, dead 0" in out
+    out, summary = demo("--producers", "2", "--trajectories", "8", "--group-size", "2", "--batch-size", "2")
+    assert "lost 0  duplicated 0  partial 0  corrupted 0  unseen 0" in out and "committed" in out
+    assert {key: summary[key] for key in CLEAN} == CLEAN
+    assert summary["trajectories"] == summary["acked"] == summary["committed"] == 16
+    assert summary["drained"] and summary["ok"] and summary["faults_injected"] == 0 and summary["dp_size"] == 2
+    assert summary["tokens"] > 0 and summary["csr_bytes"] < summary["padded_bytes"]
+    assert sum(summary["replay_gaps"].values()) <= 16
+
+
+def test_demo_with_chaos_kills_and_restarts_every_role_and_the_checker_finds_nothing():
+    _, summary = demo("--chaos")
+    assert {key: summary[key] for key in CLEAN} == CLEAN
+    assert sorted(summary["faults"]) == ["broker-0", "broker-1", "broker-2", "producer", "trainer-source"]
+    assert summary["faults_injected"] == 5 and summary["ok"] and summary["drained"]
+    assert summary["committed"] == summary["acked"] >= 48 - 8  # the killed producer's open trajectories expire
+
+
+def test_demo_exits_non_zero_when_the_checker_finds_anything(monkeypatch):
+    from click.testing import CliRunner
+
+    import rollstream.common.demo as demo_module
+    from rollstream.common.cli import main
+
+    real = demo_module.run_demo
+
+    def one_lost(**options):
+        summary = real(**options)
+        return {**summary, "lost": 1, "ok": False}
+
+    monkeypatch.setattr(demo_module, "run_demo", one_lost)
+    result = CliRunner().invoke(main, ["demo", "--producers", "1", "--trajectories", "4", "--dp-size", "1", "--json"])
+    assert result.exit_code == 1, result.output
+    assert json.loads(result.output.strip().splitlines()[-1])["lost"] == 1
+
+
+def test_demo_refuses_groups_that_cannot_be_whole():
+    result = subprocess.run([sys.executable, "-m", "rollstream.common.cli", "demo", "--trajectories", "10",
+                             "--group-size", "4"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "must be a multiple of --group-size 4" in result.stderr
 
 
 def test_help_lists_every_command():

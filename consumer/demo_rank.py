@@ -1,0 +1,102 @@
+"""One data-parallel rank of `rollstream demo`'s mock trainer, run as
+`python -m rollstream.consumer.demo_rank` (a process per rank, so nothing
+crosses between them but gloo's own messages).
+
+Rank 0 owns the `Consumer`; every rank takes its shard through
+`DistributedConsumer` (gloo, CPU), takes a mock training step
+(`masked_log_probs` over random logits on each sample's support, then
+backward) and commits collectively, keeping a ledger for the end-to-end
+checker. Rank 0 closes its consumer once the stop file appears, which stops
+every rank; `--die-before-commit K` SIGKILLs rank 0 just before its K-th
+commit (the demo's injected consumer fault).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .batch import Batch
+from .client import Consumer, ConsumerClosed
+from .distributed import DistributedConsumer
+from .primitives import masked_log_probs
+
+
+def mock_step(shard: Batch, generator: torch.Generator) -> float:
+    """A training step's shape without a model: random logits over each
+    sample's own support ids (a local vocabulary, so memory stays small),
+    the masked log-prob of every response token, a loss and its backward."""
+    if not shard.has_mask:
+        return 0.0
+    total, weight = torch.zeros(()), 0
+    for i in range(len(shard)):
+        sample = shard.sample(i)
+        if not len(sample["response_tokens"]):
+            continue
+        vocab, local_ids = torch.unique(sample["mask_ids"].long(), return_inverse=True)
+        tokens = torch.searchsorted(vocab, sample["response_tokens"].long())  # inside their supports: validated
+        logits = torch.randn(len(tokens), len(vocab), generator=generator, requires_grad=True)
+        logp = masked_log_probs(logits, tokens, local_ids, sample["mask_offsets"])
+        loss_mask = sample["loss_mask"].float()
+        loss = -(logp * loss_mask).sum()
+        loss.backward()
+        total += loss.detach()
+        weight += int(loss_mask.sum())
+    return float(total) / max(weight, 1)
+
+
+def _close_on(stop_file: Path, consumer: Consumer) -> None:
+    """Close the source's consumer once `stop_file` exists: its next batch
+    then raises `ConsumerClosed` and every rank's iteration ends."""
+    while not stop_file.exists():
+        time.sleep(0.1)
+    consumer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--init-file", required=True, help="gloo's rendezvous file (a fresh path per group)")
+    parser.add_argument("--endpoint", required=True, help="the broker's consumer endpoint")
+    parser.add_argument("--batch-size", type=int, required=True, help="groups per batch")
+    parser.add_argument("--vocab-size", type=int, required=True)
+    parser.add_argument("--ledger", required=True)
+    parser.add_argument("--stop-file", required=True)
+    parser.add_argument("--partial-after", type=float, default=1.0, help="seconds before a smaller tail batch")
+    parser.add_argument("--die-before-commit", type=int, default=0, help="rank 0 SIGKILLs itself before this commit (1-based)")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo", init_method=f"file://{args.init_file}", rank=args.rank, world_size=args.world,
+                            timeout=timedelta(seconds=60))
+    client = None
+    if args.rank == 0:
+        client = Consumer(args.endpoint, batch_size=args.batch_size, unit="group", vocab_size=args.vocab_size,
+                          device="cpu", on_invalid="quarantine")
+        threading.Thread(target=_close_on, args=(Path(args.stop_file), client), daemon=True).start()
+    shards = DistributedConsumer(client, strategy="group", partial_after=args.partial_after, ledger=args.ledger)
+    generator = torch.Generator().manual_seed(args.rank)
+    commits = 0
+    try:
+        for shard in shards:
+            mock_step(shard, generator)
+            if args.rank == 0 and commits + 1 == args.die_before_commit:
+                os.kill(os.getpid(), signal.SIGKILL)
+            shards.commit(shard)
+            commits += 1
+    except ConsumerClosed:  # the source stopped between batches
+        pass
+    finally:
+        shards.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
