@@ -259,6 +259,7 @@ class BrokerService:
         received: list[tuple[bytes, Message | None, ProtocolError | None]] = []
         checks: dict[int, Future] = {}  # index in `received` -> its content check, running ahead
         batch_bytes = 0
+        self._free_bytes = self._free_space()  # one statvfs a batch; its frames are counted off it as they come
         while len(received) < self.settings.batch_max:
             if self._must_wait() or (received and batch_bytes >= self.settings.batch_max_bytes):  # the frame crossing it is the last
                 break

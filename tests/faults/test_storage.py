@@ -4,14 +4,23 @@ disk that really fills, a file-size limit that makes writes fail, and a
 damaged store."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import zmq
 from broker_process import BrokerProcess
+
+from rollstream.common.codec import decode, encode
+from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
+from rollstream.common.trajectory import Turn
+from rollstream.common.wire import encode_turn
 
 
 def rollstream(*args: str) -> list[str]:
@@ -75,3 +84,131 @@ def test_a_disk_budget_slows_the_pipeline_but_never_stops_it(tmp_path, processes
                                     f"ready {status['ready']}, leased {status['leased']}, bytes on disk "
                                     f"{status['bytes_on_disk']}\n{processes.output('consumer')[-2000:]}")
         assert "over budget" in broker.log()
+
+
+def dealer(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def call(sock: zmq.Socket, frames: list, schema=BROKER_TO_PRODUCER, timeout: float = 10.0):
+    sock.send_multipart(frames)
+    assert sock.poll(int(timeout * 1000)), "no reply"
+    return decode(sock.recv_multipart(), schema)
+
+
+def turn(tid: str, seq: int, n: int = 1500) -> list:
+    """A first turn of about 36 KB (n tokens, two ids in each support)."""
+    tokens = list(range(10, 10 + n))
+    return encode_turn(tid, 0, Turn.build(tokens, [-0.1] * n, supports=[[t, t + 1] for t in tokens]), seq=seq,
+                       prompt_tokens=np.array([1, 2], np.int32))
+
+
+def end(tid: str, seq: int) -> list:
+    return encode(PRODUCER_TO_BROKER, "end", {"seq": seq, "trajectory_id": tid, "reward": 1.0})
+
+
+class Drain:
+    """A raw consumer that acks every delivery and records what happened."""
+
+    def __init__(self, broker: BrokerProcess):
+        self.sock = dealer(broker.consumer)
+        call(self.sock, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "drain"}), BROKER_TO_CONSUMER)
+        self.sock.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 10_000, "unit": "trajectory"}))
+        self.delivered: set[str] = set()
+        self.unacked: dict[str, str] = {}  # lease -> trajectory, until the broker confirms the ack
+        self.refused_acks = 0
+
+    def pump(self, seconds: float, until) -> None:
+        deadline = time.monotonic() + seconds
+        while not until() and time.monotonic() < deadline:
+            if not self.sock.poll(100):
+                continue
+            message = decode(self.sock.recv_multipart(), BROKER_TO_CONSUMER)
+            if message.type == "deliver":
+                self.delivered.add(message["trajectory_id"])
+                self.unacked[message["lease"]] = message["trajectory_id"]
+                self.sock.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [message["lease"]]}))
+            elif message.type == "acked":
+                for lease in message["leases"]:
+                    self.unacked.pop(lease, None)
+            elif message.type == "nack" and message["code"] == "unavailable":  # the ack was not durable: again
+                self.refused_acks += 1
+                time.sleep(0.2)
+                self.sock.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": message["leases"]}))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs: a disk that really fills. Mounting needs root, so
+    elsewhere this is skipped (the file-size-limit scenario below makes
+    writes fail without it)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs (a disk that really fills) needs root")
+    path = tmp_path / "disk"
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def free_bytes(path: Path) -> int:
+    fs = os.statvfs(path)
+    return fs.f_bavail * fs.f_frsize
+
+
+def fill(path: Path) -> Path:
+    """Write a file on `path`'s file system until it is full."""
+    filler = path / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(1 << 16))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return filler
+
+
+def test_a_disk_that_really_fills_keeps_delivering_and_picks_up_again_by_itself(tmp_path, small_disk):
+    """The disk budget (1 GiB) is far above the 16 MiB the disk has. The
+    broker stops taking turns while it still has its free-space reserve;
+    then another process takes the rest of the disk, and the trajectories
+    acked so far are still delivered and their acks taken; once space is
+    free again the broker takes turns again without a restart."""
+    broker = BrokerProcess(tmp_path, max_disk_bytes="1GiB", segment_bytes="1MiB")
+    broker.data_dir = small_disk / "data"
+    with broker:
+        producer = dealer(broker.producer)
+        acked, refusal = [], None
+        for i in range(1000):
+            reply = call(producer, turn(f"t{i}", 2 * i))
+            if reply.type != "ack":
+                refusal = reply
+                break
+            assert call(producer, end(f"t{i}", 2 * i + 1)).type == "ack"
+            acked.append(f"t{i}")
+        assert refusal is not None and refusal["code"] == "unavailable", "16 MiB took a thousand 36 KB turns"
+        assert "short of space" in refusal["message"], refusal["message"]
+        assert free_bytes(small_disk) > 0  # the broker stopped itself before the disk was full
+        filler = fill(small_disk)  # someone else fills the disk
+        assert call(producer, turn("late", 5000))["code"] == "unavailable"
+
+        drain = Drain(broker)
+        drain.pump(60, lambda: drain.delivered >= set(acked))
+        assert drain.delivered >= set(acked), f"{len(set(acked) - drain.delivered)} acked trajectories not delivered"
+
+        filler.unlink()
+        drain.pump(60, lambda: not drain.unacked)
+        assert not drain.unacked, f"{len(drain.unacked)} consumer acks never confirmed"
+        deadline = time.monotonic() + 30
+        while (reply := call(producer, turn("late", 5000))).type != "ack":
+            assert time.monotonic() < deadline, f"the broker did not take turns again: {reply['message']}"
+            time.sleep(0.2)
+        segments = sorted(p.name for p in (broker.data_dir / "segments").iterdir())
+        assert len(segments) <= 2, segments  # the delivered trajectories' segments are gone
