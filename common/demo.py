@@ -151,8 +151,9 @@ class Trainer:
     (new rendezvous, new consumer) after one was lost, as a job supervisor
     would."""
 
-    def __init__(self, node: LoopbackNode, *, dp_size: int, batch_size: int, ledgers: Path):
+    def __init__(self, node: LoopbackNode, *, dp_size: int, batch_size: int, ledgers: Path, endpoint: str | None = None):
         self.node, self.dp_size, self.batch_size, self.ledgers = node, dp_size, batch_size, ledgers
+        self.endpoint = endpoint  # where the ranks reach the broker: its consumer endpoint unless given
         self.stop_file = node.work / "trainer.stop"
         self.generation = 0
         self.ranks: list[subprocess.Popen] = []
@@ -162,7 +163,7 @@ class Trainer:
         init = self.node.work / f"gloo-{self.generation}"
         self.ranks = [subprocess.Popen(
             [sys.executable, "-m", "rollstream.consumer.demo_rank", "--rank", str(rank), "--world", str(self.dp_size),
-             "--init-file", str(init), "--endpoint", self.node.endpoints["consumer"], "--batch-size",
+             "--init-file", str(init), "--endpoint", self.endpoint or self.node.endpoints["consumer"], "--batch-size",
              str(self.batch_size), "--vocab-size", str(self.node.vocab_size), "--ledger",
              str(self.ledgers / f"rank-{rank}.jsonl"), "--stop-file", str(self.stop_file),
              *(["--die-before-commit", str(die_before_commit)] if rank == 0 and die_before_commit else [])],
@@ -232,6 +233,73 @@ class Counts:
     committed: int = 0
 
 
+class Pipeline:
+    """A node's synthetic producers and a trainer, all keeping ledgers,
+    watched: `poll` reads what happened since the last poll, `drained`
+    says whether everything acknowledged has left the broker, `finish`
+    stops the trainer and asks the checker. The demo and the fault suite
+    compose their runs from it."""
+
+    def __init__(self, node: LoopbackNode, *, dp_size: int = 2, batch_size: int = 4, trainer_endpoint: str | None = None):
+        self.node = node
+        self.ledgers = node.work / "ledgers"
+        self.ledgers.mkdir(exist_ok=True)
+        self.trainer = Trainer(node, dp_size=dp_size, batch_size=batch_size, ledgers=self.ledgers,
+                               endpoint=trainer_endpoint)
+        self.records: list[dict] = []
+        self.counts = Counts()
+        self.status: dict | None = None
+        self.dead: list[dict] = []
+        self._reader = LedgerReader([self.ledgers])
+        self._counters = _BrokerCounters()
+
+    def add_producer(self, index: int, *, trajectories: int, turns: int = 3, group_size: int = 4,
+                     abort_rate: float = 0.1, endpoint: str | None = None, extra: tuple[str, ...] = ()) -> int:
+        """Start synthetic producer `index` (its own id, spool and ledger); its node index."""
+        return self.node.producer(
+            "--source", "synthetic", "--producer-id", f"demo-producer-{index}", "--trajectories", str(trajectories),
+            "--turns", str(turns), "--group-size", str(group_size), "--abort-rate", str(abort_rate), "--seed",
+            str(index), "--spool-dir", str(self.node.work / f"spool-{index}"),
+            "--ledger", str(self.ledgers / f"producer-{index}.jsonl"),
+            *(("--broker-endpoint", endpoint) if endpoint else ()), *extra)
+
+    def poll(self) -> None:
+        self.records += self._reader.read_new()
+        self.status = _status(self.node)
+        _count(self.counts, self.records, self._counters.update(self.status))
+
+    @property
+    def drained(self) -> bool:
+        """The producers are done, the broker holds nothing open, ready or
+        leased, and every acked trajectory was committed or dead-lettered."""
+        status = self.status
+        if status is None or not self.node.producers_done or status["open"] or status["ready"] or status["leased"]:
+            return False
+        self.dead = self.node.admin.dead_letters(1_000_000)
+        return not check(self.records, self.dead, broker_backlog=1).unseen
+
+    def run(self, timeout: float, each: Callable[[], None] | None = None) -> bool:
+        """Poll (calling `each` after every poll) until drained or `timeout`
+        seconds passed; whether it drained."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.poll()
+            if each is not None:
+                each()
+            if self.drained:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def finish(self):
+        """Stop the trainer and read the last records; the checker's report."""
+        self.trainer.stop()
+        self.poll()
+        status = self.status or {}
+        self.dead = self.node.admin.dead_letters(1_000_000)
+        return check(self.records, self.dead, broker_backlog=status.get("ready", 1) + status.get("leased", 1))
+
+
 def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, group_size: int = 4, batch_size: int = 4,
              abort_rate: float = 0.1, dp_size: int = 2, chaos: bool = False, timeout: float = 180.0,
              keep_data: bool = False, show: Callable[[Counts, list[str]], None] | None = None) -> dict[str, Any]:
@@ -246,46 +314,28 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
     faults = Chaos() if chaos else None
     broker_args = ("--trajectory-ttl", "3", "--heartbeat-interval", "0.5") if chaos else ()
     with LoopbackNode("rollstream-demo-", VOCAB, keep_data=keep_data, broker_args=broker_args) as node:
-        ledgers = node.work / "ledgers"
-        ledgers.mkdir()
-        reader = LedgerReader([ledgers])
-        records: list[dict] = []
-        trainer = Trainer(node, dp_size=dp_size, batch_size=batch_size, ledgers=ledgers)
-        trainer.start(die_before_commit=faults.trainer_kill_before_commit if faults else 0)
-        trainer.wait_welcomed(timeout)
+        pipeline = Pipeline(node, dp_size=dp_size, batch_size=batch_size)
+        pipeline.trainer.start(die_before_commit=faults.trainer_kill_before_commit if faults else 0)
+        pipeline.trainer.wait_welcomed(timeout)
         started = time.perf_counter()
         for i in range(producers):
-            node.producer("--source", "synthetic", "--producer-id", f"demo-producer-{i}", "--trajectories",
-                          str(trajectories), "--turns", str(turns), "--group-size", str(group_size),
-                          "--abort-rate", str(abort_rate), "--seed", str(i), "--spool-dir", str(node.work / f"spool-{i}"),
-                          "--ledger", str(ledgers / f"producer-{i}.jsonl"),
-                          *(("--rate", "12", "--heartbeat-interval", "0.5") if chaos else ()))
-        progress, counters = Counts(), _BrokerCounters()
-        deadline = time.monotonic() + timeout
-        drained = False
-        while time.monotonic() < deadline:
-            records += reader.read_new()
-            status = _status(node)
-            _count(progress, records, counters.update(status))
+            pipeline.add_producer(i, trajectories=trajectories, turns=turns, group_size=group_size,
+                                  abort_rate=abort_rate,
+                                  extra=("--rate", "12", "--heartbeat-interval", "0.5") if chaos else ())
+
+        def each() -> None:
             if faults is not None:
-                _inject(faults, node, trainer, records, progress, plan, group_size)
+                _inject(faults, pipeline, plan, group_size)
             if show is not None:
-                show(progress, faults.done if faults else [])
-            if status is not None and node.producers_done and _drained(status, records, node):
-                drained = True
-                break
-            time.sleep(0.2)
+                show(pipeline.counts, faults.done if faults else [])
+
+        drained = pipeline.run(timeout, each)
         seconds = time.perf_counter() - started
-        trainer.stop()
-        records += reader.read_new()
-        status = _status(node) or {}
-        dead = node.admin.dead_letters(1_000_000)
-        report = check(records, dead, broker_backlog=status.get("ready", 1) + status.get("leased", 1))
-        _count(progress, records, counters.update(status))
+        report = pipeline.finish()
         if show is not None:
-            show(progress, faults.done if faults else [])
+            show(pipeline.counts, faults.done if faults else [])
         work = node.work
-    return _summary(records, report, dead, seconds, drained=drained, faults=faults, dp_size=dp_size,
+    return _summary(pipeline.records, report, pipeline.dead, seconds, drained=drained, faults=faults, dp_size=dp_size,
                     kept=work if keep_data else None)
 
 
@@ -325,30 +375,22 @@ def _count(progress: Counts, records: list[dict], counters: Counter) -> None:
     progress.delivered = counters["trajectories.delivered"]
 
 
-def _drained(status: dict, records: list[dict], node: LoopbackNode) -> bool:
-    """Nothing left to deliver and every acked trajectory committed or dead-lettered."""
-    if status["open"] or status["ready"] or status["leased"]:
-        return False
-    pending = check(records, node.admin.dead_letters(1_000_000), broker_backlog=1)
-    return not pending.unseen
-
-
-def _inject(faults: Chaos, node: LoopbackNode, trainer: Trainer, records: list[dict], progress: Counts,
-            plan: int, group_size: int) -> None:
+def _inject(faults: Chaos, pipeline: Pipeline, plan: int, group_size: int) -> None:
     """Inject the faults now due; restart what they killed."""
-    for fault in faults.due(progress.acked / plan):
+    node = pipeline.node
+    for fault in faults.due(pipeline.counts.acked / plan):
         if fault.startswith("broker"):
             node.kill_broker()
             node.restart_broker()
         else:
             node.kill_producer(0)
-            sent = sum(1 for r in records if r["kind"] == "sent" and r.get("producer") == "demo-producer-0")
-            # the rest of its plan, under the same id and spool: its spooled frames go first
+            sent = sum(1 for r in pipeline.records if r["kind"] == "sent" and r.get("producer") == "demo-producer-0")
             left = max(1, _planned(node, 0) - sent)
+            # the rest of its plan in whole groups, under the same id and spool: its spooled frames go first
             node.restart_producer(0, "--trajectories", str(-(-left // group_size) * group_size))
         faults.done.append(fault)
-    if trainer.lost:
-        trainer.restart()
+    if pipeline.trainer.lost:
+        pipeline.trainer.restart()
         faults.done.append("trainer-source")
 
 
