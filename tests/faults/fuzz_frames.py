@@ -1,6 +1,7 @@
 """Malformed frames for the broker's three sockets, each with the reply the
-protocol says it must get, interleaved with valid traffic whose delivery the
-caller checks against the arrays recorded here when they were sent.
+protocol says it must get, interleaved with valid traffic, and a raw
+consumer (`Taker`) that checks each delivery against the arrays recorded
+here when they were sent.
 
 Written from docs/protocol.md with msgpack and numpy only, so what a frame
 must be answered never comes from the code under test. Seeded, so a failing
@@ -9,11 +10,14 @@ bench/soak.py.
 """
 from __future__ import annotations
 
+import time
 import zlib
+from collections import ChainMap, Counter
 from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
+import zmq
 
 # Reply codes (protocol.md §2-§4), by the stage that refuses.
 DECODE_CODES = frozenset({"malformed", "version", "schema", "too_large", "crc_mismatch", "dtype", "shape"})
@@ -629,3 +633,132 @@ class AdminFuzz(Fuzz):
         # A REQ peer's empty delimiter in front of a bad request: stripped, and put back on the reply.
         sent = self.pick([self.random_message, lambda: self.flipped("flipped_header", self.unflippable())])()
         return Sent("req_envelope_" + sent.kind, [b"", *sent.frames], sent.expects)
+
+
+# -- talking to the broker ------------------------------------------------------
+def peer(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def receive(sock: zmq.Socket, wait_ms: int) -> tuple[dict, list]:
+    """The next reply's header and frames (a REQ envelope stripped);
+    TimeoutError when nothing came within `wait_ms`."""
+    if not sock.poll(wait_ms):
+        raise TimeoutError(f"no reply within {wait_ms} ms")
+    frames = sock.recv_multipart()
+    if len(frames) > 1 and frames[0] == b"":
+        frames = frames[1:]
+    return msgpack.unpackb(frames[0]), frames[1:]
+
+
+def exchange(sock: zmq.Socket, chunk: list[Sent], wait_ms: int, codes: Counter | None = None) -> list[str]:
+    """Send a chunk, then read its replies: on one connection the broker
+    answers in the order it read (a batch by its messages' order). The
+    problems found; the nack codes are counted into `codes`."""
+    for sent in chunk:
+        sock.send_multipart(sent.frames)
+    problems = []
+    for sent in chunk:
+        for expect in sent.expects:
+            reply = receive(sock, wait_ms)[0]
+            if codes is not None and reply.get("type") == "nack":
+                codes[reply.get("code")] += 1
+            problem = expect.problem(reply)
+            if problem:
+                problems.append(f"{sent.kind}: {problem}")
+    return problems
+
+
+def unpack(header: dict, bufs: list) -> dict:
+    """The arrays of a delivery, one frame per array or packed (protocol.md §2)."""
+    if header.get("packed"):
+        whole, bufs, start = bufs[0], [], 0
+        for _, dtype, shape in header["arrays"]:
+            end = start + np.dtype(NUMPY[dtype]).itemsize * int(np.prod(shape))
+            bufs.append(whole[start:end])
+            start = end
+    return {name: np.frombuffer(buf, NUMPY[dtype]) for (name, dtype, _), buf in zip(header["arrays"], bufs)}
+
+
+class Taker:
+    """A raw consumer: takes deliveries, checks each against the trajectory
+    sent (any of the `expected` records, which may grow), acks it, and keeps
+    the replies that are neither. A broker that restarted no longer knows
+    it (`unknown_consumer`): it says hello and grants its credit again."""
+
+    CREDIT = 10_000
+    HEARTBEAT_EVERY = 0.5  # seconds
+
+    def __init__(self, endpoint: str, name: str, *expected: dict, wait_ms: int = 20_000):
+        self.name, self.expected, self.wait_ms = name, ChainMap(*expected), wait_ms
+        self.sock = peer(endpoint)
+        self.delivered: Counter = Counter()  # deliveries by trajectory id, redeliveries included
+        self.confirmed: set = set()  # trajectory ids whose ack the broker confirmed (`acked`)
+        self.duplicates: list = []  # delivered again after that confirmation
+        self.leases: dict = {}  # lease -> trajectory id, until confirmed
+        self.others: list = []
+        self.failures: list = []
+        self.hellos = 0
+        self._heard = time.monotonic()
+        self.hello()
+
+    def hello(self) -> None:
+        self.hellos += 1
+        self.sock.send_multipart([msgpack.packb({"v": 1, "type": "hello", "consumer_id": self.name,
+                                                 "packed_arrays": True})])
+        self.sock.send_multipart([msgpack.packb({"v": 1, "type": "credit", "n": self.CREDIT, "unit": "trajectory"})])
+
+    def drain(self, wait_ms: int = 0) -> None:
+        if time.monotonic() - self._heard > self.HEARTBEAT_EVERY:
+            self.sock.send_multipart([msgpack.packb({"v": 1, "type": "heartbeat"})])
+            self._heard = time.monotonic()
+        taken = 0
+        while self.sock.poll(wait_ms):
+            wait_ms = 0
+            header, bufs = receive(self.sock, 0)
+            kind = header.get("type")
+            if kind == "deliver":
+                self.check(header, bufs)
+                self.sock.send_multipart([msgpack.packb({"v": 1, "type": "ack", "leases": [header["lease"]]})])
+                taken += 1
+            elif kind == "acked":
+                self.confirmed.update(self.leases.pop(lease) for lease in header["leases"])
+            elif kind == "nack" and header.get("code") == "unknown_consumer":
+                self.hello()
+            elif kind != "welcome":
+                self.others.append(header)
+        if taken:
+            self.sock.send_multipart([msgpack.packb({"v": 1, "type": "credit", "n": taken, "unit": "trajectory"})])
+
+    def check(self, header: dict, bufs: list) -> None:
+        tid = header["trajectory_id"]
+        if tid in self.confirmed:
+            self.duplicates.append(tid)
+        self.delivered[tid] += 1
+        self.leases[header["lease"]] = tid
+        traj = self.expected.get(tid)
+        if traj is None:
+            self.failures.append(f"delivered {tid!r}, which no valid traffic sent")
+            return
+        if header.get("crc32") != zlib.crc32(b"".join(bufs)):
+            self.failures.append(f"{tid}: crc32 of the delivery does not match its frames")
+        arrays = unpack(header, bufs)
+        for name in traj.arrays.keys() | arrays.keys():
+            want, got = traj.arrays.get(name), arrays.get(name)
+            if want is None or got is None or got.tobytes() != np.asarray(want, NUMPY[CONTRACT[name]]).tobytes():
+                self.failures.append(f"{tid}: {name} delivered {got!r:.200}, sent {want!r:.200}")
+        fields = (header["reward"], header["turns"], header["status"], header["response_length"])
+        if fields != (traj.reward, traj.turns, "completed", len(traj.arrays["tokens"])):
+            self.failures.append(f"{tid}: delivered reward, turns, status, length {fields}")
+
+    def wait_for(self, tids, quiet_ms: int | None = None) -> None:
+        """Deliveries until every one of `tids` came and was confirmed, or
+        the broker sent nothing for `quiet_ms`."""
+        quiet_ms = self.wait_ms if quiet_ms is None else quiet_ms
+        while not set(tids) <= self.confirmed:
+            if not self.sock.poll(quiet_ms):
+                return
+            self.drain()

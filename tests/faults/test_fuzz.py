@@ -4,15 +4,13 @@ up, answer every bad frame with the nack protocol.md gives it, deliver the
 valid trajectories once each with the arrays this test sent, and still
 answer `status`. The frames and their expected replies come from
 `fuzz_frames`, written from the protocol page alone."""
-import zlib
-from collections import ChainMap, Counter
+from collections import Counter
 
 import msgpack
 import numpy as np
 import pytest
-import zmq
 from broker_process import BrokerProcess
-from faults.fuzz_frames import (CONTRACT, NUMPY, AdminFuzz, ConsumerFuzz, Expect, Message, ProducerFuzz,
+from faults.fuzz_frames import (AdminFuzz, ConsumerFuzz, Expect, Message, ProducerFuzz, Taker, exchange, peer, receive,
                                 with_deep_metadata)
 
 VOCAB = 1000
@@ -29,35 +27,21 @@ def broker(tmp_path):
         yield b
 
 
-def peer(endpoint):
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    return sock
+def receive_reply(sock, frames, broker):
+    sock.send_multipart(frames)
+    return checked(broker, receive, sock, REPLY_WAIT_MS)[0]
 
 
-def receive(sock, broker):
-    """The next reply's header (a REQ envelope stripped), failing when the
-    broker died or said nothing."""
-    if not sock.poll(REPLY_WAIT_MS):
-        alive = broker.proc.poll() is None
-        raise AssertionError(f"no reply within {REPLY_WAIT_MS} ms; broker alive: {alive}\n{broker.log()[-3000:]}")
-    frames = sock.recv_multipart()
-    if len(frames) > 1 and frames[0] == b"":
-        frames = frames[1:]
-    return msgpack.unpackb(frames[0]), frames[1:]
+def checked(broker, call, *args):
+    """`call`, with the broker's state and log when it timed out waiting."""
+    try:
+        return call(*args)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; broker alive: {broker.proc.poll() is None}\n{broker.log()[-3000:]}") from None
 
 
-def exchange(sock, chunk, broker, failures):
-    """Send a chunk, then read its replies: on one connection the broker
-    answers in the order it read (a batch by its messages' order)."""
-    for sent in chunk:
-        sock.send_multipart(sent.frames)
-    for sent in chunk:
-        for expect in sent.expects:
-            problem = expect.problem(receive(sock, broker)[0])
-            if problem:
-                failures.append(f"{sent.kind}: {problem}")
+def send_all(sock, chunk, broker, failures):
+    failures += checked(broker, exchange, sock, chunk, REPLY_WAIT_MS)
     assert broker.proc.poll() is None, f"the broker died:\n{broker.log()[-3000:]}"
 
 
@@ -70,78 +54,15 @@ def nacks_counted(status, endpoint):
     return sum(value for key, value in status["counters"].items() if key.startswith(prefix))
 
 
-class Taker:
-    """A raw consumer: takes deliveries, checks each against the trajectory
-    the test sent, acks it, and keeps any other reply."""
-
-    def __init__(self, broker, name, *expected):
-        self.broker, self.expected = broker, ChainMap(*expected)  # the fuzzers' records, growing as they send
-        self.sock = peer(broker.consumer)
-        self.sock.send_multipart([msgpack.packb({"v": 1, "type": "hello", "consumer_id": name, "packed_arrays": True})])
-        assert receive(self.sock, broker)[0]["type"] == "welcome"
-        self.sock.send_multipart([msgpack.packb({"v": 1, "type": "credit", "n": 10_000, "unit": "trajectory"})])
-        self.delivered: Counter = Counter()
-        self.acked: set = set()
-        self.others: list = []
-        self.failures: list = []
-
-    def drain(self, wait_ms=0):
-        while self.sock.poll(wait_ms):
-            header, bufs = receive(self.sock, self.broker)
-            if header["type"] == "deliver":
-                self.check(header, bufs)
-                self.sock.send_multipart([msgpack.packb({"v": 1, "type": "ack", "leases": [header["lease"]]})])
-            elif header["type"] == "acked":
-                self.acked.update(header["leases"])
-            else:
-                self.others.append(header)
-            wait_ms = 0
-
-    def check(self, header, bufs):
-        tid = header["trajectory_id"]
-        self.delivered[tid] += 1
-        traj = self.expected.get(tid)
-        if traj is None:
-            self.failures.append(f"delivered {tid!r}, which no valid traffic sent")
-            return
-        if header["crc32"] != zlib.crc32(b"".join(bufs)):
-            self.failures.append(f"{tid}: crc32 of the delivery does not match its frames")
-        arrays = unpack(header, bufs)
-        for name in traj.arrays.keys() | arrays.keys():
-            want = traj.arrays.get(name)
-            got = arrays.get(name)
-            if want is None or got is None or got.tobytes() != np.asarray(want, NUMPY[CONTRACT[name]]).tobytes():
-                self.failures.append(f"{tid}: {name} delivered {got!r:.200}, sent {want!r:.200}")
-        fields = (header["reward"], header["turns"], header["status"], header["response_length"], header["delivery_count"])
-        if fields != (traj.reward, traj.turns, "completed", len(traj.arrays["tokens"]), 1):
-            self.failures.append(f"{tid}: delivered reward, turns, status, length, count {fields}")
-
-    def wait_for_all(self):
-        """Deliveries until every expected trajectory came (or the broker
-        sends nothing for a while), then the acks' confirmations."""
-        while self.delivered.keys() < self.expected.keys() and self.sock.poll(REPLY_WAIT_MS):
-            self.drain()
-        while len(self.acked) < sum(self.delivered.values()) and self.sock.poll(REPLY_WAIT_MS):
-            self.drain()
-
-    def assert_exactly_once(self):
-        assert not self.failures, "\n".join(self.failures[:20])
-        missing = sorted(self.expected.keys() - self.delivered.keys())
-        assert not missing, f"{len(missing)} valid trajectories never delivered, e.g. {missing[:5]}"
-        twice = [tid for tid, n in self.delivered.items() if n > 1]
-        assert not twice, f"delivered more than once: {twice[:5]}"
-        assert len(self.acked) == len(self.expected), "every ack confirmed"
-
-
-def unpack(header, bufs):
-    """The arrays of a delivery, one frame per array or packed (protocol.md §2)."""
-    if header.get("packed"):
-        whole, bufs, start = bufs[0], [], 0
-        for _, dtype, shape in header["arrays"]:
-            end = start + np.dtype(NUMPY[dtype]).itemsize * int(np.prod(shape))
-            bufs.append(whole[start:end])
-            start = end
-    return {name: np.frombuffer(buf, NUMPY[dtype]) for (name, dtype, _), buf in zip(header["arrays"], bufs)}
+def assert_exactly_once(taker):
+    """Every expected trajectory delivered once, as sent, its ack confirmed."""
+    taker.wait_for(taker.expected)
+    assert not taker.failures, "\n".join(taker.failures[:20])
+    missing = sorted(taker.expected.keys() - taker.delivered.keys())
+    assert not missing, f"{len(missing)} valid trajectories never delivered, e.g. {missing[:5]}"
+    twice = [tid for tid, n in taker.delivered.items() if n > 1]
+    assert not twice, f"delivered more than once: {twice[:5]}"
+    assert taker.confirmed == taker.expected.keys() and taker.hellos == 1
 
 
 def assert_healthy(broker, failures, endpoint, nacks_before, nacks_sent):
@@ -158,23 +79,22 @@ def test_producer_socket_fuzz(broker):
     never said hello sends only valid ones (protocol.md §3 allows it)."""
     fuzz = ProducerFuzz(1401, VOCAB, MAX_MESSAGE_BYTES, prefix="p")
     quiet = ProducerFuzz(1402, VOCAB, MAX_MESSAGE_BYTES, prefix="q", valid_share=1.0)
-    taker = Taker(broker, "taker", fuzz.expected, quiet.expected)
+    taker = Taker(broker.consumer, "taker", fuzz.expected, quiet.expected, wait_ms=REPLY_WAIT_MS)
     noisy, silent = peer(broker.producer), peer(broker.producer)
     noisy.send_multipart([msgpack.packb({"v": 1, "type": "hello", "producer_id": "fuzz", "batch_frames": True})])
-    assert receive(noisy, broker)[0]["batch_frames"] is True
+    assert checked(broker, receive, noisy, REPLY_WAIT_MS)[0]["batch_frames"] is True
     before = nacks_counted(broker.status(), "producer")
     failures, bad, kinds = [], 0, Counter()
     while bad < BAD_FRAMES:
         chunk = [fuzz.next() for _ in range(CHUNK)]
-        exchange(noisy, chunk, broker, failures)
-        exchange(silent, [quiet.next() for _ in range(CHUNK // 10)], broker, failures)
+        send_all(noisy, chunk, broker, failures)
+        send_all(silent, [quiet.next() for _ in range(CHUNK // 10)], broker, failures)
         bad += count(chunk, "nack")
         kinds.update(sent.kind for sent in chunk)
         taker.drain()
-    exchange(noisy, fuzz.finish(), broker, failures)
-    exchange(silent, quiet.finish(), broker, failures)
-    taker.wait_for_all()
-    taker.assert_exactly_once()
+    send_all(noisy, fuzz.finish(), broker, failures)
+    send_all(silent, quiet.finish(), broker, failures)
+    assert_exactly_once(taker)
     assert not taker.others, taker.others[:5]
     assert len(quiet.expected) > 50 and len(fuzz.expected) > 200
     assert_healthy(broker, failures, "producer", before, bad)
@@ -188,13 +108,13 @@ def test_consumer_socket_fuzz(broker):
     consumer that takes the valid trajectories meanwhile."""
     traffic = ProducerFuzz(1403, VOCAB, MAX_MESSAGE_BYTES, prefix="c", valid_share=1.0)
     fuzz = ConsumerFuzz(1404, VOCAB, MAX_MESSAGE_BYTES, prefix="c")
-    taker = Taker(broker, "taker", traffic.expected)
+    taker = Taker(broker.consumer, "taker", traffic.expected, wait_ms=REPLY_WAIT_MS)
     producer, stranger = peer(broker.producer), peer(broker.consumer)
     before = nacks_counted(broker.status(), "consumer")
     failures, bad, exact, wild = [], 0, Counter(), 0
     while bad < BAD_FRAMES:
         chunk = [fuzz.stranger() for _ in range(CHUNK)]
-        exchange(stranger, chunk, broker, failures)
+        send_all(stranger, chunk, broker, failures)
         bad += count(chunk, "nack")
         for sent in [fuzz.known() for _ in range(CHUNK // 5)]:
             taker.sock.send_multipart(sent.frames)
@@ -204,13 +124,12 @@ def test_consumer_socket_fuzz(broker):
             else:
                 wild += 1
             bad += 1
-        exchange(producer, [traffic.next() for _ in range(CHUNK // 10)], broker, failures)
+        send_all(producer, [traffic.next() for _ in range(CHUNK // 10)], broker, failures)
         taker.drain(wait_ms=10)
-    exchange(producer, traffic.finish(), broker, failures)
-    taker.wait_for_all()
+    send_all(producer, traffic.finish(), broker, failures)
+    assert_exactly_once(taker)
     while len(taker.others) < sum(exact.values()) + wild and taker.sock.poll(REPLY_WAIT_MS):
         taker.drain()
-    taker.assert_exactly_once()
     got = Counter(reply["code"] for reply in taker.others if reply["type"] == "nack")
     assert len(taker.others) == sum(got.values()) == sum(exact.values()) + wild, taker.others[:5]
     assert not exact - got, f"codes the live consumer's bad frames lacked: {exact - got}"
@@ -226,7 +145,7 @@ def test_admin_socket_fuzz(broker):
     failures, bad, valid = [], 0, 0
     while bad < BAD_FRAMES:
         chunk = [fuzz.next() for _ in range(CHUNK)]
-        exchange(admin, chunk, broker, failures)
+        send_all(admin, chunk, broker, failures)
         bad += count(chunk, "nack")
         valid += len(chunk) - sum(sent.bad for sent in chunk)
     assert valid > 500
@@ -258,11 +177,6 @@ def test_regressions_found_by_the_fuzz(broker):
     assert (reply["type"], reply["code"], reply["seq"]) == ("nack", "too_large", 3), reply
     assert receive_reply(producer, end, broker)["applied"] is True
     assert broker.status()["ready"] == 1
-
-
-def receive_reply(sock, frames, broker):
-    sock.send_multipart(frames)
-    return receive(sock, broker)[0]
 
 
 def test_expect_rejects_wrong_replies():
