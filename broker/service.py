@@ -765,12 +765,13 @@ class BrokerService:
         self._evict_to_budget()
         self._disk_bytes = self.store.bytes_on_disk()
         self._free_bytes = self._free_space()
-        if self._disk_bytes > 0.9 * s.max_disk_bytes:  # also below the limit: the WAL must not hold off a resume
+        if self._disk_bytes > 0.9 * s.max_disk_bytes or self._free_bytes < self.admission.reserve:
+            # also below the limit: the WAL (up to 16 MiB between checkpoints) must not hold off a resume
             try:
                 self.store.checkpoint()
             except Exception as exc:  # a failed checkpoint only leaves the WAL larger
                 log.warning("WAL checkpoint failed", extra={"error": str(exc)})
-            self._disk_bytes = self.store.bytes_on_disk()
+            self._disk_bytes, self._free_bytes = self.store.bytes_on_disk(), self._free_space()
         self._update_backpressure()
 
     def _must_wait(self, fraction: float = 1.0) -> bool:

@@ -222,6 +222,7 @@ class Segments:
         self._fd = None
         self._closed_sizes: dict[int, int] = {}  # finished segments never grow, so their sizes are kept
         self._rotated: list[int] = []  # finished since the last `retire_unreferenced`
+        self._failed = False  # a write to the current segment failed: the next append starts a new one
 
     def path(self, number: int) -> Path:
         return self.directory / f"seg-{number:08d}.log"
@@ -241,7 +242,7 @@ class Segments:
         """Write records (each a list of buffers and its CRC, or None to
         compute it) in as few syscalls as possible; returns (segment,
         offset, length) per record."""
-        if self.size >= self.max_bytes:
+        if self.size >= self.max_bytes or self._failed:
             self._rotate()
         locations, buffers, offset = [], [], self.size
         for parts, crc in records:
@@ -260,6 +261,10 @@ class Segments:
                     os.write(self._fd, b"".join(bytes(memoryview(b)) for b in chunk)[written:])
         except OSError:
             os.ftruncate(self._fd, start)
+            # A file-size limit below `max_bytes` would fail every later
+            # write here too: go on in a new file (an empty one never
+            # rotates, so a full disk does not leave a file per attempt).
+            self._failed = start > 0
             raise
         self.size = offset
         return locations
@@ -285,6 +290,7 @@ class Segments:
         os.close(self._fd)
         self._closed_sizes[self.current] = self.size
         self._rotated.append(self.current)
+        self._failed = False
         self.current += 1
         self._fd = os.open(self.path(self.current), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         self.size = 0
@@ -647,6 +653,7 @@ class Store:
         """A small real write to both files; raises `StoreError` while the
         cause of an earlier failure (disk full, I/O error) persists."""
         try:
+            self.checkpoint()  # a WAL that reached a file-size limit or filled the disk starts again, empty
             start = self.segments.mark
             self.segments.append([([bytes(4096)], None)])
             self.segments.rewind(start)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 import time
@@ -120,13 +122,16 @@ class Drain:
         self.delivered: set[str] = set()
         self.unacked: dict[str, str] = {}  # lease -> trajectory, until the broker confirms the ack
         self.refused_acks = 0
+        self.seen: list = []
 
     def pump(self, seconds: float, until) -> None:
         deadline = time.monotonic() + seconds
         while not until() and time.monotonic() < deadline:
+            self.sock.send_multipart(encode(CONSUMER_TO_BROKER, "heartbeat", {}))  # or it is dropped as silent
             if not self.sock.poll(100):
                 continue
             message = decode(self.sock.recv_multipart(), BROKER_TO_CONSUMER)
+            self.seen.append((message.type, message.get("code"), message.get("message")))
             if message.type == "deliver":
                 self.delivered.add(message["trajectory_id"])
                 self.unacked[message["lease"]] = message["trajectory_id"]
@@ -212,3 +217,64 @@ def test_a_disk_that_really_fills_keeps_delivering_and_picks_up_again_by_itself(
             time.sleep(0.2)
         segments = sorted(p.name for p in (broker.data_dir / "segments").iterdir())
         assert len(segments) <= 2, segments  # the delivered trajectories' segments are gone
+
+
+def limit_file_size(limit: int = 300_000):
+    """A preexec_fn: writes past `limit` bytes in any one file fail (EFBIG),
+    as on a full disk, for the broker only and without root."""
+
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    return apply
+
+
+def test_a_file_size_limit_answers_unavailable_keeps_what_it_acked_and_recovers_by_itself(tmp_path):
+    """Writes past 300 KB in any file fail, with segments of 512 KiB (they
+    can never fill) and a WAL that reaches the limit too. The broker answers
+    `unavailable` and recovers on its own, under the same limit; failed
+    probes leave no files behind; deliveries and consumer acks go on
+    throughout; after a SIGKILL every trajectory it acked is there."""
+    broker = BrokerProcess(tmp_path, segment_bytes="512KiB")
+    broker.start(preexec_fn=limit_file_size())
+    try:
+        producer, drain = dealer(broker.producer), Drain(broker)
+        acked, refused = set(), 0
+        for i in range(60):
+            tid, seq = f"t{i}", 2 * i
+            deadline = time.monotonic() + 30
+            while (reply := call(producer, turn(tid, seq))).type != "ack":
+                assert reply["code"] == "unavailable", reply["message"]
+                assert time.monotonic() < deadline, f"turn of {tid} still refused: {reply['message']}"
+                refused += 1
+                drain.pump(0.3, lambda: False)
+            while (reply := call(producer, end(tid, seq + 1))).type != "ack":
+                assert reply["code"] == "unavailable" and time.monotonic() < deadline, reply["message"]
+                refused += 1
+                drain.pump(0.3, lambda: False)
+            acked.add(tid)
+            drain.pump(0.01, lambda: False)
+        assert refused, "the file-size limit never made a write fail"
+        assert "store failed" in broker.log() and "store available again" in broker.log()
+
+        # Failed probes leave nothing behind: a broker kept unavailable for a
+        # few seconds holds as many segment files as before.
+        for i in range(60, 200):
+            if call(producer, turn(f"t{i}", 2 * i)).type != "ack":
+                break
+            call(producer, end(f"t{i}", 2 * i + 1))
+            acked.add(f"t{i}")
+        before = sorted((broker.data_dir / "segments").iterdir())
+        drain.pump(4, lambda: False)
+        after = sorted((broker.data_dir / "segments").iterdir())
+        assert len(after) <= len(before) + 1, (before, after)
+
+        drain.pump(60, lambda: drain.delivered >= acked and not drain.unacked)
+        assert drain.delivered >= acked and not drain.unacked, [m for m in drain.seen if m[0] != "deliver"][-10:]
+        broker.kill()
+        broker.start()  # without the limit
+        status = broker.status()
+        assert status["ready"] + status["leased"] == 0 and status["open"] == 0  # every ack the consumer saw was durable
+    finally:
+        broker.proc.kill()
