@@ -51,6 +51,7 @@ class LoopbackNode:
         self.broker: subprocess.Popen | None = None
         self._daemons: list[subprocess.Popen] = []
         self._producers: list[tuple[subprocess.Popen, tuple[str, ...]]] = []
+        self._killed: set[int] = set()  # producers killed on purpose and not restarted
         self._log = None
         self.admin = None
 
@@ -103,19 +104,21 @@ class LoopbackNode:
         daemon, _ = self._producers[index]
         daemon.kill()
         daemon.wait()
+        self._killed.add(index)
 
     def restart_producer(self, index: int, *more_args: str) -> None:
         """Start producer `index` again with its arguments (and `more_args`, which win)."""
         _, args = self._producers[index]
         self._producers[index] = (self._start(*args, *more_args), args)
+        self._killed.discard(index)
 
     @property
     def producers_done(self) -> bool:
-        """Every producer exited; raises if one did not exit cleanly."""
-        for daemon, _ in self._producers:
+        """Every producer exited; raises if one did not exit cleanly (one killed on purpose is done)."""
+        for index, (daemon, _) in enumerate(self._producers):
             if daemon.poll() is None:
                 return False
-            if daemon.returncode != 0:
+            if daemon.returncode != 0 and index not in self._killed:
                 raise RuntimeError(f"a producer exited with {daemon.returncode}; see {self.work / 'daemons.log'}")
         return True
 
@@ -158,7 +161,7 @@ class Trainer:
         self.generation = 0
         self.ranks: list[subprocess.Popen] = []
 
-    def start(self, *, die_before_commit: int = 0) -> None:
+    def start(self, *, die_before_commit: int = 0, step_seconds: float = 0.0) -> None:
         self.generation += 1
         init = self.node.work / f"gloo-{self.generation}"
         self.ranks = [subprocess.Popen(
@@ -166,6 +169,7 @@ class Trainer:
              "--init-file", str(init), "--endpoint", self.endpoint or self.node.endpoints["consumer"], "--batch-size",
              str(self.batch_size), "--vocab-size", str(self.node.vocab_size), "--ledger",
              str(self.ledgers / f"rank-{rank}.jsonl"), "--stop-file", str(self.stop_file),
+             "--step-seconds", str(step_seconds),
              *(["--die-before-commit", str(die_before_commit)] if rank == 0 and die_before_commit else [])],
             stdout=self.node._log, stderr=self.node._log) for rank in range(self.dp_size)]
 
@@ -181,6 +185,11 @@ class Trainer:
     def lost(self) -> bool:
         """A rank died (the rest of its group cannot go on without it)."""
         return any(rank.poll() not in (None, 0) for rank in self.ranks)
+
+    def signal(self, signum: int) -> None:
+        """Send every rank `signum` (SIGSTOP and SIGCONT: a trainer that stalls, then goes on)."""
+        for rank in self.ranks:
+            rank.send_signal(signum)
 
     def restart(self) -> None:
         for rank in self.ranks:
@@ -209,15 +218,15 @@ class Chaos:
     so far (so it lands during the run whatever the machine's speed)."""
 
     broker_kills_at: tuple[float, ...] = (0.15, 0.4, 0.65)
-    producer_kill_at: float = 0.3
-    trainer_kill_before_commit: int = 2  # the source rank dies just before this commit
+    producer_kill_at: float | None = 0.3  # producer 0 is killed and restarted with its spool
+    trainer_kill_before_commit: int = 2  # the source rank dies just before this commit (0: never)
     done: list[str] = field(default_factory=list)  # the faults injected, in order
 
     def due(self, acked_share: float) -> list[str]:
         """Faults due now and not yet injected."""
         due = [f"broker-{i}" for i, share in enumerate(self.broker_kills_at)
                if acked_share >= share and f"broker-{i}" not in self.done]
-        if acked_share >= self.producer_kill_at and "producer" not in self.done:
+        if self.producer_kill_at is not None and acked_share >= self.producer_kill_at and "producer" not in self.done:
             due.append("producer")
         return due
 
@@ -325,7 +334,7 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
 
         def each() -> None:
             if faults is not None:
-                _inject(faults, pipeline, plan, group_size)
+                inject_due(faults, pipeline, plan, group_size)
             if show is not None:
                 show(pipeline.counts, faults.done if faults else [])
 
@@ -375,7 +384,7 @@ def _count(progress: Counts, records: list[dict], counters: Counter) -> None:
     progress.delivered = counters["trajectories.delivered"]
 
 
-def _inject(faults: Chaos, pipeline: Pipeline, plan: int, group_size: int) -> None:
+def inject_due(faults: Chaos, pipeline: Pipeline, plan: int, group_size: int) -> None:
     """Inject the faults now due; restart what they killed."""
     node = pipeline.node
     for fault in faults.due(pipeline.counts.acked / plan):

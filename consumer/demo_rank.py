@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--stop-file", required=True)
     parser.add_argument("--partial-after", type=float, default=1.0, help="seconds before a smaller tail batch")
     parser.add_argument("--die-before-commit", type=int, default=0, help="rank 0 SIGKILLs itself before this commit (1-based)")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="a slow trainer: each step takes at least this long")
     args = parser.parse_args()
 
     dist.init_process_group("gloo", init_method=f"file://{args.init_file}", rank=args.rank, world_size=args.world,
@@ -87,6 +88,7 @@ def main() -> None:
     try:
         for shard in shards:
             mock_step(shard, generator)
+            time.sleep(args.step_seconds)
             if args.rank == 0 and commits + 1 == args.die_before_commit:
                 os.kill(os.getpid(), signal.SIGKILL)
             shards.commit(shard)

@@ -31,6 +31,7 @@ HELP = {
     "prompt_tokens": "Mean prompt length of synthetic prompts (uniform in [x/2, 3x/2]).",
     "response_tokens": "Mean sampled tokens per turn (synthetic); max_new_tokens (sglang).",
     "tool_tokens": "Mean forced tool-output tokens between turns (synthetic); echoed tokens (sglang tool).",
+    "tool_seconds": "Synthetic: seconds the environment takes between two turns (a tool call); the trajectory stays open meanwhile.",
     "rate": "Trajectory starts per second; 0: as fast as the broker takes them.",
     "concurrency": "Trajectories in progress at once.",
     "vocab_size": "Vocabulary size: synthetic ids are drawn below it and every id is checked against it.",

@@ -42,6 +42,7 @@ def check(settings: ProducerSettings) -> None:
         ("prompt_tokens", settings.prompt_tokens >= 1, ">= 1"),
         ("response_tokens", settings.response_tokens >= 1, ">= 1"),
         ("tool_tokens", settings.tool_tokens >= 0, ">= 0"),
+        ("tool_seconds", settings.tool_seconds >= 0, ">= 0"),
         ("shutdown_timeout", settings.shutdown_timeout >= 0, ">= 0"),
     ]
     for name, ok, expected in rules:

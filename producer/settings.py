@@ -33,6 +33,7 @@ class ProducerSettings:
     prompt_tokens: int = 256
     response_tokens: int = 128
     tool_tokens: int = 32
+    tool_seconds: float = 0.0  # synthetic: how long the environment takes between turns
     rate: float = 0.0  # trajectory starts per second; 0: as fast as possible
     concurrency: int = 8
     vocab_size: int = 151_936

@@ -54,9 +54,9 @@ class SyntheticSource:
                                                          dtype=np.int32)
             retrieve(await traj.turn(drawn.tokens, drawn.log_probs, mask=None if aborted else drawn.mask,
                                      forced_tokens=forced, status="aborted" if aborted else "completed"))
-            await asyncio.sleep(0)  # let replies and other episodes in between turns
             if aborted:
                 break
+            await asyncio.sleep(0 if last else s.tool_seconds)  # the tool's time; replies and other episodes go meanwhile
         retrieve(await traj.end(float(self.rng.random())))
         return ENDED
 

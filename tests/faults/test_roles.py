@@ -1,0 +1,237 @@
+"""Cross-role faults (issue 14): real broker, producer and trainer processes
+on loopback, each run ending with the end-to-end checker at zero.
+
+Each scenario composes `rollstream.common.demo.Pipeline` (synthetic
+producer daemons and a trainer of gloo ranks, all keeping ledgers) with
+the faults it injects: kills, stops, a black-holed network path.
+"""
+from __future__ import annotations
+
+import selectors
+import signal
+import socket
+import threading
+import time
+
+from rollstream.common.demo import VOCAB, Chaos, LoopbackNode, Pipeline, inject_due
+
+FAST_BROKER = ("--heartbeat-interval", "0.5")  # consumers count as lost after 1.5 s of silence
+SHORT_TTL = ("--trajectory-ttl", "3")  # abandoned trajectories expire soon (longer than any cut or stop here)
+FAST_PRODUCER = ("--heartbeat-interval", "0.5", "--heartbeat-timeout", "2")
+CLEAN = {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
+
+
+def finished(pipeline: Pipeline, drained: bool):
+    """The checker's report, after asserting the run drained."""
+    report = pipeline.finish()
+    assert drained, f"not drained: status {pipeline.status}, counts {pipeline.counts}"
+    assert report.counts() == CLEAN, report.summary()
+    return report
+
+
+def test_repeated_broker_kills_under_load_from_several_producers():
+    faults = Chaos(broker_kills_at=(0.1, 0.25, 0.4, 0.55, 0.7, 0.85), producer_kill_at=None, trainer_kill_before_commit=0)
+    with LoopbackNode("rs-fault-", VOCAB, broker_args=FAST_BROKER) as node:
+        pipeline = Pipeline(node, dp_size=1, batch_size=2)
+        pipeline.trainer.start()
+        pipeline.trainer.wait_welcomed(60)
+        for i in range(3):
+            pipeline.add_producer(i, trajectories=16, extra=("--rate", "8", *FAST_PRODUCER))
+        drained = pipeline.run(240, lambda: inject_due(faults, pipeline, 48, 4))
+        report = finished(pipeline, drained)
+    assert len(faults.done) == 6
+    assert report.acked == report.committed == 48
+
+
+def test_a_broker_stopped_past_the_heartbeat_timeout_recovers_without_duplicates():
+    """SIGSTOP for longer than both sides' heartbeat timeouts, then SIGCONT:
+    producers resend what was unacked, the consumer says hello again, and
+    the trainer still gets each trajectory once."""
+    paused = []
+
+    def pause_once(pipeline: Pipeline) -> None:
+        if not paused and pipeline.counts.acked >= 8:
+            pipeline.node.broker.send_signal(signal.SIGSTOP)
+            time.sleep(4)  # producers count it lost after 2 s, the broker's consumers after 1.5 s of silence
+            pipeline.node.broker.send_signal(signal.SIGCONT)
+            paused.append(True)
+
+    with LoopbackNode("rs-fault-", VOCAB, broker_args=FAST_BROKER) as node:
+        pipeline = Pipeline(node, dp_size=2, batch_size=2)
+        pipeline.trainer.start()
+        pipeline.trainer.wait_welcomed(60)
+        for i in range(2):
+            pipeline.add_producer(i, trajectories=16, extra=("--rate", "8", *FAST_PRODUCER))
+        drained = pipeline.run(240, lambda: pause_once(pipeline))
+        report = finished(pipeline, drained)
+    assert paused and report.acked == report.committed == 32
+
+
+class BlackHoleProxy:
+    """A loopback TCP proxy to `target` that can stop forwarding in both
+    directions (`cut`) without closing anything, as a partitioned network
+    does: bytes wait in the kernel (TCP would retransmit them) and flow
+    again when the path is `restore`d; connections made meanwhile are
+    accepted and wait too."""
+
+    def __init__(self, target: str):
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.blocked = threading.Event()
+        self.closing = threading.Event()
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def cut(self) -> None:
+        self.blocked.set()
+
+    def restore(self) -> None:
+        self.blocked.clear()
+
+    def _run(self) -> None:
+        while not self.closing.is_set():
+            for key, _ in self.selector.select(0.05):
+                sock = key.fileobj
+                if sock is self.listener:
+                    client, _ = self.listener.accept()
+                    upstream = socket.create_connection(self.target)
+                    self.selector.register(client, selectors.EVENT_READ, upstream)
+                    self.selector.register(upstream, selectors.EVENT_READ, client)
+                elif not self.blocked.is_set():
+                    self._forward(sock, key.data)
+            if self.blocked.is_set():
+                time.sleep(0.05)  # leave the bytes where they are
+
+    def _forward(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            data = source.recv(1 << 16)
+            if data:
+                sink.sendall(data)
+                return
+        except OSError:
+            pass
+        for sock in (source, sink):  # one side closed: close the pair
+            try:
+                self.selector.unregister(sock)
+            except (KeyError, ValueError):
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        self.closing.set()
+        self.thread.join(5)
+        for key in list(self.selector.get_map().values()):
+            key.fileobj.close()
+
+
+def test_a_black_holed_network_path_recovers():
+    """Producer-broker and consumer-broker paths go silent (no reset) for
+    longer than the heartbeat timeouts, then carry traffic again."""
+    cuts = []
+    with LoopbackNode("rs-fault-", VOCAB, broker_args=FAST_BROKER) as node:
+        producer_path, consumer_path = BlackHoleProxy(node.endpoints["producer"]), BlackHoleProxy(node.endpoints["consumer"])
+        try:
+            pipeline = Pipeline(node, dp_size=1, batch_size=2, trainer_endpoint=consumer_path.endpoint)
+
+            def cut_once() -> None:
+                if not cuts and pipeline.counts.acked >= 8:
+                    for path in (producer_path, consumer_path):
+                        path.cut()
+                    before = pipeline.counts.acked
+                    time.sleep(4)
+                    pipeline.poll()
+                    cuts.append(pipeline.counts.acked - before)
+                    for path in (producer_path, consumer_path):
+                        path.restore()
+
+            pipeline.trainer.start()
+            pipeline.trainer.wait_welcomed(60)
+            for i in range(2):
+                pipeline.add_producer(i, trajectories=16, endpoint=producer_path.endpoint,
+                                      extra=("--rate", "8", *FAST_PRODUCER))
+            drained = pipeline.run(240, cut_once)
+            report = finished(pipeline, drained)
+        finally:
+            producer_path.close()
+            consumer_path.close()
+    assert cuts == [0] or cuts[0] <= 2  # nothing (or what was already on its way) got through the cut
+    assert report.acked == report.committed == 32
+
+
+def test_a_killed_producer_resends_its_spool_and_an_abandoned_trajectory_expires():
+    """Producer 0 is killed and restarted with its spool; producer 1 is
+    killed and never comes back: its open trajectories expire to dead
+    letters and none of them reaches the trainer."""
+    faults = Chaos(broker_kills_at=(), producer_kill_at=0.3, trainer_kill_before_commit=0)
+    abandoned = []
+
+    def kill_for_good(pipeline: Pipeline) -> None:
+        if not abandoned and pipeline.counts.acked >= 14:
+            pipeline.node.kill_producer(1)
+            abandoned.append(True)
+
+    with LoopbackNode("rs-fault-", VOCAB, broker_args=(*FAST_BROKER, *SHORT_TTL)) as node:
+        pipeline = Pipeline(node, dp_size=1, batch_size=2)
+        pipeline.trainer.start()
+        pipeline.trainer.wait_welcomed(60)
+        for i in range(2):
+            pipeline.add_producer(i, trajectories=24, extra=("--rate", "8", "--tool-seconds", "0.3", *FAST_PRODUCER))
+
+        def each() -> None:
+            inject_due(faults, pipeline, 48, 4)
+            kill_for_good(pipeline)
+
+        drained = pipeline.run(240, each)
+        report = finished(pipeline, drained)
+    expired = {item["trajectory_id"] for item in pipeline.dead if item["reason"] == "expired"}
+    committed = {r["id"] for r in pipeline.records if r["kind"] == "committed"}
+    assert faults.done == ["producer"] and abandoned
+    assert expired and not expired & committed
+    assert report.counts() == CLEAN and report.committed == report.acked
+
+
+def test_a_trainer_source_killed_before_commit_hands_its_leases_on():
+    faults = Chaos(broker_kills_at=(), producer_kill_at=None, trainer_kill_before_commit=1)
+    with LoopbackNode("rs-fault-", VOCAB, broker_args=FAST_BROKER) as node:
+        pipeline = Pipeline(node, dp_size=2, batch_size=2)
+        pipeline.trainer.start(die_before_commit=1)
+        pipeline.trainer.wait_welcomed(60)
+        pipeline.add_producer(0, trajectories=16, extra=FAST_PRODUCER)
+        drained = pipeline.run(240, lambda: inject_due(faults, pipeline, 16, 4))
+        report = finished(pipeline, drained)
+    assert faults.done == ["trainer-source"]
+    assert report.redelivered >= 1 and report.acked == report.committed == 16
+
+
+def test_a_slow_then_stopped_trainer_pushes_producers_back_within_the_memory_budget():
+    budget = 3 << 20
+    stopped, peaks = [], []
+
+    def stall(pipeline: Pipeline) -> None:
+        if pipeline.status is not None:
+            peaks.append(pipeline.status["bytes_in_memory"])
+        if not stopped and pipeline.counts.committed >= 8:
+            pipeline.trainer.signal(signal.SIGSTOP)
+            acked = pipeline.counts.acked
+            for _ in range(20):  # 4 s stopped: producers fill the budget and wait
+                time.sleep(0.2)
+                pipeline.poll()
+                peaks.append(pipeline.status["bytes_in_memory"])
+            stopped.append(pipeline.counts.acked - acked)
+            pipeline.trainer.signal(signal.SIGCONT)
+
+    with LoopbackNode("rs-fault-", VOCAB, broker_args=(*FAST_BROKER, "--max-memory-bytes", str(budget))) as node:
+        pipeline = Pipeline(node, dp_size=1, batch_size=2)
+        pipeline.trainer.start(step_seconds=0.2)
+        pipeline.trainer.wait_welcomed(60)
+        for i in range(2):
+            pipeline.add_producer(i, trajectories=24, extra=("--response-tokens", "512", *FAST_PRODUCER))
+        drained = pipeline.run(240, lambda: stall(pipeline))
+        report = finished(pipeline, drained)
+    assert stopped == [0], "producers went on acking while the trainer was stopped and the budget full"
+    assert max(peaks) <= budget, (max(peaks), budget)
+    assert report.acked == report.committed == 48
