@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import struct
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +45,9 @@ from .engine import (
     Requeue,
 )
 
-SCHEMA_VERSION = 3  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it
-_READABLE_VERSIONS = (2, 3)  # a version 2 store is readable as it is (its digests are all there) and becomes 3
+SCHEMA_VERSION = 4  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
+# 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`)
+_READABLE_VERSIONS = (2, 3, 4)  # a version 2 or 3 store is upgraded in place: its ends get their CRCs
 RECORD_MAGIC = 0x52534731  # "RSG1"
 RECORD_HEADER = struct.Struct("<III")  # magic, payload length, crc32 of payload
 _IOV_MAX = 512
@@ -71,7 +73,8 @@ CREATE TABLE IF NOT EXISTS trajectories (
     gap_turn INTEGER,
     gap_field TEXT,
     dead_reason TEXT,
-    dead_at REAL
+    dead_at REAL,
+    end_crc INTEGER
 );
 CREATE TABLE IF NOT EXISTS turns (
     trajectory_id TEXT NOT NULL,
@@ -93,7 +96,15 @@ CREATE TABLE IF NOT EXISTS released_groups (id TEXT PRIMARY KEY, size INTEGER NO
 
 _OPEN = ("INSERT OR REPLACE INTO trajectories (id, state, group_id, group_size, sample_index, updated_at) "
          "VALUES (?, 'open', ?, ?, ?, ?)")
-_END = "UPDATE trajectories SET state='ended', updated_at=?, end_digest=?, reward=?, metadata=?, ready_seq=? WHERE id=?"
+_END = ("UPDATE trajectories SET state='ended', updated_at=?, end_digest=?, reward=?, metadata=?, ready_seq=?, end_crc=? "
+        "WHERE id=?")
+
+
+def _end_crc(trajectory_id: str, digest: bytes, reward: bytes, metadata: bytes) -> int:
+    """CRC-32 of what an ended trajectory's row alone holds (its end's
+    digest, reward and metadata), as segment records have theirs: a damaged
+    row is reported, never delivered."""
+    return zlib.crc32(msgpack.packb([trajectory_id, digest, reward, metadata]))
 _TURN = "INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 
 
@@ -414,7 +425,7 @@ class Store:
                 raise StoreCorrupted(f"{self.db_path} has schema version {version[0]}, this broker reads "
                                      f"{' or '.join(map(str, _READABLE_VERSIONS))}")
             elif int(version[0]) != SCHEMA_VERSION:
-                db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (SCHEMA_VERSION,))
+                self._upgrade()
             recovered = self.reload()
         except sqlite3.DatabaseError as exc:
             raise StoreCorrupted(f"{self.db_path} is not a readable rollstream store: {exc}") from None
@@ -432,6 +443,18 @@ class Store:
                 self.segments.remove(number)
         self._next_ready_seq = 1 + max((t.ready_seq or 0 for t in trajectories), default=0)
         return recovered
+
+    def _upgrade(self) -> None:
+        """A version 2 or 3 store becomes version 4: its ended rows get the
+        CRC of their end as they stand (nothing checked them before)."""
+        db = self.db
+        db.execute("BEGIN")
+        if "end_crc" not in {row[1] for row in db.execute("PRAGMA table_info(trajectories)")}:
+            db.execute("ALTER TABLE trajectories ADD COLUMN end_crc INTEGER")
+        rows = db.execute("SELECT id, end_digest, reward, metadata FROM trajectories WHERE end_digest IS NOT NULL").fetchall()
+        db.executemany("UPDATE trajectories SET end_crc=? WHERE id=?", [(_end_crc(*row), row[0]) for row in rows])
+        db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (SCHEMA_VERSION,))
+        db.execute("COMMIT")
 
     def reload(self) -> Recovered:
         """Every state row as committed (also used to roll memory back after
@@ -452,10 +475,13 @@ class Store:
         rows = {}
         for row in self.db.execute(
             "SELECT id, state, group_id, group_size, sample_index, updated_at, end_digest, reward, metadata, "
-            "ready_seq, gap_turn, gap_field, dead_reason, dead_at FROM trajectories " + where, args
+            "ready_seq, gap_turn, gap_field, dead_reason, dead_at, end_crc FROM trajectories " + where, args
         ):
             (tid, state, gid, gsize, sidx, updated, end_digest, reward, metadata, ready_seq, gap_turn, gap_field,
-             dead_reason, dead_at) = row
+             dead_reason, dead_at, end_crc) = row
+            if end_digest is not None and (crc := _end_crc(tid, end_digest, reward, metadata)) != end_crc:
+                raise StoreCorrupted(f"{self.db_path}: trajectories row {tid!r}: CRC mismatch over its end (digest, "
+                                     f"reward, metadata): stored {end_crc}, computed {crc}")
             rows[tid] = StoredTrajectory(
                 tid, state, gid, gsize, sidx, updated, end_digest,
                 msgpack.unpackb(reward) if reward is not None else None,
@@ -557,8 +583,9 @@ class Store:
                 elif kind is OpenTrajectory and not effect.replaces:
                     rows.opens.append((effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at))
                 elif kind is EndTrajectory:
-                    rows.ends.append((effect.at, effect.digest, msgpack.packb(effect.reward), msgpack.packb(effect.metadata),
-                                      self._take_ready_seq(), effect.trajectory_id))
+                    reward, metadata = msgpack.packb(effect.reward), msgpack.packb(effect.metadata)
+                    rows.ends.append((effect.at, effect.digest, reward, metadata, self._take_ready_seq(),
+                                      _end_crc(effect.trajectory_id, effect.digest, reward, metadata), effect.trajectory_id))
                 elif kind is Forget:
                     rows.forgets.append((effect.trajectory_id, effect.dedup_until))
                 else:

@@ -5,6 +5,7 @@ import os
 import sqlite3
 import struct
 
+import msgpack
 import numpy as np
 import pytest
 from broker_helpers import abort_msg, end_msg, turn_msg
@@ -268,18 +269,27 @@ def test_replay_arrays_survive(tmp_path, store):
     store2.close()
 
 
-def test_a_version_2_store_opens_and_becomes_version_3(tmp_path):
+@pytest.mark.parametrize("version", [2, 3])
+def test_an_older_store_opens_and_becomes_version_4_with_its_ends_checked(tmp_path, version):
     store = Store(tmp_path / "data")
     store.open()
-    store.db.execute("UPDATE meta SET value=2 WHERE key='schema_version'")
+    drive(MergeEngine(), store, [turn_msg("t", 0), end_msg("t", reward=0.25, metadata={"k": 1})])
+    store.db.execute("ALTER TABLE trajectories DROP COLUMN end_crc")  # as versions 2 and 3 stored it
+    store.db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (version,))
     store.close()
     store = Store(tmp_path / "data")
-    store.open()
-    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 3
+    (ended,) = store.open().trajectories
+    assert (ended.reward, ended.metadata) == (0.25, {"k": 1})
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 4
+    store.db.execute("UPDATE trajectories SET reward=? WHERE id='t'", (msgpack.packb(0.75),))
     store.db.execute("UPDATE meta SET value=1 WHERE key='schema_version'")
     store.close()
-    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3"):
+    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4"):
         Store(tmp_path / "data").open()
+    store = Store(tmp_path / "data")
+    store.db.execute("UPDATE meta SET value=4 WHERE key='schema_version'")
+    with pytest.raises(StoreCorrupted, match="trajectories row 't': CRC mismatch over its end"):
+        store.open()
 
 
 def test_a_received_crc_makes_the_record_crc_without_a_second_pass(tmp_path, store, monkeypatch):

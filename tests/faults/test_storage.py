@@ -9,6 +9,7 @@ import json
 import os
 import resource
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -278,3 +279,25 @@ def test_a_file_size_limit_answers_unavailable_keeps_what_it_acked_and_recovers_
         assert status["ready"] + status["leased"] == 0 and status["open"] == 0  # every ack the consumer saw was durable
     finally:
         broker.proc.kill()
+
+
+def test_a_flipped_byte_of_a_stored_reward_is_reported_at_start(tmp_path):
+    """State kept only in SQLite (an ended trajectory's reward and metadata)
+    is checked like the segment records: one flipped byte of a reward is
+    reported with its table and trajectory instead of being delivered."""
+    with BrokerProcess(tmp_path) as broker:
+        producer = dealer(broker.producer)
+        assert call(producer, turn("t", 0)).type == "ack"
+        reward = encode(PRODUCER_TO_BROKER, "end", {"seq": 1, "trajectory_id": "t", "reward": 0.5,
+                                                     "metadata": {"judge": "ok"}})
+        assert call(producer, reward).type == "ack"
+        broker.terminate()
+    db = sqlite3.connect(broker.data_dir / "state.sqlite")
+    (blob,) = db.execute("SELECT reward FROM trajectories WHERE id='t'").fetchone()
+    flipped = bytearray(blob)
+    flipped[-1] ^= 0x01  # 0.5 becomes another float: still valid msgpack
+    db.execute("UPDATE trajectories SET reward=? WHERE id='t'", (bytes(flipped),))
+    db.commit()
+    db.close()
+    with pytest.raises(RuntimeError, match=r"state\.sqlite.*trajectories row 't'.*CRC mismatch"):
+        broker.start()
