@@ -13,6 +13,7 @@ COMMANDS = {
     "broker": "rollstream.broker.cli:broker",
     "status": "rollstream.broker.cli:status",
     "requeue": "rollstream.broker.cli:requeue",
+    "salvage": "rollstream.broker.cli:salvage",
     "producer": "rollstream.producer.cli:producer",
     "consume": "rollstream.consumer.cli:consume",
 }
@@ -43,6 +44,8 @@ def main() -> None:
 @click.option("--group-size", default=4, show_default=True, help="Samples per prompt (one group).")
 @click.option("--batch-size", default=4, show_default=True, help="Groups per training batch.")
 @click.option("--abort-rate", default=0.1, show_default=True, help="Chance a later turn aborts without supports (a replay gap).")
+@click.option("--retry-rate", default=0.1, show_default=True, help="Chance a trajectory outside a group (--group-size 1) "
+              "is discarded (abort) after its first turn and produced again.")
 @click.option("--dp-size", default=2, show_default=True, help="Trainer ranks (DistributedConsumer over gloo, CPU).")
 @click.option("--chaos", is_flag=True, help="SIGKILL and restart the broker (3 times), a producer and the trainer's "
               "source rank during the run; the checker must still find nothing wrong.")

@@ -240,6 +240,7 @@ class Counts:
     merged: int = 0
     delivered: int = 0
     committed: int = 0
+    retried: int = 0  # trajectories discarded by an `abort` and produced again (not a stage)
 
 
 class Pipeline:
@@ -263,11 +264,13 @@ class Pipeline:
         self._counters = _BrokerCounters()
 
     def add_producer(self, index: int, *, trajectories: int, turns: int = 3, group_size: int = 4,
-                     abort_rate: float = 0.1, endpoint: str | None = None, extra: tuple[str, ...] = ()) -> int:
+                     abort_rate: float = 0.1, retry_rate: float = 0.1, endpoint: str | None = None,
+                     extra: tuple[str, ...] = ()) -> int:
         """Start synthetic producer `index` (its own id, spool and ledger); its node index."""
         return self.node.producer(
             "--source", "synthetic", "--producer-id", f"demo-producer-{index}", "--trajectories", str(trajectories),
-            "--turns", str(turns), "--group-size", str(group_size), "--abort-rate", str(abort_rate), "--seed",
+            "--turns", str(turns), "--group-size", str(group_size), "--abort-rate", str(abort_rate),
+            "--retry-rate", str(retry_rate), "--seed",
             str(index), "--spool-dir", str(self.node.work / f"spool-{index}"),
             "--ledger", str(self.ledgers / f"producer-{index}.jsonl"),
             *(("--broker-endpoint", endpoint) if endpoint else ()), *extra)
@@ -310,7 +313,7 @@ class Pipeline:
 
 
 def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, group_size: int = 4, batch_size: int = 4,
-             abort_rate: float = 0.1, dp_size: int = 2, chaos: bool = False, timeout: float = 180.0,
+             abort_rate: float = 0.1, retry_rate: float = 0.1, dp_size: int = 2, chaos: bool = False, timeout: float = 180.0,
              keep_data: bool = False, show: Callable[[Counts, list[str]], None] | None = None) -> dict[str, Any]:
     """Run the pipeline until every acknowledged trajectory is committed or
     dead-lettered (or `timeout` seconds pass); return the summary, the
@@ -329,7 +332,7 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
         started = time.perf_counter()
         for i in range(producers):
             pipeline.add_producer(i, trajectories=trajectories, turns=turns, group_size=group_size,
-                                  abort_rate=abort_rate,
+                                  abort_rate=abort_rate, retry_rate=retry_rate,
                                   extra=("--rate", "12", "--heartbeat-interval", "0.5") if chaos else ())
 
         def each() -> None:
@@ -345,7 +348,7 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
             show(pipeline.counts, faults.done if faults else [])
         work = node.work
     return _summary(pipeline.records, report, pipeline.dead, seconds, drained=drained, faults=faults, dp_size=dp_size,
-                    kept=work if keep_data else None)
+                    retried=pipeline.counts.retried, kept=work if keep_data else None)
 
 
 class _BrokerCounters:
@@ -382,6 +385,7 @@ def _count(progress: Counts, records: list[dict], counters: Counter) -> None:
     progress.committed = len({r["id"] for r in records if r["kind"] == "committed"})
     progress.merged = counters["frames.end.applied"]
     progress.delivered = counters["trajectories.delivered"]
+    progress.retried = counters["trajectories.aborted"]
 
 
 def inject_due(faults: Chaos, pipeline: Pipeline, plan: int, group_size: int) -> None:
@@ -417,7 +421,7 @@ def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
 
 
 def _summary(records: list[dict], report, dead: list[dict], seconds: float, *, drained: bool, faults: Chaos | None,
-             dp_size: int, kept: Path | None) -> dict[str, Any]:
+             dp_size: int, retried: int, kept: Path | None) -> dict[str, Any]:
     committed: dict[str, dict] = {}
     for record in records:
         if record["kind"] == "committed":
@@ -435,6 +439,7 @@ def _summary(records: list[dict], report, dead: list[dict], seconds: float, *, d
         "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0,
         "dp_size": dp_size,
         "replay_gaps": dict(Counter(r["gap"][1] for r in committed.values() if r.get("gap"))),
+        "retried": retried,
         "dead_letters": dict(Counter(item.get("reason") or "unknown" for item in dead)),
         "csr_bytes": csr_bytes,
         "padded_bytes": 4 * TOP_K * tokens,
@@ -494,11 +499,14 @@ def summary_table(summary: dict[str, Any]):
         ("ack latency", f"p50 {seconds(summary['ack_latency_p50_s'])}, p99 {seconds(summary['ack_latency_p99_s'])}"),
         ("end to end", f"p50 {seconds(summary['e2e_latency_p50_s'])}, p99 {seconds(summary['e2e_latency_p99_s'])} "
                        "(end sent to batch committed)"),
+        ("retried", f"{summary['retried']} trajectories discarded after a turn (abort) and produced again"),
         ("faults injected", ", ".join(summary["faults"]) or "none"),
         ("redelivered", f"{summary['redelivered']} hand-outs again after a lost consumer"),
         ("checker", "  ".join(f"{name} {summary[name]}" for name in ("lost", "duplicated", "partial", "corrupted", "unseen"))
                     + ("" if summary["drained"] else "  (not drained before the timeout)")),
     ]
+    if not summary["retried"]:
+        rows = [row for row in rows if row[0] != "retried"]
     if "data_kept_in" in summary:
         rows.append(("data kept in", summary["data_kept_in"]))
     for name, value in rows:

@@ -41,6 +41,8 @@ HELP = {
     "top_p": "Top-p (nucleus) truncation.",
     "min_p": "Min-p truncation.",
     "abort_rate": "Synthetic: chance that a later turn is aborted without supports (a replay gap).",
+    "retry_rate": "Synthetic: chance that a trajectory outside a group is discarded (abort) after its first turn and "
+                  "produced again from turn 0.",
     "sglang_url": "Base URL of the SGLang-compatible server (POST {url}/generate).",
     "sglang_timeout": "Seconds one /generate call may take.",
     "prompts": "sglang: JSON-lines file of prompts ({\"input_ids\": [...]} per line); default: random prompts.",

@@ -702,8 +702,8 @@ class AsyncTrajectory:
     def _record(self, draft: _Draft, ledger: Ledger) -> None:
         """Under the producer's lock, as a draft is accepted: a turn's digest
         goes on from the turn before it (a corrected turn replaces a refused
-        one), an `end` writes the trajectory's `sent` record, an `abort`
-        starts it afresh."""
+        one, and turn 0 after an `abort` starts afresh), an `end` writes the
+        trajectory's `sent` record."""
         if draft.kind == TURN:
             if not self._digests:
                 self._digests.append(ContentDigest(self.prompt_tokens))
@@ -715,9 +715,6 @@ class AsyncTrajectory:
             prompt = (self._digests[0] if self._digests else ContentDigest(self.prompt_tokens)).hexdigest()
             ledger.write("sent", id=self.trajectory_id, producer=self.producer.producer_id, prompt=prompt,
                          turns=[list(record) for record in self._turn_records[:draft.index]])
-        else:
-            self._digests.clear()
-            self._turn_records.clear()
 
     # -- drafts (any thread) ---------------------------------------------------
     def _turn_draft(self, turn: Turn, metadata: Mapping[str, Any] | None) -> _Draft:

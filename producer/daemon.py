@@ -38,6 +38,7 @@ def check(settings: ProducerSettings) -> None:
         ("trajectories", settings.trajectories >= 0, ">= 0 (0: no limit)"),
         ("rate", settings.rate >= 0, ">= 0 (0: unpaced)"),
         ("abort_rate", 0 <= settings.abort_rate <= 1, "in [0, 1]"),
+        ("retry_rate", 0 <= settings.retry_rate <= 1, "in [0, 1]"),
         ("vocab_size", settings.vocab_size >= 3, ">= 3"),
         ("prompt_tokens", settings.prompt_tokens >= 1, ">= 1"),
         ("response_tokens", settings.response_tokens >= 1, ">= 1"),

@@ -43,6 +43,7 @@ class ProducerSettings:
     top_p: float = 0.95
     min_p: float = 0.0
     abort_rate: float = 0.0
+    retry_rate: float = 0.0
     # sglang
     sglang_url: str = "http://127.0.0.1:30000"
     sglang_timeout: float = 600.0

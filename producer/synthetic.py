@@ -4,7 +4,10 @@ Each turn's tokens are drawn by the real top-k/top-p/min-p sampler over
 Zipf-like logits, so supports have the sizes real truncation gives; tool
 output between turns is forced tokens; `group_size` samples share a prompt;
 with `abort_rate`, a later turn is sometimes `aborted` without its supports,
-as an engine abort returns, which the broker records as a replay gap.
+as an engine abort returns, which the broker records as a replay gap; with
+`retry_rate`, a trajectory outside a group is sometimes discarded (`abort`)
+after its first turn and produced again from turn 0, as a rollout retried
+after a failure.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from .client import AsyncProducer, AsyncTrajectory
 from .sampler import SamplingParams, ZipfLogits, sample
 from .settings import ProducerSettings
 from .source import ABORTED, ENDED, STOPPING, Job, drive, jobs, retrieve, run_id
+
+RETRY = "retried by the source"
 
 
 def around(rng: np.random.Generator, mean: int) -> int:
@@ -43,6 +48,12 @@ class SyntheticSource:
 
     async def episode(self, traj: AsyncTrajectory, job: Job, stopping: asyncio.Event) -> str:
         s = self.settings
+        # A rollout retried after its first turn. Not a group member: an `abort` makes
+        # a member leave its group (protocol.md, Groups), which may then be released.
+        if job.group_id is None and s.turns > 1 and self.rng.random() < s.retry_rate:
+            drawn = self.turn(around(self.rng, s.response_tokens))
+            retrieve(await traj.turn(drawn.tokens, drawn.log_probs, mask=drawn.mask))
+            retrieve(await traj.abort(RETRY))  # discarded at the broker: the trajectory starts again from turn 0
         for index in range(s.turns):
             if stopping.is_set():
                 retrieve(await traj.abort(STOPPING))

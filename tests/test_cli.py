@@ -15,13 +15,15 @@ CLEAN = {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
 
 
 def test_demo_runs_the_pipeline_end_to_end():
-    out, summary = demo("--producers", "2", "--trajectories", "8", "--group-size", "2", "--batch-size", "2")
+    out, summary = demo("--producers", "2", "--trajectories", "8", "--group-size", "1", "--batch-size", "3",
+                        "--retry-rate", "0.5")
     assert "lost 0  duplicated 0  partial 0  corrupted 0  unseen 0" in out and "committed" in out
     assert {key: summary[key] for key in CLEAN} == CLEAN
     assert summary["trajectories"] == summary["acked"] == summary["committed"] == 16
     assert summary["drained"] and summary["ok"] and summary["faults_injected"] == 0 and summary["dp_size"] == 2
     assert summary["tokens"] > 0 and summary["csr_bytes"] < summary["padded_bytes"]
     assert sum(summary["replay_gaps"].values()) <= 16
+    assert summary["retried"] >= 1 and "retried" in out  # an abort starts it afresh, at the broker and in the ledger
 
 
 def test_demo_with_chaos_kills_and_restarts_every_role_and_the_checker_finds_nothing():
