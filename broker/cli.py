@@ -154,3 +154,26 @@ def requeue(endpoint: str, trajectory_ids: tuple[str, ...]) -> None:
     with AdminClient(endpoint) as admin:
         done = admin.requeue(list(trajectory_ids))
     click.echo(f"requeued {len(done)} of {len(trajectory_ids)}: {' '.join(done)}")
+
+
+@click.command()
+@click.option("--data-dir", default=BrokerSettings.data_dir, show_default=True, type=click.Path(file_okay=False, exists=True),
+              help="Data directory of a stopped broker.")
+def salvage(data_dir: str) -> None:
+    """Keep what a damaged store holds intact and drop the rest: every
+    trajectory whose end row or turn records fail their checks is removed
+    (each one is listed), a torn segment tail is cut, and the broker can
+    start again. Run it only while no broker uses DATA_DIR."""
+    from .store import Store, StoreCorrupted
+
+    store = Store(data_dir)
+    try:
+        dropped = store.salvage()
+        kept = store.open().trajectories
+    except StoreCorrupted as exc:
+        raise click.ClickException(f"cannot salvage {data_dir}: {exc}") from None
+    finally:
+        store.close()
+    for line in dropped:
+        click.echo(line)
+    click.echo(f"salvaged {data_dir}: kept {len(kept)} trajectories, dropped {len(dropped)}")

@@ -18,6 +18,7 @@ retired like any other.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import struct
@@ -331,13 +332,15 @@ class Segments:
     def _checked(data: bytes, location) -> memoryview:
         number, offset, length = location
         if len(data) != RECORD_HEADER.size + length:
-            raise StoreCorrupted(f"segment {number} ends before the record at offset {offset} ({length} bytes)")
+            raise StoreCorrupted(f"segment file seg-{number:08d}.log ends before the record at offset {offset} "
+                                 f"({length} bytes)")
         magic, stored_length, crc = RECORD_HEADER.unpack_from(data)
         payload = memoryview(data)[RECORD_HEADER.size :]
         if magic != RECORD_MAGIC or stored_length != length:
-            raise StoreCorrupted(f"segment {number} record at offset {offset}: bad header (magic {magic:#x}, length {stored_length})")
+            raise StoreCorrupted(f"segment file seg-{number:08d}.log, record at offset {offset}: bad header (magic "
+                                 f"{magic:#x}, expected {RECORD_MAGIC:#x}; length {stored_length}, expected {length})")
         if crc32_of([payload]) != crc:
-            raise StoreCorrupted(f"segment {number} record at offset {offset}: CRC mismatch")
+            raise StoreCorrupted(f"segment file seg-{number:08d}.log, record at offset {offset}: CRC mismatch")
         return payload
 
     def verify(self, locations: Iterable[tuple[int, int, int]]) -> None:
@@ -409,26 +412,9 @@ class Store:
     # -- start-up -----------------------------------------------------------
     def open(self) -> "Recovered":
         """Check integrity, cut a torn tail, and return what was stored."""
-        db = self.db
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute(f"PRAGMA synchronous={'FULL' if self.sync == 'full' else 'NORMAL'}")
-            db.execute(f"PRAGMA journal_size_limit={16 << 20}")  # the WAL shrinks back after checkpoints
-            result = db.execute("PRAGMA quick_check").fetchone()[0]
-            if result != "ok":
-                raise StoreCorrupted(f"{self.db_path} failed its integrity check: {result}")
-            db.executescript(_SCHEMA)
-            version = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if version is None:
-                db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
-            elif int(version[0]) not in _READABLE_VERSIONS:
-                raise StoreCorrupted(f"{self.db_path} has schema version {version[0]}, this broker reads "
-                                     f"{' or '.join(map(str, _READABLE_VERSIONS))}")
-            elif int(version[0]) != SCHEMA_VERSION:
-                self._upgrade()
+        with self._readable():
+            self._prepare()
             recovered = self.reload()
-        except sqlite3.DatabaseError as exc:
-            raise StoreCorrupted(f"{self.db_path} is not a readable rollstream store: {exc}") from None
 
         trajectories = recovered.trajectories
         locations = [t.location for traj in trajectories for t in traj.turns if t.location]
@@ -443,6 +429,60 @@ class Store:
                 self.segments.remove(number)
         self._next_ready_seq = 1 + max((t.ready_seq or 0 for t in trajectories), default=0)
         return recovered
+
+    @contextlib.contextmanager
+    def _readable(self):
+        """SQLite's own errors on a damaged file, as `StoreCorrupted`."""
+        try:
+            yield
+        except sqlite3.DatabaseError as exc:
+            raise StoreCorrupted(f"{self.db_path} is not a readable rollstream store: {exc}") from None
+
+    def _prepare(self) -> None:
+        """Pragmas, SQLite's quick_check, the schema and its version."""
+        db = self.db
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={'FULL' if self.sync == 'full' else 'NORMAL'}")
+        db.execute(f"PRAGMA journal_size_limit={16 << 20}")  # the WAL shrinks back after checkpoints
+        result = db.execute("PRAGMA quick_check").fetchone()[0]
+        if result != "ok":
+            raise StoreCorrupted(f"{self.db_path} failed its integrity check: {result}")
+        db.executescript(_SCHEMA)
+        version = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if version is None:
+            db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
+        elif int(version[0]) not in _READABLE_VERSIONS:
+            raise StoreCorrupted(f"{self.db_path} has schema version {version[0]}, this broker reads "
+                                 f"{' or '.join(map(str, _READABLE_VERSIONS))}")
+        elif int(version[0]) != SCHEMA_VERSION:
+            self._upgrade()
+
+    def salvage(self) -> list[str]:
+        """Drop every trajectory the store cannot give back intact (an end
+        row whose CRC fails, a turn record that is missing, cut short or
+        fails its CRC, turn rows without their trajectory) and keep the
+        rest; returns one line per thing dropped. `open` then starts on
+        what is left. Damage SQLite itself reports (its quick_check) is not
+        salvaged here: SQLite's `.recover` is the tool for that."""
+        with self._readable():
+            self._prepare()
+            damaged: dict[str, str] = {}
+            trajectories = self._load_trajectories(damaged=damaged)
+            for traj in trajectories:
+                for turn in traj.turns:
+                    if turn.location is None:
+                        continue
+                    try:
+                        self.segments.read(turn.location)
+                    except (StoreCorrupted, OSError) as exc:
+                        damaged[traj.trajectory_id] = f"turn {turn.turn}: {exc}"
+                        break
+            db = self.db
+            db.execute("BEGIN")
+            _delete_turns(db, list(damaged))
+            db.executemany("DELETE FROM trajectories WHERE id=?", [(tid,) for tid in damaged])
+            db.execute("COMMIT")
+        return [f"dropped trajectory {tid!r}: {reason}" for tid, reason in damaged.items()]
 
     def _upgrade(self) -> None:
         """A version 2 or 3 store becomes version 4: its ended rows get the
@@ -471,7 +511,11 @@ class Store:
             raise KeyError(f"trajectory {trajectory_id!r} is not in the store")
         return found[0]
 
-    def _load_trajectories(self, where: str = "", args: tuple = ()) -> list[StoredTrajectory]:
+    def _load_trajectories(self, where: str = "", args: tuple = (), *,
+                           damaged: dict[str, str] | None = None) -> list[StoredTrajectory]:
+        """Rows as stored, each end checked against its CRC; a damaged one
+        raises `StoreCorrupted`, or with `damaged` is named there (with the
+        reason) and left out."""
         rows = {}
         for row in self.db.execute(
             "SELECT id, state, group_id, group_size, sample_index, updated_at, end_digest, reward, metadata, "
@@ -480,8 +524,12 @@ class Store:
             (tid, state, gid, gsize, sidx, updated, end_digest, reward, metadata, ready_seq, gap_turn, gap_field,
              dead_reason, dead_at, end_crc) = row
             if end_digest is not None and (crc := _end_crc(tid, end_digest, reward, metadata)) != end_crc:
-                raise StoreCorrupted(f"{self.db_path}: trajectories row {tid!r}: CRC mismatch over its end (digest, "
-                                     f"reward, metadata): stored {end_crc}, computed {crc}")
+                error = (f"{self.db_path}: trajectories row {tid!r}: CRC mismatch over its end (digest, reward, "
+                         f"metadata): stored {end_crc}, computed {crc}")
+                if damaged is None:
+                    raise StoreCorrupted(error)
+                damaged[tid] = error
+                continue
             rows[tid] = StoredTrajectory(
                 tid, state, gid, gsize, sidx, updated, end_digest,
                 msgpack.unpackb(reward) if reward is not None else None,
@@ -494,7 +542,10 @@ class Store:
             + turn_where + " ORDER BY trajectory_id, turn", args
         ):
             if tid not in rows:
-                raise StoreCorrupted(f"turn {turn} refers to trajectory {tid!r}, which has no state row")
+                if damaged is None:
+                    raise StoreCorrupted(f"turn {turn} refers to trajectory {tid!r}, which has no state row")
+                damaged.setdefault(tid, f"turn {turn} has no state row")
+                continue
             stored = rows[tid]
             stored.turns.append(StoredTurn(turn, digest or None, bool(applied), reason,  # empty: from the record
                                            (seg, off, length) if seg is not None else None))

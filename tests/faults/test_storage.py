@@ -301,3 +301,45 @@ def test_a_flipped_byte_of_a_stored_reward_is_reported_at_start(tmp_path):
     db.close()
     with pytest.raises(RuntimeError, match=r"state\.sqlite.*trajectories row 't'.*CRC mismatch"):
         broker.start()
+
+
+def test_a_damaged_store_is_named_at_start_and_salvage_keeps_what_is_intact(tmp_path):
+    """One record of a segment flipped, another segment cut short: the
+    broker refuses to start, naming the file and the offset; `rollstream
+    salvage` drops the two trajectories they held, lists them, and the
+    broker then delivers the other ones whole."""
+    with BrokerProcess(tmp_path, segment_bytes=100_000) as broker:
+        producer = dealer(broker.producer)
+        for i in range(8):  # about 36 KB each: three segments
+            assert call(producer, turn(f"t{i}", 2 * i)).type == "ack"
+            assert call(producer, end(f"t{i}", 2 * i + 1)).type == "ack"
+        broker.terminate()
+    db = sqlite3.connect(broker.data_dir / "state.sqlite")
+    where = dict(db.execute("SELECT trajectory_id, segment || ':' || offset FROM turns"))
+    db.close()
+    segment, offset = map(int, where["t1"].split(":"))
+    path = broker.data_dir / "segments" / f"seg-{segment:08d}.log"
+    data = bytearray(path.read_bytes())
+    data[offset + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match=rf"refusing to start: segment file {path.name}, record at offset {offset}: "
+                                           "CRC mismatch"):
+        broker.start()
+
+    last = max(int(w.split(":")[0]) for w in where.values())
+    cut = [tid for tid, w in where.items() if int(w.split(":")[0]) == last]
+    tail = broker.data_dir / "segments" / f"seg-{last:08d}.log"
+    tail.write_bytes(tail.read_bytes()[:-1000])  # the newest segment cut short: its last record loses its end
+    result = subprocess.run(rollstream("salvage", "--data-dir", str(broker.data_dir)), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    dropped = {cut[-1], "t1"}
+    for tid in dropped:
+        assert f"dropped trajectory {tid!r}" in result.stdout
+    assert f"kept {8 - len(dropped)} trajectories, dropped {len(dropped)}" in result.stdout
+
+    with broker:
+        drain = Drain(broker)
+        intact = {f"t{i}" for i in range(8)} - dropped
+        drain.pump(30, lambda: drain.delivered >= intact and not drain.unacked)
+        assert drain.delivered == intact and not drain.unacked
