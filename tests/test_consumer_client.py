@@ -199,3 +199,4 @@ def test_partial_after_hands_out_the_tail_of_a_run_smaller_but_never_empty(broke
         batch = consumer.next_batch(timeout=10, partial_after=0.2)
         assert batch.trajectory_ids == ("a", "b")
         consumer.commit(batch)
+        broker.reply("acked", {"leases": broker.expect("ack")["leases"]})
