@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import zmq
 from broker_process import BrokerProcess
+from faults.fuzz_frames import batch_frames
 
 I32, I64, F32, U8 = "<i4", "<i8", "<f4", "u1"
 
@@ -346,16 +347,8 @@ def test_packed_turns_are_read_and_packed_deliveries_go_to_consumers_that_ask(br
 
 
 def batch(*messages):
-    """Messages in one `batch`: each header as a bin with the lengths of its
-    frames, the frames end to end in the body, each at a multiple of 8."""
-    entries, body = [], b""
-    for message in messages:
-        lengths = []
-        for frame in message[1:]:
-            body += bytes(-len(body) % 8) + frame
-            lengths.append(len(frame))
-        entries.append([message[0], lengths])
-    return [msgpack.packb({"v": 1, "type": "batch", "messages": entries}), body]
+    """Messages in one `batch` (the fuzz's raw builder, also free of rollstream imports)."""
+    return batch_frames(list(messages))
 
 
 def test_a_batch_is_handled_as_its_messages_one_after_another_each_answered_by_its_seq(broker):
