@@ -21,10 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +31,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1].parent / "shared" / "bench"))
 import raw_relay  # noqa: E402
+from procs import Broker, peak_rss  # noqa: E402
 from rollstream.common.codec import decode, encode  # noqa: E402
 from rollstream.common.mask import SamplingMask  # noqa: E402
 from rollstream.common.messages import (  # noqa: E402
@@ -42,7 +40,6 @@ from rollstream.common.messages import (  # noqa: E402
     CONSUMER_TO_BROKER,
     PRODUCER_TO_BROKER,
 )
-from rollstream.common.sockets import free_loopback_ports  # noqa: E402
 from rollstream.common.trajectory import Turn  # noqa: E402
 from rollstream.common.wire import encode_turn  # noqa: E402
 
@@ -147,32 +144,15 @@ def _consumer(endpoint, trajectories, credit, out):
     ctx.term()
 
 
-def _peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def run_broker(shape: tuple, n_turns: int, window: int, sync: str) -> dict:
-    data = tempfile.mkdtemp(prefix="rollstream-bench-")
-    ports = free_loopback_ports(3)
-    endpoints = [f"tcp://127.0.0.1:{p}" for p in ports]
-    broker = subprocess.Popen(
-        [sys.executable, "-m", "rollstream.common.cli", "broker", "--producer-endpoint", endpoints[0],
-         "--consumer-endpoint", endpoints[1], "--admin-endpoint", endpoints[2], "--data-dir", data,
-         "--metrics-port", "0", "--sync", sync, "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    broker = Broker(None, ["--sync", sync])
     try:
-        time.sleep(1.0)
         out = mp.Queue()
         trajectories = n_turns // TURNS_PER_TRAJECTORY
-        consumer = mp.Process(target=_consumer, args=(endpoints[1], trajectories, 32, out))
+        consumer = mp.Process(target=_consumer, args=(broker.consumer, trajectories, 32, out))
         consumer.start()
         time.sleep(0.3)
-        producer = mp.Process(target=_producer, args=(endpoints[0], shape, window, out))
+        producer = mp.Process(target=_producer, args=(broker.producer, shape, window, out))
         producer.start()
         results = dict((item[0], item[1:]) for item in (out.get(timeout=600), out.get(timeout=600)))
         producer.join()
@@ -181,11 +161,9 @@ def run_broker(shape: tuple, n_turns: int, window: int, sync: str) -> dict:
         # from its first message too) to the consumer's last delivery.
         # perf_counter is the system-wide monotonic clock on Linux.
         seconds = results["consumer"][0] - results["producer"][0]
-        rss = _peak_rss(broker.pid)
+        rss = peak_rss(broker.pid)
     finally:
-        broker.terminate()
-        broker.wait(30)
-        shutil.rmtree(data, ignore_errors=True)
+        broker.close()
     _, acked, refused = results["producer"]
     assert refused == 0, f"{refused} frames were refused"
     return {

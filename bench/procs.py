@@ -30,21 +30,29 @@ def peak_rss(pid: int) -> int:
 
 
 class Broker:
-    """`rollstream broker` on loopback TCP with its own data directory."""
+    """`rollstream broker` on loopback TCP ports the system picks (read back
+    from its endpoints file once it answers), with its own data directory."""
 
-    def __init__(self, vocab_size: int, extra_args: list[str] = ()):
-        from rollstream.common.sockets import free_loopback_ports
+    def __init__(self, vocab_size: int | None, extra_args: list[str] = ()):
+        from rollstream.broker.admin import ask_status
 
         self.data = tempfile.mkdtemp(prefix="rollstream-bench-")
-        ports = free_loopback_ports(3)
-        self.producer, self.consumer, self.admin = (f"tcp://127.0.0.1:{port}" for port in ports)
+        endpoints_file = str(Path(self.data) / "endpoints.json")
+        any_port = "tcp://127.0.0.1:0"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rollstream.common.cli", "broker", "--producer-endpoint", self.producer,
-             "--consumer-endpoint", self.consumer, "--admin-endpoint", self.admin, "--data-dir", self.data,
-             "--vocab-size", str(vocab_size), "--metrics-port", "0", "--log-level", "warning", *extra_args],
+            [sys.executable, "-m", "rollstream.common.cli", "broker", "--producer-endpoint", any_port,
+             "--consumer-endpoint", any_port, "--admin-endpoint", any_port, "--endpoints-file", endpoints_file,
+             "--data-dir", str(Path(self.data) / "data"), "--metrics-port", "0", "--log-level", "warning",
+             *(["--vocab-size", str(vocab_size)] if vocab_size else []), *extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         self.pid = self.process.pid
+        try:
+            status, _ = ask_status(None, endpoints_file=endpoints_file, wait=60.0)
+        except BaseException:
+            self.close()
+            raise
+        self.producer, self.consumer, self.admin = (status["endpoints"][name] for name in ("producer", "consumer", "admin"))
 
     def close(self) -> None:
         import shutil

@@ -1,8 +1,6 @@
 """Socket options every rollstream socket sets (PROTOCOL.md §1)."""
 from __future__ import annotations
 
-import socket
-
 import zmq
 
 # The compiled send under pyzmq's Python wrapper, whose per-call handling
@@ -73,19 +71,6 @@ def recv_routed(sock: zmq.Socket, flags: int = zmq.NOBLOCK) -> list:
         frame = sock.recv(flags, copy=False)
         frames.append(frame.buffer if len(frame) > SHARED_RECEIVE_BUFFER_BYTES else frame.bytes)
     return frames
-
-
-def free_loopback_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports free on 127.0.0.1 right now (all held open
-    while choosing, so none is picked twice)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def send_frames(sock: zmq.Socket, frames: list, *, identity: bytes | None = None,

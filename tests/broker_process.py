@@ -2,6 +2,7 @@
 integration tests. Readiness is checked with a raw admin `status` call."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -32,12 +33,21 @@ class BrokerProcess:
         return args
 
     def start(self, timeout: float = 30.0, preexec_fn=None) -> "BrokerProcess":
+        """Start it and wait until it answers; with an `endpoints_file` flag
+        (port 0 endpoints), the endpoints are then the ones it bound."""
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.log()}")
+            endpoints_file = self.flags.get("endpoints_file")
+            if endpoints_file is not None:
+                if not Path(endpoints_file).exists():
+                    time.sleep(0.05)
+                    continue
+                bound = json.loads(Path(endpoints_file).read_text())
+                self.producer, self.consumer, self.admin = bound["producer"], bound["consumer"], bound["admin"]
             try:
                 self.status(timeout=0.5)
                 return self

@@ -15,7 +15,6 @@ from rollstream.common.messages import (
     CONSUMER_TO_BROKER,
     PRODUCER_TO_BROKER,
 )
-from rollstream.common.sockets import free_loopback_ports
 from rollstream.common.trajectory import Turn
 from rollstream.common.wire import encode_turn
 
@@ -120,10 +119,11 @@ def test_idle_open_trajectory_expires_to_dead_letters(tmp_path):
 
 
 def test_tcp_endpoints(tmp_path):
-    ports = free_loopback_ports(3)
-    broker = BrokerProcess(tmp_path)
-    broker.producer, broker.consumer, broker.admin = (f"tcp://127.0.0.1:{p}" for p in ports)
+    broker = BrokerProcess(tmp_path, endpoints_file=tmp_path / "endpoints.json")
+    broker.producer = broker.consumer = broker.admin = "tcp://127.0.0.1:0"  # the system picks; the file says which
     with broker:
+        assert all(endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0")
+                   for endpoint in (broker.producer, broker.consumer, broker.admin))
         produce(dealer(broker.producer), "t", 1)
         delivery = recv(consumer(broker.consumer, "tcp", 1), BROKER_TO_CONSUMER)
         assert delivery["trajectory_id"] == "t"

@@ -11,15 +11,23 @@ from rollstream.broker.settings import BrokerSettings
 from rollstream.common.codec import decode, encode
 from rollstream.common.config import load_toml
 from rollstream.common.messages import BROKER_TO_PRODUCER, PRODUCER_TO_BROKER
-from rollstream.common.sockets import free_loopback_ports
 from rollstream.common.trajectory import Turn
 from rollstream.common.wire import encode_turn
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def free_http_port() -> int:
+    """A port free on 127.0.0.1 now, for the metrics endpoint (`--metrics-port 0`
+    turns metrics off, so it cannot be left to the system as the broker's
+    ZeroMQ endpoints are)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_metrics_endpoint_and_trajectory_ids_in_logs(tmp_path):
-    (port,) = free_loopback_ports(1)
+    port = free_http_port()
     with BrokerProcess(tmp_path, metrics_port=port) as broker:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
