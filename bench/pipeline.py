@@ -50,6 +50,8 @@ from pathlib import Path
 import numpy as np
 from procs import Broker, peak_rss, thread_cpu
 
+from rollstream.common.checker import check, read_records
+
 SHARED_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "bench"
 PEER_TQ = SHARED_BENCH / "peer_tq.py"
 VOCAB = 151_936
@@ -109,7 +111,7 @@ def digest(arrays: dict) -> str:
 
 
 # -- the processes --------------------------------------------------------------
-def _producer_main(conn, endpoint: str, samples: int, share: range, turns: int, client: str) -> None:
+def _producer_main(conn, endpoint: str, samples: int, share: range, turns: int, client: str, ledger: str | None) -> None:
     from rollstream.producer import AsyncProducer, Producer
 
     data = workload(samples)
@@ -133,7 +135,7 @@ def _producer_main(conn, endpoint: str, samples: int, share: range, turns: int, 
         return first, ends, frames
 
     if client == "blocking":
-        with Producer(endpoint, producer_id) as producer:
+        with Producer(endpoint, producer_id, ledger=ledger) as producer:
             conn.send("ready")
             while (tag := conn.recv()) is not None:
                 cpu = time.process_time()
@@ -143,7 +145,7 @@ def _producer_main(conn, endpoint: str, samples: int, share: range, turns: int, 
         return
 
     async def run() -> None:
-        async with AsyncProducer(endpoint, producer_id) as producer:
+        async with AsyncProducer(endpoint, producer_id, ledger=ledger) as producer:
             loop = asyncio.get_running_loop()
             conn.send("ready")
             while (tag := await loop.run_in_executor(None, conn.recv)) is not None:
@@ -165,10 +167,10 @@ def _producer_main(conn, endpoint: str, samples: int, share: range, turns: int, 
     asyncio.run(run())
 
 
-def _consumer_main(conn, endpoint: str, batch_size: int) -> None:
+def _consumer_main(conn, endpoint: str, batch_size: int, ledger: str | None) -> None:
     from rollstream.consumer import Consumer
 
-    with Consumer(endpoint, batch_size=batch_size, vocab_size=VOCAB, device="cpu") as consumer:
+    with Consumer(endpoint, batch_size=batch_size, vocab_size=VOCAB, device="cpu", ledger=ledger) as consumer:
         conn.send("ready")
         while (job := conn.recv()) is not None:
             tag, expected = job
@@ -201,21 +203,25 @@ class Rollstream:
     for a round of reps (each rep sends fresh trajectory ids)."""
 
     def __init__(self, samples: int, turns: int, producers: int, batch_size: int, client: str,
-                 broker_args: list[str] = ()):
+                 broker_args: list[str] = (), ledgers: bool = False):
         self.samples, self.turns = samples, turns
         self.broker = Broker(VOCAB, broker_args)
         endpoints = [self.broker.producer, self.broker.consumer]
         ctx = mp.get_context("spawn")
         self.children = []
         self.consumer, child = ctx.Pipe()
-        self.children.append(ctx.Process(target=_consumer_main, args=(child, endpoints[1], batch_size), daemon=True))
+        self.ledgers = Path(self.broker.data) / "ledgers" if ledgers else None
+        ledger = (lambda name: str(self.ledgers / f"{name}.jsonl")) if ledgers else (lambda name: None)
+        self.children.append(ctx.Process(target=_consumer_main, args=(child, endpoints[1], batch_size, ledger("consumer")),
+                                         daemon=True))
         self.producers = []
         per = -(-samples // producers)
         for p in range(producers):
             share = range(p * per, min(samples, (p + 1) * per))
             parent, child = ctx.Pipe()
             self.producers.append(parent)
-            self.children.append(ctx.Process(target=_producer_main, args=(child, endpoints[0], samples, share, turns, client),
+            self.children.append(ctx.Process(target=_producer_main, args=(child, endpoints[0], samples, share, turns, client,
+                                                                          ledger(f"producer-{p}")),
                                              daemon=True))
         for process in self.children:
             process.start()
@@ -242,6 +248,13 @@ class Rollstream:
         return {"seconds": last - first, "producer_cpu": sum(s["cpu"] for s in sent), "broker_cpu": broker_cpu,
                 "consumer_cpu": got["cpu"], "frames": frames, "p50": latencies[len(latencies) // 2],
                 "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], "verified": verified}
+
+    def checked(self) -> dict[str, int] | None:
+        """With ledgers: the end-to-end checker over every rep so far (each
+        acked trajectory committed once, byte-equal by its digest)."""
+        if self.ledgers is None:
+            return None
+        return check(read_records([self.ledgers])).counts()
 
     def peak_rss(self) -> dict:
         return {"producer": sum(peak_rss(p.pid) for p in self.children[1:]),
@@ -279,6 +292,8 @@ def main() -> None:
     parser.add_argument("--client", choices=("async", "blocking"), default="async")
     parser.add_argument("--modes", default="1,8", help="turns per sample to run, comma-separated")
     parser.add_argument("--tq-python", help="python of a virtualenv with transferqueue 0.1.11 and psutil")
+    parser.add_argument("--ledgers", action="store_true", help="producers and consumer keep ledgers; the end-to-end "
+                        "checker must find nothing (its cost is in the CPU figures)")
     parser.add_argument("--broker-arg", action="append", default=[], help="an extra `rollstream broker` argument (repeatable)")
     args = parser.parse_args()
     modes = [int(m) for m in args.modes.split(",")]
@@ -294,6 +309,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {f"t{m}": [] for m in modes}
     tq_seconds, tq_rss, tq_verified = [], [], True
     rss: dict[str, dict] = {}
+    checker_problems = 0
     for round_index in range(args.rounds):
         if args.tq_python:
             tq = run_tq(args.tq_python, args.reps, args.samples)
@@ -303,13 +319,18 @@ def main() -> None:
             print(f"round {round_index}: TransferQueue {' '.join(f'{s:.3f}' for s in tq['seconds'])} s")
         for mode in modes:
             key = f"t{mode}"
-            system = Rollstream(args.samples, mode, args.producers, args.batch_size, args.client, args.broker_arg)
+            system = Rollstream(args.samples, mode, args.producers, args.batch_size, args.client, args.broker_arg,
+                                args.ledgers)
             try:
                 system.rep(f"r{round_index}-{key}-warmup", expected)
                 reps = [system.rep(f"r{round_index}-{key}-{rep}", expected) for rep in range(args.reps)]
                 peak = system.peak_rss()
+                verdict = system.checked()
             finally:
                 system.close()
+            if verdict is not None:
+                checker_problems += sum(verdict.values())
+                print(f"round {round_index}: checker on {key}: " + "  ".join(f"{k} {v}" for k, v in verdict.items()))
             runs[key] += reps
             rss[key] = {name: max(value, rss.get(key, {}).get(name, 0)) for name, value in peak.items()}
             print(f"round {round_index}: rollstream {key} " + " ".join(f"{r['seconds']:.3f}" for r in reps) + " s"
@@ -349,7 +370,9 @@ def main() -> None:
         summary[f"rs_peak_rss_mb_{key}"] = round(total_rss, 1)
     summary["p99_latency_s"] = max(v for k, v in summary.items() if k.startswith("p99_latency_s_"))
     summary["rs_total_peak_rss_mb"] = max(v for k, v in summary.items() if k.startswith("rs_peak_rss_mb_"))
-    summary["verified"] = all(r["verified"] for reps in runs.values() for r in reps) and tq_verified
+    summary["verified"] = all(r["verified"] for reps in runs.values() for r in reps) and tq_verified and not checker_problems
+    if args.ledgers:
+        summary["checker_problems"] = checker_problems
     summary["reps"] = args.rounds * args.reps
     print(json.dumps(summary))
 
