@@ -2,7 +2,7 @@
 producer, broker and consumer share."""
 from .codec import Message, content_digest, decode, encode, encode_error
 from .contract import ARRAYS, NACK_CODES, PROTOCOL_VERSION, REPLAY_FIELDS, STATUSES
-from .errors import ProtocolError
+from .errors import RETRIABLE, ClientFailed, ProtocolError, RollstreamError
 from .ingest import turn_from_sglang
 from .mask import SamplingMask
 from .trajectory import Gap, Trajectory, Turn, TurnOutcome
@@ -11,12 +11,15 @@ from .validation import BatchValidationError, Violation, packed_violations
 __all__ = [
     "ARRAYS",
     "BatchValidationError",
+    "ClientFailed",
     "Gap",
     "Message",
     "NACK_CODES",
     "PROTOCOL_VERSION",
     "ProtocolError",
     "REPLAY_FIELDS",
+    "RETRIABLE",
+    "RollstreamError",
     "STATUSES",
     "SamplingMask",
     "Trajectory",

@@ -26,7 +26,7 @@ import numpy as np
 
 from .buffers import join_contiguous
 from .contract import NACK_CODES
-from .errors import ProtocolError
+from .errors import ProtocolError, RollstreamError
 
 RULE_ALIGNED = "per-token fields aligned (one entry per response token)"
 RULE_NONEMPTY_OFFSETS = "offsets non-empty (N + 1 entries)"
@@ -219,8 +219,10 @@ class Violation:
         return f"{who}{where}: rule '{self.rule}' violated: {self.detail}{more}"
 
 
-class BatchValidationError(ValueError):
+class BatchValidationError(RollstreamError, ValueError):
     """A batch broke one or more mask rules; `violations` lists each."""
+
+    code = "invalid_batch"
 
     def __init__(self, violations: Sequence[Violation], sample_names: Sequence[str] | None = None):
         self.violations = list(violations)

@@ -28,7 +28,7 @@ import zmq
 from rollstream.common.checker import Ledger
 from rollstream.common.codec import decode, decode_header, encode
 from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES
-from rollstream.common.errors import ProtocolError
+from rollstream.common.errors import ProtocolError, RollstreamError
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 from rollstream.common.sockets import dealer
 
@@ -41,8 +41,10 @@ log = logging.getLogger("rollstream.consumer")
 DEFAULT_HEARTBEAT = 1.0  # seconds, until a broker's welcome says otherwise
 
 
-class ConsumerClosed(Exception):
+class ConsumerClosed(RollstreamError):
     """The consumer was closed; no more batches."""
+
+    code = "closed"
 
 
 @dataclass

@@ -1,9 +1,13 @@
 """What a producer raises: a broker refusal (carrying the nack code) and a
-frame given up because the producer closed before it was acknowledged."""
+frame given up because the producer closed before it was acknowledged. A
+producer whose I/O loop died raises `rollstream.common.errors.ClientFailed`,
+as a consumer does."""
 from __future__ import annotations
 
+from rollstream.common.errors import RollstreamError
 
-class Refused(Exception):
+
+class Refused(RollstreamError):
     """The broker refused a frame (`nack`); the frame changed nothing there.
 
     `code` is the reply code (`rollstream.common.contract.NACK_CODES`),
@@ -14,8 +18,7 @@ class Refused(Exception):
     def __init__(self, code: str, message: str, *, kind: str, trajectory_id: str, turn: int | None, seq: int,
                  expected: int | None = None):
         where = f"{kind} of {trajectory_id!r}" + (f" turn {turn}" if turn is not None else "")
-        super().__init__(f"broker refused {where}: {code}: {message}")
-        self.code = code
+        super().__init__(f"broker refused {where}: {code}: {message}", code=code)
         self.message = message
         self.kind = kind
         self.trajectory_id = trajectory_id
@@ -24,6 +27,8 @@ class Refused(Exception):
         self.expected = expected
 
 
-class ProducerClosed(RuntimeError):
+class ProducerClosed(RollstreamError, RuntimeError):
     """The producer closed before this frame was acknowledged (with a spool,
     the frame stays there and is resent by the next producer on that spool)."""
+
+    code = "closed"
