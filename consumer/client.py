@@ -28,7 +28,7 @@ import zmq
 from rollstream.common.checker import Ledger
 from rollstream.common.codec import decode, decode_header, encode
 from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES
-from rollstream.common.errors import ProtocolError, RollstreamError
+from rollstream.common.errors import ClientFailed, ProtocolError, RollstreamError
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 from rollstream.common.sockets import dealer
 
@@ -194,7 +194,7 @@ class Consumer:
         with self._changed:
             while True:
                 if self._error is not None:
-                    raise RuntimeError("the consumer's I/O thread failed") from self._error
+                    raise ClientFailed(f"consumer {self.consumer_id!r}", self._error) from self._error
                 if self._closing:
                     raise ConsumerClosed("the consumer is closed")
                 now = time.monotonic()
@@ -270,7 +270,7 @@ class Consumer:
         with self._changed:
             while not done():
                 if self._error is not None:
-                    raise RuntimeError("the consumer's I/O thread failed") from self._error
+                    raise ClientFailed(f"consumer {self.consumer_id!r}", self._error) from self._error
                 if self._stopping:
                     raise ConsumerClosed("the consumer is closed")
                 remaining = None if deadline is None else deadline - time.monotonic()

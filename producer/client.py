@@ -30,7 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from rollstream.common.checker import ContentDigest, Ledger, TurnRecord, turn_record
 from rollstream.common.codec import PACK_UP_TO_BYTES, check_values, decode, encode, encode_batch, number_header
-from rollstream.common.errors import ProtocolError
+from rollstream.common.errors import ClientFailed, ProtocolError
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.mask import SamplingMask, as_int_array, owned
 from rollstream.common.messages import BROKER_TO_PRODUCER, PRODUCER_TO_BROKER
@@ -244,7 +244,7 @@ class AsyncProducer:
 
     def _check_alive(self) -> None:
         if self._failure is not None:
-            raise ProducerClosed(f"producer {self.producer_id!r} stopped working: {self._failure!r}") from self._failure
+            raise ClientFailed(f"producer {self.producer_id!r}", self._failure) from self._failure
 
     def _task_done(self, task: asyncio.Task) -> None:
         """A background task ended by an error: nothing would ever settle
@@ -272,7 +272,7 @@ class AsyncProducer:
         self._changed.set()
         try:
             await self.flush(timeout)
-        except ProducerClosed:  # the I/O loop failed: nothing more will settle
+        except ClientFailed:  # the I/O loop failed: nothing more will settle
             pass
         for task in self._tasks:
             task.cancel()
@@ -386,7 +386,6 @@ class AsyncProducer:
                     self._room.wait(remaining)
                 finally:
                     self._blocked -= 1
-            self._check_alive()
             self._accept(draft, future)
             wake = not self._pump_scheduled
             self._pump_scheduled = True
@@ -396,7 +395,9 @@ class AsyncProducer:
 
     def _accept(self, draft: _Draft, future) -> None:
         """Under the lock: number the draft, keep it (spool, intake), register
-        its future. Raises `ProducerClosed` while closing."""
+        its future. Raises `ClientFailed` once the I/O loop died (nothing
+        would send it), `ProducerClosed` while closing."""
+        self._check_alive()
         if self._closing:
             raise ProducerClosed(f"producer {self.producer_id!r} is closing; no new frames")
         handle = draft.handle

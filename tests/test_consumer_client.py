@@ -13,10 +13,13 @@ import zmq
 from test_consumer_helpers import make_rollout
 
 from rollstream.common.codec import decode, encode
+from rollstream.common.errors import ClientFailed
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 from rollstream.common.wire import encode_deliver
 from rollstream.consumer import Consumer
 from rollstream.consumer.assembly import Assembler
+
+PATIENCE = 60.0  # seconds before a wait gives up (only ever reached when something hangs)
 
 
 class ScriptedBroker:
@@ -100,6 +103,23 @@ def test_client_protocol_conduct(broker):
     stats = consumer.stats()
     assert stats["undecodable"] == 1 and stats["duplicates"] == 1 and stats["acked"] == 2 and stats["stale_leases"] == 1
     assert stats["unsettled"] == 0
+
+
+def test_a_consumer_whose_io_thread_dies_raises_client_failed(broker):
+    """The same type a producer raises when its I/O loop dies."""
+    def dies(sessions, now):
+        raise OSError("the loop's socket broke")
+
+    consumer = Consumer(broker.endpoint, batch_size=1, consumer_id="c-dies")
+    try:
+        consumer._due = dies
+        with pytest.raises(ClientFailed, match=r"consumer 'c-dies' stopped: its I/O loop failed with OSError") as err:
+            consumer.next_batch(timeout=PATIENCE)
+        assert isinstance(err.value.__cause__, OSError)
+        with pytest.raises(ClientFailed):
+            consumer.wait_ready(timeout=PATIENCE)  # never welcomed
+    finally:
+        consumer.close()
 
 
 def test_commit_of_an_unknown_batch_is_refused(broker):

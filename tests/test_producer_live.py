@@ -19,6 +19,7 @@ import zmq
 
 from rollstream.common import SamplingMask
 from rollstream.common.codec import decode, encode
+from rollstream.common.errors import ClientFailed
 from rollstream.common.messages import (
     ADMIN_REPLIES,
     ADMIN_REQUESTS,
@@ -514,6 +515,27 @@ def test_a_reply_lost_before_an_answered_ping_is_resent_once():
         receipt, resends = asyncio.run(main(fake))
     assert receipt.applied and sum(resends.values()) == 1
     assert [kind for kind, _ in fake.seen].count("turn") == 2
+
+
+def test_a_producer_whose_io_loop_dies_raises_client_failed():
+    """The same type a consumer raises when its I/O thread dies: waiting for
+    a settlement and sending both raise it, naming the producer and the cause."""
+    def dies(now):
+        raise OSError("the loop's socket broke")
+
+    async def main(fake):
+        async with AsyncProducer(fake.endpoint, "p-dies", context=fake.context, heartbeat_interval=0.1,
+                                 heartbeat_timeout=30.0) as producer:
+            traj = producer.trajectory("t", [1, 2])
+            await traj.turn([5], [-0.5], supports=[[5, 6]])  # unanswered: the broker answers after PATIENCE
+            producer._heartbeat.lost = dies
+            with pytest.raises(ClientFailed, match=r"producer 'p-dies' stopped: its I/O loop failed with OSError") as err:
+                await asyncio.wait_for(producer.flush(), PATIENCE)
+            assert isinstance(err.value.__cause__, OSError)
+            with pytest.raises(ClientFailed):
+                await traj.turn([6], [-0.5], supports=[[6]])
+    with FakeBroker(delay=PATIENCE) as fake:
+        asyncio.run(main(fake))
 
 
 # -- the daemon ---------------------------------------------------------------------------------------
