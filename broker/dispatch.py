@@ -127,38 +127,47 @@ class Dispatcher:
 
     def requeue(self, leases: list[Lease]) -> list[str]:
         """Put settled or lost leases' trajectories back at the front, unit
-        by unit; returns the ids that have used up `max_deliveries`."""
-        exhausted, by_unit = [], {}
+        by unit (`_put_back`); returns the ids that have used up
+        `max_deliveries`, which are not put back."""
+        limit = self.settings.max_deliveries
+        exhausted = [lease.trajectory_id for lease in leases if self.delivery_counts.get(lease.trajectory_id, 0) >= limit]
+        again = [lease for lease in leases if self.delivery_counts.get(lease.trajectory_id, 0) < limit]
+        self._put_back(again)
+        self.redeliveries += len(again)
+        return exhausted
+
+    def retract(self, lease_ids: list[str], refund: bool = False) -> None:
+        """Deliveries that never left: undo their leases and delivery counts
+        and put them back in front (`_put_back`). `refund` gives the
+        consumers back the credit they used, for deliveries the broker
+        itself could not make (a trajectory did not read back): one
+        trajectory credit per trajectory, one group credit per delivered
+        unit, as `deliveries` charged them. A send the consumer's connection
+        refused (gone, or its queue full) keeps the credit spent, so a dead
+        peer is not retried on every pass until its heartbeats time out."""
+        leases, stale = self.settle(lease_ids)
+        if stale:
+            raise KeyError(f"retract takes leases out now; {stale} are not")
         for lease in leases:
-            if self.delivery_counts.get(lease.trajectory_id, 0) >= self.settings.max_deliveries:
-                exhausted.append(lease.trajectory_id)
-            else:
-                by_unit.setdefault(id(lease.unit), (lease.unit, []))[1].append(lease.trajectory_id)
+            self.delivery_counts[lease.trajectory_id] -= 1
+        if refund:  # one charge per group unit, one per trajectory on trajectory credit
+            charges = {(lease.identity, id(lease.unit)) if lease.credit == "group" else lease.lease: lease
+                       for lease in leases}
+            for lease in charges.values():
+                if lease.identity in self.consumers:
+                    self.credit(lease.identity, 1, lease.credit)
+        self._put_back(leases)
+
+    def _put_back(self, leases: list[Lease]) -> None:
+        """The one way trajectories return to the queue: at the front, in
+        the order given, each delivered unit whole (its members that are
+        back, with `group_left` recomputed for what is redelivered)."""
+        by_unit: dict[int, tuple[Unit, list[str]]] = {}
+        for lease in leases:
+            by_unit.setdefault(id(lease.unit), (lease.unit, []))[1].append(lease.trajectory_id)
         for unit, tids in reversed(list(by_unit.values())):
             left = (unit.group_size - len(tids)) if unit.group_id is not None else 0
             self.enqueue(Unit(tuple(tids), unit.group_id, unit.group_size, left), front=True)
-            self.redeliveries += len(tids)
-        return exhausted
-
-    def retract(self, lease_id: str, refund: bool = False) -> None:
-        """A delivery that never left: undo the lease and its delivery count
-        and requeue the trajectory in front. `refund` gives the consumer back
-        the credit it used, for a delivery the broker itself could not make
-        (the trajectory did not read back). A send the consumer's connection
-        refused (gone, or its queue full) keeps the credit spent, so a dead
-        peer is not retried on every pass until its heartbeats time out."""
-        lease = self.leases.pop(lease_id)
-        consumer = self.consumers.get(lease.identity)
-        if consumer is not None:
-            consumer.leases.discard(lease_id)
-            if refund and lease.credit == "group":
-                consumer.group_credit += 1
-            elif refund:
-                consumer.trajectory_credit += 1
-        self.delivery_counts[lease.trajectory_id] -= 1
-        unit = lease.unit
-        left = (unit.group_size - 1) if unit.group_id is not None else 0
-        self.enqueue(Unit((lease.trajectory_id,), unit.group_id, unit.group_size, left), front=True)
 
     def forget(self, trajectory_id: str) -> None:
         self.delivery_counts.pop(trajectory_id, None)

@@ -34,6 +34,12 @@ STATES = (OPEN, ENDED, DEAD, LEFT)
 TRAJECTORY_OVERHEAD_BYTES = 2048
 TURN_OVERHEAD_BYTES = 4096
 
+# Reads back from the store that may find a ready trajectory's records
+# damaged (`unreadable`) before it is dead-lettered with that reason: each
+# failed read waits for the store's probe, so a record that can never be
+# read costs a few probes, not one after another forever.
+UNREADABLE_AFTER = 3
+
 
 # -- effects: what must be durable before the reply goes out ------------------
 @dataclass(frozen=True, slots=True)
@@ -157,6 +163,7 @@ class Entry:
     dead_reason: str | None = None
     dead_at: float | None = None
     held: int = 0  # bytes counted in `MergeEngine.bytes_in_memory` for its trajectory
+    unreadable: int = 0  # reads back that found its stored records damaged (see UNREADABLE_AFTER)
 
     @property
     def next_turn(self) -> int:
@@ -505,12 +512,23 @@ class MergeEngine:
         self._settle(entry)
         return list(self._drain(DeadLetter(tid, reason, now)))
 
+    def unreadable(self, tid: str) -> bool:
+        """Reading ready `tid` back from the store found its records damaged
+        (not a passing I/O error). True on the `UNREADABLE_AFTER`th time:
+        dead-letter it (reason `unreadable`); until then it is read again
+        once the store's probe succeeds."""
+        entry = self.entries[tid]
+        if entry.state != ENDED:
+            raise ValueError(f"only a ready trajectory is read back to be delivered; {tid!r} is {entry.state}, expected {ENDED}")
+        entry.unreadable += 1
+        return entry.unreadable >= UNREADABLE_AFTER
+
     def requeue(self, tid: str) -> Requeue | None:
         """Move a dead letter back to ready; expired ones never come back."""
         entry = self.entries.get(tid)
         if entry is None or entry.state != DEAD or entry.dead_reason == "expired":
             return None
-        entry.dead_reason, entry.dead_at = None, None
+        entry.dead_reason, entry.dead_at, entry.unreadable = None, None, 0
         self._set_state(entry, ENDED)
         self.ready_units.append(Unit((tid,), entry.group_id, entry.group_size, (entry.group_size or 1) - 1))
         return Requeue(tid)

@@ -11,7 +11,7 @@ from rollstream.common.trajectory import Gap, Trajectory
 from rollstream.common.wire import turn_from_message
 
 from .engine import DEAD, ENDED, LEFT, OPEN, Entry, Group, MergeEngine, Unit
-from .store import Recovered, Store, StoredTrajectory
+from .store import Recovered, Store, StoreCorrupted, StoredTrajectory
 
 
 def load_trajectory(store: Store, stored: StoredTrajectory) -> Trajectory:
@@ -29,7 +29,7 @@ def load_trajectory(store: Store, stored: StoredTrajectory) -> Trajectory:
             )
         traj.append_turn(turn_from_message(message))
     if traj is None:
-        raise RuntimeError(f"trajectory {stored.trajectory_id!r} has no stored turns to replay")
+        raise StoreCorrupted(f"trajectory {stored.trajectory_id!r} has no stored turns to replay")
     if stored.gap is not None:
         traj.cut_at_gap(Gap(*stored.gap))
     if stored.end_digest is not None:

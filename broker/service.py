@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import socket
-import sqlite3
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,13 +36,13 @@ from rollstream.common.validation import check_message_arrays, messages_content_
 from rollstream.common.wire import encode_deliver
 
 from .admin import write_endpoints_file
-from .dispatch import Dispatcher, DispatchSettings
-from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, Entry, MarkGap, MergeEngine, PutTurn, Unit
+from .dispatch import Delivery, Dispatcher, DispatchSettings
+from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, MarkGap, MergeEngine, PutTurn, Unit
 from .flow import DiskAdmission, WindowGrants
 from .metrics import BrokerMetrics
 from .recovery import load_trajectory, restore
 from .settings import BrokerSettings
-from .store import Store, StoreCorrupted, StoreError
+from .store import Store, StoreError
 
 log = logging.getLogger("rollstream.broker")
 
@@ -149,7 +148,7 @@ class BrokerService:
         refused `unavailable` (to come again) rather than judged."""
         try:
             return self.store.turn_digest(trajectory_id, turn)
-        except (OSError, sqlite3.Error, StoreCorrupted) as exc:
+        except StoreError as exc:
             self._store_failed(f"cannot read turn {turn} of {trajectory_id!r} back to compare a resend: {exc}")
             raise ProtocolError("unavailable", "the broker cannot read its store right now; resend later") from None
 
@@ -380,16 +379,34 @@ class BrokerService:
             identity, message, _ = received[i]
             received[i] = (identity, message, error.with_seq(message["seq"]))
 
-    def _read_back(self, entry: Entry, purpose: str) -> bool:
-        """Rebuild an evicted trajectory from the store; False (and the
-        store unavailable) when it cannot be read."""
-        try:
-            self.engine.reload(entry, load_trajectory(self.store, self.store.load_one(entry.trajectory_id)))
-        except (OSError, sqlite3.Error, StoreCorrupted) as exc:
-            self._store_failed(f"cannot read evicted trajectory {entry.trajectory_id!r} back {purpose}: {exc}")
-            self._reads_failed = True
-            return False
-        self.metrics.inc(self.metrics.reloads)
+    def _read_unit(self, unit: list[Delivery], now: float) -> bool:
+        """Whether every member of a delivered unit is in memory, evicted
+        ones read back from the store. False when one cannot be read: a
+        store that fails makes the store unavailable and deliveries wait for
+        its probe; a member whose records are damaged does too, until it has
+        failed `UNREADABLE_AFTER` reads, when it is dead-lettered
+        `unreadable` and its lease dropped (the rest of its unit goes on)."""
+        for delivery in unit:
+            tid = delivery.trajectory_id
+            entry = self.engine.entries.get(tid)
+            if entry is None or entry.state != ENDED:  # cannot happen; never send what is not ready
+                log.error("queued trajectory is not ready", extra={"trajectory_id": tid})
+                self.dispatcher.settle([delivery.lease])
+                return False
+            if not self.engine.needs_reload(entry):
+                continue
+            try:
+                self.engine.reload(entry, load_trajectory(self.store, self.store.load_one(tid)))
+            except StoreError as exc:
+                if not exc.retriable and self.engine.unreadable(tid):
+                    log.error("stored trajectory cannot be read back", extra={"trajectory_id": tid, "error": str(exc)})
+                    self.dispatcher.settle([delivery.lease])
+                    self._dead_letter([tid], "unreadable", now)
+                else:
+                    self._store_failed(f"cannot read evicted trajectory {tid!r} back to deliver it: {exc}")
+                    self._reads_failed = True
+                return False
+            self.metrics.inc(self.metrics.reloads)
         return True
 
     def _producer_message(self, identity: bytes, message: Message | None, error: ProtocolError | None,
@@ -474,7 +491,7 @@ class BrokerService:
                 self.metrics.inc(self.metrics.exits, exit="aborted")
                 log.info("trajectory aborted", extra={"trajectory_id": effect.trajectory_id})
             elif isinstance(effect, DeadLetter):
-                self.metrics.inc(self.metrics.exits, exit="expired" if effect.reason == "expired" else "dead")
+                self.metrics.inc(self.metrics.exits, exit=effect.reason if effect.reason in ("expired", "unreadable") else "dead")
                 log.warning("trajectory dead-lettered", extra={"trajectory_id": effect.trajectory_id, "reason": effect.reason})
 
     def _send(self, endpoint: str, identity: bytes, frames: list) -> bool:
@@ -624,28 +641,35 @@ class BrokerService:
     def _deliver(self, now: float) -> None:
         """Send queued trajectories to consumers with credit, also while
         writes fail: a consumer's ack deletes data, which is what frees a
-        full disk (the reserve keeps room to write those deletes). Not once
-        an evicted trajectory could not be read back, until the probe
-        succeeds."""
+        full disk (the reserve keeps room to write those deletes). Each
+        delivered unit is read back whole before any of it is sent, so a
+        group goes out whole or not at all; one that cannot be read back
+        (`_read_unit`) ends the pass, and it and the rest go back to the
+        front with the consumers' credit returned. Nothing is sent once a
+        trajectory could not be read back, until the probe succeeds."""
         if self._reads_failed:
             return
         deliveries = self.dispatcher.deliveries(now)
-        for i, delivery in enumerate(deliveries):
-            entry = self.engine.entries.get(delivery.trajectory_id)
-            if entry is None or entry.state != ENDED:  # cannot happen; never send what is not ready
-                log.error("queued trajectory is not ready", extra={"trajectory_id": delivery.trajectory_id})
-                self.dispatcher.settle([delivery.lease])
-                continue
-            if self.engine.needs_reload(entry) and not self._read_back(entry, "to deliver it"):
-                for unsent in reversed(deliveries[i:]):  # back in front, in their order, for when it recovers
-                    self.dispatcher.retract(unsent.lease, refund=True)
-                return
-            layouts = self.consumer_layouts.get(delivery.identity, frozenset())
-            frames = encode_deliver(entry.trajectory, delivery.lease, delivery_count=delivery.delivery_count,
-                                    may_pack="packed_arrays" in layouts, may_split="split_arrays" in layouts,
-                                    **delivery.group_fields)
-            if not self._send("consumer", delivery.identity, frames):
-                self.dispatcher.retract(delivery.lease)
+        refused: list[str] = []  # leases whose send the connection refused: requeued, their credit spent
+        start = 0
+        while start < len(deliveries):
+            end = start + 1
+            while end < len(deliveries) and deliveries[end].unit is deliveries[start].unit:
+                end += 1
+            if not self._read_unit(deliveries[start:end], now):
+                self.dispatcher.retract([d.lease for d in deliveries[start:] if d.lease in self.dispatcher.leases],
+                                        refund=True)
+                break
+            for delivery in deliveries[start:end]:
+                layouts = self.consumer_layouts.get(delivery.identity, frozenset())
+                frames = encode_deliver(self.engine.entries[delivery.trajectory_id].trajectory, delivery.lease,
+                                        delivery_count=delivery.delivery_count, may_pack="packed_arrays" in layouts,
+                                        may_split="split_arrays" in layouts, **delivery.group_fields)
+                if not self._send("consumer", delivery.identity, frames):
+                    refused.append(delivery.lease)
+            start = end
+        if refused:
+            self.dispatcher.retract(refused)
 
     # -- admin ----------------------------------------------------------------
     def _serve_admin(self, now: float) -> None:
@@ -732,7 +756,7 @@ class BrokerService:
             self._next_dedup_prune = now + 60.0
             try:
                 self.store.prune_dedup(now)
-            except Exception as exc:  # a failed prune only delays pruning
+            except StoreError as exc:  # a failed prune only delays pruning
                 log.warning("dedup prune failed", extra={"error": str(exc)})
         self._apply_budgets()
         self._refresh_gauges(now)
@@ -769,7 +793,7 @@ class BrokerService:
             # also below the limit: the WAL (up to 16 MiB between checkpoints) must not hold off a resume
             try:
                 self.store.checkpoint()
-            except Exception as exc:  # a failed checkpoint only leaves the WAL larger
+            except StoreError as exc:  # a failed checkpoint only leaves the WAL larger
                 log.warning("WAL checkpoint failed", extra={"error": str(exc)})
             self._disk_bytes, self._free_bytes = self.store.bytes_on_disk(), self._free_space()
         self._update_backpressure()

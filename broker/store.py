@@ -31,6 +31,7 @@ from typing import Iterable
 import msgpack
 
 from rollstream.common.codec import Message, content_digest, crc32_continued, crc32_of, decode_trusted, encode
+from rollstream.common.errors import RollstreamError
 from rollstream.common.messages import PRODUCER_TO_BROKER
 
 from .engine import (
@@ -153,13 +154,36 @@ def _delete_turns(db: sqlite3.Connection, tids: list[str]) -> list[int]:
     return segments
 
 
-class StoreError(RuntimeError):
-    """The store cannot persist right now (disk full, I/O error): nothing of
-    the failed batch is durable; retry later."""
+class StoreError(RollstreamError, RuntimeError):
+    """The root of the store's errors. At its boundary the store wraps what
+    its files and SQLite raise (`OSError`, `sqlite3.Error`) and failed
+    lookups into these, so callers catch store errors by type: a
+    `StoreUnavailable` may pass (`retriable`), a `StoreCorrupted` will not."""
 
 
-class StoreCorrupted(RuntimeError):
-    """The data directory is damaged; the broker refuses to start on it."""
+class StoreUnavailable(StoreError):
+    """The store cannot read or persist right now (disk full, I/O error):
+    nothing of a failed batch is durable; retry later."""
+
+    code = "unavailable"
+
+
+class StoreCorrupted(StoreError):
+    """The data directory is damaged (a record or row fails its checks, or
+    is missing); the broker refuses to start on it, and a ready trajectory
+    whose records fail so can never be delivered."""
+
+    code = "internal"
+
+
+@contextlib.contextmanager
+def _unavailable_on_failure(what: str):
+    """What the files and SQLite raise, as `StoreUnavailable` naming `what`
+    was being done (the store's own errors pass unchanged)."""
+    try:
+        yield
+    except (OSError, sqlite3.Error) as exc:
+        raise StoreUnavailable(f"{what}: {exc}") from exc
 
 
 @dataclass
@@ -506,9 +530,11 @@ class Store:
         )
 
     def load_one(self, trajectory_id: str) -> StoredTrajectory:
-        found = self._load_trajectories("WHERE id = ?", (trajectory_id,))
+        """One trajectory's rows, checked as at start-up."""
+        with _unavailable_on_failure(f"cannot read trajectory {trajectory_id!r} from {self.db_path}"):
+            found = self._load_trajectories("WHERE id = ?", (trajectory_id,))
         if not found:
-            raise KeyError(f"trajectory {trajectory_id!r} is not in the store")
+            raise StoreCorrupted(f"{self.db_path}: trajectory {trajectory_id!r} is held by the broker but has no row")
         return found[0]
 
     def _load_trajectories(self, where: str = "", args: tuple = (), *,
@@ -560,7 +586,9 @@ class Store:
         """Stored applied turns, read in one pass (`Segments.read_many`) and
         parsed: each was checked when it arrived, and its record CRC has just
         been verified."""
-        return [decode_trusted(_unpack_frames(record), PRODUCER_TO_BROKER) for record in self.segments.read_many(locations)]
+        with _unavailable_on_failure(f"cannot read {len(locations)} turn record(s) from {self.segments.directory}"):
+            records = self.segments.read_many(locations)
+        return [decode_trusted(_unpack_frames(record), PRODUCER_TO_BROKER) for record in records]
 
     # -- writing ------------------------------------------------------------
     @property
@@ -602,7 +630,7 @@ class Store:
         return located
 
     def commit(self, effects: list) -> None:
-        """Make `effects` durable as one batch, or raise `StoreError` with
+        """Make `effects` durable as one batch, or raise `StoreUnavailable` with
         nothing of the batch persisted. Writes ahead are settled first."""
         start = self._ahead_mark if self.writing_ahead else self.segments.mark
         if not effects and not self.writing_ahead:
@@ -620,7 +648,7 @@ class Store:
                 self.segments.sync()
         except OSError as exc:
             self._rewind(start)
-            raise StoreError(f"cannot append to {self.segments.path(self.segments.current)}: {exc}") from None
+            raise StoreUnavailable(f"cannot append to {self.segments.path(self.segments.current)}: {exc}") from None
         locations = [located[id(e.message)] for e in puts]
         stored = iter(locations)  # in the order of `puts`, which is the effects' order
         released: list[int] = []
@@ -650,7 +678,7 @@ class Store:
             except sqlite3.Error:
                 pass
             self._rewind(start)
-            raise StoreError(f"cannot commit to {self.db_path}: {exc}") from None
+            raise StoreUnavailable(f"cannot commit to {self.db_path}: {exc}") from None
         for number, _, _ in locations:
             self.segments.live[number] = self.segments.live.get(number, 0) + 1
         for number in released:
@@ -682,8 +710,9 @@ class Store:
     def turn_digest(self, trajectory_id: str, turn: int) -> bytes:
         """The content digest of a stored applied turn, from its record (a
         resend is compared with it)."""
-        row = self.db.execute("SELECT segment, offset, length FROM turns WHERE trajectory_id=? AND turn=?",
-                              (trajectory_id, turn)).fetchone()
+        with _unavailable_on_failure(f"cannot read turn {turn} of {trajectory_id!r} from {self.db_path}"):
+            row = self.db.execute("SELECT segment, offset, length FROM turns WHERE trajectory_id=? AND turn=?",
+                                  (trajectory_id, turn)).fetchone()
         if row is None or row[0] is None:
             raise StoreCorrupted(f"turn {turn} of {trajectory_id!r} was applied but has no stored record")
         return content_digest(self.read_turn(row))
@@ -728,9 +757,9 @@ class Store:
         return seq
 
     def probe(self) -> None:
-        """A small real write to both files; raises `StoreError` while the
+        """A small real write to both files; raises `StoreUnavailable` while the
         cause of an earlier failure (disk full, I/O error) persists."""
-        try:
+        with _unavailable_on_failure("store still unavailable"):
             self.checkpoint()  # a WAL that reached a file-size limit or filled the disk starts again, empty
             start = self.segments.mark
             self.segments.append([([bytes(4096)], None)])
@@ -738,15 +767,15 @@ class Store:
             self.segments.retire_unreferenced()
             self.db.execute("INSERT OR REPLACE INTO meta VALUES ('probe', randomblob(4096))")
             self.db.execute("DELETE FROM meta WHERE key = 'probe'")
-        except (OSError, sqlite3.Error) as exc:
-            raise StoreError(f"store still unavailable: {exc}") from None
 
     def checkpoint(self) -> None:
         """Fold the WAL into the database and truncate it (reclaims disk)."""
-        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with _unavailable_on_failure(f"cannot checkpoint the WAL of {self.db_path}"):
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def prune_dedup(self, now: float) -> None:
-        self.db.execute("DELETE FROM dedup WHERE until < ?", (now,))
+        with _unavailable_on_failure(f"cannot prune remembered ids in {self.db_path}"):
+            self.db.execute("DELETE FROM dedup WHERE until < ?", (now,))
 
     def bytes_on_disk(self) -> int:
         """Segment files, the SQLite pages in use, and its WAL: freed pages

@@ -125,7 +125,7 @@ def test_a_delivery_that_never_left_does_not_count(d):
     d.credit(A, 2, "trajectory")
     d.enqueue(Unit(("t",)))
     (out,) = d.deliveries(now=0)
-    d.retract(out.lease)
+    d.retract([out.lease])
     assert out.lease not in d.leases and d.redeliveries == 0
     (again,) = d.deliveries(now=0)
     assert again.trajectory_id == "t" and again.delivery_count == 1
@@ -137,11 +137,39 @@ def test_a_retracted_delivery_refunds_its_credit_only_when_asked(d, kind):
     d.credit(A, 1, kind)
     d.enqueue(Unit(("t",)))
     (out,) = d.deliveries(now=0)
-    d.retract(out.lease)  # the connection refused it: the credit stays spent
+    d.retract([out.lease])  # the connection refused it: the credit stays spent
     assert d.deliveries(now=0) == []
     d.credit(A, 1, kind)
     (again,) = d.deliveries(now=0)
-    d.retract(again.lease, refund=True)  # the broker could not make it: the consumer keeps its credit
+    d.retract([again.lease], refund=True)  # the broker could not make it: the consumer keeps its credit
     (third,) = d.deliveries(now=0)
     assert third.trajectory_id == "t" and third.delivery_count == 1
     assert d.deliveries(now=0) == []  # one credit, one delivery
+
+
+def test_a_retracted_group_refunds_one_group_credit_and_goes_back_whole(d):
+    """A group costs one group credit; a delivery of it that never left
+    refunds that one credit, and the group comes back as one unit."""
+    d.hello(A, "a", now=0)
+    d.credit(A, 1, "group")
+    d.enqueue(Unit(("g0", "g1", "g2", "g3"), "G", 4, 0))
+    sent = d.deliveries(now=0)
+    d.retract([out.lease for out in sent], refund=True)
+    assert d.consumers[A].group_credit == 1
+    assert list(d.queue) == [Unit(("g0", "g1", "g2", "g3"), "G", 4, 0)]
+    again = d.deliveries(now=0)
+    assert [x.trajectory_id for x in again] == ["g0", "g1", "g2", "g3"]
+    assert {x.unit.group_left for x in again} == {0} and {x.delivery_count for x in again} == {1}
+    assert d.deliveries(now=0) == [] and d.consumers[A].group_credit == 0
+
+
+def test_retracting_part_of_a_unit_puts_that_part_back_as_one_unit(d):
+    """Trajectory credit refunds one per trajectory; the retracted members
+    go back together with `group_left` recomputed for them."""
+    d.hello(A, "a", now=0)
+    d.credit(A, 3, "trajectory")
+    d.enqueue(Unit(("g0", "g1", "g2"), "G", 4, 1))
+    sent = d.deliveries(now=0)
+    d.retract([sent[1].lease, sent[2].lease], refund=True)
+    assert d.consumers[A].trajectory_credit == 2 and list(d.leases) == [sent[0].lease]
+    assert list(d.queue) == [Unit(("g1", "g2"), "G", 4, 2)] and d.queued_trajectories == 2

@@ -289,3 +289,16 @@ def test_mask_through_the_engine_matches_concatenation(engine):
         [SamplingMask.from_supports([[1, 5], [2]]), SamplingMask.singletons([7]), SamplingMask.from_supports([[3, 9]])]
     )
     assert engine.entries["t"].trajectory.mask == expected
+
+
+def test_a_ready_trajectory_is_unreadable_only_after_bounded_failed_reads_and_a_requeue_starts_afresh(engine):
+    from rollstream.broker.engine import UNREADABLE_AFTER
+
+    engine.handle(turn_msg("t", 0, [10], [[10]]), now=1)
+    engine.handle(end_msg("t"), now=2)
+    assert [engine.unreadable("t") for _ in range(UNREADABLE_AFTER)] == [False] * (UNREADABLE_AFTER - 1) + [True]
+    engine.dead_letter("t", "unreadable", now=3)
+    with pytest.raises(ValueError, match="expected ended"):
+        engine.unreadable("t")  # only a ready trajectory is read back
+    assert engine.requeue("t") is not None
+    assert engine.unreadable("t") is False  # requeued by an operator (the record repaired): counted afresh

@@ -378,18 +378,18 @@ def test_an_evicted_open_trajectory_merges_without_reading_the_store_and_is_read
             time.sleep(0.05)
         tid = sorted(service.engine.evicted_open())[0]
         first = int(tid[1:])
-        real_load = service.store.load_one
+        real_read = service.store.segments.read_many
 
-        def unreadable(trajectory_id):
+        def unreadable(locations):
             raise OSError(5, "Input/output error")
 
-        service.store.load_one = unreadable
+        service.store.segments.read_many = unreadable  # a passing I/O error: the store wraps it as unavailable
         reply = decode(call(producer, good_turn(tid, index=1, seq=10, n=2, first=first + 1500)), BROKER_TO_PRODUCER)
         assert reply.type == "ack" and reply["applied"]
         end = encode(PRODUCER_TO_BROKER, "end", {"seq": 11, "trajectory_id": tid, "reward": 1.0})
         assert decode(call(producer, end), BROKER_TO_PRODUCER)["applied"]
         assert service.engine.entries[tid].trajectory.is_shed and not service.unavailable
-        service.store.load_one = real_load
+        service.store.segments.read_many = real_read
         consumer = dealer("inproc://c", context)
         call(consumer, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "c"}))
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 1, "unit": "trajectory"}))
@@ -417,12 +417,12 @@ def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_pat
             evicted = [tid for tid, e in list(service.engine.entries.items()) if e.trajectory is None]
             time.sleep(0.05)
         assert evicted
-        real_load = service.store.load_one
+        real_read = service.store.segments.read_many
 
-        def unreadable(trajectory_id):
+        def unreadable(locations):
             raise OSError(5, "Input/output error")
 
-        service.store.load_one = unreadable
+        service.store.segments.read_many = unreadable  # a passing I/O error: the store wraps it as unavailable
         consumer = dealer("inproc://c", context)
         call(consumer, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "c"}))
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 4, "unit": "trajectory"}))
@@ -440,7 +440,7 @@ def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_pat
         assert service.unavailable and thread.is_alive()
         receive(300)
         assert set(evicted).isdisjoint(delivered)  # nothing it could not read went out
-        service.store.load_one = real_load
+        service.store.segments.read_many = real_read
         deadline = time.monotonic() + 10
         while len(delivered) < 4 and time.monotonic() < deadline:  # the next probe clears the failure
             receive(100)
@@ -452,6 +452,49 @@ def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_pat
         assert thread.is_alive()
 
 
+def test_a_ready_trajectory_whose_record_is_damaged_is_dead_lettered_unreadable_after_bounded_reads(tmp_path):
+    """A damaged record (a flipped byte: its CRC fails) can never be read
+    back: after `UNREADABLE_AFTER` failed reads, each waiting for the
+    store's probe, it is dead-lettered `unreadable` and counted, the store
+    is available again and the rest are delivered, instead of the store
+    turning unavailable after every probe."""
+    with threaded_broker(tmp_path, max_memory_bytes=100_000) as (service, thread, context):
+        producer = dealer("inproc://p", context)
+        n = 1500
+        for i in range(4):  # ~144 KB of ready trajectories against a 100 KB budget: some are evicted
+            assert decode(call(producer, good_turn(f"t{i}", seq=i, n=n, first=i)), BROKER_TO_PRODUCER)["applied"]
+            end = encode(PRODUCER_TO_BROKER, "end", {"seq": 10 + i, "trajectory_id": f"t{i}", "reward": float(i)})
+            assert decode(call(producer, end), BROKER_TO_PRODUCER)["applied"]
+        deadline = time.monotonic() + 10
+        evicted = []
+        while not evicted and time.monotonic() < deadline:
+            evicted = [tid for tid, e in list(service.engine.entries.items()) if e.trajectory is None]
+            time.sleep(0.05)
+        assert evicted
+        damaged = evicted[0]
+        segment, offset, _ = service.store.load_one(damaged).turns[0].location
+        with open(service.store.segments.path(segment), "r+b") as f:  # flip a byte of its payload
+            f.seek(offset + 100)
+            byte = f.read(1)
+            f.seek(offset + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        consumer = dealer("inproc://c", context)
+        call(consumer, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "c"}))
+        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 4, "unit": "trajectory"}))
+        delivered = {}
+        deadline = time.monotonic() + 15
+        while len(delivered) < 3 and time.monotonic() < deadline:
+            while consumer.poll(100):
+                message = decode(consumer.recv_multipart(), BROKER_TO_CONSUMER)
+                if message.type == "deliver":
+                    delivered[message["trajectory_id"]] = message
+        assert sorted(delivered) == sorted({"t0", "t1", "t2", "t3"} - {damaged})
+        assert [(d["trajectory_id"], d["reason"]) for d in service.engine.dead_letters(10)] == [(damaged, "unreadable")]
+        assert service.metrics.totals.get("trajectories.unreadable") == 1
+        time.sleep(1.5)  # past the next probe: the store stays available
+        assert not service.unavailable and thread.is_alive()
+
+
 def test_a_resend_whose_stored_turn_cannot_be_read_is_refused_unavailable_then_recognised(tmp_path):
     """An applied turn's digest comes from its record when it is resent; a
     record that cannot be read makes the store unavailable and the resend
@@ -459,16 +502,16 @@ def test_a_resend_whose_stored_turn_cannot_be_read_is_refused_unavailable_then_r
     with threaded_broker(tmp_path) as (service, thread, context):
         producer = dealer("inproc://p", context)
         assert decode(call(producer, good_turn("t", seq=1)), BROKER_TO_PRODUCER)["applied"]
-        real_digest = service.store.turn_digest
+        real_read = service.store.segments.read_many
 
-        def unreadable(trajectory_id, turn):
+        def unreadable(locations):
             raise OSError(5, "Input/output error")
 
-        service.store.turn_digest = unreadable
+        service.store.segments.read_many = unreadable  # a passing I/O error: the store wraps it as unavailable
         reply = decode(call(producer, good_turn("t", seq=2)), BROKER_TO_PRODUCER)
         assert (reply.type, reply["code"], reply["seq"]) == ("nack", "unavailable", 2)
         assert thread.is_alive() and service.unavailable
-        service.store.turn_digest = real_digest
+        service.store.segments.read_many = real_read
         deadline = time.monotonic() + 10
         while service.unavailable and time.monotonic() < deadline:
             time.sleep(0.05)

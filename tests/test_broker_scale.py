@@ -186,7 +186,7 @@ def test_dispatcher_keeps_its_queue_count_through_splits_retracts_and_requeues()
     deliveries = dispatcher.deliveries(0.0)  # takes two of the group's three: the rest goes back in front
     check()
     assert [d.trajectory_id for d in deliveries] == ["a", "b"] and dispatcher.queued_trajectories == 2
-    dispatcher.retract(deliveries[0].lease)
+    dispatcher.retract([deliveries[0].lease])
     check()
     settled, _ = dispatcher.settle([deliveries[1].lease])
     dispatcher.requeue(settled)
