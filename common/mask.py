@@ -15,7 +15,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .contract import ARRAYS
-from .validation import csr_problem, inside_support, pack_csr
+from .errors import ProtocolError
+from .validation import RULE_ALIGNED, csr_problem, inside_support, pack_csr
 
 IDS_DTYPE = ARRAYS["mask_ids"].dtype
 OFFSETS_DTYPE = ARRAYS["mask_offsets"].dtype
@@ -35,18 +36,19 @@ def _iinfo(dtype: np.dtype) -> np.iinfo:
 
 def as_int_array(values, dtype: np.dtype, name: str) -> np.ndarray:
     """`values` as a 1-D array of `dtype`, refusing bools, floats, complex and
-    values that do not fit (never cast or wrapped). May share memory."""
+    values that do not fit (never cast or wrapped): `ProtocolError` `shape`
+    or `dtype`, naming the field as `name`. May share memory."""
     if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1:
         return values  # already what is wanted (the common case on hot paths)
     is_array = isinstance(values, np.ndarray) or hasattr(values, "detach")
     arr = as_numpy(values)
     if arr.ndim != 1:
-        raise ValueError(f"rule '1-D integer arrays' violated: {name} must be 1-D, got shape {tuple(arr.shape)}")
+        raise ProtocolError("shape", f"rule '1-D integer arrays' violated: {name} must be 1-D, got shape {tuple(arr.shape)}")
     if arr.dtype.kind not in "iu":
         # An empty Python sequence converts to float64; it carries no values to refuse.
         if not (arr.size == 0 and not is_array and arr.dtype.kind == "f"):
-            raise ValueError(
-                f"rule '1-D integer arrays' violated: {name} must hold integers, got dtype {arr.dtype} "
+            raise ProtocolError(
+                "dtype", f"rule '1-D integer arrays' violated: {name} must hold integers, got dtype {arr.dtype} "
                 "(bool, float and complex are refused, never cast)"
             )
     elif arr.dtype != dtype and arr.size and not np.can_cast(arr.dtype, dtype, "safe"):
@@ -54,8 +56,8 @@ def as_int_array(values, dtype: np.dtype, name: str) -> np.ndarray:
         low, high = arr.min(), arr.max()
         if low < info.min or high > info.max:
             bad = low if low < info.min else high
-            raise ValueError(
-                f"rule 'values fit {dtype.name}' violated: {name} holds {int(bad)}, expected [{info.min}, {info.max}] "
+            raise ProtocolError(
+                "dtype", f"rule 'values fit {dtype.name}' violated: {name} holds {int(bad)}, expected [{info.min}, {info.max}] "
                 "(never wrapped)"
             )
     return arr.astype(dtype, copy=False)
@@ -103,7 +105,11 @@ def owned(arr: np.ndarray, source, *, borrow: bool = False) -> np.ndarray:
 
 
 class SamplingMask:
-    """Immutable CSR sampling mask: int32 `ids`, int64 `offsets` (N + 1)."""
+    """Immutable CSR sampling mask: int32 `ids`, int64 `offsets` (N + 1).
+
+    Every constructor refuses what a broker would refuse in a frame's mask
+    with the same `ProtocolError` code (`dtype`, `shape`, `mask_invalid`),
+    naming the argument the caller passed."""
 
     __slots__ = ("_ids", "_offsets")
 
@@ -112,7 +118,7 @@ class SamplingMask:
         offsets_arr = as_int_array(offsets, OFFSETS_DTYPE, "offsets")
         problem = csr_problem(ids_arr, offsets_arr)
         if problem:
-            raise ValueError(problem)
+            raise ProtocolError("mask_invalid", problem)
         self._ids = owned(ids_arr, ids)
         self._offsets = owned(offsets_arr, offsets)
 
@@ -137,28 +143,29 @@ class SamplingMask:
         refused, never truncated."""
         sizes = np.fromiter(map(len, supports), dtype=OFFSETS_DTYPE, count=len(supports))
         flat = list(itertools.chain.from_iterable(supports))
-        return cls._from_sizes(owned(_int_list_as_ids(flat), flat), sizes)
+        return cls._from_sizes(owned(_int_list_as_ids(flat), flat), sizes, "supports")
 
     @classmethod
     def from_lengths(cls, flat_ids, lengths) -> "SamplingMask":
         """Flat ids plus the number of ids in each token's support."""
         ids = owned(as_int_array(flat_ids, IDS_DTYPE, "ids"), flat_ids)
-        return cls._from_sizes(ids, as_int_array(lengths, OFFSETS_DTYPE, "lengths"))
+        return cls._from_sizes(ids, as_int_array(lengths, OFFSETS_DTYPE, "lengths"), "lengths")
 
     @classmethod
-    def _from_sizes(cls, ids: np.ndarray, sizes: np.ndarray) -> "SamplingMask":
-        """Offsets from support sizes; `ids` must be an owned int32 array."""
+    def _from_sizes(cls, ids: np.ndarray, sizes: np.ndarray, name: str) -> "SamplingMask":
+        """Offsets from support sizes (given as the caller's `name`); `ids`
+        must be an owned int32 array."""
         if sizes.size and sizes.min() <= 0:
             t = int(np.flatnonzero(sizes <= 0)[0])
-            raise ValueError(
-                f"sampling mask rule 'non-empty support (strictly increasing offsets)' violated at token {t}: "
-                f"support has {int(sizes[t])} ids"
+            raise ProtocolError(
+                "mask_invalid", f"sampling mask rule 'non-empty support (strictly increasing offsets)' violated at "
+                f"token {t}: {name}[{t}] gives {int(sizes[t])} ids, expected at least 1"
             )
         offsets = np.zeros(sizes.size + 1, dtype=OFFSETS_DTYPE)
         np.cumsum(sizes, out=offsets[1:])
         if offsets[-1] != ids.size:
-            raise ValueError(
-                f"sampling mask rule 'offsets[-1] == len(ids)' violated: lengths sum to {int(offsets[-1])}, "
+            raise ProtocolError(
+                "mask_invalid", f"sampling mask rule 'offsets[-1] == len(ids)' violated: {name} sum to {int(offsets[-1])}, "
                 f"ids has {ids.size}"
             )
         return cls._wrap(frozen(ids), frozen(offsets))
@@ -220,7 +227,8 @@ class SamplingMask:
         """Per token, whether `tokens[t]` is inside support `t` (vectorised)."""
         tokens = as_int_array(tokens, IDS_DTYPE, "tokens")
         if tokens.size != len(self):
-            raise ValueError(f"tokens has {tokens.size} entries, mask covers {len(self)}")
+            raise ProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: tokens has {tokens.size} entries, "
+                                              f"the mask covers {len(self)}")
         return inside_support(tokens, self._ids, self._offsets)
 
     def to_torch(self, device=None):

@@ -49,8 +49,11 @@ def _as_float_array(values, name: str) -> np.ndarray:
     if type(values) is np.ndarray and values.dtype == LOG_PROB_DTYPE and values.ndim == 1:
         return values
     arr = as_numpy(values)
-    if arr.ndim != 1 or (arr.dtype.kind not in "fiu" and arr.size):
-        raise ValueError(f"{name} must be a 1-D real array, got dtype {arr.dtype} shape {tuple(arr.shape)}")
+    if arr.ndim != 1:
+        raise ProtocolError("shape", f"rule '1-D real arrays' violated: {name} must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.dtype.kind not in "fiu" and arr.size:
+        raise ProtocolError("dtype", f"rule '1-D real arrays' violated: {name} must hold real numbers, "
+                                     f"got dtype {arr.dtype}")
     return arr.astype(LOG_PROB_DTYPE, copy=False)
 
 
@@ -64,7 +67,8 @@ def _as_loss_mask(values) -> np.ndarray:
 def _as_replay(values, name: str) -> np.ndarray:
     arr = as_numpy(values)
     if arr.ndim < 1:
-        raise ValueError(f"{name} must have shape [k, ...], got a scalar")
+        raise ProtocolError("shape", f"rule 'replay arrays are [k, ...]' violated: {name} must have at least 1 "
+                                     "dimension, got a scalar")
     return as_int_array(arr.reshape(-1), REPLAY_DTYPE, name).reshape(arr.shape)
 
 
@@ -154,12 +158,13 @@ class Turn(NamedTuple):
         if (mask is not None) + (supports is not None) + (mask_ids is not None) > 1:
             given = [name for name, value in (("mask", mask), ("supports", supports), ("mask_ids", mask_ids))
                      if value is not None]
-            raise ValueError(f"give the support once, as `mask`, `supports` or `mask_ids` + `mask_offsets`; got {given}")
+            raise ProtocolError("schema", "give the support once, as `mask`, `supports` or `mask_ids` + "
+                                          f"`mask_offsets`; got {given}")
         if (mask_ids is None) != (mask_offsets is None):
-            raise ValueError("mask_ids and mask_offsets travel together; "
-                             f"got only {'mask_ids' if mask_offsets is None else 'mask_offsets'}")
+            raise ProtocolError("schema", "mask_ids and mask_offsets travel together; "
+                                          f"got only {'mask_ids' if mask_offsets is None else 'mask_offsets'}")
         if status not in STATUSES:
-            raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+            raise ProtocolError("schema", f"status must be one of {STATUSES}, got {status!r}")
 
         def take(values, arr):
             return owned(arr, values, borrow=borrow)
@@ -182,6 +187,10 @@ class Turn(NamedTuple):
             status=status,
             weight_version=weight_version,
         )
+        if mask_ids is None and mask is not None and len(mask) != turn.tokens.size:
+            # Named as the caller gave it: the frame's rule would name mask_offsets, which the caller never passed.
+            given = f"supports has {len(mask)} entries" if supports is not None else f"mask covers {len(mask)} tokens"
+            raise ProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: {given}, tokens has {turn.tokens.size}")
         return turn._checked(check_content, vocab_size)
 
     def _checked(self, check_content: bool, vocab_size: int | None) -> "Turn":

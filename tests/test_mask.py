@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollstream.common import SamplingMask
+from rollstream.common import ProtocolError, SamplingMask
 
 M = [[1, 3], [4], [5, 6, 7]]
 
@@ -100,6 +100,28 @@ def test_values_outside_int32_are_refused_not_wrapped():
 def test_supports_refuse_non_integer_ids_instead_of_casting(supports, refused):
     with pytest.raises(ValueError, match=rf"supports must hold integers, got dtype {refused} "):
         SamplingMask.from_supports(supports)
+
+
+@pytest.mark.parametrize("build, code, text", [
+    (lambda: SamplingMask.from_supports([[1], []]), "mask_invalid",
+     r"'non-empty support \(strictly increasing offsets\)' violated at token 1: supports\[1\] gives 0 ids, expected at least 1"),
+    (lambda: SamplingMask.from_lengths([1, 2], [2, 0]), "mask_invalid", r"at token 1: lengths\[1\] gives 0 ids"),
+    (lambda: SamplingMask.from_lengths([1, 2, 3], [1, 1]), "mask_invalid", "lengths sum to 2, ids has 3"),
+    (lambda: SamplingMask([1, 2], [0, 2, 2]), "mask_invalid", "non-empty support"),
+    (lambda: SamplingMask([0, 1], [0, 1]), "mask_invalid", r"offsets\[-1\] == len\(ids\)"),
+    (lambda: SamplingMask.from_supports([[2.5]]), "dtype", "supports must hold integers, got dtype float64"),
+    (lambda: SamplingMask(np.array([1.0]), [0, 1]), "dtype", "ids must hold integers, got dtype float64"),
+    (lambda: SamplingMask.from_supports([[2**40]]), "dtype",
+     r"'values fit int32' violated: supports holds 1099511627776, expected \[-2147483648, 2147483647\]"),
+    (lambda: SamplingMask([1], np.array([[0, 1]])), "shape", r"offsets must be 1-D, got shape \(1, 2\)"),
+    (lambda: SamplingMask.singletons([1.5]), "dtype", "tokens must hold integers"),
+    (lambda: SamplingMask.from_supports([[1]]).contains([1, 2]), "misaligned", "tokens has 2 entries, the mask covers 1"),
+], ids=["empty-support", "zero-length", "lengths-sum", "equal-offsets", "end-offset", "float-supports", "float-ids",
+        "int32-overflow", "2-D-offsets", "float-singletons", "contains-misaligned"])
+def test_every_refusal_is_a_protocol_error_with_the_reply_code_and_the_callers_name(build, code, text):
+    with pytest.raises(ProtocolError, match=text) as err:
+        build()
+    assert err.value.code == code
 
 
 def test_supports_take_numpy_integer_ids():

@@ -262,6 +262,34 @@ def test_turn_build_checks_what_a_broker_would():
         turn([1], status="done")
 
 
+@pytest.mark.parametrize("kwargs, code, text", [
+    (dict(tokens=[1.0]), "dtype", "tokens must hold integers, got dtype float64"),
+    (dict(tokens=[2**31]), "dtype", r"'values fit int32' violated: tokens holds 2147483648, expected \[-2147483648, "),
+    (dict(tokens=[[1]]), "shape", r"tokens must be 1-D, got shape \(1, 1\)"),
+    (dict(log_probs=["a"]), "dtype", "log_probs must hold real numbers, got dtype <U1"),
+    (dict(log_probs=[[-0.5]]), "shape", r"log_probs must be 1-D, got shape \(1, 1\)"),
+    (dict(supports=[[1.5]]), "dtype", "supports must hold integers, got dtype float64"),
+    (dict(supports=[[2**40]]), "dtype", "supports holds 1099511627776"),
+    (dict(supports=[[]]), "mask_invalid", r"at token 0: supports\[0\] gives 0 ids, expected at least 1"),
+    (dict(supports=[[1], [2]]), "misaligned", "supports has 2 entries, tokens has 1"),
+    (dict(mask=SamplingMask.from_supports([[1], [2]])), "misaligned", "mask covers 2 tokens, tokens has 1"),
+    (dict(mask_ids=[1], mask_offsets=[0, 1, 1]), "misaligned", "mask_offsets has 3 entries, expected 2"),
+    (dict(status="done"), "schema", r"status must be one of \('completed', 'truncated', 'aborted'\), got 'done'"),
+    (dict(supports=[[1]], mask_ids=[1], mask_offsets=[0, 1]), "schema", r"give the support once.*got \['supports', 'mask_ids'\]"),
+    (dict(mask_ids=[1]), "schema", "mask_ids and mask_offsets travel together; got only mask_ids"),
+    (dict(forced_tokens=[0.5]), "dtype", "forced_tokens must hold integers"),
+    (dict(routed_experts=3), "shape", "routed_experts must have at least 1 dimension, got a scalar"),
+    (dict(indexer_topk=[[0.5]]), "dtype", "indexer_topk must hold integers"),
+], ids=lambda v: None if isinstance(v, dict) else str(v))
+def test_every_refusal_of_turn_build_is_a_protocol_error_naming_the_callers_field(kwargs, code, text):
+    """docs/data-model.md: `Turn.build` refuses with the code a broker would
+    answer, naming the field as the caller gave it."""
+    given = {"tokens": [1], "log_probs": [-0.5], **kwargs}
+    with pytest.raises(ProtocolError, match=text) as err:
+        Turn.build(given.pop("tokens"), given.pop("log_probs"), **given)
+    assert err.value.code == code
+
+
 def test_nbytes_counts_every_array_without_writing_queued_appends():
     traj = Trajectory("t", [1, 2, 3])
     traj.append_turn(turn([10, 11], [[10, 4], [11]], forced=[20]))
