@@ -35,6 +35,7 @@ class BrokerProcess:
     def start(self, timeout: float = 30.0, preexec_fn=None) -> "BrokerProcess":
         """Start it and wait until it answers; with an `endpoints_file` flag
         (port 0 endpoints), the endpoints are then the ones it bound."""
+        self.directory.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
         deadline = time.monotonic() + timeout
@@ -55,18 +56,25 @@ class BrokerProcess:
                 continue
         raise TimeoutError(f"broker did not answer within {timeout} s:\n{self.log()}")
 
-    def status(self, timeout: float = 5.0) -> dict:
+    def _admin(self, request: dict, timeout: float) -> dict:
+        """One raw admin request (no rollstream imports) and its decoded reply."""
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.admin)
         try:
-            sock.send(msgpack.packb({"v": 1, "type": "status"}))
+            sock.send(msgpack.packb({"v": 1, **request}))
             if not sock.poll(int(timeout * 1000)):
-                raise TimeoutError("no status reply")
+                raise TimeoutError(f"no reply to admin {request['type']}")
             return msgpack.unpackb(sock.recv())
         finally:
             sock.close()
+
+    def status(self, timeout: float = 5.0) -> dict:
+        return self._admin({"type": "status"}, timeout)
+
+    def dead_letters(self, timeout: float = 5.0) -> list[dict]:
+        return self._admin({"type": "dead_letters", "limit": 100_000}, timeout)["items"]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -1,21 +1,14 @@
 """Builders shared by the consumer tests (this file holds no tests).
 
-Synthetic rollouts go through the real merge model and wire codec; the live
-broker runs as a subprocess on ipc:// endpoints; the producer and admin
-clients are raw zmq + msgpack, as a peer following docs/protocol.md would
-write them.
+Synthetic rollouts go through the real merge model and wire codec; the
+producer is raw zmq + msgpack, as a peer following docs/protocol.md would
+write it. A live broker is `broker_process.BrokerProcess`.
 """
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,8 +16,6 @@ import zmq
 
 from rollstream.common.codec import decode, encode
 from rollstream.common.messages import (
-    ADMIN_REPLIES,
-    ADMIN_REQUESTS,
     BROKER_TO_CONSUMER,
     BROKER_TO_PRODUCER,
     PRODUCER_TO_BROKER,
@@ -113,60 +104,7 @@ def writable(d: Delivery, **arrays) -> Delivery:
     return Delivery(d.trajectory_id, dict(d.fields), copied, d.broker, set(d.leases))
 
 
-# -- a live broker --------------------------------------------------------------
-class BrokerProcess:
-    """`rollstream broker` in a subprocess on ipc:// endpoints in a short tmp dir."""
-
-    def __init__(self, *, lease_timeout: float = 30.0, heartbeat_interval: float = 0.2, extra: tuple = ()):
-        self.dir = Path(tempfile.mkdtemp(prefix="rsc", dir="/tmp"))
-        self.producer = f"ipc://{self.dir}/p"
-        self.consumer = f"ipc://{self.dir}/c"
-        self.admin = f"ipc://{self.dir}/a"
-        self.args = [
-            sys.executable, "-m", "rollstream.common.cli", "broker",
-            "--producer-endpoint", self.producer, "--consumer-endpoint", self.consumer,
-            "--admin-endpoint", self.admin, "--data-dir", str(self.dir / "data"), "--metrics-port", "0",
-            "--lease-timeout", str(lease_timeout), "--heartbeat-interval", str(heartbeat_interval), *extra,
-        ]
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> "BrokerProcess":
-        self.process = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=open(self.dir / "log", "ab"))
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.admin_request("status", timeout=0.5)
-                return self
-            except TimeoutError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"broker did not start: {(self.dir / 'log').read_text()[-2000:]}") from None
-
-    def stop(self, sig=signal.SIGTERM) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(sig)
-            self.process.wait(timeout=20)
-        self.process = None
-
-    def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def admin_request(self, mtype: str, fields: dict | None = None, timeout: float = 5.0):
-        with zmq.Context.instance().socket(zmq.DEALER) as sock:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.admin)
-            sock.send_multipart(encode(ADMIN_REQUESTS, mtype, fields or {}))
-            if not sock.poll(int(timeout * 1000)):
-                raise TimeoutError(f"no reply to admin {mtype}")
-            return decode(sock.recv_multipart(), ADMIN_REPLIES)
-
-    def status(self) -> dict:
-        return dict(self.admin_request("status").fields)
-
-    def dead_letters(self) -> list[dict]:
-        return self.admin_request("dead_letters", {"limit": 1000})["items"]
-
-
+# -- a raw producer --------------------------------------------------------------
 class RawProducer:
     """A producer from raw zmq + msgpack: hello, then turn and end frames with `seq`."""
 

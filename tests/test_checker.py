@@ -188,13 +188,13 @@ def test_a_torn_last_line_is_skipped(tmp_path):
 
 def test_client_ledgers_over_a_live_broker_check_clean(tmp_path):
     """A producer's and a consumer's own ledgers, joined: every acked trajectory committed once, byte-equal."""
-    from test_consumer_helpers import BrokerProcess
+    from broker_process import BrokerProcess
 
     from rollstream.consumer import Consumer
     from rollstream.producer import AsyncProducer
 
     rng = np.random.default_rng(3)
-    broker = BrokerProcess().start()
+    broker = BrokerProcess(tmp_path / "broker").start()
     try:
         async def produce():
             async with AsyncProducer(broker.producer, "ledgered", ledger=tmp_path / "producer.jsonl") as producer:
@@ -215,7 +215,7 @@ def test_client_ledgers_over_a_live_broker_check_clean(tmp_path):
         records = read_records([tmp_path])
         report = check(records, broker.dead_letters(), broker_backlog=broker.status()["ready"])
     finally:
-        broker.cleanup()
+        broker.__exit__(None, None, None)
     assert report.summary() == {"acked": 6, "committed": 6, "lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0,
                                 "unseen": 0, "dead_lettered": {}, "redelivered": 0, "unacked_committed": 0}
     committed = [r for r in records if r["kind"] == "committed"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_consumer_helpers import assert_same_batch, delivery, make_rollout
+from consumer_helpers import assert_same_batch, delivery, make_rollout
 
 from rollstream.common.miles import MASK_KEYS, to_train_data
 from rollstream.common.trajectory import Trajectory, Turn

@@ -10,7 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from test_consumer_helpers import make_rollout
+from consumer_helpers import make_rollout
 
 from rollstream.common.codec import decode, encode
 from rollstream.common.errors import ClientFailed

@@ -24,7 +24,7 @@ VOCAB_TP = 24
 
 def known_batches(seed: int):
     """The batches rank 0 serves: grouped and ungrouped samples with masks."""
-    from test_consumer_helpers import delivery, make_rollout
+    from consumer_helpers import delivery, make_rollout
 
     from rollstream.consumer import Batch
 
@@ -134,7 +134,7 @@ def run_ranks(world: int, tmp_path: Path) -> list[dict]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_shards_reassemble_to_the_batch(world, tmp_path):
-    from test_consumer_helpers import assert_same_batch
+    from consumer_helpers import assert_same_batch
 
     from rollstream.consumer import Batch, masked_log_probs
     from rollstream.consumer.distributed import decode_shard

@@ -3,15 +3,18 @@ a raw zmq + msgpack producer: complete batches from several brokers,
 deduplication after redelivery, a killed consumer losing nothing, broker
 restarts, quarantine and whole groups."""
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
 import pytest
 import torch
-from test_consumer_helpers import VOCAB, BrokerProcess, RawProducer, Rollout, make_rollout, wait_for
+from broker_process import BrokerProcess
+from consumer_helpers import VOCAB, RawProducer, Rollout, make_rollout, wait_for
 
 from rollstream.common.trajectory import Turn
 from rollstream.common.validation import RULE_TOKEN_VOCAB, BatchValidationError
@@ -20,16 +23,19 @@ from rollstream.consumer import Consumer
 
 @pytest.fixture
 def brokers():
+    """Start brokers, each in a short directory (ipc:// paths have a length limit)."""
     started = []
 
-    def start(**kw):
-        broker = BrokerProcess(**kw).start()
+    def start(lease_timeout: float = 30.0):
+        broker = BrokerProcess(tempfile.mkdtemp(prefix="rsc", dir="/tmp"), lease_timeout=lease_timeout,
+                               heartbeat_interval=0.2).start()
         started.append(broker)
         return broker
 
     yield start
     for broker in started:
-        broker.cleanup()
+        broker.__exit__(None, None, None)
+        shutil.rmtree(broker.directory, ignore_errors=True)
 
 
 def produce(broker, rollouts, **kw):
@@ -137,7 +143,7 @@ def test_broker_restart_reconnects_and_nothing_is_trained_twice(brokers):
     produce(node, rollouts("a", 4))
     with Consumer(node.consumer, batch_size=4) as consumer:
         first = consumer.next_batch(timeout=20)
-        node.stop(signal.SIGKILL)
+        node.kill()
         node.start()
         consumer.commit(first)  # its leases died with the old broker process
         produce(node, rollouts("b", 4, seed=1))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_consumer_helpers import VOCAB, deliveries, delivery, make_rollout, writable
+from consumer_helpers import VOCAB, deliveries, delivery, make_rollout, writable
 
 from rollstream.common.validation import (
     RULE_ALIGNED,
