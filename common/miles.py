@@ -1,11 +1,13 @@
 """Interop with miles: its session samples payload and its train-data dict.
 
-The session payload (SEMANTICS.md §7) is one safetensors blob: a rank-1 uint8
-`_samples_meta` tensor holding compact UTF-8 JSON, plus `{field}.{i}` tensors
-per sample and the mask as `rollout_sampling_mask.ids.{i}` /
+The session payload (docs/semantics.md §7) is one safetensors blob: a rank-1
+uint8 `_samples_meta` tensor holding compact UTF-8 JSON, plus `{field}.{i}`
+tensors per sample and the mask as `rollout_sampling_mask.ids.{i}` /
 `.offsets.{i}`. The mask crosses only when the caller asks for it, so a
-payload encoded with the default fields is byte-identical to one from an
-encoder that never knew about masks.
+payload encoded with the default fields from samples that carry each of them
+is byte-identical to one from an encoder that never knew about masks
+(docs/data-model.md says exactly which). Decoding fills a JSON field a
+sample lacks with its default when miles has one for it, as miles does.
 
 The train data (SEMANTICS.md §6) is the per-sample dict miles' trainer reads.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import safetensors
@@ -31,11 +33,12 @@ class SessionField:
     codec: str  # "json" | "tensor" | "mask"
     dtype: np.dtype | None = None
     strict: bool = False  # encode refuses any other dtype instead of converting
+    default: Callable[[], Any] | None = None  # a JSON field's value when a sample lacks it; None: required
 
 
 SESSION_FIELDS: dict[str, SessionField] = {
     "tokens": SessionField("tensor", np.dtype("<i8")),
-    "response": SessionField("json"),
+    "response": SessionField("json", default=str),
     "response_length": SessionField("json"),
     "loss_mask": SessionField("tensor", np.dtype("u1")),
     "rollout_log_probs": SessionField("tensor", np.dtype("<f8")),
@@ -43,16 +46,18 @@ SESSION_FIELDS: dict[str, SessionField] = {
     "rollout_routed_experts": SessionField("tensor", np.dtype("<i4"), strict=True),
     "rollout_indexer_topk": SessionField("tensor", np.dtype("<i4"), strict=True),
     "status": SessionField("json"),
-    "weight_versions": SessionField("json"),
-    "spec_info": SessionField("json"),
-    "prefix_cache_info": SessionField("json"),
-    "metadata": SessionField("json"),
+    "weight_versions": SessionField("json", default=list),
+    "spec_info": SessionField("json", default=dict),
+    "prefix_cache_info": SessionField("json", default=dict),
+    "metadata": SessionField("json", default=dict),
 }
 MASK_FIELD = "rollout_sampling_mask"
 DEFAULT_FIELDS = tuple(name for name in SESSION_FIELDS if name != MASK_FIELD)
 FIELDS_WITH_MASK = tuple(SESSION_FIELDS)
 META_KEY = "_samples_meta"
 _TENSOR_FIELDS = frozenset(name for name, spec in SESSION_FIELDS.items() if spec.codec != "json")
+# What rebuilding turns needs (the split of tokens, the status) has no default: a sample without it is refused.
+_REQUIRED_JSON = [name for name, spec in SESSION_FIELDS.items() if spec.codec == "json" and spec.default is None]
 
 
 @dataclass
@@ -131,10 +136,25 @@ def _take(tensors: dict, key: str, dtype: np.dtype, what: str) -> np.ndarray:
     return arr
 
 
-def decode_session_samples(payload: bytes, *, fields: Sequence[str] = DEFAULT_FIELDS) -> SessionSamples:
+def _carries_mask(tensors: Mapping[str, Any], sample_metas: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a payload was encoded with the mask field: it holds a mask
+    tensor, or a sample's null markers name the mask."""
+    prefix = MASK_FIELD + "."
+    return any(key.startswith(prefix) for key in tensors) or any(MASK_FIELD in meta["nulls"] for meta in sample_metas)
+
+
+def decode_session_samples(payload: bytes, *, fields: Sequence[str] | None = None) -> SessionSamples:
     """Strictly decode a session payload: wrong dtypes, missing promised
-    tensors and tensors no sample refers to are all errors."""
-    _check_fields(fields)
+    tensors and tensors no sample refers to are all errors. A JSON field a
+    sample lacks gets its default (`SessionField.default`); one without a
+    default is an error.
+
+    `fields` None reads what the payload carries: `DEFAULT_FIELDS`, plus the
+    mask when the payload was encoded with it (`_carries_mask`). Named
+    `fields` are read exactly (a mask the caller did not name is a tensor no
+    sample refers to)."""
+    if fields is not None:
+        _check_fields(fields)
     try:
         tensors = dict(safetensors.numpy.load(payload))
     except (safetensors.SafetensorError, ValueError) as exc:
@@ -149,20 +169,28 @@ def decode_session_samples(payload: bytes, *, fields: Sequence[str] = DEFAULT_FI
         sample_metas = document["samples"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"{META_KEY} is not the expected JSON document: {exc}") from None
-    samples = []
     for i, meta in enumerate(sample_metas):
         if not isinstance(meta, dict) or not isinstance(meta.get("nulls"), list):
             raise ValueError(f"sample {i} meta must be an object with a 'nulls' list")
+        strays = set(meta["nulls"]) - _TENSOR_FIELDS
+        if strays:
+            raise ValueError(f"sample {i} null markers name non-tensor fields {sorted(strays)}")
+    if fields is None:
+        fields = FIELDS_WITH_MASK if _carries_mask(tensors, sample_metas) else DEFAULT_FIELDS
+    samples = []
+    for i, meta in enumerate(sample_metas):
         nulls = set(meta["nulls"])
-        if nulls - _TENSOR_FIELDS:
-            raise ValueError(f"sample {i} null markers name non-tensor fields {sorted(nulls - _TENSOR_FIELDS)}")
         sample: dict[str, Any] = {}
         for name in fields:
             spec = SESSION_FIELDS[name]
             if spec.codec == "json":
-                if name not in meta:
-                    raise ValueError(f"sample {i} meta lacks field {name!r}")
-                sample[name] = meta[name]
+                if name in meta:
+                    sample[name] = meta[name]
+                elif spec.default is not None:
+                    sample[name] = spec.default()
+                else:
+                    raise ValueError(f"sample {i} meta lacks field {name!r}, which has no default (required: "
+                                     f"{_REQUIRED_JSON}; the other JSON fields take their default when left out)")
             elif name in nulls:
                 sample[name] = None
             elif spec.codec == "mask":

@@ -23,7 +23,7 @@ import numpy as np
 
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.mask import SamplingMask
-from rollstream.common.miles import DEFAULT_FIELDS, FIELDS_WITH_MASK, MASK_FIELD, decode_session_samples
+from rollstream.common.miles import decode_session_samples
 from rollstream.common.trajectory import Turn
 
 from .client import AsyncProducer, AsyncTrajectory
@@ -85,9 +85,10 @@ def jsonl_events(path: Path) -> Iterator[tuple[str, dict]]:
 
 def miles_payload(path: Path, vocab_size: int | None):
     """The trajectory in one miles session payload: (prompt, turns, session metadata)."""
-    payload = path.read_bytes()
-    fields = FIELDS_WITH_MASK if _has_mask_tensors(payload) else DEFAULT_FIELDS
-    session = decode_session_samples(payload, fields=fields)
+    try:
+        session = decode_session_samples(path.read_bytes())  # with the mask when the payload carries it
+    except ValueError as exc:
+        raise ReplayError(f"{path}: not a miles session payload: {exc}") from None
     try:
         converted = turns_from_miles_samples(session.samples, vocab_size=vocab_size)
     except ValueError as exc:
@@ -96,13 +97,6 @@ def miles_payload(path: Path, vocab_size: int | None):
         log.info("miles samples after the merge stops are not sent", extra={"file": str(path),
                                                                            "dropped": converted.dropped})
     return converted, session.session_metadata if isinstance(session.session_metadata, dict) else {}
-
-
-def _has_mask_tensors(payload: bytes) -> bool:
-    """Whether a safetensors payload carries the (opt-in) sampling mask."""
-    header_len = int.from_bytes(payload[:8], "little")
-    names = json.loads(payload[8 : 8 + header_len])
-    return any(name.startswith(MASK_FIELD + ".") for name in names)
 
 
 class ReplaySource:

@@ -39,7 +39,9 @@ def sample(mask=True, **overrides):
 
 
 def reference_payload(samples, session_metadata, empty_reason=None):
-    """What an encoder that never knew about masks writes, built by hand."""
+    """What an encoder that never knew about masks writes, built by hand.
+    A field the samples lack is left out, as an encoder from before that
+    field existed leaves it out."""
     tensors, metas = {}, []
     for i, s in enumerate(samples):
         meta, nulls = {}, []
@@ -48,6 +50,8 @@ def reference_payload(samples, session_metadata, empty_reason=None):
                      "spec_info", "prefix_cache_info", "metadata"]:
             dtypes = {"tokens": np.int64, "loss_mask": np.uint8, "rollout_log_probs": np.float64,
                       "rollout_routed_experts": np.int32, "rollout_indexer_topk": np.int32}
+            if name not in s:
+                continue
             if name not in dtypes:
                 meta[name] = s[name]
             elif s[name] is None:
@@ -120,7 +124,36 @@ def test_decode_missing_promised_tensor_is_an_error():
 def test_decode_unreferenced_tensor_is_an_error():
     payload = encode_session_samples([sample()], fields=FIELDS_WITH_MASK)
     with pytest.raises(ValueError, match="no sample refers to"):
-        decode_session_samples(payload)  # the default fields do not read the mask
+        decode_session_samples(payload, fields=DEFAULT_FIELDS)  # named fields are read exactly: not the mask
+
+
+def test_a_payload_written_without_optional_json_fields_decodes_them_to_their_defaults():
+    """An encoder from before miles had `spec_info` and `prefix_cache_info`
+    (or one that leaves optional fields out): miles fills them with their
+    defaults when it reads the samples, and so does the decoder."""
+    older = [{k: v for k, v in sample().items() if k not in ("spec_info", "prefix_cache_info")}]
+    for fields in (None, DEFAULT_FIELDS):
+        s = decode_session_samples(reference_payload(older, {}), fields=fields).samples[0]
+        assert s["spec_info"] == {} and s["prefix_cache_info"] == {}
+        assert s["status"] == "completed" and s["metadata"] == {"turn": 1} and s["tokens"].tolist() == [1, 2, 10, 20]
+    bare = [{k: v for k, v in sample().items() if k not in ("response", "weight_versions", "metadata")}]
+    s = decode_session_samples(reference_payload(bare, {})).samples[0]
+    assert (s["response"], s["weight_versions"], s["metadata"]) == ("", [], {})
+
+
+def test_a_sample_without_a_field_that_has_no_default_is_refused():
+    without_status = [{k: v for k, v in sample().items() if k != "status"}]
+    with pytest.raises(ValueError, match=r"sample 0 meta lacks field 'status', which has no default "
+                                         r"\(required: \['response_length', 'status'\]"):
+        decode_session_samples(reference_payload(without_status, {}))
+
+
+def test_decode_reads_the_mask_when_the_payload_carries_it():
+    with_mask = decode_session_samples(encode_session_samples([sample()], fields=FIELDS_WITH_MASK)).samples[0]
+    assert with_mask["rollout_sampling_mask"] == SamplingMask.from_supports([[10, 3], [20]])
+    all_null = decode_session_samples(encode_session_samples([sample(mask=False)], fields=FIELDS_WITH_MASK)).samples[0]
+    assert "rollout_sampling_mask" in all_null and all_null["rollout_sampling_mask"] is None
+    assert "rollout_sampling_mask" not in decode_session_samples(encode_session_samples([sample()])).samples[0]
 
 
 def test_decode_rejects_bad_meta_and_containers():

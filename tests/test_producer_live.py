@@ -799,6 +799,14 @@ def test_bad_settings_and_recordings_are_refused_with_the_rule(tmp_path):
         _, err = process.communicate(timeout=PATIENCE)
     assert process.returncode != 0
     assert f"{recording}:1: turn of 'x' must be 0 (line order), got 1" in err and "Traceback" not in err
+    payload = tmp_path / "bad.safetensors"
+    payload.write_bytes(b"not a safetensors payload")
+    with Broker(tmp_path) as broker:
+        process = daemon(broker, "--source", "replay", "--replay-path", str(payload))
+        _, err = process.communicate(timeout=PATIENCE)
+    assert process.returncode != 0
+    assert f"{payload}: not a miles session payload: payload is not a valid safetensors container" in err
+    assert "Traceback" not in err
 
 
 def test_producers_opened_and_closed_one_after_another_never_stall_the_context(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 from rollstream.common import SamplingMask, Trajectory
 from rollstream.common.miles import FIELDS_WITH_MASK, decode_session_samples, encode_session_samples
 from rollstream.producer.miles_samples import MilesMergeError, turns_from_miles_samples
+from rollstream.producer.replay import ReplayError, miles_payload
 
 PROMPT = [1, 2, 3]
 R0, S0 = [10, 11], [[10, 4], [11]]
@@ -139,3 +140,20 @@ def test_a_session_payload_round_trip_gives_the_same_turns():
     out = turns_from_miles_samples(decoded.samples, vocab_size=100)
     assert [t.forced_tokens.tolist() for t in out.turns] == [OBS0, OBS1, []]
     assert out.turns[1].mask == SamplingMask.from_supports(S1)
+
+
+def test_the_replay_source_reads_a_payload_with_or_without_the_mask_as_the_library_detects(tmp_path):
+    for fields, masked in ((FIELDS_WITH_MASK, True), (None, False)):
+        path = tmp_path / f"masked-{masked}.safetensors"
+        samples = three_turns() if masked else three_turns({i: {"rollout_sampling_mask": None} for i in range(3)})
+        path.write_bytes(encode_session_samples(samples, {"reward": 1.0}, **({"fields": fields} if fields else {})))
+        converted, session = miles_payload(path, vocab_size=100)
+        assert [t.forced_tokens.tolist() for t in converted.turns] == [OBS0, OBS1, []] and session == {"reward": 1.0}
+        assert [t.mask is not None for t in converted.turns] == [masked] * 3
+
+
+def test_the_replay_source_names_the_file_of_a_payload_it_cannot_decode(tmp_path):
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(encode_session_samples(three_turns(), fields=FIELDS_WITH_MASK)[:-5])
+    with pytest.raises(ReplayError, match=rf"^{path}: not a miles session payload: payload is not a valid safetensors"):
+        miles_payload(path, vocab_size=None)
