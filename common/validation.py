@@ -590,7 +590,7 @@ def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size
 
 def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: int | None) -> bool:
     tokens, ids, offsets, shifts, sizes, plain = [], [], [], [], [], []
-    loss_masks, log_probs, other_ids = [], [], []
+    loss_masks, log_probs, other_ids, forced = [], [], [], []
     base = 0
     for arrays in batch:
         message_tokens = arrays["tokens"]
@@ -611,6 +611,8 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
                 shifts.append(base)
                 sizes.append(n)
                 base += len(message_ids)
+                # a token with loss 0 and log-prob 0.0 is a forced one: its support must be a singleton
+                forced.append(None if loss_mask is None or log_prob is None else (loss_mask == 0) & (log_prob == 0))
         for name in ("prompt_tokens", "forced_tokens"):
             if arrays.get(name) is not None:
                 other_ids.append(arrays[name])
@@ -620,8 +622,8 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
             log_probs.append(log_prob)
     packed_ids = None
     if len(tokens) == 1:
-        packed_ids = ids[0]
-        if not _tokens_in_supports(tokens[0], packed_ids, offsets[0]):
+        packed_ids, packed_offsets = ids[0], offsets[0]
+        if not _tokens_in_supports(tokens[0], packed_ids, packed_offsets):
             return False
     elif tokens:
         packed_ids = _concat(ids)
@@ -630,6 +632,10 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
         np.add(_concat([o[1:] for o in offsets]), np.repeat(np.asarray(shifts, dtype=np.int64), sizes),
                out=packed_offsets[1:])
         if not _tokens_in_supports(_concat(tokens), packed_ids, packed_offsets):
+            return False
+    if any(f is not None for f in forced):  # the forced tokens' supports, over the masked messages' tokens
+        is_forced = _concat([np.zeros(n, bool) if f is None else f for f, n in zip(forced, sizes)])
+        if bool((is_forced & (np.diff(packed_offsets) != 1)).any()):
             return False
     bound = 2**31 if vocab_size is None else vocab_size  # negative int32 ids read as uint32 are >= 2**31
     # Sampled tokens with a support lie inside it, so the support ids stand for them.
@@ -683,7 +689,7 @@ def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | 
     n = len(tokens)
     found = packed_violations(
         tokens, [n], arrays.get("mask_ids"), arrays.get("mask_offsets"),
-        vocab_size=vocab_size, loss_mask=arrays.get("loss_mask"),
+        vocab_size=vocab_size, loss_mask=arrays.get("loss_mask"), log_probs=arrays.get("log_probs"),
     )
     for name in ("prompt_tokens", "forced_tokens"):
         values = arrays.get(name)
@@ -694,12 +700,3 @@ def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | 
         first = min(found, key=lambda v: _CODE_ORDER[RULE_CODES[v.rule]])
         where = "" if first.position is None else f" at token {first.position}"
         raise ProtocolError(RULE_CODES[first.rule], f"rule '{first.rule}' violated{where}: {first.detail}")
-    log_probs = arrays.get("log_probs")
-    if log_probs is not None and log_probs.size:
-        bad = np.flatnonzero(np.isnan(log_probs) | np.isposinf(log_probs))
-        if bad.size:
-            raise ProtocolError(
-                "invalid_value",
-                f"rule '{RULE_LOG_PROBS}' violated at token {int(bad[0])}: "
-                f"got {float(log_probs[bad[0]])}",
-            )
