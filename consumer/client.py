@@ -19,7 +19,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from dataclasses import fields as dataclass_fields
 from typing import Sequence
 
@@ -34,27 +34,16 @@ from rollstream.common.sockets import dealer
 
 from .assembly import POLICIES, Assembler, Unit
 from .batch import Batch, as_device
+from .session import Sessions
 from .validate import checked_batch, violation_error
 
 log = logging.getLogger("rollstream.consumer")
-
-DEFAULT_HEARTBEAT = 1.0  # seconds, until a broker's welcome says otherwise
 
 
 class ConsumerClosed(RollstreamError):
     """The consumer was closed; no more batches."""
 
     code = "closed"
-
-
-@dataclass
-class _Session:
-    """One broker connection: where its handshake stands and when to speak next."""
-
-    state: str = "new"  # new -> hello_sent -> ready; back to new when the broker forgets us
-    hello_at: float = 0.0
-    heartbeat_interval: float = DEFAULT_HEARTBEAT
-    next_heartbeat: float = 0.0
 
 
 class Consumer:
@@ -108,13 +97,14 @@ class Consumer:
         self.on_invalid = on_invalid
         self.reward_key = reward_key
         self.consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
-        self.hello_timeout = hello_timeout
         self.max_message_bytes = max_message_bytes
         # What the trainer was handed and committed, for the end-to-end checker (`rollstream.common.checker`):
         self.ledger = None if ledger is None else Ledger(ledger)
         self._assembler = Assembler(
             len(self.endpoints), batch_size=batch_size, unit=unit, prefetch=prefetch, dedup_capacity=dedup_capacity
         )
+        self._sessions = Sessions(self._assembler, self.endpoints, consumer_id=self.consumer_id,
+                                  hello_timeout=hello_timeout)  # the protocol conduct; the I/O thread drives it
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._context = context or zmq.Context.instance()
@@ -308,7 +298,6 @@ class Consumer:
 
     def _run(self) -> None:
         socks = [dealer(self._context, endpoint, max_message_bytes=self.max_message_bytes) for endpoint in self.endpoints]
-        sessions = [_Session() for _ in socks]
         poller = zmq.Poller()
         for sock in (*socks, self._wake_in):
             poller.register(sock, zmq.POLLIN)
@@ -325,8 +314,11 @@ class Consumer:
                     if self._stopping:
                         break
                     for broker, message, header, error in decoded:
-                        self._handle(broker, sessions[broker], message, header, error, now)
-                    outgoing = self._due(sessions, now)
+                        if message is None:
+                            self._sessions.undecodable(broker, header, error)
+                        else:
+                            self._sessions.received(broker, message, now)
+                    outgoing = self._sessions.due(now, closing=self._closing)
                     self._changed.notify_all()
                 for broker, mtype, fields in outgoing:
                     try:
@@ -354,68 +346,6 @@ class Consumer:
             except ProtocolError:
                 header = {}
             return None, header, error
-
-    def _handle(self, broker: int, session: _Session, message, header, error, now: float) -> None:
-        assembler = self._assembler
-        endpoint = self.endpoints[broker]
-        if message is None:
-            lease = header.get("lease")
-            if header.get("type") == "deliver" and isinstance(lease, str) and session.state == "ready":
-                log.warning("undecodable delivery", extra={"endpoint": endpoint, "code": error.code, "reason": error.message})
-                credit_fields = {"lease": lease}
-                if error.code not in ("malformed", "version", "schema"):  # its header passed the schema check
-                    credit_fields.update({k: header[k] for k in ("group_id", "group_size", "group_left") if k in header})
-                assembler.undecodable(broker, credit_fields, f"{error.code}: {error.message}",
-                                      requeue=error.code == "crc_mismatch")
-            else:
-                log.warning("unreadable message from broker", extra={"endpoint": endpoint, "code": error.code, "reason": error.message})
-            return
-        kind = message.type
-        if kind == "welcome":
-            session.state = "ready"
-            session.heartbeat_interval = message["heartbeat_interval"]
-            session.next_heartbeat = now + session.heartbeat_interval / 2
-            assembler.welcomed(broker, message["lease_timeout"])
-            log.info("connected to broker", extra={"endpoint": endpoint, "broker_id": message["broker_id"]})
-        elif kind == "deliver":
-            if session.state == "ready":  # anything else belongs to a session the broker has dropped
-                assembler.delivered(broker, message.fields, message.arrays, now)
-        elif kind in ("acked", "nacked"):
-            assembler.settled(broker, message["leases"])
-        elif message["code"] == "unknown_consumer":
-            if session.state == "ready":
-                log.warning("broker forgot this consumer; saying hello again", extra={"endpoint": endpoint})
-                assembler.lost(broker)
-                session.state = "new"
-        elif message["code"] == "stale_lease":
-            assembler.settled(broker, message.get("leases", ()), stale=True)
-        elif message["code"] == "unavailable":
-            assembler.unavailable(broker, message.get("leases", ()), now)
-        else:
-            log.warning("broker refused a message", extra={"endpoint": endpoint, "code": message["code"],
-                                                           "reason": message["message"]})
-            assembler.settled(broker, message.get("leases", ()))
-
-    def _due(self, sessions: list[_Session], now: float) -> list[tuple[int, str, dict]]:
-        """Everything to send now: hellos, heartbeats, credit, settlements."""
-        assembler = self._assembler
-        out = []
-        for broker, session in enumerate(sessions):
-            retry_hello = session.state == "hello_sent" and now - session.hello_at > self.hello_timeout
-            if (session.state == "new" or retry_hello) and not self._closing:
-                out.append((broker, "hello", {"consumer_id": self.consumer_id, "packed_arrays": True, "split_arrays": True}))
-                session.state, session.hello_at = "hello_sent", now
-            elif session.state == "ready" and now >= session.next_heartbeat:
-                out.append((broker, "heartbeat", {}))
-                session.next_heartbeat = now + session.heartbeat_interval / 2
-        assembler.expire(now)
-        if self._closing:
-            assembler.release()  # deliveries still arriving on old credit go straight back
-        else:
-            for broker, n in assembler.credit_grants().items():
-                out.append((broker, "credit", {"n": n, "unit": assembler.unit}))
-        out += [(o.broker, o.type, o.fields) for o in assembler.take_outbox()]
-        return out
 
 
 def _drain(sock: zmq.Socket):

@@ -1,0 +1,121 @@
+"""The consumer's conduct toward its brokers (docs/protocol.md §4), sans-I/O.
+
+`Sessions` decides, for every broker connection, when to say hello (again),
+when to heartbeat, what a reply means (a welcome, a delivery, a settlement,
+each refusal code), and what goes out next, driving the `Assembler` that
+holds the deliveries. The client's I/O thread only decodes what arrived,
+hands it here with the time, and sends what `due` returns, so the whole
+handshake is testable without sockets or clocks.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Mapping
+
+from rollstream.common.errors import ProtocolError
+
+from .assembly import Assembler
+
+log = logging.getLogger("rollstream.consumer")
+
+DEFAULT_HEARTBEAT = 1.0  # seconds, until a broker's welcome says otherwise
+HEADER_CHECKED_AFTER = frozenset({"malformed", "version", "schema"})  # refusals raised before the header was checked
+
+
+class SessionState(StrEnum):
+    NEW = "new"  # must say hello
+    HELLO_SENT = "hello_sent"  # waiting for the welcome
+    READY = "ready"  # welcomed: deliveries count, heartbeats go out
+
+
+@dataclass
+class BrokerSession:
+    """One broker connection: where its handshake stands and when to speak next."""
+
+    state: SessionState = SessionState.NEW
+    hello_at: float = 0.0
+    heartbeat_interval: float = DEFAULT_HEARTBEAT
+    next_heartbeat: float = 0.0
+
+
+class Sessions:
+    """Every broker connection of one consumer (by broker index)."""
+
+    def __init__(self, assembler: Assembler, endpoints: list[str], *, consumer_id: str, hello_timeout: float):
+        self.assembler = assembler
+        self.endpoints = endpoints
+        self.consumer_id = consumer_id
+        self.hello_timeout = hello_timeout
+        self.sessions = [BrokerSession() for _ in endpoints]
+
+    def received(self, broker: int, message, now: float) -> None:
+        """A decoded message from `broker`."""
+        session, assembler, endpoint = self.sessions[broker], self.assembler, self.endpoints[broker]
+        kind = message.type
+        if kind == "welcome":
+            session.state = SessionState.READY
+            session.heartbeat_interval = message["heartbeat_interval"]
+            session.next_heartbeat = now + session.heartbeat_interval / 2
+            assembler.welcomed(broker, message["lease_timeout"])
+            log.info("connected to broker", extra={"endpoint": endpoint, "broker_id": message["broker_id"]})
+        elif kind == "deliver":
+            if session.state == SessionState.READY:  # anything else belongs to a session the broker has dropped
+                assembler.delivered(broker, message.fields, message.arrays, now)
+        elif kind in ("acked", "nacked"):
+            assembler.settled(broker, message["leases"])
+        elif message["code"] == "unknown_consumer":
+            if session.state == SessionState.READY:
+                log.warning("broker forgot this consumer; saying hello again", extra={"endpoint": endpoint})
+                assembler.lost(broker)
+                session.state = SessionState.NEW
+        elif message["code"] == "stale_lease":
+            assembler.settled(broker, message.get("leases", ()), stale=True)
+        elif message["code"] == "unavailable":
+            assembler.unavailable(broker, message.get("leases", ()), now)
+        else:
+            log.warning("broker refused a message", extra={"endpoint": endpoint, "code": message["code"],
+                                                           "reason": message["message"]})
+            assembler.settled(broker, message.get("leases", ()))
+
+    def undecodable(self, broker: int, header: Mapping[str, Any], error: ProtocolError) -> None:
+        """A message from `broker` that did not decode (`header`: what of its
+        header could be read). A delivery's lease goes back to the broker,
+        requeued when only its bytes were damaged on the way (a CRC)."""
+        endpoint = self.endpoints[broker]
+        lease = header.get("lease")
+        if header.get("type") == "deliver" and isinstance(lease, str) and self.sessions[broker].state == SessionState.READY:
+            log.warning("undecodable delivery", extra={"endpoint": endpoint, "code": error.code, "reason": error.message})
+            credit_fields = {"lease": lease}
+            if error.code not in HEADER_CHECKED_AFTER:  # its header passed the schema check
+                credit_fields.update({k: header[k] for k in ("group_id", "group_size", "group_left") if k in header})
+            self.assembler.undecodable(broker, credit_fields, f"{error.code}: {error.message}",
+                                       requeue=error.code == "crc_mismatch")
+        else:
+            log.warning("unreadable message from broker", extra={"endpoint": endpoint, "code": error.code,
+                                                                 "reason": error.message})
+
+    def due(self, now: float, *, closing: bool) -> list[tuple[int, str, dict]]:
+        """Everything to send now, as (broker, type, fields): hellos (again
+        after `hello_timeout` without a welcome), heartbeats at half the
+        broker's interval, credit, settlements. While closing: no hello, no
+        credit, and deliveries still arriving on old credit go straight back."""
+        assembler = self.assembler
+        out = []
+        for broker, session in enumerate(self.sessions):
+            retry_hello = session.state == SessionState.HELLO_SENT and now - session.hello_at > self.hello_timeout
+            if (session.state == SessionState.NEW or retry_hello) and not closing:
+                out.append((broker, "hello", {"consumer_id": self.consumer_id, "packed_arrays": True, "split_arrays": True}))
+                session.state, session.hello_at = SessionState.HELLO_SENT, now
+            elif session.state == SessionState.READY and now >= session.next_heartbeat:
+                out.append((broker, "heartbeat", {}))
+                session.next_heartbeat = now + session.heartbeat_interval / 2
+        assembler.expire(now)
+        if closing:
+            assembler.release()
+        else:
+            for broker, n in assembler.credit_grants().items():
+                out.append((broker, "credit", {"n": n, "unit": assembler.unit}))
+        out += [(o.broker, o.type, o.fields) for o in assembler.take_outbox()]
+        return out

@@ -1,0 +1,95 @@
+"""The consumer's protocol conduct (`consumer.session.Sessions`) driven
+without sockets or clocks: hellos and their retry, heartbeats at half the
+broker's interval, credit once welcomed, saying hello again after
+`unknown_consumer`, deliveries of a dropped session ignored, undecodable
+deliveries handed back, and closing."""
+import numpy as np
+from consumer_helpers import make_rollout
+
+from rollstream.common.codec import Message, decode
+from rollstream.common.errors import ProtocolError
+from rollstream.common.messages import BROKER_TO_CONSUMER
+from rollstream.common.wire import encode_deliver
+from rollstream.consumer.assembly import Assembler
+from rollstream.consumer.session import Sessions, SessionState
+
+
+def sessions(brokers: int = 1) -> Sessions:
+    return Sessions(Assembler(brokers, batch_size=1, unit="trajectory"), [f"ipc://b{i}" for i in range(brokers)],
+                    consumer_id="c", hello_timeout=5.0)
+
+
+def kinds(out) -> list[tuple[int, str]]:
+    return [(broker, kind) for broker, kind, _ in out]
+
+
+def welcome(interval: float = 2.0) -> Message:
+    return Message("welcome", {"broker_id": "b", "lease_timeout": 30.0, "heartbeat_interval": interval}, {})
+
+
+def refusal(code: str, **fields) -> Message:
+    return Message("nack", {"code": code, "message": "x", **fields}, {})
+
+
+def deliver(tid: str, lease: str) -> Message:
+    return decode(encode_deliver(make_rollout(np.random.default_rng(1), tid).merged(), lease), BROKER_TO_CONSUMER)
+
+
+def test_hello_goes_once_and_again_only_after_the_hello_timeout():
+    s = sessions(2)
+    assert kinds(s.due(0.0, closing=False)) == [(0, "hello"), (1, "hello")]
+    assert s.due(4.0, closing=False) == []
+    assert kinds(s.due(5.5, closing=False)) == [(0, "hello"), (1, "hello")]
+    _, _, fields = s.due(11.0, closing=False)[0]
+    assert fields == {"consumer_id": "c", "packed_arrays": True, "split_arrays": True}
+
+
+def test_a_welcome_opens_credit_and_heartbeats_at_half_the_interval():
+    s = sessions()
+    s.due(0.0, closing=False)
+    s.received(0, welcome(interval=2.0), 1.0)
+    assert s.sessions[0].state == SessionState.READY
+    first = s.due(1.0, closing=False)
+    assert ("credit" in [kind for _, kind, _ in first]) and "heartbeat" not in [kind for _, kind, _ in first]
+    assert kinds(s.due(1.9, closing=False)) == []
+    assert kinds(s.due(2.0, closing=False)) == [(0, "heartbeat")]
+    assert kinds(s.due(2.5, closing=False)) == []
+    assert kinds(s.due(3.0, closing=False)) == [(0, "heartbeat")]
+
+
+def test_unknown_consumer_drops_what_the_broker_forgot_and_says_hello_again():
+    s = sessions()
+    s.due(0.0, closing=False)
+    s.received(0, welcome(), 0.0)
+    s.due(0.0, closing=False)
+    s.received(0, deliver("t", "L1"), 0.1)
+    assert s.assembler.ready == 1
+    s.received(0, refusal("unknown_consumer"), 0.2)
+    assert s.sessions[0].state == SessionState.NEW and s.assembler.ready == 0
+    assert kinds(s.due(0.3, closing=False)) == [(0, "hello")]
+    s.received(0, deliver("u", "L2"), 0.4)  # from the session the broker dropped: not ours any more
+    assert s.assembler.ready == 0
+    s.received(0, refusal("unknown_consumer"), 0.5)  # a second one before the welcome changes nothing
+    assert s.sessions[0].state == SessionState.HELLO_SENT
+
+
+def test_an_undecodable_delivery_goes_back_requeued_only_when_its_bytes_were_damaged():
+    s = sessions()
+    s.due(0.0, closing=False)
+    s.received(0, welcome(), 0.0)
+    s.due(0.0, closing=False)
+    s.undecodable(0, {"type": "deliver", "lease": "L-crc"}, ProtocolError("crc_mismatch", "bad crc"))
+    s.undecodable(0, {"type": "deliver", "lease": "L-dtype"}, ProtocolError("dtype", "float64"))
+    s.undecodable(0, {"type": "ack"}, ProtocolError("malformed", "junk"))  # not a delivery: only logged
+    settled = {tuple(fields["leases"]): fields for _, kind, fields in s.due(0.1, closing=False) if kind == "nack"}
+    assert settled[("L-crc",)]["requeue"] is True  # damaged on the way: the broker sends it again
+    assert settled[("L-dtype",)]["requeue"] is False and "dtype: float64" in settled[("L-dtype",)]["reason"]
+    assert s.assembler.stats.undecodable == 2
+
+
+def test_closing_sends_no_hello_and_no_credit():
+    s = sessions()
+    assert s.due(0.0, closing=True) == []
+    s.due(0.1, closing=False)
+    s.received(0, welcome(), 0.2)
+    assert [kind for _, kind, _ in s.due(0.2, closing=True)] == []
