@@ -13,11 +13,13 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 
-from .engine import Unit
+from .engine import DeliveryUnit
 
 
 @dataclass
-class Consumer:
+class ConsumerState:
+    """A consumer connection as the dispatcher keeps it: its credit and leases."""
+
     consumer_id: str
     last_seen: float
     trajectory_credit: int = 0
@@ -29,20 +31,20 @@ class Consumer:
 class Lease:
     lease: str
     trajectory_id: str
-    unit: Unit
+    unit: DeliveryUnit
     identity: bytes
     expires_at: float
     credit: str = "trajectory"  # the kind of credit the delivery used
 
 
 @dataclass(frozen=True)
-class Delivery:
+class Dispatch:
     """Send `trajectory_id` to `identity` under `lease`."""
 
     identity: bytes
     lease: str
     trajectory_id: str
-    unit: Unit
+    unit: DeliveryUnit
     delivery_count: int
 
     @property
@@ -63,22 +65,22 @@ class DispatchSettings:
 class Dispatcher:
     def __init__(self, settings: DispatchSettings | None = None):
         self.settings = settings or DispatchSettings()
-        self.consumers: dict[bytes, Consumer] = {}
-        self.queue: deque[Unit] = deque()  # changed only by `enqueue` and `_take` (they keep the count)
+        self.consumers: dict[bytes, ConsumerState] = {}
+        self.queue: deque[DeliveryUnit] = deque()  # changed only by `enqueue` and `_take` (they keep the count)
         self.queued_trajectories = 0
         self.leases: dict[str, Lease] = {}
         self.delivery_counts: dict[str, int] = {}
         self.redeliveries = 0
         self._epoch = os.urandom(4).hex()
         self._counter = itertools.count(1)
-        self._turn = 0  # round-robin start among consumers
+        self._rotation = 0  # round-robin start among consumers
 
     # -- queue ---------------------------------------------------------------
-    def enqueue(self, unit: Unit, front: bool = False) -> None:
+    def enqueue(self, unit: DeliveryUnit, front: bool = False) -> None:
         (self.queue.appendleft if front else self.queue.append)(unit)
         self.queued_trajectories += len(unit.trajectory_ids)
 
-    def _take(self) -> Unit:
+    def _take(self) -> DeliveryUnit:
         unit = self.queue.popleft()
         self.queued_trajectories -= len(unit.trajectory_ids)
         return unit
@@ -93,7 +95,7 @@ class Dispatcher:
                 exhausted += self._drop_consumer(old_identity)
         if identity in self.consumers:
             exhausted += self._drop_consumer(identity)
-        self.consumers[identity] = Consumer(consumer_id, now)
+        self.consumers[identity] = ConsumerState(consumer_id, now)
         return exhausted
 
     def seen(self, identity: bytes, now: float) -> bool:
@@ -162,12 +164,12 @@ class Dispatcher:
         """The one way trajectories return to the queue: at the front, in
         the order given, each delivered unit whole (its members that are
         back, with `group_left` recomputed for what is redelivered)."""
-        by_unit: dict[int, tuple[Unit, list[str]]] = {}
+        by_unit: dict[int, tuple[DeliveryUnit, list[str]]] = {}
         for lease in leases:
             by_unit.setdefault(id(lease.unit), (lease.unit, []))[1].append(lease.trajectory_id)
         for unit, tids in reversed(list(by_unit.values())):
             left = (unit.group_size - len(tids)) if unit.group_id is not None else 0
-            self.enqueue(Unit(tuple(tids), unit.group_id, unit.group_size, left), front=True)
+            self.enqueue(DeliveryUnit(tuple(tids), unit.group_id, unit.group_size, left), front=True)
 
     def forget(self, trajectory_id: str) -> None:
         self.delivery_counts.pop(trajectory_id, None)
@@ -192,9 +194,9 @@ class Dispatcher:
         return self.requeue(valid)
 
     # -- sending -------------------------------------------------------------
-    def deliveries(self, now: float) -> list[Delivery]:
+    def deliveries(self, now: float) -> list[Dispatch]:
         """Hand queued units to consumers with credit, round-robin."""
-        out: list[Delivery] = []
+        out: list[Dispatch] = []
         identities = list(self.consumers)
         if not identities:
             return out
@@ -204,7 +206,7 @@ class Dispatcher:
             for k in range(len(identities)):
                 if not self.queue:
                     break
-                identity = identities[(self._turn + k) % len(identities)]
+                identity = identities[(self._rotation + k) % len(identities)]
                 consumer = self.consumers[identity]
                 if consumer.group_credit > 0:
                     consumer.group_credit -= 1
@@ -216,7 +218,7 @@ class Dispatcher:
                     take = min(consumer.trajectory_credit, len(unit.trajectory_ids))
                     tids = unit.trajectory_ids[:take]
                     if take < len(unit.trajectory_ids):
-                        self.enqueue(Unit(unit.trajectory_ids[take:], unit.group_id, unit.group_size, unit.group_left), front=True)
+                        self.enqueue(DeliveryUnit(unit.trajectory_ids[take:], unit.group_id, unit.group_size, unit.group_left), front=True)
                     consumer.trajectory_credit -= take
                     credit = "trajectory"
                 else:
@@ -224,13 +226,13 @@ class Dispatcher:
                 progress = True
                 for tid in tids:
                     out.append(self._lease(identity, consumer, tid, unit, now, credit))
-            self._turn = (self._turn + 1) % len(identities)
+            self._rotation = (self._rotation + 1) % len(identities)
         return out
 
-    def _lease(self, identity: bytes, consumer: Consumer, tid: str, unit: Unit, now: float, credit: str) -> Delivery:
+    def _lease(self, identity: bytes, consumer: ConsumerState, tid: str, unit: DeliveryUnit, now: float, credit: str) -> Dispatch:
         lease_id = f"{self._epoch}-{next(self._counter)}"
         self.leases[lease_id] = Lease(lease_id, tid, unit, identity, now + self.settings.lease_timeout, credit)
         consumer.leases.add(lease_id)
         count = self.delivery_counts.get(tid, 0) + 1
         self.delivery_counts[tid] = count
-        return Delivery(identity, lease_id, tid, unit, count)
+        return Dispatch(identity, lease_id, tid, unit, count)

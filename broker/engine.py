@@ -130,7 +130,7 @@ class Forget:
 
 # -- deliverable units --------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class Unit:
+class DeliveryUnit:
     """What a consumer receives together: one trajectory, or a group's
     ended members with how many left."""
 
@@ -230,7 +230,7 @@ class MergeEngine:
         self.bytes_in_memory = 0  # of the trajectories in memory (arrays and overheads), kept as they change
         self.dedup: dict[str, float] = {}  # trajectory id -> remembered until
         self._dedup_expiry: list[tuple[float, str]] = []  # a heap of (until, id): expiry without scanning every id
-        self.ready_units: deque[Unit] = deque()
+        self.ready_units: deque[DeliveryUnit] = deque()
         self._effects: list = []  # effects of the call in progress
 
     def _drain(self, *first) -> tuple:
@@ -418,7 +418,7 @@ class MergeEngine:
     def _member_done(self, entry: Entry, state: str, now: float) -> None:
         if entry.group_id is None:
             if state == ENDED:
-                self.ready_units.append(Unit((entry.trajectory_id,)))
+                self.ready_units.append(DeliveryUnit((entry.trajectory_id,)))
             return
         group = self.groups[entry.group_id]
         group.members[entry.trajectory_id] = state
@@ -432,7 +432,7 @@ class MergeEngine:
         self._idle_groups.pop(group_id, None)
         self._effects.append(ReleaseGroup(group_id, group.size))
         if ended:
-            self.ready_units.append(Unit(ended, group_id, group.size, group.size - len(ended)))
+            self.ready_units.append(DeliveryUnit(ended, group_id, group.size, group.size - len(ended)))
         else:
             self._close_group(group_id)
 
@@ -530,7 +530,7 @@ class MergeEngine:
             return None
         entry.dead_reason, entry.dead_at, entry.unreadable = None, None, 0
         self._set_state(entry, ENDED)
-        self.ready_units.append(Unit((tid,), entry.group_id, entry.group_size, (entry.group_size or 1) - 1))
+        self.ready_units.append(DeliveryUnit((tid,), entry.group_id, entry.group_size, (entry.group_size or 1) - 1))
         return Requeue(tid)
 
     # -- memory -------------------------------------------------------------

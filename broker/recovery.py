@@ -10,7 +10,7 @@ from __future__ import annotations
 from rollstream.common.trajectory import Gap, Trajectory
 from rollstream.common.wire import turn_from_message
 
-from .engine import DEAD, ENDED, LEFT, OPEN, Entry, Group, MergeEngine, Unit
+from .engine import DEAD, ENDED, LEFT, OPEN, Entry, Group, MergeEngine, DeliveryUnit
 from .store import Recovered, Store, StoreCorrupted, StoredTrajectory
 
 
@@ -38,11 +38,11 @@ def load_trajectory(store: Store, stored: StoredTrajectory) -> Trajectory:
     return traj
 
 
-def restore(engine: MergeEngine, recovered: Recovered, store: Store) -> list[Unit]:
+def restore(engine: MergeEngine, recovered: Recovered, store: Store) -> list[DeliveryUnit]:
     """Fill an empty engine from `recovered`; returns the units to deliver,
     oldest first. Open trajectories are replayed into memory; ended ones
     stay in the store until delivered."""
-    ready: list[tuple[int, Unit]] = []
+    ready: list[tuple[int, DeliveryUnit]] = []
     for stored in recovered.trajectories:
         entry = Entry(
             stored.trajectory_id,
@@ -73,9 +73,9 @@ def restore(engine: MergeEngine, recovered: Recovered, store: Store) -> list[Uni
             ended = tuple(t for t, state in group.members.items() if state == ENDED)
             group.pending = set(ended)
             if ended:
-                ready.append((min(ready_seq[t] for t in ended), Unit(ended, group_id, group.size, group.size - len(ended))))
+                ready.append((min(ready_seq[t] for t in ended), DeliveryUnit(ended, group_id, group.size, group.size - len(ended))))
     engine.reindex()
     for entry in engine.entries.values():
         if entry.state == ENDED and entry.group_id is None:
-            ready.append((ready_seq[entry.trajectory_id], Unit((entry.trajectory_id,))))
+            ready.append((ready_seq[entry.trajectory_id], DeliveryUnit((entry.trajectory_id,))))
     return [unit for _, unit in sorted(ready, key=lambda pair: pair[0])]

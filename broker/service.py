@@ -36,8 +36,8 @@ from rollstream.common.validation import check_message_arrays, messages_content_
 from rollstream.common.wire import encode_deliver
 
 from .admin import write_endpoints_file
-from .dispatch import Delivery, Dispatcher, DispatchSettings
-from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, MarkGap, MergeEngine, PutTurn, Unit
+from .dispatch import Dispatch, Dispatcher, DispatchSettings
+from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, MarkGap, MergeEngine, PutTurn, DeliveryUnit
 from .flow import DiskAdmission, WindowGrants
 from .metrics import BrokerMetrics
 from .recovery import load_trajectory, restore
@@ -379,7 +379,7 @@ class BrokerService:
             identity, message, _ = received[i]
             received[i] = (identity, message, error.with_seq(message["seq"]))
 
-    def _read_unit(self, unit: list[Delivery], now: float) -> bool:
+    def _read_unit(self, unit: list[Dispatch], now: float) -> bool:
         """Whether every member of a delivered unit is in memory, evicted
         ones read back from the store. False when one cannot be read: a
         store that fails makes the store unavailable and deliveries wait for
@@ -636,7 +636,7 @@ class BrokerService:
                 self.dispatcher.forget(tid)
         else:  # not durable: keep them deliverable
             for tid in tids:
-                self.dispatcher.enqueue(Unit((tid,)), front=True)
+                self.dispatcher.enqueue(DeliveryUnit((tid,)), front=True)
 
     def _deliver(self, now: float) -> None:
         """Send queued trajectories to consumers with credit, also while

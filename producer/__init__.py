@@ -14,9 +14,9 @@ import importlib
 
 _EXPORTS = {
     "AsyncProducer": "client",
-    "AsyncTrajectory": "client",
+    "AsyncTrajectoryHandle": "client",
     "Producer": "client",
-    "Trajectory": "client",
+    "TrajectoryHandle": "client",
     "Receipt": "window",
     "ResendWindow": "window",
     "Refused": "errors",

@@ -42,7 +42,7 @@ from rollstream.common.wire import encode_turn
 from .errors import ProducerClosed, Refused
 from .metrics import ProducerMetrics
 from .spool import Spool, record_bytes
-from .window import ABORT, END, TURN, Heartbeat, Outgoing, Receipt, ResendWindow, Settled, batch_runs
+from .window import ABORT, END, TURN, Heartbeat, HeldFrame, Receipt, ResendWindow, Settled, batch_runs
 
 log = logging.getLogger("rollstream.producer")
 
@@ -76,7 +76,7 @@ class _Draft:
 
     __slots__ = ("kind", "handle", "frames", "index", "encode", "tokens", "turn")
 
-    def __init__(self, kind: str, handle: "AsyncTrajectory", index: int, encode_at: Callable[[int], list],
+    def __init__(self, kind: str, handle: "AsyncTrajectoryHandle", index: int, encode_at: Callable[[int], list],
                  tokens: tuple[int, int] = (0, 0), turn: Turn | None = None):
         self.kind, self.handle, self.index, self.encode = kind, handle, index, encode_at
         self.frames = encode_at(index)
@@ -152,9 +152,9 @@ class AsyncProducer:
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # blocking callers wait here for room
         self._blocked = 0  # how many wait there
-        self._intake: deque[Outgoing] = deque()  # accepted, in seq order, not yet in the window
+        self._intake: deque[HeldFrame] = deque()  # accepted, in seq order, not yet in the window
         self._in_memory = 0  # accepted and unsettled frames held in memory (intake and window)
-        self._pending: dict[int, tuple[Any, float, AsyncTrajectory | None]] = {}  # seq -> future, accepted at, handle
+        self._pending: dict[int, tuple[Any, float, AsyncTrajectoryHandle | None]] = {}  # seq -> future, accepted at, handle
         self._next_seq = 1
         self._pump_scheduled = False  # the loop is due to take the intake
         # The loop's own:
@@ -307,9 +307,9 @@ class AsyncProducer:
     # -- sending ----------------------------------------------------------------
     def trajectory(self, trajectory_id: str, prompt_tokens, *, group_id: str | None = None,
                    group_size: int | None = None, sample_index: int | None = None,
-                   metadata: Mapping[str, Any] | None = None) -> "AsyncTrajectory":
+                   metadata: Mapping[str, Any] | None = None) -> "AsyncTrajectoryHandle":
         """A handle that sends this trajectory's turns in order."""
-        return AsyncTrajectory(self, trajectory_id, prompt_tokens, group_id=group_id, group_size=group_size,
+        return AsyncTrajectoryHandle(self, trajectory_id, prompt_tokens, group_id=group_id, group_size=group_size,
                                sample_index=sample_index, metadata=metadata)
 
     async def send_trajectory(self, trajectory_id: str, prompt_tokens, turns: Sequence[Turn], reward, *,
@@ -406,7 +406,7 @@ class AsyncProducer:
             draft.frames = draft.encode(draft.index)
         seq = self._take_seq()
         frames = [number_header(draft.frames[0], seq), *draft.frames[1:]]
-        item = Outgoing(seq, draft.kind, handle.trajectory_id, frames, draft.index if draft.kind == TURN else None)
+        item = HeldFrame(seq, draft.kind, handle.trajectory_id, frames, draft.index if draft.kind == TURN else None)
         spool = self._spool
         direct = spool is None or (not spool.backlog and self._in_memory < self._window.limit)
         if spool is not None:
@@ -462,7 +462,7 @@ class AsyncProducer:
             spool = self._spool
             while spool is not None and spool.backlog and not window.full and not intake:
                 _, frames = spool.next_backlog()
-                window.push(Outgoing.from_frames(frames))
+                window.push(HeldFrame.from_frames(frames))
                 self._in_memory += 1
         now = time.monotonic()
         metrics = self.metrics
@@ -675,7 +675,7 @@ class AsyncProducer:
             self._connected_before = True
 
 
-class AsyncTrajectory:
+class AsyncTrajectoryHandle:
     """Sends one trajectory's turns, end or abort, in order. Turn indices
     count from 0; after `abort` the next turn is turn 0 again (a retry).
     After a refused turn (anything but `conflict`) `next_turn` is that
@@ -856,8 +856,8 @@ class Producer:
 
     def trajectory(self, trajectory_id: str, prompt_tokens, *, group_id: str | None = None,
                    group_size: int | None = None, sample_index: int | None = None,
-                   metadata: Mapping[str, Any] | None = None) -> "Trajectory":
-        return Trajectory(self._async, AsyncTrajectory(self._async, trajectory_id, prompt_tokens, group_id=group_id,
+                   metadata: Mapping[str, Any] | None = None) -> "TrajectoryHandle":
+        return TrajectoryHandle(self._async, AsyncTrajectoryHandle(self._async, trajectory_id, prompt_tokens, group_id=group_id,
                                                        group_size=group_size, sample_index=sample_index,
                                                        metadata=metadata))
 
@@ -888,12 +888,12 @@ class Producer:
         self.close()
 
 
-class Trajectory:
-    """Blocking twin of `AsyncTrajectory`: each call blocks for room (up to
+class TrajectoryHandle:
+    """Blocking twin of `AsyncTrajectoryHandle`: each call blocks for room (up to
     `timeout` seconds, then `TimeoutError`) and returns a future of the
     broker's receipt. Use one handle from one thread at a time."""
 
-    def __init__(self, producer: AsyncProducer, handle: AsyncTrajectory):
+    def __init__(self, producer: AsyncProducer, handle: AsyncTrajectoryHandle):
         self._producer = producer
         self._handle = handle
         self.trajectory_id = handle.trajectory_id

@@ -16,7 +16,7 @@ import torch
 from rollstream.common.mask import SamplingMask
 from rollstream.common.tiny_lm import TinyLM, load_weights
 
-from .client import AsyncProducer, AsyncTrajectory
+from .client import AsyncProducer, AsyncTrajectoryHandle
 from .sampler import Sampled, SamplingParams, sample
 from .settings import ProducerSettings
 from .source import ABORTED, ENDED, STOPPING, Job, SourceSettingsError, drive, jobs, retrieve, run_id
@@ -147,7 +147,7 @@ class ModelSource:
         while True:
             yield self.rng.integers(0, vocab, size=self.settings.prompt_tokens, dtype=np.int32), None
 
-    async def episode(self, traj: AsyncTrajectory, job: Job, stopping: asyncio.Event) -> str:
+    async def episode(self, traj: AsyncTrajectoryHandle, job: Job, stopping: asyncio.Event) -> str:
         s = self.settings
         rng = np.random.default_rng([s.seed, job.sample_index])  # generation runs on a thread: an episode's own
         context, sampled = job.prompt_tokens, []

@@ -26,7 +26,7 @@ from rollstream.common.mask import SamplingMask
 from rollstream.common.miles import decode_session_samples
 from rollstream.common.trajectory import Turn
 
-from .client import AsyncProducer, AsyncTrajectory
+from .client import AsyncProducer, AsyncTrajectoryHandle
 from .miles_samples import turns_from_miles_samples
 from .settings import ProducerSettings
 from .source import ABORTED, ENDED, STOPPING, Pacer, retrieve
@@ -108,7 +108,7 @@ class ReplaySource:
 
     async def run(self, producer: AsyncProducer, stopping: asyncio.Event) -> None:
         pacer = Pacer(self.settings.rate)
-        open_: dict[str, AsyncTrajectory] = {}
+        open_: dict[str, AsyncTrajectoryHandle] = {}
         metrics = producer.metrics
         try:
             for path in self.files:
@@ -139,7 +139,7 @@ class ReplaySource:
                                                      **identity):
             retrieve(future)
 
-    async def _send_event(self, producer: AsyncProducer, open_: dict[str, AsyncTrajectory], where: str,
+    async def _send_event(self, producer: AsyncProducer, open_: dict[str, AsyncTrajectoryHandle], where: str,
                           event: dict, pacer: Pacer) -> str | None:
         """Send one recorded event; the trajectory's outcome once it is over."""
         tid = event["trajectory_id"]

@@ -21,7 +21,7 @@ import numpy as np
 
 from rollstream.common.ingest import status_from_finish_reason
 
-from .client import AsyncProducer, AsyncTrajectory
+from .client import AsyncProducer, AsyncTrajectoryHandle
 from .settings import ProducerSettings
 from .source import ABORTED, ENDED, STOPPING, Job, drive, jobs, retrieve, run_id
 from .synthetic import around
@@ -126,7 +126,7 @@ class SGLangSource:
             response = json.loads(reply.read())
         return response[0] if isinstance(response, list) else response
 
-    async def episode(self, traj: AsyncTrajectory, job: Job, stopping: asyncio.Event) -> str:
+    async def episode(self, traj: AsyncTrajectoryHandle, job: Job, stopping: asyncio.Event) -> str:
         context = [int(t) for t in job.prompt_tokens]
         status = "completed"
         for index in range(self.settings.turns):

@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator
 
 import numpy as np
 
-from .client import AsyncProducer, AsyncTrajectory
+from .client import AsyncProducer, AsyncTrajectoryHandle
 
 log = logging.getLogger("rollstream.producer")
 
@@ -74,7 +74,7 @@ def retrieve(future: asyncio.Future) -> None:
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-Episode = Callable[[AsyncTrajectory, Job, asyncio.Event], Awaitable[str]]
+Episode = Callable[[AsyncTrajectoryHandle, Job, asyncio.Event], Awaitable[str]]
 
 
 async def drive(producer: AsyncProducer, todo: Iterator[Job], episode: Episode, *, concurrency: int, rate: float,

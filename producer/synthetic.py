@@ -15,7 +15,7 @@ import asyncio
 
 import numpy as np
 
-from .client import AsyncProducer, AsyncTrajectory
+from .client import AsyncProducer, AsyncTrajectoryHandle
 from .sampler import SamplingParams, ZipfLogits, sample
 from .settings import ProducerSettings
 from .source import ABORTED, ENDED, STOPPING, Job, drive, jobs, retrieve, run_id
@@ -46,7 +46,7 @@ class SyntheticSource:
         logits, ids = self.logits(tokens)
         return sample(logits, self.params, self.rng, ids)
 
-    async def episode(self, traj: AsyncTrajectory, job: Job, stopping: asyncio.Event) -> str:
+    async def episode(self, traj: AsyncTrajectoryHandle, job: Job, stopping: asyncio.Event) -> str:
         s = self.settings
         # A rollout retried after its first turn. Not a group member: an `abort` makes
         # a member leave its group (protocol.md, Groups), which may then be released.

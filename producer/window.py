@@ -30,7 +30,7 @@ KINDS = (TURN, END, ABORT)
 
 
 @dataclass(eq=False, slots=True)
-class Outgoing:
+class HeldFrame:
     """One frame the producer keeps until the broker settles it: the encoded
     wire frames plus the header fields the window orders and matches by."""
 
@@ -47,7 +47,7 @@ class Outgoing:
     parked: bool = False  # unsent, and held back by its trajectory's order (see `ResendWindow._may_go`)
 
     @classmethod
-    def from_frames(cls, frames: list) -> "Outgoing":
+    def from_frames(cls, frames: list) -> "HeldFrame":
         """Read seq, kind, trajectory and turn from an encoded message's header."""
         header = decode_header(frames[0])
         kind = header.get("type")
@@ -74,19 +74,19 @@ class Receipt(NamedTuple):
 class Settled(NamedTuple):
     """A frame leaves the window: its receipt, or the refusal to raise."""
 
-    item: Outgoing
+    item: HeldFrame
     outcome: Receipt | Refused
 
 
-def batch_runs(items: list[Outgoing], *, max_items: int, max_bytes: int, item_max_bytes: int) -> list[list[Outgoing]]:
+def batch_runs(items: list[HeldFrame], *, max_items: int, max_bytes: int, item_max_bytes: int) -> list[list[HeldFrame]]:
     """`items` (in transmission order) cut into runs to send as one message
     each: consecutive frames whose bytes after the header are at most
     `item_max_bytes` go together, up to `max_items` and `max_bytes` a run
     (PROTOCOL.md §3, batched frames); a larger frame goes alone, as it is.
     Batching copies what it carries, so it is for the frames that ZeroMQ
     would copy anyway."""
-    runs: list[list[Outgoing]] = []
-    run: list[Outgoing] = []
+    runs: list[list[HeldFrame]] = []
+    run: list[HeldFrame] = []
     run_bytes = 0
     for item in items:
         if sum(map(len, item.frames[1:])) > item_max_bytes:
@@ -127,7 +127,7 @@ class ResendWindow:
         self.limit = limit
         self.reply_timeout = reply_timeout
         self.retry_delay = retry_delay
-        self._items: dict[int, Outgoing] = {}  # by seq, in seq order
+        self._items: dict[int, HeldFrame] = {}  # by seq, in seq order
         self._unsent: list[int] = []  # sorted seqs waiting for (re)transmission, not parked
         self._parked = 0  # how many items are parked
         self._trajectories: dict[str, list[int]] = {}  # unsettled seqs of each trajectory, in order
@@ -151,11 +151,11 @@ class ResendWindow:
         """Frames transmitted and not settled (not counting those due again)."""
         return len(self._items) - len(self._unsent) - self._parked
 
-    def items(self) -> list[Outgoing]:
+    def items(self) -> list[HeldFrame]:
         return list(self._items.values())
 
     # -- input ----------------------------------------------------------------
-    def push(self, item: Outgoing) -> None:
+    def push(self, item: HeldFrame) -> None:
         """Hold a new frame; seqs must increase. Raises `WindowFull`."""
         if self.full:
             raise WindowFull(f"window is full: {len(self._items)} of {self.limit} frames unsettled")
@@ -174,11 +174,11 @@ class ResendWindow:
             item.parked = True
             self._parked += 1
 
-    def ready(self, now: float) -> list[Outgoing]:
+    def ready(self, now: float) -> list[HeldFrame]:
         """Frames to transmit now, in the order to transmit them. Call `sent`
         for each one actually transmitted, in this order, and stop at the
         first that cannot be (later ones may depend on it)."""
-        out: list[Outgoing] = []
+        out: list[HeldFrame] = []
         waiting: set[str] = set()  # trajectories with a turn backing off: later turns wait behind it
         items = self._items
         for seq in self._unsent:
@@ -189,7 +189,7 @@ class ResendWindow:
                 out.append(item)
         return out
 
-    def _may_go(self, item: Outgoing) -> bool:
+    def _may_go(self, item: HeldFrame) -> bool:
         """Turns pipeline behind earlier turns of their trajectory; an
         `end`/`abort`, and anything after one, waits until every earlier
         frame of the trajectory is settled."""
@@ -267,7 +267,7 @@ class ResendWindow:
                 settled.append(self._settle(item, receipt))
         return settled
 
-    def _retry_out_of_order(self, item: Outgoing) -> bool:
+    def _retry_out_of_order(self, item: HeldFrame) -> bool:
         """An earlier frame of the trajectory is still unsettled, so it was
         lost on the way (the broker never saw it): send it and this one again,
         in order. With no earlier frame pending the refusal stands."""
@@ -318,7 +318,7 @@ class ResendWindow:
                 count += 1
         return count
 
-    def _mark_unsent(self, item: Outgoing) -> None:
+    def _mark_unsent(self, item: HeldFrame) -> None:
         """Due again. A frame that was transmitted was free to go then, and
         only settlements change that, so it never parks."""
         if not item.unsent:
@@ -330,7 +330,7 @@ class ResendWindow:
         if index < len(self._unsent) and self._unsent[index] == seq:
             del self._unsent[index]
 
-    def _settle(self, item: Outgoing, outcome: Receipt | Refused) -> Settled:
+    def _settle(self, item: HeldFrame, outcome: Receipt | Refused) -> Settled:
         del self._items[item.seq]
         if item.unsent:
             self._drop_unsent(item.seq)

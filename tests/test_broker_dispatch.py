@@ -2,7 +2,7 @@
 import pytest
 
 from rollstream.broker.dispatch import Dispatcher, DispatchSettings
-from rollstream.broker.engine import Unit
+from rollstream.broker.engine import DeliveryUnit
 
 A, B = b"conn-a", b"conn-b"
 
@@ -14,12 +14,12 @@ def d():
 
 def test_nothing_is_sent_without_credit(d):
     d.hello(A, "a", now=0)
-    d.enqueue(Unit(("t1",)))
+    d.enqueue(DeliveryUnit(("t1",)))
     assert d.deliveries(now=0) == []
     d.credit(A, 1, "trajectory")
     (out,) = d.deliveries(now=0)
     assert (out.identity, out.trajectory_id, out.delivery_count) == (A, "t1", 1)
-    d.enqueue(Unit(("t2",)))
+    d.enqueue(DeliveryUnit(("t2",)))
     assert d.deliveries(now=0) == []  # credit used up
 
 
@@ -28,7 +28,7 @@ def test_round_robin_between_consumers(d):
         d.hello(identity, identity.decode(), now=0)
         d.credit(identity, 2, "trajectory")
     for i in range(4):
-        d.enqueue(Unit((f"t{i}",)))
+        d.enqueue(DeliveryUnit((f"t{i}",)))
     sent = d.deliveries(now=0)
     assert sorted(x.trajectory_id for x in sent) == ["t0", "t1", "t2", "t3"]
     assert sum(x.identity == A for x in sent) == 2 and sum(x.identity == B for x in sent) == 2
@@ -36,7 +36,7 @@ def test_round_robin_between_consumers(d):
 
 def test_group_credit_takes_whole_units_and_trajectory_credit_splits(d):
     d.hello(A, "a", now=0)
-    d.enqueue(Unit(("g0", "g1", "g2"), "G", 3, 0))
+    d.enqueue(DeliveryUnit(("g0", "g1", "g2"), "G", 3, 0))
     d.credit(A, 2, "trajectory")
     first = d.deliveries(now=0)
     assert [x.trajectory_id for x in first] == ["g0", "g1"]
@@ -48,7 +48,7 @@ def test_group_credit_takes_whole_units_and_trajectory_credit_splits(d):
 def test_ack_settles_and_unknown_leases_are_stale(d):
     d.hello(A, "a", now=0)
     d.credit(A, 1, "trajectory")
-    d.enqueue(Unit(("t",)))
+    d.enqueue(DeliveryUnit(("t",)))
     (out,) = d.deliveries(now=0)
     valid, stale = d.settle([out.lease, "nope"])
     assert [lease.trajectory_id for lease in valid] == ["t"] and stale == ["nope"]
@@ -58,7 +58,7 @@ def test_ack_settles_and_unknown_leases_are_stale(d):
 def test_expired_lease_is_redelivered(d):
     d.hello(A, "a", now=0)
     d.credit(A, 5, "trajectory")
-    d.enqueue(Unit(("t",)))
+    d.enqueue(DeliveryUnit(("t",)))
     first = d.deliveries(now=0)[0]
     d.seen(A, now=4)
     assert d.tick(now=5) == [] and first.lease in d.leases
@@ -73,7 +73,7 @@ def test_silent_consumer_loses_leases_and_credit(d):
     d.hello(A, "a", now=0)
     d.hello(B, "b", now=0)
     d.credit(A, 1, "trajectory")
-    d.enqueue(Unit(("t",)))
+    d.enqueue(DeliveryUnit(("t",)))
     d.deliveries(now=0)
     d.seen(B, now=3)
     d.tick(now=3.5)  # A silent for 3.5 s > 3 heartbeat intervals
@@ -86,7 +86,7 @@ def test_silent_consumer_loses_leases_and_credit(d):
 def test_hello_with_same_consumer_id_releases_the_old_connection(d):
     d.hello(A, "worker", now=0)
     d.credit(A, 1, "trajectory")
-    d.enqueue(Unit(("t",)))
+    d.enqueue(DeliveryUnit(("t",)))
     d.deliveries(now=0)
     d.hello(B, "worker", now=1)
     assert A not in d.consumers and [u.trajectory_ids for u in d.queue] == [("t",)]
@@ -94,7 +94,7 @@ def test_hello_with_same_consumer_id_releases_the_old_connection(d):
 
 def test_max_deliveries_exhausts(d):
     d.hello(A, "a", now=0)
-    d.enqueue(Unit(("t",)))
+    d.enqueue(DeliveryUnit(("t",)))
     now = 0
     for attempt in range(3):
         d.credit(A, 1, "trajectory")
@@ -108,12 +108,12 @@ def test_max_deliveries_exhausts(d):
 def test_requeue_keeps_group_together_with_its_size(d):
     d.hello(A, "a", now=0)
     d.credit(A, 1, "group")
-    d.enqueue(Unit(("g0", "g1", "g2"), "G", 4, 1))
+    d.enqueue(DeliveryUnit(("g0", "g1", "g2"), "G", 4, 1))
     sent = d.deliveries(now=0)
     valid, _ = d.settle([sent[0].lease, sent[2].lease])
     d.requeue(valid)
     (unit,) = d.queue
-    assert unit == Unit(("g0", "g2"), "G", 4, 2)
+    assert unit == DeliveryUnit(("g0", "g2"), "G", 4, 2)
 
 
 def test_unknown_connection_is_not_seen(d):
@@ -123,7 +123,7 @@ def test_unknown_connection_is_not_seen(d):
 def test_a_delivery_that_never_left_does_not_count(d):
     d.hello(A, "a", now=0)
     d.credit(A, 2, "trajectory")
-    d.enqueue(Unit(("t",)))
+    d.enqueue(DeliveryUnit(("t",)))
     (out,) = d.deliveries(now=0)
     d.retract([out.lease])
     assert out.lease not in d.leases and d.redeliveries == 0
@@ -135,7 +135,7 @@ def test_a_delivery_that_never_left_does_not_count(d):
 def test_a_retracted_delivery_refunds_its_credit_only_when_asked(d, kind):
     d.hello(A, "a", now=0)
     d.credit(A, 1, kind)
-    d.enqueue(Unit(("t",)))
+    d.enqueue(DeliveryUnit(("t",)))
     (out,) = d.deliveries(now=0)
     d.retract([out.lease])  # the connection refused it: the credit stays spent
     assert d.deliveries(now=0) == []
@@ -152,11 +152,11 @@ def test_a_retracted_group_refunds_one_group_credit_and_goes_back_whole(d):
     refunds that one credit, and the group comes back as one unit."""
     d.hello(A, "a", now=0)
     d.credit(A, 1, "group")
-    d.enqueue(Unit(("g0", "g1", "g2", "g3"), "G", 4, 0))
+    d.enqueue(DeliveryUnit(("g0", "g1", "g2", "g3"), "G", 4, 0))
     sent = d.deliveries(now=0)
     d.retract([out.lease for out in sent], refund=True)
     assert d.consumers[A].group_credit == 1
-    assert list(d.queue) == [Unit(("g0", "g1", "g2", "g3"), "G", 4, 0)]
+    assert list(d.queue) == [DeliveryUnit(("g0", "g1", "g2", "g3"), "G", 4, 0)]
     again = d.deliveries(now=0)
     assert [x.trajectory_id for x in again] == ["g0", "g1", "g2", "g3"]
     assert {x.unit.group_left for x in again} == {0} and {x.delivery_count for x in again} == {1}
@@ -168,8 +168,8 @@ def test_retracting_part_of_a_unit_puts_that_part_back_as_one_unit(d):
     go back together with `group_left` recomputed for them."""
     d.hello(A, "a", now=0)
     d.credit(A, 3, "trajectory")
-    d.enqueue(Unit(("g0", "g1", "g2"), "G", 4, 1))
+    d.enqueue(DeliveryUnit(("g0", "g1", "g2"), "G", 4, 1))
     sent = d.deliveries(now=0)
     d.retract([sent[1].lease, sent[2].lease], refund=True)
     assert d.consumers[A].trajectory_credit == 2 and list(d.leases) == [sent[0].lease]
-    assert list(d.queue) == [Unit(("g1", "g2"), "G", 4, 2)] and d.queued_trajectories == 2
+    assert list(d.queue) == [DeliveryUnit(("g1", "g2"), "G", 4, 2)] and d.queued_trajectories == 2

@@ -17,7 +17,7 @@ from rollstream.broker.engine import (
     OpenTrajectory,
     PutTurn,
     ReleaseGroup,
-    Unit,
+    DeliveryUnit,
 )
 from rollstream.common import SamplingMask
 
@@ -147,7 +147,7 @@ def test_end_makes_a_ready_unit_and_is_idempotent(engine):
     assert ack(reply) == {"seq": 100, "trajectory_id": "t", "applied": True}
     (effect,) = reply.effects
     assert isinstance(effect, EndTrajectory) and effect.reward == 0.5 and effect.metadata == {"k": 1}
-    assert list(engine.ready_units) == [Unit(("t",))]
+    assert list(engine.ready_units) == [DeliveryUnit(("t",))]
     again = engine.handle(end_msg("t", reward=0.5, metadata={"k": 1}, seq=101), now=3)
     assert ack(again)["duplicate"] and again.effects == ()
     assert refused(engine.handle(end_msg("t", reward=0.7), now=3)).code == "conflict"
@@ -222,7 +222,7 @@ def test_dead_letter_and_requeue(engine):
     assert engine.dead_letter("t", "bad batch", now=5) == [DeadLetter("t", "bad batch", 5)]
     assert engine.counts()[DEAD] == 1
     assert engine.requeue("t") is not None
-    assert engine.entries["t"].state == ENDED and list(engine.ready_units) == [Unit(("t",), None, None, 0)]
+    assert engine.entries["t"].state == ENDED and list(engine.ready_units) == [DeliveryUnit(("t",), None, None, 0)]
 
 
 def test_group_is_released_when_every_member_ended_or_left(engine):
@@ -234,7 +234,7 @@ def test_group_is_released_when_every_member_ended_or_left(engine):
     reply = engine.handle(abort_msg("g1"), now=3)
     assert ack(reply)["applied"]
     assert DropTrajectory("g1", True) in reply.effects and ReleaseGroup("G", 3) in reply.effects
-    assert list(engine.ready_units) == [Unit(("g0", "g2"), "G", 3, 1)]
+    assert list(engine.ready_units) == [DeliveryUnit(("g0", "g2"), "G", 3, 1)]
     assert refused(engine.handle(turn_msg("g1", 0, group=("G", 3)), now=4)).code == "conflict"
     engine.delivered("g0", now=5)
     effects = engine.delivered("g2", now=5)
@@ -255,7 +255,7 @@ def test_aborted_member_may_rejoin_before_release(engine):
     assert ack(engine.handle(turn_msg("a", 0, group=("G", 2)), now=3))["applied"]
     engine.handle(end_msg("a"), now=4)
     engine.handle(end_msg("b", seq=101), now=4)
-    assert list(engine.ready_units) == [Unit(("a", "b"), "G", 2, 0)]
+    assert list(engine.ready_units) == [DeliveryUnit(("a", "b"), "G", 2, 0)]
 
 
 def test_idle_incomplete_group_is_released_with_missing_members_left(engine):
@@ -264,7 +264,7 @@ def test_idle_incomplete_group_is_released_with_missing_members_left(engine):
     assert engine.expire(now=50) == []
     effects = engine.expire(now=200)
     assert ReleaseGroup("G", 4) in effects
-    assert list(engine.ready_units) == [Unit(("a",), "G", 4, 3)]
+    assert list(engine.ready_units) == [DeliveryUnit(("a",), "G", 4, 3)]
 
 
 def test_expired_member_counts_as_left(engine):
@@ -272,7 +272,7 @@ def test_expired_member_counts_as_left(engine):
     engine.handle(turn_msg("b", 0, group=("G", 2)), now=150)
     engine.handle(end_msg("b"), now=150)
     engine.expire(now=160)
-    assert list(engine.ready_units) == [Unit(("b",), "G", 2, 1)]
+    assert list(engine.ready_units) == [DeliveryUnit(("b",), "G", 2, 1)]
 
 
 def test_refused_turn_zero_leaves_no_trace(engine):

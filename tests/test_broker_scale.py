@@ -15,7 +15,7 @@ import zmq
 from broker_helpers import abort_msg, end_msg, turn_msg
 
 from rollstream.broker.dispatch import Dispatcher, DispatchSettings
-from rollstream.broker.engine import DEAD, ENDED, OPEN, EngineSettings, MergeEngine, Unit, _idle_since, held_bytes
+from rollstream.broker.engine import DEAD, ENDED, OPEN, EngineSettings, MergeEngine, DeliveryUnit, _idle_since, held_bytes
 from rollstream.broker.flow import WindowGrants
 from rollstream.broker.recovery import load_trajectory
 from rollstream.broker.service import BrokerService
@@ -179,8 +179,8 @@ def test_dispatcher_keeps_its_queue_count_through_splits_retracts_and_requeues()
     def check():
         assert dispatcher.queued_trajectories == sum(len(unit.trajectory_ids) for unit in dispatcher.queue)
 
-    dispatcher.enqueue(Unit(("a", "b", "c"), "g", 3))
-    dispatcher.enqueue(Unit(("d",)))
+    dispatcher.enqueue(DeliveryUnit(("a", "b", "c"), "g", 3))
+    dispatcher.enqueue(DeliveryUnit(("d",)))
     dispatcher.hello(b"c1", "c1", 0.0)
     dispatcher.credit(b"c1", 2, "trajectory")
     deliveries = dispatcher.deliveries(0.0)  # takes two of the group's three: the rest goes back in front

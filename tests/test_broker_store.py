@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from broker_helpers import abort_msg, end_msg, turn_msg
 
-from rollstream.broker.engine import EngineSettings, MergeEngine, Unit
+from rollstream.broker.engine import EngineSettings, MergeEngine, DeliveryUnit
 from rollstream.broker.recovery import load_trajectory, restore
 from rollstream.broker.store import Store, StoreCorrupted, StoreError
 
@@ -66,7 +66,7 @@ def test_everything_comes_back_exactly(tmp_path, store):
     restored = engine2.entries["open"].trajectory
     assert restored.mask == original.mask and restored.tokens.tolist() == original.tokens.tolist()
     assert engine2.entries["open"].outcomes == engine.entries["open"].outcomes
-    assert units == [Unit(("done",)), Unit(("gap",)), Unit(("g0",), "G", 2, 1)]
+    assert units == [DeliveryUnit(("done",)), DeliveryUnit(("gap",)), DeliveryUnit(("g0",), "G", 2, 1)]
     done = load_trajectory(store2, store2.load_one("done"))
     assert done.reward == {"acc": 1.0} and done.metadata == {"k": "v"} and done.tokens.tolist() == [5, 6]
     gap = load_trajectory(store2, store2.load_one("gap"))

@@ -9,13 +9,13 @@ from hypothesis import strategies as st
 from rollstream.common.codec import decode, encode
 from rollstream.common.messages import BROKER_TO_PRODUCER
 from rollstream.producer.errors import Refused
-from rollstream.producer.window import Heartbeat, Outgoing, Receipt, ResendWindow, WindowFull, batch_runs
+from rollstream.producer.window import Heartbeat, HeldFrame, Receipt, ResendWindow, WindowFull, batch_runs
 
 TIMEOUT = 10.0
 
 
 def frame(seq, tid="t", kind="turn", turn=None):
-    return Outgoing(seq, kind, tid, [b"frame-%d" % seq], turn if turn is not None or kind != "turn" else seq - 1)
+    return HeldFrame(seq, kind, tid, [b"frame-%d" % seq], turn if turn is not None or kind != "turn" else seq - 1)
 
 
 def ack(seq, tid="t", applied=True, **extra):
@@ -409,13 +409,13 @@ def test_lossy_connection_loses_nothing_duplicates_nothing_and_ends_whole(ops, s
         tid = rnd.choice(open_)
         seq += 1
         kind = "end" if pushed[tid] == plan[tid] else "turn"
-        w.push(Outgoing(seq, kind, tid, [b""], pushed[tid] if kind == "turn" else None))
+        w.push(HeldFrame(seq, kind, tid, [b""], pushed[tid] if kind == "turn" else None))
         pushed[tid] += 1
 
     def transmit():
         for item in w.ready(now):
             w.sent(item.seq, now)
-            to_broker.append(Outgoing(item.seq, item.kind, item.trajectory_id, item.frames, item.turn))
+            to_broker.append(HeldFrame(item.seq, item.kind, item.trajectory_id, item.frames, item.turn))
 
     def deliver(count):
         for _ in range(min(count, len(to_broker))):
@@ -497,11 +497,11 @@ def test_heartbeat_timeout_must_exceed_the_interval():
 # -- batching what goes out together -----------------------------------------------
 def sized(seq, body_bytes):
     """A frame with a 10-byte header and `body_bytes` after it."""
-    return Outgoing(seq, "turn", "t", [b"h" * 10, b"b" * body_bytes], seq - 1)
+    return HeldFrame(seq, "turn", "t", [b"h" * 10, b"b" * body_bytes], seq - 1)
 
 
 def test_batch_runs_group_consecutive_small_frames_and_send_a_large_one_alone():
-    items = [sized(1, 100), sized(2, 100), sized(3, 5000), sized(4, 100), Outgoing(5, "end", "t", [b"h" * 10])]
+    items = [sized(1, 100), sized(2, 100), sized(3, 5000), sized(4, 100), HeldFrame(5, "end", "t", [b"h" * 10])]
     runs = batch_runs(items, max_items=8, max_bytes=1 << 20, item_max_bytes=1000)
     assert [[item.seq for item in run] for run in runs] == [[1, 2], [3], [4, 5]]
 
