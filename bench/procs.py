@@ -34,7 +34,7 @@ class Broker:
     from its endpoints file once it answers), with its own data directory."""
 
     def __init__(self, vocab_size: int | None, extra_args: list[str] = ()):
-        from rollstream.broker.admin import ask_status
+        from rollstream.common.admin import ask_status
 
         self.data = tempfile.mkdtemp(prefix="rollstream-bench-")
         endpoints_file = str(Path(self.data) / "endpoints.json")

@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "faults"))
 from fuzz_frames import AdminFuzz, ConsumerFuzz, ProducerFuzz, Taker, exchange, peer  # noqa: E402
 
-from rollstream.broker.admin import ask_status  # noqa: E402
+from rollstream.common.admin import ask_status  # noqa: E402
 from rollstream.producer import Producer  # noqa: E402
 
 VOCAB = 1000

@@ -120,7 +120,7 @@ def broker(log_format: str, **values) -> None:
 def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letters: int, timeout: float,
            wait_seconds: float | None) -> None:
     """Show a broker's queues, peers, budgets, counters and dead letters."""
-    from .admin import AdminError, ask_status
+    from rollstream.common.admin import AdminError, ask_status
 
     try:
         report, endpoint = ask_status(endpoint, endpoints_file=endpoints_file, timeout=timeout, wait=wait_seconds,
@@ -149,7 +149,7 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
 @click.argument("trajectory_ids", nargs=-1, required=True)
 def requeue(endpoint: str, trajectory_ids: tuple[str, ...]) -> None:
     """Move dead letters back to the ready queue."""
-    from .admin import AdminClient
+    from rollstream.common.admin import AdminClient
 
     with AdminClient(endpoint) as admin:
         done = admin.requeue(list(trajectory_ids))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import zmq
 
+from rollstream.common.admin import write_endpoints_file
 from rollstream.common.codec import Message, decode, encode, encode_error, split_batch
 from rollstream.common.errors import ProtocolError
 from rollstream.common.messages import (
@@ -35,7 +36,6 @@ from rollstream.common.sockets import recv_routed, router, send_frames
 from rollstream.common.validation import check_message_arrays, messages_content_valid
 from rollstream.common.wire import encode_deliver
 
-from .admin import write_endpoints_file
 from .dispatch import Dispatch, Dispatcher, DispatchSettings
 from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, MarkGap, MergeEngine, PutTurn, DeliveryUnit
 from .flow import DiskAdmission, WindowGrants

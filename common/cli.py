@@ -19,14 +19,25 @@ COMMANDS = {
 }
 
 
+# `demo --train` runs the consumer's training demo, loaded the same way.
+TRAIN_DEMO = "rollstream.consumer.train_demo:run_train_demo"
+TRAIN_DEMO_TABLE = "rollstream.consumer.train_demo:summary_table"
+
+
+def entry_point(spec: str):
+    """`module:attr` loaded on use: `common` names the roles' entry points
+    without importing them (the import contract in pyproject.toml)."""
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *COMMANDS])
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in COMMANDS:
-            module, _, attr = COMMANDS[name].partition(":")
-            return getattr(importlib.import_module(module), attr)
+            return entry_point(COMMANDS[name])
         return super().get_command(ctx, name)
 
 
@@ -69,8 +80,7 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, **options) -> None:
     import json
 
     if train:
-        from rollstream.consumer.train_demo import run_train_demo, summary_table
-
+        run_train_demo, summary_table = entry_point(TRAIN_DEMO), entry_point(TRAIN_DEMO_TABLE)
         summary = run_train_demo(steps=steps, producers=options["producers"], group_size=options["group_size"],
                                  batch_groups=options["batch_size"], turns=options["turns"],
                                  plot=plot or None, keep_data=options["keep_data"],

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .admin import AdminClient, AdminError, ask_status
 from .checker import LedgerReader, check
 
 VOCAB = 151_936
@@ -66,8 +67,6 @@ class LoopbackNode:
         return self
 
     def _start_broker(self, endpoints: dict[str, str]) -> None:
-        from rollstream.broker.admin import AdminClient, ask_status
-
         endpoints_file = str(self.work / "endpoints.json")
         self.broker = self._start("broker", "--producer-endpoint", endpoints["producer"], "--consumer-endpoint",
                                   endpoints["consumer"], "--admin-endpoint", endpoints["admin"], "--endpoints-file",
@@ -368,8 +367,6 @@ class _BrokerCounters:
 
 
 def _status(node: LoopbackNode) -> dict | None:
-    from rollstream.broker.admin import AdminError
-
     if node.broker is None or node.broker.poll() is not None:
         return None
     try:

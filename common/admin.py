@@ -1,5 +1,7 @@
-"""A small admin client for the broker's admin endpoint, and the
-endpoints file a broker writes once it is listening."""
+"""The client of a broker's admin endpoint (the `status` and `requeue`
+commands, the demo and scripts use it) and the endpoints file a broker
+writes once it is listening: shared by the broker and its clients, so it
+lives here."""
 from __future__ import annotations
 
 import json
@@ -9,9 +11,9 @@ from pathlib import Path
 
 import zmq
 
-from rollstream.common.codec import decode, encode
-from rollstream.common.messages import ADMIN_REPLIES, ADMIN_REQUESTS
-from rollstream.common.sockets import dealer
+from .codec import decode, encode
+from .messages import ADMIN_REPLIES, ADMIN_REQUESTS
+from .sockets import dealer
 
 
 class AdminError(RuntimeError):
