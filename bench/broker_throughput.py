@@ -32,6 +32,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1].parent / "shared" / "bench"))
 import raw_relay  # noqa: E402
 from procs import Broker, peak_rss  # noqa: E402
+
 from rollstream.common.codec import decode, encode  # noqa: E402
 from rollstream.common.mask import SamplingMask  # noqa: E402
 from rollstream.common.messages import (  # noqa: E402

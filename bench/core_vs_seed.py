@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1].parent / "shared" / "bench"))
 import peer_seed  # noqa: E402
+
 from rollstream.common.codec import decode  # noqa: E402
 from rollstream.common.ingest import turn_from_sglang  # noqa: E402
 from rollstream.common.messages import BROKER_TO_CONSUMER  # noqa: E402

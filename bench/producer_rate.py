@@ -24,6 +24,7 @@ import tempfile
 import time
 
 import numpy as np
+
 from rollstream.producer import AsyncProducer
 from rollstream.producer.settings import ProducerSettings
 from rollstream.producer.synthetic import SyntheticSource, around

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1].parent / "shared" / "bench"))
 import peer_seed  # noqa: E402
+
 from rollstream.consumer import Batch, Delivery, batch_violations  # noqa: E402
 
 VOCAB = 151_936

@@ -87,10 +87,10 @@ def settle_garbage_collector(young_threshold: int = 10_000) -> None:
 def broker(log_format: str, **values) -> None:
     """Run the per-node broker: merge producer turns into durable
     trajectories and lease them to consumers."""
+    import zmq
+
     from rollstream.common.config import settings_from
     from rollstream.common.logs import setup_logging
-
-    import zmq
 
     from .service import BrokerService
     from .store import StoreCorrupted

@@ -10,7 +10,7 @@ from __future__ import annotations
 from rollstream.common.trajectory import Gap, Trajectory
 from rollstream.common.wire import turn_from_message
 
-from .engine import DEAD, ENDED, LEFT, OPEN, Entry, Group, MergeEngine, DeliveryUnit
+from .engine import DEAD, ENDED, LEFT, OPEN, DeliveryUnit, Entry, Group, MergeEngine
 from .store import Recovered, Store, StoreCorrupted, StoredTrajectory
 
 

@@ -37,7 +37,7 @@ from rollstream.common.validation import check_message_arrays, messages_content_
 from rollstream.common.wire import encode_deliver
 
 from .dispatch import Dispatch, Dispatcher, DispatchSettings
-from .engine import DEAD, ENDED, OPEN, DeadLetter, DropTrajectory, EngineSettings, MarkGap, MergeEngine, PutTurn, DeliveryUnit
+from .engine import DEAD, ENDED, OPEN, DeadLetter, DeliveryUnit, DropTrajectory, EngineSettings, MarkGap, MergeEngine, PutTurn
 from .flow import DiskAdmission, WindowGrants
 from .metrics import BrokerMetrics
 from .recovery import load_trajectory, restore

@@ -36,11 +36,11 @@ from rollstream.common.messages import PRODUCER_TO_BROKER
 
 from .engine import (
     CloseGroup,
-    MarkGap,
     DeadLetter,
     DropTrajectory,
     EndTrajectory,
     Forget,
+    MarkGap,
     OpenTrajectory,
     PutTurn,
     ReleaseGroup,

@@ -6,7 +6,6 @@ import importlib
 
 import click
 
-
 # Subcommands load their module only when invoked, so `rollstream broker`
 # never imports torch (the consumer's) and `--help` stays fast.
 COMMANDS = {

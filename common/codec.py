@@ -22,7 +22,8 @@ from .messages import CRC32, MessageSpec, Schema
 from .validation import RULE_ALIGNED, check_message_arrays
 
 try:  # the same CRC-32 as zlib's, several times faster where ISA-L is available
-    from isal.isal_zlib import crc32 as _crc32_update, crc32_combine as _crc32_combine
+    from isal.isal_zlib import crc32 as _crc32_update
+    from isal.isal_zlib import crc32_combine as _crc32_combine
 except ImportError:  # pragma: no cover - platforms without an isal wheel
     from zlib import crc32 as _crc32_update
     _crc32_combine = None

@@ -19,7 +19,7 @@ import numpy as np
 from .buffers import GrowableArray, constant_run, counting_run
 from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, STATUSES, TERMINAL_STATUSES
 from .errors import ProtocolError
-from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, frozen, as_int_array, as_numpy, owned
+from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, as_int_array, as_numpy, frozen, owned
 from .validation import RULE_ALIGNED, check_message_arrays, check_message_structure
 
 TOKEN_DTYPE = ARRAYS["tokens"].dtype

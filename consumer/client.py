@@ -19,8 +19,8 @@ import os
 import socket
 import threading
 import time
-from dataclasses import replace
 from dataclasses import fields as dataclass_fields
+from dataclasses import replace
 from typing import Sequence
 
 import zmq

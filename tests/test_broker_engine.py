@@ -9,6 +9,7 @@ from rollstream.broker.engine import (
     ENDED,
     CloseGroup,
     DeadLetter,
+    DeliveryUnit,
     DropTrajectory,
     EndTrajectory,
     EngineSettings,
@@ -17,7 +18,6 @@ from rollstream.broker.engine import (
     OpenTrajectory,
     PutTurn,
     ReleaseGroup,
-    DeliveryUnit,
 )
 from rollstream.common import SamplingMask
 

@@ -6,6 +6,7 @@ import msgpack
 import numpy as np
 import zmq
 from broker_process import BrokerProcess
+
 from rollstream.broker.service import BrokerService
 from rollstream.broker.settings import BrokerSettings
 from rollstream.common.codec import decode, encode

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 from broker_process import BrokerProcess
+
 from rollstream.broker.settings import BrokerSettings
 from rollstream.common.codec import decode, encode
 from rollstream.common.config import load_toml

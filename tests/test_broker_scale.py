@@ -15,7 +15,7 @@ import zmq
 from broker_helpers import abort_msg, end_msg, turn_msg
 
 from rollstream.broker.dispatch import Dispatcher, DispatchSettings
-from rollstream.broker.engine import DEAD, ENDED, OPEN, EngineSettings, MergeEngine, DeliveryUnit, _idle_since, held_bytes
+from rollstream.broker.engine import DEAD, ENDED, OPEN, DeliveryUnit, EngineSettings, MergeEngine, _idle_since, held_bytes
 from rollstream.broker.flow import WindowGrants
 from rollstream.broker.recovery import load_trajectory
 from rollstream.broker.service import BrokerService

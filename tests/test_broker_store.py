@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from broker_helpers import abort_msg, end_msg, turn_msg
 
-from rollstream.broker.engine import EngineSettings, MergeEngine, DeliveryUnit
+from rollstream.broker.engine import DeliveryUnit, EngineSettings, MergeEngine
 from rollstream.broker.recovery import load_trajectory, restore
 from rollstream.broker.store import Store, StoreCorrupted, StoreError
 

@@ -7,7 +7,6 @@ import asyncio
 import json
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -6,9 +6,9 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from consumer_helpers import assert_same_batch, delivery, make_rollout
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from consumer_helpers import assert_same_batch, delivery, make_rollout
 
 from rollstream.common.miles import MASK_KEYS, to_train_data
 from rollstream.common.trajectory import Trajectory, Turn

@@ -136,9 +136,9 @@ def run_ranks(world: int, tmp_path: Path) -> list[dict]:
 def test_shards_reassemble_to_the_batch(world, tmp_path):
     from consumer_helpers import assert_same_batch
 
+    from rollstream.common.mask import SamplingMask
     from rollstream.consumer import Batch, masked_log_probs
     from rollstream.consumer.distributed import decode_shard
-    from rollstream.common.mask import SamplingMask
 
     reports = run_ranks(world, tmp_path)
     expected = known_batches(seed=3)

@@ -5,9 +5,9 @@ a GPU takes)."""
 import numpy as np
 import pytest
 import torch
+from consumer_helpers import VOCAB, deliveries, delivery, make_rollout, writable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from consumer_helpers import VOCAB, deliveries, delivery, make_rollout, writable
 
 from rollstream.common.validation import (
     RULE_ALIGNED,

@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollstream.common import BatchValidationError, ProtocolError, SamplingMask, Trajectory
-from rollstream.common.trajectory import Gap
 from rollstream.common.ingest import turn_from_sglang
+from rollstream.common.trajectory import Gap
 from rollstream.common.validation import (
     RULE_ALIGNED,
     RULE_IN_SUPPORT,

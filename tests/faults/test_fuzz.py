@@ -10,8 +10,18 @@ import msgpack
 import numpy as np
 import pytest
 from broker_process import BrokerProcess
-from faults.fuzz_frames import (AdminFuzz, ConsumerFuzz, Expect, Message, ProducerFuzz, Taker, exchange, peer, receive,
-                                with_deep_metadata)
+from faults.fuzz_frames import (
+    AdminFuzz,
+    ConsumerFuzz,
+    Expect,
+    Message,
+    ProducerFuzz,
+    Taker,
+    exchange,
+    peer,
+    receive,
+    with_deep_metadata,
+)
 
 VOCAB = 1000
 MAX_MESSAGE_BYTES = 64 << 10
