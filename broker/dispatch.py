@@ -13,6 +13,8 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 
+from rollstream.common.contract import LIVENESS_INTERVALS
+
 from .engine import DeliveryUnit
 
 
@@ -179,7 +181,7 @@ class Dispatcher:
         """Requeue expired leases and the leases of silent consumers; returns
         ids that ran out of deliveries."""
         exhausted = []
-        silent_after = 3 * self.settings.heartbeat_interval
+        silent_after = LIVENESS_INTERVALS * self.settings.heartbeat_interval
         for identity in [i for i, c in self.consumers.items() if c.last_seen + silent_after < now]:
             exhausted += self._drop_consumer(identity)
         expired = [lease.lease for lease in self.leases.values() if lease.expires_at < now]

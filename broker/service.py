@@ -22,6 +22,7 @@ import zmq
 
 from rollstream.common.admin import write_endpoints_file
 from rollstream.common.codec import Message, decode, encode, encode_error, split_batch
+from rollstream.common.contract import LIVENESS_INTERVALS
 from rollstream.common.errors import ProtocolError
 from rollstream.common.messages import (
     ADMIN_REPLIES,
@@ -711,7 +712,7 @@ class BrokerService:
 
     def status(self, now: float) -> dict:
         counts = self.engine.counts()
-        alive_after = now - 3 * max(self.settings.heartbeat_interval, 10.0)
+        alive_after = now - LIVENESS_INTERVALS * max(self.settings.heartbeat_interval, 10.0)
         return {
             "open": counts[OPEN],
             "ready": self.dispatcher.queued_trajectories,

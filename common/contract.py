@@ -92,3 +92,7 @@ NACK_CODES = (
 )
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+# A peer silent for this many heartbeat intervals is gone (PROTOCOL.md §1, §4):
+# ZeroMQ's own heartbeats, the broker's consumers and its count of live producers.
+LIVENESS_INTERVALS = 3

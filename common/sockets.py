@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import zmq
 
+from .contract import LIVENESS_INTERVALS
+
 # The compiled send under pyzmq's Python wrapper, whose per-call handling
 # (routing ids and groups of draft socket types, Frame objects, copy
 # thresholds) costs more than sending a small frame.
@@ -26,8 +28,8 @@ def tune(
     sock.setsockopt(zmq.LINGER, linger_ms)
     interval_ms = max(1, int(heartbeat_interval * 1000))
     sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * interval_ms)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * interval_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, LIVENESS_INTERVALS * interval_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, LIVENESS_INTERVALS * interval_ms)
     if max_message_bytes is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, min(2 * max_message_bytes, 2**62))
     return sock
