@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -497,8 +497,17 @@ class MergeEngine:
                 heapq.heappush(expiry, (until, tid))
 
     # -- consumer outcomes --------------------------------------------------
+    def _ready_entry(self, tid: str, what: str) -> Entry:
+        """`tid`'s entry, which must be ready (ended, not yet delivered) for `what`."""
+        entry = self.entries.get(tid)
+        if entry is None or entry.state != ENDED:
+            raise ValueError(f"only a ready trajectory can be {what}: {tid!r} is "
+                             f"{'unknown' if entry is None else entry.state}, expected {ENDED}")
+        return entry
+
     def delivered(self, tid: str, now: float) -> list:
         """A consumer committed `tid`: forget its data, remember its id."""
+        self._ready_entry(tid, "delivered")
         entry = self._remove(tid)
         until = now + self.settings.dedup_window
         self.remember({tid: until})
@@ -506,8 +515,8 @@ class MergeEngine:
         return list(self._drain(Forget(tid, until)))
 
     def dead_letter(self, tid: str, reason: str, now: float) -> list:
-        """A consumer refused `tid` (or it ran out of deliveries)."""
-        entry = self.entries[tid]
+        """A consumer refused `tid` (or it ran out of deliveries, or it cannot be read back)."""
+        entry = self._ready_entry(tid, "dead-lettered")
         self._kill(entry, reason, now)
         self._settle(entry)
         return list(self._drain(DeadLetter(tid, reason, now)))
@@ -572,10 +581,40 @@ class MergeEngine:
         """An evicted trajectory read back from the store."""
         self._hold(entry, trajectory)
 
-    def reindex(self) -> None:
-        """Rebuild the indexes from `entries` and `groups` as filled directly
-        (recovery does): counts, recency by `updated_at`, residency and
-        bytes."""
+    def restore(self, entries: Iterable[Entry], released_groups: Collection[str], dedup: Mapping[str, float],
+                order: Mapping[str, int]) -> list[DeliveryUnit]:
+        """Fill this empty engine with stored `entries` (open ones holding
+        their replayed trajectories): groups rebuilt from their members,
+        those in `released_groups` released again, `dedup` remembered.
+        Returns the units to deliver, by `order` (ready sequence) of their
+        first member: a ready trajectory outside a group, or the ended
+        members of a released group."""
+        if self.entries or self.groups:
+            raise ValueError(f"restore fills an empty engine; this one holds {len(self.entries)} trajectories")
+        for entry in entries:
+            self.entries[entry.trajectory_id] = entry
+            if entry.group_id is not None:
+                group = self.groups.setdefault(entry.group_id, Group(entry.group_size))
+                group.members[entry.trajectory_id] = LEFT if entry.state == DEAD else entry.state
+                group.updated_at = max(group.updated_at, entry.updated_at)
+        self.remember(dedup)
+        ready: list[tuple[int, DeliveryUnit]] = []
+        for group_id, group in self.groups.items():
+            if group_id in released_groups:  # a release commits with the frame that completed the group
+                ended = tuple(tid for tid, state in group.members.items() if state == ENDED)
+                group.pending = set(ended)
+                if ended:
+                    ready.append((min(order[tid] for tid in ended),
+                                  DeliveryUnit(ended, group_id, group.size, group.size - len(ended))))
+        self._reindex()
+        for entry in self.entries.values():
+            if entry.state == ENDED and entry.group_id is None:
+                ready.append((order[entry.trajectory_id], DeliveryUnit((entry.trajectory_id,))))
+        return [unit for _, unit in sorted(ready, key=lambda pair: pair[0])]
+
+    def _reindex(self) -> None:
+        """Rebuild the indexes from `entries` and `groups` as `restore`
+        filled them: counts, recency by `updated_at`, residency and bytes."""
         self._counts = dict.fromkeys(STATES, 0)
         self._open.clear(), self._idle_groups.clear(), self._resident_ready.clear(), self._resident_open.clear()
         self.bytes_in_memory = 0

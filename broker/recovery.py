@@ -10,7 +10,7 @@ from __future__ import annotations
 from rollstream.common.trajectory import Gap, Trajectory
 from rollstream.common.wire import turn_from_message
 
-from .engine import DEAD, ENDED, LEFT, OPEN, DeliveryUnit, Entry, Group, MergeEngine
+from .engine import OPEN, DeliveryUnit, Entry, MergeEngine
 from .store import Recovered, Store, StoreCorrupted, StoredTrajectory
 
 
@@ -42,7 +42,7 @@ def restore(engine: MergeEngine, recovered: Recovered, store: Store) -> list[Del
     """Fill an empty engine from `recovered`; returns the units to deliver,
     oldest first. Open trajectories are replayed into memory; ended ones
     stay in the store until delivered."""
-    ready: list[tuple[int, DeliveryUnit]] = []
+    entries = []
     for stored in recovered.trajectories:
         entry = Entry(
             stored.trajectory_id,
@@ -55,27 +55,8 @@ def restore(engine: MergeEngine, recovered: Recovered, store: Store) -> list[Del
             stored.updated_at,
             dead_reason=stored.dead_reason,
             dead_at=stored.dead_at,
+            trajectory=load_trajectory(store, stored) if stored.state == OPEN else None,
         )
-        if entry.state == OPEN:
-            entry.trajectory = load_trajectory(store, stored)
-        engine.entries[entry.trajectory_id] = entry
-        if entry.group_id is not None:
-            group = engine.groups.setdefault(entry.group_id, Group(entry.group_size))
-            group.members[entry.trajectory_id] = LEFT if entry.state == DEAD else entry.state
-            group.updated_at = max(group.updated_at, entry.updated_at)
-    engine.remember(recovered.dedup)
-
-    # Group releases commit atomically with the frame that completed the
-    # group, so every complete group is in `released_groups`.
-    ready_seq = {t.trajectory_id: t.ready_seq or 0 for t in recovered.trajectories}
-    for group_id, group in engine.groups.items():
-        if group_id in recovered.released_groups:
-            ended = tuple(t for t, state in group.members.items() if state == ENDED)
-            group.pending = set(ended)
-            if ended:
-                ready.append((min(ready_seq[t] for t in ended), DeliveryUnit(ended, group_id, group.size, group.size - len(ended))))
-    engine.reindex()
-    for entry in engine.entries.values():
-        if entry.state == ENDED and entry.group_id is None:
-            ready.append((ready_seq[entry.trajectory_id], DeliveryUnit((entry.trajectory_id,))))
-    return [unit for _, unit in sorted(ready, key=lambda pair: pair[0])]
+        entries.append(entry)
+    order = {t.trajectory_id: t.ready_seq or 0 for t in recovered.trajectories}
+    return engine.restore(entries, recovered.released_groups, recovered.dedup, order)

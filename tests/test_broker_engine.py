@@ -302,3 +302,16 @@ def test_a_ready_trajectory_is_unreadable_only_after_bounded_failed_reads_and_a_
         engine.unreadable("t")  # only a ready trajectory is read back
     assert engine.requeue("t") is not None
     assert engine.unreadable("t") is False  # requeued by an operator (the record repaired): counted afresh
+
+
+def test_only_a_ready_trajectory_is_delivered_or_dead_lettered(engine):
+    engine.handle(turn_msg("open", 0), 1.0)
+    with pytest.raises(ValueError, match=r"only a ready trajectory can be delivered: 'open' is open, expected ended"):
+        engine.delivered("open", 2.0)
+    with pytest.raises(ValueError, match=r"only a ready trajectory can be dead-lettered: 'gone' is unknown, expected ended"):
+        engine.dead_letter("gone", "max_deliveries", 2.0)
+    engine.handle(end_msg("open"), 3.0)
+    engine.dead_letter("open", "max_deliveries", 4.0)
+    with pytest.raises(ValueError, match="'open' is dead, expected ended"):
+        engine.delivered("open", 5.0)
+    assert engine.counts()["dead"] == 1

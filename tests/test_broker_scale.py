@@ -93,16 +93,18 @@ def test_counts_bytes_and_evictions_follow_every_change(seed, tmp_path):
     store.close()
 
 
-def test_an_engine_restored_directly_is_reindexed():
+def test_an_engine_restored_from_entries_is_indexed_and_refuses_to_restore_twice():
     engine = MergeEngine()
     engine.handle(turn_msg("a", 0, [5, 5]), 1.0)
     engine.handle(turn_msg("b", 0, [5]), 2.0)
     engine.handle(end_msg("b"), 3.0)
     fresh = MergeEngine()
-    fresh.entries, fresh.groups = engine.entries, engine.groups  # as recovery fills them
-    fresh.reindex()
+    units = fresh.restore(list(engine.entries.values()), (), {}, {"a": 0, "b": 1})  # as recovery hands them over
     check_indexes(fresh)
     assert fresh.counts()[OPEN] == 1 and fresh.bytes_in_memory == engine.bytes_in_memory > 0
+    assert [unit.trajectory_ids for unit in units] == [("b",)]
+    with pytest.raises(ValueError, match="fills an empty engine"):
+        fresh.restore([], (), {}, {})
 
 
 def test_expiry_counts_from_the_last_frame_in_the_order_trajectories_went_idle():
