@@ -6,7 +6,7 @@ import json
 
 import click
 
-from rollstream.common.config import BYTES, config_option, settings_options
+from rollstream.common.config import BYTES, SETTINGS_CONTEXT, config_option, settings_options
 
 from .settings import BrokerSettings
 
@@ -80,7 +80,7 @@ def settle_garbage_collector(young_threshold: int = 10_000) -> None:
     gc.set_threshold(young_threshold, *gc.get_threshold()[1:])
 
 
-@click.command()
+@click.command(context_settings=SETTINGS_CONTEXT)
 @config_option(BrokerSettings, "broker")
 @settings_options(BrokerSettings, HELP, TYPES)
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from rollstream.common.config import BYTES, config_option, settings_options
+from rollstream.common.config import BYTES, SETTINGS_CONTEXT, config_option, settings_options
 
 from .settings import SOURCES, ProducerSettings
 
@@ -63,7 +63,7 @@ TYPES = {
 }
 
 
-@click.command()
+@click.command(context_settings=SETTINGS_CONTEXT)
 @config_option(ProducerSettings, "producer")
 @settings_options(ProducerSettings, HELP, TYPES)
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
@@ -75,17 +75,13 @@ def producer(log_format: str, **values) -> None:
     from rollstream.common.config import settings_from
     from rollstream.common.logs import setup_logging
 
-    from .daemon import check, run
+    from .daemon import run, violations
     from .replay import ReplayError
     from .source import SourceSettingsError
     from .spool import SpoolError
 
-    settings = settings_from(ProducerSettings, values)
+    settings = settings_from(ProducerSettings, values, violations)
     setup_logging(settings.log_level, log_format)
-    try:
-        check(settings)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
     try:
         asyncio.run(run(settings))
     except SourceSettingsError as exc:

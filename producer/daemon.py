@@ -8,6 +8,8 @@ import logging
 import signal
 import socket
 
+from rollstream.common.config import Problem
+
 from .client import AsyncProducer
 from .replay import ReplaySource
 from .settings import SOURCES, ProducerSettings
@@ -28,8 +30,9 @@ def source_class(name: str):
     return SOURCE_CLASSES[name]
 
 
-def check(settings: ProducerSettings) -> None:
-    """Refuse settings no source can run with, naming the rule and the value."""
+def violations(settings: ProducerSettings) -> list[Problem]:
+    """Settings no source can run with: one problem per rule broken, naming
+    the rule and the value (`rollstream producer` adds where it came from)."""
     rules = [
         ("source", settings.source in SOURCES, f"one of {sorted(SOURCES)}"),
         ("turns", settings.turns >= 1, ">= 1"),
@@ -46,9 +49,14 @@ def check(settings: ProducerSettings) -> None:
         ("tool_seconds", settings.tool_seconds >= 0, ">= 0"),
         ("shutdown_timeout", settings.shutdown_timeout >= 0, ">= 0"),
     ]
-    for name, ok, expected in rules:
-        if not ok:
-            raise ValueError(f"{name} must be {expected}, got {getattr(settings, name)!r}")
+    return [Problem(name, "", expected, repr(getattr(settings, name))) for name, ok, expected in rules if not ok]
+
+
+def check(settings: ProducerSettings) -> None:
+    """Refuse settings no source can run with, naming every rule broken."""
+    problems = violations(settings)
+    if problems:
+        raise ValueError("; ".join(map(str, problems)))
 
 
 async def run(settings: ProducerSettings) -> int:
