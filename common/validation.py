@@ -364,16 +364,19 @@ def packed_violations(
     vocab_size: int | None = None,
     loss_mask=None,
     log_probs=None,
+    marks_forced: bool = True,
 ) -> list[Violation]:
     """Every rule each sample of a packed batch breaks (empty when valid).
 
     Without a mask only the token ids and the loss mask are checked.
     `mask_lengths`, when given, is each sample's mask length and is checked
     against `response_lengths`; otherwise only the totals are compared.
-    `log_probs`, when given, must not hold NaN or +inf; with `loss_mask`
-    and a mask it also marks the forced tokens (loss 0 and log-prob exactly
-    0.0, SEMANTICS.md §3), whose supports must be singletons (the
-    in-support rule then makes the one id equal the token).
+    `log_probs`, when given, must not hold NaN or +inf. In merged
+    trajectories (`marks_forced`), `log_probs` with `loss_mask` and a mask
+    also mark the forced tokens (loss 0 and log-prob exactly 0.0,
+    semantics.md §3), whose supports must be singletons (the in-support rule
+    then makes the one id equal the token). A turn's tokens are all sampled
+    (its forced tokens travel apart), so a turn is checked without it.
     Valid data costs a few whole-array reductions; positions are computed
     only for rules that fail.
     """
@@ -426,7 +429,7 @@ def packed_violations(
                 RULE_IN_SUPPORT, ops.to_host(ops.nonzero(~inside)), cu_host,
                 lambda g: f"token {token_at(g)} is not in its support {support_at(g)}",
             )
-        if loss_mask is not None and log_probs is not None and total:
+        if marks_forced and loss_mask is not None and log_probs is not None and total:
             not_singleton = (loss_mask == 0) & (log_probs == 0) & (sizes != 1)
             if bool(not_singleton.any()):
                 host_sizes = ops.to_host(sizes)
@@ -590,7 +593,7 @@ def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size
 
 def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: int | None) -> bool:
     tokens, ids, offsets, shifts, sizes, plain = [], [], [], [], [], []
-    loss_masks, log_probs, other_ids, forced = [], [], [], []
+    loss_masks, log_probs, other_ids = [], [], []
     base = 0
     for arrays in batch:
         message_tokens = arrays["tokens"]
@@ -611,8 +614,6 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
                 shifts.append(base)
                 sizes.append(n)
                 base += len(message_ids)
-                # a token with loss 0 and log-prob 0.0 is a forced one: its support must be a singleton
-                forced.append(None if loss_mask is None or log_prob is None else (loss_mask == 0) & (log_prob == 0))
         for name in ("prompt_tokens", "forced_tokens"):
             if arrays.get(name) is not None:
                 other_ids.append(arrays[name])
@@ -622,8 +623,8 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
             log_probs.append(log_prob)
     packed_ids = None
     if len(tokens) == 1:
-        packed_ids, packed_offsets = ids[0], offsets[0]
-        if not _tokens_in_supports(tokens[0], packed_ids, packed_offsets):
+        packed_ids = ids[0]
+        if not _tokens_in_supports(tokens[0], packed_ids, offsets[0]):
             return False
     elif tokens:
         packed_ids = _concat(ids)
@@ -632,10 +633,6 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
         np.add(_concat([o[1:] for o in offsets]), np.repeat(np.asarray(shifts, dtype=np.int64), sizes),
                out=packed_offsets[1:])
         if not _tokens_in_supports(_concat(tokens), packed_ids, packed_offsets):
-            return False
-    if any(f is not None for f in forced):  # the forced tokens' supports, over the masked messages' tokens
-        is_forced = _concat([np.zeros(n, bool) if f is None else f for f, n in zip(forced, sizes)])
-        if bool((is_forced & (np.diff(packed_offsets) != 1)).any()):
             return False
     bound = 2**31 if vocab_size is None else vocab_size  # negative int32 ids read as uint32 are >= 2**31
     # Sampled tokens with a support lie inside it, so the support ids stand for them.
@@ -689,7 +686,7 @@ def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | 
     n = len(tokens)
     found = packed_violations(
         tokens, [n], arrays.get("mask_ids"), arrays.get("mask_offsets"),
-        vocab_size=vocab_size, loss_mask=arrays.get("loss_mask"), log_probs=arrays.get("log_probs"),
+        vocab_size=vocab_size, loss_mask=arrays.get("loss_mask"), log_probs=arrays.get("log_probs"), marks_forced=False,
     )
     for name in ("prompt_tokens", "forced_tokens"):
         values = arrays.get(name)

@@ -216,10 +216,6 @@ def _reference_valid(arrays, vocab_size):
     supports = [ids[offsets[i]:offsets[i + 1]] for i in range(n)]
     if any(offsets[i + 1] <= offsets[i] for i in range(n)):
         return False
-    if "loss_mask" in arrays and "log_probs" in arrays and any(  # forced: loss 0, log-prob 0.0, a singleton support
-            loss == 0 and log_prob == 0 and len(support) != 1
-            for loss, log_prob, support in zip(arrays["loss_mask"].tolist(), arrays["log_probs"].tolist(), supports)):
-        return False
     return all(token in support for token, support in zip(tokens, supports)) and in_vocab(ids)
 
 
