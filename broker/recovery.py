@@ -73,7 +73,8 @@ def restore(engine: MergeEngine, recovered: Recovered, store: Store) -> list[Del
             ended = tuple(t for t, state in group.members.items() if state == ENDED)
             group.pending = set(ended)
             if ended:
-                ready.append((min(ready_seq[t] for t in ended), DeliveryUnit(ended, group_id, group.size, group.size - len(ended))))
+                unit = DeliveryUnit(ended, group_id, group.size, group.size - len(ended))
+                ready.append((min(ready_seq[t] for t in ended), unit))
     engine.reindex()
     for entry in engine.entries.values():
         if entry.state == ENDED and entry.group_id is None:

@@ -140,7 +140,8 @@ class Schema:
     name: str
     specs: Mapping[str, MessageSpec]
     fast: msgspec.msgpack.Decoder | None = None
-    fast_specs: Mapping[type, tuple[MessageSpec, tuple[str, ...]]] = field(default_factory=dict)  # per header struct: its spec and fields
+    # Per header struct: its spec and fields.
+    fast_specs: Mapping[type, tuple[MessageSpec, tuple[str, ...]]] = field(default_factory=dict)
 
 
 # The envelope as msgspec types: the version, and the arrays' [name, dtype, shape] entries.

@@ -181,7 +181,8 @@ class Turn(NamedTuple):
             log_probs=take(log_probs, _as_float_array(log_probs, "log_probs")),
             loss_mask=None if loss_mask is None else take(loss_mask, _as_loss_mask(loss_mask)),
             mask=mask,
-            forced_tokens=EMPTY_TOKENS if forced_tokens is None else take(forced_tokens, as_int_array(forced_tokens, TOKEN_DTYPE, "forced_tokens")),
+            forced_tokens=(EMPTY_TOKENS if forced_tokens is None
+                           else take(forced_tokens, as_int_array(forced_tokens, TOKEN_DTYPE, "forced_tokens"))),
             routed_experts=None if routed_experts is None else take(routed_experts, _as_replay(routed_experts, "routed_experts")),
             indexer_topk=None if indexer_topk is None else take(indexer_topk, _as_replay(indexer_topk, "indexer_topk")),
             status=status,
@@ -509,7 +510,9 @@ class Trajectory:
             )
         self._mask = _MaskBuffer()
 
-    def append_sampled(self, tokens: np.ndarray, log_probs: np.ndarray, loss_mask: np.ndarray | None, mask: SamplingMask | None) -> None:
+    def append_sampled(
+        self, tokens: np.ndarray, log_probs: np.ndarray, loss_mask: np.ndarray | None, mask: SamplingMask | None
+    ) -> None:
         """Sampled tokens (contract arrays, aligned with each other; copied,
         so later changes to them change nothing)."""
         if mask is not None:
