@@ -56,8 +56,9 @@ def make_turns(tokens: int, forced: int, seed: int = 0) -> list[Turn]:
         sizes = np.minimum(rng.geometric(1 / 8, size=tokens), 64)
         ids = rng.integers(0, VOCAB, size=int(sizes.sum()), dtype=np.int32)
         mask = SamplingMask.from_lengths(ids, sizes)
+        last = t == TURNS_PER_TRAJECTORY - 1
         turns.append(Turn.build(ids[mask.offsets[:-1]], -rng.exponential(size=tokens).astype(np.float32), mask=mask,
-                                forced_tokens=rng.integers(0, VOCAB, size=forced, dtype=np.int32) if t < TURNS_PER_TRAJECTORY - 1 else None))
+                                forced_tokens=None if last else rng.integers(0, VOCAB, size=forced, dtype=np.int32)))
     return turns
 
 
@@ -210,7 +211,8 @@ def main() -> None:
         for mode in ("normal", "full"):
             if mode in results[label]:
                 r = results[label][mode]
-                print(f"  broker {mode:<6} {r['frames_per_s']:>10.0f} frames/s  {r['frames_per_s'] * frame_bytes / 1e6:>8.1f} MB/s"
+                print(f"  broker {mode:<6} {r['frames_per_s']:>10.0f} frames/s"
+                      f"  {r['frames_per_s'] * frame_bytes / 1e6:>8.1f} MB/s"
                       f"  {r['tokens_per_s']:>12.0f} tokens/s  ratio {r['frames_per_s'] / relay['msgs_per_s']:.2f}"
                       f"  peak RSS {r['broker_peak_rss_bytes'] / 2**20:.0f} MiB")
     r512, r32 = results["512"], results["32"]

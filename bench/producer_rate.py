@@ -85,7 +85,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--response-tokens", type=int, default=128)
-    parser.add_argument("--window", type=int, default=ProducerSettings.window, help="frames in flight (the defaults of both daemons)")
+    parser.add_argument("--window", type=int, default=ProducerSettings.window,
+                        help="frames in flight (the defaults of both daemons)")
     args = parser.parse_args()
     settings = ProducerSettings(response_tokens=args.response_tokens, tool_tokens=32, prompt_tokens=256, turns=4)
 

@@ -201,15 +201,17 @@ def _whole_batches(n: int) -> int:
 def configurations(args) -> dict[str, dict]:
     out = {}
     for k in args.open:
-        out[f"open_{k}"] = dict(trajectories=_whole_batches(max(args.trajectories, k)), open_at_once=k, turns=8, tokens=256, ids=8)
+        out[f"open_{k}"] = dict(trajectories=_whole_batches(max(args.trajectories, k)), open_at_once=k, turns=8, tokens=256,
+                                ids=8)
     for p in args.connections:
         out[f"conn_{p}"] = dict(trajectories=_whole_batches(args.conn_trajectories), open_at_once=8, turns=8, tokens=256, ids=8,
                                 connections=p)
     for s in args.supports:
-        out[f"support_{s}"] = dict(trajectories=_whole_batches(args.support_trajectories), open_at_once=16, turns=4, tokens=64, ids=s)
+        out[f"support_{s}"] = dict(trajectories=_whole_batches(args.support_trajectories), open_at_once=16, turns=4, tokens=64,
+                                   ids=s)
     for label in args.budgets:
-        out[f"budget_{label}"] = dict(trajectories=_whole_batches(args.budget_trajectories), open_at_once=1000, turns=8, tokens=256,
-                                      ids=8, broker_args=["--max-memory-bytes", str(_bytes(label))])
+        out[f"budget_{label}"] = dict(trajectories=_whole_batches(args.budget_trajectories), open_at_once=1000, turns=8,
+                                      tokens=256, ids=8, broker_args=["--max-memory-bytes", str(_bytes(label))])
     return out
 
 

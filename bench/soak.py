@@ -154,8 +154,10 @@ def main() -> None:
     started = time.perf_counter()
     while malformed < args.frames and time.perf_counter() - started < args.seconds:
         rounds += 1
-        chunks = ((noisy, [noisy_fuzz.next() for _ in range(ROUND)]), (quiet, [quiet_fuzz.next() for _ in range(20)]),
-                  (stranger, [consumer_fuzz.stranger() for _ in range(ROUND)]), (admin, [admin_fuzz.next() for _ in range(ROUND)]))
+        chunks = ((noisy, [noisy_fuzz.next() for _ in range(ROUND)]),
+                  (quiet, [quiet_fuzz.next() for _ in range(20)]),
+                  (stranger, [consumer_fuzz.stranger() for _ in range(ROUND)]),
+                  (admin, [admin_fuzz.next() for _ in range(ROUND)]))
         for sock, chunk in chunks:
             problems += exchange(sock, chunk, WAIT_MS, codes)
             for sent in chunk:

@@ -26,12 +26,15 @@ HELP = {
     "sync": "normal: durable against a broker crash; full: fsync before every ack (power loss).",
     "max_memory_bytes": "Memory budget; over it, producer frames wait (backpressure) and trajectories are evicted to the store.",
     "max_disk_bytes": "Disk budget of the store; over it, new trajectories wait while consumers have something to take.",
-    "disk_reserve_bytes": "Free space kept on the data dir's file system for ends and consumer acks; below it, turns wait. Default: 5% of the file system, at most 1 GiB.",
+    "disk_reserve_bytes": "Free space kept on the data dir's file system for ends and consumer acks; below it, turns wait. "
+                          "Default: 5% of the file system, at most 1 GiB.",
     "max_message_bytes": "Largest message accepted; larger ones are answered too_large.",
     "window": "Frames in flight each producer is told it may have, at most.",
-    "max_in_flight": "Frames in flight across all producers: each of P active ones is granted max_in_flight / P (at most window).",
+    "max_in_flight": "Frames in flight across all producers: each of P active ones is granted max_in_flight / P "
+                     "(at most window).",
     "batch_max": "Most frames read and committed together.",
-    "batch_max_bytes": "Bytes after which a batch takes no more frames (large frames: the batch's check, CRC and write then read it from cache).",
+    "batch_max_bytes": "Bytes after which a batch takes no more frames (large frames: the batch's check, CRC and write "
+                       "then read it from cache).",
     "segment_bytes": "Size at which a payload segment file is closed and a new one begun.",
     "high_water_mark": "ZeroMQ send/receive queue bound, in messages.",
     "metrics_port": "Prometheus /metrics port; 0 disables it.",

@@ -220,7 +220,8 @@ class Dispatcher:
                     take = min(consumer.trajectory_credit, len(unit.trajectory_ids))
                     tids = unit.trajectory_ids[:take]
                     if take < len(unit.trajectory_ids):
-                        self.enqueue(DeliveryUnit(unit.trajectory_ids[take:], unit.group_id, unit.group_size, unit.group_left), front=True)
+                        rest = DeliveryUnit(unit.trajectory_ids[take:], unit.group_id, unit.group_size, unit.group_left)
+                        self.enqueue(rest, front=True)
                     consumer.trajectory_credit -= take
                     credit = "trajectory"
                 else:

@@ -156,7 +156,8 @@ class Entry:
     group_id: str | None = None
     group_size: int | None = None
     sample_index: int | None = None
-    outcomes: list[tuple[bytes | None, bool, str | None]] = field(default_factory=list)  # per consumed turn; None: applied, digest from its record
+    # Per consumed turn; None: applied, digest from its record.
+    outcomes: list[tuple[bytes | None, bool, str | None]] = field(default_factory=list)
     end_digest: bytes | None = None
     updated_at: float = 0.0
     trajectory: Trajectory | None = None  # merged state; None once evicted to the store
@@ -349,7 +350,8 @@ class MergeEngine:
         if group is None:
             return
         if group.size != group_size:
-            raise ProtocolError("conflict", f"group {group_id!r} has group_size {group.size}, turn 0 of {tid!r} says {group_size}")
+            raise ProtocolError("conflict",
+                                f"group {group_id!r} has group_size {group.size}, turn 0 of {tid!r} says {group_size}")
         if tid not in group.members and len(group.members) >= group.size:
             raise ProtocolError("conflict", f"group {group_id!r} already has its {group.size} members; {tid!r} is not one")
         if group.released:

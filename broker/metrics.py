@@ -17,7 +17,8 @@ class BrokerMetrics(Metrics):
         self.reloads = self.counter("reloads", "Evicted trajectories read back from the store")
         self.depth = self.gauge("queue_depth", "Trajectories by state", ("state",))
         self.bytes = self.gauge("bytes", "Bytes held, in memory and on disk", ("where",))
-        self.backpressure = self.gauge("backpressure", "1 while producer frames are not all taken (memory budget: none read; disk: some wait)")
+        self.backpressure = self.gauge("backpressure",
+                                       "1 while producer frames are not all taken (memory budget: none read; disk: some wait)")
         self.unavailable = self.gauge("store_unavailable", "1 while the store cannot persist")
         self.commit_seconds = self.histogram(
             "commit_seconds", "Time to make one batch durable",

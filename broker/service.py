@@ -50,7 +50,8 @@ log = logging.getLogger("rollstream.broker")
 HOUSEKEEPING_EVERY = 0.2  # seconds between expiry, lease and budget checks
 PROBE_EVERY = 1.0  # seconds between store probes while unavailable
 PRODUCER_FORGET_AFTER = 3600.0  # seconds after which a silent producer connection is forgotten
-ZERO_COPY_SEND_ABOVE = 1 << 19  # bytes: a larger frame (a 1 MiB turn of top-p supports, sent split) goes without a copy (see `_send`)
+# Bytes: a larger frame (a 1 MiB turn of top-p supports, sent split) goes without a copy (see `_send`).
+ZERO_COPY_SEND_ABOVE = 1 << 19
 DELIVER_LAYOUTS = ("packed_arrays", "split_arrays")  # hello flags for `deliver` layouts a consumer reads (PROTOCOL.md §4)
 # A turn frame this large (a turn of top-p-sized supports) has its content
 # rules checked on a thread of their own as soon as it is decoded, while the
@@ -110,7 +111,8 @@ class BrokerService:
         self.producers: dict[bytes, float] = {}  # connection -> last heard
         self.grants = WindowGrants(settings.window, settings.max_in_flight)  # frames in flight per producer connection
         self.batch_acks: set[bytes] = set()  # connections whose hello asked for one `acks` per commit
-        self.consumer_layouts: dict[bytes, frozenset] = {}  # per consumer connection, the `deliver` layouts its hello said it reads
+        # Per consumer connection, the `deliver` layouts its hello said it reads.
+        self.consumer_layouts: dict[bytes, frozenset] = {}
         self._stopping = False
         self._next_housekeeping = 0.0
         self._next_probe = 0.0
@@ -261,7 +263,8 @@ class BrokerService:
         batch_bytes = 0
         self._free_bytes = self._free_space()  # one statvfs a batch; its frames are counted off it as they come
         while len(received) < self.settings.batch_max:
-            if self._must_wait() or (received and batch_bytes >= self.settings.batch_max_bytes):  # the frame crossing it is the last
+            # The frame crossing batch_max_bytes is the batch's last.
+            if self._must_wait() or (received and batch_bytes >= self.settings.batch_max_bytes):
                 break
             try:
                 frames = recv_routed(sock)

@@ -98,6 +98,8 @@ def ask_status(endpoint: str | None, *, endpoints_file: str | None = None, timeo
         try:
             if endpoints_file is not None:
                 endpoint = read_endpoints_file(endpoints_file)["admin"]
+            elif endpoint is None:
+                raise TypeError("ask_status needs an endpoint or an endpoints_file")
             patience = timeout if deadline is None else max(0.05, min(timeout, deadline - time.monotonic()))
             with AdminClient(endpoint, timeout=patience) as admin:
                 report = admin.status()

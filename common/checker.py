@@ -42,7 +42,7 @@ _SIZE_DTYPE = ARRAYS["mask_offsets"].dtype
 def _raw(values, name: str) -> memoryview:
     """The bytes of `values` in the contract dtype of `name` (no copy when it already is)."""
     array = np.ascontiguousarray(np.asarray(values), dtype=ARRAYS[name].dtype)
-    return memoryview(array).cast("B")
+    return array.data.cast("B")
 
 
 class ContentDigest:
@@ -76,7 +76,7 @@ class ContentDigest:
         streams[_LOSS].update(b"\x01" * n if loss_mask is None else _raw(loss_mask, "loss_mask"))
         if mask_offsets is not None:
             self.has_mask = True
-            streams[_SIZES].update(memoryview(np.diff(np.asarray(mask_offsets, dtype=_SIZE_DTYPE))).cast("B"))
+            streams[_SIZES].update(np.diff(np.asarray(mask_offsets, dtype=_SIZE_DTYPE)).data.cast("B"))
             streams[_IDS].update(_raw(mask_ids, "mask_ids"))
         if replay:
             kept = xxhash.xxh3_64()
@@ -98,7 +98,7 @@ class ContentDigest:
         streams[_LOG_PROBS].update(bytes(ARRAYS["log_probs"].dtype.itemsize * n))
         streams[_LOSS].update(bytes(n))
         if self.has_mask:
-            streams[_SIZES].update(memoryview(np.ones(n, _SIZE_DTYPE)).cast("B"))
+            streams[_SIZES].update(np.ones(n, _SIZE_DTYPE).data.cast("B"))
             streams[_IDS].update(raw)
 
     def hexdigest(self) -> str:
@@ -184,7 +184,7 @@ class Ledger:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()
         size = os.fstat(self._fd).st_size
         if size and os.pread(self._fd, 1, size - 1) != b"\n":  # a killed writer's torn line: end it
@@ -289,12 +289,12 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
     `reason`). An acked trajectory neither committed nor dead-lettered is
     `unseen` while the broker still has trajectories to deliver
     (`broker_backlog`: ready plus leased) and `lost` once it has none."""
-    sent: dict[str, dict] = {}
+    sent: dict[str, Mapping[str, Any]] = {}
     acked: set[str] = set()
     handed: Counter = Counter()
-    committed: dict[str, list[dict]] = {}
+    committed: dict[str, list[Mapping[str, Any]]] = {}
     for record in records:
-        kind, tid = record.get("kind"), record.get("id")
+        kind, tid = record.get("kind"), record["id"]
         if kind == "sent":
             sent[tid] = record
         elif kind == "acked" and (record.get("applied") or record.get("duplicate")):

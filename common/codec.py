@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
 import msgspec
@@ -21,6 +21,7 @@ from .errors import ProtocolError
 from .messages import CRC32, MessageSpec, Schema
 from .validation import RULE_ALIGNED, check_message_arrays
 
+_crc32_combine: Callable[[int, int, int], int] | None
 try:  # the same CRC-32 as zlib's, several times faster where ISA-L is available
     from isal.isal_zlib import crc32 as _crc32_update
     from isal.isal_zlib import crc32_combine as _crc32_combine
@@ -81,7 +82,7 @@ def _bytes_view(arr: np.ndarray) -> memoryview:
     """The array's bytes in C order, zero-copy when it is C-contiguous."""
     if arr.flags.c_contiguous:
         return arr.data.cast("B") if arr.size else memoryview(b"")  # a view with a zero in its shape cannot be cast
-    return memoryview(np.ascontiguousarray(arr)).cast("B")
+    return np.ascontiguousarray(arr).data.cast("B")
 
 
 def _schema_error(message: str) -> ProtocolError:
@@ -187,7 +188,7 @@ def encode(
     schema: Schema,
     mtype: str,
     fields: Mapping[str, Any] | None = None,
-    arrays: Mapping[str, np.ndarray] | None = None,
+    arrays: Mapping[str, np.ndarray | list[np.ndarray]] | None = None,
     *,
     crc: bool = False,
     checked: bool = True,
@@ -228,10 +229,9 @@ def encode(
         parts = arr if isinstance(arr, list) else None  # one array in several frames (`split_arrays`)
         known = getattr(parts, "crcs", None) if crc and _crc32_combine is not None else None
         for i, part in enumerate(parts or (arr,)):
-            _check_part(name, contract, part)
-            view = _bytes_view(part)
+            view = _bytes_view(_check_part(name, contract, part))
             buffers.append(view)
-            if known is not None and known[i] is not None:
+            if known is not None and known[i] is not None and _crc32_combine is not None:
                 value = _crc32_combine(value, known[i], len(view))
             elif crc:
                 value = _crc32_update(view, value)
@@ -253,13 +253,14 @@ def _array_entry(name: str, contract, arr, parts: list | None) -> list:
     return [name, contract.wire_name, [sum(len(part) for part in parts)]]
 
 
-def _check_part(name: str, contract, part) -> None:
-    """An array (or a piece of one) of the contract's dtype and rank."""
+def _check_part(name: str, contract, part) -> np.ndarray:
+    """`part`, once it is an array (or a piece of one) of the contract's dtype and rank."""
     if not isinstance(part, np.ndarray) or (part.dtype is not contract.dtype and part.dtype != contract.dtype):
         got = part.dtype if isinstance(part, np.ndarray) else type(part).__name__
         raise ProtocolError("dtype", f"array {name!r} must be {contract.wire_name}, got {got}")
     if part.ndim != contract.ndim and not contract.rank_ok(part.ndim):
         raise ProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {list(part.shape)}")
+    return part
 
 
 _WIDEST_FIRST = {name: -spec.dtype.itemsize for name, spec in ARRAYS.items()}
@@ -278,7 +279,7 @@ def _packed_frames(header: dict, arrays: Mapping[str, Any], crc: bool) -> list:
                 _check_part(name, contract, part)  # the exact dtype object and rank are the common case
             pieces.append(part if part.flags.c_contiguous else np.ascontiguousarray(part))
         entries.append(_array_entry(name, contract, arr, parts))
-    body = b"".join(pieces)
+    body = b"".join(pieces)  # type: ignore[arg-type]  # arrays are buffers: numpy types __buffer__ only from Python 3.12
     header["arrays"] = entries
     if crc:
         header["crc32"] = _crc32_update(body)
@@ -336,7 +337,8 @@ def split_batch(batch: Message) -> list[list]:
     one message keeps none of the rest. Raises `ProtocolError("shape")`
     when the body is not exactly the frames listed."""
     body = memoryview(batch.frames[1])
-    messages, offset = [], 0
+    messages: list[list] = []
+    offset = 0
     for header, lengths in batch["messages"]:
         frames = [header]
         for size in lengths:
@@ -432,7 +434,8 @@ MAX_HEADER_DEPTH = 32
 def _nesting(header: dict) -> int:
     """Levels of maps and lists in `header`, level by level (no recursion:
     the point is to refuse what recursion cannot handle)."""
-    depth, level = 0, [header]
+    depth = 0
+    level: list[dict | list] = [header]
     while level:
         depth += 1
         level = [child for item in level for child in (item.values() if type(item) is dict else item)
@@ -454,7 +457,7 @@ def _array_entries(header: Mapping[str, Any], frame_count: int, packed: bool) ->
     entries = header.get("arrays", ())
     if type(entries) is not list and entries != ():
         raise _schema_error(f"arrays must be a list of [name, dtype, shape], got {type(entries).__name__}")
-    parsed, seen, spans = [], set(), []
+    parsed, seen, spans = [], set[str](), []
     for entry in entries:
         if not (type(entry) is list and len(entry) in (3, 4) and type(entry[0]) is str):
             raise _schema_error(f"arrays entries must be [name, dtype, shape] or [name, dtype, shape, frames], "
@@ -513,9 +516,12 @@ def _frame_count_checked(names: set, frame_count: int, packed: bool, listed_fram
 
 def _plain_header(schema: Schema, frame) -> tuple[MessageSpec, dict, list, int | None, bool] | None:
     """The header decoded and its fields checked by the schema's msgspec
-    decoder: its spec, fields, array entries, CRC and layout. None when that decoder
-    refuses it (any rule broken, or a key it does not know): then the
-    checked way decodes it, and names the rule if there is one."""
+    decoder: its spec, fields, array entries, CRC and layout. None when the
+    schema has no such decoder or it refuses the header (any rule broken, or
+    a key it does not know): then the checked way decodes it, and names the
+    rule if there is one."""
+    if schema.fast is None:
+        return None
     try:
         header = schema.fast.decode(frame)
     except msgspec.MsgspecError:
@@ -549,7 +555,7 @@ def decode(
     if not frames:
         raise ProtocolError("malformed", "empty message: expected a header frame")
     buffers = [_buffer(frame) for frame in frames]
-    plain = _plain_header(schema, buffers[0]) if schema.fast is not None else None
+    plain = _plain_header(schema, buffers[0])
     if plain is None:
         header = decode_header(buffers[0])
         seq = header.get("seq") if type(header.get("seq")) is int else None

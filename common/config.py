@@ -218,7 +218,8 @@ def unknown_inputs(ctx: click.Context) -> list[Problem]:
     if ctx.auto_envvar_prefix is None:  # invoked without the `rollstream` group: no environment is read
         return problems
     prefix = f"{ctx.auto_envvar_prefix}_"
-    variables = {f"{prefix}{param.name.upper()}" for param in ctx.command.params if param.allow_from_autoenv}
+    variables = {f"{prefix}{(param.name or '').upper()}" for param in ctx.command.params
+                 if isinstance(param, click.Option) and param.allow_from_autoenv}
     problems += [Problem(name, "environment", unknown_expected(name, variables, "a variable of this command"),
                          "an unknown variable")
                  for name in sorted(os.environ) if name.startswith(prefix) and name not in variables]

@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 from .admin import AdminClient, AdminError, ask_status
 from .checker import LedgerReader, check
@@ -53,8 +53,8 @@ class LoopbackNode:
         self._daemons: list[subprocess.Popen] = []
         self._producers: list[tuple[subprocess.Popen, tuple[str, ...]]] = []
         self._killed: set[int] = set()  # producers killed on purpose and not restarted
-        self._log = None
-        self.admin = None
+        self._log: BinaryIO | None = None
+        self.admin: AdminClient | None = None
 
     def __enter__(self) -> "LoopbackNode":
         self._log = open(self.work / "daemons.log", "ab")
@@ -80,12 +80,18 @@ class LoopbackNode:
 
     def kill_broker(self) -> None:
         """SIGKILL the broker, as a crash would."""
+        assert self.broker is not None, "the broker is started on entering the node"
         self.broker.kill()
         self.broker.wait()
 
     def restart_broker(self) -> None:
         """Start the broker again on its data directory and the endpoints it had."""
         self._start_broker(self.endpoints)
+
+    def dead_letters(self) -> list[dict]:
+        """Every dead letter the broker holds."""
+        assert self.admin is not None, "the admin client is made when the broker first answers"
+        return self.admin.dead_letters(1_000_000)
 
     def _start(self, *args: str) -> subprocess.Popen:
         daemon = subprocess.Popen(_cli(*args), stdout=self._log, stderr=self._log)
@@ -286,7 +292,7 @@ class Pipeline:
         status = self.status
         if status is None or not self.node.producers_done or status["open"] or status["ready"] or status["leased"]:
             return False
-        self.dead = self.node.admin.dead_letters(1_000_000)
+        self.dead = self.node.dead_letters()
         return not check(self.records, self.dead, broker_backlog=1).unseen
 
     def run(self, timeout: float, each: Callable[[], None] | None = None) -> bool:
@@ -307,7 +313,7 @@ class Pipeline:
         self.trainer.stop()
         self.poll()
         status = self.status or {}
-        self.dead = self.node.admin.dead_letters(1_000_000)
+        self.dead = self.node.dead_letters()
         return check(self.records, self.dead, broker_backlog=status.get("ready", 1) + status.get("leased", 1))
 
 
@@ -367,7 +373,7 @@ class _BrokerCounters:
 
 
 def _status(node: LoopbackNode) -> dict | None:
-    if node.broker is None or node.broker.poll() is not None:
+    if node.broker is None or node.admin is None or node.broker.poll() is not None:
         return None
     try:
         return node.admin.status()

@@ -10,7 +10,7 @@ import functools
 import itertools
 import operator
 import warnings
-from typing import Iterable, Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 
@@ -137,7 +137,7 @@ class SamplingMask:
         return cls._wrap(frozen(np.empty(0, IDS_DTYPE)), frozen(np.zeros(1, OFFSETS_DTYPE)))
 
     @classmethod
-    def from_supports(cls, supports: Sequence[Iterable[int]]) -> "SamplingMask":
+    def from_supports(cls, supports: Sequence[Collection[int]]) -> "SamplingMask":
         """One support (a sequence of integer ids) per token, converted as
         `as_int_array` converts any list: a float, complex or str id is
         refused, never truncated."""
@@ -249,7 +249,7 @@ class SamplingMask:
             return NotImplemented
         return np.array_equal(self._offsets, other._offsets) and np.array_equal(self._ids, other._ids)
 
-    __hash__ = None
+    # Unhashable (mutable arrays): Python sets __hash__ to None for a class that defines __eq__ without it.
 
     def __repr__(self) -> str:
         return f"SamplingMask(tokens={len(self)}, ids={self._ids.size})"

@@ -140,15 +140,16 @@ class Schema:
     name: str
     specs: Mapping[str, MessageSpec]
     fast: msgspec.msgpack.Decoder | None = None
-    fast_specs: Mapping[type, tuple[MessageSpec, tuple[str, ...]]] = field(default_factory=dict)  # per header struct: its spec and fields
+    # Per header struct: its spec and fields.
+    fast_specs: Mapping[type, tuple[MessageSpec, tuple[str, ...]]] = field(default_factory=dict)
 
 
 # The envelope as msgspec types: the version, and the arrays' [name, dtype, shape] entries.
-_VERSION = Literal[PROTOCOL_VERSION]
+_VERSION: object = Literal[PROTOCOL_VERSION]  # a msgspec type built at run time, not an annotation
 _ENTRIES = list[tuple[str, str, list[Annotated[int, msgspec.Meta(ge=0)]]]]
 
 
-def header_struct(spec: MessageSpec) -> type | None:
+def header_struct(spec: MessageSpec) -> type[msgspec.Struct] | None:
     """`spec` as a msgspec Struct tagged by `type`: the envelope and every
     field whose kind has an annotation. None when a required field has
     none. Unknown keys are refused, so a header with a key the struct lacks

@@ -78,6 +78,7 @@ def _check_fields(fields: Sequence[str]) -> None:
 
 def _wire_tensor(name: str, value, spec: SessionField) -> np.ndarray:
     arr = np.asarray(value)
+    assert spec.dtype is not None, f"{name}: a tensor field has a dtype"
     if arr.dtype == spec.dtype:
         return np.ascontiguousarray(arr)
     if spec.strict:
@@ -198,6 +199,7 @@ def decode_session_samples(payload: bytes, *, fields: Sequence[str] | None = Non
                 offsets = _take(tensors, f"{name}.offsets.{i}", np.dtype("<i8"), f"{name} of sample {i}")
                 sample[name] = SamplingMask(ids, offsets)
             else:
+                assert spec.dtype is not None, f"{name}: a tensor field has a dtype"
                 sample[name] = _take(tensors, f"{name}.{i}", spec.dtype, f"{name} of sample {i}")
         samples.append(sample)
     if tensors:
@@ -244,9 +246,14 @@ def to_train_data(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         "sample_indices": np.array(indices, dtype=np.int64),
     }
     if trajectories and trajectories[0].has_mask:
-        masks = [t.mask for t in trajectories]
-        data["rollout_sampling_mask_ids"] = [m.ids for m in masks]
-        data["rollout_sampling_mask_offsets"] = [m.offsets for m in masks]
+        ids: list[np.ndarray] = []
+        offsets: list[np.ndarray] = []
+        for t in trajectories:
+            mask = t.mask
+            assert mask is not None, "the whole-batch rule: every sample carries a mask"
+            ids.append(mask.ids)
+            offsets.append(mask.offsets)
+        data["rollout_sampling_mask_ids"], data["rollout_sampling_mask_offsets"] = ids, offsets
     for key, name in REPLAY_KEYS.items():
         present = [getattr(t, name) is not None for t in trajectories]
         check_whole_batch_rule(present, indices, statuses, field=name)

@@ -68,7 +68,7 @@ def recv_routed(sock: zmq.Socket, flags: int = zmq.NOBLOCK) -> list:
     `recv_multipart()` per message: no socket-option call per part (each
     zmq.Frame says whether more follow)."""
     frame = sock.recv(flags, copy=False)
-    frames = [frame.bytes]
+    frames: list[bytes | memoryview] = [frame.bytes]
     while frame.more:
         frame = sock.recv(flags, copy=False)
         frames.append(frame.buffer if len(frame) > SHARED_RECEIVE_BUFFER_BYTES else frame.bytes)

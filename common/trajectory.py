@@ -181,7 +181,8 @@ class Turn(NamedTuple):
             log_probs=take(log_probs, _as_float_array(log_probs, "log_probs")),
             loss_mask=None if loss_mask is None else take(loss_mask, _as_loss_mask(loss_mask)),
             mask=mask,
-            forced_tokens=EMPTY_TOKENS if forced_tokens is None else take(forced_tokens, as_int_array(forced_tokens, TOKEN_DTYPE, "forced_tokens")),
+            forced_tokens=(EMPTY_TOKENS if forced_tokens is None
+                           else take(forced_tokens, as_int_array(forced_tokens, TOKEN_DTYPE, "forced_tokens"))),
             routed_experts=None if routed_experts is None else take(routed_experts, _as_replay(routed_experts, "routed_experts")),
             indexer_topk=None if indexer_topk is None else take(indexer_topk, _as_replay(indexer_topk, "indexer_topk")),
             status=status,
@@ -189,8 +190,8 @@ class Turn(NamedTuple):
         )
         if mask_ids is None and mask is not None and len(mask) != turn.tokens.size:
             # Named as the caller gave it: the frame's rule would name mask_offsets, which the caller never passed.
-            given = f"supports has {len(mask)} entries" if supports is not None else f"mask covers {len(mask)} tokens"
-            raise ProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: {given}, tokens has {turn.tokens.size}")
+            said = f"supports has {len(mask)} entries" if supports is not None else f"mask covers {len(mask)} tokens"
+            raise ProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: {said}, tokens has {turn.tokens.size}")
         return turn._checked(check_content, vocab_size)
 
     def _checked(self, check_content: bool, vocab_size: int | None) -> "Turn":
@@ -232,7 +233,8 @@ class Turn(NamedTuple):
     def __ne__(self, other) -> bool:
         return self is not other
 
-    __hash__ = object.__hash__
+    def __hash__(self) -> int:  # by identity, as equality is
+        return object.__hash__(self)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The turn's arrays under their contract names (absent ones left out)."""
@@ -253,14 +255,12 @@ class Turn(NamedTuple):
 class _MaskBuffer:
     """The growing CSR of a trajectory: ids and offsets in geometric buffers."""
 
-    def __init__(self, ids: np.ndarray | None = None, offsets: np.ndarray | None = None):
+    def __init__(self, ids: np.ndarray | None = None, offsets: np.ndarray = _LEADING_ZERO):
         self.ids = GrowableArray(IDS_DTYPE)
         self.offsets = GrowableArray(OFFSETS_DTYPE)
         if ids is not None:
             self.ids.extend(ids)
-            self.offsets.extend(offsets)
-        else:
-            self.offsets.extend(_LEADING_ZERO)
+        self.offsets.extend(offsets)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -509,7 +509,9 @@ class Trajectory:
             )
         self._mask = _MaskBuffer()
 
-    def append_sampled(self, tokens: np.ndarray, log_probs: np.ndarray, loss_mask: np.ndarray | None, mask: SamplingMask | None) -> None:
+    def append_sampled(
+        self, tokens: np.ndarray, log_probs: np.ndarray, loss_mask: np.ndarray | None, mask: SamplingMask | None
+    ) -> None:
         """Sampled tokens (contract arrays, aligned with each other; copied,
         so later changes to them change nothing)."""
         if mask is not None:

@@ -226,7 +226,7 @@ class BatchValidationError(RollstreamError, ValueError):
 
     def __init__(self, violations: Sequence[Violation], sample_names: Sequence[str] | None = None):
         self.violations = list(violations)
-        names = sample_names or [None] * (1 + max(v.sample for v in self.violations))
+        names: Sequence[str | None] = sample_names or [None] * (1 + max(v.sample for v in self.violations))
         lines = [v.describe(names[v.sample] if v.sample >= 0 else None) for v in self.violations]
         super().__init__(f"{len(self.violations)} mask violation(s):\n  " + "\n  ".join(lines))
 
@@ -546,9 +546,14 @@ _CODE_ORDER = {code: i for i, code in enumerate(NACK_CODES)}
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray | None:
-    """1-D parts of one (contract) dtype end to end (a batch has hundreds)."""
-    if len(parts) < 2:
-        return parts[0] if parts else None
+    """`_join(parts)`, or None when there are none."""
+    return _join(parts) if parts else None
+
+
+def _join(parts: list[np.ndarray]) -> np.ndarray:
+    """1-D parts (at least one) of one (contract) dtype end to end (a batch has hundreds)."""
+    if len(parts) == 1:
+        return parts[0]
     joined = join_contiguous(parts, parts[0].dtype)
     return np.concatenate(parts) if joined is None else joined
 
@@ -605,7 +610,8 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
         if message_offsets is None:
             plain.append(message_tokens)  # no support to imply their vocabulary check
         else:
-            if len(message_offsets) != n + 1 or message_offsets[0] != 0 or message_offsets[-1] != len(message_ids):
+            if (message_ids is None or len(message_offsets) != n + 1 or message_offsets[0] != 0
+                    or message_offsets[-1] != len(message_ids)):
                 return False
             if n:
                 tokens.append(message_tokens)
@@ -627,12 +633,12 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
         if not _tokens_in_supports(tokens[0], packed_ids, offsets[0]):
             return False
     elif tokens:
-        packed_ids = _concat(ids)
+        packed_ids = _join(ids)
         packed_offsets = np.empty(sum(sizes) + 1, dtype=np.int64)
         packed_offsets[0] = 0
-        np.add(_concat([o[1:] for o in offsets]), np.repeat(np.asarray(shifts, dtype=np.int64), sizes),
+        np.add(_join([o[1:] for o in offsets]), np.repeat(np.asarray(shifts, dtype=np.int64), sizes),
                out=packed_offsets[1:])
-        if not _tokens_in_supports(_concat(tokens), packed_ids, packed_offsets):
+        if not _tokens_in_supports(_join(tokens), packed_ids, packed_offsets):
             return False
     bound = 2**31 if vocab_size is None else vocab_size  # negative int32 ids read as uint32 are >= 2**31
     # Sampled tokens with a support lie inside it, so the support ids stand for them.

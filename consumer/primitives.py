@@ -85,7 +85,9 @@ def masked_log_probs(
     token_local = tokens - first
     owns_token = (token_local >= 0) & (token_local < vocab_local)
     token_logit = torch.where(
-        owns_token, scaled[torch.arange(rows, device=device), token_local.clamp(0, vocab_local - 1)], torch.zeros((), dtype=scaled.dtype, device=device)
+        owns_token,
+        scaled[torch.arange(rows, device=device), token_local.clamp(0, vocab_local - 1)],
+        torch.zeros((), dtype=scaled.dtype, device=device),
     )
     if tp_group is not None:
         sums = _SumOverRanks.apply(sums, tp_group)

@@ -96,8 +96,13 @@ def replay(batch: Batch, versions: WeightVersions, temperature: float) -> Replay
         support.append((masked[sampled].double() - rollout).abs().numpy())
         full.append((whole[sampled] - rollout).abs().numpy())
         truncated.append((one.support_sizes()[sampled] < logits.shape[1]).numpy())
-    cat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))
-    return Replay(cat(support, np.float64), cat(full, np.float64), cat(truncated, bool), len(batch) - skipped, skipped)
+    return Replay(_concat(support, np.float64), _concat(full, np.float64), _concat(truncated, bool),
+                  len(batch) - skipped, skipped)
+
+
+def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    """The parts end to end; an empty array of `dtype` when there are none."""
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
 def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ HELP = {
     "broker_endpoint": "The node broker's producer endpoint (tcp://, ipc:// or inproc://).",
     "producer_id": "Name sent in hello; keep it stable to resend a spool after a restart. Default: host-source.",
     "window": "Most frames unsettled at once (the broker's welcome may lower it).",
-    "reply_timeout": "Seconds without a reply after which unacked frames are reported (they are resent only after a reconnect, or when a later ping is answered first).",
+    "reply_timeout": "Seconds without a reply after which unacked frames are reported (they are resent only after a "
+                     "reconnect, or when a later ping is answered first).",
     "retry_delay": "Seconds before resending a frame the broker answered `unavailable`.",
     "heartbeat_interval": "Seconds between pings.",
     "heartbeat_timeout": "Seconds of broker silence after which it counts as down (broker_up = 0).",
@@ -31,7 +32,8 @@ HELP = {
     "prompt_tokens": "Mean prompt length of synthetic prompts (uniform in [x/2, 3x/2]).",
     "response_tokens": "Mean sampled tokens per turn (synthetic); max_new_tokens (sglang).",
     "tool_tokens": "Mean forced tool-output tokens between turns (synthetic); echoed tokens (sglang tool).",
-    "tool_seconds": "Synthetic: seconds the environment takes between two turns (a tool call); the trajectory stays open meanwhile.",
+    "tool_seconds": "Synthetic: seconds the environment takes between two turns (a tool call); the trajectory stays "
+                    "open meanwhile.",
     "rate": "Trajectory starts per second; 0: as fast as the broker takes them.",
     "concurrency": "Trajectories in progress at once.",
     "vocab_size": "Vocabulary size: synthetic ids are drawn below it and every id is checked against it.",

@@ -96,6 +96,8 @@ class AsyncProducer:
     open trajectories with `producer.trajectory(...)`.
     """
 
+    _loop: asyncio.AbstractEventLoop  # the one `start` ran in, which runs the I/O from then on
+
     def __init__(
         self,
         endpoint: str,
@@ -158,15 +160,15 @@ class AsyncProducer:
         self._next_seq = 1
         self._pump_scheduled = False  # the loop is due to take the intake
         # The loop's own:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._changed: asyncio.Event | None = None  # set whenever frames settle (room may have appeared)
+        self._changed = asyncio.Event()  # set whenever frames settle (room may have appeared)
         self._read_scheduled = False
         self._connected_before = False
         self._pings: dict[int, float] = {}  # seq -> when transmitted, until answered
         self._next_overdue_report = 0.0
         self._tick_seconds = min(0.25, max(0.01, min(heartbeat_interval, reply_timeout, retry_delay or 1.0) / 4))
         self._tasks: list[asyncio.Task] = []
-        self._sock = self._monitor = None
+        self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         self._closing = False
         self._started = False
         self._failure: BaseException | None = None  # why the I/O loop died, if it did
@@ -185,16 +187,15 @@ class AsyncProducer:
                 log.info(f"resending {self._spool.backlog} spooled frames from {spool_dir}",
                          extra={"producer_id": self.producer_id, "frames": self._spool.backlog, "spool_dir": spool_dir})
         self._loop = asyncio.get_running_loop()
-        self._changed = asyncio.Event()
         self._heartbeat.heard(now)  # presumed alive from the start
         sock = tune(zmq.Socket(self._context, zmq.DEALER), high_water_mark=self._hwm,
                     heartbeat_interval=self._heartbeat.interval, linger_ms=0)
-        self._monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        self._monitor = monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         sock.connect(self.endpoint)
         self._sock = sock
         self._send_now(self._hello())
-        self._loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
-        self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_monitor)
+        self._loop.add_reader(sock.fileno(), self._on_readable)
+        self._loop.add_reader(monitor.fileno(), self._on_monitor)
         self._on_monitor()  # the descriptors signal edges: whatever came before the readers were added is read now
         self._tasks = [asyncio.create_task(self._tick())]
         self._tasks[0].add_done_callback(self._task_done)
@@ -249,9 +250,9 @@ class AsyncProducer:
     def _task_done(self, task: asyncio.Task) -> None:
         """A background task ended by an error: nothing would ever settle
         again, so fail the waiters instead of hanging them."""
-        if task.cancelled() or task.exception() is None:
-            return
-        self._fail(task.exception())
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            self._fail(error)
 
     def _fail(self, error: BaseException) -> None:
         self._failure = error
@@ -286,14 +287,16 @@ class AsyncProducer:
                         f"producer {self.producer_id!r} closed before the broker acked this frame ({where})"))
             self._pending.clear()
             self._intake.clear()
-        self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
-        self._loop.remove_reader(self._monitor.getsockopt(zmq.FD))
+        sock, monitor = self._sock, self._monitor
+        assert sock is not None and monitor is not None, "start opened both; only this closes them"
+        self._loop.remove_reader(sock.fileno())
+        self._loop.remove_reader(monitor.fileno())
         # Stop the events first: libzmq's I/O thread sends them blocking, so an
         # event for a closed monitor (the disconnect that closing the socket
         # causes) would stall that thread, and every socket of the context.
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
         self._sock = None
         if self._spool is not None:
             self._spool.close()
@@ -430,7 +433,7 @@ class AsyncProducer:
         return seq
 
     def _hello(self) -> list:
-        fields = {"producer_id": self.producer_id}
+        fields: dict[str, Any] = {"producer_id": self.producer_id}
         if self.batch_acks:
             fields["batch_acks"] = True
         if self.batch_frames:
@@ -441,6 +444,7 @@ class AsyncProducer:
     def _send_now(self, frames: list) -> bool:
         """Hand frames to the socket without waiting; False if its queue is
         full. Large arrays go zero-copy (the window keeps them until settled)."""
+        assert self._sock is not None, "sent only between start and close"
         try:
             send_frames(self._sock, frames, zero_copy_above=_ZERO_COPY_ABOVE)
         except zmq.Again:
@@ -461,7 +465,10 @@ class AsyncProducer:
                 window.push(intake.popleft())
             spool = self._spool
             while spool is not None and spool.backlog and not window.full and not intake:
-                _, frames = spool.next_backlog()
+                backlog = spool.next_backlog()
+                if backlog is None:  # not while it has a backlog
+                    break
+                _, frames = backlog
                 window.push(HeldFrame.from_frames(frames))
                 self._in_memory += 1
         now = time.monotonic()
@@ -503,8 +510,8 @@ class AsyncProducer:
         self._read_scheduled = False
         sock = self._sock
         try:
-            while sock is not None and sock.getsockopt(_EVENTS) & _POLLIN:
-                while sock.getsockopt(_EVENTS) & _POLLIN:
+            while sock is not None and sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]  # an int option; pyzmq types getsockopt int | bytes
+                while sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]  # an int option; pyzmq types getsockopt int | bytes
                     self._on_message(sock.recv_multipart(zmq.NOBLOCK, copy=False))
                 self._pump(look_again=False)
                 sock = self._sock
@@ -596,7 +603,8 @@ class AsyncProducer:
                 if accepted_at is not None:
                     observe(now - accepted_at)
                 if isinstance(outcome, Refused):
-                    if handle is not None and outcome.code != "conflict":  # conflict: the broker holds that turn
+                    # Only turns have a handle and a turn index. conflict: the broker holds that turn.
+                    if handle is not None and item.turn is not None and outcome.code != "conflict":
                         handle.next_turn = min(handle.next_turn, item.turn)
                 else:
                     outcomes["duplicate" if outcome.duplicate else "applied" if outcome.applied
@@ -621,7 +629,7 @@ class AsyncProducer:
                                    "code": outcome.code, "reason": outcome.message})
                 if future is not None and not future.done():
                     future.set_exception(outcome)
-            elif not future.done():
+            elif future is not None and not future.done():  # always one: only refusals come without
                 future.set_result(outcome)
         self._changed.set()
 
@@ -659,7 +667,7 @@ class AsyncProducer:
         """Connection events: after a reconnect, whatever was in flight may be
         lost, so it is all resent (in order) behind a fresh hello."""
         monitor = self._monitor
-        while monitor is not None and monitor.getsockopt(_EVENTS) & _POLLIN:
+        while monitor is not None and monitor.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]  # an int option; pyzmq types getsockopt int | bytes
             event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
             if event == zmq.EVENT_DISCONNECTED:
                 log.info(f"disconnected from the broker {self.endpoint}", extra={"endpoint": self.endpoint})

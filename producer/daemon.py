@@ -90,8 +90,9 @@ async def run(settings: ProducerSettings) -> int:
                 await asyncio.wait_for(work, settings.shutdown_timeout)
             except TimeoutError:
                 log.warning("source did not stop in time; cancelled", extra={"timeout": settings.shutdown_timeout})
-        if work.done() and not work.cancelled() and work.exception() is not None:
-            raise work.exception()
+        failure = work.exception() if work.done() and not work.cancelled() else None
+        if failure is not None:
+            raise failure
     finally:
         stop.cancel()
         left = await producer.close(settings.shutdown_timeout)

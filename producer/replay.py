@@ -61,7 +61,7 @@ def turn_of(event: Mapping[str, Any], vocab_size: int | None) -> Turn:
     mask = None
     if "mask_ids" in event or "mask_offsets" in event:
         mask = SamplingMask(event["mask_ids"], event["mask_offsets"])
-    arrays = {name: np.asarray(event[name]) for name in _NATIVE_ARRAYS if event.get(name) is not None}
+    arrays: dict[str, Any] = {name: np.asarray(event[name]) for name in _NATIVE_ARRAYS if event.get(name) is not None}
     return Turn.build(event["tokens"], event["log_probs"], mask=mask, supports=event.get("supports"),
                       status=event.get("status", "completed"), weight_version=event.get("weight_version"),
                       vocab_size=vocab_size, **arrays)

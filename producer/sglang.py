@@ -145,7 +145,7 @@ class SGLangSource:
                             extra={"trajectory_id": traj.trajectory_id, "url": self.url, "error": str(exc)})
                 retrieve(await traj.abort(f"generate failed: {exc}"))
                 return ABORTED
-            if last:
+            if forced is None:  # the last turn
                 break
             context += list(ids) + forced.tolist()
         retrieve(await traj.end(self.tool.reward(status)))

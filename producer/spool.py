@@ -184,6 +184,7 @@ class Spool:
         payload_len = sum(memoryview(p).nbytes for p in parts)
         header = RECORD.pack(payload_len, crc32_of(parts))
         number = next(reversed(self._segments))
+        assert self._fd is not None, "a segment is open from opening the spool until closing it"
         os.writev(self._fd, [header, *parts])
         if self.fsync:
             os.fsync(self._fd)
@@ -271,7 +272,8 @@ def _parse(data: bytes, offset: int):
     if kind != b"F" or length < FRAME_HEAD.size:
         return _Bad(f"record kind must be F (frame) or S (settled) of a valid size, got {kind!r} of {length} bytes", False)
     _, seq, count = FRAME_HEAD.unpack_from(payload)
-    frames, pos = [], FRAME_HEAD.size
+    frames: list[bytes] = []
+    pos = FRAME_HEAD.size
     for _ in range(count):
         if pos + FRAME_LEN.size > length:
             return _Bad(f"frame record of seq {seq} promises {count} frames but ends after {len(frames)}", False)

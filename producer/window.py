@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 from rollstream.common.codec import BATCH_ENVELOPE_BYTES, batched_size, decode_header
 
@@ -41,7 +41,7 @@ class HeldFrame:
     turn: int | None = None
     # bookkeeping of the window
     attempts: int = 0  # transmissions so far
-    sent_at: float | None = None  # time of the last transmission
+    sent_at: float = 0.0  # time of the last transmission (read only while it is not unsent)
     unsent: bool = True  # must (re)transmit
     not_before: float = 0.0  # earliest retransmission after `unavailable`
     parked: bool = False  # unsent, and held back by its trajectory's order (see `ResendWindow._may_go`)
@@ -164,7 +164,7 @@ class ResendWindow:
         if item.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {item.kind!r}")
         self._last_seq = item.seq
-        item.attempts, item.sent_at, item.unsent, item.not_before = 0, None, True, 0.0
+        item.attempts, item.sent_at, item.unsent, item.not_before = 0, 0.0, True, 0.0
         self._items[item.seq] = item
         self._trajectories.setdefault(item.trajectory_id, []).append(item.seq)
         if self._may_go(item):
@@ -249,7 +249,7 @@ class ResendWindow:
         settled = []
         for first, last in reply["ranges"]:
             if last - first >= len(items):  # a range wider than the window: walk what is held, not the range
-                seqs = [seq for seq in items if first <= seq <= last]
+                seqs: Sequence[int] = [seq for seq in items if first <= seq <= last]
                 self.ignored += last - first + 1 - len(seqs)
             else:
                 seqs = range(first, last + 1)

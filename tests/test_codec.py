@@ -188,7 +188,8 @@ def test_shape_byte_length_and_rank():
     ],
 )
 def test_content_codes(arrays, code):
-    dtypes = {"tokens": "<i4", "log_probs": "<f4", "loss_mask": "u1", "mask_ids": "<i4", "mask_offsets": "<i8", "forced_tokens": "<i4"}
+    dtypes = {"tokens": "<i4", "log_probs": "<f4", "loss_mask": "u1",
+              "mask_ids": "<i4", "mask_offsets": "<i8", "forced_tokens": "<i4"}
     typed = {"prompt_tokens": np.array([1], "<i4")}
     typed.update({name: np.array(values, dtypes[name]) for name, values in arrays.items()})
     assert code_of(raw_turn(arrays=typed)).code == code

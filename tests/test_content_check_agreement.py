@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from rollstream.common.validation import messages_content_valid, packed_violations
 
 VOCAB = 8
-_IDS = st.integers(0, 3 * VOCAB).map(lambda i: -1 if i == 0 else VOCAB if i == 1 else i % VOCAB)  # mostly inside, its edges past both sides
+# Mostly inside the vocabulary, its edges past both sides.
+_IDS = st.integers(0, 3 * VOCAB).map(lambda i: -1 if i == 0 else VOCAB if i == 1 else i % VOCAB)
 
 
 @st.composite

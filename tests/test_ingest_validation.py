@@ -162,7 +162,8 @@ def _turn_arrays(seed, masked=True):
 
 CORRUPTIONS = {
     # outside its support when masked, outside the vocabulary either way
-    "token 1000": lambda a: a.__setitem__("tokens", np.where(np.arange(len(a["tokens"])) == 0, 1000, a["tokens"]).astype(np.int32)),
+    "token 1000": lambda a: a.__setitem__(
+        "tokens", np.where(np.arange(len(a["tokens"])) == 0, 1000, a["tokens"]).astype(np.int32)),
     "negative forced token": lambda a: a.__setitem__("forced_tokens", np.array([-1], np.int32)),
     "loss mask 2": lambda a: a.__setitem__("loss_mask", np.full(len(a["tokens"]), 2, np.uint8)),
     "nan log prob": lambda a: a.__setitem__("log_probs", np.full(len(a["tokens"]), np.nan, np.float32)),

@@ -107,7 +107,8 @@ def _resave(payload, change):
 
 def test_decode_wrong_dtype_is_an_error():
     payload = encode_session_samples([sample()], fields=FIELDS_WITH_MASK)
-    bad = _resave(payload, lambda t: t.__setitem__("rollout_sampling_mask.ids.0", t["rollout_sampling_mask.ids.0"].astype(np.int64)))
+    name = "rollout_sampling_mask.ids.0"
+    bad = _resave(payload, lambda t: t.__setitem__(name, t[name].astype(np.int64)))
     with pytest.raises(ValueError, match="int32"):
         decode_session_samples(bad, fields=FIELDS_WITH_MASK)
     bad = _resave(payload, lambda t: t.__setitem__("tokens.0", t["tokens.0"].astype(np.int32)))

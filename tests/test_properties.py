@@ -106,7 +106,8 @@ log_prob = st.floats(-30.0, 0.0, width=32) | st.just(-math.inf)
 json_leaf = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=5)
 metadata_st = st.dictionaries(
     st.text(max_size=4),
-    st.recursive(json_leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=6),
+    st.recursive(json_leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                 max_leaves=6),
     max_size=3,
 )
 
@@ -148,7 +149,8 @@ class TurnSpec:
 
 
 @st.composite
-def turn_specs(draw, *, mask=st.booleans(), status=st.sampled_from(STATUSES), routed_k=st.none() | st.integers(0, 3), max_tokens=5, min_tokens=0):
+def turn_specs(draw, *, mask=st.booleans(), status=st.sampled_from(STATUSES), routed_k=st.none() | st.integers(0, 3),
+               max_tokens=5, min_tokens=0):
     supports = draw(st.lists(vocab_support, min_size=min_tokens, max_size=max_tokens))
     tokens = [draw(st.sampled_from(s)) for s in supports]
     n = len(tokens)
@@ -418,7 +420,8 @@ def contract_turn_arrays(draw):
     def listed(values, size):
         return draw(st.lists(values, min_size=size, max_size=size))
 
-    arrays = {"tokens": np.array(listed(ints, n), "<i4"), "log_probs": np.array(listed(st.floats(-5, 0, width=32), length()), "<f4")}
+    arrays = {"tokens": np.array(listed(ints, n), "<i4"),
+              "log_probs": np.array(listed(st.floats(-5, 0, width=32), length()), "<f4")}
     if draw(st.booleans()):
         arrays["loss_mask"] = np.array(listed(st.integers(0, 1), length()), "u1")
     if draw(st.booleans()):
@@ -600,7 +603,8 @@ def trajectories(draw):
 @prop(100)
 @given(
     built=trajectories(),
-    reward=st.integers(-100, 100) | st.floats(allow_nan=False, allow_infinity=False) | st.dictionaries(st.text(max_size=3), st.floats(-1, 1), max_size=2),
+    reward=(st.integers(-100, 100) | st.floats(allow_nan=False, allow_infinity=False)
+            | st.dictionaries(st.text(max_size=3), st.floats(-1, 1), max_size=2)),
     lease=st.text(min_size=1, max_size=6),
     meta=metadata_st,
     packed=st.booleans(),
@@ -657,7 +661,8 @@ def test_merging_turns_one_by_one_equals_building_the_whole_trajectory(data, wit
 
 
 @prop(60)
-@given(first=turn_specs(mask=st.just(False), status=st.just("completed"), routed_k=st.none(), min_tokens=1), second=turn_specs(mask=st.just(True), routed_k=st.none()))
+@given(first=turn_specs(mask=st.just(False), status=st.just("completed"), routed_k=st.none(), min_tokens=1),
+       second=turn_specs(mask=st.just(True), routed_k=st.none()))
 def test_mask_after_unmasked_tokens_is_refused_and_changes_nothing(first, second):
     """§4 "missing, then present": the frame is refused, the trajectory unchanged."""
     traj = merge([first])
