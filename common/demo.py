@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Sequence
 
 from .admin import AdminClient, AdminError, ask_status
 from .checker import LedgerReader, check
@@ -41,12 +41,21 @@ class LoopbackNode:
     answers (`endpoints` are then the ones it bound; a restarted broker
     binds the same ones); on exit every daemon still running is stopped
     (SIGTERM, then SIGKILL after 30 s) and the directory removed unless
-    `keep_data`. The daemons' output goes to `daemons.log` in it."""
+    `keep_data`. The daemons' output goes to `daemons.log` in it.
 
-    def __init__(self, prefix: str, vocab_size: int, *, keep_data: bool = False, broker_args: tuple[str, ...] = ()):
+    `bind` replaces some of the broker's endpoints (`producer`, `consumer`,
+    `admin`: fixed addresses instead of loopback ports the system picks);
+    `command_prefix` comes before every daemon's command line (e.g.
+    `ip netns exec NAME`, so the node's processes run in its network
+    namespace; the prefix must exec the command, keeping its pid)."""
+
+    def __init__(self, prefix: str, vocab_size: int, *, keep_data: bool = False, broker_args: tuple[str, ...] = (),
+                 bind: dict[str, str] | None = None, command_prefix: Sequence[str] = ()):
         self.vocab_size = vocab_size
         self.keep_data = keep_data
         self.broker_args = tuple(broker_args)
+        self.bind = dict(bind or {})
+        self.command_prefix = tuple(command_prefix)
         self.work = Path(tempfile.mkdtemp(prefix=prefix))
         self.endpoints: dict[str, str] = {}  # as the broker bound them, once it answers
         self.broker: subprocess.Popen | None = None
@@ -60,7 +69,7 @@ class LoopbackNode:
         self._log = open(self.work / "daemons.log", "ab")
         try:
             any_port = "tcp://127.0.0.1:0"
-            self._start_broker({"producer": any_port, "consumer": any_port, "admin": any_port})
+            self._start_broker({"producer": any_port, "consumer": any_port, "admin": any_port, **self.bind})
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -94,7 +103,7 @@ class LoopbackNode:
         return self.admin.dead_letters(1_000_000)
 
     def _start(self, *args: str) -> subprocess.Popen:
-        daemon = subprocess.Popen(_cli(*args), stdout=self._log, stderr=self._log)
+        daemon = subprocess.Popen([*self.command_prefix, *_cli(*args)], stdout=self._log, stderr=self._log)
         self._daemons.append(daemon)
         return daemon
 
@@ -157,11 +166,15 @@ class Trainer:
     """The mock trainer: `dp_size` rank processes fanning in from the
     node's broker, each keeping its ledger. `restart` starts a fresh group
     (new rendezvous, new consumer) after one was lost, as a job supervisor
-    would."""
+    would. `endpoint` may name several brokers (the source rank's consumer
+    fans in from all of them); `command_prefix` comes before each rank's
+    command line (as the node's daemons')."""
 
-    def __init__(self, node: LoopbackNode, *, dp_size: int, batch_size: int, ledgers: Path, endpoint: str | None = None):
+    def __init__(self, node: LoopbackNode, *, dp_size: int, batch_size: int, ledgers: Path,
+                 endpoint: str | Sequence[str] | None = None, command_prefix: Sequence[str] = ()):
         self.node, self.dp_size, self.batch_size, self.ledgers = node, dp_size, batch_size, ledgers
         self.endpoint = endpoint  # where the ranks reach the broker: its consumer endpoint unless given
+        self.command_prefix = tuple(command_prefix)
         self.stop_file = node.work / "trainer.stop"
         self.generation = 0
         self.ranks: list[subprocess.Popen] = []
@@ -169,11 +182,13 @@ class Trainer:
     def start(self, *, die_before_commit: int = 0, step_seconds: float = 0.0) -> None:
         self.generation += 1
         init = self.node.work / f"gloo-{self.generation}"
+        endpoint = self.endpoint or self.node.endpoints["consumer"]
+        endpoints = [arg for one in ([endpoint] if isinstance(endpoint, str) else endpoint) for arg in ("--endpoint", one)]
         self.ranks = [subprocess.Popen(
-            [sys.executable, "-m", "rollstream.consumer.demo_rank", "--rank", str(rank), "--world", str(self.dp_size),
-             "--init-file", str(init), "--endpoint", self.endpoint or self.node.endpoints["consumer"], "--batch-size",
-             str(self.batch_size), "--vocab-size", str(self.node.vocab_size), "--ledger",
-             str(self.ledgers / f"rank-{rank}.jsonl"), "--stop-file", str(self.stop_file),
+            [*self.command_prefix, sys.executable, "-m", "rollstream.consumer.demo_rank", "--rank", str(rank),
+             "--world", str(self.dp_size), "--init-file", str(init), *endpoints, "--batch-size", str(self.batch_size),
+             "--vocab-size", str(self.node.vocab_size), "--ledger", str(self.ledgers / f"rank-{rank}.jsonl"),
+             "--stop-file", str(self.stop_file),
              "--step-seconds", str(step_seconds),
              *(["--die-before-commit", str(die_before_commit)] if rank == 0 and die_before_commit else [])],
             stdout=self.node._log, stderr=self.node._log) for rank in range(self.dp_size)]

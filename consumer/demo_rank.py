@@ -65,7 +65,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--init-file", required=True, help="gloo's rendezvous file (a fresh path per group)")
-    parser.add_argument("--endpoint", required=True, help="the broker's consumer endpoint")
+    parser.add_argument("--endpoint", required=True, action="append",
+                        help="a broker's consumer endpoint (repeated: the consumer fans in from every broker)")
     parser.add_argument("--batch-size", type=int, required=True, help="groups per batch")
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--ledger", required=True)
