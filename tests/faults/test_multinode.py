@@ -28,6 +28,7 @@ namespace); skipped with the reason otherwise.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -54,6 +55,7 @@ TRAJECTORIES = 16  # per producer, whole groups of 4
 RATE = "5"  # trajectory starts per second and producer: about 3 s of production
 KILL_AT = 8  # node a's broker is killed once this many of node a's trajectories are acked
 OUTAGE_SECONDS = 2.0
+DRAIN_SECONDS = 90  # a run takes about 15 s on 2 cores; this is only the limit of a failing one
 CLEAN = {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
 
 
@@ -114,6 +116,18 @@ class Network:
     def exec_in(self, role: str) -> tuple[str, ...]:
         return ("ip", "netns", "exec", self.namespaces[role])
 
+    def bytes_to(self, role: str) -> int:
+        """Bytes the bridge sent down the veth to `role`'s namespace."""
+        out = subprocess.run(["ip", "-n", self.namespaces["sw"], "-s", "-j", "link", "show", f"to-{role}"],
+                             capture_output=True, text=True, check=True, timeout=30).stdout
+        return json.loads(out)[0]["stats64"]["tx"]["bytes"]
+
+    def peers(self, role: str) -> set[str]:
+        """The remote ends of the established TCP connections in `role`'s namespace."""
+        out = subprocess.run([*self.exec_in(role), "ss", "-Htn", "state", "established"], capture_output=True,
+                             text=True, check=True, timeout=30).stdout
+        return {line.split()[-1] for line in out.splitlines() if line.strip()}
+
     def tear_down(self) -> None:
         """Delete every namespace made (their veths and the bridge go with them); raises if one stays."""
         for name in reversed(self.made):
@@ -173,14 +187,14 @@ def test_two_nodes_and_a_trainer_in_their_own_network_namespaces(network, tmp_pa
                           command_prefix=(*network.exec_in("t"), "env", "GLOO_SOCKET_IFNAME=eth0"))
         stack.callback(_stop_ranks, trainer)  # on any failure, before the nodes stop
         try:
-            _run(nodes, pipelines, trainer, trainer_ledgers)
+            _run(network, nodes, pipelines, trainer, trainer_ledgers)
         except BaseException:
             print(_log_tails(nodes))
             raise
     print(f"several nodes: {time.monotonic() - started:.1f} s")
 
 
-def _run(nodes: dict[str, LoopbackNode], pipelines: dict[str, Pipeline], trainer: Trainer,
+def _run(network: Network, nodes: dict[str, LoopbackNode], pipelines: dict[str, Pipeline], trainer: Trainer,
          trainer_ledgers: Path) -> None:
     trainer.start()
     deadline = time.monotonic() + 60
@@ -191,6 +205,9 @@ def _run(nodes: dict[str, LoopbackNode], pipelines: dict[str, Pipeline], trainer
         time.sleep(0.2)
         for pipeline in pipelines.values():
             pipeline.poll()
+    brokers = {f"{ADDRESSES[name]}:{PORTS['consumer']}" for name in nodes}
+    assert brokers <= network.peers("t"), (f"the trainer's namespace must hold TCP connections to both brokers' node "
+                                           f"addresses: expected {sorted(brokers)}, got {sorted(network.peers('t'))}")
     for name, indices in PRODUCERS.items():
         for index in indices:
             pipelines[name].add_producer(index, trajectories=TRAJECTORIES,
@@ -236,7 +253,7 @@ def _run(nodes: dict[str, LoopbackNode], pipelines: dict[str, Pipeline], trainer
         dead = [item for node in nodes.values() for item in node.dead_letters()]
         return not check(records, dead, broker_backlog=1).unseen
 
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + DRAIN_SECONDS
     while not (done := drained()) and time.monotonic() < deadline:
         time.sleep(0.2)
     trainer.stop()
@@ -245,12 +262,19 @@ def _run(nodes: dict[str, LoopbackNode], pipelines: dict[str, Pipeline], trainer
     backlog = sum(p.status["ready"] + p.status["leased"] if p.status else 1 for p in pipelines.values())
     report = check(records, dead, broker_backlog=backlog)
     planned = sum(len(indices) for indices in PRODUCERS.values()) * TRAJECTORIES
-    assert done, (f"every acked trajectory of both nodes must be committed or dead-lettered within 90 s: "
+    assert done, (f"every acked trajectory of both nodes must be committed or dead-lettered within {DRAIN_SECONDS} s: "
                   f"got {report.summary()}, statuses { {n: p.status for n, p in pipelines.items()} }")
     assert report.counts() == CLEAN, f"the checker must read zero over both nodes: expected {CLEAN}, got {report.summary()}"
     assert report.acked == report.committed == planned, (
         f"every planned trajectory of both nodes must be acked and committed once: expected {planned}, "
         f"got {report.acked} acked, {report.committed} committed")
+    # What the trainer committed crossed the bridge: at least its sampling supports (CSR) came down its veth.
+    committed = {r["id"]: r for r in trainer_records if r["kind"] == "committed"}
+    csr_bytes = sum(4 * r["support_ids"] + 8 * (r["tokens"] + 1) for r in committed.values())
+    assert network.bytes_to("t") >= csr_bytes, (
+        f"the trainer's batches must reach it over its veth: expected at least {csr_bytes} bytes (the committed "
+        f"supports), got {network.bytes_to('t')}")
+    print(f"bytes down the veths: { {role: network.bytes_to(role) for role in ADDRESSES} }, committed CSR {csr_bytes}")
     for name in PRODUCERS:
         assert committed_of(name) == len(PRODUCERS[name]) * TRAJECTORIES, (
             f"the trainer must commit node {name}'s trajectories: expected {len(PRODUCERS[name]) * TRAJECTORIES}, "
