@@ -12,6 +12,7 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Callable, NamedTuple
 
 from rollstream.common.codec import Message, content_digest
@@ -19,10 +20,20 @@ from rollstream.common.errors import ProtocolError
 from rollstream.common.trajectory import Gap, Trajectory
 from rollstream.common.wire import turn_from_message
 
-# Trajectory states. "left" marks an aborted group member kept so the group
-# can count it; it holds no data.
-OPEN, ENDED, DEAD, LEFT = "open", "ended", "dead", "left"
-STATES = (OPEN, ENDED, DEAD, LEFT)
+
+class State(StrEnum):
+    """Where a trajectory stands (stored in SQLite as these values). `left`
+    marks an aborted group member kept so the group can count it; it holds
+    no data."""
+
+    OPEN = "open"
+    ENDED = "ended"
+    DEAD = "dead"
+    LEFT = "left"
+
+
+OPEN, ENDED, DEAD, LEFT = State.OPEN, State.ENDED, State.DEAD, State.LEFT
+STATES = tuple(State)
 
 # What a trajectory held in memory costs beyond its arrays' bytes, so that
 # `bytes_in_memory` (the budget's measure) follows the process's RSS.
@@ -128,6 +139,12 @@ class Forget:
     dedup_until: float
 
 
+# What the engine asks to be made durable, in order; the store and the
+# service's counters each dispatch on it with one `match`.
+Effect = (OpenTrajectory | PutTurn | MarkGap | EndTrajectory | DropTrajectory | DeadLetter | Requeue | ReleaseGroup
+          | CloseGroup | Forget)
+
+
 # -- deliverable units --------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class DeliveryUnit:
@@ -152,7 +169,7 @@ class Reply(NamedTuple):
 @dataclass
 class Entry:
     trajectory_id: str
-    state: str
+    state: State
     group_id: str | None = None
     group_size: int | None = None
     sample_index: int | None = None
@@ -174,7 +191,7 @@ class Entry:
 @dataclass
 class Group:
     size: int
-    members: dict[str, str] = field(default_factory=dict)  # trajectory id -> state
+    members: dict[str, State] = field(default_factory=dict)  # trajectory id -> state
     updated_at: float = 0.0
     pending: set[str] | None = None  # once released: ended members not yet delivered
 
@@ -417,7 +434,7 @@ class MergeEngine:
             if entry.group_id in self._idle_groups:
                 self._idle_groups.move_to_end(entry.group_id)
 
-    def _member_done(self, entry: Entry, state: str, now: float) -> None:
+    def _member_done(self, entry: Entry, state: State, now: float) -> None:
         if entry.group_id is None:
             if state == ENDED:
                 self.ready_units.append(DeliveryUnit((entry.trajectory_id,)))
@@ -645,7 +662,7 @@ class MergeEngine:
         self._open.pop(tid, None)
         return entry
 
-    def _set_state(self, entry: Entry, state: str) -> None:
+    def _set_state(self, entry: Entry, state: State) -> None:
         tid = entry.trajectory_id
         self._counts[entry.state] -= 1
         self._counts[state] += 1

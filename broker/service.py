@@ -38,7 +38,18 @@ from rollstream.common.validation import check_message_arrays, messages_content_
 from rollstream.common.wire import encode_deliver
 
 from .dispatch import Dispatch, Dispatcher, DispatchSettings
-from .engine import DEAD, ENDED, OPEN, DeadLetter, DeliveryUnit, DropTrajectory, EngineSettings, MarkGap, MergeEngine, PutTurn
+from .engine import (
+    DEAD,
+    ENDED,
+    OPEN,
+    DeadLetter,
+    DeliveryUnit,
+    DropTrajectory,
+    Effect,
+    EngineSettings,
+    MarkGap,
+    MergeEngine,
+)
 from .flow import DiskAdmission, WindowGrants
 from .metrics import BrokerMetrics
 from .recovery import load_trajectory, restore
@@ -483,20 +494,23 @@ class BrokerService:
         for (mtype, outcome), count in outcomes.items():
             self.metrics.inc(self.metrics.frames, count, type=mtype, outcome=outcome)
 
-    def _count_effects(self, effects: list) -> None:
+    def _count_effects(self, effects: list[Effect]) -> None:
         for effect in effects:
-            if type(effect) is PutTurn:  # the common case, counted by _count_outcomes
-                continue
-            if isinstance(effect, MarkGap):
-                self.metrics.inc(self.metrics.gaps, field=effect.gap.field)
-                log.info("replay gap", extra={"trajectory_id": effect.trajectory_id, "turn": effect.gap.turn,
-                                              "field": effect.gap.field})
-            elif isinstance(effect, DropTrajectory):
-                self.metrics.inc(self.metrics.exits, exit="aborted")
-                log.info("trajectory aborted", extra={"trajectory_id": effect.trajectory_id})
-            elif isinstance(effect, DeadLetter):
-                self.metrics.inc(self.metrics.exits, exit=effect.reason if effect.reason in ("expired", "unreadable") else "dead")
-                log.warning("trajectory dead-lettered", extra={"trajectory_id": effect.trajectory_id, "reason": effect.reason})
+            match effect:
+                case MarkGap():
+                    self.metrics.inc(self.metrics.gaps, field=effect.gap.field)
+                    log.info("replay gap", extra={"trajectory_id": effect.trajectory_id, "turn": effect.gap.turn,
+                                                  "field": effect.gap.field})
+                case DropTrajectory():
+                    self.metrics.inc(self.metrics.exits, exit="aborted")
+                    log.info("trajectory aborted", extra={"trajectory_id": effect.trajectory_id})
+                case DeadLetter():
+                    exit_label = effect.reason if effect.reason in ("expired", "unreadable") else "dead"
+                    self.metrics.inc(self.metrics.exits, exit=exit_label)
+                    log.warning("trajectory dead-lettered", extra={"trajectory_id": effect.trajectory_id,
+                                                                   "reason": effect.reason})
+                case _:  # turns are counted by _count_outcomes; the rest need no counter
+                    pass
 
     def _send(self, endpoint: str, identity: bytes, frames: list) -> bool:
         """Send without blocking; False when the peer is gone or not reading.

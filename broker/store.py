@@ -26,7 +26,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import msgpack
 
@@ -38,6 +38,7 @@ from .engine import (
     CloseGroup,
     DeadLetter,
     DropTrajectory,
+    Effect,
     EndTrajectory,
     Forget,
     MarkGap,
@@ -45,6 +46,7 @@ from .engine import (
     PutTurn,
     ReleaseGroup,
     Requeue,
+    State,
 )
 
 SCHEMA_VERSION = 4  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
@@ -96,10 +98,14 @@ CREATE TABLE IF NOT EXISTS released_groups (id TEXT PRIMARY KEY, size INTEGER NO
 """
 
 
+# States are stored as `State`'s values, written into the statements once.
 _OPEN = ("INSERT OR REPLACE INTO trajectories (id, state, group_id, group_size, sample_index, updated_at) "
-         "VALUES (?, 'open', ?, ?, ?, ?)")
-_END = ("UPDATE trajectories SET state='ended', updated_at=?, end_digest=?, reward=?, metadata=?, ready_seq=?, end_crc=? "
-        "WHERE id=?")
+         f"VALUES (?, '{State.OPEN}', ?, ?, ?, ?)")
+_END = (f"UPDATE trajectories SET state='{State.ENDED}', updated_at=?, end_digest=?, reward=?, metadata=?, ready_seq=?, "
+        "end_crc=? WHERE id=?")
+
+
+_STATE_VALUES = frozenset(State)
 
 
 def _end_crc(trajectory_id: str, digest: bytes, reward: bytes, metadata: bytes) -> int:
@@ -198,7 +204,7 @@ class StoredTurn:
 @dataclass
 class StoredTrajectory:
     trajectory_id: str
-    state: str
+    state: State
     group_id: str | None
     group_size: int | None
     sample_index: int | None
@@ -549,6 +555,13 @@ class Store:
         ):
             (tid, state, gid, gsize, sidx, updated, end_digest, reward, metadata, ready_seq, gap_turn, gap_field,
              dead_reason, dead_at, end_crc) = row
+            if state not in _STATE_VALUES:
+                error = (f"{self.db_path}: trajectories row {tid!r}: state must be one of "
+                         f"{sorted(map(str, _STATE_VALUES))}, got {state!r}")
+                if damaged is None:
+                    raise StoreCorrupted(error)
+                damaged[tid] = error
+                continue
             if end_digest is not None and (crc := _end_crc(tid, end_digest, reward, metadata)) != end_crc:
                 error = (f"{self.db_path}: trajectories row {tid!r}: CRC mismatch over its end (digest, reward, "
                          f"metadata): stored {end_crc}, computed {crc}")
@@ -557,7 +570,7 @@ class Store:
                 damaged[tid] = error
                 continue
             rows[tid] = StoredTrajectory(
-                tid, state, gid, gsize, sidx, updated, end_digest,
+                tid, State(state), gid, gsize, sidx, updated, end_digest,
                 msgpack.unpackb(reward) if reward is not None else None,
                 msgpack.unpackb(metadata) if metadata is not None else None,
                 ready_seq, (gap_turn, gap_field) if gap_turn is not None else None, dead_reason, dead_at,
@@ -656,20 +669,7 @@ class Store:
             self.db.execute("BEGIN")
             rows = _DeferredRows()
             for effect in effects:
-                kind = type(effect)
-                if kind is PutTurn:
-                    rows.turns.append(self._turn_row(effect, next(stored) if effect.message is not None else None))
-                elif kind is OpenTrajectory and not effect.replaces:
-                    rows.opens.append((effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at))
-                elif kind is EndTrajectory:
-                    reward, metadata = msgpack.packb(effect.reward), msgpack.packb(effect.metadata)
-                    rows.ends.append((effect.at, effect.digest, reward, metadata, self._take_ready_seq(),
-                                      _end_crc(effect.trajectory_id, effect.digest, reward, metadata), effect.trajectory_id))
-                elif kind is Forget:
-                    rows.forgets.append((effect.trajectory_id, effect.dedup_until))
-                else:
-                    rows.execute(self.db, released)  # in order before anything that may touch the same rows
-                    self._apply(effect, released)
+                self._put(effect, rows, stored, released)
             rows.execute(self.db, released)
             self.db.execute("COMMIT")
         except (sqlite3.Error, OSError) as exc:
@@ -717,39 +717,56 @@ class Store:
             raise StoreCorrupted(f"turn {turn} of {trajectory_id!r} was applied but has no stored record")
         return content_digest(self.read_turn(row))
 
-    def _apply(self, effect, released: list[int]) -> None:
+    def _put(self, effect: Effect, rows: "_DeferredRows", stored: Iterator, released: list[int]) -> None:
+        """One effect into the open transaction: the common ones (turns,
+        starts, ends, forgotten ids) as rows run together at the end; any
+        other runs now, after the rows so far (it may touch the same rows)."""
         db = self.db
-        if isinstance(effect, OpenTrajectory):  # one replacing a LEFT marker
-            released += _delete_turns(db, [effect.trajectory_id])
-            db.execute(_OPEN, (effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at))
-        elif isinstance(effect, MarkGap):
-            db.execute("UPDATE trajectories SET gap_turn=?, gap_field=? WHERE id=?",
-                       (effect.gap.turn, effect.gap.field, effect.trajectory_id))
-        elif isinstance(effect, DropTrajectory):
-            released += _delete_turns(db, [effect.trajectory_id])
-            if effect.keep_marker:
-                db.execute("UPDATE trajectories SET state='left' WHERE id=?", (effect.trajectory_id,))
-            else:
-                db.execute("DELETE FROM trajectories WHERE id=?", (effect.trajectory_id,))
-        elif isinstance(effect, DeadLetter):
-            db.execute(
-                "UPDATE trajectories SET state='dead', dead_reason=?, dead_at=? WHERE id=?",
-                (effect.reason, effect.at, effect.trajectory_id),
-            )
-            if effect.dedup_until is not None:
-                db.execute("INSERT OR REPLACE INTO dedup VALUES (?, ?)", (effect.trajectory_id, effect.dedup_until))
-        elif isinstance(effect, Requeue):
-            db.execute(
-                "UPDATE trajectories SET state='ended', dead_reason=NULL, dead_at=NULL, ready_seq=? WHERE id=?",
-                (self._take_ready_seq(), effect.trajectory_id),
-            )
-        elif isinstance(effect, ReleaseGroup):
-            db.execute("INSERT OR REPLACE INTO released_groups VALUES (?, ?)", (effect.group_id, effect.size))
-        elif isinstance(effect, CloseGroup):
-            db.execute("DELETE FROM released_groups WHERE id=?", (effect.group_id,))
-            db.execute("DELETE FROM trajectories WHERE group_id=? AND state='left'", (effect.group_id,))
-        else:
-            raise TypeError(f"unknown store effect {type(effect).__name__}")
+        match effect:
+            case PutTurn():
+                rows.turns.append(self._turn_row(effect, next(stored) if effect.message is not None else None))
+            case OpenTrajectory(replaces=False):
+                rows.opens.append((effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at))
+            case EndTrajectory():
+                reward, metadata = msgpack.packb(effect.reward), msgpack.packb(effect.metadata)
+                rows.ends.append((effect.at, effect.digest, reward, metadata, self._take_ready_seq(),
+                                  _end_crc(effect.trajectory_id, effect.digest, reward, metadata), effect.trajectory_id))
+            case Forget():
+                rows.forgets.append((effect.trajectory_id, effect.dedup_until))
+            case OpenTrajectory():  # one replacing a LEFT marker
+                rows.execute(db, released)
+                released += _delete_turns(db, [effect.trajectory_id])
+                db.execute(_OPEN, (effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at))
+            case MarkGap():
+                rows.execute(db, released)
+                db.execute("UPDATE trajectories SET gap_turn=?, gap_field=? WHERE id=?",
+                           (effect.gap.turn, effect.gap.field, effect.trajectory_id))
+            case DropTrajectory():
+                rows.execute(db, released)
+                released += _delete_turns(db, [effect.trajectory_id])
+                if effect.keep_marker:
+                    db.execute(f"UPDATE trajectories SET state='{State.LEFT}' WHERE id=?", (effect.trajectory_id,))
+                else:
+                    db.execute("DELETE FROM trajectories WHERE id=?", (effect.trajectory_id,))
+            case DeadLetter():
+                rows.execute(db, released)
+                db.execute(f"UPDATE trajectories SET state='{State.DEAD}', dead_reason=?, dead_at=? WHERE id=?",
+                           (effect.reason, effect.at, effect.trajectory_id))
+                if effect.dedup_until is not None:
+                    db.execute("INSERT OR REPLACE INTO dedup VALUES (?, ?)", (effect.trajectory_id, effect.dedup_until))
+            case Requeue():
+                rows.execute(db, released)
+                db.execute(f"UPDATE trajectories SET state='{State.ENDED}', dead_reason=NULL, dead_at=NULL, ready_seq=? "
+                           "WHERE id=?", (self._take_ready_seq(), effect.trajectory_id))
+            case ReleaseGroup():
+                rows.execute(db, released)
+                db.execute("INSERT OR REPLACE INTO released_groups VALUES (?, ?)", (effect.group_id, effect.size))
+            case CloseGroup():
+                rows.execute(db, released)
+                db.execute("DELETE FROM released_groups WHERE id=?", (effect.group_id,))
+                db.execute(f"DELETE FROM trajectories WHERE group_id=? AND state='{State.LEFT}'", (effect.group_id,))
+            case _:
+                raise TypeError(f"unknown store effect {type(effect).__name__}")
 
     def _take_ready_seq(self) -> int:
         seq = self._next_ready_seq

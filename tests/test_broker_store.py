@@ -465,3 +465,14 @@ def test_a_segment_of_refused_turns_only_is_deleted_once_finished(tmp_path):
     store2, engine2, _ = reopen(tmp_path / "data", segment_bytes=2048)
     assert set(engine2.entries) == {"kept"}
     store2.close()
+
+
+def test_a_row_with_a_state_no_trajectory_can_have_is_reported(tmp_path, store):
+    engine = MergeEngine(EngineSettings())
+    drive(engine, store, scenario())
+    store.close()
+    with sqlite3.connect(tmp_path / "data" / "state.sqlite") as db:
+        db.execute("UPDATE trajectories SET state='finished' WHERE id='done'")
+    with pytest.raises(StoreCorrupted, match=r"row 'done': state must be one of \['dead', 'ended', 'left', 'open'\], "
+                                             r"got 'finished'"):
+        reopen(tmp_path / "data")
