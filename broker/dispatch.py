@@ -13,7 +13,7 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 
-from rollstream.common.contract import LIVENESS_INTERVALS
+from rollstream.common.contract import LIVENESS_INTERVALS, CreditUnit
 
 from .engine import DeliveryUnit
 
@@ -36,7 +36,7 @@ class Lease:
     unit: DeliveryUnit
     identity: bytes
     expires_at: float
-    credit: str = "trajectory"  # the kind of credit the delivery used
+    credit: CreditUnit = CreditUnit.TRAJECTORY  # the kind of credit the delivery used
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class Dispatcher:
 
     def credit(self, identity: bytes, n: int, unit: str) -> None:
         consumer = self.consumers[identity]
-        if unit == "group":
+        if unit == CreditUnit.GROUP:
             consumer.group_credit += n
         else:
             consumer.trajectory_credit += n
@@ -155,7 +155,7 @@ class Dispatcher:
         for lease in leases:
             self.delivery_counts[lease.trajectory_id] -= 1
         if refund:  # one charge per group unit, one per trajectory on trajectory credit
-            charges = {(lease.identity, id(lease.unit)) if lease.credit == "group" else lease.lease: lease
+            charges = {(lease.identity, id(lease.unit)) if lease.credit == CreditUnit.GROUP else lease.lease: lease
                        for lease in leases}
             for lease in charges.values():
                 if lease.identity in self.consumers:
@@ -214,7 +214,7 @@ class Dispatcher:
                     consumer.group_credit -= 1
                     unit = self._take()
                     tids = unit.trajectory_ids
-                    credit = "group"
+                    credit = CreditUnit.GROUP
                 elif consumer.trajectory_credit > 0:
                     unit = self._take()
                     take = min(consumer.trajectory_credit, len(unit.trajectory_ids))
@@ -223,7 +223,7 @@ class Dispatcher:
                         rest = DeliveryUnit(unit.trajectory_ids[take:], unit.group_id, unit.group_size, unit.group_left)
                         self.enqueue(rest, front=True)
                     consumer.trajectory_credit -= take
-                    credit = "trajectory"
+                    credit = CreditUnit.TRAJECTORY
                 else:
                     continue
                 progress = True
@@ -232,7 +232,8 @@ class Dispatcher:
             self._rotation = (self._rotation + 1) % len(identities)
         return out
 
-    def _lease(self, identity: bytes, consumer: ConsumerState, tid: str, unit: DeliveryUnit, now: float, credit: str) -> Dispatch:
+    def _lease(self, identity: bytes, consumer: ConsumerState, tid: str, unit: DeliveryUnit, now: float,
+               credit: CreditUnit) -> Dispatch:
         lease_id = f"{self._epoch}-{next(self._counter)}"
         self.leases[lease_id] = Lease(lease_id, tid, unit, identity, now + self.settings.lease_timeout, credit)
         consumer.leases.add(lease_id)

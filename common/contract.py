@@ -7,6 +7,7 @@ its names and dtypes from here, so a field is declared exactly once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
@@ -92,6 +93,14 @@ NACK_CODES = (
 )
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+class CreditUnit(StrEnum):
+    """What one unit of a consumer's credit pays for (PROTOCOL.md §4): one
+    trajectory, or one whole group (its members come back to back)."""
+
+    TRAJECTORY = "trajectory"
+    GROUP = "group"
+
 
 # A peer silent for this many heartbeat intervals is gone (PROTOCOL.md §1, §4):
 # ZeroMQ's own heartbeats, the broker's consumers and its count of live producers.

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Callable, Literal, Mapping, Union
 
 import msgspec
 
-from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, MASK_ARRAYS, PROTOCOL_VERSION, REPLAY_FIELDS, STATUSES
+from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, MASK_ARRAYS, PROTOCOL_VERSION, REPLAY_FIELDS, STATUSES, CreditUnit
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,8 @@ LIST = Kind("a list", lambda v: isinstance(v, list))
 TEXT_LIST = Kind("a list of strings", _is_str_list, list[str])
 REWARD = Kind("a number or a map", lambda v: _is_number(v) or isinstance(v, dict))
 STATUS = Kind(f"one of {list(STATUSES)}", lambda v: v in STATUSES, Literal[STATUSES])
-UNIT = Kind("'trajectory' or 'group'", lambda v: v in ("trajectory", "group"), Literal["trajectory", "group"])
+_UNITS = tuple(str(unit) for unit in CreditUnit)  # plain strings, as msgspec's Literal wants them
+UNIT = Kind(" or ".join(map(repr, _UNITS)), lambda v: v in _UNITS, Literal[_UNITS])
 # Values the broker keeps in SQLite, whose integers are signed 64-bit: a
 # larger one (msgpack carries up to 2**64 - 1) is refused `schema` instead
 # of failing the commit (the broker died on a turn 0 with sample_index 2**64 - 1).

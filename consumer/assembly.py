@@ -14,13 +14,25 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-UNITS = ("trajectory", "group")
+from rollstream.common.contract import CreditUnit
+
 POLICIES = ("raise", "quarantine")  # what to do with a trajectory that fails batch validation
 ACKED = "acked"  # outcome of a committed trajectory in the dedup memory
+
+
+class Settle(StrEnum):
+    """How a lease is settled: `ack` (trained), `nack` (refused: dead letter)
+    or `release` (a `nack` with requeue: deliver it again)."""
+
+    ACK = "ack"
+    NACK = "nack"
+    RELEASE = "release"
+
 RETRY_AFTER = 1.0  # seconds before resending a settlement answered `unavailable`
 
 
@@ -103,12 +115,12 @@ class Assembler:
         n_brokers: int,
         *,
         batch_size: int,
-        unit: str = "trajectory",
+        unit: str = CreditUnit.TRAJECTORY,
         prefetch: int | None = None,
         dedup_capacity: int = 100_000,
     ):
-        if unit not in UNITS:
-            raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
+        if unit not in set(CreditUnit):
+            raise ValueError(f"unit must be one of {[str(u) for u in CreditUnit]}, got {unit!r}")
         if batch_size < 1 or n_brokers < 1:
             raise ValueError(f"batch_size and the broker count must be positive, got {batch_size} and {n_brokers}")
         prefetch = max(2 * batch_size, batch_size + n_brokers) if prefetch is None else prefetch
@@ -117,7 +129,7 @@ class Assembler:
                 f"prefetch must be at least batch_size + brokers = {batch_size + n_brokers} "
                 f"(one unit of credit per broker beyond a full batch), got {prefetch}"
             )
-        self.unit = unit
+        self.unit = CreditUnit(unit)
         self.batch_size = batch_size
         self.prefetch = prefetch
         self.dedup_capacity = dedup_capacity
@@ -180,7 +192,7 @@ class Assembler:
         outcome = self._done.get(tid)
         if outcome is not None:
             self.stats.duplicates += 1
-            self._settle(lease, "ack" if outcome == ACKED else "nack", outcome)
+            self._settle(lease, Settle.ACK if outcome == ACKED else Settle.NACK, outcome)
             return
         held = self._taken.get(tid) or self._member(tid)
         if held is not None:  # a redelivery while we still hold it: keep every lease
@@ -190,7 +202,7 @@ class Assembler:
             return
         delivery = Delivery(tid, fields, arrays, broker, {lease}, now)
         group_id = fields.get("group_id")
-        if self.unit == "trajectory" or group_id is None:
+        if self.unit == CreditUnit.TRAJECTORY or group_id is None:
             self._buffer(Unit(broker, {tid: delivery}, 1))
             return
         unit = self._assembling.get(group_id)
@@ -208,14 +220,14 @@ class Assembler:
         it used credit; hand its lease back (requeue) or dead-letter it."""
         self._use_credit(broker, header)
         self.stats.undecodable += 1
-        self._settle((broker, header["lease"]), "release" if requeue else "nack", reason)
+        self._settle((broker, header["lease"]), Settle.RELEASE if requeue else Settle.NACK, reason)
 
     def _use_credit(self, broker: int, fields: Mapping[str, Any]) -> None:
         """Trajectory credit pays per message; group credit per delivery unit,
         whose members a broker sends back to back."""
         state = self._brokers[broker]
         group_id = fields.get("group_id")
-        if self.unit == "group" and group_id is not None:
+        if self.unit == CreditUnit.GROUP and group_id is not None:
             if state.burst is not None and state.burst[0] == group_id:
                 left = state.burst[1] - 1
                 state.burst = (group_id, left) if left > 0 else None
@@ -307,7 +319,7 @@ class Assembler:
         self.stats.released += len(released)
         for held in released.values():
             for lease in sorted(held.leases):
-                self._settle(lease, "release", "released by the consumer")
+                self._settle(lease, Settle.RELEASE, "released by the consumer")
 
     def _finish(self, tid: str, outcome: str) -> None:
         held = self._taken.pop(tid, None)
@@ -318,14 +330,14 @@ class Assembler:
         while len(self._done) > self.dedup_capacity:
             self._done.popitem(last=False)
         for lease in sorted(held.leases):
-            self._settle(lease, "ack" if outcome == ACKED else "nack", outcome)
+            self._settle(lease, Settle.ACK if outcome == ACKED else Settle.NACK, outcome)
 
-    def _settle(self, lease: tuple[int, str], how: str, reason: str) -> None:
+    def _settle(self, lease: tuple[int, str], how: Settle, reason: str) -> None:
         broker, lease_id = lease
-        if how == "ack":
+        if how == Settle.ACK:
             out = Outgoing(broker, "ack", {"leases": [lease_id]})
         else:
-            out = Outgoing(broker, "nack", {"leases": [lease_id], "reason": reason, "requeue": how == "release"})
+            out = Outgoing(broker, "nack", {"leases": [lease_id], "reason": reason, "requeue": how == Settle.RELEASE})
         self._settling[lease] = out
         self.outbox.append(out)
 

@@ -6,13 +6,16 @@ import json
 
 import click
 
-from .assembly import POLICIES, UNITS
+from rollstream.common.contract import CreditUnit
+
+from .assembly import POLICIES
 
 
 @click.command()
 @click.option("--endpoint", "endpoints", multiple=True, required=True, help="A broker's consumer endpoint (repeatable).")
 @click.option("--batch-size", default=8, show_default=True, help="Units (trajectories or groups) per batch.")
-@click.option("--unit", type=click.Choice(UNITS), default="trajectory", show_default=True, help="What a batch counts.")
+@click.option("--unit", type=click.Choice([str(unit) for unit in CreditUnit]), default=str(CreditUnit.TRAJECTORY),
+              show_default=True, help="What a batch counts.")
 @click.option("--batches", default=0, show_default=True, help="Stop after this many batches; 0 runs until interrupted.")
 @click.option("--vocab-size", type=int, default=None, help="Refuse token and support ids outside [0, vocab_size).")
 @click.option("--on-invalid", type=click.Choice(POLICIES), default="raise", show_default=True,
