@@ -555,16 +555,13 @@ class Store:
         ):
             (tid, state, gid, gsize, sidx, updated, end_digest, reward, metadata, ready_seq, gap_turn, gap_field,
              dead_reason, dead_at, end_crc) = row
+            error = None
             if state not in _STATE_VALUES:
-                error = (f"{self.db_path}: trajectories row {tid!r}: state must be one of "
-                         f"{sorted(map(str, _STATE_VALUES))}, got {state!r}")
-                if damaged is None:
-                    raise StoreCorrupted(error)
-                damaged[tid] = error
-                continue
-            if end_digest is not None and (crc := _end_crc(tid, end_digest, reward, metadata)) != end_crc:
-                error = (f"{self.db_path}: trajectories row {tid!r}: CRC mismatch over its end (digest, reward, "
-                         f"metadata): stored {end_crc}, computed {crc}")
+                error = f"state must be one of {sorted(map(str, _STATE_VALUES))}, got {state!r}"
+            elif end_digest is not None and (crc := _end_crc(tid, end_digest, reward, metadata)) != end_crc:
+                error = f"CRC mismatch over its end (digest, reward, metadata): stored {end_crc}, computed {crc}"
+            if error is not None:
+                error = f"{self.db_path}: trajectories row {tid!r}: {error}"
                 if damaged is None:
                     raise StoreCorrupted(error)
                 damaged[tid] = error

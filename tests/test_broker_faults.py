@@ -400,23 +400,32 @@ def test_an_evicted_open_trajectory_merges_without_reading_the_store_and_is_read
         assert thread.is_alive()
 
 
+READY_TOKENS = 1500  # per trajectory: four of them (~144 KB) against a 100 KB memory budget
+
+
+def ready_and_partly_evicted(service, context) -> list[str]:
+    """Four ready trajectories `t0`..`t3` (tokens i..i+READY_TOKENS) sent to
+    an in-process broker with a 100 KB memory budget; the ones it evicted."""
+    producer = dealer("inproc://p", context)
+    for i in range(4):
+        assert decode(call(producer, good_turn(f"t{i}", seq=i, n=READY_TOKENS, first=i)), BROKER_TO_PRODUCER)["applied"]
+        end = encode(PRODUCER_TO_BROKER, "end", {"seq": 10 + i, "trajectory_id": f"t{i}", "reward": float(i)})
+        assert decode(call(producer, end), BROKER_TO_PRODUCER)["applied"]
+    deadline = time.monotonic() + 10
+    evicted: list[str] = []
+    while not evicted and time.monotonic() < deadline:
+        evicted = [tid for tid, e in list(service.engine.entries.items()) if e.trajectory is None]
+        time.sleep(0.05)
+    assert evicted
+    return evicted
+
+
 def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_path):
     """An evicted ready trajectory whose read-back fails at delivery: the
     daemon keeps running, reports the store unavailable, and delivers it
     (under the consumer's original credit) once the store reads again."""
     with threaded_broker(tmp_path, max_memory_bytes=100_000) as (service, thread, context):
-        producer = dealer("inproc://p", context)
-        n = 1500
-        for i in range(4):  # ~144 KB of ready trajectories against a 100 KB budget: some are evicted
-            assert decode(call(producer, good_turn(f"t{i}", seq=i, n=n, first=i)), BROKER_TO_PRODUCER)["applied"]
-            end = encode(PRODUCER_TO_BROKER, "end", {"seq": 10 + i, "trajectory_id": f"t{i}", "reward": float(i)})
-            assert decode(call(producer, end), BROKER_TO_PRODUCER)["applied"]
-        deadline = time.monotonic() + 10
-        evicted = []
-        while not evicted and time.monotonic() < deadline:
-            evicted = [tid for tid, e in list(service.engine.entries.items()) if e.trajectory is None]
-            time.sleep(0.05)
-        assert evicted
+        evicted = ready_and_partly_evicted(service, context)
         real_read = service.store.segments.read_many
 
         def unreadable(locations):
@@ -447,7 +456,7 @@ def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_pat
         assert sorted(delivered) == ["t0", "t1", "t2", "t3"]  # no new credit was needed
         for tid, message in delivered.items():
             i = int(tid[1:])
-            assert message.arrays["tokens"].tolist() == list(range(i, i + n))
+            assert message.arrays["tokens"].tolist() == list(range(i, i + READY_TOKENS))
             assert message["delivery_count"] == 1
         assert thread.is_alive()
 
@@ -459,18 +468,7 @@ def test_a_ready_trajectory_whose_record_is_damaged_is_dead_lettered_unreadable_
     is available again and the rest are delivered, instead of the store
     turning unavailable after every probe."""
     with threaded_broker(tmp_path, max_memory_bytes=100_000) as (service, thread, context):
-        producer = dealer("inproc://p", context)
-        n = 1500
-        for i in range(4):  # ~144 KB of ready trajectories against a 100 KB budget: some are evicted
-            assert decode(call(producer, good_turn(f"t{i}", seq=i, n=n, first=i)), BROKER_TO_PRODUCER)["applied"]
-            end = encode(PRODUCER_TO_BROKER, "end", {"seq": 10 + i, "trajectory_id": f"t{i}", "reward": float(i)})
-            assert decode(call(producer, end), BROKER_TO_PRODUCER)["applied"]
-        deadline = time.monotonic() + 10
-        evicted = []
-        while not evicted and time.monotonic() < deadline:
-            evicted = [tid for tid, e in list(service.engine.entries.items()) if e.trajectory is None]
-            time.sleep(0.05)
-        assert evicted
+        evicted = ready_and_partly_evicted(service, context)
         damaged = evicted[0]
         segment, offset, _ = service.store.load_one(damaged).turns[0].location
         with open(service.store.segments.path(segment), "r+b") as f:  # flip a byte of its payload
