@@ -17,6 +17,7 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import zmq
 
@@ -104,6 +105,19 @@ class _Settlement:
     effects: list
 
 
+class Clock(NamedTuple):
+    """The two times a pass runs on: `mono` (monotonic, never jumps) for
+    leases, heartbeats, liveness and schedules; `wall` for what is persisted
+    and compared across restarts (TTL, dedup windows, dead letters' times)."""
+
+    mono: float
+    wall: float
+
+    @classmethod
+    def read(cls) -> "Clock":
+        return cls(time.monotonic(), time.time())
+
+
 class BrokerService:
     def __init__(self, settings: BrokerSettings, context: zmq.Context | None = None):
         self.settings = settings
@@ -189,7 +203,7 @@ class BrokerService:
         for sock in self.sockets.values():
             self.poller.register(sock, zmq.POLLIN)
         self._metrics_server = self.metrics.serve(s.metrics_host, s.metrics_port)
-        self._refresh_gauges(time.time())
+        self._refresh_gauges(Clock.read())
         if s.endpoints_file:
             write_endpoints_file(s.endpoints_file, self.endpoints)
         log.info("broker listening", extra={"broker_id": self.broker_id, **self.endpoints, "sync": s.sync})
@@ -223,16 +237,16 @@ class BrokerService:
 
     def run_once(self, timeout_ms: int = 100) -> None:
         events = dict(self.poller.poll(timeout_ms))
-        now = time.time()
+        now = Clock.read()
         if events.get(self.sockets["producer"]):
             self._serve_producers(now)
         if events.get(self.sockets["consumer"]):
             self._serve_consumers(now)
         if events.get(self.sockets["admin"]):
             self._serve_admin(now)
-        if now >= self._next_housekeeping:
+        if now.mono >= self._next_housekeeping:
             self._housekeeping(now)
-            self._next_housekeeping = now + HOUSEKEEPING_EVERY
+            self._next_housekeeping = now.mono + HOUSEKEEPING_EVERY
         self._deliver(now)
 
     # -- durability -----------------------------------------------------------
@@ -266,7 +280,7 @@ class BrokerService:
         restore(self.engine, self.store.reload(), self.store)
 
     # -- producers ------------------------------------------------------------
-    def _serve_producers(self, now: float) -> None:
+    def _serve_producers(self, now: Clock) -> None:
         """Read a batch, check it, merge it, commit it once, then reply."""
         sock = self.sockets["producer"]
         received: list[tuple[bytes, Message | None, ProtocolError | None]] = []
@@ -290,7 +304,7 @@ class BrokerService:
             if self.admission.everything and (self._disk_bytes > self.admission.budget
                                               or self._free_bytes < self.admission.reserve):
                 self._update_backpressure()  # from the next frame on, only what may enter is taken
-            self.producers[identity] = now
+            self.producers[identity] = now.mono
             try:
                 message = self._decode_producer_frames(frames[1:])
                 if message.type != "batch":
@@ -394,7 +408,7 @@ class BrokerService:
             identity, message, _ = received[i]
             received[i] = (identity, message, error.with_seq(message["seq"]))
 
-    def _read_unit(self, unit: list[Dispatch], now: float) -> bool:
+    def _read_unit(self, unit: list[Dispatch], now: Clock) -> bool:
         """Whether every member of a delivered unit is in memory, evicted
         ones read back from the store. False when one cannot be read: a
         store that fails makes the store unavailable and deliveries wait for
@@ -425,13 +439,13 @@ class BrokerService:
         return True
 
     def _producer_message(self, identity: bytes, message: Message | None, error: ProtocolError | None,
-                          now: float) -> tuple[_Pending, list]:
+                          now: Clock) -> tuple[_Pending, list]:
         if error is not None:
             return _Pending(identity, self._refuse("producer", error, message)), []
         if message.type == "hello":
             s = self.settings
             log.info("producer connected", extra={"producer_id": message["producer_id"]})
-            self._count_active_producers(now)
+            self._count_active_producers(now.mono)
             fields = {"broker_id": self.broker_id, "max_message_bytes": s.max_message_bytes,
                       "window": self.grants.grant(identity)}
             if "seq" in message.fields:
@@ -453,7 +467,7 @@ class BrokerService:
         if not self._admits(message):  # resent by the producer; counted, not logged per frame (see DiskAdmission)
             error = ProtocolError("unavailable", self.admission.refusal(), seq=message["seq"])
             return _Pending(identity, self._refuse("producer", error, message, quiet=True)), []
-        reply = self.engine.handle(message, now)
+        reply = self.engine.handle(message, now.wall)
         if reply.error is not None:
             return _Pending(identity, self._refuse("producer", reply.error, message)), []
         return _Pending(identity, ack=reply.fields, message=message), list(reply.effects)
@@ -543,7 +557,7 @@ class BrokerService:
         self.grants.forget(identity)
 
     # -- consumers ------------------------------------------------------------
-    def _serve_consumers(self, now: float) -> None:
+    def _serve_consumers(self, now: Clock) -> None:
         """Read a batch of consumer messages; the acks and nacks among them
         are made durable together (one commit), then answered."""
         sock = self.sockets["consumer"]
@@ -569,10 +583,10 @@ class BrokerService:
                 claimed.update(settlement.known)
         self._settle(settling, now)
 
-    def _consumer_message(self, identity: bytes, message: Message, now: float, claimed: set) -> "_Settlement | None":
+    def _consumer_message(self, identity: bytes, message: Message, now: Clock, claimed: set) -> "_Settlement | None":
         dispatcher = self.dispatcher
         if message.type == "hello":
-            self._dead_letter(dispatcher.hello(identity, message["consumer_id"], now), "max_deliveries", now)
+            self._dead_letter(dispatcher.hello(identity, message["consumer_id"], now.mono), "max_deliveries", now)
             log.info("consumer connected", extra={"consumer_id": message["consumer_id"]})
             fields = {"broker_id": self.broker_id, "lease_timeout": self.settings.lease_timeout,
                       "heartbeat_interval": self.settings.heartbeat_interval}
@@ -585,7 +599,7 @@ class BrokerService:
                 fields["seq"] = message["seq"]
             self._send("consumer", identity, encode(BROKER_TO_CONSUMER, "welcome", fields))
             return None
-        if not dispatcher.seen(identity, now):
+        if not dispatcher.seen(identity, now.mono):
             error = ProtocolError("unknown_consumer", "this connection has not said hello (or was dropped); send hello first")
             extra = {"leases": message["leases"]} if "leases" in message.fields else {}
             self._send("consumer", identity, self._refuse("consumer", error, message, **extra))
@@ -596,7 +610,7 @@ class BrokerService:
             return self._prepare_settlement(identity, message, now, claimed)
         return None
 
-    def _prepare_settlement(self, identity: bytes, message: Message, now: float, claimed: set) -> "_Settlement":
+    def _prepare_settlement(self, identity: bytes, message: Message, now: Clock, claimed: set) -> "_Settlement":
         """Split the leases into known and stale (a lease already settled
         earlier in this batch is stale), and apply the engine's side."""
         leases = list(dict.fromkeys(message["leases"]))
@@ -605,14 +619,14 @@ class BrokerService:
         tids = [self.dispatcher.leases[lease].trajectory_id for lease in known]
         requeue = message.type == "nack" and message["requeue"]
         if message.type == "ack":
-            effects = [e for tid in tids for e in self.engine.delivered(tid, now)]
+            effects = [e for tid in tids for e in self.engine.delivered(tid, now.wall)]
         elif not requeue:
-            effects = [e for tid in tids for e in self.engine.dead_letter(tid, message["reason"], now)]
+            effects = [e for tid in tids for e in self.engine.dead_letter(tid, message["reason"], now.wall)]
         else:
             effects = []
         return _Settlement(identity, message, known, stale, tids, requeue, effects)
 
-    def _settle(self, settling: list["_Settlement"], now: float) -> None:
+    def _settle(self, settling: list["_Settlement"], now: Clock) -> None:
         """Commit the batch's settlements at once, then update the
         dispatcher and answer each (or answer `unavailable`)."""
         if not settling:
@@ -644,10 +658,10 @@ class BrokerService:
         if committed:
             self._apply_memory_budget()  # delivered trajectories left memory: paused producers may go on
 
-    def _dead_letter(self, tids: list[str], reason: str, now: float) -> None:
+    def _dead_letter(self, tids: list[str], reason: str, now: Clock) -> None:
         if not tids:
             return
-        effects = [e for tid in tids for e in self.engine.dead_letter(tid, reason, now)]
+        effects = [e for tid in tids for e in self.engine.dead_letter(tid, reason, now.wall)]
         if self._commit(effects):
             self._count_effects(effects)
             for tid in tids:
@@ -656,7 +670,7 @@ class BrokerService:
             for tid in tids:
                 self.dispatcher.enqueue(DeliveryUnit((tid,)), front=True)
 
-    def _deliver(self, now: float) -> None:
+    def _deliver(self, now: Clock) -> None:
         """Send queued trajectories to consumers with credit, also while
         writes fail: a consumer's ack deletes data, which is what frees a
         full disk (the reserve keeps room to write those deletes). Each
@@ -667,7 +681,7 @@ class BrokerService:
         trajectory could not be read back, until the probe succeeds."""
         if self._reads_failed:
             return
-        deliveries = self.dispatcher.deliveries(now)
+        deliveries = self.dispatcher.deliveries(now.mono)
         refused: list[str] = []  # leases whose send the connection refused: requeued, their credit spent
         start = 0
         while start < len(deliveries):
@@ -690,7 +704,7 @@ class BrokerService:
             self.dispatcher.retract(refused)
 
     # -- admin ----------------------------------------------------------------
-    def _serve_admin(self, now: float) -> None:
+    def _serve_admin(self, now: Clock) -> None:
         sock = self.sockets["admin"]
         while True:
             try:
@@ -707,7 +721,7 @@ class BrokerService:
                 reply = self._refuse("admin", error, None)
             self._send("admin", identity, [*envelope, *reply])
 
-    def _admin_reply(self, message: Message, now: float) -> list:
+    def _admin_reply(self, message: Message, now: Clock) -> list:
         seq = {"seq": message["seq"]} if "seq" in message.fields else {}
         if message.type == "status":
             return encode(ADMIN_REPLIES, "status", {**self.status(now), **seq})
@@ -727,9 +741,9 @@ class BrokerService:
             log.info("dead letter requeued", extra={"trajectory_id": tid})
         return encode(ADMIN_REPLIES, "requeued", {"trajectory_ids": requeued, **seq})
 
-    def status(self, now: float) -> dict:
+    def status(self, now: Clock) -> dict:
         counts = self.engine.counts()
-        alive_after = now - LIVENESS_INTERVALS * max(self.settings.heartbeat_interval, 10.0)
+        alive_after = now.mono - LIVENESS_INTERVALS * max(self.settings.heartbeat_interval, 10.0)
         return {
             "open": counts[OPEN],
             "ready": self.dispatcher.queued_trajectories,
@@ -744,24 +758,24 @@ class BrokerService:
         }
 
     # -- housekeeping ---------------------------------------------------------
-    def _housekeeping(self, now: float) -> None:
-        if now >= self._next_producer_prune:  # connections long silent (producers ping every second)
-            self._next_producer_prune = now + PRODUCER_FORGET_AFTER / 10
-            for identity in [i for i, seen in self.producers.items() if seen < now - PRODUCER_FORGET_AFTER]:
+    def _housekeeping(self, now: Clock) -> None:
+        if now.mono >= self._next_producer_prune:  # connections long silent (producers ping every second)
+            self._next_producer_prune = now.mono + PRODUCER_FORGET_AFTER / 10
+            for identity in [i for i, seen in self.producers.items() if seen < now.mono - PRODUCER_FORGET_AFTER]:
                 self._forget_producer(identity)
-        self._count_active_producers(now)
-        effects = self.engine.expire(now)
+        self._count_active_producers(now.mono)
+        effects = self.engine.expire(now.wall)
         if self._commit(effects):
             self._count_effects(effects)
         if self.sockets["consumer"].get(zmq.EVENTS) & zmq.POLLIN:
             self._serve_consumers(now)  # heartbeats that waited behind a long pass: never drop a live consumer unheard
-        self._dead_letter(self.dispatcher.tick(now), "max_deliveries", now)
+        self._dead_letter(self.dispatcher.tick(now.mono), "max_deliveries", now)
         new_redeliveries = self.dispatcher.redeliveries - self._redeliveries_seen
         if new_redeliveries:
             self.metrics.inc(self.metrics.redeliveries, new_redeliveries)
             self._redeliveries_seen = self.dispatcher.redeliveries
-        if self.unavailable and now >= self._next_probe:
-            self._next_probe = now + PROBE_EVERY
+        if self.unavailable and now.mono >= self._next_probe:
+            self._next_probe = now.mono + PROBE_EVERY
             try:
                 self.store.probe()
             except StoreError:
@@ -770,10 +784,10 @@ class BrokerService:
                 self.unavailable = self._reads_failed = False
                 self.metrics.unavailable.set(0)
                 log.info("store available again")
-        if now >= self._next_dedup_prune:
-            self._next_dedup_prune = now + 60.0
+        if now.mono >= self._next_dedup_prune:
+            self._next_dedup_prune = now.mono + 60.0
             try:
-                self.store.prune_dedup(now)
+                self.store.prune_dedup(now.wall)
             except StoreError as exc:  # a failed prune only delays pruning
                 log.warning("dedup prune failed", extra={"error": str(exc)})
         self._apply_budgets()
@@ -846,7 +860,7 @@ class BrokerService:
                 log.warning("disk over budget: some producer frames wait", extra={**figures, "reason": admission.refusal()})
         self.metrics.backpressure.set(int(not (self.reading_producers and admission.everything)))
 
-    def _refresh_gauges(self, now: float) -> None:
+    def _refresh_gauges(self, now: Clock) -> None:
         status = self.status(now)
         for state in ("open", "ready", "leased", "dead"):
             self.metrics.depth.labels(state=state).set(status[state])

@@ -18,7 +18,7 @@ from rollstream.broker.dispatch import Dispatcher, DispatchSettings
 from rollstream.broker.engine import DEAD, ENDED, OPEN, DeliveryUnit, EngineSettings, MergeEngine, _idle_since, held_bytes
 from rollstream.broker.flow import WindowGrants
 from rollstream.broker.recovery import load_trajectory
-from rollstream.broker.service import BrokerService
+from rollstream.broker.service import BrokerService, Clock
 from rollstream.broker.settings import BrokerSettings
 from rollstream.broker.store import Store
 from rollstream.common.codec import decode, encode
@@ -242,12 +242,15 @@ def test_a_long_pass_does_not_drop_a_consumer_whose_heartbeats_wait_unread(tmp_p
         while not service.dispatcher.consumers and time.monotonic() < deadline:
             service.run_once(timeout_ms=50)
         assert consumer.poll(5000) and decode(consumer.recv_multipart(), BROKER_TO_CONSUMER).type == "welcome"
+        now = Clock.read()
+        service._housekeeping(now._replace(wall=now.wall + 3600))  # the wall clock jumps (NTP): nobody is dropped
+        assert len(service.dispatcher.consumers) == 1
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "heartbeat", {}))
         time.sleep(0.05)  # inproc: queued for the broker's socket, not yet read
-        later = time.time() + 10 * settings.heartbeat_interval
+        later = Clock(now.mono + 10 * settings.heartbeat_interval, now.wall)  # only the monotonic clock runs liveness
         service._housekeeping(later)
         assert len(service.dispatcher.consumers) == 1
-        service._housekeeping(later + 10 * settings.heartbeat_interval)  # silent this time: dropped
+        service._housekeeping(later._replace(mono=later.mono + 10 * settings.heartbeat_interval))  # silent: dropped
         assert not service.dispatcher.consumers
 
 
@@ -361,6 +364,6 @@ def test_a_batch_takes_no_more_frames_once_it_holds_batch_max_bytes(tmp_path, li
         taken = []
         while sum(taken) < 5 and len(taken) < 10:
             before = len(service.engine.entries)
-            service._serve_producers(time.time())
+            service._serve_producers(Clock.read())
             taken.append(len(service.engine.entries) - before)
         assert taken == per_batch
