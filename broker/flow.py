@@ -116,3 +116,49 @@ class DiskAdmission:
                     f"{self._resume_free} bytes are free; resend later")
         return (f"over the disk budget: {self.used} bytes on disk, budget {self.budget}; new trajectories wait "
                 f"until consumers bring it to {self._resume_used}; resend later")
+
+
+class MemoryBudget:
+    """When the broker reads producer frames, and how far it evicts, under a
+    budget of trajectory bytes held in memory.
+
+    Sans-I/O like `DiskAdmission`: the service reports what the engine holds
+    and asks. Over the budget it evicts (everything evicted is durable in
+    the store) down to `RESUME_FRACTION` of it, keeping what is out on a
+    lease; what it cannot evict pauses producer frames until memory is
+    below `RESUME_FRACTION` again (hysteresis: the socket does not flap
+    around the limit). While paused it keeps evicting above that mark:
+    nothing else may ever free memory."""
+
+    RESUME_FRACTION = 0.9
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 1:
+            raise ValueError(f"max_memory_bytes must be at least 1, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.reading = True
+
+    @property
+    def resume_at(self) -> float:
+        return self.RESUME_FRACTION * self.max_bytes
+
+    def evict_to(self, held: int) -> float | None:
+        """How many bytes eviction should bring memory down to now, or None."""
+        if held > self.max_bytes or (not self.reading and held > self.resume_at):
+            return self.resume_at
+        return None
+
+    def over(self, held: int) -> bool:
+        """Over the budget: stop taking producer frames (checked per frame read)."""
+        return held > self.max_bytes
+
+    def update(self, held: int) -> bool | None:
+        """After eviction: True when producer frames resume now, False when
+        they pause now, None when nothing changes."""
+        if self.reading and held > self.max_bytes:
+            self.reading = False
+            return False
+        if not self.reading and held <= self.resume_at:
+            self.reading = True
+            return True
+        return None

@@ -51,7 +51,7 @@ from .engine import (
     MarkGap,
     MergeEngine,
 )
-from .flow import DiskAdmission, WindowGrants
+from .flow import DiskAdmission, MemoryBudget, WindowGrants
 from .metrics import BrokerMetrics
 from .recovery import load_trajectory, restore
 from .settings import BrokerSettings
@@ -131,7 +131,7 @@ class BrokerService:
         self.broker_id = settings.broker_id or f"{socket.gethostname()}:{os.path.abspath(settings.data_dir)}"
         self.unavailable = False  # writes fail: producer frames are refused until a probe succeeds
         self._reads_failed = False  # a trajectory could not be read back: deliveries wait for the probe too
-        self.reading_producers = True
+        self.memory = MemoryBudget(settings.max_memory_bytes)  # when producer frames are read, how far to evict
         self.admission = DiskAdmission(settings.max_disk_bytes, self._disk_reserve())
         self.producers: dict[bytes, float] = {}  # connection -> last heard
         self.grants = WindowGrants(settings.window, settings.max_in_flight)  # frames in flight per producer connection
@@ -289,7 +289,7 @@ class BrokerService:
         self._free_bytes = self._free_space()  # one statvfs a batch; its frames are counted off it as they come
         while len(received) < self.settings.batch_max:
             # The frame crossing batch_max_bytes is the batch's last.
-            if self._must_wait() or (received and batch_bytes >= self.settings.batch_max_bytes):
+            if self.memory.over(self._memory_bytes) or (received and batch_bytes >= self.settings.batch_max_bytes):
                 break
             try:
                 frames = recv_routed(sock)
@@ -801,14 +801,12 @@ class BrokerService:
         self._update_backpressure()
 
     def _evict_to_budget(self) -> None:
-        """Over the memory budget, evict trajectories (all durable in the
-        store) before producers are paused."""
-        s = self.settings
+        """Evict (all of it durable in the store) as far as `MemoryBudget`
+        says, keeping what is out on a lease."""
         self._memory_bytes = self.engine.bytes_in_memory
-        resume_at = 0.9 * s.max_memory_bytes
-        if self._memory_bytes > s.max_memory_bytes or (not self.reading_producers and self._memory_bytes > resume_at):
-            # also while paused between 90% and 100%: nothing else may ever free memory
-            evicted = self.engine.evict(resume_at, keep={lease.trajectory_id for lease in self.dispatcher.leases.values()})
+        target = self.memory.evict_to(self._memory_bytes)
+        if target is not None:
+            evicted = self.engine.evict(target, keep={lease.trajectory_id for lease in self.dispatcher.leases.values()})
             for state, count in evicted.items():
                 if count:
                     self.metrics.inc(self.metrics.evictions, count, state=state)
@@ -830,25 +828,16 @@ class BrokerService:
             self._disk_bytes, self._free_bytes = self.store.bytes_on_disk(), self._free_space()
         self._update_backpressure()
 
-    def _must_wait(self, fraction: float = 1.0) -> bool:
-        """Over the memory budget once eviction has brought it down as far
-        as it can (everything left is out on a lease): producer frames are
-        not read. The disk is a budget of another kind: frames are read
-        and `DiskAdmission` says which enter."""
-        return self._memory_bytes > fraction * self.settings.max_memory_bytes
-
     def _update_backpressure(self) -> None:
-        """Stop reading producer frames while `_must_wait`, resuming below
-        90% of the memory budget (hysteresis, so the socket does not flap);
+        """Pause or resume reading producer frames as `MemoryBudget` says;
         tell `DiskAdmission` the store's size and free space, logging when
         what enters changes."""
-        if self.reading_producers and self._must_wait():
+        change = self.memory.update(self._memory_bytes)
+        if change is False:
             self.poller.unregister(self.sockets["producer"])
-            self.reading_producers = False
             log.warning("over the memory budget: producer frames paused", extra={"bytes_in_memory": self._memory_bytes})
-        elif not self.reading_producers and not self._must_wait(0.9):
+        elif change is True:
             self.poller.register(self.sockets["producer"], zmq.POLLIN)
-            self.reading_producers = True
             log.info("back under the memory budget: producer frames resumed")
         admission = self.admission
         drainable = bool(self.dispatcher.queue or self.dispatcher.leases)
@@ -858,7 +847,7 @@ class BrokerService:
                 log.info("disk back under budget: every producer frame enters", extra=figures)
             else:
                 log.warning("disk over budget: some producer frames wait", extra={**figures, "reason": admission.refusal()})
-        self.metrics.backpressure.set(int(not (self.reading_producers and admission.everything)))
+        self.metrics.backpressure.set(int(not (self.memory.reading and admission.everything)))
 
     def _refresh_gauges(self, now: Clock) -> None:
         status = self.status(now)

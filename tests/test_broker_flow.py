@@ -1,8 +1,9 @@
-"""`DiskAdmission`, the sans-I/O decision which producer frames enter while
-the disk is short: no sockets, no files."""
+"""The budgets' sans-I/O decisions, without sockets or files: which producer
+frames enter while the disk is short (`DiskAdmission`), and when memory
+pauses them and how far it evicts (`MemoryBudget`)."""
 import pytest
 
-from rollstream.broker.flow import DiskAdmission
+from rollstream.broker.flow import DiskAdmission, MemoryBudget
 
 BUDGET, RESERVE, PLENTY = 1000, 100, 10_000
 
@@ -67,3 +68,17 @@ def test_a_reserve_of_zero_never_holds_turns_back():
 def test_nonsense_limits_are_refused(budget, reserve):
     with pytest.raises(ValueError, match="at least"):
         DiskAdmission(budget, reserve)
+
+
+def test_the_memory_budget_evicts_pauses_and_resumes_with_hysteresis():
+    budget = MemoryBudget(1000)
+    assert budget.evict_to(1000) is None and budget.update(1000) is None and budget.reading  # at the budget: fine
+    assert budget.evict_to(1001) == 900  # over it: evict down to 90%
+    assert budget.over(1001) and not budget.over(1000)
+    assert budget.update(950) is None  # eviction brought it under the budget: keep reading
+    assert budget.update(1200) is False and not budget.reading  # what is left is leased: pause
+    assert budget.evict_to(950) == 900  # paused: keep evicting above the resume mark
+    assert budget.update(950) is None  # between 90% and 100%: stay paused (no flapping)
+    assert budget.evict_to(900) is None and budget.update(900) is True and budget.reading
+    with pytest.raises(ValueError, match="max_memory_bytes must be at least 1, got 0"):
+        MemoryBudget(0)

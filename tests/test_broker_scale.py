@@ -284,13 +284,13 @@ def test_paused_producers_resume_as_soon_as_an_ack_frees_memory(tmp_path):
         lease = until(consumer, BROKER_TO_CONSUMER, "deliver")["lease"]
         producer.send_multipart(encode_turn("b", 0, turn, seq=2, prompt_tokens=np.ones(4, np.int32)))
         deadline = time.monotonic() + 10
-        while service.reading_producers and time.monotonic() < deadline:
+        while service.memory.reading and time.monotonic() < deadline:
             service.run_once(timeout_ms=20)
-        assert not service.reading_producers and service.engine.evicted_open() == {"b"}
+        assert not service.memory.reading and service.engine.evicted_open() == {"b"}
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [lease]}))
         until(consumer, BROKER_TO_CONSUMER, "acked")
         b = service.engine.entries["b"].trajectory  # shed: only what merging needs stays
-        assert service.reading_producers and b.is_shed and service.engine.bytes_in_memory == held_bytes(b)
+        assert service.memory.reading and b.is_shed and service.engine.bytes_in_memory == held_bytes(b)
 
 
 def test_a_rebuild_reads_its_turns_opening_each_segment_once(tmp_path, monkeypatch):
