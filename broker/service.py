@@ -55,6 +55,7 @@ from .flow import DiskAdmission, MemoryBudget, WindowGrants
 from .metrics import BrokerMetrics
 from .recovery import load_trajectory, restore
 from .settings import BrokerSettings
+from .settlement import Settlement
 from .store import Store, StoreError
 
 log = logging.getLogger("rollstream.broker")
@@ -90,19 +91,6 @@ class _Pending:
     frames: list | None = None  # ready to send (hello, ping, refusals)
     ack: dict | None = None  # sent as `ack` if the commit succeeds
     message: Message | None = None
-
-
-@dataclass
-class _Settlement:
-    """A consumer's ack or nack waiting for its batch to commit."""
-
-    identity: bytes
-    message: Message
-    known: list[str]
-    stale: list[str]
-    tids: list[str]
-    requeue: bool
-    effects: list
 
 
 class Clock(NamedTuple):
@@ -561,7 +549,7 @@ class BrokerService:
         """Read a batch of consumer messages; the acks and nacks among them
         are made durable together (one commit), then answered."""
         sock = self.sockets["consumer"]
-        settling: list[_Settlement] = []
+        settling: list[Settlement] = []
         claimed: set[str] = set()  # leases settled by an earlier message of this batch
         for _ in range(self.settings.batch_max):
             try:
@@ -583,7 +571,7 @@ class BrokerService:
                 claimed.update(settlement.known)
         self._settle(settling, now)
 
-    def _consumer_message(self, identity: bytes, message: Message, now: Clock, claimed: set) -> "_Settlement | None":
+    def _consumer_message(self, identity: bytes, message: Message, now: Clock, claimed: set) -> Settlement | None:
         dispatcher = self.dispatcher
         if message.type == "hello":
             self._dead_letter(dispatcher.hello(identity, message["consumer_id"], now.mono), "max_deliveries", now)
@@ -607,26 +595,10 @@ class BrokerService:
         if message.type == "credit":
             dispatcher.credit(identity, message["n"], message["unit"])
         elif message.type in ("ack", "nack"):
-            return self._prepare_settlement(identity, message, now, claimed)
+            return Settlement.prepare(identity, message, dispatcher, self.engine, now.wall, claimed)
         return None
 
-    def _prepare_settlement(self, identity: bytes, message: Message, now: Clock, claimed: set) -> "_Settlement":
-        """Split the leases into known and stale (a lease already settled
-        earlier in this batch is stale), and apply the engine's side."""
-        leases = list(dict.fromkeys(message["leases"]))
-        known = [lease for lease in leases if lease in self.dispatcher.leases and lease not in claimed]
-        stale = [lease for lease in leases if lease not in known]
-        tids = [self.dispatcher.leases[lease].trajectory_id for lease in known]
-        requeue = message.type == "nack" and message["requeue"]
-        if message.type == "ack":
-            effects = [e for tid in tids for e in self.engine.delivered(tid, now.wall)]
-        elif not requeue:
-            effects = [e for tid in tids for e in self.engine.dead_letter(tid, message["reason"], now.wall)]
-        else:
-            effects = []
-        return _Settlement(identity, message, known, stale, tids, requeue, effects)
-
-    def _settle(self, settling: list["_Settlement"], now: Clock) -> None:
+    def _settle(self, settling: list[Settlement], now: Clock) -> None:
         """Commit the batch's settlements at once, then update the
         dispatcher and answer each (or answer `unavailable`)."""
         if not settling:
@@ -640,14 +612,9 @@ class BrokerService:
                 error = ProtocolError("unavailable", "the broker cannot persist right now; resend later")
                 self._send("consumer", s.identity, self._refuse("consumer", error, s.message, leases=s.known))
                 continue
-            settled, _ = self.dispatcher.settle(s.known)
-            if s.requeue:
-                self._dead_letter(self.dispatcher.requeue(settled), "max_deliveries", now)
-            else:
-                for tid in s.tids:
-                    self.dispatcher.forget(tid)
+            self._dead_letter(s.apply(self.dispatcher), "max_deliveries", now)
             if s.message.type == "ack":
-                self.metrics.inc(self.metrics.exits, len(s.tids), exit="delivered")
+                self.metrics.inc(self.metrics.exits, len(s.trajectory_ids), exit="delivered")
             if s.known:
                 reply = "acked" if s.message.type == "ack" else "nacked"
                 self._send("consumer", s.identity, encode(BROKER_TO_CONSUMER, reply, {"leases": s.known}))
