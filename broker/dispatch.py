@@ -170,7 +170,10 @@ class Dispatcher:
         for lease in leases:
             by_unit.setdefault(id(lease.unit), (lease.unit, []))[1].append(lease.trajectory_id)
         for unit, tids in reversed(list(by_unit.values())):
-            left = (unit.group_size - len(tids)) if unit.group_id is not None else 0
+            left = 0
+            if unit.group_id is not None:
+                assert unit.group_size is not None  # a group's unit carries its size
+                left = unit.group_size - len(tids)
             self.enqueue(DeliveryUnit(tuple(tids), unit.group_id, unit.group_size, left), front=True)
 
     def forget(self, trajectory_id: str) -> None:

@@ -287,6 +287,7 @@ class MergeEngine:
         if entry.state != OPEN:
             return _ack(message, False, reason="after_terminal"), ()
         traj = entry.trajectory
+        assert traj is not None  # an open entry always holds its trajectory (at most shed)
         if traj.terminal:
             return _ack(message, False, reason="replay_gap" if traj.gap else "after_terminal"), ()
         if index > entry.next_turn:
@@ -300,10 +301,14 @@ class MergeEngine:
         self._open.move_to_end(tid)
         if tid in self._resident_open:
             self._resident_open.move_to_end(tid)
-        self._grow(entry)  # a gap can also shrink it
-        effects = (PutTurn(tid, index, digest, outcome.applied, outcome.reason, message if outcome.applied else None, now),)
+        self._grow(entry, traj)  # a gap can also shrink it
+        effects: tuple[Effect, ...] = (
+            PutTurn(tid, index, digest, outcome.applied, outcome.reason, message if outcome.applied else None, now),
+        )
         if outcome.reason == "replay_gap":
-            effects += (MarkGap(tid, traj.gap),)
+            gap = traj.gap
+            assert gap is not None  # `append_turn` cut it there
+            effects += (MarkGap(tid, gap),)
         self._touch_group(entry, now)
         return _ack(message, outcome.applied, reason=outcome.reason), effects
 
@@ -385,7 +390,8 @@ class MergeEngine:
                 return _ack(message, True, duplicate=True), ()
             raise ProtocolError("conflict", f"trajectory {tid!r} already ended with a different end message")
         traj = entry.trajectory
-        self._check_turn_count(message, entry)
+        assert traj is not None  # an open entry always holds its trajectory (at most shed)
+        self._check_turn_count(message, entry, traj)
         traj.reward = message["reward"]
         traj.metadata.update(message.get("metadata") or {})
         entry.end_digest, entry.updated_at = digest, now
@@ -395,7 +401,7 @@ class MergeEngine:
         return _ack(message, True), (effect,)
 
     @staticmethod
-    def _check_turn_count(message: Message, entry: Entry) -> None:
+    def _check_turn_count(message: Message, entry: Entry, traj: Trajectory) -> None:
         """An `end` that says how many turns its producer sent must find
         them all consumed, so a lost turn can never end a trajectory short.
         Turns sent after the trajectory became terminal were answered
@@ -408,7 +414,7 @@ class MergeEngine:
         if sent < consumed:
             raise ProtocolError("conflict", f"end of {entry.trajectory_id!r} says {sent} turns were sent, "
                                             f"the broker has consumed {consumed}")
-        if sent > consumed and not entry.trajectory.terminal:
+        if sent > consumed and not traj.terminal:
             raise ProtocolError("out_of_order", f"end of {entry.trajectory_id!r} says {sent} turns were sent, "
                                                 f"the broker has consumed {consumed}; resend turn {consumed} first",
                                 expected=consumed)
@@ -467,12 +473,15 @@ class MergeEngine:
 
     def _settle(self, entry: Entry) -> None:
         """An ended member of a released group was delivered or dead-lettered."""
-        group = self.groups.get(entry.group_id) if entry.group_id else None
-        if group is None or not group.released:
+        group_id = entry.group_id
+        if not group_id:
+            return
+        group = self.groups.get(group_id)
+        if group is None or group.pending is None:  # not released
             return
         group.pending.discard(entry.trajectory_id)
         if not group.pending:
-            self._close_group(entry.group_id)
+            self._close_group(group_id)
 
     # -- time ---------------------------------------------------------------
     def expire(self, now: float) -> list:
@@ -562,7 +571,7 @@ class MergeEngine:
         return Requeue(tid)
 
     # -- memory -------------------------------------------------------------
-    def evict(self, target: int, keep: set[str] | frozenset = frozenset()) -> dict[str, int]:
+    def evict(self, target: float, keep: set[str] | frozenset = frozenset()) -> dict[State, int]:
         """Drop merged trajectories' arrays from memory (all are durable in
         the store) until at most `target` bytes are held: ready ones first,
         newest first (consumers take the oldest first, so these are needed
@@ -613,6 +622,7 @@ class MergeEngine:
         for entry in entries:
             self.entries[entry.trajectory_id] = entry
             if entry.group_id is not None:
+                assert entry.group_size is not None  # stored with its group id
                 group = self.groups.setdefault(entry.group_id, Group(entry.group_size))
                 group.members[entry.trajectory_id] = LEFT if entry.state == DEAD else entry.state
                 group.updated_at = max(group.updated_at, entry.updated_at)
@@ -635,7 +645,10 @@ class MergeEngine:
         """Rebuild the indexes from `entries` and `groups` as `restore`
         filled them: counts, recency by `updated_at`, residency and bytes."""
         self._counts = dict.fromkeys(STATES, 0)
-        self._open.clear(), self._idle_groups.clear(), self._resident_ready.clear(), self._resident_open.clear()
+        self._open.clear()
+        self._idle_groups.clear()
+        self._resident_ready.clear()
+        self._resident_open.clear()
         self.bytes_in_memory = 0
         for entry in sorted(self.entries.values(), key=lambda e: e.updated_at):
             trajectory, entry.trajectory, entry.held = entry.trajectory, None, 0
@@ -675,20 +688,22 @@ class MergeEngine:
     def _hold(self, entry: Entry, trajectory: Trajectory) -> None:
         self._release(entry)
         entry.trajectory, entry.held = trajectory, 0
-        self._grow(entry)
+        self._grow(entry, trajectory)
         if not trajectory.is_shed:
             (self._resident_open if entry.state == OPEN else self._resident_ready)[entry.trajectory_id] = entry
 
-    def _grow(self, entry: Entry) -> None:
+    def _grow(self, entry: Entry, trajectory: Trajectory) -> None:
         """Count the entry's trajectory as it is now (O(1): it keeps its own size)."""
-        held = held_bytes(entry.trajectory)
+        held = held_bytes(trajectory)
         self.bytes_in_memory += held - entry.held
         entry.held = held
 
     def _shed(self, entry: Entry) -> None:
-        entry.trajectory.shed()
+        trajectory = entry.trajectory
+        assert trajectory is not None  # only resident trajectories are shed
+        trajectory.shed()
         self._resident_open.pop(entry.trajectory_id, None)
-        self._grow(entry)
+        self._grow(entry, trajectory)
 
     def _release(self, entry: Entry) -> None:
         if entry.trajectory is None:
@@ -699,11 +714,11 @@ class MergeEngine:
         self._resident_ready.pop(entry.trajectory_id, None)
 
     # -- reading ------------------------------------------------------------
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> dict[State, int]:
         return dict(self._counts)
 
     def dead_letters(self, limit: int) -> list[dict]:
-        dead = sorted((e for e in self.entries.values() if e.state == DEAD), key=lambda e: e.dead_at)
+        dead = sorted((e for e in self.entries.values() if e.state == DEAD), key=_dead_at)
         return [{"trajectory_id": e.trajectory_id, "reason": e.dead_reason, "at": e.dead_at} for e in dead[:limit]]
 
 
@@ -716,6 +731,11 @@ def held_bytes(trajectory: Trajectory) -> int:
     if trajectory.is_shed:
         return 0
     return TRAJECTORY_OVERHEAD_BYTES + TURN_OVERHEAD_BYTES * trajectory.turns + trajectory.nbytes
+
+
+def _dead_at(entry: Entry) -> float:
+    assert entry.dead_at is not None  # set whenever an entry becomes DEAD
+    return entry.dead_at
 
 
 def _idle_since(ordered: OrderedDict, since: float) -> list:

@@ -314,8 +314,8 @@ class BrokerService:
         self._check_content(received, checks)
         pending: list[_Pending] = []
         effects: list = []
-        for identity, message, error in received:
-            item, item_effects = self._producer_message(identity, message, error, now)
+        for identity, decoded, refusal in received:
+            item, item_effects = self._producer_message(identity, decoded, refusal, now)
             pending.append(item)
             effects += item_effects
         committed = self._commit(effects)
@@ -326,16 +326,18 @@ class BrokerService:
             for identity, acks in self._batched_acks(pending).items():
                 self._send("producer", identity, encode(BROKER_TO_PRODUCER, "acks", acks, checked=False))
         for item in pending:
+            reply = item.frames
             if item.ack is not None:
                 if not committed:
-                    error = ProtocolError("unavailable", "the broker cannot persist right now; resend later",
-                                          seq=item.ack["seq"])
-                    item.frames = self._refuse("producer", error, item.message)
+                    unavailable = ProtocolError("unavailable", "the broker cannot persist right now; resend later",
+                                                seq=item.ack["seq"])
+                    reply = self._refuse("producer", unavailable, item.message)
                 elif item.identity in self.batch_acks:
                     continue  # in its connection's `acks`
                 else:
-                    item.frames = encode(BROKER_TO_PRODUCER, "ack", item.ack, checked=False)
-            self._send("producer", item.identity, item.frames)
+                    reply = encode(BROKER_TO_PRODUCER, "ack", item.ack, checked=False)
+            assert reply is not None  # a reply without an ack is made with its frames
+            self._send("producer", item.identity, reply)
         self._apply_memory_budget()
 
     def _decode_producer_frames(self, frames: list) -> Message:
@@ -430,6 +432,7 @@ class BrokerService:
                           now: Clock) -> tuple[_Pending, list]:
         if error is not None:
             return _Pending(identity, self._refuse("producer", error, message)), []
+        assert message is not None  # one that failed to decode is received with its error
         if message.type == "hello":
             s = self.settings
             log.info("producer connected", extra={"producer_id": message["producer_id"]})
@@ -661,9 +664,11 @@ class BrokerService:
                 break
             for delivery in deliveries[start:end]:
                 layouts = self.consumer_layouts.get(delivery.identity, frozenset())
-                frames = encode_deliver(self.engine.entries[delivery.trajectory_id].trajectory, delivery.lease,
-                                        delivery_count=delivery.delivery_count, may_pack="packed_arrays" in layouts,
-                                        may_split="split_arrays" in layouts, **delivery.group_fields)
+                trajectory = self.engine.entries[delivery.trajectory_id].trajectory
+                assert trajectory is not None  # `_read_unit` read it back
+                frames = encode_deliver(trajectory, delivery.lease, delivery_count=delivery.delivery_count,
+                                        may_pack="packed_arrays" in layouts, may_split="split_arrays" in layouts,
+                                        **delivery.group_fields)
                 if not self._send("consumer", delivery.identity, frames):
                     refused.append(delivery.lease)
             start = end
@@ -734,7 +739,8 @@ class BrokerService:
         effects = self.engine.expire(now.wall)
         if self._commit(effects):
             self._count_effects(effects)
-        if self.sockets["consumer"].get(zmq.EVENTS) & zmq.POLLIN:
+        # pyzmq types Socket.get as `int | bytes` for every option; EVENTS is an int.
+        if self.sockets["consumer"].get(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type]
             self._serve_consumers(now)  # heartbeats that waited behind a long pass: never drop a live consumer unheard
         self._dead_letter(self.dispatcher.tick(now.mono), "max_deliveries", now)
         new_redeliveries = self.dispatcher.redeliveries - self._redeliveries_seen

@@ -124,7 +124,7 @@ class _DeferredRows:
     answers as a duplicate). Any other effect may touch the same rows, so
     the deferred rows run before it, keeping the batch's order."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.opens: list[tuple] = []
         self.ends: list[tuple] = []
         self.turns: list[tuple] = []
@@ -261,7 +261,7 @@ class Segments:
         self.live: dict[int, int] = {}
         numbers = sorted(int(p.stem.split("-")[1]) for p in directory.glob("seg-*.log"))
         self.current = numbers[-1] if numbers else 1
-        self._fd = None
+        self._fd: int | None = None  # the current segment's, from `open_current` until `close`
         self._closed_sizes: dict[int, int] = {}  # finished segments never grow, so their sizes are kept
         self._rotated: list[int] = []  # finished since the last `retire_unreferenced`
         self._failed = False  # a write to the current segment failed: the next append starts a new one
@@ -274,9 +274,9 @@ class Segments:
 
     def open_current(self, committed_end: int) -> None:
         """Open the newest segment for appends, cutting any torn tail."""
-        self._fd = os.open(self.path(self.current), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        if os.fstat(self._fd).st_size > committed_end:
-            os.ftruncate(self._fd, committed_end)
+        self._fd = fd = os.open(self.path(self.current), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        if os.fstat(fd).st_size > committed_end:
+            os.ftruncate(fd, committed_end)
         self.size = committed_end
         self._closed_sizes = {n: self.path(n).stat().st_size for n in self.existing() if n != self.current}
 
@@ -286,6 +286,7 @@ class Segments:
         offset, length) per record."""
         if self.size >= self.max_bytes or self._failed:
             self._rotate()
+        fd = self._open_fd()
         locations, buffers, offset = [], [], self.size
         for parts, crc in records:
             length = sum(map(len, parts))
@@ -298,11 +299,11 @@ class Segments:
             for i in range(0, len(buffers), _IOV_MAX):
                 chunk = buffers[i : i + _IOV_MAX]
                 expected = sum(map(len, chunk))
-                written = os.writev(self._fd, chunk)
+                written = os.writev(fd, chunk)
                 if written != expected:  # a short write: finish it the slow way
-                    os.write(self._fd, b"".join(bytes(memoryview(b)) for b in chunk)[written:])
+                    os.write(fd, b"".join(bytes(memoryview(b)) for b in chunk)[written:])
         except OSError:
-            os.ftruncate(self._fd, start)
+            os.ftruncate(fd, start)
             # A file-size limit below `max_bytes` would fail every later
             # write here too: go on in a new file (an empty one never
             # rotates, so a full disk does not leave a file per attempt).
@@ -311,8 +312,14 @@ class Segments:
         self.size = offset
         return locations
 
+    def _open_fd(self) -> int:
+        """The current segment's file descriptor."""
+        if self._fd is None:
+            raise RuntimeError(f"the segments in {self.directory} are not open (open_current first; not after close)")
+        return self._fd
+
     def sync(self) -> None:
-        os.fdatasync(self._fd)
+        os.fdatasync(self._open_fd())
 
     @property
     def mark(self) -> tuple[int, int]:
@@ -325,11 +332,11 @@ class Segments:
         bytes no row refers to, deleted with it."""
         number, size = mark
         size = size if number == self.current else 0
-        os.ftruncate(self._fd, size)
+        os.ftruncate(self._open_fd(), size)
         self.size = size
 
     def _rotate(self) -> None:
-        os.close(self._fd)
+        os.close(self._open_fd())
         self._closed_sizes[self.current] = self.size
         self._rotated.append(self.current)
         self._failed = False
@@ -437,7 +444,7 @@ class Store:
         self.write_ahead_from = write_ahead_from
         self._writer: ThreadPoolExecutor | None = None  # started by the first write ahead
         self._writes: list[tuple[Future, Message]] = []  # this batch's writes ahead, in order
-        self._ahead_mark: tuple[int, int] | None = None  # where this batch's records start
+        self._ahead_mark = (0, 0)  # where this batch's records start (while `_writes` holds any)
 
     # -- start-up -----------------------------------------------------------
     def open(self) -> "Recovered":
@@ -645,13 +652,14 @@ class Store:
         start = self._ahead_mark if self.writing_ahead else self.segments.mark
         if not effects and not self.writing_ahead:
             return
-        puts = [e for e in effects if type(e) is PutTurn and e.message is not None]
+        # The applied turns' messages, whose records the rows refer to.
+        puts = [e.message for e in effects if type(e) is PutTurn and e.message is not None]
         try:
             located = self._written_ahead()
             if not effects:
                 self.segments.retire_unreferenced()
                 return  # what was written ahead was all refused: unreferenced records
-            inline = [e.message for e in puts if id(e.message) not in located]
+            inline = [m for m in puts if id(m) not in located]
             if inline:
                 located.update(zip(map(id, inline), self.segments.append([self._turn_record(m) for m in inline])))
             if self.sync == "full" and puts:
@@ -659,7 +667,7 @@ class Store:
         except OSError as exc:
             self._rewind(start)
             raise StoreUnavailable(f"cannot append to {self.segments.path(self.segments.current)}: {exc}") from None
-        locations = [located[id(e.message)] for e in puts]
+        locations = [located[id(m)] for m in puts]
         stored = iter(locations)  # in the order of `puts`, which is the effects' order
         released: list[int] = []
         try:

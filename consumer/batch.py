@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from rollstream.common.checker import Ledger, delivered_digest
@@ -75,7 +76,7 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return _upload(host, device)
 
 
-def concat_to_device(parts: Sequence[np.ndarray], dtype: np.dtype, device: torch.device, trailing=()) -> torch.Tensor:
+def concat_to_device(parts: Sequence[np.ndarray], dtype: npt.DTypeLike, device: torch.device, trailing=()) -> torch.Tensor:
     """`parts` concatenated along dim 0 straight into a (pinned) host buffer, then on `device`."""
     rows = sum(len(part) for part in parts)
     host = _staging((rows, *trailing), torch_dtype(dtype), device)
@@ -261,9 +262,16 @@ class Batch:
     def host_fields(self) -> dict[str, tuple]:
         return {name: getattr(self, name) for name in HOST_FIELDS}
 
+    def _masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`mask_ids` and `mask_offsets` of a batch that carries masks (`has_mask`)."""
+        if self.mask_ids is None or self.mask_offsets is None:
+            raise TypeError(f"batch {self.seq} carries no sampling-support masks")
+        return self.mask_ids, self.mask_offsets
+
     def support_sizes(self) -> torch.Tensor:
         """Ids per response token (the CSR's row lengths)."""
-        return self.mask_offsets[1:] - self.mask_offsets[:-1]
+        _, offsets = self._masks()
+        return offsets[1:] - offsets[:-1]
 
     @functools.cached_property
     def _cu(self) -> dict[str, np.ndarray]:
@@ -282,9 +290,10 @@ class Batch:
         """Each sample's own CSR offsets (starting at 0), in one pass."""
         starts = self._cu["response"][:-1]
         counts = self.lengths["response"] + 1  # a sample's offsets share its neighbours' ends
-        local = self.mask_offsets[gather_index(starts, counts, self.device)]
+        _, offsets = self._masks()
+        local = offsets[gather_index(starts, counts, self.device)]
         base = torch.repeat_interleave(
-            self.mask_offsets[torch.as_tensor(starts, device=self.device)], torch.as_tensor(counts, device=self.device),
+            offsets[torch.as_tensor(starts, device=self.device)], torch.as_tensor(counts, device=self.device),
             output_size=len(local),
         )
         return list((local - base).split(counts.tolist()))
@@ -299,9 +308,10 @@ class Batch:
         for name, values in self.ragged().items():
             key = RAGGED[name]
             out[name] = values[int(cu[key][i]) : int(cu[key][i + 1])]
-        if self.has_mask:
+        offsets = self.mask_offsets
+        if offsets is not None:  # `has_mask`
             lo, hi = int(cu["response"][i]), int(cu["response"][i + 1])
-            out["mask_offsets"] = self.mask_offsets[lo : hi + 1] - self.mask_offsets[lo]
+            out["mask_offsets"] = offsets[lo : hi + 1] - offsets[lo]
         return out
 
     def content_digests(self) -> list[str]:
@@ -386,7 +396,8 @@ class Batch:
         }
         if self.has_mask:
             ids_key, offsets_key = MASK_KEYS
-            data[ids_key] = self._split(cast(self.mask_ids, ids_key), "mask_ids")
+            mask_ids, _ = self._masks()
+            data[ids_key] = self._split(cast(mask_ids, ids_key), "mask_ids")
             data[offsets_key] = [cast(o, offsets_key) for o in self.sample_mask_offsets()]
         for key, name in REPLAY_KEYS.items():
             if name in self.replay:

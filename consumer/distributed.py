@@ -35,7 +35,7 @@ def encode_shard(batch: Batch) -> tuple[bytes, torch.Tensor]:
     """The header and the payload (uint8, on the batch's device) of a batch."""
     tensors = {f"ragged.{name}": values for name, values in batch.ragged().items()}
     tensors.update({f"sample.{name}": getattr(batch, name) for name in PER_SAMPLE})
-    if batch.has_mask:
+    if batch.mask_offsets is not None:  # `has_mask`
         tensors["mask_offsets"] = batch.mask_offsets
     entries, chunks, offset = [], [], 0
     for name, values in tensors.items():
@@ -44,12 +44,12 @@ def encode_shard(batch: Batch) -> tuple[bytes, torch.Tensor]:
         entries.append([name, str(values.dtype), list(values.shape), offset])
         chunks += [raw, torch.zeros(pad, dtype=torch.uint8, device=raw.device)]
         offset += raw.numel() + pad
-    host = batch.host_fields()
+    host = {name: list(values) for name, values in batch.host_fields().items()}
     host["gaps"] = [gap.to_wire() if gap else None for gap in batch.gaps]
     header = {
         "seq": batch.seq,
         "lengths": {key: values.tolist() for key, values in batch.lengths.items()},
-        "host": {name: list(values) for name, values in host.items()},
+        "host": host,
         "tensors": entries,
     }
     payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=batch.device)
@@ -159,7 +159,9 @@ class DistributedConsumer:
             sizes = torch.tensor([kind, header_tensor.numel(), payload.numel()], dtype=torch.int64, device=self.device)
             for tensor in (sizes, header_tensor, payload):
                 if tensor.numel():
-                    requests.append(dist.isend(tensor, self._global(rank), group=self.group))
+                    request = dist.isend(tensor, self._global(rank), group=self.group)
+                    assert request is not None  # None only on a rank outside `group`, which this one is in
+                    requests.append(request)
                     in_flight.append(tensor)  # alive until sent
         for request in requests:
             request.wait()
@@ -169,10 +171,10 @@ class DistributedConsumer:
         sizes = torch.zeros(3, dtype=torch.int64, device=self.device)
         dist.recv(sizes, src, group=self.group)
         kind, header_bytes, payload_bytes = sizes.tolist()
-        header = torch.empty(header_bytes, dtype=torch.uint8, device=self.device)
+        received = torch.empty(header_bytes, dtype=torch.uint8, device=self.device)
         if header_bytes:
-            dist.recv(header, src, group=self.group)
-        header = bytes(header.cpu().numpy())
+            dist.recv(received, src, group=self.group)
+        header = bytes(received.cpu().numpy())
         if kind == _STOP:
             raise ConsumerClosed(f"the source rank stopped: {header.decode()}")
         if kind == _FAILED:
@@ -194,9 +196,9 @@ class DistributedConsumer:
 
     def _agree(self, shard: Batch, action: str) -> None:
         mine = torch.tensor([shard.seq], dtype=torch.int64, device=self.device)
-        seqs = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(seqs, mine, group=self.group)
-        seqs = [int(s) for s in seqs]
+        gathered = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(gathered, mine, group=self.group)
+        seqs = [int(s) for s in gathered]
         if len(set(seqs)) != 1:
             raise RuntimeError(f"collective {action} out of step: ranks hold batches {seqs}, expected all {shard.seq}")
         if self.rank == self.src:

@@ -26,7 +26,7 @@ def round_robin(n: int, ranks: int) -> list[list[int]]:
     return [list(range(rank, n, ranks)) for rank in range(ranks)]
 
 
-def karmarkar_karp(weights: Sequence[int], ranks: int) -> list[list[int]]:
+def karmarkar_karp(weights: Sequence[float], ranks: int) -> list[list[int]]:
     """Equal-count multiway largest differencing.
 
     Items sorted by weight are cut into runs of `ranks` (padded with
@@ -42,7 +42,7 @@ def karmarkar_karp(weights: Sequence[int], ranks: int) -> list[list[int]]:
     pad = -len(order) % ranks
     items = [(0, None)] * pad + [(int(weights[i]), i) for i in order]
     tie = itertools.count()
-    heap = []
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []  # (-spread, tie-break, per rank (sum, items))
     for start in range(0, len(items), ranks):
         parts = [(w, [i] if i is not None else []) for w, i in items[start : start + ranks]]
         parts.sort(key=lambda p: -p[0])
@@ -60,11 +60,11 @@ def karmarkar_karp(weights: Sequence[int], ranks: int) -> list[list[int]]:
 
 def group_preserving(weights: Sequence[int], groups: Sequence[int], ranks: int) -> list[list[int]]:
     """Whole groups per rank, balanced by group weight (equal group counts)."""
-    groups = np.asarray(groups, dtype=np.int64)
-    n_groups = int(groups.max()) + 1 if len(groups) else 0
-    group_weights = np.bincount(groups, weights=np.asarray(weights, dtype=np.float64), minlength=n_groups)
-    members = [[] for _ in range(n_groups)]
-    for position, group in enumerate(groups.tolist()):
+    group_of = np.asarray(groups, dtype=np.int64)
+    n_groups = int(group_of.max()) + 1 if len(group_of) else 0
+    group_weights = np.bincount(group_of, weights=np.asarray(weights, dtype=np.float64), minlength=n_groups)
+    members: list[list[int]] = [[] for _ in range(n_groups)]
+    for position, group in enumerate(group_of.tolist()):
         members[group].append(position)
     return [sorted(p for g in chosen for p in members[g]) for chosen in karmarkar_karp(group_weights.tolist(), ranks)]
 

@@ -83,7 +83,7 @@ def sample_violations(deliveries: Sequence[Delivery]) -> list[Violation]:
         shapes = [a[name].shape[1:] if name in a else None for a in arrays]
         reference = next((shape for shape in shapes if shape is not None), None)
         flag(RULE_REPLAY_SHAPE, np.array([shape not in (None, reference) for shape in shapes], dtype=bool),
-             lambda s: f"{name} has shape {list(arrays[s][name].shape)}, expected [k, {', '.join(map(str, reference))}]")
+             lambda s: f"{name} has shape {list(arrays[s][name].shape)}, expected [k, {', '.join(map(str, reference or ()))}]")
 
     for replay_field in REPLAY_FIELDS:
         present = np.array([_carries(a, replay_field) for a in arrays], dtype=bool)
