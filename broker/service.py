@@ -739,8 +739,8 @@ class BrokerService:
         effects = self.engine.expire(now.wall)
         if self._commit(effects):
             self._count_effects(effects)
-        # pyzmq types Socket.get as `int | bytes` for every option; EVENTS is an int.
-        if self.sockets["consumer"].get(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type]
+        events = self.sockets["consumer"].get(zmq.EVENTS)  # an int (pyzmq types every option as `int | bytes`)
+        if isinstance(events, int) and events & zmq.POLLIN:
             self._serve_consumers(now)  # heartbeats that waited behind a long pass: never drop a live consumer unheard
         self._dead_letter(self.dispatcher.tick(now.mono), "max_deliveries", now)
         new_redeliveries = self.dispatcher.redeliveries - self._redeliveries_seen
