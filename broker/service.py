@@ -52,6 +52,7 @@ from .engine import (
     MergeEngine,
 )
 from .flow import DiskAdmission, MemoryBudget, WindowGrants
+from .hello import Hellos
 from .metrics import BrokerMetrics
 from .recovery import load_trajectory, restore
 from .settings import BrokerSettings
@@ -65,7 +66,6 @@ PROBE_EVERY = 1.0  # seconds between store probes while unavailable
 PRODUCER_FORGET_AFTER = 3600.0  # seconds after which a silent producer connection is forgotten
 # Bytes: a larger frame (a 1 MiB turn of top-p supports, sent split) goes without a copy (see `_send`).
 ZERO_COPY_SEND_ABOVE = 1 << 19
-DELIVER_LAYOUTS = ("packed_arrays", "split_arrays")  # hello flags for `deliver` layouts a consumer reads (PROTOCOL.md §4)
 # A turn frame this large (a turn of top-p-sized supports) has its content
 # rules checked on a thread of their own as soon as it is decoded, while the
 # main thread receives and decodes the rest of the batch; numpy releases the
@@ -123,9 +123,8 @@ class BrokerService:
         self.admission = DiskAdmission(settings.max_disk_bytes, self._disk_reserve())
         self.producers: dict[bytes, float] = {}  # connection -> last heard
         self.grants = WindowGrants(settings.window, settings.max_in_flight)  # frames in flight per producer connection
-        self.batch_acks: set[bytes] = set()  # connections whose hello asked for one `acks` per commit
-        # Per consumer connection, the `deliver` layouts its hello said it reads.
-        self.consumer_layouts: dict[bytes, frozenset] = {}
+        self.hellos = Hellos(self.broker_id, max_message_bytes=settings.max_message_bytes,
+                             lease_timeout=settings.lease_timeout, heartbeat_interval=settings.heartbeat_interval)
         self._stopping = False
         self._next_housekeeping = 0.0
         self._next_probe = 0.0
@@ -332,7 +331,7 @@ class BrokerService:
                     unavailable = ProtocolError("unavailable", "the broker cannot persist right now; resend later",
                                                 seq=item.ack["seq"])
                     reply = self._refuse("producer", unavailable, item.message)
-                elif item.identity in self.batch_acks:
+                elif item.identity in self.hellos.batch_acks:
                     continue  # in its connection's `acks`
                 else:
                     reply = encode(BROKER_TO_PRODUCER, "ack", item.ack, checked=False)
@@ -359,7 +358,7 @@ class BrokerService:
         `applied` listed on their own."""
         by_identity: dict[bytes, dict] = {}
         for item in pending:
-            if item.ack is None or item.identity not in self.batch_acks:
+            if item.ack is None or item.identity not in self.hellos.batch_acks:
                 continue
             ack = item.ack
             seq = ack["seq"]
@@ -434,20 +433,9 @@ class BrokerService:
             return _Pending(identity, self._refuse("producer", error, message)), []
         assert message is not None  # one that failed to decode is received with its error
         if message.type == "hello":
-            s = self.settings
             log.info("producer connected", extra={"producer_id": message["producer_id"]})
             self._count_active_producers(now.mono)
-            fields = {"broker_id": self.broker_id, "max_message_bytes": s.max_message_bytes,
-                      "window": self.grants.grant(identity)}
-            if "seq" in message.fields:
-                fields["seq"] = message["seq"]
-            if message.get("batch_acks"):
-                self.batch_acks.add(identity)
-                fields["batch_acks"] = True
-            else:
-                self.batch_acks.discard(identity)
-            if message.get("batch_frames"):  # any producer may send batches: this tells it this broker reads them
-                fields["batch_frames"] = True
+            fields = self.hellos.welcome_producer(identity, message.fields, self.grants.grant(identity))
             return _Pending(identity, encode(BROKER_TO_PRODUCER, "welcome", fields)), []
         if message.type == "ping":
             pong = {"seq": message["seq"], "window": self.grants.grant(identity)}
@@ -544,7 +532,7 @@ class BrokerService:
     def _forget_producer(self, identity: bytes) -> None:
         """A connection that is gone (a reconnect comes with a new identity)."""
         self.producers.pop(identity, None)
-        self.batch_acks.discard(identity)
+        self.hellos.forget_producer(identity)
         self.grants.forget(identity)
 
     # -- consumers ------------------------------------------------------------
@@ -579,15 +567,7 @@ class BrokerService:
         if message.type == "hello":
             self._dead_letter(dispatcher.hello(identity, message["consumer_id"], now.mono), "max_deliveries", now)
             log.info("consumer connected", extra={"consumer_id": message["consumer_id"]})
-            fields = {"broker_id": self.broker_id, "lease_timeout": self.settings.lease_timeout,
-                      "heartbeat_interval": self.settings.heartbeat_interval}
-            for gone in self.consumer_layouts.keys() - dispatcher.consumers.keys():  # connections the dispatcher dropped
-                del self.consumer_layouts[gone]
-            layouts = frozenset(name for name in DELIVER_LAYOUTS if message.get(name))
-            self.consumer_layouts[identity] = layouts
-            fields.update(dict.fromkeys(layouts, True))
-            if "seq" in message.fields:
-                fields["seq"] = message["seq"]
+            fields = self.hellos.welcome_consumer(identity, message.fields, dispatcher.consumers.keys())
             self._send("consumer", identity, encode(BROKER_TO_CONSUMER, "welcome", fields))
             return None
         if not dispatcher.seen(identity, now.mono):
@@ -663,7 +643,7 @@ class BrokerService:
                                         refund=True)
                 break
             for delivery in deliveries[start:end]:
-                layouts = self.consumer_layouts.get(delivery.identity, frozenset())
+                layouts = self.hellos.reads(delivery.identity)
                 trajectory = self.engine.entries[delivery.trajectory_id].trajectory
                 assert trajectory is not None  # `_read_unit` read it back
                 frames = encode_deliver(trajectory, delivery.lease, delivery_count=delivery.delivery_count,

@@ -1,0 +1,64 @@
+"""What a broker answers a `hello` with, and what each connection's hello
+negotiated (docs/protocol.md §3, §4), sans-I/O.
+
+A producer may ask for batched acknowledgements and say it sends batches;
+a consumer says which `deliver` layouts it reads. Each choice holds for its
+connection until the next hello. The service asks `welcome_producer` /
+`welcome_consumer` for the welcome's fields, and consults what was
+negotiated when it answers or delivers.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+DELIVER_LAYOUTS = ("packed_arrays", "split_arrays")  # hello flags for `deliver` layouts a consumer reads (§4)
+
+
+class Hellos:
+    """The broker's side of every connection's handshake."""
+
+    def __init__(self, broker_id: str, *, max_message_bytes: int, lease_timeout: float, heartbeat_interval: float):
+        self.broker_id = broker_id
+        self.max_message_bytes = max_message_bytes
+        self.lease_timeout = lease_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.batch_acks: set[bytes] = set()  # producer connections that asked for one `acks` per commit
+        self.layouts: dict[bytes, frozenset[str]] = {}  # consumer connection -> the `deliver` layouts it reads
+
+    def welcome_producer(self, identity: bytes, hello: Mapping[str, Any], window: int) -> dict[str, Any]:
+        """The welcome's fields for a producer's hello, granting `window`
+        frames in flight: batched acks when asked for, and word that this
+        broker reads batches when the producer sends them."""
+        fields: dict[str, Any] = {"broker_id": self.broker_id, "max_message_bytes": self.max_message_bytes,
+                                  "window": window}
+        if "seq" in hello:
+            fields["seq"] = hello["seq"]
+        if hello.get("batch_acks"):
+            self.batch_acks.add(identity)
+            fields["batch_acks"] = True
+        else:
+            self.batch_acks.discard(identity)
+        if hello.get("batch_frames"):
+            fields["batch_frames"] = True
+        return fields
+
+    def forget_producer(self, identity: bytes) -> None:
+        self.batch_acks.discard(identity)
+
+    def welcome_consumer(self, identity: bytes, hello: Mapping[str, Any], live: Collection[bytes]) -> dict[str, Any]:
+        """The welcome's fields for a consumer's hello, with the layouts it
+        reads echoed; connections no longer `live` are forgotten."""
+        for gone in self.layouts.keys() - set(live):
+            del self.layouts[gone]
+        layouts = frozenset(name for name in DELIVER_LAYOUTS if hello.get(name))
+        self.layouts[identity] = layouts
+        fields: dict[str, Any] = {"broker_id": self.broker_id, "lease_timeout": self.lease_timeout,
+                                  "heartbeat_interval": self.heartbeat_interval, **dict.fromkeys(layouts, True)}
+        if "seq" in hello:
+            fields["seq"] = hello["seq"]
+        return fields
+
+    def reads(self, identity: bytes) -> frozenset[str]:
+        """The `deliver` layouts consumer connection `identity` reads."""
+        return self.layouts.get(identity, frozenset())
