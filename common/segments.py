@@ -183,6 +183,10 @@ class SegmentLog:
         os.ftruncate(self._open_fd(), size)
         self.size = size
 
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

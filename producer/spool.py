@@ -68,7 +68,7 @@ class Spool:
             raise ValueError(f"segment_bytes must be at most half of max_bytes={max_bytes} (space is freed a segment "
                              f"at a time), got {self.segment_bytes}")
         self.fsync = fsync
-        self._log: SegmentLog | None = None  # from a successful open until `close`
+        self._log: SegmentLog | None = None  # from a successful open
         self._unsettled: dict[int, int] = {}  # unsettled frames by segment number, oldest first: every segment on disk
         self._where: dict[int, Location] = {}  # unsettled seq -> its record
         self._pending: deque[int] = deque()  # backlog: seqs spooled but not handed out, in order
@@ -189,8 +189,9 @@ class Spool:
             log.remove(number)
 
     def _opened(self) -> SegmentLog:
+        """The log (after `close` still, for its byte count: appends to it raise)."""
         if self._log is None:
-            raise SpoolError(f"spool {self.directory} is closed")
+            raise SpoolError(f"spool {self.directory} failed to open")
         return self._log
 
     # -- reading the backlog ------------------------------------------------------
@@ -207,12 +208,11 @@ class Spool:
 
     def close(self) -> None:
         """Release the spool; with nothing left unsettled its segments go too."""
-        if self._log is not None:
+        if self._log is not None and not self._log.closed:
             self._log.close()
             if not self._where:
                 for number in self._log.existing():
                     self._log.remove(number)
-            self._log = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
