@@ -1,5 +1,6 @@
 """The broker's durable store: state in SQLite (WAL), turn payloads in
-append-only segment files with a length and CRC-32 per record.
+append-only segment files (`rollstream.common.segments`: a magic, length and
+CRC-32 per record).
 
 Why two places: on this class of machine SQLite commits about 10k 25 KB blobs
 per second in batches, while a plain file takes about 30k such appends per
@@ -26,13 +27,14 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import msgpack
 
-from rollstream.common.codec import Message, content_digest, crc32_continued, crc32_of, decode_trusted, encode
+from rollstream.common.codec import Message, content_digest, crc32_continued, decode_trusted, encode
 from rollstream.common.errors import RollstreamError
 from rollstream.common.messages import PRODUCER_TO_BROKER
+from rollstream.common.segments import SegmentLog
 
 from .engine import (
     CloseGroup,
@@ -52,9 +54,6 @@ from .engine import (
 SCHEMA_VERSION = 4  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
 # 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`)
 _READABLE_VERSIONS = (2, 3, 4)  # a version 2 or 3 store is upgraded in place: its ends get their CRCs
-RECORD_MAGIC = 0x52534731  # "RSG1"
-RECORD_HEADER = struct.Struct("<III")  # magic, payload length, crc32 of payload
-_IOV_MAX = 512
 
 # A turn this large (long top-p supports) is written ahead on the writer
 # thread; smaller ones are written inline by their commit, where handing them
@@ -251,148 +250,21 @@ def _unpack_frames(payload: memoryview) -> list[memoryview]:
     return frames
 
 
-class Segments:
-    """Append-only record files `seg-NNNNNNNN.log` with per-file live counts."""
+class Segments(SegmentLog):
+    """The store's segment log, with a live record count per segment: a
+    finished segment goes when no row refers to it any more."""
 
     def __init__(self, directory: Path, max_bytes: int):
-        self.directory = directory
-        self.max_bytes = max_bytes
-        directory.mkdir(parents=True, exist_ok=True)
+        super().__init__(directory, max_bytes, damaged=StoreCorrupted)
         self.live: dict[int, int] = {}
-        numbers = sorted(int(p.stem.split("-")[1]) for p in directory.glob("seg-*.log"))
-        self.current = numbers[-1] if numbers else 1
-        self._fd: int | None = None  # the current segment's, from `open_current` until `close`
-        self._closed_sizes: dict[int, int] = {}  # finished segments never grow, so their sizes are kept
         self._rotated: list[int] = []  # finished since the last `retire_unreferenced`
-        self._failed = False  # a write to the current segment failed: the next append starts a new one
 
-    def path(self, number: int) -> Path:
-        return self.directory / f"seg-{number:08d}.log"
-
-    def existing(self) -> list[int]:
-        return sorted(int(p.stem.split("-")[1]) for p in self.directory.glob("seg-*.log"))
-
-    def open_current(self, committed_end: int) -> None:
-        """Open the newest segment for appends, cutting any torn tail."""
-        self._fd = fd = os.open(self.path(self.current), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        if os.fstat(fd).st_size > committed_end:
-            os.ftruncate(fd, committed_end)
-        self.size = committed_end
-        self._closed_sizes = {n: self.path(n).stat().st_size for n in self.existing() if n != self.current}
-
-    def append(self, records: list[tuple[list, int | None]]) -> list[tuple[int, int, int]]:
-        """Write records (each a list of buffers and its CRC, or None to
-        compute it) in as few syscalls as possible; returns (segment,
-        offset, length) per record."""
-        if self.size >= self.max_bytes or self._failed:
-            self._rotate()
-        fd = self._open_fd()
-        locations, buffers, offset = [], [], self.size
-        for parts, crc in records:
-            length = sum(map(len, parts))
-            buffers.append(RECORD_HEADER.pack(RECORD_MAGIC, length, crc32_of(parts) if crc is None else crc))
-            buffers.extend(parts)
-            locations.append((self.current, offset + RECORD_HEADER.size, length))
-            offset += RECORD_HEADER.size + length
-        start = self.size
-        try:
-            for i in range(0, len(buffers), _IOV_MAX):
-                chunk = buffers[i : i + _IOV_MAX]
-                expected = sum(map(len, chunk))
-                written = os.writev(fd, chunk)
-                if written != expected:  # a short write: finish it the slow way
-                    os.write(fd, b"".join(bytes(memoryview(b)) for b in chunk)[written:])
-        except OSError:
-            os.ftruncate(fd, start)
-            # A file-size limit below `max_bytes` would fail every later
-            # write here too: go on in a new file (an empty one never
-            # rotates, so a full disk does not leave a file per attempt).
-            self._failed = start > 0
-            raise
-        self.size = offset
-        return locations
-
-    def _open_fd(self) -> int:
-        """The current segment's file descriptor."""
-        if self._fd is None:
-            raise RuntimeError(f"the segments in {self.directory} are not open (open_current first; not after close)")
-        return self._fd
-
-    def sync(self) -> None:
-        os.fdatasync(self._open_fd())
-
-    @property
-    def mark(self) -> tuple[int, int]:
-        """Where the next record goes: `rewind` to it undoes what follows."""
-        return self.current, self.size
-
-    def rewind(self, mark: tuple[int, int]) -> None:
-        """Cut what was appended since `mark`. Past a rotation the current
-        segment holds only those records; in the older one they stay as
-        bytes no row refers to, deleted with it."""
-        number, size = mark
-        size = size if number == self.current else 0
-        os.ftruncate(self._open_fd(), size)
-        self.size = size
-
-    def _rotate(self) -> None:
-        os.close(self._open_fd())
-        self._closed_sizes[self.current] = self.size
+    def rotate(self) -> None:
         self._rotated.append(self.current)
-        self._failed = False
-        self.current += 1
-        self._fd = os.open(self.path(self.current), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        self.size = 0
+        super().rotate()
 
     def read(self, location: tuple[int, int, int]) -> memoryview:
         return self.read_many([location])[0]
-
-    def read_many(self, locations: list[tuple[int, int, int]]) -> list[memoryview]:
-        """Records in the order given, each segment opened once: rebuilding
-        a trajectory costs its bytes, not a file open per turn."""
-        by_segment: dict[int, list[int]] = {}
-        for i, (number, _, _) in enumerate(locations):
-            by_segment.setdefault(number, []).append(i)
-        out: list = [None] * len(locations)
-        for number, indices in by_segment.items():
-            fd = os.open(self.path(number), os.O_RDONLY)
-            try:
-                for i in indices:
-                    _, offset, length = locations[i]
-                    out[i] = self._checked(os.pread(fd, RECORD_HEADER.size + length, offset - RECORD_HEADER.size),
-                                           locations[i])
-            finally:
-                os.close(fd)
-        return out
-
-    @staticmethod
-    def _checked(data: bytes, location) -> memoryview:
-        number, offset, length = location
-        if len(data) != RECORD_HEADER.size + length:
-            raise StoreCorrupted(f"segment file seg-{number:08d}.log ends before the record at offset {offset} "
-                                 f"({length} bytes)")
-        magic, stored_length, crc = RECORD_HEADER.unpack_from(data)
-        payload = memoryview(data)[RECORD_HEADER.size :]
-        if magic != RECORD_MAGIC or stored_length != length:
-            raise StoreCorrupted(f"segment file seg-{number:08d}.log, record at offset {offset}: bad header (magic "
-                                 f"{magic:#x}, expected {RECORD_MAGIC:#x}; length {stored_length}, expected {length})")
-        if crc32_of([payload]) != crc:
-            raise StoreCorrupted(f"segment file seg-{number:08d}.log, record at offset {offset}: CRC mismatch")
-        return payload
-
-    def verify(self, locations: Iterable[tuple[int, int, int]]) -> None:
-        """Check every referenced record (start-up integrity check)."""
-        by_segment: dict[int, list] = {}
-        for location in locations:
-            by_segment.setdefault(location[0], []).append(location)
-        for number, locs in by_segment.items():
-            path = self.path(number)
-            if not path.exists():
-                raise StoreCorrupted(f"segment file {path.name} is missing but {len(locs)} record(s) refer to it")
-            data = path.read_bytes()
-            for loc in locs:
-                start = loc[1] - RECORD_HEADER.size
-                self._checked(data[start : start + RECORD_HEADER.size + loc[2]], loc)
 
     def release(self, number: int) -> None:
         """One record fewer in `number`; unlink a finished segment at zero."""
@@ -411,20 +283,6 @@ class Segments:
                 self.live.pop(number, None)
                 self.remove(number)
         self._rotated.clear()
-
-    def remove(self, number: int) -> None:
-        """Delete a finished segment."""
-        self.path(number).unlink(missing_ok=True)
-        self._closed_sizes.pop(number, None)
-
-    def bytes_on_disk(self) -> int:
-        """Without listing the directory: the broker asks five times a second."""
-        return sum(self._closed_sizes.values()) + self.size
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 class Store:

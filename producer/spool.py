@@ -3,51 +3,47 @@ so a producer that dies and restarts with the same `producer_id` and spool
 resends them, and one that cannot reach its broker keeps accepting frames
 until the spool's byte budget is used.
 
-Layout of a spool directory:
+Layout of a spool directory (format 2):
 - `PRODUCER`: the producer id the spool belongs to;
 - `LOCK`: held (flock) by the one live producer using the spool;
-- `NNNNNNNNNNNNNNNN.seg`: append-only segments of records.
+- `seg-NNNNNNNN.log`: the segment log of `rollstream.common.segments` (the
+  broker's store writes the same records).
 
-A record is `[u32 payload length][u32 CRC-32 of payload][payload]`, little
-endian. Payloads: `F` + u64 seq + u32 frame count + (u32 length + bytes) per
-frame (the encoded wire frames, verbatim: no pickle) for a frame, or
-`S` + u64 seq when that frame was settled. Segments are deleted oldest first
-once every frame in them is settled and the backlog reader is past them. A
-torn record at the very end (a crash mid-write) is cut off on open; a bad
-record anywhere else is corruption and refuses the open.
+Payloads: `F` + u64 seq + u32 frame count + (u32 length + bytes) per frame
+(the encoded wire frames, verbatim: no pickle) for a frame, or `S` + u64 seq
+when that frame was settled. Segments are deleted oldest first once every
+frame in them is settled. A torn record at the very end (a crash mid-write)
+is cut off on open; a bad record anywhere else is corruption and refuses the
+open. A format 1 spool (`NNNNNNNNNNNNNNNN.seg` files of `[u32 length][u32
+CRC-32]` records) is refused: spools are transient, so there is no upgrade.
 """
 from __future__ import annotations
 
 import fcntl
 import os
 import struct
-from dataclasses import dataclass
+from collections import deque
 from pathlib import Path
+from typing import Callable
 
-from rollstream.common.codec import crc32_of
+from rollstream.common.segments import HEADER, Location, SegmentLog
 
-RECORD = struct.Struct("<II")  # payload length, crc32(payload)
 FRAME_HEAD = struct.Struct("<cQI")  # b"F", seq, frame count
 FRAME_LEN = struct.Struct("<I")
 SETTLED = struct.Struct("<cQ")  # b"S", seq
-SUFFIX = ".seg"
+FORMAT = "format 2 (seg-NNNNNNNN.log files of [u32 magic][u32 length][u32 CRC-32] records)"
+_FORMAT_1 = "format 1 (NNNNNNNNNNNNNNNN.seg files of [u32 length][u32 CRC-32] records)"
 
 
 class SpoolError(RuntimeError):
-    """The spool cannot be used (belongs to another producer, is locked, or is
-    corrupted); the message names the file and the rule."""
-
-
-@dataclass
-class _Segment:
-    path: Path
-    size: int
-    unsettled: int = 0
+    """The spool cannot be used (belongs to another producer, is locked, is
+    of another format, or is corrupted); the message names the file and the
+    rule."""
 
 
 def record_bytes(frames: list) -> int:
     """Bytes a frame takes in the spool, framing included."""
-    return RECORD.size + FRAME_HEAD.size + sum(FRAME_LEN.size + memoryview(f).nbytes for f in frames)
+    return HEADER.size + FRAME_HEAD.size + sum(FRAME_LEN.size + memoryview(f).nbytes for f in frames)
 
 
 def default_segment_bytes(max_bytes: int) -> int:
@@ -72,14 +68,18 @@ class Spool:
             raise ValueError(f"segment_bytes must be at most half of max_bytes={max_bytes} (space is freed a segment "
                              f"at a time), got {self.segment_bytes}")
         self.fsync = fsync
-        self._segments: dict[int, _Segment] = {}  # by number, oldest first
-        self._where: dict[int, int] = {}  # unsettled seq -> segment number
-        self._fd: int | None = None  # the segment being appended to
+        self._log: SegmentLog | None = None  # from a successful open
+        self._unsettled: dict[int, int] = {}  # unsettled frames by segment number, oldest first: every segment on disk
+        self._where: dict[int, Location] = {}  # unsettled seq -> its record
+        self._pending: deque[int] = deque()  # backlog: seqs spooled but not handed out, in order
         self._lock_fd: int | None = None
-        self._cursor: tuple[int, int] = (0, 0)  # backlog reader: segment number, offset
-        self.backlog = 0  # unsettled frames not yet handed out by `next_backlog`
         self.last_seq = 0  # highest seq ever recorded
         self._open()
+
+    @property
+    def backlog(self) -> int:
+        """Unsettled frames not yet handed out by `next_backlog`."""
+        return len(self._pending)
 
     # -- opening and recovery -------------------------------------------------
     def _open(self) -> None:
@@ -90,6 +90,12 @@ class Spool:
         except BlockingIOError:
             os.close(self._lock_fd)
             raise SpoolError(f"spool {self.directory} is in use by another live producer (LOCK is held)") from None
+        old = sorted(self.directory.glob("*.seg"))
+        if old:
+            self.close()
+            raise SpoolError(f"spool {self.directory}: {old[0].name} is a spool file of {_FORMAT_1}, this producer reads "
+                             f"{FORMAT}; spools are transient and not upgraded: let the old producer version resend it, "
+                             "or delete the directory")
         owner_file = self.directory / "PRODUCER"
         if owner_file.exists():
             owner = owner_file.read_text(encoding="utf-8")
@@ -98,53 +104,35 @@ class Spool:
                 raise SpoolError(f"spool {self.directory} belongs to producer {owner!r}, not {self.producer_id!r}")
         else:
             owner_file.write_text(self.producer_id, encoding="utf-8")
-        numbers = sorted(int(p.stem) for p in self.directory.glob("*" + SUFFIX) if p.stem.isdigit())
-        for i, number in enumerate(numbers):
-            self._recover(number, last=i == len(numbers) - 1)
-        self.backlog = len(self._where)
-        if numbers:
-            last = numbers[-1]
-            self._cursor = (numbers[0], 0) if self.backlog else (last, self._segments[last].size)
-            self._fd = os.open(self._path(last), os.O_WRONLY | os.O_APPEND)
-        else:
-            self._start_segment(0)
+        log = SegmentLog(self.directory, self.segment_bytes, damaged=SpoolError)
+        numbers = log.existing()
+        end = 0
+        for number in numbers:
+            scan = log.scan(number)
+            if scan.damage is not None and not (scan.torn and number == numbers[-1]):
+                raise SpoolError(f"spool {self.directory}: {scan.damage}")
+            self._unsettled[number] = 0
+            for location, payload in scan.records:
+                self._recover(location, payload, log)
+            end = scan.end  # the last segment's torn record, if any, is cut here
+        log.open_current(end)
+        self._unsettled.setdefault(log.current, 0)
+        self._pending.extend(self._where)  # nothing is handed out yet: every unsettled frame, oldest first
+        self._log = log
 
-    def _path(self, number: int) -> Path:
-        return self.directory / f"{number:016d}{SUFFIX}"
-
-    def _recover(self, number: int, last: bool) -> None:
-        path = self._path(number)
-        data = path.read_bytes()
-        segment = _Segment(path, len(data))
-        self._segments[number] = segment
-        offset = 0
-        while offset < len(data):
-            parsed = _parse(data, offset)
-            if isinstance(parsed, _Bad):
-                if not (last and parsed.torn):
-                    raise SpoolError(f"spool segment {path} is corrupted at byte {offset}: {parsed.problem}")
-                with open(path, "r+b") as f:  # the final write was cut short by a crash
-                    f.truncate(offset)
-                segment.size = offset
-                break
-            kind, seq, _, offset = parsed
-            self.last_seq = max(self.last_seq, seq)
-            if kind == b"F":
-                self._where[seq] = number
-                segment.unsettled += 1
-            elif seq in self._where:
-                self._segments[self._where.pop(seq)].unsettled -= 1
-
-    def _start_segment(self, number: int) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-        self._fd = os.open(self._path(number), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._segments[number] = _Segment(self._path(number), 0)
+    def _recover(self, location: Location, payload: memoryview, log: SegmentLog) -> None:
+        kind, seq, _ = _parse(payload, lambda: log.where(*location[:2]))
+        self.last_seq = max(self.last_seq, seq)
+        if kind == b"F":
+            self._where[seq] = location
+            self._unsettled[location[0]] += 1
+        elif seq in self._where:
+            self._unsettled[self._where.pop(seq)[0]] -= 1
 
     # -- writing ----------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        return sum(segment.size for segment in self._segments.values())
+        return self._opened().bytes_on_disk()
 
     def fits(self, frames: list) -> bool:
         return self.nbytes + record_bytes(frames) <= self.max_bytes
@@ -159,128 +147,97 @@ class Spool:
         needed = record_bytes(frames)
         if needed > self.max_bytes:
             raise ValueError(f"a frame of {needed} spool bytes exceeds spool_bytes={self.max_bytes}")
-        parts = [FRAME_HEAD.pack(b"F", seq, len(frames))]
+        parts: list[bytes | memoryview] = [FRAME_HEAD.pack(b"F", seq, len(frames))]
         for frame in frames:
-            parts += [FRAME_LEN.pack(memoryview(frame).nbytes), frame]
-        number = self._write(parts)
+            view = memoryview(frame).cast("B")  # the log counts buffers by len
+            parts += [FRAME_LEN.pack(len(view)), view]
+        location = self._write(parts)
         self.last_seq = seq
-        self._where[seq] = number
-        self._segments[number].unsettled += 1
-        if handed_out:
-            self._cursor = (number, self._segments[number].size)
-        else:
-            self.backlog += 1
+        self._where[seq] = location
+        self._unsettled[location[0]] += 1
+        if not handed_out:
+            self._pending.append(seq)
 
     def settle(self, seq: int) -> None:
         """The broker settled `seq` (acked or refused): it is not resent."""
-        number = self._where.pop(seq, None)
-        if number is None:
+        location = self._where.pop(seq, None)
+        if location is None:
             return
         self._write([SETTLED.pack(b"S", seq)])
-        self._segments[number].unsettled -= 1
+        self._unsettled[location[0]] -= 1
+        if self._pending and seq >= self._pending[0]:  # settled before it was handed out (every later one is pending)
+            self._pending.remove(seq)
         self._compact()
 
-    def _write(self, parts: list) -> int:
-        payload_len = sum(memoryview(p).nbytes for p in parts)
-        header = RECORD.pack(payload_len, crc32_of(parts))
-        number = next(reversed(self._segments))
-        assert self._fd is not None, "a segment is open from opening the spool until closing it"
-        os.writev(self._fd, [header, *parts])
+    def _write(self, parts: list) -> Location:
+        log = self._opened()
+        (location,) = log.append([(parts, None)])
         if self.fsync:
-            os.fsync(self._fd)
-        self._segments[number].size += RECORD.size + payload_len
-        if self._segments[number].size >= self.segment_bytes:
-            self._start_segment(number + 1)
-        return number
+            log.sync()
+        self._unsettled.setdefault(location[0], 0)
+        return location
 
     def _compact(self) -> None:
-        """Delete the oldest segments whose frames are all settled and that
-        the backlog reader has left behind (never the one being written)."""
-        current = next(reversed(self._segments))
-        while len(self._segments) > 1:
-            number = next(iter(self._segments))
-            segment = self._segments[number]
-            if number == current or segment.unsettled or number >= self._cursor[0]:
+        """Delete the oldest segments whose frames are all settled (never
+        the one being written)."""
+        log = self._opened()
+        while len(self._unsettled) > 1:
+            number = next(iter(self._unsettled))
+            if number == log.current or self._unsettled[number]:
                 return
-            segment.path.unlink()
-            del self._segments[number]
+            del self._unsettled[number]
+            log.remove(number)
+
+    def _opened(self) -> SegmentLog:
+        """The log (after `close` still, for its byte count: appends to it raise)."""
+        if self._log is None:
+            raise SpoolError(f"spool {self.directory} failed to open")
+        return self._log
 
     # -- reading the backlog ------------------------------------------------------
     def next_backlog(self) -> tuple[int, list[bytes]] | None:
         """The oldest unsettled frame not yet handed out, as (seq, frames)."""
-        while self.backlog:
-            number, offset = self._cursor
-            segment = self._segments.get(number)
-            if segment is None or offset >= segment.size:
-                following = [n for n in self._segments if n > number]
-                if not following:
-                    raise SpoolError(f"spool {self.directory} lost track of {self.backlog} backlog frame(s)")
-                self._cursor = (following[0], 0)
-                self._compact()
-                continue
-            with open(segment.path, "rb") as f:
-                f.seek(offset)
-                head = f.read(RECORD.size)
-                length, _ = RECORD.unpack(head)
-                data = head + f.read(length)
-            parsed = _parse(data, 0)
-            if isinstance(parsed, _Bad):
-                raise SpoolError(f"spool segment {segment.path} is corrupted at byte {offset}: {parsed.problem}")
-            kind, seq, frames, size = parsed
-            self._cursor = (number, offset + size)
-            if kind == b"F" and seq in self._where:
-                self.backlog -= 1
-                return seq, frames
-        return None
+        log = self._opened()
+        if not self._pending:
+            return None
+        seq = self._pending.popleft()
+        location = self._where[seq]
+        (payload,) = log.read_many([location])
+        _, _, frames = _parse(payload, lambda: log.where(*location[:2]))
+        return seq, frames
 
     def close(self) -> None:
         """Release the spool; with nothing left unsettled its segments go too."""
-        if self._fd is not None and not self._where:
-            for segment in self._segments.values():
-                segment.path.unlink(missing_ok=True)
-        for fd in (self._fd, self._lock_fd):
-            if fd is not None:
-                os.close(fd)
-        self._fd = self._lock_fd = None
+        if self._log is not None and not self._log.closed:
+            self._log.close()
+            if not self._where:
+                for number in self._log.existing():
+                    self._log.remove(number)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
-@dataclass(frozen=True)
-class _Bad:
-    """Why the bytes at an offset are not a valid record; `torn` when they
-    could be a write cut short (the record runs past the end of the file, or
-    it is the last one and fails its CRC)."""
-
-    problem: str
-    torn: bool
-
-
-def _parse(data: bytes, offset: int):
-    """(kind, seq, frames, next offset) of the record at `offset`, or `_Bad`."""
-    if offset + RECORD.size > len(data):
-        return _Bad(f"record header needs {RECORD.size} bytes, {len(data) - offset} remain", torn=True)
-    length, crc = RECORD.unpack_from(data, offset)
-    start, end = offset + RECORD.size, offset + RECORD.size + length
-    if end > len(data):
-        return _Bad(f"record payload needs {length} bytes, {len(data) - start} remain", torn=True)
-    payload = memoryview(data)[start:end]
-    actual = crc32_of([payload])
-    if actual != crc:
-        return _Bad(f"record CRC-32 is {actual}, its header says {crc}", torn=end == len(data))
+def _parse(payload: memoryview, where: Callable[[], str]) -> tuple[bytes, int, list[bytes]]:
+    """(kind, seq, frames) of a record's payload (no frames for a settled
+    one), or `SpoolError` naming `where()` (its file and offset) and the rule."""
+    length = len(payload)
     kind = bytes(payload[:1])
     if kind == b"S" and length == SETTLED.size:
-        return kind, SETTLED.unpack_from(payload)[1], None, end
+        return kind, SETTLED.unpack_from(payload)[1], []
     if kind != b"F" or length < FRAME_HEAD.size:
-        return _Bad(f"record kind must be F (frame) or S (settled) of a valid size, got {kind!r} of {length} bytes", False)
+        raise SpoolError(f"{where()}: record kind must be F (frame) or S (settled) of a valid size, "
+                         f"got {kind!r} of {length} bytes")
     _, seq, count = FRAME_HEAD.unpack_from(payload)
     frames: list[bytes] = []
     pos = FRAME_HEAD.size
     for _ in range(count):
         if pos + FRAME_LEN.size > length:
-            return _Bad(f"frame record of seq {seq} promises {count} frames but ends after {len(frames)}", False)
+            raise SpoolError(f"{where()}: frame record of seq {seq} promises {count} frames but ends after {len(frames)}")
         (size,) = FRAME_LEN.unpack_from(payload, pos)
         pos += FRAME_LEN.size
         frames.append(bytes(payload[pos : pos + size]))
         pos += size
     if pos != length:
-        return _Bad(f"frame record of seq {seq} has {length} payload bytes, its frames account for {pos}", False)
-    return kind, seq, frames, end
+        raise SpoolError(f"{where()}: frame record of seq {seq} has {length} payload bytes, its frames account for {pos}")
+    return kind, seq, frames

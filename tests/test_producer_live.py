@@ -337,7 +337,7 @@ def test_producer_sigkill_and_restart_resends_its_spool(tmp_path):
             child.wait()
         submitted += [line.split()[1] for line in child.stdout.read().splitlines()]
         child.stdout.close()
-        assert any(p.suffix == ".seg" and p.stat().st_size for p in spool.iterdir())
+        assert any(p.name.startswith("seg-") and p.stat().st_size for p in spool.iterdir())
         broker.signal(signal.SIGCONT)
 
         async def restart():
@@ -353,7 +353,7 @@ def test_producer_sigkill_and_restart_resends_its_spool(tmp_path):
     assert deliveries == len(got)  # nothing delivered twice
     for tid in submitted:
         check_delivered(got[tid], plan(int(tid.split("-")[1])))
-    assert not [p for p in spool.iterdir() if p.suffix == ".seg"]  # all settled: a clean close empties it
+    assert not [p for p in spool.iterdir() if p.name.startswith("seg-")]  # all settled: a clean close empties it
 
 
 async def fill(producer, prefix, release):
@@ -613,7 +613,7 @@ def test_sigterm_stops_cleanly_leaving_nothing_open(tmp_path):
         status = broker.status()
     assert "stopping" in log and "producer stopped" in log and "unsettled=0" in log
     assert status["open"] == 0 and status["ready"] >= 3
-    assert not [p for p in spool.iterdir() if p.suffix == ".seg"]
+    assert not [p for p in spool.iterdir() if p.name.startswith("seg-")]
 
 
 class FakeSGLang:

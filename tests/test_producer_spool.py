@@ -28,18 +28,18 @@ def backlog(spool):
 
 
 def segments(path):
-    return sorted(p for p in os.listdir(path) if p.endswith(".seg"))
+    return sorted(p for p in os.listdir(path) if p.startswith("seg-") and p.endswith(".log"))
 
 
-def test_records_are_length_crc_framed_wire_frames(tmp_path):
+def test_records_are_magic_length_crc_framed_wire_frames(tmp_path):
     spool = open_spool(tmp_path)
     spool.append(7, [b"abc", b"\x00\x01"], handed_out=True)
     data = (tmp_path / segments(tmp_path)[0]).read_bytes()
-    length, crc = struct.unpack_from("<II", data)
-    payload = data[8 : 8 + length]
-    assert zlib.crc32(payload) == crc
+    magic, length, crc = struct.unpack_from("<III", data)
+    payload = data[12 : 12 + length]
+    assert magic == 0x52534731 and zlib.crc32(payload) == crc
     assert payload == b"F" + struct.pack("<QI", 7, 2) + struct.pack("<I", 3) + b"abc" + struct.pack("<I", 2) + b"\x00\x01"
-    assert len(data) == 8 + length == record_bytes([b"abc", b"\x00\x01"])
+    assert len(data) == 12 + length == record_bytes([b"abc", b"\x00\x01"])
     spool.close()
 
 
@@ -104,7 +104,8 @@ def test_a_bad_record_before_the_end_is_corruption(tmp_path):
     data = bytearray(path.read_bytes())
     data[12] ^= 0xFF  # inside the first record's payload
     path.write_bytes(bytes(data))
-    with pytest.raises(SpoolError, match=r"corrupted at byte 0: record CRC-32 is \d+, its header says \d+"):
+    with pytest.raises(SpoolError, match=r"segment file seg-00000001.log, record at offset 12: CRC mismatch: "
+                                         r"header says \d+, payload gives \d+"):
         open_spool(tmp_path)
 
 
@@ -137,14 +138,14 @@ def test_settled_segments_are_deleted_oldest_first(tmp_path):
     spool = open_spool(tmp_path, segment_bytes=2 * one)
     for seq in range(1, 7):
         spool.append(seq, frames(seq), handed_out=True)
-    assert len(segments(tmp_path)) == 4  # three full segments and the fresh one
+    assert len(segments(tmp_path)) == 3  # three full segments: the next write starts a fourth
     spool.settle(3)
     spool.settle(4)  # the second segment is settled but the first is not: kept (oldest first)
     assert len(segments(tmp_path)) >= 3
     spool.settle(1)
     spool.settle(2)
     remaining = segments(tmp_path)
-    assert "0000000000000000.seg" not in remaining and "0000000000000001.seg" not in remaining
+    assert "seg-00000001.log" not in remaining and "seg-00000002.log" not in remaining
     assert spool.nbytes == sum((tmp_path / name).stat().st_size for name in remaining)
     spool.close()
     again = open_spool(tmp_path)

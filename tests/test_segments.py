@@ -1,0 +1,118 @@
+"""The shared segment log (`rollstream.common.segments`): records round
+trip, damage is refused naming file and offset, a torn tail is cut at the
+end a scan finds, segments rotate; and the owners refuse old formats."""
+import struct
+import zlib
+
+import pytest
+
+from rollstream.common.segments import HEADER, MAGIC, SegmentDamaged, SegmentLog
+
+
+def opened(path, max_bytes=1 << 20):
+    log = SegmentLog(path, max_bytes)
+    log.open_current(0)
+    return log
+
+
+def test_records_round_trip_and_verify(tmp_path):
+    log = opened(tmp_path)
+    locations = log.append([([b"abc", b"de"], None), ([b"x" * 100], zlib.crc32(b"x" * 100)), ([], None)])
+    assert locations == [(1, 12, 5), (1, 29, 100), (1, 141, 0)]
+    assert [bytes(p) for p in log.read_many(locations[::-1])] == [b"", b"x" * 100, b"abcde"]
+    log.verify(locations)
+    data = log.path(1).read_bytes()
+    assert struct.unpack_from("<III", data) == (MAGIC, 5, zlib.crc32(b"abcde"))
+    assert log.bytes_on_disk() == len(data) == 3 * HEADER.size + 105
+    log.close()
+
+
+def test_a_flipped_byte_is_refused_naming_file_and_offset(tmp_path):
+    log = opened(tmp_path)
+    locations = log.append([([b"first"], None), ([b"second"], None)])
+    log.close()
+    path = log.path(1)
+    data = bytearray(path.read_bytes())
+    data[locations[1][1] + 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    message = r"segment file seg-00000001.log, record at offset 29: CRC mismatch: header says \d+, payload gives \d+"
+    with pytest.raises(SegmentDamaged, match=message):
+        log.read_many([locations[1]])
+    with pytest.raises(SegmentDamaged, match=message):
+        log.verify(locations)
+    scan = log.scan(1)
+    assert [loc for loc, _ in scan.records] == [locations[0]] and scan.torn  # the last record: could be a torn write
+    data[locations[1][1] - HEADER.size] ^= 0xFF  # and its magic
+    path.write_bytes(bytes(data))
+    scan = log.scan(1)
+    assert not scan.torn and scan.damage == (f"segment file seg-00000001.log, record at offset 29: bad magic "
+                                             f"{MAGIC ^ 0xFF:#010x}, expected {MAGIC:#010x}")
+
+
+def test_damage_before_the_last_record_is_not_torn(tmp_path):
+    log = opened(tmp_path)
+    locations = log.append([([b"first"], None), ([b"second"], None)])
+    log.close()
+    data = bytearray(log.path(1).read_bytes())
+    data[locations[0][1]] ^= 0xFF
+    log.path(1).write_bytes(bytes(data))
+    scan = log.scan(1)
+    assert scan.records == [] and scan.end == 0 and not scan.torn
+    assert scan.damage is not None and scan.damage.startswith("segment file seg-00000001.log, record at offset 12: CRC")
+
+
+@pytest.mark.parametrize("cut", [1, 5, 14])  # into the payload, and into the header
+def test_a_torn_tail_is_cut_at_the_end_a_scan_finds(tmp_path, cut):
+    log = opened(tmp_path)
+    kept, torn = log.append([([b"kept"], None), ([b"torn record"], None)])
+    log.close()
+    path = log.path(1)
+    path.write_bytes(path.read_bytes()[:-cut])
+    again = SegmentLog(tmp_path, 1 << 20)
+    scan = again.scan(again.current)
+    assert scan.torn and [loc for loc, _ in scan.records] == [kept] and scan.end == kept[1] + kept[2]
+    again.open_current(scan.end)
+    assert path.stat().st_size == scan.end
+    (after,) = again.append([([b"after"], None)])
+    assert bytes(again.read_many([after])[0]) == b"after" and after[1] == scan.end + HEADER.size
+    assert again.scan(1).damage is None
+    again.close()
+
+
+def test_segments_rotate_at_max_bytes_and_are_removed(tmp_path):
+    log = opened(tmp_path, max_bytes=40)
+    first = log.append([([b"a" * 20], None), ([b"b" * 20], None)])  # one append never splits: both in segment 1
+    assert {loc[0] for loc in first} == {1}
+    (second,) = log.append([([b"c" * 10], None)])
+    assert second[0] == 2 and log.existing() == [1, 2]
+    assert log.bytes_on_disk() == sum(log.path(n).stat().st_size for n in (1, 2))
+    log.remove(1)
+    assert log.existing() == [2] and log.bytes_on_disk() == log.path(2).stat().st_size
+    mark = log.mark
+    log.append([([b"d" * 10], None)])
+    log.rewind(mark)
+    assert log.path(2).stat().st_size == mark[1]
+    log.close()
+    assert SegmentLog(tmp_path, 40).current == 2  # reopened, appends continue in the newest
+
+
+def test_an_old_spool_is_refused_naming_file_and_formats(tmp_path):
+    from rollstream.producer.spool import Spool, SpoolError
+
+    (tmp_path / "0000000000000000.seg").write_bytes(struct.pack("<II", 0, 0))
+    with pytest.raises(SpoolError, match=r"0000000000000000.seg is a spool file of format 1 \(NNNNNNNNNNNNNNNN.seg .*\), "
+                                         r"this producer reads format 2 \(seg-NNNNNNNN.log .*\); spools are transient"):
+        Spool(tmp_path, "p0", max_bytes=1 << 20)
+    (tmp_path / "0000000000000000.seg").unlink()
+    Spool(tmp_path, "p0", max_bytes=1 << 20).close()  # the lock was released with the refusal
+
+
+def test_an_old_store_is_refused_naming_the_versions(tmp_path):
+    from rollstream.broker.store import Store, StoreCorrupted
+
+    store = Store(tmp_path / "data")
+    store.open()
+    store.db.execute("UPDATE meta SET value=1 WHERE key='schema_version'")
+    store.close()
+    with pytest.raises(StoreCorrupted, match="has schema version 1, this broker reads 2 or 3 or 4"):
+        Store(tmp_path / "data").open()
