@@ -353,7 +353,7 @@ class BrokerService:
                 self.store.write_ahead(message)  # on the writer thread while the batch is checked and merged
 
     def _batched_acks(self, pending: list[_Pending]) -> dict[bytes, dict]:
-        """One `acks` per connection that asked for them (PROTOCOL.md §3):
+        """One `acks` per connection that asked for them (docs/protocol.md §3):
         its acked seqs as ranges, and the outcomes that are not a plain
         `applied` listed on their own."""
         by_identity: dict[bytes, dict] = {}

@@ -12,12 +12,15 @@ from pathlib import Path
 import zmq
 
 from .codec import decode, encode
+from .errors import RollstreamError
 from .messages import ADMIN_REPLIES, ADMIN_REQUESTS
 from .sockets import dealer
 
 
-class AdminError(RuntimeError):
-    pass
+class AdminError(RollstreamError, RuntimeError):
+    """An admin call that failed: no answer (`no_answer`), the broker's
+    refusal (its reply code), or an endpoints file that cannot be used
+    (`invalid_input`)."""
 
 
 class AdminClient:
@@ -32,12 +35,13 @@ class AdminClient:
         self._sock.send_multipart(encode(ADMIN_REQUESTS, mtype, {**(fields or {}), "seq": self._seq}))
         while True:
             if not self._sock.poll(self.timeout_ms):
-                raise AdminError(f"no answer from the broker at {self.endpoint} within {self.timeout_ms / 1000:.1f} s")
+                raise AdminError(f"no answer from the broker at {self.endpoint} within {self.timeout_ms / 1000:.1f} s",
+                                 code="no_answer")
             reply = decode(self._sock.recv_multipart(), ADMIN_REPLIES)
             if reply.get("seq") != self._seq:
                 continue  # a late answer to an earlier call
             if reply.type == "nack":
-                raise AdminError(f"{reply['code']}: {reply['message']}")
+                raise AdminError(f"{reply['code']}: {reply['message']}", code=reply["code"])
             return reply
 
     def status(self) -> dict:
@@ -77,12 +81,13 @@ def read_endpoints_file(path: str) -> dict[str, str]:
     try:
         endpoints = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise AdminError(f"endpoints file {path} does not exist (yet): is the broker started with --endpoints-file?") from None
+        raise AdminError(f"endpoints file {path} does not exist (yet): is the broker started with --endpoints-file?",
+                         code="no_answer") from None
     except (OSError, ValueError) as exc:
-        raise AdminError(f"endpoints file {path} is not readable JSON: {exc}") from None
+        raise AdminError(f"endpoints file {path} is not readable JSON: {exc}", code="invalid_input") from None
     if not (isinstance(endpoints, dict) and all(isinstance(endpoints.get(name), str) for name in ENDPOINT_NAMES)):
         raise AdminError(f"endpoints file {path} must be a JSON object with string {list(ENDPOINT_NAMES)}, "
-                         f"got {str(endpoints)[:120]}")
+                         f"got {str(endpoints)[:120]}", code="invalid_input")
     return endpoints
 
 
@@ -109,5 +114,5 @@ def ask_status(endpoint: str | None, *, endpoints_file: str | None = None, timeo
             if deadline is None:
                 raise
             if time.monotonic() >= deadline:
-                raise AdminError(f"the broker did not answer within --wait {wait} s; last: {exc}") from None
+                raise AdminError(f"the broker did not answer within --wait {wait} s; last: {exc}", code="no_answer") from None
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))

@@ -9,7 +9,7 @@ Each side writes a `Ledger` (JSON lines, one file per process):
   `committed`, with the digest of the arrays it delivered, when the trainer
   commits it.
 
-The digests are computed here from SEMANTICS.md §3-§4 alone (forced tokens
+The digests are computed here from docs/semantics.md §3-§4 alone (forced tokens
 get log-prob 0, loss 0 and a singleton support; a replay gap cuts the
 trajectory after the last fully captured turn's sampled tokens; nothing is
 applied after a `truncated` or `aborted` turn), never by the broker's merge
@@ -46,7 +46,7 @@ def _raw(values, name: str) -> memoryview:
 
 
 class ContentDigest:
-    """A streaming digest of a trajectory's content as SEMANTICS.md merges
+    """A streaming digest of a trajectory's content as docs/semantics.md merges
     it: feed the prompt, then each turn's sampled tokens and its forced
     tokens, in order. `copy` forks it (a turn sent again after a refusal
     goes on from the state before it)."""
@@ -155,7 +155,7 @@ class Expected:
 
 
 def expected(prompt_digest: str, turns: list[TurnRecord]) -> Expected:
-    """Apply SEMANTICS.md §4 to the sent turns: stop after a terminal
+    """Apply docs/semantics.md §4 to the sent turns: stop after a terminal
     status; at a turn lacking a replay field the trajectory carried, cut
     after the previous turn's sampled tokens and report the gap."""
     final, seen = prompt_digest, [prompt_digest]

@@ -1,4 +1,4 @@
-"""The wire codec (PROTOCOL.md §2): a msgpack header plus one raw
+"""The wire codec (docs/protocol.md §2): a msgpack header plus one raw
 little-endian frame per array.
 
 Decoding is strict and runs its checks in the protocol's order, raising a
@@ -203,13 +203,13 @@ def encode(
     `checked=False` skips the header check for replies built from fields
     that were themselves checked (the broker's acks, on its hot path).
     A 1-D array may be given as a list of parts: it travels as one frame
-    per part, its entry saying how many (PROTOCOL.md §2, `split_arrays`),
+    per part, its entry saying how many (docs/protocol.md §2, `split_arrays`),
     so a sender holding it in pieces need not join them; given as
     `buffers.Pieces`, a piece whose CRC it knows is not read for the CRC.
     `numbered=False` leaves `seq` out of the header (and out of `fields`):
     `number_header` adds it later at a fixed width, so a producer knows a
     frame's size before it numbers it. `packed=True` sends every array in
-    one frame, `[header, arrays]`, widest items first (PROTOCOL.md §2):
+    one frame, `[header, arrays]`, widest items first (docs/protocol.md §2):
     one copy of the arrays, and one frame for each side to handle instead of
     one per array.
     """
@@ -287,7 +287,7 @@ def _packed_frames(header: dict, arrays: Mapping[str, Any], crc: bool) -> list:
     return [_PACKERS.pack(header), body]
 
 
-# -- batches (PROTOCOL.md §3, batched frames) ---------------------------------
+# -- batches (docs/protocol.md §3, batched frames) ---------------------------------
 BATCH_ALIGN = 8  # every frame of a batched message starts at a multiple of this in the body
 _PADDING = bytes(BATCH_ALIGN)
 

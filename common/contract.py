@@ -69,7 +69,7 @@ MASK_ARRAYS = ("mask_ids", "mask_offsets")
 # Token-id arrays whose values must lie in [0, vocab_size).
 TOKEN_ID_ARRAYS = ("prompt_tokens", "tokens", "forced_tokens", "mask_ids")
 
-# Reply codes of a refused frame, in the order the checks run (PROTOCOL.md §2).
+# Reply codes of a refused frame, in the order the checks run (docs/protocol.md §2).
 NACK_CODES = (
     "malformed",
     "version",
@@ -95,13 +95,13 @@ NACK_CODES = (
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 class CreditUnit(StrEnum):
-    """What one unit of a consumer's credit pays for (PROTOCOL.md §4): one
+    """What one unit of a consumer's credit pays for (docs/protocol.md §4): one
     trajectory, or one whole group (its members come back to back)."""
 
     TRAJECTORY = "trajectory"
     GROUP = "group"
 
 
-# A peer silent for this many heartbeat intervals is gone (PROTOCOL.md §1, §4):
+# A peer silent for this many heartbeat intervals is gone (docs/protocol.md §1, §4):
 # ZeroMQ's own heartbeats, the broker's consumers and its count of live producers.
 LIVENESS_INTERVALS = 3

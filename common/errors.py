@@ -16,6 +16,10 @@ LOCAL_CODES = (
     "closed",         # the client was closed by its owner: no more frames or batches
     "client_failed",  # the client's I/O loop died: nothing more will be sent or settled
     "invalid_batch",  # a delivered batch broke the mask rules (BatchValidationError)
+    "invalid_input",  # a local input (a recording, per-turn samples, an endpoints file) cannot be used as it is
+    "no_answer",      # a peer did not answer in time (an admin call, a broker not yet listening)
+    "spool_unusable", # a producer's spool belongs to another, is locked, of another format, or damaged
+    "window_full",    # the resend window holds its limit of unsettled frames
 )
 
 # Whether the same request, made again unchanged, may later succeed. A
@@ -46,6 +50,10 @@ RETRIABLE: dict[str, bool] = {
     "closed": False,
     "client_failed": False,
     "invalid_batch": False,
+    "invalid_input": False,
+    "no_answer": True,
+    "spool_unusable": False,
+    "window_full": True,
 }
 
 

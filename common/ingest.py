@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from .errors import ProtocolError
 from .trajectory import Turn
 
-# SGLang's finish_reason.type → the turn status SEMANTICS.md uses.
+# SGLang's finish_reason.type → the turn status docs/semantics.md uses.
 FINISH_REASON_STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 
 SUPPORTS_KEY = "output_token_sampling_mask"
@@ -48,7 +48,7 @@ def turn_from_sglang(
     An aborted response (`finish_reason` abort) may come without supports,
     and, when it sampled nothing, without log-probs: an engine abort
     returns neither. It gives an `aborted` turn without a mask, which cuts
-    a trajectory that carries one at a replay gap (SEMANTICS.md example 7).
+    a trajectory that carries one at a replay gap (docs/semantics.md example 7).
     With `require_mask=False` any response without supports does the same.
     """
     status = status or status_from_finish_reason(meta_info)

@@ -1,4 +1,4 @@
-"""The sampling-support mask in CSR form (SEMANTICS.md §2).
+"""The sampling-support mask in CSR form (docs/semantics.md §2).
 
 Token `t`'s support, the ids a top-k/top-p sampler could have emitted at that
 position, is `ids[offsets[t]:offsets[t+1]]`. Supports are ragged, so they are

@@ -1,4 +1,4 @@
-"""The message catalogue of protocol version 1 (PROTOCOL.md §3-§5): for
+"""The message catalogue of protocol version 1 (docs/protocol.md §3-§5): for
 every message type on every endpoint and direction, its header fields with
 their kinds, the arrays it may carry, and its cross-field rules.
 
@@ -118,7 +118,7 @@ class MessageSpec:
     arrays: tuple[str, ...] = ()  # required arrays
     optional_arrays: tuple[str, ...] = ()
     rules: tuple[Rule, ...] = ()  # cross-field schema rules: return a problem or None
-    content: bool = False  # token arrays get the content checks (PROTOCOL.md §2)
+    content: bool = False  # token arrays get the content checks (docs/protocol.md §2)
     body: bool = False  # one opaque frame follows the header instead of array frames (a `batch`)
     # Derived once: the codec consults these on every message.
     kinds: Mapping[str, Kind] = field(init=False)

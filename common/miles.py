@@ -9,7 +9,7 @@ is byte-identical to one from an encoder that never knew about masks
 (docs/data-model.md says exactly which). Decoding fills a JSON field a
 sample lacks with its default when miles has one for it, as miles does.
 
-The train data (SEMANTICS.md §6) is the per-sample dict miles' trainer reads.
+The train data (docs/semantics.md §6) is the per-sample dict miles' trainer reads.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Socket options every rollstream socket sets (PROTOCOL.md §1)."""
+"""Socket options every rollstream socket sets (docs/protocol.md §1)."""
 from __future__ import annotations
 
 import zmq

@@ -1,4 +1,4 @@
-"""Turns and the growable trajectory they merge into (SEMANTICS.md §3-§5).
+"""Turns and the growable trajectory they merge into (docs/semantics.md §3-§5).
 
 A `Turn` is what one engine call produced: sampled tokens with their
 log-probs and supports, then the forced tokens the environment appended.
@@ -302,7 +302,7 @@ class _MaskBuffer:
 class Trajectory:
     """The prompt followed by merged turns; grows in place.
 
-    Turns go through `append_turn`, which applies SEMANTICS.md §4: forced
+    Turns go through `append_turn`, which applies docs/semantics.md §4: forced
     tokens between turns, the status rule, mask presence, and replay gaps over
     every replay field.
     """
@@ -496,7 +496,7 @@ class Trajectory:
         if self._mask is not None:
             self._mask.append_turns(pending)
 
-    # -- building (SEMANTICS.md §3) -----------------------------------------
+    # -- building (docs/semantics.md §3) -----------------------------------------
     def start_mask(self) -> None:
         """Begin carrying supports; only before any response token exists."""
         if self._mask is not None:
@@ -540,7 +540,7 @@ class Trajectory:
         self._pending_length += len(turn.tokens) + turn.forced_tokens.size
         self._pending_bytes += self._written_bytes(turn)
 
-    # -- merging (SEMANTICS.md §4) -----------------------------------------
+    # -- merging (docs/semantics.md §4) -----------------------------------------
     def append_turn(self, turn: Turn) -> TurnOutcome:
         """Merge the next turn. Raises `ProtocolError` (and changes nothing)
         when the turn is refused; returns why when it is valid but not applied."""
@@ -610,7 +610,7 @@ class Trajectory:
             self._mask.truncate(length)
         self._sampled_end = min(self._sampled_end, length)
 
-    # -- lifecycle (SEMANTICS.md §5) ---------------------------------------
+    # -- lifecycle (docs/semantics.md §5) ---------------------------------------
     def validate(self) -> None:
         """Every per-token field has `response_length` entries."""
         self._write_pending()

@@ -510,7 +510,7 @@ def validate_samples(
 
 
 def whole_batch_problem(field: str, position: int, sample_index: Any, status: Any) -> str:
-    """How SEMANTICS.md §6's whole-batch rule reads when the sample at
+    """How docs/semantics.md §6's whole-batch rule reads when the sample at
     `position` lacks `field`."""
     return (f"the batch carries a {field} but the sample at position {position} "
             f"(sample_index={sample_index}, status={status}) has none")
@@ -519,7 +519,7 @@ def whole_batch_problem(field: str, position: int, sample_index: Any, status: An
 def check_whole_batch_rule(
     has_field: Sequence[bool], sample_indices: Sequence[Any], statuses: Sequence[Any], field: str = "sampling mask"
 ) -> None:
-    """SEMANTICS.md §6: if any sample of a batch carries `field`, every sample must."""
+    """docs/semantics.md §6: if any sample of a batch carries `field`, every sample must."""
     if any(has_field) and not all(has_field):
         position = list(has_field).index(False)
         raise ValueError(
@@ -528,7 +528,7 @@ def check_whole_batch_rule(
         )
 
 
-# Reply code of each rule, for refusing a single message (PROTOCOL.md §2).
+# Reply code of each rule, for refusing a single message (docs/protocol.md §2).
 RULE_CODES = {
     RULE_ALIGNED: "misaligned",
     RULE_NONEMPTY_OFFSETS: "mask_invalid",

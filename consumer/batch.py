@@ -379,7 +379,7 @@ class Batch:
 
     # -- miles ----------------------------------------------------------------
     def to_train_data(self) -> dict[str, Any]:
-        """miles' rollout data dict (SEMANTICS.md §6) with miles' dtypes:
+        """miles' rollout data dict (docs/semantics.md §6) with miles' dtypes:
         per-sample lists of tensors on this batch's device (views where the
         dtype already matches), `tokens` being prompt then response."""
 

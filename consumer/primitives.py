@@ -1,4 +1,4 @@
-"""Trainer primitives over the batch's CSR sampling mask (SEMANTICS.md §6).
+"""Trainer primitives over the batch's CSR sampling mask (docs/semantics.md §6).
 
 Both run as a few gathers and scatters on the logits' device; no loop over
 tokens or rows. Rows of `logits` are response tokens: `positions[r]` is the

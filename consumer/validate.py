@@ -1,4 +1,4 @@
-"""Batch validation (SEMANTICS.md §2, §3, §6).
+"""Batch validation (docs/semantics.md §2, §3, §6).
 
 Two stages. On the host, from array lengths and two offsets per sample, the
 structure packing relies on: aligned per-token fields, well-formed CSR ends,
@@ -10,7 +10,7 @@ supports, ids and tokens in `[0, vocab_size)`, loss mask in {0, 1}, log-probs
 not NaN or +inf.
 
 A delivery does not say which tokens were forced, so they are recognised the
-way the merge model writes them (SEMANTICS.md §3): loss mask 0 and log-prob
+way the merge model writes them (docs/semantics.md §3): loss mask 0 and log-prob
 exactly 0.0. A sampled token kept out of the loss whose reported log-prob
 rounds to exactly 0.0 while its support holds several ids would be flagged
 too; it cannot affect training, but it is reported rather than guessed away.

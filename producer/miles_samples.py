@@ -1,4 +1,4 @@
-"""miles per-turn samples as rollstream turns (SEMANTICS.md §4).
+"""miles per-turn samples as rollstream turns (docs/semantics.md §4).
 
 miles records a multi-turn rollout as one `Sample` per engine call whose
 `tokens` is the whole context so far (prompt, earlier responses, tool
@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rollstream.common.contract import STATUSES
+from rollstream.common.errors import RollstreamError
 from rollstream.common.mask import SamplingMask, as_numpy
 from rollstream.common.trajectory import Turn
 
@@ -31,8 +32,10 @@ _REPLAY = {"rollout_sampling_mask": "mask", "rollout_routed_experts": "routed_ex
            "rollout_indexer_topk": "indexer_topk"}
 
 
-class MilesMergeError(ValueError):
+class MilesMergeError(RollstreamError, ValueError):
     """Per-turn samples that miles' merge would refuse to merge."""
+
+    code = "invalid_input"
 
 
 @dataclass(frozen=True)

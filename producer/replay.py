@@ -7,7 +7,7 @@ files, in name order):
   SGLang `output_ids` + `meta_info` response), `end`, `abort`. Turn indices
   follow line order per trajectory (from 0 again after an abort); a `turn`
   key, when present, must agree.
-- `*.safetensors`: a miles session payload (SEMANTICS.md §7), one
+- `*.safetensors`: a miles session payload (docs/semantics.md §7), one
   trajectory of per-turn samples; forced tokens come from the prefix
   relation between samples (`miles_samples`).
 """
@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from rollstream.common.errors import RollstreamError
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.mask import SamplingMask
 from rollstream.common.miles import decode_session_samples
@@ -38,8 +39,10 @@ _IDENTITY = ("group_id", "group_size", "sample_index")
 _NATIVE_ARRAYS = ("loss_mask", "forced_tokens", "routed_experts", "indexer_topk")
 
 
-class ReplayError(ValueError):
+class ReplayError(RollstreamError, ValueError):
     """A recording that cannot be replayed; the message names file and line."""
+
+    code = "invalid_input"
 
 
 def recorded_files(path: str | Path) -> list[Path]:

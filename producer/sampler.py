@@ -8,7 +8,7 @@ cumulative probability exceeds `top_p`, and tokens below `min_p` times the
 top probability (`top_k <= 0`, `top_p = 1` and `min_p = 0` disable their
 filter); the sampled token is drawn from what remains,
 renormalised, and its log-probability is taken under that truncated
-distribution (SEMANTICS.md §6). Every filter keeps a prefix of the sorted
+distribution (docs/semantics.md §6). Every filter keeps a prefix of the sorted
 order (the most likely token always survives), so a support is the first
 `size` sorted candidates.
 """

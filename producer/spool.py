@@ -26,6 +26,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
+from rollstream.common.errors import RollstreamError
 from rollstream.common.segments import HEADER, Location, SegmentLog
 
 FRAME_HEAD = struct.Struct("<cQI")  # b"F", seq, frame count
@@ -35,10 +36,12 @@ FORMAT = "format 2 (seg-NNNNNNNN.log files of [u32 magic][u32 length][u32 CRC-32
 _FORMAT_1 = "format 1 (NNNNNNNNNNNNNNNN.seg files of [u32 length][u32 CRC-32] records)"
 
 
-class SpoolError(RuntimeError):
+class SpoolError(RollstreamError, RuntimeError):
     """The spool cannot be used (belongs to another producer, is locked, is
     of another format, or is corrupted); the message names the file and the
     rule."""
+
+    code = "spool_unusable"
 
 
 def record_bytes(frames: list) -> int:

@@ -1,4 +1,4 @@
-"""The producer's resend window and heartbeat (PROTOCOL.md §3), sans-I/O.
+"""The producer's resend window and heartbeat (docs/protocol.md §3), sans-I/O.
 
 Plain synchronous objects: no sockets, no clocks, no files. The caller
 passes the current time in, transmits what `ready()` hands it, and feeds
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 from rollstream.common.codec import BATCH_ENVELOPE_BYTES, batched_size, decode_header
+from rollstream.common.errors import RollstreamError
 
 from .errors import Refused
 
@@ -82,7 +83,7 @@ def batch_runs(items: list[HeldFrame], *, max_items: int, max_bytes: int, item_m
     """`items` (in transmission order) cut into runs to send as one message
     each: consecutive frames whose bytes after the header are at most
     `item_max_bytes` go together, up to `max_items` and `max_bytes` a run
-    (PROTOCOL.md §3, batched frames); a larger frame goes alone, as it is.
+    (docs/protocol.md §3, batched frames); a larger frame goes alone, as it is.
     Batching copies what it carries, so it is for the frames that ZeroMQ
     would copy anyway."""
     runs: list[list[HeldFrame]] = []
@@ -106,8 +107,10 @@ def batch_runs(items: list[HeldFrame], *, max_items: int, max_bytes: int, item_m
     return runs
 
 
-class WindowFull(RuntimeError):
-    pass
+class WindowFull(RollstreamError, RuntimeError):
+    """The window holds its limit of unsettled frames: push again once one settles."""
+
+    code = "window_full"
 
 
 class ResendWindow:
@@ -241,7 +244,7 @@ class ResendWindow:
         return self._settle(item, refused)
 
     def on_acks(self, reply: Any) -> list[Settled]:
-        """Apply a decoded batched `acks` (PROTOCOL.md §3): every seq in its
+        """Apply a decoded batched `acks` (docs/protocol.md §3): every seq in its
         ranges is acked `applied`, except those `outcomes` lists with their
         own outcome. Seqs this window did not send are ignored and counted."""
         items = self._items

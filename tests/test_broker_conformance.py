@@ -111,7 +111,7 @@ def test_producer_and_consumer_conversation(broker):
     assert header["crc32"] == crc
     arrays = {name: np.frombuffer(buf, dtype=dtype).reshape(shape)
               for (name, dtype, shape), buf in zip(header["arrays"], bufs)}
-    # SEMANTICS.md example 6, built by hand
+    # docs/semantics.md example 6, built by hand
     assert arrays["tokens"].tolist() == [10, 11, 20, 21, 30]
     assert arrays["mask_ids"].tolist() == [10, 4, 11, 20, 21, 30, 7, 8]
     assert arrays["mask_offsets"].tolist() == [0, 2, 3, 4, 5, 8]

@@ -1,6 +1,6 @@
 """The merge engine on its own (no sockets, files or clocks): every ordering,
-idempotence, merge, group, TTL and dedup rule of PROTOCOL.md §3 and
-SEMANTICS.md §3-§5."""
+idempotence, merge, group, TTL and dedup rule of docs/protocol.md §3 and
+docs/semantics.md §3-§5."""
 import pytest
 from broker_helpers import abort_msg, end_msg, turn_msg
 
@@ -44,7 +44,7 @@ def test_turns_in_order_are_applied_and_persisted(engine):
     r1 = engine.handle(turn_msg("t", 1, [30], [[30, 7, 8]]), now=2)
     assert ack(r1)["applied"] and isinstance(r1.effects[0], PutTurn) and r1.effects[0].message is not None
     traj = engine.entries["t"].trajectory
-    # SEMANTICS.md §8 example 6 through the engine
+    # docs/semantics.md §8 example 6 through the engine
     assert traj.mask.ids.tolist() == [10, 4, 20, 21, 30, 7, 8] and traj.mask.offsets.tolist() == [0, 2, 3, 4, 7]
     assert traj.loss_mask.tolist() == [1, 0, 0, 1]
 

@@ -1,5 +1,5 @@
 """The end-to-end checker: its digest against hand-merged trajectories
-(SEMANTICS.md §8), its verdicts on made-up ledgers, and the ledgers the
+(docs/semantics.md §8), its verdicts on made-up ledgers, and the ledgers the
 producer and consumer clients write over a live broker."""
 from __future__ import annotations
 

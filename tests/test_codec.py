@@ -1,4 +1,4 @@
-"""Wire codec: PROTOCOL.md §2, every reply code in its check order, and
+"""Wire codec: docs/protocol.md §2, every reply code in its check order, and
 every message type of §3-§5."""
 import zlib
 
@@ -579,7 +579,7 @@ def test_parts_are_refused_in_a_packed_message_and_for_an_array_that_is_not_1d()
                 "routed_experts": [np.zeros((1, 2), np.int32)]})
 
 
-# -- batched frames (PROTOCOL.md §3) ------------------------------------------
+# -- batched frames (docs/protocol.md §3) ------------------------------------------
 def _batchable():
     """A packed turn 0 (odd-sized arrays: 3 tokens, a 1-byte loss mask),
     an unpacked turn 1 and an end, numbered, as a producer holds them."""

@@ -1,5 +1,5 @@
 """Trainer primitives: the dense vocab-shard mask and the masked,
-temperature-scaled log-prob (SEMANTICS.md §6), against direct definitions."""
+temperature-scaled log-prob (docs/semantics.md §6), against direct definitions."""
 import math
 
 import numpy as np

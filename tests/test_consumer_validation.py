@@ -153,7 +153,7 @@ def test_whole_batch_rule_names_position_sample_index_and_status():
     assert violation.rule == RULE_WHOLE_BATCH and violation.sample == 1
     text = str(BatchValidationError(found, ["a", "b"]))
     assert "position 1" in text and "sample_index=9" in text and "status=completed" in text
-    with pytest.raises(ValueError):  # BatchValidationError is the ValueError SEMANTICS.md §6 asks for
+    with pytest.raises(ValueError):  # BatchValidationError is the ValueError docs/semantics.md §6 asks for
         raise BatchValidationError(found, ["a", "b"])
 
 

@@ -62,3 +62,21 @@ def test_a_code_is_required():
 def test_client_failed_names_the_client_and_the_cause():
     error = ClientFailed("producer 'rollout-7'", ConnectionResetError("peer reset"))
     assert str(error) == "producer 'rollout-7' stopped: its I/O loop failed with ConnectionResetError('peer reset')"
+
+
+def test_every_client_and_store_error_is_a_rollstream_error_with_a_meaningful_code():
+    from rollstream.broker.store import StoreCorrupted, StoreUnavailable
+    from rollstream.common.admin import AdminError
+    from rollstream.producer.miles_samples import MilesMergeError
+    from rollstream.producer.replay import ReplayError
+    from rollstream.producer.spool import SpoolError
+    from rollstream.producer.window import WindowFull
+
+    retriable = {AdminError("x", code="no_answer"): True, AdminError("x", code="unavailable"): True,
+                 AdminError("x", code="schema"): False, SpoolError("x"): False, WindowFull("x"): True,
+                 ReplayError("x"): False, MilesMergeError("x"): False, StoreUnavailable("x"): True,
+                 StoreCorrupted("x"): False}
+    for error, expected in retriable.items():
+        assert isinstance(error, RollstreamError) and error.code in RETRIABLE, type(error).__name__
+        assert error.retriable is expected, (type(error).__name__, error.code)
+    assert isinstance(SpoolError("x"), RuntimeError) and isinstance(ReplayError("x"), ValueError)  # bases kept

@@ -58,7 +58,7 @@ def test_sglang_without_mask():
 
 
 def test_an_sglang_abort_without_tokens_supports_or_log_probs_is_an_aborted_turn_without_mask():
-    """SEMANTICS.md example 7 straight from an engine abort: no workaround flags."""
+    """docs/semantics.md example 7 straight from an engine abort: no workaround flags."""
     abort = turn_from_sglang([], {"finish_reason": {"type": "abort", "message": "client disconnected"}})
     assert (abort.status, abort.mask, len(abort.tokens), len(abort.log_probs)) == ("aborted", None, 0, 0)
     traj = Trajectory("t", [1])

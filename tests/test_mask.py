@@ -1,4 +1,4 @@
-"""SamplingMask: every rule of SEMANTICS.md §2 and worked examples 1-5."""
+"""SamplingMask: every rule of docs/semantics.md §2 and worked examples 1-5."""
 import numpy as np
 import pytest
 import torch

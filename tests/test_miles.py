@@ -1,4 +1,4 @@
-"""miles interop: the session samples payload (SEMANTICS.md §7) and train
+"""miles interop: the session samples payload (docs/semantics.md §7) and train
 data (§6), checked against an independent reading of the format."""
 import json
 

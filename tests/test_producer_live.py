@@ -1,5 +1,5 @@
 """The producer against a live broker subprocess on ipc:// endpoints:
-merging exactly as SEMANTICS.md says, broker and producer crashes, the
+merging exactly as docs/semantics.md says, broker and producer crashes, the
 spool, backpressure, and the daemon's sources. Deliveries are read with a
 raw zmq DEALER; expected trajectories are built here from plain lists."""
 import asyncio
@@ -114,7 +114,7 @@ def drain(broker, count, *, settle=0.5):
     return got, deliveries
 
 
-# -- expected merges, from plain lists (SEMANTICS.md section 4) ----------------------------
+# -- expected merges, from plain lists (docs/semantics.md section 4) ----------------------------
 def expected_merge(turns):
     """turns: dicts with tokens, supports, log_probs, forced. Returns the
     merged response, loss mask, log-probs and CSR mask as lists."""
@@ -169,7 +169,7 @@ def check_delivered(trajectory, p):
 
 # -- the client against the broker -------------------------------------------------------------
 def test_a_multi_turn_trajectory_arrives_merged_exactly(tmp_path):
-    """SEMANTICS.md worked example 6 plus a third turn, with group fields;
+    """docs/semantics.md worked example 6 plus a third turn, with group fields;
     then a replay gap and a turn after it are reported, not raised."""
     async def main(broker):
         async with AsyncProducer(broker.endpoints["producer"], "p-merge") as producer:

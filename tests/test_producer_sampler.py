@@ -64,7 +64,7 @@ def test_dense_logits_use_column_numbers_as_token_ids():
 
 def test_the_log_prob_is_taken_under_the_truncated_distribution():
     """Logits [2, -1, 0.5, -2] with top-k 2 keep {0, 2}; T = 1 gives
-    log p(0) = 2 - ln(e^2 + e^0.5) (SEMANTICS.md section 6's formula)."""
+    log p(0) = 2 - ln(e^2 + e^0.5) (docs/semantics.md section 6's formula)."""
     logits = np.array([[2.0, -1.0, 0.5, -2.0]])
     for seed in range(50):
         out = sample(logits, SamplingParams(1.0, 2, 1.0, 0.0), np.random.default_rng(seed))

@@ -77,7 +77,7 @@ def assert_messages_equal(a, b) -> None:
 
 
 def assert_content_valid(message) -> None:
-    """The content rules of PROTOCOL.md §2/§3, checked independently in Python."""
+    """The content rules of docs/protocol.md §2/§3, checked independently in Python."""
     arrays = message.arrays
     tokens = arrays["tokens"].tolist()
     n = len(tokens)
@@ -188,7 +188,7 @@ class Expected:
 
 
 def whole_build(specs, *, drop_last_forced=False) -> Expected:
-    """The whole trajectory built at once (SEMANTICS.md §4), with numpy lists."""
+    """The whole trajectory built at once (docs/semantics.md §4), with numpy lists."""
     tokens, loss, lps, supports, parts = [], [], [], [], []
     for i, s in enumerate(specs):
         tokens += s.tokens
@@ -503,7 +503,7 @@ def expected_turn_fields(spec, trajectory_id, index, kwargs) -> dict:
 @prop(150)
 @given(msg=turn_messages(), crc=st.booleans(), packed=st.booleans())
 def test_turn_message_round_trips_fields_and_array_bytes(msg, crc, packed):
-    """What a producer sends is exactly what the broker reads (PROTOCOL.md §2-§3),
+    """What a producer sends is exactly what the broker reads (docs/protocol.md §2-§3),
     one frame per array or all in one (packed: then each array starts aligned
     to its item size, widest first)."""
     spec, trajectory_id, index, kwargs = msg
@@ -578,7 +578,7 @@ def test_content_digest_ignores_seq_crc_and_map_order_but_not_array_bytes(msg, s
     ids=["empty-map-vs-empty-list", "map-vs-pair-list"],
 )
 def test_content_digest_distinguishes_a_map_from_a_list_of_pairs(meta_a, meta_b):
-    """PROTOCOL.md §3: identical content means *equal* known header fields, so
+    """docs/protocol.md §3: identical content means *equal* known header fields, so
     a resend whose metadata changed from a map to a list must be a conflict,
     not a duplicate."""
     turn = Turn.build([3], [-0.5], supports=[[3, 4]])
@@ -755,7 +755,7 @@ def test_a_shed_trajectory_merges_exactly_as_the_whole_one_and_replays_to_it(spe
 
 
 # == 6. corruption ====================================================================
-# Contract facts restated from PROTOCOL.md §2 (not read from the code under test).
+# Contract facts restated from docs/protocol.md §2 (not read from the code under test).
 ITEMSIZE = {
     "prompt_tokens": 4, "tokens": 4, "forced_tokens": 4, "log_probs": 4, "loss_mask": 1,
     "mask_ids": 4, "mask_offsets": 8, "routed_experts": 4, "indexer_topk": 4,
@@ -772,7 +772,7 @@ def repack(frames, edit):
 
 
 def expected_shape_outcome(name, shape, nbytes):
-    """The reply a shape entry must get, from PROTOCOL.md §2; None: accepted."""
+    """The reply a shape entry must get, from docs/protocol.md §2; None: accepted."""
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
         return "schema"
     if (len(shape) < 1) if name in MULTI_DIM else (len(shape) != 1):
@@ -888,7 +888,7 @@ def test_single_corruption_is_refused_with_the_right_code_or_is_harmless(encoded
     """A damaged frame must be answered with a nack code, never crash the
     broker, and never be read as a different message the CRC should have caught.
 
-    The CRC (PROTOCOL.md §2) covers the array frames only, so header damage
+    The CRC (docs/protocol.md §2) covers the array frames only, so header damage
     is caught only when it breaks the schema. Header edits that decode can
     not detect, with or without a CRC: a flipped character in a string field
     (trajectory_id, weight_version, metadata, group_id), a changed integer

@@ -1,4 +1,4 @@
-"""Trajectory merging and lifecycle: SEMANTICS.md §3-§5, examples 6-8."""
+"""Trajectory merging and lifecycle: docs/semantics.md §3-§5, examples 6-8."""
 import numpy as np
 import pytest
 
