@@ -298,6 +298,7 @@ def test_a_rebuild_reads_its_turns_opening_each_segment_once(tmp_path, monkeypat
     over two segment files: rebuilding it opens two files, not twelve, and
     gives back every token in order."""
     from rollstream.broker import store as store_module
+    from rollstream.common import segments as segments_module
 
     store = store_module.Store(tmp_path / "data")
     store.open()
@@ -306,12 +307,12 @@ def test_a_rebuild_reads_its_turns_opening_each_segment_once(tmp_path, monkeypat
         for tid in ("a", "b"):
             reply = engine.handle(turn_msg(tid, index, [index] * 20), 1.0)
             store.commit(list(reply.effects))
-    store.segments._rotate()  # later records land in a second file
+    store.segments.rotate()  # later records land in a second file
     for index in range(12, 14):
         store.commit(list(engine.handle(turn_msg("a", index, [index] * 20), 1.0).effects))
     opened = []
-    real_open = store_module.os.open
-    monkeypatch.setattr(store_module.os, "open", lambda path, *a: (opened.append(path), real_open(path, *a))[1])
+    real_open = segments_module.os.open
+    monkeypatch.setattr(segments_module.os, "open", lambda path, *a: (opened.append(path), real_open(path, *a))[1])
     rebuilt = load_trajectory(store, store.load_one("a"))
     assert rebuilt.tokens.tolist() == [i for i in range(14) for _ in range(20)]
     assert len(opened) == 2
