@@ -211,11 +211,15 @@ class Trainer:
         for rank in self.ranks:
             rank.send_signal(signum)
 
-    def restart(self) -> None:
+    def kill(self) -> None:
+        """SIGKILL every rank still running and reap them all."""
         for rank in self.ranks:
             if rank.poll() is None:
                 rank.kill()
             rank.wait()
+
+    def restart(self) -> None:
+        self.kill()
         self.start()
 
     def stop(self, timeout: float = 60.0) -> None:
@@ -282,6 +286,8 @@ class Pipeline:
         self.dead: list[dict] = []
         self._reader = LedgerReader([self.ledgers])
         self._counters = _BrokerCounters()
+        self._acked: set[str] = set()  # counted as each poll reads new records, not over all of them again
+        self._committed: set[str] = set()
 
     def add_producer(self, index: int, *, trajectories: int, turns: int = 3, group_size: int = 4,
                      abort_rate: float = 0.1, retry_rate: float = 0.1, endpoint: str | None = None,
@@ -296,16 +302,40 @@ class Pipeline:
             *(("--broker-endpoint", endpoint) if endpoint else ()), *extra)
 
     def poll(self) -> None:
-        self.records += self._reader.read_new()
+        new = self._reader.read_new()
+        self.records += new
         self.status = _status(self.node)
-        _count(self.counts, self.records, self._counters.update(self.status))
+        counts = self.counts
+        for record in new:
+            kind = record["kind"]
+            if kind == "sent":
+                counts.produced += 1
+            elif kind == "acked" and (record["applied"] or record.get("duplicate")):
+                self._acked.add(record["id"])
+            elif kind == "committed":
+                self._committed.add(record["id"])
+        counts.acked, counts.committed = len(self._acked), len(self._committed)
+        counters = self._counters.update(self.status)
+        counts.merged = counters["frames.end.applied"]
+        counts.delivered = counters["trajectories.delivered"]
+        counts.retried = counters["trajectories.aborted"]
+
+    @property
+    def idle(self) -> bool:
+        """The producers are done and the broker holds nothing open, ready or leased."""
+        status = self.status
+        return (status is not None and self.node.producers_done
+                and not (status["open"] or status["ready"] or status["leased"]))
+
+    @property
+    def backlog(self) -> int:
+        """What the broker still has to deliver (ready and leased); 1 while its status is unknown."""
+        return 1 if self.status is None else self.status["ready"] + self.status["leased"]
 
     @property
     def drained(self) -> bool:
-        """The producers are done, the broker holds nothing open, ready or
-        leased, and every acked trajectory was committed or dead-lettered."""
-        status = self.status
-        if status is None or not self.node.producers_done or status["open"] or status["ready"] or status["leased"]:
+        """Idle, and every acked trajectory was committed or dead-lettered."""
+        if not self.idle:
             return False
         self.dead = self.node.dead_letters()
         return not check(self.records, self.dead, broker_backlog=1).unseen
@@ -327,9 +357,8 @@ class Pipeline:
         """Stop the trainer and read the last records; the checker's report."""
         self.trainer.stop()
         self.poll()
-        status = self.status or {}
         self.dead = self.node.dead_letters()
-        return check(self.records, self.dead, broker_backlog=status.get("ready", 1) + status.get("leased", 1))
+        return check(self.records, self.dead, broker_backlog=self.backlog)
 
 
 def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, group_size: int = 4, batch_size: int = 4,
@@ -394,16 +423,6 @@ def _status(node: LoopbackNode) -> dict | None:
         return node.admin.status()
     except AdminError:  # restarting
         return None
-
-
-def _count(progress: Counts, records: list[dict], counters: Counter) -> None:
-    kinds = Counter(record["kind"] for record in records)
-    progress.produced = kinds["sent"]
-    progress.acked = len({r["id"] for r in records if r["kind"] == "acked" and (r["applied"] or r.get("duplicate"))})
-    progress.committed = len({r["id"] for r in records if r["kind"] == "committed"})
-    progress.merged = counters["frames.end.applied"]
-    progress.delivered = counters["trajectories.delivered"]
-    progress.retried = counters["trajectories.aborted"]
 
 
 def inject_due(faults: Chaos, pipeline: Pipeline, plan: int, group_size: int) -> None:

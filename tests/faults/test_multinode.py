@@ -149,13 +149,6 @@ def network(request):
     return net
 
 
-def _stop_ranks(trainer: Trainer) -> None:
-    for rank in trainer.ranks:
-        if rank.poll() is None:
-            rank.kill()
-        rank.wait()
-
-
 def _log_tails(nodes: dict[str, LoopbackNode]) -> str:
     tails = []
     for name, node in nodes.items():
@@ -186,7 +179,7 @@ def test_two_nodes_and_a_trainer_in_their_own_network_namespaces(network, tmp_pa
         trainer = Trainer(nodes["a"], dp_size=2, batch_size=2, ledgers=trainer_ledgers,
                           endpoint=[node.endpoints["consumer"] for node in nodes.values()],
                           command_prefix=(*network.exec_in("t"), "env", "GLOO_SOCKET_IFNAME=eth0"))
-        stack.callback(_stop_ranks, trainer)  # on any failure, before the nodes stop
+        stack.callback(trainer.kill)  # on any failure, before the nodes stop
         try:
             _run(network, nodes, pipelines, trainer, trainer_ledgers)
         except BaseException:
@@ -251,10 +244,8 @@ def _run(network: Network, nodes: dict[str, LoopbackNode], pipelines: dict[str, 
 
     def drained() -> bool:
         records = poll()
-        for pipeline in pipelines.values():
-            status = pipeline.status
-            if status is None or not pipeline.node.producers_done or status["open"] or status["ready"] or status["leased"]:
-                return False
+        if not all(pipeline.idle for pipeline in pipelines.values()):
+            return False
         dead = [item for node in nodes.values() for item in node.dead_letters()]
         return not check(records, dead, broker_backlog=1).unseen
 
@@ -264,7 +255,7 @@ def _run(network: Network, nodes: dict[str, LoopbackNode], pipelines: dict[str, 
     trainer.stop()
     records = poll()
     dead = [item for node in nodes.values() for item in node.dead_letters()]
-    backlog = sum(p.status["ready"] + p.status["leased"] if p.status else 1 for p in pipelines.values())
+    backlog = sum(pipeline.backlog for pipeline in pipelines.values())
     report = check(records, dead, broker_backlog=backlog)
     planned = sum(len(indices) for indices in PRODUCERS.values()) * TRAJECTORIES
     assert done, (f"every acked trajectory of both nodes must be committed or dead-lettered within {DRAIN_SECONDS} s: "
