@@ -7,8 +7,9 @@ import json
 import click
 
 from rollstream.common.config import BYTES, SETTINGS_CONTEXT, config_option, settings_options
+from rollstream.common.curve import curve_client_options
 
-from .settings import BrokerSettings
+from .settings import BrokerSettings, broker_problems
 
 HELP = {
     "producer_endpoint": "Where producers connect (tcp://, ipc:// or inproc://).",
@@ -40,6 +41,11 @@ HELP = {
     "metrics_port": "Prometheus /metrics port; 0 disables it.",
     "metrics_host": "Address the metrics endpoint binds.",
     "log_level": "debug, info, warning or error.",
+    "curve_secret_key": "The broker's own CURVE key pair (a .key_secret file from `rollstream keys generate`); with it "
+                        "every socket requires CURVE. SIGHUP reloads the key directories.",
+    "curve_producers": "Directory of the producer keys (*.key) the producer socket allows; none given: nobody.",
+    "curve_consumers": "Directory of the consumer keys (*.key) the consumer socket allows; none given: nobody.",
+    "curve_admin": "Directory of the admin keys (*.key) the admin socket allows; none given: nobody.",
 }
 TYPES = {
     "sync": click.Choice(["normal", "full"]),
@@ -98,7 +104,7 @@ def broker(log_format: str, **values) -> None:
     from .service import BrokerService
     from .store import StoreCorrupted
 
-    settings = settings_from(BrokerSettings, values)
+    settings = settings_from(BrokerSettings, values, broker_problems)
     setup_logging(settings.log_level, log_format)
     keep_freed_memory()
     service = BrokerService(settings)
@@ -120,15 +126,18 @@ def broker(log_format: str, **values) -> None:
 @click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for the broker.")
 @click.option("--wait", "wait_seconds", type=float, default=None,
               help="Keep trying for up to this many seconds until the broker answers (readiness for scripts).")
+@curve_client_options
 def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letters: int, timeout: float,
-           wait_seconds: float | None) -> None:
+           wait_seconds: float | None, curve_secret_key: str | None, curve_server_key: str | None) -> None:
     """Show a broker's queues, peers, budgets, counters and dead letters."""
     from rollstream.common.admin import AdminError, ask_status
+    from rollstream.common.curve import CurveError
 
     try:
         report, endpoint = ask_status(endpoint, endpoints_file=endpoints_file, timeout=timeout, wait=wait_seconds,
-                                      dead_letters=dead_letters)
-    except AdminError as exc:
+                                      dead_letters=dead_letters, curve_secret_key=curve_secret_key,
+                                      curve_server_key=curve_server_key)
+    except (AdminError, CurveError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(report, indent=None, sort_keys=True))
@@ -149,13 +158,21 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
 
 @click.command()
 @click.option("--admin", "endpoint", default="tcp://127.0.0.1:5557", show_default=True, help="The broker's admin endpoint.")
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for the broker.")
+@curve_client_options
 @click.argument("trajectory_ids", nargs=-1, required=True)
-def requeue(endpoint: str, trajectory_ids: tuple[str, ...]) -> None:
+def requeue(endpoint: str, timeout: float, curve_secret_key: str | None, curve_server_key: str | None,
+            trajectory_ids: tuple[str, ...]) -> None:
     """Move dead letters back to the ready queue."""
-    from rollstream.common.admin import AdminClient
+    from rollstream.common.admin import AdminClient, AdminError
+    from rollstream.common.curve import CurveError
 
-    with AdminClient(endpoint) as admin:
-        done = admin.requeue(list(trajectory_ids))
+    try:
+        with AdminClient(endpoint, timeout=timeout, curve_secret_key=curve_secret_key,
+                         curve_server_key=curve_server_key) as admin:
+            done = admin.requeue(list(trajectory_ids))
+    except (AdminError, CurveError) as exc:
+        raise click.ClickException(str(exc)) from None
     click.echo(f"requeued {len(done)} of {len(trajectory_ids)}: {' '.join(done)}")
 
 

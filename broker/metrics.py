@@ -15,6 +15,9 @@ class BrokerMetrics(Metrics):
         self.evictions = self.counter("evictions", "Trajectories moved out of memory by the memory budget, by state",
                                       ("state",))
         self.reloads = self.counter("reloads", "Evicted trajectories read back from the store")
+        self.curve_refused = self.counter("curve_refused", "CURVE handshakes refused, by socket and reason "
+                                          "(key_not_allowed, no_keys, mechanism_mismatch, cryptographic, ...)",
+                                          ("socket", "reason"))
         self.depth = self.gauge("queue_depth", "Trajectories by state", ("state",))
         self.bytes = self.gauge("bytes", "Bytes held, in memory and on disk", ("where",))
         self.backpressure = self.gauge("backpressure",

@@ -38,6 +38,7 @@ from rollstream.common.sockets import recv_routed, router, send_frames
 from rollstream.common.validation import check_message_arrays, messages_content_valid
 from rollstream.common.wire import encode_deliver
 
+from .curve import CurveGuard
 from .dispatch import Dispatch, Dispatcher, DispatchSettings
 from .engine import (
     DEAD,
@@ -109,8 +110,12 @@ class Clock(NamedTuple):
 class BrokerService:
     def __init__(self, settings: BrokerSettings, context: zmq.Context | None = None):
         self.settings = settings
-        self.context = context or zmq.Context.instance()
         self.metrics = BrokerMetrics()
+        # A CURVE broker answers its context's authentication requests, so it takes a context of its own.
+        self._own_context = context is None and settings.curve_secret_key is not None
+        self.context = context or (zmq.Context() if self._own_context else zmq.Context.instance())
+        self.curve = None if settings.curve_secret_key is None else CurveGuard(settings, self.context, self.metrics)
+        self._reload_keys = False  # a SIGHUP asked for the key directories to be read again
         self.store = Store(settings.data_dir, sync=settings.sync, segment_bytes=settings.segment_bytes)
         self.engine = self._new_engine()
         self.dispatcher = Dispatcher(
@@ -184,16 +189,19 @@ class BrokerService:
             Path(s.endpoints_file).unlink(missing_ok=True)
         for name, endpoint in (("producer", s.producer_endpoint), ("consumer", s.consumer_endpoint),
                                ("admin", s.admin_endpoint)):
-            self.sockets[name] = router(self.context, endpoint, **options)
+            curve = self.curve
+            secure = None if curve is None else (lambda sock, name=name: curve.secure(name, sock))
+            self.sockets[name] = router(self.context, endpoint, secure=secure, **options)
             self.endpoints[name] = self.sockets[name].getsockopt_string(zmq.LAST_ENDPOINT) or endpoint  # port 0: the one picked
         self.poller = zmq.Poller()
-        for sock in self.sockets.values():
+        for sock in [*self.sockets.values(), *(self.curve.sockets if self.curve else ())]:
             self.poller.register(sock, zmq.POLLIN)
         self._metrics_server = self.metrics.serve(s.metrics_host, s.metrics_port)
         self._refresh_gauges(Clock.read())
         if s.endpoints_file:
             write_endpoints_file(s.endpoints_file, self.endpoints)
-        log.info("broker listening", extra={"broker_id": self.broker_id, **self.endpoints, "sync": s.sync})
+        log.info("broker listening", extra={"broker_id": self.broker_id, **self.endpoints, "sync": s.sync,
+                                            "curve": self.curve is not None})
 
     def stop(self, *_args) -> None:
         """Finish the pass in progress (commit, reply), then leave `run`."""
@@ -202,6 +210,11 @@ class BrokerService:
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
+        signal.signal(signal.SIGHUP, self.reload_keys)
+
+    def reload_keys(self, *_args) -> None:
+        """Read the CURVE key directories again at the next pass (SIGHUP)."""
+        self._reload_keys = True
 
     def run(self) -> None:
         while not self._stopping:
@@ -209,6 +222,8 @@ class BrokerService:
         self.close()
 
     def close(self) -> None:
+        if self.curve is not None:
+            self.curve.close()
         for sock in self.sockets.values():
             sock.close(linger=1000)
         self.sockets.clear()
@@ -220,11 +235,21 @@ class BrokerService:
             self._metrics_server = None
         self._checker.shutdown()
         self.store.close()
+        if self._own_context:
+            self.context.term()
         log.info("broker stopped", extra={"broker_id": self.broker_id})
 
     def run_once(self, timeout_ms: int = 100) -> None:
         events = dict(self.poller.poll(timeout_ms))
         now = Clock.read()
+        if self._reload_keys:
+            self._reload_keys = False
+            if self.curve is None:
+                log.info("SIGHUP: no CURVE keys to reload (the broker runs without --curve-secret-key)")
+            else:
+                self.curve.reload()
+        if self.curve is not None:
+            self.curve.serve({sock for sock, flags in events.items() if flags}, now.mono)
         if events.get(self.sockets["producer"]):
             self._serve_producers(now)
         if events.get(self.sockets["consumer"]):

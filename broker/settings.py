@@ -3,8 +3,14 @@ TOML file and the environment fill (see `rollstream.common.config`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from rollstream.common.config import Problem
 from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES
+from rollstream.common.curve import CurveError, KeyPair
+
+# Each socket's directory of allowed client keys, by socket name.
+CURVE_DIRECTORIES = {"producer": "curve_producers", "consumer": "curve_consumers", "admin": "curve_admin"}
 
 
 @dataclass
@@ -35,3 +41,37 @@ class BrokerSettings:
     metrics_port: int = 9464
     metrics_host: str = "127.0.0.1"
     log_level: str = "info"
+    # CurveZMQ (docs/operations.md, Security): with a secret key every socket requires CURVE and allows the
+    # client keys (*.key files) in its directory; a socket given no directory allows nobody.
+    curve_secret_key: str | None = None
+    curve_producers: str | None = None
+    curve_consumers: str | None = None
+    curve_admin: str | None = None
+
+    def curve_directories(self) -> dict[str, str]:
+        """The sockets given a directory of allowed keys, by socket name."""
+        return {socket: getattr(self, key) for socket, key in CURVE_DIRECTORIES.items() if getattr(self, key)}
+
+
+def broker_problems(settings: BrokerSettings) -> list[Problem]:
+    """What a start would refuse in otherwise well-typed settings: CURVE
+    directories without a secret key, a secret key file that cannot be
+    used, a directory that is not one."""
+    problems = []
+    if settings.curve_secret_key is None:
+        problems += [Problem(key, "", "set only together with curve_secret_key (the broker's own .key_secret)",
+                             f"{getattr(settings, key)!r} without it")
+                     for key in CURVE_DIRECTORIES.values() if getattr(settings, key)]
+        return problems
+    try:
+        KeyPair.load(settings.curve_secret_key)
+    except CurveError as exc:
+        problems.append(Problem("curve_secret_key", "", "the broker's own .key_secret file (rollstream keys generate)",
+                                str(exc)))
+    for key in CURVE_DIRECTORIES.values():
+        directory = getattr(settings, key)
+        if directory and not Path(directory).is_dir():
+            problems.append(Problem(key, "", "an existing directory of allowed client keys (*.key files)",
+                                    f"{directory!r}, which is not a directory"))
+    return problems
+

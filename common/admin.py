@@ -12,6 +12,7 @@ from pathlib import Path
 import zmq
 
 from .codec import decode, encode
+from .curve import ClientCurve, HandshakeWatch
 from .errors import RollstreamError
 from .messages import ADMIN_REPLIES, ADMIN_REQUESTS
 from .sockets import dealer
@@ -24,17 +25,42 @@ class AdminError(RollstreamError, RuntimeError):
 
 
 class AdminClient:
-    def __init__(self, endpoint: str, *, timeout: float = 5.0, context: zmq.Context | None = None):
+    """Admin calls to one broker; with `curve_secret_key` (this client's
+    .key_secret) and `curve_server_key` (the broker's .key) over CURVE. A
+    refused handshake fails the call at once (`handshake_refused`)."""
+
+    def __init__(self, endpoint: str, *, timeout: float = 5.0, context: zmq.Context | None = None,
+                 curve_secret_key: str | os.PathLike | None = None, curve_server_key: str | os.PathLike | None = None):
         self.endpoint = endpoint
         self.timeout_ms = int(timeout * 1000)
-        self._sock = dealer(context or zmq.Context.instance(), endpoint, linger_ms=0)
+        self._curve = ClientCurve.from_files(curve_secret_key, curve_server_key)
+        self._watch: HandshakeWatch | None = None
+        self._sock = dealer(context or zmq.Context.instance(), endpoint, linger_ms=0, secure=self._secure)
         self._seq = 0
+
+    def _secure(self, sock: zmq.Socket) -> None:
+        if self._curve is not None:
+            self._curve.apply(sock)
+        self._watch = HandshakeWatch(sock, self.endpoint, self._curve)
 
     def _call(self, mtype: str, fields: dict | None = None):
         self._seq += 1
         self._sock.send_multipart(encode(ADMIN_REQUESTS, mtype, {**(fields or {}), "seq": self._seq}))
+        assert self._watch is not None
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._watch.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout_ms / 1000
         while True:
-            if not self._sock.poll(self.timeout_ms):
+            events = dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+            failure = self._watch.read()
+            if failure is not None:
+                raise AdminError(failure, code="handshake_refused")
+            if not events.get(self._sock):
+                if time.monotonic() < deadline:
+                    continue
+                if self._watch.failure is not None:  # reported to an earlier call, and still so
+                    raise AdminError(self._watch.failure, code="handshake_refused")
                 raise AdminError(f"no answer from the broker at {self.endpoint} within {self.timeout_ms / 1000:.1f} s",
                                  code="no_answer")
             reply = decode(self._sock.recv_multipart(), ADMIN_REPLIES)
@@ -54,6 +80,8 @@ class AdminClient:
         return self._call("requeue", {"trajectory_ids": trajectory_ids})["trajectory_ids"]
 
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
         self._sock.close(0)
 
     def __enter__(self) -> "AdminClient":
@@ -92,12 +120,14 @@ def read_endpoints_file(path: str) -> dict[str, str]:
 
 
 def ask_status(endpoint: str | None, *, endpoints_file: str | None = None, timeout: float = 5.0,
-               wait: float | None = None, dead_letters: int = 0) -> tuple[dict, str]:
+               wait: float | None = None, dead_letters: int = 0, curve_secret_key: str | os.PathLike | None = None,
+               curve_server_key: str | os.PathLike | None = None) -> tuple[dict, str]:
     """The broker's status (with up to `dead_letters` dead letters) and the
     admin endpoint that answered: `endpoint`, or the one `endpoints_file`
     names when it is given. With `wait`, tries again (re-reading the
     endpoints file, which a starting broker writes once it listens) until
-    that many seconds have passed; then the last error is raised."""
+    that many seconds have passed; then the last error is raised. The
+    CURVE keys are `AdminClient`'s."""
     deadline = None if wait is None else time.monotonic() + wait
     while True:
         try:
@@ -106,12 +136,13 @@ def ask_status(endpoint: str | None, *, endpoints_file: str | None = None, timeo
             elif endpoint is None:
                 raise TypeError("ask_status needs an endpoint or an endpoints_file")
             patience = timeout if deadline is None else max(0.05, min(timeout, deadline - time.monotonic()))
-            with AdminClient(endpoint, timeout=patience) as admin:
+            with AdminClient(endpoint, timeout=patience, curve_secret_key=curve_secret_key,
+                             curve_server_key=curve_server_key) as admin:
                 report = admin.status()
                 report["dead_letters"] = admin.dead_letters(dead_letters) if dead_letters else []
             return report, endpoint
         except AdminError as exc:
-            if deadline is None:
+            if deadline is None or exc.code == "handshake_refused":  # a refused key stays refused
                 raise
             if time.monotonic() >= deadline:
                 raise AdminError(f"the broker did not answer within --wait {wait} s; last: {exc}", code="no_answer") from None

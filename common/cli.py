@@ -47,6 +47,42 @@ def main() -> None:
     producers through a durable per-node broker to training consumers."""
 
 
+@main.group()
+def keys() -> None:
+    """CurveZMQ key pairs for brokers and their clients (docs/operations.md, Security)."""
+
+
+@keys.command("generate")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Directory to write the pair to (created if missing).")
+@click.option("--name", required=True, help="The pair's name: NAME.key (public) and NAME.key_secret (secret, mode 0600).")
+def generate_keys(out_dir: str, name: str) -> None:
+    """Write a new CURVE key pair. Hand NAME.key to the other end (a client's
+    into the broker's directory for its socket; the broker's to its
+    clients as --curve-server-key); NAME.key_secret stays with NAME."""
+    from .curve import CurveError, fingerprint, generate, load_public_key
+
+    try:
+        public_path, secret_path = generate(out_dir, name)
+    except CurveError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {public_path} (public) and {secret_path} (secret, mode 0600); "
+               f"fingerprint {fingerprint(load_public_key(public_path))}")
+
+
+@keys.command("fingerprint")
+@click.argument("key_files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+def show_fingerprints(key_files: tuple[str, ...]) -> None:
+    """Print each key file's fingerprint, as the broker's log names keys."""
+    from .curve import CurveError, fingerprint, load_public_key
+
+    for path in key_files:
+        try:
+            click.echo(f"{fingerprint(load_public_key(path))}  {path}")
+        except CurveError as exc:
+            raise click.ClickException(str(exc)) from None
+
+
 @main.command()
 @click.option("--producers", default=2, show_default=True, help="Synthetic producer daemons.")
 @click.option("--trajectories", default=24, show_default=True, help="Trajectories per producer (whole groups).")

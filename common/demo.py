@@ -47,15 +47,19 @@ class LoopbackNode:
     `admin`: fixed addresses instead of loopback ports the system picks);
     `command_prefix` comes before every daemon's command line (e.g.
     `ip netns exec NAME`, so the node's processes run in its network
-    namespace; the prefix must exec the command, keeping its pid)."""
+    namespace; the prefix must exec the command, keeping its pid).
+    `admin_keys` are the node's own admin client's CURVE keys (its
+    .key_secret and the broker's .key) for a broker that requires them."""
 
     def __init__(self, prefix: str, vocab_size: int, *, keep_data: bool = False, broker_args: tuple[str, ...] = (),
-                 bind: dict[str, str] | None = None, command_prefix: Sequence[str] = ()):
+                 bind: dict[str, str] | None = None, command_prefix: Sequence[str] = (),
+                 admin_keys: tuple[str, str] | None = None):
         self.vocab_size = vocab_size
         self.keep_data = keep_data
         self.broker_args = tuple(broker_args)
         self.bind = dict(bind or {})
         self.command_prefix = tuple(command_prefix)
+        self.admin_keys: tuple[str | None, str | None] = admin_keys or (None, None)
         self.work = Path(tempfile.mkdtemp(prefix=prefix))
         self.endpoints: dict[str, str] = {}  # as the broker bound them, once it answers
         self.broker: subprocess.Popen | None = None
@@ -82,10 +86,13 @@ class LoopbackNode:
                                   endpoints_file, "--data-dir", str(self.work / "data"), "--vocab-size",
                                   str(self.vocab_size), "--metrics-port", "0", "--log-level", "warning",
                                   *self.broker_args)
-        status, _ = ask_status(None, endpoints_file=endpoints_file, wait=60.0)  # once the broker answers
+        secret, server = self.admin_keys
+        status, _ = ask_status(None, endpoints_file=endpoints_file, wait=60.0, curve_secret_key=secret,
+                               curve_server_key=server)  # once the broker answers
         self.endpoints = status["endpoints"]
         if self.admin is None:
-            self.admin = AdminClient(self.endpoints["admin"], timeout=5.0).__enter__()
+            self.admin = AdminClient(self.endpoints["admin"], timeout=5.0, curve_secret_key=secret,
+                                     curve_server_key=server).__enter__()
 
     def kill_broker(self) -> None:
         """SIGKILL the broker, as a crash would."""
@@ -168,13 +175,15 @@ class Trainer:
     (new rendezvous, new consumer) after one was lost, as a job supervisor
     would. `endpoint` may name several brokers (the source rank's consumer
     fans in from all of them); `command_prefix` comes before each rank's
-    command line (as the node's daemons')."""
+    command line (as the node's daemons'), `rank_args` (e.g. CURVE keys) after it."""
 
     def __init__(self, node: LoopbackNode, *, dp_size: int, batch_size: int, ledgers: Path,
-                 endpoint: str | Sequence[str] | None = None, command_prefix: Sequence[str] = ()):
+                 endpoint: str | Sequence[str] | None = None, command_prefix: Sequence[str] = (),
+                 rank_args: Sequence[str] = ()):
         self.node, self.dp_size, self.batch_size, self.ledgers = node, dp_size, batch_size, ledgers
         self.endpoint = endpoint  # where the ranks reach the broker: its consumer endpoint unless given
         self.command_prefix = tuple(command_prefix)
+        self.rank_args = tuple(rank_args)
         self.stop_file = node.work / "trainer.stop"
         self.generation = 0
         self.ranks: list[subprocess.Popen] = []
@@ -189,7 +198,7 @@ class Trainer:
              "--world", str(self.dp_size), "--init-file", str(init), *endpoints, "--batch-size", str(self.batch_size),
              "--vocab-size", str(self.node.vocab_size), "--ledger", str(self.ledgers / f"rank-{rank}.jsonl"),
              "--stop-file", str(self.stop_file),
-             "--step-seconds", str(step_seconds),
+             "--step-seconds", str(step_seconds), *self.rank_args,
              *(["--die-before-commit", str(die_before_commit)] if rank == 0 and die_before_commit else [])],
             stdout=self.node._log, stderr=self.node._log) for rank in range(self.dp_size)]
 

@@ -16,7 +16,8 @@ LOCAL_CODES = (
     "closed",         # the client was closed by its owner: no more frames or batches
     "client_failed",  # the client's I/O loop died: nothing more will be sent or settled
     "invalid_batch",  # a delivered batch broke the mask rules (BatchValidationError)
-    "invalid_input",  # a local input (a recording, per-turn samples, an endpoints file) cannot be used as it is
+    "handshake_refused",  # the broker refused this client's CURVE handshake (its key, or CURVE on one end only)
+    "invalid_input",  # a local input (a recording, per-turn samples, an endpoints file, a key file) cannot be used as it is
     "no_answer",      # a peer did not answer in time (an admin call, a broker not yet listening)
     "spool_unusable", # a producer's spool belongs to another, is locked, of another format, or damaged
     "window_full",    # the resend window holds its limit of unsettled frames
@@ -50,6 +51,7 @@ RETRIABLE: dict[str, bool] = {
     "closed": False,
     "client_failed": False,
     "invalid_batch": False,
+    "handshake_refused": False,
     "invalid_input": False,
     "no_answer": True,
     "spool_unusable": False,

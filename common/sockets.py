@@ -1,6 +1,8 @@
 """Socket options every rollstream socket sets (docs/protocol.md §1)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import zmq
 
 from .contract import LIVENESS_INTERVALS
@@ -35,19 +37,27 @@ def tune(
     return sock
 
 
-def router(context: zmq.Context, endpoint: str, **options) -> zmq.Socket:
-    """A bound ROUTER that refuses to drop messages for unknown peers."""
+def router(context: zmq.Context, endpoint: str, *, secure: Callable[[zmq.Socket], None] | None = None,
+           **options) -> zmq.Socket:
+    """A bound ROUTER that refuses to drop messages for unknown peers;
+    `secure` sets its security options (CURVE) before it binds."""
     sock = tune(context.socket(zmq.ROUTER), **options)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if secure is not None:
+        secure(sock)
     sock.bind(endpoint)
     return sock
 
 
-def dealer(context: zmq.Context, endpoint: str, identity: bytes | None = None, **options) -> zmq.Socket:
+def dealer(context: zmq.Context, endpoint: str, identity: bytes | None = None, *,
+           secure: Callable[[zmq.Socket], None] | None = None, **options) -> zmq.Socket:
+    """A connected DEALER; `secure` sets its security options (CURVE) before it connects."""
     sock = tune(context.socket(zmq.DEALER), **options)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    if secure is not None:
+        secure(sock)
     sock.connect(endpoint)
     return sock
 

@@ -7,6 +7,7 @@ import json
 import click
 
 from rollstream.common.contract import CreditUnit
+from rollstream.common.curve import curve_client_options
 
 from .assembly import POLICIES
 
@@ -26,15 +27,23 @@ from .assembly import POLICIES
 @click.option("--device", default=None, help="torch device for the batches (default: cuda if present, else cpu).")
 @click.option("--timeout", type=float, default=None, help="Seconds to wait for a batch before giving up.")
 @click.option("--log-level", default="warning", show_default=True, help="debug, info, warning or error.")
-def consume(endpoints, batch_size, unit, batches, vocab_size, on_invalid, reward_key, commit, device, timeout, log_level):
+@curve_client_options
+def consume(endpoints, batch_size, unit, batches, vocab_size, on_invalid, reward_key, commit, device, timeout, log_level,
+            curve_secret_key, curve_server_key):
     """Pull validated batches and print, per batch, its trajectory ids and metrics as one JSON line."""
+    from rollstream.common.curve import CurveError
     from rollstream.common.logs import setup_logging
 
     from .client import Consumer
 
     setup_logging(log_level)
-    with Consumer(list(endpoints), batch_size=batch_size, unit=unit, vocab_size=vocab_size, on_invalid=on_invalid,
-                  reward_key=reward_key, device=device) as consumer:
+    try:
+        consumer = Consumer(list(endpoints), batch_size=batch_size, unit=unit, vocab_size=vocab_size,
+                            on_invalid=on_invalid, reward_key=reward_key, device=device,
+                            curve_secret_key=curve_secret_key, curve_server_key=curve_server_key)
+    except CurveError as exc:
+        raise click.ClickException(str(exc)) from None
+    with consumer:
         count = 0
         while not batches or count < batches:
             try:

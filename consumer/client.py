@@ -28,6 +28,7 @@ import zmq
 from rollstream.common.checker import Ledger
 from rollstream.common.codec import decode, decode_header, encode
 from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES
+from rollstream.common.curve import ClientCurve, HandshakeWatch
 from rollstream.common.errors import ClientFailed, ProtocolError, RollstreamError
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 from rollstream.common.sockets import dealer
@@ -84,6 +85,8 @@ class Consumer:
         hello_timeout: float = 5.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         ledger: str | os.PathLike | None = None,
+        curve_secret_key: str | os.PathLike | None = None,
+        curve_server_key: str | os.PathLike | None = None,
         context: zmq.Context | None = None,
     ):
         if on_invalid not in POLICIES:
@@ -98,6 +101,8 @@ class Consumer:
         self.reward_key = reward_key
         self.consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.max_message_bytes = max_message_bytes
+        # Over CURVE: this consumer's key pair and the brokers' public key (brokers of one job share it).
+        self._curve = ClientCurve.from_files(curve_secret_key, curve_server_key)
         # What the trainer was handed and committed, for the end-to-end checker (`rollstream.common.checker`):
         self.ledger = None if ledger is None else Ledger(ledger)
         self._assembler = Assembler(
@@ -297,9 +302,19 @@ class Consumer:
             pass
 
     def _run(self) -> None:
-        socks = [dealer(self._context, endpoint, max_message_bytes=self.max_message_bytes) for endpoint in self.endpoints]
+        watches: list[HandshakeWatch] = []  # a refused handshake is logged, not left to look like a silent broker
+
+        def secure(endpoint: str):
+            def configure(sock: zmq.Socket) -> None:
+                if self._curve is not None:
+                    self._curve.apply(sock)
+                watches.append(HandshakeWatch(sock, endpoint, self._curve))
+            return configure
+
+        socks = [dealer(self._context, endpoint, max_message_bytes=self.max_message_bytes, secure=secure(endpoint))
+                 for endpoint in self.endpoints]
         poller = zmq.Poller()
-        for sock in (*socks, self._wake_in):
+        for sock in (*socks, self._wake_in, *(watch.monitor for watch in watches)):
             poller.register(sock, zmq.POLLIN)
         try:
             while True:
@@ -307,6 +322,10 @@ class Consumer:
                 if events.get(self._wake_in):
                     while self._wake_in.poll(0):
                         self._wake_in.recv()
+                for watch in watches:
+                    failure = watch.read() if events.get(watch.monitor) else None
+                    if failure is not None:
+                        log.error(failure, extra={"endpoint": watch.report.endpoint})
                 received = [(i, frames) for i, sock in enumerate(socks) if events.get(sock) for frames in _drain(sock)]
                 decoded = [(i, *self._decode(frames)) for i, frames in received]
                 now = time.monotonic()
@@ -331,6 +350,8 @@ class Consumer:
                 self._error = exc
                 self._changed.notify_all()
         finally:
+            for watch in watches:
+                watch.close()
             for sock in socks:
                 sock.close(linger=200)
             self._wake_in.close(linger=0)

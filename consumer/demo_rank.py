@@ -74,6 +74,8 @@ def main() -> None:
     parser.add_argument("--partial-after", type=float, default=1.0, help="seconds before a smaller tail batch")
     parser.add_argument("--die-before-commit", type=int, default=0, help="rank 0 SIGKILLs itself before this commit (1-based)")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="a slow trainer: each step takes at least this long")
+    parser.add_argument("--curve-secret-key", help="the trainer's own .key_secret: CURVE to the brokers")
+    parser.add_argument("--curve-server-key", help="the brokers' public .key")
     args = parser.parse_args()
 
     dist.init_process_group("gloo", init_method=f"file://{args.init_file}", rank=args.rank, world_size=args.world,
@@ -81,7 +83,8 @@ def main() -> None:
     client = None
     if args.rank == 0:
         client = Consumer(args.endpoint, batch_size=args.batch_size, unit="group", vocab_size=args.vocab_size,
-                          device="cpu", on_invalid="quarantine")
+                          device="cpu", on_invalid="quarantine", curve_secret_key=args.curve_secret_key,
+                          curve_server_key=args.curve_server_key)
         threading.Thread(target=_close_on, args=(Path(args.stop_file), client), daemon=True).start()
     shards = DistributedConsumer(client, strategy="group", partial_after=args.partial_after, ledger=args.ledger)
     generator = torch.Generator().manual_seed(args.rank)

@@ -54,6 +54,9 @@ HELP = {
     "metrics_port": "Prometheus /metrics port; 0 disables it.",
     "metrics_host": "Address the metrics endpoint binds.",
     "log_level": "debug, info, warning or error.",
+    "curve_secret_key": "This producer's own CURVE key pair (a .key_secret file from `rollstream keys generate`); "
+                        "with --curve-server-key the connection to the broker uses CURVE.",
+    "curve_server_key": "The broker's public key (its .key file).",
 }
 TYPES = {
     "source": click.Choice(SOURCES),

@@ -30,6 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from rollstream.common.checker import ContentDigest, Ledger, TurnRecord, turn_record
 from rollstream.common.codec import PACK_UP_TO_BYTES, check_values, decode, encode, encode_batch, number_header
+from rollstream.common.curve import HANDSHAKE_FAILURES, ClientCurve, HandshakeReport
 from rollstream.common.errors import ClientFailed, ProtocolError
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.mask import SamplingMask, as_int_array, owned
@@ -46,7 +47,7 @@ from .window import ABORT, END, TURN, Heartbeat, HeldFrame, Receipt, ResendWindo
 
 log = logging.getLogger("rollstream.producer")
 
-_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES
 _SEQ_BYTES = len(number_header(b"\x80", 0)) - 1  # what numbering adds to a header
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum arithmetic costs more than the call
 BEFORE_WELCOME_WINDOW = 2  # frames in flight until the broker's welcome grants a window
@@ -120,6 +121,8 @@ class AsyncProducer:
         send_burst: int = 32,
         pack_arrays: bool = True,
         ledger: str | os.PathLike | None = None,
+        curve_secret_key: str | os.PathLike | None = None,
+        curve_server_key: str | os.PathLike | None = None,
         context: zmq.Context | None = None,
     ):
         if not producer_id:
@@ -149,6 +152,8 @@ class AsyncProducer:
         self._spool_options = (spool_dir, spool_bytes, spool_fsync)
         self._spool: Spool | None = None
         self._hwm = high_water_mark
+        self._curve = ClientCurve.from_files(curve_secret_key, curve_server_key)  # None: plain ZeroMQ
+        self._handshakes = HandshakeReport(endpoint, self._curve)
         self._context = context or zmq.Context.instance()
         # Intake, shared with blocking callers on other threads (all under `_lock`):
         self._lock = threading.Lock()
@@ -190,6 +195,8 @@ class AsyncProducer:
         self._heartbeat.heard(now)  # presumed alive from the start
         sock = tune(zmq.Socket(self._context, zmq.DEALER), high_water_mark=self._hwm,
                     heartbeat_interval=self._heartbeat.interval, linger_ms=0)
+        if self._curve is not None:
+            self._curve.apply(sock)
         self._monitor = monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         sock.connect(self.endpoint)
         self._sock = sock
@@ -668,7 +675,13 @@ class AsyncProducer:
         lost, so it is all resent (in order) behind a fresh hello."""
         monitor = self._monitor
         while monitor is not None and monitor.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]  # an int option; pyzmq types getsockopt int | bytes
-            event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            message = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            event = message["event"]
+            failure = self._handshakes.note(event, message["value"])
+            if failure is not None:
+                log.error(failure, extra={"endpoint": self.endpoint})
+            if event & HANDSHAKE_FAILURES:
+                continue
             if event == zmq.EVENT_DISCONNECTED:
                 log.info(f"disconnected from the broker {self.endpoint}", extra={"endpoint": self.endpoint})
                 continue

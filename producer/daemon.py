@@ -9,6 +9,7 @@ import signal
 import socket
 
 from rollstream.common.config import Problem
+from rollstream.common.curve import client_key_problems
 
 from .client import AsyncProducer
 from .replay import ReplaySource
@@ -49,7 +50,8 @@ def violations(settings: ProducerSettings) -> list[Problem]:
         ("tool_seconds", settings.tool_seconds >= 0, ">= 0"),
         ("shutdown_timeout", settings.shutdown_timeout >= 0, ">= 0"),
     ]
-    return [Problem(name, "", expected, repr(getattr(settings, name))) for name, ok, expected in rules if not ok]
+    problems = [Problem(name, "", expected, repr(getattr(settings, name))) for name, ok, expected in rules if not ok]
+    return problems + client_key_problems(settings.curve_secret_key, settings.curve_server_key)
 
 
 def check(settings: ProducerSettings) -> None:
@@ -71,6 +73,7 @@ async def run(settings: ProducerSettings) -> int:
         heartbeat_timeout=settings.heartbeat_timeout, spool_dir=settings.spool_dir,
         spool_bytes=settings.spool_bytes, spool_fsync=settings.spool_fsync, vocab_size=settings.vocab_size,
         crc=settings.crc, check_content=settings.check_content, ledger=settings.ledger,
+        curve_secret_key=settings.curve_secret_key, curve_server_key=settings.curve_server_key,
     )
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -26,6 +26,8 @@ class ProducerSettings:
     crc: bool = True
     check_content: bool = False
     ledger: str | None = None  # JSON-lines record of what was sent and acked (the end-to-end checker's)
+    curve_secret_key: str | None = None  # this producer's .key_secret; with curve_server_key: CURVE to the broker
+    curve_server_key: str | None = None  # the broker's public .key
     # what to produce (synthetic and sglang)
     trajectories: int = 0  # 0: until stopped (or until the replay/prompt files end)
     group_size: int = 1

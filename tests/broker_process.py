@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgpack
 import zmq
+import zmq.auth
 
 
 class BrokerProcess:
@@ -23,6 +24,7 @@ class BrokerProcess:
         self.flags = {"metrics_port": 0, "heartbeat_interval": 0.5, **flags}
         self.proc: subprocess.Popen | None = None
         self.log_path = self.directory / "broker.log"
+        self.admin_keys: tuple[Path, Path] | None = None  # (own .key_secret, the broker's .key) for a CURVE broker
 
     def command(self) -> list[str]:
         args = [sys.executable, "-m", "rollstream.common.cli", "broker",
@@ -61,6 +63,10 @@ class BrokerProcess:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.admin_keys is not None:
+            own_secret, server = self.admin_keys
+            sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(own_secret)
+            sock.curve_serverkey = zmq.auth.load_certificate(server)[0]
         sock.connect(self.admin)
         try:
             sock.send(msgpack.packb({"v": 1, **request}))
