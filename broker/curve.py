@@ -30,6 +30,9 @@ log = logging.getLogger("rollstream.broker")
 
 # Failures the gatekeeper did not decide (no key reached it); its own refusals come back as auth failures.
 _UNJUDGED_FAILURES = HANDSHAKE_FAILURES & ~zmq.EVENT_HANDSHAKE_FAILED_AUTH
+_LIKELY_CAUSES = {"mechanism_mismatch": "a client without CURVE keys",
+                  "no_detail": "likely a client without CURVE keys (or one that hung up mid-handshake)",
+                  "cryptographic": "a client whose --curve-server-key is not this broker's public key"}
 
 
 class CurveGuard:
@@ -122,8 +125,8 @@ class CurveGuard:
             self.metrics.curve_refused.add(1, name, reason)
             verdict = self.gatekeeper.refused(name, reason, "-", now)
             if verdict.log:
-                log.warning(f"a connection to the {name} socket failed its CURVE handshake: {reason} "
-                            f"(mechanism_mismatch: a client without CURVE; cryptographic: a wrong server key)"
+                log.warning(f"a connection to the {name} socket failed its CURVE handshake: {reason}, "
+                            f"{_LIKELY_CAUSES.get(reason, 'a protocol error')}"
                             + (f" ({verdict.repeats} more since the last report)" if verdict.repeats else ""),
                             extra={"socket": name, "reason": reason, "repeats": verdict.repeats})
 

@@ -2,7 +2,9 @@
 its synthetic producer daemons, and a trainer node (a `DistributedConsumer`
 of 2 gloo ranks whose source consumer fans in from both brokers), each in
 its own network namespace, so every pipeline byte crosses a real network
-stack between addresses of its own.
+stack between addresses of its own, with CURVE on every socket (keys made
+by `_curve`, one directory of allowed keys per socket, as the DaemonSet's
+Secret lays them out).
 
 The network, built by the `network` fixture with `ip`: four namespaces
 (node a, node b, the trainer t, and a switch holding a bridge), one veth
@@ -38,16 +40,14 @@ from pathlib import Path
 
 import pytest
 
+from rollstream.common.admin import AdminClient, AdminError
 from rollstream.common.checker import LedgerReader, check
+from rollstream.common.curve import generate
 from rollstream.common.demo import VOCAB, LoopbackNode, Pipeline, Trainer
 
 NET = "10.231.0"  # a /24 that exists only inside the namespaces this test creates
 ADDRESSES = {"a": f"{NET}.1", "b": f"{NET}.2", "t": f"{NET}.3"}
 PORTS = {"producer": 5555, "consumer": 5556}  # fixed: each broker has its namespace to itself
-# CURVE (issue 17) is not built yet. When it is, its flags (keys, the
-# brokers' public keys) go here, for every role, and nowhere else in this file;
-# the trainer's ranks will need them passed through `Trainer` as well.
-CURVE: dict[str, tuple[str, ...]] = {"broker": (), "producer": (), "rank": ()}
 FAST_BROKER = ("--heartbeat-interval", "0.5")  # a lost consumer is noticed after 1.5 s
 FAST_PRODUCER = ("--heartbeat-interval", "0.5", "--heartbeat-timeout", "2")
 PRODUCERS = {"a": (0, 1), "b": (2, 3)}  # producer indices (ids demo-producer-N) per node
@@ -149,6 +149,24 @@ def network(request):
     return net
 
 
+def _curve(keys: Path) -> dict[str, tuple[str, ...]]:
+    """CURVE for every role, as the DaemonSet's Secret gives it: one broker key pair shared by both brokers, a
+    producer key (both nodes' producers), the trainer's and the test's admin key, each allowed on its own socket
+    only. Returns each role's flags; "admin" is the admin client's (own secret key, broker key)."""
+    for name in ("broker", "producer", "trainer", "admin"):
+        generate(keys, name)
+    for directory, name in (("producers", "producer"), ("consumers", "trainer"), ("admin", "admin")):
+        (keys / directory).mkdir()
+        shutil.copy(keys / f"{name}.key", keys / directory)
+    server = ("--curve-server-key", str(keys / "broker.key"))
+    return {"broker": ("--curve-secret-key", str(keys / "broker.key_secret"), "--curve-producers",
+                       str(keys / "producers"), "--curve-consumers", str(keys / "consumers"), "--curve-admin",
+                       str(keys / "admin")),
+            "producer": ("--curve-secret-key", str(keys / "producer.key_secret"), *server),
+            "rank": ("--curve-secret-key", str(keys / "trainer.key_secret"), *server),
+            "admin": (str(keys / "admin.key_secret"), str(keys / "broker.key"))}
+
+
 def _log_tails(nodes: dict[str, LoopbackNode]) -> str:
     tails = []
     for name, node in nodes.items():
@@ -159,11 +177,14 @@ def _log_tails(nodes: dict[str, LoopbackNode]) -> str:
 
 def test_two_nodes_and_a_trainer_in_their_own_network_namespaces(network, tmp_path):
     started = time.monotonic()
+    (tmp_path / "keys").mkdir()
+    curve = _curve(tmp_path / "keys")
     with contextlib.ExitStack() as stack:
         nodes: dict[str, LoopbackNode] = {}
         for name in PRODUCERS:
             nodes[name] = stack.enter_context(LoopbackNode(
-                f"rs-multinode-{name}-", VOCAB, broker_args=(*FAST_BROKER, *CURVE["broker"]),
+                f"rs-multinode-{name}-", VOCAB, broker_args=(*FAST_BROKER, *curve["broker"]),
+                admin_keys=(curve["admin"][0], curve["admin"][1]),  # the test's own status and dead-letter reads
                 bind={**{kind: f"tcp://{ADDRESSES[name]}:{port}" for kind, port in PORTS.items()},
                       "admin": f"ipc://{tmp_path}/admin-{name}.sock"},
                 command_prefix=network.exec_in(name)))
@@ -171,6 +192,9 @@ def test_two_nodes_and_a_trainer_in_their_own_network_namespaces(network, tmp_pa
             bound = {kind: node.endpoints[kind] for kind in PORTS}
             expected = {kind: f"tcp://{ADDRESSES[name]}:{port}" for kind, port in PORTS.items()}
             assert bound == expected, f"node {name}'s broker must bind its node address: expected {expected}, got {bound}"
+            with AdminClient(node.endpoints["admin"], timeout=5.0) as plain:  # CURVE is on: a plain client is refused
+                with pytest.raises(AdminError, match="CURVE is on at one end only"):
+                    plain.status()
         pipelines = {name: Pipeline(node) for name, node in nodes.items()}  # each node's producers and status
         trainer_ledgers = tmp_path / "trainer-ledgers"
         trainer_ledgers.mkdir()
@@ -178,10 +202,10 @@ def test_two_nodes_and_a_trainer_in_their_own_network_namespaces(network, tmp_pa
         # network path); its ranks run in the trainer's namespace and fan in from both brokers.
         trainer = Trainer(nodes["a"], dp_size=2, batch_size=2, ledgers=trainer_ledgers,
                           endpoint=[node.endpoints["consumer"] for node in nodes.values()],
-                          command_prefix=(*network.exec_in("t"), "env", "GLOO_SOCKET_IFNAME=eth0"))
+                          command_prefix=(*network.exec_in("t"), "env", "GLOO_SOCKET_IFNAME=eth0"), rank_args=curve["rank"])
         stack.callback(trainer.kill)  # on any failure, before the nodes stop
         try:
-            _run(network, nodes, pipelines, trainer, trainer_ledgers)
+            _run(network, nodes, pipelines, trainer, trainer_ledgers, curve["producer"])
         except BaseException:
             print(_log_tails(nodes))
             raise
@@ -189,7 +213,7 @@ def test_two_nodes_and_a_trainer_in_their_own_network_namespaces(network, tmp_pa
 
 
 def _run(network: Network, nodes: dict[str, LoopbackNode], pipelines: dict[str, Pipeline], trainer: Trainer,
-         trainer_ledgers: Path) -> None:
+         trainer_ledgers: Path, producer_curve: tuple[str, ...]) -> None:
     trainer.start()
     deadline = time.monotonic() + 60
     while not all(pipeline.status and pipeline.status["consumers"] >= 1 for pipeline in pipelines.values()):
@@ -205,7 +229,7 @@ def _run(network: Network, nodes: dict[str, LoopbackNode], pipelines: dict[str, 
     for name, indices in PRODUCERS.items():
         for index in indices:
             pipelines[name].add_producer(index, trajectories=TRAJECTORIES,
-                                         extra=("--rate", RATE, *FAST_PRODUCER, *CURVE["producer"]))
+                                         extra=("--rate", RATE, *FAST_PRODUCER, *producer_curve))
 
     reader = LedgerReader([trainer_ledgers])
     trainer_records: list[dict] = []
