@@ -8,8 +8,9 @@ geometric supports capped at 64, 128 forced tokens) and tiny 32-token turns.
 The consumer acks and re-grants credit once per burst of deliveries it has
 read, as the consumer library does. `../shared/bench/raw_relay.py` moves
 frames of the same total size. Printed: frames/s, tokens/s, bytes/s, the
-ratio to the relay, and the broker's peak RSS; `--sync full` is measured
-too. The last line is JSON.
+ratio to the relay, and the broker's peak RSS; `--sync full` and CURVE on
+both hops (`relay_ratio_512_curve`, against the same plain relay, so it
+sits next to `relay_ratio_512`) are measured too. The last line is JSON.
 
 usage: python bench/broker_throughput.py [--frames N] [--window W] [--repeat R]
 
@@ -21,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +37,7 @@ import raw_relay  # noqa: E402
 from procs import Broker, peak_rss  # noqa: E402
 
 from rollstream.common.codec import decode, encode  # noqa: E402
+from rollstream.common.curve import ClientCurve, generate  # noqa: E402
 from rollstream.common.mask import SamplingMask  # noqa: E402
 from rollstream.common.messages import (  # noqa: E402
     BROKER_TO_CONSUMER,
@@ -81,22 +85,49 @@ def encoded_stream(frames: int, tokens: int, forced: int) -> tuple[list[list], i
     return messages, n_turns, turn_bytes // n_turns
 
 
-def _greeted(endpoint: str, to_broker, from_broker, hello: dict) -> tuple[zmq.Context, zmq.Socket, dict]:
+class CurveKeys:
+    """Key files for a CURVE run: the broker's, and a producer, consumer and
+    admin key each allowed on its own socket."""
+
+    def __init__(self, directory: str):
+        root = Path(directory)
+        for name in ("broker", "producer", "consumer", "admin"):
+            generate(root, name)
+        for folder, name in (("producers", "producer"), ("consumers", "consumer"), ("admin", "admin")):
+            (root / folder).mkdir()
+            (root / folder / f"{name}.key").write_bytes((root / f"{name}.key").read_bytes())
+        self.root = root
+        self.broker_args = ["--curve-secret-key", str(root / "broker.key_secret"), "--curve-producers",
+                            str(root / "producers"), "--curve-consumers", str(root / "consumers"), "--curve-admin",
+                            str(root / "admin")]
+        self.admin = (str(root / "admin.key_secret"), str(root / "broker.key"))
+
+    def client(self, name: str) -> tuple[str, str]:
+        return str(self.root / f"{name}.key_secret"), str(self.root / "broker.key")
+
+
+def _greeted(endpoint: str, to_broker, from_broker, hello: dict,
+             keys: tuple[str, str] | None = None) -> tuple[zmq.Context, zmq.Socket, dict]:
     """A DEALER in a fresh context (we are a forked process) that said
-    hello, and the broker's welcome."""
+    hello (over CURVE with `keys`: own .key_secret, broker .key), and the
+    broker's welcome."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    if keys is not None:
+        curve = ClientCurve.from_files(*keys)
+        assert curve is not None
+        curve.apply(sock)
     sock.connect(endpoint)
     sock.send_multipart(encode(to_broker, "hello", hello))
     return ctx, sock, decode(sock.recv_multipart(), from_broker).fields
 
 
-def _producer(endpoint, shape, window, out):
+def _producer(endpoint, shape, window, out, keys=None):
     # Encoded here rather than inherited from the parent: touching the
     # parent's objects after the fork would copy their pages on write, work
     # the relay's sender does not do, on the same two cores as the broker.
     messages, _, _ = encoded_stream(*shape)
-    ctx, sock, welcome = _greeted(endpoint, PRODUCER_TO_BROKER, BROKER_TO_PRODUCER, {"producer_id": "bench"})
+    ctx, sock, welcome = _greeted(endpoint, PRODUCER_TO_BROKER, BROKER_TO_PRODUCER, {"producer_id": "bench"}, keys)
     window = window or welcome["window"]  # as a producer does: the broker's window unless told less
     in_flight, sent, acked, refused = 0, 0, 0, 0
     start = time.perf_counter()
@@ -116,11 +147,11 @@ def _producer(endpoint, shape, window, out):
     ctx.term()
 
 
-def _consumer(endpoint, trajectories, credit, out):
+def _consumer(endpoint, trajectories, credit, out, keys=None):
     """Acks every delivery, as the consumer library does: the deliveries
     read in one go are acked in one message and their credit re-granted
     in one more (the library merges settlements and grants per broker)."""
-    ctx, sock, _ = _greeted(endpoint, CONSUMER_TO_BROKER, BROKER_TO_CONSUMER, {"consumer_id": "bench"})
+    ctx, sock, _ = _greeted(endpoint, CONSUMER_TO_BROKER, BROKER_TO_CONSUMER, {"consumer_id": "bench"}, keys)
     sock.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": credit, "unit": "trajectory"}))
     received, start, tokens = 0, None, 0
     while received < trajectories:
@@ -146,15 +177,17 @@ def _consumer(endpoint, trajectories, credit, out):
     ctx.term()
 
 
-def run_broker(shape: tuple, n_turns: int, window: int, sync: str) -> dict:
-    broker = Broker(None, ["--sync", sync])
+def run_broker(shape: tuple, n_turns: int, window: int, sync: str, curve: CurveKeys | None = None) -> dict:
+    broker = Broker(None, ["--sync", sync, *(curve.broker_args if curve else [])], curve.admin if curve else None)
     try:
         out = mp.Queue()
         trajectories = n_turns // TURNS_PER_TRAJECTORY
-        consumer = mp.Process(target=_consumer, args=(broker.consumer, trajectories, 32, out))
+        consumer = mp.Process(target=_consumer, args=(broker.consumer, trajectories, 32, out,
+                                                      curve.client("consumer") if curve else None))
         consumer.start()
         time.sleep(0.3)
-        producer = mp.Process(target=_producer, args=(broker.producer, shape, window, out))
+        producer = mp.Process(target=_producer, args=(broker.producer, shape, window, out,
+                                                      curve.client("producer") if curve else None))
         producer.start()
         results = dict((item[0], item[1:]) for item in (out.get(timeout=600), out.get(timeout=600)))
         producer.join()
@@ -193,35 +226,41 @@ def main() -> None:
         return max(runs, key=lambda r: r[key])
 
     results = {}
+    curve = CurveKeys(tempfile.mkdtemp(prefix="rollstream-bench-keys-"))
     for label, tokens, forced, frames in (("512", 512, 128, args.frames), ("32", 32, 8, args.tiny_frames)):
         _, n_turns, frame_bytes = encoded_stream(frames, tokens, forced)
-        runs = {"relay": [], "normal": [], "full": []}
+        runs: dict[str, list[dict]] = {"relay": [], "normal": [], "full": [], "curve": []}
         for _ in range(args.repeat):  # interleaved, best of each: the machine is shared and noisy
             runs["relay"].append(run_relay(n_turns, frame_bytes))
             runs["normal"].append(run_broker((frames, tokens, forced), n_turns, args.window, "normal"))
             if label == "512":
                 runs["full"].append(run_broker((frames, tokens, forced), n_turns, args.window, "full"))
+                runs["curve"].append(run_broker((frames, tokens, forced), n_turns, args.window, "normal", curve))
         results[label] = {"relay": best(runs["relay"], "msgs_per_s"), "normal": best(runs["normal"], "frames_per_s"),
                           "frame_bytes": frame_bytes}
-        if runs["full"]:
-            results[label]["full"] = best(runs["full"], "frames_per_s")
+        for mode in ("full", "curve"):
+            if runs[mode]:
+                results[label][mode] = best(runs[mode], "frames_per_s")
         relay = results[label]["relay"]
         print(f"{label}-token turns ({frame_bytes} bytes/frame, {n_turns} frames, best of {args.repeat}):")
         print(f"  raw relay     {relay['msgs_per_s']:>10.0f} frames/s  {relay['bytes_per_s'] / 1e6:>8.1f} MB/s")
-        for mode in ("normal", "full"):
+        for mode in ("normal", "full", "curve"):
             if mode in results[label]:
                 r = results[label][mode]
                 print(f"  broker {mode:<6} {r['frames_per_s']:>10.0f} frames/s"
                       f"  {r['frames_per_s'] * frame_bytes / 1e6:>8.1f} MB/s"
                       f"  {r['tokens_per_s']:>12.0f} tokens/s  ratio {r['frames_per_s'] / relay['msgs_per_s']:.2f}"
                       f"  peak RSS {r['broker_peak_rss_bytes'] / 2**20:.0f} MiB")
+    shutil.rmtree(curve.root, ignore_errors=True)
     r512, r32 = results["512"], results["32"]
     print(json.dumps({
         "relay_ratio_512": round(r512["normal"]["frames_per_s"] / r512["relay"]["msgs_per_s"], 3),
         "relay_ratio_32": round(r32["normal"]["frames_per_s"] / r32["relay"]["msgs_per_s"], 3),
         "relay_ratio_512_sync_full": round(r512["full"]["frames_per_s"] / r512["relay"]["msgs_per_s"], 3),
+        "relay_ratio_512_curve": round(r512["curve"]["frames_per_s"] / r512["relay"]["msgs_per_s"], 3),
         "frames_per_s_512": round(r512["normal"]["frames_per_s"]),
         "frames_per_s_512_sync_full": round(r512["full"]["frames_per_s"]),
+        "frames_per_s_512_curve": round(r512["curve"]["frames_per_s"]),
         "frames_per_s_32": round(r32["normal"]["frames_per_s"]),
         "relay_frames_per_s_512": round(r512["relay"]["msgs_per_s"]),
         "relay_frames_per_s_32": round(r32["relay"]["msgs_per_s"]),

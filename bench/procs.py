@@ -33,7 +33,8 @@ class Broker:
     """`rollstream broker` on loopback TCP ports the system picks (read back
     from its endpoints file once it answers), with its own data directory."""
 
-    def __init__(self, vocab_size: int | None, extra_args: list[str] = ()):
+    def __init__(self, vocab_size: int | None, extra_args: list[str] = (), admin_keys: tuple[str, str] | None = None):
+        """`admin_keys`: the admin client's own .key_secret and the broker's .key, for a CURVE broker."""
         from rollstream.common.admin import ask_status
 
         self.data = tempfile.mkdtemp(prefix="rollstream-bench-")
@@ -48,7 +49,9 @@ class Broker:
         )
         self.pid = self.process.pid
         try:
-            status, _ = ask_status(None, endpoints_file=endpoints_file, wait=60.0)
+            secret, server = admin_keys or (None, None)
+            status, _ = ask_status(None, endpoints_file=endpoints_file, wait=60.0, curve_secret_key=secret,
+                                   curve_server_key=server)
         except BaseException:
             self.close()
             raise
