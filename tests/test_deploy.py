@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from rollstream.common.cli import main
 from rollstream.common.config import parse_bytes
+from rollstream.common.curve import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -29,8 +30,9 @@ ROLLSTREAM = Path(sys.executable).with_name("rollstream")
 DAEMONS = ("broker", "producer")  # the commands that take --config and --check-config
 # Values the cluster fills in at run time (env valueFrom.fieldRef), for the dry run.
 FIELD_SAMPLES = {"status.hostIP": "10.0.0.1", "metadata.name": "rollout-sglang-0"}
-# Metrics the rules may name before the code exports them, and why.
-PENDING_METRICS = {"rollstream_broker_curve_refused_total": "arrives with CURVE (issue 17)"}
+KEYS = "/etc/rollstream/keys"  # where every pod and unit finds its CURVE keys
+KEY_NAMES = ("broker", "producer", "trainer", "admin")  # the key pairs of the Secret
+ALLOWED = {"producers": "producer", "consumers": "trainer", "admin": "admin"}  # the broker's directories
 REQUIRED_ALERTS = {"RollstreamBrokerDown", "RollstreamDeadLettersGrowing", "RollstreamReplayGapRate",
                    "RollstreamStorageNearBudget", "RollstreamRedeliveryRate", "RollstreamCurveRefused"}
 
@@ -94,21 +96,52 @@ def container_env(container: dict) -> dict[str, str]:
     return env
 
 
-def mounted_files(spec: dict, container: dict, root: Path) -> dict[str, Path]:
-    """Each of the container's ConfigMap mounts, written under `root`: mount path -> local directory."""
-    configmaps = {doc["metadata"]["name"]: doc["data"] for _, doc in kubernetes_documents() if doc["kind"] == "ConfigMap"}
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> Path:
+    """Real key pairs for the Secret's names, and the broker's directories of allowed keys: what an
+    operator makes with `rollstream keys generate` (docs/operations.md, Security)."""
+    root = tmp_path_factory.mktemp("keys")
+    for name in KEY_NAMES:
+        generate(root, name)
+    for directory, name in ALLOWED.items():
+        (root / directory).mkdir()
+        shutil.copy(root / f"{name}.key", root / directory)
+    return root
+
+
+def localized(text: str, mounts: dict[str, Path]) -> str:
+    """`text` with every mounted path (longest first) replaced by its local copy."""
+    for mount in sorted(mounts, key=len, reverse=True):
+        text = re.sub(rf"(?<![\w/]){re.escape(mount)}(?=[/\"\s]|$)", str(mounts[mount]), text)
+    return text
+
+
+def mounted_files(spec: dict, container: dict, root: Path, keys: Path) -> dict[str, Path]:
+    """Each of the container's ConfigMap and Secret mounts, written under `root`: mount path -> local
+    directory. A Secret's items are the generated `keys` of their names; ConfigMap files name the
+    mounts by their paths in the container, which are made local too."""
+    documents = {(doc["kind"], doc["metadata"]["name"]): doc for _, doc in kubernetes_documents()}
     volumes = {volume["name"]: volume for volume in spec.get("volumes", [])}
-    mounts = {}
+    mounts, files = {}, {}
     for mount in container.get("volumeMounts", []):
-        source = volumes[mount["name"]].get("configMap")
-        if source is None:
-            continue
-        data = configmaps[source["name"]]
+        volume = volumes[mount["name"]]
         local = root / container["name"] / mount["name"]
-        for item in source.get("items", [{"key": key, "path": key} for key in data]):
-            (local / item["path"]).parent.mkdir(parents=True, exist_ok=True)
-            (local / item["path"]).write_text(data[item["key"]])
+        if "configMap" in volume:
+            source, data = volume["configMap"], documents["ConfigMap", volume["configMap"]["name"]]["data"]
+            for item in source.get("items", [{"key": key, "path": key} for key in data]):
+                files[local / item["path"]] = data[item["key"]]
+        elif "secret" in volume:
+            source = volume["secret"]
+            assert ("Secret", source["secretName"]) in documents, f"{container['name']}: no Secret {source['secretName']}"
+            for item in source["items"]:
+                (local / item["path"]).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(keys / item["key"], local / item["path"])
+        else:
+            continue
         mounts[mount["mountPath"]] = local
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(localized(text, mounts))
     return mounts
 
 
@@ -121,7 +154,7 @@ def rebase(arg: str, mounts: dict[str, Path]) -> str:
     return arg
 
 
-def kubernetes_command_lines(root: Path) -> list[CommandLine]:
+def kubernetes_command_lines(root: Path, keys: Path) -> list[CommandLine]:
     image = containerfile()
     lines = []
     for path, doc in kubernetes_documents():
@@ -131,7 +164,7 @@ def kubernetes_command_lines(root: Path) -> list[CommandLine]:
                 argv = container.get("command") or (image["ENTRYPOINT"] if ours else [])
                 argv = argv + container.get("args", image["CMD"] if ours and "command" not in container else [])
                 if argv and Path(argv[0]).name == "rollstream":
-                    mounts = mounted_files(spec, container, root)
+                    mounts = mounted_files(spec, container, root, keys)
                     lines.append(CommandLine(f"{path.name}: {doc['kind']} {doc['metadata']['name']}, container "
                                              f"{container['name']}", [rebase(arg, mounts) for arg in argv],
                                              container_env(container)))
@@ -157,14 +190,24 @@ def exec_lines(unit: Path) -> list[str]:
     return [line.partition("=")[2] for line in unit.read_text().splitlines() if re.match(r"Exec\w*=", line)]
 
 
-def systemd_command_lines(state: Path) -> list[CommandLine]:
-    """Exec lines with the specifiers filled in: %E/rollstream is deploy/systemd (the layout of
-    /etc/rollstream), %S a scratch state directory, %i each instance."""
+def etc_rollstream(root: Path, keys: Path) -> Path:
+    """A local /etc/rollstream as the units expect it: deploy/systemd's files (naming the keys by
+    their local paths) and the keys."""
+    etc = root / "etc-rollstream"
+    shutil.copytree(DEPLOY / "systemd", etc)
+    for path in etc.rglob("*.toml"):
+        path.write_text(localized(path.read_text(), {KEYS: keys}))
+    return etc
+
+
+def systemd_command_lines(state: Path, etc: Path) -> list[CommandLine]:
+    """Exec lines with the specifiers filled in: %E/rollstream is `etc` (see `etc_rollstream`),
+    %S a scratch state directory, %i each instance."""
     lines = []
     for unit in unit_files():
         for instance in unit_instances(unit):
             for line in exec_lines(unit):
-                filled = (line.replace("%E/rollstream", str(DEPLOY / "systemd")).replace("%S", str(state))
+                filled = (line.replace("%E/rollstream", str(etc)).replace("%S", str(state))
                           .replace("%i", instance))
                 assert "%" not in filled, f"{unit.name}: a specifier this test does not fill in: {line}"
                 argv = shlex.split(filled)
@@ -178,16 +221,22 @@ def container_command_line() -> CommandLine:
     return CommandLine("Containerfile ENTRYPOINT + CMD", image["ENTRYPOINT"] + image["CMD"])
 
 
-def toml_files(root: Path) -> list[tuple[str, Path]]:
-    """Every TOML file in deploy/ and every *.toml entry of a ConfigMap (written under `root`)."""
-    files = [(str(path.relative_to(ROOT)), path) for path in sorted(DEPLOY.rglob("*.toml"))]
+def toml_files(root: Path, keys: Path) -> list[tuple[str, Path]]:
+    """Every TOML file in deploy/ and every *.toml entry of a ConfigMap, written under `root` with
+    the keys' mount path made local."""
+    files = []
+    for path in sorted(DEPLOY.rglob("*.toml")):
+        local = root / path.relative_to(DEPLOY)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(localized(path.read_text(), {KEYS: keys}))
+        files.append((str(path.relative_to(ROOT)), local))
     for path, doc in kubernetes_documents():
         if doc["kind"] == "ConfigMap":
             for key, text in doc["data"].items():
                 if key.endswith(".toml"):
                     local = root / doc["metadata"]["name"] / key
                     local.parent.mkdir(parents=True, exist_ok=True)
-                    local.write_text(text)
+                    local.write_text(localized(text, {KEYS: keys}))
                     files.append((f"{path.name}: ConfigMap {doc['metadata']['name']} key {key}", local))
     return files
 
@@ -211,9 +260,9 @@ def check_config(line: CommandLine) -> None:
 # -- every command line and configuration file passes --check-config --------------------------------
 
 
-def test_every_command_line_in_deploy_passes_check_config(tmp_path):
-    lines = [*systemd_command_lines(tmp_path / "state"), *kubernetes_command_lines(tmp_path / "mounts"),
-             container_command_line()]
+def test_every_command_line_in_deploy_passes_check_config(tmp_path, keys):
+    lines = [*systemd_command_lines(tmp_path / "state", etc_rollstream(tmp_path, keys)),
+             *kubernetes_command_lines(tmp_path / "mounts", keys), container_command_line()]
     found = {line.where.split(":")[0].split(" ")[0] for line in lines}
     assert {"rollstream-broker.service", "rollstream-producer@.service", "broker-daemonset.yaml",
             "producer-sidecar.yaml", "Containerfile"} <= found, f"command lines found in: {sorted(found)}"
@@ -221,16 +270,34 @@ def test_every_command_line_in_deploy_passes_check_config(tmp_path):
         check_config(line)
 
 
-def test_every_toml_file_in_deploy_passes_check_config(tmp_path):
-    files = toml_files(tmp_path)
+def test_every_toml_file_in_deploy_passes_check_config(tmp_path, keys):
+    files = toml_files(tmp_path, keys)
     assert len(files) >= 5, files
     for where, path in files:
         check_config(CommandLine(where, ["rollstream", daemon_of(where, path), "--config", str(path)]))
 
 
-def test_a_bad_flag_in_a_manifest_is_caught(tmp_path):
+def test_every_deployed_daemon_runs_curve(tmp_path, keys):
+    """Brokers require CURVE on every socket, with a directory per socket; producers use it."""
+    required = {"broker": {"curve_secret_key", "curve_producers", "curve_consumers", "curve_admin"},
+                "producer": {"curve_secret_key", "curve_server_key"}}
+    for where, path in toml_files(tmp_path, keys):
+        daemon = daemon_of(where, path)
+        table = tomllib.loads(path.read_text())[daemon]
+        assert required[daemon] <= set(table), f"{where}: expected CURVE keys {sorted(required[daemon])}, got {sorted(table)}"
+
+
+def test_a_bad_key_path_in_a_configuration_is_caught(tmp_path, keys):
+    """The check reads the keys: a producer pointing at the broker's public key as its own is refused."""
+    where, path = next((w, p) for w, p in toml_files(tmp_path, keys) if w.endswith("producer/synthetic.toml"))
+    path.write_text(path.read_text().replace("producer.key_secret", "broker.key"))
+    with pytest.raises(AssertionError, match="curve_secret_key must be this client's own .key_secret file"):
+        check_config(CommandLine(where, ["rollstream", "producer", "--config", str(path)]))
+
+
+def test_a_bad_flag_in_a_manifest_is_caught(tmp_path, keys):
     """The check can fail: the sidecar's command line with one flag misspelt."""
-    line = next(line for line in kubernetes_command_lines(tmp_path) if "producer-sidecar" in line.where)
+    line = next(line for line in kubernetes_command_lines(tmp_path, keys) if "producer-sidecar" in line.where)
     line.argv.append("--spool-byte=1GiB")
     with pytest.raises(AssertionError, match=r"--spool-byte must be a flag of this command \(did you mean --spool-bytes"):
         check_config(line)
@@ -385,11 +452,8 @@ def test_alerts_and_dashboard_name_only_exported_metrics():
     assert REQUIRED_ALERTS <= {rule["alert"] for rule in rules}, {rule["alert"] for rule in rules}
     for where, expr in [(rule["alert"], rule["expr"]) for rule in rules] + [("dashboard", e) for e in dashboard_exprs()]:
         for name in re.findall(r"\brollstream_\w+", expr):
-            assert name in exported or name in PENDING_METRICS, (
+            assert name in exported, (
                 f"{where}: {name} must be an exported metric (one of {sorted(exported)}), got it in {expr!r}")
-    alerts_text = (DEPLOY / "prometheus" / "alerts.yml").read_text()
-    for name, why in PENDING_METRICS.items():
-        assert f"{name} {why}" in " ".join(alerts_text.split()), f"alerts.yml must say that {name} {why}"
 
 
 def test_dashboard_queries_parse_as_promql(tmp_path):
@@ -401,12 +465,12 @@ def test_dashboard_queries_parse_as_promql(tmp_path):
     assert result.returncode == 0, f"every dashboard query must parse as PromQL, got:\n{result.stdout}{result.stderr}"
 
 
-def test_budget_alerts_match_the_shipped_budgets(tmp_path):
+def test_budget_alerts_match_the_shipped_budgets(tmp_path, keys):
     """The budgets are not exported, so the near-budget thresholds are 0.9 x the shipped ones."""
     thresholds = {rule["expr"].split("where=\"")[1].split("\"")[0]: int(rule["expr"].rsplit("*", 1)[1])
                   for rule in alert_rules() if "rollstream_broker_bytes" in rule["expr"]}
     assert set(thresholds) == {"disk", "memory"}, thresholds
-    for where, path in toml_files(tmp_path):
+    for where, path in toml_files(tmp_path, keys):
         table = tomllib.loads(path.read_text())
         if "broker" in table:
             budgets = {"disk": table["broker"]["max_disk_bytes"], "memory": table["broker"]["max_memory_bytes"]}
