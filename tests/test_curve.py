@@ -192,6 +192,13 @@ def test_check_config_reports_every_curve_mistake(keys, tmp_path):
     good = cli("broker", "--check-config", "--curve-secret-key", str(keys / "broker.key_secret"),
                "--curve-producers", str(keys / "producers"))
     assert good.returncode == 0, good.stderr
+    from_env = subprocess.run([sys.executable, "-m", "rollstream.common.cli", "broker", "--check-config"],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "ROLLSTREAM_BROKER_CURVE_SECRET_KEY": str(keys / "broker.key_secret"),
+                                   "ROLLSTREAM_BROKER_CURVE_ADMIN": str(tmp_path / "absent")})
+    assert from_env.returncode == 2
+    assert "curve_admin must be an existing directory" in from_env.stderr
+    assert "(environment ROLLSTREAM_BROKER_CURVE_ADMIN)" in from_env.stderr
     half = cli("producer", "--check-config", "--curve-secret-key", str(keys / "producer.key_secret"))
     assert half.returncode == 2 and "curve_server_key must be given together with curve_secret_key" in half.stderr
     whole = cli("producer", "--check-config", "--curve-secret-key", str(keys / "producer.key_secret"),
