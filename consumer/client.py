@@ -123,6 +123,9 @@ class Consumer:
         self._wake_in.bind(wake_address)
         self._wake_out = self._context.socket(zmq.PAIR)
         self._wake_out.connect(wake_address)
+        # Each broker socket's handshakes (made by the I/O thread): a refused one is logged and named by
+        # `wait_ready`, not left to look like a silent broker.
+        self._watches: list[HandshakeWatch] = []
         self._thread = threading.Thread(target=self._run, name=f"rollstream-consumer-{self.consumer_id}", daemon=True)
         self._thread.start()
 
@@ -249,9 +252,13 @@ class Consumer:
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until every broker has welcomed this consumer (credit is
         then on its way); `TimeoutError` naming those still silent."""
-        self._wait_until(lambda: not self._assembler.silent_brokers, timeout,
-                         lambda: f"no welcome within {timeout} s from "
-                                 f"{[self.endpoints[i] for i in self._assembler.silent_brokers]}")
+        def describe() -> str:
+            silent = self._assembler.silent_brokers
+            failures = [watch.failure for i, watch in enumerate(self._watches) if i in silent and watch.failure]
+            return (f"no welcome within {timeout} s from {[self.endpoints[i] for i in silent]}"
+                    + "".join(f"; {failure}" for failure in failures))
+
+        self._wait_until(lambda: not self._assembler.silent_brokers, timeout, describe)
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until the brokers have confirmed every commit and release
@@ -302,7 +309,7 @@ class Consumer:
             pass
 
     def _run(self) -> None:
-        watches: list[HandshakeWatch] = []  # a refused handshake is logged, not left to look like a silent broker
+        watches = self._watches
 
         def secure(endpoint: str):
             def configure(sock: zmq.Socket) -> None:

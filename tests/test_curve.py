@@ -180,6 +180,28 @@ def test_a_client_reports_a_failure_once_until_a_success(keys):
 
 
 # -- configuration ----------------------------------------------------------------
+def test_a_socket_whose_directory_is_missing_allows_nobody(keys, tmp_path):
+    """Given no directory, or one gone by a reload, a socket is left out of what the gatekeeper allows."""
+    from rollstream.broker.curve import CurveGuard
+    from rollstream.broker.metrics import BrokerMetrics
+    from rollstream.broker.settings import BrokerSettings
+
+    producers = tmp_path / "producers"
+    shutil.copytree(keys / "producers", producers)
+    settings = BrokerSettings(curve_secret_key=str(keys / "broker.key_secret"), curve_producers=str(producers))
+    context = zmq.Context()
+    guard = CurveGuard(settings, context, BrokerMetrics())
+    try:
+        producer = zmq.auth.load_certificate(keys / "producer.key")[0]
+        assert guard.gatekeeper.allowed == {"producer": frozenset({producer})}
+        shutil.rmtree(producers)
+        guard.reload()
+        assert guard.gatekeeper.allowed == {}
+    finally:
+        guard.close()
+        context.term()
+
+
 def test_check_config_reports_every_curve_mistake(keys, tmp_path):
     without_secret = cli("broker", "--check-config", "--curve-producers", str(keys / "producers"))
     assert without_secret.returncode == 2
@@ -278,8 +300,10 @@ def test_unknown_key_is_refused_logged_by_fingerprint_and_counted(broker, keys, 
 def test_a_consumer_key_not_allowed_gets_no_deliveries(broker, keys):
     assert send(broker, keys, "producer", rollout("held-0")) is not None
     with Consumer(broker.consumer, batch_size=1, vocab_size=VOCAB, **client_keys(keys, "producer")) as consumer:
+        with pytest.raises(TimeoutError, match="refused this client's CURVE key"):
+            consumer.wait_ready(timeout=2)
         with pytest.raises(TimeoutError):
-            consumer.next_batch(timeout=2)
+            consumer.next_batch(timeout=1)
     status = broker.status()
     assert (status["ready"], status["leased"], status["consumers"]) == (1, 0, 0)
     assert refusals(broker).get("curve_refused.consumer.key_not_allowed", 0) >= 1
