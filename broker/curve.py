@@ -2,7 +2,10 @@
 libzmq's authentication requests with the `Gatekeeper`'s verdicts, counts
 and logs refused handshakes (those with a key by its fingerprint, those
 without one from the sockets' monitors), and reloads the key directories on
-SIGHUP. Everything it decides is in `rollstream.common.curve`."""
+SIGHUP. A connection is named by its key's fingerprint (ZAP's user id, on
+every message it sends), so a key removed at a reload stops counting at
+once, for connections it already has too. Everything it decides is in
+`rollstream.common.curve`."""
 from __future__ import annotations
 
 import logging
@@ -24,7 +27,7 @@ from rollstream.common.curve import (
 )
 
 from .metrics import BrokerMetrics
-from .settings import BrokerSettings
+from .settings import CURVE_DIRECTORIES, BrokerSettings
 
 log = logging.getLogger("rollstream.broker")
 
@@ -41,6 +44,8 @@ class CurveGuard:
         self.settings, self.metrics = settings, metrics
         self.own = KeyPair.load(settings.curve_secret_key)
         self.gatekeeper = Gatekeeper()
+        # Per socket: connection identity -> its key's fingerprint, as its latest message said (`recv_routed`).
+        self.users: dict[str, dict[bytes, str]] = {name: {} for name in CURVE_DIRECTORIES}
         self.reload()
         # Bound before any socket, so that no handshake ever goes unjudged.
         self.zap = context.socket(zmq.ROUTER)
@@ -79,7 +84,35 @@ class CurveGuard:
             found = allowed.get(name, frozenset())
             log.info(f"CURVE: the {name} socket allows {len(found)} client keys",
                      extra={"socket": name, "keys": sorted(fingerprint(key) for key in found)})
-        self.gatekeeper.allowed = allowed
+        self.gatekeeper.replace(allowed)
+
+    def revoked(self, name: str, identity: bytes, now: float) -> bool:
+        """Whether the connection's key is no longer allowed on socket `name`
+        (removed since it connected); its message is then dropped, counted
+        and logged like a refused handshake."""
+        user = self.users[name].get(identity, "-")
+        if self.gatekeeper.allows_fingerprint(name, user):
+            return False
+        self.metrics.curve_refused.add(1, name, "revoked")
+        verdict = self.gatekeeper.refused(name, "revoked", user, now)
+        if verdict.log:
+            log.warning(f"dropped a message on the {name} socket from a connection whose key {user} was removed "
+                        f"since it connected" + (f" ({verdict.repeats} more since the last report)" if verdict.repeats else ""),
+                        extra={"socket": name, "reason": "revoked", "fingerprint": user, "repeats": verdict.repeats})
+        return True
+
+    def revoked_identities(self, name: str, identities) -> list[bytes]:
+        """Those of `identities` whose key socket `name` no longer allows."""
+        users = self.users[name]
+        return [identity for identity in identities
+                if identity in users and not self.gatekeeper.allows_fingerprint(name, users[identity])]
+
+    def forget(self, name: str, keep) -> None:
+        """Drop what is known of connections of socket `name` not in `keep`
+        (each message records its connection again)."""
+        users = self.users[name]
+        for identity in [identity for identity in users if identity not in keep]:
+            del users[identity]
 
     def serve(self, ready: set, now: float) -> None:
         """Answer the authentication requests and read the monitors among `ready` sockets."""

@@ -94,9 +94,9 @@ class Dispatcher:
         exhausted = []
         for old_identity, consumer in list(self.consumers.items()):
             if consumer.consumer_id == consumer_id and old_identity != identity:
-                exhausted += self._drop_consumer(old_identity)
+                exhausted += self.drop_consumer(old_identity)
         if identity in self.consumers:
-            exhausted += self._drop_consumer(identity)
+            exhausted += self.drop_consumer(identity)
         self.consumers[identity] = ConsumerState(consumer_id, now)
         return exhausted
 
@@ -186,14 +186,17 @@ class Dispatcher:
         exhausted = []
         silent_after = LIVENESS_INTERVALS * self.settings.heartbeat_interval
         for identity in [i for i, c in self.consumers.items() if c.last_seen + silent_after < now]:
-            exhausted += self._drop_consumer(identity)
+            exhausted += self.drop_consumer(identity)
         expired = [lease.lease for lease in self.leases.values() if lease.expires_at < now]
         if expired:
             valid, _ = self.settle(expired)
             exhausted += self.requeue(valid)
         return exhausted
 
-    def _drop_consumer(self, identity: bytes) -> list[str]:
+    def drop_consumer(self, identity: bytes) -> list[str]:
+        """Forget a connection and requeue its leases (it went silent, said
+        hello again, or lost its right to connect); returns ids that ran out
+        of deliveries."""
         consumer = self.consumers.pop(identity)
         valid, _ = self.settle(sorted(consumer.leases))
         return self.requeue(valid)

@@ -15,8 +15,9 @@ class BrokerMetrics(Metrics):
         self.evictions = self.counter("evictions", "Trajectories moved out of memory by the memory budget, by state",
                                       ("state",))
         self.reloads = self.counter("reloads", "Evicted trajectories read back from the store")
-        self.curve_refused = self.counter("curve_refused", "CURVE handshakes refused, by socket and reason "
-                                          "(key_not_allowed, no_keys, mechanism_mismatch, cryptographic, ...)",
+        self.curve_refused = self.counter("curve_refused", "CURVE handshakes (and messages of revoked keys) refused, "
+                                          "by socket and reason (key_not_allowed, no_keys, mechanism_mismatch, "
+                                          "cryptographic, revoked, ...)",
                                           ("socket", "reason"))
         self.depth = self.gauge("queue_depth", "Trajectories by state", ("state",))
         self.bytes = self.gauge("bytes", "Bytes held, in memory and on disk", ("where",))

@@ -247,7 +247,7 @@ class BrokerService:
             if self.curve is None:
                 log.info("SIGHUP: no CURVE keys to reload (the broker runs without --curve-secret-key)")
             else:
-                self.curve.reload()
+                self._reload_curve(now)
         if self.curve is not None:
             self.curve.serve({sock for sock, flags in events.items() if flags}, now.mono)
         if events.get(self.sockets["producer"]):
@@ -260,6 +260,16 @@ class BrokerService:
             self._housekeeping(now)
             self._next_housekeeping = now.mono + HOUSEKEEPING_EVERY
         self._deliver(now)
+
+    def _reload_curve(self, now: Clock) -> None:
+        """Read the key directories again; consumers whose key was removed
+        get no more deliveries, and their leases go back to the queue."""
+        assert self.curve is not None
+        self.curve.reload()
+        for identity in self.curve.revoked_identities("consumer", list(self.dispatcher.consumers)):
+            log.warning("dropped a consumer whose key was removed; its leases are requeued",
+                        extra={"consumer_id": self.dispatcher.consumers[identity].consumer_id})
+            self._dead_letter(self.dispatcher.drop_consumer(identity), "max_deliveries", now)
 
     # -- durability -----------------------------------------------------------
     def _commit(self, effects: list) -> bool:
@@ -299,15 +309,19 @@ class BrokerService:
         checks: dict[int, Future] = {}  # index in `received` -> its content check, running ahead
         batch_bytes = 0
         self._free_bytes = self._free_space()  # one statvfs a batch; its frames are counted off it as they come
+        curve = self.curve
+        users = None if curve is None else curve.users["producer"]
         while len(received) < self.settings.batch_max:
             # The frame crossing batch_max_bytes is the batch's last.
             if self.memory.over(self._memory_bytes) or (received and batch_bytes >= self.settings.batch_max_bytes):
                 break
             try:
-                frames = recv_routed(sock)
+                frames = recv_routed(sock, users=users)
             except zmq.Again:
                 break
             identity = frames[0]
+            if curve is not None and curve.revoked("producer", identity, now.mono):
+                continue
             size = sum(map(len, frames))
             batch_bytes += size
             self._memory_bytes += size  # estimates until the next measurement
@@ -567,12 +581,16 @@ class BrokerService:
         sock = self.sockets["consumer"]
         settling: list[Settlement] = []
         claimed: set[str] = set()  # leases settled by an earlier message of this batch
+        curve = self.curve
+        users = None if curve is None else curve.users["consumer"]
         for _ in range(self.settings.batch_max):
             try:
-                frames = recv_routed(sock)
+                frames = recv_routed(sock, users=users)
             except zmq.Again:
                 break
             identity = frames[0]
+            if curve is not None and curve.revoked("consumer", identity, now.mono):
+                continue
             try:
                 message = decode(frames[1:], CONSUMER_TO_BROKER, max_message_bytes=self.settings.max_message_bytes)
             except ProtocolError as error:
@@ -683,12 +701,16 @@ class BrokerService:
     # -- admin ----------------------------------------------------------------
     def _serve_admin(self, now: Clock) -> None:
         sock = self.sockets["admin"]
+        curve = self.curve
+        users = None if curve is None else curve.users["admin"]
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = recv_routed(sock, users=users)
             except zmq.Again:
                 return
             identity, body, envelope = frames[0], frames[1:], []
+            if curve is not None and curve.revoked("admin", identity, now.mono):
+                continue
             if len(body) >= 2 and body[0] == b"":  # a REQ peer's delimiter
                 envelope, body = [b""], body[1:]
             try:
@@ -741,6 +763,10 @@ class BrokerService:
             for identity in [i for i, seen in self.producers.items() if seen < now.mono - PRODUCER_FORGET_AFTER]:
                 self._forget_producer(identity)
         self._count_active_producers(now.mono)
+        if self.curve is not None:  # each message records its connection's key again
+            self.curve.forget("producer", self.producers)
+            self.curve.forget("consumer", self.dispatcher.consumers)
+            self.curve.forget("admin", ())
         effects = self.engine.expire(now.wall)
         if self._commit(effects):
             self._count_effects(effects)

@@ -264,7 +264,7 @@ class ZapRequest:
 class Verdict:
     allowed: bool
     socket: str
-    reason: str  # "allowed", "key_not_allowed", "no_keys" (the socket allows nobody) or "not_curve"
+    reason: str  # "allowed", "key_not_allowed", "no_keys" (the socket allows nobody), "not_curve" or "revoked"
     fingerprint: str
     log: bool  # whether to log this refusal now (the first of its kind, or the first after REPEAT_LOG_EVERY)
     repeats: int  # refusals of this kind not logged since the last that was
@@ -283,6 +283,19 @@ class Gatekeeper:
     allowed: Mapping[str, frozenset[bytes]] = field(default_factory=dict)
     repeat_log_every: float = REPEAT_LOG_EVERY
     _logged: dict[tuple[str, str, str], tuple[float, int]] = field(default_factory=dict)  # -> last logged, repeats since
+    _fingerprints: dict[str, frozenset[str]] = field(default_factory=dict)  # `allowed` by fingerprint, per socket
+
+    def __post_init__(self) -> None:
+        self.replace(self.allowed)
+
+    def replace(self, allowed: Mapping[str, frozenset[bytes]]) -> None:
+        """The keys each socket allows from now on (a reload)."""
+        self.allowed = dict(allowed)
+        self._fingerprints = {socket: frozenset(map(fingerprint, keys)) for socket, keys in self.allowed.items()}
+
+    def allows_fingerprint(self, socket: str, name: str) -> bool:
+        """Whether the key named `name` (its fingerprint: a connection's ZAP user id) is allowed on `socket` now."""
+        return name in self._fingerprints.get(socket, ())
 
     def decide(self, request: ZapRequest, now: float) -> Verdict:
         socket, key = request.domain, request.client_key

@@ -233,9 +233,10 @@ def test_check_config_reports_every_curve_mistake(keys, tmp_path):
 def broker(keys):
     directory = Path(tempfile.mkdtemp(prefix="rscurve", dir="/tmp"))
     flags = {"curve_secret_key": keys / "broker.key_secret", "curve_producers": directory / "producers",
-             "curve_consumers": keys / "consumers", "curve_admin": keys / "admin", "endpoints_file": directory / "ep.json",
-             "vocab_size": VOCAB}
-    shutil.copytree(keys / "producers", directory / "producers")  # this broker's own: a test adds a key to it
+             "curve_consumers": directory / "consumers", "curve_admin": keys / "admin",
+             "endpoints_file": directory / "ep.json", "vocab_size": VOCAB}
+    for allowed in ("producers", "consumers"):  # this broker's own: tests add and remove keys
+        shutil.copytree(keys / allowed, directory / allowed)
     process = BrokerProcess(directory, **flags)
     for kind in ("producer", "consumer", "admin"):  # over TCP: every byte crosses the CURVE handshake's checks
         setattr(process, kind, "tcp://127.0.0.1:0")
@@ -346,3 +347,36 @@ def test_a_key_added_to_a_directory_works_after_sighup(broker, keys):
     receipts = send(broker, keys, "stranger", rollout("late-1", seed=1))
     assert receipts is not None and all(r.applied for r in receipts)
     assert broker.status()["ready"] == 1
+
+
+def test_a_key_removed_at_sighup_cuts_off_its_open_connections(broker, keys):
+    """Keys are judged at the handshake; a removed key's connections already open must stop counting too."""
+    def send_now(producer, tid: str, seed: int) -> list:
+        sent = rollout(tid, seed)
+        return producer.send_trajectory(sent.trajectory_id, sent.prompt, sent.turns, sent.reward, sample_index=0)
+
+    def reload(directory: str, name: str, socket: str) -> None:
+        (broker.directory / directory / f"{name}.key").unlink()
+        broker.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: f"the {socket} socket allows 0 client keys" in broker.log(), what=f"the reload of {directory}")
+
+    with Producer(broker.producer, "p-revoked", reply_timeout=60.0, **client_keys(keys, "producer")) as producer, \
+            Consumer(broker.consumer, batch_size=1, vocab_size=VOCAB, **client_keys(keys, "consumer")) as consumer:
+        assert all(f.result(timeout=20).applied for f in send_now(producer, "before-0", 0))
+        batch = consumer.next_batch(timeout=20)
+        assert batch.trajectory_ids == ("before-0",)
+        consumer.commit(batch)
+        consumer.flush(timeout=20)
+        reload("consumers", "consumer", "consumer")
+        assert all(f.result(timeout=20).applied for f in send_now(producer, "after-consumer-revoked-1", 1))
+        with pytest.raises(TimeoutError):
+            consumer.next_batch(timeout=3)  # the consumer's connection is open, and gets nothing
+        reload("producers", "producer", "producer")
+        with pytest.raises(TimeoutError):
+            send_now(producer, "after-producer-revoked-2", 2)[0].result(timeout=3)  # nor is the producer's frame taken
+        producer.close(timeout=0.5)
+    status = broker.status()
+    assert (status["consumers"], status["ready"], status["leased"], status["open"]) == (0, 1, 0, 0), status
+    counted = refusals(broker)
+    assert counted.get("curve_refused.consumer.revoked", 0) >= 1 and counted.get("curve_refused.producer.revoked", 0) >= 1
+    assert "was removed since it connected" in broker.log()
