@@ -80,7 +80,7 @@ class CurveGuard:
             for problem in problems:
                 log.warning(f"CURVE key file left out: {problem}", extra={"socket": name})
             allowed[name] = keys
-        for name in ("producer", "consumer", "admin"):
+        for name in CURVE_DIRECTORIES:
             found = allowed.get(name, frozenset())
             log.info(f"CURVE: the {name} socket allows {len(found)} client keys",
                      extra={"socket": name, "keys": sorted(fingerprint(key) for key in found)})
