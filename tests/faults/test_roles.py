@@ -186,7 +186,10 @@ def test_a_killed_producer_resends_its_spool_and_an_abandoned_trajectory_expires
     committed = {r["id"] for r in pipeline.records if r["kind"] == "committed"}
     assert faults.done == ["producer"] and abandoned
     assert expired and not expired & committed
-    assert report.counts() == CLEAN and report.committed == report.acked
+    # A producer SIGKILLed after the broker durably acked an `end` but before it wrote `acked` to its ledger
+    # leaves that trajectory committed with no ack record (the checker's `unacked_committed`); producer 1 is
+    # never restarted to read the ack again, so that happens whenever its kill lands in that window.
+    assert report.counts() == CLEAN and report.committed == report.acked + report.unacked_committed, report.summary()
 
 
 def test_a_trainer_source_killed_before_commit_hands_its_leases_on():
