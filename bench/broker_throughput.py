@@ -37,7 +37,7 @@ import raw_relay  # noqa: E402
 from procs import Broker, peak_rss  # noqa: E402
 
 from rollstream.common.codec import decode, encode  # noqa: E402
-from rollstream.common.curve import ClientCurve, generate  # noqa: E402
+from rollstream.common.curve import ClientCurve, KeyLayout  # noqa: E402
 from rollstream.common.mask import SamplingMask  # noqa: E402
 from rollstream.common.messages import (  # noqa: E402
     BROKER_TO_CONSUMER,
@@ -83,27 +83,6 @@ def encoded_stream(frames: int, tokens: int, forced: int) -> tuple[list[list], i
         messages.append(encode(PRODUCER_TO_BROKER, "end", {"seq": seq, "trajectory_id": tid, "reward": 1.0}))
     n_turns = (frames // TURNS_PER_TRAJECTORY) * TURNS_PER_TRAJECTORY
     return messages, n_turns, turn_bytes // n_turns
-
-
-class CurveKeys:
-    """Key files for a CURVE run: the broker's, and a producer, consumer and
-    admin key each allowed on its own socket."""
-
-    def __init__(self, directory: str):
-        root = Path(directory)
-        for name in ("broker", "producer", "consumer", "admin"):
-            generate(root, name)
-        for folder, name in (("producers", "producer"), ("consumers", "consumer"), ("admin", "admin")):
-            (root / folder).mkdir()
-            (root / folder / f"{name}.key").write_bytes((root / f"{name}.key").read_bytes())
-        self.root = root
-        self.broker_args = ["--curve-secret-key", str(root / "broker.key_secret"), "--curve-producers",
-                            str(root / "producers"), "--curve-consumers", str(root / "consumers"), "--curve-admin",
-                            str(root / "admin")]
-        self.admin = (str(root / "admin.key_secret"), str(root / "broker.key"))
-
-    def client(self, name: str) -> tuple[str, str]:
-        return str(self.root / f"{name}.key_secret"), str(self.root / "broker.key")
 
 
 def _greeted(endpoint: str, to_broker, from_broker, hello: dict,
@@ -177,17 +156,18 @@ def _consumer(endpoint, trajectories, credit, out, keys=None):
     ctx.term()
 
 
-def run_broker(shape: tuple, n_turns: int, window: int, sync: str, curve: CurveKeys | None = None) -> dict:
-    broker = Broker(None, ["--sync", sync, *(curve.broker_args if curve else [])], curve.admin if curve else None)
+def run_broker(shape: tuple, n_turns: int, window: int, sync: str, curve: KeyLayout | None = None) -> dict:
+    broker = Broker(None, ["--sync", sync, *(curve.broker_args() if curve else [])],
+                    curve.client_keys("admin") if curve else None)
     try:
         out = mp.Queue()
         trajectories = n_turns // TURNS_PER_TRAJECTORY
         consumer = mp.Process(target=_consumer, args=(broker.consumer, trajectories, 32, out,
-                                                      curve.client("consumer") if curve else None))
+                                                      curve.client_keys("consumer") if curve else None))
         consumer.start()
         time.sleep(0.3)
         producer = mp.Process(target=_producer, args=(broker.producer, shape, window, out,
-                                                      curve.client("producer") if curve else None))
+                                                      curve.client_keys("producer") if curve else None))
         producer.start()
         results = dict((item[0], item[1:]) for item in (out.get(timeout=600), out.get(timeout=600)))
         producer.join()
@@ -226,7 +206,8 @@ def main() -> None:
         return max(runs, key=lambda r: r[key])
 
     results = {}
-    curve = CurveKeys(tempfile.mkdtemp(prefix="rollstream-bench-keys-"))
+    curve = KeyLayout.generate(tempfile.mkdtemp(prefix="rollstream-bench-keys-"),
+                               {"producers": "producer", "consumers": "consumer", "admin": "admin"})
     for label, tokens, forced, frames in (("512", 512, 128, args.frames), ("32", 32, 8, args.tiny_frames)):
         _, n_turns, frame_bytes = encoded_stream(frames, tokens, forced)
         runs: dict[str, list[dict]] = {"relay": [], "normal": [], "full": [], "curve": []}

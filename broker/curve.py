@@ -97,7 +97,7 @@ class CurveGuard:
         verdict = self.gatekeeper.refused(name, "revoked", user, now)
         if verdict.log:
             log.warning(f"dropped a message on the {name} socket from a connection whose key {user} was removed "
-                        f"since it connected" + (f" ({verdict.repeats} more since the last report)" if verdict.repeats else ""),
+                        f"since it connected{verdict.since_last}",
                         extra={"socket": name, "reason": "revoked", "fingerprint": user, "repeats": verdict.repeats})
         return True
 
@@ -141,8 +141,7 @@ class CurveGuard:
             if verdict.log:
                 why = {"key_not_allowed": "is not in its directory", "no_keys": "cannot be: the socket allows nobody"}
                 log.warning(f"refused a CURVE handshake on the {verdict.socket} socket from {request.address}: "
-                            f"key {verdict.fingerprint} {why.get(verdict.reason, verdict.reason)}"
-                            + (f" ({verdict.repeats} more refusals of it since the last report)" if verdict.repeats else ""),
+                            f"key {verdict.fingerprint} {why.get(verdict.reason, verdict.reason)}{verdict.since_last}",
                             extra={"socket": verdict.socket, "reason": verdict.reason, "fingerprint": verdict.fingerprint,
                                    "address": request.address, "repeats": verdict.repeats})
 
@@ -159,8 +158,7 @@ class CurveGuard:
             verdict = self.gatekeeper.refused(name, reason, "-", now)
             if verdict.log:
                 log.warning(f"a connection to the {name} socket failed its CURVE handshake: {reason}, "
-                            f"{_LIKELY_CAUSES.get(reason, 'a protocol error')}"
-                            + (f" ({verdict.repeats} more since the last report)" if verdict.repeats else ""),
+                            f"{_LIKELY_CAUSES.get(reason, 'a protocol error')}{verdict.since_last}",
                             extra={"socket": name, "reason": reason, "repeats": verdict.repeats})
 
     def close(self) -> None:

@@ -301,27 +301,34 @@ class BrokerService:
         self.engine = self._new_engine()
         restore(self.engine, self.store.reload(), self.store)
 
+    def _receive(self, name: str, now: Clock) -> list | None:
+        """One message from socket `name` (`recv_routed`; `zmq.Again` when
+        none waits), or None when CURVE drops it: its connection's key was
+        removed since it connected."""
+        curve = self.curve
+        if curve is None:
+            return recv_routed(self.sockets[name])
+        frames = recv_routed(self.sockets[name], users=curve.users[name])
+        return None if curve.revoked(name, frames[0], now.mono) else frames
+
     # -- producers ------------------------------------------------------------
     def _serve_producers(self, now: Clock) -> None:
         """Read a batch, check it, merge it, commit it once, then reply."""
-        sock = self.sockets["producer"]
         received: list[tuple[bytes, Message | None, ProtocolError | None]] = []
         checks: dict[int, Future] = {}  # index in `received` -> its content check, running ahead
         batch_bytes = 0
         self._free_bytes = self._free_space()  # one statvfs a batch; its frames are counted off it as they come
-        curve = self.curve
-        users = None if curve is None else curve.users["producer"]
         while len(received) < self.settings.batch_max:
             # The frame crossing batch_max_bytes is the batch's last.
             if self.memory.over(self._memory_bytes) or (received and batch_bytes >= self.settings.batch_max_bytes):
                 break
             try:
-                frames = recv_routed(sock, users=users)
+                frames = self._receive("producer", now)
             except zmq.Again:
                 break
-            identity = frames[0]
-            if curve is not None and curve.revoked("producer", identity, now.mono):
+            if frames is None:
                 continue
+            identity = frames[0]
             size = sum(map(len, frames))
             batch_bytes += size
             self._memory_bytes += size  # estimates until the next measurement
@@ -578,19 +585,16 @@ class BrokerService:
     def _serve_consumers(self, now: Clock) -> None:
         """Read a batch of consumer messages; the acks and nacks among them
         are made durable together (one commit), then answered."""
-        sock = self.sockets["consumer"]
         settling: list[Settlement] = []
         claimed: set[str] = set()  # leases settled by an earlier message of this batch
-        curve = self.curve
-        users = None if curve is None else curve.users["consumer"]
         for _ in range(self.settings.batch_max):
             try:
-                frames = recv_routed(sock, users=users)
+                frames = self._receive("consumer", now)
             except zmq.Again:
                 break
-            identity = frames[0]
-            if curve is not None and curve.revoked("consumer", identity, now.mono):
+            if frames is None:
                 continue
+            identity = frames[0]
             try:
                 message = decode(frames[1:], CONSUMER_TO_BROKER, max_message_bytes=self.settings.max_message_bytes)
             except ProtocolError as error:
@@ -700,17 +704,14 @@ class BrokerService:
 
     # -- admin ----------------------------------------------------------------
     def _serve_admin(self, now: Clock) -> None:
-        sock = self.sockets["admin"]
-        curve = self.curve
-        users = None if curve is None else curve.users["admin"]
         while True:
             try:
-                frames = recv_routed(sock, users=users)
+                frames = self._receive("admin", now)
             except zmq.Again:
                 return
-            identity, body, envelope = frames[0], frames[1:], []
-            if curve is not None and curve.revoked("admin", identity, now.mono):
+            if frames is None:
                 continue
+            identity, body, envelope = frames[0], frames[1:], []
             if len(body) >= 2 and body[0] == b"":  # a REQ peer's delimiter
                 envelope, body = [b""], body[1:]
             try:

@@ -35,6 +35,7 @@ class AdminClient:
         self.timeout_ms = int(timeout * 1000)
         self._curve = ClientCurve.from_files(curve_secret_key, curve_server_key)
         self._watch: HandshakeWatch | None = None
+        self._poller = zmq.Poller()  # replies, and the handshake's failures
         self._sock = dealer(context or zmq.Context.instance(), endpoint, linger_ms=0, secure=self._secure)
         self._seq = 0
 
@@ -42,17 +43,16 @@ class AdminClient:
         if self._curve is not None:
             self._curve.apply(sock)
         self._watch = HandshakeWatch(sock, self.endpoint, self._curve)
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._watch.monitor, zmq.POLLIN)
 
     def _call(self, mtype: str, fields: dict | None = None):
         self._seq += 1
         self._sock.send_multipart(encode(ADMIN_REQUESTS, mtype, {**(fields or {}), "seq": self._seq}))
         assert self._watch is not None
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._watch.monitor, zmq.POLLIN)
         deadline = time.monotonic() + self.timeout_ms / 1000
         while True:
-            events = dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+            events = dict(self._poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
             failure = self._watch.read()
             if failure is not None:
                 raise AdminError(failure, code="handshake_refused")

@@ -136,7 +136,58 @@ def load_allowed(directory: str | os.PathLike) -> tuple[frozenset[bytes], list[s
     return frozenset(keys), problems
 
 
+@dataclass(frozen=True)
+class KeyLayout:
+    """Keys laid out as docs/operations.md (Security) describes: the
+    broker's pair (`broker.key`, `broker.key_secret`), a pair per client,
+    and per broker socket a directory holding the public key of the client
+    it allows (`allowed`: `producers`, `consumers` or `admin`, the
+    directories of --curve-producers, --curve-consumers and --curve-admin
+    -> client name)."""
+
+    root: Path
+    allowed: Mapping[str, str]
+
+    @classmethod
+    def generate(cls, root: str | os.PathLike, allowed: Mapping[str, str], *,
+                 others: tuple[str, ...] = ()) -> "KeyLayout":
+        """New pairs for the broker, each client of `allowed` and `others`
+        (clients no socket allows), and the directories of allowed keys."""
+        layout = cls(Path(root), dict(allowed))
+        for name in ("broker", *dict.fromkeys(allowed.values()), *others):
+            generate(layout.root, name)
+        for directory, name in layout.allowed.items():
+            (layout.root / directory).mkdir()
+            (layout.root / directory / f"{name}{PUBLIC_SUFFIX}").write_bytes(
+                (layout.root / f"{name}{PUBLIC_SUFFIX}").read_bytes())
+        return layout
+
+    def client_keys(self, name: str) -> tuple[str, str]:
+        """Client `name`'s `curve_secret_key` and `curve_server_key` files."""
+        return str(self.root / f"{name}{SECRET_SUFFIX}"), str(self.root / f"broker{PUBLIC_SUFFIX}")
+
+    def client_args(self, name: str) -> tuple[str, ...]:
+        """The same as flags."""
+        secret, server = self.client_keys(name)
+        return ("--curve-secret-key", secret, "--curve-server-key", server)
+
+    def broker_args(self) -> tuple[str, ...]:
+        """The broker's flags: its own key and each socket's directory."""
+        args = ["--curve-secret-key", str(self.root / f"broker{SECRET_SUFFIX}")]
+        for directory in self.allowed:
+            args += [f"--curve-{directory}", str(self.root / directory)]
+        return tuple(args)
+
+
 # -- sockets ------------------------------------------------------------------
+def _unpaired(secret_key_file, server_key_file) -> tuple[str, str] | None:
+    """(the setting given, the one missing) when only one of a client's two keys is."""
+    if (secret_key_file is None) == (server_key_file is None):
+        return None
+    return (("curve_secret_key", "curve_server_key") if server_key_file is None
+            else ("curve_server_key", "curve_secret_key"))
+
+
 @dataclass(frozen=True)
 class ClientCurve:
     """What a client socket needs: its own key pair and the broker's public key."""
@@ -148,12 +199,12 @@ class ClientCurve:
     def from_files(cls, secret_key_file: str | os.PathLike | None,
                    server_key_file: str | os.PathLike | None) -> "ClientCurve | None":
         """Both files, or neither (plain ZeroMQ: None)."""
-        if secret_key_file is None and server_key_file is None:
-            return None
-        if secret_key_file is None or server_key_file is None:
-            given, missing = (("curve_secret_key", "curve_server_key") if server_key_file is None
-                              else ("curve_server_key", "curve_secret_key"))
+        unpaired = _unpaired(secret_key_file, server_key_file)
+        if unpaired is not None:
+            given, missing = unpaired
             raise CurveError(f"CURVE needs both keys: {given} is given, so {missing} must be too, and it is not")
+        if secret_key_file is None or server_key_file is None:
+            return None
         return cls(KeyPair.load(secret_key_file), load_public_key(server_key_file))
 
     def apply(self, sock: zmq.Socket) -> None:
@@ -205,12 +256,12 @@ def describe_client_failure(reason: str, endpoint: str, curve: ClientCurve | Non
 
 def client_key_problems(secret_key_file: str | None, server_key_file: str | None) -> list[Problem]:
     """A client daemon's CURVE settings as `--check-config` reports them."""
-    if secret_key_file is None and server_key_file is None:
-        return []
-    if secret_key_file is None or server_key_file is None:
-        given, missing = (("curve_secret_key", "curve_server_key") if server_key_file is None
-                          else ("curve_server_key", "curve_secret_key"))
+    unpaired = _unpaired(secret_key_file, server_key_file)
+    if unpaired is not None:
+        given, missing = unpaired
         return [Problem(missing, "", f"given together with {given} (CURVE needs both)", "not given")]
+    if secret_key_file is None or server_key_file is None:
+        return []
     problems = []
     try:
         KeyPair.load(secret_key_file)
@@ -272,6 +323,11 @@ class Verdict:
     @property
     def status(self) -> str:
         return "200" if self.allowed else "400"
+
+    @property
+    def since_last(self) -> str:
+        """What a log line adds about the refusals not logged before it."""
+        return f" ({self.repeats} more since the last report)" if self.repeats else ""
 
 
 @dataclass

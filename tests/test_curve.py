@@ -26,11 +26,13 @@ from rollstream.common.curve import (
     CurveError,
     Gatekeeper,
     HandshakeReport,
+    KeyLayout,
     KeyPair,
     ZapRequest,
     fingerprint,
     generate,
     load_allowed,
+    load_public_key,
 )
 from rollstream.consumer import Consumer
 from rollstream.producer import Producer
@@ -200,6 +202,20 @@ def test_a_socket_whose_directory_is_missing_allows_nobody(keys, tmp_path):
     finally:
         guard.close()
         context.term()
+
+
+def test_a_key_layout_is_what_the_broker_and_its_clients_accept(tmp_path):
+    layout = KeyLayout.generate(tmp_path, {"producers": "producer", "admin": "admin"}, others=("stranger",))
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "admin", "admin.key", "admin.key_secret", "broker.key", "broker.key_secret", "producer.key",
+        "producer.key_secret", "producers", "stranger.key", "stranger.key_secret"]
+    allowed, _ = load_allowed(tmp_path / "producers")
+    assert allowed == {zmq.auth.load_certificate(tmp_path / "producer.key")[0]}
+    broker = cli("broker", "--check-config", *layout.broker_args())
+    assert broker.returncode == 0 and "--curve-producers" in layout.broker_args(), broker.stderr
+    producer = cli("producer", "--check-config", *layout.client_args("producer"))
+    assert producer.returncode == 0, producer.stderr
+    assert ClientCurve.from_files(*layout.client_keys("stranger")).server_key == load_public_key(tmp_path / "broker.key")
 
 
 def test_check_config_reports_every_curve_mistake(keys, tmp_path):

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 from rollstream.common.cli import main
 from rollstream.common.config import parse_bytes
-from rollstream.common.curve import generate
+from rollstream.common.curve import KeyLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -31,8 +31,8 @@ DAEMONS = ("broker", "producer")  # the commands that take --config and --check-
 # Values the cluster fills in at run time (env valueFrom.fieldRef), for the dry run.
 FIELD_SAMPLES = {"status.hostIP": "10.0.0.1", "metadata.name": "rollout-sglang-0"}
 KEYS = "/etc/rollstream/keys"  # where every pod and unit finds its CURVE keys
-KEY_NAMES = ("broker", "producer", "trainer", "admin")  # the key pairs of the Secret
-ALLOWED = {"producers": "producer", "consumers": "trainer", "admin": "admin"}  # the broker's directories
+# The broker's directories and whom each allows: with the broker's, the Secret's key pairs.
+ALLOWED = {"producers": "producer", "consumers": "trainer", "admin": "admin"}
 REQUIRED_ALERTS = {"RollstreamBrokerDown", "RollstreamDeadLettersGrowing", "RollstreamReplayGapRate",
                    "RollstreamStorageNearBudget", "RollstreamRedeliveryRate", "RollstreamCurveRefused"}
 
@@ -100,13 +100,7 @@ def container_env(container: dict) -> dict[str, str]:
 def keys(tmp_path_factory) -> Path:
     """Real key pairs for the Secret's names, and the broker's directories of allowed keys: what an
     operator makes with `rollstream keys generate` (docs/operations.md, Security)."""
-    root = tmp_path_factory.mktemp("keys")
-    for name in KEY_NAMES:
-        generate(root, name)
-    for directory, name in ALLOWED.items():
-        (root / directory).mkdir()
-        shutil.copy(root / f"{name}.key", root / directory)
-    return root
+    return KeyLayout.generate(tmp_path_factory.mktemp("keys"), ALLOWED).root
 
 
 def localized(text: str, mounts: dict[str, Path]) -> str:

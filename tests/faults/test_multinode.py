@@ -42,7 +42,7 @@ import pytest
 
 from rollstream.common.admin import AdminClient, AdminError
 from rollstream.common.checker import LedgerReader, check
-from rollstream.common.curve import generate
+from rollstream.common.curve import KeyLayout
 from rollstream.common.demo import VOCAB, LoopbackNode, Pipeline, Trainer
 
 NET = "10.231.0"  # a /24 that exists only inside the namespaces this test creates
@@ -153,18 +153,9 @@ def _curve(keys: Path) -> dict[str, tuple[str, ...]]:
     """CURVE for every role, as the DaemonSet's Secret gives it: one broker key pair shared by both brokers, a
     producer key (both nodes' producers), the trainer's and the test's admin key, each allowed on its own socket
     only. Returns each role's flags; "admin" is the admin client's (own secret key, broker key)."""
-    for name in ("broker", "producer", "trainer", "admin"):
-        generate(keys, name)
-    for directory, name in (("producers", "producer"), ("consumers", "trainer"), ("admin", "admin")):
-        (keys / directory).mkdir()
-        shutil.copy(keys / f"{name}.key", keys / directory)
-    server = ("--curve-server-key", str(keys / "broker.key"))
-    return {"broker": ("--curve-secret-key", str(keys / "broker.key_secret"), "--curve-producers",
-                       str(keys / "producers"), "--curve-consumers", str(keys / "consumers"), "--curve-admin",
-                       str(keys / "admin")),
-            "producer": ("--curve-secret-key", str(keys / "producer.key_secret"), *server),
-            "rank": ("--curve-secret-key", str(keys / "trainer.key_secret"), *server),
-            "admin": (str(keys / "admin.key_secret"), str(keys / "broker.key"))}
+    layout = KeyLayout.generate(keys, {"producers": "producer", "consumers": "trainer", "admin": "admin"})
+    return {"broker": layout.broker_args(), "producer": layout.client_args("producer"),
+            "rank": layout.client_args("trainer"), "admin": layout.client_keys("admin")}
 
 
 def _log_tails(nodes: dict[str, LoopbackNode]) -> str:
