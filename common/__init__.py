@@ -2,7 +2,16 @@
 producer, broker and consumer share."""
 from .codec import Message, content_digest, decode, encode, encode_error
 from .contract import ARRAYS, NACK_CODES, PROTOCOL_VERSION, REPLAY_FIELDS, STATUSES
-from .errors import RETRIABLE, ClientFailed, ProtocolError, RollstreamError
+from .errors import (
+    RETRIABLE,
+    ClientClosed,
+    ClientFailed,
+    LocalProtocolError,
+    ProtocolError,
+    Refused,
+    RemoteProtocolError,
+    RollstreamError,
+)
 from .ingest import turn_from_sglang
 from .mask import SamplingMask
 from .trajectory import Gap, Trajectory, Turn, TurnOutcome
@@ -11,14 +20,18 @@ from .validation import BatchValidationError, Violation, packed_violations
 __all__ = [
     "ARRAYS",
     "BatchValidationError",
+    "ClientClosed",
     "ClientFailed",
     "Gap",
+    "LocalProtocolError",
     "Message",
     "NACK_CODES",
     "PROTOCOL_VERSION",
     "ProtocolError",
     "REPLAY_FIELDS",
     "RETRIABLE",
+    "Refused",
+    "RemoteProtocolError",
     "RollstreamError",
     "STATUSES",
     "SamplingMask",

@@ -1,10 +1,21 @@
 """rollstream's one error vocabulary.
 
-Every error rollstream raises on purpose derives from `RollstreamError` and
-carries a `code`: the protocol's reply code when a peer was (or would be)
-refused (`contract.NACK_CODES`, docs/protocol.md §3), or one of the local
-codes below for what no reply carries. Whether an error is worth retrying is
-read from one table, `RETRIABLE`, never decided where it is raised.
+Every error rollstream raises derives from `RollstreamError` and carries a
+`code`: the protocol's reply code when a peer was (or would be) refused
+(`contract.NACK_CODES`, docs/protocol.md §3), or one of the local codes
+below for what no reply carries. Whether an error is worth retrying is read
+from one table, `RETRIABLE`, never decided where it is raised. Each keeps
+the builtin base its callers catch (`ValueError`, `RuntimeError`,
+`TimeoutError`, ...) as its second base.
+
+A protocol rule broken is a `ProtocolError`, and who broke it decides the
+type, as in h11: `LocalProtocolError` for this process's own input (a
+caller's turn, mask or message, refused before anything is sent),
+`RemoteProtocolError` for what arrived (a peer's message, or a record read
+back) and `Refused` for a peer's refusal of what this process sent (a
+`nack`), the same type in the producer and the consumer. The shared rule
+checks raise `LocalProtocolError`; a receiving side turns it into a
+`RemoteProtocolError` (`ProtocolError.as_remote`).
 """
 from __future__ import annotations
 
@@ -17,7 +28,10 @@ LOCAL_CODES = (
     "client_failed",  # the client's I/O loop died: nothing more will be sent or settled
     "invalid_batch",  # a delivered batch broke the mask rules (BatchValidationError)
     "handshake_refused",  # the broker refused this client's CURVE handshake (its key, or CURVE on one end only)
-    "invalid_input",  # a local input (a recording, per-turn samples, an endpoints file, a key file) cannot be used as it is
+    "invalid_input",  # a local input (an argument, a setting, a recording, a key file) cannot be used as it is
+    "invalid_state",  # a call its object's state does not allow now (before start, after close, on shed arrays)
+    "not_found",      # a key the caller named is not held (a lease, a trajectory the trainer does not hold)
+    "timed_out",      # a blocking call's own timeout passed (no room for a frame, no full batch)
     "no_answer",      # a peer did not answer in time (an admin call, a broker not yet listening)
     "spool_unusable", # a producer's spool belongs to another, is locked, of another format, or damaged
     "window_full",    # the resend window holds its limit of unsettled frames
@@ -27,7 +41,7 @@ LOCAL_CODES = (
 # refusal of the content (or of a handle that is gone) is not retriable; only
 # the broker's passing state is: `unavailable` (it cannot persist now) and
 # `out_of_order` (an earlier frame of the trajectory is still unsettled:
-# resend in order, docs/protocol.md §3).
+# resend in order, docs/protocol.md §3), and a wait that may end later.
 RETRIABLE: dict[str, bool] = {
     "malformed": False,
     "version": False,
@@ -53,6 +67,9 @@ RETRIABLE: dict[str, bool] = {
     "invalid_batch": False,
     "handshake_refused": False,
     "invalid_input": False,
+    "invalid_state": False,
+    "not_found": False,
+    "timed_out": True,
     "no_answer": True,
     "spool_unusable": False,
     "window_full": True,
@@ -76,15 +93,59 @@ class RollstreamError(Exception):
         if code is not None:
             self.code = code
         elif not hasattr(self, "code"):
-            raise TypeError(f"{type(self).__name__} needs a code: pass code= or set it on the class")
+            raise InvalidType(f"{type(self).__name__} needs a code: pass code= or set it on the class")
 
     @property
     def retriable(self) -> bool:
         return RETRIABLE.get(self.code, False)
 
+    def __str__(self) -> str:  # KeyError, a second base of some, would quote the message
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class InvalidInput(RollstreamError, ValueError):
+    """An argument or setting a caller passed cannot be used as it is (the
+    rule, the expected and the actual value are in the message)."""
+
+    code = "invalid_input"
+
+
+class InvalidType(InvalidInput, TypeError):
+    """An argument of the wrong type."""
+
+
+class OutOfRange(InvalidInput, IndexError):
+    """An index past the end (also what ends iteration by index)."""
+
+
+class InvalidState(RollstreamError, RuntimeError):
+    """A call its object's state does not allow now (before `start`, on a
+    shed trajectory's arrays, a collective out of step)."""
+
+    code = "invalid_state"
+
+
+class NotFound(RollstreamError, KeyError):
+    """A key the caller named is not held."""
+
+    code = "not_found"
+
+
+class TimedOut(RollstreamError, TimeoutError):
+    """A blocking call's own timeout passed; calling again may succeed."""
+
+    code = "timed_out"
+
+
+class InternalError(RollstreamError, RuntimeError):
+    """An invariant of rollstream's own broke: a bug to report."""
+
+    code = "internal"
+
 
 class ProtocolError(RollstreamError, ValueError):
-    """Input refused under a protocol rule; nothing was changed.
+    """A rule of the protocol or of the data model is broken; nothing was
+    changed. Raised as one of its three kinds (the module's docstring).
 
     `code` is one of `contract.NACK_CODES`; `seq` is the sender's sequence
     number when it could be read; `expected` carries the next expected turn
@@ -94,7 +155,7 @@ class ProtocolError(RollstreamError, ValueError):
 
     def __init__(self, code: str, message: str, *, seq: int | None = None, expected: int | None = None):
         if code not in NACK_CODES:
-            raise ValueError(f"unknown reply code {code!r}; expected one of {NACK_CODES}")
+            raise InvalidInput(f"unknown reply code {code!r}; expected one of {NACK_CODES}")
         super().__init__(f"{code}: {message}", code=code)
         self.message = message
         self.seq = seq
@@ -102,7 +163,57 @@ class ProtocolError(RollstreamError, ValueError):
 
     def with_seq(self, seq: int | None) -> "ProtocolError":
         """The same refusal, answering the sender's `seq`."""
-        return ProtocolError(self.code, self.message, seq=seq, expected=self.expected)
+        return type(self)(self.code, self.message, seq=seq, expected=self.expected)
+
+    def as_remote(self) -> "RemoteProtocolError":
+        """The same rule, broken by what arrived rather than by a caller."""
+        if isinstance(self, RemoteProtocolError):
+            return self
+        return RemoteProtocolError(self.code, self.message, seq=self.seq, expected=self.expected)
+
+
+class LocalProtocolError(ProtocolError):
+    """This process's own input breaks a rule (a caller's turn, mask or
+    message): refused before anything was sent."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """What arrived breaks a rule (a peer's message, a record read back):
+    the receiver refuses it (`nack`) or drops it."""
+
+
+class Refused(ProtocolError):
+    """A peer refused what this process sent (a `nack`); it changed nothing
+    there. The same type in the producer and the consumer.
+
+    `code` is the reply code (a newer peer's code is kept as it came),
+    `message` the peer's explanation, `expected` the next turn it wanted
+    (for `out_of_order`); `kind`, `trajectory_id` and `turn` name what was
+    refused when one frame was (a producer's turn, end or abort).
+    """
+
+    def __init__(self, code: str, message: str, *, kind: str | None = None, trajectory_id: str | None = None,
+                 turn: int | None = None, seq: int | None = None, expected: int | None = None):
+        where = "a message" if kind is None else f"{kind} of {trajectory_id!r}" + (
+            f" turn {turn}" if turn is not None else "")
+        RollstreamError.__init__(self, f"broker refused {where}: {code}: {message}", code=code)
+        self.message = message
+        self.kind = kind
+        self.trajectory_id = trajectory_id
+        self.turn = turn
+        self.seq = seq
+        self.expected = expected
+
+    def with_seq(self, seq: int | None) -> "Refused":
+        return Refused(self.code, self.message, kind=self.kind, trajectory_id=self.trajectory_id, turn=self.turn,
+                       seq=seq, expected=self.expected)
+
+
+class ClientClosed(RollstreamError, RuntimeError):
+    """A client (a producer or a consumer) was closed by its owner: no more
+    frames or batches through it."""
+
+    code = "closed"
 
 
 class ClientFailed(RollstreamError, RuntimeError):

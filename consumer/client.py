@@ -29,7 +29,7 @@ from rollstream.common.checker import Ledger
 from rollstream.common.codec import decode, decode_header, encode
 from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES
 from rollstream.common.curve import ClientCurve, HandshakeWatch
-from rollstream.common.errors import ClientFailed, ProtocolError, RollstreamError
+from rollstream.common.errors import ClientClosed, ClientFailed, ProtocolError
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 from rollstream.common.sockets import dealer
 
@@ -41,10 +41,8 @@ from .validate import checked_batch, violation_error
 log = logging.getLogger("rollstream.consumer")
 
 
-class ConsumerClosed(RollstreamError):
+class ConsumerClosed(ClientClosed):
     """The consumer was closed; no more batches."""
-
-    code = "closed"
 
 
 class Consumer:
