@@ -13,7 +13,7 @@ import zmq
 
 from .codec import decode, encode
 from .curve import ClientCurve, HandshakeWatch
-from .errors import RollstreamError
+from .errors import InvalidType, RollstreamError
 from .messages import ADMIN_REPLIES, ADMIN_REQUESTS
 from .sockets import dealer
 
@@ -134,7 +134,7 @@ def ask_status(endpoint: str | None, *, endpoints_file: str | None = None, timeo
             if endpoints_file is not None:
                 endpoint = read_endpoints_file(endpoints_file)["admin"]
             elif endpoint is None:
-                raise TypeError("ask_status needs an endpoint or an endpoints_file")
+                raise InvalidType("ask_status needs an endpoint or an endpoints_file, and got neither")
             patience = timeout if deadline is None else max(0.05, min(timeout, deadline - time.monotonic()))
             with AdminClient(endpoint, timeout=patience, curve_secret_key=curve_secret_key,
                              curve_server_key=curve_server_key) as admin:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import InvalidInput
+
 _RUNS: dict[tuple, np.ndarray] = {}  # shared read-only runs, by dtype and kind
 
 
@@ -140,7 +142,7 @@ class GrowableArray:
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= len(self):
-            raise ValueError(f"truncate length must be in [0, {len(self)}], got {length}")
+            raise InvalidInput(f"truncate length must be in [0, {len(self)}], got {length}")
         self._flush()
         self._len = length
 

@@ -2,8 +2,10 @@
 little-endian frame per array.
 
 Decoding is strict and runs its checks in the protocol's order, raising a
-`ProtocolError` with the reply code of the first failure; arrays are wrapped
-zero-copy and read-only. No pickle anywhere: arrays never enter msgpack.
+`RemoteProtocolError` with the reply code of the first failure (what arrived
+broke the rule); encoding refuses what would break one with a
+`LocalProtocolError`. Arrays are wrapped zero-copy and read-only. No pickle
+anywhere: arrays never enter msgpack.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 import xxhash
 
 from .contract import ARRAYS, DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL_VERSION
-from .errors import ProtocolError
+from .errors import InvalidInput, LocalProtocolError, ProtocolError, RemoteProtocolError
 from .messages import CRC32, MessageSpec, Schema
 from .validation import RULE_ALIGNED, check_message_arrays
 
@@ -85,8 +87,15 @@ def _bytes_view(arr: np.ndarray) -> memoryview:
     return np.ascontiguousarray(arr).data.cast("B")
 
 
-def _schema_error(message: str) -> ProtocolError:
-    return ProtocolError("schema", message)
+def _schema_error(message: str) -> LocalProtocolError:
+    """A schema rule broken, as the checks encoding and decoding share raise
+    it (`decode` turns it into a `RemoteProtocolError`)."""
+    return LocalProtocolError("schema", message)
+
+
+def _remote_schema_error(message: str) -> RemoteProtocolError:
+    """A schema rule broken by what arrived (checks only decoding makes)."""
+    return RemoteProtocolError("schema", message)
 
 
 def _check_fields(spec: MessageSpec, header: Mapping[str, Any], array_names: frozenset) -> dict:
@@ -123,7 +132,7 @@ def _check_arrays_and_rules(spec: MessageSpec, fields: Mapping[str, Any], array_
 
 def check_values(schema: Schema, mtype: str, values: Mapping[str, Any]) -> None:
     """Each of `values` (those not None) against its kind in the message
-    type's spec, as decoding checks it (`ProtocolError("schema")` naming the
+    type's spec, as decoding checks it (`LocalProtocolError("schema")` naming the
     field): for a sender that checks a trajectory's fields once and then
     encodes its turns unchecked."""
     spec = _spec(schema, mtype)
@@ -199,7 +208,7 @@ def encode(
 
     Arrays must already have their contract dtypes (nothing is converted);
     frames are zero-copy views, so the arrays must not change until sent.
-    Raises `ProtocolError` when the message would break the schema.
+    Raises `LocalProtocolError` when the message would break the schema.
     `checked=False` skips the header check for replies built from fields
     that were themselves checked (the broker's acks, on its hot path).
     A 1-D array may be given as a list of parts: it travels as one frame
@@ -249,7 +258,7 @@ def _array_entry(name: str, contract, arr, parts: list | None) -> list:
     if parts is None:
         return [name, contract.wire_name, list(arr.shape)]
     if contract.ndim != 1:
-        raise ProtocolError("shape", f"array {name!r} is {contract.rank_rule()}: only a 1-D array travels in parts")
+        raise LocalProtocolError("shape", f"array {name!r} is {contract.rank_rule()}: only a 1-D array travels in parts")
     return [name, contract.wire_name, [sum(len(part) for part in parts)]]
 
 
@@ -257,9 +266,9 @@ def _check_part(name: str, contract, part) -> np.ndarray:
     """`part`, once it is an array (or a piece of one) of the contract's dtype and rank."""
     if not isinstance(part, np.ndarray) or (part.dtype is not contract.dtype and part.dtype != contract.dtype):
         got = part.dtype if isinstance(part, np.ndarray) else type(part).__name__
-        raise ProtocolError("dtype", f"array {name!r} must be {contract.wire_name}, got {got}")
+        raise LocalProtocolError("dtype", f"array {name!r} must be {contract.wire_name}, got {got}")
     if part.ndim != contract.ndim and not contract.rank_ok(part.ndim):
-        raise ProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {list(part.shape)}")
+        raise LocalProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {list(part.shape)}")
     return part
 
 
@@ -334,7 +343,7 @@ def batched_size(frames: list) -> int:
 def split_batch(batch: Message) -> list[list]:
     """The messages a decoded `batch` carries, each as its frames (header
     first), in order. Each frame is copied into its own buffer, so keeping
-    one message keeps none of the rest. Raises `ProtocolError("shape")`
+    one message keeps none of the rest. Raises `RemoteProtocolError("shape")`
     when the body is not exactly the frames listed."""
     body = memoryview(batch.frames[1])
     messages: list[list] = []
@@ -345,13 +354,13 @@ def split_batch(batch: Message) -> list[list]:
             offset += -offset % BATCH_ALIGN
             end = offset + size
             if end > len(body):
-                raise ProtocolError("shape", f"batch message {len(messages)} needs bytes up to {end}, "
+                raise RemoteProtocolError("shape", f"batch message {len(messages)} needs bytes up to {end}, "
                                              f"the body has {len(body)}")
             frames.append(body[offset:end].tobytes())
             offset = end
         messages.append(frames)
     if offset != len(body):
-        raise ProtocolError("shape", f"the batched messages take {offset} bytes, the body has {len(body)}")
+        raise RemoteProtocolError("shape", f"the batched messages take {offset} bytes, the body has {len(body)}")
     return messages
 
 
@@ -392,7 +401,7 @@ def number_header(header: bytes, seq: int) -> bytes:
     elif first == 0xDE:
         head, body = b"\xde" + (int.from_bytes(header[1:3], "big") + 1).to_bytes(2, "big"), header[3:]
     else:
-        raise ValueError(f"a header must be a packed msgpack map of at most 65,534 entries, starts with {first:#04x}")
+        raise InvalidInput(f"a header must be a packed msgpack map of at most 65,534 entries, starts with {first:#04x}")
     return b"".join((head, body, _SEQ_ENTRY, seq.to_bytes(8, "big")))
 
 
@@ -408,18 +417,18 @@ def encode_error(schema: Schema, error: ProtocolError, **extra) -> list:
 
 # -- decoding -----------------------------------------------------------------
 def decode_header(frame) -> dict:
-    """The header map, or `ProtocolError("malformed")`."""
+    """The header map of a received message, or `RemoteProtocolError("malformed")`."""
     try:
         header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError("malformed", f"header is not a msgpack map: {type(exc).__name__}: {exc}") from None
+        raise RemoteProtocolError("malformed", f"header is not a msgpack map: {type(exc).__name__}: {exc}") from None
     if type(header) is not dict:
-        raise ProtocolError("malformed", f"header must be a msgpack map, got {type(header).__name__}")
+        raise RemoteProtocolError("malformed", f"header must be a msgpack map, got {type(header).__name__}")
     if bytes in map(type, header):  # strict_map_key admits str and bytes keys only
-        raise ProtocolError("malformed", "header map keys must all be strings")
+        raise RemoteProtocolError("malformed", "header map keys must all be strings")
     depth = _nesting(header)
     if depth > MAX_HEADER_DEPTH:
-        raise ProtocolError("malformed", f"header maps and lists may nest at most {MAX_HEADER_DEPTH} levels deep, "
+        raise RemoteProtocolError("malformed", f"header maps and lists may nest at most {MAX_HEADER_DEPTH} levels deep, "
                                          f"this one nests {depth}")
     return header
 
@@ -456,25 +465,25 @@ def _array_entries(header: Mapping[str, Any], frame_count: int, packed: bool) ->
     of their names, and how many frames each spans (None: one each)."""
     entries = header.get("arrays", ())
     if type(entries) is not list and entries != ():
-        raise _schema_error(f"arrays must be a list of [name, dtype, shape], got {type(entries).__name__}")
+        raise _remote_schema_error(f"arrays must be a list of [name, dtype, shape], got {type(entries).__name__}")
     parsed, seen, spans = [], set[str](), []
     for entry in entries:
         if not (type(entry) is list and len(entry) in (3, 4) and type(entry[0]) is str):
-            raise _schema_error(f"arrays entries must be [name, dtype, shape] or [name, dtype, shape, frames], "
+            raise _remote_schema_error(f"arrays entries must be [name, dtype, shape] or [name, dtype, shape, frames], "
                                 f"got {entry!r:.80}")
         name, dtype, shape = entry[:3]
         _check_array_name(name, seen)
         if type(shape) is not list or not _is_extents(shape):
-            raise _schema_error(f"array {name!r} shape must be a list of non-negative integers, got {shape!r:.80}")
+            raise _remote_schema_error(f"array {name!r} shape must be a list of non-negative integers, got {shape!r:.80}")
         span = 1
         if len(entry) == 4:
             span = entry[3]
             if packed:
-                raise _schema_error(f"array {name!r} lists its frames in a packed message, which has one frame in all")
+                raise _remote_schema_error(f"array {name!r} lists its frames in a packed message, which has one frame in all")
             if type(span) is not int or span < 1:
-                raise _schema_error(f"array {name!r} frames must be an integer >= 1, got {span!r:.40}")
+                raise _remote_schema_error(f"array {name!r} frames must be an integer >= 1, got {span!r:.40}")
             if len(shape) != 1:
-                raise _schema_error(f"array {name!r} in {span} frames must be 1-D, got shape {shape}")
+                raise _remote_schema_error(f"array {name!r} in {span} frames must be 1-D, got shape {shape}")
         parsed.append((name, dtype, shape))
         spans.append(span)
     spanned = sum(spans) != len(spans)
@@ -483,9 +492,9 @@ def _array_entries(header: Mapping[str, Any], frame_count: int, packed: bool) ->
 
 def _check_array_name(name: str, seen: set) -> None:
     if name not in ARRAYS:
-        raise _schema_error(f"unknown array {name!r}; expected one of {sorted(ARRAYS)}")
+        raise _remote_schema_error(f"unknown array {name!r}; expected one of {sorted(ARRAYS)}")
     if name in seen:
-        raise _schema_error(f"array {name!r} is listed twice")
+        raise _remote_schema_error(f"array {name!r} is listed twice")
     seen.add(name)
 
 
@@ -496,9 +505,9 @@ def _array_frame_count(spec: MessageSpec, frame_count: int, entries) -> int:
     if not spec.body:
         return frame_count
     if entries:
-        raise _schema_error(f"a {spec.type} lists no arrays: what it carries is in its body frame")
+        raise _remote_schema_error(f"a {spec.type} lists no arrays: what it carries is in its body frame")
     if frame_count != 2:
-        raise _schema_error(f"a {spec.type} is a header and one body frame, this one has {frame_count - 1} frame(s) "
+        raise _remote_schema_error(f"a {spec.type} is a header and one body frame, this one has {frame_count - 1} frame(s) "
                             "after its header")
     return 1
 
@@ -506,10 +515,10 @@ def _array_frame_count(spec: MessageSpec, frame_count: int, entries) -> int:
 def _frame_count_checked(names: set, frame_count: int, packed: bool, listed_frames: int | None = None) -> frozenset:
     if packed:
         if frame_count != 1 + min(1, len(names)):
-            raise _schema_error(f"a packed message has its {len(names)} array(s) in {min(1, len(names))} frame(s), "
+            raise _remote_schema_error(f"a packed message has its {len(names)} array(s) in {min(1, len(names))} frame(s), "
                                 f"this one has {frame_count - 1}")
     elif frame_count != 1 + (listed := len(names) if listed_frames is None else listed_frames):
-        raise _schema_error(f"header lists {len(names)} array(s) in {listed} frame(s), message has "
+        raise _remote_schema_error(f"header lists {len(names)} array(s) in {listed} frame(s), message has "
                             f"{frame_count - 1} array frame(s)")
     return frozenset(names)
 
@@ -551,9 +560,11 @@ def decode(
 
     A plain header (every key one its msgspec decoder checks whole) is
     decoded and checked in C; any other goes the checked Python way. Both
-    accept and refuse the same headers (a property test holds them to it)."""
+    accept and refuse the same headers (a property test holds them to it).
+    What breaks a rule is a `RemoteProtocolError`: it came from a peer (or
+    from the store)."""
     if not frames:
-        raise ProtocolError("malformed", "empty message: expected a header frame")
+        raise RemoteProtocolError("malformed", "empty message: expected a header frame")
     buffers = [_buffer(frame) for frame in frames]
     plain = _plain_header(schema, buffers[0])
     if plain is None:
@@ -563,7 +574,7 @@ def decode(
         spec, fields, entries, crc, packed = plain
         seq = fields.get("seq")
     spans = None  # a plain header's arrays are one frame each
-    try:
+    try:  # the rule checks encoding shares raise LocalProtocolError: here what arrived broke them
         if plain is None:
             spec, fields, entries, crc, packed, spans = _checked_header(header, len(buffers), schema)
         else:
@@ -575,7 +586,7 @@ def decode(
         return _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes, vocab_size, check_content,
                             spans)
     except ProtocolError as error:
-        raise error.with_seq(seq) from None
+        raise error.as_remote().with_seq(seq) from None
 
 
 def decode_trusted(frames: Sequence, schema: Schema) -> Message:
@@ -606,16 +617,16 @@ def _checked_header(header: dict, frame_count: int, schema: Schema) -> tuple[Mes
                                                                             list | None]:
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError("version", f"protocol version must be {PROTOCOL_VERSION}, got {version!r}")
+        raise RemoteProtocolError("version", f"protocol version must be {PROTOCOL_VERSION}, got {version!r}")
     spec = _spec(schema, header.get("type"))
     packed = header.get("packed", False)
     if type(packed) is not bool:
-        raise _schema_error(f"packed must be a boolean, got {type(packed).__name__} {packed!r:.40}")
+        raise _remote_schema_error(f"packed must be a boolean, got {type(packed).__name__} {packed!r:.40}")
     entries, array_names, spans = _array_entries(header, _array_frame_count(spec, frame_count, header.get("arrays")), packed)
     fields = _check_fields(spec, header, array_names)
     crc = header.get("crc32")
     if crc is not None and not CRC32.accepts(crc):
-        raise _schema_error(f"crc32 must be {CRC32.describe}, got {crc!r:.40}")
+        raise _remote_schema_error(f"crc32 must be {CRC32.describe}, got {crc!r:.40}")
     return spec, fields, entries, crc, packed, spans
 
 
@@ -631,13 +642,13 @@ def _joined_spans(frames: list, spans: list[int]) -> list:
 
 def _packed_parts(entries: list, frame) -> list:
     """A packed frame cut into one view per listed array, by the sizes their
-    contract dtypes and shapes give. A wrong dtype is `ProtocolError("dtype")`
+    contract dtypes and shapes give. A wrong dtype is `RemoteProtocolError("dtype")`
     (it outranks any shape error), then a frame whose length is not the sum
-    is `ProtocolError("shape")`."""
+    is `RemoteProtocolError("shape")`."""
     for name, dtype, _ in entries:
         wire = _DECODING[name][0]
         if dtype != wire:
-            raise ProtocolError("dtype", f"array {name!r} must be {wire}, got {dtype!r:.40}")
+            raise RemoteProtocolError("dtype", f"array {name!r} must be {wire}, got {dtype!r:.40}")
     view = frame if type(frame) is memoryview else memoryview(frame)
     parts, start = [], 0
     for name, _, shape in entries:
@@ -645,7 +656,7 @@ def _packed_parts(entries: list, frame) -> list:
         parts.append(view[start:end])
         start = end
     if start != len(view):
-        raise ProtocolError("shape", f"the arrays listed need {start} bytes, the packed frame has {len(view)}")
+        raise RemoteProtocolError("shape", f"the arrays listed need {start} bytes, the packed frame has {len(view)}")
     return parts
 
 
@@ -653,12 +664,12 @@ def _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes,
                  spans=None) -> Message:
     size = sum(map(len, buffers))
     if size > max_message_bytes:
-        raise ProtocolError("too_large", f"message is {size} bytes, limit is max_message_bytes={max_message_bytes}")
+        raise RemoteProtocolError("too_large", f"message is {size} bytes, limit is max_message_bytes={max_message_bytes}")
     kept = None
     if crc is not None:
         actual, kept = _crc32_keeping_large(buffers[1:])
         if actual != crc:
-            raise ProtocolError("crc_mismatch", f"crc32 of array frames is {actual}, header says {crc}")
+            raise RemoteProtocolError("crc_mismatch", f"crc32 of array frames is {actual}, header says {crc}")
 
     # One pass: every dtype error outranks any shape error, so a shape error
     # is only raised once all dtypes have been seen to be right.
@@ -672,7 +683,7 @@ def _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes,
     for (name, dtype, shape), buf in zip(entries, array_buffers):
         wire, array_dtype, itemsize, contract = _DECODING[name]
         if dtype != wire:
-            raise ProtocolError("dtype", f"array {name!r} must be {wire}, got {dtype!r:.40}")
+            raise RemoteProtocolError("dtype", f"array {name!r} must be {wire}, got {dtype!r:.40}")
         if shape_error is not None:
             continue
         one_d = len(shape) == 1
@@ -686,13 +697,13 @@ def _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes,
         arr = frombuffer(buf, dtype=array_dtype)  # read-only: so is every buffer
         arrays[name] = arr if one_d else arr.reshape(shape)
     if shape_error is not None:
-        raise ProtocolError("shape", shape_error)
+        raise RemoteProtocolError("shape", shape_error)
 
     if spec.content and check_content:
         check_message_arrays(arrays, vocab_size=vocab_size)
         length = fields.get("response_length")
         if length is not None and length != len(arrays["tokens"]):
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 "misaligned", f"rule '{RULE_ALIGNED}' violated: response_length is {length}, tokens has {len(arrays['tokens'])}"
             )
     array_crcs = None

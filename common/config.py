@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterable
 import click
 from click.core import ParameterSource
 
+from .errors import InvalidInput, RollstreamError
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
           "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
@@ -44,7 +46,7 @@ def parse_bytes(value: Any) -> int:
         return value
     match = _SIZE.match(str(value))
     if not match:
-        raise ValueError(f"expected a byte size such as 1048576, 512MiB or 2G, got {value!r}")
+        raise InvalidInput(f"expected a byte size such as 1048576, 512MiB or 2G, got {value!r}")
     unit = (match.group(2) or "").lower().rstrip("b")
     return int(float(match.group(1)) * _UNITS[unit])
 
@@ -83,8 +85,11 @@ class Problem:
         return f"{self.key} must be {self.expected}, got {self.actual}" + (f" ({self.where})" if self.where else "")
 
 
-class ConfigError(click.UsageError):
-    """Every problem of a configuration at once (exit status 2)."""
+class ConfigError(RollstreamError, click.UsageError):
+    """Every problem of a configuration at once (exit status 2). A
+    `click.UsageError`, so a command reports it as a usage mistake."""
+
+    code = "invalid_input"
 
     def __init__(self, problems: list[Problem]):
         self.problems = problems

@@ -27,7 +27,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from .config import Problem
-from .errors import RollstreamError
+from .errors import InvalidInput
 
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
@@ -36,7 +36,7 @@ KEY_BYTES = 32
 REPEAT_LOG_EVERY = 60.0  # seconds: the same refusal is logged again (with how often it recurred) at most this often
 
 
-class CurveError(RollstreamError, ValueError):
+class CurveError(InvalidInput):
     """A key file that cannot be used as it is (its path and the rule it breaks)."""
 
     code = "invalid_input"
@@ -299,10 +299,10 @@ class ZapRequest:
         try:
             split = frames.index(b"") + 1
         except ValueError:
-            raise ValueError("a ZAP request must have an empty delimiter frame, and this one has none") from None
+            raise InvalidInput("a ZAP request must have an empty delimiter frame, and this one has none") from None
         body = frames[split:]
         if len(body) < 6 or body[0] != b"1.0":
-            raise ValueError(f"a ZAP request must be version 1.0 with at least 6 frames, got {body[:1]} of {len(body)}")
+            raise InvalidInput(f"a ZAP request must be version 1.0 with at least 6 frames, got {body[:1]} of {len(body)}")
         key = body[6] if body[5] == b"CURVE" and len(body) > 6 else b""
         return cls(frames[:split], body[1], body[2].decode(errors="replace"), body[3].decode(errors="replace"),
                    body[5].decode(errors="replace"), key)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .errors import ProtocolError
+from .errors import InvalidInput, LocalProtocolError
 from .trajectory import Turn
 
 # SGLang's finish_reason.type → the turn status docs/semantics.md uses.
@@ -25,7 +25,7 @@ def status_from_finish_reason(meta_info: Mapping[str, Any]) -> str:
     if kind is None:
         return "completed"
     if kind not in FINISH_REASON_STATUS:
-        raise ValueError(f"unknown finish_reason {kind!r}; expected one of {sorted(FINISH_REASON_STATUS)}")
+        raise InvalidInput(f"unknown finish_reason {kind!r}; expected one of {sorted(FINISH_REASON_STATUS)}")
     return FINISH_REASON_STATUS[kind]
 
 
@@ -56,14 +56,14 @@ def turn_from_sglang(
     log_probs = meta_info.get(LOG_PROBS_KEY)
     n = len(output_ids)
     if supports is None and require_mask and status != "aborted":
-        raise ProtocolError("mask_invalid", f"response has no {SUPPORTS_KEY}; request it with return_sampling_mask")
+        raise LocalProtocolError("mask_invalid", f"response has no {SUPPORTS_KEY}; request it with return_sampling_mask")
     if log_probs is None:
         if n:
-            raise ProtocolError("misaligned", f"response has no {LOG_PROBS_KEY} for its {n} sampled tokens")
+            raise LocalProtocolError("misaligned", f"response has no {LOG_PROBS_KEY} for its {n} sampled tokens")
         log_probs = ()
     for name, values in ((SUPPORTS_KEY, supports), (LOG_PROBS_KEY, log_probs)):
         if values is not None and len(values) != n:
-            raise ProtocolError("misaligned", f"{name} has {len(values)} entries, {n} tokens were sampled")
+            raise LocalProtocolError("misaligned", f"{name} has {len(values)} entries, {n} tokens were sampled")
     if weight_version is None and meta_info.get("weight_version") is not None:
         weight_version = str(meta_info["weight_version"])
     return Turn.build(

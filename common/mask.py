@@ -15,7 +15,7 @@ from typing import Collection, Sequence
 import numpy as np
 
 from .contract import ARRAYS
-from .errors import ProtocolError
+from .errors import InvalidInput, LocalProtocolError, OutOfRange
 from .validation import RULE_ALIGNED, csr_problem, inside_support, pack_csr
 
 IDS_DTYPE = ARRAYS["mask_ids"].dtype
@@ -36,18 +36,18 @@ def _iinfo(dtype: np.dtype) -> np.iinfo:
 
 def as_int_array(values, dtype: np.dtype, name: str) -> np.ndarray:
     """`values` as a 1-D array of `dtype`, refusing bools, floats, complex and
-    values that do not fit (never cast or wrapped): `ProtocolError` `shape`
-    or `dtype`, naming the field as `name`. May share memory."""
+    values that do not fit (never cast or wrapped): `LocalProtocolError`
+    `shape` or `dtype`, naming the field as `name`. May share memory."""
     if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1:
         return values  # already what is wanted (the common case on hot paths)
     is_array = isinstance(values, np.ndarray) or hasattr(values, "detach")
     arr = as_numpy(values)
     if arr.ndim != 1:
-        raise ProtocolError("shape", f"rule '1-D integer arrays' violated: {name} must be 1-D, got shape {tuple(arr.shape)}")
+        raise LocalProtocolError("shape", f"rule '1-D integer arrays' violated: {name} must be 1-D, got shape {tuple(arr.shape)}")
     if arr.dtype.kind not in "iu":
         # An empty Python sequence converts to float64; it carries no values to refuse.
         if not (arr.size == 0 and not is_array and arr.dtype.kind == "f"):
-            raise ProtocolError(
+            raise LocalProtocolError(
                 "dtype", f"rule '1-D integer arrays' violated: {name} must hold integers, got dtype {arr.dtype} "
                 "(bool, float and complex are refused, never cast)"
             )
@@ -56,7 +56,7 @@ def as_int_array(values, dtype: np.dtype, name: str) -> np.ndarray:
         low, high = arr.min(), arr.max()
         if low < info.min or high > info.max:
             bad = low if low < info.min else high
-            raise ProtocolError(
+            raise LocalProtocolError(
                 "dtype", f"rule 'values fit {dtype.name}' violated: {name} holds {int(bad)}, expected [{info.min}, {info.max}] "
                 "(never wrapped)"
             )
@@ -108,8 +108,8 @@ class SamplingMask:
     """Immutable CSR sampling mask: int32 `ids`, int64 `offsets` (N + 1).
 
     Every constructor refuses what a broker would refuse in a frame's mask
-    with the same `ProtocolError` code (`dtype`, `shape`, `mask_invalid`),
-    naming the argument the caller passed."""
+    with the same code (`dtype`, `shape`, `mask_invalid`), as a
+    `LocalProtocolError` naming the argument the caller passed."""
 
     __slots__ = ("_ids", "_offsets")
 
@@ -118,7 +118,7 @@ class SamplingMask:
         offsets_arr = as_int_array(offsets, OFFSETS_DTYPE, "offsets")
         problem = csr_problem(ids_arr, offsets_arr)
         if problem:
-            raise ProtocolError("mask_invalid", problem)
+            raise LocalProtocolError("mask_invalid", problem)
         self._ids = owned(ids_arr, ids)
         self._offsets = owned(offsets_arr, offsets)
 
@@ -157,14 +157,14 @@ class SamplingMask:
         must be an owned int32 array."""
         if sizes.size and sizes.min() <= 0:
             t = int(np.flatnonzero(sizes <= 0)[0])
-            raise ProtocolError(
+            raise LocalProtocolError(
                 "mask_invalid", f"sampling mask rule 'non-empty support (strictly increasing offsets)' violated at "
                 f"token {t}: {name}[{t}] gives {int(sizes[t])} ids, expected at least 1"
             )
         offsets = np.zeros(sizes.size + 1, dtype=OFFSETS_DTYPE)
         np.cumsum(sizes, out=offsets[1:])
         if offsets[-1] != ids.size:
-            raise ProtocolError(
+            raise LocalProtocolError(
                 "mask_invalid", f"sampling mask rule 'offsets[-1] == len(ids)' violated: {name} sum to {int(offsets[-1])}, "
                 f"ids has {ids.size}"
             )
@@ -190,18 +190,18 @@ class SamplingMask:
 
     def __getitem__(self, t) -> np.ndarray:
         n = len(self)
-        t = operator.index(t)
+        index = t = operator.index(t)
         if t < 0:
             t += n
         if not 0 <= t < n:
-            raise IndexError(f"token index out of range: mask has {n} tokens")
+            raise OutOfRange(f"token index must be in [-{n}, {n}) for a mask of {n} tokens, got {index}")
         return self._ids[self._offsets[t] : self._offsets[t + 1]]
 
     def prefix(self, n: int) -> "SamplingMask":
         """The first `n` tokens' supports; `0 <= n <= len(self)`."""
         n = operator.index(n)
         if not 0 <= n <= len(self):
-            raise ValueError(f"prefix length must be in [0, {len(self)}], got {n}")
+            raise InvalidInput(f"prefix length must be in [0, {len(self)}], got {n}")
         end = int(self._offsets[n])
         return SamplingMask._wrap(self._ids[:end], self._offsets[: n + 1])
 
@@ -227,7 +227,7 @@ class SamplingMask:
         """Per token, whether `tokens[t]` is inside support `t` (vectorised)."""
         tokens = as_int_array(tokens, IDS_DTYPE, "tokens")
         if tokens.size != len(self):
-            raise ProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: tokens has {tokens.size} entries, "
+            raise LocalProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: tokens has {tokens.size} entries, "
                                               f"the mask covers {len(self)}")
         return inside_support(tokens, self._ids, self._offsets)
 

@@ -16,6 +16,13 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
+from .errors import InvalidInput
+
+
+class MetricsPortUnusable(InvalidInput, RuntimeError):
+    """The metrics port cannot be served (taken, or not this process's to
+    bind): a setting to change. Also a `RuntimeError`, as it always was."""
+
 
 class Counter:
     """A counter with labels: a value per tuple of label values."""
@@ -107,5 +114,5 @@ class Metrics:
         try:
             return start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
-            raise RuntimeError(f"cannot serve metrics on {host}:{port} ({exc.strerror}); "
-                               "choose another --metrics-port, or 0 to disable it") from None
+            raise MetricsPortUnusable(f"cannot serve metrics on {host}:{port} ({exc.strerror}); "
+                                      "choose another --metrics-port, or 0 to disable it") from None

@@ -21,6 +21,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from .errors import InvalidInput, InvalidType
 from .mask import SamplingMask
 from .trajectory import Trajectory
 from .validation import check_whole_batch_rule
@@ -73,7 +74,7 @@ class SessionSamples:
 def _check_fields(fields: Sequence[str]) -> None:
     unknown = [name for name in fields if name not in SESSION_FIELDS]
     if unknown:
-        raise ValueError(f"unknown session field(s) {unknown}; expected names from {list(SESSION_FIELDS)}")
+        raise InvalidInput(f"unknown session field(s) {unknown}; expected names from {list(SESSION_FIELDS)}")
 
 
 def _wire_tensor(name: str, value, spec: SessionField) -> np.ndarray:
@@ -82,10 +83,10 @@ def _wire_tensor(name: str, value, spec: SessionField) -> np.ndarray:
     if arr.dtype == spec.dtype:
         return np.ascontiguousarray(arr)
     if spec.strict:
-        raise ValueError(f"{name} must have dtype {spec.dtype.name}, got {arr.dtype} (strict: never converted)")
+        raise InvalidInput(f"{name} must have dtype {spec.dtype.name}, got {arr.dtype} (strict: never converted)")
     converted = arr.astype(spec.dtype)
     if arr.dtype.kind not in "biuf" or not np.array_equal(converted, arr):
-        raise ValueError(f"{name} values do not fit wire dtype {spec.dtype.name} unchanged (got dtype {arr.dtype})")
+        raise InvalidInput(f"{name} values do not fit wire dtype {spec.dtype.name} unchanged (got dtype {arr.dtype})")
     return np.ascontiguousarray(converted)
 
 
@@ -115,7 +116,7 @@ def encode_session_samples(
                 nulls.append(name)
             elif spec.codec == "mask":
                 if not isinstance(value, SamplingMask):
-                    raise TypeError(f"{name} of sample {i} must be a SamplingMask, got {type(value).__name__}")
+                    raise InvalidType(f"{name} of sample {i} must be a SamplingMask, got {type(value).__name__}")
                 tensors[f"{name}.ids.{i}"] = np.ascontiguousarray(value.ids)
                 tensors[f"{name}.offsets.{i}"] = np.ascontiguousarray(value.offsets)
             else:
@@ -130,10 +131,10 @@ def encode_session_samples(
 
 def _take(tensors: dict, key: str, dtype: np.dtype, what: str) -> np.ndarray:
     if key not in tensors:
-        raise ValueError(f"payload promises {what} but tensor {key!r} is missing")
+        raise InvalidInput(f"payload promises {what} but tensor {key!r} is missing")
     arr = tensors.pop(key)
     if arr.dtype != dtype:
-        raise ValueError(f"{key} must have dtype {dtype.name}, got {arr.dtype} (never converted)")
+        raise InvalidInput(f"{key} must have dtype {dtype.name}, got {arr.dtype} (never converted)")
     return arr
 
 
@@ -159,23 +160,24 @@ def decode_session_samples(payload: bytes, *, fields: Sequence[str] | None = Non
     try:
         tensors = dict(safetensors.numpy.load(payload))
     except (safetensors.SafetensorError, ValueError) as exc:
-        raise ValueError(f"payload is not a valid safetensors container: {exc}") from None
+        raise InvalidInput(f"payload is not a valid safetensors container: {exc}") from None
     if META_KEY not in tensors:
-        raise ValueError(f"payload has no {META_KEY} tensor")
+        raise InvalidInput(f"payload has no {META_KEY} tensor")
     meta_arr = tensors.pop(META_KEY)
     if meta_arr.ndim != 1 or meta_arr.dtype != np.uint8:
-        raise ValueError(f"{META_KEY} must be a rank-1 uint8 tensor, got {meta_arr.dtype} of rank {meta_arr.ndim}")
+        raise InvalidInput(f"{META_KEY} must be a rank-1 uint8 tensor, got {meta_arr.dtype} of rank {meta_arr.ndim}")
     try:
         document = json.loads(meta_arr.tobytes().decode("utf-8"))
         sample_metas = document["samples"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ValueError(f"{META_KEY} is not the expected JSON document: {exc}") from None
+        raise InvalidInput(f"{META_KEY} is not the expected JSON document: {exc}") from None
     for i, meta in enumerate(sample_metas):
         if not isinstance(meta, dict) or not isinstance(meta.get("nulls"), list):
-            raise ValueError(f"sample {i} meta must be an object with a 'nulls' list")
+            raise InvalidInput(f"sample {i} meta must be an object with a 'nulls' list, got {meta!r:.80}")
         strays = set(meta["nulls"]) - _TENSOR_FIELDS
         if strays:
-            raise ValueError(f"sample {i} null markers name non-tensor fields {sorted(strays)}")
+            raise InvalidInput(f"sample {i} null markers must name tensor fields {sorted(_TENSOR_FIELDS)}, "
+                               f"they name non-tensor fields {sorted(strays)}")
     if fields is None:
         fields = FIELDS_WITH_MASK if _carries_mask(tensors, sample_metas) else DEFAULT_FIELDS
     samples = []
@@ -190,8 +192,8 @@ def decode_session_samples(payload: bytes, *, fields: Sequence[str] | None = Non
                 elif spec.default is not None:
                     sample[name] = spec.default()
                 else:
-                    raise ValueError(f"sample {i} meta lacks field {name!r}, which has no default (required: "
-                                     f"{_REQUIRED_JSON}; the other JSON fields take their default when left out)")
+                    raise InvalidInput(f"sample {i} meta lacks field {name!r}, which has no default (required: "
+                                       f"{_REQUIRED_JSON}; the other JSON fields take their default when left out)")
             elif name in nulls:
                 sample[name] = None
             elif spec.codec == "mask":
@@ -203,7 +205,7 @@ def decode_session_samples(payload: bytes, *, fields: Sequence[str] | None = Non
                 sample[name] = _take(tensors, f"{name}.{i}", spec.dtype, f"{name} of sample {i}")
         samples.append(sample)
     if tensors:
-        raise ValueError(f"payload carries tensors no sample refers to: {sorted(tensors)}")
+        raise InvalidInput(f"payload carries tensors no sample refers to: {sorted(tensors)}")
     return SessionSamples(samples, document.get("session_metadata"), document.get("empty_reason"))
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .codec import crc32_of
-from .errors import RollstreamError
+from .errors import InvalidState, RollstreamError
 
 MAGIC = 0x52534731
 HEADER = struct.Struct("<III")  # magic, payload length, CRC-32 of the payload
@@ -163,7 +163,7 @@ class SegmentLog:
 
     def _open_fd(self) -> int:
         if self._fd is None:
-            raise RuntimeError(f"the segments in {self.directory} are not open (open_current first; not after close)")
+            raise InvalidState(f"the segments in {self.directory} are not open (open_current first; not after close)")
         return self._fd
 
     def sync(self) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from .buffers import GrowableArray, constant_run, counting_run
 from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, STATUSES, TERMINAL_STATUSES
-from .errors import ProtocolError
+from .errors import InvalidInput, InvalidState, InvalidType, LocalProtocolError
 from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, as_int_array, as_numpy, frozen, owned
 from .validation import RULE_ALIGNED, check_message_arrays, check_message_structure
 
@@ -50,9 +50,9 @@ def _as_float_array(values, name: str) -> np.ndarray:
         return values
     arr = as_numpy(values)
     if arr.ndim != 1:
-        raise ProtocolError("shape", f"rule '1-D real arrays' violated: {name} must be 1-D, got shape {tuple(arr.shape)}")
+        raise LocalProtocolError("shape", f"rule '1-D real arrays' violated: {name} must be 1-D, got shape {tuple(arr.shape)}")
     if arr.dtype.kind not in "fiu" and arr.size:
-        raise ProtocolError("dtype", f"rule '1-D real arrays' violated: {name} must hold real numbers, "
+        raise LocalProtocolError("dtype", f"rule '1-D real arrays' violated: {name} must hold real numbers, "
                                      f"got dtype {arr.dtype}")
     return arr.astype(LOG_PROB_DTYPE, copy=False)
 
@@ -67,7 +67,7 @@ def _as_loss_mask(values) -> np.ndarray:
 def _as_replay(values, name: str) -> np.ndarray:
     arr = as_numpy(values)
     if arr.ndim < 1:
-        raise ProtocolError("shape", f"rule 'replay arrays are [k, ...]' violated: {name} must have at least 1 "
+        raise LocalProtocolError("shape", f"rule 'replay arrays are [k, ...]' violated: {name} must have at least 1 "
                                      "dimension, got a scalar")
     return as_int_array(arr.reshape(-1), REPLAY_DTYPE, name).reshape(arr.shape)
 
@@ -158,13 +158,13 @@ class Turn(NamedTuple):
         if (mask is not None) + (supports is not None) + (mask_ids is not None) > 1:
             given = [name for name, value in (("mask", mask), ("supports", supports), ("mask_ids", mask_ids))
                      if value is not None]
-            raise ProtocolError("schema", "give the support once, as `mask`, `supports` or `mask_ids` + "
+            raise LocalProtocolError("schema", "give the support once, as `mask`, `supports` or `mask_ids` + "
                                           f"`mask_offsets`; got {given}")
         if (mask_ids is None) != (mask_offsets is None):
-            raise ProtocolError("schema", "mask_ids and mask_offsets travel together; "
+            raise LocalProtocolError("schema", "mask_ids and mask_offsets travel together; "
                                           f"got only {'mask_ids' if mask_offsets is None else 'mask_offsets'}")
         if status not in STATUSES:
-            raise ProtocolError("schema", f"status must be one of {STATUSES}, got {status!r}")
+            raise LocalProtocolError("schema", f"status must be one of {STATUSES}, got {status!r}")
 
         def take(values, arr):
             return owned(arr, values, borrow=borrow)
@@ -175,7 +175,7 @@ class Turn(NamedTuple):
             mask = SamplingMask._wrap(take(mask_ids, as_int_array(mask_ids, IDS_DTYPE, "mask_ids")),
                                       take(mask_offsets, as_int_array(mask_offsets, OFFSETS_DTYPE, "mask_offsets")))
         elif mask is not None and not isinstance(mask, SamplingMask):
-            raise TypeError(f"mask must be a SamplingMask, got {type(mask).__name__}")
+            raise InvalidType(f"mask must be a SamplingMask, got {type(mask).__name__}")
         turn = cls(
             tokens=take(tokens, as_int_array(tokens, TOKEN_DTYPE, "tokens")),
             log_probs=take(log_probs, _as_float_array(log_probs, "log_probs")),
@@ -191,7 +191,7 @@ class Turn(NamedTuple):
         if mask_ids is None and mask is not None and len(mask) != turn.tokens.size:
             # Named as the caller gave it: the frame's rule would name mask_offsets, which the caller never passed.
             said = f"supports has {len(mask)} entries" if supports is not None else f"mask covers {len(mask)} tokens"
-            raise ProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: {said}, tokens has {turn.tokens.size}")
+            raise LocalProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: {said}, tokens has {turn.tokens.size}")
         return turn._checked(check_content, vocab_size)
 
     def _checked(self, check_content: bool, vocab_size: int | None) -> "Turn":
@@ -414,7 +414,7 @@ class Trajectory:
     def _require_arrays(self) -> None:
         """Reading a shed trajectory's arrays is a bug: they are in the store."""
         if self.is_shed:
-            raise RuntimeError(f"trajectory {self.trajectory_id!r} was shed: its arrays are in the store; read it back")
+            raise InvalidState(f"trajectory {self.trajectory_id!r} was shed: its arrays are in the store; read it back")
 
     @property
     def terminal(self) -> bool:
@@ -502,7 +502,7 @@ class Trajectory:
         if self._mask is not None:
             return
         if self.response_length:
-            raise ProtocolError(
+            raise LocalProtocolError(
                 "mask_presence",
                 f"cannot initialise a sampling mask after response tokens: trajectory {self.trajectory_id!r} "
                 f"already has {self.response_length} tokens without supports",
@@ -517,7 +517,7 @@ class Trajectory:
         if mask is not None:
             self.start_mask()
         elif self._mask is not None:
-            raise ProtocolError(
+            raise LocalProtocolError(
                 "misaligned",
                 f"rule '{RULE_ALIGNED}' violated: trajectory {self.trajectory_id!r} carries a sampling mask, "
                 f"{len(tokens)} sampled tokens without supports would misalign it",
@@ -542,7 +542,7 @@ class Trajectory:
 
     # -- merging (docs/semantics.md §4) -----------------------------------------
     def append_turn(self, turn: Turn) -> TurnOutcome:
-        """Merge the next turn. Raises `ProtocolError` (and changes nothing)
+        """Merge the next turn. Raises `LocalProtocolError` (and changes nothing)
         when the turn is refused; returns why when it is valid but not applied."""
         if self._terminal:
             return TurnOutcome(False, "replay_gap" if self.gap else "after_terminal")
@@ -554,7 +554,7 @@ class Trajectory:
         if carried != brought:  # a field starts or goes missing
             for name, had, has in zip(REPLAY_FIELDS, carried, brought):
                 if has and not had and self.response_length:
-                    raise ProtocolError(
+                    raise LocalProtocolError(
                         "mask_presence",
                         f"turn {self.turns} of {self.trajectory_id!r} carries {name} but the "
                         f"{self.response_length} response tokens before it do not (missing, then present)",
@@ -562,7 +562,7 @@ class Trajectory:
         for name in CONTEXT_REPLAY_ARRAYS:
             new, old = getattr(turn, name), self._context.get(name)
             if new is not None and old is not None and (new.shape[0] < old.shape[0] or new.shape[1:] != old.shape[1:]):
-                raise ProtocolError(
+                raise LocalProtocolError(
                     "misaligned",
                     f"rule '{name} covers a growing context' violated: turn {self.turns} of {self.trajectory_id!r} "
                     f"has shape {tuple(new.shape)}, the trajectory already has {tuple(old.shape)}",
@@ -617,16 +617,18 @@ class Trajectory:
         n = self.response_length
         for name, arr in (("loss_mask", self._loss_mask), ("log_probs", self._log_probs)):
             if len(arr) != n:
-                raise ValueError(f"rule '{RULE_ALIGNED}' violated: {name} has {len(arr)} entries, response_length is {n}")
+                raise LocalProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: {name} has {len(arr)} entries, "
+                                                       f"response_length is {n}")
         if self._mask is not None and len(self._mask) != n:
-            raise ValueError(f"rule '{RULE_ALIGNED}' violated: mask covers {len(self._mask)} tokens, response_length is {n}")
+            raise LocalProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: mask covers {len(self._mask)} tokens, "
+                                                   f"response_length is {n}")
 
     def strip_last_output_tokens(self, n: int) -> None:
         """Cut the last `n` response tokens from every per-token field."""
         if n <= 0:
             return
         if n > self.response_length:
-            raise ValueError(f"cannot strip {n} tokens: response_length is {self.response_length}")
+            raise InvalidInput(f"cannot strip {n} tokens: at most response_length ({self.response_length}) can be stripped")
         self._truncate_response(self.response_length - n)
 
     def reset_for_retry(self) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from .buffers import join_contiguous
 from .contract import NACK_CODES
-from .errors import ProtocolError, RollstreamError
+from .errors import InvalidInput, LocalProtocolError, RollstreamError
 
 RULE_ALIGNED = "per-token fields aligned (one entry per response token)"
 RULE_NONEMPTY_OFFSETS = "offsets non-empty (N + 1 entries)"
@@ -385,7 +385,8 @@ def packed_violations(
     cu_host = _cumsum0(lengths_host)
     total = int(cu_host[-1])
     if len(tokens) != total:
-        raise ValueError(f"packed batch: tokens has {len(tokens)} entries, response_lengths sum to {total}")
+        raise InvalidInput(f"packed batch: tokens must have as many entries as response_lengths sum to ({total}), "
+                           f"it has {len(tokens)}")
     for name, values in (("loss_mask", loss_mask), ("log_probs", log_probs)):
         if values is not None and len(values) != total:
             return [Violation(RULE_ALIGNED, 0, None, 1, f"{name} has {len(values)} entries, expected {total}")]
@@ -522,7 +523,7 @@ def check_whole_batch_rule(
     """docs/semantics.md §6: if any sample of a batch carries `field`, every sample must."""
     if any(has_field) and not all(has_field):
         position = list(has_field).index(False)
-        raise ValueError(
+        raise InvalidInput(
             f"rule '{RULE_WHOLE_BATCH}' violated: "
             + whole_batch_problem(field, position, sample_indices[position], statuses[position])
         )
@@ -663,25 +664,27 @@ def check_message_structure(arrays: Mapping[str, np.ndarray]) -> None:
     for name in ("log_probs", "loss_mask"):
         values = arrays.get(name)
         if values is not None and len(values) != n:
-            raise ProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: {name} has {len(values)} entries, tokens has {n}")
+            raise LocalProtocolError("misaligned",
+                                     f"rule '{RULE_ALIGNED}' violated: {name} has {len(values)} entries, tokens has {n}")
     offsets = arrays.get("mask_offsets")
     if offsets is None:
         return
     if len(offsets) != n + 1:
-        raise ProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: mask_offsets has {len(offsets)} entries, "
+        raise LocalProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: mask_offsets has {len(offsets)} entries, "
                                           f"expected {n + 1} (one more than the {n} tokens)")
     if offsets[0] != 0:
-        raise ProtocolError("mask_invalid", f"rule '{RULE_OFFSETS_START}' violated: expected 0, got {int(offsets[0])}")
+        raise LocalProtocolError("mask_invalid", f"rule '{RULE_OFFSETS_START}' violated: expected 0, got {int(offsets[0])}")
     if offsets[-1] != len(arrays["mask_ids"]):
-        raise ProtocolError("mask_invalid", f"rule '{RULE_OFFSETS_END}' violated: expected {len(arrays['mask_ids'])}, "
+        raise LocalProtocolError("mask_invalid", f"rule '{RULE_OFFSETS_END}' violated: expected {len(arrays['mask_ids'])}, "
                                             f"got {int(offsets[-1])}")
 
 
 def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | None = None) -> None:
     """Content rules for the token arrays of one `turn` or `deliver` message.
 
-    Raises the `ProtocolError` of the first failing rule in protocol order
-    (`misaligned`, `mask_invalid`, `out_of_vocab`, `invalid_value`).
+    Raises the `LocalProtocolError` of the first failing rule in protocol
+    order (`misaligned`, `mask_invalid`, `out_of_vocab`, `invalid_value`);
+    a receiver of the arrays turns it into a `RemoteProtocolError`.
     `arrays` must already have contract dtypes and ranks. Valid arrays take
     the fast path; the per-rule search below only runs to explain a failure.
     """
@@ -702,4 +705,4 @@ def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | 
     if found:
         first = min(found, key=lambda v: _CODE_ORDER[RULE_CODES[v.rule]])
         where = "" if first.position is None else f" at token {first.position}"
-        raise ProtocolError(RULE_CODES[first.rule], f"rule '{first.rule}' violated{where}: {first.detail}")
+        raise LocalProtocolError(RULE_CODES[first.rule], f"rule '{first.rule}' violated{where}: {first.detail}")
