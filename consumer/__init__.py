@@ -4,7 +4,8 @@ loop, as validated, packed batches on the GPU, sharded to trainer ranks.
 - `Consumer`: fan-in client (credit, heartbeats, reconnects, dedup, commit).
 - `Batch`: packed tensors plus the whole batch's CSR mask; `to_train_data()`.
 - `validate_batch` / `batch_violations`: one vectorised pass on the device.
-- `DistributedConsumer`: one source rank, shards to the others.
+- `DistributedConsumer`: one source rank, shards to the others (the others
+  raise `SourceRankFailed` when the source's `next_batch` fails).
 - `dense_support_mask` / `masked_log_probs`: trainer primitives.
 """
 from rollstream.common.validation import BatchValidationError, Violation
@@ -12,7 +13,7 @@ from rollstream.common.validation import BatchValidationError, Violation
 from .assembly import Assembler, Delivery
 from .batch import Batch
 from .client import Consumer, ConsumerClosed
-from .distributed import DistributedConsumer
+from .distributed import DistributedConsumer, SourceRankFailed
 from .primitives import dense_support_mask, masked_log_probs
 from .sharding import STRATEGIES, partition, partition_batch
 from .validate import batch_violations, checked_batch, validate_batch
@@ -26,6 +27,7 @@ __all__ = [
     "Delivery",
     "DistributedConsumer",
     "STRATEGIES",
+    "SourceRankFailed",
     "Violation",
     "batch_violations",
     "checked_batch",

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from rollstream.common.contract import CreditUnit
+from rollstream.common.errors import InvalidInput, NotFound
 
 POLICIES = ("raise", "quarantine")  # what to do with a trajectory that fails batch validation
 ACKED = "acked"  # outcome of a committed trajectory in the dedup memory
@@ -120,12 +121,12 @@ class Assembler:
         dedup_capacity: int = 100_000,
     ):
         if unit not in set(CreditUnit):
-            raise ValueError(f"unit must be one of {[str(u) for u in CreditUnit]}, got {unit!r}")
+            raise InvalidInput(f"unit must be one of {[str(u) for u in CreditUnit]}, got {unit!r}")
         if batch_size < 1 or n_brokers < 1:
-            raise ValueError(f"batch_size and the broker count must be positive, got {batch_size} and {n_brokers}")
+            raise InvalidInput(f"batch_size and the broker count must be positive, got {batch_size} and {n_brokers}")
         prefetch = max(2 * batch_size, batch_size + n_brokers) if prefetch is None else prefetch
         if prefetch < batch_size + n_brokers:
-            raise ValueError(
+            raise InvalidInput(
                 f"prefetch must be at least batch_size + brokers = {batch_size + n_brokers} "
                 f"(one unit of credit per broker beyond a full batch), got {prefetch}"
             )
@@ -324,7 +325,7 @@ class Assembler:
     def _finish(self, tid: str, outcome: str) -> None:
         held = self._taken.pop(tid, None)
         if held is None:
-            raise KeyError(f"trajectory {tid!r} is not held by the trainer (already committed, or never taken)")
+            raise NotFound(f"trajectory {tid!r} is not held by the trainer (already committed, or never taken)")
         self._done[tid] = outcome
         self._done.move_to_end(tid)
         while len(self._done) > self.dedup_capacity:

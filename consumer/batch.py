@@ -22,6 +22,7 @@ import torch
 
 from rollstream.common.checker import Ledger, delivered_digest
 from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS
+from rollstream.common.errors import InvalidInput, InvalidType, OutOfRange
 from rollstream.common.miles import MASK_KEYS, REPLAY_KEYS, TRAIN_DTYPES, metric_view
 from rollstream.common.trajectory import Gap
 from rollstream.common.validation import pack_csr
@@ -124,7 +125,7 @@ def segment_index(cu: np.ndarray, samples: np.ndarray, device: torch.device) -> 
 def reward_value(reward, reward_key: str | None, trajectory_id: str) -> float:
     if isinstance(reward, Mapping):
         if reward_key is None or reward_key not in reward:
-            raise ValueError(
+            raise InvalidInput(
                 f"trajectory {trajectory_id!r} has a map reward with keys {sorted(reward)}; expected a number, "
                 f"or a reward_key naming one of them (got reward_key={reward_key!r})"
             )
@@ -265,7 +266,8 @@ class Batch:
     def _masks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`mask_ids` and `mask_offsets` of a batch that carries masks (`has_mask`)."""
         if self.mask_ids is None or self.mask_offsets is None:
-            raise TypeError(f"batch {self.seq} carries no sampling-support masks")
+            raise InvalidType(f"batch {self.seq} carries no sampling-support masks: this needs a batch with has_mask, "
+                              "and its has_mask is False")
         return self.mask_ids, self.mask_offsets
 
     def support_sizes(self) -> torch.Tensor:
@@ -301,7 +303,7 @@ class Batch:
     def sample(self, i: int) -> dict[str, Any]:
         """Views of sample `i`'s fields (its mask offsets start at 0)."""
         if not -len(self) <= i < len(self):
-            raise IndexError(f"sample index {i} out of range for a batch of {len(self)}")
+            raise OutOfRange(f"sample index must be in [-{len(self)}, {len(self)}) for a batch of {len(self)}, got {i}")
         i %= len(self)
         cu = self._cu
         out: dict[str, Any] = {"trajectory_id": self.trajectory_ids[i], "status": self.statuses[i], "gap": self.gaps[i]}
@@ -366,7 +368,7 @@ class Batch:
         names = first.ragged().keys()
         for other in batches[1:]:
             if other.ragged().keys() != names or other.device != first.device:
-                raise ValueError(
+                raise InvalidInput(
                     f"cannot concatenate batches with different fields or devices: {sorted(names)} on {first.device} "
                     f"and {sorted(other.ragged())} on {other.device}"
                 )

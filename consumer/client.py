@@ -29,7 +29,7 @@ from rollstream.common.checker import Ledger
 from rollstream.common.codec import decode, decode_header, encode
 from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES
 from rollstream.common.curve import ClientCurve, HandshakeWatch
-from rollstream.common.errors import ClientClosed, ClientFailed, ProtocolError
+from rollstream.common.errors import ClientClosed, ClientFailed, InvalidInput, RemoteProtocolError, TimedOut
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 from rollstream.common.sockets import dealer
 
@@ -88,10 +88,10 @@ class Consumer:
         context: zmq.Context | None = None,
     ):
         if on_invalid not in POLICIES:
-            raise ValueError(f"on_invalid must be one of {POLICIES}, got {on_invalid!r}")
+            raise InvalidInput(f"on_invalid must be one of {POLICIES}, got {on_invalid!r}")
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self.endpoints:
-            raise ValueError("give at least one broker endpoint")
+            raise InvalidInput(f"give at least one broker endpoint, got {endpoints!r}")
         self.batch_size = batch_size
         self.device = as_device(device)
         self.vocab_size = vocab_size
@@ -145,7 +145,7 @@ class Consumer:
 
     def next_batch(self, timeout: float | None = None, *, partial_after: float | None = None) -> Batch:
         """The next validated batch; blocks up to `timeout` seconds
-        (`TimeoutError`), raises `ConsumerClosed` once closed. With
+        (`TimedOut`, a `TimeoutError`), raises `ConsumerClosed` once closed. With
         `partial_after`, a batch of the units ready once that many seconds
         passed without a full batch (the tail of a run): smaller, never empty."""
         now = time.monotonic()
@@ -203,7 +203,7 @@ class Consumer:
                 if remaining is not None and remaining <= 0:
                     self._assembler.release([tid for unit in held for tid in unit.members])
                     self._wake()
-                    raise TimeoutError(f"no full batch within the timeout: {ready} of {n} units ready")
+                    raise TimedOut(f"no full batch within the timeout: {ready} of {n} units ready")
                 waits = [1.0 if remaining is None else remaining]
                 if partial_at is not None and partial_at > now:
                     waits.append(partial_at - now)
@@ -224,8 +224,8 @@ class Consumer:
         with self._lock:
             ids = self._awaiting_commit.pop(batch.seq, None)
         if ids is None:
-            raise ValueError(f"batch seq={batch.seq} is not awaiting commit here (already committed or released, "
-                             "or from another consumer)")
+            raise InvalidInput(f"batch seq={batch.seq} is not awaiting commit here (already committed or released, "
+                               "or from another consumer)")
         return ids
 
     def _settle(self, *, commit=(), reject=None, release=()) -> None:
@@ -249,7 +249,8 @@ class Consumer:
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until every broker has welcomed this consumer (credit is
-        then on its way); `TimeoutError` naming those still silent."""
+        then on its way); `TimedOut` (a `TimeoutError`) naming those still
+        silent."""
         def describe() -> str:
             silent = self._assembler.silent_brokers
             failures = [watch.failure for i, watch in enumerate(self._watches) if i in silent and watch.failure]
@@ -260,8 +261,8 @@ class Consumer:
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until the brokers have confirmed every commit and release
-        made so far (each is then durable at its broker); `TimeoutError`
-        saying how many are unconfirmed."""
+        made so far (each is then durable at its broker); `TimedOut` (a
+        `TimeoutError`) saying how many are unconfirmed."""
         self._wait_until(lambda: not self._assembler.unsettled, timeout,
                          lambda: f"{self._assembler.unsettled} settlement(s) unconfirmed after {timeout} s")
 
@@ -275,7 +276,7 @@ class Consumer:
                     raise ConsumerClosed("the consumer is closed")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(describe())
+                    raise TimedOut(describe())
                 self._changed.wait(1.0 if remaining is None else min(remaining, 1.0))
 
     def close(self, timeout: float = 5.0) -> None:
@@ -366,10 +367,10 @@ class Consumer:
         and the reason it could not be decoded."""
         try:
             return decode(frames, BROKER_TO_CONSUMER, max_message_bytes=self.max_message_bytes, check_content=False), None, None
-        except ProtocolError as error:
+        except RemoteProtocolError as error:
             try:
                 header = decode_header(frames[0])
-            except ProtocolError:
+            except RemoteProtocolError:
                 header = {}
             return None, header, error
 

@@ -20,13 +20,15 @@ import torch
 import torch.distributed as dist
 
 from rollstream.common.checker import Ledger
+from rollstream.common.errors import InvalidInput, InvalidState, RemoteProtocolError, RollstreamError
 from rollstream.common.trajectory import Gap
 
 from .batch import PER_SAMPLE, Batch
 from .client import ConsumerClosed
 from .sharding import STRATEGIES, partition_batch
 
-_SHARD, _STOP, _FAILED = 0, 1, 2  # what a message to a rank carries; STOP and FAILED carry a text
+# What a message to a rank carries. STOP and FAILED carry a text: FAILED's is the error's code, a space, the error.
+_SHARD, _STOP, _FAILED = 0, 1, 2
 _ALIGN = 8  # every tensor starts 8-byte aligned in the payload
 _DTYPES = {str(dtype): dtype for dtype in (torch.int32, torch.int64, torch.uint8, torch.float32)}
 
@@ -63,7 +65,8 @@ def decode_shard(header: bytes, payload: torch.Tensor) -> Batch:
     for name, dtype_name, shape, offset in doc["tensors"]:
         dtype = _DTYPES.get(dtype_name)
         if dtype is None:
-            raise ValueError(f"shard tensor {name!r} has dtype {dtype_name}, expected one of {sorted(_DTYPES)}")
+            raise RemoteProtocolError("dtype", f"shard tensor {name!r} must have a dtype of {sorted(_DTYPES)}, "
+                                               f"got {dtype_name}")
         nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
         tensors[name] = payload[offset : offset + nbytes].view(dtype).reshape(shape)
     host = {name: tuple(values) for name, values in doc["host"].items()}
@@ -74,6 +77,13 @@ def decode_shard(header: bytes, payload: torch.Tensor) -> Batch:
     per_sample = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith("sample.")}
     lengths = {key: np.array(values, dtype=np.int64) for key, values in doc["lengths"].items()}
     return Batch._assemble(doc["seq"], payload.device, ragged, per_sample, tensors.get("mask_offsets"), lengths, host)
+
+
+class SourceRankFailed(RollstreamError, RuntimeError):
+    """Raised on every other rank when the source rank's `next_batch`
+    failed: its code is the source error's (`client_failed` for one that is
+    not a `RollstreamError`), so `retriable` is that error's; the message
+    gives its type and text."""
 
 
 class DistributedConsumer:
@@ -88,21 +98,22 @@ class DistributedConsumer:
 
     When the source's client is closed every rank's iteration stops; when it
     fails (a `BatchValidationError` under `on_invalid="raise"`, a timeout)
-    the source re-raises and every other rank raises `RuntimeError` with its
-    message, so no rank waits forever.
+    the source re-raises and every other rank raises `SourceRankFailed` (a
+    `RuntimeError`) with its code and message, so no rank waits forever.
     """
 
     def __init__(self, client=None, *, src: int = 0, group=None, strategy: str = "balanced", device=None,
                  timeout: float | None = None, partial_after: float | None = None,
                  ledger: str | os.PathLike | None = None):
         if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+            raise InvalidInput(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.src = src
         if (self.rank == src) != (client is not None):
-            raise ValueError(f"exactly the source rank {src} passes a client (this is rank {self.rank})")
+            raise InvalidInput(f"exactly the source rank {src} passes a client: this is rank {self.rank}, "
+                               f"{'without' if client is None else 'with'} one")
         self.client = client
         self.strategy = strategy
         self.timeout = timeout
@@ -139,8 +150,12 @@ class DistributedConsumer:
             batch = (self.client.next_batch(self.timeout) if self.partial_after is None
                      else self.client.next_batch(self.timeout, partial_after=self.partial_after))
         except BaseException as exc:
-            kind = _STOP if isinstance(exc, ConsumerClosed) else _FAILED
-            self._send_all({r: (kind, f"{type(exc).__name__}: {exc}".encode(), None) for r in self._others()})
+            said = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, ConsumerClosed):
+                kind = _STOP
+            else:
+                kind, said = _FAILED, f"{exc.code if isinstance(exc, RollstreamError) else 'client_failed'} {said}"
+            self._send_all({r: (kind, said.encode(), None) for r in self._others()})
             raise
         self._batches[batch.seq] = batch
         parts = partition_batch(batch, self.world, self.strategy)
@@ -178,7 +193,8 @@ class DistributedConsumer:
         if kind == _STOP:
             raise ConsumerClosed(f"the source rank stopped: {header.decode()}")
         if kind == _FAILED:
-            raise RuntimeError(f"the source rank failed to produce a batch: {header.decode()}")
+            code, _, said = header.decode().partition(" ")
+            raise SourceRankFailed(f"the source rank failed to produce a batch: {said}", code=code)
         payload = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
         if payload_bytes:
             dist.recv(payload, src, group=self.group)
@@ -200,7 +216,7 @@ class DistributedConsumer:
         dist.all_gather(gathered, mine, group=self.group)
         seqs = [int(s) for s in gathered]
         if len(set(seqs)) != 1:
-            raise RuntimeError(f"collective {action} out of step: ranks hold batches {seqs}, expected all {shard.seq}")
+            raise InvalidState(f"collective {action} out of step: ranks hold batches {seqs}, expected all {shard.seq}")
         if self.rank == self.src:
             getattr(self.client, action)(self._batches.pop(shard.seq))
 

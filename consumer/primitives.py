@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from rollstream.common.errors import InvalidInput
+
 from .batch import ranges_index
 
 
@@ -15,11 +17,11 @@ def _supports(mask_ids: torch.Tensor, mask_offsets: torch.Tensor, positions, row
     """For every support id of the rows: its row and the id (int64)."""
     positions = torch.as_tensor(positions, dtype=torch.int64, device=device).reshape(-1)
     if len(positions) != rows:
-        raise ValueError(f"rows and positions must align: logits has {rows} rows, positions has {len(positions)}")
+        raise InvalidInput(f"rows and positions must align: logits has {rows} rows, positions has {len(positions)}")
     mask_offsets = mask_offsets.to(device)
     n_tokens = len(mask_offsets) - 1
     if rows and (int(positions.min()) < 0 or int(positions.max()) >= n_tokens):
-        raise ValueError(
+        raise InvalidInput(
             f"positions must be in [0, {n_tokens}) (the mask's tokens), got [{int(positions.min())}, {int(positions.max())}]"
         )
     starts = mask_offsets[positions]
@@ -63,14 +65,14 @@ def masked_log_probs(
     gradient reaching each rank's slice is that of the replicated result.
     """
     if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
+        raise InvalidInput(f"temperature must be positive, got {temperature}")
     rows, vocab_local = logits.shape
     device = logits.device
     if positions is None:
         positions = torch.arange(rows, device=device)
     tokens = torch.as_tensor(tokens, dtype=torch.int64, device=device).reshape(-1)
     if len(tokens) != rows:
-        raise ValueError(f"rows and tokens must align: logits has {rows} rows, tokens has {len(tokens)}")
+        raise InvalidInput(f"rows and tokens must align: logits has {rows} rows, tokens has {len(tokens)}")
     owner, ids = _supports(mask_ids, mask_offsets, positions, rows, device)
     scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     first = tp_rank * vocab_local

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Mapping
 
-from rollstream.common.errors import ProtocolError
+from rollstream.common.errors import RemoteProtocolError
 
 from .assembly import Assembler
 
@@ -79,7 +79,7 @@ class Sessions:
                                                            "reason": message["message"]})
             assembler.settled(broker, message.get("leases", ()))
 
-    def undecodable(self, broker: int, header: Mapping[str, Any], error: ProtocolError) -> None:
+    def undecodable(self, broker: int, header: Mapping[str, Any], error: RemoteProtocolError) -> None:
         """A message from `broker` that did not decode (`header`: what of its
         header could be read). A delivery's lease goes back to the broker,
         requeued when only its bytes were damaged on the way (a CRC)."""

@@ -17,6 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
+from rollstream.common.errors import InvalidInput
+
 from .batch import group_index
 
 STRATEGIES = ("round_robin", "balanced", "group")
@@ -37,7 +39,7 @@ def karmarkar_karp(weights: Sequence[float], ranks: int) -> list[list[int]]:
     so the final spread is at most the heaviest item.
     """
     if ranks < 1:
-        raise ValueError(f"ranks must be positive, got {ranks}")
+        raise InvalidInput(f"ranks must be positive, got {ranks}")
     order = sorted(range(len(weights)), key=lambda i: (weights[i], i))
     pad = -len(order) % ranks
     items = [(0, None)] * pad + [(int(weights[i]), i) for i in order]
@@ -77,7 +79,7 @@ def partition(lengths: Sequence[int], ranks: int, strategy: str = "balanced", gr
         return karmarkar_karp(lengths, ranks)
     if strategy == "group":
         return group_preserving(lengths, range(len(lengths)) if groups is None else groups, ranks)
-    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    raise InvalidInput(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
 
 
 def partition_batch(batch, ranks: int, strategy: str = "balanced") -> list[list[int]]:

@@ -88,7 +88,7 @@ def worker(rank: int, world: int, init_file: str, out: Path) -> None:
     for strategy in STRATEGIES:
         client = StandInClient(known_batches(seed=3)) if rank == 0 else None
         shards = DistributedConsumer(client, strategy=strategy)
-        failure = None
+        failure, failure_kind = None, None
         while True:
             try:
                 shard = next(shards)
@@ -98,12 +98,14 @@ def worker(rank: int, world: int, init_file: str, out: Path) -> None:
                 if failure is not None:
                     raise
                 failure = f"{type(exc).__name__}: {exc}"
+                failure_kind = {"runtime_error": isinstance(exc, RuntimeError), "code": getattr(exc, "code", None)}
                 continue
             header, payload = encode_shard(shard)
             (out / f"{strategy}-{shard.seq}-{rank}.hdr").write_bytes(header)
             (out / f"{strategy}-{shard.seq}-{rank}.bin").write_bytes(payload.numpy().tobytes())
             shards.commit(shard)
-        report[strategy] = {"failure": failure, "committed": client.committed if client else None}
+        report[strategy] = {"failure": failure, "failure_kind": failure_kind,
+                            "committed": client.committed if client else None}
 
     logits, supports, tokens = tp_problem(world)
     local = logits.shape[1] // world
@@ -164,7 +166,11 @@ def test_shards_reassemble_to_the_batch(world, tmp_path):
         assert reports[0][strategy]["committed"] == [b.seq for b in expected]
         assert reports[0][strategy]["failure"].startswith("ValueError: stand-in failure")
         for report in reports[1:]:
-            assert "stand-in failure" in report[strategy]["failure"] and report[strategy]["failure"].startswith("RuntimeError")
+            assert "stand-in failure" in report[strategy]["failure"]
+            # The source's error was no RollstreamError: the other ranks' SourceRankFailed says client_failed.
+            assert report[strategy]["failure"].startswith("SourceRankFailed: the source rank failed to produce a batch: "
+                                                          "ValueError: stand-in failure")
+            assert report[strategy]["failure_kind"] == {"runtime_error": True, "code": "client_failed"}
 
     logits, supports, tokens = tp_problem(world)
     mask = SamplingMask.from_supports(supports)
