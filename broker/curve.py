@@ -25,6 +25,7 @@ from rollstream.common.curve import (
     handshake_failure_reason,
     load_allowed,
 )
+from rollstream.common.errors import InvalidInput, InvalidState
 
 from .metrics import BrokerMetrics
 from .settings import CURVE_DIRECTORIES, BrokerSettings
@@ -54,7 +55,7 @@ class CurveGuard:
             self.zap.bind(ZAP_ENDPOINT)
         except zmq.ZMQError as exc:
             self.zap.close()
-            raise RuntimeError(f"another authentication handler holds this ZeroMQ context's {ZAP_ENDPOINT}: "
+            raise InvalidState(f"another authentication handler holds this ZeroMQ context's {ZAP_ENDPOINT}: "
                                f"a CURVE broker needs a context of its own ({exc})") from None
         self.monitors: dict[zmq.Socket, tuple[str, zmq.Socket]] = {}  # monitor -> the watched socket's name, the socket
 
@@ -130,7 +131,7 @@ class CurveGuard:
                 return
             try:
                 request = ZapRequest.parse(frames)
-            except ValueError as exc:  # only libzmq writes here: a bug, not a peer
+            except InvalidInput as exc:  # only libzmq writes here: a bug, not a peer
                 log.error(f"unreadable authentication request: {exc}")
                 continue
             verdict = self.gatekeeper.decide(request, now)

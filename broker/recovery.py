@@ -1,5 +1,6 @@
-"""Rebuilding broker state from its store: at start-up, and when a ready
-trajectory that was evicted from memory is about to be delivered.
+"""Rebuilding broker state from its store: at start-up, after a failed
+commit, and when a ready trajectory that was evicted from memory is about
+to be delivered.
 
 A trajectory is stored as its applied turn frames plus small state rows;
 replaying the frames through `Trajectory.append_turn` (deterministic) and the
@@ -7,15 +8,21 @@ recorded gap gives back exactly the merged trajectory that was acked.
 """
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+from typing import NamedTuple
+
+from rollstream.common.errors import LocalProtocolError
 from rollstream.common.trajectory import Gap, Trajectory
 from rollstream.common.wire import turn_from_message
 
-from .engine import OPEN, DeliveryUnit, Entry, MergeEngine
+from .engine import OPEN, Entry
 from .store import Recovered, Store, StoreCorrupted, StoredTrajectory
 
 
 def load_trajectory(store: Store, stored: StoredTrajectory) -> Trajectory:
-    """Replay a stored trajectory's applied turns."""
+    """Replay a stored trajectory's applied turns. A stored turn that the
+    merge refuses is a `RemoteProtocolError`: the record read back breaks the
+    rule, not a caller."""
     traj = None
     for message in store.read_turns([turn.location for turn in stored.turns if turn.location is not None]):
         if traj is None:
@@ -27,7 +34,10 @@ def load_trajectory(store: Store, stored: StoredTrajectory) -> Trajectory:
                 sample_index=message.get("sample_index"),
                 metadata=message.get("metadata"),
             )
-        traj.append_turn(turn_from_message(message))
+        try:
+            traj.append_turn(turn_from_message(message))
+        except LocalProtocolError as error:
+            raise error.as_remote() from None
     if traj is None:
         raise StoreCorrupted(f"trajectory {stored.trajectory_id!r} has no stored turns to replay")
     if stored.gap is not None:
@@ -38,10 +48,18 @@ def load_trajectory(store: Store, stored: StoredTrajectory) -> Trajectory:
     return traj
 
 
-def restore(engine: MergeEngine, recovered: Recovered, store: Store) -> list[DeliveryUnit]:
-    """Fill an empty engine from `recovered`; returns the units to deliver,
-    oldest first. Open trajectories are replayed into memory; ended ones
-    stay in the store until delivered."""
+class Rebuilt(NamedTuple):
+    """Broker state as the store holds it, for `MergeEngine.restore`."""
+
+    entries: list[Entry]
+    released_groups: Collection[str]
+    dedup: Mapping[str, float]
+    order: Mapping[str, int]  # ready sequence of each trajectory
+
+
+def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
+    """The engine's state from `recovered`: open trajectories replayed into
+    memory; ended ones stay in the store until delivered."""
     entries = []
     for stored in recovered.trajectories:
         entry = Entry(
@@ -59,4 +77,4 @@ def restore(engine: MergeEngine, recovered: Recovered, store: Store) -> list[Del
         )
         entries.append(entry)
     order = {t.trajectory_id: t.ready_seq or 0 for t in recovered.trajectories}
-    return engine.restore(entries, recovered.released_groups, recovered.dedup, order)
+    return Rebuilt(entries, recovered.released_groups, recovered.dedup, order)

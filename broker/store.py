@@ -32,7 +32,7 @@ from typing import Iterator
 import msgpack
 
 from rollstream.common.codec import Message, content_digest, crc32_continued, decode_trusted, encode
-from rollstream.common.errors import RollstreamError
+from rollstream.common.errors import InternalError, InvalidInput, RollstreamError
 from rollstream.common.messages import PRODUCER_TO_BROKER
 from rollstream.common.segments import SegmentLog
 
@@ -291,7 +291,7 @@ class Store:
     def __init__(self, data_dir: str | os.PathLike, *, sync: str = "normal", segment_bytes: int = 64 << 20,
                  write_ahead_from: int = WRITE_AHEAD_FROM_BYTES):
         if sync not in ("normal", "full"):
-            raise ValueError(f"sync must be 'normal' or 'full', got {sync!r}")
+            raise InvalidInput(f"sync must be 'normal' or 'full', got {sync!r}")
         self.data_dir = Path(data_dir)
         self.sync = sync
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -629,7 +629,7 @@ class Store:
                 db.execute("DELETE FROM released_groups WHERE id=?", (effect.group_id,))
                 db.execute(f"DELETE FROM trajectories WHERE group_id=? AND state='{State.LEFT}'", (effect.group_id,))
             case _:
-                raise TypeError(f"unknown store effect {type(effect).__name__}")
+                raise InternalError(f"every store effect has a case here, {type(effect).__name__} has none")
 
     def _take_ready_seq(self) -> int:
         seq = self._next_ready_seq

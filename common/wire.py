@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .codec import SPLIT_FROM_BYTES, Message, encode, worth_packing
+from .errors import LocalProtocolError
 from .messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
 from .trajectory import Gap, Trajectory, Turn
 
@@ -85,17 +86,22 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
 
 
 def trajectory_from_deliver(message: Message) -> Trajectory:
-    """Rebuild the delivered trajectory (its read-only arrays are taken as they are, zero-copy)."""
+    """Rebuild the delivered trajectory (its read-only arrays are taken as
+    they are, zero-copy). Arrays that break a rule of the data model are a
+    `RemoteProtocolError`: the delivery broke it."""
     gap = message.get("gap")
-    trajectory = Trajectory.from_arrays(
-        message["trajectory_id"],
-        message.arrays,
-        status=message["status"],
-        turns=message.get("turns", 0),
-        weight_versions=message["weight_versions"],
-        gap=Gap(gap["turn"], gap["field"]) if gap else None,
-        metadata=message["metadata"],
-        **{name: message.get(name) for name in _IDENTITY},
-    )
+    try:
+        trajectory = Trajectory.from_arrays(
+            message["trajectory_id"],
+            message.arrays,
+            status=message["status"],
+            turns=message.get("turns", 0),
+            weight_versions=message["weight_versions"],
+            gap=Gap(gap["turn"], gap["field"]) if gap else None,
+            metadata=message["metadata"],
+            **{name: message.get(name) for name in _IDENTITY},
+        )
+    except LocalProtocolError as error:
+        raise error.as_remote() from None
     trajectory.reward = message["reward"]
     return trajectory
