@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from rollstream.common.contract import LIVENESS_INTERVALS, CreditUnit
+from rollstream.common.errors import NotFound
 
 from .engine import DeliveryUnit
 
@@ -151,7 +152,7 @@ class Dispatcher:
         peer is not retried on every pass until its heartbeats time out."""
         leases, stale = self.settle(lease_ids)
         if stale:
-            raise KeyError(f"retract takes leases out now; {stale} are not")
+            raise NotFound(f"retract takes leases that are out now; {stale} are not")
         for lease in leases:
             self.delivery_counts[lease.trajectory_id] -= 1
         if refund:  # one charge per group unit, one per trajectory on trajectory credit

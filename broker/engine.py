@@ -13,10 +13,11 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, NamedTuple
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from rollstream.common.codec import Message, content_digest
-from rollstream.common.errors import ProtocolError
+from rollstream.common.errors import InternalError, InvalidInput, ProtocolError, RemoteProtocolError
 from rollstream.common.trajectory import Gap, Trajectory
 from rollstream.common.wire import turn_from_message
 
@@ -224,14 +225,13 @@ def _ack(message: Message, applied: bool, *, reason: str | None = None, duplicat
 class MergeEngine:
     """Turn ordering, idempotence, merging, groups, TTL and dedup."""
 
-    def __init__(self, settings: EngineSettings | None = None,
-                 stored_digest: Callable[[str, int], bytes] | None = None):
+    def __init__(self, settings: EngineSettings | None = None):
         self.settings = settings or EngineSettings()
         # An applied turn's digest is only needed when the turn is resent, so
         # it is not computed as it arrives: it comes from the message while
         # the turn is not yet durable (`_unsaved`, until `saved()`), then from
-        # its record, through `stored_digest` (the I/O shell reads the store).
-        self.stored_digest = stored_digest
+        # its record, which the caller reads for `handle` when
+        # `stored_digests_needed` names it.
         self._unsaved: dict[tuple[str, int], Message] = {}
         # Every entry and group is also indexed so that periodic work costs
         # what changed, not what is held: counts by state, open entries and
@@ -256,33 +256,59 @@ class MergeEngine:
         return effects
 
     # -- producer messages --------------------------------------------------
-    def handle(self, message: Message, now: float) -> Reply:
-        """Apply one decoded `turn`, `end` or `abort`."""
+    def handle(self, message: Message, now: float, stored: Mapping[tuple[str, int], bytes | None] = MappingProxyType({})
+               ) -> Reply:
+        """Apply one decoded `turn`, `end` or `abort` at wall time `now`.
+        `stored` holds the digests `stored_digests_needed` named, read from
+        the store (None: the read failed, and a resend that needs it is
+        refused `unavailable`)."""
+        kind = message.type
+        if kind not in ("turn", "end", "abort"):
+            raise InvalidInput(f"the merge engine takes turn, end and abort messages, got {kind!r}")
         tid = message["trajectory_id"]
         remembered = self.dedup.get(tid)
         if remembered is not None and remembered >= now:
             return Reply(_ack(message, False, duplicate=True))
-        handler = _HANDLERS.get(message.type)
-        if handler is None:
-            raise ValueError(f"the merge engine takes turn, end and abort messages, got {message.type!r}")
         try:
-            fields, effects = handler(self, message, now)
+            if kind == "turn":
+                fields, effects = self._turn(message, now, stored)
+            elif kind == "end":
+                fields, effects = self._end(message, now)
+            else:
+                fields, effects = self._abort(message, now)
         except ProtocolError as error:
             self._effects.clear()
-            return Reply(error=error.with_seq(message["seq"]))
+            return Reply(error=error.as_remote().with_seq(message["seq"]))
         return Reply(fields, effects=self._drain(*effects))
 
-    def _turn(self, message: Message, now: float) -> tuple[dict, tuple]:
+    def stored_digests_needed(self, messages: Iterable[Message]) -> list[tuple[str, int]]:
+        """The (trajectory id, turn) of every resent applied turn among
+        `messages` whose digest only the store holds now: read them for
+        `handle` (a resend is compared with what was applied)."""
+        needed = []
+        entries, unsaved = self.entries, self._unsaved
+        for message in messages:
+            if message.type != "turn":
+                continue
+            tid, index = message["trajectory_id"], message["turn"]
+            entry = entries.get(tid)
+            if (entry is not None and entry.state != LEFT and index < entry.next_turn
+                    and entry.outcomes[index][0] is None and (tid, index) not in unsaved):
+                needed.append((tid, index))
+        return needed
+
+    def _turn(self, message: Message, now: float, stored: Mapping[tuple[str, int], bytes | None]) -> tuple[dict, tuple]:
         tid, index = message["trajectory_id"], message["turn"]
         entry = self.entries.get(tid)
         if entry is None or entry.state == LEFT:
             if index != 0:
-                raise ProtocolError("out_of_order", f"trajectory {tid!r} is unknown; expected turn 0, got {index}", expected=0)
+                raise RemoteProtocolError("out_of_order", f"trajectory {tid!r} is unknown; expected turn 0, got {index}",
+                                          expected=0)
             return self._start(message, now, replaces=entry is not None)
         if index < entry.next_turn:
             earlier, applied, reason = entry.outcomes[index]
-            if (earlier if earlier is not None else self._applied_digest(tid, index)) != content_digest(message):
-                raise ProtocolError("conflict", f"turn {index} of {tid!r} was already received with different content")
+            if (earlier if earlier is not None else self._applied_digest(tid, index, stored)) != content_digest(message):
+                raise RemoteProtocolError("conflict", f"turn {index} of {tid!r} was already received with different content")
             return _ack(message, applied, reason=reason, duplicate=True), ()
         if entry.state != OPEN:
             return _ack(message, False, reason="after_terminal"), ()
@@ -291,7 +317,7 @@ class MergeEngine:
         if traj.terminal:
             return _ack(message, False, reason="replay_gap" if traj.gap else "after_terminal"), ()
         if index > entry.next_turn:
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 "out_of_order", f"turn {index} of {tid!r} arrived before turn {entry.next_turn}", expected=entry.next_turn
             )
         outcome = traj.append_turn(turn_from_message(message))
@@ -354,13 +380,19 @@ class MergeEngine:
             return None
         return content_digest(message)
 
-    def _applied_digest(self, tid: str, index: int) -> bytes:
+    def _applied_digest(self, tid: str, index: int, stored: Mapping[tuple[str, int], bytes | None]) -> bytes:
         unsaved = self._unsaved.get((tid, index))
         if unsaved is not None:
             return content_digest(unsaved)
-        if self.stored_digest is None:
-            raise RuntimeError(f"turn {index} of {tid!r} was saved but this engine has no store to read it from")
-        return self.stored_digest(tid, index)
+        try:
+            digest = stored[(tid, index)]
+        except KeyError:
+            raise InternalError(f"turn {index} of {tid!r} was saved, and its digest was not read for this call "
+                                f"(stored_digests_needed names every one a message needs)") from None
+        if digest is None:
+            raise RemoteProtocolError("unavailable", f"the broker cannot read turn {index} of {tid!r} back from its "
+                                                     f"store to compare the resend; resend later")
+        return digest
 
     def saved(self) -> None:
         """Everything handled so far is durable: applied turns' digests now
@@ -372,23 +404,23 @@ class MergeEngine:
         if group is None:
             return
         if group.size != group_size:
-            raise ProtocolError("conflict",
+            raise RemoteProtocolError("conflict",
                                 f"group {group_id!r} has group_size {group.size}, turn 0 of {tid!r} says {group_size}")
         if tid not in group.members and len(group.members) >= group.size:
-            raise ProtocolError("conflict", f"group {group_id!r} already has its {group.size} members; {tid!r} is not one")
+            raise RemoteProtocolError("conflict", f"group {group_id!r} already has its {group.size} members; {tid!r} is not one")
         if group.released:
-            raise ProtocolError("conflict", f"group {group_id!r} is already complete and released")
+            raise RemoteProtocolError("conflict", f"group {group_id!r} is already complete and released")
 
     def _end(self, message: Message, now: float) -> tuple[dict, tuple]:
         tid = message["trajectory_id"]
         entry = self.entries.get(tid)
         if entry is None or entry.state == LEFT:
-            raise ProtocolError("unknown_trajectory", f"end for trajectory {tid!r}, which this broker does not hold")
+            raise RemoteProtocolError("unknown_trajectory", f"end for trajectory {tid!r}, which this broker does not hold")
         digest = content_digest(message)
         if entry.state != OPEN:
             if entry.end_digest == digest:
                 return _ack(message, True, duplicate=True), ()
-            raise ProtocolError("conflict", f"trajectory {tid!r} already ended with a different end message")
+            raise RemoteProtocolError("conflict", f"trajectory {tid!r} already ended with a different end message")
         traj = entry.trajectory
         assert traj is not None  # an open entry always holds its trajectory (at most shed)
         self._check_turn_count(message, entry, traj)
@@ -412,10 +444,10 @@ class MergeEngine:
             return
         consumed = entry.next_turn
         if sent < consumed:
-            raise ProtocolError("conflict", f"end of {entry.trajectory_id!r} says {sent} turns were sent, "
+            raise RemoteProtocolError("conflict", f"end of {entry.trajectory_id!r} says {sent} turns were sent, "
                                             f"the broker has consumed {consumed}")
         if sent > consumed and not traj.terminal:
-            raise ProtocolError("out_of_order", f"end of {entry.trajectory_id!r} says {sent} turns were sent, "
+            raise RemoteProtocolError("out_of_order", f"end of {entry.trajectory_id!r} says {sent} turns were sent, "
                                                 f"the broker has consumed {consumed}; resend turn {consumed} first",
                                 expected=consumed)
 
@@ -425,7 +457,7 @@ class MergeEngine:
         if entry is None or entry.state == LEFT:
             return _ack(message, False, reason="unknown_trajectory"), ()
         if entry.state != OPEN:
-            raise ProtocolError("conflict", f"trajectory {tid!r} already ended; it can no longer be aborted")
+            raise RemoteProtocolError("conflict", f"trajectory {tid!r} already ended; it can no longer be aborted")
         keep = entry.group_id is not None
         self._remove(tid)
         if keep:
@@ -529,7 +561,7 @@ class MergeEngine:
         """`tid`'s entry, which must be ready (ended, not yet delivered) for `what`."""
         entry = self.entries.get(tid)
         if entry is None or entry.state != ENDED:
-            raise ValueError(f"only a ready trajectory can be {what}: {tid!r} is "
+            raise InvalidInput(f"only a ready trajectory can be {what}: {tid!r} is "
                              f"{'unknown' if entry is None else entry.state}, expected {ENDED}")
         return entry
 
@@ -556,7 +588,8 @@ class MergeEngine:
         once the store's probe succeeds."""
         entry = self.entries[tid]
         if entry.state != ENDED:
-            raise ValueError(f"only a ready trajectory is read back to be delivered; {tid!r} is {entry.state}, expected {ENDED}")
+            raise InvalidInput(f"only a ready trajectory is read back to be delivered; {tid!r} is {entry.state}, "
+                               f"expected {ENDED}")
         entry.unreadable += 1
         return entry.unreadable >= UNREADABLE_AFTER
 
@@ -618,7 +651,7 @@ class MergeEngine:
         first member: a ready trajectory outside a group, or the ended
         members of a released group."""
         if self.entries or self.groups:
-            raise ValueError(f"restore fills an empty engine; this one holds {len(self.entries)} trajectories")
+            raise InvalidInput(f"restore fills an empty engine; this one holds {len(self.entries)} trajectories")
         for entry in entries:
             self.entries[entry.trajectory_id] = entry
             if entry.group_id is not None:
@@ -750,5 +783,3 @@ def _idle_since(ordered: OrderedDict, since: float) -> list:
     return out
 
 
-# The producer messages the engine applies, by type.
-_HANDLERS = {"turn": MergeEngine._turn, "end": MergeEngine._end, "abort": MergeEngine._abort}

@@ -6,6 +6,8 @@ and asks for a connection's grant whenever it answers that connection
 """
 from __future__ import annotations
 
+from rollstream.common.errors import InvalidInput
+
 
 class WindowGrants:
     """Shares `max_in_flight` frames among the active producer connections:
@@ -18,7 +20,7 @@ class WindowGrants:
 
     def __init__(self, window: int, max_in_flight: int):
         if window < 1 or max_in_flight < 1:
-            raise ValueError(f"window and max_in_flight must be at least 1, got {window} and {max_in_flight}")
+            raise InvalidInput(f"window and max_in_flight must be at least 1, got {window} and {max_in_flight}")
         self.window = window
         self.max_in_flight = max_in_flight
         self.fair = window
@@ -70,7 +72,7 @@ class DiskAdmission:
 
     def __init__(self, budget: int, reserve: int):
         if budget < 1 or reserve < 0:
-            raise ValueError(f"the disk budget must be at least 1 byte and the reserve at least 0, got {budget} and {reserve}")
+            raise InvalidInput(f"the disk budget must be at least 1 byte and the reserve at least 0, got {budget} and {reserve}")
         self.budget = budget
         self.reserve = reserve
         self.new_trajectories = True  # turns that open a trajectory enter
@@ -134,7 +136,7 @@ class MemoryBudget:
 
     def __init__(self, max_bytes: int):
         if max_bytes < 1:
-            raise ValueError(f"max_memory_bytes must be at least 1, got {max_bytes}")
+            raise InvalidInput(f"max_memory_bytes must be at least 1, got {max_bytes}")
         self.max_bytes = max_bytes
         self.reading = True
 

@@ -31,3 +31,10 @@ def end_msg(tid, reward=1.0, seq=100, metadata=None, turns=None):
 
 def abort_msg(tid, seq=200, reason="retry"):
     return decode(encode(PRODUCER_TO_BROKER, "abort", {"seq": seq, "trajectory_id": tid, "reason": reason}), PRODUCER_TO_BROKER)
+
+
+def handle_with_store(engine, store, message, now):
+    """`engine.handle`, given the stored digests it names, read from `store`
+    (as the broker core reads them for a batch)."""
+    keys = engine.stored_digests_needed([message])
+    return engine.handle(message, now, {key: store.turn_digest(*key) for key in keys})

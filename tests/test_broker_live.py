@@ -6,6 +6,7 @@ import msgpack
 import numpy as np
 import zmq
 from broker_process import BrokerProcess
+from waiting import wait_for
 
 from rollstream.broker.service import BrokerService
 from rollstream.broker.settings import BrokerSettings
@@ -109,9 +110,7 @@ def test_idle_open_trajectory_expires_to_dead_letters(tmp_path):
     with BrokerProcess(tmp_path, trajectory_ttl=0.5) as broker:
         producer = dealer(broker.producer)
         produce(producer, "idle", 1, end=False)
-        deadline = time.monotonic() + 10
-        while broker.status()["dead"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: broker.status()["dead"], 10, "the idle trajectory to expire to dead letters")
         status = broker.status()
         assert status["dead"] == 1 and status["open"] == 0 and status["counters"]["trajectories.expired"] == 1
         producer.send_multipart(encode(PRODUCER_TO_BROKER, "end", {"seq": 5, "trajectory_id": "idle", "reward": 1.0}))

@@ -18,9 +18,10 @@ from rollstream.broker.dispatch import Dispatcher, DispatchSettings
 from rollstream.broker.engine import DEAD, ENDED, OPEN, DeliveryUnit, EngineSettings, MergeEngine, _idle_since, held_bytes
 from rollstream.broker.flow import WindowGrants
 from rollstream.broker.recovery import load_trajectory
-from rollstream.broker.service import BrokerService, Clock
+from rollstream.broker.service import BrokerService
 from rollstream.broker.settings import BrokerSettings
 from rollstream.broker.store import Store
+from rollstream.common.clock import Clock
 from rollstream.common.codec import decode, encode
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
 from rollstream.common.sockets import SHARED_RECEIVE_BUFFER_BYTES, recv_routed
@@ -44,7 +45,7 @@ def test_counts_bytes_and_evictions_follow_every_change(seed, tmp_path):
     rng = random.Random(seed)
     store = Store(tmp_path / "data")
     store.open()
-    engine = MergeEngine(EngineSettings(trajectory_ttl=50.0, dedup_window=1000.0), stored_digest=store.turn_digest)
+    engine = MergeEngine(EngineSettings(trajectory_ttl=50.0, dedup_window=1000.0))
 
     def apply(effects):
         store.commit(list(effects))
@@ -216,7 +217,7 @@ def test_small_received_frames_are_copied_out_and_large_ones_kept_zero_copy():
 @contextlib.contextmanager
 def driven_service(tmp_path, **settings):
     """A broker service on inproc endpoints that the test drives itself
-    (`run_once`, `_housekeeping`), with the time it chooses."""
+    (`run_once`, and the core's `housekeeping` through `_drive`), with the time it chooses."""
     context = zmq.Context()
     service = BrokerService(BrokerSettings(producer_endpoint="inproc://p", consumer_endpoint="inproc://c",
                                            admin_endpoint="inproc://a", data_dir=str(tmp_path / "data"),
@@ -239,19 +240,21 @@ def test_a_long_pass_does_not_drop_a_consumer_whose_heartbeats_wait_unread(tmp_p
         consumer.connect("inproc://c")
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "trainer"}))
         deadline = time.monotonic() + 10
-        while not service.dispatcher.consumers and time.monotonic() < deadline:
+        while not service.core.dispatcher.consumers and time.monotonic() < deadline:
             service.run_once(timeout_ms=50)
         assert consumer.poll(5000) and decode(consumer.recv_multipart(), BROKER_TO_CONSUMER).type == "welcome"
         now = Clock.read()
-        service._housekeeping(now._replace(wall=now.wall + 3600))  # the wall clock jumps (NTP): nobody is dropped
-        assert len(service.dispatcher.consumers) == 1
+        # the wall clock jumps (NTP): nobody is dropped
+        service._drive(service.core.housekeeping(now._replace(wall=now.wall + 3600)))
+        assert len(service.core.dispatcher.consumers) == 1
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "heartbeat", {}))
-        time.sleep(0.05)  # inproc: queued for the broker's socket, not yet read
+        assert service.sockets["consumer"].poll(10_000), "the heartbeat never reached the broker's socket"  # not read
         later = Clock(now.mono + 10 * settings.heartbeat_interval, now.wall)  # only the monotonic clock runs liveness
-        service._housekeeping(later)
-        assert len(service.dispatcher.consumers) == 1
-        service._housekeeping(later._replace(mono=later.mono + 10 * settings.heartbeat_interval))  # silent: dropped
-        assert not service.dispatcher.consumers
+        service._drive(service.core.housekeeping(later))
+        assert len(service.core.dispatcher.consumers) == 1
+        silent = later._replace(mono=later.mono + 10 * settings.heartbeat_interval)
+        service._drive(service.core.housekeeping(silent))  # silent: dropped
+        assert not service.core.dispatcher.consumers
 
 
 def test_paused_producers_resume_as_soon_as_an_ack_frees_memory(tmp_path):
@@ -284,13 +287,13 @@ def test_paused_producers_resume_as_soon_as_an_ack_frees_memory(tmp_path):
         lease = until(consumer, BROKER_TO_CONSUMER, "deliver")["lease"]
         producer.send_multipart(encode_turn("b", 0, turn, seq=2, prompt_tokens=np.ones(4, np.int32)))
         deadline = time.monotonic() + 10
-        while service.memory.reading and time.monotonic() < deadline:
+        while service.core.memory.reading and time.monotonic() < deadline:
             service.run_once(timeout_ms=20)
-        assert not service.memory.reading and service.engine.evicted_open() == {"b"}
+        assert not service.core.memory.reading and service.core.engine.evicted_open() == {"b"}
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [lease]}))
         until(consumer, BROKER_TO_CONSUMER, "acked")
-        b = service.engine.entries["b"].trajectory  # shed: only what merging needs stays
-        assert service.memory.reading and b.is_shed and service.engine.bytes_in_memory == held_bytes(b)
+        b = service.core.engine.entries["b"].trajectory  # shed: only what merging needs stays
+        assert service.core.memory.reading and b.is_shed and service.core.engine.bytes_in_memory == held_bytes(b)
 
 
 def test_a_rebuild_reads_its_turns_opening_each_segment_once(tmp_path, monkeypatch):
@@ -361,10 +364,12 @@ def test_a_batch_takes_no_more_frames_once_it_holds_batch_max_bytes(tmp_path, li
         turn = Turn.build(np.arange(3000, dtype=np.int32), np.zeros(3000, np.float32))
         for i in range(5):
             producer.send_multipart(encode_turn(f"t{i}", 0, turn, seq=i, prompt_tokens=np.ones(4, np.int32)))
-        time.sleep(0.1)  # inproc: all five queued for the broker's socket
+        # Waiting at the broker's socket, not read: inproc flushes each message as it is sent, so once the first is
+        # readable all five are.
+        assert service.sockets["producer"].poll(10_000), "the turns never reached the broker's socket"
         taken = []
         while sum(taken) < 5 and len(taken) < 10:
-            before = len(service.engine.entries)
+            before = len(service.core.engine.entries)
             service._serve_producers(Clock.read())
-            taken.append(len(service.engine.entries) - before)
+            taken.append(len(service.core.engine.entries) - before)
         assert taken == per_batch

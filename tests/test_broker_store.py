@@ -8,10 +8,10 @@ import struct
 import msgpack
 import numpy as np
 import pytest
-from broker_helpers import abort_msg, end_msg, turn_msg
+from broker_helpers import abort_msg, end_msg, handle_with_store, turn_msg
 
 from rollstream.broker.engine import DeliveryUnit, EngineSettings, MergeEngine
-from rollstream.broker.recovery import load_trajectory, restore
+from rollstream.broker.recovery import load_trajectory, rebuild
 from rollstream.broker.store import Store, StoreCorrupted, StoreError
 
 
@@ -24,8 +24,8 @@ def drive(engine, store, messages, now=1.0):
 
 def reopen(path, **kw):
     store = Store(path, **kw)
-    engine = MergeEngine(EngineSettings(), stored_digest=store.turn_digest)
-    units = restore(engine, store.open(), store)
+    engine = MergeEngine(EngineSettings())
+    units = engine.restore(*rebuild(store.open(), store))
     return store, engine, units
 
 
@@ -72,11 +72,11 @@ def test_everything_comes_back_exactly(tmp_path, store):
     gap = load_trajectory(store2, store2.load_one("gap"))
     assert gap.tokens.tolist() == [7] and (gap.gap.turn, gap.gap.field) == (1, "mask")
     # duplicates are still recognised after the restart
-    reply = engine2.handle(turn_msg("open", 1, [12], [[12, 3]], seq=50), now=2)
+    reply = handle_with_store(engine2, store2, turn_msg("open", 1, [12], [[12, 3]], seq=50), now=2)
     assert reply.fields["duplicate"] is True
     # compared with the stored record: an applied turn's row keeps no digest of its own
     assert store2.db.execute("SELECT digest FROM turns WHERE trajectory_id='open' AND turn=1").fetchone()[0] == b""
-    assert engine2.handle(turn_msg("open", 1, [12], [[12, 4]], seq=51), now=2).error.code == "conflict"
+    assert handle_with_store(engine2, store2, turn_msg("open", 1, [12], [[12, 4]], seq=51), now=2).error.code == "conflict"
     # and the open trajectory continues where it was
     reply = engine2.handle(turn_msg("open", 2, [13], [[13]]), now=2)
     assert reply.fields["applied"] and engine2.entries["open"].trajectory.response_length == 5

@@ -1,0 +1,688 @@
+"""The broker's rules, composed: `BrokerCore`, sans-I/O.
+
+The merge engine, the dispatcher, the hellos, settlement, the memory and
+disk budgets and the window grants each decide one thing; `BrokerCore` is
+their composition, as h11's `Connection` is for HTTP: what each producer
+frame, consumer message, admin request and tick does, what is made durable
+first and what goes out after. `broker/service.py` only moves bytes and
+performs what the core asks for.
+
+Each input is a generator. It yields, in order, the I/O it needs (the
+requests below: make these effects durable, send these frames, read this
+back from the store, ...) and is sent each one's outcome; it reads no clock
+(it is given a `Clock`), no socket and no file. The service drives it with
+its sockets and store; a test drives it with whatever answers it likes
+(`drive` in tests/broker_helpers.py), which is how the state machine test
+runs the whole broker without either.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+from rollstream.common.clock import Clock
+from rollstream.common.codec import Message, encode, encode_error
+from rollstream.common.contract import LIVENESS_INTERVALS
+from rollstream.common.errors import ProtocolError, RemoteProtocolError
+from rollstream.common.messages import ADMIN_REPLIES, BROKER_TO_CONSUMER, BROKER_TO_PRODUCER
+from rollstream.common.trajectory import Trajectory
+from rollstream.common.wire import encode_deliver
+
+from .dispatch import Dispatch, Dispatcher, DispatchSettings
+from .engine import DEAD, ENDED, OPEN, DeadLetter, DeliveryUnit, DropTrajectory, Effect, EngineSettings, MarkGap, MergeEngine
+from .flow import DiskAdmission, MemoryBudget, WindowGrants
+from .hello import Hellos
+from .metrics import BrokerMetrics
+from .recovery import Rebuilt
+from .settings import BrokerSettings
+from .settlement import Settlement
+from .store import StoreError
+
+log = logging.getLogger("rollstream.broker")
+
+PROBE_EVERY = 1.0  # seconds between store probes while unavailable
+DEDUP_PRUNE_EVERY = 60.0  # seconds between prunes of the stored dedup records
+# The longest ping interval a producer is expected to use (they ping every
+# second by default): with the broker's heartbeat interval it sets how long a
+# producer connection stays live without a word (`producer_live_for`).
+PRODUCER_PING_BOUND = 10.0
+# Of the disk budget: above it, the store's WAL is checkpointed before the
+# disk is measured for admission (the WAL must not hold off a resume).
+CHECKPOINT_ABOVE = 0.9
+
+
+def producer_live_for(heartbeat_interval: float) -> float:
+    """Seconds a producer connection counts as live after it was last heard:
+    the one rule that window shares, `status` and forgetting a connection
+    all use."""
+    return LIVENESS_INTERVALS * max(heartbeat_interval, PRODUCER_PING_BOUND)
+
+
+# -- what the core asks its driver to do, and what it is answered ---------------
+class Commit(NamedTuple):
+    """Make `effects` durable in one transaction. Answer: None, or the
+    `StoreError` that kept them from being durable."""
+
+    effects: list
+
+
+class Send(NamedTuple):
+    """Hand `frames` to `socket` for connection `identity` without waiting.
+    Answer: whether the socket took them."""
+
+    socket: str
+    identity: bytes
+    frames: list
+
+
+class ReadDigests(NamedTuple):
+    """Read the stored digests of these (trajectory id, turn) records.
+    Answer: {key: digest, or the `StoreError` that kept it from being read}."""
+
+    keys: list[tuple[str, int]]
+
+
+class ReadBack(NamedTuple):
+    """Read a ready trajectory the store alone holds. Answer: the
+    `Trajectory`, or the `StoreError` that kept it from being read."""
+
+    trajectory_id: str
+
+
+class Reload(NamedTuple):
+    """Read everything the store holds, to roll memory back to it. Answer: `Rebuilt`."""
+
+
+class Probe(NamedTuple):
+    """Try whether the store reads and writes again. Answer: bool."""
+
+
+class PruneDedup(NamedTuple):
+    """Delete stored dedup records that ran out before wall time `wall`. Answer: None."""
+
+    wall: float
+
+
+class MeasureDisk(NamedTuple):
+    """Answer: (bytes the store takes, bytes free on its file system)."""
+
+
+class Checkpoint(NamedTuple):
+    """Fold the store's write-ahead log into its database. Answer: None."""
+
+
+class ServeConsumers(NamedTuple):
+    """Read and handle the consumer messages waiting now (heartbeats that
+    waited behind a long pass: a live consumer is never dropped unheard). Answer: None."""
+
+    now: Clock
+
+
+Request = Commit | Send | ReadDigests | ReadBack | Reload | Probe | PruneDedup | MeasureDisk | Checkpoint | ServeConsumers
+Steps = Generator[Request, Any, Any]
+
+# A decoded message with the refusal it already earned (decoding, content rules), or None.
+Received = tuple[bytes, Message | None, ProtocolError | None]
+
+_NOTHING_STORED: Mapping[tuple[str, int], bytes | None] = MappingProxyType({})
+
+
+@dataclass(slots=True)
+class _Answer:
+    """A producer message's answer, waiting for its batch to commit."""
+
+    identity: bytes
+    frames: list | None = None  # ready to send (hello, ping, refusals)
+    ack: dict | None = None  # sent as `ack` (or within `acks`) if the commit succeeds
+    message: Message | None = None
+
+
+class BrokerCore:
+    """Everything the broker decides, driven by its service (or a test)."""
+
+    def __init__(self, settings: BrokerSettings, broker_id: str, metrics: BrokerMetrics, *, disk_reserve: int):
+        s = self.settings = settings
+        self.broker_id = broker_id
+        self.metrics = metrics
+        self.engine = self._new_engine()
+        self.dispatcher = Dispatcher(DispatchSettings(s.lease_timeout, s.heartbeat_interval, s.max_deliveries))
+        self.memory = MemoryBudget(s.max_memory_bytes)  # when producer frames are read, how far to evict
+        self.admission = DiskAdmission(s.max_disk_bytes, disk_reserve)
+        self.grants = WindowGrants(s.window, s.max_in_flight)  # frames in flight per producer connection
+        self.hellos = Hellos(broker_id, max_message_bytes=s.max_message_bytes, lease_timeout=s.lease_timeout,
+                             heartbeat_interval=s.heartbeat_interval)
+        self.producers: dict[bytes, float] = {}  # producer connection -> when last heard (monotonic)
+        self.producer_live_for = producer_live_for(s.heartbeat_interval)
+        self.unavailable = False  # writes fail: producer frames are refused until a probe succeeds
+        self.reads_failed = False  # a trajectory could not be read back: deliveries wait for the probe too
+        self.memory_bytes = 0
+        self.disk_bytes = 0
+        self.free_bytes = 0  # on the data dir's file system
+        self.endpoints: dict[str, str] = {}  # as bound, for `status`
+        self._next_probe = 0.0
+        self._next_dedup_prune = 0.0
+        self._redeliveries_seen = 0
+
+    def _new_engine(self) -> MergeEngine:
+        return MergeEngine(EngineSettings(self.settings.trajectory_ttl, self.settings.dedup_window))
+
+    def restore(self, rebuilt: Rebuilt, disk_bytes: int, free_bytes: int) -> None:
+        """Start from what the store held (`recovery.rebuild`): its ready
+        units queued, oldest first."""
+        for unit in self.engine.restore(*rebuilt):
+            self.dispatcher.enqueue(unit)
+        self.disk_bytes, self.free_bytes = disk_bytes, free_bytes
+        counts = self.engine.counts()
+        log.info("store recovered", extra={"data_dir": self.settings.data_dir, "open": counts[OPEN],
+                                           "ready": self.dispatcher.queued_trajectories, "dead": counts[DEAD]})
+
+    @property
+    def reading_producers(self) -> bool:
+        """Whether producer frames are read at all now (the memory budget)."""
+        return self.memory.reading
+
+    # -- durability -----------------------------------------------------------
+    def _commit(self, effects: list) -> Generator[Request, Any, bool]:
+        """Make `effects` durable; on failure roll memory back to the store
+        and refuse writes until a probe succeeds. Ready units join the
+        queue once durable."""
+        error = yield Commit(effects)
+        if error is not None:
+            self._store_failed(f"commit failed: {error}")
+            # Memory back to exactly what the store holds; committed units are
+            # already with the dispatcher, so the rebuilt ones are not queued again.
+            self.engine = self._new_engine()
+            self.engine.restore(*(yield Reload()))
+            return False
+        engine = self.engine
+        engine.saved()
+        for unit in engine.ready_units:
+            self.dispatcher.enqueue(unit)
+        engine.ready_units.clear()
+        return True
+
+    def _store_failed(self, error: str) -> None:
+        log.error("store failed; refusing writes until it recovers", extra={"error": error})
+        self.unavailable = True
+        self.metrics.unavailable.set(1)
+
+    # -- producers ------------------------------------------------------------
+    def takes_more(self, frames: int, nbytes: int) -> bool:
+        """Whether the producer batch being read takes another frame: below
+        `batch_max` frames and, once it has one, `batch_max_bytes` (the frame
+        crossing it is the last), and while memory is within its budget."""
+        s = self.settings
+        return frames < s.batch_max and not self.memory.over(self.memory_bytes) and not (frames and nbytes >= s.batch_max_bytes)
+
+    def frame_arrived(self, identity: bytes, size: int, mono: float) -> None:
+        """A producer frame of `size` bytes was read: its connection is live,
+        and memory, disk and free space are estimated on until measured."""
+        self.producers[identity] = mono
+        self.memory_bytes += size
+        self.disk_bytes += size
+        self.free_bytes -= size
+        admission = self.admission
+        if admission.everything and (self.disk_bytes > admission.budget or self.free_bytes < admission.reserve):
+            self._update_backpressure()  # from the next frame on, only what may enter is taken
+
+    def measured_free(self, free_bytes: int) -> None:
+        """The free space measured as a producer batch starts."""
+        self.free_bytes = free_bytes
+
+    def writes_ahead(self, message: Message) -> bool:
+        """Whether a turn's frames may go to the store's writer as soon as
+        they are read (it will be merged unless refused)."""
+        return not self.unavailable and self.admits(message)
+
+    def admits(self, message: Message) -> bool:
+        """Whether the disk lets a producer frame in now (`DiskAdmission`)."""
+        if self.admission.everything:
+            return True
+        entry = self.engine.entries.get(message["trajectory_id"])
+        return self.admission.admits(message.type, entry is not None and entry.state == OPEN)
+
+    def producer_batch(self, received: list[Received], now: Clock) -> Steps:
+        """Merge a batch of producer messages, commit it once, then answer:
+        an `ack` always means durable."""
+        engine = self.engine
+        stored, unread = _NOTHING_STORED, {}
+        keys = engine.stored_digests_needed(message for _, message, error in received if error is None)
+        if keys:  # resends of applied turns whose digests only the store holds
+            read = yield ReadDigests(keys)
+            unread = {key: value for key, value in read.items() if isinstance(value, StoreError)}
+            stored = {key: None if key in unread else value for key, value in read.items()}
+        answers: list[_Answer] = []
+        effects: list = []
+        for identity, message, error in received:
+            answers.append(self._producer_message(identity, message, error, now, stored, unread, effects))
+        committed = yield from self._commit(effects)
+        if committed:
+            self._count_effects(effects)
+            self._count_outcomes(answers)
+            for identity, acks in self._batched_acks(answers).items():
+                yield Send("producer", identity, encode(BROKER_TO_PRODUCER, "acks", acks, checked=False))
+        batch_acks = self.hellos.batch_acks
+        for answer in answers:
+            frames = answer.frames
+            if answer.ack is not None:
+                if not committed:
+                    unavailable = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later",
+                                                      seq=answer.ack["seq"])
+                    frames = self._refuse("producer", unavailable, answer.message)
+                elif answer.identity in batch_acks:
+                    continue  # in its connection's `acks`
+                else:
+                    frames = encode(BROKER_TO_PRODUCER, "ack", answer.ack, checked=False)
+            assert frames is not None  # an answer without an ack is made with its frames
+            yield Send("producer", answer.identity, frames)
+        self._apply_memory_budget()
+
+    def _producer_message(self, identity: bytes, message: Message | None, error: ProtocolError | None, now: Clock,
+                          stored: Mapping, unread: Mapping, effects: list) -> _Answer:
+        if error is not None:
+            return _Answer(identity, self._refuse("producer", error, message))
+        assert message is not None  # one that failed to decode is received with its error
+        if message.type == "hello":
+            log.info("producer connected", extra={"producer_id": message["producer_id"]})
+            self._count_live_producers(now.mono)
+            fields = self.hellos.welcome_producer(identity, message.fields, self.grants.grant(identity))
+            return _Answer(identity, encode(BROKER_TO_PRODUCER, "welcome", fields))
+        if message.type == "ping":
+            pong = {"seq": message["seq"], "window": self.grants.grant(identity)}
+            return _Answer(identity, encode(BROKER_TO_PRODUCER, "pong", pong))
+        if self.unavailable:
+            error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later", seq=message["seq"])
+            return _Answer(identity, self._refuse("producer", error, message))
+        if not self.admits(message):  # resent by the producer; counted, not logged per frame (see DiskAdmission)
+            error = RemoteProtocolError("unavailable", self.admission.refusal(), seq=message["seq"])
+            return _Answer(identity, self._refuse("producer", error, message, quiet=True))
+        reply = self.engine.handle(message, now.wall, stored)
+        if reply.error is not None:
+            key = (message["trajectory_id"], message.get("turn"))
+            if key in unread:  # the digest to compare a resend with could not be read
+                self._store_failed(f"cannot read turn {key[1]} of {key[0]!r} back to compare a resend: {unread[key]}")
+            return _Answer(identity, self._refuse("producer", reply.error, message))
+        effects.extend(reply.effects)
+        return _Answer(identity, ack=reply.fields, message=message)
+
+    def _batched_acks(self, answers: list[_Answer]) -> dict[bytes, dict]:
+        """One `acks` per connection that asked for them (docs/protocol.md §3):
+        its acked seqs as ranges, and the outcomes that are not a plain
+        `applied` listed on their own."""
+        by_identity: dict[bytes, dict] = {}
+        batch_acks = self.hellos.batch_acks
+        for answer in answers:
+            if answer.ack is None or answer.identity not in batch_acks:
+                continue
+            ack = answer.ack
+            seq = ack["seq"]
+            acks = by_identity.get(answer.identity)
+            if acks is None:
+                acks = by_identity[answer.identity] = {"ranges": [[seq, seq]], "window": self.grants.grant(answer.identity)}
+            else:
+                last = acks["ranges"][-1]
+                if seq == last[1] + 1:
+                    last[1] = seq
+                else:
+                    acks["ranges"].append([seq, seq])
+            if not ack["applied"] or "duplicate" in ack:
+                outcome = {"seq": seq, "applied": ack["applied"]}
+                outcome.update((key, ack[key]) for key in ("duplicate", "reason") if key in ack)
+                acks.setdefault("outcomes", []).append(outcome)
+        return by_identity
+
+    def producer_gone(self, identity: bytes) -> None:
+        """A producer connection is gone (a reconnect comes with a new
+        identity): its grant and its hello's choices are forgotten."""
+        self.producers.pop(identity, None)
+        self.hellos.forget_producer(identity)
+        self.grants.forget(identity)
+
+    def _count_live_producers(self, mono: float) -> None:
+        """The grants share `max_in_flight` among the live connections, so
+        frames queued at the broker, and so the wait for an ack, stay
+        bounded however many producers there are; those no longer live are
+        forgotten."""
+        live_after = mono - self.producer_live_for
+        silent = [identity for identity, heard in self.producers.items() if heard < live_after]
+        for identity in silent:
+            self.producer_gone(identity)
+        self.grants.active(len(self.producers))
+
+    # -- consumers ------------------------------------------------------------
+    def consumer_batch(self, received: list[Received], now: Clock) -> Steps:
+        """Handle a batch of consumer messages; the acks and nacks among them
+        are made durable together (one commit), then answered."""
+        settling: list[Settlement] = []
+        claimed: set[str] = set()  # leases settled by an earlier message of this batch
+        for identity, message, error in received:
+            if error is not None:
+                yield Send("consumer", identity, self._refuse("consumer", error, None))
+                continue
+            assert message is not None  # one that failed to decode is received with its error
+            if message.type == "hello":
+                yield from self._settle(settling, now)  # a hello drops leases: settle what came before it first
+                claimed.clear()
+            settlement = yield from self._consumer_message(identity, message, now, claimed)
+            if settlement is not None:
+                settling.append(settlement)
+                claimed.update(settlement.known)
+        yield from self._settle(settling, now)
+
+    def _consumer_message(self, identity: bytes, message: Message, now: Clock,
+                          claimed: set) -> Generator[Request, Any, Settlement | None]:
+        dispatcher = self.dispatcher
+        if message.type == "hello":
+            yield from self._dead_letter(dispatcher.hello(identity, message["consumer_id"], now.mono), "max_deliveries", now)
+            log.info("consumer connected", extra={"consumer_id": message["consumer_id"]})
+            fields = self.hellos.welcome_consumer(identity, message.fields, dispatcher.consumers.keys())
+            yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "welcome", fields))
+            return None
+        if not dispatcher.seen(identity, now.mono):
+            error = RemoteProtocolError("unknown_consumer",
+                                        "this connection has not said hello (or was dropped); send hello first")
+            extra = {"leases": message["leases"]} if "leases" in message.fields else {}
+            yield Send("consumer", identity, self._refuse("consumer", error, message, **extra))
+            return None
+        if message.type == "credit":
+            dispatcher.credit(identity, message["n"], message["unit"])
+        elif message.type in ("ack", "nack"):
+            return Settlement.prepare(identity, message, dispatcher, self.engine, now.wall, claimed)
+        return None
+
+    def _settle(self, settling: list[Settlement], now: Clock) -> Steps:
+        """Commit the batch's settlements at once, then update the
+        dispatcher and answer each (or answer `unavailable`)."""
+        if not settling:
+            return
+        effects = [e for s in settling for e in s.effects]
+        committed = yield from self._commit(effects)
+        if committed:
+            self._count_effects(effects)
+        for s in settling:
+            if not committed:
+                error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later")
+                yield Send("consumer", s.identity, self._refuse("consumer", error, s.message, leases=s.known))
+                continue
+            yield from self._dead_letter(s.apply(self.dispatcher), "max_deliveries", now)
+            if s.message.type == "ack":
+                self.metrics.inc(self.metrics.exits, len(s.trajectory_ids), exit="delivered")
+            if s.known:
+                reply = "acked" if s.message.type == "ack" else "nacked"
+                yield Send("consumer", s.identity, encode(BROKER_TO_CONSUMER, reply, {"leases": s.known}))
+            if s.stale:
+                error = RemoteProtocolError("stale_lease",
+                                            f"{len(s.stale)} lease(s) are unknown or expired; they changed nothing")
+                yield Send("consumer", s.identity, self._refuse("consumer", error, s.message, leases=s.stale))
+        settling.clear()
+        if committed:
+            self._apply_memory_budget()  # delivered trajectories left memory: paused producers may go on
+
+    def drop_consumer(self, identity: bytes, now: Clock) -> Steps:
+        """A consumer connection lost its right to connect (its key was
+        removed): no more deliveries, its leases go back to the queue."""
+        log.warning("dropped a consumer whose key was removed; its leases are requeued",
+                    extra={"consumer_id": self.dispatcher.consumers[identity].consumer_id})
+        yield from self._dead_letter(self.dispatcher.drop_consumer(identity), "max_deliveries", now)
+
+    def _dead_letter(self, tids: list[str], reason: str, now: Clock) -> Steps:
+        if not tids:
+            return
+        effects = [e for tid in tids for e in self.engine.dead_letter(tid, reason, now.wall)]
+        if (yield from self._commit(effects)):
+            self._count_effects(effects)
+            for tid in tids:
+                self.dispatcher.forget(tid)
+        else:  # not durable: keep them deliverable
+            for tid in tids:
+                self.dispatcher.enqueue(DeliveryUnit((tid,)), front=True)
+
+    def deliver(self, now: Clock) -> Steps:
+        """Send queued trajectories to consumers with credit, also while
+        writes fail: a consumer's ack deletes data, which is what frees a
+        full disk (the reserve keeps room to write those deletes). Each
+        delivered unit is read back whole before any of it is sent, so a
+        group goes out whole or not at all; one that cannot be read back
+        (`_read_unit`) ends the pass, and it and the rest go back to the
+        front with the consumers' credit returned. Nothing is sent once a
+        trajectory could not be read back, until the probe succeeds."""
+        if self.reads_failed:
+            return
+        dispatcher = self.dispatcher
+        deliveries = dispatcher.deliveries(now.mono)
+        refused: list[str] = []  # leases whose send the connection refused: requeued, their credit spent
+        start = 0
+        while start < len(deliveries):
+            end = start + 1
+            while end < len(deliveries) and deliveries[end].unit is deliveries[start].unit:
+                end += 1
+            if not (yield from self._read_unit(deliveries[start:end], now)):
+                dispatcher.retract([d.lease for d in deliveries[start:] if d.lease in dispatcher.leases], refund=True)
+                break
+            for delivery in deliveries[start:end]:
+                layouts = self.hellos.reads(delivery.identity)
+                trajectory = self.engine.entries[delivery.trajectory_id].trajectory
+                assert trajectory is not None  # `_read_unit` read it back
+                frames = encode_deliver(trajectory, delivery.lease, delivery_count=delivery.delivery_count,
+                                        may_pack="packed_arrays" in layouts, may_split="split_arrays" in layouts,
+                                        **delivery.group_fields)
+                if not (yield Send("consumer", delivery.identity, frames)):
+                    refused.append(delivery.lease)
+            start = end
+        if refused:
+            dispatcher.retract(refused)
+
+    def _read_unit(self, unit: list[Dispatch], now: Clock) -> Generator[Request, Any, bool]:
+        """Whether every member of a delivered unit is in memory, evicted
+        ones read back from the store. False when one cannot be read: a
+        store that fails makes the store unavailable and deliveries wait for
+        its probe; a member whose records are damaged does too, until it has
+        failed `UNREADABLE_AFTER` reads, when it is dead-lettered
+        `unreadable` and its lease dropped (the rest of its unit goes on)."""
+        engine = self.engine
+        for delivery in unit:
+            tid = delivery.trajectory_id
+            entry = engine.entries.get(tid)
+            if entry is None or entry.state != ENDED:  # cannot happen; never send what is not ready
+                log.error("queued trajectory is not ready", extra={"trajectory_id": tid})
+                self.dispatcher.settle([delivery.lease])
+                return False
+            if not engine.needs_reload(entry):
+                continue
+            read = yield ReadBack(tid)
+            if isinstance(read, StoreError):
+                if not read.retriable and engine.unreadable(tid):
+                    log.error("stored trajectory cannot be read back", extra={"trajectory_id": tid, "error": str(read)})
+                    self.dispatcher.settle([delivery.lease])
+                    yield from self._dead_letter([tid], "unreadable", now)
+                else:
+                    self._store_failed(f"cannot read evicted trajectory {tid!r} back to deliver it: {read}")
+                    self.reads_failed = True
+                return False
+            assert isinstance(read, Trajectory)
+            engine.reload(entry, read)
+            self.metrics.inc(self.metrics.reloads)
+        return True
+
+    # -- admin ----------------------------------------------------------------
+    def admin_request(self, identity: bytes, envelope: list, message: Message | None, error: ProtocolError | None,
+                      now: Clock) -> Steps:
+        """Answer one admin request (`envelope`: a REQ peer's delimiter, sent back before the reply)."""
+        if error is None:
+            assert message is not None  # one that failed to decode is received with its error
+            try:
+                reply = yield from self._admin_reply(message, now)
+            except ProtocolError as refusal:
+                reply = self._refuse("admin", refusal, None)
+        else:
+            reply = self._refuse("admin", error, None)
+        yield Send("admin", identity, [*envelope, *reply])
+
+    def _admin_reply(self, message: Message, now: Clock) -> Generator[Request, Any, list]:
+        seq = {"seq": message["seq"]} if "seq" in message.fields else {}
+        if message.type == "status":
+            return encode(ADMIN_REPLIES, "status", {**self.status(now), **seq})
+        if message.type == "dead_letters":
+            items = self.engine.dead_letters(message.get("limit", 100))
+            return encode(ADMIN_REPLIES, "dead_letters", {"items": items, **seq})
+        requeued = []
+        effects = []
+        for tid in dict.fromkeys(message["trajectory_ids"]):
+            effect = self.engine.requeue(tid)
+            if effect is not None:
+                effects.append(effect)
+                requeued.append(tid)
+        if not (yield from self._commit(effects)):
+            raise RemoteProtocolError("unavailable", "the broker cannot persist right now; retry later")
+        for tid in requeued:
+            log.info("dead letter requeued", extra={"trajectory_id": tid})
+        return encode(ADMIN_REPLIES, "requeued", {"trajectory_ids": requeued, **seq})
+
+    def status(self, now: Clock) -> dict:
+        counts = self.engine.counts()
+        live_after = now.mono - self.producer_live_for
+        return {
+            "open": counts[OPEN],
+            "ready": self.dispatcher.queued_trajectories,
+            "leased": len(self.dispatcher.leases),
+            "dead": counts[DEAD],
+            "producers": sum(1 for heard in self.producers.values() if heard >= live_after),
+            "consumers": len(self.dispatcher.consumers),
+            "bytes_in_memory": self.memory_bytes,
+            "bytes_on_disk": self.disk_bytes,
+            "counters": {key: int(value) for key, value in sorted(self.metrics.totals.items())},
+            "endpoints": dict(self.endpoints),
+        }
+
+    # -- time -------------------------------------------------------------------
+    def housekeeping(self, now: Clock) -> Steps:
+        """What time alone changes: silent producers forgotten, idle
+        trajectories expired, lost leases and silent consumers requeued, the
+        store probed while unavailable, dedup records pruned, memory and
+        disk held to their budgets."""
+        self._count_live_producers(now.mono)
+        effects = self.engine.expire(now.wall)
+        if (yield from self._commit(effects)):
+            self._count_effects(effects)
+        yield ServeConsumers(now)
+        yield from self._dead_letter(self.dispatcher.tick(now.mono), "max_deliveries", now)
+        new_redeliveries = self.dispatcher.redeliveries - self._redeliveries_seen
+        if new_redeliveries:
+            self.metrics.inc(self.metrics.redeliveries, new_redeliveries)
+            self._redeliveries_seen = self.dispatcher.redeliveries
+        if self.unavailable and now.mono >= self._next_probe:
+            self._next_probe = now.mono + PROBE_EVERY
+            if (yield Probe()):
+                self.unavailable = self.reads_failed = False
+                self.metrics.unavailable.set(0)
+                log.info("store available again")
+        if now.mono >= self._next_dedup_prune:
+            self._next_dedup_prune = now.mono + DEDUP_PRUNE_EVERY
+            yield PruneDedup(now.wall)
+        self._evict_to_budget()
+        self.disk_bytes, self.free_bytes = yield MeasureDisk()
+        if self.disk_bytes > CHECKPOINT_ABOVE * self.settings.max_disk_bytes or self.free_bytes < self.admission.reserve:
+            # also below the limit: the WAL (up to 16 MiB between checkpoints) must not hold off a resume
+            yield Checkpoint()
+            self.disk_bytes, self.free_bytes = yield MeasureDisk()
+        self._update_backpressure()
+        self.update_gauges(now)
+
+    # -- budgets ----------------------------------------------------------------
+    def _apply_memory_budget(self) -> None:
+        """Evict down to the memory budget, then pause or resume producers.
+        Run after every batch, not only at housekeeping: the engine keeps its
+        count as it changes, so producers resume as soon as room is made."""
+        self._evict_to_budget()
+        self._update_backpressure()
+
+    def _evict_to_budget(self) -> None:
+        """Evict (all of it durable in the store) as far as `MemoryBudget`
+        says, keeping what is out on a lease."""
+        engine = self.engine
+        self.memory_bytes = engine.bytes_in_memory
+        target = self.memory.evict_to(self.memory_bytes)
+        if target is not None:
+            evicted = engine.evict(target, keep={lease.trajectory_id for lease in self.dispatcher.leases.values()})
+            for state, count in evicted.items():
+                if count:
+                    self.metrics.inc(self.metrics.evictions, count, state=state)
+            self.memory_bytes = engine.bytes_in_memory
+
+    def _update_backpressure(self) -> None:
+        """Pause or resume reading producer frames as `MemoryBudget` says;
+        tell `DiskAdmission` the store's size and free space, logging when
+        what enters changes."""
+        change = self.memory.update(self.memory_bytes)
+        if change is False:
+            log.warning("over the memory budget: producer frames paused", extra={"bytes_in_memory": self.memory_bytes})
+        elif change is True:
+            log.info("back under the memory budget: producer frames resumed")
+        admission = self.admission
+        drainable = bool(self.dispatcher.queue or self.dispatcher.leases)
+        if admission.update(self.disk_bytes, self.free_bytes, drainable):
+            figures = {"bytes_on_disk": self.disk_bytes, "bytes_free": self.free_bytes}
+            if admission.everything:
+                log.info("disk back under budget: every producer frame enters", extra=figures)
+            else:
+                log.warning("disk over budget: some producer frames wait", extra={**figures, "reason": admission.refusal()})
+        self.metrics.backpressure.set(int(not (self.memory.reading and admission.everything)))
+
+    # -- accounting ---------------------------------------------------------------
+    def update_gauges(self, now: Clock) -> None:
+        status = self.status(now)
+        for state in ("open", "ready", "leased", "dead"):
+            self.metrics.depth.labels(state=state).set(status[state])
+        self.metrics.bytes.labels(where="memory").set(status["bytes_in_memory"])
+        self.metrics.bytes.labels(where="disk").set(status["bytes_on_disk"])
+
+    def _refuse(self, endpoint: str, error: ProtocolError, message: Message | None, *, quiet: bool = False,
+                **extra) -> list:
+        """A `nack` for `error`, counted and logged (`quiet`: only counted,
+        for refusals that repeat by design until a state changes, which is
+        logged once)."""
+        if error.seq is None and message is not None and "seq" in message.fields:  # protocol.md §2: answer its seq
+            error = error.with_seq(message["seq"])
+        self.metrics.inc(self.metrics.nacks, endpoint=endpoint, code=error.code)
+        if not quiet:
+            context = {"endpoint": endpoint, "code": error.code, "reason": error.message}
+            if message is not None and "trajectory_id" in message.fields:
+                context["trajectory_id"] = message["trajectory_id"]
+                if "turn" in message.fields:
+                    context["turn"] = message["turn"]
+            log.warning("message refused", extra=context)
+        schema = BROKER_TO_PRODUCER if endpoint == "producer" else BROKER_TO_CONSUMER if endpoint == "consumer" else ADMIN_REPLIES
+        return encode_error(schema, error, **extra)
+
+    def _count_outcomes(self, answers: list[_Answer]) -> None:
+        """Frames by type and outcome, once their batch is durable (one
+        counter update per kind of outcome, not per frame)."""
+        outcomes = Counter(
+            (answer.message.type, "duplicate" if ack.get("duplicate") else
+             "applied" if ack["applied"] else ack.get("reason", "not_applied"))
+            for answer in answers if (ack := answer.ack) is not None and answer.message is not None
+        )
+        for (mtype, outcome), count in outcomes.items():
+            self.metrics.inc(self.metrics.frames, count, type=mtype, outcome=outcome)
+
+    def _count_effects(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            match effect:
+                case MarkGap():
+                    self.metrics.inc(self.metrics.gaps, field=effect.gap.field)
+                    log.info("replay gap", extra={"trajectory_id": effect.trajectory_id, "turn": effect.gap.turn,
+                                                  "field": effect.gap.field})
+                case DropTrajectory():
+                    self.metrics.inc(self.metrics.exits, exit="aborted")
+                    log.info("trajectory aborted", extra={"trajectory_id": effect.trajectory_id})
+                case DeadLetter():
+                    exit_label = effect.reason if effect.reason in ("expired", "unreadable") else "dead"
+                    self.metrics.inc(self.metrics.exits, exit=exit_label)
+                    log.warning("trajectory dead-lettered", extra={"trajectory_id": effect.trajectory_id,
+                                                                   "reason": effect.reason})
+                case _:  # turns are counted by _count_outcomes; the rest need no counter
+                    pass
