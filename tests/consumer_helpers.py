@@ -7,7 +7,6 @@ write it. A live broker is `broker_process.BrokerProcess`.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,15 +149,3 @@ class RawProducer:
 
     def close(self) -> None:
         self.sock.close()
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    """Poll `predicate` until truthy (a bound for failing, not a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import zmq
 from broker_process import BrokerProcess
+from waiting import wait_for
 
 from rollstream.common.codec import ProtocolError, decode, encode
 from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
@@ -160,12 +161,10 @@ def test_broker_sigkill_loses_nothing_acked(tmp_path, flags):
     consumer.start()
     try:
         for progress in (TRAJECTORIES // 4, TRAJECTORIES // 2):  # kill mid-stream, twice
-            deadline = time.monotonic() + 60
-            while len(producer.acked_ends) < progress and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_for(lambda: len(producer.acked_ends) >= progress, 60, f"{progress} acked ends", interval=0.005)
             assert len(producer.acked_ends) < TRAJECTORIES
             broker.kill()
-            time.sleep(0.2)
+            time.sleep(0.2)  # down a moment, as after a crash, before it restarts (start waits until it answers)
             broker.start()
         producer.join(60)
         assert not producer.is_alive(), "producer did not finish"

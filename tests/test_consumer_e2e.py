@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 from broker_process import BrokerProcess
-from consumer_helpers import VOCAB, RawProducer, Rollout, make_rollout, wait_for
+from consumer_helpers import VOCAB, RawProducer, Rollout, make_rollout
+from waiting import wait_for
 
 from rollstream.common.trajectory import Turn
 from rollstream.common.validation import RULE_TOKEN_VOCAB, BatchValidationError
@@ -112,7 +113,7 @@ KILLED_CONSUMER = textwrap.dedent("""
     consumer = Consumer(sys.argv[1], batch_size=4)
     batch = consumer.next_batch(timeout=30)
     print(json.dumps(list(batch.trajectory_ids)), flush=True)
-    time.sleep(120)
+    time.sleep(120)  # holds the batch uncommitted until the test kills it (bounded, should the test not)
 """)
 
 

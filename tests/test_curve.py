@@ -17,7 +17,8 @@ import pytest
 import zmq
 import zmq.auth
 from broker_process import BrokerProcess
-from consumer_helpers import VOCAB, make_rollout, wait_for
+from consumer_helpers import VOCAB, make_rollout
+from waiting import wait_for
 from zmq.utils import z85
 
 from rollstream.common.admin import AdminClient, AdminError

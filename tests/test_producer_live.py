@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 import zmq
+from waiting import wait_for
 
 from rollstream.common import SamplingMask
 from rollstream.common.codec import decode, encode
@@ -366,7 +367,7 @@ async def fill(producer, prefix, release):
 
     tasks = [asyncio.create_task(sender(i)) for i in range(6)]
     peak = 0
-    for _ in range(25):  # let every sender get as far as it can
+    for _ in range(25):  # 0.5 s for every sender to get as far as it can: that the rest stay blocked takes time to show
         await asyncio.sleep(0.02)
         peak = max(peak, producer.held)
     waiting, accepted = sum(not t.done() for t in tasks), producer.unsettled
@@ -604,10 +605,7 @@ def test_sigterm_stops_cleanly_leaving_nothing_open(tmp_path):
         process = daemon(broker, "--trajectories", "0", "--rate", "40", "--turns", "4", "--vocab-size", "5000",
                          "--spool-dir", str(spool), "--producer-id", "p-term")
         wait_for_line(process.stderr, "producer daemon running")
-        deadline = time.monotonic() + PATIENCE
-        while broker.status()["ready"] < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_for(lambda: broker.status()["ready"] >= 3, PATIENCE, "three trajectories ready at the broker")
         process.send_signal(signal.SIGTERM)
         log = finish(process)
         status = broker.status()
