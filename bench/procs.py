@@ -41,7 +41,7 @@ class Broker:
         endpoints_file = str(Path(self.data) / "endpoints.json")
         any_port = "tcp://127.0.0.1:0"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rollstream.common.cli", "broker", "--producer-endpoint", any_port,
+            [sys.executable, "-m", "rollstream.app.cli", "broker", "--producer-endpoint", any_port,
              "--consumer-endpoint", any_port, "--admin-endpoint", any_port, "--endpoints-file", endpoints_file,
              "--data-dir", str(Path(self.data) / "data"), "--metrics-port", "0", "--log-level", "warning",
              *(["--vocab-size", str(vocab_size)] if vocab_size else []), *extra_args],

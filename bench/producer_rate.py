@@ -96,7 +96,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="rollstream-bench-") as root:
         endpoints = {name: f"ipc://{root}/{name}" for name in ("producer", "consumer", "admin")}
-        broker = subprocess.Popen([sys.executable, "-m", "rollstream.common.cli", "broker",
+        broker = subprocess.Popen([sys.executable, "-m", "rollstream.app.cli", "broker",
                                    "--producer-endpoint", endpoints["producer"],
                                    "--consumer-endpoint", endpoints["consumer"], "--admin-endpoint", endpoints["admin"],
                                    "--data-dir", f"{root}/data", "--metrics-port", "0", "--log-level", "warning",

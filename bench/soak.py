@@ -56,7 +56,7 @@ class RestartingBroker:
     def start(self) -> None:
         self.endpoints_file.unlink(missing_ok=True)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rollstream.common.cli", "broker", "--data-dir", str(self.directory / "data"),
+            [sys.executable, "-m", "rollstream.app.cli", "broker", "--data-dir", str(self.directory / "data"),
              "--producer-endpoint", self.endpoints["producer"], "--consumer-endpoint", self.endpoints["consumer"],
              "--admin-endpoint", self.endpoints["admin"], "--endpoints-file", str(self.endpoints_file),
              "--vocab-size", str(VOCAB), "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--heartbeat-interval", "2",

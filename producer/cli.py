@@ -5,11 +5,25 @@ import click
 
 from rollstream.common.config import BYTES, SETTINGS_CONTEXT, config_option, settings_options
 
-from .settings import SOURCES, ProducerSettings
+from .settings import ProducerSettings
+from .sources import source_names
+
+
+class SourceName(click.ParamType):
+    """`--source`: a registered source's name. Its choices are read from the
+    registry when the help is shown, so a source that a layer above
+    registers after this module loads is listed too; the name is checked
+    with the other settings (`daemon.violations`)."""
+
+    name = "text"
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context) -> str:
+        return f"[{'|'.join(source_names())}]"
+
 
 HELP = {
     "source": "synthetic: sampled load; sglang: drive an SGLang /generate endpoint; replay: recorded turns; "
-              "model: sample from a small torch LM (common.tiny_lm).",
+              "model (registered by the `rollstream` command): sample from a small torch LM (rollstream.app.tiny_lm).",
     "broker_endpoint": "The node broker's producer endpoint (tcp://, ipc:// or inproc://).",
     "producer_id": "Name sent in hello; keep it stable to resend a spool after a restart. Default: host-source.",
     "window": "Most frames unsettled at once (the broker's welcome may lower it).",
@@ -59,7 +73,7 @@ HELP = {
     "curve_server_key": "The broker's public key (its .key file).",
 }
 TYPES = {
-    "source": click.Choice(SOURCES),
+    "source": SourceName(),
     "spool_bytes": BYTES,
     "spool_fsync": click.BOOL,
     "crc": click.BOOL,

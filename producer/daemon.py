@@ -10,32 +10,20 @@ import socket
 
 from rollstream.common.config import Problem
 from rollstream.common.curve import client_key_problems
+from rollstream.common.errors import InvalidInput
 
 from .client import AsyncProducer
-from .replay import ReplaySource
-from .settings import SOURCES, ProducerSettings
-from .sglang import SGLangSource
-from .synthetic import SyntheticSource
+from .settings import ProducerSettings
+from .sources import source_factory, source_names
 
 log = logging.getLogger("rollstream.producer")
-
-SOURCE_CLASSES = {"synthetic": SyntheticSource, "sglang": SGLangSource, "replay": ReplaySource}
-
-
-def source_class(name: str):
-    """The source's class; the model source's module (torch) loads only when asked for."""
-    if name == "model":
-        from .model_source import ModelSource
-
-        return ModelSource
-    return SOURCE_CLASSES[name]
 
 
 def violations(settings: ProducerSettings) -> list[Problem]:
     """Settings no source can run with: one problem per rule broken, naming
     the rule and the value (`rollstream producer` adds where it came from)."""
     rules = [
-        ("source", settings.source in SOURCES, f"one of {sorted(SOURCES)}"),
+        ("source", settings.source in source_names(), f"one of the registered sources {sorted(source_names())}"),
         ("turns", settings.turns >= 1, ">= 1"),
         ("group_size", settings.group_size >= 1, ">= 1"),
         ("concurrency", settings.concurrency >= 1, ">= 1"),
@@ -58,7 +46,7 @@ def check(settings: ProducerSettings) -> None:
     """Refuse settings no source can run with, naming every rule broken."""
     problems = violations(settings)
     if problems:
-        raise ValueError("; ".join(map(str, problems)))
+        raise InvalidInput("; ".join(map(str, problems)))
 
 
 async def run(settings: ProducerSettings) -> int:
@@ -66,7 +54,7 @@ async def run(settings: ProducerSettings) -> int:
     frames left unsettled at exit."""
     check(settings)
     producer_id = settings.producer_id or f"{socket.gethostname()}-{settings.source}"
-    source = source_class(settings.source)(settings, producer_id)
+    source = source_factory(settings.source)(settings, producer_id)
     producer = AsyncProducer(
         settings.broker_endpoint, producer_id, window=settings.window, reply_timeout=settings.reply_timeout,
         retry_delay=settings.retry_delay, heartbeat_interval=settings.heartbeat_interval,

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SOURCES = ("synthetic", "sglang", "replay", "model")
-
 
 @dataclass
 class ProducerSettings:
-    source: str = "synthetic"
+    source: str = "synthetic"  # a registered source's name (rollstream.producer.sources)
     broker_endpoint: str = "tcp://127.0.0.1:5555"
     producer_id: str | None = None  # default: host name and source; keep it stable to reuse a spool
     # reliability
@@ -50,7 +48,7 @@ class ProducerSettings:
     sglang_url: str = "http://127.0.0.1:30000"
     sglang_timeout: float = 600.0
     prompts: str | None = None
-    # model
+    # model (the source the `rollstream` command registers: rollstream.app.model_source)
     model_weights: str | None = None
     # replay
     replay_path: str | None = None

@@ -27,7 +27,7 @@ class BrokerProcess:
         self.admin_keys: tuple[Path, Path] | None = None  # (own .key_secret, the broker's .key) for a CURVE broker
 
     def command(self) -> list[str]:
-        args = [sys.executable, "-m", "rollstream.common.cli", "broker",
+        args = [sys.executable, "-m", "rollstream.app.cli", "broker",
                 "--producer-endpoint", self.producer, "--consumer-endpoint", self.consumer,
                 "--admin-endpoint", self.admin, "--data-dir", str(self.data_dir)]
         for key, value in self.flags.items():

@@ -64,7 +64,7 @@ def test_the_broker_never_imports_torch():
 
     code = (
         "import sys, click\n"
-        "from rollstream.common.cli import main\n"
+        "from rollstream.app.cli import main\n"
         "ctx = click.Context(main)\n"
         "main.get_command(ctx, 'broker'); main.get_command(ctx, 'status')\n"
         "import rollstream.broker.service, rollstream.broker.recovery\n"
@@ -113,7 +113,7 @@ def test_a_taken_metrics_port_is_a_clear_error(tmp_path):
         for command in (["broker", "--data-dir", str(tmp_path / "data"), "--producer-endpoint", f"ipc://{tmp_path}/p",
                          "--consumer-endpoint", f"ipc://{tmp_path}/c", "--admin-endpoint", f"ipc://{tmp_path}/a"],
                         ["producer", "--broker-endpoint", f"ipc://{tmp_path}/p", "--trajectories", "1"]):
-            result = subprocess.run([sys.executable, "-m", "rollstream.common.cli", *command, "--metrics-port", str(port)],
+            result = subprocess.run([sys.executable, "-m", "rollstream.app.cli", *command, "--metrics-port", str(port)],
                                     capture_output=True, text=True, timeout=120)
             assert result.returncode != 0 and f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
             assert "Traceback" not in result.stderr

@@ -6,7 +6,7 @@ import sys
 
 def demo(*args: str) -> tuple[str, dict]:
     """Run `rollstream demo --json` with `args`; its output and its summary (the last line)."""
-    out = subprocess.run([sys.executable, "-m", "rollstream.common.cli", "demo", "--json", *args],
+    out = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "demo", "--json", *args],
                          capture_output=True, text=True, timeout=600, check=True).stdout
     return out, json.loads(out.strip().splitlines()[-1])
 
@@ -37,8 +37,8 @@ def test_demo_with_chaos_kills_and_restarts_every_role_and_the_checker_finds_not
 def test_demo_exits_non_zero_when_the_checker_finds_anything(monkeypatch):
     from click.testing import CliRunner
 
-    import rollstream.common.demo as demo_module
-    from rollstream.common.cli import main
+    import rollstream.app.demo as demo_module
+    from rollstream.app.cli import main
 
     real = demo_module.run_demo
 
@@ -53,13 +53,44 @@ def test_demo_exits_non_zero_when_the_checker_finds_anything(monkeypatch):
 
 
 def test_demo_refuses_groups_that_cannot_be_whole():
-    result = subprocess.run([sys.executable, "-m", "rollstream.common.cli", "demo", "--trajectories", "10",
+    result = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "demo", "--trajectories", "10",
                              "--group-size", "4"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "must be a multiple of --group-size 4" in result.stderr
 
 
 def test_help_lists_every_command():
-    out = subprocess.run([sys.executable, "-m", "rollstream.common.cli", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "--help"], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     for command in ("broker", "producer", "consume", "status", "requeue", "demo"):
         assert command in out
+
+
+def test_the_rollstream_command_adds_the_model_source_to_the_producer_daemon():
+    """The app registers `model` with the producer's source registry: listed
+    in `rollstream producer --help`, accepted by its settings check, and a
+    name registered by nobody is refused naming every registered source."""
+    help_text = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "producer", "--help"], capture_output=True,
+                               text=True, timeout=60, check=True).stdout
+    assert "[synthetic|sglang|replay|model]" in help_text
+    checked = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "producer", "--source", "model",
+                              "--check-config"], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0 and "configuration ok" in checked.stdout, checked.stderr
+    unknown = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "producer", "--source", "nope",
+                              "--check-config"], capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 2
+    assert "source must be one of the registered sources ['model', 'replay', 'sglang', 'synthetic'], got 'nope'" \
+        in unknown.stderr
+
+
+def test_the_producer_alone_knows_only_its_own_sources():
+    """Without the app layer (a program running the daemon itself) `model`
+    is not registered, and the settings check says which sources are."""
+    code = (
+        "import sys\n"
+        "from rollstream.producer.daemon import violations\n"
+        "from rollstream.producer.settings import ProducerSettings\n"
+        "print(*violations(ProducerSettings(source='model')), sep='\\n')\n"
+        "assert not any(name.startswith('rollstream.app') for name in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == "source must be one of the registered sources ['replay', 'sglang', 'synthetic'], got 'model'"

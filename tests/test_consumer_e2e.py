@@ -211,7 +211,7 @@ def test_consume_command_prints_one_json_line_per_batch(brokers):
     node = brokers()
     produce(node, rollouts("c", 4))
     result = subprocess.run(
-        [sys.executable, "-m", "rollstream.common.cli", "consume", "--endpoint", node.consumer, "--batch-size", "2",
+        [sys.executable, "-m", "rollstream.app.cli", "consume", "--endpoint", node.consumer, "--batch-size", "2",
          "--batches", "2", "--timeout", "30", "--vocab-size", str(VOCAB)],
         capture_output=True, text=True, timeout=120,
     )

@@ -42,7 +42,7 @@ NAMES = ("broker", "producer", "consumer", "admin", "stranger")
 
 
 def cli(*args: str, check: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollstream.common.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rollstream.app.cli", *args], capture_output=True, text=True,
                           timeout=60, check=check)
 
 
@@ -231,7 +231,7 @@ def test_check_config_reports_every_curve_mistake(keys, tmp_path):
     good = cli("broker", "--check-config", "--curve-secret-key", str(keys / "broker.key_secret"),
                "--curve-producers", str(keys / "producers"))
     assert good.returncode == 0, good.stderr
-    from_env = subprocess.run([sys.executable, "-m", "rollstream.common.cli", "broker", "--check-config"],
+    from_env = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "broker", "--check-config"],
                               capture_output=True, text=True, timeout=60,
                               env={**os.environ, "ROLLSTREAM_BROKER_CURVE_SECRET_KEY": str(keys / "broker.key_secret"),
                                    "ROLLSTREAM_BROKER_CURVE_ADMIN": str(tmp_path / "absent")})

@@ -46,7 +46,7 @@ class Broker:
         self.process = None
 
     def start(self):
-        args = [sys.executable, "-m", "rollstream.common.cli", "broker",
+        args = [sys.executable, "-m", "rollstream.app.cli", "broker",
                 "--producer-endpoint", self.endpoints["producer"], "--consumer-endpoint", self.endpoints["consumer"],
                 "--admin-endpoint", self.endpoints["admin"], "--data-dir", f"{self.root}/data", "--metrics-port", "0",
                 "--log-level", "warning", *self.extra]
@@ -541,7 +541,7 @@ def test_a_producer_whose_io_loop_dies_raises_client_failed():
 
 # -- the daemon ---------------------------------------------------------------------------------------
 def daemon(broker, *args, env=None):
-    command = [sys.executable, "-m", "rollstream.common.cli", "producer", "--broker-endpoint",
+    command = [sys.executable, "-m", "rollstream.app.cli", "producer", "--broker-endpoint",
                broker.endpoints["producer"], "--metrics-port", "0", *args]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
@@ -761,7 +761,7 @@ def test_the_model_daemon_streams_rollouts_a_trainer_replays_exactly(tmp_path):
     log-prob over the delivered supports; the reward is the environment's."""
     import torch
 
-    from rollstream.common.tiny_lm import TinyLM
+    from rollstream.app.tiny_lm import TinyLM
     from rollstream.consumer.primitives import masked_log_probs
 
     with Broker(tmp_path) as broker:
@@ -786,7 +786,7 @@ def test_the_model_daemon_streams_rollouts_a_trainer_replays_exactly(tmp_path):
 
 
 def test_bad_settings_and_recordings_are_refused_with_the_rule(tmp_path):
-    bad = subprocess.run([sys.executable, "-m", "rollstream.common.cli", "producer", "--turns", "0"],
+    bad = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "producer", "--turns", "0"],
                          capture_output=True, text=True, timeout=PATIENCE, check=False)
     assert bad.returncode != 0 and "turns must be >= 1, got 0" in bad.stderr
     recording = tmp_path / "bad.jsonl"

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rollstream.common.tiny_lm import TinyLM, TinyLMConfig, load_weights, save_weights
+from rollstream.app.model_source import ModelSource, TargetEnvironment, WeightsWatch, generate
+from rollstream.app.tiny_lm import TinyLM, TinyLMConfig, load_weights, save_weights
 from rollstream.consumer.primitives import masked_log_probs
-from rollstream.producer.model_source import ModelSource, TargetEnvironment, WeightsWatch, generate
 from rollstream.producer.sampler import SamplingParams
 from rollstream.producer.settings import ProducerSettings
 from rollstream.producer.source import SourceSettingsError

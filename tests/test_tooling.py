@@ -26,6 +26,19 @@ def test_import_contracts_are_kept():
     _run("lint-imports", "--no-cache")
 
 
+def test_common_loads_no_torch_at_import():
+    """The import contract lets two modules of `common` import torch; this
+    checks that they do so inside functions: importing every module of
+    `common` leaves torch unloaded."""
+    code = (
+        "import pkgutil, sys, importlib, rollstream.common as common\n"
+        "modules = [importlib.import_module(f'rollstream.common.{m.name}') for m in pkgutil.iter_modules(common.__path__)]\n"
+        "assert len(modules) > 10, modules\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_mypy_finds_nothing(tmp_path):
     # mypy cannot follow package-dir through the editable install: it reads
     # the package through links named as the import path.

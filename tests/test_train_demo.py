@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollstream.common.tiny_lm import TinyLM, TinyLMConfig
-from rollstream.consumer.train_demo import WeightVersions, group_advantages, run_train_demo, summary_table
+from rollstream.app.tiny_lm import TinyLM, TinyLMConfig
+from rollstream.app.train_demo import WeightVersions, group_advantages, run_train_demo, summary_table
 
 
 def test_group_advantages_are_rewards_normalised_within_each_group():

@@ -17,7 +17,7 @@ test's tmp dir (a file, no address), which is how the test, outside the
 namespaces, reads status and dead letters. The ranks rendezvous through a
 gloo file store and talk over the trainer's address (`GLOO_SOCKET_IFNAME`).
 
-Composed from `rollstream.common.demo` (`LoopbackNode` with a bind address
+Composed from the harness `rollstream.app.harness` (`LoopbackNode` with a bind address
 and an `ip netns exec` command prefix, `Pipeline` for each node's producers
 and status, `Trainer` with both brokers' endpoints); the end-to-end checker
 reads zero over every ledger and both brokers' dead letters, with node a's
@@ -40,10 +40,10 @@ from pathlib import Path
 
 import pytest
 
+from rollstream.app.harness import VOCAB, LoopbackNode, Pipeline, Trainer
 from rollstream.common.admin import AdminClient, AdminError
 from rollstream.common.checker import LedgerReader, check
 from rollstream.common.curve import KeyLayout
-from rollstream.common.demo import VOCAB, LoopbackNode, Pipeline, Trainer
 
 NET = "10.231.0"  # a /24 that exists only inside the namespaces this test creates
 ADDRESSES = {"a": f"{NET}.1", "b": f"{NET}.2", "t": f"{NET}.3"}

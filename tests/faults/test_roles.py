@@ -1,7 +1,7 @@
 """Cross-role faults (issue 14): real broker, producer and trainer processes
 on loopback, each run ending with the end-to-end checker at zero.
 
-Each scenario composes `rollstream.common.demo.Pipeline` (synthetic
+Each scenario composes `rollstream.app.harness.Pipeline` (synthetic
 producer daemons and a trainer of gloo ranks, all keeping ledgers) with
 the faults it injects: kills, stops, a black-holed network path.
 """
@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 
-from rollstream.common.demo import VOCAB, Chaos, LoopbackNode, Pipeline, inject_due
+from rollstream.app.harness import VOCAB, Chaos, LoopbackNode, Pipeline, inject_due
 
 FAST_BROKER = ("--heartbeat-interval", "0.5")  # consumers count as lost after 1.5 s of silence
 SHORT_TTL = ("--trajectory-ttl", "3")  # abandoned trajectories expire soon (longer than any cut or stop here)

@@ -27,7 +27,7 @@ from rollstream.common.wire import encode_turn
 
 
 def rollstream(*args: str) -> list[str]:
-    return [sys.executable, "-m", "rollstream.common.cli", *args]
+    return [sys.executable, "-m", "rollstream.app.cli", *args]
 
 
 class Processes:

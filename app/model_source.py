@@ -1,5 +1,6 @@
 """The `model` source: rollouts from a torch language model
-(`common.tiny_lm`). Each step's next-token logits go through the
+(`rollstream.app.tiny_lm`), registered with the producer daemon by the
+`rollstream` command (`rollstream.producer.sources`). Each step's next-token logits go through the
 producer's top-k/top-p/min-p sampler, so every sampled token comes with
 the support the sampler could have drawn it from and its log-prob under
 that truncated, renormalised distribution, as an engine reporting its
@@ -13,13 +14,14 @@ import os
 import numpy as np
 import torch
 
+from rollstream.common.errors import InvalidInput
 from rollstream.common.mask import SamplingMask
-from rollstream.common.tiny_lm import TinyLM, load_weights
+from rollstream.producer.client import AsyncProducer, AsyncTrajectoryHandle
+from rollstream.producer.sampler import Sampled, SamplingParams, sample
+from rollstream.producer.settings import ProducerSettings
+from rollstream.producer.source import ABORTED, ENDED, STOPPING, Job, SourceSettingsError, drive, jobs, retrieve, run_id
 
-from .client import AsyncProducer, AsyncTrajectoryHandle
-from .sampler import Sampled, SamplingParams, sample
-from .settings import ProducerSettings
-from .source import ABORTED, ENDED, STOPPING, Job, SourceSettingsError, drive, jobs, retrieve, run_id
+from .tiny_lm import TinyLM, load_weights
 
 log = logging.getLogger("rollstream.producer")
 
@@ -33,9 +35,9 @@ def generate(model: TinyLM, contexts: np.ndarray, steps: int, params: SamplingPa
     supports."""
     contexts = np.asarray(contexts)
     if contexts.ndim != 2 or contexts.shape[1] == 0:
-        raise ValueError(f"contexts must be [rows, length] with length >= 1, got shape {contexts.shape}")
+        raise InvalidInput(f"contexts must be [rows, length] with length >= 1, got shape {contexts.shape}")
     if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
+        raise InvalidInput(f"steps must be at least 1, got {steps}")
     sequence = torch.as_tensor(contexts, dtype=torch.int64)
     drawn = []
     for _ in range(steps):

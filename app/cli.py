@@ -1,42 +1,52 @@
-"""The `rollstream` command. Each component adds its subcommands here;
-heavy imports happen inside the commands so `--help` stays fast."""
-from __future__ import annotations
+"""The `rollstream` command: each role's subcommands, `keys` and `demo`.
 
-import importlib
+A subcommand imports its role only when it is invoked, so `rollstream
+broker` never imports torch (the consumer's) and `--help` stays fast.
+Importing this module registers the app's `model` source with the producer
+daemon (`rollstream.producer.sources`), so `rollstream producer --source
+model` runs it.
+"""
+from __future__ import annotations
 
 import click
 
-# Subcommands load their module only when invoked, so `rollstream broker`
-# never imports torch (the consumer's) and `--help` stays fast.
-COMMANDS = {
-    "broker": "rollstream.broker.cli:broker",
-    "status": "rollstream.broker.cli:status",
-    "requeue": "rollstream.broker.cli:requeue",
-    "salvage": "rollstream.broker.cli:salvage",
-    "producer": "rollstream.producer.cli:producer",
-    "consume": "rollstream.consumer.cli:consume",
-}
+from rollstream.producer.sources import SourceFactory, register_source
+
+ROLE_COMMANDS = ("broker", "consume", "producer", "requeue", "salvage", "status")
 
 
-# `demo --train` runs the consumer's training demo, loaded the same way.
-TRAIN_DEMO = "rollstream.consumer.train_demo:run_train_demo"
-TRAIN_DEMO_TABLE = "rollstream.consumer.train_demo:summary_table"
+def role_command(name: str) -> click.Command:
+    """Role command `name` (one of `ROLE_COMMANDS`), its role imported now."""
+    if name == "producer":
+        from rollstream.producer.cli import producer
+
+        return producer
+    if name == "consume":
+        from rollstream.consumer.cli import consume
+
+        return consume
+    from rollstream.broker.cli import broker, requeue, salvage, status
+
+    return {"broker": broker, "status": status, "requeue": requeue, "salvage": salvage}[name]
 
 
-def entry_point(spec: str):
-    """`module:attr` loaded on use: `common` names the roles' entry points
-    without importing them (the import contract in pyproject.toml)."""
-    module, _, attr = spec.partition(":")
-    return getattr(importlib.import_module(module), attr)
+def model_source() -> SourceFactory:
+    """The `model` source (torch), loaded when a producer daemon runs it."""
+    from .model_source import ModelSource
+
+    return ModelSource
+
+
+register_source("model", model_source)
 
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*super().list_commands(ctx), *COMMANDS])
+        return sorted([*super().list_commands(ctx), *ROLE_COMMANDS])
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name in COMMANDS:
-            return entry_point(COMMANDS[name])
+        if name in ROLE_COMMANDS:
+            return role_command(name)
         return super().get_command(ctx, name)
 
 
@@ -60,7 +70,7 @@ def generate_keys(out_dir: str, name: str) -> None:
     """Write a new CURVE key pair. Hand NAME.key to the other end (a client's
     into the broker's directory for its socket; the broker's to its
     clients as --curve-server-key); NAME.key_secret stays with NAME."""
-    from .curve import CurveError, fingerprint, generate, load_public_key
+    from rollstream.common.curve import CurveError, fingerprint, generate, load_public_key
 
     try:
         public_path, secret_path = generate(out_dir, name)
@@ -74,7 +84,7 @@ def generate_keys(out_dir: str, name: str) -> None:
 @click.argument("key_files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 def show_fingerprints(key_files: tuple[str, ...]) -> None:
     """Print each key file's fingerprint, as the broker's log names keys."""
-    from .curve import CurveError, fingerprint, load_public_key
+    from rollstream.common.curve import CurveError, fingerprint, load_public_key
 
     for path in key_files:
         try:
@@ -115,12 +125,14 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, **options) -> None:
     import json
 
     if train:
-        run_train_demo, summary_table = entry_point(TRAIN_DEMO), entry_point(TRAIN_DEMO_TABLE)
+        from .train_demo import run_train_demo
+        from .train_demo import summary_table as train_summary_table
+
         summary = run_train_demo(steps=steps, producers=options["producers"], group_size=options["group_size"],
                                  batch_groups=options["batch_size"], turns=options["turns"],
                                  plot=plot or None, keep_data=options["keep_data"],
                                  progress=(lambda line: None) if as_json else click.echo)
-        click.echo(json.dumps(summary) if as_json else summary_table(summary))
+        click.echo(json.dumps(summary) if as_json else train_summary_table(summary))
         return
     from rich.console import Console
 

@@ -1,14 +1,15 @@
-"""`rollstream demo`: the whole pipeline on loopback with embedded defaults,
-shown and checked end to end.
+"""The public harness for running a loopback pipeline in tests and demos.
 
-The broker and the producers run as real daemons (`rollstream broker`,
-`rollstream producer`) in subprocesses, exactly as on a node; the trainer
-is `--dp-size` rank processes (`rollstream.consumer.demo_rank`, gloo on the
-CPU). Producers and ranks keep ledgers, and the end-to-end checker
-(`checker.check`) joins them with the broker's dead letters: the run fails
-when anything acknowledged was lost, duplicated, cut short or changed.
-`--chaos` kills the broker, a producer and the trainer's source rank
-during the run and restarts each, as a crash and a supervisor would.
+A `LoopbackNode` is a broker on a fresh data directory with producer
+daemons beside it; a `Trainer` is a mock trainer of gloo rank processes
+(`rollstream.app.demo_rank`); a `Pipeline` is a node's synthetic producers
+and a trainer, all keeping ledgers, watched until drained and then judged
+by the end-to-end checker (`rollstream.common.checker`). `Chaos` and
+`inject_due` kill the broker, a producer and the trainer's source rank
+during a run and restart each, as a crash and a supervisor would. Every
+process is real and every address is loopback (or the `bind` a caller
+gives). `rollstream demo` and the fault suite (tests/faults/) compose their
+runs from these.
 """
 from __future__ import annotations
 
@@ -21,17 +22,23 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Sequence
+from typing import BinaryIO, Callable, Sequence
 
-from .admin import AdminClient, AdminError, ask_status
-from .checker import LedgerReader, check
+from rollstream.common.admin import AdminClient, AdminError, ask_status
+from rollstream.common.checker import LedgerReader, check
+from rollstream.common.errors import InternalError, TimedOut
 
-VOCAB = 151_936
-TOP_K = 20  # the synthetic producers' top-k (ProducerSettings.top_k): the padded layout's width
+VOCAB = 151_936  # the producers' default vocabulary size (ProducerSettings.vocab_size)
+
+
+class DaemonFailed(InternalError):
+    """A daemon or trainer rank the harness started exited with an error
+    (its output is in the node's daemons.log)."""
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "rollstream.common.cli", *args]
+    """The `rollstream` command line running `args`, as this interpreter runs it."""
+    return [sys.executable, "-m", "rollstream.app.cli", *args]
 
 
 class LoopbackNode:
@@ -140,7 +147,8 @@ class LoopbackNode:
             if daemon.poll() is None:
                 return False
             if daemon.returncode != 0 and index not in self._killed:
-                raise RuntimeError(f"a producer exited with {daemon.returncode}; see {self.work / 'daemons.log'}")
+                raise DaemonFailed(f"a producer not killed on purpose must exit with 0, got {daemon.returncode}; "
+                                   f"see {self.work / 'daemons.log'}")
         return True
 
     def finish_producers(self, *, stop: bool = False) -> None:
@@ -194,7 +202,7 @@ class Trainer:
         endpoint = self.endpoint or self.node.endpoints["consumer"]
         endpoints = [arg for one in ([endpoint] if isinstance(endpoint, str) else endpoint) for arg in ("--endpoint", one)]
         self.ranks = [subprocess.Popen(
-            [*self.command_prefix, sys.executable, "-m", "rollstream.consumer.demo_rank", "--rank", str(rank),
+            [*self.command_prefix, sys.executable, "-m", "rollstream.app.demo_rank", "--rank", str(rank),
              "--world", str(self.dp_size), "--init-file", str(init), *endpoints, "--batch-size", str(self.batch_size),
              "--vocab-size", str(self.node.vocab_size), "--ledger", str(self.ledgers / f"rank-{rank}.jsonl"),
              "--stop-file", str(self.stop_file),
@@ -206,8 +214,12 @@ class Trainer:
         """Until the broker counts the trainer's consumer (its ranks took a few seconds to start)."""
         deadline = time.monotonic() + timeout
         while (_status(self.node) or {}).get("consumers", 0) < 1:
-            if self.lost or time.monotonic() > deadline:
-                raise RuntimeError(f"the trainer did not connect within {timeout} s; see {self.node.work / 'daemons.log'}")
+            if self.lost:
+                raise DaemonFailed(f"every trainer rank must run until the trainer connects, got exit statuses "
+                                   f"{[rank.poll() for rank in self.ranks]}; see {self.node.work / 'daemons.log'}")
+            if time.monotonic() > deadline:
+                raise TimedOut(f"the trainer must connect within {timeout} s, the broker counts no consumer; "
+                               f"see {self.node.work / 'daemons.log'}")
             time.sleep(0.1)
 
     @property
@@ -241,7 +253,7 @@ class Trainer:
                 rank.kill()
                 rank.wait()
         if any(rank.returncode != 0 for rank in self.ranks):
-            raise RuntimeError(f"a trainer rank exited with {[r.returncode for r in self.ranks]}; "
+            raise DaemonFailed(f"every trainer rank must exit with 0, got {[r.returncode for r in self.ranks]}; "
                                f"see {self.node.work / 'daemons.log'}")
 
 
@@ -370,49 +382,10 @@ class Pipeline:
         return check(self.records, self.dead, broker_backlog=self.backlog)
 
 
-def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, group_size: int = 4, batch_size: int = 4,
-             abort_rate: float = 0.1, retry_rate: float = 0.1, dp_size: int = 2, chaos: bool = False, timeout: float = 180.0,
-             keep_data: bool = False, show: Callable[[Counts, list[str]], None] | None = None) -> dict[str, Any]:
-    """Run the pipeline until every acknowledged trajectory is committed or
-    dead-lettered (or `timeout` seconds pass); return the summary, the
-    checker's verdict in it. `show` is called with the progress a few
-    times a second."""
-    if trajectories % group_size:
-        raise ValueError(f"trajectories per producer must be a multiple of group_size (whole groups): "
-                         f"expected a multiple of {group_size}, got {trajectories}")
-    plan = producers * trajectories
-    faults = Chaos() if chaos else None
-    broker_args = ("--trajectory-ttl", "3", "--heartbeat-interval", "0.5") if chaos else ()
-    with LoopbackNode("rollstream-demo-", VOCAB, keep_data=keep_data, broker_args=broker_args) as node:
-        pipeline = Pipeline(node, dp_size=dp_size, batch_size=batch_size)
-        pipeline.trainer.start(die_before_commit=faults.trainer_kill_before_commit if faults else 0)
-        pipeline.trainer.wait_welcomed(timeout)
-        started = time.perf_counter()
-        for i in range(producers):
-            pipeline.add_producer(i, trajectories=trajectories, turns=turns, group_size=group_size,
-                                  abort_rate=abort_rate, retry_rate=retry_rate,
-                                  extra=("--rate", "12", "--heartbeat-interval", "0.5") if chaos else ())
-
-        def each() -> None:
-            if faults is not None:
-                inject_due(faults, pipeline, plan, group_size)
-            if show is not None:
-                show(pipeline.counts, faults.done if faults else [])
-
-        drained = pipeline.run(timeout, each)
-        seconds = time.perf_counter() - started
-        report = pipeline.finish()
-        if show is not None:
-            show(pipeline.counts, faults.done if faults else [])
-        work = node.work
-    return _summary(pipeline.records, report, pipeline.dead, seconds, drained=drained, faults=faults, dp_size=dp_size,
-                    retried=pipeline.counts.retried, kept=work if keep_data else None)
-
-
 class _BrokerCounters:
     """The broker's counters summed over its restarts (each restart starts them at 0)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.before: Counter = Counter()
         self.last: dict[str, int] = {}
 
@@ -458,103 +431,3 @@ def _planned(node: LoopbackNode, index: int) -> int:
     return int(args[args.index("--trajectories") + 1])
 
 
-def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return pick(0.5), pick(0.99)
-
-
-def _summary(records: list[dict], report, dead: list[dict], seconds: float, *, drained: bool, faults: Chaos | None,
-             dp_size: int, retried: int, kept: Path | None) -> dict[str, Any]:
-    committed: dict[str, dict] = {}
-    for record in records:
-        if record["kind"] == "committed":
-            committed.setdefault(record["id"], record)
-    sent_at = {r["id"]: r["at"] for r in records if r["kind"] == "sent"}
-    tokens = sum(r["tokens"] for r in committed.values())
-    ids = sum(r["support_ids"] for r in committed.values())
-    csr_bytes = 4 * ids + 8 * (tokens + len(committed))
-    ack_p50, ack_p99 = _percentiles([r["latency"] for r in records if r["kind"] == "acked" and r.get("latency") is not None])
-    e2e_p50, e2e_p99 = _percentiles([r["at"] - sent_at[tid] for tid, r in committed.items() if tid in sent_at])
-    return {
-        "trajectories": len(committed),
-        "tokens": tokens,
-        "seconds": round(seconds, 2),
-        "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0,
-        "dp_size": dp_size,
-        "replay_gaps": dict(Counter(r["gap"][1] for r in committed.values() if r.get("gap"))),
-        "retried": retried,
-        "dead_letters": dict(Counter(item.get("reason") or "unknown" for item in dead)),
-        "csr_bytes": csr_bytes,
-        "padded_bytes": 4 * TOP_K * tokens,
-        "ack_latency_p50_s": ack_p50,
-        "ack_latency_p99_s": ack_p99,
-        "e2e_latency_p50_s": e2e_p50,
-        "e2e_latency_p99_s": e2e_p99,
-        **report.summary(),
-        "drained": drained,
-        "faults_injected": len(faults.done) if faults else 0,
-        "faults": list(faults.done) if faults else [],
-        "ok": drained and report.ok(),
-        **({"data_kept_in": str(kept)} if kept else {}),
-    }
-
-
-# -- showing it ------------------------------------------------------------------
-STAGES = ("produced", "acked", "merged", "delivered", "committed")
-
-
-def live_progress(console, plan: int):
-    """A rich progress display of the five stages; returns it (a context
-    manager) and the `show` callback `run_demo` takes."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    bars = Progress(TextColumn("{task.description:>10}"), BarColumn(bar_width=32), MofNCompleteColumn(),
-                    TextColumn("{task.fields[note]}"), console=console, transient=False)
-    tasks = {stage: bars.add_task(stage, total=plan, note="") for stage in STAGES}
-
-    def show(counts: Counts, faults: list[str]) -> None:
-        for stage in STAGES:
-            value = getattr(counts, stage)
-            bars.update(tasks[stage], completed=min(value, plan), total=max(plan, value),
-                        note=f"faults: {', '.join(faults)}" if stage == "committed" and faults else "")
-
-    return bars, show
-
-
-def summary_table(summary: dict[str, Any]):
-    """The run's figures as a rich table."""
-    from rich.table import Table
-
-    def seconds(value) -> str:
-        return "-" if value is None else f"{value * 1000:.1f} ms"
-
-    table = Table(title="rollstream demo", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
-    rows = [
-        ("trajectories", f"{summary['trajectories']} committed of {summary['acked']} acked, "
-                         f"{summary['tokens']:,} response tokens, {summary['dp_size']} trainer ranks"),
-        ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['seconds']:.1f} s"),
-        ("replay gaps", ", ".join(f"{field} {n}" for field, n in summary["replay_gaps"].items()) or "none"),
-        ("dead letters", ", ".join(f"{reason} {n}" for reason, n in summary["dead_letters"].items()) or "none"),
-        ("supports (CSR)", f"{summary['csr_bytes'] / 1e6:.2f} MB, against {summary['padded_bytes'] / 1e6:.2f} MB "
-                           f"padded to \\[tokens, top_k={TOP_K}]"),
-        ("ack latency", f"p50 {seconds(summary['ack_latency_p50_s'])}, p99 {seconds(summary['ack_latency_p99_s'])}"),
-        ("end to end", f"p50 {seconds(summary['e2e_latency_p50_s'])}, p99 {seconds(summary['e2e_latency_p99_s'])} "
-                       "(end sent to batch committed)"),
-        ("retried", f"{summary['retried']} trajectories discarded after a turn (abort) and produced again"),
-        ("faults injected", ", ".join(summary["faults"]) or "none"),
-        ("redelivered", f"{summary['redelivered']} hand-outs again after a lost consumer"),
-        ("checker", "  ".join(f"{name} {summary[name]}" for name in ("lost", "duplicated", "partial", "corrupted", "unseen"))
-                    + ("" if summary["drained"] else "  (not drained before the timeout)")),
-    ]
-    if not summary["retried"]:
-        rows = [row for row in rows if row[0] != "retried"]
-    if "data_kept_in" in summary:
-        rows.append(("data kept in", summary["data_kept_in"]))
-    for name, value in rows:
-        table.add_row(name, value)
-    return table

@@ -1,5 +1,5 @@
 """One data-parallel rank of `rollstream demo`'s mock trainer, run as
-`python -m rollstream.consumer.demo_rank` (a process per rank, so nothing
+`python -m rollstream.app.demo_rank` (a process per rank, so nothing
 crosses between them but gloo's own messages).
 
 Rank 0 owns the `Consumer`; every rank takes its shard through
@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .batch import Batch
-from .client import Consumer, ConsumerClosed
-from .distributed import DistributedConsumer
-from .primitives import masked_log_probs
+from rollstream.consumer.batch import Batch
+from rollstream.consumer.client import Consumer, ConsumerClosed
+from rollstream.consumer.distributed import DistributedConsumer
+from rollstream.consumer.primitives import masked_log_probs
 
 
 def mock_step(shard: Batch, generator: torch.Generator) -> float:

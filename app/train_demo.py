@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rollstream.common.tiny_lm import TinyLM, TinyLMConfig, save_weights
+from rollstream.consumer.batch import Batch
+from rollstream.consumer.client import Consumer
+from rollstream.consumer.primitives import masked_log_probs
 
-from .batch import Batch
-from .primitives import masked_log_probs
+from .harness import LoopbackNode
+from .tiny_lm import TinyLM, TinyLMConfig, save_weights
 
 VOCAB = TinyLMConfig().vocab_size
 
@@ -170,10 +172,6 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                    plot: str | None = None, progress=print, keep_data: bool = False) -> dict:
     """Run the loop for `steps` batches; return the summary (and write the
     plot to `plot` when given). Raises if any stage fails."""
-    from rollstream.common.demo import LoopbackNode
-
-    from .client import Consumer
-
     torch.manual_seed(seed)
     torch.set_num_threads(1)  # a model this small gains nothing from a thread pool beside the daemons
     model = TinyLM(seed=seed)

@@ -7,7 +7,7 @@ enough to build and run on CPU in seconds. Weights are saved as
 safetensors (no pickle), with the configuration and a weight version in
 the file's metadata, so a producer can reload them when the file changes.
 
-torch is imported here; the broker never imports this module.
+torch is imported here: only the model's own producers and trainer load it.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from rollstream.common.errors import InvalidInput
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,9 @@ class TinyLMConfig:
     def __post_init__(self):
         for spec in fields(self):
             if getattr(self, spec.name) < 1:
-                raise ValueError(f"{spec.name} must be at least 1, got {getattr(self, spec.name)}")
+                raise InvalidInput(f"{spec.name} must be at least 1, got {getattr(self, spec.name)}")
         if self.d_model % self.heads:
-            raise ValueError(f"d_model must be a multiple of heads, got d_model={self.d_model}, heads={self.heads}")
+            raise InvalidInput(f"d_model must be a multiple of heads, got d_model={self.d_model}, heads={self.heads}")
 
 
 class _Block(nn.Module):
@@ -83,7 +85,7 @@ class TinyLM(nn.Module):
     def forward(self, tokens: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
         length = tokens.shape[-1]
         if length > self.config.max_len:
-            raise ValueError(f"a sequence may have at most max_len={self.config.max_len} tokens, got {length}")
+            raise InvalidInput(f"a sequence may have at most max_len={self.config.max_len} tokens, got {length}")
         positions = torch.arange(length, device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
@@ -111,7 +113,7 @@ def load_weights(path: str | os.PathLike) -> tuple[TinyLM, str]:
     missing = [f.name for f in fields(TinyLMConfig) if f.name not in metadata] + (
         [] if _VERSION_KEY in metadata else [_VERSION_KEY])
     if missing:
-        raise ValueError(f"{path} is not a TinyLM weights file: its metadata lacks {missing}")
+        raise InvalidInput(f"{path} is not a TinyLM weights file: its metadata lacks {missing}")
     model = TinyLM(TinyLMConfig(**{f.name: int(metadata[f.name]) for f in fields(TinyLMConfig)}))
     model.load_state_dict(load_file(str(path)))
     return model.eval(), metadata[_VERSION_KEY]

@@ -1,0 +1,166 @@
+"""`rollstream demo`: the whole pipeline on loopback with embedded defaults,
+shown and checked end to end.
+
+The broker and the producers run as real daemons (`rollstream broker`,
+`rollstream producer`) in subprocesses, exactly as on a node; the trainer
+is `--dp-size` rank processes (`rollstream.app.demo_rank`, gloo on the
+CPU), all started by the harness (`rollstream.app.harness`). Producers
+and ranks keep ledgers, and the end-to-end checker (`checker.check`) joins
+them with the broker's dead letters: the run fails when anything
+acknowledged was lost, duplicated, cut short or changed. `--chaos` kills
+the broker, a producer and the trainer's source rank during the run and
+restarts each, as a crash and a supervisor would.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+from rollstream.common.errors import InvalidInput
+
+from .harness import VOCAB, Chaos, Counts, LoopbackNode, Pipeline, inject_due
+
+TOP_K = 20  # the synthetic producers' top-k (ProducerSettings.top_k): the padded layout's width
+
+
+def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, group_size: int = 4, batch_size: int = 4,
+             abort_rate: float = 0.1, retry_rate: float = 0.1, dp_size: int = 2, chaos: bool = False, timeout: float = 180.0,
+             keep_data: bool = False, show: Callable[[Counts, list[str]], None] | None = None) -> dict[str, Any]:
+    """Run the pipeline until every acknowledged trajectory is committed or
+    dead-lettered (or `timeout` seconds pass); return the summary, the
+    checker's verdict in it. `show` is called with the progress a few
+    times a second."""
+    if trajectories % group_size:
+        raise InvalidInput(f"trajectories per producer must be a multiple of group_size (whole groups): "
+                         f"expected a multiple of {group_size}, got {trajectories}")
+    plan = producers * trajectories
+    faults = Chaos() if chaos else None
+    broker_args = ("--trajectory-ttl", "3", "--heartbeat-interval", "0.5") if chaos else ()
+    with LoopbackNode("rollstream-demo-", VOCAB, keep_data=keep_data, broker_args=broker_args) as node:
+        pipeline = Pipeline(node, dp_size=dp_size, batch_size=batch_size)
+        pipeline.trainer.start(die_before_commit=faults.trainer_kill_before_commit if faults else 0)
+        pipeline.trainer.wait_welcomed(timeout)
+        started = time.perf_counter()
+        for i in range(producers):
+            pipeline.add_producer(i, trajectories=trajectories, turns=turns, group_size=group_size,
+                                  abort_rate=abort_rate, retry_rate=retry_rate,
+                                  extra=("--rate", "12", "--heartbeat-interval", "0.5") if chaos else ())
+
+        def each() -> None:
+            if faults is not None:
+                inject_due(faults, pipeline, plan, group_size)
+            if show is not None:
+                show(pipeline.counts, faults.done if faults else [])
+
+        drained = pipeline.run(timeout, each)
+        seconds = time.perf_counter() - started
+        report = pipeline.finish()
+        if show is not None:
+            show(pipeline.counts, faults.done if faults else [])
+        work = node.work
+    return _summary(pipeline.records, report, pipeline.dead, seconds, drained=drained, faults=faults, dp_size=dp_size,
+                    retried=pipeline.counts.retried, kept=work if keep_data else None)
+
+
+def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return pick(0.5), pick(0.99)
+
+
+def _summary(records: list[dict], report, dead: list[dict], seconds: float, *, drained: bool, faults: Chaos | None,
+             dp_size: int, retried: int, kept: Path | None) -> dict[str, Any]:
+    committed: dict[str, dict] = {}
+    for record in records:
+        if record["kind"] == "committed":
+            committed.setdefault(record["id"], record)
+    sent_at = {r["id"]: r["at"] for r in records if r["kind"] == "sent"}
+    tokens = sum(r["tokens"] for r in committed.values())
+    ids = sum(r["support_ids"] for r in committed.values())
+    csr_bytes = 4 * ids + 8 * (tokens + len(committed))
+    ack_p50, ack_p99 = _percentiles([r["latency"] for r in records if r["kind"] == "acked" and r.get("latency") is not None])
+    e2e_p50, e2e_p99 = _percentiles([r["at"] - sent_at[tid] for tid, r in committed.items() if tid in sent_at])
+    return {
+        "trajectories": len(committed),
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0,
+        "dp_size": dp_size,
+        "replay_gaps": dict(Counter(r["gap"][1] for r in committed.values() if r.get("gap"))),
+        "retried": retried,
+        "dead_letters": dict(Counter(item.get("reason") or "unknown" for item in dead)),
+        "csr_bytes": csr_bytes,
+        "padded_bytes": 4 * TOP_K * tokens,
+        "ack_latency_p50_s": ack_p50,
+        "ack_latency_p99_s": ack_p99,
+        "e2e_latency_p50_s": e2e_p50,
+        "e2e_latency_p99_s": e2e_p99,
+        **report.summary(),
+        "drained": drained,
+        "faults_injected": len(faults.done) if faults else 0,
+        "faults": list(faults.done) if faults else [],
+        "ok": drained and report.ok(),
+        **({"data_kept_in": str(kept)} if kept else {}),
+    }
+
+
+# -- showing it ------------------------------------------------------------------
+STAGES = ("produced", "acked", "merged", "delivered", "committed")
+
+
+def live_progress(console, plan: int):
+    """A rich progress display of the five stages; returns it (a context
+    manager) and the `show` callback `run_demo` takes."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    bars = Progress(TextColumn("{task.description:>10}"), BarColumn(bar_width=32), MofNCompleteColumn(),
+                    TextColumn("{task.fields[note]}"), console=console, transient=False)
+    tasks = {stage: bars.add_task(stage, total=plan, note="") for stage in STAGES}
+
+    def show(counts: Counts, faults: list[str]) -> None:
+        for stage in STAGES:
+            value = getattr(counts, stage)
+            bars.update(tasks[stage], completed=min(value, plan), total=max(plan, value),
+                        note=f"faults: {', '.join(faults)}" if stage == "committed" and faults else "")
+
+    return bars, show
+
+
+def summary_table(summary: dict[str, Any]):
+    """The run's figures as a rich table."""
+    from rich.table import Table
+
+    def seconds(value) -> str:
+        return "-" if value is None else f"{value * 1000:.1f} ms"
+
+    table = Table(title="rollstream demo", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("trajectories", f"{summary['trajectories']} committed of {summary['acked']} acked, "
+                         f"{summary['tokens']:,} response tokens, {summary['dp_size']} trainer ranks"),
+        ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['seconds']:.1f} s"),
+        ("replay gaps", ", ".join(f"{field} {n}" for field, n in summary["replay_gaps"].items()) or "none"),
+        ("dead letters", ", ".join(f"{reason} {n}" for reason, n in summary["dead_letters"].items()) or "none"),
+        ("supports (CSR)", f"{summary['csr_bytes'] / 1e6:.2f} MB, against {summary['padded_bytes'] / 1e6:.2f} MB "
+                           f"padded to \\[tokens, top_k={TOP_K}]"),
+        ("ack latency", f"p50 {seconds(summary['ack_latency_p50_s'])}, p99 {seconds(summary['ack_latency_p99_s'])}"),
+        ("end to end", f"p50 {seconds(summary['e2e_latency_p50_s'])}, p99 {seconds(summary['e2e_latency_p99_s'])} "
+                       "(end sent to batch committed)"),
+        ("retried", f"{summary['retried']} trajectories discarded after a turn (abort) and produced again"),
+        ("faults injected", ", ".join(summary["faults"]) or "none"),
+        ("redelivered", f"{summary['redelivered']} hand-outs again after a lost consumer"),
+        ("checker", "  ".join(f"{name} {summary[name]}" for name in ("lost", "duplicated", "partial", "corrupted", "unseen"))
+                    + ("" if summary["drained"] else "  (not drained before the timeout)")),
+    ]
+    if not summary["retried"]:
+        rows = [row for row in rows if row[0] != "retried"]
+    if "data_kept_in" in summary:
+        rows.append(("data kept in", summary["data_kept_in"]))
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
