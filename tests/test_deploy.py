@@ -20,7 +20,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from rollstream.common.cli import main
+from rollstream.app.cli import main
 from rollstream.common.config import parse_bytes
 from rollstream.common.curve import KeyLayout
 
@@ -388,9 +388,12 @@ def test_container_runs_as_a_numeric_non_root_user_and_copies_what_exists():
     user = image["USER"][-1].split(":")[0]
     assert user.isdigit() and int(user) != 0, f"the last USER must be a numeric non-root uid, got {user!r}"
     assert image["ENTRYPOINT"] == ["rollstream"], image["ENTRYPOINT"]
-    for copy in image["COPY"]:
-        for source in copy.split()[:-1]:
-            assert (ROOT / source).exists(), f"COPY {source}: no such path in the repository"
+    copied = {source for copy in image["COPY"] for source in copy.split()[:-1]}
+    for source in copied:
+        assert (ROOT / source).exists(), f"COPY {source}: no such path in the repository"
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    missing = set(package_dirs.values()) - copied
+    assert not missing, f"the image must copy every package folder of pyproject.toml, missing {sorted(missing)}"
 
 
 def test_systemd_units_verify(tmp_path):
