@@ -63,8 +63,8 @@ def keep_freed_memory(mmap_threshold: int = 64 << 20) -> bool:
     """Ask glibc's malloc to serve blocks up to `mmap_threshold` from its
     heap and to keep freed memory there. The broker allocates and frees
     batch-sized (~1 MB) arrays many times a second; by default each is a
-    fresh mmap whose pages fault in one by one, which cost about a third of
-    the content check. False where the C library is not glibc."""
+    fresh mmap whose pages fault in one by one, a large share of the
+    content check (docs/performance.md). False where the C library is not glibc."""
     import ctypes
     import ctypes.util
 
@@ -82,8 +82,8 @@ def settle_garbage_collector(young_threshold: int = 10_000) -> None:
     of the cyclic collector's reach, and collect the young generation less
     often. The broker allocates several containers per frame, nearly all
     freed by reference counting, so the default thresholds ran full
-    collections over every start-up object a few times a second: 8-10% of
-    the main thread at 5,000 frames/s (bench/broker_throughput.py)."""
+    collections over every start-up object a few times a second, a
+    measurable share of the main thread (docs/performance.md)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(young_threshold, *gc.get_threshold()[1:])

@@ -37,12 +37,10 @@ OPEN, ENDED, DEAD, LEFT = State.OPEN, State.ENDED, State.DEAD, State.LEFT
 STATES = tuple(State)
 
 # What a trajectory held in memory costs beyond its arrays' bytes, so that
-# `bytes_in_memory` (the budget's measure) follows the process's RSS.
-# Measured with 256-token turns received over TCP and merged: about 3 KiB
-# more RSS than array bytes per merged turn when its frames were copied out
-# of the receive buffers, 5 KiB when one frame was held zero-copy (the
-# message, turn and array objects; the allocator's slack); about 1 KiB per
-# trajectory (its entry, buffers and outcome list).
+# `bytes_in_memory` (the budget's measure) follows the process's RSS: per
+# merged turn, the message, turn and array objects and the allocator's slack
+# (more when a frame is held zero-copy); per trajectory, its entry, buffers
+# and outcome list. Set from measured RSS (docs/performance.md).
 TRAJECTORY_OVERHEAD_BYTES = 2048
 TURN_OVERHEAD_BYTES = 4096
 
@@ -67,8 +65,8 @@ class OpenTrajectory:
 class PutTurn(NamedTuple):
     """A consumed turn: its outcome, and `message` when it was applied or
     else its digest (an applied turn's record is its digest's source). (A
-    named tuple: one is made per frame, three times cheaper than a frozen
-    dataclass.)"""
+    named tuple: one is made per frame, and it is cheaper to make than a
+    frozen dataclass.)"""
 
     trajectory_id: str
     turn: int

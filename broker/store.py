@@ -2,9 +2,9 @@
 append-only segment files (`rollstream.common.segments`: a magic, length and
 CRC-32 per record).
 
-Why two places: on this class of machine SQLite commits about 10k 25 KB blobs
-per second in batches, while a plain file takes about 30k such appends per
-second; trajectory state rows are small and want SQLite's transactions. A
+Why two places: appending turn payloads to a plain file is much cheaper
+than committing them to SQLite as blobs (docs/performance.md); trajectory
+state rows are small and want SQLite's transactions. A
 batch is written segment-first, then the SQLite transaction that refers to it
 commits, so a crash between the two leaves only an unreferenced tail, which
 start-up cuts off. `sync="full"` adds an fdatasync of the segment and

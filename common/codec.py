@@ -24,7 +24,7 @@ from .messages import CRC32, MessageSpec, Schema
 from .validation import RULE_ALIGNED, check_message_arrays
 
 _crc32_combine: Callable[[int, int, int], int] | None
-try:  # the same CRC-32 as zlib's, several times faster where ISA-L is available
+try:  # the same CRC-32 as zlib's, faster where ISA-L is available (docs/performance.md)
     from isal.isal_zlib import crc32 as _crc32_update
     from isal.isal_zlib import crc32_combine as _crc32_combine
 except ImportError:  # pragma: no cover - platforms without an isal wheel
@@ -33,8 +33,9 @@ except ImportError:  # pragma: no cover - platforms without an isal wheel
 
 
 class _Packers(threading.local):
-    """A msgpack Packer per thread, reused for every header: about half the
-    cost of `packb`, which builds a Packer per call."""
+    """A msgpack Packer per thread, reused for every header: `packb` builds
+    a Packer per call, a cost a small header does not amortise
+    (docs/performance.md)."""
 
     def __init__(self):
         self.pack = msgpack.Packer(use_bin_type=True).pack
@@ -729,8 +730,9 @@ def content_digest(message: Message, *, ignore: tuple[str, ...] = ("seq",)) -> b
 
     XXH3-128 over a canonical encoding of the header and then the array
     bytes: a non-cryptographic hash (nothing adversarial is at stake, a
-    resend is compared with its own producer's earlier frame) at several
-    GB/s, so the broker pays about a microsecond per 25 KB turn."""
+    resend is compared with its own producer's earlier frame), fast enough
+    to be negligible beside the rest of a turn's handling
+    (docs/performance.md)."""
     fields = sorted(item for item in message.fields.items() if item[0] not in ignore)  # names are unique
     for _, value in fields:
         if isinstance(value, (dict, list)):

@@ -66,7 +66,7 @@ def dealer(context: zmq.Context, endpoint: str, identity: bytes | None = None, *
 # default ZMQ_IN_BATCH_SIZE) and larger ones into buffers of their own. A
 # small frame held zero-copy therefore keeps a whole shared buffer alive:
 # the broker holds turns for as long as their trajectory is open, and held
-# that way they cost about twice their size in memory.
+# that way each would cost its buffer, not its own size, in memory.
 SHARED_RECEIVE_BUFFER_BYTES = 8192
 
 
@@ -74,9 +74,9 @@ def recv_routed(sock: zmq.Socket, flags: int = zmq.NOBLOCK, users: dict[bytes, s
     """One message from a ROUTER: the sender's identity as bytes, then each
     frame: as a zero-copy memoryview when it has a receive buffer of its own
     (larger than `SHARED_RECEIVE_BUFFER_BYTES`), else copied out as bytes,
-    so keeping it keeps only its own bytes. About half the cost of
+    so keeping it keeps only its own bytes. Cheaper than
     `recv_multipart()` per message: no socket-option call per part (each
-    zmq.Frame says whether more follow). With `users` (a CURVE socket),
+    zmq.Frame says whether more follow; docs/performance.md). With `users` (a CURVE socket),
     records the sender's `User-Id` (what authentication named its
     connection) under its identity."""
     frame = sock.recv(flags, copy=False)
@@ -93,7 +93,7 @@ def recv_routed(sock: zmq.Socket, flags: int = zmq.NOBLOCK, users: dict[bytes, s
 def send_frames(sock: zmq.Socket, frames: list, *, identity: bytes | None = None,
                 zero_copy_above: int | None = None) -> None:
     """Send one message without blocking, part by part through the compiled
-    send: about half the cost of `send_multipart` per part. Parts are copied
+    send, cheaper per part than `send_multipart` (docs/performance.md). Parts are copied
     into ZeroMQ, except those larger than `zero_copy_above` bytes, which are
     handed over by reference (the caller keeps them unchanged until sent).
     Raises `zmq.Again` when the queue is full (only ever at the first part:

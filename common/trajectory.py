@@ -98,9 +98,9 @@ class Turn(NamedTuple):
     """One engine call's output. Construct from untrusted data with
     `Turn.build`, which coerces and checks; the plain constructor trusts its
     arrays (contract dtypes, aligned, checked). Immutable: a named tuple,
-    which costs a third of a frozen dataclass to make (the producer and the
-    broker make one per frame); two turns are equal only when they are the
-    same turn."""
+    cheaper to make than a frozen dataclass (the producer and the broker
+    make one per frame; docs/performance.md); two turns are equal only when
+    they are the same turn."""
 
     tokens: np.ndarray
     log_probs: np.ndarray

@@ -7,8 +7,9 @@ handful of failing positions ever come back to the host.
 
 The costliest check, each sampled token inside its support, compares every
 id with its token: a repeat and a segment reduction with numpy alone, or,
-where torch is loaded, two prefix sums (torch's are several times faster
-than numpy's; on the host they run on numpy buffers the thread reuses).
+where torch is loaded, two prefix sums (torch's are faster than numpy's,
+docs/performance.md; on the host they run on numpy buffers the thread
+reuses).
 
 A packed batch is `S` samples laid end to end: `tokens` holds every sample's
 response tokens, `response_lengths` says how many belong to each, and the mask
@@ -58,8 +59,8 @@ class _NumpyOps:
     @staticmethod
     def scratch(name: str, n: int, dtype: str):
         """`n` items of a buffer this thread reuses on every call asking for
-        `name`: a fresh large array is fresh pages, and faulting them in cost
-        ~4 ms per 300k-token batch here, a third of the whole validation.
+        `name`: a fresh large array is fresh pages, and faulting them in was a
+        large share of the whole validation (docs/performance.md).
         The contents are undefined and the next call with `name` overwrites
         them, so a scratch buffer never leaves the function that took it."""
         buffers = _SCRATCH.__dict__
@@ -107,7 +108,7 @@ class _NumpyOps:
     def segment_any(cls, flags, offsets):
         """Per CSR segment, whether any flag is set. Short segments (top-k
         supports): the running count of set flags grows across the segment
-        (a prefix sum read at the offsets, two to three times cheaper than
+        (a prefix sum read at the offsets, cheaper than
         `logical_or.reduceat`, whose cost is per segment). Long ones (top-p
         supports of thousands of ids): `logical_or.reduceat`, which then
         costs next to nothing, over the non-empty segments (it would read
@@ -299,13 +300,13 @@ def inside_support(tokens, ids, offsets, sizes=None):
     if type(ids) is np.ndarray and type(tokens) is np.ndarray and _equal_and_long(sizes, offsets, len(ids)):
         # Every support equally long (top-k, a fixed top-p cut): the ids as a
         # (tokens, size) matrix against the tokens as a column, with no
-        # spread copy of the tokens (about a third cheaper, and far less
-        # memory traffic on 4,096-id supports).
+        # spread copy of the tokens (cheaper, and far less memory traffic on
+        # 4,096-id supports).
         return np.logical_or.reduce(np.equal(ids.reshape(len(sizes), -1), tokens[:, None]), axis=1)
     if not ops.fast_running_sum():
         return ops.segment_any(ids == ops.repeat(tokens, sizes), offsets)
     hits = ops.equal(ids, _spread(ops, tokens, sizes, offsets, len(ids)), "hits")
-    # Hits counted in uint8 (several times faster than int64 on the CPU) when
+    # Hits counted in uint8 (a faster prefix sum than int64's on the CPU) when
     # no support has 256 ids, so each support's count modulo 256 stays exact.
     longest = int(sizes.max()) if len(sizes) else 0
     running = ops.gather(ops.running_sum(hits, "uint8" if longest < 256 else "int64", "hit counts"), offsets)
