@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import socket
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,29 +23,15 @@ from rollstream.common.codec import Message, decode, split_batch
 from rollstream.common.errors import ProtocolError, RemoteProtocolError
 from rollstream.common.messages import ADMIN_REQUESTS, BATCHABLE_TYPES, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
 from rollstream.common.sockets import recv_routed, router, send_frames
-from rollstream.common.trajectory import Trajectory
 from rollstream.common.validation import check_message_arrays, messages_content_valid
 
-from .core import (
-    BrokerCore,
-    Checkpoint,
-    Commit,
-    MeasureDisk,
-    Probe,
-    PruneDedup,
-    ReadBack,
-    ReadDigests,
-    Received,
-    Reload,
-    Send,
-    ServeConsumers,
-    Steps,
-)
+from .core import BrokerCore, Received, Send, ServeConsumers, Steps
 from .curve import CurveGuard
 from .metrics import BrokerMetrics
-from .recovery import Rebuilt, load_trajectory, rebuild
+from .recovery import rebuild
 from .settings import BrokerSettings
-from .store import Store, StoreError
+from .store import Store
+from .store_io import StoreIO, free_space
 
 log = logging.getLogger("rollstream.broker")
 
@@ -88,10 +73,8 @@ class BrokerService:
         self.endpoints: dict[str, str] = {}  # by socket name, as bound (a port 0 resolved)
         self._metrics_server = None
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="rollstream-checker")  # see CHECK_AHEAD_FROM_BYTES
-        self._performers = {Commit: self._commit, Send: self._send, ReadDigests: self._read_digests,
-                            ReadBack: self._read_back, Reload: self._reload, Probe: self._probe,
-                            PruneDedup: self._prune_dedup, MeasureDisk: self._measure_disk,
-                            Checkpoint: self._checkpoint, ServeConsumers: self._serve_waiting_consumers}
+        self._performers = {**StoreIO(self.store, settings.data_dir, self.metrics).performers, Send: self._send,
+                            ServeConsumers: self._serve_waiting_consumers}
 
     def _disk_reserve(self) -> int:
         """Free space the broker keeps for ends and consumer acks: the
@@ -103,15 +86,11 @@ class BrokerService:
         fs = os.statvfs(self.settings.data_dir)
         return min(1 << 30, fs.f_blocks * fs.f_frsize // 20)
 
-    def _free_space(self) -> int:
-        fs = os.statvfs(self.settings.data_dir)
-        return fs.f_bavail * fs.f_frsize
-
     # -- life cycle ---------------------------------------------------------
     def start(self) -> None:
         """Open and check the store, restore state, bind the sockets."""
         recovered = self.store.open()
-        self.core.restore(rebuild(recovered, self.store), self.store.bytes_on_disk(), self._free_space())
+        self.core.restore(rebuild(recovered, self.store), self.store.bytes_on_disk(), free_space(self.settings.data_dir))
         s = self.settings
         options = dict(high_water_mark=s.high_water_mark, heartbeat_interval=s.heartbeat_interval,
                        max_message_bytes=s.max_message_bytes)
@@ -237,7 +216,7 @@ class BrokerService:
         by one), decode and check them, and hand them to the core."""
         core, received, checks = self.core, [], {}
         batch_bytes = 0
-        core.measured_free(self._free_space())  # one statvfs a batch; its frames are counted off it as they come
+        core.measured_free(free_space(self.settings.data_dir))  # one statvfs a batch; its frames are counted off it as they come
         while core.takes_more(len(received), batch_bytes):
             try:
                 frames = self._receive("producer", now)
@@ -340,18 +319,6 @@ class BrokerService:
             self._serve_consumers(request.now)
 
     # -- performing what the core asks --------------------------------------------
-    def _commit(self, request: Commit) -> StoreError | None:
-        store = self.store
-        if not request.effects and not store.writing_ahead:
-            return None
-        started = time.perf_counter()
-        try:
-            store.commit(request.effects)
-        except StoreError as exc:
-            return exc
-        self.metrics.commit_seconds.observe(time.perf_counter() - started)
-        return None
-
     def _send(self, request: Send) -> bool:
         """Send without blocking; False when the peer is gone or not reading.
         Frames up to `ZERO_COPY_SEND_ABOVE` are copied: a zero-copy send
@@ -368,43 +335,3 @@ class BrokerService:
             if name == "producer" and exc.errno == zmq.EHOSTUNREACH:
                 self.core.producer_gone(identity)
             return False
-
-    def _read_digests(self, request: ReadDigests) -> dict[tuple[str, int], bytes | StoreError]:
-        read: dict[tuple[str, int], bytes | StoreError] = {}
-        for trajectory_id, turn in request.keys:
-            try:
-                read[(trajectory_id, turn)] = self.store.turn_digest(trajectory_id, turn)
-            except StoreError as exc:
-                read[(trajectory_id, turn)] = exc
-        return read
-
-    def _read_back(self, request: ReadBack) -> Trajectory | StoreError:
-        try:
-            return load_trajectory(self.store, self.store.load_one(request.trajectory_id))
-        except StoreError as exc:
-            return exc
-
-    def _reload(self, _request: Reload) -> Rebuilt:
-        return rebuild(self.store.reload(), self.store)
-
-    def _probe(self, _request: Probe) -> bool:
-        try:
-            self.store.probe()
-        except StoreError:
-            return False
-        return True
-
-    def _prune_dedup(self, request: PruneDedup) -> None:
-        try:
-            self.store.prune_dedup(request.wall)
-        except StoreError as exc:  # a failed prune only delays pruning
-            log.warning("dedup prune failed", extra={"error": str(exc)})
-
-    def _measure_disk(self, _request: MeasureDisk) -> tuple[int, int]:
-        return self.store.bytes_on_disk(), self._free_space()
-
-    def _checkpoint(self, _request: Checkpoint) -> None:
-        try:
-            self.store.checkpoint()
-        except StoreError as exc:  # a failed checkpoint only leaves the WAL larger
-            log.warning("WAL checkpoint failed", extra={"error": str(exc)})

@@ -1,22 +1,37 @@
-"""The merge engine, the dispatcher and the consumer's assembler driven
-together by Hypothesis: random producer frames, credit, acks, nacks, lease
-expiries, consumer losses and read-back failures, with the glue the broker
-service puts between them (effects committed at once, ready units queued,
-settlements applied). After every step: credit in use never exceeds the
-credit granted, a group is delivered whole or not at all, every ended
-trajectory is acked, dead-lettered, queued, leased or waiting for its group
-(exactly one), and no trajectory is delivered more than `max_deliveries`
-times."""
+"""The whole broker, `BrokerCore`, driven by Hypothesis on a real store and
+with the consumer's own protocol core (`Sessions` over an `Assembler`) on
+the other side: random producer frames, consumer credit, acks, nacks and
+releases, lease expiries, consumers going silent, trajectories expiring,
+commits that fail and reads back that fail. Nothing stands between the two
+cores but encoding and decoding: what the core yields is performed by the
+broker's own store side (`StoreIO`) or handed to the consumer as bytes.
+
+After every step: credit in use never exceeds the credit granted, a lease is
+out only for a delivery that went out, a group is delivered whole or not at all, every ended trajectory is acked,
+dead-lettered, queued, leased or waiting for its group (exactly one), and no
+trajectory is delivered more than `max_deliveries` times."""
+import shutil
+import tempfile
+
 from broker_helpers import abort_msg, end_msg, turn_msg
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from rollstream.broker.dispatch import Dispatcher, DispatchSettings
-from rollstream.broker.engine import DEAD, ENDED, EngineSettings, MergeEngine
+from rollstream.broker.core import PROBE_EVERY, BrokerCore, Commit, ReadBack, Send, ServeConsumers
+from rollstream.broker.engine import DEAD, ENDED
+from rollstream.broker.metrics import BrokerMetrics
+from rollstream.broker.recovery import rebuild
+from rollstream.broker.settings import BrokerSettings
+from rollstream.broker.store import Store, StoreUnavailable
+from rollstream.broker.store_io import StoreIO
+from rollstream.common.clock import Clock
+from rollstream.common.codec import decode, decode_header, encode
+from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER
 from rollstream.consumer.assembly import Assembler
+from rollstream.consumer.session import Sessions
 
-ME = b"consumer"
+PRODUCER, CONSUMER = b"producer", b"consumer"
 LEASE_TIMEOUT, HEARTBEAT, MAX_DELIVERIES = 10.0, 1.0, 3
 GROUPS = {"A": ("a0", "a1"), "B": ("b0", "b1", "b2")}
 SINGLES = ("s0",)
@@ -24,68 +39,100 @@ GROUP_OF = {tid: (gid, len(members)) for gid, members in GROUPS.items() for tid 
 TRAJECTORIES = (*SINGLES, *GROUP_OF)
 
 
-class Pipeline(RuleBasedStateMachine):
-    @initialize()
-    def start(self):
-        self.now = 0.0
-        self.engine = MergeEngine(EngineSettings(trajectory_ttl=50.0, dedup_window=1e12))
-        self.dispatcher = Dispatcher(DispatchSettings(LEASE_TIMEOUT, HEARTBEAT, MAX_DELIVERIES))
+class Broker(RuleBasedStateMachine):
+    @initialize(memory=st.sampled_from([1 << 30, 1]))
+    def start(self, memory):
+        """A broker on a fresh store; with a budget of one byte, every
+        trajectory not out on a lease is evicted and read back to deliver."""
+        self.directory = tempfile.mkdtemp(prefix="rollstream-sm-")
+        broker_settings = BrokerSettings(data_dir=self.directory, lease_timeout=LEASE_TIMEOUT,
+                                         heartbeat_interval=HEARTBEAT, max_deliveries=MAX_DELIVERIES,
+                                         trajectory_ttl=50.0, dedup_window=1e12, max_memory_bytes=memory)
+        metrics = BrokerMetrics()
+        self.store = Store(self.directory)
+        self.store_io = StoreIO(self.store, self.directory, metrics)
+        self.core = BrokerCore(broker_settings, "sm", metrics, disk_reserve=0)
+        self.core.restore(rebuild(self.store.open(), self.store), 0, 1 << 40)
         self.assembler = Assembler(1, batch_size=1, unit="group", prefetch=3)
+        self.sessions = Sessions(self.assembler, ["inproc://broker"], consumer_id="c", hello_timeout=5.0)
+        self.now = 1000.0
         self.turns = dict.fromkeys(TRAJECTORIES, 0)  # turns each producer has applied
         self.ended: set[str] = set()
-        self.acked: set[str] = set()
-        self.connected = False
-        self.granted = 0  # group credit granted in this session
-        self.charged = 0  # units delivered under it, and not retracted
+        self.granted = 0  # group credit the consumer granted since its last hello
+        self.charged = 0  # units the broker delivered to it under that credit
+        self.sent_leases: set[str] = set()  # leases whose delivery reached the consumer
 
-    # -- glue (what broker/service.py does between the cores) ---------------
-    def _queue_ready(self):
-        for unit in self.engine.ready_units:
-            self.dispatcher.enqueue(unit)
-        self.engine.ready_units.clear()
+    def teardown(self):
+        self.store.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
-    def _dead_letter(self, tids, reason):
-        for tid in tids:
-            self.engine.dead_letter(tid, reason, self.now)
-            self.dispatcher.forget(tid)
-        self._queue_ready()
+    # -- running the core: what it yields, performed ---------------------------
+    def _run(self, steps, *, fail_commit=False, fail_read=False):
+        """Perform every request of one core input: the store side by the
+        broker's own `StoreIO` (but the first commit fails with
+        `fail_commit`, the first read back with `fail_read`), sends to the
+        producer read back as replies, sends to the consumer handed to its
+        sessions. Returns the producer's replies."""
+        replies, answer, units = [], None, set()
+        try:
+            while True:
+                request = steps.send(answer)
+                if isinstance(request, Commit) and fail_commit:
+                    fail_commit = False
+                    answer = StoreUnavailable("the disk went away (injected)")
+                elif isinstance(request, ReadBack) and fail_read:
+                    fail_read = False
+                    answer = StoreUnavailable("a read failed (injected)")
+                elif isinstance(request, Send):
+                    answer = True
+                    if request.socket == "producer":
+                        replies.append(decode(request.frames, BROKER_TO_PRODUCER))
+                    else:
+                        lease = decode_header(request.frames[0]).get("lease")
+                        if lease is not None:  # a delivery: one charge per unit it belongs to
+                            units.add(id(self.core.dispatcher.leases[lease].unit))
+                            self.sent_leases.add(lease)
+                        self.sessions.received(0, decode(request.frames, BROKER_TO_CONSUMER), self.now)
+                elif isinstance(request, ServeConsumers):
+                    answer = None
+                else:
+                    answer = self.store_io.performers[type(request)](request)
+        except StopIteration:
+            pass
+        self.charged += len(units)
+        return replies
 
-    def _flush_outbox(self):
-        for out in self.assembler.take_outbox():
-            if out.type == "credit":
-                continue
-            leases = out.fields["leases"]
-            known = [lease for lease in leases if lease in self.dispatcher.leases]
-            stale = [lease for lease in leases if lease not in known]
-            settled, _ = self.dispatcher.settle(known)
-            tids = [lease.trajectory_id for lease in settled]
-            if out.type == "ack":
-                for tid in tids:
-                    self.engine.delivered(tid, self.now)
-                    self.dispatcher.forget(tid)
-                self.acked.update(tids)
-            elif out.fields["requeue"]:
-                self._dead_letter(self.dispatcher.requeue(settled), "max_deliveries")
-            else:
-                self._dead_letter(tids, out.fields["reason"])
-            self.assembler.settled(0, known)
-            self.assembler.settled(0, stale, stale=True)
+    @property
+    def clock(self):
+        return Clock(self.now, self.now)
 
-    def _grant(self):
-        for _, n in self.assembler.credit_grants().items():
-            self.dispatcher.credit(ME, n, "group")
-            self.granted += n
+    def _produce(self, message, store_fails=False):
+        replies = self._run(self.core.producer_batch([(PRODUCER, message, None)], self.clock), fail_commit=store_fails)
+        acks = [reply for reply in replies if reply.type in ("ack", "acks")]
+        return acks[0] if acks and acks[0].type == "ack" else None
+
+    def _consumer_speaks(self, store_fails=False, read_back_fails=False):
+        """The consumer sends what its sessions say is due (hello, heartbeat,
+        credit, settlements), and the broker delivers what it may."""
+        received = []
+        for _, kind, fields in self.sessions.due(self.now, closing=False):
+            if kind == "hello":
+                self.granted = self.charged = 0
+            elif kind == "credit":
+                self.granted += fields["n"]
+            received.append((CONSUMER, decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER), None))
+        self._run(self.core.consumer_batch(received, self.clock), fail_commit=store_fails)
+        self._run(self.core.deliver(self.clock), fail_read=read_back_fails)
 
     # -- producers ------------------------------------------------------------
-    @rule(tid=st.sampled_from(TRAJECTORIES), tokens=st.integers(1, 3))
-    def turn(self, tid, tokens):
+    @rule(tid=st.sampled_from(TRAJECTORIES), tokens=st.integers(1, 3), store_fails=st.booleans())
+    def turn(self, tid, tokens, store_fails=False):
         index = self.turns[tid]
         ids = list(range(10, 10 + tokens))
         message = turn_msg(tid, index, ids, [[t] for t in ids], group=GROUP_OF.get(tid), seq=index)
-        reply = self.engine.handle(message, self.now)
-        if reply.error is None and reply.fields.get("applied") and not reply.fields.get("duplicate"):
+        ack = self._produce(message, store_fails)
+        if ack is not None and ack["applied"] and not ack.get("duplicate"):
             self.turns[tid] += 1
-        self._queue_ready()
 
     @rule(group=st.sampled_from(sorted(GROUPS)))
     def group_finishes(self, group):
@@ -95,60 +142,26 @@ class Pipeline(RuleBasedStateMachine):
             self.turn(tid, 1)
             self.end(tid)
 
-    @rule(tid=st.sampled_from(TRAJECTORIES))
-    def end(self, tid):
-        reply = self.engine.handle(end_msg(tid, reward=1.0), self.now)
-        if reply.error is None and not reply.fields.get("duplicate") and reply.fields["applied"]:
+    @rule(tid=st.sampled_from(TRAJECTORIES), store_fails=st.booleans())
+    def end(self, tid, store_fails=False):
+        ack = self._produce(end_msg(tid, reward=1.0), store_fails)
+        if ack is not None and ack["applied"] and not ack.get("duplicate"):
             self.ended.add(tid)
-        self._queue_ready()
 
     @rule(tid=st.sampled_from(TRAJECTORIES))
     def abort(self, tid):
-        reply = self.engine.handle(abort_msg(tid), self.now)
-        if reply.error is None and reply.fields["applied"]:
+        ack = self._produce(abort_msg(tid))
+        if ack is not None and ack["applied"]:
             self.turns[tid] = 0
-        self._queue_ready()
-
-    @rule()
-    def trajectories_expire(self):
-        self.now += 60.0
-        if self.connected:
-            self.dispatcher.seen(ME, self.now)
-        self.engine.expire(self.now)
-        self._queue_ready()
 
     # -- the consumer -----------------------------------------------------------
-    @rule()
-    def hello(self):
-        self._dead_letter(self.dispatcher.hello(ME, "c", self.now), "max_deliveries")
-        self.assembler.welcomed(0, LEASE_TIMEOUT)
-        self.connected, self.granted, self.charged = True, 0, 0
-        self._grant()
-
     @rule(read_back_fails=st.booleans())
-    def deliver(self, read_back_fails):
-        deliveries = self.dispatcher.deliveries(self.now)
-        units = {}
-        for delivery in deliveries:
-            units.setdefault(id(delivery.unit), (delivery.unit, []))[1].append(delivery.trajectory_id)
-        for unit, tids in units.values():
-            assert tuple(tids) == unit.trajectory_ids, f"a unit goes whole: expected {unit.trajectory_ids}, sent {tids}"
-        for delivery in deliveries:
-            assert delivery.delivery_count <= MAX_DELIVERIES, (delivery.trajectory_id, delivery.delivery_count)
-        if read_back_fails:  # the service gives them back, credit refunded, each unit whole
-            self.dispatcher.retract([d.lease for d in deliveries], refund=True)
-            return
-        self.charged += len(units)
-        for d in deliveries:
-            fields = {"trajectory_id": d.trajectory_id, "lease": d.lease, "delivery_count": d.delivery_count,
-                      **d.group_fields}
-            self.assembler.delivered(0, fields, {}, self.now)
-        self._flush_outbox()
+    def consumer_speaks(self, read_back_fails):
+        self._consumer_speaks(read_back_fails=read_back_fails)
 
-    @rule(how=st.sampled_from(["commit", "reject", "release"]))
-    def train(self, how):
-        units = self.assembler.take(1)
-        for unit in units:
+    @rule(how=st.sampled_from(["commit", "reject", "release"]), store_fails=st.booleans())
+    def train(self, how, store_fails):
+        for unit in self.assembler.take(1):
             if unit.group_id is not None:
                 assert unit.complete, f"group {unit.group_id} taken with {sorted(unit.members)} of {unit.expected}"
             tids = list(unit.members)
@@ -158,51 +171,46 @@ class Pipeline(RuleBasedStateMachine):
                 self.assembler.reject({tid: "bad" for tid in tids})
             else:
                 self.assembler.release(tids)
-        self._flush_outbox()
-        if self.connected:
-            self._grant()
+        self._consumer_speaks(store_fails=store_fails)
 
-    @rule()
-    def leases_expire(self):
-        self.now += LEASE_TIMEOUT + 1
-        if self.connected:
-            self.dispatcher.seen(ME, self.now)
-        self._dead_letter(self.dispatcher.tick(self.now), "max_deliveries")
-        self.assembler.expire(self.now)
-        self._flush_outbox()
-
-    @rule()
-    def consumer_lost(self):
-        self.now += 3 * HEARTBEAT + 0.5
-        self._dead_letter(self.dispatcher.tick(self.now), "max_deliveries")
-        if ME not in self.dispatcher.consumers:
-            self.assembler.lost(0)
-            self.connected = False
+    # -- time and failures --------------------------------------------------------
+    @rule(seconds=st.sampled_from([PROBE_EVERY, 3 * HEARTBEAT + 0.5, LEASE_TIMEOUT + 1, 60.0]))
+    def time_passes(self, seconds):
+        """Time passes without a word from the consumer: leases expire, the
+        consumer goes silent, open trajectories expire, the store is probed."""
+        self.now += seconds
+        self._run(self.core.housekeeping(self.clock))
 
     # -- invariants -----------------------------------------------------------
     @invariant()
     def credit_in_use_never_exceeds_credit_granted(self):
-        consumer = self.dispatcher.consumers.get(ME)
+        consumer = self.core.dispatcher.consumers.get(CONSUMER)
         if consumer is None:
             return
         assert consumer.group_credit >= 0
         assert self.charged + consumer.group_credit <= self.granted, (self.charged, consumer.group_credit, self.granted)
 
     @invariant()
+    def a_lease_is_out_only_for_a_delivery_that_went_out(self):
+        unsent = set(self.core.dispatcher.leases) - self.sent_leases
+        assert not unsent, f"leases out for deliveries never sent: {unsent}"
+
+    @invariant()
     def queued_groups_are_whole_units(self):
-        for unit in self.dispatcher.queue:
+        for unit in self.core.dispatcher.queue:
             if unit.group_id is not None:
                 assert unit.group_left == unit.group_size - len(unit.trajectory_ids), unit
 
     @invariant()
     def every_ended_trajectory_is_in_exactly_one_place(self):
-        queued = [tid for unit in self.dispatcher.queue for tid in unit.trajectory_ids]
-        leased = [lease.trajectory_id for lease in self.dispatcher.leases.values()]
+        engine, dispatcher = self.core.engine, self.core.dispatcher
+        queued = [tid for unit in dispatcher.queue for tid in unit.trajectory_ids]
+        leased = [lease.trajectory_id for lease in dispatcher.leases.values()]
         for tid in self.ended:
-            entry = self.engine.entries.get(tid)
-            group = self.engine.groups.get(entry.group_id) if entry is not None and entry.group_id else None
+            entry = engine.entries.get(tid)
+            group = engine.groups.get(entry.group_id) if entry is not None and entry.group_id else None
             places = {
-                "acked": tid in self.acked,
+                "acked": entry is None and tid in engine.dedup,
                 "dead": entry is not None and entry.state == DEAD,
                 "queued": queued.count(tid),
                 "leased": leased.count(tid),
@@ -213,9 +221,9 @@ class Pipeline(RuleBasedStateMachine):
 
     @invariant()
     def delivery_counts_stay_within_max_deliveries(self):
-        assert all(count <= MAX_DELIVERIES for count in self.dispatcher.delivery_counts.values()), \
-            self.dispatcher.delivery_counts
+        counts = self.core.dispatcher.delivery_counts
+        assert all(count <= MAX_DELIVERIES for count in counts.values()), counts
 
 
-Pipeline.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
-test_pipeline = Pipeline.TestCase
+Broker.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+test_broker = Broker.TestCase

@@ -1,0 +1,87 @@
+"""The core's store requests performed on a `Store`: the half of the broker's
+I/O shell that the sockets do not need, so that a test can run `BrokerCore`
+on a real store without sockets (tests/test_broker_state_machine.py)."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from rollstream.common.trajectory import Trajectory
+
+from .core import Checkpoint, Commit, MeasureDisk, Probe, PruneDedup, ReadBack, ReadDigests, Reload
+from .metrics import BrokerMetrics
+from .recovery import Rebuilt, load_trajectory, rebuild
+from .store import Store, StoreError
+
+log = logging.getLogger("rollstream.broker")
+
+
+def free_space(directory: str | os.PathLike) -> int:
+    """Bytes free to an unprivileged writer on `directory`'s file system."""
+    fs = os.statvfs(directory)
+    return fs.f_bavail * fs.f_frsize
+
+
+class StoreIO:
+    """Answers `Commit`, `ReadDigests`, `ReadBack`, `Reload`, `Probe`,
+    `PruneDedup`, `MeasureDisk` and `Checkpoint` (broker/core.py) from
+    `store`; `performers` maps each request type to its method."""
+
+    def __init__(self, store: Store, data_dir: str | os.PathLike, metrics: BrokerMetrics):
+        self.store, self.data_dir, self.metrics = store, data_dir, metrics
+        self.performers = {Commit: self.commit, ReadDigests: self.read_digests, ReadBack: self.read_back,
+                           Reload: self.reload, Probe: self.probe, PruneDedup: self.prune_dedup,
+                           MeasureDisk: self.measure_disk, Checkpoint: self.checkpoint}
+
+    def commit(self, request: Commit) -> StoreError | None:
+        store = self.store
+        if not request.effects and not store.writing_ahead:
+            return None
+        started = time.perf_counter()
+        try:
+            store.commit(request.effects)
+        except StoreError as exc:
+            return exc
+        self.metrics.commit_seconds.observe(time.perf_counter() - started)
+        return None
+
+    def read_digests(self, request: ReadDigests) -> dict[tuple[str, int], bytes | StoreError]:
+        read: dict[tuple[str, int], bytes | StoreError] = {}
+        for trajectory_id, turn in request.keys:
+            try:
+                read[(trajectory_id, turn)] = self.store.turn_digest(trajectory_id, turn)
+            except StoreError as exc:
+                read[(trajectory_id, turn)] = exc
+        return read
+
+    def read_back(self, request: ReadBack) -> Trajectory | StoreError:
+        try:
+            return load_trajectory(self.store, self.store.load_one(request.trajectory_id))
+        except StoreError as exc:
+            return exc
+
+    def reload(self, _request: Reload) -> Rebuilt:
+        return rebuild(self.store.reload(), self.store)
+
+    def probe(self, _request: Probe) -> bool:
+        try:
+            self.store.probe()
+        except StoreError:
+            return False
+        return True
+
+    def prune_dedup(self, request: PruneDedup) -> None:
+        try:
+            self.store.prune_dedup(request.wall)
+        except StoreError as exc:  # a failed prune only delays pruning
+            log.warning("dedup prune failed", extra={"error": str(exc)})
+
+    def measure_disk(self, _request: MeasureDisk) -> tuple[int, int]:
+        return self.store.bytes_on_disk(), free_space(self.data_dir)
+
+    def checkpoint(self, _request: Checkpoint) -> None:
+        try:
+            self.store.checkpoint()
+        except StoreError as exc:  # a failed checkpoint only leaves the WAL larger
+            log.warning("WAL checkpoint failed", extra={"error": str(exc)})
