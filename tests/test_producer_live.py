@@ -32,7 +32,7 @@ from rollstream.common.messages import (
 from rollstream.common.miles import FIELDS_WITH_MASK, encode_session_samples
 from rollstream.common.wire import trajectory_from_deliver
 from rollstream.producer import AsyncProducer, Producer, Receipt, Refused
-from rollstream.producer.client import BEFORE_WELCOME_WINDOW
+from rollstream.producer.session import BEFORE_WELCOME_WINDOW
 
 PATIENCE = 90.0  # seconds before a wait gives up (only ever reached when something hangs)
 
@@ -529,7 +529,7 @@ def test_a_producer_whose_io_loop_dies_raises_client_failed():
                                  heartbeat_timeout=30.0) as producer:
             traj = producer.trajectory("t", [1, 2])
             await traj.turn([5], [-0.5], supports=[[5, 6]])  # unanswered: the broker answers after PATIENCE
-            producer._heartbeat.lost = dies
+            producer._session.heartbeat.lost = dies
             with pytest.raises(ClientFailed, match=r"producer 'p-dies' stopped: its I/O loop failed with OSError") as err:
                 await asyncio.wait_for(producer.flush(), PATIENCE)
             assert isinstance(err.value.__cause__, OSError)
