@@ -250,7 +250,7 @@ class BrokerCore:
         an `ack` always means durable."""
         engine = self.engine
         stored, unread = _NOTHING_STORED, {}
-        keys = engine.stored_digests_needed(message for _, message, error in received if error is None)
+        keys = engine.stored_digests_needed(message for _, message, error in received if message is not None and error is None)
         if keys:  # resends of applied turns whose digests only the store holds
             read = yield ReadDigests(keys)
             unread = {key: value for key, value in read.items() if isinstance(value, StoreError)}

@@ -214,7 +214,9 @@ class BrokerService:
     def _serve_producers(self, now: Clock) -> None:
         """Read a batch of producer frames (a `batch` message's elements one
         by one), decode and check them, and hand them to the core."""
-        core, received, checks = self.core, [], {}
+        core = self.core
+        received: list[Received] = []
+        checks: dict[int, Future] = {}
         batch_bytes = 0
         core.measured_free(free_space(self.settings.data_dir))  # one statvfs a batch; its frames are counted off it as they come
         while core.takes_more(len(received), batch_bytes):
