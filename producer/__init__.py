@@ -6,7 +6,9 @@
 - `Receipt` (a durable ack; `applied: false` outcomes are reported here) and
   `Refused` (a nack, with its code).
 - `turns_from_miles_samples`: miles per-turn samples as turns.
-- `ResendWindow`: the sans-I/O core.
+- `ProducerSession` (the conduct toward the broker) and `ResendWindow`
+  (what is unsettled and what goes again): the sans-I/O cores the clients
+  are facades over.
 
 Names load on first use, so `rollstream producer --help` stays fast.
 """
@@ -19,6 +21,7 @@ _EXPORTS = {
     "TrajectoryHandle": "client",
     "Receipt": "window",
     "ResendWindow": "window",
+    "ProducerSession": "session",
     "Refused": "errors",
     "ProducerClosed": "errors",
     "MilesMergeError": "miles_samples",

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rollstream.common.contract import STATUSES
-from rollstream.common.errors import RollstreamError
+from rollstream.common.errors import InvalidInput
 from rollstream.common.mask import SamplingMask, as_numpy
 from rollstream.common.trajectory import Turn
 
@@ -32,10 +32,8 @@ _REPLAY = {"rollout_sampling_mask": "mask", "rollout_routed_experts": "routed_ex
            "rollout_indexer_topk": "indexer_topk"}
 
 
-class MilesMergeError(RollstreamError, ValueError):
+class MilesMergeError(InvalidInput):
     """Per-turn samples that miles' merge would refuse to merge."""
-
-    code = "invalid_input"
 
 
 @dataclass(frozen=True)

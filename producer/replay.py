@@ -21,7 +21,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from rollstream.common.errors import RollstreamError
+from rollstream.common.errors import InvalidInput
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.mask import SamplingMask
 from rollstream.common.miles import decode_session_samples
@@ -39,10 +39,8 @@ _IDENTITY = ("group_id", "group_size", "sample_index")
 _NATIVE_ARRAYS = ("loss_mask", "forced_tokens", "routed_experts", "indexer_topk")
 
 
-class ReplayError(RollstreamError, ValueError):
+class ReplayError(InvalidInput):
     """A recording that cannot be replayed; the message names file and line."""
-
-    code = "invalid_input"
 
 
 def recorded_files(path: str | Path) -> list[Path]:

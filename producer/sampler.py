@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rollstream.common.errors import InvalidInput
 from rollstream.common.mask import SamplingMask
 
 
@@ -30,11 +31,11 @@ class SamplingParams:
 
     def __post_init__(self):
         if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+            raise InvalidInput(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidInput(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidInput(f"min_p must be in [0, 1], got {self.min_p}")
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,12 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     is token `candidate_ids[r, c]` (default: token `c`, a dense vocabulary)."""
     logits = np.asarray(logits, dtype=np.float64)
     if logits.ndim != 2 or logits.shape[1] == 0:
-        raise ValueError(f"logits must be [n, candidates] with candidates >= 1, got shape {logits.shape}")
+        raise InvalidInput(f"logits must be [n, candidates] with candidates >= 1, got shape {logits.shape}")
     n, width = logits.shape
     if candidate_ids is None:
         candidate_ids = np.broadcast_to(np.arange(width, dtype=np.int32), (n, width))
     elif candidate_ids.shape != logits.shape:
-        raise ValueError(f"candidate_ids must match logits' shape {logits.shape}, got {candidate_ids.shape}")
+        raise InvalidInput(f"candidate_ids must match logits' shape {logits.shape}, got {candidate_ids.shape}")
     scaled = logits / params.temperature
     weights = np.exp(scaled - scaled.max(axis=1, keepdims=True))
     total_weight = weights.sum(axis=1, keepdims=True)
@@ -93,7 +94,7 @@ class ZipfLogits:
 
     def __init__(self, vocab_size: int, rng: np.random.Generator, *, candidates: int = 128):
         if not 1 <= candidates <= vocab_size:
-            raise ValueError(f"candidates must be in [1, vocab_size={vocab_size}], got {candidates}")
+            raise InvalidInput(f"candidates must be in [1, vocab_size={vocab_size}], got {candidates}")
         self.vocab_size = vocab_size
         self.candidates = candidates
         self.rng = rng

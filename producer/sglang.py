@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from rollstream.common.errors import InvalidInput
 from rollstream.common.ingest import status_from_finish_reason
 
 from .client import AsyncProducer, AsyncTrajectoryHandle
@@ -83,7 +84,7 @@ def output_ids(response: Mapping[str, Any]) -> list[int]:
         return response["output_ids"]
     entries = response.get("meta_info", {}).get("output_token_logprobs")
     if entries is None:
-        raise ValueError("SGLang response has neither output_ids nor meta_info.output_token_logprobs")
+        raise InvalidInput("SGLang response has neither output_ids nor meta_info.output_token_logprobs")
     return [entry[1] for entry in entries]
 
 
@@ -114,7 +115,7 @@ class SGLangSource:
                 if line.strip():
                     record = json.loads(line)
                     if not isinstance(record, dict) or "input_ids" not in record:
-                        raise ValueError(f"{self.settings.prompts}:{number}: expected an object with input_ids")
+                        raise InvalidInput(f"{self.settings.prompts}:{number}: expected an object with input_ids")
                     yield np.asarray(record["input_ids"], dtype=np.int32), record.get("metadata")
 
     def generate(self, input_ids: list[int]) -> dict:

@@ -13,6 +13,8 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator
 
 import numpy as np
 
+from rollstream.common.errors import InvalidInput
+
 from .client import AsyncProducer, AsyncTrajectoryHandle
 
 log = logging.getLogger("rollstream.producer")
@@ -21,7 +23,7 @@ ENDED, ABORTED = "ended", "aborted"
 STOPPING = "producer stopping"
 
 
-class SourceSettingsError(ValueError):
+class SourceSettingsError(InvalidInput):
     """Settings a source found it cannot run with, once it knew enough
     (a model's context length, say): reported like a bad option."""
 

@@ -26,7 +26,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from rollstream.common.errors import RollstreamError
+from rollstream.common.errors import InvalidInput, RollstreamError
 from rollstream.common.segments import HEADER, Location, SegmentLog
 
 FRAME_HEAD = struct.Struct("<cQI")  # b"F", seq, frame count
@@ -62,13 +62,13 @@ class Spool:
     def __init__(self, directory: str | os.PathLike, producer_id: str, *, max_bytes: int,
                  segment_bytes: int | None = None, fsync: bool = False):
         if max_bytes <= 0:
-            raise ValueError(f"spool max_bytes must be positive, got {max_bytes}")
+            raise InvalidInput(f"spool max_bytes must be positive, got {max_bytes}")
         self.directory = Path(directory)
         self.producer_id = producer_id
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes or default_segment_bytes(max_bytes)
         if self.segment_bytes > max_bytes // 2:
-            raise ValueError(f"segment_bytes must be at most half of max_bytes={max_bytes} (space is freed a segment "
+            raise InvalidInput(f"segment_bytes must be at most half of max_bytes={max_bytes} (space is freed a segment "
                              f"at a time), got {self.segment_bytes}")
         self.fsync = fsync
         self._log: SegmentLog | None = None  # from a successful open
@@ -144,12 +144,12 @@ class Spool:
         """Record a new frame. `handed_out`: the caller keeps it in memory now
         (allowed only with no backlog), so the backlog reader skips it."""
         if seq <= self.last_seq:
-            raise ValueError(f"spool seqs must increase: got {seq} after {self.last_seq}")
+            raise InvalidInput(f"spool seqs must increase: got {seq} after {self.last_seq}")
         if handed_out and self.backlog:
-            raise ValueError(f"cannot hand out seq {seq} ahead of {self.backlog} older spooled frames")
+            raise InvalidInput(f"cannot hand out seq {seq} ahead of {self.backlog} older spooled frames")
         needed = record_bytes(frames)
         if needed > self.max_bytes:
-            raise ValueError(f"a frame of {needed} spool bytes exceeds spool_bytes={self.max_bytes}")
+            raise InvalidInput(f"a frame of {needed} spool bytes exceeds spool_bytes={self.max_bytes}")
         parts: list[bytes | memoryview] = [FRAME_HEAD.pack(b"F", seq, len(frames))]
         for frame in frames:
             view = memoryview(frame).cast("B")  # the log counts buffers by len

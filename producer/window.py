@@ -1,7 +1,7 @@
 """The producer's resend window and heartbeat (docs/protocol.md §3), sans-I/O.
 
-Plain synchronous objects: no sockets, no clocks, no files. The caller
-passes the current time in, transmits what `ready()` hands it, and feeds
+Plain synchronous objects: no sockets, no clocks, no files. Their caller
+(`session.ProducerSession`) passes the current time in, transmits what `ready()` hands it, and feeds
 every decoded broker reply back. The window then decides what is settled,
 what must go out again and in which order, so reconnects, reply timeouts,
 lost, duplicate and reordered replies are all testable without a broker.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 from rollstream.common.codec import BATCH_ENVELOPE_BYTES, batched_size, decode_header
-from rollstream.common.errors import RollstreamError
+from rollstream.common.errors import InternalError, InvalidInput, RollstreamError
 
 from .errors import Refused
 
@@ -53,7 +53,7 @@ class HeldFrame:
         header = decode_header(frames[0])
         kind = header.get("type")
         if kind not in KINDS:
-            raise ValueError(f"the resend window holds {KINDS} messages, got type {kind!r}")
+            raise InvalidInput(f"the resend window holds {KINDS} messages, got type {kind!r}")
         return cls(header["seq"], kind, header["trajectory_id"], list(frames), header.get("turn"))
 
 
@@ -124,9 +124,9 @@ class ResendWindow:
 
     def __init__(self, limit: int, *, reply_timeout: float, retry_delay: float = 0.5):
         if limit < 1:
-            raise ValueError(f"window must be at least 1 frame, got {limit}")
+            raise InvalidInput(f"window must be at least 1 frame, got {limit}")
         if reply_timeout <= 0 or retry_delay < 0:
-            raise ValueError(f"reply_timeout must be > 0 and retry_delay >= 0, got {reply_timeout} and {retry_delay}")
+            raise InvalidInput(f"reply_timeout must be > 0 and retry_delay >= 0, got {reply_timeout} and {retry_delay}")
         self.limit = limit
         self.reply_timeout = reply_timeout
         self.retry_delay = retry_delay
@@ -163,9 +163,9 @@ class ResendWindow:
         if self.full:
             raise WindowFull(f"window is full: {len(self._items)} of {self.limit} frames unsettled")
         if self._last_seq is not None and item.seq <= self._last_seq:
-            raise ValueError(f"seq must increase: got {item.seq} after {self._last_seq}")
+            raise InvalidInput(f"seq must increase: got {item.seq} after {self._last_seq}")
         if item.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {item.kind!r}")
+            raise InvalidInput(f"kind must be one of {KINDS}, got {item.kind!r}")
         self._last_seq = item.seq
         item.attempts, item.sent_at, item.unsent, item.not_before = 0, 0.0, True, 0.0
         self._items[item.seq] = item
@@ -202,13 +202,13 @@ class ResendWindow:
                 return True
             if item.kind != TURN or items[seq].kind != TURN:
                 return False
-        raise AssertionError(f"seq {item.seq} is missing from its trajectory's list")
+        raise InternalError(f"seq {item.seq} is missing from its trajectory's list of unsettled seqs")
 
     def sent(self, seq: int, now: float) -> None:
         """`seq` was handed to the socket at `now`."""
         item = self._items[seq]
         if not item.unsent or item.parked:
-            raise ValueError(f"seq {seq} is not waiting to be sent")
+            raise InvalidInput(f"seq {seq} is not waiting to be sent")
         self._drop_unsent(seq)
         item.unsent = False
         item.sent_at = now
@@ -231,7 +231,7 @@ class ResendWindow:
                               reply.get("duplicate", False), reply.get("reason"))
             return self._settle(item, receipt)
         if reply.type != "nack":
-            raise ValueError(f"the window takes ack and nack replies, got {reply.type!r}")
+            raise InvalidInput(f"the window takes ack and nack replies, got {reply.type!r}")
         code = reply["code"]
         if code == "unavailable":  # the broker cannot persist now: same frame, later
             item.not_before = now + self.retry_delay
@@ -309,7 +309,7 @@ class ResendWindow:
     def set_limit(self, limit: int) -> None:
         """A smaller window only stops new pushes; nothing held is dropped."""
         if limit < 1:
-            raise ValueError(f"window must be at least 1 frame, got {limit}")
+            raise InvalidInput(f"window must be at least 1 frame, got {limit}")
         self.limit = limit
 
     # -- internals ------------------------------------------------------------
@@ -365,7 +365,7 @@ class Heartbeat:
 
     def __init__(self, interval: float, timeout: float, now: float):
         if interval <= 0 or timeout <= interval:
-            raise ValueError(f"need 0 < heartbeat interval < timeout, got {interval} and {timeout}")
+            raise InvalidInput(f"need 0 < heartbeat interval < timeout, got {interval} and {timeout}")
         self.interval = interval
         self.timeout = timeout
         self.last_heard = now
