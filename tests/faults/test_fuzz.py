@@ -1,4 +1,4 @@
-"""Fuzzing a live broker (issue 14): at least 10,000 malformed frames on each
+"""Fuzzing a live broker: at least 10,000 malformed frames on each
 of its three sockets, interleaved with valid traffic. The broker must stay
 up, answer every bad frame with the nack protocol.md gives it, deliver the
 valid trajectories once each with the arrays this test sent, and still

@@ -1,4 +1,4 @@
-"""Several nodes on one machine (issue 17): two nodes, each a broker with
+"""Several nodes on one machine: two nodes, each a broker with
 its synthetic producer daemons, and a trainer node (a `DistributedConsumer`
 of 2 gloo ranks whose source consumer fans in from both brokers), each in
 its own network namespace, so every pipeline byte crosses a real network

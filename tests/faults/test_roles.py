@@ -1,4 +1,4 @@
-"""Cross-role faults (issue 14): real broker, producer and trainer processes
+"""Cross-role faults: real broker, producer and trainer processes
 on loopback, each run ending with the end-to-end checker at zero.
 
 Each scenario composes `rollstream.app.harness.Pipeline` (synthetic
@@ -13,12 +13,27 @@ import socket
 import threading
 import time
 
+from waiting import wait_for
+
 from rollstream.app.harness import VOCAB, Chaos, LoopbackNode, Pipeline, inject_due
 
 FAST_BROKER = ("--heartbeat-interval", "0.5")  # consumers count as lost after 1.5 s of silence
 SHORT_TTL = ("--trajectory-ttl", "3")  # abandoned trajectories expire soon (longer than any cut or stop here)
 FAST_PRODUCER = ("--heartbeat-interval", "0.5", "--heartbeat-timeout", "2")
 CLEAN = {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
+PRODUCER_LOST_BROKER = " silent for "  # a producer's warning once the broker has been silent past its heartbeat timeout
+
+
+def log_end(node: LoopbackNode) -> int:
+    """Where the node's daemons' log ends now (see `logged_since`)."""
+    return (node.work / "daemons.log").stat().st_size
+
+
+def logged_since(node: LoopbackNode, offset: int, text: str) -> int:
+    """How many times `text` was logged by the node's daemons past byte `offset` of their log."""
+    with open(node.work / "daemons.log", "rb") as log:
+        log.seek(offset)
+        return log.read().decode(errors="replace").count(text)
 
 
 def started(node: LoopbackNode, *, producers: int, trajectories: int, extra: tuple[str, ...] = (), dp_size: int = 1,
@@ -59,9 +74,13 @@ def test_a_broker_stopped_past_the_heartbeat_timeout_recovers_without_duplicates
 
     def pause_once(pipeline: Pipeline) -> None:
         if not paused and pipeline.counts.acked >= 8:
+            since = log_end(pipeline.node)
             pipeline.node.broker.send_signal(signal.SIGSTOP)
-            time.sleep(4)  # producers count it lost after 2 s, the broker's consumers after 1.5 s of silence
-            pipeline.node.broker.send_signal(signal.SIGCONT)
+            try:  # until both producers count it lost (2 s); the broker counts its consumers lost sooner (1.5 s)
+                wait_for(lambda: logged_since(pipeline.node, since, PRODUCER_LOST_BROKER) >= 2, 60,
+                         "both producers to log the stopped broker silent past their heartbeat timeout")
+            finally:
+                pipeline.node.broker.send_signal(signal.SIGCONT)
             paused.append(True)
 
     with LoopbackNode("rs-fault-", VOCAB, broker_args=FAST_BROKER) as node:
@@ -143,8 +162,11 @@ def test_a_black_holed_network_path_recovers():
                 if not cuts and pipeline.counts.acked >= 8:
                     for path in (producer_path, consumer_path):
                         path.cut()
-                    before = pipeline.counts.acked
-                    time.sleep(4)
+                    before, since = pipeline.counts.acked, log_end(node)
+                    # Cut until both producers count the broker lost and the broker has dropped the silent consumer.
+                    wait_for(lambda: logged_since(node, since, PRODUCER_LOST_BROKER) >= 2
+                             and node.admin.status()["consumers"] == 0, 60,
+                             "both producers to log the cut-off broker silent and the broker to drop the consumer")
                     pipeline.poll()
                     cuts.append(pipeline.counts.acked - before)
                     for path in (producer_path, consumer_path):
@@ -212,7 +234,9 @@ def test_a_slow_then_stopped_trainer_pushes_producers_back_within_the_memory_bud
         if not stopped and pipeline.counts.committed >= 8:
             pipeline.trainer.signal(signal.SIGSTOP)
             acked = pipeline.counts.acked
-            for _ in range(20):  # 4 s stopped: producers fill the budget and wait
+            # 4 s stopped, sampled all along: "nothing is acked while the trainer is stopped" is a claim about a
+            # stretch of time, so this is a window to watch, not a condition to wait for.
+            for _ in range(20):
                 time.sleep(0.2)
                 pipeline.poll()
                 peaks.append(pipeline.status["bytes_in_memory"])

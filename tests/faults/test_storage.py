@@ -1,4 +1,4 @@
-"""Storage faults (issue 14), against real broker processes on ipc://
+"""Storage faults, against real broker processes on ipc://
 endpoints: a disk budget that must slow the pipeline but never stop it, a
 disk that really fills, a file-size limit that makes writes fail, and a
 damaged store."""
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import zmq
 from broker_process import BrokerProcess
+from waiting import wait_for
 
 from rollstream.common.codec import decode, encode
 from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
@@ -68,13 +69,14 @@ def processes(tmp_path):
 def test_a_disk_budget_slows_the_pipeline_but_never_stops_it(tmp_path, processes):
     """The probe's setup: a 4 MiB disk budget in 256 KiB segments, two
     producers with the default window sending 100-400-token turns, and a
-    consumer of batches of 3 that starts 5 s late. Over the budget, with two
+    consumer of batches of 3 that starts once the broker is over the budget
+    (it logs so). Over the budget, with two
     trajectories leased to a consumer that waits for a third, the `end`s
     that would finish the open trajectories must still get in."""
     with BrokerProcess(tmp_path, max_disk_bytes="4MiB", segment_bytes="256KiB") as broker:
         for name in ("p0", "p1"):
             processes.producer(broker, name, "--response-tokens", "250", "--concurrency", "100")
-        time.sleep(5)
+        wait_for(lambda: "disk over budget" in broker.log(), 120, "the producers to fill the 4 MiB disk budget")
         consumer = processes.start("consumer", "consume", "--endpoint", broker.consumer, "--batch-size", "3",
                                    "--batches", "30", "--timeout", "60", "--device", "cpu")
         try:
