@@ -134,8 +134,8 @@ class _Intake:
     def _accept(self, draft: Draft, future: Any) -> None:
         """Under the lock. Raises `ClientFailed` once the I/O loop died
         (nothing would send it), `ProducerClosed` while closing."""
-        self.check_alive()
-        if self.closing:
+        if self.failure is not None or self.closing:
+            self.check_alive()
             raise ProducerClosed(f"producer {self.producer_id!r} is closing; no new frames")
         self.session.accept(draft, future, time.monotonic())
 
