@@ -12,10 +12,11 @@ until a reply settles them (the intake, the optional spool, the
 
 It reads no clock, owns no socket and runs no loop: its facade
 (`client.AsyncProducer`) passes the time in, sends what `transmit` hands its
-`send`, and feeds every decoded reply to `received`. It takes no lock
-either: the methods marked *shared* are also called for senders on other
-threads, so the facade calls them under its lock; the others run on the
-facade's event loop only.
+`send`, and feeds every decoded reply to `received`. The only files it
+touches are those of the optional spool and ledger it is given, through
+their own objects. It takes no lock either: the methods marked *shared* are
+also called for senders on other threads, so the facade calls them under
+its lock; the others run on the facade's event loop only.
 """
 from __future__ import annotations
 
