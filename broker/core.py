@@ -18,8 +18,7 @@ runs the whole broker without either.
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Collection, Generator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -33,7 +32,7 @@ from rollstream.common.trajectory import Trajectory
 from rollstream.common.wire import encode_deliver
 
 from .dispatch import Dispatch, Dispatcher, DispatchSettings
-from .engine import DEAD, ENDED, OPEN, DeadLetter, DeliveryUnit, DropTrajectory, Effect, EngineSettings, MarkGap, MergeEngine
+from .engine import DEAD, ENDED, OPEN, DeliveryUnit, EngineSettings, MergeEngine
 from .flow import DiskAdmission, MemoryBudget, WindowGrants
 from .hello import Hellos
 from .metrics import BrokerMetrics
@@ -139,6 +138,32 @@ class _Answer:
     frames: list | None = None  # ready to send (hello, ping, refusals)
     ack: dict | None = None  # sent as `ack` (or within `acks`) if the commit succeeds
     message: Message | None = None
+
+
+def batched_acks(answers: list[_Answer], batch_acks: Collection[bytes], grant: Callable[[bytes], int]) -> dict[bytes, dict]:
+    """One `acks` per connection in `batch_acks` (those that asked for them,
+    docs/protocol.md §3): its acked seqs as ranges, the outcomes that are
+    not a plain `applied` listed on their own, and its `grant`."""
+    by_identity: dict[bytes, dict] = {}
+    for answer in answers:
+        ack = answer.ack
+        if ack is None or answer.identity not in batch_acks:
+            continue
+        seq = ack["seq"]
+        acks = by_identity.get(answer.identity)
+        if acks is None:
+            acks = by_identity[answer.identity] = {"ranges": [[seq, seq]], "window": grant(answer.identity)}
+        else:
+            last = acks["ranges"][-1]
+            if seq == last[1] + 1:
+                last[1] = seq
+            else:
+                acks["ranges"].append([seq, seq])
+        if not ack["applied"] or "duplicate" in ack:
+            outcome = {"seq": seq, "applied": ack["applied"]}
+            outcome.update((key, ack[key]) for key in ("duplicate", "reason") if key in ack)
+            acks.setdefault("outcomes", []).append(outcome)
+    return by_identity
 
 
 class BrokerCore:
@@ -261,9 +286,10 @@ class BrokerCore:
             answers.append(self._producer_message(identity, message, error, now, stored, unread, effects))
         committed = yield from self._commit(effects)
         if committed:
-            self._count_effects(effects)
-            self._count_outcomes(answers)
-            for identity, acks in self._batched_acks(answers).items():
+            self.metrics.count_effects(effects)
+            self.metrics.count_outcomes((answer.message.type, answer.ack) for answer in answers
+                                        if answer.ack is not None and answer.message is not None)
+            for identity, acks in batched_acks(answers, self.hellos.batch_acks, self.grants.grant).items():
                 yield Send("producer", identity, encode(BROKER_TO_PRODUCER, "acks", acks, checked=False))
         batch_acks = self.hellos.batch_acks
         for answer in answers:
@@ -308,32 +334,6 @@ class BrokerCore:
             return _Answer(identity, self._refuse("producer", reply.error, message))
         effects.extend(reply.effects)
         return _Answer(identity, ack=reply.fields, message=message)
-
-    def _batched_acks(self, answers: list[_Answer]) -> dict[bytes, dict]:
-        """One `acks` per connection that asked for them (docs/protocol.md §3):
-        its acked seqs as ranges, and the outcomes that are not a plain
-        `applied` listed on their own."""
-        by_identity: dict[bytes, dict] = {}
-        batch_acks = self.hellos.batch_acks
-        for answer in answers:
-            if answer.ack is None or answer.identity not in batch_acks:
-                continue
-            ack = answer.ack
-            seq = ack["seq"]
-            acks = by_identity.get(answer.identity)
-            if acks is None:
-                acks = by_identity[answer.identity] = {"ranges": [[seq, seq]], "window": self.grants.grant(answer.identity)}
-            else:
-                last = acks["ranges"][-1]
-                if seq == last[1] + 1:
-                    last[1] = seq
-                else:
-                    acks["ranges"].append([seq, seq])
-            if not ack["applied"] or "duplicate" in ack:
-                outcome = {"seq": seq, "applied": ack["applied"]}
-                outcome.update((key, ack[key]) for key in ("duplicate", "reason") if key in ack)
-                acks.setdefault("outcomes", []).append(outcome)
-        return by_identity
 
     def producer_gone(self, identity: bytes) -> None:
         """A producer connection is gone (a reconnect comes with a new
@@ -402,7 +402,7 @@ class BrokerCore:
         effects = [e for s in settling for e in s.effects]
         committed = yield from self._commit(effects)
         if committed:
-            self._count_effects(effects)
+            self.metrics.count_effects(effects)
         for s in settling:
             if not committed:
                 error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later")
@@ -434,7 +434,7 @@ class BrokerCore:
             return
         effects = [e for tid in tids for e in self.engine.dead_letter(tid, reason, now.wall)]
         if (yield from self._commit(effects)):
-            self._count_effects(effects)
+            self.metrics.count_effects(effects)
             for tid in tids:
                 self.dispatcher.forget(tid)
         else:  # not durable: keep them deliverable
@@ -567,7 +567,7 @@ class BrokerCore:
         self._count_live_producers(now.mono)
         effects = self.engine.expire(now.wall)
         if (yield from self._commit(effects)):
-            self._count_effects(effects)
+            self.metrics.count_effects(effects)
         yield ServeConsumers(now)
         yield from self._dead_letter(self.dispatcher.tick(now.mono), "max_deliveries", now)
         new_redeliveries = self.dispatcher.redeliveries - self._redeliveries_seen
@@ -634,11 +634,7 @@ class BrokerCore:
 
     # -- accounting ---------------------------------------------------------------
     def update_gauges(self, now: Clock) -> None:
-        status = self.status(now)
-        for state in ("open", "ready", "leased", "dead"):
-            self.metrics.depth.labels(state=state).set(status[state])
-        self.metrics.bytes.labels(where="memory").set(status["bytes_in_memory"])
-        self.metrics.bytes.labels(where="disk").set(status["bytes_on_disk"])
+        self.metrics.show(self.status(now))
 
     def _refuse(self, endpoint: str, error: ProtocolError, message: Message | None, *, quiet: bool = False,
                 **extra) -> list:
@@ -657,32 +653,3 @@ class BrokerCore:
             log.warning("message refused", extra=context)
         schema = BROKER_TO_PRODUCER if endpoint == "producer" else BROKER_TO_CONSUMER if endpoint == "consumer" else ADMIN_REPLIES
         return encode_error(schema, error, **extra)
-
-    def _count_outcomes(self, answers: list[_Answer]) -> None:
-        """Frames by type and outcome, once their batch is durable (one
-        counter update per kind of outcome, not per frame)."""
-        outcomes = Counter(
-            (answer.message.type, "duplicate" if ack.get("duplicate") else
-             "applied" if ack["applied"] else ack.get("reason", "not_applied"))
-            for answer in answers if (ack := answer.ack) is not None and answer.message is not None
-        )
-        for (mtype, outcome), count in outcomes.items():
-            self.metrics.inc(self.metrics.frames, count, type=mtype, outcome=outcome)
-
-    def _count_effects(self, effects: list[Effect]) -> None:
-        for effect in effects:
-            match effect:
-                case MarkGap():
-                    self.metrics.inc(self.metrics.gaps, field=effect.gap.field)
-                    log.info("replay gap", extra={"trajectory_id": effect.trajectory_id, "turn": effect.gap.turn,
-                                                  "field": effect.gap.field})
-                case DropTrajectory():
-                    self.metrics.inc(self.metrics.exits, exit="aborted")
-                    log.info("trajectory aborted", extra={"trajectory_id": effect.trajectory_id})
-                case DeadLetter():
-                    exit_label = effect.reason if effect.reason in ("expired", "unreadable") else "dead"
-                    self.metrics.inc(self.metrics.exits, exit=exit_label)
-                    log.warning("trajectory dead-lettered", extra={"trajectory_id": effect.trajectory_id,
-                                                                   "reason": effect.reason})
-                case _:  # turns are counted by _count_outcomes; the rest need no counter
-                    pass

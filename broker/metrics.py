@@ -1,7 +1,16 @@
-"""The broker's Prometheus metrics."""
+"""The broker's Prometheus metrics, and what it counts and logs of its
+decisions (the core's effects and outcomes, the gauges of its status)."""
 from __future__ import annotations
 
+import logging
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
 from rollstream.common.metrics import Metrics
+
+from .engine import DeadLetter, DropTrajectory, Effect, MarkGap
+
+log = logging.getLogger("rollstream.broker")
 
 
 class BrokerMetrics(Metrics):
@@ -28,3 +37,39 @@ class BrokerMetrics(Metrics):
             "commit_seconds", "Time to make one batch durable",
             (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
         )
+
+    def count_outcomes(self, acked: Iterable[tuple[str, Mapping]]) -> None:
+        """Frames by type and outcome (`acked`: each acked message's type and
+        ack fields), once their batch is durable; one counter update per
+        kind of outcome, not per frame."""
+        outcomes = Counter((kind, "duplicate" if ack.get("duplicate") else
+                            "applied" if ack["applied"] else ack.get("reason", "not_applied")) for kind, ack in acked)
+        for (kind, outcome), count in outcomes.items():
+            self.inc(self.frames, count, type=kind, outcome=outcome)
+
+    def count_effects(self, effects: Iterable[Effect]) -> None:
+        """The exits, replay gaps and dead letters among durable effects,
+        counted and logged (turns are counted by `count_outcomes`)."""
+        for effect in effects:
+            match effect:
+                case MarkGap():
+                    self.inc(self.gaps, field=effect.gap.field)
+                    log.info("replay gap", extra={"trajectory_id": effect.trajectory_id, "turn": effect.gap.turn,
+                                                  "field": effect.gap.field})
+                case DropTrajectory():
+                    self.inc(self.exits, exit="aborted")
+                    log.info("trajectory aborted", extra={"trajectory_id": effect.trajectory_id})
+                case DeadLetter():
+                    exit_label = effect.reason if effect.reason in ("expired", "unreadable") else "dead"
+                    self.inc(self.exits, exit=exit_label)
+                    log.warning("trajectory dead-lettered", extra={"trajectory_id": effect.trajectory_id,
+                                                                   "reason": effect.reason})
+                case _:
+                    pass
+
+    def show(self, status: Mapping) -> None:
+        """The gauges of a `status`: trajectories by state, bytes held."""
+        for state in ("open", "ready", "leased", "dead"):
+            self.depth.labels(state=state).set(status[state])
+        self.bytes.labels(where="memory").set(status["bytes_in_memory"])
+        self.bytes.labels(where="disk").set(status["bytes_on_disk"])

@@ -38,3 +38,26 @@ def handle_with_store(engine, store, message, now):
     (as the broker core reads them for a batch)."""
     keys = engine.stored_digests_needed([message])
     return engine.handle(message, now, {key: store.turn_digest(*key) for key in keys})
+
+
+def drive(steps, **answers):
+    """Run one `BrokerCore` input to its end and return what it asked for,
+    in order. Each request is answered as a healthy store and sockets would
+    (commits and sends succeed, the store probes well, nothing measured),
+    or by `answers[type name](request)` where given; a read is never
+    answered by default."""
+    from rollstream.broker import core
+
+    healthy = {"Commit": lambda request: None, "Send": lambda request: True, "ServeConsumers": lambda request: None,
+               "Probe": lambda request: True, "PruneDedup": lambda request: None, "Checkpoint": lambda request: None,
+               "MeasureDisk": lambda request: (0, 1 << 40)}
+    healthy.update(answers)
+    asked, answer = [], None
+    try:
+        while True:
+            request = steps.send(answer)
+            asked.append(request)
+            assert isinstance(request, core.Request.__args__), request
+            answer = healthy[type(request).__name__](request)
+    except StopIteration:
+        return asked

@@ -1,0 +1,131 @@
+"""The broker's composition (`broker.core.BrokerCore`) driven without
+sockets, store or clock: what it asks for, in which order, and what goes out.
+The whole state machine runs in tests/test_broker_state_machine.py; these
+are the rules that live between the cores."""
+from broker_helpers import drive, end_msg, turn_msg
+
+from rollstream.broker.core import BrokerCore, Commit, Probe, ReadDigests, Reload, Send, producer_live_for
+from rollstream.broker.metrics import BrokerMetrics
+from rollstream.broker.recovery import Rebuilt
+from rollstream.broker.settings import BrokerSettings
+from rollstream.broker.store import StoreUnavailable
+from rollstream.common.clock import Clock
+from rollstream.common.codec import content_digest, decode, encode
+from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
+
+P, Q, C = b"producer-p", b"producer-q", b"consumer"
+NOTHING_STORED = Rebuilt([], (), {}, {})
+
+
+def core(**settings) -> BrokerCore:
+    broker = BrokerCore(BrokerSettings(**settings), "b-1", BrokerMetrics(), disk_reserve=0)
+    broker.restore(NOTHING_STORED, 0, 1 << 40)
+    return broker
+
+
+def at(t: float) -> Clock:
+    return Clock(t, 1000.0 + t)
+
+
+def hello(producer_id: str, **fields):
+    return decode(encode(PRODUCER_TO_BROKER, "hello", {"producer_id": producer_id, **fields}), PRODUCER_TO_BROKER)
+
+
+def produce(broker: BrokerCore, identity: bytes, messages, t: float, **answers) -> tuple[list, list]:
+    """Hand `messages` from one connection to the core as one batch; what it
+    asked for, and the producer replies it sent (decoded)."""
+    for _ in messages:
+        broker.frame_arrived(identity, 100, t)
+    asked = drive(broker.producer_batch([(identity, m, None) for m in messages], at(t)), **answers)
+    return asked, [decode(r.frames, BROKER_TO_PRODUCER) for r in asked if isinstance(r, Send) and r.socket == "producer"]
+
+
+def test_window_shares_status_and_forgetting_follow_one_liveness_rule():
+    """With a heartbeat over 10 s, the window shares used to count producers
+    heard within 30 s while `status` counted those heard within 3 heartbeat
+    intervals, and neither forgot them before an hour. Now one rule holds."""
+    broker = core(heartbeat_interval=20.0, window=64, max_in_flight=64)
+    assert broker.producer_live_for == producer_live_for(20.0) == 60.0
+    produce(broker, P, [hello("p", batch_acks=True)], t=0.0)
+    produce(broker, Q, [hello("q")], t=40.0)
+    drive(broker.housekeeping(at(50.0)))  # p, silent for 50 s, is still live
+    assert broker.status(at(50.0))["producers"] == 2 and broker.grants.fair == 32
+    drive(broker.housekeeping(at(61.0)))  # p is not: counted nowhere, and forgotten
+    assert broker.status(at(61.0))["producers"] == 1 and broker.grants.fair == 64
+    assert P not in broker.producers and P not in broker.hellos.batch_acks
+    _, [pong] = produce(broker, P, [decode(encode(PRODUCER_TO_BROKER, "ping", {"seq": 7}), PRODUCER_TO_BROKER)], t=62.0)
+    assert pong.type == "pong" and broker.status(at(62.0))["producers"] == 2  # heard again: live again
+
+
+def test_a_resend_of_an_applied_turn_is_compared_with_the_digest_read_from_the_store():
+    broker = core()
+    first = turn_msg("t", 0, [10, 11], [[10, 3], [11]], seq=1)
+    produce(broker, P, [first], t=0.0)
+    stored = {("t", 0): content_digest(first)}
+    asked, [ack] = produce(broker, P, [turn_msg("t", 0, [10, 11], [[10, 3], [11]], seq=2)], t=1.0,
+                           ReadDigests=lambda request: {key: stored[key] for key in request.keys})
+    assert [type(r) for r in asked][:2] == [ReadDigests, Commit] and asked[0].keys == [("t", 0)]  # read before merging
+    assert ack.type == "ack" and ack["duplicate"] and ack["applied"]
+    _, [nack] = produce(broker, P, [turn_msg("t", 0, [10, 12], [[10, 3], [12]], seq=3)], t=2.0,
+                        ReadDigests=lambda request: {key: stored[key] for key in request.keys})
+    assert nack.type == "nack" and nack["code"] == "conflict" and nack["seq"] == 3
+
+
+def test_a_resend_whose_digest_cannot_be_read_is_refused_and_the_store_is_unavailable_from_there():
+    broker = core()
+    produce(broker, P, [turn_msg("t", 0, seq=1)], t=0.0)
+    resend, fresh = turn_msg("t", 0, seq=2), turn_msg("u", 0, seq=3)
+    _, replies = produce(broker, P, [resend, fresh], t=1.0,
+                         ReadDigests=lambda request: {key: StoreUnavailable("I/O error") for key in request.keys})
+    assert [(r.type, r["code"], r["seq"]) for r in replies] == [("nack", "unavailable", 2), ("nack", "unavailable", 3)]
+    assert broker.unavailable and "u" not in broker.engine.entries
+    asked = drive(broker.housekeeping(at(2.0)))
+    assert any(isinstance(r, Probe) for r in asked) and not broker.unavailable  # the probe succeeded
+
+
+def test_a_failed_commit_refuses_the_whole_batch_and_rolls_memory_back_to_the_store():
+    broker = core()
+    asked, replies = produce(broker, P, [turn_msg("t", 0, seq=1), end_msg("t", seq=2)], t=0.0,
+                             Commit=lambda request: StoreUnavailable("disk gone"), Reload=lambda request: NOTHING_STORED)
+    assert [type(r) for r in asked[:2]] == [Commit, Reload]
+    assert [(r.type, r["code"], r["seq"]) for r in replies] == [("nack", "unavailable", 1), ("nack", "unavailable", 2)]
+    assert not broker.engine.entries and not broker.dispatcher.queue and broker.unavailable
+    _, [refused] = produce(broker, P, [turn_msg("t", 0, seq=3)], t=0.5)  # no probe yet: refused before merging
+    assert refused["code"] == "unavailable" and not broker.engine.entries
+    drive(broker.housekeeping(at(1.0)), Probe=lambda request: False)
+    assert broker.unavailable
+    asked = drive(broker.housekeeping(at(1.5)), Probe=lambda request: True)
+    assert not any(isinstance(r, Probe) for r in asked) and broker.unavailable  # probed at most once a second
+    drive(broker.housekeeping(at(2.0)), Probe=lambda request: True)
+    assert not broker.unavailable
+
+
+def test_batched_acks_carry_ranges_and_only_the_outcomes_that_are_not_plainly_applied():
+    broker = core()
+    produce(broker, P, [hello("p", batch_acks=True)], t=0.0)
+    messages = [turn_msg("a", 0, seq=1), turn_msg("b", 0, seq=2), turn_msg("a", 0, seq=4), end_msg("zz", seq=5)]
+    _, replies = produce(broker, P, messages, t=1.0)
+    acks, refusal = replies
+    assert acks.type == "acks" and acks["ranges"] == [[1, 2], [4, 4]] and acks["window"] >= 1
+    assert acks["outcomes"] == [{"seq": 4, "applied": True, "duplicate": True}]
+    assert (refusal.type, refusal["code"], refusal["seq"]) == ("nack", "unknown_trajectory", 5)  # after the acks
+
+
+def test_a_consumer_hello_settles_the_acks_before_it_in_the_batch_first():
+    """A hello drops the connection's leases and requeues them: an ack
+    earlier in the same batch must be committed and applied before that, or
+    the acked trajectory would come back."""
+    broker = core()
+    produce(broker, P, [turn_msg("t", 0, seq=1), end_msg("t", seq=2)], t=0.0)
+
+    def consumer(*messages):
+        received = [(C, decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER), None) for kind, fields in messages]
+        asked = drive(broker.consumer_batch(received, at(1.0)))
+        asked += drive(broker.deliver(at(1.0)))
+        return asked, [decode(r.frames, BROKER_TO_CONSUMER) for r in asked if isinstance(r, Send)]
+
+    _, [_, delivery] = consumer(("hello", {"consumer_id": "c"}), ("credit", {"n": 1, "unit": "trajectory"}))
+    asked, replies = consumer(("ack", {"leases": [delivery["lease"]]}), ("hello", {"consumer_id": "c"}))
+    assert [r.type for r in replies] == ["acked", "welcome"]
+    assert isinstance(asked[0], Commit) and [type(e).__name__ for e in asked[0].effects] == ["Forget"]
+    assert not broker.dispatcher.queue and "t" not in broker.engine.entries
