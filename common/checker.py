@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any, Iterable, Mapping, NamedTuple
 import numpy as np
 import xxhash
 
+from .clock import Clock
 from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS
 
 # The digest's streams: each is the field's values over the whole trajectory,
@@ -192,7 +192,7 @@ class Ledger:
 
     def write(self, kind: str, **fields: Any) -> None:
         """Append one record: its `kind`, `fields` and `at` (wall-clock seconds, comparable across processes)."""
-        line = json.dumps({"kind": kind, **fields, "at": time.time()}, separators=(",", ":")).encode() + b"\n"
+        line = json.dumps({"kind": kind, **fields, "at": Clock.read().wall}, separators=(",", ":")).encode() + b"\n"
         with self._lock:
             if self._fd is not None:
                 os.write(self._fd, line)

@@ -7,12 +7,12 @@ import asyncio
 import itertools
 import logging
 import secrets
-import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, Iterator
 
 import numpy as np
 
+from rollstream.common.clock import Clock
 from rollstream.common.errors import InvalidInput
 
 from .client import AsyncProducer, AsyncTrajectoryHandle
@@ -61,11 +61,11 @@ class Pacer:
 
     def __init__(self, rate: float):
         self.interval = 1.0 / rate if rate > 0 else 0.0
-        self._next = time.monotonic()
+        self._next = Clock.read().mono
 
     async def wait(self) -> None:
         if self.interval:
-            now = time.monotonic()
+            now = Clock.read().mono
             self._next = max(self._next + self.interval, now)
             await asyncio.sleep(self._next - now)
 

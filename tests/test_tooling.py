@@ -2,6 +2,7 @@
 import-linter contracts and mypy, each configured in pyproject.toml."""
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -50,3 +51,23 @@ def test_mypy_finds_nothing(tmp_path):
     env = {**os.environ, "MYPYPATH": str(farm)}
     packages = [arg for package in PACKAGE_DIRS for arg in ("-p", package)]
     _run("mypy", "--cache-dir", str(tmp_path / "cache"), *packages, env=env)
+
+
+# The one place the package reads a clock; everywhere else reads a `Clock`.
+CLOCK_MODULE = ROOT / "common" / "clock.py"
+CLOCK_READS = re.compile(r"\btime\.(monotonic|time)\(|\bfrom time import\b.*\b(monotonic|time)\b")
+
+
+def test_time_is_read_only_through_clock():
+    """Wall and monotonic time come from `Clock.read()`, so which clock a
+    value is on shows at the call site and a test can stand in for both."""
+    reads = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for folder in PACKAGE_DIRS.values()
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path != CLOCK_MODULE
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if CLOCK_READS.search(line)
+    ]
+    assert len(PACKAGE_DIRS) >= 5, PACKAGE_DIRS
+    assert not reads, "read the time through common.clock.Clock.read(), not the time module:\n" + "\n".join(reads)
