@@ -454,7 +454,7 @@ class BrokerCore:
             return
         dispatcher = self.dispatcher
         deliveries = dispatcher.deliveries(now.mono)
-        refused: list[str] = []  # leases whose send the connection refused: requeued, their credit spent
+        refused: list[str] = []  # leases whose send the connection refused: retracted, their credit spent
         start = 0
         while start < len(deliveries):
             end = start + 1
@@ -489,7 +489,7 @@ class BrokerCore:
             entry = engine.entries.get(tid)
             if entry is None or entry.state != ENDED:  # cannot happen; never send what is not ready
                 log.error("queued trajectory is not ready", extra={"trajectory_id": tid})
-                self.dispatcher.settle([delivery.lease])
+                self.dispatcher.end_leases([delivery.lease])
                 return False
             if not engine.needs_reload(entry):
                 continue
@@ -497,7 +497,7 @@ class BrokerCore:
             if isinstance(read, StoreError):
                 if not read.retriable and engine.unreadable(tid):
                     log.error("stored trajectory cannot be read back", extra={"trajectory_id": tid, "error": str(read)})
-                    self.dispatcher.settle([delivery.lease])
+                    self.dispatcher.end_leases([delivery.lease])
                     yield from self._dead_letter([tid], "unreadable", now)
                 else:
                     self._store_failed(f"cannot read evicted trajectory {tid!r} back to deliver it: {read}")
@@ -529,18 +529,18 @@ class BrokerCore:
         if message.type == "dead_letters":
             items = self.engine.dead_letters(message.get("limit", 100))
             return encode(ADMIN_REPLIES, "dead_letters", {"items": items, **seq})
-        requeued = []
+        revived = []  # the admin `requeue` (its wire name) revives dead letters
         effects = []
         for tid in dict.fromkeys(message["trajectory_ids"]):
-            effect = self.engine.requeue(tid)
+            effect = self.engine.revive(tid)
             if effect is not None:
                 effects.append(effect)
-                requeued.append(tid)
+                revived.append(tid)
         if not (yield from self._commit(effects)):
             raise RemoteProtocolError("unavailable", "the broker cannot persist right now; retry later")
-        for tid in requeued:
-            log.info("dead letter requeued", extra={"trajectory_id": tid})
-        return encode(ADMIN_REPLIES, "requeued", {"trajectory_ids": requeued, **seq})
+        for tid in revived:
+            log.info("dead letter revived", extra={"trajectory_id": tid})
+        return encode(ADMIN_REPLIES, "requeued", {"trajectory_ids": revived, **seq})
 
     def status(self, now: Clock) -> dict:
         counts = self.engine.counts()

@@ -89,7 +89,7 @@ class Dispatcher:
         return unit
 
     # -- consumer messages ---------------------------------------------------
-    def hello(self, identity: bytes, consumer_id: str, now: float) -> list[str]:
+    def hello(self, identity: bytes, consumer_id: str, mono: float) -> list[str]:
         """Register a connection; an older connection of the same consumer is
         dropped and its leases requeued. Returns ids that ran out of deliveries."""
         exhausted = []
@@ -98,15 +98,15 @@ class Dispatcher:
                 exhausted += self.drop_consumer(old_identity)
         if identity in self.consumers:
             exhausted += self.drop_consumer(identity)
-        self.consumers[identity] = ConsumerState(consumer_id, now)
+        self.consumers[identity] = ConsumerState(consumer_id, mono)
         return exhausted
 
-    def seen(self, identity: bytes, now: float) -> bool:
+    def seen(self, identity: bytes, mono: float) -> bool:
         """Any message counts as a heartbeat; False for an unknown connection."""
         consumer = self.consumers.get(identity)
         if consumer is None:
             return False
-        consumer.last_seen = now
+        consumer.last_seen = mono
         return True
 
     def credit(self, identity: bytes, n: int, unit: str) -> None:
@@ -116,10 +116,12 @@ class Dispatcher:
         else:
             consumer.trajectory_credit += n
 
-    def settle(self, leases: list[str]) -> tuple[list[Lease], list[str]]:
-        """Remove `leases`: returns the valid ones and the stale ids."""
+    def end_leases(self, lease_ids: list[str]) -> tuple[list[Lease], list[str]]:
+        """Remove `lease_ids`, whatever ended them (settled, expired, their
+        consumer dropped, retracted): returns the leases that were out and
+        the stale ids."""
         valid, stale = [], []
-        for lease_id in leases:
+        for lease_id in lease_ids:
             lease = self.leases.pop(lease_id, None)
             if lease is None:
                 stale.append(lease_id)
@@ -150,7 +152,7 @@ class Dispatcher:
         unit, as `deliveries` charged them. A send the consumer's connection
         refused (gone, or its queue full) keeps the credit spent, so a dead
         peer is not retried on every pass until its heartbeats time out."""
-        leases, stale = self.settle(lease_ids)
+        leases, stale = self.end_leases(lease_ids)
         if stale:
             raise NotFound(f"retract takes leases that are out now; {stale} are not")
         for lease in leases:
@@ -181,16 +183,16 @@ class Dispatcher:
         self.delivery_counts.pop(trajectory_id, None)
 
     # -- time ----------------------------------------------------------------
-    def tick(self, now: float) -> list[str]:
+    def tick(self, mono: float) -> list[str]:
         """Requeue expired leases and the leases of silent consumers; returns
         ids that ran out of deliveries."""
         exhausted = []
         silent_after = LIVENESS_INTERVALS * self.settings.heartbeat_interval
-        for identity in [i for i, c in self.consumers.items() if c.last_seen + silent_after < now]:
+        for identity in [i for i, c in self.consumers.items() if c.last_seen + silent_after < mono]:
             exhausted += self.drop_consumer(identity)
-        expired = [lease.lease for lease in self.leases.values() if lease.expires_at < now]
+        expired = [lease.lease for lease in self.leases.values() if lease.expires_at < mono]
         if expired:
-            valid, _ = self.settle(expired)
+            valid, _ = self.end_leases(expired)
             exhausted += self.requeue(valid)
         return exhausted
 
@@ -199,11 +201,11 @@ class Dispatcher:
         hello again, or lost its right to connect); returns ids that ran out
         of deliveries."""
         consumer = self.consumers.pop(identity)
-        valid, _ = self.settle(sorted(consumer.leases))
+        valid, _ = self.end_leases(sorted(consumer.leases))
         return self.requeue(valid)
 
     # -- sending -------------------------------------------------------------
-    def deliveries(self, now: float) -> list[Dispatch]:
+    def deliveries(self, mono: float) -> list[Dispatch]:
         """Hand queued units to consumers with credit, round-robin."""
         out: list[Dispatch] = []
         identities = list(self.consumers)
@@ -235,14 +237,14 @@ class Dispatcher:
                     continue
                 progress = True
                 for tid in tids:
-                    out.append(self._lease(identity, consumer, tid, unit, now, credit))
+                    out.append(self._lease(identity, consumer, tid, unit, mono, credit))
             self._rotation = (self._rotation + 1) % len(identities)
         return out
 
-    def _lease(self, identity: bytes, consumer: ConsumerState, tid: str, unit: DeliveryUnit, now: float,
+    def _lease(self, identity: bytes, consumer: ConsumerState, tid: str, unit: DeliveryUnit, mono: float,
                credit: CreditUnit) -> Dispatch:
         lease_id = f"{self._epoch}-{next(self._counter)}"
-        self.leases[lease_id] = Lease(lease_id, tid, unit, identity, now + self.settings.lease_timeout, credit)
+        self.leases[lease_id] = Lease(lease_id, tid, unit, identity, mono + self.settings.lease_timeout, credit)
         consumer.leases.add(lease_id)
         count = self.delivery_counts.get(tid, 0) + 1
         self.delivery_counts[tid] = count

@@ -111,12 +111,14 @@ class DeadLetter:
 
 
 @dataclass(frozen=True, slots=True)
-class Requeue:
+class Revive:
+    """An operator sent a dead letter back to ready."""
+
     trajectory_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseGroup:
+class GroupDeliverable:
     """A group is complete: its ended members are deliverable together."""
 
     group_id: str
@@ -125,7 +127,7 @@ class ReleaseGroup:
 
 @dataclass(frozen=True, slots=True)
 class CloseGroup:
-    """Every ended member of a released group is gone: forget the group."""
+    """Every ended member of a deliverable group is gone: forget the group."""
 
     group_id: str
 
@@ -140,7 +142,7 @@ class Forget:
 
 # What the engine asks to be made durable, in order; the store and the
 # service's counters each dispatch on it with one `match`.
-Effect = (OpenTrajectory | PutTurn | MarkGap | EndTrajectory | DropTrajectory | DeadLetter | Requeue | ReleaseGroup
+Effect = (OpenTrajectory | PutTurn | MarkGap | EndTrajectory | DropTrajectory | DeadLetter | Revive | GroupDeliverable
           | CloseGroup | Forget)
 
 
@@ -192,10 +194,10 @@ class Group:
     size: int
     members: dict[str, State] = field(default_factory=dict)  # trajectory id -> state
     updated_at: float = 0.0
-    pending: set[str] | None = None  # once released: ended members not yet delivered
+    pending: set[str] | None = None  # once deliverable: ended members not yet delivered
 
     @property
-    def released(self) -> bool:
+    def deliverable(self) -> bool:
         return self.pending is not None
 
     @property
@@ -233,7 +235,7 @@ class MergeEngine:
         self._unsaved: dict[tuple[str, int], Message] = {}
         # Every entry and group is also indexed so that periodic work costs
         # what changed, not what is held: counts by state, open entries and
-        # unreleased groups least recently continued first (expiry looks at
+        # groups not yet deliverable, least recently continued first (expiry looks at
         # the front only), and the trajectories in memory in eviction order.
         # Entries change state only through the methods below.
         self.entries: dict[str, Entry] = {}
@@ -254,9 +256,9 @@ class MergeEngine:
         return effects
 
     # -- producer messages --------------------------------------------------
-    def handle(self, message: Message, now: float, stored: Mapping[tuple[str, int], bytes | None] = MappingProxyType({})
+    def handle(self, message: Message, wall: float, stored: Mapping[tuple[str, int], bytes | None] = MappingProxyType({})
                ) -> Reply:
-        """Apply one decoded `turn`, `end` or `abort` at wall time `now`.
+        """Apply one decoded `turn`, `end` or `abort` at wall time `wall`.
         `stored` holds the digests `stored_digests_needed` named, read from
         the store (None: the read failed, and a resend that needs it is
         refused `unavailable`)."""
@@ -265,15 +267,15 @@ class MergeEngine:
             raise InvalidInput(f"the merge engine takes turn, end and abort messages, got {kind!r}")
         tid = message["trajectory_id"]
         remembered = self.dedup.get(tid)
-        if remembered is not None and remembered >= now:
+        if remembered is not None and remembered >= wall:
             return Reply(_ack(message, False, duplicate=True))
         try:
             if kind == "turn":
-                fields, effects = self._turn(message, now, stored)
+                fields, effects = self._turn(message, wall, stored)
             elif kind == "end":
-                fields, effects = self._end(message, now)
+                fields, effects = self._end(message, wall)
             else:
-                fields, effects = self._abort(message, now)
+                fields, effects = self._abort(message, wall)
         except ProtocolError as error:
             self._effects.clear()
             return Reply(error=error.as_remote().with_seq(message["seq"]))
@@ -295,14 +297,14 @@ class MergeEngine:
                 needed.append((tid, index))
         return needed
 
-    def _turn(self, message: Message, now: float, stored: Mapping[tuple[str, int], bytes | None]) -> tuple[dict, tuple]:
+    def _turn(self, message: Message, wall: float, stored: Mapping[tuple[str, int], bytes | None]) -> tuple[dict, tuple]:
         tid, index = message["trajectory_id"], message["turn"]
         entry = self.entries.get(tid)
         if entry is None or entry.state == LEFT:
             if index != 0:
                 raise RemoteProtocolError("out_of_order", f"trajectory {tid!r} is unknown; expected turn 0, got {index}",
                                           expected=0)
-            return self._start(message, now, replaces=entry is not None)
+            return self._start(message, wall, replaces=entry is not None)
         if index < entry.next_turn:
             earlier, applied, reason = entry.outcomes[index]
             if (earlier if earlier is not None else self._applied_digest(tid, index, stored)) != content_digest(message):
@@ -321,22 +323,22 @@ class MergeEngine:
         outcome = traj.append_turn(turn_from_message(message))
         digest = self._digest_unless_applied(message, index, outcome.applied)
         entry.outcomes.append((digest, outcome.applied, outcome.reason))
-        entry.updated_at = now
+        entry.updated_at = wall
         self._open.move_to_end(tid)
         if tid in self._resident_open:
             self._resident_open.move_to_end(tid)
         self._grow(entry, traj)  # a gap can also shrink it
         effects: tuple[Effect, ...] = (
-            PutTurn(tid, index, digest, outcome.applied, outcome.reason, message if outcome.applied else None, now),
+            PutTurn(tid, index, digest, outcome.applied, outcome.reason, message if outcome.applied else None, wall),
         )
         if outcome.reason == "replay_gap":
             gap = traj.gap
             assert gap is not None  # `append_turn` cut it there
             effects += (MarkGap(tid, gap),)
-        self._touch_group(entry, now)
+        self._touch_group(entry, wall)
         return _ack(message, outcome.applied, reason=outcome.reason), effects
 
-    def _start(self, message: Message, now: float, replaces: bool) -> tuple[dict, tuple]:
+    def _start(self, message: Message, wall: float, replaces: bool) -> tuple[dict, tuple]:
         tid = message["trajectory_id"]
         group_id, group_size = message.get("group_id"), message.get("group_size")
         if group_id is not None:
@@ -352,7 +354,7 @@ class MergeEngine:
         outcome = traj.append_turn(turn_from_message(message))  # raises, changing nothing, when refused
         digest = self._digest_unless_applied(message, 0, outcome.applied)
         entry = Entry(tid, OPEN, group_id, group_size, message.get("sample_index"), [(digest, outcome.applied, outcome.reason)],
-                      updated_at=now)
+                      updated_at=wall)
         if replaces:
             self._remove(tid)
         self._add(entry)
@@ -362,10 +364,10 @@ class MergeEngine:
             if group is None:
                 group = self.groups[group_id] = self._idle_groups[group_id] = Group(group_size)
             group.members[tid] = OPEN
-            self._touch_group(entry, now)
+            self._touch_group(entry, wall)
         effects = (
-            OpenTrajectory(tid, group_id, group_size, entry.sample_index, now, replaces),
-            PutTurn(tid, 0, digest, outcome.applied, outcome.reason, message, now),
+            OpenTrajectory(tid, group_id, group_size, entry.sample_index, wall, replaces),
+            PutTurn(tid, 0, digest, outcome.applied, outcome.reason, message, wall),
         )
         return _ack(message, outcome.applied, reason=outcome.reason), effects
 
@@ -406,10 +408,10 @@ class MergeEngine:
                                 f"group {group_id!r} has group_size {group.size}, turn 0 of {tid!r} says {group_size}")
         if tid not in group.members and len(group.members) >= group.size:
             raise RemoteProtocolError("conflict", f"group {group_id!r} already has its {group.size} members; {tid!r} is not one")
-        if group.released:
-            raise RemoteProtocolError("conflict", f"group {group_id!r} is already complete and released")
+        if group.deliverable:
+            raise RemoteProtocolError("conflict", f"group {group_id!r} is already complete and deliverable")
 
-    def _end(self, message: Message, now: float) -> tuple[dict, tuple]:
+    def _end(self, message: Message, wall: float) -> tuple[dict, tuple]:
         tid = message["trajectory_id"]
         entry = self.entries.get(tid)
         if entry is None or entry.state == LEFT:
@@ -424,10 +426,10 @@ class MergeEngine:
         self._check_turn_count(message, entry, traj)
         traj.reward = message["reward"]
         traj.metadata.update(message.get("metadata") or {})
-        entry.end_digest, entry.updated_at = digest, now
+        entry.end_digest, entry.updated_at = digest, wall
         self._set_state(entry, ENDED)
-        effect = EndTrajectory(tid, traj.reward, traj.metadata, digest, now)
-        self._member_done(entry, ENDED, now)
+        effect = EndTrajectory(tid, traj.reward, traj.metadata, digest, wall)
+        self._member_done(entry, ENDED, wall)
         return _ack(message, True), (effect,)
 
     @staticmethod
@@ -449,7 +451,7 @@ class MergeEngine:
                                                 f"the broker has consumed {consumed}; resend turn {consumed} first",
                                 expected=consumed)
 
-    def _abort(self, message: Message, now: float) -> tuple[dict, tuple]:
+    def _abort(self, message: Message, wall: float) -> tuple[dict, tuple]:
         tid = message["trajectory_id"]
         entry = self.entries.get(tid)
         if entry is None or entry.state == LEFT:
@@ -459,33 +461,33 @@ class MergeEngine:
         keep = entry.group_id is not None
         self._remove(tid)
         if keep:
-            self._add(Entry(tid, LEFT, entry.group_id, entry.group_size, entry.sample_index, updated_at=now))
-            self._member_done(entry, LEFT, now)
+            self._add(Entry(tid, LEFT, entry.group_id, entry.group_size, entry.sample_index, updated_at=wall))
+            self._member_done(entry, LEFT, wall)
         return _ack(message, True), (DropTrajectory(tid, keep),)
 
     # -- groups -------------------------------------------------------------
-    def _touch_group(self, entry: Entry, now: float) -> None:
+    def _touch_group(self, entry: Entry, wall: float) -> None:
         if entry.group_id is not None:
-            self.groups[entry.group_id].updated_at = now
+            self.groups[entry.group_id].updated_at = wall
             if entry.group_id in self._idle_groups:
                 self._idle_groups.move_to_end(entry.group_id)
 
-    def _member_done(self, entry: Entry, state: State, now: float) -> None:
+    def _member_done(self, entry: Entry, state: State, wall: float) -> None:
         if entry.group_id is None:
             if state == ENDED:
                 self.ready_units.append(DeliveryUnit((entry.trajectory_id,)))
             return
         group = self.groups[entry.group_id]
         group.members[entry.trajectory_id] = state
-        self._touch_group(entry, now)
+        self._touch_group(entry, wall)
         if group.complete:
-            self._release_group(entry.group_id, group)
+            self._make_deliverable(entry.group_id, group)
 
-    def _release_group(self, group_id: str, group: Group) -> None:
+    def _make_deliverable(self, group_id: str, group: Group) -> None:
         ended = tuple(tid for tid, state in group.members.items() if state == ENDED)
         group.pending = set(ended)
         self._idle_groups.pop(group_id, None)
-        self._effects.append(ReleaseGroup(group_id, group.size))
+        self._effects.append(GroupDeliverable(group_id, group.size))
         if ended:
             self.ready_units.append(DeliveryUnit(ended, group_id, group.size, group.size - len(ended)))
         else:
@@ -501,46 +503,46 @@ class MergeEngine:
             if entry is not None and entry.state == LEFT:
                 self._remove(tid)
 
-    def _settle(self, entry: Entry) -> None:
-        """An ended member of a released group was delivered or dead-lettered."""
+    def _done_in_group(self, entry: Entry) -> None:
+        """An ended member of a deliverable group was delivered or dead-lettered."""
         group_id = entry.group_id
         if not group_id:
             return
         group = self.groups.get(group_id)
-        if group is None or group.pending is None:  # not released
+        if group is None or group.pending is None:  # not deliverable
             return
         group.pending.discard(entry.trajectory_id)
         if not group.pending:
             self._close_group(group_id)
 
     # -- time ---------------------------------------------------------------
-    def expire(self, now: float) -> list:
+    def expire(self, wall: float) -> list:
         """Expire idle open trajectories (dead letter `expired`), close idle
         incomplete groups, and forget dedup records past their window."""
         ttl = self.settings.trajectory_ttl
-        for _, entry in _idle_since(self._open, now - ttl):
-            until = now + self.settings.dedup_window
-            self._effects.append(DeadLetter(entry.trajectory_id, "expired", now, dedup_until=until))
+        for _, entry in _idle_since(self._open, wall - ttl):
+            until = wall + self.settings.dedup_window
+            self._effects.append(DeadLetter(entry.trajectory_id, "expired", wall, dedup_until=until))
             self.remember({entry.trajectory_id: until})
-            self._kill(entry, "expired", now)
-        for group_id, group in _idle_since(self._idle_groups, now - ttl):
+            self._kill(entry, "expired", wall)
+        for group_id, group in _idle_since(self._idle_groups, wall - ttl):
             if OPEN in group.members.values():  # cannot be: a member's frames touch its group
                 continue
-            self._release_group(group_id, group)  # members that never started count as left
+            self._make_deliverable(group_id, group)  # members that never started count as left
         expiry = self._dedup_expiry
-        while expiry and expiry[0][0] < now:
+        while expiry and expiry[0][0] < wall:
             until, tid = heapq.heappop(expiry)
             if self.dedup.get(tid) == until:  # not remembered again since
                 del self.dedup[tid]
         return list(self._drain())
 
-    def _kill(self, entry: Entry, reason: str, now: float) -> None:
+    def _kill(self, entry: Entry, reason: str, wall: float) -> None:
         was_open = entry.state == OPEN
-        entry.dead_reason, entry.dead_at = reason, now
-        self._release(entry)
+        entry.dead_reason, entry.dead_at = reason, wall
+        self._drop_arrays(entry)
         self._set_state(entry, DEAD)
         if was_open:
-            self._member_done(entry, LEFT, now)
+            self._member_done(entry, LEFT, wall)
 
     def remember(self, records: Mapping[str, float]) -> None:
         """Refuse these trajectory ids as duplicates until their times (also
@@ -563,21 +565,21 @@ class MergeEngine:
                              f"{'unknown' if entry is None else entry.state}, expected {ENDED}")
         return entry
 
-    def delivered(self, tid: str, now: float) -> list:
+    def delivered(self, tid: str, wall: float) -> list:
         """A consumer committed `tid`: forget its data, remember its id."""
         self._ready_entry(tid, "delivered")
         entry = self._remove(tid)
-        until = now + self.settings.dedup_window
+        until = wall + self.settings.dedup_window
         self.remember({tid: until})
-        self._settle(entry)
+        self._done_in_group(entry)
         return list(self._drain(Forget(tid, until)))
 
-    def dead_letter(self, tid: str, reason: str, now: float) -> list:
+    def dead_letter(self, tid: str, reason: str, wall: float) -> list:
         """A consumer refused `tid` (or it ran out of deliveries, or it cannot be read back)."""
         entry = self._ready_entry(tid, "dead-lettered")
-        self._kill(entry, reason, now)
-        self._settle(entry)
-        return list(self._drain(DeadLetter(tid, reason, now)))
+        self._kill(entry, reason, wall)
+        self._done_in_group(entry)
+        return list(self._drain(DeadLetter(tid, reason, wall)))
 
     def unreadable(self, tid: str) -> bool:
         """Reading ready `tid` back from the store found its records damaged
@@ -591,7 +593,7 @@ class MergeEngine:
         entry.unreadable += 1
         return entry.unreadable >= UNREADABLE_AFTER
 
-    def requeue(self, tid: str) -> Requeue | None:
+    def revive(self, tid: str) -> Revive | None:
         """Move a dead letter back to ready; expired ones never come back."""
         entry = self.entries.get(tid)
         if entry is None or entry.state != DEAD or entry.dead_reason == "expired":
@@ -599,7 +601,7 @@ class MergeEngine:
         entry.dead_reason, entry.dead_at, entry.unreadable = None, None, 0
         self._set_state(entry, ENDED)
         self.ready_units.append(DeliveryUnit((tid,), entry.group_id, entry.group_size, (entry.group_size or 1) - 1))
-        return Requeue(tid)
+        return Revive(tid)
 
     # -- memory -------------------------------------------------------------
     def evict(self, target: float, keep: set[str] | frozenset = frozenset()) -> dict[State, int]:
@@ -623,7 +625,7 @@ class MergeEngine:
                 if entry.state == OPEN:
                     self._shed(entry)
                 else:
-                    self._release(entry)
+                    self._drop_arrays(entry)
                 evicted[entry.state] += 1
         return evicted
 
@@ -640,14 +642,14 @@ class MergeEngine:
         """An evicted trajectory read back from the store."""
         self._hold(entry, trajectory)
 
-    def restore(self, entries: Iterable[Entry], released_groups: Collection[str], dedup: Mapping[str, float],
+    def restore(self, entries: Iterable[Entry], deliverable_groups: Collection[str], dedup: Mapping[str, float],
                 order: Mapping[str, int]) -> list[DeliveryUnit]:
         """Fill this empty engine with stored `entries` (open ones holding
         their replayed trajectories): groups rebuilt from their members,
-        those in `released_groups` released again, `dedup` remembered.
+        those in `deliverable_groups` deliverable again, `dedup` remembered.
         Returns the units to deliver, by `order` (ready sequence) of their
         first member: a ready trajectory outside a group, or the ended
-        members of a released group."""
+        members of a deliverable group."""
         if self.entries or self.groups:
             raise InvalidInput(f"restore fills an empty engine; this one holds {len(self.entries)} trajectories")
         for entry in entries:
@@ -660,7 +662,7 @@ class MergeEngine:
         self.remember(dedup)
         ready: list[tuple[int, DeliveryUnit]] = []
         for group_id, group in self.groups.items():
-            if group_id in released_groups:  # a release commits with the frame that completed the group
+            if group_id in deliverable_groups:  # made deliverable in the commit of the frame that completed the group
                 ended = tuple(tid for tid, state in group.members.items() if state == ENDED)
                 group.pending = set(ended)
                 if ended:
@@ -687,7 +689,7 @@ class MergeEngine:
             if trajectory is not None:
                 self._hold(entry, trajectory)
         for group_id, group in sorted(self.groups.items(), key=lambda item: item[1].updated_at):
-            if not group.released:
+            if not group.deliverable:
                 self._idle_groups[group_id] = group
 
     def _add(self, entry: Entry) -> None:
@@ -701,7 +703,7 @@ class MergeEngine:
 
     def _remove(self, tid: str) -> Entry:
         entry = self.entries.pop(tid)
-        self._release(entry)
+        self._drop_arrays(entry)
         self._counts[entry.state] -= 1
         self._open.pop(tid, None)
         return entry
@@ -717,7 +719,7 @@ class MergeEngine:
         entry.state = state
 
     def _hold(self, entry: Entry, trajectory: Trajectory) -> None:
-        self._release(entry)
+        self._drop_arrays(entry)
         entry.trajectory, entry.held = trajectory, 0
         self._grow(entry, trajectory)
         if not trajectory.is_shed:
@@ -736,7 +738,7 @@ class MergeEngine:
         self._resident_open.pop(entry.trajectory_id, None)
         self._grow(entry, trajectory)
 
-    def _release(self, entry: Entry) -> None:
+    def _drop_arrays(self, entry: Entry) -> None:
         if entry.trajectory is None:
             return
         self.bytes_in_memory -= entry.held

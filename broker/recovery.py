@@ -52,7 +52,7 @@ class Rebuilt(NamedTuple):
     """Broker state as the store holds it, for `MergeEngine.restore`."""
 
     entries: list[Entry]
-    released_groups: Collection[str]
+    deliverable_groups: Collection[str]
     dedup: Mapping[str, float]
     order: Mapping[str, int]  # ready sequence of each trajectory
 
@@ -77,4 +77,4 @@ def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
         )
         entries.append(entry)
     order = {t.trajectory_id: t.ready_seq or 0 for t in recovered.trajectories}
-    return Rebuilt(entries, recovered.released_groups, recovered.dedup, order)
+    return Rebuilt(entries, recovered.deliverable_groups, recovered.dedup, order)

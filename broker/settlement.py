@@ -52,7 +52,7 @@ class Settlement:
         """After the commit: settle the leases; a requeue puts them back, the
         rest are forgotten. Returns the trajectories a requeue left without
         deliveries (`max_deliveries`), to dead-letter."""
-        settled, _ = dispatcher.settle(self.known)
+        settled, _ = dispatcher.end_leases(self.known)
         if self.requeue:
             return dispatcher.requeue(settled)
         for tid in self.trajectory_ids:

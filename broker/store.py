@@ -43,11 +43,11 @@ from .engine import (
     Effect,
     EndTrajectory,
     Forget,
+    GroupDeliverable,
     MarkGap,
     OpenTrajectory,
     PutTurn,
-    ReleaseGroup,
-    Requeue,
+    Revive,
     State,
 )
 
@@ -129,15 +129,15 @@ class _DeferredRows:
         self.turns: list[tuple] = []
         self.forgets: list[tuple] = []  # (id, dedup until)
 
-    def execute(self, db: sqlite3.Connection, released: list[int]) -> None:
-        """Run the rows; segments that lose a record are added to `released`."""
+    def execute(self, db: sqlite3.Connection, records_gone: list[int]) -> None:
+        """Run the rows; segments that lose a record are added to `records_gone`."""
         for statement, rows in ((_OPEN, self.opens), (_END, self.ends), (_TURN, self.turns)):
             if rows:
                 db.executemany(statement, rows)
                 rows.clear()
         if self.forgets:
             tids = [tid for tid, _ in self.forgets]
-            released += _delete_turns(db, tids)
+            records_gone += _delete_turns(db, tids)
             db.executemany("DELETE FROM trajectories WHERE id=?", [(tid,) for tid in tids])
             db.executemany("INSERT OR REPLACE INTO dedup VALUES (?, ?)", self.forgets)
             self.forgets.clear()
@@ -224,7 +224,7 @@ class Recovered:
 
     trajectories: list[StoredTrajectory]
     dedup: dict[str, float]
-    released_groups: dict[str, int]
+    deliverable_groups: dict[str, int]  # stored in the table `released_groups`, its first name
 
 
 _FRAME_TABLES: dict[int, struct.Struct] = {}  # by frame count: the record's frame-length table
@@ -266,7 +266,7 @@ class Segments(SegmentLog):
     def read(self, location: tuple[int, int, int]) -> memoryview:
         return self.read_many([location])[0]
 
-    def release(self, number: int) -> None:
+    def record_gone(self, number: int) -> None:
         """One record fewer in `number`; unlink a finished segment at zero."""
         self.live[number] -= 1
         if self.live[number] == 0 and number != self.current:
@@ -275,7 +275,7 @@ class Segments(SegmentLog):
 
     def retire_unreferenced(self) -> None:
         """Delete the segments finished since the last call that no record
-        refers to: one whose records were all released while it was
+        refers to: one whose records were all gone while it was
         current, or held only refused turns written ahead. Called between
         commits, when every record written is either referenced or not."""
         for number in self._rotated:
@@ -468,7 +468,7 @@ class Store:
     # -- writing ------------------------------------------------------------
     @property
     def writing_ahead(self) -> bool:
-        """Turns were written ahead: the next `commit` must settle them, even
+        """Turns were written ahead: the next `commit` must wait for them, even
         one without effects."""
         return bool(self._writes)
 
@@ -506,7 +506,7 @@ class Store:
 
     def commit(self, effects: list) -> None:
         """Make `effects` durable as one batch, or raise `StoreUnavailable` with
-        nothing of the batch persisted. Writes ahead are settled first."""
+        nothing of the batch persisted. It waits for the writes ahead first."""
         start = self._ahead_mark if self.writing_ahead else self.segments.mark
         if not effects and not self.writing_ahead:
             return
@@ -527,13 +527,13 @@ class Store:
             raise StoreUnavailable(f"cannot append to {self.segments.path(self.segments.current)}: {exc}") from None
         locations = [located[id(m)] for m in puts]
         stored = iter(locations)  # in the order of `puts`, which is the effects' order
-        released: list[int] = []
+        records_gone: list[int] = []
         try:
             self.db.execute("BEGIN")
             rows = _DeferredRows()
             for effect in effects:
-                self._put(effect, rows, stored, released)
-            rows.execute(self.db, released)
+                self._put(effect, rows, stored, records_gone)
+            rows.execute(self.db, records_gone)
             self.db.execute("COMMIT")
         except (sqlite3.Error, OSError) as exc:
             try:
@@ -544,8 +544,8 @@ class Store:
             raise StoreUnavailable(f"cannot commit to {self.db_path}: {exc}") from None
         for number, _, _ in locations:
             self.segments.live[number] = self.segments.live.get(number, 0) + 1
-        for number in released:
-            self.segments.release(number)
+        for number in records_gone:
+            self.segments.record_gone(number)
         self.segments.retire_unreferenced()
 
     def _rewind(self, mark: tuple[int, int]) -> None:
@@ -580,7 +580,7 @@ class Store:
             raise StoreCorrupted(f"turn {turn} of {trajectory_id!r} was applied but has no stored record")
         return content_digest(self.read_turn(row))
 
-    def _put(self, effect: Effect, rows: "_DeferredRows", stored: Iterator, released: list[int]) -> None:
+    def _put(self, effect: Effect, rows: "_DeferredRows", stored: Iterator, records_gone: list[int]) -> None:
         """One effect into the open transaction: the common ones (turns,
         starts, ends, forgotten ids) as rows run together at the end; any
         other runs now, after the rows so far (it may touch the same rows)."""
@@ -597,35 +597,35 @@ class Store:
             case Forget():
                 rows.forgets.append((effect.trajectory_id, effect.dedup_until))
             case OpenTrajectory():  # one replacing a LEFT marker
-                rows.execute(db, released)
-                released += _delete_turns(db, [effect.trajectory_id])
+                rows.execute(db, records_gone)
+                records_gone += _delete_turns(db, [effect.trajectory_id])
                 db.execute(_OPEN, (effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at))
             case MarkGap():
-                rows.execute(db, released)
+                rows.execute(db, records_gone)
                 db.execute("UPDATE trajectories SET gap_turn=?, gap_field=? WHERE id=?",
                            (effect.gap.turn, effect.gap.field, effect.trajectory_id))
             case DropTrajectory():
-                rows.execute(db, released)
-                released += _delete_turns(db, [effect.trajectory_id])
+                rows.execute(db, records_gone)
+                records_gone += _delete_turns(db, [effect.trajectory_id])
                 if effect.keep_marker:
                     db.execute(f"UPDATE trajectories SET state='{State.LEFT}' WHERE id=?", (effect.trajectory_id,))
                 else:
                     db.execute("DELETE FROM trajectories WHERE id=?", (effect.trajectory_id,))
             case DeadLetter():
-                rows.execute(db, released)
+                rows.execute(db, records_gone)
                 db.execute(f"UPDATE trajectories SET state='{State.DEAD}', dead_reason=?, dead_at=? WHERE id=?",
                            (effect.reason, effect.at, effect.trajectory_id))
                 if effect.dedup_until is not None:
                     db.execute("INSERT OR REPLACE INTO dedup VALUES (?, ?)", (effect.trajectory_id, effect.dedup_until))
-            case Requeue():
-                rows.execute(db, released)
+            case Revive():
+                rows.execute(db, records_gone)
                 db.execute(f"UPDATE trajectories SET state='{State.ENDED}', dead_reason=NULL, dead_at=NULL, ready_seq=? "
                            "WHERE id=?", (self._take_ready_seq(), effect.trajectory_id))
-            case ReleaseGroup():
-                rows.execute(db, released)
+            case GroupDeliverable():  # the table keeps its first name, `released_groups`
+                rows.execute(db, records_gone)
                 db.execute("INSERT OR REPLACE INTO released_groups VALUES (?, ?)", (effect.group_id, effect.size))
             case CloseGroup():
-                rows.execute(db, released)
+                rows.execute(db, records_gone)
                 db.execute("DELETE FROM released_groups WHERE id=?", (effect.group_id,))
                 db.execute(f"DELETE FROM trajectories WHERE group_id=? AND state='{State.LEFT}'", (effect.group_id,))
             case _:

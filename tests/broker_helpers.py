@@ -33,11 +33,11 @@ def abort_msg(tid, seq=200, reason="retry"):
     return decode(encode(PRODUCER_TO_BROKER, "abort", {"seq": seq, "trajectory_id": tid, "reason": reason}), PRODUCER_TO_BROKER)
 
 
-def handle_with_store(engine, store, message, now):
+def handle_with_store(engine, store, message, wall):
     """`engine.handle`, given the stored digests it names, read from `store`
     (as the broker core reads them for a batch)."""
     keys = engine.stored_digests_needed([message])
-    return engine.handle(message, now, {key: store.turn_digest(*key) for key in keys})
+    return engine.handle(message, wall, {key: store.turn_digest(*key) for key in keys})
 
 
 def drive(steps, **answers):

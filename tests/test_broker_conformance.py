@@ -173,7 +173,7 @@ def test_gap_abort_and_dead_letters(broker):
     assert admin.poll(10_000)
     assert msgpack.unpackb(admin.recv())["trajectory_ids"] == ["g"]
     header, _ = consumer.recv()
-    assert header["trajectory_id"] == "g" and header["delivery_count"] == 1  # a requeue starts the count afresh
+    assert header["trajectory_id"] == "g" and header["delivery_count"] == 1  # a revived dead letter starts the count afresh
     admin.close()
 
 

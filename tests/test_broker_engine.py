@@ -14,10 +14,10 @@ from rollstream.broker.engine import (
     EndTrajectory,
     EngineSettings,
     Forget,
+    GroupDeliverable,
     MergeEngine,
     OpenTrajectory,
     PutTurn,
-    ReleaseGroup,
 )
 from rollstream.common import SamplingMask
 
@@ -38,10 +38,10 @@ def refused(reply):
 
 
 def test_turns_in_order_are_applied_and_persisted(engine):
-    r0 = engine.handle(turn_msg("t", 0, [10], [[10, 4]], forced=[20, 21]), now=1)
+    r0 = engine.handle(turn_msg("t", 0, [10], [[10, 4]], forced=[20, 21]), wall=1)
     assert ack(r0) == {"seq": 0, "trajectory_id": "t", "turn": 0, "applied": True}
     assert [type(e) for e in r0.effects] == [OpenTrajectory, PutTurn]
-    r1 = engine.handle(turn_msg("t", 1, [30], [[30, 7, 8]]), now=2)
+    r1 = engine.handle(turn_msg("t", 1, [30], [[30, 7, 8]]), wall=2)
     assert ack(r1)["applied"] and isinstance(r1.effects[0], PutTurn) and r1.effects[0].message is not None
     traj = engine.entries["t"].trajectory
     # docs/semantics.md §8 example 6 through the engine
@@ -50,143 +50,143 @@ def test_turns_in_order_are_applied_and_persisted(engine):
 
 
 def test_identical_resend_is_a_duplicate_repeating_the_outcome(engine):
-    engine.handle(turn_msg("t", 0, [10], [[10]]), now=1)
-    reply = engine.handle(turn_msg("t", 0, [10], [[10]], seq=9), now=2)
+    engine.handle(turn_msg("t", 0, [10], [[10]]), wall=1)
+    reply = engine.handle(turn_msg("t", 0, [10], [[10]], seq=9), wall=2)
     assert ack(reply) == {"seq": 9, "trajectory_id": "t", "turn": 0, "applied": True, "duplicate": True}
     assert reply.effects == () and engine.entries["t"].trajectory.response_length == 1
 
 
 def test_an_end_that_counts_a_turn_the_broker_never_saw_is_out_of_order_and_changes_nothing(engine):
-    engine.handle(turn_msg("t", 0, [10], [[10]]), now=1)
-    engine.handle(turn_msg("t", 1, [11], [[11]]), now=2)
-    error = refused(engine.handle(end_msg("t", turns=3, seq=7), now=3))  # turn 2 was lost on the way
+    engine.handle(turn_msg("t", 0, [10], [[10]]), wall=1)
+    engine.handle(turn_msg("t", 1, [11], [[11]]), wall=2)
+    error = refused(engine.handle(end_msg("t", turns=3, seq=7), wall=3))  # turn 2 was lost on the way
     assert (error.code, error.expected, error.seq) == ("out_of_order", 2, 7)
     assert "says 3 turns were sent" in error.message and "consumed 2" in error.message
     assert engine.entries["t"].state == "open" and not engine.ready_units
-    engine.handle(turn_msg("t", 2, [12], [[12]]), now=4)  # the resent turn, then the end again
-    reply = engine.handle(end_msg("t", turns=3, seq=8), now=5)
+    engine.handle(turn_msg("t", 2, [12], [[12]]), wall=4)  # the resent turn, then the end again
+    reply = engine.handle(end_msg("t", turns=3, seq=8), wall=5)
     assert ack(reply)["applied"] and [type(e) for e in reply.effects] == [EndTrajectory]
     assert engine.entries["t"].state == ENDED and engine.entries["t"].trajectory.tokens.tolist() == [10, 11, 12]
-    assert ack(engine.handle(end_msg("t", turns=3, seq=9), now=6))["duplicate"] is True
+    assert ack(engine.handle(end_msg("t", turns=3, seq=9), wall=6))["duplicate"] is True
 
 
 def test_an_end_that_counts_fewer_turns_than_were_consumed_is_a_conflict(engine):
-    engine.handle(turn_msg("t", 0, [10], [[10]]), now=1)
-    engine.handle(turn_msg("t", 1, [11], [[11]]), now=2)
-    error = refused(engine.handle(end_msg("t", turns=1), now=3))
+    engine.handle(turn_msg("t", 0, [10], [[10]]), wall=1)
+    engine.handle(turn_msg("t", 1, [11], [[11]]), wall=2)
+    error = refused(engine.handle(end_msg("t", turns=1), wall=3))
     assert error.code == "conflict" and "says 1 turns were sent" in error.message
     assert engine.entries["t"].state == "open"
 
 
 def test_an_end_may_count_turns_a_terminal_trajectory_answered_after_terminal(engine):
-    engine.handle(turn_msg("t", 0, [10], [[10]], status="truncated"), now=1)
-    late = ack(engine.handle(turn_msg("t", 1, [11], [[11]]), now=2))
+    engine.handle(turn_msg("t", 0, [10], [[10]], status="truncated"), wall=1)
+    late = ack(engine.handle(turn_msg("t", 1, [11], [[11]]), wall=2))
     assert (late["applied"], late["reason"]) == (False, "after_terminal")
-    assert ack(engine.handle(end_msg("t", turns=2), now=3))["applied"] is True
+    assert ack(engine.handle(end_msg("t", turns=2), wall=3))["applied"] is True
     assert engine.entries["t"].state == ENDED
 
 
 def test_an_end_without_turns_ends_whatever_was_consumed(engine):
-    engine.handle(turn_msg("t", 0, [10], [[10]]), now=1)
-    assert ack(engine.handle(end_msg("t"), now=2))["applied"] is True
+    engine.handle(turn_msg("t", 0, [10], [[10]]), wall=1)
+    assert ack(engine.handle(end_msg("t"), wall=2))["applied"] is True
 
 
 def test_different_content_for_an_earlier_turn_is_conflict(engine):
-    engine.handle(turn_msg("t", 0, [10], [[10]]), now=1)
-    error = refused(engine.handle(turn_msg("t", 0, [11], [[11]], seq=5), now=2))
+    engine.handle(turn_msg("t", 0, [10], [[10]]), wall=1)
+    error = refused(engine.handle(turn_msg("t", 0, [11], [[11]], seq=5), wall=2))
     assert error.code == "conflict" and error.seq == 5
 
 
 def test_later_turn_is_out_of_order_with_expected(engine):
-    error = refused(engine.handle(turn_msg("t", 2), now=1))
+    error = refused(engine.handle(turn_msg("t", 2), wall=1))
     assert (error.code, error.expected) == ("out_of_order", 0)
-    engine.handle(turn_msg("t", 0), now=1)
-    error = refused(engine.handle(turn_msg("t", 3), now=1))
+    engine.handle(turn_msg("t", 0), wall=1)
+    error = refused(engine.handle(turn_msg("t", 3), wall=1))
     assert (error.code, error.expected) == ("out_of_order", 1)
     assert "t" in engine.entries and engine.entries["t"].next_turn == 1
 
 
 def test_example_7_replay_gap(engine):
-    engine.handle(turn_msg("t", 0, [10], [[10, 4]], forced=[20]), now=1)
-    reply = engine.handle(turn_msg("t", 1, [30], None, status="aborted"), now=2)
+    engine.handle(turn_msg("t", 0, [10], [[10, 4]], forced=[20]), wall=1)
+    reply = engine.handle(turn_msg("t", 1, [30], None, status="aborted"), wall=2)
     assert ack(reply) == {"seq": 1, "trajectory_id": "t", "turn": 1, "applied": False, "reason": "replay_gap"}
     put, mark = reply.effects
     assert put.message is None and not put.applied and (mark.gap.turn, mark.gap.field) == (1, "mask")
     assert engine.entries["t"].trajectory.tokens.tolist() == [10]
-    later = engine.handle(turn_msg("t", 2, [40], [[40]]), now=3)
+    later = engine.handle(turn_msg("t", 2, [40], [[40]]), wall=3)
     assert ack(later)["reason"] == "replay_gap" and later.effects == ()
-    resend = engine.handle(turn_msg("t", 1, [30], None, status="aborted", seq=7), now=3)
+    resend = engine.handle(turn_msg("t", 1, [30], None, status="aborted", seq=7), wall=3)
     assert ack(resend) == {"seq": 7, "trajectory_id": "t", "turn": 1, "applied": False, "reason": "replay_gap", "duplicate": True}
 
 
 def test_example_8_mask_presence_refused_unchanged(engine):
-    engine.handle(turn_msg("t", 0, [10], None), now=1)
-    error = refused(engine.handle(turn_msg("t", 1, [30], [[30]]), now=2))
+    engine.handle(turn_msg("t", 0, [10], None), wall=1)
+    error = refused(engine.handle(turn_msg("t", 1, [30], [[30]]), wall=2))
     assert error.code == "mask_presence"
     assert engine.entries["t"].next_turn == 1
-    assert ack(engine.handle(turn_msg("t", 1, [30], None), now=2))["applied"]
+    assert ack(engine.handle(turn_msg("t", 1, [30], None), wall=2))["applied"]
 
 
 def test_after_truncated_turn_later_turns_are_not_applied(engine):
-    engine.handle(turn_msg("t", 0, [10], status="truncated"), now=1)
-    reply = engine.handle(turn_msg("t", 1, [11]), now=2)
+    engine.handle(turn_msg("t", 0, [10], status="truncated"), wall=1)
+    reply = engine.handle(turn_msg("t", 1, [11]), wall=2)
     assert ack(reply)["reason"] == "after_terminal" and reply.effects == ()
 
 
 def test_replay_array_shrinking_is_misaligned(engine):
     import numpy as np
 
-    engine.handle(turn_msg("t", 0, [10], routed_experts=np.zeros((4, 2), np.int32)), now=1)
-    error = refused(engine.handle(turn_msg("t", 1, [11], routed_experts=np.zeros((3, 2), np.int32)), now=2))
+    engine.handle(turn_msg("t", 0, [10], routed_experts=np.zeros((4, 2), np.int32)), wall=1)
+    error = refused(engine.handle(turn_msg("t", 1, [11], routed_experts=np.zeros((3, 2), np.int32)), wall=2))
     assert error.code == "misaligned"
 
 
 def test_end_makes_a_ready_unit_and_is_idempotent(engine):
-    engine.handle(turn_msg("t", 0), now=1)
-    reply = engine.handle(end_msg("t", reward=0.5, metadata={"k": 1}), now=2)
+    engine.handle(turn_msg("t", 0), wall=1)
+    reply = engine.handle(end_msg("t", reward=0.5, metadata={"k": 1}), wall=2)
     assert ack(reply) == {"seq": 100, "trajectory_id": "t", "applied": True}
     (effect,) = reply.effects
     assert isinstance(effect, EndTrajectory) and effect.reward == 0.5 and effect.metadata == {"k": 1}
     assert list(engine.ready_units) == [DeliveryUnit(("t",))]
-    again = engine.handle(end_msg("t", reward=0.5, metadata={"k": 1}, seq=101), now=3)
+    again = engine.handle(end_msg("t", reward=0.5, metadata={"k": 1}, seq=101), wall=3)
     assert ack(again)["duplicate"] and again.effects == ()
-    assert refused(engine.handle(end_msg("t", reward=0.7), now=3)).code == "conflict"
-    late = engine.handle(turn_msg("t", 1), now=3)
+    assert refused(engine.handle(end_msg("t", reward=0.7), wall=3)).code == "conflict"
+    late = engine.handle(turn_msg("t", 1), wall=3)
     assert ack(late)["reason"] == "after_terminal"
 
 
 def test_end_for_unknown_trajectory(engine):
-    assert refused(engine.handle(end_msg("nope"), now=1)).code == "unknown_trajectory"
+    assert refused(engine.handle(end_msg("nope"), wall=1)).code == "unknown_trajectory"
 
 
 def test_abort_discards_and_allows_a_fresh_turn_zero(engine):
-    engine.handle(turn_msg("t", 0, [10]), now=1)
-    reply = engine.handle(abort_msg("t"), now=2)
+    engine.handle(turn_msg("t", 0, [10]), wall=1)
+    reply = engine.handle(abort_msg("t"), wall=2)
     assert ack(reply)["applied"] and reply.effects == (DropTrajectory("t", False),)
     assert "t" not in engine.entries
-    again = engine.handle(abort_msg("t", seq=201), now=2)
+    again = engine.handle(abort_msg("t", seq=201), wall=2)
     assert ack(again) == {"seq": 201, "trajectory_id": "t", "applied": False, "reason": "unknown_trajectory"}
-    fresh = engine.handle(turn_msg("t", 0, [99]), now=3)
+    fresh = engine.handle(turn_msg("t", 0, [99]), wall=3)
     assert ack(fresh)["applied"] and engine.entries["t"].trajectory.tokens.tolist() == [99]
 
 
 def test_abort_after_end_is_conflict(engine):
-    engine.handle(turn_msg("t", 0), now=1)
-    engine.handle(end_msg("t"), now=1)
-    assert refused(engine.handle(abort_msg("t"), now=2)).code == "conflict"
+    engine.handle(turn_msg("t", 0), wall=1)
+    engine.handle(end_msg("t"), wall=1)
+    assert refused(engine.handle(abort_msg("t"), wall=2)).code == "conflict"
 
 
 def test_delivered_ids_are_remembered_for_the_dedup_window(engine):
-    engine.handle(turn_msg("t", 0), now=1)
-    engine.handle(end_msg("t"), now=1)
-    (forget,) = engine.delivered("t", now=10)
+    engine.handle(turn_msg("t", 0), wall=1)
+    engine.handle(end_msg("t"), wall=1)
+    (forget,) = engine.delivered("t", wall=10)
     assert forget == Forget("t", 1010.0)
     for message in (turn_msg("t", 0), end_msg("t"), abort_msg("t")):
-        reply = engine.handle(message, now=20)
+        reply = engine.handle(message, wall=20)
         assert ack(reply)["applied"] is False and ack(reply)["duplicate"] is True and reply.effects == ()
-    engine.expire(now=2000)
+    engine.expire(wall=2000)
     assert "t" not in engine.dedup
-    assert ack(engine.handle(turn_msg("t", 0), now=2001))["applied"]
+    assert ack(engine.handle(turn_msg("t", 0), wall=2001))["applied"]
 
 
 def test_dedup_records_expire_in_time_order_whatever_order_they_came_in(engine):
@@ -194,114 +194,114 @@ def test_dedup_records_expire_in_time_order_whatever_order_they_came_in(engine):
     engine.remember({"a": 300.5, "b": 100.5})
     engine.remember({"c": 200.5})
     engine.remember({"b": 400.5})  # remembered again, for longer
-    engine.expire(now=250)
+    engine.expire(wall=250)
     assert set(engine.dedup) == {"a", "b"} | {f"r{i}" for i in range(1000) if 1000 - i >= 250}
     assert engine.dedup["b"] == 400.5
-    engine.expire(now=350)
+    engine.expire(wall=350)
     assert set(engine.dedup) == {"b"} | {f"r{i}" for i in range(1000) if 1000 - i >= 350}
-    engine.expire(now=1001)
+    engine.expire(wall=1001)
     assert engine.dedup == {}
-    assert ack(engine.handle(turn_msg("b", 0), now=1001))["applied"]
+    assert ack(engine.handle(turn_msg("b", 0), wall=1001))["applied"]
 
 
 def test_idle_open_trajectory_expires_to_dead_letters(engine):
-    engine.handle(turn_msg("t", 0), now=1)
-    engine.handle(turn_msg("u", 0), now=90)
-    effects = engine.expire(now=150)
+    engine.handle(turn_msg("t", 0), wall=1)
+    engine.handle(turn_msg("u", 0), wall=90)
+    effects = engine.expire(wall=150)
     assert effects == [DeadLetter("t", "expired", 150, dedup_until=1150.0)]
     assert engine.entries["t"].state == DEAD and engine.entries["u"].state == "open"
     assert engine.dead_letters(10) == [{"trajectory_id": "t", "reason": "expired", "at": 150}]
-    assert ack(engine.handle(turn_msg("t", 1), now=151))["duplicate"]
-    assert engine.requeue("t") is None  # never delivered as if complete
+    assert ack(engine.handle(turn_msg("t", 1), wall=151))["duplicate"]
+    assert engine.revive("t") is None  # never delivered as if complete
 
 
-def test_dead_letter_and_requeue(engine):
-    engine.handle(turn_msg("t", 0), now=1)
-    engine.handle(end_msg("t"), now=1)
+def test_dead_letter_and_revive(engine):
+    engine.handle(turn_msg("t", 0), wall=1)
+    engine.handle(end_msg("t"), wall=1)
     engine.ready_units.clear()
-    assert engine.dead_letter("t", "bad batch", now=5) == [DeadLetter("t", "bad batch", 5)]
+    assert engine.dead_letter("t", "bad batch", wall=5) == [DeadLetter("t", "bad batch", 5)]
     assert engine.counts()[DEAD] == 1
-    assert engine.requeue("t") is not None
+    assert engine.revive("t") is not None
     assert engine.entries["t"].state == ENDED and list(engine.ready_units) == [DeliveryUnit(("t",), None, None, 0)]
 
 
-def test_group_is_released_when_every_member_ended_or_left(engine):
+def test_group_is_deliverable_when_every_member_ended_or_left(engine):
     for i in range(3):
-        engine.handle(turn_msg(f"g{i}", 0, group=("G", 3)), now=1)
-    engine.handle(end_msg("g0"), now=2)
-    engine.handle(end_msg("g2"), now=2)
+        engine.handle(turn_msg(f"g{i}", 0, group=("G", 3)), wall=1)
+    engine.handle(end_msg("g0"), wall=2)
+    engine.handle(end_msg("g2"), wall=2)
     assert not engine.ready_units
-    reply = engine.handle(abort_msg("g1"), now=3)
+    reply = engine.handle(abort_msg("g1"), wall=3)
     assert ack(reply)["applied"]
-    assert DropTrajectory("g1", True) in reply.effects and ReleaseGroup("G", 3) in reply.effects
+    assert DropTrajectory("g1", True) in reply.effects and GroupDeliverable("G", 3) in reply.effects
     assert list(engine.ready_units) == [DeliveryUnit(("g0", "g2"), "G", 3, 1)]
-    assert refused(engine.handle(turn_msg("g1", 0, group=("G", 3)), now=4)).code == "conflict"
-    engine.delivered("g0", now=5)
-    effects = engine.delivered("g2", now=5)
+    assert refused(engine.handle(turn_msg("g1", 0, group=("G", 3)), wall=4)).code == "conflict"
+    engine.delivered("g0", wall=5)
+    effects = engine.delivered("g2", wall=5)
     assert CloseGroup("G") in effects and "G" not in engine.groups and "g1" not in engine.entries
 
 
 def test_group_membership_rules(engine):
-    engine.handle(turn_msg("a", 0, group=("G", 2)), now=1)
-    assert refused(engine.handle(turn_msg("b", 0, group=("G", 3)), now=1)).code == "conflict"
-    engine.handle(turn_msg("b", 0, group=("G", 2)), now=1)
-    assert refused(engine.handle(turn_msg("c", 0, group=("G", 2)), now=1)).code == "conflict"
+    engine.handle(turn_msg("a", 0, group=("G", 2)), wall=1)
+    assert refused(engine.handle(turn_msg("b", 0, group=("G", 3)), wall=1)).code == "conflict"
+    engine.handle(turn_msg("b", 0, group=("G", 2)), wall=1)
+    assert refused(engine.handle(turn_msg("c", 0, group=("G", 2)), wall=1)).code == "conflict"
 
 
-def test_aborted_member_may_rejoin_before_release(engine):
-    engine.handle(turn_msg("a", 0, group=("G", 2)), now=1)
-    engine.handle(turn_msg("b", 0, group=("G", 2)), now=1)
-    engine.handle(abort_msg("a"), now=2)
-    assert ack(engine.handle(turn_msg("a", 0, group=("G", 2)), now=3))["applied"]
-    engine.handle(end_msg("a"), now=4)
-    engine.handle(end_msg("b", seq=101), now=4)
+def test_aborted_member_may_rejoin_before_the_group_is_deliverable(engine):
+    engine.handle(turn_msg("a", 0, group=("G", 2)), wall=1)
+    engine.handle(turn_msg("b", 0, group=("G", 2)), wall=1)
+    engine.handle(abort_msg("a"), wall=2)
+    assert ack(engine.handle(turn_msg("a", 0, group=("G", 2)), wall=3))["applied"]
+    engine.handle(end_msg("a"), wall=4)
+    engine.handle(end_msg("b", seq=101), wall=4)
     assert list(engine.ready_units) == [DeliveryUnit(("a", "b"), "G", 2, 0)]
 
 
-def test_idle_incomplete_group_is_released_with_missing_members_left(engine):
-    engine.handle(turn_msg("a", 0, group=("G", 4)), now=1)
-    engine.handle(end_msg("a"), now=2)
-    assert engine.expire(now=50) == []
-    effects = engine.expire(now=200)
-    assert ReleaseGroup("G", 4) in effects
+def test_idle_incomplete_group_is_made_deliverable_with_missing_members_left(engine):
+    engine.handle(turn_msg("a", 0, group=("G", 4)), wall=1)
+    engine.handle(end_msg("a"), wall=2)
+    assert engine.expire(wall=50) == []
+    effects = engine.expire(wall=200)
+    assert GroupDeliverable("G", 4) in effects
     assert list(engine.ready_units) == [DeliveryUnit(("a",), "G", 4, 3)]
 
 
 def test_expired_member_counts_as_left(engine):
-    engine.handle(turn_msg("a", 0, group=("G", 2)), now=1)
-    engine.handle(turn_msg("b", 0, group=("G", 2)), now=150)
-    engine.handle(end_msg("b"), now=150)
-    engine.expire(now=160)
+    engine.handle(turn_msg("a", 0, group=("G", 2)), wall=1)
+    engine.handle(turn_msg("b", 0, group=("G", 2)), wall=150)
+    engine.handle(end_msg("b"), wall=150)
+    engine.expire(wall=160)
     assert list(engine.ready_units) == [DeliveryUnit(("b",), "G", 2, 1)]
 
 
 def test_refused_turn_zero_leaves_no_trace(engine):
-    engine.handle(turn_msg("a", 0, group=("G", 1)), now=1)
-    error = refused(engine.handle(turn_msg("b", 0, group=("G", 1)), now=1))
+    engine.handle(turn_msg("a", 0, group=("G", 1)), wall=1)
+    error = refused(engine.handle(turn_msg("b", 0, group=("G", 1)), wall=1))
     assert error.code == "conflict" and "b" not in engine.entries
     assert list(engine.groups["G"].members) == ["a"]
 
 
 def test_mask_through_the_engine_matches_concatenation(engine):
-    engine.handle(turn_msg("t", 0, [1, 2], [[1, 5], [2]], forced=[7]), now=1)
-    engine.handle(turn_msg("t", 1, [3], [[3, 9]]), now=1)
+    engine.handle(turn_msg("t", 0, [1, 2], [[1, 5], [2]], forced=[7]), wall=1)
+    engine.handle(turn_msg("t", 1, [3], [[3, 9]]), wall=1)
     expected = SamplingMask.concatenate(
         [SamplingMask.from_supports([[1, 5], [2]]), SamplingMask.singletons([7]), SamplingMask.from_supports([[3, 9]])]
     )
     assert engine.entries["t"].trajectory.mask == expected
 
 
-def test_a_ready_trajectory_is_unreadable_only_after_bounded_failed_reads_and_a_requeue_starts_afresh(engine):
+def test_a_ready_trajectory_is_unreadable_only_after_bounded_failed_reads_and_a_revive_starts_afresh(engine):
     from rollstream.broker.engine import UNREADABLE_AFTER
 
-    engine.handle(turn_msg("t", 0, [10], [[10]]), now=1)
-    engine.handle(end_msg("t"), now=2)
+    engine.handle(turn_msg("t", 0, [10], [[10]]), wall=1)
+    engine.handle(end_msg("t"), wall=2)
     assert [engine.unreadable("t") for _ in range(UNREADABLE_AFTER)] == [False] * (UNREADABLE_AFTER - 1) + [True]
-    engine.dead_letter("t", "unreadable", now=3)
+    engine.dead_letter("t", "unreadable", wall=3)
     with pytest.raises(ValueError, match="expected ended"):
         engine.unreadable("t")  # only a ready trajectory is read back
-    assert engine.requeue("t") is not None
-    assert engine.unreadable("t") is False  # requeued by an operator (the record repaired): counted afresh
+    assert engine.revive("t") is not None
+    assert engine.unreadable("t") is False  # revived by an operator (the record repaired): counted afresh
 
 
 def test_only_a_ready_trajectory_is_delivered_or_dead_lettered(engine):

@@ -55,7 +55,7 @@ def test_counts_bytes_and_evictions_follow_every_change(seed, tmp_path):
     for _ in range(300):
         now += rng.random()
         by_state = {state: [t for t, e in engine.entries.items() if e.state == state] for state in (OPEN, ENDED, DEAD)}
-        action = rng.choice(["start", "start", "turn", "turn", "turn", "end", "abort", "deliver", "dead", "requeue",
+        action = rng.choice(["start", "start", "turn", "turn", "turn", "end", "abort", "deliver", "dead", "revive",
                              "evict", "reload", "expire"])
         if action == "start":
             made += 1
@@ -75,8 +75,8 @@ def test_counts_bytes_and_evictions_follow_every_change(seed, tmp_path):
             apply(engine.delivered(rng.choice(by_state[ENDED]), now))
         elif action == "dead" and by_state[ENDED]:
             apply(engine.dead_letter(rng.choice(by_state[ENDED]), "refused", now))
-        elif action == "requeue" and by_state[DEAD]:
-            effect = engine.requeue(rng.choice(by_state[DEAD]))
+        elif action == "revive" and by_state[DEAD]:
+            effect = engine.revive(rng.choice(by_state[DEAD]))
             apply([effect] if effect else [])
         elif action == "evict":
             engine.evict(rng.randint(0, max(1, engine.bytes_in_memory)))
@@ -119,7 +119,7 @@ def test_expiry_counts_from_the_last_frame_in_the_order_trajectories_went_idle()
     assert [e.trajectory_id for e in engine.expire(18.5)] == ["first"]
 
 
-def test_idle_groups_are_released_in_the_order_they_went_idle():
+def test_idle_groups_are_made_deliverable_in_the_order_they_went_idle():
     engine = MergeEngine(EngineSettings(trajectory_ttl=10.0))
     engine.handle(turn_msg("a1", 0, group=("G1", 3)), 0.0)
     engine.handle(turn_msg("b1", 0, group=("G2", 3)), 1.0)
@@ -191,7 +191,7 @@ def test_dispatcher_keeps_its_queue_count_through_splits_retracts_and_requeues()
     assert [d.trajectory_id for d in deliveries] == ["a", "b"] and dispatcher.queued_trajectories == 2
     dispatcher.retract([deliveries[0].lease])
     check()
-    settled, _ = dispatcher.settle([deliveries[1].lease])
+    settled, _ = dispatcher.end_leases([deliveries[1].lease])
     dispatcher.requeue(settled)
     check()
     assert dispatcher.queued_trajectories == 4

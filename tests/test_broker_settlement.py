@@ -19,9 +19,9 @@ def ready(*tids: str, max_deliveries: int = 3) -> tuple[MergeEngine, Dispatcher,
         engine.handle(end_msg(tid), 1.0)
     for unit in engine.ready_units:
         dispatcher.enqueue(unit)
-    dispatcher.hello(C, "c", now=0.0)
+    dispatcher.hello(C, "c", mono=0.0)
     dispatcher.credit(C, len(tids), "trajectory")
-    return engine, dispatcher, {d.trajectory_id: d.lease for d in dispatcher.deliveries(now=0.0)}
+    return engine, dispatcher, {d.trajectory_id: d.lease for d in dispatcher.deliveries(mono=0.0)}
 
 
 def settle(kind: str, leases: list[str], **fields) -> Message:

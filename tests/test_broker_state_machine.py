@@ -215,7 +215,7 @@ class Broker(RuleBasedStateMachine):
                 "queued": queued.count(tid),
                 "leased": leased.count(tid),
                 "waiting for its group": entry is not None and entry.state == ENDED and group is not None
-                and not group.released,
+                and not group.deliverable,
             }
             assert sum(places.values()) == 1, (tid, places)
 

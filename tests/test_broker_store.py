@@ -15,9 +15,9 @@ from rollstream.broker.recovery import load_trajectory, rebuild
 from rollstream.broker.store import Store, StoreCorrupted, StoreError
 
 
-def drive(engine, store, messages, now=1.0):
+def drive(engine, store, messages, wall=1.0):
     for message in messages:
-        reply = engine.handle(message, now)
+        reply = engine.handle(message, wall)
         assert reply.error is None, reply.error
         store.commit(list(reply.effects))
 
@@ -72,13 +72,13 @@ def test_everything_comes_back_exactly(tmp_path, store):
     gap = load_trajectory(store2, store2.load_one("gap"))
     assert gap.tokens.tolist() == [7] and (gap.gap.turn, gap.gap.field) == (1, "mask")
     # duplicates are still recognised after the restart
-    reply = handle_with_store(engine2, store2, turn_msg("open", 1, [12], [[12, 3]], seq=50), now=2)
+    reply = handle_with_store(engine2, store2, turn_msg("open", 1, [12], [[12, 3]], seq=50), wall=2)
     assert reply.fields["duplicate"] is True
     # compared with the stored record: an applied turn's row keeps no digest of its own
     assert store2.db.execute("SELECT digest FROM turns WHERE trajectory_id='open' AND turn=1").fetchone()[0] == b""
-    assert handle_with_store(engine2, store2, turn_msg("open", 1, [12], [[12, 4]], seq=51), now=2).error.code == "conflict"
+    assert handle_with_store(engine2, store2, turn_msg("open", 1, [12], [[12, 4]], seq=51), wall=2).error.code == "conflict"
     # and the open trajectory continues where it was
-    reply = engine2.handle(turn_msg("open", 2, [13], [[13]]), now=2)
+    reply = engine2.handle(turn_msg("open", 2, [13], [[13]]), wall=2)
     assert reply.fields["applied"] and engine2.entries["open"].trajectory.response_length == 5
     store2.close()
 
@@ -86,8 +86,8 @@ def test_everything_comes_back_exactly(tmp_path, store):
 def test_dedup_and_dead_letters_survive(tmp_path, store):
     engine = MergeEngine(EngineSettings(trajectory_ttl=10, dedup_window=100))
     drive(engine, store, [turn_msg("a", 0), end_msg("a"), turn_msg("b", 0)])
-    store.commit(engine.delivered("a", now=5))
-    store.commit(engine.expire(now=50))
+    store.commit(engine.delivered("a", wall=5))
+    store.commit(engine.expire(wall=50))
     store.close()
     store2, engine2, units = reopen(tmp_path / "data")
     assert units == [] and engine2.dedup == {"a": 105.0, "b": 150.0}
@@ -150,7 +150,7 @@ def test_failed_segment_write_persists_nothing(tmp_path, store, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "writev", disk_full)
-    reply = engine.handle(turn_msg("b", 0), now=2)
+    reply = engine.handle(turn_msg("b", 0), wall=2)
     with pytest.raises(StoreError, match="No space left"):
         store.commit(list(reply.effects))
     monkeypatch.undo()
@@ -182,7 +182,7 @@ def test_failed_database_commit_persists_nothing(tmp_path, store, monkeypatch):
 
     monkeypatch.setattr(store, "db", FailingOnTurns(store.db))
     with pytest.raises(StoreError, match="disk is full"):
-        store.commit(list(engine.handle(turn_msg("b", 0), now=2).effects))
+        store.commit(list(engine.handle(turn_msg("b", 0), wall=2).effects))
     monkeypatch.undo()
     assert segment.stat().st_size == size
     store.close()
@@ -201,7 +201,7 @@ def test_segments_rotate_and_finished_ones_are_deleted(tmp_path):
     assert len(list((tmp_path / "data" / "segments").glob("*.log"))) >= 3
     first = store.segments.path(1)
     assert first.exists()
-    store.commit(engine.delivered("t0", now=5))
+    store.commit(engine.delivered("t0", wall=5))
     assert not first.exists()
     on_disk = sum(p.stat().st_size for p in (tmp_path / "data" / "segments").glob("*.log"))
     assert store.segments.bytes_on_disk() == on_disk  # kept up to date without listing the directory
@@ -224,7 +224,7 @@ def test_trajectories_delivered_together_are_forgotten_in_one_commit(tmp_path, m
                               end_msg(f"t{i}", seq=100 + i)])
     segments = tmp_path / "data" / "segments"
     before = sorted(p.name for p in segments.glob("*.log"))
-    store.commit([e for i in range(4) for e in engine.delivered(f"t{i}", now=5)])
+    store.commit([e for i in range(4) for e in engine.delivered(f"t{i}", wall=5)])
     after = sorted(p.name for p in segments.glob("*.log"))
     kept = {n for (n,) in store.db.execute("SELECT segment FROM turns")} | {store.segments.current}
     assert after == sorted(store.segments.path(n).name for n in kept) and len(after) < len(before)
@@ -356,7 +356,7 @@ def test_turns_written_ahead_are_put_once_and_a_refused_one_stays_unreferenced(t
     store.write_ahead(refused)
     store.write_ahead(kept)
     assert store.writing_ahead
-    store.commit(list(engine.handle(kept, now=1).effects))  # the refused turn is never handled
+    store.commit(list(engine.handle(kept, wall=1).effects))  # the refused turn is never handled
     assert not store.writing_ahead
     assert store.segments.size == start + _record_bytes(refused) + _record_bytes(kept)  # each written once
     assert store.db.execute("SELECT trajectory_id FROM turns").fetchall() == [("kept",)]
@@ -387,7 +387,7 @@ def test_a_write_ahead_runs_on_the_writer_thread_and_the_commit_waits_for_it(tmp
     message = turn_msg("a", 0, [5, 6])
     store.write_ahead(message)  # returns while the write is still held
     assert entered.wait(10) and threads[0] is not threading.current_thread()
-    effects = list(MergeEngine(EngineSettings()).handle(message, now=1).effects)
+    effects = list(MergeEngine(EngineSettings()).handle(message, wall=1).effects)
     committing = threading.Thread(target=store.commit, args=(effects,))
     committing.start()
     committing.join(0.3)
@@ -414,7 +414,7 @@ def test_small_turns_are_written_inline_by_their_commit(tmp_path, monkeypatch):
     messages = [turn_msg("a", 0, [5]), turn_msg("b", 0, [6])]
     for message in messages:
         store.write_ahead(message)
-    store.commit([e for m in messages for e in engine.handle(m, now=1).effects])
+    store.commit([e for m in messages for e in engine.handle(m, wall=1).effects])
     assert threads == [threading.current_thread()]  # one append, by the commit itself
     assert store.db.execute("SELECT count(*) FROM turns").fetchone() == (2,)
     store.close()
@@ -440,7 +440,7 @@ def test_a_failed_write_ahead_fails_the_commit_and_persists_nothing(tmp_path, mo
     for message in messages:
         store.write_ahead(message)
     with pytest.raises(StoreError, match="No space left"):
-        store.commit([e for m in messages for e in engine.handle(m, now=2).effects])
+        store.commit([e for m in messages for e in engine.handle(m, wall=2).effects])
     monkeypatch.undo()
     assert store.segments.size == size  # the write that landed was cut too
     assert not store.writing_ahead
