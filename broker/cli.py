@@ -77,7 +77,7 @@ def keep_freed_memory(mmap_threshold: int = 64 << 20) -> bool:
     return bool(mallopt(m_mmap_threshold, mmap_threshold)) and bool(mallopt(m_trim_threshold, 2 * mmap_threshold))
 
 
-def settle_garbage_collector(young_threshold: int = 10_000) -> None:
+def tune_garbage_collector(young_threshold: int = 10_000) -> None:
     """Move everything alive after start-up (modules, recovered state) out
     of the cyclic collector's reach, and collect the young generation less
     often. The broker allocates several containers per frame, nearly all
@@ -112,7 +112,7 @@ def broker(log_format: str, **values) -> None:
         service.start()
     except (StoreCorrupted, RuntimeError, zmq.ZMQError) as exc:
         raise click.ClickException(f"refusing to start: {exc}") from None
-    settle_garbage_collector()
+    tune_garbage_collector()
     service.install_signal_handlers()
     service.run()
 

@@ -55,7 +55,7 @@ async def in_daemon_thread(fn, *args):
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
-    def settle(result, error):
+    def resolve(result, error):
         if future.done():  # the episode was cancelled meanwhile
             return
         if error is not None:
@@ -69,7 +69,7 @@ async def in_daemon_thread(fn, *args):
         except Exception as exc:  # handed to the awaiting coroutine
             result, error = None, exc
         try:
-            loop.call_soon_threadsafe(settle, result, error)
+            loop.call_soon_threadsafe(resolve, result, error)
         except RuntimeError:  # the loop is gone: nobody is waiting any more
             pass
 

@@ -210,7 +210,7 @@ class Spool:
         return seq, frames
 
     def close(self) -> None:
-        """Release the spool; with nothing left unsettled its segments go too."""
+        """Close the spool; with nothing left unsettled its segments go too."""
         if self._log is not None and not self._log.closed:
             self._log.close()
             if not self._where:

@@ -49,7 +49,7 @@ class SyntheticSource:
     async def episode(self, traj: AsyncTrajectoryHandle, job: Job, stopping: asyncio.Event) -> str:
         s = self.settings
         # A rollout retried after its first turn. Not a group member: an `abort` makes
-        # a member leave its group (protocol.md, Groups), which may then be released.
+        # a member leave its group (protocol.md, Groups), which may then become deliverable.
         if job.group_id is None and s.turns > 1 and self.rng.random() < s.retry_rate:
             drawn = self.turn(around(self.rng, s.response_tokens))
             retrieve(await traj.turn(drawn.tokens, drawn.log_probs, mask=drawn.mask))
