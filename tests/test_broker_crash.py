@@ -152,6 +152,7 @@ class Consumer(threading.Thread):
 
 # A tiny memory budget makes the broker evict open and ready trajectories
 # all the time and rebuild them from the store as frames and deliveries need.
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [{}, {"max_memory_bytes": 1000}], ids=["default", "tiny-memory-budget"])
 def test_broker_sigkill_loses_nothing_acked(tmp_path, flags):
     work = workload()

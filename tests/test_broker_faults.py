@@ -122,6 +122,7 @@ def test_bad_consumer_and_admin_input(broker):
     assert broker.status()["consumers"] == 1
 
 
+@pytest.mark.slow
 def test_disk_full_answers_unavailable_then_recovers(tmp_path):
     """RLIMIT_FSIZE makes writes past 300 KB fail (EFBIG) like a full disk;
     raising it from outside must bring the broker back without a restart."""
@@ -162,6 +163,7 @@ def test_disk_full_answers_unavailable_then_recovers(tmp_path):
         broker.proc.kill()
 
 
+@pytest.mark.slow
 def test_disk_budget_refuses_new_trajectories_until_consumers_drain(tmp_path):
     """Over the disk budget with trajectories ready, a turn that would open
     a new trajectory is answered `unavailable`, naming the budget, and
@@ -234,6 +236,7 @@ def test_open_trajectories_over_the_disk_budget_still_get_their_ends_read(tmp_pa
         assert acked == 10 and delivered == {f"t{i}" for i in range(10)}
 
 
+@pytest.mark.slow
 def test_sigterm_acks_what_it_read_and_stops_cleanly(tmp_path):
     broker = BrokerProcess(tmp_path).start()
     sock = dealer(broker.producer)
@@ -251,6 +254,7 @@ def test_sigterm_acks_what_it_read_and_stops_cleanly(tmp_path):
     broker.terminate()
 
 
+@pytest.mark.slow
 def test_status_command_and_config_precedence(tmp_path):
     config = tmp_path / "broker.toml"
     config.write_text('[broker]\nwindow = 7\nlease_timeout = 12.5\nmax_memory_bytes = "1GiB"\n')
@@ -292,6 +296,7 @@ def test_unknown_config_key_is_refused(tmp_path):
     assert result.returncode != 0 and "windw" in result.stderr
 
 
+@pytest.mark.slow
 def test_corrupted_store_refuses_to_start(tmp_path):
     broker = BrokerProcess(tmp_path).start()
     call(dealer(broker.producer), good_turn("t"))
@@ -420,6 +425,7 @@ def ready_and_partly_evicted(service, context) -> list[str]:
     return evicted
 
 
+@pytest.mark.slow
 def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_path):
     """An evicted ready trajectory whose read-back fails at delivery: the
     daemon keeps running, reports the store unavailable, and delivers it
@@ -461,6 +467,7 @@ def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_pat
         assert thread.is_alive()
 
 
+@pytest.mark.slow
 def test_a_ready_trajectory_whose_record_is_damaged_is_dead_lettered_unreadable_after_bounded_reads(tmp_path):
     """A damaged record (a flipped byte: its CRC fails) can never be read
     back: after `UNREADABLE_AFTER` failed reads, each waiting for the
@@ -540,6 +547,7 @@ def large_turn(tid, seq, token_inside=True, n=300, size=1000):
     return frames
 
 
+@pytest.mark.slow
 def test_large_turns_written_ahead_keep_refusals_out_of_the_store(tmp_path):
     """Turns over the write-ahead threshold reach the segment before their
     content check: one that fails it is still refused, the good one of the
@@ -605,6 +613,7 @@ def rollstream_cli(*args, timeout=60):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_port_zero_endpoints_are_reported_bound_in_the_endpoints_file_and_status(tmp_path):
     """Every endpoint on port 0: the broker writes the ports it got to
     --endpoints-file once it listens, `status --endpoints-file --wait`
@@ -639,6 +648,7 @@ def test_port_zero_endpoints_are_reported_bound_in_the_endpoints_file_and_status
             broker.proc.wait()
 
 
+@pytest.mark.slow
 def test_status_wait_gives_up_after_its_seconds_naming_the_broker():
     started = time.monotonic()
     result = rollstream_cli("status", "--admin", "tcp://127.0.0.1:1", "--wait", "1", "--timeout", "0.3")

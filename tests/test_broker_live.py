@@ -4,6 +4,7 @@ import time
 
 import msgpack
 import numpy as np
+import pytest
 import zmq
 from broker_process import BrokerProcess
 from waiting import wait_for
@@ -62,6 +63,7 @@ def consumer(endpoint, name, credit, unit="trajectory"):
     return sock
 
 
+@pytest.mark.slow
 def test_leases_of_a_silent_consumer_go_to_the_next_one(tmp_path):
     with BrokerProcess(tmp_path, heartbeat_interval=0.3, lease_timeout=30) as broker:
         producer = dealer(broker.producer)
@@ -78,6 +80,7 @@ def test_leases_of_a_silent_consumer_go_to_the_next_one(tmp_path):
         assert recv(first, BROKER_TO_CONSUMER)["code"] == "unknown_consumer"  # it was declared dead
 
 
+@pytest.mark.slow
 def test_expired_lease_is_redelivered_and_late_ack_is_stale(tmp_path):
     with BrokerProcess(tmp_path, lease_timeout=0.5) as broker:
         produce(dealer(broker.producer), "t", 1)
@@ -106,6 +109,7 @@ def test_group_is_delivered_whole_with_members_that_left(tmp_path):
         assert {(d["group_id"], d["group_size"], d["group_left"]) for d in deliveries} == {("G", 3, 1)}
 
 
+@pytest.mark.slow
 def test_idle_open_trajectory_expires_to_dead_letters(tmp_path):
     with BrokerProcess(tmp_path, trajectory_ttl=0.5) as broker:
         producer = dealer(broker.producer)

@@ -5,6 +5,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zmq
 from broker_process import BrokerProcess
 
@@ -102,6 +103,7 @@ def test_the_broker_keeps_freed_batch_buffers_instead_of_faulting_in_fresh_pages
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_a_taken_metrics_port_is_a_clear_error(tmp_path):
     import subprocess
     import sys

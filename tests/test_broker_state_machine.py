@@ -13,6 +13,7 @@ trajectory is delivered more than `max_deliveries` times."""
 import shutil
 import tempfile
 
+import pytest
 from broker_helpers import abort_msg, end_msg, turn_msg
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -227,3 +228,4 @@ class Broker(RuleBasedStateMachine):
 
 Broker.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 test_broker = Broker.TestCase
+test_broker.pytestmark = [pytest.mark.slow]

@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def demo(*args: str) -> tuple[str, dict]:
     """Run `rollstream demo --json` with `args`; its output and its summary (the last line)."""
@@ -14,6 +16,7 @@ def demo(*args: str) -> tuple[str, dict]:
 CLEAN = {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
 
 
+@pytest.mark.slow
 def test_demo_runs_the_pipeline_end_to_end():
     out, summary = demo("--producers", "2", "--trajectories", "8", "--group-size", "1", "--batch-size", "3",
                         "--retry-rate", "0.5")
@@ -26,6 +29,7 @@ def test_demo_runs_the_pipeline_end_to_end():
     assert summary["retried"] >= 1 and "retried" in out  # an abort starts it afresh, at the broker and in the ledger
 
 
+@pytest.mark.slow
 def test_demo_with_chaos_kills_and_restarts_every_role_and_the_checker_finds_nothing():
     _, summary = demo("--chaos")
     assert {key: summary[key] for key in CLEAN} == CLEAN
@@ -34,6 +38,7 @@ def test_demo_with_chaos_kills_and_restarts_every_role_and_the_checker_finds_not
     assert summary["committed"] == summary["acked"] >= 48 - 8  # the killed producer's open trajectories expire
 
 
+@pytest.mark.slow
 def test_demo_exits_non_zero_when_the_checker_finds_anything(monkeypatch):
     from click.testing import CliRunner
 
@@ -59,6 +64,7 @@ def test_demo_refuses_groups_that_cannot_be_whole():
     assert result.returncode == 2 and "must be a multiple of --group-size 4" in result.stderr
 
 
+@pytest.mark.slow
 def test_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "--help"], capture_output=True, text=True,
                          timeout=60, check=True).stdout
@@ -66,6 +72,7 @@ def test_help_lists_every_command():
         assert command in out
 
 
+@pytest.mark.slow
 def test_the_rollstream_command_adds_the_model_source_to_the_producer_daemon():
     """The app registers `model` with the producer's source registry: listed
     in `rollstream producer --help`, accepted by its settings check, and a

@@ -136,6 +136,7 @@ def _spread(weights, parts):
     return max(sums), min(sums)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_balanced_partition_is_close_to_the_brute_force_optimum(ranks):
     rng = np.random.default_rng(ranks)

@@ -162,6 +162,7 @@ def test_quarantine_keeps_the_valid_members_of_a_group(broker):
         broker.reply("acked", {"leases": broker.expect("ack")["leases"]})
 
 
+@pytest.mark.slow
 def test_a_trainer_that_stalls_past_a_lease_is_not_handed_that_unit(broker, monkeypatch):
     """A delivery buffered while the trainer was busy, whose lease ran out
     before the trainer asked, is dropped when it asks, even before the I/O
@@ -202,6 +203,7 @@ def test_wait_ready_returns_once_welcomed_and_flush_once_the_broker_confirms_com
         assert consumer.stats()["unsettled"] == 0 and consumer.stats()["acked"] == 1
 
 
+@pytest.mark.slow
 def test_partial_after_hands_out_the_tail_of_a_run_smaller_but_never_empty(broker):
     rng = np.random.default_rng(5)
     with Consumer(broker.endpoint, batch_size=3) as consumer:

@@ -134,6 +134,7 @@ def run_ranks(world: int, tmp_path: Path) -> list[dict]:
     return [json.loads((tmp_path / f"report-{rank}.json").read_text()) for rank in range(world)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_shards_reassemble_to_the_batch(world, tmp_path):
     from consumer_helpers import assert_same_batch

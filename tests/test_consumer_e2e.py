@@ -64,6 +64,7 @@ def drained(broker):
     return status["ready"] == 0 and status["leased"] == 0
 
 
+@pytest.mark.slow
 def test_fan_in_batches_arrive_complete(brokers):
     nodes = [brokers(), brokers()]
     sent = {}
@@ -92,6 +93,7 @@ def test_fan_in_batches_arrive_complete(brokers):
         assert drained(node) and node.status()["counters"]["trajectories.delivered"] == 10
 
 
+@pytest.mark.slow
 def test_redelivered_trajectories_are_seen_once(brokers):
     node = brokers(lease_timeout=1.0)
     produce(node, rollouts("r", 4))
@@ -117,6 +119,7 @@ KILLED_CONSUMER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_consumer_killed_before_commit_loses_nothing(brokers):
     node = brokers(lease_timeout=60.0)
     batch = rollouts("k", 8)
@@ -139,6 +142,7 @@ def test_a_consumer_killed_before_commit_loses_nothing(brokers):
     assert node.dead_letters() == []
 
 
+@pytest.mark.slow
 def test_broker_restart_reconnects_and_nothing_is_trained_twice(brokers):
     node = brokers()
     produce(node, rollouts("a", 4))
@@ -207,6 +211,7 @@ def test_group_batches_hold_whole_groups(brokers):
         wait_for(lambda: drained(node), what="acks")
 
 
+@pytest.mark.slow
 def test_consume_command_prints_one_json_line_per_batch(brokers):
     node = brokers()
     produce(node, rollouts("c", 4))

@@ -3,6 +3,7 @@ pass over a batch of turn frames) accepts exactly the messages in which
 `packed_violations`, the rule-by-rule check that explains refusals, finds
 nothing wrong as it checks a turn: the broker can trust the fast path."""
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -58,6 +59,7 @@ def _nothing_wrong(arrays, vocab_size):
     return not found
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, deadline=None)
 @given(st.lists(_messages(), min_size=1, max_size=5), st.sampled_from([VOCAB, None]))
 def test_the_fast_content_check_accepts_exactly_what_packed_violations_finds_nothing_wrong_with(batch, vocab_size):

@@ -205,6 +205,7 @@ def test_a_socket_whose_directory_is_missing_allows_nobody(keys, tmp_path):
         context.term()
 
 
+@pytest.mark.slow
 def test_a_key_layout_is_what_the_broker_and_its_clients_accept(tmp_path):
     layout = KeyLayout.generate(tmp_path, {"producers": "producer", "admin": "admin"}, others=("stranger",))
     assert sorted(path.name for path in tmp_path.iterdir()) == [
@@ -219,6 +220,7 @@ def test_a_key_layout_is_what_the_broker_and_its_clients_accept(tmp_path):
     assert ClientCurve.from_files(*layout.client_keys("stranger")).server_key == load_public_key(tmp_path / "broker.key")
 
 
+@pytest.mark.slow
 def test_check_config_reports_every_curve_mistake(keys, tmp_path):
     without_secret = cli("broker", "--check-config", "--curve-producers", str(keys / "producers"))
     assert without_secret.returncode == 2
@@ -304,6 +306,7 @@ def test_allowed_producer_and_consumer_work_end_to_end(broker, keys):
     assert refusals(broker) == {}
 
 
+@pytest.mark.slow
 def test_unknown_key_is_refused_logged_by_fingerprint_and_counted(broker, keys, caplog):
     with caplog.at_level(logging.ERROR, logger="rollstream.producer"):
         assert send(broker, keys, "stranger", rollout("stranger-0"), patience=3.0) is None
@@ -315,6 +318,7 @@ def test_unknown_key_is_refused_logged_by_fingerprint_and_counted(broker, keys, 
     assert f"key {stranger} is not in its directory" in broker.log()
 
 
+@pytest.mark.slow
 def test_a_consumer_key_not_allowed_gets_no_deliveries(broker, keys):
     assert send(broker, keys, "producer", rollout("held-0")) is not None
     with Consumer(broker.consumer, batch_size=1, vocab_size=VOCAB, **client_keys(keys, "producer")) as consumer:
@@ -327,6 +331,7 @@ def test_a_consumer_key_not_allowed_gets_no_deliveries(broker, keys):
     assert refusals(broker).get("curve_refused.consumer.key_not_allowed", 0) >= 1
 
 
+@pytest.mark.slow
 def test_no_curve_and_a_wrong_server_key_are_refused(broker, keys):
     plain = zmq.Context.instance().socket(zmq.DEALER)
     plain.setsockopt(zmq.LINGER, 0)
@@ -356,6 +361,7 @@ def test_a_producer_key_does_not_open_the_admin_socket(broker, keys):
     assert refusals(broker).get("curve_refused.admin.key_not_allowed", 0) >= 2
 
 
+@pytest.mark.slow
 def test_a_key_added_to_a_directory_works_after_sighup(broker, keys):
     assert send(broker, keys, "stranger", rollout("late-0"), patience=2.0) is None
     shutil.copy(keys / "stranger.key", broker.directory / "producers")
@@ -366,6 +372,7 @@ def test_a_key_added_to_a_directory_works_after_sighup(broker, keys):
     assert broker.status()["ready"] == 1
 
 
+@pytest.mark.slow
 def test_a_key_removed_at_sighup_cuts_off_its_open_connections(broker, keys):
     """Keys are judged at the handshake; a removed key's connections already open must stop counting too."""
     def send_now(producer, tid: str, seed: int) -> list:

@@ -254,6 +254,7 @@ def check_config(line: CommandLine) -> None:
 # -- every command line and configuration file passes --check-config --------------------------------
 
 
+@pytest.mark.slow
 def test_every_command_line_in_deploy_passes_check_config(tmp_path, keys):
     lines = [*systemd_command_lines(tmp_path / "state", etc_rollstream(tmp_path, keys)),
              *kubernetes_command_lines(tmp_path / "mounts", keys), container_command_line()]
@@ -264,6 +265,7 @@ def test_every_command_line_in_deploy_passes_check_config(tmp_path, keys):
         check_config(line)
 
 
+@pytest.mark.slow
 def test_every_toml_file_in_deploy_passes_check_config(tmp_path, keys):
     files = toml_files(tmp_path, keys)
     assert len(files) >= 5, files

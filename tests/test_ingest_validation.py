@@ -278,6 +278,7 @@ def _content_batches(draw):
     return vocab, messages
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(_content_batches(), st.integers(1, 6))
 def test_batched_content_check_accepts_exactly_what_the_rules_accept(case, group_ids):

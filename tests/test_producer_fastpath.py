@@ -166,6 +166,7 @@ def test_small_turns_go_packed_in_one_frame_unless_asked_not_to(pack_arrays, tok
 
 
 # -- against a live broker -----------------------------------------------------------------
+@pytest.mark.slow
 def test_a_refused_turn_rewinds_the_handle_so_the_corrected_turn_goes_under_its_index(tmp_path, caplog):
     async def main(broker):
         async with AsyncProducer(broker.endpoints["producer"], "p-rewind") as producer:
@@ -211,6 +212,7 @@ def test_content_is_checked_at_the_call_only_when_asked(tmp_path):
     assert refused.code == "mask_invalid" and "token 1" in refused.message
 
 
+@pytest.mark.slow
 def test_a_blocking_send_does_not_wait_for_the_io_thread(tmp_path):
     """With the producer's event loop held up, a send still returns its
     future at once: it never waits on the loop. The frame goes out when the

@@ -169,6 +169,7 @@ def check_delivered(trajectory, p):
 
 
 # -- the client against the broker -------------------------------------------------------------
+@pytest.mark.slow
 def test_a_multi_turn_trajectory_arrives_merged_exactly(tmp_path):
     """docs/semantics.md worked example 6 plus a third turn, with group fields;
     then a replay gap and a turn after it are reported, not raised."""
@@ -231,6 +232,7 @@ def test_a_refusal_raises_with_its_code_and_an_end_of_the_unknown_is_refused(tmp
     assert (abort.applied, abort.reason) == (False, "unknown_trajectory")
 
 
+@pytest.mark.slow
 def test_the_blocking_client_has_the_same_vocabulary(tmp_path):
     with Broker(tmp_path) as broker:
         with Producer(broker.endpoints["producer"], "p-blocking", window=2) as producer:
@@ -249,6 +251,7 @@ def test_the_blocking_client_has_the_same_vocabulary(tmp_path):
         check_delivered(got[f"b-{i}"], plan(i))
 
 
+@pytest.mark.slow
 def test_broker_sigkill_and_restart_mid_stream_loses_and_duplicates_nothing(tmp_path):
     count = 24
 
@@ -319,6 +322,7 @@ def read_lines(process, until, store):
             store.extend(line.split()[1] for line in lines if line)
 
 
+@pytest.mark.slow
 def test_producer_sigkill_and_restart_resends_its_spool(tmp_path):
     """The child streams into a live broker, then into a frozen one (frames
     pile up in its spool, none acked), and is SIGKILLed. A new producer with
@@ -378,6 +382,7 @@ async def fill(producer, prefix, release):
     return peak, waiting, accepted, [await f for t in tasks for f in t.result()]
 
 
+@pytest.mark.slow
 def test_a_full_window_blocks_instead_of_growing_memory(tmp_path):
     """No broker yet, so no welcome: the frames a window holds before a
     welcome (`BEFORE_WELCOME_WINDOW`, fewer than `window`) are accepted, the
@@ -396,6 +401,7 @@ def test_a_full_window_blocks_instead_of_growing_memory(tmp_path):
     assert len(outcomes) == 12 and all(o.applied for o in outcomes)
 
 
+@pytest.mark.slow
 def test_with_a_spool_frames_beyond_the_window_go_to_disk_until_its_budget(tmp_path):
     """A frozen broker: the window (2) fills, further frames are accepted
     into the spool until its byte budget is used, then senders wait; memory
@@ -412,6 +418,7 @@ def test_with_a_spool_frames_beyond_the_window_go_to_disk_until_its_budget(tmp_p
     assert len(outcomes) == 12 and all(o.applied for o in outcomes)
 
 
+@pytest.mark.slow
 def test_heartbeats_notice_a_silent_broker_and_its_return(tmp_path):
     def broker_up(producer):
         return producer.metrics.registry.get_sample_value("rollstream_producer_broker_up")
@@ -484,6 +491,7 @@ class FakeBroker:
         self.context.destroy(linger=0)
 
 
+@pytest.mark.slow
 def test_a_slow_broker_gets_no_resends_on_a_live_connection():
     """Every answer comes five reply timeouts late, in order, on a live
     connection: waiting loses nothing, so no frame is sent twice."""
@@ -553,6 +561,7 @@ def finish(process):
     return err
 
 
+@pytest.mark.slow
 def test_the_synthetic_daemon_streams_sampled_groups_with_config_and_env(tmp_path):
     config = tmp_path / "producer.toml"
     config.write_text("[producer]\ntop_k = 8\ntop_p = 0.9\nturns = 3\n")
@@ -596,6 +605,7 @@ def wait_for_line(stream, text):
     raise AssertionError(f"no {text!r} line: {seen}")
 
 
+@pytest.mark.slow
 def test_sigterm_stops_cleanly_leaving_nothing_open(tmp_path):
     """A daemon running forever gets SIGTERM: it aborts what it has open,
     waits for the acks, exits 0 and leaves an empty spool and no open
@@ -680,6 +690,7 @@ def episode_turns(calls, prompt, full):
             context = following[0]
 
 
+@pytest.mark.slow
 def test_the_sglang_daemon_drives_a_generate_endpoint_with_its_tool(tmp_path):
     fake = FakeSGLang(vocab_size=1000)
     try:
@@ -706,6 +717,7 @@ def test_the_sglang_daemon_drives_a_generate_endpoint_with_its_tool(tmp_path):
     assert used == len(fake.calls)  # every engine call became a turn
 
 
+@pytest.mark.slow
 def test_the_replay_daemon_streams_jsonl_and_miles_payloads(tmp_path):
     recordings = tmp_path / "recorded"
     recordings.mkdir()
@@ -755,6 +767,7 @@ def test_the_replay_daemon_streams_jsonl_and_miles_payloads(tmp_path):
     ])
 
 
+@pytest.mark.slow
 def test_the_model_daemon_streams_rollouts_a_trainer_replays_exactly(tmp_path):
     """Rollouts sampled from the small torch LM reach a consumer with their
     weight version, and the same weights recompute every delivered
@@ -785,6 +798,7 @@ def test_the_model_daemon_streams_rollouts_a_trainer_replays_exactly(tmp_path):
         np.testing.assert_allclose(replayed.numpy(), traj.log_probs[traj.loss_mask == 1], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_bad_settings_and_recordings_are_refused_with_the_rule(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "producer", "--turns", "0"],
                          capture_output=True, text=True, timeout=PATIENCE, check=False)
@@ -807,6 +821,7 @@ def test_bad_settings_and_recordings_are_refused_with_the_rule(tmp_path):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_producers_opened_and_closed_one_after_another_never_stall_the_context(tmp_path):
     """Closing a producer must not leave libzmq's I/O thread (shared by every
     socket of the context) blocked on a connection event for the closed

@@ -383,6 +383,7 @@ OPS = st.sampled_from(["push"] * 3 + ["transmit", "deliver", "reply"] * 2
                       + ["reply_late", "cut", "notice", "lose_reply", "ping"])
 
 
+@pytest.mark.slow
 @settings(max_examples=1000, deadline=None)
 @given(ops=st.lists(OPS, max_size=80), seed=st.integers(0, 2**16), limit=st.integers(1, 6))
 def test_lossy_connection_loses_nothing_duplicates_nothing_and_ends_whole(ops, seed, limit):

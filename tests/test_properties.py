@@ -433,6 +433,7 @@ def contract_turn_arrays(draw):
     return arrays
 
 
+@pytest.mark.slow
 @prop(300)
 @given(arrays=contract_turn_arrays(), status=st.sampled_from(STATUSES), check_content=st.booleans())
 def test_a_borrowed_turn_of_contract_arrays_is_the_turn_the_general_path_builds(arrays, status, check_content):
@@ -500,6 +501,7 @@ def expected_turn_fields(spec, trajectory_id, index, kwargs) -> dict:
     return fields
 
 
+@pytest.mark.slow
 @prop(150)
 @given(msg=turn_messages(), crc=st.booleans(), packed=st.booleans())
 def test_turn_message_round_trips_fields_and_array_bytes(msg, crc, packed):
@@ -609,6 +611,7 @@ def trajectories(draw):
     meta=metadata_st,
     packed=st.booleans(),
 )
+@pytest.mark.slow
 def test_deliver_round_trips_a_merged_trajectory(built, reward, lease, meta, packed):
     """A consumer must rebuild exactly what the broker merged, gap included
     (§4), from one frame per array or from one packed frame."""
@@ -637,6 +640,7 @@ def test_deliver_round_trips_a_merged_trajectory(built, reward, lease, meta, pac
 
 
 # == 4. merging turns ===============================================================
+@pytest.mark.slow
 @prop(150)
 @given(data=st.data(), with_mask=st.booleans(), routed=st.booleans())
 def test_merging_turns_one_by_one_equals_building_the_whole_trajectory(data, with_mask, routed):
@@ -687,6 +691,7 @@ def gap_scenarios(draw):
     return captured, carried, missing, gap_turn, later
 
 
+@pytest.mark.slow
 @prop(150)
 @given(scenario=gap_scenarios())
 def test_replay_gap_cuts_at_last_captured_sampled_tokens(scenario):
@@ -718,6 +723,7 @@ def outcome_of(traj: Trajectory, turn):
         return error.code
 
 
+@pytest.mark.slow
 @prop(200)
 @given(specs=st.lists(turn_specs(), min_size=1, max_size=7), data=st.data())
 def test_a_shed_trajectory_merges_exactly_as_the_whole_one_and_replays_to_it(specs, data):
@@ -882,6 +888,7 @@ def array_bytes(frames) -> dict[str, bytes]:
     return out
 
 
+@pytest.mark.slow
 @prop(400)
 @given(encoded=encoded_turns(), kind=st.sampled_from(CORRUPTIONS), data=st.data())
 def test_single_corruption_is_refused_with_the_right_code_or_is_harmless(encoded, kind, data):
@@ -952,6 +959,7 @@ def test_single_corruption_is_refused_with_the_right_code_or_is_harmless(encoded
             assert_content_valid(message)
 
 
+@pytest.mark.slow
 @prop(300)
 @given(encoded=encoded_turns(), kinds=st.lists(st.sampled_from(CORRUPTIONS), min_size=1, max_size=3), data=st.data())
 def test_chained_corruptions_never_crash_and_never_yield_unchecked_content(encoded, kinds, data):
@@ -1053,6 +1061,7 @@ def decode_outcome(frames, schema):
             {name: (arr.dtype.str, arr.shape, arr.tobytes()) for name, arr in message.arrays.items()})
 
 
+@pytest.mark.slow
 @prop(600)
 @given(case=edited_messages())
 def test_the_fast_decoder_decodes_and_refuses_exactly_as_the_checked_way(case):
@@ -1101,6 +1110,7 @@ def packed(tokens, masks):
     return np.array(flat_tokens, np.int32), np.array(lengths, np.int64), np.array(ids, np.int32), np.array(offsets, np.int64)
 
 
+@pytest.mark.slow
 @prop(150)
 @given(batch=batch_st)
 def test_valid_batches_always_pass(batch):
@@ -1134,6 +1144,7 @@ def test_one_token_outside_its_support_is_reported_at_its_sample_and_position(ba
     assert [(v.rule, v.sample, v.position, v.count) for v in found] == [(RULE_IN_SUPPORT, s, p, 1)]
 
 
+@pytest.mark.slow
 @prop(150)
 @given(batch=batch_st, data=st.data())
 def test_many_tokens_outside_support_give_first_position_and_count_per_sample(batch, data):

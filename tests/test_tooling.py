@@ -8,6 +8,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's scripts, installed by the `test` extra
 # Import name -> folder: rollstream.common is common/, and so on.
@@ -40,6 +42,7 @@ def test_common_loads_no_torch_at_import():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_mypy_finds_nothing(tmp_path):
     # mypy cannot follow package-dir through the editable install: it reads
     # the package through links named as the import path.

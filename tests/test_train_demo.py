@@ -28,6 +28,7 @@ def test_weight_versions_hand_back_the_weights_of_a_kept_version_only():
     assert torch.equal(versions.model("c")(tokens), models["c"].eval()(tokens))
 
 
+@pytest.mark.slow
 def test_a_short_training_run_replays_exactly_over_the_support_and_not_over_the_vocabulary(tmp_path):
     plot = tmp_path / "train.png"
     lines = []
