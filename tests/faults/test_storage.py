@@ -67,12 +67,12 @@ def processes(tmp_path):
 
 
 def test_a_disk_budget_slows_the_pipeline_but_never_stops_it(tmp_path, processes):
-    """The probe's setup: a 4 MiB disk budget in 256 KiB segments, two
-    producers with the default window sending 100-400-token turns, and a
-    consumer of batches of 3 that starts once the broker is over the budget
-    (it logs so). Over the budget, with two
-    trajectories leased to a consumer that waits for a third, the `end`s
-    that would finish the open trajectories must still get in."""
+    """A 4 MiB disk budget in 256 KiB segments, two producers with the
+    default window sending 100-400-token turns, and a consumer of batches of
+    3 that starts once the broker is over the budget (it logs so). Over the
+    budget, with two trajectories leased to a consumer that waits for a
+    third, the `end`s that would finish the open trajectories must still get
+    in."""
     with BrokerProcess(tmp_path, max_disk_bytes="4MiB", segment_bytes="256KiB") as broker:
         for name in ("p0", "p1"):
             processes.producer(broker, name, "--response-tokens", "250", "--concurrency", "100")
