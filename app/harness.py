@@ -213,12 +213,12 @@ class Trainer:
 
     def wait_welcomed(self, timeout: float) -> None:
         """Until the broker counts the trainer's consumer (its ranks took a few seconds to start)."""
-        deadline = Clock.read().mono + timeout
+        deadline = Clock.monotonic() + timeout
         while (_status(self.node) or {}).get("consumers", 0) < 1:
             if self.lost:
                 raise DaemonFailed(f"every trainer rank must run until the trainer connects, got exit statuses "
                                    f"{[rank.poll() for rank in self.ranks]}; see {self.node.work / 'daemons.log'}")
-            if Clock.read().mono > deadline:
+            if Clock.monotonic() > deadline:
                 raise TimedOut(f"the trainer must connect within {timeout} s, the broker counts no consumer; "
                                f"see {self.node.work / 'daemons.log'}")
             time.sleep(0.1)
@@ -365,8 +365,8 @@ class Pipeline:
     def run(self, timeout: float, each: Callable[[], None] | None = None) -> bool:
         """Poll (calling `each` after every poll) until drained or `timeout`
         seconds passed; whether it drained."""
-        deadline = Clock.read().mono + timeout
-        while Clock.read().mono < deadline:
+        deadline = Clock.monotonic() + timeout
+        while Clock.monotonic() < deadline:
             self.poll()
             if each is not None:
                 each()

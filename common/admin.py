@@ -51,14 +51,14 @@ class AdminClient:
         self._seq += 1
         self._sock.send_multipart(encode(ADMIN_REQUESTS, mtype, {**(fields or {}), "seq": self._seq}))
         assert self._watch is not None
-        deadline = Clock.read().mono + self.timeout_ms / 1000
+        deadline = Clock.monotonic() + self.timeout_ms / 1000
         while True:
-            events = dict(self._poller.poll(max(0, int((deadline - Clock.read().mono) * 1000))))
+            events = dict(self._poller.poll(max(0, int((deadline - Clock.monotonic()) * 1000))))
             failure = self._watch.read()
             if failure is not None:
                 raise AdminError(failure, code="handshake_refused")
             if not events.get(self._sock):
-                if Clock.read().mono < deadline:
+                if Clock.monotonic() < deadline:
                     continue
                 if self._watch.failure is not None:  # reported to an earlier call, and still so
                     raise AdminError(self._watch.failure, code="handshake_refused")
@@ -129,14 +129,14 @@ def ask_status(endpoint: str | None, *, endpoints_file: str | None = None, timeo
     endpoints file, which a starting broker writes once it listens) until
     that many seconds have passed; then the last error is raised. The
     CURVE keys are `AdminClient`'s."""
-    deadline = None if wait is None else Clock.read().mono + wait
+    deadline = None if wait is None else Clock.monotonic() + wait
     while True:
         try:
             if endpoints_file is not None:
                 endpoint = read_endpoints_file(endpoints_file)["admin"]
             elif endpoint is None:
                 raise InvalidType("ask_status needs an endpoint or an endpoints_file, and got neither")
-            patience = timeout if deadline is None else max(0.05, min(timeout, deadline - Clock.read().mono))
+            patience = timeout if deadline is None else max(0.05, min(timeout, deadline - Clock.monotonic()))
             with AdminClient(endpoint, timeout=patience, curve_secret_key=curve_secret_key,
                              curve_server_key=curve_server_key) as admin:
                 report = admin.status()
@@ -145,7 +145,7 @@ def ask_status(endpoint: str | None, *, endpoints_file: str | None = None, timeo
         except AdminError as exc:
             if deadline is None or exc.code == "handshake_refused":  # a refused key stays refused
                 raise
-            now = Clock.read().mono
+            now = Clock.monotonic()
             if now >= deadline:
                 raise AdminError(f"the broker did not answer within --wait {wait} s; last: {exc}", code="no_answer") from None
             time.sleep(min(0.1, max(0.0, deadline - now)))

@@ -19,7 +19,13 @@ class Clock(NamedTuple):
 
     @classmethod
     def read(cls) -> "Clock":
-        return _make(cls, (monotonic(), time()))  # tuple.__new__: a producer reads the time per frame
+        return _make(cls, (monotonic(), time()))
+
+    @staticmethod
+    def monotonic() -> float:
+        """The monotonic time alone, for a shell that needs no wall time
+        (the producer's reads it several times a frame)."""
+        return monotonic()
 
 
 _make = tuple.__new__

@@ -148,7 +148,7 @@ class Consumer:
         (`TimedOut`, a `TimeoutError`), raises `ConsumerClosed` once closed. With
         `partial_after`, a batch of the units ready once that many seconds
         passed without a full batch (the tail of a run): smaller, never empty."""
-        now = Clock.read().mono
+        now = Clock.monotonic()
         deadline = None if timeout is None else now + timeout
         partial_at = None if partial_after is None else now + partial_after
         seq = next(self._seq)
@@ -193,7 +193,7 @@ class Consumer:
                     raise ClientFailed(f"consumer {self.consumer_id!r}", self._error) from self._error
                 if self._closing:
                     raise ConsumerClosed("the consumer is closed")
-                now = Clock.read().mono
+                now = Clock.monotonic()
                 # A trainer that stalled past a lease must not get that unit: the broker redelivers it.
                 self._assembler.drop_expired(now)
                 ready = self._assembler.ready
@@ -267,14 +267,14 @@ class Consumer:
                          lambda: f"{self._assembler.unsettled} settlement(s) unconfirmed after {timeout} s")
 
     def _wait_until(self, done, timeout: float | None, describe) -> None:
-        deadline = None if timeout is None else Clock.read().mono + timeout
+        deadline = None if timeout is None else Clock.monotonic() + timeout
         with self._changed:
             while not done():
                 if self._error is not None:
                     raise ClientFailed(f"consumer {self.consumer_id!r}", self._error) from self._error
                 if self._stopping:
                     raise ConsumerClosed("the consumer is closed")
-                remaining = None if deadline is None else deadline - Clock.read().mono
+                remaining = None if deadline is None else deadline - Clock.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimedOut(describe())
                 self._changed.wait(1.0 if remaining is None else min(remaining, 1.0))
@@ -289,9 +289,9 @@ class Consumer:
             self._awaiting_commit.clear()
             self._assembler.release()
             self._wake()
-            deadline = Clock.read().mono + timeout
+            deadline = Clock.monotonic() + timeout
             while self._assembler.unsettled and self._error is None:
-                remaining = deadline - Clock.read().mono
+                remaining = deadline - Clock.monotonic()
                 if remaining <= 0:
                     break
                 self._changed.wait(remaining)
@@ -337,7 +337,7 @@ class Consumer:
                         log.error(failure, extra={"endpoint": watch.report.endpoint})
                 received = [(i, frames) for i, sock in enumerate(socks) if events.get(sock) for frames in _drain(sock)]
                 decoded = [(i, *self._decode(frames)) for i, frames in received]
-                now = Clock.read().mono
+                now = Clock.monotonic()
                 with self._changed:
                     if self._stopping:
                         break

@@ -115,10 +115,10 @@ class _Intake:
         and accept `draft`. True when the loop must be woken to take it."""
         session = self.session
         size = session.spool_bytes(draft)
-        deadline = None if timeout is None else Clock.read().mono + timeout
+        deadline = None if timeout is None else Clock.monotonic() + timeout
         with self.room:
             while not (self.closing or self.failure is not None or session.has_room(size)):
-                remaining = None if deadline is None else deadline - Clock.read().mono
+                remaining = None if deadline is None else deadline - Clock.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimedOut(f"no room for a frame within {timeout} s ({session.in_memory} frames unsettled)")
                 self.blocked += 1
@@ -137,7 +137,7 @@ class _Intake:
         if self.failure is not None or self.closing:
             self.check_alive()
             raise ProducerClosed(f"producer {self.producer_id!r} is closing; no new frames")
-        self.session.accept(draft, future, Clock.read().mono)
+        self.session.accept(draft, future, Clock.monotonic())
 
     def fill_window(self) -> None:
         with self.lock:
@@ -239,7 +239,7 @@ class AsyncProducer:
         self.pack_arrays = pack_arrays
         self.metrics = ProducerMetrics()
         self._session = ProducerSession(  # checks the settings before any file is opened
-            producer_id, endpoint, metrics=self.metrics, now=Clock.read().mono, window=window,
+            producer_id, endpoint, metrics=self.metrics, now=Clock.monotonic(), window=window,
             reply_timeout=reply_timeout, retry_delay=retry_delay, heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout, batch_acks=batch_acks, batch_frames=batch_frames, send_burst=send_burst)
         # What was sent and acked, for the end-to-end checker (`rollstream.common.checker`):
@@ -268,7 +268,7 @@ class AsyncProducer:
         if spool_dir is not None:
             session.use_spool(Spool(spool_dir, self.producer_id, max_bytes=spool_bytes, fsync=spool_fsync))
         self._loop = asyncio.get_running_loop()
-        session.heartbeat.heard(Clock.read().mono)  # presumed alive from the start
+        session.heartbeat.heard(Clock.monotonic())  # presumed alive from the start
         sock = tune(zmq.Socket(self._context, zmq.DEALER), high_water_mark=self._hwm,
                     heartbeat_interval=session.heartbeat.interval, linger_ms=0)
         if self._curve is not None:
@@ -455,7 +455,7 @@ class AsyncProducer:
         if self._sock is None:  # closed
             return
         self._intake.fill_window()
-        self._session.transmit(Clock.read().mono, self._send_now)
+        self._session.transmit(Clock.monotonic(), self._send_now)
         if look_again:
             self._read_soon()
 
@@ -483,7 +483,7 @@ class AsyncProducer:
             self._fail(exc)
 
     def _on_message(self, frames: list) -> None:
-        now = Clock.read().mono
+        now = Clock.monotonic()
         session = self._session
         try:
             reply = decode(frames, BROKER_TO_PRODUCER)
@@ -505,7 +505,7 @@ class AsyncProducer:
         heartbeat interval."""
         session = self._session
         while True:
-            now = Clock.read().mono
+            now = Clock.monotonic()
             session.tick(now)
             if session.ping_due(now):
                 if self._send_now(self._intake.ping()):

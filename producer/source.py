@@ -61,11 +61,11 @@ class Pacer:
 
     def __init__(self, rate: float):
         self.interval = 1.0 / rate if rate > 0 else 0.0
-        self._next = Clock.read().mono
+        self._next = Clock.monotonic()
 
     async def wait(self) -> None:
         if self.interval:
-            now = Clock.read().mono
+            now = Clock.monotonic()
             self._next = max(self._next + self.interval, now)
             await asyncio.sleep(self._next - now)
 
