@@ -102,15 +102,15 @@ def broker(log_format: str, **values) -> None:
     from rollstream.common.logs import setup_logging
 
     from .service import BrokerService
-    from .store import StoreCorrupted
+    from .store import DataDirectoryHeld, StoreCorrupted
 
     settings = settings_from(BrokerSettings, values, broker_problems)
     setup_logging(settings.log_level, log_format)
     keep_freed_memory()
-    service = BrokerService(settings)
     try:
+        service = BrokerService(settings)
         service.start()
-    except (StoreCorrupted, RuntimeError, zmq.ZMQError) as exc:
+    except (DataDirectoryHeld, StoreCorrupted, RuntimeError, zmq.ZMQError) as exc:
         raise click.ClickException(f"refusing to start: {exc}") from None
     tune_garbage_collector()
     service.install_signal_handlers()
@@ -183,10 +183,13 @@ def salvage(data_dir: str) -> None:
     """Keep what a damaged store holds intact and drop the rest: every
     trajectory whose end row or turn records fail their checks is removed
     (each one is listed), a torn segment tail is cut, and the broker can
-    start again. Run it only while no broker uses DATA_DIR."""
-    from .store import Store, StoreCorrupted
+    start again. It refuses while a broker holds DATA_DIR."""
+    from .store import DataDirectoryHeld, Store, StoreCorrupted
 
-    store = Store(data_dir)
+    try:
+        store = Store(data_dir)
+    except DataDirectoryHeld as exc:
+        raise click.ClickException(f"cannot salvage {data_dir}: {exc}") from None
     try:
         dropped = store.salvage()
         kept = store.open().trajectories

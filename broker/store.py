@@ -32,6 +32,7 @@ from typing import Iterator
 import msgpack
 
 from rollstream.common.codec import Message, content_digest, crc32_continued, decode_trusted, encode
+from rollstream.common.dirlock import DirectoryHeld, hold
 from rollstream.common.errors import InternalError, InvalidInput, RollstreamError
 from rollstream.common.messages import PRODUCER_TO_BROKER
 from rollstream.common.segments import SegmentLog
@@ -173,6 +174,13 @@ class StoreUnavailable(StoreError):
     code = "unavailable"
 
 
+class DataDirectoryHeld(StoreError):
+    """Another live broker (or `rollstream salvage`) holds the data
+    directory; the message names its pid."""
+
+    code = "invalid_state"
+
+
 class StoreCorrupted(StoreError):
     """The data directory is damaged (a record or row fails its checks, or
     is missing); the broker refuses to start on it, and a ready trajectory
@@ -294,7 +302,12 @@ class Store:
             raise InvalidInput(f"sync must be 'normal' or 'full', got {sync!r}")
         self.data_dir = Path(data_dir)
         self.sync = sync
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:  # before anything is read or written: one broker per data directory
+            self._lock_fd: int | None = hold(self.data_dir)
+        except DirectoryHeld as held:
+            who = "another broker" if held.holder is None else f"another broker (pid {held.holder})"
+            raise DataDirectoryHeld(f"data directory {self.data_dir} is held by {who}: one broker per data "
+                                    f"directory; stop that one first") from None
         self.segments = Segments(self.data_dir / "segments", segment_bytes)
         self.db_path = self.data_dir / "state.sqlite"
         self.db = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False)
@@ -306,7 +319,15 @@ class Store:
 
     # -- start-up -----------------------------------------------------------
     def open(self) -> "Recovered":
-        """Check integrity, cut a torn tail, and return what was stored."""
+        """Check integrity, cut a torn tail, and return what was stored. A
+        store that fails to open is closed (its data directory free again)."""
+        try:
+            return self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> "Recovered":
         with self._readable():
             self._prepare()
             recovered = self.reload()
@@ -670,3 +691,6 @@ class Store:
             self._writer.shutdown()
         self.segments.close()
         self.db.close()
+        if self._lock_fd is not None:  # the data directory is free for the next broker
+            os.close(self._lock_fd)
+            self._lock_fd = None

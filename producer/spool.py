@@ -19,13 +19,13 @@ CRC-32]` records) is refused: spools are transient, so there is no upgrade.
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import struct
 from collections import deque
 from pathlib import Path
 from typing import Callable
 
+from rollstream.common.dirlock import DirectoryHeld, hold
 from rollstream.common.errors import InvalidInput, RollstreamError
 from rollstream.common.segments import HEADER, Location, SegmentLog
 
@@ -86,13 +86,11 @@ class Spool:
 
     # -- opening and recovery -------------------------------------------------
     def _open(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise SpoolError(f"spool {self.directory} is in use by another live producer (LOCK is held)") from None
+            self._lock_fd = hold(self.directory)
+        except DirectoryHeld as held:
+            who = "another live producer" if held.holder is None else f"another live producer (pid {held.holder})"
+            raise SpoolError(f"spool {self.directory} is in use by {who}: its LOCK is held") from None
         old = sorted(self.directory.glob("*.seg"))
         if old:
             self.close()
