@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Generator, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from rollstream.common.clock import Clock
@@ -32,7 +31,7 @@ from rollstream.common.trajectory import Trajectory
 from rollstream.common.wire import encode_deliver
 
 from .dispatch import Dispatch, Dispatcher, DispatchSettings
-from .engine import DEAD, ENDED, OPEN, DeliveryUnit, EngineSettings, MergeEngine
+from .engine import DEAD, ENDED, NOTHING_STORED, OPEN, DeliveryUnit, EngineSettings, MergeEngine, StoredDigests
 from .flow import DiskAdmission, MemoryBudget, WindowGrants
 from .hello import Hellos
 from .metrics import BrokerMetrics
@@ -126,8 +125,6 @@ Steps = Generator[Request, Any, Any]
 
 # A decoded message with the refusal it already earned (decoding, content rules), or None.
 Received = tuple[bytes, Message | None, ProtocolError | None]
-
-_NOTHING_STORED: Mapping[tuple[str, int], bytes | None] = MappingProxyType({})
 
 
 @dataclass(slots=True)
@@ -274,7 +271,7 @@ class BrokerCore:
         """Merge a batch of producer messages, commit it once, then answer:
         an `ack` always means durable."""
         engine = self.engine
-        stored, unread = _NOTHING_STORED, {}
+        stored, unread = NOTHING_STORED, {}
         keys = engine.stored_digests_needed(message for _, message, error in received if message is not None and error is None)
         if keys:  # resends of applied turns whose digests only the store holds
             read = yield ReadDigests(keys)
@@ -308,7 +305,7 @@ class BrokerCore:
         self._apply_memory_budget()
 
     def _producer_message(self, identity: bytes, message: Message | None, error: ProtocolError | None, now: Clock,
-                          stored: Mapping, unread: Mapping, effects: list) -> _Answer:
+                          stored: StoredDigests, unread: Mapping, effects: list) -> _Answer:
         if error is not None:
             return _Answer(identity, self._refuse("producer", error, message))
         assert message is not None  # one that failed to decode is received with its error

@@ -158,6 +158,11 @@ class DeliveryUnit:
     group_left: int = 0
 
 
+# Stored digests read for `MergeEngine.handle`, by (trajectory id, turn); None: the read failed.
+StoredDigests = Mapping[tuple[str, int], bytes | None]
+NOTHING_STORED: StoredDigests = MappingProxyType({})
+
+
 class Reply(NamedTuple):
     """The answer to one message: `fields` of an `ack`, or a refusal."""
 
@@ -256,8 +261,7 @@ class MergeEngine:
         return effects
 
     # -- producer messages --------------------------------------------------
-    def handle(self, message: Message, wall: float, stored: Mapping[tuple[str, int], bytes | None] = MappingProxyType({})
-               ) -> Reply:
+    def handle(self, message: Message, wall: float, stored: StoredDigests = NOTHING_STORED) -> Reply:
         """Apply one decoded `turn`, `end` or `abort` at wall time `wall`.
         `stored` holds the digests `stored_digests_needed` named, read from
         the store (None: the read failed, and a resend that needs it is
@@ -297,7 +301,7 @@ class MergeEngine:
                 needed.append((tid, index))
         return needed
 
-    def _turn(self, message: Message, wall: float, stored: Mapping[tuple[str, int], bytes | None]) -> tuple[dict, tuple]:
+    def _turn(self, message: Message, wall: float, stored: StoredDigests) -> tuple[dict, tuple]:
         tid, index = message["trajectory_id"], message["turn"]
         entry = self.entries.get(tid)
         if entry is None or entry.state == LEFT:
@@ -380,7 +384,7 @@ class MergeEngine:
             return None
         return content_digest(message)
 
-    def _applied_digest(self, tid: str, index: int, stored: Mapping[tuple[str, int], bytes | None]) -> bytes:
+    def _applied_digest(self, tid: str, index: int, stored: StoredDigests) -> bytes:
         unsaved = self._unsaved.get((tid, index))
         if unsaved is not None:
             return content_digest(unsaved)
