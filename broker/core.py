@@ -356,6 +356,7 @@ class BrokerCore:
         are made durable together (one commit), then answered."""
         settling: list[Settlement] = []
         claimed: set[str] = set()  # leases settled by an earlier message of this batch
+        claimed_ids: set[str] = set()  # and the trajectories its acks settled
         for identity, message, error in received:
             if error is not None:
                 yield Send("consumer", identity, self._refuse("consumer", error, None))
@@ -364,14 +365,14 @@ class BrokerCore:
             if message.type == "hello":
                 yield from self._settle(settling, now)  # a hello drops leases: settle what came before it first
                 claimed.clear()
-            settlement = yield from self._consumer_message(identity, message, now, claimed)
+                claimed_ids.clear()
+            settlement = yield from self._consumer_message(identity, message, now, claimed, claimed_ids)
             if settlement is not None:
                 settling.append(settlement)
-                claimed.update(settlement.known)
         yield from self._settle(settling, now)
 
-    def _consumer_message(self, identity: bytes, message: Message, now: Clock,
-                          claimed: set) -> Generator[Request, Any, Settlement | None]:
+    def _consumer_message(self, identity: bytes, message: Message, now: Clock, claimed: set[str],
+                          claimed_ids: set[str]) -> Generator[Request, Any, Settlement | None]:
         dispatcher = self.dispatcher
         if message.type == "hello":
             yield from self._dead_letter(dispatcher.hello(identity, message["consumer_id"], now.mono), "max_deliveries", now)
@@ -388,7 +389,7 @@ class BrokerCore:
         if message.type == "credit":
             dispatcher.credit(identity, message["n"], message["unit"])
         elif message.type in ("ack", "nack"):
-            return Settlement.prepare(identity, message, dispatcher, self.engine, now.wall, claimed)
+            return Settlement.prepare(identity, message, dispatcher, self.engine, now.wall, claimed, claimed_ids)
         return None
 
     def _settle(self, settling: list[Settlement], now: Clock) -> Steps:
@@ -403,14 +404,14 @@ class BrokerCore:
         for s in settling:
             if not committed:
                 error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later")
-                yield Send("consumer", s.identity, self._refuse("consumer", error, s.message, leases=s.known))
+                yield Send("consumer", s.identity, self._refuse("consumer", error, s.message, leases=s.accepted))
                 continue
             yield from self._dead_letter(s.apply(self.dispatcher), "max_deliveries", now)
             if s.message.type == "ack":
-                self.metrics.inc(self.metrics.exits, len(s.trajectory_ids), exit="delivered")
-            if s.known:
+                self.metrics.inc(self.metrics.exits, len(s.trajectory_ids) + len(s.by_id), exit="delivered")
+            if s.accepted:
                 reply = "acked" if s.message.type == "ack" else "nacked"
-                yield Send("consumer", s.identity, encode(BROKER_TO_CONSUMER, reply, {"leases": s.known}))
+                yield Send("consumer", s.identity, encode(BROKER_TO_CONSUMER, reply, {"leases": s.accepted}))
             if s.stale:
                 error = RemoteProtocolError("stale_lease",
                                             f"{len(s.stale)} lease(s) are unknown or expired; they changed nothing")

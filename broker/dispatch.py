@@ -179,6 +179,21 @@ class Dispatcher:
                 left = unit.group_size - len(tids)
             self.enqueue(DeliveryUnit(tuple(tids), unit.group_id, unit.group_size, left), front=True)
 
+    def withdraw(self, trajectory_ids: set[str]) -> None:
+        """Take trajectories settled by their id out of the dispatcher
+        wherever they are: their leases end (a later settlement of one is
+        stale) and queued units lose them. Rare (a lease outlived by its
+        trajectory), so it may scan."""
+        self.end_leases([lease.lease for lease in self.leases.values() if lease.trajectory_id in trajectory_ids])
+        if not any(tid in trajectory_ids for unit in self.queue for tid in unit.trajectory_ids):
+            return
+        units, self.queue, self.queued_trajectories = list(self.queue), deque(), 0
+        for unit in units:
+            kept = tuple(tid for tid in unit.trajectory_ids if tid not in trajectory_ids)
+            if kept:
+                left = unit.group_left + len(unit.trajectory_ids) - len(kept)
+                self.enqueue(DeliveryUnit(kept, unit.group_id, unit.group_size, left if unit.group_id else 0))
+
     def forget(self, trajectory_id: str) -> None:
         self.delivery_counts.pop(trajectory_id, None)
 

@@ -1,21 +1,27 @@
 """A consumer's `ack` or `nack` (docs/protocol.md §4), sans-I/O.
 
 Settling takes two steps around the commit of the batch it arrived in:
-`Settlement.prepare` splits the message's leases into those it settles and
-stale ones, and asks the engine for the durable side (a delivered
-trajectory is forgotten, a refused one dead-lettered); once that is
-committed, `apply` updates the dispatcher (requeued leases go back, and
-may run out of deliveries). The service only commits and answers, so the
-whole decision is testable without sockets.
+`Settlement.prepare` sorts the message's leases, and asks the engine for
+the durable side (a delivered trajectory is forgotten, a refused one
+dead-lettered); once that is committed, `apply` updates the dispatcher
+(requeued leases go back, and may run out of deliveries). The service only
+commits and answers, so the whole decision is testable without sockets.
+
+An `ack` that names each lease's trajectory settles by trajectory id what
+its lease no longer can: a lease of a broker incarnation that has since
+restarted, or one that expired while the trainer held it. The trajectory
+the trainer used is then settled wherever it is (queued again, or out on
+another lease), so exactly-once does not rest on the consumer remembering
+what it settled.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollstream.common.codec import Message
 
 from .dispatch import Dispatcher
-from .engine import Effect, MergeEngine
+from .engine import ENDED, Effect, MergeEngine
 
 
 @dataclass
@@ -25,36 +31,67 @@ class Settlement:
     identity: bytes
     message: Message
     known: list[str]  # leases it settles
-    stale: list[str]  # leases unknown, expired or settled earlier in the batch: they change nothing
+    stale: list[str]  # leases that change nothing: unknown, expired, or settled earlier in the batch
     trajectory_ids: list[str]  # of the known leases
     requeue: bool
     effects: list[Effect]
+    by_id: dict[str, str] = field(default_factory=dict)  # lease -> trajectory settled by its id (an ack)
+    settled_before: list[str] = field(default_factory=list)  # leases of trajectories already settled (an ack)
+
+    @property
+    def accepted(self) -> list[str]:
+        """The leases answered `acked`/`nacked`."""
+        return [*self.known, *self.by_id, *self.settled_before]
 
     @classmethod
     def prepare(cls, identity: bytes, message: Message, dispatcher: Dispatcher, engine: MergeEngine, wall: float,
-                claimed: set[str]) -> "Settlement":
-        """Split the leases (each once; one `claimed` by an earlier message of
-        the batch is stale) and take the engine's side at wall time `wall`."""
+                claimed: set[str], claimed_ids: set[str]) -> "Settlement":
+        """Sort the leases (each once; one `claimed` by an earlier message of
+        the batch is stale, and an ack of a trajectory in `claimed_ids` is
+        answered as settled) and take the engine's side at wall time `wall`.
+        Adds what it settles to `claimed` and `claimed_ids`."""
         leases = list(dict.fromkeys(message["leases"]))
-        known = [lease for lease in leases if lease in dispatcher.leases and lease not in claimed]
-        stale = [lease for lease in leases if lease not in known]
-        tids = [dispatcher.leases[lease].trajectory_id for lease in known]
+        named = dict(zip(message["leases"], message.get("trajectory_ids", ())))
+        is_ack = message.type == "ack"
+        known, stale, tids, by_id, before = [], [], [], {}, []
+        for lease in leases:
+            out = dispatcher.leases.get(lease)
+            tid = out.trajectory_id if out is not None and lease not in claimed else named.get(lease)
+            if is_ack and tid in claimed_ids:
+                before.append(lease)
+            elif out is not None and lease not in claimed:
+                known.append(lease)
+                tids.append(tid)
+            elif not is_ack or tid is None:
+                stale.append(lease)
+            elif (entry := engine.entries.get(tid)) is not None and entry.state == ENDED:
+                by_id[lease] = tid
+            elif entry is None and tid in engine.dedup:
+                before.append(lease)
+            else:
+                stale.append(lease)
+            claimed.add(lease)
+            if is_ack and tid is not None and lease not in stale:
+                claimed_ids.add(tid)
         requeue = message.type == "nack" and message["requeue"]
-        if message.type == "ack":
-            effects = [e for tid in tids for e in engine.delivered(tid, wall)]
+        if is_ack:
+            effects = [e for tid in (*tids, *by_id.values()) for e in engine.delivered(tid, wall)]
         elif not requeue:
             effects = [e for tid in tids for e in engine.dead_letter(tid, message["reason"], wall)]
         else:
             effects = []
-        return cls(identity, message, known, stale, tids, requeue, effects)
+        return cls(identity, message, known, stale, tids, requeue, effects, by_id, before)
 
     def apply(self, dispatcher: Dispatcher) -> list[str]:
         """After the commit: settle the leases; a requeue puts them back, the
-        rest are forgotten. Returns the trajectories a requeue left without
-        deliveries (`max_deliveries`), to dead-letter."""
+        rest are forgotten, those settled by id taken from wherever they are
+        now. Returns the trajectories a requeue left without deliveries
+        (`max_deliveries`), to dead-letter."""
         settled, _ = dispatcher.end_leases(self.known)
         if self.requeue:
             return dispatcher.requeue(settled)
-        for tid in self.trajectory_ids:
+        if self.by_id:
+            dispatcher.withdraw(set(self.by_id.values()))
+        for tid in (*self.trajectory_ids, *self.by_id.values()):
             dispatcher.forget(tid)
         return []

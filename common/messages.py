@@ -207,6 +207,13 @@ def turn_zero_fields(header, arrays) -> str | None:
     return f"{', '.join(late)} may travel on turn 0 only, got turn {header['turn']}"
 
 
+def one_id_per_lease(header, arrays) -> str | None:
+    ids = header.get("trajectory_ids")
+    if ids is not None and len(ids) != len(header["leases"]):
+        return f"trajectory_ids names one trajectory per lease: expected {len(header['leases'])}, got {len(ids)}"
+    return None
+
+
 # -- the catalogue ------------------------------------------------------------
 _SEQ = {"seq": INT}
 _TURN_ARRAYS = ("prompt_tokens", "loss_mask", *MASK_ARRAYS, "forced_tokens", *CONTEXT_REPLAY_ARRAYS)
@@ -258,7 +265,7 @@ CONSUMER_TO_BROKER = _schema(
     MessageSpec("hello", {"consumer_id": TEXT}, {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL}),
     MessageSpec("heartbeat", {}, _SEQ),
     MessageSpec("credit", {"n": COUNT, "unit": UNIT}, _SEQ),
-    MessageSpec("ack", {"leases": TEXT_LIST}, _SEQ),
+    MessageSpec("ack", {"leases": TEXT_LIST}, {**_SEQ, "trajectory_ids": TEXT_LIST}, rules=(one_id_per_lease,)),
     MessageSpec("nack", {"leases": TEXT_LIST, "reason": ANY_TEXT, "requeue": BOOL}, _SEQ),
 )
 

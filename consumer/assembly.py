@@ -150,13 +150,20 @@ class Assembler:
     def welcomed(self, broker: int, lease_timeout: float) -> None:
         """A (re)started session: the broker released every lease and all
         credit of the previous one, so drop what it had delivered and is not
-        yet with the trainer (it is redelivered to us or to another consumer)."""
+        yet with the trainer (it is redelivered to us or to another
+        consumer). Settlements still unanswered go to the new session: an
+        ack names its trajectories, which the broker settles by id."""
         self.lost(broker)
         self._brokers[broker].lease_timeout = lease_timeout
         self._brokers[broker].connected = True
+        pending = [out for lease, out in self._settling.items() if lease[0] == broker]
+        self.stats.resent_settlements += len(pending)
+        self.outbox += pending
 
     def lost(self, broker: int) -> None:
-        """The broker no longer knows this connection (`unknown_consumer`)."""
+        """The broker no longer knows this connection (`unknown_consumer`).
+        What the trainer holds keeps its leases, and unanswered settlements
+        wait for the next welcome: an ack of them settles by trajectory id."""
         state = self._brokers[broker]
         state.connected = False
         state.outstanding = 0
@@ -164,9 +171,6 @@ class Assembler:
         for unit in self._units():
             if unit.broker == broker:
                 self._drop(unit)
-        for held in self._taken.values():
-            held.leases = {lease for lease in held.leases if lease[0] != broker}
-        self._settling = {lease: out for lease, out in self._settling.items() if lease[0] != broker}
         self._retry = [(due, lease) for due, lease in self._retry if lease[0] != broker]
 
     def credit_grants(self) -> dict[int, int]:
@@ -193,7 +197,7 @@ class Assembler:
         outcome = self._done.get(tid)
         if outcome is not None:
             self.stats.duplicates += 1
-            self._settle(lease, Settle.ACK if outcome == ACKED else Settle.NACK, outcome)
+            self._settle(lease, Settle.ACK if outcome == ACKED else Settle.NACK, outcome, tid)
             return
         held = self._taken.get(tid) or self._member(tid)
         if held is not None:  # a redelivery while we still hold it: keep every lease
@@ -331,16 +335,18 @@ class Assembler:
         while len(self._done) > self.dedup_capacity:
             self._done.popitem(last=False)
         for lease in sorted(held.leases):
-            self._settle(lease, Settle.ACK if outcome == ACKED else Settle.NACK, outcome)
+            self._settle(lease, Settle.ACK if outcome == ACKED else Settle.NACK, outcome, tid)
 
-    def _settle(self, lease: tuple[int, str], how: Settle, reason: str) -> None:
+    def _settle(self, lease: tuple[int, str], how: Settle, reason: str, tid: str | None = None) -> None:
         broker, lease_id = lease
         if how == Settle.ACK:
-            out = Outgoing(broker, "ack", {"leases": [lease_id]})
+            assert tid is not None  # an ack always names its trajectory
+            out = Outgoing(broker, "ack", {"leases": [lease_id], "trajectory_ids": [tid]})
         else:
             out = Outgoing(broker, "nack", {"leases": [lease_id], "reason": reason, "requeue": how == Settle.RELEASE})
         self._settling[lease] = out
-        self.outbox.append(out)
+        if self._brokers[broker].connected:  # otherwise the next welcome sends it
+            self.outbox.append(out)
 
     def take_outbox(self) -> list[Outgoing]:
         """Pending messages, settlements of one kind merged per broker."""
@@ -349,10 +355,12 @@ class Assembler:
         for out in self.outbox:
             if out.type in ("ack", "nack"):
                 key = (out.broker, out.type, out.fields.get("reason"), out.fields.get("requeue"))
+                lists = [name for name in ("leases", "trajectory_ids") if name in out.fields]
                 if key in merged:
-                    merged[key].fields["leases"].extend(out.fields["leases"])
+                    for name in lists:
+                        merged[key].fields[name].extend(out.fields[name])
                 else:
-                    merged[key] = Outgoing(out.broker, out.type, {**out.fields, "leases": list(out.fields["leases"])})
+                    merged[key] = Outgoing(out.broker, out.type, {**out.fields, **{n: list(out.fields[n]) for n in lists}})
             else:
                 others.append(out)
         self.outbox = []

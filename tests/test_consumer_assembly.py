@@ -85,7 +85,7 @@ def test_trajectory_unit_ignores_groups():
     assert a.ready == 1
 
 
-def test_lost_session_drops_buffered_units_and_its_leases():
+def test_lost_session_drops_buffered_units_and_the_next_session_settles_held_ones_by_id():
     a = welcomed(2, batch_size=1)
     a.delivered(0, fields("t0", "A1"), {}, 0.0)
     a.delivered(1, fields("t1", "B1"), {}, 0.0)
@@ -95,9 +95,25 @@ def test_lost_session_drops_buffered_units_and_its_leases():
     assert a.ready == 1  # t1 from broker 1 stays; t2 from broker 0 is being redelivered
     assert a.credit_grants().keys() <= {1}  # no credit to a broker we are not connected to
     a.commit(["t0"])
-    assert sent(a) == []  # its only lease died with the session
+    assert sent(a) == []  # nothing goes to a broker that does not know us
+    a.welcomed(0, 30.0)
+    out = a.take_outbox()  # the old lease, named with its trajectory: the broker settles it by id
+    assert [(o.broker, o.type, o.fields) for o in out] == [(0, "ack", {"leases": ["A1"], "trajectory_ids": ["t0"]})]
     a.delivered(0, fields("t2", "A3"), {}, 1.0)  # redelivery is a fresh unit, not a duplicate
     assert a.stats.duplicates == 0
+
+
+def test_an_unanswered_ack_is_resent_to_the_next_session():
+    a = welcomed(batch_size=1)
+    a.delivered(0, fields("t0", "A1"), {}, 0.0)
+    a.take(1)
+    a.commit(["t0"])
+    assert sent(a) == [(0, "ack", ["A1"], None)]
+    a.lost(0)  # the broker restarted before answering
+    a.welcomed(0, 30.0)
+    assert sent(a) == [(0, "ack", ["A1"], None)] and a.unsettled == 1
+    a.settled(0, ["A1"])
+    assert a.unsettled == 0
 
 
 def test_buffered_unit_expires_with_its_lease():

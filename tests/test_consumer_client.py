@@ -86,7 +86,8 @@ def test_client_protocol_conduct(broker):
         broker.reply("nack", {"code": "unknown_consumer", "message": "who are you"})
         assert broker.expect("hello")["consumer_id"] == "c-1"
         broker.welcome()
-        broker.expect("credit")
+        assert broker.expect("nack")["leases"] == ["L-bad"]  # never answered: resent to the new session
+        broker.reply("nacked", {"leases": ["L-bad"]})
 
         for k, trajectory in enumerate(trajectories[1:]):
             broker.send(encode_deliver(trajectory, f"L{k}"))

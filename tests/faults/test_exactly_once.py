@@ -1,0 +1,84 @@
+"""Exactly-once across restarts: scenarios that cross a broker restart with
+a trainer kill, with real broker and trainer processes on ipc://."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+from broker_process import BrokerProcess
+from consumer_helpers import VOCAB, RawProducer, make_rollout
+from waiting import wait_for
+
+from rollstream.consumer.client import Consumer
+
+# A trainer that takes one batch, waits for the word, commits it, waits for
+# the broker's confirmation and kills itself at once (the window between a
+# commit and the next checkpoint, made as narrow as it gets).
+TRAINER = textwrap.dedent("""
+    import os, pathlib, signal, sys, time
+    from rollstream.common.errors import TimedOut
+    from rollstream.consumer.client import Consumer
+    endpoint, work, n = sys.argv[1], pathlib.Path(sys.argv[2]), int(sys.argv[3])
+    consumer = Consumer(endpoint, batch_size=n, prefetch=n + 1, vocab_size={vocab})
+    batch = consumer.next_batch(timeout=60)
+    (work / "taken").write_text(" ".join(batch.trajectory_ids))
+    while not (work / "go").exists():
+        time.sleep(0.02)
+    consumer.commit(batch)
+    (work / "committed").write_text("")
+    try:
+        consumer.flush(timeout=60)
+    except TimedOut:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+""").format(vocab=VOCAB)
+
+
+def test_a_commit_after_a_broker_restart_settles_by_id_so_a_killed_trainer_gets_nothing_twice(tmp_path):
+    """The deterministic stale-lease scenario: the trainer holds a batch
+    when the broker is killed (its leases die with that incarnation),
+    commits it while the broker is down, and is killed as soon as the
+    restarted broker has answered; a new trainer starts. With the commit
+    settling by trajectory id the batch is gone; with leases alone the
+    commit changes nothing, the batch comes back and is trained a second
+    time."""
+    n = 4
+    rng = np.random.default_rng(7)
+    broker = BrokerProcess(tmp_path / "broker", lease_timeout=600).start()
+    trainer = None
+    try:
+        producer = RawProducer(broker.producer)
+        producer.send([make_rollout(rng, f"t{i}", sample_index=i) for i in range(n)])
+        producer.close()
+        work = tmp_path / "trainer"
+        work.mkdir()
+        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, broker.consumer, str(work), str(n)],
+                                   stdout=subprocess.DEVNULL, stderr=open(work / "log", "wb"))
+        wait_for(lambda: (work / "taken").exists(), 60, "the trainer to take its batch")
+        trained = set((work / "taken").read_text().split())
+        assert len(trained) == n
+        broker.kill()  # the batch's leases die with this incarnation
+        (work / "go").write_text("")
+        wait_for(lambda: (work / "committed").exists(), 60, "the trainer to commit")
+        broker.start()
+        assert trainer.wait(60) == -signal.SIGKILL
+        with Consumer(broker.consumer, batch_size=1, vocab_size=VOCAB) as again:
+            again.wait_ready(30)
+            received = []
+            try:
+                while True:
+                    received += again.next_batch(timeout=3).trajectory_ids
+            except TimeoutError:
+                pass
+        assert not set(received) & trained, f"trained twice: {sorted(set(received) & trained)}"
+        status = broker.status()
+        assert (status["ready"], status["leased"]) == (0, 0), status
+    finally:
+        if trainer is not None and trainer.poll() is None:
+            trainer.kill()
+        broker.__exit__()
