@@ -31,7 +31,19 @@ from rollstream.common.trajectory import Trajectory
 from rollstream.common.wire import encode_deliver
 
 from .dispatch import Dispatch, Dispatcher, DispatchSettings
-from .engine import DEAD, ENDED, NOTHING_STORED, OPEN, DeliveryUnit, EngineSettings, MergeEngine, StoredDigests
+from .engine import (
+    DEAD,
+    ENDED,
+    NOTHING_STORED,
+    OPEN,
+    TRAINED,
+    DeliveryUnit,
+    EngineSettings,
+    Forget,
+    MergeEngine,
+    StoredDigests,
+    TrainedAt,
+)
 from .flow import DiskAdmission, MemoryBudget, WindowGrants
 from .hello import Hellos
 from .metrics import BrokerMetrics
@@ -362,8 +374,8 @@ class BrokerCore:
                 yield Send("consumer", identity, self._refuse("consumer", error, None))
                 continue
             assert message is not None  # one that failed to decode is received with its error
-            if message.type == "hello":
-                yield from self._settle(settling, now)  # a hello drops leases: settle what came before it first
+            if message.type in ("hello", "resume"):  # they change leases: settle what came before them first
+                yield from self._settle(settling, now)
                 claimed.clear()
                 claimed_ids.clear()
             settlement = yield from self._consumer_message(identity, message, now, claimed, claimed_ids)
@@ -375,7 +387,9 @@ class BrokerCore:
                           claimed_ids: set[str]) -> Generator[Request, Any, Settlement | None]:
         dispatcher = self.dispatcher
         if message.type == "hello":
-            yield from self._dead_letter(dispatcher.hello(identity, message["consumer_id"], now.mono), "max_deliveries", now)
+            yield from self._dead_letter(dispatcher.hello(identity, message["consumer_id"], now.mono,
+                                                          message.get("run"), message.get("lineage")),
+                                         "max_deliveries", now)
             log.info("consumer connected", extra={"consumer_id": message["consumer_id"]})
             fields = self.hellos.welcome_consumer(identity, message.fields, dispatcher.consumers.keys())
             yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "welcome", fields))
@@ -386,11 +400,72 @@ class BrokerCore:
             extra = {"leases": message["leases"]} if "leases" in message.fields else {}
             yield Send("consumer", identity, self._refuse("consumer", error, message, **extra))
             return None
-        if message.type == "credit":
+        consumer = dispatcher.consumers[identity]
+        checkpointed = message.type in ("seal", "resume") or "step" in message.fields
+        if checkpointed and consumer.run is None:
+            error = RemoteProtocolError("not_checkpointed", f"a {message.type} with a step needs a session whose hello "
+                                        "named its run and lineage; this one's did not")
+            extra = {"leases": message["leases"]} if "leases" in message.fields else {}
+            yield Send("consumer", identity, self._refuse("consumer", error, message, **extra))
+        elif message.type == "credit":
             dispatcher.credit(identity, message["n"], message["unit"])
         elif message.type in ("ack", "nack"):
-            return Settlement.prepare(identity, message, dispatcher, self.engine, now.wall, claimed, claimed_ids)
+            trainer = None if consumer.run is None else (consumer.run, consumer.lineage)
+            return Settlement.prepare(identity, message, dispatcher, self.engine, now.wall, claimed, claimed_ids,
+                                      trainer)
+        elif message.type == "seal":
+            yield from self._seal(identity, message, now)
+        elif message.type == "resume":
+            yield from self._resume(identity, message, now)
         return None
+
+    def _seal(self, identity: bytes, message: Message, now: Clock) -> Steps:
+        """A checkpointing trainer sealed a checkpoint: reclaim what it no longer needs."""
+        consumer = self.dispatcher.consumers[identity]
+        assert consumer.run is not None and consumer.lineage is not None  # checked by the caller
+        effects = self.engine.seal(consumer.run, consumer.lineage, message["step"], message["keep"], now.wall)
+        if not (yield from self._commit(effects)):
+            error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later")
+            yield Send("consumer", identity, self._refuse("consumer", error, message))
+            return
+        reclaimed = sum(1 for e in effects if type(e) is Forget)
+        self.metrics.inc(self.metrics.exits, reclaimed, exit="delivered")
+        yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "sealed", {"step": message["step"],
+                                                                              "reclaimed": reclaimed}))
+        self._apply_memory_budget()
+
+    def _resume(self, identity: bytes, message: Message, now: Clock) -> Steps:
+        """A trainer resumed from the checkpoint at `step`: what its state
+        says it trained through that step is trained (whether or not its
+        commits arrived), the checkpoint is sealed, and what its run trained
+        after it in another lineage goes back to it, listed in `resumed`
+        and delivered without credit."""
+        consumer, engine = self.dispatcher.consumers[identity], self.engine
+        run, lineage, step = consumer.run, consumer.lineage, message["step"]
+        assert run is not None and lineage is not None  # checked by the caller
+        try:
+            engine.resumable(run, step)
+        except RemoteProtocolError as error:
+            yield Send("consumer", identity, self._refuse("consumer", error, message))
+            return
+        effects, recorded = [], set()
+        for trained_step, position, tid in message["trained"]:
+            entry = engine.entries.get(tid)
+            if trained_step <= step and entry is not None and entry.state in (ENDED, TRAINED):
+                effects += engine.trained(tid, TrainedAt(run, lineage, trained_step, position))
+                recorded.add(tid)
+        effects += engine.seal(run, lineage, step, message["keep"], now.wall, resume=True)
+        if not (yield from self._commit(effects)):
+            error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later")
+            yield Send("consumer", identity, self._refuse("consumer", error, message))
+            return
+        self.dispatcher.withdraw(recorded)
+        replay = engine.replayable(run, lineage, step)
+        entries = [[e.trained.step, e.trained.position, e.trajectory_id] for e in replay if e.trained is not None]
+        seq = {"seq": message["seq"]} if "seq" in message.fields else {}
+        yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "resumed", {"step": step, "replay": entries, **seq}))
+        log.info("trainer resumed", extra={"run": run, "step": step, "replayed": len(entries)})
+        yield from self._send_deliveries(self.dispatcher.replay(identity, [e[2] for e in entries], now.mono), now)
 
     def _settle(self, settling: list[Settlement], now: Clock) -> Steps:
         """Commit the batch's settlements at once, then update the
@@ -407,7 +482,7 @@ class BrokerCore:
                 yield Send("consumer", s.identity, self._refuse("consumer", error, s.message, leases=s.accepted))
                 continue
             yield from self._dead_letter(s.apply(self.dispatcher), "max_deliveries", now)
-            if s.message.type == "ack":
+            if s.message.type == "ack" and s.trained is None:  # trained ones leave when sealed
                 self.metrics.inc(self.metrics.exits, len(s.trajectory_ids) + len(s.by_id), exit="delivered")
             if s.accepted:
                 reply = "acked" if s.message.type == "ack" else "nacked"
@@ -450,8 +525,11 @@ class BrokerCore:
         trajectory could not be read back, until the probe succeeds."""
         if self.reads_failed:
             return
+        yield from self._send_deliveries(self.dispatcher.deliveries(now.mono), now)
+
+    def _send_deliveries(self, deliveries: list[Dispatch], now: Clock) -> Steps:
+        """Read back and send `deliveries`, unit by unit (see `deliver`)."""
         dispatcher = self.dispatcher
-        deliveries = dispatcher.deliveries(now.mono)
         refused: list[str] = []  # leases whose send the connection refused: retracted, their credit spent
         start = 0
         while start < len(deliveries):
@@ -465,9 +543,8 @@ class BrokerCore:
                 layouts = self.hellos.reads(delivery.identity)
                 trajectory = self.engine.entries[delivery.trajectory_id].trajectory
                 assert trajectory is not None  # `_read_unit` read it back
-                frames = encode_deliver(trajectory, delivery.lease, delivery_count=delivery.delivery_count,
-                                        may_pack="packed_arrays" in layouts, may_split="split_arrays" in layouts,
-                                        **delivery.group_fields)
+                frames = encode_deliver(trajectory, delivery.lease, may_pack="packed_arrays" in layouts,
+                                        may_split="split_arrays" in layouts, **delivery.extra_fields)
                 if not (yield Send("consumer", delivery.identity, frames)):
                     refused.append(delivery.lease)
             start = end
@@ -485,7 +562,7 @@ class BrokerCore:
         for delivery in unit:
             tid = delivery.trajectory_id
             entry = engine.entries.get(tid)
-            if entry is None or entry.state != ENDED:  # cannot happen; never send what is not ready
+            if entry is None or entry.state not in (ENDED, TRAINED):  # cannot happen; never send what is not ready
                 log.error("queued trajectory is not ready", extra={"trajectory_id": tid})
                 self.dispatcher.end_leases([delivery.lease])
                 return False

@@ -28,6 +28,8 @@ class ConsumerState:
     trajectory_credit: int = 0
     group_credit: int = 0
     leases: set[str] = field(default_factory=set)
+    run: str | None = None  # a checkpointing trainer's run and lineage (its hello named them)
+    lineage: str | None = None
 
 
 @dataclass
@@ -38,6 +40,7 @@ class Lease:
     identity: bytes
     expires_at: float
     credit: CreditUnit = CreditUnit.TRAJECTORY  # the kind of credit the delivery used
+    replay: bool = False  # a trained trajectory handed back to a resumed trainer: never queued again
 
 
 @dataclass(frozen=True)
@@ -49,13 +52,18 @@ class Dispatch:
     trajectory_id: str
     unit: DeliveryUnit
     delivery_count: int
+    replay: bool = False
 
     @property
-    def group_fields(self) -> dict:
+    def extra_fields(self) -> dict:
+        """Its `deliver` fields beyond the trajectory's own."""
         unit = self.unit
+        if self.replay:
+            return {"replay": True}
         if unit.group_id is None:
-            return {}
-        return {"group_id": unit.group_id, "group_size": unit.group_size, "group_left": unit.group_left}
+            return {"delivery_count": self.delivery_count}
+        return {"delivery_count": self.delivery_count, "group_id": unit.group_id, "group_size": unit.group_size,
+                "group_left": unit.group_left}
 
 
 @dataclass
@@ -89,7 +97,8 @@ class Dispatcher:
         return unit
 
     # -- consumer messages ---------------------------------------------------
-    def hello(self, identity: bytes, consumer_id: str, mono: float) -> list[str]:
+    def hello(self, identity: bytes, consumer_id: str, mono: float, run: str | None = None,
+              lineage: str | None = None) -> list[str]:
         """Register a connection; an older connection of the same consumer is
         dropped and its leases requeued. Returns ids that ran out of deliveries."""
         exhausted = []
@@ -98,7 +107,7 @@ class Dispatcher:
                 exhausted += self.drop_consumer(old_identity)
         if identity in self.consumers:
             exhausted += self.drop_consumer(identity)
-        self.consumers[identity] = ConsumerState(consumer_id, mono)
+        self.consumers[identity] = ConsumerState(consumer_id, mono, run=run, lineage=lineage)
         return exhausted
 
     def seen(self, identity: bytes, mono: float) -> bool:
@@ -136,6 +145,7 @@ class Dispatcher:
         """Put settled or lost leases' trajectories back at the front, unit
         by unit (`_put_back`); returns the ids that have used up
         `max_deliveries`, which are not put back."""
+        leases = [lease for lease in leases if not lease.replay]
         limit = self.settings.max_deliveries
         exhausted = [lease.trajectory_id for lease in leases if self.delivery_counts.get(lease.trajectory_id, 0) >= limit]
         again = [lease for lease in leases if self.delivery_counts.get(lease.trajectory_id, 0) < limit]
@@ -155,6 +165,7 @@ class Dispatcher:
         leases, stale = self.end_leases(lease_ids)
         if stale:
             raise NotFound(f"retract takes leases that are out now; {stale} are not")
+        leases = [lease for lease in leases if not lease.replay]  # nothing to put back: the resume hands them out again
         for lease in leases:
             self.delivery_counts[lease.trajectory_id] -= 1
         if refund:  # one charge per group unit, one per trajectory on trajectory credit
@@ -254,6 +265,21 @@ class Dispatcher:
                 for tid in tids:
                     out.append(self._lease(identity, consumer, tid, unit, mono, credit))
             self._rotation = (self._rotation + 1) % len(identities)
+        return out
+
+    def replay(self, identity: bytes, trajectory_ids: list[str], mono: float) -> list[Dispatch]:
+        """Lease trained trajectories to the resumed trainer on `identity`,
+        without credit (it asked for them by resuming). Their leases end
+        without requeueing: a replayed trajectory is trained, not ready."""
+        self.withdraw(set(trajectory_ids))
+        consumer = self.consumers[identity]
+        out = []
+        for tid in trajectory_ids:
+            lease_id = f"{self._epoch}-{next(self._counter)}"
+            unit = DeliveryUnit((tid,))
+            self.leases[lease_id] = Lease(lease_id, tid, unit, identity, mono + self.settings.lease_timeout, replay=True)
+            consumer.leases.add(lease_id)
+            out.append(Dispatch(identity, lease_id, tid, unit, 1, replay=True))
         return out
 
     def _lease(self, identity: bytes, consumer: ConsumerState, tid: str, unit: DeliveryUnit, mono: float,

@@ -25,15 +25,17 @@ from rollstream.common.wire import turn_from_message
 class State(StrEnum):
     """Where a trajectory stands (stored in SQLite as these values). `left`
     marks an aborted group member kept so the group can count it; it holds
-    no data."""
+    no data. `trained`: a checkpointing trainer trained it at a step; its
+    data stays until a checkpoint after that step is sealed."""
 
     OPEN = "open"
     ENDED = "ended"
     DEAD = "dead"
     LEFT = "left"
+    TRAINED = "trained"
 
 
-OPEN, ENDED, DEAD, LEFT = State.OPEN, State.ENDED, State.DEAD, State.LEFT
+OPEN, ENDED, DEAD, LEFT, TRAINED = State.OPEN, State.ENDED, State.DEAD, State.LEFT, State.TRAINED
 STATES = tuple(State)
 
 # What a trajectory held in memory costs beyond its arrays' bytes, so that
@@ -134,16 +136,55 @@ class CloseGroup:
 
 @dataclass(frozen=True, slots=True)
 class Forget:
-    """Delivered and acked: data deleted, id remembered until `dedup_until`."""
+    """Delivered and acked (or trained and sealed): data deleted, id
+    remembered until `dedup_until`."""
 
     trajectory_id: str
     dedup_until: float
 
 
+@dataclass(frozen=True, slots=True)
+class TrainedAt:
+    """Where a trajectory was trained: by which run and lineage of a
+    trainer, at which step, at which position of that step's batch."""
+
+    run: str
+    lineage: str
+    step: int
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class MarkTrained:
+    trajectory_id: str
+    trained: TrainedAt
+
+
+@dataclass
+class Run:
+    """A checkpointing trainer's run as the broker keeps it: its current
+    lineage, the checkpoints it sealed, and the step through which its
+    trained trajectories are reclaimed (-1: none yet)."""
+
+    lineage: str
+    seals: list[int] = field(default_factory=list)
+    reclaimed: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class SealRun:
+    """A run's seals and reclaimed step, as they now stand."""
+
+    run: str
+    lineage: str
+    seals: tuple[int, ...]
+    reclaimed: int
+
+
 # What the engine asks to be made durable, in order; the store and the
 # service's counters each dispatch on it with one `match`.
 Effect = (OpenTrajectory | PutTurn | MarkGap | EndTrajectory | DropTrajectory | DeadLetter | Revive | GroupDeliverable
-          | CloseGroup | Forget)
+          | CloseGroup | Forget | MarkTrained | SealRun)
 
 
 # -- deliverable units --------------------------------------------------------
@@ -188,6 +229,7 @@ class Entry:
     dead_at: float | None = None
     held: int = 0  # bytes counted in `MergeEngine.bytes_in_memory` for its trajectory
     unreadable: int = 0  # reads back that found its stored records damaged (see UNREADABLE_AFTER)
+    trained: TrainedAt | None = None  # once TRAINED
 
     @property
     def next_turn(self) -> int:
@@ -254,6 +296,8 @@ class MergeEngine:
         self.dedup: dict[str, float] = {}  # trajectory id -> remembered until
         self._dedup_expiry: list[tuple[float, str]] = []  # a heap of (until, id): expiry without scanning every id
         self.ready_units: deque[DeliveryUnit] = deque()
+        self.trained_entries: dict[str, Entry] = {}  # the TRAINED ones, for seals and resumes
+        self.runs: dict[str, Run] = {}  # checkpointing trainers' runs by id
         self._effects: list = []  # effects of the call in progress
 
     def _drain(self, *first) -> tuple:
@@ -572,11 +616,67 @@ class MergeEngine:
     def delivered(self, tid: str, wall: float) -> list:
         """A consumer committed `tid`: forget its data, remember its id."""
         self._ready_entry(tid, "delivered")
-        entry = self._remove(tid)
+        self._done_in_group(self.entries[tid])
+        return [self._forget(tid, wall), *self._drain()]
+
+    def _forget(self, tid: str, wall: float) -> Forget:
+        self._remove(tid)
+        self.trained_entries.pop(tid, None)
         until = wall + self.settings.dedup_window
         self.remember({tid: until})
-        self._done_in_group(entry)
-        return list(self._drain(Forget(tid, until)))
+        return Forget(tid, until)
+
+    def trained(self, tid: str, at: TrainedAt) -> list:
+        """A checkpointing trainer trained `tid` (ready, or trained before
+        and now trained again by a resumed lineage): keep its data, out of
+        memory, until a seal reclaims it."""
+        entry = self.entries.get(tid)
+        if entry is None or entry.state not in (ENDED, TRAINED):
+            raise InvalidInput(f"only a ready or trained trajectory can be trained: {tid!r} is "
+                               f"{'unknown' if entry is None else entry.state}, expected {ENDED} or {TRAINED}")
+        self._drop_arrays(entry)
+        if entry.state == ENDED:
+            self._set_state(entry, TRAINED)
+            self._done_in_group(entry)
+            self.trained_entries[tid] = entry
+        entry.trained = at
+        return [MarkTrained(tid, at), *self._drain()]
+
+    def seal(self, run: str, lineage: str, step: int, keep: int, wall: float, *, resume: bool = False) -> list:
+        """Checkpoint `step` of `run` is durable: reclaim what the run
+        trained at or before its `keep`-th latest sealed checkpoint. A
+        resume's seal from a lineage new to the broker first drops the
+        seals the abandoned lineage made after `step`."""
+        state = self.runs.setdefault(run, Run(lineage))
+        if resume and state.lineage != lineage:
+            state.seals = [s for s in state.seals if s <= step]
+            state.lineage = lineage
+        if step not in state.seals:
+            state.seals = sorted([*state.seals, step])
+        effects: list = []
+        if len(state.seals) >= keep and state.seals[-keep] > state.reclaimed:
+            state.reclaimed = state.seals[-keep]
+            gone = [tid for tid, e in self.trained_entries.items()
+                    if e.trained is not None and e.trained.run == run and e.trained.step <= state.reclaimed]
+            effects = [self._forget(tid, wall) for tid in gone]
+        state.seals = state.seals[-keep:]
+        return [*effects, SealRun(run, state.lineage, tuple(state.seals), state.reclaimed), *self._drain()]
+
+    def resumable(self, run: str, step: int) -> None:
+        """Raise `checkpoint_gone` when `run`'s trajectories trained after
+        `step` may already be reclaimed."""
+        state = self.runs.get(run)
+        if state is not None and step < state.reclaimed:
+            raise RemoteProtocolError("checkpoint_gone", f"checkpoint at step {step} of run {run!r} is gone: this broker "
+                                      f"reclaimed what the run trained through step {state.reclaimed} (keep_checkpoints)")
+
+    def replayable(self, run: str, lineage: str, after: int) -> list[Entry]:
+        """What `run` trained after `step` in another lineage than
+        `lineage`: a resumed trainer's batches to train again, by step and
+        position."""
+        found = [e for e in self.trained_entries.values() if e.trained is not None and e.trained.run == run
+                 and e.trained.step > after and e.trained.lineage != lineage]
+        return sorted(found, key=lambda e: (e.trained.step, e.trained.position))  # type: ignore[union-attr]
 
     def dead_letter(self, tid: str, reason: str, wall: float) -> list:
         """A consumer refused `tid` (or it ran out of deliveries, or it cannot be read back)."""
@@ -647,7 +747,7 @@ class MergeEngine:
         self._hold(entry, trajectory)
 
     def restore(self, entries: Iterable[Entry], deliverable_groups: Collection[str], dedup: Mapping[str, float],
-                order: Mapping[str, int]) -> list[DeliveryUnit]:
+                order: Mapping[str, int], runs: Mapping[str, Run] = MappingProxyType({})) -> list[DeliveryUnit]:
         """Fill this empty engine with stored `entries` (open ones holding
         their replayed trajectories): groups rebuilt from their members,
         those in `deliverable_groups` deliverable again, `dedup` remembered.
@@ -664,6 +764,8 @@ class MergeEngine:
                 group.members[entry.trajectory_id] = LEFT if entry.state == DEAD else entry.state
                 group.updated_at = max(group.updated_at, entry.updated_at)
         self.remember(dedup)
+        self.runs.update(runs)
+        self.trained_entries.update((e.trajectory_id, e) for e in self.entries.values() if e.state == TRAINED)
         ready: list[tuple[int, DeliveryUnit]] = []
         for group_id, group in self.groups.items():
             if group_id in deliverable_groups:  # made deliverable in the commit of the frame that completed the group

@@ -15,7 +15,7 @@ from rollstream.common.errors import LocalProtocolError
 from rollstream.common.trajectory import Gap, Trajectory
 from rollstream.common.wire import turn_from_message
 
-from .engine import OPEN, Entry
+from .engine import OPEN, Entry, Run
 from .store import Recovered, Store, StoreCorrupted, StoredTrajectory
 
 
@@ -55,6 +55,7 @@ class Rebuilt(NamedTuple):
     deliverable_groups: Collection[str]
     dedup: Mapping[str, float]
     order: Mapping[str, int]  # ready sequence of each trajectory
+    runs: Mapping[str, Run]  # checkpointing trainers' runs
 
 
 def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
@@ -73,8 +74,9 @@ def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
             stored.updated_at,
             dead_reason=stored.dead_reason,
             dead_at=stored.dead_at,
+            trained=stored.trained,
             trajectory=load_trajectory(store, stored) if stored.state == OPEN else None,
         )
         entries.append(entry)
     order = {t.trajectory_id: t.ready_seq or 0 for t in recovered.trajectories}
-    return Rebuilt(entries, recovered.deliverable_groups, recovered.dedup, order)
+    return Rebuilt(entries, recovered.deliverable_groups, recovered.dedup, order, recovered.runs)

@@ -13,6 +13,11 @@ restarted, or one that expired while the trainer held it. The trajectory
 the trainer used is then settled wherever it is (queued again, or out on
 another lease), so exactly-once does not rest on the consumer remembering
 what it settled.
+
+An `ack` with a `step`, from a checkpointing trainer, records its
+trajectories as trained at that step instead of deleting them: they stay
+until the trainer seals a checkpoint after it (`MergeEngine.seal`), and a
+trainer resumed from an earlier checkpoint gets them back.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 from rollstream.common.codec import Message
 
 from .dispatch import Dispatcher
-from .engine import ENDED, Effect, MergeEngine
+from .engine import ENDED, TRAINED, Effect, MergeEngine, TrainedAt
 
 
 @dataclass
@@ -37,6 +42,7 @@ class Settlement:
     effects: list[Effect]
     by_id: dict[str, str] = field(default_factory=dict)  # lease -> trajectory settled by its id (an ack)
     settled_before: list[str] = field(default_factory=list)  # leases of trajectories already settled (an ack)
+    trained: int | None = None  # the step an ack recorded its trajectories as trained at
 
     @property
     def accepted(self) -> list[str]:
@@ -45,13 +51,18 @@ class Settlement:
 
     @classmethod
     def prepare(cls, identity: bytes, message: Message, dispatcher: Dispatcher, engine: MergeEngine, wall: float,
-                claimed: set[str], claimed_ids: set[str]) -> "Settlement":
+                claimed: set[str], claimed_ids: set[str], trainer: tuple[str, str] | None = None) -> "Settlement":
         """Sort the leases (each once; one `claimed` by an earlier message of
         the batch is stale, and an ack of a trajectory in `claimed_ids` is
         answered as settled) and take the engine's side at wall time `wall`.
-        Adds what it settles to `claimed` and `claimed_ids`."""
+        Adds what it settles to `claimed` and `claimed_ids`. `trainer`: the
+        run and lineage of a checkpointing session, which an ack with a
+        step needs."""
         leases = list(dict.fromkeys(message["leases"]))
         named = dict(zip(message["leases"], message.get("trajectory_ids", ())))
+        positions = dict(zip(message["leases"], message.get("positions", ())))
+        step = message.get("step") if message.type == "ack" else None
+        settles = (ENDED,) if step is None else (ENDED, TRAINED)  # a resumed trainer trains trained ones again
         is_ack = message.type == "ack"
         known, stale, tids, by_id, before = [], [], [], {}, []
         for lease in leases:
@@ -59,12 +70,12 @@ class Settlement:
             tid = out.trajectory_id if out is not None and lease not in claimed else named.get(lease)
             if is_ack and tid in claimed_ids:
                 before.append(lease)
-            elif out is not None and lease not in claimed:
+            elif out is not None and lease not in claimed and getattr(engine.entries.get(tid), "state", None) in settles:
                 known.append(lease)
                 tids.append(tid)
             elif not is_ack or tid is None:
                 stale.append(lease)
-            elif (entry := engine.entries.get(tid)) is not None and entry.state == ENDED:
+            elif (entry := engine.entries.get(tid)) is not None and entry.state in settles:
                 by_id[lease] = tid
             elif entry is None and tid in engine.dedup:
                 before.append(lease)
@@ -74,13 +85,19 @@ class Settlement:
             if is_ack and tid is not None and lease not in stale:
                 claimed_ids.add(tid)
         requeue = message.type == "nack" and message["requeue"]
-        if is_ack:
+        if step is not None:
+            assert trainer is not None  # the core refuses a step from a session that named no run
+            run, lineage = trainer
+            lease_of = {**dict(zip(tids, known)), **{tid: lease for lease, tid in by_id.items()}}
+            effects = [e for tid, lease in lease_of.items()
+                       for e in engine.trained(tid, TrainedAt(run, lineage, step, positions[lease]))]
+        elif is_ack:
             effects = [e for tid in (*tids, *by_id.values()) for e in engine.delivered(tid, wall)]
         elif not requeue:
             effects = [e for tid in tids for e in engine.dead_letter(tid, message["reason"], wall)]
         else:
             effects = []
-        return cls(identity, message, known, stale, tids, requeue, effects, by_id, before)
+        return cls(identity, message, known, stale, tids, requeue, effects, by_id, before, step)
 
     def apply(self, dispatcher: Dispatcher) -> list[str]:
         """After the commit: settle the leases; a requeue puts them back, the

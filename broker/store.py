@@ -46,15 +46,19 @@ from .engine import (
     Forget,
     GroupDeliverable,
     MarkGap,
+    MarkTrained,
     OpenTrajectory,
     PutTurn,
     Revive,
+    Run,
+    SealRun,
     State,
+    TrainedAt,
 )
 
-SCHEMA_VERSION = 4  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
-# 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`)
-_READABLE_VERSIONS = (2, 3, 4)  # a version 2 or 3 store is upgraded in place: its ends get their CRCs
+SCHEMA_VERSION = 5  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
+# 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`); 5: trained trajectories and runs
+_READABLE_VERSIONS = (2, 3, 4, 5)  # an older store is upgraded in place (`Store._upgrade`)
 
 # A turn this large (long top-p supports) is written ahead on the writer
 # thread; smaller ones are written inline by their commit, where handing them
@@ -78,7 +82,11 @@ CREATE TABLE IF NOT EXISTS trajectories (
     gap_field TEXT,
     dead_reason TEXT,
     dead_at REAL,
-    end_crc INTEGER
+    end_crc INTEGER,
+    trained_run TEXT,
+    trained_lineage TEXT,
+    trained_step INTEGER,
+    trained_position INTEGER
 );
 CREATE TABLE IF NOT EXISTS turns (
     trajectory_id TEXT NOT NULL,
@@ -95,7 +103,10 @@ CREATE TABLE IF NOT EXISTS turns (
 CREATE TABLE IF NOT EXISTS dedup (id TEXT PRIMARY KEY, until REAL NOT NULL) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS dedup_until ON dedup (until);
 CREATE TABLE IF NOT EXISTS released_groups (id TEXT PRIMARY KEY, size INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS runs (id TEXT PRIMARY KEY, lineage TEXT NOT NULL, seals BLOB NOT NULL,
+                                 reclaimed INTEGER NOT NULL) WITHOUT ROWID;
 """
+_TRAINED_COLUMNS = ("trained_run TEXT", "trained_lineage TEXT", "trained_step INTEGER", "trained_position INTEGER")
 
 
 # States are stored as `State`'s values, written into the statements once.
@@ -223,6 +234,7 @@ class StoredTrajectory:
     gap: tuple[int, str] | None
     dead_reason: str | None
     dead_at: float | None
+    trained: TrainedAt | None = None
     turns: list[StoredTurn] = field(default_factory=list)
 
 
@@ -233,6 +245,7 @@ class Recovered:
     trajectories: list[StoredTrajectory]
     dedup: dict[str, float]
     deliverable_groups: dict[str, int]  # stored in the table `released_groups`, its first name
+    runs: dict[str, Run] = field(default_factory=dict)
 
 
 _FRAME_TABLES: dict[int, struct.Struct] = {}  # by frame count: the record's frame-length table
@@ -401,14 +414,20 @@ class Store:
         return [f"dropped trajectory {tid!r}: {reason}" for tid, reason in damaged.items()]
 
     def _upgrade(self) -> None:
-        """A version 2 or 3 store becomes version 4: its ended rows get the
-        CRC of their end as they stand (nothing checked them before)."""
+        """An older store becomes the current version: a version 2 or 3
+        store's ended rows get the CRC of their end as they stand (nothing
+        checked them before), and rows get the trained columns."""
         db = self.db
         db.execute("BEGIN")
-        if "end_crc" not in {row[1] for row in db.execute("PRAGMA table_info(trajectories)")}:
+        columns = {row[1] for row in db.execute("PRAGMA table_info(trajectories)")}
+        if "end_crc" not in columns:
             db.execute("ALTER TABLE trajectories ADD COLUMN end_crc INTEGER")
-        rows = db.execute("SELECT id, end_digest, reward, metadata FROM trajectories WHERE end_digest IS NOT NULL").fetchall()
-        db.executemany("UPDATE trajectories SET end_crc=? WHERE id=?", [(_end_crc(*row), row[0]) for row in rows])
+            rows = db.execute("SELECT id, end_digest, reward, metadata FROM trajectories "
+                              "WHERE end_digest IS NOT NULL").fetchall()
+            db.executemany("UPDATE trajectories SET end_crc=? WHERE id=?", [(_end_crc(*row), row[0]) for row in rows])
+        for column in _TRAINED_COLUMNS:
+            if column.split()[0] not in columns:
+                db.execute(f"ALTER TABLE trajectories ADD COLUMN {column}")
         db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (SCHEMA_VERSION,))
         db.execute("COMMIT")
 
@@ -419,6 +438,8 @@ class Store:
             self._load_trajectories(),
             dict(self.db.execute("SELECT id, until FROM dedup")),
             dict(self.db.execute("SELECT id, size FROM released_groups")),
+            {run: Run(lineage, list(msgpack.unpackb(seals)), reclaimed)
+             for run, lineage, seals, reclaimed in self.db.execute("SELECT id, lineage, seals, reclaimed FROM runs")},
         )
 
     def load_one(self, trajectory_id: str) -> StoredTrajectory:
@@ -437,10 +458,11 @@ class Store:
         rows = {}
         for row in self.db.execute(
             "SELECT id, state, group_id, group_size, sample_index, updated_at, end_digest, reward, metadata, "
-            "ready_seq, gap_turn, gap_field, dead_reason, dead_at, end_crc FROM trajectories " + where, args
+            "ready_seq, gap_turn, gap_field, dead_reason, dead_at, end_crc, trained_run, trained_lineage, trained_step, "
+            "trained_position FROM trajectories " + where, args
         ):
             (tid, state, gid, gsize, sidx, updated, end_digest, reward, metadata, ready_seq, gap_turn, gap_field,
-             dead_reason, dead_at, end_crc) = row
+             dead_reason, dead_at, end_crc, *trained) = row
             error = None
             if state not in _STATE_VALUES:
                 error = f"state must be one of {sorted(map(str, _STATE_VALUES))}, got {state!r}"
@@ -457,6 +479,7 @@ class Store:
                 msgpack.unpackb(reward) if reward is not None else None,
                 msgpack.unpackb(metadata) if metadata is not None else None,
                 ready_seq, (gap_turn, gap_field) if gap_turn is not None else None, dead_reason, dead_at,
+                TrainedAt(*trained) if state == State.TRAINED else None,
             )
         turn_where = where.replace("WHERE id", "WHERE trajectory_id")
         for tid, turn, digest, applied, reason, seg, off, length, at in self.db.execute(
@@ -642,6 +665,14 @@ class Store:
                 rows.execute(db, records_gone)
                 db.execute(f"UPDATE trajectories SET state='{State.ENDED}', dead_reason=NULL, dead_at=NULL, ready_seq=? "
                            "WHERE id=?", (self._take_ready_seq(), effect.trajectory_id))
+            case MarkTrained(trajectory_id=tid, trained=at):
+                rows.execute(db, records_gone)
+                db.execute(f"UPDATE trajectories SET state='{State.TRAINED}', trained_run=?, trained_lineage=?, "
+                           "trained_step=?, trained_position=? WHERE id=?", (at.run, at.lineage, at.step, at.position, tid))
+            case SealRun():
+                rows.execute(db, records_gone)
+                db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?)",
+                           (effect.run, effect.lineage, msgpack.packb(list(effect.seals)), effect.reclaimed))
             case GroupDeliverable():  # the table keeps its first name, `released_groups`
                 rows.execute(db, records_gone)
                 db.execute("INSERT OR REPLACE INTO released_groups VALUES (?, ?)", (effect.group_id, effect.size))

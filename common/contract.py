@@ -88,6 +88,8 @@ NACK_CODES = (
     "unknown_trajectory",
     "stale_lease",
     "unknown_consumer",
+    "not_checkpointed",
+    "checkpoint_gone",
     "unavailable",
     "internal",
 )

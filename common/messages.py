@@ -99,6 +99,17 @@ OUTCOMES = Kind(
     "a list of maps {seq: integer, applied: boolean, duplicate?: boolean, reason?: non-empty string}",
     lambda v: isinstance(v, list) and all(map(_is_outcome, v)),
 )
+def _is_manifest(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(e, list) and len(e) == 3 and _is_int(e[0]) and 0 <= e[0] <= INT64_MAX and _is_int(e[1])
+        and e[1] >= 0 and isinstance(e[2], str) and e[2] != "" for e in value
+    )
+
+
+MANIFEST = Kind("a list of [step: integer below 2**63, position: non-negative integer, trajectory id] entries",
+                _is_manifest)
+COUNT_LIST = Kind("a list of non-negative integers", lambda v: isinstance(v, list) and all(_is_int(n) and n >= 0 for n in v),
+                  list[Annotated[int, msgspec.Meta(ge=0)]])
 GAP = Kind(
     f"a map {{turn: non-negative integer, field: one of {list(REPLAY_FIELDS)}}}",
     lambda v: isinstance(v, dict) and _is_int(v.get("turn")) and v["turn"] >= 0 and v.get("field") in REPLAY_FIELDS,
@@ -208,9 +219,23 @@ def turn_zero_fields(header, arrays) -> str | None:
 
 
 def one_id_per_lease(header, arrays) -> str | None:
-    ids = header.get("trajectory_ids")
-    if ids is not None and len(ids) != len(header["leases"]):
-        return f"trajectory_ids names one trajectory per lease: expected {len(header['leases'])}, got {len(ids)}"
+    for name in ("trajectory_ids", "positions"):
+        values = header.get(name)
+        if values is not None and len(values) != len(header["leases"]):
+            return f"{name} has one entry per lease: expected {len(header['leases'])}, got {len(values)}"
+    return None
+
+
+def trained_at_step(header, arrays) -> str | None:
+    named = [name for name in ("step", "positions") if name in header]
+    if named and (len(named) < 2 or "trajectory_ids" not in header):
+        return f"step, positions and trajectory_ids travel together; got only {', '.join(named)}"
+    return None
+
+
+def run_pair(header, arrays) -> str | None:
+    if ("run" in header) != ("lineage" in header):
+        return "run and lineage travel together"
     return None
 
 
@@ -262,11 +287,17 @@ BROKER_TO_PRODUCER = _schema(
 
 CONSUMER_TO_BROKER = _schema(
     "consumer->broker",
-    MessageSpec("hello", {"consumer_id": TEXT}, {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL}),
+    MessageSpec("hello", {"consumer_id": TEXT},
+                {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL, "run": TEXT, "lineage": TEXT},
+                rules=(run_pair,)),
     MessageSpec("heartbeat", {}, _SEQ),
     MessageSpec("credit", {"n": COUNT, "unit": UNIT}, _SEQ),
-    MessageSpec("ack", {"leases": TEXT_LIST}, {**_SEQ, "trajectory_ids": TEXT_LIST}, rules=(one_id_per_lease,)),
+    MessageSpec("ack", {"leases": TEXT_LIST},
+                {**_SEQ, "trajectory_ids": TEXT_LIST, "step": STORED_COUNT, "positions": COUNT_LIST},
+                rules=(one_id_per_lease, trained_at_step)),
     MessageSpec("nack", {"leases": TEXT_LIST, "reason": ANY_TEXT, "requeue": BOOL}, _SEQ),
+    MessageSpec("seal", {"step": STORED_COUNT, "keep": POSITIVE}, _SEQ),
+    MessageSpec("resume", {"step": STORED_COUNT, "keep": POSITIVE, "trained": MANIFEST}, _SEQ),
 )
 
 BROKER_TO_CONSUMER = _schema(
@@ -292,6 +323,7 @@ BROKER_TO_CONSUMER = _schema(
             "gap": GAP,
             "turns": COUNT,
             "delivery_count": POSITIVE,
+            "replay": BOOL,
         },
         arrays=("prompt_tokens", "tokens", "loss_mask", "log_probs"),
         optional_arrays=_DELIVER_ARRAYS,
@@ -300,6 +332,8 @@ BROKER_TO_CONSUMER = _schema(
     ),
     MessageSpec("acked", {"leases": TEXT_LIST}, _SEQ),
     MessageSpec("nacked", {"leases": TEXT_LIST}, _SEQ),
+    MessageSpec("sealed", {"step": STORED_COUNT, "reclaimed": COUNT}, _SEQ),
+    MessageSpec("resumed", {"step": STORED_COUNT, "replay": MANIFEST}, _SEQ),
     _NACK,
 )
 

@@ -14,7 +14,7 @@ from rollstream.common.codec import content_digest, decode, encode
 from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
 
 P, Q, C = b"producer-p", b"producer-q", b"consumer"
-NOTHING_STORED = Rebuilt([], (), {}, {})
+NOTHING_STORED = Rebuilt([], (), {}, {}, {})
 
 
 def core(**settings) -> BrokerCore:

@@ -40,7 +40,7 @@ def test_group_credit_takes_whole_units_and_trajectory_credit_splits(d):
     d.credit(A, 2, "trajectory")
     first = d.deliveries(mono=0)
     assert [x.trajectory_id for x in first] == ["g0", "g1"]
-    assert first[0].group_fields == {"group_id": "G", "group_size": 3, "group_left": 0}
+    assert first[0].extra_fields == {"delivery_count": 1, "group_id": "G", "group_size": 3, "group_left": 0}
     d.credit(A, 1, "group")
     assert [x.trajectory_id for x in d.deliveries(mono=0)] == ["g2"]
 

@@ -269,25 +269,29 @@ def test_replay_arrays_survive(tmp_path, store):
     store2.close()
 
 
-@pytest.mark.parametrize("version", [2, 3])
-def test_an_older_store_opens_and_becomes_version_4_with_its_ends_checked(tmp_path, version):
+@pytest.mark.parametrize("version", [2, 3, 4])
+def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_checked(tmp_path, version):
     store = Store(tmp_path / "data")
     store.open()
     drive(MergeEngine(), store, [turn_msg("t", 0), end_msg("t", reward=0.25, metadata={"k": 1})])
-    store.db.execute("ALTER TABLE trajectories DROP COLUMN end_crc")  # as versions 2 and 3 stored it
+    for column in ("trained_run", "trained_lineage", "trained_step", "trained_position"):  # as versions 2-4 stored it
+        store.db.execute(f"ALTER TABLE trajectories DROP COLUMN {column}")
+    if version < 4:
+        store.db.execute("ALTER TABLE trajectories DROP COLUMN end_crc")  # as versions 2 and 3 stored it
+    store.db.execute("DROP TABLE runs")
     store.db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (version,))
     store.close()
     store = Store(tmp_path / "data")
     (ended,) = store.open().trajectories
-    assert (ended.reward, ended.metadata) == (0.25, {"k": 1})
-    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 4
+    assert (ended.reward, ended.metadata, ended.trained) == (0.25, {"k": 1}, None)
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 5
     store.db.execute("UPDATE trajectories SET reward=? WHERE id='t'", (msgpack.packb(0.75),))
     store.db.execute("UPDATE meta SET value=1 WHERE key='schema_version'")
     store.close()
-    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4"):
+    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4 or 5"):
         Store(tmp_path / "data").open()
     store = Store(tmp_path / "data")
-    store.db.execute("UPDATE meta SET value=4 WHERE key='schema_version'")
+    store.db.execute("UPDATE meta SET value=5 WHERE key='schema_version'")
     with pytest.raises(StoreCorrupted, match="trajectories row 't': CRC mismatch over its end"):
         store.open()
 
@@ -473,6 +477,6 @@ def test_a_row_with_a_state_no_trajectory_can_have_is_reported(tmp_path, store):
     store.close()
     with sqlite3.connect(tmp_path / "data" / "state.sqlite") as db:
         db.execute("UPDATE trajectories SET state='finished' WHERE id='done'")
-    with pytest.raises(StoreCorrupted, match=r"row 'done': state must be one of \['dead', 'ended', 'left', 'open'\], "
+    with pytest.raises(StoreCorrupted, match=r"row 'done': state must be one of \['dead', 'ended', 'left', 'open', 'trained'\], "
                                              r"got 'finished'"):
         reopen(tmp_path / "data")
