@@ -60,6 +60,8 @@ RETRIABLE: dict[str, bool] = {
     "unknown_trajectory": False,
     "stale_lease": False,
     "unknown_consumer": False,
+    "not_checkpointed": False,
+    "checkpoint_gone": False,
     "unavailable": True,
     "internal": False,
     "closed": False,

@@ -140,6 +140,7 @@ class Assembler:
         self._assembling: dict[str, Unit] = {}  # group id -> incomplete group
         self._buffered: dict[str, Unit] = {}  # trajectory id -> its unit, not yet taken
         self._taken: dict[str, Delivery] = {}  # handed to the trainer, not committed
+        self._replayed: dict[str, Delivery] = {}  # trained before a resume, handed back to train again (no credit)
         self._done: OrderedDict[str, str] = OrderedDict()  # id -> ACKED or the rejection reason
         self._settling: dict[tuple[int, str], Outgoing] = {}  # lease -> the ack/nack awaiting a reply
         self._retry: list[tuple[float, tuple[int, str]]] = []
@@ -190,10 +191,20 @@ class Assembler:
     # -- deliveries -----------------------------------------------------------
     def delivered(self, broker: int, fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray], now: float) -> None:
         """A decoded `deliver` message."""
-        self._use_credit(broker, fields)
         self.stats.delivered += 1
         tid = fields["trajectory_id"]
         lease = (broker, fields["lease"])
+        if fields.get("replay"):  # no credit, no units: `take_replayed` takes them by id, in their batch's order
+            if tid in self._done:  # committed again already; that ack records it
+                self.stats.duplicates += 1
+                return
+            held = self._replayed.get(tid) or self._taken.get(tid)
+            if held is not None:
+                held.leases.add(lease)
+            else:
+                self._replayed[tid] = Delivery(tid, fields, arrays, broker, {lease}, now)
+            return
+        self._use_credit(broker, fields)
         outcome = self._done.get(tid)
         if outcome is not None:
             self.stats.duplicates += 1
@@ -282,6 +293,22 @@ class Assembler:
                 self._drop(unit)
 
     # -- trainer side ---------------------------------------------------------
+    def replayed(self, trajectory_ids: list[str]) -> bool:
+        """Whether every one of these handed-back trajectories is here."""
+        return all(tid in self._replayed for tid in trajectory_ids)
+
+    def take_replayed(self, trajectory_ids: list[str]) -> list[Delivery]:
+        """Handed-back trajectories, now with the trainer, in this order."""
+        taken = [self._replayed.pop(tid) for tid in trajectory_ids]
+        for delivery in taken:
+            self._taken[delivery.trajectory_id] = delivery
+        return taken
+
+    def give_back_replayed(self, trajectory_ids: Iterable[str]) -> None:
+        """Handed-back trajectories the trainer did not train: kept to hand out again."""
+        for tid in trajectory_ids:
+            self._replayed[tid] = self._taken.pop(tid)
+
     @property
     def ready(self) -> int:
         """Complete units waiting to be taken."""
@@ -296,11 +323,12 @@ class Assembler:
                 self._taken[tid] = delivery
         return units
 
-    def commit(self, trajectory_ids: Iterable[str]) -> None:
-        """The trainer used these: ack every lease they were delivered under."""
-        for tid in trajectory_ids:
+    def commit(self, trajectory_ids: Iterable[str], step: int | None = None) -> None:
+        """The trainer used these: ack every lease they were delivered under
+        (with `step`, as the batch trained at that step, in this order)."""
+        for position, tid in enumerate(trajectory_ids):
             self.stats.committed += 1
-            self._finish(tid, ACKED)
+            self._finish(tid, ACKED, None if step is None else (step, position))
 
     def reject(self, reasons: Mapping[str, str]) -> None:
         """Quarantine: move each trajectory to the broker's dead letters with its reason."""
@@ -310,9 +338,11 @@ class Assembler:
 
     def release(self, trajectory_ids: Iterable[str] | None = None) -> None:
         """Give trajectories back for redelivery (all held ones when None):
-        the trainer will not use them. A buffered group goes back whole."""
+        the trainer will not use them. A buffered group goes back whole.
+        Handed-back (replayed) ones are only let go: a resume brings them back."""
         if trajectory_ids is None:
             trajectory_ids = [*self._taken, *self._buffered]
+            self._replayed.clear()
         released: dict[str, Delivery] = {}
         for tid in trajectory_ids:
             if tid in self._taken:
@@ -326,7 +356,7 @@ class Assembler:
             for lease in sorted(held.leases):
                 self._settle(lease, Settle.RELEASE, "released by the consumer")
 
-    def _finish(self, tid: str, outcome: str) -> None:
+    def _finish(self, tid: str, outcome: str, trained_at: tuple[int, int] | None = None) -> None:
         held = self._taken.pop(tid, None)
         if held is None:
             raise NotFound(f"trajectory {tid!r} is not held by the trainer (already committed, or never taken)")
@@ -335,13 +365,16 @@ class Assembler:
         while len(self._done) > self.dedup_capacity:
             self._done.popitem(last=False)
         for lease in sorted(held.leases):
-            self._settle(lease, Settle.ACK if outcome == ACKED else Settle.NACK, outcome, tid)
+            self._settle(lease, Settle.ACK if outcome == ACKED else Settle.NACK, outcome, tid, trained_at)
 
-    def _settle(self, lease: tuple[int, str], how: Settle, reason: str, tid: str | None = None) -> None:
+    def _settle(self, lease: tuple[int, str], how: Settle, reason: str, tid: str | None = None,
+                trained_at: tuple[int, int] | None = None) -> None:
         broker, lease_id = lease
         if how == Settle.ACK:
             assert tid is not None  # an ack always names its trajectory
             out = Outgoing(broker, "ack", {"leases": [lease_id], "trajectory_ids": [tid]})
+            if trained_at is not None:
+                out.fields.update(step=trained_at[0], positions=[trained_at[1]])
         else:
             out = Outgoing(broker, "nack", {"leases": [lease_id], "reason": reason, "requeue": how == Settle.RELEASE})
         self._settling[lease] = out
@@ -354,8 +387,8 @@ class Assembler:
         others = []
         for out in self.outbox:
             if out.type in ("ack", "nack"):
-                key = (out.broker, out.type, out.fields.get("reason"), out.fields.get("requeue"))
-                lists = [name for name in ("leases", "trajectory_ids") if name in out.fields]
+                key = (out.broker, out.type, out.fields.get("reason"), out.fields.get("requeue"), out.fields.get("step"))
+                lists = [name for name in ("leases", "trajectory_ids", "positions") if name in out.fields]
                 if key in merged:
                     for name in lists:
                         merged[key].fields[name].extend(out.fields[name])

@@ -18,8 +18,8 @@ import logging
 import os
 import socket
 import threading
+from dataclasses import dataclass, replace
 from dataclasses import fields as dataclass_fields
-from dataclasses import replace
 from typing import Sequence
 
 import zmq
@@ -29,12 +29,21 @@ from rollstream.common.clock import Clock
 from rollstream.common.codec import decode, decode_header, encode
 from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES
 from rollstream.common.curve import ClientCurve, HandshakeWatch
-from rollstream.common.errors import ClientClosed, ClientFailed, InvalidInput, RemoteProtocolError, TimedOut
+from rollstream.common.errors import (
+    ClientClosed,
+    ClientFailed,
+    InvalidInput,
+    InvalidState,
+    Refused,
+    RemoteProtocolError,
+    TimedOut,
+)
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 from rollstream.common.sockets import dealer
 
-from .assembly import POLICIES, Assembler, Unit
+from .assembly import POLICIES, Assembler, Outgoing, Unit
 from .batch import Batch, as_device
+from .position import TrainedBatch, TrainingPosition
 from .session import Sessions
 from .validate import checked_batch, violation_error
 
@@ -43,6 +52,16 @@ log = logging.getLogger("rollstream.consumer")
 
 class ConsumerClosed(ClientClosed):
     """The consumer was closed; no more batches."""
+
+
+@dataclass(frozen=True)
+class _Handed:
+    """A batch handed to the trainer and not yet committed."""
+
+    trajectory_ids: tuple[str, ...]
+    sample_indices: tuple[int | None, ...]
+    group_ids: tuple[str | None, ...]
+    replayed_step: int | None  # a batch handed back by a resume: the step it must be trained at again
 
 
 class Consumer:
@@ -65,6 +84,14 @@ class Consumer:
     deduplicated by trajectory id (the last `dedup_capacity` settled ids are
     remembered, and a late redelivery of one is settled at once). Units whose
     leases ran out while still buffered are dropped, not trained.
+
+    Checkpointing (the default): `commit(batch)` records the batch as
+    trained at its step, and brokers keep it until `sealed(step)` says a
+    checkpoint after it is durable. Save `state_dict()` with each
+    checkpoint; `Consumer(..., resume=state)` then hands back first what was
+    trained after that checkpoint, batch by batch, then new data
+    (docs/consumer.md). `checkpointed=False` deletes on commit instead:
+    at-least-once across trainer restarts.
     """
 
     def __init__(
@@ -86,9 +113,15 @@ class Consumer:
         curve_secret_key: str | os.PathLike | None = None,
         curve_server_key: str | os.PathLike | None = None,
         context: zmq.Context | None = None,
+        checkpointed: bool = True,
+        keep_checkpoints: int = 2,
+        resume: dict | None = None,
+        world_size: int = 1,
     ):
         if on_invalid not in POLICIES:
             raise InvalidInput(f"on_invalid must be one of {POLICIES}, got {on_invalid!r}")
+        if resume is not None and not checkpointed:
+            raise InvalidInput("resume needs checkpointed=True: a consumer that deletes on commit keeps no position")
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self.endpoints:
             raise InvalidInput(f"give at least one broker endpoint, got {endpoints!r}")
@@ -106,13 +139,18 @@ class Consumer:
         self._assembler = Assembler(
             len(self.endpoints), batch_size=batch_size, unit=unit, prefetch=prefetch, dedup_capacity=dedup_capacity
         )
+        self._position = (TrainingPosition(len(self.endpoints), keep_checkpoints=keep_checkpoints, world_size=world_size,
+                                           resume=resume) if checkpointed else None)
+        if self._position is not None and self._position.saved_world_size != world_size:
+            log.warning("resumed at another world size: replayed batches are sharded again at the new one",
+                        extra={"saved": self._position.saved_world_size, "now": world_size})
         self._sessions = Sessions(self._assembler, self.endpoints, consumer_id=self.consumer_id,
-                                  hello_timeout=hello_timeout)  # the protocol conduct; the I/O thread drives it
+                                  hello_timeout=hello_timeout, position=self._position)  # the I/O thread drives it
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._context = context or zmq.Context.instance()
         self._seq = itertools.count()
-        self._awaiting_commit: dict[int, tuple[str, ...]] = {}
+        self._awaiting_commit: dict[int, _Handed] = {}
         self._closing = False
         self._stopping = False
         self._error: BaseException | None = None
@@ -152,6 +190,10 @@ class Consumer:
         deadline = None if timeout is None else now + timeout
         partial_at = None if partial_after is None else now + partial_after
         seq = next(self._seq)
+        if self._position is not None:
+            replayed = self._take_replayed(deadline)
+            if replayed is not None:
+                return self._hand(seq, *replayed)
         units: list[Unit] = []
         while True:
             units += self._take(self.batch_size - len(units), deadline, units, partial_at)
@@ -177,11 +219,65 @@ class Consumer:
             # and the whole candidate set is checked again (the whole-batch rule spans it).
             units = [replace(u, members={t: d for t, d in u.members.items() if t not in reasons}) for u in units]
             units = [u for u in units if u.members]
+        return self._handing(batch, deliveries, None)
+
+    def _hand(self, seq: int, step: int, deliveries: list) -> Batch:
+        """A batch handed back by a resume, as it was: it must validate whole."""
+        try:
+            batch, violations, _ = checked_batch(deliveries, device=self.device, seq=seq, vocab_size=self.vocab_size,
+                                                 reward_key=self.reward_key)
+            if violations:
+                raise violation_error(violations, deliveries)
+        except BaseException:
+            self._give_back(step, [d.trajectory_id for d in deliveries])
+            raise
+        return self._handing(batch, deliveries, step)
+
+    def _give_back(self, step: int, trajectory_ids: list[str]) -> None:
+        """A replayed batch not trained: it is the next to hand out again."""
+        assert self._position is not None  # only a checkpointing consumer replays
         with self._lock:
-            self._awaiting_commit[seq] = batch.trajectory_ids
+            self._assembler.give_back_replayed(trajectory_ids)
+            self._position.handed(step, back=True)
+
+    def _handing(self, batch: Batch, deliveries: list, replayed_step: int | None) -> Batch:
+        by_id = {d.trajectory_id: d.fields for d in deliveries}
+        handed = _Handed(batch.trajectory_ids, tuple(by_id[t].get("sample_index") for t in batch.trajectory_ids),
+                         batch.group_ids, replayed_step)
+        with self._lock:
+            self._awaiting_commit[batch.seq] = handed
         if self.ledger is not None:
             batch.record(self.ledger, "handed", consumer=self.consumer_id)
         return batch
+
+    def _take_replayed(self, deadline: float | None) -> tuple[int, list] | None:
+        """After a resume: the next batch handed back (its step and
+        deliveries in their order), once every broker has answered and all
+        of it is here; None when nothing is left to train again."""
+        position, n = self._position, len(self.endpoints)
+        assert position is not None
+        with self._changed:
+            while True:
+                if self._error is not None:
+                    raise ClientFailed(f"consumer {self.consumer_id!r}", self._error) from self._error
+                if self._closing:
+                    raise ConsumerClosed("the consumer is closed")
+                if position.failure is not None:  # a broker cannot resume: its batches were reclaimed
+                    code, message = position.failure
+                    raise Refused(code, f"cannot resume from step {position.resumed_from}: {message}")
+                if not position.waiting_for_resume(n):
+                    replay = position.next_replay()
+                    if replay is None:
+                        return None
+                    step, tids = replay
+                    if self._assembler.replayed(tids):
+                        position.handed(step)
+                        return step, self._assembler.take_replayed(tids)
+                remaining = None if deadline is None else deadline - Clock.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimedOut(f"the batches to train again after resuming from step {position.resumed_from} are "
+                                   f"not all back within the timeout (steps {position.replayed_steps()})")
+                self._changed.wait(1.0 if remaining is None else min(remaining, 1.0))
 
     def _take(self, n: int, deadline: float | None, held: list[Unit], partial_at: float | None) -> list[Unit]:
         """`n` more complete units, or after `partial_at` whatever is ready
@@ -209,28 +305,74 @@ class Consumer:
                     waits.append(partial_at - now)
                 self._changed.wait(min(waits))
 
-    def commit(self, batch: Batch) -> None:
-        """Ack the batch's trajectories (after the training step)."""
-        ids = self._claim(batch)
+    def commit(self, batch: Batch, step: int | None = None) -> None:
+        """After the training step: the batch is trained. Checkpointing, it
+        is recorded as the batch of `step` (by default the step after the
+        last; a batch handed back by a resume keeps its own) and kept until
+        sealed; otherwise it is deleted."""
+        position = self._position
+        with self._lock:
+            handed = self._awaiting_commit.get(batch.seq)
+            if handed is not None and position is not None:
+                step = position.commit_step(step, handed.replayed_step)
+            elif step is not None:
+                raise InvalidInput("commit takes a step only when checkpointed (checkpointed=True)")
+        handed = self._claim(batch)
         if self.ledger is not None:
             batch.record(self.ledger, "committed", consumer=self.consumer_id)
-        self._settle(commit=ids)
+        with self._lock:
+            if position is not None:
+                assert step is not None  # `commit_step` chose it
+                position.committed(TrainedBatch(step, handed.trajectory_ids, handed.sample_indices, handed.group_ids))
+            self._assembler.commit(handed.trajectory_ids, step)
+            self._wake()
+
+    def sealed(self, step: int) -> None:
+        """The checkpoint saved after step `step` is durable: brokers may
+        reclaim what was trained up to it (keeping `keep_checkpoints`
+        checkpoints to fall back on). `flush` waits for their answers."""
+        position = self._require_position("sealed")
+        with self._lock:
+            for broker, kind, fields in position.seal(step, len(self.endpoints)):
+                self._assembler.outbox.append(Outgoing(broker, kind, fields))
+            self._wake()
+
+    def state_dict(self) -> dict:
+        """The data position to save with the model's checkpoint: plain
+        lists, numbers and strings (`Consumer(..., resume=state)`)."""
+        position = self._require_position("state_dict")
+        with self._lock:
+            return position.state_dict()
+
+    @property
+    def resumed_from(self) -> int | None:
+        """The step of the checkpoint this consumer resumed from, if any."""
+        return None if self._position is None else self._position.resumed_from
+
+    def _require_position(self, what: str) -> TrainingPosition:
+        if self._position is None:
+            raise InvalidState(f"{what} needs a checkpointing consumer (checkpointed=True); this one deletes on commit")
+        return self._position
 
     def release(self, batch: Batch) -> None:
-        """Give an uncommitted batch back for redelivery: it will not be trained on."""
-        self._settle(release=self._claim(batch))
+        """Give an uncommitted batch back for redelivery: it will not be
+        trained on (a batch handed back by a resume is the next one again)."""
+        handed = self._claim(batch)
+        if handed.replayed_step is not None:
+            self._give_back(handed.replayed_step, list(handed.trajectory_ids))
+        else:
+            self._settle(release=handed.trajectory_ids)
 
-    def _claim(self, batch: Batch) -> tuple[str, ...]:
+    def _claim(self, batch: Batch) -> _Handed:
         with self._lock:
-            ids = self._awaiting_commit.pop(batch.seq, None)
-        if ids is None:
+            handed = self._awaiting_commit.pop(batch.seq, None)
+        if handed is None:
             raise InvalidInput(f"batch seq={batch.seq} is not awaiting commit here (already committed or released, "
                                "or from another consumer)")
-        return ids
+        return handed
 
-    def _settle(self, *, commit=(), reject=None, release=()) -> None:
+    def _settle(self, *, reject=None, release=()) -> None:
         with self._lock:
-            self._assembler.commit(commit)
             self._assembler.reject(reject or {})
             if release:
                 self._assembler.release(release)
@@ -260,11 +402,13 @@ class Consumer:
         self._wait_until(lambda: not self._assembler.silent_brokers, timeout, describe)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Block until the brokers have confirmed every commit and release
-        made so far (each is then durable at its broker); `TimedOut` (a
+        """Block until the brokers have confirmed every commit, release and
+        seal made so far (each is then durable at its broker); `TimedOut` (a
         `TimeoutError`) saying how many are unconfirmed."""
-        self._wait_until(lambda: not self._assembler.unsettled, timeout,
-                         lambda: f"{self._assembler.unsettled} settlement(s) unconfirmed after {timeout} s")
+        seals = (lambda: 0) if self._position is None else (lambda: self._position.unsealed)
+        self._wait_until(lambda: not self._assembler.unsettled and not seals(), timeout,
+                         lambda: f"{self._assembler.unsettled} settlement(s) and {seals()} seal(s) unconfirmed "
+                                 f"after {timeout} s")
 
     def _wait_until(self, done, timeout: float | None, describe) -> None:
         deadline = None if timeout is None else Clock.monotonic() + timeout

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from rollstream.common.errors import RemoteProtocolError
 
 from .assembly import Assembler
+from .position import TrainingPosition
 
 log = logging.getLogger("rollstream.consumer")
 
@@ -43,12 +44,15 @@ class BrokerSession:
 class Sessions:
     """Every broker connection of one consumer (by broker index)."""
 
-    def __init__(self, assembler: Assembler, endpoints: list[str], *, consumer_id: str, hello_timeout: float):
+    def __init__(self, assembler: Assembler, endpoints: list[str], *, consumer_id: str, hello_timeout: float,
+                 position: TrainingPosition | None = None):
         self.assembler = assembler
         self.endpoints = endpoints
         self.consumer_id = consumer_id
         self.hello_timeout = hello_timeout
+        self.position = position  # a checkpointing consumer's: its hello names the run, its welcome resumes and seals
         self.sessions = [BrokerSession() for _ in endpoints]
+        self._welcomed: list[int] = []  # brokers welcomed since the last `due`
 
     def received(self, broker: int, message, now: float) -> None:
         """A decoded message from `broker`."""
@@ -59,12 +63,21 @@ class Sessions:
             session.heartbeat_interval = message["heartbeat_interval"]
             session.next_heartbeat = now + session.heartbeat_interval / 2
             assembler.welcomed(broker, message["lease_timeout"])
+            self._welcomed.append(broker)
             log.info("connected to broker", extra={"endpoint": endpoint, "broker_id": message["broker_id"]})
         elif kind == "deliver":
             if session.state == SessionState.READY:  # anything else belongs to a session the broker has dropped
                 assembler.delivered(broker, message.fields, message.arrays, now)
         elif kind in ("acked", "nacked"):
             assembler.settled(broker, message["leases"])
+        elif kind == "resumed" and self.position is not None:
+            self.position.resumed(broker, message["replay"])
+        elif kind == "sealed" and self.position is not None:
+            self.position.sealed(broker, message["step"])
+        elif message["code"] in ("checkpoint_gone", "not_checkpointed") and self.position is not None:
+            log.error("broker refused to resume", extra={"endpoint": endpoint, "code": message["code"],
+                                                         "reason": message["message"]})
+            self.position.refused(message["code"], message["message"])
         elif message["code"] == "unknown_consumer":
             if session.state == SessionState.READY:
                 log.warning("broker forgot this consumer; saying hello again", extra={"endpoint": endpoint})
@@ -106,7 +119,10 @@ class Sessions:
         for broker, session in enumerate(self.sessions):
             retry_hello = session.state == SessionState.HELLO_SENT and now - session.hello_at > self.hello_timeout
             if (session.state == SessionState.NEW or retry_hello) and not closing:
-                out.append((broker, "hello", {"consumer_id": self.consumer_id, "packed_arrays": True, "split_arrays": True}))
+                hello = {"consumer_id": self.consumer_id, "packed_arrays": True, "split_arrays": True}
+                if self.position is not None:
+                    hello.update(self.position.hello_fields())
+                out.append((broker, "hello", hello))
                 session.state, session.hello_at = SessionState.HELLO_SENT, now
             elif session.state == SessionState.READY and now >= session.next_heartbeat:
                 out.append((broker, "heartbeat", {}))
@@ -118,4 +134,7 @@ class Sessions:
             for broker, n in assembler.credit_grants().items():
                 out.append((broker, "credit", {"n": n, "unit": assembler.unit}))
         out += [(o.broker, o.type, o.fields) for o in assembler.take_outbox()]
+        if self.position is not None:  # after the acks resent to a new session: the resume then knows of them
+            out += [(broker, kind, fields) for broker in self._welcomed for kind, fields in self.position.on_welcome(broker)]
+        self._welcomed.clear()
         return out

@@ -32,7 +32,7 @@ from rollstream.common.wire import encode_turn
 def check_indexes(engine: MergeEngine) -> None:
     """The engine's kept figures against the entries, counted from scratch."""
     entries = engine.entries.values()
-    assert engine.counts() == {**dict.fromkeys(("open", "ended", "dead", "left"), 0),
+    assert engine.counts() == {**dict.fromkeys(("open", "ended", "dead", "left", "trained"), 0),
                                **Counter(e.state for e in entries)}
     assert engine.bytes_in_memory == sum(held_bytes(e.trajectory) for e in entries if e.trajectory is not None)
     assert engine.evicted_open() == {e.trajectory_id for e in entries if e.state == OPEN and engine.needs_reload(e)}

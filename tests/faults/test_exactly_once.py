@@ -2,12 +2,10 @@
 a trainer kill, with real broker and trainer processes on ipc://."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 from broker_process import BrokerProcess

@@ -1,0 +1,170 @@
+"""The data position in the model's checkpoint, against live brokers: a
+trainer resumed from checkpoint N gets back what it trained after N in the
+same batches, then new data, and with deterministic math reaches the same
+weights as a run that never stopped."""
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+from broker_process import BrokerProcess
+from consumer_helpers import VOCAB, RawProducer, make_rollout
+
+from rollstream.common.errors import InvalidInput, Refused
+from rollstream.consumer import Consumer
+
+
+@pytest.fixture
+def brokers():
+    started = []
+
+    def start():
+        broker = BrokerProcess(tempfile.mkdtemp(prefix="rsk", dir="/tmp"), lease_timeout=30.0,
+                               heartbeat_interval=0.2).start()
+        started.append(broker)
+        return broker
+
+    yield start
+    for broker in started:
+        broker.__exit__(None, None, None)
+        shutil.rmtree(broker.directory, ignore_errors=True)
+
+
+def produce(broker, n, prefix="t", seed=0):
+    rng = np.random.default_rng(seed)
+    producer = RawProducer(broker.producer)
+    try:
+        producer.send([make_rollout(rng, f"{prefix}{i}", sample_index=i) for i in range(n)])
+    finally:
+        producer.close()
+
+
+def consumer(endpoints, **kw):
+    c = Consumer(endpoints, batch_size=3, vocab_size=VOCAB, **kw)
+    c.wait_ready(30)
+    return c
+
+
+def step(weights: torch.Tensor, batch) -> torch.Tensor:
+    """One deterministic update that depends on every token of the batch and on its order."""
+    order = torch.arange(1, len(batch.trajectory_ids) + 1, dtype=torch.float64)
+    seen = torch.zeros_like(weights)
+    for k, tokens in enumerate(batch.response_tokens.split(batch.response_lengths.tolist())):
+        seen.index_add_(0, tokens.long() % weights.numel(), torch.full((tokens.numel(),), float(order[k]),
+                                                                       dtype=torch.float64))
+    return weights * 0.9 + 0.01 * seen
+
+
+def test_a_resumed_trainer_gets_back_what_it_trained_after_its_checkpoint_in_the_same_batches(brokers):
+    broker = brokers()
+    produce(broker, 18)
+    first = consumer(broker.consumer)
+    trained = {}
+    for n in range(1, 6):
+        batch = first.next_batch(timeout=30)
+        first.commit(batch)
+        trained[n] = batch.trajectory_ids
+        if n == 2:
+            state = first.state_dict()  # saved with checkpoint 2
+            first.sealed(2)
+    first.flush(30)
+    first.close()  # or crashed: what it committed is durable
+    assert state["step"] == 2 and [b["trajectory_ids"] for b in state["batches"]] == [list(trained[1]),
+                                                                                       list(trained[2])]
+    assert state["batches"][0]["sample_indices"] == [int(t[1:]) for t in trained[1]]
+    again = consumer(broker.consumer, resume=state)
+    assert again.resumed_from == 2
+    replayed = []
+    for n in (3, 4, 5):
+        batch = again.next_batch(timeout=30)
+        replayed.append(batch.trajectory_ids)
+        again.commit(batch)
+    assert replayed == [trained[3], trained[4], trained[5]]
+    fresh = again.next_batch(timeout=30)  # then new data, never anything trained before
+    assert not set(fresh.trajectory_ids) & {t for ids in trained.values() for t in ids}
+    again.commit(fresh)
+    assert again.state_dict()["step"] == 6
+    again.close()
+
+
+def test_a_resume_across_brokers_rebuilds_each_batch_in_its_order(brokers):
+    a, b = brokers(), brokers()
+    produce(a, 9, prefix="a")
+    produce(b, 9, prefix="b", seed=1)
+    first = consumer([a.consumer, b.consumer])
+    state = first.state_dict()  # checkpoint 0: before any step
+    trained = []
+    for _ in range(3):
+        batch = first.next_batch(timeout=30)
+        first.commit(batch)
+        trained.append(batch.trajectory_ids)
+    first.flush(30)
+    first.close()
+    assert any({t[0] for t in ids} == {"a", "b"} for ids in trained), trained  # batches that span both brokers
+    again = consumer([a.consumer, b.consumer], resume=state)
+    assert [again.next_batch(timeout=30).trajectory_ids for _ in range(3)] == trained
+    again.close()
+
+
+def test_a_resumed_trainer_reaches_the_weights_of_a_run_that_never_stopped(brokers):
+    """Two runs over the same data on two brokers: one straight through
+    four steps, one saving its weights with `state_dict()` at step 2,
+    stopped after step 4 and resumed from the step-2 checkpoint. Back at
+    step 4 the weights are equal; trained on batches other than the ones
+    handed back (the two swapped), they are not."""
+    straight, stopped = brokers(), brokers()
+    produce(straight, 30)
+    produce(stopped, 30)
+    weights, history = torch.zeros(VOCAB, dtype=torch.float64), []
+    with consumer(straight.consumer) as run:
+        for _ in range(4):
+            batch = run.next_batch(timeout=30)
+            weights = step(weights, batch)
+            history.append(batch)
+            run.commit(batch)
+    uninterrupted = weights
+
+    weights = torch.zeros(VOCAB, dtype=torch.float64)
+    run = consumer(stopped.consumer)
+    for n in range(1, 5):
+        batch = run.next_batch(timeout=30)
+        weights = step(weights, batch)
+        run.commit(batch)
+        if n == 2:
+            checkpoint = {"weights": weights.clone(), "data": run.state_dict()}
+    run.flush(30)
+    run.close()
+    weights = checkpoint["weights"]
+    with consumer(stopped.consumer, resume=checkpoint["data"]) as run:
+        for _ in range(2):
+            batch = run.next_batch(timeout=30)
+            weights = step(weights, batch)
+            run.commit(batch)
+    assert torch.equal(weights, uninterrupted)
+
+    swapped = step(step(checkpoint["weights"], history[3]), history[2])
+    assert not torch.equal(swapped, uninterrupted)  # the comparison sees a batch handed back out of place
+
+
+def test_a_checkpoint_whose_batches_were_reclaimed_is_refused_by_name(brokers):
+    broker = brokers()
+    produce(broker, 12)
+    first = consumer(broker.consumer, keep_checkpoints=1)
+    old = first.state_dict()
+    for n in range(1, 3):
+        first.commit(first.next_batch(timeout=30))
+        first.sealed(n)
+    first.flush(30)
+    first.close()
+    again = consumer(broker.consumer, resume=old)
+    with pytest.raises(Refused, match="checkpoint_gone.*reclaimed what the run trained through step 2"):
+        again.next_batch(timeout=30)
+    again.close()
+
+
+def test_bad_resume_states_and_steps_are_refused_with_the_rule():
+    with pytest.raises(InvalidInput, match="format must be"):
+        Consumer("ipc:///tmp/none", batch_size=1, resume={"run": "r"})
+    with pytest.raises(InvalidInput, match="resume needs checkpointed=True"):
+        Consumer("ipc:///tmp/none", batch_size=1, checkpointed=False, resume={})
