@@ -83,7 +83,8 @@ def main() -> None:
     client = None
     if args.rank == 0:
         client = Consumer(args.endpoint, batch_size=args.batch_size, unit="group", vocab_size=args.vocab_size,
-                          device="cpu", on_invalid="quarantine", curve_secret_key=args.curve_secret_key,
+                          device="cpu", on_invalid="quarantine", world_size=args.world,
+                          curve_secret_key=args.curve_secret_key,
                           curve_server_key=args.curve_server_key)
         threading.Thread(target=_close_on, args=(Path(args.stop_file), client), daemon=True).start()
     shards = DistributedConsumer(client, strategy="group", partial_after=args.partial_after, ledger=args.ledger)

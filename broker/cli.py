@@ -143,10 +143,12 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
         click.echo(json.dumps(report, indent=None, sort_keys=True))
         return
     click.echo(f"broker at {endpoint}")
-    for key in ("open", "ready", "leased", "dead", "producers", "consumers", "bytes_in_memory", "bytes_on_disk"):
-        click.echo(f"  {key:<18} {report[key]}")
+    for key in ("open", "ready", "leased", "dead", "producers", "consumers", "bytes_in_memory", "bytes_on_disk",
+                "unsealed", "unsealed_bytes", "oldest_unsealed_step"):
+        if key in report:
+            click.echo(f"  {key:<20} {report[key]}")
     for name, bound in report.get("endpoints", {}).items():
-        click.echo(f"  {name + ' endpoint':<18} {bound}")
+        click.echo(f"  {name + ' endpoint':<20} {bound}")
     click.echo("  counters:")
     for key, value in report["counters"].items():
         click.echo(f"    {key:<40} {value}")

@@ -619,6 +619,7 @@ class BrokerCore:
 
     def status(self, now: Clock) -> dict:
         counts = self.engine.counts()
+        oldest = self.engine.oldest_trained_step()
         live_after = now.mono - self.producer_live_for
         return {
             "open": counts[OPEN],
@@ -631,6 +632,9 @@ class BrokerCore:
             "bytes_on_disk": self.disk_bytes,
             "counters": {key: int(value) for key, value in sorted(self.metrics.totals.items())},
             "endpoints": dict(self.endpoints),
+            "unsealed": counts[TRAINED],
+            "unsealed_bytes": self.engine.trained_bytes,
+            **({} if oldest is None else {"oldest_unsealed_step": oldest}),
         }
 
     # -- time -------------------------------------------------------------------
@@ -643,6 +647,7 @@ class BrokerCore:
         effects = self.engine.expire(now.wall)
         if (yield from self._commit(effects)):
             self.metrics.count_effects(effects)
+        yield from self._reclaim_unsealed(now)
         yield ServeConsumers(now)
         yield from self._dead_letter(self.dispatcher.tick(now.mono), "max_deliveries", now)
         new_redeliveries = self.dispatcher.redeliveries - self._redeliveries_seen
@@ -668,6 +673,20 @@ class BrokerCore:
         self.update_gauges(now)
 
     # -- budgets ----------------------------------------------------------------
+    def _reclaim_unsealed(self, now: Clock) -> Steps:
+        """Hold trained-but-unsealed data to its own budget: past it, the
+        oldest trained steps are reclaimed as if sealed (the trainer can no
+        longer fall back before them), loudly."""
+        effects, through = self.engine.reclaim_over(self.settings.max_unsealed_bytes, now.wall)
+        if not effects or not (yield from self._commit(effects)):
+            return
+        reclaimed = sum(1 for e in effects if type(e) is Forget)
+        self.metrics.inc(self.metrics.exits, reclaimed, exit="unsealed_reclaimed")
+        log.warning("over the unsealed budget: reclaimed the oldest trained steps; a resume from before them is "
+                    "refused (seal checkpoints sooner, or raise max_unsealed_bytes)",
+                    extra={"reclaimed": reclaimed, "through": dict(through),
+                           "max_unsealed_bytes": self.settings.max_unsealed_bytes})
+
     def _apply_memory_budget(self) -> None:
         """Evict down to the memory budget, then pause or resume producers.
         Run after every batch, not only at housekeeping: the engine keeps its
@@ -699,7 +718,10 @@ class BrokerCore:
             log.info("back under the memory budget: producer frames resumed")
         admission = self.admission
         drainable = bool(self.dispatcher.queue or self.dispatcher.leases)
-        if admission.update(self.disk_bytes, self.free_bytes, drainable):
+        # Trained data waits for the trainer's next checkpoint, which needs producers' data to reach: it has a
+        # budget of its own (`_reclaim_unsealed`) and does not count against theirs.
+        used = max(0, self.disk_bytes - self.engine.trained_bytes)
+        if admission.update(used, self.free_bytes, drainable):
             figures = {"bytes_on_disk": self.disk_bytes, "bytes_free": self.free_bytes}
             if admission.everything:
                 log.info("disk back under budget: every producer frame enters", extra=figures)

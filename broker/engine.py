@@ -230,6 +230,7 @@ class Entry:
     held: int = 0  # bytes counted in `MergeEngine.bytes_in_memory` for its trajectory
     unreadable: int = 0  # reads back that found its stored records damaged (see UNREADABLE_AFTER)
     trained: TrainedAt | None = None  # once TRAINED
+    stored_bytes: int = 0  # of its applied turns' frames (about what its records hold on disk)
 
     @property
     def next_turn(self) -> int:
@@ -297,6 +298,7 @@ class MergeEngine:
         self._dedup_expiry: list[tuple[float, str]] = []  # a heap of (until, id): expiry without scanning every id
         self.ready_units: deque[DeliveryUnit] = deque()
         self.trained_entries: dict[str, Entry] = {}  # the TRAINED ones, for seals and resumes
+        self.trained_bytes = 0  # their `stored_bytes`, kept as they change
         self.runs: dict[str, Run] = {}  # checkpointing trainers' runs by id
         self._effects: list = []  # effects of the call in progress
 
@@ -369,6 +371,8 @@ class MergeEngine:
                 "out_of_order", f"turn {index} of {tid!r} arrived before turn {entry.next_turn}", expected=entry.next_turn
             )
         outcome = traj.append_turn(turn_from_message(message))
+        if outcome.applied:
+            entry.stored_bytes += sum(map(len, message.frames))
         digest = self._digest_unless_applied(message, index, outcome.applied)
         entry.outcomes.append((digest, outcome.applied, outcome.reason))
         entry.updated_at = wall
@@ -402,7 +406,7 @@ class MergeEngine:
         outcome = traj.append_turn(turn_from_message(message))  # raises, changing nothing, when refused
         digest = self._digest_unless_applied(message, 0, outcome.applied)
         entry = Entry(tid, OPEN, group_id, group_size, message.get("sample_index"), [(digest, outcome.applied, outcome.reason)],
-                      updated_at=wall)
+                      updated_at=wall, stored_bytes=sum(map(len, message.frames)))
         if replaces:
             self._remove(tid)
         self._add(entry)
@@ -621,7 +625,9 @@ class MergeEngine:
 
     def _forget(self, tid: str, wall: float) -> Forget:
         self._remove(tid)
-        self.trained_entries.pop(tid, None)
+        trained = self.trained_entries.pop(tid, None)
+        if trained is not None:
+            self.trained_bytes -= trained.stored_bytes
         until = wall + self.settings.dedup_window
         self.remember({tid: until})
         return Forget(tid, until)
@@ -639,6 +645,7 @@ class MergeEngine:
             self._set_state(entry, TRAINED)
             self._done_in_group(entry)
             self.trained_entries[tid] = entry
+            self.trained_bytes += entry.stored_bytes
         entry.trained = at
         return [MarkTrained(tid, at), *self._drain()]
 
@@ -655,12 +662,42 @@ class MergeEngine:
             state.seals = sorted([*state.seals, step])
         effects: list = []
         if len(state.seals) >= keep and state.seals[-keep] > state.reclaimed:
-            state.reclaimed = state.seals[-keep]
-            gone = [tid for tid, e in self.trained_entries.items()
-                    if e.trained is not None and e.trained.run == run and e.trained.step <= state.reclaimed]
-            effects = [self._forget(tid, wall) for tid in gone]
+            effects = self._reclaim(run, state.seals[-keep], wall)
         state.seals = state.seals[-keep:]
         return [*effects, SealRun(run, state.lineage, tuple(state.seals), state.reclaimed), *self._drain()]
+
+    def _reclaim(self, run: str, through: int, wall: float) -> list:
+        """Forget what `run` trained at or before step `through`."""
+        self.runs[run].reclaimed = max(self.runs[run].reclaimed, through)
+        gone = [tid for tid, e in self.trained_entries.items()
+                if e.trained is not None and e.trained.run == run and e.trained.step <= through]
+        return [self._forget(tid, wall) for tid in gone]
+
+    def reclaim_over(self, budget: int, wall: float) -> tuple[list, list[tuple[str, int]]]:
+        """Over `budget` trained bytes: reclaim the oldest steps (a run's
+        resume from before them is then refused `checkpoint_gone`) down to
+        nine tenths of it. Returns the effects and each (run, step) reclaimed through."""
+        if self.trained_bytes <= budget:
+            return [], []
+        by_step = sorted((e.trained.step, e.trained.run, e.stored_bytes) for e in self.trained_entries.values()
+                         if e.trained is not None)
+        through: dict[str, int] = {}
+        left = self.trained_bytes
+        for step, run, size in by_step:
+            if left <= budget * 9 // 10:
+                break
+            through[run] = step
+            left -= size
+        effects = []
+        for run, step in through.items():
+            state = self.runs.setdefault(run, Run(""))
+            effects += self._reclaim(run, step, wall)
+            effects.append(SealRun(run, state.lineage, tuple(state.seals), state.reclaimed))
+        return [*effects, *self._drain()], sorted(through.items())
+
+    def oldest_trained_step(self) -> int | None:
+        """The earliest step any trajectory held as trained was trained at (a scan: for status)."""
+        return min((e.trained.step for e in self.trained_entries.values() if e.trained is not None), default=None)
 
     def resumable(self, run: str, step: int) -> None:
         """Raise `checkpoint_gone` when `run`'s trajectories trained after
@@ -766,6 +803,7 @@ class MergeEngine:
         self.remember(dedup)
         self.runs.update(runs)
         self.trained_entries.update((e.trajectory_id, e) for e in self.entries.values() if e.state == TRAINED)
+        self.trained_bytes = sum(e.stored_bytes for e in self.trained_entries.values())
         ready: list[tuple[int, DeliveryUnit]] = []
         for group_id, group in self.groups.items():
             if group_id in deliverable_groups:  # made deliverable in the commit of the frame that completed the group

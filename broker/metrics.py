@@ -29,7 +29,10 @@ class BrokerMetrics(Metrics):
                                           "cryptographic, revoked, ...)",
                                           ("socket", "reason"))
         self.depth = self.gauge("queue_depth", "Trajectories by state", ("state",))
-        self.bytes = self.gauge("bytes", "Bytes held, in memory and on disk", ("where",))
+        self.bytes = self.gauge("bytes", "Bytes held, in memory and on disk (unsealed: of it, trained and not "
+                                "yet sealed)", ("where",))
+        self.oldest_unsealed = self.gauge("oldest_unsealed_step", "The earliest step of a trained trajectory not "
+                                          "yet sealed (-1: none)")
         self.backpressure = self.gauge("backpressure",
                                        "1 while producer frames are not all taken (memory budget: none read; disk: some wait)")
         self.unavailable = self.gauge("store_unavailable", "1 while the store cannot persist")
@@ -69,7 +72,9 @@ class BrokerMetrics(Metrics):
 
     def show(self, status: Mapping) -> None:
         """The gauges of a `status`: trajectories by state, bytes held."""
-        for state in ("open", "ready", "leased", "dead"):
+        for state in ("open", "ready", "leased", "dead", "unsealed"):
             self.depth.labels(state=state).set(status[state])
         self.bytes.labels(where="memory").set(status["bytes_in_memory"])
         self.bytes.labels(where="disk").set(status["bytes_on_disk"])
+        self.bytes.labels(where="unsealed").set(status["unsealed_bytes"])
+        self.oldest_unsealed.set(status.get("oldest_unsealed_step", -1))

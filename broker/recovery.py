@@ -75,6 +75,7 @@ def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
             dead_reason=stored.dead_reason,
             dead_at=stored.dead_at,
             trained=stored.trained,
+            stored_bytes=sum(t.location[2] for t in stored.turns if t.location is not None),
             trajectory=load_trajectory(store, stored) if stored.state == OPEN else None,
         )
         entries.append(entry)

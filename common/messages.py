@@ -359,7 +359,7 @@ ADMIN_REPLIES = _schema(
             "bytes_on_disk": COUNT,
             "counters": MAP,
         },
-        {"seq": INT, "endpoints": MAP},
+        {"seq": INT, "endpoints": MAP, "unsealed": COUNT, "unsealed_bytes": COUNT, "oldest_unsealed_step": COUNT},
     ),
     MessageSpec("dead_letters", {"items": LIST}, _SEQ),
     MessageSpec("requeued", {"trajectory_ids": TEXT_LIST}, _SEQ),

@@ -139,6 +139,7 @@ class Consumer:
         self._assembler = Assembler(
             len(self.endpoints), batch_size=batch_size, unit=unit, prefetch=prefetch, dedup_capacity=dedup_capacity
         )
+        self.world_size = world_size  # the data-parallel ranks its batches are sharded to (`DistributedConsumer`)
         self._position = (TrainingPosition(len(self.endpoints), keep_checkpoints=keep_checkpoints, world_size=world_size,
                                            resume=resume) if checkpointed else None)
         if self._position is not None and self._position.saved_world_size != world_size:

@@ -114,6 +114,9 @@ class DistributedConsumer:
         if (self.rank == src) != (client is not None):
             raise InvalidInput(f"exactly the source rank {src} passes a client: this is rank {self.rank}, "
                                f"{'without' if client is None else 'with'} one")
+        if client is not None and client.world_size != self.world:  # recorded in its state_dict
+            raise InvalidInput(f"the source's Consumer(world_size=...) must be the group's world size {self.world}, "
+                               f"got {client.world_size}")
         self.client = client
         self.strategy = strategy
         self.timeout = timeout
@@ -200,9 +203,10 @@ class DistributedConsumer:
             dist.recv(payload, src, group=self.group)
         return decode_shard(header, payload)
 
-    def commit(self, shard: Batch) -> None:
-        """Collective: every rank finished batch `shard.seq`; the source acks it."""
-        self._agree(shard, "commit")
+    def commit(self, shard: Batch, step: int | None = None) -> None:
+        """Collective: every rank finished batch `shard.seq`; the source
+        commits it (at `step`, `Consumer.commit`)."""
+        self._agree(shard, "commit", step=step)
         if self.ledger is not None:  # once every rank agreed: a rank lost before that commits nothing
             shard.record(self.ledger, "committed", rank=self.rank)
 
@@ -210,15 +214,40 @@ class DistributedConsumer:
         """Collective: give the batch back for redelivery."""
         self._agree(shard, "release")
 
-    def _agree(self, shard: Batch, action: str) -> None:
-        mine = torch.tensor([shard.seq], dtype=torch.int64, device=self.device)
+    def _agree(self, shard: Batch, action: str, **options) -> None:
+        self._same(shard.seq, f"collective {action} out of step: ranks hold batches", "")
+        if self.rank == self.src:
+            getattr(self.client, action)(self._batches.pop(shard.seq), **options)
+
+    def _same(self, value: int, problem: str, unit: str) -> None:
+        """Check every rank passed the same `value` (an all-gather)."""
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine, group=self.group)
-        seqs = [int(s) for s in gathered]
-        if len(set(seqs)) != 1:
-            raise InvalidState(f"collective {action} out of step: ranks hold batches {seqs}, expected all {shard.seq}")
+        values = [int(v) for v in gathered]
+        if len(set(values)) != 1:
+            raise InvalidState(f"{problem} {values}, expected all {value}{unit}")
+
+    def sealed(self, step: int) -> None:
+        """Collective: the checkpoint after `step` is durable on every rank; the source tells the brokers."""
+        self._same(step, "collective sealed out of step: ranks sealed steps", "")
         if self.rank == self.src:
-            getattr(self.client, action)(self._batches.pop(shard.seq))
+            self.client.sealed(step)
+
+    def state_dict(self) -> dict:
+        """Collective: the source's data position (`Consumer.state_dict`),
+        the same on every rank, to save with each rank's checkpoint."""
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        packed = b""
+        if self.rank == self.src:
+            packed = msgpack.packb(self.client.state_dict(), use_bin_type=True)
+            size[0] = len(packed)
+        dist.broadcast(size, self._global(self.src), group=self.group)
+        data = (torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(self.device) if self.rank == self.src
+                else torch.empty(int(size), dtype=torch.uint8, device=self.device))
+        if int(size):
+            dist.broadcast(data, self._global(self.src), group=self.group)
+        return msgpack.unpackb(bytes(data.cpu().numpy()), raw=False)
 
     def close(self) -> None:
         if self.client is not None:

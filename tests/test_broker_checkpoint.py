@@ -22,8 +22,9 @@ P, C = b"producer", b"consumer"
 class Node:
     """A broker core on a store in `directory`; `restart` reopens it as a new incarnation."""
 
-    def __init__(self, directory, lease_timeout=60.0):
+    def __init__(self, directory, lease_timeout=60.0, **settings):
         self.directory, self.lease_timeout, self.now = directory, lease_timeout, 10.0
+        self.settings = settings
         self.store = None
         self.restart()
 
@@ -33,8 +34,8 @@ class Node:
         self.store = Store(self.directory)
         metrics = BrokerMetrics()
         self.io = StoreIO(self.store, self.directory, metrics)
-        self.core = BrokerCore(BrokerSettings(data_dir=str(self.directory), lease_timeout=self.lease_timeout),
-                               "b", metrics, disk_reserve=0)
+        self.core = BrokerCore(BrokerSettings(data_dir=str(self.directory), lease_timeout=self.lease_timeout,
+                                              **self.settings), "b", metrics, disk_reserve=0)
         self.core.restore(rebuild(self.store.open(), self.store), 0, 1 << 40)
 
     def run(self, steps) -> list:
@@ -201,3 +202,29 @@ def test_a_step_from_a_session_that_named_no_run_is_refused_and_changes_nothing(
     assert node.state("a")[0] == ENDED
     [refused] = node.say("seal", step=1, keep=2)
     assert refused["code"] == "not_checkpointed"
+
+
+def test_unsealed_data_has_its_own_budget_shown_in_status_and_past_it_the_oldest_steps_go(tmp_path):
+    node = Node(tmp_path / "data")
+    node.produce(*[f"t{i}" for i in range(6)])
+    node.hello()
+    for step in (1, 2, 3):
+        node.train(step, node.take(2))
+    size = node.core.engine.entries["t0"].stored_bytes
+    assert size > 0 and node.core.engine.trained_bytes == 6 * size
+    status = node.core.status(node.clock)
+    assert (status["unsealed"], status["unsealed_bytes"], status["oldest_unsealed_step"]) == (6, 6 * size, 1)
+    node.run(node.core.housekeeping(node.clock))
+    assert node.core.admission.used == node.core.disk_bytes - 6 * size  # trained data does not count against producers
+    node.restart()  # the figures come back from the store (its records: the frames and a table of their lengths)
+    assert 6 * size <= node.core.engine.trained_bytes <= 6 * (size + 64)
+    size = node.core.engine.trained_bytes / 6
+    node.core.settings.max_unsealed_bytes = int(3 * size)  # down to nine tenths of it: the two oldest steps go
+    node.run(node.core.housekeeping(node.clock))
+    status = node.core.status(node.clock)
+    assert (status["unsealed"], status["oldest_unsealed_step"]) == (2, 3)
+    assert status["counters"]["trajectories.unsealed_reclaimed"] == 4
+    node.hello("L2")
+    [refused] = node.say("resume", step=1, keep=2, trained=[])
+    assert refused["code"] == "checkpoint_gone"
+    node.store.close()

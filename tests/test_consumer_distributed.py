@@ -43,9 +43,11 @@ class StandInClient:
     """What `DistributedConsumer` needs from a `Consumer`: known batches, then
     one failure, then closed."""
 
-    def __init__(self, batches):
+    def __init__(self, batches, world_size):
         self.batches = list(batches)
+        self.world_size = world_size
         self.committed = []
+        self.sealed_steps = []
         self.failed = False
 
     def next_batch(self, timeout=None):
@@ -58,8 +60,14 @@ class StandInClient:
             raise ValueError("stand-in failure")
         raise ConsumerClosed("no more batches")
 
-    def commit(self, batch):
-        self.committed.append(batch.seq)
+    def commit(self, batch, step=None):
+        self.committed.append([batch.seq, step])
+
+    def sealed(self, step):
+        self.sealed_steps.append(step)
+
+    def state_dict(self):
+        return {"format": "stand-in", "step": len(self.committed), "batches": [{"trajectory_ids": ["a", "b"]}]}
 
     def release(self, batch):
         raise AssertionError("nothing is released in this test")
@@ -86,7 +94,7 @@ def worker(rank: int, world: int, init_file: str, out: Path) -> None:
                             timeout=timedelta(seconds=60))
     report = {}
     for strategy in STRATEGIES:
-        client = StandInClient(known_batches(seed=3)) if rank == 0 else None
+        client = StandInClient(known_batches(seed=3), world) if rank == 0 else None
         shards = DistributedConsumer(client, strategy=strategy)
         failure, failure_kind = None, None
         while True:
@@ -103,9 +111,12 @@ def worker(rank: int, world: int, init_file: str, out: Path) -> None:
             header, payload = encode_shard(shard)
             (out / f"{strategy}-{shard.seq}-{rank}.hdr").write_bytes(header)
             (out / f"{strategy}-{shard.seq}-{rank}.bin").write_bytes(payload.numpy().tobytes())
-            shards.commit(shard)
+            shards.commit(shard, step=10 + shard.seq)
         report[strategy] = {"failure": failure, "failure_kind": failure_kind,
                             "committed": client.committed if client else None}
+    report["state"] = shards.state_dict()  # collective: the source's, on every rank
+    shards.sealed(11)
+    report["sealed"] = client.sealed_steps if client else None
 
     logits, supports, tokens = tp_problem(world)
     local = logits.shape[1] // world
@@ -164,7 +175,7 @@ def test_shards_reassemble_to_the_batch(world, tmp_path):
                             assert homes.setdefault(gid, rank) == rank
             joined = Batch.concat(shards)
             assert_same_batch(joined.select(np.argsort(np.array(joined.positions))), batch)
-        assert reports[0][strategy]["committed"] == [b.seq for b in expected]
+        assert reports[0][strategy]["committed"] == [[b.seq, 10 + b.seq] for b in expected]
         assert reports[0][strategy]["failure"].startswith("ValueError: stand-in failure")
         for report in reports[1:]:
             assert "stand-in failure" in report[strategy]["failure"]
@@ -172,6 +183,10 @@ def test_shards_reassemble_to_the_batch(world, tmp_path):
             assert report[strategy]["failure"].startswith("SourceRankFailed: the source rank failed to produce a batch: "
                                                           "ValueError: stand-in failure")
             assert report[strategy]["failure_kind"] == {"runtime_error": True, "code": "client_failed"}
+
+    assert all(report["state"] == {"format": "stand-in", "step": 2, "batches": [{"trajectory_ids": ["a", "b"]}]}
+               for report in reports)
+    assert reports[0]["sealed"] == [11]
 
     logits, supports, tokens = tp_problem(world)
     mask = SamplingMask.from_supports(supports)
