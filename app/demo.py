@@ -9,7 +9,9 @@ and ranks keep ledgers, and the end-to-end checker (`checker.check`) joins
 them with the broker's dead letters: the run fails when anything
 acknowledged was lost, duplicated, cut short or changed. `--chaos` kills
 the broker, a producer and the trainer's source rank during the run and
-restarts each, as a crash and a supervisor would.
+restarts each, as a crash and a supervisor would; the restarted trainer
+is killed again between a commit and its next checkpoint, and resumes
+from that checkpoint (the batches since are trained again, as they were).
 """
 from __future__ import annotations
 
@@ -103,7 +105,7 @@ def _summary(records: list[dict], report, dead: list[dict], seconds: float, *, d
         "drained": drained,
         "faults_injected": len(faults.done) if faults else 0,
         "faults": list(faults.done) if faults else [],
-        "ok": drained and report.ok(),
+        "ok": drained and report.ok() and report.replayed_batches_identical is not False,
         **({"data_kept_in": str(kept)} if kept else {}),
     }
 
@@ -154,6 +156,11 @@ def summary_table(summary: dict[str, Any]):
         ("retried", f"{summary['retried']} trajectories discarded after a turn (abort) and produced again"),
         ("faults injected", ", ".join(summary["faults"]) or "none"),
         ("redelivered", f"{summary['redelivered']} hand-outs again after a lost consumer"),
+        ("resumed", "never" if summary["resumed_from_step"] is None else
+                    f"from the checkpoint of step {summary['resumed_from_step']}: {summary['replayed']} trajectories "
+                    f"trained again in the batches they were trained in "
+                    f"({'identical' if summary['replayed_batches_identical'] else 'NOT identical'}); "
+                    f"lineage lost {summary['lineage_lost']}, duplicated {summary['lineage_duplicated']}"),
         ("checker", "  ".join(f"{name} {summary[name]}" for name in ("lost", "duplicated", "partial", "corrupted", "unseen"))
                     + ("" if summary["drained"] else "  (not drained before the timeout)")),
     ]

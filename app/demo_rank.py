@@ -6,13 +6,18 @@ Rank 0 owns the `Consumer`; every rank takes its shard through
 `DistributedConsumer` (gloo, CPU), takes a mock training step
 (`masked_log_probs` over random logits on each sample's support, then
 backward) and commits collectively, keeping a ledger for the end-to-end
-checker. Rank 0 closes its consumer once the stop file appears, which stops
-every rank; `--die-before-commit K` SIGKILLs rank 0 just before its K-th
-commit (the demo's injected consumer fault).
+checker. Every `--checkpoint-every` steps the ranks save a checkpoint (the
+step and the consumer's `state_dict()`, as a real trainer saves them with
+its weights) and seal it; a rank group started where a checkpoint exists
+resumes from it. Rank 0 closes its consumer once the stop file appears,
+which stops every rank; `--die-before-commit K` SIGKILLs rank 0 just before
+its K-th commit and `--die-after-commit K` just after it (the demo's
+injected trainer faults).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import threading
@@ -52,6 +57,24 @@ def mock_step(shard: Batch, generator: torch.Generator) -> float:
     return float(total) / max(weight, 1)
 
 
+def load_checkpoint(directory: Path) -> dict | None:
+    """The latest checkpoint saved in `directory`, if any."""
+    latest = directory / "latest.json"
+    return json.loads(latest.read_text()) if latest.exists() else None
+
+
+def save_checkpoint(directory: Path, step: int, data: dict) -> None:
+    """A checkpoint (here only the step: the mock trainer has no weights) with
+    the data position, written whole or not at all."""
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / f"step-{step}.json.partial"
+    with open(partial, "w") as f:
+        json.dump({"step": step, "data": data}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, directory / "latest.json")
+
+
 def _close_on(stop_file: Path, consumer: Consumer) -> None:
     """Close the source's consumer once `stop_file` exists: its next batch
     then raises `ConsumerClosed` and every rank's iteration ends."""
@@ -73,6 +96,10 @@ def main() -> None:
     parser.add_argument("--stop-file", required=True)
     parser.add_argument("--partial-after", type=float, default=1.0, help="seconds before a smaller tail batch")
     parser.add_argument("--die-before-commit", type=int, default=0, help="rank 0 SIGKILLs itself before this commit (1-based)")
+    parser.add_argument("--die-after-commit", type=int, default=0,
+                        help="rank 0 SIGKILLs itself right after this commit (1-based): between a commit and a checkpoint")
+    parser.add_argument("--checkpoint-dir", required=True, help="where rank 0 saves checkpoints (and resumes from)")
+    parser.add_argument("--checkpoint-every", type=int, default=1, help="steps between checkpoints")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="a slow trainer: each step takes at least this long")
     parser.add_argument("--curve-secret-key", help="the trainer's own .key_secret: CURVE to the brokers")
     parser.add_argument("--curve-server-key", help="the brokers' public .key")
@@ -81,13 +108,18 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{args.init_file}", rank=args.rank, world_size=args.world,
                             timeout=timedelta(seconds=60))
     client = None
+    checkpoints = Path(args.checkpoint_dir)
     if args.rank == 0:
+        checkpoint = load_checkpoint(checkpoints)
         client = Consumer(args.endpoint, batch_size=args.batch_size, unit="group", vocab_size=args.vocab_size,
                           device="cpu", on_invalid="quarantine", world_size=args.world,
-                          curve_secret_key=args.curve_secret_key,
-                          curve_server_key=args.curve_server_key)
+                          resume=None if checkpoint is None else checkpoint["data"],
+                          curve_secret_key=args.curve_secret_key, curve_server_key=args.curve_server_key)
         threading.Thread(target=_close_on, args=(Path(args.stop_file), client), daemon=True).start()
     shards = DistributedConsumer(client, strategy="group", partial_after=args.partial_after, ledger=args.ledger)
+    state = shards.state_dict()
+    if args.rank == 0 and state["step"] == 0:  # the first checkpoint: a restart before the next starts from here
+        save_checkpoint(checkpoints, 0, state)
     generator = torch.Generator().manual_seed(args.rank)
     commits = 0
     try:
@@ -98,6 +130,13 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             shards.commit(shard)
             commits += 1
+            if args.rank == 0 and commits == args.die_after_commit:
+                os.kill(os.getpid(), signal.SIGKILL)
+            state = shards.state_dict()
+            if state["step"] % args.checkpoint_every == 0:
+                if args.rank == 0:
+                    save_checkpoint(checkpoints, state["step"], state)
+                shards.sealed(state["step"])
     except ConsumerClosed:  # the source stopped between batches
         pass
     finally:

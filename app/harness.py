@@ -197,7 +197,7 @@ class Trainer:
         self.generation = 0
         self.ranks: list[subprocess.Popen] = []
 
-    def start(self, *, die_before_commit: int = 0, step_seconds: float = 0.0) -> None:
+    def start(self, *, die_before_commit: int = 0, die_after_commit: int = 0, step_seconds: float = 0.0) -> None:
         self.generation += 1
         init = self.node.work / f"gloo-{self.generation}"
         endpoint = self.endpoint or self.node.endpoints["consumer"]
@@ -206,9 +206,10 @@ class Trainer:
             [*self.command_prefix, sys.executable, "-m", "rollstream.app.demo_rank", "--rank", str(rank),
              "--world", str(self.dp_size), "--init-file", str(init), *endpoints, "--batch-size", str(self.batch_size),
              "--vocab-size", str(self.node.vocab_size), "--ledger", str(self.ledgers / f"rank-{rank}.jsonl"),
-             "--stop-file", str(self.stop_file),
+             "--stop-file", str(self.stop_file), "--checkpoint-dir", str(self.node.work / "checkpoints"),
              "--step-seconds", str(step_seconds), *self.rank_args,
-             *(["--die-before-commit", str(die_before_commit)] if rank == 0 and die_before_commit else [])],
+             *(["--die-before-commit", str(die_before_commit)] if rank == 0 and die_before_commit else []),
+             *(["--die-after-commit", str(die_after_commit)] if rank == 0 and die_after_commit else [])],
             stdout=self.node._log, stderr=self.node._log) for rank in range(self.dp_size)]
 
     def wait_welcomed(self, timeout: float) -> None:
@@ -240,9 +241,10 @@ class Trainer:
                 rank.kill()
             rank.wait()
 
-    def restart(self) -> None:
+    def restart(self, **faults) -> None:
+        """A fresh group (resuming from the latest checkpoint), with `start`'s `faults`."""
         self.kill()
-        self.start()
+        self.start(**faults)
 
     def stop(self, timeout: float = 60.0) -> None:
         """Ask the source rank to stop after its last batch; every rank then exits."""
@@ -266,6 +268,9 @@ class Chaos:
     broker_kills_at: tuple[float, ...] = (0.15, 0.4, 0.65)
     producer_kill_at: float | None = 0.3  # producer 0 is killed and restarted with its spool
     trainer_kill_before_commit: int = 2  # the source rank dies just before this commit (0: never)
+    # ... and, restarted from its checkpoint, right after this commit of its new lineage (0: never): between a
+    # commit and the next checkpoint, so the next start resumes and trains the batches since again
+    trainer_kill_after_commit: int = 2
     done: list[str] = field(default_factory=list)  # the faults injected, in order
 
     def due(self, acked_share: float) -> list[str]:
@@ -423,8 +428,9 @@ def inject_due(faults: Chaos, pipeline: Pipeline, plan: int, group_size: int) ->
             node.restart_producer(0, "--trajectories", str(-(-left // group_size) * group_size))
         faults.done.append(fault)
     if pipeline.trainer.lost:
-        pipeline.trainer.restart()
-        faults.done.append("trainer-source")
+        first = "trainer-source" not in faults.done
+        faults.done.append("trainer-source" if first else "trainer-resumed")
+        pipeline.trainer.restart(die_after_commit=faults.trainer_kill_after_commit if first else 0)
 
 
 def _planned(node: LoopbackNode, index: int) -> int:

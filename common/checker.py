@@ -7,7 +7,17 @@ Each side writes a `Ledger` (JSON lines, one file per process):
   broker acknowledges that `end` durably;
 - a consumer writes `handed` when it gives a trajectory to the trainer and
   `committed`, with the digest of the arrays it delivered, when the trainer
-  commits it.
+  commits it. A checkpointing consumer's commits also name their `run`,
+  `lineage`, `step` and `position`; it writes `resumed` (the new lineage,
+  the lineage whose checkpoint it resumed from and that checkpoint's step)
+  and `sealed`.
+
+With lineages, what counts is the lineage the surviving model descends
+from: per run, the latest lineage's commits, then its parent's through the
+step it resumed from, and so on back. A trajectory trained twice there is
+`duplicated`, an acked one trained nowhere there is `lost`; one trained by
+an abandoned lineage and again in the surviving one is `replayed`, which
+is how it must be.
 
 The digests are computed here from docs/semantics.md §3-§4 alone (forced tokens
 get log-prob 0, loss 0 and a singleton support; a replay gap cuts the
@@ -262,6 +272,9 @@ class Report:
     dead_lettered: Counter = field(default_factory=Counter)  # acked trajectories dead-lettered, by reason
     redelivered: int = 0  # hand-outs to the trainer beyond the committed one (a consumer died before committing)
     unacked_committed: int = 0  # committed with no ack recorded (a producer killed before it read the ack)
+    replayed: int = 0  # commits by abandoned lineages of trajectories the surviving one trained again
+    resumed_from_step: int | None = None  # the latest resume's checkpoint step
+    replayed_batches_identical: bool | None = None  # each batch trained again as it was trained first (None: none was)
 
     PROBLEMS = ("lost", "duplicated", "partial", "corrupted", "unseen")
 
@@ -280,7 +293,14 @@ class Report:
     def summary(self) -> dict[str, Any]:
         return {"acked": self.acked, "committed": self.committed, **self.counts(),
                 "dead_lettered": dict(self.dead_lettered), "redelivered": self.redelivered,
-                "unacked_committed": self.unacked_committed}
+                "unacked_committed": self.unacked_committed, **self.lineage()}
+
+    def lineage(self) -> dict[str, Any]:
+        """The lineage figures (`lineage_lost`, `lineage_duplicated`: the
+        counts above, which follow the surviving lineage when there is one)."""
+        return {"lineage_lost": len(self.lost), "lineage_duplicated": len(self.duplicated), "replayed": self.replayed,
+                "resumed_from_step": self.resumed_from_step,
+                "replayed_batches_identical": self.replayed_batches_identical}
 
 
 def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[str, Any]] = (), *,
@@ -293,8 +313,15 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
     acked: set[str] = set()
     handed: Counter = Counter()
     committed: dict[str, list[Mapping[str, Any]]] = {}
+    resumes: dict[str, Mapping[str, Any]] = {}
     for record in records:
-        kind, tid = record.get("kind"), record["id"]
+        kind = record.get("kind")
+        if kind == "resumed":
+            resumes[record["lineage"]] = record
+            continue
+        if kind == "sealed":
+            continue
+        tid = record["id"]
         if kind == "sent":
             sent[tid] = record
         elif kind == "acked" and (record.get("applied") or record.get("duplicate")):
@@ -305,16 +332,18 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
             committed.setdefault(tid, []).append(record)
     dead = {item["trajectory_id"]: item.get("reason") or "unknown" for item in dead_letters}
     report = Report(acked=len(acked), committed=len(committed))
+    trained = _surviving(committed, resumes, report)
     for tid in sorted(acked):
         deliveries = committed.get(tid)
-        if not deliveries:
+        if not trained[tid]:  # (with lineages: trained, if at all, only by abandoned ones)
             if tid in dead:
                 report.dead_lettered[dead[tid]] += 1
             else:
                 (report.unseen if broker_backlog else report.lost).append(tid)
-            continue
-        if len(deliveries) > 1:
+        elif trained[tid] > 1:
             report.duplicated.append(tid)
+        if not deliveries:
+            continue
         want = _expected_of(sent.get(tid))
         if want is None:
             report.corrupted.append(tid)  # acked with no record of what was sent: nothing vouches for the bytes
@@ -328,6 +357,65 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
     report.unacked_committed = sum(1 for tid in committed if tid not in acked)
     report.redelivered = sum(max(0, count - len(committed.get(tid, ()))) for tid, count in handed.items())
     return report
+
+
+def _surviving(committed: Mapping[str, list[Mapping[str, Any]]], resumes: Mapping[str, Mapping[str, Any]],
+               report: Report) -> Counter:
+    """How many times each trajectory was trained in the lineages the
+    surviving models descend from (per run: the latest lineage, then its
+    parents through the steps they were resumed from); with no lineages,
+    every commit. Sets the report's replay figures."""
+    commits = [c for records in committed.values() for c in records]
+    if not any("lineage" in c for c in commits):
+        return Counter({tid: len(records) for tid, records in committed.items()})
+    latest: dict[str, tuple[float, str]] = {}
+    for c in commits:
+        run = c.get("run", "")
+        latest[run] = max(latest.get(run, (float("-inf"), "")), (c["at"], c.get("lineage", "")))
+    for r in resumes.values():
+        latest[r["run"]] = max(latest.get(r["run"], (float("-inf"), "")), (r["at"], r["lineage"]))
+    by_lineage: dict[str, list[Mapping[str, Any]]] = {}
+    for c in commits:
+        by_lineage.setdefault(c.get("lineage", ""), []).append(c)
+    counts: Counter = Counter()
+    kept: set[int] = set()
+    for _, final in latest.values():
+        lineage, through = final, float("inf")
+        while lineage is not None:
+            for c in by_lineage.get(lineage, ()):
+                if c.get("step", 0) <= through:
+                    counts[c["id"]] += 1
+                    kept.add(id(c))
+            resume = resumes.get(lineage)
+            if resume is None:
+                break
+            through = min(through, resume["from_step"])
+            lineage = resume.get("parent")
+    report.replayed = sum(1 for c in commits if id(c) not in kept and counts[c["id"]])
+    latest_resume = max(resumes.values(), key=lambda r: r["at"], default=None)
+    report.resumed_from_step = None if latest_resume is None else latest_resume["from_step"]
+    report.replayed_batches_identical = _replays_identical(commits, kept)
+    return counts
+
+
+def _replays_identical(commits: list[Mapping[str, Any]], kept: set[int]) -> bool | None:
+    """Whether every batch trained again (a run's step committed by an
+    abandoned lineage and by a surviving one) holds the same trajectories in
+    the same order; None when no batch was trained again."""
+    batches: dict[tuple[str, str, int], dict[int, str]] = {}
+    for c in commits:
+        if "lineage" in c and "step" in c:
+            batches.setdefault((c.get("run", ""), c["lineage"], c["step"]), {})[c.get("position", 0)] = c["id"]
+    surviving = {(c.get("run", ""), c["step"]): (c.get("run", ""), c["lineage"], c["step"])
+                 for c in commits if id(c) in kept and "step" in c}
+    compared = None
+    for (run, lineage, step), batch in batches.items():
+        mine = surviving.get((run, step))
+        if mine is None or mine[1] == lineage:
+            continue
+        same = sorted(batch.items()) == sorted(batches[mine].items())
+        compared = same if compared is None else compared and same
+    return compared
 
 
 def _expected_of(record: Mapping[str, Any] | None) -> Expected | None:

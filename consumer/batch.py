@@ -331,14 +331,16 @@ class Batch:
 
     def record(self, ledger: Ledger, kind: str, **extra: Any) -> None:
         """Write one ledger record per sample: `handed` (given to the
-        trainer) or `committed` (with the content digest, the gap, and the
-        response tokens and support ids it carried)."""
+        trainer) or `committed` (with the content digest, the gap, the
+        response tokens and support ids it carried, and its place in the whole
+        batch, `positions`)."""
         if kind == "committed":
             ids = self.lengths.get("mask_ids", np.zeros(len(self), np.int64)).tolist()
-            for tid, digest, gap, tokens, support_ids in zip(self.trajectory_ids, self.content_digests(), self.gaps,
-                                                            self.lengths["response"].tolist(), ids):
+            for tid, digest, gap, tokens, support_ids, position in zip(
+                    self.trajectory_ids, self.content_digests(), self.gaps, self.lengths["response"].tolist(), ids,
+                    self.positions):
                 ledger.write(kind, id=tid, digest=digest, gap=None if gap is None else [gap.turn, gap.field],
-                             tokens=tokens, support_ids=support_ids, **extra)
+                             tokens=tokens, support_ids=support_ids, position=position, **extra)
         else:
             for tid in self.trajectory_ids:
                 ledger.write(kind, id=tid, **extra)

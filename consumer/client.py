@@ -147,6 +147,8 @@ class Consumer:
                         extra={"saved": self._position.saved_world_size, "now": world_size})
         self._sessions = Sessions(self._assembler, self.endpoints, consumer_id=self.consumer_id,
                                   hello_timeout=hello_timeout, position=self._position)  # the I/O thread drives it
+        if self.ledger is not None and self._position is not None and self._position.resumed_from is not None:
+            self._position.record_resume(self.ledger)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._context = context or zmq.Context.instance()
@@ -320,7 +322,8 @@ class Consumer:
                 raise InvalidInput("commit takes a step only when checkpointed (checkpointed=True)")
         handed = self._claim(batch)
         if self.ledger is not None:
-            batch.record(self.ledger, "committed", consumer=self.consumer_id)
+            lineage = {} if position is None else {"run": position.run, "lineage": position.lineage, "step": step}
+            batch.record(self.ledger, "committed", consumer=self.consumer_id, **lineage)
         with self._lock:
             if position is not None:
                 assert step is not None  # `commit_step` chose it
@@ -337,6 +340,8 @@ class Consumer:
             for broker, kind, fields in position.seal(step, len(self.endpoints)):
                 self._assembler.outbox.append(Outgoing(broker, kind, fields))
             self._wake()
+        if self.ledger is not None:
+            self.ledger.write("sealed", run=position.run, lineage=position.lineage, step=step)
 
     def state_dict(self) -> dict:
         """The data position to save with the model's checkpoint: plain
@@ -344,6 +349,16 @@ class Consumer:
         position = self._require_position("state_dict")
         with self._lock:
             return position.state_dict()
+
+    @property
+    def checkpointed(self) -> bool:
+        """Whether commits record batches as trained until sealed (else they delete)."""
+        return self._position is not None
+
+    @property
+    def position(self) -> TrainingPosition:
+        """Where this checkpointing consumer stands: run, lineage, last step."""
+        return self._require_position("position")
 
     @property
     def resumed_from(self) -> int | None:

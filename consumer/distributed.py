@@ -128,6 +128,8 @@ class DistributedConsumer:
         self._batches: dict[int, Batch] = {}
         # This rank's shards as handed and committed, for the end-to-end checker (`rollstream.common.checker`):
         self.ledger = None if ledger is None else Ledger(ledger)
+        if self.ledger is not None and client is not None and client.checkpointed and client.resumed_from is not None:
+            client.position.record_resume(self.ledger)
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -205,10 +207,19 @@ class DistributedConsumer:
 
     def commit(self, shard: Batch, step: int | None = None) -> None:
         """Collective: every rank finished batch `shard.seq`; the source
-        commits it (at `step`, `Consumer.commit`)."""
+        commits it (at `step`, `Consumer.commit`). The step the source
+        recorded (and, checkpointing, its run and lineage) go to every
+        rank's ledger."""
         self._agree(shard, "commit", step=step)
         if self.ledger is not None:  # once every rank agreed: a rank lost before that commits nothing
-            shard.record(self.ledger, "committed", rank=self.rank)
+            shard.record(self.ledger, "committed", rank=self.rank, **self._broadcast(self._lineage_of_commit()))
+
+    def _lineage_of_commit(self) -> dict:
+        """On the source: the run, lineage and step of its last commit (none when it deletes on commit)."""
+        if self.rank != self.src or not self.client.checkpointed:
+            return {}
+        state = self.client.position
+        return {"run": state.run, "lineage": state.lineage, "step": state.step}
 
     def release(self, shard: Batch) -> None:
         """Collective: give the batch back for redelivery."""
@@ -233,14 +244,20 @@ class DistributedConsumer:
         self._same(step, "collective sealed out of step: ranks sealed steps", "")
         if self.rank == self.src:
             self.client.sealed(step)
+            if self.ledger is not None:
+                self.ledger.write("sealed", step=step)
 
     def state_dict(self) -> dict:
         """Collective: the source's data position (`Consumer.state_dict`),
         the same on every rank, to save with each rank's checkpoint."""
+        return self._broadcast(self.client.state_dict() if self.rank == self.src else {})
+
+    def _broadcast(self, value: dict) -> dict:
+        """The source's `value` (plain data), on every rank."""
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
         packed = b""
         if self.rank == self.src:
-            packed = msgpack.packb(self.client.state_dict(), use_bin_type=True)
+            packed = msgpack.packb(value, use_bin_type=True)
             size[0] = len(packed)
         dist.broadcast(size, self._global(self.src), group=self.group)
         data = (torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(self.device) if self.rank == self.src

@@ -82,6 +82,7 @@ class TrainingPosition:
         self.lineage = _new_id()
         self.batches: list[TrainedBatch] = []  # committed since the last seal
         self.resumed_from: int | None = None
+        self.parent: str | None = None
         self.sealed_step = 0  # the latest checkpoint this lineage knows durable
         self.saved_world_size = world_size  # the world size of the state resumed from
         self.epoch = 0  # how many times this run has been resumed
@@ -96,6 +97,7 @@ class TrainingPosition:
         if resume.get("format") != STATE_FORMAT:
             raise InvalidInput(f"resume state: format must be {STATE_FORMAT!r}, got {resume.get('format')!r}")
         self.run = _field(resume, "run", str, "a string")
+        self.parent = resume.get("lineage")  # the lineage that saved the state
         self.step = self.resumed_from = self.sealed_step = _field(resume, "step", int, "an integer")
         self.epoch = _field(resume, "epoch", int, "an integer") + 1
         self.saved_world_size = _field(resume, "world_size", int, "an integer")
@@ -191,7 +193,11 @@ class TrainingPosition:
         """Seals sent and not yet answered."""
         return len(self._seals)
 
+    def record_resume(self, ledger) -> None:
+        """The end-to-end checker's record of this resume (`rollstream.common.checker`)."""
+        ledger.write("resumed", run=self.run, lineage=self.lineage, parent=self.parent, from_step=self.resumed_from)
+
     def state_dict(self) -> dict[str, Any]:
         """Plain lists, numbers and strings: save it with the checkpoint."""
-        return {"format": STATE_FORMAT, "run": self.run, "epoch": self.epoch, "step": self.step,
+        return {"format": STATE_FORMAT, "run": self.run, "lineage": self.lineage, "epoch": self.epoch, "step": self.step,
                 "world_size": self.world_size, "batches": [b.to_state() for b in self.batches]}

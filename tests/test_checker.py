@@ -216,7 +216,45 @@ def test_client_ledgers_over_a_live_broker_check_clean(tmp_path):
     finally:
         broker.__exit__(None, None, None)
     assert report.summary() == {"acked": 6, "committed": 6, "lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0,
-                                "unseen": 0, "dead_lettered": {}, "redelivered": 0, "unacked_committed": 0}
+                                "unseen": 0, "dead_lettered": {}, "redelivered": 0, "unacked_committed": 0,
+                                "lineage_lost": 0, "lineage_duplicated": 0, "replayed": 0, "resumed_from_step": None,
+                                "replayed_batches_identical": None}
     committed = [r for r in records if r["kind"] == "committed"]
     assert [r["gap"] for r in committed if r["id"] == "t5"] == [[2, "mask"]]
     assert json.loads((tmp_path / "producer.jsonl").read_text().splitlines()[0])["kind"] == "sent"
+
+
+def lineage_run(tmp_path, second_step_2=("c", "d"), extra_second=(), abandoned_extra=()):
+    """L1 trains steps 1-3 (a b | c d | e f, and `abandoned_extra` at step
+    3), seals 1 and dies; L2 resumes from its checkpoint 1 and trains steps
+    2-4 (`second_step_2` | e f | g h, and `extra_second` at step 4)."""
+    prompt, records = sent(EXAMPLE_6)
+    good = expected(prompt, records).digest
+    ids = [*"abcdefgh", *abandoned_extra, *extra_second]
+
+    def commits(lineage, step, tids):
+        return [{"id": tid, "digest": good, "gap": None, "run": "R", "lineage": lineage, "step": step, "position": k}
+                for k, tid in enumerate(tids)]
+
+    return check(ledger_records(
+        tmp_path,
+        sent=[{"id": tid, "prompt": prompt, "turns": [list(r) for r in records]} for tid in dict.fromkeys(ids)],
+        acked=[{"id": tid, "applied": True} for tid in dict.fromkeys(ids)],
+        committed=[*commits("L1", 1, "ab"), *commits("L1", 2, "cd"), *commits("L1", 3, ["e", "f", *abandoned_extra]),
+                   *commits("L2", 2, second_step_2), *commits("L2", 3, "ef"),
+                   *commits("L2", 4, ["g", "h", *extra_second])],
+        resumed=[{"run": "R", "lineage": "L2", "parent": "L1", "from_step": 1}],
+    ))
+
+
+def test_the_checker_follows_the_lineage_the_surviving_model_descends_from(tmp_path):
+    report = lineage_run(tmp_path / "clean")
+    assert report.counts() == {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
+    assert report.lineage() == {"lineage_lost": 0, "lineage_duplicated": 0, "replayed": 4, "resumed_from_step": 1,
+                                "replayed_batches_identical": True}
+    reordered = lineage_run(tmp_path / "reordered", second_step_2=("d", "c"))
+    assert reordered.replayed_batches_identical is False and reordered.ok()
+    twice = lineage_run(tmp_path / "twice", extra_second=("a",))  # trained into checkpoint 1 and again in L2
+    assert twice.duplicated == ["a"] and twice.lineage()["lineage_duplicated"] == 1
+    dropped = lineage_run(tmp_path / "dropped", abandoned_extra=("x",))  # trained only by the abandoned lineage
+    assert dropped.lost == ["x"] and dropped.lineage()["lineage_lost"] == 1

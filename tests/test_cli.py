@@ -33,8 +33,12 @@ def test_demo_runs_the_pipeline_end_to_end():
 def test_demo_with_chaos_kills_and_restarts_every_role_and_the_checker_finds_nothing():
     _, summary = demo("--chaos")
     assert {key: summary[key] for key in CLEAN} == CLEAN
-    assert sorted(summary["faults"]) == ["broker-0", "broker-1", "broker-2", "producer", "trainer-source"]
-    assert summary["faults_injected"] == 5 and summary["ok"] and summary["drained"]
+    assert sorted(summary["faults"]) == ["broker-0", "broker-1", "broker-2", "producer", "trainer-resumed",
+                                         "trainer-source"]
+    assert summary["faults_injected"] == 6 and summary["ok"] and summary["drained"]
+    assert (summary["lineage_lost"], summary["lineage_duplicated"]) == (0, 0)
+    assert summary["resumed_from_step"] is not None and summary["replayed"] > 0
+    assert summary["replayed_batches_identical"] is True
     assert summary["committed"] == summary["acked"] >= 48 - 8  # the killed producer's open trajectories expire
 
 

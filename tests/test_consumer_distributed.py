@@ -46,6 +46,7 @@ class StandInClient:
     def __init__(self, batches, world_size):
         self.batches = list(batches)
         self.world_size = world_size
+        self.checkpointed = False  # its commits carry no lineage to the ledgers
         self.committed = []
         self.sealed_steps = []
         self.failed = False

@@ -215,7 +215,7 @@ def test_a_killed_producer_resends_its_spool_and_an_abandoned_trajectory_expires
 
 
 def test_a_trainer_source_killed_before_commit_hands_its_leases_on():
-    faults = Chaos(broker_kills_at=(), producer_kill_at=None, trainer_kill_before_commit=1)
+    faults = Chaos(broker_kills_at=(), producer_kill_at=None, trainer_kill_before_commit=1, trainer_kill_after_commit=0)
     with LoopbackNode("rs-fault-", VOCAB, broker_args=FAST_BROKER) as node:
         pipeline = started(node, producers=1, trajectories=16, dp_size=2, die_before_commit=1)
         drained = pipeline.run(240, lambda: inject_due(faults, pipeline, 16, 4))
