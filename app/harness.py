@@ -344,7 +344,8 @@ class Pipeline:
         counts.acked, counts.committed = len(self._acked), len(self._committed)
         counters = self._counters.update(self.status)
         counts.merged = counters["frames.end.applied"]
-        counts.delivered = counters["trajectories.delivered"]
+        # trained by the trainer: gone, or kept as trained until a checkpoint is sealed
+        counts.delivered = counters["trajectories.delivered"] + (self.status or {}).get("unsealed", 0)
         counts.retried = counters["trajectories.aborted"]
 
     @property

@@ -17,6 +17,13 @@ be); then `end`. The consumer
 is the library's `Consumer` (batches of 32, validated, committed). A rep is
 timed from the first send to the last batch committed.
 
+With `--compare-checkpoint`, each mode also runs (interleaved, on its own
+fresh broker) as a checkpointing trainer would: commits recorded as trained
+at their step, and every `--checkpoint-every` batches the consumer's
+`state_dict()` serialised (as a checkpoint would save it) and `sealed`;
+the rest delete on commit. Its consumer and broker CPU per trajectory are
+reported against delete-on-commit's.
+
 With `--tq-python PATH` (a virtualenv's python with transferqueue, see
 `../shared/bench/README.md`), `peer_tq.py --stream` runs interleaved: each
 round runs TransferQueue (one warm-up and `--reps` timed reps in one Ray
@@ -167,10 +174,11 @@ def _producer_main(conn, endpoint: str, samples: int, share: range, turns: int, 
     asyncio.run(run())
 
 
-def _consumer_main(conn, endpoint: str, batch_size: int, ledger: str | None) -> None:
+def _consumer_main(conn, endpoint: str, batch_size: int, ledger: str | None, checkpoint_every: int) -> None:
     from rollstream.consumer import Consumer
 
-    with Consumer(endpoint, batch_size=batch_size, vocab_size=VOCAB, device="cpu", ledger=ledger) as consumer:
+    with Consumer(endpoint, batch_size=batch_size, vocab_size=VOCAB, device="cpu", ledger=ledger,
+                  checkpointed=checkpoint_every > 0) as consumer:
         conn.send("ready")
         while (job := conn.recv()) is not None:
             tag, expected = job
@@ -179,6 +187,9 @@ def _consumer_main(conn, endpoint: str, batch_size: int, ledger: str | None) -> 
             while received < expected:
                 batch = consumer.next_batch(timeout=300)
                 consumer.commit(batch)
+                if checkpoint_every and consumer.position.step % checkpoint_every == 0:
+                    json.dumps(consumer.state_dict())  # what a checkpoint saves
+                    consumer.sealed(consumer.position.step)
                 now = time.perf_counter()
                 kept.append(batch)
                 received += len(batch)
@@ -203,7 +214,7 @@ class Rollstream:
     for a round of reps (each rep sends fresh trajectory ids)."""
 
     def __init__(self, samples: int, turns: int, producers: int, batch_size: int, client: str,
-                 broker_args: list[str] = (), ledgers: bool = False):
+                 broker_args: list[str] = (), ledgers: bool = False, checkpoint_every: int = 0):
         self.samples, self.turns = samples, turns
         self.broker = Broker(VOCAB, broker_args)
         endpoints = [self.broker.producer, self.broker.consumer]
@@ -212,7 +223,8 @@ class Rollstream:
         self.consumer, child = ctx.Pipe()
         self.ledgers = Path(self.broker.data) / "ledgers" if ledgers else None
         ledger = (lambda name: str(self.ledgers / f"{name}.jsonl")) if ledgers else (lambda name: None)
-        self.children.append(ctx.Process(target=_consumer_main, args=(child, endpoints[1], batch_size, ledger("consumer")),
+        self.children.append(ctx.Process(target=_consumer_main,
+                                         args=(child, endpoints[1], batch_size, ledger("consumer"), checkpoint_every),
                                          daemon=True))
         self.producers = []
         per = -(-samples // producers)
@@ -295,8 +307,12 @@ def main() -> None:
     parser.add_argument("--ledgers", action="store_true", help="producers and consumer keep ledgers; the end-to-end "
                         "checker must find nothing (its cost is in the CPU figures)")
     parser.add_argument("--broker-arg", action="append", default=[], help="an extra `rollstream broker` argument (repeatable)")
+    parser.add_argument("--compare-checkpoint", action="store_true",
+                        help="also run each mode as a checkpointing trainer, interleaved, and compare its CPU")
+    parser.add_argument("--checkpoint-every", type=int, default=4, help="batches between checkpoints (with the above)")
     args = parser.parse_args()
     modes = [int(m) for m in args.modes.split(",")]
+    variants = [("", 0)] + ([("-ckpt", args.checkpoint_every)] if args.compare_checkpoint else [])
 
     data = workload(args.samples)
     expected = {str(i): digest(sample) for i, sample in enumerate(data)}
@@ -306,7 +322,7 @@ def main() -> None:
     print(f"workload: {args.samples} samples, {tokens:,} response tokens, {payload / 1e6:.1f} MB "
           f"(rollstream fields; TransferQueue's input_ids are the same prompt + response)")
 
-    runs: dict[str, list[dict]] = {f"t{m}": [] for m in modes}
+    runs: dict[str, list[dict]] = {f"t{m}{suffix}": [] for m in modes for suffix, _ in variants}
     tq_seconds, tq_rss, tq_verified = [], [], True
     rss: dict[str, dict] = {}
     checker_problems = 0
@@ -317,10 +333,10 @@ def main() -> None:
             tq_rss.append(sum(tq["rss_mib"].values()))
             tq_verified &= tq["verified"]
             print(f"round {round_index}: TransferQueue {' '.join(f'{s:.3f}' for s in tq['seconds'])} s")
-        for mode in modes:
-            key = f"t{mode}"
+        for mode, (suffix, every) in [(m, v) for m in modes for v in variants]:
+            key = f"t{mode}{suffix}"
             system = Rollstream(args.samples, mode, args.producers, args.batch_size, args.client, args.broker_arg,
-                                args.ledgers)
+                                args.ledgers, every)
             try:
                 system.rep(f"r{round_index}-{key}-warmup", expected)
                 reps = [system.rep(f"r{round_index}-{key}-{rep}", expected) for rep in range(args.reps)]
@@ -368,6 +384,16 @@ def main() -> None:
         summary[f"p50_latency_s_{key}"] = round(med(key, "p50"), 4)
         summary[f"p99_latency_s_{key}"] = round(statistics.median(r["p99"] for r in reps), 4)
         summary[f"rs_peak_rss_mb_{key}"] = round(total_rss, 1)
+    for key in [k for k in runs if k.endswith("-ckpt")]:
+        base = key.removesuffix("-ckpt")
+        for role in ("consumer", "broker"):
+            ratio = med(key, f"{role}_cpu") / med(base, f"{role}_cpu")
+            summary[f"checkpoint_{role}_cpu_ratio_{base}"] = round(ratio, 3)
+        print(f"checkpoint every {args.checkpoint_every} batches vs delete on commit, {base}: consumer CPU "
+              f"{med(key, 'consumer_cpu') / args.samples * 1e6:.0f} vs {med(base, 'consumer_cpu') / args.samples * 1e6:.0f}"
+              f" µs/trajectory (x{summary[f'checkpoint_consumer_cpu_ratio_{base}']}), broker main thread "
+              f"{med(key, 'broker_cpu') / args.samples * 1e6:.0f} vs {med(base, 'broker_cpu') / args.samples * 1e6:.0f}"
+              f" µs/trajectory (x{summary[f'checkpoint_broker_cpu_ratio_{base}']})")
     summary["p99_latency_s"] = max(v for k, v in summary.items() if k.startswith("p99_latency_s_"))
     summary["rs_total_peak_rss_mb"] = max(v for k, v in summary.items() if k.startswith("rs_peak_rss_mb_"))
     summary["verified"] = all(r["verified"] for reps in runs.values() for r in reps) and tq_verified and not checker_problems

@@ -392,6 +392,8 @@ class BrokerCore:
                                          "max_deliveries", now)
             log.info("consumer connected", extra={"consumer_id": message["consumer_id"]})
             fields = self.hellos.welcome_consumer(identity, message.fields, dispatcher.consumers.keys())
+            if "run" in message.fields:  # a checkpointing trainer: how much it may train between seals
+                fields["max_unsealed_bytes"] = self.settings.max_unsealed_bytes
             yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "welcome", fields))
             return None
         if not dispatcher.seen(identity, now.mono):

@@ -303,7 +303,7 @@ CONSUMER_TO_BROKER = _schema(
 BROKER_TO_CONSUMER = _schema(
     "broker->consumer",
     MessageSpec("welcome", {"broker_id": TEXT, "lease_timeout": SECONDS, "heartbeat_interval": SECONDS},
-                {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL}),
+                {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL, "max_unsealed_bytes": POSITIVE}),
     MessageSpec(
         "deliver",
         {

@@ -62,6 +62,7 @@ class _Handed:
     sample_indices: tuple[int | None, ...]
     group_ids: tuple[str | None, ...]
     replayed_step: int | None  # a batch handed back by a resume: the step it must be trained at again
+    nbytes: int  # of its deliveries' arrays
 
 
 class Consumer:
@@ -246,7 +247,8 @@ class Consumer:
     def _handing(self, batch: Batch, deliveries: list, replayed_step: int | None) -> Batch:
         by_id = {d.trajectory_id: d.fields for d in deliveries}
         handed = _Handed(batch.trajectory_ids, tuple(by_id[t].get("sample_index") for t in batch.trajectory_ids),
-                         batch.group_ids, replayed_step)
+                         batch.group_ids, replayed_step,
+                         sum(a.nbytes for d in deliveries for a in d.arrays.values()))
         with self._lock:
             self._awaiting_commit[batch.seq] = handed
         if self.ledger is not None:
@@ -325,11 +327,16 @@ class Consumer:
             lineage = {} if position is None else {"run": position.run, "lineage": position.lineage, "step": step}
             batch.record(self.ledger, "committed", consumer=self.consumer_id, **lineage)
         with self._lock:
+            warning = None
             if position is not None:
                 assert step is not None  # `commit_step` chose it
-                position.committed(TrainedBatch(step, handed.trajectory_ids, handed.sample_indices, handed.group_ids))
+                position.committed(TrainedBatch(step, handed.trajectory_ids, handed.sample_indices, handed.group_ids,
+                                                handed.nbytes))
+                warning = position.nearing_budget()
             self._assembler.commit(handed.trajectory_ids, step)
             self._wake()
+        if warning is not None:
+            log.warning(warning)
 
     def sealed(self, step: int) -> None:
         """The checkpoint saved after step `step` is durable: brokers may

@@ -34,6 +34,7 @@ class TrainedBatch:
     trajectory_ids: tuple[str, ...]
     sample_indices: tuple[int | None, ...]
     group_ids: tuple[str | None, ...]
+    nbytes: int = 0  # of its arrays as delivered (not saved: for the unsealed budget)
 
     def to_state(self) -> dict[str, Any]:
         return {"step": self.step, "trajectory_ids": list(self.trajectory_ids),
@@ -91,6 +92,8 @@ class TrainingPosition:
         self._handed: set[int] = set()  # steps of `_replay` with the trainer now
         self._seals: dict[int, int] = {}  # broker -> the step of its seal not yet answered
         self.failure: tuple[str, str] | None = None  # a refusal that ends the run: (code, message)
+        self._budgets: dict[int, int] = {}  # each broker's max_unsealed_bytes, from its welcome
+        self.warned = False  # that unsealed data nears a broker's budget (once)
         if resume is None:
             self.run, self.step = _new_id(), 0
             return
@@ -127,6 +130,23 @@ class TrainingPosition:
         for step, position, tid in replay:
             if step > self.step:  # this lineage trains replayed batches in order: the rest it has committed
                 self._replay.setdefault(step, {})[position] = tid
+
+    def budget(self, broker: int, max_unsealed_bytes: int) -> None:
+        self._budgets[broker] = max_unsealed_bytes
+
+    def nearing_budget(self) -> str | None:
+        """Once, when what was trained since the last seal passes half the
+        smallest broker's unsealed budget (all of it could be on one
+        broker): the warning to log. Past the budget a broker reclaims the
+        oldest trained steps, and resuming from before them is refused."""
+        if self.warned or not self._budgets:
+            return None
+        held, budget = sum(b.nbytes for b in self.batches if b.step > self.sealed_step), min(self._budgets.values())
+        if 2 * held <= budget:
+            return None
+        self.warned = True
+        return (f"{held} bytes trained since the last seal (step {self.sealed_step}), and a broker keeps at most "
+                f"{budget} bytes unsealed (max_unsealed_bytes): seal checkpoints more often, or raise it")
 
     def sealed(self, broker: int, step: int) -> None:
         if self._seals.get(broker) == step:

@@ -64,6 +64,8 @@ class Sessions:
             session.next_heartbeat = now + session.heartbeat_interval / 2
             assembler.welcomed(broker, message["lease_timeout"])
             self._welcomed.append(broker)
+            if self.position is not None and "max_unsealed_bytes" in message.fields:
+                self.position.budget(broker, message["max_unsealed_bytes"])
             log.info("connected to broker", extra={"endpoint": endpoint, "broker_id": message["broker_id"]})
         elif kind == "deliver":
             if session.state == SessionState.READY:  # anything else belongs to a session the broker has dropped
