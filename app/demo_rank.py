@@ -11,8 +11,8 @@ step and the consumer's `state_dict()`, as a real trainer saves them with
 its weights) and seal it; a rank group started where a checkpoint exists
 resumes from it. Rank 0 closes its consumer once the stop file appears,
 which stops every rank; `--die-before-commit K` SIGKILLs rank 0 just before
-its K-th commit and `--die-after-commit K` just after it (the demo's
-injected trainer faults).
+its K-th commit, `--die-after-commit K` just after it and `--die-before-seal
+K` between saving checkpoint K and sealing it (the injected trainer faults).
 """
 from __future__ import annotations
 
@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--die-before-commit", type=int, default=0, help="rank 0 SIGKILLs itself before this commit (1-based)")
     parser.add_argument("--die-after-commit", type=int, default=0,
                         help="rank 0 SIGKILLs itself right after this commit (1-based): between a commit and a checkpoint")
+    parser.add_argument("--die-before-seal", type=int, default=0,
+                        help="rank 0 SIGKILLs itself once the checkpoint of this step is saved, before it is sealed")
     parser.add_argument("--checkpoint-dir", required=True, help="where rank 0 saves checkpoints (and resumes from)")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="steps between checkpoints")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="a slow trainer: each step takes at least this long")
@@ -136,6 +138,8 @@ def main() -> None:
             if state["step"] % args.checkpoint_every == 0:
                 if args.rank == 0:
                     save_checkpoint(checkpoints, state["step"], state)
+                    if state["step"] == args.die_before_seal:
+                        os.kill(os.getpid(), signal.SIGKILL)
                 shards.sealed(state["step"])
     except ConsumerClosed:  # the source stopped between batches
         pass

@@ -197,7 +197,8 @@ class Trainer:
         self.generation = 0
         self.ranks: list[subprocess.Popen] = []
 
-    def start(self, *, die_before_commit: int = 0, die_after_commit: int = 0, step_seconds: float = 0.0) -> None:
+    def start(self, *, die_before_commit: int = 0, die_after_commit: int = 0, die_before_seal: int = 0,
+              step_seconds: float = 0.0) -> None:
         self.generation += 1
         init = self.node.work / f"gloo-{self.generation}"
         endpoint = self.endpoint or self.node.endpoints["consumer"]
@@ -209,7 +210,8 @@ class Trainer:
              "--stop-file", str(self.stop_file), "--checkpoint-dir", str(self.node.work / "checkpoints"),
              "--step-seconds", str(step_seconds), *self.rank_args,
              *(["--die-before-commit", str(die_before_commit)] if rank == 0 and die_before_commit else []),
-             *(["--die-after-commit", str(die_after_commit)] if rank == 0 and die_after_commit else [])],
+             *(["--die-after-commit", str(die_after_commit)] if rank == 0 and die_after_commit else []),
+             *(["--die-before-seal", str(die_before_seal)] if rank == 0 and die_before_seal else [])],
             stdout=self.node._log, stderr=self.node._log) for rank in range(self.dp_size)]
 
     def wait_welcomed(self, timeout: float) -> None:
@@ -315,6 +317,7 @@ class Pipeline:
         self._counters = _BrokerCounters()
         self._acked: set[str] = set()  # counted as each poll reads new records, not over all of them again
         self._committed: set[str] = set()
+        self._resumes = 0  # trainer starts that resumed from a checkpoint (each restart does: there is one at step 0)
 
     def add_producer(self, index: int, *, trajectories: int, turns: int = 3, group_size: int = 4,
                      abort_rate: float = 0.1, retry_rate: float = 0.1, endpoint: str | None = None,
@@ -341,6 +344,8 @@ class Pipeline:
                 self._acked.add(record["id"])
             elif kind == "committed":
                 self._committed.add(record["id"])
+            elif kind == "resumed":
+                self._resumes += 1
         counts.acked, counts.committed = len(self._acked), len(self._committed)
         counters = self._counters.update(self.status)
         counts.merged = counters["frames.end.applied"]
@@ -362,8 +367,10 @@ class Pipeline:
 
     @property
     def drained(self) -> bool:
-        """Idle, and every acked trajectory was committed or dead-lettered."""
-        if not self.idle:
+        """Idle, every acked trajectory committed or dead-lettered, and a
+        restarted trainer has resumed (until then what it must train again
+        looks trained)."""
+        if not self.idle or self._resumes < self.trainer.generation - 1:
             return False
         self.dead = self.node.dead_letters()
         return not check(self.records, self.dead, broker_backlog=1).unseen

@@ -412,7 +412,7 @@ class BrokerCore:
         elif message.type == "credit":
             dispatcher.credit(identity, message["n"], message["unit"])
         elif message.type in ("ack", "nack"):
-            trainer = None if consumer.run is None else (consumer.run, consumer.lineage)
+            trainer = None if consumer.run is None or consumer.lineage is None else (consumer.run, consumer.lineage)
             return Settlement.prepare(identity, message, dispatcher, self.engine, now.wall, claimed, claimed_ids,
                                       trainer)
         elif message.type == "seal":
@@ -432,8 +432,9 @@ class BrokerCore:
             return
         reclaimed = sum(1 for e in effects if type(e) is Forget)
         self.metrics.inc(self.metrics.exits, reclaimed, exit="delivered")
+        seq = {"seq": message["seq"]} if "seq" in message.fields else {}
         yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "sealed", {"step": message["step"],
-                                                                              "reclaimed": reclaimed}))
+                                                                              "reclaimed": reclaimed, **seq}))
         self._apply_memory_budget()
 
     def _resume(self, identity: bytes, message: Message, now: Clock) -> Steps:
@@ -447,8 +448,8 @@ class BrokerCore:
         assert run is not None and lineage is not None  # checked by the caller
         try:
             engine.resumable(run, step)
-        except RemoteProtocolError as error:
-            yield Send("consumer", identity, self._refuse("consumer", error, message))
+        except RemoteProtocolError as gone:
+            yield Send("consumer", identity, self._refuse("consumer", gone, message))
             return
         effects, recorded = [], set()
         for trained_step, position, tid in message["trained"]:
@@ -463,7 +464,8 @@ class BrokerCore:
             return
         self.dispatcher.withdraw(recorded)
         replay = engine.replayable(run, lineage, step)
-        entries = [[e.trained.step, e.trained.position, e.trajectory_id] for e in replay if e.trained is not None]
+        entries: list[list] = [[e.trained.step, e.trained.position, e.trajectory_id] for e in replay
+                               if e.trained is not None]
         seq = {"seq": message["seq"]} if "seq" in message.fields else {}
         yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "resumed", {"step": step, "replay": entries, **seq}))
         log.info("trainer resumed", extra={"run": run, "step": step, "replayed": len(entries)})

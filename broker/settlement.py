@@ -64,18 +64,25 @@ class Settlement:
         step = message.get("step") if message.type == "ack" else None
         settles = (ENDED,) if step is None else (ENDED, TRAINED)  # a resumed trainer trains trained ones again
         is_ack = message.type == "ack"
-        known, stale, tids, by_id, before = [], [], [], {}, []
+        known: list[str] = []
+        stale: list[str] = []
+        tids: list[str] = []
+        by_id: dict[str, str] = {}
+        before: list[str] = []
         for lease in leases:
             out = dispatcher.leases.get(lease)
             tid = out.trajectory_id if out is not None and lease not in claimed else named.get(lease)
-            if is_ack and tid in claimed_ids:
+            entry = None if tid is None else engine.entries.get(tid)
+            if tid is None or not (is_ack or out is not None):
+                stale.append(lease)
+            elif is_ack and tid in claimed_ids:
                 before.append(lease)
-            elif out is not None and lease not in claimed and getattr(engine.entries.get(tid), "state", None) in settles:
+            elif out is not None and lease not in claimed and entry is not None and entry.state in settles:
                 known.append(lease)
                 tids.append(tid)
-            elif not is_ack or tid is None:
+            elif not is_ack:
                 stale.append(lease)
-            elif (entry := engine.entries.get(tid)) is not None and entry.state in settles:
+            elif entry is not None and entry.state in settles:
                 by_id[lease] = tid
             elif entry is None and tid in engine.dedup:
                 before.append(lease)

@@ -380,7 +380,8 @@ def _surviving(committed: Mapping[str, list[Mapping[str, Any]]], resumes: Mappin
     counts: Counter = Counter()
     kept: set[int] = set()
     for _, final in latest.values():
-        lineage, through = final, float("inf")
+        lineage: str | None = final
+        through = float("inf")
         while lineage is not None:
             for c in by_lineage.get(lineage, ()):
                 if c.get("step", 0) <= through:

@@ -428,7 +428,8 @@ class Consumer:
         """Block until the brokers have confirmed every commit, release and
         seal made so far (each is then durable at its broker); `TimedOut` (a
         `TimeoutError`) saying how many are unconfirmed."""
-        seals = (lambda: 0) if self._position is None else (lambda: self._position.unsealed)
+        position = self._position
+        seals = (lambda: 0) if position is None else (lambda: position.unsealed)
         self._wait_until(lambda: not self._assembler.unsettled and not seals(), timeout,
                          lambda: f"{self._assembler.unsettled} settlement(s) and {seals()} seal(s) unconfirmed "
                                  f"after {timeout} s")

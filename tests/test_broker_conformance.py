@@ -383,3 +383,65 @@ def test_a_batch_that_cannot_be_read_is_refused_whole_and_applies_nothing(broker
     assert (reply["type"], reply["code"], reply["expected"]) == ("nack", "out_of_order", 0), reply  # turn 0 never applied
     reply, _ = producer.call(turn(4, "c2", 0, [10], [[10]], prompt=[1]))
     assert reply["type"] == "ack" and reply["applied"] is True and "duplicate" not in reply
+
+
+def test_a_checkpointing_session_trains_seals_and_resumes_and_a_broker_restart_settles_by_id(tmp_path):
+    """docs/protocol.md §4, checkpointing sessions, from a raw peer: acks
+    with a step keep the trajectories as trained; a seal reclaims through
+    the oldest kept checkpoint; a resume of a new lineage records its
+    checkpoint's manifest, lists what was trained after it and hands that
+    back (`replay: true`, no credit); after a restart an ack naming its
+    trajectory settles a lease the broker no longer knows; a session
+    without a run is refused a step."""
+    with BrokerProcess(tmp_path, vocab_size=1000) as broker:
+        producer = Peer(broker.producer)
+        producer.call(frames("hello", producer_id="raw", seq=0))
+        for k, tid in enumerate(["a", "b", "c", "d"]):
+            assert producer.call(turn(2 * k + 1, tid, 0, [10], [[10, 4]], prompt=[1]))[0]["applied"]
+            assert producer.call(frames("end", seq=2 * k + 2, trajectory_id=tid, reward=1.0))[0]["applied"]
+
+        trainer = Peer(broker.consumer)
+        welcome, _ = trainer.call(frames("hello", consumer_id="t", run="R", lineage="L1"))
+        assert welcome["max_unsealed_bytes"] > 0
+        trainer.sock.send_multipart(frames("credit", n=3, unit="trajectory"))
+        leases = {}
+        for _ in range(3):
+            header, _ = trainer.recv()
+            leases[header["trajectory_id"]] = header["lease"]
+        assert sorted(leases) == ["a", "b", "c"]
+        for step, tids in ((1, ["a"]), (2, ["b", "c"])):
+            reply, _ = trainer.call(frames("ack", leases=[leases[t] for t in tids], trajectory_ids=tids, step=step,
+                                           positions=list(range(len(tids)))))
+            assert reply == {"v": 1, "type": "acked", "leases": [leases[t] for t in tids]}
+        status, _ = Peer(broker.admin).call(frames("status"))
+        assert (status["unsealed"], status["oldest_unsealed_step"], status["ready"]) == (3, 1, 1)
+        reply, _ = trainer.call(frames("seal", step=1, keep=1, seq=5))
+        assert reply == {"v": 1, "type": "sealed", "step": 1, "reclaimed": 1, "seq": 5}
+
+        broker.kill()
+        broker.start()
+        again = Peer(broker.consumer)
+        again.call(frames("hello", consumer_id="t", run="R", lineage="L2"))
+        again.sock.send_multipart(frames("resume", step=1, keep=1, trained=[[1, 0, "a"]], seq=9))
+        resumed, _ = again.recv()
+        assert resumed == {"v": 1, "type": "resumed", "step": 1, "replay": [[2, 0, "b"], [2, 1, "c"]], "seq": 9}
+        replayed = [again.recv()[0] for _ in range(2)]
+        assert [(h["trajectory_id"], h["replay"]) for h in replayed] == [("b", True), ("c", True)]
+        assert all("group_id" not in h and "delivery_count" not in h for h in replayed)
+
+        again.sock.send_multipart(frames("credit", n=1, unit="trajectory"))
+        d, _ = again.recv()
+        assert d["trajectory_id"] == "d" and "replay" not in d
+        broker.kill()
+        broker.start()
+        last = Peer(broker.consumer)
+        last.call(frames("hello", consumer_id="t", run="R", lineage="L2"))
+        reply, _ = last.call(frames("ack", leases=[d["lease"]], trajectory_ids=["d"], step=2, positions=[0]))
+        assert reply["type"] == "acked" and reply["leases"] == [d["lease"]]  # a lease of the killed broker, by id
+
+        plain = Peer(broker.consumer)
+        plain.call(frames("hello", consumer_id="plain"))
+        reply, _ = plain.call(frames("seal", step=3, keep=1))
+        assert (reply["type"], reply["code"]) == ("nack", "not_checkpointed")
+        status, _ = Peer(broker.admin).call(frames("status"))
+        assert (status["ready"], status["leased"], status["unsealed"]) == (0, 0, 3)

@@ -80,3 +80,59 @@ def test_a_commit_after_a_broker_restart_settles_by_id_so_a_killed_trainer_gets_
         if trainer is not None and trainer.poll() is None:
             trainer.kill()
         broker.__exit__()
+
+
+# -- the trainer's checkpoint: real pipelines (rollstream.app.harness) ----------------------------------------------
+FAST_BROKER = ("--heartbeat-interval", "0.5")
+FAST_PRODUCER = ("--heartbeat-interval", "0.5", "--heartbeat-timeout", "2")
+CLEAN = {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
+
+
+def checkpointed_run(*, trajectories: int, broker_kill_at: float | None = None, **trainer_faults):
+    """One producer, a trainer of two ranks checkpointing every step with
+    `trainer_faults` on its first start (restarted, resuming, once it dies),
+    and a broker kill once `broker_kill_at` of the plan is acked; the
+    checker's report, with the faults done."""
+    from rollstream.app.harness import VOCAB, LoopbackNode, Pipeline
+
+    done = []
+    with LoopbackNode("rs-ckpt-", VOCAB, broker_args=FAST_BROKER) as node:
+        pipeline = Pipeline(node, dp_size=2, batch_size=2)
+        pipeline.trainer.start(**trainer_faults)
+        pipeline.trainer.wait_welcomed(60)
+        pipeline.add_producer(0, trajectories=trajectories, extra=("--rate", "20", *FAST_PRODUCER))
+
+        def inject() -> None:
+            if broker_kill_at is not None and "broker" not in done and pipeline.counts.acked >= broker_kill_at * trajectories:
+                node.kill_broker()
+                node.restart_broker()
+                done.append("broker")
+            if pipeline.trainer.lost:
+                pipeline.trainer.restart()
+                done.append("trainer")
+
+        drained = pipeline.run(240, inject)
+        report = pipeline.finish()
+    assert drained, f"not drained: status {pipeline.status}, counts {pipeline.counts}"
+    assert report.counts() == CLEAN, report.summary()
+    return report, done
+
+
+def test_a_trainer_killed_between_a_commit_and_its_next_checkpoint_trains_those_batches_again_as_they_were():
+    report, done = checkpointed_run(trajectories=24, die_after_commit=3)
+    assert done == ["trainer"]
+    assert report.resumed_from_step == 2 and report.replayed >= 1 and report.replayed_batches_identical is True
+    assert report.lineage()["lineage_lost"] == report.lineage()["lineage_duplicated"] == 0
+
+
+def test_a_trainer_killed_after_saving_a_checkpoint_and_before_sealing_it_loses_nothing():
+    report, done = checkpointed_run(trajectories=24, die_before_seal=2)
+    assert done == ["trainer"]
+    assert report.resumed_from_step == 2 and report.replayed == 0  # its checkpoint holds everything it trained
+    assert report.acked == report.committed
+
+
+def test_a_broker_restart_and_a_trainer_resume_together():
+    report, done = checkpointed_run(trajectories=32, broker_kill_at=0.4, die_after_commit=4)
+    assert sorted(done) == ["broker", "trainer"]
+    assert report.resumed_from_step == 3 and report.replayed_batches_identical is True
