@@ -333,24 +333,33 @@ def main() -> None:
             tq_rss.append(sum(tq["rss_mib"].values()))
             tq_verified &= tq["verified"]
             print(f"round {round_index}: TransferQueue {' '.join(f'{s:.3f}' for s in tq['seconds'])} s")
-        for mode, (suffix, every) in [(m, v) for m in modes for v in variants]:
-            key = f"t{mode}{suffix}"
-            system = Rollstream(args.samples, mode, args.producers, args.batch_size, args.client, args.broker_arg,
-                                args.ledgers, every)
+        for mode in modes:
+            # The variants of a mode run side by side, each on its own broker, their reps alternating.
+            systems = {}
             try:
-                system.rep(f"r{round_index}-{key}-warmup", expected)
-                reps = [system.rep(f"r{round_index}-{key}-{rep}", expected) for rep in range(args.reps)]
-                peak = system.peak_rss()
-                verdict = system.checked()
+                for suffix, every in variants:
+                    systems[f"t{mode}{suffix}"] = Rollstream(args.samples, mode, args.producers, args.batch_size,
+                                                             args.client, args.broker_arg, args.ledgers, every)
+                for key, system in systems.items():
+                    system.rep(f"r{round_index}-{key}-warmup", expected)
+                reps: dict[str, list[dict]] = {key: [] for key in systems}
+                for rep in range(args.reps):
+                    for key, system in systems.items():
+                        reps[key].append(system.rep(f"r{round_index}-{key}-{rep}", expected))
+                peaks = {key: system.peak_rss() for key, system in systems.items()}
+                verdicts = {key: system.checked() for key, system in systems.items()}
             finally:
-                system.close()
-            if verdict is not None:
-                checker_problems += sum(verdict.values())
-                print(f"round {round_index}: checker on {key}: " + "  ".join(f"{k} {v}" for k, v in verdict.items()))
-            runs[key] += reps
-            rss[key] = {name: max(value, rss.get(key, {}).get(name, 0)) for name, value in peak.items()}
-            print(f"round {round_index}: rollstream {key} " + " ".join(f"{r['seconds']:.3f}" for r in reps) + " s"
-                  + ("" if all(r["verified"] for r in reps) else "  NOT VERIFIED"))
+                for system in systems.values():
+                    system.close()
+            for key in systems:
+                verdict = verdicts[key]
+                if verdict is not None:
+                    checker_problems += sum(verdict.values())
+                    print(f"round {round_index}: checker on {key}: " + "  ".join(f"{k} {v}" for k, v in verdict.items()))
+                runs[key] += reps[key]
+                rss[key] = {name: max(value, rss.get(key, {}).get(name, 0)) for name, value in peaks[key].items()}
+                print(f"round {round_index}: rollstream {key} " + " ".join(f"{r['seconds']:.3f}" for r in reps[key])
+                      + " s" + ("" if all(r["verified"] for r in reps[key]) else "  NOT VERIFIED"))
 
     def med(key: str, field: str) -> float:
         return statistics.median(r[field] for r in runs[key])

@@ -125,25 +125,31 @@ def _end_crc(trajectory_id: str, digest: bytes, reward: bytes, metadata: bytes) 
     row is reported, never delivered."""
     return zlib.crc32(msgpack.packb([trajectory_id, digest, reward, metadata]))
 _TURN = "INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_TRAINED = (f"UPDATE trajectories SET state='{State.TRAINED}', trained_run=?, trained_lineage=?, trained_step=?, "
+            "trained_position=? WHERE id=?")
 
 
 class _DeferredRows:
     """The batch's common statements, run as one executemany each: new
     trajectories, then ends (an end may follow its own open in a batch),
-    then turns (another table), then forgotten trajectories (delivered ones:
-    no later effect of a batch can concern a forgotten id, which the engine
-    answers as a duplicate). Any other effect may touch the same rows, so
-    the deferred rows run before it, keeping the batch's order."""
+    then turns (another table), then trained ones (a trajectory is trained
+    only after the batch that ended it), then forgotten trajectories
+    (delivered or sealed ones: no later effect of a batch can concern a
+    forgotten id, which the engine answers as a duplicate). Any other effect
+    may touch the same rows, so the deferred rows run before it, keeping the
+    batch's order."""
 
     def __init__(self) -> None:
         self.opens: list[tuple] = []
         self.ends: list[tuple] = []
         self.turns: list[tuple] = []
+        self.trained: list[tuple] = []  # (run, lineage, step, position, id)
         self.forgets: list[tuple] = []  # (id, dedup until)
 
     def execute(self, db: sqlite3.Connection, records_gone: list[int]) -> None:
         """Run the rows; segments that lose a record are added to `records_gone`."""
-        for statement, rows in ((_OPEN, self.opens), (_END, self.ends), (_TURN, self.turns)):
+        for statement, rows in ((_OPEN, self.opens), (_END, self.ends), (_TURN, self.turns),
+                                (_TRAINED, self.trained)):
             if rows:
                 db.executemany(statement, rows)
                 rows.clear()
@@ -666,9 +672,7 @@ class Store:
                 db.execute(f"UPDATE trajectories SET state='{State.ENDED}', dead_reason=NULL, dead_at=NULL, ready_seq=? "
                            "WHERE id=?", (self._take_ready_seq(), effect.trajectory_id))
             case MarkTrained(trajectory_id=tid, trained=at):
-                rows.execute(db, records_gone)
-                db.execute(f"UPDATE trajectories SET state='{State.TRAINED}', trained_run=?, trained_lineage=?, "
-                           "trained_step=?, trained_position=? WHERE id=?", (at.run, at.lineage, at.step, at.position, tid))
+                rows.trained.append((at.run, at.lineage, at.step, at.position, tid))
             case SealRun():
                 rows.execute(db, records_gone)
                 db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?)",
