@@ -109,7 +109,8 @@ def show_fingerprints(key_files: tuple[str, ...]) -> None:
 @click.option("--keep-data", is_flag=True, help="Keep the broker's data dir, the ledgers and the daemons' log.")
 @click.option("--train", is_flag=True, help="The model in the loop: model producers and a trainer that replays "
               "their sampling distribution and takes policy-gradient steps (docs/training.md); it takes "
-              "--producers, --group-size, --batch-size, --turns and --keep-data of the options above.")
+              "--producers, --group-size, --batch-size, --turns, --keep-data and --chaos (the trainer crashes "
+              "between a commit and its next checkpoint and resumes) of the options above.")
 @click.option("--steps", default=60, show_default=True, help="--train: training steps (one batch each).")
 @click.option("--plot", "plot", default="rollstream-train.png", show_default=True,
               help="--train: where to write the PNG plot (needs the `plot` extra); '' for none.")
@@ -130,7 +131,7 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, **options) -> None:
 
         summary = run_train_demo(steps=steps, producers=options["producers"], group_size=options["group_size"],
                                  batch_groups=options["batch_size"], turns=options["turns"],
-                                 plot=plot or None, keep_data=options["keep_data"],
+                                 plot=plot or None, keep_data=options["keep_data"], chaos=options["chaos"],
                                  progress=(lambda line: None) if as_json else click.echo)
         click.echo(json.dumps(summary) if as_json else train_summary_table(summary))
         return

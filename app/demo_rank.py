@@ -133,6 +133,8 @@ def main() -> None:
             shards.commit(shard)
             commits += 1
             if args.rank == 0 and commits == args.die_after_commit:
+                assert client is not None  # the source rank owns it
+                client.flush(30)  # the commit is durable: the kill lands between it and the next checkpoint
                 os.kill(os.getpid(), signal.SIGKILL)
             state = shards.state_dict()
             if state["step"] % args.checkpoint_every == 0:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from rollstream.common.errors import InvalidInput
@@ -108,12 +108,14 @@ def save_weights(model: TinyLM, path: str | os.PathLike, version: str) -> None:
 
 def load_weights(path: str | os.PathLike) -> tuple[TinyLM, str]:
     """The model a `save_weights` file holds, and its weight version."""
+    # One handle for the version and the tensors: a writer may replace the file between two opens.
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
-    missing = [f.name for f in fields(TinyLMConfig) if f.name not in metadata] + (
-        [] if _VERSION_KEY in metadata else [_VERSION_KEY])
-    if missing:
-        raise InvalidInput(f"{path} is not a TinyLM weights file: its metadata lacks {missing}")
+        missing = [f.name for f in fields(TinyLMConfig) if f.name not in metadata] + (
+            [] if _VERSION_KEY in metadata else [_VERSION_KEY])
+        if missing:
+            raise InvalidInput(f"{path} is not a TinyLM weights file: its metadata lacks {missing}")
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     model = TinyLM(TinyLMConfig(**{f.name: int(metadata[f.name]) for f in fields(TinyLMConfig)}))
-    model.load_state_dict(load_file(str(path)))
+    model.load_state_dict(tensors)
     return model.eval(), metadata[_VERSION_KEY]

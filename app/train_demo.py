@@ -10,9 +10,19 @@ the bias a trainer that ignores the support would carry. It then takes a
 GRPO-style policy-gradient step (group-normalised advantages, the importance
 ratio against the rollout's truncated log-probs, clipped), writes the new
 weights for the producers and goes on.
+
+Every `checkpoint_every` steps it takes a checkpoint (model, optimizer, the
+weight versions it replays with, and the consumer's `state_dict()`; kept in
+memory here, where a real trainer writes it to disk) and seals it. With
+`chaos`, the trainer crashes once between a commit and its next checkpoint
+and resumes from the last one: the producers reload its weights, and the
+batches trained since come back and are trained again, as they were.
+Producers and the consumer keep ledgers, so the end-to-end checker reports
+on the lineage the final model descends from.
 """
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections import OrderedDict
@@ -21,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rollstream.common.checker import check, read_records
 from rollstream.consumer.batch import Batch
 from rollstream.consumer.client import Consumer
 from rollstream.consumer.primitives import masked_log_probs
@@ -56,6 +67,13 @@ class WeightVersions:
         self._states[version] = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
         while len(self._states) > self.keep:
             self._states.popitem(last=False)
+
+    def snapshot(self) -> OrderedDict[str, dict]:
+        """The kept weights, to save with a checkpoint."""
+        return copy.deepcopy(self._states)
+
+    def restore(self, states: OrderedDict[str, dict]) -> None:
+        self._states = copy.deepcopy(states)
 
     def model(self, version: str) -> TinyLM | None:
         """A model holding `version`'s weights (one shared scratch model), or None if no longer kept."""
@@ -169,9 +187,11 @@ def _version_step(version: str) -> int:
 def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, batch_groups: int = 4, turns: int = 2,
                    prompt_tokens: int = 8, response_tokens: int = 16, tool_tokens: int = 4, temperature: float = 1.0,
                    top_k: int = 20, top_p: float = 0.95, learning_rate: float = 3e-3, seed: int = 0,
-                   plot: str | None = None, progress=print, keep_data: bool = False) -> dict:
+                   plot: str | None = None, progress=print, keep_data: bool = False, chaos: bool = False,
+                   checkpoint_every: int = 5) -> dict:
     """Run the loop for `steps` batches; return the summary (and write the
-    plot to `plot` when given). Raises if any stage fails."""
+    plot to `plot` when given). Raises if any stage fails. With `chaos` the
+    trainer crashes between its second checkpoint and its third and resumes."""
     torch.manual_seed(seed)
     torch.set_num_threads(1)  # a model this small gains nothing from a thread pool beside the daemons
     model = TinyLM(seed=seed)
@@ -179,8 +199,11 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
     versions.add(f"seed-{seed}", model)
     optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
     log = TrainingLog()
+    # Between a commit and the next checkpoint, past the second checkpoint:
+    crash_after = 2 * checkpoint_every + max(1, checkpoint_every // 2) if chaos else None
     with LoopbackNode("rollstream-train-", VOCAB, keep_data=keep_data) as node:
         started = time.perf_counter()
+        ledgers = node.work / "ledgers"
         weights = node.work / "policy.safetensors"
         save_weights(model, weights, f"seed-{seed}")  # the producers start from the file, as after every step
         for i in range(producers):
@@ -188,10 +211,20 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                           "--trajectories", "0", "--group-size", str(group_size), "--turns", str(turns),
                           "--prompt-tokens", str(prompt_tokens), "--response-tokens", str(response_tokens),
                           "--tool-tokens", str(tool_tokens), "--temperature", str(temperature), "--top-k", str(top_k),
-                          "--top-p", str(top_p), "--seed", str(seed + 1 + i), "--concurrency", "2")
-        with Consumer([node.endpoints["consumer"]], batch_size=batch_groups, unit="group", vocab_size=VOCAB,
-                      device="cpu", on_invalid="raise") as consumer:
-            for step in range(1, steps + 1):
+                          "--top-p", str(top_p), "--seed", str(seed + 1 + i), "--concurrency", "2",
+                          "--ledger", str(ledgers / f"producer-{i}.jsonl"))
+
+        def connect(resume: dict | None) -> Consumer:
+            return Consumer([node.endpoints["consumer"]], batch_size=batch_groups, unit="group", vocab_size=VOCAB,
+                            device="cpu", on_invalid="raise", resume=resume, ledger=ledgers / "trainer.jsonl")
+
+        consumer = connect(None)
+        checkpoint = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict()),
+                      "versions": versions.snapshot(), "data": consumer.state_dict()}  # step 0: a restart starts here
+        step = 0
+        try:
+            while step < steps:
+                step += 1
                 batch = consumer.next_batch(timeout=120.0)
                 replayed = replay(batch, versions, temperature)
                 log.support_diffs.append(replayed.support_diffs)
@@ -204,14 +237,37 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                 loss = policy_loss(model, batch, temperature)
                 loss.backward()
                 optimizer.step()
-                consumer.commit(batch)
+                consumer.commit(batch, step)
                 versions.add(f"step-{step}", model)
                 save_weights(model, weights, f"step-{step}")
                 worst = float(replayed.support_diffs.max()) if replayed.support_diffs.size else float("nan")
                 progress(f"step {step:>3}/{steps}  reward {log.rewards[-1]:.3f}  loss {loss.item():+.4f}  "
                          f"replay |diff| support {worst:.1e}, full {float(replayed.full_diffs.mean()):.3f}")
+                if step % checkpoint_every == 0:
+                    checkpoint = {"model": copy.deepcopy(model.state_dict()),
+                                  "optimizer": copy.deepcopy(optimizer.state_dict()), "versions": versions.snapshot(),
+                                  "data": consumer.state_dict()}
+                    consumer.sealed(step)
+                if step == crash_after:
+                    crash_after = None
+                    consumer.flush(30)  # the commit is durable; the crash comes before the next checkpoint
+                    consumer.close(timeout=0)
+                    crashed = step
+                    model.load_state_dict(checkpoint["model"])
+                    optimizer.load_state_dict(checkpoint["optimizer"])
+                    versions.restore(checkpoint["versions"])
+                    step = checkpoint["data"]["step"]
+                    save_weights(model, weights, f"step-{step}")  # the producers reload the resumed weights
+                    progress(f"trainer crashed after step {crashed}; resuming from its checkpoint of step {step}")
+                    consumer = connect(checkpoint["data"])
+            consumer.flush(30)
+        finally:
+            consumer.close()
         node.finish_producers(stop=True)
+        status = node.admin.status() if node.admin is not None else {"ready": 1, "leased": 0}
+        report = check(read_records([ledgers]), node.dead_letters(), broker_backlog=status["ready"] + status["leased"])
     summary = log.summary(steps)
+    summary.update(report.lineage())
     summary["seconds"] = round(time.perf_counter() - started, 1)
     if plot:
         summary["plot"] = _plot(log, plot)
@@ -258,6 +314,10 @@ def summary_table(summary: dict) -> str:
         ("staleness in weight versions, mean / max",
          f"{number(summary['staleness_mean'], '.2f')} / {number(summary['staleness_max'], 'd')}"),
         ("trajectories not replayed (weights no longer kept)", summary["skipped_trajectories"]),
+        ("resumed from the checkpoint of step", number(summary["resumed_from_step"], "d")),
+        ("trained again after the resume, batches identical",
+         f"{summary['replayed']} trajectories, {summary['replayed_batches_identical']}"),
+        ("lineage lost / duplicated", f"{summary['lineage_lost']} / {summary['lineage_duplicated']}"),
         ("time", f"{summary['seconds']} s"),
     ]
     if summary.get("plot"):

@@ -45,3 +45,20 @@ def test_a_short_training_run_replays_exactly_over_the_support_and_not_over_the_
     pytest.importorskip("matplotlib")
     assert summary["plot"] == str(plot) and plot.stat().st_size > 1000
     assert "replay max |diff|, over the support" in summary_table(summary)
+
+
+@pytest.mark.slow
+def test_a_trainer_crashed_between_a_commit_and_its_checkpoint_resumes_and_replays_every_trajectory_exactly():
+    """Checkpoints every 2 steps, a crash after step 5: the resume from step
+    4 trains step 5 again on the same batch (its weights, restored with the
+    checkpoint, replay every trajectory), and the checker finds nothing
+    missing or twice in the surviving lineage."""
+    lines = []
+    summary = run_train_demo(steps=8, producers=1, group_size=2, batch_groups=2, plot=None, chaos=True,
+                             checkpoint_every=2, progress=lines.append)
+    assert "trainer crashed after step 5; resuming from its checkpoint of step 4" in lines
+    assert sum(line.startswith("step   5/8") for line in lines) == 2
+    assert summary["resumed_from_step"] == 4 and summary["replayed"] == 4 and summary["replayed_batches_identical"]
+    assert (summary["lineage_lost"], summary["lineage_duplicated"], summary["skipped_trajectories"]) == (0, 0, 0)
+    assert summary["replay_max_abs_diff_support"] < 1e-4
+    assert "resumed from the checkpoint of step" in summary_table(summary)
