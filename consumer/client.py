@@ -263,10 +263,7 @@ class Consumer:
         assert position is not None
         with self._changed:
             while True:
-                if self._error is not None:
-                    raise ClientFailed(f"consumer {self.consumer_id!r}", self._error) from self._error
-                if self._closing:
-                    raise ConsumerClosed("the consumer is closed")
+                self._check_open()
                 if position.failure is not None:  # a broker cannot resume: its batches were reclaimed
                     code, message = position.failure
                     raise Refused(code, f"cannot resume from step {position.resumed_from}: {message}")
@@ -284,16 +281,20 @@ class Consumer:
                                    f"not all back within the timeout (steps {position.replayed_steps()})")
                 self._changed.wait(1.0 if remaining is None else min(remaining, 1.0))
 
+    def _check_open(self) -> None:
+        """Raise what ends a wait for batches: the I/O thread's failure, or closing."""
+        if self._error is not None:
+            raise ClientFailed(f"consumer {self.consumer_id!r}", self._error) from self._error
+        if self._closing:
+            raise ConsumerClosed("the consumer is closed")
+
     def _take(self, n: int, deadline: float | None, held: list[Unit], partial_at: float | None) -> list[Unit]:
         """`n` more complete units, or after `partial_at` whatever is ready
         (when that and `held` make at least one); on timeout the `held`
         ones go back too."""
         with self._changed:
             while True:
-                if self._error is not None:
-                    raise ClientFailed(f"consumer {self.consumer_id!r}", self._error) from self._error
-                if self._closing:
-                    raise ConsumerClosed("the consumer is closed")
+                self._check_open()
                 now = Clock.monotonic()
                 # A trainer that stalled past a lease must not get that unit: the broker redelivers it.
                 self._assembler.drop_expired(now)

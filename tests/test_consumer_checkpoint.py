@@ -2,33 +2,14 @@
 trainer resumed from checkpoint N gets back what it trained after N in the
 same batches, then new data, and with deterministic math reaches the same
 weights as a run that never stopped."""
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
 import torch
-from broker_process import BrokerProcess
 from consumer_helpers import VOCAB, RawProducer, make_rollout
 
 from rollstream.common.errors import InvalidInput, Refused
 from rollstream.consumer import Consumer
-
-
-@pytest.fixture
-def brokers():
-    started = []
-
-    def start():
-        broker = BrokerProcess(tempfile.mkdtemp(prefix="rsk", dir="/tmp"), lease_timeout=30.0,
-                               heartbeat_interval=0.2).start()
-        started.append(broker)
-        return broker
-
-    yield start
-    for broker in started:
-        broker.__exit__(None, None, None)
-        shutil.rmtree(broker.directory, ignore_errors=True)
 
 
 def produce(broker, n, prefix="t", seed=0):

@@ -3,40 +3,20 @@ a raw zmq + msgpack producer: complete batches from several brokers,
 deduplication after redelivery, a killed consumer losing nothing, broker
 restarts, quarantine and whole groups."""
 import json
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import numpy as np
 import pytest
 import torch
-from broker_process import BrokerProcess
 from consumer_helpers import VOCAB, RawProducer, Rollout, make_rollout
 from waiting import wait_for
 
 from rollstream.common.trajectory import Turn
 from rollstream.common.validation import RULE_TOKEN_VOCAB, BatchValidationError
 from rollstream.consumer import Consumer
-
-
-@pytest.fixture
-def brokers():
-    """Start brokers, each in a short directory (ipc:// paths have a length limit)."""
-    started = []
-
-    def start(lease_timeout: float = 30.0):
-        broker = BrokerProcess(tempfile.mkdtemp(prefix="rsc", dir="/tmp"), lease_timeout=lease_timeout,
-                               heartbeat_interval=0.2).start()
-        started.append(broker)
-        return broker
-
-    yield start
-    for broker in started:
-        broker.__exit__(None, None, None)
-        shutil.rmtree(broker.directory, ignore_errors=True)
 
 
 def produce(broker, rollouts, **kw):
