@@ -331,9 +331,8 @@ class Consumer:
             warning = None
             if position is not None:
                 assert step is not None  # `commit_step` chose it
-                position.committed(TrainedBatch(step, handed.trajectory_ids, handed.sample_indices, handed.group_ids,
-                                                handed.nbytes))
-                warning = position.nearing_budget()
+                warning = position.committed(TrainedBatch(step, handed.trajectory_ids, handed.sample_indices,
+                                                          handed.group_ids, handed.nbytes)) or position.nearing_budget()
             self._assembler.commit(handed.trajectory_ids, step)
             self._wake()
         if warning is not None:

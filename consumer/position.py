@@ -22,6 +22,8 @@ from typing import Any, Mapping, Sequence
 from rollstream.common.errors import InvalidInput, InvalidState
 
 STATE_FORMAT = "rollstream.consumer.position/1"
+# Batches a state lists at most: a trainer that never seals must not grow it (and the consumer) without end.
+MAX_MANIFEST_BATCHES = 10_000
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class TrainingPosition:
         self._seals: dict[int, int] = {}  # broker -> the step of its seal not yet answered
         self.failure: tuple[str, str] | None = None  # a refusal that ends the run: (code, message)
         self._budgets: dict[int, int] = {}  # each broker's max_unsealed_bytes, from its welcome
+        self._unsealed_bytes = 0  # of `batches` after `sealed_step`, kept as they change
         self.warned = False  # that unsealed data nears a broker's budget (once)
         if resume is None:
             self.run, self.step = _new_id(), 0
@@ -141,7 +144,7 @@ class TrainingPosition:
         oldest trained steps, and resuming from before them is refused."""
         if self.warned or not self._budgets:
             return None
-        held, budget = sum(b.nbytes for b in self.batches if b.step > self.sealed_step), min(self._budgets.values())
+        held, budget = self._unsealed_bytes, min(self._budgets.values())
         if 2 * held <= budget:
             return None
         self.warned = True
@@ -190,11 +193,23 @@ class TrainingPosition:
             raise InvalidInput(f"commit steps go forward: expected a step after {self.step}, got {step}")
         return step
 
-    def committed(self, batch: TrainedBatch) -> None:
+    def committed(self, batch: TrainedBatch) -> str | None:
+        """Record a committed batch; returns a warning to log when the
+        manifest had to drop its oldest batch (nothing was ever sealed)."""
         self.batches.append(batch)
+        self._unsealed_bytes += batch.nbytes
+        dropped = None
+        if len(self.batches) > MAX_MANIFEST_BATCHES:
+            oldest = self.batches.pop(0)
+            self._unsealed_bytes -= oldest.nbytes
+            if not self.warned:
+                self.warned = True
+                dropped = (f"{MAX_MANIFEST_BATCHES} batches committed without a seal: state_dict() no longer lists "
+                           f"those before step {self.batches[0].step}; call sealed(step) after each checkpoint")
         self.step = max(self.step, batch.step)
         self._replay.pop(batch.step, None)
         self._handed.discard(batch.step)
+        return dropped
 
     def seal(self, step: int, n_brokers: int) -> list[tuple[int, str, dict]]:
         """The trainer's checkpoint at `step` is durable: forget the batches
@@ -203,6 +218,7 @@ class TrainingPosition:
             raise InvalidInput(f"sealed takes a checkpoint's step, at most the last committed one ({self.step}), "
                                f"got {step}")
         self.batches = [b for b in self.batches if b.step > step]
+        self._unsealed_bytes = sum(b.nbytes for b in self.batches)
         self.sealed_step = max(self.sealed_step, step)
         for broker in range(n_brokers):
             self._seals[broker] = max(step, self._seals.get(broker, step))

@@ -87,3 +87,13 @@ def test_trained_data_nearing_a_brokers_unsealed_budget_is_said_once():
     assert "250 bytes trained since the last seal (step 0)" in position.nearing_budget()
     position.committed(trained(3, "c", nbytes=100))
     assert position.nearing_budget() is None  # said once
+
+
+def test_a_trainer_that_never_seals_does_not_grow_its_state_without_end(monkeypatch):
+    import rollstream.consumer.position as module
+
+    monkeypatch.setattr(module, "MAX_MANIFEST_BATCHES", 3)
+    position = TrainingPosition(1)
+    warnings = [position.committed(trained(step, f"t{step}", nbytes=10)) for step in range(1, 6)]
+    assert warnings[:3] == [None] * 3 and "no longer lists those before step 2" in warnings[3] and warnings[4] is None
+    assert [b["step"] for b in position.state_dict()["batches"]] == [3, 4, 5]
