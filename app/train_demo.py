@@ -27,6 +27,7 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -219,8 +220,9 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                             device="cpu", on_invalid="raise", resume=resume, ledger=ledgers / "trainer.jsonl")
 
         consumer = connect(None)
-        checkpoint = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict()),
-                      "versions": versions.snapshot(), "data": consumer.state_dict()}  # step 0: a restart starts here
+        checkpoint: dict[str, Any] = {  # step 0: a restart before the next checkpoint starts here
+            "model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict()),
+            "versions": versions.snapshot(), "data": consumer.state_dict()}
         step = 0
         try:
             while step < steps:
