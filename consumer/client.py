@@ -141,8 +141,8 @@ class Consumer:
             len(self.endpoints), batch_size=batch_size, unit=unit, prefetch=prefetch, dedup_capacity=dedup_capacity
         )
         self.world_size = world_size  # the data-parallel ranks its batches are sharded to (`DistributedConsumer`)
-        self._position = (TrainingPosition(len(self.endpoints), keep_checkpoints=keep_checkpoints, world_size=world_size,
-                                           resume=resume) if checkpointed else None)
+        self._position = (TrainingPosition(keep_checkpoints=keep_checkpoints, world_size=world_size, resume=resume)
+                          if checkpointed else None)
         if self._position is not None and self._position.saved_world_size != world_size:
             log.warning("resumed at another world size: replayed batches are sharded again at the new one",
                         extra={"saved": self._position.saved_world_size, "now": world_size})

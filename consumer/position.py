@@ -76,8 +76,7 @@ class TrainingPosition:
     hands back. Driven by `Sessions` (what brokers say) and the client
     (what the trainer does)."""
 
-    def __init__(self, n_brokers: int, *, keep_checkpoints: int = 2, world_size: int = 1,
-                 resume: Mapping[str, Any] | None = None):
+    def __init__(self, *, keep_checkpoints: int = 2, world_size: int = 1, resume: Mapping[str, Any] | None = None):
         if keep_checkpoints < 1:
             raise InvalidInput(f"keep_checkpoints must be at least 1, got {keep_checkpoints}")
         self.keep = keep_checkpoints
@@ -96,7 +95,7 @@ class TrainingPosition:
         self.failure: tuple[str, str] | None = None  # a refusal that ends the run: (code, message)
         self._budgets: dict[int, int] = {}  # each broker's max_unsealed_bytes, from its welcome
         self._unsealed_bytes = 0  # of `batches` after `sealed_step`, kept as they change
-        self.warned = False  # that unsealed data nears a broker's budget (once)
+        self._warned: set[str] = set()  # the warnings given (each once)
         if resume is None:
             self.run, self.step = _new_id(), 0
             return
@@ -142,12 +141,12 @@ class TrainingPosition:
         smallest broker's unsealed budget (all of it could be on one
         broker): the warning to log. Past the budget a broker reclaims the
         oldest trained steps, and resuming from before them is refused."""
-        if self.warned or not self._budgets:
+        if "budget" in self._warned or not self._budgets:
             return None
         held, budget = self._unsealed_bytes, min(self._budgets.values())
         if 2 * held <= budget:
             return None
-        self.warned = True
+        self._warned.add("budget")
         return (f"{held} bytes trained since the last seal (step {self.sealed_step}), and a broker keeps at most "
                 f"{budget} bytes unsealed (max_unsealed_bytes): seal checkpoints more often, or raise it")
 
@@ -202,8 +201,8 @@ class TrainingPosition:
         if len(self.batches) > MAX_MANIFEST_BATCHES:
             oldest = self.batches.pop(0)
             self._unsealed_bytes -= oldest.nbytes
-            if not self.warned:
-                self.warned = True
+            if "manifest" not in self._warned:
+                self._warned.add("manifest")
                 dropped = (f"{MAX_MANIFEST_BATCHES} batches committed without a seal: state_dict() no longer lists "
                            f"those before step {self.batches[0].step}; call sealed(step) after each checkpoint")
         self.step = max(self.step, batch.step)

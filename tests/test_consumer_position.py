@@ -14,7 +14,7 @@ def trained(step, *tids, nbytes=0):
 
 
 def test_the_state_is_plain_data_with_the_batches_since_the_last_seal():
-    position = TrainingPosition(2, world_size=4)
+    position = TrainingPosition(world_size=4)
     for step, tids in ((1, "ab"), (2, "cd"), (3, "ef")):
         position.committed(trained(step, *tids))
     assert [kind for _, kind, _ in position.seal(2, 2)] == ["seal", "seal"]
@@ -26,10 +26,10 @@ def test_the_state_is_plain_data_with_the_batches_since_the_last_seal():
 
 
 def test_a_resume_is_a_new_lineage_of_the_same_run_and_tells_each_new_session():
-    first = TrainingPosition(1)
+    first = TrainingPosition()
     first.committed(trained(1, "a", "b"))
     state = first.state_dict()
-    again = TrainingPosition(1, resume=state)
+    again = TrainingPosition(resume=state)
     assert (again.run, again.parent, again.resumed_from, again.epoch) == (first.run, first.lineage, 1, 1)
     assert again.lineage != first.lineage
     assert again.on_welcome(0) == [("resume", {"step": 1, "keep": 2, "trained": [[1, 0, "a"], [1, 1, "b"]]})]
@@ -52,7 +52,7 @@ def test_a_resume_is_a_new_lineage_of_the_same_run_and_tells_each_new_session():
 
 
 def test_steps_go_forward_and_only_a_committed_step_can_be_sealed():
-    position = TrainingPosition(1)
+    position = TrainingPosition()
     assert position.commit_step(None, None) == 1
     position.committed(trained(5, "a"))
     with pytest.raises(InvalidInput, match="commit steps go forward: expected a step after 5, got 5"):
@@ -66,19 +66,19 @@ def test_steps_go_forward_and_only_a_committed_step_can_be_sealed():
 
 
 def test_bad_states_are_refused_naming_the_field():
-    good = TrainingPosition(1).state_dict()
+    good = TrainingPosition().state_dict()
     with pytest.raises(InvalidInput, match="format must be"):
-        TrainingPosition(1, resume={**good, "format": "other/1"})
+        TrainingPosition(resume={**good, "format": "other/1"})
     with pytest.raises(InvalidInput, match="step must be an integer, got '3'"):
-        TrainingPosition(1, resume={**good, "step": "3"})
+        TrainingPosition(resume={**good, "step": "3"})
     with pytest.raises(InvalidInput, match="one trajectory id"):
-        TrainingPosition(1, resume={**good, "batches": [{"step": 1, "trajectory_ids": ["a"], "sample_indices": []}]})
+        TrainingPosition(resume={**good, "batches": [{"step": 1, "trajectory_ids": ["a"], "sample_indices": []}]})
     with pytest.raises(InvalidInput, match="keep_checkpoints must be at least 1, got 0"):
-        TrainingPosition(1, keep_checkpoints=0)
+        TrainingPosition(keep_checkpoints=0)
 
 
 def test_trained_data_nearing_a_brokers_unsealed_budget_is_said_once():
-    position = TrainingPosition(2)
+    position = TrainingPosition()
     position.budget(0, 1000)
     position.budget(1, 400)
     position.committed(trained(1, "a", nbytes=150))
@@ -93,7 +93,7 @@ def test_a_trainer_that_never_seals_does_not_grow_its_state_without_end(monkeypa
     import rollstream.consumer.position as module
 
     monkeypatch.setattr(module, "MAX_MANIFEST_BATCHES", 3)
-    position = TrainingPosition(1)
+    position = TrainingPosition()
     warnings = [position.committed(trained(step, f"t{step}", nbytes=10)) for step in range(1, 6)]
     assert warnings[:3] == [None] * 3 and "no longer lists those before step 2" in warnings[3] and warnings[4] is None
     assert [b["step"] for b in position.state_dict()["batches"]] == [3, 4, 5]
