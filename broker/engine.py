@@ -316,6 +316,10 @@ class MergeEngine:
         if kind not in ("turn", "end", "abort"):
             raise InvalidInput(f"the merge engine takes turn, end and abort messages, got {kind!r}")
         tid = message["trajectory_id"]
+        entry = self.entries.get(tid)
+        if entry is not None and entry.state == DEAD and entry.dead_reason == "expired":
+            # Not a duplicate of anything applied: the producer must not count its end as taken.
+            return Reply(_ack(message, False, reason="expired"))
         remembered = self.dedup.get(tid)
         if remembered is not None and remembered >= wall:
             return Reply(_ack(message, False, duplicate=True))

@@ -211,7 +211,8 @@ def test_idle_open_trajectory_expires_to_dead_letters(engine):
     assert effects == [DeadLetter("t", "expired", 150, dedup_until=1150.0)]
     assert engine.entries["t"].state == DEAD and engine.entries["u"].state == "open"
     assert engine.dead_letters(10) == [{"trajectory_id": "t", "reason": "expired", "at": 150}]
-    assert ack(engine.handle(turn_msg("t", 1), wall=151))["duplicate"]
+    late = ack(engine.handle(turn_msg("t", 1), wall=151))
+    assert (late["applied"], late["reason"]) == (False, "expired") and "duplicate" not in late
     assert engine.revive("t") is None  # never delivered as if complete
 
 
@@ -315,3 +316,13 @@ def test_only_a_ready_trajectory_is_delivered_or_dead_lettered(engine):
     with pytest.raises(ValueError, match="'open' is dead, expected ended"):
         engine.delivered("open", 5.0)
     assert engine.counts()["dead"] == 1
+
+
+def test_a_frame_of_an_expired_trajectory_is_answered_expired_not_duplicate():
+    """A producer whose spool resends an `end` after its trajectory expired
+    must not count the trajectory as taken: it was never delivered."""
+    engine = MergeEngine(EngineSettings(trajectory_ttl=10.0))
+    engine.handle(turn_msg("t", 0, seq=1), 0.0)
+    engine.expire(20.0)
+    reply = engine.handle(end_msg("t", seq=2), 21.0)
+    assert reply.fields["applied"] is False and reply.fields["reason"] == "expired" and "duplicate" not in reply.fields
