@@ -385,6 +385,7 @@ def test_a_batch_that_cannot_be_read_is_refused_whole_and_applies_nothing(broker
     assert reply["type"] == "ack" and reply["applied"] is True and "duplicate" not in reply
 
 
+@pytest.mark.slow
 def test_a_checkpointing_session_trains_seals_and_resumes_and_a_broker_restart_settles_by_id(tmp_path):
     """docs/protocol.md §4, checkpointing sessions, from a raw peer: acks
     with a step keep the trajectories as trained; a seal reclaims through

@@ -11,6 +11,8 @@ from consumer_helpers import VOCAB, RawProducer, make_rollout
 from rollstream.common.errors import InvalidInput, Refused
 from rollstream.consumer import Consumer
 
+pytestmark = pytest.mark.slow  # live brokers
+
 
 def produce(broker, n, prefix="t", seed=0):
     rng = np.random.default_rng(seed)
