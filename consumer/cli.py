@@ -40,7 +40,8 @@ def consume(endpoints, batch_size, unit, batches, vocab_size, on_invalid, reward
     try:
         consumer = Consumer(list(endpoints), batch_size=batch_size, unit=unit, vocab_size=vocab_size,
                             on_invalid=on_invalid, reward_key=reward_key, device=device,
-                            curve_secret_key=curve_secret_key, curve_server_key=curve_server_key)
+                            curve_secret_key=curve_secret_key, curve_server_key=curve_server_key,
+                            checkpointed=False)  # an inspector has no checkpoint: what it acks is deleted
     except CurveError as exc:
         raise click.ClickException(str(exc)) from None
     with consumer:

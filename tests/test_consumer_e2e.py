@@ -213,3 +213,5 @@ def test_consume_command_prints_one_json_line_per_batch(brokers):
     assert sorted(t for line in lines for t in line["trajectory_ids"]) == ["c0", "c1", "c2", "c3"]
     assert not any("rollout_sampling_mask" in key for line in lines for key in line)
     wait_for(lambda: drained(node), what="acks from the command")
+    status = node.status()  # an inspector has no checkpoint: what it acked is gone, not kept as trained
+    assert status["unsealed"] == 0 and status["counters"]["trajectories.delivered"] == 4
