@@ -427,11 +427,9 @@ class BrokerCore:
         assert consumer.run is not None and consumer.lineage is not None  # checked by the caller
         effects = self.engine.seal(consumer.run, consumer.lineage, message["step"], message["keep"], now.wall)
         if not (yield from self._commit(effects)):
-            error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later")
-            yield Send("consumer", identity, self._refuse("consumer", error, message))
+            yield Send("consumer", identity, self._unavailable(message))
             return
-        reclaimed = sum(1 for e in effects if type(e) is Forget)
-        self.metrics.inc(self.metrics.exits, reclaimed, exit="delivered")
+        reclaimed = self._count_reclaimed(effects, "delivered")
         seq = {"seq": message["seq"]} if "seq" in message.fields else {}
         yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "sealed", {"step": message["step"],
                                                                               "reclaimed": reclaimed, **seq}))
@@ -459,9 +457,9 @@ class BrokerCore:
                 recorded.add(tid)
         effects += engine.seal(run, lineage, step, message["keep"], now.wall, resume=True)
         if not (yield from self._commit(effects)):
-            error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later")
-            yield Send("consumer", identity, self._refuse("consumer", error, message))
+            yield Send("consumer", identity, self._unavailable(message))
             return
+        self._count_reclaimed(effects, "delivered")
         self.dispatcher.withdraw(recorded)
         replay = engine.replayable(run, lineage, step)
         entries: list[list] = [[e.trained.step, e.trained.position, e.trajectory_id] for e in replay
@@ -482,8 +480,7 @@ class BrokerCore:
             self.metrics.count_effects(effects)
         for s in settling:
             if not committed:
-                error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later")
-                yield Send("consumer", s.identity, self._refuse("consumer", error, s.message, leases=s.accepted))
+                yield Send("consumer", s.identity, self._unavailable(s.message, leases=s.accepted))
                 continue
             yield from self._dead_letter(s.apply(self.dispatcher), "max_deliveries", now)
             if s.message.type == "ack" and s.trained is None:  # trained ones leave when sealed
@@ -684,8 +681,7 @@ class BrokerCore:
         effects, through = self.engine.reclaim_over(self.settings.max_unsealed_bytes, now.wall)
         if not effects or not (yield from self._commit(effects)):
             return
-        reclaimed = sum(1 for e in effects if type(e) is Forget)
-        self.metrics.inc(self.metrics.exits, reclaimed, exit="unsealed_reclaimed")
+        reclaimed = self._count_reclaimed(effects, "unsealed_reclaimed")
         log.warning("over the unsealed budget: reclaimed the oldest trained steps; a resume from before them is "
                     "refused (seal checkpoints sooner, or raise max_unsealed_bytes)",
                     extra={"reclaimed": reclaimed, "through": dict(through),
@@ -736,6 +732,17 @@ class BrokerCore:
     # -- accounting ---------------------------------------------------------------
     def update_gauges(self, now: Clock) -> None:
         self.metrics.show(self.status(now))
+
+    def _count_reclaimed(self, effects: list, exit_label: str) -> int:
+        """Count the trained trajectories durable `effects` reclaimed (their `Forget`s) as leaving by `exit_label`."""
+        reclaimed = sum(1 for e in effects if type(e) is Forget)
+        self.metrics.inc(self.metrics.exits, reclaimed, exit=exit_label)
+        return reclaimed
+
+    def _unavailable(self, message: Message, **extra) -> list:
+        """A consumer message refused because nothing can be made durable now (it changed nothing)."""
+        error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later")
+        return self._refuse("consumer", error, message, **extra)
 
     def _refuse(self, endpoint: str, error: ProtocolError, message: Message | None, *, quiet: bool = False,
                 **extra) -> list:

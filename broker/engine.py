@@ -9,7 +9,7 @@ group) are queued for the dispatcher in `ready_units`.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -299,6 +299,7 @@ class MergeEngine:
         self.ready_units: deque[DeliveryUnit] = deque()
         self.trained_entries: dict[str, Entry] = {}  # the TRAINED ones, for seals and resumes
         self.trained_bytes = 0  # their `stored_bytes`, kept as they change
+        self._trained_steps: Counter[int] = Counter()  # how many of them each step holds (`oldest_trained_step`)
         self.runs: dict[str, Run] = {}  # checkpointing trainers' runs by id
         self._effects: list = []  # effects of the call in progress
 
@@ -632,6 +633,7 @@ class MergeEngine:
         trained = self.trained_entries.pop(tid, None)
         if trained is not None:
             self.trained_bytes -= trained.stored_bytes
+            self._untrain_step(trained)
         until = wall + self.settings.dedup_window
         self.remember({tid: until})
         return Forget(tid, until)
@@ -650,8 +652,19 @@ class MergeEngine:
             self._done_in_group(entry)
             self.trained_entries[tid] = entry
             self.trained_bytes += entry.stored_bytes
+        else:
+            self._untrain_step(entry)
         entry.trained = at
+        self._trained_steps[at.step] += 1
         return [MarkTrained(tid, at), *self._drain()]
+
+    def _untrain_step(self, entry: Entry) -> None:
+        """`entry` no longer counts at the step it was trained at."""
+        assert entry.trained is not None  # a TRAINED entry records where
+        step = entry.trained.step
+        self._trained_steps[step] -= 1
+        if not self._trained_steps[step]:
+            del self._trained_steps[step]
 
     def seal(self, run: str, lineage: str, step: int, keep: int, wall: float, *, resume: bool = False) -> list:
         """Checkpoint `step` of `run` is durable: reclaim what the run
@@ -700,8 +713,8 @@ class MergeEngine:
         return [*effects, *self._drain()], sorted(through.items())
 
     def oldest_trained_step(self) -> int | None:
-        """The earliest step any trajectory held as trained was trained at (a scan: for status)."""
-        return min((e.trained.step for e in self.trained_entries.values() if e.trained is not None), default=None)
+        """The earliest step any trajectory held as trained was trained at."""
+        return min(self._trained_steps, default=None)
 
     def resumable(self, run: str, step: int) -> None:
         """Raise `checkpoint_gone` when `run`'s trajectories trained after
@@ -808,6 +821,7 @@ class MergeEngine:
         self.runs.update(runs)
         self.trained_entries.update((e.trajectory_id, e) for e in self.entries.values() if e.state == TRAINED)
         self.trained_bytes = sum(e.stored_bytes for e in self.trained_entries.values())
+        self._trained_steps = Counter(e.trained.step for e in self.trained_entries.values() if e.trained is not None)
         ready: list[tuple[int, DeliveryUnit]] = []
         for group_id, group in self.groups.items():
             if group_id in deliverable_groups:  # made deliverable in the commit of the frame that completed the group

@@ -321,7 +321,7 @@ class Consumer:
             handed = self._awaiting_commit.get(batch.seq)
             if handed is not None and position is not None:
                 step = position.commit_step(step, handed.replayed_step)
-            elif step is not None:
+            elif step is not None and position is None:
                 raise InvalidInput("commit takes a step only when checkpointed (checkpointed=True)")
         handed = self._claim(batch)
         if self.ledger is not None:

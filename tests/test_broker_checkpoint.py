@@ -228,3 +228,17 @@ def test_unsealed_data_has_its_own_budget_shown_in_status_and_past_it_the_oldest
     [refused] = node.say("resume", step=1, keep=2, trained=[])
     assert refused["code"] == "checkpoint_gone"
     node.store.close()
+
+
+def test_what_a_resume_reclaims_is_counted_and_a_step_trained_again_stays_the_oldest(node):
+    node.produce("a", "b")
+    node.hello("L1")
+    node.train(1, node.take(1))
+    node.train(2, node.take(1))
+    node.hello("L2")
+    resumed, replayed = node.say("resume", step=1, keep=1, trained=[[1, 0, "a"]])
+    assert resumed["replay"] == [[2, 0, "b"]] and node.state("a") is None  # the only checkpoint kept is 1
+    node.train(2, [("b", replayed["lease"])])
+    status = node.core.status(node.clock)
+    assert status["counters"]["trajectories.delivered"] == 1
+    assert (status["unsealed"], status["oldest_unsealed_step"]) == (1, 2)

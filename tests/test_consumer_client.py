@@ -221,3 +221,22 @@ def test_partial_after_hands_out_the_tail_of_a_run_smaller_but_never_empty(broke
         assert batch.trajectory_ids == ("a", "b")
         consumer.commit(batch)
         broker.reply("acked", {"leases": broker.expect("ack")["leases"]})
+
+
+def test_committing_a_batch_that_is_not_awaiting_commit_says_so_even_with_a_step(tmp_path):
+    from consumer_helpers import deliveries
+
+    from rollstream.common.errors import InvalidInput
+    from rollstream.consumer import Batch
+
+    stranger = Batch.from_deliveries(deliveries(np.random.default_rng(0), 1), seq=99)
+    checkpointing = Consumer(f"ipc://{tmp_path}/nobody", batch_size=1)
+    deleting = Consumer(f"ipc://{tmp_path}/nobody", batch_size=1, checkpointed=False)
+    try:
+        with pytest.raises(InvalidInput, match="batch seq=99 is not awaiting commit here"):
+            checkpointing.commit(stranger, step=3)
+        with pytest.raises(InvalidInput, match="commit takes a step only when checkpointed"):
+            deleting.commit(stranger, step=3)
+    finally:
+        checkpointing.close(timeout=0)
+        deleting.close(timeout=0)
