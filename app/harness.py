@@ -148,8 +148,7 @@ class LoopbackNode:
             if daemon.poll() is None:
                 return False
             if daemon.returncode != 0 and index not in self._killed:
-                raise DaemonFailed(f"a producer not killed on purpose must exit with 0, got {daemon.returncode}; "
-                                   f"see {self.work / 'daemons.log'}")
+                raise self.failed(f"a producer not killed on purpose must exit with 0, got {daemon.returncode}")
         return True
 
     def finish_producers(self, *, stop: bool = False) -> None:
@@ -161,6 +160,13 @@ class LoopbackNode:
         for daemon, _ in self._producers:
             daemon.wait(60)
         assert self.producers_done
+
+    def failed(self, message: str, lines: int = 40) -> DaemonFailed:
+        """`message` with the tail of daemons.log: the work folder goes with the node."""
+        if self._log is not None:
+            self._log.flush()
+        tail = (self.work / "daemons.log").read_bytes().decode(errors="replace").splitlines()[-lines:]
+        return DaemonFailed(message + f"; the last lines of {self.work / 'daemons.log'}:\n" + "\n".join(tail))
 
     def __exit__(self, *exc) -> None:
         if self.admin is not None:
@@ -219,8 +225,8 @@ class Trainer:
         deadline = Clock.monotonic() + timeout
         while (_status(self.node) or {}).get("consumers", 0) < 1:
             if self.lost:
-                raise DaemonFailed(f"every trainer rank must run until the trainer connects, got exit statuses "
-                                   f"{[rank.poll() for rank in self.ranks]}; see {self.node.work / 'daemons.log'}")
+                raise self.node.failed(f"every trainer rank must run until the trainer connects, got exit statuses "
+                                       f"{[rank.poll() for rank in self.ranks]}")
             if Clock.monotonic() > deadline:
                 raise TimedOut(f"the trainer must connect within {timeout} s, the broker counts no consumer; "
                                f"see {self.node.work / 'daemons.log'}")
@@ -258,8 +264,7 @@ class Trainer:
                 rank.kill()
                 rank.wait()
         if any(rank.returncode != 0 for rank in self.ranks):
-            raise DaemonFailed(f"every trainer rank must exit with 0, got {[r.returncode for r in self.ranks]}; "
-                               f"see {self.node.work / 'daemons.log'}")
+            raise self.node.failed(f"every trainer rank must exit with 0, got {[r.returncode for r in self.ranks]}")
 
 
 @dataclass

@@ -344,6 +344,9 @@ class Consumer:
         checkpoints to fall back on). `flush` waits for their answers."""
         position = self._require_position("sealed")
         with self._lock:
+            if self._closing:
+                raise ConsumerClosed(f"the consumer is closed: the seal of step {step} was not sent (a resume from "
+                                     "that checkpoint seals through it)")
             for broker, kind, fields in position.seal(step, len(self.endpoints)):
                 self._assembler.outbox.append(Outgoing(broker, kind, fields))
             self._wake()
@@ -388,6 +391,9 @@ class Consumer:
 
     def _claim(self, batch: Batch) -> _Handed:
         with self._lock:
+            if self._closing:  # (another thread closed it while the trainer held the batch)
+                raise ConsumerClosed(f"the consumer is closed: batch seq={batch.seq} went back to its brokers "
+                                     "for redelivery when it closed")
             handed = self._awaiting_commit.pop(batch.seq, None)
         if handed is None:
             raise InvalidInput(f"batch seq={batch.seq} is not awaiting commit here (already committed or released, "
@@ -464,7 +470,7 @@ class Consumer:
                     break
                 self._changed.wait(remaining)
             self._stopping = True
-            self._wake()
+            self._interrupt()  # the loop sees `_stopping` and ends
         self._thread.join(timeout)
         self._wake_out.close(linger=0)
         if self.ledger is not None:
@@ -472,7 +478,12 @@ class Consumer:
 
     # -- the I/O thread -------------------------------------------------------
     def _wake(self) -> None:
-        """Interrupt the poll loop (caller holds the lock, which serialises this socket)."""
+        """Interrupt the poll loop (caller holds the lock, which serialises this
+        socket; once stopping, the loop has ended and `close` closes it)."""
+        if not self._stopping:
+            self._interrupt()
+
+    def _interrupt(self) -> None:
         try:
             self._wake_out.send(b"", zmq.NOBLOCK)
         except zmq.Again:  # a wake-up is already pending

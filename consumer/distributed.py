@@ -8,7 +8,9 @@ gloo on CPU). A shard crosses as three messages: its kind and two sizes
 (int64), a msgpack header (field names, dtypes, shapes and the host-side per-sample facts) and
 one uint8 payload with every tensor back to back. Nothing is pickled.
 `commit` is collective: the ranks check they finished the same batch, then
-the source acks it.
+the source acks it. Every collective ends the same way on every rank: when
+the source's part raises, the others raise too (`ConsumerClosed` when its
+client was closed meanwhile, else `SourceRankFailed`).
 """
 from __future__ import annotations
 
@@ -86,6 +88,23 @@ class SourceRankFailed(RollstreamError, RuntimeError):
     gives its type and text."""
 
 
+def _ending(exc: BaseException) -> tuple[int, str]:
+    """How the source tells the other ranks it stopped (`exc` a
+    `ConsumerClosed`) or failed: the kind and its text."""
+    said = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ConsumerClosed):
+        return _STOP, said
+    return _FAILED, f"{exc.code if isinstance(exc, RollstreamError) else 'client_failed'} {said}"
+
+
+def _raise_ending(kind: int, said: str, what: str):
+    """On a rank other than the source: raise what `_ending` said."""
+    if kind == _STOP:
+        raise ConsumerClosed(f"the source rank stopped: {said}")
+    code, _, said = said.partition(" ")
+    raise SourceRankFailed(f"the source rank failed {what}: {said}", code=code)
+
+
 class DistributedConsumer:
     """The same object on every rank of `group`; only rank `src` (a rank of
     `group`) passes a `Consumer`.
@@ -155,11 +174,7 @@ class DistributedConsumer:
             batch = (self.client.next_batch(self.timeout) if self.partial_after is None
                      else self.client.next_batch(self.timeout, partial_after=self.partial_after))
         except BaseException as exc:
-            said = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, ConsumerClosed):
-                kind = _STOP
-            else:
-                kind, said = _FAILED, f"{exc.code if isinstance(exc, RollstreamError) else 'client_failed'} {said}"
+            kind, said = _ending(exc)
             self._send_all({r: (kind, said.encode(), None) for r in self._others()})
             raise
         self._batches[batch.seq] = batch
@@ -195,11 +210,8 @@ class DistributedConsumer:
         if header_bytes:
             dist.recv(received, src, group=self.group)
         header = bytes(received.cpu().numpy())
-        if kind == _STOP:
-            raise ConsumerClosed(f"the source rank stopped: {header.decode()}")
-        if kind == _FAILED:
-            code, _, said = header.decode().partition(" ")
-            raise SourceRankFailed(f"the source rank failed to produce a batch: {said}", code=code)
+        if kind != _SHARD:
+            _raise_ending(kind, header.decode(), "to produce a batch")
         payload = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
         if payload_bytes:
             dist.recv(payload, src, group=self.group)
@@ -210,13 +222,13 @@ class DistributedConsumer:
         commits it (at `step`, `Consumer.commit`). The step the source
         recorded (and, checkpointing, its run and lineage) go to every
         rank's ledger."""
-        self._agree(shard, "commit", step=step)
+        lineage = self._agree(shard, "commit", step=step)
         if self.ledger is not None:  # once every rank agreed: a rank lost before that commits nothing
-            shard.record(self.ledger, "committed", rank=self.rank, **self._broadcast(self._lineage_of_commit()))
+            shard.record(self.ledger, "committed", rank=self.rank, **lineage)
 
     def _lineage_of_commit(self) -> dict:
         """On the source: the run, lineage and step of its last commit (none when it deletes on commit)."""
-        if self.rank != self.src or not self.client.checkpointed:
+        if not self.client.checkpointed:
             return {}
         state = self.client.position
         return {"run": state.run, "lineage": state.lineage, "step": state.step}
@@ -225,10 +237,37 @@ class DistributedConsumer:
         """Collective: give the batch back for redelivery."""
         self._agree(shard, "release")
 
-    def _agree(self, shard: Batch, action: str, **options) -> None:
+    def _agree(self, shard: Batch, action: str, **options) -> dict:
+        """Every rank holds `shard`; the source does `action` with its batch.
+        The run, lineage and step a commit recorded, on every rank."""
         self._same(shard.seq, f"collective {action} out of step: ranks hold batches", "")
-        if self.rank == self.src:
+
+        def act() -> dict:
             getattr(self.client, action)(self._batches.pop(shard.seq), **options)
+            return self._lineage_of_commit() if action == "commit" else {}
+        return self._from_source(act, f"to {action}")
+
+    def _from_source(self, action, what: str) -> dict:
+        """Run `action` on the source and end the same way on every rank: its
+        result (plain data) everywhere, or, when it raised, the source
+        re-raises and the others raise `ConsumerClosed` (the source's client
+        was closed meanwhile) or `SourceRankFailed`, so no rank goes on to
+        wait for a source that has stopped."""
+        outcome: dict = {}
+        error = None
+        if self.rank == self.src:
+            try:
+                outcome = {"value": action()}
+            except BaseException as exc:
+                error = exc
+                kind, said = _ending(exc)
+                outcome = {"kind": kind, "said": said}
+        outcome = self._broadcast(outcome)
+        if error is not None:
+            raise error
+        if "kind" in outcome:
+            _raise_ending(outcome["kind"], outcome["said"], what)
+        return outcome["value"]
 
     def _same(self, value: int, problem: str, unit: str) -> None:
         """Check every rank passed the same `value` (an all-gather)."""
@@ -242,15 +281,18 @@ class DistributedConsumer:
     def sealed(self, step: int) -> None:
         """Collective: the checkpoint after `step` is durable on every rank; the source tells the brokers."""
         self._same(step, "collective sealed out of step: ranks sealed steps", "")
-        if self.rank == self.src:
+
+        def seal() -> dict:
             self.client.sealed(step)
             if self.ledger is not None:
                 self.ledger.write("sealed", step=step)
+            return {}
+        self._from_source(seal, "to seal")
 
     def state_dict(self) -> dict:
         """Collective: the source's data position (`Consumer.state_dict`),
         the same on every rank, to save with each rank's checkpoint."""
-        return self._broadcast(self.client.state_dict() if self.rank == self.src else {})
+        return self._from_source(lambda: self.client.state_dict(), "to give its state")
 
     def _broadcast(self, value: dict) -> dict:
         """The source's `value` (plain data), on every rank."""

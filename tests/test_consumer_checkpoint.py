@@ -3,13 +3,16 @@ trainer resumed from checkpoint N gets back what it trained after N in the
 same batches, then new data, and with deterministic math reaches the same
 weights as a run that never stopped."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 from consumer_helpers import VOCAB, RawProducer, make_rollout
+from waiting import wait_for
 
 from rollstream.common.errors import InvalidInput, Refused
-from rollstream.consumer import Consumer
+from rollstream.consumer import Consumer, ConsumerClosed
 
 pytestmark = pytest.mark.slow  # live brokers
 
@@ -151,3 +154,24 @@ def test_bad_resume_states_and_steps_are_refused_with_the_rule():
         Consumer("ipc:///tmp/none", batch_size=1, resume={"run": "r"})
     with pytest.raises(InvalidInput, match="resume needs checkpointed=True"):
         Consumer("ipc:///tmp/none", batch_size=1, checkpointed=False, resume={})
+
+
+
+def test_a_consumer_closed_while_the_trainer_holds_a_batch_says_so_on_commit_and_on_seal(brokers):
+    """Another thread (a stop signal's handler) closes the consumer while the
+    trainer trains: the commit and the seal that follow name the close, and
+    the batch it held is delivered again."""
+    broker = brokers()
+    produce(broker, 6)
+    first = consumer(broker.consumer)
+    first.commit(first.next_batch(timeout=30))
+    held = first.next_batch(timeout=30)
+    threading.Thread(target=first.close).start()
+    wait_for(lambda: first._closing, 10, "the close to begin")
+    with pytest.raises(ConsumerClosed, match=f"batch seq={held.seq} went back to its brokers"):
+        first.commit(held)
+    with pytest.raises(ConsumerClosed, match="the seal of step 1 was not sent"):
+        first.sealed(1)
+    again = consumer(broker.consumer, checkpointed=False)
+    assert sorted(again.next_batch(timeout=30).trajectory_ids) == sorted(held.trajectory_ids)
+    again.close()

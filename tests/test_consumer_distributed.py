@@ -50,6 +50,13 @@ class StandInClient:
         self.committed = []
         self.sealed_steps = []
         self.failed = False
+        self.closed = False  # closed by another thread while the ranks hold a batch: what a real Consumer raises
+
+    def _check_open(self):
+        from rollstream.consumer import ConsumerClosed
+
+        if self.closed:
+            raise ConsumerClosed("closed meanwhile")
 
     def next_batch(self, timeout=None):
         from rollstream.consumer import ConsumerClosed
@@ -62,9 +69,11 @@ class StandInClient:
         raise ConsumerClosed("no more batches")
 
     def commit(self, batch, step=None):
+        self._check_open()
         self.committed.append([batch.seq, step])
 
     def sealed(self, step):
+        self._check_open()
         self.sealed_steps.append(step)
 
     def state_dict(self):
@@ -118,6 +127,19 @@ def worker(rank: int, world: int, init_file: str, out: Path) -> None:
     report["state"] = shards.state_dict()  # collective: the source's, on every rank
     shards.sealed(11)
     report["sealed"] = client.sealed_steps if client else None
+    # The source's client closed by another thread while the ranks hold a batch: its commit and seal end
+    # every rank's collective with ConsumerClosed, so no rank waits on a source that stopped.
+    closing = StandInClient(known_batches(seed=4)[:1], world) if rank == 0 else None
+    shards = DistributedConsumer(closing, strategy="round_robin")
+    shard = next(shards)
+    if closing is not None:
+        closing.closed = True
+    report["closed_meanwhile"] = []
+    for collective in (lambda: shards.commit(shard), lambda: shards.sealed(1)):
+        try:
+            collective()
+        except Exception as exc:
+            report["closed_meanwhile"].append(type(exc).__name__)
 
     logits, supports, tokens = tp_problem(world)
     local = logits.shape[1] // world
@@ -188,6 +210,7 @@ def test_shards_reassemble_to_the_batch(world, tmp_path):
     assert all(report["state"] == {"format": "stand-in", "step": 2, "batches": [{"trajectory_ids": ["a", "b"]}]}
                for report in reports)
     assert reports[0]["sealed"] == [11]
+    assert all(report["closed_meanwhile"] == ["ConsumerClosed", "ConsumerClosed"] for report in reports)
 
     logits, supports, tokens = tp_problem(world)
     mask = SamplingMask.from_supports(supports)
