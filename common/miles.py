@@ -3,18 +3,24 @@
 The session payload (docs/semantics.md §7) is one safetensors blob: a rank-1
 uint8 `_samples_meta` tensor holding compact UTF-8 JSON, plus `{field}.{i}`
 tensors per sample and the mask as `rollout_sampling_mask.ids.{i}` /
-`.offsets.{i}`. The mask crosses only when the caller asks for it, so a
-payload encoded with the default fields from samples that carry each of them
-is byte-identical to one from an encoder that never knew about masks
-(docs/data-model.md says exactly which). Decoding fills a JSON field a
-sample lacks with its default when miles has one for it, as miles does.
+`.offsets.{i}`. The field table, its order, its defaults and its nulls are
+miles' as of the commit `MILES_COMMIT` names, so what `encode_session_samples`
+writes is byte-identical to what miles' encoder writes for the same samples,
+and miles' decoder reads it. The mask crosses only when the caller asks for
+it, appended after the other fields as miles appends it.
+
+Fields a newer miles adds are carried, not refused: decoding keeps them on
+the samples (`SessionSamples.unknown` lists them) and `SessionSamples.encode`
+writes them back byte-identical. Where miles' decoder and this one differ
+(a JSON field a sample lacks takes its default here; miles raises
+`KeyError`), docs/data-model.md says so.
 
 The train data (docs/semantics.md §6) is the per-sample dict miles' trainer reads.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -26,6 +32,8 @@ from .mask import SamplingMask
 from .trajectory import Trajectory
 from .validation import check_whole_batch_rule
 
+MILES_COMMIT = "sii-avalanche/miles@4d412b5"  # the tree whose codec, defaults and train data these match
+
 
 @dataclass(frozen=True)
 class SessionField:
@@ -35,58 +43,95 @@ class SessionField:
     dtype: np.dtype | None = None
     strict: bool = False  # encode refuses any other dtype instead of converting
     default: Callable[[], Any] | None = None  # a JSON field's value when a sample lacks it; None: required
+    left_out_when_none: bool = False  # a tensor written not at all (no null marker) when None, as miles' top-k
 
 
+def _spec_info() -> dict:
+    return {"spec_num_correct_drafts": 0, "spec_num_proposed_drafts": 0, "spec_verify_ct": 0, "completion_tokens": 0}
+
+
+def _prefix_cache_info() -> dict:
+    return {"cached_tokens": 0, "total_prompt_tokens": 0}
+
+
+# In miles' order; a JSON field's default is what a fresh miles `Sample` holds (its `to_dict()` form).
 SESSION_FIELDS: dict[str, SessionField] = {
     "tokens": SessionField("tensor", np.dtype("<i8")),
     "response": SessionField("json", default=str),
     "response_length": SessionField("json"),
     "loss_mask": SessionField("tensor", np.dtype("u1")),
     "rollout_log_probs": SessionField("tensor", np.dtype("<f8")),
+    "rollout_topk_token_ids": SessionField("tensor", np.dtype("<i4"), strict=True, left_out_when_none=True),
+    "rollout_topk_log_probs": SessionField("tensor", np.dtype("<f4"), strict=True, left_out_when_none=True),
     "rollout_sampling_mask": SessionField("mask"),
     "rollout_routed_experts": SessionField("tensor", np.dtype("<i4"), strict=True),
     "rollout_indexer_topk": SessionField("tensor", np.dtype("<i4"), strict=True),
     "status": SessionField("json"),
     "weight_versions": SessionField("json", default=list),
-    "spec_info": SessionField("json", default=dict),
-    "prefix_cache_info": SessionField("json", default=dict),
+    "spec_info": SessionField("json", default=_spec_info),
+    "prefix_cache_info": SessionField("json", default=_prefix_cache_info),
     "metadata": SessionField("json", default=dict),
+    "reward": SessionField("json", default=lambda: None),  # the second version of the wire only
 }
 MASK_FIELD = "rollout_sampling_mask"
-DEFAULT_FIELDS = tuple(name for name in SESSION_FIELDS if name != MASK_FIELD)
-FIELDS_WITH_MASK = tuple(SESSION_FIELDS)
+REWARD_FIELD = "reward"
+DEFAULT_FIELDS = tuple(name for name in SESSION_FIELDS if name not in (MASK_FIELD, REWARD_FIELD))
+FIELDS_WITH_MASK = (*DEFAULT_FIELDS, MASK_FIELD)
+FIELDS_WITH_REWARD = (*DEFAULT_FIELDS, REWARD_FIELD)  # with the mask: (*FIELDS_WITH_REWARD, MASK_FIELD)
 META_KEY = "_samples_meta"
 _TENSOR_FIELDS = frozenset(name for name, spec in SESSION_FIELDS.items() if spec.codec != "json")
 # What rebuilding turns needs (the split of tokens, the status) has no default: a sample without it is refused.
 _REQUIRED_JSON = [name for name, spec in SESSION_FIELDS.items() if spec.codec == "json" and spec.default is None]
 
 
+class MissingTensor(InvalidInput, KeyError):
+    """A tensor the payload promises is not in it (a `KeyError` too, as miles raises)."""
+
+
 @dataclass
 class SessionSamples:
     """A decoded session payload. Samples are dicts keyed by field name;
-    tensors stay numpy arrays, the mask is a `SamplingMask`, nulls are None."""
+    tensors stay numpy arrays, the mask is a `SamplingMask`, nulls are None.
+
+    `fields` are the payload's fields in its order; `unknown` those this
+    codec does not know (a newer miles'), kept on the samples as read: JSON
+    values, or tensors with the dtype they came in."""
 
     samples: list[dict[str, Any]]
     session_metadata: Any
     empty_reason: str | None = None
+    fields: tuple[str, ...] = DEFAULT_FIELDS
+    unknown: dict[str, SessionField] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        """The payload again, byte-identical to the one decoded (unknown fields included)."""
+        return encode_session_samples(self.samples, self.session_metadata, self.empty_reason, fields=self.fields,
+                                      unknown=self.unknown)
 
 
-def _check_fields(fields: Sequence[str]) -> None:
-    unknown = [name for name in fields if name not in SESSION_FIELDS]
-    if unknown:
-        raise InvalidInput(f"unknown session field(s) {unknown}; expected names from {list(SESSION_FIELDS)}")
+def _specs(fields: Sequence[str], unknown: Mapping[str, SessionField]) -> list[tuple[str, SessionField]]:
+    out = []
+    for name in fields:
+        spec = SESSION_FIELDS.get(name) or unknown.get(name)
+        if spec is None:
+            raise InvalidInput(f"unknown session field {name!r}; expected names from {list(SESSION_FIELDS)} "
+                               f"or the unknown fields a decoded payload carried ({sorted(unknown)})")
+        out.append((name, spec))
+    return out
 
 
-def _wire_tensor(name: str, value, spec: SessionField) -> np.ndarray:
+def _wire_tensor(name: str, i: int, value, spec: SessionField) -> np.ndarray:
     arr = np.asarray(value)
     assert spec.dtype is not None, f"{name}: a tensor field has a dtype"
     if arr.dtype == spec.dtype:
         return np.ascontiguousarray(arr)
     if spec.strict:
-        raise InvalidInput(f"{name} must have dtype {spec.dtype.name}, got {arr.dtype} (strict: never converted)")
+        raise InvalidInput(f"{name} must have dtype {spec.dtype.name}, got {arr.dtype} (sample {i}; strict: never "
+                           "converted)")
     converted = arr.astype(spec.dtype)
     if arr.dtype.kind not in "biuf" or not np.array_equal(converted, arr):
-        raise InvalidInput(f"{name} values do not fit wire dtype {spec.dtype.name} unchanged (got dtype {arr.dtype})")
+        raise InvalidInput(f"{name} values do not fit wire dtype {spec.dtype.name} unchanged (sample {i}, dtype "
+                           f"{arr.dtype})")
     return np.ascontiguousarray(converted)
 
 
@@ -96,31 +141,43 @@ def encode_session_samples(
     empty_reason: str | None = None,
     *,
     fields: Sequence[str] = DEFAULT_FIELDS,
+    unknown: Mapping[str, SessionField] | None = None,
 ) -> bytes:
     """One safetensors payload for `samples` (dicts keyed by field name).
 
-    Only `fields` cross; JSON fields travel verbatim, tensor fields that are
-    None become null markers. Pass `FIELDS_WITH_MASK` to send the mask."""
-    _check_fields(fields)
+    Only `fields` cross, in their order: JSON fields verbatim (one a sample
+    lacks, or holds as None, as miles' default for it; `response_length`
+    and `status` are required), tensor fields that are None as null markers
+    (the top-k fields not at all, as miles leaves them out). Pass
+    `FIELDS_WITH_MASK` to send the mask; `unknown` are the specs of fields
+    a decoded payload carried (`SessionSamples.unknown`)."""
+    specs = _specs(fields, unknown or {})
     tensors: dict[str, np.ndarray] = {}
     metas = []
     for i, sample in enumerate(samples):
         meta: dict[str, Any] = {}
         nulls = []
-        for name in fields:
-            spec = SESSION_FIELDS[name]
+        for name, spec in specs:
             value = sample.get(name)
             if spec.codec == "json":
+                if name in SESSION_FIELDS and value is None:
+                    if spec.default is None:
+                        raise InvalidInput(f"sample {i} lacks {name!r}: required, it has no default (required: "
+                                           f"{_REQUIRED_JSON})")
+                    value = spec.default()
+                elif name not in sample:
+                    continue  # an unknown field this sample did not carry
                 meta[name] = value
             elif value is None:
-                nulls.append(name)
+                if not spec.left_out_when_none and (name in SESSION_FIELDS or name in sample):
+                    nulls.append(name)
             elif spec.codec == "mask":
                 if not isinstance(value, SamplingMask):
                     raise InvalidType(f"{name} of sample {i} must be a SamplingMask, got {type(value).__name__}")
                 tensors[f"{name}.ids.{i}"] = np.ascontiguousarray(value.ids)
                 tensors[f"{name}.offsets.{i}"] = np.ascontiguousarray(value.offsets)
             else:
-                tensors[f"{name}.{i}"] = _wire_tensor(f"{name} of sample {i}", value, spec)
+                tensors[f"{name}.{i}"] = _wire_tensor(name, i, value, spec)
         meta["nulls"] = nulls
         metas.append(meta)
     document = {"samples": metas, "session_metadata": session_metadata, "empty_reason": empty_reason}
@@ -129,12 +186,12 @@ def encode_session_samples(
     return safetensors.numpy.save(tensors)
 
 
-def _take(tensors: dict, key: str, dtype: np.dtype, what: str) -> np.ndarray:
+def _take(tensors: dict, key: str, name: str, dtype: np.dtype, i: int) -> np.ndarray:
     if key not in tensors:
-        raise InvalidInput(f"payload promises {what} but tensor {key!r} is missing")
+        raise MissingTensor(f"payload promises {name} of sample {i} but tensor {key!r} is missing")
     arr = tensors.pop(key)
     if arr.dtype != dtype:
-        raise InvalidInput(f"{key} must have dtype {dtype.name}, got {arr.dtype} (never converted)")
+        raise InvalidInput(f"{name} must have dtype {dtype.name}, got {arr.dtype} (tensor {key!r}; never converted)")
     return arr
 
 
@@ -145,24 +202,39 @@ def _carries_mask(tensors: Mapping[str, Any], sample_metas: Sequence[Mapping[str
     return any(key.startswith(prefix) for key in tensors) or any(MASK_FIELD in meta["nulls"] for meta in sample_metas)
 
 
+def _unknown_tensors(tensors: Mapping[str, np.ndarray], n: int) -> dict[tuple[str, int], np.ndarray]:
+    """The tensors no known field took, by (field, sample) as `{field}.{i}`
+    names them; one that names no sample is refused."""
+    out = {}
+    for key, arr in tensors.items():
+        name, _, index = key.rpartition(".")
+        if not name or name.split(".")[0] in SESSION_FIELDS or not index.isdigit() or int(index) >= n:
+            raise InvalidInput(f"payload carries tensors no sample refers to: {sorted(tensors)} (a tensor is "
+                               f"'{{field}}.{{sample}}' for one of the {n} samples, and a known field's only where "
+                               "the caller reads that field)")
+        out[(name, int(index))] = arr
+    return out
+
+
 def decode_session_samples(payload: bytes, *, fields: Sequence[str] | None = None) -> SessionSamples:
     """Strictly decode a session payload: wrong dtypes, missing promised
-    tensors and tensors no sample refers to are all errors. A JSON field a
-    sample lacks gets its default (`SessionField.default`); one without a
-    default is an error.
+    tensors (`MissingTensor`, a `KeyError` too) and tensors no sample can
+    refer to are errors. A known JSON field a sample lacks gets its default
+    (`SessionField.default`); one without a default is an error. Fields this
+    codec does not know are carried (`SessionSamples.unknown`).
 
-    `fields` None reads what the payload carries: `DEFAULT_FIELDS`, plus the
-    mask when the payload was encoded with it (`_carries_mask`). Named
-    `fields` are read exactly (a mask the caller did not name is a tensor no
-    sample refers to)."""
+    `fields` None reads what the payload carries: `DEFAULT_FIELDS`, plus
+    `reward` and the mask when the payload carries them. Named `fields` are
+    read exactly (a mask the caller did not name is a tensor no sample
+    refers to)."""
     if fields is not None:
-        _check_fields(fields)
+        _specs(fields, {})
     try:
         tensors = dict(safetensors.numpy.load(payload))
     except (safetensors.SafetensorError, ValueError) as exc:
         raise InvalidInput(f"payload is not a valid safetensors container: {exc}") from None
     if META_KEY not in tensors:
-        raise InvalidInput(f"payload has no {META_KEY} tensor")
+        raise MissingTensor(f"payload has no {META_KEY} tensor")
     meta_arr = tensors.pop(META_KEY)
     if meta_arr.ndim != 1 or meta_arr.dtype != np.uint8:
         raise InvalidInput(f"{META_KEY} must be a rank-1 uint8 tensor, got {meta_arr.dtype} of rank {meta_arr.ndim}")
@@ -171,15 +243,17 @@ def decode_session_samples(payload: bytes, *, fields: Sequence[str] | None = Non
         sample_metas = document["samples"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise InvalidInput(f"{META_KEY} is not the expected JSON document: {exc}") from None
+    known_json = {name for name, spec in SESSION_FIELDS.items() if spec.codec == "json"}
     for i, meta in enumerate(sample_metas):
         if not isinstance(meta, dict) or not isinstance(meta.get("nulls"), list):
             raise InvalidInput(f"sample {i} meta must be an object with a 'nulls' list, got {meta!r:.80}")
-        strays = set(meta["nulls"]) - _TENSOR_FIELDS
+        strays = known_json & set(meta["nulls"])
         if strays:
-            raise InvalidInput(f"sample {i} null markers must name tensor fields {sorted(_TENSOR_FIELDS)}, "
-                               f"they name non-tensor fields {sorted(strays)}")
+            raise InvalidInput(f"sample {i} null markers must name tensor fields, they name JSON fields {sorted(strays)}")
     if fields is None:
-        fields = FIELDS_WITH_MASK if _carries_mask(tensors, sample_metas) else DEFAULT_FIELDS
+        fields = FIELDS_WITH_REWARD if any(REWARD_FIELD in meta for meta in sample_metas) else DEFAULT_FIELDS
+        if _carries_mask(tensors, sample_metas):
+            fields = (*fields, MASK_FIELD)
     samples = []
     for i, meta in enumerate(sample_metas):
         nulls = set(meta["nulls"])
@@ -197,16 +271,52 @@ def decode_session_samples(payload: bytes, *, fields: Sequence[str] | None = Non
             elif name in nulls:
                 sample[name] = None
             elif spec.codec == "mask":
-                ids = _take(tensors, f"{name}.ids.{i}", np.dtype("<i4"), f"{name} of sample {i}")
-                offsets = _take(tensors, f"{name}.offsets.{i}", np.dtype("<i8"), f"{name} of sample {i}")
+                ids = _take(tensors, f"{name}.ids.{i}", f"{name} ids", np.dtype("<i4"), i)
+                offsets = _take(tensors, f"{name}.offsets.{i}", f"{name} offsets", np.dtype("<i8"), i)
                 sample[name] = SamplingMask(ids, offsets)
+            elif spec.left_out_when_none and f"{name}.{i}" not in tensors:
+                sample[name] = None  # left out by an encoder that did not collect it
             else:
                 assert spec.dtype is not None, f"{name}: a tensor field has a dtype"
-                sample[name] = _take(tensors, f"{name}.{i}", spec.dtype, f"{name} of sample {i}")
+                sample[name] = _take(tensors, f"{name}.{i}", name, spec.dtype, i)
         samples.append(sample)
-    if tensors:
-        raise InvalidInput(f"payload carries tensors no sample refers to: {sorted(tensors)}")
-    return SessionSamples(samples, document.get("session_metadata"), document.get("empty_reason"))
+    unknown = _carry_unknown(samples, sample_metas, _unknown_tensors(tensors, len(samples)))
+    ordered = [name for name in fields if name != MASK_FIELD] + list(unknown)
+    if MASK_FIELD in fields:
+        ordered.append(MASK_FIELD)
+    return SessionSamples(samples, document.get("session_metadata"), document.get("empty_reason"), tuple(ordered),
+                          unknown)
+
+
+def _carry_unknown(samples: list[dict], sample_metas: Sequence[Mapping[str, Any]],
+                   tensors: Mapping[tuple[str, int], np.ndarray]) -> dict[str, SessionField]:
+    """Put the fields no known spec reads on the samples, as read; their
+    specs, in the payload's order (JSON keys and null markers as they come,
+    then tensors by name)."""
+    unknown: dict[str, SessionField] = {}
+    for i, (sample, meta) in enumerate(zip(samples, sample_metas)):
+        for name, value in meta.items():
+            if name != "nulls" and name not in SESSION_FIELDS:
+                unknown.setdefault(name, SessionField("json"))
+                sample[name] = value
+        for name in meta["nulls"]:
+            if name not in SESSION_FIELDS:
+                unknown.setdefault(name, SessionField("tensor"))
+                sample[name] = None
+    for (name, i), arr in sorted(tensors.items()):
+        spec = unknown.get(name)
+        if spec is not None and spec.codec == "json":
+            raise InvalidInput(f"unknown field {name!r} is a JSON value and a tensor ({name}.{i}) at once")
+        if spec is None or spec.dtype is None:
+            unknown[name] = SessionField("tensor", arr.dtype, strict=True)
+        elif spec.dtype != arr.dtype:
+            raise InvalidInput(f"unknown field {name!r} must keep one dtype across samples: {spec.dtype.name}, "
+                               f"got {arr.dtype} in sample {i}")
+        samples[i][name] = arr
+    for name, spec in unknown.items():
+        if spec.codec == "tensor" and spec.dtype is None:  # null in every sample: the dtype never shows
+            unknown[name] = SessionField("tensor", np.dtype("u1"), strict=True)
+    return unknown
 
 
 # -- train data ------------------------------------------------------------

@@ -29,35 +29,55 @@ def sample(mask=True, **overrides):
         "rollout_routed_experts": None,
         "rollout_indexer_topk": np.zeros((3, 2), np.int32),
         "status": "completed",
-        "weight_versions": [{"engine": "e0", "version": 3}],
-        "spec_info": {},
-        "prefix_cache_info": {"cached_tokens": 0},
+        "weight_versions": [[{"version": "3", "abs_start": 2, "abs_end": 4}]],
+        "spec_info": {"spec_num_correct_drafts": 1, "spec_num_proposed_drafts": 2, "spec_verify_ct": 1,
+                      "completion_tokens": 2},
+        "prefix_cache_info": {"cached_tokens": 1, "total_prompt_tokens": 2},
         "metadata": {"turn": 1},
     }
     base.update(overrides)
     return base
 
 
-def reference_payload(samples, session_metadata, empty_reason=None):
-    """What an encoder that never knew about masks writes, built by hand.
-    A field the samples lack is left out, as an encoder from before that
-    field existed leaves it out."""
+# miles' session codec at sii-avalanche/miles@4d412b5, written out by hand from its field table: the
+# fields in order (None: a JSON field), the defaults a fresh miles Sample holds, and the top-k pair
+# it leaves out (no null marker) when a sample has none. The mask, when it crosses, goes after these.
+MILES_LAYOUT = [("tokens", np.int64), ("response", None), ("response_length", None), ("loss_mask", np.uint8),
+                ("rollout_log_probs", np.float64), ("rollout_topk_token_ids", np.int32),
+                ("rollout_topk_log_probs", np.float32), ("rollout_routed_experts", np.int32),
+                ("rollout_indexer_topk", np.int32), ("status", None), ("weight_versions", None), ("spec_info", None),
+                ("prefix_cache_info", None), ("metadata", None)]
+MILES_DEFAULTS = {"response": "", "weight_versions": [], "metadata": {},
+                  "spec_info": {"spec_num_correct_drafts": 0, "spec_num_proposed_drafts": 0, "spec_verify_ct": 0,
+                                "completion_tokens": 0},
+                  "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": 0}}
+LEFT_OUT_WHEN_NONE = {"rollout_topk_token_ids", "rollout_topk_log_probs"}
+
+
+def miles_payload(samples, session_metadata, empty_reason=None, *, mask=False, left_out=(), extra_json=()):
+    """What miles' encoder writes for these samples (a field a sample dict
+    lacks is what a fresh miles Sample holds). `left_out`: fields an encoder
+    from before them did not write; `extra_json`: JSON fields a newer one
+    appends after its own."""
+    layout = [(n, d) for n, d in MILES_LAYOUT if n not in left_out] + [(n, None) for n in extra_json]
     tensors, metas = {}, []
     for i, s in enumerate(samples):
         meta, nulls = {}, []
-        for name in ["tokens", "response", "response_length", "loss_mask", "rollout_log_probs",
-                     "rollout_routed_experts", "rollout_indexer_topk", "status", "weight_versions",
-                     "spec_info", "prefix_cache_info", "metadata"]:
-            dtypes = {"tokens": np.int64, "loss_mask": np.uint8, "rollout_log_probs": np.float64,
-                      "rollout_routed_experts": np.int32, "rollout_indexer_topk": np.int32}
-            if name not in s:
-                continue
-            if name not in dtypes:
-                meta[name] = s[name]
-            elif s[name] is None:
-                nulls.append(name)
+        for name, dtype in layout:
+            value = s.get(name)
+            if dtype is None:
+                meta[name] = MILES_DEFAULTS.get(name) if value is None else value
+            elif value is None:
+                if name not in LEFT_OUT_WHEN_NONE:
+                    nulls.append(name)
             else:
-                tensors[f"{name}.{i}"] = np.asarray(s[name], dtype=dtypes[name])
+                tensors[f"{name}.{i}"] = np.asarray(value, dtype=dtype)
+        if mask:
+            if s.get("rollout_sampling_mask") is None:
+                nulls.append("rollout_sampling_mask")
+            else:
+                tensors[f"rollout_sampling_mask.ids.{i}"] = s["rollout_sampling_mask"].ids
+                tensors[f"rollout_sampling_mask.offsets.{i}"] = s["rollout_sampling_mask"].offsets
         meta["nulls"] = nulls
         metas.append(meta)
     doc = json.dumps({"samples": metas, "session_metadata": session_metadata, "empty_reason": empty_reason},
@@ -66,9 +86,66 @@ def reference_payload(samples, session_metadata, empty_reason=None):
     return safetensors.numpy.save(tensors)
 
 
-def test_default_payload_is_byte_identical_to_a_maskless_encoder():
-    samples = [sample(), sample(mask=False, response="é")]
-    assert encode_session_samples(samples, {"sid": "s"}) == reference_payload(samples, {"sid": "s"})
+def with_topk(s):
+    return {**s, "rollout_topk_token_ids": np.array([[10, 3], [20, -1]], np.int32),
+            "rollout_topk_log_probs": np.array([[-0.1, -2.0], [0.0, -np.inf]], np.float32)}
+
+
+def test_default_payload_is_byte_identical_to_what_miles_writes():
+    samples = [sample(), sample(mask=False, response="é"), with_topk(sample())]
+    assert encode_session_samples(samples, {"sid": "s"}) == miles_payload(samples, {"sid": "s"})
+
+
+def test_a_maskless_sample_among_masked_ones_is_byte_identical_with_the_mask_after_every_other_field():
+    samples = [sample(), sample(mask=False), sample(rollout_routed_experts=np.ones((3, 2, 1), np.int32))]
+    assert encode_session_samples(samples, {}, fields=FIELDS_WITH_MASK) == miles_payload(samples, {}, mask=True)
+
+
+def test_a_sample_without_optional_fields_is_written_with_miles_defaults_never_null():
+    """miles' decoder iterates `weight_versions` and reads `spec_info` as a
+    dict: nulls there fail it (TypeError), its defaults do not."""
+    bare = {k: v for k, v in sample().items()
+            if k not in ("response", "weight_versions", "spec_info", "prefix_cache_info", "metadata")}
+    payload = encode_session_samples([bare, {**sample(), "weight_versions": None}], {})
+    assert payload == miles_payload([bare, {**sample(), "weight_versions": None}], {})
+    meta = json.loads(bytes(safetensors.numpy.load(payload)["_samples_meta"]))["samples"][0]
+    assert (meta["response"], meta["weight_versions"], meta["metadata"]) == ("", [], {})
+    assert meta["spec_info"]["spec_verify_ct"] == 0 and meta["prefix_cache_info"]["total_prompt_tokens"] == 0
+    with pytest.raises(ValueError, match=r"sample 0 lacks 'status': required"):
+        encode_session_samples([{k: v for k, v in sample().items() if k != "status"}])
+
+
+def test_newer_fields_are_carried_listed_and_written_back_byte_identical():
+    """A newer miles: the top-k pair (known here), a JSON field and a tensor
+    field appended after its own, and the mask."""
+    samples = [with_topk(sample()), sample(mask=False)]
+    payload = miles_payload(samples, {"sid": 1}, mask=True, extra_json=("lineage_note",))
+    tensors = dict(safetensors.numpy.load(payload))
+    tensors["draft_hidden.1"] = np.arange(6, dtype=np.float16).reshape(2, 3)
+    payload = safetensors.numpy.save(tensors)
+    decoded = decode_session_samples(payload)
+    assert list(decoded.unknown) == ["lineage_note", "draft_hidden"]
+    assert decoded.samples[1]["draft_hidden"].dtype == np.float16 and "draft_hidden" not in decoded.samples[0]
+    assert decoded.samples[0]["lineage_note"] is None
+    assert decoded.samples[0]["rollout_topk_token_ids"].tolist() == [[10, 3], [20, -1]]
+    assert decoded.samples[1]["rollout_topk_token_ids"] is None
+    assert decoded.encode() == payload
+
+
+def test_a_known_field_in_a_dtype_the_contract_does_not_allow_is_still_refused():
+    payload = miles_payload([with_topk(sample())], {})
+    bad = _resave(payload, lambda t: t.__setitem__("rollout_topk_token_ids.0", t["rollout_topk_token_ids.0"].astype(np.int64)))
+    with pytest.raises(ValueError, match="rollout_topk_token_ids must have dtype int32, got int64"):
+        decode_session_samples(bad)
+
+
+def test_errors_use_miles_words_and_a_missing_tensor_is_a_key_error():
+    with pytest.raises(ValueError, match="rollout_routed_experts must have dtype int32"):
+        encode_session_samples([sample(rollout_routed_experts=np.zeros((3, 2), np.int64))])
+    payload = encode_session_samples([sample()])
+    with pytest.raises(KeyError) as missing:
+        decode_session_samples(_resave(payload, lambda t: t.pop("loss_mask.0")))
+    assert isinstance(missing.value, ValueError) and "tensor 'loss_mask.0' is missing" in str(missing.value)
 
 
 def test_mask_crosses_only_on_request():
@@ -88,7 +165,8 @@ def test_round_trip_with_nulls():
     s = decoded.samples[0]
     assert s["rollout_sampling_mask"] is None and s["rollout_routed_experts"] is None
     assert s["tokens"].dtype == np.int64 and s["tokens"].tolist() == [1, 2, 10, 20]
-    assert s["rollout_log_probs"].dtype == np.float64 and s["weight_versions"] == [{"engine": "e0", "version": 3}]
+    assert s["rollout_log_probs"].dtype == np.float64
+    assert s["weight_versions"] == [[{"version": "3", "abs_start": 2, "abs_end": 4}]]
     assert decoded.session_metadata == {"k": [1]} and decoded.empty_reason == "none"
 
 
@@ -130,15 +208,16 @@ def test_decode_unreferenced_tensor_is_an_error():
 
 def test_a_payload_written_without_optional_json_fields_decodes_them_to_their_defaults():
     """An encoder from before miles had `spec_info` and `prefix_cache_info`
-    (or one that leaves optional fields out): miles fills them with their
-    defaults when it reads the samples, and so does the decoder."""
-    older = [{k: v for k, v in sample().items() if k not in ("spec_info", "prefix_cache_info")}]
+    left them out. miles' own decoder raises KeyError on such a payload;
+    this one fills what a fresh miles Sample holds (docs/data-model.md)."""
+    older = miles_payload([sample()], {}, left_out=("spec_info", "prefix_cache_info", "rollout_topk_token_ids",
+                                                     "rollout_topk_log_probs"))
     for fields in (None, DEFAULT_FIELDS):
-        s = decode_session_samples(reference_payload(older, {}), fields=fields).samples[0]
-        assert s["spec_info"] == {} and s["prefix_cache_info"] == {}
+        s = decode_session_samples(older, fields=fields).samples[0]
+        assert s["spec_info"] == MILES_DEFAULTS["spec_info"] and s["prefix_cache_info"] == MILES_DEFAULTS["prefix_cache_info"]
         assert s["status"] == "completed" and s["metadata"] == {"turn": 1} and s["tokens"].tolist() == [1, 2, 10, 20]
-    bare = [{k: v for k, v in sample().items() if k not in ("response", "weight_versions", "metadata")}]
-    s = decode_session_samples(reference_payload(bare, {})).samples[0]
+    bare = miles_payload([sample()], {}, left_out=("response", "weight_versions", "metadata"))
+    s = decode_session_samples(bare).samples[0]
     assert (s["response"], s["weight_versions"], s["metadata"]) == ("", [], {})
 
 
@@ -146,7 +225,7 @@ def test_a_sample_without_a_field_that_has_no_default_is_refused():
     without_status = [{k: v for k, v in sample().items() if k != "status"}]
     with pytest.raises(ValueError, match=r"sample 0 meta lacks field 'status', which has no default "
                                          r"\(required: \['response_length', 'status'\]"):
-        decode_session_samples(reference_payload(without_status, {}))
+        decode_session_samples(miles_payload(without_status, {}, left_out=("status",)))
 
 
 def test_decode_reads_the_mask_when_the_payload_carries_it():
@@ -165,7 +244,7 @@ def test_decode_rejects_bad_meta_and_containers():
         decode_session_samples(payload)
     doc = json.dumps({"samples": [{"nulls": ["status"]}]}).encode()
     payload = safetensors.numpy.save({"_samples_meta": np.frombuffer(doc, np.uint8)})
-    with pytest.raises(ValueError, match="non-tensor"):
+    with pytest.raises(ValueError, match="they name JSON fields"):
         decode_session_samples(payload)
 
 
