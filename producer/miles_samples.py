@@ -26,6 +26,7 @@ import numpy as np
 from rollstream.common.contract import STATUSES
 from rollstream.common.errors import InvalidInput
 from rollstream.common.mask import SamplingMask, as_numpy
+from rollstream.common.miles import SESSION_FIELDS
 from rollstream.common.trajectory import Turn
 
 _REPLAY = {"rollout_sampling_mask": "mask", "rollout_routed_experts": "routed_experts",
@@ -44,6 +45,7 @@ class MilesTurns:
     prompt_tokens: np.ndarray
     turns: list[Turn]
     dropped: int
+    unknown_fields: tuple[str, ...] = ()  # on the samples, not in miles' field table as rollstream reads it: not sent
 
 
 @dataclass(frozen=True)
@@ -94,32 +96,56 @@ def _status(value: Any, index: int) -> str:
     return status
 
 
-def _weight_version(versions: Any, index: int) -> str | None:
-    """miles records one weight version per engine call; a per-turn sample is one call."""
+def _spans(call: Any, index: int) -> list[tuple[str, int, int]]:
+    """One engine call's weight-version spans as (version, abs_start,
+    abs_end): miles' per-call object (`.spans`), or its list of span dicts."""
+    spans = getattr(call, "spans", call)
+    if not isinstance(spans, (list, tuple)):
+        raise MilesMergeError(f"sample {index}: rule 'weight_versions holds one list of spans per engine call' violated: "
+                              f"expected a list of spans, got {type(spans).__name__}")
+    out = []
+    for span in spans:
+        version, start, end = (_field(span, key) for key in ("version", "abs_start", "abs_end"))
+        if not isinstance(version, str) or not version or not all(isinstance(v, int) for v in (start, end)):
+            raise MilesMergeError(f"sample {index}: rule 'a weight-version span is a non-empty version with integer "
+                                  f"abs_start and abs_end' violated: got {span!r:.120}")
+        out.append((version, start, end))
+    return out
+
+
+def _weight_version(versions: Any, tokens: np.ndarray, response_length: int, index: int) -> str | None:
+    """The version of the weights that sampled this sample's response: that
+    of its first token (the oldest weights in it; a call whose weights
+    changed mid-response spans more than one version). miles records one
+    list of spans per engine call, each span placed by absolute token
+    position, so only spans over this response count; a legacy sample
+    holds one version string per call instead (its last is this one's)."""
     if not versions:
         return None
-    if len(versions) != 1:
-        raise MilesMergeError(f"sample {index}: rule 'one weight version per engine call' violated: "
-                              f"expected 1 entry in weight_versions, got {len(versions)}")
-    version = versions[0]
-    return str(version["version"] if isinstance(version, Mapping) else version)
+    if all(isinstance(v, str) for v in versions):  # miles' legacy form
+        return versions[-1]
+    start = len(tokens) - response_length
+    over_response = [(version, begin) for call in versions for version, begin, end in _spans(call, index)
+                     if end > start and begin < len(tokens)]
+    return min(over_response, key=lambda span: span[1])[0] if over_response else None
 
 
 def _read(sample: Any, index: int) -> _Sample:
     tokens = np.asarray(as_numpy(_field(sample, "tokens")))
     length = _field(sample, "response_length")
+    response_length = int(length) if length is not None else -1
     replay = {name: _field(sample, name) for name in ("rollout_routed_experts", "rollout_indexer_topk")}
     return _Sample(
         index=index,
         tokens=tokens,
-        response_length=int(length) if length is not None else -1,
+        response_length=response_length,
         loss_mask=_field(sample, "loss_mask"),
         log_probs=_field(sample, "rollout_log_probs"),
         mask=_mask(_field(sample, "rollout_sampling_mask"), index),
         routed_experts=None if replay["rollout_routed_experts"] is None else as_numpy(replay["rollout_routed_experts"]),
         indexer_topk=None if replay["rollout_indexer_topk"] is None else as_numpy(replay["rollout_indexer_topk"]),
         status=_status(_field(sample, "status"), index),
-        weight_version=_weight_version(_field(sample, "weight_versions"), index),
+        weight_version=_weight_version(_field(sample, "weight_versions"), tokens, response_length, index),
     )
 
 
@@ -193,4 +219,5 @@ def turns_from_miles_samples(samples: Sequence[Any], *, vocab_size: int | None =
         turns.append(_turn(acc, _observation(acc, b), vocab_size))
         acc = b
     turns.append(_turn(acc, None, vocab_size))
-    return MilesTurns(prompt, turns, dropped=len(read) - acc.index - 1)
+    unknown = sorted({name for sample in samples if isinstance(sample, Mapping) for name in sample} - set(SESSION_FIELDS))
+    return MilesTurns(prompt, turns, dropped=len(read) - acc.index - 1, unknown_fields=tuple(unknown))

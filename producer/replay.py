@@ -97,6 +97,10 @@ def miles_payload(path: Path, vocab_size: int | None):
     if converted.dropped:
         log.info("miles samples after the merge stops are not sent", extra={"file": str(path),
                                                                            "dropped": converted.dropped})
+    if converted.unknown_fields:  # a newer miles': the codec carries them, a turn has no place for them
+        log.info("miles sample fields rollstream does not interpret are not sent",
+                 extra={"file": str(path), "fields": list(converted.unknown_fields),
+                        "count": len(converted.unknown_fields)})
     return converted, session.session_metadata if isinstance(session.session_metadata, dict) else {}
 
 

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 
 from rollstream.common import SamplingMask, Trajectory
-from rollstream.common.miles import FIELDS_WITH_MASK, decode_session_samples, encode_session_samples
+from rollstream.common.miles import (
+    DEFAULT_FIELDS,
+    FIELDS_WITH_MASK,
+    MASK_FIELD,
+    SessionField,
+    decode_session_samples,
+    encode_session_samples,
+)
 from rollstream.producer.miles_samples import MilesMergeError, turns_from_miles_samples
 from rollstream.producer.replay import ReplayError, miles_payload
 
@@ -30,13 +37,18 @@ def sample(tokens, response, supports, status="completed", **overrides):
         "rollout_routed_experts": None,
         "rollout_indexer_topk": None,
         "status": status,
-        "weight_versions": [{"engine": "e0", "version": 7}],
+        "weight_versions": [[span("7", len(tokens) - len(response), len(tokens))]],  # miles: one span list per call
         "spec_info": {},
         "prefix_cache_info": {},
         "metadata": {},
     }
     base.update(overrides)
     return base
+
+
+def span(version, start, end):
+    """A miles weight-version span as its decoded payloads hold it (absolute token positions)."""
+    return {"version": version, "abs_start": start, "abs_end": end}
 
 
 def three_turns(per_turn=None):
@@ -86,6 +98,40 @@ def test_objects_enums_and_miles_masks_are_accepted():
     assert out.turns[2].mask.offsets.tolist() == [0, 1, 3]
 
 
+def test_weight_versions_are_read_from_miles_per_call_spans_as_dicts_and_as_objects():
+    t0, t1, t2 = (len(PROMPT + R0), len(PROMPT + R0 + OBS0 + R1), len(PROMPT + R0 + OBS0 + R1 + OBS1 + R2))
+    per_turn = {
+        0: {"weight_versions": [[span("5", t0 - 2, t0)]]},
+        # two calls recorded on one sample: only the spans over this sample's response count
+        1: {"weight_versions": [[span("5", t0 - 2, t0)], [span("6", t1 - 1, t1)]]},
+        # the call's weights changed after its first token: the turn is as old as that token
+        2: {"weight_versions": [[span("6", t2 - 2, t2 - 1), span("7", t2 - 1, t2)]]},
+    }
+    out = turns_from_miles_samples(three_turns(per_turn))
+    assert [t.weight_version for t in out.turns] == ["5", "6", "6"]
+    objects = [SimpleNamespace(**s) for s in three_turns(per_turn)]
+    for s in objects:  # miles' WeightVersionsPerCall objects holding WeightVersionSpan objects
+        s.weight_versions = [SimpleNamespace(spans=[SimpleNamespace(**d) for d in call]) for call in s.weight_versions]
+    assert [t.weight_version for t in turns_from_miles_samples(objects).turns] == ["5", "6", "6"]
+
+
+def test_fields_a_newer_miles_adds_are_counted_where_samples_become_turns_and_not_sent():
+    newer = {"lineage_note": SessionField("json"), "draft_hidden": SessionField("tensor", np.dtype("<f2"), strict=True)}
+    samples = three_turns({1: {"draft_hidden": np.zeros(2, np.float16), "lineage_note": "x"}})
+    payload = encode_session_samples(samples, fields=(*DEFAULT_FIELDS, *newer, MASK_FIELD), unknown=newer)
+    decoded = decode_session_samples(payload)
+    assert sorted(decoded.unknown) == ["draft_hidden", "lineage_note"]
+    out = turns_from_miles_samples(decoded.samples)
+    assert out.unknown_fields == ("draft_hidden", "lineage_note")
+    assert [t.tokens.tolist() for t in out.turns] == [R0, R1, R2]
+
+
+def test_an_unversioned_call_has_no_version_and_a_legacy_sample_its_version_string():
+    unversioned = turns_from_miles_samples(three_turns({0: {"weight_versions": [[]]}, 1: {"weight_versions": []},
+                                                        2: {"weight_versions": ["3", "4"]}}))
+    assert [t.weight_version for t in unversioned.turns] == [None, None, "4"]
+
+
 def test_the_merge_stops_after_a_turn_that_did_not_complete():
     out = turns_from_miles_samples(three_turns({1: {"status": "truncated"}}))
     assert [t.status for t in out.turns] == ["completed", "truncated"]
@@ -125,8 +171,11 @@ def test_a_single_sample_is_one_turn():
      r"sample 0: rule 'len\(rollout_indexer_topk\) == len\(tokens\) - 1' violated: expected 4, got 2"),
     ([sample([10], R0, S0)], r"sample 0: rule 'len\(tokens\) >= response_length' violated: expected >= 2, got 1"),
     ([sample(PROMPT + R0, R0, S0, status="failed")], r"sample 0: status must be one of .* got 'failed'"),
-    ([sample(PROMPT + R0, R0, S0, weight_versions=["1", "2"])],
-     r"rule 'one weight version per engine call' violated: expected 1 entry in weight_versions, got 2"),
+    ([sample(PROMPT + R0, R0, S0, weight_versions=[[{"version": "", "abs_start": 3, "abs_end": 5}]])],
+     r"sample 0: rule 'a weight-version span is a non-empty version with integer abs_start and abs_end' violated"),
+    ([sample(PROMPT + R0, R0, S0, weight_versions=[{"version": "7"}])],
+     r"sample 0: rule 'weight_versions holds one list of spans per engine call' violated: expected a list of spans, "
+     r"got dict"),
     ([], "no samples"),
 ])
 def test_miles_merge_errors(samples, match):
