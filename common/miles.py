@@ -325,12 +325,15 @@ REPLAY_KEYS = {"rollout_routed_experts": "routed_experts", "rollout_indexer_topk
 # Per-sample payload, never averaged into metrics.
 PAYLOAD_KEYS = frozenset(MASK_KEYS) | frozenset(REPLAY_KEYS)
 
-TRAIN_DTYPES = {
+TRAIN_DTYPES = {  # miles' rollout-data dtypes
     "tokens": np.dtype(np.int32),
     "response_lengths": np.dtype(np.int64),
     "loss_masks": np.dtype(np.int32),
     "rollout_log_probs": np.dtype(np.float32),
     "sample_indices": np.dtype(np.int64),
+    "truncated": np.dtype(np.int64),
+    "rollout_ids": np.dtype(np.int64),
+    "rollout_mask_sums": np.dtype(np.int64),
     "rollout_sampling_mask_ids": np.dtype(np.int32),
     "rollout_sampling_mask_offsets": np.dtype(np.int64),
     "rollout_routed_experts": np.dtype(np.int32),
@@ -338,24 +341,52 @@ TRAIN_DTYPES = {
 }
 
 
-def to_train_data(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
+def rollout_keys(rewards: Sequence[Any], statuses: Sequence[str], indices: Sequence[int],
+                 mask_totals: Sequence[int], metadata: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The train-data keys miles derives from per-sample facts: `raw_reward`
+    (the rewards, or each sample's `metadata["raw_reward"]` when the first
+    sample's metadata holds one), `truncated`, `rollout_ids` (a sample's
+    rollout: its sample index, as miles falls back to it) and
+    `rollout_mask_sums` (every sample of a rollout carries the loss-mask
+    total over all of them)."""
+    totals: dict[int, int] = {}
+    for rollout, total in zip(indices, mask_totals):
+        totals[rollout] = totals.get(rollout, 0) + int(total)
+    raw = (list(rewards) if not metadata or "raw_reward" not in (metadata[0] or {})
+           else [m["raw_reward"] for m in metadata])
+    return {
+        "raw_reward": raw,
+        "truncated": np.array([status == "truncated" for status in statuses], dtype=TRAIN_DTYPES["truncated"]),
+        "rollout_ids": np.array(indices, dtype=TRAIN_DTYPES["rollout_ids"]),
+        "rollout_mask_sums": np.array([totals[r] for r in indices], dtype=TRAIN_DTYPES["rollout_mask_sums"]),
+    }
+
+
+def to_train_data(trajectories: Sequence[Trajectory], *, strict_replay: bool = False) -> dict[str, Any]:
     """miles' rollout data dict for a batch of merged trajectories.
 
     Per-sample keys are lists of arrays with miles' dtypes; `tokens` is the
-    prompt followed by the response. The whole-batch rule applies to the mask
-    and to each replay field: all samples carry it, or none does.
-    A sample without a `sample_index` gets its batch position.
+    prompt followed by the response. The whole-batch rule applies to the
+    mask: all samples carry it, or none does. A replay field follows miles'
+    rule: present when the first sample carries it, with a None row for a
+    sample that does not (`strict_replay` refuses such a batch instead,
+    naming the sample). A sample without a `sample_index` gets its batch
+    position.
     """
     indices = [t.sample_index if t.sample_index is not None else i for i, t in enumerate(trajectories)]
     statuses = [t.status for t in trajectories]
     check_whole_batch_rule([t.has_mask for t in trajectories], indices, statuses)
+    loss_masks = [t.loss_mask.astype(np.int32) for t in trajectories]
+    rewards = [t.reward for t in trajectories]
     data: dict[str, Any] = {
         "tokens": [np.concatenate([t.prompt_tokens, t.tokens]).astype(np.int32) for t in trajectories],
         "response_lengths": np.array([t.response_length for t in trajectories], dtype=np.int64),
-        "loss_masks": [t.loss_mask.astype(np.int32) for t in trajectories],
+        "loss_masks": loss_masks,
         "rollout_log_probs": [t.log_probs.astype(np.float32) for t in trajectories],
-        "rewards": [t.reward for t in trajectories],
+        "rewards": rewards,
         "sample_indices": np.array(indices, dtype=np.int64),
+        **rollout_keys(rewards, statuses, indices, [int(m.sum()) for m in loss_masks],
+                       [t.metadata for t in trajectories]),
     }
     if trajectories and trajectories[0].has_mask:
         ids: list[np.ndarray] = []
@@ -367,10 +398,11 @@ def to_train_data(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
             offsets.append(mask.offsets)
         data["rollout_sampling_mask_ids"], data["rollout_sampling_mask_offsets"] = ids, offsets
     for key, name in REPLAY_KEYS.items():
-        present = [getattr(t, name) is not None for t in trajectories]
-        check_whole_batch_rule(present, indices, statuses, field=name)
-        if trajectories and all(present):
-            data[key] = [getattr(t, name) for t in trajectories]
+        rows = [getattr(t, name) for t in trajectories]
+        if strict_replay:
+            check_whole_batch_rule([row is not None for row in rows], indices, statuses, field=name)
+        if rows and rows[0] is not None:
+            data[key] = rows
     return data
 
 

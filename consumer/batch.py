@@ -23,7 +23,7 @@ import torch
 from rollstream.common.checker import Ledger, delivered_digest
 from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS
 from rollstream.common.errors import InvalidInput, InvalidType, OutOfRange
-from rollstream.common.miles import MASK_KEYS, REPLAY_KEYS, TRAIN_DTYPES, metric_view
+from rollstream.common.miles import MASK_KEYS, REPLAY_KEYS, TRAIN_DTYPES, metric_view, rollout_keys
 from rollstream.common.trajectory import Gap
 from rollstream.common.validation import pack_csr
 
@@ -43,7 +43,8 @@ HOST_FIELDS = (
     "trajectory_ids", "statuses", "gaps", "group_ids", "raw_rewards", "metadata", "weight_versions", "leases", "positions",
 )
 # Train-data keys holding ids, not quantities: metrics do not average them.
-_ID_KEYS = frozenset({"tokens", "sample_indices"})
+# Train-data keys `metrics` does not average: ids and counts, and `truncated` (a fraction there already).
+_NOT_AVERAGED = frozenset({"tokens", "sample_indices", "rollout_ids", "rollout_mask_sums", "truncated"})
 
 
 def torch_dtype(dtype) -> torch.dtype:
@@ -390,14 +391,23 @@ class Batch:
         def cast(values: torch.Tensor, key: str) -> torch.Tensor:
             return values.to(torch_dtype(TRAIN_DTYPES[key]))
 
+        loss_masks = self._split(cast(self.loss_mask, "loss_masks"), "response")
+        rewards = self.rewards.tolist()
+        indices = self.sample_indices.tolist()
+        running = torch.zeros(len(self.loss_mask) + 1, dtype=torch.int64, device=self.loss_mask.device)
+        torch.cumsum(self.loss_mask.to(torch.int64), 0, out=running[1:])
+        cu = torch.as_tensor(self._cu["response"], device=self.loss_mask.device)
+        totals = running[cu[1:]] - running[cu[:-1]]  # each sample's loss-mask total
         data: dict[str, Any] = {
             "tokens": self._split(cast(self.tokens, "tokens"), "sequence"),
             "response_lengths": cast(self.response_lengths, "response_lengths"),
-            "loss_masks": self._split(cast(self.loss_mask, "loss_masks"), "response"),
+            "loss_masks": loss_masks,
             "rollout_log_probs": self._split(cast(self.log_probs, "rollout_log_probs"), "response"),
-            "rewards": self.rewards.tolist(),
+            "rewards": rewards,
             "sample_indices": cast(self.sample_indices, "sample_indices"),
         }
+        for key, value in rollout_keys(rewards, self.statuses, indices, totals.tolist(), self.metadata).items():
+            data[key] = torch.from_numpy(value).to(self.device) if isinstance(value, np.ndarray) else value
         if self.has_mask:
             ids_key, offsets_key = MASK_KEYS
             mask_ids, _ = self._masks()
@@ -413,8 +423,10 @@ class Batch:
         data, which holds no mask or replay key, so those are never reduced."""
         out: dict[str, float] = {"samples": float(len(self)), "tokens": float(self.num_tokens)}
         for key, value in metric_view(self.to_train_data()).items():
-            if key in _ID_KEYS:
+            if key in _NOT_AVERAGED:
                 continue
+            if isinstance(value, list) and value and not all(torch.is_tensor(v) or isinstance(v, (int, float)) for v in value):
+                continue  # raw rewards that are maps
             flat = torch.cat(value) if isinstance(value, list) and value and torch.is_tensor(value[0]) else torch.as_tensor(value)
             if flat.numel():
                 out[f"{key}/mean"] = float(flat.double().mean())

@@ -255,9 +255,10 @@ def test_decode_invalid_mask_is_an_error():
         decode_session_samples(bad, fields=FIELDS_WITH_MASK)
 
 
-def _traj(i, mask=True, status="completed"):
-    traj = Trajectory(f"t{i}", [1, 2], sample_index=8 + i)
-    traj.append_turn(Turn.build([10], [-0.5], supports=[[10, 4]] if mask else None, forced_tokens=[7], status=status))
+def _traj(i, mask=True, status="completed", sample_index=None, routed=False, metadata=None):
+    traj = Trajectory(f"t{i}", [1, 2], sample_index=8 + i if sample_index is None else sample_index, metadata=metadata)
+    traj.append_turn(Turn.build([10], [-0.5], supports=[[10, 4]] if mask else None, forced_tokens=[7], status=status,
+                                routed_experts=np.full((3, 1, 1), i, np.int32) if routed else None))
     traj.reward = float(i)
     return traj
 
@@ -272,6 +273,26 @@ def test_train_data_keys_and_dtypes():
     assert data["rewards"] == [0.0, 1.0] and data["sample_indices"].tolist() == [8, 9]
     assert data["rollout_sampling_mask_ids"][0].dtype == np.int32
     assert data["rollout_sampling_mask_offsets"][0].tolist() == [0, 2, 3]
+
+
+def test_train_data_has_miles_rollout_keys():
+    """Two samples of one rollout (sample index 8) and one of another:
+    every sample of a rollout carries the loss-mask total over all of them."""
+    data = to_train_data([_traj(0), _traj(1, sample_index=8, status="truncated"), _traj(2, sample_index=5)])
+    assert data["raw_reward"] == [0.0, 1.0, 2.0]
+    assert data["truncated"].tolist() == [0, 1, 0] and data["truncated"].dtype == np.int64
+    assert data["rollout_ids"].tolist() == [8, 8, 5] and data["rollout_ids"].dtype == np.int64
+    assert data["rollout_mask_sums"].tolist() == [2, 2, 1] and data["rollout_mask_sums"].dtype == np.int64
+    graded = to_train_data([_traj(0, metadata={"raw_reward": 0.25}), _traj(1, metadata={"raw_reward": 0.5})])
+    assert graded["raw_reward"] == [0.25, 0.5] and graded["rewards"] == [0.0, 1.0]
+
+
+def test_a_replay_field_follows_miles_rule_or_the_whole_batch_rule_when_strict():
+    data = to_train_data([_traj(0, routed=True), _traj(1)])
+    assert data["rollout_routed_experts"][0].shape == (3, 1, 1) and data["rollout_routed_experts"][1] is None
+    assert "rollout_routed_experts" not in to_train_data([_traj(0), _traj(1, routed=True)])  # miles: the first decides
+    with pytest.raises(ValueError, match=r"routed_experts.*position 1 \(sample_index=9"):
+        to_train_data([_traj(0, routed=True), _traj(1)], strict_replay=True)
 
 
 def test_example_9_whole_batch_rule_names_the_sample():
