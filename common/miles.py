@@ -325,7 +325,7 @@ REPLAY_KEYS = {"rollout_routed_experts": "routed_experts", "rollout_indexer_topk
 # Per-sample payload, never averaged into metrics.
 PAYLOAD_KEYS = frozenset(MASK_KEYS) | frozenset(REPLAY_KEYS)
 
-TRAIN_DTYPES = {  # miles' rollout-data dtypes
+TRAIN_DTYPES: dict[str, np.dtype] = {  # miles' rollout-data dtypes
     "tokens": np.dtype(np.int32),
     "response_lengths": np.dtype(np.int64),
     "loss_masks": np.dtype(np.int32),
@@ -341,7 +341,7 @@ TRAIN_DTYPES = {  # miles' rollout-data dtypes
 }
 
 
-def rollout_keys(rewards: Sequence[Any], statuses: Sequence[str], indices: Sequence[int],
+def rollout_keys(rewards: Sequence[Any], statuses: Sequence[str | None], indices: Sequence[int],
                  mask_totals: Sequence[int], metadata: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The train-data keys miles derives from per-sample facts: `raw_reward`
     (the rewards, or each sample's `metadata["raw_reward"]` when the first

@@ -29,7 +29,14 @@ from rollstream.common.messages import (
     CONSUMER_TO_BROKER,
     PRODUCER_TO_BROKER,
 )
-from rollstream.common.miles import FIELDS_WITH_MASK, encode_session_samples
+from rollstream.common.miles import (
+    DEFAULT_FIELDS,
+    FIELDS_WITH_MASK,
+    MASK_FIELD,
+    SessionField,
+    decode_session_samples,
+    encode_session_samples,
+)
 from rollstream.common.wire import trajectory_from_deliver
 from rollstream.producer import AsyncProducer, Producer, Receipt, Refused
 from rollstream.producer.session import BEFORE_WELCOME_WINDOW
@@ -765,6 +772,49 @@ def test_the_replay_daemon_streams_jsonl_and_miles_payloads(tmp_path):
         {"tokens": [60], "supports": [[60, 61]], "log_probs": [-0.75], "forced": [70, 71]},
         {"tokens": [80], "supports": [[80]], "log_probs": [-0.5]},
     ])
+
+
+@pytest.mark.slow
+def test_a_payload_as_a_newer_miles_writes_it_round_trips_and_replays_with_its_per_turn_versions(tmp_path):
+    """Per-call weight-version spans (one sample holds two calls, one call
+    spans two versions), a mask-less sample after masked ones (a replay
+    gap), the top-k pair, routed experts and a JSON field this codec does
+    not know: it decodes, re-encodes byte-identical, and a consumer gets the
+    turns up to the gap with the version of each turn's first token."""
+    def span(version, start, end):
+        return {"version": version, "abs_start": start, "abs_end": end}
+
+    def turn(tokens, response_length, spans, supports, **more):
+        n = len(tokens)
+        return {"tokens": np.array(tokens, np.int64), "response_length": response_length,
+                "loss_mask": np.ones(response_length, np.uint8), "rollout_log_probs": np.full(response_length, -0.5),
+                "rollout_topk_token_ids": np.zeros((response_length, 2), np.int32),
+                "rollout_topk_log_probs": np.full((response_length, 2), -1.0, np.float32),
+                "rollout_sampling_mask": None if supports is None else SamplingMask.from_supports(supports),
+                "rollout_routed_experts": np.full((n - 1, 1, 1), n, np.int32), "status": "completed",
+                "weight_versions": spans, "lineage_note": f"turn of {n}", **more}
+
+    samples = [
+        turn([7, 8, 60], 1, [[span("5", 2, 3)]], [[60, 61]]),
+        turn([7, 8, 60, 70, 71, 80, 81], 2, [[span("5", 2, 3)], [span("6", 5, 6), span("7", 6, 7)]], [[80], [81, 82]]),
+        turn([7, 8, 60, 70, 71, 80, 81, 90, 95], 1, [[span("8", 8, 9)]], None),
+    ]
+    fields = (*DEFAULT_FIELDS, "lineage_note", MASK_FIELD)
+    payload = encode_session_samples(samples, {"trajectory_id": "m-2", "reward": 1.0}, fields=fields,
+                                     unknown={"lineage_note": SessionField("json")})
+    decoded = decode_session_samples(payload)
+    assert list(decoded.unknown) == ["lineage_note"] and decoded.encode() == payload
+    recordings = tmp_path / "recordings"
+    recordings.mkdir()
+    (recordings / "m-2.safetensors").write_bytes(payload)
+    with Broker(tmp_path) as broker:
+        finish(daemon(broker, "--source", "replay", "--replay-path", str(recordings), "--vocab-size", "1000"))
+        got, deliveries = drain(broker, 1)
+    m2 = got["m-2"]
+    assert deliveries == 1 and m2.prompt_tokens.tolist() == [7, 8]
+    assert m2.weight_versions == ["5", "6"]  # the gap turn (no mask) is recorded, not applied
+    assert m2.gap.turn == 2 and m2.tokens.tolist() == [60, 70, 71, 80, 81] and m2.loss_mask.tolist() == [1, 0, 0, 1, 1]
+    assert m2.routed_experts.shape == (6, 1, 1)
 
 
 @pytest.mark.slow
