@@ -95,6 +95,18 @@ BATCHED_MESSAGES = Kind(
     Annotated[list[tuple[bytes, list[Annotated[int, msgspec.Meta(ge=0)]]]], msgspec.Meta(min_length=1)],
 )
 SEQ_RANGES = Kind("a list of [first, last] integer pairs with first <= last", _is_seq_ranges)
+
+
+def _is_spans(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(s, list) and len(s) == 3 and isinstance(s[0], str) and s[0] != "" and _is_int(s[1])
+        and _is_int(s[2]) and 0 <= s[1] < s[2] for s in value
+    )
+
+
+SPANS = Kind("a list of [version: non-empty string, start, end] with 0 <= start < end", _is_spans)
+TURN_SPANS = Kind("a list, per versioned turn, of [version: non-empty string, start, end] with 0 <= start < end",
+                  lambda v: isinstance(v, list) and all(map(_is_spans, v)))
 OUTCOMES = Kind(
     "a list of maps {seq: integer, applied: boolean, duplicate?: boolean, reason?: non-empty string}",
     lambda v: isinstance(v, list) and all(map(_is_outcome, v)),
@@ -233,6 +245,28 @@ def trained_at_step(header, arrays) -> str | None:
     return None
 
 
+def spans_within_turn(header, arrays) -> str | None:
+    spans = header.get("weight_version_spans")
+    if spans is None:
+        return None
+    if not spans:
+        return "weight_version_spans, when sent, holds at least one span"
+    if header.get("weight_version") != spans[0][0]:
+        return (f"a turn's weight_version is its first span's: expected {spans[0][0]!r}, "
+                f"got {header.get('weight_version')!r}")
+    if any(a[2] > b[1] for a, b in zip(spans, spans[1:])):
+        return f"weight_version_spans are in token order and do not overlap, got {spans}"
+    return None  # (that they lie within the sampled tokens, `Trajectory.append_turn` checks)
+
+
+def spans_per_version(header, arrays) -> str | None:
+    spans = header.get("weight_version_spans")
+    if spans is not None and len(spans) != len(header["weight_versions"]):
+        return (f"weight_version_spans has one entry per weight version: expected {len(header['weight_versions'])}, "
+                f"got {len(spans)}")
+    return None
+
+
 def run_pair(header, arrays) -> str | None:
     if ("run" in header) != ("lineage" in header):
         return "run and lineage travel together"
@@ -256,11 +290,12 @@ PRODUCER_TO_BROKER = _schema(
             "group_size": STORED_POSITIVE,
             "sample_index": STORED_COUNT,
             "weight_version": ANY_TEXT,
+            "weight_version_spans": SPANS,
             "metadata": MAP,
         },
         arrays=("tokens", "log_probs"),
         optional_arrays=_TURN_ARRAYS,
-        rules=(mask_pair, turn_zero_fields, group_pair),
+        rules=(mask_pair, turn_zero_fields, group_pair, spans_within_turn),
         content=True,
     ),
     MessageSpec("end", {"seq": INT, "trajectory_id": TEXT, "reward": REWARD}, {"metadata": MAP, "turns": COUNT}),
@@ -324,10 +359,11 @@ BROKER_TO_CONSUMER = _schema(
             "turns": COUNT,
             "delivery_count": POSITIVE,
             "replay": BOOL,
+            "weight_version_spans": TURN_SPANS,
         },
         arrays=("prompt_tokens", "tokens", "loss_mask", "log_probs"),
         optional_arrays=_DELIVER_ARRAYS,
-        rules=(mask_pair,),
+        rules=(mask_pair, spans_per_version),
         content=True,
     ),
     MessageSpec("acked", {"leases": TEXT_LIST}, _SEQ),

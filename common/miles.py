@@ -323,7 +323,7 @@ def _carry_unknown(samples: list[dict], sample_metas: Sequence[Mapping[str, Any]
 MASK_KEYS = ("rollout_sampling_mask_ids", "rollout_sampling_mask_offsets")
 REPLAY_KEYS = {"rollout_routed_experts": "routed_experts", "rollout_indexer_topk": "indexer_topk"}
 # Per-sample payload, never averaged into metrics.
-PAYLOAD_KEYS = frozenset(MASK_KEYS) | frozenset(REPLAY_KEYS)
+PAYLOAD_KEYS = frozenset(MASK_KEYS) | frozenset(REPLAY_KEYS) | {"weight_versions"}
 
 TRAIN_DTYPES: dict[str, np.dtype] = {  # miles' rollout-data dtypes
     "tokens": np.dtype(np.int32),
@@ -360,6 +360,19 @@ def rollout_keys(rewards: Sequence[Any], statuses: Sequence[str | None], indices
         "rollout_ids": np.array(indices, dtype=TRAIN_DTYPES["rollout_ids"]),
         "rollout_mask_sums": np.array([totals[r] for r in indices], dtype=TRAIN_DTYPES["rollout_mask_sums"]),
     }
+
+
+def weight_version_calls(versions: Sequence[Sequence[str]], spans: Sequence[Sequence[Sequence[tuple[str, int, int]]]],
+                         prompt_lengths: Sequence[int]) -> list[list[list[dict]]] | None:
+    """miles' `weight_versions` train-data key: per sample, one engine call
+    per versioned turn, its spans in absolute token positions. None when no
+    sample has a version, or when one came without its spans (from an
+    older broker)."""
+    if not any(versions) or any(len(v) != len(s) for v, s in zip(versions, spans)):
+        return None
+    return [[[{"version": version, "abs_start": prompt + start, "abs_end": prompt + end} for version, start, end in turn]
+             for turn in sample_spans]
+            for sample_spans, prompt in zip(spans, prompt_lengths)]
 
 
 def to_train_data(trajectories: Sequence[Trajectory], *, strict_replay: bool = False) -> dict[str, Any]:
@@ -403,6 +416,10 @@ def to_train_data(trajectories: Sequence[Trajectory], *, strict_replay: bool = F
             check_whole_batch_rule([row is not None for row in rows], indices, statuses, field=name)
         if rows and rows[0] is not None:
             data[key] = rows
+    calls = weight_version_calls([t.weight_versions for t in trajectories], [t.weight_version_spans for t in trajectories],
+                                 [len(t.prompt_tokens) for t in trajectories])
+    if calls is not None:
+        data["weight_versions"] = calls
     return data
 
 

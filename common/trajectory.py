@@ -94,6 +94,28 @@ class TurnOutcome:
 APPLIED = TurnOutcome(True)
 
 
+def _checked_spans(spans, weight_version: str | None, tokens) -> tuple[str, tuple[tuple[str, int, int], ...]]:
+    """A turn's weight-version spans as a tuple, checked by the rules of the
+    `turn` message (non-empty versions, in token order, within the sampled
+    tokens, the first being `weight_version` when that is given)."""
+    try:
+        out = tuple((str(version), int(start), int(end)) for version, start, end in spans)
+    except (TypeError, ValueError):
+        raise LocalProtocolError("schema", "weight_version_spans must be (version, start, end) triples, "
+                                           f"got {spans!r:.120}") from None
+    n = len(tokens)
+    if not out or any(not v or not 0 <= s < e for v, s, e in out) or any(a[2] > b[1] for a, b in zip(out, out[1:])):
+        raise LocalProtocolError("schema", "rule 'weight_version_spans are non-empty versions over 0 <= start < end, in "
+                                           f"token order, not overlapping' violated: got {out}")
+    if out[-1][2] > n:
+        raise LocalProtocolError("misaligned", f"rule 'weight_version_spans lie within the turn's sampled tokens' "
+                                               f"violated: expected ends <= {n}, got {out}")
+    if weight_version is not None and weight_version != out[0][0]:
+        raise LocalProtocolError("schema", f"rule 'a turn's weight_version is its first span's' violated: expected "
+                                           f"{out[0][0]!r}, got {weight_version!r}")
+    return out[0][0], out
+
+
 class Turn(NamedTuple):
     """One engine call's output. Construct from untrusted data with
     `Turn.build`, which coerces and checks; the plain constructor trusts its
@@ -112,6 +134,9 @@ class Turn(NamedTuple):
     status: str = "completed"
     weight_version: str | None = None
     mask_ids_crc32: int | None = None  # the CRC-32 of `mask.ids`' bytes, when a decoder verified it
+    # Where the weights changed within the turn: (version, start, end) over its sampled tokens, in
+    # token order, the first being `weight_version`; None: one version over all of them.
+    weight_version_spans: tuple[tuple[str, int, int], ...] | None = None
 
     @classmethod
     def build(
@@ -129,6 +154,7 @@ class Turn(NamedTuple):
         indexer_topk=None,
         status: str = "completed",
         weight_version: str | None = None,
+        weight_version_spans=None,
         vocab_size: int | None = None,
         borrow: bool = False,
         check_content: bool = True,
@@ -143,7 +169,11 @@ class Turn(NamedTuple):
 
         Lists are converted; numpy arrays whose dtype fits are copied, or
         with `borrow` taken as they are (no copy: the caller leaves them
-        unchanged while the turn is in use)."""
+        unchanged while the turn is in use). `weight_version_spans` (version,
+        start, end) place the versions of weights that changed within the
+        turn; `weight_version` is then their first, given or not."""
+        if weight_version_spans is not None:
+            weight_version, weight_version_spans = _checked_spans(weight_version_spans, weight_version, tokens)
         if (borrow and mask is None and supports is None and forced_tokens is None and routed_experts is None
                 and indexer_topk is None and _taken_as_is(tokens, TOKEN_DTYPE) and _taken_as_is(log_probs, LOG_PROB_DTYPE)
                 and (loss_mask is None or _taken_as_is(loss_mask, LOSS_MASK_DTYPE))
@@ -153,7 +183,7 @@ class Turn(NamedTuple):
             # The producer's common call: arrays already of the contract's dtypes, borrowed as they are.
             turn = cls(tokens, log_probs, loss_mask,
                        None if mask_ids is None else SamplingMask._wrap(mask_ids, mask_offsets), EMPTY_TOKENS,
-                       status=status, weight_version=weight_version)
+                       status=status, weight_version=weight_version, weight_version_spans=weight_version_spans)
             return turn._checked(check_content, vocab_size)
         if (mask is not None) + (supports is not None) + (mask_ids is not None) > 1:
             given = [name for name, value in (("mask", mask), ("supports", supports), ("mask_ids", mask_ids))
@@ -187,6 +217,7 @@ class Turn(NamedTuple):
             indexer_topk=None if indexer_topk is None else take(indexer_topk, _as_replay(indexer_topk, "indexer_topk")),
             status=status,
             weight_version=weight_version,
+            weight_version_spans=weight_version_spans,
         )
         if mask_ids is None and mask is not None and len(mask) != turn.tokens.size:
             # Named as the caller gave it: the frame's rule would name mask_offsets, which the caller never passed.
@@ -205,7 +236,7 @@ class Turn(NamedTuple):
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray], *, status: str, weight_version: str | None = None,
-                    crcs: Mapping[str, int] | None = None) -> "Turn":
+                    weight_version_spans=None, crcs: Mapping[str, int] | None = None) -> "Turn":
         """Trusted: arrays a decoder has already checked (contract names),
         with the CRCs it verified of some of them (`Message.array_crcs`)."""
         mask = None
@@ -222,6 +253,7 @@ class Turn(NamedTuple):
             status=status,
             weight_version=weight_version,
             mask_ids_crc32=None if crcs is None else crcs.get("mask_ids"),
+            weight_version_spans=None if weight_version_spans is None else tuple(map(tuple, weight_version_spans)),
         )
 
     def carries(self, replay_field: str) -> bool:
@@ -346,6 +378,9 @@ class Trajectory:
         self.status: str | None = None
         self.gap: Gap | None = None
         self.weight_versions: list[str] = []
+        # Per entry of `weight_versions`, where its turn sampled with which weights:
+        # (version, start, end) in response positions, the first being that entry.
+        self.weight_version_spans: list[tuple[tuple[str, int, int], ...]] = []
 
     # -- reading ------------------------------------------------------------
     @property
@@ -546,6 +581,10 @@ class Trajectory:
         when the turn is refused; returns why when it is valid but not applied."""
         if self._terminal:
             return TurnOutcome(False, "replay_gap" if self.gap else "after_terminal")
+        spans = turn.weight_version_spans
+        if spans is not None and spans[-1][2] > len(turn.tokens):
+            raise LocalProtocolError("misaligned", "rule 'weight_version_spans lie within the turn's sampled tokens' "
+                                                   f"violated: expected ends <= {len(turn.tokens)}, got {list(spans)}")
         if (turn.mask is None) == (self._mask is None) and not self._context and turn.routed_experts is None \
                 and turn.indexer_topk is None:
             return self._apply(turn)  # the common case: the turn carries what the trajectory carries
@@ -580,11 +619,14 @@ class Trajectory:
 
     def _apply(self, turn: Turn) -> TurnOutcome:
         """Queue an accepted turn and take its status and weight version."""
-        self._sampled_end = self.response_length + len(turn.tokens)
+        start = self.response_length
+        self._sampled_end = start + len(turn.tokens)
         self._queue(turn)
         self.status = turn.status
         if turn.weight_version is not None:
             self.weight_versions.append(turn.weight_version)
+            spans = turn.weight_version_spans or ((turn.weight_version, 0, len(turn.tokens)),)
+            self.weight_version_spans.append(tuple((version, start + s, start + e) for version, s, e in spans))
         self.turns += 1
         self._terminal = turn.status in TERMINAL_STATUSES
         return APPLIED
@@ -598,6 +640,8 @@ class Trajectory:
         self._terminal = True
 
     def _truncate_response(self, length: int) -> None:
+        self.weight_version_spans = [tuple((v, s, min(e, length)) for v, s, e in spans if s < length)
+                                     for spans in self.weight_version_spans]
         if self.is_shed:
             self._shed_length = min(self._shed_length, length)
             self._sampled_end = min(self._sampled_end, length)
@@ -622,6 +666,10 @@ class Trajectory:
         if self._mask is not None and len(self._mask) != n:
             raise LocalProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: mask covers {len(self._mask)} tokens, "
                                                    f"response_length is {n}")
+        past = [span for spans in self.weight_version_spans for span in spans if span[2] > n]
+        if past:
+            raise LocalProtocolError("misaligned", f"rule 'weight_version_spans lie within the response' violated: "
+                                                   f"{past} end after response_length {n}")
 
     def strip_last_output_tokens(self, n: int) -> None:
         """Cut the last `n` response tokens from every per-token field."""
@@ -646,6 +694,7 @@ class Trajectory:
         status: str | None,
         turns: int,
         weight_versions=(),
+        weight_version_spans=(),
         gap: Gap | None = None,
         sampled_end: int | None = None,
         terminal: bool | None = None,
@@ -664,6 +713,8 @@ class Trajectory:
         traj.status = status
         traj.turns = turns
         traj.weight_versions = list(weight_versions)
+        # (none from an older peer)
+        traj.weight_version_spans = [tuple((v, s, e) for v, s, e in spans) for spans in weight_version_spans]
         traj.gap = gap
         traj._sampled_end = traj.response_length if sampled_end is None else sampled_end
         traj._terminal = (gap is not None or status in TERMINAL_STATUSES) if terminal is None else terminal

@@ -39,6 +39,8 @@ def encode_turn(
                 fields[name] = value
     if turn.weight_version is not None:
         fields["weight_version"] = turn.weight_version
+    if turn.weight_version_spans is not None:
+        fields["weight_version_spans"] = [list(span) for span in turn.weight_version_spans]
     if metadata is not None:
         fields["metadata"] = metadata
     arrays = turn.arrays()
@@ -52,7 +54,7 @@ def turn_from_message(message: Message) -> Turn:
     """The `Turn` a decoded `turn` message carries (arrays stay zero-copy,
     with the CRCs decoding verified of its large ones)."""
     return Turn.from_arrays(message.arrays, status=message["status"], weight_version=message.get("weight_version"),
-                            crcs=message.array_crcs)
+                            weight_version_spans=message.get("weight_version_spans"), crcs=message.array_crcs)
 
 
 _IDENTITY = ("group_id", "group_size", "sample_index")
@@ -80,6 +82,8 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
     fields.update({name: getattr(trajectory, name) for name in _IDENTITY if getattr(trajectory, name) is not None})
     if trajectory.gap is not None:
         fields["gap"] = trajectory.gap.to_wire()
+    if trajectory.weight_version_spans:
+        fields["weight_version_spans"] = [[list(span) for span in spans] for spans in trajectory.weight_version_spans]
     fields.update(extra)
     arrays = trajectory.arrays(parts_from=SPLIT_FROM_BYTES if may_split else None)
     return encode(BROKER_TO_CONSUMER, "deliver", fields, arrays, crc=True, packed=may_pack and worth_packing(arrays))
@@ -97,6 +101,7 @@ def trajectory_from_deliver(message: Message) -> Trajectory:
             status=message["status"],
             turns=message.get("turns", 0),
             weight_versions=message["weight_versions"],
+            weight_version_spans=message.get("weight_version_spans", ()),
             gap=Gap(gap["turn"], gap["field"]) if gap else None,
             metadata=message["metadata"],
             **{name: message.get(name) for name in _IDENTITY},

@@ -23,7 +23,14 @@ import torch
 from rollstream.common.checker import Ledger, delivered_digest
 from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS
 from rollstream.common.errors import InvalidInput, InvalidType, OutOfRange
-from rollstream.common.miles import MASK_KEYS, REPLAY_KEYS, TRAIN_DTYPES, metric_view, rollout_keys
+from rollstream.common.miles import (
+    MASK_KEYS,
+    REPLAY_KEYS,
+    TRAIN_DTYPES,
+    metric_view,
+    rollout_keys,
+    weight_version_calls,
+)
 from rollstream.common.trajectory import Gap
 from rollstream.common.validation import pack_csr
 
@@ -40,11 +47,16 @@ RAGGED = {
 }
 PER_SAMPLE = ("prompt_lengths", "response_lengths", "rewards", "sample_indices")
 HOST_FIELDS = (
-    "trajectory_ids", "statuses", "gaps", "group_ids", "raw_rewards", "metadata", "weight_versions", "leases", "positions",
+    "trajectory_ids", "statuses", "gaps", "group_ids", "raw_rewards", "metadata", "weight_versions",
+    "weight_version_spans", "leases", "positions",
 )
-# Train-data keys holding ids, not quantities: metrics do not average them.
 # Train-data keys `metrics` does not average: ids and counts, and `truncated` (a fraction there already).
 _NOT_AVERAGED = frozenset({"tokens", "sample_indices", "rollout_ids", "rollout_mask_sums", "truncated"})
+
+
+def spans_of(turns) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """A sample's weight-version spans as read off the wire (lists) as tuples."""
+    return tuple(tuple((version, start, end) for version, start, end in spans) for spans in turns)
 
 
 def torch_dtype(dtype) -> torch.dtype:
@@ -166,6 +178,8 @@ class Batch:
     raw_rewards: tuple[Any, ...]
     metadata: tuple[Mapping[str, Any], ...]
     weight_versions: tuple[tuple[str, ...], ...]
+    # Per weight version, its turn's (version, start, end) spans in response positions (none from an older broker)
+    weight_version_spans: tuple[tuple[tuple[tuple[str, int, int], ...], ...], ...]
     leases: tuple[tuple[str, ...], ...]  # when the batch was formed; commit uses the live set
     positions: tuple[int, ...]
 
@@ -215,6 +229,7 @@ class Batch:
             "raw_rewards": tuple(f["reward"] for f in fields),
             "metadata": tuple(f["metadata"] for f in fields),
             "weight_versions": tuple(tuple(f["weight_versions"]) for f in fields),
+            "weight_version_spans": tuple(spans_of(f.get("weight_version_spans", ())) for f in fields),
             "leases": tuple(tuple(lease for _, lease in sorted(d.leases)) for d in deliveries),
             "positions": tuple(range(len(deliveries))),
         }
@@ -408,6 +423,9 @@ class Batch:
         }
         for key, value in rollout_keys(rewards, self.statuses, indices, totals.tolist(), self.metadata).items():
             data[key] = torch.from_numpy(value).to(self.device) if isinstance(value, np.ndarray) else value
+        calls = weight_version_calls(self.weight_versions, self.weight_version_spans, self.lengths["prompt"].tolist())
+        if calls is not None:
+            data["weight_versions"] = calls
         if self.has_mask:
             ids_key, offsets_key = MASK_KEYS
             mask_ids, _ = self._masks()

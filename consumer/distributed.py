@@ -25,7 +25,7 @@ from rollstream.common.checker import Ledger
 from rollstream.common.errors import InvalidInput, InvalidState, RemoteProtocolError, RollstreamError
 from rollstream.common.trajectory import Gap
 
-from .batch import PER_SAMPLE, Batch
+from .batch import PER_SAMPLE, Batch, spans_of
 from .client import ConsumerClosed
 from .sharding import STRATEGIES, partition_batch
 
@@ -74,6 +74,7 @@ def decode_shard(header: bytes, payload: torch.Tensor) -> Batch:
     host = {name: tuple(values) for name, values in doc["host"].items()}
     host["gaps"] = tuple(Gap(g["turn"], g["field"]) if g else None for g in host["gaps"])
     host["weight_versions"] = tuple(tuple(v) for v in host["weight_versions"])
+    host["weight_version_spans"] = tuple(map(spans_of, host["weight_version_spans"]))
     host["leases"] = tuple(tuple(v) for v in host["leases"])
     ragged = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith("ragged.")}
     per_sample = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith("sample.")}

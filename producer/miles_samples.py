@@ -60,6 +60,7 @@ class _Sample:
     indexer_topk: np.ndarray | None
     status: str
     weight_version: str | None
+    weight_version_spans: tuple[tuple[str, int, int], ...] | None
 
     def carries(self, field: str) -> bool:
         return getattr(self, field) is not None
@@ -113,21 +114,27 @@ def _spans(call: Any, index: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def _weight_version(versions: Any, tokens: np.ndarray, response_length: int, index: int) -> str | None:
-    """The version of the weights that sampled this sample's response: that
-    of its first token (the oldest weights in it; a call whose weights
-    changed mid-response spans more than one version). miles records one
-    list of spans per engine call, each span placed by absolute token
-    position, so only spans over this response count; a legacy sample
-    holds one version string per call instead (its last is this one's)."""
+def _weight_versions(versions: Any, tokens: np.ndarray, response_length: int,
+                     index: int) -> tuple[str | None, tuple[tuple[str, int, int], ...] | None]:
+    """The versions of the weights that sampled this sample's response: its
+    first token's (the turn's version), and where the weights changed
+    within it, spans over the response (None when one version covers it
+    all). miles records one list of spans per engine call, each placed by
+    absolute token position, so only spans over this response count; a
+    legacy sample holds one version string per call instead (its last is
+    this one's)."""
     if not versions:
-        return None
+        return None, None
     if all(isinstance(v, str) for v in versions):  # miles' legacy form
-        return versions[-1]
+        return versions[-1], None
     start = len(tokens) - response_length
-    over_response = [(version, begin) for call in versions for version, begin, end in _spans(call, index)
-                     if end > start and begin < len(tokens)]
-    return min(over_response, key=lambda span: span[1])[0] if over_response else None
+    spans = sorted((max(begin, start) - start, min(end, len(tokens)) - start, version)
+                   for call in versions for version, begin, end in _spans(call, index)
+                   if end > start and begin < len(tokens))
+    if not spans:
+        return None, None
+    over = tuple((version, begin, end) for begin, end, version in spans)
+    return over[0][0], None if over == ((over[0][0], 0, response_length),) else over
 
 
 def _read(sample: Any, index: int) -> _Sample:
@@ -135,6 +142,7 @@ def _read(sample: Any, index: int) -> _Sample:
     length = _field(sample, "response_length")
     response_length = int(length) if length is not None else -1
     replay = {name: _field(sample, name) for name in ("rollout_routed_experts", "rollout_indexer_topk")}
+    version, spans = _weight_versions(_field(sample, "weight_versions"), tokens, response_length, index)
     return _Sample(
         index=index,
         tokens=tokens,
@@ -145,7 +153,8 @@ def _read(sample: Any, index: int) -> _Sample:
         routed_experts=None if replay["rollout_routed_experts"] is None else as_numpy(replay["rollout_routed_experts"]),
         indexer_topk=None if replay["rollout_indexer_topk"] is None else as_numpy(replay["rollout_indexer_topk"]),
         status=_status(_field(sample, "status"), index),
-        weight_version=_weight_version(_field(sample, "weight_versions"), tokens, response_length, index),
+        weight_version=version,
+        weight_version_spans=spans,
     )
 
 
@@ -195,7 +204,8 @@ def _turn(s: _Sample, forced: np.ndarray | None, vocab_size: int | None) -> Turn
     log_probs = np.zeros(s.response_length) if s.log_probs is None else s.log_probs  # miles' default
     return Turn.build(s.response, log_probs, mask=s.mask, loss_mask=s.loss_mask, forced_tokens=forced,
                       routed_experts=s.routed_experts, indexer_topk=s.indexer_topk, status=s.status,
-                      weight_version=s.weight_version, vocab_size=vocab_size)
+                      weight_version=s.weight_version, weight_version_spans=s.weight_version_spans,
+                      vocab_size=vocab_size)
 
 
 def turns_from_miles_samples(samples: Sequence[Any], *, vocab_size: int | None = None) -> MilesTurns:

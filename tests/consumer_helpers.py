@@ -91,7 +91,8 @@ def assert_same_batch(a: Batch, b: Batch):
     assert (a.mask_offsets is None) == (b.mask_offsets is None)
     if a.has_mask:
         assert torch.equal(a.mask_offsets, b.mask_offsets)
-    for name in ("trajectory_ids", "statuses", "gaps", "group_ids", "raw_rewards", "metadata", "weight_versions", "leases"):
+    for name in ("trajectory_ids", "statuses", "gaps", "group_ids", "raw_rewards", "metadata", "weight_versions",
+                 "weight_version_spans", "leases"):
         assert getattr(a, name) == getattr(b, name), name
     assert {k: v.tolist() for k, v in a.lengths.items()} == {k: v.tolist() for k, v in b.lengths.items()}
 

@@ -72,6 +72,23 @@ def test_train_data_equals_the_miles_conversion(seed, n, mask):
             assert got == pytest.approx(expected), key
 
 
+def test_train_data_weight_versions_place_each_turn_in_absolute_positions_as_miles_does():
+    versioned = Trajectory("v", [1, 2], sample_index=0)
+    versioned.append_turn(Turn.build([10, 11], [-0.5, -0.5], forced_tokens=[7], weight_version="5"))
+    versioned.append_turn(Turn.build([12], [-0.5], weight_version="6"))
+    unversioned = Trajectory("u", [3], sample_index=1)
+    unversioned.append_turn(Turn.build([20], [-0.5]))
+    for t in (versioned, unversioned):
+        t.reward = 0.0
+    expected = [[[{"version": "5", "abs_start": 2, "abs_end": 4}], [{"version": "6", "abs_start": 5, "abs_end": 6}]], []]
+    assert to_train_data([versioned, unversioned])["weight_versions"] == expected
+    batch = batch_of([versioned, unversioned])  # through the deliver message
+    assert batch.weight_version_spans == (((("5", 0, 2),), (("6", 3, 4),)), ())
+    assert batch.to_train_data()["weight_versions"] == expected
+    assert "weight_versions" not in to_train_data([unversioned])
+    assert not any(key.startswith("weight_versions") for key in batch.metrics())
+
+
 def test_metrics_never_reduce_the_mask():
     trajectories = [r.merged() for r in rollouts(7, 4)]
     batch = batch_of(trajectories)

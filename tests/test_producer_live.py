@@ -813,6 +813,7 @@ def test_a_payload_as_a_newer_miles_writes_it_round_trips_and_replays_with_its_p
     m2 = got["m-2"]
     assert deliveries == 1 and m2.prompt_tokens.tolist() == [7, 8]
     assert m2.weight_versions == ["5", "6"]  # the gap turn (no mask) is recorded, not applied
+    assert m2.weight_version_spans == [(("5", 0, 1),), (("6", 3, 4), ("7", 4, 5))]  # response positions
     assert m2.gap.turn == 2 and m2.tokens.tolist() == [60, 70, 71, 80, 81] and m2.loss_mask.tolist() == [1, 0, 0, 1, 1]
     assert m2.routed_experts.shape == (6, 1, 1)
 

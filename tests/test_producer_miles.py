@@ -109,6 +109,8 @@ def test_weight_versions_are_read_from_miles_per_call_spans_as_dicts_and_as_obje
     }
     out = turns_from_miles_samples(three_turns(per_turn))
     assert [t.weight_version for t in out.turns] == ["5", "6", "6"]
+    # per token where the weights changed within a turn, over its sampled tokens
+    assert [t.weight_version_spans for t in out.turns] == [None, None, (("6", 0, 1), ("7", 1, 2))]
     objects = [SimpleNamespace(**s) for s in three_turns(per_turn)]
     for s in objects:  # miles' WeightVersionsPerCall objects holding WeightVersionSpan objects
         s.weight_versions = [SimpleNamespace(spans=[SimpleNamespace(**d) for d in call]) for call in s.weight_versions]

@@ -1,10 +1,14 @@
 """Trajectory merging and lifecycle: docs/semantics.md §3-§5, examples 6-8."""
+import msgpack
 import numpy as np
 import pytest
 
 from rollstream.common import ProtocolError, SamplingMask, Trajectory, Turn
 from rollstream.common.buffers import GrowableArray, constant_run
+from rollstream.common.codec import decode
+from rollstream.common.messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
 from rollstream.common.trajectory import Gap, TurnOutcome
+from rollstream.common.wire import encode_deliver, encode_turn, trajectory_from_deliver, turn_from_message
 
 
 def turn(tokens, supports=None, forced=None, status="completed", **kw):
@@ -134,6 +138,53 @@ def test_weight_versions_concatenate():
     traj.append_turn(turn([1], weight_version="v1"))
     traj.append_turn(turn([2], weight_version="v2"))
     assert traj.weight_versions == ["v1", "v2"]
+
+
+def test_weight_version_spans_place_each_version_in_the_response_and_survive_a_strip_and_the_wire():
+    """A turn whose weights changed after its first token, then a turn of
+    one version after an observation."""
+    traj = Trajectory("t", [1])
+    traj.append_turn(Turn.build([10, 11, 12], [-0.5] * 3, forced_tokens=[20],
+                                weight_version_spans=[("v1", 0, 1), ("v2", 1, 3)]))
+    traj.append_turn(turn([13], weight_version="v3"))
+    assert traj.weight_versions == ["v1", "v3"]
+    assert traj.weight_version_spans == [(("v1", 0, 1), ("v2", 1, 3)), (("v3", 4, 5),)]
+    traj.reward = 0.0
+    again = trajectory_from_deliver(decode(encode_deliver(traj, "lease"), BROKER_TO_CONSUMER))
+    assert again.weight_version_spans == traj.weight_version_spans
+    traj.strip_last_output_tokens(4)  # into the first turn's second span; the second turn's is gone
+    assert traj.weight_version_spans == [(("v1", 0, 1),), ()]
+    with pytest.raises(ProtocolError, match="weight_version_spans has one entry per weight version"):
+        message = encode_deliver(again, "lease")
+        header = msgpack.unpackb(message[0])
+        header["weight_version_spans"] = header["weight_version_spans"][:1]
+        decode([msgpack.packb(header), *message[1:]], BROKER_TO_CONSUMER)
+
+
+@pytest.mark.parametrize("spans, text", [
+    ([["v1", 0, 2], ["v2", 1, 2]], "weight_version_spans are in token order and do not overlap"),
+    ([["v0", 0, 1]], "a turn's weight_version is its first span's: expected 'v0', got 'v1'"),
+    ([], "weight_version_spans, when sent, holds at least one span"),
+])
+def test_a_turn_message_whose_spans_break_a_rule_is_refused_naming_it(spans, text):
+    frames = encode_turn("t", 1, Turn.build([1, 2], [-0.5, -0.5], weight_version_spans=[("v1", 0, 2)]), seq=3)
+    header = msgpack.unpackb(frames[0])
+    header["weight_version_spans"] = spans
+    with pytest.raises(ProtocolError, match=text):
+        decode([msgpack.packb(header), *frames[1:]], PRODUCER_TO_BROKER)
+
+
+def test_a_turn_whose_spans_run_past_its_tokens_is_refused_and_changes_nothing():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10], weight_version="v1"))
+    frames = encode_turn("t", 1, Turn.build([1, 2], [-0.5, -0.5], weight_version_spans=[("v1", 0, 2)]), seq=3)
+    header = msgpack.unpackb(frames[0])
+    header["weight_version_spans"] = [["v1", 0, 3]]
+    late = turn_from_message(decode([msgpack.packb(header), *frames[1:]], PRODUCER_TO_BROKER))
+    with pytest.raises(ProtocolError, match=r"weight_version_spans lie within the turn's sampled tokens' violated: "
+                                            r"expected ends <= 2"):
+        traj.append_turn(late)
+    assert traj.weight_version_spans == [(("v1", 0, 1),)] and traj.response_length == 1
 
 
 def test_custom_loss_mask_is_kept():
@@ -280,6 +331,11 @@ def test_turn_build_checks_what_a_broker_would():
     (dict(forced_tokens=[0.5]), "dtype", "forced_tokens must hold integers"),
     (dict(routed_experts=3), "shape", "routed_experts must have at least 1 dimension, got a scalar"),
     (dict(indexer_topk=[[0.5]]), "dtype", "indexer_topk must hold integers"),
+    (dict(weight_version_spans=[("v1", 0, 2)]), "misaligned",
+     r"rule 'weight_version_spans lie within the turn's sampled tokens' violated: expected ends <= 1"),
+    (dict(weight_version_spans=[("v1", 0, 1)], weight_version="v0"), "schema",
+     r"rule 'a turn's weight_version is its first span's' violated: expected 'v1', got 'v0'"),
+    (dict(weight_version_spans=[]), "schema", "rule 'weight_version_spans are non-empty versions"),
 ], ids=lambda v: None if isinstance(v, dict) else str(v))
 def test_every_refusal_of_turn_build_is_a_protocol_error_naming_the_callers_field(kwargs, code, text):
     """docs/data-model.md: `Turn.build` refuses with the code a broker would
