@@ -186,11 +186,12 @@ def encode_session_samples(
     return safetensors.numpy.save(tensors)
 
 
-def _take(tensors: dict, key: str, name: str, dtype: np.dtype, i: int) -> np.ndarray:
+def _take(tensors: dict, key: str, name: str, dtype: np.dtype | None, i: int) -> np.ndarray:
+    """The tensor `key`, which the payload promises, in `dtype` (None: the caller checks)."""
     if key not in tensors:
         raise MissingTensor(f"payload promises {name} of sample {i} but tensor {key!r} is missing")
     arr = tensors.pop(key)
-    if arr.dtype != dtype:
+    if dtype is not None and arr.dtype != dtype:
         raise InvalidInput(f"{name} must have dtype {dtype.name}, got {arr.dtype} (tensor {key!r}; never converted)")
     return arr
 
@@ -209,9 +210,9 @@ def _unknown_tensors(tensors: Mapping[str, np.ndarray], n: int) -> dict[tuple[st
     for key, arr in tensors.items():
         name, _, index = key.rpartition(".")
         if not name or name.split(".")[0] in SESSION_FIELDS or not index.isdigit() or int(index) >= n:
-            raise InvalidInput(f"payload carries tensors no sample refers to: {sorted(tensors)} (a tensor is "
-                               f"'{{field}}.{{sample}}' for one of the {n} samples, and a known field's only where "
-                               "the caller reads that field)")
+            raise InvalidInput(f"payload carries unreferenced tensors: {sorted(tensors)} (no sample refers to "
+                               f"{key!r}: a tensor is '{{field}}.{{sample}}' for one of the {n} samples, and a known "
+                               "field's only where the caller reads that field)")
         out[(name, int(index))] = arr
     return out
 
@@ -249,7 +250,7 @@ def decode_session_samples(payload: bytes, *, fields: Sequence[str] | None = Non
             raise InvalidInput(f"sample {i} meta must be an object with a 'nulls' list, got {meta!r:.80}")
         strays = known_json & set(meta["nulls"])
         if strays:
-            raise InvalidInput(f"sample {i} null markers must name tensor fields, they name JSON fields {sorted(strays)}")
+            raise InvalidInput(f"null markers reference non-tensor fields: {sorted(strays)} (sample {i})")
     if fields is None:
         fields = FIELDS_WITH_REWARD if any(REWARD_FIELD in meta for meta in sample_metas) else DEFAULT_FIELDS
         if _carries_mask(tensors, sample_metas):
@@ -271,8 +272,11 @@ def decode_session_samples(payload: bytes, *, fields: Sequence[str] | None = Non
             elif name in nulls:
                 sample[name] = None
             elif spec.codec == "mask":
-                ids = _take(tensors, f"{name}.ids.{i}", f"{name} ids", np.dtype("<i4"), i)
-                offsets = _take(tensors, f"{name}.offsets.{i}", f"{name} offsets", np.dtype("<i8"), i)
+                ids = _take(tensors, f"{name}.ids.{i}", f"{name} ids", None, i)
+                offsets = _take(tensors, f"{name}.offsets.{i}", f"{name} offsets", None, i)
+                if ids.dtype != np.dtype("<i4") or offsets.dtype != np.dtype("<i8"):
+                    raise InvalidInput(f"{name} must use int32 ids and int64 offsets, got {ids.dtype} and "
+                                       f"{offsets.dtype} (sample {i}; never converted)")
                 sample[name] = SamplingMask(ids, offsets)
             elif spec.left_out_when_none and f"{name}.{i}" not in tensors:
                 sample[name] = None  # left out by an encoder that did not collect it
