@@ -147,6 +147,9 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
                 "unsealed", "unsealed_bytes", "oldest_unsealed_step"):
         if key in report:
             click.echo(f"  {key:<20} {report[key]}")
+    for job, ready in report.get("ready_by_job", {}).items():
+        if set(report["ready_by_job"]) != {"default"}:  # jobs shown once there is more than the default one
+            click.echo(f"  {'ready in ' + job:<20} {ready}")
     for name, bound in report.get("endpoints", {}).items():
         click.echo(f"  {name + ' endpoint':<20} {bound}")
     click.echo("  counters:")
@@ -155,15 +158,18 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
     if report["dead_letters"]:
         click.echo("  dead letters:")
         for item in report["dead_letters"]:
-            click.echo(f"    {item['trajectory_id']}  {item['reason']}  at {item['at']:.3f}")
+            job = "" if item.get("job", "default") == "default" else f"  job {item['job']}"
+            click.echo(f"    {item['trajectory_id']}{job}  {item['reason']}  at {item['at']:.3f}")
 
 
 @click.command()
 @click.option("--admin", "endpoint", default="tcp://127.0.0.1:5557", show_default=True, help="The broker's admin endpoint.")
 @click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for the broker.")
+@click.option("--job", default=None, help="The job the dead letters belong to (as `status` lists them; "
+              "default: the default job).")
 @curve_client_options
 @click.argument("trajectory_ids", nargs=-1, required=True)
-def requeue(endpoint: str, timeout: float, curve_secret_key: str | None, curve_server_key: str | None,
+def requeue(endpoint: str, timeout: float, job: str | None, curve_secret_key: str | None, curve_server_key: str | None,
             trajectory_ids: tuple[str, ...]) -> None:
     """Move dead letters back to the ready queue."""
     from rollstream.common.admin import AdminClient, AdminError
@@ -172,7 +178,7 @@ def requeue(endpoint: str, timeout: float, curve_secret_key: str | None, curve_s
     try:
         with AdminClient(endpoint, timeout=timeout, curve_secret_key=curve_secret_key,
                          curve_server_key=curve_server_key) as admin:
-            done = admin.requeue(list(trajectory_ids))
+            done = admin.requeue(list(trajectory_ids), job)
     except (AdminError, CurveError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"requeued {len(done)} of {len(trajectory_ids)}: {' '.join(done)}")

@@ -26,6 +26,7 @@ from rollstream.common.clock import Clock
 from rollstream.common.codec import Message, encode, encode_error
 from rollstream.common.contract import LIVENESS_INTERVALS
 from rollstream.common.errors import ProtocolError, RemoteProtocolError
+from rollstream.common.jobs import DEFAULT_JOB, SEPARATOR, job_key, job_of, wire_id
 from rollstream.common.messages import ADMIN_REPLIES, BROKER_TO_CONSUMER, BROKER_TO_PRODUCER
 from rollstream.common.trajectory import Trajectory
 from rollstream.common.wire import encode_deliver
@@ -175,6 +176,16 @@ def batched_acks(answers: list[_Answer], batch_acks: Collection[bytes], grant: C
     return by_identity
 
 
+def _wire_ids(trajectory: Trajectory) -> dict[str, str]:
+    """The ids a `deliver` of another job's trajectory carries in place of the broker's keys."""
+    if SEPARATOR not in trajectory.trajectory_id:
+        return {}
+    ids = {"trajectory_id": wire_id(trajectory.trajectory_id)}
+    if trajectory.group_id is not None:
+        ids["group_id"] = wire_id(trajectory.group_id)
+    return ids
+
+
 class BrokerCore:
     """Everything the broker decides, driven by its service (or a test)."""
 
@@ -279,6 +290,19 @@ class BrokerCore:
         entry = self.engine.entries.get(message["trajectory_id"])
         return self.admission.admits(message.type, entry is not None and entry.state == OPEN)
 
+    @staticmethod
+    def keyed(message: Message) -> Message:
+        """A producer message with its trajectory and group ids as this
+        broker keys them, in the namespace of the job it names
+        (`rollstream.common.jobs`); the frames stay as they came."""
+        job = message.get("job")
+        if job is None or job == DEFAULT_JOB or "trajectory_id" not in message.fields:
+            return message
+        fields = {**message.fields, "trajectory_id": job_key(job, message["trajectory_id"])}
+        if "group_id" in fields:
+            fields["group_id"] = job_key(job, fields["group_id"])
+        return Message(message.type, fields, message.arrays, message.frames, message.crc32, message.array_crcs)
+
     def producer_batch(self, received: list[Received], now: Clock) -> Steps:
         """Merge a batch of producer messages, commit it once, then answer:
         an `ack` always means durable."""
@@ -342,7 +366,10 @@ class BrokerCore:
                 self._store_failed(f"cannot read turn {key[1]} of {key[0]!r} back to compare a resend: {unread[key]}")
             return _Answer(identity, self._refuse("producer", reply.error, message))
         effects.extend(reply.effects)
-        return _Answer(identity, ack=reply.fields, message=message)
+        ack = reply.fields
+        if SEPARATOR in ack["trajectory_id"]:  # the producer's own id, not the broker's key
+            ack = {**ack, "trajectory_id": wire_id(ack["trajectory_id"])}
+        return _Answer(identity, ack=ack, message=message)
 
     def producer_gone(self, identity: bytes) -> None:
         """A producer connection is gone (a reconnect comes with a new
@@ -387,8 +414,11 @@ class BrokerCore:
                           claimed_ids: set[str]) -> Generator[Request, Any, Settlement | None]:
         dispatcher = self.dispatcher
         if message.type == "hello":
+            job = message.get("job", DEFAULT_JOB)
+            run = message.get("run")
             yield from self._dead_letter(dispatcher.hello(identity, message["consumer_id"], now.mono,
-                                                          message.get("run"), message.get("lineage")),
+                                                          None if run is None else job_key(job, run),
+                                                          message.get("lineage"), job),
                                          "max_deliveries", now)
             log.info("consumer connected", extra={"consumer_id": message["consumer_id"]})
             fields = self.hellos.welcome_consumer(identity, message.fields, dispatcher.consumers.keys())
@@ -412,6 +442,9 @@ class BrokerCore:
         elif message.type == "credit":
             dispatcher.credit(identity, message["n"], message["unit"])
         elif message.type in ("ack", "nack"):
+            if consumer.job != DEFAULT_JOB and "trajectory_ids" in message.fields:
+                ids = [job_key(consumer.job, tid) for tid in message["trajectory_ids"]]
+                message = Message(message.type, {**message.fields, "trajectory_ids": ids}, message.arrays)
             trainer = None if consumer.run is None or consumer.lineage is None else (consumer.run, consumer.lineage)
             return Settlement.prepare(identity, message, dispatcher, self.engine, now.wall, claimed, claimed_ids,
                                       trainer)
@@ -450,7 +483,8 @@ class BrokerCore:
             yield Send("consumer", identity, self._refuse("consumer", gone, message))
             return
         effects, recorded = [], set()
-        for trained_step, position, tid in message["trained"]:
+        for trained_step, position, wire in message["trained"]:
+            tid = job_key(consumer.job, wire)
             entry = engine.entries.get(tid)
             if trained_step <= step and entry is not None and entry.state in (ENDED, TRAINED):
                 effects += engine.trained(tid, TrainedAt(run, lineage, trained_step, position))
@@ -461,13 +495,13 @@ class BrokerCore:
             return
         self._count_reclaimed(effects, "delivered")
         self.dispatcher.withdraw(recorded)
-        replay = engine.replayable(run, lineage, step)
-        entries: list[list] = [[e.trained.step, e.trained.position, e.trajectory_id] for e in replay
-                               if e.trained is not None]
+        replay = [e for e in engine.replayable(run, lineage, step) if e.trained is not None]
+        entries: list[list] = [[e.trained.step, e.trained.position, wire_id(e.trajectory_id)] for e in replay
+                               if e.trained is not None]  # (every one: mypy cannot see the filter above)
         seq = {"seq": message["seq"]} if "seq" in message.fields else {}
         yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "resumed", {"step": step, "replay": entries, **seq}))
         log.info("trainer resumed", extra={"run": run, "step": step, "replayed": len(entries)})
-        yield from self._send_deliveries(self.dispatcher.replay(identity, [e[2] for e in entries], now.mono), now)
+        yield from self._send_deliveries(self.dispatcher.replay(identity, [e.trajectory_id for e in replay], now.mono), now)
 
     def _settle(self, settling: list[Settlement], now: Clock) -> Steps:
         """Commit the batch's settlements at once, then update the
@@ -545,7 +579,8 @@ class BrokerCore:
                 trajectory = self.engine.entries[delivery.trajectory_id].trajectory
                 assert trajectory is not None  # `_read_unit` read it back
                 frames = encode_deliver(trajectory, delivery.lease, may_pack="packed_arrays" in layouts,
-                                        may_split="split_arrays" in layouts, **delivery.extra_fields)
+                                        may_split="split_arrays" in layouts,
+                                        **{**delivery.extra_fields, **_wire_ids(trajectory)})
                 if not (yield Send("consumer", delivery.identity, frames)):
                     refused.append(delivery.lease)
             start = end
@@ -603,19 +638,21 @@ class BrokerCore:
         if message.type == "status":
             return encode(ADMIN_REPLIES, "status", {**self.status(now), **seq})
         if message.type == "dead_letters":
-            items = self.engine.dead_letters(message.get("limit", 100))
+            items = [{**item, "trajectory_id": wire_id(item["trajectory_id"]), "job": job_of(item["trajectory_id"])}
+                     for item in self.engine.dead_letters(message.get("limit", 100))]
             return encode(ADMIN_REPLIES, "dead_letters", {"items": items, **seq})
+        job = message.get("job", DEFAULT_JOB)
         revived = []  # the admin `requeue` (its wire name) revives dead letters
         effects = []
         for tid in dict.fromkeys(message["trajectory_ids"]):
-            effect = self.engine.revive(tid)
+            effect = self.engine.revive(job_key(job, tid))
             if effect is not None:
                 effects.append(effect)
                 revived.append(tid)
         if not (yield from self._commit(effects)):
             raise RemoteProtocolError("unavailable", "the broker cannot persist right now; retry later")
         for tid in revived:
-            log.info("dead letter revived", extra={"trajectory_id": tid})
+            log.info("dead letter revived", extra={"trajectory_id": tid, "job": job})
         return encode(ADMIN_REPLIES, "requeued", {"trajectory_ids": revived, **seq})
 
     def status(self, now: Clock) -> dict:
@@ -625,6 +662,7 @@ class BrokerCore:
         return {
             "open": counts[OPEN],
             "ready": self.dispatcher.queued_trajectories,
+            "ready_by_job": self.dispatcher.queued(),
             "leased": len(self.dispatcher.leases),
             "dead": counts[DEAD],
             "producers": sum(1 for heard in self.producers.values() if heard >= live_after),
@@ -717,7 +755,7 @@ class BrokerCore:
         elif change is True:
             log.info("back under the memory budget: producer frames resumed")
         admission = self.admission
-        drainable = bool(self.dispatcher.queue or self.dispatcher.leases)
+        drainable = bool(self.dispatcher.queues or self.dispatcher.leases)
         # Trained data waits for the trainer's next checkpoint, which needs producers' data to reach: it has a
         # budget of its own (`_reclaim_unsealed`) and does not count against theirs.
         used = max(0, self.disk_bytes - self.engine.trained_bytes)

@@ -5,6 +5,8 @@ time in, and gets back which trajectories to send to whom, which leases were
 settled, and which trajectories ran out of deliveries. Delivery is
 at-least-once: a lease not acked within `lease_timeout`, or held by a
 consumer that went silent for three heartbeat intervals, is redelivered.
+Each job has a queue of its own, and a consumer is handed only its job's
+units (`rollstream.common.jobs`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 
 from rollstream.common.contract import LIVENESS_INTERVALS, CreditUnit
 from rollstream.common.errors import NotFound
+from rollstream.common.jobs import DEFAULT_JOB, job_of
 
 from .engine import DeliveryUnit
 
@@ -28,8 +31,9 @@ class ConsumerState:
     trajectory_credit: int = 0
     group_credit: int = 0
     leases: set[str] = field(default_factory=set)
-    run: str | None = None  # a checkpointing trainer's run and lineage (its hello named them)
+    run: str | None = None  # a checkpointing trainer's run (keyed in its job) and lineage (its hello named them)
     lineage: str | None = None
+    job: str = DEFAULT_JOB
 
 
 @dataclass
@@ -77,7 +81,8 @@ class Dispatcher:
     def __init__(self, settings: DispatchSettings | None = None):
         self.settings = settings or DispatchSettings()
         self.consumers: dict[bytes, ConsumerState] = {}
-        self.queue: deque[DeliveryUnit] = deque()  # changed only by `enqueue` and `_take` (they keep the count)
+        # Each job's units, oldest first; changed only by `enqueue` and `_take` (they keep the count).
+        self.queues: dict[str, deque[DeliveryUnit]] = {}
         self.queued_trajectories = 0
         self.leases: dict[str, Lease] = {}
         self.delivery_counts: dict[str, int] = {}
@@ -88,17 +93,27 @@ class Dispatcher:
 
     # -- queue ---------------------------------------------------------------
     def enqueue(self, unit: DeliveryUnit, front: bool = False) -> None:
-        (self.queue.appendleft if front else self.queue.append)(unit)
+        queue = self.queues.get(job := job_of(unit.trajectory_ids[0]))
+        if queue is None:
+            queue = self.queues[job] = deque()
+        (queue.appendleft if front else queue.append)(unit)
         self.queued_trajectories += len(unit.trajectory_ids)
 
-    def _take(self) -> DeliveryUnit:
-        unit = self.queue.popleft()
+    def _take(self, job: str) -> DeliveryUnit:
+        queue = self.queues[job]
+        unit = queue.popleft()
+        if not queue:
+            del self.queues[job]
         self.queued_trajectories -= len(unit.trajectory_ids)
         return unit
 
+    def queued(self) -> dict[str, int]:
+        """Trajectories queued, by job."""
+        return {job: sum(len(unit.trajectory_ids) for unit in queue) for job, queue in sorted(self.queues.items())}
+
     # -- consumer messages ---------------------------------------------------
     def hello(self, identity: bytes, consumer_id: str, mono: float, run: str | None = None,
-              lineage: str | None = None) -> list[str]:
+              lineage: str | None = None, job: str = DEFAULT_JOB) -> list[str]:
         """Register a connection; an older connection of the same consumer is
         dropped and its leases requeued. Returns ids that ran out of deliveries."""
         exhausted = []
@@ -107,7 +122,7 @@ class Dispatcher:
                 exhausted += self.drop_consumer(old_identity)
         if identity in self.consumers:
             exhausted += self.drop_consumer(identity)
-        self.consumers[identity] = ConsumerState(consumer_id, mono, run=run, lineage=lineage)
+        self.consumers[identity] = ConsumerState(consumer_id, mono, run=run, lineage=lineage, job=job)
         return exhausted
 
     def seen(self, identity: bytes, mono: float) -> bool:
@@ -196,14 +211,17 @@ class Dispatcher:
         stale) and queued units lose them. Rare (a lease outlived by its
         trajectory), so it may scan."""
         self.end_leases([lease.lease for lease in self.leases.values() if lease.trajectory_id in trajectory_ids])
-        if not any(tid in trajectory_ids for unit in self.queue for tid in unit.trajectory_ids):
-            return
-        units, self.queue, self.queued_trajectories = list(self.queue), deque(), 0
-        for unit in units:
-            kept = tuple(tid for tid in unit.trajectory_ids if tid not in trajectory_ids)
-            if kept:
-                left = unit.group_left + len(unit.trajectory_ids) - len(kept)
-                self.enqueue(DeliveryUnit(kept, unit.group_id, unit.group_size, left if unit.group_id else 0))
+        for job in {job_of(tid) for tid in trajectory_ids} & self.queues.keys():
+            queue = self.queues[job]
+            if not any(tid in trajectory_ids for unit in queue for tid in unit.trajectory_ids):
+                continue
+            del self.queues[job]
+            self.queued_trajectories -= sum(len(unit.trajectory_ids) for unit in queue)
+            for unit in queue:
+                kept = tuple(tid for tid in unit.trajectory_ids if tid not in trajectory_ids)
+                if kept:
+                    left = unit.group_left + len(unit.trajectory_ids) - len(kept)
+                    self.enqueue(DeliveryUnit(kept, unit.group_id, unit.group_size, left if unit.group_id else 0))
 
     def forget(self, trajectory_id: str) -> None:
         self.delivery_counts.pop(trajectory_id, None)
@@ -238,20 +256,22 @@ class Dispatcher:
         if not identities:
             return out
         progress = True
-        while self.queue and progress:
+        while self.queues and progress:
             progress = False
             for k in range(len(identities)):
-                if not self.queue:
+                if not self.queues:
                     break
                 identity = identities[(self._rotation + k) % len(identities)]
                 consumer = self.consumers[identity]
+                if consumer.job not in self.queues:
+                    continue
                 if consumer.group_credit > 0:
                     consumer.group_credit -= 1
-                    unit = self._take()
+                    unit = self._take(consumer.job)
                     tids = unit.trajectory_ids
                     credit = CreditUnit.GROUP
                 elif consumer.trajectory_credit > 0:
-                    unit = self._take()
+                    unit = self._take(consumer.job)
                     take = min(consumer.trajectory_credit, len(unit.trajectory_ids))
                     tids = unit.trajectory_ids[:take]
                     if take < len(unit.trajectory_ids):

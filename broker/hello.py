@@ -41,6 +41,8 @@ class Hellos:
             self.batch_acks.discard(identity)
         if hello.get("batch_frames"):
             fields["batch_frames"] = True
+        if "job" in hello:  # echoed: this broker keeps jobs apart (the job travels on each frame)
+            fields["job"] = hello["job"]
         return fields
 
     def forget_producer(self, identity: bytes) -> None:
@@ -57,6 +59,8 @@ class Hellos:
                                   "heartbeat_interval": self.heartbeat_interval, **dict.fromkeys(layouts, True)}
         if "seq" in hello:
             fields["seq"] = hello["seq"]
+        if "job" in hello:  # echoed: this broker hands the connection its job's trajectories only
+            fields["job"] = hello["job"]
         return fields
 
     def reads(self, identity: bytes) -> frozenset[str]:

@@ -29,7 +29,7 @@ def load_trajectory(store: Store, stored: StoredTrajectory) -> Trajectory:
             traj = Trajectory(
                 stored.trajectory_id,
                 message.arrays["prompt_tokens"],
-                group_id=message.get("group_id"),
+                group_id=stored.group_id,  # keyed as the broker keys it (the frame holds its job's own id)
                 group_size=message.get("group_size"),
                 sample_index=message.get("sample_index"),
                 metadata=message.get("metadata"),

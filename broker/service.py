@@ -256,8 +256,10 @@ class BrokerService:
 
     def _take(self, identity: bytes, message: Message, size: int, received: list[Received],
               checks: dict[int, Future]) -> None:
-        """A decoded message into the batch being read: a large turn's
-        content check starts ahead, and a turn's frames go to the writer."""
+        """A decoded message into the batch being read (its ids keyed by its
+        job, `BrokerCore.keyed`): a large turn's content check starts ahead,
+        and a turn's frames go to the writer."""
+        message = self.core.keyed(message)
         received.append((identity, message, None))
         if message.type == "turn":
             if size >= CHECK_AHEAD_FROM_BYTES:

@@ -77,8 +77,12 @@ class AdminClient:
     def dead_letters(self, limit: int = 100) -> list[dict]:
         return self._call("dead_letters", {"limit": limit})["items"]
 
-    def requeue(self, trajectory_ids: list[str]) -> list[str]:
-        return self._call("requeue", {"trajectory_ids": trajectory_ids})["trajectory_ids"]
+    def requeue(self, trajectory_ids: list[str], job: str | None = None) -> list[str]:
+        """Revive dead letters of `job` (the default job when None); the ids revived."""
+        fields: dict = {"trajectory_ids": trajectory_ids}
+        if job is not None:
+            fields["job"] = job
+        return self._call("requeue", fields)["trajectory_ids"]
 
     def close(self) -> None:
         if self._watch is not None:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Callable, Literal, Mapping, Union
 import msgspec
 
 from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, MASK_ARRAYS, PROTOCOL_VERSION, REPLAY_FIELDS, STATUSES, CreditUnit
+from .jobs import JOB_PATTERN, SEPARATOR, is_job
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,19 @@ SECONDS = Kind("a positive number of seconds", lambda v: _is_number(v) and v > 0
 MAP = Kind("a map", lambda v: isinstance(v, dict))
 LIST = Kind("a list", lambda v: isinstance(v, list))
 TEXT_LIST = Kind("a list of strings", _is_str_list, list[str])
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, str) and value != "" and SEPARATOR not in value
+
+
+# A trajectory or group id: a broker keys other jobs' ids with U+001F (`rollstream.common.jobs`), so no id holds it.
+_ID_TYPE = Annotated[str, msgspec.Meta(min_length=1, pattern="^[^\x1f]+$")]
+ID = Kind("a non-empty string without U+001F", _is_id, _ID_TYPE)
+ID_LIST = Kind("a list of non-empty strings without U+001F", lambda v: isinstance(v, list) and all(map(_is_id, v)),
+               list[_ID_TYPE])
+JOB = Kind(f"a job name matching {JOB_PATTERN}", is_job,
+           Annotated[str, msgspec.Meta(pattern=f"^{JOB_PATTERN}$")])
 REWARD = Kind("a number or a map", lambda v: _is_number(v) or isinstance(v, dict))
 STATUS = Kind(f"one of {list(STATUSES)}", lambda v: v in STATUSES, Literal[STATUSES])
 _UNITS = tuple(str(unit) for unit in CreditUnit)  # plain strings, as msgspec's Literal wants them
@@ -97,16 +111,17 @@ BATCHED_MESSAGES = Kind(
 SEQ_RANGES = Kind("a list of [first, last] integer pairs with first <= last", _is_seq_ranges)
 
 
-def _is_spans(value) -> bool:
+def _is_spans(value, versions_named: bool = True) -> bool:
     return isinstance(value, list) and all(
-        isinstance(s, list) and len(s) == 3 and isinstance(s[0], str) and s[0] != "" and _is_int(s[1])
-        and _is_int(s[2]) and 0 <= s[1] < s[2] for s in value
+        isinstance(s, list) and len(s) == 3 and isinstance(s[0], str) and (s[0] != "" or not versions_named)
+        and _is_int(s[1]) and _is_int(s[2]) and 0 <= s[1] < s[2] for s in value
     )
 
 
 SPANS = Kind("a list of [version: non-empty string, start, end] with 0 <= start < end", _is_spans)
-TURN_SPANS = Kind("a list, per versioned turn, of [version: non-empty string, start, end] with 0 <= start < end",
-                  lambda v: isinstance(v, list) and all(map(_is_spans, v)))
+# A delivered turn's spans: its own, or its one `weight_version` (any string, as `turn` allows) over its tokens.
+TURN_SPANS = Kind("a list, per versioned turn, of [version: string, start, end] with 0 <= start < end",
+                  lambda v: isinstance(v, list) and all(_is_spans(spans, versions_named=False) for spans in v))
 OUTCOMES = Kind(
     "a list of maps {seq: integer, applied: boolean, duplicate?: boolean, reason?: non-empty string}",
     lambda v: isinstance(v, list) and all(map(_is_outcome, v)),
@@ -114,11 +129,12 @@ OUTCOMES = Kind(
 def _is_manifest(value) -> bool:
     return isinstance(value, list) and all(
         isinstance(e, list) and len(e) == 3 and _is_int(e[0]) and 0 <= e[0] <= INT64_MAX and _is_int(e[1])
-        and e[1] >= 0 and isinstance(e[2], str) and e[2] != "" for e in value
+        and e[1] >= 0 and _is_id(e[2]) for e in value
     )
 
 
-MANIFEST = Kind("a list of [step: integer below 2**63, position: non-negative integer, trajectory id] entries",
+MANIFEST = Kind("a list of [step: integer below 2**63, position: non-negative integer, trajectory id without U+001F] "
+                "entries",
                 _is_manifest)
 COUNT_LIST = Kind("a list of non-negative integers", lambda v: isinstance(v, list) and all(_is_int(n) and n >= 0 for n in v),
                   list[Annotated[int, msgspec.Meta(ge=0)]])
@@ -281,25 +297,26 @@ _NACK = MessageSpec("nack", {"code": TEXT, "message": ANY_TEXT}, {"seq": INT, "e
 
 PRODUCER_TO_BROKER = _schema(
     "producer->broker",
-    MessageSpec("hello", {"producer_id": TEXT}, {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL}),
+    MessageSpec("hello", {"producer_id": TEXT}, {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB}),
     MessageSpec(
         "turn",
-        {"seq": INT, "trajectory_id": TEXT, "turn": COUNT, "status": STATUS},
+        {"seq": INT, "trajectory_id": ID, "turn": COUNT, "status": STATUS},
         {
-            "group_id": TEXT,
+            "group_id": ID,
             "group_size": STORED_POSITIVE,
             "sample_index": STORED_COUNT,
             "weight_version": ANY_TEXT,
             "weight_version_spans": SPANS,
             "metadata": MAP,
+            "job": JOB,
         },
         arrays=("tokens", "log_probs"),
         optional_arrays=_TURN_ARRAYS,
         rules=(mask_pair, turn_zero_fields, group_pair, spans_within_turn),
         content=True,
     ),
-    MessageSpec("end", {"seq": INT, "trajectory_id": TEXT, "reward": REWARD}, {"metadata": MAP, "turns": COUNT}),
-    MessageSpec("abort", {"seq": INT, "trajectory_id": TEXT, "reason": ANY_TEXT}),
+    MessageSpec("end", {"seq": INT, "trajectory_id": ID, "reward": REWARD}, {"metadata": MAP, "turns": COUNT, "job": JOB}),
+    MessageSpec("abort", {"seq": INT, "trajectory_id": ID, "reason": ANY_TEXT}, {"job": JOB}),
     MessageSpec("ping", {"seq": INT}),
     MessageSpec("batch", {"messages": BATCHED_MESSAGES}, body=True),
 )
@@ -309,7 +326,7 @@ BATCHABLE_TYPES = ("turn", "end", "abort")
 BROKER_TO_PRODUCER = _schema(
     "broker->producer",
     MessageSpec("welcome", {"broker_id": TEXT, "max_message_bytes": POSITIVE, "window": POSITIVE},
-                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL}),
+                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB}),
     MessageSpec(
         "ack",
         {"seq": INT, "trajectory_id": TEXT, "applied": BOOL},
@@ -323,12 +340,12 @@ BROKER_TO_PRODUCER = _schema(
 CONSUMER_TO_BROKER = _schema(
     "consumer->broker",
     MessageSpec("hello", {"consumer_id": TEXT},
-                {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL, "run": TEXT, "lineage": TEXT},
+                {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL, "run": TEXT, "lineage": TEXT, "job": JOB},
                 rules=(run_pair,)),
     MessageSpec("heartbeat", {}, _SEQ),
     MessageSpec("credit", {"n": COUNT, "unit": UNIT}, _SEQ),
     MessageSpec("ack", {"leases": TEXT_LIST},
-                {**_SEQ, "trajectory_ids": TEXT_LIST, "step": STORED_COUNT, "positions": COUNT_LIST},
+                {**_SEQ, "trajectory_ids": ID_LIST, "step": STORED_COUNT, "positions": COUNT_LIST},
                 rules=(one_id_per_lease, trained_at_step)),
     MessageSpec("nack", {"leases": TEXT_LIST, "reason": ANY_TEXT, "requeue": BOOL}, _SEQ),
     MessageSpec("seal", {"step": STORED_COUNT, "keep": POSITIVE}, _SEQ),
@@ -338,7 +355,7 @@ CONSUMER_TO_BROKER = _schema(
 BROKER_TO_CONSUMER = _schema(
     "broker->consumer",
     MessageSpec("welcome", {"broker_id": TEXT, "lease_timeout": SECONDS, "heartbeat_interval": SECONDS},
-                {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL, "max_unsealed_bytes": POSITIVE}),
+                {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL, "max_unsealed_bytes": POSITIVE, "job": JOB}),
     MessageSpec(
         "deliver",
         {
@@ -377,7 +394,7 @@ ADMIN_REQUESTS = _schema(
     "admin request",
     MessageSpec("status", {}, _SEQ),
     MessageSpec("dead_letters", {}, {"seq": INT, "limit": POSITIVE}),
-    MessageSpec("requeue", {"trajectory_ids": TEXT_LIST}, _SEQ),
+    MessageSpec("requeue", {"trajectory_ids": ID_LIST}, {**_SEQ, "job": JOB}),
 )
 
 ADMIN_REPLIES = _schema(

@@ -625,7 +625,9 @@ class Trajectory:
         self.status = turn.status
         if turn.weight_version is not None:
             self.weight_versions.append(turn.weight_version)
-            spans = turn.weight_version_spans or ((turn.weight_version, 0, len(turn.tokens)),)
+            spans = turn.weight_version_spans
+            if spans is None:  # its one version over its sampled tokens (none, when it sampled none)
+                spans = ((turn.weight_version, 0, len(turn.tokens)),) if len(turn.tokens) else ()
             self.weight_version_spans.append(tuple((version, start + s, start + e) for version, s, e in spans))
         self.turns += 1
         self._terminal = turn.status in TERMINAL_STATUSES

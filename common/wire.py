@@ -22,6 +22,7 @@ def encode_turn(
     group_size: int | None = None,
     sample_index: int | None = None,
     metadata: Mapping[str, Any] | None = None,
+    job: str | None = None,
     crc: bool = False,
     checked: bool = True,
     may_pack: bool = False,
@@ -43,6 +44,8 @@ def encode_turn(
         fields["weight_version_spans"] = [list(span) for span in turn.weight_version_spans]
     if metadata is not None:
         fields["metadata"] = metadata
+    if job is not None:
+        fields["job"] = job
     arrays = turn.arrays()
     if prompt_tokens is not None:
         arrays["prompt_tokens"] = prompt_tokens

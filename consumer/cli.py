@@ -27,11 +27,13 @@ from .assembly import POLICIES
 @click.option("--device", default=None, help="torch device for the batches (default: cuda if present, else cpu).")
 @click.option("--timeout", type=float, default=None, help="Seconds to wait for a batch before giving up.")
 @click.option("--log-level", default="warning", show_default=True, help="debug, info, warning or error.")
+@click.option("--job", default="default", show_default=True, help="The job whose trajectories to read.")
 @curve_client_options
 def consume(endpoints, batch_size, unit, batches, vocab_size, on_invalid, reward_key, commit, device, timeout, log_level,
-            curve_secret_key, curve_server_key):
+            job, curve_secret_key, curve_server_key):
     """Pull validated batches and print, per batch, its trajectory ids and metrics as one JSON line."""
     from rollstream.common.curve import CurveError
+    from rollstream.common.errors import InvalidInput
     from rollstream.common.logs import setup_logging
 
     from .client import Consumer
@@ -41,8 +43,8 @@ def consume(endpoints, batch_size, unit, batches, vocab_size, on_invalid, reward
         consumer = Consumer(list(endpoints), batch_size=batch_size, unit=unit, vocab_size=vocab_size,
                             on_invalid=on_invalid, reward_key=reward_key, device=device,
                             curve_secret_key=curve_secret_key, curve_server_key=curve_server_key,
-                            checkpointed=False)  # an inspector has no checkpoint: what it acks is deleted
-    except CurveError as exc:
+                            checkpointed=False, job=job)  # an inspector has no checkpoint: what it acks is deleted
+    except (CurveError, InvalidInput) as exc:
         raise click.ClickException(str(exc)) from None
     with consumer:
         count = 0

@@ -38,6 +38,7 @@ from rollstream.common.errors import (
     RemoteProtocolError,
     TimedOut,
 )
+from rollstream.common.jobs import DEFAULT_JOB, check_job
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 from rollstream.common.sockets import dealer
 
@@ -118,11 +119,13 @@ class Consumer:
         keep_checkpoints: int = 2,
         resume: dict | None = None,
         world_size: int = 1,
+        job: str = DEFAULT_JOB,
     ):
         if on_invalid not in POLICIES:
             raise InvalidInput(f"on_invalid must be one of {POLICIES}, got {on_invalid!r}")
         if resume is not None and not checkpointed:
             raise InvalidInput("resume needs checkpointed=True: a consumer that deletes on commit keeps no position")
+        self.job = check_job(job)  # brokers hand it this job's trajectories only (`rollstream.common.jobs`)
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self.endpoints:
             raise InvalidInput(f"give at least one broker endpoint, got {endpoints!r}")
@@ -141,13 +144,13 @@ class Consumer:
             len(self.endpoints), batch_size=batch_size, unit=unit, prefetch=prefetch, dedup_capacity=dedup_capacity
         )
         self.world_size = world_size  # the data-parallel ranks its batches are sharded to (`DistributedConsumer`)
-        self._position = (TrainingPosition(keep_checkpoints=keep_checkpoints, world_size=world_size, resume=resume)
-                          if checkpointed else None)
+        self._position = (TrainingPosition(keep_checkpoints=keep_checkpoints, world_size=world_size, resume=resume,
+                                           job=job) if checkpointed else None)
         if self._position is not None and self._position.saved_world_size != world_size:
             log.warning("resumed at another world size: replayed batches are sharded again at the new one",
                         extra={"saved": self._position.saved_world_size, "now": world_size})
         self._sessions = Sessions(self._assembler, self.endpoints, consumer_id=self.consumer_id,
-                                  hello_timeout=hello_timeout, position=self._position)  # the I/O thread drives it
+                                  hello_timeout=hello_timeout, position=self._position, job=job)  # the I/O thread drives it
         if self.ledger is not None and self._position is not None and self._position.resumed_from is not None:
             self._position.record_resume(self.ledger)
         self._lock = threading.Lock()

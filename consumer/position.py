@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from rollstream.common.errors import InvalidInput, InvalidState
+from rollstream.common.jobs import DEFAULT_JOB
 
 STATE_FORMAT = "rollstream.consumer.position/1"
 # Batches a state lists at most: a trainer that never seals must not grow it (and the consumer) without end.
@@ -76,11 +77,13 @@ class TrainingPosition:
     hands back. Driven by `Sessions` (what brokers say) and the client
     (what the trainer does)."""
 
-    def __init__(self, *, keep_checkpoints: int = 2, world_size: int = 1, resume: Mapping[str, Any] | None = None):
+    def __init__(self, *, keep_checkpoints: int = 2, world_size: int = 1, resume: Mapping[str, Any] | None = None,
+                 job: str = DEFAULT_JOB):
         if keep_checkpoints < 1:
             raise InvalidInput(f"keep_checkpoints must be at least 1, got {keep_checkpoints}")
         self.keep = keep_checkpoints
         self.world_size = world_size
+        self.job = job
         self.lineage = _new_id()
         self.batches: list[TrainedBatch] = []  # committed since the last seal
         self.resumed_from: int | None = None
@@ -101,6 +104,9 @@ class TrainingPosition:
             return
         if resume.get("format") != STATE_FORMAT:
             raise InvalidInput(f"resume state: format must be {STATE_FORMAT!r}, got {resume.get('format')!r}")
+        if resume.get("job", DEFAULT_JOB) != job:  # another job's run: its data is not this consumer's to train
+            raise InvalidInput(f"resume state: rule 'a run resumes in its own job' violated: the state belongs to job "
+                               f"{resume.get('job', DEFAULT_JOB)!r}, this consumer reads job {job!r}")
         self.run = _field(resume, "run", str, "a string")
         self.parent = resume.get("lineage")  # the lineage that saved the state
         self.step = self.resumed_from = self.sealed_step = _field(resume, "step", int, "an integer")
@@ -234,5 +240,5 @@ class TrainingPosition:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain lists, numbers and strings: save it with the checkpoint."""
-        return {"format": STATE_FORMAT, "run": self.run, "lineage": self.lineage, "epoch": self.epoch, "step": self.step,
-                "world_size": self.world_size, "batches": [b.to_state() for b in self.batches]}
+        return {"format": STATE_FORMAT, "job": self.job, "run": self.run, "lineage": self.lineage, "epoch": self.epoch,
+                "step": self.step, "world_size": self.world_size, "batches": [b.to_state() for b in self.batches]}

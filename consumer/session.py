@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Mapping
 
-from rollstream.common.errors import RemoteProtocolError
+from rollstream.common.errors import InvalidState, RemoteProtocolError
+from rollstream.common.jobs import DEFAULT_JOB
 
 from .assembly import Assembler
 from .position import TrainingPosition
@@ -45,8 +46,9 @@ class Sessions:
     """Every broker connection of one consumer (by broker index)."""
 
     def __init__(self, assembler: Assembler, endpoints: list[str], *, consumer_id: str, hello_timeout: float,
-                 position: TrainingPosition | None = None):
+                 position: TrainingPosition | None = None, job: str = DEFAULT_JOB):
         self.assembler = assembler
+        self.job = job  # named in every hello: brokers hand this consumer its job's trajectories only
         self.endpoints = endpoints
         self.consumer_id = consumer_id
         self.hello_timeout = hello_timeout
@@ -59,6 +61,10 @@ class Sessions:
         session, assembler, endpoint = self.sessions[broker], self.assembler, self.endpoints[broker]
         kind = message.type
         if kind == "welcome":
+            if self.job != DEFAULT_JOB and message.get("job") != self.job:
+                raise InvalidState(f"rule 'a broker keeps jobs apart' not met: broker {message['broker_id']} at "
+                                   f"{endpoint} did not echo job {self.job!r} in its welcome (got {message.get('job')!r}); "
+                                   "a broker of this version does")
             session.state = SessionState.READY
             session.heartbeat_interval = message["heartbeat_interval"]
             session.next_heartbeat = now + session.heartbeat_interval / 2
@@ -122,6 +128,8 @@ class Sessions:
             retry_hello = session.state == SessionState.HELLO_SENT and now - session.hello_at > self.hello_timeout
             if (session.state == SessionState.NEW or retry_hello) and not closing:
                 hello = {"consumer_id": self.consumer_id, "packed_arrays": True, "split_arrays": True}
+                if self.job != DEFAULT_JOB:
+                    hello["job"] = self.job
                 if self.position is not None:
                     hello.update(self.position.hello_fields())
                 out.append((broker, "hello", hello))

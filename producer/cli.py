@@ -26,6 +26,8 @@ HELP = {
               "model (registered by the `rollstream` command): sample from a small torch LM (rollstream.app.tiny_lm).",
     "broker_endpoint": "The node broker's producer endpoint (tcp://, ipc:// or inproc://).",
     "producer_id": "Name sent in hello; keep it stable to resend a spool after a restart. Default: host-source.",
+    "job": "The job its trajectories belong to: a broker keeps jobs apart, and hands them only to consumers of "
+           "the same job (an evaluation run, a second experiment).",
     "window": "Most frames unsettled at once (the broker's welcome may lower it).",
     "reply_timeout": "Seconds without a reply after which unacked frames are reported (they are resent only after a "
                      "reconnect, or when a later ping is answered first).",

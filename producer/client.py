@@ -38,6 +38,7 @@ from rollstream.common.codec import check_values, decode, encode
 from rollstream.common.curve import HANDSHAKE_FAILURES, ClientCurve, HandshakeReport
 from rollstream.common.errors import ClientFailed, InternalError, InvalidInput, InvalidState, ProtocolError, TimedOut
 from rollstream.common.ingest import turn_from_sglang
+from rollstream.common.jobs import DEFAULT_JOB
 from rollstream.common.mask import SamplingMask, as_int_array, owned
 from rollstream.common.messages import BROKER_TO_PRODUCER, PRODUCER_TO_BROKER
 from rollstream.common.sockets import send_frames, tune
@@ -225,6 +226,7 @@ class AsyncProducer:
         curve_secret_key: str | os.PathLike | None = None,
         curve_server_key: str | os.PathLike | None = None,
         context: zmq.Context | None = None,
+        job: str = DEFAULT_JOB,
     ):
         if not producer_id:
             raise InvalidInput("producer_id must be a non-empty string")
@@ -241,7 +243,9 @@ class AsyncProducer:
         self._session = ProducerSession(  # checks the settings before any file is opened
             producer_id, endpoint, metrics=self.metrics, now=Clock.monotonic(), window=window,
             reply_timeout=reply_timeout, retry_delay=retry_delay, heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=heartbeat_timeout, batch_acks=batch_acks, batch_frames=batch_frames, send_burst=send_burst)
+            heartbeat_timeout=heartbeat_timeout, batch_acks=batch_acks, batch_frames=batch_frames, send_burst=send_burst,
+            job=job)
+        self.job = job  # every frame names it unless it is the default job
         # What was sent and acked, for the end-to-end checker (`rollstream.common.checker`):
         self.ledger = self._session.ledger = None if ledger is None else Ledger(ledger)
         self._spool_options = (spool_dir, spool_bytes, spool_fsync)
@@ -578,6 +582,7 @@ class _TrajectoryHandle:
                 group_size=self.group_size if first else None,
                 sample_index=self.sample_index if first else None,
                 metadata=merged or None,
+                job=self.producer.job if self.producer.job != DEFAULT_JOB else None,
                 crc=self.producer.crc,
                 checked=False,
                 may_pack=self.producer.pack_arrays,
@@ -585,7 +590,7 @@ class _TrajectoryHandle:
         return Draft(TURN, self, self.next_turn, encode_at, (len(turn.tokens), int(turn.forced_tokens.size)), turn)
 
     def _end_draft(self, reward, metadata: Mapping[str, Any] | None) -> Draft:
-        fields = {"trajectory_id": self.trajectory_id, "reward": _reward(reward)}
+        fields = {"trajectory_id": self.trajectory_id, "reward": _reward(reward), **self._job_field()}
         if metadata:
             fields["metadata"] = dict(metadata)
 
@@ -594,9 +599,13 @@ class _TrajectoryHandle:
         return Draft(END, self, self.next_turn, encode_at)
 
     def _abort_draft(self, reason: str) -> Draft:
-        frames = encode(PRODUCER_TO_BROKER, "abort", {"trajectory_id": self.trajectory_id, "reason": reason},
-                        numbered=False)
+        frames = encode(PRODUCER_TO_BROKER, "abort", {"trajectory_id": self.trajectory_id, "reason": reason,
+                                                      **self._job_field()}, numbered=False)
         return Draft(ABORT, self, self.next_turn, lambda _: frames)
+
+    def _job_field(self) -> dict[str, str]:
+        job = self.producer.job
+        return {} if job == DEFAULT_JOB else {"job": job}
 
     def _build(self, tokens, log_probs, options: dict) -> Turn:
         producer = self.producer

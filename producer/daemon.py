@@ -11,6 +11,7 @@ import socket
 from rollstream.common.config import Problem
 from rollstream.common.curve import client_key_problems
 from rollstream.common.errors import InvalidInput
+from rollstream.common.jobs import JOB_PATTERN, is_job
 
 from .client import AsyncProducer
 from .settings import ProducerSettings
@@ -37,6 +38,7 @@ def violations(settings: ProducerSettings) -> list[Problem]:
         ("tool_tokens", settings.tool_tokens >= 0, ">= 0"),
         ("tool_seconds", settings.tool_seconds >= 0, ">= 0"),
         ("shutdown_timeout", settings.shutdown_timeout >= 0, ">= 0"),
+        ("job", is_job(settings.job), f"a job name matching {JOB_PATTERN}"),
     ]
     problems = [Problem(name, "", expected, repr(getattr(settings, name))) for name, ok, expected in rules if not ok]
     return problems + client_key_problems(settings.curve_secret_key, settings.curve_server_key)
@@ -61,7 +63,7 @@ async def run(settings: ProducerSettings) -> int:
         heartbeat_timeout=settings.heartbeat_timeout, spool_dir=settings.spool_dir,
         spool_bytes=settings.spool_bytes, spool_fsync=settings.spool_fsync, vocab_size=settings.vocab_size,
         crc=settings.crc, check_content=settings.check_content, ledger=settings.ledger,
-        curve_secret_key=settings.curve_secret_key, curve_server_key=settings.curve_server_key,
+        curve_secret_key=settings.curve_secret_key, curve_server_key=settings.curve_server_key, job=settings.job,
     )
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

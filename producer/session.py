@@ -26,7 +26,8 @@ from typing import Any, Callable, Protocol
 
 from rollstream.common.checker import ContentDigest, Ledger, TurnRecord, turn_record
 from rollstream.common.codec import PACK_UP_TO_BYTES, encode, encode_batch, number_header
-from rollstream.common.errors import InternalError, InvalidInput, ProtocolError, Refused
+from rollstream.common.errors import InternalError, InvalidInput, InvalidState, ProtocolError, Refused
+from rollstream.common.jobs import DEFAULT_JOB, check_job
 from rollstream.common.messages import PRODUCER_TO_BROKER
 from rollstream.common.trajectory import Turn
 
@@ -104,10 +105,11 @@ class ProducerSession:
     def __init__(self, producer_id: str, endpoint: str, *, metrics: ProducerMetrics, now: float, window: int = 256,
                  reply_timeout: float = 30.0, retry_delay: float = 0.5, heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float = 10.0, batch_acks: bool = True, batch_frames: bool = True,
-                 send_burst: int = 32, ledger: Ledger | None = None):
+                 send_burst: int = 32, ledger: Ledger | None = None, job: str = DEFAULT_JOB):
         if send_burst < 1:
             raise InvalidInput(f"send_burst must be at least 1 frame, got {send_burst}")
         self.producer_id = producer_id
+        self.job = check_job(job)  # named in the hello and on every frame (`rollstream.common.jobs`)
         self.endpoint = endpoint  # named in log lines
         self.metrics = metrics
         self.ledger = ledger
@@ -265,6 +267,8 @@ class ProducerSession:
         """The hello that opens a connection: it asks for batched acks and
         frames as configured. Until its welcome, one frame a message."""
         fields: dict[str, Any] = {"producer_id": self.producer_id}
+        if self.job != DEFAULT_JOB:
+            fields["job"] = self.job
         if self.batch_acks:
             fields["batch_acks"] = True
         if self.batch_frames:
@@ -326,6 +330,10 @@ class ProducerSession:
         elif kind == "pong":
             self._pong(reply["seq"])
         elif kind == "welcome":
+            if self.job != DEFAULT_JOB and reply.get("job") != self.job:
+                raise InvalidState(f"rule 'a broker keeps jobs apart' not met: broker {reply['broker_id']} at "
+                                   f"{self.endpoint} did not echo job {self.job!r} in its welcome (got "
+                                   f"{reply.get('job')!r}); a broker of this version does")
             if self.batch_frames and reply.get("batch_frames"):
                 self.batch_bytes = min(BATCH_UP_TO_BYTES, reply["max_message_bytes"])
             log.info(f"broker {reply['broker_id']} welcomed us: window {window.limit}",

@@ -11,6 +11,7 @@ class ProducerSettings:
     source: str = "synthetic"  # a registered source's name (rollstream.producer.sources)
     broker_endpoint: str = "tcp://127.0.0.1:5555"
     producer_id: str | None = None  # default: host name and source; keep it stable to reuse a spool
+    job: str = "default"  # the job its trajectories belong to (rollstream.common.jobs)
     # reliability
     window: int = 256
     reply_timeout: float = 30.0

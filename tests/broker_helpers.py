@@ -9,19 +9,19 @@ from rollstream.common.wire import encode_turn
 
 
 def turn_msg(tid, index, tokens=(10,), supports=None, forced=None, status="completed", seq=None, group=None,
-             prompt=(1, 2), **turn_kw):
+             prompt=(1, 2), job=None, **turn_kw):
     turn = Turn.build(list(tokens), [-0.5] * len(tokens), supports=supports, forced_tokens=forced, status=status, **turn_kw)
     extra = {}
     if index == 0:
         extra["prompt_tokens"] = np.array(prompt, np.int32)
         if group:
             extra["group_id"], extra["group_size"] = group
-    frames = encode_turn(tid, index, turn, seq=index if seq is None else seq, **extra)
+    frames = encode_turn(tid, index, turn, seq=index if seq is None else seq, job=job, **extra)
     return decode(frames, PRODUCER_TO_BROKER)
 
 
-def end_msg(tid, reward=1.0, seq=100, metadata=None, turns=None):
-    fields = {"seq": seq, "trajectory_id": tid, "reward": reward}
+def end_msg(tid, reward=1.0, seq=100, metadata=None, turns=None, job=None):
+    fields = {"seq": seq, "trajectory_id": tid, "reward": reward, **({} if job is None else {"job": job})}
     if metadata is not None:
         fields["metadata"] = metadata
     if turns is not None:

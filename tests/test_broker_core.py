@@ -89,7 +89,7 @@ def test_a_failed_commit_refuses_the_whole_batch_and_rolls_memory_back_to_the_st
                              Commit=lambda request: StoreUnavailable("disk gone"), Reload=lambda request: NOTHING_STORED)
     assert [type(r) for r in asked[:2]] == [Commit, Reload]
     assert [(r.type, r["code"], r["seq"]) for r in replies] == [("nack", "unavailable", 1), ("nack", "unavailable", 2)]
-    assert not broker.engine.entries and not broker.dispatcher.queue and broker.unavailable
+    assert not broker.engine.entries and not broker.dispatcher.queues and broker.unavailable
     _, [refused] = produce(broker, P, [turn_msg("t", 0, seq=3)], t=0.5)  # no probe yet: refused before merging
     assert refused["code"] == "unavailable" and not broker.engine.entries
     drive(broker.housekeeping(at(1.0)), Probe=lambda request: False)
@@ -128,4 +128,4 @@ def test_a_consumer_hello_settles_the_acks_before_it_in_the_batch_first():
     asked, replies = consumer(("ack", {"leases": [delivery["lease"]]}), ("hello", {"consumer_id": "c"}))
     assert [r.type for r in replies] == ["acked", "welcome"]
     assert isinstance(asked[0], Commit) and [type(e).__name__ for e in asked[0].effects] == ["Forget"]
-    assert not broker.dispatcher.queue and "t" not in broker.engine.entries
+    assert not broker.dispatcher.queues and "t" not in broker.engine.entries

@@ -78,7 +78,7 @@ def test_silent_consumer_loses_leases_and_credit(d):
     d.seen(B, mono=3)
     d.tick(mono=3.5)  # A silent for 3.5 s > 3 heartbeat intervals
     assert A not in d.consumers and B in d.consumers
-    assert [u.trajectory_ids for u in d.queue] == [("t",)]
+    assert [u.trajectory_ids for u in d.queues.get("default", ())] == [("t",)]
     d.credit(B, 1, "trajectory")
     assert d.deliveries(mono=4)[0].identity == B
 
@@ -89,7 +89,7 @@ def test_hello_with_same_consumer_id_drops_the_old_connection(d):
     d.enqueue(DeliveryUnit(("t",)))
     d.deliveries(mono=0)
     d.hello(B, "worker", mono=1)
-    assert A not in d.consumers and [u.trajectory_ids for u in d.queue] == [("t",)]
+    assert A not in d.consumers and [u.trajectory_ids for u in d.queues.get("default", ())] == [("t",)]
 
 
 def test_max_deliveries_exhausts(d):
@@ -102,7 +102,7 @@ def test_max_deliveries_exhausts(d):
         now += 11
         d.seen(A, now)
         exhausted = d.tick(now)
-    assert exhausted == ["t"] and not d.queue
+    assert exhausted == ["t"] and not d.queues
 
 
 def test_requeue_keeps_group_together_with_its_size(d):
@@ -112,7 +112,7 @@ def test_requeue_keeps_group_together_with_its_size(d):
     sent = d.deliveries(mono=0)
     valid, _ = d.end_leases([sent[0].lease, sent[2].lease])
     d.requeue(valid)
-    (unit,) = d.queue
+    (unit,) = d.queues["default"]
     assert unit == DeliveryUnit(("g0", "g2"), "G", 4, 2)
 
 
@@ -156,7 +156,7 @@ def test_a_retracted_group_refunds_one_group_credit_and_goes_back_whole(d):
     sent = d.deliveries(mono=0)
     d.retract([out.lease for out in sent], refund=True)
     assert d.consumers[A].group_credit == 1
-    assert list(d.queue) == [DeliveryUnit(("g0", "g1", "g2", "g3"), "G", 4, 0)]
+    assert list(d.queues["default"]) == [DeliveryUnit(("g0", "g1", "g2", "g3"), "G", 4, 0)]
     again = d.deliveries(mono=0)
     assert [x.trajectory_id for x in again] == ["g0", "g1", "g2", "g3"]
     assert {x.unit.group_left for x in again} == {0} and {x.delivery_count for x in again} == {1}
@@ -172,4 +172,4 @@ def test_retracting_part_of_a_unit_puts_that_part_back_as_one_unit(d):
     sent = d.deliveries(mono=0)
     d.retract([sent[1].lease, sent[2].lease], refund=True)
     assert d.consumers[A].trajectory_credit == 2 and list(d.leases) == [sent[0].lease]
-    assert list(d.queue) == [DeliveryUnit(("g1", "g2"), "G", 4, 2)] and d.queued_trajectories == 2
+    assert list(d.queues["default"]) == [DeliveryUnit(("g1", "g2"), "G", 4, 2)] and d.queued_trajectories == 2

@@ -180,7 +180,7 @@ def test_dispatcher_keeps_its_queue_count_through_splits_retracts_and_requeues()
     dispatcher = Dispatcher(DispatchSettings(max_deliveries=5))
 
     def check():
-        assert dispatcher.queued_trajectories == sum(len(unit.trajectory_ids) for unit in dispatcher.queue)
+        assert dispatcher.queued_trajectories == sum(dispatcher.queued().values())
 
     dispatcher.enqueue(DeliveryUnit(("a", "b", "c"), "g", 3))
     dispatcher.enqueue(DeliveryUnit(("d",)))

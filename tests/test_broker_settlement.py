@@ -73,7 +73,7 @@ def test_an_ack_naming_its_trajectories_settles_stale_leases_by_id_and_takes_the
     assert s.known == [] and s.stale == [] and s.by_id == {leases["a"]: "a", leases["b"]: "b"}
     assert [(type(e), e.trajectory_id) for e in s.effects] == [(Forget, "a"), (Forget, "b")]
     s.apply(dispatcher)
-    assert [u.trajectory_ids for u in dispatcher.queue] == [("c",)] and dispatcher.queued_trajectories == 1
+    assert [u.trajectory_ids for u in dispatcher.queues.get("default", ())] == [("c",)] and dispatcher.queued_trajectories == 1
     assert s.accepted == [leases["a"], leases["b"]]
 
 
@@ -84,7 +84,7 @@ def test_settling_by_id_ends_the_lease_a_redelivery_took():
     s = Settlement.prepare(C, settle("ack", [leases["a"]], trajectory_ids=["a"]), dispatcher, engine, wall=5.0,
                            claimed=set(), claimed_ids=set())
     s.apply(dispatcher)
-    assert again.lease not in dispatcher.leases and not dispatcher.queue
+    assert again.lease not in dispatcher.leases and not dispatcher.queues
     later = Settlement.prepare(C, settle("ack", [again.lease], trajectory_ids=["a"]), dispatcher, engine, wall=6.0,
                                claimed=set(), claimed_ids=set())
     assert later.settled_before == [again.lease] and later.effects == []  # answered acked, nothing twice
@@ -109,7 +109,7 @@ def test_settling_by_id_keeps_a_partly_settled_group_unit_whole_with_its_count()
     s = Settlement.prepare(C, settle("ack", ["L-old"], trajectory_ids=["g1"]), dispatcher, engine, wall=5.0,
                            claimed=set(), claimed_ids=set())
     s.apply(dispatcher)
-    [unit] = dispatcher.queue
+    [unit] = dispatcher.queues["default"]
     assert unit.trajectory_ids == ("g0", "g2") and unit.group_left == 1
 
 

@@ -198,14 +198,14 @@ class Broker(RuleBasedStateMachine):
 
     @invariant()
     def queued_groups_are_whole_units(self):
-        for unit in self.core.dispatcher.queue:
+        for unit in (u for queue in self.core.dispatcher.queues.values() for u in queue):
             if unit.group_id is not None:
                 assert unit.group_left == unit.group_size - len(unit.trajectory_ids), unit
 
     @invariant()
     def every_ended_trajectory_is_in_exactly_one_place(self):
         engine, dispatcher = self.core.engine, self.core.dispatcher
-        queued = [tid for unit in dispatcher.queue for tid in unit.trajectory_ids]
+        queued = [tid for queue in dispatcher.queues.values() for unit in queue for tid in unit.trajectory_ids]
         leased = [lease.trajectory_id for lease in dispatcher.leases.values()]
         for tid in self.ended:
             entry = engine.entries.get(tid)

@@ -483,12 +483,17 @@ def turn_messages(draw, *, min_tokens=0):
         kwargs["prompt_tokens"] = np.array(draw(st.lists(st.integers(0, VOCAB - 1), max_size=5)), "<i4")
         # group_id and group_size travel together (or not at all).
         kwargs["group_id"], kwargs["group_size"] = draw(
-            st.just((None, None)) | st.tuples(st.text(min_size=1, max_size=4), st.integers(1, 16))
+            st.just((None, None)) | st.tuples(ids(4), st.integers(1, 16))
         )
         kwargs["sample_index"] = draw(st.none() | st.integers(0, 16))
     kwargs["metadata"] = draw(st.none() | metadata_st)
-    trajectory_id = draw(st.text(min_size=1, max_size=8))
+    trajectory_id = draw(ids(8))
     return spec, trajectory_id, index, kwargs
+
+
+def ids(max_size: int):
+    """Trajectory and group ids: any text but U+001F, which no id holds (a broker keys other jobs' ids with it)."""
+    return st.text(st.characters(exclude_characters="\x1f"), min_size=1, max_size=max_size)
 
 
 def expected_turn_fields(spec, trajectory_id, index, kwargs) -> dict:
