@@ -446,3 +446,38 @@ def test_a_checkpointing_session_trains_seals_and_resumes_and_a_broker_restart_s
         assert (reply["type"], reply["code"]) == ("nack", "not_checkpointed")
         status, _ = Peer(broker.admin).call(frames("status"))
         assert (status["ready"], status["leased"], status["unsealed"]) == (0, 0, 3)
+
+
+def test_two_jobs_keep_their_ids_apart_and_spans_place_each_version(broker):
+    producer = Peer(broker.producer)
+    welcome, _ = producer.call(frames("hello", producer_id="eval-peer", job="eval"))
+    assert welcome["job"] == "eval"  # the broker keeps jobs apart
+    for seq, job, tokens in ((1, None, [10]), (3, "eval", [30, 31])):
+        named = {} if job is None else {"job": job}
+        spans = {} if job is None else {"weight_version": "w5", "weight_version_spans": [["w5", 0, 1], ["w6", 1, 2]]}
+        reply, _ = producer.call(turn(seq, "t1", 0, tokens, [[t] for t in tokens], prompt=[1], group_id="G",
+                                      group_size=1, **named, **spans))
+        assert reply["applied"] is True and reply["trajectory_id"] == "t1"
+        reply, _ = producer.call(frames("end", seq=seq + 1, trajectory_id="t1", reward=1.0, **named))
+        assert reply["applied"] is True and reply["trajectory_id"] == "t1"
+    reply, _ = producer.call(turn(5, "a\x1fb", 0, [10], [[10]], prompt=[1]))
+    assert reply["code"] == "schema" and "U+001F" in reply["message"]
+    reply, _ = producer.call(turn(6, "t2", 0, [10, 11], [[10], [11]], prompt=[1], weight_version="w1",
+                                  weight_version_spans=[["w2", 0, 2]]))
+    assert reply["code"] == "schema" and "a turn's weight_version is its first span's" in reply["message"]
+
+    def first_delivery(**hello):
+        consumer = Peer(broker.consumer)
+        welcome, _ = consumer.call(frames("hello", consumer_id=f"c-{hello.get('job')}", **hello))
+        assert welcome.get("job") == hello.get("job")
+        consumer.sock.send_multipart(frames("credit", n=5, unit="trajectory"))
+        header, bufs = consumer.recv()
+        tokens = np.frombuffer(bufs[[a[0] for a in header["arrays"]].index("tokens")], dtype=I32)
+        assert not consumer.sock.poll(500)  # nothing of the other job follows
+        return header, tokens.tolist()
+
+    header, tokens = first_delivery(job="eval")
+    assert (header["trajectory_id"], header["group_id"], tokens) == ("t1", "G", [30, 31])
+    assert header["weight_versions"] == ["w5"] and header["weight_version_spans"] == [[["w5", 0, 1], ["w6", 1, 2]]]
+    header, tokens = first_delivery()
+    assert (header["trajectory_id"], header["group_id"], tokens) == ("t1", "G", [10])
