@@ -367,6 +367,7 @@ class BrokerCore:
             return _Answer(identity, self._refuse("producer", reply.error, message))
         effects.extend(reply.effects)
         ack = reply.fields
+        assert ack is not None  # a reply without an error has its ack
         if SEPARATOR in ack["trajectory_id"]:  # the producer's own id, not the broker's key
             ack = {**ack, "trajectory_id": wire_id(ack["trajectory_id"])}
         return _Answer(identity, ack=ack, message=message)
