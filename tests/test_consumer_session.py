@@ -4,10 +4,11 @@ broker's interval, credit once welcomed, saying hello again after
 `unknown_consumer`, deliveries of a dropped session ignored, undecodable
 deliveries handed back, and closing."""
 import numpy as np
+import pytest
 from consumer_helpers import make_rollout
 
 from rollstream.common.codec import Message, decode
-from rollstream.common.errors import ProtocolError
+from rollstream.common.errors import InvalidState, ProtocolError
 from rollstream.common.messages import BROKER_TO_CONSUMER
 from rollstream.common.wire import encode_deliver
 from rollstream.consumer.assembly import Assembler
@@ -42,6 +43,17 @@ def test_hello_goes_once_and_again_only_after_the_hello_timeout():
     assert kinds(s.due(5.5, closing=False)) == [(0, "hello"), (1, "hello")]
     _, _, fields = s.due(11.0, closing=False)[0]
     assert fields == {"consumer_id": "c", "packed_arrays": True, "split_arrays": True}
+
+
+def test_a_consumer_of_a_job_names_it_and_fails_on_a_broker_that_does_not_keep_jobs_apart():
+    s = Sessions(Assembler(1, batch_size=1, unit="trajectory"), ["ipc://b0"], consumer_id="c", hello_timeout=5.0,
+                 job="eval")
+    [(_, _, hello)] = s.due(0.0, closing=False)
+    assert hello["job"] == "eval"
+    with pytest.raises(InvalidState, match="rule 'a broker keeps jobs apart' not met: .* did not echo job 'eval'"):
+        s.received(0, welcome(), 1.0)
+    s.received(0, Message("welcome", {**welcome().fields, "job": "eval"}, {}), 1.0)
+    assert s.sessions[0].state == SessionState.READY
 
 
 def test_a_welcome_opens_credit_and_heartbeats_at_half_the_interval():

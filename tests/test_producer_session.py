@@ -5,10 +5,11 @@ import json
 import logging
 
 import numpy as np
+import pytest
 
 from rollstream.common.checker import ContentDigest, Ledger, turn_record
 from rollstream.common.codec import decode, encode, split_batch
-from rollstream.common.errors import Refused, RemoteProtocolError
+from rollstream.common.errors import InvalidInput, InvalidState, Refused, RemoteProtocolError
 from rollstream.common.messages import BROKER_TO_PRODUCER, PRODUCER_TO_BROKER
 from rollstream.common.trajectory import Turn
 from rollstream.common.wire import encode_turn
@@ -120,6 +121,17 @@ def test_the_hello_asks_for_what_the_producer_was_configured_with():
         "producer_id": "p", "batch_acks": True, "batch_frames": True}
     assert decode(session(batch_acks=False, batch_frames=False).hello(), PRODUCER_TO_BROKER).fields == {
         "producer_id": "p"}
+
+
+def test_a_producer_of_a_job_names_it_and_fails_on_a_broker_that_does_not_keep_jobs_apart():
+    eval_session = session(job="eval")
+    assert decode(eval_session.hello(), PRODUCER_TO_BROKER)["job"] == "eval"
+    eval_session.received(welcome(job="eval"), 0.0)  # echoed: jobs kept apart
+    with pytest.raises(InvalidState, match="rule 'a broker keeps jobs apart' not met: broker b .* did not echo job "
+                                           "'eval'"):
+        session(job="eval").received(welcome(), 0.0)
+    with pytest.raises(InvalidInput, match="a job name must match"):
+        session(job="eval/1")
 
 
 def test_the_welcome_grants_the_window_and_says_whether_batches_are_read():
