@@ -8,8 +8,10 @@ broker's own store side (`StoreIO`) or handed to the consumer as bytes.
 
 After every step: credit in use never exceeds the credit granted, a lease is
 out only for a delivery that went out, a group is delivered whole or not at all, every ended trajectory is acked,
-dead-lettered, queued, leased or waiting for its group (exactly one), and no
-trajectory is delivered more than `max_deliveries` times."""
+dead-lettered, queued, leased or waiting for its group (exactly one), no
+trajectory is delivered more than `max_deliveries` times, and another job's
+trajectories with the same ids (an evaluation run's) are never handed to
+the consumer, which reads the default job."""
 import shutil
 import tempfile
 
@@ -28,6 +30,7 @@ from rollstream.broker.store import Store, StoreUnavailable
 from rollstream.broker.store_io import StoreIO
 from rollstream.common.clock import Clock
 from rollstream.common.codec import decode, decode_header, encode
+from rollstream.common.jobs import DEFAULT_JOB, job_key, job_of
 from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER
 from rollstream.consumer.assembly import Assembler
 from rollstream.consumer.session import Sessions
@@ -59,6 +62,7 @@ class Broker(RuleBasedStateMachine):
         self.now = 1000.0
         self.turns = dict.fromkeys(TRAJECTORIES, 0)  # turns each producer has applied
         self.ended: set[str] = set()
+        self.ended_elsewhere: set[str] = set()  # the broker's keys of what another job ended
         self.granted = 0  # group credit the consumer granted since its last hello
         self.charged = 0  # units the broker delivered to it under that credit
         self.sent_leases: set[str] = set()  # leases whose delivery reached the consumer
@@ -149,6 +153,17 @@ class Broker(RuleBasedStateMachine):
         if ack is not None and ack["applied"] and not ack.get("duplicate"):
             self.ended.add(tid)
 
+    @rule(group=st.sampled_from(sorted(GROUPS)), store_fails=st.booleans())
+    def another_job_finishes_a_group_of_the_same_ids(self, group, store_fails):
+        """An evaluation job on the same broker sends the same group ids,
+        each member one turn and its end, named with its job on every frame."""
+        for tid in GROUPS[group]:
+            for message in (turn_msg(tid, 0, [20], [[20]], group=GROUP_OF[tid], seq=0, job="eval"),
+                            end_msg(tid, reward=0.0, job="eval")):
+                ack = self._produce(BrokerCore.keyed(message), store_fails)
+            if ack is not None and ack["applied"] and ack["trajectory_id"] == tid:
+                self.ended_elsewhere.add(job_key("eval", tid))
+
     @rule(tid=st.sampled_from(TRAJECTORIES))
     def abort(self, tid):
         ack = self._produce(abort_msg(tid))
@@ -219,6 +234,13 @@ class Broker(RuleBasedStateMachine):
                 and not group.deliverable,
             }
             assert sum(places.values()) == 1, (tid, places)
+
+    @invariant()
+    def another_jobs_trajectories_wait_for_their_own_consumer(self):
+        assert all(job_of(lease.trajectory_id) == DEFAULT_JOB for lease in self.core.dispatcher.leases.values())
+        for key in self.ended_elsewhere:
+            entry = self.core.engine.entries.get(key)
+            assert entry is not None and entry.state == ENDED, (key, entry and entry.state)
 
     @invariant()
     def delivery_counts_stay_within_max_deliveries(self):
