@@ -402,7 +402,7 @@ class BrokerCore:
                 yield Send("consumer", identity, self._refuse("consumer", error, None))
                 continue
             assert message is not None  # one that failed to decode is received with its error
-            if message.type in ("hello", "resume"):  # they change leases: settle what came before them first
+            if message.type in ("hello", "resume", "seal"):  # they change leases or commit: settle what came before first
                 yield from self._settle(settling, now)
                 claimed.clear()
                 claimed_ids.clear()
