@@ -323,6 +323,9 @@ class Pipeline:
         self._acked: set[str] = set()  # counted as each poll reads new records, not over all of them again
         self._committed: set[str] = set()
         self._resumes = 0  # trainer starts that resumed from a checkpoint (each restart does: there is one at step 0)
+        # The source rank's last committed and last sealed step (a resume goes back to its checkpoint's): the
+        # trainer seals every step, so a commit not yet sealed is one a restart may have to train again.
+        self._committed_step = self._sealed_step = 0
 
     def add_producer(self, index: int, *, trajectories: int, turns: int = 3, group_size: int = 4,
                      abort_rate: float = 0.1, retry_rate: float = 0.1, endpoint: str | None = None,
@@ -349,8 +352,13 @@ class Pipeline:
                 self._acked.add(record["id"])
             elif kind == "committed":
                 self._committed.add(record["id"])
+                if record.get("rank") == 0:
+                    self._committed_step = record["step"]
+            elif kind == "sealed":
+                self._sealed_step = record["step"]
             elif kind == "resumed":
                 self._resumes += 1
+                self._committed_step = self._sealed_step = record["from_step"]
         counts.acked, counts.committed = len(self._acked), len(self._committed)
         counters = self._counters.update(self.status)
         counts.merged = counters["frames.end.applied"]
@@ -372,10 +380,12 @@ class Pipeline:
 
     @property
     def drained(self) -> bool:
-        """Idle, every acked trajectory committed or dead-lettered, and a
-        restarted trainer has resumed (until then what it must train again
-        looks trained)."""
-        if not self.idle or self._resumes < self.trainer.generation - 1:
+        """Idle, every acked trajectory committed or dead-lettered, the
+        trainer's last commit sealed, the trainer alive and a restarted
+        trainer resumed: until a trainer that died after a commit is
+        restarted and has resumed, what it must train again looks trained."""
+        if (not self.idle or self._sealed_step < self._committed_step or self.trainer.lost
+                or self._resumes < self.trainer.generation - 1):
             return False
         self.dead = self.node.dead_letters()
         return not check(self.records, self.dead, broker_backlog=1).unseen
