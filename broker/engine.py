@@ -18,7 +18,9 @@ from typing import Any, NamedTuple
 
 from rollstream.common.codec import Message, content_digest
 from rollstream.common.errors import InternalError, InvalidInput, ProtocolError, RemoteProtocolError
+from rollstream.common.jobs import job_of
 from rollstream.common.trajectory import Gap, Trajectory
+from rollstream.common.versions import oldest_version, ordered_version
 from rollstream.common.wire import turn_from_message
 
 
@@ -37,6 +39,7 @@ class State(StrEnum):
 
 OPEN, ENDED, DEAD, LEFT, TRAINED = State.OPEN, State.ENDED, State.DEAD, State.LEFT, State.TRAINED
 STATES = tuple(State)
+UNTRAINED = frozenset({OPEN, ENDED})  # admitted and still to be trained: what a staleness bound's capacity counts
 
 # What a trajectory held in memory costs beyond its arrays' bytes, so that
 # `bytes_in_memory` (the budget's measure) follows the process's RSS: per
@@ -94,6 +97,7 @@ class EndTrajectory:
     metadata: dict
     digest: bytes
     at: float
+    version: int | None = None  # its oldest turn's ordered policy version (`rollstream.common.versions`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +201,7 @@ class DeliveryUnit:
     group_id: str | None = None
     group_size: int | None = None
     group_left: int = 0
+    version: int | None = None  # the oldest ordered policy version among its members (None: unknown)
 
 
 # Stored digests read for `MergeEngine.handle`, by (trajectory id, turn); None: the read failed.
@@ -231,6 +236,7 @@ class Entry:
     unreadable: int = 0  # reads back that found its stored records damaged (see UNREADABLE_AFTER)
     trained: TrainedAt | None = None  # once TRAINED
     stored_bytes: int = 0  # of its applied turns' frames (about what its records hold on disk)
+    version: int | None = None  # its oldest applied turn's ordered policy version (None: none holds one)
 
     @property
     def next_turn(self) -> int:
@@ -289,6 +295,7 @@ class MergeEngine:
         self.entries: dict[str, Entry] = {}
         self.groups: dict[str, Group] = {}
         self._counts = dict.fromkeys(STATES, 0)
+        self.untrained: Counter[str] = Counter()  # per job: open or ended (admitted, not yet trained or gone)
         self._open: OrderedDict[str, Entry] = OrderedDict()
         self._idle_groups: OrderedDict[str, Group] = OrderedDict()
         self._resident_ready: OrderedDict[str, Entry] = OrderedDict()  # ended, in memory, oldest first (evicted newest first)
@@ -378,6 +385,7 @@ class MergeEngine:
         outcome = traj.append_turn(turn_from_message(message))
         if outcome.applied:
             entry.stored_bytes += sum(map(len, message.frames))
+            entry.version = _older(entry.version, turn_version(message))
         digest = self._digest_unless_applied(message, index, outcome.applied)
         entry.outcomes.append((digest, outcome.applied, outcome.reason))
         entry.updated_at = wall
@@ -411,7 +419,8 @@ class MergeEngine:
         outcome = traj.append_turn(turn_from_message(message))  # raises, changing nothing, when refused
         digest = self._digest_unless_applied(message, 0, outcome.applied)
         entry = Entry(tid, OPEN, group_id, group_size, message.get("sample_index"), [(digest, outcome.applied, outcome.reason)],
-                      updated_at=wall, stored_bytes=sum(map(len, message.frames)))
+                      updated_at=wall, stored_bytes=sum(map(len, message.frames)),
+                      version=turn_version(message) if outcome.applied else None)
         if replaces:
             self._remove(tid)
         self._add(entry)
@@ -485,7 +494,7 @@ class MergeEngine:
         traj.metadata.update(message.get("metadata") or {})
         entry.end_digest, entry.updated_at = digest, wall
         self._set_state(entry, ENDED)
-        effect = EndTrajectory(tid, traj.reward, traj.metadata, digest, wall)
+        effect = EndTrajectory(tid, traj.reward, traj.metadata, digest, wall, entry.version)
         self._member_done(entry, ENDED, wall)
         return _ack(message, True), (effect,)
 
@@ -532,7 +541,7 @@ class MergeEngine:
     def _member_done(self, entry: Entry, state: State, wall: float) -> None:
         if entry.group_id is None:
             if state == ENDED:
-                self.ready_units.append(DeliveryUnit((entry.trajectory_id,)))
+                self.ready_units.append(DeliveryUnit((entry.trajectory_id,), version=entry.version))
             return
         group = self.groups[entry.group_id]
         group.members[entry.trajectory_id] = state
@@ -546,7 +555,8 @@ class MergeEngine:
         self._idle_groups.pop(group_id, None)
         self._effects.append(GroupDeliverable(group_id, group.size))
         if ended:
-            self.ready_units.append(DeliveryUnit(ended, group_id, group.size, group.size - len(ended)))
+            self.ready_units.append(DeliveryUnit(ended, group_id, group.size, group.size - len(ended),
+                                                 self.oldest(ended)))
         else:
             self._close_group(group_id)
 
@@ -758,7 +768,8 @@ class MergeEngine:
             return None
         entry.dead_reason, entry.dead_at, entry.unreadable = None, None, 0
         self._set_state(entry, ENDED)
-        self.ready_units.append(DeliveryUnit((tid,), entry.group_id, entry.group_size, (entry.group_size or 1) - 1))
+        self.ready_units.append(DeliveryUnit((tid,), entry.group_id, entry.group_size, (entry.group_size or 1) - 1,
+                                             entry.version))
         return Revive(tid)
 
     # -- memory -------------------------------------------------------------
@@ -829,17 +840,19 @@ class MergeEngine:
                 group.pending = set(ended)
                 if ended:
                     ready.append((min(order[tid] for tid in ended),
-                                  DeliveryUnit(ended, group_id, group.size, group.size - len(ended))))
+                                  DeliveryUnit(ended, group_id, group.size, group.size - len(ended),
+                                               self.oldest(ended))))
         self._reindex()
         for entry in self.entries.values():
             if entry.state == ENDED and entry.group_id is None:
-                ready.append((order[entry.trajectory_id], DeliveryUnit((entry.trajectory_id,))))
+                ready.append((order[entry.trajectory_id], DeliveryUnit((entry.trajectory_id,), version=entry.version)))
         return [unit for _, unit in sorted(ready, key=lambda pair: pair[0])]
 
     def _reindex(self) -> None:
         """Rebuild the indexes from `entries` and `groups` as `restore`
         filled them: counts, recency by `updated_at`, residency and bytes."""
         self._counts = dict.fromkeys(STATES, 0)
+        self.untrained.clear()
         self._open.clear()
         self._idle_groups.clear()
         self._resident_ready.clear()
@@ -860,6 +873,8 @@ class MergeEngine:
 
     def _index(self, entry: Entry) -> None:
         self._counts[entry.state] += 1
+        if entry.state in UNTRAINED:
+            self.untrained[job_of(entry.trajectory_id)] += 1
         if entry.state == OPEN:
             self._open[entry.trajectory_id] = entry
 
@@ -867,6 +882,8 @@ class MergeEngine:
         entry = self.entries.pop(tid)
         self._drop_arrays(entry)
         self._counts[entry.state] -= 1
+        if entry.state in UNTRAINED:
+            self.untrained[job_of(tid)] -= 1
         self._open.pop(tid, None)
         return entry
 
@@ -874,6 +891,8 @@ class MergeEngine:
         tid = entry.trajectory_id
         self._counts[entry.state] -= 1
         self._counts[state] += 1
+        if (entry.state in UNTRAINED) != (state in UNTRAINED):
+            self.untrained[job_of(tid)] += 1 if state in UNTRAINED else -1
         if entry.state == OPEN:
             self._open.pop(tid, None)
             if self._resident_open.pop(tid, None) is not None and state == ENDED:
@@ -912,9 +931,24 @@ class MergeEngine:
     def counts(self) -> dict[State, int]:
         return dict(self._counts)
 
+    def oldest(self, trajectory_ids: Iterable[str]) -> int | None:
+        """The oldest ordered policy version among `trajectory_ids` (a unit's version)."""
+        versions = [v for v in (self.entries[tid].version for tid in trajectory_ids) if v is not None]
+        return min(versions, default=None)
+
     def dead_letters(self, limit: int) -> list[dict]:
         dead = sorted((e for e in self.entries.values() if e.state == DEAD), key=_dead_at)
         return [{"trajectory_id": e.trajectory_id, "reason": e.dead_reason, "at": e.dead_at} for e in dead[:limit]]
+
+
+def turn_version(message: Message) -> int | None:
+    """A turn message's oldest ordered policy version: its first span's, or its `weight_version`'s."""
+    spans = message.get("weight_version_spans")
+    return oldest_version(span[0] for span in spans) if spans else ordered_version(message.get("weight_version"))
+
+
+def _older(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def held_bytes(trajectory: Trajectory) -> int:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from rollstream.common.errors import LocalProtocolError
 from rollstream.common.trajectory import Gap, Trajectory
+from rollstream.common.versions import trajectory_version
 from rollstream.common.wire import turn_from_message
 
 from .engine import OPEN, Entry, Run
@@ -63,6 +64,7 @@ def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
     memory; ended ones stay in the store until delivered."""
     entries = []
     for stored in recovered.trajectories:
+        trajectory = load_trajectory(store, stored) if stored.state == OPEN else None
         entry = Entry(
             stored.trajectory_id,
             stored.state,
@@ -76,7 +78,8 @@ def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
             dead_at=stored.dead_at,
             trained=stored.trained,
             stored_bytes=sum(t.location[2] for t in stored.turns if t.location is not None),
-            trajectory=load_trajectory(store, stored) if stored.state == OPEN else None,
+            trajectory=trajectory,
+            version=stored.version if trajectory is None else trajectory_version(trajectory),
         )
         entries.append(entry)
     order = {t.trajectory_id: t.ready_seq or 0 for t in recovered.trajectories}

@@ -56,9 +56,10 @@ from .engine import (
     TrainedAt,
 )
 
-SCHEMA_VERSION = 5  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
-# 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`); 5: trained trajectories and runs
-_READABLE_VERSIONS = (2, 3, 4, 5)  # an older store is upgraded in place (`Store._upgrade`)
+SCHEMA_VERSION = 6  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
+# 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`); 5: trained trajectories and runs;
+# 6: an ended trajectory's ordered policy version, and each job's published policy
+_READABLE_VERSIONS = (2, 3, 4, 5, 6)  # an older store is upgraded in place (`Store._upgrade`)
 
 # A turn this large (long top-p supports) is written ahead on the writer
 # thread; smaller ones are written inline by their commit, where handing them
@@ -86,7 +87,8 @@ CREATE TABLE IF NOT EXISTS trajectories (
     trained_run TEXT,
     trained_lineage TEXT,
     trained_step INTEGER,
-    trained_position INTEGER
+    trained_position INTEGER,
+    version INTEGER
 );
 CREATE TABLE IF NOT EXISTS turns (
     trajectory_id TEXT NOT NULL,
@@ -105,15 +107,18 @@ CREATE INDEX IF NOT EXISTS dedup_until ON dedup (until);
 CREATE TABLE IF NOT EXISTS released_groups (id TEXT PRIMARY KEY, size INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS runs (id TEXT PRIMARY KEY, lineage TEXT NOT NULL, seals BLOB NOT NULL,
                                  reclaimed INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS policies (job TEXT PRIMARY KEY, version INTEGER NOT NULL, max_staleness INTEGER,
+                                     per_step INTEGER, share REAL) WITHOUT ROWID;
 """
-_TRAINED_COLUMNS = ("trained_run TEXT", "trained_lineage TEXT", "trained_step INTEGER", "trained_position INTEGER")
+_ADDED_COLUMNS = ("trained_run TEXT", "trained_lineage TEXT", "trained_step INTEGER", "trained_position INTEGER",
+                  "version INTEGER")
 
 
 # States are stored as `State`'s values, written into the statements once.
 _OPEN = ("INSERT OR REPLACE INTO trajectories (id, state, group_id, group_size, sample_index, updated_at) "
          f"VALUES (?, '{State.OPEN}', ?, ?, ?, ?)")
 _END = (f"UPDATE trajectories SET state='{State.ENDED}', updated_at=?, end_digest=?, reward=?, metadata=?, ready_seq=?, "
-        "end_crc=? WHERE id=?")
+        "end_crc=?, version=? WHERE id=?")
 
 
 _STATE_VALUES = frozenset(State)
@@ -242,6 +247,7 @@ class StoredTrajectory:
     dead_at: float | None
     trained: TrainedAt | None = None
     turns: list[StoredTurn] = field(default_factory=list)
+    version: int | None = None  # ended: its oldest turn's ordered policy version
 
 
 @dataclass
@@ -422,7 +428,8 @@ class Store:
     def _upgrade(self) -> None:
         """An older store becomes the current version: a version 2 or 3
         store's ended rows get the CRC of their end as they stand (nothing
-        checked them before), and rows get the trained columns."""
+        checked them before), and rows get the trained and version columns
+        (a trajectory ended before has no version: unknown, never stale)."""
         db = self.db
         db.execute("BEGIN")
         columns = {row[1] for row in db.execute("PRAGMA table_info(trajectories)")}
@@ -431,7 +438,7 @@ class Store:
             rows = db.execute("SELECT id, end_digest, reward, metadata FROM trajectories "
                               "WHERE end_digest IS NOT NULL").fetchall()
             db.executemany("UPDATE trajectories SET end_crc=? WHERE id=?", [(_end_crc(*row), row[0]) for row in rows])
-        for column in _TRAINED_COLUMNS:
+        for column in _ADDED_COLUMNS:
             if column.split()[0] not in columns:
                 db.execute(f"ALTER TABLE trajectories ADD COLUMN {column}")
         db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (SCHEMA_VERSION,))
@@ -464,11 +471,11 @@ class Store:
         rows = {}
         for row in self.db.execute(
             "SELECT id, state, group_id, group_size, sample_index, updated_at, end_digest, reward, metadata, "
-            "ready_seq, gap_turn, gap_field, dead_reason, dead_at, end_crc, trained_run, trained_lineage, trained_step, "
-            "trained_position FROM trajectories " + where, args
+            "ready_seq, gap_turn, gap_field, dead_reason, dead_at, end_crc, version, trained_run, trained_lineage, "
+            "trained_step, trained_position FROM trajectories " + where, args
         ):
             (tid, state, gid, gsize, sidx, updated, end_digest, reward, metadata, ready_seq, gap_turn, gap_field,
-             dead_reason, dead_at, end_crc, *trained) = row
+             dead_reason, dead_at, end_crc, version, *trained) = row
             error = None
             if state not in _STATE_VALUES:
                 error = f"state must be one of {sorted(map(str, _STATE_VALUES))}, got {state!r}"
@@ -485,7 +492,7 @@ class Store:
                 msgpack.unpackb(reward) if reward is not None else None,
                 msgpack.unpackb(metadata) if metadata is not None else None,
                 ready_seq, (gap_turn, gap_field) if gap_turn is not None else None, dead_reason, dead_at,
-                TrainedAt(*trained) if state == State.TRAINED else None,
+                TrainedAt(*trained) if state == State.TRAINED else None, version=version,
             )
         turn_where = where.replace("WHERE id", "WHERE trajectory_id")
         for tid, turn, digest, applied, reason, seg, off, length, at in self.db.execute(
@@ -643,7 +650,8 @@ class Store:
             case EndTrajectory():
                 reward, metadata = msgpack.packb(effect.reward), msgpack.packb(effect.metadata)
                 rows.ends.append((effect.at, effect.digest, reward, metadata, self._take_ready_seq(),
-                                  _end_crc(effect.trajectory_id, effect.digest, reward, metadata), effect.trajectory_id))
+                                  _end_crc(effect.trajectory_id, effect.digest, reward, metadata), effect.version,
+                                  effect.trajectory_id))
             case Forget():
                 rows.forgets.append((effect.trajectory_id, effect.dedup_until))
             case OpenTrajectory():  # one replacing a LEFT marker

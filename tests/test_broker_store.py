@@ -269,31 +269,44 @@ def test_replay_arrays_survive(tmp_path, store):
     store2.close()
 
 
-@pytest.mark.parametrize("version", [2, 3, 4])
+@pytest.mark.parametrize("version", [2, 3, 4, 5])
 def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_checked(tmp_path, version):
     store = Store(tmp_path / "data")
     store.open()
-    drive(MergeEngine(), store, [turn_msg("t", 0), end_msg("t", reward=0.25, metadata={"k": 1})])
-    for column in ("trained_run", "trained_lineage", "trained_step", "trained_position"):  # as versions 2-4 stored it
-        store.db.execute(f"ALTER TABLE trajectories DROP COLUMN {column}")
+    drive(MergeEngine(), store, [turn_msg("t", 0, weight_version="step-3"), end_msg("t", reward=0.25, metadata={"k": 1})])
+    store.db.execute("ALTER TABLE trajectories DROP COLUMN version")  # as versions 2-5 stored it
+    store.db.execute("DROP TABLE policies")
+    if version < 5:
+        for column in ("trained_run", "trained_lineage", "trained_step", "trained_position"):  # as versions 2-4 stored it
+            store.db.execute(f"ALTER TABLE trajectories DROP COLUMN {column}")
+        store.db.execute("DROP TABLE runs")
     if version < 4:
         store.db.execute("ALTER TABLE trajectories DROP COLUMN end_crc")  # as versions 2 and 3 stored it
-    store.db.execute("DROP TABLE runs")
     store.db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (version,))
     store.close()
     store = Store(tmp_path / "data")
     (ended,) = store.open().trajectories
-    assert (ended.reward, ended.metadata, ended.trained) == (0.25, {"k": 1}, None)
-    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 5
+    assert (ended.reward, ended.metadata, ended.trained, ended.version) == (0.25, {"k": 1}, None, None)
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 6
     store.db.execute("UPDATE trajectories SET reward=? WHERE id='t'", (msgpack.packb(0.75),))
     store.db.execute("UPDATE meta SET value=1 WHERE key='schema_version'")
     store.close()
-    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4 or 5"):
+    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4 or 5 or 6"):
         Store(tmp_path / "data").open()
     store = Store(tmp_path / "data")
-    store.db.execute("UPDATE meta SET value=5 WHERE key='schema_version'")
+    store.db.execute("UPDATE meta SET value=6 WHERE key='schema_version'")
     with pytest.raises(StoreCorrupted, match="trajectories row 't': CRC mismatch over its end"):
         store.open()
+
+
+def test_an_ended_trajectory_keeps_its_oldest_turns_version_across_a_restart(tmp_path, store):
+    engine = MergeEngine(EngineSettings())
+    drive(engine, store, [turn_msg("a", 0, [1], weight_version="step-7"), turn_msg("a", 1, [2], weight_version="5"),
+                          end_msg("a", turns=2), turn_msg("b", 0, [1], weight_version="opaque"), end_msg("b")])
+    assert (engine.entries["a"].version, engine.entries["b"].version) == (5, None)
+    store.close()
+    _, engine2, _ = reopen(tmp_path / "data")
+    assert (engine2.entries["a"].version, engine2.entries["b"].version) == (5, None)
 
 
 def test_a_received_crc_makes_the_record_crc_without_a_second_pass(tmp_path, store, monkeypatch):
