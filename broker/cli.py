@@ -10,6 +10,7 @@ from rollstream.common.config import BYTES, SETTINGS_CONTEXT, config_option, set
 from rollstream.common.curve import curve_client_options
 
 from .settings import BrokerSettings, broker_problems
+from .staleness import DISPATCH_ORDERS
 
 HELP = {
     "producer_endpoint": "Where producers connect (tcp://, ipc:// or inproc://).",
@@ -24,6 +25,10 @@ HELP = {
     "trajectory_ttl": "Seconds without a frame after which an open trajectory expires to dead letters.",
     "dedup_window": "Seconds delivered or expired trajectory ids are remembered.",
     "max_deliveries": "Deliveries before a trajectory is dead-lettered (max_deliveries).",
+    "max_staleness": "Policy versions a trajectory's oldest turn may lag its trainer's when trained (a trainer may "
+                     "lower it); older ones are dead-lettered stale, and new trajectories wait while the job holds "
+                     "what its trainer can train within the bound. Unset: no bound.",
+    "dispatch_order": "Which policy version is handed out first: oldest_first or freshest_first.",
     "sync": "normal: durable against a broker crash; full: fsync before every ack (power loss).",
     "max_memory_bytes": "Memory budget; over it, producer frames wait (backpressure) and trajectories are evicted to the store.",
     "max_disk_bytes": "Disk budget of the store; over it, new trajectories wait while consumers have something to take.",
@@ -49,6 +54,8 @@ HELP = {
 }
 TYPES = {
     "sync": click.Choice(["normal", "full"]),
+    "max_staleness": click.IntRange(min=0),
+    "dispatch_order": click.Choice(list(DISPATCH_ORDERS)),
     "max_memory_bytes": BYTES,
     "max_disk_bytes": BYTES,
     "disk_reserve_bytes": BYTES,
@@ -147,6 +154,11 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
                 "unsealed", "unsealed_bytes", "oldest_unsealed_step"):
         if key in report:
             click.echo(f"  {key:<20} {report[key]}")
+    for job, policy in report.get("policies", {}).items():
+        spread = policy.get("staleness")
+        click.echo(f"  {'policy of ' + job:<20} version {policy['version']}, max_staleness {policy.get('max_staleness')}, "
+                   f"untrained {policy['untrained']} of capacity {policy.get('capacity')}"
+                   + ("" if spread is None else f", queued staleness {spread[0]}-{spread[1]}"))
     for job, ready in report.get("ready_by_job", {}).items():
         if set(report["ready_by_job"]) != {"default"}:  # jobs shown once there is more than the default one
             click.echo(f"  {'ready in ' + job:<20} {ready}")

@@ -35,6 +35,7 @@ from .dispatch import Dispatch, Dispatcher, DispatchSettings
 from .engine import (
     DEAD,
     ENDED,
+    LEFT,
     NOTHING_STORED,
     OPEN,
     TRAINED,
@@ -51,6 +52,7 @@ from .metrics import BrokerMetrics
 from .recovery import Rebuilt
 from .settings import BrokerSettings
 from .settlement import Settlement
+from .staleness import Freshness, Policy
 from .store import StoreError
 
 log = logging.getLogger("rollstream.broker")
@@ -194,7 +196,9 @@ class BrokerCore:
         self.broker_id = broker_id
         self.metrics = metrics
         self.engine = self._new_engine()
-        self.dispatcher = Dispatcher(DispatchSettings(s.lease_timeout, s.heartbeat_interval, s.max_deliveries))
+        self.freshness = Freshness(s.max_staleness, s.dispatch_order)  # how stale a trajectory may be trained
+        self.dispatcher = Dispatcher(DispatchSettings(s.lease_timeout, s.heartbeat_interval, s.max_deliveries,
+                                                      s.dispatch_order))
         self.memory = MemoryBudget(s.max_memory_bytes)  # when producer frames are read, how far to evict
         self.admission = DiskAdmission(s.max_disk_bytes, disk_reserve)
         self.grants = WindowGrants(s.window, s.max_in_flight)  # frames in flight per producer connection
@@ -218,12 +222,17 @@ class BrokerCore:
     def restore(self, rebuilt: Rebuilt, disk_bytes: int, free_bytes: int) -> None:
         """Start from what the store held (`recovery.rebuild`): its ready
         units queued, oldest first."""
-        for unit in self.engine.restore(*rebuilt):
+        for unit in self._restore(rebuilt):
             self.dispatcher.enqueue(unit)
         self.disk_bytes, self.free_bytes = disk_bytes, free_bytes
         counts = self.engine.counts()
         log.info("store recovered", extra={"data_dir": self.settings.data_dir, "open": counts[OPEN],
                                            "ready": self.dispatcher.queued_trajectories, "dead": counts[DEAD]})
+
+    def _restore(self, rebuilt: Rebuilt) -> list[DeliveryUnit]:
+        """Fill the fresh engine and the policies from the store; the units to queue."""
+        self.freshness.restore(rebuilt.policies)
+        return self.engine.restore(*rebuilt.engine_state())
 
     @property
     def reading_producers(self) -> bool:
@@ -241,7 +250,7 @@ class BrokerCore:
             # Memory back to exactly what the store holds; committed units are
             # already with the dispatcher, so the rebuilt ones are not queued again.
             self.engine = self._new_engine()
-            self.engine.restore(*(yield Reload()))
+            self._restore((yield Reload()))
             return False
         engine = self.engine
         engine.saved()
@@ -281,7 +290,26 @@ class BrokerCore:
     def writes_ahead(self, message: Message) -> bool:
         """Whether a turn's frames may go to the store's writer as soon as
         they are read (it will be merged unless refused)."""
-        return not self.unavailable and self.admits(message)
+        return not self.unavailable and self.admits(message) and self._fresh_refusal(message) is None
+
+    def _fresh_refusal(self, message: Message) -> RemoteProtocolError | None:
+        """Why `Freshness` keeps a turn out: a version without an order
+        under a bound, or a new trajectory over its job's capacity (resent
+        later: the trainer frees room as it trains)."""
+        if message.type != "turn" or not self.freshness.policies and self.freshness.max_staleness is None:
+            return None
+        job = message.get("job", DEFAULT_JOB)
+        spans = message.get("weight_version_spans") or ()
+        refusal = self.freshness.version_refusal(job, [message.get("weight_version"), *(span[0] for span in spans)])
+        if refusal is not None:
+            return RemoteProtocolError("invalid_value", refusal, seq=message["seq"])
+        if message["turn"] == 0:
+            entry = self.engine.entries.get(job_key(job, message["trajectory_id"]))
+            untrained = self.engine.untrained[job]
+            if (entry is None or entry.state == LEFT) and not self.freshness.admits_new(job, untrained):
+                return RemoteProtocolError("unavailable", self.freshness.admission_refusal(job, untrained),
+                                           seq=message["seq"])
+        return None
 
     def admits(self, message: Message) -> bool:
         """Whether the disk lets a producer frame in now (`DiskAdmission`)."""
@@ -359,6 +387,12 @@ class BrokerCore:
         if not self.admits(message):  # resent by the producer; counted, not logged per frame (see DiskAdmission)
             error = RemoteProtocolError("unavailable", self.admission.refusal(), seq=message["seq"])
             return _Answer(identity, self._refuse("producer", error, message, quiet=True))
+        error = self._fresh_refusal(message)
+        if error is not None:
+            waits = error.code == "unavailable"  # the staleness capacity: resent until the trainer catches up
+            if waits:
+                self.metrics.inc(self.metrics.admission_waits)
+            return _Answer(identity, self._refuse("producer", error, message, quiet=waits))
         reply = self.engine.handle(message, now.wall, stored)
         if reply.error is not None:
             key = (message["trajectory_id"], message.get("turn"))
@@ -449,11 +483,45 @@ class BrokerCore:
             trainer = None if consumer.run is None or consumer.lineage is None else (consumer.run, consumer.lineage)
             return Settlement.prepare(identity, message, dispatcher, self.engine, now.wall, claimed, claimed_ids,
                                       trainer)
+        elif message.type == "policy":
+            yield from self._publish(identity, message, now)
         elif message.type == "seal":
             yield from self._seal(identity, message, now)
         elif message.type == "resume":
             yield from self._resume(identity, message, now)
         return None
+
+    def _publish(self, identity: bytes, message: Message, now: Clock) -> Steps:
+        """A trainer published its policy version (and bound, step size and
+        this broker's share): kept durably, echoed with the bound in force;
+        what it makes stale is dropped before the next delivery."""
+        job = self.dispatcher.consumers[identity].job
+        policy = Policy(message["version"], message.get("max_staleness"), message.get("per_step"), message.get("share"))
+        before = self.freshness.policies.get(job)
+        effect = self.freshness.publish(job, policy)
+        if not (yield from self._commit([effect])):
+            if before is None:
+                del self.freshness.policies[job]
+            else:
+                self.freshness.policies[job] = before
+            yield Send("consumer", identity, self._unavailable(message))
+            return
+        bound = self.freshness.bound(job)
+        fields = {"version": policy.version, **({} if bound is None else {"max_staleness": bound}),
+                  **({"seq": message["seq"]} if "seq" in message.fields else {})}
+        yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "policy", fields))
+        yield from self._drop_stale(job, now)
+
+    def _drop_stale(self, job: str, now: Clock) -> Steps:
+        """Dead-letter `job`'s queued units older than its bound allows (`stale`)."""
+        below = self.freshness.stale_below(job)
+        if below is None:
+            return
+        units = self.dispatcher.take_stale(job, below)
+        if units:
+            tids = [tid for unit in units for tid in unit.trajectory_ids]
+            log.info("stale trajectories dropped", extra={"job": job, "count": len(tids), "older_than": below})
+            yield from self._dead_letter(tids, "stale", now)
 
     def _seal(self, identity: bytes, message: Message, now: Clock) -> Steps:
         """A checkpointing trainer sealed a checkpoint: reclaim what it no longer needs."""
@@ -548,7 +616,7 @@ class BrokerCore:
                 self.dispatcher.forget(tid)
         else:  # not durable: keep them deliverable
             for tid in tids:
-                self.dispatcher.enqueue(DeliveryUnit((tid,)), front=True)
+                self.dispatcher.enqueue(DeliveryUnit((tid,), version=self.engine.entries[tid].version), front=True)
 
     def deliver(self, now: Clock) -> Steps:
         """Send queued trajectories to consumers with credit, also while
@@ -561,6 +629,8 @@ class BrokerCore:
         trajectory could not be read back, until the probe succeeds."""
         if self.reads_failed:
             return
+        for job in list(self.freshness.policies.keys() & self.dispatcher.queues.keys()):
+            yield from self._drop_stale(job, now)
         yield from self._send_deliveries(self.dispatcher.deliveries(now.mono), now)
 
     def _send_deliveries(self, deliveries: list[Dispatch], now: Clock) -> Steps:
@@ -575,6 +645,10 @@ class BrokerCore:
             if not (yield from self._read_unit(deliveries[start:end], now)):
                 dispatcher.retract([d.lease for d in deliveries[start:] if d.lease in dispatcher.leases], refund=True)
                 break
+            version = deliveries[start].unit.version
+            current = None if version is None else self.freshness.version(job_of(deliveries[start].trajectory_id))
+            if current is not None and not deliveries[start].replay:
+                self.metrics.staleness.observe(max(0, current - version))  # type: ignore[operator]
             for delivery in deliveries[start:end]:
                 layouts = self.hellos.reads(delivery.identity)
                 trajectory = self.engine.entries[delivery.trajectory_id].trajectory
@@ -675,7 +749,22 @@ class BrokerCore:
             "unsealed": counts[TRAINED],
             "unsealed_bytes": self.engine.trained_bytes,
             **({} if oldest is None else {"oldest_unsealed_step": oldest}),
+            **({"policies": self._policies()} if self.freshness.policies else {}),
         }
+
+    def _policies(self) -> dict:
+        """Each job's published policy with its bound, capacity and the staleness spread of what it has queued."""
+        out = {}
+        for job, policy in sorted(self.freshness.policies.items()):
+            queue = self.dispatcher.queues.get(job)
+            versions = None if queue is None else queue.versions()
+            bound, capacity = self.freshness.bound(job), self.freshness.capacity(job)
+            out[job] = {"version": policy.version, "untrained": self.engine.untrained[job],
+                        **({} if bound is None else {"max_staleness": bound}),
+                        **({} if capacity is None else {"capacity": capacity}),
+                        **({} if versions is None else
+                           {"staleness": [max(0, policy.version - versions[1]), max(0, policy.version - versions[0])]})}
+        return out
 
     # -- time -------------------------------------------------------------------
     def housekeeping(self, now: Clock) -> Steps:

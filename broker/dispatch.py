@@ -6,13 +6,16 @@ settled, and which trajectories ran out of deliveries. Delivery is
 at-least-once: a lease not acked within `lease_timeout`, or held by a
 consumer that went silent for three heartbeat intervals, is redelivered.
 Each job has a queue of its own, and a consumer is handed only its job's
-units (`rollstream.common.jobs`).
+units (`rollstream.common.jobs`); within a job, units go out by their
+policy version (oldest first by default) and in arrival order within one.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from rollstream.common.contract import LIVENESS_INTERVALS, CreditUnit
@@ -75,14 +78,70 @@ class DispatchSettings:
     lease_timeout: float = 60.0
     heartbeat_interval: float = 1.0
     max_deliveries: int = 10
+    order: str = "oldest_first"  # or "freshest_first": which policy version goes out first
+
+
+_UNVERSIONED = -1  # the bucket of units without an ordered version: oldest, never stale
+
+
+class JobQueue:
+    """One job's queued units in buckets by policy version, so that taking
+    the oldest or freshest version and dropping every stale one cost what
+    they move, not what is queued; arrival order within a bucket, units put
+    back in front."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, deque[DeliveryUnit]] = {}
+        self._keys: list[int] = []  # sorted
+
+    def put(self, unit: DeliveryUnit, front: bool = False) -> None:
+        key = _UNVERSIONED if unit.version is None else unit.version
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = deque()
+            bisect.insort(self._keys, key)
+        (bucket.appendleft if front else bucket.append)(unit)
+
+    def take(self, order: str) -> DeliveryUnit:
+        key = self._keys[-1] if order == "freshest_first" else self._keys[0]
+        bucket = self._buckets[key]
+        unit = bucket.popleft()
+        if not bucket:
+            self._drop(key)
+        return unit
+
+    def take_below(self, version: int) -> list[DeliveryUnit]:
+        """Every unit versioned below `version` (the stale ones); unversioned ones stay."""
+        cut = bisect.bisect_left(self._keys, version)
+        stale = [key for key in self._keys[:cut] if key != _UNVERSIONED]
+        units = [unit for key in stale for unit in self._buckets[key]]
+        for key in stale:
+            self._drop(key)
+        return units
+
+    def versions(self) -> tuple[int, int] | None:
+        """The oldest and freshest version queued, or None."""
+        keys = [key for key in self._keys if key != _UNVERSIONED]
+        return (keys[0], keys[-1]) if keys else None
+
+    def _drop(self, key: int) -> None:
+        del self._buckets[key]
+        self._keys.remove(key)
+
+    def __iter__(self) -> Iterator[DeliveryUnit]:
+        for key in self._keys:
+            yield from self._buckets[key]
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
 
 
 class Dispatcher:
     def __init__(self, settings: DispatchSettings | None = None):
         self.settings = settings or DispatchSettings()
         self.consumers: dict[bytes, ConsumerState] = {}
-        # Each job's units, oldest first; changed only by `enqueue` and `_take` (they keep the count).
-        self.queues: dict[str, deque[DeliveryUnit]] = {}
+        # Each job's units; changed only by `enqueue`, `_take` and `take_stale` (they keep the count).
+        self.queues: dict[str, JobQueue] = {}
         self.queued_trajectories = 0
         self.leases: dict[str, Lease] = {}
         self.delivery_counts: dict[str, int] = {}
@@ -95,17 +154,28 @@ class Dispatcher:
     def enqueue(self, unit: DeliveryUnit, front: bool = False) -> None:
         queue = self.queues.get(job := job_of(unit.trajectory_ids[0]))
         if queue is None:
-            queue = self.queues[job] = deque()
-        (queue.appendleft if front else queue.append)(unit)
+            queue = self.queues[job] = JobQueue()
+        queue.put(unit, front)
         self.queued_trajectories += len(unit.trajectory_ids)
 
     def _take(self, job: str) -> DeliveryUnit:
         queue = self.queues[job]
-        unit = queue.popleft()
+        unit = queue.take(self.settings.order)
         if not queue:
             del self.queues[job]
         self.queued_trajectories -= len(unit.trajectory_ids)
         return unit
+
+    def take_stale(self, job: str, below: int) -> list[DeliveryUnit]:
+        """Take `job`'s queued units versioned below `below` out of the queue."""
+        queue = self.queues.get(job)
+        if queue is None:
+            return []
+        units = queue.take_below(below)
+        if not queue:
+            del self.queues[job]
+        self.queued_trajectories -= sum(len(unit.trajectory_ids) for unit in units)
+        return units
 
     def queued(self) -> dict[str, int]:
         """Trajectories queued, by job."""
@@ -203,7 +273,7 @@ class Dispatcher:
             if unit.group_id is not None:
                 assert unit.group_size is not None  # a group's unit carries its size
                 left = unit.group_size - len(tids)
-            self.enqueue(DeliveryUnit(tuple(tids), unit.group_id, unit.group_size, left), front=True)
+            self.enqueue(DeliveryUnit(tuple(tids), unit.group_id, unit.group_size, left, unit.version), front=True)
 
     def withdraw(self, trajectory_ids: set[str]) -> None:
         """Take trajectories settled by their id out of the dispatcher
@@ -221,7 +291,8 @@ class Dispatcher:
                 kept = tuple(tid for tid in unit.trajectory_ids if tid not in trajectory_ids)
                 if kept:
                     left = unit.group_left + len(unit.trajectory_ids) - len(kept)
-                    self.enqueue(DeliveryUnit(kept, unit.group_id, unit.group_size, left if unit.group_id else 0))
+                    self.enqueue(DeliveryUnit(kept, unit.group_id, unit.group_size, left if unit.group_id else 0,
+                                              unit.version))
 
     def forget(self, trajectory_id: str) -> None:
         self.delivery_counts.pop(trajectory_id, None)
@@ -275,7 +346,8 @@ class Dispatcher:
                     take = min(consumer.trajectory_credit, len(unit.trajectory_ids))
                     tids = unit.trajectory_ids[:take]
                     if take < len(unit.trajectory_ids):
-                        rest = DeliveryUnit(unit.trajectory_ids[take:], unit.group_id, unit.group_size, unit.group_left)
+                        rest = DeliveryUnit(unit.trajectory_ids[take:], unit.group_id, unit.group_size, unit.group_left,
+                                        unit.version)
                         self.enqueue(rest, front=True)
                     consumer.trajectory_credit -= take
                     credit = CreditUnit.TRAJECTORY

@@ -23,6 +23,8 @@ from rollstream.common.trajectory import Gap, Trajectory
 from rollstream.common.versions import oldest_version, ordered_version
 from rollstream.common.wire import turn_from_message
 
+from .staleness import SetPolicy
+
 
 class State(StrEnum):
     """Where a trajectory stands (stored in SQLite as these values). `left`
@@ -185,10 +187,10 @@ class SealRun:
     reclaimed: int
 
 
-# What the engine asks to be made durable, in order; the store and the
+# What the engine (and `Freshness`, a job's policy) asks to be made durable, in order; the store and the
 # service's counters each dispatch on it with one `match`.
 Effect = (OpenTrajectory | PutTurn | MarkGap | EndTrajectory | DropTrajectory | DeadLetter | Revive | GroupDeliverable
-          | CloseGroup | Forget | MarkTrained | SealRun)
+          | CloseGroup | Forget | MarkTrained | SealRun | SetPolicy)
 
 
 # -- deliverable units --------------------------------------------------------
@@ -933,7 +935,8 @@ class MergeEngine:
 
     def oldest(self, trajectory_ids: Iterable[str]) -> int | None:
         """The oldest ordered policy version among `trajectory_ids` (a unit's version)."""
-        versions = [v for v in (self.entries[tid].version for tid in trajectory_ids) if v is not None]
+        entries = (self.entries.get(tid) for tid in trajectory_ids)
+        versions = [e.version for e in entries if e is not None and e.version is not None]
         return min(versions, default=None)
 
     def dead_letters(self, limit: int) -> list[dict]:

@@ -36,6 +36,12 @@ class BrokerMetrics(Metrics):
         self.backpressure = self.gauge("backpressure",
                                        "1 while producer frames are not all taken (memory budget: none read; disk: some wait)")
         self.unavailable = self.gauge("store_unavailable", "1 while the store cannot persist")
+        self.staleness = self.histogram(
+            "staleness", "Policy versions between a delivered trajectory's oldest turn and its trainer's",
+            (0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
+        )
+        self.admission_waits = self.counter("admission_waits", "Turns opening a trajectory told to wait by the "
+                                            "staleness capacity (resent by their producer)")
         self.commit_seconds = self.histogram(
             "commit_seconds", "Time to make one batch durable",
             (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
@@ -63,10 +69,10 @@ class BrokerMetrics(Metrics):
                     self.inc(self.exits, exit="aborted")
                     log.info("trajectory aborted", extra={"trajectory_id": effect.trajectory_id})
                 case DeadLetter():
-                    exit_label = effect.reason if effect.reason in ("expired", "unreadable") else "dead"
+                    exit_label = effect.reason if effect.reason in ("expired", "unreadable", "stale") else "dead"
                     self.inc(self.exits, exit=exit_label)
-                    log.warning("trajectory dead-lettered", extra={"trajectory_id": effect.trajectory_id,
-                                                                   "reason": effect.reason})
+                    (log.info if effect.reason == "stale" else log.warning)(  # stale: expected under a bound
+                        "trajectory dead-lettered", extra={"trajectory_id": effect.trajectory_id, "reason": effect.reason})
                 case _:
                     pass
 

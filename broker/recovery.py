@@ -9,6 +9,7 @@ recorded gap gives back exactly the merged trajectory that was acked.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 from rollstream.common.errors import LocalProtocolError
@@ -17,6 +18,7 @@ from rollstream.common.versions import trajectory_version
 from rollstream.common.wire import turn_from_message
 
 from .engine import OPEN, Entry, Run
+from .staleness import Policy
 from .store import Recovered, Store, StoreCorrupted, StoredTrajectory
 
 
@@ -57,6 +59,11 @@ class Rebuilt(NamedTuple):
     dedup: Mapping[str, float]
     order: Mapping[str, int]  # ready sequence of each trajectory
     runs: Mapping[str, Run]  # checkpointing trainers' runs
+    policies: Mapping[str, Policy] = MappingProxyType({})  # each job's published policy (`Freshness`)
+
+    def engine_state(self) -> tuple:
+        """What `MergeEngine.restore` takes."""
+        return self.entries, self.deliverable_groups, self.dedup, self.order, self.runs
 
 
 def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
@@ -83,4 +90,4 @@ def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
         )
         entries.append(entry)
     order = {t.trajectory_id: t.ready_seq or 0 for t in recovered.trajectories}
-    return Rebuilt(entries, recovered.deliverable_groups, recovered.dedup, order, recovered.runs)
+    return Rebuilt(entries, recovered.deliverable_groups, recovered.dedup, order, recovered.runs, recovered.policies)

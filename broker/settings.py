@@ -27,6 +27,8 @@ class BrokerSettings:
     trajectory_ttl: float = 3600.0
     dedup_window: float = 86_400.0
     max_deliveries: int = 10
+    max_staleness: int | None = None  # policy versions a trajectory may lag its trainer when trained; None: no bound
+    dispatch_order: str = "oldest_first"
     sync: str = "normal"
     max_memory_bytes: int = 2 << 30
     max_disk_bytes: int = 64 << 30

@@ -55,6 +55,7 @@ from .engine import (
     State,
     TrainedAt,
 )
+from .staleness import Policy, SetPolicy
 
 SCHEMA_VERSION = 6  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
 # 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`); 5: trained trajectories and runs;
@@ -258,6 +259,7 @@ class Recovered:
     dedup: dict[str, float]
     deliverable_groups: dict[str, int]  # stored in the table `released_groups`, its first name
     runs: dict[str, Run] = field(default_factory=dict)
+    policies: dict[str, Policy] = field(default_factory=dict)  # each job's published policy
 
 
 _FRAME_TABLES: dict[int, struct.Struct] = {}  # by frame count: the record's frame-length table
@@ -453,6 +455,8 @@ class Store:
             dict(self.db.execute("SELECT id, size FROM released_groups")),
             {run: Run(lineage, list(msgpack.unpackb(seals)), reclaimed)
              for run, lineage, seals, reclaimed in self.db.execute("SELECT id, lineage, seals, reclaimed FROM runs")},
+            {job: Policy(*row) for job, *row in self.db.execute(
+                "SELECT job, version, max_staleness, per_step, share FROM policies")},
         )
 
     def load_one(self, trajectory_id: str) -> StoredTrajectory:
@@ -681,6 +685,9 @@ class Store:
                            "WHERE id=?", (self._take_ready_seq(), effect.trajectory_id))
             case MarkTrained(trajectory_id=tid, trained=at):
                 rows.trained.append((at.run, at.lineage, at.step, at.position, tid))
+            case SetPolicy(job=job, policy=policy):
+                db.execute("INSERT OR REPLACE INTO policies VALUES (?, ?, ?, ?, ?)",
+                           (job, policy.version, policy.max_staleness, policy.per_step, policy.share))
             case SealRun():
                 rows.execute(db, records_gone)
                 db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?)",

@@ -52,6 +52,7 @@ POSITIVE = Kind("a positive integer", lambda v: _is_int(v) and v > 0, Annotated[
 BOOL = Kind("a boolean", lambda v: type(v) is bool, bool)
 NUMBER = Kind("a finite number", _is_number)
 SECONDS = Kind("a positive number of seconds", lambda v: _is_number(v) and v > 0)
+SHARE = Kind("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1)
 MAP = Kind("a map", lambda v: isinstance(v, dict))
 LIST = Kind("a list", lambda v: isinstance(v, list))
 TEXT_LIST = Kind("a list of strings", _is_str_list, list[str])
@@ -349,6 +350,8 @@ CONSUMER_TO_BROKER = _schema(
                 rules=(one_id_per_lease, trained_at_step)),
     MessageSpec("nack", {"leases": TEXT_LIST, "reason": ANY_TEXT, "requeue": BOOL}, _SEQ),
     MessageSpec("seal", {"step": STORED_COUNT, "keep": POSITIVE}, _SEQ),
+    MessageSpec("policy", {"version": STORED_COUNT},
+                {"seq": INT, "max_staleness": STORED_COUNT, "per_step": STORED_POSITIVE, "share": SHARE}),
     MessageSpec("resume", {"step": STORED_COUNT, "keep": POSITIVE, "trained": MANIFEST}, _SEQ),
 )
 
@@ -387,6 +390,7 @@ BROKER_TO_CONSUMER = _schema(
     MessageSpec("nacked", {"leases": TEXT_LIST}, _SEQ),
     MessageSpec("sealed", {"step": STORED_COUNT, "reclaimed": COUNT}, _SEQ),
     MessageSpec("resumed", {"step": STORED_COUNT, "replay": MANIFEST}, _SEQ),
+    MessageSpec("policy", {"version": STORED_COUNT}, {"seq": INT, "max_staleness": STORED_COUNT}),
     _NACK,
 )
 
@@ -412,7 +416,8 @@ ADMIN_REPLIES = _schema(
             "bytes_on_disk": COUNT,
             "counters": MAP,
         },
-        {"seq": INT, "endpoints": MAP, "unsealed": COUNT, "unsealed_bytes": COUNT, "oldest_unsealed_step": COUNT},
+        {"seq": INT, "endpoints": MAP, "unsealed": COUNT, "unsealed_bytes": COUNT, "oldest_unsealed_step": COUNT,
+         "policies": MAP},
     ),
     MessageSpec("dead_letters", {"items": LIST}, _SEQ),
     MessageSpec("requeued", {"trajectory_ids": TEXT_LIST}, _SEQ),

@@ -25,7 +25,7 @@ def drive(engine, store, messages, wall=1.0):
 def reopen(path, **kw):
     store = Store(path, **kw)
     engine = MergeEngine(EngineSettings())
-    units = engine.restore(*rebuild(store.open(), store))
+    units = engine.restore(*rebuild(store.open(), store).engine_state())
     return store, engine, units
 
 
