@@ -945,7 +945,7 @@ class MergeEngine:
 
 
 def turn_version(message: Message) -> int | None:
-    """A turn message's oldest ordered policy version: its first span's, or its `weight_version`'s."""
+    """A turn message's oldest ordered policy version: the oldest of its spans', or its `weight_version`'s."""
     spans = message.get("weight_version_spans")
     return oldest_version(span[0] for span in spans) if spans else ordered_version(message.get("weight_version"))
 
