@@ -481,3 +481,38 @@ def test_two_jobs_keep_their_ids_apart_and_spans_place_each_version(broker):
     assert header["weight_versions"] == ["w5"] and header["weight_version_spans"] == [[["w5", 0, 1], ["w6", 1, 2]]]
     header, tokens = first_delivery()
     assert (header["trajectory_id"], header["group_id"], tokens) == ("t1", "G", [10])
+
+
+def test_a_published_policy_version_bounds_staleness_at_admission_and_delivery(tmp_path):
+    with BrokerProcess(tmp_path, max_staleness=1, dispatch_order="oldest_first") as b:
+        producer = Peer(b.producer)
+        producer.call(frames("hello", producer_id="versioned", seq=0))
+        reply, _ = producer.call(turn(1, "x", 0, [10], [[10]], prompt=[1], weight_version="final"))
+        assert (reply["type"], reply["code"], reply["seq"]) == ("nack", "invalid_value", 1)
+        assert "an ordered weight_version is an integer, or text ending in one" in reply["message"]
+        for seq, (tid, version) in enumerate((("new", "3"), ("old", "step-1"), ("mid", "v2")), start=2):
+            reply, _ = producer.call(turn(2 * seq, tid, 0, [10], [[10]], prompt=[1], weight_version=version))
+            assert reply["applied"] is True
+            reply, _ = producer.call(frames("end", seq=2 * seq + 1, trajectory_id=tid, reward=1.0))
+            assert reply["applied"] is True
+
+        consumer = Peer(b.consumer)
+        consumer.call(frames("hello", consumer_id="trainer"))
+        echo, _ = consumer.call(frames("policy", version=3, per_step=2, seq=9))
+        assert echo == {"v": 1, "type": "policy", "version": 3, "max_staleness": 1, "seq": 9}
+        consumer.sock.send_multipart(frames("credit", n=5, unit="trajectory"))
+        delivered = [consumer.recv()[0]["trajectory_id"] for _ in range(2)]
+        assert delivered == ["mid", "new"]  # oldest version first; "old" is 2 behind: stale, never delivered
+        assert not consumer.sock.poll(500)
+
+        # capacity (1 + 1) x 2 = 4 untrained: two are leased, so two more open and the fifth waits
+        for seq, tid in enumerate(("a", "b", "c"), start=20):
+            reply, _ = producer.call(turn(seq, tid, 0, [10], [[10]], prompt=[1], weight_version="3"))
+            assert (reply["type"], reply.get("code")) == (("nack", "unavailable") if tid == "c" else ("ack", None))
+        assert "capacity (max_staleness 1 + 1) x 2 per step" in reply["message"]
+
+        status, _ = Peer(b.admin).call(frames("status"))
+        assert status["counters"]["trajectories.stale"] == 1 and status["counters"]["admission_waits"] == 1
+        assert status["policies"] == {"default": {"version": 3, "max_staleness": 1, "capacity": 4, "untrained": 4}}
+        dead, _ = Peer(b.admin).call(frames("dead_letters"))
+        assert [(item["trajectory_id"], item["reason"]) for item in dead["items"]] == [("old", "stale")]
