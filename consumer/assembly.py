@@ -11,11 +11,12 @@ persist.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -68,6 +69,11 @@ class Unit:
     def received_at(self) -> float:
         return max(d.received_at for d in self.members.values())
 
+    @property
+    def tokens(self) -> int:
+        """Prompt plus response tokens of its members (what `batch_tokens` counts)."""
+        return sum(len(d.arrays["prompt_tokens"]) + len(d.arrays["tokens"]) for d in self.members.values())
+
 
 @dataclass(frozen=True)
 class Outgoing:
@@ -101,6 +107,15 @@ class Stats:
     resent_settlements: int = 0
 
 
+TOKEN_BATCH_UNITS = 256  # the unit cap of a batch given by `batch_tokens` alone (credit is granted in units)
+
+
+def _count(name: str, value: int | None) -> None:
+    """`value`, when given, must be an int of at least 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidInput(f"{name} must be an int of at least 1, got {value!r}")
+
+
 class Assembler:
     """Deduplicating, group-completing buffer of deliveries from `n_brokers`.
 
@@ -109,19 +124,33 @@ class Assembler:
     `(prefetch - batch_size) // n_brokers` credit, so credit parked at idle
     brokers can never keep a batch from filling: `batch_size` units of room
     always remain for the brokers that have data.
+
+    Batches close at `batch_size` units or, with `batch_tokens`, before the
+    unit that would take them past that many tokens, whichever comes first;
+    a unit over the budget alone makes a batch of its own. Credit stays in
+    units: given `batch_tokens` alone, `batch_size` is
+    `min(batch_tokens, TOKEN_BATCH_UNITS)`, a cap on the units of a batch
+    that also sizes the prefetch.
     """
 
     def __init__(
         self,
         n_brokers: int,
         *,
-        batch_size: int,
+        batch_size: int | None = None,
+        batch_tokens: int | None = None,
         unit: str = CreditUnit.TRAJECTORY,
         prefetch: int | None = None,
         dedup_capacity: int = 100_000,
     ):
         if unit not in set(CreditUnit):
             raise InvalidInput(f"unit must be one of {[str(u) for u in CreditUnit]}, got {unit!r}")
+        _count("batch_tokens", batch_tokens)
+        if batch_size is None:
+            if batch_tokens is None:
+                raise InvalidInput("a batch needs a limit: give batch_size (units), batch_tokens (tokens) or both, "
+                                   "got neither")
+            batch_size = min(batch_tokens, TOKEN_BATCH_UNITS)
         if batch_size < 1 or n_brokers < 1:
             raise InvalidInput(f"batch_size and the broker count must be positive, got {batch_size} and {n_brokers}")
         prefetch = max(2 * batch_size, batch_size + n_brokers) if prefetch is None else prefetch
@@ -132,6 +161,7 @@ class Assembler:
             )
         self.unit = CreditUnit(unit)
         self.batch_size = batch_size
+        self.batch_tokens = batch_tokens
         self.prefetch = prefetch
         self.dedup_capacity = dedup_capacity
         window = (prefetch - batch_size) // n_brokers
@@ -314,9 +344,36 @@ class Assembler:
         """Complete units waiting to be taken."""
         return len(self._ready)
 
-    def take(self, n: int) -> list[Unit]:
-        """Up to `n` complete units in arrival order, now with the trainer."""
-        units = [self._ready.popleft() for _ in range(min(n, len(self._ready)))]
+    def _fitting(self, n: int, held: Sequence[Unit]) -> tuple[int, bool]:
+        """How many ready units, from the front, join a batch that already
+        holds the units `held` (at most `n`, within `batch_tokens`), and
+        whether the batch is then full: `n` reached, the budget reached, or
+        the next unit does not fit. With nothing held, a first unit over the
+        budget goes alone and fills the batch."""
+        if self.batch_tokens is None:
+            count = min(n, len(self._ready))
+            return count, count == n
+        count, tokens = 0, sum(unit.tokens for unit in held)
+        for unit in itertools.islice(self._ready, n):
+            size = unit.tokens
+            if tokens + size > self.batch_tokens and (count or held):
+                return count, True
+            count, tokens = count + 1, tokens + size
+            if tokens >= self.batch_tokens:  # reached, or a unit over the budget alone
+                return count, True
+        return count, count == n
+
+    def fills(self, n: int, held: Sequence[Unit] = ()) -> bool:
+        """Whether the ready units complete a batch: `n` more units, or, with
+        `batch_tokens`, as many as fit next to the units `held` in it."""
+        return self._fitting(n, held)[1]
+
+    def take(self, n: int, held: Sequence[Unit] = ()) -> list[Unit]:
+        """Up to `n` complete units in arrival order, now with the trainer:
+        with `batch_tokens`, those that fit next to the units `held` in the
+        batch already (a unit over the budget comes alone)."""
+        count, _ = self._fitting(n, held)
+        units = [self._ready.popleft() for _ in range(count)]
         for unit in units:
             for tid, delivery in unit.members.items():
                 del self._buffered[tid]

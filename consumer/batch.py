@@ -13,7 +13,7 @@ so selecting, concatenating and shipping a batch never waits on the device.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -146,6 +146,26 @@ def reward_value(reward, reward_key: str | None, trajectory_id: str) -> float:
     return float(reward)
 
 
+def pack_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """First-fit decreasing: positions grouped so that each group's lengths
+    sum to at most `max_tokens`; a length over it goes alone. Groups come in
+    the order they opened (the longest sample's first), each ascending."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise InvalidInput(f"max_tokens must be an int of at least 1, got {max_tokens!r}")
+    room: list[int] = []  # per group, the tokens it has left (below 0 for a sample over the limit, alone)
+    groups: list[list[int]] = []
+    for position in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        size = lengths[position]
+        fit = next((g for g, left in enumerate(room) if size <= left), None)
+        if fit is None:
+            fit = len(groups)
+            room.append(max_tokens)
+            groups.append([])
+        room[fit] -= size
+        groups[fit].append(position)
+    return [sorted(positions) for positions in groups]
+
+
 @dataclass(frozen=True, eq=False)
 class Batch:
     """Packed samples on `device`; see the module docstring for the layout.
@@ -182,6 +202,8 @@ class Batch:
     weight_version_spans: tuple[tuple[tuple[tuple[str, int, int], ...], ...], ...]
     leases: tuple[tuple[str, ...], ...]  # when the batch was formed; commit uses the live set
     positions: tuple[int, ...]
+    # The tokens it was packed to (`Consumer(batch_tokens=)`, `micro_batches`); shards keep their batch's.
+    token_budget: int | None = None
 
     # -- building -------------------------------------------------------------
     @classmethod
@@ -236,10 +258,12 @@ class Batch:
         return cls._assemble(seq, device, ragged, per_sample, mask_offsets, lengths, host)
 
     @classmethod
-    def _assemble(cls, seq, device, ragged, per_sample, mask_offsets, lengths, host) -> "Batch":
+    def _assemble(cls, seq, device, ragged, per_sample, mask_offsets, lengths, host,
+                  token_budget: int | None = None) -> "Batch":
         """The derived fields (bounds, group numbers) from the packed ones."""
         return cls(
             seq=seq,
+            token_budget=token_budget,
             device=device,
             tokens=ragged["tokens"],
             cu_seqlens=to_device(cumsum0(lengths["sequence"]).astype(np.int32), device),
@@ -267,6 +291,12 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.lengths["sequence"].sum())
+
+    @property
+    def over_budget(self) -> bool:
+        """More tokens than `token_budget`: a unit (or, in a micro-batch, a
+        sample) larger than the budget, which came alone."""
+        return self.token_budget is not None and self.num_tokens > self.token_budget
 
     def ragged(self) -> dict[str, torch.Tensor]:
         """Every packed field present, by name."""
@@ -375,7 +405,17 @@ class Batch:
         per_sample = {name: getattr(self, name)[index] for name in PER_SAMPLE}
         lengths = {key: values[picked] for key, values in self.lengths.items()}
         host = {name: tuple(values[i] for i in picked.tolist()) for name, values in self.host_fields().items()}
-        return Batch._assemble(self.seq, self.device, ragged, per_sample, mask_offsets, lengths, host)
+        return Batch._assemble(self.seq, self.device, ragged, per_sample, mask_offsets, lengths, host, self.token_budget)
+
+    def micro_batches(self, max_tokens: int, *, pad_to: int = 0) -> list["Batch"]:
+        """This batch (or shard) packed into batches of at most `max_tokens`
+        tokens each (`pack_tokens`), so one forward pass holds a bounded
+        number of tokens; each has its own `cu_seqlens` and `token_budget`
+        `max_tokens`. Empty ones follow up to `pad_to` in all, for ranks
+        that must run the same number (`DistributedConsumer.micro_batches`)."""
+        plan = pack_tokens(self.lengths["sequence"].tolist(), max_tokens)
+        plan += [[]] * (pad_to - len(plan))
+        return [replace(self.select(samples), token_budget=max_tokens) for samples in plan]
 
     @classmethod
     def concat(cls, batches: Sequence["Batch"]) -> "Batch":
@@ -395,7 +435,7 @@ class Batch:
         per_sample = {name: torch.cat([getattr(b, name) for b in batches]) for name in PER_SAMPLE}
         lengths = {key: np.concatenate([b.lengths[key] for b in batches]) for key in first.lengths}
         host = {name: tuple(item for b in batches for item in getattr(b, name)) for name in HOST_FIELDS}
-        return cls._assemble(first.seq, first.device, ragged, per_sample, mask_offsets, lengths, host)
+        return cls._assemble(first.seq, first.device, ragged, per_sample, mask_offsets, lengths, host, first.token_budget)
 
     # -- miles ----------------------------------------------------------------
     def to_train_data(self) -> dict[str, Any]:

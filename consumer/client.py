@@ -77,6 +77,12 @@ class Consumer:
 
     `unit="group"` makes batches of `batch_size` whole groups (and grants
     group credit); `prefetch` bounds the units buffered or promised by credit.
+    `batch_tokens` closes a batch before the unit that would take it past
+    that many prompt + response tokens (units are never split; one over the
+    budget comes alone, `Batch.over_budget`); with `batch_size` too, at
+    whichever limit comes first. Alone, it caps batches at
+    `min(batch_tokens, TOKEN_BATCH_UNITS)` (256) units, which also sizes the
+    prefetch.
     `on_invalid="quarantine"` sends failing trajectories to the broker's dead
     letters with the reason and refills the batch; `"raise"` gives the whole
     batch back for redelivery and raises `BatchValidationError`.
@@ -100,7 +106,8 @@ class Consumer:
         self,
         endpoints: str | Sequence[str],
         *,
-        batch_size: int,
+        batch_size: int | None = None,
+        batch_tokens: int | None = None,
         unit: str = "trajectory",
         prefetch: int | None = None,
         device=None,
@@ -129,7 +136,6 @@ class Consumer:
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self.endpoints:
             raise InvalidInput(f"give at least one broker endpoint, got {endpoints!r}")
-        self.batch_size = batch_size
         self.device = as_device(device)
         self.vocab_size = vocab_size
         self.on_invalid = on_invalid
@@ -140,9 +146,10 @@ class Consumer:
         self._curve = ClientCurve.from_files(curve_secret_key, curve_server_key)
         # What the trainer was handed and committed, for the end-to-end checker (`rollstream.common.checker`):
         self.ledger = None if ledger is None else Ledger(ledger)
-        self._assembler = Assembler(
-            len(self.endpoints), batch_size=batch_size, unit=unit, prefetch=prefetch, dedup_capacity=dedup_capacity
-        )
+        self._assembler = Assembler(len(self.endpoints), batch_size=batch_size, batch_tokens=batch_tokens, unit=unit,
+                                    prefetch=prefetch, dedup_capacity=dedup_capacity)
+        self.batch_size = self._assembler.batch_size  # given, or the unit cap of a `batch_tokens` batch
+        self.batch_tokens = batch_tokens
         self.world_size = world_size  # the data-parallel ranks its batches are sharded to (`DistributedConsumer`)
         self._position = (TrainingPosition(keep_checkpoints=keep_checkpoints, world_size=world_size, resume=resume,
                                            job=job) if checkpointed else None)
@@ -248,6 +255,8 @@ class Consumer:
             self._position.handed(step, back=True)
 
     def _handing(self, batch: Batch, deliveries: list, replayed_step: int | None) -> Batch:
+        if self.batch_tokens is not None:  # the budget `Batch.over_budget` compares with
+            batch = replace(batch, token_budget=self.batch_tokens)
         by_id = {d.trajectory_id: d.fields for d in deliveries}
         handed = _Handed(batch.trajectory_ids, tuple(by_id[t].get("sample_index") for t in batch.trajectory_ids),
                          batch.group_ids, replayed_step,
@@ -302,13 +311,14 @@ class Consumer:
                 # A trainer that stalled past a lease must not get that unit: the broker redelivers it.
                 self._assembler.drop_expired(now)
                 ready = self._assembler.ready
-                if ready >= n or (partial_at is not None and now >= partial_at and (ready or held)):
-                    return self._assembler.take(n)
+                if self._assembler.fills(n, held) or (partial_at is not None and now >= partial_at and (ready or held)):
+                    return self._assembler.take(n, held)
                 remaining = None if deadline is None else deadline - now
                 if remaining is not None and remaining <= 0:
                     self._assembler.release([tid for unit in held for tid in unit.members])
                     self._wake()
-                    raise TimedOut(f"no full batch within the timeout: {ready} of {n} units ready")
+                    budget = "" if self.batch_tokens is None else f" (or {self.batch_tokens} tokens)"
+                    raise TimedOut(f"no full batch within the timeout: {ready} of {n} units{budget} ready")
                 waits = [1.0 if remaining is None else remaining]
                 if partial_at is not None and partial_at > now:
                     waits.append(partial_at - now)

@@ -15,6 +15,7 @@ client was closed meanwhile, else `SourceRankFailed`).
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import msgpack
 import numpy as np
@@ -25,9 +26,9 @@ from rollstream.common.checker import Ledger
 from rollstream.common.errors import InvalidInput, InvalidState, RemoteProtocolError, RollstreamError
 from rollstream.common.trajectory import Gap
 
-from .batch import PER_SAMPLE, Batch, spans_of
+from .batch import PER_SAMPLE, Batch, pack_tokens, spans_of
 from .client import ConsumerClosed
-from .sharding import STRATEGIES, partition_batch
+from .sharding import STRATEGIES, partition_batch, rank_tokens, token_imbalance
 
 # What a message to a rank carries. STOP and FAILED carry a text: FAILED's is the error's code, a space, the error.
 _SHARD, _STOP, _FAILED = 0, 1, 2
@@ -35,8 +36,9 @@ _ALIGN = 8  # every tensor starts 8-byte aligned in the payload
 _DTYPES = {str(dtype): dtype for dtype in (torch.int32, torch.int64, torch.uint8, torch.float32)}
 
 
-def encode_shard(batch: Batch) -> tuple[bytes, torch.Tensor]:
-    """The header and the payload (uint8, on the batch's device) of a batch."""
+def encode_shard(batch: Batch, rank_tokens: Sequence[int] = ()) -> tuple[bytes, torch.Tensor]:
+    """The header and the payload (uint8, on the batch's device) of a batch;
+    the header also carries the tokens every rank got of the whole batch."""
     tensors = {f"ragged.{name}": values for name, values in batch.ragged().items()}
     tensors.update({f"sample.{name}": getattr(batch, name) for name in PER_SAMPLE})
     if batch.mask_offsets is not None:  # `has_mask`
@@ -52,6 +54,8 @@ def encode_shard(batch: Batch) -> tuple[bytes, torch.Tensor]:
     host["gaps"] = [gap.to_wire() if gap else None for gap in batch.gaps]
     header = {
         "seq": batch.seq,
+        "token_budget": batch.token_budget,
+        "rank_tokens": list(rank_tokens),
         "lengths": {key: values.tolist() for key, values in batch.lengths.items()},
         "host": host,
         "tensors": entries,
@@ -62,7 +66,11 @@ def encode_shard(batch: Batch) -> tuple[bytes, torch.Tensor]:
 
 def decode_shard(header: bytes, payload: torch.Tensor) -> Batch:
     """The batch `encode_shard` described, on the payload's device."""
-    doc = msgpack.unpackb(header, raw=False)
+    return _shard_of(msgpack.unpackb(header, raw=False), payload)
+
+
+def _shard_of(doc: dict, payload: torch.Tensor) -> Batch:
+    """`decode_shard` of an unpacked header."""
     tensors = {}
     for name, dtype_name, shape, offset in doc["tensors"]:
         dtype = _DTYPES.get(dtype_name)
@@ -79,7 +87,8 @@ def decode_shard(header: bytes, payload: torch.Tensor) -> Batch:
     ragged = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith("ragged.")}
     per_sample = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith("sample.")}
     lengths = {key: np.array(values, dtype=np.int64) for key, values in doc["lengths"].items()}
-    return Batch._assemble(doc["seq"], payload.device, ragged, per_sample, tensors.get("mask_offsets"), lengths, host)
+    return Batch._assemble(doc["seq"], payload.device, ragged, per_sample, tensors.get("mask_offsets"), lengths, host,
+                           doc["token_budget"])
 
 
 class SourceRankFailed(RollstreamError, RuntimeError):
@@ -145,6 +154,7 @@ class DistributedConsumer:
             nccl = dist.get_backend(group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
+        self.rank_tokens: tuple[int, ...] = ()  # per rank, its tokens of the last batch (`imbalance`)
         self._batches: dict[int, Batch] = {}
         # This rank's shards as handed and committed, for the end-to-end checker (`rollstream.common.checker`):
         self.ledger = None if ledger is None else Ledger(ledger)
@@ -180,9 +190,27 @@ class DistributedConsumer:
             raise
         self._batches[batch.seq] = batch
         parts = partition_batch(batch, self.world, self.strategy)
+        self.rank_tokens = tuple(rank_tokens(batch.lengths["sequence"].tolist(), parts))
         shards = {rank: batch.select(parts[rank]) for rank in range(self.world)}
-        self._send_all({rank: (_SHARD, *encode_shard(shards[rank])) for rank in self._others()})
+        self._send_all({rank: (_SHARD, *encode_shard(shards[rank], self.rank_tokens)) for rank in self._others()})
         return shards[self.src]
+
+    @property
+    def imbalance(self) -> float:
+        """Of the last batch, on every rank: the most tokens a rank got over
+        the mean across ranks (1.0 is even). The most loaded rank sets the
+        step time, so this is roughly the step time over an even split's."""
+        return token_imbalance(self.rank_tokens)
+
+    def micro_batches(self, shard: Batch, max_tokens: int) -> list[Batch]:
+        """Collective: `shard.micro_batches(max_tokens)`, padded with empty
+        ones to the most any rank has, so every rank runs as many forward
+        and backward passes and the collectives FSDP or DDP issue in each
+        line up (an empty shard gets only padding)."""
+        mine = len(pack_tokens(shard.lengths["sequence"].tolist(), max_tokens))
+        most = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        return shard.micro_batches(max_tokens, pad_to=int(most))
 
     def _others(self) -> list[int]:
         return [rank for rank in range(self.world) if rank != self.src]
@@ -216,7 +244,9 @@ class DistributedConsumer:
         payload = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
         if payload_bytes:
             dist.recv(payload, src, group=self.group)
-        return decode_shard(header, payload)
+        doc = msgpack.unpackb(header, raw=False)
+        self.rank_tokens = tuple(doc["rank_tokens"])
+        return _shard_of(doc, payload)
 
     def commit(self, shard: Batch, step: int | None = None) -> None:
         """Collective: every rank finished batch `shard.seq`; the source
