@@ -29,6 +29,10 @@ HELP = {
                      "lower it); older ones are dead-lettered stale, and new trajectories wait while the job holds "
                      "what its trainer can train within the bound. Unset: no bound.",
     "dispatch_order": "Which policy version is handed out first: oldest_first or freshest_first.",
+    "group_filters": "Drop complete groups without a learning signal before batches form (dead letter "
+                     "filtered:NAME, its room refilled): comma-separated all_equal_rewards[:tolerance], "
+                     "reward_std_below:THRESHOLD, min_members:N.",
+    "filter_reward_key": "The entry of a map reward the group filters compare (a number reward is itself).",
     "sync": "normal: durable against a broker crash; full: fsync before every ack (power loss).",
     "max_memory_bytes": "Memory budget; over it, producer frames wait (backpressure) and trajectories are evicted to the store.",
     "max_disk_bytes": "Disk budget of the store; over it, new trajectories wait while consumers have something to take.",

@@ -46,6 +46,7 @@ from .engine import (
     StoredDigests,
     TrainedAt,
 )
+from .filters import parse_filters
 from .flow import DiskAdmission, MemoryBudget, WindowGrants
 from .hello import Hellos
 from .metrics import BrokerMetrics
@@ -217,7 +218,9 @@ class BrokerCore:
         self._redeliveries_seen = 0
 
     def _new_engine(self) -> MergeEngine:
-        return MergeEngine(EngineSettings(self.settings.trajectory_ttl, self.settings.dedup_window))
+        s = self.settings
+        return MergeEngine(EngineSettings(s.trajectory_ttl, s.dedup_window, parse_filters(s.group_filters),
+                                          s.filter_reward_key))
 
     def restore(self, rebuilt: Rebuilt, disk_bytes: int, free_bytes: int) -> None:
         """Start from what the store held (`recovery.rebuild`): its ready

@@ -23,6 +23,7 @@ from rollstream.common.trajectory import Gap, Trajectory
 from rollstream.common.versions import oldest_version, ordered_version
 from rollstream.common.wire import turn_from_message
 
+from .filters import GroupFilter, first_dropping, scalar_reward
 from .staleness import SetPolicy
 
 
@@ -239,6 +240,7 @@ class Entry:
     trained: TrainedAt | None = None  # once TRAINED
     stored_bytes: int = 0  # of its applied turns' frames (about what its records hold on disk)
     version: int | None = None  # its oldest applied turn's ordered policy version (None: none holds one)
+    reward: Any = None  # once ended, as its end gave it (what group filters judge)
 
     @property
     def next_turn(self) -> int:
@@ -265,6 +267,8 @@ class Group:
 class EngineSettings:
     trajectory_ttl: float = 3600.0
     dedup_window: float = 86_400.0
+    group_filters: tuple[GroupFilter, ...] = ()  # run on every group as it completes (broker/filters.py)
+    reward_key: str | None = None  # which entry of a map reward the filters compare
 
 
 def _ack(message: Message, applied: bool, *, reason: str | None = None, duplicate: bool = False) -> dict:
@@ -492,7 +496,7 @@ class MergeEngine:
         traj = entry.trajectory
         assert traj is not None  # an open entry always holds its trajectory (at most shed)
         self._check_turn_count(message, entry, traj)
-        traj.reward = message["reward"]
+        traj.reward = entry.reward = message["reward"]
         traj.metadata.update(message.get("metadata") or {})
         entry.end_digest, entry.updated_at = digest, wall
         self._set_state(entry, ENDED)
@@ -549,14 +553,26 @@ class MergeEngine:
         group.members[entry.trajectory_id] = state
         self._touch_group(entry, wall)
         if group.complete:
-            self._make_deliverable(entry.group_id, group)
+            self._make_deliverable(entry.group_id, group, wall)
 
-    def _make_deliverable(self, group_id: str, group: Group) -> None:
+    def _make_deliverable(self, group_id: str, group: Group, wall: float) -> None:
+        """The group is complete: its ended members are queued together, or
+        dead-lettered `filtered:<filter>` when a group filter drops them."""
         ended = tuple(tid for tid, state in group.members.items() if state == ENDED)
         group.pending = set(ended)
         self._idle_groups.pop(group_id, None)
         self._effects.append(GroupDeliverable(group_id, group.size))
-        if ended:
+        dropping = first_dropping(self.settings.group_filters, [
+            scalar_reward(self.entries[tid].reward, self.settings.reward_key) for tid in ended])
+        if dropping is not None:
+            for tid in ended:
+                self._effects.append(DeadLetter(tid, f"filtered:{dropping.name}", wall))
+                entry = self.entries[tid]
+                self._kill(entry, f"filtered:{dropping.name}", wall)
+                self._done_in_group(entry)
+            if group_id in self.groups:  # no ended member: nothing closed it
+                self._close_group(group_id)
+        elif ended:
             self.ready_units.append(DeliveryUnit(ended, group_id, group.size, group.size - len(ended),
                                                  self.oldest(ended)))
         else:
@@ -597,7 +613,7 @@ class MergeEngine:
         for group_id, group in _idle_since(self._idle_groups, wall - ttl):
             if OPEN in group.members.values():  # cannot be: a member's frames touch its group
                 continue
-            self._make_deliverable(group_id, group)  # members that never started count as left
+            self._make_deliverable(group_id, group, wall)  # members that never started count as left
         expiry = self._dedup_expiry
         while expiry and expiry[0][0] < wall:
             until, tid = heapq.heappop(expiry)
@@ -935,8 +951,7 @@ class MergeEngine:
 
     def oldest(self, trajectory_ids: Iterable[str]) -> int | None:
         """The oldest ordered policy version among `trajectory_ids` (a unit's version)."""
-        entries = (self.entries.get(tid) for tid in trajectory_ids)
-        versions = [e.version for e in entries if e is not None and e.version is not None]
+        versions = [v for v in (self.entries[tid].version for tid in trajectory_ids) if v is not None]
         return min(versions, default=None)
 
     def dead_letters(self, limit: int) -> list[dict]:

@@ -36,6 +36,7 @@ class BrokerMetrics(Metrics):
         self.backpressure = self.gauge("backpressure",
                                        "1 while producer frames are not all taken (memory budget: none read; disk: some wait)")
         self.unavailable = self.gauge("store_unavailable", "1 while the store cannot persist")
+        self.filtered = self.counter("filtered", "Trajectories dead-lettered by a group filter, by filter", ("filter",))
         self.staleness = self.histogram(
             "staleness", "Policy versions between a delivered trajectory's oldest turn and its trainer's",
             (0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
@@ -69,9 +70,13 @@ class BrokerMetrics(Metrics):
                     self.inc(self.exits, exit="aborted")
                     log.info("trajectory aborted", extra={"trajectory_id": effect.trajectory_id})
                 case DeadLetter():
-                    exit_label = effect.reason if effect.reason in ("expired", "unreadable", "stale") else "dead"
+                    filtered = effect.reason.startswith("filtered:")
+                    exit_label = ("filtered" if filtered else effect.reason
+                                  if effect.reason in ("expired", "unreadable", "stale") else "dead")
                     self.inc(self.exits, exit=exit_label)
-                    (log.info if effect.reason == "stale" else log.warning)(  # stale: expected under a bound
+                    if filtered:
+                        self.inc(self.filtered, filter=effect.reason.partition(":")[2])
+                    (log.info if filtered or effect.reason == "stale" else log.warning)(  # expected ones: info
                         "trajectory dead-lettered", extra={"trajectory_id": effect.trajectory_id, "reason": effect.reason})
                 case _:
                     pass

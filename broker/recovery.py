@@ -87,6 +87,7 @@ def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
             stored_bytes=sum(t.location[2] for t in stored.turns if t.location is not None),
             trajectory=trajectory,
             version=stored.version if trajectory is None else trajectory_version(trajectory),
+            reward=stored.reward,
         )
         entries.append(entry)
     order = {t.trajectory_id: t.ready_seq or 0 for t in recovered.trajectories}

@@ -8,6 +8,9 @@ from pathlib import Path
 from rollstream.common.config import Problem
 from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES
 from rollstream.common.curve import CurveError, KeyPair
+from rollstream.common.errors import InvalidInput
+
+from .filters import FILTER_NAMES, parse_filters
 
 # Each socket's directory of allowed client keys, by socket name.
 CURVE_DIRECTORIES = {"producer": "curve_producers", "consumer": "curve_consumers", "admin": "curve_admin"}
@@ -29,6 +32,8 @@ class BrokerSettings:
     max_deliveries: int = 10
     max_staleness: int | None = None  # policy versions a trajectory may lag its trainer when trained; None: no bound
     dispatch_order: str = "oldest_first"
+    group_filters: str = ""  # comma-separated `name[:threshold]` (broker/filters.py); none by default
+    filter_reward_key: str | None = None  # the entry of a map reward the group filters compare
     sync: str = "normal"
     max_memory_bytes: int = 2 << 30
     max_disk_bytes: int = 64 << 30
@@ -61,6 +66,11 @@ def broker_problems(settings: BrokerSettings) -> list[Problem]:
     directories without a secret key, a secret key file that cannot be
     used, a directory that is not one."""
     problems = []
+    try:
+        parse_filters(settings.group_filters)
+    except InvalidInput as exc:
+        problems.append(Problem("group_filters", "", "comma-separated name[:threshold] of "
+                                f"{', '.join(FILTER_NAMES)}", str(exc)))
     if settings.curve_secret_key is None:
         problems += [Problem(key, "", "set only together with curve_secret_key (the broker's own .key_secret)",
                              f"{getattr(settings, key)!r} without it")
