@@ -14,8 +14,11 @@ tokens (`t8`) with the library's `AsyncProducer` (or the blocking
 producer puts arrays built before its clock starts (and frozen out of the
 garbage collector's passes, `gc.freeze()`, as a long-lived workload would
 be); then `end`. The consumer
-is the library's `Consumer` (batches of 32, validated, committed). A rep is
-timed from the first send to the last batch committed.
+is the library's `Consumer` (batches of 32, validated, committed; with
+`--batch-tokens N` also closed before N tokens, `Consumer(batch_tokens=)`).
+A rep is timed from the first send to the last batch committed; its tail,
+fewer samples than the largest batch so far, is taken as it arrives
+(`partial_after=0`).
 
 With `--compare-checkpoint`, each mode also runs (interleaved, on its own
 fresh broker) as a checkpointing trainer would: commits recorded as trained
@@ -33,11 +36,12 @@ fresh broker. Medians over every timed rep are reported.
 Printed per mode: seconds, MB/s, tokens/s, CPU seconds of the producer
 process(es), of the broker's main thread and of the consumer process, peak
 RSS of each, p50/p99 latency from a trajectory's `end` being handed to the
-producer to its batch being committed, and whether every delivered
-trajectory was byte-equal to what was sent, exactly once. The last line is
-one JSON object.
+producer to its batch being committed, whether every delivered
+trajectory was byte-equal to what was sent, exactly once, and the tokens per
+batch (min, median and max over the batches a limit closed, tails left out).
+The last line is one JSON object.
 
-    .venv/bin/python bench/pipeline.py [--rounds 5] [--reps 3] [--tq-python .venv-tq/bin/python]
+    .venv/bin/python bench/pipeline.py [--rounds 5] [--reps 3] [--batch-tokens N] [--tq-python .venv-tq/bin/python]
 """
 from __future__ import annotations
 
@@ -174,19 +178,26 @@ def _producer_main(conn, endpoint: str, samples: int, share: range, turns: int, 
     asyncio.run(run())
 
 
-def _consumer_main(conn, endpoint: str, batch_size: int, ledger: str | None, checkpoint_every: int) -> None:
+def _consumer_main(conn, endpoint: str, batch_size: int, batch_tokens: int | None, ledger: str | None,
+                   checkpoint_every: int) -> None:
     from rollstream.consumer import Consumer
 
-    with Consumer(endpoint, batch_size=batch_size, vocab_size=VOCAB, device="cpu", ledger=ledger,
-                  checkpointed=checkpoint_every > 0) as consumer:
+    with Consumer(endpoint, batch_size=batch_size, batch_tokens=batch_tokens, vocab_size=VOCAB, device="cpu",
+                  ledger=ledger, checkpointed=checkpoint_every > 0) as consumer:
         conn.send("ready")
         while (job := conn.recv()) is not None:
             tag, expected = job
             cpu = time.process_time()
             committed_at, kept, received = {}, [], 0
+            full_batch_tokens, over_budget, widest = [], 0, 0
             while received < expected:
-                batch = consumer.next_batch(timeout=300)
+                tail = expected - received < widest  # no full batch is left: take what has arrived
+                batch = consumer.next_batch(timeout=300, partial_after=0 if tail else None)
                 consumer.commit(batch)
+                widest = max(widest, len(batch))
+                if not tail:
+                    full_batch_tokens.append(batch.num_tokens)
+                over_budget += batch.over_budget
                 if checkpoint_every and consumer.position.step % checkpoint_every == 0:
                     json.dumps(consumer.state_dict())  # what a checkpoint saves
                     consumer.sealed(consumer.position.step)
@@ -206,15 +217,16 @@ def _consumer_main(conn, endpoint: str, batch_size: int, ledger: str | None, che
                               "loss_mask": sample["loss_mask"].numpy(), "mask_ids": sample["mask_ids"].numpy(),
                               "mask_offsets": sample["mask_offsets"].numpy()}
                     seen.setdefault(sample["trajectory_id"], []).append(digest(arrays))
-            conn.send({"cpu": cpu, "committed": committed_at, "digests": seen})
+            conn.send({"cpu": cpu, "committed": committed_at, "digests": seen, "batch_tokens": full_batch_tokens,
+                       "over_budget": over_budget})
 
 
 class Rollstream:
     """One broker, its producer process(es) and a consumer process, kept
     for a round of reps (each rep sends fresh trajectory ids)."""
 
-    def __init__(self, samples: int, turns: int, producers: int, batch_size: int, client: str,
-                 broker_args: list[str] = (), ledgers: bool = False, checkpoint_every: int = 0):
+    def __init__(self, samples: int, turns: int, producers: int, batch_size: int, batch_tokens: int | None,
+                 client: str, broker_args: list[str] = (), ledgers: bool = False, checkpoint_every: int = 0):
         self.samples, self.turns = samples, turns
         self.broker = Broker(VOCAB, broker_args)
         endpoints = [self.broker.producer, self.broker.consumer]
@@ -224,7 +236,8 @@ class Rollstream:
         self.ledgers = Path(self.broker.data) / "ledgers" if ledgers else None
         ledger = (lambda name: str(self.ledgers / f"{name}.jsonl")) if ledgers else (lambda name: None)
         self.children.append(ctx.Process(target=_consumer_main,
-                                         args=(child, endpoints[1], batch_size, ledger("consumer"), checkpoint_every),
+                                         args=(child, endpoints[1], batch_size, batch_tokens, ledger("consumer"),
+                                               checkpoint_every),
                                          daemon=True))
         self.producers = []
         per = -(-samples // producers)
@@ -259,7 +272,8 @@ class Rollstream:
             digests == [want[tid]] for tid, digests in got["digests"].items())
         return {"seconds": last - first, "producer_cpu": sum(s["cpu"] for s in sent), "broker_cpu": broker_cpu,
                 "consumer_cpu": got["cpu"], "frames": frames, "p50": latencies[len(latencies) // 2],
-                "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], "verified": verified}
+                "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], "verified": verified,
+                "batch_tokens": got["batch_tokens"], "over_budget": got["over_budget"]}
 
     def checked(self) -> dict[str, int] | None:
         """With ledgers: the end-to-end checker over every rep so far (each
@@ -301,6 +315,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--producers", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-tokens", type=int, help="also close each batch before this many tokens")
     parser.add_argument("--client", choices=("async", "blocking"), default="async")
     parser.add_argument("--modes", default="1,8", help="turns per sample to run, comma-separated")
     parser.add_argument("--tq-python", help="python of a virtualenv with transferqueue 0.1.11 and psutil")
@@ -339,7 +354,8 @@ def main() -> None:
             try:
                 for suffix, every in variants:
                     systems[f"t{mode}{suffix}"] = Rollstream(args.samples, mode, args.producers, args.batch_size,
-                                                             args.client, args.broker_arg, args.ledgers, every)
+                                                             args.batch_tokens, args.client, args.broker_arg,
+                                                             args.ledgers, every)
                 for key, system in systems.items():
                     system.rep(f"r{round_index}-{key}-warmup", expected)
                 reps: dict[str, list[dict]] = {key: [] for key in systems}
@@ -403,6 +419,13 @@ def main() -> None:
               f" µs/trajectory (x{summary[f'checkpoint_consumer_cpu_ratio_{base}']}), broker main thread "
               f"{med(key, 'broker_cpu') / args.samples * 1e6:.0f} vs {med(base, 'broker_cpu') / args.samples * 1e6:.0f}"
               f" µs/trajectory (x{summary[f'checkpoint_broker_cpu_ratio_{base}']})")
+    per_batch = [tokens for reps in runs.values() for r in reps for tokens in r["batch_tokens"]]
+    summary["batch_tokens"] = args.batch_tokens
+    summary["tokens_per_batch"] = {"min": min(per_batch), "median": statistics.median(per_batch),
+                                   "max": max(per_batch)} if per_batch else None
+    summary["over_budget_batches"] = sum(r["over_budget"] for reps in runs.values() for r in reps)
+    print(f"tokens per batch (tails left out), batch_tokens {args.batch_tokens}: {summary['tokens_per_batch']}, "
+          f"{summary['over_budget_batches']} over the budget")
     summary["p99_latency_s"] = max(v for k, v in summary.items() if k.startswith("p99_latency_s_"))
     summary["rs_total_peak_rss_mb"] = max(v for k, v in summary.items() if k.startswith("rs_peak_rss_mb_"))
     summary["verified"] = all(r["verified"] for reps in runs.values() for r in reps) and tq_verified and not checker_problems
