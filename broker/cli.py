@@ -33,6 +33,11 @@ HELP = {
                      "filtered:NAME, its room refilled): comma-separated all_equal_rewards[:tolerance], "
                      "reward_std_below:THRESHOLD, min_members:N.",
     "filter_reward_key": "The entry of a map reward the group filters compare (a number reward is itself).",
+    "starvation_share": "Share of a job's trajectories thrown away (filtered or stale) over the starvation window that "
+                        "raises the starvation alarm (a warning naming the cause and figures, a gauge, an alert).",
+    "starvation_window": "Seconds over which the starvation share is measured.",
+    "starvation_after": "Seconds a job's consumer may wait with credit while nothing of the job becomes ready before "
+                        "the starvation alarm names it idle.",
     "sync": "normal: durable against a broker crash; full: fsync before every ack (power loss).",
     "max_memory_bytes": "Memory budget; over it, producer frames wait (backpressure) and trajectories are evicted to the store.",
     "max_disk_bytes": "Disk budget of the store; over it, new trajectories wait while consumers have something to take.",
@@ -163,6 +168,8 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
         click.echo(f"  {'policy of ' + job:<20} version {policy['version']}, max_staleness {policy.get('max_staleness')}, "
                    f"untrained {policy['untrained']} of capacity {policy.get('capacity')}"
                    + ("" if spread is None else f", queued staleness {spread[0]}-{spread[1]}"))
+    for job, causes in report.get("starving", {}).items():
+        click.echo(f"  {'STARVING ' + job:<20} {', '.join(causes)} (see the broker's log for the figures)")
     for job, ready in report.get("ready_by_job", {}).items():
         if set(report["ready_by_job"]) != {"default"}:  # jobs shown once there is more than the default one
             click.echo(f"  {'ready in ' + job:<20} {ready}")

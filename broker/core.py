@@ -39,6 +39,7 @@ from .engine import (
     NOTHING_STORED,
     OPEN,
     TRAINED,
+    DeadLetter,
     DeliveryUnit,
     EngineSettings,
     Forget,
@@ -54,11 +55,20 @@ from .recovery import Rebuilt
 from .settings import BrokerSettings
 from .settlement import Settlement
 from .staleness import Freshness, Policy
+from .starvation import Starvation
 from .store import StoreError
 
 log = logging.getLogger("rollstream.broker")
 
 PROBE_EVERY = 1.0  # seconds between store probes while unavailable
+DISCARDS = ("filtered:", "stale")  # dead-letter reasons that throw a trajectory away on purpose (`Starvation`)
+STARVING = {
+    "filtered": "its group filters dropped nearly every complete group over the window (no learning signal left: "
+                "rewards saturated?); loosen the filters or stop the run",
+    "stale": "nearly everything became stale before delivery (producers far behind the trainer); raise max_staleness "
+             "or add producers",
+    "idle": "its consumer holds credit and nothing became ready for starvation_after seconds; are its producers running?",
+}
 DEDUP_PRUNE_EVERY = 60.0  # seconds between prunes of the stored dedup records
 # The longest ping interval a producer is expected to use (they ping every
 # second by default): with the broker's heartbeat interval it sets how long a
@@ -198,6 +208,7 @@ class BrokerCore:
         self.metrics = metrics
         self.engine = self._new_engine()
         self.freshness = Freshness(s.max_staleness, s.dispatch_order)  # how stale a trajectory may be trained
+        self.starvation = Starvation(s.starvation_window, s.starvation_share, idle_after=s.starvation_after)
         self.dispatcher = Dispatcher(DispatchSettings(s.lease_timeout, s.heartbeat_interval, s.max_deliveries,
                                                       s.dispatch_order))
         self.memory = MemoryBudget(s.max_memory_bytes)  # when producer frames are read, how far to evict
@@ -257,9 +268,14 @@ class BrokerCore:
             return False
         engine = self.engine
         engine.saved()
+        starvation = self.starvation
         for unit in engine.ready_units:
             self.dispatcher.enqueue(unit)
+            starvation.kept(job_of(unit.trajectory_ids[0]), len(unit.trajectory_ids))
         engine.ready_units.clear()
+        for effect in effects:
+            if type(effect) is DeadLetter and effect.reason.startswith(DISCARDS):
+                starvation.dropped(job_of(effect.trajectory_id), effect.reason.partition(":")[0], 1)
         return True
 
     def _store_failed(self, error: str) -> None:
@@ -753,6 +769,7 @@ class BrokerCore:
             "unsealed_bytes": self.engine.trained_bytes,
             **({} if oldest is None else {"oldest_unsealed_step": oldest}),
             **({"policies": self._policies()} if self.freshness.policies else {}),
+            **({"starving": starving} if (starving := self.starvation.active()) else {}),
         }
 
     def _policies(self) -> dict:
@@ -802,7 +819,23 @@ class BrokerCore:
             yield Checkpoint()
             self.disk_bytes, self.free_bytes = yield MeasureDisk()
         self._update_backpressure()
+        self._watch_starvation(now)
         self.update_gauges(now)
+
+    def _watch_starvation(self, now: Clock) -> None:
+        """Say loudly when a job starves (`Starvation`), and when it no longer does."""
+        waiting = {}
+        for consumer in self.dispatcher.consumers.values():
+            waiting[consumer.job] = waiting.get(consumer.job, False) or bool(consumer.trajectory_credit
+                                                                             or consumer.group_credit)
+        queued = {job: 1 for job in self.dispatcher.queues}
+        for alarm in self.starvation.check(now.mono, waiting, queued):
+            self.metrics.starving.labels(job=alarm.job, cause=alarm.cause).set(int(alarm.started))
+            extra = {"job": alarm.job, "cause": alarm.cause, **alarm.figures}
+            if alarm.started:
+                log.warning(f"job {alarm.job!r} is starving: {STARVING[alarm.cause]}", extra=extra)
+            else:
+                log.info(f"job {alarm.job!r} no longer starving ({alarm.cause})", extra=extra)
 
     # -- budgets ----------------------------------------------------------------
     def _reclaim_unsealed(self, now: Clock) -> Steps:

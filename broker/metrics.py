@@ -36,6 +36,8 @@ class BrokerMetrics(Metrics):
         self.backpressure = self.gauge("backpressure",
                                        "1 while producer frames are not all taken (memory budget: none read; disk: some wait)")
         self.unavailable = self.gauge("store_unavailable", "1 while the store cannot persist")
+        self.starving = self.gauge("starving", "1 while a job starves: nearly all of it thrown away (filtered, stale) "
+                                   "or its consumer waiting with nothing becoming ready (idle)", ("job", "cause"))
         self.filtered = self.counter("filtered", "Trajectories dead-lettered by a group filter, by filter", ("filter",))
         self.staleness = self.histogram(
             "staleness", "Policy versions between a delivered trajectory's oldest turn and its trainer's",

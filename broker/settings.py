@@ -34,6 +34,9 @@ class BrokerSettings:
     dispatch_order: str = "oldest_first"
     group_filters: str = ""  # comma-separated `name[:threshold]` (broker/filters.py); none by default
     filter_reward_key: str | None = None  # the entry of a map reward the group filters compare
+    starvation_share: float = 0.9  # of a job's trajectories thrown away (filtered, stale) over the window: an alarm
+    starvation_window: float = 60.0
+    starvation_after: float = 120.0  # seconds a job's consumer waits with nothing becoming ready: an alarm
     sync: str = "normal"
     max_memory_bytes: int = 2 << 30
     max_disk_bytes: int = 64 << 30

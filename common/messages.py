@@ -417,7 +417,7 @@ ADMIN_REPLIES = _schema(
             "counters": MAP,
         },
         {"seq": INT, "endpoints": MAP, "unsealed": COUNT, "unsealed_bytes": COUNT, "oldest_unsealed_step": COUNT,
-         "policies": MAP},
+         "policies": MAP, "starving": MAP},
     ),
     MessageSpec("dead_letters", {"items": LIST}, _SEQ),
     MessageSpec("requeued", {"trajectory_ids": TEXT_LIST}, _SEQ),
