@@ -40,6 +40,8 @@ class BrokerSession:
     hello_at: float = 0.0
     heartbeat_interval: float = DEFAULT_HEARTBEAT
     next_heartbeat: float = 0.0
+    published: dict | None = None  # the policy this session was last sent (again after every welcome)
+    bound: int | None = None  # the staleness bound its broker said is in force for the job
 
 
 class Sessions:
@@ -55,6 +57,34 @@ class Sessions:
         self.position = position  # a checkpointing consumer's: its hello names the run, its welcome resumes and seals
         self.sessions = [BrokerSession() for _ in endpoints]
         self._welcomed: list[int] = []  # brokers welcomed since the last `due`
+        self.policy: dict | None = None  # what `publish` last set: sent to every broker once it is welcomed
+        self.max_staleness: int | None = None  # the trainer's own bound (lowers its brokers')
+
+    def publish(self, version: int, per_step: int | None = None) -> None:
+        """The trainer's policy version now (and trajectories per step):
+        sent to every broker, each told its equal share of the admission
+        capacity, with the trainer's own bound."""
+        policy: dict = {"version": version, "share": 1.0 / len(self.endpoints)}
+        if self.max_staleness is not None:
+            policy["max_staleness"] = self.max_staleness
+        if per_step is not None:
+            policy["per_step"] = per_step
+        self.policy = policy
+
+    @property
+    def version(self) -> int | None:
+        """The policy version the trainer last published."""
+        return None if self.policy is None else self.policy["version"]
+
+    def bound(self) -> int | None:
+        """The staleness bound in force: the trainer's own, lowered by any its brokers named."""
+        bounds = [b for b in (self.max_staleness, *(s.bound for s in self.sessions)) if b is not None]
+        return min(bounds, default=None)
+
+    def stale_below(self) -> int | None:
+        """Versions below this are too old to train now (None: nothing is)."""
+        bound, version = self.bound(), self.version
+        return None if bound is None or version is None else version - bound
 
     def received(self, broker: int, message, now: float) -> None:
         """A decoded message from `broker`."""
@@ -66,6 +96,7 @@ class Sessions:
                                    f"{endpoint} did not echo job {self.job!r} in its welcome (got {message.get('job')!r}); "
                                    "a broker of this version does")
             session.state = SessionState.READY
+            session.published = None  # a new session (perhaps a new broker): it hears the policy again
             session.heartbeat_interval = message["heartbeat_interval"]
             session.next_heartbeat = now + session.heartbeat_interval / 2
             assembler.welcomed(broker, message["lease_timeout"])
@@ -78,6 +109,8 @@ class Sessions:
                 assembler.delivered(broker, message.fields, message.arrays, now)
         elif kind in ("acked", "nacked"):
             assembler.settled(broker, message["leases"])
+        elif kind == "policy":
+            session.bound = message.get("max_staleness")
         elif kind == "resumed" and self.position is not None:
             self.position.resumed(broker, message["replay"])
         elif kind == "sealed" and self.position is not None:
@@ -137,6 +170,9 @@ class Sessions:
             elif session.state == SessionState.READY and now >= session.next_heartbeat:
                 out.append((broker, "heartbeat", {}))
                 session.next_heartbeat = now + session.heartbeat_interval / 2
+            if session.state == SessionState.READY and self.policy is not None and session.published != self.policy:
+                out.append((broker, "policy", dict(self.policy)))
+                session.published = self.policy
         assembler.expire(now)
         if closing:
             assembler.release()

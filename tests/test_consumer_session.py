@@ -105,3 +105,31 @@ def test_closing_sends_no_hello_and_no_credit():
     s.due(0.1, closing=False)
     s.received(0, welcome(), 0.2)
     assert [kind for _, kind, _ in s.due(0.2, closing=True)] == []
+
+
+def test_a_published_policy_goes_to_every_welcomed_broker_once_and_again_after_a_new_welcome():
+    s = sessions(2)
+    s.max_staleness = 3
+    s.due(0.0, closing=False)
+    s.publish(7, per_step=16)
+    assert [k for k in kinds(s.due(0.1, closing=False)) if k[1] == "policy"] == []  # nobody welcomed yet
+    s.received(0, welcome(), 0.2)
+    policies = [(b, f) for b, kind, f in s.due(0.3, closing=False) if kind == "policy"]
+    assert policies == [(0, {"version": 7, "share": 0.5, "max_staleness": 3, "per_step": 16})]
+    assert not [k for k in kinds(s.due(0.4, closing=False)) if k[1] == "policy"]  # said once
+    s.received(1, welcome(), 0.5)
+    s.publish(8, per_step=16)
+    assert sorted(b for b, kind, _ in s.due(0.6, closing=False) if kind == "policy") == [0, 1]
+    s.received(0, welcome(), 0.7)  # a new session of broker 0 (it restarted): it hears the policy again
+    assert [(b, f["version"]) for b, kind, f in s.due(0.8, closing=False) if kind == "policy"] == [(0, 8)]
+
+
+def test_the_bound_in_force_is_the_lowest_the_trainer_or_a_broker_named():
+    s = sessions(2)
+    assert s.bound() is None and s.stale_below() is None
+    s.publish(10)
+    assert s.stale_below() is None  # no bound anywhere
+    s.received(1, Message("policy", {"version": 10, "max_staleness": 4}, {}), 0.0)
+    assert (s.bound(), s.stale_below()) == (4, 6)
+    s.max_staleness = 2
+    assert (s.bound(), s.stale_below()) == (2, 8)
