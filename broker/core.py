@@ -824,7 +824,7 @@ class BrokerCore:
 
     def _watch_starvation(self, now: Clock) -> None:
         """Say loudly when a job starves (`Starvation`), and when it no longer does."""
-        waiting = {}
+        waiting: dict[str, bool] = {}
         for consumer in self.dispatcher.consumers.values():
             waiting[consumer.job] = waiting.get(consumer.job, False) or bool(consumer.trajectory_credit
                                                                              or consumer.group_credit)

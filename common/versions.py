@@ -43,3 +43,10 @@ def trajectory_version(trajectory) -> int | None:
     """A `Trajectory`'s version: the oldest its turns (and their weight-version spans) hold."""
     spans = (version for turn_spans in trajectory.weight_version_spans for version, _, _ in turn_spans)
     return oldest_version([*trajectory.weight_versions, *spans])
+
+
+def delivery_version(fields) -> int | None:
+    """A `deliver` message's trajectory version, from its `weight_versions`
+    and their `weight_version_spans` (the oldest any holds)."""
+    spans = (version for turn_spans in fields.get("weight_version_spans") or () for version, _, _ in turn_spans)
+    return oldest_version([*fields.get("weight_versions", ()), *spans])

@@ -22,9 +22,11 @@ import numpy as np
 
 from rollstream.common.contract import CreditUnit
 from rollstream.common.errors import InvalidInput, NotFound
+from rollstream.common.versions import delivery_version
 
 POLICIES = ("raise", "quarantine")  # what to do with a trajectory that fails batch validation
 ACKED = "acked"  # outcome of a committed trajectory in the dedup memory
+STALE = "stale"  # outcome (and dead-letter reason) of one too old to train when it would be handed out
 
 
 class Settle(StrEnum):
@@ -70,6 +72,12 @@ class Unit:
         return max(d.received_at for d in self.members.values())
 
     @property
+    def version(self) -> int | None:
+        """The oldest ordered policy version its members' turns hold (`rollstream.common.versions`)."""
+        return min((v for v in (delivery_version(d.fields) for d in self.members.values()) if v is not None),
+                   default=None)
+
+    @property
     def tokens(self) -> int:
         """Prompt plus response tokens of its members (what `batch_tokens` counts)."""
         return sum(len(d.arrays["prompt_tokens"]) + len(d.arrays["tokens"]) for d in self.members.values())
@@ -103,6 +111,7 @@ class Stats:
     rejected: int = 0
     released: int = 0
     expired_in_buffer: int = 0
+    stale: int = 0  # dropped as too old when they would have been handed out
     undecodable: int = 0
     resent_settlements: int = 0
 
@@ -172,6 +181,7 @@ class Assembler:
         self._taken: dict[str, Delivery] = {}  # handed to the trainer, not committed
         self._replayed: dict[str, Delivery] = {}  # trained before a resume, handed back to train again (no credit)
         self._done: OrderedDict[str, str] = OrderedDict()  # id -> ACKED or the rejection reason
+        self.group_size = 1  # the largest group delivered so far (a step's trajectories, in group units)
         self._settling: dict[tuple[int, str], Outgoing] = {}  # lease -> the ack/nack awaiting a reply
         self._retry: list[tuple[float, tuple[int, str]]] = []
         self.outbox: list[Outgoing] = []
@@ -248,6 +258,7 @@ class Assembler:
             return
         delivery = Delivery(tid, fields, arrays, broker, {lease}, now)
         group_id = fields.get("group_id")
+        self.group_size = max(self.group_size, fields.get("group_size", 1))
         if self.unit == CreditUnit.TRAJECTORY or group_id is None:
             self._buffer(Unit(broker, {tid: delivery}, 1))
             return
@@ -321,6 +332,23 @@ class Assembler:
             if now > unit.received_at + self._brokers[unit.broker].lease_timeout:
                 self.stats.expired_in_buffer += len(unit.members)
                 self._drop(unit)
+
+    def drop_stale(self, below: int) -> list[str]:
+        """Complete buffered units whose version is below `below` (behind
+        the trainer by more than the staleness bound: prefetched, they aged
+        while they waited) are never handed out: each goes to its broker's
+        dead letters as `stale`. Returns their ids."""
+        stale = [unit for unit in self._ready if (version := unit.version) is not None and version < below]
+        dropped = []
+        for unit in stale:
+            self._drop(unit)
+            for tid, held in unit.members.items():
+                self.stats.stale += 1
+                self._remember(tid, STALE)
+                for lease in sorted(held.leases):
+                    self._settle(lease, Settle.NACK, STALE, tid)
+                dropped.append(tid)
+        return dropped
 
     # -- trainer side ---------------------------------------------------------
     def replayed(self, trajectory_ids: list[str]) -> bool:
@@ -417,12 +445,16 @@ class Assembler:
         held = self._taken.pop(tid, None)
         if held is None:
             raise NotFound(f"trajectory {tid!r} is not held by the trainer (already committed, or never taken)")
+        self._remember(tid, outcome)
+        for lease in sorted(held.leases):
+            self._settle(lease, Settle.ACK if outcome == ACKED else Settle.NACK, outcome, tid, trained_at)
+
+    def _remember(self, tid: str, outcome: str) -> None:
+        """`tid` is done with `outcome`: a redelivery of it is settled the same way (up to `dedup_capacity`)."""
         self._done[tid] = outcome
         self._done.move_to_end(tid)
         while len(self._done) > self.dedup_capacity:
             self._done.popitem(last=False)
-        for lease in sorted(held.leases):
-            self._settle(lease, Settle.ACK if outcome == ACKED else Settle.NACK, outcome, tid, trained_at)
 
     def _settle(self, lease: tuple[int, str], how: Settle, reason: str, tid: str | None = None,
                 trained_at: tuple[int, int] | None = None) -> None:

@@ -93,6 +93,13 @@ class Consumer:
     remembered, and a late redelivery of one is settled at once). Units whose
     leases ran out while still buffered are dropped, not trained.
 
+    Staleness: `set_policy_version(v)` (or `commit(..., policy_version=v)`)
+    publishes the trainer's version to every broker; with a bound (this
+    consumer's `max_staleness`, or a broker's) brokers admit and deliver
+    only what fits it, and a prefetched unit more than the bound behind `v`
+    when a batch is formed is dead-lettered `stale`, not handed out
+    (docs/consumer.md, "Staleness").
+
     Checkpointing (the default): `commit(batch)` records the batch as
     trained at its step, and brokers keep it until `sealed(step)` says a
     checkpoint after it is durable. Save `state_dict()` with each
@@ -127,6 +134,7 @@ class Consumer:
         resume: dict | None = None,
         world_size: int = 1,
         job: str = DEFAULT_JOB,
+        max_staleness: int | None = None,
     ):
         if on_invalid not in POLICIES:
             raise InvalidInput(f"on_invalid must be one of {POLICIES}, got {on_invalid!r}")
@@ -158,6 +166,9 @@ class Consumer:
                         extra={"saved": self._position.saved_world_size, "now": world_size})
         self._sessions = Sessions(self._assembler, self.endpoints, consumer_id=self.consumer_id,
                                   hello_timeout=hello_timeout, position=self._position, job=job)  # the I/O thread drives it
+        if max_staleness is not None and (type(max_staleness) is not int or max_staleness < 0):
+            raise InvalidInput(f"max_staleness is an integer >= 0 (policy versions), got {max_staleness!r}")
+        self._sessions.max_staleness = max_staleness  # the trainer's own bound: lowers its brokers'
         if self.ledger is not None and self._position is not None and self._position.resumed_from is not None:
             self._position.record_resume(self.ledger)
         self._lock = threading.Lock()
@@ -310,6 +321,9 @@ class Consumer:
                 now = Clock.monotonic()
                 # A trainer that stalled past a lease must not get that unit: the broker redelivers it.
                 self._assembler.drop_expired(now)
+                below = self._sessions.stale_below()
+                if below is not None and self._assembler.drop_stale(below):  # prefetched units age too
+                    self._wake()
                 ready = self._assembler.ready
                 if self._assembler.fills(n, held) or (partial_at is not None and now >= partial_at and (ready or held)):
                     return self._assembler.take(n, held)
@@ -324,11 +338,25 @@ class Consumer:
                     waits.append(partial_at - now)
                 self._changed.wait(min(waits))
 
-    def commit(self, batch: Batch, step: int | None = None) -> None:
+    def set_policy_version(self, version: int) -> None:
+        """The trainer's policy version now (its step, as the weights it
+        serves carry it): published to every broker, with this consumer's
+        `max_staleness` and a step's size, so they bound staleness at
+        admission and delivery; batches handed out from now on hold nothing
+        more than the bound behind it."""
+        if type(version) is not int or version < 0:
+            raise InvalidInput(f"a policy version is an integer >= 0 (a trainer step), got {version!r}")
+        with self._lock:
+            per_step = self._assembler.batch_size * (self._assembler.group_size if self._assembler.unit == "group" else 1)
+            self._sessions.publish(version, per_step)
+            self._wake()
+
+    def commit(self, batch: Batch, step: int | None = None, *, policy_version: int | None = None) -> None:
         """After the training step: the batch is trained. Checkpointing, it
         is recorded as the batch of `step` (by default the step after the
         last; a batch handed back by a resume keeps its own) and kept until
-        sealed; otherwise it is deleted."""
+        sealed; otherwise it is deleted. `policy_version`: then
+        `set_policy_version` (the weights the step made)."""
         position = self._position
         with self._lock:
             handed = self._awaiting_commit.get(batch.seq)
@@ -350,6 +378,8 @@ class Consumer:
             self._wake()
         if warning is not None:
             log.warning(warning)
+        if policy_version is not None:
+            self.set_policy_version(policy_version)
 
     def sealed(self, step: int) -> None:
         """The checkpoint saved after step `step` is durable: brokers may

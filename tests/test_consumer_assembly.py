@@ -206,3 +206,19 @@ def test_credit_stays_bounded_and_a_batch_always_fills(n_brokers, batch_size, ex
         deliver(n_brokers - 1)
         grant()
     assert a.ready >= batch_size
+
+
+def test_prefetched_units_behind_the_bound_are_dead_lettered_stale_and_a_redelivery_is_settled_alike():
+    a = welcomed(batch_size=4, unit="group")
+    a.delivered(0, fields("old", "L1", weight_versions=["step-3", "step-9"]), {}, 0.0)  # its oldest turn: 3
+    a.delivered(0, fields("new", "L2", weight_versions=["7"]), {}, 0.0)
+    a.delivered(0, fields("g0", "L3", group_id="G", group_size=2, weight_versions=["8"]), {}, 0.0)
+    a.delivered(0, fields("g1", "L4", group_id="G", group_size=2, weight_versions=["6"],
+                          weight_version_spans=[[["4", 0, 2], ["6", 2, 5]]]), {}, 0.0)  # a span of version 4
+    a.delivered(0, fields("plain", "L5"), {}, 0.0)  # no ordered version: never stale
+    assert a.drop_stale(5) == ["old", "g0", "g1"]  # the group goes whole, at its oldest member's version
+    assert a.ready == 2 and a.stats.stale == 3
+    assert sent(a) == [(0, "nack", ["L1", "L3", "L4"], False)]
+    a.delivered(0, fields("old", "L9", weight_versions=["3"]), {}, 1.0)
+    assert a.ready == 2 and sent(a) == [(0, "nack", ["L9"], False)]
+    assert a.drop_stale(5) == []

@@ -215,3 +215,28 @@ def test_consume_command_prints_one_json_line_per_batch(brokers):
     wait_for(lambda: drained(node), what="acks from the command")
     status = node.status()  # an inspector has no checkpoint: what it acked is gone, not kept as trained
     assert status["unsealed"] == 0 and status["counters"]["trajectories.delivered"] == 4
+
+
+def versioned(tid, version):
+    """A one-turn rollout sampled by weights `version`."""
+    turn = Turn.build([5, 6], [-0.1, -0.2], supports=[[5, 1], [6]], weight_version=version)
+    return Rollout(tid, np.array([1, 2], np.int32), [turn])
+
+
+def test_a_published_version_bounds_what_is_delivered_and_what_prefetch_hands_out(tmp_path):
+    from broker_process import BrokerProcess
+
+    with BrokerProcess(tmp_path, max_staleness=1, heartbeat_interval=0.2) as broker:
+        produce(broker, [versioned("v1", "step-1"), versioned("v2", "step-2"), versioned("v3", "step-3")])
+        with Consumer(broker.consumer, batch_size=1, prefetch=4, vocab_size=VOCAB, checkpointed=False) as consumer:
+            consumer.set_policy_version(2)  # every one is within 1 of 2: all prefetched
+            wait_for(lambda: consumer.stats()["ready"] == 3, what="three prefetched units")
+            consumer.set_policy_version(4)  # now v1 and v2 are more than 1 behind, v3 is not
+            batch = consumer.next_batch(timeout=10)
+            assert batch.trajectory_ids == ("v3",)
+            consumer.commit(batch)
+            wait_for(lambda: consumer.stats()["stale"] == 2, what="two stale drops")
+        wait_for(lambda: broker.status()["dead"] == 2, what="the stale ones dead-lettered")
+        assert sorted((d["trajectory_id"], d["reason"]) for d in broker.dead_letters()) == [("v1", "stale"),
+                                                                                          ("v2", "stale")]
+        assert broker.status()["policies"]["default"]["version"] == 4
