@@ -112,11 +112,18 @@ def show_fingerprints(key_files: tuple[str, ...]) -> None:
               "--producers, --group-size, --batch-size, --turns, --keep-data and --chaos (the trainer crashes "
               "between a commit and its next checkpoint and resumes) of the options above.")
 @click.option("--steps", default=60, show_default=True, help="--train: training steps (one batch each).")
+@click.option("--max-staleness", type=click.IntRange(min=0), default=None,
+              help="--train: the broker's staleness bound, in policy versions (the trainer's steps) a trajectory's "
+                   "oldest turn may lag the trainer (docs/consumer.md, Staleness).")
+@click.option("--filter", "group_filter", default=None,
+              help="--train: the broker's group filters, e.g. all_equal_rewards (groups without a learning signal "
+                   "are dropped before batches form; the run stops cleanly if its broker says it starves).")
 @click.option("--plot", "plot", default="rollstream-train.png", show_default=True,
               help="--train: where to write the PNG plot (needs the `plot` extra); '' for none.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary's figures as one JSON line (after the "
               "table; with --train, instead of it).")
-def demo(train: bool, steps: int, plot: str, as_json: bool, **options) -> None:
+def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int | None, group_filter: str | None,
+         **options) -> None:
     """Run the whole pipeline on loopback with embedded defaults: a broker,
     synthetic producers and a trainer of --dp-size ranks that validates,
     takes a mock step and commits every batch, with live progress, a
@@ -132,9 +139,13 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, **options) -> None:
         summary = run_train_demo(steps=steps, producers=options["producers"], group_size=options["group_size"],
                                  batch_groups=options["batch_size"], turns=options["turns"],
                                  plot=plot or None, keep_data=options["keep_data"], chaos=options["chaos"],
+                                 max_staleness=max_staleness, group_filter=group_filter,
                                  progress=(lambda line: None) if as_json else click.echo)
         click.echo(json.dumps(summary) if as_json else train_summary_table(summary))
         return
+    if max_staleness is not None or group_filter:
+        raise click.UsageError("--max-staleness and --filter apply to --train runs: the synthetic producers' "
+                               "trajectories carry no policy versions and no rewards to filter by")
     from rich.console import Console
 
     from .demo import live_progress, run_demo, summary_table

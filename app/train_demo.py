@@ -19,13 +19,21 @@ and resumes from the last one: the producers reload its weights, and the
 batches trained since come back and are trained again, as they were.
 Producers and the consumer keep ledgers, so the end-to-end checker reports
 on the lineage the final model descends from.
+
+The trainer publishes its policy version (its step) after every step. With
+`max_staleness` the broker bounds how many versions a trajectory's oldest
+turn may lag it (admission, dispatch, delivery; docs/consumer.md,
+"Staleness"); with `group_filter` it drops groups without a learning signal
+before they take a batch slot. A run whose broker says it starves (its
+filters drop nearly everything once rewards saturate) stops cleanly and
+says why (`starved`).
 """
 from __future__ import annotations
 
 import copy
 import os
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +41,8 @@ import numpy as np
 import torch
 
 from rollstream.common.checker import check, read_records
+from rollstream.common.errors import TimedOut
+from rollstream.common.versions import oldest_version
 from rollstream.consumer.batch import Batch
 from rollstream.consumer.client import Consumer
 from rollstream.consumer.primitives import masked_log_probs
@@ -155,7 +165,7 @@ class TrainingLog:
     """What the loop saw, step by step."""
 
     rewards: list[float] = field(default_factory=list)  # mean reward of each step's batch
-    staleness: list[int] = field(default_factory=list)  # per trajectory: trainer steps since its weights
+    staleness: list[int] = field(default_factory=list)  # per trajectory: trainer steps since its oldest turn's weights
     support_diffs: list[np.ndarray] = field(default_factory=list)
     full_diffs: list[np.ndarray] = field(default_factory=list)
     truncated: list[np.ndarray] = field(default_factory=list)
@@ -168,8 +178,8 @@ class TrainingLog:
         window = max(1, min(5, len(self.rewards) // 4))
         return {
             "steps": steps,
-            "reward_first": round(float(np.mean(self.rewards[:window])), 4),
-            "reward_last": round(float(np.mean(self.rewards[-window:])), 4),
+            "reward_first": round(float(np.mean(self.rewards[:window])), 4) if self.rewards else None,
+            "reward_last": round(float(np.mean(self.rewards[-window:])), 4) if self.rewards else None,
             "replay_max_abs_diff_support": float(support.max()) if support.size else None,
             "replay_mean_abs_diff_full": float(full.mean()) if full.size else None,
             "replay_tokens": int(support.size),
@@ -181,32 +191,40 @@ class TrainingLog:
         }
 
 
-def _version_step(version: str) -> int:
-    return int(version.split("-")[1]) if version.startswith("step-") else 0
+def batch_staleness(batch: Batch, current: int) -> list[int]:
+    """Per trajectory, the versions between its oldest turn's weights and the trainer's `current` ones."""
+    oldest = (oldest_version(names) for names in batch.weight_versions)
+    return [max(0, current - version) for version in oldest if version is not None]
 
 
 def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, batch_groups: int = 4, turns: int = 2,
                    prompt_tokens: int = 8, response_tokens: int = 16, tool_tokens: int = 4, temperature: float = 1.0,
                    top_k: int = 20, top_p: float = 0.95, learning_rate: float = 3e-3, seed: int = 0,
                    plot: str | None = None, progress=print, keep_data: bool = False, chaos: bool = False,
-                   checkpoint_every: int = 5) -> dict:
-    """Run the loop for `steps` batches; return the summary (and write the
-    plot to `plot` when given). Raises if any stage fails. With `chaos` the
-    trainer crashes between its second checkpoint and its third and resumes."""
+                   checkpoint_every: int = 5, max_staleness: int | None = None, group_filter: str | None = None,
+                   starvation_after: float = 20.0) -> dict:
+    """Run the loop for `steps` batches (fewer if the broker says the run
+    starves); return the summary (and write the plot to `plot` when given).
+    Raises if any stage fails. With `chaos` the trainer crashes between its
+    second checkpoint and its third and resumes."""
     torch.manual_seed(seed)
     torch.set_num_threads(1)  # a model this small gains nothing from a thread pool beside the daemons
     model = TinyLM(seed=seed)
     versions = WeightVersions(model.config)
-    versions.add(f"seed-{seed}", model)
+    versions.add("step-0", model)  # the initial weights are version 0: versions are the trainer's steps
     optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
     log = TrainingLog()
     # Between a commit and the next checkpoint, past the second checkpoint:
     crash_after = 2 * checkpoint_every + max(1, checkpoint_every // 2) if chaos else None
-    with LoopbackNode("rollstream-train-", VOCAB, keep_data=keep_data) as node:
+    broker_args = ("--starvation-window", str(2 * starvation_after), "--starvation-after", str(starvation_after),
+                   *(("--max-staleness", str(max_staleness)) if max_staleness is not None else ()),
+                   *(("--group-filters", group_filter) if group_filter else ()))
+    starved = None
+    with LoopbackNode("rollstream-train-", VOCAB, keep_data=keep_data, broker_args=broker_args) as node:
         started = time.perf_counter()
         ledgers = node.work / "ledgers"
         weights = node.work / "policy.safetensors"
-        save_weights(model, weights, f"seed-{seed}")  # the producers start from the file, as after every step
+        save_weights(model, weights, "step-0")  # the producers start from the file, as after every step
         for i in range(producers):
             node.producer("--source", "model", "--model-weights", str(weights), "--producer-id", f"train-producer-{i}",
                           "--trajectories", "0", "--group-size", str(group_size), "--turns", str(turns),
@@ -215,31 +233,51 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                           "--top-p", str(top_p), "--seed", str(seed + 1 + i), "--concurrency", "2",
                           "--ledger", str(ledgers / f"producer-{i}.jsonl"))
 
-        def connect(resume: dict | None) -> Consumer:
-            return Consumer([node.endpoints["consumer"]], batch_size=batch_groups, unit="group", vocab_size=VOCAB,
-                            device="cpu", on_invalid="raise", resume=resume, ledger=ledgers / "trainer.jsonl")
+        def connect(resume: dict | None, version: int) -> Consumer:
+            consumer = Consumer([node.endpoints["consumer"]], batch_size=batch_groups, unit="group", vocab_size=VOCAB,
+                                device="cpu", on_invalid="raise", resume=resume, ledger=ledgers / "trainer.jsonl")
+            consumer.set_policy_version(version)
+            return consumer
 
-        consumer = connect(None)
+        def next_batch(consumer: Consumer) -> Batch | None:
+            """The next batch, or None once the broker says the run starves (and why)."""
+            nonlocal starved
+            deadline = time.perf_counter() + 120.0
+            while True:
+                try:
+                    return consumer.next_batch(timeout=2.0)
+                except TimedOut:
+                    starving = (node.admin.status().get("starving", {}) if node.admin is not None else {})
+                    if starving.get("default"):
+                        starved = ",".join(starving["default"])
+                        progress(f"the broker says the run starves ({starved}): stopping")
+                        return None
+                    if time.perf_counter() > deadline:
+                        raise
+
+        consumer = connect(None, 0)
         checkpoint: dict[str, Any] = {  # step 0: a restart before the next checkpoint starts here
             "model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict()),
             "versions": versions.snapshot(), "data": consumer.state_dict()}
         step = 0
         try:
             while step < steps:
+                batch = next_batch(consumer)
+                if batch is None:
+                    break
                 step += 1
-                batch = consumer.next_batch(timeout=120.0)
                 replayed = replay(batch, versions, temperature)
                 log.support_diffs.append(replayed.support_diffs)
                 log.full_diffs.append(replayed.full_diffs)
                 log.truncated.append(replayed.truncated)
                 log.skipped += replayed.skipped
                 log.rewards.append(float(batch.rewards.mean()))
-                log.staleness += [step - 1 - _version_step(names[-1]) for names in batch.weight_versions if names]
+                log.staleness += batch_staleness(batch, step - 1)
                 optimizer.zero_grad()
                 loss = policy_loss(model, batch, temperature)
                 loss.backward()
                 optimizer.step()
-                consumer.commit(batch, step)
+                consumer.commit(batch, step, policy_version=step)
                 versions.add(f"step-{step}", model)
                 save_weights(model, weights, f"step-{step}")
                 worst = float(replayed.support_diffs.max()) if replayed.support_diffs.size else float("nan")
@@ -261,15 +299,23 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                     step = checkpoint["data"]["step"]
                     save_weights(model, weights, f"step-{step}")  # the producers reload the resumed weights
                     progress(f"trainer crashed after step {crashed}; resuming from its checkpoint of step {step}")
-                    consumer = connect(checkpoint["data"])
+                    consumer = connect(checkpoint["data"], step)
             consumer.flush(30)
         finally:
             consumer.close()
         node.finish_producers(stop=True)
         status = node.admin.status() if node.admin is not None else {"ready": 1, "leased": 0}
-        report = check(read_records([ledgers]), node.dead_letters(), broker_backlog=status["ready"] + status["leased"])
-    summary = log.summary(steps)
+        dead = node.dead_letters()
+        report = check(read_records([ledgers]), dead, broker_backlog=status["ready"] + status["leased"])
+    summary = log.summary(step)
     summary.update(report.lineage())
+    reasons = Counter(item["reason"].partition(":")[0] for item in dead)
+    discarded = reasons["stale"] + reasons["filtered"]
+    trained = status["counters"].get("trajectories.delivered", 0) + status.get("unsealed", 0)
+    summary.update(max_staleness=max_staleness, group_filter=group_filter, stale_dropped=reasons["stale"],
+                   filtered=reasons["filtered"],
+                   discarded_share=round(discarded / (discarded + trained), 4) if discarded + trained else 0.0,
+                   starved=starved)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     if plot:
         summary["plot"] = _plot(log, plot)
@@ -287,7 +333,7 @@ def _plot(log: TrainingLog, path: str) -> str | None:
     except ImportError:
         return None
     support, full = np.concatenate(log.support_diffs), np.concatenate(log.full_diffs)
-    figure, (errors, rewards) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (errors, rewards, staleness) = plt.subplots(1, 3, figsize=(16, 4))
     floor = 1e-12  # a difference of exactly 0 on a log axis
     errors.semilogy(np.maximum(full, floor), ".", markersize=2, label="full vocabulary")
     errors.semilogy(np.maximum(support, floor), ".", markersize=2, label="over the transported support")
@@ -296,6 +342,10 @@ def _plot(log: TrainingLog, path: str) -> str | None:
     errors.legend(loc="lower center", bbox_to_anchor=(0.5, 0.08))  # between the two bands and the exact zeros
     rewards.plot(range(1, len(log.rewards) + 1), log.rewards)
     rewards.set(xlabel="step", ylabel="mean reward of the batch", title="reward")
+    top = max(log.staleness, default=0)
+    staleness.hist(log.staleness, bins=np.arange(top + 2) - 0.5, rwidth=0.8)
+    staleness.set(xlabel="policy versions behind the trainer (oldest turn)", ylabel="trajectories trained",
+                  title="staleness", xticks=range(top + 1))
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
@@ -316,6 +366,10 @@ def summary_table(summary: dict) -> str:
         ("staleness in weight versions, mean / max",
          f"{number(summary['staleness_mean'], '.2f')} / {number(summary['staleness_max'], 'd')}"),
         ("trajectories not replayed (weights no longer kept)", summary["skipped_trajectories"]),
+        ("max staleness / group filter", f"{number(summary['max_staleness'], 'd')} / {summary['group_filter'] or 'none'}"),
+        ("dropped stale / filtered, share of the finished",
+         f"{summary['stale_dropped']} / {summary['filtered']}, {summary['discarded_share']:.3f}"),
+        ("starved", summary["starved"] or "no"),
         ("resumed from the checkpoint of step", number(summary["resumed_from_step"], "d")),
         ("trained again after the resume, batches identical",
          f"{summary['replayed']} trajectories, {summary['replayed_batches_identical']}"),

@@ -181,7 +181,7 @@ class Assembler:
         self._taken: dict[str, Delivery] = {}  # handed to the trainer, not committed
         self._replayed: dict[str, Delivery] = {}  # trained before a resume, handed back to train again (no credit)
         self._done: OrderedDict[str, str] = OrderedDict()  # id -> ACKED or the rejection reason
-        self.group_size = 1  # the largest group delivered so far (a step's trajectories, in group units)
+        self.group_size: int | None = None  # the largest group delivered so far (how big a step is, in groups)
         self._settling: dict[tuple[int, str], Outgoing] = {}  # lease -> the ack/nack awaiting a reply
         self._retry: list[tuple[float, tuple[int, str]]] = []
         self.outbox: list[Outgoing] = []
@@ -258,7 +258,8 @@ class Assembler:
             return
         delivery = Delivery(tid, fields, arrays, broker, {lease}, now)
         group_id = fields.get("group_id")
-        self.group_size = max(self.group_size, fields.get("group_size", 1))
+        if group_id is not None:
+            self.group_size = max(self.group_size or 0, fields.get("group_size", 1))
         if self.unit == CreditUnit.TRAJECTORY or group_id is None:
             self._buffer(Unit(broker, {tid: delivery}, 1))
             return

@@ -27,7 +27,7 @@ import zmq
 from rollstream.common.checker import Ledger
 from rollstream.common.clock import Clock
 from rollstream.common.codec import decode, decode_header, encode
-from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES
+from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES, CreditUnit
 from rollstream.common.curve import ClientCurve, HandshakeWatch
 from rollstream.common.errors import (
     ClientClosed,
@@ -347,8 +347,10 @@ class Consumer:
         if type(version) is not int or version < 0:
             raise InvalidInput(f"a policy version is an integer >= 0 (a trainer step), got {version!r}")
         with self._lock:
-            per_step = self._assembler.batch_size * (self._assembler.group_size if self._assembler.unit == "group" else 1)
-            self._sessions.publish(version, per_step)
+            assembler = self._assembler
+            # A step's trajectories: in groups, known once a group was delivered (until then brokers admit freely).
+            group_size = 1 if assembler.unit == CreditUnit.TRAJECTORY else assembler.group_size
+            self._sessions.publish(version, None if group_size is None else assembler.batch_size * group_size)
             self._wake()
 
     def commit(self, batch: Batch, step: int | None = None, *, policy_version: int | None = None) -> None:

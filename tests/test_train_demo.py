@@ -1,11 +1,19 @@
 """The model-in-the-loop training demo: its pieces, then a short run of the
 whole loop (real broker and producer daemons on loopback)."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from rollstream.app.tiny_lm import TinyLM, TinyLMConfig
-from rollstream.app.train_demo import WeightVersions, group_advantages, run_train_demo, summary_table
+from rollstream.app.train_demo import (
+    WeightVersions,
+    batch_staleness,
+    group_advantages,
+    run_train_demo,
+    summary_table,
+)
 
 
 def test_group_advantages_are_rewards_normalised_within_each_group():
@@ -14,6 +22,11 @@ def test_group_advantages_are_rewards_normalised_within_each_group():
     advantages = group_advantages(rewards, groups)
     # group 0: mean 0.5, std 0.5 -> +1, -1; group 1 and the lone group 2: no spread -> 0
     np.testing.assert_allclose(advantages.numpy(), [1.0, -1.0, 0.0, 0.0, 0.0], atol=1e-5)
+
+
+def test_staleness_is_counted_from_each_trajectorys_oldest_turn():
+    batch = SimpleNamespace(weight_versions=(("step-3", "step-5"), ("opaque",), ("7",), ()))
+    assert batch_staleness(batch, 7) == [4, 0]  # the versions without an order are not counted
 
 
 def test_weight_versions_hand_back_the_weights_of_a_kept_version_only():
@@ -62,3 +75,24 @@ def test_a_trainer_crashed_between_a_commit_and_its_checkpoint_resumes_and_repla
     assert (summary["lineage_lost"], summary["lineage_duplicated"], summary["skipped_trajectories"]) == (0, 0, 0)
     assert summary["replay_max_abs_diff_support"] < 1e-4
     assert "resumed from the checkpoint of step" in summary_table(summary)
+
+
+@pytest.mark.slow
+def test_a_run_bounded_at_staleness_1_trains_nothing_older_and_reports_what_it_dropped():
+    summary = run_train_demo(steps=6, producers=1, group_size=2, batch_groups=2, plot=None, max_staleness=1,
+                             progress=lambda line: None)
+    assert summary["steps"] == 6 and summary["staleness_max"] <= 1 and summary["max_staleness"] == 1
+    assert summary["stale_dropped"] >= 0 and 0.0 <= summary["discarded_share"] <= 1.0 and summary["starved"] is None
+    assert (summary["lineage_lost"], summary["lineage_duplicated"]) == (0, 0)
+    assert summary["replay_max_abs_diff_support"] < 1e-4
+
+
+@pytest.mark.slow
+def test_a_run_whose_filter_drops_every_group_stops_cleanly_and_says_it_starved():
+    lines = []
+    summary = run_train_demo(steps=50, producers=1, group_size=2, batch_groups=2, plot=None,
+                             group_filter="min_members:3", starvation_after=3.0, progress=lines.append)
+    assert summary["steps"] == 0 and summary["filtered"] > 0 and summary["discarded_share"] == 1.0
+    assert summary["starved"] in ("filtered", "filtered,idle", "idle")
+    assert any(line.startswith("the broker says the run starves") for line in lines)
+    assert "starved" in summary_table(summary)
