@@ -240,3 +240,17 @@ def test_a_published_version_bounds_what_is_delivered_and_what_prefetch_hands_ou
         assert sorted((d["trajectory_id"], d["reason"]) for d in broker.dead_letters()) == [("v1", "stale"),
                                                                                           ("v2", "stale")]
         assert broker.status()["policies"]["default"]["version"] == 4
+
+
+def test_two_brokers_each_admit_their_share_of_one_steps_capacity(tmp_path):
+    from broker_process import BrokerProcess
+
+    with BrokerProcess(tmp_path / "a", max_staleness=1) as a, BrokerProcess(tmp_path / "b", max_staleness=3) as b:
+        with Consumer([a.consumer, b.consumer], batch_size=4, vocab_size=VOCAB, checkpointed=False) as consumer:
+            consumer.wait_ready(10)
+            consumer.set_policy_version(5)
+            # capacity = (S + 1) x 4 per step x share 0.5 on each, with each broker's own S (the consumer, which
+            # names none, checks what it prefetched against the lowest it heard)
+            wait_for(lambda: "policies" in a.status() and "policies" in b.status(), what="both brokers to hear it")
+            assert a.status()["policies"]["default"] == {"version": 5, "max_staleness": 1, "capacity": 4, "untrained": 0}
+            assert b.status()["policies"]["default"] == {"version": 5, "max_staleness": 3, "capacity": 8, "untrained": 0}
