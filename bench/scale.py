@@ -17,6 +17,11 @@ are reported.
 - support: 64-token turns with S ids per token: frame bytes per second of
   the broker's main thread.
 - budget: K=1,000 open trajectories under a memory budget, end to end.
+- bound: K open trajectories whose turns carry a policy version, on a
+  broker with a staleness bound its consumer publishes a version to
+  (admission, version ordering and the stale check all run; the bound is
+  too wide to drop or hold anything) against the same frames on a broker
+  without one: what the bookkeeping costs per frame.
 
 Printed per configuration: broker CPU per frame (main thread and whole
 process), peak RSS against the largest `bytes_in_memory` the broker
@@ -76,7 +81,7 @@ def _producer_main(conn, endpoint: str, plan: dict) -> None:
                     for k, traj in enumerate(wave):
                         part = arrays[(k + turn) % len(arrays)]
                         future = await traj.turn(part["tokens"], part["log_probs"], mask_ids=part["mask_ids"],
-                                                 mask_offsets=part["mask_offsets"])
+                                                 mask_offsets=part["mask_offsets"], weight_version=plan["version"])
                         accepted = loop.time()  # the wait for room in the window is not the broker's
                         future.add_done_callback(lambda _, at=accepted: latencies.append(loop.time() - at))
                 for traj in wave:
@@ -101,10 +106,12 @@ def _producer_main(conn, endpoint: str, plan: dict) -> None:
     conn.send(asyncio.run(run()))
 
 
-def _consumer_main(conn, endpoint: str, expected: int) -> None:
+def _consumer_main(conn, endpoint: str, expected: int, publish: bool) -> None:
     from rollstream.consumer import Consumer
 
     with Consumer(endpoint, batch_size=BATCH, vocab_size=VOCAB, device="cpu") as consumer:
+        if publish:  # the trainer's version, for the broker's staleness bound
+            consumer.set_policy_version(0)
         conn.send("ready")
         lengths: dict[str, list[int]] = {}
         received, last = 0, 0.0
@@ -130,16 +137,18 @@ def _status(admin) -> dict:
 
 
 def run_config(name: str, *, trajectories: int, open_at_once: int, turns: int, tokens: int, ids: int,
-               connections: int = 1, broker_args: list[str] = ()) -> dict:
+               connections: int = 1, broker_args: list[str] = (), version: str | None = None,
+               publish: bool = False) -> dict:
     broker = Broker(VOCAB, list(broker_args))
     ctx = mp.get_context("spawn")
     tids = [f"{name}-{i}" for i in range(trajectories)]
     plan = {"tag": name, "tids": tids, "open": open_at_once, "turns": turns, "tokens": tokens, "ids": ids,
-            "connections": connections}
+            "connections": connections, "version": version}
     producer_end, producer_child = ctx.Pipe()
     consumer_end, consumer_child = ctx.Pipe()
     children = [ctx.Process(target=_producer_main, args=(producer_child, broker.producer, plan), daemon=True),
-                ctx.Process(target=_consumer_main, args=(consumer_child, broker.consumer, trajectories), daemon=True)]
+                ctx.Process(target=_consumer_main, args=(consumer_child, broker.consumer, trajectories, publish),
+                            daemon=True)]
     context = zmq.Context()
     admin = context.socket(zmq.DEALER)
     admin.connect(broker.admin)
@@ -192,6 +201,7 @@ def run_config(name: str, *, trajectories: int, open_at_once: int, turns: int, t
 
 # -- the experiments --------------------------------------------------------------
 BATCH = 32  # the consumer's batch size: it takes full batches only, so N is rounded up to a multiple
+WIDE_BOUND = 1_000_000  # a staleness bound no run reaches: every check runs, nothing is dropped or held
 
 
 def _whole_batches(n: int) -> int:
@@ -209,6 +219,10 @@ def configurations(args) -> dict[str, dict]:
     for s in args.supports:
         out[f"support_{s}"] = dict(trajectories=_whole_batches(args.support_trajectories), open_at_once=16, turns=4, tokens=64,
                                    ids=s)
+    for k in args.bound:  # the same versioned frames, without and with the bound
+        for switch, extra in (("off", {}), ("on", {"broker_args": ["--max-staleness", str(WIDE_BOUND)], "publish": True})):
+            out[f"bound_{switch}_{k}"] = dict(trajectories=_whole_batches(max(args.trajectories, k)), open_at_once=k,
+                                              turns=8, tokens=256, ids=8, version="step-0", **extra)
     for label in args.budgets:
         out[f"budget_{label}"] = dict(trajectories=_whole_batches(args.budget_trajectories), open_at_once=1000, turns=8,
                                       tokens=256, ids=8, broker_args=["--max-memory-bytes", str(_bytes(label))])
@@ -238,6 +252,7 @@ def main() -> None:
     parser.add_argument("--support-trajectories", type=int, default=256)
     parser.add_argument("--budgets", type=lambda t: [x for x in t.split(",") if x], default=["2GiB", "64MiB", "16MiB"])
     parser.add_argument("--budget-trajectories", type=int, default=4000)
+    parser.add_argument("--bound", type=_ints, default=[50_000], help="open trajectories at once with a staleness bound")
     parser.add_argument("--only", help="run only configurations whose name starts with one of these (comma-separated)")
     args = parser.parse_args()
     configs = configurations(args)
@@ -280,6 +295,10 @@ def main() -> None:
             summary[key] = round(med(f"conn_{p}", "ack_p99_s"), 3)
     if "conn_512" in runs:
         summary["conn_resends_512"] = int(med("conn_512", "resends"))
+    for k in args.bound:
+        if f"bound_on_{k}" in runs and f"bound_off_{k}" in runs:
+            summary[f"bound_ratio_{k // 1000}k"] = round(
+                med(f"bound_on_{k}", "main_us_per_frame") / med(f"bound_off_{k}", "main_us_per_frame"), 3)
     if "support_4096" in runs:
         summary["support_4096_gbps"] = round(med("support_4096", "main_gbps"), 3)
     if "budget_16MiB" in runs and "budget_2GiB" in runs:
