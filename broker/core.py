@@ -217,6 +217,7 @@ class BrokerCore:
         self.hellos = Hellos(broker_id, max_message_bytes=s.max_message_bytes, lease_timeout=s.lease_timeout,
                              heartbeat_interval=s.heartbeat_interval)
         self.producers: dict[bytes, float] = {}  # producer connection -> when last heard (monotonic)
+        self.producer_jobs: dict[bytes, str] = {}  # producer connection -> the job its hello named
         self.producer_live_for = producer_live_for(s.heartbeat_interval)
         self.unavailable = False  # writes fail: producer frames are refused until a probe succeeds
         self.reads_failed = False  # a trajectory could not be read back: deliveries wait for the probe too
@@ -370,6 +371,7 @@ class BrokerCore:
             self.metrics.count_outcomes((answer.message.type, answer.ack) for answer in answers
                                         if answer.ack is not None and answer.message is not None)
             for identity, acks in batched_acks(answers, self.hellos.batch_acks, self.grants.grant).items():
+                acks.update(self._admit(identity))
                 yield Send("producer", identity, encode(BROKER_TO_PRODUCER, "acks", acks, checked=False))
         batch_acks = self.hellos.batch_acks
         for answer in answers:
@@ -395,10 +397,11 @@ class BrokerCore:
         if message.type == "hello":
             log.info("producer connected", extra={"producer_id": message["producer_id"]})
             self._count_live_producers(now.mono)
+            self.producer_jobs[identity] = message.get("job", DEFAULT_JOB)
             fields = self.hellos.welcome_producer(identity, message.fields, self.grants.grant(identity))
-            return _Answer(identity, encode(BROKER_TO_PRODUCER, "welcome", fields))
+            return _Answer(identity, encode(BROKER_TO_PRODUCER, "welcome", {**fields, **self._admit(identity)}))
         if message.type == "ping":
-            pong = {"seq": message["seq"], "window": self.grants.grant(identity)}
+            pong = {"seq": message["seq"], "window": self.grants.grant(identity), **self._admit(identity)}
             return _Answer(identity, encode(BROKER_TO_PRODUCER, "pong", pong))
         if self.unavailable:
             error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later", seq=message["seq"])
@@ -425,10 +428,19 @@ class BrokerCore:
             ack = {**ack, "trajectory_id": wire_id(ack["trajectory_id"])}
         return _Answer(identity, ack=ack, message=message)
 
+    def _admit(self, identity: bytes) -> dict:
+        """`admit`: how many new trajectories the connection's job has room
+        for under its staleness capacity (none when it has no capacity), so
+        a producer starts only what will enter (`AsyncProducer.admitted`)."""
+        job = self.producer_jobs.get(identity, DEFAULT_JOB)
+        capacity = self.freshness.capacity(job)
+        return {} if capacity is None else {"admit": max(0, capacity - self.engine.untrained[job])}
+
     def producer_gone(self, identity: bytes) -> None:
         """A producer connection is gone (a reconnect comes with a new
         identity): its grant and its hello's choices are forgotten."""
         self.producers.pop(identity, None)
+        self.producer_jobs.pop(identity, None)
         self.hellos.forget_producer(identity)
         self.grants.forget(identity)
 

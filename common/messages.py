@@ -327,15 +327,15 @@ BATCHABLE_TYPES = ("turn", "end", "abort")
 BROKER_TO_PRODUCER = _schema(
     "broker->producer",
     MessageSpec("welcome", {"broker_id": TEXT, "max_message_bytes": POSITIVE, "window": POSITIVE},
-                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB}),
+                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB, "admit": COUNT}),
     MessageSpec(
         "ack",
         {"seq": INT, "trajectory_id": TEXT, "applied": BOOL},
         {"turn": COUNT, "duplicate": BOOL, "reason": TEXT},
     ),
-    MessageSpec("acks", {"ranges": SEQ_RANGES}, {"outcomes": OUTCOMES, "window": POSITIVE}),
+    MessageSpec("acks", {"ranges": SEQ_RANGES}, {"outcomes": OUTCOMES, "window": POSITIVE, "admit": COUNT}),
     _NACK,
-    MessageSpec("pong", {"seq": INT}, {"window": POSITIVE}),
+    MessageSpec("pong", {"seq": INT}, {"window": POSITIVE, "admit": COUNT}),
 )
 
 CONSUMER_TO_BROKER = _schema(

@@ -324,6 +324,21 @@ class AsyncProducer:
             return False
         return True
 
+    async def admitted(self, timeout: float | None = None) -> bool:
+        """Wait until the broker admits one more new trajectory (its
+        staleness capacity has room; at once when it sets none) and take
+        it: call before generating a trajectory, so nothing is sampled only
+        to wait at the broker with ever older weights. False on timeout."""
+        session = self._session
+        try:
+            async with asyncio.timeout(timeout):
+                await self._until(lambda: session.admit is None or session.admit > 0)
+        except TimeoutError:
+            return False
+        if session.admit is not None:  # until the broker's next answer says again
+            session.admit -= 1
+        return True
+
     async def _until(self, condition) -> None:
         while not condition():
             self._intake.check_alive()

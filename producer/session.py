@@ -126,6 +126,8 @@ class ProducerSession:
         self.heartbeat = Heartbeat(heartbeat_interval, heartbeat_timeout, now)
         self.spool: Spool | None = None
         self.next_seq = 1  # frames and pings share the sequence
+        # New trajectories the broker admits now (its staleness capacity, docs/protocol.md §4); None: no limit.
+        self.admit: int | None = None
         self.intake: deque[HeldFrame] = deque()  # accepted, in seq order, not yet in the window
         self.in_memory = 0  # accepted and unsettled frames held in memory (intake and window)
         self.pending: dict[int, tuple[Any, float, DraftSource | None]] = {}  # seq -> future, accepted at, a turn's handle
@@ -324,6 +326,8 @@ class ProducerSession:
         if "window" in reply.fields:  # the welcome's window, or the broker's share of its in-flight bound since
             self._grant(reply["window"])
         kind = reply.type
+        if kind in ("welcome", "pong", "acks"):  # each says how many new trajectories the broker admits now
+            self.admit = reply.get("admit")
         settled: list[Settled] = []
         if kind == "acks":
             settled = window.on_acks(reply)

@@ -92,6 +92,7 @@ async def drive(producer: AsyncProducer, todo: Iterator[Job], episode: Episode, 
             if stopping.is_set():
                 return
             await pacer.wait()
+            await producer.admitted()  # under a staleness bound: sample only what the broker will take
             traj = producer.trajectory(job.trajectory_id, job.prompt_tokens, group_id=job.group_id,
                                        group_size=job.group_size, sample_index=job.sample_index,
                                        metadata=job.metadata)

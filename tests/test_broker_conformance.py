@@ -510,6 +510,8 @@ def test_a_published_policy_version_bounds_staleness_at_admission_and_delivery(t
             reply, _ = producer.call(turn(seq, tid, 0, [10], [[10]], prompt=[1], weight_version="3"))
             assert (reply["type"], reply.get("code")) == (("nack", "unavailable") if tid == "c" else ("ack", None))
         assert "capacity (max_staleness 1 + 1) x 2 per step" in reply["message"]
+        pong, _ = producer.call(frames("ping", seq=30))
+        assert pong["admit"] == 0  # the job holds its capacity: start nothing new
 
         status, _ = Peer(b.admin).call(frames("status"))
         assert status["counters"]["trajectories.stale"] == 1 and status["counters"]["admission_waits"] == 1

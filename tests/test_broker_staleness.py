@@ -155,3 +155,34 @@ def test_the_published_version_and_bound_survive_a_restart(tmp_path):
     node.hello(run=None)
     assert [tid for tid, _ in node.take(5)] == ["ok"]  # 9 - 6 = 3 > 2: dropped before delivery
     assert node.core.engine.entries["old"].dead_reason == "stale"
+
+
+def producer_says(node: Node, kind: str, **fields) -> dict:
+    from rollstream.common.codec import encode
+    from rollstream.common.messages import PRODUCER_TO_BROKER
+
+    message = decode(encode(PRODUCER_TO_BROKER, kind, fields), PRODUCER_TO_BROKER)
+    steps, answer, sent = node.core.producer_batch([(P, message, None)], node.clock), None, []
+    try:
+        while True:
+            request = steps.send(answer)
+            if isinstance(request, Send):
+                sent.append(decode(request.frames, BROKER_TO_PRODUCER))
+                answer = True
+            else:
+                answer = node.io.performers[type(request)](request)
+    except StopIteration:
+        pass
+    [reply] = sent
+    return reply.fields
+
+
+def test_producers_are_told_how_many_new_trajectories_the_job_has_room_for(tmp_path):
+    node = Node(tmp_path / "data", max_staleness=1)
+    assert "admit" not in producer_says(node, "hello", producer_id="p")  # no capacity before a step size is known
+    node.hello(run=None)
+    publish(node, 3, per_step=2)  # capacity (1 + 1) x 2 = 4
+    assert producer_says(node, "ping", seq=1)["admit"] == 4
+    produce(node, ("a", "3"), ("b", "3"), ("c", "3"), open_only=True)
+    assert producer_says(node, "ping", seq=2)["admit"] == 1
+    assert producer_says(node, "hello", producer_id="q")["admit"] == 1

@@ -896,3 +896,28 @@ def test_producers_opened_and_closed_one_after_another_never_stall_the_context(t
             assert all(asyncio.run(one(broker, i)) for i in range(150))
     finally:
         context.destroy(linger=0)
+
+
+def test_admitted_waits_while_the_job_holds_its_staleness_capacity_and_goes_once_there_is_room(tmp_path):
+    """A trainer publishes a capacity of one trajectory (max_staleness 0, a
+    step of 1): the producer may start one, then waits until it is gone."""
+    async def main(broker):
+        async with AsyncProducer(broker.endpoints["producer"], "p-admit", heartbeat_interval=0.2) as producer:
+            assert await producer.admitted(timeout=5)
+            traj = producer.trajectory("t0", [1, 2])
+            await (await traj.turn([10], [-0.5], supports=[[10, 4]], weight_version="step-3"))
+            waited = await producer.admitted(timeout=1.0)  # the job holds 1 of 1: wait
+            await (await traj.abort("retry"))  # gone: room for one
+            return waited, await producer.admitted(timeout=5)
+
+    with Broker(tmp_path, "--max-staleness", "0") as broker:
+        trainer = zmq.Context.instance().socket(zmq.DEALER)
+        trainer.setsockopt(zmq.LINGER, 0)
+        trainer.connect(broker.endpoints["consumer"])
+        trainer.send_multipart(encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "trainer"}))
+        trainer.send_multipart(encode(CONSUMER_TO_BROKER, "policy", {"version": 3, "per_step": 1}))
+        assert trainer.poll(PATIENCE * 1000) and decode(trainer.recv_multipart(), BROKER_TO_CONSUMER).type == "welcome"
+        assert trainer.poll(PATIENCE * 1000) and decode(trainer.recv_multipart(), BROKER_TO_CONSUMER).type == "policy"
+        waited, admitted = asyncio.run(main(broker))
+        trainer.close()
+    assert (waited, admitted) == (False, True)

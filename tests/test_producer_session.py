@@ -358,3 +358,16 @@ def test_an_end_waits_for_its_turns_and_memory_holds_only_the_window():
     assert transmit(s) == [("end", 3, "t", 2)]  # it says two turns were sent
     settle(s, ack(3, "t"))
     assert futures == [[Receipt("end", "t", None, 3, True)]] and s.unsettled == 0
+
+
+def test_the_admission_the_broker_last_named_is_kept_until_its_next_answer():
+    s = session()
+    assert s.admit is None  # no limit until a broker names one
+    s.received(welcome(admit=3), 0.1)
+    assert s.admit == 3
+    s.received(reply("pong", seq=0, window=64, admit=0), 0.2)
+    assert s.admit == 0
+    s.received(reply("acks", ranges=[[0, 0]], admit=2), 0.3)
+    assert s.admit == 2
+    s.received(reply("pong", seq=1, window=64), 0.4)  # a broker without a capacity (the bound was lifted)
+    assert s.admit is None
