@@ -52,7 +52,8 @@ def group(node: Node, gid: str, rewards: list, seq: int = 0) -> None:
     messages = []
     for i, reward in enumerate(rewards):
         tid = f"{gid}-{i}"
-        messages += [turn_msg(tid, 0, seq=seq + 2 * i, group=(gid, len(rewards))), end_msg(tid, seq=seq + 2 * i + 1, reward=reward)]
+        messages += [turn_msg(tid, 0, seq=seq + 2 * i, group=(gid, len(rewards))),
+                     end_msg(tid, seq=seq + 2 * i + 1, reward=reward)]
     node.run(node.core.producer_batch([(P, m, None) for m in messages], node.clock))
 
 
