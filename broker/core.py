@@ -528,13 +528,8 @@ class BrokerCore:
         what it makes stale is dropped before the next delivery."""
         job = self.dispatcher.consumers[identity].job
         policy = Policy(message["version"], message.get("max_staleness"), message.get("per_step"), message.get("share"))
-        before = self.freshness.policies.get(job)
         effect = self.freshness.publish(job, policy)
-        if not (yield from self._commit([effect])):
-            if before is None:
-                del self.freshness.policies[job]
-            else:
-                self.freshness.policies[job] = before
+        if not (yield from self._commit([effect])):  # memory, the policies too, rolled back to the store
             yield Send("consumer", identity, self._unavailable(message))
             return
         bound = self.freshness.bound(job)

@@ -128,6 +128,7 @@ class Sessions:
             assembler.settled(broker, message.get("leases", ()), stale=True)
         elif message["code"] == "unavailable":
             assembler.unavailable(broker, message.get("leases", ()), now)
+            session.published = None  # the refused message may have been the policy: it is sent again
         else:
             log.warning("broker refused a message", extra={"endpoint": endpoint, "code": message["code"],
                                                            "reason": message["message"]})

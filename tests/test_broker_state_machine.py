@@ -11,7 +11,10 @@ out only for a delivery that went out, a group is delivered whole or not at all,
 dead-lettered, queued, leased or waiting for its group (exactly one), no
 trajectory is delivered more than `max_deliveries` times, and another job's
 trajectories with the same ids (an evaluation run's) are never handed to
-the consumer, which reads the default job."""
+the consumer, which reads the default job. Drawn with a staleness bound (the
+trainer publishes versions as it trains, turns carry the version they were
+sampled at, admission may hold new trajectories) and an equal-rewards
+filter: no unit goes out behind the bound in force when it is sent."""
 import shutil
 import tempfile
 
@@ -45,16 +48,18 @@ TRAJECTORIES = (*SINGLES, *GROUP_OF)
 
 
 class Broker(RuleBasedStateMachine):
-    @initialize(memory=st.sampled_from([1 << 30, 1]), checkpointed=st.booleans())
-    def start(self, memory, checkpointed):
+    @initialize(memory=st.sampled_from([1 << 30, 1]), checkpointed=st.booleans(), bound=st.sampled_from([None, 1]))
+    def start(self, memory, checkpointed, bound=None):
         """A broker on a fresh store; with a budget of one byte, every
         trajectory not out on a lease is evicted and read back to deliver.
         A checkpointing consumer's commits keep what it trained until it
-        seals a checkpoint."""
+        seals a checkpoint. With a `bound`, a staleness bound and a filter
+        of groups whose rewards all tie."""
         self.directory = tempfile.mkdtemp(prefix="rollstream-sm-")
         broker_settings = BrokerSettings(data_dir=self.directory, lease_timeout=LEASE_TIMEOUT,
                                          heartbeat_interval=HEARTBEAT, max_deliveries=MAX_DELIVERIES,
-                                         trajectory_ttl=50.0, dedup_window=1e12, max_memory_bytes=memory)
+                                         trajectory_ttl=50.0, dedup_window=1e12, max_memory_bytes=memory,
+                                         max_staleness=bound, group_filters="all_equal_rewards" if bound else "")
         metrics = BrokerMetrics()
         self.store = Store(self.directory)
         self.store_io = StoreIO(self.store, self.directory, metrics)
@@ -71,6 +76,7 @@ class Broker(RuleBasedStateMachine):
         self.granted = 0  # group credit the consumer granted since its last hello
         self.charged = 0  # units the broker delivered to it under that credit
         self.sent_leases: set[str] = set()  # leases whose delivery reached the consumer
+        self.version = 0  # the trainer's policy version: what the producers sample with
 
     def teardown(self):
         self.store.close()
@@ -98,10 +104,15 @@ class Broker(RuleBasedStateMachine):
                     if request.socket == "producer":
                         replies.append(decode(request.frames, BROKER_TO_PRODUCER))
                     else:
-                        lease = decode_header(request.frames[0]).get("lease")
+                        header = decode_header(request.frames[0])
+                        lease = header.get("lease")
                         if lease is not None:  # a delivery: one charge per unit it belongs to
-                            units.add(id(self.core.dispatcher.leases[lease].unit))
+                            out = self.core.dispatcher.leases[lease]
+                            units.add(id(out.unit))
                             self.sent_leases.add(lease)
+                            below = self.core.freshness.stale_below(DEFAULT_JOB)
+                            assert out.replay or below is None or out.unit.version is None or \
+                                out.unit.version >= below, f"{header['trajectory_id']} sent behind the bound"
                         self.sessions.received(0, decode(request.frames, BROKER_TO_CONSUMER), self.now)
                 elif isinstance(request, ServeConsumers):
                     answer = None
@@ -139,7 +150,8 @@ class Broker(RuleBasedStateMachine):
     def turn(self, tid, tokens, store_fails=False):
         index = self.turns[tid]
         ids = list(range(10, 10 + tokens))
-        message = turn_msg(tid, index, ids, [[t] for t in ids], group=GROUP_OF.get(tid), seq=index)
+        message = turn_msg(tid, index, ids, [[t] for t in ids], group=GROUP_OF.get(tid), seq=index,
+                           weight_version=f"step-{self.version}")
         ack = self._produce(message, store_fails)
         if ack is not None and ack["applied"] and not ack.get("duplicate"):
             self.turns[tid] += 1
@@ -152,9 +164,9 @@ class Broker(RuleBasedStateMachine):
             self.turn(tid, 1)
             self.end(tid)
 
-    @rule(tid=st.sampled_from(TRAJECTORIES), store_fails=st.booleans())
-    def end(self, tid, store_fails=False):
-        ack = self._produce(end_msg(tid, reward=1.0), store_fails)
+    @rule(tid=st.sampled_from(TRAJECTORIES), store_fails=st.booleans(), reward=st.sampled_from([0.0, 1.0]))
+    def end(self, tid, store_fails=False, reward=1.0):
+        ack = self._produce(end_msg(tid, reward=reward), store_fails)
         if ack is not None and ack["applied"] and not ack.get("duplicate"):
             self.ended.add(tid)
 
@@ -162,9 +174,10 @@ class Broker(RuleBasedStateMachine):
     def another_job_finishes_a_group_of_the_same_ids(self, group, store_fails):
         """An evaluation job on the same broker sends the same group ids,
         each member one turn and its end, named with its job on every frame."""
-        for tid in GROUPS[group]:
-            for message in (turn_msg(tid, 0, [20], [[20]], group=GROUP_OF[tid], seq=0, job="eval"),
-                            end_msg(tid, reward=0.0, job="eval")):
+        for i, tid in enumerate(GROUPS[group]):  # rewards that differ: no filter drops the group
+            for message in (turn_msg(tid, 0, [20], [[20]], group=GROUP_OF[tid], seq=0, job="eval",
+                                     weight_version=f"step-{self.version}"),
+                            end_msg(tid, reward=float(i % 2), job="eval")):
                 ack = self._produce(BrokerCore.keyed(message), store_fails)
             if ack is not None and ack["applied"] and ack["trajectory_id"] == tid:
                 self.ended_elsewhere.add(job_key("eval", tid))
@@ -182,6 +195,9 @@ class Broker(RuleBasedStateMachine):
 
     @rule(how=st.sampled_from(["commit", "reject", "release"]), store_fails=st.booleans())
     def train(self, how, store_fails):
+        below = self.sessions.stale_below()
+        if below is not None:  # what aged in the prefetch buffer is not handed out
+            self.assembler.drop_stale(below)
         for unit in self.assembler.take(1):
             if unit.group_id is not None:
                 assert unit.complete, f"group {unit.group_id} taken with {sorted(unit.members)} of {unit.expected}"
@@ -196,6 +212,13 @@ class Broker(RuleBasedStateMachine):
                 self.assembler.reject({tid: "bad" for tid in tids})
             else:
                 self.assembler.release(tids)
+        self._consumer_speaks(store_fails=store_fails)
+
+    @rule(store_fails=st.booleans())
+    def trainer_publishes_a_new_version(self, store_fails):
+        """The trainer took a step: its version goes up and the broker hears of it."""
+        self.version += 1
+        self.sessions.publish(self.version, per_step=2)
         self._consumer_speaks(store_fails=store_fails)
 
     @rule(store_fails=st.booleans())

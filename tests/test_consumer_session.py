@@ -133,3 +133,13 @@ def test_the_bound_in_force_is_the_lowest_the_trainer_or_a_broker_named():
     assert (s.bound(), s.stale_below()) == (4, 6)
     s.max_staleness = 2
     assert (s.bound(), s.stale_below()) == (2, 8)
+
+
+def test_a_policy_the_broker_could_not_persist_is_sent_again():
+    s = sessions(1)
+    s.due(0.0, closing=False)
+    s.received(0, welcome(), 0.1)
+    s.publish(3)
+    assert [kind for _, kind, _ in s.due(0.2, closing=False)].count("policy") == 1
+    s.received(0, refusal("unavailable"), 0.3)
+    assert [kind for _, kind, _ in s.due(0.4, closing=False)].count("policy") == 1
