@@ -22,7 +22,7 @@ import torch
 
 from rollstream.common.checker import Ledger, delivered_digest
 from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS
-from rollstream.common.errors import InvalidInput, InvalidType, OutOfRange
+from rollstream.common.errors import InvalidInput, InvalidType, OutOfRange, RemoteProtocolError
 from rollstream.common.miles import (
     MASK_KEYS,
     REPLAY_KEYS,
@@ -33,6 +33,7 @@ from rollstream.common.miles import (
 )
 from rollstream.common.trajectory import Gap
 from rollstream.common.validation import pack_csr
+from rollstream.common.versions import ordered_version
 
 from .assembly import Delivery
 
@@ -320,6 +321,36 @@ class Batch:
         """Ids per response token (the CSR's row lengths)."""
         _, offsets = self._masks()
         return offsets[1:] - offsets[:-1]
+
+    @functools.cached_property
+    def token_versions(self) -> torch.Tensor:
+        """int64 [R] on `device`, on the response axis: the ordered policy
+        version (`rollstream.common.versions.ordered_version`) of the weights
+        that sampled each response token, read off `weight_version_spans`
+        (the broker gives a turn without spans of its own one span over its
+        sampled tokens). -1 where no span covers the token (a forced token,
+        or a sample whose broker sent no spans) or its version has no order.
+        Derived from fields every reshaping and shard carries, so a selected,
+        concatenated or shipped batch has its own."""
+        starts, ends, versions = [], [], []
+        for tid, base, length, turns in zip(self.trajectory_ids, self._cu["response"][:-1].tolist(),
+                                            self.lengths["response"].tolist(), self.weight_version_spans):
+            for text, start, end in (span for spans in turns for span in spans):
+                if end > length:
+                    raise RemoteProtocolError(
+                        "misaligned", f"rule 'weight_version_spans lie within the response' violated in {tid!r}: "
+                                      f"expected ends <= {length}, got span {[text, start, end]}")
+                version = ordered_version(text)
+                if version is not None:
+                    starts.append(base + start)
+                    ends.append(base + end)
+                    versions.append(version)
+        out = np.full(int(self.lengths["response"].sum()), -1, dtype=np.int64)
+        if versions:
+            sizes = np.array(ends, np.int64) - np.array(starts, np.int64)
+            shift = np.repeat(np.array(starts, np.int64) - (np.cumsum(sizes) - sizes), sizes)
+            out[np.arange(int(sizes.sum())) + shift] = np.repeat(np.array(versions, np.int64), sizes)
+        return to_device(out, self.device)
 
     @functools.cached_property
     def _cu(self) -> dict[str, np.ndarray]:
