@@ -14,7 +14,11 @@ from .assembly import POLICIES
 
 @click.command()
 @click.option("--endpoint", "endpoints", multiple=True, required=True, help="A broker's consumer endpoint (repeatable).")
-@click.option("--batch-size", default=8, show_default=True, help="Units (trajectories or groups) per batch.")
+@click.option("--batch-size", type=int, default=None,
+              help="Units (trajectories or groups) per batch: 8 by default; with --batch-tokens alone, that "
+                   "budget's unit cap (at most 256).")
+@click.option("--batch-tokens", type=int, default=None,
+              help="Close a batch before the unit that would take it past this many prompt + response tokens.")
 @click.option("--unit", type=click.Choice([str(unit) for unit in CreditUnit]), default=str(CreditUnit.TRAJECTORY),
               show_default=True, help="What a batch counts.")
 @click.option("--batches", default=0, show_default=True, help="Stop after this many batches; 0 runs until interrupted.")
@@ -29,8 +33,8 @@ from .assembly import POLICIES
 @click.option("--log-level", default="warning", show_default=True, help="debug, info, warning or error.")
 @click.option("--job", default="default", show_default=True, help="The job whose trajectories to read.")
 @curve_client_options
-def consume(endpoints, batch_size, unit, batches, vocab_size, on_invalid, reward_key, commit, device, timeout, log_level,
-            job, curve_secret_key, curve_server_key):
+def consume(endpoints, batch_size, batch_tokens, unit, batches, vocab_size, on_invalid, reward_key, commit, device, timeout,
+            log_level, job, curve_secret_key, curve_server_key):
     """Pull validated batches and print, per batch, its trajectory ids and metrics as one JSON line."""
     from rollstream.common.curve import CurveError
     from rollstream.common.errors import InvalidInput
@@ -39,9 +43,11 @@ def consume(endpoints, batch_size, unit, batches, vocab_size, on_invalid, reward
     from .client import Consumer
 
     setup_logging(log_level)
+    if batch_size is None and batch_tokens is None:
+        batch_size = 8
     try:
-        consumer = Consumer(list(endpoints), batch_size=batch_size, unit=unit, vocab_size=vocab_size,
-                            on_invalid=on_invalid, reward_key=reward_key, device=device,
+        consumer = Consumer(list(endpoints), batch_size=batch_size, batch_tokens=batch_tokens, unit=unit,
+                            vocab_size=vocab_size, on_invalid=on_invalid, reward_key=reward_key, device=device,
                             curve_secret_key=curve_secret_key, curve_server_key=curve_server_key,
                             checkpointed=False, job=job)  # an inspector has no checkpoint: what it acks is deleted
     except (CurveError, InvalidInput) as exc:

@@ -1,8 +1,9 @@
-"""The README's main command runs the whole pipeline on its embedded defaults."""
+"""The README's main command runs the whole pipeline on its embedded defaults; the role commands take their options."""
 import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 
@@ -106,3 +107,47 @@ def test_the_producer_alone_knows_only_its_own_sources():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip() == "source must be one of the registered sources ['replay', 'sglang', 'synthetic'], got 'model'"
+
+
+def test_consume_hands_batch_tokens_to_the_consumer_which_checks_it():
+    """`--batch-tokens` reaches `Consumer(batch_tokens=)`: a budget of 0 is
+    refused with the consumer's own rule before anything is pulled. Given
+    neither limit, a batch is still 8 units (nothing to pull here: it times out)."""
+    from click.testing import CliRunner
+
+    from rollstream.consumer.cli import consume
+
+    def run(*args: str) -> str:
+        result = CliRunner().invoke(consume, ["--endpoint", "tcp://127.0.0.1:9", "--timeout", "1", *args])
+        assert result.exit_code == 1, (result.exit_code, result.output)
+        return result.output
+
+    refused = run("--batch-tokens", "0")
+    assert "batch_tokens must be an int of at least 1, got 0" in refused, refused
+    default = run()
+    assert "no full batch within the timeout: 0 of 8 units ready" in default, default
+
+
+@pytest.mark.slow
+def test_consume_with_batch_tokens_alone_closes_batches_by_tokens(brokers):
+    """Four trajectories of 2 prompt + 3 response tokens under a 10-token
+    budget and no --batch-size: two batches of two, 10 tokens each."""
+    from consumer_helpers import VOCAB, RawProducer, Rollout
+
+    from rollstream.common.trajectory import Turn
+
+    node = brokers()
+    producer = RawProducer(node.producer)
+    try:
+        producer.send([Rollout(f"b{i}", np.array([1, 2], np.int32),
+                               [Turn.build([5, 6, 7], [-0.1] * 3, supports=[[5], [6], [7]])]) for i in range(4)])
+    finally:
+        producer.close()
+    result = subprocess.run(
+        [sys.executable, "-m", "rollstream.app.cli", "consume", "--endpoint", node.consumer, "--batch-tokens", "10",
+         "--batches", "2", "--timeout", "30", "--vocab-size", str(VOCAB)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(line["samples"], line["tokens"]) for line in lines] == [(2, 10), (2, 10)], lines
