@@ -8,8 +8,9 @@ vocabulary, and compares both with what the sampler reported: (a) agrees to
 float tolerance, (b) is lower by the log of the support's probability mass,
 the bias a trainer that ignores the support would carry. It then takes a
 GRPO-style policy-gradient step (group-normalised advantages, the importance
-ratio against the rollout's truncated log-probs, clipped), writes the new
-weights for the producers and goes on.
+ratio against the rollout's truncated log-probs, clipped, each token weighted
+down by how many versions its weights lag the trainer's: `batch.token_versions`),
+writes the new weights for the producers and goes on.
 
 Every `checkpoint_every` steps it takes a checkpoint (model, optimizer, the
 weight versions it replays with, and the consumer's `state_dict()`; kept in
@@ -51,6 +52,7 @@ from .harness import LoopbackNode
 from .tiny_lm import TinyLM, TinyLMConfig, save_weights
 
 VOCAB = TinyLMConfig().vocab_size
+STALENESS_DECAY = 0.5  # a sampled token's weight in the loss is this to the power of its staleness
 
 
 def response_logits(model: TinyLM, batch: Batch) -> torch.Tensor:
@@ -147,17 +149,36 @@ def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.
     return centred / (spread[group_index] + 1e-6)
 
 
-def policy_loss(model: TinyLM, batch: Batch, temperature: float, clip: float = 0.2) -> torch.Tensor:
+def token_staleness(batch: Batch, current: int) -> torch.Tensor:
+    """Per response token, the versions between the weights that sampled it
+    (`batch.token_versions`) and the trainer's `current` ones; -1 where that
+    version is unknown (forced tokens, versions without an order). A version
+    ahead of `current` (a lineage a resume abandoned) counts 0."""
+    versions = batch.token_versions
+    return torch.where(versions >= 0, (current - versions).clamp(min=0), -1)
+
+
+def staleness_weights(batch: Batch, current: int, decay: float = STALENESS_DECAY) -> torch.Tensor:
+    """Per response token, `decay` to the power of its staleness: fresh
+    tokens count fully, older ones less; 1 where the version is unknown."""
+    return decay ** token_staleness(batch, current).clamp(min=0).to(torch.float32)
+
+
+def policy_loss(model: TinyLM, batch: Batch, temperature: float, current: int, clip: float = 0.2) -> torch.Tensor:
     """The clipped surrogate over sampled tokens: the importance ratio of the
     current weights' truncated log-prob (over the transported support) to
-    the rollout's, times the trajectory's group advantage."""
+    the rollout's, times the trajectory's group advantage, averaged with
+    each token weighted by its staleness against the `current` version
+    (`staleness_weights`)."""
     logits = response_logits(model, batch)
     new = masked_log_probs(logits, batch.response_tokens, batch.mask_ids, batch.mask_offsets, temperature=temperature)
     ratio = torch.exp(new - batch.log_probs)
     advantage = torch.repeat_interleave(group_advantages(batch.rewards, batch.group_index),
                                         torch.as_tensor(batch.lengths["response"]))
     surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage)
-    return -surrogate[batch.loss_mask.bool()].mean()
+    sampled = batch.loss_mask.bool()
+    weight = staleness_weights(batch, current)[sampled]
+    return -(weight * surrogate[sampled]).sum() / weight.sum()
 
 
 @dataclass
@@ -166,6 +187,7 @@ class TrainingLog:
 
     rewards: list[float] = field(default_factory=list)  # mean reward of each step's batch
     staleness: list[int] = field(default_factory=list)  # per trajectory: trainer steps since its oldest turn's weights
+    token_staleness: list[np.ndarray] = field(default_factory=list)  # per sampled token of a known version, the same
     support_diffs: list[np.ndarray] = field(default_factory=list)
     full_diffs: list[np.ndarray] = field(default_factory=list)
     truncated: list[np.ndarray] = field(default_factory=list)
@@ -175,6 +197,7 @@ class TrainingLog:
         support = np.concatenate(self.support_diffs) if self.support_diffs else np.zeros(0)
         full = np.concatenate(self.full_diffs) if self.full_diffs else np.zeros(0)
         truncated = np.concatenate(self.truncated) if self.truncated else np.zeros(0, bool)
+        tokens = _concat(self.token_staleness, np.int64)
         window = max(1, min(5, len(self.rewards) // 4))
         return {
             "steps": steps,
@@ -187,6 +210,8 @@ class TrainingLog:
             "full_diff_min_where_truncated": float(full[truncated].min()) if truncated.any() else None,
             "staleness_mean": round(float(np.mean(self.staleness)), 3) if self.staleness else None,
             "staleness_max": int(max(self.staleness)) if self.staleness else None,
+            "token_staleness_mean": round(float(tokens.mean()), 3) if tokens.size else None,
+            "token_staleness_max": int(tokens.max()) if tokens.size else None,
             "skipped_trajectories": self.skipped,
         }
 
@@ -273,8 +298,10 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                 log.skipped += replayed.skipped
                 log.rewards.append(float(batch.rewards.mean()))
                 log.staleness += batch_staleness(batch, step - 1)
+                staleness = token_staleness(batch, step - 1)  # the trainer's version is still step - 1
+                log.token_staleness.append(staleness[batch.loss_mask.bool() & (staleness >= 0)].numpy())
                 optimizer.zero_grad()
-                loss = policy_loss(model, batch, temperature)
+                loss = policy_loss(model, batch, temperature, step - 1)
                 loss.backward()
                 optimizer.step()
                 consumer.commit(batch, step, policy_version=step)
@@ -304,7 +331,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
         finally:
             consumer.close()
         node.finish_producers(stop=True)
-        status = node.admin.status() if node.admin is not None else {"ready": 1, "leased": 0}
+        status: dict[str, Any] = node.admin.status() if node.admin is not None else {"ready": 1, "leased": 0}
         dead = node.dead_letters()
         report = check(read_records([ledgers]), dead, broker_backlog=status["ready"] + status["leased"])
     summary = log.summary(step)
@@ -365,6 +392,8 @@ def summary_table(summary: dict) -> str:
         ("share of them with a truncated support", number(summary["truncated_share"], ".3f")),
         ("staleness in weight versions, mean / max",
          f"{number(summary['staleness_mean'], '.2f')} / {number(summary['staleness_max'], 'd')}"),
+        ("the same per sampled token (the loss's weights), mean / max",
+         f"{number(summary['token_staleness_mean'], '.2f')} / {number(summary['token_staleness_max'], 'd')}"),
         ("trajectories not replayed (weights no longer kept)", summary["skipped_trajectories"]),
         ("max staleness / group filter", f"{number(summary['max_staleness'], 'd')} / {summary['group_filter'] or 'none'}"),
         ("dropped stale / filtered, share of the finished",

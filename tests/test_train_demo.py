@@ -12,7 +12,9 @@ from rollstream.app.train_demo import (
     batch_staleness,
     group_advantages,
     run_train_demo,
+    staleness_weights,
     summary_table,
+    token_staleness,
 )
 
 
@@ -27,6 +29,15 @@ def test_group_advantages_are_rewards_normalised_within_each_group():
 def test_staleness_is_counted_from_each_trajectorys_oldest_turn():
     batch = SimpleNamespace(weight_versions=(("step-3", "step-5"), ("opaque",), ("7",), ()))
     assert batch_staleness(batch, 7) == [4, 0]  # the versions without an order are not counted
+
+
+def test_token_staleness_counts_each_tokens_own_version_and_weights_the_loss_by_it():
+    """Versions 5 5 -1 6 7 9 against the trainer's 7: two steps behind, unknown
+    (a forced token), one, none, and ahead (a lineage a resume abandoned) as none;
+    each halves a token's weight per step, an unknown one keeps weight 1."""
+    batch = SimpleNamespace(token_versions=torch.tensor([5, 5, -1, 6, 7, 9]))
+    assert token_staleness(batch, 7).tolist() == [2, 2, -1, 1, 0, 0]
+    assert staleness_weights(batch, 7).tolist() == [0.25, 0.25, 1.0, 0.5, 1.0, 1.0]
 
 
 def test_weight_versions_hand_back_the_weights_of_a_kept_version_only():
@@ -55,6 +66,8 @@ def test_a_short_training_run_replays_exactly_over_the_support_and_not_over_the_
     assert summary["replay_mean_abs_diff_full"] > 100 * summary["replay_max_abs_diff_support"]
     assert 0.0 <= summary["reward_first"] <= 1.0 and 0.0 <= summary["reward_last"] <= 1.0
     assert summary["staleness_max"] >= 0
+    # per token from the spans, per trajectory from its turns' versions: the oldest token is its oldest turn's
+    assert summary["token_staleness_max"] == summary["staleness_max"]
     pytest.importorskip("matplotlib")
     assert summary["plot"] == str(plot) and plot.stat().st_size > 1000
     assert "replay max |diff|, over the support" in summary_table(summary)
