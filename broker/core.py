@@ -38,6 +38,7 @@ from .engine import (
     LEFT,
     NOTHING_STORED,
     OPEN,
+    SCORING,
     TRAINED,
     DeadLetter,
     DeliveryUnit,
@@ -762,6 +763,7 @@ class BrokerCore:
         live_after = now.mono - self.producer_live_for
         return {
             "open": counts[OPEN],
+            "scoring": counts[SCORING],
             "ready": self.dispatcher.queued_trajectories,
             "ready_by_job": self.dispatcher.queued(),
             "leased": len(self.dispatcher.leases),

@@ -31,18 +31,24 @@ class State(StrEnum):
     """Where a trajectory stands (stored in SQLite as these values). `left`
     marks an aborted group member kept so the group can count it; it holds
     no data. `trained`: a checkpointing trainer trained it at a step; its
-    data stays until a checkpoint after that step is sealed."""
+    data stays until a checkpoint after that step is sealed. `scoring`: it
+    ended without a reward, which a `reward` message brings later; until
+    then it is not deliverable (nor its group), and it expires like an open
+    one."""
 
     OPEN = "open"
     ENDED = "ended"
     DEAD = "dead"
     LEFT = "left"
     TRAINED = "trained"
+    SCORING = "scoring"
 
 
-OPEN, ENDED, DEAD, LEFT, TRAINED = State.OPEN, State.ENDED, State.DEAD, State.LEFT, State.TRAINED
+OPEN, ENDED, DEAD, LEFT, TRAINED, SCORING = (State.OPEN, State.ENDED, State.DEAD, State.LEFT, State.TRAINED,
+                                             State.SCORING)
 STATES = tuple(State)
-UNTRAINED = frozenset({OPEN, ENDED})  # admitted and still to be trained: what a staleness bound's capacity counts
+# Admitted and still to be trained: what a staleness bound's capacity counts.
+UNTRAINED = frozenset({OPEN, ENDED, SCORING})
 
 # What a trajectory held in memory costs beyond its arrays' bytes, so that
 # `bytes_in_memory` (the budget's measure) follows the process's RSS: per
@@ -101,6 +107,16 @@ class EndTrajectory:
     digest: bytes
     at: float
     version: int | None = None  # its oldest turn's ordered policy version (`rollstream.common.versions`)
+    scoring: bool = False  # ended without its reward: `scoring` until a `SetReward`
+
+
+@dataclass(frozen=True, slots=True)
+class SetReward:
+    """A `scoring` trajectory's reward came: it is ended, and deliverable."""
+
+    trajectory_id: str
+    reward: Any
+    at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +207,7 @@ class SealRun:
 # What the engine (and `Freshness`, a job's policy) asks to be made durable, in order; the store and the
 # service's counters each dispatch on it with one `match`.
 Effect = (OpenTrajectory | PutTurn | MarkGap | EndTrajectory | DropTrajectory | DeadLetter | Revive | GroupDeliverable
-          | CloseGroup | Forget | MarkTrained | SealRun | SetPolicy)
+          | CloseGroup | Forget | MarkTrained | SealRun | SetPolicy | SetReward)
 
 
 # -- deliverable units --------------------------------------------------------
@@ -260,7 +276,8 @@ class Group:
 
     @property
     def complete(self) -> bool:
-        return len(self.members) == self.size and OPEN not in self.members.values()
+        return len(self.members) == self.size and OPEN not in self.members.values() \
+            and SCORING not in self.members.values()
 
 
 @dataclass
@@ -303,6 +320,7 @@ class MergeEngine:
         self._counts = dict.fromkeys(STATES, 0)
         self.untrained: Counter[str] = Counter()  # per job: open or ended (admitted, not yet trained or gone)
         self._open: OrderedDict[str, Entry] = OrderedDict()
+        self._scoring: OrderedDict[str, Entry] = OrderedDict()  # ended without a reward, longest waiting first
         self._idle_groups: OrderedDict[str, Group] = OrderedDict()
         self._resident_ready: OrderedDict[str, Entry] = OrderedDict()  # ended, in memory, oldest first (evicted newest first)
         self._resident_open: OrderedDict[str, Entry] = OrderedDict()  # open, in memory, least recently continued first
@@ -322,18 +340,18 @@ class MergeEngine:
 
     # -- producer messages --------------------------------------------------
     def handle(self, message: Message, wall: float, stored: StoredDigests = NOTHING_STORED) -> Reply:
-        """Apply one decoded `turn`, `end` or `abort` at wall time `wall`.
+        """Apply one decoded `turn`, `end`, `abort` or `reward` at wall time `wall`.
         `stored` holds the digests `stored_digests_needed` named, read from
         the store (None: the read failed, and a resend that needs it is
         refused `unavailable`)."""
         kind = message.type
-        if kind not in ("turn", "end", "abort"):
-            raise InvalidInput(f"the merge engine takes turn, end and abort messages, got {kind!r}")
+        if kind not in ("turn", "end", "abort", "reward"):
+            raise InvalidInput(f"the merge engine takes turn, end, abort and reward messages, got {kind!r}")
         tid = message["trajectory_id"]
         entry = self.entries.get(tid)
-        if entry is not None and entry.state == DEAD and entry.dead_reason == "expired":
-            # Not a duplicate of anything applied: the producer must not count its end as taken.
-            return Reply(_ack(message, False, reason="expired"))
+        if entry is not None and entry.state == DEAD and entry.dead_reason in ("expired", "reward_expired"):
+            # Not a duplicate of anything applied: the producer must not count its end (or reward) as taken.
+            return Reply(_ack(message, False, reason=entry.dead_reason))
         remembered = self.dedup.get(tid)
         if remembered is not None and remembered >= wall:
             return Reply(_ack(message, False, duplicate=True))
@@ -342,6 +360,8 @@ class MergeEngine:
                 fields, effects = self._turn(message, wall, stored)
             elif kind == "end":
                 fields, effects = self._end(message, wall)
+            elif kind == "reward":
+                fields, effects = self._reward(message, wall)
             else:
                 fields, effects = self._abort(message, wall)
         except ProtocolError as error:
@@ -496,13 +516,36 @@ class MergeEngine:
         traj = entry.trajectory
         assert traj is not None  # an open entry always holds its trajectory (at most shed)
         self._check_turn_count(message, entry, traj)
-        traj.reward = entry.reward = message["reward"]
         traj.metadata.update(message.get("metadata") or {})
         entry.end_digest, entry.updated_at = digest, wall
+        if "reward" not in message.fields:  # its reward comes later, in a `reward` message
+            self._set_state(entry, SCORING)
+            return _ack(message, True), (EndTrajectory(tid, None, traj.metadata, digest, wall, entry.version, True),)
+        traj.reward = entry.reward = message["reward"]
         self._set_state(entry, ENDED)
         effect = EndTrajectory(tid, traj.reward, traj.metadata, digest, wall, entry.version)
         self._member_done(entry, ENDED, wall)
         return _ack(message, True), (effect,)
+
+    def _reward(self, message: Message, wall: float) -> tuple[dict, tuple]:
+        """A `scoring` trajectory's reward: it becomes ready (its group, once complete)."""
+        tid, reward = message["trajectory_id"], message["reward"]
+        entry = self.entries.get(tid)
+        if entry is None or entry.state == LEFT:
+            raise RemoteProtocolError("unknown_trajectory", f"reward for trajectory {tid!r}, which this broker does not hold")
+        if entry.state == OPEN:
+            raise RemoteProtocolError("out_of_order", f"reward for trajectory {tid!r} before its end: send it once the "
+                                      "end is acknowledged")
+        if entry.state != SCORING:
+            if entry.reward == reward:
+                return _ack(message, True, duplicate=True), ()
+            raise RemoteProtocolError("conflict", f"trajectory {tid!r} already has reward {entry.reward!r}, got {reward!r}")
+        entry.reward, entry.updated_at = reward, wall
+        if entry.trajectory is not None:
+            entry.trajectory.reward = reward
+        self._set_state(entry, ENDED)
+        self._member_done(entry, ENDED, wall)
+        return _ack(message, True), (SetReward(tid, reward, wall),)
 
     @staticmethod
     def _check_turn_count(message: Message, entry: Entry, traj: Trajectory) -> None:
@@ -605,11 +648,12 @@ class MergeEngine:
         """Expire idle open trajectories (dead letter `expired`), close idle
         incomplete groups, and forget dedup records past their window."""
         ttl = self.settings.trajectory_ttl
-        for _, entry in _idle_since(self._open, wall - ttl):
-            until = wall + self.settings.dedup_window
-            self._effects.append(DeadLetter(entry.trajectory_id, "expired", wall, dedup_until=until))
-            self.remember({entry.trajectory_id: until})
-            self._kill(entry, "expired", wall)
+        for index, reason in ((self._open, "expired"), (self._scoring, "reward_expired")):
+            for _, entry in _idle_since(index, wall - ttl):
+                until = wall + self.settings.dedup_window
+                self._effects.append(DeadLetter(entry.trajectory_id, reason, wall, dedup_until=until))
+                self.remember({entry.trajectory_id: until})
+                self._kill(entry, reason, wall)
         for group_id, group in _idle_since(self._idle_groups, wall - ttl):
             if OPEN in group.members.values():  # cannot be: a member's frames touch its group
                 continue
@@ -622,7 +666,7 @@ class MergeEngine:
         return list(self._drain())
 
     def _kill(self, entry: Entry, reason: str, wall: float) -> None:
-        was_open = entry.state == OPEN
+        was_open = entry.state in (OPEN, SCORING)  # its group still counted it as to come
         entry.dead_reason, entry.dead_at = reason, wall
         self._drop_arrays(entry)
         self._set_state(entry, DEAD)
@@ -811,9 +855,9 @@ class MergeEngine:
                     return evicted
                 if entry.state == OPEN:
                     self._shed(entry)
-                else:
+                else:  # ended (or scoring: ended, its reward to come)
                     self._drop_arrays(entry)
-                evicted[entry.state] += 1
+                evicted[OPEN if entry.state == OPEN else ENDED] += 1
         return evicted
 
     def needs_reload(self, entry: Entry) -> bool:
@@ -872,6 +916,7 @@ class MergeEngine:
         self._counts = dict.fromkeys(STATES, 0)
         self.untrained.clear()
         self._open.clear()
+        self._scoring.clear()
         self._idle_groups.clear()
         self._resident_ready.clear()
         self._resident_open.clear()
@@ -895,6 +940,8 @@ class MergeEngine:
             self.untrained[job_of(entry.trajectory_id)] += 1
         if entry.state == OPEN:
             self._open[entry.trajectory_id] = entry
+        elif entry.state == SCORING:
+            self._scoring[entry.trajectory_id] = entry
 
     def _remove(self, tid: str) -> Entry:
         entry = self.entries.pop(tid)
@@ -903,6 +950,7 @@ class MergeEngine:
         if entry.state in UNTRAINED:
             self.untrained[job_of(tid)] -= 1
         self._open.pop(tid, None)
+        self._scoring.pop(tid, None)
         return entry
 
     def _set_state(self, entry: Entry, state: State) -> None:
@@ -913,8 +961,12 @@ class MergeEngine:
             self.untrained[job_of(tid)] += 1 if state in UNTRAINED else -1
         if entry.state == OPEN:
             self._open.pop(tid, None)
-            if self._resident_open.pop(tid, None) is not None and state == ENDED:
+            if self._resident_open.pop(tid, None) is not None and state in (ENDED, SCORING):
                 self._resident_ready[tid] = entry
+        if entry.state == SCORING:
+            self._scoring.pop(tid, None)
+        elif state == SCORING:
+            self._scoring[tid] = entry
         entry.state = state
 
     def _hold(self, entry: Entry, trajectory: Trajectory) -> None:

@@ -74,7 +74,7 @@ class BrokerMetrics(Metrics):
                 case DeadLetter():
                     filtered = effect.reason.startswith("filtered:")
                     exit_label = ("filtered" if filtered else effect.reason
-                                  if effect.reason in ("expired", "unreadable", "stale") else "dead")
+                                  if effect.reason in ("expired", "unreadable", "stale", "reward_expired") else "dead")
                     self.inc(self.exits, exit=exit_label)
                     if filtered:
                         self.inc(self.filtered, filter=effect.reason.partition(":")[2])

@@ -52,6 +52,7 @@ from .engine import (
     Revive,
     Run,
     SealRun,
+    SetReward,
     State,
     TrainedAt,
 )
@@ -59,7 +60,7 @@ from .staleness import Policy, SetPolicy
 
 SCHEMA_VERSION = 6  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
 # 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`); 5: trained trajectories and runs;
-# 6: an ended trajectory's ordered policy version, and each job's published policy
+# 6: an ended trajectory's ordered policy version, each job's published policy, and the `scoring` state
 _READABLE_VERSIONS = (2, 3, 4, 5, 6)  # an older store is upgraded in place (`Store._upgrade`)
 
 # A turn this large (long top-p supports) is written ahead on the writer
@@ -118,7 +119,7 @@ _ADDED_COLUMNS = ("trained_run TEXT", "trained_lineage TEXT", "trained_step INTE
 # States are stored as `State`'s values, written into the statements once.
 _OPEN = ("INSERT OR REPLACE INTO trajectories (id, state, group_id, group_size, sample_index, updated_at) "
          f"VALUES (?, '{State.OPEN}', ?, ?, ?, ?)")
-_END = (f"UPDATE trajectories SET state='{State.ENDED}', updated_at=?, end_digest=?, reward=?, metadata=?, ready_seq=?, "
+_END = ("UPDATE trajectories SET state=?, updated_at=?, end_digest=?, reward=?, metadata=?, ready_seq=?, "
         "end_crc=?, version=? WHERE id=?")
 
 
@@ -653,7 +654,8 @@ class Store:
                 rows.opens.append((effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at))
             case EndTrajectory():
                 reward, metadata = msgpack.packb(effect.reward), msgpack.packb(effect.metadata)
-                rows.ends.append((effect.at, effect.digest, reward, metadata, self._take_ready_seq(),
+                rows.ends.append((State.SCORING if effect.scoring else State.ENDED, effect.at, effect.digest, reward,
+                                  metadata, None if effect.scoring else self._take_ready_seq(),
                                   _end_crc(effect.trajectory_id, effect.digest, reward, metadata), effect.version,
                                   effect.trajectory_id))
             case Forget():
@@ -679,6 +681,13 @@ class Store:
                            (effect.reason, effect.at, effect.trajectory_id))
                 if effect.dedup_until is not None:
                     db.execute("INSERT OR REPLACE INTO dedup VALUES (?, ?)", (effect.trajectory_id, effect.dedup_until))
+            case SetReward(trajectory_id=tid):  # its end's row gets the reward, and the CRC over it
+                rows.execute(db, records_gone)
+                digest, metadata = db.execute("SELECT end_digest, metadata FROM trajectories WHERE id=?", (tid,)).fetchone()
+                reward = msgpack.packb(effect.reward)
+                db.execute(f"UPDATE trajectories SET state='{State.ENDED}', reward=?, end_crc=?, ready_seq=?, updated_at=? "
+                           "WHERE id=?", (reward, _end_crc(tid, digest, reward, metadata), self._take_ready_seq(),
+                                          effect.at, tid))
             case Revive():
                 rows.execute(db, records_gone)
                 db.execute(f"UPDATE trajectories SET state='{State.ENDED}', dead_reason=NULL, dead_at=NULL, ready_seq=? "

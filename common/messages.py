@@ -316,13 +316,14 @@ PRODUCER_TO_BROKER = _schema(
         rules=(mask_pair, turn_zero_fields, group_pair, spans_within_turn),
         content=True,
     ),
-    MessageSpec("end", {"seq": INT, "trajectory_id": ID, "reward": REWARD}, {"metadata": MAP, "turns": COUNT, "job": JOB}),
+    MessageSpec("end", {"seq": INT, "trajectory_id": ID}, {"reward": REWARD, "metadata": MAP, "turns": COUNT, "job": JOB}),
+    MessageSpec("reward", {"seq": INT, "trajectory_id": ID, "reward": REWARD}, {"job": JOB}),
     MessageSpec("abort", {"seq": INT, "trajectory_id": ID, "reason": ANY_TEXT}, {"job": JOB}),
     MessageSpec("ping", {"seq": INT}),
     MessageSpec("batch", {"messages": BATCHED_MESSAGES}, body=True),
 )
 # What a `batch` may carry: the frames a producer keeps until settled.
-BATCHABLE_TYPES = ("turn", "end", "abort")
+BATCHABLE_TYPES = ("turn", "end", "abort", "reward")
 
 BROKER_TO_PRODUCER = _schema(
     "broker->producer",
@@ -417,7 +418,7 @@ ADMIN_REPLIES = _schema(
             "counters": MAP,
         },
         {"seq": INT, "endpoints": MAP, "unsealed": COUNT, "unsealed_bytes": COUNT, "oldest_unsealed_step": COUNT,
-         "policies": MAP, "starving": MAP},
+         "policies": MAP, "starving": MAP, "scoring": COUNT},
     ),
     MessageSpec("dead_letters", {"items": LIST}, _SEQ),
     MessageSpec("requeued", {"trajectory_ids": TEXT_LIST}, _SEQ),

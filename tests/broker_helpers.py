@@ -21,12 +21,19 @@ def turn_msg(tid, index, tokens=(10,), supports=None, forced=None, status="compl
 
 
 def end_msg(tid, reward=1.0, seq=100, metadata=None, turns=None, job=None):
-    fields = {"seq": seq, "trajectory_id": tid, "reward": reward, **({} if job is None else {"job": job})}
+    """An `end`; with `reward=None` one whose reward comes later (`reward_msg`)."""
+    fields = {"seq": seq, "trajectory_id": tid, **({} if reward is None else {"reward": reward}),
+              **({} if job is None else {"job": job})}
     if metadata is not None:
         fields["metadata"] = metadata
     if turns is not None:
         fields["turns"] = turns
     return decode(encode(PRODUCER_TO_BROKER, "end", fields), PRODUCER_TO_BROKER)
+
+
+def reward_msg(tid, reward, seq=300, job=None):
+    fields = {"seq": seq, "trajectory_id": tid, "reward": reward, **({} if job is None else {"job": job})}
+    return decode(encode(PRODUCER_TO_BROKER, "reward", fields), PRODUCER_TO_BROKER)
 
 
 def abort_msg(tid, seq=200, reason="retry"):

@@ -12,10 +12,21 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import zmq
-from broker_helpers import abort_msg, end_msg, turn_msg
+from broker_helpers import abort_msg, end_msg, reward_msg, turn_msg
 
 from rollstream.broker.dispatch import Dispatcher, DispatchSettings
-from rollstream.broker.engine import DEAD, ENDED, OPEN, DeliveryUnit, EngineSettings, MergeEngine, _idle_since, held_bytes
+from rollstream.broker.engine import (
+    DEAD,
+    ENDED,
+    OPEN,
+    SCORING,
+    UNTRAINED,
+    DeliveryUnit,
+    EngineSettings,
+    MergeEngine,
+    _idle_since,
+    held_bytes,
+)
 from rollstream.broker.flow import WindowGrants
 from rollstream.broker.recovery import load_trajectory
 from rollstream.broker.service import BrokerService
@@ -23,6 +34,7 @@ from rollstream.broker.settings import BrokerSettings
 from rollstream.broker.store import Store
 from rollstream.common.clock import Clock
 from rollstream.common.codec import decode, encode
+from rollstream.common.jobs import job_of
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
 from rollstream.common.sockets import SHARED_RECEIVE_BUFFER_BYTES, recv_routed
 from rollstream.common.trajectory import Trajectory, Turn
@@ -32,8 +44,9 @@ from rollstream.common.wire import encode_turn
 def check_indexes(engine: MergeEngine) -> None:
     """The engine's kept figures against the entries, counted from scratch."""
     entries = engine.entries.values()
-    assert engine.counts() == {**dict.fromkeys(("open", "ended", "dead", "left", "trained"), 0),
+    assert engine.counts() == {**dict.fromkeys(("open", "ended", "dead", "left", "trained", "scoring"), 0),
                                **Counter(e.state for e in entries)}
+    assert +engine.untrained == Counter(job_of(e.trajectory_id) for e in entries if e.state in UNTRAINED)
     assert engine.bytes_in_memory == sum(held_bytes(e.trajectory) for e in entries if e.trajectory is not None)
     assert engine.evicted_open() == {e.trajectory_id for e in entries if e.state == OPEN and engine.needs_reload(e)}
 
@@ -54,12 +67,13 @@ def test_counts_bytes_and_evictions_follow_every_change(seed, tmp_path):
     now, made, observed, shed_seen = 0.0, 0, set(), False
     for _ in range(300):
         now += rng.random()
-        by_state = {state: [t for t, e in engine.entries.items() if e.state == state] for state in (OPEN, ENDED, DEAD)}
+        by_state = {state: [t for t, e in engine.entries.items() if e.state == state]
+                    for state in (OPEN, ENDED, DEAD, SCORING)}
         # only what the dispatcher could hold: a group's members once the group is deliverable (or closed: revived)
         groups = [engine.groups.get(engine.entries[t].group_id or "") for t in by_state[ENDED]]
         by_state[ENDED] = [t for t, g in zip(by_state[ENDED], groups) if g is None or g.deliverable]
-        action = rng.choice(["start", "start", "turn", "turn", "turn", "end", "abort", "deliver", "dead", "revive",
-                             "evict", "reload", "expire"])
+        action = rng.choice(["start", "start", "start", "turn", "turn", "turn", "end", "abort", "deliver", "dead", "revive",
+                             "evict", "reload", "expire", "end_unscored", "reward"])
         if action == "start":
             made += 1
             group = (f"g{made // 3}", 3) if rng.random() < 0.3 else None
@@ -72,6 +86,10 @@ def test_counts_bytes_and_evictions_follow_every_change(seed, tmp_path):
             apply(engine.handle(turn_msg(tid, engine.entries[tid].next_turn, [5] * n, supports=supports), now).effects)
         elif action == "end" and by_state[OPEN]:
             apply(engine.handle(end_msg(rng.choice(by_state[OPEN])), now).effects)
+        elif action == "end_unscored" and by_state[OPEN]:  # its reward comes later
+            apply(engine.handle(end_msg(rng.choice(by_state[OPEN]), reward=None), now).effects)
+        elif action == "reward" and by_state[SCORING]:
+            apply(engine.handle(reward_msg(rng.choice(by_state[SCORING]), 0.5), now).effects)
         elif action == "abort" and by_state[OPEN]:
             apply(engine.handle(abort_msg(rng.choice(by_state[OPEN])), now).effects)
         elif action == "deliver" and by_state[ENDED]:

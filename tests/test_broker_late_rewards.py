@@ -1,0 +1,88 @@
+"""Rewards that come later: an `end` without a reward leaves the
+trajectory `scoring` (ended, not deliverable, nor its group), a `reward`
+message makes it ready, and one that never comes expires after the TTL as
+`reward_expired`, counted. `BrokerCore` on a real store (a restart keeps a
+scoring trajectory waiting), with raw producer and consumer messages."""
+from broker_helpers import end_msg, reward_msg, turn_msg
+from test_broker_checkpoint import Node
+
+from rollstream.broker.core import Send
+from rollstream.common.codec import decode
+from rollstream.common.messages import BROKER_TO_PRODUCER
+
+P = b"producer"
+
+
+def send(node: Node, *messages) -> list[tuple]:
+    """Producer messages in one batch; each answer as (type, outcome or code)."""
+    steps, answer, sent = node.core.producer_batch([(P, m, None) for m in messages], node.clock), None, []
+    try:
+        while True:
+            request = steps.send(answer)
+            if isinstance(request, Send):
+                sent.append(decode(request.frames, BROKER_TO_PRODUCER))
+                answer = True
+            else:
+                answer = node.io.performers[type(request)](request)
+    except StopIteration:
+        pass
+    return [(m.type, "duplicate" if m.get("duplicate") else m["applied"]) if m.type == "ack" else (m.type, m["code"])
+            for m in sent]
+
+
+
+def delivered(node: Node) -> dict:
+    """Every delivery the consumer's credit brings: trajectory id -> reward."""
+    return {m["trajectory_id"]: m["reward"] for m in node.say("credit", n=10, unit="trajectory") if m.type == "deliver"}
+
+
+def test_a_trajectory_ended_without_its_reward_waits_for_it_and_is_delivered_with_it(tmp_path):
+    node = Node(tmp_path / "data")
+    node.hello(run=None)
+    assert send(node, turn_msg("t", 0, seq=1), end_msg("t", reward=None, seq=2)) == [("ack", True), ("ack", True)]
+    assert node.core.status(node.clock)["scoring"] == 1 and delivered(node) == {}
+    assert send(node, turn_msg("t", 1, seq=3)) == [("ack", False)]  # ended: no more turns (after_terminal)
+    assert send(node, reward_msg("t", {"score": 0.75}, seq=4)) == [("ack", True)]
+    assert send(node, reward_msg("t", {"score": 0.75}, seq=5)) == [("ack", "duplicate")]
+    assert send(node, reward_msg("t", 0.1, seq=6)) == [("nack", "conflict")]
+    status = node.core.status(node.clock)
+    assert (status["scoring"], status["ready"]) == (0, 1)
+    assert delivered(node) == {"t": {"score": 0.75}}
+
+
+def test_a_reward_before_its_end_or_for_an_unknown_trajectory_is_refused(tmp_path):
+    node = Node(tmp_path / "data")
+    assert send(node, turn_msg("t", 0, seq=1), reward_msg("t", 1.0, seq=2)) == [("ack", True), ("nack", "out_of_order")]
+    assert send(node, reward_msg("nobody", 1.0, seq=3)) == [("nack", "unknown_trajectory")]
+
+
+def test_a_group_waits_for_every_members_reward_and_is_filtered_on_them(tmp_path):
+    node = Node(tmp_path / "data", group_filters="all_equal_rewards")
+    node.hello(run=None)
+    for g in ("same", "differ"):
+        send(node, *(m for i in range(2) for m in (turn_msg(f"{g}{i}", 0, seq=10 * i, group=(g, 2)),
+                                                   end_msg(f"{g}{i}", reward=None, seq=10 * i + 1))))
+    send(node, reward_msg("same0", 1.0, seq=50), reward_msg("differ0", 1.0, seq=51))
+    assert delivered(node) == {}  # each group still waits for a reward
+    node.restart()  # scoring survives a restart
+    node.hello(run=None)
+    assert node.core.status(node.clock)["scoring"] == 2
+    send(node, reward_msg("same1", 1.0, seq=52), reward_msg("differ1", 0.0, seq=53))
+    assert delivered(node) == {"differ0": 1.0, "differ1": 0.0}
+    assert {item["reason"] for item in node.core.engine.dead_letters(10)} == {"filtered:all_equal_rewards"}
+
+
+def test_a_reward_that_never_comes_expires_after_the_ttl_and_its_group_goes_on(tmp_path):
+    node = Node(tmp_path / "data", trajectory_ttl=30.0)
+    node.hello(run=None)
+    send(node, turn_msg("a", 0, seq=1, group=("g", 2)), end_msg("a", reward=0.5, seq=2),
+         turn_msg("b", 0, seq=3, group=("g", 2)), end_msg("b", reward=None, seq=4))
+    node.now += 31.0
+    node.run(node.core.housekeeping(node.clock))
+    status = node.core.status(node.clock)
+    assert (status["scoring"], status["dead"], status["counters"]["trajectories.reward_expired"]) == (0, 1, 1)
+    assert node.core.engine.entries["b"].dead_reason == "reward_expired"
+    node.hello(run=None)
+    assert delivered(node) == {"a": 0.5}  # the group goes on with the member that has its reward
+    assert send(node, reward_msg("b", 1.0, seq=5)) == [("ack", False)]  # too late: not applied, and it says why
+    assert node.core.engine.handle(reward_msg("b", 1.0, seq=6), node.clock.wall).fields["reason"] == "reward_expired"
