@@ -655,7 +655,7 @@ class MergeEngine:
                 self.remember({entry.trajectory_id: until})
                 self._kill(entry, reason, wall)
         for group_id, group in _idle_since(self._idle_groups, wall - ttl):
-            if OPEN in group.members.values():  # cannot be: a member's frames touch its group
+            if OPEN in group.members.values() or SCORING in group.members.values():  # its frames touch its group
                 continue
             self._make_deliverable(group_id, group, wall)  # members that never started count as left
         expiry = self._dedup_expiry

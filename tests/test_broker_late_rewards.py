@@ -86,3 +86,15 @@ def test_a_reward_that_never_comes_expires_after_the_ttl_and_its_group_goes_on(t
     assert delivered(node) == {"a": 0.5}  # the group goes on with the member that has its reward
     assert send(node, reward_msg("b", 1.0, seq=5)) == [("ack", False)]  # too late: not applied, and it says why
     assert node.core.engine.handle(reward_msg("b", 1.0, seq=6), node.clock.wall).fields["reason"] == "reward_expired"
+
+
+def test_after_a_restart_a_group_of_members_still_scoring_waits_for_all_of_them(tmp_path):
+    node = Node(tmp_path / "data")
+    send(node, *(m for i in range(2) for m in (turn_msg(f"g{i}", 0, seq=10 * i, group=("g", 2)),
+                                               end_msg(f"g{i}", reward=None, seq=10 * i + 1))))
+    node.restart()
+    node.hello(run=None)
+    send(node, reward_msg("g0", 1.0, seq=50))
+    assert delivered(node) == {}
+    send(node, reward_msg("g1", 0.0, seq=51))
+    assert delivered(node) == {"g0": 1.0, "g1": 0.0}
