@@ -159,9 +159,10 @@ class _Answer:
     """A producer message's answer, waiting for its batch to commit."""
 
     identity: bytes
-    frames: list | None = None  # ready to send (hello, ping, refusals)
+    frames: list | None = None  # ready to send (hello, refusals)
     ack: dict | None = None  # sent as `ack` (or within `acks`) if the commit succeeds
     message: Message | None = None
+    pong: dict | None = None  # a ping's answer, sent with what the batch left to `admit`
 
 
 def batched_acks(answers: list[_Answer], batch_acks: Collection[bytes], grant: Callable[[bytes], int]) -> dict[bytes, dict]:
@@ -377,7 +378,9 @@ class BrokerCore:
         batch_acks = self.hellos.batch_acks
         for answer in answers:
             frames = answer.frames
-            if answer.ack is not None:
+            if answer.pong is not None:  # after the batch: a pong never names room its turns took
+                frames = encode(BROKER_TO_PRODUCER, "pong", {**answer.pong, **self._admit(answer.identity)})
+            elif answer.ack is not None:
                 if not committed:
                     unavailable = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later",
                                                       seq=answer.ack["seq"])
@@ -386,7 +389,7 @@ class BrokerCore:
                     continue  # in its connection's `acks`
                 else:
                     frames = encode(BROKER_TO_PRODUCER, "ack", answer.ack, checked=False)
-            assert frames is not None  # an answer without an ack is made with its frames
+            assert frames is not None  # an answer without an ack or a pong is made with its frames
             yield Send("producer", answer.identity, frames)
         self._apply_memory_budget()
 
@@ -402,8 +405,7 @@ class BrokerCore:
             fields = self.hellos.welcome_producer(identity, message.fields, self.grants.grant(identity))
             return _Answer(identity, encode(BROKER_TO_PRODUCER, "welcome", {**fields, **self._admit(identity)}))
         if message.type == "ping":
-            pong = {"seq": message["seq"], "window": self.grants.grant(identity), **self._admit(identity)}
-            return _Answer(identity, encode(BROKER_TO_PRODUCER, "pong", pong))
+            return _Answer(identity, pong={"seq": message["seq"], "window": self.grants.grant(identity)})
         if self.unavailable:
             error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later", seq=message["seq"])
             return _Answer(identity, self._refuse("producer", error, message))

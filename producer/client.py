@@ -50,7 +50,7 @@ from .errors import ProducerClosed, Refused
 from .metrics import ProducerMetrics
 from .session import Draft, ProducerSession, TrajectoryDigests
 from .spool import Spool
-from .window import ABORT, END, TURN, Receipt, Settled
+from .window import ABORT, END, REWARD, TURN, Receipt, Settled
 
 log = logging.getLogger("rollstream.producer")
 
@@ -62,6 +62,22 @@ _ZERO_COPY_ABOVE = 65536  # bytes: smaller frames are cheaper to copy than to ha
 def _reward(value: Any) -> Any:
     """A number or a map, as the wire wants it (numpy scalars become floats)."""
     return value if isinstance(value, Mapping) else float(value)
+
+
+class _ById:
+    """A trajectory known only by its id (a reward sent for it): what a draft needs of a handle."""
+
+    def __init__(self, trajectory_id: str):
+        check_values(PRODUCER_TO_BROKER, "reward", {"trajectory_id": trajectory_id})
+        self.trajectory_id = trajectory_id
+        self.next_turn = 0
+
+
+def reward_draft(handle, reward, job: str) -> Draft:
+    """The `reward` frame of `handle`'s trajectory, ended without one."""
+    frames = encode(PRODUCER_TO_BROKER, "reward", {"trajectory_id": handle.trajectory_id, "reward": _reward(reward),
+                                                   **({} if job == DEFAULT_JOB else {"job": job})}, numbered=False)
+    return Draft(REWARD, handle, handle.next_turn, lambda _: frames)
 
 
 def _prompt_array(prompt_tokens, vocab_size: int | None):
@@ -403,6 +419,12 @@ class AsyncProducer:
         return AsyncTrajectoryHandle(self, trajectory_id, prompt_tokens, group_id=group_id, group_size=group_size,
                                      sample_index=sample_index, metadata=metadata)
 
+    async def reward(self, trajectory_id: str, reward) -> asyncio.Future:
+        """The reward of a trajectory another producer ended without one
+        (this producer a reward service): sent by trajectory id, in this
+        producer's job. Refused `out_of_order` while its end has not arrived."""
+        return await self.submit(reward_draft(_ById(trajectory_id), reward, self.job))
+
     async def send_trajectory(self, trajectory_id: str, prompt_tokens, turns: Sequence[Turn], reward, *,
                               metadata: Mapping[str, Any] | None = None, **identity) -> list[asyncio.Future]:
         """Send a whole trajectory: every turn, then `end(reward)`. Returns the
@@ -605,13 +627,18 @@ class _TrajectoryHandle:
         return Draft(TURN, self, self.next_turn, encode_at, (len(turn.tokens), int(turn.forced_tokens.size)), turn)
 
     def _end_draft(self, reward, metadata: Mapping[str, Any] | None) -> Draft:
-        fields = {"trajectory_id": self.trajectory_id, "reward": _reward(reward), **self._job_field()}
+        fields = {"trajectory_id": self.trajectory_id, **self._job_field()}
+        if reward is not None:  # None: the reward comes later (`reward`)
+            fields["reward"] = _reward(reward)
         if metadata:
             fields["metadata"] = dict(metadata)
 
         def encode_at(turns: int) -> list:
             return encode(PRODUCER_TO_BROKER, "end", {**fields, "turns": turns}, numbered=False)
         return Draft(END, self, self.next_turn, encode_at)
+
+    def _reward_draft(self, reward) -> Draft:
+        return reward_draft(self, reward, self.producer.job)
 
     def _abort_draft(self, reason: str) -> Draft:
         frames = encode(PRODUCER_TO_BROKER, "abort", {"trajectory_id": self.trajectory_id, "reason": reason,
@@ -683,11 +710,16 @@ class AsyncTrajectoryHandle(_TrajectoryHandle):
         """Send an already built `Turn` as the next turn."""
         return await self._send(self._turn_draft(turn, metadata))
 
-    async def end(self, reward, metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
-        """Finish the trajectory with its reward (a number or a map). The
-        `end` says how many turns were sent, so the broker refuses it
-        (`out_of_order`) rather than end the trajectory short of one."""
+    async def end(self, reward=None, metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
+        """Finish the trajectory with its reward (a number or a map), or
+        without one (`None`): the broker then holds it until `reward`
+        brings it. The `end` says how many turns were sent, so the broker
+        refuses it (`out_of_order`) rather than end the trajectory short of one."""
         return await self._send(self._end_draft(reward, metadata))
+
+    async def reward(self, reward) -> asyncio.Future:
+        """The reward of a trajectory ended without one (a verifier or reward model was slower)."""
+        return await self._send(self._reward_draft(reward))
 
     async def end_and_wait(self, reward, metadata: Mapping[str, Any] | None = None) -> Receipt:
         """`end`, then wait for the broker's receipt (raises `Refused`)."""
@@ -738,6 +770,10 @@ class Producer:
         return TrajectoryHandle(self._async, trajectory_id, prompt_tokens, group_id=group_id, group_size=group_size,
                                 sample_index=sample_index, metadata=metadata)
 
+    def reward(self, trajectory_id: str, reward, *, timeout: float | None = None) -> concurrent.futures.Future:
+        """`AsyncProducer.reward`: a reward by trajectory id, for a trajectory ended without one."""
+        return self._async.submit_blocking(reward_draft(_ById(trajectory_id), reward, self._async.job), timeout)
+
     def send_trajectory(self, trajectory_id: str, prompt_tokens, turns: Sequence[Turn], reward, *,
                         metadata: Mapping[str, Any] | None = None, **identity) -> list[concurrent.futures.Future]:
         traj = self.trajectory(trajectory_id, prompt_tokens, metadata=metadata, **identity)
@@ -786,9 +822,12 @@ class TrajectoryHandle(_TrajectoryHandle):
              timeout: float | None = None) -> concurrent.futures.Future:
         return self.producer.submit_blocking(self._turn_draft(turn, metadata), timeout)
 
-    def end(self, reward, metadata: Mapping[str, Any] | None = None, *,
+    def end(self, reward=None, metadata: Mapping[str, Any] | None = None, *,
             timeout: float | None = None) -> concurrent.futures.Future:
         return self.producer.submit_blocking(self._end_draft(reward, metadata), timeout)
+
+    def reward(self, reward, *, timeout: float | None = None) -> concurrent.futures.Future:
+        return self.producer.submit_blocking(self._reward_draft(reward), timeout)
 
     def end_and_wait(self, reward, metadata: Mapping[str, Any] | None = None, *,
                      timeout: float | None = None) -> Receipt:

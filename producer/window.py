@@ -26,8 +26,8 @@ from rollstream.common.errors import InternalError, InvalidInput, RollstreamErro
 
 from .errors import Refused
 
-TURN, END, ABORT = "turn", "end", "abort"
-KINDS = (TURN, END, ABORT)
+TURN, END, ABORT, REWARD = "turn", "end", "abort", "reward"
+KINDS = (TURN, END, ABORT, REWARD)
 
 
 @dataclass(eq=False, slots=True)

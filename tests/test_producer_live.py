@@ -921,3 +921,28 @@ def test_admitted_waits_while_the_job_holds_its_staleness_capacity_and_goes_once
         waited, admitted = asyncio.run(main(broker))
         trainer.close()
     assert (waited, admitted) == (False, True)
+
+
+def test_a_reward_that_comes_later_from_the_producer_or_a_reward_service_reaches_the_trainer(tmp_path):
+    async def main(broker):
+        async with AsyncProducer(broker.endpoints["producer"], "p-rollout") as producer, \
+                AsyncProducer(broker.endpoints["producer"], "p-verifier") as verifier:
+            mine, theirs = producer.trajectory("mine", [1, 2]), producer.trajectory("theirs", [1, 2])
+            for traj in (mine, theirs):
+                await (await traj.turn([10], [-0.5], supports=[[10, 4]]))
+                assert (await (await traj.end())).applied  # no reward yet
+            early = await verifier.reward("nobody", 1.0)
+            refused = None
+            try:
+                await early
+            except Refused as error:
+                refused = error.code
+            later = [await (await mine.reward(0.25)), await (await verifier.reward("theirs", {"score": 1.0}))]
+            return refused, later
+
+    with Broker(tmp_path) as broker:
+        refused, later = asyncio.run(main(broker))
+        got, _ = drain(broker, 2)
+    assert refused == "unknown_trajectory"
+    assert [(r.kind, r.applied) for r in later] == [("reward", True), ("reward", True)]
+    assert (got["mine"].reward, got["theirs"].reward) == (0.25, {"score": 1.0})
