@@ -368,10 +368,10 @@ class Pipeline:
 
     @property
     def idle(self) -> bool:
-        """The producers are done and the broker holds nothing open, ready or leased."""
+        """The producers are done and the broker holds nothing open, waiting for its reward, ready or leased."""
         status = self.status
         return (status is not None and self.node.producers_done
-                and not (status["open"] or status["ready"] or status["leased"]))
+                and not (status["open"] or status.get("scoring") or status["ready"] or status["leased"]))
 
     @property
     def backlog(self) -> int:

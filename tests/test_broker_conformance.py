@@ -518,3 +518,22 @@ def test_a_published_policy_version_bounds_staleness_at_admission_and_delivery(t
         assert status["policies"] == {"default": {"version": 3, "max_staleness": 1, "capacity": 4, "untrained": 4}}
         dead, _ = Peer(b.admin).call(frames("dead_letters"))
         assert [(item["trajectory_id"], item["reason"]) for item in dead["items"]] == [("old", "stale")]
+
+
+def test_an_end_without_a_reward_waits_for_a_reward_message_from_any_connection(broker):
+    producer, verifier = Peer(broker.producer), Peer(broker.producer)
+    producer.call(frames("hello", producer_id="rollout"))
+    verifier.call(frames("hello", producer_id="verifier"))
+    assert producer.call(turn(1, "t", 0, [10], [[10]], prompt=[1]))[0]["applied"] is True
+    assert producer.call(frames("end", seq=2, trajectory_id="t"))[0]["applied"] is True
+    status, _ = Peer(broker.admin).call(frames("status"))
+    assert (status["scoring"], status["ready"]) == (1, 0)
+    reply, _ = verifier.call(frames("reward", seq=1, trajectory_id="t", reward={"score": 0.5}))
+    assert reply == {"v": 1, "type": "ack", "seq": 1, "trajectory_id": "t", "applied": True}
+    status, _ = Peer(broker.admin).call(frames("status"))
+    assert (status["scoring"], status["ready"]) == (0, 1)
+    consumer = Peer(broker.consumer)
+    consumer.call(frames("hello", consumer_id="c"))
+    consumer.sock.send_multipart(frames("credit", n=1, unit="trajectory"))
+    header, _ = consumer.recv()
+    assert (header["trajectory_id"], header["reward"]) == ("t", {"score": 0.5})
