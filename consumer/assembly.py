@@ -16,7 +16,7 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from rollstream.common.versions import delivery_version
 POLICIES = ("raise", "quarantine")  # what to do with a trajectory that fails batch validation
 ACKED = "acked"  # outcome of a committed trajectory in the dedup memory
 STALE = "stale"  # outcome (and dead-letter reason) of one too old to train when it would be handed out
+FILTERED_BY_CONSUMER = "filtered:consumer"  # of a unit the trainer's `keep` predicate dropped
 
 
 class Settle(StrEnum):
@@ -112,6 +113,7 @@ class Stats:
     released: int = 0
     expired_in_buffer: int = 0
     stale: int = 0  # dropped as too old when they would have been handed out
+    filtered: int = 0  # dropped by the trainer's `keep` predicate
     undecodable: int = 0
     resent_settlements: int = 0
 
@@ -151,6 +153,7 @@ class Assembler:
         unit: str = CreditUnit.TRAJECTORY,
         prefetch: int | None = None,
         dedup_capacity: int = 100_000,
+        keep: Callable[[list[Mapping[str, Any]]], bool] | None = None,
     ):
         if unit not in set(CreditUnit):
             raise InvalidInput(f"unit must be one of {[str(u) for u in CreditUnit]}, got {unit!r}")
@@ -181,6 +184,7 @@ class Assembler:
         self._taken: dict[str, Delivery] = {}  # handed to the trainer, not committed
         self._replayed: dict[str, Delivery] = {}  # trained before a resume, handed back to train again (no credit)
         self._done: OrderedDict[str, str] = OrderedDict()  # id -> ACKED or the rejection reason
+        self.keep = keep  # the trainer's predicate on a complete unit's members (`Consumer(filter=...)`)
         self.group_size: int | None = None  # the largest group delivered so far (how big a step is, in groups)
         self._settling: dict[tuple[int, str], Outgoing] = {}  # lease -> the ack/nack awaiting a reply
         self._retry: list[tuple[float, tuple[int, str]]] = []
@@ -262,6 +266,7 @@ class Assembler:
             self.group_size = max(self.group_size or 0, fields.get("group_size", 1))
         if self.unit == CreditUnit.TRAJECTORY or group_id is None:
             self._buffer(Unit(broker, {tid: delivery}, 1))
+            self._judge(self._ready[-1])
             return
         unit = self._assembling.get(group_id)
         if unit is None:
@@ -272,6 +277,13 @@ class Assembler:
         if unit.complete:
             del self._assembling[group_id]
             self._ready.append(unit)
+            self._judge(unit)
+
+    def _judge(self, unit: Unit) -> None:
+        """A unit just became complete: the trainer's `keep` predicate (its
+        members' deliver fields) may drop it, as `filtered:consumer`."""
+        if self.keep is not None and not self.keep([d.fields for d in unit.members.values()]):
+            self._discard([unit], FILTERED_BY_CONSUMER)
 
     def undecodable(self, broker: int, header: Mapping[str, Any], reason: str, *, requeue: bool) -> None:
         """A `deliver` whose arrays could not be read (bad CRC, dtype, ...):
@@ -339,15 +351,23 @@ class Assembler:
         the trainer by more than the staleness bound: prefetched, they aged
         while they waited) are never handed out: each goes to its broker's
         dead letters as `stale`. Returns their ids."""
-        stale = [unit for unit in self._ready if (version := unit.version) is not None and version < below]
+        return self._discard([unit for unit in self._ready if (version := unit.version) is not None and version < below],
+                             STALE)
+
+    def _discard(self, units: list[Unit], reason: str) -> list[str]:
+        """Buffered `units` are never handed out: every member goes to its
+        broker's dead letters with `reason` (a redelivery is settled alike). Their ids."""
         dropped = []
-        for unit in stale:
+        for unit in units:
             self._drop(unit)
             for tid, held in unit.members.items():
-                self.stats.stale += 1
-                self._remember(tid, STALE)
+                if reason == STALE:
+                    self.stats.stale += 1
+                else:
+                    self.stats.filtered += 1
+                self._remember(tid, reason)
                 for lease in sorted(held.leases):
-                    self._settle(lease, Settle.NACK, STALE, tid)
+                    self._settle(lease, Settle.NACK, reason, tid)
                 dropped.append(tid)
         return dropped
 

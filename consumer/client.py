@@ -20,7 +20,7 @@ import socket
 import threading
 from dataclasses import dataclass, replace
 from dataclasses import fields as dataclass_fields
-from typing import Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import zmq
 
@@ -93,6 +93,13 @@ class Consumer:
     remembered, and a late redelivery of one is settled at once). Units whose
     leases ran out while still buffered are dropped, not trained.
 
+    `filter`: a predicate only the trainer can judge, called once per unit
+    as it completes with its members' `deliver` fields (`trajectory_id`,
+    `reward`, `metadata`, `response_length`, `weight_versions`, ...); a unit
+    it returns False for is dead-lettered `filtered:consumer` at its broker
+    and never handed out (`stats()["filtered"]`). The brokers' own group
+    filters run before delivery and cost no transfer.
+
     Staleness: `set_policy_version(v)` (or `commit(..., policy_version=v)`)
     publishes the trainer's version to every broker; with a bound (this
     consumer's `max_staleness`, or a broker's) brokers admit and deliver
@@ -135,6 +142,7 @@ class Consumer:
         world_size: int = 1,
         job: str = DEFAULT_JOB,
         max_staleness: int | None = None,
+        filter: Callable[[list[Mapping[str, Any]]], bool] | None = None,
     ):
         if on_invalid not in POLICIES:
             raise InvalidInput(f"on_invalid must be one of {POLICIES}, got {on_invalid!r}")
@@ -155,7 +163,7 @@ class Consumer:
         # What the trainer was handed and committed, for the end-to-end checker (`rollstream.common.checker`):
         self.ledger = None if ledger is None else Ledger(ledger)
         self._assembler = Assembler(len(self.endpoints), batch_size=batch_size, batch_tokens=batch_tokens, unit=unit,
-                                    prefetch=prefetch, dedup_capacity=dedup_capacity)
+                                    prefetch=prefetch, dedup_capacity=dedup_capacity, keep=filter)
         self.batch_size = self._assembler.batch_size  # given, or the unit cap of a `batch_tokens` batch
         self.batch_tokens = batch_tokens
         self.world_size = world_size  # the data-parallel ranks its batches are sharded to (`DistributedConsumer`)

@@ -222,3 +222,25 @@ def test_prefetched_units_behind_the_bound_are_dead_lettered_stale_and_a_redeliv
     a.delivered(0, fields("old", "L9", weight_versions=["3"]), {}, 1.0)
     assert a.ready == 2 and sent(a) == [(0, "nack", ["L9"], False)]
     assert a.drop_stale(5) == []
+
+
+def test_a_unit_the_trainers_filter_refuses_is_dead_lettered_once_complete_and_never_offered():
+    seen = []
+
+    def keep(members):
+        seen.append(sorted(m["trajectory_id"] for m in members))
+        return any(m["reward"] > 0 for m in members)
+
+    a = welcomed(batch_size=4, unit="group", keep=keep)
+    a.delivered(0, fields("z0", "L1", group_id="Z", group_size=2, reward=0.0), {}, 0.0)
+    assert seen == []  # judged only once complete
+    a.delivered(0, fields("z1", "L2", group_id="Z", group_size=2, reward=0.0), {}, 0.0)
+    a.delivered(0, fields("w0", "L3", group_id="W", group_size=2, reward=0.0), {}, 0.0)
+    a.delivered(0, fields("w1", "L4", group_id="W", group_size=2, reward=1.0), {}, 0.0)
+    a.delivered(0, fields("s", "L5", reward=0.0), {}, 0.0)  # a trajectory outside a group is a unit of its own
+    assert seen == [["z0", "z1"], ["w0", "w1"], ["s"]]
+    assert a.ready == 1 and a.stats.filtered == 3
+    outbox = [(o.type, sorted(o.fields["leases"]), o.fields.get("reason")) for o in a.take_outbox()]
+    assert outbox == [("nack", ["L1", "L2", "L5"], "filtered:consumer")]
+    a.delivered(0, fields("z0", "L9", group_id="Z", group_size=2, reward=0.0), {}, 1.0)  # a redelivery: settled alike
+    assert sent(a) == [(0, "nack", ["L9"], False)] and seen == [["z0", "z1"], ["w0", "w1"], ["s"]]
