@@ -627,7 +627,7 @@ class _TrajectoryHandle:
         return Draft(TURN, self, self.next_turn, encode_at, (len(turn.tokens), int(turn.forced_tokens.size)), turn)
 
     def _end_draft(self, reward, metadata: Mapping[str, Any] | None) -> Draft:
-        fields = {"trajectory_id": self.trajectory_id, **self._job_field()}
+        fields: dict[str, Any] = {"trajectory_id": self.trajectory_id, **self._job_field()}
         if reward is not None:  # None: the reward comes later (`reward`)
             fields["reward"] = _reward(reward)
         if metadata:

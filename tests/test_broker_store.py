@@ -490,6 +490,6 @@ def test_a_row_with_a_state_no_trajectory_can_have_is_reported(tmp_path, store):
     store.close()
     with sqlite3.connect(tmp_path / "data" / "state.sqlite") as db:
         db.execute("UPDATE trajectories SET state='finished' WHERE id='done'")
-    with pytest.raises(StoreCorrupted, match=r"row 'done': state must be one of \['dead', 'ended', 'left', 'open', 'scoring', 'trained'\], "
-                                             r"got 'finished'"):
+    with pytest.raises(StoreCorrupted, match=r"row 'done': state must be one of "
+                                             r"\['dead', 'ended', 'left', 'open', 'scoring', 'trained'\], got 'finished'"):
         reopen(tmp_path / "data")

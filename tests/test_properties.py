@@ -1083,7 +1083,9 @@ def test_the_fast_decoder_decodes_and_refuses_exactly_as_the_checked_way(case):
 def test_the_fast_decoder_is_used_for_plain_turns_and_not_for_maps():
     spec_turn = next(t for t in PRODUCER_TO_BROKER.fast_specs.values() if t[0].type == "turn")
     assert "metadata" not in spec_turn[1] and "trajectory_id" in spec_turn[1]
-    assert {spec.type for spec, _ in PRODUCER_TO_BROKER.fast_specs.values()} == {"hello", "turn", "abort", "ping", "batch"}
+    # an `end` whose reward comes later carries no map: plain; a `reward` always carries its reward (number or map)
+    assert {spec.type for spec, _ in PRODUCER_TO_BROKER.fast_specs.values()} == {"hello", "turn", "end", "abort", "ping",
+                                                                                  "batch"}
     assert BROKER_TO_CONSUMER.fast_specs and "deliver" not in {s.type for s, _ in BROKER_TO_CONSUMER.fast_specs.values()}
 
 
