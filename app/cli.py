@@ -113,11 +113,14 @@ def show_fingerprints(key_files: tuple[str, ...]) -> None:
               "between a commit and its next checkpoint and resumes) of the options above.")
 @click.option("--steps", default=60, show_default=True, help="--train: training steps (one batch each).")
 @click.option("--max-staleness", type=click.IntRange(min=0), default=None,
-              help="--train: the broker's staleness bound, in policy versions (the trainer's steps) a trajectory's "
-                   "oldest turn may lag the trainer (docs/consumer.md, Staleness).")
+              help="The broker's staleness bound, in policy versions (the trainer's steps) a trajectory's oldest turn "
+                   "may lag the trainer (docs/consumer.md, Staleness); stale ones are dead-lettered and counted.")
 @click.option("--filter", "group_filter", default=None,
-              help="--train: the broker's group filters, e.g. all_equal_rewards (groups without a learning signal "
-                   "are dropped before batches form; the run stops cleanly if its broker says it starves).")
+              help="The broker's group filters, e.g. all_equal_rewards: groups without a learning signal are dropped "
+                   "before batches form (with --train the run stops cleanly if its broker says it starves).")
+@click.option("--late-reward-rate", default=0.2, show_default=True,
+              type=click.FloatRange(0.0, 1.0), help="Chance a synthetic trajectory ends without its reward, which "
+              "follows half a second later (a slow verifier).")
 @click.option("--plot", "plot", default="rollstream-train.png", show_default=True,
               help="--train: where to write the PNG plot (needs the `plot` extra); '' for none.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary's figures as one JSON line (after the "
@@ -143,9 +146,6 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int |
                                  progress=(lambda line: None) if as_json else click.echo)
         click.echo(json.dumps(summary) if as_json else train_summary_table(summary))
         return
-    if max_staleness is not None or group_filter:
-        raise click.UsageError("--max-staleness and --filter apply to --train runs: the synthetic producers' "
-                               "trajectories carry no policy versions and no rewards to filter by")
     from rich.console import Console
 
     from .demo import live_progress, run_demo, summary_table
@@ -156,7 +156,7 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int |
     console = Console()
     bars, show = live_progress(console, options["producers"] * options["trajectories"])
     with bars:
-        summary = run_demo(show=show, **options)
+        summary = run_demo(show=show, max_staleness=max_staleness, group_filter=group_filter, **options)
     console.print(summary_table(summary))
     if as_json:
         click.echo(json.dumps(summary))

@@ -29,7 +29,8 @@ TOP_K = 20  # the synthetic producers' top-k (ProducerSettings.top_k): the padde
 
 def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, group_size: int = 4, batch_size: int = 4,
              abort_rate: float = 0.1, retry_rate: float = 0.1, dp_size: int = 2, chaos: bool = False, timeout: float = 180.0,
-             keep_data: bool = False, show: Callable[[Counts, list[str]], None] | None = None) -> dict[str, Any]:
+             keep_data: bool = False, max_staleness: int | None = None, group_filter: str | None = None,
+             late_reward_rate: float = 0.2, show: Callable[[Counts, list[str]], None] | None = None) -> dict[str, Any]:
     """Run the pipeline until every acknowledged trajectory is committed or
     dead-lettered (or `timeout` seconds pass); return the summary, the
     checker's verdict in it. `show` is called with the progress a few
@@ -39,16 +40,21 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
                          f"expected a multiple of {group_size}, got {trajectories}")
     plan = producers * trajectories
     faults = Chaos() if chaos else None
-    broker_args = ("--trajectory-ttl", "3", "--heartbeat-interval", "0.5") if chaos else ()
+    broker_args = (*(("--trajectory-ttl", "3", "--heartbeat-interval", "0.5") if chaos else ()),
+                   *(("--max-staleness", str(max_staleness)) if max_staleness is not None else ()),
+                   *(("--group-filters", group_filter) if group_filter else ()))
     with LoopbackNode("rollstream-demo-", VOCAB, keep_data=keep_data, broker_args=broker_args) as node:
-        pipeline = Pipeline(node, dp_size=dp_size, batch_size=batch_size)
+        # The trainer writes its policy version after every step; the producers sample at the one they read.
+        versions = ("--version-file", str(node.work / "policy.version"))
+        pipeline = Pipeline(node, dp_size=dp_size, batch_size=batch_size, rank_args=versions)
         pipeline.trainer.start(die_before_commit=faults.trainer_kill_before_commit if faults else 0)
         pipeline.trainer.wait_welcomed(timeout)
         started = time.perf_counter()
         for i in range(producers):
             pipeline.add_producer(i, trajectories=trajectories, turns=turns, group_size=group_size,
                                   abort_rate=abort_rate, retry_rate=retry_rate,
-                                  extra=("--rate", "12", "--heartbeat-interval", "0.5") if chaos else ())
+                                  extra=(*versions, "--reward-levels", "2", "--late-reward-rate", str(late_reward_rate),
+                                         *(("--rate", "12", "--heartbeat-interval", "0.5") if chaos else ())))
 
         def each() -> None:
             if faults is not None:
@@ -62,8 +68,14 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
         if show is not None:
             show(pipeline.counts, faults.done if faults else [])
         work = node.work
+    # Thrown away on purpose when asked for: counted apart, never a failure.
+    expected = {"stale"} if max_staleness is not None else set()
+    expected |= {f"filtered:{name.partition(':')[0]}" for name in (group_filter or "").split(",") if name}
+    if chaos and late_reward_rate:  # a producer killed while its verifier was still scoring: the reward never comes
+        expected.add("reward_expired")
     return _summary(pipeline.records, report, pipeline.dead, seconds, drained=drained, faults=faults, dp_size=dp_size,
-                    retried=pipeline.counts.retried, kept=work if keep_data else None)
+                    retried=pipeline.counts.retried, late_rewards=pipeline.counts.late_rewards,
+                    kept=work if keep_data else None, expected_dead=expected)
 
 
 def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
@@ -75,7 +87,7 @@ def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
 
 
 def _summary(records: list[dict], report, dead: list[dict], seconds: float, *, drained: bool, faults: Chaos | None,
-             dp_size: int, retried: int, kept: Path | None) -> dict[str, Any]:
+             dp_size: int, retried: int, late_rewards: int, kept: Path | None, expected_dead: set[str]) -> dict[str, Any]:
     committed: dict[str, dict] = {}
     for record in records:
         if record["kind"] == "committed":
@@ -95,6 +107,9 @@ def _summary(records: list[dict], report, dead: list[dict], seconds: float, *, d
         "replay_gaps": dict(Counter(r["gap"][1] for r in committed.values() if r.get("gap"))),
         "retried": retried,
         "dead_letters": dict(Counter(item.get("reason") or "unknown" for item in dead)),
+        "stale_dropped": sum(1 for item in dead if item.get("reason") == "stale"),
+        "filtered": sum(1 for item in dead if (item.get("reason") or "").startswith("filtered:")),
+        "late_rewards": late_rewards,
         "csr_bytes": csr_bytes,
         "padded_bytes": 4 * TOP_K * tokens,
         "ack_latency_p50_s": ack_p50,
@@ -105,7 +120,7 @@ def _summary(records: list[dict], report, dead: list[dict], seconds: float, *, d
         "drained": drained,
         "faults_injected": len(faults.done) if faults else 0,
         "faults": list(faults.done) if faults else [],
-        "ok": drained and report.ok() and report.replayed_batches_identical is not False,
+        "ok": drained and report.ok(expected_dead) and report.replayed_batches_identical is not False,
         **({"data_kept_in": str(kept)} if kept else {}),
     }
 
@@ -154,6 +169,9 @@ def summary_table(summary: dict[str, Any]):
         ("end to end", f"p50 {seconds(summary['e2e_latency_p50_s'])}, p99 {seconds(summary['e2e_latency_p99_s'])} "
                        "(end sent to batch committed)"),
         ("retried", f"{summary['retried']} trajectories discarded after a turn (abort) and produced again"),
+        ("late rewards", f"{summary['late_rewards']} trajectories ended first, their rewards sent later"),
+        ("thrown away", f"stale {summary['stale_dropped']}, filtered {summary['filtered']} (on purpose: counted, "
+                        "not lost)"),
         ("faults injected", ", ".join(summary["faults"]) or "none"),
         ("redelivered", f"{summary['redelivered']} hand-outs again after a lost consumer"),
         ("resumed", "never" if summary["resumed_from_step"] is None else
@@ -166,6 +184,8 @@ def summary_table(summary: dict[str, Any]):
     ]
     if not summary["retried"]:
         rows = [row for row in rows if row[0] != "retried"]
+    if not summary["stale_dropped"] and not summary["filtered"]:
+        rows = [row for row in rows if row[0] != "thrown away"]
     if "data_kept_in" in summary:
         rows.append(("data kept in", summary["data_kept_in"]))
     for name, value in rows:

@@ -13,6 +13,9 @@ resumes from it. Rank 0 closes its consumer once the stop file appears,
 which stops every rank; `--die-before-commit K` SIGKILLs rank 0 just before
 its K-th commit, `--die-after-commit K` just after it and `--die-before-seal
 K` between saving checkpoint K and sealing it (the injected trainer faults).
+After every step the source publishes its policy version (the step) to
+the brokers and, with `--version-file`, writes it where the synthetic
+producers read the version their trajectories are sampled at.
 """
 from __future__ import annotations
 
@@ -75,6 +78,16 @@ def save_checkpoint(directory: Path, step: int, data: dict) -> None:
     os.replace(partial, directory / "latest.json")
 
 
+def publish(client: Consumer | None, step: int, version_file: str | None) -> None:
+    """The source's policy version after `step`: to the brokers, and to the producers' file (replaced whole)."""
+    assert client is not None  # the source rank owns it
+    client.set_policy_version(step)
+    if version_file is not None:
+        partial = Path(f"{version_file}.partial")
+        partial.write_text(str(step))
+        os.replace(partial, version_file)
+
+
 def _close_on(stop_file: Path, consumer: Consumer) -> None:
     """Close the source's consumer once `stop_file` exists: its next batch
     then raises `ConsumerClosed` and every rank's iteration ends."""
@@ -103,6 +116,9 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", required=True, help="where rank 0 saves checkpoints (and resumes from)")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="steps between checkpoints")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="a slow trainer: each step takes at least this long")
+    parser.add_argument("--max-staleness", type=int, default=None,
+                        help="the trainer's own staleness bound, in policy versions (lowers the brokers')")
+    parser.add_argument("--version-file", help="where the source writes its policy version after every step")
     parser.add_argument("--curve-secret-key", help="the trainer's own .key_secret: CURVE to the brokers")
     parser.add_argument("--curve-server-key", help="the brokers' public .key")
     args = parser.parse_args()
@@ -115,13 +131,15 @@ def main() -> None:
         checkpoint = load_checkpoint(checkpoints)
         client = Consumer(args.endpoint, batch_size=args.batch_size, unit="group", vocab_size=args.vocab_size,
                           device="cpu", on_invalid="quarantine", world_size=args.world,
-                          resume=None if checkpoint is None else checkpoint["data"],
+                          resume=None if checkpoint is None else checkpoint["data"], max_staleness=args.max_staleness,
                           curve_secret_key=args.curve_secret_key, curve_server_key=args.curve_server_key)
         threading.Thread(target=_close_on, args=(Path(args.stop_file), client), daemon=True).start()
     shards = DistributedConsumer(client, strategy="group", partial_after=args.partial_after, ledger=args.ledger)
     state = shards.state_dict()
-    if args.rank == 0 and state["step"] == 0:  # the first checkpoint: a restart before the next starts from here
-        save_checkpoint(checkpoints, 0, state)
+    if args.rank == 0:
+        publish(client, state["step"], args.version_file)
+        if state["step"] == 0:  # the first checkpoint: a restart before the next starts from here
+            save_checkpoint(checkpoints, 0, state)
     generator = torch.Generator().manual_seed(args.rank)
     commits = 0
     try:
@@ -137,6 +155,8 @@ def main() -> None:
                 client.flush(30)  # the commit is durable: the kill lands between it and the next checkpoint
                 os.kill(os.getpid(), signal.SIGKILL)
             state = shards.state_dict()
+            if args.rank == 0:
+                publish(client, state["step"], args.version_file)
             if state["step"] % args.checkpoint_every == 0:
                 if args.rank == 0:
                     save_checkpoint(checkpoints, state["step"], state)

@@ -299,6 +299,7 @@ class Counts:
     delivered: int = 0
     committed: int = 0
     retried: int = 0  # trajectories discarded by an `abort` and produced again (not a stage)
+    late_rewards: int = 0  # rewards that came after their trajectory's end (not a stage)
 
 
 class Pipeline:
@@ -308,12 +309,13 @@ class Pipeline:
     stops the trainer and asks the checker. The demo and the fault suite
     compose their runs from it."""
 
-    def __init__(self, node: LoopbackNode, *, dp_size: int = 2, batch_size: int = 4, trainer_endpoint: str | None = None):
+    def __init__(self, node: LoopbackNode, *, dp_size: int = 2, batch_size: int = 4, trainer_endpoint: str | None = None,
+                 rank_args: Sequence[str] = ()):
         self.node = node
         self.ledgers = node.work / "ledgers"
         self.ledgers.mkdir(exist_ok=True)
         self.trainer = Trainer(node, dp_size=dp_size, batch_size=batch_size, ledgers=self.ledgers,
-                               endpoint=trainer_endpoint)
+                               endpoint=trainer_endpoint, rank_args=rank_args)
         self.records: list[dict] = []
         self.counts = Counts()
         self.status: dict | None = None
@@ -365,6 +367,7 @@ class Pipeline:
         # trained by the trainer: gone, or kept as trained until a checkpoint is sealed
         counts.delivered = counters["trajectories.delivered"] + (self.status or {}).get("unsealed", 0)
         counts.retried = counters["trajectories.aborted"]
+        counts.late_rewards = counters["frames.reward.applied"]
 
     @property
     def idle(self) -> bool:

@@ -59,6 +59,13 @@ HELP = {
     "top_p": "Top-p (nucleus) truncation.",
     "min_p": "Min-p truncation.",
     "abort_rate": "Synthetic: chance that a later turn is aborted without supports (a replay gap).",
+    "version_file": "Synthetic: a file holding the trainer's policy version (an integer), read as each trajectory "
+                    "starts; its turns carry it as weight_version step-N (step-0 while the file is missing).",
+    "reward_levels": "Synthetic: rewards in this many levels over [0, 1], the top one likelier as the policy version "
+                     "rises (so a group's rewards tie more and more often); under 2: continuous.",
+    "late_reward_rate": "Synthetic: chance that a trajectory ends without its reward and sends it late_reward_seconds "
+                        "later (a slow verifier).",
+    "late_reward_seconds": "Synthetic: how long a late reward takes.",
     "retry_rate": "Synthetic: chance that a trajectory outside a group is discarded (abort) after its first turn and "
                   "produced again from turn 0.",
     "sglang_url": "Base URL of the SGLang-compatible server (POST {url}/generate).",
@@ -81,6 +88,9 @@ TYPES = {
     "crc": click.BOOL,
     "check_content": click.BOOL,
     "log_level": click.Choice(["debug", "info", "warning", "error"]),
+    "reward_levels": click.IntRange(min=0),
+    "late_reward_rate": click.FloatRange(0.0, 1.0),
+    "late_reward_seconds": click.FloatRange(min=0.0),
 }
 
 

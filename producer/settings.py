@@ -45,6 +45,10 @@ class ProducerSettings:
     min_p: float = 0.0
     abort_rate: float = 0.0
     retry_rate: float = 0.0
+    version_file: str | None = None  # synthetic: the trainer's policy version, read as each trajectory starts
+    reward_levels: int = 0  # synthetic: rewards in this many levels over [0, 1] (ties within a group); 0: continuous
+    late_reward_rate: float = 0.0  # synthetic: chance a trajectory ends without its reward, sent later
+    late_reward_seconds: float = 0.5
     # sglang
     sglang_url: str = "http://127.0.0.1:30000"
     sglang_timeout: float = 600.0

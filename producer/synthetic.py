@@ -7,11 +7,15 @@ with `abort_rate`, a later turn is sometimes `aborted` without its supports,
 as an engine abort returns, which the broker records as a replay gap; with
 `retry_rate`, a trajectory outside a group is sometimes discarded (`abort`)
 after its first turn and produced again from turn 0, as a rollout retried
-after a failure.
+after a failure. With `version_file` its turns carry the trainer's policy
+version (`step-N`, read as each trajectory starts), with `reward_levels`
+rewards can tie within a group, and with `late_reward_rate` a trajectory
+sometimes ends without its reward, which follows later, as a slow verifier's.
 """
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 
@@ -46,13 +50,35 @@ class SyntheticSource:
         logits, ids = self.logits(tokens)
         return sample(logits, self.params, self.rng, ids)
 
+    def version(self) -> str | None:
+        """The trainer's policy version as a `weight_version` (`step-N`), when a version file is set."""
+        if self.settings.version_file is None:
+            return None
+        try:
+            return f"step-{int(Path(self.settings.version_file).read_text())}"
+        except (FileNotFoundError, ValueError):  # not written yet (or being replaced): the initial weights
+            return "step-0"
+
+    def reward(self, version: str | None) -> float:
+        """Continuous, or with `reward_levels` one of that many levels over
+        [0, 1] whose top (1.0) grows likelier as the policy version rises
+        (1 - 2^-(v+1): a policy learning), so more and more groups tie."""
+        levels = self.settings.reward_levels
+        if levels < 2:
+            return float(self.rng.random())
+        step = 0 if version is None else int(version.removeprefix("step-"))
+        if self.rng.random() < 1 - 0.5 ** (step + 1):
+            return 1.0
+        return float(self.rng.integers(levels - 1)) / (levels - 1)
+
     async def episode(self, traj: AsyncTrajectoryHandle, job: Job, stopping: asyncio.Event) -> str:
         s = self.settings
+        version = self.version()  # one version for the whole trajectory, as an engine samples it
         # A rollout retried after its first turn. Not a group member: an `abort` makes
         # a member leave its group (protocol.md, Groups), which may then become deliverable.
         if job.group_id is None and s.turns > 1 and self.rng.random() < s.retry_rate:
             drawn = self.turn(around(self.rng, s.response_tokens))
-            retrieve(await traj.turn(drawn.tokens, drawn.log_probs, mask=drawn.mask))
+            retrieve(await traj.turn(drawn.tokens, drawn.log_probs, mask=drawn.mask, weight_version=version))
             retrieve(await traj.abort(RETRY))  # discarded at the broker: the trajectory starts again from turn 0
         for index in range(s.turns):
             if stopping.is_set():
@@ -64,11 +90,18 @@ class SyntheticSource:
             forced = None if last else self.rng.integers(0, s.vocab_size, size=around(self.rng, s.tool_tokens),
                                                          dtype=np.int32)
             retrieve(await traj.turn(drawn.tokens, drawn.log_probs, mask=None if aborted else drawn.mask,
-                                     forced_tokens=forced, status="aborted" if aborted else "completed"))
+                                     forced_tokens=forced, status="aborted" if aborted else "completed",
+                                     weight_version=version))
             if aborted:
                 break
             await asyncio.sleep(0 if last else s.tool_seconds)  # the tool's time; replies and other episodes go meanwhile
-        retrieve(await traj.end(float(self.rng.random())))
+        reward = self.reward(version)
+        if s.late_reward_rate and self.rng.random() < s.late_reward_rate:  # no draw when off: seeded runs unchanged
+            retrieve(await traj.end())  # scoring at the broker until the reward follows
+            await asyncio.sleep(s.late_reward_seconds)
+            retrieve(await traj.reward(reward))
+        else:
+            retrieve(await traj.end(reward))
         return ENDED
 
     async def run(self, producer: AsyncProducer, stopping: asyncio.Event) -> None:

@@ -40,7 +40,8 @@ def test_demo_with_chaos_kills_and_restarts_every_role_and_the_checker_finds_not
     assert (summary["lineage_lost"], summary["lineage_duplicated"]) == (0, 0)
     assert summary["resumed_from_step"] is not None and summary["replayed"] > 0
     assert summary["replayed_batches_identical"] is True
-    assert summary["committed"] == summary["acked"] >= 48 - 8  # the killed producer's open trajectories expire
+    # the killed producer's open trajectories expire, and a reward its verifier had not sent yet never comes
+    assert summary["committed"] + summary["dead_letters"].get("reward_expired", 0) == summary["acked"] >= 48 - 8
 
 
 @pytest.mark.slow
@@ -61,6 +62,18 @@ def test_demo_exits_non_zero_when_the_checker_finds_anything(monkeypatch):
     # exit status 1 from the checker's verdict, not from an exception (a click runner reports both as 1)
     assert isinstance(result.exception, SystemExit) and result.exit_code == 1, (result.exception, result.output)
     assert json.loads(result.output.strip().splitlines()[-1])["lost"] == 1
+
+
+@pytest.mark.slow
+def test_demo_with_a_staleness_bound_and_a_filter_counts_what_it_threw_away_and_the_checker_finds_nothing():
+    out, summary = demo("--max-staleness", "0", "--filter", "all_equal_rewards", "--late-reward-rate", "0.5")
+    assert {key: summary[key] for key in CLEAN} == CLEAN and summary["ok"] and summary["drained"]
+    thrown = summary["dead_letters"]
+    assert set(thrown) <= {"stale", "filtered:all_equal_rewards"}
+    assert (summary["stale_dropped"], summary["filtered"]) == (thrown.get("stale", 0),
+                                                               thrown.get("filtered:all_equal_rewards", 0))
+    assert summary["committed"] + summary["stale_dropped"] + summary["filtered"] == summary["acked"] == 48
+    assert summary["late_rewards"] > 0 and "late rewards" in out
 
 
 def test_demo_refuses_groups_that_cannot_be_whole():
