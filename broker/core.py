@@ -318,7 +318,7 @@ class BrokerCore:
         """Why `Freshness` keeps a turn out: a version without an order
         under a bound, or a new trajectory over its job's capacity (resent
         later: the trainer frees room as it trains)."""
-        if message.type != "turn" or not self.freshness.policies and self.freshness.max_staleness is None:
+        if message.type != "turn" or (not self.freshness.policies and self.freshness.max_staleness is None):
             return None
         job = message.get("job", DEFAULT_JOB)
         spans = message.get("weight_version_spans") or ()
