@@ -271,7 +271,7 @@ class AsyncProducer:
         self._context = context or zmq.Context.instance()
         self._intake = _Intake(self._session, producer_id)  # what senders on other threads share with the loop
         # The loop's own:
-        self._changed = asyncio.Event()  # set whenever frames settle or the window grows (room may have appeared)
+        self._changed = asyncio.Event()  # set whenever frames settle, the window grows or admission changes
         self._read_scheduled = False
         self._tick_seconds = min(0.25, max(0.01, min(heartbeat_interval, reply_timeout, retry_delay or 1.0) / 4))
         self._sock: zmq.Socket | None = None
@@ -324,6 +324,11 @@ class AsyncProducer:
     def held(self) -> int:
         """Frames held in memory (never more than the window)."""
         return self._session.in_memory
+
+    @property
+    def admission(self) -> int | None:
+        """New trajectories the broker last said it has room for (its staleness capacity); None: no limit named."""
+        return self._session.admit
 
     @property
     def window(self) -> int:
@@ -531,13 +536,15 @@ class AsyncProducer:
         except ProtocolError as error:
             session.undecodable(error)
             return
-        limit = session.window.limit
+        limit, admit = session.window.limit, session.admit
         settled = session.received(reply, now)
         if settled:
             self._intake.settle(settled, now)
             self._changed.set()
         elif session.window.limit > limit:  # a larger grant: senders waiting for room look again
             self._intake.wake()
+            self._changed.set()
+        elif session.admit != admit:  # `admitted` waiters look again
             self._changed.set()
 
     # -- time and connection events -----------------------------------------------

@@ -902,13 +902,17 @@ def test_admitted_waits_while_the_job_holds_its_staleness_capacity_and_goes_once
     """A trainer publishes a capacity of one trajectory (max_staleness 0, a
     step of 1): the producer may start one, then waits until it is gone."""
     async def main(broker):
-        async with AsyncProducer(broker.endpoints["producer"], "p-admit", heartbeat_interval=0.2) as producer:
+        async with AsyncProducer(broker.endpoints["producer"], "p-admit", heartbeat_interval=0.2) as producer, \
+                AsyncProducer(broker.endpoints["producer"], "p-waits", heartbeat_interval=0.2) as waiting:
             assert await producer.admitted(timeout=5)
             traj = producer.trajectory("t0", [1, 2])
             await (await traj.turn([10], [-0.5], supports=[[10, 4]], weight_version="step-3"))
-            waited = await producer.admitted(timeout=1.0)  # the job holds 1 of 1: wait
-            await (await traj.abort("retry"))  # gone: room for one
-            return waited, await producer.admitted(timeout=5)
+            async with asyncio.timeout(PATIENCE):  # until its next pong says the job holds 1 of 1
+                while waiting.admission != 0:
+                    await asyncio.sleep(0.05)
+            waited = await waiting.admitted(timeout=1.0)
+            await (await traj.abort("retry"))  # gone: room for one, which the waiting one hears of in a pong only
+            return waited, await waiting.admitted(timeout=5)
 
     with Broker(tmp_path, "--max-staleness", "0") as broker:
         trainer = zmq.Context.instance().socket(zmq.DEALER)
