@@ -30,15 +30,6 @@ def oldest_version(texts: Iterable[str]) -> int | None:
     return min(versions, default=None)
 
 
-def staleness(version: int | None, current: int | None) -> int | None:
-    """Trainer steps between the weights that sampled `version` and the
-    trainer's `current` ones; None when either is unknown. A version ahead
-    of the trainer's (weights of a lineage a resume abandoned) counts as 0."""
-    if version is None or current is None:
-        return None
-    return max(0, current - version)
-
-
 def trajectory_version(trajectory) -> int | None:
     """A `Trajectory`'s version: the oldest its turns (and their weight-version spans) hold."""
     spans = (version for turn_spans in trajectory.weight_version_spans for version, _, _ in turn_spans)
