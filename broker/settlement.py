@@ -86,6 +86,8 @@ class Settlement:
                 by_id[lease] = tid
             elif entry is None and tid in engine.dedup:
                 before.append(lease)
+            elif entry is not None and entry.state == TRAINED:  # a plain ack of what a step already recorded
+                before.append(lease)
             else:
                 stale.append(lease)
             claimed.add(lease)

@@ -111,6 +111,19 @@ def test_an_ack_with_a_step_keeps_the_trajectories_as_trained_across_a_restart(n
     assert node.core.status(node.clock)["ready"] == 0
 
 
+def test_a_plain_ack_of_a_trajectory_a_step_already_recorded_is_answered_acked_and_changes_nothing(node):
+    """A redelivery the consumer acks at once without a step (it had
+    committed the trajectory) can reach the broker after the commit that
+    recorded it as trained, settled by id: not a stale lease."""
+    node.produce("a")
+    node.hello()
+    taken = node.take(1)
+    node.train(1, taken)
+    [acked] = node.say("ack", leases=["a-lease-of-an-earlier-broker"], trajectory_ids=["a"])
+    assert acked.type == "acked" and acked["leases"] == ["a-lease-of-an-earlier-broker"]
+    assert node.state("a") == (TRAINED, TrainedAt("R", "L1", 1, 0))
+
+
 def test_seals_reclaim_what_was_trained_at_or_before_the_keep_th_latest_checkpoint(node):
     node.produce("s1", "s2", "s3")
     node.hello()
