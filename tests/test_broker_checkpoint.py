@@ -14,7 +14,7 @@ from rollstream.broker.store import Store
 from rollstream.broker.store_io import StoreIO
 from rollstream.common.clock import Clock
 from rollstream.common.codec import decode, encode
-from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
+from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER
 
 P, C = b"producer", b"consumer"
 
@@ -38,16 +38,17 @@ class Node:
                                               **self.settings), "b", metrics, disk_reserve=0)
         self.core.restore(rebuild(self.store.open(), self.store), 0, 1 << 40)
 
-    def run(self, steps) -> list:
-        """Perform one core input; the consumer messages it sent, decoded."""
+    def run(self, steps, socket: str = "consumer") -> list:
+        """Perform one core input; the messages it sent to `socket`, decoded."""
+        schema = BROKER_TO_CONSUMER if socket == "consumer" else BROKER_TO_PRODUCER
         sent, answer = [], None
         try:
             while True:
                 request = steps.send(answer)
                 if isinstance(request, Send):
                     answer = True
-                    if request.socket == "consumer":
-                        sent.append(decode(request.frames, BROKER_TO_CONSUMER))
+                    if request.socket == socket:
+                        sent.append(decode(request.frames, schema))
                 elif isinstance(request, ServeConsumers):
                     answer = None
                 else:
@@ -58,6 +59,10 @@ class Node:
     @property
     def clock(self):
         return Clock(self.now, 1e6 + self.now)
+
+    def producer_says(self, *messages) -> list:
+        """Producer messages in one batch; the broker's answers, decoded."""
+        return self.run(self.core.producer_batch([(P, m, None) for m in messages], self.clock), "producer")
 
     def produce(self, *tids):
         messages = [m for tid in tids for m in (turn_msg(tid, 0, seq=1), end_msg(tid, seq=2))]

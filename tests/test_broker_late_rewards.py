@@ -6,26 +6,12 @@ scoring trajectory waiting), with raw producer and consumer messages."""
 from broker_helpers import end_msg, reward_msg, turn_msg
 from test_broker_checkpoint import Node
 
-from rollstream.broker.core import Send
-from rollstream.common.codec import decode
-from rollstream.common.messages import BROKER_TO_PRODUCER
-
 P = b"producer"
 
 
 def send(node: Node, *messages) -> list[tuple]:
     """Producer messages in one batch; each answer as (type, outcome or code)."""
-    steps, answer, sent = node.core.producer_batch([(P, m, None) for m in messages], node.clock), None, []
-    try:
-        while True:
-            request = steps.send(answer)
-            if isinstance(request, Send):
-                sent.append(decode(request.frames, BROKER_TO_PRODUCER))
-                answer = True
-            else:
-                answer = node.io.performers[type(request)](request)
-    except StopIteration:
-        pass
+    sent = node.producer_says(*messages)
     return [(m.type, "duplicate" if m.get("duplicate") else m["applied"]) if m.type == "ack" else (m.type, m["code"])
             for m in sent]
 

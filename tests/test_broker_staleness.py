@@ -8,11 +8,9 @@ import pytest
 from broker_helpers import end_msg, turn_msg
 from test_broker_checkpoint import Node
 
-from rollstream.broker.core import Send
 from rollstream.broker.staleness import Freshness, Policy
 from rollstream.common.codec import decode
 from rollstream.common.errors import InvalidInput
-from rollstream.common.messages import BROKER_TO_PRODUCER
 
 P = b"producer"
 
@@ -25,19 +23,8 @@ def produce(node: Node, *items, open_only=False) -> list:
         messages.append(turn_msg(tid, 0, seq=2 * seq, **({} if version is None else {"weight_version": version})))
         if not open_only:
             messages.append(end_msg(tid, seq=2 * seq + 1))
-    sent = []
-    steps, answer = node.core.producer_batch([(P, m, None) for m in messages], node.clock), None
-    try:
-        while True:
-            request = steps.send(answer)
-            if isinstance(request, Send):
-                sent.append(decode(request.frames, BROKER_TO_PRODUCER))
-                answer = True
-            else:
-                answer = node.io.performers[type(request)](request)
-    except StopIteration:
-        pass
-    return [(m.type, m["trajectory_id"] if m.type == "ack" else m["code"], m.get("message", "")) for m in sent]
+    return [(m.type, m["trajectory_id"] if m.type == "ack" else m["code"], m.get("message", ""))
+            for m in node.producer_says(*messages)]
 
 
 def publish(node: Node, version: int, **fields) -> dict:
@@ -117,19 +104,7 @@ def test_new_trajectories_wait_while_the_job_holds_its_capacity_and_enter_once_o
 
 
 def produce_turn(node, tid, index, version):
-    steps = node.core.producer_batch([(P, turn_msg(tid, index, seq=50 + index, weight_version=version), None)],
-                                     node.clock)
-    sent, answer = [], None
-    try:
-        while True:
-            request = steps.send(answer)
-            if isinstance(request, Send):
-                sent.append(decode(request.frames, BROKER_TO_PRODUCER))
-                answer = True
-            else:
-                answer = node.io.performers[type(request)](request)
-    except StopIteration:
-        pass
+    sent = node.producer_says(turn_msg(tid, index, seq=50 + index, weight_version=version))
     return [(m.type, m.get("trajectory_id", m.get("code")), "") for m in sent]
 
 
@@ -161,19 +136,7 @@ def producer_says(node: Node, kind: str, **fields) -> dict:
     from rollstream.common.codec import encode
     from rollstream.common.messages import PRODUCER_TO_BROKER
 
-    message = decode(encode(PRODUCER_TO_BROKER, kind, fields), PRODUCER_TO_BROKER)
-    steps, answer, sent = node.core.producer_batch([(P, message, None)], node.clock), None, []
-    try:
-        while True:
-            request = steps.send(answer)
-            if isinstance(request, Send):
-                sent.append(decode(request.frames, BROKER_TO_PRODUCER))
-                answer = True
-            else:
-                answer = node.io.performers[type(request)](request)
-    except StopIteration:
-        pass
-    [reply] = sent
+    [reply] = node.producer_says(decode(encode(PRODUCER_TO_BROKER, kind, fields), PRODUCER_TO_BROKER))
     return reply.fields
 
 
