@@ -492,8 +492,9 @@ def turn_messages(draw, *, min_tokens=0):
 
 
 def ids(max_size: int):
-    """Trajectory and group ids: any text but U+001F, which no id holds (a broker keys other jobs' ids with it)."""
-    return st.text(st.characters(exclude_characters="\x1f"), min_size=1, max_size=max_size)
+    """Trajectory and group ids: any text but U+001F, which no id holds (a broker keys other jobs' ids with it),
+    and the surrogates, which are no text UTF-8 can carry."""
+    return st.text(st.characters(exclude_characters="\x1f", exclude_categories=("Cs",)), min_size=1, max_size=max_size)
 
 
 def expected_turn_fields(spec, trajectory_id, index, kwargs) -> dict:
