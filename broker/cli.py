@@ -10,7 +10,7 @@ from rollstream.common.config import BYTES, SETTINGS_CONTEXT, config_option, set
 from rollstream.common.curve import curve_client_options
 
 from .settings import BrokerSettings, broker_problems
-from .staleness import DISPATCH_ORDERS
+from .staleness import ABANDONED_ACTIONS, DISPATCH_ORDERS
 
 HELP = {
     "producer_endpoint": "Where producers connect (tcp://, ipc:// or inproc://).",
@@ -29,6 +29,9 @@ HELP = {
                      "lower it); older ones are dead-lettered stale, and new trajectories wait while the job holds "
                      "what its trainer can train within the bound. Unset: no bound.",
     "dispatch_order": "Which policy version is handed out first: oldest_first or freshest_first.",
+    "abandoned_lineage": "What to do with a trajectory sampled by weights a resumed trainer abandoned (newer than the "
+                         "checkpoint it resumed from): drop (dead letter abandoned) or keep (train it); counted either "
+                         "way.",
     "group_filters": "Drop complete groups without a learning signal before batches form (dead letter "
                      "filtered:NAME, its room refilled): comma-separated all_equal_rewards[:tolerance], "
                      "reward_std_below:THRESHOLD, min_members:N.",
@@ -65,6 +68,7 @@ TYPES = {
     "sync": click.Choice(["normal", "full"]),
     "max_staleness": click.IntRange(min=0),
     "dispatch_order": click.Choice(list(DISPATCH_ORDERS)),
+    "abandoned_lineage": click.Choice(list(ABANDONED_ACTIONS)),
     "max_memory_bytes": BYTES,
     "max_disk_bytes": BYTES,
     "disk_reserve_bytes": BYTES,

@@ -29,6 +29,7 @@ from rollstream.common.errors import ProtocolError, RemoteProtocolError
 from rollstream.common.jobs import DEFAULT_JOB, SEPARATOR, job_key, job_of, wire_id
 from rollstream.common.messages import ADMIN_REPLIES, BROKER_TO_CONSUMER, BROKER_TO_PRODUCER
 from rollstream.common.trajectory import Trajectory
+from rollstream.common.versions import Lineage
 from rollstream.common.wire import encode_deliver
 
 from .dispatch import Dispatch, Dispatcher, DispatchSettings
@@ -208,11 +209,14 @@ class BrokerCore:
         s = self.settings = settings
         self.broker_id = broker_id
         self.metrics = metrics
+        # How stale a trajectory may be trained, and which lineage it must descend from.
+        self.freshness = Freshness(s.max_staleness, s.dispatch_order, s.abandoned_lineage)
         self.engine = self._new_engine()
-        self.freshness = Freshness(s.max_staleness, s.dispatch_order)  # how stale a trajectory may be trained
         self.starvation = Starvation(s.starvation_window, s.starvation_share, idle_after=s.starvation_after)
         self.dispatcher = Dispatcher(DispatchSettings(s.lease_timeout, s.heartbeat_interval, s.max_deliveries,
                                                       s.dispatch_order))
+        if self.freshness.drops_abandoned:
+            self.dispatcher.untrainable = self._abandoned
         self.memory = MemoryBudget(s.max_memory_bytes)  # when producer frames are read, how far to evict
         self.admission = DiskAdmission(s.max_disk_bytes, disk_reserve)
         self.grants = WindowGrants(s.window, s.max_in_flight)  # frames in flight per producer connection
@@ -233,8 +237,20 @@ class BrokerCore:
 
     def _new_engine(self) -> MergeEngine:
         s = self.settings
-        return MergeEngine(EngineSettings(s.trajectory_ttl, s.dedup_window, parse_filters(s.group_filters),
-                                          s.filter_reward_key))
+        engine = MergeEngine(EngineSettings(s.trajectory_ttl, s.dedup_window, parse_filters(s.group_filters),
+                                            s.filter_reward_key))
+        engine.epochs = self.freshness.epochs
+        return engine
+
+    def _abandoned(self, unit: DeliveryUnit) -> bool:
+        """Whether weights of a lineage its job's trainer abandoned sampled
+        a member of `unit` (a replayed, trained one is exempt)."""
+        job = job_of(unit.trajectory_ids[0])
+        if job not in self.freshness.epochs:
+            return False
+        entries = self.engine.entries
+        return any(self.freshness.abandoned(job, entry.sampled) for entry in map(entries.get, unit.trajectory_ids)
+                   if entry is not None and entry.state == ENDED)
 
     def restore(self, rebuilt: Rebuilt, disk_bytes: int, free_bytes: int) -> None:
         """Start from what the store held (`recovery.rebuild`): its ready
@@ -373,13 +389,13 @@ class BrokerCore:
             self.metrics.count_outcomes((answer.message.type, answer.ack) for answer in answers
                                         if answer.ack is not None and answer.message is not None)
             for identity, acks in batched_acks(answers, self.hellos.batch_acks, self.grants.grant).items():
-                acks.update(self._admit(identity))
+                acks.update(self._job_fields(identity))
                 yield Send("producer", identity, encode(BROKER_TO_PRODUCER, "acks", acks, checked=False))
         batch_acks = self.hellos.batch_acks
         for answer in answers:
             frames = answer.frames
             if answer.pong is not None:  # after the batch: a pong never names room its turns took
-                frames = encode(BROKER_TO_PRODUCER, "pong", {**answer.pong, **self._admit(answer.identity)})
+                frames = encode(BROKER_TO_PRODUCER, "pong", {**answer.pong, **self._job_fields(answer.identity)})
             elif answer.ack is not None:
                 if not committed:
                     unavailable = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later",
@@ -403,7 +419,7 @@ class BrokerCore:
             self._count_live_producers(now.mono)
             self.producer_jobs[identity] = message.get("job", DEFAULT_JOB)
             fields = self.hellos.welcome_producer(identity, message.fields, self.grants.grant(identity))
-            return _Answer(identity, encode(BROKER_TO_PRODUCER, "welcome", {**fields, **self._admit(identity)}))
+            return _Answer(identity, encode(BROKER_TO_PRODUCER, "welcome", {**fields, **self._job_fields(identity)}))
         if message.type == "ping":
             return _Answer(identity, pong={"seq": message["seq"], "window": self.grants.grant(identity)})
         if self.unavailable:
@@ -431,13 +447,22 @@ class BrokerCore:
             ack = {**ack, "trajectory_id": wire_id(ack["trajectory_id"])}
         return _Answer(identity, ack=ack, message=message)
 
-    def _admit(self, identity: bytes) -> dict:
-        """`admit`: how many new trajectories the connection's job has room
-        for under its staleness capacity (none when it has no capacity), so
-        a producer starts only what will enter (`AsyncProducer.admitted`)."""
+    def _job_fields(self, identity: bytes) -> dict:
+        """What a producer's welcome, pongs and acks tell it of its job:
+        `admit`, how many new trajectories the job has room for under its
+        staleness capacity (none when it has no capacity), so a producer
+        starts only what will enter (`AsyncProducer.admitted`); `lineage`,
+        the epoch of a resumed trainer and the step it resumed from, so a
+        producer reloads those weights (`AsyncProducer.lineage`)."""
         job = self.producer_jobs.get(identity, DEFAULT_JOB)
+        fields = {}
         capacity = self.freshness.capacity(job)
-        return {} if capacity is None else {"admit": max(0, capacity - self.engine.untrained[job])}
+        if capacity is not None:
+            fields["admit"] = max(0, capacity - self.engine.untrained[job])
+        if job in self.freshness.epochs:
+            lineage = self.freshness.lineage(job)
+            fields["lineage"] = [lineage.epoch, lineage.resumed_from]
+        return fields
 
     def producer_gone(self, identity: bytes) -> None:
         """A producer connection is gone (a reconnect comes with a new
@@ -530,7 +555,17 @@ class BrokerCore:
         this broker's share): kept durably, echoed with the bound in force;
         what it makes stale is dropped before the next delivery."""
         job = self.dispatcher.consumers[identity].job
-        policy = Policy(message["version"], message.get("max_staleness"), message.get("per_step"), message.get("share"))
+        try:
+            lineage = Lineage.of(message.get("branches"))
+        except ValueError as error:
+            yield Send("consumer", identity, self._refuse("consumer", RemoteProtocolError("invalid_value", str(error)),
+                                                          message))
+            return
+        policy = Policy(message["version"], message.get("max_staleness"), message.get("per_step"), message.get("share"),
+                        lineage)
+        if lineage != self.freshness.lineage(job) and lineage.branches:
+            log.info("trainer resumed: a new lineage epoch", extra={"job": job, "epoch": lineage.epoch,
+                                                                    "resumed_from": lineage.resumed_from})
         effect = self.freshness.publish(job, policy)
         if not (yield from self._commit([effect])):  # memory, the policies too, rolled back to the store
             yield Send("consumer", identity, self._unavailable(message))
@@ -571,7 +606,8 @@ class BrokerCore:
         says it trained through that step is trained (whether or not its
         commits arrived), the checkpoint is sealed, and what its run trained
         after it in another lineage goes back to it, listed in `resumed`
-        and delivered without credit."""
+        (with the job's lineage epoch as last published) and delivered
+        without credit."""
         consumer, engine = self.dispatcher.consumers[identity], self.engine
         run, lineage, step = consumer.run, consumer.lineage, message["step"]
         assert run is not None and lineage is not None  # checked by the caller
@@ -597,7 +633,9 @@ class BrokerCore:
         entries: list[list] = [[e.trained.step, e.trained.position, wire_id(e.trajectory_id)] for e in replay
                                if e.trained is not None]  # (every one: mypy cannot see the filter above)
         seq = {"seq": message["seq"]} if "seq" in message.fields else {}
-        yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "resumed", {"step": step, "replay": entries, **seq}))
+        epoch = self.freshness.lineage(consumer.job).epoch  # the resumed trainer's epoch must be above it
+        yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "resumed",
+                                                {"step": step, "replay": entries, "epoch": epoch, **seq}))
         log.info("trainer resumed", extra={"run": run, "step": step, "replayed": len(entries)})
         yield from self._send_deliveries(self.dispatcher.replay(identity, [e.trajectory_id for e in replay], now.mono), now)
 
@@ -660,7 +698,18 @@ class BrokerCore:
             return
         for job in list(self.freshness.policies.keys() & self.dispatcher.queues.keys()):
             yield from self._drop_stale(job, now)
-        yield from self._send_deliveries(self.dispatcher.deliveries(now.mono), now)
+        deliveries = self.dispatcher.deliveries(now.mono)
+        if self.dispatcher.set_aside:
+            yield from self._drop_abandoned(now)
+        yield from self._send_deliveries(deliveries, now)
+
+    def _drop_abandoned(self, now: Clock) -> Steps:
+        """Dead-letter the units the dispatcher set aside: weights of a
+        lineage their job's trainer abandoned sampled them (`abandoned`)."""
+        units, self.dispatcher.set_aside = self.dispatcher.set_aside, []
+        tids = [tid for unit in units for tid in unit.trajectory_ids]
+        log.info("trajectories of an abandoned lineage dropped", extra={"count": len(tids)})
+        yield from self._dead_letter(tids, "abandoned", now)
 
     def _send_deliveries(self, deliveries: list[Dispatch], now: Clock) -> Steps:
         """Read back and send `deliveries`, unit by unit (see `deliver`)."""
@@ -676,8 +725,12 @@ class BrokerCore:
                 break
             version = deliveries[start].unit.version
             current = None if version is None else self.freshness.version(job_of(deliveries[start].trajectory_id))
-            if current is not None and not deliveries[start].replay:
+            first = deliveries[start]
+            if current is not None and not first.replay:
                 self.metrics.staleness.observe(max(0, current - version))  # type: ignore[operator]
+            if (not self.freshness.drops_abandoned and not first.replay and first.delivery_count == 1
+                    and self._abandoned(first.unit)):
+                self.metrics.inc(self.metrics.abandoned, end - start, action="kept")
             for delivery in deliveries[start:end]:
                 layouts = self.hellos.reads(delivery.identity)
                 trajectory = self.engine.entries[delivery.trajectory_id].trajectory

@@ -15,7 +15,7 @@ import bisect
 import itertools
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from rollstream.common.contract import LIVENESS_INTERVALS, CreditUnit
@@ -149,6 +149,10 @@ class Dispatcher:
         self._epoch = os.urandom(4).hex()
         self._counter = itertools.count(1)
         self._rotation = 0  # round-robin start among consumers
+        # Units that must not be handed out (the broker's judge, if any), taken from the queue into `set_aside`
+        # for the broker to dead-letter.
+        self.untrainable: Callable[[DeliveryUnit], bool] | None = None
+        self.set_aside: list[DeliveryUnit] = []
 
     # -- queue ---------------------------------------------------------------
     def enqueue(self, unit: DeliveryUnit, front: bool = False) -> None:
@@ -158,13 +162,18 @@ class Dispatcher:
         queue.put(unit, front)
         self.queued_trajectories += len(unit.trajectory_ids)
 
-    def _take(self, job: str) -> DeliveryUnit:
-        queue = self.queues[job]
-        unit = queue.take(self.settings.order)
-        if not queue:
-            del self.queues[job]
-        self.queued_trajectories -= len(unit.trajectory_ids)
-        return unit
+    def _take(self, job: str) -> DeliveryUnit | None:
+        """`job`'s next unit to hand out; those `untrainable` judges go to
+        `set_aside` on the way (None: the queue held no other)."""
+        while (queue := self.queues.get(job)) is not None:
+            unit = queue.take(self.settings.order)
+            if not queue:
+                del self.queues[job]
+            self.queued_trajectories -= len(unit.trajectory_ids)
+            if self.untrainable is None or not self.untrainable(unit):
+                return unit
+            self.set_aside.append(unit)
+        return None
 
     def take_stale(self, job: str, below: int) -> list[DeliveryUnit]:
         """Take `job`'s queued units versioned below `below` out of the queue."""
@@ -336,13 +345,16 @@ class Dispatcher:
                 consumer = self.consumers[identity]
                 if consumer.job not in self.queues:
                     continue
+                if consumer.group_credit <= 0 and consumer.trajectory_credit <= 0:
+                    continue
+                unit = self._take(consumer.job)
+                if unit is None:
+                    continue
                 if consumer.group_credit > 0:
                     consumer.group_credit -= 1
-                    unit = self._take(consumer.job)
                     tids = unit.trajectory_ids
                     credit = CreditUnit.GROUP
-                elif consumer.trajectory_credit > 0:
-                    unit = self._take(consumer.job)
+                else:
                     take = min(consumer.trajectory_credit, len(unit.trajectory_ids))
                     tids = unit.trajectory_ids[:take]
                     if take < len(unit.trajectory_ids):
@@ -351,8 +363,6 @@ class Dispatcher:
                         self.enqueue(rest, front=True)
                     consumer.trajectory_credit -= take
                     credit = CreditUnit.TRAJECTORY
-                else:
-                    continue
                 progress = True
                 for tid in tids:
                     out.append(self._lease(identity, consumer, tid, unit, mono, credit))

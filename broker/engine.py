@@ -20,7 +20,7 @@ from rollstream.common.codec import Message, content_digest
 from rollstream.common.errors import InternalError, InvalidInput, ProtocolError, RemoteProtocolError
 from rollstream.common.jobs import job_of
 from rollstream.common.trajectory import Gap, Trajectory
-from rollstream.common.versions import oldest_version, ordered_version
+from rollstream.common.versions import Sampled, add_sampled, parse_version
 from rollstream.common.wire import turn_from_message
 
 from .filters import GroupFilter, first_dropping, scalar_reward
@@ -108,6 +108,7 @@ class EndTrajectory:
     at: float
     version: int | None = None  # its oldest turn's ordered policy version (`rollstream.common.versions`)
     scoring: bool = False  # ended without its reward: `scoring` until a `SetReward`
+    sampled: Sampled = ()  # the lineage epochs and steps whose weights sampled it
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +257,7 @@ class Entry:
     trained: TrainedAt | None = None  # once TRAINED
     stored_bytes: int = 0  # of its applied turns' frames (about what its records hold on disk)
     version: int | None = None  # its oldest applied turn's ordered policy version (None: none holds one)
+    sampled: Sampled = ()  # per lineage epoch, the newest step of the weights that sampled its applied turns
     reward: Any = None  # once ended, as its end gave it (what group filters judge)
 
     @property
@@ -332,6 +334,8 @@ class MergeEngine:
         self.trained_bytes = 0  # their `stored_bytes`, kept as they change
         self._trained_steps: Counter[int] = Counter()  # how many of them each step holds (`oldest_trained_step`)
         self.runs: dict[str, Run] = {}  # checkpointing trainers' runs by id
+        # Each job's lineage epoch now (`Freshness.epochs`, shared): a version that names none is of it.
+        self.epochs: Mapping[str, int] = {}
         self._effects: list = []  # effects of the call in progress
 
     def _drain(self, *first) -> tuple:
@@ -411,7 +415,7 @@ class MergeEngine:
         outcome = traj.append_turn(turn_from_message(message))
         if outcome.applied:
             entry.stored_bytes += sum(map(len, message.frames))
-            entry.version = _older(entry.version, turn_version(message))
+            self._versions(entry, message)
         digest = self._digest_unless_applied(message, index, outcome.applied)
         entry.outcomes.append((digest, outcome.applied, outcome.reason))
         entry.updated_at = wall
@@ -445,8 +449,9 @@ class MergeEngine:
         outcome = traj.append_turn(turn_from_message(message))  # raises, changing nothing, when refused
         digest = self._digest_unless_applied(message, 0, outcome.applied)
         entry = Entry(tid, OPEN, group_id, group_size, message.get("sample_index"), [(digest, outcome.applied, outcome.reason)],
-                      updated_at=wall, stored_bytes=sum(map(len, message.frames)),
-                      version=turn_version(message) if outcome.applied else None)
+                      updated_at=wall, stored_bytes=sum(map(len, message.frames)))
+        if outcome.applied:
+            self._versions(entry, message)
         if replaces:
             self._remove(tid)
         self._add(entry)
@@ -462,6 +467,14 @@ class MergeEngine:
             PutTurn(tid, 0, digest, outcome.applied, outcome.reason, message, wall),
         )
         return _ack(message, outcome.applied, reason=outcome.reason), effects
+
+    def _versions(self, entry: Entry, message: Message) -> None:
+        """An applied turn's versions join its entry's oldest step and what sampled it."""
+        versions = [v for v in map(parse_version, turn_versions(message)) if v is not None]
+        if versions:
+            oldest = min(v.step for v in versions)
+            entry.version = oldest if entry.version is None else min(entry.version, oldest)
+            entry.sampled = add_sampled(entry.sampled, versions, self.epochs.get(job_of(entry.trajectory_id), 0))
 
     def _digest_unless_applied(self, message: Message, index: int, applied: bool) -> bytes | None:
         """None for an applied turn (kept until `saved()`; its record stands
@@ -520,10 +533,11 @@ class MergeEngine:
         entry.end_digest, entry.updated_at = digest, wall
         if "reward" not in message.fields:  # its reward comes later, in a `reward` message
             self._set_state(entry, SCORING)
-            return _ack(message, True), (EndTrajectory(tid, None, traj.metadata, digest, wall, entry.version, True),)
+            return _ack(message, True), (EndTrajectory(tid, None, traj.metadata, digest, wall, entry.version, True,
+                                                         entry.sampled),)
         traj.reward = entry.reward = message["reward"]
         self._set_state(entry, ENDED)
-        effect = EndTrajectory(tid, traj.reward, traj.metadata, digest, wall, entry.version)
+        effect = EndTrajectory(tid, traj.reward, traj.metadata, digest, wall, entry.version, sampled=entry.sampled)
         self._member_done(entry, ENDED, wall)
         return _ack(message, True), (effect,)
 
@@ -1011,14 +1025,10 @@ class MergeEngine:
         return [{"trajectory_id": e.trajectory_id, "reason": e.dead_reason, "at": e.dead_at} for e in dead[:limit]]
 
 
-def turn_version(message: Message) -> int | None:
-    """A turn message's oldest ordered policy version: the oldest of its spans', or its `weight_version`'s."""
+def turn_versions(message: Message) -> list:
+    """A turn message's weight versions: its spans', or its `weight_version`."""
     spans = message.get("weight_version_spans")
-    return oldest_version(span[0] for span in spans) if spans else ordered_version(message.get("weight_version"))
-
-
-def _older(a: int | None, b: int | None) -> int | None:
-    return b if a is None else a if b is None else min(a, b)
+    return [span[0] for span in spans] if spans else [message.get("weight_version")]
 
 
 def held_bytes(trajectory: Trajectory) -> int:

@@ -11,6 +11,9 @@ from rollstream.common.metrics import Metrics
 from .engine import DeadLetter, DropTrajectory, Effect, MarkGap
 
 log = logging.getLogger("rollstream.broker")
+# Dead-letter reasons counted as exits of their own; of them, those that throw data away on purpose (logged at info).
+EXITS = ("expired", "unreadable", "stale", "reward_expired", "abandoned")
+ON_PURPOSE = ("stale", "abandoned")
 
 
 class BrokerMetrics(Metrics):
@@ -43,6 +46,8 @@ class BrokerMetrics(Metrics):
             "staleness", "Policy versions between a delivered trajectory's oldest turn and its trainer's",
             (0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
         )
+        self.abandoned = self.counter("abandoned", "Trajectories sampled by weights of a lineage a resumed trainer "
+                                      "abandoned, by what was done with them (abandoned_lineage)", ("action",))
         self.admission_waits = self.counter("admission_waits", "Turns opening a trajectory told to wait by the "
                                             "staleness capacity (resent by their producer)")
         self.commit_seconds = self.histogram(
@@ -74,11 +79,13 @@ class BrokerMetrics(Metrics):
                 case DeadLetter():
                     filtered = effect.reason.startswith("filtered:")
                     exit_label = ("filtered" if filtered else effect.reason
-                                  if effect.reason in ("expired", "unreadable", "stale", "reward_expired") else "dead")
+                                  if effect.reason in EXITS else "dead")
                     self.inc(self.exits, exit=exit_label)
                     if filtered:
                         self.inc(self.filtered, filter=effect.reason.partition(":")[2])
-                    (log.info if filtered or effect.reason == "stale" else log.warning)(  # expected ones: info
+                    elif effect.reason == "abandoned":
+                        self.inc(self.abandoned, action="dropped")
+                    (log.info if filtered or effect.reason in ON_PURPOSE else log.warning)(  # expected ones: info
                         "trajectory dead-lettered", extra={"trajectory_id": effect.trajectory_id, "reason": effect.reason})
                 case _:
                     pass

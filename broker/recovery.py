@@ -13,8 +13,9 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from rollstream.common.errors import LocalProtocolError
+from rollstream.common.jobs import job_of
 from rollstream.common.trajectory import Gap, Trajectory
-from rollstream.common.versions import trajectory_version
+from rollstream.common.versions import trajectory_sampled, trajectory_version
 from rollstream.common.wire import turn_from_message
 
 from .engine import OPEN, Entry, Run
@@ -68,7 +69,10 @@ class Rebuilt(NamedTuple):
 
 def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
     """The engine's state from `recovered`: open trajectories replayed into
-    memory; ended ones stay in the store until delivered."""
+    memory; ended ones stay in the store until delivered. What sampled an
+    open one is read from its turns, a version that names no epoch taken as
+    its job's epoch now (when it came is not stored)."""
+    epochs = {job: policy.lineage.epoch for job, policy in recovered.policies.items()}
     entries = []
     for stored in recovered.trajectories:
         trajectory = load_trajectory(store, stored) if stored.state == OPEN else None
@@ -87,6 +91,8 @@ def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
             stored_bytes=sum(t.location[2] for t in stored.turns if t.location is not None),
             trajectory=trajectory,
             version=stored.version if trajectory is None else trajectory_version(trajectory),
+            sampled=(stored.sampled if trajectory is None
+                     else trajectory_sampled(trajectory, epochs.get(job_of(stored.trajectory_id), 0))),
             reward=stored.reward,
         )
         entries.append(entry)

@@ -19,6 +19,14 @@ may lower) is kept at three points, all counted in trajectories:
 
 Without a bound, or before its trainer publishes a version, nothing here
 refuses or drops anything.
+
+A resumed trainer publishes its lineage with its version: each resume's
+epoch and the checkpoint step it started from. What weights of an
+abandoned lineage sampled (steps newer than where a later epoch resumed
+from) is judged `abandoned` whether or not a bound is on: dropped (dead
+letter `abandoned`) or kept, as `abandoned_lineage` says, and counted
+either way. A resumed trainer's replayed batches are exempt, as they are
+from the bound.
 """
 from __future__ import annotations
 
@@ -27,9 +35,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rollstream.common.errors import InvalidInput
-from rollstream.common.versions import ORDERED_RULE, ordered_version
+from rollstream.common.versions import ORDERED_RULE, Lineage, Sampled, ordered_version
 
 DISPATCH_ORDERS = ("oldest_first", "freshest_first")
+ABANDONED_ACTIONS = ("drop", "keep")  # what `abandoned_lineage` does with data an abandoned lineage sampled
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +49,7 @@ class Policy:
     max_staleness: int | None = None  # the trainer's own bound (lowers the broker's)
     per_step: int | None = None  # trajectories one trainer step takes
     share: float | None = None  # this broker's share of the job's admission capacity, in (0, 1]
+    lineage: Lineage = Lineage()  # the trainer's lineage epochs (none until a resume)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,24 +63,42 @@ class SetPolicy:
 class Freshness:
     """The staleness bound of every job on this broker."""
 
-    def __init__(self, max_staleness: int | None = None, order: str = "oldest_first"):
+    def __init__(self, max_staleness: int | None = None, order: str = "oldest_first", abandoned: str = "drop"):
         if max_staleness is not None and max_staleness < 0:
             raise InvalidInput(f"max_staleness must be at least 0 (or unset: no bound), got {max_staleness}")
         if order not in DISPATCH_ORDERS:
             raise InvalidInput(f"dispatch_order must be one of {DISPATCH_ORDERS}, got {order!r}")
+        if abandoned not in ABANDONED_ACTIONS:
+            raise InvalidInput(f"abandoned_lineage must be one of {ABANDONED_ACTIONS}, got {abandoned!r}")
         self.max_staleness = max_staleness
         self.order = order
+        self.drops_abandoned = abandoned == "drop"
         self.policies: dict[str, Policy] = {}
+        self.epochs: dict[str, int] = {}  # each job's lineage epoch now (the merge engine reads it)
 
     def restore(self, policies: Mapping[str, Policy]) -> None:
         self.policies = dict(policies)
+        self.epochs.clear()
+        self.epochs.update((job, policy.lineage.epoch) for job, policy in policies.items() if policy.lineage.branches)
 
     def publish(self, job: str, policy: Policy) -> SetPolicy:
         """The trainer of `job` published `policy` (its version may go back: a resumed trainer)."""
         if policy.share is not None and not 0 < policy.share <= 1:
             raise InvalidInput(f"a policy's share is in (0, 1], got {policy.share}")
         self.policies[job] = policy
+        if policy.lineage.branches:
+            self.epochs[job] = policy.lineage.epoch
+        else:
+            self.epochs.pop(job, None)
         return SetPolicy(job, policy)
+
+    def lineage(self, job: str) -> Lineage:
+        policy = self.policies.get(job)
+        return Lineage() if policy is None else policy.lineage
+
+    def abandoned(self, job: str, sampled: Sampled) -> bool:
+        """Whether weights of a lineage `job`'s trainer abandoned sampled it."""
+        return job in self.epochs and self.policies[job].lineage.abandoned(sampled)
 
     def bound(self, job: str) -> int | None:
         """S for `job`: the broker's, lowered by its trainer's; None: no bound."""
@@ -96,7 +124,7 @@ class Freshness:
         for text in texts:
             if ordered_version(text) is None:
                 return (f"rule '{ORDERED_RULE}' (max_staleness {self.bound(job)} is on) violated: "
-                        f"expected a weight_version such as '12' or 'step-12', got {text!r}")
+                        f"expected a weight_version such as '12', 'step-12' or 'e1:12', got {text!r}")
         return None
 
     def stale_below(self, job: str) -> int | None:

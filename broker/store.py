@@ -36,6 +36,7 @@ from rollstream.common.dirlock import DirectoryHeld, hold
 from rollstream.common.errors import InternalError, InvalidInput, RollstreamError
 from rollstream.common.messages import PRODUCER_TO_BROKER
 from rollstream.common.segments import SegmentLog
+from rollstream.common.versions import Lineage, Sampled
 
 from .engine import (
     CloseGroup,
@@ -58,10 +59,11 @@ from .engine import (
 )
 from .staleness import Policy, SetPolicy
 
-SCHEMA_VERSION = 6  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
+SCHEMA_VERSION = 7  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
 # 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`); 5: trained trajectories and runs;
-# 6: an ended trajectory's ordered policy version, each job's published policy, and the `scoring` state
-_READABLE_VERSIONS = (2, 3, 4, 5, 6)  # an older store is upgraded in place (`Store._upgrade`)
+# 6: an ended trajectory's ordered policy version, each job's published policy, and the `scoring` state;
+# 7: what sampled an ended trajectory (lineage epochs and steps), and each job's lineage
+_READABLE_VERSIONS = (2, 3, 4, 5, 6, 7)  # an older store is upgraded in place (`Store._upgrade`)
 
 # A turn this large (long top-p supports) is written ahead on the writer
 # thread; smaller ones are written inline by their commit, where handing them
@@ -90,7 +92,8 @@ CREATE TABLE IF NOT EXISTS trajectories (
     trained_lineage TEXT,
     trained_step INTEGER,
     trained_position INTEGER,
-    version INTEGER
+    version INTEGER,
+    sampled BLOB
 );
 CREATE TABLE IF NOT EXISTS turns (
     trajectory_id TEXT NOT NULL,
@@ -110,17 +113,19 @@ CREATE TABLE IF NOT EXISTS released_groups (id TEXT PRIMARY KEY, size INTEGER NO
 CREATE TABLE IF NOT EXISTS runs (id TEXT PRIMARY KEY, lineage TEXT NOT NULL, seals BLOB NOT NULL,
                                  reclaimed INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS policies (job TEXT PRIMARY KEY, version INTEGER NOT NULL, max_staleness INTEGER,
-                                     per_step INTEGER, share REAL) WITHOUT ROWID;
+                                     per_step INTEGER, share REAL, branches BLOB) WITHOUT ROWID;
 """
-_ADDED_COLUMNS = ("trained_run TEXT", "trained_lineage TEXT", "trained_step INTEGER", "trained_position INTEGER",
-                  "version INTEGER")
+# Columns later versions added, by table: an older store gets them as it is upgraded.
+_ADDED_COLUMNS = {"trajectories": ("trained_run TEXT", "trained_lineage TEXT", "trained_step INTEGER",
+                                   "trained_position INTEGER", "version INTEGER", "sampled BLOB"),
+                  "policies": ("branches BLOB",)}
 
 
 # States are stored as `State`'s values, written into the statements once.
 _OPEN = ("INSERT OR REPLACE INTO trajectories (id, state, group_id, group_size, sample_index, updated_at) "
          f"VALUES (?, '{State.OPEN}', ?, ?, ?, ?)")
 _END = ("UPDATE trajectories SET state=?, updated_at=?, end_digest=?, reward=?, metadata=?, ready_seq=?, "
-        "end_crc=?, version=? WHERE id=?")
+        "end_crc=?, version=?, sampled=? WHERE id=?")
 
 
 _STATE_VALUES = frozenset(State)
@@ -250,6 +255,7 @@ class StoredTrajectory:
     trained: TrainedAt | None = None
     turns: list[StoredTurn] = field(default_factory=list)
     version: int | None = None  # ended: its oldest turn's ordered policy version
+    sampled: Sampled = ()  # ended: the lineage epochs and steps whose weights sampled it
 
 
 @dataclass
@@ -431,8 +437,9 @@ class Store:
     def _upgrade(self) -> None:
         """An older store becomes the current version: a version 2 or 3
         store's ended rows get the CRC of their end as they stand (nothing
-        checked them before), and rows get the trained and version columns
-        (a trajectory ended before has no version: unknown, never stale)."""
+        checked them before), and tables get the columns added since (a
+        trajectory ended before has no version: unknown, never stale, and
+        nothing recorded of what sampled it: never abandoned)."""
         db = self.db
         db.execute("BEGIN")
         columns = {row[1] for row in db.execute("PRAGMA table_info(trajectories)")}
@@ -441,9 +448,11 @@ class Store:
             rows = db.execute("SELECT id, end_digest, reward, metadata FROM trajectories "
                               "WHERE end_digest IS NOT NULL").fetchall()
             db.executemany("UPDATE trajectories SET end_crc=? WHERE id=?", [(_end_crc(*row), row[0]) for row in rows])
-        for column in _ADDED_COLUMNS:
-            if column.split()[0] not in columns:
-                db.execute(f"ALTER TABLE trajectories ADD COLUMN {column}")
+        for table, added in _ADDED_COLUMNS.items():
+            present = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+            for column in added:
+                if column.split()[0] not in present:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
         db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (SCHEMA_VERSION,))
         db.execute("COMMIT")
 
@@ -456,8 +465,9 @@ class Store:
             dict(self.db.execute("SELECT id, size FROM released_groups")),
             {run: Run(lineage, list(msgpack.unpackb(seals)), reclaimed)
              for run, lineage, seals, reclaimed in self.db.execute("SELECT id, lineage, seals, reclaimed FROM runs")},
-            {job: Policy(*row) for job, *row in self.db.execute(
-                "SELECT job, version, max_staleness, per_step, share FROM policies")},
+            {job: Policy(*row, lineage=Lineage.of(msgpack.unpackb(branches) if branches else ()))
+             for job, *row, branches in self.db.execute(
+                "SELECT job, version, max_staleness, per_step, share, branches FROM policies")},
         )
 
     def load_one(self, trajectory_id: str) -> StoredTrajectory:
@@ -476,11 +486,11 @@ class Store:
         rows = {}
         for row in self.db.execute(
             "SELECT id, state, group_id, group_size, sample_index, updated_at, end_digest, reward, metadata, "
-            "ready_seq, gap_turn, gap_field, dead_reason, dead_at, end_crc, version, trained_run, trained_lineage, "
-            "trained_step, trained_position FROM trajectories " + where, args
+            "ready_seq, gap_turn, gap_field, dead_reason, dead_at, end_crc, version, sampled, trained_run, "
+            "trained_lineage, trained_step, trained_position FROM trajectories " + where, args
         ):
             (tid, state, gid, gsize, sidx, updated, end_digest, reward, metadata, ready_seq, gap_turn, gap_field,
-             dead_reason, dead_at, end_crc, version, *trained) = row
+             dead_reason, dead_at, end_crc, version, sampled, *trained) = row
             error = None
             if state not in _STATE_VALUES:
                 error = f"state must be one of {sorted(map(str, _STATE_VALUES))}, got {state!r}"
@@ -498,6 +508,7 @@ class Store:
                 msgpack.unpackb(metadata) if metadata is not None else None,
                 ready_seq, (gap_turn, gap_field) if gap_turn is not None else None, dead_reason, dead_at,
                 TrainedAt(*trained) if state == State.TRAINED else None, version=version,
+                sampled=tuple(map(tuple, msgpack.unpackb(sampled))) if sampled else (),
             )
         turn_where = where.replace("WHERE id", "WHERE trajectory_id")
         for tid, turn, digest, applied, reason, seg, off, length, at in self.db.execute(
@@ -657,7 +668,7 @@ class Store:
                 rows.ends.append((State.SCORING if effect.scoring else State.ENDED, effect.at, effect.digest, reward,
                                   metadata, None if effect.scoring else self._take_ready_seq(),
                                   _end_crc(effect.trajectory_id, effect.digest, reward, metadata), effect.version,
-                                  effect.trajectory_id))
+                                  msgpack.packb(effect.sampled) if effect.sampled else None, effect.trajectory_id))
             case Forget():
                 rows.forgets.append((effect.trajectory_id, effect.dedup_until))
             case OpenTrajectory():  # one replacing a LEFT marker
@@ -695,8 +706,9 @@ class Store:
             case MarkTrained(trajectory_id=tid, trained=at):
                 rows.trained.append((at.run, at.lineage, at.step, at.position, tid))
             case SetPolicy(job=job, policy=policy):
-                db.execute("INSERT OR REPLACE INTO policies VALUES (?, ?, ?, ?, ?)",
-                           (job, policy.version, policy.max_staleness, policy.per_step, policy.share))
+                db.execute("INSERT OR REPLACE INTO policies VALUES (?, ?, ?, ?, ?, ?)",
+                           (job, policy.version, policy.max_staleness, policy.per_step, policy.share,
+                            msgpack.packb(policy.lineage.to_wire()) if policy.lineage.branches else None))
             case SealRun():
                 rows.execute(db, records_gone)
                 db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?)",

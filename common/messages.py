@@ -112,6 +112,16 @@ BATCHED_MESSAGES = Kind(
 SEQ_RANGES = Kind("a list of [first, last] integer pairs with first <= last", _is_seq_ranges)
 
 
+def _is_step_pair(value) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(_is_int(n) and 0 <= n <= INT64_MAX for n in value)
+
+
+# A trainer's lineage: [epoch, step the epoch resumed from] per resume (`rollstream.common.versions.Lineage`).
+BRANCHES = Kind("a list of [epoch, step] pairs of non-negative integers",
+                lambda v: isinstance(v, list) and all(map(_is_step_pair, v)))
+LINEAGE = Kind("an [epoch, step] pair of non-negative integers", _is_step_pair)
+
+
 def _is_spans(value, versions_named: bool = True) -> bool:
     return isinstance(value, list) and all(
         isinstance(s, list) and len(s) == 3 and isinstance(s[0], str) and (s[0] != "" or not versions_named)
@@ -328,15 +338,17 @@ BATCHABLE_TYPES = ("turn", "end", "abort", "reward")
 BROKER_TO_PRODUCER = _schema(
     "broker->producer",
     MessageSpec("welcome", {"broker_id": TEXT, "max_message_bytes": POSITIVE, "window": POSITIVE},
-                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB, "admit": COUNT}),
+                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB, "admit": COUNT,
+                 "lineage": LINEAGE}),
     MessageSpec(
         "ack",
         {"seq": INT, "trajectory_id": TEXT, "applied": BOOL},
         {"turn": COUNT, "duplicate": BOOL, "reason": TEXT},
     ),
-    MessageSpec("acks", {"ranges": SEQ_RANGES}, {"outcomes": OUTCOMES, "window": POSITIVE, "admit": COUNT}),
+    MessageSpec("acks", {"ranges": SEQ_RANGES},
+                {"outcomes": OUTCOMES, "window": POSITIVE, "admit": COUNT, "lineage": LINEAGE}),
     _NACK,
-    MessageSpec("pong", {"seq": INT}, {"window": POSITIVE, "admit": COUNT}),
+    MessageSpec("pong", {"seq": INT}, {"window": POSITIVE, "admit": COUNT, "lineage": LINEAGE}),
 )
 
 CONSUMER_TO_BROKER = _schema(
@@ -352,7 +364,8 @@ CONSUMER_TO_BROKER = _schema(
     MessageSpec("nack", {"leases": TEXT_LIST, "reason": ANY_TEXT, "requeue": BOOL}, _SEQ),
     MessageSpec("seal", {"step": STORED_COUNT, "keep": POSITIVE}, _SEQ),
     MessageSpec("policy", {"version": STORED_COUNT},
-                {"seq": INT, "max_staleness": STORED_COUNT, "per_step": STORED_POSITIVE, "share": SHARE}),
+                {"seq": INT, "max_staleness": STORED_COUNT, "per_step": STORED_POSITIVE, "share": SHARE,
+                 "branches": BRANCHES}),
     MessageSpec("resume", {"step": STORED_COUNT, "keep": POSITIVE, "trained": MANIFEST}, _SEQ),
 )
 
@@ -390,7 +403,7 @@ BROKER_TO_CONSUMER = _schema(
     MessageSpec("acked", {"leases": TEXT_LIST}, _SEQ),
     MessageSpec("nacked", {"leases": TEXT_LIST}, _SEQ),
     MessageSpec("sealed", {"step": STORED_COUNT, "reclaimed": COUNT}, _SEQ),
-    MessageSpec("resumed", {"step": STORED_COUNT, "replay": MANIFEST}, _SEQ),
+    MessageSpec("resumed", {"step": STORED_COUNT, "replay": MANIFEST}, {**_SEQ, "epoch": COUNT}),
     MessageSpec("policy", {"version": STORED_COUNT}, {"seq": INT, "max_staleness": STORED_COUNT}),
     _NACK,
 )

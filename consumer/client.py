@@ -41,6 +41,7 @@ from rollstream.common.errors import (
 from rollstream.common.jobs import DEFAULT_JOB, check_job
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 from rollstream.common.sockets import dealer
+from rollstream.common.versions import version_label
 
 from .assembly import POLICIES, Assembler, Outgoing, Unit
 from .batch import Batch, as_device
@@ -177,8 +178,11 @@ class Consumer:
         if max_staleness is not None and (type(max_staleness) is not int or max_staleness < 0):
             raise InvalidInput(f"max_staleness is an integer >= 0 (policy versions), got {max_staleness!r}")
         self._sessions.max_staleness = max_staleness  # the trainer's own bound: lowers its brokers'
-        if self.ledger is not None and self._position is not None and self._position.resumed_from is not None:
-            self._position.record_resume(self.ledger)
+        if self._position is not None and self._position.resumed_from is not None:
+            # The weights resumed are the checkpoint's, in a new lineage epoch: brokers learn both at once.
+            self._sessions.publish(self._position.resumed_from)
+            if self.ledger is not None:
+                self._position.record_resume(self.ledger)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._context = context or zmq.Context.instance()
@@ -360,6 +364,13 @@ class Consumer:
             group_size = 1 if assembler.unit == CreditUnit.TRAJECTORY else assembler.group_size
             self._sessions.publish(version, None if group_size is None else assembler.batch_size * group_size)
             self._wake()
+
+    def version_label(self, step: int) -> str:
+        """The `weight_version` to serve the weights this trainer made at
+        `step` under: `12`, or after a resume `e1:12`, which names the
+        lineage epoch so brokers tell them from what weights of an abandoned
+        lineage sampled (docs/consumer.md, "Lineage")."""
+        return version_label(step, 0 if self._position is None else self._position.epoch)
 
     def commit(self, batch: Batch, step: int | None = None, *, policy_version: int | None = None) -> None:
         """After the training step: the batch is trained. Checkpointing, it

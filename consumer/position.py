@@ -11,7 +11,10 @@ to fall back on.
 A run is one training job from its first step; each start of it (the
 first, and every resume) is a new lineage. The broker tells lineages apart
 so that a resume hands back what an abandoned lineage trained, and not
-what this one already has.
+what this one already has. A resume also starts a new lineage epoch,
+numbered above any its brokers have seen for the job: policy versions are
+(epoch, step), and what weights of an abandoned lineage sampled is told
+apart (`rollstream.common.versions.Lineage`).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from rollstream.common.errors import InvalidInput, InvalidState
 from rollstream.common.jobs import DEFAULT_JOB
+from rollstream.common.versions import Lineage
 
 STATE_FORMAT = "rollstream.consumer.position/1"
 # Batches a state lists at most: a trainer that never seals must not grow it (and the consumer) without end.
@@ -90,7 +94,7 @@ class TrainingPosition:
         self.parent: str | None = None
         self.sealed_step = 0  # the latest checkpoint this lineage knows durable
         self.saved_world_size = world_size  # the world size of the state resumed from
-        self.epoch = 0  # how many times this run has been resumed
+        self.lineage_epochs = Lineage()  # each resume's epoch and the step it resumed from, this one's last
         self._answered: set[int] = set()  # brokers that answered the resume
         self._replay: dict[int, dict[int, str]] = {}  # step -> position -> trajectory id, still to train again
         self._handed: set[int] = set()  # steps of `_replay` with the trainer now
@@ -110,7 +114,12 @@ class TrainingPosition:
         self.run = _field(resume, "run", str, "a string")
         self.parent = resume.get("lineage")  # the lineage that saved the state
         self.step = self.resumed_from = self.sealed_step = _field(resume, "step", int, "an integer")
-        self.epoch = _field(resume, "epoch", int, "an integer") + 1
+        try:
+            saved = Lineage.of(resume.get("branches", ()))
+        except (InvalidInput, TypeError) as error:
+            raise InvalidInput(f"resume state: branches: {error}") from None
+        epoch = max(saved.epoch, _field(resume, "epoch", int, "an integer")) + 1
+        self.lineage_epochs = Lineage((*saved.branches, (epoch, self.step)))
         self.saved_world_size = _field(resume, "world_size", int, "an integer")
         self.batches = [b for b in _batches(resume) if b.step <= self.step]
 
@@ -133,11 +142,27 @@ class TrainingPosition:
         return out
 
     # -- what brokers say ---------------------------------------------------------
-    def resumed(self, broker: int, replay: Sequence[Sequence]) -> None:
+    @property
+    def epoch(self) -> int:
+        return self.lineage_epochs.epoch
+
+    def resumed(self, broker: int, replay: Sequence[Sequence], epoch: int = 0) -> bool:
+        """`broker` answered the resume, its job's lineage being at `epoch`;
+        True when this lineage's epoch had to rise above it (published again)."""
+        raised = broker not in self._answered and epoch >= self.epoch  # a later answer may know this lineage's own
         self._answered.add(broker)
+        if raised:
+            assert self.resumed_from is not None  # only a resume is answered
+            self.lineage_epochs = Lineage((*self.lineage_epochs.branches[:-1], (epoch + 1, self.resumed_from)))
         for step, position, tid in replay:
             if step > self.step:  # this lineage trains replayed batches in order: the rest it has committed
                 self._replay.setdefault(step, {})[position] = tid
+        return raised
+
+    def answered(self, broker: int) -> bool:
+        """Whether `broker` may hear this lineage's policy: it answered the
+        resume (its epoch is known), or there is none."""
+        return self.resumed_from is None or broker in self._answered
 
     def budget(self, broker: int, max_unsealed_bytes: int) -> None:
         self._budgets[broker] = max_unsealed_bytes
@@ -241,4 +266,5 @@ class TrainingPosition:
     def state_dict(self) -> dict[str, Any]:
         """Plain lists, numbers and strings: save it with the checkpoint."""
         return {"format": STATE_FORMAT, "job": self.job, "run": self.run, "lineage": self.lineage, "epoch": self.epoch,
-                "step": self.step, "world_size": self.world_size, "batches": [b.to_state() for b in self.batches]}
+                "branches": self.lineage_epochs.to_wire(), "step": self.step,
+                "world_size": self.world_size, "batches": [b.to_state() for b in self.batches]}

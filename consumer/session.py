@@ -70,6 +70,13 @@ class Sessions:
         if per_step is not None:
             policy["per_step"] = per_step
         self.policy = policy
+        self._with_lineage()
+
+    def _with_lineage(self) -> None:
+        """The published policy names this trainer's lineage epochs, once a resume started one."""
+        position = self.position
+        if self.policy is not None and position is not None and position.lineage_epochs.branches:
+            self.policy = {**self.policy, "branches": position.lineage_epochs.to_wire()}
 
     @property
     def version(self) -> int | None:
@@ -112,7 +119,8 @@ class Sessions:
         elif kind == "policy":
             session.bound = message.get("max_staleness")
         elif kind == "resumed" and self.position is not None:
-            self.position.resumed(broker, message["replay"])
+            if self.position.resumed(broker, message["replay"], message.get("epoch", 0)):
+                self._with_lineage()
         elif kind == "sealed" and self.position is not None:
             self.position.sealed(broker, message["step"])
         elif message["code"] in ("checkpoint_gone", "not_checkpointed") and self.position is not None:
@@ -171,7 +179,8 @@ class Sessions:
             elif session.state == SessionState.READY and now >= session.next_heartbeat:
                 out.append((broker, "heartbeat", {}))
                 session.next_heartbeat = now + session.heartbeat_interval / 2
-            if session.state == SessionState.READY and self.policy is not None and session.published != self.policy:
+            if (session.state == SessionState.READY and self.policy is not None and session.published != self.policy
+                    and (self.position is None or self.position.answered(broker))):  # its epoch known first
                 out.append((broker, "policy", dict(self.policy)))
                 session.published = self.policy
         assembler.expire(now)

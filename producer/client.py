@@ -331,6 +331,13 @@ class AsyncProducer:
         return self._session.admit
 
     @property
+    def lineage(self) -> tuple[int, int] | None:
+        """(epoch, step) once the trainer resumed from its checkpoint of
+        `step`, starting lineage `epoch`: serve those weights (labelled
+        `e{epoch}:{step}`, or as the trainer labels them); None: no resume."""
+        return self._session.lineage
+
+    @property
     def window(self) -> int:
         """Frames it may have unsettled now: its `window` setting or less, as
         the broker grants (`session.BEFORE_WELCOME_WINDOW` until the welcome)."""
@@ -766,6 +773,11 @@ class Producer:
     @property
     def metrics(self) -> ProducerMetrics:
         return self._async.metrics
+
+    @property
+    def lineage(self) -> tuple[int, int] | None:
+        """As `AsyncProducer.lineage`."""
+        return self._async.lineage
 
     @property
     def unsettled(self) -> int:

@@ -128,6 +128,8 @@ class ProducerSession:
         self.next_seq = 1  # frames and pings share the sequence
         # New trajectories the broker admits now (its staleness capacity, docs/protocol.md §4); None: no limit.
         self.admit: int | None = None
+        # The trainer's lineage epoch and the step it resumed from, once a resume started one: reload those weights.
+        self.lineage: tuple[int, int] | None = None
         self.intake: deque[HeldFrame] = deque()  # accepted, in seq order, not yet in the window
         self.in_memory = 0  # accepted and unsettled frames held in memory (intake and window)
         self.pending: dict[int, tuple[Any, float, DraftSource | None]] = {}  # seq -> future, accepted at, a turn's handle
@@ -328,6 +330,12 @@ class ProducerSession:
         kind = reply.type
         if kind in ("welcome", "pong", "acks"):  # each says how many new trajectories the broker admits now
             self.admit = reply.get("admit")
+            lineage = reply.get("lineage")
+            if lineage is not None and tuple(lineage) != self.lineage:
+                self.lineage = (lineage[0], lineage[1])
+                log.warning(f"the trainer resumed from its checkpoint of step {lineage[1]} (lineage epoch "
+                            f"{lineage[0]}): serve those weights; what newer weights sample is dropped as abandoned",
+                            extra={"endpoint": self.endpoint, "epoch": lineage[0], "resumed_from": lineage[1]})
         settled: list[Settled] = []
         if kind == "acks":
             settled = window.on_acks(reply)

@@ -12,6 +12,7 @@ from broker_helpers import abort_msg, end_msg, handle_with_store, turn_msg
 
 from rollstream.broker.engine import DeliveryUnit, EngineSettings, MergeEngine
 from rollstream.broker.recovery import load_trajectory, rebuild
+from rollstream.broker.staleness import Policy
 from rollstream.broker.store import Store, StoreCorrupted, StoreError
 
 
@@ -269,13 +270,19 @@ def test_replay_arrays_survive(tmp_path, store):
     store2.close()
 
 
-@pytest.mark.parametrize("version", [2, 3, 4, 5])
+@pytest.mark.parametrize("version", [2, 3, 4, 5, 6])
 def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_checked(tmp_path, version):
     store = Store(tmp_path / "data")
     store.open()
     drive(MergeEngine(), store, [turn_msg("t", 0, weight_version="step-3"), end_msg("t", reward=0.25, metadata={"k": 1})])
-    store.db.execute("ALTER TABLE trajectories DROP COLUMN version")  # as versions 2-5 stored it
+    store.db.execute("ALTER TABLE trajectories DROP COLUMN sampled")  # as versions 2-6 stored it
     store.db.execute("DROP TABLE policies")
+    if version == 6:  # its policies had no lineage
+        store.db.execute("CREATE TABLE policies (job TEXT PRIMARY KEY, version INTEGER NOT NULL, max_staleness INTEGER, "
+                         "per_step INTEGER, share REAL) WITHOUT ROWID")
+        store.db.execute("INSERT INTO policies VALUES ('default', 4, 1, 8, 1.0)")
+    else:
+        store.db.execute("ALTER TABLE trajectories DROP COLUMN version")  # as versions 2-5 stored it
     if version < 5:
         for column in ("trained_run", "trained_lineage", "trained_step", "trained_position"):  # as versions 2-4 stored it
             store.db.execute(f"ALTER TABLE trajectories DROP COLUMN {column}")
@@ -285,13 +292,16 @@ def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_chec
     store.db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (version,))
     store.close()
     store = Store(tmp_path / "data")
-    (ended,) = store.open().trajectories
-    assert (ended.reward, ended.metadata, ended.trained, ended.version) == (0.25, {"k": 1}, None, None)
-    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 6
+    recovered = store.open()
+    (ended,) = recovered.trajectories
+    assert (ended.reward, ended.metadata, ended.trained, ended.sampled) == (0.25, {"k": 1}, None, ())
+    assert ended.version == (3 if version == 6 else None)
+    assert recovered.policies == ({"default": Policy(4, 1, 8, 1.0)} if version == 6 else {})
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 7
     store.db.execute("UPDATE trajectories SET reward=? WHERE id='t'", (msgpack.packb(0.75),))
     store.db.execute("UPDATE meta SET value=1 WHERE key='schema_version'")
     store.close()
-    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4 or 5 or 6"):
+    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4 or 5 or 6 or 7"):
         Store(tmp_path / "data").open()
     store = Store(tmp_path / "data")
     store.db.execute("UPDATE meta SET value=6 WHERE key='schema_version'")
