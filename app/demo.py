@@ -73,6 +73,8 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
     expected |= {f"filtered:{name.partition(':')[0]}" for name in (group_filter or "").split(",") if name}
     if chaos and late_reward_rate:  # a producer killed while its verifier was still scoring: the reward never comes
         expected.add("reward_expired")
+    if chaos:  # sampled by weights the killed trainer made after its checkpoint: not in the resumed lineage
+        expected.add("abandoned")
     return _summary(pipeline.records, report, pipeline.dead, seconds, drained=drained, faults=faults, dp_size=dp_size,
                     retried=pipeline.counts.retried, late_rewards=pipeline.counts.late_rewards,
                     kept=work if keep_data else None, expected_dead=expected)
@@ -109,6 +111,7 @@ def _summary(records: list[dict], report, dead: list[dict], seconds: float, *, d
         "dead_letters": dict(Counter(item.get("reason") or "unknown" for item in dead)),
         "stale_dropped": sum(1 for item in dead if item.get("reason") == "stale"),
         "filtered": sum(1 for item in dead if (item.get("reason") or "").startswith("filtered:")),
+        "abandoned": sum(1 for item in dead if item.get("reason") == "abandoned"),
         "late_rewards": late_rewards,
         "csr_bytes": csr_bytes,
         "padded_bytes": 4 * TOP_K * tokens,
@@ -170,8 +173,8 @@ def summary_table(summary: dict[str, Any]):
                        "(end sent to batch committed)"),
         ("retried", f"{summary['retried']} trajectories discarded after a turn (abort) and produced again"),
         ("late rewards", f"{summary['late_rewards']} trajectories ended first, their rewards sent later"),
-        ("thrown away", f"stale {summary['stale_dropped']}, filtered {summary['filtered']} (on purpose: counted, "
-                        "not lost)"),
+        ("thrown away", f"stale {summary['stale_dropped']}, filtered {summary['filtered']}, abandoned lineage "
+                        f"{summary['abandoned']} (on purpose: counted, not lost)"),
         ("faults injected", ", ".join(summary["faults"]) or "none"),
         ("redelivered", f"{summary['redelivered']} hand-outs again after a lost consumer"),
         ("resumed", "never" if summary["resumed_from_step"] is None else
@@ -184,7 +187,7 @@ def summary_table(summary: dict[str, Any]):
     ]
     if not summary["retried"]:
         rows = [row for row in rows if row[0] != "retried"]
-    if not summary["stale_dropped"] and not summary["filtered"]:
+    if not summary["stale_dropped"] and not summary["filtered"] and not summary["abandoned"]:
         rows = [row for row in rows if row[0] != "thrown away"]
     if "data_kept_in" in summary:
         rows.append(("data kept in", summary["data_kept_in"]))

@@ -79,12 +79,13 @@ def save_checkpoint(directory: Path, step: int, data: dict) -> None:
 
 
 def publish(client: Consumer | None, step: int, version_file: str | None) -> None:
-    """The source's policy version after `step`: to the brokers, and to the producers' file (replaced whole)."""
+    """The source's policy version after `step`: to the brokers, and to the producers' file (replaced whole)
+    as the label its weights carry (naming the lineage epoch after a resume)."""
     assert client is not None  # the source rank owns it
     client.set_policy_version(step)
     if version_file is not None:
         partial = Path(f"{version_file}.partial")
-        partial.write_text(str(step))
+        partial.write_text(client.version_label(step))
         os.replace(partial, version_file)
 
 

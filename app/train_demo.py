@@ -68,8 +68,13 @@ def response_logits(model: TinyLM, batch: Batch) -> torch.Tensor:
 
 
 class WeightVersions:
-    """The trainer's recent weights by version, so a trajectory sampled with
-    an older one is replayed with exactly those weights."""
+    """Recent weights the producers were served, by version label, so a
+    trajectory sampled with an older one is replayed with exactly those
+    weights. It stands for the store the engines load weights from, which
+    outlives a trainer crash: a resumed trainer's replayed batches hold
+    trajectories sampled by weights its abandoned lineage made after the
+    checkpoint, and their labels (`12`, where the resumed ones are `e1:12`)
+    still find them."""
 
     def __init__(self, config: TinyLMConfig, keep: int = 16):
         self.keep = keep
@@ -80,13 +85,6 @@ class WeightVersions:
         self._states[version] = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
         while len(self._states) > self.keep:
             self._states.popitem(last=False)
-
-    def snapshot(self) -> OrderedDict[str, dict]:
-        """The kept weights, to save with a checkpoint."""
-        return copy.deepcopy(self._states)
-
-    def restore(self, states: OrderedDict[str, dict]) -> None:
-        self._states = copy.deepcopy(states)
 
     def model(self, version: str) -> TinyLM | None:
         """A model holding `version`'s weights (one shared scratch model), or None if no longer kept."""
@@ -283,7 +281,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
         consumer = connect(None, 0)
         checkpoint: dict[str, Any] = {  # step 0: a restart before the next checkpoint starts here
             "model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict()),
-            "versions": versions.snapshot(), "data": consumer.state_dict()}
+            "data": consumer.state_dict(), "label": "step-0"}
         step = 0
         try:
             while step < steps:
@@ -305,15 +303,16 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                 loss.backward()
                 optimizer.step()
                 consumer.commit(batch, step, policy_version=step)
-                versions.add(f"step-{step}", model)
-                save_weights(model, weights, f"step-{step}")
+                label = consumer.version_label(step)  # `e1:12` after a resume: not the abandoned lineage's step 12
+                versions.add(label, model)
+                save_weights(model, weights, label)
                 worst = float(replayed.support_diffs.max()) if replayed.support_diffs.size else float("nan")
                 progress(f"step {step:>3}/{steps}  reward {log.rewards[-1]:.3f}  loss {loss.item():+.4f}  "
                          f"replay |diff| support {worst:.1e}, full {float(replayed.full_diffs.mean()):.3f}")
                 if step % checkpoint_every == 0:
                     checkpoint = {"model": copy.deepcopy(model.state_dict()),
-                                  "optimizer": copy.deepcopy(optimizer.state_dict()), "versions": versions.snapshot(),
-                                  "data": consumer.state_dict()}
+                                  "optimizer": copy.deepcopy(optimizer.state_dict()),
+                                  "data": consumer.state_dict(), "label": label}
                     consumer.sealed(step)
                 if step == crash_after:
                     crash_after = None
@@ -322,9 +321,8 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                     crashed = step
                     model.load_state_dict(checkpoint["model"])
                     optimizer.load_state_dict(checkpoint["optimizer"])
-                    versions.restore(checkpoint["versions"])
                     step = checkpoint["data"]["step"]
-                    save_weights(model, weights, f"step-{step}")  # the producers reload the resumed weights
+                    save_weights(model, weights, checkpoint["label"])  # the producers reload the resumed weights
                     progress(f"trainer crashed after step {crashed}; resuming from its checkpoint of step {step}")
                     consumer = connect(checkpoint["data"], step)
             consumer.flush(30)
@@ -340,7 +338,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
     discarded = reasons["stale"] + reasons["filtered"]
     trained = status["counters"].get("trajectories.delivered", 0) + status.get("unsealed", 0)
     summary.update(max_staleness=max_staleness, group_filter=group_filter, stale_dropped=reasons["stale"],
-                   filtered=reasons["filtered"],
+                   filtered=reasons["filtered"], abandoned=reasons["abandoned"],
                    discarded_share=round(discarded / (discarded + trained), 4) if discarded + trained else 0.0,
                    starved=starved)
     summary["seconds"] = round(time.perf_counter() - started, 1)
@@ -400,6 +398,7 @@ def summary_table(summary: dict) -> str:
          f"{summary['stale_dropped']} / {summary['filtered']}, {summary['discarded_share']:.3f}"),
         ("starved", summary["starved"] or "no"),
         ("resumed from the checkpoint of step", number(summary["resumed_from_step"], "d")),
+        ("sampled by the abandoned lineage, dropped", summary["abandoned"]),
         ("trained again after the resume, batches identical",
          f"{summary['replayed']} trajectories, {summary['replayed_batches_identical']}"),
         ("lineage lost / duplicated", f"{summary['lineage_lost']} / {summary['lineage_duplicated']}"),

@@ -29,6 +29,9 @@ HELP = {
                      "lower it); older ones are dead-lettered stale, and new trajectories wait while the job holds "
                      "what its trainer can train within the bound. Unset: no bound.",
     "dispatch_order": "Which policy version is handed out first: oldest_first or freshest_first.",
+    "abort_stale": "Give up an open trajectory as soon as its oldest turn is staler than max_staleness (dead letter "
+                   "stale), so its producer, whose next frame is answered not applied with reason stale, stops "
+                   "sampling it. Off: it runs on and is dropped stale when it ends.",
     "abandoned_lineage": "What to do with a trajectory sampled by weights a resumed trainer abandoned (newer than the "
                          "checkpoint it resumed from): drop (dead letter abandoned) or keep (train it); counted either "
                          "way.",

@@ -563,7 +563,8 @@ class BrokerCore:
             return
         policy = Policy(message["version"], message.get("max_staleness"), message.get("per_step"), message.get("share"),
                         lineage)
-        if lineage != self.freshness.lineage(job) and lineage.branches:
+        resumed = lineage != self.freshness.lineage(job) and bool(lineage.branches)
+        if resumed:
             log.info("trainer resumed: a new lineage epoch", extra={"job": job, "epoch": lineage.epoch,
                                                                     "resumed_from": lineage.resumed_from})
         effect = self.freshness.publish(job, policy)
@@ -575,6 +576,16 @@ class BrokerCore:
                   **({"seq": message["seq"]} if "seq" in message.fields else {})}
         yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "policy", fields))
         yield from self._drop_stale(job, now)
+        engine, freshness = self.engine, self.freshness
+        effects = []
+        if resumed and freshness.drops_abandoned:  # unfinished ones now; ready ones as they are taken
+            effects += engine.give_up(job, lambda entry: freshness.abandoned(job, entry.sampled), "abandoned", now.wall)
+        below = freshness.stale_below(job)
+        if self.settings.abort_stale and below is not None:  # their producers stop sampling what cannot be trained
+            effects += engine.give_up(job, lambda entry: entry.version is not None and entry.version < below, "stale",
+                                      now.wall)
+        if effects and (yield from self._commit(effects)):
+            self.metrics.count_effects(effects)
 
     def _drop_stale(self, job: str, now: Clock) -> Steps:
         """Dead-letter `job`'s queued units older than its bound allows (`stale`)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, OrderedDict, deque
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
@@ -49,6 +49,8 @@ OPEN, ENDED, DEAD, LEFT, TRAINED, SCORING = (State.OPEN, State.ENDED, State.DEAD
 STATES = tuple(State)
 # Admitted and still to be trained: what a staleness bound's capacity counts.
 UNTRAINED = frozenset({OPEN, ENDED, SCORING})
+# Dead-letter reasons of trajectories given up unfinished: a later frame of one is answered not applied, with it.
+GIVEN_UP = ("expired", "reward_expired", "abandoned", "stale")
 
 # What a trajectory held in memory costs beyond its arrays' bytes, so that
 # `bytes_in_memory` (the budget's measure) follows the process's RSS: per
@@ -353,7 +355,7 @@ class MergeEngine:
             raise InvalidInput(f"the merge engine takes turn, end, abort and reward messages, got {kind!r}")
         tid = message["trajectory_id"]
         entry = self.entries.get(tid)
-        if entry is not None and entry.state == DEAD and entry.dead_reason in ("expired", "reward_expired"):
+        if entry is not None and entry.state == DEAD and entry.dead_reason in GIVEN_UP:
             # Not a duplicate of anything applied: the producer must not count its end (or reward) as taken.
             return Reply(_ack(message, False, reason=entry.dead_reason))
         remembered = self.dedup.get(tid)
@@ -664,10 +666,7 @@ class MergeEngine:
         ttl = self.settings.trajectory_ttl
         for index, reason in ((self._open, "expired"), (self._scoring, "reward_expired")):
             for _, entry in _idle_since(index, wall - ttl):
-                until = wall + self.settings.dedup_window
-                self._effects.append(DeadLetter(entry.trajectory_id, reason, wall, dedup_until=until))
-                self.remember({entry.trajectory_id: until})
-                self._kill(entry, reason, wall)
+                self._give_up(entry, reason, wall)
         for group_id, group in _idle_since(self._idle_groups, wall - ttl):
             if OPEN in group.members.values() or SCORING in group.members.values():  # its frames touch its group
                 continue
@@ -678,6 +677,25 @@ class MergeEngine:
             if self.dedup.get(tid) == until:  # not remembered again since
                 del self.dedup[tid]
         return list(self._drain())
+
+    def give_up(self, job: str, judge: Callable[[Entry], bool], reason: str, wall: float) -> list:
+        """Dead-letter `job`'s open and scoring trajectories that `judge`
+        says can no longer be trained (weights of an abandoned lineage
+        sampled them, or they are already too stale): their producers'
+        further frames are answered not applied, with `reason`."""
+        for index in (self._open, self._scoring):
+            for tid, entry in list(index.items()):
+                if job_of(tid) == job and judge(entry):
+                    self._give_up(entry, reason, wall)
+        return list(self._drain())
+
+    def _give_up(self, entry: Entry, reason: str, wall: float) -> None:
+        """An unfinished trajectory is dead-lettered; its id is remembered,
+        so its producer's later frames are answered with `reason`."""
+        until = wall + self.settings.dedup_window
+        self._effects.append(DeadLetter(entry.trajectory_id, reason, wall, dedup_until=until))
+        self.remember({entry.trajectory_id: until})
+        self._kill(entry, reason, wall)
 
     def _kill(self, entry: Entry, reason: str, wall: float) -> None:
         was_open = entry.state in (OPEN, SCORING)  # its group still counted it as to come

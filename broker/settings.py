@@ -32,6 +32,7 @@ class BrokerSettings:
     max_deliveries: int = 10
     max_staleness: int | None = None  # policy versions a trajectory may lag its trainer when trained; None: no bound
     dispatch_order: str = "oldest_first"
+    abort_stale: bool = False  # give up open trajectories already staler than the bound (their producers told)
     abandoned_lineage: str = "drop"  # or "keep": data weights of a lineage a resumed trainer abandoned sampled
     group_filters: str = ""  # comma-separated `name[:threshold]` (broker/filters.py); none by default
     filter_reward_key: str | None = None  # the entry of a map reward the group filters compare

@@ -262,7 +262,7 @@ def settings_options(settings_cls, helps: dict[str, str], types: dict[str, Any] 
             default = f.default
             kind = types.get(f.name)
             if kind is None:
-                kind = {int: int, float: float, str: str}.get(type(default), str)
+                kind = {bool: click.BOOL, int: int, float: float, str: str}.get(type(default), str)
                 if default is None:
                     kind = {"int | None": int, "str | None": str}.get(str(f.type), str)
             fn = click.option(

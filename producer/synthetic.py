@@ -8,7 +8,8 @@ as an engine abort returns, which the broker records as a replay gap; with
 `retry_rate`, a trajectory outside a group is sometimes discarded (`abort`)
 after its first turn and produced again from turn 0, as a rollout retried
 after a failure. With `version_file` its turns carry the trainer's policy
-version (`step-N`, read as each trajectory starts), with `reward_levels`
+version as the trainer labels it (`12`, `e1:12`; read as each trajectory
+starts), with `reward_levels`
 rewards can tie within a group, and with `late_reward_rate` a trajectory
 sometimes ends without its reward, which follows later, as a slow verifier's.
 """
@@ -18,6 +19,8 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
+
+from rollstream.common.versions import ordered_version
 
 from .client import AsyncProducer, AsyncTrajectoryHandle
 from .sampler import SamplingParams, ZipfLogits, sample
@@ -51,13 +54,16 @@ class SyntheticSource:
         return sample(logits, self.params, self.rng, ids)
 
     def version(self) -> str | None:
-        """The trainer's policy version as a `weight_version` (`step-N`), when a version file is set."""
+        """The `weight_version` the trainer labels its weights with now
+        (`12`, or `e1:12` after a resume), when a version file is set:
+        reading it is how this source reloads the trainer's weights."""
         if self.settings.version_file is None:
             return None
         try:
-            return f"step-{int(Path(self.settings.version_file).read_text())}"
-        except (FileNotFoundError, ValueError):  # not written yet (or being replaced): the initial weights
-            return "step-0"
+            label = Path(self.settings.version_file).read_text().strip()
+        except FileNotFoundError:  # not written yet: the initial weights
+            return "0"
+        return label if ordered_version(label) is not None else "0"  # (being replaced: the initial weights)
 
     def reward(self, version: str | None) -> float:
         """Continuous, or with `reward_levels` one of that many levels over
@@ -66,7 +72,7 @@ class SyntheticSource:
         levels = self.settings.reward_levels
         if levels < 2:
             return float(self.rng.random())
-        step = 0 if version is None else int(version.removeprefix("step-"))
+        step = ordered_version(version) or 0
         if self.rng.random() < 1 - 0.5 ** (step + 1):
             return 1.0
         return float(self.rng.integers(levels - 1)) / (levels - 1)

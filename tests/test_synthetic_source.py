@@ -11,13 +11,17 @@ def source(tmp_path, **settings) -> SyntheticSource:
     return SyntheticSource(ProducerSettings(vocab_size=1000, **settings), "p")
 
 
-def test_the_version_is_the_trainers_last_written_step(tmp_path):
+def test_the_version_is_the_label_the_trainer_last_wrote(tmp_path):
     assert source(tmp_path).version() is None  # no version file: unversioned turns, as before
     path = tmp_path / "policy.version"
     versioned = source(tmp_path, version_file=str(path))
-    assert versioned.version() == "step-0"  # not written yet: the initial weights
+    assert versioned.version() == "0"  # not written yet: the initial weights
     path.write_text("7")
-    assert versioned.version() == "step-7"
+    assert versioned.version() == "7"
+    path.write_text("e1:9")  # after a resume the label names the lineage epoch
+    assert versioned.version() == "e1:9"
+    path.write_text("")  # being replaced
+    assert versioned.version() == "0"
 
 
 def test_rewards_in_levels_reach_the_top_more_often_as_the_version_rises(tmp_path):
