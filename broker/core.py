@@ -455,7 +455,7 @@ class BrokerCore:
         the epoch of a resumed trainer and the step it resumed from, so a
         producer reloads those weights (`AsyncProducer.lineage`)."""
         job = self.producer_jobs.get(identity, DEFAULT_JOB)
-        fields = {}
+        fields: dict[str, Any] = {}
         capacity = self.freshness.capacity(job)
         if capacity is not None:
             fields["admit"] = max(0, capacity - self.engine.untrained[job])

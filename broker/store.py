@@ -465,8 +465,8 @@ class Store:
             dict(self.db.execute("SELECT id, size FROM released_groups")),
             {run: Run(lineage, list(msgpack.unpackb(seals)), reclaimed)
              for run, lineage, seals, reclaimed in self.db.execute("SELECT id, lineage, seals, reclaimed FROM runs")},
-            {job: Policy(*row, lineage=Lineage.of(msgpack.unpackb(branches) if branches else ()))
-             for job, *row, branches in self.db.execute(
+            {job: Policy(version, max_staleness, per_step, share, Lineage.of(msgpack.unpackb(branches) if branches else ()))
+             for job, version, max_staleness, per_step, share, branches in self.db.execute(
                 "SELECT job, version, max_staleness, per_step, share, branches FROM policies")},
         )
 
