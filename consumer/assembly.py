@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict, deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -218,12 +219,12 @@ class Assembler:
                 self._drop(unit)
         self._retry = [(due, lease) for due, lease in self._retry if lease[0] != broker]
 
-    def credit_grants(self) -> dict[int, int]:
-        """Credit to send now, per connected broker (already counted as outstanding)."""
+    def credit_grants(self, withheld: Collection[int] = ()) -> dict[int, int]:
+        """Credit to send now, per connected broker not `withheld` (already counted as outstanding)."""
         free = self.prefetch - len(self._ready) - len(self._assembling) - sum(b.outstanding for b in self._brokers)
         grants = {}
         for index, state in enumerate(self._brokers):
-            if not state.connected:
+            if not state.connected or index in withheld:
                 continue
             n = min(state.window - state.outstanding, free)
             if n > 0:

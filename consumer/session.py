@@ -187,7 +187,10 @@ class Sessions:
         if closing:
             assembler.release()
         else:
-            for broker, n in assembler.credit_grants().items():
+            # After a resume, new data waits until a broker has answered it and heard this lineage's policy.
+            position = self.position
+            withheld = () if position is None else [b for b in range(len(self.sessions)) if not position.answered(b)]
+            for broker, n in assembler.credit_grants(withheld).items():
                 out.append((broker, "credit", {"n": n, "unit": assembler.unit}))
         out += [(o.broker, o.type, o.fields) for o in assembler.take_outbox()]
         if self.position is not None:  # after the acks resent to a new session: the resume then knows of them

@@ -537,3 +537,37 @@ def test_an_end_without_a_reward_waits_for_a_reward_message_from_any_connection(
     consumer.sock.send_multipart(frames("credit", n=1, unit="trajectory"))
     header, _ = consumer.recv()
     assert (header["trajectory_id"], header["reward"]) == ("t", {"score": 0.5})
+
+
+def test_a_resumed_lineage_drops_what_abandoned_weights_sampled_and_tells_producers(broker):
+    producer = Peer(broker.producer)
+    producer.call(frames("hello", producer_id="lineage", seq=0))
+    for seq, (tid, version) in enumerate((("kept", "10"), ("ahead", "12")), start=1):
+        reply, _ = producer.call(turn(2 * seq, tid, 0, [10], [[10]], prompt=[1], weight_version=version))
+        assert reply["applied"] is True
+        reply, _ = producer.call(frames("end", seq=2 * seq + 1, trajectory_id=tid, reward=1.0))
+    reply, _ = producer.call(turn(10, "running", 0, [10], [[10]], prompt=[1], weight_version="11"))
+    assert reply["applied"] is True
+
+    consumer = Peer(broker.consumer)
+    consumer.call(frames("hello", consumer_id="trainer"))
+    refusal, _ = consumer.call(frames("policy", version=10, branches=[[1, 10], [1, 11]], seq=4))
+    assert (refusal["type"], refusal["code"]) == ("nack", "invalid_value")
+    echo, _ = consumer.call(frames("policy", version=10, branches=[[1, 10]], seq=5))
+    assert echo == {"v": 1, "type": "policy", "version": 10, "seq": 5}
+
+    reply, _ = producer.call(turn(11, "running", 1, [10], [[10]], weight_version="11"))
+    assert (reply["applied"], reply["reason"]) == (False, "abandoned")  # given up at the resume: stop sampling it
+    pong, _ = producer.call(frames("ping", seq=12))
+    assert pong["lineage"] == [1, 10]  # serve the checkpoint of step 10
+    reply, _ = producer.call(turn(13, "after", 0, [10], [[10]], prompt=[1], weight_version="e1:11"))
+    assert reply["applied"] is True
+    producer.call(frames("end", seq=14, trajectory_id="after", reward=1.0))
+
+    consumer.sock.send_multipart(frames("credit", n=5, unit="trajectory"))
+    delivered = sorted(consumer.recv()[0]["trajectory_id"] for _ in range(2))
+    assert delivered == ["after", "kept"]
+    assert not consumer.sock.poll(500)
+    dead, _ = Peer(broker.admin).call(frames("dead_letters"))
+    assert sorted((item["trajectory_id"], item["reason"]) for item in dead["items"]) == [
+        ("ahead", "abandoned"), ("running", "abandoned")]

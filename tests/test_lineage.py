@@ -177,3 +177,15 @@ def test_without_abort_stale_an_open_trajectory_past_the_bound_runs_on_until_it_
     publish(node, 4)
     [ack] = node.producer_says(turn_msg("slow", 1, seq=40, weight_version="4"))
     assert ack["applied"] is True
+
+
+def test_a_resumed_consumer_grants_a_broker_credit_only_after_its_policy_reached_it():
+    position = _position()
+    sessions = Sessions(Assembler(1, batch_size=1), ["a"], consumer_id="c", hello_timeout=5.0, position=position)
+    sessions.publish(10)
+    sessions.received(0, Message("welcome", {"broker_id": "x", "heartbeat_interval": 1.0, "lease_timeout": 60.0}, {}),
+                      0.0)
+    assert [kind for _, kind, _ in sessions.due(0.0, closing=False)] == ["resume"]  # no credit: nothing new yet
+    sessions.received(0, Message("resumed", {"step": 10, "replay": [], "epoch": 0}, {}), 0.0)
+    # the policy with the lineage first, then credit: the broker judges new data by the resumed lineage
+    assert [kind for _, kind, _ in sessions.due(0.1, closing=False)] == ["policy", "credit"]
