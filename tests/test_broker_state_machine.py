@@ -14,7 +14,9 @@ trajectories with the same ids (an evaluation run's) are never handed to
 the consumer, which reads the default job. Drawn with a staleness bound (the
 trainer publishes versions as it trains, turns carry the version they were
 sampled at, admission may hold new trajectories) and an equal-rewards
-filter: no unit goes out behind the bound in force when it is sent."""
+filter: no unit goes out behind the bound in force when it is sent. The
+trainer also resumes, in a new lineage epoch: no unit goes out that weights
+the lineage in force abandoned sampled."""
 import shutil
 import tempfile
 
@@ -77,6 +79,9 @@ class Broker(RuleBasedStateMachine):
         self.charged = 0  # units the broker delivered to it under that credit
         self.sent_leases: set[str] = set()  # leases whose delivery reached the consumer
         self.version = 0  # the trainer's policy version: what the producers sample with
+        self.epoch = 0  # its lineage epoch (a resume starts the next)
+        self.branches: list[list[int]] = []  # [epoch, step resumed from] per resume
+        self.sampled: dict[str, set[tuple[int, int]]] = {tid: set() for tid in TRAJECTORIES}  # applied turns' weights
 
     def teardown(self):
         self.store.close()
@@ -113,6 +118,11 @@ class Broker(RuleBasedStateMachine):
                             below = self.core.freshness.stale_below(DEFAULT_JOB)
                             assert out.replay or below is None or out.unit.version is None or \
                                 out.unit.version >= below, f"{header['trajectory_id']} sent behind the bound"
+                            in_force = self.core.freshness.lineage(DEFAULT_JOB).branches
+                            assert out.replay or not any(
+                                step > min((at for e, at in in_force if e > epoch), default=step)
+                                for tid in out.unit.trajectory_ids for epoch, step in self.sampled[tid]
+                            ), f"{header['trajectory_id']} sent though abandoned weights sampled it"
                         self.sessions.received(0, decode(request.frames, BROKER_TO_CONSUMER), self.now)
                 elif isinstance(request, ServeConsumers):
                     answer = None
@@ -150,10 +160,14 @@ class Broker(RuleBasedStateMachine):
     def turn(self, tid, tokens, store_fails=False):
         index = self.turns[tid]
         ids = list(range(10, 10 + tokens))
+        label = f"step-{self.version}" if self.epoch == 0 else f"e{self.epoch}:step-{self.version}"
         message = turn_msg(tid, index, ids, [[t] for t in ids], group=GROUP_OF.get(tid), seq=index,
-                           weight_version=f"step-{self.version}")
+                           weight_version=label)
         ack = self._produce(message, store_fails)
         if ack is not None and ack["applied"] and not ack.get("duplicate"):
+            if index == 0:
+                self.sampled[tid] = set()
+            self.sampled[tid].add((self.epoch, self.version))
             self.turns[tid] += 1
 
     @rule(group=st.sampled_from(sorted(GROUPS)))
@@ -219,6 +233,21 @@ class Broker(RuleBasedStateMachine):
         """The trainer took a step: its version goes up and the broker hears of it."""
         self.version += 1
         self.sessions.publish(self.version, per_step=2)
+        self._consumer_speaks(store_fails=store_fails)
+
+    @rule(store_fails=st.booleans())
+    def trainer_resumes_from_its_step_before(self, store_fails):
+        """The trainer resumed from the checkpoint of its last step but one,
+        in a new lineage epoch: what weights past that step sampled is
+        abandoned, and must not be delivered."""
+        if self.version == 0:
+            return
+        self.version -= 1
+        self.epoch += 1
+        self.branches.append([self.epoch, self.version])
+        self.sessions.publish(self.version, per_step=2)
+        assert self.sessions.policy is not None
+        self.sessions.policy = {**self.sessions.policy, "branches": [list(b) for b in self.branches]}
         self._consumer_speaks(store_fails=store_fails)
 
     @rule(store_fails=st.booleans())
