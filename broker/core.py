@@ -345,6 +345,7 @@ class BrokerCore:
             entry = self.engine.entries.get(job_key(job, message["trajectory_id"]))
             untrained = self.engine.untrained[job]
             if (entry is None or entry.state == LEFT) and not self.freshness.admits_new(job, untrained):
+                self.freshness.waiting[job] += 1
                 return RemoteProtocolError("unavailable", self.freshness.admission_refusal(job, untrained),
                                            seq=message["seq"])
         return None
@@ -572,7 +573,10 @@ class BrokerCore:
             yield Send("consumer", identity, self._unavailable(message))
             return
         bound = self.freshness.bound(job)
+        # What the job holds here and how often new trajectories were told to wait since the last publication:
+        # the trainer shares the admission capacity out among its brokers by it.
         fields = {"version": policy.version, **({} if bound is None else {"max_staleness": bound}),
+                  "held": self.engine.untrained[job], "waiting": self.freshness.waiting.pop(job, 0),
                   **({"seq": message["seq"]} if "seq" in message.fields else {})}
         yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "policy", fields))
         yield from self._drop_stale(job, now)

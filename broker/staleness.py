@@ -31,6 +31,7 @@ from the bound.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -75,6 +76,7 @@ class Freshness:
         self.drops_abandoned = abandoned == "drop"
         self.policies: dict[str, Policy] = {}
         self.epochs: dict[str, int] = {}  # each job's lineage epoch now (the merge engine reads it)
+        self.waiting: Counter[str] = Counter()  # per job: new trajectories told to wait since its last publication
 
     def restore(self, policies: Mapping[str, Policy]) -> None:
         self.policies = dict(policies)

@@ -404,7 +404,8 @@ BROKER_TO_CONSUMER = _schema(
     MessageSpec("nacked", {"leases": TEXT_LIST}, _SEQ),
     MessageSpec("sealed", {"step": STORED_COUNT, "reclaimed": COUNT}, _SEQ),
     MessageSpec("resumed", {"step": STORED_COUNT, "replay": MANIFEST}, {**_SEQ, "epoch": COUNT}),
-    MessageSpec("policy", {"version": STORED_COUNT}, {"seq": INT, "max_staleness": STORED_COUNT}),
+    MessageSpec("policy", {"version": STORED_COUNT},
+                {"seq": INT, "max_staleness": STORED_COUNT, "held": COUNT, "waiting": COUNT}),
     _NACK,
 )
 

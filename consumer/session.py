@@ -23,6 +23,9 @@ from .position import TrainingPosition
 log = logging.getLogger("rollstream.consumer")
 
 DEFAULT_HEARTBEAT = 1.0  # seconds, until a broker's welcome says otherwise
+# The least admission share a broker is published, as a part of an equal share: one whose producers are
+# quiet now keeps room for them to start again.
+MIN_SHARE = 0.25
 HEADER_CHECKED_AFTER = frozenset({"malformed", "version", "schema"})  # refusals raised before the header was checked
 
 
@@ -42,6 +45,7 @@ class BrokerSession:
     next_heartbeat: float = 0.0
     published: dict | None = None  # the policy this session was last sent (again after every welcome)
     bound: int | None = None  # the staleness bound its broker said is in force for the job
+    demand: int | None = None  # what its broker last said the job holds there plus the opens it made wait
 
 
 class Sessions:
@@ -58,19 +62,38 @@ class Sessions:
         self.sessions = [BrokerSession() for _ in endpoints]
         self._welcomed: list[int] = []  # brokers welcomed since the last `due`
         self.policy: dict | None = None  # what `publish` last set: sent to every broker once it is welcomed
+        self.shares = [1.0 / len(endpoints)] * len(endpoints)  # with it, each broker's part of the capacity
         self.max_staleness: int | None = None  # the trainer's own bound (lowers its brokers')
 
     def publish(self, version: int, per_step: int | None = None) -> None:
         """The trainer's policy version now (and trajectories per step):
-        sent to every broker, each told its equal share of the admission
-        capacity, with the trainer's own bound."""
-        policy: dict = {"version": version, "share": 1.0 / len(self.endpoints)}
+        sent to every broker with the trainer's own bound, each told its
+        share of the admission capacity (`shares`)."""
+        self.shares = self._shares()
+        policy: dict = {"version": version}
         if self.max_staleness is not None:
             policy["max_staleness"] = self.max_staleness
         if per_step is not None:
             policy["per_step"] = per_step
         self.policy = policy
         self._with_lineage()
+
+    def _shares(self) -> list[float]:
+        """Each broker's part of the job's admission capacity: in proportion
+        to its demand (what it holds plus the new trajectories it made wait,
+        from its last echo), none under `MIN_SHARE` of an equal share, so a
+        busy node is not held to an idle one's room; equal until every
+        broker has said."""
+        n = len(self.sessions)
+        demands = [session.demand for session in self.sessions]
+        if any(d is None for d in demands) or not sum(demands):  # type: ignore[arg-type]
+            return [1.0 / n] * n
+        total = sum(demands)  # type: ignore[arg-type]
+        raw = [max(MIN_SHARE / n, d / total) for d in demands]  # type: ignore[operator]
+        return [r / sum(raw) for r in raw]
+
+    def _policy_for(self, broker: int) -> dict | None:
+        return None if self.policy is None else {**self.policy, "share": self.shares[broker]}
 
     def _with_lineage(self) -> None:
         """The published policy names this trainer's lineage epochs, once a resume started one."""
@@ -118,6 +141,8 @@ class Sessions:
             assembler.settled(broker, message["leases"])
         elif kind == "policy":
             session.bound = message.get("max_staleness")
+            if "held" in message.fields:
+                session.demand = message["held"] + message.get("waiting", 0)
         elif kind == "resumed" and self.position is not None:
             if self.position.resumed(broker, message["replay"], message.get("epoch", 0)):
                 self._with_lineage()
@@ -179,10 +204,11 @@ class Sessions:
             elif session.state == SessionState.READY and now >= session.next_heartbeat:
                 out.append((broker, "heartbeat", {}))
                 session.next_heartbeat = now + session.heartbeat_interval / 2
-            if (session.state == SessionState.READY and self.policy is not None and session.published != self.policy
+            policy = self._policy_for(broker)
+            if (session.state == SessionState.READY and policy is not None and session.published != policy
                     and (self.position is None or self.position.answered(broker))):  # its epoch known first
-                out.append((broker, "policy", dict(self.policy)))
-                session.published = self.policy
+                out.append((broker, "policy", policy))
+                session.published = policy
         assembler.expire(now)
         if closing:
             assembler.release()

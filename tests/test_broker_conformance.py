@@ -425,7 +425,8 @@ def test_a_checkpointing_session_trains_seals_and_resumes_and_a_broker_restart_s
         again.call(frames("hello", consumer_id="t", run="R", lineage="L2"))
         again.sock.send_multipart(frames("resume", step=1, keep=1, trained=[[1, 0, "a"]], seq=9))
         resumed, _ = again.recv()
-        assert resumed == {"v": 1, "type": "resumed", "step": 1, "replay": [[2, 0, "b"], [2, 1, "c"]], "seq": 9}
+        assert resumed == {"v": 1, "type": "resumed", "step": 1, "replay": [[2, 0, "b"], [2, 1, "c"]], "epoch": 0,
+                           "seq": 9}
         replayed = [again.recv()[0] for _ in range(2)]
         assert [(h["trajectory_id"], h["replay"]) for h in replayed] == [("b", True), ("c", True)]
         assert all("group_id" not in h and "delivery_count" not in h for h in replayed)
@@ -499,7 +500,7 @@ def test_a_published_policy_version_bounds_staleness_at_admission_and_delivery(t
         consumer = Peer(b.consumer)
         consumer.call(frames("hello", consumer_id="trainer"))
         echo, _ = consumer.call(frames("policy", version=3, per_step=2, seq=9))
-        assert echo == {"v": 1, "type": "policy", "version": 3, "max_staleness": 1, "seq": 9}
+        assert echo == {"v": 1, "type": "policy", "version": 3, "max_staleness": 1, "held": 3, "waiting": 0, "seq": 9}
         consumer.sock.send_multipart(frames("credit", n=5, unit="trajectory"))
         delivered = [consumer.recv()[0]["trajectory_id"] for _ in range(2)]
         assert delivered == ["mid", "new"]  # oldest version first; "old" is 2 behind: stale, never delivered
@@ -554,7 +555,7 @@ def test_a_resumed_lineage_drops_what_abandoned_weights_sampled_and_tells_produc
     refusal, _ = consumer.call(frames("policy", version=10, branches=[[1, 10], [1, 11]], seq=4))
     assert (refusal["type"], refusal["code"]) == ("nack", "invalid_value")
     echo, _ = consumer.call(frames("policy", version=10, branches=[[1, 10]], seq=5))
-    assert echo == {"v": 1, "type": "policy", "version": 10, "seq": 5}
+    assert echo == {"v": 1, "type": "policy", "version": 10, "held": 3, "waiting": 0, "seq": 5}
 
     reply, _ = producer.call(turn(11, "running", 1, [10], [[10]], weight_version="11"))
     assert (reply["applied"], reply["reason"]) == (False, "abandoned")  # given up at the resume: stop sampling it

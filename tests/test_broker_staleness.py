@@ -58,7 +58,7 @@ def test_queued_units_behind_the_bound_are_dead_lettered_stale_and_the_rest_go_o
     node.restart()
     produce(node, ("v5", "step-5"), ("v2", "step-2"), ("v4", "4"))
     node.hello(run=None)
-    assert publish(node, 5) == {"version": 5, "max_staleness": 1}
+    assert publish(node, 5) == {"version": 5, "max_staleness": 1, "held": 4, "waiting": 0}  # v2 still held
     status = node.core.status(node.clock)
     assert status["dead"] == 1 and status["counters"]["trajectories.stale"] == 1
     assert node.core.engine.entries["v2"].dead_reason == "stale"
@@ -149,3 +149,15 @@ def test_producers_are_told_how_many_new_trajectories_the_job_has_room_for(tmp_p
     produce(node, ("a", "3"), ("b", "3"), ("c", "3"), open_only=True)
     assert producer_says(node, "ping", seq=2)["admit"] == 1
     assert producer_says(node, "hello", producer_id="q")["admit"] == 1
+
+
+def test_the_echo_says_what_the_job_holds_and_how_many_opens_waited_since_the_last_publication(tmp_path):
+    node = Node(tmp_path / "data", max_staleness=0)
+    node.hello(run=None)
+    publish(node, 7, per_step=2)
+    produce(node, ("a", "7"), ("b", "7"), open_only=True)
+    produce(node, ("c", "7"), open_only=True)  # told to wait, twice (its producer resends)
+    produce(node, ("c", "7"), open_only=True)
+    echo = publish(node, 7, per_step=2)
+    assert (echo["held"], echo["waiting"]) == (2, 2)
+    assert publish(node, 7, per_step=2)["waiting"] == 0  # counted since the last publication

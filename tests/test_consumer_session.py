@@ -143,3 +143,24 @@ def test_a_policy_the_broker_could_not_persist_is_sent_again():
     assert [kind for _, kind, _ in s.due(0.2, closing=False)].count("policy") == 1
     s.received(0, refusal("unavailable"), 0.3)
     assert [kind for _, kind, _ in s.due(0.4, closing=False)].count("policy") == 1
+
+
+def test_admission_shares_follow_each_brokers_demand_and_never_fall_under_the_floor():
+    s = sessions(2)
+    s.due(0.0, closing=False)
+    for broker in (0, 1):
+        s.received(broker, welcome(), 0.1)
+    s.publish(3, per_step=8)
+    assert [f["share"] for _, kind, f in s.due(0.2, closing=False) if kind == "policy"] == [0.5, 0.5]  # none said yet
+    # broker 0's node is busy (it holds 12 and made 4 new trajectories wait), broker 1's is idle
+    s.received(0, Message("policy", {"version": 3, "held": 12, "waiting": 4}, {}), 0.3)
+    s.received(1, Message("policy", {"version": 3, "held": 0, "waiting": 0}, {}), 0.3)
+    s.publish(4, per_step=8)
+    shares = {b: f["share"] for b, kind, f in s.due(0.4, closing=False) if kind == "policy"}
+    # raw 16/16 and 0/16; the idle one floored at 0.25 of an equal share (0.125), then both renormalised
+    assert shares == pytest.approx({0: 1 / 1.125, 1: 0.125 / 1.125})
+    s.received(1, Message("policy", {"version": 4, "held": 4, "waiting": 12}, {}), 0.5)  # its producers are back
+    s.received(0, Message("policy", {"version": 4, "held": 16, "waiting": 0}, {}), 0.5)
+    s.publish(5, per_step=8)
+    shares = {b: f["share"] for b, kind, f in s.due(0.6, closing=False) if kind == "policy"}
+    assert shares == pytest.approx({0: 0.5, 1: 0.5})
