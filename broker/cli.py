@@ -174,7 +174,9 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
         spread = policy.get("staleness")
         click.echo(f"  {'policy of ' + job:<20} version {policy['version']}, max_staleness {policy.get('max_staleness')}, "
                    f"untrained {policy['untrained']} of capacity {policy.get('capacity')}"
-                   + ("" if spread is None else f", queued staleness {spread[0]}-{spread[1]}"))
+                   + ("" if spread is None else f", queued staleness {spread[0]}-{spread[1]}")
+                   + ("" if "epoch" not in policy else
+                      f", lineage epoch {policy['epoch']} (resumed from step {policy['resumed_from']})"))
     for job, causes in report.get("starving", {}).items():
         click.echo(f"  {'STARVING ' + job:<20} {', '.join(causes)} (see the broker's log for the figures)")
     for job, ready in report.get("ready_by_job", {}).items():

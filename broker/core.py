@@ -552,9 +552,12 @@ class BrokerCore:
         return None
 
     def _publish(self, identity: bytes, message: Message, now: Clock) -> Steps:
-        """A trainer published its policy version (and bound, step size and
-        this broker's share): kept durably, echoed with the bound in force;
-        what it makes stale is dropped before the next delivery."""
+        """A trainer published its policy version (and bound, step size,
+        this broker's share and lineage): kept durably, echoed with the
+        bound in force and the job's demand here; what it makes stale is
+        dropped before the next delivery, and a new lineage gives up what
+        weights it abandoned sampled (with `abort_stale`, also what is
+        already too stale) while still unfinished."""
         job = self.dispatcher.consumers[identity].job
         try:
             lineage = Lineage.of(message.get("branches"))
@@ -852,7 +855,8 @@ class BrokerCore:
         }
 
     def _policies(self) -> dict:
-        """Each job's published policy with its bound, capacity and the staleness spread of what it has queued."""
+        """Each job's published policy with its bound, capacity, lineage
+        epoch (after a resume) and the staleness spread of what it has queued."""
         out = {}
         for job, policy in sorted(self.freshness.policies.items()):
             queue = self.dispatcher.queues.get(job)
@@ -861,6 +865,8 @@ class BrokerCore:
             out[job] = {"version": policy.version, "untrained": self.engine.untrained[job],
                         **({} if bound is None else {"max_staleness": bound}),
                         **({} if capacity is None else {"capacity": capacity}),
+                        **({} if not policy.lineage.branches else
+                           {"epoch": policy.lineage.epoch, "resumed_from": policy.lineage.resumed_from}),
                         **({} if versions is None else
                            {"staleness": [max(0, policy.version - versions[1]), max(0, policy.version - versions[0])]})}
         return out

@@ -85,6 +85,9 @@ def test_the_lineage_and_what_sampled_an_ended_trajectory_survive_a_restart(tmp_
     publish(node, 10, branches=[[1, 10]])
     node.restart()
     assert node.core.freshness.lineage("default") == Lineage(((1, 10),))
+    # "open" was given up; "old" (9) and "ahead" (12) are queued, 1 and 0 behind
+    assert node.core.status(node.clock)["policies"]["default"] == {"version": 10, "untrained": 2, "epoch": 1,
+                                                                   "resumed_from": 10, "staleness": [0, 1]}
     assert producer_says(node, "hello", producer_id="p")["lineage"] == [1, 10]  # serve the checkpoint of step 10
     node.producer_says(end_msg("open", seq=900))
     node.hello(run=None)
