@@ -47,6 +47,8 @@ HELP = {
     "sync": "normal: durable against a broker crash; full: fsync before every ack (power loss).",
     "max_memory_bytes": "Memory budget; over it, producer frames wait (backpressure) and trajectories are evicted to the store.",
     "max_disk_bytes": "Disk budget of the store; over it, new trajectories wait while consumers have something to take.",
+    "max_dead_letter_bytes": "Dead-lettered trajectories kept for inspection (and requeue), in stored bytes; past it "
+                             "the oldest are deleted, their ids remembered, counted by reason.",
     "disk_reserve_bytes": "Free space kept on the data dir's file system for ends and consumer acks; below it, turns wait. "
                           "Default: 5% of the file system, at most 1 GiB.",
     "max_message_bytes": "Largest message accepted; larger ones are answered too_large.",
@@ -74,6 +76,7 @@ TYPES = {
     "abandoned_lineage": click.Choice(list(ABANDONED_ACTIONS)),
     "max_memory_bytes": BYTES,
     "max_disk_bytes": BYTES,
+    "max_dead_letter_bytes": BYTES,
     "disk_reserve_bytes": BYTES,
     "max_message_bytes": BYTES,
     "segment_bytes": BYTES,

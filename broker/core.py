@@ -874,13 +874,15 @@ class BrokerCore:
     # -- time -------------------------------------------------------------------
     def housekeeping(self, now: Clock) -> Steps:
         """What time alone changes: silent producers forgotten, idle
-        trajectories expired, lost leases and silent consumers requeued, the
+        trajectories expired, dead letters kept within their budget, lost
+        leases and silent consumers requeued, the
         store probed while unavailable, dedup records pruned, memory and
         disk held to their budgets."""
         self._count_live_producers(now.mono)
         effects = self.engine.expire(now.wall)
         if (yield from self._commit(effects)):
             self.metrics.count_effects(effects)
+        yield from self._prune_dead(now)
         yield from self._reclaim_unsealed(now)
         yield ServeConsumers(now)
         yield from self._dead_letter(self.dispatcher.tick(now.mono), "max_deliveries", now)
@@ -906,6 +908,16 @@ class BrokerCore:
         self._update_backpressure()
         self._watch_starvation(now)
         self.update_gauges(now)
+
+    def _prune_dead(self, now: Clock) -> Steps:
+        """Keep dead letters within `max_dead_letter_bytes`: the oldest go
+        (their ids remembered), counted and logged by reason."""
+        effects, gone = self.engine.prune_dead(self.settings.max_dead_letter_bytes, now.wall)
+        if effects and (yield from self._commit(effects)):
+            for reason, n in gone.items():
+                self.metrics.inc(self.metrics.dead_pruned, n, reason=reason)
+            log.info("oldest dead letters deleted to keep them within max_dead_letter_bytes",
+                     extra={"deleted": dict(gone), "budget": self.settings.max_dead_letter_bytes})
 
     def _watch_starvation(self, now: Clock) -> None:
         """Say loudly when a job starves (`Starvation`), and when it no longer does."""

@@ -328,6 +328,8 @@ class MergeEngine:
         self._idle_groups: OrderedDict[str, Group] = OrderedDict()
         self._resident_ready: OrderedDict[str, Entry] = OrderedDict()  # ended, in memory, oldest first (evicted newest first)
         self._resident_open: OrderedDict[str, Entry] = OrderedDict()  # open, in memory, least recently continued first
+        self._dead: OrderedDict[str, Entry] = OrderedDict()  # dead letters, oldest first (`prune_dead`)
+        self.dead_bytes = 0  # their `stored_bytes`, kept as they change
         self.bytes_in_memory = 0  # of the trajectories in memory (arrays and overheads), kept as they change
         self.dedup: dict[str, float] = {}  # trajectory id -> remembered until
         self._dedup_expiry: list[tuple[float, str]] = []  # a heap of (until, id): expiry without scanning every id
@@ -689,6 +691,19 @@ class MergeEngine:
                     self._give_up(entry, reason, wall)
         return list(self._drain())
 
+    def prune_dead(self, budget: int, wall: float) -> tuple[list, Counter[str]]:
+        """Forget the oldest dead letters (data deleted, id remembered) while
+        they hold more than `budget` bytes: dead letters are kept for
+        inspection, not without end. Returns the effects and how many went,
+        by reason."""
+        gone: Counter[str] = Counter()
+        effects: list = []
+        while self.dead_bytes > budget and self._dead:
+            tid, entry = next(iter(self._dead.items()))
+            gone[entry.dead_reason or "dead"] += 1
+            effects.append(self._forget(tid, wall))
+        return effects, gone
+
     def _give_up(self, entry: Entry, reason: str, wall: float) -> None:
         """An unfinished trajectory is dead-lettered; its id is remembered,
         so its producer's later frames are answered with `reason`."""
@@ -949,6 +964,8 @@ class MergeEngine:
         self.untrained.clear()
         self._open.clear()
         self._scoring.clear()
+        self._dead.clear()
+        self.dead_bytes = 0
         self._idle_groups.clear()
         self._resident_ready.clear()
         self._resident_open.clear()
@@ -961,6 +978,7 @@ class MergeEngine:
         for group_id, group in sorted(self.groups.items(), key=lambda item: item[1].updated_at):
             if not group.deliverable:
                 self._idle_groups[group_id] = group
+        self._dead = OrderedDict(sorted(self._dead.items(), key=lambda item: item[1].dead_at or 0.0))
 
     def _add(self, entry: Entry) -> None:
         self.entries[entry.trajectory_id] = entry
@@ -974,6 +992,9 @@ class MergeEngine:
             self._open[entry.trajectory_id] = entry
         elif entry.state == SCORING:
             self._scoring[entry.trajectory_id] = entry
+        elif entry.state == DEAD:
+            self._dead[entry.trajectory_id] = entry
+            self.dead_bytes += entry.stored_bytes
 
     def _remove(self, tid: str) -> Entry:
         entry = self.entries.pop(tid)
@@ -981,6 +1002,8 @@ class MergeEngine:
         self._counts[entry.state] -= 1
         if entry.state in UNTRAINED:
             self.untrained[job_of(tid)] -= 1
+        if self._dead.pop(tid, None) is not None:
+            self.dead_bytes -= entry.stored_bytes
         self._open.pop(tid, None)
         self._scoring.pop(tid, None)
         return entry
@@ -999,6 +1022,12 @@ class MergeEngine:
             self._scoring.pop(tid, None)
         elif state == SCORING:
             self._scoring[tid] = entry
+        if entry.state == DEAD:  # revived
+            self._dead.pop(tid, None)
+            self.dead_bytes -= entry.stored_bytes
+        elif state == DEAD:
+            self._dead[tid] = entry
+            self.dead_bytes += entry.stored_bytes
         entry.state = state
 
     def _hold(self, entry: Entry, trajectory: Trajectory) -> None:

@@ -48,6 +48,8 @@ class BrokerMetrics(Metrics):
         )
         self.abandoned = self.counter("abandoned", "Trajectories sampled by weights of a lineage a resumed trainer "
                                       "abandoned, by what was done with them (abandoned_lineage)", ("action",))
+        self.dead_pruned = self.counter("dead_letters_pruned", "Dead letters deleted, oldest first, to keep them "
+                                        "within max_dead_letter_bytes, by reason", ("reason",))
         self.admission_waits = self.counter("admission_waits", "Turns opening a trajectory told to wait by the "
                                             "staleness capacity (resent by their producer)")
         self.commit_seconds = self.histogram(

@@ -43,6 +43,7 @@ class BrokerSettings:
     max_memory_bytes: int = 2 << 30
     max_disk_bytes: int = 64 << 30
     max_unsealed_bytes: int = 16 << 30  # trained and not yet sealed: a budget apart from max_disk_bytes
+    max_dead_letter_bytes: int = 1 << 30  # dead letters kept for inspection; past it the oldest are deleted
     disk_reserve_bytes: int | None = None  # free space kept for ends and acks; default: 5% of the file system, at most 1 GiB
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     window: int = 256

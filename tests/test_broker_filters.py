@@ -81,3 +81,28 @@ def test_without_filters_a_flat_group_is_delivered(tmp_path):
     group(node, "flat", [1.0, 1.0])
     node.hello(run=None)
     assert sorted(tid for tid, _ in node.take(5)) == ["flat-0", "flat-1"]
+
+
+def test_dead_letters_are_kept_within_their_budget_oldest_deleted_first_their_ids_remembered(tmp_path):
+    from test_broker_checkpoint import Node
+
+    from rollstream.broker.engine import DEAD
+
+    node = Node(tmp_path / "data")
+    node.produce("a", "b")
+    node.hello(run=None)
+    for (tid, lease), now in zip(node.take(2), (20.0, 30.0)):
+        node.now = now
+        node.say("nack", leases=[lease], reason="bad", requeue=False)  # dead-lettered "bad", a before b
+    assert [node.core.engine.entries[t].state for t in ("a", "b")] == [DEAD, DEAD]
+    held = node.core.engine.dead_bytes
+    assert held > 1
+    node.settings["max_dead_letter_bytes"] = held - 1  # one of the two fits
+    node.restart()
+    node.run(node.core.housekeeping(node.clock))
+    assert "a" not in node.core.engine.entries and node.core.engine.entries["b"].state == DEAD  # the oldest went
+    assert "a" in node.core.engine.dedup  # a resend of it is answered as a duplicate, never merged again
+    assert node.core.metrics.totals["dead_letters_pruned.bad"] == 1
+    node.restart()  # deleted from the store too
+    engine = node.core.engine
+    assert "a" not in engine.entries and engine.dead_bytes == engine.entries["b"].stored_bytes < held
