@@ -3,16 +3,19 @@
 A producer process streams turn frames (pre-encoded, so it is not the
 bottleneck) through a live broker subprocess to a consumer process that
 acks every delivered trajectory; both hops are loopback TCP like the relay's.
-Two frame shapes: the `peer_seed.make_workload` turn (512 sampled tokens with
+Two frame shapes: the `peers.seed_path.make_workload` turn (512 sampled tokens with
 geometric supports capped at 64, 128 forced tokens) and tiny 32-token turns.
 The consumer acks and re-grants credit once per burst of deliveries it has
-read, as the consumer library does. `../shared/bench/raw_relay.py` moves
+read, as the consumer library does. The bare relay (`peers/relay.py`) moves
 frames of the same total size. Printed: frames/s, tokens/s, bytes/s, the
 ratio to the relay, and the broker's peak RSS; `--sync full` and CURVE on
 both hops (`relay_ratio_512_curve`, against the same plain relay, so it
 sits next to `relay_ratio_512`) are measured too. The last line is JSON.
 
-usage: python bench/broker_throughput.py [--frames N] [--window W] [--repeat R]
+usage: python bench/broker_throughput.py [--frames N] [--window W] [--repeat R] [--smoke]
+
+`--smoke` runs every measurement at a tiny size, to check the script works;
+its figures mean nothing.
 
 The producer keeps the broker's advertised window in flight, as the
 producer library does.
@@ -23,37 +26,34 @@ import argparse
 import json
 import multiprocessing as mp
 import shutil
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import msgpack
 import numpy as np
 import zmq
+from peers import relay as bare_relay
+from procs import Broker, peak_rss
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1].parent / "shared" / "bench"))
-import raw_relay  # noqa: E402
-from procs import Broker, peak_rss  # noqa: E402
-
-from rollstream.common.codec import decode, encode  # noqa: E402
-from rollstream.common.curve import ClientCurve, KeyLayout  # noqa: E402
-from rollstream.common.mask import SamplingMask  # noqa: E402
-from rollstream.common.messages import (  # noqa: E402
+from rollstream.common.codec import decode, encode
+from rollstream.common.curve import ClientCurve, KeyLayout
+from rollstream.common.mask import SamplingMask
+from rollstream.common.messages import (
     BROKER_TO_CONSUMER,
     BROKER_TO_PRODUCER,
     CONSUMER_TO_BROKER,
     PRODUCER_TO_BROKER,
 )
-from rollstream.common.trajectory import Turn  # noqa: E402
-from rollstream.common.wire import encode_turn  # noqa: E402
+from rollstream.common.trajectory import Turn
+from rollstream.common.wire import encode_turn
 
 VOCAB = 151_936
 TURNS_PER_TRAJECTORY = 8
+SMOKE = {"frames": 64, "tiny_frames": 128, "repeat": 1}  # the sizes of --smoke
 
 
 def make_turns(tokens: int, forced: int, seed: int = 0) -> list[Turn]:
-    """Turn shapes as in peer_seed.make_workload."""
+    """Turn shapes as in peers.seed_path.make_workload."""
     rng = np.random.default_rng(seed)
     turns = []
     for t in range(TURNS_PER_TRAJECTORY):
@@ -191,7 +191,7 @@ def run_broker(shape: tuple, n_turns: int, window: int, sync: str, curve: KeyLay
 
 def run_relay(messages: int, frame_bytes: int) -> dict:
     arrays = 5
-    return raw_relay.run(messages, max(1, frame_bytes // arrays), arrays, "tcp")
+    return bare_relay.run(messages, max(1, frame_bytes // arrays), arrays, "tcp")
 
 
 def main() -> None:
@@ -200,6 +200,11 @@ def main() -> None:
     parser.add_argument("--tiny-frames", type=int, default=16000, help="turn frames per 32-token run")
     parser.add_argument("--window", type=int, default=0, help="frames in flight; 0: the broker's welcome window")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs of each; the best is reported")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes where not given (--frames 64 --tiny-frames 128 --repeat 1): "
+                             "checks the script runs; its figures mean nothing")
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(**SMOKE)
     args = parser.parse_args()
 
     def best(runs: list[dict], key: str) -> dict:

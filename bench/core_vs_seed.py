@@ -14,31 +14,33 @@ Also printed: merge scaling (per-token cost of a 1,000-turn trajectory over a
 10-turn one with the same tokens), and CSR bytes against the same supports
 padded to [tokens, top_k]. The last line is JSON with the headline figures.
 
-usage: python bench/core_vs_seed.py [--trajectories N] [--repeat R]
+The seed's path and the workload are `peers/seed_path.py`.
+
+usage: python bench/core_vs_seed.py [--trajectories N] [--repeat R] [--smoke]
+
+`--smoke` runs every stage at a tiny size, to check the script works; its
+figures mean nothing.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from peers import seed_path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1].parent / "shared" / "bench"))
-import peer_seed  # noqa: E402
-
-from rollstream.common.codec import decode  # noqa: E402
-from rollstream.common.ingest import turn_from_sglang  # noqa: E402
-from rollstream.common.messages import BROKER_TO_CONSUMER  # noqa: E402
-from rollstream.common.trajectory import Trajectory  # noqa: E402
-from rollstream.common.validation import validate_samples  # noqa: E402
-from rollstream.common.wire import encode_deliver  # noqa: E402
+from rollstream.common.codec import decode
+from rollstream.common.ingest import turn_from_sglang
+from rollstream.common.messages import BROKER_TO_CONSUMER
+from rollstream.common.trajectory import Trajectory
+from rollstream.common.validation import validate_samples
+from rollstream.common.wire import encode_deliver
 
 VOCAB = 151_936
 TOP_K = 64
+SMOKE = {"trajectories": 4, "repeat": 1, "scaling_tokens": 5_000}  # the sizes of --smoke
 
 
 def engine_responses(work):
@@ -136,8 +138,8 @@ def merge_scaling(total_tokens: int, repeat: int) -> dict:
             t0 = time.perf_counter()
             acc = None
             for _, meta in raw:
-                part = peer_seed.SeedMask.from_mask_list(meta["output_token_sampling_mask"])
-                acc = part if acc is None else peer_seed.SeedMask.concatenate((acc, part))
+                part = seed_path.SeedMask.from_mask_list(meta["output_token_sampling_mask"])
+                acc = part if acc is None else seed_path.SeedMask.concatenate((acc, part))
             seed.append(time.perf_counter() - t0)
         tokens = per_turn * turns
         result[turns] = {name: min(times) / tokens for name, times in
@@ -180,11 +182,16 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     # 1,000 turns of 512 tokens, the workload's turn size, against 10 turns of 51,200.
     parser.add_argument("--scaling-tokens", type=int, default=512_000)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes where not given (--trajectories 4 --repeat 1 --scaling-tokens 5000): "
+                             "checks the script runs; its figures mean nothing")
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(**SMOKE)
     args = parser.parse_args()
 
-    work = peer_seed.make_workload(n_traj=args.trajectories)
+    work = seed_path.make_workload(n_traj=args.trajectories)
     responses = engine_responses(work)
-    seed = best_of(peer_seed.run_seed_path, work, args.repeat)
+    seed = best_of(seed_path.run_seed_path, work, args.repeat)
     ours = best_of(run_rollstream, responses, args.repeat)
     assert seed["tokens"] == ours["tokens"] and seed["ids"] == ours["ids"], "both paths must carry the same data"
 

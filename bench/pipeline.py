@@ -1,12 +1,12 @@
-"""The whole pipeline against TransferQueue's streaming benchmark, in one run.
+"""The whole pipeline against TransferQueue streaming the same samples, in one run.
 
 Producer process(es) → `rollstream broker` (a daemon on its durable
-defaults) → consumer process, on loopback TCP, moving TransferQueue 0.1.11's
-streaming workload: 256 samples of a 512-token prompt and 5,000 response
-tokens, supports of size min(geometric(1/8), 64), float32 log-probs, a 0/1
-loss mask (63.2 MB). The workload is `make_workload` of
-`../shared/bench/peer_tq.py`, read from that file, with each response token
-replaced by a member of its own support (rollstream checks that rule).
+defaults) → consumer process, on loopback TCP, moving the rollout samples of
+TransferQueue's streaming benchmark: 256 samples of a 512-token prompt and
+5,000 response tokens, supports of size min(geometric(1/8), 64), float32
+log-probs, a 0/1 loss mask (63.2 MB). Both sides build them with
+`bench/peers/tq_workload.py`, each response token moved inside its own
+support (rollstream checks that rule), so both move the same bytes.
 
 Each rollstream rep sends every sample as 1 turn (`t1`) or as 8 turns of 625
 tokens (`t8`) with the library's `AsyncProducer` (or the blocking
@@ -27,11 +27,15 @@ at their step, and every `--checkpoint-every` batches the consumer's
 the rest delete on commit. Its consumer and broker CPU per trajectory are
 reported against delete-on-commit's.
 
-With `--tq-python PATH` (a virtualenv's python with transferqueue, see
-`../shared/bench/README.md`), `peer_tq.py --stream` runs interleaved: each
-round runs TransferQueue (one warm-up and `--reps` timed reps in one Ray
-session, as its script does), then `--reps` reps of t1 and of t8 on a
-fresh broker. Medians over every timed rep are reported.
+With `--tq-python PATH` (the python of a virtualenv with transferqueue
+0.1.11, made by `bench/peers/setup_tq.sh`), `bench/peers/tq_driver.py` runs
+interleaved, as a subprocess of that python: each round runs TransferQueue
+(a warm-up and `--reps` timed reps in one Ray session, its consumer a Ray
+actor fetching while the producer puts, batches of `--batch-size`), then
+`--reps` reps of t1 and of t8 on a fresh broker. Medians over every timed
+rep are reported; TransferQueue's RSS is the sum of the peaks of its data
+path's processes (producer, actors, raylet, gcs_server), with Ray's other
+helpers reported apart. Without it, only rollstream runs.
 
 Printed per mode: seconds, MB/s, tokens/s, CPU seconds of the producer
 process(es), of the broker's main thread and of the consumer process, peak
@@ -39,14 +43,14 @@ RSS of each, p50/p99 latency from a trajectory's `end` being handed to the
 producer to its batch being committed, whether every delivered
 trajectory was byte-equal to what was sent, exactly once, and the tokens per
 batch (min, median and max over the batches a limit closed, tails left out).
-The last line is one JSON object.
+The last line is one JSON object. `--smoke` runs a tiny size (16 samples,
+batches of 8, one round of one rep) to check the script end to end.
 
     .venv/bin/python bench/pipeline.py [--rounds 5] [--reps 3] [--batch-tokens N] [--tq-python .venv-tq/bin/python]
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
 import gc
 import hashlib
@@ -59,42 +63,26 @@ import time
 from pathlib import Path
 
 import numpy as np
+from peers.tq_workload import make_samples, response_length, with_tokens_in_support
 from procs import Broker, peak_rss, thread_cpu
 
 from rollstream.common.checker import check, read_records
 
-SHARED_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "bench"
-PEER_TQ = SHARED_BENCH / "peer_tq.py"
+TQ_DRIVER = Path(__file__).resolve().parent / "peers" / "tq_driver.py"
 VOCAB = 151_936
 FIELDS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets")
 
 
 # -- the workload -------------------------------------------------------------
-def _tq_make_workload():
-    """`make_workload` from peer_tq.py, compiled alone: the file imports Ray
-    and TransferQueue at its top, which this virtualenv does not have."""
-    tree = ast.parse(PEER_TQ.read_text())
-    nodes = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "make_workload"]
-    if not nodes:
-        raise RuntimeError(f"{PEER_TQ} has no make_workload function")
-    namespace = {"np": np, "VOCAB": VOCAB}
-    exec(compile(ast.Module(nodes, type_ignores=[]), str(PEER_TQ), "exec"), namespace)
-    return namespace["make_workload"]
-
-
 def workload(samples: int, seed: int = 0) -> list[dict]:
-    """TransferQueue's samples as rollstream trajectories: the prompt, and
-    the response with every token moved inside its own support."""
-    rng = np.random.default_rng(seed + 1)
+    """The samples TransferQueue's driver puts, as rollstream trajectories:
+    the prompt and the response, split out of `input_ids`."""
     out = []
-    for sample in _tq_make_workload()(samples, 5000, 512, seed):
-        offsets, ids = sample["mask_offsets"], sample["mask_ids"]
-        length = sample["_resp_len"]
-        sizes = np.diff(offsets)
-        tokens = ids[offsets[:-1] + rng.integers(0, sizes)]
-        out.append({"prompt_tokens": sample["input_ids"][: len(sample["input_ids"]) - length], "tokens": tokens,
-                    "log_probs": sample["log_probs"], "loss_mask": sample["loss_mask"], "mask_ids": ids,
-                    "mask_offsets": offsets})
+    for sample in with_tokens_in_support(make_samples(samples, 5000, 512, seed), seed):
+        cut = len(sample["input_ids"]) - response_length(sample)
+        out.append({"prompt_tokens": sample["input_ids"][:cut], "tokens": sample["input_ids"][cut:],
+                    "log_probs": sample["log_probs"], "loss_mask": sample["loss_mask"], "mask_ids": sample["mask_ids"],
+                    "mask_offsets": sample["mask_offsets"]})
     return out
 
 
@@ -296,16 +284,20 @@ class Rollstream:
         self.broker.close()
 
 
-def run_tq(python: str, reps: int, samples: int) -> dict:
-    """One TransferQueue session: a warm-up and `reps` timed streaming reps."""
+def run_tq(python: str, reps: int, samples: int, batch: int) -> dict:
+    """One TransferQueue session (bench/peers/tq_driver.py under `python`):
+    a warm-up and `reps` timed streaming reps."""
     with tempfile.TemporaryDirectory(prefix="tq-pipeline-") as work:
         out = Path(work) / "tq.json"
-        subprocess.run([python, str(PEER_TQ), "--stream", "--n", str(samples), "--reps", str(reps), "--warmup", "1",
-                        "--json", str(out)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done = subprocess.run([python, str(TQ_DRIVER), "--samples", str(samples), "--batch", str(batch), "--reps",
+                               str(reps), "--warmup", "1", "--json", str(out)], capture_output=True, text=True)
+        if not out.exists():  # it exits 2 with its figures written when a sample came back different
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
+            raise RuntimeError(f"{TQ_DRIVER.name} exited {done.returncode} without figures:\n{tail}")
         result = json.loads(out.read_text())
-    verified = all(r["digest_mismatches"] == 0 and r["array_equal_ok"] for r in result["verify"])
-    return {"seconds": result["summary"]["stream_e2e_s"]["all"], "rss_mib": result["rss_peak_mib"],
-            "verified": verified, "payload": result["payload_bytes"]}
+    return {"seconds": result["stream_e2e_s"], "rss_mib": result["peak_rss_mib"],
+            "helpers_rss_mib": result["peak_rss_mib_ray_helpers"], "verified": result["verified"],
+            "payload": result["payload_bytes"]}
 
 
 def main() -> None:
@@ -325,6 +317,9 @@ def main() -> None:
     parser.add_argument("--compare-checkpoint", action="store_true",
                         help="also run each mode as a checkpointing trainer, interleaved, and compare its CPU")
     parser.add_argument("--checkpoint-every", type=int, default=4, help="batches between checkpoints (with the above)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny run that checks the script end to end")
+    if parser.parse_known_args()[0].smoke:  # flags given explicitly still win
+        parser.set_defaults(rounds=1, reps=1, samples=16, batch_size=8)
     args = parser.parse_args()
     modes = [int(m) for m in args.modes.split(",")]
     variants = [("", 0)] + ([("-ckpt", args.checkpoint_every)] if args.compare_checkpoint else [])
@@ -338,14 +333,18 @@ def main() -> None:
           f"(rollstream fields; TransferQueue's input_ids are the same prompt + response)")
 
     runs: dict[str, list[dict]] = {f"t{m}{suffix}": [] for m in modes for suffix, _ in variants}
-    tq_seconds, tq_rss, tq_verified = [], [], True
+    tq_seconds, tq_rss, tq_helpers_rss, tq_verified = [], [], [], True
     rss: dict[str, dict] = {}
     checker_problems = 0
     for round_index in range(args.rounds):
         if args.tq_python:
-            tq = run_tq(args.tq_python, args.reps, args.samples)
+            tq = run_tq(args.tq_python, args.reps, args.samples, args.batch_size)
+            if tq["payload"] != payload:
+                raise RuntimeError(f"TransferQueue moved {tq['payload']} bytes a rep and rollstream {payload}: "
+                                   "not the same workload")
             tq_seconds += tq["seconds"]
             tq_rss.append(sum(tq["rss_mib"].values()))
+            tq_helpers_rss.append(sum(tq["helpers_rss_mib"].values()))
             tq_verified &= tq["verified"]
             print(f"round {round_index}: TransferQueue {' '.join(f'{s:.3f}' for s in tq['seconds'])} s")
         for mode in modes:
@@ -389,6 +388,9 @@ def main() -> None:
               f"{'':>49}{max(tq_rss):>9.0f}  {tq_verified}")
         summary["tq_stream_s"] = round(seconds, 4)
         summary["tq_total_peak_rss_mb"] = round(max(tq_rss), 1)
+        summary["tq_ray_helpers_peak_rss_mb"] = round(max(tq_helpers_rss), 1)
+        print(f"{'':<14}RSS: TransferQueue's data path (producer, actors, raylet, gcs_server); Ray's agents, "
+              f"dashboard and log monitor add {max(tq_helpers_rss):.0f} MiB")
     for key, reps in runs.items():
         seconds = med(key, "seconds")
         frames = reps[0]["frames"]

@@ -11,6 +11,8 @@ bottleneck:
 
 Printed figures, not pass/fail timings. The last line is one JSON object.
 
+`--smoke` measures for a second instead, to check the script end to end.
+
     .venv/bin/python bench/producer_rate.py [--seconds 5] [--response-tokens 128]
 """
 from __future__ import annotations
@@ -87,6 +89,9 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=128)
     parser.add_argument("--window", type=int, default=ProducerSettings.window,
                         help="frames in flight (the defaults of both daemons)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny run that checks the script end to end")
+    if parser.parse_known_args()[0].smoke:  # flags given explicitly still win
+        parser.set_defaults(seconds=1.0)
     args = parser.parse_args()
     settings = ProducerSettings(response_tokens=args.response_tokens, tool_tokens=32, prompt_tokens=256, turns=4)
 

@@ -29,7 +29,8 @@ reported, frames/s, ack p50/p99 (from a frame accepted by the producer to
 its receipt), resends, the time from the last `end` acked to the last
 trajectory committed (drain), consumer redeliveries, and whether every
 trajectory was committed exactly once with its full length. The last line
-is one JSON object.
+is one JSON object. `--smoke` runs four small configurations once (conn,
+budget, and bound off and on), to check the script end to end.
 
     .venv/bin/python bench/scale.py [--reps 2] [--open 10,10000,50000] [--trajectories 50000]
 """
@@ -254,6 +255,12 @@ def main() -> None:
     parser.add_argument("--budget-trajectories", type=int, default=4000)
     parser.add_argument("--bound", type=_ints, default=[50_000], help="open trajectories at once with a staleness bound")
     parser.add_argument("--only", help="run only configurations whose name starts with one of these (comma-separated)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny run that checks the script end to end")
+    if parser.parse_known_args()[0].smoke:  # flags given explicitly still win
+        # Four small configurations: several connections, a budget below what is open, and the bound's pair (whose
+        # `off` side is an `open` run with versioned turns); `open` and `support` add nothing those lack.
+        parser.set_defaults(reps=1, open=[], trajectories=64, connections=[4], conn_trajectories=64, supports=[],
+                            budgets=["1MiB"], budget_trajectories=64, bound=[8])
     args = parser.parse_args()
     configs = configurations(args)
     if args.only:
@@ -297,7 +304,7 @@ def main() -> None:
         summary["conn_resends_512"] = int(med("conn_512", "resends"))
     for k in args.bound:
         if f"bound_on_{k}" in runs and f"bound_off_{k}" in runs:
-            summary[f"bound_ratio_{k // 1000}k"] = round(
+            summary[f"bound_ratio_{k // 1000}k" if k >= 1000 else f"bound_ratio_{k}"] = round(
                 med(f"bound_on_{k}", "main_us_per_frame") / med(f"bound_off_{k}", "main_us_per_frame"), 3)
     if "support_4096" in runs:
         summary["support_4096_gbps"] = round(med("support_4096", "main_gbps"), 3)

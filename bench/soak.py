@@ -1,4 +1,4 @@
-"""Soak (issue 14): the fuzz of tests/faults/test_fuzz.py at scale, against
+"""Soak: the fuzz of tests/faults/test_fuzz.py at scale, against
 a broker that is SIGKILLed and restarted on the same data dir and ports
 over and over, while a library `Producer` with a spool sends valid
 trajectories through it all.
@@ -11,8 +11,9 @@ trajectory whose `end` was acked must have been delivered intact, and none
 delivered again after the broker confirmed its ack.
 
 Prints figures, then one JSON line. The generator and the checking consumer
-are tests/faults/fuzz_frames.py (put on sys.path, as other bench scripts do
-with ../shared/bench).
+are tests/faults/fuzz_frames.py, whose folder (inside the repository) is put
+on sys.path. `--smoke` sends a few thousand malformed frames across two
+kills, to check the script end to end.
 
     .venv/bin/python bench/soak.py [--frames 100000] [--kills 30] [--seconds 600]
 """
@@ -131,6 +132,9 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=30, help="broker SIGKILLs and restarts, spread over the run")
     parser.add_argument("--seconds", type=float, default=600.0, help="stop sending after this long, however far")
     parser.add_argument("--seed", type=int, default=14)
+    parser.add_argument("--smoke", action="store_true", help="a tiny run that checks the script end to end")
+    if parser.parse_known_args()[0].smoke:  # flags given explicitly still win
+        parser.set_defaults(frames=2000, kills=2, seconds=15.0)
     args = parser.parse_args()
 
     directory = Path(tempfile.mkdtemp(prefix="rollstream-soak-"))

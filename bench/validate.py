@@ -1,45 +1,45 @@
 """Batch validation throughput: rollstream's one-pass consumer validation
 against the seed's per-sample validation, on the same batch in the same run.
 
-The batch is `peer_seed.make_workload()` as `make_validation_batch` lays it
-out (64 trajectories x 8 turns x 512 sampled tokens, 128 forced tokens
-between turns; every sampled token inside its support, forced tokens as
-singletons). rollstream validates the packed batch on its device
-(`rollstream.consumer.batch_violations`: CSR rules, sampled token in
-support, forced tokens singleton, ids and tokens in the vocabulary, loss
-mask and log-probs); the seed runs `seed_validate_batch` (offset checks and a
-per-token membership test over Python lists). The two are timed in
+The batch is `make_workload()` of `peers/seed_path.py` as its
+`make_validation_batch` lays it out (64 trajectories x 8 turns x 512 sampled
+tokens, 128 forced tokens between turns; every sampled token inside its
+support, forced tokens as singletons). rollstream validates the packed batch
+on its device (`rollstream.consumer.batch_violations`: CSR rules, sampled
+token in support, forced tokens singleton, ids and tokens in the vocabulary,
+loss mask and log-probs); the seed runs `seed_validate_batch` (offset checks
+and a per-token membership test over Python lists). The two are timed in
 alternation, so both see the same load on a shared machine; the ratio
-compares their best runs (the least disturbed), medians are printed beside. Packing the batch
-(done once per batch anyway, for the trainer) is timed separately. With CUDA
-present, the GPU time of validating a 1M-token batch is printed too.
+compares their best runs (the least disturbed), medians are printed beside.
+Packing the batch (done once per batch anyway, for the trainer) is timed
+separately. With CUDA present, the GPU time of validating a batch of at
+least `--gpu-tokens` (1M) tokens is printed too.
 
-usage: python bench/validate.py [--repeat R]
-The last line is one JSON object with the headline figures.
+usage: python bench/validate.py [--repeat R] [--smoke]
+The last line is one JSON object with the headline figures. `--smoke` runs
+it on a tiny batch (and, with CUDA, a small GPU batch), to check the script
+works; its figures mean nothing.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+from peers import seed_path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1].parent / "shared" / "bench"))
-import peer_seed  # noqa: E402
-
-from rollstream.consumer import Batch, Delivery, batch_violations  # noqa: E402
+from rollstream.consumer import Batch, Delivery, batch_violations
 
 VOCAB = 151_936
+SMOKE = {"trajectories": 4, "repeat": 2, "gpu_tokens": 50_000}  # the sizes of --smoke
 
 
 def deliveries_of(work) -> tuple[list[Delivery], list, list]:
     """The workload as delivered trajectories, plus the seed's view of it."""
-    masks, sampled = peer_seed.make_validation_batch(work)
+    masks, sampled = seed_path.make_validation_batch(work)
     rng = np.random.default_rng(0)
     out = []
     for i, (traj, mask, tokens) in enumerate(zip(work, masks, sampled)):
@@ -75,20 +75,27 @@ def timed(fn, repeat: int, sync=lambda: None) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=9, help="rounds of (3 rollstream runs, 1 seed run)")
+    parser.add_argument("--trajectories", type=int, default=64, help="trajectories in the batch")
+    parser.add_argument("--gpu-tokens", type=int, default=1_000_000, help="tokens at least in the GPU batch")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes where not given (--trajectories 4 --repeat 2 --gpu-tokens 50000): "
+                             "checks the script runs; its figures mean nothing")
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(**SMOKE)
     args = parser.parse_args()
 
-    work = peer_seed.make_workload()
+    work = seed_path.make_workload(n_traj=args.trajectories)
     deliveries, masks, sampled = deliveries_of(work)
     batch = Batch.from_deliveries(deliveries, device="cpu")
     tokens = int(batch.lengths["response"].sum())
     ids = len(batch.mask_ids)
     assert batch_violations(batch, vocab_size=VOCAB) == []
-    peer_seed.seed_validate_batch(masks, sampled)  # the seed agrees the batch is valid
+    seed_path.seed_validate_batch(masks, sampled)  # the seed agrees the batch is valid
 
     ours_runs, seed_runs = [], []
     for _ in range(args.repeat):
         ours_runs.append(timed(lambda: batch_violations(batch, vocab_size=VOCAB), 3)[0])
-        seed_runs.append(timed(lambda: peer_seed.seed_validate_batch(masks, sampled), 1)[0])
+        seed_runs.append(timed(lambda: seed_path.seed_validate_batch(masks, sampled), 1)[0])
     ours, ours_median = min(ours_runs), statistics.median(ours_runs)
     seed, seed_median = min(seed_runs), statistics.median(seed_runs)
     packed, packed_median = timed(
@@ -115,7 +122,7 @@ def main() -> None:
         "ids": ids,
     }
     if torch.cuda.is_available():
-        scale = -(-1_000_000 // tokens)
+        scale = -(-args.gpu_tokens // tokens)
         big = [d for _ in range(scale) for d in deliveries]
         device = torch.device("cuda")
         gpu_batch = Batch.from_deliveries(big, device=device)

@@ -1,0 +1,44 @@
+"""The benchmarks run from a fresh clone: no file of the project reaches
+outside the repository (a clone has no `../shared`), and every bench script
+has a `--smoke` size that ends with its one JSON line of figures."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# A path above the repository: `../shared`, a `shared` folder joined on, or a parent of the repository's root.
+OUTSIDE = re.compile(r"\.\./shared|[\"']shared[\"']\s*/|parents\[1\]\.parent|\.parent\.parent\.parent")
+SCRIPTS = sorted(path.name for path in (ROOT / "bench").glob("*.py") if path.name != "procs.py")
+
+
+def _tracked() -> list[Path]:
+    names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    return [ROOT / name for name in names if Path(name).suffix in {".py", ".md", ".sh", ".toml", ".cfg", ".yaml",
+                                                                     ".yml", ".txt", ""}]
+
+
+def test_no_file_of_the_project_reaches_outside_the_repository():
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for path in _tracked() if path.is_file()
+             for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if OUTSIDE.search(line)]
+    assert not found, "paths outside the repository:\n" + "\n".join(found)
+
+
+def test_the_pattern_finds_what_it_is_for():
+    assert all(OUTSIDE.search(text) for text in ('sys.path.insert(0, "../shared/bench")',
+                                                 'Path(__file__).resolve().parents[1].parent / "shared" / "bench"'))
+    assert not OUTSIDE.search('ROOT = Path(__file__).resolve().parents[1]')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_bench_script_runs_at_its_smoke_size_and_ends_with_its_json_line(script):
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, f"{script} --smoke exited {run.returncode}:\n{run.stderr[-3000:]}"
+    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    assert isinstance(figures, dict) and figures, figures
