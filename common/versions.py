@@ -17,6 +17,7 @@ says whether the weights are in the surviving model's ancestry (`Lineage`).
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class Version(NamedTuple):
     step: int
 
 
+@functools.lru_cache(maxsize=4096)  # a run's turns carry a handful of versions: each is read once
 def parse_version(text: str | None) -> Version | None:
     """The (epoch, step) `text` holds, or None when it holds no step."""
     if not text:
@@ -88,11 +90,16 @@ Sampled = tuple[tuple[int, int], ...]
 
 def add_sampled(sampled: Sampled, versions: Iterable[Version], epoch: int) -> Sampled:
     """`sampled` with `versions` added; one that names no epoch is of `epoch`."""
-    newest = dict(sampled)
     for version in versions:
         at = epoch if version.epoch is None else version.epoch
-        newest[at] = max(version.step, newest.get(at, version.step))
-    return tuple(sorted(newest.items()))
+        for i, (known, step) in enumerate(sampled):
+            if known == at:
+                if version.step > step:
+                    sampled = (*sampled[:i], (at, version.step), *sampled[i + 1:])
+                break
+        else:
+            sampled = tuple(sorted((*sampled, (at, version.step))))
+    return sampled
 
 
 def trajectory_sampled(trajectory, epoch: int) -> Sampled:
