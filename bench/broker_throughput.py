@@ -33,7 +33,7 @@ import msgpack
 import numpy as np
 import zmq
 from peers import relay as bare_relay
-from procs import Broker, peak_rss
+from procs import Broker, parse_args, peak_rss
 
 from rollstream.common.codec import decode, encode
 from rollstream.common.curve import ClientCurve, KeyLayout
@@ -200,12 +200,7 @@ def main() -> None:
     parser.add_argument("--tiny-frames", type=int, default=16000, help="turn frames per 32-token run")
     parser.add_argument("--window", type=int, default=0, help="frames in flight; 0: the broker's welcome window")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs of each; the best is reported")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes where not given (--frames 64 --tiny-frames 128 --repeat 1): "
-                             "checks the script runs; its figures mean nothing")
-    if parser.parse_known_args()[0].smoke:
-        parser.set_defaults(**SMOKE)
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
 
     def best(runs: list[dict], key: str) -> dict:
         return max(runs, key=lambda r: r[key])

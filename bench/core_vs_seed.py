@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 from peers import seed_path
+from procs import parse_args
 
 from rollstream.common.codec import decode
 from rollstream.common.ingest import turn_from_sglang
@@ -182,12 +183,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     # 1,000 turns of 512 tokens, the workload's turn size, against 10 turns of 51,200.
     parser.add_argument("--scaling-tokens", type=int, default=512_000)
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes where not given (--trajectories 4 --repeat 1 --scaling-tokens 5000): "
-                             "checks the script runs; its figures mean nothing")
-    if parser.parse_known_args()[0].smoke:
-        parser.set_defaults(**SMOKE)
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
 
     work = seed_path.make_workload(n_traj=args.trajectories)
     responses = engine_responses(work)

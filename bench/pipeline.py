@@ -64,13 +64,14 @@ from pathlib import Path
 
 import numpy as np
 from peers.tq_workload import make_samples, response_length, with_tokens_in_support
-from procs import Broker, peak_rss, thread_cpu
+from procs import Broker, parse_args, peak_rss, thread_cpu
 
 from rollstream.common.checker import check, read_records
 
 TQ_DRIVER = Path(__file__).resolve().parent / "peers" / "tq_driver.py"
 VOCAB = 151_936
 FIELDS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets")
+SMOKE = {"rounds": 1, "reps": 1, "samples": 16, "batch_size": 8}  # the sizes of --smoke
 
 
 # -- the workload -------------------------------------------------------------
@@ -317,10 +318,7 @@ def main() -> None:
     parser.add_argument("--compare-checkpoint", action="store_true",
                         help="also run each mode as a checkpointing trainer, interleaved, and compare its CPU")
     parser.add_argument("--checkpoint-every", type=int, default=4, help="batches between checkpoints (with the above)")
-    parser.add_argument("--smoke", action="store_true", help="a tiny run that checks the script end to end")
-    if parser.parse_known_args()[0].smoke:  # flags given explicitly still win
-        parser.set_defaults(rounds=1, reps=1, samples=16, batch_size=8)
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
     modes = [int(m) for m in args.modes.split(",")]
     variants = [("", 0)] + ([("-ckpt", args.checkpoint_every)] if args.compare_checkpoint else [])
 

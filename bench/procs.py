@@ -2,6 +2,7 @@
 they start a broker daemon to measure."""
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -68,3 +69,15 @@ class Broker:
         self.process.terminate()
         self.process.wait(60)
         shutil.rmtree(self.data, ignore_errors=True)
+
+
+def parse_args(parser: argparse.ArgumentParser, smoke: dict) -> argparse.Namespace:
+    """The arguments, with `--smoke`: the sizes in `smoke` wherever a flag
+    is not given, a run that checks the script end to end (its figures
+    mean nothing)."""
+    sizes = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in smoke.items())
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"tiny sizes where not given ({sizes}): checks the script end to end; its figures mean nothing")
+    if parser.parse_known_args()[0].smoke:
+        parser.set_defaults(**smoke)
+    return parser.parse_args()

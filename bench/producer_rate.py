@@ -26,10 +26,13 @@ import tempfile
 import time
 
 import numpy as np
+from procs import parse_args
 
 from rollstream.producer import AsyncProducer
 from rollstream.producer.settings import ProducerSettings
 from rollstream.producer.synthetic import SyntheticSource, around
+
+SMOKE = {"seconds": 1.0}  # the sizes of --smoke
 
 
 def synthetic_rate(settings: ProducerSettings, seconds: float) -> tuple[float, float]:
@@ -89,10 +92,7 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=128)
     parser.add_argument("--window", type=int, default=ProducerSettings.window,
                         help="frames in flight (the defaults of both daemons)")
-    parser.add_argument("--smoke", action="store_true", help="a tiny run that checks the script end to end")
-    if parser.parse_known_args()[0].smoke:  # flags given explicitly still win
-        parser.set_defaults(seconds=1.0)
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
     settings = ProducerSettings(response_tokens=args.response_tokens, tool_tokens=32, prompt_tokens=256, turns=4)
 
     synthetic_turns, synthetic_tokens = synthetic_rate(settings, args.seconds / 2)

@@ -47,9 +47,14 @@ import time
 
 import numpy as np
 import zmq
-from procs import Broker, peak_rss, process_cpu, thread_cpu
+from procs import Broker, parse_args, peak_rss, process_cpu, thread_cpu
 
 VOCAB = 151_936
+
+# The sizes of --smoke: four small configurations, several connections, a budget below what is open, and the
+# bound's pair (whose `off` side is an `open` run with versioned turns); `open` and `support` add nothing those lack.
+SMOKE = {"reps": 1, "open": [], "trajectories": 64, "connections": [4], "conn_trajectories": 64, "supports": [],
+         "budgets": ["1MiB"], "budget_trajectories": 64, "bound": [8]}
 
 
 # -- the producer and consumer processes --------------------------------------
@@ -255,13 +260,7 @@ def main() -> None:
     parser.add_argument("--budget-trajectories", type=int, default=4000)
     parser.add_argument("--bound", type=_ints, default=[50_000], help="open trajectories at once with a staleness bound")
     parser.add_argument("--only", help="run only configurations whose name starts with one of these (comma-separated)")
-    parser.add_argument("--smoke", action="store_true", help="a tiny run that checks the script end to end")
-    if parser.parse_known_args()[0].smoke:  # flags given explicitly still win
-        # Four small configurations: several connections, a budget below what is open, and the bound's pair (whose
-        # `off` side is an `open` run with versioned turns); `open` and `support` add nothing those lack.
-        parser.set_defaults(reps=1, open=[], trajectories=64, connections=[4], conn_trajectories=64, supports=[],
-                            budgets=["1MiB"], budget_trajectories=64, bound=[8])
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
     configs = configurations(args)
     if args.only:
         configs = {name: c for name, c in configs.items() if name.startswith(tuple(args.only.split(",")))}

@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "faults"))
 from fuzz_frames import AdminFuzz, ConsumerFuzz, ProducerFuzz, Taker, exchange, peer  # noqa: E402
+from procs import parse_args  # noqa: E402
 
 from rollstream.common.admin import ask_status  # noqa: E402
 from rollstream.producer import Producer  # noqa: E402
@@ -41,6 +42,8 @@ VOCAB = 1000
 MAX_MESSAGE_BYTES = 64 << 10
 ROUND = 200  # malformed frames per socket between checks (and possible kills)
 WAIT_MS = 30_000
+
+SMOKE = {"frames": 2000, "kills": 2, "seconds": 15.0}  # the sizes of --smoke
 
 
 class RestartingBroker:
@@ -132,10 +135,7 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=30, help="broker SIGKILLs and restarts, spread over the run")
     parser.add_argument("--seconds", type=float, default=600.0, help="stop sending after this long, however far")
     parser.add_argument("--seed", type=int, default=14)
-    parser.add_argument("--smoke", action="store_true", help="a tiny run that checks the script end to end")
-    if parser.parse_known_args()[0].smoke:  # flags given explicitly still win
-        parser.set_defaults(frames=2000, kills=2, seconds=15.0)
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
 
     directory = Path(tempfile.mkdtemp(prefix="rollstream-soak-"))
     broker = RestartingBroker(directory)

@@ -30,6 +30,7 @@ import time
 import numpy as np
 import torch
 from peers import seed_path
+from procs import parse_args
 
 from rollstream.consumer import Batch, Delivery, batch_violations
 
@@ -77,12 +78,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=9, help="rounds of (3 rollstream runs, 1 seed run)")
     parser.add_argument("--trajectories", type=int, default=64, help="trajectories in the batch")
     parser.add_argument("--gpu-tokens", type=int, default=1_000_000, help="tokens at least in the GPU batch")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes where not given (--trajectories 4 --repeat 2 --gpu-tokens 50000): "
-                             "checks the script runs; its figures mean nothing")
-    if parser.parse_known_args()[0].smoke:
-        parser.set_defaults(**SMOKE)
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
 
     work = seed_path.make_workload(n_traj=args.trajectories)
     deliveries, masks, sampled = deliveries_of(work)
