@@ -104,6 +104,7 @@ class Replay:
     truncated: np.ndarray  # per sampled token replayed: its support is smaller than the vocabulary
     replayed: int  # trajectories replayed (one weight version, still kept)
     skipped: int  # trajectories not replayed (several versions, or one no longer kept)
+    worst: tuple[float, str] | None = None  # the largest support difference and the version replayed with
 
 
 @torch.no_grad()
@@ -112,6 +113,7 @@ def replay(batch: Batch, versions: WeightVersions, temperature: float) -> Replay
     with the weights named by its (single) weight version."""
     support, full, truncated = [], [], []
     skipped = 0
+    worst: tuple[float, str] | None = None
     for i, names in enumerate(batch.weight_versions):
         model = versions.model(names[0]) if len(set(names)) == 1 else None
         if model is None:
@@ -125,10 +127,12 @@ def replay(batch: Batch, versions: WeightVersions, temperature: float) -> Replay
         whole = torch.log_softmax(logits.double() / temperature, dim=-1)
         whole = whole[torch.arange(len(logits)), one.response_tokens.long()]
         support.append((masked[sampled].double() - rollout).abs().numpy())
+        if support[-1].size and (worst is None or float(support[-1].max()) > worst[0]):
+            worst = (float(support[-1].max()), names[0])
         full.append((whole[sampled] - rollout).abs().numpy())
         truncated.append((one.support_sizes()[sampled] < logits.shape[1]).numpy())
     return Replay(_concat(support, np.float64), _concat(full, np.float64), _concat(truncated, bool),
-                  len(batch) - skipped, skipped)
+                  len(batch) - skipped, skipped, worst)
 
 
 def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
@@ -190,6 +194,16 @@ class TrainingLog:
     full_diffs: list[np.ndarray] = field(default_factory=list)
     truncated: list[np.ndarray] = field(default_factory=list)
     skipped: int = 0
+    worst: dict | None = None  # the largest support difference replayed: its step and weight version
+
+    def replayed(self, step: int, replay: Replay) -> None:
+        """One batch's replay joins the figures."""
+        self.support_diffs.append(replay.support_diffs)
+        self.full_diffs.append(replay.full_diffs)
+        self.truncated.append(replay.truncated)
+        self.skipped += replay.skipped
+        if replay.worst is not None and (self.worst is None or replay.worst[0] > self.worst["diff"]):
+            self.worst = {"diff": replay.worst[0], "version": replay.worst[1], "step": step}
 
     def summary(self, steps: int) -> dict:
         support = np.concatenate(self.support_diffs) if self.support_diffs else np.zeros(0)
@@ -211,6 +225,7 @@ class TrainingLog:
             "token_staleness_mean": round(float(tokens.mean()), 3) if tokens.size else None,
             "token_staleness_max": int(tokens.max()) if tokens.size else None,
             "skipped_trajectories": self.skipped,
+            "replay_worst": self.worst,
         }
 
 
@@ -290,10 +305,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                     break
                 step += 1
                 replayed = replay(batch, versions, temperature)
-                log.support_diffs.append(replayed.support_diffs)
-                log.full_diffs.append(replayed.full_diffs)
-                log.truncated.append(replayed.truncated)
-                log.skipped += replayed.skipped
+                log.replayed(step, replayed)
                 log.rewards.append(float(batch.rewards.mean()))
                 log.staleness += batch_staleness(batch, step - 1)
                 staleness = token_staleness(batch, step - 1)  # the trainer's version is still step - 1
