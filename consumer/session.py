@@ -86,10 +86,10 @@ class Sessions:
         broker has said."""
         n = len(self.sessions)
         demands = [session.demand for session in self.sessions]
-        if any(d is None for d in demands) or not sum(demands):  # type: ignore[arg-type]
+        total = sum(d or 0 for d in demands)
+        if None in demands or not total:
             return [1.0 / n] * n
-        total = sum(demands)  # type: ignore[arg-type]
-        raw = [max(MIN_SHARE / n, d / total) for d in demands]  # type: ignore[operator]
+        raw = [max(MIN_SHARE / n, (d or 0) / total) for d in demands]
         return [r / sum(raw) for r in raw]
 
     def _policy_for(self, broker: int) -> dict | None:
