@@ -20,6 +20,19 @@ A rep is timed from the first send to the last batch committed; its tail,
 fewer samples than the largest batch so far, is taken as it arrives
 (`partial_after=0`).
 
+Saturated reps give latency under a backlog. After a mode's saturated reps,
+the same system runs `--reps` more at half the capacity just measured
+(samples / the round's median seconds, halved): the producer starts
+trajectory i at first + i / rate (sleeping until then; its turns back to
+back), so the figure is latency at a steady load the pipeline keeps up
+with. At that rate a full batch takes batch-size / rate seconds to fill
+(tenths of a second here), and that wait would be most of the figure; a
+trainer that trains on what has arrived asks for a partial batch, so in
+these reps the consumer takes whatever is ready once
+`--paced-partial-after` seconds (0.005) pass without a full batch
+(`next_batch(partial_after=)`), which adds up to that much to a
+trajectory's latency. `--no-half-load` skips them.
+
 With `--compare-checkpoint`, each mode also runs (interleaved, on its own
 fresh broker) as a checkpointing trainer would: commits recorded as trained
 at their step, and every `--checkpoint-every` batches the consumer's
@@ -42,11 +55,13 @@ process(es), of the broker's main thread and of the consumer process, peak
 RSS of each, p50/p99 latency from a trajectory's `end` being handed to the
 producer to its batch being committed, whether every delivered
 trajectory was byte-equal to what was sent, exactly once, and the tokens per
-batch (min, median and max over the batches a limit closed, tails left out).
+batch (min, median and max over the batches a limit closed, tails and paced
+reps left out); then the offered rate and p50/p99 latency at half load.
 The last line is one JSON object. `--smoke` runs a tiny size (16 samples,
 batches of 8, one round of one rep) to check the script end to end.
 
-    .venv/bin/python bench/pipeline.py [--rounds 5] [--reps 3] [--batch-tokens N] [--tq-python .venv-tq/bin/python]
+    .venv/bin/python bench/pipeline.py [--rounds 5] [--reps 3] [--batch-tokens N] [--no-half-load]
+        [--tq-python .venv-tq/bin/python]
 """
 from __future__ import annotations
 
@@ -60,7 +75,9 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from peers.tq_workload import make_samples, response_length, with_tokens_in_support
@@ -120,49 +137,51 @@ def _producer_main(conn, endpoint: str, samples: int, share: range, turns: int, 
     gc.freeze()  # the workload is built before the clock starts: no collection need walk it
     producer_id = f"bench-producer-{share.start}"
 
-    def send_all(tag: str, traj_of) -> tuple[float, dict, int]:
+    def sends(tag: str, rate: float | None, trajectory, sent: dict) -> Iterator[Any]:
+        """One rep's calls, shared by both clients and both loads: yields what
+        each call returned (an awaitable from the async client) and, paced at
+        `rate` trajectories/s, a float: the seconds to sleep before the next
+        trajectory starts. Fills `sent` with the rep's clock readings."""
         ends, frames = {}, 0
         first = time.perf_counter()
-        for i, prompt, parts in plan:
+        for n, (i, prompt, parts) in enumerate(plan):
+            if rate:
+                yield first + n / rate - time.perf_counter()
             tid = f"{tag}-{i}"
-            traj = traj_of(tid, prompt)
+            traj = trajectory(tid, prompt)
             for part in parts:
-                traj.turn(part["tokens"], part["log_probs"], loss_mask=part["loss_mask"],
-                          mask_ids=part["mask_ids"], mask_offsets=part["mask_offsets"])
+                yield traj.turn(part["tokens"], part["log_probs"], loss_mask=part["loss_mask"],
+                                mask_ids=part["mask_ids"], mask_offsets=part["mask_offsets"])
             ends[tid] = time.perf_counter()
-            traj.end(0.0)
+            yield traj.end(0.0)
             frames += len(parts) + 1
-        return first, ends, frames
+        sent.update(first=first, ends=ends, frames=frames)
 
     if client == "blocking":
         with Producer(endpoint, producer_id, ledger=ledger) as producer:
             conn.send("ready")
-            while (tag := conn.recv()) is not None:
-                cpu = time.process_time()
-                first, ends, frames = send_all(tag, producer.trajectory)
+            while (job := conn.recv()) is not None:
+                cpu, sent = time.process_time(), {}
+                for step in sends(*job, producer.trajectory, sent):
+                    if isinstance(step, float):
+                        time.sleep(max(step, 0.0))
                 producer.flush()
-                conn.send({"first": first, "cpu": time.process_time() - cpu, "ends": ends, "frames": frames})
+                conn.send({"cpu": time.process_time() - cpu, **sent})
         return
 
     async def run() -> None:
         async with AsyncProducer(endpoint, producer_id, ledger=ledger) as producer:
             loop = asyncio.get_running_loop()
             conn.send("ready")
-            while (tag := await loop.run_in_executor(None, conn.recv)) is not None:
-                cpu = time.process_time()
-                ends, frames = {}, 0
-                first = time.perf_counter()
-                for i, prompt, parts in plan:
-                    tid = f"{tag}-{i}"
-                    traj = producer.trajectory(tid, prompt)
-                    for part in parts:
-                        await traj.turn(part["tokens"], part["log_probs"], loss_mask=part["loss_mask"],
-                                        mask_ids=part["mask_ids"], mask_offsets=part["mask_offsets"])
-                    ends[tid] = time.perf_counter()
-                    await traj.end(0.0)
-                    frames += len(parts) + 1
+            while (job := await loop.run_in_executor(None, conn.recv)) is not None:
+                cpu, sent = time.process_time(), {}
+                for step in sends(*job, producer.trajectory, sent):
+                    if isinstance(step, float):
+                        await asyncio.sleep(max(step, 0.0))
+                    else:
+                        await step
                 await producer.flush()
-                conn.send({"first": first, "cpu": time.process_time() - cpu, "ends": ends, "frames": frames})
+                conn.send({"cpu": time.process_time() - cpu, **sent})
 
     asyncio.run(run())
 
@@ -175,16 +194,16 @@ def _consumer_main(conn, endpoint: str, batch_size: int, batch_tokens: int | Non
                   ledger=ledger, checkpointed=checkpoint_every > 0) as consumer:
         conn.send("ready")
         while (job := conn.recv()) is not None:
-            tag, expected = job
+            tag, expected, partial_after = job
             cpu = time.process_time()
             committed_at, kept, received = {}, [], 0
             full_batch_tokens, over_budget, widest = [], 0, 0
             while received < expected:
                 tail = expected - received < widest  # no full batch is left: take what has arrived
-                batch = consumer.next_batch(timeout=300, partial_after=0 if tail else None)
+                batch = consumer.next_batch(timeout=300, partial_after=0 if tail else partial_after)
                 consumer.commit(batch)
                 widest = max(widest, len(batch))
-                if not tail:
+                if not tail and partial_after is None:
                     full_batch_tokens.append(batch.num_tokens)
                 over_budget += batch.over_budget
                 if checkpoint_every and consumer.position.step % checkpoint_every == 0:
@@ -207,7 +226,7 @@ def _consumer_main(conn, endpoint: str, batch_size: int, batch_tokens: int | Non
                               "mask_offsets": sample["mask_offsets"].numpy()}
                     seen.setdefault(sample["trajectory_id"], []).append(digest(arrays))
             conn.send({"cpu": cpu, "committed": committed_at, "digests": seen, "batch_tokens": full_batch_tokens,
-                       "over_budget": over_budget})
+                       "over_budget": over_budget, "batches": len(kept)})
 
 
 class Rollstream:
@@ -228,10 +247,11 @@ class Rollstream:
                                          args=(child, endpoints[1], batch_size, batch_tokens, ledger("consumer"),
                                                checkpoint_every),
                                          daemon=True))
-        self.producers = []
+        self.producers, self.shares = [], []
         per = -(-samples // producers)
         for p in range(producers):
             share = range(p * per, min(samples, (p + 1) * per))
+            self.shares.append(share)
             parent, child = ctx.Pipe()
             self.producers.append(parent)
             self.children.append(ctx.Process(target=_producer_main, args=(child, endpoints[0], samples, share, turns, client,
@@ -243,11 +263,15 @@ class Rollstream:
             if not conn.poll(300) or conn.recv() != "ready":
                 raise RuntimeError("a bench process did not start")
 
-    def rep(self, tag: str, expected: dict[str, str]) -> dict:
+    def rep(self, tag: str, expected: dict[str, str], rate: float | None = None,
+            partial_after: float | None = None) -> dict:
+        """One rep: saturated, or paced at `rate` trajectories/s in all (each
+        producer offers its share's part) with the consumer taking what has
+        arrived after `partial_after` seconds."""
         broker_cpu = thread_cpu(self.broker.pid, self.broker.pid)
-        self.consumer.send((tag, self.samples))
-        for conn in self.producers:
-            conn.send(tag)
+        self.consumer.send((tag, self.samples, partial_after))
+        for conn, share in zip(self.producers, self.shares):
+            conn.send((tag, rate and rate * len(share) / self.samples))
         sent = [conn.recv() for conn in self.producers]
         got = self.consumer.recv()
         broker_cpu = thread_cpu(self.broker.pid, self.broker.pid) - broker_cpu
@@ -262,7 +286,7 @@ class Rollstream:
         return {"seconds": last - first, "producer_cpu": sum(s["cpu"] for s in sent), "broker_cpu": broker_cpu,
                 "consumer_cpu": got["cpu"], "frames": frames, "p50": latencies[len(latencies) // 2],
                 "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], "verified": verified,
-                "batch_tokens": got["batch_tokens"], "over_budget": got["over_budget"]}
+                "batch_tokens": got["batch_tokens"], "over_budget": got["over_budget"], "batches": got["batches"]}
 
     def checked(self) -> dict[str, int] | None:
         """With ledgers: the end-to-end checker over every rep so far (each
@@ -318,6 +342,10 @@ def main() -> None:
     parser.add_argument("--compare-checkpoint", action="store_true",
                         help="also run each mode as a checkpointing trainer, interleaved, and compare its CPU")
     parser.add_argument("--checkpoint-every", type=int, default=4, help="batches between checkpoints (with the above)")
+    parser.add_argument("--no-half-load", action="store_true",
+                        help="skip the reps paced at half the measured capacity (latency at a steady load)")
+    parser.add_argument("--paced-partial-after", type=float, default=0.005,
+                        help="seconds the consumer waits for a full batch in a paced rep before taking what has arrived")
     args = parse_args(parser, SMOKE)
     modes = [int(m) for m in args.modes.split(",")]
     variants = [("", 0)] + ([("-ckpt", args.checkpoint_every)] if args.compare_checkpoint else [])
@@ -331,6 +359,7 @@ def main() -> None:
           f"(rollstream fields; TransferQueue's input_ids are the same prompt + response)")
 
     runs: dict[str, list[dict]] = {f"t{m}{suffix}": [] for m in modes for suffix, _ in variants}
+    paced: dict[str, list[dict]] = {key: [] for key in runs}  # the reps at half load, each with its offered rate
     tq_seconds, tq_rss, tq_helpers_rss, tq_verified = [], [], [], True
     rss: dict[str, dict] = {}
     checker_problems = 0
@@ -359,6 +388,13 @@ def main() -> None:
                 for rep in range(args.reps):
                     for key, system in systems.items():
                         reps[key].append(system.rep(f"r{round_index}-{key}-{rep}", expected))
+                # Half of the capacity just measured, offered steadily: the latency of a pipeline that keeps up.
+                rates = {key: args.samples / statistics.median(r["seconds"] for r in reps[key]) / 2 for key in systems}
+                half: dict[str, list[dict]] = {key: [] for key in systems}
+                for rep in range(0 if args.no_half_load else args.reps):
+                    for key, system in systems.items():
+                        half[key].append({"rate": rates[key], **system.rep(
+                            f"r{round_index}-{key}-half-{rep}", expected, rates[key], args.paced_partial_after)})
                 peaks = {key: system.peak_rss() for key, system in systems.items()}
                 verdicts = {key: system.checked() for key, system in systems.items()}
             finally:
@@ -370,9 +406,14 @@ def main() -> None:
                     checker_problems += sum(verdict.values())
                     print(f"round {round_index}: checker on {key}: " + "  ".join(f"{k} {v}" for k, v in verdict.items()))
                 runs[key] += reps[key]
+                paced[key] += half[key]
                 rss[key] = {name: max(value, rss.get(key, {}).get(name, 0)) for name, value in peaks[key].items()}
                 print(f"round {round_index}: rollstream {key} " + " ".join(f"{r['seconds']:.3f}" for r in reps[key])
                       + " s" + ("" if all(r["verified"] for r in reps[key]) else "  NOT VERIFIED"))
+                if half[key]:
+                    print(f"round {round_index}: rollstream {key} at {rates[key]:.1f} trajectories/s, p50/p99 "
+                          + " ".join(f"{r['p50']:.3f}/{r['p99']:.3f}" for r in half[key]) + " s"
+                          + ("" if all(r["verified"] for r in half[key]) else "  NOT VERIFIED"))
 
     def med(key: str, field: str) -> float:
         return statistics.median(r[field] for r in runs[key])
@@ -409,6 +450,15 @@ def main() -> None:
         summary[f"p50_latency_s_{key}"] = round(med(key, "p50"), 4)
         summary[f"p99_latency_s_{key}"] = round(statistics.median(r["p99"] for r in reps), 4)
         summary[f"rs_peak_rss_mb_{key}"] = round(total_rss, 1)
+        if paced[key]:
+            at_half = {field: statistics.median(r[field] for r in paced[key]) for field in ("rate", "p50", "p99")}
+            mean_batch = args.samples * len(paced[key]) / sum(r["batches"] for r in paced[key])
+            print(f"{'':<14}at half load, {at_half['rate']:.1f} trajectories/s offered (batches taken after "
+                  f"{args.paced_partial_after} s, {mean_batch:.1f} trajectories each): p50 {at_half['p50']:.3f} s, "
+                  f"p99 {at_half['p99']:.3f} s, verified {all(r['verified'] for r in paced[key])}")
+            summary[f"half_load_traj_per_s_{key}"] = round(at_half["rate"], 2)
+            summary[f"p50_latency_half_load_s_{key}"] = round(at_half["p50"], 4)
+            summary[f"p99_latency_half_load_s_{key}"] = round(at_half["p99"], 4)
     for key in [k for k in runs if k.endswith("-ckpt")]:
         base = key.removesuffix("-ckpt")
         for role in ("consumer", "broker"):
@@ -428,7 +478,10 @@ def main() -> None:
           f"{summary['over_budget_batches']} over the budget")
     summary["p99_latency_s"] = max(v for k, v in summary.items() if k.startswith("p99_latency_s_"))
     summary["rs_total_peak_rss_mb"] = max(v for k, v in summary.items() if k.startswith("rs_peak_rss_mb_"))
-    summary["verified"] = all(r["verified"] for reps in runs.values() for r in reps) and tq_verified and not checker_problems
+    summary["verified"] = (all(r["verified"] for reps in (*runs.values(), *paced.values()) for r in reps)
+                           and tq_verified and not checker_problems)
+    if not args.no_half_load:
+        summary["paced_partial_after_s"] = args.paced_partial_after
     if args.ledgers:
         summary["checker_problems"] = checker_problems
     summary["reps"] = args.rounds * args.reps
