@@ -312,7 +312,8 @@ class BrokerCore:
 
     def frame_arrived(self, identity: bytes, size: int, mono: float) -> None:
         """A producer frame of `size` bytes was read: its connection is live,
-        and memory, disk and free space are estimated on until measured."""
+        and memory, disk and free space are estimated on until housekeeping
+        measures them (no system call on the per-frame path)."""
         self.producers[identity] = mono
         self.memory_bytes += size
         self.disk_bytes += size
@@ -320,10 +321,6 @@ class BrokerCore:
         admission = self.admission
         if admission.everything and (self.disk_bytes > admission.budget or self.free_bytes < admission.reserve):
             self._update_backpressure()  # from the next frame on, only what may enter is taken
-
-    def measured_free(self, free_bytes: int) -> None:
-        """The free space measured as a producer batch starts."""
-        self.free_bytes = free_bytes
 
     def writes_ahead(self, message: Message) -> bool:
         """Whether a turn's frames may go to the store's writer as soon as

@@ -218,7 +218,6 @@ class BrokerService:
         received: list[Received] = []
         checks: dict[int, Future] = {}
         batch_bytes = 0
-        core.measured_free(free_space(self.settings.data_dir))  # one statvfs a batch; its frames are counted off it as they come
         while core.takes_more(len(received), batch_bytes):
             try:
                 frames = self._receive("producer", now)

@@ -20,6 +20,7 @@ retired like any other.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import struct
@@ -27,7 +28,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import msgpack
 
@@ -58,6 +59,8 @@ from .engine import (
     TrainedAt,
 )
 from .staleness import Policy, SetPolicy
+
+log = logging.getLogger("rollstream.broker")
 
 SCHEMA_VERSION = 7  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
 # 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`); 5: trained trajectories and runs;
@@ -292,14 +295,30 @@ def _unpack_frames(payload: memoryview) -> list[memoryview]:
     return frames
 
 
+def _unlink_logged(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:  # nothing refers to it: the next start-up deletes it
+        log.warning(f"cannot delete segment file {path}: {exc}; it is deleted at the next start-up",
+                    extra={"path": str(path), "error": str(exc)})
+
+
 class Segments(SegmentLog):
     """The store's segment log, with a live record count per segment: a
     finished segment goes when no row refers to it any more."""
 
-    def __init__(self, directory: Path, max_bytes: int):
+    def __init__(self, directory: Path, max_bytes: int, unlink: Callable[[Path], None]):
         super().__init__(directory, max_bytes, damaged=StoreCorrupted)
         self.live: dict[int, int] = {}
         self._rotated: list[int] = []  # finished since the last `retire_unreferenced`
+        self._unlink = unlink
+
+    def remove(self, number: int) -> None:
+        """Forget a finished segment no row refers to and have its file
+        deleted off the commit's path (`unlink`). A file a crash leaves
+        behind is deleted at the next start-up, as nothing refers to it."""
+        self._closed_sizes.pop(number, None)
+        self._unlink(self.path(number))
 
     def rotate(self) -> None:
         self._rotated.append(self.current)
@@ -342,12 +361,12 @@ class Store:
             who = "another broker" if held.holder is None else f"another broker (pid {held.holder})"
             raise DataDirectoryHeld(f"data directory {self.data_dir} is held by {who}: one broker per data "
                                     f"directory; stop that one first") from None
-        self.segments = Segments(self.data_dir / "segments", segment_bytes)
+        self.segments = Segments(self.data_dir / "segments", segment_bytes, self._unlink_behind)
         self.db_path = self.data_dir / "state.sqlite"
         self.db = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False)
         self._next_ready_seq = 1
         self.write_ahead_from = write_ahead_from
-        self._writer: ThreadPoolExecutor | None = None  # started by the first write ahead
+        self._writer: ThreadPoolExecutor | None = None  # started by the first write ahead or unlink
         self._writes: list[tuple[Future, Message]] = []  # this batch's writes ahead, in order
         self._ahead_mark = (0, 0)  # where this batch's records start (while `_writes` holds any)
 
@@ -555,9 +574,23 @@ class Store:
             return
         if not self._writes:
             self._ahead_mark = self.segments.mark
+        self._writes.append((self._writing().submit(self._append_turn, message), message))
+
+    def _writing(self) -> ThreadPoolExecutor:
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="rollstream-store-writer")
-        self._writes.append((self._writer.submit(self._append_turn, message), message))
+        return self._writer
+
+    def wait_writes(self) -> None:
+        """Wait until the writer thread has done everything handed to it
+        (writes ahead, segment unlinks)."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
+
+    def _unlink_behind(self, path: Path) -> None:
+        """Delete a segment file on the writer thread: an unlink costs the
+        file system's work on the freed blocks, which the commit need not wait for."""
+        self._writing().submit(_unlink_logged, path)
 
     def _append_turn(self, message: Message) -> tuple[int, int, int]:
         return self.segments.append([self._turn_record(message)])[0]

@@ -303,6 +303,10 @@ def inside_support(tokens, ids, offsets, sizes=None):
         # spread copy of the tokens (cheaper, and far less memory traffic on
         # 4,096-id supports).
         return np.logical_or.reduce(np.equal(ids.reshape(len(sizes), -1), tokens[:, None]), axis=1)
+    if type(ids) is np.ndarray and type(tokens) is np.ndarray:
+        inside = _each_once_inside(tokens, ids, offsets, sizes)
+        if inside is not None:
+            return inside
     if not ops.fast_running_sum():
         return ops.segment_any(ids == ops.repeat(tokens, sizes), offsets)
     hits = ops.equal(ids, _spread(ops, tokens, sizes, offsets, len(ids)), "hits")
@@ -311,6 +315,20 @@ def inside_support(tokens, ids, offsets, sizes=None):
     longest = int(sizes.max()) if len(sizes) else 0
     running = ops.gather(ops.running_sum(hits, "uint8" if longest < 256 else "int64", "hit counts"), offsets)
     return running[1:] != running[:-1]
+
+
+def _each_once_inside(tokens: np.ndarray, ids: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray | None:
+    """All true when every support holds its token exactly once (valid
+    data, as engines report it): then there are as many matching positions
+    as tokens and the i-th lies in support i, which takes one scan for the
+    positions and a per-token comparison, with no prefix sum over the ids
+    (numpy's run at a few ns an id). None when that does not hold (a
+    support without its token, or with it twice): the general count decides."""
+    where = np.flatnonzero(ids == np.repeat(tokens, sizes))
+    if len(where) != len(tokens):
+        return None
+    inside = (where >= offsets[:-1]) & (where < offsets[1:])
+    return inside if _ALL(inside) else None
 
 
 def _equal_and_long(sizes, offsets, total: int) -> bool:

@@ -203,6 +203,7 @@ def test_segments_rotate_and_finished_ones_are_deleted(tmp_path):
     first = store.segments.path(1)
     assert first.exists()
     store.commit(engine.delivered("t0", wall=5))
+    store.wait_writes()  # segment files are unlinked on the writer thread
     assert not first.exists()
     on_disk = sum(p.stat().st_size for p in (tmp_path / "data" / "segments").glob("*.log"))
     assert store.segments.bytes_on_disk() == on_disk  # kept up to date without listing the directory
@@ -226,6 +227,7 @@ def test_trajectories_delivered_together_are_forgotten_in_one_commit(tmp_path, m
     segments = tmp_path / "data" / "segments"
     before = sorted(p.name for p in segments.glob("*.log"))
     store.commit([e for i in range(4) for e in engine.delivered(f"t{i}", wall=5)])
+    store.wait_writes()
     after = sorted(p.name for p in segments.glob("*.log"))
     kept = {n for (n,) in store.db.execute("SELECT segment FROM turns")} | {store.segments.current}
     assert after == sorted(store.segments.path(n).name for n in kept) and len(after) < len(before)

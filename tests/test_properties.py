@@ -1211,6 +1211,7 @@ def _membership_case(draw):
 @prop(120)
 @given(case=_membership_case())
 @example(case=([5, 7], [[5] * 256, [7]]))
+@example(case=([5, 7], [[5, 5], [8]]))  # as many matches as tokens, the second support without its own
 @example(case=([INT32[0], INT32[1]], [[INT32[0]], [INT32[1], 0]]))
 def test_inside_support_matches_a_python_membership_test_on_every_path(case):
     """Numpy with and without torch's prefix sums, and torch, all agree with
