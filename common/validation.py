@@ -303,12 +303,11 @@ def inside_support(tokens, ids, offsets, sizes=None):
         # spread copy of the tokens (cheaper, and far less memory traffic on
         # 4,096-id supports).
         return np.logical_or.reduce(np.equal(ids.reshape(len(sizes), -1), tokens[:, None]), axis=1)
-    if type(ids) is np.ndarray and type(tokens) is np.ndarray:
-        inside = _each_once_inside(tokens, ids, offsets, sizes)
-        if inside is not None:
-            return inside
     if not ops.fast_running_sum():
-        return ops.segment_any(ids == ops.repeat(tokens, sizes), offsets)
+        hits = ids == ops.repeat(tokens, sizes)
+        if (inside := _paired(hits, offsets)) is not None:  # numpy's prefix sums are slow; torch's are not
+            return inside
+        return ops.segment_any(hits, offsets)
     hits = ops.equal(ids, _spread(ops, tokens, sizes, offsets, len(ids)), "hits")
     # Hits counted in uint8 (a faster prefix sum than int64's on the CPU) when
     # no support has 256 ids, so each support's count modulo 256 stays exact.
@@ -317,18 +316,37 @@ def inside_support(tokens, ids, offsets, sizes=None):
     return running[1:] != running[:-1]
 
 
-def _each_once_inside(tokens: np.ndarray, ids: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray | None:
-    """All true when every support holds its token exactly once (valid
-    data, as engines report it): then there are as many matching positions
-    as tokens and the i-th lies in support i, which takes one scan for the
-    positions and a per-token comparison, with no prefix sum over the ids
-    (numpy's run at a few ns an id). None when that does not hold (a
-    support without its token, or with it twice): the general count decides."""
-    where = np.flatnonzero(ids == np.repeat(tokens, sizes))
-    if len(where) != len(tokens):
-        return None
-    inside = (where >= offsets[:-1]) & (where < offsets[1:])
-    return inside if _ALL(inside) else None
+def _paired(hits: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
+    """All true when every support holds a hit (valid data), found from the
+    positions of the hits alone: with one hit per support the i-th lies in
+    support i, which a per-support comparison shows, with no prefix sum
+    over the ids (numpy's run at a few ns an id). A support holding its
+    token twice shifts the pairing by one from there: the extra hit is
+    skipped and the block compared again (blocks of `_PAIRING_BLOCK`
+    supports keep that cheap), up to `_REPAIRS` times. None when a support
+    lacks a hit, or after that many repairs: the count decides."""
+    where = np.flatnonzero(hits)
+    starts, ends = offsets[:-1], offsets[1:]
+    n, segment, match, repairs = len(starts), 0, 0, 0  # supports before `segment`, hits before `match` paired
+    while segment < n:
+        count = min(_PAIRING_BLOCK, n - segment)
+        if len(where) - match < count:
+            return None  # fewer hits left than supports
+        found = where[match : match + count]
+        paired = (found >= starts[segment : segment + count]) & (found < ends[segment : segment + count])
+        if _ALL(paired):
+            segment, match = segment + count, match + count
+            continue
+        first = int(np.argmin(paired))
+        segment, match = segment + first, match + first
+        if where[match] >= starts[segment] or repairs == _REPAIRS:
+            return None  # past this support's end (it lacks a hit), or too many repairs
+        match, repairs = match + 1, repairs + 1  # a second hit in the support before
+    return np.ones(n, dtype=bool)
+
+
+_PAIRING_BLOCK = 16384
+_REPAIRS = 64  # supports holding their token twice that `_paired` pairs around
 
 
 def _equal_and_long(sizes, offsets, total: int) -> bool:

@@ -1212,6 +1212,8 @@ def _membership_case(draw):
 @given(case=_membership_case())
 @example(case=([5, 7], [[5] * 256, [7]]))
 @example(case=([5, 7], [[5, 5], [8]]))  # as many matches as tokens, the second support without its own
+@example(case=([5, 7, 9], [[5, 5], [7, 7], [9]]))  # every pairing shifted by a second match
+@example(case=([5, 7, 9], [[5, 5], [7, 7], [8]]))
 @example(case=([INT32[0], INT32[1]], [[INT32[0]], [INT32[1], 0]]))
 def test_inside_support_matches_a_python_membership_test_on_every_path(case):
     """Numpy with and without torch's prefix sums, and torch, all agree with
