@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 
 def thread_cpu(pid: int, tid: int) -> float:
@@ -21,10 +22,31 @@ def thread_cpu(pid: int, tid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def process_cpu(pid: int) -> float:
-    """CPU seconds of a whole process, every thread."""
+class ProcessTimes(NamedTuple):
+    """What a whole process has spent, every thread (those already ended
+    too): user and system CPU seconds, and minor page faults (first touches
+    of fresh anonymous memory among them)."""
+
+    user: float
+    system: float
+    minor_faults: int
+
+    @property
+    def cpu(self) -> float:
+        return self.user + self.system
+
+    def __sub__(self, earlier: ProcessTimes) -> ProcessTimes:
+        return ProcessTimes(self.user - earlier.user, self.system - earlier.system,
+                            self.minor_faults - earlier.minor_faults)
+
+
+def process_times(pid: int) -> ProcessTimes:
+    """From /proc/<pid>/stat: user and system time in clock ticks (the
+    kernel scales them to its nanosecond run time, so they add up to what
+    `thread_cpu` counts over all threads), minor faults."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return ProcessTimes(int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7]))
 
 
 def peak_rss(pid: int) -> int:

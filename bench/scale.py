@@ -14,8 +14,10 @@ are reported.
   work.
 - conn: P producer connections (one process), each with its share of the
   trajectories, all sending at once: ack latency and resends at saturation.
-- support: 64-token turns with S ids per token: frame bytes per second of
-  the broker's main thread.
+- support: 64-token turns with S ids per token (S=4,096: 1 MiB turn
+  frames): frame bytes per second of broker CPU, all of it (every thread,
+  user and system time: what the broker costs the node), and of its main
+  thread alone.
 - budget: K=1,000 open trajectories under a memory budget, end to end.
 - bound: K open trajectories whose turns carry a policy version, on a
   broker with a staleness bound its consumer publishes a version to
@@ -23,14 +25,29 @@ are reported.
   too wide to drop or hold anything) against the same frames on a broker
   without one: what the bookkeeping costs per frame.
 
-Printed per configuration: broker CPU per frame (main thread and whole
-process), peak RSS against the largest `bytes_in_memory` the broker
-reported, frames/s, ack p50/p99 (from a frame accepted by the producer to
-its receipt), resends, the time from the last `end` acked to the last
-trajectory committed (drain), consumer redeliveries, and whether every
-trajectory was committed exactly once with its full length. The last line
-is one JSON object. `--smoke` runs four small configurations once (conn,
-budget, and bound off and on), to check the script end to end.
+Printed per configuration: broker CPU per frame (its main thread; the whole
+process, every thread, user + system; the system time in it), peak RSS
+against the largest `bytes_in_memory` the broker reported, frames/s, ack
+p50/p99 (from a frame accepted by the producer to its receipt), resends,
+the time from the last `end` acked to the last trajectory committed
+(drain), consumer redeliveries, and whether every trajectory was committed
+exactly once with its full length. The last line
+is one JSON object; its `support_4096_*` keys:
+
+- `support_4096_gbps`: GB of frame bytes per second of the broker's whole
+  CPU time (/proc/<pid>/stat utime + stime: every thread, user and system);
+- `support_4096_gbps_main_thread`: the same over the main thread's CPU
+  time alone (what the poll loop can carry, not what the broker costs);
+- `support_4096_sys_share`: system time over the whole CPU time;
+- `support_4096_{main_thread,other_threads,system}_us_per_turn`: the whole
+  CPU time per 1 MiB turn frame split two ways: main thread + other threads
+  (ZeroMQ's I/O thread, the content checker, the store's writer, pyzmq's
+  zero-copy collector) = the whole, and the system time within it;
+- `support_4096_minor_faults_per_turn`: the broker's minor page faults per
+  turn frame (256 is a whole fresh 1 MiB buffer touched).
+
+`--smoke` runs four small configurations once (conn, budget, and bound
+off and on), to check the script end to end.
 
     .venv/bin/python bench/scale.py [--reps 2] [--open 10,10000,50000] [--trajectories 50000]
 """
@@ -47,7 +64,7 @@ import time
 
 import numpy as np
 import zmq
-from procs import Broker, parse_args, peak_rss, process_cpu, thread_cpu
+from procs import Broker, parse_args, peak_rss, process_times, thread_cpu
 
 VOCAB = 151_936
 
@@ -171,7 +188,7 @@ def run_config(name: str, *, trajectories: int, open_at_once: int, turns: int, t
             while not stop.wait(0.5):
                 largest["bytes_in_memory"] = max(largest["bytes_in_memory"], _status(admin).get("bytes_in_memory", 0))
 
-        main_cpu, all_cpu = thread_cpu(broker.pid, broker.pid), process_cpu(broker.pid)
+        main_cpu, whole = thread_cpu(broker.pid, broker.pid), process_times(broker.pid)
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         started = time.perf_counter()
@@ -182,14 +199,21 @@ def run_config(name: str, *, trajectories: int, open_at_once: int, turns: int, t
         stop.set()
         watcher.join()
         status = _status(admin)
-        main_cpu, all_cpu = thread_cpu(broker.pid, broker.pid) - main_cpu, process_cpu(broker.pid) - all_cpu
-        frames = trajectories * (turns + 1)
-        frame_bytes = trajectories * turns * sum(a.nbytes for a in turn_arrays(tokens, ids, 0).values())
+        main_cpu, whole = thread_cpu(broker.pid, broker.pid) - main_cpu, process_times(broker.pid) - whole
+        frames, turn_frames = trajectories * (turns + 1), trajectories * turns
+        frame_bytes = turn_frames * sum(a.nbytes for a in turn_arrays(tokens, ids, 0).values())
         verified = (got["lengths"].keys() == set(tids)
                     and all(lengths == [turns * tokens] for lengths in got["lengths"].values()))
         return {
             "seconds": seconds, "frames_per_s": frames / seconds,
-            "main_us_per_frame": main_cpu / frames * 1e6, "total_us_per_frame": all_cpu / frames * 1e6,
+            "main_us_per_frame": main_cpu / frames * 1e6, "total_us_per_frame": whole.cpu / frames * 1e6,
+            "sys_us_per_frame": whole.system / frames * 1e6,
+            "main_us_per_turn": main_cpu / turn_frames * 1e6,
+            "other_us_per_turn": max(0.0, whole.cpu - main_cpu) / turn_frames * 1e6,
+            "sys_us_per_turn": whole.system / turn_frames * 1e6,
+            "faults_per_turn": whole.minor_faults / turn_frames,
+            "sys_share": whole.system / whole.cpu if whole.cpu else 0.0,
+            "gbps": frame_bytes / whole.cpu / 1e9 if whole.cpu else 0.0,
             "main_gbps": frame_bytes / main_cpu / 1e9 if main_cpu else 0.0,
             "rss_mib": peak_rss(broker.pid) / 2**20, "bytes_in_memory_mib": largest["bytes_in_memory"] / 2**20,
             "ack_p50_s": sent["p50"], "ack_p99_s": sent["p99"], "resends": sent["resends"],
@@ -271,13 +295,15 @@ def main() -> None:
             result = run_config(f"{name}-r{rep}", **config)
             runs[name].append(result)
             print(f"rep {rep} {name}: {result['seconds']:.1f} s, main {result['main_us_per_frame']:.0f} µs/frame, "
+                  f"whole {result['total_us_per_frame']:.0f} µs/frame ({result['sys_share']:.0%} system), "
                   f"RSS {result['rss_mib']:.0f} MiB, ack p99 {result['ack_p99_s']:.2f} s, "
                   f"resends {result['resends']}" + ("" if result["verified"] else "  NOT VERIFIED"), flush=True)
 
     def med(name: str, field: str) -> float:
         return statistics.median(r[field] for r in runs[name])
 
-    fields = ("seconds", "frames_per_s", "main_us_per_frame", "total_us_per_frame", "main_gbps", "rss_mib",
+    fields = ("seconds", "frames_per_s", "main_us_per_frame", "total_us_per_frame", "sys_us_per_frame", "gbps",
+              "main_gbps", "rss_mib",
               "bytes_in_memory_mib", "ack_p50_s", "ack_p99_s", "resends", "drain_s", "redeliveries")
     print(f"\n{'':<16}" + "".join(f"{f:>20}" for f in fields) + "  verified")
     for name in runs:
@@ -306,7 +332,13 @@ def main() -> None:
             summary[f"bound_ratio_{k // 1000}k" if k >= 1000 else f"bound_ratio_{k}"] = round(
                 med(f"bound_on_{k}", "main_us_per_frame") / med(f"bound_off_{k}", "main_us_per_frame"), 3)
     if "support_4096" in runs:
-        summary["support_4096_gbps"] = round(med("support_4096", "main_gbps"), 3)
+        summary["support_4096_gbps"] = round(med("support_4096", "gbps"), 3)
+        summary["support_4096_gbps_main_thread"] = round(med("support_4096", "main_gbps"), 3)
+        summary["support_4096_sys_share"] = round(med("support_4096", "sys_share"), 3)
+        for field, key in (("main_us_per_turn", "main_thread"), ("other_us_per_turn", "other_threads"),
+                           ("sys_us_per_turn", "system")):
+            summary[f"support_4096_{key}_us_per_turn"] = round(med("support_4096", field))
+        summary["support_4096_minor_faults_per_turn"] = round(med("support_4096", "faults_per_turn"), 1)
     if "budget_16MiB" in runs and "budget_2GiB" in runs:
         summary["budget_16mib_slowdown"] = round(med("budget_16MiB", "seconds") / med("budget_2GiB", "seconds"), 3)
     summary["redeliveries"] = int(sum(r["redeliveries"] for reps in runs.values() for r in reps))
