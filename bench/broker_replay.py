@@ -1,0 +1,235 @@
+"""The broker's CPU per frame on a recorded run, replayed in process:
+figures that hold still where a live pipeline's move with the machine's load.
+
+First a real run: TransferQueue's workload (`bench/pipeline.py`'s samples,
+each sent as 8 turns of 625 tokens by an `AsyncProducer`, then `end`) goes
+through a `BrokerService` in this process to a `Consumer` (batches of 32,
+committed), the producer and the consumer in processes of their own; every
+message the broker reads is kept, with the serving pass that read it. Then
+each rep replays that recording into a fresh broker on a fresh store, in
+this process: the same messages in the same passes, its reads served from
+the recording and its sends dropped, nothing else running. The figure is
+this process's CPU time (every thread: the store's writer too) per
+producer frame, the median of `--reps`.
+
+`--ablate` (by default `check,store,deliver`) also replays, interleaved
+with the full replay in every rep, with one phase stubbed out: `check`
+(the content check passes every turn), `store` (commits and writes ahead
+write nothing) or `deliver` (a delivery encodes to one empty frame). Each
+phase's share is 1 - (that replay's CPU / the full replay's). Run under
+`valgrind --tool=callgrind` with `--reps 1 --ablate ''` it gives
+instruction counts, which repeat to within a fraction of a percent.
+
+The last line is one JSON object. `--smoke` records 8 samples and replays
+them once.
+
+    .venv/bin/python bench/broker_replay.py [--samples 64] [--reps 5] [--ablate check,store,deliver]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import multiprocessing as mp
+import statistics
+import tempfile
+import time
+from collections import deque
+from unittest import mock
+
+import msgpack
+import zmq
+from pipeline import VOCAB, split_turns, workload
+from procs import parse_args
+
+from rollstream.broker.service import BrokerService
+from rollstream.broker.settings import BrokerSettings
+from rollstream.broker.store import Store
+from rollstream.common.clock import Clock
+
+SMOKE = {"samples": 8, "reps": 1}  # the sizes of --smoke
+TURNS = 8
+ANY_PORT = "tcp://127.0.0.1:0"
+
+
+def _settings(data_dir: str) -> BrokerSettings:
+    return BrokerSettings(producer_endpoint=ANY_PORT, consumer_endpoint=ANY_PORT, admin_endpoint=ANY_PORT,
+                          data_dir=data_dir, metrics_port=0, vocab_size=VOCAB)
+
+
+class RecordingBroker(BrokerService):
+    """A broker that keeps every message it reads, by serving pass."""
+
+    def __init__(self, settings: BrokerSettings):
+        super().__init__(settings)
+        self.passes: list[tuple[str, list[list[bytes]]]] = []
+        self._read: list[list[bytes]] = []
+
+    def _receive(self, name, now):
+        frames = super()._receive(name, now)
+        if frames is not None:
+            self._read.append([bytes(frame) for frame in frames])
+        return frames
+
+    def _serve_producers(self, now) -> None:
+        self._read = []
+        super()._serve_producers(now)
+        self.passes.append(("producer", self._read))
+
+    def _serve_consumers(self, now) -> None:
+        self._read = []
+        super()._serve_consumers(now)
+        self.passes.append(("consumer", self._read))
+
+
+class ReplayedBroker(BrokerService):
+    """A broker whose reads come from `queue` and whose sends go nowhere."""
+
+    def __init__(self, settings: BrokerSettings):
+        super().__init__(settings)
+        self.queue: deque[list[bytes]] = deque()
+
+    def _receive(self, name, now):
+        if not self.queue:
+            raise zmq.Again()
+        return self.queue.popleft()
+
+    def _send(self, request) -> bool:
+        return True
+
+
+def _producer_main(endpoint: str, samples: int) -> None:
+    from rollstream.producer import AsyncProducer
+
+    data = workload(samples)
+
+    async def run() -> None:
+        async with AsyncProducer(endpoint, "replay-producer") as producer:
+            for i, sample in enumerate(data):
+                trajectory = producer.trajectory(f"t{i}", sample["prompt_tokens"])
+                for part in split_turns(sample, TURNS):
+                    await trajectory.turn(part["tokens"], part["log_probs"], loss_mask=part["loss_mask"],
+                                          mask_ids=part["mask_ids"], mask_offsets=part["mask_offsets"])
+                await trajectory.end(0.0)
+            await producer.flush()
+
+    asyncio.run(run())
+
+
+def _consumer_main(endpoint: str, samples: int) -> None:
+    from rollstream.consumer import Consumer
+
+    with Consumer(endpoint, batch_size=32, vocab_size=VOCAB, device="cpu") as consumer:
+        received = 0
+        while received < samples:
+            batch = consumer.next_batch(timeout=120, partial_after=0 if samples - received < 32 else None)
+            consumer.commit(batch)
+            received += len(batch)
+
+
+def record(samples: int) -> tuple[list, str]:
+    """A real run's reads, by pass, and the lease prefix its broker gave
+    (the recorded acks name leases by it)."""
+    with tempfile.TemporaryDirectory(prefix="rollstream-replay-") as data_dir:
+        broker = RecordingBroker(_settings(data_dir))
+        broker.start()
+        ctx = mp.get_context("spawn")
+        children = [ctx.Process(target=_producer_main, args=(broker.endpoints["producer"], samples)),
+                    ctx.Process(target=_consumer_main, args=(broker.endpoints["consumer"], samples))]
+        for child in children:
+            child.start()
+        while any(child.is_alive() for child in children):
+            broker.run_once(timeout_ms=50)
+        if any(child.exitcode for child in children):
+            raise RuntimeError(f"a recording process failed: exit codes {[child.exitcode for child in children]}")
+        epoch = broker.core.dispatcher._epoch
+        broker.close()
+    return broker.passes, epoch
+
+
+def producer_frames(passes: list) -> int:
+    """The frames the producer sent: a batch counts the messages it carries."""
+    count = 0
+    for name, messages in passes:
+        if name == "producer":
+            for frames in messages:
+                header = msgpack.unpackb(frames[1])
+                count += len(header["messages"]) if header.get("type") == "batch" else 1
+    return count
+
+
+@contextlib.contextmanager
+def _passing_check():
+    with mock.patch("rollstream.broker.service.messages_content_valid", lambda batch, vocab=None: True):
+        yield
+
+
+@contextlib.contextmanager
+def _idle_store():
+    with mock.patch.object(Store, "commit", lambda self, effects: None), \
+            mock.patch.object(Store, "write_ahead", lambda self, message: None):
+        yield
+
+
+@contextlib.contextmanager
+def _empty_deliveries():
+    with mock.patch("rollstream.broker.core.encode_deliver", lambda trajectory, lease, **_: [b""]):
+        yield
+
+
+ABLATIONS = {"check": _passing_check, "store": _idle_store, "deliver": _empty_deliveries}
+
+
+def replay(passes: list, epoch: str, ablation: str | None) -> float:
+    """CPU seconds of one replay into a fresh broker, `ablation` stubbed out."""
+    stub = ABLATIONS[ablation]() if ablation else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory(prefix="rollstream-replay-") as data_dir, stub:
+        broker = ReplayedBroker(_settings(data_dir))
+        broker.start()
+        broker.core.dispatcher._epoch = epoch  # the recorded acks name the recording broker's leases
+        serve = {"producer": broker._serve_producers, "consumer": broker._serve_consumers}
+        cpu = time.process_time()
+        for name, messages in passes:
+            broker.queue.extend(messages)
+            now = Clock.read()
+            serve[name](now)
+            broker._drive(broker.core.deliver(now))
+        broker.store.wait_writes()
+        cpu = time.process_time() - cpu
+        broker.close()
+    return cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=64, help="trajectories recorded (8 turns each)")
+    parser.add_argument("--reps", type=int, default=5, help="replays of each kind")
+    parser.add_argument("--ablate", default="check,store,deliver", help="phases to stub out, comma-separated ('' for none)")
+    args = parse_args(parser, SMOKE)
+    ablations = [name for name in args.ablate.split(",") if name]
+    unknown = sorted(set(ablations) - set(ABLATIONS))
+    if unknown:
+        parser.error(f"--ablate takes {sorted(ABLATIONS)}, got {unknown}")
+    logging.disable(logging.WARNING)  # the replayed broker's dropped sends would each log a line
+
+    passes, epoch = record(args.samples)
+    frames = producer_frames(passes)
+    print(f"recorded {args.samples} trajectories of {TURNS} turns: {frames} producer frames in {len(passes)} passes")
+    cpu: dict[str | None, list[float]] = {None: [], **{name: [] for name in ablations}}
+    for rep in range(args.reps):
+        for ablation in cpu:
+            cpu[ablation].append(replay(passes, epoch, ablation))
+        print(f"rep {rep}: " + "  ".join(f"{name or 'full'} {values[-1] / frames * 1e6:.0f} µs/frame"
+                                          for name, values in cpu.items()))
+    full = statistics.median(cpu[None])
+    summary: dict = {"replay_us_per_frame": round(full / frames * 1e6, 1)}
+    for name in ablations:
+        summary[f"share_{name}"] = round(1 - statistics.median(cpu[name]) / full, 3)
+    summary.update(frames=frames, reps=args.reps)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
