@@ -441,7 +441,7 @@ def decode_header(frame) -> dict:
 MAX_HEADER_DEPTH = 32
 
 
-def _nesting(header: dict) -> int:
+def _nesting(header: dict | list) -> int:
     """Levels of maps and lists in `header`, level by level (no recursion:
     the point is to refuse what recursion cannot handle)."""
     depth = 0
@@ -534,17 +534,39 @@ def _plain_header(schema: Schema, frame) -> tuple[MessageSpec, dict, list, int |
         return None
     try:
         header = schema.fast.decode(frame)
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):  # msgspec gives up on a raw value nested past its stack
         return None
     unset = msgspec.UNSET
-    spec, names = schema.fast_specs[type(header)]
+    spec, names, raw = schema.fast_specs[type(header)]
     fields = {}
     for name in names:
         value = getattr(header, name)
         if value is not unset:
             fields[name] = value
+    for name, kind in raw.items():
+        if name in fields:
+            value = _raw_value(fields[name])
+            if value is _UNREADABLE or not kind.accepts(value):
+                return None
+            fields[name] = value
     crc = header.crc32
     return spec, fields, header.arrays, None if crc is unset else crc, header.packed
+
+
+_UNREADABLE = object()
+
+
+def _raw_value(raw: msgspec.Raw) -> Any:
+    """A field msgspec kept raw, read as `decode_header` reads a whole
+    header (msgpack's strict map keys, at most `MAX_HEADER_DEPTH` levels
+    with the header's own); `_UNREADABLE` where that would refuse it."""
+    try:
+        value = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception:  # msgpack raises several unrelated types on garbage
+        return _UNREADABLE
+    if (type(value) is dict or type(value) is list) and 1 + _nesting(value) > MAX_HEADER_DEPTH:
+        return _UNREADABLE
+    return value
 
 
 def decode(

@@ -191,8 +191,8 @@ class Schema:
     name: str
     specs: Mapping[str, MessageSpec]
     fast: msgspec.msgpack.Decoder | None = None
-    # Per header struct: its spec and fields.
-    fast_specs: Mapping[type, tuple[MessageSpec, tuple[str, ...]]] = field(default_factory=dict)
+    # Per header struct: its spec, its fields, and the kinds of those it reads raw (`header_struct`).
+    fast_specs: Mapping[type, tuple[MessageSpec, tuple[str, ...], Mapping[str, Kind]]] = field(default_factory=dict)
 
 
 # The envelope as msgspec types: the version, and the arrays' [name, dtype, shape] entries.
@@ -200,22 +200,31 @@ _VERSION: object = Literal[PROTOCOL_VERSION]  # a msgspec type built at run time
 _ENTRIES = list[tuple[str, str, list[Annotated[int, msgspec.Meta(ge=0)]]]]
 
 
-def header_struct(spec: MessageSpec) -> type[msgspec.Struct] | None:
+def header_struct(spec: MessageSpec) -> tuple[type[msgspec.Struct], dict[str, Kind]]:
     """`spec` as a msgspec Struct tagged by `type`: the envelope and every
-    field whose kind has an annotation. None when a required field has
-    none. Unknown keys are refused, so a header with a key the struct lacks
-    (an optional map, a key from a newer peer) is left to the checked way."""
-    fields: list[tuple] = [("v", _VERSION)]
-    for name, kind in spec.required.items():
+    field, and the fields read as `msgspec.Raw` by their kind. A kind with
+    an annotation is checked whole by msgspec; one without (maps, whose keys
+    and nesting msgpack's strict decoder polices, and values checked across
+    their parts) is kept as its raw bytes, which the decoder reads as the
+    checked way does and gives to the kind's predicate. Unknown keys are
+    refused, so a header with a key from a newer peer is left to the
+    checked way."""
+    raw: dict[str, Kind] = {}
+
+    def typed(name: str, kind: Kind) -> Any:
         if kind.annotation is None:
-            return None
-        fields.append((name, kind.annotation))
-    fields += [(name, Union[kind.annotation, msgspec.UnsetType], msgspec.UNSET)
-               for name, kind in spec.optional.items() if kind.annotation is not None]
+            raw[name] = kind
+            return msgspec.Raw
+        return kind.annotation
+
+    fields: list[tuple] = [("v", _VERSION)]
+    fields += [(name, typed(name, kind)) for name, kind in spec.required.items()]
+    fields += [(name, Union[typed(name, kind), msgspec.UnsetType], msgspec.UNSET) for name, kind in spec.optional.items()]
     fields += [("arrays", _ENTRIES, []), ("crc32", Union[CRC32.annotation, msgspec.UnsetType], msgspec.UNSET),
                ("packed", bool, False)]
-    return msgspec.defstruct(f"{spec.type.capitalize()}Header", fields, tag_field="type", tag=spec.type,
-                             forbid_unknown_fields=True)
+    struct = msgspec.defstruct(f"{spec.type.capitalize()}Header", fields, tag_field="type", tag=spec.type,
+                               forbid_unknown_fields=True)
+    return struct, raw
 
 
 def _schema(name: str, *specs: MessageSpec) -> Schema:
@@ -224,9 +233,8 @@ def _schema(name: str, *specs: MessageSpec) -> Schema:
         unknown = spec.array_names - set(ARRAYS)
         assert not unknown, f"{spec.type}: arrays {unknown} are not in the contract table"
         assert not set(spec.kinds) & ENVELOPE_KEYS, f"{spec.type}: a field is named like an envelope key"
-        struct = header_struct(spec)
-        if struct is not None:
-            structs[struct] = (spec, tuple(name for name in spec.kinds if name in struct.__struct_fields__))
+        struct, raw = header_struct(spec)
+        structs[struct] = (spec, tuple(spec.kinds), raw)
     fast = msgspec.msgpack.Decoder(Union[tuple(structs)]) if structs else None
     return Schema(name, {spec.type: spec for spec in specs}, fast, structs)
 

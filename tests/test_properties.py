@@ -1024,6 +1024,12 @@ plain_headers = st.sampled_from([
     (PRODUCER_TO_BROKER, {"v": 1, "type": "ping", "seq": 3}),
     (PRODUCER_TO_BROKER, {"v": 1, "type": "abort", "seq": 4, "trajectory_id": "t", "reason": "retry"}),
     (PRODUCER_TO_BROKER, {"v": 1, "type": "end", "seq": 5, "trajectory_id": "t", "reward": 1.0, "turns": 2}),
+    (PRODUCER_TO_BROKER, {"v": 1, "type": "end", "seq": 5, "trajectory_id": "t", "reward": {"score": 1, "ok": True},
+                          "turns": 2, "metadata": {"env": "math", "tags": ["a", {"b": None}]}}),
+    (PRODUCER_TO_BROKER, {"v": 1, "type": "reward", "seq": 7, "trajectory_id": "t", "reward": -2}),
+    (BROKER_TO_CONSUMER, {"v": 1, "type": "deliver", "lease": "e-1", "trajectory_id": "t", "status": "completed",
+                          "reward": 0.5, "response_length": 0, "weight_versions": ["3"], "metadata": {"k": [1, 2.5]},
+                          "turns": 1, "gap": {"turn": 1, "field": "mask"}, "weight_version_spans": [["3", 0, 1]]}),
     (BROKER_TO_PRODUCER, {"v": 1, "type": "ack", "seq": 6, "trajectory_id": "t", "applied": True, "turn": 0}),
     (BROKER_TO_PRODUCER, {"v": 1, "type": "acks", "ranges": [[1, 4]], "outcomes": [{"seq": 2, "applied": False}]}),
     (BROKER_TO_PRODUCER, {"v": 1, "type": "welcome", "broker_id": "b", "max_message_bytes": 9, "window": 8}),
@@ -1081,13 +1087,25 @@ def test_the_fast_decoder_decodes_and_refuses_exactly_as_the_checked_way(case):
     assert fast == checked
 
 
-def test_the_fast_decoder_is_used_for_plain_turns_and_not_for_maps():
-    spec_turn = next(t for t in PRODUCER_TO_BROKER.fast_specs.values() if t[0].type == "turn")
-    assert "metadata" not in spec_turn[1] and "trajectory_id" in spec_turn[1]
-    # an `end` whose reward comes later carries no map: plain; a `reward` always carries its reward (number or map)
-    assert {spec.type for spec, _ in PRODUCER_TO_BROKER.fast_specs.values()} == {"hello", "turn", "end", "abort", "ping",
-                                                                                  "batch"}
-    assert BROKER_TO_CONSUMER.fast_specs and "deliver" not in {s.type for s, _ in BROKER_TO_CONSUMER.fast_specs.values()}
+def test_every_message_type_has_a_fast_decoder_and_maps_are_read_raw():
+    spec_turn, names, raw = next(t for t in PRODUCER_TO_BROKER.fast_specs.values() if t[0].type == "turn")
+    assert {"metadata", "trajectory_id"} <= set(names) and set(raw) == {"metadata", "weight_version_spans"}
+    for schema in (PRODUCER_TO_BROKER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, BROKER_TO_CONSUMER):
+        assert {spec.type for spec, _, _ in schema.fast_specs.values()} == set(schema.specs), schema.name
+    _, _, raw = next(t for t in BROKER_TO_CONSUMER.fast_specs.values() if t[0].type == "deliver")
+    assert set(raw) == {"reward", "metadata", "gap", "weight_version_spans"}
+
+
+@pytest.mark.parametrize("levels", [40, 100_000])
+def test_a_raw_value_nested_too_deep_is_refused_as_the_checked_way_refuses_it(levels):
+    """Past `MAX_HEADER_DEPTH` levels with the header's own; and past
+    msgspec's stack, where it gives up (a `RecursionError`) finding where
+    the raw value ends and the checked way answers."""
+    head = msgpack.packb({"v": 1, "type": "end", "seq": 5, "trajectory_id": "t", "turns": 2}, use_bin_type=True)
+    nested = b"\x91" * levels + b"\xc0"  # one-element lists around nil
+    frames = [bytes([0x86]) + head[1:] + msgpack.packb("metadata") + b"\x81" + msgpack.packb("k") + nested]
+    fast, checked = decode_outcome(frames, PRODUCER_TO_BROKER), decode_outcome(frames, CHECKED[PRODUCER_TO_BROKER.name])
+    assert fast == checked and fast[:2] == ("refused", "malformed")
 
 
 # == 7. batch validation ==============================================================
