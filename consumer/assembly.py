@@ -185,6 +185,8 @@ class Assembler:
         self._taken: dict[str, Delivery] = {}  # handed to the trainer, not committed
         self._replayed: dict[str, Delivery] = {}  # trained before a resume, handed back to train again (no credit)
         self._done: OrderedDict[str, str] = OrderedDict()  # id -> ACKED or the rejection reason
+        # No buffered unit's lease runs out before this (`drop_expired` looks at none until then).
+        self._first_expiry = math.inf
         self.keep = keep  # the trainer's predicate on a complete unit's members (`Consumer(filter=...)`)
         self.group_size: int | None = None  # the largest group delivered so far (how big a step is, in groups)
         self._settling: dict[tuple[int, str], Outgoing] = {}  # lease -> the ack/nack awaiting a reply
@@ -262,6 +264,8 @@ class Assembler:
             held.received_at = now
             return
         delivery = Delivery(tid, fields, arrays, broker, {lease}, now)
+        # Its unit's lease runs out no sooner (a unit is as late as its latest member).
+        self._first_expiry = min(self._first_expiry, now + self._brokers[broker].lease_timeout)
         group_id = fields.get("group_id")
         if group_id is not None:
             self.group_size = max(self.group_size or 0, fields.get("group_size", 1))
@@ -341,11 +345,20 @@ class Assembler:
 
     def drop_expired(self, now: float) -> None:
         """Drop buffered units whose leases ran out: the broker is
-        redelivering them, so training one would train it twice."""
+        redelivering them, so training one would train it twice. Units are
+        looked at only once the earliest expiry may have passed (the trainer
+        asks before every batch, the I/O thread on every pass)."""
+        if now <= self._first_expiry:
+            return
+        first = math.inf
         for unit in self._units():
-            if now > unit.received_at + self._brokers[unit.broker].lease_timeout:
+            expiry = unit.received_at + self._brokers[unit.broker].lease_timeout
+            if now > expiry:
                 self.stats.expired_in_buffer += len(unit.members)
                 self._drop(unit)
+            else:
+                first = min(first, expiry)
+        self._first_expiry = first
 
     def drop_stale(self, below: int) -> list[str]:
         """Complete buffered units whose version is below `below` (behind

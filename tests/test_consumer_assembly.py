@@ -127,6 +127,23 @@ def test_buffered_unit_expires_with_its_lease():
     assert a.ready == 1
 
 
+def test_each_buffered_unit_expires_with_its_own_brokers_lease_whatever_came_before_it():
+    """The assembler looks at its units only once the earliest expiry may
+    have passed: a later unit from a broker with shorter leases (or with a
+    shorter lease timeout since a new welcome) moves that time earlier."""
+    a = welcomed(n_brokers=2, lease_timeout=100.0, batch_size=4)
+    a.welcomed(1, 1.0)
+    a.delivered(0, fields("slow", "L1"), {}, 0.0)
+    a.expire(50.0)  # nothing due: the next look is at 100
+    a.delivered(1, fields("fast", "L2"), {}, 60.0)
+    a.expire(61.5)
+    assert a.ready == 1 and a.stats.expired_in_buffer == 1  # the fast broker's unit went, at its own lease
+    a.welcomed(0, 5.0)  # the slow broker's new session: what it delivered before is dropped; leases are short now
+    a.delivered(0, fields("late", "L3"), {}, 70.0)
+    a.expire(75.5)
+    assert a.ready == 0 and a.stats.expired_in_buffer == 2
+
+
 def test_unavailable_settlement_is_resent():
     a = welcomed(batch_size=1)
     a.delivered(0, fields("t1", "L1"), {}, 0.0)
