@@ -10,9 +10,13 @@ lists, plus, for rollstream, the sampled ids and log-probs an engine returns):
   validate     rollstream: CSR rules + sampled-token-in-support + vocab over
                the whole batch in one pass; seed: offset checks only
 
-Also printed: merge scaling (per-token cost of a 1,000-turn trajectory over a
-10-turn one with the same tokens), and CSR bytes against the same supports
-padded to [tokens, top_k]. The last line is JSON with the headline figures.
+Also printed: the conversion floor (the engine's lists turned into arrays with
+one numpy call each, nothing else: no path from lists goes below it) and
+`list_path_vs_floor`, rollstream's total over that floor, i.e. what the
+checks, the merge and the wire cost on top of the unavoidable conversion;
+merge scaling (per-token cost of a 1,000-turn trajectory over a 10-turn one
+with the same tokens), and CSR bytes against the same supports padded to
+[tokens, top_k]. The last line is JSON with the headline figures.
 
 The seed's path and the workload are `peers/seed_path.py`.
 
@@ -198,6 +202,7 @@ def main() -> None:
     floor = conversion_floor(responses, args.repeat)
     print(f"converting the engine's lists alone: {floor:.4f} s, so total_ratio cannot exceed "
           f"{seed['total_s'] / floor:.1f} here")
+    print(f"rollstream's whole path from the lists: {ours['total_s'] / floor:.2f}x that conversion (list_path_vs_floor)")
     scaling = merge_scaling(args.scaling_tokens, args.repeat)
     print(
         f"merge scaling (per-token cost, 1000 turns / 10 turns, {args.scaling_tokens} tokens): "
@@ -214,6 +219,7 @@ def main() -> None:
         "conversion_floor_s": round(floor, 4),
         "total_ratio_ceiling": round(seed["total_s"] / floor, 2),
         "rollstream_total_s": round(ours["total_s"], 4),
+        "list_path_vs_floor": round(ours["total_s"] / floor, 3),
         "merge_scaling": round(scaling["ingest_merge"], 3),
         "merge_only_scaling": round(scaling["merge_only"], 3),
         "seed_merge_scaling": round(scaling["seed"], 3),

@@ -6,8 +6,8 @@ never padded to `[tokens, top_k]`.
 """
 from __future__ import annotations
 
+import collections
 import functools
-import itertools
 import operator
 import warnings
 from typing import Collection, Sequence
@@ -34,12 +34,39 @@ def _iinfo(dtype: np.dtype) -> np.iinfo:
     return np.iinfo(dtype)
 
 
+def list_as_array(values: list, dtype: np.dtype) -> np.ndarray | None:
+    """A Python list converted by one `np.fromiter` (about twice as fast as
+    `np.asarray` for the usual list of ids or log-probs), when that gives
+    exactly what `as_int_array` (an integer `dtype`) or `_as_float_array`
+    (a float one) would; None where it might not, for the caller's general
+    path and its errors. `fromiter` alone would cast a float, bool or str
+    silently, so the list's sum tells: a sum of plain ints is an int and of
+    ints and floats with one float or more a float, while a complex, str or
+    None makes it something else; an integer sum above the count rules out
+    a list of bools (`as_int_array` refuses one). A value that does not fit
+    `dtype` leaves it to the general path too."""
+    try:
+        total = sum(values)
+    except (TypeError, OverflowError):
+        return None
+    if type(total) is not (float if dtype.kind == "f" else int) or (dtype.kind != "f" and total <= len(values)):
+        return None
+    try:
+        return np.fromiter(values, dtype=dtype, count=len(values))
+    except OverflowError:
+        return None
+
+
 def as_int_array(values, dtype: np.dtype, name: str) -> np.ndarray:
     """`values` as a 1-D array of `dtype`, refusing bools, floats, complex and
     values that do not fit (never cast or wrapped): `LocalProtocolError`
     `shape` or `dtype`, naming the field as `name`. May share memory."""
     if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1:
         return values  # already what is wanted (the common case on hot paths)
+    if type(values) is list:
+        converted = list_as_array(values, dtype)
+        if converted is not None:
+            return converted
     is_array = isinstance(values, np.ndarray) or hasattr(values, "detach")
     arr = as_numpy(values)
     if arr.ndim != 1:
@@ -61,25 +88,6 @@ def as_int_array(values, dtype: np.dtype, name: str) -> np.ndarray:
                 "(never wrapped)"
             )
     return arr.astype(dtype, copy=False)
-
-
-def _int_list_as_ids(values: list) -> np.ndarray:
-    """`as_int_array(values, IDS_DTYPE)` for a Python list, about twice as
-    fast for the usual list of vocabulary ids. A sum of plain ints is an
-    int, while a float, complex, str or None makes it something else; a
-    sum above the count rules out a list of bools (which `as_int_array`
-    refuses). Such a list converts exactly with `fromiter`; anything else
-    takes the general path and its errors."""
-    try:
-        total = sum(values)
-    except TypeError:
-        total = None
-    if type(total) is int and total > len(values):
-        try:
-            return np.fromiter(values, dtype=IDS_DTYPE, count=len(values))
-        except OverflowError:
-            pass  # the general path names the rule and the value
-    return as_int_array(values, IDS_DTYPE, "supports")
 
 
 def frozen(arr: np.ndarray) -> np.ndarray:
@@ -142,8 +150,9 @@ class SamplingMask:
         `as_int_array` converts any list: a float, complex or str id is
         refused, never truncated."""
         sizes = np.fromiter(map(len, supports), dtype=OFFSETS_DTYPE, count=len(supports))
-        flat = list(itertools.chain.from_iterable(supports))
-        return cls._from_sizes(owned(_int_list_as_ids(flat), flat), sizes, "supports")
+        flat: list = []
+        collections.deque(map(flat.extend, supports), 0)  # about twice as fast as list(itertools.chain(...))
+        return cls._from_sizes(owned(as_int_array(flat, IDS_DTYPE, "supports"), flat), sizes, "supports")
 
     @classmethod
     def from_lengths(cls, flat_ids, lengths) -> "SamplingMask":

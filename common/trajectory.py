@@ -19,7 +19,7 @@ import numpy as np
 from .buffers import GrowableArray, constant_run, counting_run
 from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, STATUSES, TERMINAL_STATUSES
 from .errors import InvalidInput, InvalidState, InvalidType, LocalProtocolError
-from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, as_int_array, as_numpy, frozen, owned
+from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, as_int_array, as_numpy, frozen, list_as_array, owned
 from .validation import RULE_ALIGNED, check_message_arrays, check_message_structure
 
 TOKEN_DTYPE = ARRAYS["tokens"].dtype
@@ -48,6 +48,10 @@ def _taken_as_is(values, dtype: np.dtype) -> bool:
 def _as_float_array(values, name: str) -> np.ndarray:
     if type(values) is np.ndarray and values.dtype == LOG_PROB_DTYPE and values.ndim == 1:
         return values
+    if type(values) is list:
+        converted = list_as_array(values, LOG_PROB_DTYPE)
+        if converted is not None:
+            return converted
     arr = as_numpy(values)
     if arr.ndim != 1:
         raise LocalProtocolError("shape", f"rule '1-D real arrays' violated: {name} must be 1-D, got shape {tuple(arr.shape)}")

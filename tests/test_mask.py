@@ -204,3 +204,45 @@ def test_prefix_is_cheap_view_that_stays_valid():
     head = mask.prefix(1)
     assert head.ids.tolist() == [1, 3]
     assert not head.ids.flags.writeable
+
+
+def _outcome(convert, values):
+    """The array `convert` gives for `values`, or the error it raises, in a comparable form."""
+    try:
+        arr = convert(values)
+    except ProtocolError as err:
+        return ("error", err.code, str(err))
+    return ("array", arr.dtype, arr.tobytes())
+
+
+_LISTS = [
+    [5, 9, 3], [151_935, 0, 7], [0, 1], [1], [], [2**31 - 1, 5], [2**31, 5], [-(2**31) - 1, 9], [-3, 9], [2**70, 3],
+    [True, True], [True, 5], [1, 2.5], [4.0, 3.0], [-0.5, -1.25], [-0.5, float("nan"), float("-inf")], [0.5, True],
+    [np.int64(3), 4], [4, np.int64(3)], [np.float32(3), 4], [np.float64(0.5), 2], [2, np.float64(0.5)], [0.5, 10**400],
+    ["7", 8], [8, "7"], [None, 1], [1, None], [1j, 2], [3, 1j], [[1], [2]], [300, 2], [300, -1], [1e300, -1.0],
+]
+
+
+@pytest.mark.parametrize("values", _LISTS, ids=[repr(v)[:40] for v in _LISTS])
+def test_the_list_fast_path_converts_exactly_as_the_general_path(values):
+    """A list goes through `list_as_array` first; a tuple of the same values
+    takes the general path (`np.asarray`). Whatever the fast path takes must
+    come out the same, refusals included."""
+    from rollstream.common.mask import as_int_array
+    from rollstream.common.trajectory import _as_float_array
+
+    for dtype in (np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint8)):
+        convert = lambda v: as_int_array(v, dtype, "values")  # noqa: E731
+        assert _outcome(convert, values) == _outcome(convert, tuple(values)), dtype
+    convert = lambda v: _as_float_array(v, "values")  # noqa: E731
+    with np.errstate(over="ignore"):
+        assert _outcome(convert, values) == _outcome(convert, tuple(values))
+
+
+def test_the_list_fast_path_takes_the_usual_engine_lists():
+    """Ids and log-probs as an engine returns them go the fast way (else the
+    agreement test above checks nothing)."""
+    from rollstream.common.mask import list_as_array
+
+    assert list_as_array([5, 9, 3], np.dtype(np.int32)) is not None
+    assert list_as_array([-0.5, -1.25, 0], np.dtype(np.float32)) is not None
