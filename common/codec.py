@@ -526,10 +526,11 @@ def _frame_count_checked(names: set, frame_count: int, packed: bool, listed_fram
 
 def _plain_header(schema: Schema, frame) -> tuple[MessageSpec, dict, list, int | None, bool] | None:
     """The header decoded and its fields checked by the schema's msgspec
-    decoder: its spec, fields, array entries, CRC and layout. None when the
-    schema has no such decoder or it refuses the header (any rule broken, or
-    a key it does not know): then the checked way decodes it, and names the
-    rule if there is one."""
+    decoder (the fields it keeps raw read and checked here): its spec,
+    fields, array entries, CRC and layout. None when the schema has no such
+    decoder or it refuses the header (any rule broken, or a key it does not
+    know): then the checked way decodes it, and names the rule if there is
+    one."""
     if schema.fast is None:
         return None
     try:
@@ -581,9 +582,10 @@ def decode(
     malformed → version → schema → too_large → crc_mismatch → dtype → shape →
     content (misaligned, mask_invalid, out_of_vocab, invalid_value).
 
-    A plain header (every key one its msgspec decoder checks whole) is
-    decoded and checked in C; any other goes the checked Python way. Both
-    accept and refuse the same headers (a property test holds them to it).
+    A header of known keys is decoded and checked by msgspec, in C, but for
+    the fields it keeps raw (maps), which are read as the checked way reads
+    them; any other goes the checked Python way. Both accept and refuse the
+    same headers (a property test holds them to it).
     What breaks a rule is a `RemoteProtocolError`: it came from a peer (or
     from the store)."""
     if not frames:

@@ -186,7 +186,7 @@ class MessageSpec:
 @dataclass(frozen=True)
 class Schema:
     """The messages one side of one endpoint may receive, and the msgspec
-    decoder of their plain headers (None when no type has one)."""
+    decoder of their headers (`header_struct`; None when no type has one)."""
 
     name: str
     specs: Mapping[str, MessageSpec]
