@@ -488,6 +488,7 @@ def test_a_segment_of_refused_turns_only_is_deleted_once_finished(tmp_path):
         store.write_ahead(turn_msg(f"refused{i}", 0, big))
     store.commit([])  # nothing of the batch was accepted
     drive(engine, store, [turn_msg("kept", 0, big)])
+    store.wait_writes()  # segment files are unlinked on the writer thread
     segments = sorted(p.name for p in (tmp_path / "data" / "segments").glob("*.log"))
     assert segments == [store.segments.path(store.segments.current).name]  # the three refused ones are gone
     store.close()
