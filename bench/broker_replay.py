@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import logging
 import multiprocessing as mp
 import statistics
 import tempfile
@@ -212,7 +211,6 @@ def main() -> None:
     unknown = sorted(set(ablations) - set(ABLATIONS))
     if unknown:
         parser.error(f"--ablate takes {sorted(ABLATIONS)}, got {unknown}")
-    logging.disable(logging.WARNING)  # the replayed broker's dropped sends would each log a line
 
     passes, epoch = record(args.samples)
     frames = producer_frames(passes)
