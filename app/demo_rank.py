@@ -97,7 +97,8 @@ def _close_on(stop_file: Path, consumer: Consumer) -> None:
     consumer.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """One rank's run, from its command line (`argv`, default `sys.argv[1:]`: a Ray actor passes its own)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
@@ -122,7 +123,7 @@ def main() -> None:
     parser.add_argument("--version-file", help="where the source writes its policy version after every step")
     parser.add_argument("--curve-secret-key", help="the trainer's own .key_secret: CURVE to the brokers")
     parser.add_argument("--curve-server-key", help="the brokers' public .key")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     dist.init_process_group("gloo", init_method=f"file://{args.init_file}", rank=args.rank, world_size=args.world,
                             timeout=timedelta(seconds=60))
