@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "producer", "broker", "consumer", "app")
+PACKAGES = ("common", "producer", "broker", "consumer", "app", "deploy/ray")
 MAP = (ROOT / "ARCHITECTURE.md").read_text()
 
 FILE_PATH = re.compile(r"(?<![\w./-])((?:[a-z_]+/)+[a-z_]+\.(?:py|toml|md))\b")
