@@ -42,6 +42,22 @@ def test_common_loads_no_torch_at_import():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_only_rollstream_ray_loads_ray():
+    """Ray is an optional extra: importing every module of the core
+    packages and of the app (the `rollstream` command included) leaves it
+    unloaded, even where it is installed."""
+    code = (
+        "import pkgutil, sys, importlib\n"
+        "for name in ('common', 'producer', 'broker', 'consumer', 'app'):\n"
+        "    package = importlib.import_module(f'rollstream.{name}')\n"
+        "    for m in pkgutil.iter_modules(package.__path__):\n"
+        "        importlib.import_module(f'rollstream.{name}.{m.name}')\n"
+        "assert 'rollstream.app.cli' in sys.modules\n"
+        "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 @pytest.mark.slow
 def test_mypy_finds_nothing(tmp_path):
     # mypy cannot follow package-dir through the editable install: it reads

@@ -42,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 from rollstream.broker.cli import broker as broker_command
 from rollstream.broker.settings import BrokerSettings
 from rollstream.common.admin import AdminClient, AdminError
+from rollstream.common.clock import Clock
 from rollstream.common.config import ConfigError, Problem, unknown_expected
 from rollstream.common.errors import InvalidInput, InvalidState
 
@@ -188,7 +189,7 @@ class BrokerSupervisor:
                     break
                 self.process = subprocess.Popen(self._command(), stdout=output, stderr=subprocess.STDOUT,
                                                 start_new_session=True, preexec_fn=_set_parent_death_signal)
-            started = time.monotonic()
+            started = Clock.monotonic()
             while self.process.poll() is None and not self._bound.is_set() and not self._stopping.is_set():
                 if self._endpoints_file.exists():
                     self._note_bound(json.loads(self._endpoints_file.read_text()))
@@ -196,7 +197,7 @@ class BrokerSupervisor:
             code = self.process.wait()
             if self._stopping.is_set():
                 break
-            crashes = 1 if time.monotonic() - started > STABLE_AFTER else crashes + 1
+            crashes = 1 if Clock.monotonic() - started > STABLE_AFTER else crashes + 1
             self.restarts, self.last_exit, self.state = self.restarts + 1, code, "restarting"
             log.warning("broker exited; restarting it", extra={"node_id": self.node_id, "exit": code,
                                                                "restarts": self.restarts})
