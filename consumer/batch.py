@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +36,9 @@ from rollstream.common.validation import pack_csr
 from rollstream.common.versions import ordered_version
 
 from .assembly import Delivery
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 # Packed fields and the per-sample length that bounds each one.
 RAGGED = {
@@ -367,6 +370,12 @@ class Batch:
 
     def sample_mask_offsets(self) -> list[torch.Tensor]:
         """Each sample's own CSR offsets (starting at 0), in one pass."""
+        return list(self.local_mask_offsets().split((self.lengths["response"] + 1).tolist()))
+
+    def local_mask_offsets(self) -> torch.Tensor:
+        """`sample_mask_offsets` end to end (R + S entries, a sample's
+        response_length + 1 at a time): offsets that stay right whichever
+        samples are picked, as the one CSR over the batch does not."""
         starts = self._cu["response"][:-1]
         counts = self.lengths["response"] + 1  # a sample's offsets share its neighbours' ends
         _, offsets = self._masks()
@@ -375,7 +384,7 @@ class Batch:
             offsets[torch.as_tensor(starts, device=self.device)], torch.as_tensor(counts, device=self.device),
             output_size=len(local),
         )
-        return list((local - base).split(counts.tolist()))
+        return local - base
 
     def sample(self, i: int) -> dict[str, Any]:
         """Views of sample `i`'s fields (its mask offsets start at 0)."""
@@ -467,6 +476,24 @@ class Batch:
         lengths = {key: np.concatenate([b.lengths[key] for b in batches]) for key in first.lengths}
         host = {name: tuple(item for b in batches for item in getattr(b, name)) for name in HOST_FIELDS}
         return cls._assemble(first.seq, first.device, ragged, per_sample, mask_offsets, lengths, host, first.token_budget)
+
+    # -- tensordict -----------------------------------------------------------
+    def to_tensordict(self) -> TensorDict:
+        """This batch as the TensorDict verl and TransferQueue pass batches
+        in (the `tensordict` extra): one entry per sample, no padding, the
+        packed tensors shared rather than copied. The layout is
+        rollstream.consumer.tensordict_view's docstring."""
+        from .tensordict_view import to_tensordict
+
+        return to_tensordict(self)
+
+    @classmethod
+    def from_tensordict(cls, td: TensorDict) -> "Batch":
+        """The batch a `to_tensordict` TensorDict holds, also after it was
+        indexed, sliced or concatenated (its packed tensors shared again)."""
+        from .tensordict_view import batch_fields
+
+        return cls._assemble(**batch_fields(td))
 
     # -- miles ----------------------------------------------------------------
     def to_train_data(self) -> dict[str, Any]:
