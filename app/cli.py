@@ -13,6 +13,8 @@ import click
 from rollstream.producer.sources import SourceFactory, register_source
 
 ROLE_COMMANDS = ("broker", "consume", "producer", "requeue", "salvage", "status")
+# The app's commands loaded as the roles' are (`top` imports rich and zmq).
+LAZY_APP_COMMANDS = ("top",)
 
 
 def role_command(name: str) -> click.Command:
@@ -42,11 +44,15 @@ register_source("model", model_source)
 
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*super().list_commands(ctx), *ROLE_COMMANDS])
+        return sorted([*super().list_commands(ctx), *ROLE_COMMANDS, *LAZY_APP_COMMANDS])
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in ROLE_COMMANDS:
             return role_command(name)
+        if name == "top":
+            from .top import top
+
+            return top
         return super().get_command(ctx, name)
 
 

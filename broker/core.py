@@ -668,8 +668,11 @@ class BrokerCore:
                 yield Send("consumer", s.identity, self._unavailable(s.message, leases=s.accepted))
                 continue
             yield from self._dead_letter(s.apply(self.dispatcher), "max_deliveries", now)
-            if s.message.type == "ack" and s.trained is None:  # trained ones leave when sealed
-                self.metrics.inc(self.metrics.exits, len(s.trajectory_ids) + len(s.by_id), exit="delivered")
+            if s.message.type == "ack":
+                acked = len(s.trajectory_ids) + len(s.by_id)
+                self.metrics.inc(self.metrics.trajectories_acked, acked)
+                if s.trained is None:  # trained ones leave when sealed
+                    self.metrics.inc(self.metrics.exits, acked, exit="delivered")
             if s.accepted:
                 reply = "acked" if s.message.type == "ack" else "nacked"
                 yield Send("consumer", s.identity, encode(BROKER_TO_CONSUMER, reply, {"leases": s.accepted}))
@@ -831,6 +834,7 @@ class BrokerCore:
         counts = self.engine.counts()
         oldest = self.engine.oldest_trained_step()
         live_after = now.mono - self.producer_live_for
+        acks = self.metrics.ack_seconds
         return {
             "open": counts[OPEN],
             "scoring": counts[SCORING],
@@ -842,6 +846,9 @@ class BrokerCore:
             "consumers": len(self.dispatcher.consumers),
             "bytes_in_memory": self.memory_bytes,
             "bytes_on_disk": self.disk_bytes,
+            "max_memory_bytes": self.settings.max_memory_bytes,
+            "max_disk_bytes": self.settings.max_disk_bytes,
+            "ack_seconds": {"bounds": list(acks.bounds), "counts": list(acks.counts), "sum": acks.sum},
             "counters": {key: int(value) for key, value in sorted(self.metrics.totals.items())},
             "endpoints": dict(self.endpoints),
             "unsealed": counts[TRAINED],

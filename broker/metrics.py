@@ -56,6 +56,13 @@ class BrokerMetrics(Metrics):
             "commit_seconds", "Time to make one batch durable",
             (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
         )
+        self.received_bytes = self.counter("received_bytes", "Bytes of producer frames read")
+        self.trajectories_acked = self.counter("trajectories_acked", "Trajectories consumers acked (trained, or "
+                                               "delivered and forgotten), once durable")
+        self.ack_seconds = self.histogram(
+            "ack_seconds", "Time from reading a batch of producer frames to sending its acks (decode, check, merge, "
+            "commit), once per batch", (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        )
 
     def count_outcomes(self, acked: Iterable[tuple[str, Mapping]]) -> None:
         """Frames by type and outcome (`acked`: each acked message's type and

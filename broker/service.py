@@ -249,6 +249,9 @@ class BrokerService:
                     received.append((identity, None, error))
         self._check_content(received, checks)
         self._drive(core.producer_batch(received, now))
+        if received:  # once per batch: no clock read or counter update per frame
+            self.metrics.received_bytes.add(batch_bytes)
+            self.metrics.ack_seconds.observe(Clock.monotonic() - now.mono)
 
     def _decode_producer_frames(self, frames: list) -> Message:
         return decode(frames, PRODUCER_TO_BROKER, max_message_bytes=self.settings.max_message_bytes, check_content=False)

@@ -5,6 +5,7 @@ belongs to one job refused by a consumer of another."""
 import pytest
 from consumer_helpers import VOCAB
 
+from rollstream.common.admin import AdminClient
 from rollstream.common.errors import InvalidInput
 from rollstream.consumer import Consumer
 from rollstream.producer import Producer
@@ -39,6 +40,8 @@ def test_two_jobs_with_the_same_ids_stay_apart_across_a_broker_restart(brokers):
     broker.kill()
     broker.start()  # what the store holds comes back, each trajectory in its job
     assert broker.status()["ready_by_job"] == {"default": 2, "eval": 2}
+    with AdminClient(broker.admin, timeout=5.0) as admin:  # what `rollstream status` prints from
+        assert admin.status()["ready_by_job"] == {"default": 2, "eval": 2}
     with Consumer(broker.consumer, batch_size=2, vocab_size=VOCAB, job="eval", checkpointed=False) as evaluation:
         assert take_all(evaluation) == {"t0": [200], "t1": [201]}
     trainer = Consumer(broker.consumer, batch_size=2, vocab_size=VOCAB)

@@ -280,6 +280,14 @@ def _require_ray() -> None:
         raise InvalidState("rollstream.ray needs a connected Ray: call ray.init() first")
 
 
+def connect(address: str = "auto") -> None:
+    """Join the Ray cluster at `address` (`ray.init`'s; quietly, as a
+    tool rather than a job's driver) unless this process already is
+    connected: for a process outside the job, such as `rollstream top --ray`."""
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+
+
 def _alive_nodes() -> list[dict]:
     return [node for node in ray.nodes() if node.get("Alive")]
 
@@ -385,4 +393,4 @@ def stop_brokers(timeout: float = 30.0) -> dict[str, int | None]:
 
 
 __all__ = ["BrokerEndpoints", "BrokerSupervisor", "all_brokers", "broker_arguments", "brokers_status",
-           "check_data_dir", "local_broker", "start_brokers", "stop_brokers"]
+           "check_data_dir", "connect", "local_broker", "start_brokers", "stop_brokers"]
