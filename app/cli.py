@@ -129,6 +129,9 @@ def show_fingerprints(key_files: tuple[str, ...]) -> None:
               "follows half a second later (a slow verifier).")
 @click.option("--plot", "plot", default="rollstream-train.png", show_default=True,
               help="--train: where to write the PNG plot (needs the `plot` extra); '' for none.")
+@click.option("--endpoints-file", type=click.Path(dir_okay=False), default=None,
+              help="Have the demo's broker write its endpoints here (JSON), so `rollstream top --endpoints-file` in "
+                   "another terminal watches it; removed when the demo ends.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary's figures as one JSON line (after the "
               "table; with --train, instead of it).")
 def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int | None, group_filter: str | None,
@@ -149,6 +152,7 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int |
                                  batch_groups=options["batch_size"], turns=options["turns"],
                                  plot=plot or None, keep_data=options["keep_data"], chaos=options["chaos"],
                                  max_staleness=max_staleness, group_filter=group_filter,
+                                 endpoints_file=options["endpoints_file"],
                                  progress=(lambda line: None) if as_json else click.echo)
         click.echo(json.dumps(summary) if as_json else train_summary_table(summary))
         return

@@ -30,7 +30,8 @@ TOP_K = 20  # the synthetic producers' top-k (ProducerSettings.top_k): the padde
 def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, group_size: int = 4, batch_size: int = 4,
              abort_rate: float = 0.1, retry_rate: float = 0.1, dp_size: int = 2, chaos: bool = False, timeout: float = 180.0,
              keep_data: bool = False, max_staleness: int | None = None, group_filter: str | None = None,
-             late_reward_rate: float = 0.2, show: Callable[[Counts, list[str]], None] | None = None) -> dict[str, Any]:
+             late_reward_rate: float = 0.2, endpoints_file: str | None = None,
+             show: Callable[[Counts, list[str]], None] | None = None) -> dict[str, Any]:
     """Run the pipeline until every acknowledged trajectory is committed or
     dead-lettered (or `timeout` seconds pass); return the summary, the
     checker's verdict in it. `show` is called with the progress a few
@@ -43,7 +44,8 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
     broker_args = (*(("--trajectory-ttl", "3", "--heartbeat-interval", "0.5") if chaos else ()),
                    *(("--max-staleness", str(max_staleness)) if max_staleness is not None else ()),
                    *(("--group-filters", group_filter) if group_filter else ()))
-    with LoopbackNode("rollstream-demo-", VOCAB, keep_data=keep_data, broker_args=broker_args) as node:
+    with LoopbackNode("rollstream-demo-", VOCAB, keep_data=keep_data, broker_args=broker_args,
+                      endpoints_file=endpoints_file) as node:
         # The trainer writes its policy version after every step; the producers sample at the one they read.
         versions = ("--version-file", str(node.work / "policy.version"))
         pipeline = Pipeline(node, dp_size=dp_size, batch_size=batch_size, rank_args=versions)

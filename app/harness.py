@@ -57,11 +57,13 @@ class LoopbackNode:
     `ip netns exec NAME`, so the node's processes run in its network
     namespace; the prefix must exec the command, keeping its pid).
     `admin_keys` are the node's own admin client's CURVE keys (its
-    .key_secret and the broker's .key) for a broker that requires them."""
+    .key_secret and the broker's .key) for a broker that requires them.
+    `endpoints_file` is where the broker writes its bound endpoints (default:
+    in the node's directory), e.g. for `rollstream top --endpoints-file`."""
 
     def __init__(self, prefix: str, vocab_size: int, *, keep_data: bool = False, broker_args: tuple[str, ...] = (),
                  bind: dict[str, str] | None = None, command_prefix: Sequence[str] = (),
-                 admin_keys: tuple[str, str] | None = None):
+                 admin_keys: tuple[str, str] | None = None, endpoints_file: str | None = None):
         self.vocab_size = vocab_size
         self.keep_data = keep_data
         self.broker_args = tuple(broker_args)
@@ -69,6 +71,7 @@ class LoopbackNode:
         self.command_prefix = tuple(command_prefix)
         self.admin_keys: tuple[str | None, str | None] = admin_keys or (None, None)
         self.work = Path(tempfile.mkdtemp(prefix=prefix))
+        self.endpoints_file = endpoints_file or str(self.work / "endpoints.json")
         self.endpoints: dict[str, str] = {}  # as the broker bound them, once it answers
         self.broker: subprocess.Popen | None = None
         self._daemons: list[subprocess.Popen] = []
@@ -88,7 +91,7 @@ class LoopbackNode:
         return self
 
     def _start_broker(self, endpoints: dict[str, str]) -> None:
-        endpoints_file = str(self.work / "endpoints.json")
+        endpoints_file = self.endpoints_file
         self.broker = self._start("broker", "--producer-endpoint", endpoints["producer"], "--consumer-endpoint",
                                   endpoints["consumer"], "--admin-endpoint", endpoints["admin"], "--endpoints-file",
                                   endpoints_file, "--data-dir", str(self.work / "data"), "--vocab-size",

@@ -240,6 +240,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                    top_k: int = 20, top_p: float = 0.95, learning_rate: float = 3e-3, seed: int = 0,
                    plot: str | None = None, progress=print, keep_data: bool = False, chaos: bool = False,
                    checkpoint_every: int = 5, max_staleness: int | None = None, group_filter: str | None = None,
+                   endpoints_file: str | None = None,
                    starvation_after: float = 20.0) -> dict:
     """Run the loop for `steps` batches (fewer if the broker says the run
     starves); return the summary (and write the plot to `plot` when given).
@@ -258,7 +259,8 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                    *(("--max-staleness", str(max_staleness)) if max_staleness is not None else ()),
                    *(("--group-filters", group_filter) if group_filter else ()))
     starved = None
-    with LoopbackNode("rollstream-train-", VOCAB, keep_data=keep_data, broker_args=broker_args) as node:
+    with LoopbackNode("rollstream-train-", VOCAB, keep_data=keep_data, broker_args=broker_args,
+                      endpoints_file=endpoints_file) as node:
         started = time.perf_counter()
         ledgers = node.work / "ledgers"
         weights = node.work / "policy.safetensors"
