@@ -12,8 +12,8 @@ trajectory; every trajectory must arrive exactly once. The Ns run
 interleaved, `--reps` times, and medians are reported.
 
 The idle figure: one fresh broker with nothing connected, its whole CPU
-(/proc/<pid>/stat, every thread) over `--idle-seconds`, as a share of one
-core.
+(every thread's, from the scheduler's nanosecond counts) over
+`--idle-seconds`, as a share of one core.
 
 The last line is one JSON object: `fanin_cpu_ratio_<N>` and
 `fanin_wall_ratio_<N>` (N brokers' consumer CPU and wall per trajectory over
@@ -29,13 +29,14 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import zmq
-from procs import Broker, parse_args, process_times
+from procs import Broker, parse_args, thread_cpu
 
 from rollstream.common.admin import AdminClient
 
@@ -135,14 +136,21 @@ def one_run(count: int, trajectories: int, batch_size: int, tag: str) -> dict:
             list(pool.map(Broker.close, brokers))
 
 
+def _all_threads_cpu(pid: int) -> float:
+    """CPU seconds of every thread the process has now, at the scheduler's
+    nanosecond resolution (an idle broker spends less than a clock tick a
+    second, which /proc/<pid>/stat counts in)."""
+    return sum(thread_cpu(pid, int(tid)) for tid in os.listdir(f"/proc/{pid}/task"))
+
+
 def idle_share(seconds: float) -> float:
     """One fresh broker's whole CPU over `seconds` with nothing connected, as a share of a core."""
     broker = Broker(VOCAB)
     try:
         time.sleep(1.0)  # past start-up (the first housekeeping, the store's first measures)
-        before, start = process_times(broker.pid), time.perf_counter()
+        before, start = _all_threads_cpu(broker.pid), time.perf_counter()
         time.sleep(seconds)
-        return (process_times(broker.pid) - before).cpu / (time.perf_counter() - start)
+        return (_all_threads_cpu(broker.pid) - before) / (time.perf_counter() - start)
     finally:
         broker.close()
 

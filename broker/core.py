@@ -63,6 +63,10 @@ from .store import StoreError
 log = logging.getLogger("rollstream.broker")
 
 PROBE_EVERY = 1.0  # seconds between store probes while unavailable
+HOUSEKEEPING_EVERY = 0.2  # seconds between expiry, lease and budget checks while any peer is connected
+# Seconds between housekeeping passes of a quiet broker (no peer, no lease, no store outage), at most: only
+# trajectory TTLs, dedup records, dead-letter budgets and disk space move then.
+QUIET_HOUSEKEEPING_EVERY = 5.0
 DISCARDS = ("filtered:", "stale")  # dead-letter reasons that throw a trajectory away on purpose (`Starvation`)
 STARVING = {
     "filtered": "its group filters dropped nearly every complete group over the window (no learning signal left: "
@@ -876,6 +880,23 @@ class BrokerCore:
         return out
 
     # -- time -------------------------------------------------------------------
+    @property
+    def quiet(self) -> bool:
+        """No peer to answer within seconds: no producer or consumer
+        connection remembered, no lease out, the store not being probed."""
+        return not (self.producers or self.dispatcher.consumers or self.dispatcher.leases or self.unavailable)
+
+    def housekeeping_every(self) -> float:
+        """Seconds from one housekeeping pass to the next: `HOUSEKEEPING_EVERY`
+        while peers wait on leases, heartbeats and window shares; a quiet
+        broker's clocks are trajectory TTLs and slow prunes, so it wakes every
+        `QUIET_HOUSEKEEPING_EVERY`, and ten times per `trajectory_ttl` at
+        least (an expiry is late by a tenth of its TTL at most): an idle
+        broker costs next to nothing."""
+        if not self.quiet:
+            return HOUSEKEEPING_EVERY
+        return max(HOUSEKEEPING_EVERY, min(QUIET_HOUSEKEEPING_EVERY, self.settings.trajectory_ttl / 10))
+
     def housekeeping(self, now: Clock) -> Steps:
         """What time alone changes: silent producers forgotten, idle
         trajectories expired, dead letters kept within their budget, lost

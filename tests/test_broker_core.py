@@ -129,3 +129,18 @@ def test_a_consumer_hello_settles_the_acks_before_it_in_the_batch_first():
     assert [r.type for r in replies] == ["acked", "welcome"]
     assert isinstance(asked[0], Commit) and [type(e).__name__ for e in asked[0].effects] == ["Forget"]
     assert not broker.dispatcher.queues and "t" not in broker.engine.entries
+
+
+def test_a_quiet_broker_keeps_house_every_few_seconds_and_a_connected_peer_brings_the_busy_pace_back():
+    """Nothing connected: housekeeping every 5 s, or a tenth of the TTL when
+    that is shorter (an expiry is at most that late); a producer's hello
+    makes it 0.2 s again, until the producer is forgotten."""
+    broker = core(heartbeat_interval=1.0)
+    assert broker.quiet and broker.housekeeping_every() == 5.0
+    assert core(trajectory_ttl=3.0).housekeeping_every() == 0.3
+    assert core(trajectory_ttl=0.5).housekeeping_every() == 0.2  # never faster than a connected broker's pace
+    produce(broker, P, [hello("p")], t=0.0)
+    assert not broker.quiet and broker.housekeeping_every() == 0.2
+    drive(broker.housekeeping(at(broker.producer_live_for + 1.0)))  # silent past its liveness: forgotten
+    assert broker.quiet and broker.housekeeping_every() == 5.0
+
