@@ -245,3 +245,23 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited
         return stat.read().split(") ", 1)[1][0] != "Z"
+
+
+def test_rollstream_top_finds_every_nodes_broker(cluster, tmp_path):
+    """`rollstream top --ray`, a process outside the job, joins the cluster and shows each node's broker."""
+    import subprocess
+
+    import rollstream.ray as rsray
+
+    brokers = rsray.start_brokers(BROKER_SETTINGS, data_dir=str(tmp_path / "data-{node_id}"))
+    try:
+        shown = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "top", "--ray", "--ray-address",
+                                cluster.address, "--once", "--interval", "0.3"], capture_output=True, text=True,
+                               timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8", "COLUMNS": "250"})
+    finally:
+        rsray.stop_brokers()
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    for broker in brokers:
+        assert f"{broker.node_id[:12]} {broker.admin}" in shown.stdout, (
+            f"top must show node {broker.node_id[:12]}'s broker at {broker.admin}:\n{shown.stdout}")
+    assert "total (2 of 2 answering)" in shown.stdout, shown.stdout
