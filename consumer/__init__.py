@@ -7,33 +7,36 @@ loop, as validated, packed batches on the GPU, sharded to trainer ranks.
 - `DistributedConsumer`: one source rank, shards to the others (the others
   raise `SourceRankFailed` when the source's `next_batch` fails).
 - `dense_support_mask` / `masked_log_probs`: trainer primitives.
+
+Names load on first use: `rollstream --help` and `rollstream consume --help`
+import no torch.
 """
-from rollstream.common.validation import BatchValidationError, Violation
+import importlib
 
-from .assembly import Assembler, Delivery
-from .batch import Batch
-from .client import Consumer, ConsumerClosed
-from .distributed import DistributedConsumer, SourceRankFailed
-from .primitives import dense_support_mask, masked_log_probs
-from .sharding import STRATEGIES, partition, partition_batch
-from .validate import batch_violations, checked_batch, validate_batch
+_EXPORTS = {
+    "Assembler": ".assembly",
+    "Delivery": ".assembly",
+    "Batch": ".batch",
+    "BatchValidationError": "rollstream.common.validation",
+    "Violation": "rollstream.common.validation",
+    "Consumer": ".client",
+    "ConsumerClosed": ".client",
+    "DistributedConsumer": ".distributed",
+    "SourceRankFailed": ".distributed",
+    "dense_support_mask": ".primitives",
+    "masked_log_probs": ".primitives",
+    "STRATEGIES": ".sharding",
+    "partition": ".sharding",
+    "partition_batch": ".sharding",
+    "batch_violations": ".validate",
+    "checked_batch": ".validate",
+    "validate_batch": ".validate",
+}
 
-__all__ = [
-    "Assembler",
-    "Batch",
-    "BatchValidationError",
-    "Consumer",
-    "ConsumerClosed",
-    "Delivery",
-    "DistributedConsumer",
-    "STRATEGIES",
-    "SourceRankFailed",
-    "Violation",
-    "batch_violations",
-    "checked_batch",
-    "dense_support_mask",
-    "masked_log_probs",
-    "partition",
-    "partition_batch",
-    "validate_batch",
-]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

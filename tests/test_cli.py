@@ -122,6 +122,25 @@ def test_the_producer_alone_knows_only_its_own_sources():
     assert out.strip() == "source must be one of the registered sources ['replay', 'sglang', 'synthetic'], got 'model'"
 
 
+def test_help_lists_every_command_without_loading_torch():
+    """`rollstream --help` lists each command's one-line help, which means
+    importing each command's module: none of them may load torch (it took
+    seconds) or Ray."""
+    code = (
+        "import sys\n"
+        "from rollstream.app.cli import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "assert 'torch' not in sys.modules and 'ray' not in sys.modules, [m for m in ('torch', 'ray') if m in sys.modules]\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for command in ("broker", "consume", "demo", "producer", "status", "top"):
+        assert f"  {command} " in out.stdout, f"--help must list {command}:\n{out.stdout}"
+
+
 def test_consume_hands_batch_tokens_to_the_consumer_which_checks_it():
     """`--batch-tokens` reaches `Consumer(batch_tokens=)`: a budget of 0 is
     refused with the consumer's own rule before anything is pulled. Given
