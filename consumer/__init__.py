@@ -11,7 +11,7 @@ loop, as validated, packed batches on the GPU, sharded to trainer ranks.
 Names load on first use: `rollstream --help` and `rollstream consume --help`
 import no torch.
 """
-import importlib
+from rollstream.common.exports import lazy_exports
 
 _EXPORTS = {
     "Assembler": ".assembly",
@@ -35,8 +35,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -12,26 +12,22 @@
 
 Names load on first use, so `rollstream producer --help` stays fast.
 """
-import importlib
+from rollstream.common.exports import lazy_exports
 
 _EXPORTS = {
-    "AsyncProducer": "client",
-    "AsyncTrajectoryHandle": "client",
-    "Producer": "client",
-    "TrajectoryHandle": "client",
-    "Receipt": "window",
-    "ResendWindow": "window",
-    "ProducerSession": "session",
-    "Refused": "errors",
-    "ProducerClosed": "errors",
-    "MilesMergeError": "miles_samples",
-    "turns_from_miles_samples": "miles_samples",
+    "AsyncProducer": ".client",
+    "AsyncTrajectoryHandle": ".client",
+    "Producer": ".client",
+    "TrajectoryHandle": ".client",
+    "Receipt": ".window",
+    "ResendWindow": ".window",
+    "ProducerSession": ".session",
+    "Refused": ".errors",
+    "ProducerClosed": ".errors",
+    "MilesMergeError": ".miles_samples",
+    "turns_from_miles_samples": ".miles_samples",
 }
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
