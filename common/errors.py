@@ -35,6 +35,7 @@ LOCAL_CODES = (
     "no_answer",      # a peer did not answer in time (an admin call, a broker not yet listening)
     "spool_unusable", # a producer's spool belongs to another, is locked, of another format, or damaged
     "window_full",    # the resend window holds its limit of unsettled frames
+    "missing_extra",  # a call needs an optional dependency (an extra) that is not installed
 )
 
 # Whether the same request, made again unchanged, may later succeed. A
@@ -75,6 +76,7 @@ RETRIABLE: dict[str, bool] = {
     "no_answer": True,
     "spool_unusable": False,
     "window_full": True,
+    "missing_extra": False,
 }
 
 
@@ -118,6 +120,18 @@ class InvalidType(InvalidInput, TypeError):
 
 class OutOfRange(InvalidInput, IndexError):
     """An index past the end (also what ends iteration by index)."""
+
+
+class ExtraMissing(RollstreamError, ImportError):
+    """A call needs an optional dependency that is not installed; the
+    message names the extra that installs it."""
+
+    code = "missing_extra"
+
+    def __init__(self, module: str, extra: str, needed_by: str):
+        super().__init__(f"{needed_by} needs the {module!r} package, which is not installed: "
+                         f"pip install 'rollstream[{extra}]'")
+        self.name = module
 
 
 class InvalidState(RollstreamError, RuntimeError):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rollstream.common.errors import InvalidInput, InvalidType, RollstreamError
+from rollstream.common.errors import ExtraMissing, InvalidInput, InvalidType
 
 from .batch import HOST_FIELDS, PER_SAMPLE, RAGGED, Batch, _offsets_from_sizes, cumsum0, gather_index, to_device
 
@@ -43,18 +43,6 @@ if TYPE_CHECKING:
 EXTRA = "tensordict"
 # What `to_tensordict` always writes; `mask_ids` with `mask_offsets` and the replay captures come when the batch has them.
 REQUIRED = ("tokens", "response_tokens", "loss_mask", "log_probs", *PER_SAMPLE, *HOST_FIELDS, "seq", "token_budget")
-
-
-class ExtraMissing(RollstreamError, ImportError):
-    """A call needs an optional dependency that is not installed; the
-    message names the extra that installs it."""
-
-    code = "invalid_state"
-
-    def __init__(self, module: str, extra: str, needed_by: str):
-        super().__init__(f"{needed_by} needs the {module!r} package, which is not installed: "
-                         f"pip install 'rollstream[{extra}]'")
-        self.name = module
 
 
 def to_tensordict(batch: Batch) -> TensorDict:

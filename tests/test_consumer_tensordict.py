@@ -13,10 +13,9 @@ import pytest
 import torch
 from consumer_helpers import assert_same_batch, delivery
 
-from rollstream.common.errors import InvalidInput, RollstreamError
+from rollstream.common.errors import ExtraMissing, InvalidInput, RollstreamError
 from rollstream.common.trajectory import Gap, Trajectory, Turn
 from rollstream.consumer import Batch
-from rollstream.consumer.tensordict_view import ExtraMissing
 
 needs_tensordict = pytest.mark.skipif(importlib.util.find_spec("tensordict") is None,
                                       reason="needs the tensordict extra: pip install 'rollstream[tensordict]'")
@@ -233,7 +232,7 @@ def test_without_tensordict_the_error_names_the_extra(monkeypatch):
     assert isinstance(error, ImportError) and isinstance(error, RollstreamError) and error.name == "tensordict"
     assert str(error) == ("Batch.to_tensordict needs the 'tensordict' package, which is not installed: "
                           "pip install 'rollstream[tensordict]'")
-    assert error.code == "invalid_state" and not error.retriable
+    assert error.code == "missing_extra" and not error.retriable
 
 
 def test_the_consumer_loads_no_tensordict_at_import():
