@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
-import json
 import logging
 import os
 import signal
@@ -41,7 +40,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 
 from rollstream.broker.cli import broker as broker_command
 from rollstream.broker.settings import BrokerSettings
-from rollstream.common.admin import AdminClient, AdminError
+from rollstream.common.admin import ENDPOINT_NAMES, AdminClient, AdminError, read_endpoints_file, write_endpoints_file
 from rollstream.common.clock import Clock
 from rollstream.common.config import ConfigError, Problem, unknown_expected
 from rollstream.common.errors import InvalidInput, InvalidState
@@ -49,7 +48,6 @@ from rollstream.common.errors import InvalidInput, InvalidState
 NAMESPACE = "rollstream"  # the Ray namespace of the supervisors, whatever the driver's
 ACTOR_PREFIX = "rollstream-broker-"  # a supervisor's name: this and its node id
 DEFAULT_DATA_DIR = "/var/lib/rollstream/{node_id}"
-ENDPOINT_NAMES = ("producer", "consumer", "admin")
 # Settings rollstream.ray gives each node's broker itself (the arguments of `start_brokers` say how).
 PER_NODE = {"producer_endpoint": "ports=", "consumer_endpoint": "ports=", "admin_endpoint": "ports=",
             "endpoints_file": "(kept by the supervisor)", "data_dir": "data_dir="}
@@ -165,8 +163,8 @@ class BrokerSupervisor:
         return self.work / "bound.json"
 
     def _remembered_endpoints(self) -> dict[str, str] | None:
-        with contextlib.suppress(OSError, ValueError):
-            endpoints = json.loads(self._bound_file.read_text())
+        with contextlib.suppress(AdminError):
+            endpoints = read_endpoints_file(str(self._bound_file))
             if endpoints.get("data_dir") == self.data_dir:
                 return {name: endpoints[name] for name in ENDPOINT_NAMES}
         return None
@@ -192,7 +190,7 @@ class BrokerSupervisor:
             started = Clock.monotonic()
             while self.process.poll() is None and not self._bound.is_set() and not self._stopping.is_set():
                 if self._endpoints_file.exists():
-                    self._note_bound(json.loads(self._endpoints_file.read_text()))
+                    self._note_bound(read_endpoints_file(str(self._endpoints_file)))
                 time.sleep(0.05)
             code = self.process.wait()
             if self._stopping.is_set():
@@ -207,9 +205,7 @@ class BrokerSupervisor:
 
     def _note_bound(self, endpoints: dict[str, str]) -> None:
         self.endpoints = {name: endpoints[name] for name in ENDPOINT_NAMES}
-        partial = self._bound_file.with_suffix(".partial")
-        partial.write_text(json.dumps({**self.endpoints, "data_dir": self.data_dir}))
-        os.replace(partial, self._bound_file)
+        write_endpoints_file(str(self._bound_file), {**self.endpoints, "data_dir": self.data_dir})
         self.state = "running"
         self._bound.set()
 
@@ -329,7 +325,7 @@ def start_brokers(settings: Mapping[str, Any] | None = None, *, data_dir: str = 
     unknown = sorted(set(ports) - set(ENDPOINT_NAMES))
     if unknown or not all(isinstance(port, int) and 0 <= port < 65536 for port in ports.values()):
         raise InvalidInput(f"ports must map endpoint names {list(ENDPOINT_NAMES)} to ports in [0, 65535], got {ports}")
-    started: list[Any] = []
+    started: dict[str, Any] = {}  # by node id
     for node in _alive_nodes():
         node_id = node["NodeID"]
         if _supervisor(node_id) is not None:
@@ -339,17 +335,15 @@ def start_brokers(settings: Mapping[str, Any] | None = None, *, data_dir: str = 
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
         if detached:
             options["lifetime"] = "detached"
-        started.append(_SUPERVISOR.options(**options).remote(
-            node_id, args, data_dir, host or node["NodeManagerAddress"], ports, admin_keys))
-        _STARTED[node_id] = started[-1]
+        started[node_id] = _STARTED[node_id] = _SUPERVISOR.options(**options).remote(
+            node_id, args, data_dir, host or node["NodeManagerAddress"], ports, admin_keys)
     try:
-        ray.get([actor.where.remote(timeout) for actor in started])
+        ray.get([actor.where.remote(timeout) for actor in started.values()])
     except Exception:
-        for actor in started:
+        for node_id, actor in started.items():
             with contextlib.suppress(Exception):
                 ray.get(actor.stop.remote(10.0))
             ray.kill(actor)
-        for node_id in [node_id for node_id, actor in _STARTED.items() if any(actor is a for a in started)]:
             del _STARTED[node_id]
         raise
     return all_brokers(timeout)
