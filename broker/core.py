@@ -196,6 +196,11 @@ def batched_acks(answers: list[_Answer], batch_acks: Collection[bytes], grant: C
     return by_identity
 
 
+def _seq(message: Message) -> dict:
+    """A reply's `seq`: the request's, when it had one."""
+    return {"seq": message["seq"]} if "seq" in message.fields else {}
+
+
 def _wire_ids(trajectory: Trajectory) -> dict[str, str]:
     """The ids a `deliver` of another job's trajectory carries in place of the broker's keys."""
     if SEPARATOR not in trajectory.trajectory_id:
@@ -514,10 +519,13 @@ class BrokerCore:
             run = message.get("run")
             yield from self._dead_letter(dispatcher.hello(identity, message["consumer_id"], now.mono,
                                                           None if run is None else job_key(job, run),
-                                                          message.get("lineage"), job),
+                                                          message.get("lineage"), job,
+                                                          counts=bool(message.get("queued_counts"))),
                                          "max_deliveries", now)
             log.info("consumer connected", extra={"consumer_id": message["consumer_id"]})
             fields = self.hellos.welcome_consumer(identity, message.fields, dispatcher.consumers.keys())
+            if (queued := dispatcher.tell(identity)) is not None:
+                fields["queued"] = queued
             if "run" in message.fields:  # a checkpointing trainer: how much it may train between seals
                 fields["max_unsealed_bytes"] = self.settings.max_unsealed_bytes
             yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "welcome", fields))
@@ -537,6 +545,11 @@ class BrokerCore:
             yield Send("consumer", identity, self._refuse("consumer", error, message, **extra))
         elif message.type == "credit":
             dispatcher.credit(identity, message["n"], message["unit"])
+        elif message.type == "revoke":
+            dispatcher.revoke(identity)
+            dispatcher.tell(identity)  # the reply tells the count
+            yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "revoked",
+                                                    {"queued": dispatcher.queued_in(consumer.job), **_seq(message)}))
         elif message.type in ("ack", "nack"):
             if consumer.job != DEFAULT_JOB and "trajectory_ids" in message.fields:
                 ids = [job_key(consumer.job, tid) for tid in message["trajectory_ids"]]
@@ -581,7 +594,7 @@ class BrokerCore:
         # the trainer shares the admission capacity out among its brokers by it.
         fields = {"version": policy.version, **({} if bound is None else {"max_staleness": bound}),
                   "held": self.engine.untrained[job], "waiting": self.freshness.waiting.pop(job, 0),
-                  **({"seq": message["seq"]} if "seq" in message.fields else {})}
+                  **_seq(message)}
         yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "policy", fields))
         yield from self._drop_stale(job, now)
         engine, freshness = self.engine, self.freshness
@@ -615,7 +628,7 @@ class BrokerCore:
             yield Send("consumer", identity, self._unavailable(message))
             return
         reclaimed = self._count_reclaimed(effects, "delivered")
-        seq = {"seq": message["seq"]} if "seq" in message.fields else {}
+        seq = _seq(message)
         yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "sealed", {"step": message["step"],
                                                                               "reclaimed": reclaimed, **seq}))
         self._apply_memory_budget()
@@ -651,7 +664,7 @@ class BrokerCore:
         replay = [e for e in engine.replayable(run, lineage, step) if e.trained is not None]
         entries: list[list] = [[e.trained.step, e.trained.position, wire_id(e.trajectory_id)] for e in replay
                                if e.trained is not None]  # (every one: mypy cannot see the filter above)
-        seq = {"seq": message["seq"]} if "seq" in message.fields else {}
+        seq = _seq(message)
         epoch = self.freshness.lineage(consumer.job).epoch  # the resumed trainer's epoch must be above it
         yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "resumed",
                                                 {"step": step, "replay": entries, "epoch": epoch, **seq}))
@@ -724,6 +737,8 @@ class BrokerCore:
         if self.dispatcher.set_aside:
             yield from self._drop_abandoned(now)
         yield from self._send_deliveries(deliveries, now)
+        for identity, queued in self.dispatcher.queued_news():
+            yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "queued", {"n": queued}))
 
     def _drop_abandoned(self, now: Clock) -> Steps:
         """Dead-letter the units the dispatcher set aside: weights of a
@@ -754,12 +769,13 @@ class BrokerCore:
                     and self._abandoned(first.unit)):
                 self.metrics.inc(self.metrics.abandoned, end - start, action="kept")
             for delivery in deliveries[start:end]:
-                layouts = self.hellos.reads(delivery.identity)
+                options = self.hellos.options_of(delivery.identity)
                 trajectory = self.engine.entries[delivery.trajectory_id].trajectory
                 assert trajectory is not None  # `_read_unit` read it back
-                frames = encode_deliver(trajectory, delivery.lease, may_pack="packed_arrays" in layouts,
-                                        may_split="split_arrays" in layouts,
-                                        **{**delivery.extra_fields, **_wire_ids(trajectory)})
+                counts = {} if (queued := dispatcher.tell(delivery.identity)) is None else {"queued": queued}
+                frames = encode_deliver(trajectory, delivery.lease, may_pack="packed_arrays" in options,
+                                        may_split="split_arrays" in options,
+                                        **{**delivery.extra_fields, **_wire_ids(trajectory), **counts})
                 if not (yield Send("consumer", delivery.identity, frames)):
                     refused.append(delivery.lease)
             start = end
@@ -813,7 +829,7 @@ class BrokerCore:
         yield Send("admin", identity, [*envelope, *reply])
 
     def _admin_reply(self, message: Message, now: Clock) -> Generator[Request, Any, list]:
-        seq = {"seq": message["seq"]} if "seq" in message.fields else {}
+        seq = _seq(message)
         if message.type == "status":
             return encode(ADMIN_REPLIES, "status", {**self.status(now), **seq})
         if message.type == "dead_letters":

@@ -37,6 +37,7 @@ class ConsumerState:
     run: str | None = None  # a checkpointing trainer's run (keyed in its job) and lineage (its hello named them)
     lineage: str | None = None
     job: str = DEFAULT_JOB
+    told: int | None = None  # the queued count it was last told (None: its hello did not ask for counts)
 
 
 @dataclass
@@ -140,9 +141,10 @@ class Dispatcher:
     def __init__(self, settings: DispatchSettings | None = None):
         self.settings = settings or DispatchSettings()
         self.consumers: dict[bytes, ConsumerState] = {}
-        # Each job's units; changed only by `enqueue`, `_take` and `take_stale` (they keep the count).
+        # Each job's units; changed only by `enqueue`, `_take` and `take_stale` (they keep the counts).
         self.queues: dict[str, JobQueue] = {}
         self.queued_trajectories = 0
+        self._queued_by_job: dict[str, int] = {}  # trajectories in each job's queue
         self.leases: dict[str, Lease] = {}
         self.delivery_counts: dict[str, int] = {}
         self.redeliveries = 0
@@ -160,7 +162,15 @@ class Dispatcher:
         if queue is None:
             queue = self.queues[job] = JobQueue()
         queue.put(unit, front)
-        self.queued_trajectories += len(unit.trajectory_ids)
+        self._count(job, len(unit.trajectory_ids))
+
+    def _count(self, job: str, change: int) -> None:
+        self.queued_trajectories += change
+        left = self._queued_by_job.get(job, 0) + change
+        if left:
+            self._queued_by_job[job] = left
+        else:
+            self._queued_by_job.pop(job, None)
 
     def _take(self, job: str) -> DeliveryUnit | None:
         """`job`'s next unit to hand out; those `untrainable` judges go to
@@ -169,7 +179,7 @@ class Dispatcher:
             unit = queue.take(self.settings.order)
             if not queue:
                 del self.queues[job]
-            self.queued_trajectories -= len(unit.trajectory_ids)
+            self._count(job, -len(unit.trajectory_ids))
             if self.untrainable is None or not self.untrainable(unit):
                 return unit
             self.set_aside.append(unit)
@@ -183,25 +193,54 @@ class Dispatcher:
         units = queue.take_below(below)
         if not queue:
             del self.queues[job]
-        self.queued_trajectories -= sum(len(unit.trajectory_ids) for unit in units)
+        self._count(job, -sum(len(unit.trajectory_ids) for unit in units))
         return units
 
     def queued(self) -> dict[str, int]:
         """Trajectories queued, by job."""
-        return {job: sum(len(unit.trajectory_ids) for unit in queue) for job, queue in sorted(self.queues.items())}
+        return dict(sorted(self._queued_by_job.items()))
+
+    def queued_in(self, job: str) -> int:
+        """Trajectories of `job` queued now."""
+        return self._queued_by_job.get(job, 0)
+
+    def tell(self, identity: bytes) -> int | None:
+        """The queued count to tell connection `identity` now, remembered as
+        told (None: it did not ask for counts)."""
+        consumer = self.consumers[identity]
+        if consumer.told is None:
+            return None
+        consumer.told = self.queued_in(consumer.job)
+        return consumer.told
+
+    def queued_news(self) -> list[tuple[bytes, int]]:
+        """The connections that asked for counts and were last told their
+        job's queue was empty when it holds some now, or the reverse, each
+        with the count now (told from here on). Nothing more: a consumer
+        learns the rest from its deliveries, so a busy broker adds no
+        messages, and one whose queue empties and fills adds two per
+        connection."""
+        news = []
+        for identity, consumer in self.consumers.items():
+            if consumer.told is not None and (consumer.told == 0) != ((now := self.queued_in(consumer.job)) == 0):
+                consumer.told = now
+                news.append((identity, now))
+        return news
 
     # -- consumer messages ---------------------------------------------------
     def hello(self, identity: bytes, consumer_id: str, mono: float, run: str | None = None,
-              lineage: str | None = None, job: str = DEFAULT_JOB) -> list[str]:
-        """Register a connection; an older connection of the same consumer is
-        dropped and its leases requeued. Returns ids that ran out of deliveries."""
+              lineage: str | None = None, job: str = DEFAULT_JOB, counts: bool = False) -> list[str]:
+        """Register a connection (`counts`: it asked to be told how many
+        trajectories wait queued); an older connection of the same consumer
+        is dropped and its leases requeued. Returns ids that ran out of deliveries."""
         exhausted = []
         for old_identity, consumer in list(self.consumers.items()):
             if consumer.consumer_id == consumer_id and old_identity != identity:
                 exhausted += self.drop_consumer(old_identity)
         if identity in self.consumers:
             exhausted += self.drop_consumer(identity)
-        self.consumers[identity] = ConsumerState(consumer_id, mono, run=run, lineage=lineage, job=job)
+        self.consumers[identity] = ConsumerState(consumer_id, mono, run=run, lineage=lineage, job=job,
+                                                 told=0 if counts else None)
         return exhausted
 
     def seen(self, identity: bytes, mono: float) -> bool:
@@ -218,6 +257,12 @@ class Dispatcher:
             consumer.group_credit += n
         else:
             consumer.trajectory_credit += n
+
+    def revoke(self, identity: bytes) -> None:
+        """The consumer takes back the credit this connection still holds
+        (it wants it where trajectories wait)."""
+        consumer = self.consumers[identity]
+        consumer.trajectory_credit = consumer.group_credit = 0
 
     def end_leases(self, lease_ids: list[str]) -> tuple[list[Lease], list[str]]:
         """Remove `lease_ids`, whatever ended them (settled, expired, their
@@ -295,7 +340,7 @@ class Dispatcher:
             if not any(tid in trajectory_ids for unit in queue for tid in unit.trajectory_ids):
                 continue
             del self.queues[job]
-            self.queued_trajectories -= sum(len(unit.trajectory_ids) for unit in queue)
+            self._count(job, -sum(len(unit.trajectory_ids) for unit in queue))
             for unit in queue:
                 kept = tuple(tid for tid in unit.trajectory_ids if tid not in trajectory_ids)
                 if kept:

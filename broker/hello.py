@@ -2,7 +2,8 @@
 negotiated (docs/protocol.md §3, §4), sans-I/O.
 
 A producer may ask for batched acknowledgements and say it sends batches;
-a consumer says which `deliver` layouts it reads. Each choice holds for its
+a consumer says which `deliver` layouts it reads and whether it wants
+queued counts. Each choice holds for its
 connection until the next hello. The service asks `welcome_producer` /
 `welcome_consumer` for the welcome's fields, and consults what was
 negotiated when it answers or delivers.
@@ -12,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-DELIVER_LAYOUTS = ("packed_arrays", "split_arrays")  # hello flags for `deliver` layouts a consumer reads (§4)
+# Hello flags a consumer may set, each echoed in its welcome (§4): the `deliver` layouts it reads, and whether it
+# wants to be told how many trajectories wait queued here.
+CONSUMER_OPTIONS = ("packed_arrays", "split_arrays", "queued_counts")
 
 
 class Hellos:
@@ -24,7 +27,7 @@ class Hellos:
         self.lease_timeout = lease_timeout
         self.heartbeat_interval = heartbeat_interval
         self.batch_acks: set[bytes] = set()  # producer connections that asked for one `acks` per commit
-        self.layouts: dict[bytes, frozenset[str]] = {}  # consumer connection -> the `deliver` layouts it reads
+        self.options: dict[bytes, frozenset[str]] = {}  # consumer connection -> the `CONSUMER_OPTIONS` its hello set
 
     def welcome_producer(self, identity: bytes, hello: Mapping[str, Any], window: int) -> dict[str, Any]:
         """The welcome's fields for a producer's hello, granting `window`
@@ -49,20 +52,20 @@ class Hellos:
         self.batch_acks.discard(identity)
 
     def welcome_consumer(self, identity: bytes, hello: Mapping[str, Any], live: Collection[bytes]) -> dict[str, Any]:
-        """The welcome's fields for a consumer's hello, with the layouts it
-        reads echoed; connections no longer `live` are forgotten."""
-        for gone in self.layouts.keys() - set(live):
-            del self.layouts[gone]
-        layouts = frozenset(name for name in DELIVER_LAYOUTS if hello.get(name))
-        self.layouts[identity] = layouts
+        """The welcome's fields for a consumer's hello, with the options it
+        set echoed; connections no longer `live` are forgotten."""
+        for gone in self.options.keys() - set(live):
+            del self.options[gone]
+        options = frozenset(name for name in CONSUMER_OPTIONS if hello.get(name))
+        self.options[identity] = options
         fields: dict[str, Any] = {"broker_id": self.broker_id, "lease_timeout": self.lease_timeout,
-                                  "heartbeat_interval": self.heartbeat_interval, **dict.fromkeys(layouts, True)}
+                                  "heartbeat_interval": self.heartbeat_interval, **dict.fromkeys(options, True)}
         if "seq" in hello:
             fields["seq"] = hello["seq"]
         if "job" in hello:  # echoed: this broker hands the connection its job's trajectories only
             fields["job"] = hello["job"]
         return fields
 
-    def reads(self, identity: bytes) -> frozenset[str]:
-        """The `deliver` layouts consumer connection `identity` reads."""
-        return self.layouts.get(identity, frozenset())
+    def options_of(self, identity: bytes) -> frozenset[str]:
+        """The `CONSUMER_OPTIONS` consumer connection `identity` set."""
+        return self.options.get(identity, frozenset())

@@ -362,10 +362,12 @@ BROKER_TO_PRODUCER = _schema(
 CONSUMER_TO_BROKER = _schema(
     "consumer->broker",
     MessageSpec("hello", {"consumer_id": TEXT},
-                {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL, "run": TEXT, "lineage": TEXT, "job": JOB},
+                {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL, "queued_counts": BOOL, "run": TEXT,
+                 "lineage": TEXT, "job": JOB},
                 rules=(run_pair,)),
     MessageSpec("heartbeat", {}, _SEQ),
     MessageSpec("credit", {"n": COUNT, "unit": UNIT}, _SEQ),
+    MessageSpec("revoke", {}, _SEQ),
     MessageSpec("ack", {"leases": TEXT_LIST},
                 {**_SEQ, "trajectory_ids": ID_LIST, "step": STORED_COUNT, "positions": COUNT_LIST},
                 rules=(one_id_per_lease, trained_at_step)),
@@ -380,7 +382,8 @@ CONSUMER_TO_BROKER = _schema(
 BROKER_TO_CONSUMER = _schema(
     "broker->consumer",
     MessageSpec("welcome", {"broker_id": TEXT, "lease_timeout": SECONDS, "heartbeat_interval": SECONDS},
-                {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL, "max_unsealed_bytes": POSITIVE, "job": JOB}),
+                {"seq": INT, "packed_arrays": BOOL, "split_arrays": BOOL, "queued_counts": BOOL, "queued": COUNT,
+                 "max_unsealed_bytes": POSITIVE, "job": JOB}),
     MessageSpec(
         "deliver",
         {
@@ -402,6 +405,7 @@ BROKER_TO_CONSUMER = _schema(
             "delivery_count": POSITIVE,
             "replay": BOOL,
             "weight_version_spans": TURN_SPANS,
+            "queued": COUNT,
         },
         arrays=("prompt_tokens", "tokens", "loss_mask", "log_probs"),
         optional_arrays=_DELIVER_ARRAYS,
@@ -410,6 +414,8 @@ BROKER_TO_CONSUMER = _schema(
     ),
     MessageSpec("acked", {"leases": TEXT_LIST}, _SEQ),
     MessageSpec("nacked", {"leases": TEXT_LIST}, _SEQ),
+    MessageSpec("queued", {"n": COUNT}, _SEQ),
+    MessageSpec("revoked", {"queued": COUNT}, _SEQ),
     MessageSpec("sealed", {"step": STORED_COUNT, "reclaimed": COUNT}, _SEQ),
     MessageSpec("resumed", {"step": STORED_COUNT, "replay": MANIFEST}, {**_SEQ, "epoch": COUNT}),
     MessageSpec("policy", {"version": STORED_COUNT},

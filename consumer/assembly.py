@@ -25,6 +25,8 @@ from rollstream.common.contract import CreditUnit
 from rollstream.common.errors import InvalidInput, NotFound
 from rollstream.common.versions import delivery_version
 
+from .credit import Credit
+
 POLICIES = ("raise", "quarantine")  # what to do with a trajectory that fails batch validation
 ACKED = "acked"  # outcome of a committed trajectory in the dedup memory
 STALE = "stale"  # outcome (and dead-letter reason) of one too old to train when it would be handed out
@@ -96,10 +98,7 @@ class Outgoing:
 
 @dataclass
 class _Broker:
-    window: int  # most credit outstanding at once (see `Assembler`)
-    connected: bool = False  # welcomed, and not lost since
     lease_timeout: float = math.inf
-    outstanding: int = 0  # credit granted and not yet used
     burst: tuple[str, int] | None = None  # group being delivered: (group_id, members still to come)
 
 
@@ -132,10 +131,11 @@ class Assembler:
     """Deduplicating, group-completing buffer of deliveries from `n_brokers`.
 
     Credit: the consumer never holds more than `prefetch` units buffered or
-    promised (credit granted, not yet used). Each broker has a window of
-    `(prefetch - batch_size) // n_brokers` credit, so credit parked at idle
-    brokers can never keep a batch from filling: `batch_size` units of room
-    always remain for the brokers that have data.
+    promised (credit granted, not yet used), and never more than
+    `prefetch - batch_size` promised, so credit parked at idle brokers can
+    never keep a batch from filling: `batch_size` units of room always
+    remain for the brokers that have data. `Credit` decides which brokers
+    get it.
 
     Batches close at `batch_size` units or, with `batch_tokens`, before the
     unit that would take them past that many tokens, whichever comes first;
@@ -177,8 +177,8 @@ class Assembler:
         self.batch_tokens = batch_tokens
         self.prefetch = prefetch
         self.dedup_capacity = dedup_capacity
-        window = (prefetch - batch_size) // n_brokers
-        self._brokers = [_Broker(window) for _ in range(n_brokers)]
+        self.credit = Credit(n_brokers, prefetch - batch_size)
+        self._brokers = [_Broker() for _ in range(n_brokers)]
         self._ready: deque[Unit] = deque()
         self._assembling: dict[str, Unit] = {}  # group id -> incomplete group
         self._buffered: dict[str, Unit] = {}  # trajectory id -> its unit, not yet taken
@@ -195,15 +195,16 @@ class Assembler:
         self.stats = Stats()
 
     # -- broker sessions ------------------------------------------------------
-    def welcomed(self, broker: int, lease_timeout: float) -> None:
-        """A (re)started session: the broker released every lease and all
-        credit of the previous one, so drop what it had delivered and is not
-        yet with the trainer (it is redelivered to us or to another
-        consumer). Settlements still unanswered go to the new session: an
-        ack names its trajectories, which the broker settles by id."""
+    def welcomed(self, broker: int, lease_timeout: float, queued: int | None = None) -> None:
+        """A (re)started session (`queued`: what the broker holds queued, when
+        it says): the broker released every lease and all credit of the
+        previous one, so drop what it had delivered and is not yet with the
+        trainer (it is redelivered to us or to another consumer).
+        Settlements still unanswered go to the new session: an ack names
+        its trajectories, which the broker settles by id."""
         self.lost(broker)
         self._brokers[broker].lease_timeout = lease_timeout
-        self._brokers[broker].connected = True
+        self.credit.connected(broker, queued)
         pending = [out for lease, out in self._settling.items() if lease[0] == broker]
         self.stats.resent_settlements += len(pending)
         self.outbox += pending
@@ -212,28 +213,30 @@ class Assembler:
         """The broker no longer knows this connection (`unknown_consumer`).
         What the trainer holds keeps its leases, and unanswered settlements
         wait for the next welcome: an ack of them settles by trajectory id."""
-        state = self._brokers[broker]
-        state.connected = False
-        state.outstanding = 0
-        state.burst = None
+        self.credit.lost(broker)
+        self._brokers[broker].burst = None
         for unit in self._units():
             if unit.broker == broker:
                 self._drop(unit)
         self._retry = [(due, lease) for due, lease in self._retry if lease[0] != broker]
 
     def credit_grants(self, withheld: Collection[int] = ()) -> dict[int, int]:
-        """Credit to send now, per connected broker not `withheld` (already counted as outstanding)."""
-        free = self.prefetch - len(self._ready) - len(self._assembling) - sum(b.outstanding for b in self._brokers)
-        grants = {}
-        for index, state in enumerate(self._brokers):
-            if not state.connected or index in withheld:
-                continue
-            n = min(state.window - state.outstanding, free)
-            if n > 0:
-                state.outstanding += n
-                free -= n
-                grants[index] = n
+        """Credit to send now, per connected broker not `withheld` (already
+        counted as outstanding); a `revoke` for each broker whose parked
+        credit is wanted elsewhere goes to the outbox."""
+        free = self.prefetch - len(self._ready) - len(self._assembling) - self.credit.outstanding
+        per_unit = (self.group_size or 1) if self.unit == CreditUnit.GROUP else 1
+        grants, revokes = self.credit.plan(free, per_unit=per_unit, withheld=withheld)
+        self.outbox += [Outgoing(broker, "revoke", {}) for broker in revokes]
         return grants
+
+    def queued(self, broker: int, queued: int, *, revoked: bool = False) -> None:
+        """What `broker` holds queued now, from a `queued` message, or from
+        a `revoked` one (which also ends the credit the revoke took back)."""
+        if revoked:
+            self.credit.revoked(broker, queued)
+        else:
+            self.credit.told(broker, queued)
 
     # -- deliveries -----------------------------------------------------------
     def delivered(self, broker: int, fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray], now: float) -> None:
@@ -252,6 +255,8 @@ class Assembler:
                 self._replayed[tid] = Delivery(tid, fields, arrays, broker, {lease}, now)
             return
         self._use_credit(broker, fields)
+        if "queued" in fields:
+            self.credit.told(broker, fields["queued"])
         outcome = self._done.get(tid)
         if outcome is not None:
             self.stats.duplicates += 1
@@ -309,7 +314,7 @@ class Assembler:
                 return
             left = fields.get("group_size", 1) - fields.get("group_left", 0) - 1
             state.burst = (group_id, left) if left > 0 else None
-        state.outstanding = max(0, state.outstanding - 1)
+        self.credit.used(broker)
 
     def _buffer(self, unit: Unit) -> None:
         for tid in unit.members:
@@ -502,7 +507,7 @@ class Assembler:
         else:
             out = Outgoing(broker, "nack", {"leases": [lease_id], "reason": reason, "requeue": how == Settle.RELEASE})
         self._settling[lease] = out
-        if self._brokers[broker].connected:  # otherwise the next welcome sends it
+        if self.credit.brokers[broker].connected:  # otherwise the next welcome sends it
             self.outbox.append(out)
 
     def take_outbox(self) -> list[Outgoing]:
@@ -544,7 +549,7 @@ class Assembler:
     @property
     def silent_brokers(self) -> list[int]:
         """The brokers (by index) that have not welcomed the current session."""
-        return [i for i, state in enumerate(self._brokers) if not state.connected]
+        return [i for i, state in enumerate(self.credit.brokers) if not state.connected]
 
     @property
     def unsettled(self) -> int:

@@ -129,7 +129,8 @@ class Sessions:
             session.published = None  # a new session (perhaps a new broker): it hears the policy again
             session.heartbeat_interval = message["heartbeat_interval"]
             session.next_heartbeat = now + session.heartbeat_interval / 2
-            assembler.welcomed(broker, message["lease_timeout"])
+            assembler.welcomed(broker, message["lease_timeout"],
+                               message.get("queued", 0) if message.get("queued_counts") else None)
             self._welcomed.append(broker)
             if self.position is not None and "max_unsealed_bytes" in message.fields:
                 self.position.budget(broker, message["max_unsealed_bytes"])
@@ -139,6 +140,10 @@ class Sessions:
                 assembler.delivered(broker, message.fields, message.arrays, now)
         elif kind in ("acked", "nacked"):
             assembler.settled(broker, message["leases"])
+        elif kind == "queued":
+            assembler.queued(broker, message["n"])
+        elif kind == "revoked":
+            assembler.queued(broker, message["queued"], revoked=True)
         elif kind == "policy":
             session.bound = message.get("max_staleness")
             if "held" in message.fields:
@@ -186,24 +191,23 @@ class Sessions:
 
     def due(self, now: float, *, closing: bool) -> list[tuple[int, str, dict]]:
         """Everything to send now, as (broker, type, fields): hellos (again
-        after `hello_timeout` without a welcome), heartbeats at half the
-        broker's interval, credit, settlements. While closing: no hello, no
+        after `hello_timeout` without a welcome), credit, settlements, and a
+        heartbeat to a broker that has heard nothing else for half its
+        interval (any message counts as one). While closing: no hello, no
         credit, and deliveries still arriving on old credit go straight back."""
         assembler = self.assembler
         out = []
         for broker, session in enumerate(self.sessions):
             retry_hello = session.state == SessionState.HELLO_SENT and now - session.hello_at > self.hello_timeout
             if (session.state == SessionState.NEW or retry_hello) and not closing:
-                hello = {"consumer_id": self.consumer_id, "packed_arrays": True, "split_arrays": True}
+                hello = {"consumer_id": self.consumer_id, "packed_arrays": True, "split_arrays": True,
+                         "queued_counts": True}
                 if self.job != DEFAULT_JOB:
                     hello["job"] = self.job
                 if self.position is not None:
                     hello.update(self.position.hello_fields())
                 out.append((broker, "hello", hello))
                 session.state, session.hello_at = SessionState.HELLO_SENT, now
-            elif session.state == SessionState.READY and now >= session.next_heartbeat:
-                out.append((broker, "heartbeat", {}))
-                session.next_heartbeat = now + session.heartbeat_interval / 2
             policy = self._policy_for(broker)
             if (session.state == SessionState.READY and policy is not None and session.published != policy
                     and (self.position is None or self.position.answered(broker))):  # its epoch known first
@@ -222,4 +226,12 @@ class Sessions:
         if self.position is not None:  # after the acks resent to a new session: the resume then knows of them
             out += [(broker, kind, fields) for broker in self._welcomed for kind, fields in self.position.on_welcome(broker)]
         self._welcomed.clear()
+        spoken = {broker for broker, _, _ in out}
+        for broker, session in enumerate(self.sessions):
+            if session.state != SessionState.READY:
+                continue
+            if broker not in spoken and now >= session.next_heartbeat:
+                out.append((broker, "heartbeat", {}))
+            if broker in spoken or now >= session.next_heartbeat:
+                session.next_heartbeat = now + session.heartbeat_interval / 2
         return out

@@ -144,3 +144,44 @@ def test_a_quiet_broker_keeps_house_every_few_seconds_and_a_connected_peer_bring
     drive(broker.housekeeping(at(broker.producer_live_for + 1.0)))  # silent past its liveness: forgotten
     assert broker.quiet and broker.housekeeping_every() == 5.0
 
+
+
+def test_a_consumer_that_asks_is_told_what_waits_queued_in_its_welcome_deliveries_and_news_and_can_revoke():
+    """`queued_counts`: the welcome, every delivery and the `revoked` answer
+    say how many trajectories of the job wait queued; a `queued` message
+    comes only when what the connection was last told was empty and is not
+    now, or the reverse. A connection that did not ask hears none of it."""
+    broker = core()
+
+    def consumer(identity, *messages, t=1.0):
+        received = [(identity, decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER), None)
+                    for kind, fields in messages]
+        asked = drive(broker.consumer_batch(received, at(t)))
+        asked += drive(broker.deliver(at(t)))
+        return [decode(r.frames, BROKER_TO_CONSUMER) for r in asked if isinstance(r, Send)]
+
+    def ended(*tids, t=1.0):
+        produce(broker, P, [m for i, tid in enumerate(tids) for m in (turn_msg(tid, 0, seq=10 * i),
+                                                                    end_msg(tid, seq=10 * i + 1))], t=t)
+        return [decode(r.frames, BROKER_TO_CONSUMER) for r in drive(broker.deliver(at(t))) if isinstance(r, Send)]
+
+    ended("a", "b", "c")
+    [welcome] = consumer(C, ("hello", {"consumer_id": "c", "queued_counts": True}))
+    assert welcome["queued_counts"] is True and welcome["queued"] == 3
+    [plain] = consumer(b"old", ("hello", {"consumer_id": "old"}))
+    assert "queued" not in plain.fields and "queued_counts" not in plain.fields
+    first, second = consumer(C, ("credit", {"n": 2, "unit": "trajectory"}))
+    assert [first["queued"], second["queued"]] == [1, 1]  # what is left once this pass has gone out
+    # "old" takes the last one: C was told 1, and nothing waits now: one message says so, and no more.
+    old_delivery, news = consumer(b"old", ("credit", {"n": 5, "unit": "trajectory"}))
+    assert old_delivery.type == "deliver" and "queued" not in old_delivery.fields
+    assert news.type == "queued" and news["n"] == 0
+    assert consumer(C, ("heartbeat", {})) == []
+    consumer(b"old", ("revoke", {}))  # "old" holds 4 credit; gone, so the next ones wait queued
+    news = ended("d", "e", t=2.0)
+    assert [(m.type, m["n"]) for m in news] == [("queued", 2)]  # to C only: "old" did not ask
+    assert ended("f", t=2.5) == []  # C was told it is not empty: nothing new to say
+    [revoked] = consumer(C, ("credit", {"n": 1, "unit": "trajectory"}), ("revoke", {"seq": 4}))
+    assert revoked.type == "revoked" and revoked["queued"] == 3 and revoked["seq"] == 4
+    # The credit granted in the same batch went with the revoke: nothing was delivered.
+    assert broker.dispatcher.consumers[C].trajectory_credit == 0 and broker.dispatcher.queued_in("default") == 3

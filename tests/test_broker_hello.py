@@ -23,7 +23,7 @@ def test_a_consumer_reads_the_layouts_its_hello_named_and_dropped_connections_ar
     h = hellos()
     assert h.welcome_consumer(b"c1", {"consumer_id": "c", "packed_arrays": True, "seq": 2}, live=[b"c1"]) == {
         "broker_id": "b-1", "lease_timeout": 30.0, "heartbeat_interval": 0.5, "packed_arrays": True, "seq": 2}
-    assert h.reads(b"c1") == {"packed_arrays"} and h.reads(b"unknown") == frozenset()
+    assert h.options_of(b"c1") == {"packed_arrays"} and h.options_of(b"unknown") == frozenset()
     h.welcome_consumer(b"c2", {"consumer_id": "d", "packed_arrays": True, "split_arrays": True}, live=[b"c2"])
-    assert h.reads(b"c2") == {"packed_arrays", "split_arrays"}
-    assert h.reads(b"c1") == frozenset()  # the dispatcher dropped c1: its layouts went with it
+    assert h.options_of(b"c2") == {"packed_arrays", "split_arrays"}
+    assert h.options_of(b"c1") == frozenset()  # the dispatcher dropped c1: its layouts went with it

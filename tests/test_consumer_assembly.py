@@ -196,7 +196,7 @@ def test_credit_stays_bounded_and_a_batch_always_fills(n_brokers, batch_size, ex
         for broker, n in a.credit_grants().items():
             credit[broker] += n
         buffered = a.ready
-        promised = sum(state.outstanding for state in a._brokers)
+        promised = a.credit.outstanding
         assert buffered + promised <= prefetch
 
     def deliver(broker):

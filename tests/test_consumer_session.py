@@ -42,7 +42,7 @@ def test_hello_goes_once_and_again_only_after_the_hello_timeout():
     assert s.due(4.0, closing=False) == []
     assert kinds(s.due(5.5, closing=False)) == [(0, "hello"), (1, "hello")]
     _, _, fields = s.due(11.0, closing=False)[0]
-    assert fields == {"consumer_id": "c", "packed_arrays": True, "split_arrays": True}
+    assert fields == {"consumer_id": "c", "packed_arrays": True, "split_arrays": True, "queued_counts": True}
 
 
 def test_a_consumer_of_a_job_names_it_and_fails_on_a_broker_that_does_not_keep_jobs_apart():
