@@ -63,9 +63,10 @@ from .store import StoreError
 log = logging.getLogger("rollstream.broker")
 
 PROBE_EVERY = 1.0  # seconds between store probes while unavailable
-HOUSEKEEPING_EVERY = 0.2  # seconds between expiry, lease and budget checks while any peer is connected
-# Seconds between housekeeping passes of a quiet broker (no peer, no lease, no store outage), at most: only
-# trajectory TTLs, dedup records, dead-letter budgets and disk space move then.
+HOUSEKEEPING_EVERY = 0.2  # seconds between expiry, budget and share checks while producers are connected
+# Seconds between housekeeping passes at most when no producer is connected and the store works: only
+# trajectory TTLs, dedup records, dead-letter budgets and disk space move then, besides the deadlines of
+# leases and consumer heartbeats, which bring the next pass forward.
 QUIET_HOUSEKEEPING_EVERY = 5.0
 DISCARDS = ("filtered:", "stale")  # dead-letter reasons that throw a trajectory away on purpose (`Starvation`)
 STARVING = {
@@ -902,16 +903,26 @@ class BrokerCore:
         connection remembered, no lease out, the store not being probed."""
         return not (self.producers or self.dispatcher.consumers or self.dispatcher.leases or self.unavailable)
 
-    def housekeeping_every(self) -> float:
-        """Seconds from one housekeeping pass to the next: `HOUSEKEEPING_EVERY`
-        while peers wait on leases, heartbeats and window shares; a quiet
-        broker's clocks are trajectory TTLs and slow prunes, so it wakes every
-        `QUIET_HOUSEKEEPING_EVERY`, and ten times per `trajectory_ttl` at
-        least (an expiry is late by a tenth of its TTL at most): an idle
-        broker costs next to nothing."""
-        if not self.quiet:
+    @property
+    def paced(self) -> bool:
+        """Producers connected, or the store being probed: housekeeping
+        keeps the `HOUSEKEEPING_EVERY` pace (window shares, producer
+        liveness, open trajectories' clocks, the probe)."""
+        return bool(self.producers or self.unavailable)
+
+    def housekeeping_every(self, mono: float) -> float:
+        """Seconds from time `mono` to the next housekeeping pass:
+        `HOUSEKEEPING_EVERY` while `paced`; otherwise the next deadline of
+        a lease or of a consumer's heartbeats (`Dispatcher.next_deadline`),
+        and at most `QUIET_HOUSEKEEPING_EVERY` or a tenth of
+        `trajectory_ttl` (an expiry is late by a tenth of its TTL at most):
+        an idle broker costs next to nothing, and one whose consumers only
+        wait costs their heartbeats."""
+        if self.paced:
             return HOUSEKEEPING_EVERY
-        return max(HOUSEKEEPING_EVERY, min(QUIET_HOUSEKEEPING_EVERY, self.settings.trajectory_ttl / 10))
+        every = max(HOUSEKEEPING_EVERY, min(QUIET_HOUSEKEEPING_EVERY, self.settings.trajectory_ttl / 10))
+        deadline = self.dispatcher.next_deadline()
+        return every if deadline is None else min(every, max(HOUSEKEEPING_EVERY, deadline - mono))
 
     def housekeeping(self, now: Clock) -> Steps:
         """What time alone changes: silent producers forgotten, idle

@@ -352,6 +352,17 @@ class Dispatcher:
         self.delivery_counts.pop(trajectory_id, None)
 
     # -- time ----------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        """When `tick` next has something to do at the earliest: the oldest
+        lease's expiry (leases are made in time order and never extended)
+        or the moment the longest-silent consumer would be silent too long;
+        None when neither is out."""
+        deadlines = [min(c.last_seen for c in self.consumers.values()) + LIVENESS_INTERVALS * self.settings.heartbeat_interval
+                     ] if self.consumers else []
+        if self.leases:
+            deadlines.append(next(iter(self.leases.values())).expires_at)
+        return min(deadlines, default=None)
+
     def tick(self, mono: float) -> list[str]:
         """Requeue expired leases and the leases of silent consumers; returns
         ids that ran out of deliveries."""

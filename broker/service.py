@@ -35,8 +35,8 @@ from .store_io import StoreIO, free_space
 
 log = logging.getLogger("rollstream.broker")
 
-# The longest a poll waits, in seconds: while peers are connected (deliveries and replies are due any moment),
-# and while quiet (a stop signal, whose handler only sets a flag, is acted on within it).
+# The longest a poll waits, in seconds: while producers are connected or the store is probed (the core is
+# `paced`), and otherwise (a stop signal, whose handler only sets a flag, is acted on within it).
 BUSY_POLL, QUIET_POLL = 0.1, 1.0
 # Bytes: a larger frame (a turn of top-p supports, sent split) goes without a copy (see `_send`).
 ZERO_COPY_SEND_ABOVE = 1 << 19
@@ -135,9 +135,9 @@ class BrokerService:
 
     def poll_timeout_ms(self) -> int:
         """How long the next poll may wait: until the next housekeeping pass,
-        at most `BUSY_POLL`, or `QUIET_POLL` while the core is quiet."""
+        at most `BUSY_POLL` while the core is `paced`, `QUIET_POLL` otherwise."""
         wait = self._next_housekeeping - Clock.monotonic()
-        return int(1000 * max(0.0, min(wait, QUIET_POLL if self.core.quiet else BUSY_POLL)))
+        return int(1000 * max(0.0, min(wait, BUSY_POLL if self.core.paced else QUIET_POLL)))
 
     def close(self) -> None:
         if self.curve is not None:
@@ -172,14 +172,14 @@ class BrokerService:
         if events.get(self.sockets["admin"]):
             self._serve_admin(now)
         # a peer that arrived while quiet: the next pass comes at the busy pace
-        self._next_housekeeping = min(self._next_housekeeping, now.mono + self.core.housekeeping_every())
+        self._next_housekeeping = min(self._next_housekeeping, now.mono + self.core.housekeeping_every(now.mono))
         if now.mono >= self._next_housekeeping:
             self._drive(self.core.housekeeping(now))
             if self.curve is not None:  # each message records its connection's key again
                 self.curve.forget("producer", self.core.producers)
                 self.curve.forget("consumer", self.core.dispatcher.consumers)
                 self.curve.forget("admin", ())
-            self._next_housekeeping = now.mono + self.core.housekeeping_every()
+            self._next_housekeeping = now.mono + self.core.housekeeping_every(now.mono)
         self._drive(self.core.deliver(now))
 
     def _reload_curve(self, now: Clock) -> None:

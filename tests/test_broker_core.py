@@ -136,14 +136,36 @@ def test_a_quiet_broker_keeps_house_every_few_seconds_and_a_connected_peer_bring
     that is shorter (an expiry is at most that late); a producer's hello
     makes it 0.2 s again, until the producer is forgotten."""
     broker = core(heartbeat_interval=1.0)
-    assert broker.quiet and broker.housekeeping_every() == 5.0
-    assert core(trajectory_ttl=3.0).housekeeping_every() == 0.3
-    assert core(trajectory_ttl=0.5).housekeeping_every() == 0.2  # never faster than a connected broker's pace
+    assert broker.quiet and broker.housekeeping_every(0.0) == 5.0
+    assert core(trajectory_ttl=3.0).housekeeping_every(0.0) == 0.3
+    assert core(trajectory_ttl=0.5).housekeeping_every(0.0) == 0.2  # never faster than a connected broker's pace
     produce(broker, P, [hello("p")], t=0.0)
-    assert not broker.quiet and broker.housekeeping_every() == 0.2
+    assert not broker.quiet and broker.housekeeping_every(0.0) == 0.2
     drive(broker.housekeeping(at(broker.producer_live_for + 1.0)))  # silent past its liveness: forgotten
-    assert broker.quiet and broker.housekeeping_every() == 5.0
+    assert broker.quiet and broker.housekeeping_every(10.0) == 5.0
 
+
+def test_with_only_consumers_connected_housekeeping_waits_for_the_next_lease_expiry_or_heartbeat_deadline():
+    """No producer: the next pass comes when a consumer would have been
+    silent three heartbeat intervals or the oldest lease runs out, whichever
+    is first, never sooner than the busy pace nor later than the quiet one."""
+    broker = core(heartbeat_interval=2.0, lease_timeout=4.5)
+    produce(broker, P, [turn_msg("t", 0, seq=1), end_msg("t", seq=2)], t=0.0)
+    drive(broker.housekeeping(at(broker.producer_live_for + 1.0)))  # the producer is forgotten
+    start = broker.producer_live_for + 2.0
+
+    def consumer(kind, fields, t):
+        message = decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER)
+        drive(broker.consumer_batch([(C, message, None)], at(t)))
+        drive(broker.deliver(at(t)))
+
+    consumer("hello", {"consumer_id": "c"}, start)
+    assert not broker.quiet and broker.housekeeping_every(start) == 5.0  # silent for 6 s from `start`: later than 5
+    assert broker.housekeeping_every(start + 2.0) == 4.0
+    assert broker.housekeeping_every(start + 5.95) == 0.2
+    consumer("credit", {"n": 1, "unit": "trajectory"}, start + 1.0)  # a lease out until start + 5.5
+    assert broker.housekeeping_every(start + 1.0) == 4.5
+    assert broker.housekeeping_every(start + 5.0) == 0.5
 
 
 def test_a_consumer_that_asks_is_told_what_waits_queued_in_its_welcome_deliveries_and_news_and_can_revoke():
