@@ -1,11 +1,18 @@
 """Socket options every rollstream socket sets (docs/protocol.md §1)."""
 from __future__ import annotations
 
+import logging
+import resource
 from typing import Callable
 
 import zmq
 
 from .contract import LIVENESS_INTERVALS
+from .errors import InvalidInput
+
+log = logging.getLogger("rollstream")
+
+ZMQ_DEFAULT_MAX_SOCKETS = 1023  # libzmq's sockets per context, unless raised before the first socket
 
 # The compiled send under pyzmq's Python wrapper, whose per-call handling
 # (routing ids and groups of draft socket types, Frame objects, copy
@@ -35,6 +42,27 @@ def tune(
     if max_message_bytes is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, min(2 * max_message_bytes, 2**62))
     return sock
+
+
+def context_for(sockets: int, descriptors: int) -> tuple[zmq.Context, bool]:
+    """A context with room for `sockets` sockets, and whether the caller owns
+    it (must term it): the process's shared one when they fit zmq's default
+    limit, else one of its own with the limit raised. The soft limit on open
+    files is raised to `descriptors` when the hard limit allows; when it does
+    not, InvalidInput names both."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < descriptors:
+        if hard != resource.RLIM_INFINITY and hard < descriptors:
+            raise InvalidInput(f"rule 'open files for every socket' not met: {sockets} sockets need about "
+                               f"{descriptors} file descriptors, and the hard limit is {hard} (raise it: ulimit -Hn, "
+                               "or LimitNOFILE= in a systemd unit)")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (descriptors, hard))
+        log.info("raised the soft limit on open files", extra={"from": soft, "to": descriptors})
+    if sockets <= ZMQ_DEFAULT_MAX_SOCKETS - 64:  # room left for the process's other sockets
+        return zmq.Context.instance(), False
+    context = zmq.Context()
+    context.set(zmq.MAX_SOCKETS, sockets + 64)
+    return context, True
 
 
 def router(context: zmq.Context, endpoint: str, *, secure: Callable[[zmq.Socket], None] | None = None,

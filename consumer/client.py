@@ -40,7 +40,7 @@ from rollstream.common.errors import (
 )
 from rollstream.common.jobs import DEFAULT_JOB, check_job
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
-from rollstream.common.sockets import dealer
+from rollstream.common.sockets import context_for, dealer
 from rollstream.common.versions import version_label
 
 from .assembly import POLICIES, Assembler, Outgoing, Unit
@@ -185,7 +185,11 @@ class Consumer:
                 self._position.record_resume(self.ledger)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._context = context or zmq.Context.instance()
+        # A DEALER and a handshake monitor's pair per broker, and the wake-up pair: past zmq's default limit at a
+        # few hundred brokers, when the consumer makes a context of its own.
+        sockets = 3 * len(self.endpoints) + 2
+        self._context, self._own_context = ((context, False) if context is not None
+                                            else context_for(sockets, descriptors=2 * sockets + 64))
         self._seq = itertools.count()
         self._awaiting_commit: dict[int, _Handed] = {}
         self._closing = False
@@ -537,6 +541,8 @@ class Consumer:
             self._interrupt()  # the loop sees `_stopping` and ends
         self._thread.join(timeout)
         self._wake_out.close(linger=0)
+        if self._own_context and not self._thread.is_alive():
+            self._context.term()
         if self.ledger is not None:
             self.ledger.close()
 

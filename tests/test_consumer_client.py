@@ -240,3 +240,28 @@ def test_committing_a_batch_that_is_not_awaiting_commit_says_so_even_with_a_step
     finally:
         checkpointing.close(timeout=0)
         deleting.close(timeout=0)
+
+
+def test_a_consumer_over_more_brokers_than_zmqs_default_socket_limit_makes_a_context_with_room(broker, monkeypatch):
+    """400 brokers take 1,202 sockets, past the 1,023 of zmq's shared
+    context: the consumer makes a context of its own with room, raises the
+    soft limit on open files where the hard limit allows, and still talks to
+    the one broker that answers. A hard limit too low is refused by name."""
+    import resource
+
+    silent = [f"ipc://{broker.dir}/nobody-{i}" for i in range(399)]  # nothing binds these: connects just wait
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        with Consumer([broker.endpoint, *silent], batch_size=1, vocab_size=1000, device="cpu") as consumer:
+            assert consumer._own_context and consumer._context is not zmq.Context.instance()
+            assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 2 * 1202
+            broker.expect("hello", timeout=PATIENCE)
+            broker.welcome()
+            assert broker.expect("credit", timeout=PATIENCE)["n"] >= 1
+        assert consumer._context.closed
+        monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 2000))
+        with pytest.raises(ValueError, match=r"open files for every socket.*hard limit is 2000"):
+            Consumer([broker.endpoint, *silent], batch_size=1, vocab_size=1000, device="cpu")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
