@@ -18,6 +18,7 @@ runs the whole broker without either.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Collection, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -63,10 +64,11 @@ from .store import StoreError
 log = logging.getLogger("rollstream.broker")
 
 PROBE_EVERY = 1.0  # seconds between store probes while unavailable
-HOUSEKEEPING_EVERY = 0.2  # seconds between expiry, budget and share checks while producers are connected
-# Seconds between housekeeping passes at most when no producer is connected and the store works: only
-# trajectory TTLs, dedup records, dead-letter budgets and disk space move then, besides the deadlines of
-# leases and consumer heartbeats, which bring the next pass forward.
+HOUSEKEEPING_EVERY = 0.2  # seconds between expiry, budget and share checks while producers send
+PACED_FOR = 1.0  # seconds after a producer's last frame that housekeeping keeps that pace
+# Seconds between housekeeping passes at most otherwise (the store working): only trajectory TTLs, dedup
+# records, dead-letter budgets and disk space move then, besides the deadlines of leases, consumer heartbeats
+# and producer liveness, which bring the next pass forward.
 QUIET_HOUSEKEEPING_EVERY = 5.0
 DISCARDS = ("filtered:", "stale")  # dead-letter reasons that throw a trajectory away on purpose (`Starvation`)
 STARVING = {
@@ -233,6 +235,7 @@ class BrokerCore:
         self.hellos = Hellos(broker_id, max_message_bytes=s.max_message_bytes, lease_timeout=s.lease_timeout,
                              heartbeat_interval=s.heartbeat_interval)
         self.producers: dict[bytes, float] = {}  # producer connection -> when last heard (monotonic)
+        self.last_producer_frame = -math.inf  # when any producer was last heard (monotonic)
         self.producer_jobs: dict[bytes, str] = {}  # producer connection -> the job its hello named
         self.producer_live_for = producer_live_for(s.heartbeat_interval)
         self.unavailable = False  # writes fail: producer frames are refused until a probe succeeds
@@ -324,7 +327,7 @@ class BrokerCore:
         """A producer frame of `size` bytes was read: its connection is live,
         and memory, disk and free space are estimated on until housekeeping
         measures them (no system call on the per-frame path)."""
-        self.producers[identity] = mono
+        self.producers[identity] = self.last_producer_frame = mono
         self.memory_bytes += size
         self.disk_bytes += size
         self.free_bytes -= size
@@ -903,25 +906,27 @@ class BrokerCore:
         connection remembered, no lease out, the store not being probed."""
         return not (self.producers or self.dispatcher.consumers or self.dispatcher.leases or self.unavailable)
 
-    @property
-    def paced(self) -> bool:
-        """Producers connected, or the store being probed: housekeeping
-        keeps the `HOUSEKEEPING_EVERY` pace (window shares, producer
-        liveness, open trajectories' clocks, the probe)."""
-        return bool(self.producers or self.unavailable)
+    def paced(self, mono: float) -> bool:
+        """Producers sent within `PACED_FOR`, or the store is being probed:
+        housekeeping keeps the `HOUSEKEEPING_EVERY` pace (memory and disk
+        measured, open trajectories' clocks, the probe)."""
+        return self.unavailable or mono - self.last_producer_frame < PACED_FOR
 
     def housekeeping_every(self, mono: float) -> float:
         """Seconds from time `mono` to the next housekeeping pass:
         `HOUSEKEEPING_EVERY` while `paced`; otherwise the next deadline of
-        a lease or of a consumer's heartbeats (`Dispatcher.next_deadline`),
-        and at most `QUIET_HOUSEKEEPING_EVERY` or a tenth of
-        `trajectory_ttl` (an expiry is late by a tenth of its TTL at most):
-        an idle broker costs next to nothing, and one whose consumers only
-        wait costs their heartbeats."""
-        if self.paced:
+        a lease, of a consumer's heartbeats (`Dispatcher.next_deadline`) or
+        of a producer's liveness, and at most `QUIET_HOUSEKEEPING_EVERY` or
+        a tenth of `trajectory_ttl` (an expiry is late by a tenth of its TTL
+        at most): an idle broker costs next to nothing, and one whose peers
+        only wait costs their heartbeats."""
+        if self.paced(mono):
             return HOUSEKEEPING_EVERY
         every = max(HOUSEKEEPING_EVERY, min(QUIET_HOUSEKEEPING_EVERY, self.settings.trajectory_ttl / 10))
-        deadline = self.dispatcher.next_deadline()
+        deadlines = [self.dispatcher.next_deadline()]
+        if self.producers:
+            deadlines.append(min(self.producers.values()) + self.producer_live_for)
+        deadline = min((d for d in deadlines if d is not None), default=None)
         return every if deadline is None else min(every, max(HOUSEKEEPING_EVERY, deadline - mono))
 
     def housekeeping(self, now: Clock) -> Steps:

@@ -35,7 +35,7 @@ from .store_io import StoreIO, free_space
 
 log = logging.getLogger("rollstream.broker")
 
-# The longest a poll waits, in seconds: while producers are connected or the store is probed (the core is
+# The longest a poll waits, in seconds: while producers send or the store is probed (the core is
 # `paced`), and otherwise (a stop signal, whose handler only sets a flag, is acted on within it).
 BUSY_POLL, QUIET_POLL = 0.1, 1.0
 # Bytes: a larger frame (a turn of top-p supports, sent split) goes without a copy (see `_send`).
@@ -137,7 +137,7 @@ class BrokerService:
         """How long the next poll may wait: until the next housekeeping pass,
         at most `BUSY_POLL` while the core is `paced`, `QUIET_POLL` otherwise."""
         wait = self._next_housekeeping - Clock.monotonic()
-        return int(1000 * max(0.0, min(wait, BUSY_POLL if self.core.paced else QUIET_POLL)))
+        return int(1000 * max(0.0, min(wait, BUSY_POLL if self.core.paced(Clock.monotonic()) else QUIET_POLL)))
 
     def close(self) -> None:
         if self.curve is not None:

@@ -131,27 +131,31 @@ def test_a_consumer_hello_settles_the_acks_before_it_in_the_batch_first():
     assert not broker.dispatcher.queues and "t" not in broker.engine.entries
 
 
-def test_a_quiet_broker_keeps_house_every_few_seconds_and_a_connected_peer_brings_the_busy_pace_back():
+def test_a_quiet_broker_keeps_house_every_few_seconds_and_a_producers_frames_bring_the_busy_pace_back():
     """Nothing connected: housekeeping every 5 s, or a tenth of the TTL when
-    that is shorter (an expiry is at most that late); a producer's hello
-    makes it 0.2 s again, until the producer is forgotten."""
+    that is shorter (an expiry is at most that late); a producer's frame
+    makes it 0.2 s again for a second; a connected producer that has gone
+    quiet brings the pass forward only to the moment it is forgotten."""
     broker = core(heartbeat_interval=1.0)
     assert broker.quiet and broker.housekeeping_every(0.0) == 5.0
     assert core(trajectory_ttl=3.0).housekeeping_every(0.0) == 0.3
     assert core(trajectory_ttl=0.5).housekeeping_every(0.0) == 0.2  # never faster than a connected broker's pace
     produce(broker, P, [hello("p")], t=0.0)
-    assert not broker.quiet and broker.housekeeping_every(0.0) == 0.2
+    assert not broker.quiet and broker.housekeeping_every(0.0) == 0.2 and broker.housekeeping_every(0.9) == 0.2
+    assert broker.housekeeping_every(1.0) == 5.0  # quiet since, and forgotten only at 30 s
+    assert broker.housekeeping_every(broker.producer_live_for - 2.0) == 2.0
     drive(broker.housekeeping(at(broker.producer_live_for + 1.0)))  # silent past its liveness: forgotten
-    assert broker.quiet and broker.housekeeping_every(10.0) == 5.0
+    assert broker.quiet and broker.housekeeping_every(broker.producer_live_for + 1.0) == 5.0
 
 
 def test_with_only_consumers_connected_housekeeping_waits_for_the_next_lease_expiry_or_heartbeat_deadline():
-    """No producer: the next pass comes when a consumer would have been
+    """No producer sending: the next pass comes when a consumer would have been
     silent three heartbeat intervals or the oldest lease runs out, whichever
     is first, never sooner than the busy pace nor later than the quiet one."""
     broker = core(heartbeat_interval=2.0, lease_timeout=4.5)
     produce(broker, P, [turn_msg("t", 0, seq=1), end_msg("t", seq=2)], t=0.0)
     drive(broker.housekeeping(at(broker.producer_live_for + 1.0)))  # the producer is forgotten
+    assert broker.quiet
     start = broker.producer_live_for + 2.0
 
     def consumer(kind, fields, t):
