@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from rollstream.common.contract import CreditUnit
-from rollstream.common.errors import InvalidInput, NotFound
+from rollstream.common.errors import InvalidInput, InvalidState, NotFound
 from rollstream.common.versions import delivery_version
 
 from .credit import Credit
@@ -167,11 +167,9 @@ class Assembler:
         if batch_size < 1 or n_brokers < 1:
             raise InvalidInput(f"batch_size and the broker count must be positive, got {batch_size} and {n_brokers}")
         prefetch = max(2 * batch_size, batch_size + n_brokers) if prefetch is None else prefetch
-        if prefetch < batch_size + n_brokers:
-            raise InvalidInput(
-                f"prefetch must be at least batch_size + brokers = {batch_size + n_brokers} "
-                f"(one unit of credit per broker beyond a full batch), got {prefetch}"
-            )
+        if prefetch < batch_size + 1:
+            raise InvalidInput(f"prefetch must be at least batch_size + 1 = {batch_size + 1} (a unit of credit beyond "
+                               f"a full batch), got {prefetch}")
         self.unit = CreditUnit(unit)
         self.batch_size = batch_size
         self.batch_tokens = batch_tokens
@@ -202,6 +200,11 @@ class Assembler:
         trainer (it is redelivered to us or to another consumer).
         Settlements still unanswered go to the new session: an ack names
         its trajectories, which the broker settles by id."""
+        if queued is None and self.credit.window < 1:
+            raise InvalidState(
+                f"rule 'prefetch covers brokers that send no queued counts' not met: broker {broker} sends none, so it "
+                f"needs a fixed window of credit: prefetch must be at least batch_size + brokers = "
+                f"{self.batch_size + len(self._brokers)}, got {self.prefetch}")
         self.lost(broker)
         self._brokers[broker].lease_timeout = lease_timeout
         self.credit.connected(broker, queued)

@@ -50,6 +50,7 @@ from .session import Sessions
 from .validate import checked_batch, violation_error
 
 log = logging.getLogger("rollstream.consumer")
+MONITOR_SWEEP_EVERY = 1.0  # seconds between reads of the handshake monitors once every broker has welcomed us
 
 
 class ConsumerClosed(ClientClosed):
@@ -77,7 +78,10 @@ class Consumer:
     ...         consumer.commit(batch)
 
     `unit="group"` makes batches of `batch_size` whole groups (and grants
-    group credit); `prefetch` bounds the units buffered or promised by credit.
+    group credit); `prefetch` bounds the units buffered or promised by credit
+    (by default `max(2 * batch_size, batch_size + brokers)`; as low as
+    `batch_size + 1` when every broker sends queued counts, as this
+    version's do).
     `batch_tokens` closes a batch before the unit that would take it past
     that many prompt + response tokens (units are never split; one over the
     budget comes alone, `Batch.over_budget`); with `batch_size` too, at
@@ -571,22 +575,27 @@ class Consumer:
 
         socks = [dealer(self._context, endpoint, max_message_bytes=self.max_message_bytes, secure=secure(endpoint))
                  for endpoint in self.endpoints]
+        index = {sock: i for i, sock in enumerate(socks)}
         poller = zmq.Poller()
-        for sock in (*socks, self._wake_in, *(watch.monitor for watch in watches)):
+        for sock in (*socks, self._wake_in):
             poller.register(sock, zmq.POLLIN)
+        next_sweep = 0.0
         try:
             while True:
                 events = dict(poller.poll(100))
                 if events.get(self._wake_in):
                     while self._wake_in.poll(0):
                         self._wake_in.recv()
-                for watch in watches:
-                    failure = watch.read() if events.get(watch.monitor) else None
-                    if failure is not None:
-                        log.error(failure, extra={"endpoint": watch.report.endpoint})
-                received = [(i, frames) for i, sock in enumerate(socks) if events.get(sock) for frames in _drain(sock)]
-                decoded = [(i, *self._decode(frames)) for i, frames in received]
                 now = Clock.monotonic()
+                # The handshake monitors stay out of the poll (a poll over twice the sockets): read on every pass
+                # while a broker has not welcomed us, else every `MONITOR_SWEEP_EVERY`.
+                if now >= next_sweep or self._sessions.welcomed < len(socks):
+                    next_sweep = now + MONITOR_SWEEP_EVERY
+                    for watch in watches:
+                        if (failure := watch.read()) is not None:
+                            log.error(failure, extra={"endpoint": watch.report.endpoint})
+                received = [(index[sock], frames) for sock in events if sock in index for frames in _drain(sock)]
+                decoded = [(i, *self._decode(frames)) for i, frames in received]
                 with self._changed:
                     if self._stopping:
                         break

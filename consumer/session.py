@@ -60,6 +60,7 @@ class Sessions:
         self.hello_timeout = hello_timeout
         self.position = position  # a checkpointing consumer's: its hello names the run, its welcome resumes and seals
         self.sessions = [BrokerSession() for _ in endpoints]
+        self.welcomed = 0  # sessions READY now
         self._welcomed: list[int] = []  # brokers welcomed since the last `due`
         self.policy: dict | None = None  # what `publish` last set: sent to every broker once it is welcomed
         self.shares = [1.0 / len(endpoints)] * len(endpoints)  # with it, each broker's part of the capacity
@@ -125,6 +126,7 @@ class Sessions:
                 raise InvalidState(f"rule 'a broker keeps jobs apart' not met: broker {message['broker_id']} at "
                                    f"{endpoint} did not echo job {self.job!r} in its welcome (got {message.get('job')!r}); "
                                    "a broker of this version does")
+            self.welcomed += session.state != SessionState.READY
             session.state = SessionState.READY
             session.published = None  # a new session (perhaps a new broker): it hears the policy again
             session.heartbeat_interval = message["heartbeat_interval"]
@@ -162,6 +164,7 @@ class Sessions:
                 log.warning("broker forgot this consumer; saying hello again", extra={"endpoint": endpoint})
                 assembler.lost(broker)
                 session.state = SessionState.NEW
+                self.welcomed -= 1
         elif message["code"] == "stale_lease":
             assembler.settled(broker, message.get("leases", ()), stale=True)
         elif message["code"] == "unavailable":

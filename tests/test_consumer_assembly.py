@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollstream.common.errors import InvalidState
 from rollstream.consumer.assembly import RETRY_AFTER, Assembler
 
 
@@ -171,9 +172,14 @@ def test_release_gives_back_held_and_buffered_groups_whole():
     assert sent(a) == [(0, "nack", ["L0"], True)] and a.held == 0 and a.ready == 0
 
 
-def test_prefetch_must_leave_room_for_a_batch_and_one_credit_per_broker():
-    with pytest.raises(ValueError, match="prefetch"):
-        Assembler(3, batch_size=4, prefetch=6)
+def test_prefetch_must_leave_room_for_a_batch_and_one_credit_per_broker_that_sends_no_queued_counts():
+    with pytest.raises(ValueError, match=r"prefetch must be at least batch_size \+ 1 = 5"):
+        Assembler(3, batch_size=4, prefetch=4)
+    a = Assembler(3, batch_size=4, prefetch=6)
+    a.welcomed(0, 30.0, queued=0)  # brokers that say what they hold need no window each
+    with pytest.raises(InvalidState, match=r"prefetch covers brokers that send no queued counts.*at least "
+                                           r"batch_size \+ brokers = 7, got 6"):
+        a.welcomed(1, 30.0)
 
 
 @settings(max_examples=60, deadline=None)
