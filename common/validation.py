@@ -2,8 +2,11 @@
 
 The checks are written once against a small array shim, so the same code
 runs on numpy (producer and broker, which never import torch) and on torch
-tensors on any device (the consumer's GPU batch validation). Only the
-handful of failing positions ever come back to the host.
+tensors on any device (the consumer's GPU batch validation). Each check
+reduces to a flag where the arrays live, and a valid batch comes back to
+the host as one read of those flags (`packed_flags`, `Verdict`): every
+other read would wait on the device. Positions are searched, reading
+freely, only when a flag is set (`locate_violations`).
 
 The costliest check, each sampled token inside its support, compares every
 id with its token: a repeat and a segment reduction with numpy alone, or,
@@ -101,7 +104,7 @@ class _NumpyOps:
         return values[index]
 
     @staticmethod
-    def repeat(values, counts):
+    def repeat(values, counts, total: int):
         return np.repeat(values, counts)
 
     @classmethod
@@ -141,6 +144,45 @@ class _NumpyOps:
     def take(values, host_index: np.ndarray):
         return values[host_index]
 
+    @staticmethod
+    def fits_int32(values) -> bool:
+        return values.dtype.itemsize < 4 or (values.dtype == np.int32) or (
+            int(values.min()) >= -(2**31) and int(values.max()) < 2**31)
+
+    @staticmethod
+    def count_dtype(sizes, n_ids: int) -> str:
+        """Hits counted in uint8 (a faster prefix sum than int64's on the
+        CPU) when no support has 256 ids, so each support's count modulo
+        256 stays exact."""
+        return "uint8" if not len(sizes) or int(sizes.max()) < 256 else "int64"
+
+    @staticmethod
+    def bounded(offsets, n_ids: int, broken):
+        """`offsets`, or None when the CSR rules fail (`broken`): reading that
+        costs nothing on the host, and the in-support check is then skipped."""
+        return None if broken else offsets
+
+    @staticmethod
+    def outside(values, vocab_size: int | None):
+        """Whether any id lies outside [0, vocab_size) (two reductions, or
+        one over int32 read as uint32, where negative ids are >= 2**31)."""
+        if values.dtype == np.int32:
+            return _MAX(values.view(np.uint32)) >= (2**31 if vocab_size is None else vocab_size)
+        return (values.min() < 0) | (vocab_size is not None and values.max() >= vocab_size)
+
+    @staticmethod
+    def flags(values: Sequence, like) -> np.ndarray:
+        return np.array(values, dtype=bool).reshape(-1)
+
+    @staticmethod
+    def flags_of(parts: Sequence[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts)
+
+    @staticmethod
+    def verdict_copy(flags: np.ndarray):
+        """The host copy of a verdict's flags and the event it is complete at (none on the host)."""
+        return flags, None
+
 
 class _TorchOps:
     def __init__(self):
@@ -178,8 +220,8 @@ class _TorchOps:
     def gather(values, index):
         return values.index_select(0, index)
 
-    def repeat(self, values, counts):
-        return self._torch.repeat_interleave(values, counts)
+    def repeat(self, values, counts, total: int):
+        return self._torch.repeat_interleave(values, counts, output_size=total)
 
     @staticmethod
     def nonzero(flags):
@@ -193,6 +235,46 @@ class _TorchOps:
 
     def take(self, values, host_index: np.ndarray):
         return values[self._torch.as_tensor(host_index, device=values.device)]
+
+    def fits_int32(self, values) -> bool:
+        """From the dtype alone: reading the values would wait on the device."""
+        torch = self._torch
+        return values.dtype in (torch.int8, torch.uint8, torch.int16, torch.int32)
+
+    def count_dtype(self, sizes, n_ids: int) -> str:
+        """int32 whatever the support sizes (the largest is on the device)."""
+        return "int32" if n_ids < 2**31 else "int64"
+
+    @staticmethod
+    def bounded(offsets, n_ids: int, broken):
+        """`offsets` clamped into [0, n_ids], so the in-support check indexes
+        safely whatever they hold, without reading whether the CSR rules hold
+        (its result then means nothing, and `broken` says so)."""
+        return offsets.clamp(0, n_ids)
+
+    def outside(self, values, vocab_size: int | None):
+        low, high = self._torch.aminmax(values)
+        return (low < 0) | (high >= vocab_size) if vocab_size is not None else low < 0
+
+    def flags(self, values: Sequence, like):
+        torch = self._torch
+        return torch.stack([torch.as_tensor(v, dtype=torch.bool, device=like.device).reshape(()) for v in values])
+
+    def flags_of(self, parts: Sequence):
+        return self._torch.cat(list(parts))
+
+    def verdict_copy(self, flags):
+        """On CUDA, a non-blocking copy of the flags into pinned host memory
+        and an event recorded behind it on the current stream: the host read
+        then waits for this batch's checks alone."""
+        torch = self._torch
+        if flags.device.type != "cuda":
+            return flags, None
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
 
 _NUMPY = _NumpyOps()
@@ -304,15 +386,19 @@ def inside_support(tokens, ids, offsets, sizes=None):
         # 4,096-id supports).
         return np.logical_or.reduce(np.equal(ids.reshape(len(sizes), -1), tokens[:, None]), axis=1)
     if not ops.fast_running_sum():
-        hits = ids == ops.repeat(tokens, sizes)
+        hits = ids == ops.repeat(tokens, sizes, len(ids))
         if (inside := _paired(hits, offsets)) is not None:  # numpy's prefix sums are slow; torch's are not
             return inside
         return ops.segment_any(hits, offsets)
+    return _inside_by_counts(ops, tokens, ids, offsets, sizes)
+
+
+def _inside_by_counts(ops, tokens, ids, offsets, sizes):
+    """`inside_support` as two running sums: the tokens spread over the ids,
+    then the hits counted and compared at the support ends. Indexes only
+    within [0, len(ids)], so offsets `bounded` by the ops are safe."""
     hits = ops.equal(ids, _spread(ops, tokens, sizes, offsets, len(ids)), "hits")
-    # Hits counted in uint8 (a faster prefix sum than int64's on the CPU) when
-    # no support has 256 ids, so each support's count modulo 256 stays exact.
-    longest = int(sizes.max()) if len(sizes) else 0
-    running = ops.gather(ops.running_sum(hits, "uint8" if longest < 256 else "int64", "hit counts"), offsets)
+    running = ops.gather(ops.running_sum(hits, ops.count_dtype(sizes, len(ids)), "hit counts"), offsets)
     return running[1:] != running[:-1]
 
 
@@ -367,14 +453,15 @@ def _spread(ops, values, sizes, offsets, total: int):
     buffer."""
     if len(values) == 0:
         return values[:0]
-    if int(values.min()) < -(2**31) or int(values.max()) >= 2**31:
-        return ops.repeat(values, sizes)
+    if not ops.fits_int32(values):
+        return ops.repeat(values, sizes, total)
     steps = ops.empty(len(values), "int32", "steps", values)  # every entry is written next
     steps[:1] = values[:1]
     steps[1:] = values[1:] - values[:-1]
-    spread = ops.zeros(total, "int32", "spread steps", values)
+    # One slot past the end: bounded offsets of an empty last support point there.
+    spread = ops.zeros(total + 1, "int32", "spread steps", values)
     ops.put(spread, offsets[:-1], steps)
-    return ops.running_sum(spread, "int32", "spread")[1:]
+    return ops.running_sum(spread[:total], "int32", "spread")[1:]
 
 
 def _outside_vocab(values, vocab_size: int | None):
@@ -414,16 +501,123 @@ def packed_violations(
     semantics.md §3), whose supports must be singletons (the in-support rule
     then makes the one id equal the token). A turn's tokens are all sampled
     (its forced tokens travel apart), so a turn is checked without it.
-    Valid data costs a few whole-array reductions; positions are computed
-    only for rules that fail.
+    Valid data costs a few whole-array reductions and one read of their
+    flags (`packed_flags`, `Verdict`); positions are searched
+    (`locate_violations`) only when a flag is set.
     """
-    ops = _ops_for(tokens)
+    options = dict(mask_lengths=mask_lengths, vocab_size=vocab_size, loss_mask=loss_mask, log_probs=log_probs,
+                   marks_forced=marks_forced)
+    if Verdict(packed_flags(tokens, response_lengths, mask_ids, mask_offsets, **options)).passed():
+        return []
+    return locate_violations(tokens, response_lengths, mask_ids, mask_offsets, **options)
+
+
+class Verdict:
+    """Whether packed arrays broke any rule, as flags still where they were
+    computed (one per check, `packed_flags`). A valid batch is the common
+    case, so it costs one host read (`passed`); on CUDA the flags are copied
+    into pinned host memory behind an event as soon as the verdict is made,
+    so the checks can run ahead (on a side stream, say) and the read wait
+    for them alone."""
+
+    def __init__(self, *flags):
+        ops = _ops_for(flags[0])
+        self.flags = flags[0] if len(flags) == 1 else ops.flags_of(flags)
+        self._host, self.event = ops.verdict_copy(self.flags)
+
+    def passed(self) -> bool:
+        """Whether no rule failed: the one read of the device."""
+        if self.event is not None:
+            self.event.synchronize()
+        return not bool(self._host.any())
+
+
+def _structure_problem(total: int, response_lengths_host, mask_offsets, mask_lengths, loss_mask, log_probs) -> bool:
+    """Whether a packed batch's shapes break a rule (host facts alone)."""
+    if any(values is not None and len(values) != total for values in (loss_mask, log_probs)):
+        return True
+    if mask_offsets is None:
+        return False
+    if mask_lengths is not None and not np.array_equal(np.asarray(mask_lengths), response_lengths_host):
+        return True
+    return len(mask_offsets) != total + 1
+
+
+def _packed_total(ops, tokens, response_lengths) -> tuple[np.ndarray, int]:
+    """The response lengths on the host and their sum, which `tokens` must hold."""
     lengths_host = ops.to_host(response_lengths).astype(np.int64, copy=False)
-    cu_host = _cumsum0(lengths_host)
-    total = int(cu_host[-1])
+    total = int(lengths_host.sum())
     if len(tokens) != total:
         raise InvalidInput(f"packed batch: tokens must have as many entries as response_lengths sum to ({total}), "
                            f"it has {len(tokens)}")
+    return lengths_host, total
+
+
+def packed_flags(
+    tokens,
+    response_lengths,
+    mask_ids=None,
+    mask_offsets=None,
+    *,
+    mask_lengths=None,
+    vocab_size: int | None = None,
+    loss_mask=None,
+    log_probs=None,
+    marks_forced: bool = True,
+):
+    """`packed_violations`' checks as flags, one per check, set when it
+    fails, computed where the arrays live without reading any value back
+    (host facts, the lengths and shapes, decide the rest). Every check runs
+    whatever the others found: on broken CSR offsets the in-support check
+    still runs on offsets the ops bound into range and means nothing, but
+    the CSR flag is set then, and `locate_violations` reports the CSR rules
+    alone, as it always has."""
+    ops = _ops_for(tokens)
+    lengths_host, total = _packed_total(ops, tokens, response_lengths)
+    if _structure_problem(total, lengths_host, mask_offsets, mask_lengths, loss_mask, log_probs):
+        return ops.flags([True], tokens)
+    flags: list[Any] = []
+    if mask_offsets is not None:
+        n_ids = len(mask_ids)
+        sizes = mask_offsets[1:] - mask_offsets[:-1]
+        broken = (mask_offsets[0] != 0) | (mask_offsets[-1] != n_ids)
+        if total:
+            broken = broken | (sizes.min() <= 0)
+        flags.append(broken)
+        bounded = ops.bounded(mask_offsets, n_ids, broken)
+        if total and bounded is not None:
+            flags.append(~inside_support(tokens, mask_ids, bounded, sizes if bounded is mask_offsets else None).all())
+        if marks_forced and loss_mask is not None and log_probs is not None and total:
+            flags.append(((loss_mask == 0) & (log_probs == 0) & (sizes != 1)).any())
+        if n_ids:
+            flags.append(ops.outside(mask_ids, vocab_size))
+    if total:
+        flags.append(ops.outside(tokens, vocab_size))
+        if loss_mask is not None:
+            flags.append((loss_mask.min() < 0) | (loss_mask.max() > 1))
+        if log_probs is not None:
+            flags.append(~(log_probs.max() < float("inf")))  # max is NaN when any is
+    return ops.flags(flags, tokens)
+
+
+def locate_violations(
+    tokens,
+    response_lengths,
+    mask_ids=None,
+    mask_offsets=None,
+    *,
+    mask_lengths=None,
+    vocab_size: int | None = None,
+    loss_mask=None,
+    log_probs=None,
+    marks_forced: bool = True,
+) -> list[Violation]:
+    """`packed_violations` without its verdict: the search for each failing
+    sample, position and rule, reading back whatever it needs. Run it once
+    a `Verdict` failed."""
+    ops = _ops_for(tokens)
+    lengths_host, total = _packed_total(ops, tokens, response_lengths)
+    cu_host = _cumsum0(lengths_host)
     for name, values in (("loss_mask", loss_mask), ("log_probs", log_probs)):
         if values is not None and len(values) != total:
             return [Violation(RULE_ALIGNED, 0, None, 1, f"{name} has {len(values)} entries, expected {total}")]
@@ -505,11 +699,18 @@ def packed_violations(
     return found
 
 
-def pack_csr(ids_list: Sequence[np.ndarray], offsets_list: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def pack_csr(ids_list: Sequence[np.ndarray], offsets_list: Sequence[np.ndarray],
+             out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Lay CSR masks end to end: one ids array, one offsets array over all
-    their tokens (a loop over masks, never over tokens)."""
-    ids = np.concatenate([np.empty(0, np.int32), *ids_list]).astype(np.int32, copy=False)
-    offsets = np.empty(1 + sum(len(o) - 1 for o in offsets_list), dtype=np.int64)
+    their tokens (a loop over masks, never over tokens). `out`, when given,
+    is the pair of arrays to pack into (a pinned staging buffer, so nothing
+    is copied twice): int32 ids and int64 offsets of the packed sizes."""
+    if out is None:
+        out = (np.empty(sum(len(i) for i in ids_list), np.int32),
+               np.empty(1 + sum(len(o) - 1 for o in offsets_list), np.int64))
+    ids, offsets = out
+    if len(ids_list):
+        np.concatenate(ids_list, out=ids, casting="same_kind")
     offsets[0] = 0
     base, pos = 0, 1
     for part_ids, part_offsets in zip(ids_list, offsets_list):

@@ -69,15 +69,33 @@ def torch_dtype(dtype) -> torch.dtype:
 
 
 def as_device(device=None) -> torch.device:
-    """`device`, or CUDA when present, else the CPU."""
+    """`device` (by default CUDA when present, else the CPU) as the tensors
+    on it name it: a bare `cuda` is the current CUDA device, with its index,
+    so a batch's `device` equals its tensors' and a shard's."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
-def _staging(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host buffer to fill: pinned when it will be copied to CUDA."""
-    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+def same_device(a, b) -> bool:
+    """Whether `a` and `b` name one device: compared by type and index, a
+    missing index meaning the current device (0 without CUDA)."""
+
+    def indexed(device) -> tuple[str, int]:
+        device = as_device(device)
+        return device.type, 0 if device.index is None else device.index
+
+    return indexed(a) == indexed(b)
+
+
+def _host_buffer(shape, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
+    """A host buffer to fill and its numpy view: pinned when it will be
+    copied to CUDA (a non-blocking copy from pageable memory blocks)."""
+    host = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+    return host, host.numpy()
 
 
 def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -90,16 +108,26 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A numpy array on `device` (shared memory on the CPU)."""
     host = torch.from_numpy(np.ascontiguousarray(array))
     if device.type == "cuda":
-        host = _staging(host.shape, host.dtype, device).copy_(host)
+        host, view = _host_buffer(host.shape, host.dtype, device)
+        view[...] = array
     return _upload(host, device)
+
+
+def to_device_together(arrays: Mapping[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """int64 host arrays on `device` in one copy: laid end to end in one
+    (pinned) buffer, then split into views on the device."""
+    sizes = [len(values) for values in arrays.values()]
+    host, view = _host_buffer((sum(sizes),), torch.int64, device)
+    if arrays:
+        np.concatenate(list(arrays.values()), out=view, casting="same_kind")
+    return dict(zip(arrays, _upload(host, device).split(sizes)))
 
 
 def concat_to_device(parts: Sequence[np.ndarray], dtype: npt.DTypeLike, device: torch.device, trailing=()) -> torch.Tensor:
     """`parts` concatenated along dim 0 straight into a (pinned) host buffer, then on `device`."""
-    rows = sum(len(part) for part in parts)
-    host = _staging((rows, *trailing), torch_dtype(dtype), device)
+    host, view = _host_buffer((sum(len(part) for part in parts), *trailing), torch_dtype(dtype), device)
     if parts:
-        np.concatenate(parts, out=host.numpy())
+        np.concatenate(parts, out=view)
     return _upload(host, device)
 
 
@@ -131,12 +159,6 @@ def ranges_index(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> tor
 def gather_index(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> torch.Tensor:
     """`ranges_index` of host-known ranges, built on `device`."""
     return ranges_index(torch.as_tensor(starts, device=device), torch.as_tensor(lengths, device=device), int(lengths.sum()))
-
-
-def segment_index(cu: np.ndarray, samples: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Positions, in a field packed with boundaries `cu`, of the entries of
-    `samples` in that order."""
-    return gather_index(cu[:-1][samples], (cu[1:] - cu[:-1])[samples], device)
 
 
 def reward_value(reward, reward_key: str | None, trajectory_id: str) -> float:
@@ -231,21 +253,22 @@ class Batch:
         }
         mask_offsets = None
         if arrays and "mask_ids" in arrays[0]:
-            ids, offsets = pack_csr([a["mask_ids"] for a in arrays], [a["mask_offsets"] for a in arrays])
-            ragged["mask_ids"], mask_offsets = to_device(ids, device), to_device(offsets, device)
             lengths["mask_ids"] = np.array([len(a["mask_ids"]) for a in arrays], dtype=np.int64)
+            ids, ids_view = _host_buffer((int(lengths["mask_ids"].sum()),), torch.int32, device)
+            offsets, offsets_view = _host_buffer((int(response.sum()) + 1,), torch.int64, device)
+            pack_csr([a["mask_ids"] for a in arrays], [a["mask_offsets"] for a in arrays], out=(ids_view, offsets_view))
+            ragged["mask_ids"], mask_offsets = _upload(ids, device), _upload(offsets, device)
         for name in CONTEXT_REPLAY_ARRAYS:
             if arrays and name in arrays[0]:
                 parts = [a[name] for a in arrays]
                 ragged[name] = concat_to_device(parts, parts[0].dtype, device, parts[0].shape[1:])
                 lengths[name] = np.array([len(part) for part in parts], dtype=np.int64)
         fields = [d.fields for d in deliveries]
-        per_sample = {
-            "prompt_lengths": to_device(prompt, device),
-            "response_lengths": to_device(response, device),
-            "rewards": to_device(np.array([reward_value(f["reward"], reward_key, f["trajectory_id"]) for f in fields],
-                                          dtype=np.float32), device),
-            "sample_indices": to_device(np.array([f.get("sample_index", i) for i, f in enumerate(fields)], np.int64), device),
+        rewards = np.array([reward_value(f["reward"], reward_key, f["trajectory_id"]) for f in fields], np.float32)
+        host_per_sample = {
+            "prompt_lengths": prompt,
+            "response_lengths": response,
+            "sample_indices": np.array([f.get("sample_index", i) for i, f in enumerate(fields)], np.int64),
         }
         host = {
             "trajectory_ids": tuple(f["trajectory_id"] for f in fields),
@@ -259,23 +282,30 @@ class Batch:
             "leases": tuple(tuple(lease for _, lease in sorted(d.leases)) for d in deliveries),
             "positions": tuple(range(len(deliveries))),
         }
-        return cls._assemble(seq, device, ragged, per_sample, mask_offsets, lengths, host)
+        uploaded = to_device_together({**host_per_sample, **_bounds(lengths, host)}, device)
+        per_sample = {name: uploaded.pop(name) for name in host_per_sample}
+        per_sample["rewards"] = to_device(rewards, device)
+        return cls._assemble(seq, device, ragged, per_sample, mask_offsets, lengths, host, bounds=uploaded)
 
     @classmethod
     def _assemble(cls, seq, device, ragged, per_sample, mask_offsets, lengths, host,
-                  token_budget: int | None = None) -> "Batch":
-        """The derived fields (bounds, group numbers) from the packed ones."""
+                  token_budget: int | None = None, bounds: Mapping[str, torch.Tensor] | None = None) -> "Batch":
+        """The derived fields (bounds, group numbers) from the packed ones;
+        `bounds`, when the caller uploaded `_bounds` along with its own."""
+        device = as_device(device)
+        if bounds is None:
+            bounds = to_device_together(_bounds(lengths, host), device)
         return cls(
             seq=seq,
             token_budget=token_budget,
             device=device,
             tokens=ragged["tokens"],
-            cu_seqlens=to_device(cumsum0(lengths["sequence"]).astype(np.int32), device),
+            cu_seqlens=bounds["cu_seqlens"].to(torch.int32),
             response_tokens=ragged["response_tokens"],
-            response_cu=to_device(cumsum0(lengths["response"]), device),
+            response_cu=bounds["response_cu"],
             loss_mask=ragged["loss_mask"],
             log_probs=ragged["log_probs"],
-            group_index=to_device(group_index(host["group_ids"]), device),
+            group_index=bounds["group_index"],
             mask_ids=ragged.get("mask_ids"),
             mask_offsets=mask_offsets,
             replay={name: ragged[name] for name in CONTEXT_REPLAY_ARRAYS if name in ragged},
@@ -391,25 +421,35 @@ class Batch:
         if not -len(self) <= i < len(self):
             raise OutOfRange(f"sample index must be in [-{len(self)}, {len(self)}) for a batch of {len(self)}, got {i}")
         i %= len(self)
-        cu = self._cu
-        out: dict[str, Any] = {"trajectory_id": self.trajectory_ids[i], "status": self.statuses[i], "gap": self.gaps[i]}
-        for name, values in self.ragged().items():
-            key = RAGGED[name]
-            out[name] = values[int(cu[key][i]) : int(cu[key][i + 1])]
+        out = self._sample_of(i, self.ragged())
         offsets = self.mask_offsets
         if offsets is not None:  # `has_mask`
-            lo, hi = int(cu["response"][i]), int(cu["response"][i + 1])
+            lo, hi = int(self._cu["response"][i]), int(self._cu["response"][i + 1])
             out["mask_offsets"] = offsets[lo : hi + 1] - offsets[lo]
+        return out
+
+    def _sample_of(self, i: int, ragged: Mapping[str, Any]) -> dict[str, Any]:
+        """Sample `i`'s host facts and its slice of each of `ragged` (packed as this batch's fields)."""
+        cu = self._cu
+        out: dict[str, Any] = {"trajectory_id": self.trajectory_ids[i], "status": self.statuses[i], "gap": self.gaps[i]}
+        for name, values in ragged.items():
+            key = RAGGED[name]
+            out[name] = values[int(cu[key][i]) : int(cu[key][i + 1])]
         return out
 
     def content_digests(self) -> list[str]:
         """Each sample's content digest as the end-to-end checker computes
         it (`checker.delivered_digest`), from the arrays the trainer got
-        (on a GPU, each sample's arrays are read back to the host)."""
+        (on a GPU, each packed field comes back to the host in one copy)."""
+        ragged = {name: values.cpu().numpy() for name, values in self.ragged().items()}
+        if self.has_mask:
+            local_offsets = self.local_mask_offsets().cpu().numpy()
+            offsets_cu = cumsum0(self.lengths["response"] + 1)
         digests = []
         for i in range(len(self)):
-            sample = {name: value.cpu().numpy() if isinstance(value, torch.Tensor) else value
-                      for name, value in self.sample(i).items()}
+            sample = self._sample_of(i, ragged)
+            if self.has_mask:
+                sample["mask_offsets"] = local_offsets[offsets_cu[i] : offsets_cu[i + 1]]
             prompt = int(self.lengths["prompt"][i])
             digests.append(delivered_digest({**sample, "prompt_tokens": sample["tokens"][:prompt],
                                              "tokens": sample["response_tokens"]}))
@@ -433,19 +473,28 @@ class Batch:
 
     # -- reshaping ------------------------------------------------------------
     def select(self, samples: Sequence[int]) -> "Batch":
-        """A batch of `samples` (positions in this one) in that order, on the same device."""
+        """A batch of `samples` (positions in this one) in that order, on the
+        same device. Its indexes are built on the host and reach the device
+        in one copy (`to_device_together`)."""
         picked = np.asarray(samples, dtype=np.int64).reshape(-1)
-        index = torch.as_tensor(picked, device=self.device)
         cu = self._cu
-        ragged = {name: values[segment_index(cu[RAGGED[name]], picked, self.device)] for name, values in self.ragged().items()}
-        mask_offsets = None
-        if self.has_mask:
-            sizes = self.support_sizes()[segment_index(cu["response"], picked, self.device)]
-            mask_offsets = _offsets_from_sizes(sizes)
-        per_sample = {name: getattr(self, name)[index] for name in PER_SAMPLE}
+        ragged_keys = {RAGGED[name] for name in self.ragged()} | ({"response"} if self.has_mask else set())
         lengths = {key: values[picked] for key, values in self.lengths.items()}
         host = {name: tuple(values[i] for i in picked.tolist()) for name, values in self.host_fields().items()}
-        return Batch._assemble(self.seq, self.device, ragged, per_sample, mask_offsets, lengths, host, self.token_budget)
+        indexes = {"picked": picked, **_bounds(lengths, host)}
+        for key in ragged_keys:
+            indexes[f"{key} starts"] = cu[key][:-1][picked]
+            indexes[f"{key} lengths"] = lengths[key]
+        uploaded = to_device_together(indexes, self.device)
+
+        def segments(key: str) -> torch.Tensor:
+            return ranges_index(uploaded[f"{key} starts"], uploaded[f"{key} lengths"], int(lengths[key].sum()))
+
+        ragged = {name: values[segments(RAGGED[name])] for name, values in self.ragged().items()}
+        mask_offsets = _offsets_from_sizes(self.support_sizes()[segments("response")]) if self.has_mask else None
+        per_sample = {name: getattr(self, name)[uploaded["picked"]] for name in PER_SAMPLE}
+        return Batch._assemble(self.seq, self.device, ragged, per_sample, mask_offsets, lengths, host, self.token_budget,
+                               bounds=uploaded)
 
     def micro_batches(self, max_tokens: int, *, pad_to: int = 0) -> list["Batch"]:
         """This batch (or shard) packed into batches of at most `max_tokens`
@@ -465,7 +514,7 @@ class Batch:
         first = batches[0]
         names = first.ragged().keys()
         for other in batches[1:]:
-            if other.ragged().keys() != names or other.device != first.device:
+            if other.ragged().keys() != names or not same_device(other.device, first.device):
                 raise InvalidInput(
                     f"cannot concatenate batches with different fields or devices: {sorted(names)} on {first.device} "
                     f"and {sorted(other.ragged())} on {other.device}"
@@ -505,12 +554,13 @@ class Batch:
             return values.to(torch_dtype(TRAIN_DTYPES[key]))
 
         loss_masks = self._split(cast(self.loss_mask, "loss_masks"), "response")
-        rewards = self.rewards.tolist()
-        indices = self.sample_indices.tolist()
         running = torch.zeros(len(self.loss_mask) + 1, dtype=torch.int64, device=self.loss_mask.device)
         torch.cumsum(self.loss_mask.to(torch.int64), 0, out=running[1:])
-        cu = torch.as_tensor(self._cu["response"], device=self.loss_mask.device)
-        totals = running[cu[1:]] - running[cu[:-1]]  # each sample's loss-mask total
+        mask_sums = running[self.response_cu[1:]] - running[self.response_cu[:-1]]  # each sample's loss-mask total
+        # miles wants these three per-sample facts as host values: one read for all (float64 holds each exactly).
+        facts = torch.cat([self.rewards.double(), self.sample_indices.double(), mask_sums.double()]).tolist()
+        n = len(self)
+        rewards, indices, totals = facts[:n], [int(v) for v in facts[n : 2 * n]], [int(v) for v in facts[2 * n :]]
         data: dict[str, Any] = {
             "tokens": self._split(cast(self.tokens, "tokens"), "sequence"),
             "response_lengths": cast(self.response_lengths, "response_lengths"),
@@ -519,7 +569,7 @@ class Batch:
             "rewards": rewards,
             "sample_indices": cast(self.sample_indices, "sample_indices"),
         }
-        for key, value in rollout_keys(rewards, self.statuses, indices, totals.tolist(), self.metadata).items():
+        for key, value in rollout_keys(rewards, self.statuses, indices, totals, self.metadata).items():
             data[key] = torch.from_numpy(value).to(self.device) if isinstance(value, np.ndarray) else value
         calls = weight_version_calls(self.weight_versions, self.weight_version_spans, self.lengths["prompt"].tolist())
         if calls is not None:
@@ -556,6 +606,12 @@ class Batch:
             f"Batch(seq={self.seq}, samples={len(self)}, tokens={self.num_tokens}, "
             f"mask={self.has_mask}, replay={sorted(self.replay)}, device={self.device})"
         )
+
+
+def _bounds(lengths: Mapping[str, np.ndarray], host: Mapping[str, tuple]) -> dict[str, np.ndarray]:
+    """A batch's derived per-sample fields, on the host (int64)."""
+    return {"cu_seqlens": cumsum0(lengths["sequence"]), "response_cu": cumsum0(lengths["response"]),
+            "group_index": group_index(host["group_ids"])}
 
 
 def _offsets_from_sizes(sizes: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,9 @@ too; it cannot affect training, but it is reported rather than guessed away.
 On the CPU the per-token pass runs on numpy views of the batch's
 tensors (zero-copy; numpy's element-wise passes and gathers are faster than
 torch's there, and torch's prefix sums are used on numpy buffers where they
-win); on a GPU it runs as torch ops, and only failing positions come back
-to the host.
+win); on a GPU it runs as torch ops that reduce every check to a flag on
+the device (`batch_verdict`), so a valid batch costs one host read, and
+failing positions are searched only when a flag is set.
 """
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ from rollstream.common.validation import (
     RULE_TOKEN_VOCAB,
     RULE_WHOLE_BATCH,
     BatchValidationError,
+    Verdict,
     Violation,
-    packed_violations,
+    locate_violations,
+    packed_flags,
     whole_batch_problem,
 )
 
@@ -102,10 +105,27 @@ def _on_device_array(tensor):
     return tensor.numpy()
 
 
-def batch_violations(batch: Batch, *, vocab_size: int | None = None) -> list[Violation]:
-    """Every per-token rule, one pass over the packed batch on its device."""
+def batch_verdict(batch: Batch, *, vocab_size: int | None = None) -> Verdict:
+    """Every per-token rule as flags on the batch's device, nothing read
+    back yet (on CUDA the flags' copy to the host is already on its way)."""
     view = _on_device_array
-    found = packed_violations(
+    return Verdict(
+        packed_flags(view(batch.response_tokens), batch.lengths["response"], view(batch.mask_ids),
+                     view(batch.mask_offsets), vocab_size=vocab_size, loss_mask=view(batch.loss_mask),
+                     log_probs=view(batch.log_probs)),
+        # Prompt tokens feed the embedding too.
+        packed_flags(view(batch.tokens), batch.lengths["sequence"], vocab_size=vocab_size),
+    )
+
+
+def batch_violations(batch: Batch, *, vocab_size: int | None = None, verdict: Verdict | None = None) -> list[Violation]:
+    """Every per-token rule, one pass over the packed batch on its device
+    (`verdict`, when `batch_verdict` already made it): one host read when
+    the batch is valid, the search for positions only when it is not."""
+    if (verdict or batch_verdict(batch, vocab_size=vocab_size)).passed():
+        return []
+    view = _on_device_array
+    found = locate_violations(
         view(batch.response_tokens),
         batch.lengths["response"],
         view(batch.mask_ids),
@@ -114,10 +134,9 @@ def batch_violations(batch: Batch, *, vocab_size: int | None = None) -> list[Vio
         loss_mask=view(batch.loss_mask),
         log_probs=view(batch.log_probs),
     )
-    # Prompt tokens feed the embedding too; response tokens were checked above
-    # (a sample's first out-of-vocab token is in its prompt, or none is).
+    # Response tokens were checked above (a sample's first out-of-vocab token is in its prompt, or none is).
     prompt = batch.lengths["prompt"]
-    for v in packed_violations(view(batch.tokens), batch.lengths["sequence"], vocab_size=vocab_size):
+    for v in locate_violations(view(batch.tokens), batch.lengths["sequence"], vocab_size=vocab_size):
         if v.position < prompt[v.sample]:
             found.append(Violation(RULE_TOKEN_VOCAB, v.sample, None, 1, f"prompt position {v.position}: {v.detail}"))
     return sorted(found, key=lambda v: v.sample)

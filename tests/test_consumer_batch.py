@@ -196,3 +196,48 @@ def test_karmarkar_karp_beats_round_robin_on_sorted_lengths():
     high, low = _spread(weights, parts)
     rr_high, rr_low = _spread(weights, partition(weights, 4, "round_robin"))
     assert high - low < rr_high - rr_low and high - low <= 1
+
+
+def test_devices_compare_by_index():
+    """A bare `cuda` is the current CUDA device (0 without CUDA), so a
+    consumer's batch and a decoded shard on one GPU are on the same device."""
+    from rollstream.consumer.batch import same_device
+
+    assert same_device(torch.device("cuda"), torch.device("cuda", 0))
+    assert same_device("cpu", torch.device("cpu", 0))
+    assert not same_device(torch.device("cuda", 0), torch.device("cuda", 1))
+    assert not same_device("cpu", "cuda")
+
+
+def test_concat_of_a_batch_and_a_shard_named_differently_on_one_device():
+    """`Batch.concat` compares devices by index: `cuda` and `cuda:0` (how a
+    consumer and a decoded shard name one GPU) are one device; so are `cpu`
+    and `cpu:0`, which this checks without a GPU."""
+    from dataclasses import replace
+
+    batch = batch_of([r.merged() for r in rollouts(11, 4)])
+    header, payload = encode_shard(batch.select([2, 3]))
+    shard = replace(decode_shard(header, payload), device=torch.device("cpu", 0))
+    joined = Batch.concat([batch.select([0, 1]), shard])
+    assert_same_batch(joined, batch)
+    elsewhere = replace(shard, device=torch.device("cuda", 1))
+    with pytest.raises(ValueError, match="devices"):
+        Batch.concat([batch, elsewhere])
+
+
+def test_a_shard_takes_one_upload_and_digests_one_copy_per_field(monkeypatch):
+    from rollstream.consumer import batch as batch_module
+
+    batch = batch_of([r.merged() for r in rollouts(12, 5)])
+    expected = batch.content_digests()
+    uploads = []
+    real_upload = batch_module._upload
+    monkeypatch.setattr(batch_module, "_upload", lambda host, device: uploads.append(host) or real_upload(host, device))
+    shard = batch.select([4, 1, 3])
+    assert len(uploads) == 1
+    assert shard.content_digests() == [expected[i] for i in (4, 1, 3)]
+    copies = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(self) or real_cpu(self, *a, **k))
+    batch.content_digests()
+    assert len(copies) == len(batch.ragged()) + 1  # each packed field and the samples' own mask offsets
