@@ -1,20 +1,108 @@
 """Trainer primitives: the dense vocab-shard mask and the masked,
-temperature-scaled log-prob (docs/semantics.md §6), against direct definitions."""
+temperature-scaled log-prob (docs/semantics.md §6), against direct definitions;
+what they allocate at a real vocabulary, and that they read nothing back."""
+import itertools
 import math
+import threading
+import weakref
+from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollstream.common.mask import SamplingMask
 from rollstream.consumer import dense_support_mask, masked_log_probs
+
+REAL_VOCAB = 151_936  # Qwen2's
 
 
 def csr(supports):
     mask = SamplingMask.from_supports(supports)
     return torch.from_numpy(mask.ids.copy()), torch.from_numpy(mask.offsets.copy())
+
+
+def on_ranks(tp_size: int, run):
+    """`run(rank, group)` for every rank of a tensor-parallel group of
+    `tp_size` in this process: one thread per rank over gloo, or the plain
+    call (no group) for one rank. Returns the results in rank order."""
+    if tp_size == 1:
+        return [run(0, None)]
+    store, results, failures = dist.HashStore(), [None] * tp_size, []
+
+    def rank(k):
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        options._timeout = timedelta(seconds=60)
+        try:
+            results[k] = run(k, dist.ProcessGroupGloo(store, k, tp_size, options))
+        except BaseException as exc:  # re-raised below, in the test's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(k,)) for k in range(tp_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return results
+
+
+def dense_reference(logits, supports, positions, tokens, temperature):
+    """The log-softmax over each row's support in float64, on a dense mask
+    built one row at a time; differentiable in `logits`."""
+    inside = torch.zeros(logits.shape, dtype=torch.bool)
+    for row, position in enumerate(positions):
+        inside[row, supports[position]] = True
+    scaled = (logits.double() / temperature).masked_fill(~inside, float("-inf"))
+    return torch.log_softmax(scaled, -1)[torch.arange(len(tokens)), tokens]
+
+
+class Allocations(TorchDispatchMode):
+    """Every storage the ops run under it allocate (an output sharing an
+    input's storage allocates nothing), with its bytes at birth and, through
+    a weakref finalizer, at death. Thread-local, like every dispatch mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []  # (storage number, +bytes at birth or -bytes at death), in order
+        self.numbers = {}  # id of each live storage -> its number
+        self.counter = itertools.count()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in pytree.tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if id(storage) not in inputs and id(storage) not in self.numbers:
+                number = next(self.counter)
+                self.numbers[id(storage)] = number
+                self.events.append((number, storage.nbytes()))
+                weakref.finalize(storage, self._died, id(storage), number, storage.nbytes())
+        return out
+
+    def _died(self, key, number, nbytes):
+        del self.numbers[key]
+        self.events.append((number, -nbytes))
+
+    def peak_bytes(self, leaving_out: torch.Tensor) -> int:
+        """The most bytes live at once in the storages allocated here, but
+        for the (still live) storage of `leaving_out`."""
+        skip = self.numbers[id(leaving_out.untyped_storage())]
+        live = peak = 0
+        for number, change in self.events:
+            if number != skip:
+                live += change
+                peak = max(peak, live)
+        return peak
 
 
 def test_worked_example():
@@ -90,6 +178,97 @@ def test_rows_and_positions_are_checked():
         masked_log_probs(torch.zeros(1, 4), [1], ids, offsets, [-1])
 
 
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_values_and_gradients_match_a_dense_float64_reference(dtype, temperature, tp_size):
+    """Every rank's values, and its slice of the gradient, against the dense
+    log-softmax over the support in float64 of the same (rounded) logits.
+    Row 0's token holds nearly all its support's mass, so its gradient
+    `(1 - p_y) / T` is small: bf16 must keep it to bf16's precision."""
+    rng = np.random.default_rng(5)
+    vocab = 48
+    supports = [rng.choice(vocab, size=n, replace=False).tolist() for n in (1, 5, 12, 8, 2, 1, 9, 3, 6, 4)]
+    positions = [3, 0, 9, 9, 5, 1, 7, 2, 8, 4, 6, 0]  # every token, two of them twice
+    tokens = [supports[p][int(rng.integers(len(supports[p])))] for p in positions]
+    ids, offsets = csr(supports)
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(len(positions), vocab, generator=gen, dtype=torch.float64)
+    logits[0, tokens[0]] += 8
+    logits = logits.to(dtype)
+    weights = torch.rand(len(positions), generator=gen, dtype=torch.float64)
+    exact = logits.to(torch.float64, copy=True).requires_grad_()
+    expected = dense_reference(exact, supports, positions, tokens, temperature)
+    (expected * weights).sum().backward()
+    local = vocab // tp_size
+
+    def rank(k, group):
+        mine = logits[:, k * local : (k + 1) * local].clone().requires_grad_()
+        values = masked_log_probs(mine, tokens, ids, offsets, positions, temperature=temperature, tp_rank=k, tp_group=group)
+        (values * weights.to(values.dtype)).sum().backward()
+        return values.detach(), mine.grad
+
+    results = on_ranks(tp_size, rank)
+    grad = torch.cat([rank_grad for _, rank_grad in results], 1)
+    assert grad.dtype == dtype
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    for values, _ in results:
+        torch.testing.assert_close(values.double(), expected.detach(), atol=tolerance, rtol=0)
+    if dtype == torch.bfloat16:  # within two bf16 steps of the exact gradient rounded to bf16
+        torch.testing.assert_close(grad.double(), exact.grad.to(dtype).double(), atol=1e-9, rtol=2**-6)
+    else:
+        torch.testing.assert_close(grad.double(), exact.grad, atol=tolerance / 10, rtol=0)
+
+
+@pytest.mark.parametrize("tp_size", [1, 8])
+def test_allocates_little_beyond_the_logits_and_their_gradient(tp_size):
+    """At a real vocabulary with bf16 logits, what the log-prob allocates,
+    forward and backward, but for the logits' own gradient, peaks under half
+    the bytes of (each rank's slice of) the logits; a float32 copy of them
+    alone would be twice. The rows are few, so that it runs on a CPU."""
+    rows, temperature = 64, 0.7
+    rng = np.random.default_rng(11)
+    supports = [rng.choice(REAL_VOCAB, size=int(rng.integers(20, 51)), replace=False).tolist() for _ in range(rows)]
+    tokens = [support[int(rng.integers(len(support)))] for support in supports]
+    ids, offsets = csr(supports)
+    logits = torch.randn(rows, REAL_VOCAB, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    local = REAL_VOCAB // tp_size
+
+    def rank(k, group):
+        mine = logits[:, k * local : (k + 1) * local].clone().requires_grad_()
+        with Allocations() as allocations:
+            values = masked_log_probs(mine, tokens, ids, offsets, temperature=temperature, tp_rank=k, tp_group=group)
+            values.sum().backward()
+        return values.detach(), allocations.peak_bytes(leaving_out=mine.grad) / (mine.numel() * mine.element_size())
+
+    results = on_ranks(tp_size, rank)
+    fractions = [fraction for _, fraction in results]
+    assert max(fractions) < 0.5, f"peak allocations as a fraction of each rank's logits: {fractions}"
+    expected = torch.stack([
+        logits[r, token].double() / temperature - torch.logsumexp(logits[r, support].double() / temperature, 0)
+        for r, (token, support) in enumerate(zip(tokens, supports))
+    ])
+    for values, _ in results:
+        torch.testing.assert_close(values.double(), expected, atol=1e-4, rtol=0)
+
+
+def test_nothing_is_read_back_when_the_rows_are_the_masks_tokens():
+    """`positions` omitted with one row per mask token (a batch's response
+    axis): both primitives run, forward and backward, on the meta device,
+    which holds no values, so nothing waits on a value read back from the
+    GPU. With `positions` on the device, the entry count is read back once."""
+    rng = np.random.default_rng(3)
+    supports = [rng.choice(40, size=int(rng.integers(1, 10)), replace=False).tolist() for _ in range(12)]
+    ids, offsets = (t.to("meta") for t in csr(supports))
+    tokens = torch.tensor([s[-1] for s in supports], device="meta")
+    logits = torch.empty(12, 40, device="meta", requires_grad=True)
+    masked_log_probs(logits, tokens, ids, offsets, temperature=0.8).sum().backward()
+    assert logits.grad.shape == logits.shape and logits.grad.dtype == logits.dtype
+    assert dense_support_mask(logits, ids, offsets, None).shape == logits.shape
+    with pytest.raises(NotImplementedError, match="meta"):
+        masked_log_probs(logits, tokens, ids, offsets, torch.arange(12, device="meta"))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the primitives on CUDA")
 def test_primitives_on_the_gpu_match_the_cpu():
     rng = np.random.default_rng(8)
@@ -102,3 +281,14 @@ def test_primitives_on_the_gpu_match_the_cpu():
     assert torch.allclose(on_gpu.cpu(), on_cpu, atol=1e-5)
     dense = dense_support_mask(logits.cuda()[:, 32:], ids.cuda(), offsets.cuda(), torch.arange(32).cuda(), tp_rank=1)
     assert torch.equal(dense.cpu(), dense_support_mask(logits[:, 32:], ids, offsets, torch.arange(32), tp_rank=1))
+    # With every input on the GPU and one row per mask token, nothing synchronizes with the host.
+    on_gpu = logits.cuda().requires_grad_()
+    tokens, ids, offsets = torch.tensor(tokens).cuda(), ids.cuda(), offsets.cuda()
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        masked_log_probs(on_gpu, tokens, ids, offsets, temperature=0.8).sum().backward()
+        dense_support_mask(on_gpu, ids, offsets, None)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
