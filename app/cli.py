@@ -99,6 +99,19 @@ def show_fingerprints(key_files: tuple[str, ...]) -> None:
             raise click.ClickException(str(exc)) from None
 
 
+def _device_present(ctx: click.Context, param: click.Parameter, device: str) -> str:
+    """Refuse a device torch cannot use before anything starts (torch is
+    imported only when the device is not the CPU)."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.BadParameter(
+                f"cuda needs a CUDA device torch can use: expected torch.cuda.is_available() to be True, "
+                f"got False (torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+    return device
+
+
 @main.command()
 @click.option("--producers", default=2, show_default=True, help="Synthetic producer daemons.")
 @click.option("--trajectories", default=24, show_default=True, help="Trajectories per producer (whole groups).")
@@ -108,7 +121,7 @@ def show_fingerprints(key_files: tuple[str, ...]) -> None:
 @click.option("--abort-rate", default=0.1, show_default=True, help="Chance a later turn aborts without supports (a replay gap).")
 @click.option("--retry-rate", default=0.1, show_default=True, help="Chance a trajectory outside a group (--group-size 1) "
               "is discarded (abort) after its first turn and produced again.")
-@click.option("--dp-size", default=2, show_default=True, help="Trainer ranks (DistributedConsumer over gloo, CPU).")
+@click.option("--dp-size", default=2, show_default=True, help="Trainer ranks (DistributedConsumer over gloo).")
 @click.option("--chaos", is_flag=True, help="SIGKILL and restart the broker (3 times), a producer and the trainer's "
               "source rank during the run; the checker must still find nothing wrong.")
 @click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for the run to drain.")
@@ -132,10 +145,14 @@ def show_fingerprints(key_files: tuple[str, ...]) -> None:
 @click.option("--endpoints-file", type=click.Path(dir_okay=False), default=None,
               help="Have the demo's broker write its endpoints here (JSON), so `rollstream top --endpoints-file` in "
                    "another terminal watches it; removed when the demo ends.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              callback=_device_present, help="Where the trainer runs: each rank's step, and the source rank's batch "
+              "validation (the ranks still speak gloo through host memory); with --train the trainer's model, batches, "
+              "replay and steps. Producers sample on the CPU.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary's figures as one JSON line (after the "
               "table; with --train, instead of it).")
 def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int | None, group_filter: str | None,
-         **options) -> None:
+         device: str, **options) -> None:
     """Run the whole pipeline on loopback with embedded defaults: a broker,
     synthetic producers and a trainer of --dp-size ranks that validates,
     takes a mock step and commits every batch, with live progress, a
@@ -152,7 +169,7 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int |
                                  batch_groups=options["batch_size"], turns=options["turns"],
                                  plot=plot or None, keep_data=options["keep_data"], chaos=options["chaos"],
                                  max_staleness=max_staleness, group_filter=group_filter,
-                                 endpoints_file=options["endpoints_file"],
+                                 endpoints_file=options["endpoints_file"], device=device,
                                  progress=(lambda line: None) if as_json else click.echo)
         click.echo(json.dumps(summary) if as_json else train_summary_table(summary))
         return
@@ -166,7 +183,7 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int |
     console = Console()
     bars, show = live_progress(console, options["producers"] * options["trajectories"])
     with bars:
-        summary = run_demo(show=show, max_staleness=max_staleness, group_filter=group_filter, **options)
+        summary = run_demo(show=show, max_staleness=max_staleness, group_filter=group_filter, device=device, **options)
     console.print(summary_table(summary))
     if as_json:
         click.echo(json.dumps(summary))

@@ -3,15 +3,16 @@ shown and checked end to end.
 
 The broker and the producers run as real daemons (`rollstream broker`,
 `rollstream producer`) in subprocesses, exactly as on a node; the trainer
-is `--dp-size` rank processes (`rollstream.app.demo_rank`, gloo on the
-CPU), all started by the harness (`rollstream.app.harness`). Producers
-and ranks keep ledgers, and the end-to-end checker (`checker.check`) joins
-them with the broker's dead letters: the run fails when anything
-acknowledged was lost, duplicated, cut short or changed. `--chaos` kills
-the broker, a producer and the trainer's source rank during the run and
-restarts each, as a crash and a supervisor would; the restarted trainer
-is killed again between a commit and its next checkpoint, and resumes
-from that checkpoint (the batches since are trained again, as they were).
+is `--dp-size` rank processes (`rollstream.app.demo_rank`, gloo through
+host memory, each stepping on `--device`), all started by the harness
+(`rollstream.app.harness`). Producers and ranks keep ledgers, and the
+end-to-end checker (`checker.check`) joins them with the broker's dead
+letters: the run fails when anything acknowledged was lost, duplicated,
+cut short or changed. `--chaos` kills the broker, a producer and the
+trainer's source rank during the run and restarts each, as a crash and a
+supervisor would; the restarted trainer is killed again between a commit
+and its next checkpoint, and resumes from that checkpoint (the batches
+since are trained again, as they were).
 """
 from __future__ import annotations
 
@@ -30,12 +31,13 @@ TOP_K = 20  # the synthetic producers' top-k (ProducerSettings.top_k): the padde
 def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, group_size: int = 4, batch_size: int = 4,
              abort_rate: float = 0.1, retry_rate: float = 0.1, dp_size: int = 2, chaos: bool = False, timeout: float = 180.0,
              keep_data: bool = False, max_staleness: int | None = None, group_filter: str | None = None,
-             late_reward_rate: float = 0.2, endpoints_file: str | None = None,
+             late_reward_rate: float = 0.2, endpoints_file: str | None = None, device: str = "cpu",
              show: Callable[[Counts, list[str]], None] | None = None) -> dict[str, Any]:
     """Run the pipeline until every acknowledged trajectory is committed or
     dead-lettered (or `timeout` seconds pass); return the summary, the
-    checker's verdict in it. `show` is called with the progress a few
-    times a second."""
+    checker's verdict in it. The trainer's ranks step on `device`, where
+    the source rank also validates each batch. `show` is called with the
+    progress a few times a second."""
     if trajectories % group_size:
         raise InvalidInput(f"trajectories per producer must be a multiple of group_size (whole groups): "
                          f"expected a multiple of {group_size}, got {trajectories}")
@@ -48,7 +50,7 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
                       endpoints_file=endpoints_file) as node:
         # The trainer writes its policy version after every step; the producers sample at the one they read.
         versions = ("--version-file", str(node.work / "policy.version"))
-        pipeline = Pipeline(node, dp_size=dp_size, batch_size=batch_size, rank_args=versions)
+        pipeline = Pipeline(node, dp_size=dp_size, batch_size=batch_size, rank_args=(*versions, "--device", device))
         pipeline.trainer.start(die_before_commit=faults.trainer_kill_before_commit if faults else 0)
         pipeline.trainer.wait_welcomed(timeout)
         started = time.perf_counter()

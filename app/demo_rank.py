@@ -3,18 +3,21 @@
 crosses between them but gloo's own messages).
 
 Rank 0 owns the `Consumer`; every rank takes its shard through
-`DistributedConsumer` (gloo, CPU), takes a mock training step
-(`masked_log_probs` over random logits on each sample's support, then
+`DistributedConsumer` (gloo), takes a mock training step
+(`masked_log_probs` over random logits on each token's support, then
 backward) and commits collectively, keeping a ledger for the end-to-end
-checker. Every `--checkpoint-every` steps the ranks save a checkpoint (the
-step and the consumer's `state_dict()`, as a real trainer saves them with
-its weights) and seal it; a rank group started where a checkpoint exists
-resumes from it. Rank 0 closes its consumer once the stop file appears,
-which stops every rank; `--die-before-commit K` SIGKILLs rank 0 just before
-its K-th commit, `--die-after-commit K` just after it and `--die-before-seal
-K` between saving checkpoint K and sealing it (the injected trainer faults).
-After every step the source publishes its policy version (the step) to
-the brokers and, with `--version-file`, writes it where the synthetic
+checker. With `--device cuda` the source validates each batch on the GPU
+and every rank steps there; the shards still cross through host memory
+(gloo), so any number of ranks share one GPU. Every `--checkpoint-every`
+steps the ranks save a checkpoint (the step and the consumer's
+`state_dict()`, as a real trainer saves them with its weights) and seal
+it; a rank group started where a checkpoint exists resumes from it. Rank 0
+closes its consumer once the stop file appears, which stops every rank;
+`--die-before-commit K` SIGKILLs rank 0 just before its K-th commit,
+`--die-after-commit K` just after it and `--die-before-seal K` between
+saving checkpoint K and sealing it (the injected trainer faults). After
+every step the source publishes its policy version (the step) to the
+brokers and, with `--version-file`, writes it where the synthetic
 producers read the version their trajectories are sampled at.
 """
 from __future__ import annotations
@@ -33,31 +36,42 @@ import torch.distributed as dist
 
 from rollstream.consumer.batch import Batch
 from rollstream.consumer.client import Consumer, ConsumerClosed
-from rollstream.consumer.distributed import DistributedConsumer
+from rollstream.consumer.distributed import DistributedConsumer, decode_shard, encode_shard
 from rollstream.consumer.primitives import masked_log_probs
 
 
 def mock_step(shard: Batch, generator: torch.Generator) -> float:
-    """A training step's shape without a model: random logits over each
-    sample's own support ids (a local vocabulary, so memory stays small),
-    the masked log-prob of every response token, a loss and its backward."""
-    if not shard.has_mask:
+    """A training step's shape without a model, in one pass over the shard:
+    random logits over each token's own support (row r's vocabulary is its
+    support, column j its j-th id, so memory stays rows x the largest
+    support), the masked log-prob of every response token, a loss and its
+    backward. The mean loss per trained token."""
+    rows = len(shard.response_tokens)
+    if shard.mask_ids is None or shard.mask_offsets is None or not rows:
         return 0.0
-    total, weight = torch.zeros(()), 0
-    for i in range(len(shard)):
-        sample = shard.sample(i)
-        if not len(sample["response_tokens"]):
-            continue
-        vocab, local_ids = torch.unique(sample["mask_ids"].long(), return_inverse=True)
-        tokens = torch.searchsorted(vocab, sample["response_tokens"].long())  # inside their supports: validated
-        logits = torch.randn(len(tokens), len(vocab), generator=generator, requires_grad=True)
-        logp = masked_log_probs(logits, tokens, local_ids, sample["mask_offsets"])
-        loss_mask = sample["loss_mask"].float()
-        loss = -(logp * loss_mask).sum()
-        loss.backward()
-        total += loss.detach()
-        weight += int(loss_mask.sum())
-    return float(total) / max(weight, 1)
+    device = shard.response_tokens.device
+    sizes, ids = shard.support_sizes(), len(shard.mask_ids)
+    owner = torch.repeat_interleave(torch.arange(rows, device=device), sizes, output_size=ids)
+    column = torch.arange(ids, device=device) - shard.mask_offsets[owner]
+    # Each token's column in its row: where its support holds it (inside it: validated).
+    hit = torch.where(shard.mask_ids == shard.response_tokens[owner], column, 0)
+    tokens = torch.zeros(rows, dtype=torch.int64, device=device).scatter_reduce(0, owner, hit, "amax")
+    logits = torch.randn(rows, int(sizes.max()), generator=generator, device=device, requires_grad=True)
+    logp = masked_log_probs(logits, tokens, column, shard.mask_offsets)
+    loss_mask = shard.loss_mask.float()
+    loss = -(logp * loss_mask).sum()
+    loss.backward()
+    return float(loss.detach()) / max(int(loss_mask.sum()), 1)
+
+
+def on_device(shard: Batch, device: torch.device) -> Batch:
+    """`shard` on `device`, as one copy of its packed tensors: a shard
+    arrives where gloo put it (host memory), the source's own stays on its
+    batch's device."""
+    if shard.device.type == device.type:
+        return shard
+    header, payload = encode_shard(shard)
+    return decode_shard(header, payload.to(device))
 
 
 def load_checkpoint(directory: Path) -> dict | None:
@@ -121,10 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-staleness", type=int, default=None,
                         help="the trainer's own staleness bound, in policy versions (lowers the brokers')")
     parser.add_argument("--version-file", help="where the source writes its policy version after every step")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the source validates batches and every rank takes its step")
     parser.add_argument("--curve-secret-key", help="the trainer's own .key_secret: CURVE to the brokers")
     parser.add_argument("--curve-server-key", help="the brokers' public .key")
     args = parser.parse_args(argv)
 
+    device = torch.device(args.device)
     dist.init_process_group("gloo", init_method=f"file://{args.init_file}", rank=args.rank, world_size=args.world,
                             timeout=timedelta(seconds=60))
     client = None
@@ -132,21 +149,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.rank == 0:
         checkpoint = load_checkpoint(checkpoints)
         client = Consumer(args.endpoint, batch_size=args.batch_size, unit="group", vocab_size=args.vocab_size,
-                          device="cpu", on_invalid="quarantine", world_size=args.world,
+                          device=device, on_invalid="quarantine", world_size=args.world,
                           resume=None if checkpoint is None else checkpoint["data"], max_staleness=args.max_staleness,
                           curve_secret_key=args.curve_secret_key, curve_server_key=args.curve_server_key)
         threading.Thread(target=_close_on, args=(Path(args.stop_file), client), daemon=True).start()
-    shards = DistributedConsumer(client, strategy="group", partial_after=args.partial_after, ledger=args.ledger)
+    shards = DistributedConsumer(client, strategy="group", device="cpu", partial_after=args.partial_after,
+                                 ledger=args.ledger)
     state = shards.state_dict()
     if args.rank == 0:
         publish(client, state["step"], args.version_file)
         if state["step"] == 0:  # the first checkpoint: a restart before the next starts from here
             save_checkpoint(checkpoints, 0, state)
-    generator = torch.Generator().manual_seed(args.rank)
+    generator = torch.Generator(device=device).manual_seed(args.rank)
     commits = 0
     try:
         for shard in shards:
-            mock_step(shard, generator)
+            mock_step(on_device(shard, device), generator)
             time.sleep(args.step_seconds)
             if args.rank == 0 and commits + 1 == args.die_before_commit:
                 os.kill(os.getpid(), signal.SIGKILL)

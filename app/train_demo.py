@@ -10,7 +10,11 @@ the bias a trainer that ignores the support would carry. It then takes a
 GRPO-style policy-gradient step (group-normalised advantages, the importance
 ratio against the rollout's truncated log-probs, clipped, each token weighted
 down by how many versions its weights lag the trainer's: `batch.token_versions`),
-writes the new weights for the producers and goes on.
+writes the new weights for the producers and goes on. A batch costs one
+forward pass per weight version it replays and one for the step, its
+sequences padded to the longest; with `device="cuda"` (`rollstream demo
+--train --device cuda`) the model, the batches, the replay and the step
+stay on the GPU, while the producers sample on the CPU.
 
 Every `checkpoint_every` steps it takes a checkpoint (model, optimizer, the
 weight versions it replays with, and the consumer's `state_dict()`; kept in
@@ -44,7 +48,7 @@ import torch
 from rollstream.common.checker import check, read_records
 from rollstream.common.errors import TimedOut
 from rollstream.common.versions import oldest_version
-from rollstream.consumer.batch import Batch
+from rollstream.consumer.batch import Batch, cumsum0, to_device
 from rollstream.consumer.client import Consumer
 from rollstream.consumer.primitives import masked_log_probs
 
@@ -55,16 +59,25 @@ VOCAB = TinyLMConfig().vocab_size
 STALENESS_DECAY = 0.5  # a sampled token's weight in the loss is this to the power of its staleness
 
 
+def _cells(lengths: np.ndarray, first: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) on `device` of `lengths[i]` consecutive cells from
+    column `first[i]` in row `i`, row after row: built from host-known
+    lengths, so nothing is read back from the device."""
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    columns = np.arange(int(lengths.sum())) - np.repeat(cumsum0(lengths)[:-1] - first, lengths)
+    return to_device(rows, device), to_device(columns, device)
+
+
 def response_logits(model: TinyLM, batch: Batch) -> torch.Tensor:
     """`[R, V]`: for every response token of the batch (its response axis),
-    the logits that scored it, from one forward pass per sample."""
-    starts = np.concatenate([[0], np.cumsum(batch.lengths["sequence"])])
-    rows = []
-    for i in range(len(batch)):
-        sequence = batch.tokens[int(starts[i]):int(starts[i + 1])].long()[None]
-        prompt = int(batch.lengths["prompt"][i])
-        rows.append(model(sequence)[0, prompt - 1:-1])
-    return torch.cat(rows)
+    the logits that scored it, from one forward pass over the whole batch.
+    Its sequences are right-padded to the longest: attention is causal, so
+    no real position sees the padding."""
+    sequence = batch.lengths["sequence"]
+    padded = torch.zeros(len(batch), int(sequence.max()), dtype=torch.int64, device=batch.device)
+    padded[_cells(sequence, np.zeros(len(batch), np.int64), batch.device)] = batch.tokens.long()
+    # The logits that score a sample's first response token sit at its last prompt position.
+    return model(padded)[_cells(batch.lengths["response"], batch.lengths["prompt"] - 1, batch.device)]
 
 
 class WeightVersions:
@@ -76,10 +89,10 @@ class WeightVersions:
     checkpoint, and their labels (`12`, where the resumed ones are `e1:12`)
     still find them."""
 
-    def __init__(self, config: TinyLMConfig, keep: int = 16):
+    def __init__(self, config: TinyLMConfig, keep: int = 16, device: str | torch.device = "cpu"):
         self.keep = keep
-        self._states: OrderedDict[str, dict] = OrderedDict()
-        self._scratch = TinyLM(config).eval()
+        self._states: OrderedDict[str, dict] = OrderedDict()  # on the trainer's device, as its model
+        self._scratch = TinyLM(config).to(device).eval()
 
     def add(self, version: str, model: TinyLM) -> None:
         self._states[version] = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
@@ -109,28 +122,38 @@ class Replay:
 
 @torch.no_grad()
 def replay(batch: Batch, versions: WeightVersions, temperature: float) -> Replay:
-    """Recompute every sampled token's log-prob both ways, per trajectory,
-    with the weights named by its (single) weight version."""
-    support, full, truncated = [], [], []
+    """Recompute every sampled token's log-prob both ways with the weights
+    named by its trajectory's (single) weight version: one forward pass per
+    version, over the trajectories it sampled, and one copy to the host."""
+    by_version: dict[str, list[int]] = {}
     skipped = 0
-    worst: tuple[float, str] | None = None
     for i, names in enumerate(batch.weight_versions):
-        model = versions.model(names[0]) if len(set(names)) == 1 else None
-        if model is None:
+        if len(set(names)) == 1:
+            by_version.setdefault(names[0], []).append(i)
+        else:
             skipped += 1
+    support, full, truncated = [], [], []
+    worst: tuple[float, str] | None = None
+    for version, samples in by_version.items():
+        model = versions.model(version)
+        if model is None:
+            skipped += len(samples)
             continue
-        one = batch.select([i])
-        logits = response_logits(model, one)
-        sampled = one.loss_mask.bool()
-        rollout = one.log_probs[sampled].double()
-        masked = masked_log_probs(logits, one.response_tokens, one.mask_ids, one.mask_offsets, temperature=temperature)
-        whole = torch.log_softmax(logits.double() / temperature, dim=-1)
-        whole = whole[torch.arange(len(logits)), one.response_tokens.long()]
-        support.append((masked[sampled].double() - rollout).abs().numpy())
+        part = batch.select(samples)
+        logits = response_logits(model, part)
+        masked = masked_log_probs(logits, part.response_tokens, part.mask_ids, part.mask_offsets,
+                                  temperature=temperature)
+        scaled = logits / temperature  # float32: only the token's log-prob is kept, not a [R, V] log-softmax
+        whole = scaled.gather(1, part.response_tokens.long()[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
+        cut = (part.support_sizes() < logits.shape[1]).to(masked.dtype)
+        # Differences of float32 values, taken on the host in float64: exact, so a replay that matches reads 0.
+        masked_host, whole_host, rollout, cut_host = (
+            torch.stack([masked, whole, part.log_probs, cut])[:, part.loss_mask.bool()].cpu().numpy().astype(np.float64))
+        support.append(np.abs(masked_host - rollout))
+        full.append(np.abs(whole_host - rollout))
+        truncated.append(cut_host == 1)
         if support[-1].size and (worst is None or float(support[-1].max()) > worst[0]):
-            worst = (float(support[-1].max()), names[0])
-        full.append((whole[sampled] - rollout).abs().numpy())
-        truncated.append((one.support_sizes()[sampled] < logits.shape[1]).numpy())
+            worst = (float(support[-1].max()), version)
     return Replay(_concat(support, np.float64), _concat(full, np.float64), _concat(truncated, bool),
                   len(batch) - skipped, skipped, worst)
 
@@ -143,11 +166,13 @@ def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
 def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
     """Each reward minus its group's mean, over the group's standard
     deviation (GRPO); 0 for a group whose rewards are all equal."""
-    groups = int(group_index.max()) + 1 if len(group_index) else 0
-    count = torch.zeros(groups).index_add(0, group_index, torch.ones_like(rewards))
-    mean = torch.zeros(groups).index_add(0, group_index, rewards) / count
+    # One slot per sample holds every group (numbered from 0) without reading the largest number back
+    # from the device; the slots no group uses stay 0 (counted 1, so nothing divides by 0).
+    slots = rewards.new_zeros(len(group_index))
+    count = slots.index_add(0, group_index, torch.ones_like(rewards)).clamp(min=1)
+    mean = slots.index_add(0, group_index, rewards) / count
     centred = rewards - mean[group_index]
-    spread = (torch.zeros(groups).index_add(0, group_index, centred ** 2) / count).sqrt()
+    spread = (slots.index_add(0, group_index, centred ** 2) / count).sqrt()
     return centred / (spread[group_index] + 1e-6)
 
 
@@ -175,8 +200,8 @@ def policy_loss(model: TinyLM, batch: Batch, temperature: float, current: int, c
     logits = response_logits(model, batch)
     new = masked_log_probs(logits, batch.response_tokens, batch.mask_ids, batch.mask_offsets, temperature=temperature)
     ratio = torch.exp(new - batch.log_probs)
-    advantage = torch.repeat_interleave(group_advantages(batch.rewards, batch.group_index),
-                                        torch.as_tensor(batch.lengths["response"]))
+    advantage = torch.repeat_interleave(group_advantages(batch.rewards, batch.group_index), batch.response_lengths,
+                                        output_size=len(batch.response_tokens))
     surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage)
     sampled = batch.loss_mask.bool()
     weight = staleness_weights(batch, current)[sampled]
@@ -240,16 +265,17 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                    top_k: int = 20, top_p: float = 0.95, learning_rate: float = 3e-3, seed: int = 0,
                    plot: str | None = None, progress=print, keep_data: bool = False, chaos: bool = False,
                    checkpoint_every: int = 5, max_staleness: int | None = None, group_filter: str | None = None,
-                   endpoints_file: str | None = None,
-                   starvation_after: float = 20.0) -> dict:
+                   endpoints_file: str | None = None, starvation_after: float = 20.0, device: str = "cpu") -> dict:
     """Run the loop for `steps` batches (fewer if the broker says the run
     starves); return the summary (and write the plot to `plot` when given).
     Raises if any stage fails. With `chaos` the trainer crashes between its
-    second checkpoint and its third and resumes."""
+    second checkpoint and its third and resumes. The trainer (its model,
+    batches, replay and steps) runs on `device`; the producers sample on
+    the CPU."""
     torch.manual_seed(seed)
     torch.set_num_threads(1)  # a model this small gains nothing from a thread pool beside the daemons
-    model = TinyLM(seed=seed)
-    versions = WeightVersions(model.config)
+    model = TinyLM(seed=seed).to(device)
+    versions = WeightVersions(model.config, device=device)
     versions.add("step-0", model)  # the initial weights are version 0: versions are the trainer's steps
     optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
     log = TrainingLog()
@@ -275,7 +301,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
 
         def connect(resume: dict | None, version: int) -> Consumer:
             consumer = Consumer([node.endpoints["consumer"]], batch_size=batch_groups, unit="group", vocab_size=VOCAB,
-                                device="cpu", on_invalid="raise", resume=resume, ledger=ledgers / "trainer.jsonl")
+                                device=device, on_invalid="raise", resume=resume, ledger=ledgers / "trainer.jsonl")
             consumer.set_policy_version(version)
             return consumer
 
@@ -311,7 +337,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                 log.rewards.append(float(batch.rewards.mean()))
                 log.staleness += batch_staleness(batch, step - 1)
                 staleness = token_staleness(batch, step - 1)  # the trainer's version is still step - 1
-                log.token_staleness.append(staleness[batch.loss_mask.bool() & (staleness >= 0)].numpy())
+                log.token_staleness.append(staleness[batch.loss_mask.bool() & (staleness >= 0)].cpu().numpy())
                 optimizer.zero_grad()
                 loss = policy_loss(model, batch, temperature, step - 1)
                 loss.backward()
@@ -376,7 +402,7 @@ def _plot(log: TrainingLog, path: str) -> str | None:
     floor = 1e-12  # a difference of exactly 0 on a log axis
     errors.semilogy(np.maximum(full, floor), ".", markersize=2, label="full vocabulary")
     errors.semilogy(np.maximum(support, floor), ".", markersize=2, label="over the transported support")
-    errors.set(xlabel="sampled token (in batch order)", ylabel="|recomputed - rollout log-prob|",
+    errors.set(xlabel="sampled token (by batch, then weight version)", ylabel="|recomputed - rollout log-prob|",
                title="replaying the sampler's distribution")
     errors.legend(loc="lower center", bbox_to_anchor=(0.5, 0.08))  # between the two bands and the exact zeros
     rewards.plot(range(1, len(log.rewards) + 1), log.rewards)

@@ -12,10 +12,14 @@ and a per-token membership test over Python lists). The two are timed in
 alternation, so both see the same load on a shared machine; the ratio
 compares their best runs (the least disturbed), medians are printed beside.
 Packing the batch (done once per batch anyway, for the trainer) is timed
-separately. With CUDA present, the GPU time of validating a batch of at
-least `--gpu-tokens` (1M) tokens is printed too.
+separately. With CUDA present, validating a batch of at least
+`--gpu-tokens` (1M) tokens on the GPU, and packing and uploading it, are
+timed too: by CUDA events recorded around each run on the stream (a
+host-side clock would count the launch queue, not the work), after
+`--gpu-warmup` untimed runs (the caching allocator's first blocks, lazy
+kernel loading, clocks ramping up), the median of `--gpu-repeat` runs.
 
-usage: python bench/validate.py [--repeat R] [--smoke]
+usage: python bench/validate.py [--repeat R] [--gpu-tokens N] [--gpu-repeat R] [--gpu-warmup W] [--smoke]
 The last line is one JSON object with the headline figures. `--smoke` runs
 it on a tiny batch (and, with CUDA, a small GPU batch), to check the script
 works; its figures mean nothing.
@@ -35,7 +39,7 @@ from procs import parse_args
 from rollstream.consumer import Batch, Delivery, batch_violations
 
 VOCAB = 151_936
-SMOKE = {"trajectories": 4, "repeat": 2, "gpu_tokens": 50_000}  # the sizes of --smoke
+SMOKE = {"trajectories": 4, "repeat": 2, "gpu_tokens": 50_000, "gpu_repeat": 3, "gpu_warmup": 1}  # the sizes of --smoke
 
 
 def deliveries_of(work) -> tuple[list[Delivery], list, list]:
@@ -61,16 +65,29 @@ def deliveries_of(work) -> tuple[list[Delivery], list, list]:
     return out, masks, sampled
 
 
-def timed(fn, repeat: int, sync=lambda: None) -> tuple[float, float]:
-    """(best, median) seconds of `repeat` runs."""
+def timed(fn, repeat: int) -> tuple[float, float]:
+    """(best, median) wall-clock seconds of `repeat` runs on the CPU."""
     times = []
     for _ in range(repeat):
-        sync()
         start = time.perf_counter()
         fn()
-        sync()
         times.append(time.perf_counter() - start)
     return min(times), statistics.median(times)
+
+
+def cuda_timed(fn, repeat: int, warmup: int) -> list[float]:
+    """Seconds of each of `repeat` runs of `fn`, between two CUDA events on
+    the current stream, after `warmup` untimed runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
+    for start, end in marks:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / 1e3 for start, end in marks]
 
 
 def main() -> None:
@@ -78,6 +95,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=9, help="rounds of (3 rollstream runs, 1 seed run)")
     parser.add_argument("--trajectories", type=int, default=64, help="trajectories in the batch")
     parser.add_argument("--gpu-tokens", type=int, default=1_000_000, help="tokens at least in the GPU batch")
+    parser.add_argument("--gpu-repeat", type=int, default=50, help="timed GPU runs (the median is reported)")
+    parser.add_argument("--gpu-warmup", type=int, default=20, help="untimed GPU runs before them")
     args = parse_args(parser, SMOKE)
 
     work = seed_path.make_workload(n_traj=args.trajectories)
@@ -124,13 +143,16 @@ def main() -> None:
         gpu_batch = Batch.from_deliveries(big, device=device)
         gpu_tokens = int(gpu_batch.lengths["response"].sum())
         assert batch_violations(gpu_batch, vocab_size=VOCAB) == []
-        gpu, _ = timed(lambda: batch_violations(gpu_batch, vocab_size=VOCAB), args.repeat, torch.cuda.synchronize)
-        upload, _ = timed(lambda: Batch.from_deliveries(big, device=device), max(3, args.repeat // 3),
-                          torch.cuda.synchronize)
-        print(f"gpu: {gpu_tokens:,}-token batch validated in {gpu * 1e3:.2f} ms "
-              f"({gpu_tokens / gpu / 1e6:.0f} M tokens/s); packed and uploaded in {upload * 1e3:.1f} ms")
-        figures.update(gpu_tokens=gpu_tokens, gpu_validate_s=gpu, gpu_tokens_per_s=round(gpu_tokens / gpu),
-                       gpu_pack_upload_s=upload)
+        gpu_runs = cuda_timed(lambda: batch_violations(gpu_batch, vocab_size=VOCAB), args.gpu_repeat, args.gpu_warmup)
+        upload_runs = cuda_timed(lambda: Batch.from_deliveries(big, device=device), args.gpu_repeat, args.gpu_warmup)
+        gpu, upload = statistics.median(gpu_runs), statistics.median(upload_runs)
+        print(f"gpu ({torch.cuda.get_device_name()}; CUDA events, median of {args.gpu_repeat} runs after "
+              f"{args.gpu_warmup} warm-up): {gpu_tokens:,}-token batch validated in {gpu * 1e3:.3f} ms "
+              f"(best {min(gpu_runs) * 1e3:.3f} ms, {gpu_tokens / gpu / 1e6:.0f} M tokens/s); "
+              f"packed and uploaded in {upload * 1e3:.1f} ms")
+        figures.update(gpu_tokens=gpu_tokens, gpu_validate_s=gpu, gpu_validate_best_s=min(gpu_runs),
+                       gpu_tokens_per_s=round(gpu_tokens / gpu), gpu_pack_upload_s=upload,
+                       gpu_pack_upload_best_s=min(upload_runs), gpu_repeat=args.gpu_repeat, gpu_warmup=args.gpu_warmup)
     print(json.dumps(figures))
 
 

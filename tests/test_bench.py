@@ -2,6 +2,7 @@
 outside the repository (a clone has no `../shared`), and every bench script
 has a `--smoke` size that ends with its one JSON line of figures."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -44,3 +45,17 @@ def test_each_bench_script_runs_at_its_smoke_size_and_ends_with_its_json_line(sc
     assert run.returncode == 0, f"{script} --smoke exited {run.returncode}:\n{run.stderr[-3000:]}"
     figures = json.loads(run.stdout.strip().splitlines()[-1])
     assert isinstance(figures, dict) and figures, figures
+
+
+def test_the_gpu_script_on_a_machine_without_cuda_says_why_it_skipped_in_its_one_json_line():
+    """With no CUDA device visible it installs and runs nothing: its whole
+    output is the JSON line with the reason, and it exits 0."""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1, run.stdout
+    figures = json.loads(lines[0])
+    assert list(figures) == ["skipped"], figures
+    assert figures["skipped"].startswith("no CUDA device: expected torch.cuda.is_available() to be True, got False "
+                                         "(torch "), figures

@@ -20,7 +20,7 @@ CLEAN = {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
 @pytest.mark.slow
 def test_demo_runs_the_pipeline_end_to_end():
     out, summary = demo("--producers", "2", "--trajectories", "8", "--group-size", "1", "--batch-size", "3",
-                        "--retry-rate", "0.5")
+                        "--retry-rate", "0.5", "--device", "cpu")
     assert "lost 0  duplicated 0  partial 0  corrupted 0  unseen 0" in out and "committed" in out
     assert {key: summary[key] for key in CLEAN} == CLEAN
     assert summary["trajectories"] == summary["acked"] == summary["committed"] == 16
@@ -74,6 +74,44 @@ def test_demo_with_a_staleness_bound_and_a_filter_counts_what_it_threw_away_and_
                                                                thrown.get("filtered:all_equal_rewards", 0))
     assert summary["committed"] + summary["stale_dropped"] + summary["filtered"] == summary["acked"] == 48
     assert summary["late_rewards"] > 0 and "late rewards" in out
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_demo_refuses_cuda_where_torch_sees_none_before_anything_starts(monkeypatch, train):
+    import torch
+    from click.testing import CliRunner
+
+    import rollstream.app.demo as demo_module
+    import rollstream.app.train_demo as train_module
+    from rollstream.app.cli import main
+
+    def started(**options):
+        raise AssertionError("nothing may start")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(demo_module, "run_demo", started)
+    monkeypatch.setattr(train_module, "run_train_demo", started)
+    result = CliRunner().invoke(main, ["demo", *(["--train"] if train else []), "--device", "cuda"])
+    assert result.exit_code == 2, (result.exception, result.output)
+    assert ("Invalid value for '--device': cuda needs a CUDA device torch can use: expected "
+            "torch.cuda.is_available() to be True, got False (torch " in result.output), result.output
+
+
+def test_demo_train_hands_its_device_to_the_trainer(monkeypatch):
+    """CPU by default; `--device cuda` where torch sees CUDA reaches `run_train_demo`."""
+    import torch
+    from click.testing import CliRunner
+
+    import rollstream.app.train_demo as train_module
+    from rollstream.app.cli import main
+
+    devices = []
+    monkeypatch.setattr(train_module, "run_train_demo", lambda **options: devices.append(options["device"]) or {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for args in ([], ["--device", "cuda"]):
+        result = CliRunner().invoke(main, ["demo", "--train", "--json", *args])
+        assert result.exit_code == 0, (result.exception, result.output)
+    assert devices == ["cpu", "cuda"]
 
 
 def test_demo_refuses_groups_that_cannot_be_whole():

@@ -5,17 +5,53 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from consumer_helpers import delivery, make_rollout, writable
 
 from rollstream.app.tiny_lm import TinyLM, TinyLMConfig
 from rollstream.app.train_demo import (
     WeightVersions,
     batch_staleness,
     group_advantages,
+    policy_loss,
+    replay,
+    response_logits,
     run_train_demo,
     staleness_weights,
     summary_table,
     token_staleness,
 )
+from rollstream.consumer import Batch, Delivery, masked_log_probs
+
+SMALL = TinyLMConfig(vocab_size=50, d_model=8, layers=1, heads=2, max_len=32)
+
+
+def sampled_batch(models: dict[str, TinyLM], versions: list[tuple[str, ...]]) -> Batch:
+    """A batch of one trajectory per entry of `versions` (its turns' weight
+    versions), each sampled token's log-prob what its first version's model
+    gives over its support, computed the plain way: a forward pass per
+    trajectory."""
+    rng = np.random.default_rng(7)
+    out = []
+    for i, names in enumerate(versions):
+        d = writable(delivery(make_rollout(rng, f"t{i}", turns=len(names), vocab=SMALL.vocab_size,
+                                           sample_index=i).merged()))
+        prompt, response = d.arrays["prompt_tokens"], d.arrays["tokens"]
+        with torch.no_grad():
+            logits = models[names[0]].eval()(torch.as_tensor(np.r_[prompt, response]).long()[None])[0, len(prompt) - 1:-1]
+            logp = masked_log_probs(logits, response, torch.as_tensor(d.arrays["mask_ids"]),
+                                    torch.as_tensor(d.arrays["mask_offsets"])).numpy()
+        d.arrays["log_probs"] = np.where(d.arrays["loss_mask"] == 1, logp, 0).astype(np.float32)
+        out.append(Delivery(d.trajectory_id, {**d.fields, "weight_versions": list(names)}, d.arrays, d.broker))
+    return Batch.from_deliveries(out, device="cpu")
+
+
+def counted_forwards(monkeypatch) -> list[tuple[int, ...]]:
+    """The shape of every `TinyLM` forward pass from now on."""
+    calls: list[tuple[int, ...]] = []
+    forward = TinyLM.forward
+    monkeypatch.setattr(TinyLM, "forward", lambda self, tokens, **kw: calls.append(tuple(tokens.shape)) or forward(
+        self, tokens, **kw))
+    return calls
 
 
 def test_group_advantages_are_rewards_normalised_within_each_group():
@@ -50,6 +86,47 @@ def test_weight_versions_hand_back_the_weights_of_a_kept_version_only():
     assert versions.model("a") is None  # only the last two are kept
     assert torch.equal(versions.model("b")(tokens), models["b"].eval()(tokens))
     assert torch.equal(versions.model("c")(tokens), models["c"].eval()(tokens))
+
+
+def test_response_logits_score_every_response_token_in_one_padded_forward_pass(monkeypatch):
+    """Sequences of different lengths, right-padded into one forward pass,
+    get the logits a forward pass over each sequence alone gives them."""
+    model = TinyLM(SMALL, seed=1).eval()
+    batch = sampled_batch({"a": model}, [("a",), ("a", "a"), ("a", "a", "a")])
+    assert len(set(batch.lengths["sequence"].tolist())) > 1
+    alone = [model(batch.tokens[int(start):int(end)].long()[None])[0, int(prompt) - 1:-1]
+             for start, end, prompt in zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:], batch.lengths["prompt"])]
+    calls = counted_forwards(monkeypatch)
+    logits = response_logits(model, batch)
+    assert calls == [(3, int(batch.lengths["sequence"].max()))]
+    torch.testing.assert_close(logits, torch.cat(alone), rtol=0, atol=1e-5)
+
+
+def test_replay_takes_one_forward_pass_per_weight_version_and_matches_the_sampler(monkeypatch):
+    models = {"a": TinyLM(SMALL, seed=1), "b": TinyLM(SMALL, seed=2), "gone": TinyLM(SMALL, seed=3)}
+    versions = WeightVersions(SMALL)
+    for name in ("a", "b"):
+        versions.add(name, models[name])
+    batch = sampled_batch(models, [("a",), ("b", "b"), ("a", "a"), ("a", "b"), ("gone",)])
+    calls = counted_forwards(monkeypatch)
+    result = replay(batch, versions, temperature=1.0)
+    assert [rows for rows, _ in calls] == [2, 1]  # version a's two trajectories together, then b's
+    assert (result.replayed, result.skipped) == (3, 2)  # two versions in one trajectory; a version no longer kept
+    sampled = int(sum(batch.select([i]).loss_mask.sum() for i in range(3)))
+    assert result.support_diffs.size == result.full_diffs.size == result.truncated.size == sampled
+    assert result.support_diffs.max() < 1e-6 and result.worst is not None and result.worst[1] in ("a", "b")
+    # supports of at most 5 of 50 ids: truncated, so the full vocabulary's log-prob is visibly off
+    assert result.truncated.all() and result.full_diffs.min() > 1e-2
+
+
+def test_the_policy_loss_takes_one_forward_pass_for_the_whole_batch(monkeypatch):
+    model = TinyLM(SMALL, seed=1)
+    batch = sampled_batch({"a": model}, [("a",), ("a", "a"), ("a",)])
+    calls = counted_forwards(monkeypatch)
+    loss = policy_loss(model, batch, temperature=1.0, current=0)
+    loss.backward()
+    assert len(calls) == 1 and torch.isfinite(loss)
+    assert all(parameter.grad is not None for parameter in model.parameters())
 
 
 @pytest.mark.slow
