@@ -550,10 +550,8 @@ class BrokerCore:
         elif message.type == "credit":
             dispatcher.credit(identity, message["n"], message["unit"])
         elif message.type == "revoke":
-            dispatcher.revoke(identity)
-            dispatcher.tell(identity)  # the reply tells the count
             yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "revoked",
-                                                    {"queued": dispatcher.queued_in(consumer.job), **_seq(message)}))
+                                                    {"queued": dispatcher.revoke(identity), **_seq(message)}))
         elif message.type in ("ack", "nack"):
             if consumer.job != DEFAULT_JOB and "trajectory_ids" in message.fields:
                 ids = [job_key(consumer.job, tid) for tid in message["trajectory_ids"]]

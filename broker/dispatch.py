@@ -258,11 +258,14 @@ class Dispatcher:
         else:
             consumer.trajectory_credit += n
 
-    def revoke(self, identity: bytes) -> None:
+    def revoke(self, identity: bytes) -> int:
         """The consumer takes back the credit this connection still holds
-        (it wants it where trajectories wait)."""
+        (it wants it where trajectories wait); returns its job's queued
+        count, told from here on to a connection that asked for counts."""
         consumer = self.consumers[identity]
         consumer.trajectory_credit = consumer.group_credit = 0
+        told = self.tell(identity)
+        return self.queued_in(consumer.job) if told is None else told
 
     def end_leases(self, lease_ids: list[str]) -> tuple[list[Lease], list[str]]:
         """Remove `lease_ids`, whatever ended them (settled, expired, their

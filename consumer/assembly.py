@@ -233,14 +233,6 @@ class Assembler:
         self.outbox += [Outgoing(broker, "revoke", {}) for broker in revokes]
         return grants
 
-    def queued(self, broker: int, queued: int, *, revoked: bool = False) -> None:
-        """What `broker` holds queued now, from a `queued` message, or from
-        a `revoked` one (which also ends the credit the revoke took back)."""
-        if revoked:
-            self.credit.revoked(broker, queued)
-        else:
-            self.credit.told(broker, queued)
-
     # -- deliveries -----------------------------------------------------------
     def delivered(self, broker: int, fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray], now: float) -> None:
         """A decoded `deliver` message."""

@@ -589,7 +589,7 @@ class Consumer:
                 now = Clock.monotonic()
                 # The handshake monitors stay out of the poll (a poll over twice the sockets): read on every pass
                 # while a broker has not welcomed us, else every `MONITOR_SWEEP_EVERY`.
-                if now >= next_sweep or self._sessions.welcomed < len(socks):
+                if now >= next_sweep or self._sessions.ready < len(socks):
                     next_sweep = now + MONITOR_SWEEP_EVERY
                     for watch in watches:
                         if (failure := watch.read()) is not None:

@@ -60,7 +60,7 @@ class Sessions:
         self.hello_timeout = hello_timeout
         self.position = position  # a checkpointing consumer's: its hello names the run, its welcome resumes and seals
         self.sessions = [BrokerSession() for _ in endpoints]
-        self.welcomed = 0  # sessions READY now
+        self.ready = 0  # sessions READY now (the I/O loop reads handshake monitors while any is not)
         self._welcomed: list[int] = []  # brokers welcomed since the last `due`
         self.policy: dict | None = None  # what `publish` last set: sent to every broker once it is welcomed
         self.shares = [1.0 / len(endpoints)] * len(endpoints)  # with it, each broker's part of the capacity
@@ -126,7 +126,7 @@ class Sessions:
                 raise InvalidState(f"rule 'a broker keeps jobs apart' not met: broker {message['broker_id']} at "
                                    f"{endpoint} did not echo job {self.job!r} in its welcome (got {message.get('job')!r}); "
                                    "a broker of this version does")
-            self.welcomed += session.state != SessionState.READY
+            self.ready += session.state != SessionState.READY
             session.state = SessionState.READY
             session.published = None  # a new session (perhaps a new broker): it hears the policy again
             session.heartbeat_interval = message["heartbeat_interval"]
@@ -143,9 +143,9 @@ class Sessions:
         elif kind in ("acked", "nacked"):
             assembler.settled(broker, message["leases"])
         elif kind == "queued":
-            assembler.queued(broker, message["n"])
+            assembler.credit.told(broker, message["n"])
         elif kind == "revoked":
-            assembler.queued(broker, message["queued"], revoked=True)
+            assembler.credit.revoked(broker, message["queued"])
         elif kind == "policy":
             session.bound = message.get("max_staleness")
             if "held" in message.fields:
@@ -164,7 +164,7 @@ class Sessions:
                 log.warning("broker forgot this consumer; saying hello again", extra={"endpoint": endpoint})
                 assembler.lost(broker)
                 session.state = SessionState.NEW
-                self.welcomed -= 1
+                self.ready -= 1
         elif message["code"] == "stale_lease":
             assembler.settled(broker, message.get("leases", ()), stale=True)
         elif message["code"] == "unavailable":
