@@ -572,3 +572,29 @@ def test_a_resumed_lineage_drops_what_abandoned_weights_sampled_and_tells_produc
     dead, _ = Peer(broker.admin).call(frames("dead_letters"))
     assert sorted((item["trajectory_id"], item["reason"]) for item in dead["items"]) == [
         ("ahead", "abandoned"), ("running", "abandoned")]
+
+
+def test_queued_counts_reach_a_consumer_that_asks_and_no_other(broker):
+    """A raw peer whose hello says `queued_counts` hears the count in its
+    welcome and each delivery, a `queued` message when the queue turns
+    empty or not, and `revoked` with it after a `revoke`; a peer that does
+    not ask sees none of the fields."""
+    producer = Peer(broker.producer)
+    producer.call(frames("hello", producer_id="counted"))
+    for k in range(3):
+        assert producer.call(turn(2 * k + 1, f"q{k}", 0, [5], prompt=[1]))[0]["applied"] is True
+        assert producer.call(frames("end", seq=2 * k + 2, trajectory_id=f"q{k}", reward=1.0))[0]["applied"] is True
+    plain, header, _ = delivery_to(broker, "plain")
+    assert "queued" not in header
+    counted = Peer(broker.consumer)
+    welcome, _ = counted.call(frames("hello", consumer_id="counted", queued_counts=True))
+    assert welcome["queued_counts"] is True and welcome["queued"] == 2
+    counted.sock.send_multipart(frames("credit", n=1, unit="trajectory"))
+    header, _ = counted.recv()
+    assert header["type"] == "deliver" and header["queued"] == 1
+    plain.sock.send_multipart(frames("credit", n=1, unit="trajectory"))  # takes the last one
+    news, _ = counted.recv()
+    assert news["type"] == "queued" and news["n"] == 0
+    counted.sock.send_multipart(frames("credit", n=4, unit="trajectory"))
+    revoked, _ = counted.call(frames("revoke", seq=9))
+    assert revoked == {"v": 1, "type": "revoked", "queued": 0, "seq": 9}
