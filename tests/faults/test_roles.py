@@ -224,29 +224,55 @@ def test_a_trainer_source_killed_before_commit_hands_its_leases_on():
     assert report.redelivered >= 1 and report.acked == report.committed == 16
 
 
-def test_a_slow_then_stopped_trainer_pushes_producers_back_within_the_memory_budget():
-    budget = 3 << 20
-    stopped, peaks = [], []
+def test_a_stopped_trainer_keeps_the_broker_within_its_memory_budget_and_its_disk_budget_pushes_producers_back():
+    """Producers go on (at a pace that outlasts the trainer's first steps)
+    while the trainer is stopped: the broker evicts to its store to stay
+    within the memory budget, and once the store passes the disk budget
+    new trajectories are refused `unavailable` until the trainer drains
+    them, so nothing more is acked; then everything drains, nothing lost.
+    What is out on a lease is held beyond the budget (eviction keeps it):
+    memory is held to the budget once the broker counts the stopped
+    trainer lost and takes its leases back."""
+    memory, disk = 1 << 20, 2 << 20  # each trajectory holds about 60 KB in memory and adds about 100 KB on disk
+    pushed_back, held = [], []  # held: (bytes in memory, trajectories leased) while the trainer is stopped
 
-    def stall(pipeline: Pipeline) -> None:
-        if pipeline.status is not None:
-            peaks.append(pipeline.status["bytes_in_memory"])
-        if not stopped and pipeline.counts.committed >= 8:
+    def refused() -> int:
+        return pipeline.status["counters"].get("nacks.producer.unavailable", 0)
+
+    def sampled() -> None:
+        pipeline.poll()
+        held.append((pipeline.status["bytes_in_memory"], pipeline.status["leased"]))
+
+    def watched(seconds: float) -> None:
+        for _ in range(int(seconds / 0.2)):
+            time.sleep(0.2)
+            sampled()
+
+    def stall() -> None:
+        if not pushed_back and pipeline.counts.committed >= 4:
+            assert pipeline.counts.produced < 48, "the producers finished before the trainer stopped: nothing to push back"
             pipeline.trainer.signal(signal.SIGSTOP)
+            wait_for(lambda: sampled() or refused() > 0, 60, "the disk budget to refuse new trajectories", interval=0.2)
+            watched(1.0)  # trajectories opened before the first refusal finish (their turns and ends always enter)
             acked = pipeline.counts.acked
-            # 4 s stopped, sampled all along: "nothing is acked while the trainer is stopped" is a claim about a
-            # stretch of time, so this is a window to watch, not a condition to wait for.
-            for _ in range(20):
-                time.sleep(0.2)
-                pipeline.poll()
-                peaks.append(pipeline.status["bytes_in_memory"])
-            stopped.append(pipeline.counts.acked - acked)
+            # "nothing more is acked while the trainer is stopped" is a claim about a stretch of time: a window to
+            # watch, not a condition to wait for
+            watched(2.0)
+            pushed_back.append((pipeline.counts.acked - acked, pipeline.counts.produced - pipeline.counts.acked))
             pipeline.trainer.signal(signal.SIGCONT)
 
-    with LoopbackNode("rs-fault-", VOCAB, broker_args=(*FAST_BROKER, "--max-memory-bytes", str(budget))) as node:
-        pipeline = started(node, producers=2, trajectories=24, extra=("--response-tokens", "512"), step_seconds=0.2)
-        drained = pipeline.run(240, lambda: stall(pipeline))
+    with LoopbackNode("rs-fault-", VOCAB, broker_args=(*FAST_BROKER, "--max-memory-bytes", str(memory),
+                                                       "--max-disk-bytes", str(disk))) as node:
+        pipeline = started(node, producers=2, trajectories=24, extra=("--response-tokens", "512", "--rate", "3"),
+                           step_seconds=0.2)
+        drained = pipeline.run(240, stall)
         report = finished(pipeline, drained)
-    assert stopped == [0], "producers went on acking while the trainer was stopped and the budget full"
-    assert max(peaks) <= budget, (max(peaks), budget)
+        evicted = pipeline.status["counters"].get("evictions.ended", 0) + pipeline.status["counters"].get("evictions.open", 0)
+    [(acked_while_refused, waiting)] = pushed_back
+    assert acked_while_refused == 0, "producers went on acking new trajectories with the trainer stopped and the disk full"
+    assert waiting > 0, "no producer had a trajectory waiting to enter"
+    unleased = [nbytes for nbytes, leased in held if not leased]
+    assert unleased, "the broker never took the stopped trainer's leases back"
+    assert max(unleased) <= memory, (max(unleased), memory)
+    assert evicted > 0, "the memory budget was never reached: the test shows nothing about it"
     assert report.acked == report.committed == 48
