@@ -157,8 +157,9 @@ def ranges_index(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> tor
 
 
 def gather_index(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`ranges_index` of host-known ranges, built on `device`."""
-    return ranges_index(torch.as_tensor(starts, device=device), torch.as_tensor(lengths, device=device), int(lengths.sum()))
+    """`ranges_index` of host-known ranges, built on `device` (both uploaded in one copy)."""
+    uploaded = to_device_together({"starts": starts, "lengths": lengths}, device)
+    return ranges_index(uploaded["starts"], uploaded["lengths"], int(lengths.sum()))
 
 
 def reward_value(reward, reward_key: str | None, trajectory_id: str) -> float:
@@ -406,15 +407,12 @@ class Batch:
         """`sample_mask_offsets` end to end (R + S entries, a sample's
         response_length + 1 at a time): offsets that stay right whichever
         samples are picked, as the one CSR over the batch does not."""
-        starts = self._cu["response"][:-1]
         counts = self.lengths["response"] + 1  # a sample's offsets share its neighbours' ends
         _, offsets = self._masks()
-        local = offsets[gather_index(starts, counts, self.device)]
-        base = torch.repeat_interleave(
-            offsets[torch.as_tensor(starts, device=self.device)], torch.as_tensor(counts, device=self.device),
-            output_size=len(local),
-        )
-        return local - base
+        ranges = to_device_together({"starts": self._cu["response"][:-1], "counts": counts}, self.device)
+        total = int(counts.sum())
+        local = offsets[ranges_index(ranges["starts"], ranges["counts"], total)]
+        return local - torch.repeat_interleave(offsets[ranges["starts"]], ranges["counts"], output_size=total)
 
     def sample(self, i: int) -> dict[str, Any]:
         """Views of sample `i`'s fields (its mask offsets start at 0)."""
@@ -570,7 +568,7 @@ class Batch:
             "sample_indices": cast(self.sample_indices, "sample_indices"),
         }
         for key, value in rollout_keys(rewards, self.statuses, indices, totals, self.metadata).items():
-            data[key] = torch.from_numpy(value).to(self.device) if isinstance(value, np.ndarray) else value
+            data[key] = to_device(value, self.device) if isinstance(value, np.ndarray) else value
         calls = weight_version_calls(self.weight_versions, self.weight_version_spans, self.lengths["prompt"].tolist())
         if calls is not None:
             data["weight_versions"] = calls

@@ -8,8 +8,9 @@ keep flowing while the trainer computes: a training step easily outlasts
 three heartbeat intervals, after which the broker would call the consumer
 dead and hand its leases to someone else. Polling inside `next()` cannot do
 that. The thread never touches torch: the calling thread builds, validates
-and returns batches, and its `commit`/`release` only queue settlements in the
-shared, lock-guarded `Assembler` and wake the loop.
+(on CUDA on a stream of its own, `UploadStream`) and returns batches, and its
+`commit`/`release` only queue settlements in the shared, lock-guarded
+`Assembler` and wake the loop.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from .assembly import POLICIES, Assembler, Outgoing, Unit
 from .batch import Batch, as_device
 from .position import TrainedBatch, TrainingPosition
 from .session import Sessions
+from .stream import UploadStream
 from .validate import checked_batch, violation_error
 
 log = logging.getLogger("rollstream.consumer")
@@ -158,6 +160,7 @@ class Consumer:
         if not self.endpoints:
             raise InvalidInput(f"give at least one broker endpoint, got {endpoints!r}")
         self.device = as_device(device)
+        self._upload = UploadStream(self.device)  # batches are built and checked beside the trainer's step
         self.vocab_size = vocab_size
         self.on_invalid = on_invalid
         self.reward_key = reward_key
@@ -244,9 +247,10 @@ class Consumer:
             units += self._take(self.batch_size - len(units), deadline, units, partial_at)
             deliveries = [d for unit in units for d in unit.members.values()]
             try:
-                batch, violations, _ = checked_batch(
-                    deliveries, device=self.device, seq=seq, vocab_size=self.vocab_size, reward_key=self.reward_key
-                )
+                with self._upload.side():
+                    batch, violations, _ = checked_batch(
+                        deliveries, device=self.device, seq=seq, vocab_size=self.vocab_size, reward_key=self.reward_key
+                    )
                 if violations and self.on_invalid == "raise":
                     raise violation_error(violations, deliveries)
             except BaseException:  # nothing stays taken without a batch to commit
@@ -269,8 +273,9 @@ class Consumer:
     def _hand(self, seq: int, step: int, deliveries: list) -> Batch:
         """A batch handed back by a resume, as it was: it must validate whole."""
         try:
-            batch, violations, _ = checked_batch(deliveries, device=self.device, seq=seq, vocab_size=self.vocab_size,
-                                                 reward_key=self.reward_key)
+            with self._upload.side():
+                batch, violations, _ = checked_batch(deliveries, device=self.device, seq=seq,
+                                                     vocab_size=self.vocab_size, reward_key=self.reward_key)
             if violations:
                 raise violation_error(violations, deliveries)
         except BaseException:
@@ -286,6 +291,7 @@ class Consumer:
             self._position.handed(step, back=True)
 
     def _handing(self, batch: Batch, deliveries: list, replayed_step: int | None) -> Batch:
+        batch = self._upload.hand_over(batch)
         if self.batch_tokens is not None:  # the budget `Batch.over_budget` compares with
             batch = replace(batch, token_budget=self.batch_tokens)
         by_id = {d.trajectory_id: d.fields for d in deliveries}

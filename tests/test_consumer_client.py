@@ -53,13 +53,16 @@ class ScriptedBroker:
     def welcome(self):
         self.reply("welcome", {"broker_id": "scripted", "lease_timeout": 30.0, "heartbeat_interval": 0.2})
 
+    def close(self):
+        self.sock.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
 
 @pytest.fixture
 def broker():
     scripted = ScriptedBroker()
     yield scripted
-    scripted.sock.close()
-    shutil.rmtree(scripted.dir, ignore_errors=True)
+    scripted.close()
 
 
 def test_client_protocol_conduct(broker):

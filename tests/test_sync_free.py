@@ -229,3 +229,35 @@ def test_the_guard_sees_reads(monkeypatch):
     assert {"Tensor.item", "Tensor.__bool__", "Tensor.tolist", "aten._local_scalar_dense", "aten.nonzero",
             "aten.index with a boolean mask", "aten.repeat_interleave without output_size"} <= kinds, kinds
     assert all(r.where == "outside the package" and r.allowed is None for r in found)
+
+
+class Uploads(TorchDispatchMode):
+    """Records every host-to-device copy: the function it came from, and whether its source is pinned."""
+
+    def __init__(self, found: list[tuple[str, bool]]):
+        super().__init__()
+        self.found = found
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in ("_to_copy", "copy_"):
+            source, target = (args[0], kwargs.get("device")) if name == "_to_copy" else (args[1], args[0].device)
+            if target is not None and torch.device(target).type == "cuda" and source.device.type == "cpu":
+                self.found.append((_site()[0], source.is_pinned()))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: host-to-device copies")
+def test_uploads_come_from_pinned_memory_and_a_shard_takes_one():
+    device = torch.device("cuda", torch.cuda.current_device())
+    found: list[tuple[str, bool]] = []
+    with Uploads(found):
+        batch = Batch.from_deliveries(_deliveries(), device=device)
+        packing = len(found)
+        shard = batch.select([0, 2, 3])
+        assert len(found) == packing + 1, found[packing:]
+        shard.to_train_data()
+        shard.local_mask_offsets()
+    pageable = [where for where, pinned in found if not pinned]
+    assert not pageable, f"uploads from pageable memory: {pageable}"
