@@ -3,10 +3,14 @@
 Every rank holds a `DistributedConsumer` and calls the same methods in the
 same order. The source rank alone owns a `Consumer`: it pulls and validates
 each batch, partitions it (`sharding`), keeps its own shard and sends every
-other rank its shard through the process group's backend (NCCL on GPUs,
-gloo on CPU). A shard crosses as three messages: its kind and two sizes
-(int64), a msgpack header (field names, dtypes, shapes and the host-side per-sample facts) and
-one uint8 payload with every tensor back to back. Nothing is pickled.
+other rank its shard. A shard crosses as three messages: its kind and two
+sizes (int64) and a msgpack header (field names, dtypes, shapes and the
+host-side per-sample facts) over the metadata group, then one uint8 payload
+with every tensor back to back through the process group's backend (NCCL on
+GPUs, gloo on CPU). The metadata group is a gloo group over the same ranks
+(the process group itself when that is gloo), so with NCCL the small
+messages and the agreement collectives stay in host memory, with no copy to
+the GPU and no device sync to read them back. Nothing is pickled.
 `commit` is collective: the ranks check they finished the same batch, then
 the source acks it. Every collective ends the same way on every rank: when
 the source's part raises, the others raise too (`ConsumerClosed` when its
@@ -129,11 +133,15 @@ class DistributedConsumer:
     fails (a `BatchValidationError` under `on_invalid="raise"`, a timeout)
     the source re-raises and every other rank raises `SourceRankFailed` (a
     `RuntimeError`) with its code and message, so no rank waits forever.
+
+    `metadata_group` is the gloo group the sizes, headers and agreement
+    collectives cross, over the same ranks as `group`. By default it is
+    `group` itself when that is gloo, else a gloo group built here.
     """
 
     def __init__(self, client=None, *, src: int = 0, group=None, strategy: str = "balanced", device=None,
                  timeout: float | None = None, partial_after: float | None = None,
-                 ledger: str | os.PathLike | None = None):
+                 ledger: str | os.PathLike | None = None, metadata_group=None):
         if strategy not in STRATEGIES:
             raise InvalidInput(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.group = group
@@ -154,6 +162,7 @@ class DistributedConsumer:
             nccl = dist.get_backend(group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
+        self.metadata_group = self._metadata_group(metadata_group)
         self.rank_tokens: tuple[int, ...] = ()  # per rank, its tokens of the last batch (`imbalance`)
         self._batches: dict[int, Batch] = {}
         # This rank's shards as handed and committed, for the end-to-end checker (`rollstream.common.checker`):
@@ -161,7 +170,30 @@ class DistributedConsumer:
         if self.ledger is not None and client is not None and client.checkpointed and client.resumed_from is not None:
             client.position.record_resume(self.ledger)
 
+    def _metadata_group(self, given):
+        """The gloo group for the metadata: `given` once checked, `group` when
+        that is gloo, else a new gloo group over `group`'s ranks."""
+        ranks = list(range(dist.get_world_size())) if self.group is None else dist.get_process_group_ranks(self.group)
+        if given is not None:
+            size = dist.get_world_size(given)  # -1 on a rank outside it
+            if size != self.world:
+                raise InvalidInput(f"metadata_group must have the data group's size {self.world}, got {size}"
+                                   + (" (this rank is outside it)" if size < 0 else ""))
+            held = sorted(dist.get_process_group_ranks(given))
+            if held != sorted(ranks):
+                raise InvalidInput(f"metadata_group must hold the data group's ranks {sorted(ranks)}, got {held}")
+            backend = dist.get_backend(given)
+            if backend != "gloo":
+                raise InvalidInput(f"metadata_group's backend must be gloo, got {backend}")
+            return given
+        if dist.get_backend(self.group) == "gloo":
+            return self.group
+        # Collective over `ranks` alone: every rank of the group constructs its DistributedConsumers in the same
+        # order, and local synchronization spares the ranks of other groups (other data-parallel groups, say).
+        return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+
     def _global(self, rank: int) -> int:
+        """The global rank of `rank` of `group`: what addresses it in both groups, whatever their numbering."""
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def __iter__(self) -> "DistributedConsumer":
@@ -208,37 +240,48 @@ class DistributedConsumer:
         and backward passes and the collectives FSDP or DDP issue in each
         line up (an empty shard gets only padding)."""
         mine = len(pack_tokens(shard.lengths["sequence"].tolist(), max_tokens))
-        most = torch.tensor([mine], dtype=torch.int64, device=self.device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        most = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.metadata_group)
         return shard.micro_batches(max_tokens, pad_to=int(most))
 
     def _others(self) -> list[int]:
         return [rank for rank in range(self.world) if rank != self.src]
 
     def _send_all(self, messages: dict[int, tuple[int, bytes, torch.Tensor | None]]) -> None:
+        """Every rank's sizes and header over the metadata group, then the
+        payloads over `group`: each group carries a rank's messages in the
+        order it receives them, and no rank's sizes wait behind another
+        rank's payload."""
         requests, in_flight = [], []
+
+        def send(tensor: torch.Tensor, rank: int, group) -> None:
+            if tensor.numel():
+                request = dist.isend(tensor, self._global(rank), group=group)
+                assert request is not None  # None only on a rank outside `group`, which this one is in
+                requests.append(request)
+                in_flight.append(tensor)  # alive until sent
+
         for rank, (kind, header, payload) in messages.items():
-            payload = torch.zeros(0, dtype=torch.uint8) if payload is None else payload.to(self.device)
-            header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
-            sizes = torch.tensor([kind, header_tensor.numel(), payload.numel()], dtype=torch.int64, device=self.device)
-            for tensor in (sizes, header_tensor, payload):
-                if tensor.numel():
-                    request = dist.isend(tensor, self._global(rank), group=self.group)
-                    assert request is not None  # None only on a rank outside `group`, which this one is in
-                    requests.append(request)
-                    in_flight.append(tensor)  # alive until sent
+            header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+            payload_bytes = 0 if payload is None else payload.numel()
+            send(torch.tensor([kind, header_tensor.numel(), payload_bytes], dtype=torch.int64), rank,
+                 self.metadata_group)
+            send(header_tensor, rank, self.metadata_group)
+        for rank, (_, _, payload) in messages.items():
+            if payload is not None:
+                send(payload.to(self.device), rank, self.group)
         for request in requests:
             request.wait()
 
     def _receive(self) -> Batch:
         src = self._global(self.src)
-        sizes = torch.zeros(3, dtype=torch.int64, device=self.device)
-        dist.recv(sizes, src, group=self.group)
+        sizes = torch.zeros(3, dtype=torch.int64)
+        dist.recv(sizes, src, group=self.metadata_group)
         kind, header_bytes, payload_bytes = sizes.tolist()
-        received = torch.empty(header_bytes, dtype=torch.uint8, device=self.device)
+        received = torch.empty(header_bytes, dtype=torch.uint8)
         if header_bytes:
-            dist.recv(received, src, group=self.group)
-        header = bytes(received.cpu().numpy())
+            dist.recv(received, src, group=self.metadata_group)
+        header = bytes(received.numpy())
         if kind != _SHARD:
             _raise_ending(kind, header.decode(), "to produce a batch")
         payload = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
@@ -302,9 +345,9 @@ class DistributedConsumer:
 
     def _same(self, value: int, problem: str, unit: str) -> None:
         """Check every rank passed the same `value` (an all-gather)."""
-        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([value], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(gathered, mine, group=self.group)
+        dist.all_gather(gathered, mine, group=self.metadata_group)
         values = [int(v) for v in gathered]
         if len(set(values)) != 1:
             raise InvalidState(f"{problem} {values}, expected all {value}{unit}")
@@ -327,17 +370,17 @@ class DistributedConsumer:
 
     def _broadcast(self, value: dict) -> dict:
         """The source's `value` (plain data), on every rank."""
-        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        size = torch.zeros(1, dtype=torch.int64)
         packed = b""
         if self.rank == self.src:
             packed = msgpack.packb(value, use_bin_type=True)
             size[0] = len(packed)
-        dist.broadcast(size, self._global(self.src), group=self.group)
-        data = (torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(self.device) if self.rank == self.src
-                else torch.empty(int(size), dtype=torch.uint8, device=self.device))
+        dist.broadcast(size, self._global(self.src), group=self.metadata_group)
+        data = (torch.frombuffer(bytearray(packed), dtype=torch.uint8) if self.rank == self.src
+                else torch.empty(int(size), dtype=torch.uint8))
         if int(size):
-            dist.broadcast(data, self._global(self.src), group=self.group)
-        return msgpack.unpackb(bytes(data.cpu().numpy()), raw=False)
+            dist.broadcast(data, self._global(self.src), group=self.metadata_group)
+        return msgpack.unpackb(bytes(data.numpy()), raw=False)
 
     def close(self) -> None:
         if self.client is not None:

@@ -96,7 +96,11 @@ def masked_log_probs(
     exponentials and the token's logit are all-reduced over the group; the
     gradient reaching each rank's slice is that of the replicated result.
     Every rank expands all support ids and keeps its slice's: a support's ids
-    come in no set order, so a rank cannot find its own by bisection.
+    come in no set order, so a rank cannot find its own by bisection, and
+    compacting to them would read their count back from the device. With
+    `tp_rank` but no group, each row is this slice's share alone (its token's
+    logit where the slice holds it, else 0, less the log of the slice's sum),
+    NaN for a row whose support has no id in the slice.
     """
     if temperature <= 0:
         raise InvalidInput(f"temperature must be positive, got {temperature}")

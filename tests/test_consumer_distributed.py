@@ -4,12 +4,19 @@ Each rank runs this file as a script (no pickling of functions or data):
 rank 0 owns a stand-in client that yields known batches; every rank writes
 its shards in the shard wire format, and the test reassembles them. The
 same processes check the collective commit, the failure and stop signals,
-and the tensor-parallel masked log-prob.
+and the tensor-parallel masked log-prob. With no NCCL here, a second gloo
+group stands in for the metadata group an NCCL data group gets, and every
+torch.distributed call the consumer makes is recorded with its group and
+tensors; a one-process world in the test's own process checks which
+metadata group the consumer picks.
 """
+import hashlib
+import inspect
 import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,6 +27,9 @@ import torch
 STRATEGIES = ("round_robin", "balanced", "group")
 BATCHES = 2
 VOCAB_TP = 24
+MICRO_TOKENS = 200
+# What the consumer may call in torch.distributed with a group; the side-group worker records each call.
+SPIED = ("send", "isend", "recv", "irecv", "broadcast", "all_gather", "all_gather_into_tensor", "all_reduce", "barrier")
 
 
 def known_batches(seed: int):
@@ -93,20 +103,19 @@ def tp_problem(world: int):
     return logits, supports, tokens
 
 
-def worker(rank: int, world: int, init_file: str, out: Path) -> None:
-    import torch.distributed as dist
-
-    from rollstream.common.mask import SamplingMask
-    from rollstream.consumer import DistributedConsumer, masked_log_probs
+def deliver(rank: int, world: int, out: Path, **options) -> tuple[dict, object]:
+    """Every strategy's batches to this rank (of the data group, `world`
+    ranks) through a `DistributedConsumer(**options)`: its shards written to
+    `out`, the failure it saw, its micro-batch counts and, on the source,
+    what was committed. Also the last consumer."""
+    from rollstream.consumer import DistributedConsumer
     from rollstream.consumer.distributed import encode_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
     report = {}
     for strategy in STRATEGIES:
         client = StandInClient(known_batches(seed=3), world) if rank == 0 else None
-        shards = DistributedConsumer(client, strategy=strategy)
-        failure, failure_kind = None, None
+        shards = DistributedConsumer(client, strategy=strategy, **options)
+        failure, failure_kind, micro = None, None, []
         while True:
             try:
                 shard = next(shards)
@@ -121,12 +130,25 @@ def worker(rank: int, world: int, init_file: str, out: Path) -> None:
             header, payload = encode_shard(shard)
             (out / f"{strategy}-{shard.seq}-{rank}.hdr").write_bytes(header)
             (out / f"{strategy}-{shard.seq}-{rank}.bin").write_bytes(payload.numpy().tobytes())
+            micro.append(len(shards.micro_batches(shard, MICRO_TOKENS)))
             shards.commit(shard, step=10 + shard.seq)
-        report[strategy] = {"failure": failure, "failure_kind": failure_kind,
+        report[strategy] = {"failure": failure, "failure_kind": failure_kind, "micro": micro,
                             "committed": client.committed if client else None}
+    return report, shards
+
+
+def worker(rank: int, world: int, init_file: str, out: Path) -> None:
+    import torch.distributed as dist
+
+    from rollstream.common.mask import SamplingMask
+    from rollstream.consumer import DistributedConsumer, masked_log_probs
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    report, shards = deliver(rank, world, out)
     report["state"] = shards.state_dict()  # collective: the source's, on every rank
     shards.sealed(11)
-    report["sealed"] = client.sealed_steps if client else None
+    report["sealed"] = shards.client.sealed_steps if shards.client else None
     # The source's client closed by another thread while the ranks hold a batch: its commit and seal end
     # every rank's collective with ConsumerClosed, so no rank waits on a source that stopped.
     closing = StandInClient(known_batches(seed=4)[:1], world) if rank == 0 else None
@@ -153,31 +175,101 @@ def worker(rank: int, world: int, init_file: str, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def run_ranks(world: int, tmp_path: Path) -> list[dict]:
+@contextmanager
+def spying(calls: list, names: dict):
+    """Record each `SPIED` call into torch.distributed: its name, its group
+    (`names` maps a group's id to a label) and its tensors' devices, dtypes
+    and bytes (a digest of the first)."""
+    import torch.distributed as dist
+
+    real = {name: getattr(dist, name) for name in SPIED}
+
+    def spy(name):
+        def call(*args, **kwargs):
+            result = real[name](*args, **kwargs)
+            arguments = inspect.signature(real[name]).bind(*args, **kwargs).arguments
+            tensors = [t for value in arguments.values() for t in (value if isinstance(value, list) else [value])
+                       if isinstance(t, torch.Tensor)]
+            group = arguments.get("group")
+            calls.append({"op": name, "group": names.get(id(group), repr(group)),
+                          "devices": sorted({t.device.type for t in tensors}),
+                          "dtypes": sorted({str(t.dtype) for t in tensors}),
+                          "digest": hashlib.sha256(tensors[0].cpu().numpy().tobytes()).hexdigest() if tensors else None})
+            return result
+        return call
+
+    for name in SPIED:
+        setattr(dist, name, spy(name))
+    try:
+        yield
+    finally:
+        for name, function in real.items():
+            setattr(dist, name, function)
+
+
+def side_group_worker(rank: int, world: int, init_file: str, out: Path) -> None:
+    """Delivery to every rank but 0 (so the data group's source is global
+    rank 1) with a second gloo group over the same ranks as the metadata
+    group, every call recorded; first, metadata groups over other ranks,
+    refused."""
+    import torch.distributed as dist
+
+    from rollstream.common.errors import InvalidInput
+    from rollstream.consumer import DistributedConsumer
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    members = list(range(1, world))
+    data = dist.new_group(members)
+    metadata = dist.new_group(members, backend="gloo")
+    wrong = (dist.new_group(members[:-1], backend="gloo"), dist.new_group(list(range(world - 1)), backend="gloo"))
+    if rank in members:
+        group_rank = dist.get_rank(data)
+        refused = []
+        for group in wrong:
+            try:
+                DistributedConsumer(StandInClient([], len(members)) if group_rank == 0 else None, group=data,
+                                    metadata_group=group)
+            except InvalidInput as exc:
+                refused.append(str(exc))
+        calls: list = []
+        with spying(calls, {id(data): "data", id(metadata): "metadata"}):
+            report, _ = deliver(group_rank, len(members), out, group=data, metadata_group=metadata)
+        report.update(refused=refused, calls=calls)
+        (out / f"report-{group_rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+WORKERS = {"delivery": worker, "side_group": side_group_worker}
+
+
+def run_ranks(world: int, tmp_path: Path, mode: str = "delivery", reporting: int | None = None) -> list[dict]:
+    """Run `WORKERS[mode]` on `world` processes; the reports of the first `reporting` (default all)."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     init = tmp_path / "init"
     procs = [
-        subprocess.Popen([sys.executable, __file__, str(rank), str(world), str(init), str(tmp_path)], env=env,
+        subprocess.Popen([sys.executable, __file__, mode, str(rank), str(world), str(init), str(tmp_path)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for rank in range(world)
     ]
     logs = [p.communicate(timeout=150)[0].decode() for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
-    return [json.loads((tmp_path / f"report-{rank}.json").read_text()) for rank in range(world)]
+    return [json.loads((tmp_path / f"report-{rank}.json").read_text()) for rank in range(reporting or world)]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_shards_reassemble_to_the_batch(world, tmp_path):
+def assert_delivered(reports: list[dict], tmp_path: Path) -> None:
+    """Every strategy's shards, one per rank of `reports`, reassemble to the
+    known batches; every rank saw the source's failure, ran as many
+    micro-batches, and the source committed each batch."""
     from consumer_helpers import assert_same_batch
 
-    from rollstream.common.mask import SamplingMask
-    from rollstream.consumer import Batch, masked_log_probs
+    from rollstream.consumer import Batch
     from rollstream.consumer.distributed import decode_shard
 
-    reports = run_ranks(world, tmp_path)
+    world = len(reports)
     expected = known_batches(seed=3)
     for strategy in STRATEGIES:
         for batch in expected:
@@ -198,6 +290,7 @@ def test_shards_reassemble_to_the_batch(world, tmp_path):
                             assert homes.setdefault(gid, rank) == rank
             joined = Batch.concat(shards)
             assert_same_batch(joined.select(np.argsort(np.array(joined.positions))), batch)
+        assert all(report[strategy]["micro"] == reports[0][strategy]["micro"] for report in reports)
         assert reports[0][strategy]["committed"] == [[b.seq, 10 + b.seq] for b in expected]
         assert reports[0][strategy]["failure"].startswith("ValueError: stand-in failure")
         for report in reports[1:]:
@@ -207,6 +300,15 @@ def test_shards_reassemble_to_the_batch(world, tmp_path):
                                                           "ValueError: stand-in failure")
             assert report[strategy]["failure_kind"] == {"runtime_error": True, "code": "client_failed"}
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_shards_reassemble_to_the_batch(world, tmp_path):
+    from rollstream.common.mask import SamplingMask
+    from rollstream.consumer import masked_log_probs
+
+    reports = run_ranks(world, tmp_path)
+    assert_delivered(reports, tmp_path)
     assert all(report["state"] == {"format": "stand-in", "step": 2, "batches": [{"trajectory_ids": ["a", "b"]}]}
                for report in reports)
     assert reports[0]["sealed"] == [11]
@@ -224,5 +326,92 @@ def test_shards_reassemble_to_the_batch(world, tmp_path):
         assert np.allclose(report["tp"]["grad"], full.grad[:, rank * local : (rank + 1) * local].numpy(), atol=1e-5)
 
 
+@pytest.mark.slow
+def test_metadata_crosses_the_metadata_group_on_the_host(tmp_path):
+    """Sizes, headers, failures and every agreement collective use the
+    metadata group with CPU tensors; the data group carries exactly the
+    payloads, each once."""
+    world = 4
+    reports = run_ranks(world, tmp_path, "side_group", reporting=world - 1)
+    assert_delivered(reports, tmp_path)
+    got = {rank: sorted(hashlib.sha256(path.read_bytes()).hexdigest()
+                        for path in tmp_path.glob(f"*-{rank}.bin") if path.stat().st_size)
+           for rank in range(len(reports))}
+    for rank, report in enumerate(reports):
+        calls = report["calls"]
+        assert {call["group"] for call in calls} == {"data", "metadata"}, calls
+        metadata = [call for call in calls if call["group"] == "metadata"]
+        assert all(call["devices"] == ["cpu"] for call in metadata), metadata
+        assert {call["op"] for call in metadata} == {"isend" if rank == 0 else "recv", "all_gather", "broadcast",
+                                                     "all_reduce"}
+        data = [call for call in calls if call["group"] == "data"]
+        assert all(call["op"] == ("isend" if rank == 0 else "recv") and call["dtypes"] == ["torch.uint8"]
+                   for call in data), data
+        payloads = sorted(digest for other in range(1, len(reports)) for digest in got[other]) if rank == 0 else got[rank]
+        assert sorted(call["digest"] for call in data) == payloads
+    # Global ranks 1 and 2 hold the group [1, 2] and [0, 1, 2]; global rank 3 holds neither.
+    inside = ["metadata_group must have the data group's size 3, got 2",
+              "metadata_group must hold the data group's ranks [1, 2, 3], got [0, 1, 2]"]
+    outside = ["metadata_group must have the data group's size 3, got -1 (this rank is outside it)"] * 2
+    assert [report["refused"] for report in reports] == [inside, inside, outside]
+
+
+@pytest.fixture
+def one_rank():
+    """A one-process gloo world in the test's own process, torn down after."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
+
+def test_a_gloo_group_carries_its_own_metadata(one_rank, monkeypatch):
+    from rollstream.consumer import DistributedConsumer
+
+    created = []
+    monkeypatch.setattr(one_rank, "new_group", lambda *args, **kwargs: created.append((args, kwargs)))
+    shards = DistributedConsumer(StandInClient([], 1))
+    assert created == []
+    assert shards.metadata_group is shards.group
+
+
+def test_an_nccl_group_gets_a_gloo_side_group(one_rank, monkeypatch):
+    """The data group read as NCCL: a gloo group over its ranks is built,
+    and the consumer's collectives go through it."""
+    from rollstream.consumer import DistributedConsumer
+
+    real_backend, real_new_group = one_rank.get_backend, one_rank.new_group
+    created = []
+
+    def new_group(*args, **kwargs):
+        created.append(inspect.signature(real_new_group).bind(*args, **kwargs).arguments)
+        return real_new_group(*args, **kwargs)
+
+    monkeypatch.setattr(one_rank, "get_backend", lambda group=None: "nccl" if group is None else real_backend(group))
+    monkeypatch.setattr(one_rank, "new_group", new_group)
+    shards = DistributedConsumer(StandInClient(known_batches(seed=3)[:1], 1), device="cpu")
+    assert [(arguments["ranks"], arguments["backend"]) for arguments in created] == [([0], "gloo")]
+    assert real_backend(shards.metadata_group) == "gloo"
+    calls: list = []
+    with spying(calls, {id(shards.metadata_group): "metadata"}):
+        shard = next(shards)
+        shards.micro_batches(shard, MICRO_TOKENS)
+        shards.commit(shard)
+    assert {(call["op"], call["group"]) for call in calls} == {("all_reduce", "metadata"), ("all_gather", "metadata"),
+                                                                ("broadcast", "metadata")}
+
+
+def test_a_metadata_group_must_be_gloo(one_rank, monkeypatch):
+    from rollstream.common.errors import InvalidInput
+    from rollstream.consumer import DistributedConsumer
+
+    side = one_rank.new_group([0], backend="gloo")
+    real_backend = one_rank.get_backend
+    monkeypatch.setattr(one_rank, "get_backend", lambda group=None: "nccl" if group is side else real_backend(group))
+    with pytest.raises(InvalidInput, match="^metadata_group's backend must be gloo, got nccl$"):
+        DistributedConsumer(StandInClient([], 1), metadata_group=side)
+
+
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))
+    WORKERS[sys.argv[1]](int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))
