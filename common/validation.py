@@ -9,10 +9,11 @@ other read would wait on the device. Positions are searched, reading
 freely, only when a flag is set (`locate_violations`).
 
 The costliest check, each sampled token inside its support, compares every
-id with its token: a repeat and a segment reduction with numpy alone, or,
-where torch is loaded, two prefix sums (torch's are faster than numpy's,
-docs/performance.md; on the host they run on numpy buffers the thread
-reuses).
+id with its token, spread over the ids by a prefix sum of their steps; then
+with numpy alone the hits are paired with the supports by position, and
+where torch is loaded they are counted by a second prefix sum (torch's
+counts booleans faster than numpy's, docs/performance.md; on the host they
+run on numpy buffers the thread reuses).
 
 A packed batch is `S` samples laid end to end: `tokens` holds every sample's
 response tokens, `response_lengths` says how many belong to each, and the mask
@@ -52,11 +53,11 @@ _LONG_SEGMENT = 32  # mean ids per support from which a per-segment reduction is
 class _NumpyOps:
     @staticmethod
     def fast_running_sum() -> bool:
-        """Whether `running_sum` is fast: numpy's prefix sums are slower than
-        a repeat (so spreading tokens over their supports by one does not
-        pay), torch's are not, so they are used on numpy buffers (zero-copy)
-        once the process has loaded torch (the consumer; the broker and
-        producer never do)."""
+        """Whether `running_sum` counts hits fast: torch's prefix sum of a
+        boolean array is, and is used on numpy buffers (zero-copy) once the
+        process has loaded torch (the consumer; the broker and producer never
+        do). numpy's is not, so without torch the hits are paired with their
+        supports instead (`_paired`)."""
         return "torch" in sys.modules
 
     @staticmethod
@@ -76,12 +77,14 @@ class _NumpyOps:
     def running_sum(self, values, dtype: str, name: str):
         """`[0, v0, v0 + v1, ...]` in `dtype` (wrapping on overflow), in the
         scratch buffer `name`."""
-        torch = sys.modules["torch"]
         out = self.scratch(name, len(values) + 1, dtype)
         out[0] = 0
-        target = torch.from_numpy(out[1:])
         source = values.view(np.uint8) if values.dtype == np.bool_ else values
-        torch.cumsum(torch.from_numpy(source), 0, dtype=target.dtype, out=target)
+        torch = sys.modules.get("torch")
+        if torch is None:  # one prefix sum where the hits are paired (`_spread`): numpy's does
+            np.cumsum(source, dtype=out.dtype, out=out[1:])
+        else:
+            torch.cumsum(torch.from_numpy(source), 0, dtype=getattr(torch, dtype), out=torch.from_numpy(out[1:]))
         return out
 
     def equal(self, a, b, name: str):
@@ -385,9 +388,9 @@ def inside_support(tokens, ids, offsets, sizes=None):
         # spread copy of the tokens (cheaper, and far less memory traffic on
         # 4,096-id supports).
         return np.logical_or.reduce(np.equal(ids.reshape(len(sizes), -1), tokens[:, None]), axis=1)
-    if not ops.fast_running_sum():
-        hits = ids == ops.repeat(tokens, sizes, len(ids))
-        if (inside := _paired(hits, offsets)) is not None:  # numpy's prefix sums are slow; torch's are not
+    if not ops.fast_running_sum():  # one int32 prefix sum spreads the tokens (a third of a repeat's cost)
+        hits = ids == _spread(ops, tokens, sizes, offsets, len(ids))
+        if (inside := _paired(hits, offsets)) is not None:  # pairing, not a second prefix sum
             return inside
         return ops.segment_any(hits, offsets)
     return _inside_by_counts(ops, tokens, ids, offsets, sizes)

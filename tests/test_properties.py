@@ -12,6 +12,7 @@ import array
 import dataclasses
 import itertools
 import math
+import sys
 from dataclasses import dataclass
 
 import msgpack
@@ -1234,7 +1235,8 @@ def _membership_case(draw):
 @example(case=([5, 7, 9], [[5, 5], [7, 7], [8]]))
 @example(case=([INT32[0], INT32[1]], [[INT32[0]], [INT32[1], 0]]))
 def test_inside_support_matches_a_python_membership_test_on_every_path(case):
-    """Numpy with and without torch's prefix sums, and torch, all agree with
+    """Numpy counting hits and pairing them, with and without torch loaded,
+    and torch, all agree with
     `token in support` (scan-based spreading must not overflow, uint8 hit
     counts must not wrap)."""
     from unittest import mock
@@ -1251,6 +1253,9 @@ def test_inside_support_matches_a_python_membership_test_on_every_path(case):
         with mock.patch.object(validation._NumpyOps, "fast_running_sum", staticmethod(lambda: fast)):
             assert validation.inside_support(*arrays).tolist() == expected, f"numpy, fast_running_sum={fast}"
             assert not validation.inside_support(wide, *arrays[1:]).any(), f"wide numpy, fast_running_sum={fast}"
+    with mock.patch.dict(sys.modules):  # as in the broker and producers: numpy's prefix sum spreads, hits paired
+        del sys.modules["torch"]
+        assert validation.inside_support(*arrays).tolist() == expected, "numpy without torch"
     assert validation.inside_support(*(torch.from_numpy(a) for a in arrays)).tolist() == expected, "torch"
     assert not validation.inside_support(torch.from_numpy(wide), *(torch.from_numpy(a) for a in arrays[1:])).any()
 
