@@ -9,7 +9,8 @@ payload length): the offset is where its payload starts, `HEADER.size`
 bytes past its header, and is the one every message names.
 
 What the log owns: the record format and its checks, appending (several
-records per `writev`), reading and verifying records at their locations,
+records per `writev`, into blocks reserved ahead of the segment's end and
+given back when it is finished), reading and verifying records at their locations,
 scanning a segment's records, cutting a torn tail (to an end its owner
 knows, or to the end `scan` found), and rotation, numbering and removal of
 files. What its owners keep: what a payload means, and when a finished
@@ -18,8 +19,12 @@ Damage is raised as the owner's error type, naming the file and offset.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import os
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -33,6 +38,30 @@ _PREFIX, _SUFFIX = "seg-", ".log"
 _IOV_MAX = 512  # buffers per writev
 
 Location = tuple[int, int, int]  # segment number, payload offset, payload length
+
+# Blocks reserved past a segment's end before appends reach them. An append
+# that makes the file system allocate its blocks costs several times the
+# copy itself on ext4 (docs/performance.md); into space already reserved it
+# is little more than the copy.
+RESERVE_AHEAD = 16 << 20
+_FALLOC_FL_KEEP_SIZE = 1  # linux/falloc.h: reserve blocks, leave the file's size alone
+
+
+def _fallocate():
+    """libc's `fallocate(2)` (Linux), or None: `os.posix_fallocate` would
+    grow the file's size, which the log reads as where its records end."""
+    if sys.platform != "linux":
+        return None
+    try:
+        call = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    call.restype = ctypes.c_int
+    return call
+
+
+_FALLOCATE = _fallocate()
 
 
 class SegmentDamaged(RollstreamError, ValueError):
@@ -88,6 +117,8 @@ class SegmentLog:
         self._fd: int | None = None  # the current segment's, from `open_current` until `close`
         self._closed_sizes: dict[int, int] = {}  # finished segments never grow, so their sizes are kept
         self._failed = False  # a write to the current segment failed: the next append starts a new one
+        self._reserved = 0  # where the blocks reserved for the current segment end (`_reserve`)
+        self._reserves = _FALLOCATE is not None  # until the file system says it cannot
 
     # -- files ----------------------------------------------------------------
     def path(self, number: int) -> Path:
@@ -114,9 +145,9 @@ class SegmentLog:
         """Open the newest segment for appends, cutting what follows `end`
         (a torn tail: the committed end its owner knows, or `Scan.end`)."""
         self._fd = fd = os.open(self.path(self.current), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        if os.fstat(fd).st_size > end:
+        if os.fstat(fd).st_size >= end:  # at the end too: that gives back blocks a crash left reserved past it
             os.ftruncate(fd, end)
-        self.size = end
+        self.size = self._reserved = end
         self._closed_sizes = {n: self.path(n).stat().st_size for n in self.existing() if n != self.current}
 
     def append(self, records: list[tuple[list, int | None]]) -> list[Location]:
@@ -135,6 +166,8 @@ class SegmentLog:
             locations.append((self.current, offset + HEADER.size, length))
             offset += HEADER.size + length
         start = self.size
+        if offset > self._reserved:
+            self._reserve(fd, offset)
         try:
             for i in range(0, len(buffers), _IOV_MAX):
                 chunk = buffers[i : i + _IOV_MAX]
@@ -144,6 +177,7 @@ class SegmentLog:
                     os.write(fd, b"".join(bytes(memoryview(b)) for b in chunk)[written:])
         except OSError:
             os.ftruncate(fd, start)
+            self._reserved = start
             # A file-size limit below `max_bytes` would fail every later
             # write here too: go on in a new file (an empty one never
             # rotates, so a full disk does not leave a file per attempt).
@@ -152,14 +186,37 @@ class SegmentLog:
         self.size = offset
         return locations
 
+    def _reserve(self, fd: int, end: int) -> None:
+        """Reserve blocks from the segment's end to past `end`: at least
+        `RESERVE_AHEAD`, not past `max_bytes` unless `end` is. Best effort:
+        a file system that cannot is not asked again, and a reservation
+        refused for want of space leaves the write to find out."""
+        if not self._reserves:
+            return
+        target = max(end, min(self.size + RESERVE_AHEAD, self.max_bytes))
+        assert _FALLOCATE is not None  # `_reserves` is False without it
+        if _FALLOCATE(fd, _FALLOC_FL_KEEP_SIZE, self._reserved, target - self._reserved) == 0:
+            self._reserved = target
+        elif ctypes.get_errno() in (errno.EOPNOTSUPP, errno.ENOSYS):
+            self._reserves = False
+
+    def _release(self, fd: int) -> None:
+        """Give back the blocks reserved past the segment's end (a cut to
+        its own size frees them)."""
+        if self._reserved > self.size:
+            os.ftruncate(fd, self.size)
+        self._reserved = self.size
+
     def rotate(self) -> None:
         """Finish the current segment and start the next."""
-        os.close(self._open_fd())
+        fd = self._open_fd()
+        self._release(fd)
+        os.close(fd)
         self._closed_sizes[self.current] = self.size
         self._failed = False
         self.current += 1
         self._fd = os.open(self.path(self.current), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        self.size = 0
+        self.size = self._reserved = 0
 
     def _open_fd(self) -> int:
         if self._fd is None:
@@ -180,8 +237,8 @@ class SegmentLog:
         bytes nothing refers to, deleted with it."""
         number, size = mark
         size = size if number == self.current else 0
-        os.ftruncate(self._open_fd(), size)
-        self.size = size
+        os.ftruncate(self._open_fd(), size)  # which frees the reserved blocks too
+        self.size = self._reserved = size
 
     @property
     def closed(self) -> bool:
@@ -189,6 +246,7 @@ class SegmentLog:
 
     def close(self) -> None:
         if self._fd is not None:
+            self._release(self._fd)
             os.close(self._fd)
             self._fd = None
 

@@ -1,12 +1,15 @@
 """The shared segment log (`rollstream.common.segments`): records round
 trip, damage is refused naming file and offset, a torn tail is cut at the
 end a scan finds, segments rotate; and the owners refuse old formats."""
+import ctypes
+import ctypes.util
+import os
 import struct
 import zlib
 
 import pytest
 
-from rollstream.common.segments import HEADER, MAGIC, SegmentDamaged, SegmentLog
+from rollstream.common.segments import HEADER, MAGIC, RESERVE_AHEAD, SegmentDamaged, SegmentLog
 
 
 def opened(path, max_bytes=1 << 20):
@@ -94,6 +97,65 @@ def test_segments_rotate_at_max_bytes_and_are_removed(tmp_path):
     assert log.path(2).stat().st_size == mark[1]
     log.close()
     assert SegmentLog(tmp_path, 40).current == 2  # reopened, appends continue in the newest
+
+
+def allocated(path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+@pytest.fixture
+def reserving(tmp_path):
+    """Skip unless the file system reserves blocks past a file's end
+    (`fallocate` keeping the size), asked here without the module."""
+    probe = tmp_path / "probe"
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        call = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).fallocate
+        call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        if call(fd, 1, 0, 1 << 20) != 0 or allocated(probe) < 1 << 20:
+            pytest.skip("this file system does not reserve blocks past a file's end")
+    except (OSError, AttributeError):
+        pytest.skip("no fallocate(2) here")
+    finally:
+        os.close(fd)
+        probe.unlink()
+    return tmp_path / "log"
+
+
+def test_appends_go_into_blocks_reserved_ahead_that_a_finished_segment_gives_back(reserving):
+    log = opened(reserving, max_bytes=4 * RESERVE_AHEAD)
+    log.append([([b"a" * 1000], None)])
+    first = log.path(1)
+    assert first.stat().st_size == HEADER.size + 1000  # the size is the records' end: scans stop there
+    assert allocated(first) >= RESERVE_AHEAD
+    log.append([([b"b" * (RESERVE_AHEAD + 10)], None)])  # past what was reserved: reserved again, up to its end
+    assert allocated(first) >= first.stat().st_size
+    log.rotate()
+    assert allocated(first) < first.stat().st_size + (1 << 16), "a finished segment keeps its reserved blocks"
+    log.append([([b"c" * 10], None)])
+    mark = log.mark
+    log.append([([b"d" * 10], None)])
+    log.rewind(mark)
+    second = log.path(2)
+    assert second.stat().st_size == mark[1] and allocated(second) < 1 << 16
+    log.append([([b"e" * 10], None)])
+    assert allocated(second) >= RESERVE_AHEAD
+    log.close()
+    assert allocated(second) < 1 << 16
+
+
+def test_a_segment_left_with_blocks_reserved_reopens_to_its_records(reserving):
+    """A crash leaves the reservation past the end: a scan sees only records."""
+    log = opened(reserving)
+    locations = log.append([([b"first"], None), ([b"second"], None)])
+    os.close(log._fd)  # no `close`: nothing given back
+    reopened = SegmentLog(reserving, 1 << 20)
+    scan = reopened.scan(1)
+    assert [loc for loc, _ in scan.records] == locations and scan.damage is None and not scan.torn
+    reopened.open_current(scan.end)
+    assert [bytes(p) for p in reopened.read_many(locations)] == [b"first", b"second"]
+    reopened.close()
+    assert allocated(reopened.path(1)) < 1 << 16
 
 
 def test_an_old_spool_is_refused_naming_file_and_formats(tmp_path):
