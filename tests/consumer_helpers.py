@@ -70,6 +70,19 @@ def make_rollout(rng: np.random.Generator, tid: str, *, turns: int = 2, mask: bo
     return Rollout(tid, prompt, built, reward=float(rng.normal()), **identity)
 
 
+def replaying_trajectories(rng: np.random.Generator, n: int = 3) -> list[Trajectory]:
+    """One-turn trajectories whose turns carry routed experts (k + 2 rows of [3, 2] for k tokens)."""
+    trajectories = []
+    for i in range(n):
+        t = Trajectory(f"r{i}", [1, 2])
+        k = int(rng.integers(1, 5))
+        t.append_turn(Turn.build(list(range(k)), [-0.5] * k, supports=[[j] for j in range(k)],
+                                 routed_experts=rng.integers(0, 8, size=(k + 2, 3, 2))))
+        t.reward = 0.0
+        trajectories.append(t)
+    return trajectories
+
+
 def delivery(traj: Trajectory, lease: str | None = None, broker: int = 0, **extra) -> Delivery:
     """The `Delivery` a consumer builds from the broker's `deliver` message."""
     lease = lease or f"lease-{traj.trajectory_id}"

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from consumer_helpers import assert_same_batch, delivery, make_rollout
+from consumer_helpers import assert_same_batch, delivery, make_rollout, replaying_trajectories
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -104,15 +104,7 @@ def test_metrics_never_reduce_the_mask():
 
 
 def test_replay_arrays_travel_with_their_samples():
-    rng = np.random.default_rng(11)
-    trajectories = []
-    for i in range(3):
-        t = Trajectory(f"r{i}", [1, 2])
-        k = int(rng.integers(1, 5))
-        t.append_turn(Turn.build(list(range(k)), [-0.5] * k, supports=[[j] for j in range(k)],
-                                 routed_experts=rng.integers(0, 8, size=(k + 2, 3, 2))))
-        t.reward = 0.0
-        trajectories.append(t)
+    trajectories = replaying_trajectories(np.random.default_rng(11))
     batch = batch_of(trajectories)
     data = batch.to_train_data()
     for got, t in zip(data["rollout_routed_experts"], trajectories):

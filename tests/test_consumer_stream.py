@@ -9,11 +9,10 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from consumer_helpers import delivery, make_rollout
+from consumer_helpers import delivery, make_rollout, replaying_trajectories
 from test_consumer_client import ScriptedBroker
 
 import rollstream.consumer.client as client_module
-from rollstream.common.trajectory import Trajectory, Turn
 from rollstream.common.wire import encode_deliver
 from rollstream.consumer import Batch, Consumer
 from rollstream.consumer.stream import UploadStream
@@ -25,16 +24,7 @@ TENSOR_FIELDS = ("tokens", "cu_seqlens", "response_tokens", "response_cu", "prom
 
 
 def replaying_batch() -> Batch:
-    rng = np.random.default_rng(5)
-    trajectories = []
-    for i in range(3):
-        t = Trajectory(f"r{i}", [1, 2])
-        k = int(rng.integers(1, 5))
-        t.append_turn(Turn.build(list(range(k)), [-0.5] * k, supports=[[j] for j in range(k)],
-                                 routed_experts=rng.integers(0, 8, size=(k + 2, 3, 2))))
-        t.reward = 0.0
-        trajectories.append(t)
-    return Batch.from_deliveries([delivery(t) for t in trajectories])
+    return Batch.from_deliveries([delivery(t) for t in replaying_trajectories(np.random.default_rng(5))])
 
 
 class RecordedStream:
