@@ -758,7 +758,12 @@ class Taker:
         """Deliveries until every one of `tids` came and was confirmed, or
         the broker sent nothing for `quiet_ms`."""
         quiet_ms = self.wait_ms if quiet_ms is None else quiet_ms
+        heard = time.monotonic()
         while not set(tids) <= self.confirmed:
-            if not self.sock.poll(quiet_ms):
+            # Polled a heartbeat interval at a time, with `drain` sending the heartbeats: a broker restarted just
+            # before knows nothing of this consumer until one reaches it (and answers `unknown_consumer`).
+            if self.sock.poll(int(self.HEARTBEAT_EVERY * 1000)):
+                heard = time.monotonic()
+            elif time.monotonic() - heard >= quiet_ms / 1000:
                 return
             self.drain()
