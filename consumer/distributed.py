@@ -95,6 +95,16 @@ def _shard_of(doc: dict, payload: torch.Tensor) -> Batch:
                            doc["token_budget"])
 
 
+def _backend_for(group, device_type: str) -> str | None:
+    """The backend `group` uses for tensors on `device_type`: a plain
+    backend for every device it serves (gloo's both, NCCL's CUDA alone), or
+    what a device map such as `cpu:gloo,cuda:nccl` names."""
+    spec = dist.get_backend(group)
+    if ":" not in spec:
+        return spec if spec == "gloo" or (spec, device_type) == ("nccl", "cuda") else None
+    return dict(part.split(":", 1) for part in spec.split(",")).get(device_type)
+
+
 class SourceRankFailed(RollstreamError, RuntimeError):
     """Raised on every other rank when the source rank's `next_batch`
     failed: its code is the source error's (`client_failed` for one that is
@@ -159,7 +169,7 @@ class DistributedConsumer:
         self.timeout = timeout
         self.partial_after = partial_after  # the source's `Consumer.next_batch(partial_after=...)`
         if device is None:
-            nccl = dist.get_backend(group) == "nccl"
+            nccl = _backend_for(group, "cuda") == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
         self.metadata_group = self._metadata_group(metadata_group)
@@ -182,11 +192,11 @@ class DistributedConsumer:
             held = sorted(dist.get_process_group_ranks(given))
             if held != sorted(ranks):
                 raise InvalidInput(f"metadata_group must hold the data group's ranks {sorted(ranks)}, got {held}")
-            backend = dist.get_backend(given)
-            if backend != "gloo":
-                raise InvalidInput(f"metadata_group's backend must be gloo, got {backend}")
+            if _backend_for(given, "cpu") != "gloo":
+                raise InvalidInput(f"metadata_group's backend must be gloo (or map cpu to gloo), got "
+                                   f"{dist.get_backend(given)}")
             return given
-        if dist.get_backend(self.group) == "gloo":
+        if _backend_for(self.group, "cpu") == "gloo":
             return self.group
         # Collective over `ranks` alone: every rank of the group constructs its DistributedConsumers in the same
         # order, and local synchronization spares the ranks of other groups (other data-parallel groups, say).

@@ -409,8 +409,25 @@ def test_a_metadata_group_must_be_gloo(one_rank, monkeypatch):
     side = one_rank.new_group([0], backend="gloo")
     real_backend = one_rank.get_backend
     monkeypatch.setattr(one_rank, "get_backend", lambda group=None: "nccl" if group is side else real_backend(group))
-    with pytest.raises(InvalidInput, match="^metadata_group's backend must be gloo, got nccl$"):
+    with pytest.raises(InvalidInput, match=r"^metadata_group's backend must be gloo \(or map cpu to gloo\), got nccl$"):
         DistributedConsumer(StandInClient([], 1), metadata_group=side)
+
+
+def test_a_device_map_that_sends_host_tensors_over_gloo_carries_its_own_metadata(one_rank, monkeypatch):
+    """`cpu:gloo,cuda:nccl`: the metadata stays on the data group, and shards
+    go to the GPU by default (asked of CUDA, faked here)."""
+    from rollstream.consumer import DistributedConsumer
+
+    created = []
+    monkeypatch.setattr(one_rank, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(one_rank, "new_group", lambda *args, **kwargs: created.append(args))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    shards = DistributedConsumer(StandInClient([], 1))
+    assert created == [] and shards.metadata_group is None  # the default group itself
+    assert shards.device == torch.device("cuda", 0)
+    monkeypatch.setattr(one_rank, "get_backend", lambda group=None: "cpu:nccl,cuda:nccl")
+    DistributedConsumer(StandInClient([], 1), device="cpu")
+    assert len(created) == 1, "a device map without gloo for host tensors gets a side group"
 
 
 if __name__ == "__main__":
