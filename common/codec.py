@@ -302,12 +302,14 @@ BATCH_ALIGN = 8  # every frame of a batched message starts at a multiple of this
 _PADDING = bytes(BATCH_ALIGN)
 
 
-def encode_batch(messages: Sequence[list]) -> list:
+def encode_batch(messages: Sequence[list], body: Callable[[int], memoryview] | None = None) -> list:
     """`[header, body]` of one `batch` carrying `messages` (each an encoded
     message's frames, numbered) in order: their headers in the batch's
     header, every later frame end to end in the body, each padded to start
     at a multiple of `BATCH_ALIGN` so the arrays in it stay aligned. One
-    copy of those frames; one message for both ZeroMQ ends to handle."""
+    copy of those frames; one message for both ZeroMQ ends to handle. With
+    `body`, the body is written into the writable buffer `body(size)` gives
+    (one used again, say), not a new one."""
     entries, pieces, offset = [], [], 0
     for frames in messages:
         lengths = []
@@ -321,7 +323,14 @@ def encode_batch(messages: Sequence[list]) -> list:
             offset += pad + size
         entries.append([frames[0], lengths])
     header = {"v": PROTOCOL_VERSION, "type": "batch", "messages": entries}
-    return [_PACKERS.pack(header), b"".join(pieces)]
+    if body is None:
+        return [_PACKERS.pack(header), b"".join(pieces)]
+    out, start = body(offset), 0
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        out[start:start + view.nbytes] = view
+        start += view.nbytes
+    return [_PACKERS.pack(header), out]
 
 
 # A carried frame adds at most this to a batch besides its bytes: its

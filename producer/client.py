@@ -41,7 +41,7 @@ from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.jobs import DEFAULT_JOB
 from rollstream.common.mask import SamplingMask, as_int_array, owned
 from rollstream.common.messages import BROKER_TO_PRODUCER, PRODUCER_TO_BROKER
-from rollstream.common.sockets import send_frames, tune
+from rollstream.common.sockets import SendBuffers, send_frames, tune
 from rollstream.common.trajectory import TOKEN_DTYPE, Turn
 from rollstream.common.validation import check_message_arrays
 from rollstream.common.wire import encode_turn
@@ -256,6 +256,7 @@ class AsyncProducer:
         self.send_burst = send_burst
         self.pack_arrays = pack_arrays
         self.metrics = ProducerMetrics()
+        self._send_buffers = SendBuffers()  # batches' bodies, used again once sent
         self._session = ProducerSession(  # checks the settings before any file is opened
             producer_id, endpoint, metrics=self.metrics, now=Clock.monotonic(), window=window,
             reply_timeout=reply_timeout, retry_delay=retry_delay, heartbeat_interval=heartbeat_interval,
@@ -492,13 +493,20 @@ class AsyncProducer:
 
     def _send_now(self, frames: list) -> bool:
         """Hand frames to the socket without waiting; False if its queue is
-        full. Large arrays go zero-copy (the session keeps them until settled)."""
+        full. Large arrays go zero-copy (the session keeps them until settled),
+        and so does a batch's body, from one of `_send_buffers`."""
         if self._sock is None:
             raise InternalError("frames are sent only between start and close")
+        lent = self._send_buffers.lent(frames[-1])
         try:
-            send_frames(self._sock, frames, zero_copy_above=_ZERO_COPY_ABOVE)
+            tracker = send_frames(self._sock, frames, zero_copy_above=_ZERO_COPY_ABOVE, track_last=lent is not None)
         except zmq.Again:
+            if lent is not None:
+                self._send_buffers.unsent(lent)
             return False
+        if lent is not None:
+            assert tracker is not None  # a tracked send returns its tracker
+            self._send_buffers.sending(lent, tracker)
         return True
 
     def _pump(self, *, look_again: bool = True) -> None:
@@ -508,7 +516,7 @@ class AsyncProducer:
         if self._sock is None:  # closed
             return
         self._intake.fill_window()
-        self._session.transmit(Clock.monotonic(), self._send_now)
+        self._session.transmit(Clock.monotonic(), self._send_now, self._send_buffers.take)
         if look_again:
             self._read_soon()
 

@@ -296,16 +296,18 @@ class ProducerSession:
                  extra={"endpoint": self.endpoint, "frames": resent})
         return self.hello()
 
-    def transmit(self, now: float, send: Callable[[list], bool]) -> None:
+    def transmit(self, now: float, send: Callable[[list], bool],
+                 body: Callable[[int], memoryview] | None = None) -> None:
         """Hand `send` every frame that may go now, in order: frames ready
         together as batches once the welcome allowed them (`batch_runs`),
-        others alone. Stops at the first message `send` refuses (False)."""
+        others alone, a batch's body written into `body(size)` when given
+        (`encode_batch`). Stops at the first message `send` refuses (False)."""
         window, metrics = self.window, self.metrics
         ready = window.ready(now)
         runs = ([[item] for item in ready] if not self.batch_bytes or len(ready) < 2 else
                 batch_runs(ready, max_items=self.send_burst, max_bytes=self.batch_bytes, item_max_bytes=PACK_UP_TO_BYTES))
         for run in runs:
-            if not send(run[0].frames if len(run) == 1 else encode_batch([item.frames for item in run])):
+            if not send(run[0].frames if len(run) == 1 else encode_batch([item.frames for item in run], body)):
                 break
             for item in run:
                 if item.attempts == 0:
