@@ -247,10 +247,7 @@ class Consumer:
             units += self._take(self.batch_size - len(units), deadline, units, partial_at)
             deliveries = [d for unit in units for d in unit.members.values()]
             try:
-                with self._upload.side():
-                    batch, violations, _ = checked_batch(
-                        deliveries, device=self.device, seq=seq, vocab_size=self.vocab_size, reward_key=self.reward_key
-                    )
+                batch, violations = self._checked(deliveries, seq)
                 if violations and self.on_invalid == "raise":
                     raise violation_error(violations, deliveries)
             except BaseException:  # nothing stays taken without a batch to commit
@@ -270,12 +267,18 @@ class Consumer:
             units = [u for u in units if u.members]
         return self._handing(batch, deliveries, None)
 
+    def _checked(self, deliveries: list, seq: int) -> tuple[Batch, list]:
+        """The batch of `deliveries` and its violations (`checked_batch`),
+        built and checked on the consumer's upload stream."""
+        with self._upload.side():
+            batch, violations, _ = checked_batch(deliveries, device=self.device, seq=seq, vocab_size=self.vocab_size,
+                                                 reward_key=self.reward_key)
+        return batch, violations
+
     def _hand(self, seq: int, step: int, deliveries: list) -> Batch:
         """A batch handed back by a resume, as it was: it must validate whole."""
         try:
-            with self._upload.side():
-                batch, violations, _ = checked_batch(deliveries, device=self.device, seq=seq,
-                                                     vocab_size=self.vocab_size, reward_key=self.reward_key)
+            batch, violations = self._checked(deliveries, seq)
             if violations:
                 raise violation_error(violations, deliveries)
         except BaseException:
