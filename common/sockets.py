@@ -174,16 +174,18 @@ class SendBuffers:
         self._lent = buffer
         return memoryview(buffer)[:size]
 
-    def lent(self, frame) -> bytearray | None:
-        """The buffer `frame` is a view of, when it is the one taken last."""
-        return self._lent if type(frame) is memoryview and frame.obj is self._lent else None
+    def holds(self, frame) -> bool:
+        """Whether `frame` is a view of the buffer taken last (not yet sent)."""
+        return self._lent is not None and type(frame) is memoryview and frame.obj is self._lent
 
-    def sending(self, buffer: bytearray, tracker: zmq.MessageTracker) -> None:
-        """`buffer` went out by reference: idle again once `tracker` is done."""
-        self._sending.append((buffer, tracker))
+    def sending(self, tracker: zmq.MessageTracker) -> None:
+        """The buffer taken last went out by reference: idle again once `tracker` is done."""
+        assert self._lent is not None  # only after a `take`
+        self._sending.append((self._lent, tracker))
         self._lent = None
 
-    def unsent(self, buffer: bytearray) -> None:
-        """`buffer`'s message was not sent: idle again now."""
-        self._idle.append(buffer)
+    def unsent(self) -> None:
+        """The buffer taken last was not sent: idle again now."""
+        assert self._lent is not None  # only after a `take`
+        self._idle.append(self._lent)
         self._lent = None

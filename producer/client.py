@@ -497,16 +497,16 @@ class AsyncProducer:
         and so does a batch's body, from one of `_send_buffers`."""
         if self._sock is None:
             raise InternalError("frames are sent only between start and close")
-        lent = self._send_buffers.lent(frames[-1])
+        pooled = self._send_buffers.holds(frames[-1])
         try:
-            tracker = send_frames(self._sock, frames, zero_copy_above=_ZERO_COPY_ABOVE, track_last=lent is not None)
+            tracker = send_frames(self._sock, frames, zero_copy_above=_ZERO_COPY_ABOVE, track_last=pooled)
         except zmq.Again:
-            if lent is not None:
-                self._send_buffers.unsent(lent)
+            if pooled:
+                self._send_buffers.unsent()
             return False
-        if lent is not None:
+        if pooled:
             assert tracker is not None  # a tracked send returns its tracker
-            self._send_buffers.sending(lent, tracker)
+            self._send_buffers.sending(tracker)
         return True
 
     def _pump(self, *, look_again: bool = True) -> None:
