@@ -110,10 +110,19 @@ def recv_routed(sock: zmq.Socket, flags: int = zmq.NOBLOCK, users: dict[bytes, s
     connection) under its identity."""
     frame = sock.recv(flags, copy=False)
     identity = frame.bytes
-    frames: list[bytes | memoryview] = [identity]
     if users is not None:
         users[identity] = str(frame.get("User-Id"))
-    while frame.more:
+    return _parts_after(sock, frame, flags, [identity])
+
+
+def recv_parts(sock: zmq.Socket, flags: int = zmq.NOBLOCK) -> list:
+    """One message from a DEALER, each frame kept as `recv_routed` keeps it."""
+    return _parts_after(sock, None, flags, [])
+
+
+def _parts_after(sock: zmq.Socket, frame: zmq.Frame | None, flags: int, frames: list) -> list:
+    """`frames` and the parts after `frame` (all of a message when None)."""
+    while frame is None or frame.more:
         frame = sock.recv(flags, copy=False)
         frames.append(frame.buffer if len(frame) > SHARED_RECEIVE_BUFFER_BYTES else frame.bytes)
     return frames

@@ -41,7 +41,7 @@ from rollstream.common.errors import (
 )
 from rollstream.common.jobs import DEFAULT_JOB, check_job
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
-from rollstream.common.sockets import context_for, dealer
+from rollstream.common.sockets import context_for, dealer, recv_parts
 from rollstream.common.versions import version_label
 
 from .assembly import POLICIES, Assembler, Outgoing, Unit
@@ -648,6 +648,6 @@ class Consumer:
 def _drain(sock: zmq.Socket):
     while True:
         try:
-            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            yield recv_parts(sock)
         except zmq.Again:
             return

@@ -41,7 +41,7 @@ from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.jobs import DEFAULT_JOB
 from rollstream.common.mask import SamplingMask, as_int_array, owned
 from rollstream.common.messages import BROKER_TO_PRODUCER, PRODUCER_TO_BROKER
-from rollstream.common.sockets import SendBuffers, send_frames, tune
+from rollstream.common.sockets import SendBuffers, recv_parts, send_frames, tune
 from rollstream.common.trajectory import TOKEN_DTYPE, Turn
 from rollstream.common.validation import check_message_arrays
 from rollstream.common.wire import encode_turn
@@ -537,7 +537,7 @@ class AsyncProducer:
         try:
             while sock is not None and sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]  # an int option; pyzmq types getsockopt int | bytes
                 while sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]  # an int option; pyzmq types getsockopt int | bytes
-                    self._on_message(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                    self._on_message(recv_parts(sock))
                 self._pump(look_again=False)
                 sock = self._sock
         except Exception as exc:  # nothing would settle again: fail loudly rather than hang

@@ -36,7 +36,7 @@ from rollstream.common.clock import Clock
 from rollstream.common.codec import decode, encode
 from rollstream.common.jobs import job_of
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
-from rollstream.common.sockets import SHARED_RECEIVE_BUFFER_BYTES, recv_routed
+from rollstream.common.sockets import SHARED_RECEIVE_BUFFER_BYTES, recv_parts, recv_routed
 from rollstream.common.trajectory import Trajectory, Turn
 from rollstream.common.wire import encode_turn
 
@@ -218,7 +218,7 @@ def test_dispatcher_keeps_its_queue_count_through_splits_retracts_and_requeues()
     assert dispatcher.queued_trajectories == 4
 
 
-def test_small_received_frames_are_copied_out_and_large_ones_kept_zero_copy():
+def test_small_received_frames_are_copied_out_and_large_ones_kept_zero_copy_by_either_end():
     context = zmq.Context()
     try:
         server = context.socket(zmq.ROUTER)
@@ -231,6 +231,16 @@ def test_small_received_frames_are_copied_out_and_large_ones_kept_zero_copy():
         identity, header, got_small, got_large = recv_routed(server)
         assert type(header) is bytes and type(got_small) is bytes and got_small == small
         assert isinstance(got_large, memoryview) and got_large.tobytes() == large
+        # The other way, to a DEALER (consumers and producers): the same parts, each kept the same way.
+        server.send_multipart([identity, b"reply", large, small])
+        server.send_multipart([identity, b"second"])
+        assert client.poll(10_000)
+        reply, got_large, got_small = recv_parts(client)
+        assert reply == b"reply" and type(got_small) is bytes and got_small == small
+        assert isinstance(got_large, memoryview) and got_large.tobytes() == large
+        assert client.poll(10_000) and recv_parts(client) == [b"second"]
+        with pytest.raises(zmq.Again):
+            recv_parts(client)
     finally:
         context.destroy(linger=0)
 
