@@ -19,6 +19,7 @@ client was closed meanwhile, else `SourceRankFailed`).
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Sequence
 
 import msgpack
@@ -93,6 +94,11 @@ def _shard_of(doc: dict, payload: torch.Tensor) -> Batch:
     lengths = {key: np.array(values, dtype=np.int64) for key, values in doc["lengths"].items()}
     return Batch._assemble(doc["seq"], payload.device, ragged, per_sample, tensors.get("mask_offsets"), lengths, host,
                            doc["token_budget"])
+
+
+# The gloo side group of each data group, built once: a consumer made again over the same group (every
+# epoch, say) shares it rather than leaves one more group behind. Gone with the data group.
+_SIDE_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _backend_for(group, device_type: str) -> str | None:
@@ -198,9 +204,13 @@ class DistributedConsumer:
             return given
         if _backend_for(self.group, "cpu") == "gloo":
             return self.group
-        # Collective over `ranks` alone: every rank of the group constructs its DistributedConsumers in the same
-        # order, and local synchronization spares the ranks of other groups (other data-parallel groups, say).
-        return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        data = dist.group.WORLD if self.group is None else self.group
+        side = _SIDE_GROUPS.get(data)
+        if side is None:
+            # Collective over `ranks` alone: every rank of the group constructs its DistributedConsumers in the same
+            # order, and local synchronization spares the ranks of other groups (other data-parallel groups, say).
+            side = _SIDE_GROUPS[data] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        return side
 
     def _global(self, rank: int) -> int:
         """The global rank of `rank` of `group`: what addresses it in both groups, whatever their numbering."""

@@ -400,6 +400,13 @@ def test_an_nccl_group_gets_a_gloo_side_group(one_rank, monkeypatch):
         shards.commit(shard)
     assert {(call["op"], call["group"]) for call in calls} == {("all_reduce", "metadata"), ("all_gather", "metadata"),
                                                                 ("broadcast", "metadata")}
+    # Made again over the same data group (each epoch, say): the side group is shared, not built again.
+    again = DistributedConsumer(StandInClient([], 1), device="cpu")
+    assert again.metadata_group is shards.metadata_group and len(created) == 1
+    other = real_new_group([0], backend="gloo")
+    monkeypatch.setattr(one_rank, "get_backend", lambda group=None: "nccl" if group in (None, other) else real_backend(group))
+    assert DistributedConsumer(StandInClient([], 1), group=other, device="cpu").metadata_group is not shards.metadata_group
+    assert [arguments["ranks"] for arguments in created] == [[0], [0]], "another data group gets its own"
 
 
 def test_a_metadata_group_must_be_gloo(one_rank, monkeypatch):
