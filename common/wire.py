@@ -66,9 +66,10 @@ _IDENTITY = ("group_id", "group_size", "sample_index")
 def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False, may_split: bool = False,
                    **extra: Any) -> list:
     """Frames of a `deliver` message for a finished trajectory (always CRC'd;
-    with `may_pack`, its arrays go in one frame when `worth_packing`; with
-    `may_split`, an array held as large pieces goes a frame per piece,
-    unjoined, `SPLIT_FROM_BYTES`).
+    with `may_split`, an array held as large pieces goes a frame per piece,
+    unjoined, `SPLIT_FROM_BYTES`; with `may_pack`, its arrays go in one
+    frame when `worth_packing`, or when some are held in pieces that would
+    be joined anyway: the pieces are then copied once, into that frame).
 
     `extra` adds optional header fields such as `group_left` or
     `delivery_count`."""
@@ -88,8 +89,21 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
     if trajectory.weight_version_spans:
         fields["weight_version_spans"] = [[list(span) for span in spans] for spans in trajectory.weight_version_spans]
     fields.update(extra)
+    if may_pack:
+        pieces = trajectory.arrays(parts_from=0)  # every array still held in pieces as the list of them
+        if worth_packing(pieces) or _joined_anyway(pieces, SPLIT_FROM_BYTES if may_split else None):
+            return encode(BROKER_TO_CONSUMER, "deliver", fields, pieces, crc=True, packed=True)
     arrays = trajectory.arrays(parts_from=SPLIT_FROM_BYTES if may_split else None)
-    return encode(BROKER_TO_CONSUMER, "deliver", fields, arrays, crc=True, packed=may_pack and worth_packing(arrays))
+    return encode(BROKER_TO_CONSUMER, "deliver", fields, arrays, crc=True)
+
+
+def _joined_anyway(arrays: dict, split_from: int | None) -> bool:
+    """Whether some array is held in pieces and none of them large enough
+    to travel unjoined (`split_from` bytes each on average): sent a frame
+    per array, those pieces would be joined into a new array first."""
+    lists = [pieces for pieces in arrays.values() if isinstance(pieces, list)]
+    return bool(lists) and (split_from is None or all(
+        sum(piece.nbytes for piece in pieces) < split_from * len(pieces) for pieces in lists))
 
 
 def trajectory_from_deliver(message: Message) -> Trajectory:

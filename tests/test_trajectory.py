@@ -403,3 +403,38 @@ def test_arrays_in_parts_are_the_turns_own_pieces_unjoined():
         traj.append_turn(turn)
     assert np.concatenate(split["mask_ids"]).tolist() == traj.arrays()["mask_ids"].tolist() == list(range(1000)) * 3
     assert type(traj.arrays(parts_from=4000)["mask_ids"]) is np.ndarray  # once joined, it is one array
+
+
+def _in_turns(ids_per_turn: int, turns: int = 3) -> Trajectory:
+    """A trajectory of `turns` frozen turns of 10 tokens whose supports hold `ids_per_turn` ids in all."""
+    traj = Trajectory("t", [1])
+    per = ids_per_turn // 10
+    for _ in range(turns):
+        ids = np.arange(ids_per_turn, dtype=np.int32)
+        tokens = np.arange(0, ids_per_turn, per, dtype=np.int32)
+        for array in (ids, tokens):
+            array.flags.writeable = False
+        traj.append_turn(Turn.build(tokens, np.full(10, -0.5, np.float32), mask_ids=ids,
+                                    mask_offsets=np.arange(0, ids_per_turn + 1, per, dtype=np.int64), borrow=True))
+    traj.reward = 1.0
+    return traj
+
+
+def test_a_delivery_held_in_pieces_is_packed_from_them_unless_they_travel_unjoined():
+    # 3 turns of 40 KB of ids: 120 KB, over the 64 KiB packing size, but the pieces would be joined to go a frame each.
+    frames = encode_deliver(_in_turns(10_000), "lease", may_pack=True, may_split=True)
+    assert len(frames) == 2 and msgpack.unpackb(frames[0])["packed"] is True
+    arrays = decode(frames, BROKER_TO_CONSUMER).arrays
+    assert arrays["mask_ids"].tolist() == list(range(10_000)) * 3
+    assert arrays["tokens"].tolist() == list(range(0, 10_000, 1000)) * 3
+    assert arrays["mask_offsets"].tolist() == list(range(0, 30_001, 1000))
+    traj = _in_turns(10_000)
+    encode_deliver(traj, "lease", may_pack=True)
+    assert isinstance(traj.arrays(parts_from=0)["mask_ids"], list), "packing left the trajectory's pieces unjoined"
+    # A consumer that reads no packed deliveries: a frame per array.
+    assert len(encode_deliver(_in_turns(10_000), "lease")) == 1 + 6
+    # 400 KB pieces travel unjoined, a frame each (`may_split`); without it they are joined and packed.
+    large = encode_deliver(_in_turns(100_000), "lease", may_pack=True, may_split=True)
+    assert "packed" not in msgpack.unpackb(large[0]) and len(large) == 1 + 5 + 3
+    assert decode(large, BROKER_TO_CONSUMER).arrays["mask_ids"].tolist() == list(range(100_000)) * 3
+    assert len(encode_deliver(_in_turns(100_000), "lease", may_pack=True)) == 2
