@@ -51,8 +51,9 @@ path's processes (producer, actors, raylet, gcs_server), with Ray's other
 helpers reported apart. Without it, only rollstream runs.
 
 Printed per mode: seconds, MB/s, tokens/s, CPU seconds of the producer
-process(es), of the broker's main thread and of the consumer process, peak
-RSS of each, p50/p99 latency from a trajectory's `end` being handed to the
+process(es), of the broker's main thread and of the consumer process (and
+that split by thread: the trainer's, the consumer's I/O thread, ZeroMQ's),
+peak RSS of each, p50/p99 latency from a trajectory's `end` being handed to the
 producer to its batch being committed, whether every delivered
 trajectory was byte-equal to what was sent, exactly once, and the tokens per
 batch (min, median and max over the batches a limit closed, tails and paced
@@ -71,9 +72,11 @@ import gc
 import hashlib
 import json
 import multiprocessing as mp
+import os
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,6 +189,23 @@ def _producer_main(conn, endpoint: str, samples: int, share: range, turns: int, 
     asyncio.run(run())
 
 
+def _thread_roles() -> dict[str, float]:
+    """CPU seconds this process's threads have spent, by role: the trainer's
+    (main), the consumer's I/O thread, ZeroMQ's threads and any other."""
+    pid, spent = os.getpid(), dict.fromkeys(("main", "io", "zmq", "other"), 0.0)
+    io_thread = next(t.native_id for t in threading.enumerate() if t.name.startswith("rollstream-consumer-"))
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        tid = int(task.name)
+        try:
+            name = (task / "comm").read_text()
+            seconds = thread_cpu(pid, tid)
+        except OSError:  # the thread ended meanwhile
+            continue
+        role = "main" if tid == pid else "io" if tid == io_thread else "zmq" if name.startswith("ZMQ") else "other"
+        spent[role] += seconds
+    return spent
+
+
 def _consumer_main(conn, endpoint: str, batch_size: int, batch_tokens: int | None, ledger: str | None,
                    checkpoint_every: int) -> None:
     from rollstream.consumer import Consumer
@@ -195,6 +215,7 @@ def _consumer_main(conn, endpoint: str, batch_size: int, batch_tokens: int | Non
         conn.send("ready")
         while (job := conn.recv()) is not None:
             tag, expected, partial_after = job
+            threads = _thread_roles()
             cpu = time.process_time()
             committed_at, kept, received = {}, [], 0
             full_batch_tokens, over_budget, widest = [], 0, 0
@@ -215,6 +236,7 @@ def _consumer_main(conn, endpoint: str, batch_size: int, batch_tokens: int | Non
                 for tid in batch.trajectory_ids:
                     committed_at[tid] = now
             cpu = time.process_time() - cpu
+            threads = {role: seconds - threads[role] for role, seconds in _thread_roles().items()}
             seen: dict[str, list[str]] = {}
             for batch in kept:  # outside the clock: what the trainer got, sample by sample
                 for i in range(len(batch)):
@@ -225,8 +247,8 @@ def _consumer_main(conn, endpoint: str, batch_size: int, batch_tokens: int | Non
                               "loss_mask": sample["loss_mask"].numpy(), "mask_ids": sample["mask_ids"].numpy(),
                               "mask_offsets": sample["mask_offsets"].numpy()}
                     seen.setdefault(sample["trajectory_id"], []).append(digest(arrays))
-            conn.send({"cpu": cpu, "committed": committed_at, "digests": seen, "batch_tokens": full_batch_tokens,
-                       "over_budget": over_budget, "batches": len(kept)})
+            conn.send({"cpu": cpu, "threads": threads, "committed": committed_at, "digests": seen,
+                       "batch_tokens": full_batch_tokens, "over_budget": over_budget, "batches": len(kept)})
 
 
 class Rollstream:
@@ -284,8 +306,9 @@ class Rollstream:
         verified = got["digests"].keys() == want.keys() and all(
             digests == [want[tid]] for tid, digests in got["digests"].items())
         return {"seconds": last - first, "producer_cpu": sum(s["cpu"] for s in sent), "broker_cpu": broker_cpu,
-                "consumer_cpu": got["cpu"], "frames": frames, "p50": latencies[len(latencies) // 2],
-                "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], "verified": verified,
+                "consumer_cpu": got["cpu"], "consumer_threads": got["threads"], "frames": frames,
+                "p50": latencies[len(latencies) // 2], "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+                "verified": verified,
                 "batch_tokens": got["batch_tokens"], "over_budget": got["over_budget"], "batches": got["batches"]}
 
     def checked(self) -> dict[str, int] | None:
@@ -447,6 +470,10 @@ def main() -> None:
         summary[f"producer_us_per_frame_{key}"] = round(med(key, "producer_cpu") / frames * 1e6, 1)
         summary[f"broker_us_per_frame_{key}"] = round(med(key, "broker_cpu") / frames * 1e6, 1)
         summary[f"consumer_cpu_s_{key}"] = round(med(key, "consumer_cpu"), 3)
+        by_thread = {role: round(statistics.median(r["consumer_threads"][role] for r in reps), 4)
+                     for role in reps[0]["consumer_threads"]}
+        summary[f"consumer_cpu_by_thread_s_{key}"] = by_thread
+        print(f"{'':<14}consumer CPU by thread (s): " + ", ".join(f"{role} {value:.3f}" for role, value in by_thread.items()))
         summary[f"p50_latency_s_{key}"] = round(med(key, "p50"), 4)
         summary[f"p99_latency_s_{key}"] = round(statistics.median(r["p99"] for r in reps), 4)
         summary[f"rs_peak_rss_mb_{key}"] = round(total_rss, 1)
