@@ -1012,12 +1012,12 @@ class BrokerCore:
 
     def _evict_to_budget(self) -> None:
         """Evict (all of it durable in the store) as far as `MemoryBudget`
-        says, keeping what is out on a lease."""
+        says, what is out on a lease last."""
         engine = self.engine
         self.memory_bytes = engine.bytes_in_memory
         target = self.memory.evict_to(self.memory_bytes)
         if target is not None:
-            evicted = engine.evict(target, keep={lease.trajectory_id for lease in self.dispatcher.leases.values()})
+            evicted = engine.evict(target, leased={lease.trajectory_id for lease in self.dispatcher.leases.values()})
             for state, count in evicted.items():
                 if count:
                     self.metrics.inc(self.metrics.evictions, count, state=state)

@@ -882,22 +882,29 @@ class MergeEngine:
         return Revive(tid)
 
     # -- memory -------------------------------------------------------------
-    def evict(self, target: float, keep: set[str] | frozenset = frozenset()) -> dict[State, int]:
+    def evict(self, target: float, leased: set[str] | frozenset = frozenset()) -> dict[State, int]:
         """Drop merged trajectories' arrays from memory (all are durable in
         the store) until at most `target` bytes are held: ready ones first,
         newest first (consumers take the oldest first, so these are needed
-        last), then open ones, least recently continued first, never
-        those in `keep` (out on a lease). Both are read back when delivered.
+        last), then open ones, least recently continued first, and last
+        those in `leased` (out on a lease: most are acked before they are
+        needed again), newest first. Each is read back when delivered (again).
         An open one keeps merging its next frames meanwhile, shed
         (`Trajectory.shed`: what the merge rules need, no arrays), so a
         busy broker with more open trajectories than its budget holds never
         rebuilds one to merge into it. Open ones must be evictable: were the
         budget full of trajectories waiting for their `end`, and producer
-        frames paused, those ends would never be read. Costs what it evicts
-        (plus the kept ones it passes). Returns how many of each state."""
+        frames paused, those ends would never be read; leased ones too, or a
+        consumer's prefetch would hold the broker over its budget. Costs what
+        it evicts (plus the leased ones it passes). Returns how many of each
+        state."""
         evicted = dict.fromkeys((ENDED, OPEN), 0)
-        for resident in (reversed(self._resident_ready.values()), self._resident_open.values()):
-            for entry in [e for e in resident if e.trajectory_id not in keep]:
+        ready, open_ = self._resident_ready, self._resident_open
+        passes = (lambda: [e for e in reversed(ready.values()) if e.trajectory_id not in leased],
+                  lambda: list(open_.values()),
+                  lambda: [e for e in reversed(ready.values()) if e.trajectory_id in leased])
+        for resident in passes:  # each listed when reached: evicting changes what is resident
+            for entry in resident():
                 if self.bytes_in_memory <= target:
                     return evicted
                 if entry.state == OPEN:

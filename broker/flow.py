@@ -126,8 +126,8 @@ class MemoryBudget:
 
     Sans-I/O like `DiskAdmission`: the service reports what the engine holds
     and asks. Over the budget it evicts (everything evicted is durable in
-    the store) down to `RESUME_FRACTION` of it, keeping what is out on a
-    lease; what it cannot evict pauses producer frames until memory is
+    the store) down to `RESUME_FRACTION` of it, what is out on a lease
+    last; what it cannot evict pauses producer frames until memory is
     below `RESUME_FRACTION` again (hysteresis: the socket does not flap
     around the limit). While paused it keeps evicting above that mark:
     nothing else may ever free memory."""

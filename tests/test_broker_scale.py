@@ -162,12 +162,13 @@ def test_expiry_looks_no_further_than_the_first_recent_entry():
     assert _idle_since(ordered, 0.5) == []
 
 
-def test_eviction_takes_ready_ones_newest_first_then_open_ones_least_recently_continued():
-    """Consumers take ready ones oldest first: the newest are needed last."""
+def test_eviction_takes_ready_ones_newest_first_then_open_ones_least_recently_continued_then_leased_ones():
+    """Consumers take ready ones oldest first: the newest are needed last.
+    Leased ones are mostly acked before they are needed again."""
     engine = MergeEngine()
-    for i, tid in enumerate(["o1", "o2", "r1", "r2", "leased"]):
+    for i, tid in enumerate(["o1", "o2", "r1", "l1", "r2", "l2"]):
         engine.handle(turn_msg(tid, 0, [5] * 100), float(i))
-    for tid in ["r1", "r2", "leased"]:
+    for tid in ["r1", "l1", "r2", "l2"]:
         engine.handle(end_msg(tid), 10.0)
     engine.handle(turn_msg("o1", 1, [5] * 100), 11.0)  # o2 is now the least recently continued
     order = []
@@ -177,13 +178,13 @@ def test_eviction_takes_ready_ones_newest_first_then_open_ones_least_recently_co
 
     while True:
         held = in_memory()
-        engine.evict(engine.bytes_in_memory - 1, keep={"leased"})
+        engine.evict(engine.bytes_in_memory - 1, leased={"l1", "l2"})
         gone = held - in_memory()
         if not gone:
             break
         order += sorted(gone)
-    assert order == ["r2", "r1", "o2", "o1"]
-    assert in_memory() == {"leased"} and engine.evicted_open() == {"o1", "o2"}
+    assert order == ["r2", "r1", "o2", "o1", "l2", "l1"]
+    assert in_memory() == set() and engine.evicted_open() == {"o1", "o2"} and engine.bytes_in_memory == 0
     assert engine.entries["o1"].trajectory.is_shed and engine.entries["r1"].trajectory is None
     check_indexes(engine)
 
@@ -288,11 +289,12 @@ def test_a_long_pass_does_not_drop_a_consumer_whose_heartbeats_wait_unread(tmp_p
         assert not service.core.dispatcher.consumers
 
 
-def test_paused_producers_resume_as_soon_as_an_ack_frees_memory(tmp_path):
-    """A leased trajectory cannot be evicted, so with it out on a lease a
-    second one puts the broker over its budget and producer frames pause.
-    The consumer's ack frees the memory and producers resume in that same
-    pass, with no housekeeping pass (disabled here) in between."""
+def test_a_leased_trajectory_is_evicted_last_and_read_back_when_delivered_again(tmp_path):
+    """Over the budget with one trajectory out on a lease and another
+    arriving, the broker evicts the open one and then the leased one
+    rather than pause producers: a consumer's prefetch does not hold memory.
+    Given back, the leased one is read back from the store and delivered
+    again as it was."""
     with driven_service(tmp_path, max_memory_bytes=20_000) as (service, context):
         service._next_housekeeping = float("inf")
 
@@ -312,19 +314,30 @@ def test_paused_producers_resume_as_soon_as_an_ack_frees_memory(tmp_path):
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "trainer"}))
         until(consumer, BROKER_TO_CONSUMER, "welcome")
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 1, "unit": "trajectory"}))
-        turn = Turn.build(np.arange(3000, dtype=np.int32), np.zeros(3000, np.float32))  # about 30 KB held
+        tokens = np.arange(3000, dtype=np.int32)
+        turn = Turn.build(tokens, np.full(3000, -0.5, np.float32))  # about 30 KB held
         producer.send_multipart(encode_turn("a", 0, turn, seq=0, prompt_tokens=np.ones(4, np.int32)))
         producer.send_multipart(encode(PRODUCER_TO_BROKER, "end", {"seq": 1, "trajectory_id": "a", "reward": 1.0}))
-        lease = until(consumer, BROKER_TO_CONSUMER, "deliver")["lease"]
+        first = until(consumer, BROKER_TO_CONSUMER, "deliver")
+        engine = service.core.engine
+        assert not engine.needs_reload(engine.entries["a"])  # leased, and within the budget: kept
         producer.send_multipart(encode_turn("b", 0, turn, seq=2, prompt_tokens=np.ones(4, np.int32)))
         deadline = time.monotonic() + 10
-        while service.core.memory.reading and time.monotonic() < deadline:
+        while "b" not in engine.entries and time.monotonic() < deadline:
             service.run_once(timeout_ms=20)
-        assert not service.core.memory.reading and service.core.engine.evicted_open() == {"b"}
-        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": [lease]}))
-        until(consumer, BROKER_TO_CONSUMER, "acked")
-        b = service.core.engine.entries["b"].trajectory  # shed: only what merging needs stays
-        assert service.core.memory.reading and b.is_shed and service.core.engine.bytes_in_memory == held_bytes(b)
+        assert engine.evicted_open() == {"b"} and engine.needs_reload(engine.entries["a"])
+        assert service.core.memory.reading and engine.bytes_in_memory <= 20_000
+        reloads = service.metrics.totals["reloads"]
+        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "nack", {"leases": [first["lease"]], "reason": "test",
+                                                                    "requeue": True}))
+        until(consumer, BROKER_TO_CONSUMER, "nacked")
+        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 1, "unit": "trajectory"}))
+        again = until(consumer, BROKER_TO_CONSUMER, "deliver")
+        assert again["trajectory_id"] == "a" and again["delivery_count"] == 2
+        assert again.arrays["tokens"].tolist() == tokens.tolist()
+        assert {name: values.tolist() for name, values in again.arrays.items()} == {
+            name: values.tolist() for name, values in first.arrays.items()}
+        assert service.metrics.totals["reloads"] == reloads + 1
 
 
 def test_a_rebuild_reads_its_turns_opening_each_segment_once(tmp_path, monkeypatch):
