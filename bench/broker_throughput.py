@@ -129,8 +129,10 @@ def _producer(endpoint, shape, window, out, keys=None):
 def _consumer(endpoint, trajectories, credit, out, keys=None):
     """Acks every delivery, as the consumer library does: the deliveries
     read in one go are acked in one message and their credit re-granted
-    in one more (the library merges settlements and grants per broker)."""
-    ctx, sock, _ = _greeted(endpoint, CONSUMER_TO_BROKER, BROKER_TO_CONSUMER, {"consumer_id": "bench"}, keys)
+    in one more (the library merges settlements and grants per broker).
+    Its hello says it reads packed and split arrays, as the library's does."""
+    hello = {"consumer_id": "bench", "packed_arrays": True, "split_arrays": True}
+    ctx, sock, _ = _greeted(endpoint, CONSUMER_TO_BROKER, BROKER_TO_CONSUMER, hello, keys)
     sock.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": credit, "unit": "trajectory"}))
     received, start, tokens = 0, None, 0
     while received < trajectories:
