@@ -37,9 +37,11 @@ sent the stand-ins while measured: credit, acks, heartbeats, ...),
 `sim_consumer_gc_share_<N>` (its garbage collections' time, from
 `gc.callbacks`, over its CPU time),
 `sim_standin_cpu_us_per_traj_<N>`; then
-`received_once` (every rep of every N), `trajectories`, `batch_size`, `reps`.
+`received_once` (every rep of every N), `trajectories`, `batch_size`, `reps`,
+`gc_freeze` (`--gc-freeze`: the consumer's process froze what was alive
+once connected, `gc.freeze()`, as a trainer would after setting up).
 
-    .venv/bin/python bench/fanin_sim.py [--brokers 1,64,1000] [--trajectories 4096] [--batch-size 64] [--reps 3]
+    .venv/bin/python bench/fanin_sim.py [--brokers 1,64,1000] [--trajectories 4096] [--batch-size 64] [--reps 3] [--gc-freeze]
 """
 from __future__ import annotations
 
@@ -334,11 +336,13 @@ class _Collections:
         return self.seconds
 
 
-def _consume(conn, endpoints: list[str], trajectories: int, batch_size: int) -> None:
+def _consume(conn, endpoints: list[str], trajectories: int, batch_size: int, freeze: bool) -> None:
     """The measured consumer: connects (every broker welcomes it), then
     every trajectory in committed batches; its CPU and wall seconds from
     the first request to the last commit, its memory, and how many it got
-    and how many of them were distinct."""
+    and how many of them were distinct. With `freeze`, everything alive
+    once it is connected is moved out of the collector's reach first
+    (`gc.freeze()`), as a trainer would after setting up."""
     from rollstream.consumer import Consumer
     from rollstream.consumer.batch import as_device
 
@@ -354,6 +358,8 @@ def _consume(conn, endpoints: list[str], trajectories: int, batch_size: int) -> 
                 clear.write("5")
         except OSError:
             pass
+        if freeze:
+            gc.freeze()
         _send(conn, "connected")
         _recv(conn, 60, "the bench must say go")
         ids: list[str] = []
@@ -373,7 +379,7 @@ def _consume(conn, endpoints: list[str], trajectories: int, batch_size: int) -> 
                  "received": len(ids), "distinct": len(set(ids))})
 
 
-def one_run(count: int, trajectories: int, batch_size: int) -> dict:
+def one_run(count: int, trajectories: int, batch_size: int, freeze: bool = False) -> dict:
     """N=`count` fresh stand-ins drained by one fresh consumer: its figures and theirs."""
     ctx = mp.get_context("spawn")
     brokers_end, to_brokers = ctx.Pipe()
@@ -384,7 +390,8 @@ def one_run(count: int, trajectories: int, batch_size: int) -> dict:
     brokers_end.close()  # the child's alone now: if it dies, reading here ends at once
     try:
         started = _recv(to_brokers, 120, "the stand-ins must bind")
-        consumer = ctx.Process(target=_consume, args=(consumer_end, started["endpoints"], trajectories, batch_size))
+        consumer = ctx.Process(target=_consume, args=(consumer_end, started["endpoints"], trajectories, batch_size,
+                                                                freeze))
         consumer.start()
         consumer_end.close()
         _recv(to_consumer, 360, "every stand-in must welcome the consumer")
@@ -426,13 +433,15 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=4096, help="ready trajectories in all, dealt over the brokers")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3, help="interleaved rounds over the broker counts")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="the consumer's process calls gc.freeze() once connected, as a trainer would after setup")
     args = parse_args(parser, SMOKE)
     counts = [int(n) for n in str(args.brokers).split(",")]
 
     per: dict[int, list[dict]] = {n: [] for n in counts}
     for rep in range(args.reps):
         for n in counts:
-            r = one_run(n, args.trajectories, args.batch_size)
+            r = one_run(n, args.trajectories, args.batch_size, args.gc_freeze)
             per[n].append(r)
             print(f"rep {rep}: {n:>4} stand-ins: {_describe(r, args.trajectories)}", flush=True)
 
@@ -459,7 +468,7 @@ def main() -> None:
         r["received"] == r["distinct"] == args.trajectories
         and r["standin"]["delivered"] == r["standin"]["distinct"] == r["standin"]["acked"] == args.trajectories
         for rs in per.values() for r in rs)
-    summary.update(trajectories=args.trajectories, batch_size=args.batch_size, reps=args.reps)
+    summary.update(trajectories=args.trajectories, batch_size=args.batch_size, reps=args.reps, gc_freeze=args.gc_freeze)
     print(json.dumps(summary))
 
 
