@@ -45,7 +45,8 @@ HELP = {
     "starvation_after": "Seconds a job's consumer may wait with credit while nothing of the job becomes ready before "
                         "the starvation alarm names it idle.",
     "sync": "normal: durable against a broker crash; full: fsync before every ack (power loss).",
-    "max_memory_bytes": "Memory budget; over it, producer frames wait (backpressure) and trajectories are evicted to the store.",
+    "max_memory_bytes": "Memory budget; over it, trajectories are evicted to the store (those out on a lease last), and "
+                        "producer frames wait (backpressure) only while eviction cannot make room.",
     "max_disk_bytes": "Disk budget of the store; over it, new trajectories wait while consumers have something to take.",
     "max_dead_letter_bytes": "Dead-lettered trajectories kept for inspection (and requeue), in stored bytes; past it "
                              "the oldest are deleted, their ids remembered, counted by reason.",
