@@ -191,6 +191,10 @@ def _run(rsray, nodes: list[str], brokers: dict, tmp_path: Path) -> None:
         time.sleep(0.2)
     assert after["pid"] != before["pid"] and after["last_exit"] == -signal.SIGKILL, (before, after)
     assert after["endpoints"] == before["endpoints"], "the restarted broker must bind the same endpoints"
+    # Its log (both lives of it) beside its data directory, outside Ray's temporary folder; read through Ray.
+    assert after["log"] == str(tmp_path / f"data-{victim}.supervisor" / "broker.log") and Path(after["log"]).is_file()
+    logs = rsray.broker_logs(lines=5)
+    assert sorted(logs) == nodes and all(isinstance(tail, str) for tail in logs.values()), logs
 
     results = ray.get(produced, timeout=180)
     for i, result in enumerate(results):
@@ -220,6 +224,24 @@ def _run(rsray, nodes: list[str], brokers: dict, tmp_path: Path) -> None:
     assert report.acked == report.committed == planned, (
         f"every planned trajectory must be acked and committed once: expected {planned}, "
         f"got {report.acked} acked, {report.committed} committed")
+
+
+def test_a_broker_log_is_kept_once_and_begun_afresh_when_it_has_grown(tmp_path, monkeypatch):
+    import rollstream.ray as rsray
+
+    monkeypatch.setattr(rsray, "LOG_KEPT_BYTES", 10)
+    log = tmp_path / "broker.log"
+    assert rsray._rotated(log) == log and not log.exists()  # no log yet: nothing to keep
+    log.write_text("short\n")
+    rsray._rotated(log)
+    assert log.read_text() == "short\n" and not (tmp_path / "broker.log.1").exists()  # under the size: kept writing
+    log.write_text("the first life's lines\n")
+    rsray._rotated(log)
+    assert not log.exists() and (tmp_path / "broker.log.1").read_text() == "the first life's lines\n"
+    log.write_text("the second life's lines\n")
+    rsray._rotated(log)
+    assert (tmp_path / "broker.log.1").read_text() == "the second life's lines\n"  # only the one before is kept
+    assert rsray.supervisor_dir("/var/lib/rollstream/n1") == Path("/var/lib/rollstream/n1.supervisor")
 
 
 def test_a_broker_dies_with_its_supervisor(cluster, tmp_path):

@@ -54,6 +54,7 @@ PER_NODE = {"producer_endpoint": "ports=", "consumer_endpoint": "ports=", "admin
 SETTINGS_WHERE = "start_brokers settings"
 RESTART_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)  # seconds before each restart after a crash; the last repeats
 STABLE_AFTER = 30.0  # seconds a broker must run before its next crash counts from the first delay again
+LOG_KEPT_BYTES = 64 << 20  # a broker log this large when its broker (re)starts is kept as broker.log.1, begun afresh
 
 log = logging.getLogger("rollstream.ray")
 
@@ -119,6 +120,24 @@ def _ray_temp_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "ray")
 
 
+def supervisor_dir(data_dir: str) -> Path:
+    """Where a node's supervisor keeps its broker's log and the endpoints it
+    bound: beside the data directory, so they outlive the node's temporary
+    folder as the data does, and outside it (the data directory is the
+    broker's own)."""
+    data = Path(data_dir)
+    return data.with_name(data.name + ".supervisor")
+
+
+def _rotated(log: Path) -> Path:
+    """`log`, moved to `<name>.1` (replacing the one before) once it holds
+    `LOG_KEPT_BYTES`: what a broker starting now writes begins a new file."""
+    with contextlib.suppress(FileNotFoundError):
+        if log.stat().st_size >= LOG_KEPT_BYTES:
+            log.replace(log.with_name(log.name + ".1"))
+    return log
+
+
 def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child between fork and exec
     """In the broker's process, before it runs: SIGTERM when the thread
     that started it (the supervisor's, alive as long as the actor) ends."""
@@ -137,7 +156,7 @@ class BrokerSupervisor:
         self.node_id, self.args, self.host, self.ports = node_id, list(args), host, dict(ports)
         self.data_dir = data_dir.format(node_id=node_id, node_ip=host)
         self.admin_keys = admin_keys
-        self.work = Path(tempfile.gettempdir()) / f"rollstream-ray-{node_id[:16]}"
+        self.work = supervisor_dir(self.data_dir)
         self.work.mkdir(parents=True, exist_ok=True)
         self.state = "starting"
         self.restarts = 0
@@ -182,7 +201,7 @@ class BrokerSupervisor:
         crashes = 0  # in a row, each within STABLE_AFTER of its start
         while not self._stopping.is_set():
             self._endpoints_file.unlink(missing_ok=True)
-            with open(self.work / "broker.log", "ab") as output, self._lock:
+            with open(_rotated(self.work / "broker.log"), "ab") as output, self._lock:
                 if self._stopping.is_set():
                     break
                 self.process = subprocess.Popen(self._command(), stdout=output, stderr=subprocess.STDOUT,
@@ -374,6 +393,14 @@ def brokers_status() -> dict[str, dict]:
     return {node_id: ray.get(ref) for node_id, ref in pending.items()}
 
 
+def broker_logs(lines: int = 50) -> dict[str, str]:
+    """The last `lines` lines of each node's broker log, by node id (each
+    log stays on its node, beside the data directory)."""
+    _require_ray()
+    pending = {node_id: actor.log_tail.remote(lines) for node_id, actor in _supervisors()}
+    return {node_id: ray.get(ref) for node_id, ref in pending.items()}
+
+
 def stop_brokers(timeout: float = 30.0) -> dict[str, int | None]:
     """Stop every node's broker (it closes its store cleanly) and its
     supervisor; each broker's exit status, by node id."""
@@ -386,5 +413,5 @@ def stop_brokers(timeout: float = 30.0) -> dict[str, int | None]:
     return codes
 
 
-__all__ = ["BrokerEndpoints", "BrokerSupervisor", "all_brokers", "broker_arguments", "brokers_status",
-           "check_data_dir", "connect", "local_broker", "start_brokers", "stop_brokers"]
+__all__ = ["BrokerEndpoints", "BrokerSupervisor", "all_brokers", "broker_arguments", "broker_logs", "brokers_status",
+           "check_data_dir", "connect", "local_broker", "start_brokers", "stop_brokers", "supervisor_dir"]
