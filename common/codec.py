@@ -379,14 +379,18 @@ def split_batch(batch: Message) -> list[list]:
 # are cheaper to send one frame each (the producer hands those to ZeroMQ
 # without copying them).
 PACK_UP_TO_BYTES = 65536
+# The same for a broker's delivery: it copies frames up to half a MiB into
+# ZeroMQ anyway, and a delivery in one frame instead of six or seven saves
+# the consumer more than packing costs the broker (docs/performance.md).
+PACK_DELIVERY_UP_TO_BYTES = 512 << 10
 
 
-def worth_packing(arrays: Mapping[str, np.ndarray | list[np.ndarray]]) -> bool:
-    """Whether `arrays` are small enough to send packed (`PACK_UP_TO_BYTES`)."""
+def worth_packing(arrays: Mapping[str, np.ndarray | list[np.ndarray]], up_to: int = PACK_UP_TO_BYTES) -> bool:
+    """Whether `arrays` are small enough to send packed: `up_to` bytes in all."""
     total = 0
     for arr in arrays.values():
         total += arr.nbytes if type(arr) is np.ndarray else sum(part.nbytes for part in arr)
-    return total <= PACK_UP_TO_BYTES
+    return total <= up_to
 
 
 # An array held in pieces this large on average (a trajectory's turns of

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .codec import SPLIT_FROM_BYTES, Message, encode, worth_packing
+from .codec import PACK_DELIVERY_UP_TO_BYTES, SPLIT_FROM_BYTES, Message, encode, worth_packing
 from .errors import LocalProtocolError
 from .messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
 from .trajectory import Gap, Trajectory, Turn
@@ -67,9 +67,10 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
                    **extra: Any) -> list:
     """Frames of a `deliver` message for a finished trajectory (always CRC'd;
     with `may_split`, an array held as large pieces goes a frame per piece,
-    unjoined, `SPLIT_FROM_BYTES`; with `may_pack`, its arrays go in one
-    frame when `worth_packing`, or when some are held in pieces that would
-    be joined anyway: the pieces are then copied once, into that frame).
+    unjoined, `SPLIT_FROM_BYTES`; otherwise, with `may_pack`, its arrays go
+    in one frame when they are `PACK_DELIVERY_UP_TO_BYTES` at most, or when
+    some are held in pieces, which a frame per array would join first: the
+    pieces are then copied once, into that frame).
 
     `extra` adds optional header fields such as `group_left` or
     `delivery_count`."""
@@ -91,19 +92,20 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
     fields.update(extra)
     if may_pack:
         pieces = trajectory.arrays(parts_from=0)  # every array still held in pieces as the list of them
-        if worth_packing(pieces) or _joined_anyway(pieces, SPLIT_FROM_BYTES if may_split else None):
+        in_pieces = any(isinstance(held, list) for held in pieces.values())
+        if not _split(pieces, SPLIT_FROM_BYTES if may_split else None) and (
+                in_pieces or worth_packing(pieces, PACK_DELIVERY_UP_TO_BYTES)):
             return encode(BROKER_TO_CONSUMER, "deliver", fields, pieces, crc=True, packed=True)
     arrays = trajectory.arrays(parts_from=SPLIT_FROM_BYTES if may_split else None)
     return encode(BROKER_TO_CONSUMER, "deliver", fields, arrays, crc=True)
 
 
-def _joined_anyway(arrays: dict, split_from: int | None) -> bool:
-    """Whether some array is held in pieces and none of them large enough
-    to travel unjoined (`split_from` bytes each on average): sent a frame
-    per array, those pieces would be joined into a new array first."""
-    lists = [pieces for pieces in arrays.values() if isinstance(pieces, list)]
-    return bool(lists) and (split_from is None or all(
-        sum(piece.nbytes for piece in pieces) < split_from * len(pieces) for pieces in lists))
+def _split(arrays: dict, split_from: int | None) -> bool:
+    """Whether some array is held in pieces of `split_from` bytes or more
+    each on average, which travel a frame per piece, unjoined."""
+    return split_from is not None and any(
+        isinstance(pieces, list) and sum(piece.nbytes for piece in pieces) >= split_from * len(pieces)
+        for pieces in arrays.values())
 
 
 def trajectory_from_deliver(message: Message) -> Trajectory:

@@ -336,8 +336,9 @@ def test_packed_turns_are_read_and_packed_deliveries_go_to_consumers_that_ask(br
         consumer.sock.send_multipart(frames("ack", leases=[header["lease"]]))
         assert consumer.recv()[0]["type"] == "acked"
 
-    # Over 64 KiB of arrays a delivery goes a frame per array even to a consumer that reads packed ones.
-    long = list(range(900)) * 10
+    # Over 512 KiB of arrays held whole (one turn's) a delivery goes a frame per array, as they arrived, even to a
+    # consumer that reads packed ones.
+    long = list(range(900)) * 30  # 27,000 tokens: 21 bytes each with their supports
     reply, _ = producer.call(packed(turn(5, "big", 0, long, [[t] for t in long], prompt=[1])))
     assert reply["applied"] is True, reply
     producer.call(frames("end", seq=6, trajectory_id="big", reward=0.0, turns=1))

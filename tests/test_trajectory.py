@@ -420,7 +420,7 @@ def _in_turns(ids_per_turn: int, turns: int = 3) -> Trajectory:
     return traj
 
 
-def test_a_delivery_held_in_pieces_is_packed_from_them_unless_they_travel_unjoined():
+def test_a_delivery_is_packed_from_its_pieces_or_when_small_unless_they_travel_unjoined():
     # 3 turns of 40 KB of ids: 120 KB, over the 64 KiB packing size, but the pieces would be joined to go a frame each.
     frames = encode_deliver(_in_turns(10_000), "lease", may_pack=True, may_split=True)
     assert len(frames) == 2 and msgpack.unpackb(frames[0])["packed"] is True
@@ -438,3 +438,7 @@ def test_a_delivery_held_in_pieces_is_packed_from_them_unless_they_travel_unjoin
     assert "packed" not in msgpack.unpackb(large[0]) and len(large) == 1 + 5 + 3
     assert decode(large, BROKER_TO_CONSUMER).arrays["mask_ids"].tolist() == list(range(100_000)) * 3
     assert len(encode_deliver(_in_turns(100_000), "lease", may_pack=True)) == 2
+    # One turn: packed up to PACK_DELIVERY_UP_TO_BYTES in all (300 KB here), else its arrays as they arrived.
+    assert len(encode_deliver(_in_turns(75_000, turns=1), "lease", may_pack=True, may_split=True)) == 2
+    whole = encode_deliver(_in_turns(150_000, turns=1), "lease", may_pack=True, may_split=True)
+    assert len(whole) == 1 + 6 and decode(whole, BROKER_TO_CONSUMER).arrays["mask_ids"].tolist() == list(range(150_000))
