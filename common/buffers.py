@@ -54,6 +54,11 @@ class Pieces(list):
         super().__init__(parts)
         self.crcs = crcs
 
+    def large(self, each: int) -> bool:
+        """Several pieces, of at least `each` bytes on average: worth sending
+        a frame per piece rather than joining them first."""
+        return len(self) > 1 and sum(piece.nbytes for piece in self) >= each * len(self)
+
 
 class GrowableArray:
     """A 1-D numpy array that grows geometrically on append.

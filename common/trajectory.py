@@ -475,7 +475,7 @@ class Trajectory:
         def read(buffer: GrowableArray):
             if parts_from is not None:
                 parts = buffer.parts()
-                if len(parts) > 1 and buffer.nbytes >= parts_from * len(parts):
+                if parts.large(parts_from):
                     return parts
             return buffer.view()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from .buffers import Pieces
 from .codec import PACK_DELIVERY_UP_TO_BYTES, SPLIT_FROM_BYTES, Message, encode, worth_packing
 from .errors import LocalProtocolError
 from .messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
@@ -92,20 +93,13 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
     fields.update(extra)
     if may_pack:
         pieces = trajectory.arrays(parts_from=0)  # every array still held in pieces as the list of them
-        in_pieces = any(isinstance(held, list) for held in pieces.values())
-        if not _split(pieces, SPLIT_FROM_BYTES if may_split else None) and (
-                in_pieces or worth_packing(pieces, PACK_DELIVERY_UP_TO_BYTES)):
+        held = [array for array in pieces.values() if isinstance(array, Pieces)]
+        split = may_split and any(array.large(SPLIT_FROM_BYTES) for array in held)
+        if not split and (held or worth_packing(pieces, PACK_DELIVERY_UP_TO_BYTES)):
             return encode(BROKER_TO_CONSUMER, "deliver", fields, pieces, crc=True, packed=True)
     arrays = trajectory.arrays(parts_from=SPLIT_FROM_BYTES if may_split else None)
     return encode(BROKER_TO_CONSUMER, "deliver", fields, arrays, crc=True)
 
-
-def _split(arrays: dict, split_from: int | None) -> bool:
-    """Whether some array is held in pieces of `split_from` bytes or more
-    each on average, which travel a frame per piece, unjoined."""
-    return split_from is not None and any(
-        isinstance(pieces, list) and sum(piece.nbytes for piece in pieces) >= split_from * len(pieces)
-        for pieces in arrays.values())
 
 
 def trajectory_from_deliver(message: Message) -> Trajectory:
