@@ -65,9 +65,9 @@ def test_train_data_equals_the_miles_conversion(seed, n, mask):
         if isinstance(expected, list) and expected and isinstance(expected[0], np.ndarray):
             assert len(got) == len(expected), key
             for g, e in zip(got, expected):
-                assert g.numpy().dtype == e.dtype and np.array_equal(g.numpy(), e), key
+                assert g.cpu().numpy().dtype == e.dtype and np.array_equal(g.cpu().numpy(), e), key
         elif isinstance(expected, np.ndarray):
-            assert got.numpy().dtype == expected.dtype and np.array_equal(got.numpy(), expected), key
+            assert got.cpu().numpy().dtype == expected.dtype and np.array_equal(got.cpu().numpy(), expected), key
         else:
             assert got == pytest.approx(expected), key
 
@@ -108,9 +108,9 @@ def test_replay_arrays_travel_with_their_samples():
     batch = batch_of(trajectories)
     data = batch.to_train_data()
     for got, t in zip(data["rollout_routed_experts"], trajectories):
-        assert np.array_equal(got.numpy(), t.routed_experts)
+        assert np.array_equal(got.cpu().numpy(), t.routed_experts)
     picked = batch.select([2, 0])
-    assert np.array_equal(picked.sample(0)["routed_experts"].numpy(), trajectories[2].routed_experts)
+    assert np.array_equal(picked.sample(0)["routed_experts"].cpu().numpy(), trajectories[2].routed_experts)
 
 
 @settings(max_examples=25, deadline=None)
@@ -207,7 +207,7 @@ def test_concat_of_a_batch_and_a_shard_named_differently_on_one_device():
     and `cpu:0`, which this checks without a GPU."""
     from dataclasses import replace
 
-    batch = batch_of([r.merged() for r in rollouts(11, 4)])
+    batch = batch_of([r.merged() for r in rollouts(11, 4)], device="cpu")
     header, payload = encode_shard(batch.select([2, 3]))
     shard = replace(decode_shard(header, payload), device=torch.device("cpu", 0))
     joined = Batch.concat([batch.select([0, 1]), shard])

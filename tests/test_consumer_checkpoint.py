@@ -37,7 +37,7 @@ def step(weights: torch.Tensor, batch) -> torch.Tensor:
     order = torch.arange(1, len(batch.trajectory_ids) + 1, dtype=torch.float64)
     seen = torch.zeros_like(weights)
     for k, tokens in enumerate(batch.response_tokens.split(batch.response_lengths.tolist())):
-        seen.index_add_(0, tokens.long() % weights.numel(), torch.full((tokens.numel(),), float(order[k]),
+        seen.index_add_(0, tokens.long().cpu() % weights.numel(), torch.full((tokens.numel(),), float(order[k]),
                                                                        dtype=torch.float64))
     return weights * 0.9 + 0.01 * seen
 

@@ -45,7 +45,7 @@ def known_batches(seed: int):
         for i in range(9):
             group = (f"g{seq}-{i // 3}", 3) if i < 6 else None
             trajectories.append(make_rollout(rng, f"b{seq}-t{i}", sample_index=i, group=group, turns=3).merged())
-        out.append(Batch.from_deliveries([delivery(t) for t in trajectories], seq=seq))
+        out.append(Batch.from_deliveries([delivery(t) for t in trajectories], seq=seq, device="cpu"))  # gloo's
     return out
 
 

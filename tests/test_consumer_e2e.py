@@ -61,7 +61,7 @@ def test_fan_in_batches_arrive_complete(brokers):
                 expected, got = sent[tid], batch.sample(i)
                 assert got["tokens"].tolist() == [*expected.prompt_tokens.tolist(), *expected.tokens.tolist()]
                 assert got["loss_mask"].tolist() == expected.loss_mask.tolist()
-                assert torch.equal(got["log_probs"], torch.from_numpy(expected.log_probs.copy()))
+                assert torch.equal(got["log_probs"].cpu(), torch.from_numpy(expected.log_probs.copy()))
                 assert got["mask_ids"].tolist() == expected.mask.ids.tolist()
                 assert got["mask_offsets"].tolist() == expected.mask.offsets.tolist()
                 assert float(batch.rewards[i]) == pytest.approx(expected.reward)
