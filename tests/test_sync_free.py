@@ -9,7 +9,8 @@ operators torch dispatches (`HostReads`, a `TorchDispatchMode`) and the
 Python-level reads of a tensor (`Tensor.item`, `tolist`, `__bool__`, ...,
 wrapped for the duration). They run on the CPU through the torch ops a GPU
 runs (validation's numpy view is switched off), so they need no GPU; with
-CUDA present they also run on it under `torch.cuda.set_sync_debug_mode("error")`.
+CUDA present they also run on it under `torch.cuda.set_sync_debug_mode("warn")`,
+each synchronizing call's warning counted as a read where it happens.
 
 A read is allowed only where `ALLOWED` names the function it happens in,
 with the reason.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,8 +87,15 @@ def _reads_device(func, args, kwargs) -> str | None:
     if name in ("_to_copy", "copy_"):
         source, target = (args[0], kwargs.get("device")) if name == "_to_copy" else (args[1], args[0].device)
         if target is not None and torch.device(target).type == "cpu" and source.device.type != "cpu":
+            if name == "copy_" and _non_blocking(args, kwargs) and args[0].is_pinned():
+                return None  # queued behind the device's work into pinned memory: nothing waits until it is read
             return f"{name} to the host"
     return None
+
+
+def _non_blocking(args, kwargs) -> bool:
+    """`copy_(src, non_blocking)`'s flag."""
+    return bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
 
 
 class HostReads(TorchDispatchMode):
@@ -119,9 +128,21 @@ def host_reads(monkeypatch):
             patch.setattr(torch.Tensor, name, wrapped)
         sync_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None
         if sync_mode is not None:
-            torch.cuda.set_sync_debug_mode("error")
+            # Every synchronizing CUDA call (those the operator level would miss too) warns, and each warning is a
+            # read at its site, which `ALLOWED` judges like the others ("error" would raise at allowed ones as well).
+            torch.cuda.set_sync_debug_mode("warn")
+            shown = warnings.showwarning
+
+            def seen(message, category, *args, **kwargs):
+                if "synchronizing CUDA operation" in str(message):
+                    found.append(Read(f"sync: {message}", *_site()))
+                else:
+                    shown(message, category, *args, **kwargs)
+
+            patch.setattr(warnings, "showwarning", seen)
         try:
-            with HostReads(found):
+            with warnings.catch_warnings(), HostReads(found):
+                warnings.simplefilter("always")  # every sync, not only each site's first
                 yield found
         finally:
             if sync_mode is not None:
