@@ -44,7 +44,7 @@ rollstream itself is not installed: the same folder gets a link per
 package (rollstream/common -> common/, ..., as pyproject.toml's
 package-dir maps them), so the working tree is what runs.
 
-usage: python3 bench/gpu.py [--steps N] [--gpu-tokens N] [--rows N] [--smoke]
+usage: python3 bench/gpu.py [--steps N] [--gpu-tokens N] [--rows N] [--logs DIR] [--smoke]
 `--smoke` runs every step at a tiny size; its figures mean nothing.
 """
 from __future__ import annotations
@@ -130,8 +130,21 @@ def prepare(site: Path) -> dict:
     return {"installed": missing, "from": ("bench/wheels" if WHEELS.is_dir() else "index") if missing else None}
 
 
+# Every command the step under way has run, for `--logs` (the JSON line keeps only a failure's tail).
+_RAN: list[subprocess.CompletedProcess] = []
+
+
 def command(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    _RAN.append(done)
+    return done
+
+
+def write_log(folder: Path, step: str) -> None:
+    """The whole output of every command `step` ran, into `folder`/`step`.log."""
+    with open(folder / f"{step}.log", "w") as log:
+        for done in _RAN:
+            log.write(f"$ {' '.join(map(str, done.args))}\nexit status {done.returncode}\n{done.stdout}{done.stderr}\n")
 
 
 def tail(done: subprocess.CompletedProcess, characters: int = 3000) -> str:
@@ -288,6 +301,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=50, help="timed runs of each in-process measurement (medians)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed runs before them")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each command may take")
+    parser.add_argument("--logs", type=Path, help="a folder to write each step's whole command output into")
     args = parse_args(parser, SMOKE)
     why = cuda_absent()
     if why is not None:
@@ -314,6 +328,10 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001 - one step's failure is its entry, the others still run
                     figures[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[-3000:]}
                 figures[name]["step_seconds"] = round(time.perf_counter() - began, 1)
+                if args.logs is not None:
+                    args.logs.mkdir(parents=True, exist_ok=True)
+                    write_log(args.logs, name)
+                _RAN.clear()
     finally:
         shutil.rmtree(site, ignore_errors=True)
     figures["seconds"] = round(time.perf_counter() - started, 1)
