@@ -9,7 +9,8 @@ import zlib
 
 import pytest
 
-from rollstream.common.segments import HEADER, MAGIC, RESERVE_AHEAD, SegmentDamaged, SegmentLog
+from rollstream.common import segments
+from rollstream.common.segments import HEADER, MAGIC, RESERVE_AHEAD, WRITE_BEHIND, SegmentDamaged, SegmentLog
 
 
 def opened(path, max_bytes=1 << 20):
@@ -142,6 +143,61 @@ def test_appends_go_into_blocks_reserved_ahead_that_a_finished_segment_gives_bac
     assert allocated(second) >= RESERVE_AHEAD
     log.close()
     assert allocated(second) < 1 << 16
+
+
+def cached(path, offset: int) -> bool:
+    """Whether the page at `offset` is in the page cache: a read that may
+    not wait for the disk fails otherwise."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def dropping(tmp_path):
+    """Skip unless this file system drops a written-out file's pages from the
+    page cache when asked (tmpfs keeps them), and reads say so."""
+    if not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no RWF_NOWAIT reads here")
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"p" * (1 << 16))
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if cached(probe, 0):
+        pytest.skip("this file system keeps written-out pages cached when told they are not needed")
+    probe.unlink()
+    return tmp_path / "log"
+
+
+@pytest.mark.skipif(segments._SYNC_FILE_RANGE is None, reason="no sync_file_range(2) here")
+def test_appends_are_written_behind_and_dropped_from_the_page_cache_a_window_at_a_time(dropping):
+    """After three windows of appends the first is out of the page cache and
+    the last still in it; every record still reads back, and a rewind below
+    what was dropped appends and reads as before."""
+    log = opened(dropping, max_bytes=8 * WRITE_BEHIND)
+    payload = b"w" * (WRITE_BEHIND // 4)
+    locations = [loc for _ in range(12) for loc in log.append([([payload], None)])]
+    first = log.path(1)
+    assert not cached(first, 0), "the first window is still in the page cache"
+    assert cached(first, log.size - 1), "the window being written was dropped too soon"
+    assert [bytes(p) for p in log.read_many(locations)] == [payload] * 12
+    mark = (1, locations[1][1] + locations[1][2])  # the end of the second record, in the dropped window
+    log.rewind(mark)
+    more = [loc for _ in range(10) for loc in log.append([([b"x" * (WRITE_BEHIND // 4)], None)])]
+    assert not cached(first, mark[1] + 4096), "appends after the rewind were not written behind"
+    assert [bytes(p) for p in log.read_many(locations[:2] + more)] == [payload] * 2 + [b"x" * (WRITE_BEHIND // 4)] * 10
+    log.close()
+    scan = SegmentLog(dropping, 8 * WRITE_BEHIND).scan(1)
+    assert [loc for loc, _ in scan.records] == locations[:2] + more and scan.damage is None
 
 
 def test_a_segment_left_with_blocks_reserved_reopens_to_its_records(reserving):
