@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Sequence
 
 from rollstream.common.admin import AdminClient, AdminError, ask_status
-from rollstream.common.checker import LedgerReader, check
+from rollstream.common.checker import LedgerReader, broker_backlog, check
 from rollstream.common.clock import Clock
 from rollstream.common.errors import InternalError, TimedOut
 
@@ -374,15 +374,14 @@ class Pipeline:
 
     @property
     def idle(self) -> bool:
-        """The producers are done and the broker holds nothing open, waiting for its reward, ready or leased."""
+        """The producers are done and the broker holds nothing open or still to deliver."""
         status = self.status
-        return (status is not None and self.node.producers_done
-                and not (status["open"] or status.get("scoring") or status["ready"] or status["leased"]))
+        return status is not None and self.node.producers_done and not (status["open"] or broker_backlog(status))
 
     @property
     def backlog(self) -> int:
-        """What the broker still has to deliver (ready and leased); 1 while its status is unknown."""
-        return 1 if self.status is None else self.status["ready"] + self.status["leased"]
+        """What the broker still has to deliver (`broker_backlog`); 1 while its status is unknown."""
+        return 1 if self.status is None else broker_backlog(self.status)
 
     @property
     def drained(self) -> bool:

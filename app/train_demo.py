@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollstream.common.checker import check, read_records
+from rollstream.common.checker import broker_backlog, check, read_records
 from rollstream.common.errors import TimedOut
 from rollstream.common.versions import oldest_version
 from rollstream.consumer.batch import Batch, cumsum0, to_device
@@ -371,7 +371,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
         node.finish_producers(stop=True)
         status: dict[str, Any] = node.admin.status() if node.admin is not None else {"ready": 1, "leased": 0}
         dead = node.dead_letters()
-        report = check(read_records([ledgers]), dead, broker_backlog=status["ready"] + status["leased"])
+        report = check(read_records([ledgers]), dead, broker_backlog=broker_backlog(status))
     summary = log.summary(step)
     summary.update(report.lineage())
     reasons = Counter(item["reason"].partition(":")[0] for item in dead)

@@ -170,8 +170,8 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
         click.echo(json.dumps(report, indent=None, sort_keys=True))
         return
     click.echo(f"broker at {endpoint}")
-    for key in ("open", "ready", "leased", "dead", "producers", "consumers", "bytes_in_memory", "bytes_on_disk",
-                "unsealed", "unsealed_bytes", "oldest_unsealed_step"):
+    for key in ("open", "scoring", "awaiting_group", "ready", "leased", "dead", "producers", "consumers",
+                "bytes_in_memory", "bytes_on_disk", "unsealed", "unsealed_bytes", "oldest_unsealed_step"):
         if key in report:
             click.echo(f"  {key:<20} {report[key]}")
     for job, policy in report.get("policies", {}).items():

@@ -863,6 +863,7 @@ class BrokerCore:
             "ready": self.dispatcher.queued_trajectories,
             "ready_by_job": self.dispatcher.queued(),
             "leased": len(self.dispatcher.leases),
+            "awaiting_group": self.engine.awaiting_group(),
             "dead": counts[DEAD],
             "producers": sum(1 for heard in self.producers.values() if heard >= live_after),
             "consumers": len(self.dispatcher.consumers),

@@ -1069,6 +1069,12 @@ class MergeEngine:
     def counts(self) -> dict[State, int]:
         return dict(self._counts)
 
+    def awaiting_group(self) -> int:
+        """Ended members of groups not complete yet: durable, and delivered
+        with their group (or without the missing members once it idles for
+        `trajectory_ttl`), but neither ready nor leased until then."""
+        return sum(1 for group in self._idle_groups.values() for state in group.members.values() if state == ENDED)
+
     def oldest(self, trajectory_ids: Iterable[str]) -> int | None:
         """The oldest ordered policy version among `trajectory_ids` (a unit's version)."""
         versions = [v for v in (self.entries[tid].version for tid in trajectory_ids) if v is not None]

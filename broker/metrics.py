@@ -101,7 +101,7 @@ class BrokerMetrics(Metrics):
 
     def show(self, status: Mapping) -> None:
         """The gauges of a `status`: trajectories by state, bytes held."""
-        for state in ("open", "ready", "leased", "dead", "unsealed"):
+        for state in ("open", "scoring", "awaiting_group", "ready", "leased", "dead", "unsealed"):
             self.depth.labels(state=state).set(status[state])
         self.bytes.labels(where="memory").set(status["bytes_in_memory"])
         self.bytes.labels(where="disk").set(status["bytes_on_disk"])

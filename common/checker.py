@@ -303,12 +303,24 @@ class Report:
                 "replayed_batches_identical": self.replayed_batches_identical}
 
 
+# What a broker's `status` counts as ended and still to deliver: queued, out
+# on a lease, waiting for its reward, waiting for the rest of its group.
+BACKLOG_KEYS = ("ready", "leased", "scoring", "awaiting_group")
+
+
+def broker_backlog(status: Mapping[str, Any]) -> int:
+    """The trajectories a broker's `status` says it still has to deliver
+    (`BACKLOG_KEYS`), the `broker_backlog` that `check` takes."""
+    return sum(int(status.get(key, 0)) for key in BACKLOG_KEYS)
+
+
 def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[str, Any]] = (), *,
           broker_backlog: int = 0) -> Report:
     """Join ledger records with the broker's dead letters (`trajectory_id`,
     `reason`). An acked trajectory neither committed nor dead-lettered is
     `unseen` while the broker still has trajectories to deliver
-    (`broker_backlog`: ready plus leased) and `lost` once it has none."""
+    (`broker_backlog`, from its status by `broker_backlog()`) and `lost`
+    once it has none."""
     sent: dict[str, Mapping[str, Any]] = {}
     acked: set[str] = set()
     handed: Counter = Counter()

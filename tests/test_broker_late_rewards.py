@@ -1,10 +1,14 @@
 """Rewards that come later: an `end` without a reward leaves the
 trajectory `scoring` (ended, not deliverable, nor its group), a `reward`
 message makes it ready, and one that never comes expires after the TTL as
-`reward_expired`, counted. `BrokerCore` on a real store (a restart keeps a
-scoring trajectory waiting), with raw producer and consumer messages."""
+`reward_expired`, counted. Ended members of a group not complete yet are
+counted `awaiting_group`, and the checker reads both as still to deliver.
+`BrokerCore` on a real store (a restart keeps a scoring trajectory
+waiting), with raw producer and consumer messages."""
 from broker_helpers import end_msg, reward_msg, turn_msg
 from test_broker_checkpoint import Node
+
+from rollstream.common.checker import broker_backlog, check
 
 P = b"producer"
 
@@ -84,3 +88,29 @@ def test_after_a_restart_a_group_of_members_still_scoring_waits_for_all_of_them(
     assert delivered(node) == {}
     send(node, reward_msg("g1", 0.0, seq=51))
     assert delivered(node) == {"g0": 1.0, "g1": 0.0}
+
+
+def test_ended_members_of_an_incomplete_group_are_counted_awaiting_it_and_not_lost(tmp_path):
+    """Neither ready nor leased, but durable and still to deliver: the
+    status counts them, across a restart, and the checker's backlog from
+    that status makes an acked one unseen rather than lost."""
+    node = Node(tmp_path / "data")
+    node.hello(run=None)
+    send(node, turn_msg("a", 0, seq=1, group=("g", 3)), end_msg("a", reward=1.0, seq=2),
+         turn_msg("b", 0, seq=3, group=("g", 3)), end_msg("b", reward=None, seq=4),
+         turn_msg("c", 0, seq=5, group=("g", 3)))
+    status = node.core.status(node.clock)
+    assert (status["awaiting_group"], status["scoring"], status["open"], status["ready"], status["leased"]) == \
+        (1, 1, 1, 0, 0)
+    acked = [{"kind": "acked", "id": "a", "applied": True}]
+    assert check(acked, broker_backlog=broker_backlog(status)).unseen == ["a"]
+    assert check(acked, broker_backlog=status["ready"] + status["leased"]).lost == ["a"]  # what the demo read
+    node.restart()
+    node.hello(run=None)
+    assert node.core.status(node.clock)["awaiting_group"] == 1
+    send(node, end_msg("c", reward=0.0, seq=6))
+    assert node.core.status(node.clock)["awaiting_group"] == 2  # a and c; b still scoring
+    send(node, reward_msg("b", 0.5, seq=7))
+    status = node.core.status(node.clock)
+    assert (status["awaiting_group"], status["scoring"], status["ready"]) == (0, 0, 3)
+    assert delivered(node) == {"a": 1.0, "b": 0.5, "c": 0.0}
