@@ -31,7 +31,7 @@ from rollstream.common.checker import Ledger
 from rollstream.common.errors import InvalidInput, InvalidState, RemoteProtocolError, RollstreamError
 from rollstream.common.trajectory import Gap
 
-from .batch import PER_SAMPLE, Batch, pack_tokens, spans_of
+from .batch import PER_SAMPLE, Batch, pack_tokens, same_device, spans_of
 from .client import ConsumerClosed
 from .sharding import STRATEGIES, partition_batch, rank_tokens, token_imbalance
 
@@ -153,6 +153,11 @@ class DistributedConsumer:
     `metadata_group` is the gloo group the sizes, headers and agreement
     collectives cross, over the same ranks as `group`. By default it is
     `group` itself when that is gloo, else a gloo group built here.
+
+    Every rank's shard lands on `device`: by default the current GPU under
+    NCCL, else the CPU. The source's own shard too: a client that validated
+    on the GPU under a gloo group has its shard copied to the CPU like the
+    others', so the ranks train on one kind of device.
     """
 
     def __init__(self, client=None, *, src: int = 0, group=None, strategy: str = "balanced", device=None,
@@ -245,7 +250,13 @@ class DistributedConsumer:
         self.rank_tokens = tuple(rank_tokens(batch.lengths["sequence"].tolist(), parts))
         shards = {rank: batch.select(parts[rank]) for rank in range(self.world)}
         self._send_all({rank: (_SHARD, *encode_shard(shards[rank], self.rank_tokens)) for rank in self._others()})
-        return shards[self.src]
+        own = shards[self.src]
+        if not same_device(own.device, self.device):
+            # The client validated on another device (a GPU under a gloo group, say): the source's shard lands
+            # on `device` as every other rank's does, so no rank trains on a device the others do not.
+            header, payload = encode_shard(own, self.rank_tokens)
+            own = decode_shard(header, payload.to(self.device))
+        return own
 
     @property
     def imbalance(self) -> float:

@@ -437,5 +437,39 @@ def test_a_device_map_that_sends_host_tensors_over_gloo_carries_its_own_metadata
     assert len(created) == 1, "a device map without gloo for host tensors gets a side group"
 
 
+
+def test_the_source_rank_shard_lands_on_the_device_every_other_rank_gets(one_rank):
+    """A client whose batches are on another device than the ranks' (a GPU
+    consumer under a gloo group): the source keeps its shard on `device` too,
+    with the same content. The other device is CUDA where there is one, else
+    torch's `meta` device, which holds shapes and dtypes without data."""
+    from consumer_helpers import assert_same_batch
+
+    from rollstream.consumer import DistributedConsumer
+
+    batch = known_batches(seed=5)[0]
+    if torch.cuda.is_available():
+        client_batch, device = decode_shard_on(batch, "cuda"), "cpu"
+    else:
+        client_batch, device = batch, "meta"
+    shards = DistributedConsumer(StandInClient([client_batch], 1), device=device)
+    shard = shards.next_shard()
+    held = [shard.tokens, shard.response_tokens, shard.log_probs, shard.loss_mask, shard.rewards, shard.mask_ids]
+    assert shard.device == torch.device(device) and all(t.device == torch.device(device) for t in held)
+    assert shard.seq == batch.seq and list(shard.trajectory_ids) == list(batch.trajectory_ids)
+    if device != "meta":
+        assert_same_batch(shard, batch)
+    shards.commit(shard, step=1)
+    assert shards.client.committed == [[batch.seq, 1]]
+
+
+def decode_shard_on(batch, device: str):
+    """`batch` moved to `device` through the shard encoding."""
+    from rollstream.consumer.distributed import decode_shard, encode_shard
+
+    header, payload = encode_shard(batch)
+    return decode_shard(header, payload.to(device))
+
+
 if __name__ == "__main__":
     WORKERS[sys.argv[1]](int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))
