@@ -132,10 +132,14 @@ def _consumer(endpoint, trajectories, credit, out, keys=None):
     in one more (the library merges settlements and grants per broker).
     Its hello says it reads packed and split arrays, as the library's does."""
     hello = {"consumer_id": "bench", "packed_arrays": True, "split_arrays": True}
-    ctx, sock, _ = _greeted(endpoint, CONSUMER_TO_BROKER, BROKER_TO_CONSUMER, hello, keys)
+    ctx, sock, welcome = _greeted(endpoint, CONSUMER_TO_BROKER, BROKER_TO_CONSUMER, hello, keys)
     sock.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": credit, "unit": "trajectory"}))
     received, start, tokens = 0, None, 0
     while received < trajectories:
+        # Heard from at the broker's interval while it waits (the producer may take a while to encode a large run),
+        # as the library's consumer is: a silent one is dropped as gone.
+        while not sock.poll(welcome["heartbeat_interval"] * 1000):
+            sock.send_multipart(encode(CONSUMER_TO_BROKER, "heartbeat", {}))
         leases, flags = [], 0
         while True:
             try:
