@@ -67,16 +67,18 @@ def _libc(name: str, *argtypes):
 _FALLOCATE = _libc("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 # `sync_file_range(2)`, which Python's os module lacks.
 _SYNC_FILE_RANGE = _libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writing the range out, without waiting
-_SYNC_FILE_RANGE_WAIT_ALL = 7  # wait for earlier write-out, write the range, wait for it
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writing the range out, without waiting for it
 
 # Write-behind: every `WRITE_BEHIND` bytes appended, the log starts writing
-# them out and drops the window before it (written out by then) from the
-# page cache. A log written once and read back only on recovery or a reload
-# then keeps a window or two of page cache, whose pages the next appends
-# use again, instead of growing the cache by everything it writes: pages
-# the kernel has to find fresh cost several times the copy into them
-# (docs/performance.md), and the node's other files keep their cache.
+# them out and drops from the page cache what it appended before the
+# previous window, whose write-out began a window ago. A log written once
+# and read back only on recovery or a reload then keeps two or three
+# windows of page cache, whose pages the next appends use again, instead of
+# growing the cache by everything it writes: pages the kernel has to find
+# fresh cost several times the copy into them (docs/performance.md), and
+# the node's other files keep their cache. Nothing waits for the disk: a
+# page still being written out when its window is dropped stays cached, as
+# every page did without write-behind, until its segment is deleted.
 WRITE_BEHIND = 8 << 20
 
 
@@ -136,8 +138,9 @@ class SegmentLog:
         self._reserved = 0  # where the blocks reserved for the current segment end (`_reserve`)
         self._reserves = _FALLOCATE is not None  # until the file system says it cannot
         self._write_behind = _SYNC_FILE_RANGE is not None  # until the kernel refuses it
-        self._writing_from = 0  # the current segment's bytes before this: write-out started (`_written_behind`)
-        self._dropped_to = 0  # and before this: written out and dropped from the page cache
+        # The current segment's windows (`_written_behind`): write-out started before `_writing_from`, a window
+        # ago before `_written_from`, and dropped from the page cache before `_dropped_to`.
+        self._writing_from = self._written_from = self._dropped_to = 0
 
     # -- files ----------------------------------------------------------------
     def path(self, number: int) -> Path:
@@ -166,7 +169,7 @@ class SegmentLog:
         self._fd = fd = os.open(self.path(self.current), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         if os.fstat(fd).st_size >= end:  # at the end too: that gives back blocks a crash left reserved past it
             os.ftruncate(fd, end)
-        self.size = self._reserved = self._writing_from = self._dropped_to = end
+        self.size = self._reserved = self._writing_from = self._written_from = self._dropped_to = end
         self._closed_sizes = {n: self.path(n).stat().st_size for n in self.existing() if n != self.current}
 
     def append(self, records: list[tuple[list, int | None]]) -> list[Location]:
@@ -208,23 +211,20 @@ class SegmentLog:
         return locations
 
     def _written_behind(self, fd: int) -> None:
-        """Start writing out what was appended since the last call, then wait
-        for the window before it (whose write-out began a window ago, so is
-        done or nearly) and drop its pages. Best effort: where the kernel
-        refuses, the pages stay cached as without it, and it is not asked
-        again for this log."""
+        """Start writing out what was appended since the last call, and drop
+        the pages of what came before the previous window (the kernel keeps
+        those not written out yet). Best effort: where the kernel refuses,
+        the pages stay cached as without it, and it is not asked again for
+        this log."""
         assert _SYNC_FILE_RANGE is not None  # `_write_behind` is False without it
         start, end = self._writing_from, self.size
         if _SYNC_FILE_RANGE(fd, start, end - start, _SYNC_FILE_RANGE_WRITE) != 0:
             self._write_behind = False
             return
-        if start > self._dropped_to:
-            if _SYNC_FILE_RANGE(fd, self._dropped_to, start - self._dropped_to, _SYNC_FILE_RANGE_WAIT_ALL) != 0:
-                self._write_behind = False
-                return
-            os.posix_fadvise(fd, self._dropped_to, start - self._dropped_to, os.POSIX_FADV_DONTNEED)
-            self._dropped_to = start
-        self._writing_from = end
+        if self._written_from > self._dropped_to:
+            os.posix_fadvise(fd, self._dropped_to, self._written_from - self._dropped_to, os.POSIX_FADV_DONTNEED)
+            self._dropped_to = self._written_from
+        self._written_from, self._writing_from = start, end
 
     def _reserve(self, fd: int, end: int) -> None:
         """Reserve blocks from the segment's end to past `end`: at least
@@ -256,7 +256,7 @@ class SegmentLog:
         self._failed = False
         self.current += 1
         self._fd = os.open(self.path(self.current), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        self.size = self._reserved = self._writing_from = self._dropped_to = 0
+        self.size = self._reserved = self._writing_from = self._written_from = self._dropped_to = 0
 
     def _open_fd(self) -> int:
         if self._fd is None:
@@ -279,7 +279,8 @@ class SegmentLog:
         size = size if number == self.current else 0
         os.ftruncate(self._open_fd(), size)  # which frees the reserved blocks too
         self.size = self._reserved = size
-        self._writing_from, self._dropped_to = min(self._writing_from, size), min(self._dropped_to, size)
+        self._writing_from, self._written_from, self._dropped_to = (
+            min(self._writing_from, size), min(self._written_from, size), min(self._dropped_to, size))
 
     @property
     def closed(self) -> bool:

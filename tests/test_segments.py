@@ -180,21 +180,31 @@ def dropping(tmp_path):
 
 @pytest.mark.skipif(segments._SYNC_FILE_RANGE is None, reason="no sync_file_range(2) here")
 def test_appends_are_written_behind_and_dropped_from_the_page_cache_a_window_at_a_time(dropping):
-    """After three windows of appends the first is out of the page cache and
-    the last still in it; every record still reads back, and a rewind below
-    what was dropped appends and reads as before."""
+    """Three windows in, the first leaves the page cache (written out by
+    then: the test syncs, as the disk would have by itself) and the last
+    stays; every record still reads back, and after a rewind below what was
+    dropped the windows start again from there."""
     log = opened(dropping, max_bytes=8 * WRITE_BEHIND)
-    payload = b"w" * (WRITE_BEHIND // 4)
-    locations = [loc for _ in range(12) for loc in log.append([([payload], None)])]
+    quarter = WRITE_BEHIND // 4
+
+    def append(times: int, byte: bytes, sync_after: int) -> list:
+        out = []
+        for i in range(times):
+            out += log.append([([byte * quarter], None)])
+            if i == sync_after:
+                os.fsync(log._fd)  # what was written so far is on disk, so its pages are clean
+        return out
+
+    locations = append(12, b"w", sync_after=8)  # windows close near 8, 16 and 24 MiB; the third drops the first
     first = log.path(1)
     assert not cached(first, 0), "the first window is still in the page cache"
     assert cached(first, log.size - 1), "the window being written was dropped too soon"
-    assert [bytes(p) for p in log.read_many(locations)] == [payload] * 12
+    assert [bytes(p) for p in log.read_many(locations)] == [b"w" * quarter] * 12
     mark = (1, locations[1][1] + locations[1][2])  # the end of the second record, in the dropped window
     log.rewind(mark)
-    more = [loc for _ in range(10) for loc in log.append([([b"x" * (WRITE_BEHIND // 4)], None)])]
+    more = append(12, b"x", sync_after=6)  # windows close again 8, 16 and 24 MiB on from the mark
     assert not cached(first, mark[1] + 4096), "appends after the rewind were not written behind"
-    assert [bytes(p) for p in log.read_many(locations[:2] + more)] == [payload] * 2 + [b"x" * (WRITE_BEHIND // 4)] * 10
+    assert [bytes(p) for p in log.read_many(locations[:2] + more)] == [b"w" * quarter] * 2 + [b"x" * quarter] * 12
     log.close()
     scan = SegmentLog(dropping, 8 * WRITE_BEHIND).scan(1)
     assert [loc for loc, _ in scan.records] == locations[:2] + more and scan.damage is None
