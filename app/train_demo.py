@@ -374,6 +374,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
         report = check(read_records([ledgers]), dead, broker_backlog=broker_backlog(status))
     summary = log.summary(step)
     summary.update(report.lineage())
+    summary["left_at_broker"] = len(report.unseen)  # acked, durable, still to deliver when the run stopped
     reasons = Counter(item["reason"].partition(":")[0] for item in dead)
     discarded = reasons["stale"] + reasons["filtered"]
     trained = status["counters"].get("trajectories.delivered", 0) + status.get("unsealed", 0)
@@ -442,6 +443,7 @@ def summary_table(summary: dict) -> str:
         ("trained again after the resume, batches identical",
          f"{summary['replayed']} trajectories, {summary['replayed_batches_identical']}"),
         ("lineage lost / duplicated", f"{summary['lineage_lost']} / {summary['lineage_duplicated']}"),
+        ("acked, still at the broker when the run stopped", summary["left_at_broker"]),
         ("time", f"{summary['seconds']} s"),
     ]
     if summary.get("plot"):

@@ -9,6 +9,8 @@ from broker_helpers import end_msg, reward_msg, turn_msg
 from test_broker_checkpoint import Node
 
 from rollstream.common.checker import broker_backlog, check
+from rollstream.common.codec import decode, encode
+from rollstream.common.messages import ADMIN_REPLIES
 
 P = b"producer"
 
@@ -90,6 +92,11 @@ def test_after_a_restart_a_group_of_members_still_scoring_waits_for_all_of_them(
     assert delivered(node) == {"g0": 1.0, "g1": 0.0}
 
 
+def wire_status(node: Node) -> dict:
+    """The status as an admin client reads it: through the reply's schema."""
+    return decode(encode(ADMIN_REPLIES, "status", node.core.status(node.clock)), ADMIN_REPLIES).fields
+
+
 def test_ended_members_of_an_incomplete_group_are_counted_awaiting_it_and_not_lost(tmp_path):
     """Neither ready nor leased, but durable and still to deliver: the
     status counts them, across a restart, and the checker's backlog from
@@ -99,7 +106,7 @@ def test_ended_members_of_an_incomplete_group_are_counted_awaiting_it_and_not_lo
     send(node, turn_msg("a", 0, seq=1, group=("g", 3)), end_msg("a", reward=1.0, seq=2),
          turn_msg("b", 0, seq=3, group=("g", 3)), end_msg("b", reward=None, seq=4),
          turn_msg("c", 0, seq=5, group=("g", 3)))
-    status = node.core.status(node.clock)
+    status = wire_status(node)
     assert (status["awaiting_group"], status["scoring"], status["open"], status["ready"], status["leased"]) == \
         (1, 1, 1, 0, 0)
     acked = [{"kind": "acked", "id": "a", "applied": True}]
@@ -107,10 +114,10 @@ def test_ended_members_of_an_incomplete_group_are_counted_awaiting_it_and_not_lo
     assert check(acked, broker_backlog=status["ready"] + status["leased"]).lost == ["a"]  # what the demo read
     node.restart()
     node.hello(run=None)
-    assert node.core.status(node.clock)["awaiting_group"] == 1
+    assert wire_status(node)["awaiting_group"] == 1
     send(node, end_msg("c", reward=0.0, seq=6))
-    assert node.core.status(node.clock)["awaiting_group"] == 2  # a and c; b still scoring
+    assert wire_status(node)["awaiting_group"] == 2  # a and c; b still scoring
     send(node, reward_msg("b", 0.5, seq=7))
-    status = node.core.status(node.clock)
+    status = wire_status(node)
     assert (status["awaiting_group"], status["scoring"], status["ready"]) == (0, 0, 3)
     assert delivered(node) == {"a": 1.0, "b": 0.5, "c": 0.0}

@@ -178,6 +178,21 @@ def test_a_run_bounded_at_staleness_1_trains_nothing_older_and_reports_what_it_d
 
 
 @pytest.mark.slow
+def test_a_run_stopped_with_a_group_half_produced_counts_its_ended_members_at_the_broker_not_lost():
+    """A batch of one group of 8 from one producer: the trainer waits on the
+    producer, which is stopped mid-group. The group's ended members are
+    acked and durable but neither ready nor leased; the broker's status
+    counts them (`awaiting_group`), so the checker reads them as still at the
+    broker. Read as ready + leased they were counted lost."""
+    summary = run_train_demo(steps=4, producers=1, group_size=8, batch_groups=1, plot=None,
+                             progress=lambda line: None)
+    assert summary["steps"] == 4
+    assert (summary["lineage_lost"], summary["lineage_duplicated"]) == (0, 0)
+    assert summary["left_at_broker"] > 0, "the producer was stopped between groups: nothing shows the case"
+    assert "still at the broker" in summary_table(summary)
+
+
+@pytest.mark.slow
 def test_a_run_whose_filter_drops_every_group_stops_cleanly_and_says_it_starved():
     lines = []
     summary = run_train_demo(steps=50, producers=1, group_size=2, batch_groups=2, plot=None,
