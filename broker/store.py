@@ -308,7 +308,8 @@ class Segments(SegmentLog):
     finished segment goes when no row refers to it any more."""
 
     def __init__(self, directory: Path, max_bytes: int, unlink: Callable[[Path], None]):
-        super().__init__(directory, max_bytes, damaged=StoreCorrupted)
+        # Written behind: the broker delivers from memory and reads a record back only to reload or recover.
+        super().__init__(directory, max_bytes, damaged=StoreCorrupted, write_behind=True)
         self.live: dict[int, int] = {}
         self._rotated: list[int] = []  # finished since the last `retire_unreferenced`
         self._unlink = unlink

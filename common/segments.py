@@ -10,8 +10,8 @@ bytes past its header, and is the one every message names.
 
 What the log owns: the record format and its checks, appending (several
 records per `writev`, into blocks reserved ahead of the segment's end and
-given back when it is finished, written behind: out to disk and out of the
-page cache a window at a time), reading and verifying records at their locations,
+given back when it is finished, and written behind where the owner asks:
+out to disk and out of the page cache a window at a time), reading and verifying records at their locations,
 scanning a segment's records, cutting a torn tail (to an end its owner
 knows, or to the end `scan` found), and rotation, numbering and removal of
 files. What its owners keep: what a payload means, and when a finished
@@ -69,7 +69,7 @@ _FALLOCATE = _libc("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctyp
 _SYNC_FILE_RANGE = _libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writing the range out, without waiting for it
 
-# Write-behind: every `WRITE_BEHIND` bytes appended, the log starts writing
+# Write-behind (an owner's choice): every `WRITE_BEHIND` bytes appended, the log starts writing
 # them out and drops from the page cache what it appended before the
 # previous window, whose write-out began a window ago. A log written once
 # and read back only on recovery or a reload then keeps two or three
@@ -122,9 +122,11 @@ class SegmentLog:
     """Numbered record files in `directory`: appends go to the newest
     (`current`), which is finished and a new one started once it holds
     `max_bytes` (or after a failed write). Open for appends with
-    `open_current` until `close`."""
+    `open_current` until `close`. `write_behind`: for an owner that reads
+    records back only now and then (`WRITE_BEHIND`)."""
 
-    def __init__(self, directory: Path, max_bytes: int, *, damaged: type[Exception] = SegmentDamaged):
+    def __init__(self, directory: Path, max_bytes: int, *, damaged: type[Exception] = SegmentDamaged,
+                 write_behind: bool = False):
         self.directory = directory
         self.max_bytes = max_bytes
         self.damaged = damaged  # the owner's error type for damaged records
@@ -137,7 +139,7 @@ class SegmentLog:
         self._failed = False  # a write to the current segment failed: the next append starts a new one
         self._reserved = 0  # where the blocks reserved for the current segment end (`_reserve`)
         self._reserves = _FALLOCATE is not None  # until the file system says it cannot
-        self._write_behind = _SYNC_FILE_RANGE is not None  # until the kernel refuses it
+        self._write_behind = write_behind and _SYNC_FILE_RANGE is not None  # until the kernel refuses it
         # The current segment's windows (`_written_behind`): write-out started before `_writing_from`, a window
         # ago before `_written_from`, and dropped from the page cache before `_dropped_to`.
         self._writing_from = self._written_from = self._dropped_to = 0

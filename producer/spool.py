@@ -105,6 +105,7 @@ class Spool:
                 raise SpoolError(f"spool {self.directory} belongs to producer {owner!r}, not {self.producer_id!r}")
         else:
             owner_file.write_text(self.producer_id, encoding="utf-8")
+        # Not written behind: a backlog is read back as soon as the window has room, from the page cache.
         log = SegmentLog(self.directory, self.segment_bytes, damaged=SpoolError)
         numbers = log.existing()
         end = 0

@@ -8,7 +8,9 @@ import sys
 import zlib
 
 import pytest
+from test_segments import cached, dropping  # noqa: F401, F811 (a fixture)
 
+from rollstream.common.segments import WRITE_BEHIND
 from rollstream.producer.spool import Spool, SpoolError, record_bytes
 
 
@@ -167,4 +169,17 @@ def test_seqs_must_increase(tmp_path):
     spool.append(3, frames(3), handed_out=True)
     with pytest.raises(ValueError, match="must increase: got 3 after 3"):
         spool.append(3, frames(3), handed_out=True)
+    spool.close()
+
+
+def test_a_backlog_stays_in_the_page_cache_to_be_read_back(dropping):  # noqa: F811 (the fixture)
+    """The spool is not written behind (the broker's store is): three
+    windows of backlog on, written out, the first frames are still cached."""
+    spool = open_spool(dropping, max_bytes=64 * WRITE_BEHIND)
+    size = WRITE_BEHIND // 4
+    for seq in range(1, 13):
+        spool.append(seq, frames(seq, size), handed_out=False)
+    os.sync()
+    assert cached(dropping / segments(dropping)[0], 0)
+    assert spool.next_backlog() == (1, frames(1, size))
     spool.close()

@@ -13,8 +13,8 @@ from rollstream.common import segments
 from rollstream.common.segments import HEADER, MAGIC, RESERVE_AHEAD, WRITE_BEHIND, SegmentDamaged, SegmentLog
 
 
-def opened(path, max_bytes=1 << 20):
-    log = SegmentLog(path, max_bytes)
+def opened(path, max_bytes=1 << 20, **options):
+    log = SegmentLog(path, max_bytes, **options)
     log.open_current(0)
     return log
 
@@ -184,7 +184,7 @@ def test_appends_are_written_behind_and_dropped_from_the_page_cache_a_window_at_
     then: the test syncs, as the disk would have by itself) and the last
     stays; every record still reads back, and after a rewind below what was
     dropped the windows start again from there."""
-    log = opened(dropping, max_bytes=8 * WRITE_BEHIND)
+    log = opened(dropping, max_bytes=8 * WRITE_BEHIND, write_behind=True)
     quarter = WRITE_BEHIND // 4
 
     def append(times: int, byte: bytes, sync_after: int) -> list:
@@ -208,6 +208,18 @@ def test_appends_are_written_behind_and_dropped_from_the_page_cache_a_window_at_
     log.close()
     scan = SegmentLog(dropping, 8 * WRITE_BEHIND).scan(1)
     assert [loc for loc, _ in scan.records] == locations[:2] + more and scan.damage is None
+
+
+def test_a_log_not_asked_to_write_behind_keeps_what_it_wrote_cached(dropping):
+    """The same appends and sync as above, without write-behind: the first
+    window is still in the page cache."""
+    log = opened(dropping, max_bytes=8 * WRITE_BEHIND)
+    for i in range(12):
+        log.append([([b"w" * (WRITE_BEHIND // 4)], None)])
+        if i == 8:
+            os.fsync(log._fd)
+    assert cached(log.path(1), 0)
+    log.close()
 
 
 def test_a_segment_left_with_blocks_reserved_reopens_to_its_records(reserving):
