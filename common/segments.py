@@ -11,8 +11,8 @@ bytes past its header, and is the one every message names.
 What the log owns: the record format and its checks, appending (several
 records per `writev`, into blocks reserved ahead of the segment's end and
 given back when it is finished, and written behind where the owner asks:
-out to disk and out of the page cache a window at a time), reading and verifying records at their locations,
-scanning a segment's records, cutting a torn tail (to an end its owner
+out to disk and out of the page cache a window at a time), reading and
+verifying records at their locations, scanning a segment's records, cutting a torn tail (to an end its owner
 knows, or to the end `scan` found), and rotation, numbering and removal of
 files. What its owners keep: what a payload means, and when a finished
 segment may go (the store counts referring rows, the spool settled frames).
@@ -69,11 +69,11 @@ _FALLOCATE = _libc("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctyp
 _SYNC_FILE_RANGE = _libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writing the range out, without waiting for it
 
-# Write-behind (an owner's choice): every `WRITE_BEHIND` bytes appended, the log starts writing
-# them out and drops from the page cache what it appended before the
-# previous window, whose write-out began a window ago. A log written once
-# and read back only on recovery or a reload then keeps two or three
-# windows of page cache, whose pages the next appends use again, instead of
+# Write-behind (an owner's choice): every `WRITE_BEHIND` bytes appended,
+# the log starts writing them out and drops from the page cache what it
+# appended before the previous window, whose write-out began a window
+# ago. A log written once and read back only on recovery or a reload then
+# keeps two or three windows of page cache, whose pages the next appends use again, instead of
 # growing the cache by everything it writes: pages the kernel has to find
 # fresh cost several times the copy into them (docs/performance.md), and
 # the node's other files keep their cache. Nothing waits for the disk: a
