@@ -842,9 +842,9 @@ class BrokerCore:
         revived = []  # the admin `requeue` (its wire name) revives dead letters
         effects = []
         for tid in dict.fromkeys(message["trajectory_ids"]):
-            effect = self.engine.revive(job_key(job, tid))
-            if effect is not None:
-                effects.append(effect)
+            revive = self.engine.revive(job_key(job, tid), now.wall)
+            if revive:
+                effects += revive
                 revived.append(tid)
         if not (yield from self._commit(effects)):
             raise RemoteProtocolError("unavailable", "the broker cannot persist right now; retry later")

@@ -326,6 +326,7 @@ class MergeEngine:
         self._open: OrderedDict[str, Entry] = OrderedDict()
         self._scoring: OrderedDict[str, Entry] = OrderedDict()  # ended without a reward, longest waiting first
         self._idle_groups: OrderedDict[str, Group] = OrderedDict()
+        self._awaiting_group = 0  # ended members of the idle groups, kept as they change
         self._resident_ready: OrderedDict[str, Entry] = OrderedDict()  # ended, in memory, oldest first (evicted newest first)
         self._resident_open: OrderedDict[str, Entry] = OrderedDict()  # open, in memory, least recently continued first
         self._dead: OrderedDict[str, Entry] = OrderedDict()  # dead letters, oldest first (`prune_dead`)
@@ -464,7 +465,7 @@ class MergeEngine:
             group = self.groups.get(group_id)
             if group is None:
                 group = self.groups[group_id] = self._idle_groups[group_id] = Group(group_size)
-            group.members[tid] = OPEN
+            self._set_member(group, tid, OPEN)
             self._touch_group(entry, wall)
         effects = (
             OpenTrajectory(tid, group_id, group_size, entry.sample_index, wall, replaces),
@@ -611,17 +612,27 @@ class MergeEngine:
                 self.ready_units.append(DeliveryUnit((entry.trajectory_id,), version=entry.version))
             return
         group = self.groups[entry.group_id]
-        group.members[entry.trajectory_id] = state
+        self._set_member(group, entry.trajectory_id, state)
         self._touch_group(entry, wall)
         if group.complete:
             self._make_deliverable(entry.group_id, group, wall)
+
+    def _set_member(self, group: Group, tid: str, state: State) -> None:
+        if not group.deliverable:
+            self._awaiting_group += (state == ENDED) - (group.members.get(tid) == ENDED)
+        group.members[tid] = state
+
+    def _leave_idle(self, group_id: str, group: Group) -> None:
+        """The group becomes deliverable or closes: its ended members no longer await it."""
+        if self._idle_groups.pop(group_id, None) is not None:
+            self._awaiting_group -= sum(1 for state in group.members.values() if state == ENDED)
 
     def _make_deliverable(self, group_id: str, group: Group, wall: float) -> None:
         """The group is complete: its ended members are queued together, or
         dead-lettered `filtered:<filter>` when a group filter drops them."""
         ended = tuple(tid for tid, state in group.members.items() if state == ENDED)
+        self._leave_idle(group_id, group)
         group.pending = set(ended)
-        self._idle_groups.pop(group_id, None)
         self._effects.append(GroupDeliverable(group_id, group.size))
         dropping = first_dropping(self.settings.group_filters, [
             scalar_reward(self.entries[tid].reward, self.settings.reward_key) for tid in ended])
@@ -642,7 +653,7 @@ class MergeEngine:
     def _close_group(self, group_id: str) -> None:
         """Every ended member is gone: drop the group and its LEFT markers."""
         group = self.groups.pop(group_id)
-        self._idle_groups.pop(group_id, None)
+        self._leave_idle(group_id, group)
         self._effects.append(CloseGroup(group_id))
         for tid in group.members:
             entry = self.entries.get(tid)
@@ -870,16 +881,35 @@ class MergeEngine:
         entry.unreadable += 1
         return entry.unreadable >= UNREADABLE_AFTER
 
-    def revive(self, tid: str) -> Revive | None:
-        """Move a dead letter back to ready; expired ones never come back."""
+    def revive(self, tid: str, wall: float) -> list:
+        """Move a dead letter back to ready, if it had ended with its reward:
+        one given up unfinished (expired, or stale or abandoned before its
+        end or reward came) never comes back, lest it be delivered as if
+        complete. A group member goes back to its group: one still forming
+        counts it ended; a deliverable one waits for it too; a closed one is
+        made deliverable again, with it alone, so a restart finds it ready."""
         entry = self.entries.get(tid)
-        if entry is None or entry.state != DEAD or entry.dead_reason == "expired":
-            return None
+        if entry is None or entry.state != DEAD or entry.reward is None:
+            return []
         entry.dead_reason, entry.dead_at, entry.unreadable = None, None, 0
         self._set_state(entry, ENDED)
-        self.ready_units.append(DeliveryUnit((tid,), entry.group_id, entry.group_size, (entry.group_size or 1) - 1,
-                                             entry.version))
-        return Revive(tid)
+        self._effects.append(Revive(tid))
+        group_id, size = entry.group_id, entry.group_size
+        group = None if group_id is None else self.groups.get(group_id)
+        if group_id is None:
+            self.ready_units.append(DeliveryUnit((tid,), version=entry.version))
+        elif group is not None and not group.deliverable:
+            self._member_done(entry, ENDED, wall)
+        else:
+            assert size is not None  # stored with its group id
+            if group is None:
+                group = self.groups[group_id] = Group(size, updated_at=wall, pending=set())
+                self._effects.append(GroupDeliverable(group_id, size))
+            assert group.pending is not None  # deliverable
+            group.members[tid] = ENDED
+            group.pending.add(tid)
+            self.ready_units.append(DeliveryUnit((tid,), group_id, size, size - 1, entry.version))
+        return list(self._drain())
 
     # -- memory -------------------------------------------------------------
     def evict(self, target: float, leased: set[str] | frozenset = frozenset()) -> dict[State, int]:
@@ -982,9 +1012,11 @@ class MergeEngine:
             self._index(entry)
             if trajectory is not None:
                 self._hold(entry, trajectory)
+        self._awaiting_group = 0
         for group_id, group in sorted(self.groups.items(), key=lambda item: item[1].updated_at):
             if not group.deliverable:
                 self._idle_groups[group_id] = group
+                self._awaiting_group += sum(1 for state in group.members.values() if state == ENDED)
         self._dead = OrderedDict(sorted(self._dead.items(), key=lambda item: item[1].dead_at or 0.0))
 
     def _add(self, entry: Entry) -> None:
@@ -1073,7 +1105,7 @@ class MergeEngine:
         """Ended members of groups not complete yet: durable, and delivered
         with their group (or without the missing members once it idles for
         `trajectory_ttl`), but neither ready nor leased until then."""
-        return sum(1 for group in self._idle_groups.values() for state in group.members.values() if state == ENDED)
+        return self._awaiting_group
 
     def oldest(self, trajectory_ids: Iterable[str]) -> int | None:
         """The oldest ordered policy version among `trajectory_ids` (a unit's version)."""

@@ -2,7 +2,7 @@
 idempotence, merge, group, TTL and dedup rule of docs/protocol.md §3 and
 docs/semantics.md §3-§5."""
 import pytest
-from broker_helpers import abort_msg, end_msg, turn_msg
+from broker_helpers import abort_msg, end_msg, reward_msg, turn_msg
 
 from rollstream.broker.engine import (
     DEAD,
@@ -18,8 +18,10 @@ from rollstream.broker.engine import (
     MergeEngine,
     OpenTrajectory,
     PutTurn,
+    Revive,
 )
 from rollstream.common import SamplingMask
+from rollstream.common.jobs import DEFAULT_JOB
 
 
 @pytest.fixture
@@ -213,7 +215,7 @@ def test_idle_open_trajectory_expires_to_dead_letters(engine):
     assert engine.dead_letters(10) == [{"trajectory_id": "t", "reason": "expired", "at": 150}]
     late = ack(engine.handle(turn_msg("t", 1), wall=151))
     assert (late["applied"], late["reason"]) == (False, "expired") and "duplicate" not in late
-    assert engine.revive("t") is None  # never delivered as if complete
+    assert engine.revive("t", wall=152) == []  # never delivered as if complete
 
 
 def test_dead_letter_and_revive(engine):
@@ -222,8 +224,65 @@ def test_dead_letter_and_revive(engine):
     engine.ready_units.clear()
     assert engine.dead_letter("t", "bad batch", wall=5) == [DeadLetter("t", "bad batch", 5)]
     assert engine.counts()[DEAD] == 1
-    assert engine.revive("t") is not None
+    assert engine.revive("t", wall=6) == [Revive("t")]
     assert engine.entries["t"].state == ENDED and list(engine.ready_units) == [DeliveryUnit(("t",), None, None, 0)]
+
+
+def test_a_dead_letter_given_up_before_its_end_or_its_reward_is_never_revived(engine):
+    engine.handle(turn_msg("open", 0), wall=1)
+    engine.handle(turn_msg("scoring", 0), wall=1)
+    engine.handle(end_msg("scoring", reward=None), wall=2)
+    engine.give_up(DEFAULT_JOB, lambda entry: True, "stale", wall=3)
+    assert engine.counts()[DEAD] == 2
+    assert engine.revive("open", wall=4) == [] and engine.revive("scoring", wall=4) == []
+    assert engine.counts()[DEAD] == 2 and not engine.ready_units
+
+
+def test_a_revived_member_of_a_closed_group_makes_it_deliverable_again_until_it_goes(engine):
+    engine.handle(turn_msg("a", 0, group=("G", 2)), wall=1)
+    engine.handle(turn_msg("b", 0, group=("G", 2)), wall=1)
+    engine.handle(end_msg("a"), wall=2)
+    engine.handle(end_msg("b", seq=101), wall=2)
+    engine.ready_units.clear()
+    engine.delivered("a", wall=3)
+    assert CloseGroup("G") in engine.dead_letter("b", "refused", wall=3)
+    assert engine.revive("b", wall=4) == [Revive("b"), GroupDeliverable("G", 2)]
+    assert list(engine.ready_units) == [DeliveryUnit(("b",), "G", 2, 1)]
+    assert engine.groups["G"].deliverable and engine.awaiting_group() == 0
+    assert CloseGroup("G") in engine.delivered("b", wall=5) and "G" not in engine.groups
+
+
+def test_a_revived_member_of_a_deliverable_group_keeps_the_group_open_until_it_goes(engine):
+    for tid in "abc":
+        engine.handle(turn_msg(tid, 0, group=("G", 3)), wall=1)
+        engine.handle(end_msg(tid), wall=2)
+    engine.ready_units.clear()
+    engine.dead_letter("a", "refused", wall=3)
+    assert engine.revive("a", wall=4) == [Revive("a")]
+    assert list(engine.ready_units) == [DeliveryUnit(("a",), "G", 3, 2)]
+    engine.delivered("b", wall=5)
+    engine.delivered("c", wall=5)
+    assert "G" in engine.groups
+    assert CloseGroup("G") in engine.delivered("a", wall=6) and "G" not in engine.groups
+
+
+def test_ended_members_await_their_group_until_it_is_deliverable_or_expires(engine):
+    engine.handle(turn_msg("a", 0, group=("G", 3)), wall=1)
+    engine.handle(turn_msg("b", 0, group=("G", 3)), wall=1)
+    engine.handle(turn_msg("x", 0, group=("H", 2)), wall=1)
+    engine.handle(turn_msg("y", 0, group=("H", 2)), wall=1)
+    assert engine.awaiting_group() == 0
+    engine.handle(end_msg("a"), wall=2)
+    engine.handle(end_msg("x"), wall=2)
+    assert engine.awaiting_group() == 2
+    engine.handle(end_msg("b", reward=None), wall=3)  # scoring: not ended yet
+    assert engine.awaiting_group() == 2
+    engine.handle(reward_msg("b", 0.5), wall=4)
+    assert engine.awaiting_group() == 3
+    engine.handle(abort_msg("y"), wall=5)  # H complete: x is ready
+    assert engine.awaiting_group() == 2 and [unit.trajectory_ids for unit in engine.ready_units] == [("x",)]
+    engine.expire(wall=200)  # G idle past the TTL: delivered without its third member
+    assert engine.awaiting_group() == 0 and [unit.trajectory_ids for unit in engine.ready_units] == [("x",), ("a", "b")]
 
 
 def test_group_is_deliverable_when_every_member_ended_or_left(engine):
@@ -301,7 +360,7 @@ def test_a_ready_trajectory_is_unreadable_only_after_bounded_failed_reads_and_a_
     engine.dead_letter("t", "unreadable", wall=3)
     with pytest.raises(ValueError, match="expected ended"):
         engine.unreadable("t")  # only a ready trajectory is read back
-    assert engine.revive("t") is not None
+    assert engine.revive("t", wall=4) == [Revive("t")]
     assert engine.unreadable("t") is False  # revived by an operator (the record repaired): counted afresh
 
 

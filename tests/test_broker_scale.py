@@ -28,7 +28,7 @@ from rollstream.broker.engine import (
     held_bytes,
 )
 from rollstream.broker.flow import WindowGrants
-from rollstream.broker.recovery import load_trajectory
+from rollstream.broker.recovery import load_trajectory, rebuild
 from rollstream.broker.service import BrokerService
 from rollstream.broker.settings import BrokerSettings
 from rollstream.broker.store import Store
@@ -49,6 +49,9 @@ def check_indexes(engine: MergeEngine) -> None:
     assert +engine.untrained == Counter(job_of(e.trajectory_id) for e in entries if e.state in UNTRAINED)
     assert engine.bytes_in_memory == sum(held_bytes(e.trajectory) for e in entries if e.trajectory is not None)
     assert engine.evicted_open() == {e.trajectory_id for e in entries if e.state == OPEN and engine.needs_reload(e)}
+    awaiting = [e for e in entries if e.state == ENDED and e.group_id in engine.groups
+                and not engine.groups[e.group_id].deliverable]
+    assert engine.awaiting_group() == len(awaiting)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -64,7 +67,7 @@ def test_counts_bytes_and_evictions_follow_every_change(seed, tmp_path):
         store.commit(list(effects))
         engine.saved()
 
-    now, made, observed, shed_seen = 0.0, 0, set(), False
+    now, made, observed, shed_seen, awaited = 0.0, 0, set(), False, False
     for _ in range(300):
         now += rng.random()
         by_state = {state: [t for t, e in engine.entries.items() if e.state == state]
@@ -97,8 +100,7 @@ def test_counts_bytes_and_evictions_follow_every_change(seed, tmp_path):
         elif action == "dead" and by_state[ENDED]:
             apply(engine.dead_letter(rng.choice(by_state[ENDED]), "refused", now))
         elif action == "revive" and by_state[DEAD]:
-            effect = engine.revive(rng.choice(by_state[DEAD]))
-            apply([effect] if effect else [])
+            apply(engine.revive(rng.choice(by_state[DEAD]), now))
         elif action == "evict":
             engine.evict(rng.randint(0, max(1, engine.bytes_in_memory)))
         elif action == "reload":
@@ -109,9 +111,17 @@ def test_counts_bytes_and_evictions_follow_every_change(seed, tmp_path):
         elif action == "expire":
             apply(engine.expire(now + rng.choice([0.0, 30.0])))
         check_indexes(engine)
+        awaited |= engine.awaiting_group() > 0
         observed |= {e.state for e in engine.entries.values()}
         shed_seen |= bool(engine.evicted_open())
     assert made > 30 and {OPEN, ENDED, DEAD} <= observed and shed_seen
+    assert awaited
+    store.close()
+    store = Store(tmp_path / "data")
+    restored = MergeEngine(EngineSettings(trajectory_ttl=50.0, dedup_window=1000.0))
+    restored.restore(*rebuild(store.open(), store).engine_state())
+    check_indexes(restored)
+    assert restored.awaiting_group() == engine.awaiting_group()
     store.close()
 
 

@@ -307,6 +307,13 @@ class Broker(RuleBasedStateMachine):
             assert sum(places.values()) == 1, (tid, places)
 
     @invariant()
+    def the_count_awaiting_a_group_is_every_ended_member_of_a_group_not_yet_deliverable(self):
+        engine = self.core.engine
+        awaiting = [tid for tid, e in engine.entries.items() if e.state == ENDED and e.group_id in engine.groups
+                    and not engine.groups[e.group_id].deliverable]
+        assert engine.awaiting_group() == len(awaiting), awaiting
+
+    @invariant()
     def another_jobs_trajectories_wait_for_their_own_consumer(self):
         assert all(job_of(lease.trajectory_id) == DEFAULT_JOB for lease in self.core.dispatcher.leases.values())
         for key in self.ended_elsewhere:

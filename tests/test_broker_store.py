@@ -96,6 +96,19 @@ def test_dedup_and_dead_letters_survive(tmp_path, store):
     store2.close()
 
 
+def test_a_revived_member_of_a_closed_group_is_ready_after_a_restart(tmp_path, store):
+    engine = MergeEngine(EngineSettings())
+    drive(engine, store, [turn_msg("a", 0, group=("G", 2)), turn_msg("b", 0, group=("G", 2)),
+                          end_msg("a"), end_msg("b", seq=101)])
+    store.commit(engine.delivered("a", wall=2))
+    store.commit(engine.dead_letter("b", "refused", wall=2))  # the group closes
+    store.commit(engine.revive("b", wall=3))
+    store.close()
+    store2, engine2, units = reopen(tmp_path / "data")
+    assert units == [DeliveryUnit(("b",), "G", 2, 1)] and engine2.awaiting_group() == 0
+    store2.close()
+
+
 def test_torn_tail_is_cut(tmp_path, store):
     engine = MergeEngine(EngineSettings())
     drive(engine, store, [turn_msg("a", 0, [1, 2], [[1], [2]])])
