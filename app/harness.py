@@ -116,9 +116,9 @@ class LoopbackNode:
         self._start_broker(self.endpoints)
 
     def dead_letters(self) -> list[dict]:
-        """Every dead letter the broker holds."""
+        """Every dead letter the broker holds or pruned and still remembers."""
         assert self.admin is not None, "the admin client is made when the broker first answers"
-        return self.admin.dead_letters(1_000_000)
+        return self.admin.dead_letters(1_000_000, pruned=True)
 
     def _start(self, *args: str) -> subprocess.Popen:
         daemon = subprocess.Popen([*self.command_prefix, *_cli(*args)], stdout=self._log, stderr=self._log)

@@ -836,7 +836,7 @@ class BrokerCore:
             return encode(ADMIN_REPLIES, "status", {**self.status(now), **seq})
         if message.type == "dead_letters":
             items = [{**item, "trajectory_id": wire_id(item["trajectory_id"]), "job": job_of(item["trajectory_id"])}
-                     for item in self.engine.dead_letters(message.get("limit", 100))]
+                     for item in self.engine.dead_letters(message.get("limit", 100), message.get("pruned", False))]
             return encode(ADMIN_REPLIES, "dead_letters", {"items": items, **seq})
         job = message.get("job", DEFAULT_JOB)
         revived = []  # the admin `requeue` (its wire name) revives dead letters

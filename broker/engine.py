@@ -162,11 +162,14 @@ class CloseGroup:
 
 @dataclass(frozen=True, slots=True)
 class Forget:
-    """Delivered and acked (or trained and sealed): data deleted, id
-    remembered until `dedup_until`."""
+    """Delivered and acked (or trained and sealed), or a dead letter pruned:
+    data deleted, id remembered until `dedup_until` (a pruned dead letter's
+    with its reason and time, so that it is still accounted for)."""
 
     trajectory_id: str
     dedup_until: float
+    dead_reason: str | None = None
+    dead_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +336,7 @@ class MergeEngine:
         self.dead_bytes = 0  # their `stored_bytes`, kept as they change
         self.bytes_in_memory = 0  # of the trajectories in memory (arrays and overheads), kept as they change
         self.dedup: dict[str, float] = {}  # trajectory id -> remembered until
+        self.pruned: dict[str, tuple[str, float]] = {}  # dead letters pruned, while remembered: id -> (reason, at)
         self._dedup_expiry: list[tuple[float, str]] = []  # a heap of (until, id): expiry without scanning every id
         self.ready_units: deque[DeliveryUnit] = deque()
         self.trained_entries: dict[str, Entry] = {}  # the TRAINED ones, for seals and resumes
@@ -689,6 +693,7 @@ class MergeEngine:
             until, tid = heapq.heappop(expiry)
             if self.dedup.get(tid) == until:  # not remembered again since
                 del self.dedup[tid]
+                self.pruned.pop(tid, None)
         return list(self._drain())
 
     def give_up(self, job: str, judge: Callable[[Entry], bool], reason: str, wall: float) -> list:
@@ -711,8 +716,9 @@ class MergeEngine:
         effects: list = []
         while self.dead_bytes > budget and self._dead:
             tid, entry = next(iter(self._dead.items()))
-            gone[entry.dead_reason or "dead"] += 1
-            effects.append(self._forget(tid, wall))
+            reason = entry.dead_reason or "dead"
+            gone[reason] += 1
+            effects.append(self._forget(tid, wall, dead=(reason, entry.dead_at or wall)))
         return effects, gone
 
     def _give_up(self, entry: Entry, reason: str, wall: float) -> None:
@@ -758,7 +764,8 @@ class MergeEngine:
         self._done_in_group(self.entries[tid])
         return [self._forget(tid, wall), *self._drain()]
 
-    def _forget(self, tid: str, wall: float) -> Forget:
+    def _forget(self, tid: str, wall: float, dead: tuple[str, float] | None = None) -> Forget:
+        """Delete `tid`'s data and remember its id; `dead`: a dead letter's reason and time."""
         self._remove(tid)
         trained = self.trained_entries.pop(tid, None)
         if trained is not None:
@@ -766,7 +773,10 @@ class MergeEngine:
             self._untrain_step(trained)
         until = wall + self.settings.dedup_window
         self.remember({tid: until})
-        return Forget(tid, until)
+        if dead is None:
+            return Forget(tid, until)
+        self.pruned[tid] = dead
+        return Forget(tid, until, *dead)
 
     def trained(self, tid: str, at: TrainedAt) -> list:
         """A checkpointing trainer trained `tid` (ready, or trained before
@@ -958,10 +968,12 @@ class MergeEngine:
         self._hold(entry, trajectory)
 
     def restore(self, entries: Iterable[Entry], deliverable_groups: Collection[str], dedup: Mapping[str, float],
-                order: Mapping[str, int], runs: Mapping[str, Run] = MappingProxyType({})) -> list[DeliveryUnit]:
+                order: Mapping[str, int], runs: Mapping[str, Run] = MappingProxyType({}),
+                pruned: Mapping[str, tuple[str, float]] = MappingProxyType({})) -> list[DeliveryUnit]:
         """Fill this empty engine with stored `entries` (open ones holding
         their replayed trajectories): groups rebuilt from their members,
-        those in `deliverable_groups` deliverable again, `dedup` remembered.
+        those in `deliverable_groups` deliverable again, `dedup` remembered
+        (`pruned`: the dead letters among them, with reason and time).
         Returns the units to deliver, by `order` (ready sequence) of their
         first member: a ready trajectory outside a group, or the ended
         members of a deliverable group."""
@@ -975,6 +987,7 @@ class MergeEngine:
                 group.members[entry.trajectory_id] = LEFT if entry.state == DEAD else entry.state
                 group.updated_at = max(group.updated_at, entry.updated_at)
         self.remember(dedup)
+        self.pruned.update((tid, dead) for tid, dead in pruned.items() if tid in self.dedup)
         self.runs.update(runs)
         self.trained_entries.update((e.trajectory_id, e) for e in self.entries.values() if e.state == TRAINED)
         self.trained_bytes = sum(e.stored_bytes for e in self.trained_entries.values())
@@ -1112,9 +1125,14 @@ class MergeEngine:
         versions = [v for v in (self.entries[tid].version for tid in trajectory_ids) if v is not None]
         return min(versions, default=None)
 
-    def dead_letters(self, limit: int) -> list[dict]:
+    def dead_letters(self, limit: int, pruned: bool = False) -> list[dict]:
+        """The oldest `limit` dead letters; with `pruned`, those pruned (data
+        deleted) come first, marked, while their ids are remembered."""
+        gone = [{"trajectory_id": tid, "reason": reason, "at": at, "pruned": True}
+                for tid, (reason, at) in sorted(self.pruned.items(), key=lambda item: item[1][1])] if pruned else []
         dead = sorted((e for e in self.entries.values() if e.state == DEAD), key=_dead_at)
-        return [{"trajectory_id": e.trajectory_id, "reason": e.dead_reason, "at": e.dead_at} for e in dead[:limit]]
+        kept = [{"trajectory_id": e.trajectory_id, "reason": e.dead_reason, "at": e.dead_at} for e in dead]
+        return (gone + kept)[:limit]
 
 
 def turn_versions(message: Message) -> list:

@@ -61,10 +61,11 @@ class Rebuilt(NamedTuple):
     order: Mapping[str, int]  # ready sequence of each trajectory
     runs: Mapping[str, Run]  # checkpointing trainers' runs
     policies: Mapping[str, Policy] = MappingProxyType({})  # each job's published policy (`Freshness`)
+    pruned: Mapping[str, tuple[str, float]] = MappingProxyType({})  # dead letters pruned: id -> (reason, at)
 
     def engine_state(self) -> tuple:
         """What `MergeEngine.restore` takes."""
-        return self.entries, self.deliverable_groups, self.dedup, self.order, self.runs
+        return self.entries, self.deliverable_groups, self.dedup, self.order, self.runs, self.pruned
 
 
 def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
@@ -97,4 +98,5 @@ def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
         )
         entries.append(entry)
     order = {t.trajectory_id: t.ready_seq or 0 for t in recovered.trajectories}
-    return Rebuilt(entries, recovered.deliverable_groups, recovered.dedup, order, recovered.runs, recovered.policies)
+    return Rebuilt(entries, recovered.deliverable_groups, recovered.dedup, order, recovered.runs, recovered.policies,
+                   recovered.pruned)

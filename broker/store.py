@@ -62,11 +62,12 @@ from .staleness import Policy, SetPolicy
 
 log = logging.getLogger("rollstream.broker")
 
-SCHEMA_VERSION = 7  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
+SCHEMA_VERSION = 8  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
 # 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`); 5: trained trajectories and runs;
 # 6: an ended trajectory's ordered policy version, each job's published policy, and the `scoring` state;
-# 7: what sampled an ended trajectory (lineage epochs and steps), and each job's lineage
-_READABLE_VERSIONS = (2, 3, 4, 5, 6, 7)  # an older store is upgraded in place (`Store._upgrade`)
+# 7: what sampled an ended trajectory (lineage epochs and steps), and each job's lineage;
+# 8: a pruned dead letter's reason and time, kept with its remembered id
+_READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8)  # an older store is upgraded in place (`Store._upgrade`)
 
 # A turn this large (long top-p supports) is written ahead on the writer
 # thread; smaller ones are written inline by their commit, where handing them
@@ -110,7 +111,7 @@ CREATE TABLE IF NOT EXISTS turns (
     at REAL NOT NULL,
     PRIMARY KEY (trajectory_id, turn)
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS dedup (id TEXT PRIMARY KEY, until REAL NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS dedup (id TEXT PRIMARY KEY, until REAL NOT NULL, dead_reason TEXT, dead_at REAL) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS dedup_until ON dedup (until);
 CREATE TABLE IF NOT EXISTS released_groups (id TEXT PRIMARY KEY, size INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS runs (id TEXT PRIMARY KEY, lineage TEXT NOT NULL, seals BLOB NOT NULL,
@@ -121,7 +122,7 @@ CREATE TABLE IF NOT EXISTS policies (job TEXT PRIMARY KEY, version INTEGER NOT N
 # Columns later versions added, by table: an older store gets them as it is upgraded.
 _ADDED_COLUMNS = {"trajectories": ("trained_run TEXT", "trained_lineage TEXT", "trained_step INTEGER",
                                    "trained_position INTEGER", "version INTEGER", "sampled BLOB"),
-                  "policies": ("branches BLOB",)}
+                  "policies": ("branches BLOB",), "dedup": ("dead_reason TEXT", "dead_at REAL")}
 
 
 # States are stored as `State`'s values, written into the statements once.
@@ -159,7 +160,7 @@ class _DeferredRows:
         self.ends: list[tuple] = []
         self.turns: list[tuple] = []
         self.trained: list[tuple] = []  # (run, lineage, step, position, id)
-        self.forgets: list[tuple] = []  # (id, dedup until)
+        self.forgets: list[tuple] = []  # (id, dedup until, dead reason, dead at)
 
     def execute(self, db: sqlite3.Connection, records_gone: list[int]) -> None:
         """Run the rows; segments that lose a record are added to `records_gone`."""
@@ -169,10 +170,10 @@ class _DeferredRows:
                 db.executemany(statement, rows)
                 rows.clear()
         if self.forgets:
-            tids = [tid for tid, _ in self.forgets]
+            tids = [forget[0] for forget in self.forgets]
             records_gone += _delete_turns(db, tids)
             db.executemany("DELETE FROM trajectories WHERE id=?", [(tid,) for tid in tids])
-            db.executemany("INSERT OR REPLACE INTO dedup VALUES (?, ?)", self.forgets)
+            db.executemany("INSERT OR REPLACE INTO dedup VALUES (?, ?, ?, ?)", self.forgets)
             self.forgets.clear()
 
 
@@ -270,6 +271,7 @@ class Recovered:
     deliverable_groups: dict[str, int]  # stored in the table `released_groups`, its first name
     runs: dict[str, Run] = field(default_factory=dict)
     policies: dict[str, Policy] = field(default_factory=dict)  # each job's published policy
+    pruned: dict[str, tuple[str, float]] = field(default_factory=dict)  # dead letters pruned: id -> (reason, at)
 
 
 _FRAME_TABLES: dict[int, struct.Struct] = {}  # by frame count: the record's frame-length table
@@ -488,6 +490,8 @@ class Store:
             {job: Policy(version, max_staleness, per_step, share, Lineage.of(msgpack.unpackb(branches) if branches else ()))
              for job, version, max_staleness, per_step, share, branches in self.db.execute(
                 "SELECT job, version, max_staleness, per_step, share, branches FROM policies")},
+            {tid: (reason, at) for tid, reason, at in self.db.execute(
+                "SELECT id, dead_reason, dead_at FROM dedup WHERE dead_reason IS NOT NULL")},
         )
 
     def load_one(self, trajectory_id: str) -> StoredTrajectory:
@@ -704,7 +708,7 @@ class Store:
                                   _end_crc(effect.trajectory_id, effect.digest, reward, metadata), effect.version,
                                   msgpack.packb(effect.sampled) if effect.sampled else None, effect.trajectory_id))
             case Forget():
-                rows.forgets.append((effect.trajectory_id, effect.dedup_until))
+                rows.forgets.append((effect.trajectory_id, effect.dedup_until, effect.dead_reason, effect.dead_at))
             case OpenTrajectory():  # one replacing a LEFT marker
                 rows.execute(db, records_gone)
                 records_gone += _delete_turns(db, [effect.trajectory_id])
@@ -725,7 +729,8 @@ class Store:
                 db.execute(f"UPDATE trajectories SET state='{State.DEAD}', dead_reason=?, dead_at=? WHERE id=?",
                            (effect.reason, effect.at, effect.trajectory_id))
                 if effect.dedup_until is not None:
-                    db.execute("INSERT OR REPLACE INTO dedup VALUES (?, ?)", (effect.trajectory_id, effect.dedup_until))
+                    db.execute("INSERT OR REPLACE INTO dedup (id, until) VALUES (?, ?)",
+                               (effect.trajectory_id, effect.dedup_until))
             case SetReward(trajectory_id=tid):  # its end's row gets the reward, and the CRC over it
                 rows.execute(db, records_gone)
                 digest, metadata = db.execute("SELECT end_digest, metadata FROM trajectories WHERE id=?", (tid,)).fetchone()

@@ -74,8 +74,10 @@ class AdminClient:
     def status(self) -> dict:
         return dict(self._call("status").fields)
 
-    def dead_letters(self, limit: int = 100) -> list[dict]:
-        return self._call("dead_letters", {"limit": limit})["items"]
+    def dead_letters(self, limit: int = 100, pruned: bool = False) -> list[dict]:
+        """The oldest `limit` dead letters; with `pruned`, also those whose
+        data `max_dead_letter_bytes` pruned (marked `pruned`), first."""
+        return self._call("dead_letters", {"limit": limit, "pruned": pruned})["items"]
 
     def requeue(self, trajectory_ids: list[str], job: str | None = None) -> list[str]:
         """Revive dead letters of `job` (the default job when None); the ids revived."""

@@ -426,7 +426,7 @@ BROKER_TO_CONSUMER = _schema(
 ADMIN_REQUESTS = _schema(
     "admin request",
     MessageSpec("status", {}, _SEQ),
-    MessageSpec("dead_letters", {}, {"seq": INT, "limit": POSITIVE}),
+    MessageSpec("dead_letters", {}, {"seq": INT, "limit": POSITIVE, "pruned": BOOL}),
     MessageSpec("requeue", {"trajectory_ids": ID_LIST}, {**_SEQ, "job": JOB}),
 )
 

@@ -285,6 +285,19 @@ def test_ended_members_await_their_group_until_it_is_deliverable_or_expires(engi
     assert engine.awaiting_group() == 0 and [unit.trajectory_ids for unit in engine.ready_units] == [("x",), ("a", "b")]
 
 
+def test_a_pruned_dead_letter_is_listed_as_pruned_until_its_id_is_forgotten(engine):
+    for tid, wall in (("a", 1), ("b", 2)):
+        engine.handle(turn_msg(tid, 0), wall=wall)
+        engine.handle(end_msg(tid), wall=wall)
+        engine.dead_letter(tid, "refused", wall=wall)
+    effects, gone = engine.prune_dead(engine.entries["b"].stored_bytes, wall=10)
+    assert effects == [Forget("a", 1010.0, "refused", 1)] and gone == {"refused": 1}
+    assert engine.dead_letters(1, pruned=True) == [{"trajectory_id": "a", "reason": "refused", "at": 1, "pruned": True}]
+    assert [item["trajectory_id"] for item in engine.dead_letters(5)] == ["b"]
+    engine.expire(wall=1011)  # its dedup window is over
+    assert "a" not in engine.dedup and [item["trajectory_id"] for item in engine.dead_letters(5, pruned=True)] == ["b"]
+
+
 def test_group_is_deliverable_when_every_member_ended_or_left(engine):
     for i in range(3):
         engine.handle(turn_msg(f"g{i}", 0, group=("G", 3)), wall=1)

@@ -106,3 +106,7 @@ def test_dead_letters_are_kept_within_their_budget_oldest_deleted_first_their_id
     node.restart()  # deleted from the store too
     engine = node.core.engine
     assert "a" not in engine.entries and engine.dead_bytes == engine.entries["b"].stored_bytes < held
+    # still accounted for (the checker's "dead-lettered", not "lost") while its id is remembered
+    listed = [(item["trajectory_id"], item["reason"], item.get("pruned")) for item in engine.dead_letters(10, pruned=True)]
+    assert listed == [("a", "bad", True), ("b", "bad", None)]
+    assert [item["trajectory_id"] for item in engine.dead_letters(10)] == ["b"]

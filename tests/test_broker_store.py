@@ -285,18 +285,22 @@ def test_replay_arrays_survive(tmp_path, store):
     store2.close()
 
 
-@pytest.mark.parametrize("version", [2, 3, 4, 5, 6])
+@pytest.mark.parametrize("version", [2, 3, 4, 5, 6, 7])
 def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_checked(tmp_path, version):
     store = Store(tmp_path / "data")
     store.open()
     drive(MergeEngine(), store, [turn_msg("t", 0, weight_version="step-3"), end_msg("t", reward=0.25, metadata={"k": 1})])
-    store.db.execute("ALTER TABLE trajectories DROP COLUMN sampled")  # as versions 2-6 stored it
-    store.db.execute("DROP TABLE policies")
+    for column in ("dead_reason", "dead_at"):  # as versions 2-7 stored it
+        store.db.execute(f"ALTER TABLE dedup DROP COLUMN {column}")
+    store.db.execute("INSERT INTO dedup VALUES ('gone', 5000.0)")
+    if version < 7:
+        store.db.execute("ALTER TABLE trajectories DROP COLUMN sampled")  # as versions 2-6 stored it
+        store.db.execute("DROP TABLE policies")
     if version == 6:  # its policies had no lineage
         store.db.execute("CREATE TABLE policies (job TEXT PRIMARY KEY, version INTEGER NOT NULL, max_staleness INTEGER, "
                          "per_step INTEGER, share REAL) WITHOUT ROWID")
         store.db.execute("INSERT INTO policies VALUES ('default', 4, 1, 8, 1.0)")
-    else:
+    elif version < 6:
         store.db.execute("ALTER TABLE trajectories DROP COLUMN version")  # as versions 2-5 stored it
     if version < 5:
         for column in ("trained_run", "trained_lineage", "trained_step", "trained_position"):  # as versions 2-4 stored it
@@ -309,14 +313,16 @@ def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_chec
     store = Store(tmp_path / "data")
     recovered = store.open()
     (ended,) = recovered.trajectories
-    assert (ended.reward, ended.metadata, ended.trained, ended.sampled) == (0.25, {"k": 1}, None, ())
-    assert ended.version == (3 if version == 6 else None)
+    assert (ended.reward, ended.metadata, ended.trained, ended.sampled) == (0.25, {"k": 1}, None,
+                                                                             ((0, 3),) if version == 7 else ())
+    assert ended.version == (3 if version >= 6 else None)
     assert recovered.policies == ({"default": Policy(4, 1, 8, 1.0)} if version == 6 else {})
-    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 7
+    assert recovered.dedup == {"gone": 5000.0} and recovered.pruned == {}
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 8
     store.db.execute("UPDATE trajectories SET reward=? WHERE id='t'", (msgpack.packb(0.75),))
     store.db.execute("UPDATE meta SET value=1 WHERE key='schema_version'")
     store.close()
-    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4 or 5 or 6 or 7"):
+    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4 or 5 or 6 or 7 or 8"):
         Store(tmp_path / "data").open()
     store = Store(tmp_path / "data")
     store.db.execute("UPDATE meta SET value=6 WHERE key='schema_version'")
