@@ -40,10 +40,11 @@ ENDED = "frames.end.applied"  # trajectories ended by their producer (in)
 ACKED = "trajectories_acked"  # trajectories a consumer acked (out)
 RECEIVED_BYTES = "received_bytes"
 NACKS = "nacks."  # refusals, as nacks.ENDPOINT.CODE
-QUEUES = ("open", "ready", "leased", "dead")
+QUEUES = ("open", "scoring", "awaiting_group", "ready", "leased", "dead")  # status counts, as the broker names them
+WAITING = ("scoring", "awaiting_group")  # ended, not ready yet: its reward or the rest of its group to come
 REFUSALS_SHOWN = 3  # per row, most recent first
-COLUMNS = ("broker", "frames/s", "traj in/s", "traj out/s", "in bytes/s", *QUEUES, "producers", "consumers", "memory",
-           "disk", "ack latency", "refusals (latest first)")
+COLUMNS = ("broker", "frames/s", "traj in/s", "traj out/s", "in bytes/s", "open", "waiting", "ready", "leased", "dead",
+           "producers", "consumers", "memory", "disk", "ack latency", "refusals (latest first)")
 
 
 # -- the figures, sans-I/O ------------------------------------------------------
@@ -284,8 +285,10 @@ def cells(row: Row) -> list[str]:
         refusals += f", +{len(row.refusals) - REFUSALS_SHOWN} more"
     queues = row.queues or {}
     return [row.broker, rate(row.frames), rate(row.trajectories_in), rate(row.trajectories_out),
-            rate(row.bytes, lambda v: human_bytes(v) + "/s"), *(str(queues.get(name, 0)) for name in QUEUES),
-            str(row.producers), str(row.consumers), budget(*row.memory), budget(*row.disk), latency, refusals or "-"]
+            rate(row.bytes, lambda v: human_bytes(v) + "/s"), str(queues.get("open", 0)),
+            str(sum(queues.get(name, 0) for name in WAITING)),
+            *(str(queues.get(name, 0)) for name in ("ready", "leased", "dead")), str(row.producers), str(row.consumers),
+            budget(*row.memory), budget(*row.disk), latency, refusals or "-"]
 
 
 def table(rows: Sequence[Row], title: str) -> Table:

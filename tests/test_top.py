@@ -38,8 +38,8 @@ BOUNDS = [0.001, 0.01, 0.1]
 
 def report(counters: dict, acks: list[int], ack_sum: float, **fields) -> dict:
     """A status report as a broker sends it, with only what `top` reads."""
-    return {"open": 1, "ready": 2, "leased": 3, "dead": 4, "producers": 1, "consumers": 2, "bytes_in_memory": 1024,
-            "bytes_on_disk": 3072, "unsealed_bytes": 1024, "max_memory_bytes": 4096, "max_disk_bytes": 8192,
+    return {"open": 1, "scoring": 5, "awaiting_group": 6, "ready": 2, "leased": 3, "dead": 4, "producers": 1, "consumers": 2,
+            "bytes_in_memory": 1024, "bytes_on_disk": 3072, "unsealed_bytes": 1024, "max_memory_bytes": 4096, "max_disk_bytes": 8192,
             "counters": counters, "ack_seconds": {"bounds": BOUNDS, "counts": acks, "sum": ack_sum}, **fields}
 
 
@@ -58,7 +58,8 @@ def test_rates_latency_and_refusals_come_from_the_deltas_between_two_answers():
     row = top.update("b", Poll(12.0, SECOND))
     # frames: turns + ends + refused producer frames, (40 + 8 + 4) - (10 + 2 + 2) over 2 s
     assert (row.frames, row.trajectories_in, row.trajectories_out, row.bytes) == (19.0, 3.0, 2.0, 4000.0)
-    assert row.queues == {"open": 1, "ready": 2, "leased": 3, "dead": 4} and (row.producers, row.consumers) == (1, 2)
+    assert row.queues == {"open": 1, "scoring": 5, "awaiting_group": 6, "ready": 2, "leased": 3, "dead": 4}
+    assert (row.producers, row.consumers) == (1, 2)
     assert row.memory == (1024, 4096) and row.disk == (2048, 8192)  # disk: less the unsealed bytes (a budget of their own)
     assert row.latency == Latency((0.001, 0.01, 0.1), (90, 9, 1, 0), 0.5)
     assert row.latency.mean == 0.005 and row.latency.quantile(0.99) == 0.01 and row.latency.quantile(0.5) == 0.001
@@ -102,7 +103,8 @@ def test_the_total_sums_the_brokers_that_answered():
     assert whole.broker == "total (3 of 4 answering)"
     # b has no rates yet: the sums of a's and e's
     assert (whole.frames, whole.trajectories_in, whole.trajectories_out, whole.bytes) == (19.0, 3.0, 2.0, 4000.0)
-    assert whole.queues == {"open": 3, "ready": 14, "leased": 9, "dead": 12} and (whole.producers, whole.consumers) == (3, 6)
+    assert whole.queues == {"open": 3, "scoring": 15, "awaiting_group": 18, "ready": 14, "leased": 9, "dead": 12}
+    assert (whole.producers, whole.consumers) == (3, 6)
     assert whole.memory == (3072, 12288) and whole.disk == (6144, 24576)
     assert whole.latency == Latency((0.001, 0.01, 0.1), (90, 9, 2, 0), 0.55)
     with pytest.raises(InvalidInput, match=r"add only with the same bounds, got \(0.001, 0.01, 0.1\) and \(1.0,\)"):
@@ -110,7 +112,8 @@ def test_the_total_sums_the_brokers_that_answered():
     assert whole.refusals == (Refusal("producer.unavailable", 9, 2, 12.0), Refusal("consumer.stale_lease", 1, 1, 12.0))
     older = Row("d", queues={}, memory=(100, None), disk=(100, None))  # a broker that reports no budgets
     assert total([a, older]).memory == (1124, None)
-    assert total([down]) == Row("total (0 of 1 answering)", queues={"open": 0, "ready": 0, "leased": 0, "dead": 0})
+    assert total([down]) == Row("total (0 of 1 answering)", queues={"open": 0, "scoring": 0, "awaiting_group": 0, "ready": 0,
+                                                                    "leased": 0, "dead": 0})
 
 
 def test_cells_show_rates_budgets_latency_and_refusals_and_name_an_unreachable_broker():
@@ -118,7 +121,8 @@ def test_cells_show_rates_budgets_latency_and_refusals_and_name_an_unreachable_b
     top.update("b", Poll(10.0, FIRST))
     row = dict(zip(COLUMNS, cells(top.update("b", Poll(12.0, SECOND)))))
     assert row == {"broker": "b", "frames/s": "19.0", "traj in/s": "3.0", "traj out/s": "2.0", "in bytes/s": "3.9K/s",
-                   "open": "1", "ready": "2", "leased": "3", "dead": "4", "producers": "1", "consumers": "2",
+                   "open": "1", "waiting": "11", "ready": "2", "leased": "3", "dead": "4",
+                   "producers": "1", "consumers": "2",
                    "memory": "1.0K/4.0K 25%", "disk": "2.0K/8.0K 25%", "ack latency": "5ms p99<=10ms",
                    "refusals (latest first)": "producer.unavailable 4 (+2), consumer.stale_lease 1 (+1)"}
     first = dict(zip(COLUMNS, cells(Top().update("b", Poll(10.0, FIRST)))))
@@ -236,7 +240,8 @@ def test_a_snapshot_in_a_pipe_shows_each_broker_and_an_unreachable_one(node):
     row = table_row(done.stdout, endpoints_file)
     # two polls: an idle window rates 0 (one poll alone would show "-")
     assert (row["frames/s"], row["traj in/s"], row["in bytes/s"]) == ("0.0", "0.0", "0B/s"), row
-    assert [row[name] for name in ("open", "ready", "leased", "dead", "consumers")] == ["0", "4", "0", "0", "0"], row
+    assert [row[name] for name in ("open", "waiting", "ready", "leased", "dead", "consumers")] == \
+        ["0", "0", "4", "0", "0", "0"], row
     assert row["memory"].endswith("/2.0G 0%") and row["disk"].endswith("/64.0G 0%"), row
     assert row["refusals (latest first)"] == "admin.schema 1", row
     down = table_row(done.stdout, nobody)
