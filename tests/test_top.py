@@ -39,7 +39,8 @@ BOUNDS = [0.001, 0.01, 0.1]
 def report(counters: dict, acks: list[int], ack_sum: float, **fields) -> dict:
     """A status report as a broker sends it, with only what `top` reads."""
     return {"open": 1, "scoring": 5, "awaiting_group": 6, "ready": 2, "leased": 3, "dead": 4, "producers": 1, "consumers": 2,
-            "bytes_in_memory": 1024, "bytes_on_disk": 3072, "unsealed_bytes": 1024, "max_memory_bytes": 4096, "max_disk_bytes": 8192,
+            "bytes_in_memory": 1024, "bytes_on_disk": 3072, "unsealed_bytes": 1024, "max_memory_bytes": 4096,
+            "max_disk_bytes": 8192,
             "counters": counters, "ack_seconds": {"bounds": BOUNDS, "counts": acks, "sum": ack_sum}, **fields}
 
 
