@@ -622,6 +622,7 @@ class MergeEngine:
             self._make_deliverable(entry.group_id, group, wall)
 
     def _set_member(self, group: Group, tid: str, state: State) -> None:
+        """Every member state change comes here, so `awaiting_group` stays counted."""
         if not group.deliverable:
             self._awaiting_group += (state == ENDED) - (group.members.get(tid) == ENDED)
         group.members[tid] = state
@@ -916,7 +917,7 @@ class MergeEngine:
                 group = self.groups[group_id] = Group(size, updated_at=wall, pending=set())
                 self._effects.append(GroupDeliverable(group_id, size))
             assert group.pending is not None  # deliverable
-            group.members[tid] = ENDED
+            self._set_member(group, tid, ENDED)
             group.pending.add(tid)
             self.ready_units.append(DeliveryUnit((tid,), group_id, size, size - 1, entry.version))
         return list(self._drain())
