@@ -20,7 +20,11 @@ exit status is 1 when any failed, and its entry says why):
   `torch.cuda.set_sync_debug_mode("error")` itself);
 - `train_demo`: `rollstream demo --train --device cuda` (its replay over
   the supports must stay under 1e-4, its lineage whole);
-- `demo`: `rollstream demo --device cuda`, two trainer ranks on the GPU.
+- `demo`: `rollstream demo --device cuda`, two trainer ranks on the GPU;
+- `pipeline_t8`: bench/pipeline.py at eight turns per sample with the
+  consumer's batches on the GPU and, alternating with it, on the CPU
+  (`--pipeline-runs` of each): the consumer's CPU seconds for the 256
+  trajectories both ways (medians), and their ratio.
 
 Dependencies. A lent GPU machine brings its own Python with torch built
 for CUDA, and often neither a network nor this project's other
@@ -44,7 +48,7 @@ rollstream itself is not installed: the same folder gets a link per
 package (rollstream/common -> common/, ..., as pyproject.toml's
 package-dir maps them), so the working tree is what runs.
 
-usage: python3 bench/gpu.py [--steps N] [--gpu-tokens N] [--rows N] [--logs DIR] [--smoke]
+usage: python3 bench/gpu.py [--steps N] [--gpu-tokens N] [--rows N] [--pipeline-runs N] [--logs DIR] [--smoke]
 `--smoke` runs every step at a tiny size; its figures mean nothing.
 """
 from __future__ import annotations
@@ -78,7 +82,7 @@ GPU_ONLY = re.compile(r"skipif\(\s*not torch\.cuda\.is_available\(\)")  # how a 
 VOCAB, TP_SHARDS = 151_936, 8
 REPLAY_TOLERANCE = 1e-4  # the demo's replay over the supports, as tests/test_train_demo.py holds it
 VALIDATE_TARGET_S = 1e-3  # one 1M-token batch validated on an H200
-SMOKE = {"steps": 3, "gpu_tokens": 50_000, "rows": 256, "trajectories": 8, "repeat": 3, "warmup": 1}
+SMOKE = {"steps": 3, "gpu_tokens": 50_000, "rows": 256, "trajectories": 8, "repeat": 3, "warmup": 1, "pipeline_runs": 1}
 
 
 def cuda_absent() -> str | None:
@@ -286,9 +290,33 @@ def demo(args, env: dict[str, str]) -> dict:
     return {"ok": bool(summary["ok"]), **{key: summary[key] for key in kept}}
 
 
+def pipeline_t8(args, env: dict[str, str]) -> dict:
+    """The eight-turn pipeline, its consumer on the GPU against on the CPU, runs alternating."""
+    size = ["--smoke"] if args.smoke else ["--rounds", "1", "--reps", "5"]
+    runs: dict[str, list[dict]] = {"cuda": [], "cpu": []}
+    for _ in range(args.pipeline_runs):
+        for device, figures in runs.items():
+            done = command([sys.executable, str(ROOT / "bench" / "pipeline.py"), *size, "--modes", "8", "--no-half-load",
+                            "--device", device], env, args.timeout)
+            if done.returncode != 0:
+                return {"ok": False, "device": device, "output": tail(done)}
+            figures.append(last_json(done))
+
+    def median(device: str, key: str) -> float:
+        return statistics.median(figures[key] for figures in runs[device])
+
+    out: dict = {"ok": all(figures["verified"] for figures in (*runs["cuda"], *runs["cpu"])), "runs": args.pipeline_runs}
+    for device in runs:
+        out[f"consumer_cpu_s_t8_{device}"] = round(median(device, "consumer_cpu_s_t8"), 4)
+        out[f"consumer_cpu_by_thread_s_t8_{device}"] = [figures["consumer_cpu_by_thread_s_t8"] for figures in runs[device]]
+        out[f"broker_us_per_frame_t8_{device}"] = median(device, "broker_us_per_frame_t8")
+    out["consumer_cpu_ratio_cuda_to_cpu"] = round(out["consumer_cpu_s_t8_cuda"] / out["consumer_cpu_s_t8_cpu"], 3)
+    return out
+
+
 STEPS: dict[str, Callable[..., dict]] = {
     "gpu_tests": gpu_tests, "validate": validate, "transfer": transfer, "masked_log_probs_tp8": masked_log_probs_tp8,
-    "sync_guard": sync_guard, "train_demo": train_demo, "demo": demo,
+    "sync_guard": sync_guard, "train_demo": train_demo, "demo": demo, "pipeline_t8": pipeline_t8,
 }
 
 
@@ -300,6 +328,7 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=16, help="trajectories of the synthetic demo")
     parser.add_argument("--repeat", type=int, default=50, help="timed runs of each in-process measurement (medians)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed runs before them")
+    parser.add_argument("--pipeline-runs", type=int, default=2, help="bench/pipeline.py runs of each device (pipeline_t8)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each command may take")
     parser.add_argument("--logs", type=Path, help="a folder to write each step's whole command output into")
     args = parse_args(parser, SMOKE)

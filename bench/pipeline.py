@@ -58,11 +58,15 @@ producer to its batch being committed, whether every delivered
 trajectory was byte-equal to what was sent, exactly once, and the tokens per
 batch (min, median and max over the batches a limit closed, tails and paced
 reps left out); then the offered rate and p50/p99 latency at half load.
+The consumer packs and validates its batches on `--device` (`cpu` by
+default; `cuda` puts them on the GPU, as a trainer's consumer does, and the
+CPU figures then count what the host still does: receiving, decoding,
+packing into the staging buffers and launching the checks).
 The last line is one JSON object. `--smoke` runs a tiny size (16 samples,
 batches of 8, one round of one rep) to check the script end to end.
 
     .venv/bin/python bench/pipeline.py [--rounds 5] [--reps 3] [--batch-tokens N] [--no-half-load]
-        [--tq-python .venv-tq/bin/python]
+        [--tq-python .venv-tq/bin/python] [--device cuda]
 """
 from __future__ import annotations
 
@@ -90,6 +94,10 @@ from rollstream.common.checker import check, read_records
 
 TQ_DRIVER = Path(__file__).resolve().parent / "peers" / "tq_driver.py"
 VOCAB = 151_936
+# A trainer's sample fields by the names of the arrays sent (`tokens` there
+# is the prompt and the response; the prompt is cut out of it).
+HOST_FIELDS = {"tokens": "response_tokens", "log_probs": "log_probs", "loss_mask": "loss_mask", "mask_ids": "mask_ids",
+               "mask_offsets": "mask_offsets"}
 FIELDS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets")
 SMOKE = {"rounds": 1, "reps": 1, "samples": 16, "batch_size": 8}  # the sizes of --smoke
 
@@ -207,10 +215,10 @@ def _thread_roles() -> dict[str, float]:
 
 
 def _consumer_main(conn, endpoint: str, batch_size: int, batch_tokens: int | None, ledger: str | None,
-                   checkpoint_every: int) -> None:
+                   checkpoint_every: int, device: str) -> None:
     from rollstream.consumer import Consumer
 
-    with Consumer(endpoint, batch_size=batch_size, batch_tokens=batch_tokens, vocab_size=VOCAB, device="cpu",
+    with Consumer(endpoint, batch_size=batch_size, batch_tokens=batch_tokens, vocab_size=VOCAB, device=device,
                   ledger=ledger, checkpointed=checkpoint_every > 0) as consumer:
         conn.send("ready")
         while (job := conn.recv()) is not None:
@@ -242,10 +250,8 @@ def _consumer_main(conn, endpoint: str, batch_size: int, batch_tokens: int | Non
                 for i in range(len(batch)):
                     sample = batch.sample(i)
                     prompt = int(batch.prompt_lengths[i])
-                    arrays = {"prompt_tokens": sample["tokens"][:prompt].numpy(),
-                              "tokens": sample["response_tokens"].numpy(), "log_probs": sample["log_probs"].numpy(),
-                              "loss_mask": sample["loss_mask"].numpy(), "mask_ids": sample["mask_ids"].numpy(),
-                              "mask_offsets": sample["mask_offsets"].numpy()}
+                    arrays = {name: sample[field].cpu().numpy() for name, field in HOST_FIELDS.items()}
+                    arrays["prompt_tokens"] = sample["tokens"][:prompt].cpu().numpy()
                     seen.setdefault(sample["trajectory_id"], []).append(digest(arrays))
             conn.send({"cpu": cpu, "threads": threads, "committed": committed_at, "digests": seen,
                        "batch_tokens": full_batch_tokens, "over_budget": over_budget, "batches": len(kept)})
@@ -256,7 +262,8 @@ class Rollstream:
     for a round of reps (each rep sends fresh trajectory ids)."""
 
     def __init__(self, samples: int, turns: int, producers: int, batch_size: int, batch_tokens: int | None,
-                 client: str, broker_args: list[str] = (), ledgers: bool = False, checkpoint_every: int = 0):
+                 client: str, broker_args: list[str] = (), ledgers: bool = False, checkpoint_every: int = 0,
+                 device: str = "cpu"):
         self.samples, self.turns = samples, turns
         self.broker = Broker(VOCAB, broker_args)
         endpoints = [self.broker.producer, self.broker.consumer]
@@ -267,7 +274,7 @@ class Rollstream:
         ledger = (lambda name: str(self.ledgers / f"{name}.jsonl")) if ledgers else (lambda name: None)
         self.children.append(ctx.Process(target=_consumer_main,
                                          args=(child, endpoints[1], batch_size, batch_tokens, ledger("consumer"),
-                                               checkpoint_every),
+                                               checkpoint_every, device),
                                          daemon=True))
         self.producers, self.shares = [], []
         per = -(-samples // producers)
@@ -369,6 +376,8 @@ def main() -> None:
                         help="skip the reps paced at half the measured capacity (latency at a steady load)")
     parser.add_argument("--paced-partial-after", type=float, default=0.005,
                         help="seconds the consumer waits for a full batch in a paced rep before taking what has arrived")
+    parser.add_argument("--device", default="cpu",
+                        help="where the consumer packs and validates its batches (cuda: on the GPU, as a trainer does)")
     args = parse_args(parser, SMOKE)
     modes = [int(m) for m in args.modes.split(",")]
     variants = [("", 0)] + ([("-ckpt", args.checkpoint_every)] if args.compare_checkpoint else [])
@@ -404,7 +413,7 @@ def main() -> None:
                 for suffix, every in variants:
                     systems[f"t{mode}{suffix}"] = Rollstream(args.samples, mode, args.producers, args.batch_size,
                                                              args.batch_tokens, args.client, args.broker_arg,
-                                                             args.ledgers, every)
+                                                             args.ledgers, every, args.device)
                 for key, system in systems.items():
                     system.rep(f"r{round_index}-{key}-warmup", expected)
                 reps: dict[str, list[dict]] = {key: [] for key in systems}
@@ -498,6 +507,7 @@ def main() -> None:
               f" µs/trajectory (x{summary[f'checkpoint_broker_cpu_ratio_{base}']})")
     per_batch = [tokens for reps in runs.values() for r in reps for tokens in r["batch_tokens"]]
     summary["batch_tokens"] = args.batch_tokens
+    summary["consumer_device"] = args.device
     summary["tokens_per_batch"] = {"min": min(per_batch), "median": statistics.median(per_batch),
                                    "max": max(per_batch)} if per_batch else None
     summary["over_budget_batches"] = sum(r["over_budget"] for reps in runs.values() for r in reps)
