@@ -132,7 +132,7 @@ class GrowableArray:
             np.concatenate(parts, out=self._buf[start:end])
         target = self._buf[start:end]
         if self._shifts is not None:
-            target += np.repeat(np.array(self._shifts, dtype=self._buf.dtype), [len(part) for part in parts])
+            target += np.array(self._shifts, dtype=self._buf.dtype).repeat([len(part) for part in parts])
         self._len, self._parts, self._shifts, self._crcs, self._queued = end, [], None, None, 0
 
     def _join(self, parts: list) -> bool:

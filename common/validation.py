@@ -82,7 +82,7 @@ class _NumpyOps:
         source = values.view(np.uint8) if values.dtype == np.bool_ else values
         torch = sys.modules.get("torch")
         if torch is None:  # one prefix sum where the hits are paired (`_spread`): numpy's does
-            np.cumsum(source, dtype=out.dtype, out=out[1:])
+            source.cumsum(dtype=out.dtype, out=out[1:])
         else:
             torch.cumsum(torch.from_numpy(source), 0, dtype=getattr(torch, dtype), out=torch.from_numpy(out[1:]))
         return out
@@ -414,7 +414,7 @@ def _paired(hits: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
     skipped and the block compared again (blocks of `_PAIRING_BLOCK`
     supports keep that cheap), up to `_REPAIRS` times. None when a support
     lacks a hit, or after that many repairs: the count decides."""
-    where = np.flatnonzero(hits)
+    where = hits.nonzero()[0]  # the method: numpy's function wrapper costs more than small arrays' work
     starts, ends = offsets[:-1], offsets[1:]
     n, segment, match, repairs = len(starts), 0, 0, 0  # supports before `segment`, hits before `match` paired
     while segment < n:
@@ -878,7 +878,7 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
         packed_ids = _join(ids)
         packed_offsets = np.empty(sum(sizes) + 1, dtype=np.int64)
         packed_offsets[0] = 0
-        np.add(_join([o[1:] for o in offsets]), np.repeat(np.asarray(shifts, dtype=np.int64), sizes),
+        np.add(_join([o[1:] for o in offsets]), np.asarray(shifts, dtype=np.int64).repeat(sizes),
                out=packed_offsets[1:])
         if not _tokens_in_supports(_join(tokens), packed_ids, packed_offsets):
             return False
