@@ -94,10 +94,6 @@ from rollstream.common.checker import check, read_records
 
 TQ_DRIVER = Path(__file__).resolve().parent / "peers" / "tq_driver.py"
 VOCAB = 151_936
-# A trainer's sample fields by the names of the arrays sent (`tokens` there
-# is the prompt and the response; the prompt is cut out of it).
-HOST_FIELDS = {"tokens": "response_tokens", "log_probs": "log_probs", "loss_mask": "loss_mask", "mask_ids": "mask_ids",
-               "mask_offsets": "mask_offsets"}
 FIELDS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets")
 SMOKE = {"rounds": 1, "reps": 1, "samples": 16, "batch_size": 8}  # the sizes of --smoke
 
@@ -214,6 +210,11 @@ def _thread_roles() -> dict[str, float]:
     return spent
 
 
+def _host(tensor) -> np.ndarray:
+    """A batch tensor read on the host (a GPU batch's too)."""
+    return tensor.cpu().numpy()
+
+
 def _consumer_main(conn, endpoint: str, batch_size: int, batch_tokens: int | None, ledger: str | None,
                    checkpoint_every: int, device: str) -> None:
     from rollstream.consumer import Consumer
@@ -250,8 +251,9 @@ def _consumer_main(conn, endpoint: str, batch_size: int, batch_tokens: int | Non
                 for i in range(len(batch)):
                     sample = batch.sample(i)
                     prompt = int(batch.prompt_lengths[i])
-                    arrays = {name: sample[field].cpu().numpy() for name, field in HOST_FIELDS.items()}
-                    arrays["prompt_tokens"] = sample["tokens"][:prompt].cpu().numpy()
+                    arrays = {"prompt_tokens": _host(sample["tokens"][:prompt]), "tokens": _host(sample["response_tokens"]),
+                              "log_probs": _host(sample["log_probs"]), "loss_mask": _host(sample["loss_mask"]),
+                              "mask_ids": _host(sample["mask_ids"]), "mask_offsets": _host(sample["mask_offsets"])}
                     seen.setdefault(sample["trajectory_id"], []).append(digest(arrays))
             conn.send({"cpu": cpu, "threads": threads, "committed": committed_at, "digests": seen,
                        "batch_tokens": full_batch_tokens, "over_budget": over_budget, "batches": len(kept)})
