@@ -168,6 +168,12 @@ class _NumpyOps:
         return None if broken else offsets
 
     @staticmethod
+    def out_of_range(offsets, n_ids: int):
+        """Whether any offset lies outside [0, n_ids]: one reduction over
+        int64 offsets read as uint64, where negative ones are >= 2**63."""
+        return _offsets_out_of_range(offsets, n_ids)
+
+    @staticmethod
     def outside(values, vocab_size: int | None):
         """Whether any id lies outside [0, vocab_size) (two reductions, or
         one over int32 read as uint32, where negative ids are >= 2**31)."""
@@ -256,6 +262,10 @@ class _TorchOps:
         safely whatever they hold, without reading whether the CSR rules hold
         (its result then means nothing, and `broken` says so)."""
         return offsets.clamp(0, n_ids)
+
+    def out_of_range(self, offsets, n_ids: int):
+        low, high = self._torch.aminmax(offsets)
+        return (low < 0) | (high > n_ids)
 
     def outside(self, values, vocab_size: int | None):
         low, high = self._torch.aminmax(values)
@@ -352,16 +362,18 @@ def _csr_violations(ops, ids, offsets, cu_host) -> tuple[list[Violation], Any]:
         found.append(Violation(RULE_OFFSETS_START, 0, None, 1, f"expected 0, got {first}"))
     if end != len(ids):
         found.append(Violation(RULE_OFFSETS_END, max(len(cu_host) - 2, 0), None, 1, f"expected {len(ids)}, got {end}"))
-    sizes = offsets[1:] - offsets[:-1]
-    if len(sizes) and int(sizes.min()) <= 0:
+    # Compared, not subtracted: the difference of far-apart int64 offsets wraps around.
+    not_increasing = offsets[1:] <= offsets[:-1]
+    if len(not_increasing) and bool(not_increasing.any()):
         host_offsets = ops.to_host(offsets)
         found += _group_by_sample(
             RULE_NONEMPTY_SUPPORT,
-            ops.to_host(ops.nonzero(sizes <= 0)),
+            ops.to_host(ops.nonzero(not_increasing)),
             cu_host,
             lambda g: f"offsets[{g}] = {int(host_offsets[g])}, offsets[{g + 1}] = {int(host_offsets[g + 1])}",
         )
-    return found, sizes
+    # Strictly increasing from 0 to len(ids): every offset lies in range, so no size wrapped.
+    return found, None if found else offsets[1:] - offsets[:-1]
 
 
 def csr_problem(ids, offsets) -> str | None:
@@ -586,8 +598,8 @@ def packed_flags(
         n_ids = len(mask_ids)
         sizes = mask_offsets[1:] - mask_offsets[:-1]
         broken = (mask_offsets[0] != 0) | (mask_offsets[-1] != n_ids)
-        if total:
-            broken = broken | (sizes.min() <= 0)
+        if total:  # in range, sizes cannot wrap around, so positive ones mean strictly increasing offsets
+            broken = broken | (sizes.min() <= 0) | ops.out_of_range(mask_offsets, n_ids)
         flags.append(broken)
         bounded = ops.bounded(mask_offsets, n_ids, broken)
         if total and bounded is not None:
@@ -807,10 +819,22 @@ _MIN, _MAX, _ALL = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce
 
 def _tokens_in_supports(tokens: np.ndarray, ids: np.ndarray, offsets: np.ndarray) -> bool:
     """Every support non-empty and holding its token (`offsets` has one
-    entry more than `tokens`, starts at 0 and ends at `len(ids)`)."""
+    entry more than `tokens`, starts at 0 and ends at `len(ids)`). Offsets
+    out of [0, len(ids)] fail first: their differences may wrap around into
+    positive sizes, and the support check would index past the ids."""
+    if _offsets_out_of_range(offsets, len(ids)):
+        return False
     sizes = offsets[1:] - offsets[:-1]
     # ufunc reductions directly: the numpy function wrappers cost more than these arrays' work
     return _MIN(sizes) > 0 and bool(_ALL(inside_support(tokens, ids, offsets, sizes)))
+
+
+def _offsets_out_of_range(offsets: np.ndarray, n_ids: int) -> bool:
+    """Whether any offset lies outside [0, n_ids] (int64 offsets read as
+    uint64, where negative ones are >= 2**63, take one reduction)."""
+    if offsets.dtype == np.int64:
+        return bool(_MAX(offsets.view(np.uint64)) > n_ids)
+    return bool(int(_MIN(offsets)) < 0 or int(_MAX(offsets)) > n_ids)
 
 
 # Support ids checked together at most: bounds the packed arrays and
