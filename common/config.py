@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import tomllib
@@ -48,7 +49,10 @@ def parse_bytes(value: Any) -> int:
     if not match:
         raise InvalidInput(f"expected a byte size such as 1048576, 512MiB or 2G, got {value!r}")
     unit = (match.group(2) or "").lower().rstrip("b")
-    return int(float(match.group(1)) * _UNITS[unit])
+    size = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(size):
+        raise InvalidInput(f"expected a byte size such as 1048576, 512MiB or 2G, got {value!r:.80} (too large to hold)")
+    return int(size)
 
 
 class ByteSize(click.ParamType):
@@ -68,6 +72,16 @@ BYTES = ByteSize()
 EXPECTED = {"integer": "an integer", "float": "a number", "boolean": "true or false", "text": "a string",
             "bytes": "a byte size such as 1048576, 512MiB or 2G", "file": "an existing file"}
 TOML_TYPES = {"integer": (int,), "float": (int, float), "boolean": (bool,), "bytes": (int,)}
+
+
+def toml_types(param_type: click.ParamType) -> tuple[type, ...]:
+    """The TOML types that may stand for an option of `param_type` (a
+    range of numbers takes what its kind of number takes)."""
+    if isinstance(param_type, click.types.IntParamType):
+        return TOML_TYPES["integer"]
+    if isinstance(param_type, click.types.FloatParamType):
+        return TOML_TYPES["float"]
+    return TOML_TYPES.get(param_type.name, ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +146,7 @@ class SettingOption(click.Option):
     def process_value(self, ctx: click.Context, value: Any) -> Any:
         where = origin(ctx, self)
         from_file = ctx.get_parameter_source(self.name) is ParameterSource.DEFAULT_MAP
-        if from_file and not isinstance(value, str) and type(value) not in TOML_TYPES.get(self.type.name, ()):
+        if from_file and not isinstance(value, str) and type(value) not in toml_types(self.type):
             found(ctx).append(Problem(self.name, where, expected_for(self.type), f"{value!r} ({type(value).__name__})"))
             return None
         try:
@@ -188,7 +202,13 @@ def read_toml(path: str | Path, allowed: set[str], section: str) -> tuple[dict[s
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         return {}, [Problem("config", str(path), "valid TOML", f"a syntax error: {exc}")]
+    except UnicodeDecodeError as exc:
+        return {}, [Problem("config", str(path), "valid TOML (UTF-8 text)", f"bytes that are not UTF-8: {exc}")]
+    except RecursionError:  # tomllib reads nested arrays and inline tables recursively
+        return {}, [Problem("config", str(path), "valid TOML", "arrays or inline tables nested too deep to read")]
     table = data.get(section, data)
+    if type(table) is not dict:
+        return {}, [Problem(section, str(path), f"a [{section}] table", f"a {type(table).__name__}: {table!r:.80}")]
     values = {key.replace("-", "_"): value for key, value in table.items()}
     problems = [Problem(key, str(path), unknown_expected(key, allowed, f"a key of [{section}]"), "an unknown key")
                 for key in values if key not in allowed]

@@ -77,7 +77,11 @@ class Spool:
         self._pending: deque[int] = deque()  # backlog: seqs spooled but not handed out, in order
         self._lock_fd: int | None = None
         self.last_seq = 0  # highest seq ever recorded
-        self._open()
+        try:
+            self._open()
+        except BaseException:
+            self.close()  # a spool refused (held, of another owner or format, damaged) keeps no lock or file open
+            raise
 
     @property
     def backlog(self) -> int:
@@ -93,7 +97,6 @@ class Spool:
             raise SpoolError(f"spool {self.directory} is in use by {who}: its LOCK is held") from None
         old = sorted(self.directory.glob("*.seg"))
         if old:
-            self.close()
             raise SpoolError(f"spool {self.directory}: {old[0].name} is a spool file of {_FORMAT_1}, this producer reads "
                              f"{FORMAT}; spools are transient and not upgraded: let the old producer version resend it, "
                              "or delete the directory")
@@ -101,7 +104,6 @@ class Spool:
         if owner_file.exists():
             owner = owner_file.read_text(encoding="utf-8")
             if owner != self.producer_id:
-                self.close()
                 raise SpoolError(f"spool {self.directory} belongs to producer {owner!r}, not {self.producer_id!r}")
         else:
             owner_file.write_text(self.producer_id, encoding="utf-8")
