@@ -76,6 +76,7 @@ class LoopbackNode:
         self.broker: subprocess.Popen | None = None
         self._daemons: list[subprocess.Popen] = []
         self._producers: list[tuple[subprocess.Popen, tuple[str, ...]]] = []
+        self.producer_starts = 0  # producer processes started so far, restarts included
         self._killed: set[int] = set()  # producers killed on purpose and not restarted
         self._log: BinaryIO | None = None
         self.admin: AdminClient | None = None
@@ -130,6 +131,7 @@ class LoopbackNode:
         args = ("producer", "--broker-endpoint", self.endpoints["producer"], "--vocab-size", str(self.vocab_size),
                 "--metrics-port", "0", "--log-level", "warning", *args)
         self._producers.append((self._start(*args), args))
+        self.producer_starts += 1
         return len(self._producers) - 1
 
     def kill_producer(self, index: int) -> None:
@@ -142,7 +144,13 @@ class LoopbackNode:
         """Start producer `index` again with its arguments (and `more_args`, which win)."""
         _, args = self._producers[index]
         self._producers[index] = (self._start(*args, *more_args), args)
+        self.producer_starts += 1
         self._killed.discard(index)
+
+    @property
+    def producers_exited(self) -> bool:
+        """Every producer process has exited, however it ended (`producers_done` also judges how)."""
+        return all(daemon.poll() is not None for daemon, _ in self._producers)
 
     @property
     def producers_done(self) -> bool:
@@ -326,6 +334,8 @@ class Pipeline:
         self._reader = LedgerReader([self.ledgers])
         self._counters = _BrokerCounters()
         self._acked: set[str] = set()  # counted as each poll reads new records, not over all of them again
+        # `node.producer_starts` when the last poll began with every producer exited, else None (see `idle`).
+        self._exited_before_poll: int | None = None
         self._committed: set[str] = set()
         self._resumes = 0  # trainer starts that resumed from a checkpoint (each restart does: there is one at step 0)
         # The source rank's last committed and last sealed step (a resume goes back to its checkpoint's): the
@@ -345,6 +355,11 @@ class Pipeline:
             *(("--broker-endpoint", endpoint) if endpoint else ()), *extra)
 
     def poll(self) -> None:
+        # Looked at before anything is read: once every producer has exited, the ledgers read below hold every
+        # ack there will be and the broker's status every trajectory a producer sent. One that exits while this
+        # poll reads (or later) may have written acks this poll missed and sent trajectories its status missed.
+        node = self.node
+        self._exited_before_poll = node.producer_starts if node.producers_exited else None
         new = self._reader.read_new()
         self.records += new
         self.status = _status(self.node)
@@ -374,9 +389,16 @@ class Pipeline:
 
     @property
     def idle(self) -> bool:
-        """The producers are done and the broker holds nothing open or still to deliver."""
+        """The producers are done and the broker holds nothing open or still to
+        deliver, as the last `poll` read them: every producer had exited
+        before that poll read the ledgers and the broker's status, and none
+        was started since, so those reads are all there will be of them. (A
+        producer that finishes after a poll's reads, while a broker restart
+        or a busy machine holds the harness up, acked trajectories that poll
+        never saw, and the broker holds them still to deliver.)"""
         status = self.status
-        return status is not None and self.node.producers_done and not (status["open"] or broker_backlog(status))
+        return (status is not None and self.node.producers_done and self._exited_before_poll == self.node.producer_starts
+                and not (status["open"] or broker_backlog(status)))
 
     @property
     def backlog(self) -> int:
