@@ -796,6 +796,17 @@ class Store:
         wal = Path(f"{self.db_path}-wal")
         return self.segments.bytes_on_disk() + (pages - free) * page_size + (wal.stat().st_size if wal.exists() else 0)
 
+    def unseen_growth(self) -> int:
+        """Free space the store may still take beyond the bytes of the
+        records and rows it is given: the blocks the segment log's next
+        reservation takes ahead of its records (`SegmentLog.reserve_step`)
+        and the WAL's room to grow to the size at which SQLite checkpoints
+        it (its header, then a 24-byte header and a page per frame)."""
+        frames, page_size = (self.db.execute(f"PRAGMA {name}").fetchone()[0] for name in ("wal_autocheckpoint", "page_size"))
+        wal = Path(f"{self.db_path}-wal")
+        room = 32 + frames * (24 + page_size) - (wal.stat().st_size if wal.exists() else 0)
+        return self.segments.reserve_step + max(0, room)
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.shutdown()

@@ -78,7 +78,12 @@ class StoreIO:
             log.warning("dedup prune failed", extra={"error": str(exc)})
 
     def measure_disk(self, _request: MeasureDisk) -> tuple[int, int]:
-        return self.store.bytes_on_disk(), free_space(self.data_dir)
+        """The store's size, and the free space it can count on: until the
+        next measurement the core takes each producer frame's bytes off it,
+        which leaves out the blocks a new segment reserves and the pages
+        the WAL grows by. Those come off here, so that the store itself
+        never writes into the free-space reserve unseen (`DiskAdmission`)."""
+        return self.store.bytes_on_disk(), max(0, free_space(self.data_dir) - self.store.unseen_growth())
 
     def checkpoint(self, _request: Checkpoint) -> None:
         try:

@@ -164,6 +164,14 @@ class SegmentLog:
         """Without listing the directory: the broker asks five times a second."""
         return sum(self._closed_sizes.values()) + self.size
 
+    @property
+    def reserve_step(self) -> int:
+        """The most free space one reservation takes beyond the records it
+        is made for (`_reserve`): a file system's free space may drop by
+        this much before records fill those blocks. 0 where blocks are not
+        reserved."""
+        return min(RESERVE_AHEAD, self.max_bytes) if self._reserves else 0
+
     # -- appending --------------------------------------------------------------
     def open_current(self, end: int) -> None:
         """Open the newest segment for appends, cutting what follows `end`

@@ -525,3 +525,21 @@ def test_a_row_with_a_state_no_trajectory_can_have_is_reported(tmp_path, store):
     with pytest.raises(StoreCorrupted, match=r"row 'done': state must be one of "
                                              r"\['dead', 'ended', 'left', 'open', 'scoring', 'trained'\], got 'finished'"):
         reopen(tmp_path / "data")
+
+
+def test_the_growth_the_store_leaves_unseen_is_the_next_reservation_and_the_wals_room(tmp_path, store):
+    """What the free space told to the disk admission leaves out
+    (`StoreIO.measure_disk`): the blocks the next segment reservation takes
+    ahead of its records, and what the WAL may still grow by before SQLite
+    checkpoints it, which shrinks as it grows and comes back once it is
+    truncated."""
+    wal = store.db_path.with_name(store.db_path.name + "-wal")
+    full = 32 + 1000 * (24 + 4096)  # SQLite's defaults: a checkpoint at 1000 frames of 4 KiB pages
+
+    def room() -> int:
+        return store.unseen_growth() - store.segments.reserve_step
+
+    store.checkpoint()
+    assert wal.stat().st_size == 0 and room() == full
+    drive(MergeEngine(EngineSettings()), store, [turn_msg("t", 0), end_msg("t")])
+    assert 0 < wal.stat().st_size < full and room() == full - wal.stat().st_size

@@ -145,6 +145,21 @@ def test_appends_go_into_blocks_reserved_ahead_that_a_finished_segment_gives_bac
     assert allocated(second) < 1 << 16
 
 
+@pytest.mark.parametrize("max_bytes", [1 << 20, 4 * RESERVE_AHEAD])
+def test_a_reservation_takes_at_most_reserve_step_beyond_the_records_it_is_made_for(reserving, max_bytes):
+    """What a broker's free-space estimate counts on (`Store.unseen_growth`):
+    the blocks a reservation takes past the records' end are never more
+    than `reserve_step`, the smaller of `RESERVE_AHEAD` and the segment size."""
+    log = opened(reserving, max_bytes=max_bytes)
+    assert log.reserve_step == min(RESERVE_AHEAD, max_bytes)
+    for record in (b"a" * 1000, b"b" * (max_bytes // 3), b"c" * max_bytes, b"d" * 1000):  # the last one starts segment 2
+        log.append([([record], None)])
+        path = log.path(log.current)
+        assert allocated(path) - path.stat().st_size <= log.reserve_step + 4096  # a block's rounding
+    assert log.current == 2 and allocated(path) - path.stat().st_size >= log.reserve_step - 4096
+    log.close()
+
+
 def cached(path, offset: int) -> bool:
     """Whether the page at `offset` is in the page cache: a read that may
     not wait for the disk fails otherwise."""

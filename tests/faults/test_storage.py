@@ -4,9 +4,11 @@ disk that really fills, a file-size limit that makes writes fail, and a
 damaged store."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import re
 import resource
 import signal
 import sqlite3
@@ -25,6 +27,10 @@ from rollstream.common.codec import decode, encode
 from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
 from rollstream.common.trajectory import Turn
 from rollstream.common.wire import encode_turn
+
+# How long a reply or a state may take on a machine running other work: a
+# bound on a failing wait, not a timing assertion.
+PATIENCE = 120.0
 
 
 def rollstream(*args: str) -> list[str]:
@@ -80,10 +86,10 @@ def test_a_disk_budget_slows_the_pipeline_but_never_stops_it(tmp_path, processes
         consumer = processes.start("consumer", "consume", "--endpoint", broker.consumer, "--batch-size", "3",
                                    "--batches", "30", "--timeout", "60", "--device", "cpu")
         try:
-            consumer.wait(300)
+            consumer.wait(600)
         except subprocess.TimeoutExpired:
             pass
-        status = broker.status()
+        status = broker.status(timeout=PATIENCE)
         batches = [json.loads(line) for line in (tmp_path / "consumer.out").read_text().splitlines() if line.strip()]
         assert len(batches) == 30, (f"the pipeline stopped after {len(batches)} batches: open {status['open']}, "
                                     f"ready {status['ready']}, leased {status['leased']}, bytes on disk "
@@ -98,9 +104,9 @@ def dealer(endpoint: str) -> zmq.Socket:
     return sock
 
 
-def call(sock: zmq.Socket, frames: list, schema=BROKER_TO_PRODUCER, timeout: float = 10.0):
+def call(sock: zmq.Socket, frames: list, schema=BROKER_TO_PRODUCER, timeout: float = PATIENCE):
     sock.send_multipart(frames)
-    assert sock.poll(int(timeout * 1000)), "no reply"
+    assert sock.poll(int(timeout * 1000)), f"no reply within {timeout} s"
     return decode(sock.recv_multipart(), schema)
 
 
@@ -118,6 +124,8 @@ def end(tid: str, seq: int) -> list:
 class Drain:
     """A raw consumer that acks every delivery and records what happened."""
 
+    RESEND_AFTER = 0.2  # seconds before an ack the broker could not make durable is sent again
+
     def __init__(self, broker: BrokerProcess):
         self.sock = dealer(broker.consumer)
         call(self.sock, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "drain"}), BROKER_TO_CONSUMER)
@@ -125,12 +133,18 @@ class Drain:
         self.delivered: set[str] = set()
         self.unacked: dict[str, str] = {}  # lease -> trajectory, until the broker confirms the ack
         self.refused_acks = 0
+        self.resend: list[tuple[float, list]] = []  # (when, leases) of refused acks
         self.seen: list = []
 
     def pump(self, seconds: float, until) -> None:
         deadline = time.monotonic() + seconds
         while not until() and time.monotonic() < deadline:
             self.sock.send_multipart(encode(CONSUMER_TO_BROKER, "heartbeat", {}))  # or it is dropped as silent
+            now = time.monotonic()
+            due = [leases for when, leases in self.resend if when <= now]
+            self.resend = [(when, leases) for when, leases in self.resend if when > now]
+            for leases in due:
+                self.sock.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": leases}))
             if not self.sock.poll(100):
                 continue
             message = decode(self.sock.recv_multipart(), BROKER_TO_CONSUMER)
@@ -144,26 +158,32 @@ class Drain:
                     self.unacked.pop(lease, None)
             elif message.type == "nack" and message["code"] == "unavailable":  # the ack was not durable: again
                 self.refused_acks += 1
-                time.sleep(0.2)
-                self.sock.send_multipart(encode(CONSUMER_TO_BROKER, "ack", {"leases": message["leases"]}))
+                self.resend.append((time.monotonic() + self.RESEND_AFTER, message["leases"]))
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 16 MiB tmpfs: a disk that really fills. Mounting needs root, so
-    elsewhere this is skipped (the file-size-limit scenario below makes
-    writes fail without it)."""
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of `size` at `path`: a disk that really fills. Mounting needs
+    root, so elsewhere the test is skipped (the file-size-limit scenario
+    below makes writes fail without it)."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs (a disk that really fills) needs root")
-    path = tmp_path / "disk"
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], capture_output=True, text=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                             text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs (`tmpfs`)."""
+    with tmpfs(tmp_path / "disk", "16m") as path:
+        yield path
 
 
 def free_bytes(path: Path) -> int:
@@ -183,6 +203,26 @@ def fill(path: Path) -> Path:
     return filler
 
 
+def fill_until_refused(producer: zmq.Socket, disk: Path) -> list[str]:
+    """Send 36 KB trajectories (a turn, then its `end`) until a turn is
+    refused; the ids acked. The refusal must be the free-space reserve's,
+    with the reserve still free on the disk: the broker itself never
+    writes into it (the blocks its store takes ahead of the bytes it is
+    sent count against it), so no write of its own fails first."""
+    acked = []
+    for i in range(1000):
+        reply = call(producer, turn(f"t{i}", 2 * i))
+        if reply.type != "ack":
+            assert reply["code"] == "unavailable", reply["message"]
+            assert "short of space" in reply["message"], reply["message"]  # not a failed write
+            reserve = int(re.search(r"keeps (\d+) in reserve", reply["message"])[1])
+            assert free_bytes(disk) >= reserve, f"{free_bytes(disk)} bytes free: the broker wrote into its reserve"
+            return acked
+        assert call(producer, end(f"t{i}", 2 * i + 1)).type == "ack"
+        acked.append(f"t{i}")
+    raise AssertionError("the small disk took a thousand 36 KB turns")
+
+
 def test_a_disk_that_really_fills_keeps_delivering_and_picks_up_again_by_itself(tmp_path, small_disk):
     """The disk budget (1 GiB) is far above the 16 MiB the disk has. The
     broker stops taking turns while it still has its free-space reserve;
@@ -193,33 +233,36 @@ def test_a_disk_that_really_fills_keeps_delivering_and_picks_up_again_by_itself(
     broker.data_dir = small_disk / "data"
     with broker:
         producer = dealer(broker.producer)
-        acked, refusal = [], None
-        for i in range(1000):
-            reply = call(producer, turn(f"t{i}", 2 * i))
-            if reply.type != "ack":
-                refusal = reply
-                break
-            assert call(producer, end(f"t{i}", 2 * i + 1)).type == "ack"
-            acked.append(f"t{i}")
-        assert refusal is not None and refusal["code"] == "unavailable", "16 MiB took a thousand 36 KB turns"
-        assert "short of space" in refusal["message"], refusal["message"]
-        assert free_bytes(small_disk) > 0  # the broker stopped itself before the disk was full
+        acked = fill_until_refused(producer, small_disk)
         filler = fill(small_disk)  # someone else fills the disk
         assert call(producer, turn("late", 5000))["code"] == "unavailable"
 
         drain = Drain(broker)
-        drain.pump(60, lambda: drain.delivered >= set(acked))
+        drain.pump(PATIENCE, lambda: drain.delivered >= set(acked))
         assert drain.delivered >= set(acked), f"{len(set(acked) - drain.delivered)} acked trajectories not delivered"
 
         filler.unlink()
-        drain.pump(60, lambda: not drain.unacked)
+        drain.pump(PATIENCE, lambda: not drain.unacked)
         assert not drain.unacked, f"{len(drain.unacked)} consumer acks never confirmed"
-        deadline = time.monotonic() + 30
-        while (reply := call(producer, turn("late", 5000))).type != "ack":
-            assert time.monotonic() < deadline, f"the broker did not take turns again: {reply['message']}"
-            time.sleep(0.2)
-        segments = sorted(p.name for p in (broker.data_dir / "segments").iterdir())
-        assert len(segments) <= 2, segments  # the delivered trajectories' segments are gone
+        replies = []
+        wait_for(lambda: replies.append(call(producer, turn("late", 5000))) or replies[-1].type == "ack", PATIENCE,
+                 "the broker to take turns again", interval=0.2)
+        # The delivered trajectories' segments go, deleted off the commit's path.
+        segments = lambda: sorted(p.name for p in (broker.data_dir / "segments").iterdir())  # noqa: E731
+        wait_for(lambda: len(segments()) <= 2, PATIENCE, "the delivered trajectories' segments to be deleted")
+
+
+@pytest.mark.parametrize("size", ["12m", "13m", "15m"])
+def test_whatever_the_disk_size_the_broker_stops_turns_before_its_own_writes_reach_the_reserve(tmp_path, size):
+    """Where a disk's free space falls between two segments' reservations
+    (1 MiB each here, more than the 5% reserve of these disks) decides
+    nothing: the refusal is the reserve's and the reserve is still free."""
+    with tmpfs(tmp_path / "disk", size) as disk:
+        broker = BrokerProcess(tmp_path, max_disk_bytes="1GiB", segment_bytes="1MiB")
+        broker.data_dir = disk / "data"
+        with broker:
+            producer = dealer(broker.producer)
+            fill_until_refused(producer, disk)
 
 
 def limit_file_size(limit: int = 300_000):
@@ -246,7 +289,7 @@ def test_a_file_size_limit_answers_unavailable_keeps_what_it_acked_and_recovers_
         acked, refused = set(), 0
         for i in range(60):
             tid, seq = f"t{i}", 2 * i
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + PATIENCE
             while (reply := call(producer, turn(tid, seq))).type != "ack":
                 assert reply["code"] == "unavailable", reply["message"]
                 assert time.monotonic() < deadline, f"turn of {tid} still refused: {reply['message']}"
@@ -263,21 +306,30 @@ def test_a_file_size_limit_answers_unavailable_keeps_what_it_acked_and_recovers_
 
         # Failed probes leave nothing behind: a broker kept unavailable for a
         # few seconds holds as many segment files as before.
+        unended = None  # a trajectory whose turn was acked and whose end was refused: ended below
         for i in range(60, 200):
             if call(producer, turn(f"t{i}", 2 * i)).type != "ack":
                 break
-            call(producer, end(f"t{i}", 2 * i + 1))
+            if call(producer, end(f"t{i}", 2 * i + 1)).type != "ack":
+                unended = i
+                break
             acked.add(f"t{i}")
         before = sorted((broker.data_dir / "segments").iterdir())
         drain.pump(4, lambda: False)
         after = sorted((broker.data_dir / "segments").iterdir())
         assert len(after) <= len(before) + 1, (before, after)
+        if unended is not None:  # sent again until acked, or it would stay open
+            deadline = time.monotonic() + PATIENCE
+            while (reply := call(producer, end(f"t{unended}", 2 * unended + 1))).type != "ack":
+                assert reply["code"] == "unavailable" and time.monotonic() < deadline, reply["message"]
+                drain.pump(0.3, lambda: False)
+            acked.add(f"t{unended}")
 
-        drain.pump(60, lambda: drain.delivered >= acked and not drain.unacked)
+        drain.pump(PATIENCE, lambda: drain.delivered >= acked and not drain.unacked)
         assert drain.delivered >= acked and not drain.unacked, [m for m in drain.seen if m[0] != "deliver"][-10:]
         broker.kill()
-        broker.start()  # without the limit
-        status = broker.status()
+        broker.start(timeout=PATIENCE)  # without the limit
+        status = broker.status(timeout=PATIENCE)
         assert status["ready"] + status["leased"] == 0 and status["open"] == 0  # every ack the consumer saw was durable
     finally:
         broker.proc.kill()
@@ -343,5 +395,5 @@ def test_a_damaged_store_is_named_at_start_and_salvage_keeps_what_is_intact(tmp_
     with broker:
         drain = Drain(broker)
         intact = {f"t{i}" for i in range(8)} - dropped
-        drain.pump(30, lambda: drain.delivered >= intact and not drain.unacked)
+        drain.pump(PATIENCE, lambda: drain.delivered >= intact and not drain.unacked)
         assert drain.delivered == intact and not drain.unacked
