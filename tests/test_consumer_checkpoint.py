@@ -16,6 +16,10 @@ from rollstream.consumer import Consumer, ConsumerClosed
 
 pytestmark = pytest.mark.slow  # live brokers
 
+# How long a batch, a welcome or a broker's answer may take on a machine
+# running other work: a bound on a failing wait, not a timing assertion.
+WAIT = 120.0
+
 
 def produce(broker, n, prefix="t", seed=0):
     rng = np.random.default_rng(seed)
@@ -28,7 +32,7 @@ def produce(broker, n, prefix="t", seed=0):
 
 def consumer(endpoints, **kw):
     c = Consumer(endpoints, batch_size=3, vocab_size=VOCAB, **kw)
-    c.wait_ready(30)
+    c.wait_ready(WAIT)
     return c
 
 
@@ -48,14 +52,14 @@ def test_a_resumed_trainer_gets_back_what_it_trained_after_its_checkpoint_in_the
     first = consumer(broker.consumer)
     trained = {}
     for n in range(1, 6):
-        batch = first.next_batch(timeout=30)
+        batch = first.next_batch(timeout=WAIT)
         first.commit(batch)
         trained[n] = batch.trajectory_ids
         if n == 2:
             state = first.state_dict()  # saved with checkpoint 2
             first.sealed(2)
-    first.flush(30)
-    first.close()  # or crashed: what it committed is durable
+    first.flush(WAIT)
+    first.close(WAIT)  # or crashed: what it committed is durable
     assert state["step"] == 2 and [b["trajectory_ids"] for b in state["batches"]] == [list(trained[1]),
                                                                                        list(trained[2])]
     assert state["batches"][0]["sample_indices"] == [int(t[1:]) for t in trained[1]]
@@ -63,11 +67,11 @@ def test_a_resumed_trainer_gets_back_what_it_trained_after_its_checkpoint_in_the
     assert again.resumed_from == 2
     replayed = []
     for n in (3, 4, 5):
-        batch = again.next_batch(timeout=30)
+        batch = again.next_batch(timeout=WAIT)
         replayed.append(batch.trajectory_ids)
         again.commit(batch)
     assert replayed == [trained[3], trained[4], trained[5]]
-    fresh = again.next_batch(timeout=30)  # then new data, never anything trained before
+    fresh = again.next_batch(timeout=WAIT)  # then new data, never anything trained before
     assert not set(fresh.trajectory_ids) & {t for ids in trained.values() for t in ids}
     again.commit(fresh)
     assert again.state_dict()["step"] == 6
@@ -75,22 +79,37 @@ def test_a_resumed_trainer_gets_back_what_it_trained_after_its_checkpoint_in_the
 
 
 def test_a_resume_across_brokers_rebuilds_each_batch_in_its_order(brokers):
+    """Batches that interleave two brokers' trajectories, whichever broker
+    answers first: the brokers take turns, and each trajectory is produced
+    once the one before it is buffered at the consumer, so a batch holds
+    them in the order they were produced. Resumed from before the first
+    step, the consumer gets each broker's part of each batch back from it
+    and hands the batches out again as they were trained, each in its order."""
     a, b = brokers(), brokers()
-    produce(a, 9, prefix="a")
-    produce(b, 9, prefix="b", seed=1)
+    producers = {"a": RawProducer(a.producer), "b": RawProducer(b.producer)}
+    rng = np.random.default_rng(0)
     first = consumer([a.consumer, b.consumer])
     state = first.state_dict()  # checkpoint 0: before any step
     trained = []
-    for _ in range(3):
-        batch = first.next_batch(timeout=30)
-        first.commit(batch)
-        trained.append(batch.trajectory_ids)
-    first.flush(30)
-    first.close()
-    assert any({t[0] for t in ids} == {"a", "b"} for ids in trained), trained  # batches that span both brokers
+    try:
+        for n in range(9):
+            name = "ab"[n % 2]
+            tid = f"{name}{n // 2}"
+            producers[name].send([make_rollout(rng, tid, sample_index=n)])
+            wait_for(lambda: first.stats()["ready"] == n % 3 + 1, WAIT, f"{tid} to be buffered at the consumer")
+            if n % 3 == 2:
+                batch = first.next_batch(timeout=WAIT)
+                first.commit(batch)
+                trained.append(batch.trajectory_ids)
+    finally:
+        for producer in producers.values():
+            producer.close()
+    first.flush(WAIT)
+    first.close(WAIT)
+    assert trained == [("a0", "b0", "a1"), ("b1", "a2", "b2"), ("a3", "b3", "a4")]
     again = consumer([a.consumer, b.consumer], resume=state)
-    assert [again.next_batch(timeout=30).trajectory_ids for _ in range(3)] == trained
-    again.close()
+    assert [again.next_batch(timeout=WAIT).trajectory_ids for _ in range(3)] == trained
+    again.close(WAIT)
 
 
 def test_a_resumed_trainer_reaches_the_weights_of_a_run_that_never_stopped(brokers):
@@ -105,7 +124,7 @@ def test_a_resumed_trainer_reaches_the_weights_of_a_run_that_never_stopped(broke
     weights, history = torch.zeros(VOCAB, dtype=torch.float64), []
     with consumer(straight.consumer) as run:
         for _ in range(4):
-            batch = run.next_batch(timeout=30)
+            batch = run.next_batch(timeout=WAIT)
             weights = step(weights, batch)
             history.append(batch)
             run.commit(batch)
@@ -114,17 +133,17 @@ def test_a_resumed_trainer_reaches_the_weights_of_a_run_that_never_stopped(broke
     weights = torch.zeros(VOCAB, dtype=torch.float64)
     run = consumer(stopped.consumer)
     for n in range(1, 5):
-        batch = run.next_batch(timeout=30)
+        batch = run.next_batch(timeout=WAIT)
         weights = step(weights, batch)
         run.commit(batch)
         if n == 2:
             checkpoint = {"weights": weights.clone(), "data": run.state_dict()}
-    run.flush(30)
-    run.close()
+    run.flush(WAIT)
+    run.close(WAIT)
     weights = checkpoint["weights"]
     with consumer(stopped.consumer, resume=checkpoint["data"]) as run:
         for _ in range(2):
-            batch = run.next_batch(timeout=30)
+            batch = run.next_batch(timeout=WAIT)
             weights = step(weights, batch)
             run.commit(batch)
     assert torch.equal(weights, uninterrupted)
@@ -139,13 +158,13 @@ def test_a_checkpoint_whose_batches_were_reclaimed_is_refused_by_name(brokers):
     first = consumer(broker.consumer, keep_checkpoints=1)
     old = first.state_dict()
     for n in range(1, 3):
-        first.commit(first.next_batch(timeout=30))
+        first.commit(first.next_batch(timeout=WAIT))
         first.sealed(n)
-    first.flush(30)
-    first.close()
+    first.flush(WAIT)
+    first.close(WAIT)
     again = consumer(broker.consumer, resume=old)
     with pytest.raises(Refused, match="checkpoint_gone.*reclaimed what the run trained through step 2"):
-        again.next_batch(timeout=30)
+        again.next_batch(timeout=WAIT)
     again.close()
 
 
@@ -164,14 +183,14 @@ def test_a_consumer_closed_while_the_trainer_holds_a_batch_says_so_on_commit_and
     broker = brokers()
     produce(broker, 6)
     first = consumer(broker.consumer)
-    first.commit(first.next_batch(timeout=30))
-    held = first.next_batch(timeout=30)
-    threading.Thread(target=first.close).start()
-    wait_for(lambda: first._closing, 10, "the close to begin")
+    first.commit(first.next_batch(timeout=WAIT))
+    held = first.next_batch(timeout=WAIT)
+    threading.Thread(target=first.close, args=(WAIT,)).start()
+    wait_for(lambda: first._closing, WAIT, "the close to begin")
     with pytest.raises(ConsumerClosed, match=f"batch seq={held.seq} went back to its brokers"):
         first.commit(held)
     with pytest.raises(ConsumerClosed, match="the seal of step 1 was not sent"):
         first.sealed(1)
     again = consumer(broker.consumer, checkpointed=False)
-    assert sorted(again.next_batch(timeout=30).trajectory_ids) == sorted(held.trajectory_ids)
+    assert sorted(again.next_batch(timeout=WAIT).trajectory_ids) == sorted(held.trajectory_ids)
     again.close()
