@@ -288,9 +288,21 @@ def _pack_frames(frames) -> list:
 
 
 def _unpack_frames(payload: memoryview) -> list[memoryview]:
+    """The frames of a record payload `_pack_frames` wrote; `StoreCorrupted`
+    naming the rule when its frame count and lengths do not account for its
+    bytes exactly (a record whose CRC holds but whose content does not)."""
+    size = len(payload)
+    if size < 2:
+        raise StoreCorrupted(f"a turn record starts with a 2-byte frame count, this one has {size} byte(s)")
     (count,) = struct.unpack_from("<H", payload)
+    table = 2 + 4 * count
+    if table > size:
+        raise StoreCorrupted(f"a turn record of {count} frame(s) needs {table} bytes for its frame lengths, it has {size}")
     lengths = struct.unpack_from(f"<{count}I", payload, 2)
-    frames, pos = [], 2 + 4 * count
+    if table + sum(lengths) != size:
+        raise StoreCorrupted(f"a turn record's {count} frame(s) take {sum(lengths)} bytes after their {table}-byte "
+                             f"table, the record has {size - table}")
+    frames, pos = [], table
     for length in lengths:
         frames.append(payload[pos : pos + length])
         pos += length
@@ -560,7 +572,17 @@ class Store:
         been verified."""
         with _unavailable_on_failure(f"cannot read {len(locations)} turn record(s) from {self.segments.directory}"):
             records = self.segments.read_many(locations)
-        return [decode_trusted(_unpack_frames(record), PRODUCER_TO_BROKER) for record in records]
+        turns = []
+        for (number, offset, _), record in zip(locations, records):
+            try:
+                message = decode_trusted(_unpack_frames(record), PRODUCER_TO_BROKER)
+            except StoreCorrupted as exc:
+                raise StoreCorrupted(f"{self.segments.where(number, offset)}: {exc}") from None
+            if message.type != "turn":
+                raise StoreCorrupted(f"{self.segments.where(number, offset)}: a stored turn's record holds a "
+                                     f"{message.type} message")
+            turns.append(message)
+        return turns
 
     # -- writing ------------------------------------------------------------
     @property

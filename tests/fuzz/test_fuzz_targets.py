@@ -43,10 +43,25 @@ def test_every_corpus_input_stays_within_its_targets_contract(target):
         _replay(target, path)
 
 
-REGRESSION_INPUTS = sorted(path for path in REGRESSIONS.glob("*/*") if path.is_file())
+# Past findings not fixed yet, by input: each replays as an expected failure, strictly (once the fix lands the
+# input passes, the test reports it, and its entry goes).
+NOT_FIXED_YET = {
+    "store/packed-record-with-an-unknown-array-name":
+        "codec.decode_trusted cuts a packed frame by array names it has not checked (KeyError on an unknown one)",
+}
+REGRESSION_INPUTS = [
+    pytest.param(path, id=name, marks=[pytest.mark.xfail(strict=True, reason=NOT_FIXED_YET[name])] if name in NOT_FIXED_YET
+                 else [])
+    for path in sorted(REGRESSIONS.glob("*/*")) if path.is_file() for name in [f"{path.parent.name}/{path.name}"]
+]
 
 
-@pytest.mark.parametrize("path", REGRESSION_INPUTS, ids=[f"{p.parent.name}/{p.name}" for p in REGRESSION_INPUTS])
+def test_every_input_not_fixed_yet_is_kept():
+    kept = {f"{path.parent.name}/{path.name}" for path in REGRESSIONS.glob("*/*")}
+    assert set(NOT_FIXED_YET) <= kept, f"entries without their input: {sorted(set(NOT_FIXED_YET) - kept)}"
+
+
+@pytest.mark.parametrize("path", REGRESSION_INPUTS)
 def test_every_past_finding_stays_within_its_targets_contract(path):
     assert path.parent.name in TARGETS, f"{path.relative_to(HERE)} is filed under no target of {sorted(TARGETS)}"
     _replay(path.parent.name, path)
