@@ -26,13 +26,22 @@ from .store import Recovered, Store, StoreCorrupted, StoredTrajectory
 def load_trajectory(store: Store, stored: StoredTrajectory) -> Trajectory:
     """Replay a stored trajectory's applied turns. A stored turn that the
     merge refuses is a `RemoteProtocolError`: the record read back breaks the
-    rule, not a caller."""
+    rule, not a caller. A record that is not the turn its row names (another
+    turn's, or a first turn without its prompt) is `StoreCorrupted`."""
     traj = None
-    for message in store.read_turns([turn.location for turn in stored.turns if turn.location is not None]):
+    applied = [turn for turn in stored.turns if turn.location is not None]
+    for row, message in zip(applied, store.read_turns([turn.location for turn in applied])):
+        if message["turn"] != row.turn:
+            raise StoreCorrupted(f"trajectory {stored.trajectory_id!r}: the record of its turn {row.turn} holds turn "
+                                 f"{message['turn']}")
         if traj is None:
+            prompt_tokens = message.arrays.get("prompt_tokens")
+            if prompt_tokens is None:
+                raise StoreCorrupted(f"trajectory {stored.trajectory_id!r}: the record of its first stored turn "
+                                     f"({row.turn}) carries no prompt_tokens")
             traj = Trajectory(
                 stored.trajectory_id,
-                message.arrays["prompt_tokens"],
+                prompt_tokens,
                 group_id=stored.group_id,  # keyed as the broker keys it (the frame holds its job's own id)
                 group_size=message.get("group_size"),
                 sample_index=message.get("sample_index"),
