@@ -99,12 +99,30 @@ class LoopbackNode:
                                   str(self.vocab_size), "--metrics-port", "0", "--log-level", "warning",
                                   *self.broker_args)
         secret, server = self.admin_keys
-        status, _ = ask_status(None, endpoints_file=endpoints_file, wait=60.0, curve_secret_key=secret,
-                               curve_server_key=server)  # once the broker answers
+        status = self._answering(60.0)
         self.endpoints = status["endpoints"]
         if self.admin is None:
             self.admin = AdminClient(self.endpoints["admin"], timeout=5.0, curve_secret_key=secret,
                                      curve_server_key=server).__enter__()
+
+    def _answering(self, timeout: float) -> dict:
+        """The just started broker's status once it answers (within
+        `timeout` seconds); a broker that exits first fails at once, with
+        its exit status and the tail of daemons.log."""
+        assert self.broker is not None, "_answering follows the broker's start"
+        secret, server = self.admin_keys
+        deadline = Clock.monotonic() + timeout
+        while True:
+            try:
+                status, _ = ask_status(None, endpoints_file=self.endpoints_file, wait=5.0, curve_secret_key=secret,
+                                       curve_server_key=server)
+                return status
+            except AdminError as error:
+                if self.broker.poll() is not None:
+                    raise self.failed(f"a started broker must run until it answers: expected it running, got exit "
+                                      f"status {self.broker.returncode}") from None
+                if error.code == "handshake_refused" or Clock.monotonic() >= deadline:
+                    raise
 
     def kill_broker(self) -> None:
         """SIGKILL the broker, as a crash would."""
