@@ -8,6 +8,7 @@ harness's looks (the `finish_at`-th) the producer sends it, writes its
 `sent` and `acked` records, and exits, and from then on the broker's status
 holds it ready. No trainer ever commits it, so the run is never drained:
 whichever look the producer finishes at, `drained` must never say it is.
+Once the trainer commits it, the run is drained.
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def rounds(pipeline: Pipeline) -> list[bool]:
 @pytest.mark.parametrize("finish_at", range(1, LOOKS + 1))
 def test_a_producer_finishing_at_any_look_never_leaves_its_acked_trajectory_behind_a_drained_run(tmp_path, finish_at):
     node = OneProducerLeft(tmp_path, finish_at)
-    pipeline = Pipeline(node, dp_size=1, batch_size=1)  # type: ignore[arg-type]  # the stand-in has what it uses
+    pipeline = Pipeline(node, dp_size=1, batch_size=1)
     said = rounds(pipeline)
     assert node.exited, f"the producer must finish within the rounds: expected it at look {finish_at}, got {node.looks} looks"
     pipeline.poll()
@@ -106,7 +107,7 @@ def test_a_producer_finishing_at_any_look_never_leaves_its_acked_trajectory_behi
 
 def test_a_run_whose_producer_finished_before_a_poll_and_whose_trajectory_was_committed_is_drained(tmp_path):
     node = OneProducerLeft(tmp_path, finish_at=1)
-    pipeline = Pipeline(node, dp_size=1, batch_size=1)  # type: ignore[arg-type]
+    pipeline = Pipeline(node, dp_size=1, batch_size=1)
     assert rounds(pipeline) == [False] * ROUNDS, "the acked trajectory is still ready at the broker: not drained"
     node.commit()
     pipeline.poll()
