@@ -6,14 +6,17 @@ atheris (libFuzzer), one target at a time, each in its own process.
     python tests/fuzz/run.py --runs 20000         # a fixed number of inputs: the same seed repeats the run exactly
 
 Each target starts from its checked-in corpus (tests/fuzz/corpus/<target>)
-and its regression inputs (tests/fuzz/regressions/<target>); what the run
+and its regression inputs (tests/fuzz/regressions/<target>, but those not
+fixed yet, `targets.NOT_FIXED_YET`); what the run
 adds to the corpus goes to a temporary directory (or --corpus-out). Per
 target it prints the inputs executed and the coverage libFuzzer counts
 (`cov`: edges of the instrumented code, `ft`: features); at the end one JSON
 line with every target's figures. A finding (an exception outside the
 target's allowed family, a failed property, a hang or running out of
 memory) is saved under --findings (tests/fuzz/findings/<target>/ by
-default) with its traceback, and the exit status is 1. Kept as a regression
+default) with its traceback, and the exit status is 1, unless it is the
+crash of an input not fixed yet (the same exception raised in the same
+function): that one is reported as known. Kept as a regression
 input (tests/fuzz/regressions/<target>/<name>), it is replayed by
 tests/fuzz/test_fuzz_targets.py in the normal suite.
 
@@ -56,11 +59,12 @@ class Result:
     corpus: int = 0  # inputs in its corpus at the end
     new_inputs: int = 0  # inputs the run added to it
     finding: str | None = None  # the saved input of a finding
+    known: str | None = None  # the finding is the crash of this regression input, not fixed yet (targets.NOT_FIXED_YET)
     error: str | None = None  # the run itself failed (no finding)
 
     @property
     def ok(self) -> bool:
-        return self.finding is None and self.error is None
+        return (self.finding is None or self.known is not None) and self.error is None
 
 
 def dictionary(target: str) -> list[bytes]:
@@ -98,7 +102,7 @@ def _dictionary_file(tokens: list[bytes], path: Path) -> None:
 def run_target(target: str, *, seconds: int, seed: int, runs: int | None, findings: Path, corpus_out: Path | None,
                verbose: bool) -> Result:
     """Fuzz one target in a child process; its figures, and the finding if any."""
-    from targets import memory_directory
+    from targets import NOT_FIXED_YET, memory_directory
 
     with tempfile.TemporaryDirectory(prefix=f"rollstream-fuzz-{target}-") as work:
         work_path = Path(work)
@@ -114,7 +118,13 @@ def run_target(target: str, *, seconds: int, seed: int, runs: int | None, findin
         if tokens:
             _dictionary_file(tokens, work_path / "tokens.dict")
             options.append(f"-dict={work_path / 'tokens.dict'}")
-        dirs = [str(grown)] + [str(d) for d in (CORPUS / target, REGRESSIONS / target) if d.is_dir()]
+        # The regression inputs, but those whose fix has not landed: the run would stop at once on them.
+        regressions = work_path / "regressions"
+        regressions.mkdir()
+        for path in sorted(REGRESSIONS.glob(f"{target}/*")):
+            if f"{target}/{path.name}" not in NOT_FIXED_YET:
+                shutil.copy(path, regressions / path.name)
+        dirs = [str(grown), str(regressions)] + ([str(CORPUS / target)] if (CORPUS / target).is_dir() else [])
         scratch = tempfile.mkdtemp(prefix=f"rollstream-fuzz-{target}-", dir=memory_directory())
         env = {**os.environ, "ROLLSTREAM_FUZZ_SCRATCH": scratch}
         command = [sys.executable, str(Path(__file__).resolve()), "--child", target, *options, *dirs]
@@ -154,7 +164,33 @@ def _read_log(target: str, log: str) -> Result:
         result.new_inputs = result.corpus - int(initial.group(1))
     if written := re.search(r"Test unit written to (\S+)", log):
         result.finding = written.group(1)
+        result.known = _known(target, log)
     return result
+
+
+_FRAME = re.compile(r'\s*File "(.+)", line \d+, in (\S+)$')
+
+
+def _known(target: str, log: str) -> str | None:
+    """The regression input not fixed yet whose crash the log shows (the
+    same exception type raised in the same function), if any."""
+    from targets import NOT_FIXED_YET
+
+    start = log.find("=== Uncaught Python exception: ===")
+    if start < 0:
+        return None
+    lines = log[start:].splitlines()
+    exception = lines[1].split(":")[0].strip().rsplit(".", 1)[-1] if len(lines) > 1 else ""
+    frames = [match.groups() for line in lines if (match := _FRAME.match(line))]
+    if not frames:
+        return None
+    path, function = frames[-1]  # the innermost frame of the last traceback: where it was raised
+    for name, known in NOT_FIXED_YET.items():
+        file, _, where = known.where.rpartition(":")
+        if name.startswith(f"{target}/") and exception == known.exception and function == where \
+                and (path == file or path.endswith("/" + file)):
+            return name
+    return None
 
 
 def _report_finding(result: Result) -> None:
@@ -197,7 +233,7 @@ def main() -> int:
         child(sys.argv[2], sys.argv[3:])
         return 0
     sys.path.insert(0, str(HERE))
-    from targets import TARGETS
+    from targets import NOT_FIXED_YET, TARGETS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("targets", nargs="*", metavar="TARGET", help=f"of {', '.join(TARGETS)} (default: all)")
@@ -218,12 +254,16 @@ def main() -> int:
         results.append(result)
         print(f"{name}: {result.executions} executions, cov {result.edges} edges, ft {result.features}, "
               f"corpus {result.corpus} (+{result.new_inputs})", flush=True)
-        if result.finding is not None:
+        if result.known is not None:
+            print(f"  stopped at a finding not fixed yet, {result.known} ({NOT_FIXED_YET[result.known].reason}), "
+                  f"saved as {result.finding}; not counted")
+        elif result.finding is not None:
             _report_finding(result)
         elif result.error is not None:
             print(f"  the run failed: {result.error}")
-    findings = [r.target for r in results if r.finding is not None]
+    findings = [r.target for r in results if r.finding is not None and r.known is None]
     print(json.dumps({"seconds": args.seconds, "seed": args.seed, "runs": args.runs, "findings": findings,
+                      "not_fixed_yet": [r.known for r in results if r.known is not None],
                       "failed": [r.target for r in results if r.error is not None],
                       "targets": {r.target: {k: v for k, v in asdict(r).items() if k != "target"} for r in results}}))
     _remove_empty(args.findings)

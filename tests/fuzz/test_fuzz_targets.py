@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fuzz.targets import TARGETS, join_frames, run_target, split_frames
+from fuzz.targets import NOT_FIXED_YET, TARGETS, join_frames, run_target, split_frames
 
 from rollstream.broker.cli import broker as broker_command
 from rollstream.producer.cli import producer as producer_command
@@ -43,19 +43,14 @@ def test_every_corpus_input_stays_within_its_targets_contract(target):
         _replay(target, path)
 
 
-# Past findings not fixed yet, by input: each replays as an expected failure, strictly (once the fix lands the
-# input passes, the test reports it, and its entry goes).
-NOT_FIXED_YET = {
-    "store/packed-record-with-an-unknown-array-name":
-        "codec.decode_trusted cuts a packed frame by array names it has not checked (KeyError on an unknown one)",
-    "store/turn-record-without-its-required-arrays":
-        "codec.decode_trusted checks neither the arrays a turn must carry nor its rules (KeyError rebuilding it)",
-}
-REGRESSION_INPUTS = [
-    pytest.param(path, id=name, marks=[pytest.mark.xfail(strict=True, reason=NOT_FIXED_YET[name])] if name in NOT_FIXED_YET
-                 else [])
-    for path in sorted(REGRESSIONS.glob("*/*")) if path.is_file() for name in [f"{path.parent.name}/{path.name}"]
-]
+def _regression_input(path: Path):
+    """`path` as a test parameter; one whose fix has not landed, as a strict expected failure (targets.NOT_FIXED_YET)."""
+    name = f"{path.parent.name}/{path.name}"
+    known = NOT_FIXED_YET.get(name)
+    return pytest.param(path, id=name, marks=[pytest.mark.xfail(strict=True, reason=known.reason)] if known else [])
+
+
+REGRESSION_INPUTS = [_regression_input(path) for path in sorted(REGRESSIONS.glob("*/*")) if path.is_file()]
 
 
 def test_every_input_not_fixed_yet_is_kept():
