@@ -432,7 +432,10 @@ class Pipeline:
         if (not self.idle or self._sealed_step < self._committed_step or self.trainer.lost
                 or self._resumes < self.trainer.generation - 1):
             return False
-        self.dead = self.node.dead_letters()
+        try:
+            self.dead = self.node.dead_letters()
+        except AdminError:  # a broker too busy to answer now: asked again after the next poll
+            return False
         return not check(self.records, self.dead, broker_backlog=1).unseen
 
     def run(self, timeout: float, each: Callable[[], None] | None = None) -> bool:

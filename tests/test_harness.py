@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from rollstream.app.harness import Pipeline
+from rollstream.common.admin import AdminError
 from rollstream.common.checker import check
 
 ROUNDS = 6  # polls, each followed by `drained`: each looks at the node three times at least
@@ -46,6 +47,7 @@ class OneProducerLeft:
         self.exited = False
         self.ready = 0
         self.producer_starts = 1
+        self.answers = True  # False: the broker is too busy to answer an admin request in time
         self.broker = self  # `_status` asks `node.broker.poll()` whether the broker is alive
         self.admin = self
 
@@ -70,6 +72,8 @@ class OneProducerLeft:
 
     def dead_letters(self) -> list[dict]:
         self._look()
+        if not self.answers:
+            raise AdminError("no answer from the broker within 5.0 s", code="no_answer")
         return []
 
     @property
@@ -115,3 +119,16 @@ def test_a_run_whose_producer_finished_before_a_poll_and_whose_trajectory_was_co
                               f"got status {pipeline.status}, records {pipeline.records}")
     assert check(pipeline.records, node.dead_letters()).counts() == {"lost": 0, "duplicated": 0, "partial": 0,
                                                                      "corrupted": 0, "unseen": 0}
+
+
+def test_a_broker_too_busy_to_list_its_dead_letters_leaves_the_run_undrained_until_it_answers(tmp_path):
+    node = OneProducerLeft(tmp_path, finish_at=1)
+    pipeline = Pipeline(node, dp_size=1, batch_size=1)
+    pipeline.poll()  # the producer finishes at its first look
+    node.commit()
+    node.answers = False
+    pipeline.poll()
+    assert not pipeline.drained, "dead letters the broker did not list cannot be judged: not drained yet"
+    node.answers = True
+    pipeline.poll()
+    assert pipeline.drained, f"once the broker lists its dead letters the run is drained: got status {pipeline.status}"
