@@ -29,16 +29,16 @@ def load_trajectory(store: Store, stored: StoredTrajectory) -> Trajectory:
     rule, not a caller. A record that is not the turn its row names (another
     turn's, or a first turn without its prompt) is `StoreCorrupted`."""
     traj = None
-    applied = [turn for turn in stored.turns if turn.location is not None]
-    for row, message in zip(applied, store.read_turns([turn.location for turn in applied])):
-        if message["turn"] != row.turn:
-            raise StoreCorrupted(f"trajectory {stored.trajectory_id!r}: the record of its turn {row.turn} holds turn "
+    turn_at = {turn.location: turn.turn for turn in stored.turns if turn.location is not None}  # each applied turn's record
+    for index, message in zip(turn_at.values(), store.read_turns(list(turn_at))):
+        if message["turn"] != index:
+            raise StoreCorrupted(f"trajectory {stored.trajectory_id!r}: the record of its turn {index} holds turn "
                                  f"{message['turn']}")
         if traj is None:
             prompt_tokens = message.arrays.get("prompt_tokens")
             if prompt_tokens is None:
                 raise StoreCorrupted(f"trajectory {stored.trajectory_id!r}: the record of its first stored turn "
-                                     f"({row.turn}) carries no prompt_tokens")
+                                     f"({index}) carries no prompt_tokens")
             traj = Trajectory(
                 stored.trajectory_id,
                 prompt_tokens,
