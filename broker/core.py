@@ -27,6 +27,7 @@ from rollstream.common.clock import Clock
 from rollstream.common.codec import Message, encode, encode_error
 from rollstream.common.contract import LIVENESS_INTERVALS
 from rollstream.common.errors import ProtocolError, RemoteProtocolError
+from rollstream.common.failures import FailureLimit, internal_error, log_internal
 from rollstream.common.jobs import DEFAULT_JOB, SEPARATOR, job_key, job_of, wire_id
 from rollstream.common.messages import ADMIN_REPLIES, BROKER_TO_CONSUMER, BROKER_TO_PRODUCER
 from rollstream.common.trajectory import Trajectory
@@ -247,6 +248,7 @@ class BrokerCore:
         self._next_probe = 0.0
         self._next_dedup_prune = 0.0
         self._redeliveries_seen = 0
+        self.failures = FailureLimit()  # per (endpoint, connection): messages that failed inside the broker
 
     def _new_engine(self) -> MergeEngine:
         s = self.settings
@@ -316,6 +318,21 @@ class BrokerCore:
         self.metrics.unavailable.set(1)
 
     # -- producers ------------------------------------------------------------
+    def failed_inside(self, endpoint: str, identity: bytes, exc: Exception, message_type: str | None, frames,
+                      mono: float, *, seq: int | None = None) -> RemoteProtocolError:
+        """A failure no rule foresaw while one message from `identity` was
+        handled: counted, logged once, remembered against its connection
+        (`limited`), and made that message's `internal` refusal."""
+        self.metrics.inc(self.metrics.internal_errors, endpoint=endpoint)
+        self.failures.failed((endpoint, identity), mono)
+        log_internal(log, exc, endpoint, message_type, frames)
+        return internal_error(exc, message_type, frames, seq=seq)
+
+    def limited(self, endpoint: str, identity: bytes, mono: float) -> RemoteProtocolError | None:
+        """The refusal of a connection whose messages keep failing inside the
+        broker, while it lasts: its messages are then answered unread."""
+        return self.failures.refusal((endpoint, identity), mono)
+
     def takes_more(self, frames: int, nbytes: int) -> bool:
         """Whether the producer batch being read takes another frame: below
         `batch_max` frames and, once it has one, `batch_max_bytes` (the frame
@@ -393,7 +410,13 @@ class BrokerCore:
         answers: list[_Answer] = []
         effects: list = []
         for identity, message, error in received:
-            answers.append(self._producer_message(identity, message, error, now, stored, unread, effects))
+            try:
+                answer = self._producer_message(identity, message, error, now, stored, unread, effects)
+            except Exception as exc:  # a failure no rule foresaw costs this message alone
+                assert message is not None  # a received error is refused without raising
+                failure = self.failed_inside("producer", identity, exc, message.type, message.frames, now.mono)
+                answer = _Answer(identity, self._refuse("producer", failure, message))
+            answers.append(answer)
         committed = yield from self._commit(effects)
         if committed:
             self.metrics.count_effects(effects)
@@ -510,7 +533,12 @@ class BrokerCore:
                 yield from self._settle(settling, now)
                 claimed.clear()
                 claimed_ids.clear()
-            settlement = yield from self._consumer_message(identity, message, now, claimed, claimed_ids)
+            try:
+                settlement = yield from self._consumer_message(identity, message, now, claimed, claimed_ids)
+            except Exception as exc:  # a failure no rule foresaw costs this message alone
+                failure = self.failed_inside("consumer", identity, exc, message.type, message.frames, now.mono)
+                yield Send("consumer", identity, self._refuse("consumer", failure, message))
+                continue
             if settlement is not None:
                 settling.append(settlement)
         yield from self._settle(settling, now)
@@ -826,6 +854,9 @@ class BrokerCore:
                 reply = yield from self._admin_reply(message, now)
             except ProtocolError as refusal:
                 reply = self._refuse("admin", refusal, None)
+            except Exception as exc:  # a failure no rule foresaw costs this request alone
+                failure = self.failed_inside("admin", identity, exc, message.type, message.frames, now.mono)
+                reply = self._refuse("admin", failure, message)
         else:
             reply = self._refuse("admin", error, None)
         yield Send("admin", identity, [*envelope, *reply])

@@ -21,6 +21,9 @@ class BrokerMetrics(Metrics):
         super().__init__("rollstream_broker")
         self.frames = self.counter("frames", "Producer frames by message type and outcome", ("type", "outcome"))
         self.nacks = self.counter("nacks", "Refused messages by endpoint and reply code", ("endpoint", "code"))
+        self.internal_errors = self.counter("internal_errors", "Messages whose handling failed inside the broker (a "
+                                            "bug: refused as `internal`, logged with their digest), by endpoint",
+                                            ("endpoint",))
         self.exits = self.counter("trajectories", "Trajectories leaving the broker, by exit", ("exit",))
         self.gaps = self.counter("replay_gaps", "Replay gaps by the field that went missing", ("field",))
         self.redeliveries = self.counter("redeliveries", "Trajectories delivered again after a lost lease")

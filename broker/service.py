@@ -19,7 +19,7 @@ import zmq
 
 from rollstream.common.admin import write_endpoints_file
 from rollstream.common.clock import Clock
-from rollstream.common.codec import Message, decode, split_batch
+from rollstream.common.codec import Message, decode, decode_header, split_batch
 from rollstream.common.errors import ProtocolError, RemoteProtocolError
 from rollstream.common.messages import ADMIN_REQUESTS, BATCHABLE_TYPES, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
 from rollstream.common.sockets import recv_routed, router, send_frames
@@ -47,13 +47,26 @@ ZERO_COPY_SEND_ABOVE = 1 << 19
 CHECK_AHEAD_FROM_BYTES = 1 << 20
 
 
-def _content_error(arrays, vocab_size: int | None) -> ProtocolError | None:
-    """The first content rule a received turn's arrays break, or None."""
+def _content_error(arrays, vocab_size: int | None) -> Exception | None:
+    """The first content rule a received turn's arrays break, anything
+    else the check raised (the caller refuses the turn as `internal`), or
+    None."""
     try:
         check_message_arrays(arrays, vocab_size=vocab_size)
     except ProtocolError as error:
         return error.as_remote()
+    except Exception as exc:  # a failure no rule foresaw costs this turn alone
+        return exc
     return None
+
+
+def _seq_of(frames: list) -> int | None:
+    """The `seq` of a message's header when it can be read, for its refusal."""
+    try:
+        seq = decode_header(frames[0]).get("seq") if frames else None
+    except Exception:  # unreadable: refused without one
+        return None
+    return seq if type(seq) is int else None
 
 
 class BrokerService:
@@ -239,6 +252,10 @@ class BrokerService:
             size = sum(map(len, frames))
             batch_bytes += size
             core.frame_arrived(identity, size, now.mono)
+            limited = core.limited("producer", identity, now.mono)
+            if limited is not None:
+                received.append((identity, None, limited.with_seq(_seq_of(frames[1:]))))
+                continue
             try:
                 message = self._decode_producer_frames(frames[1:])
                 if message.type != "batch":
@@ -247,6 +264,9 @@ class BrokerService:
                 elements = split_batch(message)
             except ProtocolError as error:
                 received.append((identity, None, error))
+                continue
+            except Exception as exc:  # a failure no rule foresaw costs this message alone
+                received.append((identity, None, self._failed("producer", identity, exc, frames[1:], now)))
                 continue
             for element in elements:
                 try:
@@ -257,11 +277,23 @@ class BrokerService:
                     self._take(identity, message, sum(map(len, element)), received, checks)
                 except ProtocolError as error:
                     received.append((identity, None, error))
+                except Exception as exc:
+                    received.append((identity, None, self._failed("producer", identity, exc, element, now)))
         self._check_content(received, checks)
         self._drive(core.producer_batch(received, now))
         if received:  # once per batch: no clock read or counter update per frame
             self.metrics.received_bytes.add(batch_bytes)
             self.metrics.ack_seconds.observe(Clock.monotonic() - now.mono)
+
+    def _failed(self, endpoint: str, identity: bytes, exc: Exception, frames: list, now: Clock) -> ProtocolError:
+        """The `internal` refusal of a message whose decoding raised `exc`."""
+        seq = _seq_of(frames)
+        try:
+            message_type = decode_header(frames[0]).get("type") if frames else None
+        except Exception:
+            message_type = None
+        return self.core.failed_inside(endpoint, identity, exc, message_type if type(message_type) is str else None,
+                                       frames, now.mono, seq=seq)
 
     def _decode_producer_frames(self, frames: list) -> Message:
         return decode(frames, PRODUCER_TO_BROKER, max_message_bytes=self.settings.max_message_bytes, check_content=False)
@@ -287,14 +319,22 @@ class BrokerService:
         vocab = self.settings.vocab_size
         turns = {i: message for i, (_, message, _) in enumerate(received)
                  if message is not None and message.type == "turn" and i not in checks}
-        outcomes: dict[int, ProtocolError | None] = {}
-        if turns and not messages_content_valid([message.arrays for message in turns.values()], vocab):
-            outcomes = {i: _content_error(message.arrays, vocab) for i, message in turns.items()}
+        outcomes: dict[int, Exception | None] = {}
+        if turns:
+            try:
+                valid = messages_content_valid([message.arrays for message in turns.values()], vocab)
+            except Exception:  # each turn checked alone then finds the one that raises
+                valid = False
+            if not valid:
+                outcomes = {i: _content_error(message.arrays, vocab) for i, message in turns.items()}
         outcomes.update((i, check.result()) for i, check in checks.items())
         for i, error in outcomes.items():
             if error is not None:
                 identity, message, _ = received[i]
                 assert message is not None  # only decoded turns are checked
+                if not isinstance(error, ProtocolError):
+                    error = self.core.failed_inside("producer", identity, error, message.type, message.frames,
+                                                    Clock.monotonic())
                 received[i] = (identity, message, error.with_seq(message["seq"]))
 
     def _serve_consumers(self, now: Clock) -> None:
@@ -306,7 +346,7 @@ class BrokerService:
             except zmq.Again:
                 break
             if frames is not None:
-                received.append(self._decoded(frames[0], frames[1:], CONSUMER_TO_BROKER))
+                received.append(self._decoded("consumer", frames[0], frames[1:], CONSUMER_TO_BROKER, now))
         self._drive(self.core.consumer_batch(received, now))
 
     def _serve_admin(self, now: Clock) -> None:
@@ -320,14 +360,19 @@ class BrokerService:
             identity, body, envelope = frames[0], frames[1:], []
             if len(body) >= 2 and body[0] == b"":  # a REQ peer's delimiter
                 envelope, body = [b""], body[1:]
-            _, message, error = self._decoded(identity, body, ADMIN_REQUESTS)
+            _, message, error = self._decoded("admin", identity, body, ADMIN_REQUESTS, now)
             self._drive(self.core.admin_request(identity, envelope, message, error, now))
 
-    def _decoded(self, identity: bytes, body: list, schema) -> Received:
+    def _decoded(self, endpoint: str, identity: bytes, body: list, schema, now: Clock) -> Received:
+        limited = self.core.limited(endpoint, identity, now.mono)
+        if limited is not None:
+            return identity, None, limited.with_seq(_seq_of(body))
         try:
             return identity, decode(body, schema, max_message_bytes=self.settings.max_message_bytes), None
         except ProtocolError as error:
             return identity, None, error
+        except Exception as exc:  # a failure no rule foresaw costs this message alone
+            return identity, None, self._failed(endpoint, identity, exc, body, now)
 
     def _serve_waiting_consumers(self, request: ServeConsumers) -> None:
         events = self.sockets["consumer"].get(zmq.EVENTS)  # an int (pyzmq types every option as `int | bytes`)

@@ -115,6 +115,7 @@ class Stats:
     stale: int = 0  # dropped as too old when they would have been handed out
     filtered: int = 0  # dropped by the trainer's `keep` predicate
     undecodable: int = 0
+    internal_errors: int = 0  # messages whose handling failed inside this client (a bug): logged, refused
     resent_settlements: int = 0
 
 
@@ -296,6 +297,10 @@ class Assembler:
         self._use_credit(broker, header)
         self.stats.undecodable += 1
         self._settle((broker, header["lease"]), Settle.RELEASE if requeue else Settle.NACK, reason)
+
+    def holds(self, tid: str) -> bool:
+        """Whether a delivery of `tid` is buffered, held by the trainer or settled here."""
+        return tid in self._done or tid in self._taken or tid in self._replayed or self._member(tid) is not None
 
     def _use_credit(self, broker: int, fields: Mapping[str, Any]) -> None:
         """Trajectory credit pays per message; group credit per delivery unit,

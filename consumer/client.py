@@ -37,8 +37,10 @@ from rollstream.common.errors import (
     InvalidState,
     Refused,
     RemoteProtocolError,
+    RollstreamError,
     TimedOut,
 )
+from rollstream.common.failures import internal_error, log_internal
 from rollstream.common.jobs import DEFAULT_JOB, check_job
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 from rollstream.common.sockets import context_for, dealer, recv_parts
@@ -608,11 +610,18 @@ class Consumer:
                 with self._changed:
                     if self._stopping:
                         break
-                    for broker, message, header, error in decoded:
-                        if message is None:
-                            self._sessions.undecodable(broker, header, error)
-                        else:
-                            self._sessions.received(broker, message, now)
+                    for (broker, frames), (_, message, header, error) in zip(received, decoded):
+                        try:
+                            if message is None:
+                                self._sessions.undecodable(broker, header, error)
+                            else:
+                                self._sessions.received(broker, message, now)
+                        except RollstreamError:  # a rule this client enforces on purpose: surfaced to the trainer
+                            raise
+                        except Exception as exc:  # a failure no rule foresaw costs this message alone
+                            fields = header if message is None else message.fields
+                            self._sessions.failed_inside(broker, fields.get("type") if message is None else message.type,
+                                                         fields, frames, exc)
                     outgoing = self._sessions.due(now, closing=self._closing)
                     self._changed.notify_all()
                 for broker, mtype, fields in outgoing:
@@ -637,12 +646,16 @@ class Consumer:
         and the reason it could not be decoded."""
         try:
             return decode(frames, BROKER_TO_CONSUMER, max_message_bytes=self.max_message_bytes, check_content=False), None, None
-        except RemoteProtocolError as error:
+        except Exception as exc:  # a failure no rule foresaw is refused like a broken rule, as `internal`
             try:
                 header = decode_header(frames[0])
-            except RemoteProtocolError:
+            except Exception:  # unreadable
                 header = {}
-            return None, header, error
+            if isinstance(exc, RemoteProtocolError):
+                return None, header, exc
+            message_type = header.get("type") if isinstance(header.get("type"), str) else None
+            log_internal(log, exc, "broker", message_type, frames)
+            return None, header, internal_error(exc, message_type, frames)  # counted where it is refused
 
 
 def _drain(sock: zmq.Socket):

@@ -15,6 +15,7 @@ from enum import StrEnum
 from typing import Any, Mapping
 
 from rollstream.common.errors import InvalidState, RemoteProtocolError
+from rollstream.common.failures import internal_error, log_internal
 from rollstream.common.jobs import DEFAULT_JOB
 
 from .assembly import Assembler
@@ -180,6 +181,8 @@ class Sessions:
         header could be read). A delivery's lease goes back to the broker,
         requeued when only its bytes were damaged on the way (a CRC)."""
         endpoint = self.endpoints[broker]
+        if error.code == "internal":  # its decoding raised what no rule foresaw (logged where it was caught)
+            self.assembler.stats.internal_errors += 1
         lease = header.get("lease")
         if header.get("type") == "deliver" and isinstance(lease, str) and self.sessions[broker].state == SessionState.READY:
             log.warning("undecodable delivery", extra={"endpoint": endpoint, "code": error.code, "reason": error.message})
@@ -191,6 +194,21 @@ class Sessions:
         else:
             log.warning("unreadable message from broker", extra={"endpoint": endpoint, "code": error.code,
                                                                  "reason": error.message})
+
+    def failed_inside(self, broker: int, message_type: str | None, fields: Mapping[str, Any], frames,
+                      exc: Exception) -> None:
+        """Handling a message from `broker` raised `exc`, which no rule
+        foresaw: counted, logged once, and a delivery this client did not
+        take in is refused (`nack`, dead-lettered at the broker under an
+        `internal` reason, revivable there), so its lease is not left to run
+        out; the loop goes on with the next message."""
+        self.assembler.stats.internal_errors += 1
+        log_internal(log, exc, self.endpoints[broker], message_type, frames)
+        lease, tid = fields.get("lease"), fields.get("trajectory_id")
+        if (message_type == "deliver" and isinstance(lease, str) and isinstance(tid, str) and not self.assembler.holds(tid)
+                and self.sessions[broker].state == SessionState.READY):
+            error = internal_error(exc, message_type, frames)
+            self.assembler.undecodable(broker, {**fields, "lease": lease}, f"{error.code}: {error.message}", requeue=False)
 
     def due(self, now: float, *, closing: bool) -> list[tuple[int, str, dict]]:
         """Everything to send now, as (broker, type, fields): hellos (again

@@ -36,7 +36,16 @@ from rollstream.common.checker import Ledger
 from rollstream.common.clock import Clock
 from rollstream.common.codec import check_values, decode, encode
 from rollstream.common.curve import HANDSHAKE_FAILURES, ClientCurve, HandshakeReport
-from rollstream.common.errors import ClientFailed, InternalError, InvalidInput, InvalidState, ProtocolError, TimedOut
+from rollstream.common.errors import (
+    ClientFailed,
+    InternalError,
+    InvalidInput,
+    InvalidState,
+    ProtocolError,
+    RollstreamError,
+    TimedOut,
+)
+from rollstream.common.failures import log_internal
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.jobs import DEFAULT_JOB
 from rollstream.common.mask import SamplingMask, as_int_array, owned
@@ -551,8 +560,17 @@ class AsyncProducer:
         except ProtocolError as error:
             session.undecodable(error)
             return
+        except Exception as exc:  # a failure no rule foresaw: this reply is dropped, its frame resent on timeout
+            self._failed_inside(exc, None, frames)
+            return
         limit, admit = session.window.limit, session.admit
-        settled = session.received(reply, now)
+        try:
+            settled = session.received(reply, now)
+        except RollstreamError:  # a rule this producer enforces on purpose: it fails loudly
+            raise
+        except Exception as exc:
+            self._failed_inside(exc, reply.type, frames)
+            return
         if settled:
             self._intake.settle(settled, now)
             self._changed.set()
@@ -561,6 +579,13 @@ class AsyncProducer:
             self._changed.set()
         elif session.admit != admit:  # `admitted` waiters look again
             self._changed.set()
+
+    def _failed_inside(self, exc: Exception, reply_type: str | None, frames: list) -> None:
+        """Handling one reply raised what no rule foresaw: counted and logged
+        once; nothing it answered is settled, so its frames time out and go
+        again, and the loop keeps reading."""
+        self.metrics.internal_errors.add(1)
+        log_internal(log, exc, self.endpoint, reply_type, frames)
 
     # -- time and connection events -----------------------------------------------
     async def _tick(self) -> None:

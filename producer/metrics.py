@@ -12,6 +12,8 @@ class ProducerMetrics(Metrics):
         self.acked = self.counter("frames_acked", "Frames the broker acked durably, by outcome", ("outcome",))
         self.nacked = self.counter("frames_nacked", "Frames the broker refused, by reply code", ("code",))
         self.ignored = self.counter("replies_ignored", "Replies that were undecodable or answered no frame of ours")
+        self.internal_errors = self.counter("internal_errors", "Replies whose handling failed inside the producer "
+                                            "(a bug: dropped, logged with their digest; their frames go again)")
         self.reconnects = self.counter("reconnects", "Connections to the broker re-established")
         self.in_flight = self.gauge("in_flight", "Frames transmitted and not yet settled")
         self.held = self.gauge("window_frames", "Frames held in memory until settled")
