@@ -640,6 +640,13 @@ def decode_trusted(frames: Sequence, schema: Schema) -> Message:
     spec, fields, entries, _, packed = plain
     if len(buffers) != (1 + min(1, len(entries)) if packed else 1 + len(entries)):
         return decode(frames, schema, check_content=False)
+    names = frozenset(entry[0] for entry in entries)
+    try:  # what later code looks arrays up by: their names, the ones a type must carry, its cross-field rules
+        if len(names) != len(entries):
+            raise _schema_error("an array is listed twice")
+        _check_arrays_and_rules(spec, fields, names)
+    except LocalProtocolError:
+        return decode(frames, schema, check_content=False)
     arrays = {}
     frombuffer = np.frombuffer
     for (name, _, shape), buf in zip(entries, _packed_parts(entries, buffers[1]) if packed and entries else buffers[1:]):

@@ -606,14 +606,7 @@ class NotFixedYet:
 
 
 # By regression input (target/name). Once a fix lands, its input passes, the replay test says so, and the entry goes.
-NOT_FIXED_YET = {
-    "store/packed-record-with-an-unknown-array-name": NotFixedYet(
-        "codec.decode_trusted cuts a packed frame by array names it has not checked (KeyError on an unknown one)",
-        "KeyError", "common/codec.py:_packed_parts"),
-    "store/turn-record-without-its-required-arrays": NotFixedYet(
-        "codec.decode_trusted checks neither the arrays a turn must carry nor its rules (KeyError rebuilding it)",
-        "KeyError", "common/trajectory.py:from_arrays"),
-}
+NOT_FIXED_YET: dict[str, NotFixedYet] = {}
 
 
 def run_target(name: str, data: bytes) -> None:
