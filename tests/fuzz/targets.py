@@ -62,7 +62,7 @@ from rollstream.producer.miles_samples import turns_from_miles_samples
 from rollstream.producer.settings import ProducerSettings
 from rollstream.producer.spool import Spool, SpoolError
 
-# The vocabulary the codec targets decode with, beside none (as the issue's broker ran).
+# The vocabulary the codec targets decode with, beside none (a broker started with --vocab-size 1000).
 VOCAB = 1000
 
 # -- inputs as frames -----------------------------------------------------------------
@@ -144,9 +144,8 @@ def record(payload: bytes) -> bytes:
     return HEADER.pack(MAGIC, len(payload), crc32_of([payload])) + payload
 
 
-def raw_input(*files: bytes) -> bytes:
+def raw_input(content: bytes) -> bytes:
     """A file target's input holding one segment file as it is."""
-    (content,) = files
     return bytes([0]) + content
 
 
