@@ -270,20 +270,22 @@ def split_batch_target(data: bytes) -> None:
             raise AssertionError("encode_batch then split_batch does not give back the messages split_batch gave")
 
 
-def consumer_to_broker(data: bytes) -> None:
-    """A consumer's message at the broker."""
+def _decoded(schema, data: bytes) -> None:
+    """A message of `schema` decoded without and with a vocabulary."""
     frames = split_frames(data)
     for vocab in (None, VOCAB):
         with contextlib.suppress(ProtocolError):
-            decode(frames, CONSUMER_TO_BROKER, vocab_size=vocab)
+            decode(frames, schema, vocab_size=vocab)
+
+
+def consumer_to_broker(data: bytes) -> None:
+    """A consumer's message at the broker."""
+    _decoded(CONSUMER_TO_BROKER, data)
 
 
 def broker_to_producer(data: bytes) -> None:
     """A broker's reply at the producer."""
-    frames = split_frames(data)
-    for vocab in (None, VOCAB):
-        with contextlib.suppress(ProtocolError):
-            decode(frames, BROKER_TO_PRODUCER, vocab_size=vocab)
+    _decoded(BROKER_TO_PRODUCER, data)
 
 
 def broker_to_consumer(data: bytes) -> None:
