@@ -206,10 +206,15 @@ def _run(rsray, nodes: list[str], brokers: dict, tmp_path: Path) -> None:
         reports = [status["broker"] for status in rsray.brokers_status().values()]
         return sum(report["ready"] + report["leased"] + report["open"] for report in reports)
 
-    deadline = time.monotonic() + 90
-    while backlog() and time.monotonic() < deadline:
+    planned = 2 * TRAJECTORIES
+
+    def committed() -> int:
+        return len({record["id"] for record in read_records(sorted(ledgers.glob("*.jsonl"))) if record["kind"] == "committed"})
+
+    # Drained, and the last batch's commit in a trainer's ledger; past the bound the checker says what is missing.
+    deadline = time.monotonic() + 180
+    while (backlog() or committed() < planned) and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(1.0)  # the last batch's commit reaches the brokers and ledgers
     stop_file.touch()
     ray.get(trained, timeout=120)
 
@@ -220,7 +225,6 @@ def _run(rsray, nodes: list[str], brokers: dict, tmp_path: Path) -> None:
     records = read_records(sorted(ledgers.glob("*.jsonl")))
     report = check(records, dead, broker_backlog=backlog())
     assert report.counts() == CLEAN, f"the checker must read zero over both nodes: expected {CLEAN}, got {report.summary()}"
-    planned = 2 * TRAJECTORIES
     assert report.acked == report.committed == planned, (
         f"every planned trajectory must be acked and committed once: expected {planned}, "
         f"got {report.acked} acked, {report.committed} committed")
