@@ -38,6 +38,9 @@ pytestmark = pytest.mark.slow
 
 VOCAB = 151_936
 TRAJECTORIES = 16  # per producer, whole groups of 4
+# Seconds a wait allows before it gives up: only reached when something hangs, so generous for a busy machine
+# (Ray actors that import torch start in tens of seconds there).
+PATIENCE = 300
 RATE = 4.0  # trajectory starts per second and producer: about 4 s of production
 KILL_AT = 6  # node a's broker is killed once its producer has this many trajectories acked
 CLEAN = {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
@@ -167,9 +170,9 @@ def _run(rsray, nodes: list[str], brokers: dict, tmp_path: Path) -> None:
     ranks = [TrainerRank.options(**_on(nodes[rank])).remote() for rank in range(2)]
     trained = [rank.run.remote(i, [*trainer_argv, "--ledger", str(ledgers / f"rank-{i}.jsonl")])
                for i, rank in enumerate(ranks)]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + PATIENCE
     while not all((status.get("broker") or {}).get("consumers", 0) >= 1 for status in rsray.brokers_status().values()):
-        assert time.monotonic() < deadline, f"the trainer must reach both brokers within 60 s: {rsray.brokers_status()}"
+        assert time.monotonic() < deadline, f"the trainer must reach both brokers within {PATIENCE} s: {rsray.brokers_status()}"
         time.sleep(0.2)
 
     producers = [ProducerActor.options(**_on(node)).remote() for node in nodes]
@@ -178,16 +181,16 @@ def _run(rsray, nodes: list[str], brokers: dict, tmp_path: Path) -> None:
 
     # Node a's broker is SIGKILLed mid-run; its supervisor starts it again on the same data dir and ports.
     victim = nodes[0]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + PATIENCE
     while _acked(ledgers / "producer-0.jsonl") < KILL_AT:
-        assert time.monotonic() < deadline, f"node a's producer must have {KILL_AT} trajectories acked within 60 s"
+        assert time.monotonic() < deadline, f"node a's producer must have {KILL_AT} trajectories acked within {PATIENCE} s"
         ray.get(ray.wait([*produced, *trained], timeout=0.1)[0])  # one that ended early: its error, if any
     before = rsray.brokers_status()[victim]
     assert before["state"] == "running" and before["pid"], before
     os.kill(before["pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + PATIENCE
     while (after := rsray.brokers_status()[victim])["restarts"] < 1 or after["state"] != "running" or not after["pid"]:
-        assert time.monotonic() < deadline, f"the supervisor must restart the killed broker within 60 s: {after}"
+        assert time.monotonic() < deadline, f"the supervisor must restart the killed broker within {PATIENCE} s: {after}"
         time.sleep(0.2)
     assert after["pid"] != before["pid"] and after["last_exit"] == -signal.SIGKILL, (before, after)
     assert after["endpoints"] == before["endpoints"], "the restarted broker must bind the same endpoints"
@@ -196,7 +199,7 @@ def _run(rsray, nodes: list[str], brokers: dict, tmp_path: Path) -> None:
     logs = rsray.broker_logs(lines=5)
     assert sorted(logs) == nodes and all(isinstance(tail, str) for tail in logs.values()), logs
 
-    results = ray.get(produced, timeout=180)
+    results = ray.get(produced, timeout=PATIENCE)
     for i, result in enumerate(results):
         assert result["broker_node"] == result["node_id"] == nodes[i], (
             f"producer {i} must talk to its own node's broker: ran on {result['node_id']}, got {result['broker_node']}")
@@ -212,11 +215,11 @@ def _run(rsray, nodes: list[str], brokers: dict, tmp_path: Path) -> None:
         return len({record["id"] for record in read_records(sorted(ledgers.glob("*.jsonl"))) if record["kind"] == "committed"})
 
     # Drained, and the last batch's commit in a trainer's ledger; past the bound the checker says what is missing.
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + PATIENCE
     while (backlog() or committed() < planned) and time.monotonic() < deadline:
         time.sleep(0.2)
     stop_file.touch()
-    ray.get(trained, timeout=120)
+    ray.get(trained, timeout=PATIENCE)
 
     dead = []
     for broker in rsray.all_brokers():
@@ -256,9 +259,9 @@ def test_a_broker_dies_with_its_supervisor(cluster, tmp_path):
         node = brokers[0].node_id
         pid = rsray.brokers_status()[node]["pid"]
         ray.kill(ray.get_actor(rsray.ACTOR_PREFIX + node, namespace=rsray.NAMESPACE))
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + PATIENCE
         while _alive(pid):
-            assert time.monotonic() < deadline, f"the broker (pid {pid}) must exit within 30 s of its actor's death"
+            assert time.monotonic() < deadline, f"the broker (pid {pid}) must exit within {PATIENCE} s of its actor's death"
             time.sleep(0.1)
     finally:
         rsray.stop_brokers()
@@ -283,7 +286,7 @@ def test_rollstream_top_finds_every_nodes_broker(cluster, tmp_path):
     try:
         shown = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "top", "--ray", "--ray-address",
                                 cluster.address, "--once", "--interval", "0.3"], capture_output=True, text=True,
-                               timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8", "COLUMNS": "250"})
+                               timeout=PATIENCE, env={**os.environ, "PYTHONIOENCODING": "utf-8", "COLUMNS": "250"})
     finally:
         rsray.stop_brokers()
     assert shown.returncode == 0, shown.stderr[-2000:]
