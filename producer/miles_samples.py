@@ -140,7 +140,11 @@ def _weight_versions(versions: Any, tokens: np.ndarray, response_length: int,
 def _read(sample: Any, index: int) -> _Sample:
     tokens = np.asarray(as_numpy(_field(sample, "tokens")))
     length = _field(sample, "response_length")
-    response_length = int(length) if length is not None else -1
+    try:
+        response_length = int(length) if length is not None else -1
+    except (TypeError, ValueError):
+        raise MilesMergeError(f"sample {index}: rule 'response_length is a count of tokens' violated: expected an "
+                              f"integer, got {type(length).__name__} {length!r:.80}") from None
     replay = {name: _field(sample, name) for name in ("rollout_routed_experts", "rollout_indexer_topk")}
     version, spans = _weight_versions(_field(sample, "weight_versions"), tokens, response_length, index)
     return _Sample(
