@@ -244,10 +244,13 @@ def decode_session_samples(payload: bytes, *, fields: Sequence[str] | None = Non
         sample_metas = document["samples"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise InvalidInput(f"{META_KEY} is not the expected JSON document: {exc}") from None
+    if not isinstance(sample_metas, list):
+        raise InvalidInput(f"{META_KEY}'s 'samples' must be a list, got {type(sample_metas).__name__} {sample_metas!r:.80}")
     known_json = {name for name, spec in SESSION_FIELDS.items() if spec.codec == "json"}
     for i, meta in enumerate(sample_metas):
-        if not isinstance(meta, dict) or not isinstance(meta.get("nulls"), list):
-            raise InvalidInput(f"sample {i} meta must be an object with a 'nulls' list, got {meta!r:.80}")
+        nulls = meta.get("nulls") if isinstance(meta, dict) else None
+        if not isinstance(nulls, list) or not all(isinstance(name, str) for name in nulls):
+            raise InvalidInput(f"sample {i} meta must be an object with a 'nulls' list of field names, got {meta!r:.80}")
         strays = known_json & set(meta["nulls"])
         if strays:
             raise InvalidInput(f"null markers reference non-tensor fields: {sorted(strays)} (sample {i})")
