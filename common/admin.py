@@ -49,9 +49,9 @@ class AdminClient:
 
     def _call(self, mtype: str, fields: dict | None = None):
         self._seq += 1
-        self._sock.send_multipart(encode(ADMIN_REQUESTS, mtype, {**(fields or {}), "seq": self._seq}))
         assert self._watch is not None
         deadline = Clock.monotonic() + self.timeout_ms / 1000
+        self._send(encode(ADMIN_REQUESTS, mtype, {**(fields or {}), "seq": self._seq}), deadline)
         while True:
             events = dict(self._poller.poll(max(0, int((deadline - Clock.monotonic()) * 1000))))
             failure = self._watch.read()
@@ -70,6 +70,25 @@ class AdminClient:
             if reply.type == "nack":
                 raise AdminError(f"{reply['code']}: {reply['message']}", code=reply["code"])
             return reply
+
+    def _send(self, frames: list, deadline: float) -> None:
+        """Send without blocking: a DEALER with no connection to queue on
+        (its handshake failed before the send, or it is not up yet) would
+        block for good; the handshake's failure or the deadline ends the wait."""
+        assert self._watch is not None
+        while True:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            failure = self._watch.read() or self._watch.failure
+            if failure is not None:
+                raise AdminError(failure, code="handshake_refused")
+            if Clock.monotonic() >= deadline:
+                raise AdminError(f"no connection to the broker at {self.endpoint} within {self.timeout_ms / 1000:.1f} s",
+                                 code="no_answer")
+            self._poller.poll(50)
 
     def status(self) -> dict:
         return dict(self._call("status").fields)
