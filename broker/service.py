@@ -60,12 +60,16 @@ def _content_error(arrays, vocab_size: int | None) -> Exception | None:
     return None
 
 
-def _seq_of(frames: list) -> int | None:
-    """The `seq` of a message's header when it can be read, for its refusal."""
+def _header_of(frames: list) -> dict:
+    """A message's header when it can be read (else empty), for its refusal."""
     try:
-        seq = decode_header(frames[0]).get("seq") if frames else None
-    except Exception:  # unreadable: refused without one
-        return None
+        return decode_header(frames[0]) if frames else {}
+    except Exception:  # unreadable: refused without its seq or type
+        return {}
+
+
+def _seq_of(frames: list) -> int | None:
+    seq = _header_of(frames).get("seq")
     return seq if type(seq) is int else None
 
 
@@ -287,13 +291,10 @@ class BrokerService:
 
     def _failed(self, endpoint: str, identity: bytes, exc: Exception, frames: list, now: Clock) -> ProtocolError:
         """The `internal` refusal of a message whose decoding raised `exc`."""
-        seq = _seq_of(frames)
-        try:
-            message_type = decode_header(frames[0]).get("type") if frames else None
-        except Exception:
-            message_type = None
+        header = _header_of(frames)
+        seq, message_type = header.get("seq"), header.get("type")
         return self.core.failed_inside(endpoint, identity, exc, message_type if type(message_type) is str else None,
-                                       frames, now.mono, seq=seq)
+                                       frames, now.mono, seq=seq if type(seq) is int else None)
 
     def _decode_producer_frames(self, frames: list) -> Message:
         return decode(frames, PRODUCER_TO_BROKER, max_message_bytes=self.settings.max_message_bytes, check_content=False)
