@@ -57,6 +57,13 @@ ARRAYS: dict[str, ArraySpec] = {
     "indexer_topk": ArraySpec(_INT32, None, 1),
 }
 
+# How far above 0 a log-prob may lie and still be one: an engine's
+# log-softmax rounds a near-certain token's log-prob to a hair above 0, and
+# refusing that would refuse good turns; more than this is no rounding. A
+# power of two (about 1e-3 nats), exact in float32 and float64, so every
+# check compares the same number whatever the array's dtype.
+LOG_PROB_TOLERANCE = 2.0**-10
+
 # Replay arrays that cover their engine call's whole context: the merged
 # trajectory keeps the latest, whose first dimension must not shrink.
 CONTEXT_REPLAY_ARRAYS = ("routed_experts", "indexer_topk")

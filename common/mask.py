@@ -16,7 +16,7 @@ import numpy as np
 
 from .contract import ARRAYS
 from .errors import InvalidInput, LocalProtocolError, OutOfRange
-from .validation import RULE_ALIGNED, csr_problem, inside_support, pack_csr
+from .validation import RULE_ALIGNED, RULE_CODES, RULE_MASK_VOCAB, csr_problem, inside_support, pack_csr
 
 IDS_DTYPE = ARRAYS["mask_ids"].dtype
 OFFSETS_DTYPE = ARRAYS["mask_offsets"].dtype
@@ -112,12 +112,25 @@ def owned(arr: np.ndarray, source, *, borrow: bool = False) -> np.ndarray:
     return frozen(arr)
 
 
+def _refuse_negative_ids(ids: np.ndarray, offsets: np.ndarray, name: str) -> None:
+    """A negative id is in no vocabulary, so a mask refuses it as a broker
+    refuses it in a frame (an id past the vocabulary is left to whoever
+    knows its size). One reduction; `offsets` must keep the CSR rules."""
+    if ids.size and ids.min() < 0:
+        at = int(np.flatnonzero(ids < 0)[0])
+        token = int(np.searchsorted(offsets, at, side="right")) - 1
+        raise LocalProtocolError(
+            RULE_CODES[RULE_MASK_VOCAB], f"sampling mask rule '{RULE_MASK_VOCAB}' violated at token {token}: "
+            f"{name} holds {int(ids[at])}, expected >= 0")
+
+
 class SamplingMask:
     """Immutable CSR sampling mask: int32 `ids`, int64 `offsets` (N + 1).
 
     Every constructor refuses what a broker would refuse in a frame's mask
-    with the same code (`dtype`, `shape`, `mask_invalid`), as a
-    `LocalProtocolError` naming the argument the caller passed."""
+    with the same code (`dtype`, `shape`, `mask_invalid`, and `out_of_vocab`
+    for a negative id), as a `LocalProtocolError` naming the argument the
+    caller passed."""
 
     __slots__ = ("_ids", "_offsets")
 
@@ -127,6 +140,7 @@ class SamplingMask:
         problem = csr_problem(ids_arr, offsets_arr)
         if problem:
             raise LocalProtocolError("mask_invalid", problem)
+        _refuse_negative_ids(ids_arr, offsets_arr, "ids")
         self._ids = owned(ids_arr, ids)
         self._offsets = owned(offsets_arr, offsets)
 
@@ -152,18 +166,18 @@ class SamplingMask:
         sizes = np.fromiter(map(len, supports), dtype=OFFSETS_DTYPE, count=len(supports))
         flat: list = []
         collections.deque(map(flat.extend, supports), 0)  # about twice as fast as list(itertools.chain(...))
-        return cls._from_sizes(owned(as_int_array(flat, IDS_DTYPE, "supports"), flat), sizes, "supports")
+        return cls._from_sizes(owned(as_int_array(flat, IDS_DTYPE, "supports"), flat), sizes, "supports", "supports")
 
     @classmethod
     def from_lengths(cls, flat_ids, lengths) -> "SamplingMask":
         """Flat ids plus the number of ids in each token's support."""
         ids = owned(as_int_array(flat_ids, IDS_DTYPE, "ids"), flat_ids)
-        return cls._from_sizes(ids, as_int_array(lengths, OFFSETS_DTYPE, "lengths"), "lengths")
+        return cls._from_sizes(ids, as_int_array(lengths, OFFSETS_DTYPE, "lengths"), "lengths", "ids")
 
     @classmethod
-    def _from_sizes(cls, ids: np.ndarray, sizes: np.ndarray, name: str) -> "SamplingMask":
+    def _from_sizes(cls, ids: np.ndarray, sizes: np.ndarray, name: str, ids_name: str) -> "SamplingMask":
         """Offsets from support sizes (given as the caller's `name`); `ids`
-        must be an owned int32 array."""
+        (the caller's `ids_name`) must be an owned int32 array."""
         if sizes.size and sizes.min() <= 0:
             t = int(np.flatnonzero(sizes <= 0)[0])
             raise LocalProtocolError(
@@ -177,13 +191,16 @@ class SamplingMask:
                 "mask_invalid", f"sampling mask rule 'offsets[-1] == len(ids)' violated: {name} sum to {int(offsets[-1])}, "
                 f"ids has {ids.size}"
             )
+        _refuse_negative_ids(ids, offsets, ids_name)
         return cls._wrap(frozen(ids), frozen(offsets))
 
     @classmethod
     def singletons(cls, tokens) -> "SamplingMask":
         """Support `[t]` for every token `t`: forced tokens were not sampled."""
         ids = owned(as_int_array(tokens, IDS_DTYPE, "tokens"), tokens)
-        return cls._wrap(ids, frozen(np.arange(ids.size + 1, dtype=OFFSETS_DTYPE)))
+        offsets = frozen(np.arange(ids.size + 1, dtype=OFFSETS_DTYPE))
+        _refuse_negative_ids(ids, offsets, "tokens")
+        return cls._wrap(ids, offsets)
 
     @classmethod
     def concatenate(cls, masks: Sequence["SamplingMask"]) -> "SamplingMask":

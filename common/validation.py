@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .buffers import join_contiguous
-from .contract import NACK_CODES
+from .contract import LOG_PROB_TOLERANCE, NACK_CODES
 from .errors import InvalidInput, LocalProtocolError, RollstreamError
 
 RULE_ALIGNED = "per-token fields aligned (one entry per response token)"
@@ -44,7 +44,19 @@ RULE_TOKEN_VOCAB = "token ids in [0, vocab_size)"
 RULE_LOSS_MASK = "loss_mask values in {0, 1}"
 RULE_WHOLE_BATCH = "every sample of a batch carries the field or none does"
 RULE_FORCED_SINGLETON = "forced tokens (loss_mask 0, log_prob 0.0) have the singleton support [token]"
-RULE_LOG_PROBS = "log_probs are log-probabilities (not NaN, not +inf)"
+RULE_LOG_PROBS = f"log_probs are finite and <= 0 (within {LOG_PROB_TOLERANCE} for rounding)"
+
+
+def _log_probs_broken(values):
+    """Whether any of `values` (non-empty, numpy or torch) breaks
+    `RULE_LOG_PROBS`, as one flag where they live: two reductions, and a
+    NaN makes both NaN, which neither comparison passes."""
+    return ~((values.max() <= LOG_PROB_TOLERANCE) & (values.min() > -np.inf))
+
+
+def _breaks_log_prob_rule(values):
+    """Per entry, whether it breaks `RULE_LOG_PROBS` (NaN passes neither comparison)."""
+    return ~((values <= LOG_PROB_TOLERANCE) & (values > -np.inf))
 
 
 _LONG_SEGMENT = 32  # mean ids per support from which a per-segment reduction is the cheaper one
@@ -512,7 +524,7 @@ def packed_violations(
     Without a mask only the token ids and the loss mask are checked.
     `mask_lengths`, when given, is each sample's mask length and is checked
     against `response_lengths`; otherwise only the totals are compared.
-    `log_probs`, when given, must not hold NaN or +inf. In merged
+    `log_probs`, when given, must keep `RULE_LOG_PROBS`. In merged
     trajectories (`marks_forced`), `log_probs` with `loss_mask` and a mask
     also mark the forced tokens (loss 0 and log-prob exactly 0.0,
     semantics.md §3), whose supports must be singletons (the in-support rule
@@ -613,7 +625,7 @@ def packed_flags(
         if loss_mask is not None:
             flags.append((loss_mask.min() < 0) | (loss_mask.max() > 1))
         if log_probs is not None:
-            flags.append(~(log_probs.max() < float("inf")))  # max is NaN when any is
+            flags.append(_log_probs_broken(log_probs))
     return ops.flags(flags, tokens)
 
 
@@ -706,12 +718,11 @@ def locate_violations(
         loss_host = ops.to_host(loss_mask)
         bad_loss = np.flatnonzero((loss_host != 0) & (loss_host != 1))
         found += _group_by_sample(RULE_LOSS_MASK, bad_loss, cu_host, lambda g: f"loss_mask is {int(loss_host[g])}")
-    if log_probs is not None and total and not float(log_probs.max()) < float("inf"):  # max is NaN when any is
-        not_log_prob = (log_probs != log_probs) | (log_probs == float("inf"))
+    if log_probs is not None and total and bool(_log_probs_broken(log_probs)):
         log_probs_host = ops.to_host(log_probs)
         found += _group_by_sample(
-            RULE_LOG_PROBS, ops.to_host(ops.nonzero(not_log_prob)), cu_host,
-            lambda g: f"log_prob is {float(log_probs_host[g])}",
+            RULE_LOG_PROBS, ops.to_host(ops.nonzero(_breaks_log_prob_rule(log_probs))), cu_host,
+            lambda g: f"log_prob is {float(log_probs_host[g])}, expected finite and <= {LOG_PROB_TOLERANCE}",
         )
     return found
 
@@ -917,7 +928,7 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
     if loss_mask is not None and len(loss_mask) and _MAX(loss_mask) > 1:
         return False
     log_prob = _concat(log_probs)
-    return log_prob is None or not len(log_prob) or _MAX(log_prob) < np.inf  # max is NaN if any is
+    return log_prob is None or not len(log_prob) or not _log_probs_broken(log_prob)
 
 
 def check_message_structure(arrays: Mapping[str, np.ndarray]) -> None:

@@ -7,7 +7,7 @@ in one vectorised pass over the packed batch on its device, through
 `rollstream.common.validation.packed_violations`: strictly increasing
 offsets, each sampled token inside its support, forced tokens as singleton
 supports, ids and tokens in `[0, vocab_size)`, loss mask in {0, 1}, log-probs
-not NaN or +inf.
+finite and <= 0 within rounding (`RULE_LOG_PROBS`).
 
 A delivery does not say which tokens were forced, so they are recognised the
 way the merge model writes them (docs/semantics.md §3): loss mask 0 and log-prob

@@ -388,6 +388,23 @@ def test_a_turn_that_arrived_with_a_split_array_is_stored_and_read_back_whole(tm
     store2.close()
 
 
+def test_stored_content_is_not_checked_again_on_recovery(tmp_path, store):
+    """A turn an older broker took under a looser log-prob rule (+0.5) comes
+    back as stored: recovery replays what was committed, and the consumer's
+    batch validation is what refuses it (docs/semantics.md)."""
+    from rollstream.common.codec import decode, encode
+    from rollstream.common.messages import PRODUCER_TO_BROKER
+
+    frames = encode(PRODUCER_TO_BROKER, "turn", {"seq": 0, "trajectory_id": "a", "turn": 0, "status": "completed"},
+                    {"prompt_tokens": np.array([1], np.int32), "tokens": np.array([10, 11], np.int32),
+                     "log_probs": np.array([-0.5, 0.5], np.float32)})
+    drive(MergeEngine(EngineSettings()), store, [decode(frames, PRODUCER_TO_BROKER, check_content=False)])
+    store.close()
+    store2, engine2, _ = reopen(tmp_path / "data")
+    assert engine2.entries["a"].trajectory.log_probs.tolist() == [-0.5, 0.5]
+    store2.close()
+
+
 # -- writes ahead ---------------------------------------------------------------
 def _record_bytes(message) -> int:
     """A turn's record as written: the 12-byte record header, the frame

@@ -202,7 +202,7 @@ def test_client_ledgers_over_a_live_broker_check_clean(tmp_path):
                     for index in range(3):
                         supports = [list(rng.choice(1000, size=3, replace=False)) for _ in range(4)]
                         aborted = i == 5 and index == 2
-                        await traj.turn([s[0] for s in supports], rng.normal(size=4).astype(np.float32) - 1,
+                        await traj.turn([s[0] for s in supports], -rng.exponential(size=4).astype(np.float32),
                                         supports=None if aborted else supports, forced_tokens=[9, 8] if index < 2 else None,
                                         status="aborted" if aborted else "completed")
                     await traj.end_and_wait(1.0)

@@ -166,6 +166,35 @@ def test_quarantine_keeps_the_valid_members_of_a_group(broker):
         broker.reply("acked", {"leases": broker.expect("ack")["leases"]})
 
 
+def test_quarantine_dead_letters_a_log_prob_above_0_that_an_older_broker_stored(broker):
+    """A broker recovers stored turns without checking their content again,
+    so a log-prob of +0.5 an older broker took is delivered as stored: the
+    consumer's batch validation refuses it, and under quarantine it is
+    nacked for good (dead-lettered) while the batch goes on without it."""
+    from rollstream.common.mask import SamplingMask
+    from rollstream.common.trajectory import Trajectory, Turn
+    from rollstream.common.validation import RULE_LOG_PROBS
+
+    old = Trajectory("old", [1, 2])
+    old.append_turn(Turn(np.array([5], np.int32), np.array([0.5], np.float32), None, SamplingMask.from_supports([[5]])))
+    old.reward = 0.0
+    good = make_rollout(np.random.default_rng(4), "good").merged()
+    with Consumer(broker.endpoint, batch_size=1, vocab_size=1000, on_invalid="quarantine") as consumer:
+        broker.expect("hello")
+        broker.welcome()
+        broker.expect("credit")
+        broker.send(encode_deliver(old, "L-old"))
+        broker.send(encode_deliver(good, "L-good"))
+        batch = consumer.next_batch(timeout=10)
+        assert batch.trajectory_ids == ("good",)
+        refused = broker.expect("nack")
+        assert refused["leases"] == ["L-old"] and refused["requeue"] is False
+        assert RULE_LOG_PROBS in refused["reason"] and "log_prob is 0.5" in refused["reason"]
+        broker.reply("nacked", {"leases": ["L-old"]})
+        consumer.commit(batch)
+        broker.reply("acked", {"leases": broker.expect("ack")["leases"]})
+
+
 @pytest.mark.slow
 def test_a_trainer_that_stalls_past_a_lease_is_not_handed_that_unit(broker, monkeypatch):
     """A delivery buffered while the trainer was busy, whose lease ran out

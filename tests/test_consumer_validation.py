@@ -9,6 +9,8 @@ from consumer_helpers import VOCAB, deliveries, delivery, make_rollout, writable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rollstream.common.mask import SamplingMask
+from rollstream.common.trajectory import Trajectory, Turn
 from rollstream.common.validation import (
     RULE_ALIGNED,
     RULE_FORCED_SINGLETON,
@@ -69,9 +71,9 @@ def corrupt(kind, d, draw):
         return writable(d, loss_mask=loss), RULE_LOSS_MASK, p
     if kind == "empty_support":
         return _with_support(d, p, []), RULE_NONEMPTY_SUPPORT, p
-    if kind == "log_prob_nan":
+    if kind == "log_prob_value":
         log_probs = np.array(a["log_probs"])
-        log_probs[p] = draw(st.sampled_from([np.nan, np.inf]))
+        log_probs[p] = draw(st.sampled_from([np.nan, np.inf, -np.inf, 0.5]))
         return writable(d, log_probs=log_probs), RULE_LOG_PROBS, p
     if kind == "forced_not_singleton":
         loss, log_probs = np.array(a["loss_mask"]), np.array(a["log_probs"])
@@ -99,7 +101,7 @@ def corrupt(kind, d, draw):
 
 KINDS = [
     "token_outside_support", "mask_id_out_of_vocab", "token_out_of_vocab", "loss_mask_value", "empty_support",
-    "log_prob_nan", "forced_not_singleton", "offsets_start", "offsets_end", "misaligned", "prompt_out_of_vocab",
+    "log_prob_value", "forced_not_singleton", "offsets_start", "offsets_end", "misaligned", "prompt_out_of_vocab",
     "missing_mask",
 ]
 
@@ -165,6 +167,25 @@ def test_forced_tokens_from_the_merge_model_pass():
     assert forced.any()
     _, found, _ = checked_batch([d], vocab_size=VOCAB)
     assert found == []
+
+
+def test_a_log_prob_above_0_stored_by_an_older_broker_is_refused_by_the_consumer(backend):
+    """A broker does not check stored turns again when it recovers them, so
+    a turn an older broker took under a looser log-prob rule is delivered
+    as stored. The consumer's batch validation names that trajectory alone:
+    `on_invalid="raise"` raises, "quarantine" dead-letters it and keeps the rest."""
+    rng = np.random.default_rng(7)
+    old = Trajectory("old", [1, 2])
+    old.append_turn(Turn(np.array([5, 6], np.int32), np.array([-0.5, 0.5], np.float32), None,
+                         SamplingMask.from_supports([[5, 9], [6]])))  # trusted, as a recovered turn is
+    old.reward = 0.0
+    batch = [delivery(make_rollout(rng, "good0").merged()), delivery(old), delivery(make_rollout(rng, "good1").merged())]
+    _, found, _ = checked_batch(batch, vocab_size=VOCAB)
+    assert [(v.rule, v.sample, v.position) for v in found] == [(RULE_LOG_PROBS, 1, 1)]
+    assert "log_prob is 0.5" in found[0].detail
+    with pytest.raises(BatchValidationError, match=r"sample 1 \(old\) token 1") as err:
+        validate_batch(Batch.from_deliveries(batch), vocab_size=VOCAB)
+    assert RULE_LOG_PROBS in str(err.value)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the validation pass as torch ops on CUDA")

@@ -1,13 +1,26 @@
 """The broker's fast content check (`messages_content_valid`, one packed
 pass over a batch of turn frames) accepts exactly the messages in which
 `packed_violations`, the rule-by-rule check that explains refusals, finds
-nothing wrong as it checks a turn: the broker can trust the fast path."""
+nothing wrong as it checks a turn: the broker can trust the fast path. And
+the producer, the broker and the consumer apply one log-prob rule."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollstream.common.validation import messages_content_valid, packed_violations
+from rollstream.common.contract import LOG_PROB_TOLERANCE
+from rollstream.common.errors import LocalProtocolError
+from rollstream.common.trajectory import Turn
+from rollstream.common.validation import (
+    RULE_CODES,
+    RULE_LOG_PROBS,
+    Verdict,
+    check_message_arrays,
+    locate_violations,
+    messages_content_valid,
+    packed_flags,
+    packed_violations,
+)
 
 VOCAB = 8
 # Mostly inside the vocabulary, its edges past both sides.
@@ -19,13 +32,13 @@ def _messages(draw):
     """One turn's arrays, often valid, often not: supports with repeated and
     out-of-vocabulary ids, empty supports, offsets that do not start at 0
     or end at the ids' length, tokens outside their supports, loss masks of
-    2, log-probs of 0.0, -inf, +inf and NaN."""
+    2, log-probs of 0.0, a rounding above it, +0.5, -inf, +inf and NaN."""
     n = draw(st.integers(0, 4))
     supports = [draw(st.lists(_IDS, min_size=0 if draw(st.integers(0, 9)) == 0 else 1, max_size=3)) for _ in range(n)]
     tokens = [draw(st.sampled_from(s)) if s and draw(st.integers(0, 7)) else draw(_IDS) for s in supports]
     arrays = {"tokens": np.array(tokens, np.int32)}
     if draw(st.booleans()):
-        arrays["log_probs"] = np.array(draw(st.lists(st.sampled_from([-0.5, 0.0, 0.0, -np.inf, -0.5, 0.0, np.inf, np.nan]),
+        arrays["log_probs"] = np.array(draw(st.lists(st.sampled_from([-0.5, 0.0, 0.0, -np.inf, 1e-6, 0.5, np.inf, np.nan]),
                                                      min_size=n, max_size=n)), np.float32)
     if draw(st.booleans()):
         arrays["loss_mask"] = np.array(draw(st.lists(st.sampled_from([0, 1, 0, 1, 0, 1, 2]), min_size=n, max_size=n)), np.uint8)
@@ -73,8 +86,6 @@ def test_a_sampled_token_with_loss_0_and_log_prob_0_may_have_a_wide_support():
     certain token (log-prob 0.0 in float32) left out of the loss still has
     the support its sampler had, top-k ids say, and the turn is valid. Only
     a merged trajectory reads loss 0 with log-prob 0.0 as a forced token."""
-    from rollstream.common.validation import check_message_arrays
-
     arrays = {"tokens": np.array([2], np.int32), "log_probs": np.array([0.0], np.float32),
               "loss_mask": np.array([0], np.uint8), "mask_ids": np.array([2, 5], np.int32),
               "mask_offsets": np.array([0, 2], np.int64)}
@@ -83,3 +94,60 @@ def test_a_sampled_token_with_loss_0_and_log_prob_0_may_have_a_wide_support():
     merged = packed_violations(arrays["tokens"], [1], arrays["mask_ids"], arrays["mask_offsets"],
                                loss_mask=arrays["loss_mask"], log_probs=arrays["log_probs"])
     assert [v.rule for v in merged] == ["forced tokens (loss_mask 0, log_prob 0.0) have the singleton support [token]"]
+
+
+_ABOVE_TOLERANCE = float(np.nextafter(np.float32(LOG_PROB_TOLERANCE), np.float32(1)))
+
+
+def _log_prob_verdicts(log_prob: float) -> dict[str, str | None]:
+    """The rule each check names for a turn whose last log-prob is `log_prob`
+    (None: it passes), on every path a log-prob meets. Its last token has
+    loss 0 and a singleton support, so read in a merged trajectory it is a
+    forced token when the log-prob is exactly 0.0."""
+    torch = pytest.importorskip("torch")
+    tokens, log_probs = np.array([2, 3], np.int32), np.array([-0.25, log_prob], np.float32)
+    loss_mask, ids, offsets = np.array([1, 0], np.uint8), np.array([2, 5, 3], np.int32), np.array([0, 2, 3], np.int64)
+    arrays = {"tokens": tokens, "log_probs": log_probs, "loss_mask": loss_mask, "mask_ids": ids, "mask_offsets": offsets}
+    valid = {**arrays, "log_probs": np.array([-0.25, -1.0], np.float32)}
+    verdicts: dict[str, str | None] = {}
+    try:
+        Turn.build(tokens.tolist(), log_probs.tolist(), supports=[[2, 5], [3]], loss_mask=loss_mask, vocab_size=VOCAB)
+        verdicts["producer"] = None
+    except LocalProtocolError as error:
+        verdicts["producer"] = f"{error.code}: {error.message}"
+    try:
+        check_message_arrays(arrays, vocab_size=VOCAB)
+        verdicts["broker, explained"] = None
+    except LocalProtocolError as error:
+        verdicts["broker, explained"] = f"{error.code}: {error.message}"
+    for name, batch in (("broker, fast", [arrays]), ("broker, fast, packed with others", [valid, arrays, valid])):
+        verdicts[name] = None if messages_content_valid(batch, VOCAB) else RULE_LOG_PROBS
+    for name, convert in (("consumer, numpy", np.asarray), ("consumer, torch", torch.from_numpy)):
+        packed = [convert(a) for a in (tokens, np.array([2]), ids, offsets)]
+        options = dict(vocab_size=VOCAB, loss_mask=convert(loss_mask), log_probs=convert(log_probs))
+        verdicts[f"{name}, verdict"] = None if Verdict(packed_flags(*packed, **options)).passed() else RULE_LOG_PROBS
+        located = locate_violations(*packed, **options)
+        verdicts[f"{name}, located"] = "; ".join(f"{v.rule} at {v.position}: {v.detail}" for v in located) or None
+    return verdicts
+
+
+@pytest.mark.parametrize("log_prob, passes", [
+    (0.5, False), (np.inf, False), (-np.inf, False), (np.nan, False), (_ABOVE_TOLERANCE, False),
+    (1e-6, True), (0.0, True), (-0.0, True), (LOG_PROB_TOLERANCE, True), (-80.0, True),
+], ids=["+0.5", "+inf", "-inf", "NaN", "past-tolerance", "+1e-6", "0.0", "-0.0", "tolerance", "-80"])
+def test_producer_broker_and_consumer_apply_one_log_prob_rule(log_prob, passes):
+    """A log-prob a rounding above 0 passes everywhere; one past the
+    tolerance, infinite or NaN is refused everywhere, under the one rule
+    with its one reply code; a forced token's exact 0.0 passes."""
+    verdicts = _log_prob_verdicts(log_prob)
+    if passes:
+        assert verdicts == dict.fromkeys(verdicts), verdicts
+        return
+    assert all(found is not None and RULE_LOG_PROBS in found for found in verdicts.values()), verdicts
+    code = RULE_CODES[RULE_LOG_PROBS]
+    assert code == "invalid_value"
+    for role in ("producer", "broker, explained"):
+        assert verdicts[role].startswith(f"{code}: rule '{RULE_LOG_PROBS}' violated at token 1: log_prob is "), verdicts
+    for role in ("consumer, numpy, located", "consumer, torch, located"):
+        assert verdicts[role] == f"{RULE_LOG_PROBS} at 1: log_prob is {float(np.float32(log_prob))}, " \
+                                 f"expected finite and <= {LOG_PROB_TOLERANCE}", verdicts

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollstream.common import BatchValidationError, ProtocolError, SamplingMask, Trajectory
+from rollstream.common.contract import LOG_PROB_TOLERANCE
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.trajectory import Gap
 from rollstream.common.validation import (
@@ -167,6 +168,8 @@ CORRUPTIONS = {
     "negative forced token": lambda a: a.__setitem__("forced_tokens", np.array([-1], np.int32)),
     "loss mask 2": lambda a: a.__setitem__("loss_mask", np.full(len(a["tokens"]), 2, np.uint8)),
     "nan log prob": lambda a: a.__setitem__("log_probs", np.full(len(a["tokens"]), np.nan, np.float32)),
+    "+0.5 log prob": lambda a: a.__setitem__("log_probs", np.full(len(a["tokens"]), 0.5, np.float32)),
+    "-inf log prob": lambda a: a.__setitem__("log_probs", np.full(len(a["tokens"]), -np.inf, np.float32)),
     "short log probs": lambda a: a.__setitem__("log_probs", a["log_probs"][:-1]),
 }
 
@@ -204,7 +207,7 @@ def _reference_valid(arrays, vocab_size):
         return False
     if any(value not in (0, 1) for value in arrays.get("loss_mask", np.zeros(0)).tolist()):
         return False
-    if any(value != value or value == float("inf") for value in arrays.get("log_probs", np.zeros(0)).tolist()):
+    if not all(-np.inf < value <= LOG_PROB_TOLERANCE for value in arrays.get("log_probs", np.zeros(0)).tolist()):
         return False
     in_vocab = lambda values: all(0 <= value < vocab_size for value in values)  # noqa: E731
     if not all(in_vocab(arrays[name].tolist()) for name in ("prompt_tokens", "forced_tokens") if name in arrays):
@@ -243,6 +246,10 @@ def _break_rule(arrays, rule, vocab):
         arrays["log_probs"] = np.where(np.arange(n) == n - 1, np.nan, arrays["log_probs"]).astype(np.float32)
     elif rule == "+inf log-prob" and n:
         arrays["log_probs"] = np.full(n, np.inf, np.float32)
+    elif rule == "-inf log-prob" and n:
+        arrays["log_probs"] = np.where(np.arange(n) == 0, -np.inf, arrays["log_probs"]).astype(np.float32)
+    elif rule == "+0.5 log-prob" and n:
+        arrays["log_probs"] = np.where(np.arange(n) == n - 1, 0.5, arrays["log_probs"]).astype(np.float32)
     elif rule == "forced token -1":
         arrays["forced_tokens"] = np.array([-1], np.int32)
     elif rule == "log-probs one short" and n:
@@ -250,22 +257,23 @@ def _break_rule(arrays, rule, vocab):
 
 
 _RULES_TO_BREAK = ["empty support", "token outside its support", "id outside the vocabulary", "loss mask 2",
-                   "NaN log-prob", "+inf log-prob", "forced token -1", "log-probs one short"]
+                   "NaN log-prob", "+inf log-prob", "-inf log-prob", "+0.5 log-prob", "forced token -1",
+                   "log-probs one short"]
 
 
 @st.composite
 def _content_batches(draw):
     """Batches of small valid messages (supports with repeated ids, ids at
-    the vocabulary's edges, -inf log-probs), each one possibly made to
-    break one content rule."""
+    the vocabulary's edges, log-probs a rounding above 0), each one
+    possibly made to break one content rule."""
     vocab = 8
     messages = []
     for _ in range(draw(st.integers(1, 7))):
         n = draw(st.integers(0, 4))
         supports = [draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3)) for _ in range(n)]
+        log_probs = st.sampled_from([-0.5, 0.0, 1e-6, LOG_PROB_TOLERANCE])
         arrays = {"tokens": np.array([draw(st.sampled_from(support)) for support in supports], np.int32),
-                  "log_probs": np.array(draw(st.lists(st.sampled_from([-0.5, 0.0, -np.inf]), min_size=n, max_size=n)),
-                                        np.float32),
+                  "log_probs": np.array(draw(st.lists(log_probs, min_size=n, max_size=n)), np.float32),
                   "loss_mask": np.array(draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)), np.uint8)}
         if draw(st.booleans()):
             mask = SamplingMask.from_supports(supports)

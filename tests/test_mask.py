@@ -116,12 +116,25 @@ def test_supports_refuse_non_integer_ids_instead_of_casting(supports, refused):
     (lambda: SamplingMask([1], np.array([[0, 1]])), "shape", r"offsets must be 1-D, got shape \(1, 2\)"),
     (lambda: SamplingMask.singletons([1.5]), "dtype", "tokens must hold integers"),
     (lambda: SamplingMask.from_supports([[1]]).contains([1, 2]), "misaligned", "tokens has 2 entries, the mask covers 1"),
+    (lambda: SamplingMask([5, -9], [0, 2]), "out_of_vocab",
+     r"'mask ids in \[0, vocab_size\)' violated at token 0: ids holds -9, expected >= 0"),
+    (lambda: SamplingMask.from_supports([[1], [5, -9]]), "out_of_vocab", "at token 1: supports holds -9, expected >= 0"),
+    (lambda: SamplingMask.from_lengths([1, 2, -2**31], [2, 1]), "out_of_vocab",
+     "at token 1: ids holds -2147483648, expected >= 0"),
+    (lambda: SamplingMask.singletons([3, -1]), "out_of_vocab", "at token 1: tokens holds -1, expected >= 0"),
+    (lambda: SamplingMask(torch.tensor([4, -1]), torch.tensor([0, 1, 2])), "out_of_vocab", "at token 1: ids holds -1"),
 ], ids=["empty-support", "zero-length", "lengths-sum", "equal-offsets", "end-offset", "float-supports", "float-ids",
-        "int32-overflow", "2-D-offsets", "float-singletons", "contains-misaligned"])
+        "int32-overflow", "2-D-offsets", "float-singletons", "contains-misaligned", "negative-id", "negative-support",
+        "negative-lengths-id", "negative-singleton", "negative-torch-id"])
 def test_every_refusal_is_a_protocol_error_with_the_reply_code_and_the_callers_name(build, code, text):
     with pytest.raises(ProtocolError, match=text) as err:
         build()
     assert err.value.code == code
+
+
+def test_ids_past_a_vocabulary_are_left_to_the_vocabulary_check():
+    """A mask knows no vocabulary: only a negative id is outside every one."""
+    assert SamplingMask.from_supports([[0, 2**31 - 1]]).ids.tolist() == [0, 2**31 - 1]
 
 
 def test_supports_take_numpy_integer_ids():

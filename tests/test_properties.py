@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays as np_arrays
 
 from rollstream.common.codec import content_digest, decode
-from rollstream.common.contract import NACK_CODES, REPLAY_FIELDS, STATUSES
+from rollstream.common.contract import LOG_PROB_TOLERANCE, NACK_CODES, REPLAY_FIELDS, STATUSES
 from rollstream.common.errors import ProtocolError
 from rollstream.common.mask import IDS_DTYPE, SamplingMask, as_int_array
 from rollstream.common.messages import (
@@ -84,7 +84,7 @@ def assert_content_valid(message) -> None:
     n = len(tokens)
     log_probs = arrays["log_probs"]
     assert len(log_probs) == n
-    assert not any(math.isnan(x) or x == math.inf for x in log_probs.tolist())
+    assert all(math.isfinite(x) and x <= LOG_PROB_TOLERANCE for x in log_probs.tolist())
     if "loss_mask" in arrays:
         assert len(arrays["loss_mask"]) == n and set(arrays["loss_mask"].tolist()) <= {0, 1}
     assert ("mask_ids" in arrays) == ("mask_offsets" in arrays)
@@ -100,10 +100,10 @@ def assert_content_valid(message) -> None:
 
 
 # -- strategies --------------------------------------------------------------------
-any_support = st.lists(st.integers(*INT32), min_size=1, max_size=5)
+any_support = st.lists(st.integers(0, INT32[1]), min_size=1, max_size=5)  # a mask refuses negative ids
 any_supports = st.lists(any_support, max_size=8)
 vocab_support = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4, unique=True)
-log_prob = st.floats(-30.0, 0.0, width=32) | st.just(-math.inf)
+log_prob = st.floats(-30.0, 0.0, width=32) | st.floats(0.0, LOG_PROB_TOLERANCE, width=32)  # rounding above 0
 json_leaf = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=5)
 metadata_st = st.dictionaries(
     st.text(max_size=4),
@@ -255,14 +255,19 @@ def test_from_supports_round_trips_supports_ids_and_offsets(supports):
 @given(ids=st.lists(st.integers(-(2**32), 2**32) | st.booleans() | st.floats(allow_nan=False, width=16), max_size=12))
 def test_support_ids_convert_exactly_as_any_integer_list_does(ids):
     """from_supports takes a fast path for plain vocabulary ids; whatever
-    the ids, it keeps or refuses them exactly as `as_int_array` does."""
+    the ids, it converts or refuses them exactly as `as_int_array` does,
+    then refuses a negative one (in no vocabulary)."""
     try:
         expected = as_int_array(ids, IDS_DTYPE, "supports").tolist()
     except ValueError:
         with pytest.raises(ValueError):
             SamplingMask.from_supports([ids])
         return
-    if ids:
+    negative = [value for value in expected if value < 0]
+    if negative:
+        with pytest.raises(ProtocolError, match=f"supports holds {negative[0]}, expected >= 0"):
+            SamplingMask.from_supports([ids])
+    elif ids:
         assert SamplingMask.from_supports([ids]).ids.tolist() == expected
 
 
@@ -393,7 +398,7 @@ def test_prefix_keeps_first_n_supports_and_refuses_out_of_range(supports, data):
 
 
 @prop(80)
-@given(tokens=st.lists(st.integers(*INT32), max_size=10))
+@given(tokens=st.lists(st.integers(0, INT32[1]), max_size=10))
 def test_singletons_give_one_support_per_forced_token(tokens):
     """§3: a forced token's support is exactly `[token]`."""
     m = SamplingMask.singletons(np.array(tokens, np.int64))

@@ -376,7 +376,7 @@ class ProducerFuzz(Fuzz):
             a["loss_mask"] = mask
             return "loss_mask_value", "invalid_value"
         log_probs = a["log_probs"].copy()
-        log_probs[int(self.rng.integers(n))] = self.pick([np.nan, np.inf])
+        log_probs[int(self.rng.integers(n))] = self.pick([np.nan, np.inf, -np.inf, 0.5])
         a["log_probs"] = log_probs
         return "log_prob_value", "invalid_value"
 
