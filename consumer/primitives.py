@@ -10,46 +10,241 @@ Neither reads a device value back on the common call, `positions` omitted
 with one row per mask token: the count is then `len(mask_ids)`. Otherwise
 the count and the positions' bounds (checked) come from the host when the
 offsets and the positions are host tensors, else from one device read.
+
+Both always refuse arguments of the wrong type, dtype, rank or length:
+those are host facts, free to read. The mask's content is another matter:
+a `Batch` from the `Consumer` was validated already, so only `check=True`
+checks it (for masks from elsewhere), with batch validation's own rules
+and flags (common/validation.py), computed where the logits live and read
+back once.
 """
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from rollstream.common.errors import InvalidInput
+from rollstream.common.errors import InvalidInput, InvalidType
+from rollstream.common.validation import (
+    RULE_IN_SUPPORT,
+    RULE_MASK_VOCAB,
+    RULE_NONEMPTY_OFFSETS,
+    RULE_NONEMPTY_SUPPORT,
+    RULE_OFFSETS_END,
+    RULE_OFFSETS_START,
+    RULE_TOKEN_VOCAB,
+    Verdict,
+    Violation,
+    inside_support,
+    locate_violations,
+    packed_flags,
+)
 
 from .batch import ranges_index
 
+_INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+# Mask ids travel as int32 (docs/protocol.md), and an int32 tensor compares
+# right only with a bound int32 holds: no vocabulary is larger.
+_ID_RANGE = 2**31 - 1
+# The argument each content rule is about.
+_ARGUMENT = {
+    RULE_OFFSETS_START: "mask_offsets", RULE_OFFSETS_END: "mask_offsets", RULE_NONEMPTY_SUPPORT: "mask_offsets",
+    RULE_MASK_VOCAB: "mask_ids", RULE_IN_SUPPORT: "tokens", RULE_TOKEN_VOCAB: "tokens",
+}
 
-def _support_entries(mask_ids, mask_offsets, positions, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every support id of the rows: its row and the id (int64, on `device`)."""
-    offsets = torch.as_tensor(mask_offsets)
-    n_tokens = len(offsets) - 1
-    in_order = positions is None and rows == n_tokens
-    if positions is None:  # row r is token r
-        positions = torch.arange(rows, device=offsets.device)
-    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
-    if len(positions) != rows:
-        raise InvalidInput(f"rows and positions must align: logits has {rows} rows, positions has {len(positions)}")
+
+def _described(value) -> str:
+    """What a refused value is: its dtype, or its type."""
+    return str(value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _rows_and_columns(logits) -> tuple[int, int]:
+    """`[R, V_local]` of floating-point logits."""
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise InvalidType(f"logits must be a floating-point tensor (the log-probs are differentiated through it), "
+                          f"got {_described(logits)}")
+    if logits.dim() != 2:
+        raise InvalidInput(f"logits must be 2-D ([rows, vocab slice]), got shape {tuple(logits.shape)}")
+    rows, columns = logits.shape
+    return rows, columns
+
+
+def _integers(name: str, values, why: str) -> torch.Tensor:
+    """`values` as a tensor where it lies, refused unless its dtype is an integer one."""
+    try:
+        tensor = torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidType(f"{name} must be an integer tensor ({why}), got {type(values).__name__} ({exc})") from None
+    if isinstance(values, (list, tuple)) and not tensor.numel():  # an empty list has no dtype; torch makes it float
+        tensor = tensor.long()
+    if tensor.dtype not in _INTEGERS:
+        raise InvalidType(f"{name} must be an integer tensor ({why}), got {tensor.dtype}")
+    return tensor
+
+
+def _one_per_row(name: str, values: torch.Tensor, rows: int) -> torch.Tensor:
+    """`values` flattened, refused unless it holds one entry per row of the logits."""
+    values = values.reshape(-1)
+    if len(values) != rows:
+        raise InvalidInput(f"{name} must align with the rows of logits (one entry per row): expected {rows}, "
+                           f"got {len(values)}")
+    return values
+
+
+def _mask_arguments(mask_ids, mask_offsets, positions, rows: int):
+    """The mask's ids and offsets and the rows' positions (None: row r is
+    mask token r) as tensors, refused where a dtype, a rank or a length
+    cannot be right."""
+    ids = _integers("mask_ids", mask_ids, "support ids index the vocabulary")
+    offsets = _integers("mask_offsets", mask_offsets, "offsets index mask_ids")
+    for name, tensor, layout in (("mask_ids", ids, "every support's ids end to end"),
+                                 ("mask_offsets", offsets, "N + 1 offsets for N tokens")):
+        if tensor.dim() != 1:
+            raise InvalidInput(f"{name} must be 1-D ({layout}), got shape {tuple(tensor.shape)}")
+    if not len(offsets):
+        raise InvalidInput(f"mask_offsets: rule '{RULE_NONEMPTY_OFFSETS}' violated: expected at least 1 entry, got 0")
+    if positions is None:
+        if len(offsets) != rows + 1:
+            raise InvalidInput(f"mask_offsets must have one entry more than logits has rows when positions is omitted "
+                               f"(row r is mask token r): expected {rows + 1}, got {len(offsets)}")
+        return ids, offsets, None
+    return ids, offsets, _one_per_row("positions", _integers("positions", positions, "rows' tokens in the mask"), rows)
+
+
+def _checked_temperature(temperature) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise InvalidType(f"temperature must be a number (a host value: a tensor's would be read back), "
+                          f"got {_described(temperature)}")
+    if not (float(temperature) > 0 and math.isfinite(temperature)):
+        raise InvalidInput(f"temperature must be positive and finite (it divides the logits), got {temperature}")
+
+
+def _vocabulary(columns: int, tp_rank, tp_group=None) -> tuple[int, str]:
+    """The whole vocabulary's size, which `check=True` bounds the ids by,
+    and where it comes from: the logits are the slice at `tp_rank` of a
+    vocabulary split evenly over `tp_group`'s ranks; without a group, they
+    are the whole vocabulary at rank 0, and a slice of an unknown one at a
+    later rank (ids are then bounded by int32's range alone)."""
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, numbers.Integral):
+        raise InvalidType(f"tp_rank must be an int (this rank's vocab slice), got {_described(tp_rank)}")
+    ranks = None if tp_group is None else torch.distributed.get_world_size(tp_group)
+    if int(tp_rank) < 0 or (ranks is not None and int(tp_rank) >= ranks):
+        bound = "0 or more" if ranks is None else f"in [0, {ranks}) (the ranks of tp_group)"
+        raise InvalidInput(f"tp_rank must be {bound}, got {tp_rank}")
+    if ranks is not None:
+        return min(columns * ranks, _ID_RANGE), f"logits.shape[1] = {columns} x {ranks} ranks of tp_group"
+    if tp_rank == 0:
+        return min(columns, _ID_RANGE), f"logits.shape[1] = {columns}, the whole vocabulary at tp_rank 0 without tp_group"
+    return _ID_RANGE, f"int32's range: a vocab slice at tp_rank {tp_rank} without tp_group knows no whole vocabulary"
+
+
+def _support_entries(ids, offsets, positions, rows: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """For every support id of the rows: its row and the id (int64, on
+    `device`); and, for rows picked by `positions`, each row's support size.
+    The offsets are bounded into the ids first, so that unchecked ones give
+    meaningless entries but never index past the ids (nor have torch write
+    past an output it sized from them)."""
     empty = torch.zeros(0, dtype=torch.int64, device=device)
     if not rows:
-        return empty, empty
+        return empty, empty, empty
+    if positions is None:  # row r is token r: an id's row is the count of supports begun before it, the ids stay in order
+        offsets = offsets.to(device, torch.int64, non_blocking=True).clamp(0, len(ids))
+        begun = torch.zeros(len(ids) + 1, dtype=torch.int64, device=device)
+        begun.index_add_(0, offsets[1:-1], torch.ones(rows - 1, dtype=torch.int64, device=device))
+        return begun.cumsum(0)[: len(ids)], ids.to(device, non_blocking=True).long(), None
+    n_tokens = len(offsets) - 1
     # Host offsets and positions size the expansion on the host; otherwise on the device.
     on_host = offsets.device.type == "cpu" and positions.device.type == "cpu"
     where = torch.device("cpu") if on_host else device
-    offsets, positions = offsets.to(where, non_blocking=True), positions.to(where, non_blocking=True)
+    offsets = offsets.to(where, torch.int64, non_blocking=True).clamp(0, len(ids))
+    positions = positions.to(where, torch.int64, non_blocking=True)
     starts = offsets[positions.clamp(0, n_tokens)]  # clamped: bad positions are reported below, never read out of bounds
-    sizes = offsets[(positions + 1).clamp(0, n_tokens)] - starts
-    if in_order:  # the CSR invariants offsets[0] == 0 and offsets[-1] == len(ids) give the count
-        total = len(mask_ids)
-    else:  # the entry count sizes the expansion: read on the host, or the one device read of a call
-        low, high, total = torch.stack([positions.min(), positions.max(), sizes.sum()]).tolist()
-        if low < 0 or high >= n_tokens:
-            raise InvalidInput(f"positions must be in [0, {n_tokens}) (the mask's tokens), got [{low}, {high}]")
+    sizes = (offsets[(positions + 1).clamp(0, n_tokens)] - starts).clamp(min=0)
+    # The entry count sizes the expansion: read on the host, or the one device read of a call.
+    low, high, total = torch.stack([positions.min(), positions.max(), sizes.sum()]).tolist()
+    if low < 0 or high >= n_tokens:
+        raise InvalidInput(f"positions must be in [0, {n_tokens}) (the mask's tokens), got [{low}, {high}]")
     starts, sizes = starts.to(device, non_blocking=True), sizes.to(device, non_blocking=True)
     owner = torch.repeat_interleave(torch.arange(rows, device=device), sizes, output_size=total)
-    ids = torch.as_tensor(mask_ids).to(device, non_blocking=True)[ranges_index(starts, sizes, total)].long()
-    return owner, ids
+    return owner, ids.to(device, non_blocking=True)[ranges_index(starts, sizes, total)].long(), sizes
+
+
+def _entries(ids, offsets, positions, rows: int, device, *, vocab=None, tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_support_entries`' rows and ids; with `vocab` (`check=True`), refused
+    unless the mask keeps the content rules and the rows' `tokens`, where
+    given, lie inside their supports."""
+    owner, entry_ids, sizes = _support_entries(ids, offsets, positions, rows, device)
+    if vocab is not None:
+        content = _Content(ids, offsets, tokens if positions is None else None, vocab, device)
+        content.require(None if positions is None or tokens is None else (tokens, positions, entry_ids, sizes))
+    return owner, entry_ids
+
+
+class _Content:
+    """`check=True`: the mask's content rules as batch validation's flags
+    (`packed_flags`), computed where the logits live and read back once by
+    a `Verdict`. Where the rows are not the mask's tokens, each support's
+    first id stands in for its token (`_first_ids`), and the rows' own
+    tokens are checked over their expanded supports. A broken rule is then
+    located (`locate_violations`, reading freely) and raised naming its
+    argument, the rule, the expected and the actual value."""
+
+    def __init__(self, ids, offsets, tokens, vocab: tuple[int, str], device):
+        self.ids = ids.to(device, non_blocking=True)
+        self.offsets = offsets.to(device, torch.int64, non_blocking=True)
+        self.tokens = _first_ids(self.ids, self.offsets) if tokens is None else tokens
+        self.bound, self.source = vocab
+        self.flags = packed_flags(_spreadable(self.tokens, self.bound), [len(self.offsets) - 1], self.ids, self.offsets,
+                                  vocab_size=self.bound)
+
+    def require(self, rows=None) -> None:
+        """Raise for the first rule the mask breaks, else for the first of
+        `rows` (its tokens, positions, expanded support ids and support
+        sizes) whose token lies outside its support."""
+        flags = [self.flags]
+        if rows is not None:
+            tokens, positions, entry_ids, sizes = rows
+            inside = inside_support(tokens, entry_ids, torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]), sizes)
+            flags.append(~inside.all().reshape(1))
+        if Verdict(*flags).passed():
+            return
+        found = locate_violations(self.tokens, [len(self.offsets) - 1], self.ids, self.offsets, vocab_size=self.bound)
+        if found:
+            raise self._refusal(found[0])
+        row = int(torch.nonzero(~inside)[0, 0])
+        token, position = int(tokens[row]), int(positions[row])
+        start, end = (int(offset) for offset in self.offsets[position : position + 2])
+        support = f"{self.ids[start : min(end, start + 8)].tolist()}{'...' if end - start > 8 else ''}"
+        raise InvalidInput(f"tokens: rule '{RULE_IN_SUPPORT}' violated at row {row}: token {token} is not in its support "
+                           f"{support} (mask token {position})")
+
+    def _refusal(self, violation: Violation) -> InvalidInput:
+        where = "" if violation.position is None else f" at mask token {violation.position}"
+        more = f" (and {violation.count - 1} more)" if violation.count > 1 else ""
+        vocab = f"; vocab_size is {self.source}" if violation.rule in (RULE_MASK_VOCAB, RULE_TOKEN_VOCAB) else ""
+        return InvalidInput(f"{_ARGUMENT[violation.rule]}: rule '{violation.rule}' violated{where}: "
+                            f"{violation.detail}{more}{vocab}")
+
+
+def _first_ids(ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each support's first id: inside it wherever the offsets keep the
+    rules, so it stands in for the token when checking the mask alone.
+    Read at offsets clamped into the ids (broken ones are flagged anyway)."""
+    if not len(ids):  # no id: the offsets break the rules unless there is no token either
+        return ids.new_zeros(len(offsets) - 1)
+    return ids[offsets[:-1].clamp(0, len(ids) - 1)]
+
+
+def _spreadable(tokens: torch.Tensor, bound: int) -> torch.Tensor:
+    """`tokens` as int32 (`bound` is at most `_ID_RANGE`), each outside
+    [0, bound) as -1, outside still: validation spreads int32 tokens over
+    their supports by a prefix sum, which indexes safely whatever the
+    offsets hold; wider ones by a repeat, which fails on the negative sizes
+    of decreasing offsets."""
+    values = tokens.long()
+    return torch.where((values >= 0) & (values < bound), values, -1).to(torch.int32)
 
 
 def _in_slice(ids: torch.Tensor, tp_rank: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,11 +254,15 @@ def _in_slice(ids: torch.Tensor, tp_rank: int, vocab_local: int) -> tuple[torch.
     return local.clamp(0, vocab_local - 1), (local >= 0) & (local < vocab_local)
 
 
-def dense_support_mask(logits: torch.Tensor, mask_ids, mask_offsets, positions, *, tp_rank: int = 0) -> torch.Tensor:
+def dense_support_mask(logits: torch.Tensor, mask_ids, mask_offsets, positions, *, tp_rank: int = 0,
+                       check: bool = False) -> torch.Tensor:
     """Boolean `[R, V_local]`: True at `(row, id - tp_rank * V_local)` for
-    every support id inside this rank's vocab slice; other ids are skipped."""
-    rows, vocab_local = logits.shape
-    owner, ids = _support_entries(mask_ids, mask_offsets, positions, rows, logits.device)
+    every support id inside this rank's vocab slice; other ids are skipped.
+    `check=True` checks the mask's content first (`masked_log_probs`)."""
+    rows, vocab_local = _rows_and_columns(logits)
+    vocab = _vocabulary(vocab_local, tp_rank)
+    ids, offsets, positions = _mask_arguments(mask_ids, mask_offsets, positions, rows)
+    owner, ids = _entries(ids, offsets, positions, rows, logits.device, vocab=vocab if check else None)
     columns, inside = _in_slice(ids, tp_rank, vocab_local)
     cells = rows * vocab_local  # ids outside the slice all land on one spare cell past the end
     flat = torch.zeros(cells + 1, dtype=torch.bool, device=logits.device)
@@ -81,6 +280,7 @@ def masked_log_probs(
     temperature: float = 1.0,
     tp_rank: int = 0,
     tp_group=None,
+    check: bool = False,
 ) -> torch.Tensor:
     """`log p(y) = z_y/T - logsumexp over the support of z_v/T` per row,
     differentiable in `logits` (the tokens must be inside their supports,
@@ -101,16 +301,25 @@ def masked_log_probs(
     `tp_rank` but no group, each row is this slice's share alone (its token's
     logit where the slice holds it, else 0, less the log of the slice's sum),
     NaN for a row whose support has no id in the slice.
+
+    Types, ranks and lengths are always checked (host facts). `check=True`
+    also checks the content, for a mask that did not come through batch
+    validation, at the cost of one read of the device: offsets from 0 to
+    `len(mask_ids)`, strictly increasing; ids in the whole vocabulary
+    (`V_local` times the group's size with `tp_group`; without one,
+    `V_local` at rank 0, whose logits are then the whole vocabulary, and
+    int32's range at a later rank, which cannot know the whole); each token
+    inside its support. Unchecked broken content gives meaningless values,
+    but nothing indexes past an array.
     """
-    if temperature <= 0:
-        raise InvalidInput(f"temperature must be positive, got {temperature}")
-    rows, vocab_local = logits.shape
+    rows, vocab_local = _rows_and_columns(logits)
+    _checked_temperature(temperature)
+    vocab = _vocabulary(vocab_local, tp_rank, tp_group)
     device = logits.device
-    tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
-    if len(tokens) != rows:
-        raise InvalidInput(f"rows and tokens must align: logits has {rows} rows, tokens has {len(tokens)}")
-    tokens = tokens.to(device, non_blocking=True)
-    owner, ids = _support_entries(mask_ids, mask_offsets, positions, rows, device)
+    tokens = _one_per_row("tokens", _integers("tokens", tokens, "token ids index the vocabulary"), rows)
+    tokens = tokens.to(device, torch.int64, non_blocking=True)
+    ids, offsets, positions = _mask_arguments(mask_ids, mask_offsets, positions, rows)
+    owner, ids = _entries(ids, offsets, positions, rows, device, vocab=vocab if check else None, tokens=tokens)
     # The support entries, then one entry per row for its token.
     entry_rows = torch.cat([owner, torch.arange(rows, device=device)])
     columns, inside = _in_slice(torch.cat([ids, tokens]), tp_rank, vocab_local)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rollstream.common.errors import InvalidInput, InvalidType
 from rollstream.common.mask import SamplingMask
 from rollstream.consumer import dense_support_mask, masked_log_probs
 
@@ -292,3 +293,163 @@ def test_primitives_on_the_gpu_match_the_cpu():
         dense_support_mask(on_gpu, ids, offsets, None)
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+def three_tokens():
+    """Logits, tokens and the mask of three rows over a vocabulary of 4: supports {0, 2}, {1, 3}, {2}."""
+    ids, offsets = csr([[0, 2], [1, 3], [2]])
+    logits = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    return logits, torch.tensor([2, 3, 2]), ids, offsets
+
+
+def log_prob_call(arguments):
+    return masked_log_probs(**arguments)
+
+
+def dense_call(arguments):
+    return dense_support_mask(**{"positions": None} | {k: v for k, v in arguments.items() if k != "tokens"})
+
+
+BAD_ARGUMENTS = [  # (the change to a valid call, the error, what its message must say)
+    (lambda t: dict(logits=t["logits"][0]), InvalidInput, r"logits must be 2-D .* got shape \(4,\)"),
+    (lambda t: dict(logits=t["logits"].long()), InvalidType, "logits must be a floating-point tensor .* got torch.int64"),
+    (lambda t: dict(logits=t["logits"].tolist()), InvalidType, "logits must be a floating-point tensor .* got list"),
+    (lambda t: dict(mask_ids=t["mask_ids"].float()), InvalidType, "mask_ids must be an integer tensor .* got torch.float32"),
+    (lambda t: dict(mask_ids=t["mask_ids"].bool()), InvalidType, "mask_ids must be an integer tensor .* got torch.bool"),
+    (lambda t: dict(mask_ids=t["mask_ids"].reshape(1, -1)), InvalidInput, r"mask_ids must be 1-D .* got shape \(1, 5\)"),
+    (lambda t: dict(mask_offsets=t["mask_offsets"].double()), InvalidType,
+     r"mask_offsets must be an integer tensor \(offsets index mask_ids\), got torch.float64"),
+    (lambda t: dict(mask_offsets=t["mask_offsets"].reshape(1, -1)), InvalidInput, "mask_offsets must be 1-D"),
+    (lambda t: dict(mask_offsets=t["mask_offsets"][:0]), InvalidInput,
+     r"mask_offsets: rule 'offsets non-empty \(N \+ 1 entries\)' violated: expected at least 1 entry, got 0"),
+    (lambda t: dict(mask_offsets=t["mask_offsets"][:3]), InvalidInput,
+     "mask_offsets must have one entry more than logits has rows when positions is omitted .* expected 4, got 3"),
+    (lambda t: dict(positions=[0.0, 1.0, 2.0]), InvalidType, "positions must be an integer tensor .* got torch.float32"),
+    (lambda t: dict(positions=[0, 1]), InvalidInput, "positions must align with the rows of logits .* expected 3, got 2"),
+    (lambda t: dict(tp_rank=-1), InvalidInput, "tp_rank must be 0 or more, got -1"),
+    (lambda t: dict(tp_rank=1.0), InvalidType, "tp_rank must be an int .* got float"),
+]
+LOG_PROB_ONLY = [
+    (lambda t: dict(tokens=t["tokens"].float()), InvalidType, "tokens must be an integer tensor .* got torch.float32"),
+    (lambda t: dict(tokens=[2.0, 3.0, 2.0]), InvalidType, "tokens must be an integer tensor .* got torch.float32"),
+    (lambda t: dict(tokens=t["tokens"][:2]), InvalidInput, "tokens must align with the rows of logits .* expected 3, got 2"),
+    (lambda t: dict(temperature=0.0), InvalidInput, "temperature must be positive and finite .* got 0.0"),
+    (lambda t: dict(temperature=-1), InvalidInput, "temperature must be positive and finite .* got -1"),
+    (lambda t: dict(temperature=math.inf), InvalidInput, "temperature must be positive and finite .* got inf"),
+    (lambda t: dict(temperature=math.nan), InvalidInput, "temperature must be positive and finite .* got nan"),
+    (lambda t: dict(temperature=torch.tensor(1.0)), InvalidType, "temperature must be a number .* got torch.float32"),
+]
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize(("call", "change", "error", "message"), [
+    *[(log_prob_call, *case) for case in BAD_ARGUMENTS + LOG_PROB_ONLY],
+    *[(dense_call, *case) for case in BAD_ARGUMENTS],
+])
+def test_bad_arguments_are_refused_naming_the_argument(call, change, error, message, check):
+    """Types, ranks and lengths are checked on every call, `check` or not."""
+    logits, tokens, ids, offsets = three_tokens()
+    valid = dict(logits=logits, tokens=tokens, mask_ids=ids, mask_offsets=offsets, check=check)
+    call(valid)
+    with pytest.raises(error, match=message):
+        call(valid | change(valid))
+
+
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the check on the device"))
+HUGE = 2**62
+INCREASING = r"mask_offsets: rule 'non-empty support \(strictly increasing offsets\)' violated"
+BROKEN_CONTENT = [  # (the change to a valid call, the argument and rule the refusal names, then what it must say)
+    (dict(tokens=[2, 0, 2]), r"tokens: rule 'sampled token inside its support' violated",
+     r"token 0 is not in its support \[1, 3\]"),
+    (dict(ids=[0, 2, 4, 3, 2]), r"mask_ids: rule 'mask ids in \[0, vocab_size\)' violated at mask token 1",
+     r"its support holds id 4, outside \[0, 4\); vocab_size is logits.shape\[1\] = 4"),
+    (dict(ids=[0, 2, -1, 3, 2]), r"mask_ids: rule 'mask ids in \[0, vocab_size\)' violated at mask token 1",
+     r"its support holds id -1, outside \[0, 4\)"),
+    (dict(offsets=[1, 2, 4, 5]), r"mask_offsets: rule 'offsets\[0\] == 0' violated", "expected 0, got 1"),
+    (dict(offsets=[0, 3, 2, 5]), INCREASING + " at mask token 1", r"offsets\[1\] = 3, offsets\[2\] = 2"),
+    (dict(offsets=[0, 2, 2, 5]), INCREASING + " at mask token 1", r"offsets\[1\] = 2, offsets\[2\] = 2"),
+    (dict(offsets=[0, 2, 4, 7]), r"mask_offsets: rule 'offsets\[-1\] == len\(ids\)' violated", "expected 5, got 7"),
+    (dict(offsets=[0, HUGE, 4, 5]), INCREASING, rf"offsets\[1\] = {HUGE}, offsets\[2\] = 4"),
+    (dict(offsets=[0, -HUGE, 4, 5]), INCREASING, rf"offsets\[0\] = 0, offsets\[1\] = -{HUGE}"),
+    (dict(offsets=[0, 2, 4, HUGE]), r"mask_offsets: rule 'offsets\[-1\] == len\(ids\)' violated", f"expected 5, got {HUGE}"),
+]
+
+
+@pytest.mark.parametrize("positions", [None, [0, 1, 2]], ids=["rows-are-tokens", "positions"])
+@pytest.mark.parametrize("change", [change for change, _, _ in BROKEN_CONTENT])
+def test_unchecked_content_is_the_callers_promise(change, positions):
+    """Without `check`, broken content gives meaningless numbers (what
+    `check=True` is for; a batch from the consumer was validated), but no
+    index past an array, however far the offsets point."""
+    logits, tokens, ids, offsets = three_tokens()
+    changed = {name: torch.tensor(value) for name, value in change.items()}
+    tokens, ids, offsets = changed.get("tokens", tokens), changed.get("ids", ids), changed.get("offsets", offsets)
+    assert masked_log_probs(logits, tokens, ids, offsets, positions).shape == (3,)
+    assert dense_support_mask(logits, ids, offsets, positions).shape == (3, 4)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("positions", [None, [0, 1, 2]], ids=["rows-are-tokens", "positions"])
+@pytest.mark.parametrize(("change", "rule", "detail"), BROKEN_CONTENT)
+def test_check_refuses_broken_content_naming_the_rule(change, rule, detail, positions, device):
+    """With `check=True` each broken rule is refused, naming the argument,
+    the rule, the expected and the actual value; the mask's rules by the
+    dense mask as well."""
+    logits, tokens, ids, offsets = (t.to(device) for t in three_tokens())
+    changed = {name: torch.tensor(value, device=device) for name, value in change.items()}
+    tokens, ids, offsets = changed.get("tokens", tokens), changed.get("ids", ids), changed.get("offsets", offsets)
+    if positions is not None:
+        positions = torch.tensor(positions, device=device)
+    with pytest.raises(InvalidInput, match=f"{rule}.*{detail}"):
+        masked_log_probs(logits, tokens, ids, offsets, positions, check=True)
+    if "tokens" not in change:
+        with pytest.raises(InvalidInput, match=f"{rule}.*{detail}"):
+            dense_support_mask(logits, ids, offsets, positions, check=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@settings(max_examples=40, deadline=None)
+@given(problem=problems(), temperature=st.floats(0.25, 4.0), seed=st.integers(0, 2**31 - 1))
+def test_check_passes_valid_content_and_changes_no_value(problem, temperature, seed, device):
+    vocab, supports, positions = problem
+    gen = torch.Generator().manual_seed(seed)
+    ids, offsets = (t.to(device) for t in csr(supports))
+    for rows in (positions, None):  # picked by positions, and one row per mask token
+        picked = list(range(len(supports))) if rows is None else rows
+        logits = torch.randn(len(picked), vocab, generator=gen).to(device)
+        picks = torch.randint(0, 10**6, (len(picked),), generator=gen).tolist()
+        tokens = torch.tensor([supports[p][k % len(supports[p])] for p, k in zip(picked, picks)], dtype=torch.int64,
+                              device=device)
+        at = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=device)
+        checked = masked_log_probs(logits, tokens, ids, offsets, at, temperature=temperature, check=True)
+        assert torch.equal(checked, masked_log_probs(logits, tokens, ids, offsets, at, temperature=temperature))
+        assert torch.equal(dense_support_mask(logits, ids, offsets, at, check=True), dense_support_mask(logits, ids, offsets, at))
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_check_bounds_ids_by_the_whole_vocabulary(tp_size):
+    """The vocabulary `check=True` bounds ids by: each of a group's ranks
+    holds a slice of it, so an id of another rank's slice is valid and one
+    past the last slice is not; without a group, the logits are the whole
+    vocabulary at rank 0, and a slice of one it cannot know at a later rank."""
+    local = 4
+    ids, offsets = csr([[0, 2], [1, 3 + local * (tp_size - 1)]])
+    tokens = torch.tensor([2, 1])
+
+    def rank(k, group):
+        logits = torch.randn(2, local)
+        good = masked_log_probs(logits, tokens, ids, offsets, tp_rank=k, tp_group=group, check=True)
+        past = ids.clone()
+        past[-1] = local * tp_size
+        with pytest.raises(InvalidInput, match=rf"its support holds id {local * tp_size}, outside \[0, {local * tp_size}\)"):
+            masked_log_probs(logits, tokens, past, offsets, tp_rank=k, tp_group=group, check=True)
+        if group is not None:
+            with pytest.raises(InvalidInput, match=rf"tp_rank must be in \[0, {tp_size}\) \(the ranks of tp_group\), got 2"):
+                masked_log_probs(logits, tokens, ids, offsets, tp_rank=tp_size, tp_group=group)
+        return good
+
+    assert all(torch.isfinite(values).all() for values in on_ranks(tp_size, rank))
+    far = torch.tensor([0, 2, 1, 10**6], dtype=torch.int32)  # a later slice alone: ids bounded by int32's range
+    assert masked_log_probs(torch.randn(2, local), [2, 10**6], far, offsets, tp_rank=3, check=True).shape == (2,)
+    with pytest.raises(InvalidInput, match=r"its support holds id -1, outside \[0, 2147483647\).*int32's range"):
+        masked_log_probs(torch.randn(2, local), [2, 1], torch.tensor([0, 2, -1, 1]), offsets, tp_rank=3, check=True)

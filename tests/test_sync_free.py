@@ -235,6 +235,27 @@ def test_primitives_read_nothing_over_a_batchs_response_axis_and_once_for_positi
     assert len({r.where for r in found if r.what.startswith("Tensor.")}) == 1, found
 
 
+def test_checked_primitives_read_the_verdict_once(device, monkeypatch):
+    """`check=True` adds one read to a call, the verdict of the content
+    rules (`Verdict.passed`): over a batch's response axis it is the only
+    one; rows picked by `positions` on the device add the count's."""
+    batch = Batch.from_deliveries(_deliveries(), device=device)
+    rows = len(batch.response_tokens)
+    logits = torch.randn(rows, VOCAB, device=device, requires_grad=True)
+    for call in (lambda: masked_log_probs(logits, batch.response_tokens, batch.mask_ids, batch.mask_offsets,
+                                          check=True).sum().backward(),
+                 lambda: dense_support_mask(logits, batch.mask_ids, batch.mask_offsets, None, check=True)):
+        with host_reads(monkeypatch) as found:
+            call()
+        assert_no_reads(found)
+        assert scalar_reads(found) == 1, found
+    positions = torch.arange(rows, device=device)
+    with host_reads(monkeypatch) as found:
+        masked_log_probs(logits, batch.response_tokens, batch.mask_ids, batch.mask_offsets, positions, check=True)
+    assert {r.where.split(" in ")[-1] for r in found} == {"_support_entries", "Verdict.passed"}, found
+    assert len({r.where for r in found if r.what.startswith("Tensor.")}) == 2, found
+
+
 def test_the_guard_sees_reads(monkeypatch):
     """Each kind of read the guard looks for is seen (a guard that saw nothing would pass everything)."""
     values = torch.arange(5)
