@@ -6,84 +6,10 @@ import json
 
 import click
 
-from rollstream.common.config import BYTES, SETTINGS_CONTEXT, config_option, settings_options
+from rollstream.common.config import SETTINGS_CONTEXT, config_option, settings_options
 from rollstream.common.curve import curve_client_options
 
 from .settings import BrokerSettings, broker_problems
-from .staleness import ABANDONED_ACTIONS, DISPATCH_ORDERS
-
-HELP = {
-    "producer_endpoint": "Where producers connect (tcp://, ipc:// or inproc://).",
-    "consumer_endpoint": "Where consumers connect.",
-    "admin_endpoint": "Where `rollstream status` and other admin peers connect.",
-    "endpoints_file": "Write the bound endpoints here as JSON once they accept peers (port 0 in an endpoint picks a free one).",
-    "data_dir": "Directory of the durable store (created if missing).",
-    "broker_id": "Name reported to peers; default host:data-dir.",
-    "vocab_size": "Refuse token and support ids outside [0, vocab_size) (out_of_vocab).",
-    "lease_timeout": "Seconds a consumer has to ack a delivery before it is redelivered.",
-    "heartbeat_interval": "Seconds between consumer heartbeats; three missed ones drop the consumer.",
-    "trajectory_ttl": "Seconds without a frame after which an open trajectory expires to dead letters.",
-    "dedup_window": "Seconds delivered or expired trajectory ids are remembered.",
-    "max_deliveries": "Deliveries before a trajectory is dead-lettered (max_deliveries).",
-    "max_staleness": "Policy versions a trajectory's oldest turn may lag its trainer's when trained (a trainer may "
-                     "lower it); older ones are dead-lettered stale, and new trajectories wait while the job holds "
-                     "what its trainer can train within the bound. Unset: no bound.",
-    "dispatch_order": "Which policy version is handed out first: oldest_first or freshest_first.",
-    "abort_stale": "Give up an open trajectory as soon as its oldest turn is staler than max_staleness (dead letter "
-                   "stale), so its producer, whose next frame is answered not applied with reason stale, stops "
-                   "sampling it. Off: it runs on and is dropped stale when it ends.",
-    "abandoned_lineage": "What to do with a trajectory sampled by weights a resumed trainer abandoned (newer than the "
-                         "checkpoint it resumed from): drop (dead letter abandoned) or keep (train it); counted either "
-                         "way.",
-    "group_filters": "Drop complete groups without a learning signal before batches form (dead letter "
-                     "filtered:NAME, its room refilled): comma-separated all_equal_rewards[:tolerance], "
-                     "reward_std_below:THRESHOLD, min_members:N.",
-    "filter_reward_key": "The entry of a map reward the group filters compare (a number reward is itself).",
-    "starvation_share": "Share of a job's trajectories thrown away (filtered or stale) over the starvation window that "
-                        "raises the starvation alarm (a warning naming the cause and figures, a gauge, an alert).",
-    "starvation_window": "Seconds over which the starvation share is measured.",
-    "starvation_after": "Seconds a job's consumer may wait with credit while nothing of the job becomes ready before "
-                        "the starvation alarm names it idle.",
-    "sync": "normal: durable against a broker crash; full: fsync before every ack (power loss).",
-    "max_memory_bytes": "Memory budget; over it, trajectories are evicted to the store (those out on a lease last), and "
-                        "producer frames wait (backpressure) only while eviction cannot make room.",
-    "max_disk_bytes": "Disk budget of the store; over it, new trajectories wait while consumers have something to take.",
-    "max_dead_letter_bytes": "Dead-lettered trajectories kept for inspection (and requeue), in stored bytes; past it "
-                             "the oldest are deleted, their ids remembered, counted by reason.",
-    "disk_reserve_bytes": "Free space kept on the data dir's file system for ends and consumer acks; below it, turns wait. "
-                          "Default: 5% of the file system, at most 1 GiB.",
-    "max_message_bytes": "Largest message accepted; larger ones are answered too_large.",
-    "window": "Frames in flight each producer is told it may have, at most.",
-    "max_in_flight": "Frames in flight across all producers: each of P active ones is granted max_in_flight / P "
-                     "(at most window).",
-    "batch_max": "Most frames read and committed together.",
-    "batch_max_bytes": "Bytes after which a batch takes no more frames (large frames: the batch's check, CRC and write "
-                       "then read it from cache).",
-    "segment_bytes": "Size at which a payload segment file is closed and a new one begun.",
-    "high_water_mark": "ZeroMQ send/receive queue bound, in messages.",
-    "metrics_port": "Prometheus /metrics port; 0 disables it.",
-    "metrics_host": "Address the metrics endpoint binds.",
-    "log_level": "debug, info, warning or error.",
-    "curve_secret_key": "The broker's own CURVE key pair (a .key_secret file from `rollstream keys generate`); with it "
-                        "every socket requires CURVE. SIGHUP reloads the key directories.",
-    "curve_producers": "Directory of the producer keys (*.key) the producer socket allows; none given: nobody.",
-    "curve_consumers": "Directory of the consumer keys (*.key) the consumer socket allows; none given: nobody.",
-    "curve_admin": "Directory of the admin keys (*.key) the admin socket allows; none given: nobody.",
-}
-TYPES = {
-    "sync": click.Choice(["normal", "full"]),
-    "max_staleness": click.IntRange(min=0),
-    "dispatch_order": click.Choice(list(DISPATCH_ORDERS)),
-    "abandoned_lineage": click.Choice(list(ABANDONED_ACTIONS)),
-    "max_memory_bytes": BYTES,
-    "max_disk_bytes": BYTES,
-    "max_dead_letter_bytes": BYTES,
-    "disk_reserve_bytes": BYTES,
-    "max_message_bytes": BYTES,
-    "segment_bytes": BYTES,
-    "batch_max_bytes": BYTES,
-    "log_level": click.Choice(["debug", "info", "warning", "error"]),
-}
 
 
 def keep_freed_memory(mmap_threshold: int = 64 << 20) -> bool:
@@ -118,14 +44,14 @@ def tune_garbage_collector(young_threshold: int = 10_000) -> None:
 
 @click.command(context_settings=SETTINGS_CONTEXT)
 @config_option(BrokerSettings, "broker")
-@settings_options(BrokerSettings, HELP, TYPES)
+@settings_options(BrokerSettings)
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
 def broker(log_format: str, **values) -> None:
     """Run the per-node broker: merge producer turns into durable
     trajectories and lease them to consumers."""
     import zmq
 
-    from rollstream.common.config import settings_from
+    from rollstream.common.config import ConfigError, located, settings_from
     from rollstream.common.logs import setup_logging
 
     from .service import BrokerService
@@ -137,6 +63,8 @@ def broker(log_format: str, **values) -> None:
     try:
         service = BrokerService(settings)
         service.start()
+    except ConfigError as exc:  # what only a start finds: a port another process holds, say
+        raise ConfigError(located(exc.problems)) from None
     except (DataDirectoryHeld, StoreCorrupted, RuntimeError, zmq.ZMQError) as exc:
         raise click.ClickException(f"refusing to start: {exc}") from None
     tune_garbage_collector()

@@ -20,6 +20,7 @@ import zmq
 from rollstream.common.admin import write_endpoints_file
 from rollstream.common.clock import Clock
 from rollstream.common.codec import Message, decode, decode_header, split_batch
+from rollstream.common.config import ConfigError, bind_problem, check_settings
 from rollstream.common.errors import ProtocolError, RemoteProtocolError
 from rollstream.common.messages import ADMIN_REQUESTS, BATCHABLE_TYPES, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
 from rollstream.common.sockets import recv_routed, router, send_frames
@@ -29,7 +30,7 @@ from .core import BrokerCore, Received, Send, ServeConsumers, Steps
 from .curve import CurveGuard
 from .metrics import BrokerMetrics
 from .recovery import rebuild
-from .settings import BrokerSettings
+from .settings import ENDPOINT_SETTINGS, BrokerSettings, broker_problems
 from .store import Store
 from .store_io import StoreIO, free_space
 
@@ -75,6 +76,7 @@ def _seq_of(frames: list) -> int | None:
 
 class BrokerService:
     def __init__(self, settings: BrokerSettings, context: zmq.Context | None = None):
+        check_settings(settings, broker_problems)
         self.settings = settings
         self.metrics = BrokerMetrics()
         # A CURVE broker answers its context's authentication requests, so it takes a context of its own.
@@ -119,13 +121,21 @@ class BrokerService:
                                ("admin", s.admin_endpoint)):
             curve = self.curve
             secure = None if curve is None else (lambda sock, name=name: curve.secure(name, sock))
-            self.sockets[name] = router(self.context, endpoint, secure=secure, **options)
+            try:
+                self.sockets[name] = router(self.context, endpoint, secure=secure, **options)
+            except zmq.ZMQError as exc:
+                self.close()
+                raise ConfigError([bind_problem(ENDPOINT_SETTINGS[name], endpoint, exc)]) from None
             self.endpoints[name] = self.sockets[name].getsockopt_string(zmq.LAST_ENDPOINT) or endpoint  # port 0: the one picked
         self.core.endpoints = self.endpoints
         self.poller = zmq.Poller()
         for sock in [*self.sockets.values(), *(self.curve.sockets if self.curve else ())]:
             self.poller.register(sock, zmq.POLLIN)
-        self._metrics_server = self.metrics.serve(s.metrics_host, s.metrics_port)
+        try:
+            self._metrics_server = self.metrics.serve(s.metrics_host, s.metrics_port)
+        except ConfigError:
+            self.close()
+            raise
         self.core.update_gauges(Clock.read())
         if s.endpoints_file:
             write_endpoints_file(s.endpoints_file, self.endpoints)

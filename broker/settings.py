@@ -1,66 +1,127 @@
-"""Every broker setting with its default: the one list the command line, the
-TOML file and the environment fill (see `rollstream.common.config`)."""
+"""Every broker setting with its default and its declaration (kind, unit,
+range, help): the one list the command line, the TOML file and the
+environment fill (see `rollstream.common.config`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from rollstream.common.config import Problem
+from rollstream.common.config import (
+    DIRECTORY,
+    FILE,
+    FOLDER,
+    OUTPUT_FILE,
+    Problem,
+    choice,
+    count,
+    endpoint,
+    flag,
+    log_level,
+    port,
+    seconds,
+    setting,
+    share,
+    size,
+    text,
+    vocabulary,
+)
 from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES
 from rollstream.common.curve import CurveError, KeyPair
 from rollstream.common.errors import InvalidInput
 
 from .filters import FILTER_NAMES, parse_filters
+from .staleness import ABANDONED_ACTIONS, DISPATCH_ORDERS
 
 # Each socket's directory of allowed client keys, by socket name.
 CURVE_DIRECTORIES = {"producer": "curve_producers", "consumer": "curve_consumers", "admin": "curve_admin"}
+# The settings naming the sockets the broker binds, by socket name.
+ENDPOINT_SETTINGS = {"producer": "producer_endpoint", "consumer": "consumer_endpoint", "admin": "admin_endpoint"}
 
 
 @dataclass
 class BrokerSettings:
-    producer_endpoint: str = "tcp://127.0.0.1:5555"
-    consumer_endpoint: str = "tcp://127.0.0.1:5556"
-    admin_endpoint: str = "tcp://127.0.0.1:5557"
-    endpoints_file: str | None = None  # where the bound endpoints are written (JSON) once they accept peers
-    data_dir: str = "rollstream-data"
-    broker_id: str | None = None  # default: derived from the host name and data dir
-    vocab_size: int | None = None
-    lease_timeout: float = 60.0
-    heartbeat_interval: float = 1.0
-    trajectory_ttl: float = 3600.0
-    dedup_window: float = 86_400.0
-    max_deliveries: int = 10
-    max_staleness: int | None = None  # policy versions a trajectory may lag its trainer when trained; None: no bound
-    dispatch_order: str = "oldest_first"
-    abort_stale: bool = False  # give up open trajectories already staler than the bound (their producers told)
-    abandoned_lineage: str = "drop"  # or "keep": data weights of a lineage a resumed trainer abandoned sampled
-    group_filters: str = ""  # comma-separated `name[:threshold]` (broker/filters.py); none by default
-    filter_reward_key: str | None = None  # the entry of a map reward the group filters compare
-    starvation_share: float = 0.9  # of a job's trajectories thrown away (filtered, stale) over the window: an alarm
-    starvation_window: float = 60.0
-    starvation_after: float = 120.0  # seconds a job's consumer waits with nothing becoming ready: an alarm
-    sync: str = "normal"
-    max_memory_bytes: int = 2 << 30
-    max_disk_bytes: int = 64 << 30
-    max_unsealed_bytes: int = 16 << 30  # trained and not yet sealed: a budget apart from max_disk_bytes
-    max_dead_letter_bytes: int = 1 << 30  # dead letters kept for inspection; past it the oldest are deleted
-    disk_reserve_bytes: int | None = None  # free space kept for ends and acks; default: 5% of the file system, at most 1 GiB
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    window: int = 256
-    max_in_flight: int = 1024
-    batch_max: int = 256
-    batch_max_bytes: int = 8 << 20
-    segment_bytes: int = 64 << 20
-    high_water_mark: int = 1000
-    metrics_port: int = 9464
-    metrics_host: str = "127.0.0.1"
-    log_level: str = "info"
+    producer_endpoint: str = endpoint("tcp://127.0.0.1:5555", "Where producers connect.", binds=True)
+    consumer_endpoint: str = endpoint("tcp://127.0.0.1:5556", "Where consumers connect.", binds=True)
+    admin_endpoint: str = endpoint("tcp://127.0.0.1:5557", "Where `rollstream status` and other admin peers connect.",
+                                   binds=True)
+    endpoints_file: str | None = setting(
+        None, OUTPUT_FILE, "Write the bound endpoints here as JSON once they accept peers (port 0 in an endpoint "
+                           "picks a free one).")
+    data_dir: str = setting("rollstream-data", DIRECTORY, "Directory of the durable store (created if missing).")
+    broker_id: str | None = text(None, "Name reported to peers; default host:data-dir.")
+    vocab_size: int | None = vocabulary(None, "Refuse token and support ids outside [0, vocab_size) (out_of_vocab). "
+                                              "Unset: no bound.")
+    lease_timeout: float = seconds(60.0, "Seconds a consumer has to ack a delivery before it is redelivered.")
+    heartbeat_interval: float = seconds(1.0, "Seconds between consumer heartbeats; three missed ones drop the "
+                                             "consumer.")
+    trajectory_ttl: float = seconds(3600.0, "Seconds without a frame after which an open trajectory expires to dead "
+                                            "letters.")
+    dedup_window: float = seconds(86_400.0, "Seconds delivered or expired trajectory ids are remembered.")
+    max_deliveries: int = count(10, "Deliveries before a trajectory is dead-lettered (max_deliveries).", "deliveries")
+    max_staleness: int | None = count(
+        None, "Policy versions a trajectory's oldest turn may lag its trainer's when trained (a trainer may lower "
+              "it); older ones are dead-lettered stale, and new trajectories wait while the job holds what its "
+              "trainer can train within the bound. Unset: no bound.", "policy versions", low=0)
+    dispatch_order: str = choice("oldest_first", "Which policy version is handed out first.", DISPATCH_ORDERS)
+    abort_stale: bool = flag(
+        False, "Give up an open trajectory as soon as its oldest turn is staler than max_staleness (dead letter "
+               "stale), so its producer, whose next frame is answered not applied with reason stale, stops "
+               "sampling it. Off: it runs on and is dropped stale when it ends.")
+    abandoned_lineage: str = choice(
+        "drop", "What to do with a trajectory sampled by weights a resumed trainer abandoned (newer than the "
+                "checkpoint it resumed from): drop (dead letter abandoned) or keep (train it); counted either way.",
+        ABANDONED_ACTIONS)
+    group_filters: str = text(
+        "", "Drop complete groups without a learning signal before batches form (dead letter filtered:NAME, its "
+            "room refilled): comma-separated all_equal_rewards[:tolerance], reward_std_below:THRESHOLD, "
+            "min_members:N. Empty: none.")
+    filter_reward_key: str | None = text(None, "The entry of a map reward the group filters compare (a number "
+                                               "reward is itself).")
+    starvation_share: float = share(
+        0.9, "Share of a job's trajectories thrown away (filtered or stale) over the starvation window that raises "
+             "the starvation alarm (a warning naming the cause and figures, a gauge, an alert).", above=True)
+    starvation_window: float = seconds(60.0, "Seconds over which the starvation share is measured.")
+    starvation_after: float = seconds(120.0, "Seconds a job's consumer may wait with credit while nothing of the job "
+                                             "becomes ready before the starvation alarm names it idle.")
+    sync: str = choice("normal", "normal: durable against a broker crash; full: fsync before every ack (power loss).",
+                       ("normal", "full"))
+    max_memory_bytes: int = size(
+        2 << 30, "Memory budget; over it, trajectories are evicted to the store (those out on a lease last), and "
+                 "producer frames wait (backpressure) only while eviction cannot make room.")
+    max_disk_bytes: int = size(64 << 30, "Disk budget of the store; over it, new trajectories wait while consumers "
+                                         "have something to take.")
+    max_unsealed_bytes: int = size(
+        16 << 30, "Trained data no checkpoint has sealed yet, apart from max_disk_bytes; past it the oldest trained "
+                  "steps are reclaimed, loudly.", low=0)
+    max_dead_letter_bytes: int = size(
+        1 << 30, "Dead-lettered trajectories kept for inspection (and requeue), in stored bytes; past it the oldest "
+                 "are deleted, their ids remembered, counted by reason.", low=0)
+    disk_reserve_bytes: int | None = size(
+        None, "Free space kept on the data dir's file system for ends and consumer acks; below it, turns wait. "
+              "Unset: 5% of the file system, at most 1 GiB.", low=0)
+    max_message_bytes: int = size(DEFAULT_MAX_MESSAGE_BYTES, "Largest message accepted; larger ones are answered "
+                                                             "too_large.")
+    window: int = count(256, "Frames in flight each producer is told it may have, at most.", "frames")
+    max_in_flight: int = count(1024, "Frames in flight across all producers: each of P active ones is granted "
+                                     "max_in_flight / P (at most window).", "frames")
+    batch_max: int = count(256, "Most frames read and committed together.", "frames")
+    batch_max_bytes: int = size(8 << 20, "Bytes after which a batch takes no more frames (large frames: the batch's "
+                                         "check, CRC and write then read it from cache).")
+    segment_bytes: int = size(64 << 20, "Size at which a payload segment file is closed and a new one begun.")
+    high_water_mark: int = count(1000, "ZeroMQ send/receive queue bound; 0: no bound.", "messages", low=0)
+    metrics_port: int = port(9464, "Prometheus /metrics port; 0 disables it.")
+    metrics_host: str = text("127.0.0.1", "Address the metrics endpoint binds.")
+    log_level: str = log_level()
     # CurveZMQ (docs/operations.md, Security): with a secret key every socket requires CURVE and allows the
     # client keys (*.key files) in its directory; a socket given no directory allows nobody.
-    curve_secret_key: str | None = None
-    curve_producers: str | None = None
-    curve_consumers: str | None = None
-    curve_admin: str | None = None
+    curve_secret_key: str | None = setting(
+        None, FILE, "The broker's own CURVE key pair (a .key_secret file from `rollstream keys generate`); with it "
+                    "every socket requires CURVE. SIGHUP reloads the key directories.")
+    curve_producers: str | None = setting(None, FOLDER, "Directory of the producer keys (*.key) the producer socket "
+                                                        "allows; none given: nobody.")
+    curve_consumers: str | None = setting(None, FOLDER, "Directory of the consumer keys (*.key) the consumer socket "
+                                                        "allows; none given: nobody.")
+    curve_admin: str | None = setting(None, FOLDER, "Directory of the admin keys (*.key) the admin socket allows; "
+                                                    "none given: nobody.")
 
     def curve_directories(self) -> dict[str, str]:
         """The sockets given a directory of allowed keys, by socket name."""
@@ -68,29 +129,23 @@ class BrokerSettings:
 
 
 def broker_problems(settings: BrokerSettings) -> list[Problem]:
-    """What a start would refuse in otherwise well-typed settings: CURVE
-    directories without a secret key, a secret key file that cannot be
-    used, a directory that is not one."""
+    """What a start would refuse in settings each of whose values its
+    declaration takes: group filters that do not parse, CURVE directories
+    without a secret key, a secret key file that is not a key pair."""
     problems = []
     try:
         parse_filters(settings.group_filters)
     except InvalidInput as exc:
         problems.append(Problem("group_filters", "", "comma-separated name[:threshold] of "
-                                f"{', '.join(FILTER_NAMES)}", str(exc)))
+                                f"{', '.join(FILTER_NAMES)}", str(exc), "filters"))
     if settings.curve_secret_key is None:
         problems += [Problem(key, "", "set only together with curve_secret_key (the broker's own .key_secret)",
-                             f"{getattr(settings, key)!r} without it")
+                             f"{getattr(settings, key)!r} without it", "curve pairing")
                      for key in CURVE_DIRECTORIES.values() if getattr(settings, key)]
         return problems
     try:
         KeyPair.load(settings.curve_secret_key)
     except CurveError as exc:
         problems.append(Problem("curve_secret_key", "", "the broker's own .key_secret file (rollstream keys generate)",
-                                str(exc)))
-    for key in CURVE_DIRECTORIES.values():
-        directory = getattr(settings, key)
-        if directory and not Path(directory).is_dir():
-            problems.append(Problem(key, "", "an existing directory of allowed client keys (*.key files)",
-                                    f"{directory!r}, which is not a directory"))
+                                str(exc), "key file"))
     return problems
-

@@ -259,18 +259,18 @@ def client_key_problems(secret_key_file: str | None, server_key_file: str | None
     unpaired = _unpaired(secret_key_file, server_key_file)
     if unpaired is not None:
         given, missing = unpaired
-        return [Problem(missing, "", f"given together with {given} (CURVE needs both)", "not given")]
+        return [Problem(missing, "", f"given together with {given} (CURVE needs both)", "not given", "curve pairing")]
     if secret_key_file is None or server_key_file is None:
         return []
     problems = []
     try:
         KeyPair.load(secret_key_file)
     except CurveError as exc:
-        problems.append(Problem("curve_secret_key", "", "this client's own .key_secret file", str(exc)))
+        problems.append(Problem("curve_secret_key", "", "this client's own .key_secret file", str(exc), "key file"))
     try:
         load_public_key(server_key_file)
     except CurveError as exc:
-        problems.append(Problem("curve_server_key", "", "the broker's public .key file", str(exc)))
+        problems.append(Problem("curve_server_key", "", "the broker's public .key file", str(exc), "key file"))
     return problems
 
 

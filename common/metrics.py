@@ -11,17 +11,13 @@ prometheus-client's own.
 from __future__ import annotations
 
 import bisect
+import errno
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-from .errors import InvalidInput
-
-
-class MetricsPortUnusable(InvalidInput, RuntimeError):
-    """The metrics port cannot be served (taken, or not this process's to
-    bind): a setting to change. Also a `RuntimeError`, as it always was."""
+from .config import ConfigError, bind_problem
 
 
 class Counter:
@@ -108,11 +104,13 @@ class Metrics:
                                         sum_value=histogram.sum)
 
     def serve(self, host: str, port: int):
-        """Expose /metrics on `host:port`; port 0 disables it."""
+        """Expose /metrics on `host:port`; port 0 disables it. A port
+        another process holds, or an address this host lacks, is a
+        `ConfigError` naming the setting to change."""
         if not port:
             return None
         try:
             return start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
-            raise MetricsPortUnusable(f"cannot serve metrics on {host}:{port} ({exc.strerror}); "
-                                      "choose another --metrics-port, or 0 to disable it") from None
+            key = "metrics_port" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else "metrics_host"
+            raise ConfigError([bind_problem(key, f"{host}:{port}", exc)]) from None

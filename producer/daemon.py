@@ -8,47 +8,26 @@ import logging
 import signal
 import socket
 
-from rollstream.common.config import Problem
+from rollstream.common.config import Problem, check_settings
 from rollstream.common.curve import client_key_problems
-from rollstream.common.errors import InvalidInput
-from rollstream.common.jobs import JOB_PATTERN, is_job
 
 from .client import AsyncProducer
 from .settings import ProducerSettings
-from .sources import source_factory, source_names
+from .sources import source_factory
 
 log = logging.getLogger("rollstream.producer")
 
 
 def violations(settings: ProducerSettings) -> list[Problem]:
-    """Settings no source can run with: one problem per rule broken, naming
-    the rule and the value (`rollstream producer` adds where it came from)."""
-    rules = [
-        ("source", settings.source in source_names(), f"one of the registered sources {sorted(source_names())}"),
-        ("turns", settings.turns >= 1, ">= 1"),
-        ("group_size", settings.group_size >= 1, ">= 1"),
-        ("concurrency", settings.concurrency >= 1, ">= 1"),
-        ("trajectories", settings.trajectories >= 0, ">= 0 (0: no limit)"),
-        ("rate", settings.rate >= 0, ">= 0 (0: unpaced)"),
-        ("abort_rate", 0 <= settings.abort_rate <= 1, "in [0, 1]"),
-        ("retry_rate", 0 <= settings.retry_rate <= 1, "in [0, 1]"),
-        ("vocab_size", settings.vocab_size >= 3, ">= 3"),
-        ("prompt_tokens", settings.prompt_tokens >= 1, ">= 1"),
-        ("response_tokens", settings.response_tokens >= 1, ">= 1"),
-        ("tool_tokens", settings.tool_tokens >= 0, ">= 0"),
-        ("tool_seconds", settings.tool_seconds >= 0, ">= 0"),
-        ("shutdown_timeout", settings.shutdown_timeout >= 0, ">= 0"),
-        ("job", is_job(settings.job), f"a job name matching {JOB_PATTERN}"),
-    ]
-    problems = [Problem(name, "", expected, repr(getattr(settings, name))) for name, ok, expected in rules if not ok]
-    return problems + client_key_problems(settings.curve_secret_key, settings.curve_server_key)
+    """What a start would refuse in settings each of whose values its
+    declaration takes (`ProducerSettings`): CURVE key files that are not
+    a pair, or one given without the other."""
+    return client_key_problems(settings.curve_secret_key, settings.curve_server_key)
 
 
 def check(settings: ProducerSettings) -> None:
     """Refuse settings no source can run with, naming every rule broken."""
-    problems = violations(settings)
-    if problems:
-        raise InvalidInput("; ".join(map(str, problems)))
+    check_settings(settings, violations)
 
 
 async def run(settings: ProducerSettings) -> int:

@@ -1,5 +1,6 @@
 """Operator-facing pieces: the metrics endpoint, structured logs, and the
 shipped configuration files."""
+import os
 import socket
 import urllib.request
 from pathlib import Path
@@ -104,7 +105,10 @@ def test_the_broker_keeps_freed_batch_buffers_instead_of_faulting_in_fresh_pages
 
 
 @pytest.mark.slow
-def test_a_taken_metrics_port_is_a_clear_error(tmp_path):
+def test_a_taken_port_is_refused_at_start_naming_the_setting(tmp_path):
+    """A port another process holds shows only when a daemon binds it: exit
+    2 naming the setting, where it came from and the rule, no traceback;
+    the broker's own endpoints as well as either daemon's metrics port."""
     import subprocess
     import sys
 
@@ -112,10 +116,21 @@ def test_a_taken_metrics_port_is_a_clear_error(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for command in (["broker", "--data-dir", str(tmp_path / "data"), "--producer-endpoint", f"ipc://{tmp_path}/p",
-                         "--consumer-endpoint", f"ipc://{tmp_path}/c", "--admin-endpoint", f"ipc://{tmp_path}/a"],
-                        ["producer", "--broker-endpoint", f"ipc://{tmp_path}/p", "--trajectories", "1"]):
-            result = subprocess.run([sys.executable, "-m", "rollstream.app.cli", *command, "--metrics-port", str(port)],
-                                    capture_output=True, text=True, timeout=120)
-            assert result.returncode != 0 and f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
+        ipc = ["--producer-endpoint", f"ipc://{tmp_path}/p", "--consumer-endpoint", f"ipc://{tmp_path}/c",
+               "--admin-endpoint", f"ipc://{tmp_path}/a"]
+        starts = [
+            (["broker", "--data-dir", str(tmp_path / "data"), *ipc, "--metrics-port", str(port)],
+             f"metrics_port must be a port no other process holds, got '127.0.0.1:{port}'", "flag --metrics-port"),
+            (["producer", "--broker-endpoint", f"ipc://{tmp_path}/p", "--trajectories", "1", "--metrics-port", str(port)],
+             f"metrics_port must be a port no other process holds, got '127.0.0.1:{port}'", "flag --metrics-port"),
+            (["broker", "--data-dir", str(tmp_path / "data"), *ipc[2:], "--metrics-port", "0"],
+             f"producer_endpoint must be a port no other process holds, got 'tcp://127.0.0.1:{port}'",
+             "environment ROLLSTREAM_BROKER_PRODUCER_ENDPOINT"),
+        ]
+        for command, refusal, where in starts:
+            env = {**os.environ, "ROLLSTREAM_BROKER_PRODUCER_ENDPOINT": f"tcp://127.0.0.1:{port}"}
+            result = subprocess.run([sys.executable, "-m", "rollstream.app.cli", *command], capture_output=True,
+                                    text=True, timeout=120, env=env)
+            assert result.returncode == 2, (command, result.returncode, result.stderr[-2000:])
+            assert f"{refusal}: Address already in use ({where}) [rule: free port]" in result.stderr, result.stderr[-2000:]
             assert "Traceback" not in result.stderr

@@ -142,8 +142,8 @@ def test_the_rollstream_command_adds_the_model_source_to_the_producer_daemon():
     unknown = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "producer", "--source", "nope",
                               "--check-config"], capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 2
-    assert "source must be one of the registered sources ['model', 'replay', 'sglang', 'synthetic'], got 'nope'" \
-        in unknown.stderr
+    assert ("source must be one of 'synthetic', 'sglang', 'replay', 'model', got 'nope' (flag --source) "
+            "[rule: choice]") in unknown.stderr
 
 
 def test_the_producer_alone_knows_only_its_own_sources():
@@ -151,13 +151,13 @@ def test_the_producer_alone_knows_only_its_own_sources():
     is not registered, and the settings check says which sources are."""
     code = (
         "import sys\n"
-        "from rollstream.producer.daemon import violations\n"
+        "from rollstream.common.config import settings_problems\n"
         "from rollstream.producer.settings import ProducerSettings\n"
-        "print(*violations(ProducerSettings(source='model')), sep='\\n')\n"
+        "print(*settings_problems(ProducerSettings(source='model')), sep='\\n')\n"
         "assert not any(name.startswith('rollstream.app') for name in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
-    assert out.strip() == "source must be one of the registered sources ['replay', 'sglang', 'synthetic'], got 'model'"
+    assert out.strip() == "source must be one of 'synthetic', 'sglang', 'replay', got 'model' [rule: choice]"
 
 
 def test_help_lists_every_command_without_loading_torch():
@@ -179,23 +179,24 @@ def test_help_lists_every_command_without_loading_torch():
         assert f"  {command} " in out.stdout, f"--help must list {command}:\n{out.stdout}"
 
 
-def test_consume_hands_batch_tokens_to_the_consumer_which_checks_it():
-    """`--batch-tokens` reaches `Consumer(batch_tokens=)`: a budget of 0 is
-    refused with the consumer's own rule before anything is pulled. Given
-    neither limit, a batch is still 8 units (nothing to pull here: it times out)."""
+def test_consume_checks_its_settings_and_defaults_to_batches_of_8_units():
+    """A budget of 0 tokens is refused by the setting's range before any
+    consumer is made (exit 2, the setting, rule, expected and actual value).
+    Given neither limit, a batch is 8 units (nothing to pull here: it times out)."""
     from click.testing import CliRunner
 
     from rollstream.consumer.cli import consume
 
-    def run(*args: str) -> str:
-        result = CliRunner().invoke(consume, ["--endpoint", "tcp://127.0.0.1:9", "--timeout", "1", *args])
-        assert result.exit_code == 1, (result.exit_code, result.output)
-        return result.output
+    def run(*args: str):
+        return CliRunner().invoke(consume, ["--endpoint", "tcp://127.0.0.1:9", "--timeout", "1", *args])
 
     refused = run("--batch-tokens", "0")
-    assert "batch_tokens must be an int of at least 1, got 0" in refused, refused
+    assert refused.exit_code == 2, (refused.exit_code, refused.output)
+    assert ("batch_tokens must be a whole number of tokens >= 1, got 0 (flag --batch-tokens) [rule: range]"
+            in refused.output), refused.output
     default = run()
-    assert "no full batch within the timeout: 0 of 8 units ready" in default, default
+    assert default.exit_code == 1, (default.exit_code, default.output)
+    assert "no full batch within the timeout: 0 of 8 units ready" in default.output, default.output
 
 
 @pytest.mark.slow

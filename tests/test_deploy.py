@@ -31,6 +31,7 @@ DAEMONS = ("broker", "producer")  # the commands that take --config and --check-
 # Values the cluster fills in at run time (env valueFrom.fieldRef), for the dry run.
 FIELD_SAMPLES = {"status.hostIP": "10.0.0.1", "metadata.name": "rollout-sglang-0"}
 KEYS = "/etc/rollstream/keys"  # where every pod and unit finds its CURVE keys
+PROMPTS = "/etc/rollstream/prompts.jsonl"  # the prompts an operator gives the sglang producer
 # The broker's directories and whom each allows: with the broker's, the Secret's key pairs.
 ALLOWED = {"producers": "producer", "consumers": "trainer", "admin": "admin"}
 REQUIRED_ALERTS = {"RollstreamBrokerDown", "RollstreamDeadLettersGrowing", "RollstreamReplayGapRate",
@@ -101,6 +102,14 @@ def keys(tmp_path_factory) -> Path:
     """Real key pairs for the Secret's names, and the broker's directories of allowed keys: what an
     operator makes with `rollstream keys generate` (docs/operations.md, Security)."""
     return KeyLayout.generate(tmp_path_factory.mktemp("keys"), ALLOWED).root
+
+
+def operator_paths(root: Path, keys: Path) -> dict[str, Path]:
+    """The files an operator puts beside the configurations (the keys, a prompts file), made
+    locally under `root`, by the paths the configurations name them."""
+    prompts = root / "prompts.jsonl"
+    prompts.write_text('{"input_ids": [1, 2, 3]}\n')
+    return {KEYS: keys, PROMPTS: prompts}
 
 
 def localized(text: str, mounts: dict[str, Path]) -> str:
@@ -189,8 +198,9 @@ def etc_rollstream(root: Path, keys: Path) -> Path:
     their local paths) and the keys."""
     etc = root / "etc-rollstream"
     shutil.copytree(DEPLOY / "systemd", etc)
+    paths = operator_paths(etc, keys)
     for path in etc.rglob("*.toml"):
-        path.write_text(localized(path.read_text(), {KEYS: keys}))
+        path.write_text(localized(path.read_text(), paths))
     return etc
 
 
@@ -218,11 +228,11 @@ def container_command_line() -> CommandLine:
 def toml_files(root: Path, keys: Path) -> list[tuple[str, Path]]:
     """Every TOML file in deploy/ and every *.toml entry of a ConfigMap, written under `root` with
     the keys' mount path made local."""
-    files = []
+    files, paths = [], operator_paths(root, keys)
     for path in sorted(DEPLOY.rglob("*.toml")):
         local = root / path.relative_to(DEPLOY)
         local.parent.mkdir(parents=True, exist_ok=True)
-        local.write_text(localized(path.read_text(), {KEYS: keys}))
+        local.write_text(localized(path.read_text(), paths))
         files.append((str(path.relative_to(ROOT)), local))
     for path, doc in kubernetes_documents():
         if doc["kind"] == "ConfigMap":
@@ -230,7 +240,7 @@ def toml_files(root: Path, keys: Path) -> list[tuple[str, Path]]:
                 if key.endswith(".toml"):
                     local = root / doc["metadata"]["name"] / key
                     local.parent.mkdir(parents=True, exist_ok=True)
-                    local.write_text(localized(text, {KEYS: keys}))
+                    local.write_text(localized(text, paths))
                     files.append((f"{path.name}: ConfigMap {doc['metadata']['name']} key {key}", local))
     return files
 
@@ -315,12 +325,15 @@ def test_check_config_reports_every_problem_with_the_key_the_expected_and_the_ac
                     env={"ROLLSTREAM_BROKER_LEASE_TIMEOUT": "soon", "ROLLSTREAM_BROKER_SYNCC": "full"})
     assert result.exit_code == 2, result.output
     expected = [
-        f"sync must be one of 'normal', 'full', got 'fast' ({config})",
-        f"window must be an integer, got 1.5 (float) ({config})",  # a bad type: not truncated to 1
-        f"max_memory must be a key of [broker] (did you mean max_memory_bytes?), got an unknown key ({config})",
-        f"max_disk_bytes must be a byte size such as 1048576, 512MiB or 2G, got 'lots' ({config})",
-        "batch_max must be an integer, got 'many' (flag --batch-max)",
-        "lease_timeout must be a number, got 'soon' (environment ROLLSTREAM_BROKER_LEASE_TIMEOUT)",
+        f"sync must be one of 'normal', 'full', got 'fast' ({config}) [rule: choice]",
+        # a bad type: not truncated to 1
+        f"window must be a whole number of frames >= 1, got 1.5 (float) ({config}) [rule: type]",
+        f"max_memory must be a key of [broker] (did you mean max_memory_bytes?), got an unknown key ({config}) "
+        "[rule: known key]",
+        f"max_disk_bytes must be a byte size >= 1 (such as 1048576, 512MiB or 2G), got 'lots' ({config}) [rule: type]",
+        "batch_max must be a whole number of frames >= 1, got 'many' (flag --batch-max) [rule: type]",
+        "lease_timeout must be a number of seconds > 0, got 'soon' (environment ROLLSTREAM_BROKER_LEASE_TIMEOUT) "
+        "[rule: type]",
         "--windw must be a flag of this command (did you mean --window",
         "ROLLSTREAM_BROKER_SYNCC must be a variable of this command (did you mean ROLLSTREAM_BROKER_SYNC",
     ]
@@ -335,9 +348,10 @@ def test_check_config_runs_the_producers_rules_and_passes_a_clean_configuration(
     config.write_text("[producer]\nturns = 0\ngroup_size = 0\ncrc = 1\n")
     result = invoke("producer", "--config", str(config), "--abort-rate", "2", "--check-config")
     assert result.exit_code == 2, result.output
-    for problem in (f"turns must be >= 1, got 0 ({config})", f"group_size must be >= 1, got 0 ({config})",
-                    "abort_rate must be in [0, 1], got 2.0 (flag --abort-rate)",
-                    f"crc must be true or false, got 1 (int) ({config})"):
+    for problem in (f"turns must be a whole number of turns >= 1, got 0 ({config}) [rule: range]",
+                    f"group_size must be a whole number of samples >= 1, got 0 ({config}) [rule: range]",
+                    "abort_rate must be a share in [0, 1], got 2.0 (flag --abort-rate) [rule: range]",
+                    f"crc must be true or false, got 1 (int) ({config}) [rule: type]"):
         assert problem in result.output, f"expected {problem!r} in:\n{result.output}"
     config.write_text("[producer]\nturns = 2\n")
     clean = invoke("producer", "--config", str(config), "--check-config", env={"ROLLSTREAM_PRODUCER_WINDOW": "8"})
@@ -348,8 +362,8 @@ def test_a_real_start_refuses_the_same_problems_before_starting(tmp_path):
     result = run([str(ROLLSTREAM), "broker", "--data-dir", str(tmp_path / "data"), "--window", "x",
                   "--sync", "fast"])
     assert result.returncode == 2, result.stderr
-    assert "window must be an integer, got 'x' (flag --window)" in result.stderr
-    assert "sync must be one of 'normal', 'full', got 'fast' (flag --sync)" in result.stderr
+    assert "window must be a whole number of frames >= 1, got 'x' (flag --window) [rule: type]" in result.stderr
+    assert "sync must be one of 'normal', 'full', got 'fast' (flag --sync) [rule: choice]" in result.stderr
     assert not (tmp_path / "data").exists()
 
 

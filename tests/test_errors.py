@@ -230,20 +230,18 @@ def test_the_closed_clients_share_a_base():
 def test_config_error_is_a_rollstream_error_and_a_usage_error():
     from rollstream.common.config import ConfigError, Problem
 
-    error = ConfigError([Problem("window", "flag --window", "an integer", "'many'")])
-    assert isinstance(error, RollstreamError) and isinstance(error, click.UsageError)
+    error = ConfigError([Problem("window", "flag --window", "an integer", "'many'", "type")])
+    assert isinstance(error, InvalidInput) and isinstance(error, click.UsageError)
     assert error.code == "invalid_input" and error.exit_code == 2
-    assert str(error) == "1 configuration error(s):\n  window must be an integer, got 'many' (flag --window)"
+    assert str(error) == "1 configuration error(s):\n  window must be an integer, got 'many' (flag --window) [rule: type]"
 
 
 def test_every_other_local_error_type_is_a_rollstream_error():
     from rollstream.common.curve import CurveError
-    from rollstream.common.metrics import MetricsPortUnusable
     from rollstream.common.segments import SegmentDamaged
     from rollstream.consumer import SourceRankFailed
 
     assert isinstance(CurveError("x"), InvalidInput)
-    assert isinstance(MetricsPortUnusable("x"), InvalidInput) and isinstance(MetricsPortUnusable("x"), RuntimeError)
     assert isinstance(SegmentDamaged("x"), RollstreamError)
     failed = SourceRankFailed("the source rank failed", code="timed_out")
     assert isinstance(failed, RuntimeError) and failed.retriable

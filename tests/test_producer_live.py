@@ -853,7 +853,7 @@ def test_the_model_daemon_streams_rollouts_a_trainer_replays_exactly(tmp_path):
 def test_bad_settings_and_recordings_are_refused_with_the_rule(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "producer", "--turns", "0"],
                          capture_output=True, text=True, timeout=PATIENCE, check=False)
-    assert bad.returncode != 0 and "turns must be >= 1, got 0" in bad.stderr
+    assert bad.returncode == 2 and "turns must be a whole number of turns >= 1, got 0 (flag --turns) [rule: range]" in bad.stderr
     recording = tmp_path / "bad.jsonl"
     recording.write_text(json.dumps({"type": "turn", "trajectory_id": "x", "prompt_tokens": [1], "turn": 1,
                                      "tokens": [1], "log_probs": [0.0]}) + "\n")

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -78,16 +78,16 @@ def broker_arguments(settings: Mapping[str, Any] | None) -> list[str]:
     settings = dict(settings or {})
     names = {f.name for f in fields(BrokerSettings)}
     problems = [Problem(key, SETTINGS_WHERE, f"left out: rollstream.ray sets it per node (see {PER_NODE[key]})",
-                        repr(value)) for key, value in settings.items() if key in PER_NODE]
-    problems += [Problem(key, SETTINGS_WHERE, unknown_expected(key, names, "a broker setting"), "an unknown key")
-                 for key in settings if key not in names]
+                        repr(value), "per-node setting") for key, value in settings.items() if key in PER_NODE]
+    problems += [Problem(key, SETTINGS_WHERE, unknown_expected(key, names, "a broker setting"), "an unknown key",
+                         "known key") for key in settings if key not in names]
     args = [f"--{key.replace('_', '-')}={_flag_value(value)}" for key, value in settings.items()
             if value is not None and key in names and key not in PER_NODE]
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the dry run's "configuration ok"
             broker_command.main([*args, "--check-config"], prog_name="rollstream broker", standalone_mode=False)
     except ConfigError as error:
-        problems += [Problem(p.key, SETTINGS_WHERE, p.expected, p.actual) for p in error.problems]
+        problems += [replace(problem, where=SETTINGS_WHERE) for problem in error.problems]
     if problems:
         raise ConfigError(problems)
     return args
