@@ -113,24 +113,30 @@ def _device_present(ctx: click.Context, param: click.Parameter, device: str) -> 
 
 
 @main.command()
-@click.option("--producers", default=2, show_default=True, help="Synthetic producer daemons.")
-@click.option("--trajectories", default=24, show_default=True, help="Trajectories per producer (whole groups).")
-@click.option("--turns", default=3, show_default=True, help="Turns per trajectory.")
-@click.option("--group-size", default=4, show_default=True, help="Samples per prompt (one group).")
-@click.option("--batch-size", default=4, show_default=True, help="Groups per training batch.")
-@click.option("--abort-rate", default=0.1, show_default=True, help="Chance a later turn aborts without supports (a replay gap).")
-@click.option("--retry-rate", default=0.1, show_default=True, help="Chance a trajectory outside a group (--group-size 1) "
+@click.option("--producers", type=click.IntRange(min=1), default=2, show_default=True, help="Synthetic producer daemons.")
+@click.option("--trajectories", type=click.IntRange(min=1), default=24, show_default=True,
+              help="Trajectories per producer (whole groups).")
+@click.option("--turns", type=click.IntRange(min=1), default=3, show_default=True, help="Turns per trajectory.")
+@click.option("--group-size", type=click.IntRange(min=1), default=4, show_default=True, help="Samples per prompt (one group).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True, help="Groups per training batch.")
+@click.option("--abort-rate", type=click.FloatRange(0.0, 1.0), default=0.1, show_default=True,
+              help="Chance a later turn aborts without supports (a replay gap).")
+@click.option("--retry-rate", type=click.FloatRange(0.0, 1.0), default=0.1, show_default=True,
+              help="Chance a trajectory outside a group (--group-size 1) "
               "is discarded (abort) after its first turn and produced again.")
-@click.option("--dp-size", default=2, show_default=True, help="Trainer ranks (DistributedConsumer over gloo).")
+@click.option("--dp-size", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Trainer ranks (DistributedConsumer over gloo).")
 @click.option("--chaos", is_flag=True, help="SIGKILL and restart the broker (3 times), a producer and the trainer's "
               "source rank during the run; the checker must still find nothing wrong.")
-@click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for the run to drain.")
+@click.option("--timeout", type=click.FloatRange(min=0.0, min_open=True), default=180.0, show_default=True,
+              help="Seconds to wait for the run to drain.")
 @click.option("--keep-data", is_flag=True, help="Keep the broker's data dir, the ledgers and the daemons' log.")
 @click.option("--train", is_flag=True, help="The model in the loop: model producers and a trainer that replays "
               "their sampling distribution and takes policy-gradient steps (docs/training.md); it takes "
               "--producers, --group-size, --batch-size, --turns, --keep-data and --chaos (the trainer crashes "
               "between a commit and its next checkpoint and resumes) of the options above.")
-@click.option("--steps", default=60, show_default=True, help="--train: training steps (one batch each).")
+@click.option("--steps", type=click.IntRange(min=1), default=60, show_default=True,
+              help="--train: training steps (one batch each).")
 @click.option("--max-staleness", type=click.IntRange(min=0), default=None,
               help="The broker's staleness bound, in policy versions (the trainer's steps) a trajectory's oldest turn "
                    "may lag the trainer (docs/consumer.md, Staleness); stale ones are dead-lettered and counted.")

@@ -77,9 +77,10 @@ def broker(log_format: str, **values) -> None:
 @click.option("--endpoints-file", type=click.Path(dir_okay=False),
               help="Read the admin endpoint from the file a broker's --endpoints-file names (instead of --admin).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-@click.option("--dead-letters", default=20, show_default=True, help="How many dead letters to list.")
-@click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for the broker.")
-@click.option("--wait", "wait_seconds", type=float, default=None,
+@click.option("--dead-letters", type=click.IntRange(min=0), default=20, show_default=True, help="How many dead letters to list.")
+@click.option("--timeout", type=click.FloatRange(min=0.0, min_open=True), default=5.0, show_default=True,
+              help="Seconds to wait for the broker.")
+@click.option("--wait", "wait_seconds", type=click.FloatRange(min=0.0), default=None,
               help="Keep trying for up to this many seconds until the broker answers (readiness for scripts).")
 @curve_client_options
 def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letters: int, timeout: float,
@@ -128,7 +129,8 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
 
 @click.command()
 @click.option("--admin", "endpoint", default="tcp://127.0.0.1:5557", show_default=True, help="The broker's admin endpoint.")
-@click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for the broker.")
+@click.option("--timeout", type=click.FloatRange(min=0.0, min_open=True), default=5.0, show_default=True,
+              help="Seconds to wait for the broker.")
 @click.option("--job", default=None, help="The job the dead letters belong to (as `status` lists them; "
               "default: the default job).")
 @curve_client_options
