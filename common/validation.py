@@ -121,8 +121,12 @@ class _NumpyOps:
         return values[index]
 
     @staticmethod
-    def repeat(values, counts, total: int):
-        return np.repeat(values, counts)
+    def cast(values, dtype: str):
+        return values.astype(dtype, copy=False)
+
+    @staticmethod
+    def largest(values) -> int:
+        return int(np.iinfo(values.dtype).max)
 
     @classmethod
     def segment_any(cls, flags, offsets):
@@ -185,13 +189,14 @@ class _NumpyOps:
         int64 offsets read as uint64, where negative ones are >= 2**63."""
         return _offsets_out_of_range(offsets, n_ids)
 
-    @staticmethod
-    def outside(values, vocab_size: int | None):
+    @classmethod
+    def outside(cls, values, vocab_size: int | None):
         """Whether any id lies outside [0, vocab_size) (two reductions, or
         one over int32 read as uint32, where negative ids are >= 2**31)."""
+        bound = _vocab_bound(cls, values, vocab_size)
         if values.dtype == np.int32:
-            return _MAX(values.view(np.uint32)) >= (2**31 if vocab_size is None else vocab_size)
-        return (values.min() < 0) | (vocab_size is not None and values.max() >= vocab_size)
+            return _MAX(values.view(np.uint32)) >= (2**31 if bound is None else bound)
+        return (values.min() < 0) | (bound is not None and values.max() >= bound)
 
     @staticmethod
     def flags(values: Sequence, like) -> np.ndarray:
@@ -243,8 +248,11 @@ class _TorchOps:
     def gather(values, index):
         return values.index_select(0, index)
 
-    def repeat(self, values, counts, total: int):
-        return self._torch.repeat_interleave(values, counts, output_size=total)
+    def cast(self, values, dtype: str):
+        return values.to(getattr(self._torch, dtype))
+
+    def largest(self, values) -> int:
+        return int(self._torch.iinfo(values.dtype).max)
 
     @staticmethod
     def nonzero(flags):
@@ -281,7 +289,8 @@ class _TorchOps:
 
     def outside(self, values, vocab_size: int | None):
         low, high = self._torch.aminmax(values)
-        return (low < 0) | (high >= vocab_size) if vocab_size is not None else low < 0
+        bound = _vocab_bound(self, values, vocab_size)
+        return (low < 0) | (high >= bound) if bound is not None else low < 0
 
     def flags(self, values: Sequence, like):
         torch = self._torch
@@ -310,6 +319,13 @@ _SCRATCH = threading.local()
 
 def _ops_for(array):
     return _NUMPY if isinstance(array, np.ndarray) else _TorchOps()
+
+
+def _vocab_bound(ops, values, vocab_size: int | None) -> int | None:
+    """`vocab_size`, or None when no value of `values`' integer dtype reaches
+    it: torch compares a tensor with a Python int its dtype cannot hold as
+    that int wrapped around (int32 ids against 2**31 all read as outside)."""
+    return None if vocab_size is None or vocab_size > ops.largest(values) else vocab_size
 
 
 @dataclass(frozen=True)
@@ -388,9 +404,14 @@ def _csr_violations(ops, ids, offsets, cu_host) -> tuple[list[Violation], Any]:
     return found, None if found else offsets[1:] - offsets[:-1]
 
 
+def _one_sample(offsets) -> np.ndarray:
+    """The cumulative response lengths of a batch whose one sample is the mask's tokens."""
+    return np.array([0, max(len(offsets) - 1, 0)])
+
+
 def csr_problem(ids, offsets) -> str | None:
     """The first CSR rule a single mask breaks, as a message, or None."""
-    found, _ = _csr_violations(_ops_for(offsets), ids, offsets, np.array([0, max(len(offsets) - 1, 0)]))
+    found, _ = _csr_violations(_ops_for(offsets), ids, offsets, _one_sample(offsets))
     if not found:
         return None
     v = found[0]
@@ -415,7 +436,7 @@ def inside_support(tokens, ids, offsets, sizes=None):
         # 4,096-id supports).
         return np.logical_or.reduce(np.equal(ids.reshape(len(sizes), -1), tokens[:, None]), axis=1)
     if not ops.fast_running_sum():  # one int32 prefix sum spreads the tokens (a third of a repeat's cost)
-        hits = ids == _spread(ops, tokens, sizes, offsets, len(ids))
+        hits = ids == _spread(ops, tokens, offsets, len(ids))
         if (inside := _paired(hits, offsets)) is not None:  # pairing, not a second prefix sum
             return inside
         return ops.segment_any(hits, offsets)
@@ -426,7 +447,7 @@ def _inside_by_counts(ops, tokens, ids, offsets, sizes):
     """`inside_support` as two running sums: the tokens spread over the ids,
     then the hits counted and compared at the support ends. Indexes only
     within [0, len(ids)], so offsets `bounded` by the ops are safe."""
-    hits = ops.equal(ids, _spread(ops, tokens, sizes, offsets, len(ids)), "hits")
+    hits = ops.equal(ids, _spread(ops, tokens, offsets, len(ids)), "hits")
     running = ops.gather(ops.running_sum(hits, ops.count_dtype(sizes, len(ids)), "hit counts"), offsets)
     return running[1:] != running[:-1]
 
@@ -472,25 +493,27 @@ def _equal_and_long(sizes, offsets, total: int) -> bool:
             and _MIN(sizes) == _MAX(sizes))
 
 
-def _spread(ops, values, sizes, offsets, total: int):
+def _spread(ops, values, offsets, total: int):
     """`values[t]` at each of segment t's `total` positions, as the running
     sum of the steps between consecutive values, each step placed at its
-    segment's start: about twice as fast as a repeat on the CPU, and a GPU
-    needs no output size from the host. Steps and sums wrap around in
-    int32, so each segment still lands exactly on its value when the values
-    fit int32; wider values take a plain repeat. The result may be a scratch
-    buffer."""
+    segment's start: about twice as fast as a repeat on the CPU, a GPU
+    needs no output size from the host, and offsets the ops `bounded` (in
+    range, in any order) index safely where a repeat would refuse their
+    negative sizes. Steps and sums wrap around, so each segment still lands
+    exactly on its value: in int32 when the values fit it, else in int64.
+    The values are cast first (a narrow dtype's own steps would wrap in it).
+    The result may be a scratch buffer."""
     if len(values) == 0:
         return values[:0]
-    if not ops.fits_int32(values):
-        return ops.repeat(values, sizes, total)
-    steps = ops.empty(len(values), "int32", "steps", values)  # every entry is written next
+    dtype = "int32" if ops.fits_int32(values) else "int64"
+    values = ops.cast(values, dtype)
+    steps = ops.empty(len(values), dtype, "steps", values)  # every entry is written next
     steps[:1] = values[:1]
     steps[1:] = values[1:] - values[:-1]
     # One slot past the end: bounded offsets of an empty last support point there.
-    spread = ops.zeros(total + 1, "int32", "spread steps", values)
+    spread = ops.zeros(total + 1, dtype, "spread steps", values)
     ops.put(spread, offsets[:-1], steps)
-    return ops.running_sum(spread[:total], "int32", "spread")[1:]
+    return ops.running_sum(spread[:total], dtype, "spread")[1:]
 
 
 def _outside_vocab(values, vocab_size: int | None):
@@ -498,13 +521,13 @@ def _outside_vocab(values, vocab_size: int | None):
     (decided with one or two reductions, so valid data costs no mask array)."""
     if len(values) == 0:
         return None
+    bound = _vocab_bound(_ops_for(values), values, vocab_size)
     if isinstance(values, np.ndarray) and values.dtype == np.int32:
-        bound = 2**31 if vocab_size is None else vocab_size  # negative ids read as uint32 are >= 2**31
-        if int(values.view(np.uint32).max()) < bound:
+        if int(values.view(np.uint32).max()) < (2**31 if bound is None else bound):  # negative ids read as uint32 are >= 2**31
             return None
-    elif int(values.min()) >= 0 and (vocab_size is None or int(values.max()) < vocab_size):
+    elif int(values.min()) >= 0 and (bound is None or int(values.max()) < bound):
         return None
-    return (values < 0) if vocab_size is None else ((values < 0) | (values >= vocab_size))
+    return (values < 0) if bound is None else ((values < 0) | (values >= bound))
 
 
 def packed_violations(
@@ -607,19 +630,13 @@ def packed_flags(
         return ops.flags([True], tokens)
     flags: list[Any] = []
     if mask_offsets is not None:
-        n_ids = len(mask_ids)
-        sizes = mask_offsets[1:] - mask_offsets[:-1]
-        broken = (mask_offsets[0] != 0) | (mask_offsets[-1] != n_ids)
-        if total:  # in range, sizes cannot wrap around, so positive ones mean strictly increasing offsets
-            broken = broken | (sizes.min() <= 0) | ops.out_of_range(mask_offsets, n_ids)
-        flags.append(broken)
-        bounded = ops.bounded(mask_offsets, n_ids, broken)
+        mask_flags, sizes = _mask_checks(ops, mask_ids, mask_offsets, vocab_size)
+        flags += mask_flags
+        bounded = ops.bounded(mask_offsets, len(mask_ids), mask_flags[0])
         if total and bounded is not None:
             flags.append(~inside_support(tokens, mask_ids, bounded, sizes if bounded is mask_offsets else None).all())
         if marks_forced and loss_mask is not None and log_probs is not None and total:
             flags.append(((loss_mask == 0) & (log_probs == 0) & (sizes != 1)).any())
-        if n_ids:
-            flags.append(ops.outside(mask_ids, vocab_size))
     if total:
         flags.append(ops.outside(tokens, vocab_size))
         if loss_mask is not None:
@@ -627,6 +644,57 @@ def packed_flags(
         if log_probs is not None:
             flags.append(_log_probs_broken(log_probs))
     return ops.flags(flags, tokens)
+
+
+def _mask_checks(ops, ids, offsets, vocab_size: int | None) -> tuple[list[Any], Any]:
+    """`csr_flags`' flags, the offsets' first, and the offsets' differences:
+    the support sizes where the offsets keep the rules (wrapped around
+    where they do not). `offsets` has at least one entry."""
+    n_ids = len(ids)
+    sizes = offsets[1:] - offsets[:-1]
+    broken = (offsets[0] != 0) | (offsets[-1] != n_ids)
+    if len(sizes):  # in range, sizes cannot wrap around, so positive ones mean strictly increasing offsets
+        broken = broken | (sizes.min() <= 0) | ops.out_of_range(offsets, n_ids)
+    return [broken, ops.outside(ids, vocab_size)] if n_ids else [broken], sizes
+
+
+def csr_flags(ids, offsets, vocab_size: int | None = None):
+    """A mask's own rules as flags where it lives, with no host read:
+    offsets from 0 to `len(ids)`, strictly increasing, and ids in
+    [0, vocab_size). `packed_flags` less its tokens, for a caller that
+    checks them against the supports itself (rows that pick supports out
+    of order); `locate_csr_violations` explains a failed verdict."""
+    ops = _ops_for(offsets)
+    if not len(offsets):
+        return ops.flags([True], offsets)
+    return ops.flags(_mask_checks(ops, ids, offsets, vocab_size)[0], offsets)
+
+
+def locate_csr_violations(ids, offsets, vocab_size: int | None = None) -> list[Violation]:
+    """`csr_flags`' rules as `locate_violations` reports them for a batch
+    whose one sample is the mask's tokens (the CSR rules, else the ids
+    outside the vocabulary), reading freely."""
+    ops = _ops_for(offsets)
+    cu_host = _one_sample(offsets)
+    found, _ = _csr_violations(ops, ids, offsets, cu_host)
+    return found or _mask_vocab_violations(ops, ids, offsets, vocab_size, cu_host)
+
+
+def _mask_vocab_violations(ops, ids, offsets, vocab_size: int | None, cu_host) -> list[Violation]:
+    """`RULE_MASK_VOCAB` per sample, at the first token whose support holds
+    an id outside [0, vocab_size) (the offsets keep the CSR rules)."""
+    bad_ids = _outside_vocab(ids, vocab_size)
+    if bad_ids is None:
+        return []
+    bad_index = ops.to_host(ops.nonzero(bad_ids))
+    bad_values = ops.to_host(ops.take(ids, bad_index))
+    token_of_id = np.searchsorted(ops.to_host(offsets), bad_index, side="right") - 1
+    bad_tokens, first = np.unique(token_of_id, return_index=True)
+    first_bad = dict(zip(bad_tokens.tolist(), bad_values[first].tolist()))
+    upper = "inf" if vocab_size is None else vocab_size
+    return _group_by_sample(
+        RULE_MASK_VOCAB, bad_tokens, cu_host, lambda g: f"its support holds id {first_bad[g]}, outside [0, {upper})"
+    )
 
 
 def locate_violations(
@@ -698,16 +766,7 @@ def locate_violations(
                     RULE_FORCED_SINGLETON, ops.to_host(ops.nonzero(not_singleton)), cu_host,
                     lambda g: f"forced token {token_at(g)} has a support of {int(host_sizes[g])} ids, expected 1",
                 )
-        bad_ids = _outside_vocab(mask_ids, vocab_size)
-        if bad_ids is not None:
-            bad_index = ops.to_host(ops.nonzero(bad_ids))
-            bad_values = ops.to_host(ops.take(mask_ids, bad_index))
-            token_of_id = np.searchsorted(ops.to_host(mask_offsets), bad_index, side="right") - 1
-            bad_tokens, first = np.unique(token_of_id, return_index=True)
-            first_bad = dict(zip(bad_tokens.tolist(), bad_values[first].tolist()))
-            found += _group_by_sample(
-                RULE_MASK_VOCAB, bad_tokens, cu_host, lambda g: f"its support holds id {first_bad[g]}, outside [0, {upper})"
-            )
+        found += _mask_vocab_violations(ops, mask_ids, mask_offsets, vocab_size, cu_host)
     bad_tokens = _outside_vocab(tokens, vocab_size)
     if bad_tokens is not None:
         found += _group_by_sample(

@@ -34,24 +34,22 @@ from rollstream.common.validation import (
     RULE_NONEMPTY_SUPPORT,
     RULE_OFFSETS_END,
     RULE_OFFSETS_START,
-    RULE_TOKEN_VOCAB,
     Verdict,
     Violation,
+    csr_flags,
     inside_support,
-    locate_violations,
-    packed_flags,
+    locate_csr_violations,
 )
 
 from .batch import ranges_index
 
 _INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-# Mask ids travel as int32 (docs/protocol.md), and an int32 tensor compares
-# right only with a bound int32 holds: no vocabulary is larger.
+# Mask ids travel as int32 (docs/protocol.md): no vocabulary is larger than int32's largest value.
 _ID_RANGE = 2**31 - 1
-# The argument each content rule is about.
+# The argument each of the mask's own rules is about.
 _ARGUMENT = {
     RULE_OFFSETS_START: "mask_offsets", RULE_OFFSETS_END: "mask_offsets", RULE_NONEMPTY_SUPPORT: "mask_offsets",
-    RULE_MASK_VOCAB: "mask_ids", RULE_IN_SUPPORT: "tokens", RULE_TOKEN_VOCAB: "tokens",
+    RULE_MASK_VOCAB: "mask_ids",
 }
 
 
@@ -140,20 +138,20 @@ def _vocabulary(columns: int, tp_rank, tp_group=None) -> tuple[int, str]:
     return _ID_RANGE, f"int32's range: a vocab slice at tp_rank {tp_rank} without tp_group knows no whole vocabulary"
 
 
-def _support_entries(ids, offsets, positions, rows: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _support_entries(ids, offsets, positions, rows: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For every support id of the rows: its row and the id (int64, on
-    `device`); and, for rows picked by `positions`, each row's support size.
-    The offsets are bounded into the ids first, so that unchecked ones give
+    `device`); and the rows' supports among those entries, as offsets. The
+    offsets are bounded into the ids first, so that unchecked ones give
     meaningless entries but never index past the ids (nor have torch write
     past an output it sized from them)."""
     empty = torch.zeros(0, dtype=torch.int64, device=device)
     if not rows:
-        return empty, empty, empty
+        return empty, empty, torch.zeros(1, dtype=torch.int64, device=device)
     if positions is None:  # row r is token r: an id's row is the count of supports begun before it, the ids stay in order
         offsets = offsets.to(device, torch.int64, non_blocking=True).clamp(0, len(ids))
         begun = torch.zeros(len(ids) + 1, dtype=torch.int64, device=device)
         begun.index_add_(0, offsets[1:-1], torch.ones(rows - 1, dtype=torch.int64, device=device))
-        return begun.cumsum(0)[: len(ids)], ids.to(device, non_blocking=True).long(), None
+        return begun.cumsum(0)[: len(ids)], ids.to(device, non_blocking=True).long(), offsets
     n_tokens = len(offsets) - 1
     # Host offsets and positions size the expansion on the host; otherwise on the device.
     on_host = offsets.device.type == "cpu" and positions.device.type == "cpu"
@@ -168,83 +166,55 @@ def _support_entries(ids, offsets, positions, rows: int, device) -> tuple[torch.
         raise InvalidInput(f"positions must be in [0, {n_tokens}) (the mask's tokens), got [{low}, {high}]")
     starts, sizes = starts.to(device, non_blocking=True), sizes.to(device, non_blocking=True)
     owner = torch.repeat_interleave(torch.arange(rows, device=device), sizes, output_size=total)
-    return owner, ids.to(device, non_blocking=True)[ranges_index(starts, sizes, total)].long(), sizes
+    entry_offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
+    return owner, ids.to(device, non_blocking=True)[ranges_index(starts, sizes, total)].long(), entry_offsets
 
 
 def _entries(ids, offsets, positions, rows: int, device, *, vocab=None, tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`_support_entries`' rows and ids; with `vocab` (`check=True`), refused
-    unless the mask keeps the content rules and the rows' `tokens`, where
+    unless the mask keeps its own rules and the rows' `tokens`, where
     given, lie inside their supports."""
-    owner, entry_ids, sizes = _support_entries(ids, offsets, positions, rows, device)
+    owner, entry_ids, entry_offsets = _support_entries(ids, offsets, positions, rows, device)
     if vocab is not None:
-        content = _Content(ids, offsets, tokens if positions is None else None, vocab, device)
-        content.require(None if positions is None or tokens is None else (tokens, positions, entry_ids, sizes))
+        _require_content(ids.to(device, non_blocking=True), offsets.to(device, torch.int64, non_blocking=True), vocab,
+                         None if tokens is None else (tokens, positions, entry_ids, entry_offsets))
     return owner, entry_ids
 
 
-class _Content:
-    """`check=True`: the mask's content rules as batch validation's flags
-    (`packed_flags`), computed where the logits live and read back once by
-    a `Verdict`. Where the rows are not the mask's tokens, each support's
-    first id stands in for its token (`_first_ids`), and the rows' own
-    tokens are checked over their expanded supports. A broken rule is then
-    located (`locate_violations`, reading freely) and raised naming its
-    argument, the rule, the expected and the actual value."""
-
-    def __init__(self, ids, offsets, tokens, vocab: tuple[int, str], device):
-        self.ids = ids.to(device, non_blocking=True)
-        self.offsets = offsets.to(device, torch.int64, non_blocking=True)
-        self.tokens = _first_ids(self.ids, self.offsets) if tokens is None else tokens
-        self.bound, self.source = vocab
-        self.flags = packed_flags(_spreadable(self.tokens, self.bound), [len(self.offsets) - 1], self.ids, self.offsets,
-                                  vocab_size=self.bound)
-
-    def require(self, rows=None) -> None:
-        """Raise for the first rule the mask breaks, else for the first of
-        `rows` (its tokens, positions, expanded support ids and support
-        sizes) whose token lies outside its support."""
-        flags = [self.flags]
-        if rows is not None:
-            tokens, positions, entry_ids, sizes = rows
-            inside = inside_support(tokens, entry_ids, torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]), sizes)
-            flags.append(~inside.all().reshape(1))
-        if Verdict(*flags).passed():
-            return
-        found = locate_violations(self.tokens, [len(self.offsets) - 1], self.ids, self.offsets, vocab_size=self.bound)
-        if found:
-            raise self._refusal(found[0])
-        row = int(torch.nonzero(~inside)[0, 0])
-        token, position = int(tokens[row]), int(positions[row])
-        start, end = (int(offset) for offset in self.offsets[position : position + 2])
-        support = f"{self.ids[start : min(end, start + 8)].tolist()}{'...' if end - start > 8 else ''}"
-        raise InvalidInput(f"tokens: rule '{RULE_IN_SUPPORT}' violated at row {row}: token {token} is not in its support "
-                           f"{support} (mask token {position})")
-
-    def _refusal(self, violation: Violation) -> InvalidInput:
-        where = "" if violation.position is None else f" at mask token {violation.position}"
-        more = f" (and {violation.count - 1} more)" if violation.count > 1 else ""
-        vocab = f"; vocab_size is {self.source}" if violation.rule in (RULE_MASK_VOCAB, RULE_TOKEN_VOCAB) else ""
-        return InvalidInput(f"{_ARGUMENT[violation.rule]}: rule '{violation.rule}' violated{where}: "
-                            f"{violation.detail}{more}{vocab}")
+def _require_content(ids, offsets, vocab: tuple[int, str], rows=None) -> None:
+    """`check=True`: the mask's own rules as batch validation's flags
+    (`csr_flags`) and, with `rows` (the rows' tokens and positions, their
+    support entries and each row's offsets into those), each token inside
+    its support, computed where the logits live and read back once by a
+    `Verdict`. A broken rule is then located, reading freely, and raised
+    naming its argument, the rule, the expected and the actual value: the
+    mask's rules first, as the rows' supports mean nothing when they fail."""
+    bound, source = vocab
+    flags = [csr_flags(ids, offsets, bound)]
+    if rows is not None:
+        tokens, positions, entry_ids, entry_offsets = rows
+        outside = ~inside_support(tokens, entry_ids, entry_offsets)
+        flags.append(outside.any().reshape(1))
+    if Verdict(*flags).passed():
+        return
+    found = locate_csr_violations(ids, offsets, bound)
+    if found:
+        raise _refusal(found[0], source)
+    bad = torch.nonzero(outside)[:, 0]
+    row = int(bad[0])
+    token, position = int(tokens[row]), row if positions is None else int(positions[row])
+    start, end = (int(offset) for offset in offsets[position : position + 2])
+    support = f"{ids[start : min(end, start + 8)].tolist()}{'...' if end - start > 8 else ''}"
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    raise InvalidInput(f"tokens: rule '{RULE_IN_SUPPORT}' violated at row {row}: token {token} is not in its support "
+                       f"{support} (mask token {position}){more}")
 
 
-def _first_ids(ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Each support's first id: inside it wherever the offsets keep the
-    rules, so it stands in for the token when checking the mask alone.
-    Read at offsets clamped into the ids (broken ones are flagged anyway)."""
-    if not len(ids):  # no id: the offsets break the rules unless there is no token either
-        return ids.new_zeros(len(offsets) - 1)
-    return ids[offsets[:-1].clamp(0, len(ids) - 1)]
-
-
-def _spreadable(tokens: torch.Tensor, bound: int) -> torch.Tensor:
-    """`tokens` as int32 (`bound` is at most `_ID_RANGE`), each outside
-    [0, bound) as -1, outside still: validation spreads int32 tokens over
-    their supports by a prefix sum, which indexes safely whatever the
-    offsets hold; wider ones by a repeat, which fails on the negative sizes
-    of decreasing offsets."""
-    values = tokens.long()
-    return torch.where((values >= 0) & (values < bound), values, -1).to(torch.int32)
+def _refusal(violation: Violation, source: str) -> InvalidInput:
+    where = "" if violation.position is None else f" at mask token {violation.position}"
+    more = f" (and {violation.count - 1} more)" if violation.count > 1 else ""
+    vocab = f"; vocab_size is {source}" if violation.rule == RULE_MASK_VOCAB else ""
+    return InvalidInput(f"{_ARGUMENT[violation.rule]}: rule '{violation.rule}' violated{where}: {violation.detail}{more}{vocab}")
 
 
 def _in_slice(ids: torch.Tensor, tp_rank: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:

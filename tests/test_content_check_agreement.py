@@ -14,8 +14,15 @@ from rollstream.common.trajectory import Turn
 from rollstream.common.validation import (
     RULE_CODES,
     RULE_LOG_PROBS,
+    RULE_MASK_VOCAB,
+    RULE_NONEMPTY_SUPPORT,
+    RULE_OFFSETS_END,
+    RULE_OFFSETS_START,
+    RULE_TOKEN_VOCAB,
     Verdict,
     check_message_arrays,
+    csr_flags,
+    locate_csr_violations,
     locate_violations,
     messages_content_valid,
     packed_flags,
@@ -151,3 +158,54 @@ def test_producer_broker_and_consumer_apply_one_log_prob_rule(log_prob, passes):
     for role in ("consumer, numpy, located", "consumer, torch, located"):
         assert verdicts[role] == f"{RULE_LOG_PROBS} at 1: log_prob is {float(np.float32(log_prob))}, " \
                                  f"expected finite and <= {LOG_PROB_TOLERANCE}", verdicts
+
+
+def _backend(name: str):
+    """The array each check runs on: numpy, or torch tensors (the consumer's device path)."""
+    return np.asarray if name == "numpy" else pytest.importorskip("torch").from_numpy
+
+
+BROKEN_OFFSETS = {
+    "decreasing": [0, 2, 1, 3], "equal": [0, 1, 1, 3], "negative": [0, -5, 2, 3], "huge": [0, 2**62, 2, 3],
+    "wrapping": [0, 2**62 + 1, -(2**62) - 1, 3], "extremes": [0, 2**63 - 1, -(2**63), 3], "reversed": [9, 8, 7, 6],
+}
+CSR_RULES = {RULE_OFFSETS_START, RULE_OFFSETS_END, RULE_NONEMPTY_SUPPORT}
+# numpy's integer dtypes, and those torch has for every op the checks take.
+TOKEN_DTYPES = [("numpy", dtype) for dtype in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")] + [
+    ("torch", dtype) for dtype in ("int8", "uint8", "int16", "int32", "int64")]
+
+
+@pytest.mark.parametrize(("backend", "dtype"), TOKEN_DTYPES, ids=[f"{b}-{d}" for b, d in TOKEN_DTYPES])
+@pytest.mark.parametrize("offsets", [*BROKEN_OFFSETS.values(), None], ids=[*BROKEN_OFFSETS, "valid"])
+def test_any_offsets_with_any_token_dtype_give_flags(backend, dtype, offsets):
+    """Whatever the offsets hold and whatever the tokens' integer dtype, the
+    flags are made without an error, set exactly when the offsets break a
+    CSR rule, which `locate_violations` then names (and `csr_flags` and
+    `locate_csr_violations` agree). The tokens step down, which a narrow
+    dtype's own subtraction would wrap around."""
+    convert = _backend(backend)
+    tokens, ids = np.array([7, 5, 6], dtype), np.array([7, 5, 6], np.int32)
+    packed = [convert(a) for a in (tokens, np.array([3]), ids, np.arange(4) if offsets is None else np.array(offsets))]
+    mask = packed[2:]
+    valid = offsets is None
+    assert Verdict(packed_flags(*packed, vocab_size=VOCAB)).passed() == valid
+    assert Verdict(csr_flags(*mask, VOCAB)).passed() == valid
+    located = locate_violations(*packed, vocab_size=VOCAB)
+    assert located == locate_csr_violations(*mask, VOCAB)
+    assert (not located) if valid else {v.rule for v in located} <= CSR_RULES, located
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize(("dtype", "vocab_size"), [("int32", 2**31), ("int32", 2**40), ("int8", 1000), ("int64", 2**64)])
+def test_a_vocabulary_past_the_ids_dtype_leaves_only_negative_ids_outside(backend, dtype, vocab_size):
+    """torch compares a tensor with a Python int its dtype cannot hold as
+    that int wrapped around (2**31 against int32 reads as -2**31, 2**64
+    against int64 overflows): ids then lie outside only when negative."""
+    convert = _backend(backend)
+    values = np.array([0, 5, np.iinfo(dtype).max], dtype)
+    offsets = np.arange(4)
+    assert Verdict(packed_flags(*(convert(a) for a in (values, np.array([3]), values, offsets)), vocab_size=vocab_size)).passed()
+    assert Verdict(csr_flags(convert(values), convert(offsets), vocab_size)).passed()
+    values[1] = -1
+    found = packed_violations(*(convert(a) for a in (values, np.array([3]), values, offsets)), vocab_size=vocab_size)
+    assert [(v.rule, v.position, v.count) for v in found] == [(RULE_MASK_VOCAB, 1, 1), (RULE_TOKEN_VOCAB, 1, 1)], found
