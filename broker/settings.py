@@ -105,7 +105,8 @@ class BrokerSettings:
                                      "max_in_flight / P (at most window).", "frames")
     batch_max: int = count(256, "Most frames read and committed together.", "frames")
     batch_max_bytes: int = size(8 << 20, "Bytes after which a batch takes no more frames (large frames: the batch's "
-                                         "check, CRC and write then read it from cache).")
+                                         "check, CRC and write then read it from cache); a batch always takes one, "
+                                         "so 0 makes every frame a batch of its own.", low=0)
     segment_bytes: int = size(64 << 20, "Size at which a payload segment file is closed and a new one begun.")
     high_water_mark: int = count(1000, "ZeroMQ send/receive queue bound; 0: no bound.", "messages", low=0)
     metrics_port: int = port(9464, "Prometheus /metrics port; 0 disables it.")
