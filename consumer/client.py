@@ -123,6 +123,11 @@ class Consumer:
     trained after that checkpoint, batch by batch, then new data
     (docs/consumer.md). `checkpointed=False` deletes on commit instead:
     at-least-once across trainer restarts.
+
+    `world_size`: the data-parallel ranks its batches are sharded to,
+    recorded in `state_dict()`. Leave it out: a `DistributedConsumer` over
+    this consumer sets its group's size (`shard_over`), and a consumer
+    used alone is 1.
     """
 
     def __init__(
@@ -148,7 +153,7 @@ class Consumer:
         checkpointed: bool = True,
         keep_checkpoints: int = 2,
         resume: dict | None = None,
-        world_size: int = 1,
+        world_size: int | None = None,
         job: str = DEFAULT_JOB,
         max_staleness: int | None = None,
         filter: Callable[[list[Mapping[str, Any]]], bool] | None = None,
@@ -176,12 +181,14 @@ class Consumer:
                                     prefetch=prefetch, dedup_capacity=dedup_capacity, keep=filter)
         self.batch_size = self._assembler.batch_size  # given, or the unit cap of a `batch_tokens` batch
         self.batch_tokens = batch_tokens
-        self.world_size = world_size  # the data-parallel ranks its batches are sharded to (`DistributedConsumer`)
-        self._position = (TrainingPosition(keep_checkpoints=keep_checkpoints, world_size=world_size, resume=resume,
+        # The data-parallel ranks its batches are sharded to: 1 until a `DistributedConsumer` sets its group's size
+        # (`shard_over`), unless given here.
+        self.world_size = 1 if world_size is None else world_size
+        self._world_size_fixed = False
+        self._position = (TrainingPosition(keep_checkpoints=keep_checkpoints, world_size=self.world_size, resume=resume,
                                            job=job) if checkpointed else None)
-        if self._position is not None and self._position.saved_world_size != world_size:
-            log.warning("resumed at another world size: replayed batches are sharded again at the new one",
-                        extra={"saved": self._position.saved_world_size, "now": world_size})
+        if world_size is not None:
+            self._fix_world_size(world_size)
         self._sessions = Sessions(self._assembler, self.endpoints, consumer_id=self.consumer_id,
                                   hello_timeout=hello_timeout, position=self._position, job=job)  # the I/O thread drives it
         if max_staleness is not None and (type(max_staleness) is not int or max_staleness < 0):
@@ -442,6 +449,28 @@ class Consumer:
         position = self._require_position("state_dict")
         with self._lock:
             return position.state_dict()
+
+    def shard_over(self, world_size: int) -> None:
+        """The size of the data-parallel group a `DistributedConsumer`
+        shards this consumer's batches over, which `state_dict()` records.
+        Refused when the constructor's `world_size`, or an earlier group, set
+        another."""
+        if self._world_size_fixed and world_size != self.world_size:
+            raise InvalidInput(f"the source's Consumer(world_size=...), or the group it was first sharded over, must "
+                               f"have the group's world size {world_size}, got {self.world_size}")
+        self._fix_world_size(world_size)
+
+    def _fix_world_size(self, world_size: int) -> None:
+        if type(world_size) is not int or world_size < 1:
+            raise InvalidInput(f"world_size is an integer >= 1 (data-parallel ranks), got {world_size!r}")
+        position = self._position
+        if (position is not None and position.resumed_from is not None and not self._world_size_fixed
+                and position.saved_world_size != world_size):
+            log.warning("resumed at another world size: replayed batches are sharded again at the new one",
+                        extra={"saved": position.saved_world_size, "now": world_size})
+        self.world_size, self._world_size_fixed = world_size, True
+        if position is not None:
+            position.world_size = world_size
 
     @property
     def checkpointed(self) -> bool:

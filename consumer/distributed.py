@@ -137,7 +137,8 @@ def _raise_ending(kind: int, said: str, what: str):
 
 class DistributedConsumer:
     """The same object on every rank of `group`; only rank `src` (a rank of
-    `group`) passes a `Consumer`.
+    `group`) passes a `Consumer`, and this sets the client's world size to
+    the group's (`Consumer.shard_over`: one given to the client must match).
 
     >>> client = Consumer(endpoints, batch_size=256, vocab_size=V) if dist.get_rank() == 0 else None
     >>> shards = DistributedConsumer(client, strategy="balanced")
@@ -172,9 +173,8 @@ class DistributedConsumer:
         if (self.rank == src) != (client is not None):
             raise InvalidInput(f"exactly the source rank {src} passes a client: this is rank {self.rank}, "
                                f"{'without' if client is None else 'with'} one")
-        if client is not None and client.world_size != self.world:  # recorded in its state_dict
-            raise InvalidInput(f"the source's Consumer(world_size=...) must be the group's world size {self.world}, "
-                               f"got {client.world_size}")
+        if client is not None:
+            client.shard_over(self.world)  # recorded in its state_dict
         self.client = client
         self.strategy = strategy
         self.timeout = timeout

@@ -62,6 +62,9 @@ class StandInClient:
         self.failed = False
         self.closed = False  # closed by another thread while the ranks hold a batch: what a real Consumer raises
 
+    def shard_over(self, world_size):
+        assert world_size == self.world_size, f"sharded over {world_size} ranks, expected {self.world_size}"
+
     def _check_open(self):
         from rollstream.consumer import ConsumerClosed
 
@@ -241,7 +244,36 @@ def side_group_worker(rank: int, world: int, init_file: str, out: Path) -> None:
     dist.destroy_process_group()
 
 
-WORKERS = {"delivery": worker, "side_group": side_group_worker}
+def docs_worker(rank: int, world: int, init_file: str, out: Path) -> None:
+    """docs/consumer.md's sharding loop as written, against the broker whose
+    consumer endpoint `out/endpoint` names: only the source rank makes a
+    `Consumer`, without `world_size`, and every rank wraps it in a
+    `DistributedConsumer` of each strategy in turn for one batch."""
+    import torch.distributed as dist
+    from consumer_helpers import VOCAB
+
+    from rollstream.consumer import Consumer, DistributedConsumer
+    from rollstream.consumer.sharding import STRATEGIES as ALL_STRATEGIES
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    endpoint = (out / "endpoint").read_text()
+    client = Consumer(endpoint, batch_size=2, unit="group", vocab_size=VOCAB) if dist.get_rank() == 0 else None
+    report = {}
+    for strategy in ALL_STRATEGIES:
+        shards = DistributedConsumer(client, strategy=strategy)
+        shard = next(shards)
+        shards.commit(shard)  # collective; the source rank commits
+        report[strategy] = {"trajectory_ids": list(shard.trajectory_ids), "group_ids": list(shard.group_ids),
+                            "state_world_size": shards.state_dict()["world_size"]}
+    if client is not None:
+        client.flush(30)
+        client.close()
+    (out / f"report-{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+WORKERS = {"delivery": worker, "side_group": side_group_worker, "docs": docs_worker}
 
 
 def run_ranks(world: int, tmp_path: Path, mode: str = "delivery", reporting: int | None = None) -> list[dict]:
@@ -324,6 +356,55 @@ def test_shards_reassemble_to_the_batch(world, tmp_path):
     for rank, report in enumerate(reports):
         assert np.allclose(report["tp"]["values"], reference.detach().numpy(), atol=1e-5)
         assert np.allclose(report["tp"]["grad"], full.grad[:, rank * local : (rank + 1) * local].numpy(), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_docs_loop_shards_a_client_made_without_world_size_on_every_strategy(brokers, tmp_path):
+    """Two ranks run docs/consumer.md's loop against a live broker: every
+    strategy hands each rank its part of a batch of two whole groups, and the
+    data position records the group's two ranks."""
+    from consumer_helpers import RawProducer, make_rollout
+
+    from rollstream.consumer.sharding import STRATEGIES as ALL_STRATEGIES
+
+    node = brokers()
+    rng = np.random.default_rng(11)
+    groups = {f"g{g}": [make_rollout(rng, f"g{g}-{m}", sample_index=m, group=(f"g{g}", 3)) for m in range(3)]
+              for g in range(2 * len(ALL_STRATEGIES))}
+    producer = RawProducer(node.producer)
+    try:
+        producer.send([rollout for members in groups.values() for rollout in members])
+    finally:
+        producer.close()
+    (tmp_path / "endpoint").write_text(node.consumer)
+    reports = run_ranks(2, tmp_path, mode="docs")
+    trained = []
+    for strategy in ALL_STRATEGIES:
+        parts = [report[strategy] for report in reports]
+        assert [part["state_world_size"] for part in parts] == [2, 2], strategy
+        ids = [tid for part in parts for tid in part["trajectory_ids"]]
+        batch_groups = {gid for part in parts for gid in part["group_ids"]}
+        assert len(batch_groups) == 2 and sorted(ids) == sorted(r.trajectory_id for g in batch_groups for r in groups[g])
+        assert all(part["trajectory_ids"] for part in parts), f"{strategy}: every rank gets a share of 6 samples"
+        if strategy == "group":
+            assert not set(parts[0]["group_ids"]) & set(parts[1]["group_ids"]), "a group stays on one rank"
+        trained += ids
+    assert sorted(trained) == sorted(r.trajectory_id for members in groups.values() for r in members)
+
+
+def test_a_client_takes_its_world_size_from_the_group_unless_given_another(one_rank):
+    """`DistributedConsumer` sets a client's world size to its group's; a
+    client given another size is refused, naming both."""
+    from rollstream.common.errors import InvalidInput
+    from rollstream.consumer import Consumer, DistributedConsumer
+
+    with Consumer("tcp://127.0.0.1:9", batch_size=1) as client:
+        DistributedConsumer(client)
+        DistributedConsumer(client)  # made again over the same group (every epoch, say)
+        assert client.world_size == 1 and client.state_dict()["world_size"] == 1
+    with Consumer("tcp://127.0.0.1:9", batch_size=1, world_size=2) as client:
+        with pytest.raises(InvalidInput, match="must have the group's world size 1, got 2"):
+            DistributedConsumer(client)
 
 
 @pytest.mark.slow

@@ -269,6 +269,9 @@ class StandIn:
         self.world_size = world_size
         self.batches = [sized_batch(sizes, seq=seq, token_budget=90) for seq, sizes in enumerate(SHARDED)]
 
+    def shard_over(self, world_size: int):
+        assert world_size == self.world_size, f"sharded over {world_size} ranks, expected {self.world_size}"
+
     def next_batch(self, timeout=None):
         from rollstream.consumer import ConsumerClosed
 
