@@ -511,7 +511,9 @@ class Assembler:
             self.outbox.append(out)
 
     def take_outbox(self) -> list[Outgoing]:
-        """Pending messages, settlements of one kind merged per broker."""
+        """Pending messages, settlements of one kind merged per broker and
+        sent first: a broker seals what it has recorded as trained, so a
+        seal must follow the acks of the commits made before it."""
         merged: dict[tuple, Outgoing] = {}
         others = []
         for out in self.outbox:
@@ -526,7 +528,7 @@ class Assembler:
             else:
                 others.append(out)
         self.outbox = []
-        return [*others, *merged.values()]
+        return [*merged.values(), *others]
 
     # -- replies --------------------------------------------------------------
     def settled(self, broker: int, leases: Iterable[str], *, stale: bool = False) -> None:

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollstream.common.errors import InvalidState
-from rollstream.consumer.assembly import RETRY_AFTER, Assembler
+from rollstream.consumer.assembly import RETRY_AFTER, Assembler, Outgoing
 
 
 def fields(tid, lease, **extra):
@@ -33,6 +33,17 @@ def test_redelivery_before_take_is_one_unit_and_commit_acks_every_lease():
     assert [list(u.members) for u in units] == [["t1"], ["t2"]]
     a.commit(["t1", "t2"])
     assert sent(a) == [(0, "ack", ["L1", "L2", "L3"], None)]
+
+
+def test_a_seal_queued_after_a_commit_goes_out_after_its_ack():
+    """A broker seals what it has recorded as trained: a seal sent ahead of
+    the ack would leave that batch unsealed."""
+    a = welcomed(batch_size=1)
+    a.delivered(0, fields("t1", "L1"), {}, 0.0)
+    a.take(1)
+    a.commit(["t1"], step=1)
+    a.outbox.append(Outgoing(0, "seal", {"step": 1, "keep": 2}))  # as `Consumer.sealed` queues it
+    assert [(o.type, o.fields.get("step")) for o in a.take_outbox()] == [("ack", 1), ("seal", 1)]
 
 
 def test_redelivery_while_with_the_trainer_adds_its_lease():
