@@ -366,7 +366,9 @@ class MergeEngine:
             # Not a duplicate of anything applied: the producer must not count its end (or reward) as taken.
             return Reply(_ack(message, False, reason=entry.dead_reason))
         remembered = self.dedup.get(tid)
-        if remembered is not None and remembered >= wall:
+        if (remembered is not None and remembered >= wall) or (entry is not None and entry.state == TRAINED):
+            # Taken for good: one answer from the trainer's ack on, whether a seal has reclaimed the data yet or
+            # not (docs/protocol.md, "Remembered ids").
             return Reply(_ack(message, False, duplicate=True))
         try:
             if kind == "turn":
@@ -393,7 +395,7 @@ class MergeEngine:
                 continue
             tid, index = message["trajectory_id"], message["turn"]
             entry = entries.get(tid)
-            if (entry is not None and entry.state != LEFT and index < entry.next_turn
+            if (entry is not None and entry.state not in (LEFT, TRAINED) and index < entry.next_turn
                     and entry.outcomes[index][0] is None and (tid, index) not in unsaved):
                 needed.append((tid, index))
         return needed

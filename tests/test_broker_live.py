@@ -20,6 +20,10 @@ from rollstream.common.messages import (
 )
 from rollstream.common.trajectory import Turn
 from rollstream.common.wire import encode_turn
+from rollstream.consumer import Consumer
+from rollstream.producer import Producer
+
+PATIENCE = 60.0  # seconds before a wait gives up (only ever reached when something hangs)
 
 
 def dealer(endpoint, context=None):
@@ -168,3 +172,35 @@ def test_a_lease_acked_twice_in_one_burst_is_settled_once(tmp_path):
         assert sorted(r.type for r in replies) == ["acked", "nack"]
         assert next(r for r in replies if r.type == "nack")["code"] == "stale_lease"
         assert broker.status()["counters"]["trajectories.delivered"] == 1
+
+
+def send_trajectory(endpoint, producer_id, tid):
+    """Turn 0 and the end of `tid` through the library's producer: their receipts."""
+    with Producer(endpoint, producer_id) as producer:
+        traj = producer.trajectory(tid, [1, 2])
+        turn = traj.turn_and_wait(np.array([5, 6], np.int32), np.array([-0.1, -0.2], np.float32), timeout=PATIENCE)
+        return turn, traj.end_and_wait(1.0, timeout=PATIENCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("taken", ["trained", "sealed", "deleted"])
+def test_a_producer_resending_a_trajectory_acked_by_its_trainer_is_told_duplicate_not_applied(tmp_path, taken):
+    """docs/protocol.md, "Remembered ids": once a trainer acked it, a
+    producer's resend (here: a producer restarted with the same frames) is
+    answered `applied: false, duplicate: true`, the same while the broker
+    keeps the trained data for a resume, after a seal reclaimed it, and
+    after a commit that deleted it."""
+    with BrokerProcess(tmp_path) as broker:
+        first = send_trajectory(broker.producer, "p", "t")
+        assert [(r.applied, r.duplicate) for r in first] == [(True, False), (True, False)]
+        with Consumer(broker.consumer, batch_size=1, checkpointed=taken != "deleted", keep_checkpoints=1) as trainer:
+            batch = trainer.next_batch(timeout=PATIENCE)
+            trainer.commit(batch)
+            if taken == "sealed":
+                trainer.sealed(1)
+            trainer.flush(PATIENCE)
+        assert batch.trajectory_ids == ("t",) and broker.status()["unsealed"] == (taken == "trained")
+        again = send_trajectory(broker.producer, "p", "t")
+        assert [(r.kind, r.applied, r.duplicate, r.reason) for r in again] == [("turn", False, True, None),
+                                                                                ("end", False, True, None)]
+        assert broker.status()["ready"] == 0  # nothing reopened
