@@ -553,6 +553,10 @@ class Assembler:
         """The brokers (by index) that have not welcomed the current session."""
         return [i for i, state in enumerate(self.credit.brokers) if not state.connected]
 
+    def unanswered_acks(self) -> set[str]:
+        """The trajectories whose ack its broker has not answered yet."""
+        return {tid for out in self._settling.values() if out.type == "ack" for tid in out.fields["trajectory_ids"]}
+
     @property
     def unsettled(self) -> int:
         """Settlements sent and not yet answered."""

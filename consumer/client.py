@@ -437,7 +437,7 @@ class Consumer:
             if self._closing:
                 raise ConsumerClosed(f"the consumer is closed: the seal of step {step} was not sent (a resume from "
                                      "that checkpoint seals through it)")
-            for broker, kind, fields in position.seal(step, len(self.endpoints)):
+            for broker, kind, fields in position.seal(step, len(self.endpoints), self._assembler.unanswered_acks()):
                 self._assembler.outbox.append(Outgoing(broker, kind, fields))
             self._wake()
         if self.ledger is not None:
@@ -448,6 +448,7 @@ class Consumer:
         lists, numbers and strings (`Consumer(..., resume=state)`)."""
         position = self._require_position("state_dict")
         with self._lock:
+            position.confirmed(self._assembler.unanswered_acks())
             return position.state_dict()
 
     def shard_over(self, world_size: int) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from rollstream.common.errors import InvalidInput, InvalidState
 from rollstream.common.jobs import DEFAULT_JOB
@@ -241,18 +241,26 @@ class TrainingPosition:
         self._handed.discard(batch.step)
         return dropped
 
-    def seal(self, step: int, n_brokers: int) -> list[tuple[int, str, dict]]:
+    def seal(self, step: int, n_brokers: int, unconfirmed: Collection[str] = ()) -> list[tuple[int, str, dict]]:
         """The trainer's checkpoint at `step` is durable: forget the batches
-        it holds and tell every broker."""
+        it holds (`confirmed`) and tell every broker."""
         if step > self.step:
             raise InvalidInput(f"sealed takes a checkpoint's step, at most the last committed one ({self.step}), "
                                f"got {step}")
-        self.batches = [b for b in self.batches if b.step > step]
-        self._unsealed_bytes = sum(b.nbytes for b in self.batches)
         self.sealed_step = max(self.sealed_step, step)
+        self.confirmed(unconfirmed)
         for broker in range(n_brokers):
             self._seals[broker] = max(step, self._seals.get(broker, step))
         return [(broker, "seal", {"step": self._seals[broker], "keep": self.keep}) for broker in range(n_brokers)]
+
+    def confirmed(self, unconfirmed: Collection[str]) -> None:
+        """Forget the batches a seal covers, except those with a trajectory
+        in `unconfirmed` (its ack not yet answered by its broker): a state
+        saved later must still list such a batch, so that a resume from it
+        records the batch as trained even if that ack never arrives."""
+        sealed = self.sealed_step
+        self.batches = [b for b in self.batches if b.step > sealed or not set(b.trajectory_ids).isdisjoint(unconfirmed)]
+        self._unsealed_bytes = sum(b.nbytes for b in self.batches if b.step > sealed)
 
     @property
     def unsealed(self) -> int:
@@ -264,7 +272,10 @@ class TrainingPosition:
         ledger.write("resumed", run=self.run, lineage=self.lineage, parent=self.parent, from_step=self.resumed_from)
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain lists, numbers and strings: save it with the checkpoint."""
+        """Plain lists, numbers and strings: save it with the checkpoint.
+        `batches` holds every commit since the last seal, answered by its
+        brokers or not (the weights saved with it trained them), and older
+        ones whose acks are still unanswered (`confirmed`)."""
         return {"format": STATE_FORMAT, "job": self.job, "run": self.run, "lineage": self.lineage, "epoch": self.epoch,
                 "branches": self.lineage_epochs.to_wire(), "step": self.step,
                 "world_size": self.world_size, "batches": [b.to_state() for b in self.batches]}

@@ -78,6 +78,66 @@ def test_a_resumed_trainer_gets_back_what_it_trained_after_its_checkpoint_in_the
     again.close()
 
 
+def test_a_resume_hands_back_first_what_the_brokers_confirmed(brokers):
+    """`commit` queues the acks, `flush` waits for the brokers' answers. The
+    broker goes down after the commit of step 2 was flushed and before the
+    one of step 3 could leave, and the trainer dies: resumed from checkpoint
+    1, it gets batch 2 back first, as it was, and batch 3's trajectories as
+    new data, trained once."""
+    broker = brokers()
+    produce(broker, 12)
+    first = consumer(broker.consumer)
+    one = first.next_batch(timeout=WAIT)
+    first.commit(one)
+    state = first.state_dict()  # saved with checkpoint 1
+    first.sealed(1)
+    first.flush(WAIT)
+    two, three = first.next_batch(timeout=WAIT), first.next_batch(timeout=WAIT)
+    first.commit(two)
+    first.flush(WAIT)
+    broker.terminate()
+    first.commit(three)  # queued; its broker never answers
+    first.close(0)  # the trainer dies
+    broker.start()
+    again = consumer(broker.consumer, resume=state)
+    assert again.next_batch(timeout=WAIT).trajectory_ids == two.trajectory_ids
+    fresh = [again.next_batch(timeout=WAIT).trajectory_ids for _ in range(2)]
+    assert sorted(t for ids in fresh for t in ids) == sorted({f"t{i}" for i in range(12)} - {*one.trajectory_ids,
+                                                                                             *two.trajectory_ids})
+    assert set(three.trajectory_ids) <= {t for ids in fresh for t in ids}
+    again.close(WAIT)
+
+
+def test_a_state_saved_after_a_seal_lists_a_batch_whose_commit_no_broker_answered(brokers):
+    """Checkpoint 2 is sealed while no broker has answered the commit of
+    step 2 (its broker is down), and the trainer dies after saving
+    checkpoint 3. That state still lists batch 2, so the resume records it
+    as trained: it never comes back as new data to weights that trained it."""
+    broker = brokers()
+    produce(broker, 12)
+    first = consumer(broker.consumer)
+    one = first.next_batch(timeout=WAIT)
+    first.commit(one)
+    first.flush(WAIT)
+    two, three = first.next_batch(timeout=WAIT), first.next_batch(timeout=WAIT)
+    broker.terminate()
+    first.commit(two)
+    first.sealed(2)  # checkpoint 2 is durable
+    first.commit(three)
+    state = first.state_dict()  # saved with checkpoint 3
+    assert [b["step"] for b in state["batches"]] == [2, 3]
+    first.close(0)  # the trainer dies: no ack of step 2 or 3 ever reaches the broker
+    broker.start()
+    again = consumer(broker.consumer, resume=state)
+    fresh = again.next_batch(timeout=WAIT)
+    taken = {*one.trajectory_ids, *two.trajectory_ids, *three.trajectory_ids}
+    assert set(fresh.trajectory_ids) == {f"t{i}" for i in range(12)} - taken
+    again.commit(fresh)
+    again.flush(WAIT)
+    assert (broker.status()["ready"], broker.status()["leased"]) == (0, 0)
+    again.close(WAIT)
+
+
 def test_a_resume_across_brokers_rebuilds_each_batch_in_its_order(brokers):
     """Batches that interleave two brokers' trajectories, whichever broker
     answers first: the brokers take turns, and each trajectory is produced

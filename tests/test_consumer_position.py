@@ -25,6 +25,16 @@ def test_the_state_is_plain_data_with_the_batches_since_the_last_seal():
                                  "group_ids": [None, None]}]
 
 
+def test_a_sealed_batch_stays_in_the_state_until_its_acks_are_answered():
+    position = TrainingPosition()
+    position.committed(trained(1, "a", "b"))
+    position.committed(trained(2, "c"))
+    position.seal(2, 1, unconfirmed={"b"})
+    assert [b["step"] for b in position.state_dict()["batches"]] == [1]  # a resume from a later state records it
+    position.confirmed(set())
+    assert position.state_dict()["batches"] == []
+
+
 def test_a_resume_is_a_new_lineage_of_the_same_run_and_tells_each_new_session():
     first = TrainingPosition()
     first.committed(trained(1, "a", "b"))
