@@ -78,7 +78,9 @@ class TrainerRank:
 
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rollstream-ray-") as work:
-        ray.init(num_cpus=1 + RANKS, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+        # A cluster of its own ("local": not one already running here), its session files in the temporary directory.
+        ray.init("local", num_cpus=1 + RANKS, _node_ip_address="127.0.0.1", _temp_dir=os.path.join(work, "ray"),
+                 include_dashboard=False, log_to_driver=False)
         try:
             brokers = rsray.start_brokers(
                 {"vocab_size": VOCAB, "metrics_port": 0, "log_level": "warning"},  # broker settings, by name
