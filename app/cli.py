@@ -147,7 +147,8 @@ def _device_present(ctx: click.Context, param: click.Parameter, device: str) -> 
               type=click.FloatRange(0.0, 1.0), help="Chance a synthetic trajectory ends without its reward, which "
               "follows half a second later (a slow verifier).")
 @click.option("--plot", "plot", default="rollstream-train.png", show_default=True,
-              help="--train: where to write the PNG plot (needs the `plot` extra); '' for none.")
+              help="--train: the PNG plot's path (needs the `plot` extra), relative to the current directory, "
+                   "replaced by each run; the table and the JSON line say where it went. '' for none.")
 @click.option("--endpoints-file", type=click.Path(dir_okay=False), default=None,
               help="Have the demo's broker write its endpoints here (JSON), so `rollstream top --endpoints-file` in "
                    "another terminal watches it; removed when the demo ends.")
@@ -155,8 +156,8 @@ def _device_present(ctx: click.Context, param: click.Parameter, device: str) -> 
               callback=_device_present, help="Where the trainer runs: each rank's step, and the source rank's batch "
               "validation (the ranks still speak gloo through host memory); with --train the trainer's model, batches, "
               "replay and steps. Producers sample on the CPU.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary's figures as one JSON line (after the "
-              "table; with --train, instead of it).")
+@click.option("--json", "as_json", is_flag=True, help="Also print the summary's figures as one JSON line after the "
+              "table, with the checker's counts and `ok` (with --train, also the rules the run `failed`).")
 def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int | None, group_filter: str | None,
          device: str, **options) -> None:
     """Run the whole pipeline on loopback with embedded defaults: a broker,
@@ -164,7 +165,9 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int |
     takes a mock step and commits every batch, with live progress, a
     summary and the end-to-end checker's verdict (exit status 1 when it
     finds anything). With --train, producers sample from a small torch
-    model and the trainer learns from their rollouts."""
+    model and the trainer learns from their rollouts; exit status 1 when
+    the checker finds anything, a replayed log-prob misses the sampler's
+    or the reward does not rise (docs/training.md)."""
     import json
 
     if train:
@@ -175,10 +178,18 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int |
                                  batch_groups=options["batch_size"], turns=options["turns"],
                                  plot=plot or None, keep_data=options["keep_data"], chaos=options["chaos"],
                                  max_staleness=max_staleness, group_filter=group_filter,
-                                 endpoints_file=options["endpoints_file"], device=device,
-                                 progress=(lambda line: None) if as_json else click.echo)
-        click.echo(json.dumps(summary) if as_json else train_summary_table(summary))
-        return
+                                 endpoints_file=options["endpoints_file"], device=device, progress=click.echo)
+        click.echo(train_summary_table(summary))
+    else:
+        summary = _synthetic_demo(max_staleness=max_staleness, group_filter=group_filter, device=device, **options)
+    if as_json:
+        click.echo(json.dumps(summary))
+    if not summary["ok"]:
+        raise SystemExit(1)
+
+
+def _synthetic_demo(**options) -> dict:
+    """The synthetic demo's run, shown live and then as a table; its summary."""
     from rich.console import Console
 
     from .demo import live_progress, run_demo, summary_table
@@ -189,12 +200,9 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int |
     console = Console()
     bars, show = live_progress(console, options["producers"] * options["trajectories"])
     with bars:
-        summary = run_demo(show=show, max_staleness=max_staleness, group_filter=group_filter, device=device, **options)
+        summary = run_demo(show=show, **options)
     console.print(summary_table(summary))
-    if as_json:
-        click.echo(json.dumps(summary))
-    if not summary["ok"]:
-        raise SystemExit(1)
+    return summary
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
+from rollstream.common.checker import Report
 from rollstream.common.errors import InvalidInput
 
 from .harness import VOCAB, Chaos, Counts, LoopbackNode, Pipeline, inject_due
@@ -72,16 +73,26 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
         if show is not None:
             show(pipeline.counts, faults.done if faults else [])
         work = node.work
-    # Thrown away on purpose when asked for: counted apart, never a failure.
-    expected = {"stale"} if max_staleness is not None else set()
-    expected |= {f"filtered:{name.partition(':')[0]}" for name in (group_filter or "").split(",") if name}
-    if chaos and late_reward_rate:  # a producer killed while its verifier was still scoring: the reward never comes
-        expected.add("reward_expired")
-    if chaos:  # sampled by weights the killed trainer made after its checkpoint: not in the resumed lineage
-        expected.add("abandoned")
+    # A producer killed while its verifier was still scoring: the reward never comes.
+    expected = discarded_on_purpose(max_staleness, group_filter, chaos=chaos, rewards_expire=chaos and late_reward_rate > 0)
     return _summary(pipeline.records, report, pipeline.dead, seconds, drained=drained, faults=faults, dp_size=dp_size,
                     retried=pipeline.counts.retried, late_rewards=pipeline.counts.late_rewards,
                     kept=work if keep_data else None, expected_dead=expected)
+
+
+def discarded_on_purpose(max_staleness: int | None, group_filter: str | None, *, chaos: bool,
+                         rewards_expire: bool = False) -> set[str]:
+    """The dead-letter reasons a demo throws acked trajectories away for
+    when asked to: counted apart, never a failure. With `chaos`, what the
+    killed trainer's weights sampled after its checkpoint is not in the
+    resumed lineage (`abandoned`)."""
+    expected = {"stale"} if max_staleness is not None else set()
+    expected |= {f"filtered:{name.partition(':')[0]}" for name in (group_filter or "").split(",") if name}
+    if chaos:
+        expected.add("abandoned")
+    if rewards_expire:
+        expected.add("reward_expired")
+    return expected
 
 
 def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
@@ -138,20 +149,46 @@ STAGES = ("produced", "acked", "merged", "delivered", "committed")
 
 def live_progress(console, plan: int):
     """A rich progress display of the five stages; returns it (a context
-    manager) and the `show` callback `run_demo` takes."""
+    manager) and the `show` callback `run_demo` takes. The faults injected
+    so far go on a line of their own below the bars, wrapped at the
+    console's width: in a column beside the bars, their growing list
+    squeezed the stage names away on a narrow terminal."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.text import Text
 
-    bars = Progress(TextColumn("{task.description:>10}"), BarColumn(bar_width=32), MofNCompleteColumn(),
-                    TextColumn("{task.fields[note]}"), console=console, transient=False)
-    tasks = {stage: bars.add_task(stage, total=plan, note="") for stage in STAGES}
+    class Stages(Progress):
+        faults: tuple[str, ...] = ()
+
+        def get_renderables(self):
+            yield self.make_tasks_table(self.tasks)
+            if self.faults:
+                yield Text(f"faults injected: {', '.join(self.faults)}")
+
+    bars = Stages(TextColumn("{task.description:>10}"), BarColumn(bar_width=32), MofNCompleteColumn(),
+                  console=console, transient=False)
+    tasks = {stage: bars.add_task(stage, total=plan) for stage in STAGES}
 
     def show(counts: Counts, faults: list[str]) -> None:
+        bars.faults = tuple(faults)
         for stage in STAGES:
             value = getattr(counts, stage)
-            bars.update(tasks[stage], completed=min(value, plan), total=max(plan, value),
-                        note=f"faults: {', '.join(faults)}" if stage == "committed" and faults else "")
+            bars.update(tasks[stage], completed=min(value, plan), total=max(plan, value))
 
     return bars, show
+
+
+def batches_again(summary: dict[str, Any]) -> str:
+    """What a resumed trainer trained again, and whether in the batches it trained first, for a table."""
+    identical = summary["replayed_batches_identical"]
+    if identical is None:
+        return "no batch trained again"
+    return (f"{summary['replayed']} trajectories trained again, "
+            f"{'in the batches they were trained in' if identical else 'in batches NOT identical to the first'}")
+
+
+def checker_counts(summary: dict[str, Any]) -> str:
+    """The end-to-end checker's counts, as its own report line writes them."""
+    return "  ".join(f"{name} {summary[name]}" for name in Report.PROBLEMS)
 
 
 def summary_table(summary: dict[str, Any]):
@@ -182,12 +219,9 @@ def summary_table(summary: dict[str, Any]):
         ("faults injected", ", ".join(summary["faults"]) or "none"),
         ("redelivered", f"{summary['redelivered']} hand-outs again after a lost consumer"),
         ("resumed", "never" if summary["resumed_from_step"] is None else
-                    f"from the checkpoint of step {summary['resumed_from_step']}: {summary['replayed']} trajectories "
-                    f"trained again in the batches they were trained in "
-                    f"({'identical' if summary['replayed_batches_identical'] else 'NOT identical'}); "
+                    f"from the checkpoint of step {summary['resumed_from_step']}: {batches_again(summary)}; "
                     f"lineage lost {summary['lineage_lost']}, duplicated {summary['lineage_duplicated']}"),
-        ("checker", "  ".join(f"{name} {summary[name]}" for name in ("lost", "duplicated", "partial", "corrupted", "unseen"))
-                    + ("" if summary["drained"] else "  (not drained before the timeout)")),
+        ("checker", checker_counts(summary) + ("" if summary["drained"] else "  (not drained before the timeout)")),
     ]
     if not summary["retried"]:
         rows = [row for row in rows if row[0] != "retried"]

@@ -52,11 +52,18 @@ from rollstream.consumer.batch import Batch, cumsum0, to_device
 from rollstream.consumer.client import Consumer
 from rollstream.consumer.primitives import masked_log_probs
 
+from .demo import batches_again, checker_counts, discarded_on_purpose
 from .harness import LoopbackNode
 from .tiny_lm import TinyLM, TinyLMConfig, save_weights
 
 VOCAB = TinyLMConfig().vocab_size
 STALENESS_DECAY = 0.5  # a sampled token's weight in the loss is this to the power of its staleness
+# The replay bound: float32 logits against the sampler's float64 stay orders of magnitude inside it,
+# while a replay with other weights or another temperature is off by far more.
+REPLAY_TOLERANCE = 1e-4
+# From this many steps the reward must have risen: the first and last steps' windows (`TrainingLog.summary`)
+# are then five batches each and far apart; in a shorter run they are a batch or two, mostly noise.
+LEARNING_STEPS = 20
 
 
 def _cells(lengths: np.ndarray, first: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,9 +353,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                 label = consumer.version_label(step)  # `e1:12` after a resume: not the abandoned lineage's step 12
                 versions.add(label, model)
                 save_weights(model, weights, label)
-                worst = float(replayed.support_diffs.max()) if replayed.support_diffs.size else float("nan")
-                progress(f"step {step:>3}/{steps}  reward {log.rewards[-1]:.3f}  loss {loss.item():+.4f}  "
-                         f"replay |diff| support {worst:.1e}, full {float(replayed.full_diffs.mean()):.3f}")
+                progress(progress_line(step, steps, log.rewards[-1], loss.item(), replayed))
                 if step % checkpoint_every == 0:
                     checkpoint = {"model": copy.deepcopy(model.state_dict()),
                                   "optimizer": copy.deepcopy(optimizer.state_dict()),
@@ -373,7 +378,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
         dead = node.dead_letters()
         report = check(read_records([ledgers]), dead, broker_backlog=broker_backlog(status))
     summary = log.summary(step)
-    summary.update(report.lineage())
+    summary.update(report.summary())
     summary["left_at_broker"] = len(report.unseen)  # acked, durable, still to deliver when the run stopped
     reasons = Counter(item["reason"].partition(":")[0] for item in dead)
     discarded = reasons["stale"] + reasons["filtered"]
@@ -385,7 +390,48 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
     summary["seconds"] = round(time.perf_counter() - started, 1)
     if plot:
         summary["plot"] = _plot(log, plot)
+    summary["failed"] = failures(summary, discarded_on_purpose(max_staleness, group_filter, chaos=chaos))
+    summary["ok"] = not summary["failed"]
     return summary
+
+
+def progress_line(step: int, steps: int, reward: float, loss: float, replayed: Replay) -> str:
+    """One step's line: its batch's mean reward, the loss, and the replay's
+    largest difference over the support and mean one over the vocabulary.
+    Short enough for an 80-column terminal up to step 9999 and a loss of
+    -99.9999."""
+    worst = float(replayed.support_diffs.max()) if replayed.support_diffs.size else float("nan")
+    full = float(replayed.full_diffs.mean()) if replayed.full_diffs.size else float("nan")
+    return (f"step {step:>3}/{steps}  reward {reward:.3f}  loss {loss:+.4f}  "
+            f"|diff| support {worst:.1e}, full {full:.3f}")
+
+
+def failures(summary: dict, expected_dead: set[str]) -> list[str]:
+    """The rules a finished run broke, each naming the rule, the expected
+    and the actual value; none when it passes. The checker's `unseen` is
+    not one: the trainer stops after its steps while the producers go on,
+    so what they sent last is still at the broker (`left_at_broker`)."""
+    broken = [f"checker: expected 0 {name}, got {summary[name]}"
+              for name in ("lost", "duplicated", "partial", "corrupted") if summary[name]]
+    unexpected = sorted(set(summary["dead_lettered"]) - expected_dead)
+    if unexpected:
+        broken.append(f"checker: expected acked trajectories dead-lettered only for {sorted(expected_dead)}, "
+                      f"got {unexpected}")
+    if summary["replayed_batches_identical"] is False:
+        broken.append("resume: expected the batches trained again to be the ones trained first, got others")
+    worst = summary["replay_max_abs_diff_support"]
+    if summary["steps"] and not summary["replay_tokens"]:
+        broken.append(f"replay bound: expected sampled tokens replayed in {summary['steps']} steps, got none")
+    elif worst is not None and not worst <= REPLAY_TOLERANCE:  # NaN breaks it too
+        broken.append(f"replay bound: expected every sampled token's log-prob replayed over its support within "
+                      f"{REPLAY_TOLERANCE:g} of the sampler's, got {worst:.3g} (replay_worst {summary['replay_worst']})")
+    first, last = summary["reward_first"], summary["reward_last"]
+    if first is not None and not (0 <= first <= 1 and 0 <= last <= 1):
+        broken.append(f"reward: expected a share of sampled tokens in [0, 1], got {first} first and {last} last")
+    elif first is not None and summary["steps"] >= LEARNING_STEPS and not last > first:
+        broken.append(f"reward: expected the last steps' mean reward above the first steps' after "
+                      f"{summary['steps']} steps (at least {LEARNING_STEPS}), got {first} first and {last} last")
+    return broken
 
 
 def _plot(log: TrainingLog, path: str) -> str | None:
@@ -398,7 +444,7 @@ def _plot(log: TrainingLog, path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    support, full = np.concatenate(log.support_diffs), np.concatenate(log.full_diffs)
+    support, full = _concat(log.support_diffs, np.float64), _concat(log.full_diffs, np.float64)
     figure, (errors, rewards, staleness) = plt.subplots(1, 3, figsize=(16, 4))
     floor = 1e-12  # a difference of exactly 0 on a log axis
     errors.semilogy(np.maximum(full, floor), ".", markersize=2, label="full vocabulary")
@@ -419,6 +465,8 @@ def _plot(log: TrainingLog, path: str) -> str | None:
 
 
 def summary_table(summary: dict) -> str:
+    """The run's figures, one row each, its verdict last; "n/a" where a figure has no value."""
+
     def number(value, spec: str) -> str:
         return "n/a" if value is None else format(value, spec)
 
@@ -440,14 +488,14 @@ def summary_table(summary: dict) -> str:
         ("starved", summary["starved"] or "no"),
         ("resumed from the checkpoint of step", number(summary["resumed_from_step"], "d")),
         ("sampled by the abandoned lineage, dropped", summary["abandoned"]),
-        ("trained again after the resume, batches identical",
-         f"{summary['replayed']} trajectories, {summary['replayed_batches_identical']}"),
-        ("lineage lost / duplicated", f"{summary['lineage_lost']} / {summary['lineage_duplicated']}"),
+        ("trained again after the resume", batches_again(summary)),
+        ("checker", checker_counts(summary)),
         ("acked, still at the broker when the run stopped", summary["left_at_broker"]),
         ("time", f"{summary['seconds']} s"),
     ]
-    if summary.get("plot"):
-        rows.append(("plot", summary["plot"]))
+    if "plot" in summary:
+        rows.append(("plot", summary["plot"] or "not written: it needs matplotlib (the plot extra)"))
+    rows.append(("verdict", "ok" if summary["ok"] else f"FAILED: {'; '.join(summary['failed'])}"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(["rollstream demo --train: model producers + broker + a replaying trainer on loopback",
                       *(f"  {name:<{width}}  {value}" for name, value in rows)])

@@ -97,21 +97,120 @@ def test_demo_refuses_cuda_where_torch_sees_none_before_anything_starts(monkeypa
             "torch.cuda.is_available() to be True, got False (torch " in result.output), result.output
 
 
-def test_demo_train_hands_its_device_to_the_trainer(monkeypatch):
-    """CPU by default; `--device cuda` where torch sees CUDA reaches `run_train_demo`."""
-    import torch
+@pytest.mark.slow
+def test_demo_train_exits_1_when_its_replay_is_broken(monkeypatch, tmp_path):
+    """The trainer replays at twice the sampler's temperature: every
+    replayed log-prob misses, the run fails the replay bound alone (the
+    checker finds nothing), says so in its table and its JSON line, and
+    exits 1."""
     from click.testing import CliRunner
 
     import rollstream.app.train_demo as train_module
     from rollstream.app.cli import main
 
-    devices = []
-    monkeypatch.setattr(train_module, "run_train_demo", lambda **options: devices.append(options["device"]) or {})
+    real = train_module.replay
+    monkeypatch.setattr(train_module, "replay", lambda batch, versions, temperature: real(batch, versions, 2 * temperature))
+    result = CliRunner().invoke(main, ["demo", "--train", "--steps", "3", "--producers", "1", "--group-size", "2",
+                                       "--batch-size", "2", "--plot", str(tmp_path / "train.png"), "--json"])
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, (result.exception, result.output)
+    *shown, line = result.output.strip().splitlines()
+    summary = json.loads(line)
+    assert not summary["ok"] and {key: summary[key] for key in CLEAN} == {**CLEAN, "unseen": summary["unseen"]}
+    assert [reason.partition(":")[0] for reason in summary["failed"]] == ["replay bound"], summary["failed"]
+    assert shown[-1].split(maxsplit=1) == ["verdict", f"FAILED: {summary['failed'][0]}"], shown
+
+
+def fake_train_demo(monkeypatch, summary: dict) -> list[dict]:
+    """`rollstream demo --train` runs in no time: its run prints one progress
+    line and returns `summary`, its table is `TABLE`; the options each run
+    got, in order."""
+    import rollstream.app.train_demo as train_module
+
+    runs = []
+
+    def run(**options):
+        runs.append(options)
+        options["progress"]("step   1/1")
+        return summary
+
+    monkeypatch.setattr(train_module, "run_train_demo", run)
+    monkeypatch.setattr(train_module, "summary_table", lambda summary: "TABLE")
+    return runs
+
+
+def test_demo_train_hands_its_device_to_the_trainer(monkeypatch):
+    """CPU by default; `--device cuda` where torch sees CUDA reaches `run_train_demo`."""
+    import torch
+    from click.testing import CliRunner
+
+    from rollstream.app.cli import main
+
+    runs = fake_train_demo(monkeypatch, {"ok": True})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for args in ([], ["--device", "cuda"]):
         result = CliRunner().invoke(main, ["demo", "--train", "--json", *args])
         assert result.exit_code == 0, (result.exception, result.output)
-    assert devices == ["cpu", "cuda"]
+    assert [options["device"] for options in runs] == ["cpu", "cuda"]
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_demo_train_prints_progress_then_its_table_then_one_json_line_and_exits_with_its_verdict(monkeypatch, ok):
+    """--json adds the line and changes nothing else; the exit status is 1
+    from the run's verdict (`ok`), not from an exception."""
+    from click.testing import CliRunner
+
+    from rollstream.app.cli import main
+
+    summary = {"ok": ok, "failed": [] if ok else ["replay bound: expected ..., got ..."], "lost": 0}
+    fake_train_demo(monkeypatch, summary)
+    plain = CliRunner().invoke(main, ["demo", "--train"])
+    with_json = CliRunner().invoke(main, ["demo", "--train", "--json"])
+    for result in (plain, with_json):
+        assert result.exit_code == (0 if ok else 1), (result.exception, result.output)
+        assert ok or isinstance(result.exception, SystemExit)
+    assert plain.output.splitlines() == ["step   1/1", "TABLE"]
+    assert with_json.output.splitlines() == ["step   1/1", "TABLE", json.dumps(summary)]
+
+
+def test_demo_train_plots_by_default_where_no_tracked_file_is_and_git_ignores_it():
+    """The default plot lands in the current directory under a name no file
+    of the checkout has and .gitignore covers, wherever the demo runs in it:
+    a first run leaves `git status` clean."""
+    from pathlib import Path
+
+    from rollstream.app.cli import demo as demo_command
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip(f"not a git checkout: expected {root / '.git'}, got none")
+    default = next(param.default for param in demo_command.params if param.name == "plot")
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=60)
+
+    assert git("ls-files", f"*{default}").stdout == "", f"a tracked file is named {default}"
+    for where in (default, f"docs/{default}"):
+        assert git("check-ignore", "-q", where).returncode == 0, f"{where} is not ignored"
+
+
+def test_demo_progress_stays_readable_at_80_columns():
+    """Every stage's name and every fault a chaos run injects, whole, in the
+    live display at 80 columns."""
+    import io
+
+    from rich.console import Console
+
+    from rollstream.app.demo import STAGES, live_progress
+    from rollstream.app.harness import Counts
+
+    faults = ["broker-0", "broker-1", "broker-2", "producer", "trainer-source", "trainer-resumed"]
+    console = Console(file=io.StringIO(), width=80)
+    bars, show = live_progress(console, 48)
+    show(Counts(produced=48, acked=47, merged=46, delivered=45, committed=44), faults)
+    console.print(bars.get_renderable())
+    shown = console.file.getvalue()
+    words = shown.replace(",", " ").split()
+    assert "…" not in shown and set(STAGES) | set(faults) <= set(words), shown
 
 
 def test_demo_refuses_groups_that_cannot_be_whole():

@@ -7,12 +7,17 @@ import pytest
 import torch
 from consumer_helpers import delivery, make_rollout, writable
 
+from rollstream.app.demo import discarded_on_purpose
 from rollstream.app.tiny_lm import TinyLM, TinyLMConfig
 from rollstream.app.train_demo import (
+    LEARNING_STEPS,
+    Replay,
     WeightVersions,
     batch_staleness,
+    failures,
     group_advantages,
     policy_loss,
+    progress_line,
     replay,
     response_logits,
     run_train_demo,
@@ -23,6 +28,26 @@ from rollstream.app.train_demo import (
 from rollstream.consumer import Batch, Delivery, masked_log_probs
 
 SMALL = TinyLMConfig(vocab_size=50, d_model=8, layers=1, heads=2, max_len=32)
+# A short run's summary, as `run_train_demo` returns it without a plot (the short run below holds it to
+# the real one's keys).
+PASSING = {
+    "steps": 3, "reward_first": 0.0625, "reward_last": 0.0677, "replay_max_abs_diff_support": 9.5e-07,
+    "replay_mean_abs_diff_full": 3.99, "replay_tokens": 576, "truncated_share": 1.0,
+    "full_diff_min_where_truncated": 3.83, "staleness_mean": 0.583, "staleness_max": 1, "token_staleness_mean": 0.583,
+    "token_staleness_max": 1, "skipped_trajectories": 0, "replay_worst": {"diff": 9.5e-07, "version": "step-0", "step": 1},
+    "acked": 13, "committed": 12, "lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 1,
+    "dead_lettered": {}, "redelivered": 0, "unacked_committed": 0, "lineage_lost": 0, "lineage_duplicated": 0,
+    "replayed": 0, "resumed_from_step": None, "replayed_batches_identical": None, "left_at_broker": 1,
+    "max_staleness": None, "group_filter": None, "stale_dropped": 0, "filtered": 0, "abandoned": 0,
+    "discarded_share": 0.0, "starved": None, "seconds": 3.3, "failed": [], "ok": True,
+}
+# A run whose broker said it starved before the first batch: no figure of the steps has a value.
+STARVED = {**PASSING, **dict.fromkeys(("reward_first", "reward_last", "replay_max_abs_diff_support",
+                                       "replay_mean_abs_diff_full", "truncated_share", "full_diff_min_where_truncated",
+                                       "staleness_mean", "staleness_max", "token_staleness_mean",
+                                       "token_staleness_max", "replay_worst")),
+           "steps": 0, "replay_tokens": 0, "group_filter": "min_members:3", "starved": "filtered",
+           "dead_lettered": {"filtered:min_members": 8}, "filtered": 8, "discarded_share": 1.0}
 
 
 def sampled_batch(models: dict[str, TinyLM], versions: list[tuple[str, ...]]) -> Batch:
@@ -129,6 +154,70 @@ def test_the_policy_loss_takes_one_forward_pass_for_the_whole_batch(monkeypatch)
     assert all(parameter.grad is not None for parameter in model.parameters())
 
 
+def test_a_run_with_nothing_broken_passes_whatever_it_was_asked_to_throw_away_or_left_at_the_broker():
+    assert failures(PASSING, set()) == []
+    assert failures({**PASSING, "unseen": 7, "left_at_broker": 7}, set()) == []  # stopped after its steps
+    assert failures(STARVED, discarded_on_purpose(None, "min_members:3", chaos=False)) == []
+    assert failures({**PASSING, "steps": 40, "reward_first": 0.1, "reward_last": 0.9}, set()) == []
+    # too short to tell learning from noise: a reward that fell is no failure
+    assert failures({**PASSING, "steps": LEARNING_STEPS - 1, "reward_last": 0.01}, set()) == []
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"lost": 2}, "checker: expected 0 lost, got 2"),
+    ({"duplicated": 1}, "checker: expected 0 duplicated, got 1"),
+    ({"partial": 1}, "checker: expected 0 partial, got 1"),
+    ({"corrupted": 3}, "checker: expected 0 corrupted, got 3"),
+    ({"dead_lettered": {"expired": 1}},
+     "checker: expected acked trajectories dead-lettered only for [], got ['expired']"),
+    ({"replayed_batches_identical": False},
+     "resume: expected the batches trained again to be the ones trained first, got others"),
+    ({"replay_max_abs_diff_support": 0.25},
+     "replay bound: expected every sampled token's log-prob replayed over its support within 0.0001 of the "
+     "sampler's, got 0.25 (replay_worst {'diff': 9.5e-07, 'version': 'step-0', 'step': 1})"),
+    ({"replay_max_abs_diff_support": float("nan")}, "replay bound: expected every sampled token's log-prob"),
+    ({"replay_tokens": 0, "replay_max_abs_diff_support": None},
+     "replay bound: expected sampled tokens replayed in 3 steps, got none"),
+    ({"reward_last": float("nan")}, "reward: expected a share of sampled tokens in [0, 1], got 0.0625 first and nan last"),
+    ({"steps": LEARNING_STEPS, "reward_first": 0.4, "reward_last": 0.4},
+     f"reward: expected the last steps' mean reward above the first steps' after {LEARNING_STEPS} steps (at least "
+     f"{LEARNING_STEPS}), got 0.4 first and 0.4 last"),
+])
+def test_each_rule_a_run_breaks_is_named_with_what_it_expected_and_what_it_got(changes, reason):
+    got = failures({**PASSING, **changes}, set())
+    assert len(got) == 1 and got[0].startswith(reason), got
+
+
+def test_what_a_demo_throws_away_on_purpose_is_what_it_was_asked_for():
+    assert discarded_on_purpose(None, None, chaos=False) == set()
+    assert discarded_on_purpose(1, "all_equal_rewards,min_members:3", chaos=True) == {
+        "stale", "filtered:all_equal_rewards", "filtered:min_members", "abandoned"}
+    assert discarded_on_purpose(None, None, chaos=True, rewards_expire=True) == {"abandoned", "reward_expired"}
+
+
+@pytest.mark.parametrize("summary", [
+    PASSING, STARVED, {**PASSING, "plot": None},
+    {**PASSING, "resumed_from_step": 4, "replayed": 4, "replayed_batches_identical": True},
+    {**PASSING, "resumed_from_step": 4, "replayed": 4, "replayed_batches_identical": False, "ok": False,
+     "failed": ["resume: expected the batches trained again to be the ones trained first, got others"]},
+], ids=["passing", "starved", "plot-not-written", "resumed", "resumed-differently"])
+def test_the_table_shows_no_raw_none_and_its_verdict_last(summary):
+    table = summary_table(summary)
+    assert "None" not in table, table
+    verdict = table.splitlines()[-1].split(maxsplit=1)
+    assert verdict == ["verdict", "ok" if summary["ok"] else f"FAILED: {summary['failed'][0]}"], table
+    assert "lost 0  duplicated 0  partial 0  corrupted 0  unseen 1" in table
+
+
+def test_a_progress_line_fits_80_columns():
+    extreme = Replay(support_diffs=np.array([1.2345e-12]), full_diffs=np.array([12.3456]), truncated=np.array([True]),
+                     replayed=1, skipped=0)
+    line = progress_line(9999, 9999, 0.999, -99.9999, extreme)
+    assert len(line) <= 80 and line.startswith("step 9999/9999  reward 0.999"), (len(line), line)
+    nothing = Replay(np.zeros(0), np.zeros(0), np.zeros(0, bool), 0, 3)  # every trajectory skipped
+    assert progress_line(1, 3, 0.5, 0.0, nothing).endswith("|diff| support nan, full nan")
+
+
 @pytest.mark.slow
 def test_a_short_training_run_replays_exactly_over_the_support_and_not_over_the_vocabulary(tmp_path):
     plot = tmp_path / "train.png"
@@ -145,6 +234,9 @@ def test_a_short_training_run_replays_exactly_over_the_support_and_not_over_the_
     assert summary["staleness_max"] >= 0
     # per token from the spans, per trajectory from its turns' versions: the oldest token is its oldest turn's
     assert summary["token_staleness_max"] == summary["staleness_max"]
+    assert summary["ok"] and summary["failed"] == [] and set(PASSING) <= set(summary), set(PASSING) - set(summary)
+    assert (summary["lost"], summary["duplicated"], summary["partial"], summary["corrupted"]) == (0, 0, 0, 0)
+    assert summary["unseen"] == summary["left_at_broker"]
     pytest.importorskip("matplotlib")
     assert summary["plot"] == str(plot) and plot.stat().st_size > 1000
     assert "replay max |diff|, over the support" in summary_table(summary)
