@@ -251,6 +251,51 @@ def test_a_broker_log_is_kept_once_and_begun_afresh_when_it_has_grown(tmp_path, 
     assert rsray.supervisor_dir("/var/lib/rollstream/n1") == Path("/var/lib/rollstream/n1.supervisor")
 
 
+def test_brokers_on_one_machine_each_get_a_free_metrics_port_and_stop_to_no_status(cluster, tmp_path):
+    """docs/ray.md, "Trying it on one machine": settings that leave
+    `metrics_port` out start a broker per node on one machine, each serving
+    /metrics on a port of its own. After `stop_brokers()`, no node has a
+    broker: `brokers_status()` is empty, as `all_brokers()` is."""
+    import urllib.request
+
+    import rollstream.ray as rsray
+
+    settings = {key: value for key, value in BROKER_SETTINGS.items() if key != "metrics_port"}
+    brokers = rsray.start_brokers(settings, data_dir=str(tmp_path / "data-{node_id}"), timeout=PATIENCE)
+    try:
+        ports = {node: status["metrics_port"] for node, status in rsray.brokers_status().items()}
+        assert sorted(ports) == sorted(b.node_id for b in brokers) and len(set(ports.values())) == 2, ports
+        for port in ports.values():
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=PATIENCE) as page:
+                assert b"rollstream_" in page.read()
+    finally:
+        codes = rsray.stop_brokers()
+    assert sorted(codes) == sorted(ports) and set(codes.values()) == {0}, codes
+    assert rsray.brokers_status() == {} and rsray.all_brokers() == []
+
+
+def test_a_broker_that_refuses_its_settings_is_reported_at_once_naming_the_setting(cluster, tmp_path):
+    """A metrics port another process holds: each broker exits 2 at its
+    first start. `start_brokers` raises as soon as one has, with the
+    broker's own words naming the setting, instead of restarting it until
+    its timeout, and leaves no broker behind."""
+    import socket
+
+    import rollstream.ray as rsray
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        settings = {**BROKER_SETTINGS, "metrics_port": held.getsockname()[1]}
+        with pytest.raises(InvalidState) as refused:
+            rsray.start_brokers(settings, data_dir=str(tmp_path / "data-{node_id}"), timeout=PATIENCE)
+    message = str(refused.value)
+    for expected in ("refused its settings at its first start (exit status 2", "metrics_port must be a port no other "
+                     "process holds", "[rule: free port]"):
+        assert expected in message, f"expected {expected!r} in {message!r}"
+    assert rsray.brokers_status() == {}, "a refused start must leave no broker"
+
+
 def test_a_broker_dies_with_its_supervisor(cluster, tmp_path):
     import rollstream.ray as rsray
 

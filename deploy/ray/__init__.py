@@ -22,6 +22,7 @@ import io
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,9 @@ SETTINGS_WHERE = "start_brokers settings"
 RESTART_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)  # seconds before each restart after a crash; the last repeats
 STABLE_AFTER = 30.0  # seconds a broker must run before its next crash counts from the first delay again
 LOG_KEPT_BYTES = 64 << 20  # a broker log this large when its broker (re)starts is kept as broker.log.1, begun afresh
+REFUSED = 2  # the exit status of a broker whose settings were refused (a ConfigError)
+METRICS_PORT_FLAG = "--metrics-port="  # as `broker_arguments` writes it
+METRICS_PORT_VARIABLE = "ROLLSTREAM_BROKER_METRICS_PORT"  # the broker's command reads it for that setting
 
 log = logging.getLogger("rollstream.ray")
 
@@ -138,6 +142,13 @@ def _rotated(log: Path) -> Path:
     return log
 
 
+def _free_port() -> int:
+    """A TCP port no process holds now: the system's pick for port 0."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
 def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child between fork and exec
     """In the broker's process, before it runs: SIGTERM when the thread
     that started it (the supervisor's, alive as long as the actor) ends."""
@@ -162,8 +173,12 @@ class BrokerSupervisor:
         self.restarts = 0
         self.last_exit: int | None = None
         self.process: subprocess.Popen | None = None
-        self.endpoints: dict[str, str] | None = self._remembered_endpoints()
-        self._bound = threading.Event()
+        remembered = self._remembered()
+        self.endpoints: dict[str, str] | None = (None if remembered is None
+                                                 else {name: remembered[name] for name in ENDPOINT_NAMES})
+        self.metrics_port = self._metrics_port(remembered)
+        self._has_run = remembered is not None  # a broker that ran here before is restarted whatever its exit
+        self._ready = threading.Event()  # the broker bound its endpoints, or its first start was refused
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._supervise, name="rollstream-broker-supervisor", daemon=True)
@@ -181,22 +196,38 @@ class BrokerSupervisor:
         """The endpoints the first broker bound, which every restart binds again (kept across actor restarts)."""
         return self.work / "bound.json"
 
-    def _remembered_endpoints(self) -> dict[str, str] | None:
+    def _remembered(self) -> dict[str, str] | None:
+        """What the broker that last ran on this data directory bound, if it was not stopped cleanly."""
         with contextlib.suppress(AdminError):
-            endpoints = read_endpoints_file(str(self._bound_file))
-            if endpoints.get("data_dir") == self.data_dir:
-                return {name: endpoints[name] for name in ENDPOINT_NAMES}
+            bound = read_endpoints_file(str(self._bound_file))
+            if bound.get("data_dir") == self.data_dir:
+                return bound
         return None
+
+    def _metrics_port(self, remembered: dict[str, str] | None) -> int | None:
+        """The /metrics port this supervisor picks for its broker when
+        neither the settings nor the broker's environment set one (None
+        when they do): with the default, every broker on one machine would
+        bind the same port and all but one refuse to start. A restart keeps
+        the port picked before; a first start takes a free one."""
+        if any(arg.startswith(METRICS_PORT_FLAG) for arg in self.args) or METRICS_PORT_VARIABLE in os.environ:
+            return None
+        kept = (remembered or {}).get("metrics_port", "")
+        return int(kept) if kept.isdigit() else _free_port()
 
     def _command(self) -> list[str]:
         bind = self.endpoints or {name: f"tcp://{self.host}:{self.ports.get(name, 0)}" for name in ENDPOINT_NAMES}
-        return [sys.executable, "-m", "rollstream.app.cli", "broker", *self.args, f"--data-dir={self.data_dir}",
-                f"--endpoints-file={self._endpoints_file}",
+        metrics = [] if self.metrics_port is None else [f"{METRICS_PORT_FLAG}{self.metrics_port}"]
+        return [sys.executable, "-m", "rollstream.app.cli", "broker", *self.args, *metrics,
+                f"--data-dir={self.data_dir}", f"--endpoints-file={self._endpoints_file}",
                 *(f"--{name}-endpoint={bind[name]}" for name in ENDPOINT_NAMES)]
 
     def _supervise(self) -> None:
         """Start the broker, wait for it, start it again after a crash,
-        until `stop`. Runs on one thread for the actor's life: the broker's
+        until `stop`. A first start whose settings the broker refuses (exit
+        status 2: a port another process holds, say) is not tried again:
+        the same settings would be refused again, and `where` says so at
+        once. Runs on one thread for the actor's life: the broker's
         parent-death signal follows this thread."""
         crashes = 0  # in a row, each within STABLE_AFTER of its start
         while not self._stopping.is_set():
@@ -207,35 +238,47 @@ class BrokerSupervisor:
                 self.process = subprocess.Popen(self._command(), stdout=output, stderr=subprocess.STDOUT,
                                                 start_new_session=True, preexec_fn=_set_parent_death_signal)
             started = Clock.monotonic()
-            while self.process.poll() is None and not self._bound.is_set() and not self._stopping.is_set():
+            while self.process.poll() is None and not self._ready.is_set() and not self._stopping.is_set():
                 if self._endpoints_file.exists():
                     self._note_bound(read_endpoints_file(str(self._endpoints_file)))
                 time.sleep(0.05)
             code = self.process.wait()
             if self._stopping.is_set():
                 break
+            if code == REFUSED and not self._has_run:
+                self.last_exit, self.state = code, "failed"
+                log.error("broker refused its settings at its first start; not starting it again",
+                          extra={"node_id": self.node_id, "exit": code, "log": str(self.work / "broker.log")})
+                self._ready.set()
+                return
             crashes = 1 if Clock.monotonic() - started > STABLE_AFTER else crashes + 1
             self.restarts, self.last_exit, self.state = self.restarts + 1, code, "restarting"
             log.warning("broker exited; restarting it", extra={"node_id": self.node_id, "exit": code,
                                                                "restarts": self.restarts})
-            self._bound.clear()
+            self._ready.clear()
             self._stopping.wait(RESTART_DELAYS[min(crashes, len(RESTART_DELAYS)) - 1])
         self.state = "stopped"
 
     def _note_bound(self, endpoints: dict[str, str]) -> None:
         self.endpoints = {name: endpoints[name] for name in ENDPOINT_NAMES}
-        write_endpoints_file(str(self._bound_file), {**self.endpoints, "data_dir": self.data_dir})
-        self.state = "running"
-        self._bound.set()
+        metrics = {} if self.metrics_port is None else {"metrics_port": str(self.metrics_port)}
+        write_endpoints_file(str(self._bound_file), {**self.endpoints, "data_dir": self.data_dir, **metrics})
+        self.state, self._has_run = "running", True
+        self._ready.set()
 
     def where(self, timeout: float = 60.0) -> dict[str, str]:
         """This node's broker endpoints (as `BrokerEndpoints` fields), once
-        it has bound them; `InvalidState` with its log's tail if it has not
-        within `timeout` seconds."""
-        if not self._bound.wait(timeout):
+        it has bound them; `InvalidState` with its log's tail if its first
+        start was refused (at once) or it has not bound them within
+        `timeout` seconds."""
+        if not self._ready.wait(timeout):
             raise InvalidState(f"the broker on node {self.node_id} must bind its endpoints within {timeout} s; "
                                f"state {self.state}, {self.restarts} restart(s), last exit {self.last_exit}; "
                                f"its log ends:\n{self.log_tail()}")
+        if self.state == "failed":
+            raise InvalidState(f"the broker on node {self.node_id} refused its settings at its first start (exit "
+                               f"status {self.last_exit}, a configuration error) and is not started again; its log "
+                               f"names the setting:\n{self.log_tail()}")
         assert self.endpoints is not None
         return {"node_id": self.node_id, **self.endpoints, "data_dir": self.data_dir}
 
@@ -245,6 +288,7 @@ class BrokerSupervisor:
         process = self.process
         report: dict[str, Any] = {"node_id": self.node_id, "state": self.state, "restarts": self.restarts,
                                   "last_exit": self.last_exit, "data_dir": self.data_dir,
+                                  "metrics_port": self.metrics_port,
                                   "pid": process.pid if process is not None and process.poll() is None else None,
                                   "endpoints": self.endpoints, "log": str(self.work / "broker.log")}
         if self.endpoints is not None and self.state == "running":
@@ -333,7 +377,9 @@ def start_brokers(settings: Mapping[str, Any] | None = None, *, data_dir: str = 
     (`{node_id}` and `{node_ip}` are filled in), never under Ray's
     temporary folder. The brokers bind `host` (default: their node's
     address as Ray knows it) on `ports` (by endpoint name; 0 or absent:
-    a free port on first start, kept across restarts). `detached`
+    a free port on first start, kept across restarts); unless `settings`
+    set `metrics_port`, each broker serves /metrics on a free port too, so
+    brokers sharing a machine do not all bind the default. `detached`
     brokers outlive the driver's job until `stop_brokers`. `admin_keys`
     (a secret key file and the brokers' public key) let the supervisors
     read status from brokers that require CURVE."""
