@@ -372,9 +372,10 @@ def rollout_keys(rewards: Sequence[Any], statuses: Sequence[str | None], indices
 def weight_version_calls(versions: Sequence[Sequence[str]], spans: Sequence[Sequence[Sequence[tuple[str, int, int]]]],
                          prompt_lengths: Sequence[int]) -> list[list[list[dict]]] | None:
     """miles' `weight_versions` train-data key: per sample, one engine call
-    per versioned turn, its spans in absolute token positions. None when no
-    sample has a version, or when one came without its spans (from an
-    older broker)."""
+    per versioned turn (a miles sample holding several calls became a turn
+    per call where it was read), its spans in absolute token positions.
+    None when no sample has a version, or when one came without its spans
+    (from an older broker)."""
     if not any(versions) or any(len(v) != len(s) for v, s in zip(versions, spans)):
         return None
     return [[[{"version": version, "abs_start": prompt + start, "abs_end": prompt + end} for version, start, end in turn]

@@ -7,6 +7,13 @@ output) followed by this call's `response_length` sampled tokens. Its merge
 yields a turn whose forced tokens are the observation between two samples:
 `b.tokens[len(a.tokens) : len(b.tokens) - b.response_length]`.
 
+A sample whose response holds several engine calls (miles' multi-turn
+generation appends each call and the tool output after it to one sample)
+yields a turn per call, as its per-call samples would: miles' train data
+lists the weight versions per call, and so does a trajectory per turn. The
+tokens between two calls become the earlier turn's forced tokens, which
+they must already be (loss 0, log-prob 0.0, each its own support).
+
 The walk stops where miles' merge stops: after a turn that is not
 `completed`, and after a turn that introduces a replay gap (a replay field the
 previous samples carried is missing). The gap turn itself is kept, so the
@@ -18,7 +25,7 @@ one on `a` (replay arrays cannot shrink: `validate()` ties their rows to
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -61,6 +68,7 @@ class _Sample:
     status: str
     weight_version: str | None
     weight_version_spans: tuple[tuple[str, int, int], ...] | None
+    call: int = 0  # which engine call of its sample this is: the turns of one sample follow one another
 
     def carries(self, field: str) -> bool:
         return getattr(self, field) is not None
@@ -114,30 +122,29 @@ def _spans(call: Any, index: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def _weight_versions(versions: Any, tokens: np.ndarray, response_length: int,
-                     index: int) -> tuple[str | None, tuple[tuple[str, int, int], ...] | None]:
-    """The versions of the weights that sampled this sample's response: its
-    first token's (the turn's version), and where the weights changed
-    within it, spans over the response (None when one version covers it
-    all). miles records one list of spans per engine call, each placed by
-    absolute token position, so only spans over this response count; a
-    legacy sample holds one version string per call instead (its last is
-    this one's)."""
-    if not versions:
-        return None, None
-    if all(isinstance(v, str) for v in versions):  # miles' legacy form
-        return versions[-1], None
-    start = len(tokens) - response_length
-    spans = sorted((max(begin, start) - start, min(end, len(tokens)) - start, version)
-                   for call in versions for version, begin, end in _spans(call, index)
-                   if end > start and begin < len(tokens))
-    if not spans:
-        return None, None
-    over = tuple((version, begin, end) for begin, end, version in spans)
-    return over[0][0], None if over == ((over[0][0], 0, response_length),) else over
+def _calls(versions: Any, tokens: np.ndarray, response_length: int, index: int) -> list[list[tuple[str, int, int]]]:
+    """The engine calls that sampled this sample's response, in token
+    order: each its spans over the response, in response positions. miles
+    records one list of spans per engine call, each placed by absolute
+    token position, so calls over earlier samples' responses are left out,
+    and so are calls without a version."""
+    start, end = len(tokens) - response_length, len(tokens)
+    calls = [sorted((version, max(begin, start) - start, min(stop, end) - start)
+                    for version, begin, stop in _spans(call, index) if stop > start and begin < end)
+             for call in versions]
+    return sorted((call for call in calls if call), key=lambda call: call[0][1])
 
 
-def _read(sample: Any, index: int) -> _Sample:
+def _versioned(spans: Sequence[tuple[str, int, int]], length: int) -> tuple[str, tuple[tuple[str, int, int], ...] | None]:
+    """A turn's version (its first token's: the oldest weights in it) and,
+    where the weights changed within its `length` tokens, its spans (None
+    when one version covers them all)."""
+    over = tuple((version, begin, end) for version, begin, end in sorted(spans, key=lambda span: span[1]))
+    return over[0][0], None if over == ((over[0][0], 0, length),) else over
+
+
+def _read(sample: Any, index: int) -> list[_Sample]:
+    """`sample`, one `_Sample` per engine call of its response (`_split`)."""
     tokens = np.asarray(as_numpy(_field(sample, "tokens")))
     length = _field(sample, "response_length")
     try:
@@ -146,8 +153,7 @@ def _read(sample: Any, index: int) -> _Sample:
         raise MilesMergeError(f"sample {index}: rule 'response_length is a count of tokens' violated: expected an "
                               f"integer, got {type(length).__name__} {length!r:.80}") from None
     replay = {name: _field(sample, name) for name in ("rollout_routed_experts", "rollout_indexer_topk")}
-    version, spans = _weight_versions(_field(sample, "weight_versions"), tokens, response_length, index)
-    return _Sample(
+    whole = _Sample(
         index=index,
         tokens=tokens,
         response_length=response_length,
@@ -157,9 +163,76 @@ def _read(sample: Any, index: int) -> _Sample:
         routed_experts=None if replay["rollout_routed_experts"] is None else as_numpy(replay["rollout_routed_experts"]),
         indexer_topk=None if replay["rollout_indexer_topk"] is None else as_numpy(replay["rollout_indexer_topk"]),
         status=_status(_field(sample, "status"), index),
-        weight_version=version,
-        weight_version_spans=spans,
+        weight_version=None,
+        weight_version_spans=None,
     )
+    versions = _field(sample, "weight_versions") or []
+    if not isinstance(versions, (list, tuple)):
+        raise MilesMergeError(f"sample {index}: rule 'weight_versions holds one list of spans per engine call' violated: "
+                              f"expected a list, got {type(versions).__name__} {versions!r:.80}")
+    if versions and all(isinstance(v, str) for v in versions):  # miles' legacy form: a string per call, this one's last
+        return [replace(whole, weight_version=versions[-1])]
+    calls = _calls(versions, tokens, response_length, index)
+    if len(calls) < 2:
+        version, spans = _versioned(calls[0], response_length) if calls else (None, None)
+        return [replace(whole, weight_version=version, weight_version_spans=spans)]
+    _validate(whole)
+    return _split(whole, calls)
+
+
+def _split(s: _Sample, calls: list[list[tuple[str, int, int]]]) -> list[_Sample]:
+    """A sample holding several engine calls as one `_Sample` per call, as
+    miles' per-call samples would have been before its merge: each call's
+    tokens run from its first span to its last (the first call's from the
+    response's start, the last's to its end), and what lies between two
+    calls is the observation the next one's walk takes as forced tokens."""
+    bounds = [[call[0][1], call[-1][2]] for call in calls]
+    bounds[0][0], bounds[-1][1] = 0, s.response_length
+    for (_, end), (begin, _) in zip(bounds, bounds[1:]):
+        if begin < end:
+            raise MilesMergeError(f"sample {s.index}: rule 'the engine calls of a sample follow one another' violated: "
+                                  f"expected a call to begin at response position {end} or later, got {begin} "
+                                  f"(calls at {bounds})")
+        _check_observation(s, end, begin)
+    prompt = len(s.tokens) - s.response_length
+    pieces = []
+    for call, (spans, (begin, end)) in enumerate(zip(calls, bounds)):
+        rows = slice(0, prompt + end - 1)  # a replay array covers the call's whole context, less its last token
+        version, over = _versioned([(v, b - begin, e - begin) for v, b, e in spans], end - begin)
+        pieces.append(replace(
+            s, tokens=s.tokens[: prompt + end], response_length=end - begin,
+            loss_mask=None if s.loss_mask is None else s.loss_mask[begin:end],
+            log_probs=None if s.log_probs is None else s.log_probs[begin:end],
+            mask=None if s.mask is None else _mask_slice(s.mask, begin, end),
+            routed_experts=None if s.routed_experts is None else s.routed_experts[rows],
+            indexer_topk=None if s.indexer_topk is None else s.indexer_topk[rows],
+            status=s.status if call == len(calls) - 1 else "completed",
+            weight_version=version, weight_version_spans=over, call=call))
+    return pieces
+
+
+def _mask_slice(mask: SamplingMask, begin: int, end: int) -> SamplingMask:
+    offsets = mask.offsets[begin : end + 1]
+    return SamplingMask(mask.ids[offsets[0] : offsets[-1]], offsets - offsets[0])
+
+
+def _check_observation(s: _Sample, begin: int, end: int) -> None:
+    """The tokens at response positions [begin, end) of `s`, between two
+    of its engine calls, become forced tokens: they must already be what
+    forced tokens are (loss 0, log-prob 0.0, each its own support), as
+    miles appends a tool's output, or the turns would change the data."""
+    n = end - begin
+    loss = [1] * n if s.loss_mask is None else [int(v) for v in np.asarray(s.loss_mask[begin:end])]  # miles' default
+    log_probs = [0.0] * n if s.log_probs is None else [float(v) for v in np.asarray(s.log_probs[begin:end])]
+    supports = None if s.mask is None else [s.mask[t].tolist() for t in range(begin, end)]
+    own = [[int(t)] for t in s.response[begin:end]]
+    if loss != [0] * n or log_probs != [0.0] * n or supports not in (None, own):
+        expected, got = f"loss_mask {[0] * n}, log-probs {[0.0] * n}", f"loss_mask {loss}, log-probs {log_probs}"
+        if supports is not None:
+            expected, got = f"{expected}, supports {own}", f"{got}, supports {supports}"
+        raise MilesMergeError(f"sample {s.index}: rule 'the tokens between two engine calls of a sample are an "
+                              f"observation (loss_mask 0, log-prob 0.0, each token its own support)' violated at "
+                              f"response positions [{begin}, {end}): expected {expected}, got {got}")
 
 
 def _validate(s: _Sample) -> None:
@@ -195,7 +268,7 @@ def _observation(a: _Sample, b: _Sample) -> np.ndarray:
             f"{mismatch} (sample {b.index} has {len(b.tokens)} tokens)"
         )
     obs_len = len(b.tokens) - len(a.tokens) - b.response_length
-    if obs_len <= 0:
+    if obs_len <= 0 and not b.call:  # two calls of one sample may follow one another at once
         raise MilesMergeError(f"samples {a.index} -> {b.index}: rule 'obs_len > 0' violated: expected a non-empty "
                               f"observation between the turns, got obs_len={obs_len}")
     if b.mask is not None and a.mask is None:
@@ -218,7 +291,7 @@ def turns_from_miles_samples(samples: Sequence[Any], *, vocab_size: int | None =
     objects with the same attributes (miles' `Sample`)."""
     if not samples:
         raise MilesMergeError("no samples: a trajectory needs at least one turn")
-    read = [_read(sample, i) for i, sample in enumerate(samples)]
+    read = [call for i, sample in enumerate(samples) for call in _read(sample, i)]
     _validate(read[0])  # the prompt is what precedes its response
     prompt = read[0].tokens[: len(read[0].tokens) - read[0].response_length]
     turns: list[Turn] = []
@@ -234,4 +307,4 @@ def turns_from_miles_samples(samples: Sequence[Any], *, vocab_size: int | None =
         acc = b
     turns.append(_turn(acc, None, vocab_size))
     unknown = sorted({name for sample in samples if isinstance(sample, Mapping) for name in sample} - set(SESSION_FIELDS))
-    return MilesTurns(prompt, turns, dropped=len(read) - acc.index - 1, unknown_fields=tuple(unknown))
+    return MilesTurns(prompt, turns, dropped=len(samples) - acc.index - 1, unknown_fields=tuple(unknown))

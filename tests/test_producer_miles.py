@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from rollstream.common import SamplingMask, Trajectory
+from rollstream.common.codec import decode
+from rollstream.common.messages import BROKER_TO_CONSUMER
 from rollstream.common.miles import (
     DEFAULT_FIELDS,
     FIELDS_WITH_MASK,
@@ -14,7 +16,9 @@ from rollstream.common.miles import (
     SessionField,
     decode_session_samples,
     encode_session_samples,
+    to_train_data,
 )
+from rollstream.common.wire import encode_deliver, trajectory_from_deliver
 from rollstream.producer.miles_samples import MilesMergeError, turns_from_miles_samples
 from rollstream.producer.replay import ReplayError, miles_payload
 
@@ -117,6 +121,78 @@ def test_weight_versions_are_read_from_miles_per_call_spans_as_dicts_and_as_obje
     assert [t.weight_version for t in turns_from_miles_samples(objects).turns] == ["5", "6", "6"]
 
 
+def merged(tid, out):
+    """The trajectory the broker merges from `out`'s turns, as a consumer receives it."""
+    traj = Trajectory(tid, out.prompt_tokens)
+    for turn in out.turns:
+        assert traj.append_turn(turn).applied
+    traj.reward = 1.0
+    return trajectory_from_deliver(decode(encode_deliver(traj, f"lease-{tid}"), BROKER_TO_CONSUMER))
+
+
+def test_a_sample_holding_two_engine_calls_is_a_turn_per_call_with_miles_per_call_weight_versions():
+    """miles' multi-turn generation keeps one sample: prompt 1 2 3, a call
+    sampling 10 11 under weights 7, a tool's output 20 21 22 (loss 0,
+    log-prob 0.0, singleton supports), a call sampling 30 under weights 7.
+    miles' train data holds, per sample, one list of spans per call:
+    [[{7, 3, 5}], [{7, 8, 9}]]. The tool's output becomes forced tokens and
+    the merged trajectory is the sample again."""
+    two_calls = sample([1, 2, 3, 10, 11, 20, 21, 22, 30], [10, 11, 20, 21, 22, 30],
+                       [[10, 4], [11], [20], [21], [22], [30, 7]],
+                       loss_mask=np.array([1, 1, 0, 0, 0, 1], np.uint8),
+                       rollout_log_probs=np.array([-0.5, -0.5, 0.0, 0.0, 0.0, -0.25]),
+                       weight_versions=[[span("7", 3, 5)], [span("7", 8, 9)]])
+    out = turns_from_miles_samples([two_calls])
+    assert out.prompt_tokens.tolist() == [1, 2, 3] and out.dropped == 0
+    assert [(t.tokens.tolist(), t.forced_tokens.tolist(), t.weight_version) for t in out.turns] == [
+        ([10, 11], [20, 21, 22], "7"), ([30], [], "7")]
+    traj = merged("two-calls", out)
+    assert traj.tokens.tolist() == [10, 11, 20, 21, 22, 30] and traj.loss_mask.tolist() == [1, 1, 0, 0, 0, 1]
+    assert traj.log_probs.tolist() == [-0.5, -0.5, 0.0, 0.0, 0.0, -0.25]
+    assert traj.mask.ids.tolist() == [10, 4, 11, 20, 21, 22, 30, 7]
+    assert traj.mask.offsets.tolist() == [0, 2, 3, 4, 5, 6, 8]
+    # one call whose weights changed after its first token: one list of two spans
+    changed = sample([1, 2, 40, 41, 42], [40, 41, 42], [[40], [41], [42]],
+                     weight_versions=[[span("6", 2, 3), span("7", 3, 5)]])
+    assert to_train_data([traj, merged("changed", turns_from_miles_samples([changed]))])["weight_versions"] == [
+        [[{"version": "7", "abs_start": 3, "abs_end": 5}], [{"version": "7", "abs_start": 8, "abs_end": 9}]],
+        [[{"version": "6", "abs_start": 2, "abs_end": 3}, {"version": "7", "abs_start": 3, "abs_end": 5}]],
+    ]
+
+
+def test_two_calls_of_a_sample_with_nothing_between_them_are_two_turns_without_forced_tokens():
+    """A generation resumed by a second call (miles' partial rollout) appends to the sample at once."""
+    resumed = sample([1, 2, 10, 11, 12], [10, 11, 12], [[10], [11], [12]], status="truncated",
+                     weight_versions=[[span("6", 2, 4)], [span("7", 4, 5)]])
+    out = turns_from_miles_samples([resumed])
+    assert [(t.tokens.tolist(), t.forced_tokens.tolist(), t.status) for t in out.turns] == [
+        ([10, 11], [], "completed"), ([12], [], "truncated")]
+    assert to_train_data([merged("resumed", out)])["weight_versions"] == [
+        [[{"version": "6", "abs_start": 2, "abs_end": 4}], [{"version": "7", "abs_start": 4, "abs_end": 5}]]]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"loss_mask": np.array([1, 1, 1, 0, 0, 1], np.uint8)},
+     r"sample 0: rule 'the tokens between two engine calls of a sample are an observation \(loss_mask 0, log-prob 0.0, "
+     r"each token its own support\)' violated at response positions \[2, 5\): expected loss_mask \[0, 0, 0\], "
+     r"log-probs \[0.0, 0.0, 0.0\], supports \[\[20\], \[21\], \[22\]\], got loss_mask \[1, 0, 0\]"),
+    ({"weight_versions": [[span("7", 3, 6)], [span("7", 5, 9)]]},
+     r"sample 0: rule 'the engine calls of a sample follow one another' violated: expected a call to begin at response "
+     r"position 3 or later, got 2"),
+])
+def test_two_calls_of_a_sample_that_cannot_be_split_into_turns_are_refused_naming_the_rule(overrides, message):
+    """What lies between two calls would become forced tokens: sampled
+    tokens there (loss 1) would lose their loss; calls that overlap cannot
+    be told apart."""
+    two_calls = sample([1, 2, 3, 10, 11, 20, 21, 22, 30], [10, 11, 20, 21, 22, 30],
+                       [[10, 4], [11], [20], [21], [22], [30, 7]],
+                       loss_mask=np.array([1, 1, 0, 0, 0, 1], np.uint8),
+                       rollout_log_probs=np.array([-0.5, -0.5, 0.0, 0.0, 0.0, -0.25]),
+                       weight_versions=[[span("7", 3, 5)], [span("7", 8, 9)]])
+    with pytest.raises(MilesMergeError, match=message):
+        turns_from_miles_samples([{**two_calls, **overrides}])
+
+
 def test_fields_a_newer_miles_adds_are_counted_where_samples_become_turns_and_not_sent():
     newer = {"lineage_note": SessionField("json"), "draft_hidden": SessionField("tensor", np.dtype("<f2"), strict=True)}
     samples = three_turns({1: {"draft_hidden": np.zeros(2, np.float16), "lineage_note": "x"}})
@@ -178,6 +254,8 @@ def test_a_single_sample_is_one_turn():
     ([sample(PROMPT + R0, R0, S0, weight_versions=[{"version": "7"}])],
      r"sample 0: rule 'weight_versions holds one list of spans per engine call' violated: expected a list of spans, "
      r"got dict"),
+    ([sample(PROMPT + R0, R0, S0, weight_versions={"version": "7"})],
+     r"sample 0: rule 'weight_versions holds one list of spans per engine call' violated: expected a list, got dict"),
     ([], "no samples"),
 ])
 def test_miles_merge_errors(samples, match):
