@@ -172,7 +172,8 @@ def live_progress(console, plan: int):
         bars.faults = tuple(faults)
         for stage in STAGES:
             value = getattr(counts, stage)
-            bars.update(tasks[stage], completed=min(value, plan), total=max(plan, value))
+            # A stage may count past the plan (a chaos run's restarts): its bar grows with it.
+            bars.update(tasks[stage], completed=value, total=max(plan, value))
 
     return bars, show
 

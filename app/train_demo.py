@@ -32,6 +32,10 @@ turn may lag it (admission, dispatch, delivery; docs/consumer.md,
 before they take a batch slot. A run whose broker says it starves (its
 filters drop nearly everything once rewards saturate) stops cleanly and
 says why (`starved`).
+
+A run passes (`ok`) when it keeps the rules `failures` names: the
+checker's, the replay bound and the reward check; `rollstream demo
+--train` exits 1 otherwise.
 """
 from __future__ import annotations
 

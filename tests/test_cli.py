@@ -195,7 +195,8 @@ def test_demo_train_plots_by_default_where_no_tracked_file_is_and_git_ignores_it
 
 def test_demo_progress_stays_readable_at_80_columns():
     """Every stage's name and every fault a chaos run injects, whole, in the
-    live display at 80 columns."""
+    live display at 80 columns; a stage that counted past the plan shows
+    its count."""
     import io
 
     from rich.console import Console
@@ -206,11 +207,12 @@ def test_demo_progress_stays_readable_at_80_columns():
     faults = ["broker-0", "broker-1", "broker-2", "producer", "trainer-source", "trainer-resumed"]
     console = Console(file=io.StringIO(), width=80)
     bars, show = live_progress(console, 48)
-    show(Counts(produced=48, acked=47, merged=46, delivered=45, committed=44), faults)
+    show(Counts(produced=56, acked=56, merged=50, delivered=48, committed=44), faults)
     console.print(bars.get_renderable())
     shown = console.file.getvalue()
     words = shown.replace(",", " ").split()
     assert "…" not in shown and set(STAGES) | set(faults) <= set(words), shown
+    assert [word for word in words if "/" in word] == ["56/56", "56/56", "50/50", "48/48", "44/48"], shown
 
 
 def test_demo_refuses_groups_that_cannot_be_whole():

@@ -252,6 +252,7 @@ def test_a_trainer_crashed_between_a_commit_and_its_checkpoint_resumes_and_repla
     summary = run_train_demo(steps=8, producers=1, group_size=2, batch_groups=2, plot=None, chaos=True,
                              checkpoint_every=2, progress=lines.append)
     assert "trainer crashed after step 5; resuming from its checkpoint of step 4" in lines
+    assert summary["ok"], summary["failed"]  # what the abandoned lineage sampled is thrown away on purpose
     assert sum(line.startswith("step   5/8") for line in lines) == 2
     assert summary["resumed_from_step"] == 4 and summary["replayed"] == 4 and summary["replayed_batches_identical"]
     assert (summary["lineage_lost"], summary["lineage_duplicated"], summary["skipped_trajectories"]) == (0, 0, 0)
@@ -265,6 +266,7 @@ def test_a_run_bounded_at_staleness_1_trains_nothing_older_and_reports_what_it_d
                              progress=lambda line: None)
     assert summary["steps"] == 6 and summary["staleness_max"] <= 1 and summary["max_staleness"] == 1
     assert summary["stale_dropped"] >= 0 and 0.0 <= summary["discarded_share"] <= 1.0 and summary["starved"] is None
+    assert summary["ok"], summary["failed"]
     assert (summary["lineage_lost"], summary["lineage_duplicated"]) == (0, 0)
     assert summary["replay_max_abs_diff_support"] < 1e-4
 
@@ -291,5 +293,6 @@ def test_a_run_whose_filter_drops_every_group_stops_cleanly_and_says_it_starved(
                              group_filter="min_members:3", starvation_after=3.0, progress=lines.append)
     assert summary["steps"] == 0 and summary["filtered"] > 0 and summary["discarded_share"] == 1.0
     assert summary["starved"] in ("filtered", "filtered,idle", "idle")
+    assert summary["ok"], summary["failed"]  # a clean stop, judged on what it trained: nothing
     assert any(line.startswith("the broker says the run starves") for line in lines)
     assert "starved" in summary_table(summary)
