@@ -80,7 +80,6 @@ TEST_DEPENDENCIES = ("pytest", "hypothesis")  # what the GPU tests import beside
 SYNC_GUARD = ROOT / "tests" / "test_sync_free.py"
 GPU_ONLY = re.compile(r"skipif\(\s*not torch\.cuda\.is_available\(\)")  # how a test file marks a test that needs CUDA
 VOCAB, TP_SHARDS = 151_936, 8
-REPLAY_TOLERANCE = 1e-4  # the demo's replay over the supports, as tests/test_train_demo.py holds it
 VALIDATE_TARGET_S = 1e-3  # one 1M-token batch validated on an H200
 SMOKE = {"steps": 3, "gpu_tokens": 50_000, "rows": 256, "trajectories": 8, "repeat": 3, "warmup": 1, "pipeline_runs": 1}
 
@@ -267,25 +266,35 @@ def masked_log_probs_tp8(args, env: dict[str, str]) -> dict:
             "all_slices_ms": round(all_slices * 1e3, 4), "unsharded_ms": round(unsharded * 1e3, 4)}
 
 
+def demo_summary(done: subprocess.CompletedProcess) -> dict | None:
+    """A demo's JSON line, which it prints whether its verdict passed (exit 0) or failed (exit 1); None
+    when it ended otherwise."""
+    if done.returncode not in (0, 1):
+        return None
+    try:
+        return last_json(done)
+    except (RuntimeError, ValueError):
+        return None
+
+
 def train_demo(args, env: dict[str, str]) -> dict:
+    """The demo's own verdict (checker, replay bound, reward check), and every step asked for run."""
     done = command([sys.executable, "-m", "rollstream.app.cli", "demo", "--train", "--device", "cuda", "--steps",
                     str(args.steps), "--plot", "", "--json"], env, args.timeout)
-    if done.returncode != 0:
+    summary = demo_summary(done)
+    if summary is None:
         return {"ok": False, "output": tail(done)}
-    summary = last_json(done)
     kept = ("steps", "reward_first", "reward_last", "replay_max_abs_diff_support", "replay_mean_abs_diff_full",
-            "replay_tokens", "lineage_lost", "lineage_duplicated", "seconds")
-    return {"ok": summary["steps"] == args.steps and summary["replay_max_abs_diff_support"] < REPLAY_TOLERANCE
-            and (summary["lineage_lost"], summary["lineage_duplicated"]) == (0, 0),
-            **{key: summary[key] for key in kept}}
+            "replay_tokens", "lineage_lost", "lineage_duplicated", "failed", "seconds")
+    return {"ok": bool(summary["ok"]) and summary["steps"] == args.steps, **{key: summary[key] for key in kept}}
 
 
 def demo(args, env: dict[str, str]) -> dict:
     done = command([sys.executable, "-m", "rollstream.app.cli", "demo", "--device", "cuda", "--producers", "1",
                     "--trajectories", str(args.trajectories), "--dp-size", "2", "--json"], env, args.timeout)
-    if done.returncode != 0:
+    summary = demo_summary(done)
+    if summary is None:
         return {"ok": False, "output": tail(done)}
-    summary = last_json(done)
     kept = ("trajectories", "acked", "committed", "lost", "duplicated", "corrupted", "tokens_per_s", "seconds")
     return {"ok": bool(summary["ok"]), **{key: summary[key] for key in kept}}
 
