@@ -2,17 +2,19 @@
 for an operator watching a run (`rollstream status` answers for one broker,
 once).
 
-Three parts, kept apart so that the figures are tested without sockets or a
-clock: `Top` turns each broker's successive status reports into rows (rates
-from counter deltas, ack latency from histogram deltas, refusals by
-recency), `table` draws rows with rich, and `watch` and `snapshot` poll the
-brokers and draw.
+Three parts, kept apart so that the figures and the layout are tested
+without sockets, a clock or a terminal: `Top` turns each broker's
+successive status reports into rows (rates from counter deltas, ack latency
+from histogram deltas, refusals by recency), `layout` chooses and
+abbreviates the columns for a terminal's width and `table` draws them with
+rich, and `watch` and `snapshot` poll the brokers and draw.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import os
+import re
 import select
 import sys
 import termios
@@ -25,6 +27,7 @@ from typing import Any, NamedTuple
 
 import click
 import zmq
+from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -43,8 +46,6 @@ NACKS = "nacks."  # refusals, as nacks.ENDPOINT.CODE
 QUEUES = ("open", "scoring", "awaiting_group", "ready", "leased", "dead")  # status counts, as the broker names them
 WAITING = ("scoring", "awaiting_group")  # ended, not ready yet: its reward or the rest of its group to come
 REFUSALS_SHOWN = 3  # per row, most recent first
-COLUMNS = ("broker", "frames/s", "traj in/s", "traj out/s", "in bytes/s", "open", "waiting", "ready", "leased", "dead",
-           "producers", "consumers", "memory", "disk", "ack latency", "refusals (latest first)")
 
 
 # -- the figures, sans-I/O ------------------------------------------------------
@@ -249,7 +250,33 @@ def total(rows: Sequence[Row]) -> Row:
     )
 
 
-# -- drawing ------------------------------------------------------------------
+# -- drawing, sans-I/O: the layout is a function of the rows and the width --------
+class Column(NamedTuple):
+    """A column of the table: its header, the shorter header of a narrow
+    terminal, and whether its cells are text (a name, a list: left-aligned)
+    that folds onto more lines when room is short, where a figure never
+    does."""
+
+    name: str
+    short: str
+    folds: bool = False
+
+
+COLUMNS = (Column("broker", "broker", folds=True), Column("frames/s", "fr/s"), Column("traj in/s", "in/s"),
+           Column("traj out/s", "out/s"), Column("in bytes/s", "in B/s"), Column("open", "open"),
+           Column("waiting", "wait"), Column("ready", "ready"), Column("leased", "leased"), Column("dead", "dead"),
+           Column("producers", "prod"), Column("consumers", "cons"), Column("memory", "mem"), Column("disk", "disk"),
+           Column("ack latency", "ack p99"), Column("refusals (latest first)", "refusals", folds=True))
+# The columns in the order they are kept as a terminal narrows: what an operator needs first, then the rest.
+FIRST_NEEDED = ("broker", "traj in/s", "traj out/s", "ready", "memory", "disk", "ack latency", "refusals (latest first)")
+THEN = ("consumers", "producers", "frames/s", "waiting", "leased", "dead", "in bytes/s", "open")
+PRIORITY = FIRST_NEEDED + THEN
+GAP = 2  # characters between two columns as `table` draws them: a space of padding and the rule's gap
+WHOLE_TEXT = 24  # the first needed text is unfolded up to this wide before more columns are taken
+# Where text may go on to the next line: after a comma or a slash (not between two slashes), at a space.
+BREAKS = re.compile(r"(?<=[/,])(?!/)|\s")
+
+
 def human_bytes(n: float) -> str:
     """`n` bytes in binary units, short: 512B, 336K, 2.0G."""
     units, power = ("B", "K", "M", "G", "T"), 0
@@ -258,49 +285,158 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f}{units[power]}" if power == 0 or abs(n) >= 100 else f"{n:.1f}{units[power]}"
 
 
+def compact(n: float) -> str:
+    """A rate in four characters at most below 10^15: 19.0, 150, 1.2k, 12k, 3.4M."""
+    if round(n, 1) < 100:
+        return f"{n:.1f}"
+    unit = ""
+    for larger in ("k", "M", "G", "T"):
+        if round(n) < 1000:
+            break
+        n, unit = n / 1000, larger
+    return f"{n:.1f}{unit}" if round(n, 1) < 10 else f"{n:.0f}{unit}"
+
+
 def _seconds(value: float) -> str:
     return f"{value * 1000:.3g}ms" if value < 1 else f"{value:.3g}s"
 
 
-def cells(row: Row) -> list[str]:
-    """`row` as the table's cells, in the order of `COLUMNS`."""
+def cells(row: Row, brief: bool = False) -> dict[str, str]:
+    """`row`'s cells by column name; `brief`: a narrow terminal's, budgets
+    as a percentage, the ack latency's p99 alone, one refusal a line, an
+    unreachable broker without the reason."""
     if row.error:
-        return [row.broker, "unreachable", *["-"] * (len(COLUMNS) - 3), row.error]
+        return {column.name: "-" for column in COLUMNS} | {
+            "broker": row.broker, "refusals (latest first)": "unreachable" if brief else f"unreachable: {row.error}"}
 
-    def rate(value: float | None, fmt=lambda v: f"{v:.1f}") -> str:
+    def rate(value: float | None, fmt=compact) -> str:
         return "-" if value is None else fmt(value)
 
     def budget(used: int, limit: int | None) -> str:
-        return f"{human_bytes(used)}/{human_bytes(limit)} {100 * used / limit:.0f}%" if limit else human_bytes(used)
+        if not limit:
+            return human_bytes(used)
+        share = f"{100 * used / limit:.0f}%"
+        return share if brief else f"{human_bytes(used)}/{human_bytes(limit)} {share}"
 
     latency = "-"
     if row.latency is not None and row.latency.mean is not None:
         p99 = row.latency.quantile(0.99)
         assert p99 is not None  # a histogram with a mean has observations
-        latency = f"{_seconds(row.latency.mean)} p99" + (f">{_seconds(row.latency.bounds[-1])}" if p99 == math.inf
-                                                          else f"<={_seconds(p99)}")
-    refusals = ", ".join(f"{r.code} {r.total}" + (f" (+{r.new})" if r.new else "")
-                         for r in row.refusals[:REFUSALS_SHOWN])
+        latency = f">{_seconds(row.latency.bounds[-1])}" if p99 == math.inf else f"<={_seconds(p99)}"
+        if not brief:
+            latency = f"{_seconds(row.latency.mean)} p99{latency}"
+    refusals = [f"{r.code} {r.total}" + (f" (+{r.new})" if r.new else "") for r in row.refusals[:REFUSALS_SHOWN]]
     if len(row.refusals) > REFUSALS_SHOWN:
-        refusals += f", +{len(row.refusals) - REFUSALS_SHOWN} more"
+        refusals.append(f"+{len(row.refusals) - REFUSALS_SHOWN} more")
     queues = row.queues or {}
-    return [row.broker, rate(row.frames), rate(row.trajectories_in), rate(row.trajectories_out),
-            rate(row.bytes, lambda v: human_bytes(v) + "/s"), str(queues.get("open", 0)),
-            str(sum(queues.get(name, 0) for name in WAITING)),
-            *(str(queues.get(name, 0)) for name in ("ready", "leased", "dead")), str(row.producers), str(row.consumers),
-            budget(*row.memory), budget(*row.disk), latency, refusals or "-"]
+    return {"broker": row.broker, "frames/s": rate(row.frames), "traj in/s": rate(row.trajectories_in),
+            "traj out/s": rate(row.trajectories_out), "in bytes/s": rate(row.bytes, lambda v: human_bytes(v) + "/s"),
+            "open": str(queues.get("open", 0)), "waiting": str(sum(queues.get(name, 0) for name in WAITING)),
+            **{name: str(queues.get(name, 0)) for name in ("ready", "leased", "dead")},
+            "producers": str(row.producers), "consumers": str(row.consumers),
+            "memory": budget(*row.memory), "disk": budget(*row.disk), "ack latency": latency,
+            "refusals (latest first)": ("\n" if brief else ", ").join(refusals) or "-"}
 
 
-def table(rows: Sequence[Row], title: str) -> Table:
-    """The brokers' rows and their total under `title`; unreachable ones in red."""
-    grid = Table(title=title, title_justify="left", expand=False)
-    for name in COLUMNS:
-        grid.add_column(name, justify="left" if name in ("broker", COLUMNS[-1]) else "right",
-                        overflow="fold", no_wrap=name != COLUMNS[-1])
-    for row in rows:
-        grid.add_row(*cells(row), style="red" if row.error else None)
+def fold(text: str, width: int) -> str:
+    """`text` in lines of `width` characters at most, each broken at the
+    last place `BREAKS` allows within the width, else at the width."""
+    lines = []
+    for line in text.split("\n"):
+        while len(line) > width:
+            cut = max((at for match in BREAKS.finditer(line, 1, width + 1) if (at := match.start()) <= width),
+                      default=width)
+            lines.append(line[:cut].rstrip())
+            line = line[cut:].lstrip()
+        lines.append(line)
+    return "\n".join(lines)
+
+
+class Shown(NamedTuple):
+    """A column as drawn: its header, its width, and its cells (one per
+    row) folded to that width."""
+
+    column: Column
+    header: str
+    width: int
+    cells: tuple[str, ...]
+
+
+def layout(rows: Sequence[Row], width: int) -> list[Shown]:
+    """The columns that draw `rows` in `width` characters, in `COLUMNS`
+    order, chosen by what an operator needs first. The columns of
+    `FIRST_NEEDED` are taken brief while they fit (a figure as wide as its
+    widest cell, text as its longest word: no word folds, no figure is cut);
+    then their text on fewer lines (up to `WHOLE_TEXT` wide); then the
+    columns of `THEN` while they fit; then text unfolded; then full
+    headers and cells, by priority, where they fit."""
+    texts = {brief: [cells(row, brief) for row in rows] for brief in (True, False)}
+    columns = {column.name: column for column in COLUMNS}
+
+    def widest(name: str, brief: bool) -> int:
+        """The width of the header and of the longest line of any cell."""
+        header = columns[name].short if brief else name
+        return max([len(header), *(len(line) for row in texts[brief] for line in row[name].split("\n"))])
+
+    chosen: dict[str, tuple[bool, int]] = {}  # by column name: whether brief, and the width
+    room = width + GAP  # each column takes a gap, but the first
+
+    def take(names: tuple[str, ...]) -> bool:
+        """Take `names` brief, in order, while they fit: whether all did
+        (text may be taken narrower than its longest word where nothing
+        else would fit)."""
+        nonlocal room
+        for name in names:
+            least = widest(name, True)
+            if columns[name].folds:
+                longest_word = max(len(word) for row in texts[True] for word in BREAKS.split(row[name]))
+                least = max(len(columns[name].short), min(longest_word, room - GAP))
+            if least + GAP > room:
+                return False
+            chosen[name], room = (True, least), room - least - GAP
+        return True
+
+    def unfold(most: int) -> None:
+        """Widen the text taken, by priority, towards its longest line, up to `most`."""
+        nonlocal room
+        for name in [name for name in chosen if columns[name].folds]:
+            now = chosen[name][1]
+            grown = max(now, min(widest(name, True), most, now + room))
+            chosen[name], room = (True, grown), room - (grown - now)
+
+    if take(FIRST_NEEDED):
+        unfold(WHOLE_TEXT)
+        take(THEN)
+    unfold(width)
+    for name, (_, now) in list(chosen.items()):
+        if (full := widest(name, False)) - now <= room:
+            chosen[name], room = (False, full), room - (full - now)
+    shown = []
+    for column in COLUMNS:
+        if column.name in chosen:
+            brief, wide = chosen[column.name]
+            shown.append(Shown(column, column.short if brief else column.name, wide,
+                               tuple(fold(row[column.name], wide) for row in texts[brief])))
+    return shown
+
+
+# A rule under the header and above the total; no border, so that the columns have the room.
+RULED = box.Box("    \n    \n ─  \n    \n ─  \n ─  \n    \n    \n")
+
+
+def table(rows: Sequence[Row], title: str, width: int) -> Table:
+    """The brokers' rows and their total under `title`, in `width`
+    characters; unreachable brokers in red."""
+    drawn = [*rows, total(rows)]
+    grid = Table(title=title, title_justify="left", box=RULED, show_edge=False, pad_edge=False, collapse_padding=True)
+    shown = layout(drawn, width)
+    for column in shown:
+        grid.add_column(column.header, justify="left" if column.column.folds else "right", width=column.width,
+                        no_wrap=True)
+    for index, row in enumerate(rows):
+        grid.add_row(*(column.cells[index] for column in shown), style="red" if row.error else None)
     grid.add_section()
-    grid.add_row(*cells(total(rows)), style="bold")
+    grid.add_row(*(column.cells[-1] for column in shown), style="bold")
     return grid
 
 
@@ -413,18 +549,20 @@ def watch(poller: Poller, interval: float, console: Console) -> None:
     with keypresses(sys.stdin) as fd, Live(console=console, screen=True, auto_refresh=False) as live:
         while True:
             started = Clock.monotonic()
-            live.update(table(poller.rows(), title), refresh=True)
+            live.update(table(poller.rows(), title, console.width), refresh=True)  # the width now: it may have changed
             if quit_within(fd, started + interval - Clock.monotonic()):
                 return
 
 
 def snapshot(poller: Poller, interval: float, console: Console) -> None:
-    """One table, of two polls `interval` apart (so that it has rates);
-    off a terminal as wide as its rows, so that none wraps in a pipe."""
+    """One table, of two polls `interval` apart (so that it has rates); on
+    a terminal in its width, off one as wide as its rows, so that none
+    wraps in a pipe."""
     started = Clock.monotonic()
     poller.rows()
     time.sleep(max(0.0, started + interval - Clock.monotonic()))
-    grid = table(poller.rows(), f"rollstream top: {len(poller.targets)} broker(s), rates over {interval:g} s")
+    grid = table(poller.rows(), f"rollstream top: {len(poller.targets)} broker(s), rates over {interval:g} s",
+                 console.width if console.is_terminal else sys.maxsize)
     if not console.is_terminal:
         console = Console(width=Console(width=10_000).measure(grid).maximum)
     console.print(grid)

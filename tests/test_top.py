@@ -15,15 +15,35 @@ import tempfile
 import types
 import uuid
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import click
 import pytest
 from broker_helpers import drive, end_msg, turn_msg
 from broker_process import BrokerProcess
 from click.testing import CliRunner
+from rich.console import Console
 from waiting import wait_for
 
-from rollstream.app.top import COLUMNS, Latency, Poll, Refusal, Row, Target, Top, cells, find_targets, human_bytes, total
+from rollstream.app.top import (
+    COLUMNS,
+    FIRST_NEEDED,
+    PRIORITY,
+    Latency,
+    Poll,
+    Refusal,
+    Row,
+    Target,
+    Top,
+    cells,
+    compact,
+    find_targets,
+    fold,
+    human_bytes,
+    layout,
+    table,
+    total,
+)
 from rollstream.broker.core import BrokerCore
 from rollstream.broker.metrics import BrokerMetrics
 from rollstream.broker.recovery import Rebuilt
@@ -34,6 +54,7 @@ from rollstream.common.errors import InvalidInput
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 
 BOUNDS = [0.001, 0.01, 0.1]
+T = TypeVar("T")
 
 
 def report(counters: dict, acks: list[int], ack_sum: float, **fields) -> dict:
@@ -120,27 +141,149 @@ def test_the_total_sums_the_brokers_that_answered():
 def test_cells_show_rates_budgets_latency_and_refusals_and_name_an_unreachable_broker():
     top = Top()
     top.update("b", Poll(10.0, FIRST))
-    row = dict(zip(COLUMNS, cells(top.update("b", Poll(12.0, SECOND)))))
-    assert row == {"broker": "b", "frames/s": "19.0", "traj in/s": "3.0", "traj out/s": "2.0", "in bytes/s": "3.9K/s",
-                   "open": "1", "waiting": "11", "ready": "2", "leased": "3", "dead": "4",
-                   "producers": "1", "consumers": "2",
-                   "memory": "1.0K/4.0K 25%", "disk": "2.0K/8.0K 25%", "ack latency": "5ms p99<=10ms",
-                   "refusals (latest first)": "producer.unavailable 4 (+2), consumer.stale_lease 1 (+1)"}
-    first = dict(zip(COLUMNS, cells(Top().update("b", Poll(10.0, FIRST)))))
+    row = top.update("b", Poll(12.0, SECOND))
+    assert cells(row) == {"broker": "b", "frames/s": "19.0", "traj in/s": "3.0", "traj out/s": "2.0",
+                          "in bytes/s": "3.9K/s", "open": "1", "waiting": "11", "ready": "2", "leased": "3", "dead": "4",
+                          "producers": "1", "consumers": "2", "memory": "1.0K/4.0K 25%", "disk": "2.0K/8.0K 25%",
+                          "ack latency": "5ms p99<=10ms",
+                          "refusals (latest first)": "producer.unavailable 4 (+2), consumer.stale_lease 1 (+1)"}
+    # a narrow terminal's: budgets as a share, the p99 alone, a refusal a line
+    assert cells(row, brief=True) == cells(row) | {
+        "memory": "25%", "disk": "25%", "ack latency": "<=10ms",
+        "refusals (latest first)": "producer.unavailable 4 (+2)\nconsumer.stale_lease 1 (+1)"}
+    first = cells(Top().update("b", Poll(10.0, FIRST)))
     assert first["frames/s"] == first["ack latency"] == "-" and first["refusals (latest first)"] == "producer.unavailable 2"
     slow = Row("b", latency=Latency((0.001, 0.01, 0.1), (0, 0, 0, 1), 3.0), refusals=tuple(
         Refusal(f"producer.c{i}", 1, 0, -math.inf) for i in range(5)))
-    slow_cells = dict(zip(COLUMNS, cells(slow)))
-    assert slow_cells["ack latency"] == "3s p99>100ms"
-    assert slow_cells["refusals (latest first)"] == "producer.c0 1, producer.c1 1, producer.c2 1, +2 more"
-    assert dict(zip(COLUMNS, cells(Row("older", memory=(100, None)))))["memory"] == "100B"  # no budget reported
-    gone = cells(Row("ipc://x", error="no answer"))
-    assert len(gone) == len(COLUMNS) and gone[:2] == ["ipc://x", "unreachable"] and gone[-1] == "no answer"
+    assert cells(slow)["ack latency"] == "3s p99>100ms" and cells(slow, brief=True)["ack latency"] == ">100ms"
+    assert cells(slow)["refusals (latest first)"] == "producer.c0 1, producer.c1 1, producer.c2 1, +2 more"
+    assert cells(slow, brief=True)["refusals (latest first)"] == "producer.c0 1\nproducer.c1 1\nproducer.c2 1\n+2 more"
+    for brief in (False, True):  # no budget reported: the bytes alone
+        assert cells(Row("older", memory=(100, None)), brief)["memory"] == "100B"
+    gone = Row("ipc://x", error="no answer")
+    assert cells(gone) == {**{column.name: "-" for column in COLUMNS}, "broker": "ipc://x",
+                           "refusals (latest first)": "unreachable: no answer"}
+    assert cells(gone, brief=True)["refusals (latest first)"] == "unreachable"
 
 
 def test_human_bytes():
     assert [human_bytes(n) for n in (0, 512, 1023, 1024, 50 * 1024, 336 * 1024, 2 << 30, 5 << 50)] == \
         ["0B", "512B", "1023B", "1.0K", "50.0K", "336K", "2.0G", "5120T"]
+
+
+def test_rates_take_four_characters_at_most():
+    values = (0, 0.04, 3, 19.04, 99.94, 99.96, 150, 999.4, 999.6, 1234, 9949, 9951, 12_345, 999_499, 999_501, 3.4e6,
+              2.5e9, 7.7e12, 5e14)
+    assert [compact(v) for v in values] == ["0.0", "0.0", "3.0", "19.0", "99.9", "100", "150", "999", "1.0k", "1.2k",
+                                            "9.9k", "10k", "12k", "999k", "1.0M", "3.4M", "2.5G", "7.7T", "500T"]
+
+
+def test_text_folds_after_slashes_and_commas_and_at_spaces_never_inside_a_word_that_fits():
+    assert fold("/tmp/rtopab12cd34/demo-endpoints.json", 24) == "/tmp/rtopab12cd34/\ndemo-endpoints.json"
+    assert fold("0123456789ab tcp://10.0.0.12:5557", 19) == "0123456789ab tcp://\n10.0.0.12:5557"
+    assert fold("0123456789ab tcp://10.0.0.12:5557", 18) == "0123456789ab\ntcp://\n10.0.0.12:5557"  # not between slashes
+    assert fold("a 1, b 2\nproducer.unavailable 1234 (+12)", 20) == "a 1, b 2\nproducer.unavailable\n1234 (+12)"
+    assert fold("no-break-here", 5) == "no-br\neak-h\nere"  # a word longer than the width folds at the width
+    assert fold("short", 5) == "short"
+
+
+# -- the layout: which columns a terminal's width shows ---------------------------
+LAYOUT_ROWS = [
+    Row("/tmp/rtopab12cd34/endpoints.json", frames=12345.6, trajectories_in=310.2, trajectories_out=298.0,
+        bytes=123456789, queues={"open": 120, "scoring": 30, "awaiting_group": 12, "ready": 123456, "leased": 64, "dead": 12345},
+        producers=32, consumers=8, memory=(3 << 30, 64 << 30), disk=(900 << 30, 1 << 40),
+        latency=Latency((0.001, 0.01, 0.1), (90, 9, 1, 0), 0.3),
+        refusals=(Refusal("producer.unavailable", 1234, 12, 5.0), Refusal("consumer.stale_lease", 3, 0, 1.0))),
+    Row("0123456789ab tcp://10.0.0.12:5557", frames=0.0, trajectories_in=0.0, trajectories_out=0.0, bytes=0.0, queues={},
+        memory=(0, 2 << 30)),
+    Row("ipc:///tmp/rtopab12cd34/nobody.sock", error="no answer from the broker at ipc:///tmp/rtopab12cd34/nobody.sock "
+                                                    "within 0.5 s"),
+]
+
+
+def squeezed(text: str) -> str:
+    """`text` without its white space: the same, however it folds."""
+    return re.sub(r"\s+", "", text)
+
+
+def read_table(screen: str) -> tuple[list[str], list[dict[str, str]]]:
+    """The columns of the table on `screen` (the names of the headers
+    shown, full or short) and its rows, each cell by column name, a folded
+    cell's lines joined by newlines. The rule under the headers gives each
+    column's place; a row begins on a line with figures, since only text
+    folds."""
+    lines = screen.splitlines()
+    rule = next(at for at, line in enumerate(lines) if line.startswith("─"))
+    places = [match.span() for match in re.finditer("─+", lines[rule])]
+    by_header = {column.name: column for column in COLUMNS} | {column.short: column for column in COLUMNS}
+    columns = [by_header[lines[rule - 1][start:end].strip()] for start, end in places]
+    rows: list[dict[str, str]] = []
+    for line in lines[rule + 1:]:
+        if line.startswith("─") or not line.strip():  # the rule above the total; the screen below the table
+            continue
+        parts = {column.name: line[start:end].strip() for column, (start, end) in zip(columns, places)}
+        if any(parts[column.name] for column in columns if not column.folds):
+            rows.append(parts)
+        else:
+            assert rows, f"a table's first row begins with its figures, got {line!r} in:\n{screen}"
+            rows[-1] = {name: f"{rows[-1][name]}\n{part}" if part else rows[-1][name] for name, part in parts.items()}
+    return [column.name for column in columns], rows
+
+
+def row_named(rows: list[dict[str, str]], broker: str) -> dict[str, str]:
+    """The row whose broker cell reads `broker`, however it folds."""
+    found = [row for row in rows if squeezed(row["broker"]) == squeezed(broker)]
+    assert len(found) == 1, f"expected one row for {broker!r}, got {len(found)} in {rows}"
+    return found[0]
+
+
+def drawn(rows: list[Row], width: int) -> str:
+    """The table as a terminal `width` wide shows it."""
+    console = Console(width=width, color_system=None)
+    with console.capture() as captured:
+        console.print(table(rows, "rollstream top", width))
+    return captured.get()
+
+
+@pytest.mark.parametrize("width, headers", [
+    (80, ["broker", "in/s", "out/s", "ready", "mem", "disk", "ack p99", "refusals"]),
+    (120, ["broker", "fr/s", "in/s", "out/s", "wait", "ready", "prod", "cons", "mem", "disk", "ack p99", "refusals"]),
+    # every column; the refusals stay a line each: on one line, the unreachable broker's reason leaves no room
+    (250, ["broker", "frames/s", "traj in/s", "traj out/s", "in bytes/s", "open", "waiting", "ready", "leased", "dead",
+           "producers", "consumers", "memory", "disk", "ack latency", "refusals"]),
+])
+def test_a_terminals_width_shows_the_columns_that_fit_by_priority_with_every_cell_whole(width, headers):
+    shown = layout([*LAYOUT_ROWS, total(LAYOUT_ROWS)], width)
+    assert [column.header for column in shown] == headers
+    screen = drawn(LAYOUT_ROWS, width)
+    assert max(len(line) for line in screen.splitlines()) <= width, screen
+    assert "…" not in screen, screen
+    names, rows = read_table(screen)
+    assert names == [column.column.name for column in shown]
+    for index, row in enumerate([*LAYOUT_ROWS, total(LAYOUT_ROWS)]):
+        seen = row_named(rows, row.broker)
+        for column in shown:  # each cell whole, its full or its brief text: a figure on its line, text on more
+            assert squeezed(column.cells[index]) in {squeezed(cells(row, brief)[column.column.name])
+                                                     for brief in (False, True)}, (column.header, column.cells[index])
+            assert seen[column.column.name] == column.cells[index], screen
+
+
+def test_the_columns_shown_are_the_most_important_at_any_width():
+    """Whatever the width: a prefix of PRIORITY, each figure on one line,
+    nothing past the width, nothing cut; the full table where the width
+    allows it."""
+    rows = [*LAYOUT_ROWS, total(LAYOUT_ROWS)]
+    assert sorted(PRIORITY) == sorted(column.name for column in COLUMNS)
+    for width in range(20, 400, 7):
+        shown = layout(rows, width)
+        assert sorted(column.column.name for column in shown) == sorted(PRIORITY[:len(shown)]), width
+        screen = drawn(LAYOUT_ROWS, width)
+        assert max(len(line) for line in screen.splitlines()) <= width and "…" not in screen, screen
+        for column in shown:
+            assert len(column.header) <= column.width and all(
+                len(line) <= column.width for cell in column.cells for line in cell.split("\n")), (width, column)
+            assert column.column.folds or all("\n" not in cell for cell in column.cells), (width, column)
+    assert [column.header for column in layout(rows, sys.maxsize)] == [column.name for column in COLUMNS]
 
 
 # -- the status fields top reads ---------------------------------------------
@@ -220,15 +363,6 @@ def node():
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def table_row(text: str, first_cell: str) -> dict[str, str]:
-    """The cells of the table line whose first cell is `first_cell`, by column."""
-    for line in text.splitlines():
-        parts = [part.strip() for part in re.split(r"[│|]", line)]
-        if len(parts) == len(COLUMNS) + 2 and parts[1] == first_cell:
-            return dict(zip(COLUMNS, parts[1:-1]))
-    raise AssertionError(f"no table row for {first_cell!r} in:\n{text}")
-
-
 @pytest.mark.slow
 def test_a_snapshot_in_a_pipe_shows_each_broker_and_an_unreachable_one(node):
     endpoints_file = node.flags["endpoints_file"]
@@ -238,73 +372,163 @@ def test_a_snapshot_in_a_pipe_shows_each_broker_and_an_unreachable_one(node):
                            "--admin", nobody, "--interval", "0.5", "--timeout", "0.5"], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
     assert done.returncode == 0, done.stderr
-    row = table_row(done.stdout, endpoints_file)
+    names, rows = read_table(done.stdout)
+    assert names == [column.name for column in COLUMNS], done.stdout  # in a pipe: every column, in full
+    row = row_named(rows, endpoints_file)
     # two polls: an idle window rates 0 (one poll alone would show "-")
     assert (row["frames/s"], row["traj in/s"], row["in bytes/s"]) == ("0.0", "0.0", "0B/s"), row
     assert [row[name] for name in ("open", "waiting", "ready", "leased", "dead", "consumers")] == \
         ["0", "0", "4", "0", "0", "0"], row
     assert row["memory"].endswith("/2.0G 0%") and row["disk"].endswith("/64.0G 0%"), row
     assert row["refusals (latest first)"] == "admin.schema 1", row
-    down = table_row(done.stdout, nobody)
-    assert down["frames/s"] == "unreachable" and "no answer from the broker" in down["refusals (latest first)"], down
-    assert table_row(done.stdout, "total (1 of 2 answering)")["ready"] == "4"
+    down = row_named(rows, nobody)
+    assert down["frames/s"] == "-" and down["refusals (latest first)"] == \
+        f"unreachable: no answer from the broker at {nobody} within 0.5 s", down
+    assert row_named(rows, "total (1 of 2 answering)")["ready"] == "4"
+    assert all("\n" not in cell for row in rows for cell in row.values()), done.stdout  # nothing folds in a pipe
     report = node.status()  # what the service adds: bytes read and one ack latency per producer batch
     assert report["counters"]["received_bytes"] > 0 and sum(report["ack_seconds"]["counts"]) >= 1, report
 
 
+class Pane:
+    """A real terminal: a tmux pane of a given size on a server of its
+    own, running a shell command, read back as the screen it shows."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory  # short: the server's socket lives here
+        self.socket = f"rollstream-top-test-{uuid.uuid4().hex[:12]}"
+        # The pane's size is the terminal's: no COLUMNS or LINES from whoever runs the tests (rich would take them, and
+        # readline sets them).
+        self.env = {**{key: value for key, value in os.environ.items() if key not in ("COLUMNS", "LINES")},
+                    "TMUX_TMPDIR": str(directory)}
+
+    def tmux(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", *args], capture_output=True, text=True,
+                              timeout=30, env=self.env)
+
+    def start(self, command: str, columns: int, lines: int) -> None:
+        started = self.tmux("new-session", "-d", "-x", str(columns), "-y", str(lines), "-c", os.getcwd(), "sh", "-c", command)
+        assert started.returncode == 0, started.stderr
+
+    def shows(self, wanted: Callable[[str], T], what: str) -> T:
+        """What `wanted` makes of the screen once it is something: the
+        screen is read until then (the error shows it as last read). A
+        screen `wanted` cannot read (no table yet, or one caught halfway
+        through a draw) is not it yet."""
+        screens = [""]
+
+        def read() -> T | None:
+            screens.append(self.tmux("capture-pane", "-p").stdout)
+            try:
+                return wanted(screens[-1])
+            except (StopIteration, KeyError, AssertionError):
+                return None
+
+        try:
+            return wait_for(read, timeout=60, what=what)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the pane showed last:\n{screens[-1]}") from None
+
+
+@pytest.fixture
+def pane():
+    directory = Path(tempfile.mkdtemp(prefix="rtty", dir="/tmp"))
+    terminal = Pane(directory)
+    try:
+        yield terminal
+    finally:
+        terminal.tmux("kill-server")
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None,
+                                reason="the live view is tested in a tmux terminal; tmux is not on PATH")
+EVERY_COLUMN = 250  # a terminal this wide shows every column of the brokers of these tests
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="the live view is tested in a tmux terminal; tmux is not on PATH")
-def test_the_live_view_shows_a_running_demo_and_quits_on_q_restoring_the_terminal(tmp_path):
+@needs_tmux
+@pytest.mark.parametrize("columns, lines", [(80, 24), (120, 40), (250, 50)])
+def test_the_live_view_fits_the_terminal_with_the_columns_needed_first_and_every_figure_whole(node, pane, columns, lines):
+    """`rollstream top` in a real terminal of each size, on a broker with
+    four ready trajectories and a refusal, and on one that does not answer:
+    the columns by priority, the figures whole, the names and the
+    refusals folded where they must be, nothing past the width."""
+    endpoints_file = node.flags["endpoints_file"]
+    node._admin({"type": "nope"}, 5.0)  # a refusal: admin.schema 1
+    nobody = f"ipc://{node.directory}/nobody.sock"
+    pane.start(shlex.join([sys.executable, "-m", "rollstream.app.cli", "top", "--endpoints-file", endpoints_file,
+                           "--admin", nobody, "--interval", "0.3", "--timeout", "0.5"]), columns, lines)
+
+    def rated(screen: str) -> str:
+        """The screen once it shows the whole table with the broker's rates (its second poll)."""
+        rows = read_table(screen)[1]
+        for other in (nobody, "total (1 of 2 answering)"):  # every row drawn, not a frame caught halfway
+            row_named(rows, other)
+        return screen if row_named(rows, endpoints_file)["traj in/s"] == "0.0" else ""
+
+    screen = pane.shows(rated, f"top's table at {columns}x{lines} with the broker's rates")
+    assert max(len(line) for line in screen.splitlines()) <= columns and "…" not in screen, screen
+    names, rows = read_table(screen)
+    assert sorted(names) == sorted(PRIORITY[:len(names)]) and set(FIRST_NEEDED) <= set(names), screen
+    assert columns < EVERY_COLUMN or len(names) == len(COLUMNS), screen
+    idle = {"frames/s": "0.0", "traj in/s": "0.0", "traj out/s": "0.0", "in bytes/s": "0B/s", "open": "0", "waiting": "0",
+            "ready": "4", "leased": "0", "dead": "0", "consumers": "0", "refusals (latest first)": "admin.schema 1"}
+    broker = row_named(rows, endpoints_file)
+    assert {name: broker[name] for name in idle if name in names} == {name: idle[name] for name in idle if name in names}, \
+        screen
+    assert re.fullmatch(r"0%|\d+(\.\d)?[BK]/2\.0G 0%", broker["memory"]), screen  # the fixture broker's budgets
+    assert re.fullmatch(r"0%|\d+(\.\d)?[BKM]/64\.0G 0%", broker["disk"]), screen
+    down = row_named(rows, nobody)
+    assert all(down[name] == "-" for name in names if name not in ("broker", "refusals (latest first)")), screen
+    assert squeezed(down["refusals (latest first)"]) in (
+        "unreachable", squeezed(f"unreachable: no answer from the broker at {nobody} within 0.5 s")), screen
+    assert row_named(rows, "total (1 of 2 answering)")["ready"] == "4", screen
+
+
+@pytest.mark.slow
+@needs_tmux
+def test_the_live_view_shows_a_running_demo_follows_a_resize_and_quits_on_q_restoring_the_terminal(pane, tmp_path):
     """`rollstream demo --endpoints-file` in the background, `rollstream top`
     on that file in a real terminal (tmux): the demo's broker with its
-    trainer's consumer; `q` quits, exit status 0, the terminal as it was."""
-    out = Path(tempfile.mkdtemp(prefix="rtop", dir="/tmp"))  # short: tmux's socket path lives here
+    trainer's consumer; narrowed to 80 columns, the narrow layout; `q`
+    quits, exit status 0, the terminal as it was."""
+    out = pane.directory
     endpoints_file = str(out / "demo-endpoints.json")
-    socket = f"rollstream-top-test-{uuid.uuid4().hex[:12]}"
-    # The pane's size is the terminal's: no COLUMNS or LINES from whoever runs the tests (rich would take them, and
-    # readline sets them); the server's socket in `out`, removed with it.
-    env = {**{key: value for key, value in os.environ.items() if key not in ("COLUMNS", "LINES")}, "TMUX_TMPDIR": str(out)}
-
-    def tmux(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["tmux", "-L", socket, "-f", "/dev/null", *args], capture_output=True, text=True, timeout=30,
-                              env=env)
-
     with open(tmp_path / "demo.log", "wb") as log:
         demo = subprocess.Popen([sys.executable, "-m", "rollstream.app.cli", "demo", "--producers", "1", "--dp-size", "1",
                                  "--endpoints-file", endpoints_file], stdout=log, stderr=subprocess.STDOUT)
     top = shlex.join([sys.executable, "-m", "rollstream.app.cli", "top", "--endpoints-file", endpoints_file,
                       "--interval", "0.3"])
-    # after top: its exit status and the terminal's settings, as the shell sees them
-    shell = f"{top}; echo $? > {out}/top.status; stty -a > {out}/stty.txt"
     try:
         wait_for(lambda: os.path.exists(endpoints_file), timeout=60, what="the demo's broker to write its endpoints")
-        started = tmux("new-session", "-d", "-x", "200", "-y", "50", "-c", os.getcwd(), "sh", "-c", shell)
-        assert started.returncode == 0, started.stderr
-        screens = []  # what the pane showed, for the error if the table never comes
+        # after top: its exit status and the terminal's settings, as the shell sees them
+        pane.start(f"{top}; echo $? > {out}/top.status; stty -a > {out}/stty.txt", EVERY_COLUMN, 50)
 
-        def trainer_shown() -> str:
-            screens.append(tmux("capture-pane", "-p").stdout)
-            shown = endpoints_file in screens[-1] and "total (1 of 1" in screens[-1]
-            return screens[-1] if shown and table_row(screens[-1], endpoints_file)["consumers"] == "1" else ""
+        def trainer_shown(screen: str) -> dict[str, str] | None:
+            row = row_named(read_table(screen)[1], endpoints_file)
+            return row if "total (1 of 1" in screen and row["consumers"] == "1" else None
 
-        try:
-            screen = wait_for(trainer_shown, timeout=60, what="the demo's broker with its trainer in top's table")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}; the pane showed last:\n{screens[-1] if screens else ''}") from None
-        row = table_row(screen, endpoints_file)
-        assert "/2.0G" in row["memory"], screen  # the demo broker's memory budget
-        assert tmux("send-keys", "q").returncode == 0
+        def narrowed(screen: str) -> list[str]:
+            """The columns once drawn for 80 (not the wide table cropped)."""
+            names = read_table(screen)[0]
+            return names if set(FIRST_NEEDED) <= set(names) and len(names) < len(COLUMNS) else []
+
+        row = pane.shows(trainer_shown, "the demo's broker with its trainer in top's table")
+        assert "/2.0G" in row["memory"], row  # the demo broker's memory budget
+        assert pane.tmux("resize-window", "-x", "80", "-y", "24").returncode == 0
+        # the demo's broker, answering or gone by now: the narrow layout either way
+        pane.shows(narrowed, "top's table narrowed to 80 columns, with the columns needed first")
+        assert pane.tmux("send-keys", "q").returncode == 0
         status = wait_for(lambda: (out / "top.status").exists() and (out / "top.status").read_text().strip(),
                           timeout=30, what="top to exit after q")
         assert status == "0"
         settings = wait_for(lambda: (out / "stty.txt").exists() and (out / "stty.txt").read_text(), what="stty's output")
         assert re.search(r"(?<!-)\bicanon\b", settings) and re.search(r"(?<!-)\becho\b", settings), settings
-        wait_for(lambda: tmux("has-session").returncode != 0, timeout=30, what="the pane to close")
+        wait_for(lambda: pane.tmux("has-session").returncode != 0, timeout=30, what="the pane to close")
         assert demo.wait(240) == 0, (tmp_path / "demo.log").read_text()[-3000:]
         assert not os.path.exists(endpoints_file), "the demo's broker must remove its endpoints file when it stops"
     finally:
-        tmux("kill-server")
         if demo.poll() is None:  # an interrupt, so the demo stops its daemons on the way out
             demo.send_signal(signal.SIGINT)
             demo.wait(60)
-        shutil.rmtree(out, ignore_errors=True)
