@@ -24,7 +24,7 @@ from rollstream.common.config import (
     text,
     vocabulary,
 )
-from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES
+from rollstream.common.contract import DEFAULT_MAX_MESSAGE_BYTES, LONGEST_HEARTBEAT_INTERVAL
 from rollstream.common.curve import CurveError, KeyPair
 from rollstream.common.errors import InvalidInput
 
@@ -52,7 +52,7 @@ class BrokerSettings:
                                               "Unset: no bound.")
     lease_timeout: float = seconds(60.0, "Seconds a consumer has to ack a delivery before it is redelivered.")
     heartbeat_interval: float = seconds(1.0, "Seconds between consumer heartbeats; three missed ones drop the "
-                                             "consumer.")
+                                             "consumer.", high=LONGEST_HEARTBEAT_INTERVAL)
     trajectory_ttl: float = seconds(3600.0, "Seconds without a frame after which an open trajectory expires to dead "
                                             "letters.")
     dedup_window: float = seconds(86_400.0, "Seconds delivered or expired trajectory ids are remembered.")

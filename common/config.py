@@ -363,8 +363,8 @@ def setting(default: Any, kind: str, help: str, **declared: Any) -> Any:
     return dataclasses.field(default=default, metadata={SETTING: Setting(kind, help, **declared)})
 
 
-def seconds(default: float | None, help: str, *, low: float = 0.0, above: bool = True) -> Any:
-    return setting(default, NUMBER, help, unit="seconds", low=low, above=above)
+def seconds(default: float | None, help: str, *, low: float = 0.0, above: bool = True, high: float | None = None) -> Any:
+    return setting(default, NUMBER, help, unit="seconds", low=low, above=above, high=high)
 
 
 def count(default: int | None, help: str, unit: str, *, low: int = 1, high: int | None = None) -> Any:

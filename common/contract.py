@@ -114,3 +114,6 @@ class CreditUnit(StrEnum):
 # A peer silent for this many heartbeat intervals is gone (docs/protocol.md §1, §4):
 # ZeroMQ's own heartbeats, the broker's consumers and its count of live producers.
 LIVENESS_INTERVALS = 3
+# The longest heartbeat interval, in seconds: ZeroMQ's heartbeat TTL, which
+# holds LIVENESS_INTERVALS intervals, is 16 bits of deciseconds.
+LONGEST_HEARTBEAT_INTERVAL = 0xFFFF * 0.1 / LIVENESS_INTERVALS

@@ -27,6 +27,7 @@ from rollstream.common.config import (
     text,
     vocabulary,
 )
+from rollstream.common.contract import LONGEST_HEARTBEAT_INTERVAL
 from rollstream.common.jobs import JOB_PATTERN
 
 from .sources import source_names
@@ -49,7 +50,7 @@ class ProducerSettings:
     reply_timeout: float = seconds(30.0, "Seconds without a reply after which unacked frames are reported (they are "
                                          "resent only after a reconnect, or when a later ping is answered first).")
     retry_delay: float = seconds(0.5, "Seconds before resending a frame the broker answered `unavailable`.")
-    heartbeat_interval: float = seconds(1.0, "Seconds between pings.")
+    heartbeat_interval: float = seconds(1.0, "Seconds between pings.", high=LONGEST_HEARTBEAT_INTERVAL)
     heartbeat_timeout: float = seconds(10.0, "Seconds of broker silence after which it counts as down "
                                              "(broker_up = 0).")
     spool_dir: str | None = setting(None, DIRECTORY, "Directory of the disk spool of unacked frames; none: frames live "

@@ -258,7 +258,8 @@ def test_sigterm_acks_what_it_read_and_stops_cleanly(tmp_path):
 def test_status_command_and_config_precedence(tmp_path):
     config = tmp_path / "broker.toml"
     config.write_text('[broker]\nwindow = 7\nlease_timeout = 12.5\nmax_memory_bytes = "1GiB"\n')
-    broker = BrokerProcess(tmp_path, config=str(config))
+    # The consumer below sends no heartbeats: half an hour between them keeps it counted until `status` answers.
+    broker = BrokerProcess(tmp_path, config=str(config), heartbeat_interval=1800)
     env = dict(os.environ, ROLLSTREAM_BROKER_WINDOW="9")
     log = open(broker.log_path, "ab")
     broker.proc = subprocess.Popen(broker.command(), env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -56,6 +56,7 @@ def test_a_spool_names_the_producer_that_holds_it(tmp_path):
 def test_a_second_broker_on_a_held_data_directory_refuses_naming_the_first(tmp_path):
     with BrokerProcess(tmp_path / "first") as first:
         second = BrokerProcess(tmp_path / "second")
+        second.directory.mkdir()  # where its ipc endpoints go: their folder must exist
         second.data_dir = first.data_dir
         done = subprocess.run(second.command(), capture_output=True, text=True, timeout=60)
         assert done.returncode != 0

@@ -201,7 +201,8 @@ def test_check_config_refuses_each_nonsense_value_naming_its_setting_rule_expect
     assert result.exit_code == 2, result.output
     for problem in [
         "lease_timeout must be a number of seconds > 0, got -5.0 (flag --lease-timeout) [rule: range]",
-        "heartbeat_interval must be a number of seconds > 0, got 0.0 (flag --heartbeat-interval) [rule: range]",
+        "heartbeat_interval must be a number of seconds in (0, 2184.5], got 0.0 (flag --heartbeat-interval) "
+        "[rule: range]",
         "vocab_size must be a whole number of token ids in [1, 2147483647], got 0 (flag --vocab-size) [rule: range]",
         "max_deliveries must be a whole number of deliveries >= 1, got 0 (flag --max-deliveries) [rule: range]",
         "window must be a whole number of frames >= 1, got 0 (flag --window) [rule: range]",
