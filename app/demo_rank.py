@@ -172,7 +172,9 @@ def main(argv: list[str] | None = None) -> None:
             commits += 1
             if args.rank == 0 and commits == args.die_after_commit:
                 assert client is not None  # the source rank owns it
-                client.flush(30)  # the commit is durable: the kill lands between it and the next checkpoint
+                # The commit is durable (a broker restarting meanwhile answers once it is back, however long that
+                # takes): the kill lands between it and the next checkpoint.
+                client.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
             state = shards.state_dict()
             if args.rank == 0:
