@@ -119,18 +119,28 @@ def _checked_temperature(temperature) -> None:
         raise InvalidInput(f"temperature must be positive and finite (it divides the logits), got {temperature}")
 
 
-def _vocabulary(columns: int, tp_rank, tp_group=None) -> tuple[int, str]:
+def _vocabulary(columns: int, tp_rank, tp_group=None, vocab_size=None) -> tuple[int, str]:
     """The whole vocabulary's size, which `check=True` bounds the ids by,
-    and where it comes from: the logits are the slice at `tp_rank` of a
-    vocabulary split evenly over `tp_group`'s ranks; without a group, they
-    are the whole vocabulary at rank 0, and a slice of an unknown one at a
-    later rank (ids are then bounded by int32's range alone)."""
+    and where it comes from: `vocab_size` when the caller gives it; else the
+    logits are the slice at `tp_rank` of a vocabulary split evenly over
+    `tp_group`'s ranks; without a group, they are the whole vocabulary at
+    rank 0, and a slice of an unknown one at a later rank (ids are then
+    bounded by int32's range alone)."""
     if isinstance(tp_rank, bool) or not isinstance(tp_rank, numbers.Integral):
         raise InvalidType(f"tp_rank must be an int (this rank's vocab slice), got {_described(tp_rank)}")
     ranks = None if tp_group is None else torch.distributed.get_world_size(tp_group)
     if int(tp_rank) < 0 or (ranks is not None and int(tp_rank) >= ranks):
         bound = "0 or more" if ranks is None else f"in [0, {ranks}) (the ranks of tp_group)"
         raise InvalidInput(f"tp_rank must be {bound}, got {tp_rank}")
+    if vocab_size is not None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
+            raise InvalidType(f"vocab_size must be an int (the whole vocabulary), got {_described(vocab_size)}")
+        holds = columns * (int(tp_rank) + 1)
+        if not holds <= vocab_size <= _ID_RANGE:
+            raise InvalidInput(f"vocab_size must be in [{holds}, {_ID_RANGE}] (at least the ids up to this rank's "
+                               f"slice, logits.shape[1] = {columns} at tp_rank {tp_rank}; at most int32's), "
+                               f"got {vocab_size}")
+        return int(vocab_size), f"vocab_size = {vocab_size}"
     if ranks is not None:
         return min(columns * ranks, _ID_RANGE), f"logits.shape[1] = {columns} x {ranks} ranks of tp_group"
     if tp_rank == 0:
@@ -225,12 +235,12 @@ def _in_slice(ids: torch.Tensor, tp_rank: int, vocab_local: int) -> tuple[torch.
 
 
 def dense_support_mask(logits: torch.Tensor, mask_ids, mask_offsets, positions, *, tp_rank: int = 0,
-                       check: bool = False) -> torch.Tensor:
+                       check: bool = False, vocab_size: int | None = None) -> torch.Tensor:
     """Boolean `[R, V_local]`: True at `(row, id - tp_rank * V_local)` for
     every support id inside this rank's vocab slice; other ids are skipped.
     `check=True` checks the mask's content first (`masked_log_probs`)."""
     rows, vocab_local = _rows_and_columns(logits)
-    vocab = _vocabulary(vocab_local, tp_rank)
+    vocab = _vocabulary(vocab_local, tp_rank, vocab_size=vocab_size)
     ids, offsets, positions = _mask_arguments(mask_ids, mask_offsets, positions, rows)
     owner, ids = _entries(ids, offsets, positions, rows, logits.device, vocab=vocab if check else None)
     columns, inside = _in_slice(ids, tp_rank, vocab_local)
@@ -251,6 +261,7 @@ def masked_log_probs(
     tp_rank: int = 0,
     tp_group=None,
     check: bool = False,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """`log p(y) = z_y/T - logsumexp over the support of z_v/T` per row,
     differentiable in `logits` (the tokens must be inside their supports,
@@ -276,15 +287,16 @@ def masked_log_probs(
     also checks the content, for a mask that did not come through batch
     validation, at the cost of one read of the device: offsets from 0 to
     `len(mask_ids)`, strictly increasing; ids in the whole vocabulary
-    (`V_local` times the group's size with `tp_group`; without one,
-    `V_local` at rank 0, whose logits are then the whole vocabulary, and
-    int32's range at a later rank, which cannot know the whole); each token
-    inside its support. Unchecked broken content gives meaningless values,
+    (`vocab_size` when given, which a slice computed without its group
+    should give; else `V_local` times the group's size with `tp_group`;
+    without one, `V_local` at rank 0, whose logits are then the whole
+    vocabulary, and int32's range at a later rank, which cannot know the
+    whole); each token inside its support. Unchecked broken content gives meaningless values,
     but nothing indexes past an array.
     """
     rows, vocab_local = _rows_and_columns(logits)
     _checked_temperature(temperature)
-    vocab = _vocabulary(vocab_local, tp_rank, tp_group)
+    vocab = _vocabulary(vocab_local, tp_rank, tp_group, vocab_size)
     device = logits.device
     tokens = _one_per_row("tokens", _integers("tokens", tokens, "token ids index the vocabulary"), rows)
     tokens = tokens.to(device, torch.int64, non_blocking=True)

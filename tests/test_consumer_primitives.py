@@ -453,3 +453,24 @@ def test_check_bounds_ids_by_the_whole_vocabulary(tp_size):
     assert masked_log_probs(torch.randn(2, local), [2, 10**6], far, offsets, tp_rank=3, check=True).shape == (2,)
     with pytest.raises(InvalidInput, match=r"its support holds id -1, outside \[0, 2147483647\).*int32's range"):
         masked_log_probs(torch.randn(2, local), [2, 1], torch.tensor([0, 2, -1, 1]), offsets, tp_rank=3, check=True)
+
+
+def test_a_slice_computed_alone_checks_ids_against_the_vocabulary_it_is_given():
+    """Slice 0 computed without its group (as a bench shards by hand) would
+    take its own columns for the whole vocabulary; `vocab_size` says what
+    the whole is, so another slice's id is valid and one past the whole is
+    not, and a size that cannot hold this slice is refused."""
+    local, whole = 4, 12
+    ids, offsets = csr([[0, 2], [1, 9]])  # 9 lies in the third slice
+    logits, tokens = torch.randn(2, local), torch.tensor([2, 1])
+    with pytest.raises(InvalidInput, match=r"holds id 9, outside \[0, 4\)"):
+        masked_log_probs(logits, tokens, ids, offsets, check=True)
+    assert masked_log_probs(logits, tokens, ids, offsets, check=True, vocab_size=whole).shape == (2,)
+    assert dense_support_mask(logits, ids, offsets, None, check=True, vocab_size=whole).sum() == 3  # 9 not in slice 0
+    past = torch.tensor([0, 2, 1, whole], dtype=torch.int32)
+    with pytest.raises(InvalidInput, match=rf"holds id {whole}, outside \[0, {whole}\); vocab_size is vocab_size = {whole}"):
+        masked_log_probs(logits, tokens, past, offsets, check=True, vocab_size=whole)
+    with pytest.raises(InvalidInput, match=r"vocab_size must be in \[8, 2147483647\].*got 5"):
+        masked_log_probs(logits, tokens, ids, offsets, tp_rank=1, check=True, vocab_size=5)
+    with pytest.raises(InvalidType, match=r"vocab_size must be an int"):
+        masked_log_probs(logits, tokens, ids, offsets, check=True, vocab_size=12.0)
