@@ -1,7 +1,8 @@
 """rollstream.consumer: pull trajectories from the brokers into the training
 loop, as validated, packed batches on the GPU, sharded to trainer ranks.
 
-- `Consumer`: fan-in client (credit, heartbeats, reconnects, dedup, commit).
+- `Consumer`: fan-in client (credit, heartbeats, reconnects, dedup, commit), the
+  I/O shell around `ConsumerCore`, where its decisions live (sans-I/O).
 - `Batch`: packed tensors plus the whole batch's CSR mask; `to_train_data()`.
 - `validate_batch` / `batch_violations`: one vectorised pass on the device.
 - `DistributedConsumer`: one source rank, shards to the others (the others
@@ -20,7 +21,8 @@ _EXPORTS = {
     "BatchValidationError": "rollstream.common.validation",
     "Violation": "rollstream.common.validation",
     "Consumer": ".client",
-    "ConsumerClosed": ".client",
+    "ConsumerClosed": ".core",
+    "ConsumerCore": ".core",
     "DistributedConsumer": ".distributed",
     "SourceRankFailed": ".distributed",
     "dense_support_mask": ".primitives",

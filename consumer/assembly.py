@@ -17,7 +17,7 @@ from collections import OrderedDict, deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -87,8 +87,7 @@ class Unit:
         return sum(len(d.arrays["prompt_tokens"]) + len(d.arrays["tokens"]) for d in self.members.values())
 
 
-@dataclass(frozen=True)
-class Outgoing:
+class Outgoing(NamedTuple):
     """A message for broker `broker`: `type` and header `fields`."""
 
     broker: int

@@ -18,7 +18,7 @@ from rollstream.common.errors import InvalidState, RemoteProtocolError
 from rollstream.common.failures import internal_error, log_internal
 from rollstream.common.jobs import DEFAULT_JOB
 
-from .assembly import Assembler
+from .assembly import Assembler, Outgoing
 from .position import TrainingPosition
 
 log = logging.getLogger("rollstream.consumer")
@@ -210,14 +210,14 @@ class Sessions:
             error = internal_error(exc, message_type, frames)
             self.assembler.undecodable(broker, {**fields, "lease": lease}, f"{error.code}: {error.message}", requeue=False)
 
-    def due(self, now: float, *, closing: bool) -> list[tuple[int, str, dict]]:
+    def due(self, now: float, *, closing: bool) -> list[Outgoing]:
         """Everything to send now, as (broker, type, fields): hellos (again
         after `hello_timeout` without a welcome), credit, settlements, and a
         heartbeat to a broker that has heard nothing else for half its
         interval (any message counts as one). While closing: no hello, no
         credit, and deliveries still arriving on old credit go straight back."""
         assembler = self.assembler
-        out = []
+        out: list[Outgoing] = []
         for broker, session in enumerate(self.sessions):
             retry_hello = session.state == SessionState.HELLO_SENT and now - session.hello_at > self.hello_timeout
             if (session.state == SessionState.NEW or retry_hello) and not closing:
@@ -227,12 +227,12 @@ class Sessions:
                     hello["job"] = self.job
                 if self.position is not None:
                     hello.update(self.position.hello_fields())
-                out.append((broker, "hello", hello))
+                out.append(Outgoing(broker, "hello", hello))
                 session.state, session.hello_at = SessionState.HELLO_SENT, now
             policy = self._policy_for(broker)
             if (session.state == SessionState.READY and policy is not None and session.published != policy
                     and (self.position is None or self.position.answered(broker))):  # its epoch known first
-                out.append((broker, "policy", policy))
+                out.append(Outgoing(broker, "policy", policy))
                 session.published = policy
         assembler.expire(now)
         if closing:
@@ -242,17 +242,18 @@ class Sessions:
             position = self.position
             withheld = () if position is None else [b for b in range(len(self.sessions)) if not position.answered(b)]
             for broker, n in assembler.credit_grants(withheld).items():
-                out.append((broker, "credit", {"n": n, "unit": assembler.unit}))
-        out += [(o.broker, o.type, o.fields) for o in assembler.take_outbox()]
+                out.append(Outgoing(broker, "credit", {"n": n, "unit": assembler.unit}))
+        out += assembler.take_outbox()
         if self.position is not None:  # after the acks resent to a new session: the resume then knows of them
-            out += [(broker, kind, fields) for broker in self._welcomed for kind, fields in self.position.on_welcome(broker)]
+            out += [Outgoing(broker, kind, fields) for broker in self._welcomed
+                    for kind, fields in self.position.on_welcome(broker)]
         self._welcomed.clear()
         spoken = {broker for broker, _, _ in out}
         for broker, session in enumerate(self.sessions):
             if session.state != SessionState.READY:
                 continue
             if broker not in spoken and now >= session.next_heartbeat:
-                out.append((broker, "heartbeat", {}))
+                out.append(Outgoing(broker, "heartbeat", {}))
             if broker in spoken or now >= session.next_heartbeat:
                 session.next_heartbeat = now + session.heartbeat_interval / 2
         return out

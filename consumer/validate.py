@@ -168,7 +168,3 @@ def checked_batch(
     for v in batch_violations(batch, vocab_size=vocab_size):
         found.append(Violation(v.rule, packed[v.sample], v.position, v.count, v.detail))
     return batch, sorted(found, key=lambda v: v.sample), packed
-
-
-def violation_error(violations: Sequence[Violation], deliveries: Sequence[Delivery]) -> BatchValidationError:
-    return BatchValidationError(violations, [d.trajectory_id for d in deliveries])

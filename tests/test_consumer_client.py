@@ -112,12 +112,12 @@ def test_client_protocol_conduct(broker):
 
 def test_a_consumer_whose_io_thread_dies_raises_client_failed(broker):
     """The same type a producer raises when its I/O loop dies."""
-    def dies(now, *, closing):
+    def dies(now):
         raise OSError("the loop's socket broke")
 
     consumer = Consumer(broker.endpoint, batch_size=1, consumer_id="c-dies")
     try:
-        consumer._sessions.due = dies
+        consumer._core.due = dies
         with pytest.raises(ClientFailed, match=r"consumer 'c-dies' stopped: its I/O loop failed with OSError") as err:
             consumer.next_batch(timeout=PATIENCE)
         assert isinstance(err.value.__cause__, OSError)
