@@ -1,9 +1,9 @@
 """The consumer's protocol state, with no sockets, clocks or threads.
 
-The I/O shell feeds it what the brokers said (`welcomed`, `delivered`,
-`settled`, ...) with the current time, and sends what collects in `outbox`.
-The trainer side takes complete units (a trajectory, or a whole group) and
-later commits or rejects them. Everything at-least-once delivery needs lives
+`Sessions` feeds it what the brokers said (`welcomed`, `delivered`,
+`settled`, ...) with the current time, and `due` sends what collects in
+`outbox`. The trainer's side (`ConsumerCore`) takes complete units (a
+trajectory, or a whole group) and later commits or rejects them. Everything at-least-once delivery needs lives
 here: deduplication by trajectory id, the leases each trajectory was
 delivered under (several after a redelivery), group completion, bounded
 credit across brokers, and resending settlements the broker could not
@@ -143,6 +143,24 @@ class Assembler:
     units: given `batch_tokens` alone, `batch_size` is
     `min(batch_tokens, TOKEN_BATCH_UNITS)`, a cap on the units of a batch
     that also sizes the prefetch.
+
+    Two threads reach it, only through `ConsumerCore` and under its shell's
+    lock (who calls what):
+    - the I/O thread (`ConsumerCore.received`, `undecodable`, `due`, through
+      `Sessions`) calls `welcomed`, `lost`, `delivered` (and with it the
+      `keep` predicate), `undecodable`, `holds`, `settled`, `unavailable`,
+      `expire`, `release` (all, once closing), `credit_grants`,
+      `take_outbox` and `credit`'s inputs. Affects: the buffer (`_ready`,
+      `_assembling`, `_buffered`), the leases of held trajectories, the
+      dedup memory (`_done`), settlements (`_settling`, `_retry`), credit,
+      `group_size`, `stats` and `outbox`.
+    - the trainer's thread (`ConsumerCore.take`, `formed`, `abandon`,
+      `commit`, `release`, `seal`, `state_dict`, `close`, `stats`) calls
+      `drop_expired`, `drop_stale`, `fills`, `take`, `replayed`,
+      `take_replayed`, `give_back_replayed`, `commit`, `reject`, `release`
+      and `unanswered_acks`, and appends seals to `outbox`. Affects: the
+      buffer, what the trainer holds (`_taken`, `_replayed`), the dedup
+      memory, settlements, `stats` and `outbox`.
     """
 
     def __init__(

@@ -31,7 +31,14 @@ class BrokerCredit:
 
 
 class Credit:
-    """Credit grants and revocations over `n_brokers`."""
+    """Credit grants and revocations over `n_brokers`.
+
+    Who calls what: the consumer's I/O thread alone changes it (`connected`,
+    `lost`, `used`, `told`, `revoked`, `plan`, through the `Assembler` and
+    `Sessions`); the trainer's thread only reads whether a broker is
+    connected (`Assembler`'s settlements and `silent_brokers`), under the
+    same lock (`ConsumerCore`).
+    """
 
     def __init__(self, n_brokers: int, budget: int):
         self.budget = budget

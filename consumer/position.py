@@ -78,8 +78,25 @@ def _batches(state: Mapping) -> list[TrainedBatch]:
 class TrainingPosition:
     """A checkpointing consumer's run, lineage, last step, the batches
     committed since the last seal, and, after a resume, what each broker
-    hands back. Driven by `Sessions` (what brokers say) and the client
-    (what the trainer does)."""
+    hands back. Driven by `Sessions` (what brokers say) and `ConsumerCore`
+    (what the trainer does).
+
+    Two threads reach it, only through `ConsumerCore` and under its shell's
+    lock (who calls what):
+    - the I/O thread (through `Sessions`) calls `hello_fields`,
+      `on_welcome`, `resumed`, `answered`, `budget`, `sealed` and `refused`.
+      Affects: the brokers that answered the resume, `lineage_epochs`, the
+      batches to train again (`_replay`), budgets, seals awaiting answers
+      (`_seals`) and `failure`.
+    - the trainer's thread calls `waiting_for_resume`, `next_replay`,
+      `handed`, `replayed_steps`, `commit_step`, `committed`,
+      `nearing_budget`, `seal`, `confirmed` and `state_dict`, and sets
+      `world_size` (`ConsumerCore.shard_over`). Affects: `batches`, `step`,
+      `_replay`, the replayed steps with the trainer, `sealed_step`,
+      `_seals` and the unsealed bytes.
+    Both change `_replay` (a resume's answer adds, a commit removes) and
+    `_seals` (a seal adds, its answer removes).
+    """
 
     def __init__(self, *, keep_checkpoints: int = 2, world_size: int = 1, resume: Mapping[str, Any] | None = None,
                  job: str = DEFAULT_JOB):

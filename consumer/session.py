@@ -3,9 +3,10 @@
 `Sessions` decides, for every broker connection, when to say hello (again),
 when to heartbeat, what a reply means (a welcome, a delivery, a settlement,
 each refusal code), and what goes out next, driving the `Assembler` that
-holds the deliveries. The client's I/O thread only decodes what arrived,
-hands it here with the time, and sends what `due` returns, so the whole
-handshake is testable without sockets or clocks.
+holds the deliveries. `ConsumerCore` composes it: the client's I/O thread
+only decodes what arrived, hands it to the core with the time, and sends
+what `due` returns, so the whole handshake is testable without sockets or
+clocks.
 """
 from __future__ import annotations
 
@@ -50,7 +51,18 @@ class BrokerSession:
 
 
 class Sessions:
-    """Every broker connection of one consumer (by broker index)."""
+    """Every broker connection of one consumer (by broker index).
+
+    Two threads reach it, only through `ConsumerCore` and under its shell's
+    lock (who calls what):
+    - the I/O thread calls `received`, `undecodable`, `failed_inside` and
+      `due`. Affects: each `BrokerSession` (handshake state, hello and
+      heartbeat times, the policy it heard, its bound and demand), `ready`,
+      and through them the `Assembler` and the `TrainingPosition`.
+    - the trainer's thread calls `publish` (`ConsumerCore.publish`) and
+      reads `stale_below` (`ConsumerCore.take`). Affects: `policy` and
+      `shares`, which the I/O thread's next `due` sends.
+    """
 
     def __init__(self, assembler: Assembler, endpoints: list[str], *, consumer_id: str, hello_timeout: float,
                  position: TrainingPosition | None = None, job: str = DEFAULT_JOB):
