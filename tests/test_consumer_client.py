@@ -1,24 +1,23 @@
-"""The client's protocol conduct against a scripted broker (a raw ROUTER):
-hello and credit, heartbeats while the trainer is busy, an undecodable
-delivery handed back, saying hello again after `unknown_consumer`, and the
-ack of a committed batch."""
+"""The `Consumer` shell against a scripted broker (a raw ROUTER): hello and
+credit, heartbeats while the trainer is busy, an undecodable delivery handed
+back, saying hello again after `unknown_consumer`, the ack of a committed
+batch, a quarantine's refill, waiting and flushing, and the I/O thread's
+failure. The decisions themselves (quarantine, expired and stale units, the
+tail of a run) are the core's, in tests/test_consumer_core.py."""
 import shutil
 import tempfile
-import time
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
 from consumer_helpers import make_rollout
-from waiting import wait_for
 
 from rollstream.common.codec import decode, encode
 from rollstream.common.errors import ClientFailed
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 from rollstream.common.wire import encode_deliver
 from rollstream.consumer import Consumer
-from rollstream.consumer.assembly import Assembler
 
 PATIENCE = 60.0  # seconds before a wait gives up (only ever reached when something hangs)
 
@@ -141,31 +140,6 @@ def test_commit_of_an_unknown_batch_is_refused(broker):
             consumer.commit(batch)
 
 
-def test_quarantine_keeps_the_valid_members_of_a_group(broker):
-    from rollstream.common.trajectory import Trajectory, Turn
-
-    rng = np.random.default_rng(3)
-    members = [make_rollout(rng, f"g-{m}", group=("g", 3)).merged() for m in range(2)]
-    bad = Trajectory("g-bad", [1, 2], group_id="g", group_size=3)
-    bad.append_turn(Turn.build([5000], [-0.1], supports=[[5000]]))
-    bad.reward = 0.0
-    solo = make_rollout(rng, "solo").merged()
-    with Consumer(broker.endpoint, batch_size=2, unit="group", vocab_size=1000, on_invalid="quarantine") as consumer:
-        broker.expect("hello")
-        broker.welcome()
-        assert broker.expect("credit")["unit"] == "group"
-        for k, trajectory in enumerate([members[0], bad, members[1]]):
-            broker.send(encode_deliver(trajectory, f"L{k}", group_left=0))
-        broker.send(encode_deliver(solo, "L-solo"))
-        batch = consumer.next_batch(timeout=10)
-        assert batch.trajectory_ids == ("g-0", "g-1", "solo") and batch.group_index.tolist() == [0, 0, 1]
-        refused = broker.expect("nack")
-        assert refused["leases"] == ["L1"] and refused["requeue"] is False and "token ids in [0, vocab_size)" in refused["reason"]
-        broker.reply("nacked", {"leases": ["L1"]})
-        consumer.commit(batch)
-        broker.reply("acked", {"leases": broker.expect("ack")["leases"]})
-
-
 def test_quarantine_dead_letters_a_log_prob_above_0_that_an_older_broker_stored(broker):
     """A broker recovers stored turns without checking their content again,
     so a log-prob of +0.5 an older broker took is delivered as stored: the
@@ -195,28 +169,6 @@ def test_quarantine_dead_letters_a_log_prob_above_0_that_an_older_broker_stored(
         broker.reply("acked", {"leases": broker.expect("ack")["leases"]})
 
 
-@pytest.mark.slow
-def test_a_trainer_that_stalls_past_a_lease_is_not_handed_that_unit(broker, monkeypatch):
-    """A delivery buffered while the trainer was busy, whose lease ran out
-    before the trainer asked, is dropped when it asks, even before the I/O
-    thread's own pass: the broker is redelivering it, so training it here
-    would train it twice. (The I/O thread's pass is held off to show it.)"""
-    monkeypatch.setattr(Assembler, "expire", lambda self, now: None)
-    rng = np.random.default_rng(3)
-    with Consumer(broker.endpoint, batch_size=1, prefetch=2) as consumer:
-        broker.expect("hello")
-        broker.reply("welcome", {"broker_id": "scripted", "lease_timeout": 0.3, "heartbeat_interval": 0.2})
-        broker.expect("credit")
-        broker.send(encode_deliver(make_rollout(rng, "stale").merged(), "L-stale"))
-        wait_for(lambda: consumer.stats()["ready"], 10, "the delivery to arrive", interval=0.01)
-        time.sleep(0.5)  # the trainer is busy past the 0.3 s lease: time passing is the point (no expiry pass to watch)
-        with pytest.raises(TimeoutError):
-            consumer.next_batch(timeout=0.3)
-        assert consumer.stats()["expired_in_buffer"] == 1
-        broker.send(encode_deliver(make_rollout(rng, "stale").merged(), "L-again"))  # the broker's redelivery
-        assert consumer.next_batch(timeout=10).trajectory_ids == ("stale",)
-
-
 def test_wait_ready_returns_once_welcomed_and_flush_once_the_broker_confirms_commits(broker):
     rng = np.random.default_rng(4)
     with Consumer(broker.endpoint, batch_size=1) as consumer:
@@ -234,25 +186,6 @@ def test_wait_ready_returns_once_welcomed_and_flush_once_the_broker_confirms_com
         broker.reply("acked", {"leases": ack["leases"]})
         consumer.flush(timeout=10)
         assert consumer.stats()["unsettled"] == 0 and consumer.stats()["acked"] == 1
-
-
-@pytest.mark.slow
-def test_partial_after_hands_out_the_tail_of_a_run_smaller_but_never_empty(broker):
-    rng = np.random.default_rng(5)
-    with Consumer(broker.endpoint, batch_size=3) as consumer:
-        broker.expect("hello")
-        broker.welcome()
-        broker.expect("credit")
-        with pytest.raises(TimeoutError, match="0 of 3 units ready"):
-            consumer.next_batch(timeout=0.5, partial_after=0.1)  # nothing ready: no batch at all
-        for name in ("a", "b"):
-            broker.send(encode_deliver(make_rollout(rng, name).merged(), f"L-{name}"))
-        with pytest.raises(TimeoutError, match="2 of 3 units ready"):
-            consumer.next_batch(timeout=0.5)  # without it, only a full batch
-        batch = consumer.next_batch(timeout=10, partial_after=0.2)
-        assert batch.trajectory_ids == ("a", "b")
-        consumer.commit(batch)
-        broker.reply("acked", {"leases": broker.expect("ack")["leases"]})
 
 
 def test_committing_a_batch_that_is_not_awaiting_commit_says_so_even_with_a_step(tmp_path):
