@@ -43,6 +43,7 @@ import zmq
 from pipeline import VOCAB, split_turns, workload
 from procs import parse_args
 
+from rollstream.broker.core import Sent
 from rollstream.broker.service import BrokerService
 from rollstream.broker.settings import BrokerSettings
 from rollstream.broker.store import Store
@@ -95,8 +96,8 @@ class ReplayedBroker(BrokerService):
             raise zmq.Again()
         return self.queue.popleft()
 
-    def _send(self, request) -> bool:
-        return True
+    def _send(self, request) -> Sent:
+        return Sent.TAKEN
 
 
 def _producer_main(endpoint: str, samples: int) -> None:

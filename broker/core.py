@@ -8,12 +8,13 @@ first and what goes out after. `broker/service.py` only moves bytes and
 performs what the core asks for.
 
 Each input is a generator. It yields, in order, the I/O it needs (the
-requests below: make these effects durable, send these frames, read this
-back from the store, ...) and is sent each one's outcome; it reads no clock
-(it is given a `Clock`), no socket and no file. The service drives it with
-its sockets and store; a test drives it with whatever answers it likes
-(`drive` in tests/broker_helpers.py), which is how the state machine test
-runs the whole broker without either.
+requests below, each naming the type of its answer: make these effects
+durable, send these frames, read this back from the store, ...) and is sent
+each one's answer; it reads no clock (it is given a `Clock`), no socket and
+no file, and what performs a request never calls back into the core. One
+loop, `drive`, runs every input: the service's with its sockets and store,
+a test's with whatever answers it likes (tests/broker_helpers.py), which is
+how the state machine test runs the whole broker without either.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import logging
 import math
 from collections.abc import Callable, Collection, Generator, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from enum import Enum
+from typing import Any, Generic, NewType, TypeVar
 
 from rollstream.common.clock import Clock
 from rollstream.common.codec import Message, encode, encode_error
@@ -97,67 +99,124 @@ def producer_live_for(heartbeat_interval: float) -> float:
 
 
 # -- what the core asks its driver to do, and what it is answered ---------------
-class Commit(NamedTuple):
+A = TypeVar("A")  # a request's answer
+R = TypeVar("R", bound="Request[Any]")
+T = TypeVar("T")
+
+
+class Request(Generic[A]):
+    """I/O the core asks its driver for, answered with an `A` (the type
+    each request names as its base). The core asks with `answer = yield
+    from request`, so the answer has that type where it is used; the
+    driver performs the request and sends the answer back (`drive`)."""
+
+    __slots__ = ()
+
+    def __iter__(self) -> Generator[Asked, Any, A]:
+        return (yield self)  # type: ignore[misc]  # the one place a request becomes `Asked`
+
+    @classmethod
+    def answered_by(cls: type[R], perform: Callable[[R], A]) -> tuple[type[R], Callable[[R], A]]:
+        """A driver's performer of this request type, as an entry of its
+        `Performers`: mypy checks that `perform` takes this request and
+        answers what it asks."""
+        return cls, perform
+
+
+# What the core's inputs yield: a request asked through `Request.__iter__`
+# alone, so mypy refuses a bare `yield` of one, whose answer would be untyped.
+Asked = NewType("Asked", Request[Any])
+# One core input, or a part of one: it yields requests, is sent their answers, and returns a `T`.
+Steps = Generator[Asked, Any, T]
+# A driver's performer of each request type (`Request.answered_by`).
+Performers = Mapping[type[Request[Any]], Callable[[Any], Any]]
+
+
+def drive(steps: Steps[T], performers: Performers) -> T:
+    """Run one core input to its end: perform each request it asks with
+    the performer of its type and send it the answer; return what it
+    returns. The service drives the core with this loop and its sockets
+    and store, a test with answers of its own; no performer calls the core."""
+    answer = None
+    try:
+        while True:
+            request = steps.send(answer)
+            answer = performers[type(request)](request)
+    except StopIteration as done:
+        return done.value
+
+
+# Requests are slotted dataclasses, not frozen ones or named tuples: the core
+# makes one per commit and per frame sent, and those build the fastest.
+@dataclass(slots=True)
+class Commit(Request[StoreError | None]):
     """Make `effects` durable in one transaction. Answer: None, or the
     `StoreError` that kept them from being durable."""
 
     effects: list
 
 
-class Send(NamedTuple):
+class Sent(Enum):
+    """What became of a `Send`'s frames."""
+
+    TAKEN = "taken"  # the socket queued them for the peer
+    FULL = "full"  # dropped: the peer's queue is full (it is not reading)
+    GONE = "gone"  # dropped: the peer's connection is gone
+
+
+@dataclass(slots=True)
+class Send(Request[Sent]):
     """Hand `frames` to `socket` for connection `identity` without waiting.
-    Answer: whether the socket took them."""
+    Answer: what became of them; a producer connection found gone is
+    forgotten (`producer_gone`)."""
 
     socket: str
     identity: bytes
     frames: list
 
 
-class ReadDigests(NamedTuple):
+@dataclass(slots=True)
+class ReadDigests(Request[dict[tuple[str, int], bytes | StoreError]]):
     """Read the stored digests of these (trajectory id, turn) records.
     Answer: {key: digest, or the `StoreError` that kept it from being read}."""
 
     keys: list[tuple[str, int]]
 
 
-class ReadBack(NamedTuple):
+@dataclass(slots=True)
+class ReadBack(Request[Trajectory | StoreError]):
     """Read a ready trajectory the store alone holds. Answer: the
     `Trajectory`, or the `StoreError` that kept it from being read."""
 
     trajectory_id: str
 
 
-class Reload(NamedTuple):
+@dataclass(slots=True)
+class Reload(Request[Rebuilt]):
     """Read everything the store holds, to roll memory back to it. Answer: `Rebuilt`."""
 
 
-class Probe(NamedTuple):
-    """Try whether the store reads and writes again. Answer: bool."""
+@dataclass(slots=True)
+class Probe(Request[bool]):
+    """Try whether the store reads and writes again. Answer: whether it does."""
 
 
-class PruneDedup(NamedTuple):
+@dataclass(slots=True)
+class PruneDedup(Request[None]):
     """Delete stored dedup records that ran out before wall time `wall`. Answer: None."""
 
     wall: float
 
 
-class MeasureDisk(NamedTuple):
+@dataclass(slots=True)
+class MeasureDisk(Request[tuple[int, int]]):
     """Answer: (bytes the store takes, bytes free on its file system)."""
 
 
-class Checkpoint(NamedTuple):
+@dataclass(slots=True)
+class Checkpoint(Request[None]):
     """Fold the store's write-ahead log into its database. Answer: None."""
 
-
-class ServeConsumers(NamedTuple):
-    """Read and handle the consumer messages waiting now (heartbeats that
-    waited behind a long pass: a live consumer is never dropped unheard). Answer: None."""
-
-    now: Clock
-
-
-Request = Commit | Send | ReadDigests | ReadBack | Reload | Probe | PruneDedup | MeasureDisk | Checkpoint | ServeConsumers
-Steps = Generator[Request, Any, Any]
 
 # A decoded message with the refusal it already earned (decoding, content rules), or None.
 Received = tuple[bytes, Message | None, ProtocolError | None]
@@ -216,7 +275,12 @@ def _wire_ids(trajectory: Trajectory) -> dict[str, str]:
 
 
 class BrokerCore:
-    """Everything the broker decides, driven by its service (or a test)."""
+    """Everything the broker decides, driven by its service (or a test).
+
+    Threads. Caller: the service's thread, every method and input. Of what
+    it composes only `metrics` is also touched elsewhere: the /metrics
+    server's thread reads it (`BrokerMetrics`). The checker thread and the
+    store's writer thread never touch the core."""
 
     def __init__(self, settings: BrokerSettings, broker_id: str, metrics: BrokerMetrics, *, disk_reserve: int):
         s = self.settings = settings
@@ -288,17 +352,17 @@ class BrokerCore:
         return self.memory.reading
 
     # -- durability -----------------------------------------------------------
-    def _commit(self, effects: list) -> Generator[Request, Any, bool]:
+    def _commit(self, effects: list) -> Steps[bool]:
         """Make `effects` durable; on failure roll memory back to the store
         and refuse writes until a probe succeeds. Ready units join the
         queue once durable."""
-        error = yield Commit(effects)
+        error = yield from Commit(effects)
         if error is not None:
             self._store_failed(f"commit failed: {error}")
             # Memory back to exactly what the store holds; committed units are
             # already with the dispatcher, so the rebuilt ones are not queued again.
             self.engine = self._new_engine()
-            self._restore((yield Reload()))
+            self._restore((yield from Reload()))
             return False
         engine = self.engine
         engine.saved()
@@ -397,16 +461,16 @@ class BrokerCore:
             fields["group_id"] = job_key(job, fields["group_id"])
         return Message(message.type, fields, message.arrays, message.frames, message.crc32, message.array_crcs)
 
-    def producer_batch(self, received: list[Received], now: Clock) -> Steps:
+    def producer_batch(self, received: list[Received], now: Clock) -> Steps[None]:
         """Merge a batch of producer messages, commit it once, then answer:
         an `ack` always means durable."""
         engine = self.engine
         stored, unread = NOTHING_STORED, {}
         keys = engine.stored_digests_needed(message for _, message, error in received if message is not None and error is None)
         if keys:  # resends of applied turns whose digests only the store holds
-            read = yield ReadDigests(keys)
+            read = yield from ReadDigests(keys)
             unread = {key: value for key, value in read.items() if isinstance(value, StoreError)}
-            stored = {key: None if key in unread else value for key, value in read.items()}
+            stored = {key: None if isinstance(value, StoreError) else value for key, value in read.items()}
         answers: list[_Answer] = []
         effects: list = []
         for identity, message, error in received:
@@ -424,7 +488,9 @@ class BrokerCore:
                                         if answer.ack is not None and answer.message is not None)
             for identity, acks in batched_acks(answers, self.hellos.batch_acks, self.grants.grant).items():
                 acks.update(self._job_fields(identity))
-                yield Send("producer", identity, encode(BROKER_TO_PRODUCER, "acks", acks, checked=False))
+                sent = yield from Send("producer", identity, encode(BROKER_TO_PRODUCER, "acks", acks, checked=False))
+                if sent is Sent.GONE:
+                    self.producer_gone(identity)
         batch_acks = self.hellos.batch_acks
         for answer in answers:
             frames = answer.frames
@@ -440,7 +506,8 @@ class BrokerCore:
                 else:
                     frames = encode(BROKER_TO_PRODUCER, "ack", answer.ack, checked=False)
             assert frames is not None  # an answer without an ack or a pong is made with its frames
-            yield Send("producer", answer.identity, frames)
+            if (yield from Send("producer", answer.identity, frames)) is Sent.GONE:
+                self.producer_gone(answer.identity)
         self._apply_memory_budget()
 
     def _producer_message(self, identity: bytes, message: Message | None, error: ProtocolError | None, now: Clock,
@@ -499,8 +566,9 @@ class BrokerCore:
         return fields
 
     def producer_gone(self, identity: bytes) -> None:
-        """A producer connection is gone (a reconnect comes with a new
-        identity): its grant and its hello's choices are forgotten."""
+        """A producer connection is gone (a send found it gone, or it fell
+        silent; a reconnect comes with a new identity): its grant and its
+        hello's choices are forgotten."""
         self.producers.pop(identity, None)
         self.producer_jobs.pop(identity, None)
         self.hellos.forget_producer(identity)
@@ -518,7 +586,7 @@ class BrokerCore:
         self.grants.active(len(self.producers))
 
     # -- consumers ------------------------------------------------------------
-    def consumer_batch(self, received: list[Received], now: Clock) -> Steps:
+    def consumer_batch(self, received: list[Received], now: Clock) -> Steps[None]:
         """Handle a batch of consumer messages; the acks and nacks among them
         are made durable together (one commit), then answered."""
         settling: list[Settlement] = []
@@ -526,7 +594,7 @@ class BrokerCore:
         claimed_ids: set[str] = set()  # and the trajectories its acks settled
         for identity, message, error in received:
             if error is not None:
-                yield Send("consumer", identity, self._refuse("consumer", error, None))
+                yield from Send("consumer", identity, self._refuse("consumer", error, None))
                 continue
             assert message is not None  # one that failed to decode is received with its error
             if message.type in ("hello", "resume", "seal"):  # they change leases or commit: settle what came before first
@@ -537,14 +605,14 @@ class BrokerCore:
                 settlement = yield from self._consumer_message(identity, message, now, claimed, claimed_ids)
             except Exception as exc:  # a failure no rule foresaw costs this message alone
                 failure = self.failed_inside("consumer", identity, exc, message.type, message.frames, now.mono)
-                yield Send("consumer", identity, self._refuse("consumer", failure, message))
+                yield from Send("consumer", identity, self._refuse("consumer", failure, message))
                 continue
             if settlement is not None:
                 settling.append(settlement)
         yield from self._settle(settling, now)
 
     def _consumer_message(self, identity: bytes, message: Message, now: Clock, claimed: set[str],
-                          claimed_ids: set[str]) -> Generator[Request, Any, Settlement | None]:
+                          claimed_ids: set[str]) -> Steps[Settlement | None]:
         dispatcher = self.dispatcher
         if message.type == "hello":
             job = message.get("job", DEFAULT_JOB)
@@ -560,13 +628,13 @@ class BrokerCore:
                 fields["queued"] = queued
             if "run" in message.fields:  # a checkpointing trainer: how much it may train between seals
                 fields["max_unsealed_bytes"] = self.settings.max_unsealed_bytes
-            yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "welcome", fields))
+            yield from Send("consumer", identity, encode(BROKER_TO_CONSUMER, "welcome", fields))
             return None
         if not dispatcher.seen(identity, now.mono):
             error = RemoteProtocolError("unknown_consumer",
                                         "this connection has not said hello (or was dropped); send hello first")
             extra = {"leases": message["leases"]} if "leases" in message.fields else {}
-            yield Send("consumer", identity, self._refuse("consumer", error, message, **extra))
+            yield from Send("consumer", identity, self._refuse("consumer", error, message, **extra))
             return None
         consumer = dispatcher.consumers[identity]
         checkpointed = message.type in ("seal", "resume") or "step" in message.fields
@@ -574,11 +642,11 @@ class BrokerCore:
             error = RemoteProtocolError("not_checkpointed", f"a {message.type} with a step needs a session whose hello "
                                         "named its run and lineage; this one's did not")
             extra = {"leases": message["leases"]} if "leases" in message.fields else {}
-            yield Send("consumer", identity, self._refuse("consumer", error, message, **extra))
+            yield from Send("consumer", identity, self._refuse("consumer", error, message, **extra))
         elif message.type == "credit":
             dispatcher.credit(identity, message["n"], message["unit"])
         elif message.type == "revoke":
-            yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "revoked",
+            yield from Send("consumer", identity, encode(BROKER_TO_CONSUMER, "revoked",
                                                     {"queued": dispatcher.revoke(identity), **_seq(message)}))
         elif message.type in ("ack", "nack"):
             if consumer.job != DEFAULT_JOB and "trajectory_ids" in message.fields:
@@ -595,7 +663,7 @@ class BrokerCore:
             yield from self._resume(identity, message, now)
         return None
 
-    def _publish(self, identity: bytes, message: Message, now: Clock) -> Steps:
+    def _publish(self, identity: bytes, message: Message, now: Clock) -> Steps[None]:
         """A trainer published its policy version (and bound, step size,
         this broker's share and lineage): kept durably, echoed with the
         bound in force and the job's demand here; what it makes stale is
@@ -606,7 +674,7 @@ class BrokerCore:
         try:
             lineage = Lineage.of(message.get("branches"))
         except ValueError as error:
-            yield Send("consumer", identity, self._refuse("consumer", RemoteProtocolError("invalid_value", str(error)),
+            yield from Send("consumer", identity, self._refuse("consumer", RemoteProtocolError("invalid_value", str(error)),
                                                           message))
             return
         policy = Policy(message["version"], message.get("max_staleness"), message.get("per_step"), message.get("share"),
@@ -617,7 +685,7 @@ class BrokerCore:
                                                                     "resumed_from": lineage.resumed_from})
         effect = self.freshness.publish(job, policy)
         if not (yield from self._commit([effect])):  # memory, the policies too, rolled back to the store
-            yield Send("consumer", identity, self._unavailable(message))
+            yield from Send("consumer", identity, self._unavailable(message))
             return
         bound = self.freshness.bound(job)
         # What the job holds here and how often new trajectories were told to wait since the last publication:
@@ -625,7 +693,7 @@ class BrokerCore:
         fields = {"version": policy.version, **({} if bound is None else {"max_staleness": bound}),
                   "held": self.engine.untrained[job], "waiting": self.freshness.waiting.pop(job, 0),
                   **_seq(message)}
-        yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "policy", fields))
+        yield from Send("consumer", identity, encode(BROKER_TO_CONSUMER, "policy", fields))
         yield from self._drop_stale(job, now)
         engine, freshness = self.engine, self.freshness
         effects = []
@@ -638,7 +706,7 @@ class BrokerCore:
         if effects and (yield from self._commit(effects)):
             self.metrics.count_effects(effects)
 
-    def _drop_stale(self, job: str, now: Clock) -> Steps:
+    def _drop_stale(self, job: str, now: Clock) -> Steps[None]:
         """Dead-letter `job`'s queued units older than its bound allows (`stale`)."""
         below = self.freshness.stale_below(job)
         if below is None:
@@ -649,21 +717,21 @@ class BrokerCore:
             log.info("stale trajectories dropped", extra={"job": job, "count": len(tids), "older_than": below})
             yield from self._dead_letter(tids, "stale", now)
 
-    def _seal(self, identity: bytes, message: Message, now: Clock) -> Steps:
+    def _seal(self, identity: bytes, message: Message, now: Clock) -> Steps[None]:
         """A checkpointing trainer sealed a checkpoint: reclaim what it no longer needs."""
         consumer = self.dispatcher.consumers[identity]
         assert consumer.run is not None and consumer.lineage is not None  # checked by the caller
         effects = self.engine.seal(consumer.run, consumer.lineage, message["step"], message["keep"], now.wall)
         if not (yield from self._commit(effects)):
-            yield Send("consumer", identity, self._unavailable(message))
+            yield from Send("consumer", identity, self._unavailable(message))
             return
         reclaimed = self._count_reclaimed(effects, "delivered")
         seq = _seq(message)
-        yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "sealed", {"step": message["step"],
+        yield from Send("consumer", identity, encode(BROKER_TO_CONSUMER, "sealed", {"step": message["step"],
                                                                               "reclaimed": reclaimed, **seq}))
         self._apply_memory_budget()
 
-    def _resume(self, identity: bytes, message: Message, now: Clock) -> Steps:
+    def _resume(self, identity: bytes, message: Message, now: Clock) -> Steps[None]:
         """A trainer resumed from the checkpoint at `step`: what its state
         says it trained through that step is trained (whether or not its
         commits arrived), the checkpoint is sealed, and what its run trained
@@ -676,7 +744,7 @@ class BrokerCore:
         try:
             engine.resumable(run, step)
         except RemoteProtocolError as gone:
-            yield Send("consumer", identity, self._refuse("consumer", gone, message))
+            yield from Send("consumer", identity, self._refuse("consumer", gone, message))
             return
         effects, recorded = [], set()
         for trained_step, position, wire in message["trained"]:
@@ -687,7 +755,7 @@ class BrokerCore:
                 recorded.add(tid)
         effects += engine.seal(run, lineage, step, message["keep"], now.wall, resume=True)
         if not (yield from self._commit(effects)):
-            yield Send("consumer", identity, self._unavailable(message))
+            yield from Send("consumer", identity, self._unavailable(message))
             return
         self._count_reclaimed(effects, "delivered")
         self.dispatcher.withdraw(recorded)
@@ -696,12 +764,12 @@ class BrokerCore:
                                if e.trained is not None]  # (every one: mypy cannot see the filter above)
         seq = _seq(message)
         epoch = self.freshness.lineage(consumer.job).epoch  # the resumed trainer's epoch must be above it
-        yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "resumed",
+        yield from Send("consumer", identity, encode(BROKER_TO_CONSUMER, "resumed",
                                                 {"step": step, "replay": entries, "epoch": epoch, **seq}))
         log.info("trainer resumed", extra={"run": run, "step": step, "replayed": len(entries)})
         yield from self._send_deliveries(self.dispatcher.replay(identity, [e.trajectory_id for e in replay], now.mono), now)
 
-    def _settle(self, settling: list[Settlement], now: Clock) -> Steps:
+    def _settle(self, settling: list[Settlement], now: Clock) -> Steps[None]:
         """Commit the batch's settlements at once, then update the
         dispatcher and answer each (or answer `unavailable`)."""
         if not settling:
@@ -712,7 +780,7 @@ class BrokerCore:
             self.metrics.count_effects(effects)
         for s in settling:
             if not committed:
-                yield Send("consumer", s.identity, self._unavailable(s.message, leases=s.accepted))
+                yield from Send("consumer", s.identity, self._unavailable(s.message, leases=s.accepted))
                 continue
             yield from self._dead_letter(s.apply(self.dispatcher), "max_deliveries", now)
             if s.message.type == "ack":
@@ -722,23 +790,23 @@ class BrokerCore:
                     self.metrics.inc(self.metrics.exits, acked, exit="delivered")
             if s.accepted:
                 reply = "acked" if s.message.type == "ack" else "nacked"
-                yield Send("consumer", s.identity, encode(BROKER_TO_CONSUMER, reply, {"leases": s.accepted}))
+                yield from Send("consumer", s.identity, encode(BROKER_TO_CONSUMER, reply, {"leases": s.accepted}))
             if s.stale:
                 error = RemoteProtocolError("stale_lease",
                                             f"{len(s.stale)} lease(s) are unknown or expired; they changed nothing")
-                yield Send("consumer", s.identity, self._refuse("consumer", error, s.message, leases=s.stale))
+                yield from Send("consumer", s.identity, self._refuse("consumer", error, s.message, leases=s.stale))
         settling.clear()
         if committed:
             self._apply_memory_budget()  # delivered trajectories left memory: paused producers may go on
 
-    def drop_consumer(self, identity: bytes, now: Clock) -> Steps:
+    def drop_consumer(self, identity: bytes, now: Clock) -> Steps[None]:
         """A consumer connection lost its right to connect (its key was
         removed): no more deliveries, its leases go back to the queue."""
         log.warning("dropped a consumer whose key was removed; its leases are requeued",
                     extra={"consumer_id": self.dispatcher.consumers[identity].consumer_id})
         yield from self._dead_letter(self.dispatcher.drop_consumer(identity), "max_deliveries", now)
 
-    def _dead_letter(self, tids: list[str], reason: str, now: Clock) -> Steps:
+    def _dead_letter(self, tids: list[str], reason: str, now: Clock) -> Steps[None]:
         if not tids:
             return
         effects = [e for tid in tids for e in self.engine.dead_letter(tid, reason, now.wall)]
@@ -750,7 +818,7 @@ class BrokerCore:
             for tid in tids:
                 self.dispatcher.enqueue(DeliveryUnit((tid,), version=self.engine.entries[tid].version), front=True)
 
-    def deliver(self, now: Clock) -> Steps:
+    def deliver(self, now: Clock) -> Steps[None]:
         """Send queued trajectories to consumers with credit, also while
         writes fail: a consumer's ack deletes data, which is what frees a
         full disk (the reserve keeps room to write those deletes). Each
@@ -768,9 +836,9 @@ class BrokerCore:
             yield from self._drop_abandoned(now)
         yield from self._send_deliveries(deliveries, now)
         for identity, queued in self.dispatcher.queued_news():
-            yield Send("consumer", identity, encode(BROKER_TO_CONSUMER, "queued", {"n": queued}))
+            yield from Send("consumer", identity, encode(BROKER_TO_CONSUMER, "queued", {"n": queued}))
 
-    def _drop_abandoned(self, now: Clock) -> Steps:
+    def _drop_abandoned(self, now: Clock) -> Steps[None]:
         """Dead-letter the units the dispatcher set aside: weights of a
         lineage their job's trainer abandoned sampled them (`abandoned`)."""
         units, self.dispatcher.set_aside = self.dispatcher.set_aside, []
@@ -778,7 +846,7 @@ class BrokerCore:
         log.info("trajectories of an abandoned lineage dropped", extra={"count": len(tids)})
         yield from self._dead_letter(tids, "abandoned", now)
 
-    def _send_deliveries(self, deliveries: list[Dispatch], now: Clock) -> Steps:
+    def _send_deliveries(self, deliveries: list[Dispatch], now: Clock) -> Steps[None]:
         """Read back and send `deliveries`, unit by unit (see `deliver`)."""
         dispatcher = self.dispatcher
         refused: list[str] = []  # leases whose send the connection refused: retracted, their credit spent
@@ -806,13 +874,13 @@ class BrokerCore:
                 frames = encode_deliver(trajectory, delivery.lease, may_pack="packed_arrays" in options,
                                         may_split="split_arrays" in options,
                                         **{**delivery.extra_fields, **_wire_ids(trajectory), **counts})
-                if not (yield Send("consumer", delivery.identity, frames)):
+                if (yield from Send("consumer", delivery.identity, frames)) is not Sent.TAKEN:
                     refused.append(delivery.lease)
             start = end
         if refused:
             dispatcher.retract(refused)
 
-    def _read_unit(self, unit: list[Dispatch], now: Clock) -> Generator[Request, Any, bool]:
+    def _read_unit(self, unit: list[Dispatch], now: Clock) -> Steps[bool]:
         """Whether every member of a delivered unit is in memory, evicted
         ones read back from the store. False when one cannot be read: a
         store that fails makes the store unavailable and deliveries wait for
@@ -829,7 +897,7 @@ class BrokerCore:
                 return False
             if not engine.needs_reload(entry):
                 continue
-            read = yield ReadBack(tid)
+            read = yield from ReadBack(tid)
             if isinstance(read, StoreError):
                 if not read.retriable and engine.unreadable(tid):
                     log.error("stored trajectory cannot be read back", extra={"trajectory_id": tid, "error": str(read)})
@@ -839,14 +907,13 @@ class BrokerCore:
                     self._store_failed(f"cannot read evicted trajectory {tid!r} back to deliver it: {read}")
                     self.reads_failed = True
                 return False
-            assert isinstance(read, Trajectory)
             engine.reload(entry, read)
             self.metrics.inc(self.metrics.reloads)
         return True
 
     # -- admin ----------------------------------------------------------------
     def admin_request(self, identity: bytes, envelope: list, message: Message | None, error: ProtocolError | None,
-                      now: Clock) -> Steps:
+                      now: Clock) -> Steps[None]:
         """Answer one admin request (`envelope`: a REQ peer's delimiter, sent back before the reply)."""
         if error is None:
             assert message is not None  # one that failed to decode is received with its error
@@ -859,9 +926,9 @@ class BrokerCore:
                 reply = self._refuse("admin", failure, message)
         else:
             reply = self._refuse("admin", error, None)
-        yield Send("admin", identity, [*envelope, *reply])
+        yield from Send("admin", identity, [*envelope, *reply])
 
-    def _admin_reply(self, message: Message, now: Clock) -> Generator[Request, Any, list]:
+    def _admin_reply(self, message: Message, now: Clock) -> Steps[list]:
         seq = _seq(message)
         if message.type == "status":
             return encode(ADMIN_REPLIES, "status", {**self.status(now), **seq})
@@ -959,19 +1026,27 @@ class BrokerCore:
         deadline = min((d for d in deadlines if d is not None), default=None)
         return every if deadline is None else min(every, max(HOUSEKEEPING_EVERY, deadline - mono))
 
-    def housekeeping(self, now: Clock) -> Steps:
-        """What time alone changes: silent producers forgotten, idle
-        trajectories expired, dead letters kept within their budget, lost
-        leases and silent consumers requeued, the
-        store probed while unavailable, dedup records pruned, memory and
-        disk held to their budgets."""
+    def housekeeping(self, now: Clock) -> Steps[None]:
+        """The first half of a housekeeping pass, what time alone changes in
+        what the broker holds: silent producers forgotten, idle trajectories
+        expired, dead letters and trained data kept within their budgets.
+        Its commits can take long, so the driver hands the core the consumer
+        messages that waited meanwhile (`consumer_batch`) before the second
+        half (`finish_housekeeping`) judges leases and consumers' silence: a
+        live consumer is never dropped unheard."""
         self._count_live_producers(now.mono)
         effects = self.engine.expire(now.wall)
         if (yield from self._commit(effects)):
             self.metrics.count_effects(effects)
         yield from self._prune_dead(now)
         yield from self._reclaim_unsealed(now)
-        yield ServeConsumers(now)
+
+    def finish_housekeeping(self, now: Clock) -> Steps[None]:
+        """The second half of a housekeeping pass at `now` (after
+        `housekeeping` and the consumer messages that waited behind it):
+        lost leases and silent consumers requeued, the store probed while
+        unavailable, dedup records pruned, memory and disk held to their
+        budgets, starvation watched."""
         yield from self._dead_letter(self.dispatcher.tick(now.mono), "max_deliveries", now)
         new_redeliveries = self.dispatcher.redeliveries - self._redeliveries_seen
         if new_redeliveries:
@@ -979,24 +1054,24 @@ class BrokerCore:
             self._redeliveries_seen = self.dispatcher.redeliveries
         if self.unavailable and now.mono >= self._next_probe:
             self._next_probe = now.mono + PROBE_EVERY
-            if (yield Probe()):
+            if (yield from Probe()):
                 self.unavailable = self.reads_failed = False
                 self.metrics.unavailable.set(0)
                 log.info("store available again")
         if now.mono >= self._next_dedup_prune:
             self._next_dedup_prune = now.mono + DEDUP_PRUNE_EVERY
-            yield PruneDedup(now.wall)
+            yield from PruneDedup(now.wall)
         self._evict_to_budget()
-        self.disk_bytes, self.free_bytes = yield MeasureDisk()
+        self.disk_bytes, self.free_bytes = yield from MeasureDisk()
         if self.disk_bytes > CHECKPOINT_ABOVE * self.settings.max_disk_bytes or self.free_bytes < self.admission.reserve:
             # also below the limit: the WAL (up to 16 MiB between checkpoints) must not hold off a resume
-            yield Checkpoint()
-            self.disk_bytes, self.free_bytes = yield MeasureDisk()
+            yield from Checkpoint()
+            self.disk_bytes, self.free_bytes = yield from MeasureDisk()
         self._update_backpressure()
         self._watch_starvation(now)
         self.update_gauges(now)
 
-    def _prune_dead(self, now: Clock) -> Steps:
+    def _prune_dead(self, now: Clock) -> Steps[None]:
         """Keep dead letters within `max_dead_letter_bytes`: the oldest go
         (their ids remembered), counted and logged by reason."""
         effects, gone = self.engine.prune_dead(self.settings.max_dead_letter_bytes, now.wall)
@@ -1022,7 +1097,7 @@ class BrokerCore:
                 log.info(f"job {alarm.job!r} no longer starving ({alarm.cause})", extra=extra)
 
     # -- budgets ----------------------------------------------------------------
-    def _reclaim_unsealed(self, now: Clock) -> Steps:
+    def _reclaim_unsealed(self, now: Clock) -> Steps[None]:
         """Hold trained-but-unsealed data to its own budget: past it, the
         oldest trained steps are reclaimed as if sealed (the trainer can no
         longer fall back before them), loudly."""

@@ -26,7 +26,7 @@ from rollstream.common.messages import ADMIN_REQUESTS, BATCHABLE_TYPES, CONSUMER
 from rollstream.common.sockets import recv_routed, router, send_frames
 from rollstream.common.validation import check_message_arrays, messages_content_valid
 
-from .core import BrokerCore, Received, Send, ServeConsumers, Steps
+from .core import BrokerCore, Performers, Received, Send, Sent, Steps, drive
 from .curve import CurveGuard
 from .metrics import BrokerMetrics
 from .recovery import rebuild
@@ -51,7 +51,11 @@ CHECK_AHEAD_FROM_BYTES = 1 << 20
 def _content_error(arrays, vocab_size: int | None) -> Exception | None:
     """The first content rule a received turn's arrays break, anything
     else the check raised (the caller refuses the turn as `internal`), or
-    None."""
+    None.
+
+    Caller: the checker thread, for a turn checked ahead; the service's
+    thread for the others. Affects: nothing; it reads the turn's arrays,
+    which nothing writes, with scratch buffers of its own thread."""
     try:
         check_message_arrays(arrays, vocab_size=vocab_size)
     except ProtocolError as error:
@@ -94,8 +98,8 @@ class BrokerService:
         self.endpoints: dict[str, str] = {}  # by socket name, as bound (a port 0 resolved)
         self._metrics_server = None
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="rollstream-checker")  # see CHECK_AHEAD_FROM_BYTES
-        self._performers = {**StoreIO(self.store, settings.data_dir, self.metrics).performers, Send: self._send,
-                            ServeConsumers: self._serve_waiting_consumers}
+        self._performers: Performers = dict([*StoreIO(self.store, settings.data_dir, self.metrics).performers.items(),
+                                             Send.answered_by(self._send)])
 
     def _disk_reserve(self) -> int:
         """Free space the broker keeps for ends and consumer acks: the
@@ -201,13 +205,25 @@ class BrokerService:
         # a peer that arrived while quiet: the next pass comes at the busy pace
         self._next_housekeeping = min(self._next_housekeeping, now.mono + self.core.housekeeping_every(now.mono))
         if now.mono >= self._next_housekeeping:
-            self._drive(self.core.housekeeping(now))
-            if self.curve is not None:  # each message records its connection's key again
-                self.curve.forget("producer", self.core.producers)
-                self.curve.forget("consumer", self.core.dispatcher.consumers)
-                self.curve.forget("admin", ())
+            self._housekeep(now)
             self._next_housekeeping = now.mono + self.core.housekeeping_every(now.mono)
         self._drive(self.core.deliver(now))
+
+    def _housekeep(self, now: Clock) -> None:
+        """One housekeeping pass in the core's two halves, with the consumer
+        messages that waited behind the first (its commits can take long)
+        handled between them: the second judges leases and consumers'
+        silence, and must not drop a live consumer whose heartbeat waits
+        unread."""
+        self._drive(self.core.housekeeping(now))
+        events = self.sockets["consumer"].get(zmq.EVENTS)  # an int (pyzmq types every option as `int | bytes`)
+        if isinstance(events, int) and events & zmq.POLLIN:
+            self._serve_consumers(now)
+        self._drive(self.core.finish_housekeeping(now))
+        if self.curve is not None:  # each message records its connection's key again
+            self.curve.forget("producer", self.core.producers)
+            self.curve.forget("consumer", self.core.dispatcher.consumers)
+            self.curve.forget("admin", ())
 
     def _reload_curve(self, now: Clock) -> None:
         """Read the key directories again; consumers whose key was removed
@@ -219,17 +235,11 @@ class BrokerService:
         for identity in self.curve.revoked_identities("consumer", list(self.core.dispatcher.consumers)):
             self._drive(self.core.drop_consumer(identity, now))
 
-    def _drive(self, steps: Steps) -> None:
-        """Perform what one core input asks for, in order, answering each;
-        then poll the producer socket or not, as the core reads producers."""
-        perform = self._performers
-        answer = None
-        try:
-            while True:
-                request = steps.send(answer)
-                answer = perform[type(request)](request)  # type: ignore[operator]  # each performer takes its request
-        except StopIteration:
-            pass
+    def _drive(self, steps: Steps[None]) -> None:
+        """Run one core input with the store's and the sockets' performers
+        (`drive`); then poll the producer socket or not, as the core reads
+        producers."""
+        drive(steps, self._performers)
         if self.core.reading_producers != self._reading:
             self._reading = not self._reading
             if self._reading:
@@ -385,25 +395,18 @@ class BrokerService:
         except Exception as exc:  # a failure no rule foresaw costs this message alone
             return identity, None, self._failed(endpoint, identity, exc, body, now)
 
-    def _serve_waiting_consumers(self, request: ServeConsumers) -> None:
-        events = self.sockets["consumer"].get(zmq.EVENTS)  # an int (pyzmq types every option as `int | bytes`)
-        if isinstance(events, int) and events & zmq.POLLIN:
-            self._serve_consumers(request.now)
-
     # -- performing what the core asks --------------------------------------------
-    def _send(self, request: Send) -> bool:
-        """Send without blocking; False when the peer is gone or not reading.
-        Frames up to `ZERO_COPY_SEND_ABOVE` are copied: a zero-copy send
+    def _send(self, request: Send) -> Sent:
+        """Send without blocking; what became of the frames (the core
+        forgets a producer connection found gone). Frames up to `ZERO_COPY_SEND_ABOVE` are copied: a zero-copy send
         hands each frame to pyzmq's garbage-collector thread, which must take
         the interpreter lock to let it go, and that costs more than copying
         a trajectory's frames. Larger ones (long top-p supports) go without
         the copy, which then costs more than the hand-over."""
-        name, identity, frames = request
+        name, identity = request.socket, request.identity
         try:
-            send_frames(self.sockets[name], frames, identity=identity, zero_copy_above=ZERO_COPY_SEND_ABOVE)
-            return True
+            send_frames(self.sockets[name], request.frames, identity=identity, zero_copy_above=ZERO_COPY_SEND_ABOVE)
+            return Sent.TAKEN
         except zmq.ZMQError as exc:  # EHOSTUNREACH (peer gone) or EAGAIN (peer's queue full)
             log.warning("reply not delivered", extra={"endpoint": name, "peer": identity.hex(), "error": exc.strerror})
-            if name == "producer" and exc.errno == zmq.EHOSTUNREACH:
-                self.core.producer_gone(identity)
-            return False
+            return Sent.GONE if exc.errno == zmq.EHOSTUNREACH else Sent.FULL

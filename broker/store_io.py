@@ -9,7 +9,7 @@ import time
 
 from rollstream.common.trajectory import Trajectory
 
-from .core import Checkpoint, Commit, MeasureDisk, Probe, PruneDedup, ReadBack, ReadDigests, Reload
+from .core import Checkpoint, Commit, MeasureDisk, Performers, Probe, PruneDedup, ReadBack, ReadDigests, Reload
 from .metrics import BrokerMetrics
 from .recovery import Rebuilt, load_trajectory, rebuild
 from .store import Store, StoreError
@@ -30,9 +30,12 @@ class StoreIO:
 
     def __init__(self, store: Store, data_dir: str | os.PathLike, metrics: BrokerMetrics):
         self.store, self.data_dir, self.metrics = store, data_dir, metrics
-        self.performers = {Commit: self.commit, ReadDigests: self.read_digests, ReadBack: self.read_back,
-                           Reload: self.reload, Probe: self.probe, PruneDedup: self.prune_dedup,
-                           MeasureDisk: self.measure_disk, Checkpoint: self.checkpoint}
+        self.performers: Performers = dict([
+            Commit.answered_by(self.commit), ReadDigests.answered_by(self.read_digests),
+            ReadBack.answered_by(self.read_back), Reload.answered_by(self.reload), Probe.answered_by(self.probe),
+            PruneDedup.answered_by(self.prune_dedup), MeasureDisk.answered_by(self.measure_disk),
+            Checkpoint.answered_by(self.checkpoint),
+        ])
 
     def commit(self, request: Commit) -> StoreError | None:
         store = self.store

@@ -2,6 +2,7 @@
 trips, so the engine sees exactly what the service would hand it."""
 import numpy as np
 
+from rollstream.broker import core
 from rollstream.common.codec import decode, encode
 from rollstream.common.messages import PRODUCER_TO_BROKER
 from rollstream.common.trajectory import Turn
@@ -48,23 +49,32 @@ def handle_with_store(engine, store, message, wall):
 
 
 def drive(steps, **answers):
-    """Run one `BrokerCore` input to its end and return what it asked for,
-    in order. Each request is answered as a healthy store and sockets would
-    (commits and sends succeed, the store probes well, nothing measured),
-    or by `answers[type name](request)` where given; a read is never
-    answered by default."""
-    from rollstream.broker import core
-
-    healthy = {"Commit": lambda request: None, "Send": lambda request: True, "ServeConsumers": lambda request: None,
+    """Run one `BrokerCore` input to its end (`core.drive`) and return what
+    it asked for, in order. Each request is answered as a healthy store and
+    sockets would (commits and sends succeed, the store probes well, nothing
+    measured), or by `answers[type name](request)` where given; a read is
+    never answered by default."""
+    healthy = {"Commit": lambda request: None, "Send": lambda request: core.Sent.TAKEN,
                "Probe": lambda request: True, "PruneDedup": lambda request: None, "Checkpoint": lambda request: None,
                "MeasureDisk": lambda request: (0, 1 << 40)}
     healthy.update(answers)
-    asked, answer = [], None
-    try:
-        while True:
-            request = steps.send(answer)
+    asked = []
+
+    def recorded(answer):
+        def perform(request):
             asked.append(request)
-            assert isinstance(request, core.Request.__args__), request
-            answer = healthy[type(request).__name__](request)
-    except StopIteration:
-        return asked
+            return answer(request)
+        return perform
+
+    core.drive(steps, {getattr(core, name): recorded(answer) for name, answer in healthy.items()})
+    return asked
+
+
+def housekeep(broker, now, between=(), **answers):
+    """One housekeeping pass at `now`, as the service runs it: its first
+    half, the consumer messages `between` (what waited behind it), its
+    second half. What it asked for, in order (`drive`)."""
+    asked = drive(broker.housekeeping(now), **answers)
+    if between:
+        asked += drive(broker.consumer_batch(list(between), now), **answers)
+    return asked + drive(broker.finish_housekeeping(now), **answers)

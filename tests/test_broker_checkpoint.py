@@ -5,7 +5,7 @@ on a real store (restarts reopen it), with raw consumer messages."""
 import pytest
 from broker_helpers import end_msg, turn_msg
 
-from rollstream.broker.core import BrokerCore, Send, ServeConsumers
+from rollstream.broker.core import BrokerCore, Send, Sent, drive
 from rollstream.broker.engine import ENDED, TRAINED, TrainedAt
 from rollstream.broker.metrics import BrokerMetrics
 from rollstream.broker.recovery import rebuild
@@ -39,22 +39,23 @@ class Node:
         self.core.restore(rebuild(self.store.open(), self.store), 0, 1 << 40)
 
     def run(self, steps, socket: str = "consumer") -> list:
-        """Perform one core input; the messages it sent to `socket`, decoded."""
+        """Perform one core input (`drive`), the store's requests on the
+        store; the messages it sent to `socket`, decoded."""
         schema = BROKER_TO_CONSUMER if socket == "consumer" else BROKER_TO_PRODUCER
-        sent, answer = [], None
-        try:
-            while True:
-                request = steps.send(answer)
-                if isinstance(request, Send):
-                    answer = True
-                    if request.socket == socket:
-                        sent.append(decode(request.frames, schema))
-                elif isinstance(request, ServeConsumers):
-                    answer = None
-                else:
-                    answer = self.io.performers[type(request)](request)
-        except StopIteration:
-            return sent
+        sent = []
+
+        def send(request):
+            if request.socket == socket:
+                sent.append(decode(request.frames, schema))
+            return Sent.TAKEN
+
+        drive(steps, {**self.io.performers, Send: send})
+        return sent
+
+    def housekeep(self) -> None:
+        """A housekeeping pass now, both halves, no consumer message waiting between them."""
+        self.run(self.core.housekeeping(self.clock))
+        self.run(self.core.finish_housekeeping(self.clock))
 
     @property
     def clock(self):
@@ -190,7 +191,7 @@ def test_a_replay_lease_that_runs_out_is_not_queued_again(tmp_path):
     for _ in range(3):  # past the lease timeout, heartbeating
         node.now += 1.0
         node.say("heartbeat")
-        node.run(node.core.housekeeping(node.clock))
+        node.housekeep()
     assert not node.core.dispatcher.leases
     assert node.state("a")[0] == TRAINED and [tid for tid, _ in node.take(5)] == ["b"]
     node.train(1, [("a", replayed["lease"])])  # its commit settles it by id all the same
@@ -232,13 +233,13 @@ def test_unsealed_data_has_its_own_budget_shown_in_status_and_past_it_the_oldest
     assert size > 0 and node.core.engine.trained_bytes == 6 * size
     status = node.core.status(node.clock)
     assert (status["unsealed"], status["unsealed_bytes"], status["oldest_unsealed_step"]) == (6, 6 * size, 1)
-    node.run(node.core.housekeeping(node.clock))
+    node.housekeep()
     assert node.core.admission.used == node.core.disk_bytes - 6 * size  # trained data does not count against producers
     node.restart()  # the figures come back from the store (its records: the frames and a table of their lengths)
     assert 6 * size <= node.core.engine.trained_bytes <= 6 * (size + 64)
     size = node.core.engine.trained_bytes / 6
     node.core.settings.max_unsealed_bytes = int(3 * size)  # down to nine tenths of it: the two oldest steps go
-    node.run(node.core.housekeeping(node.clock))
+    node.housekeep()
     status = node.core.status(node.clock)
     assert (status["unsealed"], status["oldest_unsealed_step"]) == (2, 3)
     assert status["counters"]["trajectories.unsealed_reclaimed"] == 4

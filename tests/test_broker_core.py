@@ -2,9 +2,9 @@
 sockets, store or clock: what it asks for, in which order, and what goes out.
 The whole state machine runs in tests/test_broker_state_machine.py; these
 are the rules that live between the cores."""
-from broker_helpers import drive, end_msg, turn_msg
+from broker_helpers import drive, end_msg, housekeep, turn_msg
 
-from rollstream.broker.core import BrokerCore, Commit, Probe, ReadDigests, Reload, Send, producer_live_for
+from rollstream.broker.core import BrokerCore, Commit, Probe, ReadDigests, Reload, Send, Sent, producer_live_for
 from rollstream.broker.metrics import BrokerMetrics
 from rollstream.broker.recovery import Rebuilt
 from rollstream.broker.settings import BrokerSettings
@@ -48,9 +48,9 @@ def test_window_shares_status_and_forgetting_follow_one_liveness_rule():
     assert broker.producer_live_for == producer_live_for(20.0) == 60.0
     produce(broker, P, [hello("p", batch_acks=True)], t=0.0)
     produce(broker, Q, [hello("q")], t=40.0)
-    drive(broker.housekeeping(at(50.0)))  # p, silent for 50 s, is still live
+    housekeep(broker, at(50.0))  # p, silent for 50 s, is still live
     assert broker.status(at(50.0))["producers"] == 2 and broker.grants.fair == 32
-    drive(broker.housekeeping(at(61.0)))  # p is not: counted nowhere, and forgotten
+    housekeep(broker, at(61.0))  # p is not: counted nowhere, and forgotten
     assert broker.status(at(61.0))["producers"] == 1 and broker.grants.fair == 64
     assert P not in broker.producers and P not in broker.hellos.batch_acks
     _, [pong] = produce(broker, P, [decode(encode(PRODUCER_TO_BROKER, "ping", {"seq": 7}), PRODUCER_TO_BROKER)], t=62.0)
@@ -79,7 +79,7 @@ def test_a_resend_whose_digest_cannot_be_read_is_refused_and_the_store_is_unavai
                          ReadDigests=lambda request: {key: StoreUnavailable("I/O error") for key in request.keys})
     assert [(r.type, r["code"], r["seq"]) for r in replies] == [("nack", "unavailable", 2), ("nack", "unavailable", 3)]
     assert broker.unavailable and "u" not in broker.engine.entries
-    asked = drive(broker.housekeeping(at(2.0)))
+    asked = housekeep(broker, at(2.0))
     assert any(isinstance(r, Probe) for r in asked) and not broker.unavailable  # the probe succeeded
 
 
@@ -92,12 +92,56 @@ def test_a_failed_commit_refuses_the_whole_batch_and_rolls_memory_back_to_the_st
     assert not broker.engine.entries and not broker.dispatcher.queues and broker.unavailable
     _, [refused] = produce(broker, P, [turn_msg("t", 0, seq=3)], t=0.5)  # no probe yet: refused before merging
     assert refused["code"] == "unavailable" and not broker.engine.entries
-    drive(broker.housekeeping(at(1.0)), Probe=lambda request: False)
+    housekeep(broker, at(1.0), Probe=lambda request: False)
     assert broker.unavailable
-    asked = drive(broker.housekeeping(at(1.5)), Probe=lambda request: True)
+    asked = housekeep(broker, at(1.5), Probe=lambda request: True)
     assert not any(isinstance(r, Probe) for r in asked) and broker.unavailable  # probed at most once a second
-    drive(broker.housekeeping(at(2.0)), Probe=lambda request: True)
+    housekeep(broker, at(2.0), Probe=lambda request: True)
     assert not broker.unavailable
+
+
+def test_a_reply_that_finds_its_producers_connection_gone_forgets_the_connection():
+    """A send is answered with what became of it. Gone: the core forgets
+    the connection (its grant, its hello's choices) as it does one silent
+    past its liveness. Dropped because the producer is not reading: the
+    connection stays."""
+    broker = core(window=64, max_in_flight=64)
+    produce(broker, P, [hello("p", batch_acks=True)], t=0.0)
+    produce(broker, Q, [hello("q")], t=0.0)
+    assert broker.grants.fair == 32
+    produce(broker, Q, [turn_msg("q", 0, seq=1)], t=1.0, Send=lambda request: Sent.FULL)
+    assert Q in broker.producers
+    produce(broker, P, [turn_msg("p", 0, seq=1)], t=1.0, Send=lambda request: Sent.GONE)
+    assert P not in broker.producers and P not in broker.hellos.batch_acks and Q in broker.producers
+    housekeep(broker, at(2.0))
+    assert broker.grants.fair == 64 and broker.status(at(2.0))["producers"] == 1
+
+
+def test_a_heartbeat_held_behind_a_long_housekeeping_pass_keeps_the_consumers_leases():
+    """A consumer last heard at 0 holds a lease; the next pass starts late,
+    at 10 s (over three heartbeat intervals on), and the consumer's
+    heartbeat arrives while its first half commits. Handed to the core
+    between the halves, as the service does, it is heard before the second
+    half judges silence: the consumer and its lease stay. Heard only after
+    the pass, it comes too late."""
+    def leased():
+        broker = core(heartbeat_interval=1.0, lease_timeout=60.0)
+        produce(broker, P, [turn_msg("t", 0, seq=1), end_msg("t", seq=2)], t=0.0)
+        received = [(C, decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER), None)
+                    for kind, fields in (("hello", {"consumer_id": "c"}), ("credit", {"n": 1, "unit": "trajectory"}))]
+        drive(broker.consumer_batch(received, at(0.0)))
+        [delivery] = [decode(r.frames, BROKER_TO_CONSUMER) for r in drive(broker.deliver(at(0.0))) if isinstance(r, Send)]
+        return broker, delivery["lease"]
+
+    heartbeat = [(C, decode(encode(CONSUMER_TO_BROKER, "heartbeat", {}), CONSUMER_TO_BROKER), None)]
+    broker, lease = leased()
+    housekeep(broker, at(10.0), between=heartbeat)
+    assert C in broker.dispatcher.consumers and lease in broker.dispatcher.leases
+    late, lease = leased()
+    housekeep(late, at(10.0))
+    drive(late.consumer_batch(heartbeat, at(10.0)))
+    assert C not in late.dispatcher.consumers and lease not in late.dispatcher.leases
+    assert late.dispatcher.queued_in("default") == 1  # requeued
 
 
 def test_batched_acks_carry_ranges_and_only_the_outcomes_that_are_not_plainly_applied():
@@ -144,7 +188,7 @@ def test_a_quiet_broker_keeps_house_every_few_seconds_and_a_producers_frames_bri
     assert not broker.quiet and broker.housekeeping_every(0.0) == 0.2 and broker.housekeeping_every(0.9) == 0.2
     assert broker.housekeeping_every(1.0) == 5.0  # quiet since, and forgotten only at 30 s
     assert broker.housekeeping_every(broker.producer_live_for - 2.0) == 2.0
-    drive(broker.housekeeping(at(broker.producer_live_for + 1.0)))  # silent past its liveness: forgotten
+    housekeep(broker, at(broker.producer_live_for + 1.0))  # silent past its liveness: forgotten
     assert broker.quiet and broker.housekeeping_every(broker.producer_live_for + 1.0) == 5.0
 
 
@@ -154,7 +198,7 @@ def test_with_only_consumers_connected_housekeeping_waits_for_the_next_lease_exp
     is first, never sooner than the busy pace nor later than the quiet one."""
     broker = core(heartbeat_interval=2.0, lease_timeout=4.5)
     produce(broker, P, [turn_msg("t", 0, seq=1), end_msg("t", seq=2)], t=0.0)
-    drive(broker.housekeeping(at(broker.producer_live_for + 1.0)))  # the producer is forgotten
+    housekeep(broker, at(broker.producer_live_for + 1.0))  # the producer is forgotten
     assert broker.quiet
     start = broker.producer_live_for + 2.0
 

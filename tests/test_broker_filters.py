@@ -99,7 +99,7 @@ def test_dead_letters_are_kept_within_their_budget_oldest_deleted_first_their_id
     assert held > 1
     node.settings["max_dead_letter_bytes"] = held - 1  # one of the two fits
     node.restart()
-    node.run(node.core.housekeeping(node.clock))
+    node.housekeep()
     assert "a" not in node.core.engine.entries and node.core.engine.entries["b"].state == DEAD  # the oldest went
     assert "a" in node.core.engine.dedup  # a resend of it is answered as a duplicate, never merged again
     assert node.core.metrics.totals["dead_letters_pruned.bad"] == 1

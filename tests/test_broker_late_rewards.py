@@ -70,7 +70,7 @@ def test_a_reward_that_never_comes_expires_after_the_ttl_and_its_group_goes_on(t
     send(node, turn_msg("a", 0, seq=1, group=("g", 2)), end_msg("a", reward=0.5, seq=2),
          turn_msg("b", 0, seq=3, group=("g", 2)), end_msg("b", reward=None, seq=4))
     node.now += 31.0
-    node.run(node.core.housekeeping(node.clock))
+    node.housekeep()
     status = node.core.status(node.clock)
     assert (status["scoring"], status["dead"], status["counters"]["trajectories.reward_expired"]) == (0, 1, 1)
     assert node.core.engine.entries["b"].dead_reason == "reward_expired"

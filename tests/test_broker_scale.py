@@ -259,7 +259,7 @@ def test_small_received_frames_are_copied_out_and_large_ones_kept_zero_copy_by_e
 @contextlib.contextmanager
 def driven_service(tmp_path, **settings):
     """A broker service on inproc endpoints that the test drives itself
-    (`run_once`, and the core's `housekeeping` through `_drive`), with the time it chooses."""
+    (`run_once`, and housekeeping passes through `_housekeep`), with the time it chooses."""
     context = zmq.Context()
     service = BrokerService(BrokerSettings(producer_endpoint="inproc://p", consumer_endpoint="inproc://c",
                                            admin_endpoint="inproc://a", data_dir=str(tmp_path / "data"),
@@ -273,30 +273,36 @@ def driven_service(tmp_path, **settings):
 
 
 def test_a_long_pass_does_not_drop_a_consumer_whose_heartbeats_wait_unread(tmp_path):
-    """A consumer heard from at 0 whose heartbeat arrives while the broker is
-    busy: when housekeeping next runs, long after 3 heartbeat intervals, it
-    reads the waiting heartbeat before judging the consumer silent."""
-    with driven_service(tmp_path, heartbeat_interval=1.0) as (service, context):
+    """A consumer holding a lease, whose heartbeat arrives while the broker
+    is busy: when housekeeping next runs, long after 3 heartbeat intervals,
+    it reads the waiting heartbeat between its halves, before judging the
+    consumer silent; the consumer and its lease stay. (Heartbeat intervals
+    of 30 s leave setting up a minute and a half on a busy machine.)"""
+    with driven_service(tmp_path, heartbeat_interval=30.0, lease_timeout=3600.0) as (service, context):
         settings = service.settings
-        consumer = context.socket(zmq.DEALER)
+        consumer, producer = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
         consumer.connect("inproc://c")
+        producer.connect("inproc://p")
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "trainer"}))
-        deadline = time.monotonic() + 10
-        while not service.core.dispatcher.consumers and time.monotonic() < deadline:
+        consumer.send_multipart(encode(CONSUMER_TO_BROKER, "credit", {"n": 1, "unit": "trajectory"}))
+        for message in (turn_msg("a", 0, seq=0), end_msg("a", seq=1)):
+            producer.send_multipart(message.frames)
+        deadline = time.monotonic() + 60
+        while not service.core.dispatcher.leases and time.monotonic() < deadline:
             service.run_once(timeout_ms=50)
-        assert consumer.poll(5000) and decode(consumer.recv_multipart(), BROKER_TO_CONSUMER).type == "welcome"
+        [lease] = service.core.dispatcher.leases
         now = Clock.read()
         # the wall clock jumps (NTP): nobody is dropped
-        service._drive(service.core.housekeeping(now._replace(wall=now.wall + 3600)))
+        service._housekeep(now._replace(wall=now.wall + 3600))
         assert len(service.core.dispatcher.consumers) == 1
         consumer.send_multipart(encode(CONSUMER_TO_BROKER, "heartbeat", {}))
         assert service.sockets["consumer"].poll(10_000), "the heartbeat never reached the broker's socket"  # not read
         later = Clock(now.mono + 10 * settings.heartbeat_interval, now.wall)  # only the monotonic clock runs liveness
-        service._drive(service.core.housekeeping(later))
-        assert len(service.core.dispatcher.consumers) == 1
+        service._housekeep(later)
+        assert len(service.core.dispatcher.consumers) == 1 and lease in service.core.dispatcher.leases
         silent = later._replace(mono=later.mono + 10 * settings.heartbeat_interval)
-        service._drive(service.core.housekeeping(silent))  # silent: dropped
-        assert not service.core.dispatcher.consumers
+        service._housekeep(silent)  # silent: dropped, its lease requeued
+        assert not service.core.dispatcher.consumers and not service.core.dispatcher.leases
 
 
 def test_a_leased_trajectory_is_evicted_last_and_read_back_when_delivered_again(tmp_path):

@@ -56,7 +56,7 @@ def test_the_broker_warns_names_the_cause_in_status_and_clears_it(tmp_path, capl
     node.hello(run=None)
     node.say("credit", n=4, unit="trajectory")
     with caplog.at_level(logging.WARNING, logger="rollstream.broker"):
-        node.run(node.core.housekeeping(node.clock))
+        node.housekeep()
     [line] = [r for r in caplog.records if "starving" in r.getMessage()]
     assert "job 'default' is starving: its group filters dropped nearly every complete group" in line.getMessage()
     assert (line.cause, line.filtered, line.kept) == ("filtered", 10, 0)
@@ -65,6 +65,6 @@ def test_the_broker_warns_names_the_cause_in_status_and_clears_it(tmp_path, capl
     assert node.core.metrics.starving.labels(job="default", cause="filtered")._value.get() == 1
     node.now += 31.0  # the window moves on; the consumer still waits with nothing ready
     node.say("heartbeat")
-    node.run(node.core.housekeeping(node.clock))
+    node.housekeep()
     assert node.core.status(node.clock)["starving"] == {"default": ["idle"]}
     assert node.core.metrics.starving.labels(job="default", cause="filtered")._value.get() == 0

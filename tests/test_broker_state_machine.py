@@ -26,7 +26,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from rollstream.broker.core import PROBE_EVERY, BrokerCore, Commit, ReadBack, Send, ServeConsumers
+from rollstream.broker.core import PROBE_EVERY, BrokerCore, Commit, ReadBack, Send, Sent, drive
 from rollstream.broker.engine import DEAD, ENDED, TRAINED
 from rollstream.broker.metrics import BrokerMetrics
 from rollstream.broker.recovery import rebuild
@@ -89,49 +89,54 @@ class Broker(RuleBasedStateMachine):
 
     # -- running the core: what it yields, performed ---------------------------
     def _run(self, steps, *, fail_commit=False, fail_read=False):
-        """Perform every request of one core input: the store side by the
-        broker's own `StoreIO` (but the first commit fails with
+        """Perform every request of one core input (`drive`): the store side
+        by the broker's own `StoreIO` (but the first commit fails with
         `fail_commit`, the first read back with `fail_read`), sends to the
         producer read back as replies, sends to the consumer handed to its
         sessions. Returns the producer's replies."""
-        replies, answer, units = [], None, set()
-        try:
-            while True:
-                request = steps.send(answer)
-                if isinstance(request, Commit) and fail_commit:
-                    fail_commit = False
-                    answer = StoreUnavailable("the disk went away (injected)")
-                elif isinstance(request, ReadBack) and fail_read:
-                    fail_read = False
-                    answer = StoreUnavailable("a read failed (injected)")
-                elif isinstance(request, Send):
-                    answer = True
-                    if request.socket == "producer":
-                        replies.append(decode(request.frames, BROKER_TO_PRODUCER))
-                    else:
-                        header = decode_header(request.frames[0])
-                        lease = header.get("lease")
-                        if lease is not None:  # a delivery: one charge per unit it belongs to
-                            out = self.core.dispatcher.leases[lease]
-                            units.add(id(out.unit))
-                            self.sent_leases.add(lease)
-                            below = self.core.freshness.stale_below(DEFAULT_JOB)
-                            assert out.replay or below is None or out.unit.version is None or \
-                                out.unit.version >= below, f"{header['trajectory_id']} sent behind the bound"
-                            in_force = self.core.freshness.lineage(DEFAULT_JOB).branches
-                            assert out.replay or not any(
-                                step > min((at for e, at in in_force if e > epoch), default=step)
-                                for tid in out.unit.trajectory_ids for epoch, step in self.sampled[tid]
-                            ), f"{header['trajectory_id']} sent though abandoned weights sampled it"
-                        self.sessions.received(0, decode(request.frames, BROKER_TO_CONSUMER), self.now)
-                elif isinstance(request, ServeConsumers):
-                    answer = None
-                else:
-                    answer = self.store_io.performers[type(request)](request)
-        except StopIteration:
-            pass
+        replies, units = [], set()
+
+        def send(request):
+            if request.socket == "producer":
+                replies.append(decode(request.frames, BROKER_TO_PRODUCER))
+                return Sent.TAKEN
+            header = decode_header(request.frames[0])
+            lease = header.get("lease")
+            if lease is not None:  # a delivery: one charge per unit it belongs to
+                out = self.core.dispatcher.leases[lease]
+                units.add(id(out.unit))
+                self.sent_leases.add(lease)
+                below = self.core.freshness.stale_below(DEFAULT_JOB)
+                assert out.replay or below is None or out.unit.version is None or \
+                    out.unit.version >= below, f"{header['trajectory_id']} sent behind the bound"
+                in_force = self.core.freshness.lineage(DEFAULT_JOB).branches
+                assert out.replay or not any(
+                    step > min((at for e, at in in_force if e > epoch), default=step)
+                    for tid in out.unit.trajectory_ids for epoch, step in self.sampled[tid]
+                ), f"{header['trajectory_id']} sent though abandoned weights sampled it"
+            self.sessions.received(0, decode(request.frames, BROKER_TO_CONSUMER), self.now)
+            return Sent.TAKEN
+
+        performers = {**self.store_io.performers, Send: send}
+        if fail_commit:
+            performers[Commit] = self._fails_once(Commit, StoreUnavailable("the disk went away (injected)"))
+        if fail_read:
+            performers[ReadBack] = self._fails_once(ReadBack, StoreUnavailable("a read failed (injected)"))
+        drive(steps, performers)
         self.charged += len(units)
         return replies
+
+    def _fails_once(self, kind, error):
+        """A performer of `kind` that answers `error` the first time, then as the store does."""
+        perform, failed = self.store_io.performers[kind], []
+
+        def once(request):
+            if failed:
+                return perform(request)
+            failed.append(request)
+            return error
+
+        return once
 
     @property
     def clock(self):
@@ -142,9 +147,9 @@ class Broker(RuleBasedStateMachine):
         acks = [reply for reply in replies if reply.type in ("ack", "acks")]
         return acks[0] if acks and acks[0].type == "ack" else None
 
-    def _consumer_speaks(self, store_fails=False, read_back_fails=False):
+    def _consumer_sends(self, store_fails=False) -> bool:
         """The consumer sends what its sessions say is due (hello, heartbeat,
-        credit, settlements), and the broker delivers what it may."""
+        credit, settlements); whether there was anything."""
         received = []
         for _, kind, fields in self.sessions.due(self.now, closing=False):
             if kind == "hello":
@@ -153,6 +158,11 @@ class Broker(RuleBasedStateMachine):
                 self.granted += fields["n"]
             received.append((CONSUMER, decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER), None))
         self._run(self.core.consumer_batch(received, self.clock), fail_commit=store_fails)
+        return bool(received)
+
+    def _consumer_speaks(self, store_fails=False, read_back_fails=False):
+        """The consumer sends what is due, and the broker delivers what it may."""
+        self._consumer_sends(store_fails)
         self._run(self.core.deliver(self.clock), fail_read=read_back_fails)
 
     # -- producers ------------------------------------------------------------
@@ -260,12 +270,20 @@ class Broker(RuleBasedStateMachine):
         self._consumer_speaks(store_fails=store_fails)
 
     # -- time and failures --------------------------------------------------------
-    @rule(seconds=st.sampled_from([PROBE_EVERY, 3 * HEARTBEAT + 0.5, LEASE_TIMEOUT + 1, 60.0]))
-    def time_passes(self, seconds):
-        """Time passes without a word from the consumer: leases expire, the
-        consumer goes silent, open trajectories expire, the store is probed."""
+    @rule(seconds=st.sampled_from([PROBE_EVERY, 3 * HEARTBEAT + 0.5, LEASE_TIMEOUT + 1, 60.0]), waited=st.booleans())
+    def time_passes(self, seconds, waited=False):
+        """Time passes and a housekeeping pass runs: leases expire, the
+        consumer goes silent, open trajectories expire, the store is probed.
+        With `waited`, what the consumer had due (a heartbeat) waited behind
+        the pass's first half and is handed to the core between the halves,
+        as the service does: a connected consumer that spoke then stays."""
         self.now += seconds
+        connected = CONSUMER in self.core.dispatcher.consumers
         self._run(self.core.housekeeping(self.clock))
+        spoke = waited and self._consumer_sends()
+        self._run(self.core.finish_housekeeping(self.clock))
+        assert not (connected and spoke) or CONSUMER in self.core.dispatcher.consumers, \
+            "dropped as silent though its message waited behind the pass"
 
     # -- invariants -----------------------------------------------------------
     @invariant()

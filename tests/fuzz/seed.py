@@ -23,7 +23,6 @@ sys.path.insert(0, str(HERE))
 import targets  # noqa: E402  (a sibling module, found through the line above)
 from targets import framed_input, join_frames, raw_input, turn_frames  # noqa: E402
 
-from rollstream.broker.core import Send  # noqa: E402
 from rollstream.common.codec import decode, encode, encode_batch  # noqa: E402
 from rollstream.common.mask import SamplingMask  # noqa: E402
 from rollstream.common.messages import (  # noqa: E402
@@ -165,8 +164,7 @@ def admin() -> dict[str, bytes]:
     core = targets.admin_core()
     for name, frames in requests.items():  # the broker's answers, as the admin client receives them
         for reply in targets.drive(core.admin_request(b"admin", [], decode(frames, ADMIN_REQUESTS), None, targets.at(2.0))):
-            if isinstance(reply, Send):
-                seeds[f"reply-{name}"] = join_frames(reply.frames)
+            seeds[f"reply-{name}"] = join_frames(reply.frames)
     seeds["reply-nack"] = join_frames(encode(ADMIN_REPLIES, "nack", {"code": "schema", "message": "unknown type"}))
     seeds["endpoints-file"] = json.dumps({"producer": "tcp://127.0.0.1:5555", "consumer": "tcp://127.0.0.1:5556",
                                           "admin": "tcp://127.0.0.1:5557"}).encode()

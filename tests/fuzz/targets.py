@@ -31,8 +31,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from rollstream.broker import core as broker_core
 from rollstream.broker.cli import broker as broker_command
-from rollstream.broker.core import BrokerCore, Send
+from rollstream.broker.core import BrokerCore, Checkpoint, Commit, MeasureDisk, Probe, PruneDedup, Send, Sent
 from rollstream.broker.engine import OPEN, EngineSettings, MergeEngine
 from rollstream.broker.metrics import BrokerMetrics
 from rollstream.broker.recovery import Rebuilt, load_trajectory, rebuild
@@ -310,27 +311,24 @@ def at(t: float) -> Clock:
     return Clock(t, 1000.0 + t)
 
 
-# What a healthy store and healthy sockets answer the core's requests.
-_HEALTHY: dict[str, Callable] = {"Commit": lambda request: None, "Send": lambda request: True,
-                                 "ServeConsumers": lambda request: None, "Probe": lambda request: True,
-                                 "PruneDedup": lambda request: None, "Checkpoint": lambda request: None,
-                                 "MeasureDisk": lambda request: (0, 1 << 40)}
+# What a healthy store answers the core's requests; it never reads (no performer).
+_HEALTHY_STORE: dict[type, Callable] = {Commit: lambda request: None, Probe: lambda request: True,
+                                        PruneDedup: lambda request: None, Checkpoint: lambda request: None,
+                                        MeasureDisk: lambda request: (0, 1 << 40)}
 
 
-def drive(steps) -> list:
-    """Run one input of the broker's core to its end, answering its requests
-    as a healthy store and sockets would; what it asked for, in order."""
-    asked, answer = [], None
-    try:
-        while True:
-            request = steps.send(answer)
-            asked.append(request)
-            respond = _HEALTHY.get(type(request).__name__)
-            if respond is None:
-                raise AssertionError(f"the core asked for {type(request).__name__} while answering an admin request")
-            answer = respond(request)
-    except StopIteration:
-        return asked
+def drive(steps) -> list[Send]:
+    """Run one input of the broker's core to its end (`broker_core.drive`),
+    answering its requests as a healthy store and sockets would; what it
+    sent, in order."""
+    sent: list[Send] = []
+
+    def send(request: Send) -> Sent:
+        sent.append(request)
+        return Sent.TAKEN
+
+    broker_core.drive(steps, {**_HEALTHY_STORE, Send: send})
+    return sent
 
 
 def turn_frames(tid: str, index: int, seq: int, *, tokens=(10, 11), supports=((10, 3), (11,)), forced=None,
@@ -355,8 +353,8 @@ def admin_core() -> BrokerCore:
 
     def consume(mtype: str, fields: dict, t: float) -> list:
         received = [(b"consumer", decode(encode(CONSUMER_TO_BROKER, mtype, fields), CONSUMER_TO_BROKER), None)]
-        asked = drive(core.consumer_batch(received, at(t))) + drive(core.deliver(at(t)))
-        return [decode(r.frames, BROKER_TO_CONSUMER) for r in asked if isinstance(r, Send)]
+        sent = drive(core.consumer_batch(received, at(t))) + drive(core.deliver(at(t)))
+        return [decode(r.frames, BROKER_TO_CONSUMER) for r in sent]
 
     consume("hello", {"consumer_id": "c"}, 1.0)
     deliveries = consume("credit", {"n": 1, "unit": "trajectory"}, 1.0)
@@ -380,8 +378,7 @@ def admin(data: bytes) -> None:
         message, error = None, refusal.as_remote()
     if not _ADMIN_CORE or (message is not None and message.type == "requeue"):  # a requeue changes the core: a fresh one
         _ADMIN_CORE[:] = [admin_core()]
-    asked = drive(_ADMIN_CORE[0].admin_request(b"admin", [], message, error, at(2.0)))
-    for reply in (request for request in asked if isinstance(request, Send)):
+    for reply in drive(_ADMIN_CORE[0].admin_request(b"admin", [], message, error, at(2.0))):
         try:
             decode(reply.frames, ADMIN_REPLIES)
         except ProtocolError as refusal:
