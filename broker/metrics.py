@@ -17,6 +17,13 @@ ON_PURPOSE = ("stale", "abandoned")
 
 
 class BrokerMetrics(Metrics):
+    """Caller: the broker's thread (the core, the service, its `StoreIO`
+    and `CurveGuard`): every update (`inc`, `Counter.add`,
+    `Histogram.observe`, `count_outcomes`, `count_effects`, `show`) and
+    `totals`, for `status`. Affects: the counters, histograms and gauges.
+    Caller: the /metrics server's thread, `collect` at each scrape (and
+    the gauges' own, which lock). Affects: nothing."""
+
     def __init__(self):
         super().__init__("rollstream_broker")
         self.frames = self.counter("frames", "Producer frames by message type and outcome", ("type", "outcome"))

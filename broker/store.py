@@ -362,7 +362,17 @@ class Segments(SegmentLog):
 
 
 class Store:
-    """Durable broker state under `data_dir`."""
+    """Durable broker state under `data_dir`.
+
+    Caller: the broker's thread (the service, `StoreIO`), every public
+    method. Affects: everything here. Caller: the writer thread
+    (`_writing`), what it is handed: `_append_turn` for each write ahead
+    and the unlink of a retired segment file. Affects: the current segment
+    file and `segments`' size (a rotation, its number). The broker's thread
+    touches `segments` only while no write ahead is pending (the first of a
+    batch reads its `mark`; `commit` waits for them all before it appends)
+    and meanwhile reads records only at committed offsets, through
+    descriptors of its own (`turn_digest`)."""
 
     def __init__(self, data_dir: str | os.PathLike, *, sync: str = "normal", segment_bytes: int = 64 << 20,
                  write_ahead_from: int = WRITE_AHEAD_FROM_BYTES):

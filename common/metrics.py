@@ -89,7 +89,14 @@ class Metrics:
                 for counter in self._counters for key, amount in counter.values.items()}
 
     def collect(self) -> Iterator:
-        """Prometheus's view, read at scrape time (the registry calls this)."""
+        """Prometheus's view, read at scrape time (the registry calls this).
+
+        Caller: the /metrics server's thread (`serve`), while the owner
+        updates the counters and histograms. Affects: nothing; each
+        counter's dict and each histogram's counts are copied in one call,
+        whole under the GIL, so a scrape sees an update or not, never half
+        of one (a histogram's sum may hold one observation its counts do not
+        yet)."""
         for counter in self._counters:
             family = CounterMetricFamily(f"{self.namespace}_{counter.name}", counter.doc, labels=counter.labels)
             for key, amount in list(counter.values.items()):
