@@ -136,7 +136,7 @@ def _vocabulary(columns: int, tp_rank, tp_group=None, vocab_size=None) -> tuple[
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
             raise InvalidType(f"vocab_size must be an int (the whole vocabulary), got {_described(vocab_size)}")
         holds = columns * (int(tp_rank) + 1)
-        if not holds <= vocab_size <= _ID_RANGE:
+        if not holds <= int(vocab_size) <= _ID_RANGE:
             raise InvalidInput(f"vocab_size must be in [{holds}, {_ID_RANGE}] (at least the ids up to this rank's "
                                f"slice, logits.shape[1] = {columns} at tp_rank {tp_rank}; at most int32's), "
                                f"got {vocab_size}")
