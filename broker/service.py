@@ -398,11 +398,12 @@ class BrokerService:
     # -- performing what the core asks --------------------------------------------
     def _send(self, request: Send) -> Sent:
         """Send without blocking; what became of the frames (the core
-        forgets a producer connection found gone). Frames up to `ZERO_COPY_SEND_ABOVE` are copied: a zero-copy send
-        hands each frame to pyzmq's garbage-collector thread, which must take
-        the interpreter lock to let it go, and that costs more than copying
-        a trajectory's frames. Larger ones (long top-p supports) go without
-        the copy, which then costs more than the hand-over."""
+        forgets a producer connection found gone). Frames up to
+        `ZERO_COPY_SEND_ABOVE` are copied: a zero-copy send hands each frame
+        to pyzmq's garbage-collector thread, which must take the interpreter
+        lock to let it go, and that costs more than copying a trajectory's
+        frames. Larger ones (long top-p supports) go without the copy, which
+        then costs more than the hand-over."""
         name, identity = request.socket, request.identity
         try:
             send_frames(self.sockets[name], request.frames, identity=identity, zero_copy_above=ZERO_COPY_SEND_ABOVE)
