@@ -147,8 +147,8 @@ class Consumer:
                                   max_staleness=max_staleness, keep=filter)
         self.job = self._core.job
         self.batch_size = self._core.batch_size  # given, or the unit cap of a `batch_tokens` batch
-        self.batch_tokens = batch_tokens
-        self.on_invalid = on_invalid
+        self.batch_tokens = self._core.batch_tokens
+        self.on_invalid = self._core.on_invalid
         self.device = as_device(device)
         self._upload = UploadStream(self.device)  # batches are built and checked beside the trainer's step
         self.vocab_size = vocab_size
@@ -159,7 +159,7 @@ class Consumer:
         # What the trainer was handed and committed, for the end-to-end checker (`rollstream.common.checker`):
         self.ledger = None if ledger is None else Ledger(ledger)
         if self.ledger is not None and self.resumed_from is not None:
-            self.position.record_resume(self.ledger)
+            self.ledger.write("resumed", **self.position.resume_record)
         self._lock = threading.Lock()  # every call into the core holds it
         self._changed = threading.Condition(self._lock)
         # A DEALER and a handshake monitor's pair per broker, and the wake-up pair: past zmq's default limit at a
@@ -211,11 +211,9 @@ class Consumer:
                     batch, violations, _ = checked_batch(form.deliveries, device=self.device, seq=form.seq,
                                                          vocab_size=self.vocab_size, reward_key=self.reward_key)
                 with self._lock:
-                    verdict = self._core.formed(violations)
-                    if not isinstance(verdict, HandOut):  # quarantined: their nacks go out
-                        self._wake()
-                if isinstance(verdict, HandOut):
-                    break
+                    if isinstance(self._core.formed(violations), HandOut):
+                        break
+                    self._wake()  # quarantined (`Refill`): their nacks go out
         except BaseException:  # nothing stays taken without a batch to commit
             with self._lock:
                 self._core.abandon()
@@ -235,12 +233,12 @@ class Consumer:
                 if self._error is not None:
                     raise ClientFailed(f"consumer {self.consumer_id!r}", self._error) from self._error
                 now = Clock.monotonic()
-                step = self._core.take(now, deadline=deadline, partial_at=partial_at)
-                if self._core.pending:  # dropped units' settlements
+                answer = self._core.take(now, deadline=deadline, partial_at=partial_at)
+                if self._core.pending:  # the settlements of units dropped expired or stale
                     self._wake()
-                if not isinstance(step, Wait):
-                    return step
-                self._changed.wait(1.0 if step.until is None else min(step.until - now, 1.0))
+                if not isinstance(answer, Wait):
+                    return answer
+                self._changed.wait(1.0 if answer.until is None else min(answer.until - now, 1.0))
 
     def set_policy_version(self, version: int) -> None:
         """The trainer's policy version now (its step, as the weights it
@@ -309,7 +307,7 @@ class Consumer:
     @property
     def checkpointed(self) -> bool:
         """Whether commits record batches as trained until sealed (else they delete)."""
-        return self._core.position is not None
+        return self._core.checkpointed
 
     @property
     def position(self) -> TrainingPosition:

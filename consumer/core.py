@@ -496,6 +496,11 @@ class ConsumerCore:
         return self.position
 
     @property
+    def checkpointed(self) -> bool:
+        """Whether commits record batches as trained until sealed (else they delete)."""
+        return self.position is not None
+
+    @property
     def resumed_from(self) -> int | None:
         """The step of the checkpoint this consumer resumed from, if any."""
         return None if self.position is None else self.position.resumed_from

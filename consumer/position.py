@@ -284,9 +284,14 @@ class TrainingPosition:
         """Seals sent and not yet answered."""
         return len(self._seals)
 
+    @property
+    def resume_record(self) -> dict[str, Any]:
+        """The fields of the end-to-end checker's record of this resume (`rollstream.common.checker`)."""
+        return {"run": self.run, "lineage": self.lineage, "parent": self.parent, "from_step": self.resumed_from}
+
     def record_resume(self, ledger) -> None:
-        """The end-to-end checker's record of this resume (`rollstream.common.checker`)."""
-        ledger.write("resumed", run=self.run, lineage=self.lineage, parent=self.parent, from_step=self.resumed_from)
+        """Write the checker's record of this resume to `ledger`."""
+        ledger.write("resumed", **self.resume_record)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain lists, numbers and strings: save it with the checkpoint.
