@@ -23,6 +23,10 @@ It owns no socket, thread, lock or clock and never touches torch: the shell
 passes `now` in, builds and checks each batch on its device (the core gets
 the verdict), and serialises the two threads' calls with one lock. Each
 input's docstring says who calls it (Caller) and what it changes (Affects).
+Another shell drives it the same way: tests/test_consumer_core.py scripts
+the brokers' messages, and an offline source of batches (from an archive,
+say) would hand its stored deliveries to `received` behind a welcome of its
+own and answer, or drop, what `due` returns.
 """
 from __future__ import annotations
 
