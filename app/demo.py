@@ -16,12 +16,12 @@ since are trained again, as they were).
 """
 from __future__ import annotations
 
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
 from rollstream.common.checker import Report
+from rollstream.common.clock import Clock
 from rollstream.common.errors import InvalidInput
 
 from .harness import VOCAB, Chaos, Counts, LoopbackNode, Pipeline, inject_due
@@ -54,7 +54,7 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
         pipeline = Pipeline(node, dp_size=dp_size, batch_size=batch_size, rank_args=(*versions, "--device", device))
         pipeline.trainer.start(die_before_commit=faults.trainer_kill_before_commit if faults else 0)
         pipeline.trainer.wait_welcomed(timeout)
-        started = time.perf_counter()
+        started = Clock.monotonic()
         for i in range(producers):
             pipeline.add_producer(i, trajectories=trajectories, turns=turns, group_size=group_size,
                                   abort_rate=abort_rate, retry_rate=retry_rate,
@@ -68,7 +68,7 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
                 show(pipeline.counts, faults.done if faults else [])
 
         drained = pipeline.run(timeout, each)
-        seconds = time.perf_counter() - started
+        seconds = Clock.monotonic() - started
         report = pipeline.finish()
         if show is not None:
             show(pipeline.counts, faults.done if faults else [])

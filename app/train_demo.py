@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +49,7 @@ import numpy as np
 import torch
 
 from rollstream.common.checker import broker_backlog, check, read_records
+from rollstream.common.clock import Clock
 from rollstream.common.errors import TimedOut
 from rollstream.common.versions import oldest_version
 from rollstream.consumer.batch import Batch, cumsum0, to_device
@@ -298,7 +298,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
     starved = None
     with LoopbackNode("rollstream-train-", VOCAB, keep_data=keep_data, broker_args=broker_args,
                       endpoints_file=endpoints_file) as node:
-        started = time.perf_counter()
+        started = Clock.monotonic()
         ledgers = node.work / "ledgers"
         weights = node.work / "policy.safetensors"
         save_weights(model, weights, "step-0")  # the producers start from the file, as after every step
@@ -319,7 +319,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
         def next_batch(consumer: Consumer) -> Batch | None:
             """The next batch, or None once the broker says the run starves (and why)."""
             nonlocal starved
-            deadline = time.perf_counter() + 120.0
+            deadline = Clock.monotonic() + 120.0
             while True:
                 try:
                     return consumer.next_batch(timeout=2.0)
@@ -329,7 +329,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                         starved = ",".join(starving["default"])
                         progress(f"the broker says the run starves ({starved}): stopping")
                         return None
-                    if time.perf_counter() > deadline:
+                    if Clock.monotonic() > deadline:
                         raise
 
         consumer = connect(None, 0)
@@ -391,7 +391,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                    filtered=reasons["filtered"], abandoned=reasons["abandoned"],
                    discarded_share=round(discarded / (discarded + trained), 4) if discarded + trained else 0.0,
                    starved=starved)
-    summary["seconds"] = round(time.perf_counter() - started, 1)
+    summary["seconds"] = round(Clock.monotonic() - started, 1)
     if plot:
         summary["plot"] = _plot(log, plot)
     summary["failed"] = failures(summary, discarded_on_purpose(max_staleness, group_filter, chaos=chaos))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
+from rollstream.common.clock import Clock
 from rollstream.common.trajectory import Trajectory
 
 from .core import Checkpoint, Commit, MeasureDisk, Performers, Probe, PruneDedup, ReadBack, ReadDigests, Reload
@@ -41,12 +41,12 @@ class StoreIO:
         store = self.store
         if not request.effects and not store.writing_ahead:
             return None
-        started = time.perf_counter()
+        started = Clock.monotonic()
         try:
             store.commit(request.effects)
         except StoreError as exc:
             return exc
-        self.metrics.commit_seconds.observe(time.perf_counter() - started)
+        self.metrics.commit_seconds.observe(Clock.monotonic() - started)
         return None
 
     def read_digests(self, request: ReadDigests) -> dict[tuple[str, int], bytes | StoreError]:

@@ -26,6 +26,7 @@ from zmq.auth import load_certificate
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from .clock import Clock
 from .config import Problem
 from .errors import InvalidInput
 
@@ -53,7 +54,7 @@ def fingerprint(public_key: bytes) -> str:
 def _certificate(public_key: bytes, secret_key: bytes | None) -> str:
     kind = "Secret" if secret_key else "Public"
     lines = [f"#   ZeroMQ CURVE {kind} Certificate, written by `rollstream keys generate`",
-             f"#   on {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
+             f"#   on {datetime.fromtimestamp(Clock.read().wall, timezone.utc).isoformat(timespec='seconds')}",
              "#   fingerprint " + fingerprint(public_key),
              "", "metadata", "curve", f'    public-key = "{public_key.decode()}"']
     if secret_key:

@@ -59,14 +59,30 @@ def test_mypy_finds_nothing(tmp_path):
     _run("mypy", "--cache-dir", str(tmp_path / "cache"), *packages, env=env)
 
 
-# The one place the package reads a clock; everywhere else reads a `Clock`.
+# The one place the package reads a clock; everywhere else reads a `Clock`. Every clock the standard library
+# offers counts: time's (wall, monotonic, perf_counter, process and thread CPU, their _ns forms, clock_gettime)
+# and datetime's now. A file's own times (st_mtime) are data, not a clock read.
 CLOCK_MODULE = ROOT / "common" / "clock.py"
-CLOCK_READS = re.compile(r"\btime\.(monotonic|time)\(|\bfrom time import\b.*\b(monotonic|time)\b")
+_TIME_CLOCKS = r"(?:time|monotonic|perf_counter|process_time|thread_time|clock_gettime)(?:_ns)?"
+CLOCK_READS = re.compile(rf"\btime\.{_TIME_CLOCKS}\(|\bfrom time import\b.*\b{_TIME_CLOCKS}\b"
+                         r"|\b(?:datetime|date)\.(?:now|utcnow|today)\(")
+
+
+@pytest.mark.parametrize("line, reads", [
+    ("started = time.perf_counter()", True), ("t = time.monotonic_ns()", True), ("now = time.time()", True),
+    ("from time import perf_counter, sleep", True), ("cpu = time.process_time()", True),
+    ("stamp = datetime.now(timezone.utc)", True), ("day = date.today()", True), ("x = datetime.utcnow()", True),
+    ("time.sleep(0.1)", False), ("stamp = os.stat(path).st_mtime_ns", False), ("at = Clock.read().wall", False),
+    ("datetime.fromtimestamp(wall, timezone.utc)", False),
+])
+def test_the_clock_rule_knows_every_clock_read(line, reads):
+    assert bool(CLOCK_READS.search(line)) is reads, line
 
 
 def test_time_is_read_only_through_clock():
     """Wall and monotonic time come from `Clock.read()`, so which clock a
-    value is on shows at the call site and a test can stand in for both."""
+    value is on shows at the call site and a test can stand in for both;
+    durations too (`Clock.monotonic()`), and no module reads another clock."""
     reads = [
         f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
         for folder in PACKAGE_DIRS.values()
