@@ -52,10 +52,11 @@ def broker(log_format: str, **values) -> None:
     import zmq
 
     from rollstream.common.config import ConfigError, located, settings_from
+    from rollstream.common.dirlock import DirectoryHeld
     from rollstream.common.logs import setup_logging
 
     from .service import BrokerService
-    from .store import DataDirectoryHeld, StoreCorrupted
+    from .store import StoreCorrupted
 
     settings = settings_from(BrokerSettings, values, broker_problems)
     setup_logging(settings.log_level, log_format)
@@ -65,7 +66,7 @@ def broker(log_format: str, **values) -> None:
         service.start()
     except ConfigError as exc:  # what only a start finds: a port another process holds, say
         raise ConfigError(located(exc.problems)) from None
-    except (DataDirectoryHeld, StoreCorrupted, RuntimeError, zmq.ZMQError) as exc:
+    except (DirectoryHeld, StoreCorrupted, RuntimeError, zmq.ZMQError) as exc:
         raise click.ClickException(f"refusing to start: {exc}") from None
     tune_garbage_collector()
     service.install_signal_handlers()
@@ -158,11 +159,13 @@ def salvage(data_dir: str) -> None:
     trajectory whose end row or turn records fail their checks is removed
     (each one is listed), a torn segment tail is cut, and the broker can
     start again. It refuses while a broker holds DATA_DIR."""
-    from .store import DataDirectoryHeld, Store, StoreCorrupted
+    from rollstream.common.dirlock import DirectoryHeld
+
+    from .store import Store, StoreCorrupted
 
     try:
         store = Store(data_dir)
-    except DataDirectoryHeld as exc:
+    except DirectoryHeld as exc:
         raise click.ClickException(f"cannot salvage {data_dir}: {exc}") from None
     try:
         dropped = store.salvage()

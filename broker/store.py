@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 import msgpack
 
 from rollstream.common.codec import Message, content_digest, crc32_continued, decode_trusted, encode
-from rollstream.common.dirlock import DirectoryHeld, hold
+from rollstream.common.dirlock import hold
 from rollstream.common.errors import InternalError, InvalidInput, RollstreamError
 from rollstream.common.messages import PRODUCER_TO_BROKER
 from rollstream.common.segments import SegmentLog
@@ -207,13 +207,6 @@ class StoreUnavailable(StoreError):
     code = "unavailable"
 
 
-class DataDirectoryHeld(StoreError):
-    """Another live broker (or `rollstream salvage`) holds the data
-    directory; the message names its pid."""
-
-    code = "invalid_state"
-
-
 class StoreCorrupted(StoreError):
     """The data directory is damaged (a record or row fails its checks, or
     is missing); the broker refuses to start on it, and a ready trajectory
@@ -380,12 +373,8 @@ class Store:
             raise InvalidInput(f"sync must be 'normal' or 'full', got {sync!r}")
         self.data_dir = Path(data_dir)
         self.sync = sync
-        try:  # before anything is read or written: one broker per data directory
-            self._lock_fd: int | None = hold(self.data_dir)
-        except DirectoryHeld as held:
-            who = "another broker" if held.holder is None else f"another broker (pid {held.holder})"
-            raise DataDirectoryHeld(f"data directory {self.data_dir} is held by {who}: one broker per data "
-                                    f"directory; stop that one first") from None
+        # Before anything is read or written: one broker (or `rollstream salvage`) per data directory.
+        self._lock_fd: int | None = hold(self.data_dir, what="data directory", owner="broker")
         self.segments = Segments(self.data_dir / "segments", segment_bytes, self._unlink_behind)
         self.db_path = self.data_dir / "state.sqlite"
         self.db = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False)

@@ -17,17 +17,21 @@ from .errors import InvalidState
 
 class DirectoryHeld(InvalidState):
     """Another live process holds the directory (`holder`: its pid, or None
-    when it wrote none)."""
+    when it wrote none). The one error for a held directory, whoever holds
+    it: `what` names the directory and `owner` its kind of owner in the
+    message (a broker's data directory, a producer's spool)."""
 
-    def __init__(self, directory: Path, holder: int | None):
+    def __init__(self, directory: Path, holder: int | None, *, what: str = "directory", owner: str = "process"):
         self.directory, self.holder = directory, holder
-        who = "another process" if holder is None else f"process {holder}"
-        super().__init__(f"{directory} is held by {who} (its LOCK file is locked): one owner per directory")
+        who = f"another {owner}" + ("" if holder is None else f" (pid {holder})")
+        super().__init__(f"{what} {directory} is held by {who}, its LOCK file locked: one {owner} per {what}; "
+                         f"stop that one first")
 
 
-def hold(directory: str | os.PathLike) -> int:
+def hold(directory: str | os.PathLike, *, what: str = "directory", owner: str = "process") -> int:
     """Lock `directory` (created if missing) for this process; the lock's
-    file descriptor, to `os.close` when done. Raises `DirectoryHeld`."""
+    file descriptor, to `os.close` when done. Raises `DirectoryHeld`
+    (`what` and `owner` word its message)."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
@@ -36,7 +40,7 @@ def hold(directory: str | os.PathLike) -> int:
     except BlockingIOError:
         text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
         os.close(fd)
-        raise DirectoryHeld(path, int(text) if text.isdigit() else None) from None
+        raise DirectoryHeld(path, int(text) if text.isdigit() else None, what=what, owner=owner) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
