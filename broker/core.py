@@ -33,7 +33,7 @@ from rollstream.common.failures import FailureLimit, internal_error, log_interna
 from rollstream.common.jobs import DEFAULT_JOB, SEPARATOR, job_key, job_of, wire_id
 from rollstream.common.messages import ADMIN_REPLIES, BROKER_TO_CONSUMER, BROKER_TO_PRODUCER
 from rollstream.common.trajectory import Trajectory
-from rollstream.common.versions import Lineage
+from rollstream.common.versions import Ancestry
 from rollstream.common.wire import encode_deliver
 
 from .dispatch import Dispatch, Dispatcher, DispatchSettings
@@ -552,17 +552,18 @@ class BrokerCore:
         """What a producer's welcome, pongs and acks tell it of its job:
         `admit`, how many new trajectories the job has room for under its
         staleness capacity (none when it has no capacity), so a producer
-        starts only what will enter (`AsyncProducer.admitted`); `lineage`,
+        starts only what will enter (`AsyncProducer.admitted`); its branch,
         the epoch of a resumed trainer and the step it resumed from, so a
-        producer reloads those weights (`AsyncProducer.lineage`)."""
+        producer reloads those weights (`AsyncProducer.branch`), named as
+        the producer's hello asked (`Hellos.branch_field`)."""
         job = self.producer_jobs.get(identity, DEFAULT_JOB)
         fields: dict[str, Any] = {}
         capacity = self.freshness.capacity(job)
         if capacity is not None:
             fields["admit"] = max(0, capacity - self.engine.untrained[job])
         if job in self.freshness.epochs:
-            lineage = self.freshness.lineage(job)
-            fields["lineage"] = [lineage.epoch, lineage.resumed_from]
+            ancestry = self.freshness.ancestry(job)
+            fields[self.hellos.branch_field(identity)] = [ancestry.epoch, ancestry.resumed_from]
         return fields
 
     def producer_gone(self, identity: bytes) -> None:
@@ -665,24 +666,24 @@ class BrokerCore:
 
     def _publish(self, identity: bytes, message: Message, now: Clock) -> Steps[None]:
         """A trainer published its policy version (and bound, step size,
-        this broker's share and lineage): kept durably, echoed with the
-        bound in force and the job's demand here; what it makes stale is
-        dropped before the next delivery, and a new lineage gives up what
-        weights it abandoned sampled (with `abort_stale`, also what is
+        this broker's share and the run's ancestry): kept durably, echoed
+        with the bound in force and the job's demand here; what it makes
+        stale is dropped before the next delivery, and a new branch gives up
+        what weights it abandoned sampled (with `abort_stale`, also what is
         already too stale) while still unfinished."""
         job = self.dispatcher.consumers[identity].job
         try:
-            lineage = Lineage.of(message.get("branches"))
+            ancestry = Ancestry.of(message.get("branches"))
         except ValueError as error:
             yield from Send("consumer", identity, self._refuse("consumer", RemoteProtocolError("invalid_value", str(error)),
                                                           message))
             return
         policy = Policy(message["version"], message.get("max_staleness"), message.get("per_step"), message.get("share"),
-                        lineage)
-        resumed = lineage != self.freshness.lineage(job) and bool(lineage.branches)
+                        ancestry)
+        resumed = ancestry != self.freshness.ancestry(job) and bool(ancestry.branches)
         if resumed:
-            log.info("trainer resumed: a new lineage epoch", extra={"job": job, "epoch": lineage.epoch,
-                                                                    "resumed_from": lineage.resumed_from})
+            log.info("trainer resumed: a new lineage epoch", extra={"job": job, "epoch": ancestry.epoch,
+                                                                    "resumed_from": ancestry.resumed_from})
         effect = self.freshness.publish(job, policy)
         if not (yield from self._commit([effect])):  # memory, the policies too, rolled back to the store
             yield from Send("consumer", identity, self._unavailable(message))
@@ -763,7 +764,7 @@ class BrokerCore:
         entries: list[list] = [[e.trained.step, e.trained.position, wire_id(e.trajectory_id)] for e in replay
                                if e.trained is not None]  # (every one: mypy cannot see the filter above)
         seq = _seq(message)
-        epoch = self.freshness.lineage(consumer.job).epoch  # the resumed trainer's epoch must be above it
+        epoch = self.freshness.ancestry(consumer.job).epoch  # the resumed trainer's epoch must be above it
         yield from Send("consumer", identity, encode(BROKER_TO_CONSUMER, "resumed",
                                                 {"step": step, "replay": entries, "epoch": epoch, **seq}))
         log.info("trainer resumed", extra={"run": run, "step": step, "replayed": len(entries)})
@@ -990,8 +991,8 @@ class BrokerCore:
             out[job] = {"version": policy.version, "untrained": self.engine.untrained[job],
                         **({} if bound is None else {"max_staleness": bound}),
                         **({} if capacity is None else {"capacity": capacity}),
-                        **({} if not policy.lineage.branches else
-                           {"epoch": policy.lineage.epoch, "resumed_from": policy.lineage.resumed_from}),
+                        **({} if not policy.ancestry.branches else
+                           {"epoch": policy.ancestry.epoch, "resumed_from": policy.ancestry.resumed_from}),
                         **({} if versions is None else
                            {"staleness": [max(0, policy.version - versions[1]), max(0, policy.version - versions[0])]})}
         return out

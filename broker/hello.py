@@ -1,7 +1,8 @@
 """What a broker answers a `hello` with, and what each connection's hello
 negotiated (docs/protocol.md §3, §4), sans-I/O.
 
-A producer may ask for batched acknowledgements and say it sends batches;
+A producer may ask for batched acknowledgements, say it sends frame
+batches and say it reads a job's branch as `branch`;
 a consumer says which `deliver` layouts it reads and whether it wants
 queued counts. Each choice holds for its
 connection until the next hello. The service asks `welcome_producer` /
@@ -27,12 +28,14 @@ class Hellos:
         self.lease_timeout = lease_timeout
         self.heartbeat_interval = heartbeat_interval
         self.batch_acks: set[bytes] = set()  # producer connections that asked for one `acks` per commit
+        self.reads_branch: set[bytes] = set()  # producer connections told a job's branch as `branch` (else `lineage`)
         self.options: dict[bytes, frozenset[str]] = {}  # consumer connection -> the `CONSUMER_OPTIONS` its hello set
 
     def welcome_producer(self, identity: bytes, hello: Mapping[str, Any], window: int) -> dict[str, Any]:
         """The welcome's fields for a producer's hello, granting `window`
-        frames in flight: batched acks when asked for, and word that this
-        broker reads batches when the producer sends them."""
+        frames in flight: batched acks when asked for, word that this
+        broker reads frame batches when the producer sends them, and that it
+        names a job's branch `branch` when the producer reads that name."""
         fields: dict[str, Any] = {"broker_id": self.broker_id, "max_message_bytes": self.max_message_bytes,
                                   "window": window}
         if "seq" in hello:
@@ -44,12 +47,23 @@ class Hellos:
             self.batch_acks.discard(identity)
         if hello.get("batch_frames"):
             fields["batch_frames"] = True
+        if hello.get("reads_branch"):
+            self.reads_branch.add(identity)
+            fields["reads_branch"] = True
+        else:
+            self.reads_branch.discard(identity)
         if "job" in hello:  # echoed: this broker keeps jobs apart (the job travels on each frame)
             fields["job"] = hello["job"]
         return fields
 
     def forget_producer(self, identity: bytes) -> None:
         self.batch_acks.discard(identity)
+        self.reads_branch.discard(identity)
+
+    def branch_field(self, identity: bytes) -> str:
+        """The name producer connection `identity` reads a job's branch
+        under: `branch`, or `lineage` for one whose hello did not ask."""
+        return "branch" if identity in self.reads_branch else "lineage"
 
     def welcome_consumer(self, identity: bytes, hello: Mapping[str, Any], live: Collection[bytes]) -> dict[str, Any]:
         """The welcome's fields for a consumer's hello, with the options it

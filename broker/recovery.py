@@ -82,7 +82,7 @@ def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
     memory; ended ones stay in the store until delivered. What sampled an
     open one is read from its turns, a version that names no epoch taken as
     its job's epoch now (when it came is not stored)."""
-    epochs = {job: policy.lineage.epoch for job, policy in recovered.policies.items()}
+    epochs = {job: policy.ancestry.epoch for job, policy in recovered.policies.items()}
     entries = []
     for stored in recovered.trajectories:
         trajectory = load_trajectory(store, stored) if stored.state == OPEN else None

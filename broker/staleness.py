@@ -20,8 +20,8 @@ may lower) is kept at three points, all counted in trajectories:
 Without a bound, or before its trainer publishes a version, nothing here
 refuses or drops anything.
 
-A resumed trainer publishes its lineage with its version: each resume's
-epoch and the checkpoint step it started from. What weights of an
+A resumed trainer publishes its ancestry with its version: each branch,
+the epoch a resume started and the checkpoint step it started from. What weights of an
 abandoned lineage sampled (steps newer than where a later epoch resumed
 from) is judged `abandoned` whether or not a bound is on: dropped (dead
 letter `abandoned`) or kept, as `abandoned_lineage` says, and counted
@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rollstream.common.errors import InvalidInput
-from rollstream.common.versions import ORDERED_RULE, Lineage, Sampled, ordered_version
+from rollstream.common.versions import ORDERED_RULE, Ancestry, Sampled, ordered_version
 
 DISPATCH_ORDERS = ("oldest_first", "freshest_first")
 ABANDONED_ACTIONS = ("drop", "keep")  # what `abandoned_lineage` does with data an abandoned lineage sampled
@@ -50,7 +50,7 @@ class Policy:
     max_staleness: int | None = None  # the trainer's own bound (lowers the broker's)
     per_step: int | None = None  # trajectories one trainer step takes
     share: float | None = None  # this broker's share of the job's admission capacity, in (0, 1]
-    lineage: Lineage = Lineage()  # the trainer's lineage epochs (none until a resume)
+    ancestry: Ancestry = Ancestry()  # the trainer's branches (none until a resume)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,26 +81,26 @@ class Freshness:
     def restore(self, policies: Mapping[str, Policy]) -> None:
         self.policies = dict(policies)
         self.epochs.clear()
-        self.epochs.update((job, policy.lineage.epoch) for job, policy in policies.items() if policy.lineage.branches)
+        self.epochs.update((job, policy.ancestry.epoch) for job, policy in policies.items() if policy.ancestry.branches)
 
     def publish(self, job: str, policy: Policy) -> SetPolicy:
         """The trainer of `job` published `policy` (its version may go back: a resumed trainer)."""
         if policy.share is not None and not 0 < policy.share <= 1:
             raise InvalidInput(f"a policy's share is in (0, 1], got {policy.share}")
         self.policies[job] = policy
-        if policy.lineage.branches:
-            self.epochs[job] = policy.lineage.epoch
+        if policy.ancestry.branches:
+            self.epochs[job] = policy.ancestry.epoch
         else:
             self.epochs.pop(job, None)
         return SetPolicy(job, policy)
 
-    def lineage(self, job: str) -> Lineage:
+    def ancestry(self, job: str) -> Ancestry:
         policy = self.policies.get(job)
-        return Lineage() if policy is None else policy.lineage
+        return Ancestry() if policy is None else policy.ancestry
 
     def abandoned(self, job: str, sampled: Sampled) -> bool:
         """Whether weights of a lineage `job`'s trainer abandoned sampled it."""
-        return job in self.epochs and self.policies[job].lineage.abandoned(sampled)
+        return job in self.epochs and self.policies[job].ancestry.abandoned(sampled)
 
     def bound(self, job: str) -> int | None:
         """S for `job`: the broker's, lowered by its trainer's; None: no bound."""

@@ -37,7 +37,7 @@ from rollstream.common.dirlock import hold
 from rollstream.common.errors import InternalError, InvalidInput, RollstreamError
 from rollstream.common.messages import PRODUCER_TO_BROKER
 from rollstream.common.segments import SegmentLog
-from rollstream.common.versions import Lineage, Sampled
+from rollstream.common.versions import Ancestry, Sampled
 
 from .engine import (
     CloseGroup,
@@ -65,7 +65,7 @@ log = logging.getLogger("rollstream.broker")
 SCHEMA_VERSION = 8  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
 # 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`); 5: trained trajectories and runs;
 # 6: an ended trajectory's ordered policy version, each job's published policy, and the `scoring` state;
-# 7: what sampled an ended trajectory (lineage epochs and steps), and each job's lineage;
+# 7: what sampled an ended trajectory (lineage epochs and steps), and each job's ancestry (its branches);
 # 8: a pruned dead letter's reason and time, kept with its remembered id
 _READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8)  # an older store is upgraded in place (`Store._upgrade`)
 
@@ -498,7 +498,7 @@ class Store:
             dict(self.db.execute("SELECT id, size FROM released_groups")),
             {run: Run(lineage, list(msgpack.unpackb(seals)), reclaimed)
              for run, lineage, seals, reclaimed in self.db.execute("SELECT id, lineage, seals, reclaimed FROM runs")},
-            {job: Policy(version, max_staleness, per_step, share, Lineage.of(msgpack.unpackb(branches) if branches else ()))
+            {job: Policy(version, max_staleness, per_step, share, Ancestry.of(msgpack.unpackb(branches) if branches else ()))
              for job, version, max_staleness, per_step, share, branches in self.db.execute(
                 "SELECT job, version, max_staleness, per_step, share, branches FROM policies")},
             {tid: (reason, at) for tid, reason, at in self.db.execute(
@@ -768,7 +768,7 @@ class Store:
             case SetPolicy(job=job, policy=policy):
                 db.execute("INSERT OR REPLACE INTO policies VALUES (?, ?, ?, ?, ?, ?)",
                            (job, policy.version, policy.max_staleness, policy.per_step, policy.share,
-                            msgpack.packb(policy.lineage.to_wire()) if policy.lineage.branches else None))
+                            msgpack.packb(policy.ancestry.to_wire()) if policy.ancestry.branches else None))
             case SealRun():
                 rows.execute(db, records_gone)
                 db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?)",

@@ -116,10 +116,10 @@ def _is_step_pair(value) -> bool:
     return isinstance(value, list) and len(value) == 2 and all(_is_int(n) and 0 <= n <= INT64_MAX for n in value)
 
 
-# A trainer's lineage: [epoch, step the epoch resumed from] per resume (`rollstream.common.versions.Lineage`).
+# A trainer's ancestry: a branch, [epoch, step the epoch resumed from], per resume (`rollstream.common.versions.Ancestry`).
 BRANCHES = Kind("a list of [epoch, step] pairs of non-negative integers",
                 lambda v: isinstance(v, list) and all(map(_is_step_pair, v)))
-LINEAGE = Kind("an [epoch, step] pair of non-negative integers", _is_step_pair)
+BRANCH = Kind("an [epoch, step] pair of non-negative integers", _is_step_pair)
 
 
 def _is_spans(value, versions_named: bool = True) -> bool:
@@ -316,7 +316,8 @@ _NACK = MessageSpec("nack", {"code": TEXT, "message": ANY_TEXT}, {"seq": INT, "e
 
 PRODUCER_TO_BROKER = _schema(
     "producer->broker",
-    MessageSpec("hello", {"producer_id": TEXT}, {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB}),
+    MessageSpec("hello", {"producer_id": TEXT},
+                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB, "reads_branch": BOOL}),
     MessageSpec(
         "turn",
         {"seq": INT, "trajectory_id": ID, "turn": COUNT, "status": STATUS},
@@ -343,20 +344,21 @@ PRODUCER_TO_BROKER = _schema(
 # What a `batch` may carry: the frames a producer keeps until settled.
 BATCHABLE_TYPES = ("turn", "end", "abort", "reward")
 
+# A job's branch goes to a producer as `branch` when its hello said `reads_branch`, else under its older name `lineage`.
 BROKER_TO_PRODUCER = _schema(
     "broker->producer",
     MessageSpec("welcome", {"broker_id": TEXT, "max_message_bytes": POSITIVE, "window": POSITIVE},
                 {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB, "admit": COUNT,
-                 "lineage": LINEAGE}),
+                 "reads_branch": BOOL, "branch": BRANCH, "lineage": BRANCH}),
     MessageSpec(
         "ack",
         {"seq": INT, "trajectory_id": TEXT, "applied": BOOL},
         {"turn": COUNT, "duplicate": BOOL, "reason": TEXT},
     ),
     MessageSpec("acks", {"ranges": SEQ_RANGES},
-                {"outcomes": OUTCOMES, "window": POSITIVE, "admit": COUNT, "lineage": LINEAGE}),
+                {"outcomes": OUTCOMES, "window": POSITIVE, "admit": COUNT, "branch": BRANCH, "lineage": BRANCH}),
     _NACK,
-    MessageSpec("pong", {"seq": INT}, {"window": POSITIVE, "admit": COUNT, "lineage": LINEAGE}),
+    MessageSpec("pong", {"seq": INT}, {"window": POSITIVE, "admit": COUNT, "branch": BRANCH, "lineage": BRANCH}),
 )
 
 CONSUMER_TO_BROKER = _schema(

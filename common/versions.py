@@ -13,7 +13,7 @@ so a version is (epoch, step). The text may name its epoch first
 (`e1:12`, `e1:step-12`: `version_label` writes it); a version that names
 none belongs to the epoch its job was in when the broker took it. Steps
 go on counting across epochs, so staleness is counted in steps; the epoch
-says whether the weights are in the surviving model's ancestry (`Lineage`).
+says whether the weights are in the surviving model's ancestry (`Ancestry`).
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def delivery_version(fields) -> int | None:
 
 
 # What sampled a trajectory: for each lineage epoch, the newest step of its weights among the trajectory's turns
-# (epochs ascending). It is what `Lineage.abandoned` judges.
+# (epochs ascending). It is what `Ancestry.abandoned` judges.
 Sampled = tuple[tuple[int, int], ...]
 
 
@@ -109,20 +109,20 @@ def trajectory_sampled(trajectory, epoch: int) -> Sampled:
 
 
 @dataclass(frozen=True, slots=True)
-class Lineage:
-    """A run's lineage as its current trainer knows it: for each resume,
-    oldest first, the epoch it started and the step of the checkpoint it
-    started from. Epoch 0 is the first start; each resume's epoch is
-    higher than any before it."""
+class Ancestry:
+    """A run's ancestry as its current trainer knows it: its branches, one
+    per resume, oldest first, each the lineage epoch the resume started and
+    the step of the checkpoint it started from. Epoch 0 is the first start;
+    each resume's epoch is higher than any before it."""
 
     branches: tuple[tuple[int, int], ...] = ()
 
     @classmethod
-    def of(cls, branches: Sequence[Sequence[int]] | None) -> Lineage:
+    def of(cls, branches: Sequence[Sequence[int]] | None) -> Ancestry:
         """From the wire or the store: [[epoch, step], ...]; epochs must rise, each at least 1."""
         pairs = tuple(tuple(pair) for pair in branches or ())
         if not all(len(pair) == 2 and all(type(n) is int and n >= 0 for n in pair) for pair in pairs):
-            raise InvalidInput(f"a lineage is a list of [epoch, step] pairs of integers >= 0, got {branches!r}")
+            raise InvalidInput(f"an ancestry is a list of [epoch, step] branches of integers >= 0, got {branches!r}")
         epochs = [epoch for epoch, _ in pairs]
         if any(e < 1 for e in epochs) or any(b <= a for a, b in zip(epochs, epochs[1:])):
             raise InvalidInput(f"rule 'lineage epochs rise from 1' violated: got epochs {epochs}")
@@ -153,3 +153,6 @@ class Lineage:
 
     def to_wire(self) -> list[list[int]]:
         return [list(pair) for pair in self.branches]
+
+
+Lineage = Ancestry  # the name before a lineage meant one start of a run only; a renamed public class keeps its old name

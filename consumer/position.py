@@ -14,7 +14,7 @@ so that a resume hands back what an abandoned lineage trained, and not
 what this one already has. A resume also starts a new lineage epoch,
 numbered above any its brokers have seen for the job: policy versions are
 (epoch, step), and what weights of an abandoned lineage sampled is told
-apart (`rollstream.common.versions.Lineage`).
+apart (`rollstream.common.versions.Ancestry`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Any, Collection, Mapping, Sequence
 
 from rollstream.common.errors import InvalidInput, InvalidState
 from rollstream.common.jobs import DEFAULT_JOB
-from rollstream.common.versions import Lineage
+from rollstream.common.versions import Ancestry
 
 STATE_FORMAT = "rollstream.consumer.position/1"
 # Batches a state lists at most: a trainer that never seals must not grow it (and the consumer) without end.
@@ -85,7 +85,7 @@ class TrainingPosition:
     lock (who calls what):
     - the I/O thread (through `Sessions`) calls `hello_fields`,
       `on_welcome`, `resumed`, `answered`, `budget`, `sealed` and `refused`.
-      Affects: the brokers that answered the resume, `lineage_epochs`, the
+      Affects: the brokers that answered the resume, `ancestry`, the
       batches to train again (`_replay`), budgets, seals awaiting answers
       (`_seals`) and `failure`.
     - the trainer's thread calls `waiting_for_resume`, `next_replay`,
@@ -111,7 +111,7 @@ class TrainingPosition:
         self.parent: str | None = None
         self.sealed_step = 0  # the latest checkpoint this lineage knows durable
         self.saved_world_size = world_size  # the world size of the state resumed from
-        self.lineage_epochs = Lineage()  # each resume's epoch and the step it resumed from, this one's last
+        self.ancestry = Ancestry()  # the run's branches: each resume's epoch and the step it resumed from, this one's last
         self._answered: set[int] = set()  # brokers that answered the resume
         self._replay: dict[int, dict[int, str]] = {}  # step -> position -> trajectory id, still to train again
         self._handed: set[int] = set()  # steps of `_replay` with the trainer now
@@ -132,11 +132,11 @@ class TrainingPosition:
         self.parent = resume.get("lineage")  # the lineage that saved the state
         self.step = self.resumed_from = self.sealed_step = _field(resume, "step", int, "an integer")
         try:
-            saved = Lineage.of(resume.get("branches", ()))
+            saved = Ancestry.of(resume.get("branches", ()))
         except (InvalidInput, TypeError) as error:
             raise InvalidInput(f"resume state: branches: {error}") from None
         epoch = max(saved.epoch, _field(resume, "epoch", int, "an integer")) + 1
-        self.lineage_epochs = Lineage((*saved.branches, (epoch, self.step)))
+        self.ancestry = Ancestry((*saved.branches, (epoch, self.step)))
         self.saved_world_size = _field(resume, "world_size", int, "an integer")
         self.batches = [b for b in _batches(resume) if b.step <= self.step]
 
@@ -161,7 +161,7 @@ class TrainingPosition:
     # -- what brokers say ---------------------------------------------------------
     @property
     def epoch(self) -> int:
-        return self.lineage_epochs.epoch
+        return self.ancestry.epoch
 
     def resumed(self, broker: int, replay: Sequence[Sequence], epoch: int = 0) -> bool:
         """`broker` answered the resume, its job's lineage being at `epoch`;
@@ -170,7 +170,7 @@ class TrainingPosition:
         self._answered.add(broker)
         if raised:
             assert self.resumed_from is not None  # only a resume is answered
-            self.lineage_epochs = Lineage((*self.lineage_epochs.branches[:-1], (epoch + 1, self.resumed_from)))
+            self.ancestry = Ancestry((*self.ancestry.branches[:-1], (epoch + 1, self.resumed_from)))
         for step, position, tid in replay:
             if step > self.step:  # this lineage trains replayed batches in order: the rest it has committed
                 self._replay.setdefault(step, {})[position] = tid
@@ -299,5 +299,5 @@ class TrainingPosition:
         brokers or not (the weights saved with it trained them), and older
         ones whose acks are still unanswered (`confirmed`)."""
         return {"format": STATE_FORMAT, "job": self.job, "run": self.run, "lineage": self.lineage, "epoch": self.epoch,
-                "branches": self.lineage_epochs.to_wire(), "step": self.step,
+                "branches": self.ancestry.to_wire(), "step": self.step,
                 "world_size": self.world_size, "batches": [b.to_state() for b in self.batches]}

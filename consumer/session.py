@@ -90,7 +90,7 @@ class Sessions:
         if per_step is not None:
             policy["per_step"] = per_step
         self.policy = policy
-        self._with_lineage()
+        self._with_ancestry()
 
     def _shares(self) -> list[float]:
         """Each broker's part of the job's admission capacity: in proportion
@@ -109,11 +109,11 @@ class Sessions:
     def _policy_for(self, broker: int) -> dict | None:
         return None if self.policy is None else {**self.policy, "share": self.shares[broker]}
 
-    def _with_lineage(self) -> None:
-        """The published policy names this trainer's lineage epochs, once a resume started one."""
+    def _with_ancestry(self) -> None:
+        """The published policy names this trainer's run's branches, once a resume started one."""
         position = self.position
-        if self.policy is not None and position is not None and position.lineage_epochs.branches:
-            self.policy = {**self.policy, "branches": position.lineage_epochs.to_wire()}
+        if self.policy is not None and position is not None and position.ancestry.branches:
+            self.policy = {**self.policy, "branches": position.ancestry.to_wire()}
 
     @property
     def version(self) -> int | None:
@@ -165,7 +165,7 @@ class Sessions:
                 session.demand = message["held"] + message.get("waiting", 0)
         elif kind == "resumed" and self.position is not None:
             if self.position.resumed(broker, message["replay"], message.get("epoch", 0)):
-                self._with_lineage()
+                self._with_ancestry()
         elif kind == "sealed" and self.position is not None:
             self.position.sealed(broker, message["step"])
         elif message["code"] in ("checkpoint_gone", "not_checkpointed") and self.position is not None:

@@ -341,11 +341,17 @@ class AsyncProducer:
         return self._session.admit
 
     @property
+    def branch(self) -> tuple[int, int] | None:
+        """The trainer's branch, (epoch, step), once it resumed from its
+        checkpoint of `step`, starting lineage `epoch`: serve those weights
+        (labelled `e{epoch}:{step}`, or as the trainer labels them); None:
+        no resume."""
+        return self._session.branch
+
+    @property
     def lineage(self) -> tuple[int, int] | None:
-        """(epoch, step) once the trainer resumed from its checkpoint of
-        `step`, starting lineage `epoch`: serve those weights (labelled
-        `e{epoch}:{step}`, or as the trainer labels them); None: no resume."""
-        return self._session.lineage
+        """The older name of `branch`, kept for callers written before it."""
+        return self.branch
 
     @property
     def window(self) -> int:
@@ -808,9 +814,14 @@ class Producer:
         return self._async.metrics
 
     @property
+    def branch(self) -> tuple[int, int] | None:
+        """As `AsyncProducer.branch`."""
+        return self._async.branch
+
+    @property
     def lineage(self) -> tuple[int, int] | None:
-        """As `AsyncProducer.lineage`."""
-        return self._async.lineage
+        """The older name of `branch`, kept for callers written before it."""
+        return self._async.branch
 
     @property
     def unsettled(self) -> int:

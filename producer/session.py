@@ -128,8 +128,9 @@ class ProducerSession:
         self.next_seq = 1  # frames and pings share the sequence
         # New trajectories the broker admits now (its staleness capacity, docs/protocol.md §4); None: no limit.
         self.admit: int | None = None
-        # The trainer's lineage epoch and the step it resumed from, once a resume started one: reload those weights.
-        self.lineage: tuple[int, int] | None = None
+        # The trainer's branch, its lineage epoch and the step it resumed from, once a resume started one: reload
+        # those weights.
+        self.branch: tuple[int, int] | None = None
         self.intake: deque[HeldFrame] = deque()  # accepted, in seq order, not yet in the window
         self.in_memory = 0  # accepted and unsettled frames held in memory (intake and window)
         self.pending: dict[int, tuple[Any, float, DraftSource | None]] = {}  # seq -> future, accepted at, a turn's handle
@@ -269,7 +270,8 @@ class ProducerSession:
     # -- the connection (the loop) -------------------------------------------------
     def hello(self) -> list:
         """The hello that opens a connection: it asks for batched acks and
-        frames as configured. Until its welcome, one frame a message."""
+        frames as configured, and for the trainer's branch as `branch`.
+        Until its welcome, one frame a message."""
         fields: dict[str, Any] = {"producer_id": self.producer_id}
         if self.job != DEFAULT_JOB:
             fields["job"] = self.job
@@ -277,6 +279,7 @@ class ProducerSession:
             fields["batch_acks"] = True
         if self.batch_frames:
             fields["batch_frames"] = True
+        fields["reads_branch"] = True
         self.batch_bytes = 0
         return encode(PRODUCER_TO_BROKER, "hello", fields)
 
@@ -332,12 +335,12 @@ class ProducerSession:
         kind = reply.type
         if kind in ("welcome", "pong", "acks"):  # each says how many new trajectories the broker admits now
             self.admit = reply.get("admit")
-            lineage = reply.get("lineage")
-            if lineage is not None and tuple(lineage) != self.lineage:
-                self.lineage = (lineage[0], lineage[1])
-                log.warning(f"the trainer resumed from its checkpoint of step {lineage[1]} (lineage epoch "
-                            f"{lineage[0]}): serve those weights; what newer weights sample is dropped as abandoned",
-                            extra={"endpoint": self.endpoint, "epoch": lineage[0], "resumed_from": lineage[1]})
+            branch = reply.get("branch", reply.get("lineage"))  # `lineage`: a broker older than `reads_branch`
+            if branch is not None and tuple(branch) != self.branch:
+                self.branch = (branch[0], branch[1])
+                log.warning(f"the trainer resumed from its checkpoint of step {branch[1]} (lineage epoch "
+                            f"{branch[0]}): serve those weights; what newer weights sample is dropped as abandoned",
+                            extra={"endpoint": self.endpoint, "epoch": branch[0], "resumed_from": branch[1]})
         settled: list[Settled] = []
         if kind == "acks":
             settled = window.on_acks(reply)

@@ -109,7 +109,7 @@ class Broker(RuleBasedStateMachine):
                 below = self.core.freshness.stale_below(DEFAULT_JOB)
                 assert out.replay or below is None or out.unit.version is None or \
                     out.unit.version >= below, f"{header['trajectory_id']} sent behind the bound"
-                in_force = self.core.freshness.lineage(DEFAULT_JOB).branches
+                in_force = self.core.freshness.ancestry(DEFAULT_JOB).branches
                 assert out.replay or not any(
                     step > min((at for e, at in in_force if e > epoch), default=step)
                     for tid in out.unit.trajectory_ids for epoch, step in self.sampled[tid]

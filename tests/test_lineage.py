@@ -12,7 +12,7 @@ from test_broker_staleness import produce, producer_says, publish
 
 from rollstream.common.codec import Message
 from rollstream.common.errors import InvalidInput
-from rollstream.common.versions import Lineage, Version, add_sampled, parse_version, version_label
+from rollstream.common.versions import Ancestry, Version, add_sampled, parse_version, version_label
 from rollstream.consumer.assembly import Assembler
 from rollstream.consumer.position import TrainingPosition
 from rollstream.consumer.session import Sessions
@@ -32,19 +32,19 @@ def test_labels_name_the_epoch_once_there_is_one():
 
 def test_an_abandoned_lineage_is_what_came_after_a_later_epoch_resumed():
     # epoch 1 resumed from step 10 of epoch 0, epoch 2 from step 12 of epoch 1
-    lineage = Lineage.of([[1, 10], [2, 12]])
-    assert (lineage.epoch, lineage.resumed_from) == (2, 12)
-    assert (lineage.cut(0), lineage.cut(1), lineage.cut(2)) == (10, 12, None)
-    assert not lineage.abandoned(((0, 10),))  # the checkpoint epoch 1 resumed from
-    assert lineage.abandoned(((0, 11),))  # epoch 0 went on past it: abandoned
-    assert not lineage.abandoned(((1, 12),)) and lineage.abandoned(((1, 13),))
-    assert not lineage.abandoned(((2, 40),))  # the current epoch
-    assert lineage.abandoned(((0, 9), (1, 13)))  # any turn of it
-    assert not Lineage().abandoned(((0, 99),))  # no resume: nothing abandoned
+    ancestry = Ancestry.of([[1, 10], [2, 12]])
+    assert (ancestry.epoch, ancestry.resumed_from) == (2, 12)
+    assert (ancestry.cut(0), ancestry.cut(1), ancestry.cut(2)) == (10, 12, None)
+    assert not ancestry.abandoned(((0, 10),))  # the checkpoint epoch 1 resumed from
+    assert ancestry.abandoned(((0, 11),))  # epoch 0 went on past it: abandoned
+    assert not ancestry.abandoned(((1, 12),)) and ancestry.abandoned(((1, 13),))
+    assert not ancestry.abandoned(((2, 40),))  # the current epoch
+    assert ancestry.abandoned(((0, 9), (1, 13)))  # any turn of it
+    assert not Ancestry().abandoned(((0, 99),))  # no resume: nothing abandoned
     with pytest.raises(InvalidInput, match="lineage epochs rise from 1"):
-        Lineage.of([[2, 5], [2, 6]])
-    with pytest.raises(InvalidInput, match=r"\[epoch, step\] pairs"):
-        Lineage.of([[1]])
+        Ancestry.of([[2, 5], [2, 6]])
+    with pytest.raises(InvalidInput, match=r"\[epoch, step\] branches"):
+        Ancestry.of([[1]])
 
 
 def test_sampled_keeps_the_newest_step_per_epoch_and_takes_unnamed_ones_as_the_epoch_given():
@@ -84,11 +84,13 @@ def test_the_lineage_and_what_sampled_an_ended_trajectory_survive_a_restart(tmp_
     node.hello(run=None)
     publish(node, 10, branches=[[1, 10]])
     node.restart()
-    assert node.core.freshness.lineage("default") == Lineage(((1, 10),))
+    assert node.core.freshness.ancestry("default") == Ancestry(((1, 10),))
     # "open" was given up; "old" (9) and "ahead" (12) are queued, 1 and 0 behind
     assert node.core.status(node.clock)["policies"]["default"] == {"version": 10, "untrained": 2, "epoch": 1,
                                                                    "resumed_from": 10, "staleness": [0, 1]}
-    assert producer_says(node, "hello", producer_id="p")["lineage"] == [1, 10]  # serve the checkpoint of step 10
+    assert producer_says(node, "hello", producer_id="p", reads_branch=True)["branch"] == [1, 10]  # serve step 10's
+    older = producer_says(node, "hello", producer_id="older")  # a producer before `reads_branch`: the older name
+    assert older["lineage"] == [1, 10] and "branch" not in older
     node.producer_says(end_msg("open", seq=900))
     node.hello(run=None)
     assert [tid for tid, _ in node.take(10)] == ["old"]
@@ -96,7 +98,7 @@ def test_the_lineage_and_what_sampled_an_ended_trajectory_survive_a_restart(tmp_
         "ahead": "abandoned", "open": "abandoned"}
 
 
-def test_a_lineage_whose_epochs_do_not_rise_is_refused_naming_the_rule(tmp_path):
+def test_branches_whose_epochs_do_not_rise_is_refused_naming_the_rule(tmp_path):
     node = Node(tmp_path / "data")
     node.hello(run=None)
     [refusal] = node.say("policy", version=3, branches=[[1, 2], [1, 3]])
@@ -123,11 +125,11 @@ def _position(epoch=0, branches=(), step=10) -> TrainingPosition:
 
 def test_a_resume_starts_an_epoch_above_the_saved_one_and_any_a_broker_has_seen():
     position = _position(epoch=1, branches=[(1, 4)])
-    assert position.lineage_epochs == Lineage(((1, 4), (2, 10)))
+    assert position.ancestry == Ancestry(((1, 4), (2, 10)))
     assert position.state_dict()["branches"] == [[1, 4], [2, 10]]
     # a broker that saw epoch 2 (an earlier resume from this same checkpoint that died): this one is 3
     assert position.resumed(0, [], epoch=2) is True
-    assert position.lineage_epochs == Lineage(((1, 4), (3, 10)))
+    assert position.ancestry == Ancestry(((1, 4), (3, 10)))
     assert position.resumed(1, [], epoch=1) is False
     assert position.resumed(0, [], epoch=3) is False  # a later answer may know this lineage's own epoch
     with pytest.raises(InvalidInput, match="resume state: branches"):

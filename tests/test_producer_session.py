@@ -118,9 +118,18 @@ def gauge(s, name):
 # -- the handshake and what it negotiated --------------------------------------------------
 def test_the_hello_asks_for_what_the_producer_was_configured_with():
     assert decode(session().hello(), PRODUCER_TO_BROKER).fields == {
-        "producer_id": "p", "batch_acks": True, "batch_frames": True}
+        "producer_id": "p", "batch_acks": True, "batch_frames": True, "reads_branch": True}
     assert decode(session(batch_acks=False, batch_frames=False).hello(), PRODUCER_TO_BROKER).fields == {
-        "producer_id": "p"}
+        "producer_id": "p", "reads_branch": True}
+
+
+def test_the_trainers_branch_is_read_as_branch_or_from_an_older_broker_as_lineage():
+    current = session()
+    current.received(welcome(reads_branch=True, branch=[1, 10]), 0.0)
+    assert current.branch == (1, 10)
+    older = session()
+    older.received(welcome(lineage=[2, 12]), 0.0)  # a broker before `reads_branch` names it `lineage`
+    assert older.branch == (2, 12)
 
 
 def test_a_producer_of_a_job_names_it_and_fails_on_a_broker_that_does_not_keep_jobs_apart():
