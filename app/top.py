@@ -43,8 +43,8 @@ ENDED = "frames.end.applied"  # trajectories ended by their producer (in)
 ACKED = "trajectories_acked"  # trajectories a consumer acked (out)
 RECEIVED_BYTES = "received_bytes"
 NACKS = "nacks."  # refusals, as nacks.ENDPOINT.CODE
-QUEUES = ("open", "scoring", "awaiting_group", "ready", "leased", "dead")  # status counts, as the broker names them
-WAITING = ("scoring", "awaiting_group")  # ended, not ready yet: its reward or the rest of its group to come
+QUEUES = ("open", "scoring", "awaiting_group", "queued", "leased", "dead")  # status counts, as the broker names them
+WAITING = ("scoring", "awaiting_group")  # ended, not queued yet: its reward or the rest of its group to come
 REFUSALS_SHOWN = 3  # per row, most recent first
 
 
@@ -264,11 +264,11 @@ class Column(NamedTuple):
 
 COLUMNS = (Column("broker", "broker", folds=True), Column("frames/s", "fr/s"), Column("traj in/s", "in/s"),
            Column("traj out/s", "out/s"), Column("in bytes/s", "in B/s"), Column("open", "open"),
-           Column("waiting", "wait"), Column("ready", "ready"), Column("leased", "leased"), Column("dead", "dead"),
+           Column("waiting", "wait"), Column("queued", "queued"), Column("leased", "leased"), Column("dead", "dead"),
            Column("producers", "prod"), Column("consumers", "cons"), Column("memory", "mem"), Column("disk", "disk"),
            Column("ack latency", "ack p99"), Column("refusals (latest first)", "refusals", folds=True))
 # The columns in the order they are kept as a terminal narrows: what an operator needs first, then the rest.
-FIRST_NEEDED = ("broker", "traj in/s", "traj out/s", "ready", "memory", "disk", "ack latency", "refusals (latest first)")
+FIRST_NEEDED = ("broker", "traj in/s", "traj out/s", "queued", "memory", "disk", "ack latency", "refusals (latest first)")
 THEN = ("consumers", "producers", "frames/s", "waiting", "leased", "dead", "in bytes/s", "open")
 PRIORITY = FIRST_NEEDED + THEN
 GAP = 2  # characters between two columns as `table` draws them: a space of padding and the rule's gap
@@ -332,7 +332,7 @@ def cells(row: Row, brief: bool = False) -> dict[str, str]:
     return {"broker": row.broker, "frames/s": rate(row.frames), "traj in/s": rate(row.trajectories_in),
             "traj out/s": rate(row.trajectories_out), "in bytes/s": rate(row.bytes, lambda v: human_bytes(v) + "/s"),
             "open": str(queues.get("open", 0)), "waiting": str(sum(queues.get(name, 0) for name in WAITING)),
-            **{name: str(queues.get(name, 0)) for name in ("ready", "leased", "dead")},
+            **{name: str(queues.get(name, 0)) for name in ("queued", "leased", "dead")},
             "producers": str(row.producers), "consumers": str(row.consumers),
             "memory": budget(*row.memory), "disk": budget(*row.disk), "ack latency": latency,
             "refusals (latest first)": ("\n" if brief else ", ").join(refusals) or "-"}

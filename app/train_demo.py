@@ -378,7 +378,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
         finally:
             consumer.close()
         node.finish_producers(stop=True)
-        status: dict[str, Any] = node.admin.status() if node.admin is not None else {"ready": 1, "leased": 0}
+        status: dict[str, Any] = node.admin.status() if node.admin is not None else {"queued": 1, "leased": 0}
         dead = node.dead_letters()
         report = check(read_records([ledgers]), dead, broker_backlog=broker_backlog(status))
     summary = log.summary(step)

@@ -80,7 +80,7 @@ def _wait_ready(brokers: list[Broker], trajectories: int, timeout: float = 120.0
         ready = 0
         for broker in brokers:
             with AdminClient(broker.admin, timeout=10.0) as admin:
-                ready += admin.status()["ready"]
+                ready += admin.status()["queued"]
         if ready >= trajectories:
             return
         if time.monotonic() > deadline:

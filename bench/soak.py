@@ -197,7 +197,7 @@ def main() -> None:
           f"consumer hellos {taker.hellos}")
     print(f"  lost {len(lost)}  duplicated {len(taker.duplicates)}  corrupted {corrupted}  misanswered {len(problems)}  "
           f"producer errors {len(library.errors)}")
-    print(f"  broker at the end: open {status['open']} ready {status['ready']} leased {status['leased']} "
+    print(f"  broker at the end: open {status['open']} queued {status['queued']} leased {status['leased']} "
           f"dead {status['dead']}")
     for line in (problems + taker.failures + library.errors + [f"lost {tid}" for tid in lost])[:10]:
         print("  !", line[:300])

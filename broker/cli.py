@@ -100,7 +100,7 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
         click.echo(json.dumps(report, indent=None, sort_keys=True))
         return
     click.echo(f"broker at {endpoint}")
-    for key in ("open", "scoring", "awaiting_group", "ready", "leased", "dead", "producers", "consumers",
+    for key in ("open", "scoring", "awaiting_group", "queued", "leased", "dead", "producers", "consumers",
                 "bytes_in_memory", "bytes_on_disk", "unsealed", "unsealed_bytes", "oldest_unsealed_step"):
         if key in report:
             click.echo(f"  {key:<20} {report[key]}")
@@ -113,9 +113,9 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
                       f", lineage epoch {policy['epoch']} (resumed from step {policy['resumed_from']})"))
     for job, causes in report.get("starving", {}).items():
         click.echo(f"  {'STARVING ' + job:<20} {', '.join(causes)} (see the broker's log for the figures)")
-    for job, ready in report.get("ready_by_job", {}).items():
-        if set(report["ready_by_job"]) != {"default"}:  # jobs shown once there is more than the default one
-            click.echo(f"  {'ready in ' + job:<20} {ready}")
+    for job, queued in report.get("queued_by_job", {}).items():
+        if set(report["queued_by_job"]) != {"default"}:  # jobs shown once there is more than the default one
+            click.echo(f"  {'queued in ' + job:<20} {queued}")
     for name, bound in report.get("endpoints", {}).items():
         click.echo(f"  {name + ' endpoint':<20} {bound}")
     click.echo("  counters:")

@@ -79,7 +79,7 @@ STARVING = {
                 "rewards saturated?); loosen the filters or stop the run",
     "stale": "nearly everything became stale before delivery (producers far behind the trainer); raise max_staleness "
              "or add producers",
-    "idle": "its consumer holds credit and nothing became ready for starvation_after seconds; are its producers running?",
+    "idle": "its consumer holds credit and nothing was queued for starvation_after seconds; are its producers running?",
 }
 DEDUP_PRUNE_EVERY = 60.0  # seconds between prunes of the stored dedup records
 # The longest ping interval a producer is expected to use (they ping every
@@ -339,7 +339,7 @@ class BrokerCore:
         self.disk_bytes, self.free_bytes = disk_bytes, free_bytes
         counts = self.engine.counts()
         log.info("store recovered", extra={"data_dir": self.settings.data_dir, "open": counts[OPEN],
-                                           "ready": self.dispatcher.queued_trajectories, "dead": counts[DEAD]})
+                                           "queued": self.dispatcher.queued_trajectories, "dead": counts[DEAD]})
 
     def _restore(self, rebuilt: Rebuilt) -> list[DeliveryUnit]:
         """Fill the fresh engine and the policies from the store; the units to queue."""
@@ -367,10 +367,10 @@ class BrokerCore:
         engine = self.engine
         engine.saved()
         starvation = self.starvation
-        for unit in engine.ready_units:
+        for unit in engine.queued_units:
             self.dispatcher.enqueue(unit)
             starvation.kept(job_of(unit.trajectory_ids[0]), len(unit.trajectory_ids))
-        engine.ready_units.clear()
+        engine.queued_units.clear()
         for effect in effects:
             if type(effect) is DeadLetter and effect.reason.startswith(DISCARDS):
                 starvation.dropped(job_of(effect.trajectory_id), effect.reason.partition(":")[0], 1)
@@ -959,8 +959,10 @@ class BrokerCore:
         return {
             "open": counts[OPEN],
             "scoring": counts[SCORING],
-            "ready": self.dispatcher.queued_trajectories,
-            "ready_by_job": self.dispatcher.queued(),
+            "queued": (queued := self.dispatcher.queued_trajectories),
+            "queued_by_job": (queued_by_job := self.dispatcher.queued()),
+            "ready": queued,  # deprecated: the older name of `queued` (common/messages.py)
+            "ready_by_job": queued_by_job,  # deprecated: the older name of `queued_by_job`
             "leased": len(self.dispatcher.leases),
             "awaiting_group": self.engine.awaiting_group(),
             "dead": counts[DEAD],

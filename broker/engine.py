@@ -4,7 +4,7 @@ Sans-I/O: no sockets, files or clocks. The service feeds it decoded `turn`,
 `end` and `abort` messages with the current time and gets back, per message,
 the reply to send once durable and the effects to persist first. Refused
 frames change nothing. Deliverable units (a finished trajectory, or a whole
-group) are queued for the dispatcher in `ready_units`.
+group) are queued for the dispatcher in `queued_units`.
 """
 from __future__ import annotations
 
@@ -338,7 +338,7 @@ class MergeEngine:
         self.dedup: dict[str, float] = {}  # trajectory id -> remembered until
         self.pruned: dict[str, tuple[str, float]] = {}  # dead letters pruned, while remembered: id -> (reason, at)
         self._dedup_expiry: list[tuple[float, str]] = []  # a heap of (until, id): expiry without scanning every id
-        self.ready_units: deque[DeliveryUnit] = deque()
+        self.queued_units: deque[DeliveryUnit] = deque()
         self.trained_entries: dict[str, Entry] = {}  # the TRAINED ones, for seals and resumes
         self.trained_bytes = 0  # their `stored_bytes`, kept as they change
         self._trained_steps: Counter[int] = Counter()  # how many of them each step holds (`oldest_trained_step`)
@@ -615,7 +615,7 @@ class MergeEngine:
     def _member_done(self, entry: Entry, state: State, wall: float) -> None:
         if entry.group_id is None:
             if state == ENDED:
-                self.ready_units.append(DeliveryUnit((entry.trajectory_id,), version=entry.version))
+                self.queued_units.append(DeliveryUnit((entry.trajectory_id,), version=entry.version))
             return
         group = self.groups[entry.group_id]
         self._set_member(group, entry.trajectory_id, state)
@@ -652,7 +652,7 @@ class MergeEngine:
             if group_id in self.groups:  # no ended member: nothing closed it
                 self._close_group(group_id)
         elif ended:
-            self.ready_units.append(DeliveryUnit(ended, group_id, group.size, group.size - len(ended),
+            self.queued_units.append(DeliveryUnit(ended, group_id, group.size, group.size - len(ended),
                                                  self.oldest(ended)))
         else:
             self._close_group(group_id)
@@ -910,7 +910,7 @@ class MergeEngine:
         group_id, size = entry.group_id, entry.group_size
         group = None if group_id is None else self.groups.get(group_id)
         if group_id is None:
-            self.ready_units.append(DeliveryUnit((tid,), version=entry.version))
+            self.queued_units.append(DeliveryUnit((tid,), version=entry.version))
         elif group is not None and not group.deliverable:
             self._member_done(entry, ENDED, wall)
         else:
@@ -921,7 +921,7 @@ class MergeEngine:
             assert group.pending is not None  # deliverable
             self._set_member(group, tid, ENDED)
             group.pending.add(tid)
-            self.ready_units.append(DeliveryUnit((tid,), group_id, size, size - 1, entry.version))
+            self.queued_units.append(DeliveryUnit((tid,), group_id, size, size - 1, entry.version))
         return list(self._drain())
 
     # -- memory -------------------------------------------------------------

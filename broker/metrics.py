@@ -50,7 +50,7 @@ class BrokerMetrics(Metrics):
                                        "1 while producer frames are not all taken (memory budget: none read; disk: some wait)")
         self.unavailable = self.gauge("store_unavailable", "1 while the store cannot persist")
         self.starving = self.gauge("starving", "1 while a job starves: nearly all of it thrown away (filtered, stale) "
-                                   "or its consumer waiting with nothing becoming ready (idle)", ("job", "cause"))
+                                   "or its consumer waiting with nothing queued (idle)", ("job", "cause"))
         self.filtered = self.counter("filtered", "Trajectories dead-lettered by a group filter, by filter", ("filter",))
         self.staleness = self.histogram(
             "staleness", "Policy versions between a delivered trajectory's oldest turn and its trainer's",
@@ -111,7 +111,7 @@ class BrokerMetrics(Metrics):
 
     def show(self, status: Mapping) -> None:
         """The gauges of a `status`: trajectories by state, bytes held."""
-        for state in ("open", "scoring", "awaiting_group", "ready", "leased", "dead", "unsealed"):
+        for state in ("open", "scoring", "awaiting_group", "queued", "leased", "dead", "unsealed"):
             self.depth.labels(state=state).set(status[state])
         self.bytes.labels(where="memory").set(status["bytes_in_memory"])
         self.bytes.labels(where="disk").set(status["bytes_on_disk"])

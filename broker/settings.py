@@ -81,7 +81,7 @@ class BrokerSettings:
              "the starvation alarm (a warning naming the cause and figures, a gauge, an alert).", above=True)
     starvation_window: float = seconds(60.0, "Seconds over which the starvation share is measured.")
     starvation_after: float = seconds(120.0, "Seconds a job's consumer may wait with credit while nothing of the job "
-                                             "becomes ready before the starvation alarm names it idle.")
+                                             "is queued before the starvation alarm names it idle.")
     sync: str = choice("normal", "normal: durable against a broker crash; full: fsync before every ack (power loss).",
                        ("normal", "full"))
     max_memory_bytes: int = size(

@@ -305,7 +305,7 @@ class Report:
 
 # What a broker's `status` counts as ended and still to deliver: queued, out
 # on a lease, waiting for its reward, waiting for the rest of its group.
-BACKLOG_KEYS = ("ready", "leased", "scoring", "awaiting_group")
+BACKLOG_KEYS = ("queued", "leased", "scoring", "awaiting_group")
 
 
 def broker_backlog(status: Mapping[str, Any]) -> int:

@@ -432,6 +432,8 @@ ADMIN_REQUESTS = _schema(
     MessageSpec("requeue", {"trajectory_ids": ID_LIST}, {**_SEQ, "job": JOB}),
 )
 
+# The status reply's `ready` and `ready_by_job` are the older names of `queued` and `queued_by_job`, sent beside
+# them for one version so that an older `rollstream status` or `top` still reads the reply.
 ADMIN_REPLIES = _schema(
     "admin reply",
     MessageSpec(
@@ -449,7 +451,7 @@ ADMIN_REPLIES = _schema(
         },
         {"seq": INT, "endpoints": MAP, "unsealed": COUNT, "unsealed_bytes": COUNT, "oldest_unsealed_step": COUNT,
          "policies": MAP, "starving": MAP, "scoring": COUNT, "awaiting_group": COUNT, "max_memory_bytes": COUNT,
-         "max_disk_bytes": COUNT, "ack_seconds": MAP, "ready_by_job": MAP},
+         "max_disk_bytes": COUNT, "ack_seconds": MAP, "queued": COUNT, "queued_by_job": MAP, "ready_by_job": MAP},
     ),
     MessageSpec("dead_letters", {"items": LIST}, _SEQ),
     MessageSpec("requeued", {"trajectory_ids": TEXT_LIST}, _SEQ),

@@ -114,7 +114,7 @@ def test_an_ack_with_a_step_keeps_the_trajectories_as_trained_across_a_restart(n
                                                      (TRAINED, TrainedAt("R", "L1", 1, 1))]
     node.hello()
     assert [tid for tid, _ in node.take(5)] == ["c"]  # trained ones are never delivered again as new data
-    assert node.core.status(node.clock)["ready"] == 0
+    assert node.core.status(node.clock)["queued"] == 0
 
 
 def test_a_plain_ack_of_a_trajectory_a_step_already_recorded_is_answered_acked_and_changes_nothing(node):

@@ -134,7 +134,7 @@ def test_producer_and_consumer_conversation(broker):
     admin = Peer(broker.admin)
     status, _ = admin.call(frames("status", seq=1))
     assert status["type"] == "status" and status["seq"] == 1
-    assert status["open"] == 0 and status["ready"] == 0 and status["counters"]["trajectories.delivered"] == 1
+    assert status["open"] == 0 and status["queued"] == 0 and status["counters"]["trajectories.delivered"] == 1
 
 
 def test_gap_abort_and_dead_letters(broker):
@@ -416,7 +416,7 @@ def test_a_checkpointing_session_trains_seals_and_resumes_and_a_broker_restart_s
                                            positions=list(range(len(tids)))))
             assert reply == {"v": 1, "type": "acked", "leases": [leases[t] for t in tids]}
         status, _ = Peer(broker.admin).call(frames("status"))
-        assert (status["unsealed"], status["oldest_unsealed_step"], status["ready"]) == (3, 1, 1)
+        assert (status["unsealed"], status["oldest_unsealed_step"], status["queued"]) == (3, 1, 1)
         reply, _ = trainer.call(frames("seal", step=1, keep=1, seq=5))
         assert reply == {"v": 1, "type": "sealed", "step": 1, "reclaimed": 1, "seq": 5}
 
@@ -447,7 +447,7 @@ def test_a_checkpointing_session_trains_seals_and_resumes_and_a_broker_restart_s
         reply, _ = plain.call(frames("seal", step=3, keep=1))
         assert (reply["type"], reply["code"]) == ("nack", "not_checkpointed")
         status, _ = Peer(broker.admin).call(frames("status"))
-        assert (status["ready"], status["leased"], status["unsealed"]) == (0, 0, 3)
+        assert (status["queued"], status["leased"], status["unsealed"]) == (0, 0, 3)
 
 
 def test_two_jobs_keep_their_ids_apart_and_spans_place_each_version(broker):
@@ -529,11 +529,11 @@ def test_an_end_without_a_reward_waits_for_a_reward_message_from_any_connection(
     assert producer.call(turn(1, "t", 0, [10], [[10]], prompt=[1]))[0]["applied"] is True
     assert producer.call(frames("end", seq=2, trajectory_id="t"))[0]["applied"] is True
     status, _ = Peer(broker.admin).call(frames("status"))
-    assert (status["scoring"], status["ready"]) == (1, 0)
+    assert (status["scoring"], status["queued"]) == (1, 0)
     reply, _ = verifier.call(frames("reward", seq=1, trajectory_id="t", reward={"score": 0.5}))
     assert reply == {"v": 1, "type": "ack", "seq": 1, "trajectory_id": "t", "applied": True}
     status, _ = Peer(broker.admin).call(frames("status"))
-    assert (status["scoring"], status["ready"]) == (0, 1)
+    assert (status["scoring"], status["queued"]) == (0, 1)
     consumer = Peer(broker.consumer)
     consumer.call(frames("hello", consumer_id="c"))
     consumer.sock.send_multipart(frames("credit", n=1, unit="trajectory"))

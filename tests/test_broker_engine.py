@@ -64,7 +64,7 @@ def test_an_end_that_counts_a_turn_the_broker_never_saw_is_out_of_order_and_chan
     error = refused(engine.handle(end_msg("t", turns=3, seq=7), wall=3))  # turn 2 was lost on the way
     assert (error.code, error.expected, error.seq) == ("out_of_order", 2, 7)
     assert "says 3 turns were sent" in error.message and "consumed 2" in error.message
-    assert engine.entries["t"].state == "open" and not engine.ready_units
+    assert engine.entries["t"].state == "open" and not engine.queued_units
     engine.handle(turn_msg("t", 2, [12], [[12]]), wall=4)  # the resent turn, then the end again
     reply = engine.handle(end_msg("t", turns=3, seq=8), wall=5)
     assert ack(reply)["applied"] and [type(e) for e in reply.effects] == [EndTrajectory]
@@ -149,7 +149,7 @@ def test_end_makes_a_ready_unit_and_is_idempotent(engine):
     assert ack(reply) == {"seq": 100, "trajectory_id": "t", "applied": True}
     (effect,) = reply.effects
     assert isinstance(effect, EndTrajectory) and effect.reward == 0.5 and effect.metadata == {"k": 1}
-    assert list(engine.ready_units) == [DeliveryUnit(("t",))]
+    assert list(engine.queued_units) == [DeliveryUnit(("t",))]
     again = engine.handle(end_msg("t", reward=0.5, metadata={"k": 1}, seq=101), wall=3)
     assert ack(again)["duplicate"] and again.effects == ()
     assert refused(engine.handle(end_msg("t", reward=0.7), wall=3)).code == "conflict"
@@ -221,11 +221,11 @@ def test_idle_open_trajectory_expires_to_dead_letters(engine):
 def test_dead_letter_and_revive(engine):
     engine.handle(turn_msg("t", 0), wall=1)
     engine.handle(end_msg("t"), wall=1)
-    engine.ready_units.clear()
+    engine.queued_units.clear()
     assert engine.dead_letter("t", "bad batch", wall=5) == [DeadLetter("t", "bad batch", 5)]
     assert engine.counts()[DEAD] == 1
     assert engine.revive("t", wall=6) == [Revive("t")]
-    assert engine.entries["t"].state == ENDED and list(engine.ready_units) == [DeliveryUnit(("t",), None, None, 0)]
+    assert engine.entries["t"].state == ENDED and list(engine.queued_units) == [DeliveryUnit(("t",), None, None, 0)]
 
 
 def test_a_dead_letter_given_up_before_its_end_or_its_reward_is_never_revived(engine):
@@ -235,7 +235,7 @@ def test_a_dead_letter_given_up_before_its_end_or_its_reward_is_never_revived(en
     engine.give_up(DEFAULT_JOB, lambda entry: True, "stale", wall=3)
     assert engine.counts()[DEAD] == 2
     assert engine.revive("open", wall=4) == [] and engine.revive("scoring", wall=4) == []
-    assert engine.counts()[DEAD] == 2 and not engine.ready_units
+    assert engine.counts()[DEAD] == 2 and not engine.queued_units
 
 
 def test_a_revived_member_of_a_closed_group_makes_it_deliverable_again_until_it_goes(engine):
@@ -243,11 +243,11 @@ def test_a_revived_member_of_a_closed_group_makes_it_deliverable_again_until_it_
     engine.handle(turn_msg("b", 0, group=("G", 2)), wall=1)
     engine.handle(end_msg("a"), wall=2)
     engine.handle(end_msg("b", seq=101), wall=2)
-    engine.ready_units.clear()
+    engine.queued_units.clear()
     engine.delivered("a", wall=3)
     assert CloseGroup("G") in engine.dead_letter("b", "refused", wall=3)
     assert engine.revive("b", wall=4) == [Revive("b"), GroupDeliverable("G", 2)]
-    assert list(engine.ready_units) == [DeliveryUnit(("b",), "G", 2, 1)]
+    assert list(engine.queued_units) == [DeliveryUnit(("b",), "G", 2, 1)]
     assert engine.groups["G"].deliverable and engine.awaiting_group() == 0
     assert CloseGroup("G") in engine.delivered("b", wall=5) and "G" not in engine.groups
 
@@ -256,10 +256,10 @@ def test_a_revived_member_of_a_deliverable_group_keeps_the_group_open_until_it_g
     for tid in "abc":
         engine.handle(turn_msg(tid, 0, group=("G", 3)), wall=1)
         engine.handle(end_msg(tid), wall=2)
-    engine.ready_units.clear()
+    engine.queued_units.clear()
     engine.dead_letter("a", "refused", wall=3)
     assert engine.revive("a", wall=4) == [Revive("a")]
-    assert list(engine.ready_units) == [DeliveryUnit(("a",), "G", 3, 2)]
+    assert list(engine.queued_units) == [DeliveryUnit(("a",), "G", 3, 2)]
     engine.delivered("b", wall=5)
     engine.delivered("c", wall=5)
     assert "G" in engine.groups
@@ -280,9 +280,9 @@ def test_ended_members_await_their_group_until_it_is_deliverable_or_expires(engi
     engine.handle(reward_msg("b", 0.5), wall=4)
     assert engine.awaiting_group() == 3
     engine.handle(abort_msg("y"), wall=5)  # H complete: x is ready
-    assert engine.awaiting_group() == 2 and [unit.trajectory_ids for unit in engine.ready_units] == [("x",)]
+    assert engine.awaiting_group() == 2 and [unit.trajectory_ids for unit in engine.queued_units] == [("x",)]
     engine.expire(wall=200)  # G idle past the TTL: delivered without its third member
-    assert engine.awaiting_group() == 0 and [unit.trajectory_ids for unit in engine.ready_units] == [("x",), ("a", "b")]
+    assert engine.awaiting_group() == 0 and [unit.trajectory_ids for unit in engine.queued_units] == [("x",), ("a", "b")]
 
 
 def test_a_pruned_dead_letter_is_listed_as_pruned_until_its_id_is_forgotten(engine):
@@ -303,11 +303,11 @@ def test_group_is_deliverable_when_every_member_ended_or_left(engine):
         engine.handle(turn_msg(f"g{i}", 0, group=("G", 3)), wall=1)
     engine.handle(end_msg("g0"), wall=2)
     engine.handle(end_msg("g2"), wall=2)
-    assert not engine.ready_units
+    assert not engine.queued_units
     reply = engine.handle(abort_msg("g1"), wall=3)
     assert ack(reply)["applied"]
     assert DropTrajectory("g1", True) in reply.effects and GroupDeliverable("G", 3) in reply.effects
-    assert list(engine.ready_units) == [DeliveryUnit(("g0", "g2"), "G", 3, 1)]
+    assert list(engine.queued_units) == [DeliveryUnit(("g0", "g2"), "G", 3, 1)]
     assert refused(engine.handle(turn_msg("g1", 0, group=("G", 3)), wall=4)).code == "conflict"
     engine.delivered("g0", wall=5)
     effects = engine.delivered("g2", wall=5)
@@ -328,7 +328,7 @@ def test_aborted_member_may_rejoin_before_the_group_is_deliverable(engine):
     assert ack(engine.handle(turn_msg("a", 0, group=("G", 2)), wall=3))["applied"]
     engine.handle(end_msg("a"), wall=4)
     engine.handle(end_msg("b", seq=101), wall=4)
-    assert list(engine.ready_units) == [DeliveryUnit(("a", "b"), "G", 2, 0)]
+    assert list(engine.queued_units) == [DeliveryUnit(("a", "b"), "G", 2, 0)]
 
 
 def test_idle_incomplete_group_is_made_deliverable_with_missing_members_left(engine):
@@ -337,7 +337,7 @@ def test_idle_incomplete_group_is_made_deliverable_with_missing_members_left(eng
     assert engine.expire(wall=50) == []
     effects = engine.expire(wall=200)
     assert GroupDeliverable("G", 4) in effects
-    assert list(engine.ready_units) == [DeliveryUnit(("a",), "G", 4, 3)]
+    assert list(engine.queued_units) == [DeliveryUnit(("a",), "G", 4, 3)]
 
 
 def test_expired_member_counts_as_left(engine):
@@ -345,7 +345,7 @@ def test_expired_member_counts_as_left(engine):
     engine.handle(turn_msg("b", 0, group=("G", 2)), wall=150)
     engine.handle(end_msg("b"), wall=150)
     engine.expire(wall=160)
-    assert list(engine.ready_units) == [DeliveryUnit(("b",), "G", 2, 1)]
+    assert list(engine.queued_units) == [DeliveryUnit(("b",), "G", 2, 1)]
 
 
 def test_refused_turn_zero_leaves_no_trace(engine):

@@ -334,7 +334,7 @@ def test_memory_budget_evicts_open_trajectories(tmp_path):
         assert len(replies) == 90 and all(r.type == "ack" and r["applied"] for r in replies)
         counters = broker.status()["counters"]
         assert counters["evictions.open"] >= 20 and "reloads" not in counters  # merged shed: nothing read back yet
-        assert broker.status()["ready"] == 30
+        assert broker.status()["queued"] == 30
 
         consumer = dealer(broker.consumer)
         call(consumer, encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "c"}))

@@ -63,7 +63,7 @@ def test_a_group_with_equal_rewards_is_dead_lettered_filtered_and_the_others_are
     group(node, "signal", [{"score": 1.0}, {"score": 0.0}])
     group(node, "alone", [0.5])
     status = node.core.status(node.clock)
-    assert status["dead"] == 4 and status["ready"] == 2 and status["open"] == 0
+    assert status["dead"] == 4 and status["queued"] == 2 and status["open"] == 0
     counters = status["counters"]
     assert counters["trajectories.filtered"] == 4
     assert (counters["filtered.all_equal_rewards"], counters["filtered.min_members"]) == (3, 1)
@@ -73,7 +73,7 @@ def test_a_group_with_equal_rewards_is_dead_lettered_filtered_and_the_others_are
     assert sorted(tid for tid, _ in node.take(5)) == ["signal-0", "signal-1"]
     node.restart()  # the verdict is durable: nothing filtered comes back
     status = node.core.status(node.clock)
-    assert (status["dead"], status["ready"], status["open"]) == (4, 2, 0)
+    assert (status["dead"], status["queued"], status["open"]) == (4, 2, 0)
 
 
 def test_without_filters_a_flat_group_is_delivered(tmp_path):

@@ -38,7 +38,7 @@ def test_a_trajectory_ended_without_its_reward_waits_for_it_and_is_delivered_wit
     assert send(node, reward_msg("t", {"score": 0.75}, seq=5)) == [("ack", "duplicate")]
     assert send(node, reward_msg("t", 0.1, seq=6)) == [("nack", "conflict")]
     status = node.core.status(node.clock)
-    assert (status["scoring"], status["ready"]) == (0, 1)
+    assert (status["scoring"], status["queued"]) == (0, 1)
     assert delivered(node) == {"t": {"score": 0.75}}
 
 
@@ -107,11 +107,11 @@ def test_ended_members_of_an_incomplete_group_are_counted_awaiting_it_and_not_lo
          turn_msg("b", 0, seq=3, group=("g", 3)), end_msg("b", reward=None, seq=4),
          turn_msg("c", 0, seq=5, group=("g", 3)))
     status = wire_status(node)
-    assert (status["awaiting_group"], status["scoring"], status["open"], status["ready"], status["leased"]) == \
+    assert (status["awaiting_group"], status["scoring"], status["open"], status["queued"], status["leased"]) == \
         (1, 1, 1, 0, 0)
     acked = [{"kind": "acked", "id": "a", "applied": True}]
     assert check(acked, broker_backlog=broker_backlog(status)).unseen == ["a"]
-    assert check(acked, broker_backlog=status["ready"] + status["leased"]).lost == ["a"]  # what the demo read
+    assert check(acked, broker_backlog=status["queued"] + status["leased"]).lost == ["a"]  # what the demo read
     node.restart()
     node.hello(run=None)
     assert wire_status(node)["awaiting_group"] == 1
@@ -119,5 +119,5 @@ def test_ended_members_of_an_incomplete_group_are_counted_awaiting_it_and_not_lo
     assert wire_status(node)["awaiting_group"] == 2  # a and c; b still scoring
     send(node, reward_msg("b", 0.5, seq=7))
     status = wire_status(node)
-    assert (status["awaiting_group"], status["scoring"], status["ready"]) == (0, 0, 3)
+    assert (status["awaiting_group"], status["scoring"], status["queued"]) == (0, 0, 3)
     assert delivered(node) == {"a": 1.0, "b": 0.5, "c": 0.0}

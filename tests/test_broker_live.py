@@ -203,4 +203,4 @@ def test_a_producer_resending_a_trajectory_acked_by_its_trainer_is_told_duplicat
         again = send_trajectory(broker.producer, "p", "t")
         assert [(r.kind, r.applied, r.duplicate, r.reason) for r in again] == [("turn", False, True, None),
                                                                                 ("end", False, True, None)]
-        assert broker.status()["ready"] == 0  # nothing reopened
+        assert broker.status()["queued"] == 0  # nothing reopened

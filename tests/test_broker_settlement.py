@@ -17,7 +17,7 @@ def ready(*tids: str, max_deliveries: int = 3) -> tuple[MergeEngine, Dispatcher,
     for tid in tids:
         engine.handle(turn_msg(tid, 0), 1.0)
         engine.handle(end_msg(tid), 1.0)
-    for unit in engine.ready_units:
+    for unit in engine.queued_units:
         dispatcher.enqueue(unit)
     dispatcher.hello(C, "c", mono=0.0)
     dispatcher.credit(C, len(tids), "trajectory")
@@ -104,7 +104,7 @@ def test_settling_by_id_keeps_a_partly_settled_group_unit_whole_with_its_count()
     for tid in ("g0", "g1", "g2"):
         engine.handle(turn_msg(tid, 0, group=("g", 3)), 1.0)
         engine.handle(end_msg(tid), 1.0)
-    for unit in engine.ready_units:
+    for unit in engine.queued_units:
         dispatcher.enqueue(unit)
     s = Settlement.prepare(C, settle("ack", ["L-old"], trajectory_ids=["g1"]), dispatcher, engine, wall=5.0,
                            claimed=set(), claimed_ids=set())

@@ -212,7 +212,7 @@ def test_client_ledgers_over_a_live_broker_check_clean(tmp_path):
                 consumer.commit(consumer.next_batch(timeout=30))
             consumer.flush(30)
         records = read_records([tmp_path])
-        report = check(records, broker.dead_letters(), broker_backlog=broker.status()["ready"])
+        report = check(records, broker.dead_letters(), broker_backlog=broker.status()["queued"])
     finally:
         broker.__exit__(None, None, None)
     assert report.summary() == {"acked": 6, "committed": 6, "lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0,

@@ -278,7 +278,7 @@ MESSAGES = [
     (ADMIN_REQUESTS, "status", {}),
     (ADMIN_REQUESTS, "dead_letters", {"limit": 10}),
     (ADMIN_REQUESTS, "requeue", {"trajectory_ids": ["t"]}),
-    (ADMIN_REPLIES, "status", {"open": 1, "ready": 2, "leased": 0, "dead": 0, "producers": 1, "consumers": 1,
+    (ADMIN_REPLIES, "status", {"open": 1, "queued": 2, "ready": 2, "leased": 0, "dead": 0, "producers": 1, "consumers": 1,
                                "bytes_in_memory": 10, "bytes_on_disk": 20, "counters": {"frames": 3}}),
     (ADMIN_REPLIES, "dead_letters", {"items": [{"trajectory_id": "t", "reason": "expired", "at": 1.0}]}),
     (ADMIN_REPLIES, "requeued", {"trajectory_ids": ["t"]}),

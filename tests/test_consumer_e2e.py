@@ -41,7 +41,7 @@ def out_of_vocab_rollout(tid):
 
 def drained(broker):
     status = broker.status()
-    return status["ready"] == 0 and status["leased"] == 0
+    return status["queued"] == 0 and status["leased"] == 0
 
 
 @pytest.mark.slow

@@ -302,7 +302,7 @@ def test_allowed_producer_and_consumer_work_end_to_end(broker, keys):
         assert batch.trajectory_ids == ("allowed-0",)
         assert got["tokens"].tolist() == [*expected.prompt_tokens.tolist(), *expected.tokens.tolist()]
         consumer.commit(batch)
-    wait_for(lambda: broker.status()["ready"] == 0 and broker.status()["leased"] == 0, what="the commit")
+    wait_for(lambda: broker.status()["queued"] == 0 and broker.status()["leased"] == 0, what="the commit")
     assert refusals(broker) == {}
 
 
@@ -312,7 +312,7 @@ def test_unknown_key_is_refused_logged_by_fingerprint_and_counted(broker, keys, 
         assert send(broker, keys, "stranger", rollout("stranger-0"), patience=3.0) is None
     assert any("refused this client's CURVE key" in r.getMessage() for r in caplog.records)
     status = broker.status()
-    assert (status["open"], status["ready"]) == (0, 0), "nothing of a refused producer may enter"
+    assert (status["open"], status["queued"]) == (0, 0), "nothing of a refused producer may enter"
     assert refusals(broker).get("curve_refused.producer.key_not_allowed", 0) >= 1
     stranger = fingerprint(zmq.auth.load_certificate(keys / "stranger.key")[0])
     assert f"key {stranger} is not in its directory" in broker.log()
@@ -327,7 +327,7 @@ def test_a_consumer_key_not_allowed_gets_no_deliveries(broker, keys):
         with pytest.raises(TimeoutError):
             consumer.next_batch(timeout=1)
     status = broker.status()
-    assert (status["ready"], status["leased"], status["consumers"]) == (1, 0, 0)
+    assert (status["queued"], status["leased"], status["consumers"]) == (1, 0, 0)
     assert refusals(broker).get("curve_refused.consumer.key_not_allowed", 0) >= 1
 
 
@@ -369,7 +369,7 @@ def test_a_key_added_to_a_directory_works_after_sighup(broker, keys):
     wait_for(lambda: "the producer socket allows 2 client keys" in broker.log(), what="the reload")
     receipts = send(broker, keys, "stranger", rollout("late-1", seed=1))
     assert receipts is not None and all(r.applied for r in receipts)
-    assert broker.status()["ready"] == 1
+    assert broker.status()["queued"] == 1
 
 
 @pytest.mark.slow
@@ -400,7 +400,7 @@ def test_a_key_removed_at_sighup_cuts_off_its_open_connections(broker, keys):
             send_now(producer, "after-producer-revoked-2", 2)[0].result(timeout=3)  # nor is the producer's frame taken
         producer.close(timeout=0.5)
     status = broker.status()
-    assert (status["consumers"], status["ready"], status["leased"], status["open"]) == (0, 1, 0, 0), status
+    assert (status["consumers"], status["queued"], status["leased"], status["open"]) == (0, 1, 0, 0), status
     counted = refusals(broker)
     assert counted.get("curve_refused.consumer.revoked", 0) >= 1 and counted.get("curve_refused.producer.revoked", 0) >= 1
     assert "was removed since it connected" in broker.log()

@@ -6,7 +6,7 @@ broker's status, its dead letters) and the ledgers it reads. A stand-in
 node plays one producer with one trajectory left: at a chosen one of the
 harness's looks (the `finish_at`-th) the producer sends it, writes its
 `sent` and `acked` records, and exits, and from then on the broker's status
-holds it ready. No trainer ever commits it, so the run is never drained:
+holds it queued. No trainer ever commits it, so the run is never drained:
 whichever look the producer finishes at, `drained` must never say it is.
 Once the trainer commits it, the run is drained.
 """
@@ -37,7 +37,7 @@ def write(ledger: Path, *records: dict) -> None:
 class OneProducerLeft:
     """A node with one running producer and an idle broker; at its
     `finish_at`-th look (any method the harness calls on it) the producer
-    sends its last trajectory, which the broker holds ready, writes its
+    sends its last trajectory, which the broker holds queued, writes its
     ledger records and exits. `commit()` plays the trainer committing it."""
 
     def __init__(self, work: Path, finish_at: int):
@@ -45,7 +45,7 @@ class OneProducerLeft:
         self.finish_at = finish_at
         self.looks = 0
         self.exited = False
-        self.ready = 0
+        self.queued = 0
         self.producer_starts = 1
         self.answers = True  # False: the broker is too busy to answer an admin request in time
         self.broker = self  # `_status` asks `node.broker.poll()` whether the broker is alive
@@ -56,18 +56,18 @@ class OneProducerLeft:
         if self.looks == self.finish_at:
             (self.work / "ledgers").mkdir(exist_ok=True)
             write(self.work / "ledgers" / "producer-0.jsonl", SENT, ACKED)
-            self.ready, self.exited = 1, True
+            self.queued, self.exited = 1, True
 
     def commit(self) -> None:
         write(self.work / "ledgers" / "rank-0.jsonl", COMMITTED)
-        self.ready = 0
+        self.queued = 0
 
     def poll(self) -> None:  # the broker process: alive
         self._look()
 
     def status(self) -> dict:
         self._look()
-        return {"open": 0, "ready": self.ready, "leased": 0, "scoring": 0, "awaiting_group": 0, "unsealed": 0,
+        return {"open": 0, "queued": self.queued, "leased": 0, "scoring": 0, "awaiting_group": 0, "unsealed": 0,
                 "counters": {}}
 
     def dead_letters(self) -> list[dict]:
@@ -112,7 +112,7 @@ def test_a_producer_finishing_at_any_look_never_leaves_its_acked_trajectory_behi
 def test_a_run_whose_producer_finished_before_a_poll_and_whose_trajectory_was_committed_is_drained(tmp_path):
     node = OneProducerLeft(tmp_path, finish_at=1)
     pipeline = Pipeline(node, dp_size=1, batch_size=1)
-    assert rounds(pipeline) == [False] * ROUNDS, "the acked trajectory is still ready at the broker: not drained"
+    assert rounds(pipeline) == [False] * ROUNDS, "the acked trajectory is still queued at the broker: not drained"
     node.commit()
     pipeline.poll()
     assert pipeline.drained, (f"a run whose producers exited and whose acked trajectory was committed must be drained: "

@@ -36,12 +36,12 @@ def test_two_jobs_with_the_same_ids_stay_apart_across_a_broker_restart(brokers):
     broker = brokers()
     produce(broker.producer, None, 100)
     produce(broker.producer, "eval", 200)
-    assert broker.status()["ready_by_job"] == {"default": 2, "eval": 2}
+    assert broker.status()["queued_by_job"] == {"default": 2, "eval": 2}
     broker.kill()
     broker.start()  # what the store holds comes back, each trajectory in its job
-    assert broker.status()["ready_by_job"] == {"default": 2, "eval": 2}
+    assert broker.status()["queued_by_job"] == {"default": 2, "eval": 2}
     with AdminClient(broker.admin, timeout=5.0) as admin:  # what `rollstream status` prints from
-        assert admin.status()["ready_by_job"] == {"default": 2, "eval": 2}
+        assert admin.status()["queued_by_job"] == {"default": 2, "eval": 2}
     with Consumer(broker.consumer, batch_size=2, vocab_size=VOCAB, job="eval", checkpointed=False) as evaluation:
         assert take_all(evaluation) == {"t0": [200], "t1": [201]}
     trainer = Consumer(broker.consumer, batch_size=2, vocab_size=VOCAB)
@@ -55,7 +55,7 @@ def test_two_jobs_with_the_same_ids_stay_apart_across_a_broker_restart(brokers):
     with pytest.raises(InvalidInput, match="rule 'a run resumes in its own job' violated: the state belongs to job "
                                            "'default', this consumer reads job 'eval'"):
         Consumer(broker.consumer, batch_size=2, vocab_size=VOCAB, job="eval", resume=state)
-    assert broker.status()["ready"] == 0 and broker.status()["unsealed"] == 2  # the trainer's, kept until sealed
+    assert broker.status()["queued"] == 0 and broker.status()["unsealed"] == 2  # the trainer's, kept until sealed
 
 
 def test_a_job_name_that_breaks_the_rule_is_refused_before_anything_connects():

@@ -119,6 +119,6 @@ def test_a_live_broker_nacks_the_fuzzers_frames_then_acks_a_well_formed_trajecto
                 ack = codec.decode(sock.recv_multipart(), BROKER_TO_PRODUCER)
                 assert (ack.type, ack["seq"], ack["applied"]) == ("ack", seq, True)
             assert broker.proc.poll() is None
-            assert broker.status()["ready"] == 1
+            assert broker.status()["queued"] == 1
         finally:
             sock.close()

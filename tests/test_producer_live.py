@@ -622,12 +622,12 @@ def test_sigterm_stops_cleanly_leaving_nothing_open(tmp_path):
         process = daemon(broker, "--trajectories", "0", "--rate", "40", "--turns", "4", "--vocab-size", "5000",
                          "--spool-dir", str(spool), "--producer-id", "p-term")
         wait_for_line(process.stderr, "producer daemon running")
-        wait_for(lambda: broker.status()["ready"] >= 3, PATIENCE, "three trajectories ready at the broker")
+        wait_for(lambda: broker.status()["queued"] >= 3, PATIENCE, "three trajectories ready at the broker")
         process.send_signal(signal.SIGTERM)
         log = finish(process)
         status = broker.status()
     assert "stopping" in log and "producer stopped" in log and "unsettled=0" in log
-    assert status["open"] == 0 and status["ready"] >= 3
+    assert status["open"] == 0 and status["queued"] >= 3
     assert not [p for p in spool.iterdir() if p.name.startswith("seg-")]
 
 

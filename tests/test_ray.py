@@ -207,7 +207,7 @@ def _run(rsray, nodes: list[str], brokers: dict, tmp_path: Path) -> None:
 
     def backlog() -> int:
         reports = [status["broker"] for status in rsray.brokers_status().values()]
-        return sum(report["ready"] + report["leased"] + report["open"] for report in reports)
+        return sum(report["queued"] + report["leased"] + report["open"] for report in reports)
 
     planned = 2 * TRAJECTORIES
 

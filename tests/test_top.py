@@ -59,7 +59,7 @@ T = TypeVar("T")
 
 def report(counters: dict, acks: list[int], ack_sum: float, **fields) -> dict:
     """A status report as a broker sends it, with only what `top` reads."""
-    return {"open": 1, "scoring": 5, "awaiting_group": 6, "ready": 2, "leased": 3, "dead": 4, "producers": 1, "consumers": 2,
+    return {"open": 1, "scoring": 5, "awaiting_group": 6, "queued": 2, "leased": 3, "dead": 4, "producers": 1, "consumers": 2,
             "bytes_in_memory": 1024, "bytes_on_disk": 3072, "unsealed_bytes": 1024, "max_memory_bytes": 4096,
             "max_disk_bytes": 8192,
             "counters": counters, "ack_seconds": {"bounds": BOUNDS, "counts": acks, "sum": ack_sum}, **fields}
@@ -80,7 +80,7 @@ def test_rates_latency_and_refusals_come_from_the_deltas_between_two_answers():
     row = top.update("b", Poll(12.0, SECOND))
     # frames: turns + ends + refused producer frames, (40 + 8 + 4) - (10 + 2 + 2) over 2 s
     assert (row.frames, row.trajectories_in, row.trajectories_out, row.bytes) == (19.0, 3.0, 2.0, 4000.0)
-    assert row.queues == {"open": 1, "scoring": 5, "awaiting_group": 6, "ready": 2, "leased": 3, "dead": 4}
+    assert row.queues == {"open": 1, "scoring": 5, "awaiting_group": 6, "queued": 2, "leased": 3, "dead": 4}
     assert (row.producers, row.consumers) == (1, 2)
     assert row.memory == (1024, 4096) and row.disk == (2048, 8192)  # disk: less the unsealed bytes (a budget of their own)
     assert row.latency == Latency((0.001, 0.01, 0.1), (90, 9, 1, 0), 0.5)
@@ -117,7 +117,7 @@ def test_the_total_sums_the_brokers_that_answered():
     top = Top()
     top.update("a", Poll(10.0, FIRST))
     a = top.update("a", Poll(12.0, SECOND))
-    fresh = top.update("b", Poll(12.0, report({"nacks.producer.unavailable": 5}, [1, 0, 0, 0], 0.0005, ready=10)))
+    fresh = top.update("b", Poll(12.0, report({"nacks.producer.unavailable": 5}, [1, 0, 0, 0], 0.0005, queued=10)))
     top.update("e", Poll(10.0, report({}, [0, 0, 0, 0], 0.0)))
     idle = top.update("e", Poll(12.0, report({}, [0, 0, 1, 0], 0.05)))
     down = Row("c", error="no answer")
@@ -125,7 +125,7 @@ def test_the_total_sums_the_brokers_that_answered():
     assert whole.broker == "total (3 of 4 answering)"
     # b has no rates yet: the sums of a's and e's
     assert (whole.frames, whole.trajectories_in, whole.trajectories_out, whole.bytes) == (19.0, 3.0, 2.0, 4000.0)
-    assert whole.queues == {"open": 3, "scoring": 15, "awaiting_group": 18, "ready": 14, "leased": 9, "dead": 12}
+    assert whole.queues == {"open": 3, "scoring": 15, "awaiting_group": 18, "queued": 14, "leased": 9, "dead": 12}
     assert (whole.producers, whole.consumers) == (3, 6)
     assert whole.memory == (3072, 12288) and whole.disk == (6144, 24576)
     assert whole.latency == Latency((0.001, 0.01, 0.1), (90, 9, 2, 0), 0.55)
@@ -134,7 +134,7 @@ def test_the_total_sums_the_brokers_that_answered():
     assert whole.refusals == (Refusal("producer.unavailable", 9, 2, 12.0), Refusal("consumer.stale_lease", 1, 1, 12.0))
     older = Row("d", queues={}, memory=(100, None), disk=(100, None))  # a broker that reports no budgets
     assert total([a, older]).memory == (1124, None)
-    assert total([down]) == Row("total (0 of 1 answering)", queues={"open": 0, "scoring": 0, "awaiting_group": 0, "ready": 0,
+    assert total([down]) == Row("total (0 of 1 answering)", queues={"open": 0, "scoring": 0, "awaiting_group": 0, "queued": 0,
                                                                     "leased": 0, "dead": 0})
 
 
@@ -143,7 +143,7 @@ def test_cells_show_rates_budgets_latency_and_refusals_and_name_an_unreachable_b
     top.update("b", Poll(10.0, FIRST))
     row = top.update("b", Poll(12.0, SECOND))
     assert cells(row) == {"broker": "b", "frames/s": "19.0", "traj in/s": "3.0", "traj out/s": "2.0",
-                          "in bytes/s": "3.9K/s", "open": "1", "waiting": "11", "ready": "2", "leased": "3", "dead": "4",
+                          "in bytes/s": "3.9K/s", "open": "1", "waiting": "11", "queued": "2", "leased": "3", "dead": "4",
                           "producers": "1", "consumers": "2", "memory": "1.0K/4.0K 25%", "disk": "2.0K/8.0K 25%",
                           "ack latency": "5ms p99<=10ms",
                           "refusals (latest first)": "producer.unavailable 4 (+2), consumer.stale_lease 1 (+1)"}
@@ -190,7 +190,7 @@ def test_text_folds_after_slashes_and_commas_and_at_spaces_never_inside_a_word_t
 # -- the layout: which columns a terminal's width shows ---------------------------
 LAYOUT_ROWS = [
     Row("/tmp/rtopab12cd34/endpoints.json", frames=12345.6, trajectories_in=310.2, trajectories_out=298.0,
-        bytes=123456789, queues={"open": 120, "scoring": 30, "awaiting_group": 12, "ready": 123456, "leased": 64, "dead": 12345},
+        bytes=123456789, queues={"open": 120, "scoring": 30, "awaiting_group": 12, "queued": 123456, "leased": 64, "dead": 12345},
         producers=32, consumers=8, memory=(3 << 30, 64 << 30), disk=(900 << 30, 1 << 40),
         latency=Latency((0.001, 0.01, 0.1), (90, 9, 1, 0), 0.3),
         refusals=(Refusal("producer.unavailable", 1234, 12, 5.0), Refusal("consumer.stale_lease", 3, 0, 1.0))),
@@ -246,10 +246,10 @@ def drawn(rows: list[Row], width: int) -> str:
 
 
 @pytest.mark.parametrize("width, headers", [
-    (80, ["broker", "in/s", "out/s", "ready", "mem", "disk", "ack p99", "refusals"]),
-    (120, ["broker", "fr/s", "in/s", "out/s", "wait", "ready", "prod", "cons", "mem", "disk", "ack p99", "refusals"]),
+    (80, ["broker", "in/s", "out/s", "queued", "mem", "disk", "ack p99", "refusals"]),
+    (120, ["broker", "fr/s", "in/s", "out/s", "wait", "queued", "prod", "cons", "mem", "disk", "ack p99", "refusals"]),
     # every column; the refusals stay a line each: on one line, the unreachable broker's reason leaves no room
-    (250, ["broker", "frames/s", "traj in/s", "traj out/s", "in bytes/s", "open", "waiting", "ready", "leased", "dead",
+    (250, ["broker", "frames/s", "traj in/s", "traj out/s", "in bytes/s", "open", "waiting", "queued", "leased", "dead",
            "producers", "consumers", "memory", "disk", "ack latency", "refusals"]),
 ])
 def test_a_terminals_width_shows_the_columns_that_fit_by_priority_with_every_cell_whole(width, headers):
@@ -349,7 +349,7 @@ def test_ray_brokers_come_from_rollstream_ray_and_without_it_the_extra_is_named(
 @pytest.fixture
 def node():
     """A broker on ipc:// endpoints in a short directory, with an endpoints file, holding
-    four ready trajectories from the synthetic producer daemon."""
+    four queued trajectories from the synthetic producer daemon."""
     directory = Path(tempfile.mkdtemp(prefix="rtop", dir="/tmp"))
     broker = BrokerProcess(directory, endpoints_file=str(directory / "endpoints.json"), heartbeat_interval=0.2)
     try:
@@ -377,14 +377,14 @@ def test_a_snapshot_in_a_pipe_shows_each_broker_and_an_unreachable_one(node):
     row = row_named(rows, endpoints_file)
     # two polls: an idle window rates 0 (one poll alone would show "-")
     assert (row["frames/s"], row["traj in/s"], row["in bytes/s"]) == ("0.0", "0.0", "0B/s"), row
-    assert [row[name] for name in ("open", "waiting", "ready", "leased", "dead", "consumers")] == \
+    assert [row[name] for name in ("open", "waiting", "queued", "leased", "dead", "consumers")] == \
         ["0", "0", "4", "0", "0", "0"], row
     assert row["memory"].endswith("/2.0G 0%") and row["disk"].endswith("/64.0G 0%"), row
     assert row["refusals (latest first)"] == "admin.schema 1", row
     down = row_named(rows, nobody)
     assert down["frames/s"] == "-" and down["refusals (latest first)"] == \
         f"unreachable: no answer from the broker at {nobody} within 0.5 s", down
-    assert row_named(rows, "total (1 of 2 answering)")["ready"] == "4"
+    assert row_named(rows, "total (1 of 2 answering)")["queued"] == "4"
     assert all("\n" not in cell for row in rows for cell in row.values()), done.stdout  # nothing folds in a pipe
     report = node.status()  # what the service adds: bytes read and one ack latency per producer batch
     assert report["counters"]["received_bytes"] > 0 and sum(report["ack_seconds"]["counts"]) >= 1, report
@@ -451,7 +451,7 @@ EVERY_COLUMN = 250  # a terminal this wide shows every column of the brokers of 
 @pytest.mark.parametrize("columns, lines", [(80, 24), (120, 40), (250, 50)])
 def test_the_live_view_fits_the_terminal_with_the_columns_needed_first_and_every_figure_whole(node, pane, columns, lines):
     """`rollstream top` in a real terminal of each size, on a broker with
-    four ready trajectories and a refusal, and on one that does not answer:
+    four queued trajectories and a refusal, and on one that does not answer:
     the columns by priority, the figures whole, the names and the
     refusals folded where they must be, nothing past the width."""
     endpoints_file = node.flags["endpoints_file"]
@@ -473,7 +473,7 @@ def test_the_live_view_fits_the_terminal_with_the_columns_needed_first_and_every
     assert sorted(names) == sorted(PRIORITY[:len(names)]) and set(FIRST_NEEDED) <= set(names), screen
     assert columns < EVERY_COLUMN or len(names) == len(COLUMNS), screen
     idle = {"frames/s": "0.0", "traj in/s": "0.0", "traj out/s": "0.0", "in bytes/s": "0B/s", "open": "0", "waiting": "0",
-            "ready": "4", "leased": "0", "dead": "0", "consumers": "0", "refusals (latest first)": "admin.schema 1"}
+            "queued": "4", "leased": "0", "dead": "0", "consumers": "0", "refusals (latest first)": "admin.schema 1"}
     broker = row_named(rows, endpoints_file)
     assert {name: broker[name] for name in idle if name in names} == {name: idle[name] for name in idle if name in names}, \
         screen
@@ -483,7 +483,7 @@ def test_the_live_view_fits_the_terminal_with_the_columns_needed_first_and_every
     assert all(down[name] == "-" for name in names if name not in ("broker", "refusals (latest first)")), screen
     assert squeezed(down["refusals (latest first)"]) in (
         "unreachable", squeezed(f"unreachable: no answer from the broker at {nobody} within 0.5 s")), screen
-    assert row_named(rows, "total (1 of 2 answering)")["ready"] == "4", screen
+    assert row_named(rows, "total (1 of 2 answering)")["queued"] == "4", screen
 
 
 @pytest.mark.slow

@@ -75,7 +75,7 @@ def test_a_commit_after_a_broker_restart_settles_by_id_so_a_killed_trainer_gets_
                 pass
         assert not set(received) & trained, f"trained twice: {sorted(set(received) & trained)}"
         status = broker.status()
-        assert (status["ready"], status["leased"]) == (0, 0), status
+        assert (status["queued"], status["leased"]) == (0, 0), status
     finally:
         if trainer is not None and trainer.poll() is None:
             trainer.kill()

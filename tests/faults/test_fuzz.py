@@ -79,7 +79,7 @@ def assert_healthy(broker, failures, endpoint, nacks_before, nacks_sent):
     assert not failures, f"{len(failures)} frames answered wrongly:\n" + "\n".join(failures[:20])
     assert broker.proc.poll() is None, broker.log()[-3000:]
     status = broker.status()
-    assert (status["open"], status["ready"], status["leased"], status["dead"]) == (0, 0, 0, 0), status
+    assert (status["open"], status["queued"], status["leased"], status["dead"]) == (0, 0, 0, 0), status
     assert nacks_counted(status, endpoint) - nacks_before == nacks_sent
 
 
@@ -186,7 +186,7 @@ def test_regressions_found_by_the_fuzz(broker):
     reply = receive_reply(admin, padded, broker)  # was answered with a status
     assert (reply["type"], reply["code"], reply["seq"]) == ("nack", "too_large", 3), reply
     assert receive_reply(producer, end, broker)["applied"] is True
-    assert broker.status()["ready"] == 1
+    assert broker.status()["queued"] == 1
 
 
 def test_expect_rejects_wrong_replies():

@@ -92,7 +92,7 @@ def test_a_disk_budget_slows_the_pipeline_but_never_stops_it(tmp_path, processes
         status = broker.status(timeout=PATIENCE)
         batches = [json.loads(line) for line in (tmp_path / "consumer.out").read_text().splitlines() if line.strip()]
         assert len(batches) == 30, (f"the pipeline stopped after {len(batches)} batches: open {status['open']}, "
-                                    f"ready {status['ready']}, leased {status['leased']}, bytes on disk "
+                                    f"queued {status['queued']}, leased {status['leased']}, bytes on disk "
                                     f"{status['bytes_on_disk']}\n{processes.output('consumer')[-2000:]}")
         assert "over budget" in broker.log()
 
@@ -330,7 +330,7 @@ def test_a_file_size_limit_answers_unavailable_keeps_what_it_acked_and_recovers_
         broker.kill()
         broker.start(timeout=PATIENCE)  # without the limit
         status = broker.status(timeout=PATIENCE)
-        assert status["ready"] + status["leased"] == 0 and status["open"] == 0  # every ack the consumer saw was durable
+        assert status["queued"] + status["leased"] == 0 and status["open"] == 0  # every ack the consumer saw was durable
     finally:
         broker.proc.kill()
 
