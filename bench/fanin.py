@@ -73,18 +73,18 @@ def _fill(endpoints: list[str], trajectories: int, tag: str) -> None:
     context.term()
 
 
-def _wait_ready(brokers: list[Broker], trajectories: int, timeout: float = 120.0) -> None:
-    """Until the brokers hold every trajectory ready (each its share)."""
+def _wait_queued(brokers: list[Broker], trajectories: int, timeout: float = 120.0) -> None:
+    """Until the brokers hold every trajectory queued (each its share)."""
     deadline = time.monotonic() + timeout
     while True:
-        ready = 0
+        queued = 0
         for broker in brokers:
             with AdminClient(broker.admin, timeout=10.0) as admin:
-                ready += admin.status()["queued"]
-        if ready >= trajectories:
+                queued += admin.status()["queued"]
+        if queued >= trajectories:
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the brokers must hold {trajectories} ready trajectories within {timeout} s, hold {ready}")
+            raise RuntimeError(f"the brokers must hold {trajectories} queued trajectories within {timeout} s, hold {queued}")
         time.sleep(0.1)
 
 
@@ -118,7 +118,7 @@ def one_run(count: int, trajectories: int, batch_size: int, tag: str) -> dict:
         filler.join()
         if filler.exitcode:
             raise RuntimeError(f"the filling producer failed with exit code {filler.exitcode}")
-        _wait_ready(brokers, trajectories)
+        _wait_queued(brokers, trajectories)
         ours, theirs = ctx.Pipe()
         consumer = ctx.Process(target=_consume, args=(theirs, [b.consumer for b in brokers], trajectories, batch_size))
         consumer.start()

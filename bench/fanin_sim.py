@@ -350,7 +350,7 @@ def _consume(conn, endpoints: list[str], trajectories: int, batch_size: int, fre
     as_device("cpu")  # torch loaded before the first measure of memory: the consumer's own cost is what is left
     before, start = _rss_bytes(), time.perf_counter()
     with Consumer(endpoints, batch_size=batch_size, vocab_size=VOCAB, device="cpu", context=context) as consumer:
-        consumer.wait_ready(timeout=300)
+        consumer.wait_welcomed(timeout=300)
         ready = time.perf_counter() - start
         rss = _rss_bytes()
         try:  # the peak from here on (`ru_maxrss` too), not start-up's

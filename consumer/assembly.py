@@ -150,7 +150,7 @@ class Assembler:
       `Sessions`) calls `welcomed`, `lost`, `delivered` (and with it the
       `keep` predicate), `undecodable`, `holds`, `settled`, `unavailable`,
       `expire`, `release` (all, once closing), `credit_grants`,
-      `take_outbox` and `credit`'s inputs. Affects: the buffer (`_ready`,
+      `take_outbox` and `credit`'s inputs. Affects: the buffer (`_complete`,
       `_assembling`, `_buffered`), the leases of held trajectories, the
       dedup memory (`_done`), settlements (`_settling`, `_retry`), credit,
       `group_size`, `stats` and `outbox`.
@@ -195,7 +195,7 @@ class Assembler:
         self.dedup_capacity = dedup_capacity
         self.credit = Credit(n_brokers, prefetch - batch_size)
         self._brokers = [_Broker() for _ in range(n_brokers)]
-        self._ready: deque[Unit] = deque()
+        self._complete: deque[Unit] = deque()
         self._assembling: dict[str, Unit] = {}  # group id -> incomplete group
         self._buffered: dict[str, Unit] = {}  # trajectory id -> its unit, not yet taken
         self._taken: dict[str, Delivery] = {}  # handed to the trainer, not committed
@@ -245,7 +245,7 @@ class Assembler:
         """Credit to send now, per connected broker not `withheld` (already
         counted as outstanding); a `revoke` for each broker whose parked
         credit is wanted elsewhere goes to the outbox."""
-        free = self.prefetch - len(self._ready) - len(self._assembling) - self.credit.outstanding
+        free = self.prefetch - len(self._complete) - len(self._assembling) - self.credit.outstanding
         per_unit = (self.group_size or 1) if self.unit == CreditUnit.GROUP else 1
         grants, revokes = self.credit.plan(free, per_unit=per_unit, withheld=withheld)
         self.outbox += [Outgoing(broker, "revoke", {}) for broker in revokes]
@@ -289,7 +289,7 @@ class Assembler:
             self.group_size = max(self.group_size or 0, fields.get("group_size", 1))
         if self.unit == CreditUnit.TRAJECTORY or group_id is None:
             self._buffer(Unit(broker, {tid: delivery}, 1))
-            self._judge(self._ready[-1])
+            self._judge(self._complete[-1])
             return
         unit = self._assembling.get(group_id)
         if unit is None:
@@ -299,7 +299,7 @@ class Assembler:
         self._buffered[tid] = unit
         if unit.complete:
             del self._assembling[group_id]
-            self._ready.append(unit)
+            self._complete.append(unit)
             self._judge(unit)
 
     def _judge(self, unit: Unit) -> None:
@@ -336,21 +336,21 @@ class Assembler:
     def _buffer(self, unit: Unit) -> None:
         for tid in unit.members:
             self._buffered[tid] = unit
-        self._ready.append(unit)
+        self._complete.append(unit)
 
     def _member(self, tid: str) -> Delivery | None:
         unit = self._buffered.get(tid)
         return None if unit is None else unit.members[tid]
 
     def _units(self) -> list[Unit]:
-        return [*self._ready, *self._assembling.values()]
+        return [*self._complete, *self._assembling.values()]
 
     def _drop(self, unit: Unit) -> None:
         """Forget a buffered unit entirely (its leases are gone)."""
         if unit.group_id is not None and self._assembling.get(unit.group_id) is unit:
             del self._assembling[unit.group_id]
         else:
-            self._ready.remove(unit)
+            self._complete.remove(unit)
         for tid in unit.members:
             self._buffered.pop(tid, None)
 
@@ -387,7 +387,7 @@ class Assembler:
         the trainer by more than the staleness bound: prefetched, they aged
         while they waited) are never handed out: each goes to its broker's
         dead letters as `stale`. Returns their ids."""
-        return self._discard([unit for unit in self._ready if (version := unit.version) is not None and version < below],
+        return self._discard([unit for unit in self._complete if (version := unit.version) is not None and version < below],
                              STALE)
 
     def _discard(self, units: list[Unit], reason: str) -> list[str]:
@@ -425,21 +425,21 @@ class Assembler:
             self._replayed[tid] = self._taken.pop(tid)
 
     @property
-    def ready(self) -> int:
+    def complete(self) -> int:
         """Complete units waiting to be taken."""
-        return len(self._ready)
+        return len(self._complete)
 
     def _fitting(self, n: int, held: Sequence[Unit]) -> tuple[int, bool]:
-        """How many ready units, from the front, join a batch that already
+        """How many complete units, from the front, join a batch that already
         holds the units `held` (at most `n`, within `batch_tokens`), and
         whether the batch is then full: `n` reached, the budget reached, or
         the next unit does not fit. With nothing held, a first unit over the
         budget goes alone and fills the batch."""
         if self.batch_tokens is None:
-            count = min(n, len(self._ready))
+            count = min(n, len(self._complete))
             return count, count == n
         count, tokens = 0, sum(unit.tokens for unit in held)
-        for unit in itertools.islice(self._ready, n):
+        for unit in itertools.islice(self._complete, n):
             size = unit.tokens
             if tokens + size > self.batch_tokens and (count or held):
                 return count, True
@@ -449,7 +449,7 @@ class Assembler:
         return count, count == n
 
     def fills(self, n: int, held: Sequence[Unit] = ()) -> bool:
-        """Whether the ready units complete a batch: `n` more units, or, with
+        """Whether the complete units fill a batch: `n` more units, or, with
         `batch_tokens`, as many as fit next to the units `held` in it."""
         return self._fitting(n, held)[1]
 
@@ -458,7 +458,7 @@ class Assembler:
         with `batch_tokens`, those that fit next to the units `held` in the
         batch already (a unit over the budget comes alone)."""
         count, _ = self._fitting(n, held)
-        units = [self._ready.popleft() for _ in range(count)]
+        units = [self._complete.popleft() for _ in range(count)]
         for unit in units:
             for tid, delivery in unit.members.items():
                 del self._buffered[tid]

@@ -175,7 +175,7 @@ class Consumer:
         self._wake_out = self._context.socket(zmq.PAIR)
         self._wake_out.connect(wake_address)
         # Each broker socket's handshakes (made by the I/O thread): a refused one is logged and named by
-        # `wait_ready`, not left to look like a silent broker.
+        # `wait_welcomed`, not left to look like a silent broker.
         self._watches: list[HandshakeWatch] = []
         self._thread = threading.Thread(target=self._run, name=f"rollstream-consumer-{self.consumer_id}", daemon=True)
         self._thread.start()
@@ -328,13 +328,13 @@ class Consumer:
 
     def stats(self) -> dict[str, int]:
         """The client's counters (the `Assembler`'s `stats`, listed in
-        docs/consumer.md) and, at the moment of the call, `ready` units
-        buffered, `held` by the trainer and `unsettled` settlements
+        docs/consumer.md) and, at the moment of the call, `complete` units
+        buffered (also as `ready`, their older name, for one version), `held` by the trainer and `unsettled` settlements
         awaiting their broker's answer."""
         with self._lock:
             return self._core.stats()
 
-    def wait_ready(self, timeout: float | None = None) -> None:
+    def wait_welcomed(self, timeout: float | None = None) -> None:
         """Block until every broker has welcomed this consumer (credit is
         then on its way); `TimedOut` (a `TimeoutError`) naming those still
         silent."""
@@ -345,6 +345,10 @@ class Consumer:
                     + "".join(f"; {failure}" for failure in failures))
 
         self._wait_until(lambda: not self._core.silent_brokers, timeout, describe)
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """The older name of `wait_welcomed`, kept for callers written before it."""
+        self.wait_welcomed(timeout)
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until the brokers have confirmed every commit, release and

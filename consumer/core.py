@@ -210,14 +210,14 @@ class ConsumerCore:
         """Whether some broker has not welcomed its current session yet.
 
         Caller: the I/O thread (it watches the handshakes closely meanwhile)."""
-        return self.sessions.ready < len(self.endpoints)
+        return self.sessions.welcomed_sessions < len(self.endpoints)
 
     # -- batches (the trainer's thread) ---------------------------------------------------
     def take(self, now: float, *, deadline: float | None = None, partial_at: float | None = None) -> Wait | Form:
         """The next batch to form: first, after a resume, each batch handed
         back, whole and in order, once every broker answered and all of it
         is here; then `batch_size` complete units (within `batch_tokens`),
-        or, from `partial_at` on, the ready ones that fit. Units whose leases
+        or, from `partial_at` on, the complete ones that fit. Units whose leases
         ran out while buffered, and (with a staleness bound) those too old to
         train now, are dropped first. Raises `TimedOut` from `deadline` on
         (what the batch held goes back), `Refused` when a broker cannot
@@ -244,15 +244,15 @@ class ConsumerCore:
         if below is not None:
             assembler.drop_stale(below)  # prefetched units age too
         held, n = forming.units, self.batch_size - len(forming.units)
-        ready = assembler.ready
-        if assembler.fills(n, held) or (partial_at is not None and now >= partial_at and (ready or held)):
+        complete = assembler.complete
+        if assembler.fills(n, held) or (partial_at is not None and now >= partial_at and (complete or held)):
             held += assembler.take(n, held)
             forming.form = Form(forming.seq, [d for unit in held for d in unit.members.values()], None)
             return forming.form
         if deadline is not None and now >= deadline:
             self.abandon()
             budget = "" if self.batch_tokens is None else f" (or {self.batch_tokens} tokens)"
-            raise TimedOut(f"no full batch within the timeout: {ready} of {n} units{budget} ready")
+            raise TimedOut(f"no full batch within the timeout: {complete} of {n} units{budget} complete")
         until = deadline
         if partial_at is not None and partial_at > now:
             until = partial_at if until is None else min(until, partial_at)
@@ -536,9 +536,11 @@ class ConsumerCore:
         return 0 if self.position is None else self.position.unsealed
 
     def stats(self) -> dict[str, int]:
-        """The counters (`Assembler.stats`) and, now, `ready` units buffered,
+        """The counters (`Assembler.stats`) and, now, `complete` units
+        buffered (also as `ready`, their older name, kept for one version),
         `held` by the trainer and `unsettled` settlements."""
         assembler = self.assembler
         stats = dict(vars(assembler.stats))
-        stats.update(ready=assembler.ready, held=assembler.held, unsettled=assembler.unsettled)
+        stats.update(complete=assembler.complete, ready=assembler.complete, held=assembler.held,
+                     unsettled=assembler.unsettled)
         return stats

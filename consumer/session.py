@@ -34,7 +34,7 @@ HEADER_CHECKED_AFTER = frozenset({"malformed", "version", "schema"})  # refusals
 class SessionState(StrEnum):
     NEW = "new"  # must say hello
     HELLO_SENT = "hello_sent"  # waiting for the welcome
-    READY = "ready"  # welcomed: deliveries count, heartbeats go out
+    WELCOMED = "welcomed"  # deliveries count, heartbeats go out
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Sessions:
     lock (who calls what):
     - the I/O thread calls `received`, `undecodable`, `failed_inside` and
       `due`. Affects: each `BrokerSession` (handshake state, hello and
-      heartbeat times, the policy it heard, its bound and demand), `ready`,
+      heartbeat times, the policy it heard, its bound and demand), `welcomed_sessions`,
       and through them the `Assembler` and the `TrainingPosition`.
     - the trainer's thread calls `publish` (`ConsumerCore.publish`) and
       reads `stale_below` (`ConsumerCore.take`). Affects: `policy` and
@@ -73,7 +73,7 @@ class Sessions:
         self.hello_timeout = hello_timeout
         self.position = position  # a checkpointing consumer's: its hello names the run, its welcome resumes and seals
         self.sessions = [BrokerSession() for _ in endpoints]
-        self.ready = 0  # sessions READY now (the I/O loop reads handshake monitors while any is not)
+        self.welcomed_sessions = 0  # sessions WELCOMED now (the I/O loop reads handshake monitors while any is not)
         self._welcomed: list[int] = []  # brokers welcomed since the last `due`
         self.policy: dict | None = None  # what `publish` last set: sent to every broker once it is welcomed
         self.shares = [1.0 / len(endpoints)] * len(endpoints)  # with it, each broker's part of the capacity
@@ -139,8 +139,8 @@ class Sessions:
                 raise InvalidState(f"rule 'a broker keeps jobs apart' not met: broker {message['broker_id']} at "
                                    f"{endpoint} did not echo job {self.job!r} in its welcome (got {message.get('job')!r}); "
                                    "a broker of this version does")
-            self.ready += session.state != SessionState.READY
-            session.state = SessionState.READY
+            self.welcomed_sessions += session.state != SessionState.WELCOMED
+            session.state = SessionState.WELCOMED
             session.published = None  # a new session (perhaps a new broker): it hears the policy again
             session.heartbeat_interval = message["heartbeat_interval"]
             session.next_heartbeat = now + session.heartbeat_interval / 2
@@ -151,7 +151,7 @@ class Sessions:
                 self.position.budget(broker, message["max_unsealed_bytes"])
             log.info("connected to broker", extra={"endpoint": endpoint, "broker_id": message["broker_id"]})
         elif kind == "deliver":
-            if session.state == SessionState.READY:  # anything else belongs to a session the broker has dropped
+            if session.state == SessionState.WELCOMED:  # anything else belongs to a session the broker has dropped
                 assembler.delivered(broker, message.fields, message.arrays, now)
         elif kind in ("acked", "nacked"):
             assembler.settled(broker, message["leases"])
@@ -173,11 +173,11 @@ class Sessions:
                                                          "reason": message["message"]})
             self.position.refused(message["code"], message["message"])
         elif message["code"] == "unknown_consumer":
-            if session.state == SessionState.READY:
+            if session.state == SessionState.WELCOMED:
                 log.warning("broker forgot this consumer; saying hello again", extra={"endpoint": endpoint})
                 assembler.lost(broker)
                 session.state = SessionState.NEW
-                self.ready -= 1
+                self.welcomed_sessions -= 1
         elif message["code"] == "stale_lease":
             assembler.settled(broker, message.get("leases", ()), stale=True)
         elif message["code"] == "unavailable":
@@ -196,7 +196,7 @@ class Sessions:
         if error.code == "internal":  # its decoding raised what no rule foresaw (logged where it was caught)
             self.assembler.stats.internal_errors += 1
         lease = header.get("lease")
-        if header.get("type") == "deliver" and isinstance(lease, str) and self.sessions[broker].state == SessionState.READY:
+        if header.get("type") == "deliver" and isinstance(lease, str) and self.sessions[broker].state == SessionState.WELCOMED:
             log.warning("undecodable delivery", extra={"endpoint": endpoint, "code": error.code, "reason": error.message})
             credit_fields = {"lease": lease}
             if error.code not in HEADER_CHECKED_AFTER:  # its header passed the schema check
@@ -218,7 +218,7 @@ class Sessions:
         log_internal(log, exc, self.endpoints[broker], message_type, frames)
         lease, tid = fields.get("lease"), fields.get("trajectory_id")
         if (message_type == "deliver" and isinstance(lease, str) and isinstance(tid, str) and not self.assembler.holds(tid)
-                and self.sessions[broker].state == SessionState.READY):
+                and self.sessions[broker].state == SessionState.WELCOMED):
             error = internal_error(exc, message_type, frames)
             self.assembler.undecodable(broker, {**fields, "lease": lease}, f"{error.code}: {error.message}", requeue=False)
 
@@ -242,7 +242,7 @@ class Sessions:
                 out.append(Outgoing(broker, "hello", hello))
                 session.state, session.hello_at = SessionState.HELLO_SENT, now
             policy = self._policy_for(broker)
-            if (session.state == SessionState.READY and policy is not None and session.published != policy
+            if (session.state == SessionState.WELCOMED and policy is not None and session.published != policy
                     and (self.position is None or self.position.answered(broker))):  # its epoch known first
                 out.append(Outgoing(broker, "policy", policy))
                 session.published = policy
@@ -262,7 +262,7 @@ class Sessions:
         self._welcomed.clear()
         spoken = {broker for broker, _, _ in out}
         for broker, session in enumerate(self.sessions):
-            if session.state != SessionState.READY:
+            if session.state != SessionState.WELCOMED:
                 continue
             if broker not in spoken and now >= session.next_heartbeat:
                 out.append(Outgoing(broker, "heartbeat", {}))

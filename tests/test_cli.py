@@ -297,7 +297,7 @@ def test_consume_checks_its_settings_and_defaults_to_batches_of_8_units():
             in refused.output), refused.output
     default = run()
     assert default.exit_code == 1, (default.exit_code, default.output)
-    assert "no full batch within the timeout: 0 of 8 units ready" in default.output, default.output
+    assert "no full batch within the timeout: 0 of 8 units complete" in default.output, default.output
 
 
 @pytest.mark.slow

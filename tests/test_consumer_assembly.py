@@ -28,7 +28,7 @@ def test_redelivery_before_take_is_one_unit_and_commit_acks_every_lease():
     a.delivered(0, fields("t1", "L1"), {}, 0.0)
     a.delivered(0, fields("t1", "L2"), {}, 1.0)
     a.delivered(0, fields("t2", "L3"), {}, 1.0)
-    assert a.ready == 2 and a.stats.duplicates == 1
+    assert a.complete == 2 and a.stats.duplicates == 1
     units = a.take(2)
     assert [list(u.members) for u in units] == [["t1"], ["t2"]]
     a.commit(["t1", "t2"])
@@ -51,7 +51,7 @@ def test_redelivery_while_with_the_trainer_adds_its_lease():
     a.delivered(0, fields("t1", "L1"), {}, 0.0)
     a.take(1)
     a.delivered(0, fields("t1", "L2"), {}, 5.0)
-    assert a.ready == 0
+    assert a.complete == 0
     a.commit(["t1"])
     assert sent(a) == [(0, "ack", ["L1", "L2"], None)]
 
@@ -63,7 +63,7 @@ def test_redelivery_after_commit_is_acked_at_once_and_never_offered_again():
     a.commit(["t1"])
     a.take_outbox()
     a.delivered(0, fields("t1", "L9"), {}, 1.0)
-    assert a.ready == 0 and sent(a) == [(0, "ack", ["L9"], None)]
+    assert a.complete == 0 and sent(a) == [(0, "ack", ["L9"], None)]
     with pytest.raises(KeyError):
         a.commit(["t1"])
 
@@ -83,10 +83,10 @@ def test_rejected_trajectory_is_dead_lettered_again_when_redelivered():
 def test_groups_complete_with_the_members_that_ended():
     a = welcomed(batch_size=2, unit="group")
     a.delivered(0, fields("g1-a", "L1", group_id="g1", group_size=3, group_left=1), {}, 0.0)
-    assert a.ready == 0
+    assert a.complete == 0
     a.delivered(0, fields("g1-b", "L2", group_id="g1", group_size=3, group_left=1), {}, 0.0)
     a.delivered(0, fields("solo", "L3"), {}, 0.0)
-    assert a.ready == 2
+    assert a.complete == 2
     group, solo = a.take(2)
     assert sorted(group.members) == ["g1-a", "g1-b"] and group.group_id == "g1" and list(solo.members) == ["solo"]
 
@@ -94,7 +94,7 @@ def test_groups_complete_with_the_members_that_ended():
 def test_trajectory_unit_ignores_groups():
     a = welcomed(batch_size=2)
     a.delivered(0, fields("g1-a", "L1", group_id="g1", group_size=3), {}, 0.0)
-    assert a.ready == 1
+    assert a.complete == 1
 
 
 def test_lost_session_drops_buffered_units_and_the_next_session_settles_held_ones_by_id():
@@ -104,7 +104,7 @@ def test_lost_session_drops_buffered_units_and_the_next_session_settles_held_one
     a.delivered(0, fields("t2", "A2"), {}, 0.0)
     a.take(1)  # t0, now with the trainer
     a.lost(0)
-    assert a.ready == 1  # t1 from broker 1 stays; t2 from broker 0 is being redelivered
+    assert a.complete == 1  # t1 from broker 1 stays; t2 from broker 0 is being redelivered
     assert a.credit_grants().keys() <= {1}  # no credit to a broker we are not connected to
     a.commit(["t0"])
     assert sent(a) == []  # nothing goes to a broker that does not know us
@@ -132,11 +132,11 @@ def test_buffered_unit_expires_with_its_lease():
     a = welcomed(lease_timeout=10.0, batch_size=1)
     a.delivered(0, fields("t1", "L1"), {}, 0.0)
     a.expire(5.0)
-    assert a.ready == 1
+    assert a.complete == 1
     a.expire(10.5)
-    assert a.ready == 0 and a.stats.expired_in_buffer == 1
+    assert a.complete == 0 and a.stats.expired_in_buffer == 1
     a.delivered(0, fields("t1", "L2"), {}, 11.0)
-    assert a.ready == 1
+    assert a.complete == 1
 
 
 def test_each_buffered_unit_expires_with_its_own_brokers_lease_whatever_came_before_it():
@@ -149,11 +149,11 @@ def test_each_buffered_unit_expires_with_its_own_brokers_lease_whatever_came_bef
     a.expire(50.0)  # nothing due: the next look is at 100
     a.delivered(1, fields("fast", "L2"), {}, 60.0)
     a.expire(61.5)
-    assert a.ready == 1 and a.stats.expired_in_buffer == 1  # the fast broker's unit went, at its own lease
+    assert a.complete == 1 and a.stats.expired_in_buffer == 1  # the fast broker's unit went, at its own lease
     a.welcomed(0, 5.0)  # the slow broker's new session: what it delivered before is dropped; leases are short now
     a.delivered(0, fields("late", "L3"), {}, 70.0)
     a.expire(75.5)
-    assert a.ready == 0 and a.stats.expired_in_buffer == 2
+    assert a.complete == 0 and a.stats.expired_in_buffer == 2
 
 
 def test_unavailable_settlement_is_resent():
@@ -180,7 +180,7 @@ def test_release_gives_back_held_and_buffered_groups_whole():
     a.release(["g-a"])  # a buffered group goes back whole
     assert sent(a) == [(0, "nack", ["L1", "L2"], True)]
     a.release()
-    assert sent(a) == [(0, "nack", ["L0"], True)] and a.held == 0 and a.ready == 0
+    assert sent(a) == [(0, "nack", ["L0"], True)] and a.held == 0 and a.complete == 0
 
 
 def test_prefetch_must_leave_room_for_a_batch_and_one_credit_per_broker_that_sends_no_queued_counts():
@@ -212,7 +212,7 @@ def test_credit_stays_bounded_and_a_batch_always_fills(n_brokers, batch_size, ex
     def grant():
         for broker, n in a.credit_grants().items():
             credit[broker] += n
-        buffered = a.ready
+        buffered = a.complete
         promised = a.credit.outstanding
         assert buffered + promised <= prefetch
 
@@ -239,7 +239,7 @@ def test_credit_stays_bounded_and_a_batch_always_fills(n_brokers, batch_size, ex
     for _ in range(batch_size + 1):
         deliver(n_brokers - 1)
         grant()
-    assert a.ready >= batch_size
+    assert a.complete >= batch_size
 
 
 def test_prefetched_units_behind_the_bound_are_dead_lettered_stale_and_a_redelivery_is_settled_alike():
@@ -251,10 +251,10 @@ def test_prefetched_units_behind_the_bound_are_dead_lettered_stale_and_a_redeliv
                           weight_version_spans=[[["4", 0, 2], ["6", 2, 5]]]), {}, 0.0)  # a span of version 4
     a.delivered(0, fields("plain", "L5"), {}, 0.0)  # no ordered version: never stale
     assert a.drop_stale(5) == ["old", "g0", "g1"]  # the group goes whole, at its oldest member's version
-    assert a.ready == 2 and a.stats.stale == 3
+    assert a.complete == 2 and a.stats.stale == 3
     assert sent(a) == [(0, "nack", ["L1", "L3", "L4"], False)]
     a.delivered(0, fields("old", "L9", weight_versions=["3"]), {}, 1.0)
-    assert a.ready == 2 and sent(a) == [(0, "nack", ["L9"], False)]
+    assert a.complete == 2 and sent(a) == [(0, "nack", ["L9"], False)]
     assert a.drop_stale(5) == []
 
 
@@ -273,7 +273,7 @@ def test_a_unit_the_trainers_filter_refuses_is_dead_lettered_once_complete_and_n
     a.delivered(0, fields("w1", "L4", group_id="W", group_size=2, reward=1.0), {}, 0.0)
     a.delivered(0, fields("s", "L5", reward=0.0), {}, 0.0)  # a trajectory outside a group is a unit of its own
     assert seen == [["z0", "z1"], ["w0", "w1"], ["s"]]
-    assert a.ready == 1 and a.stats.filtered == 3
+    assert a.complete == 1 and a.stats.filtered == 3
     outbox = [(o.type, sorted(o.fields["leases"]), o.fields.get("reason")) for o in a.take_outbox()]
     assert outbox == [("nack", ["L1", "L2", "L5"], "filtered:consumer")]
     a.delivered(0, fields("z0", "L9", group_id="Z", group_size=2, reward=0.0), {}, 1.0)  # a redelivery: settled alike

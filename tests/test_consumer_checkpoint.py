@@ -31,7 +31,7 @@ def produce(broker, n, prefix="t", seed=0):
 
 def consumer(endpoints, **kw):
     c = Consumer(endpoints, batch_size=3, vocab_size=VOCAB, **kw)
-    c.wait_ready(WAIT)
+    c.wait_welcomed(WAIT)
     return c
 
 

@@ -121,7 +121,7 @@ def test_a_consumer_whose_io_thread_dies_raises_client_failed(broker):
             consumer.next_batch(timeout=PATIENCE)
         assert isinstance(err.value.__cause__, OSError)
         with pytest.raises(ClientFailed):
-            consumer.wait_ready(timeout=PATIENCE)  # never welcomed
+            consumer.wait_welcomed(timeout=PATIENCE)  # never welcomed
     finally:
         consumer.close()
 
@@ -169,14 +169,14 @@ def test_quarantine_dead_letters_a_log_prob_above_0_that_an_older_broker_stored(
         broker.reply("acked", {"leases": broker.expect("ack")["leases"]})
 
 
-def test_wait_ready_returns_once_welcomed_and_flush_once_the_broker_confirms_commits(broker):
+def test_wait_welcomed_returns_once_welcomed_and_flush_once_the_broker_confirms_commits(broker):
     rng = np.random.default_rng(4)
     with Consumer(broker.endpoint, batch_size=1) as consumer:
         with pytest.raises(TimeoutError, match=f"no welcome within 0.3 s from .*{broker.endpoint}"):
-            consumer.wait_ready(timeout=0.3)
+            consumer.wait_welcomed(timeout=0.3)
         broker.expect("hello")
         broker.welcome()
-        consumer.wait_ready(timeout=10)
+        consumer.wait_welcomed(timeout=10)
         broker.expect("credit")
         broker.send(encode_deliver(make_rollout(rng, "f").merged(), "L-f"))
         consumer.commit(consumer.next_batch(timeout=10))

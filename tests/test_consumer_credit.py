@@ -255,7 +255,7 @@ def test_credit_stays_within_the_prefetch_and_everything_queued_reaches_a_batch(
 
     def step() -> None:
         fan.step(next(clock) * 0.001)
-        assert fan.assembler.ready + fan.promised() <= prefetch
+        assert fan.assembler.complete + fan.promised() <= prefetch
         assert fan.promised() <= prefetch - batch_size
 
     for op, arg in ops:

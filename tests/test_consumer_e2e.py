@@ -230,7 +230,7 @@ def test_a_published_version_bounds_what_is_delivered_and_what_prefetch_hands_ou
         produce(broker, [versioned("v1", "step-1"), versioned("v2", "step-2"), versioned("v3", "step-3")])
         with Consumer(broker.consumer, batch_size=1, prefetch=4, vocab_size=VOCAB, checkpointed=False) as consumer:
             consumer.set_policy_version(2)  # every one is within 1 of 2: all prefetched
-            wait_for(lambda: consumer.stats()["ready"] == 3, what="three prefetched units")
+            wait_for(lambda: consumer.stats()["complete"] == 3, what="three prefetched units")
             consumer.set_policy_version(4)  # now v1 and v2 are more than 1 behind, v3 is not
             batch = consumer.next_batch(timeout=10)
             assert batch.trajectory_ids == ("v3",)
@@ -247,7 +247,7 @@ def test_two_brokers_each_admit_their_share_of_one_steps_capacity(tmp_path):
 
     with BrokerProcess(tmp_path / "a", max_staleness=1) as a, BrokerProcess(tmp_path / "b", max_staleness=3) as b:
         with Consumer([a.consumer, b.consumer], batch_size=4, vocab_size=VOCAB, checkpointed=False) as consumer:
-            consumer.wait_ready(10)
+            consumer.wait_welcomed(10)
             consumer.set_policy_version(5)
             # capacity = (S + 1) x 4 per step x share 0.5 on each, with each broker's own S (the consumer, which
             # names none, checks what it prefetched against the lowest it heard)

@@ -53,14 +53,14 @@ def test_a_consumer_of_a_job_names_it_and_fails_on_a_broker_that_does_not_keep_j
     with pytest.raises(InvalidState, match="rule 'a broker keeps jobs apart' not met: .* did not echo job 'eval'"):
         s.received(0, welcome(), 1.0)
     s.received(0, Message("welcome", {**welcome().fields, "job": "eval"}, {}), 1.0)
-    assert s.sessions[0].state == SessionState.READY
+    assert s.sessions[0].state == SessionState.WELCOMED
 
 
 def test_a_welcome_opens_credit_and_heartbeats_at_half_the_interval():
     s = sessions()
     s.due(0.0, closing=False)
     s.received(0, welcome(interval=2.0), 1.0)
-    assert s.sessions[0].state == SessionState.READY
+    assert s.sessions[0].state == SessionState.WELCOMED
     first = s.due(1.0, closing=False)
     assert ("credit" in [kind for _, kind, _ in first]) and "heartbeat" not in [kind for _, kind, _ in first]
     assert kinds(s.due(1.9, closing=False)) == []
@@ -75,12 +75,12 @@ def test_unknown_consumer_drops_what_the_broker_forgot_and_says_hello_again():
     s.received(0, welcome(), 0.0)
     s.due(0.0, closing=False)
     s.received(0, deliver("t", "L1"), 0.1)
-    assert s.assembler.ready == 1
+    assert s.assembler.complete == 1
     s.received(0, refusal("unknown_consumer"), 0.2)
-    assert s.sessions[0].state == SessionState.NEW and s.assembler.ready == 0
+    assert s.sessions[0].state == SessionState.NEW and s.assembler.complete == 0
     assert kinds(s.due(0.3, closing=False)) == [(0, "hello")]
     s.received(0, deliver("u", "L2"), 0.4)  # from the session the broker dropped: not ours any more
-    assert s.assembler.ready == 0
+    assert s.assembler.complete == 0
     s.received(0, refusal("unknown_consumer"), 0.5)  # a second one before the welcome changes nothing
     assert s.sessions[0].state == SessionState.HELLO_SENT
 

@@ -323,7 +323,7 @@ def test_a_consumer_key_not_allowed_gets_no_deliveries(broker, keys):
     assert send(broker, keys, "producer", rollout("held-0")) is not None
     with Consumer(broker.consumer, batch_size=1, vocab_size=VOCAB, **client_keys(keys, "producer")) as consumer:
         with pytest.raises(TimeoutError, match="refused this client's CURVE key"):
-            consumer.wait_ready(timeout=2)
+            consumer.wait_welcomed(timeout=2)
         with pytest.raises(TimeoutError):
             consumer.next_batch(timeout=1)
     status = broker.status()

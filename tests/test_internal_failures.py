@@ -267,7 +267,7 @@ def test_a_delivery_already_taken_in_is_not_refused_when_a_later_step_raises():
     s.received(0, message, 0.1)
     s.failed_inside(0, "deliver", message.fields, message.frames, Bug("after it was buffered"))
     assert [kind for _, kind, _ in s.due(0.2, closing=False) if kind == "nack"] == []
-    assert s.assembler.ready == 1 and s.assembler.stats.internal_errors == 1
+    assert s.assembler.complete == 1 and s.assembler.stats.internal_errors == 1
 
 
 # -- the producer -----------------------------------------------------------------------

@@ -66,7 +66,7 @@ def test_a_commit_after_a_broker_restart_settles_by_id_so_a_killed_trainer_gets_
         broker.start()
         assert trainer.wait(60) == -signal.SIGKILL
         with Consumer(broker.consumer, batch_size=1, vocab_size=VOCAB) as again:
-            again.wait_ready(30)
+            again.wait_welcomed(30)
             received = []
             try:
                 while True:
