@@ -54,7 +54,7 @@ from .engine import (
     TrainedAt,
 )
 from .filters import parse_filters
-from .flow import DiskAdmission, MemoryBudget, WindowGrants
+from .flow import DiskBudget, MemoryBudget, WindowGrants
 from .hello import Hellos
 from .metrics import BrokerMetrics
 from .recovery import Rebuilt
@@ -87,7 +87,7 @@ DEDUP_PRUNE_EVERY = 60.0  # seconds between prunes of the stored dedup records
 # producer connection stays live without a word (`producer_live_for`).
 PRODUCER_PING_BOUND = 10.0
 # Of the disk budget: above it, the store's WAL is checkpointed before the
-# disk is measured for admission (the WAL must not hold off a resume).
+# disk is measured for its budget (the WAL must not hold off a resume).
 CHECKPOINT_ABOVE = 0.9
 
 
@@ -295,7 +295,7 @@ class BrokerCore:
         if self.freshness.drops_abandoned:
             self.dispatcher.untrainable = self._abandoned
         self.memory = MemoryBudget(s.max_memory_bytes)  # when producer frames are read, how far to evict
-        self.admission = DiskAdmission(s.max_disk_bytes, disk_reserve)
+        self.disk = DiskBudget(s.max_disk_bytes, disk_reserve)
         self.grants = WindowGrants(s.window, s.max_in_flight)  # frames in flight per producer connection
         self.hellos = Hellos(broker_id, max_message_bytes=s.max_message_bytes, lease_timeout=s.lease_timeout,
                              heartbeat_interval=s.heartbeat_interval)
@@ -412,14 +412,14 @@ class BrokerCore:
         self.memory_bytes += size
         self.disk_bytes += size
         self.free_bytes -= size
-        admission = self.admission
-        if admission.everything and (self.disk_bytes > admission.budget or self.free_bytes < admission.reserve):
+        disk = self.disk
+        if disk.everything and (self.disk_bytes > disk.budget or self.free_bytes < disk.reserve):
             self._update_backpressure()  # from the next frame on, only what may enter is taken
 
     def writes_ahead(self, message: Message) -> bool:
         """Whether a turn's frames may go to the store's writer as soon as
         they are read (it will be merged unless refused)."""
-        return not self.unavailable and self.admits(message) and self._fresh_refusal(message) is None
+        return not self.unavailable and self.disk_lets_in(message) and self._fresh_refusal(message) is None
 
     def _fresh_refusal(self, message: Message) -> RemoteProtocolError | None:
         """Why `Freshness` keeps a turn out: a version without an order
@@ -441,12 +441,12 @@ class BrokerCore:
                                            seq=message["seq"])
         return None
 
-    def admits(self, message: Message) -> bool:
-        """Whether the disk lets a producer frame in now (`DiskAdmission`)."""
-        if self.admission.everything:
+    def disk_lets_in(self, message: Message) -> bool:
+        """Whether the disk lets a producer frame in now (`DiskBudget`)."""
+        if self.disk.everything:
             return True
         entry = self.engine.entries.get(message["trajectory_id"])
-        return self.admission.admits(message.type, entry is not None and entry.state == OPEN)
+        return self.disk.lets_in(message.type, entry is not None and entry.state == OPEN)
 
     @staticmethod
     def keyed(message: Message) -> Message:
@@ -526,8 +526,8 @@ class BrokerCore:
         if self.unavailable:
             error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later", seq=message["seq"])
             return _Answer(identity, self._refuse("producer", error, message))
-        if not self.admits(message):  # resent by the producer; counted, not logged per frame (see DiskAdmission)
-            error = RemoteProtocolError("unavailable", self.admission.refusal(), seq=message["seq"])
+        if not self.disk_lets_in(message):  # resent by the producer; counted, not logged per frame (see DiskBudget)
+            error = RemoteProtocolError("unavailable", self.disk.refusal(), seq=message["seq"])
             return _Answer(identity, self._refuse("producer", error, message, quiet=True))
         error = self._fresh_refusal(message)
         if error is not None:
@@ -1066,7 +1066,7 @@ class BrokerCore:
             yield from PruneDedup(now.wall)
         self._evict_to_budget()
         self.disk_bytes, self.free_bytes = yield from MeasureDisk()
-        if self.disk_bytes > CHECKPOINT_ABOVE * self.settings.max_disk_bytes or self.free_bytes < self.admission.reserve:
+        if self.disk_bytes > CHECKPOINT_ABOVE * self.settings.max_disk_bytes or self.free_bytes < self.disk.reserve:
             # also below the limit: the WAL (up to 16 MiB between checkpoints) must not hold off a resume
             yield from Checkpoint()
             self.disk_bytes, self.free_bytes = yield from MeasureDisk()
@@ -1135,25 +1135,25 @@ class BrokerCore:
 
     def _update_backpressure(self) -> None:
         """Pause or resume reading producer frames as `MemoryBudget` says;
-        tell `DiskAdmission` the store's size and free space, logging when
+        tell `DiskBudget` the store's size and free space, logging when
         what enters changes."""
         change = self.memory.update(self.memory_bytes)
         if change is False:
             log.warning("over the memory budget: producer frames paused", extra={"bytes_in_memory": self.memory_bytes})
         elif change is True:
             log.info("back under the memory budget: producer frames resumed")
-        admission = self.admission
+        disk = self.disk
         drainable = bool(self.dispatcher.queues or self.dispatcher.leases)
         # Trained data waits for the trainer's next checkpoint, which needs producers' data to reach: it has a
         # budget of its own (`_reclaim_unsealed`) and does not count against theirs.
         used = max(0, self.disk_bytes - self.engine.trained_bytes)
-        if admission.update(used, self.free_bytes, drainable):
+        if disk.update(used, self.free_bytes, drainable):
             figures = {"bytes_on_disk": self.disk_bytes, "bytes_free": self.free_bytes}
-            if admission.everything:
+            if disk.everything:
                 log.info("disk back under budget: every producer frame enters", extra=figures)
             else:
-                log.warning("disk over budget: some producer frames wait", extra={**figures, "reason": admission.refusal()})
-        self.metrics.backpressure.set(int(not (self.memory.reading and admission.everything)))
+                log.warning("disk over budget: some producer frames wait", extra={**figures, "reason": disk.refusal()})
+        self.metrics.backpressure.set(int(not (self.memory.reading and disk.everything)))
 
     # -- accounting ---------------------------------------------------------------
     def update_gauges(self, now: Clock) -> None:

@@ -49,7 +49,7 @@ class WindowGrants:
         return self._told_total
 
 
-class DiskAdmission:
+class DiskBudget:
     """Which producer frames the broker takes while its disk is short.
 
     Sans-I/O like `WindowGrants`: the service reports the store's size, the
@@ -103,7 +103,7 @@ class DiskAdmission:
             self.new_trajectories = True
         return (self.new_trajectories, self.turns) != before
 
-    def admits(self, kind: str, trajectory_open: bool) -> bool:
+    def lets_in(self, kind: str, trajectory_open: bool) -> bool:
         """Whether a producer frame of `kind` ("turn", "end", "abort") for a
         trajectory that is (or is not) open enters now."""
         if kind != "turn":
@@ -124,7 +124,7 @@ class MemoryBudget:
     """When the broker reads producer frames, and how far it evicts, under a
     budget of trajectory bytes held in memory.
 
-    Sans-I/O like `DiskAdmission`: the service reports what the engine holds
+    Sans-I/O like `DiskBudget`: the service reports what the engine holds
     and asks. Over the budget it evicts (everything evicted is durable in
     the store) down to `RESUME_FRACTION` of it, what is out on a lease
     last; what it cannot evict pauses producer frames until memory is

@@ -85,7 +85,7 @@ class StoreIO:
         next measurement the core takes each producer frame's bytes off it,
         which leaves out the blocks a new segment reserves and the pages
         the WAL grows by. Those come off here, so that the store itself
-        never writes into the free-space reserve unseen (`DiskAdmission`)."""
+        never writes into the free-space reserve unseen (`DiskBudget`)."""
         return self.store.bytes_on_disk(), max(0, free_space(self.data_dir) - self.store.unseen_growth())
 
     def checkpoint(self, _request: Checkpoint) -> None:

@@ -234,7 +234,7 @@ def test_unsealed_data_has_its_own_budget_shown_in_status_and_past_it_the_oldest
     status = node.core.status(node.clock)
     assert (status["unsealed"], status["unsealed_bytes"], status["oldest_unsealed_step"]) == (6, 6 * size, 1)
     node.housekeep()
-    assert node.core.admission.used == node.core.disk_bytes - 6 * size  # trained data does not count against producers
+    assert node.core.disk.used == node.core.disk_bytes - 6 * size  # trained data does not count against producers
     node.restart()  # the figures come back from the store (its records: the frames and a table of their lengths)
     assert 6 * size <= node.core.engine.trained_bytes <= 6 * (size + 64)
     size = node.core.engine.trained_bytes / 6

@@ -1,73 +1,73 @@
 """The budgets' sans-I/O decisions, without sockets or files: which producer
-frames enter while the disk is short (`DiskAdmission`), and when memory
+frames enter while the disk is short (`DiskBudget`), and when memory
 pauses them and how far it evicts (`MemoryBudget`)."""
 import pytest
 
-from rollstream.broker.flow import DiskAdmission, MemoryBudget
+from rollstream.broker.flow import DiskBudget, MemoryBudget
 
 BUDGET, RESERVE, PLENTY = 1000, 100, 10_000
 
 
 def test_under_budget_everything_enters():
-    admission = DiskAdmission(BUDGET, RESERVE)
-    assert not admission.update(500, PLENTY, drainable=True)
-    assert admission.everything
-    assert all(admission.admits(kind, is_open) for kind in ("turn", "end", "abort") for is_open in (True, False))
+    disk = DiskBudget(BUDGET, RESERVE)
+    assert not disk.update(500, PLENTY, drainable=True)
+    assert disk.everything
+    assert all(disk.lets_in(kind, is_open) for kind in ("turn", "end", "abort") for is_open in (True, False))
 
 
 def test_over_budget_only_new_trajectories_wait_while_consumers_can_drain():
-    admission = DiskAdmission(BUDGET, RESERVE)
-    assert admission.update(1001, PLENTY, drainable=True)
-    assert not admission.everything
-    assert not admission.admits("turn", trajectory_open=False)
-    assert admission.admits("turn", trajectory_open=True)  # its end can then follow: a batch can complete
-    assert admission.admits("end", trajectory_open=True) and admission.admits("abort", trajectory_open=True)
-    assert admission.refusal().startswith("over the disk budget: 1001 bytes on disk, budget 1000;")
-    assert "bring it to 900" in admission.refusal()
+    disk = DiskBudget(BUDGET, RESERVE)
+    assert disk.update(1001, PLENTY, drainable=True)
+    assert not disk.everything
+    assert not disk.lets_in("turn", trajectory_open=False)
+    assert disk.lets_in("turn", trajectory_open=True)  # its end can then follow: a batch can complete
+    assert disk.lets_in("end", trajectory_open=True) and disk.lets_in("abort", trajectory_open=True)
+    assert disk.refusal().startswith("over the disk budget: 1001 bytes on disk, budget 1000;")
+    assert "bring it to 900" in disk.refusal()
 
 
 def test_over_budget_with_nothing_to_drain_new_trajectories_enter():
     """Nothing ready or leased: only producer frames can lead to space being
     freed (ended trajectories are what consumers take), so none waits."""
-    admission = DiskAdmission(BUDGET, RESERVE)
-    admission.update(1500, PLENTY, drainable=False)
-    assert admission.everything
-    admission.update(1500, PLENTY, drainable=True)
-    assert not admission.new_trajectories
-    admission.update(1500, PLENTY, drainable=False)
-    assert admission.everything
+    disk = DiskBudget(BUDGET, RESERVE)
+    disk.update(1500, PLENTY, drainable=False)
+    assert disk.everything
+    disk.update(1500, PLENTY, drainable=True)
+    assert not disk.new_trajectories
+    disk.update(1500, PLENTY, drainable=False)
+    assert disk.everything
 
 
 def test_new_trajectories_resume_below_ninety_percent():
-    admission = DiskAdmission(BUDGET, RESERVE)
-    admission.update(1200, PLENTY, drainable=True)
-    assert not admission.update(950, PLENTY, drainable=True)  # under the budget, not yet under 90%
-    assert not admission.new_trajectories
-    assert admission.update(900, PLENTY, drainable=True)
-    assert admission.everything
+    disk = DiskBudget(BUDGET, RESERVE)
+    disk.update(1200, PLENTY, drainable=True)
+    assert not disk.update(950, PLENTY, drainable=True)  # under the budget, not yet under 90%
+    assert not disk.new_trajectories
+    assert disk.update(900, PLENTY, drainable=True)
+    assert disk.everything
 
 
 def test_below_the_reserve_no_turn_enters_but_ends_and_aborts_do():
-    admission = DiskAdmission(BUDGET, RESERVE)
-    assert admission.update(10, 99, drainable=False)
-    assert not admission.admits("turn", trajectory_open=True) and not admission.admits("turn", trajectory_open=False)
-    assert admission.admits("end", trajectory_open=True) and admission.admits("abort", trajectory_open=True)
-    assert admission.refusal().startswith("the disk is short of space: 99 bytes free, and the broker keeps 100 in reserve")
-    assert not admission.update(10, 105, drainable=False)  # above the reserve, not yet above 110% of it
-    assert admission.update(10, 110, drainable=False)
-    assert admission.everything
+    disk = DiskBudget(BUDGET, RESERVE)
+    assert disk.update(10, 99, drainable=False)
+    assert not disk.lets_in("turn", trajectory_open=True) and not disk.lets_in("turn", trajectory_open=False)
+    assert disk.lets_in("end", trajectory_open=True) and disk.lets_in("abort", trajectory_open=True)
+    assert disk.refusal().startswith("the disk is short of space: 99 bytes free, and the broker keeps 100 in reserve")
+    assert not disk.update(10, 105, drainable=False)  # above the reserve, not yet above 110% of it
+    assert disk.update(10, 110, drainable=False)
+    assert disk.everything
 
 
 def test_a_reserve_of_zero_never_holds_turns_back():
-    admission = DiskAdmission(BUDGET, 0)
-    admission.update(10, 0, drainable=True)
-    assert admission.everything
+    disk = DiskBudget(BUDGET, 0)
+    disk.update(10, 0, drainable=True)
+    assert disk.everything
 
 
 @pytest.mark.parametrize("budget, reserve", [(0, 10), (10, -1)])
 def test_nonsense_limits_are_refused(budget, reserve):
     with pytest.raises(ValueError, match="at least"):
-        DiskAdmission(budget, reserve)
+        DiskBudget(budget, reserve)
 
 
 def test_the_memory_budget_evicts_pauses_and_resumes_with_hysteresis():
