@@ -475,8 +475,9 @@ def test_the_live_view_fits_the_terminal_with_the_columns_needed_first_and_every
     idle = {"frames/s": "0.0", "traj in/s": "0.0", "traj out/s": "0.0", "in bytes/s": "0B/s", "open": "0", "waiting": "0",
             "queued": "4", "leased": "0", "dead": "0", "consumers": "0", "refusals (latest first)": "admin.schema 1"}
     broker = row_named(rows, endpoints_file)
-    assert {name: broker[name] for name in idle if name in names} == {name: idle[name] for name in idle if name in names}, \
-        screen
+    # A refusal folds at a space where the column is narrow: read its lines as one text.
+    shown = {name: " ".join(broker[name].split()) for name in idle if name in names}
+    assert shown == {name: idle[name] for name in idle if name in names}, screen
     assert re.fullmatch(r"0%|\d+(\.\d)?[BK]/2\.0G 0%", broker["memory"]), screen  # the fixture broker's budgets
     assert re.fullmatch(r"0%|\d+(\.\d)?[BKM]/64\.0G 0%", broker["disk"]), screen
     down = row_named(rows, nobody)
