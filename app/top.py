@@ -36,6 +36,7 @@ from rollstream.common.admin import AdminClient, AdminError, read_endpoints_file
 from rollstream.common.clock import Clock
 from rollstream.common.curve import ClientCurve, CurveError, curve_client_options
 from rollstream.common.errors import InvalidInput
+from rollstream.common.messages import status_count
 
 # The status report's counters each rate is taken from (docs/broker.md, Metrics and logs).
 FRAMES = ("frames.", "nacks.producer.")  # producer frames answered: acked (any outcome) or refused
@@ -193,7 +194,7 @@ class Top:
             trajectories_in=rate(ENDED),
             trajectories_out=rate(ACKED),
             bytes=rate(RECEIVED_BYTES),
-            queues={name: int(status.get(name, 0)) for name in QUEUES},
+            queues={name: status_count(status, name) for name in QUEUES},
             producers=int(status.get("producers", 0)),
             consumers=int(status.get("consumers", 0)),
             memory=(int(status.get("bytes_in_memory", 0)), status.get("max_memory_bytes")),

@@ -41,6 +41,7 @@ import xxhash
 
 from .clock import Clock
 from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS
+from .messages import status_count
 
 # The digest's streams: each is the field's values over the whole trajectory,
 # in order, in the contract dtype; a support is hashed as its size and ids.
@@ -311,7 +312,7 @@ BACKLOG_KEYS = ("queued", "leased", "scoring", "awaiting_group")
 def broker_backlog(status: Mapping[str, Any]) -> int:
     """The trajectories a broker's `status` says it still has to deliver
     (`BACKLOG_KEYS`), the `broker_backlog` that `check` takes."""
-    return sum(int(status.get(key, 0)) for key in BACKLOG_KEYS)
+    return sum(status_count(status, key) for key in BACKLOG_KEYS)
 
 
 def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[str, Any]] = (), *,

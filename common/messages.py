@@ -457,3 +457,11 @@ ADMIN_REPLIES = _schema(
     MessageSpec("requeued", {"trajectory_ids": TEXT_LIST}, _SEQ),
     _NACK,
 )
+
+
+def status_count(status: Mapping[str, Any], name: str) -> int:
+    """`name`'s count in a status reply, read under its older name (`ready`
+    for `queued`) from a broker that predates the new one, so that a newer
+    `top` or checker does not read an older broker's queue as empty."""
+    older = {"queued": "ready"}.get(name, name)
+    return int(status.get(name, status.get(older, 0)))

@@ -258,3 +258,15 @@ def test_the_checker_follows_the_lineage_the_surviving_model_descends_from(tmp_p
     assert twice.duplicated == ["a"] and twice.lineage()["lineage_duplicated"] == 1
     dropped = lineage_run(tmp_path / "dropped", abandoned_extra=("x",))  # trained only by the abandoned lineage
     assert dropped.lost == ["x"] and dropped.lineage()["lineage_lost"] == 1
+
+
+def test_a_brokers_backlog_counts_its_queue_under_either_name():
+    """A broker of this version sends `queued` beside its older name
+    `ready` (the same count, counted once); an older broker sends `ready`
+    alone, which must not read as an empty queue (its queued trajectories
+    would be called lost)."""
+    from rollstream.common.checker import broker_backlog
+
+    assert broker_backlog({"queued": 3, "ready": 3, "leased": 1, "scoring": 2, "awaiting_group": 1}) == 7
+    assert broker_backlog({"ready": 3, "leased": 1}) == 4
+    assert broker_backlog({"queued": 0, "ready": 5}) == 0  # the new name wins where both are sent
