@@ -1,9 +1,9 @@
 """Fan-in: one consumer reading from N brokers, and what an idle broker costs.
 
-For each N of `--brokers`, the same `--trajectories` ready single-turn
+For each N of `--brokers`, the same `--trajectories` queued single-turn
 trajectories (256 tokens, 4 ids per token) are spread evenly over N fresh
 `rollstream broker` processes on loopback (filled first, each broker's
-status read until it holds its share ready). Then one library `Consumer`
+status read until it holds its share queued). Then one library `Consumer`
 over all N consumer endpoints (its own process) takes batches of
 `--batch-size` and commits each until it has them all. Its CPU (every
 thread, user and system: `time.process_time` in that process) and its wall
@@ -158,7 +158,7 @@ def idle_share(seconds: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--brokers", default="1,8,32,64", help="broker counts, comma-separated (the first is the baseline)")
-    parser.add_argument("--trajectories", type=int, default=4096, help="ready trajectories in all, spread over the brokers")
+    parser.add_argument("--trajectories", type=int, default=4096, help="queued trajectories in all, spread over the brokers")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3, help="interleaved rounds over the broker counts")
     parser.add_argument("--idle-seconds", type=float, default=60.0, help="how long the idle broker is measured")

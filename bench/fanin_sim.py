@@ -6,7 +6,7 @@ process of stand-in brokers binds N ROUTER sockets on loopback and speaks
 the broker's side of the consumer protocol (docs/protocol.md §4) just far
 enough for the library's `Consumer`: hello/welcome, credit, deliver,
 ack/acked, nack/nacked and, when a hello asks for `queued_counts`, the
-queued counts and revoke/revoked. Together they hold `--trajectories` ready
+queued counts and revoke/revoked. Together they hold `--trajectories` queued
 single-turn trajectories (256 tokens, 4 ids per token over a 151,936 vocab),
 dealt round-robin over the N. A `deliver` is encoded once per process; only
 its header (lease, trajectory id, queued count) is packed again per
@@ -115,7 +115,7 @@ def _recv(conn, timeout: float, what: str) -> Any:
 # -- the stand-in brokers -------------------------------------------------------
 @dataclass
 class _Endpoint:
-    """One stand-in broker: its ready trajectories (numbers) and its one consumer connection."""
+    """One stand-in broker: its queued trajectories (numbers) and its one consumer connection."""
 
     sock: zmq.Socket
     index: int

@@ -138,7 +138,7 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
 @click.argument("trajectory_ids", nargs=-1, required=True)
 def requeue(endpoint: str, timeout: float, job: str | None, curve_secret_key: str | None, curve_server_key: str | None,
             trajectory_ids: tuple[str, ...]) -> None:
-    """Move dead letters back to the ready queue."""
+    """Move dead letters back to the delivery queue."""
     from rollstream.common.admin import AdminClient, AdminError
     from rollstream.common.curve import CurveError
 

@@ -185,7 +185,7 @@ class ReadDigests(Request[dict[tuple[str, int], bytes | StoreError]]):
 
 @dataclass(slots=True)
 class ReadBack(Request[Trajectory | StoreError]):
-    """Read a ready trajectory the store alone holds. Answer: the
+    """Read a queued trajectory the store alone holds. Answer: the
     `Trajectory`, or the `StoreError` that kept it from being read."""
 
     trajectory_id: str
@@ -224,13 +224,13 @@ Received = tuple[bytes, Message | None, ProtocolError | None]
 
 @dataclass(slots=True)
 class _Answer:
-    """A producer message's answer, waiting for its batch to commit."""
+    """A producer message's answer, waiting for its read to commit."""
 
     identity: bytes
     frames: list | None = None  # ready to send (hello, refusals)
     ack: dict | None = None  # sent as `ack` (or within `acks`) if the commit succeeds
     message: Message | None = None
-    pong: dict | None = None  # a ping's answer, sent with what the batch left to `admit`
+    pong: dict | None = None  # a ping's answer, sent with what the read left to `admit`
 
 
 def batched_acks(answers: list[_Answer], batch_acks: Collection[bytes], grant: Callable[[bytes], int]) -> dict[bytes, dict]:
@@ -332,7 +332,7 @@ class BrokerCore:
                    if entry is not None and entry.state == ENDED)
 
     def restore(self, rebuilt: Rebuilt, disk_bytes: int, free_bytes: int) -> None:
-        """Start from what the store held (`recovery.rebuild`): its ready
+        """Start from what the store held (`recovery.rebuild`): its queued
         units queued, oldest first."""
         for unit in self._restore(rebuilt):
             self.dispatcher.enqueue(unit)
@@ -398,7 +398,7 @@ class BrokerCore:
         return self.failures.refusal((endpoint, identity), mono)
 
     def takes_more(self, frames: int, nbytes: int) -> bool:
-        """Whether the producer batch being read takes another frame: below
+        """Whether the producer read under way takes another frame: below
         `batch_max` frames and, once it has one, `batch_max_bytes` (the frame
         crossing it is the last), and while memory is within its budget."""
         s = self.settings
@@ -461,8 +461,8 @@ class BrokerCore:
             fields["group_id"] = job_key(job, fields["group_id"])
         return Message(message.type, fields, message.arrays, message.frames, message.crc32, message.array_crcs)
 
-    def producer_batch(self, received: list[Received], now: Clock) -> Steps[None]:
-        """Merge a batch of producer messages, commit it once, then answer:
+    def producer_read(self, received: list[Received], now: Clock) -> Steps[None]:
+        """Merge a read of producer messages, commit it once, then answer:
         an `ack` always means durable."""
         engine = self.engine
         stored, unread = NOTHING_STORED, {}
@@ -494,7 +494,7 @@ class BrokerCore:
         batch_acks = self.hellos.batch_acks
         for answer in answers:
             frames = answer.frames
-            if answer.pong is not None:  # after the batch: a pong never names room its turns took
+            if answer.pong is not None:  # after the read: a pong never names room its turns took
                 frames = encode(BROKER_TO_PRODUCER, "pong", {**answer.pong, **self._job_fields(answer.identity)})
             elif answer.ack is not None:
                 if not committed:
@@ -587,11 +587,11 @@ class BrokerCore:
         self.grants.active(len(self.producers))
 
     # -- consumers ------------------------------------------------------------
-    def consumer_batch(self, received: list[Received], now: Clock) -> Steps[None]:
-        """Handle a batch of consumer messages; the acks and nacks among them
+    def consumer_read(self, received: list[Received], now: Clock) -> Steps[None]:
+        """Handle a read of consumer messages; the acks and nacks among them
         are made durable together (one commit), then answered."""
         settling: list[Settlement] = []
-        claimed: set[str] = set()  # leases settled by an earlier message of this batch
+        claimed: set[str] = set()  # leases settled by an earlier message of this read
         claimed_ids: set[str] = set()  # and the trajectories its acks settled
         for identity, message, error in received:
             if error is not None:
@@ -698,7 +698,7 @@ class BrokerCore:
         yield from self._drop_stale(job, now)
         engine, freshness = self.engine, self.freshness
         effects = []
-        if resumed and freshness.drops_abandoned:  # unfinished ones now; ready ones as they are taken
+        if resumed and freshness.drops_abandoned:  # unfinished ones now; queued ones as they are taken
             effects += engine.give_up(job, lambda entry: freshness.abandoned(job, entry.sampled), "abandoned", now.wall)
         below = freshness.stale_below(job)
         if self.settings.abort_stale and below is not None:  # their producers stop sampling what cannot be trained
@@ -771,7 +771,7 @@ class BrokerCore:
         yield from self._send_deliveries(self.dispatcher.replay(identity, [e.trajectory_id for e in replay], now.mono), now)
 
     def _settle(self, settling: list[Settlement], now: Clock) -> Steps[None]:
-        """Commit the batch's settlements at once, then update the
+        """Commit the read's settlements at once, then update the
         dispatcher and answer each (or answer `unavailable`)."""
         if not settling:
             return
@@ -892,8 +892,8 @@ class BrokerCore:
         for delivery in unit:
             tid = delivery.trajectory_id
             entry = engine.entries.get(tid)
-            if entry is None or entry.state not in (ENDED, TRAINED):  # cannot happen; never send what is not ready
-                log.error("queued trajectory is not ready", extra={"trajectory_id": tid})
+            if entry is None or entry.state not in (ENDED, TRAINED):  # cannot happen; never send what has not ended
+                log.error("queued trajectory has not ended", extra={"trajectory_id": tid})
                 self.dispatcher.end_leases([delivery.lease])
                 return False
             if not engine.needs_reload(entry):
@@ -1034,7 +1034,7 @@ class BrokerCore:
         what the broker holds: silent producers forgotten, idle trajectories
         expired, dead letters and trained data kept within their budgets.
         Its commits can take long, so the driver hands the core the consumer
-        messages that waited meanwhile (`consumer_batch`) before the second
+        messages that waited meanwhile (`consumer_read`) before the second
         half (`finish_housekeeping`) judges leases and consumers' silence: a
         live consumer is never dropped unheard."""
         self._count_live_producers(now.mono)
@@ -1115,7 +1115,7 @@ class BrokerCore:
 
     def _apply_memory_budget(self) -> None:
         """Evict down to the memory budget, then pause or resume producers.
-        Run after every batch, not only at housekeeping: the engine keeps its
+        Run after every read, not only at housekeeping: the engine keeps its
         count as it changes, so producers resume as soon as room is made."""
         self._evict_to_budget()
         self._update_backpressure()

@@ -431,7 +431,7 @@ class Dispatcher:
     def replay(self, identity: bytes, trajectory_ids: list[str], mono: float) -> list[Dispatch]:
         """Lease trained trajectories to the resumed trainer on `identity`,
         without credit (it asked for them by resuming). Their leases end
-        without requeueing: a replayed trajectory is trained, not ready."""
+        without requeueing: a replayed trajectory is trained, not queued."""
         self.withdraw(set(trajectory_ids))
         consumer = self.consumers[identity]
         out = []

@@ -60,7 +60,7 @@ GIVEN_UP = ("expired", "reward_expired", "abandoned", "stale")
 TRAJECTORY_OVERHEAD_BYTES = 2048
 TURN_OVERHEAD_BYTES = 4096
 
-# Reads back from the store that may find a ready trajectory's records
+# Reads back from the store that may find an ended trajectory's records
 # damaged (`unreadable`) before it is dead-lettered with that reason: each
 # failed read waits for the store's probe, so a record that can never be
 # read costs a few probes, not one after another forever.
@@ -140,7 +140,7 @@ class DeadLetter:
 
 @dataclass(frozen=True, slots=True)
 class Revive:
-    """An operator sent a dead letter back to ready."""
+    """An operator sent a dead letter back to the queue."""
 
     trajectory_id: str
 
@@ -330,7 +330,7 @@ class MergeEngine:
         self._scoring: OrderedDict[str, Entry] = OrderedDict()  # ended without a reward, longest waiting first
         self._idle_groups: OrderedDict[str, Group] = OrderedDict()
         self._awaiting_group = 0  # ended members of the idle groups, kept as they change
-        self._resident_ready: OrderedDict[str, Entry] = OrderedDict()  # ended, in memory, oldest first (evicted newest first)
+        self._resident_ended: OrderedDict[str, Entry] = OrderedDict()  # ended, in memory, oldest first (evicted newest first)
         self._resident_open: OrderedDict[str, Entry] = OrderedDict()  # open, in memory, least recently continued first
         self._dead: OrderedDict[str, Entry] = OrderedDict()  # dead letters, oldest first (`prune_dead`)
         self.dead_bytes = 0  # their `stored_bytes`, kept as they change
@@ -553,7 +553,7 @@ class MergeEngine:
         return _ack(message, True), (effect,)
 
     def _reward(self, message: Message, wall: float) -> tuple[dict, tuple]:
-        """A `scoring` trajectory's reward: it becomes ready (its group, once complete)."""
+        """A `scoring` trajectory's reward: it is queued (its group, once complete)."""
         tid, reward = message["trajectory_id"], message["reward"]
         entry = self.entries.get(tid)
         if entry is None or entry.state == LEFT:
@@ -753,17 +753,17 @@ class MergeEngine:
                 heapq.heappush(expiry, (until, tid))
 
     # -- consumer outcomes --------------------------------------------------
-    def _ready_entry(self, tid: str, what: str) -> Entry:
-        """`tid`'s entry, which must be ready (ended, not yet delivered) for `what`."""
+    def _ended_entry(self, tid: str, what: str) -> Entry:
+        """`tid`'s entry, which must be ended (not yet delivered) for `what`."""
         entry = self.entries.get(tid)
         if entry is None or entry.state != ENDED:
-            raise InvalidInput(f"only a ready trajectory can be {what}: {tid!r} is "
+            raise InvalidInput(f"only an ended trajectory can be {what}: {tid!r} is "
                              f"{'unknown' if entry is None else entry.state}, expected {ENDED}")
         return entry
 
     def delivered(self, tid: str, wall: float) -> list:
         """A consumer committed `tid`: forget its data, remember its id."""
-        self._ready_entry(tid, "delivered")
+        self._ended_entry(tid, "delivered")
         self._done_in_group(self.entries[tid])
         return [self._forget(tid, wall), *self._drain()]
 
@@ -782,12 +782,12 @@ class MergeEngine:
         return Forget(tid, until, *dead)
 
     def trained(self, tid: str, at: TrainedAt) -> list:
-        """A checkpointing trainer trained `tid` (ready, or trained before
+        """A checkpointing trainer trained `tid` (ended, or trained before
         and now trained again by a resumed lineage): keep its data, out of
         memory, until a seal reclaims it."""
         entry = self.entries.get(tid)
         if entry is None or entry.state not in (ENDED, TRAINED):
-            raise InvalidInput(f"only a ready or trained trajectory can be trained: {tid!r} is "
+            raise InvalidInput(f"only an ended or trained trajectory can be trained: {tid!r} is "
                                f"{'unknown' if entry is None else entry.state}, expected {ENDED} or {TRAINED}")
         self._drop_arrays(entry)
         if entry.state == ENDED:
@@ -877,30 +877,30 @@ class MergeEngine:
 
     def dead_letter(self, tid: str, reason: str, wall: float) -> list:
         """A consumer refused `tid` (or it ran out of deliveries, or it cannot be read back)."""
-        entry = self._ready_entry(tid, "dead-lettered")
+        entry = self._ended_entry(tid, "dead-lettered")
         self._kill(entry, reason, wall)
         self._done_in_group(entry)
         return list(self._drain(DeadLetter(tid, reason, wall)))
 
     def unreadable(self, tid: str) -> bool:
-        """Reading ready `tid` back from the store found its records damaged
+        """Reading ended `tid` back from the store found its records damaged
         (not a passing I/O error). True on the `UNREADABLE_AFTER`th time:
         dead-letter it (reason `unreadable`); until then it is read again
         once the store's probe succeeds."""
         entry = self.entries[tid]
         if entry.state != ENDED:
-            raise InvalidInput(f"only a ready trajectory is read back to be delivered; {tid!r} is {entry.state}, "
+            raise InvalidInput(f"only an ended trajectory is read back to be delivered; {tid!r} is {entry.state}, "
                                f"expected {ENDED}")
         entry.unreadable += 1
         return entry.unreadable >= UNREADABLE_AFTER
 
     def revive(self, tid: str, wall: float) -> list:
-        """Move a dead letter back to ready, if it had ended with its reward:
+        """Move a dead letter back to the queue, if it had ended with its reward:
         one given up unfinished (expired, or stale or abandoned before its
         end or reward came) never comes back, lest it be delivered as if
         complete. A group member goes back to its group: one still forming
         counts it ended; a deliverable one waits for it too; a closed one is
-        made deliverable again, with it alone, so a restart finds it ready."""
+        made deliverable again, with it alone, so a restart finds it queued."""
         entry = self.entries.get(tid)
         if entry is None or entry.state != DEAD or entry.reward is None:
             return []
@@ -927,7 +927,7 @@ class MergeEngine:
     # -- memory -------------------------------------------------------------
     def evict(self, target: float, leased: set[str] | frozenset = frozenset()) -> dict[State, int]:
         """Drop merged trajectories' arrays from memory (all are durable in
-        the store) until at most `target` bytes are held: ready ones first,
+        the store) until at most `target` bytes are held: ended ones first,
         newest first (consumers take the oldest first, so these are needed
         last), then open ones, least recently continued first, and last
         those in `leased` (out on a lease: most are acked before they are
@@ -942,10 +942,10 @@ class MergeEngine:
         it evicts (plus the leased ones it passes). Returns how many of each
         state."""
         evicted = dict.fromkeys((ENDED, OPEN), 0)
-        ready, open_ = self._resident_ready, self._resident_open
-        passes = (lambda: [e for e in reversed(ready.values()) if e.trajectory_id not in leased],
+        ended, open_ = self._resident_ended, self._resident_open
+        passes = (lambda: [e for e in reversed(ended.values()) if e.trajectory_id not in leased],
                   lambda: list(open_.values()),
-                  lambda: [e for e in reversed(ready.values()) if e.trajectory_id in leased])
+                  lambda: [e for e in reversed(ended.values()) if e.trajectory_id in leased])
         for resident in passes:  # each listed when reached: evicting changes what is resident
             for entry in resident():
                 if self.bytes_in_memory <= target:
@@ -977,8 +977,8 @@ class MergeEngine:
         their replayed trajectories): groups rebuilt from their members,
         those in `deliverable_groups` deliverable again, `dedup` remembered
         (`pruned`: the dead letters among them, with reason and time).
-        Returns the units to deliver, by `order` (ready sequence) of their
-        first member: a ready trajectory outside a group, or the ended
+        Returns the units to deliver, by `order` (queue sequence) of their
+        first member: an ended trajectory outside a group, or the ended
         members of a deliverable group."""
         if self.entries or self.groups:
             raise InvalidInput(f"restore fills an empty engine; this one holds {len(self.entries)} trajectories")
@@ -995,20 +995,20 @@ class MergeEngine:
         self.trained_entries.update((e.trajectory_id, e) for e in self.entries.values() if e.state == TRAINED)
         self.trained_bytes = sum(e.stored_bytes for e in self.trained_entries.values())
         self._trained_steps = Counter(e.trained.step for e in self.trained_entries.values() if e.trained is not None)
-        ready: list[tuple[int, DeliveryUnit]] = []
+        queued: list[tuple[int, DeliveryUnit]] = []
         for group_id, group in self.groups.items():
             if group_id in deliverable_groups:  # made deliverable in the commit of the frame that completed the group
                 ended = tuple(tid for tid, state in group.members.items() if state == ENDED)
                 group.pending = set(ended)
                 if ended:
-                    ready.append((min(order[tid] for tid in ended),
+                    queued.append((min(order[tid] for tid in ended),
                                   DeliveryUnit(ended, group_id, group.size, group.size - len(ended),
                                                self.oldest(ended))))
         self._reindex()
         for entry in self.entries.values():
             if entry.state == ENDED and entry.group_id is None:
-                ready.append((order[entry.trajectory_id], DeliveryUnit((entry.trajectory_id,), version=entry.version)))
-        return [unit for _, unit in sorted(ready, key=lambda pair: pair[0])]
+                queued.append((order[entry.trajectory_id], DeliveryUnit((entry.trajectory_id,), version=entry.version)))
+        return [unit for _, unit in sorted(queued, key=lambda pair: pair[0])]
 
     def _reindex(self) -> None:
         """Rebuild the indexes from `entries` and `groups` as `restore`
@@ -1020,7 +1020,7 @@ class MergeEngine:
         self._dead.clear()
         self.dead_bytes = 0
         self._idle_groups.clear()
-        self._resident_ready.clear()
+        self._resident_ended.clear()
         self._resident_open.clear()
         self.bytes_in_memory = 0
         for entry in sorted(self.entries.values(), key=lambda e: e.updated_at):
@@ -1072,7 +1072,7 @@ class MergeEngine:
         if entry.state == OPEN:
             self._open.pop(tid, None)
             if self._resident_open.pop(tid, None) is not None and state in (ENDED, SCORING):
-                self._resident_ready[tid] = entry
+                self._resident_ended[tid] = entry
         if entry.state == SCORING:
             self._scoring.pop(tid, None)
         elif state == SCORING:
@@ -1090,7 +1090,7 @@ class MergeEngine:
         entry.trajectory, entry.held = trajectory, 0
         self._grow(entry, trajectory)
         if not trajectory.is_shed:
-            (self._resident_open if entry.state == OPEN else self._resident_ready)[entry.trajectory_id] = entry
+            (self._resident_open if entry.state == OPEN else self._resident_ended)[entry.trajectory_id] = entry
 
     def _grow(self, entry: Entry, trajectory: Trajectory) -> None:
         """Count the entry's trajectory as it is now (O(1): it keeps its own size)."""
@@ -1111,7 +1111,7 @@ class MergeEngine:
         self.bytes_in_memory -= entry.held
         entry.trajectory, entry.held = None, 0
         self._resident_open.pop(entry.trajectory_id, None)
-        self._resident_ready.pop(entry.trajectory_id, None)
+        self._resident_ended.pop(entry.trajectory_id, None)
 
     # -- reading ------------------------------------------------------------
     def counts(self) -> dict[State, int]:
@@ -1120,7 +1120,7 @@ class MergeEngine:
     def awaiting_group(self) -> int:
         """Ended members of groups not complete yet: durable, and delivered
         with their group (or without the missing members once it idles for
-        `trajectory_ttl`), but neither ready nor leased until then."""
+        `trajectory_ttl`), but neither queued nor leased until then."""
         return self._awaiting_group
 
     def oldest(self, trajectory_ids: Iterable[str]) -> int | None:

@@ -89,7 +89,7 @@ class DiskBudget:
 
     def update(self, used: int, free: int, drainable: bool) -> bool:
         """The store holds `used` bytes and its file system has `free`;
-        `drainable`: something is ready or leased, so consumers can free
+        `drainable`: something is queued or leased, so consumers can free
         space. Returns whether what enters changed."""
         before = (self.new_trajectories, self.turns)
         self.used, self.free = used, free

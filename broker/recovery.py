@@ -1,5 +1,5 @@
 """Rebuilding broker state from its store: at start-up, after a failed
-commit, and when a ready trajectory that was evicted from memory is about
+commit, and when a queued trajectory that was evicted from memory is about
 to be delivered.
 
 A trajectory is stored as its applied turn frames plus small state rows;
@@ -67,7 +67,7 @@ class Rebuilt(NamedTuple):
     entries: list[Entry]
     deliverable_groups: Collection[str]
     dedup: Mapping[str, float]
-    order: Mapping[str, int]  # ready sequence of each trajectory
+    order: Mapping[str, int]  # queue sequence of each trajectory (the store's `ready_seq`)
     runs: Mapping[str, Run]  # checkpointing trainers' runs
     policies: Mapping[str, Policy] = MappingProxyType({})  # each job's published policy (`Freshness`)
     pruned: Mapping[str, tuple[str, float]] = MappingProxyType({})  # dead letters pruned: id -> (reason, at)

@@ -43,8 +43,8 @@ BUSY_POLL, QUIET_POLL = 0.1, 1.0
 ZERO_COPY_SEND_ABOVE = 1 << 19
 # A turn frame this large (a turn of top-p-sized supports) has its content
 # rules checked on a thread of their own as soon as it is decoded, while the
-# main thread receives and decodes the rest of the batch; numpy releases the
-# GIL over arrays this size. The outcome is taken before the batch merges.
+# main thread receives and decodes the rest of the read; numpy releases the
+# GIL over arrays this size. The outcome is taken before the read merges.
 CHECK_AHEAD_FROM_BYTES = 1 << 20
 
 
@@ -259,13 +259,12 @@ class BrokerService:
 
     # -- reading ----------------------------------------------------------------
     def _serve_producers(self, now: Clock) -> None:
-        """Read a batch of producer frames (a `batch` message's elements one
-        by one), decode and check them, and hand them to the core."""
+        """Read producer frames (a `batch` message's elements one by one), decode and check them, and hand them to the core."""
         core = self.core
         received: list[Received] = []
         checks: dict[int, Future] = {}
-        batch_bytes = 0
-        while core.takes_more(len(received), batch_bytes):
+        read_bytes = 0
+        while core.takes_more(len(received), read_bytes):
             try:
                 frames = self._receive("producer", now)
             except zmq.Again:
@@ -274,7 +273,7 @@ class BrokerService:
                 continue
             identity = frames[0]
             size = sum(map(len, frames))
-            batch_bytes += size
+            read_bytes += size
             core.frame_arrived(identity, size, now.mono)
             limited = core.limited("producer", identity, now.mono)
             if limited is not None:
@@ -304,9 +303,9 @@ class BrokerService:
                 except Exception as exc:
                     received.append((identity, None, self._failed("producer", identity, exc, element, now)))
         self._check_content(received, checks)
-        self._drive(core.producer_batch(received, now))
-        if received:  # once per batch: no clock read or counter update per frame
-            self.metrics.received_bytes.add(batch_bytes)
+        self._drive(core.producer_read(received, now))
+        if received:  # once per read: no clock read or counter update per frame
+            self.metrics.received_bytes.add(read_bytes)
             self.metrics.ack_seconds.observe(Clock.monotonic() - now.mono)
 
     def _failed(self, endpoint: str, identity: bytes, exc: Exception, frames: list, now: Clock) -> ProtocolError:
@@ -321,7 +320,7 @@ class BrokerService:
 
     def _take(self, identity: bytes, message: Message, size: int, received: list[Received],
               checks: dict[int, Future]) -> None:
-        """A decoded message into the batch being read (its ids keyed by its
+        """A decoded message into the read under way (its ids keyed by its
         job, `BrokerCore.keyed`): a large turn's content check starts ahead,
         and a turn's frames go to the writer."""
         message = self.core.keyed(message)
@@ -330,10 +329,10 @@ class BrokerService:
             if size >= CHECK_AHEAD_FROM_BYTES:
                 checks[len(received) - 1] = self._checker.submit(_content_error, message.arrays, self.settings.vocab_size)
             if self.core.writes_ahead(message):
-                self.store.write_ahead(message)  # on the writer thread while the batch is checked and merged
+                self.store.write_ahead(message)  # on the writer thread while the read is checked and merged
 
     def _check_content(self, received: list[Received], checks: dict[int, Future]) -> None:
-        """The content rules for every turn of the batch: those not already
+        """The content rules for every turn of the read: those not already
         being checked ahead in one packed pass (only when it fails is each
         checked alone, to refuse the culprits), then the outcomes of the
         checks ahead."""
@@ -359,7 +358,7 @@ class BrokerService:
                 received[i] = (identity, message, error.with_seq(message["seq"]))
 
     def _serve_consumers(self, now: Clock) -> None:
-        """Read a batch of consumer messages and hand them to the core."""
+        """Read consumer messages and hand them to the core."""
         received: list[Received] = []
         for _ in range(self.settings.batch_max):
             try:
@@ -368,7 +367,7 @@ class BrokerService:
                 break
             if frames is not None:
                 received.append(self._decoded("consumer", frames[0], frames[1:], CONSUMER_TO_BROKER, now))
-        self._drive(self.core.consumer_batch(received, now))
+        self._drive(self.core.consumer_read(received, now))
 
     def _serve_admin(self, now: Clock) -> None:
         while True:

@@ -7,7 +7,7 @@ after a restart. One bound S (`max_staleness`, a broker setting a trainer
 may lower) is kept at three points, all counted in trajectories:
 
 - admission: a turn that would open a new trajectory enters only while the
-  job's admitted-but-untrained trajectories (open, ready or leased: durable
+  job's admitted-but-untrained trajectories (open, queued or leased: durable
   counts, never cumulative ones) are below `(S + 1) * per_step * share`. At
   version v, what is admitted now is trained within `untrained / per_step`
   steps, so this keeps it within S of the trainer;

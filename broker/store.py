@@ -209,7 +209,7 @@ class StoreUnavailable(StoreError):
 
 class StoreCorrupted(StoreError):
     """The data directory is damaged (a record or row fails its checks, or
-    is missing); the broker refuses to start on it, and a ready trajectory
+    is missing); the broker refuses to start on it, and a queued trajectory
     whose records fail so can never be delivered."""
 
     code = "internal"

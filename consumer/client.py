@@ -199,7 +199,7 @@ class Consumer:
     def next_batch(self, timeout: float | None = None, *, partial_after: float | None = None) -> Batch:
         """The next validated batch; blocks up to `timeout` seconds
         (`TimedOut`, a `TimeoutError`), raises `ConsumerClosed` once closed. With
-        `partial_after`, a batch of the units ready once that many seconds
+        `partial_after`, a batch of the units complete once that many seconds
         passed without a full batch (the tail of a run): smaller, never empty."""
         now = Clock.monotonic()
         deadline = None if timeout is None else now + timeout

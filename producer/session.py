@@ -301,14 +301,14 @@ class ProducerSession:
 
     def transmit(self, now: float, send: Callable[[list], bool],
                  body: Callable[[int], memoryview] | None = None) -> None:
-        """Hand `send` every frame that may go now, in order: frames ready
+        """Hand `send` every frame that may go now, in order: frames due
         together as batches once the welcome allowed them (`batch_runs`),
         others alone, a batch's body written into `body(size)` when given
         (`encode_batch`). Stops at the first message `send` refuses (False)."""
         window, metrics = self.window, self.metrics
-        ready = window.ready(now)
-        runs = ([[item] for item in ready] if not self.batch_bytes or len(ready) < 2 else
-                batch_runs(ready, max_items=self.send_burst, max_bytes=self.batch_bytes, item_max_bytes=PACK_UP_TO_BYTES))
+        due = window.due(now)
+        runs = ([[item] for item in due] if not self.batch_bytes or len(due) < 2 else
+                batch_runs(due, max_items=self.send_burst, max_bytes=self.batch_bytes, item_max_bytes=PACK_UP_TO_BYTES))
         for run in runs:
             if not send(run[0].frames if len(run) == 1 else encode_batch([item.frames for item in run], body)):
                 break

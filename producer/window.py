@@ -1,7 +1,7 @@
 """The producer's resend window and heartbeat (docs/protocol.md §3), sans-I/O.
 
 Plain synchronous objects: no sockets, no clocks, no files. Their caller
-(`session.ProducerSession`) passes the current time in, transmits what `ready()` hands it, and feeds
+(`session.ProducerSession`) passes the current time in, transmits what `due()` hands it, and feeds
 every decoded broker reply back. The window then decides what is settled,
 what must go out again and in which order, so reconnects, reply timeouts,
 lost, duplicate and reordered replies are all testable without a broker.
@@ -177,7 +177,7 @@ class ResendWindow:
             item.parked = True
             self._parked += 1
 
-    def ready(self, now: float) -> list[HeldFrame]:
+    def due(self, now: float) -> list[HeldFrame]:
         """Frames to transmit now, in the order to transmit them. Call `sent`
         for each one actually transmitted, in this order, and stop at the
         first that cannot be (later ones may depend on it)."""

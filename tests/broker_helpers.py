@@ -76,5 +76,5 @@ def housekeep(broker, now, between=(), **answers):
     second half. What it asked for, in order (`drive`)."""
     asked = drive(broker.housekeeping(now), **answers)
     if between:
-        asked += drive(broker.consumer_batch(list(between), now), **answers)
+        asked += drive(broker.consumer_read(list(between), now), **answers)
     return asked + drive(broker.finish_housekeeping(now), **answers)

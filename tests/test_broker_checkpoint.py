@@ -63,16 +63,16 @@ class Node:
 
     def producer_says(self, *messages) -> list:
         """Producer messages in one batch; the broker's answers, decoded."""
-        return self.run(self.core.producer_batch([(P, m, None) for m in messages], self.clock), "producer")
+        return self.run(self.core.producer_read([(P, m, None) for m in messages], self.clock), "producer")
 
     def produce(self, *tids):
         messages = [m for tid in tids for m in (turn_msg(tid, 0, seq=1), end_msg(tid, seq=2))]
-        self.run(self.core.producer_batch([(P, m, None) for m in messages], self.clock))
+        self.run(self.core.producer_read([(P, m, None) for m in messages], self.clock))
 
     def say(self, kind, **fields) -> list:
         """One consumer message; everything the broker sent back (and delivered after it)."""
         message = decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER)
-        out = self.run(self.core.consumer_batch([(C, message, None)], self.clock))
+        out = self.run(self.core.consumer_read([(C, message, None)], self.clock))
         return out + self.run(self.core.deliver(self.clock))
 
     def hello(self, lineage="L1", run="R"):

@@ -36,7 +36,7 @@ def produce(broker: BrokerCore, identity: bytes, messages, t: float, **answers) 
     asked for, and the producer replies it sent (decoded)."""
     for _ in messages:
         broker.frame_arrived(identity, 100, t)
-    asked = drive(broker.producer_batch([(identity, m, None) for m in messages], at(t)), **answers)
+    asked = drive(broker.producer_read([(identity, m, None) for m in messages], at(t)), **answers)
     return asked, [decode(r.frames, BROKER_TO_PRODUCER) for r in asked if isinstance(r, Send) and r.socket == "producer"]
 
 
@@ -129,7 +129,7 @@ def test_a_heartbeat_held_behind_a_long_housekeeping_pass_keeps_the_consumers_le
         produce(broker, P, [turn_msg("t", 0, seq=1), end_msg("t", seq=2)], t=0.0)
         received = [(C, decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER), None)
                     for kind, fields in (("hello", {"consumer_id": "c"}), ("credit", {"n": 1, "unit": "trajectory"}))]
-        drive(broker.consumer_batch(received, at(0.0)))
+        drive(broker.consumer_read(received, at(0.0)))
         [delivery] = [decode(r.frames, BROKER_TO_CONSUMER) for r in drive(broker.deliver(at(0.0))) if isinstance(r, Send)]
         return broker, delivery["lease"]
 
@@ -139,7 +139,7 @@ def test_a_heartbeat_held_behind_a_long_housekeeping_pass_keeps_the_consumers_le
     assert C in broker.dispatcher.consumers and lease in broker.dispatcher.leases
     late, lease = leased()
     housekeep(late, at(10.0))
-    drive(late.consumer_batch(heartbeat, at(10.0)))
+    drive(late.consumer_read(heartbeat, at(10.0)))
     assert C not in late.dispatcher.consumers and lease not in late.dispatcher.leases
     assert late.dispatcher.queued_in("default") == 1  # requeued
 
@@ -164,7 +164,7 @@ def test_a_consumer_hello_settles_the_acks_before_it_in_the_batch_first():
 
     def consumer(*messages):
         received = [(C, decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER), None) for kind, fields in messages]
-        asked = drive(broker.consumer_batch(received, at(1.0)))
+        asked = drive(broker.consumer_read(received, at(1.0)))
         asked += drive(broker.deliver(at(1.0)))
         return asked, [decode(r.frames, BROKER_TO_CONSUMER) for r in asked if isinstance(r, Send)]
 
@@ -204,7 +204,7 @@ def test_with_only_consumers_connected_housekeeping_waits_for_the_next_lease_exp
 
     def consumer(kind, fields, t):
         message = decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER)
-        drive(broker.consumer_batch([(C, message, None)], at(t)))
+        drive(broker.consumer_read([(C, message, None)], at(t)))
         drive(broker.deliver(at(t)))
 
     consumer("hello", {"consumer_id": "c"}, start)
@@ -226,7 +226,7 @@ def test_a_consumer_that_asks_is_told_what_waits_queued_in_its_welcome_deliverie
     def consumer(identity, *messages, t=1.0):
         received = [(identity, decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER), None)
                     for kind, fields in messages]
-        asked = drive(broker.consumer_batch(received, at(t)))
+        asked = drive(broker.consumer_read(received, at(t)))
         asked += drive(broker.deliver(at(t)))
         return [decode(r.frames, BROKER_TO_CONSUMER) for r in asked if isinstance(r, Send)]
 

@@ -372,16 +372,16 @@ def test_a_ready_trajectory_is_unreadable_only_after_bounded_failed_reads_and_a_
     assert [engine.unreadable("t") for _ in range(UNREADABLE_AFTER)] == [False] * (UNREADABLE_AFTER - 1) + [True]
     engine.dead_letter("t", "unreadable", wall=3)
     with pytest.raises(ValueError, match="expected ended"):
-        engine.unreadable("t")  # only a ready trajectory is read back
+        engine.unreadable("t")  # only an ended trajectory is read back
     assert engine.revive("t", wall=4) == [Revive("t")]
     assert engine.unreadable("t") is False  # revived by an operator (the record repaired): counted afresh
 
 
 def test_only_a_ready_trajectory_is_delivered_or_dead_lettered(engine):
     engine.handle(turn_msg("open", 0), 1.0)
-    with pytest.raises(ValueError, match=r"only a ready trajectory can be delivered: 'open' is open, expected ended"):
+    with pytest.raises(ValueError, match=r"only an ended trajectory can be delivered: 'open' is open, expected ended"):
         engine.delivered("open", 2.0)
-    with pytest.raises(ValueError, match=r"only a ready trajectory can be dead-lettered: 'gone' is unknown, expected ended"):
+    with pytest.raises(ValueError, match=r"only an ended trajectory can be dead-lettered: 'gone' is unknown, expected ended"):
         engine.dead_letter("gone", "max_deliveries", 2.0)
     engine.handle(end_msg("open"), 3.0)
     engine.dead_letter("open", "max_deliveries", 4.0)

@@ -409,7 +409,7 @@ def test_an_evicted_open_trajectory_merges_without_reading_the_store_and_is_read
 READY_TOKENS = 1500  # per trajectory: four of them (~144 KB) against a 100 KB memory budget
 
 
-def ready_and_partly_evicted(service, context) -> list[str]:
+def queued_and_partly_evicted(service, context) -> list[str]:
     """Four ready trajectories `t0`..`t3` (tokens i..i+READY_TOKENS) sent to
     an in-process broker with a 100 KB memory budget; the ones it evicted."""
     producer = dealer("inproc://p", context)
@@ -428,11 +428,11 @@ def ready_and_partly_evicted(service, context) -> list[str]:
 
 @pytest.mark.slow
 def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_path):
-    """An evicted ready trajectory whose read-back fails at delivery: the
+    """An evicted queued trajectory whose read-back fails at delivery: the
     daemon keeps running, reports the store unavailable, and delivers it
     (under the consumer's original credit) once the store reads again."""
     with threaded_broker(tmp_path, max_memory_bytes=100_000) as (service, thread, context):
-        evicted = ready_and_partly_evicted(service, context)
+        evicted = queued_and_partly_evicted(service, context)
         real_read = service.store.segments.read_many
 
         def unreadable(locations):
@@ -469,14 +469,14 @@ def test_a_ready_trajectory_that_cannot_be_read_back_waits_for_the_store(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_ready_trajectory_whose_record_is_damaged_is_dead_lettered_unreadable_after_bounded_reads(tmp_path):
+def test_a_queued_trajectory_whose_record_is_damaged_is_dead_lettered_unreadable_after_bounded_reads(tmp_path):
     """A damaged record (a flipped byte: its CRC fails) can never be read
     back: after `UNREADABLE_AFTER` failed reads, each waiting for the
     store's probe, it is dead-lettered `unreadable` and counted, the store
     is available again and the rest are delivered, instead of the store
     turning unavailable after every probe."""
     with threaded_broker(tmp_path, max_memory_bytes=100_000) as (service, thread, context):
-        evicted = ready_and_partly_evicted(service, context)
+        evicted = queued_and_partly_evicted(service, context)
         damaged = evicted[0]
         segment, offset, _ = service.store.load_one(damaged).turns[0].location
         with open(service.store.segments.path(segment), "r+b") as f:  # flip a byte of its payload

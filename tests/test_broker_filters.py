@@ -54,7 +54,7 @@ def group(node: Node, gid: str, rewards: list, seq: int = 0) -> None:
         tid = f"{gid}-{i}"
         messages += [turn_msg(tid, 0, seq=seq + 2 * i, group=(gid, len(rewards))),
                      end_msg(tid, seq=seq + 2 * i + 1, reward=reward)]
-    node.run(node.core.producer_batch([(P, m, None) for m in messages], node.clock))
+    node.run(node.core.producer_read([(P, m, None) for m in messages], node.clock))
 
 
 def test_a_group_with_equal_rewards_is_dead_lettered_filtered_and_the_others_are_delivered(tmp_path):

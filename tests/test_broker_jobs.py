@@ -35,7 +35,7 @@ def produce(broker: BrokerCore, messages, t: float = 0.0) -> list:
     """The producer's messages as the service hands them in (ids keyed by job); the replies, decoded."""
     for _ in messages:
         broker.frame_arrived(P, 100, t)
-    asked = drive(broker.producer_batch([(P, BrokerCore.keyed(m), None) for m in messages], at(t)))
+    asked = drive(broker.producer_read([(P, BrokerCore.keyed(m), None) for m in messages], at(t)))
     replies = [decode(r.frames, BROKER_TO_PRODUCER) for r in asked if isinstance(r, Send)]
     return [(a["trajectory_id"], a["applied"]) for r in replies for a in ([r.fields] if r.type == "ack" else r["acks"])]
 
@@ -43,7 +43,7 @@ def produce(broker: BrokerCore, messages, t: float = 0.0) -> list:
 def consume(broker: BrokerCore, identity: bytes, messages: list[tuple[str, dict]], t: float = 1.0, **answers) -> list:
     received = [(identity, decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER), None)
                 for kind, fields in messages]
-    asked = drive(broker.consumer_batch(received, at(t)), **answers)
+    asked = drive(broker.consumer_read(received, at(t)), **answers)
     asked += drive(broker.deliver(at(t)), **answers)
     return [decode(r.frames, BROKER_TO_CONSUMER) for r in asked if isinstance(r, Send) and r.identity == identity]
 

@@ -52,7 +52,7 @@ def test_the_broker_warns_names_the_cause_in_status_and_clears_it(tmp_path, capl
         for i in range(2):
             tid = f"g{g}-{i}"
             messages += [turn_msg(tid, 0, seq=4 * g + 2 * i, group=(f"g{g}", 2)), end_msg(tid, seq=4 * g + 2 * i + 1)]
-    node.run(node.core.producer_batch([(P, m, None) for m in messages], node.clock))
+    node.run(node.core.producer_read([(P, m, None) for m in messages], node.clock))
     node.hello(run=None)
     node.say("credit", n=4, unit="trajectory")
     with caplog.at_level(logging.WARNING, logger="rollstream.broker"):

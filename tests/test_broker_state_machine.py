@@ -143,7 +143,7 @@ class Broker(RuleBasedStateMachine):
         return Clock(self.now, self.now)
 
     def _produce(self, message, store_fails=False):
-        replies = self._run(self.core.producer_batch([(PRODUCER, message, None)], self.clock), fail_commit=store_fails)
+        replies = self._run(self.core.producer_read([(PRODUCER, message, None)], self.clock), fail_commit=store_fails)
         acks = [reply for reply in replies if reply.type in ("ack", "acks")]
         return acks[0] if acks and acks[0].type == "ack" else None
 
@@ -157,7 +157,7 @@ class Broker(RuleBasedStateMachine):
             elif kind == "credit":
                 self.granted += fields["n"]
             received.append((CONSUMER, decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER), None))
-        self._run(self.core.consumer_batch(received, self.clock), fail_commit=store_fails)
+        self._run(self.core.consumer_read(received, self.clock), fail_commit=store_fails)
         return bool(received)
 
     def _consumer_speaks(self, store_fails=False, read_back_fails=False):

@@ -117,7 +117,7 @@ def test_a_consumer_message_whose_handling_raises_gets_an_internal_nack():
     messages = [decode(encode(CONSUMER_TO_BROKER, "hello", {"consumer_id": "c"}), CONSUMER_TO_BROKER),
                 decode(encode(CONSUMER_TO_BROKER, "credit", {"n": 1, "unit": "trajectory"}), CONSUMER_TO_BROKER),
                 decode(encode(CONSUMER_TO_BROKER, "heartbeat", {}), CONSUMER_TO_BROKER)]
-    asked = drive(broker.consumer_batch([(b"c", m, None) for m in messages], at(0.0)))
+    asked = drive(broker.consumer_read([(b"c", m, None) for m in messages], at(0.0)))
     replies = [decode(r.frames, BROKER_TO_CONSUMER) for r in asked if isinstance(r, Send)]
     assert [r.type for r in replies][:2] == ["welcome", "nack"]
     assert replies[1]["code"] == "internal" and "a credit message" in replies[1]["message"]

@@ -35,7 +35,7 @@ def window(limit=8, **options):
 def send_ready(w, now=0.0):
     """Transmit everything `ready` offers; the seqs sent, in order."""
     sent = []
-    for item in w.ready(now):
+    for item in w.due(now):
         w.sent(item.seq, now)
         sent.append(item.seq)
     return sent
@@ -72,9 +72,9 @@ def test_a_frame_the_socket_did_not_take_is_offered_again():
     w = window()
     w.push(frame(1))
     w.push(frame(2))
-    first = w.ready(0.0)
+    first = w.due(0.0)
     w.sent(first[0].seq, 0.0)  # the socket refused the second: stop there
-    assert [item.seq for item in w.ready(0.0)] == [2]
+    assert [item.seq for item in w.due(0.0)] == [2]
 
 
 def test_sending_a_frame_twice_without_a_resend_is_a_bug():
@@ -233,7 +233,7 @@ def test_unavailable_waits_retry_delay_then_resends():
     w.push(frame(2))
     send_ready(w, 0.0)
     assert w.on_reply(nack(1, "unavailable"), 1.0) is None
-    assert w.ready(1.2) == []  # backing off; turn 1 of the same trajectory is in flight already
+    assert w.due(1.2) == []  # backing off; turn 1 of the same trajectory is in flight already
     assert send_ready(w, 1.5) == [1]
     assert w.on_reply(ack(1), 2.0) is not None
 
@@ -245,8 +245,8 @@ def test_a_turn_behind_a_backing_off_turn_waits_for_it():
     w.on_reply(nack(1, "unavailable"), 1.0)
     w.push(frame(2))
     w.push(frame(3, tid="other", turn=0))
-    assert [item.seq for item in w.ready(1.1)] == [3]  # other trajectories are not held up
-    assert [item.seq for item in w.ready(1.5)] == [1, 2, 3]
+    assert [item.seq for item in w.due(1.1)] == [3]  # other trajectories are not held up
+    assert [item.seq for item in w.due(1.5)] == [1, 2, 3]
 
 
 def test_an_ack_for_an_earlier_transmission_settles_a_frame_due_again():
@@ -255,7 +255,7 @@ def test_an_ack_for_an_earlier_transmission_settles_a_frame_due_again():
     send_ready(w)
     w.reconnected()
     assert w.on_reply(ack(1), 1.0) is not None
-    assert w.ready(1.0) == [] and len(w) == 0
+    assert w.due(1.0) == [] and len(w) == 0
 
 
 # -- resending ----------------------------------------------------------------------------
@@ -415,7 +415,7 @@ def test_lossy_connection_loses_nothing_duplicates_nothing_and_ends_whole(ops, s
         pushed[tid] += 1
 
     def transmit():
-        for item in w.ready(now):
+        for item in w.due(now):
             w.sent(item.seq, now)
             to_broker.append(HeldFrame(item.seq, item.kind, item.trajectory_id, item.frames, item.turn))
 

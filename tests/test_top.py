@@ -300,11 +300,11 @@ def test_the_status_report_carries_the_budgets_the_ack_latency_and_the_trajector
     def consumer(t: float, *messages) -> list:
         received = [(b"c", decode(encode(CONSUMER_TO_BROKER, kind, fields), CONSUMER_TO_BROKER), None)
                     for kind, fields in messages]
-        asked = drive(broker.consumer_batch(received, at(t))) + drive(broker.deliver(at(t)))
+        asked = drive(broker.consumer_read(received, at(t))) + drive(broker.deliver(at(t)))
         return [decode(r.frames, BROKER_TO_CONSUMER) for r in asked if getattr(r, "socket", None) == "consumer"]
 
     for tid in ("t", "u"):
-        drive(broker.producer_batch([(b"p", turn_msg(tid, 0, seq=1), None), (b"p", end_msg(tid, seq=2), None)], at(0.0)))
+        drive(broker.producer_read([(b"p", turn_msg(tid, 0, seq=1), None), (b"p", end_msg(tid, seq=2), None)], at(0.0)))
     broker.metrics.ack_seconds.observe(0.003)  # the service's figure, once per producer batch
     top = Top()
     top.update("b", Poll(0.0, broker.status(at(0.0))))

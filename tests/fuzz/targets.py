@@ -340,7 +340,7 @@ def turn_frames(tid: str, index: int, seq: int, *, tokens=(10, 11), supports=((1
 
 
 def admin_core() -> BrokerCore:
-    """A broker core holding one ready trajectory and one dead letter
+    """A broker core holding one queued trajectory and one dead letter
     (delivered, then refused by its consumer without requeue)."""
     core = BrokerCore(BrokerSettings(), "fuzz", BrokerMetrics(), disk_reserve=0)
     core.restore(Rebuilt([], (), {}, {}, {}), 0, 1 << 40)
@@ -349,11 +349,11 @@ def admin_core() -> BrokerCore:
     messages = [BrokerCore.keyed(decode(frames, PRODUCER_TO_BROKER)) for frames in produced]
     for _ in messages:
         core.frame_arrived(b"producer", 100, 0.0)
-    drive(core.producer_batch([(b"producer", message, None) for message in messages], at(0.0)))
+    drive(core.producer_read([(b"producer", message, None) for message in messages], at(0.0)))
 
     def consume(mtype: str, fields: dict, t: float) -> list:
         received = [(b"consumer", decode(encode(CONSUMER_TO_BROKER, mtype, fields), CONSUMER_TO_BROKER), None)]
-        sent = drive(core.consumer_batch(received, at(t))) + drive(core.deliver(at(t)))
+        sent = drive(core.consumer_read(received, at(t))) + drive(core.deliver(at(t)))
         return [decode(r.frames, BROKER_TO_CONSUMER) for r in sent]
 
     consume("hello", {"consumer_id": "c"}, 1.0)
