@@ -140,9 +140,14 @@ class LoopbackNode:
         return self.admin.dead_letters(1_000_000, pruned=True)
 
     def _start(self, *args: str) -> subprocess.Popen:
-        daemon = subprocess.Popen([*self.command_prefix, *_cli(*args)], stdout=self._log, stderr=self._log)
-        self._daemons.append(daemon)
-        return daemon
+        return self.stops_with(subprocess.Popen([*self.command_prefix, *_cli(*args)], stdout=self._log,
+                                                stderr=self._log))
+
+    def stops_with(self, process: subprocess.Popen) -> subprocess.Popen:
+        """`process` is stopped when the node is (first, if it started last): a
+        run cut short, by an interrupt or a failure, leaves no process behind."""
+        self._daemons.append(process)
+        return process
 
     def producer(self, *args: str) -> int:
         """Start a producer daemon of this node with `args`; its index."""
@@ -238,7 +243,7 @@ class Trainer:
         init = self.node.work / f"gloo-{self.generation}"
         endpoint = self.endpoint or self.node.endpoints["consumer"]
         endpoints = [arg for one in ([endpoint] if isinstance(endpoint, str) else endpoint) for arg in ("--endpoint", one)]
-        self.ranks = [subprocess.Popen(
+        self.ranks = [self.node.stops_with(subprocess.Popen(
             [*self.command_prefix, sys.executable, "-m", "rollstream.app.demo_rank", "--rank", str(rank),
              "--world", str(self.dp_size), "--init-file", str(init), *endpoints, "--batch-size", str(self.batch_size),
              "--vocab-size", str(self.node.vocab_size), "--ledger", str(self.ledgers / f"rank-{rank}.jsonl"),
@@ -247,7 +252,7 @@ class Trainer:
              *(["--die-before-commit", str(die_before_commit)] if rank == 0 and die_before_commit else []),
              *(["--die-after-commit", str(die_after_commit)] if rank == 0 and die_after_commit else []),
              *(["--die-before-seal", str(die_before_seal)] if rank == 0 and die_before_seal else [])],
-            stdout=self.node._log, stderr=self.node._log) for rank in range(self.dp_size)]
+            stdout=self.node._log, stderr=self.node._log)) for rank in range(self.dp_size)]
 
     def wait_welcomed(self, timeout: float) -> None:
         """Until the broker counts the trainer's consumer (its ranks took a few seconds to start)."""

@@ -9,6 +9,8 @@ harness's looks (the `finish_at`-th) the producer sends it, writes its
 holds it queued. No trainer ever commits it, so the run is never drained:
 whichever look the producer finishes at, `drained` must never say it is.
 Once the trainer commits it, the run is drained.
+
+The last test runs real processes: a node cut short stops what it started.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.app.harness import Pipeline
+from rollstream.app.harness import LoopbackNode, Pipeline, Trainer
 from rollstream.common.admin import AdminError
 from rollstream.common.checker import check
 
@@ -132,3 +134,22 @@ def test_a_broker_too_busy_to_list_its_dead_letters_leaves_the_run_undrained_unt
     node.answers = True
     pipeline.poll()
     assert pipeline.drained, f"once the broker lists its dead letters the run is drained: got status {pipeline.status}"
+
+
+def test_a_node_left_by_an_exception_stops_the_trainer_ranks_it_started(tmp_path):
+    """A demo cut short (an interrupt raises out of the node's block) must
+    leave no trainer rank running after it, polling a broker that is gone."""
+    ranks = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with LoopbackNode("rollstream-test-harness-", 1000) as node:
+                trainer = Trainer(node, dp_size=2, batch_size=4, ledgers=tmp_path)
+                trainer.start()
+                ranks = list(trainer.ranks)
+                raise KeyboardInterrupt
+        assert [rank.poll() is not None for rank in ranks] == [True, True], "every rank must have exited"
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
