@@ -1,6 +1,5 @@
 """The whole broker, `BrokerCore`, driven by Hypothesis on a real store and
-with the consumer's own protocol core (`Sessions` over an `Assembler`) on
-the other side: random producer frames, consumer credit, acks, nacks and
+with the consumer's own core (`ConsumerCore`) on the other side: random producer frames, consumer credit, acks, nacks and
 releases, lease expiries, consumers going silent, trajectories expiring,
 commits that fail and reads back that fail. Nothing stands between the two
 cores but encoding and decoding: what the core yields is performed by the
@@ -37,9 +36,8 @@ from rollstream.common.clock import Clock
 from rollstream.common.codec import decode, decode_header, encode
 from rollstream.common.jobs import DEFAULT_JOB, job_key, job_of
 from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER
-from rollstream.consumer.assembly import Assembler, Outgoing
-from rollstream.consumer.position import TrainedBatch, TrainingPosition
-from rollstream.consumer.session import Sessions
+from rollstream.common.validation import Violation
+from rollstream.consumer.core import ConsumerCore, Form, HandOut, Refill
 
 PRODUCER, CONSUMER = b"producer", b"consumer"
 LEASE_TIMEOUT, HEARTBEAT, MAX_DELIVERIES = 10.0, 1.0, 3
@@ -67,10 +65,9 @@ class Broker(RuleBasedStateMachine):
         self.store_io = StoreIO(self.store, self.directory, metrics)
         self.core = BrokerCore(broker_settings, "sm", metrics, disk_reserve=0)
         self.core.restore(rebuild(self.store.open(), self.store), 0, 1 << 40)
-        self.assembler = Assembler(1, batch_size=1, unit="group", prefetch=3)
-        self.position = TrainingPosition(keep_checkpoints=1) if checkpointed else None
-        self.sessions = Sessions(self.assembler, ["inproc://broker"], consumer_id="c", hello_timeout=5.0,
-                                 position=self.position)
+        self.consumer = ConsumerCore(["inproc://broker"], consumer_id="c", batch_size=1, unit="group", prefetch=3,
+                                     hello_timeout=5.0, checkpointed=checkpointed, keep_checkpoints=1,
+                                     on_invalid="quarantine")
         self.now = 1000.0
         self.turns = dict.fromkeys(TRAJECTORIES, 0)  # turns each producer has applied
         self.ended: set[str] = set()
@@ -93,7 +90,7 @@ class Broker(RuleBasedStateMachine):
         by the broker's own `StoreIO` (but the first commit fails with
         `fail_commit`, the first read back with `fail_read`), sends to the
         producer read back as replies, sends to the consumer handed to its
-        sessions. Returns the producer's replies."""
+        core. Returns the producer's replies."""
         replies, units = [], set()
 
         def send(request):
@@ -114,7 +111,7 @@ class Broker(RuleBasedStateMachine):
                     step > min((at for e, at in in_force if e > epoch), default=step)
                     for tid in out.unit.trajectory_ids for epoch, step in self.sampled[tid]
                 ), f"{header['trajectory_id']} sent though abandoned weights sampled it"
-            self.sessions.received(0, decode(request.frames, BROKER_TO_CONSUMER), self.now)
+            self.consumer.received(0, decode(request.frames, BROKER_TO_CONSUMER), self.now)
             return Sent.TAKEN
 
         performers = {**self.store_io.performers, Send: send}
@@ -148,10 +145,10 @@ class Broker(RuleBasedStateMachine):
         return acks[0] if acks and acks[0].type == "ack" else None
 
     def _consumer_sends(self, store_fails=False) -> bool:
-        """The consumer sends what its sessions say is due (hello, heartbeat,
+        """The consumer sends what its core says is due (hello, heartbeat,
         credit, settlements); whether there was anything."""
         received = []
-        for _, kind, fields in self.sessions.due(self.now, closing=False):
+        for _, kind, fields in self.consumer.due(self.now):
             if kind == "hello":
                 self.granted = self.charged = 0
             elif kind == "credit":
@@ -219,30 +216,39 @@ class Broker(RuleBasedStateMachine):
 
     @rule(how=st.sampled_from(["commit", "reject", "release"]), store_fails=st.booleans())
     def train(self, how, store_fails):
-        below = self.sessions.stale_below()
-        if below is not None:  # what aged in the prefetch buffer is not handed out
-            self.assembler.drop_stale(below)
-        for unit in self.assembler.take(1):
-            if unit.group_id is not None:
-                assert unit.complete, f"group {unit.group_id} taken with {sorted(unit.members)} of {unit.expected}"
-            tids = list(unit.members)
-            if how == "commit" and self.position is not None:  # trained at the next step, kept until sealed
-                step = self.position.commit_step(None, None)
-                self.position.committed(TrainedBatch(step, tuple(tids), (None,) * len(tids), (None,) * len(tids), 0))
-                self.assembler.commit(tids, step)
-            elif how == "commit":
-                self.assembler.commit(tids)
-            elif how == "reject":
-                self.assembler.reject({tid: "bad" for tid in tids})
+        """The trainer takes a batch of one unit (the core drops what aged
+        in the prefetch buffer first), then commits it (checkpointing: at
+        the next step, kept until sealed), finds every member invalid
+        (quarantined: dead-lettered) or releases it."""
+        form = self._take()
+        if form is not None:
+            groups = {d.fields.get("group_id") for d in form.deliveries} - {None}
+            for gid in groups:
+                members = sorted(d.trajectory_id for d in form.deliveries if d.fields.get("group_id") == gid)
+                assert members == sorted(GROUPS[gid]), f"group {gid} taken with {members} of {GROUPS[gid]}"
+            if how == "reject":
+                violations = [Violation("bad", i, None, 1, "drawn invalid") for i in range(len(form.deliveries))]
+                assert isinstance(self.consumer.formed(violations), Refill)
+                self.consumer.abandon()  # nothing of the unit is left to refill with
             else:
-                self.assembler.release(tids)
+                handed = self.consumer.formed([])
+                assert isinstance(handed, HandOut)
+                if how == "commit":
+                    self.consumer.commit(handed.seq)
+                else:
+                    self.consumer.release(handed.seq)
         self._consumer_speaks(store_fails=store_fails)
+
+    def _take(self) -> Form | None:
+        """The next batch if one unit is complete now (`take` says `Wait` otherwise)."""
+        taken = self.consumer.take(self.now, partial_at=self.now)
+        return taken if isinstance(taken, Form) else None
 
     @rule(store_fails=st.booleans())
     def trainer_publishes_a_new_version(self, store_fails):
         """The trainer took a step: its version goes up and the broker hears of it."""
         self.version += 1
-        self.sessions.publish(self.version, per_step=2)
+        self.consumer.publish(self.version)
         self._consumer_speaks(store_fails=store_fails)
 
     @rule(store_fails=st.booleans())
@@ -255,18 +261,19 @@ class Broker(RuleBasedStateMachine):
         self.version -= 1
         self.epoch += 1
         self.branches.append([self.epoch, self.version])
-        self.sessions.publish(self.version, per_step=2)
-        assert self.sessions.policy is not None
-        self.sessions.policy = {**self.sessions.policy, "branches": [list(b) for b in self.branches]}
+        self.consumer.publish(self.version)
+        sessions = self.consumer.sessions  # a resumed consumer's first policy names its lineage's branches
+        assert sessions.policy is not None
+        sessions.policy = {**sessions.policy, "branches": [list(b) for b in self.branches]}
         self._consumer_speaks(store_fails=store_fails)
 
     @rule(store_fails=st.booleans())
     def seal(self, store_fails):
         """The checkpoint of the last step trained is durable: the broker may reclaim what it trained."""
-        if self.position is None or not self.position.step:
+        position = self.consumer.position
+        if position is None or not position.step:
             return
-        for broker, kind, fields in self.position.seal(self.position.step, 1):
-            self.assembler.outbox.append(Outgoing(broker, kind, fields))
+        self.consumer.seal(position.step)
         self._consumer_speaks(store_fails=store_fails)
 
     # -- time and failures --------------------------------------------------------
@@ -341,7 +348,7 @@ class Broker(RuleBasedStateMachine):
     @invariant()
     def once_a_seal_is_answered_the_run_is_reclaimed_through_it(self):
         """(What an ack brings after the seal of its step waits for the next seal.)"""
-        position = self.position
+        position = self.consumer.position
         if position is None or position.unsealed or not position.sealed_step:
             return
         run = self.core.engine.runs[position.run]
