@@ -399,10 +399,11 @@ class BrokerCore:
 
     def takes_more(self, frames: int, nbytes: int) -> bool:
         """Whether the producer read under way takes another frame: below
-        `batch_max` frames and, once it has one, `batch_max_bytes` (the frame
+        `read_max_frames` frames and, once it has one, `read_max_bytes` (the frame
         crossing it is the last), and while memory is within its budget."""
         s = self.settings
-        return frames < s.batch_max and not self.memory.over(self.memory_bytes) and not (frames and nbytes >= s.batch_max_bytes)
+        return (frames < s.read_max_frames and not self.memory.over(self.memory_bytes)
+                and not (frames and nbytes >= s.read_max_bytes))
 
     def frame_arrived(self, identity: bytes, size: int, mono: float) -> None:
         """A producer frame of `size` bytes was read: its connection is live,

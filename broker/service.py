@@ -360,7 +360,7 @@ class BrokerService:
     def _serve_consumers(self, now: Clock) -> None:
         """Read consumer messages and hand them to the core."""
         received: list[Received] = []
-        for _ in range(self.settings.batch_max):
+        for _ in range(self.settings.read_max_frames):
             try:
                 frames = self._receive("consumer", now)
             except zmq.Again:

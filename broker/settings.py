@@ -103,10 +103,11 @@ class BrokerSettings:
     window: int = count(256, "Frames in flight each producer is told it may have, at most.", "frames")
     max_in_flight: int = count(1024, "Frames in flight across all producers: each of P active ones is granted "
                                      "max_in_flight / P (at most window).", "frames")
-    batch_max: int = count(256, "Most frames read and committed together.", "frames")
-    batch_max_bytes: int = size(8 << 20, "Bytes after which a batch takes no more frames (large frames: the batch's "
-                                         "check, CRC and write then read it from cache); a batch always takes one, "
-                                         "so 0 makes every frame a batch of its own.", low=0)
+    read_max_frames: int = count(256, "Most producer frames (or consumer messages) read and committed together.",
+                                 "frames", older="batch_max")
+    read_max_bytes: int = size(8 << 20, "Bytes after which a read takes no more frames (large frames: the read's "
+                                        "check, CRC and write then find them in cache); a read always takes one, "
+                                        "so 0 makes every frame a read of its own.", low=0, older="batch_max_bytes")
     segment_bytes: int = size(64 << 20, "Size at which a payload segment file is closed and a new one begun.")
     high_water_mark: int = count(1000, "ZeroMQ send/receive queue bound; 0: no bound.", "messages", low=0)
     metrics_port: int = port(9464, "Prometheus /metrics port; 0 disables it.")

@@ -13,6 +13,8 @@ the daemon binds it (`bind_problem`).
 
 Precedence, highest first: command-line flags, environment variables
 (`ROLLSTREAM_<DAEMON>_<KEY>`), the `--config` TOML file, built-in defaults.
+A renamed setting declares its `older` name, which its flag, TOML key and
+environment variable still take (the newer name wins where both are given).
 
 Loading never stops at the first mistake: every unknown flag, key or
 environment variable and every value of the wrong type or out of range is
@@ -156,6 +158,7 @@ class Setting:
     unbounded: bool = False  # a number whose range is every finite value, declared so rather than forgotten
     many: bool = False  # the flag repeats, and the setting is the tuple of its values
     switch: str | None = None  # a flag's off name: `--NAME/--SWITCH` rather than `--NAME BOOLEAN`
+    older: str | None = None  # the key this setting had before it was renamed, still read everywhere
 
     # -- words ---------------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -367,12 +370,13 @@ def seconds(default: float | None, help: str, *, low: float = 0.0, above: bool =
     return setting(default, NUMBER, help, unit="seconds", low=low, above=above, high=high)
 
 
-def count(default: int | None, help: str, unit: str, *, low: int = 1, high: int | None = None) -> Any:
-    return setting(default, INTEGER, help, unit=unit, low=low, high=high)
+def count(default: int | None, help: str, unit: str, *, low: int = 1, high: int | None = None,
+          older: str | None = None) -> Any:
+    return setting(default, INTEGER, help, unit=unit, low=low, high=high, older=older)
 
 
-def size(default: int | None, help: str, *, low: int = 1) -> Any:
-    return setting(default, BYTES, help, low=low)
+def size(default: int | None, help: str, *, low: int = 1, older: str | None = None) -> Any:
+    return setting(default, BYTES, help, low=low, older=older)
 
 
 def number(default: float, help: str, unit: str = "", **bounds: Any) -> Any:
@@ -524,16 +528,28 @@ class SettingOption(click.Option):
             found(ctx).append(Problem(self.name, where, declared.expected(), repr(value), "type"))
         return None
 
+    def resolve_envvar_value(self, ctx: click.Context) -> str | None:
+        """The environment variable of the setting's name, else of its older one."""
+        value = super().resolve_envvar_value(ctx)
+        if value is None and self.setting.older and ctx.auto_envvar_prefix:
+            value = os.environ.get(older_variable(ctx, self.setting.older)) or None
+        return value
+
+
+def older_variable(ctx: click.Context, older: str) -> str:
+    return f"{ctx.auto_envvar_prefix}_{older.upper()}"
+
 
 def setting_option(name: str, declared: Setting, default: Any, **options: Any):
     """The click option of one declared setting."""
     flag_name = "--" + name.replace("_", "-")
+    older = ("--" + declared.older.replace("_", "-"),) if declared.older else ()
     kind: click.ParamType = SettingType(declared)
     if declared.switch:  # a pair of flags, which click takes only as a boolean
         flag_name, kind = f"{flag_name}/--{declared.switch.replace('_', '-')}", click.BOOL
     if declared.kind == BYTES and isinstance(default, int):
         default = human_bytes(default)  # converted back when the option is read; shown as written by `--help`
-    return click.option(flag_name, name, cls=SettingOption, setting=declared, type=kind, default=default,
+    return click.option(flag_name, *older, name, cls=SettingOption, setting=declared, type=kind, default=default,
                         multiple=declared.many, help=declared.help_text(), **{"show_default": True, **options})
 
 
@@ -553,7 +569,7 @@ def config_option(settings_cls, section: str):
         if value is not None:
             ctx.meta[CONFIG_FILE] = value
             names = {f.name for f in dataclasses.fields(settings_cls)}
-            values, problems = read_toml(value, names, section)
+            values, problems = read_toml(value, names, section, older_names(settings_cls))
             found(ctx).extend(problems)
             ctx.default_map = {**(ctx.default_map or {}), **values}
         return value
@@ -575,11 +591,18 @@ def config_option(settings_cls, section: str):
     return decorate
 
 
-def read_toml(path: str | Path, allowed: set[str], section: str) -> tuple[dict[str, Any], list[Problem]]:
+def older_names(settings_cls) -> dict[str, str]:
+    """Each renamed setting's older key -> its key."""
+    return {declared.older: field.name for field in dataclasses.fields(settings_cls)
+            if (declared := setting_of(field)).older}
+
+
+def read_toml(path: str | Path, allowed: set[str], section: str,
+              older: dict[str, str] | None = None) -> tuple[dict[str, Any], list[Problem]]:
     """The known keys of a TOML file (a `[section]` table, or the top level
     when there is none) and a problem for each unknown one (a stray table,
     a key beside `[section]` too), so a typo never silently falls back to a
-    default."""
+    default. A key's `older` name is read as the key, unless both are given."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -596,6 +619,10 @@ def read_toml(path: str | Path, allowed: set[str], section: str) -> tuple[dict[s
         return {}, [Problem(section, str(path), f"a [{section}] table", f"a {type(table).__name__}: {table!r:.80}",
                                 "toml")]
     values = {key.replace("-", "_"): value for key, value in table.items()}
+    for old, key in (older or {}).items():
+        if old in values:
+            value = values.pop(old)
+            values.setdefault(key, value)
     problems = [Problem(key, str(path), unknown_expected(key, allowed, f"a key of [{section}]"), "an unknown key",
                          "known key")
                 for key in values if key not in allowed]
@@ -632,8 +659,10 @@ def unknown_inputs(ctx: click.Context) -> list[Problem]:
     if ctx.auto_envvar_prefix is None:  # invoked without the `rollstream` group: no environment is read
         return problems
     prefix = f"{ctx.auto_envvar_prefix}_"
-    variables = {f"{prefix}{(param.name or '').upper()}" for param in ctx.command.params
-                 if isinstance(param, click.Option) and param.allow_from_autoenv}
+    options = [param for param in ctx.command.params if isinstance(param, click.Option) and param.allow_from_autoenv]
+    variables = {f"{prefix}{(param.name or '').upper()}" for param in options}
+    variables |= {older_variable(ctx, param.setting.older) for param in options
+                  if isinstance(param, SettingOption) and param.setting.older}
     problems += [Problem(name, "environment", unknown_expected(name, variables, "a variable of this command"),
                          "an unknown variable", "known variable")
                  for name in sorted(os.environ) if name.startswith(prefix) and name not in variables]

@@ -415,10 +415,10 @@ def test_grants_never_tell_more_than_the_bound_plus_one_frame_per_connection():
 
 @pytest.mark.parametrize("limit, per_batch", [(0, [1, 1, 1, 1, 1]), (20_000, [1, 1, 1, 1, 1]), (60_000, [3, 2]),
                                               (1 << 30, [5])])
-def test_a_batch_takes_no_more_frames_once_it_holds_batch_max_bytes(tmp_path, limit, per_batch):
-    """Five 24 KB turns waiting: each batch reads frames until it holds
-    `batch_max_bytes` (the frame that crosses it is the last), and always at least one."""
-    with driven_service(tmp_path, batch_max_bytes=limit) as (service, context):
+def test_a_read_takes_no_more_frames_once_it_holds_read_max_bytes(tmp_path, limit, per_batch):
+    """Five 24 KB turns waiting: each read takes frames until it holds
+    `read_max_bytes` (the frame that crosses it is the last), and always at least one."""
+    with driven_service(tmp_path, read_max_bytes=limit) as (service, context):
         producer = context.socket(zmq.DEALER)
         producer.connect("inproc://p")
         turn = Turn.build(np.arange(3000, dtype=np.int32), np.zeros(3000, np.float32))

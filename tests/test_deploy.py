@@ -320,7 +320,7 @@ def test_check_config_reports_every_problem_with_the_key_the_expected_and_the_ac
     config = tmp_path / "broker.toml"
     config.write_text('[broker]\nsync = "fast"\nwindow = 1.5\nmax_memory = "8GiB"\nmax_disk_bytes = "lots"\n'
                       'metrics_port = "9464"\n')
-    result = invoke("broker", "--config", str(config), "--batch-max", "many", "--windw", "5", "--data-dir",
+    result = invoke("broker", "--config", str(config), "--read-max-frames", "many", "--windw", "5", "--data-dir",
                     str(tmp_path / "data"), "--check-config",
                     env={"ROLLSTREAM_BROKER_LEASE_TIMEOUT": "soon", "ROLLSTREAM_BROKER_SYNCC": "full"})
     assert result.exit_code == 2, result.output
@@ -331,7 +331,7 @@ def test_check_config_reports_every_problem_with_the_key_the_expected_and_the_ac
         f"max_memory must be a key of [broker] (did you mean max_memory_bytes?), got an unknown key ({config}) "
         "[rule: known key]",
         f"max_disk_bytes must be a byte size >= 1 (such as 1048576, 512MiB or 2G), got 'lots' ({config}) [rule: type]",
-        "batch_max must be a whole number of frames >= 1, got 'many' (flag --batch-max) [rule: type]",
+        "read_max_frames must be a whole number of frames >= 1, got 'many' (flag --read-max-frames) [rule: type]",
         "lease_timeout must be a number of seconds > 0, got 'soon' (environment ROLLSTREAM_BROKER_LEASE_TIMEOUT) "
         "[rule: type]",
         "--windw must be a flag of this command (did you mean --window",

@@ -12,6 +12,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+import rollstream.common.config as config_module
 from rollstream.app.cli import main
 from rollstream.broker.cli import broker as broker_command
 from rollstream.broker.service import BrokerService
@@ -195,7 +196,7 @@ def test_check_config_refuses_each_nonsense_value_naming_its_setting_rule_expect
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     result = invoke("broker", "--lease-timeout", "-5", "--heartbeat-interval", "0", "--vocab-size", "-3",
-                    "--max-deliveries", "0", "--window", "0", "--batch-max", "0", "--segment-bytes", "0",
+                    "--max-deliveries", "0", "--window", "0", "--read-max-frames", "0", "--segment-bytes", "0",
                     "--metrics-port", "99999", "--data-dir", str(a_file), "--producer-endpoint", "http://x:1",
                     "--vocab-size", "0")
     assert result.exit_code == 2, result.output
@@ -206,7 +207,7 @@ def test_check_config_refuses_each_nonsense_value_naming_its_setting_rule_expect
         "vocab_size must be a whole number of token ids in [1, 2147483647], got 0 (flag --vocab-size) [rule: range]",
         "max_deliveries must be a whole number of deliveries >= 1, got 0 (flag --max-deliveries) [rule: range]",
         "window must be a whole number of frames >= 1, got 0 (flag --window) [rule: range]",
-        "batch_max must be a whole number of frames >= 1, got 0 (flag --batch-max) [rule: range]",
+        "read_max_frames must be a whole number of frames >= 1, got 0 (flag --read-max-frames) [rule: range]",
         "segment_bytes must be a byte size >= 1 (such as 1048576, 512MiB or 2G), got 0 (flag --segment-bytes) "
         "[rule: range]",
         "metrics_port must be a TCP port 0-65535, got 99999 (flag --metrics-port) [rule: range]",
@@ -221,7 +222,7 @@ def test_check_config_refuses_each_nonsense_value_naming_its_setting_rule_expect
 
 BAD_STARTS = [
     ["--lease-timeout", "-5"], ["--heartbeat-interval", "0"], ["--vocab-size", "0"], ["--max-deliveries", "0"],
-    ["--window", "0"], ["--batch-max", "0"], ["--segment-bytes", "0"], ["--metrics-port", "99999"],
+    ["--window", "0"], ["--read-max-frames", "0"], ["--segment-bytes", "0"], ["--metrics-port", "99999"],
     ["--data-dir", "{file}"], ["--producer-endpoint", "http://x:1"], ["--consumer-endpoint", "ipc://{file}/below/c"],
     ["--curve-secret-key", "{missing}"],
 ]
@@ -313,3 +314,33 @@ def test_a_choice_from_a_registry_lists_what_is_registered_when_asked():
     assert {"synthetic", "sglang", "replay"} <= set(declared.names())
     with pytest.raises(click.BadParameter, match=r"one of .*'synthetic'.*, got 'nope'"):
         declared.accept("nope")
+
+
+def test_a_renamed_setting_is_still_read_under_its_older_flag_key_and_variable(tmp_path, monkeypatch):
+    """`read_max_frames` was `batch_max`: a flag, a TOML key or an environment
+    variable of the older name sets it, and the newer name wins over it."""
+    seen = []
+    real = config_module.settings_from
+
+    def settings_then_stop(*args, **kwargs):  # the settings a start would run with, and no start
+        seen.append(real(*args, **kwargs))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(config_module, "settings_from", settings_then_stop)
+    data = ["--data-dir", str(tmp_path / "data")]
+    config = tmp_path / "broker.toml"
+    config.write_text("[broker]\nbatch_max = 7\nbatch_max_bytes = \"1MiB\"\n")
+    both = tmp_path / "both.toml"
+    both.write_text("[broker]\nbatch_max = 7\nread_max_frames = 9\n")
+    runs = [(["--batch-max", "7"], None, 7), (["--config", str(config)], None, 7),
+            ([], {"ROLLSTREAM_BROKER_BATCH_MAX": "7"}, 7), (["--config", str(both)], None, 9),
+            (["--batch-max", "7", "--read-max-frames", "9"], None, 9),
+            ([], {"ROLLSTREAM_BROKER_BATCH_MAX": "7", "ROLLSTREAM_BROKER_READ_MAX_FRAMES": "9"}, 9)]
+    for args, env, expected in runs:
+        seen.clear()
+        result = CliRunner().invoke(main, ["broker", *data, *args], env=env, prog_name="rollstream")
+        assert seen and seen[0].read_max_frames == expected, (args, env, result.output)
+    result = invoke("broker", *data, "--config", str(config))
+    assert result.exit_code == 0 and "configuration ok" in result.output, result.output
+    result = invoke("broker", *data, env={"ROLLSTREAM_BROKER_BATCH_MAX": "0"})
+    assert "read_max_frames must be a whole number of frames >= 1, got 0" in result.output, result.output
