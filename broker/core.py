@@ -302,6 +302,7 @@ class BrokerCore:
         self.producers: dict[bytes, float] = {}  # producer connection -> when last heard (monotonic)
         self.last_producer_frame = -math.inf  # when any producer was last heard (monotonic)
         self.producer_jobs: dict[bytes, str] = {}  # producer connection -> the job its hello named
+        self.producer_ids: dict[bytes, str] = {}  # producer connection -> the producer id its hello named
         self.producer_live_for = producer_live_for(s.heartbeat_interval)
         self.unavailable = False  # writes fail: producer frames are refused until a probe succeeds
         self.reads_failed = False  # a trajectory could not be read back: deliveries wait for the probe too
@@ -520,6 +521,7 @@ class BrokerCore:
             log.info("producer connected", extra={"producer_id": message["producer_id"]})
             self._count_live_producers(now.mono)
             self.producer_jobs[identity] = message.get("job", DEFAULT_JOB)
+            self.producer_ids[identity] = message["producer_id"]
             fields = self.hellos.welcome_producer(identity, message.fields, self.grants.grant(identity))
             return _Answer(identity, encode(BROKER_TO_PRODUCER, "welcome", {**fields, **self._job_fields(identity)}))
         if message.type == "ping":
@@ -536,7 +538,7 @@ class BrokerCore:
             if waits:
                 self.metrics.inc(self.metrics.admission_waits)
             return _Answer(identity, self._refuse("producer", error, message, quiet=waits))
-        reply = self.engine.handle(message, now.wall, stored)
+        reply = self.engine.handle(message, now.wall, stored, producer=self.producer_ids.get(identity))
         if reply.error is not None:
             key = (message["trajectory_id"], message.get("turn"))
             if key in unread:  # the digest to compare a resend with could not be read
@@ -573,6 +575,7 @@ class BrokerCore:
         hello's choices are forgotten."""
         self.producers.pop(identity, None)
         self.producer_jobs.pop(identity, None)
+        self.producer_ids.pop(identity, None)
         self.hellos.forget_producer(identity)
         self.grants.forget(identity)
 
@@ -753,7 +756,7 @@ class BrokerCore:
             tid = job_key(consumer.job, wire)
             entry = engine.entries.get(tid)
             if trained_step <= step and entry is not None and entry.state in (ENDED, TRAINED):
-                effects += engine.trained(tid, TrainedAt(run, lineage, trained_step, position))
+                effects += engine.trained(tid, TrainedAt(run, lineage, trained_step, position), now.wall)
                 recorded.add(tid)
         effects += engine.seal(run, lineage, step, message["keep"], now.wall, resume=True)
         if not (yield from self._commit(effects)):
@@ -878,6 +881,8 @@ class BrokerCore:
                                         **{**delivery.extra_fields, **_wire_ids(trajectory), **counts})
                 if (yield from Send("consumer", delivery.identity, frames)) is not Sent.TAKEN:
                     refused.append(delivery.lease)
+                else:
+                    self.engine.sent(delivery.trajectory_id, now.wall)
             start = end
         if refused:
             dispatcher.retract(refused)

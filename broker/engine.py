@@ -34,7 +34,9 @@ class State(StrEnum):
     data stays until a checkpoint after that step is sealed. `scoring`: it
     ended without a reward, which a `reward` message brings later; until
     then it is not deliverable (nor its group), and it expires like an open
-    one."""
+    one. `archiving`: forgotten by the broker (its id remembered), its rows
+    and records kept only until the archive holds them durably; the engine
+    never holds one."""
 
     OPEN = "open"
     ENDED = "ended"
@@ -42,10 +44,11 @@ class State(StrEnum):
     LEFT = "left"
     TRAINED = "trained"
     SCORING = "scoring"
+    ARCHIVING = "archiving"
 
 
-OPEN, ENDED, DEAD, LEFT, TRAINED, SCORING = (State.OPEN, State.ENDED, State.DEAD, State.LEFT, State.TRAINED,
-                                             State.SCORING)
+OPEN, ENDED, DEAD, LEFT, TRAINED, SCORING, ARCHIVING = (State.OPEN, State.ENDED, State.DEAD, State.LEFT, State.TRAINED,
+                                                        State.SCORING, State.ARCHIVING)
 STATES = tuple(State)
 # Admitted and still to be trained: what a staleness bound's capacity counts.
 UNTRAINED = frozenset({OPEN, ENDED, SCORING})
@@ -76,6 +79,7 @@ class OpenTrajectory:
     sample_index: int | None
     at: float
     replaces: bool = False  # a LEFT marker of the same id exists (a brand-new id has nothing to clear)
+    producer: str | None = None  # the producer id its first turn came from (its hello's)
 
 
 class PutTurn(NamedTuple):
@@ -170,6 +174,11 @@ class Forget:
     dedup_until: float
     dead_reason: str | None = None
     dead_at: float | None = None
+    # What the archive records of its consumption: when a trainer first got it, how often it was sent, when a
+    # commit took it (this one's time when an ack deletes it; a trained one's came with `MarkTrained`).
+    first_delivered_at: float | None = None
+    deliveries: int = 0
+    committed_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +196,9 @@ class TrainedAt:
 class MarkTrained:
     trajectory_id: str
     trained: TrainedAt
+    committed_at: float | None = None
+    first_delivered_at: float | None = None
+    deliveries: int = 0
 
 
 @dataclass
@@ -264,6 +276,8 @@ class Entry:
     version: int | None = None  # its oldest applied turn's ordered policy version (None: none holds one)
     sampled: Sampled = ()  # per lineage epoch, the newest step of the weights that sampled its applied turns
     reward: Any = None  # once ended, as its end gave it (what group filters judge)
+    first_delivered_at: float | None = None  # wall time it was first sent to a consumer (`sent`)
+    deliveries: int = 0  # times it was sent
 
     @property
     def next_turn(self) -> int:
@@ -352,8 +366,10 @@ class MergeEngine:
         return effects
 
     # -- producer messages --------------------------------------------------
-    def handle(self, message: Message, wall: float, stored: StoredDigests = NOTHING_STORED) -> Reply:
-        """Apply one decoded `turn`, `end`, `abort` or `reward` at wall time `wall`.
+    def handle(self, message: Message, wall: float, stored: StoredDigests = NOTHING_STORED, *,
+               producer: str | None = None) -> Reply:
+        """Apply one decoded `turn`, `end`, `abort` or `reward` at wall time `wall`
+        from `producer` (its hello's id, recorded with a new trajectory).
         `stored` holds the digests `stored_digests_needed` named, read from
         the store (None: the read failed, and a resend that needs it is
         refused `unavailable`)."""
@@ -372,7 +388,7 @@ class MergeEngine:
             return Reply(_ack(message, False, duplicate=True))
         try:
             if kind == "turn":
-                fields, effects = self._turn(message, wall, stored)
+                fields, effects = self._turn(message, wall, stored, producer)
             elif kind == "end":
                 fields, effects = self._end(message, wall)
             elif kind == "reward":
@@ -400,14 +416,14 @@ class MergeEngine:
                 needed.append((tid, index))
         return needed
 
-    def _turn(self, message: Message, wall: float, stored: StoredDigests) -> tuple[dict, tuple]:
+    def _turn(self, message: Message, wall: float, stored: StoredDigests, producer: str | None) -> tuple[dict, tuple]:
         tid, index = message["trajectory_id"], message["turn"]
         entry = self.entries.get(tid)
         if entry is None or entry.state == LEFT:
             if index != 0:
                 raise RemoteProtocolError("out_of_order", f"trajectory {tid!r} is unknown; expected turn 0, got {index}",
                                           expected=0)
-            return self._start(message, wall, replaces=entry is not None)
+            return self._start(message, wall, entry is not None, producer)
         if index < entry.next_turn:
             earlier, applied, reason = entry.outcomes[index]
             if (earlier if earlier is not None else self._applied_digest(tid, index, stored)) != content_digest(message):
@@ -444,7 +460,7 @@ class MergeEngine:
         self._touch_group(entry, wall)
         return _ack(message, outcome.applied, reason=outcome.reason), effects
 
-    def _start(self, message: Message, wall: float, replaces: bool) -> tuple[dict, tuple]:
+    def _start(self, message: Message, wall: float, replaces: bool, producer: str | None) -> tuple[dict, tuple]:
         tid = message["trajectory_id"]
         group_id, group_size = message.get("group_id"), message.get("group_size")
         if group_id is not None:
@@ -474,7 +490,7 @@ class MergeEngine:
             self._set_member(group, tid, OPEN)
             self._touch_group(entry, wall)
         effects = (
-            OpenTrajectory(tid, group_id, group_size, entry.sample_index, wall, replaces),
+            OpenTrajectory(tid, group_id, group_size, entry.sample_index, wall, replaces, producer),
             PutTurn(tid, 0, digest, outcome.applied, outcome.reason, message, wall),
         )
         return _ack(message, outcome.applied, reason=outcome.reason), effects
@@ -761,14 +777,23 @@ class MergeEngine:
                              f"{'unknown' if entry is None else entry.state}, expected {ENDED}")
         return entry
 
+    def sent(self, tid: str, wall: float) -> None:
+        """`tid` went out to a consumer at wall time `wall` (what the archive records of its deliveries)."""
+        entry = self.entries[tid]
+        entry.deliveries += 1
+        if entry.first_delivered_at is None:
+            entry.first_delivered_at = wall
+
     def delivered(self, tid: str, wall: float) -> list:
         """A consumer committed `tid`: forget its data, remember its id."""
         self._ended_entry(tid, "delivered")
         self._done_in_group(self.entries[tid])
-        return [self._forget(tid, wall), *self._drain()]
+        return [self._forget(tid, wall, committed=True), *self._drain()]
 
-    def _forget(self, tid: str, wall: float, dead: tuple[str, float] | None = None) -> Forget:
-        """Delete `tid`'s data and remember its id; `dead`: a dead letter's reason and time."""
+    def _forget(self, tid: str, wall: float, dead: tuple[str, float] | None = None, committed: bool = False) -> Forget:
+        """Delete `tid`'s data and remember its id; `dead`: a dead letter's
+        reason and time; `committed`: a commit deletes it now."""
+        entry = self.entries[tid]
         self._remove(tid)
         trained = self.trained_entries.pop(tid, None)
         if trained is not None:
@@ -776,12 +801,13 @@ class MergeEngine:
             self._untrain_step(trained)
         until = wall + self.settings.dedup_window
         self.remember({tid: until})
+        consumed = (entry.first_delivered_at, entry.deliveries, wall if committed else None)
         if dead is None:
-            return Forget(tid, until)
+            return Forget(tid, until, None, None, *consumed)
         self.pruned[tid] = dead
-        return Forget(tid, until, *dead)
+        return Forget(tid, until, *dead, *consumed)
 
-    def trained(self, tid: str, at: TrainedAt) -> list:
+    def trained(self, tid: str, at: TrainedAt, wall: float | None = None) -> list:
         """A checkpointing trainer trained `tid` (ended, or trained before
         and now trained again by a resumed lineage): keep its data, out of
         memory, until a seal reclaims it."""
@@ -799,7 +825,7 @@ class MergeEngine:
             self._untrain_step(entry)
         entry.trained = at
         self._trained_steps[at.step] += 1
-        return [MarkTrained(tid, at), *self._drain()]
+        return [MarkTrained(tid, at, wall, entry.first_delivered_at, entry.deliveries), *self._drain()]
 
     def _untrain_step(self, entry: Entry) -> None:
         """`entry` no longer counts at the step it was trained at."""

@@ -18,7 +18,7 @@ from rollstream.common.trajectory import Gap, Trajectory
 from rollstream.common.versions import trajectory_sampled, trajectory_version
 from rollstream.common.wire import turn_from_message
 
-from .engine import OPEN, Entry, Run
+from .engine import ARCHIVING, OPEN, Entry, Run
 from .staleness import Policy
 from .store import Recovered, Store, StoreCorrupted, StoredTrajectory
 
@@ -85,6 +85,8 @@ def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
     epochs = {job: policy.ancestry.epoch for job, policy in recovered.policies.items()}
     entries = []
     for stored in recovered.trajectories:
+        if stored.state == ARCHIVING:  # forgotten: only the archive still wants it
+            continue
         trajectory = load_trajectory(store, stored) if stored.state == OPEN else None
         entry = Entry(
             stored.trajectory_id,
@@ -106,6 +108,6 @@ def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
             reward=stored.reward,
         )
         entries.append(entry)
-    order = {t.trajectory_id: t.ready_seq or 0 for t in recovered.trajectories}
+    order = {t.trajectory_id: t.ready_seq or 0 for t in recovered.trajectories if t.state != ARCHIVING}
     return Rebuilt(entries, recovered.deliverable_groups, recovered.dedup, order, recovered.runs, recovered.policies,
                    recovered.pruned)

@@ -99,7 +99,7 @@ class Settlement:
             run, lineage = trainer
             lease_of = {**dict(zip(tids, known)), **{tid: lease for lease, tid in by_id.items()}}
             effects = [e for tid, lease in lease_of.items()
-                       for e in engine.trained(tid, TrainedAt(run, lineage, step, positions[lease]))]
+                       for e in engine.trained(tid, TrainedAt(run, lineage, step, positions[lease]), wall)]
         elif is_ack:
             effects = [e for tid in (*tids, *by_id.values()) for e in engine.delivered(tid, wall)]
         elif not requeue:

@@ -24,7 +24,9 @@ import logging
 import os
 import sqlite3
 import struct
+import uuid
 import zlib
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,7 @@ import msgpack
 from rollstream.common.codec import Message, content_digest, crc32_continued, decode_trusted, encode
 from rollstream.common.dirlock import hold
 from rollstream.common.errors import InternalError, InvalidInput, RollstreamError
+from rollstream.common.jobs import job_of
 from rollstream.common.messages import PRODUCER_TO_BROKER
 from rollstream.common.segments import SegmentLog
 from rollstream.common.versions import Ancestry, Sampled
@@ -62,12 +65,13 @@ from .staleness import Policy, SetPolicy
 
 log = logging.getLogger("rollstream.broker")
 
-SCHEMA_VERSION = 8  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
+SCHEMA_VERSION = 9  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
 # 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`); 5: trained trajectories and runs;
 # 6: an ended trajectory's ordered policy version, each job's published policy, and the `scoring` state;
 # 7: what sampled an ended trajectory (lineage epochs and steps), and each job's ancestry (its branches);
-# 8: a pruned dead letter's reason and time, kept with its remembered id
-_READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8)  # an older store is upgraded in place (`Store._upgrade`)
+# 8: a pruned dead letter's reason and time, kept with its remembered id;
+# 9: a trajectory's producer, its deliveries and commit time, and the archive file it waits for
+_READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9)  # an older store is upgraded in place (`Store._upgrade`)
 
 # A turn this large (long top-p supports) is written ahead on the writer
 # thread; smaller ones are written inline by their commit, where handing them
@@ -97,7 +101,12 @@ CREATE TABLE IF NOT EXISTS trajectories (
     trained_step INTEGER,
     trained_position INTEGER,
     version INTEGER,
-    sampled BLOB
+    sampled BLOB,
+    producer TEXT,
+    first_delivered_at REAL,
+    deliveries INTEGER,
+    committed_at REAL,
+    archive_file INTEGER
 );
 CREATE TABLE IF NOT EXISTS turns (
     trajectory_id TEXT NOT NULL,
@@ -121,13 +130,15 @@ CREATE TABLE IF NOT EXISTS policies (job TEXT PRIMARY KEY, version INTEGER NOT N
 """
 # Columns later versions added, by table: an older store gets them as it is upgraded.
 _ADDED_COLUMNS = {"trajectories": ("trained_run TEXT", "trained_lineage TEXT", "trained_step INTEGER",
-                                   "trained_position INTEGER", "version INTEGER", "sampled BLOB"),
+                                   "trained_position INTEGER", "version INTEGER", "sampled BLOB", "producer TEXT",
+                                   "first_delivered_at REAL", "deliveries INTEGER", "committed_at REAL",
+                                   "archive_file INTEGER"),
                   "policies": ("branches BLOB",), "dedup": ("dead_reason TEXT", "dead_at REAL")}
 
 
 # States are stored as `State`'s values, written into the statements once.
-_OPEN = ("INSERT OR REPLACE INTO trajectories (id, state, group_id, group_size, sample_index, updated_at) "
-         f"VALUES (?, '{State.OPEN}', ?, ?, ?, ?)")
+_OPEN = ("INSERT OR REPLACE INTO trajectories (id, state, group_id, group_size, sample_index, updated_at, producer) "
+         f"VALUES (?, '{State.OPEN}', ?, ?, ?, ?, ?)")
 _END = ("UPDATE trajectories SET state=?, updated_at=?, end_digest=?, reward=?, metadata=?, ready_seq=?, "
         "end_crc=?, version=?, sampled=? WHERE id=?")
 
@@ -142,7 +153,11 @@ def _end_crc(trajectory_id: str, digest: bytes, reward: bytes, metadata: bytes) 
     return zlib.crc32(msgpack.packb([trajectory_id, digest, reward, metadata]))
 _TURN = "INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 _TRAINED = (f"UPDATE trajectories SET state='{State.TRAINED}', trained_run=?, trained_lineage=?, trained_step=?, "
-            "trained_position=? WHERE id=?")
+            "trained_position=?, committed_at=?, first_delivered_at=COALESCE(first_delivered_at, ?), deliveries=? "
+            "WHERE id=?")
+# A forgotten trajectory the archive must hold first: kept, marked, with what it records of its consumption.
+_ARCHIVING = (f"UPDATE trajectories SET state='{State.ARCHIVING}', first_delivered_at=COALESCE(first_delivered_at, ?), "
+              "deliveries=MAX(COALESCE(deliveries, 0), ?), committed_at=COALESCE(committed_at, ?) WHERE id=?")
 
 
 class _DeferredRows:
@@ -151,16 +166,18 @@ class _DeferredRows:
     then turns (another table), then trained ones (a trajectory is trained
     only after the batch that ended it), then forgotten trajectories
     (delivered or sealed ones: no later effect of a batch can concern a
-    forgotten id, which the engine answers as a duplicate). Any other effect
-    may touch the same rows, so the deferred rows run before it, keeping the
-    batch's order."""
+    forgotten id, which the engine answers as a duplicate; one the archive
+    must hold first is only marked `archiving`). Any other effect may touch
+    the same rows, so the deferred rows run before it, keeping the batch's
+    order."""
 
     def __init__(self) -> None:
         self.opens: list[tuple] = []
         self.ends: list[tuple] = []
         self.turns: list[tuple] = []
-        self.trained: list[tuple] = []  # (run, lineage, step, position, id)
+        self.trained: list[tuple] = []  # (run, lineage, step, position, committed at, first delivered, deliveries, id)
         self.forgets: list[tuple] = []  # (id, dedup until, dead reason, dead at)
+        self.archiving: list[tuple] = []  # of the forgotten, those kept for the archive: `_ARCHIVING`'s arguments
 
     def execute(self, db: sqlite3.Connection, records_gone: list[int]) -> None:
         """Run the rows; segments that lose a record are added to `records_gone`."""
@@ -170,11 +187,14 @@ class _DeferredRows:
                 db.executemany(statement, rows)
                 rows.clear()
         if self.forgets:
-            tids = [forget[0] for forget in self.forgets]
+            kept = {row[-1] for row in self.archiving}
+            tids = [forget[0] for forget in self.forgets if forget[0] not in kept]
             records_gone += _delete_turns(db, tids)
             db.executemany("DELETE FROM trajectories WHERE id=?", [(tid,) for tid in tids])
+            db.executemany(_ARCHIVING, self.archiving)
             db.executemany("INSERT OR REPLACE INTO dedup VALUES (?, ?, ?, ?)", self.forgets)
             self.forgets.clear()
+            self.archiving.clear()
 
 
 _IN_CHUNK = 500  # ids per `IN (...)` query, under SQLite's variable limit
@@ -232,6 +252,7 @@ class StoredTurn:
     applied: bool
     reason: str | None
     location: tuple[int, int, int] | None  # segment, offset, length
+    at: float = 0.0  # wall time it arrived
 
 
 @dataclass
@@ -253,6 +274,29 @@ class StoredTrajectory:
     turns: list[StoredTurn] = field(default_factory=list)
     version: int | None = None  # ended: its oldest turn's ordered policy version
     sampled: Sampled = ()  # ended: the lineage epochs and steps whose weights sampled it
+    producer: str | None = None  # the producer id its first turn came from (unknown before schema 9)
+    first_delivered_at: float | None = None
+    deliveries: int = 0
+    committed_at: float | None = None
+    archive_file: int | None = None  # archiving: the archive file it was given to (None: not yet)
+
+
+@dataclass(frozen=True)
+class Archiving:
+    """A store whose forgotten trajectories the archive holds before they
+    are deleted: every one a commit or a seal lets go, and pruned dead
+    letters too with `dead_letters`."""
+
+    dead_letters: bool = False
+
+
+@dataclass
+class ArchiveBatch:
+    """Archiving trajectories given one archive file: `number` names it,
+    so that one written again after a crash replaces it."""
+
+    number: int
+    trajectories: list[StoredTrajectory]
 
 
 @dataclass
@@ -368,11 +412,12 @@ class Store:
     descriptors of its own (`turn_digest`)."""
 
     def __init__(self, data_dir: str | os.PathLike, *, sync: str = "normal", segment_bytes: int = 64 << 20,
-                 write_ahead_from: int = WRITE_AHEAD_FROM_BYTES):
+                 write_ahead_from: int = WRITE_AHEAD_FROM_BYTES, archive: Archiving | None = None):
         if sync not in ("normal", "full"):
             raise InvalidInput(f"sync must be 'normal' or 'full', got {sync!r}")
         self.data_dir = Path(data_dir)
         self.sync = sync
+        self.archive = archive
         # Before anything is read or written: one broker (or `rollstream salvage`) per data directory.
         self._lock_fd: int | None = hold(self.data_dir, what="data directory", owner="broker")
         self.segments = Segments(self.data_dir / "segments", segment_bytes, self._unlink_behind)
@@ -439,6 +484,8 @@ class Store:
                                  f"{' or '.join(map(str, _READABLE_VERSIONS))}")
         elif int(version[0]) != SCHEMA_VERSION:
             self._upgrade()
+        # Names this store's archive files apart from another broker's, the same across restarts.
+        db.execute("INSERT OR IGNORE INTO meta VALUES ('store_id', ?)", (uuid.uuid4().hex[:12],))
 
     def salvage(self) -> list[str]:
         """Drop every trajectory the store cannot give back intact (an end
@@ -521,11 +568,13 @@ class Store:
         rows = {}
         for row in self.db.execute(
             "SELECT id, state, group_id, group_size, sample_index, updated_at, end_digest, reward, metadata, "
-            "ready_seq, gap_turn, gap_field, dead_reason, dead_at, end_crc, version, sampled, trained_run, "
-            "trained_lineage, trained_step, trained_position FROM trajectories " + where, args
+            "ready_seq, gap_turn, gap_field, dead_reason, dead_at, end_crc, version, sampled, producer, "
+            "first_delivered_at, deliveries, committed_at, archive_file, trained_run, trained_lineage, trained_step, "
+            "trained_position FROM trajectories " + where, args
         ):
             (tid, state, gid, gsize, sidx, updated, end_digest, reward, metadata, ready_seq, gap_turn, gap_field,
-             dead_reason, dead_at, end_crc, version, sampled, *trained) = row
+             dead_reason, dead_at, end_crc, version, sampled, producer, first_delivered_at, deliveries, committed_at,
+             archive_file, *trained) = row
             error = None
             if state not in _STATE_VALUES:
                 error = f"state must be one of {sorted(map(str, _STATE_VALUES))}, got {state!r}"
@@ -542,8 +591,11 @@ class Store:
                 msgpack.unpackb(reward) if reward is not None else None,
                 msgpack.unpackb(metadata) if metadata is not None else None,
                 ready_seq, (gap_turn, gap_field) if gap_turn is not None else None, dead_reason, dead_at,
-                TrainedAt(*trained) if state == State.TRAINED else None, version=version,
-                sampled=tuple(map(tuple, msgpack.unpackb(sampled))) if sampled else (),
+                TrainedAt(*trained) if state == State.TRAINED or (state == State.ARCHIVING and trained[0] is not None)
+                else None, version=version,
+                sampled=tuple(map(tuple, msgpack.unpackb(sampled))) if sampled else (), producer=producer,
+                first_delivered_at=first_delivered_at, deliveries=deliveries or 0, committed_at=committed_at,
+                archive_file=archive_file,
             )
         turn_where = where.replace("WHERE id", "WHERE trajectory_id")
         for tid, turn, digest, applied, reason, seg, off, length, at in self.db.execute(
@@ -557,7 +609,7 @@ class Store:
                 continue
             stored = rows[tid]
             stored.turns.append(StoredTurn(turn, digest or None, bool(applied), reason,  # empty: from the record
-                                           (seg, off, length) if seg is not None else None))
+                                           (seg, off, length) if seg is not None else None, at))
             stored.updated_at = max(stored.updated_at, at)
         return list(rows.values())
 
@@ -721,7 +773,8 @@ class Store:
             case PutTurn():
                 rows.turns.append(self._turn_row(effect, next(stored) if effect.message is not None else None))
             case OpenTrajectory(replaces=False):
-                rows.opens.append((effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at))
+                rows.opens.append((effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at,
+                                   effect.producer))
             case EndTrajectory():
                 reward, metadata = msgpack.packb(effect.reward), msgpack.packb(effect.metadata)
                 rows.ends.append((State.SCORING if effect.scoring else State.ENDED, effect.at, effect.digest, reward,
@@ -730,10 +783,14 @@ class Store:
                                   msgpack.packb(effect.sampled) if effect.sampled else None, effect.trajectory_id))
             case Forget():
                 rows.forgets.append((effect.trajectory_id, effect.dedup_until, effect.dead_reason, effect.dead_at))
+                if self.archive is not None and (effect.dead_reason is None or self.archive.dead_letters):
+                    rows.archiving.append((effect.first_delivered_at, effect.deliveries, effect.committed_at,
+                                           effect.trajectory_id))
             case OpenTrajectory():  # one replacing a LEFT marker
                 rows.execute(db, records_gone)
                 records_gone += _delete_turns(db, [effect.trajectory_id])
-                db.execute(_OPEN, (effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at))
+                db.execute(_OPEN, (effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at,
+                                   effect.producer))
             case MarkGap():
                 rows.execute(db, records_gone)
                 db.execute("UPDATE trajectories SET gap_turn=?, gap_field=? WHERE id=?",
@@ -764,7 +821,8 @@ class Store:
                 db.execute(f"UPDATE trajectories SET state='{State.ENDED}', dead_reason=NULL, dead_at=NULL, ready_seq=? "
                            "WHERE id=?", (self._take_ready_seq(), effect.trajectory_id))
             case MarkTrained(trajectory_id=tid, trained=at):
-                rows.trained.append((at.run, at.lineage, at.step, at.position, tid))
+                rows.trained.append((at.run, at.lineage, at.step, at.position, effect.committed_at,
+                                     effect.first_delivered_at, effect.deliveries, tid))
             case SetPolicy(job=job, policy=policy):
                 db.execute("INSERT OR REPLACE INTO policies VALUES (?, ?, ?, ?, ?, ?)",
                            (job, policy.version, policy.max_staleness, policy.per_step, policy.share,
@@ -787,6 +845,70 @@ class Store:
         seq = self._next_ready_seq
         self._next_ready_seq += 1
         return seq
+
+    # -- the archive ----------------------------------------------------------
+    @property
+    def store_id(self) -> str:
+        return str(self.db.execute("SELECT value FROM meta WHERE key='store_id'").fetchone()[0])
+
+    def archive_waiting(self) -> int:
+        """Trajectories kept until the archive holds them."""
+        with _unavailable_on_failure(f"cannot count the archiving trajectories in {self.db_path}"):
+            return self.db.execute(f"SELECT COUNT(*) FROM trajectories WHERE state='{State.ARCHIVING}'").fetchone()[0]
+
+    def archive_work(self, rows: int, busy: Collection[int] = ()) -> list[ArchiveBatch]:
+        """The archive files to write next: those given out before and not
+        yet `archived` (after a restart, the same rows again), then the
+        archiving trajectories not given one yet, in files of at most `rows`
+        of one job, run and lineage. A file's number is durable before it
+        is handed out, so a file written twice holds the same rows. `busy`:
+        the numbers being written now."""
+        db = self.db
+        with _unavailable_on_failure(f"cannot hand out archive work from {self.db_path}"):
+            pending = db.execute(f"SELECT id, trained_run, trained_lineage FROM trajectories WHERE state="
+                                 f"'{State.ARCHIVING}' AND archive_file IS NULL ORDER BY trained_run, trained_lineage, "
+                                 "trained_step, trained_position, id").fetchall()
+            if pending:
+                groups: dict[tuple, list[str]] = {}
+                for tid, run, lineage in pending:
+                    groups.setdefault((job_of(tid), run, lineage), []).append(tid)
+                row = db.execute("SELECT value FROM meta WHERE key='archive_next_file'").fetchone()
+                number = int(row[0]) if row else 0
+                assigned = []
+                for tids in groups.values():
+                    for i in range(0, len(tids), rows):
+                        assigned += [(number, tid) for tid in tids[i : i + rows]]
+                        number += 1
+                db.execute("BEGIN")
+                db.executemany("UPDATE trajectories SET archive_file=? WHERE id=?", assigned)
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('archive_next_file', ?)", (number,))
+                db.execute("COMMIT")
+            numbers = [n for (n,) in db.execute(f"SELECT DISTINCT archive_file FROM trajectories WHERE state="
+                                                 f"'{State.ARCHIVING}' AND archive_file IS NOT NULL ORDER BY 1")
+                       if n not in busy]
+            return [ArchiveBatch(n, self._load_trajectories(
+                f"WHERE id IN (SELECT id FROM trajectories WHERE state='{State.ARCHIVING}' AND archive_file=?)", (n,)))
+                for n in numbers]
+
+    def archived(self, number: int) -> int:
+        """Archive file `number` is durable: its trajectories' rows and
+        records are deleted (their ids stay remembered). Returns how many."""
+        db = self.db
+        with _unavailable_on_failure(f"cannot delete archived trajectories from {self.db_path}"):
+            tids = [tid for (tid,) in db.execute(f"SELECT id FROM trajectories WHERE state='{State.ARCHIVING}' "
+                                                  "AND archive_file=?", (number,))]
+            db.execute("BEGIN")
+            try:
+                records_gone = _delete_turns(db, tids)
+                db.executemany("DELETE FROM trajectories WHERE id=?", [(tid,) for tid in tids])
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        for segment in records_gone:
+            self.segments.record_gone(segment)
+        self.segments.retire_unreferenced()
+        return len(tids)
 
     def probe(self) -> None:
         """A small real write to both files; raises `StoreUnavailable` while the

@@ -182,7 +182,7 @@ def test_delivered_ids_are_remembered_for_the_dedup_window(engine):
     engine.handle(turn_msg("t", 0), wall=1)
     engine.handle(end_msg("t"), wall=1)
     (forget,) = engine.delivered("t", wall=10)
-    assert forget == Forget("t", 1010.0)
+    assert forget == Forget("t", 1010.0, committed_at=10)
     for message in (turn_msg("t", 0), end_msg("t"), abort_msg("t")):
         reply = engine.handle(message, wall=20)
         assert ack(reply)["applied"] is False and ack(reply)["duplicate"] is True and reply.effects == ()

@@ -285,11 +285,13 @@ def test_replay_arrays_survive(tmp_path, store):
     store2.close()
 
 
-@pytest.mark.parametrize("version", [2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("version", [2, 3, 4, 5, 6, 7, 8])
 def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_checked(tmp_path, version):
     store = Store(tmp_path / "data")
     store.open()
     drive(MergeEngine(), store, [turn_msg("t", 0, weight_version="step-3"), end_msg("t", reward=0.25, metadata={"k": 1})])
+    for column in ("producer", "first_delivered_at", "deliveries", "committed_at", "archive_file"):  # as 2-8 stored it
+        store.db.execute(f"ALTER TABLE trajectories DROP COLUMN {column}")
     for column in ("dead_reason", "dead_at"):  # as versions 2-7 stored it
         store.db.execute(f"ALTER TABLE dedup DROP COLUMN {column}")
     store.db.execute("INSERT INTO dedup VALUES ('gone', 5000.0)")
@@ -314,15 +316,16 @@ def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_chec
     recovered = store.open()
     (ended,) = recovered.trajectories
     assert (ended.reward, ended.metadata, ended.trained, ended.sampled) == (0.25, {"k": 1}, None,
-                                                                             ((0, 3),) if version == 7 else ())
+                                                                             ((0, 3),) if version >= 7 else ())
     assert ended.version == (3 if version >= 6 else None)
     assert recovered.policies == ({"default": Policy(4, 1, 8, 1.0)} if version == 6 else {})
     assert recovered.dedup == {"gone": 5000.0} and recovered.pruned == {}
-    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 8
+    assert (ended.producer, ended.first_delivered_at, ended.deliveries, ended.archive_file) == (None, None, 0, None)
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 9
     store.db.execute("UPDATE trajectories SET reward=? WHERE id='t'", (msgpack.packb(0.75),))
     store.db.execute("UPDATE meta SET value=1 WHERE key='schema_version'")
     store.close()
-    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4 or 5 or 6 or 7 or 8"):
+    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4 or 5 or 6 or 7 or 8 or 9"):
         Store(tmp_path / "data").open()
     store = Store(tmp_path / "data")
     store.db.execute("UPDATE meta SET value=6 WHERE key='schema_version'")
@@ -540,7 +543,7 @@ def test_a_row_with_a_state_no_trajectory_can_have_is_reported(tmp_path, store):
     with sqlite3.connect(tmp_path / "data" / "state.sqlite") as db:
         db.execute("UPDATE trajectories SET state='finished' WHERE id='done'")
     with pytest.raises(StoreCorrupted, match=r"row 'done': state must be one of "
-                                             r"\['dead', 'ended', 'left', 'open', 'scoring', 'trained'\], got 'finished'"):
+                                             r"\['archiving', 'dead', 'ended', 'left', 'open', 'scoring', 'trained'\], got 'finished'"):
         reopen(tmp_path / "data")
 
 
