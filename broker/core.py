@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Collection, Generator, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Generic, NewType, TypeVar
+from typing import Any, Generic, NamedTuple, NewType, TypeVar
 
 from rollstream.common.clock import Clock
 from rollstream.common.codec import Message, encode, encode_error
@@ -218,6 +218,23 @@ class Checkpoint(Request[None]):
     """Fold the store's write-ahead log into its database. Answer: None."""
 
 
+class ArchiveState(NamedTuple):
+    """How the archive stands: trajectories the store keeps for it, files
+    being written, and why the last file failed (None: it did not)."""
+
+    waiting: int
+    writing: int
+    failing: str | None
+
+
+@dataclass(slots=True)
+class ArchiveStep(Request[ArchiveState | None]):
+    """Delete what the archive now holds durably and hand it what waits, at
+    monotonic time `mono`. Answer: how it stands (None: no archive)."""
+
+    mono: float
+
+
 # A decoded message with the refusal it already earned (decoding, content rules), or None.
 Received = tuple[bytes, Message | None, ProtocolError | None]
 
@@ -308,6 +325,7 @@ class BrokerCore:
         self.reads_failed = False  # a trajectory could not be read back: deliveries wait for the probe too
         self.memory_bytes = 0
         self.disk_bytes = 0
+        self.archive: ArchiveState | None = None  # as the last housekeeping pass found it
         self.free_bytes = 0  # on the data dir's file system
         self.endpoints: dict[str, str] = {}  # as bound, for `status`
         self._next_probe = 0.0
@@ -986,6 +1004,7 @@ class BrokerCore:
             **({} if oldest is None else {"oldest_unsealed_step": oldest}),
             **({"policies": self._policies()} if self.freshness.policies else {}),
             **({"starving": starving} if (starving := self.starvation.active()) else {}),
+            **({} if self.archive is None else {"archive": self.archive._asdict()}),
         }
 
     def _policies(self) -> dict:
@@ -1071,6 +1090,7 @@ class BrokerCore:
             self._next_dedup_prune = now.mono + DEDUP_PRUNE_EVERY
             yield from PruneDedup(now.wall)
         self._evict_to_budget()
+        self.archive = yield from ArchiveStep(now.mono)
         self.disk_bytes, self.free_bytes = yield from MeasureDisk()
         if self.disk_bytes > CHECKPOINT_ABOVE * self.settings.max_disk_bytes or self.free_bytes < self.disk.reserve:
             # also below the limit: the WAL (up to 16 MiB between checkpoints) must not hold off a resume

@@ -67,6 +67,12 @@ class BrokerMetrics(Metrics):
             (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
         )
         self.received_bytes = self.counter("received_bytes", "Bytes of producer frames read")
+        self.archive_rows = self.counter("archive_rows", "Trajectories written to the archive (durable, then deleted)")
+        self.archive_bytes = self.counter("archive_bytes", "Bytes of archive files written")
+        self.archive_failures = self.counter("archive_failures", "Archive files that could not be written (their "
+                                                                 "rows are kept and written again)")
+        self.archive_waiting = self.gauge("archive_waiting", "Trajectories kept in the store until the archive holds "
+                                                             "them")
         self.trajectories_acked = self.counter("trajectories_acked", "Trajectories consumers acked (trained, or "
                                                "delivered and forgotten), once durable")
         self.ack_seconds = self.histogram(

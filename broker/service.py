@@ -31,7 +31,7 @@ from .curve import CurveGuard
 from .metrics import BrokerMetrics
 from .recovery import rebuild
 from .settings import ENDPOINT_SETTINGS, BrokerSettings, broker_problems
-from .store import Store
+from .store import Archiving, Store
 from .store_io import StoreIO, free_space
 
 log = logging.getLogger("rollstream.broker")
@@ -88,7 +88,9 @@ class BrokerService:
         self.context = context or (zmq.Context() if self._own_context else zmq.Context.instance())
         self.curve = None if settings.curve_secret_key is None else CurveGuard(settings, self.context, self.metrics)
         self._reload_keys = False  # a SIGHUP asked for the key directories to be read again
-        self.store = Store(settings.data_dir, sync=settings.sync, segment_bytes=settings.segment_bytes)
+        self.store = Store(settings.data_dir, sync=settings.sync, segment_bytes=settings.segment_bytes,
+                           archive=None if settings.archive is None else Archiving(settings.archive_dead_letters))
+        self._archiver = None  # made once the store is open (`start`): it reads what the store keeps for it
         broker_id = settings.broker_id or f"{socket.gethostname()}:{os.path.abspath(settings.data_dir)}"
         self.core = BrokerCore(settings, broker_id, self.metrics, disk_reserve=self._disk_reserve())
         self._stopping = False
@@ -98,8 +100,9 @@ class BrokerService:
         self.endpoints: dict[str, str] = {}  # by socket name, as bound (a port 0 resolved)
         self._metrics_server = None
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="rollstream-checker")  # see CHECK_AHEAD_FROM_BYTES
-        self._performers: Performers = dict([*StoreIO(self.store, settings.data_dir, self.metrics).performers.items(),
-                                             Send.answered_by(self._send)])
+        self._store_io = StoreIO(self.store, settings.data_dir, self.metrics,
+                                 archive_file_rows=settings.archive_file_rows)
+        self._performers: Performers = dict([*self._store_io.performers.items(), Send.answered_by(self._send)])
 
     def _disk_reserve(self) -> int:
         """Free space the broker keeps for ends and consumer acks: the
@@ -117,6 +120,10 @@ class BrokerService:
         recovered = self.store.open()
         self.core.restore(rebuild(recovered, self.store), self.store.bytes_on_disk(), free_space(self.settings.data_dir))
         s = self.settings
+        if s.archive is not None:
+            from .archive import Archiver  # pyarrow: only a broker with an archive imports it
+
+            self._archiver = self._store_io.archiver = Archiver(s.archive, self.store, self.store.store_id)
         options = dict(high_water_mark=s.high_water_mark, heartbeat_interval=s.heartbeat_interval,
                        max_message_bytes=s.max_message_bytes)
         if s.endpoints_file:  # a file left by an earlier run must not send anyone to its old ports
@@ -183,6 +190,8 @@ class BrokerService:
             server.shutdown()
             self._metrics_server = None
         self._checker.shutdown()
+        if self._archiver is not None:
+            self._archiver.close()
         self.store.close()
         if self._own_context:
             self.context.term()

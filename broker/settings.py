@@ -3,6 +3,8 @@ range, help): the one list the command line, the TOML file and the
 environment fill (see `rollstream.common.config`)."""
 from __future__ import annotations
 
+import importlib.util
+
 from dataclasses import dataclass
 
 from rollstream.common.config import (
@@ -95,6 +97,12 @@ class BrokerSettings:
     max_dead_letter_bytes: int = size(
         1 << 30, "Dead-lettered trajectories kept for inspection (and requeue), in stored bytes; past it the oldest "
                  "are deleted, their ids remembered, counted by reason.", low=0)
+    archive: str | None = setting(
+        None, DIRECTORY, "Directory of the run's archive: every trajectory the broker would delete (a commit, a "
+                         "seal, the unsealed budget) is first written there as Parquet (needs the archive extra: "
+                         "pyarrow). Unset: no archive.")
+    archive_dead_letters: bool = flag(False, "Archive pruned dead letters too, with their reason.")
+    archive_file_rows: int = count(1024, "Most trajectories per archive file.", "trajectories", high=1_000_000)
     disk_reserve_bytes: int | None = size(
         None, "Free space kept on the data dir's file system for ends and consumer acks; below it, turns wait. "
               "Unset: 5% of the file system, at most 1 GiB.", low=0)
@@ -135,6 +143,9 @@ def broker_problems(settings: BrokerSettings) -> list[Problem]:
     declaration takes: group filters that do not parse, CURVE directories
     without a secret key, a secret key file that is not a key pair."""
     problems = []
+    if settings.archive is not None and importlib.util.find_spec("pyarrow") is None:
+        problems.append(Problem("archive", "", "pyarrow installed (pip install 'rollstream[archive]')",
+                                "no pyarrow in this Python", "archive extra"))
     try:
         parse_filters(settings.group_filters)
     except InvalidInput as exc:

@@ -30,7 +30,7 @@ from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import msgpack
 
@@ -297,6 +297,17 @@ class ArchiveBatch:
 
     number: int
     trajectories: list[StoredTrajectory]
+
+
+class ArchiveOutcome(NamedTuple):
+    """An archive file written durably (`error` None: its rows may be
+    deleted) or not (`error`: its rows stay and are handed out again)."""
+
+    number: int
+    rows: int = 0
+    nbytes: int = 0
+    path: Path | None = None
+    error: Exception | None = None
 
 
 @dataclass
@@ -860,18 +871,19 @@ class Store:
         """The archive files to write next: those given out before and not
         yet `archived` (after a restart, the same rows again), then the
         archiving trajectories not given one yet, in files of at most `rows`
-        of one job, run and lineage. A file's number is durable before it
+        of one job and outcome (trained, delivered or dead), in the order
+        they were trained. A file's number is durable before it
         is handed out, so a file written twice holds the same rows. `busy`:
         the numbers being written now."""
         db = self.db
         with _unavailable_on_failure(f"cannot hand out archive work from {self.db_path}"):
-            pending = db.execute(f"SELECT id, trained_run, trained_lineage FROM trajectories WHERE state="
+            pending = db.execute(f"SELECT id, trained_run IS NOT NULL, dead_reason IS NOT NULL FROM trajectories WHERE state="
                                  f"'{State.ARCHIVING}' AND archive_file IS NULL ORDER BY trained_run, trained_lineage, "
                                  "trained_step, trained_position, id").fetchall()
             if pending:
                 groups: dict[tuple, list[str]] = {}
-                for tid, run, lineage in pending:
-                    groups.setdefault((job_of(tid), run, lineage), []).append(tid)
+                for tid, trained, dead in pending:
+                    groups.setdefault((job_of(tid), trained, dead), []).append(tid)
                 row = db.execute("SELECT value FROM meta WHERE key='archive_next_file'").fetchone()
                 number = int(row[0]) if row else 0
                 assigned = []

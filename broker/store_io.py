@@ -5,16 +5,41 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Protocol
 
 from rollstream.common.clock import Clock
 from rollstream.common.trajectory import Trajectory
 
-from .core import Checkpoint, Commit, MeasureDisk, Performers, Probe, PruneDedup, ReadBack, ReadDigests, Reload
+from .core import (
+    ArchiveState,
+    ArchiveStep,
+    Checkpoint,
+    Commit,
+    MeasureDisk,
+    Performers,
+    Probe,
+    PruneDedup,
+    ReadBack,
+    ReadDigests,
+    Reload,
+)
 from .metrics import BrokerMetrics
 from .recovery import Rebuilt, load_trajectory, rebuild
-from .store import Store, StoreError
+from .store import ArchiveBatch, ArchiveOutcome, Store, StoreError
 
 log = logging.getLogger("rollstream.broker")
+
+ARCHIVE_RETRY_EVERY = 5.0  # seconds after a failed archive file before its rows are handed out again
+
+
+class Archiving(Protocol):
+    """What `StoreIO` asks of the archive's writer (broker/archive.py's `Archiver`)."""
+
+    busy: set[int]
+
+    def submit(self, batch: ArchiveBatch) -> None: ...
+
+    def finished(self) -> list[ArchiveOutcome]: ...
 
 
 def free_space(directory: str | os.PathLike) -> int:
@@ -25,16 +50,21 @@ def free_space(directory: str | os.PathLike) -> int:
 
 class StoreIO:
     """Answers `Commit`, `ReadDigests`, `ReadBack`, `Reload`, `Probe`,
-    `PruneDedup`, `MeasureDisk` and `Checkpoint` (broker/core.py) from
-    `store`; `performers` maps each request type to its method."""
+    `PruneDedup`, `MeasureDisk`, `Checkpoint` and `ArchiveStep`
+    (broker/core.py) from `store` and its `archiver` (None: no archive);
+    `performers` maps each request type to its method."""
 
-    def __init__(self, store: Store, data_dir: str | os.PathLike, metrics: BrokerMetrics):
+    def __init__(self, store: Store, data_dir: str | os.PathLike, metrics: BrokerMetrics, *,
+                 archiver: Archiving | None = None, archive_file_rows: int = 1024):
         self.store, self.data_dir, self.metrics = store, data_dir, metrics
+        self.archiver, self.archive_file_rows = archiver, archive_file_rows
+        self._archive_failing: str | None = None
+        self._archive_retry_at = 0.0
         self.performers: Performers = dict([
             Commit.answered_by(self.commit), ReadDigests.answered_by(self.read_digests),
             ReadBack.answered_by(self.read_back), Reload.answered_by(self.reload), Probe.answered_by(self.probe),
             PruneDedup.answered_by(self.prune_dedup), MeasureDisk.answered_by(self.measure_disk),
-            Checkpoint.answered_by(self.checkpoint),
+            Checkpoint.answered_by(self.checkpoint), ArchiveStep.answered_by(self.archive_step),
         ])
 
     def commit(self, request: Commit) -> StoreError | None:
@@ -93,3 +123,35 @@ class StoreIO:
             self.store.checkpoint()
         except StoreError as exc:  # a failed checkpoint only leaves the WAL larger
             log.warning("WAL checkpoint failed", extra={"error": str(exc)})
+
+    def archive_step(self, request: ArchiveStep) -> ArchiveState | None:
+        """Delete the rows of each archive file now durable, then hand the
+        archiver the next files (not before `ARCHIVE_RETRY_EVERY` after a
+        failure: a full archive disk is tried again, not hammered). A file
+        that failed keeps its rows in the store, counted and reported."""
+        archiver, store, metrics = self.archiver, self.store, self.metrics
+        if archiver is None:
+            return None
+        try:
+            for outcome in archiver.finished():
+                if outcome.error is not None:
+                    metrics.inc(metrics.archive_failures)
+                    if self._archive_failing is None:
+                        log.warning("archive file not written; its trajectories are kept and written again",
+                                    extra={"file": outcome.number, "error": str(outcome.error)})
+                    self._archive_failing = f"{type(outcome.error).__name__}: {outcome.error}"
+                    self._archive_retry_at = request.mono + ARCHIVE_RETRY_EVERY
+                    continue
+                store.archived(outcome.number)
+                metrics.inc(metrics.archive_rows, outcome.rows)
+                metrics.inc(metrics.archive_bytes, outcome.nbytes)
+                self._archive_failing = None
+            if not archiver.busy and request.mono >= self._archive_retry_at:
+                for batch in store.archive_work(self.archive_file_rows, archiver.busy):
+                    archiver.submit(batch)
+            waiting = store.archive_waiting()
+        except StoreError as exc:  # a durable file's rows are deleted at a later step (written again, the same)
+            log.warning("archive step failed", extra={"error": str(exc)})
+            return ArchiveState(0, len(archiver.busy), f"the store: {exc}")
+        metrics.archive_waiting.set(waiting)
+        return ArchiveState(waiting, len(archiver.busy), self._archive_failing)

@@ -385,6 +385,7 @@ class Trajectory:
         # Per entry of `weight_versions`, where its turn sampled with which weights:
         # (version, start, end) in response positions, the first being that entry.
         self.weight_version_spans: list[tuple[tuple[str, int, int], ...]] = []
+        self.forced_spans: list[tuple[int, int]] = []  # (start, end) in response positions of each turn's forced tokens
 
     # -- reading ------------------------------------------------------------
     @property
@@ -625,6 +626,8 @@ class Trajectory:
         """Queue an accepted turn and take its status and weight version."""
         start = self.response_length
         self._sampled_end = start + len(turn.tokens)
+        if turn.forced_tokens.size:
+            self.forced_spans.append((self._sampled_end, self._sampled_end + turn.forced_tokens.size))
         self._queue(turn)
         self.status = turn.status
         if turn.weight_version is not None:
@@ -648,6 +651,7 @@ class Trajectory:
     def _truncate_response(self, length: int) -> None:
         self.weight_version_spans = [tuple((v, s, min(e, length)) for v, s, e in spans if s < length)
                                      for spans in self.weight_version_spans]
+        self.forced_spans = [(s, min(e, length)) for s, e in self.forced_spans if s < length]
         if self.is_shed:
             self._shed_length = min(self._shed_length, length)
             self._sampled_end = min(self._sampled_end, length)

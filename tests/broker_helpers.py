@@ -56,7 +56,7 @@ def drive(steps, **answers):
     never answered by default."""
     healthy = {"Commit": lambda request: None, "Send": lambda request: core.Sent.TAKEN,
                "Probe": lambda request: True, "PruneDedup": lambda request: None, "Checkpoint": lambda request: None,
-               "MeasureDisk": lambda request: (0, 1 << 40)}
+               "MeasureDisk": lambda request: (0, 1 << 40), "ArchiveStep": lambda request: None}
     healthy.update(answers)
     asked = []
 

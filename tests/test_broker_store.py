@@ -543,7 +543,8 @@ def test_a_row_with_a_state_no_trajectory_can_have_is_reported(tmp_path, store):
     with sqlite3.connect(tmp_path / "data" / "state.sqlite") as db:
         db.execute("UPDATE trajectories SET state='finished' WHERE id='done'")
     with pytest.raises(StoreCorrupted, match=r"row 'done': state must be one of "
-                                             r"\['archiving', 'dead', 'ended', 'left', 'open', 'scoring', 'trained'\], got 'finished'"):
+                                             r"\['archiving', 'dead', 'ended', 'left', 'open', 'scoring', 'trained'\], "
+                                             r"got 'finished'"):
         reopen(tmp_path / "data")
 
 

@@ -1,0 +1,222 @@
+"""The archive (broker/archive.py): what the broker deletes is first written
+to Parquet files that pyarrow reads as one table, durably, once.
+
+The store and archiver tests drive a `MergeEngine` into a real `Store`
+marked for the archive, without sockets; the last test runs a broker
+process with `--archive` beside a real producer and consumer."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow", reason="the archive needs the archive extra (pyarrow)")
+ds = pytest.importorskip("pyarrow.dataset")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from broker_helpers import end_msg, turn_msg  # noqa: E402
+
+from rollstream.broker.archive import SCHEMA_KEY, SCHEMA_VERSION, Archiver  # noqa: E402
+from rollstream.broker.engine import EngineSettings, MergeEngine, TrainedAt  # noqa: E402
+from rollstream.broker.recovery import rebuild  # noqa: E402
+from rollstream.broker.store import Archiving, Store  # noqa: E402
+from rollstream.common.jobs import DEFAULT_JOB  # noqa: E402
+
+
+def opened(path: Path, **archive) -> tuple[Store, MergeEngine]:
+    store = Store(path, archive=Archiving(**archive))
+    engine = MergeEngine(EngineSettings())
+    engine.restore(*rebuild(store.open(), store).engine_state())
+    return store, engine
+
+
+def produce(engine: MergeEngine, store: Store, messages, producer: str = "p0", wall: float = 1.0) -> None:
+    for message in messages:
+        reply = engine.handle(message, wall, producer=producer)
+        assert reply.error is None, reply.error
+        store.commit(list(reply.effects))
+
+
+def write_all(archiver: Archiver, store: Store, rows: int = 1024) -> list:
+    """Hand out every archive file, wait for each, return the outcomes."""
+    outcomes = []
+    for batch in store.archive_work(rows, archiver.busy):
+        archiver.submit(batch)
+    while archiver.busy:
+        outcomes += archiver.finished()
+    return outcomes
+
+
+def read(root: Path) -> dict[str, dict]:
+    """Every archived row, by trajectory id, as pyarrow's dataset API reads the Hive-partitioned files."""
+    table = ds.dataset(root, format="parquet", partitioning="hive").to_table()
+    rows = table.to_pylist()
+    by_id = {row["trajectory_id"]: row for row in rows}
+    assert len(by_id) == len(rows), f"a trajectory archived twice: {sorted(r['trajectory_id'] for r in rows)}"
+    return by_id
+
+
+def test_a_committed_trajectory_is_archived_whole_then_deleted_and_its_id_stays_remembered(tmp_path):
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [
+        turn_msg("t", 0, [10, 11], [[10, 12], [11]], forced=[7, 8], weight_version="step-3", prompt=(1, 2, 3)),
+        turn_msg("t", 1, [13], [[13, 14, 15]], weight_version="step-4"),
+        end_msg("t", reward=0.5, metadata={"env": "math"}),
+    ], wall=1000.0)
+    engine.sent("t", 1001.0)
+    store.commit(engine.delivered("t", 1002.0))
+    assert store.archive_waiting() == 1, "a forgotten trajectory is kept until the archive holds it"
+    archiver = Archiver(tmp_path / "archive", store, store.store_id)
+    try:
+        (outcome,) = write_all(archiver, store)
+    finally:
+        archiver.close()
+    assert outcome.error is None and outcome.rows == 1
+    assert outcome.path == tmp_path / "archive" / f"job={DEFAULT_JOB}" / "outcome=delivered" / \
+        f"{store.store_id}-{outcome.number:08d}.parquet"
+    assert pq.read_schema(outcome.path).metadata[SCHEMA_KEY] == str(SCHEMA_VERSION).encode()
+    row = read(tmp_path / "archive")["t"]
+    assert row["job"] == DEFAULT_JOB and row["run"] is None and row["producer"] == "p0"
+    assert row["prompt_tokens"] == [1, 2, 3]
+    assert row["tokens"] == [10, 11, 7, 8, 13], "sampled, forced, sampled"
+    assert row["loss_mask"] == [1, 1, 0, 0, 1] and row["log_probs"] == [-0.5, -0.5, 0.0, 0.0, -0.5]
+    assert row["supports"] == [[10, 12], [11], [7], [8], [13, 14, 15]]
+    assert row["forced_spans"] == [{"start": 2, "end": 4}]
+    assert row["weight_version_spans"] == [{"version": "step-3", "start": 0, "end": 2},
+                                           {"version": "step-4", "start": 4, "end": 5}]
+    assert (row["reward"], json.loads(row["reward_json"]), json.loads(row["metadata_json"])) == (0.5, 0.5, {"env": "math"})
+    assert (row["outcome"], row["status"], row["turns"], row["response_length"]) == ("delivered", "completed", 2, 5)
+    assert row["deliveries"] == 1
+    assert row["first_turn_at"].timestamp() == 1000.0 and row["first_delivered_at"].timestamp() == 1001.0
+    assert row["committed_at"].timestamp() == 1002.0
+    store.archived(outcome.number)
+    assert store.archive_waiting() == 0
+    store.close()
+    store, engine = opened(tmp_path / "data")
+    assert "t" in engine.dedup and "t" not in engine.entries, "archived: deleted, its id remembered"
+    assert not any(store.segments.live.values()), "its records were let go"
+    store.close()
+
+
+def test_a_trained_trajectory_is_archived_under_its_run_and_lineage_with_its_step_once_a_seal_reclaims_it(tmp_path):
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [turn_msg("a", 0), end_msg("a"), turn_msg("b", 0), end_msg("b")])
+    store.commit(engine.trained("a", TrainedAt("run-1", "lin-1", 1, 0), 5.0))
+    store.commit(engine.trained("b", TrainedAt("run-1", "lin-1", 2, 0), 6.0))
+    store.commit(engine.seal("run-1", "lin-1", 1, 1, 7.0))
+    assert store.archive_waiting() == 1, "the seal of step 1 reclaims what step 1 trained, not step 2"
+    archiver = Archiver(tmp_path / "archive", store, store.store_id)
+    try:
+        (outcome,) = write_all(archiver, store)
+    finally:
+        archiver.close()
+    assert outcome.path.parent == tmp_path / "archive" / f"job={DEFAULT_JOB}" / "outcome=trained"
+    (row,) = read(tmp_path / "archive").values()
+    assert (row["trajectory_id"], row["run"], row["lineage"], row["step"], row["position"], row["outcome"]) == \
+        ("a", "run-1", "lin-1", 1, 0, "trained")
+    assert row["committed_at"].timestamp() == 5.0
+    filtered = ds.dataset(tmp_path / "archive", format="parquet", partitioning="hive").to_table(
+        filter=(ds.field("outcome") == "trained") & (ds.field("run") == "run-1") & (ds.field("step") == 1))
+    assert filtered.column("trajectory_id").to_pylist() == ["a"]
+    store.close()
+
+
+def test_a_file_written_again_after_a_crash_replaces_itself_so_no_row_is_lost_or_doubled(tmp_path):
+    """Killed after a file was durable but before its rows were deleted:
+    the next start hands out the same file number with the same rows."""
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [m for tid in ("a", "b", "c") for m in (turn_msg(tid, 0), end_msg(tid))])
+    for tid in ("a", "b", "c"):
+        store.commit(engine.delivered(tid, 2.0))
+    archiver = Archiver(tmp_path / "archive", store, store.store_id)
+    try:
+        first = write_all(archiver, store, rows=2)
+    finally:
+        archiver.close()
+    assert sorted(o.rows for o in first) == [1, 2]
+    store.archived(first[0].number)  # the other file's delete never happened: the broker died
+    store.close()
+    torn = first[1].path.with_name(f".{first[1].path.name}.tmp")
+    torn.write_bytes(b"PAR1 cut short")  # what a write killed midway leaves: hidden from readers, replaced
+    store, engine = opened(tmp_path / "data")
+    archiver = Archiver(tmp_path / "archive", store, store.store_id)
+    try:
+        again = write_all(archiver, store, rows=2)
+    finally:
+        archiver.close()
+    assert [(o.number, o.path, o.rows) for o in again] == [(first[1].number, first[1].path, first[1].rows)]
+    store.archived(again[0].number)
+    assert sorted(read(tmp_path / "archive")) == ["a", "b", "c"]
+    assert not torn.exists() and store.archive_waiting() == 0
+    store.close()
+
+
+def test_an_archive_that_cannot_be_written_keeps_every_row_until_it_can(tmp_path):
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [turn_msg("a", 0), end_msg("a")])
+    store.commit(engine.delivered("a", 2.0))
+    blocked = tmp_path / "archive"
+    blocked.write_text("a file where the archive's directory should be")
+    archiver = Archiver(blocked, store, store.store_id)
+    try:
+        (failed,) = write_all(archiver, store)
+        assert isinstance(failed.error, OSError) and failed.path is None
+        assert store.archive_waiting() == 1
+        store.close()
+        store, engine = opened(tmp_path / "data")  # a restart meanwhile keeps it too
+        assert store.archive_waiting() == 1 and "a" in engine.dedup
+        os.unlink(blocked)
+        archiver.store = store
+        (written,) = write_all(archiver, store)
+    finally:
+        archiver.close()
+    assert written.number == failed.number and written.error is None
+    store.archived(written.number)
+    assert list(read(blocked)) == ["a"]
+    store.close()
+
+
+def test_pruned_dead_letters_are_archived_with_their_reason_only_when_asked(tmp_path):
+    for dead_letters in (False, True):
+        path = tmp_path / str(dead_letters)
+        store, engine = opened(path / "data", dead_letters=dead_letters)
+        produce(engine, store, [turn_msg("d", 0), end_msg("d")])
+        store.commit(engine.dead_letter("d", "refused", 3.0))
+        effects, gone = engine.prune_dead(0, 4.0)
+        store.commit(effects)
+        assert gone == {"refused": 1}
+        assert store.archive_waiting() == int(dead_letters)
+        if dead_letters:
+            archiver = Archiver(path / "archive", store, store.store_id)
+            try:
+                (outcome,) = write_all(archiver, store)
+            finally:
+                archiver.close()
+            row = read(path / "archive")["d"]
+            assert (row["outcome"], row["dead_reason"], row["dead_at"].timestamp()) == ("dead", "refused", 3.0)
+        store.close()
+
+
+def test_supports_of_many_rows_keep_their_offsets_apart():
+    """Rows with and without supports side by side: each row's per-token
+    lists are its own (offsets shifted, not restarted)."""
+    from rollstream.broker.archive import archive_table
+    from rollstream.broker.store import StoredTrajectory
+    from rollstream.common.trajectory import Trajectory, Turn
+
+    def stored(tid):
+        return StoredTrajectory(tid, "ended", None, None, None, 0.0, None, None, None, None, None, None, None)
+
+    with_mask = Trajectory("m", [1])
+    with_mask.append_turn(Turn.build([5, 6], [-1.0, -1.0], supports=[[5, 9], [6]]))
+    plain = Trajectory("p", [2])
+    plain.append_turn(Turn.build([7], [-1.0]))
+    again = Trajectory("n", [3])
+    again.append_turn(Turn.build([8], [-1.0], supports=[[8, 1, 2]]))
+    table = archive_table([(stored("m"), with_mask), (stored("p"), plain), (stored("n"), again)])
+    assert table.column("supports").to_pylist() == [[[5, 9], [6]], None, [[8, 1, 2]]]
+    assert table.column("tokens").to_pylist() == [[5, 6], [7], [8]]
+    assert np.array_equal(table.column("prompt_tokens").combine_chunks().values.to_numpy(), [1, 2, 3])
