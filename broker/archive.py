@@ -217,7 +217,7 @@ class Archiver:
 
     def finished(self) -> list[ArchiveOutcome]:
         """The files finished since the last call."""
-        out = []
+        out: list[ArchiveOutcome] = []
         while True:
             try:
                 result = self._done.get_nowait()

@@ -801,11 +801,11 @@ class MergeEngine:
             self._untrain_step(trained)
         until = wall + self.settings.dedup_window
         self.remember({tid: until})
-        consumed = (entry.first_delivered_at, entry.deliveries, wall if committed else None)
-        if dead is None:
-            return Forget(tid, until, None, None, *consumed)
-        self.pruned[tid] = dead
-        return Forget(tid, until, *dead, *consumed)
+        reason, dead_at = (None, None) if dead is None else dead
+        if dead is not None:
+            self.pruned[tid] = dead
+        return Forget(tid, until, reason, dead_at, entry.first_delivered_at, entry.deliveries,
+                      wall if committed else None)
 
     def trained(self, tid: str, at: TrainedAt, wall: float | None = None) -> list:
         """A checkpointing trainer trained `tid` (ended, or trained before

@@ -14,6 +14,7 @@ import signal
 import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -33,6 +34,9 @@ from .recovery import rebuild
 from .settings import ENDPOINT_SETTINGS, BrokerSettings, broker_problems
 from .store import Archiving, Store
 from .store_io import StoreIO, free_space
+
+if TYPE_CHECKING:
+    from .archive import Archiver
 
 log = logging.getLogger("rollstream.broker")
 
@@ -90,7 +94,7 @@ class BrokerService:
         self._reload_keys = False  # a SIGHUP asked for the key directories to be read again
         self.store = Store(settings.data_dir, sync=settings.sync, segment_bytes=settings.segment_bytes,
                            archive=None if settings.archive is None else Archiving(settings.archive_dead_letters))
-        self._archiver = None  # made once the store is open (`start`): it reads what the store keeps for it
+        self._archiver: Archiver | None = None  # made at `start`, once the store is open: it reads what it keeps
         broker_id = settings.broker_id or f"{socket.gethostname()}:{os.path.abspath(settings.data_dir)}"
         self.core = BrokerCore(settings, broker_id, self.metrics, disk_reserve=self._disk_reserve())
         self._stopping = False

@@ -4,7 +4,6 @@ environment fill (see `rollstream.common.config`)."""
 from __future__ import annotations
 
 import importlib.util
-
 from dataclasses import dataclass
 
 from rollstream.common.config import (

@@ -220,3 +220,54 @@ def test_supports_of_many_rows_keep_their_offsets_apart():
     assert table.column("supports").to_pylist() == [[[5, 9], [6]], None, [[8, 1, 2]]]
     assert table.column("tokens").to_pylist() == [[5, 6], [7], [8]]
     assert np.array_equal(table.column("prompt_tokens").combine_chunks().values.to_numpy(), [1, 2, 3])
+
+
+def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_with_its_steps(tmp_path):
+    """`rollstream broker --archive DIR`, a producer, a checkpointing
+    consumer that seals every step: each trajectory reaches the archive
+    once, with its step and position and the tokens it was sent with."""
+    import shutil
+    import tempfile
+
+    from broker_process import BrokerProcess
+    from consumer_helpers import VOCAB, RawProducer
+    from test_consumer_tokens import sized_rollout
+    from waiting import wait_for
+
+    from rollstream.consumer import Consumer
+
+    archive = tmp_path / "archive"
+    broker = BrokerProcess(Path(tempfile.mkdtemp(prefix="rsa", dir="/tmp")), archive=str(archive),
+                           heartbeat_interval=0.2).start()
+    try:
+        rollouts = [sized_rollout(f"r{i}", 2, 3 + i) for i in range(6)]
+        producer = RawProducer(broker.producer)
+        try:
+            producer.send(rollouts)
+        finally:
+            producer.close()
+        trained = {}
+        with Consumer(broker.consumer, batch_size=2, vocab_size=VOCAB, keep_checkpoints=1) as consumer:
+            for _ in range(3):
+                batch = consumer.next_batch(timeout=30)
+                consumer.commit(batch)
+                step = consumer.position.step
+                trained.update({tid: (step, position) for position, tid in enumerate(batch.trajectory_ids)})
+                consumer.sealed(step)
+            consumer.flush(10)
+        reclaimed = set(trained)  # keep_checkpoints=1: each seal reclaims what was trained through its step
+        wait_for(lambda: broker.status().get("archive", {}).get("waiting") == 0
+                 and archive.exists() and len(read(archive)) == len(reclaimed), timeout=60,
+                 what="the archive to hold every reclaimed trajectory")
+        rows = read(archive)
+        assert set(rows) == reclaimed
+        for tid, row in rows.items():
+            sent = next(r for r in rollouts if r.trajectory_id == tid)
+            assert (row["step"], row["position"], row["outcome"]) == (*trained[tid], "trained")
+            assert row["tokens"] == sent.turns[0].tokens.tolist() and row["prompt_tokens"] == sent.prompt.tolist()
+            assert row["producer"] == f"test-{os.getpid()}" and row["deliveries"] == 1
+            assert row["committed_at"] >= row["first_delivered_at"] >= row["ended_at"]
+        assert broker.status()["counters"].get("archive_rows", 0) == len(reclaimed)
+    finally:
+        broker.__exit__(None, None, None)
+        shutil.rmtree(broker.directory, ignore_errors=True)
