@@ -271,3 +271,36 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_with_its_ste
     finally:
         broker.__exit__(None, None, None)
         shutil.rmtree(broker.directory, ignore_errors=True)
+
+
+def test_duckdb_and_hugging_face_datasets_read_the_archive_as_pyarrow_does(tmp_path):
+    """The recipes of docs/archive.md: DuckDB over the Hive-partitioned
+    files, Hugging Face `datasets` over the same directory."""
+    duckdb = pytest.importorskip("duckdb", reason="reading the archive with DuckDB needs the analysis extra")
+    datasets = pytest.importorskip("datasets", reason="reading the archive with datasets needs the analysis extra")
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [turn_msg("a", 0, [5, 6], [[5, 1], [6]]), end_msg("a", reward=1.0),
+                            turn_msg("b", 0, [7], [[7]]), end_msg("b", reward=0.0)])
+    store.commit(engine.trained("a", TrainedAt("run-1", "lin-1", 1, 0), 5.0))
+    store.commit(engine.delivered("b", 6.0))
+    store.commit(engine.seal("run-1", "lin-1", 1, 1, 7.0))
+    archiver = Archiver(tmp_path / "archive", store, store.store_id)
+    try:
+        for outcome in write_all(archiver, store):
+            store.archived(outcome.number)
+    finally:
+        archiver.close()
+        store.close()
+    root = tmp_path / "archive"
+    expected = {tid: (row["outcome"], row["step"], row["tokens"], row["supports"]) for tid, row in read(root).items()}
+    assert expected == {"a": ("trained", 1, [5, 6], [[5, 1], [6]]), "b": ("delivered", None, [7], [[7]])}
+    found = duckdb.sql(f"SELECT trajectory_id, outcome, step, tokens, supports FROM read_parquet('{root}/**/*.parquet', "
+                       "hive_partitioning = true) ORDER BY trajectory_id").fetchall()
+    assert {tid: (outcome, step, list(tokens), [list(s) for s in supports]) for tid, outcome, step, tokens, supports
+            in found} == expected
+    trained = duckdb.sql(f"SELECT trajectory_id FROM read_parquet('{root}/**/*.parquet', hive_partitioning = true) "
+                         "WHERE outcome = 'trained' AND step = 1").fetchall()
+    assert trained == [("a",)]
+    loaded = datasets.load_dataset("parquet", data_dir=str(root), split="train")
+    assert {row["trajectory_id"]: (row["outcome"], row["step"], row["tokens"], row["supports"]) for row in loaded} \
+        == expected
