@@ -111,6 +111,10 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
                    + ("" if spread is None else f", queued staleness {spread[0]}-{spread[1]}")
                    + ("" if "epoch" not in policy else
                       f", lineage epoch {policy['epoch']} (resumed from step {policy['resumed_from']})"))
+    archive = report.get("archive")
+    if archive is not None:
+        click.echo(f"  {'archive':<20} {archive['waiting']} waiting, {archive['writing']} file(s) being written"
+                   + ("" if archive.get("failing") is None else f", FAILING: {archive['failing']}"))
     for job, causes in report.get("starving", {}).items():
         click.echo(f"  {'STARVING ' + job:<20} {', '.join(causes)} (see the broker's log for the figures)")
     for job, queued in report.get("queued_by_job", {}).items():

@@ -49,7 +49,8 @@ class State(StrEnum):
 
 OPEN, ENDED, DEAD, LEFT, TRAINED, SCORING, ARCHIVING = (State.OPEN, State.ENDED, State.DEAD, State.LEFT, State.TRAINED,
                                                         State.SCORING, State.ARCHIVING)
-STATES = tuple(State)
+# The states an engine entry can be in (an `archiving` trajectory is only the store's).
+STATES = tuple(state for state in State if state is not State.ARCHIVING)
 # Admitted and still to be trained: what a staleness bound's capacity counts.
 UNTRAINED = frozenset({OPEN, ENDED, SCORING})
 # Dead-letter reasons of trajectories given up unfinished: a later frame of one is answered not applied, with it.
@@ -338,7 +339,7 @@ class MergeEngine:
         # Entries change state only through the methods below.
         self.entries: dict[str, Entry] = {}
         self.groups: dict[str, Group] = {}
-        self._counts = dict.fromkeys(STATES, 0)
+        self._counts: dict[State, int] = dict.fromkeys(STATES, 0)
         self.untrained: Counter[str] = Counter()  # per job: open or ended (admitted, not yet trained or gone)
         self._open: OrderedDict[str, Entry] = OrderedDict()
         self._scoring: OrderedDict[str, Entry] = OrderedDict()  # ended without a reward, longest waiting first

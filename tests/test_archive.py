@@ -227,6 +227,8 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_with_its_ste
     consumer that seals every step: each trajectory reaches the archive
     once, with its step and position and the tokens it was sent with."""
     import shutil
+    import subprocess
+    import sys
     import tempfile
 
     from broker_process import BrokerProcess
@@ -268,6 +270,9 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_with_its_ste
             assert row["producer"] == f"test-{os.getpid()}" and row["deliveries"] == 1
             assert row["committed_at"] >= row["first_delivered_at"] >= row["ended_at"]
         assert broker.status()["counters"].get("archive_rows", 0) == len(reclaimed)
+        shown = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "status", "--admin", broker.admin],
+                               capture_output=True, text=True, timeout=60)
+        assert "archive              0 waiting, 0 file(s) being written" in shown.stdout, shown.stdout + shown.stderr
     finally:
         broker.__exit__(None, None, None)
         shutil.rmtree(broker.directory, ignore_errors=True)
