@@ -50,6 +50,15 @@ def write_all(archiver: Archiver, store: Store, rows: int = 1024) -> list:
     return outcomes
 
 
+def archive_once(root: Path, store: Store, rows: int = 1024) -> list:
+    """An archiver under `root` writes every file the store hands out, then stops; the outcomes."""
+    archiver = Archiver(root, store, store.store_id)
+    try:
+        return write_all(archiver, store, rows)
+    finally:
+        archiver.close()
+
+
 def read(root: Path) -> dict[str, dict]:
     """Every archived row, by trajectory id, as pyarrow's dataset API reads the Hive-partitioned files."""
     table = ds.dataset(root, format="parquet", partitioning="hive").to_table()
@@ -69,11 +78,7 @@ def test_a_committed_trajectory_is_archived_whole_then_deleted_and_its_id_stays_
     engine.sent("t", 1001.0)
     store.commit(engine.delivered("t", 1002.0))
     assert store.archive_waiting() == 1, "a forgotten trajectory is kept until the archive holds it"
-    archiver = Archiver(tmp_path / "archive", store, store.store_id)
-    try:
-        (outcome,) = write_all(archiver, store)
-    finally:
-        archiver.close()
+    (outcome,) = archive_once(tmp_path / "archive", store)
     assert outcome.error is None and outcome.rows == 1
     assert outcome.path == tmp_path / "archive" / f"job={DEFAULT_JOB}" / "outcome=delivered" / \
         f"{store.store_id}-{outcome.number:08d}.parquet"
@@ -108,11 +113,7 @@ def test_a_trained_trajectory_is_archived_under_its_run_and_lineage_with_its_ste
     store.commit(engine.trained("b", TrainedAt("run-1", "lin-1", 2, 0), 6.0))
     store.commit(engine.seal("run-1", "lin-1", 1, 1, 7.0))
     assert store.archive_waiting() == 1, "the seal of step 1 reclaims what step 1 trained, not step 2"
-    archiver = Archiver(tmp_path / "archive", store, store.store_id)
-    try:
-        (outcome,) = write_all(archiver, store)
-    finally:
-        archiver.close()
+    (outcome,) = archive_once(tmp_path / "archive", store)
     assert outcome.path.parent == tmp_path / "archive" / f"job={DEFAULT_JOB}" / "outcome=trained"
     (row,) = read(tmp_path / "archive").values()
     assert (row["trajectory_id"], row["run"], row["lineage"], row["step"], row["position"], row["outcome"]) == \
@@ -131,22 +132,14 @@ def test_a_file_written_again_after_a_crash_replaces_itself_so_no_row_is_lost_or
     produce(engine, store, [m for tid in ("a", "b", "c") for m in (turn_msg(tid, 0), end_msg(tid))])
     for tid in ("a", "b", "c"):
         store.commit(engine.delivered(tid, 2.0))
-    archiver = Archiver(tmp_path / "archive", store, store.store_id)
-    try:
-        first = write_all(archiver, store, rows=2)
-    finally:
-        archiver.close()
+    first = archive_once(tmp_path / "archive", store, rows=2)
     assert sorted(o.rows for o in first) == [1, 2]
     store.archived(first[0].number)  # the other file's delete never happened: the broker died
     store.close()
     torn = first[1].path.with_name(f".{first[1].path.name}.tmp")
     torn.write_bytes(b"PAR1 cut short")  # what a write killed midway leaves: hidden from readers, replaced
     store, engine = opened(tmp_path / "data")
-    archiver = Archiver(tmp_path / "archive", store, store.store_id)
-    try:
-        again = write_all(archiver, store, rows=2)
-    finally:
-        archiver.close()
+    again = archive_once(tmp_path / "archive", store, rows=2)
     assert [(o.number, o.path, o.rows) for o in again] == [(first[1].number, first[1].path, first[1].rows)]
     store.archived(again[0].number)
     assert sorted(read(tmp_path / "archive")) == ["a", "b", "c"]
@@ -160,19 +153,14 @@ def test_an_archive_that_cannot_be_written_keeps_every_row_until_it_can(tmp_path
     store.commit(engine.delivered("a", 2.0))
     blocked = tmp_path / "archive"
     blocked.write_text("a file where the archive's directory should be")
-    archiver = Archiver(blocked, store, store.store_id)
-    try:
-        (failed,) = write_all(archiver, store)
-        assert isinstance(failed.error, OSError) and failed.path is None
-        assert store.archive_waiting() == 1
-        store.close()
-        store, engine = opened(tmp_path / "data")  # a restart meanwhile keeps it too
-        assert store.archive_waiting() == 1 and "a" in engine.dedup
-        os.unlink(blocked)
-        archiver.store = store
-        (written,) = write_all(archiver, store)
-    finally:
-        archiver.close()
+    (failed,) = archive_once(blocked, store)
+    assert isinstance(failed.error, OSError) and failed.path is None
+    assert store.archive_waiting() == 1
+    store.close()
+    store, engine = opened(tmp_path / "data")  # a restart meanwhile keeps it too
+    assert store.archive_waiting() == 1 and "a" in engine.dedup
+    os.unlink(blocked)
+    (written,) = archive_once(blocked, store)
     assert written.number == failed.number and written.error is None
     store.archived(written.number)
     assert list(read(blocked)) == ["a"]
@@ -190,11 +178,7 @@ def test_pruned_dead_letters_are_archived_with_their_reason_only_when_asked(tmp_
         assert gone == {"refused": 1}
         assert store.archive_waiting() == int(dead_letters)
         if dead_letters:
-            archiver = Archiver(path / "archive", store, store.store_id)
-            try:
-                (outcome,) = write_all(archiver, store)
-            finally:
-                archiver.close()
+            (outcome,) = archive_once(path / "archive", store)
             row = read(path / "archive")["d"]
             assert (row["outcome"], row["dead_reason"], row["dead_at"].timestamp()) == ("dead", "refused", 3.0)
         store.close()
@@ -289,13 +273,9 @@ def test_duckdb_and_hugging_face_datasets_read_the_archive_as_pyarrow_does(tmp_p
     store.commit(engine.trained("a", TrainedAt("run-1", "lin-1", 1, 0), 5.0))
     store.commit(engine.delivered("b", 6.0))
     store.commit(engine.seal("run-1", "lin-1", 1, 1, 7.0))
-    archiver = Archiver(tmp_path / "archive", store, store.store_id)
-    try:
-        for outcome in write_all(archiver, store):
-            store.archived(outcome.number)
-    finally:
-        archiver.close()
-        store.close()
+    for outcome in archive_once(tmp_path / "archive", store):
+        store.archived(outcome.number)
+    store.close()
     root = tmp_path / "archive"
     expected = {tid: (row["outcome"], row["step"], row["tokens"], row["supports"]) for tid, row in read(root).items()}
     assert expected == {"a": ("trained", 1, [5, 6], [[5, 1], [6]]), "b": ("delivered", None, [7], [[7]])}
