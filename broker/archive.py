@@ -46,7 +46,7 @@ log = logging.getLogger("rollstream.broker")
 
 # The archive's schema, in each file's key-value metadata; docs/archive.md says what each version holds.
 SCHEMA_VERSION = 1
-SCHEMA_KEY = b"rollstream.archive.schema"
+SCHEMA_KEY = b"rollstream:archive_schema"
 
 _TIME = pa.timestamp("us", tz="UTC")
 _SPAN = pa.struct([("start", pa.int32()), ("end", pa.int32())])
