@@ -155,6 +155,29 @@ def requeue(endpoint: str, timeout: float, job: str | None, curve_secret_key: st
     click.echo(f"requeued {len(done)} of {len(trajectory_ids)}: {' '.join(done)}")
 
 
+@click.command("end-run")
+@click.option("--admin", "endpoint", default="tcp://127.0.0.1:5557", show_default=True, help="The broker's admin endpoint.")
+@click.option("--timeout", type=click.FloatRange(min=0.0, min_open=True), default=5.0, show_default=True,
+              help="Seconds to wait for the broker.")
+@curve_client_options
+@click.argument("run")
+def end_run(endpoint: str, timeout: float, curve_secret_key: str | None, curve_server_key: str | None,
+            run: str) -> None:
+    """Tell the broker that trainer run RUN is over: it reclaims everything
+    the run trained, the last steps no seal reclaimed included (archived
+    first, with --archive). A resume of the run is refused afterwards."""
+    from rollstream.common.admin import AdminClient, AdminError
+    from rollstream.common.curve import CurveError
+
+    try:
+        with AdminClient(endpoint, timeout=timeout, curve_secret_key=curve_secret_key,
+                         curve_server_key=curve_server_key) as admin:
+            reclaimed = admin.end_run(run)
+    except (AdminError, CurveError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"run {run} ended: {reclaimed} trained trajectories reclaimed")
+
+
 @click.command()
 @click.option("--data-dir", default=BrokerSettings.data_dir, show_default=True, type=click.Path(file_okay=False, exists=True),
               help="Data directory of a stopped broker.")

@@ -957,6 +957,13 @@ class BrokerCore:
         seq = _seq(message)
         if message.type == "status":
             return encode(ADMIN_REPLIES, "status", {**self.status(now), **seq})
+        if message.type == "end_run":
+            effects = self.engine.end_run(message["run"], now.wall)
+            if not (yield from self._commit(effects)):
+                raise RemoteProtocolError("unavailable", "the broker cannot persist right now; retry later")
+            reclaimed = self._count_reclaimed(effects, "delivered")
+            log.info("run ended", extra={"run": message["run"], "reclaimed": reclaimed})
+            return encode(ADMIN_REPLIES, "run_ended", {"run": message["run"], "reclaimed": reclaimed, **seq})
         if message.type == "dead_letters":
             items = [{**item, "trajectory_id": wire_id(item["trajectory_id"]), "job": job_of(item["trajectory_id"])}
                      for item in self.engine.dead_letters(message.get("limit", 100), message.get("pruned", False))]

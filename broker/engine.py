@@ -860,6 +860,17 @@ class MergeEngine:
                 if e.trained is not None and e.trained.run == run and e.trained.step <= through]
         return [self._forget(tid, wall) for tid in gone]
 
+    def end_run(self, run: str, wall: float) -> list:
+        """`run` is over: reclaim everything it trained, the steps no seal
+        reclaimed yet included (a resume of it is then `checkpoint_gone`).
+        Nothing for a run this broker holds nothing of."""
+        steps = [e.trained.step for e in self.trained_entries.values() if e.trained is not None and e.trained.run == run]
+        if not steps:
+            return []
+        state = self.runs.setdefault(run, Run(""))
+        effects = self._reclaim(run, max(steps), wall)
+        return [*effects, SealRun(run, state.lineage, tuple(state.seals), state.reclaimed), *self._drain()]
+
     def reclaim_over(self, budget: int, wall: float) -> tuple[list, list[tuple[str, int]]]:
         """Over `budget` trained bytes: reclaim the oldest steps (a run's
         resume from before them is then refused `checkpoint_gone`) down to

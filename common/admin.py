@@ -105,6 +105,11 @@ class AdminClient:
             fields["job"] = job
         return self._call("requeue", fields)["trajectory_ids"]
 
+    def end_run(self, run: str) -> int:
+        """Tell the broker that trainer run `run` is over: it reclaims (and
+        archives, with an archive) all the run trained; how many."""
+        return self._call("end_run", {"run": run})["reclaimed"]
+
     def close(self) -> None:
         if self._watch is not None:
             self._watch.close()

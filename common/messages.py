@@ -430,6 +430,7 @@ ADMIN_REQUESTS = _schema(
     MessageSpec("status", {}, _SEQ),
     MessageSpec("dead_letters", {}, {"seq": INT, "limit": POSITIVE, "pruned": BOOL}),
     MessageSpec("requeue", {"trajectory_ids": ID_LIST}, {**_SEQ, "job": JOB}),
+    MessageSpec("end_run", {"run": TEXT}, _SEQ),
 )
 
 # The status reply's `ready` and `ready_by_job` are the older names of `queued` and `queued_by_job`, sent beside
@@ -456,6 +457,7 @@ ADMIN_REPLIES = _schema(
     ),
     MessageSpec("dead_letters", {"items": LIST}, _SEQ),
     MessageSpec("requeued", {"trajectory_ids": TEXT_LIST}, _SEQ),
+    MessageSpec("run_ended", {"run": TEXT, "reclaimed": COUNT}, _SEQ),
     _NACK,
 )
 
