@@ -206,10 +206,12 @@ def test_supports_of_many_rows_keep_their_offsets_apart():
     assert np.array_equal(table.column("prompt_tokens").combine_chunks().values.to_numpy(), [1, 2, 3])
 
 
-def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_with_its_steps(tmp_path):
+def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_then_the_rest_once_the_run_ends(tmp_path):
     """`rollstream broker --archive DIR`, a producer, a checkpointing
-    consumer that seals every step: each trajectory reaches the archive
-    once, with its step and position and the tokens it was sent with."""
+    consumer that seals every step (keeping two checkpoints): what the
+    seals reclaim reaches the archive, and `rollstream end-run` brings the
+    last step; each trajectory once, with its step and position and the
+    tokens it was sent with."""
     import shutil
     import subprocess
     import sys
@@ -233,7 +235,8 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_with_its_ste
         finally:
             producer.close()
         trained = {}
-        with Consumer(broker.consumer, batch_size=2, vocab_size=VOCAB, keep_checkpoints=1) as consumer:
+        with Consumer(broker.consumer, batch_size=2, vocab_size=VOCAB, keep_checkpoints=2) as consumer:
+            run = consumer.position.run
             for _ in range(3):
                 batch = consumer.next_batch(timeout=30)
                 consumer.commit(batch)
@@ -241,12 +244,20 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_with_its_ste
                 trained.update({tid: (step, position) for position, tid in enumerate(batch.trajectory_ids)})
                 consumer.sealed(step)
             consumer.flush(10)
-        reclaimed = set(trained)  # keep_checkpoints=1: each seal reclaims what was trained through its step
-        wait_for(lambda: broker.status().get("archive", {}).get("waiting") == 0
-                 and archive.exists() and len(read(archive)) == len(reclaimed), timeout=60,
-                 what="the archive to hold every reclaimed trajectory")
+        def archived(expected: set[str]) -> bool:
+            return (broker.status().get("archive", {}).get("waiting") == 0 and archive.exists()
+                    and set(read(archive)) == expected)
+
+        # The seal of step 3 reclaims through step 2, the second-latest checkpoint.
+        wait_for(lambda: archived({tid for tid, (step, _) in trained.items() if step <= 2}), timeout=60,
+                 what="the archive to hold what steps 1 and 2 trained")
+        cli = [sys.executable, "-m", "rollstream.app.cli"]
+        ended = subprocess.run([*cli, "end-run", "--admin", broker.admin, run], capture_output=True, text=True,
+                               timeout=60)
+        assert ended.returncode == 0 and "2 trained trajectories reclaimed" in ended.stdout, ended.stdout + ended.stderr
+        wait_for(lambda: archived(set(trained)), timeout=60, what="the archive to hold the whole run")
+        reclaimed = set(trained)
         rows = read(archive)
-        assert set(rows) == reclaimed
         for tid, row in rows.items():
             sent = next(r for r in rollouts if r.trajectory_id == tid)
             assert (row["step"], row["position"], row["outcome"]) == (*trained[tid], "trained")
@@ -254,7 +265,7 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_with_its_ste
             assert row["producer"] == f"test-{os.getpid()}" and row["deliveries"] == 1
             assert row["committed_at"] >= row["first_delivered_at"] >= row["ended_at"]
         assert broker.status()["counters"].get("archive_rows", 0) == len(reclaimed)
-        shown = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "status", "--admin", broker.admin],
+        shown = subprocess.run([*cli, "status", "--admin", broker.admin],
                                capture_output=True, text=True, timeout=60)
         assert "archive              0 waiting, 0 file(s) being written" in shown.stdout, shown.stdout + shown.stderr
     finally:
@@ -289,3 +300,22 @@ def test_duckdb_and_hugging_face_datasets_read_the_archive_as_pyarrow_does(tmp_p
     loaded = datasets.load_dataset("parquet", data_dir=str(root), split="train")
     assert {row["trajectory_id"]: (row["outcome"], row["step"], row["tokens"], row["supports"]) for row in loaded} \
         == expected
+
+
+def test_ending_a_run_reclaims_all_it_trained_and_refuses_its_resume_afterwards(tmp_path):
+    from rollstream.common.errors import RemoteProtocolError
+
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [m for tid in ("a", "b", "c") for m in (turn_msg(tid, 0), end_msg(tid))])
+    for step, tid in enumerate(("a", "b"), start=1):
+        store.commit(engine.trained(tid, TrainedAt("run-1", "lin-1", step, 0), 5.0))
+    store.commit(engine.trained("c", TrainedAt("run-2", "lin-2", 1, 0), 5.0))
+    assert engine.end_run("no-such-run", 6.0) == []
+    store.commit(engine.end_run("run-1", 6.0))
+    assert store.archive_waiting() == 2 and "c" in engine.trained_entries, "another run's data stays"
+    with pytest.raises(RemoteProtocolError, match="checkpoint_gone|reclaimed what the run trained through step 2"):
+        engine.resumable("run-1", 1)
+    store.close()
+    store, engine = opened(tmp_path / "data")
+    assert engine.runs["run-1"].reclaimed == 2, "the end is durable"
+    store.close()
