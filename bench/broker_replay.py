@@ -20,10 +20,19 @@ phase's share is 1 - (that replay's CPU / the full replay's). Run under
 `valgrind --tool=callgrind` with `--reps 1 --ablate ''` it gives
 instruction counts, which repeat to within a fraction of a percent.
 
+`--seal-every N` records a checkpointing consumer that seals every N
+batches (its seals reclaim what it trained); `--archive` then also replays,
+interleaved with the full replay in every rep, into a broker with an
+archive (`--archive DIR`), whose files are written within the count (the
+archive thread's CPU too, and a housekeeping pass every
+`HOUSEKEEP_EVERY_PASSES` passes in both, as a live broker's loop runs one):
+`archive_ratio` is that replay's CPU over the full one's.
+
 The last line is one JSON object. `--smoke` records 8 samples and replays
 them once.
 
     .venv/bin/python bench/broker_replay.py [--samples 64] [--reps 5] [--ablate check,store,deliver]
+        [--seal-every 2 --archive]
 """
 from __future__ import annotations
 
@@ -50,13 +59,14 @@ from rollstream.broker.store import Store
 from rollstream.common.clock import Clock
 
 SMOKE = {"samples": 8, "reps": 1}  # the sizes of --smoke
+HOUSEKEEP_EVERY_PASSES = 16
 TURNS = 8
 ANY_PORT = "tcp://127.0.0.1:0"
 
 
-def _settings(data_dir: str) -> BrokerSettings:
+def _settings(data_dir: str, archive: str | None = None) -> BrokerSettings:
     return BrokerSettings(producer_endpoint=ANY_PORT, consumer_endpoint=ANY_PORT, admin_endpoint=ANY_PORT,
-                          data_dir=data_dir, metrics_port=0, vocab_size=VOCAB)
+                          data_dir=data_dir, metrics_port=0, vocab_size=VOCAB, archive=archive)
 
 
 class RecordingBroker(BrokerService):
@@ -118,18 +128,22 @@ def _producer_main(endpoint: str, samples: int) -> None:
     asyncio.run(run())
 
 
-def _consumer_main(endpoint: str, samples: int) -> None:
+def _consumer_main(endpoint: str, samples: int, seal_every: int) -> None:
     from rollstream.consumer import Consumer
 
     with Consumer(endpoint, batch_size=32, vocab_size=VOCAB, device="cpu") as consumer:
-        received = 0
+        received = batches = 0
         while received < samples:
             batch = consumer.next_batch(timeout=120, partial_after=0 if samples - received < 32 else None)
             consumer.commit(batch)
             received += len(batch)
+            batches += 1
+            if seal_every and batches % seal_every == 0:
+                consumer.sealed(consumer.position.step)
+        consumer.flush(60)
 
 
-def record(samples: int) -> tuple[list, str]:
+def record(samples: int, seal_every: int) -> tuple[list, str]:
     """A real run's reads, by pass, and the lease prefix its broker gave
     (the recorded acks name leases by it)."""
     with tempfile.TemporaryDirectory(prefix="rollstream-replay-") as data_dir:
@@ -137,7 +151,7 @@ def record(samples: int) -> tuple[list, str]:
         broker.start()
         ctx = mp.get_context("spawn")
         children = [ctx.Process(target=_producer_main, args=(broker.endpoints["producer"], samples)),
-                    ctx.Process(target=_consumer_main, args=(broker.endpoints["consumer"], samples))]
+                    ctx.Process(target=_consumer_main, args=(broker.endpoints["consumer"], samples, seal_every))]
         for child in children:
             child.start()
         while any(child.is_alive() for child in children):
@@ -182,23 +196,40 @@ def _empty_deliveries():
 ABLATIONS = {"check": _passing_check, "store": _idle_store, "deliver": _empty_deliveries}
 
 
-def replay(passes: list, epoch: str, ablation: str | None) -> float:
-    """CPU seconds of one replay into a fresh broker, `ablation` stubbed out."""
+def _housekeep(broker: ReplayedBroker) -> None:
+    now = Clock.read()
+    broker._drive(broker.core.housekeeping(now))
+    broker._drive(broker.core.finish_housekeeping(now))
+
+
+def replay(passes: list, epoch: str, ablation: str | None, archive: bool = False) -> float:
+    """CPU seconds of one replay into a fresh broker, `ablation` stubbed
+    out; with `archive`, into a broker with an archive, until it holds all
+    it was given."""
     stub = ABLATIONS[ablation]() if ablation else contextlib.nullcontext()
     with tempfile.TemporaryDirectory(prefix="rollstream-replay-") as data_dir, stub:
-        broker = ReplayedBroker(_settings(data_dir))
+        broker = ReplayedBroker(_settings(data_dir, f"{data_dir}/archive" if archive else None))
         broker.start()
         broker.core.dispatcher._epoch = epoch  # the recorded acks name the recording broker's leases
         serve = {"producer": broker._serve_producers, "consumer": broker._serve_consumers}
         cpu = time.process_time()
-        for name, messages in passes:
+        for i, (name, messages) in enumerate(passes):
             broker.queue.extend(messages)
             now = Clock.read()
             serve[name](now)
             broker._drive(broker.core.deliver(now))
+            if i % HOUSEKEEP_EVERY_PASSES == HOUSEKEEP_EVERY_PASSES - 1:
+                _housekeep(broker)
+        _housekeep(broker)
+        while broker.core.archive is not None and (broker.core.archive.waiting or broker.core.archive.writing):
+            time.sleep(0.001)  # the archive thread writes; its CPU counts, the wait's does not
+            _housekeep(broker)
         broker.store.wait_writes()
         cpu = time.process_time() - cpu
+        archived = int(broker.metrics.totals.get("archive_rows", 0))
         broker.close()
+    if archive and not archived:
+        raise RuntimeError("the archive replay archived nothing: record with --seal-every so that seals reclaim")
     return cpu
 
 
@@ -207,26 +238,38 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64, help="trajectories recorded (8 turns each)")
     parser.add_argument("--reps", type=int, default=5, help="replays of each kind")
     parser.add_argument("--ablate", default="check,store,deliver", help="phases to stub out, comma-separated ('' for none)")
+    parser.add_argument("--seal-every", type=int, default=0, help="the recorded consumer seals every N batches (0: never)")
+    parser.add_argument("--archive", action="store_true", help="also replay into a broker with an archive")
     args = parse_args(parser, SMOKE)
     ablations = [name for name in args.ablate.split(",") if name]
     unknown = sorted(set(ablations) - set(ABLATIONS))
     if unknown:
         parser.error(f"--ablate takes {sorted(ABLATIONS)}, got {unknown}")
 
-    passes, epoch = record(args.samples)
+    passes, epoch = record(args.samples, args.seal_every)
     frames = producer_frames(passes)
     print(f"recorded {args.samples} trajectories of {TURNS} turns: {frames} producer frames in {len(passes)} passes")
-    cpu: dict[str | None, list[float]] = {None: [], **{name: [] for name in ablations}}
+    cpu: dict[str | None, list[float]] = {None: [], **{name: [] for name in ablations},
+                                          **({"archive": []} if args.archive else {})}
+    if args.archive:  # pyarrow's first write loads what later ones reuse, as a long-running broker's would
+        replay(passes, epoch, None, archive=True)
     for rep in range(args.reps):
         for ablation in cpu:
-            cpu[ablation].append(replay(passes, epoch, ablation))
+            cpu[ablation].append(replay(passes, epoch, None, archive=True) if ablation == "archive"
+                                 else replay(passes, epoch, ablation))
         print(f"rep {rep}: " + "  ".join(f"{name or 'full'} {values[-1] / frames * 1e6:.0f} µs/frame"
                                           for name, values in cpu.items()))
     full = statistics.median(cpu[None])
     summary: dict = {"replay_us_per_frame": round(full / frames * 1e6, 1)}
     for name in ablations:
         summary[f"share_{name}"] = round(1 - statistics.median(cpu[name]) / full, 3)
-    summary.update(frames=frames, reps=args.reps)
+    if args.archive:
+        archived = statistics.median(cpu["archive"])
+        summary.update(replay_archive_us_per_frame=round(archived / frames * 1e6, 1),
+                       archive_ratio=round(archived / full, 3),
+                       archive_ratio_spread=[round(min(cpu["archive"]) / max(cpu[None]), 3),
+                                             round(max(cpu["archive"]) / min(cpu[None]), 3)])
+    summary.update(frames=frames, reps=args.reps, seal_every=args.seal_every)
     print(json.dumps(summary))
 
 
