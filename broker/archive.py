@@ -36,9 +36,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollstream.common.contract import ARRAYS
 from rollstream.common.jobs import job_of, wire_id
 from rollstream.common.trajectory import Trajectory
 
+from .engine import State
 from .recovery import load_trajectory
 from .store import ArchiveBatch, ArchiveOutcome, Store, StoredTrajectory
 
@@ -52,13 +54,24 @@ _TIME = pa.timestamp("us", tz="UTC")
 _SPAN = pa.struct([("start", pa.int32()), ("end", pa.int32())])
 _VERSION_SPAN = pa.struct([("version", pa.string()), ("start", pa.int32()), ("end", pa.int32())])
 
+# The trajectory's arrays, one list per row in the contract's dtype; the supports as the contract carries them
+# (CSR: a row's `mask_offsets` start at 0, token i's ids are mask_ids[offsets[i]:offsets[i + 1]]), which costs the
+# writer a fraction of what a list of lists per token does.
+ARCHIVED_ARRAYS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets")
+_MASK = ("mask_ids", "mask_offsets")
+# Columns a reader filters on: only these get statistics (and the small text ones dictionaries), which the large
+# array columns would pay for on every value.
+FILTERED = ("trajectory_id", "job", "run", "lineage", "step", "position", "outcome", "producer", "first_turn_at",
+            "ended_at", "committed_at")
+DICTIONARY = ("job", "run", "lineage", "outcome", "status", "producer", "dead_reason", "gap_field")
+COMPRESSIONS = ("zstd", "lz4", "snappy", "none")
+
 SCHEMA = pa.schema([
     ("trajectory_id", pa.string()), ("job", pa.string()), ("run", pa.string()), ("lineage", pa.string()),
     ("step", pa.int64()), ("position", pa.int64()), ("group_id", pa.string()), ("group_size", pa.int32()),
     ("sample_index", pa.int32()), ("producer", pa.string()), ("outcome", pa.string()), ("dead_reason", pa.string()),
     ("status", pa.string()), ("turns", pa.int32()), ("response_length", pa.int32()),
-    ("prompt_tokens", pa.list_(pa.int32())), ("tokens", pa.list_(pa.int32())), ("log_probs", pa.list_(pa.float32())),
-    ("loss_mask", pa.list_(pa.uint8())), ("supports", pa.list_(pa.large_list(pa.int32()))),
+    *((name, pa.list_(pa.from_numpy_dtype(ARRAYS[name].dtype))) for name in ARCHIVED_ARRAYS),
     ("forced_spans", pa.list_(_SPAN)), ("gap_turn", pa.int32()), ("gap_field", pa.string()),
     ("reward", pa.float64()), ("reward_json", pa.string()), ("metadata_json", pa.string()),
     ("weight_version_spans", pa.list_(_VERSION_SPAN)), ("first_turn_at", _TIME), ("ended_at", _TIME),
@@ -66,8 +79,16 @@ SCHEMA = pa.schema([
 ], metadata={SCHEMA_KEY: str(SCHEMA_VERSION).encode()})
 
 
+# What a row the broker still holds reports (`rollstream export`): its state, an ended one as `queued`.
+_HELD_OUTCOMES = {State.OPEN: "open", State.SCORING: "scoring", State.ENDED: "queued", State.TRAINED: "trained",
+                  State.DEAD: "dead", State.LEFT: "left"}
+
+
 def outcome_of(stored: StoredTrajectory) -> str:
-    """How it left the broker: trained at a step, delivered (deleted on commit) or dead."""
+    """How an archiving row left the broker: trained at a step, delivered
+    (deleted on commit) or dead; a row still held reports its state."""
+    if stored.state != State.ARCHIVING:
+        return _HELD_OUTCOMES[stored.state]
     if stored.dead_reason is not None:
         return "dead"
     return "trained" if stored.trained is not None else "delivered"
@@ -78,32 +99,17 @@ def file_path(root: Path, stored: StoredTrajectory, store_id: str, number: int) 
     return root / f"job={job_of(stored.trajectory_id)}" / f"outcome={outcome_of(stored)}" / f"{store_id}-{number:08d}.parquet"
 
 
-def _lists(arrays: Sequence[np.ndarray], dtype: np.dtype, kind: pa.DataType) -> pa.Array:
-    """One list per row from its numpy array: the values joined once, the
-    offsets from their lengths (no Python list per element)."""
+def _lists(name: str, arrays: Sequence[np.ndarray | None]) -> pa.Array:
+    """Contract array `name` of each row as one list column: the values
+    joined once, the offsets from their lengths (no Python list per
+    element); None: a null row (a trajectory without supports)."""
+    dtype = ARRAYS[name].dtype
     offsets = np.zeros(len(arrays) + 1, np.int32)
-    np.cumsum([len(a) for a in arrays], out=offsets[1:])
-    values = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=kind))
-
-
-def _supports(trajectories: Sequence[Trajectory]) -> pa.Array:
-    """Each row's supports, per response token the ids its sampler could
-    have emitted; null for a trajectory that carries none."""
-    ids, inner, outer, null = [], [np.zeros(1, np.int64)], np.zeros(len(trajectories) + 1, np.int32), []
-    base = 0
-    for i, trajectory in enumerate(trajectories):
-        mask = trajectory.mask
-        null.append(mask is None)
-        tokens = 0 if mask is None else len(mask.offsets) - 1
-        outer[i + 1] = outer[i] + tokens
-        if mask is not None:
-            ids.append(mask.ids)
-            inner.append(mask.offsets[1:].astype(np.int64) + base)
-            base += int(mask.offsets[-1])
-    values = pa.array(np.concatenate(ids).astype(np.int32, copy=False) if ids else np.empty(0, np.int32))
-    per_token = pa.LargeListArray.from_arrays(pa.array(np.concatenate(inner)), values)
-    return pa.ListArray.from_arrays(pa.array(outer), per_token, mask=pa.array(null, pa.bool_()))
+    np.cumsum([0 if a is None else len(a) for a in arrays], out=offsets[1:])
+    present = [a for a in arrays if a is not None]
+    values = np.concatenate(present).astype(dtype, copy=False) if present else np.empty(0, dtype)
+    null = pa.array([a is None for a in arrays], pa.bool_()) if len(present) < len(arrays) else None
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.from_numpy_dtype(dtype)), mask=null)
 
 
 def _times(seconds: Sequence[float | None]) -> pa.Array:
@@ -125,6 +131,7 @@ def archive_table(rows: Sequence[tuple[StoredTrajectory, Trajectory]]) -> pa.Tab
     """One archive row per (stored rows, merged trajectory), in `SCHEMA`."""
     stored = [s for s, _ in rows]
     merged = [t for _, t in rows]
+    arrays = [t.arrays() for t in merged]
     trained = [s.trained for s in stored]
     columns: dict[str, Any] = {
         "trajectory_id": [wire_id(s.trajectory_id) for s in stored],
@@ -142,11 +149,7 @@ def archive_table(rows: Sequence[tuple[StoredTrajectory, Trajectory]]) -> pa.Tab
         "status": [t.status for t in merged],
         "turns": [t.turns for t in merged],
         "response_length": [t.response_length for t in merged],
-        "prompt_tokens": _lists([t.prompt_tokens for t in merged], np.dtype(np.int32), pa.int32()),
-        "tokens": _lists([t.tokens for t in merged], np.dtype(np.int32), pa.int32()),
-        "log_probs": _lists([t.log_probs for t in merged], np.dtype(np.float32), pa.float32()),
-        "loss_mask": _lists([t.loss_mask for t in merged], np.dtype(np.uint8), pa.uint8()),
-        "supports": _supports(merged),
+        **{name: _lists(name, [a.get(name) for a in arrays]) for name in ARCHIVED_ARRAYS},
         "forced_spans": [[{"start": a, "end": b} for a, b in t.forced_spans] for t in merged],
         "gap_turn": [None if s.gap is None else s.gap[0] for s in stored],
         "gap_field": [None if s.gap is None else s.gap[1] for s in stored],
@@ -173,7 +176,7 @@ def _fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
-def write_durably(table: pa.Table, path: Path) -> int:
+def write_durably(table: pa.Table, path: Path, compression: str = "zstd") -> int:
     """Write `table` to `path` so that a reader sees all of it or nothing:
     a hidden file beside it (readers skip names that start with a dot),
     fsynced, renamed into place, the directory fsynced (each directory made
@@ -184,7 +187,8 @@ def write_durably(table: pa.Table, path: Path) -> int:
         _fsync_directory(directory.parent)
     hidden = path.with_name(f".{path.name}.tmp")
     with open(hidden, "wb") as f:
-        pq.write_table(table, f, compression="zstd")
+        pq.write_table(table, f, compression=compression, use_dictionary=list(DICTIONARY),
+                       write_statistics=list(FILTERED))
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
@@ -203,8 +207,8 @@ class Archiver:
     descriptors of its own, at offsets its rows keep referenced) and writes
     under `root`; its outcomes come back through `finished`."""
 
-    def __init__(self, root: str | os.PathLike, store: Store, store_id: str):
-        self.root, self.store, self.store_id = Path(root), store, store_id
+    def __init__(self, root: str | os.PathLike, store: Store, store_id: str, *, compression: str = "zstd"):
+        self.root, self.store, self.store_id, self.compression = Path(root), store, store_id, compression
         self.busy: set[int] = set()  # numbers handed out and not yet finished
         self._work: queue.SimpleQueue[ArchiveBatch | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[ArchiveOutcome] = queue.SimpleQueue()
@@ -242,4 +246,4 @@ class Archiver:
         rows = [(stored, load_trajectory(self.store, stored) if any(t.location for t in stored.turns)
                  else Trajectory(stored.trajectory_id)) for stored in batch.trajectories]  # none applied: no arrays
         path = file_path(self.root, batch.trajectories[0], self.store_id, batch.number)
-        return ArchiveOutcome(batch.number, len(rows), write_durably(archive_table(rows), path), path)
+        return ArchiveOutcome(batch.number, len(rows), write_durably(archive_table(rows), path, self.compression), path)

@@ -127,7 +127,8 @@ class BrokerService:
         if s.archive is not None:
             from .archive import Archiver  # pyarrow: only a broker with an archive imports it
 
-            self._archiver = self._store_io.archiver = Archiver(s.archive, self.store, self.store.store_id)
+            self._archiver = self._store_io.archiver = Archiver(s.archive, self.store, self.store.store_id,
+                                                                compression=s.archive_compression)
         options = dict(high_water_mark=s.high_water_mark, heartbeat_interval=s.heartbeat_interval,
                        max_message_bytes=s.max_message_bytes)
         if s.endpoints_file:  # a file left by an earlier run must not send anyone to its old ports

@@ -102,6 +102,8 @@ class BrokerSettings:
                          "pyarrow). Unset: no archive.")
     archive_dead_letters: bool = flag(False, "Archive pruned dead letters too, with their reason.")
     archive_file_rows: int = count(1024, "Most trajectories per archive file.", "trajectories", high=1_000_000)
+    archive_compression: str = choice("zstd", "Compression of the archive's Parquet files: zstd is the smallest, none "
+                                              "costs the least CPU.", ("zstd", "lz4", "snappy", "none"))
     disk_reserve_bytes: int | None = size(
         None, "Free space kept on the data dir's file system for ends and consumer acks; below it, turns wait. "
               "Unset: 5% of the file system, at most 1 GiB.", low=0)

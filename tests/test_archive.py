@@ -88,7 +88,8 @@ def test_a_committed_trajectory_is_archived_whole_then_deleted_and_its_id_stays_
     assert row["prompt_tokens"] == [1, 2, 3]
     assert row["tokens"] == [10, 11, 7, 8, 13], "sampled, forced, sampled"
     assert row["loss_mask"] == [1, 1, 0, 0, 1] and row["log_probs"] == [-0.5, -0.5, 0.0, 0.0, -0.5]
-    assert row["supports"] == [[10, 12], [11], [7], [8], [13, 14, 15]]
+    assert row["mask_ids"] == [10, 12, 11, 7, 8, 13, 14, 15] and row["mask_offsets"] == [0, 2, 3, 4, 5, 8], \
+        "each token's support, a forced one's itself"
     assert row["forced_spans"] == [{"start": 2, "end": 4}]
     assert row["weight_version_spans"] == [{"version": "step-3", "start": 0, "end": 2},
                                            {"version": "step-4", "start": 4, "end": 5}]
@@ -184,9 +185,9 @@ def test_pruned_dead_letters_are_archived_with_their_reason_only_when_asked(tmp_
         store.close()
 
 
-def test_supports_of_many_rows_keep_their_offsets_apart():
-    """Rows with and without supports side by side: each row's per-token
-    lists are its own (offsets shifted, not restarted)."""
+def test_supports_of_many_rows_stay_each_rows_own():
+    """Rows with and without supports side by side: each row's ids and
+    offsets are its own (offsets from 0), a row without supports null."""
     from rollstream.broker.archive import archive_table
     from rollstream.broker.store import StoredTrajectory
     from rollstream.common.trajectory import Trajectory, Turn
@@ -201,7 +202,8 @@ def test_supports_of_many_rows_keep_their_offsets_apart():
     again = Trajectory("n", [3])
     again.append_turn(Turn.build([8], [-1.0], supports=[[8, 1, 2]]))
     table = archive_table([(stored("m"), with_mask), (stored("p"), plain), (stored("n"), again)])
-    assert table.column("supports").to_pylist() == [[[5, 9], [6]], None, [[8, 1, 2]]]
+    assert table.column("mask_ids").to_pylist() == [[5, 9, 6], None, [8, 1, 2]]
+    assert table.column("mask_offsets").to_pylist() == [[0, 2, 3], None, [0, 3]]
     assert table.column("tokens").to_pylist() == [[5, 6], [7], [8]]
     assert np.array_equal(table.column("prompt_tokens").combine_chunks().values.to_numpy(), [1, 2, 3])
 
@@ -288,18 +290,19 @@ def test_duckdb_and_hugging_face_datasets_read_the_archive_as_pyarrow_does(tmp_p
         store.archived(outcome.number)
     store.close()
     root = tmp_path / "archive"
-    expected = {tid: (row["outcome"], row["step"], row["tokens"], row["supports"]) for tid, row in read(root).items()}
-    assert expected == {"a": ("trained", 1, [5, 6], [[5, 1], [6]]), "b": ("delivered", None, [7], [[7]])}
-    found = duckdb.sql(f"SELECT trajectory_id, outcome, step, tokens, supports FROM read_parquet('{root}/**/*.parquet', "
-                       "hive_partitioning = true) ORDER BY trajectory_id").fetchall()
-    assert {tid: (outcome, step, list(tokens), [list(s) for s in supports]) for tid, outcome, step, tokens, supports
+    expected = {tid: (row["outcome"], row["step"], row["tokens"], row["mask_ids"], row["mask_offsets"])
+                for tid, row in read(root).items()}
+    assert expected == {"a": ("trained", 1, [5, 6], [5, 1, 6], [0, 2, 3]), "b": ("delivered", None, [7], [7], [0, 1])}
+    found = duckdb.sql(f"SELECT trajectory_id, outcome, step, tokens, mask_ids, mask_offsets FROM read_parquet("
+                       f"'{root}/**/*.parquet', hive_partitioning = true) ORDER BY trajectory_id").fetchall()
+    assert {tid: (outcome, step, list(tokens), list(ids), list(offsets)) for tid, outcome, step, tokens, ids, offsets
             in found} == expected
     trained = duckdb.sql(f"SELECT trajectory_id FROM read_parquet('{root}/**/*.parquet', hive_partitioning = true) "
                          "WHERE outcome = 'trained' AND step = 1").fetchall()
     assert trained == [("a",)]
     loaded = datasets.load_dataset("parquet", data_dir=str(root), split="train")
-    assert {row["trajectory_id"]: (row["outcome"], row["step"], row["tokens"], row["supports"]) for row in loaded} \
-        == expected
+    assert {row["trajectory_id"]: (row["outcome"], row["step"], row["tokens"], row["mask_ids"], row["mask_offsets"])
+            for row in loaded} == expected
 
 
 def test_ending_a_run_reclaims_all_it_trained_and_refuses_its_resume_afterwards(tmp_path):
