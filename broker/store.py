@@ -495,6 +495,9 @@ class Store:
                                  f"{' or '.join(map(str, _READABLE_VERSIONS))}")
         elif int(version[0]) != SCHEMA_VERSION:
             self._upgrade()
+        # What waits for the archive is found without a scan of every trajectory (after the upgrade: the column).
+        db.execute(f"CREATE INDEX IF NOT EXISTS trajectories_archiving ON trajectories (archive_file) "
+                   f"WHERE state='{State.ARCHIVING}'")
         # Names this store's archive files apart from another broker's, the same across restarts.
         db.execute("INSERT OR IGNORE INTO meta VALUES ('store_id', ?)", (uuid.uuid4().hex[:12],))
 
@@ -867,14 +870,15 @@ class Store:
         with _unavailable_on_failure(f"cannot count the archiving trajectories in {self.db_path}"):
             return self.db.execute(f"SELECT COUNT(*) FROM trajectories WHERE state='{State.ARCHIVING}'").fetchone()[0]
 
-    def archive_work(self, rows: int, busy: Collection[int] = ()) -> list[ArchiveBatch]:
+    def archive_work(self, rows: int, busy: Collection[int] = (), files: int = 2) -> list[ArchiveBatch]:
         """The archive files to write next: those given out before and not
         yet `archived` (after a restart, the same rows again), then the
         archiving trajectories not given one yet, in files of at most `rows`
         of one job and outcome (trained, delivered or dead), in the order
         they were trained. A file's number is durable before it
         is handed out, so a file written twice holds the same rows. `busy`:
-        the numbers being written now."""
+        the numbers being written now; at most `files` are handed out (what
+        is held in memory for the archive stays bounded)."""
         db = self.db
         with _unavailable_on_failure(f"cannot hand out archive work from {self.db_path}"):
             pending = db.execute(f"SELECT id, trained_run IS NOT NULL, dead_reason IS NOT NULL FROM trajectories WHERE state="
@@ -897,7 +901,7 @@ class Store:
                 db.execute("COMMIT")
             numbers = [n for (n,) in db.execute(f"SELECT DISTINCT archive_file FROM trajectories WHERE state="
                                                  f"'{State.ARCHIVING}' AND archive_file IS NOT NULL ORDER BY 1")
-                       if n not in busy]
+                       if n not in busy][:files]
             return [ArchiveBatch(n, self._load_trajectories(
                 f"WHERE id IN (SELECT id FROM trajectories WHERE state='{State.ARCHIVING}' AND archive_file=?)", (n,)))
                 for n in numbers]

@@ -322,3 +322,17 @@ def test_ending_a_run_reclaims_all_it_trained_and_refuses_its_resume_afterwards(
     store, engine = opened(tmp_path / "data")
     assert engine.runs["run-1"].reclaimed == 2, "the end is durable"
     store.close()
+
+
+def test_the_store_hands_out_a_few_files_at_a_time_and_the_same_ones_until_they_are_archived(tmp_path):
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [m for tid in "abcde" for m in (turn_msg(tid, 0), end_msg(tid))])
+    for tid in "abcde":
+        store.commit(engine.delivered(tid, 2.0))
+    handed = store.archive_work(1, files=2)
+    assert [[t.trajectory_id for t in batch.trajectories] for batch in handed] == [["a"], ["b"]]
+    assert [b.number for b in store.archive_work(1, busy={handed[0].number}, files=2)] == [handed[1].number,
+                                                                                          handed[1].number + 1]
+    store.archived(handed[0].number)
+    assert [b.number for b in store.archive_work(1, files=5)] == [n + handed[0].number for n in (1, 2, 3, 4)]
+    store.close()
