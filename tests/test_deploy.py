@@ -35,7 +35,8 @@ PROMPTS = "/etc/rollstream/prompts.jsonl"  # the prompts an operator gives the s
 # The broker's directories and whom each allows: with the broker's, the Secret's key pairs.
 ALLOWED = {"producers": "producer", "consumers": "trainer", "admin": "admin"}
 REQUIRED_ALERTS = {"RollstreamBrokerDown", "RollstreamDeadLettersGrowing", "RollstreamReplayGapRate",
-                   "RollstreamStorageNearBudget", "RollstreamRedeliveryRate", "RollstreamCurveRefused"}
+                   "RollstreamStorageNearBudget", "RollstreamRedeliveryRate", "RollstreamCurveRefused",
+                   "RollstreamArchiveFailing"}
 
 
 def tool(name: str, package: str) -> str:
