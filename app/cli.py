@@ -112,6 +112,17 @@ def _device_present(ctx: click.Context, param: click.Parameter, device: str) -> 
     return device
 
 
+def _archive_extra(ctx: click.Context, param: click.Parameter, archive: str | None) -> str | None:
+    """Refuse --archive before anything starts where pyarrow (the archive extra), which the broker writes it with,
+    is missing."""
+    import importlib.util
+
+    if archive is not None and importlib.util.find_spec("pyarrow") is None:
+        raise click.BadParameter("an archive needs the archive extra: expected pyarrow importable, got none; "
+                                 "pip install 'rollstream[archive]'")
+    return archive
+
+
 @main.command()
 @click.option("--producers", type=click.IntRange(min=1), default=2, show_default=True, help="Synthetic producer daemons.")
 @click.option("--trajectories", type=click.IntRange(min=1), default=24, show_default=True,
@@ -133,8 +144,9 @@ def _device_present(ctx: click.Context, param: click.Parameter, device: str) -> 
 @click.option("--keep-data", is_flag=True, help="Keep the broker's data dir, the ledgers and the daemons' log.")
 @click.option("--train", is_flag=True, help="The model in the loop: model producers and a trainer that replays "
               "their sampling distribution and takes policy-gradient steps (docs/training.md); it takes "
-              "--producers, --group-size, --batch-size, --turns, --keep-data and --chaos (the trainer crashes "
-              "between a commit and its next checkpoint and resumes) of the options above.")
+              "--producers, --group-size, --batch-size, --turns, --keep-data, --chaos (the trainer crashes "
+              "between a commit and its next checkpoint and resumes) and --timeout (for the archive only) of the "
+              "options above, and --archive.")
 @click.option("--steps", type=click.IntRange(min=1), default=60, show_default=True,
               help="--train: training steps (one batch each).")
 @click.option("--max-staleness", type=click.IntRange(min=0), default=None,
@@ -156,10 +168,15 @@ def _device_present(ctx: click.Context, param: click.Parameter, device: str) -> 
               callback=_device_present, help="Where the trainer runs: each rank's step, and the source rank's batch "
               "validation (the ranks still speak gloo through host memory); with --train the trainer's model, batches, "
               "replay and steps. Producers sample on the CPU.")
+@click.option("--archive", type=click.Path(file_okay=False, resolve_path=True), default=None,
+              callback=_archive_extra, help="The broker archives every trajectory it deletes to Parquet files in "
+              "this directory (docs/archive.md; needs the archive extra); once the trainer stops, its run is ended, "
+              "so the archive holds all it trained, and the demo waits (within --timeout) until nothing waits for "
+              "the archive. The summary says how many rows of the run it holds. Kept after the demo.")
 @click.option("--json", "as_json", is_flag=True, help="Also print the summary's figures as one JSON line after the "
               "table, with the checker's counts and `ok` (with --train, also the rules the run `failed`).")
 def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int | None, group_filter: str | None,
-         device: str, **options) -> None:
+         device: str, archive: str | None, **options) -> None:
     """Run the whole pipeline on loopback with embedded defaults: a broker,
     synthetic producers and a trainer of --dp-size ranks that validates,
     takes a mock step and commits every batch, with live progress, a
@@ -170,6 +187,21 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int |
     or the reward does not rise (docs/training.md)."""
     import json
 
+    from .harness import ArchiveBehind
+
+    try:
+        summary = _run_demo(train, steps, plot, max_staleness, group_filter, device, archive, options)
+    except ArchiveBehind as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(summary))
+    if not summary["ok"]:
+        raise SystemExit(1)
+
+
+def _run_demo(train: bool, steps: int, plot: str, max_staleness: int | None, group_filter: str | None, device: str,
+              archive: str | None, options: dict) -> dict:
+    """The demo's run, shown as it goes and then as a table; its summary."""
     if train:
         from .train_demo import run_train_demo
         from .train_demo import summary_table as train_summary_table
@@ -178,14 +210,13 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int |
                                  batch_groups=options["batch_size"], turns=options["turns"],
                                  plot=plot or None, keep_data=options["keep_data"], chaos=options["chaos"],
                                  max_staleness=max_staleness, group_filter=group_filter,
-                                 endpoints_file=options["endpoints_file"], device=device, progress=click.echo)
+                                 endpoints_file=options["endpoints_file"], device=device, progress=click.echo,
+                                 **({} if archive is None else {"archive": archive, "timeout": options["timeout"]}))
         click.echo(train_summary_table(summary))
     else:
-        summary = _synthetic_demo(max_staleness=max_staleness, group_filter=group_filter, device=device, **options)
-    if as_json:
-        click.echo(json.dumps(summary))
-    if not summary["ok"]:
-        raise SystemExit(1)
+        summary = _synthetic_demo(max_staleness=max_staleness, group_filter=group_filter, device=device,
+                                  **({} if archive is None else {"archive": archive}), **options)
+    return summary
 
 
 def _synthetic_demo(**options) -> dict:

@@ -24,7 +24,7 @@ from rollstream.common.checker import Report
 from rollstream.common.clock import Clock
 from rollstream.common.errors import InvalidInput
 
-from .harness import VOCAB, Chaos, Counts, LoopbackNode, Pipeline, inject_due
+from .harness import VOCAB, Chaos, Counts, LoopbackNode, Pipeline, archived_rows, end_runs, inject_due
 
 TOP_K = 20  # the synthetic producers' top-k (ProducerSettings.top_k): the padded layout's width
 
@@ -33,12 +33,16 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
              abort_rate: float = 0.1, retry_rate: float = 0.1, dp_size: int = 2, chaos: bool = False, timeout: float = 180.0,
              keep_data: bool = False, max_staleness: int | None = None, group_filter: str | None = None,
              late_reward_rate: float = 0.2, endpoints_file: str | None = None, device: str = "cpu",
-             show: Callable[[Counts, list[str]], None] | None = None) -> dict[str, Any]:
+             archive: str | None = None, show: Callable[[Counts, list[str]], None] | None = None) -> dict[str, Any]:
     """Run the pipeline until every acknowledged trajectory is committed or
     dead-lettered (or `timeout` seconds pass); return the summary, the
     checker's verdict in it. The trainer's ranks step on `device`, where
     the source rank also validates each batch. `show` is called with the
-    progress a few times a second."""
+    progress a few times a second. With `archive` (a directory) the broker
+    archives what it deletes there (docs/archive.md); once the trainer
+    stops, its run is ended, so the archive holds all it trained, and the
+    broker stops only when nothing waits for the archive (within `timeout`
+    seconds)."""
     if trajectories % group_size:
         raise InvalidInput(f"trajectories per producer must be a multiple of group_size (whole groups): "
                          f"expected a multiple of {group_size}, got {trajectories}")
@@ -46,7 +50,8 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
     faults = Chaos() if chaos else None
     broker_args = (*(("--trajectory-ttl", "3", "--heartbeat-interval", "0.5") if chaos else ()),
                    *(("--max-staleness", str(max_staleness)) if max_staleness is not None else ()),
-                   *(("--group-filters", group_filter) if group_filter else ()))
+                   *(("--group-filters", group_filter) if group_filter else ()),
+                   *(("--archive", archive) if archive is not None else ()))
     with LoopbackNode("rollstream-demo-", VOCAB, keep_data=keep_data, broker_args=broker_args,
                       endpoints_file=endpoints_file) as node:
         # The trainer writes its policy version after every step; the producers sample at the one they read.
@@ -73,11 +78,28 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
         if show is not None:
             show(pipeline.counts, faults.done if faults else [])
         work = node.work
+        if archive is not None:
+            # The run the trainer's ranks committed under (the same run resumed after a restart), from their ledgers.
+            runs = sorted({r["run"] for r in pipeline.records if r["kind"] == "committed" and "run" in r})
+            archived = archive_summary(archive, runs, end_runs(node, runs, timeout))
     # A producer killed while its verifier was still scoring: the reward never comes.
     expected = discarded_on_purpose(max_staleness, group_filter, chaos=chaos, rewards_expire=chaos and late_reward_rate > 0)
-    return _summary(pipeline.records, report, pipeline.dead, seconds, drained=drained, faults=faults, dp_size=dp_size,
-                    retried=pipeline.counts.retried, late_rewards=pipeline.counts.late_rewards,
-                    kept=work if keep_data else None, expected_dead=expected)
+    summary = _summary(pipeline.records, report, pipeline.dead, seconds, drained=drained, faults=faults,
+                       dp_size=dp_size, retried=pipeline.counts.retried, late_rewards=pipeline.counts.late_rewards,
+                       kept=work if keep_data else None, expected_dead=expected)
+    return summary if archive is None else {**summary, "archive": archived}
+
+
+def archive_summary(directory: str, runs: list[str], reclaimed: int) -> dict[str, Any]:
+    """The summary's `archive`: where it is, the trainer's runs, what their
+    ends reclaimed, and the rows the archive holds of those runs."""
+    return {"dir": directory, "runs": runs, "reclaimed_at_end": reclaimed, "rows": archived_rows(directory, runs)}
+
+
+def archive_line(archive: dict[str, Any]) -> str:
+    """The summary's `archive` for a table."""
+    return (f"{archive['rows']} trained trajectories of run {', '.join(archive['runs']) or '(none)'} in "
+            f"{archive['dir']} ({archive['reclaimed_at_end']} reclaimed when the run ended)")
 
 
 def discarded_on_purpose(max_staleness: int | None, group_filter: str | None, *, chaos: bool,
@@ -228,6 +250,8 @@ def summary_table(summary: dict[str, Any]):
         rows = [row for row in rows if row[0] != "retried"]
     if not summary["stale_dropped"] and not summary["filtered"] and not summary["abandoned"]:
         rows = [row for row in rows if row[0] != "thrown away"]
+    if "archive" in summary:
+        rows.append(("archive", archive_line(summary["archive"])))
     if "data_kept_in" in summary:
         rows.append(("data kept in", summary["data_kept_in"]))
     for name, value in rows:

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable, Sequence
+from typing import BinaryIO, Callable, Iterable, Sequence
 
 from rollstream.common.admin import AdminClient, AdminError, ask_status
 from rollstream.common.checker import LedgerReader, broker_backlog, check
@@ -35,6 +35,11 @@ VOCAB = 151_936  # the producers' default vocabulary size (ProducerSettings.voca
 class DaemonFailed(InternalError):
     """A daemon or trainer rank the harness started exited with an error
     (its output is in the node's daemons.log)."""
+
+
+class ArchiveBehind(TimedOut):
+    """The broker's archive did not hold what the ended runs trained within
+    the time given (`end_runs`): the demo names it instead of a traceback."""
 
 
 def _cli(*args: str) -> list[str]:
@@ -487,6 +492,49 @@ def _status(node: LoopbackNode) -> dict | None:
         return node.admin.status()
     except AdminError:  # restarting
         return None
+
+
+def end_runs(node: LoopbackNode, runs: Iterable[str], timeout: float) -> int:
+    """Tell the node's broker that each trainer run in `runs` is over, so it
+    reclaims all the run trained (`end_run`), and wait (at most `timeout`
+    seconds) until its archive holds it: the status says nothing waits.
+    How many trajectories the ends reclaimed.
+
+    The status's `archive` is as the broker's last housekeeping pass found
+    it, which may precede the ends: only a pass after them counts, one that
+    archived rows since (the `archive_rows` counter moved) or one of a
+    broker started since (a restart reads the store afresh). When the ends
+    reclaimed nothing, the last pass's word is taken."""
+    assert node.admin is not None and node.broker is not None, "the broker answers once the node is entered"
+    runs = sorted(runs)
+    reclaimed = sum(node.admin.end_run(run) for run in runs)
+    broker = node.broker
+    before = node.admin.status()["counters"].get("archive_rows", 0)
+    deadline = Clock.monotonic() + timeout
+    while True:
+        status = _status(node) or {}
+        archive = status.get("archive")
+        if archive is not None:
+            moved = status["counters"].get("archive_rows", 0) - before
+            after_the_ends = node.broker is not broker or moved > 0 or not reclaimed
+            if after_the_ends and archive["waiting"] == 0 and archive["writing"] == 0:
+                return reclaimed
+        if Clock.monotonic() > deadline:
+            raise ArchiveBehind(f"the archive must hold what runs {runs} trained within {timeout} s of their end "
+                                f"({reclaimed} reclaimed): expected 0 waiting and 0 files being written, got "
+                                f"{archive or 'no archive status'}; see {node.work / 'daemons.log'}")
+        time.sleep(0.1)
+
+
+def archived_rows(directory: str | Path, runs: Iterable[str]) -> int:
+    """The rows an archive (docs/archive.md) holds of what the trainer runs `runs` trained."""
+    import pyarrow.dataset as ds  # the archive extra: only a demo with an archive reads one
+
+    wanted = sorted(runs)
+    if not wanted or not Path(directory).exists():
+        return 0
+    archive = ds.dataset(directory, format="parquet", partitioning="hive")
+    return archive.count_rows(filter=ds.field("run").isin(wanted))
 
 
 def inject_due(faults: Chaos, pipeline: Pipeline, plan: int, group_size: int) -> None:

@@ -56,8 +56,8 @@ from rollstream.consumer.batch import Batch, cumsum0, to_device
 from rollstream.consumer.client import Consumer
 from rollstream.consumer.primitives import masked_log_probs
 
-from .demo import batches_again, checker_counts, discarded_on_purpose
-from .harness import LoopbackNode
+from .demo import archive_line, archive_summary, batches_again, checker_counts, discarded_on_purpose
+from .harness import LoopbackNode, end_runs
 from .tiny_lm import TinyLM, TinyLMConfig, save_weights
 
 VOCAB = TinyLMConfig().vocab_size
@@ -276,13 +276,17 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                    top_k: int = 20, top_p: float = 0.95, learning_rate: float = 3e-3, seed: int = 0,
                    plot: str | None = None, progress=print, keep_data: bool = False, chaos: bool = False,
                    checkpoint_every: int = 5, max_staleness: int | None = None, group_filter: str | None = None,
-                   endpoints_file: str | None = None, starvation_after: float = 20.0, device: str = "cpu") -> dict:
+                   endpoints_file: str | None = None, starvation_after: float = 20.0, device: str = "cpu",
+                   archive: str | None = None, timeout: float = 180.0) -> dict:
     """Run the loop for `steps` batches (fewer if the broker says the run
     starves); return the summary (and write the plot to `plot` when given).
     Raises if any stage fails. With `chaos` the trainer crashes between its
     second checkpoint and its third and resumes. The trainer (its model,
     batches, replay and steps) runs on `device`; the producers sample on
-    the CPU."""
+    the CPU. With `archive` (a directory) the broker archives what it
+    deletes there (docs/archive.md); once the trainer stops, its run is
+    ended, so the archive holds all it trained, and the broker stops only
+    when nothing waits for the archive (within `timeout` seconds)."""
     torch.manual_seed(seed)
     torch.set_num_threads(1)  # a model this small gains nothing from a thread pool beside the daemons
     model = TinyLM(seed=seed).to(device)
@@ -294,8 +298,10 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
     crash_after = 2 * checkpoint_every + max(1, checkpoint_every // 2) if chaos else None
     broker_args = ("--starvation-window", str(2 * starvation_after), "--starvation-after", str(starvation_after),
                    *(("--max-staleness", str(max_staleness)) if max_staleness is not None else ()),
-                   *(("--group-filters", group_filter) if group_filter else ()))
+                   *(("--group-filters", group_filter) if group_filter else ()),
+                   *(("--archive", archive) if archive is not None else ()))
     starved = None
+    runs: set[str] = set()  # the trainer's run: one, resumed after a crash
     with LoopbackNode("rollstream-train-", VOCAB, keep_data=keep_data, broker_args=broker_args,
                       endpoints_file=endpoints_file) as node:
         started = Clock.monotonic()
@@ -314,6 +320,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
             consumer = Consumer([node.endpoints["consumer"]], batch_size=batch_groups, unit="group", vocab_size=VOCAB,
                                 device=device, on_invalid="raise", resume=resume, ledger=ledgers / "trainer.jsonl")
             consumer.set_policy_version(version)
+            runs.add(consumer.position.run)
             return consumer
 
         def next_batch(consumer: Consumer) -> Batch | None:
@@ -381,6 +388,9 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
         status: dict[str, Any] = node.admin.status() if node.admin is not None else {"queued": 1, "leased": 0}
         dead = node.dead_letters()
         report = check(read_records([ledgers]), dead, broker_backlog=broker_backlog(status))
+        if archive is not None:
+            archived = archive_summary(archive, sorted(runs), end_runs(node, runs, timeout))
+        kept = node.work if keep_data else None
     summary = log.summary(step)
     summary.update(report.summary())
     summary["left_at_broker"] = len(report.unseen)  # acked, durable, still to deliver when the run stopped
@@ -392,6 +402,10 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                    discarded_share=round(discarded / (discarded + trained), 4) if discarded + trained else 0.0,
                    starved=starved)
     summary["seconds"] = round(Clock.monotonic() - started, 1)
+    if archive is not None:
+        summary["archive"] = archived
+    if kept is not None:
+        summary["data_kept_in"] = str(kept)
     if plot:
         summary["plot"] = _plot(log, plot)
     summary["failed"] = failures(summary, discarded_on_purpose(max_staleness, group_filter, chaos=chaos))
@@ -499,6 +513,10 @@ def summary_table(summary: dict) -> str:
     ]
     if "plot" in summary:
         rows.append(("plot", summary["plot"] or "not written: it needs matplotlib (the plot extra)"))
+    if "archive" in summary:
+        rows.append(("archive", archive_line(summary["archive"])))
+    if "data_kept_in" in summary:
+        rows.append(("data kept in", summary["data_kept_in"]))
     rows.append(("verdict", "ok" if summary["ok"] else f"FAILED: {'; '.join(summary['failed'])}"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(["rollstream demo --train: model producers + broker + a replaying trainer on loopback",

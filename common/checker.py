@@ -375,12 +375,25 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
 def _surviving(committed: Mapping[str, list[Mapping[str, Any]]], resumes: Mapping[str, Mapping[str, Any]],
                report: Report) -> Counter:
     """How many times each trajectory was trained in the lineages the
-    surviving models descend from (per run: the latest lineage, then its
-    parents through the steps they were resumed from); with no lineages,
-    every commit. Sets the report's replay figures."""
+    surviving models descend from (`_kept`); with no lineages, every
+    commit. Sets the report's replay figures."""
     commits = [c for records in committed.values() for c in records]
     if not any("lineage" in c for c in commits):
         return Counter({tid: len(records) for tid, records in committed.items()})
+    surviving = _kept(commits, resumes)
+    counts = Counter(c["id"] for c in surviving)
+    kept = {id(c) for c in surviving}
+    report.replayed = sum(1 for c in commits if id(c) not in kept and counts[c["id"]])
+    latest_resume = max(resumes.values(), key=lambda r: r["at"], default=None)
+    report.resumed_from_step = None if latest_resume is None else latest_resume["from_step"]
+    report.replayed_batches_identical = _replays_identical(commits, kept)
+    return counts
+
+
+def _kept(commits: list[Mapping[str, Any]], resumes: Mapping[str, Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The commits of the lineages the surviving models descend from: per
+    run, the latest lineage's, then its parent's through the step it
+    resumed from, and so on back."""
     latest: dict[str, tuple[float, str]] = {}
     for c in commits:
         run = c.get("run", "")
@@ -390,26 +403,35 @@ def _surviving(committed: Mapping[str, list[Mapping[str, Any]]], resumes: Mappin
     by_lineage: dict[str, list[Mapping[str, Any]]] = {}
     for c in commits:
         by_lineage.setdefault(c.get("lineage", ""), []).append(c)
-    counts: Counter = Counter()
-    kept: set[int] = set()
+    kept: list[Mapping[str, Any]] = []
     for _, final in latest.values():
         lineage: str | None = final
         through = float("inf")
         while lineage is not None:
-            for c in by_lineage.get(lineage, ()):
-                if c.get("step", 0) <= through:
-                    counts[c["id"]] += 1
-                    kept.add(id(c))
+            kept += [c for c in by_lineage.get(lineage, ()) if c.get("step", 0) <= through]
             resume = resumes.get(lineage)
             if resume is None:
                 break
             through = min(through, resume["from_step"])
             lineage = resume.get("parent")
-    report.replayed = sum(1 for c in commits if id(c) not in kept and counts[c["id"]])
-    latest_resume = max(resumes.values(), key=lambda r: r["at"], default=None)
-    report.resumed_from_step = None if latest_resume is None else latest_resume["from_step"]
-    report.replayed_batches_identical = _replays_identical(commits, kept)
-    return counts
+    return kept
+
+
+def surviving_commits(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The `committed` records (`id`, `run`, `lineage`, `step`, `position`)
+    of the lineages the surviving models descend from, as `check` follows
+    them; every commit when none names a lineage (a consumer that deletes
+    on commit). What a broker's archive of the run's trained rows must
+    match, each once (docs/archive.md)."""
+    commits, resumes = [], {}
+    for record in records:
+        if record.get("kind") == "committed":
+            commits.append(record)
+        elif record.get("kind") == "resumed":
+            resumes[record["lineage"]] = record
+    if not any("lineage" in c for c in commits):
+        return commits
+    return _kept(commits, resumes)
 
 
 def _replays_identical(commits: list[Mapping[str, Any]], kept: set[int]) -> bool | None:

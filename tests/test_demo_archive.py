@@ -1,0 +1,136 @@
+"""`rollstream demo --archive`: the demo's broker archives what it deletes,
+the demo ends the trainer's run and waits for the archive, which then holds
+exactly what the surviving lineage trained, checked against the ledgers
+the end-to-end checker reads."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ds = pytest.importorskip("pyarrow.dataset", reason="the archive needs the archive extra (pyarrow)")
+
+from rollstream.common.checker import read_records, surviving_commits  # noqa: E402
+
+
+def demo(*args: str) -> dict:
+    """`rollstream demo --json --keep-data` with `args`: its summary (the last line), its exit checked."""
+    done = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "demo", "--json", "--keep-data", *args],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def archived(root: Path) -> list[dict]:
+    """Every row of the archive, as pyarrow's dataset API reads the Hive-partitioned files (hidden ones skipped)."""
+    dataset = ds.dataset(root, format="parquet", partitioning="hive")
+    assert not [f for f in dataset.files if Path(f).name.startswith(".")], "a reader must never see a hidden file"
+    return dataset.to_table().to_pylist()
+
+
+def taken_over(records: list[dict]) -> dict[str, list[tuple[str, int]]]:
+    """Per lineage, the lineages resumed from it, directly or through
+    others, with the lowest step resumed from on the way. A resume hands
+    the broker back the batches of its checkpoint, which it then holds as
+    trained by the resumed lineage: a batch trained at step s by lineage L
+    and still unreclaimed may be archived as any lineage resumed from L at
+    a step at or after s."""
+    children: dict[str, list[tuple[str, int]]] = {}
+    for record in records:
+        if record["kind"] == "resumed" and record.get("parent"):
+            children.setdefault(record["parent"], []).append((record["lineage"], record["from_step"]))
+    out: dict[str, list[tuple[str, int]]] = {}
+
+    def descend(lineage: str, through: float) -> list[tuple[str, int]]:
+        found = []
+        for child, step in children.get(lineage, ()):
+            bound = min(through, step)
+            found += [(child, int(bound)), *descend(child, bound)]
+        return found
+
+    for parent in children:
+        out[parent] = descend(parent, float("inf"))
+    return out
+
+
+def matches_the_surviving_lineage(root: Path, kept: Path, summary: dict) -> list[dict]:
+    """Check the archive at `root` against the ledgers the demo kept in
+    `kept`: its rows are the trajectories the surviving lineage committed
+    (`surviving_commits`, the checker's rule), each once, trained, under
+    the trainer's run, at the step and batch position the ledger recorded,
+    and under the lineage that trained it or one a resume handed it to
+    (`taken_over`). The surviving commits."""
+    records = read_records([kept / "ledgers"])
+    surviving = surviving_commits(records)
+    (run,) = {c["run"] for c in surviving}
+    want = {c["id"]: c for c in surviving}
+    assert len(want) == len(surviving) == summary["committed"], "the checker found each trained once"
+
+    rows = archived(root)
+    twice = sorted(tid for tid, n in Counter(r["trajectory_id"] for r in rows).items() if n > 1)
+    assert not twice, f"rule 'each trajectory archived once' broken: expected none twice, got {twice}"
+    trained = {r["trajectory_id"]: r for r in rows if r["outcome"] == "trained"}
+    assert len(trained) == len(rows), f"a checkpointing trainer's run archives only trained rows, got " \
+                                      f"{Counter(r['outcome'] for r in rows)}"
+    assert sorted(trained) == sorted(want), (
+        f"the archive must hold exactly the surviving lineage's trajectories: missing {sorted(set(want) - set(trained))}, "
+        f"not trained there {sorted(set(trained) - set(want))}")
+    resumed = taken_over(records)
+    for tid, commit in want.items():
+        row = trained[tid]
+        assert (row["run"], row["step"], row["position"]) == (run, commit["step"], commit["position"]), \
+            f"{tid}: expected run, step, position {(run, commit['step'], commit['position'])}, got " \
+            f"{(row['run'], row['step'], row['position'])}"
+        allowed = {commit["lineage"]} | {child for child, through in resumed.get(commit["lineage"], ())
+                                         if through >= commit["step"]}
+        assert row["lineage"] in allowed, f"{tid} trained at step {commit['step']}: expected lineage in " \
+                                          f"{sorted(allowed)}, got {row['lineage']}"
+    shown = summary["archive"]
+    assert (shown["dir"], shown["runs"], shown["rows"]) == (str(root), [run], len(want)), shown
+    assert shown["reclaimed_at_end"] > 0, "the run's end must reclaim the steps no seal reclaimed"
+    return surviving
+
+
+@pytest.mark.slow
+def test_a_train_chaos_demo_archives_exactly_what_the_surviving_lineage_trained_each_once(tmp_path):
+    """`rollstream demo --train --chaos --archive DIR`, as short as still
+    crashes the trainer (it crashes after step 12, between its checkpoints
+    of steps 10 and 15, and resumes from 10): the archive holds what the
+    surviving lineage trained (the resumed lineage's commits, then its
+    parent's through step 10), each once; the abandoned lineage's steps 11
+    and 12 appear only as the resumed lineage trained them again."""
+    root = tmp_path / "archive"
+    summary = demo("--train", "--chaos", "--steps", "12", "--producers", "1", "--group-size", "2", "--batch-size", "2",
+                   "--plot", "", "--archive", str(root))
+    kept = Path(summary["data_kept_in"])
+    try:
+        assert summary["ok"], summary["failed"]
+        assert summary["resumed_from_step"] == 10 and summary["replayed"] > 0, "the chaos must have struck"
+        surviving = matches_the_surviving_lineage(root, kept, summary)
+        steps = Counter(commit["step"] for commit in surviving)
+        assert sorted(steps) == list(range(1, 13)) and set(steps.values()) == {4}, \
+            f"12 steps of 2 groups of 2 in the surviving lineage, got {dict(steps)}"
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_chaos_demo_whose_broker_is_killed_three_times_archives_what_the_surviving_lineage_trained(tmp_path):
+    """`rollstream demo --chaos --archive DIR`: the broker is SIGKILLed and
+    restarted three times (each time with --archive), a producer and the
+    trainer twice; the archive still holds what the surviving lineage
+    trained, each once."""
+    root = tmp_path / "archive"
+    summary = demo("--chaos", "--archive", str(root))
+    kept = Path(summary["data_kept_in"])
+    try:
+        assert summary["ok"] and summary["drained"], summary
+        assert {"broker-0", "broker-1", "broker-2"} <= set(summary["faults"]), summary["faults"]
+        matches_the_surviving_lineage(root, kept, summary)
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
