@@ -12,7 +12,7 @@ import click
 
 from rollstream.producer.sources import SourceFactory, register_source
 
-ROLE_COMMANDS = ("broker", "consume", "end-run", "producer", "requeue", "salvage", "status")
+ROLE_COMMANDS = ("broker", "consume", "end-run", "export", "producer", "requeue", "salvage", "status")
 # The app's commands loaded as the roles' are (`top` imports rich and zmq).
 LAZY_APP_COMMANDS = ("top",)
 
@@ -27,9 +27,10 @@ def role_command(name: str) -> click.Command:
         from rollstream.consumer.cli import consume
 
         return consume
-    from rollstream.broker.cli import broker, end_run, requeue, salvage, status
+    from rollstream.broker.cli import broker, end_run, export, requeue, salvage, status
 
-    return {"broker": broker, "status": status, "requeue": requeue, "salvage": salvage, "end-run": end_run}[name]
+    return {"broker": broker, "status": status, "requeue": requeue, "salvage": salvage, "end-run": end_run,
+            "export": export}[name]
 
 
 def model_source() -> SourceFactory:

@@ -204,3 +204,104 @@ def salvage(data_dir: str) -> None:
     for line in dropped:
         click.echo(line)
     click.echo(f"salvaged {data_dir}: kept {len(kept)} trajectories, dropped {len(dropped)}")
+
+
+def _steps_range(ctx: click.Context, param: click.Parameter, text: str | None) -> tuple[int, int] | None:
+    """`A..B` (or `N`) as the inclusive range of trained steps it names."""
+    if text is None:
+        return None
+    first, dots, last = text.partition("..")
+    try:
+        low, high = int(first), int(last if dots else first)
+    except ValueError:
+        low, high = -1, -1
+    if low < 0 or high < low:
+        raise click.BadParameter(f"a step range is A..B, integers with 0 <= A <= B (or one step N): expected e.g. "
+                                 f"'10..20', got {text!r}")
+    return low, high
+
+
+def _wall_time(ctx: click.Context, param: click.Parameter, text: str | None) -> float | None:
+    """An ISO-8601 time (UTC unless it names its zone) or epoch seconds, as epoch seconds."""
+    if text is None:
+        return None
+    import datetime
+    import math
+
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            moment = datetime.datetime.fromisoformat(text)
+        except ValueError:
+            raise click.BadParameter(f"a time is ISO-8601 (e.g. 2025-01-31T12:00:00+00:00) or epoch seconds: "
+                                     f"expected one of them, got {text!r}") from None
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=datetime.timezone.utc)
+        return moment.timestamp()
+    if not math.isfinite(seconds):
+        raise click.BadParameter(f"epoch seconds must be a finite number, got {text!r}")
+    return seconds
+
+
+def _job_name(ctx: click.Context, param: click.Parameter, job: str | None) -> str | None:
+    from rollstream.common.jobs import JOB_PATTERN, is_job
+
+    if job is not None and not is_job(job):
+        raise click.BadParameter(f"a job name must match {JOB_PATTERN} (letters, digits, '.', '_', '-'; at most 64), "
+                                 f"got {job!r}")
+    return job
+
+
+@click.command()
+@click.option("--data-dir", default=BrokerSettings.data_dir, show_default=True,
+              type=click.Path(file_okay=False, exists=True), help="Data directory of a broker, stopped or running.")
+@click.option("--out", required=True, type=click.Path(),
+              help="Where to write: a Parquet file, or with --format miles a new (or empty) directory.")
+@click.option("--format", "fmt", type=click.Choice(["parquet", "miles"]), default="parquet", show_default=True,
+              help="parquet: one row per trajectory in the archive's schema (docs/archive.md); miles: one session "
+                   "payload per trajectory, which `rollstream producer --source replay` reads back.")
+@click.option("--job", default=None, callback=_job_name, help="Only this job's trajectories.")
+@click.option("--steps", default=None, callback=_steps_range,
+              help="Only trajectories trained at a step in A..B (inclusive).")
+@click.option("--trained", is_flag=True, help="Trajectories a checkpointing trainer trained.")
+@click.option("--queued", is_flag=True, help="Ended trajectories waiting for delivery.")
+@click.option("--dead-letters", is_flag=True, help="Dead letters that still hold their data.")
+@click.option("--since", default=None, callback=_wall_time,
+              help="Only trajectories whose last turn arrived at or after this time (ISO-8601, UTC unless it names "
+                   "its zone, or epoch seconds).")
+def export(data_dir: str, out: str, fmt: str, job: str | None, steps: tuple[int, int] | None, trained: bool,
+           queued: bool, dead_letters: bool, since: float | None) -> None:
+    """Write the trajectories a broker's data directory holds to Parquet
+    (or miles payloads), without stopping or holding up its broker: one
+    consistent snapshot, each trajectory whole. The state filters add up;
+    with none, every trajectory with data is written, open ones too."""
+    import sys
+
+    try:
+        from .export import Selection
+        from .export import export as run_export
+    except ImportError as exc:
+        raise click.ClickException(f"export needs pyarrow, the archive extra: pip install 'rollstream[archive]' "
+                                   f"({exc})") from None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from rollstream.common.errors import InvalidInput
+
+    from .store import StoreCorrupted
+
+    selection = Selection(job=job, steps=steps, trained=trained, queued=queued, dead_letters=dead_letters, since=since)
+    bar = Progress(TextColumn("exporting"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   console=Console(stderr=True), disable=not sys.stderr.isatty(), transient=True)
+    task = bar.add_task("export", total=None)
+    try:
+        with bar:
+            exported = run_export(data_dir, out, selection, fmt=fmt,
+                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except InvalidInput as exc:
+        raise click.BadParameter(str(exc)) from None
+    except StoreCorrupted as exc:
+        raise click.ClickException(f"cannot export {data_dir}: {exc}") from None
+    click.echo(f"exported {exported.rows} trajectories ({exported.nbytes} bytes) to {out}; skipped {exported.skipped} "
+               "deleted by the running broker meanwhile")
