@@ -134,3 +134,43 @@ def test_a_chaos_demo_whose_broker_is_killed_three_times_archives_what_the_survi
         matches_the_surviving_lineage(root, kept, summary)
     finally:
         shutil.rmtree(kept, ignore_errors=True)
+
+
+def test_an_archive_path_that_is_a_file_or_no_pyarrow_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    import rollstream.app.demo as demo_module
+    from rollstream.app.cli import main
+
+    started = []
+    monkeypatch.setattr(demo_module, "run_demo", lambda **options: started.append(options))
+    a_file = tmp_path / "archive"
+    a_file.write_text("a file where the archive's directory should be")
+    refused = CliRunner().invoke(main, ["demo", "--archive", str(a_file)])
+    assert refused.exit_code == 2 and "is a file" in refused.output, refused.output
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyarrow" else real(name, *a))
+    refused = CliRunner().invoke(main, ["demo", "--archive", str(tmp_path / "new")])
+    assert refused.exit_code == 2 and "expected pyarrow importable" in refused.output, refused.output
+    assert not started
+
+
+def test_an_archive_that_does_not_catch_up_in_time_is_an_error_naming_what_waits(monkeypatch):
+    from click.testing import CliRunner
+
+    import rollstream.app.demo as demo_module
+    from rollstream.app.cli import main
+    from rollstream.app.harness import ArchiveBehind
+
+    def behind(**options):
+        assert options["archive"].endswith("/archive")
+        raise ArchiveBehind("the archive must hold what runs ['r'] trained within 1 s of their end (4 reclaimed): "
+                            "expected 0 waiting and 0 files being written, got {'waiting': 4}")
+
+    monkeypatch.setattr(demo_module, "run_demo", behind)
+    result = CliRunner().invoke(main, ["demo", "--archive", "archive"])
+    assert result.exit_code == 1 and "Error: the archive must hold what runs ['r'] trained" in result.output, \
+        result.output
+    assert "Traceback" not in result.output
