@@ -28,7 +28,7 @@ import math
 import os
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +131,7 @@ def archive_table(rows: Sequence[tuple[StoredTrajectory, Trajectory]]) -> pa.Tab
     """One archive row per (stored rows, merged trajectory), in `SCHEMA`."""
     stored = [s for s, _ in rows]
     merged = [t for _, t in rows]
-    arrays = [t.arrays() for t in merged]
+    arrays: list[Mapping[str, Any]] = [t.arrays() for t in merged]  # whole arrays: no `parts_from`
     trained = [s.trained for s in stored]
     columns: dict[str, Any] = {
         "trajectory_id": [wire_id(s.trajectory_id) for s in stored],
