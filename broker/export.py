@@ -3,20 +3,23 @@ as the archive's rows (Parquet in `SCHEMA`, broker/archive.py) or as miles
 session payloads, from a stopped broker's store or from a live one's.
 
 A live broker is neither held up nor changed: the export takes no directory
-lock and writes no file of the store; it reads SQLite through a read-only
-connection, every row inside one read transaction, so that WAL gives it one
-snapshot: each trajectory whole, as a commit left it, or not at all. Turn
-records are read by offset from the segment files, which are append-only: a
-record never changes while a row refers to it. A segment file the live
-broker retired after the snapshot means that every trajectory with a record
-in it was deleted meanwhile: such a trajectory is skipped and counted, never
-written in part. (SQLite itself may create the empty `-wal` and `-shm`
-files beside a stopped store's database, as any reader of a WAL database
-does.)
+lock and writes no file of the store. It opens SQLite read-only and copies
+the selected rows and their turns' rows, in one read transaction (so WAL
+gives it one snapshot: each trajectory whole, as a commit left it, or not at
+all), into a file of its own beside the output; the transaction lasts as
+long as that copy, milliseconds per thousand trajectories, so the broker's
+WAL is never held back for the export's length. Turn records are then read
+by offset from the segment files, which are append-only: a record never
+changes while a row refers to it. A segment file the live broker retired
+after the snapshot means that every trajectory with a record in it was
+deleted meanwhile: such a trajectory is skipped and counted, never written
+in part. (SQLite itself may create the empty `-wal` and `-shm` files beside
+a stopped store's database, as any reader of a WAL database does.)
 
-Memory stays bounded whatever the store holds: rows are read out of SQLite
-a page of `chunk_rows` at a time, by id, and written as Parquet row groups
-of at most `chunk_rows` trajectories and about `chunk_bytes` of records.
+Memory stays bounded whatever the store holds: rows are read out of the
+copy a page of `chunk_rows` at a time, by id, and written as Parquet row
+groups of at most `chunk_rows` trajectories and about `chunk_bytes` of
+records.
 pyarrow is imported here: the command imports this module only when it runs.
 """
 from __future__ import annotations
@@ -82,9 +85,7 @@ class Selection:
     since: float | None = None
 
     def condition(self) -> tuple[str, tuple]:
-        """SQL over the `trajectories` table and its arguments. It starts
-        with `state`, never `id`: `Store._load_trajectories` reads the turns
-        of `WHERE id ...` by renaming that prefix."""
+        """SQL over the `trajectories` table and its arguments."""
         states: list[str] = []
         args: list[object] = []
         if self.trained or self.steps is not None:
@@ -107,6 +108,8 @@ class Selection:
 
 
 class Exported(NamedTuple):
+    """What an export wrote."""
+
     rows: int
     nbytes: int  # of the file written (Parquet) or of the payloads (miles)
     skipped: int  # deleted by the live broker between the snapshot and the read of their records
@@ -117,10 +120,11 @@ def _deletes_nothing(path: Path) -> None:
 
 
 class StoreSnapshot(Store):
-    """A broker's store read where it lies, stopped or live: SQLite
-    read-only, records by offset through descriptors of its own, no lock
-    taken and nothing written. `Store.__init__` is not run: it takes the
-    data directory's lock and opens the store to write."""
+    """A broker's store read where it lies, stopped or live, without a lock
+    and without writing to it: the selected rows copied out in one read
+    transaction (`take`), records read by offset through descriptors of its
+    own. `Store.__init__` is not run: it takes the data directory's lock and
+    opens the store to write."""
 
     def __init__(self, data_dir: str | os.PathLike):
         self.data_dir = Path(data_dir)
@@ -130,35 +134,50 @@ class StoreSnapshot(Store):
                 raise InvalidInput(f"a broker's data directory holds state.sqlite and segments/: expected a {kind} "
                                    f"at {path}, found {'nothing' if not path.exists() else 'something else'}")
         self.segments = Segments(self.data_dir / "segments", 1 << 62, _deletes_nothing)
-        self.db = sqlite3.connect(f"{self.db_path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None,
-                                  check_same_thread=False)
+        self.db = self._read_only()
         self._verdicts: dict[int, bool] = {}  # missing segment -> whether no row refers to it any more
         self.skipped = 0  # trajectories `load` found deleted since the snapshot
 
-    @contextlib.contextmanager
-    def snapshot(self) -> Iterator[None]:
-        """One read transaction: every read inside sees the same commit."""
+    def _read_only(self) -> sqlite3.Connection:
+        return sqlite3.connect(f"{self.db_path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+
+    def take(self, selection: Selection, copy: Path) -> int:
+        """Copy the rows `selection` picks and their turns' rows into a new
+        SQLite file `copy`, in one read transaction of the store, and read
+        them from there on (`Store._load_trajectories` reads `self.db`);
+        how many trajectories."""
+        condition, args = selection.condition()
+        db = self.db
         with self._readable():
-            self.db.execute("BEGIN")
+            db.execute("ATTACH ? AS copy", (f"{copy.resolve().as_uri()}?mode=rwc",))
+            db.execute("PRAGMA copy.journal_mode=OFF")  # a file of this process's, removed after
+            db.execute("BEGIN")
             try:
-                version = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+                version = db.execute("SELECT value FROM main.meta WHERE key='schema_version'").fetchone()
                 if version is None or int(version[0]) != SCHEMA_VERSION:
                     raise StoreCorrupted(
                         f"{self.db_path}: export reads stores of schema version {SCHEMA_VERSION}, this one has "
                         f"{None if version is None else version[0]} (a broker started on it upgrades it in place)")
-                yield
-            finally:
-                self.db.execute("ROLLBACK")
+                db.execute(f"CREATE TABLE copy.trajectories AS SELECT * FROM main.trajectories WHERE {condition}", args)
+                db.execute("CREATE TABLE copy.turns AS SELECT * FROM main.turns "
+                           "WHERE trajectory_id IN (SELECT id FROM copy.trajectories)")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")  # the store's snapshot ends here: its WAL is the broker's again
+            db.close()
+            self.db = sqlite3.connect(copy, isolation_level=None)
+            self.db.execute("CREATE UNIQUE INDEX trajectories_by_id ON trajectories (id)")
+            self.db.execute("CREATE INDEX turns_by_trajectory ON turns (trajectory_id, turn)")
+            return self.db.execute("SELECT COUNT(*) FROM trajectories").fetchone()[0]
 
-    def count(self, condition: str, args: tuple) -> int:
-        return self.db.execute(f"SELECT COUNT(*) FROM trajectories WHERE {condition}", args).fetchone()[0]
-
-    def pages(self, condition: str, args: tuple, rows: int) -> Iterator[list[StoredTrajectory]]:
-        """The selected trajectories' rows, `rows` at a time, in id order."""
+    def pages(self, rows: int) -> Iterator[list[StoredTrajectory]]:
+        """The rows taken, `rows` trajectories at a time, in id order."""
         after = ""
         while True:
-            page = self._load_trajectories(f"WHERE id IN (SELECT id FROM trajectories WHERE {condition} AND id > ? "
-                                           "ORDER BY id LIMIT ?)", (*args, after, rows))
+            # `? < id`, not `id > ?`: `Store._load_trajectories` renames `WHERE id` to read the turns.
+            page = self._load_trajectories("WHERE id IN (SELECT id FROM trajectories WHERE ? < id ORDER BY id LIMIT ?)",
+                                           (after, rows))
             if not page:
                 return
             page.sort(key=lambda stored: stored.trajectory_id)
@@ -190,7 +209,7 @@ class StoreSnapshot(Store):
         """Whether no row refers to segment `number` now, read outside the
         snapshot: the broker deletes a segment file only after that."""
         if number not in self._verdicts:
-            fresh = sqlite3.connect(f"{self.db_path.resolve().as_uri()}?mode=ro", uri=True)
+            fresh = self._read_only()
             try:
                 self._verdicts[number] = fresh.execute("SELECT 1 FROM turns WHERE segment = ? LIMIT 1",
                                                        (number,)).fetchone() is None
@@ -269,14 +288,14 @@ def export(data_dir: str | os.PathLike, out: str | os.PathLike, selection: Selec
     data_dir, out = Path(data_dir), Path(out)
     check_out(out, data_dir, fmt)
     hidden = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    rows_copy = out.with_name(f".{out.name}.{os.getpid()}.rows.sqlite")
     snapshot = StoreSnapshot(data_dir)
     try:
-        with snapshot.snapshot(), _fewer_collections():
-            condition, args = selection.condition()
-            total = snapshot.count(condition, args)
-            if progress is not None:
-                progress(0, total)
-            groups = _groups(snapshot, snapshot.pages(condition, args, chunk_rows), chunk_rows, chunk_bytes)
+        total = snapshot.take(selection, rows_copy)
+        if progress is not None:
+            progress(0, total)
+        with _fewer_collections():
+            groups = _groups(snapshot, snapshot.pages(chunk_rows), chunk_rows, chunk_bytes)
             write = _write_parquet if fmt == "parquet" else _write_miles
             rows, nbytes = write(groups, hidden, lambda done: progress(done, total) if progress else None)
         os.replace(hidden, out)
@@ -288,6 +307,7 @@ def export(data_dir: str | os.PathLike, out: str | os.PathLike, selection: Selec
         raise
     finally:
         snapshot.close()
+        rows_copy.unlink(missing_ok=True)
     return Exported(rows, nbytes, snapshot.skipped)
 
 

@@ -335,6 +335,25 @@ def test_trajectories_deleted_by_the_live_broker_after_the_snapshot_are_skipped_
     assert not (tmp_path / "damaged.parquet").exists() and not any(p.name.startswith(".") for p in tmp_path.iterdir())
 
 
+def test_the_snapshot_lasts_only_its_copy_so_the_broker_checkpoints_its_wal_at_once_while_the_export_reads(tmp_path):
+    """Once the selected rows are copied out, the export holds no read of
+    the store: a broker's WAL checkpoint that waits for readers (TRUNCATE,
+    as a broker near its disk budget runs it) finds none, with no wait."""
+    rng = np.random.default_rng(13)
+    store, engine = opened(tmp_path / "data")
+    for i in range(5):
+        Sent(engine, store, f"t{i}", random_turns(rng, 2))
+    busy: list[int] = []
+
+    def checkpoint(done: int, total: int) -> None:
+        store.db.execute("PRAGMA busy_timeout = 0")
+        busy.append(store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0])
+
+    export(tmp_path / "data", tmp_path / "out.parquet", chunk_rows=2, progress=checkpoint)
+    store.close()
+    assert busy == [0, 0, 0, 0], "every checkpoint went through: no reader held the WAL"
+
+
 def test_pyarrow_is_imported_only_when_export_runs():
     """`rollstream --help` and the broker's commands load no pyarrow; the
     export command's help neither."""
