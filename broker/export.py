@@ -19,7 +19,8 @@ a stopped store's database, as any reader of a WAL database does.)
 Memory stays bounded whatever the store holds: rows are read out of the
 copy a page of `chunk_rows` at a time, by id, and written as Parquet row
 groups of at most `chunk_rows` trajectories and about `chunk_bytes` of
-records.
+records, each written on a thread of its own while the next is read.
+
 pyarrow is imported here: the command imports this module only when it runs.
 """
 from __future__ import annotations
@@ -52,8 +53,8 @@ from .store import SCHEMA_VERSION, Segments, Store, StoreCorrupted, StoredTrajec
 
 FORMATS = ("parquet", "miles")
 CHUNK_ROWS = 256  # trajectories per page of rows read and per row group written, at most
-# Records per row group, about: a group closes once it holds this much. Groups of a few MB stay in the CPU's
-# caches from the read to the write; larger ones were slower and took more memory (bench/export.py).
+# Records per row group, about: a group closes once it holds this much. Groups this small stay in the CPU's
+# caches from the read to the write; 64 MB ones were slower and took twice the memory (bench/export.py).
 CHUNK_BYTES = 16 << 20
 # The writer's thread sets the pace: zstd's fastest level with Huffman-coded literals, which is what shrinks
 # random token ids, and delta encoding for the two columns whose values step by little (each row's support
