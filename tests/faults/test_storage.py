@@ -4,7 +4,6 @@ disk that really fills, a file-size limit that makes writes fail, and a
 damaged store."""
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 import zmq
 from broker_process import BrokerProcess
+from disks import tmpfs
 from waiting import wait_for
 
 from rollstream.common.codec import decode, encode
@@ -159,24 +159,6 @@ class Drain:
             elif message.type == "nack" and message["code"] == "unavailable":  # the ack was not durable: again
                 self.refused_acks += 1
                 self.resend.append((time.monotonic() + self.RESEND_AFTER, message["leases"]))
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str):
-    """A tmpfs of `size` at `path`: a disk that really fills. Mounting needs
-    root, so elsewhere the test is skipped (the file-size-limit scenario
-    below makes writes fail without it)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs (a disk that really fills) needs root")
-    path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 @pytest.fixture
