@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow.parquet as pq
 
-from rollstream.common.errors import InvalidInput
+from rollstream.common.errors import InternalError, InvalidInput
 from rollstream.common.jobs import DEFAULT_JOB, SEPARATOR, job_of, wire_id
 from rollstream.common.mask import SamplingMask
 from rollstream.common.miles import DEFAULT_FIELDS, FIELDS_WITH_MASK, encode_session_samples
@@ -117,7 +117,7 @@ class Exported(NamedTuple):
 
 
 def _deletes_nothing(path: Path) -> None:
-    raise AssertionError(f"an export never deletes a segment file, asked to delete {path}")
+    raise InternalError(f"an export never deletes a segment file: expected no delete, asked to delete {path}")
 
 
 class StoreSnapshot(Store):
