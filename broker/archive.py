@@ -68,7 +68,7 @@ COMPRESSIONS = ("zstd", "lz4", "snappy", "none")
 
 SCHEMA = pa.schema([
     ("trajectory_id", pa.string()), ("job", pa.string()), ("run", pa.string()), ("lineage", pa.string()),
-    ("step", pa.int64()), ("position", pa.int64()), ("group_id", pa.string()), ("group_size", pa.int32()),
+    ("epoch", pa.int64()), ("step", pa.int64()), ("position", pa.int64()), ("group_id", pa.string()), ("group_size", pa.int32()),
     ("sample_index", pa.int32()), ("producer", pa.string()), ("outcome", pa.string()), ("dead_reason", pa.string()),
     ("status", pa.string()), ("turns", pa.int32()), ("response_length", pa.int32()),
     *((name, pa.list_(pa.from_numpy_dtype(ARRAYS[name].dtype))) for name in ARCHIVED_ARRAYS),
@@ -138,6 +138,7 @@ def archive_table(rows: Sequence[tuple[StoredTrajectory, Trajectory]]) -> pa.Tab
         "job": [job_of(s.trajectory_id) for s in stored],
         "run": [t and t.run for t in trained],
         "lineage": [t and t.lineage for t in trained],
+        "epoch": [t and t.epoch for t in trained],
         "step": [t and t.step for t in trained],
         "position": [t and t.position for t in trained],
         "group_id": [None if s.group_id is None else wire_id(s.group_id) for s in stored],

@@ -675,7 +675,8 @@ class BrokerCore:
             if consumer.job != DEFAULT_JOB and "trajectory_ids" in message.fields:
                 ids = [job_key(consumer.job, tid) for tid in message["trajectory_ids"]]
                 message = Message(message.type, {**message.fields, "trajectory_ids": ids}, message.arrays)
-            trainer = None if consumer.run is None or consumer.lineage is None else (consumer.run, consumer.lineage)
+            trainer = (None if consumer.run is None or consumer.lineage is None else
+                       (consumer.run, consumer.lineage, self.freshness.ancestry(consumer.job).epoch))
             return Settlement.prepare(identity, message, dispatcher, self.engine, now.wall, claimed, claimed_ids,
                                       trainer)
         elif message.type == "policy":

@@ -185,12 +185,15 @@ class Forget:
 @dataclass(frozen=True, slots=True)
 class TrainedAt:
     """Where a trajectory was trained: by which run and lineage of a
-    trainer, at which step, at which position of that step's batch."""
+    trainer, at which step, at which position of that step's batch, and
+    in which lineage epoch of its job (None: not known, as for the
+    batches a resume records from its checkpoint)."""
 
     run: str
     lineage: str
     step: int
     position: int
+    epoch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,13 +51,14 @@ class Settlement:
 
     @classmethod
     def prepare(cls, identity: bytes, message: Message, dispatcher: Dispatcher, engine: MergeEngine, wall: float,
-                claimed: set[str], claimed_ids: set[str], trainer: tuple[str, str] | None = None) -> "Settlement":
+                claimed: set[str], claimed_ids: set[str],
+                trainer: tuple[str, str, int] | None = None) -> "Settlement":
         """Sort the leases (each once; one `claimed` by an earlier message of
         the batch is stale, and an ack of a trajectory in `claimed_ids` is
         answered as settled) and take the engine's side at wall time `wall`.
         Adds what it settles to `claimed` and `claimed_ids`. `trainer`: the
-        run and lineage of a checkpointing session, which an ack with a
-        step needs."""
+        run, lineage and its job's lineage epoch of a checkpointing session,
+        which an ack with a step needs."""
         leases = list(dict.fromkeys(message["leases"]))
         named = dict(zip(message["leases"], message.get("trajectory_ids", ())))
         positions = dict(zip(message["leases"], message.get("positions", ())))
@@ -96,10 +97,10 @@ class Settlement:
         requeue = message.type == "nack" and message["requeue"]
         if step is not None:
             assert trainer is not None  # the core refuses a step from a session that named no run
-            run, lineage = trainer
+            run, lineage, epoch = trainer
             lease_of = {**dict(zip(tids, known)), **{tid: lease for lease, tid in by_id.items()}}
             effects = [e for tid, lease in lease_of.items()
-                       for e in engine.trained(tid, TrainedAt(run, lineage, step, positions[lease]), wall)]
+                       for e in engine.trained(tid, TrainedAt(run, lineage, step, positions[lease], epoch), wall)]
         elif is_ack:
             effects = [e for tid in (*tids, *by_id.values()) for e in engine.delivered(tid, wall)]
         elif not requeue:

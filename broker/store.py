@@ -70,7 +70,7 @@ SCHEMA_VERSION = 9  # 2: turn digests are XXH3-128; 3: an applied turn's digest 
 # 6: an ended trajectory's ordered policy version, each job's published policy, and the `scoring` state;
 # 7: what sampled an ended trajectory (lineage epochs and steps), and each job's ancestry (its branches);
 # 8: a pruned dead letter's reason and time, kept with its remembered id;
-# 9: a trajectory's producer, its deliveries and commit time, and the archive file it waits for
+# 9: a trajectory's producer, its deliveries, commit time and lineage epoch, and the archive file it waits for
 _READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9)  # an older store is upgraded in place (`Store._upgrade`)
 
 # A turn this large (long top-p supports) is written ahead on the writer
@@ -100,6 +100,7 @@ CREATE TABLE IF NOT EXISTS trajectories (
     trained_lineage TEXT,
     trained_step INTEGER,
     trained_position INTEGER,
+    trained_epoch INTEGER,
     version INTEGER,
     sampled BLOB,
     producer TEXT,
@@ -132,7 +133,7 @@ CREATE TABLE IF NOT EXISTS policies (job TEXT PRIMARY KEY, version INTEGER NOT N
 _ADDED_COLUMNS = {"trajectories": ("trained_run TEXT", "trained_lineage TEXT", "trained_step INTEGER",
                                    "trained_position INTEGER", "version INTEGER", "sampled BLOB", "producer TEXT",
                                    "first_delivered_at REAL", "deliveries INTEGER", "committed_at REAL",
-                                   "archive_file INTEGER"),
+                                   "archive_file INTEGER", "trained_epoch INTEGER"),
                   "policies": ("branches BLOB",), "dedup": ("dead_reason TEXT", "dead_at REAL")}
 
 
@@ -153,7 +154,8 @@ def _end_crc(trajectory_id: str, digest: bytes, reward: bytes, metadata: bytes) 
     return zlib.crc32(msgpack.packb([trajectory_id, digest, reward, metadata]))
 _TURN = "INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 _TRAINED = (f"UPDATE trajectories SET state='{State.TRAINED}', trained_run=?, trained_lineage=?, trained_step=?, "
-            "trained_position=?, committed_at=?, first_delivered_at=COALESCE(first_delivered_at, ?), deliveries=? "
+            "trained_position=?, trained_epoch=?, committed_at=?, first_delivered_at=COALESCE(first_delivered_at, ?), "
+            "deliveries=? "
             "WHERE id=?")
 # A forgotten trajectory the archive must hold first: kept, marked, with what it records of its consumption.
 _ARCHIVING = (f"UPDATE trajectories SET state='{State.ARCHIVING}', first_delivered_at=COALESCE(first_delivered_at, ?), "
@@ -175,7 +177,7 @@ class _DeferredRows:
         self.opens: list[tuple] = []
         self.ends: list[tuple] = []
         self.turns: list[tuple] = []
-        self.trained: list[tuple] = []  # (run, lineage, step, position, committed at, first delivered, deliveries, id)
+        self.trained: list[tuple] = []  # `_TRAINED`'s arguments
         self.forgets: list[tuple] = []  # (id, dedup until, dead reason, dead at)
         self.archiving: list[tuple] = []  # of the forgotten, those kept for the archive: `_ARCHIVING`'s arguments
 
@@ -584,7 +586,7 @@ class Store:
             "SELECT id, state, group_id, group_size, sample_index, updated_at, end_digest, reward, metadata, "
             "ready_seq, gap_turn, gap_field, dead_reason, dead_at, end_crc, version, sampled, producer, "
             "first_delivered_at, deliveries, committed_at, archive_file, trained_run, trained_lineage, trained_step, "
-            "trained_position FROM trajectories " + where, args
+            "trained_position, trained_epoch FROM trajectories " + where, args
         ):
             (tid, state, gid, gsize, sidx, updated, end_digest, reward, metadata, ready_seq, gap_turn, gap_field,
              dead_reason, dead_at, end_crc, version, sampled, producer, first_delivered_at, deliveries, committed_at,
@@ -835,7 +837,7 @@ class Store:
                 db.execute(f"UPDATE trajectories SET state='{State.ENDED}', dead_reason=NULL, dead_at=NULL, ready_seq=? "
                            "WHERE id=?", (self._take_ready_seq(), effect.trajectory_id))
             case MarkTrained(trajectory_id=tid, trained=at):
-                rows.trained.append((at.run, at.lineage, at.step, at.position, effect.committed_at,
+                rows.trained.append((at.run, at.lineage, at.step, at.position, at.epoch, effect.committed_at,
                                      effect.first_delivered_at, effect.deliveries, tid))
             case SetPolicy(job=job, policy=policy):
                 db.execute("INSERT OR REPLACE INTO policies VALUES (?, ?, ?, ?, ?, ?)",

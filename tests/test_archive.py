@@ -110,15 +110,17 @@ def test_a_committed_trajectory_is_archived_whole_then_deleted_and_its_id_stays_
 def test_a_trained_trajectory_is_archived_under_its_run_and_lineage_with_its_step_once_a_seal_reclaims_it(tmp_path):
     store, engine = opened(tmp_path / "data")
     produce(engine, store, [turn_msg("a", 0), end_msg("a"), turn_msg("b", 0), end_msg("b")])
-    store.commit(engine.trained("a", TrainedAt("run-1", "lin-1", 1, 0), 5.0))
-    store.commit(engine.trained("b", TrainedAt("run-1", "lin-1", 2, 0), 6.0))
+    store.commit(engine.trained("a", TrainedAt("run-1", "lin-1", 1, 0, 2), 5.0))
+    store.commit(engine.trained("b", TrainedAt("run-1", "lin-1", 2, 0, 2), 6.0))
+    store.close()  # what was trained, and at which epoch, is durable before any seal
+    store, engine = opened(tmp_path / "data")
     store.commit(engine.seal("run-1", "lin-1", 1, 1, 7.0))
     assert store.archive_waiting() == 1, "the seal of step 1 reclaims what step 1 trained, not step 2"
     (outcome,) = archive_once(tmp_path / "archive", store)
     assert outcome.path.parent == tmp_path / "archive" / f"job={DEFAULT_JOB}" / "outcome=trained"
     (row,) = read(tmp_path / "archive").values()
-    assert (row["trajectory_id"], row["run"], row["lineage"], row["step"], row["position"], row["outcome"]) == \
-        ("a", "run-1", "lin-1", 1, 0, "trained")
+    assert (row["trajectory_id"], row["run"], row["lineage"], row["epoch"], row["step"], row["position"],
+            row["outcome"]) == ("a", "run-1", "lin-1", 2, 1, 0, "trained")
     assert row["committed_at"].timestamp() == 5.0
     filtered = ds.dataset(tmp_path / "archive", format="parquet", partitioning="hive").to_table(
         filter=(ds.field("outcome") == "trained") & (ds.field("run") == "run-1") & (ds.field("step") == 1))
@@ -262,7 +264,7 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_then_the_res
         rows = read(archive)
         for tid, row in rows.items():
             sent = next(r for r in rollouts if r.trajectory_id == tid)
-            assert (row["step"], row["position"], row["outcome"]) == (*trained[tid], "trained")
+            assert (row["step"], row["position"], row["epoch"], row["outcome"]) == (*trained[tid], 0, "trained")
             assert row["tokens"] == sent.turns[0].tokens.tolist() and row["prompt_tokens"] == sent.prompt.tolist()
             assert row["producer"] == f"test-{os.getpid()}" and row["deliveries"] == 1
             assert row["committed_at"] >= row["first_delivered_at"] >= row["ended_at"]

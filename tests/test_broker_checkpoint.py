@@ -107,11 +107,11 @@ def test_an_ack_with_a_step_keeps_the_trajectories_as_trained_across_a_restart(n
     taken = node.take(2)
     [acked] = node.train(1, taken)
     assert acked.type == "acked" and sorted(acked["leases"]) == sorted(lease for _, lease in taken)
-    assert [node.state(tid) for tid, _ in taken] == [(TRAINED, TrainedAt("R", "L1", 1, 0)),
-                                                     (TRAINED, TrainedAt("R", "L1", 1, 1))]
+    assert [node.state(tid) for tid, _ in taken] == [(TRAINED, TrainedAt("R", "L1", 1, 0, 0)),
+                                                     (TRAINED, TrainedAt("R", "L1", 1, 1, 0))]
     node.restart()
-    assert [node.state(tid) for tid, _ in taken] == [(TRAINED, TrainedAt("R", "L1", 1, 0)),
-                                                     (TRAINED, TrainedAt("R", "L1", 1, 1))]
+    assert [node.state(tid) for tid, _ in taken] == [(TRAINED, TrainedAt("R", "L1", 1, 0, 0)),
+                                                     (TRAINED, TrainedAt("R", "L1", 1, 1, 0))]
     node.hello()
     assert [tid for tid, _ in node.take(5)] == ["c"]  # trained ones are never delivered again as new data
     assert node.core.status(node.clock)["queued"] == 0
@@ -127,7 +127,7 @@ def test_a_plain_ack_of_a_trajectory_a_step_already_recorded_is_answered_acked_a
     node.train(1, taken)
     [acked] = node.say("ack", leases=["a-lease-of-an-earlier-broker"], trajectory_ids=["a"])
     assert acked.type == "acked" and acked["leases"] == ["a-lease-of-an-earlier-broker"]
-    assert node.state("a") == (TRAINED, TrainedAt("R", "L1", 1, 0))
+    assert node.state("a") == (TRAINED, TrainedAt("R", "L1", 1, 0, 0))
 
 
 def test_seals_reclaim_what_was_trained_at_or_before_the_keep_th_latest_checkpoint(node):
@@ -161,7 +161,7 @@ def test_a_resume_hands_back_what_was_trained_after_the_checkpoint_in_order(node
     assert [(m.type, m["trajectory_id"], m["replay"]) for m in replayed] == [
         ("deliver", tid, True) for tid in "bcde"]
     node.train(2, [(m["trajectory_id"], m["lease"]) for m in replayed[:2]])
-    assert node.state("b") == (TRAINED, TrainedAt("R", "L2", 2, 0))
+    assert node.state("b") == (TRAINED, TrainedAt("R", "L2", 2, 0, 0))
     resumed, *_ = node.say("resume", step=1, keep=2, trained=[[1, 0, "a"]])  # sent again: only what is left
     assert resumed["replay"] == [[3, 0, "d"], [3, 1, "e"]]
     node.hello("L3")  # a third incarnation falls back to checkpoint 1 again: all of it comes back
@@ -176,7 +176,7 @@ def test_a_resume_records_what_its_checkpoint_trained_even_if_the_commit_never_a
     node.restart()
     node.hello("L2")
     [resumed] = node.say("resume", step=1, keep=2, trained=[[1, 0, "a"]])
-    assert resumed["replay"] == [] and node.state("a") == (TRAINED, TrainedAt("R", "L2", 1, 0))
+    assert resumed["replay"] == [] and node.state("a") == (TRAINED, TrainedAt("R", "L2", 1, 0))  # epoch unknown to a resume
     assert [tid for tid, _ in node.take(5)] == ["b"]
 
 
@@ -195,7 +195,7 @@ def test_a_replay_lease_that_runs_out_is_not_queued_again(tmp_path):
     assert not node.core.dispatcher.leases
     assert node.state("a")[0] == TRAINED and [tid for tid, _ in node.take(5)] == ["b"]
     node.train(1, [("a", replayed["lease"])])  # its commit settles it by id all the same
-    assert node.state("a") == (TRAINED, TrainedAt("R", "L2", 1, 0))
+    assert node.state("a") == (TRAINED, TrainedAt("R", "L2", 1, 0, 0))
     node.store.close()
 
 

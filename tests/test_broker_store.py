@@ -291,7 +291,7 @@ def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_chec
     store.open()
     drive(MergeEngine(), store, [turn_msg("t", 0, weight_version="step-3"), end_msg("t", reward=0.25, metadata={"k": 1})])
     store.db.execute("DROP INDEX trajectories_archiving")  # as versions 2-8 stored it
-    for column in ("producer", "first_delivered_at", "deliveries", "committed_at", "archive_file"):
+    for column in ("producer", "first_delivered_at", "deliveries", "committed_at", "archive_file", "trained_epoch"):
         store.db.execute(f"ALTER TABLE trajectories DROP COLUMN {column}")
     for column in ("dead_reason", "dead_at"):  # as versions 2-7 stored it
         store.db.execute(f"ALTER TABLE dedup DROP COLUMN {column}")
