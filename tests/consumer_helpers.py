@@ -118,6 +118,15 @@ def writable(d: Delivery, **arrays) -> Delivery:
 
 
 # -- a raw producer --------------------------------------------------------------
+def send_rollouts(endpoint: str, rollouts, **kw) -> None:
+    """A `RawProducer` sends `rollouts` (acknowledged) and goes."""
+    producer = RawProducer(endpoint)
+    try:
+        producer.send(rollouts, **kw)
+    finally:
+        producer.close()
+
+
 class RawProducer:
     """A producer from raw zmq + msgpack: hello, then turn and end frames with `seq`."""
 

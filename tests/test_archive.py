@@ -222,7 +222,7 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_then_the_res
     import tempfile
 
     from broker_process import BrokerProcess
-    from consumer_helpers import VOCAB, RawProducer
+    from consumer_helpers import VOCAB, send_rollouts
     from test_consumer_tokens import sized_rollout
     from waiting import wait_for
 
@@ -233,11 +233,7 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_then_the_res
                            heartbeat_interval=0.2).start()
     try:
         rollouts = [sized_rollout(f"r{i}", 2, 3 + i) for i in range(6)]
-        producer = RawProducer(broker.producer)
-        try:
-            producer.send(rollouts)
-        finally:
-            producer.close()
+        send_rollouts(broker.producer, rollouts)
         trained = {}
         with Consumer(broker.consumer, batch_size=2, vocab_size=VOCAB, keep_checkpoints=2) as consumer:
             run = consumer.position.run

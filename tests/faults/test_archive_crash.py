@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from broker_process import BrokerProcess
-from consumer_helpers import VOCAB, RawProducer, make_rollout
+from consumer_helpers import VOCAB, make_rollout, send_rollouts
 from waiting import wait_for
 
 from rollstream.consumer.client import Consumer
@@ -73,11 +73,7 @@ def test_a_broker_killed_while_it_archives_loses_no_row_and_writes_none_twice(tm
                            archive_file_rows=4, heartbeat_interval=0.2, trajectory_ttl=2).start()
     consumer = None
     try:
-        producer = RawProducer(broker.producer)
-        try:
-            producer.send(rollouts)  # every turn and end acknowledged durably
-        finally:
-            producer.close()
+        send_rollouts(broker.producer, rollouts)  # every turn and end acknowledged durably
         consumer = Consumer(broker.consumer, batch_size=BATCH, vocab_size=VOCAB, checkpointed=False)
         committed: list[str] = []
         hidden_at_kill = []

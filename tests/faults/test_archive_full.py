@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from broker_process import BrokerProcess
-from consumer_helpers import VOCAB, RawProducer, make_rollout
+from consumer_helpers import VOCAB, make_rollout, send_rollouts
 from disks import tmpfs
 from waiting import wait_for
 
@@ -53,11 +53,7 @@ def test_a_full_archive_disk_leaves_the_broker_serving_and_every_row_kept_until_
                                archive_file_rows=8, heartbeat_interval=0.2, trajectory_ttl=2).start()
         consumer = None
         try:
-            producer = RawProducer(broker.producer)
-            try:
-                producer.send(rollouts[:FIRST])
-            finally:
-                producer.close()
+            send_rollouts(broker.producer, rollouts[:FIRST])
             consumer = Consumer(broker.consumer, batch_size=20, vocab_size=VOCAB, checkpointed=False)
             committed = committed_through(consumer, FIRST)
 
@@ -70,11 +66,7 @@ def test_a_full_archive_disk_leaves_the_broker_serving_and_every_row_kept_until_
             assert "No space left on device" in status["archive"]["failing"], status["archive"]
             assert status["counters"].get("archive_failures", 0) >= 1
             # Still serving: new trajectories are acknowledged, delivered and committed while the archive is full.
-            producer = RawProducer(broker.producer)
-            try:
-                producer.send(rollouts[FIRST:])
-            finally:
-                producer.close()
+            send_rollouts(broker.producer, rollouts[FIRST:])
             committed += committed_through(consumer, LATER)
 
             def kept() -> bool:  # (the status's archive is as the broker's last housekeeping pass found it)
