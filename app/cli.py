@@ -14,7 +14,7 @@ from rollstream.producer.sources import SourceFactory, register_source
 
 ROLE_COMMANDS = ("broker", "consume", "end-run", "export", "producer", "requeue", "salvage", "status")
 # The app's commands loaded as the roles' are (`top` imports rich and zmq).
-LAZY_APP_COMMANDS = ("top",)
+LAZY_APP_COMMANDS = ("history", "top")
 
 
 def role_command(name: str) -> click.Command:
@@ -54,6 +54,10 @@ class LazyGroup(click.Group):
             from .top import top
 
             return top
+        if name == "history":
+            from .history import history
+
+            return history
         return super().get_command(ctx, name)
 
 

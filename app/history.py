@@ -1,0 +1,203 @@
+"""What happened to a run's data, from its archive or a broker's data
+directory (docs/archive.md): the trajectories a step trained, in batch
+order, and one trajectory's story.
+
+The answers come from the archive's rows: over an archive, pyarrow's
+dataset API reads only the columns asked and prunes files and row groups by
+its partition keys and statistics; over a data directory, the rows the
+question needs are exported first (`rollstream export`'s snapshot, read
+only, a running broker never held up). What the rows do not hold is said,
+never guessed.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import click
+
+from rollstream.common.errors import InvalidInput
+from rollstream.common.versions import oldest_version
+
+# The columns a step's answer shows, and a trajectory's (every one but the arrays).
+STEP_COLUMNS = ("trajectory_id", "job", "run", "lineage", "epoch", "step", "position", "group_id", "sample_index",
+                "producer", "weight_version_spans", "reward", "reward_json")
+STORY_COLUMNS = ("trajectory_id", "job", "run", "lineage", "epoch", "step", "position", "group_id", "group_size",
+                 "sample_index", "producer", "outcome", "dead_reason", "status", "turns", "response_length",
+                 "gap_turn", "gap_field", "reward", "reward_json", "weight_version_spans", "first_turn_at", "ended_at",
+                 "first_delivered_at", "committed_at", "dead_at", "deliveries")
+
+
+def _dataset(root: Path):
+    import pyarrow.dataset as ds
+
+    return ds.dataset(root, format="parquet", partitioning="hive")
+
+
+class History:
+    """Questions to the rows of one archive (a directory of the broker's
+    archive files, or one exported file)."""
+
+    def __init__(self, root: str | Path, *, where: str | None = None):
+        self.root = Path(root)
+        self.where = where or str(self.root)  # what the answers name as their source
+        if not self.root.exists():
+            raise InvalidInput(f"an archive is a directory of Parquet files or one file: expected one at {self.root}, "
+                               "found nothing")
+        self._data = _dataset(self.root)
+
+    def step(self, step: int, *, job: str | None = None, run: str | None = None) -> list[dict]:
+        """The trajectories trained at `step`, in batch order: each with its
+        producer, the weight versions that sampled it, how many versions
+        behind the step its oldest weights were, and its reward. Raises
+        `InvalidInput` naming the steps there are when none was trained at
+        `step`."""
+        import pyarrow.dataset as ds
+
+        if type(step) is not int or step < 0:
+            raise InvalidInput(f"a step is an integer >= 0, got {step!r}")
+        condition = (ds.field("outcome") == "trained") & (ds.field("step") == step)
+        if job is not None:
+            condition &= ds.field("job") == job
+        if run is not None:
+            condition &= ds.field("run") == run
+        rows = self._data.to_table(columns=list(STEP_COLUMNS), filter=condition).to_pylist()
+        if not rows:
+            raise InvalidInput(f"no trajectory trained at step {step}{_scope(job, run)} in {self.where}: expected a "
+                               f"step it holds, {self._steps_held(job, run)}")
+        runs = {(row["job"], row["run"]) for row in rows}
+        if len(runs) > 1:
+            raise InvalidInput(f"step {step} was trained by more than one run in {self.where}: expected --job/--run "
+                               f"to name one of {sorted(runs, key=str)}")
+        for row in rows:
+            versions = sorted({span["version"] for span in row.pop("weight_version_spans") or ()})
+            oldest = oldest_version(versions)
+            row.update(weight_versions=versions, staleness=None if oldest is None else step - oldest)
+        return sorted(rows, key=lambda row: row["position"])
+
+    def trajectory(self, trajectory_id: str, *, job: str | None = None) -> dict:
+        """One trajectory's story, from its arrival to its leaving the
+        broker. Raises `InvalidInput` when the archive does not hold it."""
+        import pyarrow.dataset as ds
+
+        condition = ds.field("trajectory_id") == trajectory_id
+        if job is not None:
+            condition &= ds.field("job") == job
+        rows = self._data.to_table(columns=list(STORY_COLUMNS), filter=condition).to_pylist()
+        if not rows:
+            raise InvalidInput(f"trajectory {trajectory_id!r}{_scope(job, None)} is not in {self.where}: expected "
+                               "one the archive holds (a trajectory is archived once the broker lets go of it: "
+                               "committed, reclaimed by a seal or `rollstream end-run`, or a pruned dead letter)")
+        if len(rows) > 1:
+            raise InvalidInput(f"trajectory {trajectory_id!r} is in {len(rows)} jobs of {self.where}: expected --job "
+                               f"to name one of {sorted(row['job'] for row in rows)}")
+        return story(rows[0])
+
+    def _steps_held(self, job: str | None, run: str | None) -> str:
+        import pyarrow.compute as pc
+        import pyarrow.dataset as ds
+
+        condition = ds.field("outcome") == "trained"
+        if job is not None:
+            condition &= ds.field("job") == job
+        if run is not None:
+            condition &= ds.field("run") == run
+        steps = self._data.to_table(columns=["step"], filter=condition).column("step")
+        if not len(steps):
+            return "and it holds no trained trajectory"
+        bounds = pc.min_max(steps).as_py()
+        return f"it holds steps {bounds['min']} to {bounds['max']}"
+
+
+def _scope(job: str | None, run: str | None) -> str:
+    return "".join(f" of {kind} {value!r}" for kind, value in (("job", job), ("run", run)) if value is not None)
+
+
+def story(row: Mapping[str, Any]) -> dict:
+    """A trajectory's row as what happened to it, in order."""
+    events: list[dict] = []
+
+    def event(what: str, at: Any, **details: Any) -> None:
+        events.append({"event": what, "at": None if at is None else at.isoformat(), **details})
+
+    event("first turn arrived", row["first_turn_at"], producer=row["producer"])
+    if row["gap_turn"] is not None:
+        event("cut at a replay gap", None, turn=row["gap_turn"], field=row["gap_field"])
+    event("ended", row["ended_at"], turns=row["turns"], response_length=row["response_length"], status=row["status"],
+          reward=json.loads(row["reward_json"]) if row["reward_json"] is not None else None)
+    if row["first_delivered_at"] is not None:
+        event("first delivered", row["first_delivered_at"], deliveries=row["deliveries"])
+    if row["outcome"] == "dead":
+        event("dead-lettered", row["dead_at"], reason=row["dead_reason"])
+    elif row["outcome"] == "trained":
+        event("trained", row["committed_at"], run=row["run"], lineage=row["lineage"], epoch=row["epoch"],
+              step=row["step"], position=row["position"])
+    else:
+        event("committed (deleted on commit)", row["committed_at"])
+    event("archived", None)
+    return {"trajectory_id": row["trajectory_id"], "job": row["job"], "group_id": row["group_id"],
+            "sample_index": row["sample_index"], "outcome": row["outcome"], "events": events,
+            "not_recorded": ["each lease and requeue (the archive records the first delivery and the count)"]}
+
+
+def of_data_dir(data_dir: str | Path, work: str | Path, *, steps: tuple[int, int] | None = None,
+                job: str | None = None) -> History:
+    """A `History` of what a broker's data directory holds now (trained at
+    `steps` only, when given), exported under `work` first."""
+    from rollstream.broker.export import Selection, export
+
+    out = Path(work) / "rows.parquet"
+    selection = Selection(job=job, steps=steps) if steps is not None else Selection(job=job, trained=True,
+                                                                                   queued=True, dead_letters=True)
+    export(data_dir, out, selection)
+    return History(out, where=f"the data directory {data_dir}")
+
+
+def _table(rows: Iterable[Mapping[str, Any]], columns: tuple[str, ...]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(*columns)
+    for row in rows:
+        table.add_row(*("" if row.get(name) is None else str(row[name]) for name in columns))
+    Console().print(table)
+
+
+@click.command()
+@click.option("--archive", type=click.Path(exists=True), help="An archive directory (`rollstream broker --archive`) "
+              "or a file `rollstream export` wrote.")
+@click.option("--data-dir", type=click.Path(exists=True, file_okay=False), help="A broker's data directory, stopped "
+              "or running (read only).")
+@click.option("--step", type=click.IntRange(min=0), help="The trajectories trained at this step, in batch order.")
+@click.option("--trajectory", "trajectory_id", help="One trajectory's story.")
+@click.option("--job", default=None, help="The job (when the archive holds several).")
+@click.option("--run", default=None, help="The trainer's run (when several trained the step).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of a table.")
+def history(archive: str | None, data_dir: str | None, step: int | None, trajectory_id: str | None, job: str | None,
+            run: str | None, as_json: bool) -> None:
+    """What happened to the run's data: the trajectories a step trained
+    (--step) or one trajectory's story (--trajectory), from an archive or a
+    broker's data directory."""
+    if (archive is None) == (data_dir is None):
+        raise click.UsageError("history reads one source: expected exactly one of --archive and --data-dir")
+    if (step is None) == (trajectory_id is None):
+        raise click.UsageError("history answers one question: expected exactly one of --step and --trajectory")
+    try:
+        with tempfile.TemporaryDirectory(prefix="rollstream-history-") as work:
+            source = History(archive) if archive is not None else of_data_dir(
+                data_dir, work, steps=None if step is None else (step, step), job=job)  # type: ignore[arg-type]
+            answer: Any = (source.step(step, job=job, run=run) if step is not None
+                           else source.trajectory(trajectory_id, job=job))  # type: ignore[arg-type]
+    except InvalidInput as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(answer, default=str))
+    elif step is not None:
+        _table(answer, ("position", "trajectory_id", "producer", "weight_versions", "staleness", "reward"))
+    else:
+        click.echo(f"trajectory {answer['trajectory_id']} (job {answer['job']}, {answer['outcome']})")
+        _table([{**e, "details": ", ".join(f"{k} {v}" for k, v in e.items() if k not in ("event", "at"))}
+                for e in answer["events"]], ("event", "at", "details"))
