@@ -223,9 +223,11 @@ class Broker(RuleBasedStateMachine):
         form = self._take()
         if form is not None:
             groups = {d.fields.get("group_id") for d in form.deliveries} - {None}
-            for gid in groups:
-                members = sorted(d.trajectory_id for d in form.deliveries if d.fields.get("group_id") == gid)
-                assert members == sorted(GROUPS[gid]), f"group {gid} taken with {members} of {GROUPS[gid]}"
+            for gid in groups:  # whole: every member that did not leave (abort) the group
+                members = [d for d in form.deliveries if d.fields.get("group_id") == gid]
+                expected = members[0].fields["group_size"] - members[0].fields["group_left"]
+                assert len(members) == expected, \
+                    f"group {gid} taken with {sorted(d.trajectory_id for d in members)}, expected {expected} members"
             if how == "reject":
                 violations = [Violation("bad", i, None, 1, "drawn invalid") for i in range(len(form.deliveries))]
                 assert isinstance(self.consumer.formed(violations), Refill)

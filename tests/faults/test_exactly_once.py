@@ -24,7 +24,8 @@ TRAINER = textwrap.dedent("""
     endpoint, work, n = sys.argv[1], pathlib.Path(sys.argv[2]), int(sys.argv[3])
     consumer = Consumer(endpoint, batch_size=n, prefetch=n + 1, vocab_size={vocab})
     batch = consumer.next_batch(timeout=60)
-    (work / "taken").write_text(" ".join(batch.trajectory_ids))
+    (work / "taken.tmp").write_text(" ".join(batch.trajectory_ids))
+    os.replace(work / "taken.tmp", work / "taken")  # whole when it appears: the test reads it at once
     while not (work / "go").exists():
         time.sleep(0.02)
     consumer.commit(batch)
