@@ -58,13 +58,16 @@ _VERSION_SPAN = pa.struct([("version", pa.string()), ("start", pa.int32()), ("en
 # (CSR: a row's `mask_offsets` start at 0, token i's ids are mask_ids[offsets[i]:offsets[i + 1]]), which costs the
 # writer a fraction of what a list of lists per token does.
 ARCHIVED_ARRAYS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets")
-_MASK = ("mask_ids", "mask_offsets")
 # Columns a reader filters on: only these get statistics (and the small text ones dictionaries), which the large
 # array columns would pay for on every value.
 FILTERED = ("trajectory_id", "job", "run", "lineage", "step", "position", "outcome", "producer", "first_turn_at",
             "ended_at", "committed_at")
 DICTIONARY = ("job", "run", "lineage", "outcome", "status", "producer", "dead_reason", "gap_field")
-COMPRESSIONS = ("zstd", "lz4", "snappy", "none")
+# zstd's fastest level, whose Huffman-coded literals are what shrinks random token ids, and delta encoding for the
+# two columns whose values step by little (each row's support offsets climb, the loss mask is runs of 0 and 1),
+# which halves their cost and size (bench/export.py).
+ZSTD_LEVEL = 1
+DELTA_ENCODED = {f"{name}.list.element": "DELTA_BINARY_PACKED" for name in ("mask_offsets", "loss_mask")}
 
 SCHEMA = pa.schema([
     ("trajectory_id", pa.string()), ("job", pa.string()), ("run", pa.string()), ("lineage", pa.string()),
@@ -177,6 +180,12 @@ def _fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
+def writer_options(compression: str = "zstd") -> dict[str, Any]:
+    """How every file in the archive's schema is written (the archive's and `rollstream export`'s)."""
+    return {"compression": compression, "compression_level": ZSTD_LEVEL if compression == "zstd" else None,
+            "use_dictionary": list(DICTIONARY), "write_statistics": list(FILTERED), "column_encoding": DELTA_ENCODED}
+
+
 def write_durably(table: pa.Table, path: Path, compression: str = "zstd") -> int:
     """Write `table` to `path` so that a reader sees all of it or nothing:
     a hidden file beside it (readers skip names that start with a dot),
@@ -188,8 +197,7 @@ def write_durably(table: pa.Table, path: Path, compression: str = "zstd") -> int
         _fsync_directory(directory.parent)
     hidden = path.with_name(f".{path.name}.tmp")
     with open(hidden, "wb") as f:
-        pq.write_table(table, f, compression=compression, use_dictionary=list(DICTIONARY),
-                       write_statistics=list(FILTERED))
+        pq.write_table(table, f, **writer_options(compression))
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()

@@ -46,7 +46,7 @@ from rollstream.common.mask import SamplingMask
 from rollstream.common.miles import DEFAULT_FIELDS, FIELDS_WITH_MASK, encode_session_samples
 from rollstream.common.trajectory import Trajectory
 
-from .archive import DICTIONARY, FILTERED, SCHEMA, archive_table, outcome_of
+from .archive import SCHEMA, archive_table, outcome_of, writer_options
 from .engine import State
 from .recovery import load_trajectory
 from .store import SCHEMA_VERSION, Segments, Store, StoreCorrupted, StoredTrajectory, StoreUnavailable
@@ -56,11 +56,6 @@ CHUNK_ROWS = 256  # trajectories per page of rows read and per row group written
 # Records per row group, about: a group closes once it holds this much. Groups this small stay in the CPU's
 # caches from the read to the write; 64 MB ones were slower and took twice the memory (bench/export.py).
 CHUNK_BYTES = 16 << 20
-# The writer's thread sets the pace: zstd's fastest level with Huffman-coded literals, which is what shrinks
-# random token ids, and delta encoding for the two columns whose values step by little (each row's support
-# offsets climb, the loss mask is runs of 0 and 1), which halves their cost and size.
-ZSTD_LEVEL = 1
-DELTA_ENCODED = {f"{name}.list.element": "DELTA_BINARY_PACKED" for name in ("mask_offsets", "loss_mask")}
 
 _TRAINED = (f"(state = '{State.TRAINED}' OR (state = '{State.ARCHIVING}' AND dead_reason IS NULL "
             "AND trained_run IS NOT NULL))")
@@ -319,9 +314,7 @@ def _write_parquet(groups: Iterator[list[tuple[StoredTrajectory, Trajectory]]], 
     encodes and compresses), one table at most waiting for it; (rows,
     bytes of the file)."""
     written = 0
-    with pq.ParquetWriter(path, SCHEMA, compression="zstd", compression_level=ZSTD_LEVEL,
-                          use_dictionary=list(DICTIONARY), write_statistics=list(FILTERED),
-                          column_encoding=DELTA_ENCODED) as writer, \
+    with pq.ParquetWriter(path, SCHEMA, **writer_options()) as writer, \
             ThreadPoolExecutor(1, thread_name_prefix="rollstream-export") as pool:
         writing: tuple[Future, int] | None = None
         for group in groups:
