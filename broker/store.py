@@ -191,8 +191,7 @@ class _DeferredRows:
         if self.forgets:
             kept = {row[-1] for row in self.archiving}
             tids = [forget[0] for forget in self.forgets if forget[0] not in kept]
-            records_gone += _delete_turns(db, tids)
-            db.executemany("DELETE FROM trajectories WHERE id=?", [(tid,) for tid in tids])
+            records_gone += _delete_trajectories(db, tids)
             db.executemany(_ARCHIVING, self.archiving)
             db.executemany("INSERT OR REPLACE INTO dedup VALUES (?, ?, ?, ?)", self.forgets)
             self.forgets.clear()
@@ -200,6 +199,13 @@ class _DeferredRows:
 
 
 _IN_CHUNK = 500  # ids per `IN (...)` query, under SQLite's variable limit
+
+
+def _delete_trajectories(db: sqlite3.Connection, tids: list[str]) -> list[int]:
+    """Delete `tids`' rows and their turns' rows (`_delete_turns`)."""
+    segments = _delete_turns(db, tids)
+    db.executemany("DELETE FROM trajectories WHERE id=?", [(tid,) for tid in tids])
+    return segments
 
 
 def _delete_turns(db: sqlite3.Connection, tids: list[str]) -> list[int]:
@@ -525,8 +531,7 @@ class Store:
                         break
             db = self.db
             db.execute("BEGIN")
-            _delete_turns(db, list(damaged))
-            db.executemany("DELETE FROM trajectories WHERE id=?", [(tid,) for tid in damaged])
+            _delete_trajectories(db, list(damaged))
             db.execute("COMMIT")
         return [f"dropped trajectory {tid!r}: {reason}" for tid, reason in damaged.items()]
 
@@ -917,8 +922,7 @@ class Store:
                                                   "AND archive_file=?", (number,))]
             db.execute("BEGIN")
             try:
-                records_gone = _delete_turns(db, tids)
-                db.executemany("DELETE FROM trajectories WHERE id=?", [(tid,) for tid in tids])
+                records_gone = _delete_trajectories(db, tids)
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
