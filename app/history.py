@@ -59,11 +59,7 @@ class History:
 
         if type(step) is not int or step < 0:
             raise InvalidInput(f"a step is an integer >= 0, got {step!r}")
-        condition = (ds.field("outcome") == "trained") & (ds.field("step") == step)
-        if job is not None:
-            condition &= ds.field("job") == job
-        if run is not None:
-            condition &= ds.field("run") == run
+        condition = _trained(job, run) & (ds.field("step") == step)
         rows = self._data.to_table(columns=list(STEP_COLUMNS), filter=condition).to_pylist()
         if not rows:
             raise InvalidInput(f"no trajectory trained at step {step}{_scope(job, run)} in {self.where}: expected a "
@@ -98,18 +94,24 @@ class History:
 
     def _steps_held(self, job: str | None, run: str | None) -> str:
         import pyarrow.compute as pc
-        import pyarrow.dataset as ds
 
-        condition = ds.field("outcome") == "trained"
-        if job is not None:
-            condition &= ds.field("job") == job
-        if run is not None:
-            condition &= ds.field("run") == run
-        steps = self._data.to_table(columns=["step"], filter=condition).column("step")
+        steps = self._data.to_table(columns=["step"], filter=_trained(job, run)).column("step")
         if not len(steps):
             return "and it holds no trained trajectory"
         bounds = pc.min_max(steps).as_py()
         return f"it holds steps {bounds['min']} to {bounds['max']}"
+
+
+def _trained(job: str | None, run: str | None):
+    """The filter of the trained rows of `job` and `run` (either None: any)."""
+    import pyarrow.dataset as ds
+
+    condition = ds.field("outcome") == "trained"
+    if job is not None:
+        condition &= ds.field("job") == job
+    if run is not None:
+        condition &= ds.field("run") == run
+    return condition
 
 
 def _scope(job: str | None, run: str | None) -> str:
