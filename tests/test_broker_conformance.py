@@ -394,7 +394,8 @@ def test_a_checkpointing_session_trains_seals_and_resumes_and_a_broker_restart_s
     checkpoint's manifest, lists what was trained after it and hands that
     back (`replay: true`, no credit); after a restart an ack naming its
     trajectory settles a lease the broker no longer knows; a session
-    without a run is refused a step."""
+    without a run is refused a step; an admin `end_run` reclaims the rest
+    of the run, whose resume is refused afterwards."""
     with BrokerProcess(tmp_path, vocab_size=1000) as broker:
         producer = Peer(broker.producer)
         producer.call(frames("hello", producer_id="raw", seq=0))
@@ -448,6 +449,14 @@ def test_a_checkpointing_session_trains_seals_and_resumes_and_a_broker_restart_s
         assert (reply["type"], reply["code"]) == ("nack", "not_checkpointed")
         status, _ = Peer(broker.admin).call(frames("status"))
         assert (status["queued"], status["leased"], status["unsealed"]) == (0, 0, 3)
+
+        # The run is over (admin `end_run`): all it trained is reclaimed, the steps no seal reclaimed included.
+        ended, _ = Peer(broker.admin).call(frames("end_run", run="R", seq=11))
+        assert ended == {"v": 1, "type": "run_ended", "run": "R", "reclaimed": 3, "seq": 11}
+        status, _ = Peer(broker.admin).call(frames("status"))
+        assert status["unsealed"] == 0
+        resume, _ = last.call(frames("resume", step=1, keep=1, trained=[], seq=12))
+        assert (resume["type"], resume["code"]) == ("nack", "checkpoint_gone")
 
 
 def test_two_jobs_keep_their_ids_apart_and_spans_place_each_version(broker):
