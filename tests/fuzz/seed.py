@@ -159,6 +159,7 @@ def admin() -> dict[str, bytes]:
         "dead-letters": encode(ADMIN_REQUESTS, "dead_letters", {"seq": 2, "limit": 10, "pruned": True}),
         "requeue": encode(ADMIN_REQUESTS, "requeue", {"seq": 3, "trajectory_ids": ["dead", "ready", "unknown"]}),
         "requeue-job": encode(ADMIN_REQUESTS, "requeue", {"trajectory_ids": ["dead"], "job": "eval"}),
+        "end-run": encode(ADMIN_REQUESTS, "end_run", {"seq": 4, "run": "R"}),
     }
     seeds = {f"request-{name}": join_frames(frames) for name, frames in requests.items()}
     core = targets.admin_core()

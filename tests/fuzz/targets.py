@@ -376,7 +376,7 @@ def admin(data: bytes) -> None:
         message, error = decode(frames, ADMIN_REQUESTS), None
     except ProtocolError as refusal:
         message, error = None, refusal.as_remote()
-    if not _ADMIN_CORE or (message is not None and message.type == "requeue"):  # a requeue changes the core: a fresh one
+    if not _ADMIN_CORE or (message is not None and message.type in ("requeue", "end_run")):  # they change the core
         _ADMIN_CORE[:] = [admin_core()]
     for reply in drive(_ADMIN_CORE[0].admin_request(b"admin", [], message, error, at(2.0))):
         try:
