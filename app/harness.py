@@ -517,11 +517,11 @@ def end_runs(node: LoopbackNode, runs: Iterable[str], timeout: float) -> int:
         if archive is not None:
             moved = status["counters"].get("archive_rows", 0) - before
             after_the_ends = node.broker is not broker or moved > 0 or not reclaimed
-            if after_the_ends and archive["waiting"] == 0 and archive["writing"] == 0:
+            if after_the_ends and archive["waiting"] == 0 and archive["writing"] == 0 and archive["lacking"] == 0:
                 return reclaimed
         if Clock.monotonic() > deadline:
             raise ArchiveBehind(f"the archive must hold what runs {runs} trained within {timeout} s of their end "
-                                f"({reclaimed} reclaimed): expected 0 waiting and 0 files being written, got "
+                                f"({reclaimed} reclaimed): expected 0 waiting, 0 being written and 0 segments lacking, got "
                                 f"{archive or 'no archive status'}; see {node.work / 'daemons.log'}")
         time.sleep(0.1)
 

@@ -4,8 +4,10 @@ order, and one trajectory's story.
 
 The answers come from the archive's rows: over an archive, pyarrow's
 dataset API reads only the columns asked and prunes files and row groups by
-its partition keys and statistics; over a data directory, the rows the
-question needs are exported first (`rollstream export`'s snapshot, read
+its partition keys and statistics, and what the rows' records hold (the
+weight versions, the turns) is read back for the rows an answer shows only;
+over an exported dataset, from its columns; over a data directory, the rows
+the question needs are exported first (`rollstream export`'s snapshot, read
 only, a running broker never held up). What the rows do not hold is said,
 never guessed.
 """
@@ -37,17 +39,48 @@ def _dataset(root: Path):
     return ds.dataset(root, format="parquet", partitioning="hive")
 
 
+LACKING = "its records are not in the archive yet (their segment is still in the broker's use; `rollstream end-run` copies it)"
+
+
 class History:
     """Questions to the rows of one archive (a directory of the broker's
-    archive files, or one exported file)."""
+    archive files) or of a dataset `rollstream export` wrote."""
 
     def __init__(self, root: str | Path, *, where: str | None = None):
+        from rollstream.broker.archive import ArchiveReader, is_archive
+
         self.root = Path(root)
         self.where = where or str(self.root)  # what the answers name as their source
         if not self.root.exists():
             raise InvalidInput(f"an archive is a directory of Parquet files or one file: expected one at {self.root}, "
                                "found nothing")
         self._data = _dataset(self.root)
+        self._archive = ArchiveReader(self.root) if self.root.is_dir() and is_archive(self.root) else None
+
+    def _rows(self, condition, columns: tuple[str, ...]) -> list[dict]:
+        """The rows `condition` picks, with `columns`: from a dataset's
+        columns, or from an archive's, what it merges read back from the
+        rows' records (None where the archive lacks them, said in `lacking`)."""
+        from rollstream.broker.archive import MERGED_COLUMNS, dataset_table, stored_of
+
+        if self._archive is None:
+            return self._data.to_table(columns=list(columns), filter=condition).to_pylist()
+        merged = [name for name in columns if name in MERGED_COLUMNS]
+        facts = [name for name in columns if name not in MERGED_COLUMNS]
+        if not merged:
+            return self._data.to_table(columns=facts, filter=condition).to_pylist()
+        answers = []
+        for row in self._data.to_table(filter=condition).to_pylist():  # the few rows an answer shows, whole
+            stored = stored_of(row)
+            trajectory = self._archive.load(stored, row["store_id"])
+            answer = {name: row[name] for name in facts}
+            if trajectory is None:
+                answer.update(dict.fromkeys(merged), lacking=LACKING)
+            else:
+                answer.update({name: values[0] for name, values in
+                               dataset_table([(stored, trajectory)]).select(merged).to_pydict().items()})
+            answers.append(answer)
+        return answers
 
     def step(self, step: int, *, job: str | None = None, run: str | None = None) -> list[dict]:
         """The trajectories trained at `step`, in batch order: each with its
@@ -60,7 +93,7 @@ class History:
         if type(step) is not int or step < 0:
             raise InvalidInput(f"a step is an integer >= 0, got {step!r}")
         condition = _trained(job, run) & (ds.field("step") == step)
-        rows = self._data.to_table(columns=list(STEP_COLUMNS), filter=condition).to_pylist()
+        rows = self._rows(condition, STEP_COLUMNS)
         if not rows:
             raise InvalidInput(f"no trajectory trained at step {step}{_scope(job, run)} in {self.where}: expected a "
                                f"step it holds, {self._steps_held(job, run)}")
@@ -82,7 +115,7 @@ class History:
         condition = ds.field("trajectory_id") == trajectory_id
         if job is not None:
             condition &= ds.field("job") == job
-        rows = self._data.to_table(columns=list(STORY_COLUMNS), filter=condition).to_pylist()
+        rows = self._rows(condition, STORY_COLUMNS)
         if not rows:
             raise InvalidInput(f"trajectory {trajectory_id!r}{_scope(job, None)} is not in {self.where}: expected "
                                "one the archive holds (a trajectory is archived once the broker lets go of it: "

@@ -8,7 +8,8 @@ committed), the producer and the consumer in processes of their own; every
 message the broker reads is kept, with the serving pass that read it. Then
 each rep replays that recording into a fresh broker on a fresh store, in
 this process: the same messages in the same passes, its reads served from
-the recording and its sends dropped, nothing else running. The figure is
+the recording and its sends dropped, nothing else running, its garbage
+collector tuned as `rollstream broker` tunes it once started. The figure is
 this process's CPU time (every thread: the store's writer too) per
 producer frame, the median of `--reps`.
 
@@ -26,7 +27,13 @@ interleaved with the full replay in every rep, into a broker with an
 archive (`--archive DIR`), whose files are written within the count (the
 archive thread's CPU too, and a housekeeping pass every
 `HOUSEKEEP_EVERY_PASSES` passes in both, as a live broker's loop runs one):
-`archive_ratio` is that replay's CPU over the full one's.
+`archive_ratio` is that replay's CPU over the full one's (medians; its
+spread, the lowest and highest ratio of one rep's pair). With
+`--instructions` each kind is also replayed once more in a process of its
+own under `valgrind --tool=callgrind`, counting the instructions of that
+replay alone (every thread, the archive's too; the warm-up replay before it
+not counted): `archive_instructions_ratio` holds still where the CPU
+figures move with the machine's load.
 
 The last line is one JSON object. `--smoke` records 8 samples and replays
 them once.
@@ -39,12 +46,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import multiprocessing as mp
+import os
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections import deque
+from pathlib import Path
 from unittest import mock
 
 import msgpack
@@ -52,6 +65,7 @@ import zmq
 from pipeline import VOCAB, split_turns, workload
 from procs import parse_args
 
+from rollstream.broker.cli import tune_garbage_collector
 from rollstream.broker.core import Sent
 from rollstream.broker.service import BrokerService
 from rollstream.broker.settings import BrokerSettings
@@ -202,16 +216,20 @@ def _housekeep(broker: ReplayedBroker) -> None:
     broker._drive(broker.core.finish_housekeeping(now))
 
 
-def replay(passes: list, epoch: str, ablation: str | None, archive: bool = False) -> float:
+def replay(passes: list, epoch: str, ablation: str | None, archive: bool = False, counted: bool = False) -> float:
     """CPU seconds of one replay into a fresh broker, `ablation` stubbed
     out; with `archive`, into a broker with an archive, until it holds all
-    it was given."""
+    it was given; `counted`: callgrind counts what the CPU figure counts."""
     stub = ABLATIONS[ablation]() if ablation else contextlib.nullcontext()
     with tempfile.TemporaryDirectory(prefix="rollstream-replay-") as data_dir, stub:
         broker = ReplayedBroker(_settings(data_dir, f"{data_dir}/archive" if archive else None))
         broker.start()
+        thresholds = gc.get_threshold()
+        tune_garbage_collector()  # as `rollstream broker` does once started (the archive's pyarrow imported)
         broker.core.dispatcher._epoch = epoch  # the recorded acks name the recording broker's leases
         serve = {"producer": broker._serve_producers, "consumer": broker._serve_consumers}
+        if counted:
+            _collecting(True)
         cpu = time.process_time()
         for i, (name, messages) in enumerate(passes):
             broker.queue.extend(messages)
@@ -222,12 +240,17 @@ def replay(passes: list, epoch: str, ablation: str | None, archive: bool = False
                 _housekeep(broker)
         _housekeep(broker)
         while broker.core.archive is not None and (broker.core.archive.waiting or broker.core.archive.writing):
-            time.sleep(0.001)  # the archive thread writes; its CPU counts, the wait's does not
+            while not broker._archiver.settled():
+                time.sleep(0.001)  # the archive thread writes; its CPU counts, the wait's does not
             _housekeep(broker)
         broker.store.wait_writes()
         cpu = time.process_time() - cpu
+        if counted:
+            _collecting(False)
         archived = int(broker.metrics.totals.get("archive_rows", 0))
         broker.close()
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
     if archive and not archived:
         raise RuntimeError("the archive replay archived nothing: record with --seal-every so that seals reclaim")
     return cpu
@@ -240,7 +263,14 @@ def main() -> None:
     parser.add_argument("--ablate", default="check,store,deliver", help="phases to stub out, comma-separated ('' for none)")
     parser.add_argument("--seal-every", type=int, default=0, help="the recorded consumer seals every N batches (0: never)")
     parser.add_argument("--archive", action="store_true", help="also replay into a broker with an archive")
+    parser.add_argument("--instructions", action="store_true",
+                        help="with --archive: also count each kind's instructions under callgrind")
+    parser.add_argument("--replay-file", help=argparse.SUPPRESS)  # a process under callgrind: replay this recording
+    parser.add_argument("--kind", choices=["full", "archive"], help=argparse.SUPPRESS)
     args = parse_args(parser, SMOKE)
+    if args.replay_file:
+        _replay_counted(args.replay_file, args.kind == "archive")
+        return
     ablations = [name for name in args.ablate.split(",") if name]
     unknown = sorted(set(ablations) - set(ABLATIONS))
     if unknown:
@@ -265,12 +295,46 @@ def main() -> None:
         summary[f"share_{name}"] = round(1 - statistics.median(cpu[name]) / full, 3)
     if args.archive:
         archived = statistics.median(cpu["archive"])
+        paired = [a / f for a, f in zip(cpu["archive"], cpu[None])]  # each rep's two replays ran one after the other
         summary.update(replay_archive_us_per_frame=round(archived / frames * 1e6, 1),
                        archive_ratio=round(archived / full, 3),
-                       archive_ratio_spread=[round(min(cpu["archive"]) / max(cpu[None]), 3),
-                                             round(max(cpu["archive"]) / min(cpu[None]), 3)])
+                       archive_ratio_spread=[round(min(paired), 3), round(max(paired), 3)])
+    if args.archive and args.instructions:
+        counted = {kind: _instructions(passes, epoch, kind) for kind in ("full", "archive")}
+        summary.update(replay_instructions_per_frame=round(counted["full"] / frames),
+                       archive_instructions_per_frame=round(counted["archive"] / frames),
+                       archive_instructions_ratio=round(counted["archive"] / counted["full"], 3))
     summary.update(frames=frames, reps=args.reps, seal_every=args.seal_every)
     print(json.dumps(summary))
+
+
+def _collecting(on: bool) -> None:
+    """Turn callgrind's counting of this process on or off."""
+    subprocess.run(["callgrind_control", "-i", "on" if on else "off", str(os.getpid())], check=True,
+                   capture_output=True)
+
+
+def _replay_counted(path: str, archive: bool) -> None:
+    """Under callgrind (counting off at start): a warm-up replay, then one counted."""
+    with open(path, "rb") as f:
+        passes, epoch = msgpack.unpackb(f.read(), use_list=True)
+    passes = [(name, messages) for name, messages in passes]
+    replay(passes, epoch, None, archive=archive)
+    replay(passes, epoch, None, archive=archive, counted=True)
+
+
+def _instructions(passes: list, epoch: str, kind: str) -> int:
+    """The instructions one replay of `kind` takes, counted by callgrind in a process of its own."""
+    with tempfile.TemporaryDirectory(prefix="rollstream-replay-") as work:
+        recording = Path(work) / "recording.msgpack"
+        recording.write_bytes(msgpack.packb([passes, epoch]))
+        done = subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={work}/cg.out",
+                               sys.executable, __file__, "--replay-file", str(recording), "--kind", kind],
+                              capture_output=True, text=True, check=False)
+        found = re.search(r"Collected : (\d+)", done.stderr)
+        if done.returncode != 0 or found is None:
+            raise RuntimeError(f"the {kind} replay under callgrind failed (exit {done.returncode}): {done.stderr[-2000:]}")
+        return int(found.group(1))
 
 
 if __name__ == "__main__":

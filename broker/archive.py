@@ -1,58 +1,87 @@
-"""The run's data as a dataset: trajectories the broker is about to delete
-are first written to Parquet files another tool can read (docs/archive.md).
+"""The run's data, kept: trajectories the broker is about to delete go to
+the archive first (docs/archive.md), without their payload being read or
+encoded again.
 
 A forgotten trajectory (a commit deleted it, a seal reclaimed it, or a
 pruned dead letter with `archive_dead_letters`) stays in the store marked
-`archiving` (`Store.archive_work`). The `Archiver` writes those rows, a
-file at a time, on a thread of its own; only once a file is durable
-(written beside its place, fsynced, renamed into place, its directory
-fsynced) does the broker delete its rows (`Store.archived`). A file's
-number is fixed in the store before it is written, so a broker killed
-mid-file writes the same file again at its next start: never a row lost,
-never one twice.
+`archiving` (`Store.archive_work`). The `Archiver` writes those rows' facts
+(ids, outcome, trained-at, rewards, times) and where each turn's record lies
+to Parquet, a file at a time, on a thread of its own; only once a file is
+durable (written beside its place, fsynced, renamed into place, its
+directory fsynced) does the broker delete its rows (`Store.archived`). The
+records themselves stay in the store's segment files, which are kept:
+once no row refers to a segment any more, the archiver moves the file into
+the archive whole (a rename where the archive shares the file system),
+instead of the store deleting it; when a run ends, the segments still in
+use are copied there, so that the archive holds everything archived. A
+file's number is fixed in the store before it is written, so a broker
+killed mid-file writes the same file again at its next start: never a row
+lost, never one twice.
 
-Files are partitioned the Hive way, which pyarrow, DuckDB and polars read
-as one table: `job=<job>/outcome=<outcome>/<store id>-<number>.parquet`,
-the outcome `trained`, `delivered` (deleted on commit) or `dead`. Both keys
-are also columns of every file (Hugging Face `datasets` reads the files
-alone), and never null: a partition key that is null in every file leaves
-a reader unable to tell its type. A run, lineage and step are columns,
-which a reader's filter prunes by row-group statistics. pyarrow is imported
-here only: the broker imports this module only with `--archive`.
+Layout: `job=<job>/outcome=<outcome>/<store id>-<number>.parquet` (Hive
+partitions, which pyarrow, DuckDB and polars read as one table; the outcome
+`trained`, `delivered` or `dead`), and the segments under
+`_segments/<store id>/` (a name readers of the Parquet files skip).
+`ArchiveReader` reads a row's records back and merges them, as
+`rollstream export --archive` does to write the dataset with every token
+(`DATASET_SCHEMA`, one file). pyarrow is imported here only: the broker
+imports this module only with `--archive`.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgpack
+import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollstream.common.contract import ARRAYS
-from rollstream.common.jobs import job_of, wire_id
+from rollstream.common.errors import InvalidInput
+from rollstream.common.jobs import job_key, job_of, wire_id
+from rollstream.common.segments import SegmentLog
 from rollstream.common.trajectory import Trajectory
 
-from .engine import State
+from .engine import State, TrainedAt
 from .recovery import load_trajectory
-from .store import ArchiveBatch, ArchiveOutcome, Store, StoredTrajectory
+from .store import (
+    ARCHIVE_COLUMNS,
+    ARCHIVE_TURN_COLUMNS,
+    ArchiveBatch,
+    ArchiveOutcome,
+    HandoverOutcome,
+    SegmentHandover,
+    StoreCorrupted,
+    StoredTrajectory,
+    StoredTurn,
+    StoreUnavailable,
+    read_turn_records,
+)
 
 log = logging.getLogger("rollstream.broker")
 
-# The archive's schema, in each file's key-value metadata; docs/archive.md says what each version holds.
-SCHEMA_VERSION = 1
-SCHEMA_KEY = b"rollstream:archive_schema"
+# Each file's schema and its version, in its key-value metadata; docs/archive.md says what each version holds.
+ARCHIVE_SCHEMA_VERSION = 2  # 1 held every token; 2 holds the facts and where the records lie
+ARCHIVE_SCHEMA_KEY = b"rollstream:archive_schema"
+DATASET_SCHEMA_VERSION = 1
+DATASET_SCHEMA_KEY = b"rollstream:dataset_schema"
+SEGMENTS = "_segments"  # the archive's segment files: `_` makes the Parquet readers skip them
 
 _TIME = pa.timestamp("us", tz="UTC")
 _SPAN = pa.struct([("start", pa.int32()), ("end", pa.int32())])
 _VERSION_SPAN = pa.struct([("version", pa.string()), ("start", pa.int32()), ("end", pa.int32())])
+_RECORD = pa.struct([("turn", pa.int32()), ("segment", pa.int64()), ("offset", pa.int64()), ("length", pa.int64()),
+                     ("at", _TIME)])
 
 # The trajectory's arrays, one list per row in the contract's dtype; the supports as the contract carries them
 # (CSR: a row's `mask_offsets` start at 0, token i's ids are mask_ids[offsets[i]:offsets[i + 1]]), which costs the
@@ -62,24 +91,35 @@ ARCHIVED_ARRAYS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "mask_id
 # array columns would pay for on every value.
 FILTERED = ("trajectory_id", "job", "run", "lineage", "step", "position", "outcome", "producer", "first_turn_at",
             "ended_at", "committed_at")
-DICTIONARY = ("job", "run", "lineage", "outcome", "status", "producer", "dead_reason", "gap_field")
+DICTIONARY = ("job", "run", "lineage", "outcome", "status", "producer", "dead_reason", "gap_field", "store_id")
 # zstd's fastest level, whose Huffman-coded literals are what shrinks random token ids, and delta encoding for the
 # two columns whose values step by little (each row's support offsets climb, the loss mask is runs of 0 and 1),
 # which halves their cost and size (bench/export.py).
 ZSTD_LEVEL = 1
 DELTA_ENCODED = {f"{name}.list.element": "DELTA_BINARY_PACKED" for name in ("mask_offsets", "loss_mask")}
 
-SCHEMA = pa.schema([
-    ("trajectory_id", pa.string()), ("job", pa.string()), ("run", pa.string()), ("lineage", pa.string()),
-    ("epoch", pa.int64()), ("step", pa.int64()), ("position", pa.int64()), ("group_id", pa.string()), ("group_size", pa.int32()),
-    ("sample_index", pa.int32()), ("producer", pa.string()), ("outcome", pa.string()), ("dead_reason", pa.string()),
-    ("status", pa.string()), ("turns", pa.int32()), ("response_length", pa.int32()),
+# What the store's rows say of a trajectory: the columns of both schemas.
+_IDENTITY = [("trajectory_id", pa.string()), ("job", pa.string()), ("run", pa.string()), ("lineage", pa.string()),
+             ("epoch", pa.int64()), ("step", pa.int64()), ("position", pa.int64()), ("group_id", pa.string()),
+             ("group_size", pa.int32()), ("sample_index", pa.int32()), ("producer", pa.string()),
+             ("outcome", pa.string()), ("dead_reason", pa.string())]
+_ENDING = [("gap_turn", pa.int32()), ("gap_field", pa.string()), ("reward", pa.float64()), ("reward_json", pa.string()),
+           ("metadata_json", pa.string())]
+_TIMES = [("first_turn_at", _TIME), ("ended_at", _TIME), ("first_delivered_at", _TIME), ("committed_at", _TIME),
+          ("dead_at", _TIME), ("deliveries", pa.int32())]
+
+# The broker's archive: the facts, and each stored turn's record (its segment under `_segments/<store_id>/`).
+ARCHIVE_SCHEMA = pa.schema([*_IDENTITY, *_ENDING, *_TIMES, ("ended", pa.bool_()), ("store_id", pa.string()),
+                            ("records", pa.list_(_RECORD))],
+                           metadata={ARCHIVE_SCHEMA_KEY: str(ARCHIVE_SCHEMA_VERSION).encode()})
+# The dataset `rollstream export` writes: the facts and every token, merged.
+DATASET_SCHEMA = pa.schema([
+    *_IDENTITY, ("status", pa.string()), ("turns", pa.int32()), ("response_length", pa.int32()),
     *((name, pa.list_(pa.from_numpy_dtype(ARRAYS[name].dtype))) for name in ARCHIVED_ARRAYS),
-    ("forced_spans", pa.list_(_SPAN)), ("gap_turn", pa.int32()), ("gap_field", pa.string()),
-    ("reward", pa.float64()), ("reward_json", pa.string()), ("metadata_json", pa.string()),
-    ("weight_version_spans", pa.list_(_VERSION_SPAN)), ("first_turn_at", _TIME), ("ended_at", _TIME),
-    ("first_delivered_at", _TIME), ("committed_at", _TIME), ("dead_at", _TIME), ("deliveries", pa.int32()),
-], metadata={SCHEMA_KEY: str(SCHEMA_VERSION).encode()})
+    ("forced_spans", pa.list_(_SPAN)), *_ENDING, ("weight_version_spans", pa.list_(_VERSION_SPAN)), *_TIMES,
+], metadata={DATASET_SCHEMA_KEY: str(DATASET_SCHEMA_VERSION).encode()})
+# What a dataset adds to the facts: read from the records, merged.
+MERGED_COLUMNS = tuple(name for name in DATASET_SCHEMA.names if name not in ARCHIVE_SCHEMA.names)
 
 
 # What a row the broker still holds reports (`rollstream export`): its state, an ended one as `queued`.
@@ -87,19 +127,23 @@ _HELD_OUTCOMES = {State.OPEN: "open", State.SCORING: "scoring", State.ENDED: "qu
                   State.DEAD: "dead", State.LEFT: "left"}
 
 
+def _left_as(dead_reason: str | None, trained_run: str | None) -> str:
+    """How an archived trajectory left the broker: dead, trained at a step, or delivered (deleted on commit)."""
+    if dead_reason is not None:
+        return "dead"
+    return "trained" if trained_run is not None else "delivered"
+
+
 def outcome_of(stored: StoredTrajectory) -> str:
-    """How an archiving row left the broker: trained at a step, delivered
-    (deleted on commit) or dead; a row still held reports its state."""
+    """How an archiving row left the broker (`_left_as`); a row still held reports its state."""
     if stored.state != State.ARCHIVING:
         return _HELD_OUTCOMES[stored.state]
-    if stored.dead_reason is not None:
-        return "dead"
-    return "trained" if stored.trained is not None else "delivered"
+    return _left_as(stored.dead_reason, None if stored.trained is None else stored.trained.run)
 
 
-def file_path(root: Path, stored: StoredTrajectory, store_id: str, number: int) -> Path:
+def file_path(root: Path, job: str, outcome: str, store_id: str, number: int) -> Path:
     """Where archive file `number` goes: under its rows' job and outcome (`Store.archive_work` keeps them apart)."""
-    return root / f"job={job_of(stored.trajectory_id)}" / f"outcome={outcome_of(stored)}" / f"{store_id}-{number:08d}.parquet"
+    return root / f"job={job}" / f"outcome={outcome}" / f"{store_id}-{number:08d}.parquet"
 
 
 def _lists(name: str, arrays: Sequence[np.ndarray | None]) -> pa.Array:
@@ -119,8 +163,11 @@ def _times(seconds: Sequence[float | None]) -> pa.Array:
     return pa.array([None if s is None else int(s * 1_000_000) for s in seconds], pa.int64()).cast(_TIME)
 
 
+_JSON = msgspec.json.Encoder(enc_hook=repr, order="sorted")  # what JSON cannot hold, as its repr
+
+
 def _json(value: Any) -> str | None:
-    return None if value is None else json.dumps(value, sort_keys=True, default=repr)
+    return None if value is None else _JSON.encode(value).decode()
 
 
 def _number(value: Any) -> float | None:
@@ -130,13 +177,10 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def archive_table(rows: Sequence[tuple[StoredTrajectory, Trajectory]]) -> pa.Table:
-    """One archive row per (stored rows, merged trajectory), in `SCHEMA`."""
-    stored = [s for s, _ in rows]
-    merged = [t for _, t in rows]
-    arrays: list[Mapping[str, Any]] = [t.arrays() for t in merged]  # whole arrays: no `parts_from`
+def _facts(stored: Sequence[StoredTrajectory]) -> dict[str, Any]:
+    """The columns the store's rows give, one value per trajectory."""
     trained = [s.trained for s in stored]
-    columns: dict[str, Any] = {
+    return {
         "trajectory_id": [wire_id(s.trajectory_id) for s in stored],
         "job": [job_of(s.trajectory_id) for s in stored],
         "run": [t and t.run for t in trained],
@@ -150,18 +194,11 @@ def archive_table(rows: Sequence[tuple[StoredTrajectory, Trajectory]]) -> pa.Tab
         "producer": [s.producer for s in stored],
         "outcome": [outcome_of(s) for s in stored],
         "dead_reason": [s.dead_reason for s in stored],
-        "status": [t.status for t in merged],
-        "turns": [t.turns for t in merged],
-        "response_length": [t.response_length for t in merged],
-        **{name: _lists(name, [a.get(name) for a in arrays]) for name in ARCHIVED_ARRAYS},
-        "forced_spans": [[{"start": a, "end": b} for a, b in t.forced_spans] for t in merged],
         "gap_turn": [None if s.gap is None else s.gap[0] for s in stored],
         "gap_field": [None if s.gap is None else s.gap[1] for s in stored],
         "reward": [_number(s.reward) for s in stored],
         "reward_json": [_json(s.reward) for s in stored],
         "metadata_json": [_json(s.metadata) for s in stored],
-        "weight_version_spans": [[{"version": v, "start": a, "end": b} for spans in t.weight_version_spans
-                                  for v, a, b in spans] for t in merged],
         "first_turn_at": _times([s.turns[0].at if s.turns else None for s in stored]),
         "ended_at": _times([s.turns[-1].at if s.turns else None for s in stored]),
         "first_delivered_at": _times([s.first_delivered_at for s in stored]),
@@ -169,7 +206,74 @@ def archive_table(rows: Sequence[tuple[StoredTrajectory, Trajectory]]) -> pa.Tab
         "dead_at": _times([s.dead_at for s in stored]),
         "deliveries": [s.deliveries for s in stored],
     }
-    return pa.Table.from_pydict({name: columns[name] for name in SCHEMA.names}, schema=SCHEMA)
+
+
+def _unpacked(blob: bytes | None) -> Any:
+    return None if blob is None else msgpack.unpackb(blob)
+
+
+def archive_table(batch: ArchiveBatch, store_id: str) -> pa.Table:
+    """One archive row per archiving trajectory of `batch`, in
+    `ARCHIVE_SCHEMA`: its facts and where its turns' records lie, built
+    column by column from the store's rows (nothing of the payload is
+    read, no object made per row)."""
+    n = len(batch.rows)
+    c: dict[str, Sequence] = dict(zip(ARCHIVE_COLUMNS, zip(*batch.rows))) if n else dict.fromkeys(ARCHIVE_COLUMNS, ())
+    bounds: dict[str, list[int]] = {}  # each trajectory's turns in `batch.turns`: [first, end)
+    for i, turn in enumerate(batch.turns):
+        bounds.setdefault(turn[0], [i, i])[1] = i + 1
+    turns = batch.turns
+    spans = [bounds.get(tid, (0, 0)) for tid in c["id"]]
+    located = [[t for t in turns[a:b] if t[2] is not None] for a, b in spans]
+    flat = [t for ts in located for t in ts]
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum([len(ts) for ts in located], out=offsets[1:])
+    record_columns = list(zip(*flat)) if flat else [()] * len(ARCHIVE_TURN_COLUMNS)
+    records = pa.StructArray.from_arrays(
+        [pa.array(record_columns[1], pa.int32()), pa.array(record_columns[2], pa.int64()),
+         pa.array(record_columns[3], pa.int64()), pa.array(record_columns[4], pa.int64()), _times(record_columns[5])],
+        fields=list(_RECORD))
+    rewards = [_unpacked(blob) for blob in c["reward"]]
+    trained = c["trained_run"]
+    columns: dict[str, Any] = {
+        "trajectory_id": [wire_id(tid) for tid in c["id"]],
+        "job": [job_of(tid) for tid in c["id"]],
+        "run": trained, "lineage": c["trained_lineage"], "epoch": c["trained_epoch"], "step": c["trained_step"],
+        "position": c["trained_position"],
+        "group_id": [None if gid is None else wire_id(gid) for gid in c["group_id"]],
+        "group_size": c["group_size"], "sample_index": c["sample_index"], "producer": c["producer"],
+        "outcome": [_left_as(dead, run) for dead, run in zip(c["dead_reason"], trained)],
+        "dead_reason": c["dead_reason"],
+        "gap_turn": c["gap_turn"], "gap_field": c["gap_field"],
+        "reward": [_number(r) for r in rewards], "reward_json": [_json(r) for r in rewards],
+        "metadata_json": [_json(_unpacked(blob)) for blob in c["metadata"]],
+        "first_turn_at": _times([turns[a][5] if b > a else None for a, b in spans]),
+        "ended_at": _times([turns[b - 1][5] if b > a else None for a, b in spans]),
+        "first_delivered_at": _times(c["first_delivered_at"]), "committed_at": _times(c["committed_at"]),
+        "dead_at": _times(c["dead_at"]), "deliveries": [d or 0 for d in c["deliveries"]],
+        "ended": [digest is not None for digest in c["end_digest"]],
+        "store_id": [store_id] * n,
+        "records": pa.ListArray.from_arrays(pa.array(offsets), records),
+    }
+    return pa.Table.from_pydict({name: columns[name] for name in ARCHIVE_SCHEMA.names}, schema=ARCHIVE_SCHEMA)
+
+
+def dataset_table(rows: Sequence[tuple[StoredTrajectory, Trajectory]]) -> pa.Table:
+    """One dataset row per (stored rows, merged trajectory), in `DATASET_SCHEMA`."""
+    stored = [s for s, _ in rows]
+    merged = [t for _, t in rows]
+    arrays: list[Mapping[str, Any]] = [t.arrays() for t in merged]  # whole arrays: no `parts_from`
+    columns: dict[str, Any] = {
+        **_facts(stored),
+        "status": [t.status for t in merged],
+        "turns": [t.turns for t in merged],
+        "response_length": [t.response_length for t in merged],
+        **{name: _lists(name, [a.get(name) for a in arrays]) for name in ARCHIVED_ARRAYS},
+        "forced_spans": [[{"start": a, "end": b} for a, b in t.forced_spans] for t in merged],
+        "weight_version_spans": [[{"version": v, "start": a, "end": b} for spans in t.weight_version_spans
+                                  for v, a, b in spans] for t in merged],
+    }
+    return pa.Table.from_pydict({name: columns[name] for name in DATASET_SCHEMA.names}, schema=DATASET_SCHEMA)
 
 
 def _fsync_directory(path: Path) -> None:
@@ -180,10 +284,21 @@ def _fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
-def writer_options(compression: str = "zstd") -> dict[str, Any]:
-    """How every file in the archive's schema is written (the archive's and `rollstream export`'s)."""
+def writer_options(schema: pa.Schema, compression: str = "zstd") -> dict[str, Any]:
+    """How every file of `schema` (the archive's or the dataset's) is written."""
+    names = set(schema.names)
     return {"compression": compression, "compression_level": ZSTD_LEVEL if compression == "zstd" else None,
-            "use_dictionary": list(DICTIONARY), "write_statistics": list(FILTERED), "column_encoding": DELTA_ENCODED}
+            "use_dictionary": [n for n in DICTIONARY if n in names],
+            "write_statistics": [n for n in FILTERED if n in names],
+            "column_encoding": {n: e for n, e in DELTA_ENCODED.items() if n.split(".")[0] in names}}
+
+
+def _made_durably(path: Path) -> None:
+    """Make `path`'s directory and each one missing on the way, each entry durable."""
+    made = [parent for parent in reversed(path.parents) if not parent.exists()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for directory in made:
+        _fsync_directory(directory.parent)
 
 
 def write_durably(table: pa.Table, path: Path, compression: str = "zstd") -> int:
@@ -191,13 +306,10 @@ def write_durably(table: pa.Table, path: Path, compression: str = "zstd") -> int
     a hidden file beside it (readers skip names that start with a dot),
     fsynced, renamed into place, the directory fsynced (each directory made
     on the way too). Returns the file's bytes."""
-    made = [parent for parent in reversed(path.parents) if not parent.exists()]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for directory in made:
-        _fsync_directory(directory.parent)
+    _made_durably(path)
     hidden = path.with_name(f".{path.name}.tmp")
     with open(hidden, "wb") as f:
-        pq.write_table(table, f, **writer_options(compression))
+        pq.write_table(table, f, **writer_options(table.schema, compression))
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
@@ -206,53 +318,231 @@ def write_durably(table: pa.Table, path: Path, compression: str = "zstd") -> int
     return size
 
 
+def segments_of(root: Path, store_id: str) -> Path:
+    """Where an archive keeps the segment files of the store `store_id`."""
+    return root / SEGMENTS / store_id
+
+
+def _copy_range(source: int, target: int, size: int, name: str) -> None:
+    """Copy the first `size` bytes of file `source` (called `name`) to
+    `target`, in the kernel where it can (`copy_file_range`), through
+    memory where not."""
+    done = 0
+    try:
+        while done < size:
+            n = os.copy_file_range(source, target, size - done, done, done)
+            if n == 0:
+                break
+            done += n
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    while done < size:
+        chunk = os.pread(source, min(size - done, 8 << 20), done)
+        if not chunk:
+            break
+        done += os.pwrite(target, chunk, done)
+    if done != size:
+        raise StoreCorrupted(f"segment file {name} ends at {done} bytes: expected at least {size}, as far as the store "
+                             "wrote it")
+
+
+def place_segment(handover: SegmentHandover, directory: Path) -> int:
+    """Put `handover`'s segment file into `directory` durably, under its
+    own name; returns its bytes. A whole one is moved: renamed where the
+    file system is the same, else copied and then deleted; a segment
+    still in use is copied as far as `handover.size`. A copy is written
+    beside its place under a hidden name, fsynced and renamed into place,
+    so the archive never shows a part of one. A whole one found moved
+    already (by a broker killed after the move) is taken as placed."""
+    target = directory / handover.source.name
+    _made_durably(target)
+    if handover.whole:
+        if not handover.source.exists() and target.exists():
+            return target.stat().st_size
+        try:
+            os.replace(handover.source, target)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+        else:
+            _fsync_directory(directory)
+            _fsync_directory(handover.source.parent)
+            return target.stat().st_size
+    size = handover.source.stat().st_size if handover.whole else handover.size
+    hidden = target.with_name(f".{target.name}.tmp")
+    source = os.open(handover.source, os.O_RDONLY)
+    try:
+        out = os.open(hidden, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _copy_range(source, out, size, handover.source.name)
+            os.fsync(out)
+        finally:
+            os.close(out)
+    finally:
+        os.close(source)
+    os.replace(hidden, target)
+    _fsync_directory(directory)
+    if handover.whole:
+        handover.source.unlink()
+    return size
+
+
 class Archiver:
-    """Writes archive files on a thread of its own, so a slow or full
-    archive disk never holds up the broker's loop.
+    """Writes archive files and places segment files on a thread of its
+    own, so a slow or full archive disk never holds up the broker's loop.
 
     Caller: the broker's thread, every method. Affects: the files being
-    written (`busy`). Caller: the archive thread (`_run`), what it is handed:
-    it reads the batch's records from the store's segments (through
-    descriptors of its own, at offsets its rows keep referenced) and writes
-    under `root`; its outcomes come back through `finished`."""
+    written (`busy`) and the segments being placed (`placing`). Caller: the
+    archive thread (`_run`), what it is handed: it writes under `root` from
+    the rows it is given, and moves or copies the store's segment files it
+    is given (a file no row refers to any more, or up to a committed
+    size); its outcomes come back through `finished`."""
 
-    def __init__(self, root: str | os.PathLike, store: Store, store_id: str, *, compression: str = "zstd"):
-        self.root, self.store, self.store_id, self.compression = Path(root), store, store_id, compression
-        self.busy: set[int] = set()  # numbers handed out and not yet finished
-        self._work: queue.SimpleQueue[ArchiveBatch | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[ArchiveOutcome] = queue.SimpleQueue()
+    def __init__(self, root: str | os.PathLike, store_id: str, *, compression: str = "zstd"):
+        self.root, self.store_id, self.compression = Path(root), store_id, compression
+        self.busy: set[int] = set()  # archive file numbers handed out and not yet finished
+        self.placing: set[int] = set()  # segment numbers handed out and not yet finished
+        self._work: queue.SimpleQueue[ArchiveBatch | SegmentHandover | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[ArchiveOutcome | HandoverOutcome] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="rollstream-archive", daemon=True)
         self._thread.start()
 
-    def submit(self, batch: ArchiveBatch) -> None:
-        self.busy.add(batch.number)
-        self._work.put(batch)
+    def submit(self, work: ArchiveBatch | SegmentHandover) -> None:
+        (self.placing if isinstance(work, SegmentHandover) else self.busy).add(work.number)
+        self._work.put(work)
 
-    def finished(self) -> list[ArchiveOutcome]:
-        """The files finished since the last call."""
-        out: list[ArchiveOutcome] = []
+    def finished(self) -> list[ArchiveOutcome | HandoverOutcome]:
+        """What finished since the last call."""
+        out: list[ArchiveOutcome | HandoverOutcome] = []
         while True:
             try:
                 result = self._done.get_nowait()
             except queue.Empty:
                 return out
-            self.busy.discard(result.number)
+            if isinstance(result, HandoverOutcome):
+                self.placing.discard(result.handover.number)
+            else:
+                self.busy.discard(result.number)
             out.append(result)
 
+    def settled(self) -> bool:
+        """Whether everything handed out is finished (its outcome waits for `finished`)."""
+        return self._done.qsize() == len(self.busy) + len(self.placing)
+
     def close(self) -> None:
-        """Stop after the file being written; what is left is written at the next start."""
+        """Stop after the work in hand; what is left is done at the next start."""
         self._work.put(None)
         self._thread.join()
 
     def _run(self) -> None:
-        while (batch := self._work.get()) is not None:
+        while (work := self._work.get()) is not None:
+            if isinstance(work, SegmentHandover):
+                try:
+                    self._done.put(HandoverOutcome(work, place_segment(work, segments_of(self.root, self.store_id))))
+                except Exception as exc:  # the segment stays in the store, handed over again
+                    self._done.put(HandoverOutcome(work, error=exc))
+                continue
             try:
-                self._done.put(self._write(batch))
+                table = archive_table(work, self.store_id)
+                path = file_path(self.root, table["job"][0].as_py(), table["outcome"][0].as_py(), self.store_id,
+                                 work.number)
+                nbytes = write_durably(table, path, self.compression)
+                self._done.put(ArchiveOutcome(work.number, len(work.rows), nbytes, path))
             except Exception as exc:  # the batch stays in the store, handed out again
-                self._done.put(ArchiveOutcome(batch.number, error=exc))
+                self._done.put(ArchiveOutcome(work.number, error=exc))
 
-    def _write(self, batch: ArchiveBatch) -> ArchiveOutcome:
-        rows = [(stored, load_trajectory(self.store, stored) if any(t.location for t in stored.turns)
-                 else Trajectory(stored.trajectory_id)) for stored in batch.trajectories]  # none applied: no arrays
-        path = file_path(self.root, batch.trajectories[0], self.store_id, batch.number)
-        return ArchiveOutcome(batch.number, len(rows), write_durably(archive_table(rows), path, self.compression), path)
+
+def is_archive(root: Path) -> bool:
+    """Whether the Parquet files under `root` are a broker's archive (the
+    facts and records) rather than a dataset `rollstream export` wrote."""
+    import pyarrow.dataset as ds
+
+    return ARCHIVE_SCHEMA_KEY in (ds.dataset(root, format="parquet", partitioning="hive").schema.metadata or {})
+
+
+class _ArchivedRecords:
+    """One store's segment files in an archive, read as the store reads its
+    own (`load_trajectory` asks it for `read_turns`)."""
+
+    def __init__(self, directory: Path):
+        self.segments = SegmentLog.read_only(directory, damaged=StoreCorrupted)
+
+    def read_turns(self, locations: list[tuple[int, int, int]]):
+        return read_turn_records(self.segments, locations)
+
+    def lacks(self, locations: Sequence[tuple[int, int, int]]) -> bool:
+        """Whether a record at `locations` lies past what the archive holds
+        of its segment (none of it, or a copy made before it was archived)."""
+        for number, offset, length in locations:
+            path = self.segments.path(number)
+            if not path.exists() or path.stat().st_size < offset + length:
+                return True
+        return False
+
+
+def stored_of(row: Mapping[str, Any]) -> StoredTrajectory:
+    """The store's view of an archive row (`ARCHIVE_SCHEMA`), as
+    `load_trajectory` and `dataset_table` take it."""
+    job = row["job"]
+    trained = None if row["run"] is None else TrainedAt(row["run"], row["lineage"], row["step"], row["position"],
+                                                        row["epoch"])
+
+    def seconds(value) -> float | None:
+        return None if value is None else value.timestamp()
+
+    turns = [StoredTurn(r["turn"], None, True, None, (r["segment"], r["offset"], r["length"]), r["at"].timestamp())
+             for r in row["records"]]
+    return StoredTrajectory(
+        job_key(job, row["trajectory_id"]), State.ARCHIVING,
+        None if row["group_id"] is None else job_key(job, row["group_id"]), row["group_size"], row["sample_index"],
+        updated_at=0.0, end_digest=b"" if row["ended"] else None,
+        reward=None if row["reward_json"] is None else json.loads(row["reward_json"]),
+        metadata=None if row["metadata_json"] is None else json.loads(row["metadata_json"]), ready_seq=None,
+        gap=None if row["gap_turn"] is None else (row["gap_turn"], row["gap_field"]),
+        dead_reason=row["dead_reason"], dead_at=seconds(row["dead_at"]), trained=trained, turns=turns,
+        producer=row["producer"], first_delivered_at=seconds(row["first_delivered_at"]), deliveries=row["deliveries"],
+        committed_at=seconds(row["committed_at"]))
+
+
+class ArchiveReader:
+    """A broker's archive read back: its rows by a pyarrow filter (files and
+    row groups pruned by partition and statistics), and their merged
+    trajectories from the archive's segment files."""
+
+    def __init__(self, root: str | os.PathLike):
+        import pyarrow.dataset as ds
+
+        self.root = Path(root)
+        if not self.root.is_dir() or not is_archive(self.root):
+            raise InvalidInput(f"a broker's archive is a directory of its Parquet files (`rollstream broker "
+                               f"--archive`): expected one at {self.root}, found "
+                               f"{'nothing' if not self.root.exists() else 'something else'}")
+        self.dataset = ds.dataset(self.root, format="parquet", partitioning="hive")
+        self._records: dict[str, _ArchivedRecords] = {}
+        self.lacking = 0  # rows `load` found whose records the archive does not hold yet
+
+    def rows(self, condition=None, columns: Sequence[str] | None = None) -> pa.Table:
+        return self.dataset.to_table(columns=list(columns) if columns else None, filter=condition)
+
+    def batches(self, condition=None) -> Iterator[list[tuple[StoredTrajectory, str]]]:
+        """The rows `condition` picks, a record batch at a time, as the
+        store's rows, each with the id of the store whose segments hold its
+        records."""
+        for batch in self.dataset.to_batches(filter=condition, batch_size=256):
+            yield [(stored_of(row), row["store_id"]) for row in batch.to_pylist()]
+
+    def load(self, stored: StoredTrajectory, store_id: str) -> Trajectory | None:
+        """The merged trajectory, or None (counted in `lacking`) when a
+        segment of its records is not in the archive yet: it is moved there
+        once no row of the broker refers to it, or copied when a run ends."""
+        if not any(t.location for t in stored.turns):
+            return Trajectory(stored.trajectory_id)  # nothing applied: no arrays
+        records = self._records.setdefault(store_id, _ArchivedRecords(segments_of(self.root, store_id)))
+        try:
+            return load_trajectory(records, stored)  # type: ignore[arg-type]
+        except (StoreUnavailable, StoreCorrupted):
+            if not records.lacks([t.location for t in stored.turns if t.location]):
+                raise
+            self.lacking += 1
+            return None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import json
+from pathlib import Path
 
 import click
 
@@ -113,7 +114,8 @@ def status(endpoint: str, endpoints_file: str | None, as_json: bool, dead_letter
                       f", lineage epoch {policy['epoch']} (resumed from step {policy['resumed_from']})"))
     archive = report.get("archive")
     if archive is not None:
-        click.echo(f"  {'archive':<20} {archive['waiting']} waiting, {archive['writing']} file(s) being written"
+        click.echo(f"  {'archive':<20} {archive['waiting']} waiting, {archive['writing']} file(s) being written, "
+                   f"{archive['lacking']} segment(s) it lacks"
                    + ("" if archive.get("failing") is None else f", FAILING: {archive['failing']}"))
     for job, causes in report.get("starving", {}).items():
         click.echo(f"  {'STARVING ' + job:<20} {', '.join(causes)} (see the broker's log for the figures)")
@@ -255,11 +257,13 @@ def _job_name(ctx: click.Context, param: click.Parameter, job: str | None) -> st
 
 @click.command()
 @click.option("--data-dir", default=BrokerSettings.data_dir, show_default=True,
-              type=click.Path(file_okay=False, exists=True), help="Data directory of a broker, stopped or running.")
+              type=click.Path(file_okay=False), help="Data directory of a broker, stopped or running.")
+@click.option("--archive", default=None, type=click.Path(file_okay=False, exists=True),
+              help="Read a broker's archive (`rollstream broker --archive DIR`) instead of a data directory.")
 @click.option("--out", required=True, type=click.Path(),
               help="Where to write: a Parquet file, or with --format miles a new (or empty) directory.")
 @click.option("--format", "fmt", type=click.Choice(["parquet", "miles"]), default="parquet", show_default=True,
-              help="parquet: one row per trajectory in the archive's schema (docs/archive.md); miles: one session "
+              help="parquet: one row per trajectory with every token (docs/archive.md); miles: one session "
                    "payload per trajectory, which `rollstream producer --source replay` reads back.")
 @click.option("--job", default=None, callback=_job_name, help="Only this job's trajectories.")
 @click.option("--steps", default=None, callback=_steps_range,
@@ -270,16 +274,17 @@ def _job_name(ctx: click.Context, param: click.Parameter, job: str | None) -> st
 @click.option("--since", default=None, callback=_wall_time,
               help="Only trajectories whose last turn arrived at or after this time (ISO-8601, UTC unless it names "
                    "its zone, or epoch seconds).")
-def export(data_dir: str, out: str, fmt: str, job: str | None, steps: tuple[int, int] | None, trained: bool,
-           queued: bool, dead_letters: bool, since: float | None) -> None:
-    """Write the trajectories a broker's data directory holds to Parquet
-    (or miles payloads), without stopping or holding up its broker: one
-    consistent snapshot, each trajectory whole. The state filters add up;
-    with none, every trajectory with data is written, open ones too."""
+def export(data_dir: str, archive: str | None, out: str, fmt: str, job: str | None, steps: tuple[int, int] | None,
+           trained: bool, queued: bool, dead_letters: bool, since: float | None) -> None:
+    """Write the trajectories a broker's data directory holds (or its
+    archive, with --archive) to Parquet with every token, or to miles
+    payloads, without stopping or holding up its broker: one consistent
+    snapshot, each trajectory whole. The state filters add up; with none,
+    every trajectory with data is written, open ones too."""
     import sys
 
     try:
-        from .export import Selection
+        from .export import Selection, export_archive
         from .export import export as run_export
     except ImportError as exc:
         raise click.ClickException(f"export needs pyarrow, the archive extra: pip install 'rollstream[archive]' "
@@ -291,17 +296,26 @@ def export(data_dir: str, out: str, fmt: str, job: str | None, steps: tuple[int,
 
     from .store import StoreCorrupted
 
+    if archive is None and not Path(data_dir).is_dir():
+        raise click.BadParameter(f"expected a broker's data directory at {data_dir}, found "
+                                 f"{'nothing' if not Path(data_dir).exists() else 'a file'}", param_hint="--data-dir")
     selection = Selection(job=job, steps=steps, trained=trained, queued=queued, dead_letters=dead_letters, since=since)
     bar = Progress(TextColumn("exporting"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    console=Console(stderr=True), disable=not sys.stderr.isatty(), transient=True)
     task = bar.add_task("export", total=None)
     try:
         with bar:
-            exported = run_export(data_dir, out, selection, fmt=fmt,
-                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
+            exported = (run_export if archive is None else export_archive)(
+                data_dir if archive is None else archive, out, selection, fmt=fmt,
+                progress=lambda done, total: bar.update(task, completed=done, total=total))
     except InvalidInput as exc:
         raise click.BadParameter(str(exc)) from None
     except StoreCorrupted as exc:
-        raise click.ClickException(f"cannot export {data_dir}: {exc}") from None
+        raise click.ClickException(f"cannot export {archive or data_dir}: {exc}") from None
+    if archive is not None:
+        click.echo(f"exported {exported.rows} trajectories ({exported.nbytes} bytes) to {out}; skipped "
+                   f"{exported.skipped} whose records the archive lacks yet (their segments are still in the broker's "
+                   "use: `rollstream end-run` copies them)")
+        return
     click.echo(f"exported {exported.rows} trajectories ({exported.nbytes} bytes) to {out}; skipped {exported.skipped} "
                "deleted by the running broker meanwhile")

@@ -220,19 +220,25 @@ class Checkpoint(Request[None]):
 
 class ArchiveState(NamedTuple):
     """How the archive stands: trajectories the store keeps for it, files
-    being written, and why the last file failed (None: it did not)."""
+    and segments being written, why the last one failed (None: it did
+    not), and segments holding archived records it lacks (they go to it
+    when no row refers to them any more, or copied when a run ends)."""
 
     waiting: int
     writing: int
     failing: str | None
+    lacking: int = 0
 
 
 @dataclass(slots=True)
 class ArchiveStep(Request[ArchiveState | None]):
     """Delete what the archive now holds durably and hand it what waits, at
-    monotonic time `mono`. Answer: how it stands (None: no archive)."""
+    monotonic time `mono`; `complete`: also copy the segments still in use
+    that hold archived records, once nothing else waits (a run ended).
+    Answer: how it stands (None: no archive)."""
 
     mono: float
+    complete: bool = False
 
 
 # A decoded message with the refusal it already earned (decoding, content rules), or None.
@@ -326,6 +332,7 @@ class BrokerCore:
         self.memory_bytes = 0
         self.disk_bytes = 0
         self.archive: ArchiveState | None = None  # as the last housekeeping pass found it
+        self.archive_completing = False  # a run ended: the archive gets everything archived, until it has it
         self.free_bytes = 0  # on the data dir's file system
         self.endpoints: dict[str, str] = {}  # as bound, for `status`
         self._next_probe = 0.0
@@ -963,6 +970,7 @@ class BrokerCore:
             if not (yield from self._commit(effects)):
                 raise RemoteProtocolError("unavailable", "the broker cannot persist right now; retry later")
             reclaimed = self._count_reclaimed(effects, "delivered")
+            self.archive_completing = True
             log.info("run ended", extra={"run": message["run"], "reclaimed": reclaimed})
             return encode(ADMIN_REPLIES, "run_ended", {"run": message["run"], "reclaimed": reclaimed, **seq})
         if message.type == "dead_letters":
@@ -1098,7 +1106,9 @@ class BrokerCore:
             self._next_dedup_prune = now.mono + DEDUP_PRUNE_EVERY
             yield from PruneDedup(now.wall)
         self._evict_to_budget()
-        self.archive = yield from ArchiveStep(now.mono)
+        self.archive = archive = yield from ArchiveStep(now.mono, self.archive_completing)
+        if archive is None or not (archive.waiting or archive.writing or archive.lacking):
+            self.archive_completing = False
         self.disk_bytes, self.free_bytes = yield from MeasureDisk()
         if self.disk_bytes > CHECKPOINT_ABOVE * self.settings.max_disk_bytes or self.free_bytes < self.disk.reserve:
             # also below the limit: the WAL (up to 16 MiB between checkpoints) must not hold off a resume

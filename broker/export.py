@@ -1,6 +1,7 @@
-"""`rollstream export`: the trajectories a broker's data directory holds,
-as the archive's rows (Parquet in `SCHEMA`, broker/archive.py) or as miles
-session payloads, from a stopped broker's store or from a live one's.
+"""`rollstream export`: the trajectories a broker's data directory or its
+archive holds, as a dataset with every token (Parquet in `DATASET_SCHEMA`,
+broker/archive.py) or as miles session payloads, from a stopped broker's
+store, a live one's, or an archive (`ArchiveReader`).
 
 A live broker is neither held up nor changed: the export takes no directory
 lock and writes no file of the store. It opens SQLite read-only and copies
@@ -46,7 +47,7 @@ from rollstream.common.mask import SamplingMask
 from rollstream.common.miles import DEFAULT_FIELDS, FIELDS_WITH_MASK, encode_session_samples
 from rollstream.common.trajectory import Trajectory
 
-from .archive import SCHEMA, archive_table, outcome_of, writer_options
+from .archive import DATASET_SCHEMA, ArchiveReader, dataset_table, outcome_of, writer_options
 from .engine import State
 from .recovery import load_trajectory
 from .store import SCHEMA_VERSION, Segments, Store, StoreCorrupted, StoredTrajectory, StoreUnavailable
@@ -101,6 +102,36 @@ class Selection:
             parts.append("EXISTS (SELECT 1 FROM turns WHERE trajectory_id = trajectories.id AND at >= ?)")
             args.append(self.since)
         return " AND ".join(parts), tuple(args)
+
+    def archive_condition(self):
+        """The same selection as a pyarrow filter over an archive's rows
+        (which are never queued: the broker archives what it lets go of)."""
+        import datetime
+
+        import pyarrow.dataset as ds
+
+        if self.queued:
+            raise InvalidInput("an archive holds what the broker let go of, never a queued trajectory: expected "
+                               "--trained, --steps or --dead-letters, got --queued")
+        outcomes = []
+        if self.trained or self.steps is not None:
+            trained = ds.field("outcome") == "trained"
+            if self.steps is not None:
+                trained &= (ds.field("step") >= self.steps[0]) & (ds.field("step") <= self.steps[1])
+            outcomes.append(trained)
+        if self.dead_letters:
+            outcomes.append(ds.field("outcome") == "dead")
+        condition = None
+        for outcome in outcomes:
+            condition = outcome if condition is None else condition | outcome
+        narrowing = []
+        if self.job is not None:
+            narrowing.append(ds.field("job") == self.job)
+        if self.since is not None:
+            narrowing.append(ds.field("ended_at") >= datetime.datetime.fromtimestamp(self.since, datetime.timezone.utc))
+        for narrow in narrowing:
+            condition = narrow if condition is None else condition & narrow
+        return condition
 
 
 class Exported(NamedTuple):
@@ -217,13 +248,13 @@ class StoreSnapshot(Store):
         self.db.close()
 
 
-def check_out(out: Path, data_dir: Path, fmt: str) -> None:
+def check_out(out: Path, source: Path, fmt: str) -> None:
     """Refuse an output path the export cannot or must not write, naming the rule."""
     if fmt not in FORMATS:
         raise InvalidInput(f"the format must be one of {list(FORMATS)}, got {fmt!r}")
-    resolved, store = out.resolve(), data_dir.resolve()
-    if resolved == store or store in resolved.parents:
-        raise InvalidInput(f"an export writes nothing in the data directory: expected a path outside {store}, got {out}")
+    resolved, read = out.resolve(), source.resolve()
+    if resolved == read or read in resolved.parents:
+        raise InvalidInput(f"an export writes nothing in what it reads: expected a path outside {read}, got {out}")
     if not resolved.parent.is_dir():
         raise InvalidInput(f"the output's directory must exist: expected a directory at {resolved.parent}, found "
                            f"{'nothing' if not resolved.parent.exists() else 'a file'}")
@@ -235,22 +266,20 @@ def check_out(out: Path, data_dir: Path, fmt: str) -> None:
                            f"at {out}")
 
 
-def _groups(snapshot: StoreSnapshot, pages: Iterator[list[StoredTrajectory]], chunk_rows: int,
+def _groups(loaded: Iterator[tuple[StoredTrajectory, Trajectory | None]], chunk_rows: int,
             chunk_bytes: int) -> Iterator[list[tuple[StoredTrajectory, Trajectory]]]:
     """The trajectories read back, in groups of at most `chunk_rows` and
-    about `chunk_bytes` of records (those deleted meanwhile left out)."""
+    about `chunk_bytes` of records (those that could not be, None, left out)."""
     group: list[tuple[StoredTrajectory, Trajectory]] = []
     size = 0
-    for page in pages:
-        for stored in page:
-            trajectory = snapshot.load(stored)
-            if trajectory is None:
-                continue
-            group.append((stored, trajectory))
-            size += sum(t.location[2] for t in stored.turns if t.location)
-            if len(group) >= chunk_rows or size >= chunk_bytes:
-                yield group
-                group, size = [], 0
+    for stored, trajectory in loaded:
+        if trajectory is None:
+            continue
+        group.append((stored, trajectory))
+        size += sum(t.location[2] for t in stored.turns if t.location)
+        if len(group) >= chunk_rows or size >= chunk_bytes:
+            yield group
+            group, size = [], 0
     if group:
         yield group
 
@@ -283,15 +312,46 @@ def export(data_dir: str | os.PathLike, out: str | os.PathLike, selection: Selec
     `progress(done, total)` is told the rows selected, then after each group."""
     data_dir, out = Path(data_dir), Path(out)
     check_out(out, data_dir, fmt)
-    hidden = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     rows_copy = out.with_name(f".{out.name}.{os.getpid()}.rows.sqlite")
     snapshot = StoreSnapshot(data_dir)
     try:
         total = snapshot.take(selection, rows_copy)
-        if progress is not None:
-            progress(0, total)
+        loaded = ((stored, snapshot.load(stored)) for page in snapshot.pages(chunk_rows) for stored in page)
+        rows, nbytes = _write(loaded, total, out, fmt, chunk_rows, chunk_bytes, progress)
+    finally:
+        snapshot.close()
+        rows_copy.unlink(missing_ok=True)
+    return Exported(rows, nbytes, snapshot.skipped)
+
+
+def export_archive(root: str | os.PathLike, out: str | os.PathLike, selection: Selection = Selection(), *,
+                   fmt: str = "parquet", chunk_rows: int = CHUNK_ROWS, chunk_bytes: int = CHUNK_BYTES,
+                   progress: Callable[[int, int], None] | None = None) -> Exported:
+    """As `export`, from a broker's archive (`rollstream broker --archive`):
+    its rows' records read from the archive's segment files and merged. A
+    row whose records the archive lacks yet (their segment is still in the
+    broker's use) is skipped and counted (`Exported.skipped`)."""
+    root, out = Path(root), Path(out)
+    check_out(out, root, fmt)
+    reader = ArchiveReader(root)
+    condition = selection.archive_condition()
+    loaded = ((stored, reader.load(stored, store_id)) for page in reader.batches(condition)
+              for stored, store_id in page)
+    rows, nbytes = _write(loaded, reader.dataset.count_rows(filter=condition), out, fmt, chunk_rows, chunk_bytes,
+                          progress)
+    return Exported(rows, nbytes, reader.lacking)
+
+
+def _write(loaded: Iterator[tuple[StoredTrajectory, Trajectory | None]], total: int, out: Path, fmt: str,
+           chunk_rows: int, chunk_bytes: int, progress: Callable[[int, int], None] | None) -> tuple[int, int]:
+    """Write what `loaded` gives to `out` in `fmt`, beside it under a hidden
+    name first and renamed into place once whole; (rows, bytes)."""
+    hidden = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    if progress is not None:
+        progress(0, total)
+    try:
         with _fewer_collections():
-            groups = _groups(snapshot, snapshot.pages(chunk_rows), chunk_rows, chunk_bytes)
+            groups = _groups(loaded, chunk_rows, chunk_bytes)
             write = _write_parquet if fmt == "parquet" else _write_miles
             rows, nbytes = write(groups, hidden, lambda done: progress(done, total) if progress else None)
         os.replace(hidden, out)
@@ -301,10 +361,7 @@ def export(data_dir: str | os.PathLike, out: str | os.PathLike, selection: Selec
         else:
             hidden.unlink(missing_ok=True)
         raise
-    finally:
-        snapshot.close()
-        rows_copy.unlink(missing_ok=True)
-    return Exported(rows, nbytes, snapshot.skipped)
+    return rows, nbytes
 
 
 def _write_parquet(groups: Iterator[list[tuple[StoredTrajectory, Trajectory]]], path: Path,
@@ -314,11 +371,11 @@ def _write_parquet(groups: Iterator[list[tuple[StoredTrajectory, Trajectory]]], 
     encodes and compresses), one table at most waiting for it; (rows,
     bytes of the file)."""
     written = 0
-    with pq.ParquetWriter(path, SCHEMA, **writer_options()) as writer, \
+    with pq.ParquetWriter(path, DATASET_SCHEMA, **writer_options(DATASET_SCHEMA)) as writer, \
             ThreadPoolExecutor(1, thread_name_prefix="rollstream-export") as pool:
         writing: tuple[Future, int] | None = None
         for group in groups:
-            table = archive_table(group)
+            table = dataset_table(group)
             if writing is not None:
                 writing[0].result()
                 written += writing[1]

@@ -94,7 +94,7 @@ class BrokerService:
         self._reload_keys = False  # a SIGHUP asked for the key directories to be read again
         self.store = Store(settings.data_dir, sync=settings.sync, segment_bytes=settings.segment_bytes,
                            archive=None if settings.archive is None else Archiving(settings.archive_dead_letters))
-        self._archiver: Archiver | None = None  # made at `start`, once the store is open: it reads what it keeps
+        self._archiver: Archiver | None = None  # made at `start`, once the store is open (its id names the files)
         broker_id = settings.broker_id or f"{socket.gethostname()}:{os.path.abspath(settings.data_dir)}"
         self.core = BrokerCore(settings, broker_id, self.metrics, disk_reserve=self._disk_reserve())
         self._stopping = False
@@ -127,7 +127,7 @@ class BrokerService:
         if s.archive is not None:
             from .archive import Archiver  # pyarrow: only a broker with an archive imports it
 
-            self._archiver = self._store_io.archiver = Archiver(s.archive, self.store, self.store.store_id,
+            self._archiver = self._store_io.archiver = Archiver(s.archive, self.store.store_id,
                                                                 compression=s.archive_compression)
         options = dict(high_water_mark=s.high_water_mark, heartbeat_interval=s.heartbeat_interval,
                        max_message_bytes=s.max_message_bytes)

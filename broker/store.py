@@ -65,13 +65,14 @@ from .staleness import Policy, SetPolicy
 
 log = logging.getLogger("rollstream.broker")
 
-SCHEMA_VERSION = 9  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
+SCHEMA_VERSION = 10  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
 # 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`); 5: trained trajectories and runs;
 # 6: an ended trajectory's ordered policy version, each job's published policy, and the `scoring` state;
 # 7: what sampled an ended trajectory (lineage epochs and steps), and each job's ancestry (its branches);
 # 8: a pruned dead letter's reason and time, kept with its remembered id;
-# 9: a trajectory's producer, its deliveries, commit time and lineage epoch, and the archive file it waits for
-_READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9)  # an older store is upgraded in place (`Store._upgrade`)
+# 9: a trajectory's producer, its deliveries, commit time and lineage epoch, and the archive file it waits for;
+# 10: the segments holding archived records, which go to the archive instead of being deleted
+_READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10)  # an older store is upgraded in place (`Store._upgrade`)
 
 # A turn this large (long top-p supports) is written ahead on the writer
 # thread; smaller ones are written inline by their commit, where handing them
@@ -126,6 +127,7 @@ CREATE INDEX IF NOT EXISTS dedup_until ON dedup (until);
 CREATE TABLE IF NOT EXISTS released_groups (id TEXT PRIMARY KEY, size INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS runs (id TEXT PRIMARY KEY, lineage TEXT NOT NULL, seals BLOB NOT NULL,
                                  reclaimed INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS archive_segments (segment INTEGER PRIMARY KEY, in_archive INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS policies (job TEXT PRIMARY KEY, version INTEGER NOT NULL, max_staleness INTEGER,
                                      per_step INTEGER, share REAL, branches BLOB) WITHOUT ROWID;
 """
@@ -298,13 +300,40 @@ class Archiving:
     dead_letters: bool = False
 
 
-@dataclass
-class ArchiveBatch:
+# The columns of an archiving trajectory's row the archive writes (`ArchiveBatch.rows`), in this order.
+ARCHIVE_COLUMNS = ("id", "group_id", "group_size", "sample_index", "producer", "dead_reason", "dead_at", "gap_turn",
+                   "gap_field", "reward", "metadata", "end_digest", "first_delivered_at", "deliveries", "committed_at",
+                   "trained_run", "trained_lineage", "trained_step", "trained_position", "trained_epoch")
+# And of each of its turns' rows (`ArchiveBatch.turns`).
+ARCHIVE_TURN_COLUMNS = ("trajectory_id", "turn", "segment", "offset", "length", "at")
+
+
+class ArchiveBatch(NamedTuple):
     """Archiving trajectories given one archive file: `number` names it,
-    so that one written again after a crash replaces it."""
+    so that one written again after a crash replaces it. Their rows as
+    SQLite gives them, which the archive turns into columns without an
+    object per row: `rows` (`ARCHIVE_COLUMNS`, in the file's order, the
+    reward and metadata msgpack) and `turns` (`ARCHIVE_TURN_COLUMNS`, by
+    trajectory id and turn)."""
 
     number: int
-    trajectories: list[StoredTrajectory]
+    rows: list[tuple]
+    turns: list[tuple]
+
+    @property
+    def ids(self) -> list[str]:
+        return [row[0] for row in self.rows]
+
+
+class SegmentHandover(NamedTuple):
+    """A segment file for the archive: `whole`, no row refers to it and it
+    is moved there; otherwise its first `size` bytes are copied (records
+    still in use are in it: it is moved once they are gone)."""
+
+    number: int
+    source: Path
+    whole: bool
+    size: int
 
 
 class ArchiveOutcome(NamedTuple):
@@ -316,6 +345,23 @@ class ArchiveOutcome(NamedTuple):
     nbytes: int = 0
     path: Path | None = None
     error: Exception | None = None
+
+    @property
+    def what(self) -> str:
+        return f"archive file {self.number}"
+
+
+class HandoverOutcome(NamedTuple):
+    """A segment placed in the archive durably (`error` None) or not (it
+    stays in the store and is handed over again)."""
+
+    handover: SegmentHandover
+    nbytes: int = 0
+    error: Exception | None = None
+
+    @property
+    def what(self) -> str:
+        return f"segment {self.handover.source.name} ({'moved' if self.handover.whole else 'copied'})"
 
 
 @dataclass
@@ -365,6 +411,24 @@ def _unpack_frames(payload: memoryview) -> list[memoryview]:
     return frames
 
 
+def read_turn_records(segments: SegmentLog, locations: list[tuple[int, int, int]]) -> list[Message]:
+    """Stored applied turns at `locations` of `segments` (the store's, or
+    an archive's copy of them), each record's CRC verified, then parsed."""
+    with _unavailable_on_failure(f"cannot read {len(locations)} turn record(s) from {segments.directory}"):
+        records = segments.read_many(locations)
+    turns = []
+    for (number, offset, _), record in zip(locations, records):
+        try:
+            message = decode_trusted(_unpack_frames(record), PRODUCER_TO_BROKER)
+        except StoreCorrupted as exc:
+            raise StoreCorrupted(f"{segments.where(number, offset)}: {exc}") from None
+        if message.type != "turn":
+            raise StoreCorrupted(f"{segments.where(number, offset)}: a stored turn's record holds a "
+                                 f"{message.type} message")
+        turns.append(message)
+    return turns
+
+
 def _unlink_logged(path: Path) -> None:
     try:
         path.unlink(missing_ok=True)
@@ -375,21 +439,36 @@ def _unlink_logged(path: Path) -> None:
 
 class Segments(SegmentLog):
     """The store's segment log, with a live record count per segment: a
-    finished segment goes when no row refers to it any more."""
+    finished segment goes when no row refers to it any more, deleted, or
+    moved into the archive when it holds archived records (`kept`)."""
 
     def __init__(self, directory: Path, max_bytes: int, unlink: Callable[[Path], None]):
         # Written behind: the broker delivers from memory and reads a record back only to reload or recover.
         super().__init__(directory, max_bytes, damaged=StoreCorrupted, write_behind=True)
         self.live: dict[int, int] = {}
+        self.kept: set[int] = set()  # hold records of archived trajectories: the archive takes them, not a delete
+        self.to_move: list[int] = []  # kept, finished, and no row refers to them: waiting to be moved
         self._rotated: list[int] = []  # finished since the last `retire_unreferenced`
         self._unlink = unlink
 
     def remove(self, number: int) -> None:
-        """Forget a finished segment no row refers to and have its file
-        deleted off the commit's path (`unlink`). A file a crash leaves
-        behind is deleted at the next start-up, as nothing refers to it."""
+        """Let go of a finished segment no row refers to: one the archive
+        needs waits in `to_move` (its bytes still counted on disk);
+        otherwise its file is deleted off the commit's path (`unlink`). A
+        file a crash leaves behind is found at the next start-up, as nothing
+        refers to it."""
+        if number in self.kept:
+            if number not in self.to_move:
+                self.to_move.append(number)
+            return
         self._closed_sizes.pop(number, None)
         self._unlink(self.path(number))
+
+    def moved(self, number: int) -> None:
+        """A kept segment's file is in the archive now."""
+        self.kept.discard(number)
+        self.to_move.remove(number)
+        self._closed_sizes.pop(number, None)
 
     def rotate(self) -> None:
         self._rotated.append(self.current)
@@ -471,9 +550,13 @@ class Store:
         current = self.segments.current
         committed_end = max((off + length for seg, off, length in locations if seg == current), default=0)
         self.segments.open_current(committed_end)
-        for number in self.segments.existing():  # segments no record refers to any more
+        self.segments.kept = {n for (n,) in self.db.execute("SELECT segment FROM archive_segments")}
+        existing = self.segments.existing()
+        for number in existing:  # segments no record refers to any more
             if number != current and number not in self.segments.live:
                 self.segments.remove(number)
+        # A kept segment whose file is gone was moved before a crash: the archive finds it there.
+        self.segments.to_move += sorted(self.segments.kept - set(existing))
         self._next_ready_seq = 1 + max((t.ready_seq or 0 for t in trajectories), default=0)
         return recovered
 
@@ -642,19 +725,7 @@ class Store:
         """Stored applied turns, read in one pass (`Segments.read_many`) and
         parsed: each was checked when it arrived, and its record CRC has just
         been verified."""
-        with _unavailable_on_failure(f"cannot read {len(locations)} turn record(s) from {self.segments.directory}"):
-            records = self.segments.read_many(locations)
-        turns = []
-        for (number, offset, _), record in zip(locations, records):
-            try:
-                message = decode_trusted(_unpack_frames(record), PRODUCER_TO_BROKER)
-            except StoreCorrupted as exc:
-                raise StoreCorrupted(f"{self.segments.where(number, offset)}: {exc}") from None
-            if message.type != "turn":
-                raise StoreCorrupted(f"{self.segments.where(number, offset)}: a stored turn's record holds a "
-                                     f"{message.type} message")
-            turns.append(message)
-        return turns
+        return read_turn_records(self.segments, locations)
 
     # -- writing ------------------------------------------------------------
     @property
@@ -909,28 +980,86 @@ class Store:
             numbers = [n for (n,) in db.execute(f"SELECT DISTINCT archive_file FROM trajectories WHERE state="
                                                  f"'{State.ARCHIVING}' AND archive_file IS NOT NULL ORDER BY 1")
                        if n not in busy][:files]
-            return [ArchiveBatch(n, self._load_trajectories(
-                f"WHERE id IN (SELECT id FROM trajectories WHERE state='{State.ARCHIVING}' AND archive_file=?)", (n,)))
-                for n in numbers]
+            return [self._archive_batch(n) for n in numbers]
+
+    def _archive_batch(self, number: int) -> ArchiveBatch:
+        """Archive file `number`'s rows, each end checked against its CRC
+        (a damaged one is `StoreCorrupted`, never archived as if whole)."""
+        where = f"state='{State.ARCHIVING}' AND archive_file=?"
+        db = self.db
+        rows = []
+        for *row, end_crc in db.execute(f"SELECT {', '.join(ARCHIVE_COLUMNS)}, end_crc FROM trajectories WHERE {where} "
+                                        "ORDER BY trained_run, trained_lineage, trained_step, trained_position, id",
+                                        (number,)):
+            tid, reward, metadata, end_digest = row[0], row[9], row[10], row[11]
+            if end_digest is not None and (crc := _end_crc(tid, end_digest, reward, metadata)) != end_crc:
+                raise StoreCorrupted(f"{self.db_path}: trajectories row {tid!r}: CRC mismatch over its end (digest, "
+                                     f"reward, metadata): stored {end_crc}, computed {crc}")
+            rows.append(tuple(row))
+        turns = db.execute(f"SELECT {', '.join(ARCHIVE_TURN_COLUMNS)} FROM turns WHERE trajectory_id IN (SELECT id FROM "
+                           f"trajectories WHERE {where}) ORDER BY trajectory_id, turn", (number,)).fetchall()
+        return ArchiveBatch(number, rows, turns)
 
     def archived(self, number: int) -> int:
-        """Archive file `number` is durable: its trajectories' rows and
-        records are deleted (their ids stay remembered). Returns how many."""
+        """Archive file `number` is durable: its trajectories' rows are
+        deleted (their ids stay remembered), and the segments holding their
+        records are kept for the archive (`handover`), not deleted. A
+        current segment left with nothing else is finished, so that it can
+        go too. Returns how many trajectories."""
         db = self.db
+        archiving = f"SELECT id FROM trajectories WHERE state='{State.ARCHIVING}' AND archive_file=?"
         with _unavailable_on_failure(f"cannot delete archived trajectories from {self.db_path}"):
-            tids = [tid for (tid,) in db.execute(f"SELECT id FROM trajectories WHERE state='{State.ARCHIVING}' "
-                                                  "AND archive_file=?", (number,))]
+            tids = [tid for (tid,) in db.execute(archiving, (number,))]
+            kept = [n for (n,) in db.execute(f"SELECT DISTINCT segment FROM turns WHERE segment IS NOT NULL AND "
+                                             f"trajectory_id IN ({archiving})", (number,))]
             db.execute("BEGIN")
             try:
+                db.executemany("INSERT INTO archive_segments VALUES (?, 0) ON CONFLICT (segment) DO UPDATE "
+                               "SET in_archive=0", [(n,) for n in kept])
                 records_gone = _delete_trajectories(db, tids)
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
+        segments = self.segments
+        segments.kept.update(kept)
         for segment in records_gone:
-            self.segments.record_gone(segment)
-        self.segments.retire_unreferenced()
+            segments.record_gone(segment)
+        if segments.current in segments.kept and not segments.live.get(segments.current) and not self.writing_ahead:
+            segments.rotate()
+        segments.retire_unreferenced()
         return len(tids)
+
+    def handover(self, busy: Collection[int] = (), *, copies: bool = False) -> list[SegmentHandover]:
+        """The segment files to give the archive: each kept one no row
+        refers to any more, to move; with `copies`, also a copy of each
+        still in use whose archived records the archive lacks (as far as
+        the segment is written now), so that it holds everything archived
+        so far. `busy`: those being placed now."""
+        segments = self.segments
+        out = [SegmentHandover(n, segments.path(n), True, 0) for n in segments.to_move if n not in busy]
+        if copies:
+            with _unavailable_on_failure(f"cannot read the archive's segments from {self.db_path}"):
+                lacking = [n for (n,) in self.db.execute("SELECT segment FROM archive_segments WHERE in_archive=0")]
+            out += [SegmentHandover(n, segments.path(n), False,
+                                    segments.size if n == segments.current else segments.closed_size(n))
+                    for n in lacking if n not in busy and n not in segments.to_move]
+        return out
+
+    def handed_over(self, handover: SegmentHandover) -> None:
+        """`handover` is durable in the archive: a moved segment is
+        forgotten, a copied one marked as held there (until it is moved)."""
+        with _unavailable_on_failure(f"cannot record a segment the archive took in {self.db_path}"):
+            if handover.whole:
+                self.db.execute("DELETE FROM archive_segments WHERE segment=?", (handover.number,))
+                self.segments.moved(handover.number)
+            else:
+                self.db.execute("UPDATE archive_segments SET in_archive=1 WHERE segment=?", (handover.number,))
+
+    def archive_lacking(self) -> int:
+        """Segments holding archived records that the archive lacks (neither moved nor copied since)."""
+        with _unavailable_on_failure(f"cannot count the archive's segments in {self.db_path}"):
+            return self.db.execute("SELECT COUNT(*) FROM archive_segments WHERE in_archive=0").fetchone()[0]
 
     def probe(self) -> None:
         """A small real write to both files; raises `StoreUnavailable` while the

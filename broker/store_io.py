@@ -25,7 +25,7 @@ from .core import (
 )
 from .metrics import BrokerMetrics
 from .recovery import Rebuilt, load_trajectory, rebuild
-from .store import ArchiveBatch, ArchiveOutcome, Store, StoreError
+from .store import ArchiveBatch, ArchiveOutcome, HandoverOutcome, SegmentHandover, Store, StoreError
 
 log = logging.getLogger("rollstream.broker")
 
@@ -35,11 +35,12 @@ ARCHIVE_RETRY_EVERY = 5.0  # seconds after a failed archive file before its rows
 class Archiving(Protocol):
     """What `StoreIO` asks of the archive's writer (broker/archive.py's `Archiver`)."""
 
-    busy: set[int]
+    busy: set[int]  # archive files being written
+    placing: set[int]  # segments being moved or copied
 
-    def submit(self, batch: ArchiveBatch) -> None: ...
+    def submit(self, work: ArchiveBatch | SegmentHandover) -> None: ...
 
-    def finished(self) -> list[ArchiveOutcome]: ...
+    def finished(self) -> list[ArchiveOutcome | HandoverOutcome]: ...
 
 
 def free_space(directory: str | os.PathLike) -> int:
@@ -125,10 +126,14 @@ class StoreIO:
             log.warning("WAL checkpoint failed", extra={"error": str(exc)})
 
     def archive_step(self, request: ArchiveStep) -> ArchiveState | None:
-        """Delete the rows of each archive file now durable, then hand the
-        archiver the next files (not before `ARCHIVE_RETRY_EVERY` after a
-        failure: a full archive disk is tried again, not hammered). A file
-        that failed keeps its rows in the store, counted and reported."""
+        """Delete the rows of each archive file now durable and let go of
+        each segment now in the archive, then hand the archiver the next
+        segments and files (not before `ARCHIVE_RETRY_EVERY` after a
+        failure: a full archive disk is tried again, not hammered). What
+        failed stays in the store, counted and reported. Copies of segments
+        in use (`request.complete`) are handed out only while no file is
+        written or waits, and no file while they are made: a file finished
+        meanwhile could add records the copy has not got."""
         archiver, store, metrics = self.archiver, self.store, self.metrics
         if archiver is None:
             return None
@@ -137,21 +142,29 @@ class StoreIO:
                 if outcome.error is not None:
                     metrics.inc(metrics.archive_failures)
                     if self._archive_failing is None:
-                        log.warning("archive file not written; its trajectories are kept and written again",
-                                    extra={"file": outcome.number, "error": str(outcome.error)})
+                        log.warning("archive file or segment not written; what it holds is kept and written again",
+                                    extra={"what": outcome.what, "error": str(outcome.error)})
                     self._archive_failing = f"{type(outcome.error).__name__}: {outcome.error}"
                     self._archive_retry_at = request.mono + ARCHIVE_RETRY_EVERY
                     continue
-                store.archived(outcome.number)
-                metrics.inc(metrics.archive_rows, outcome.rows)
+                if isinstance(outcome, HandoverOutcome):
+                    store.handed_over(outcome.handover)
+                else:
+                    store.archived(outcome.number)
+                    metrics.inc(metrics.archive_rows, outcome.rows)
                 metrics.inc(metrics.archive_bytes, outcome.nbytes)
                 self._archive_failing = None
-            if not archiver.busy and request.mono >= self._archive_retry_at:
-                for batch in store.archive_work(self.archive_file_rows, archiver.busy):
-                    archiver.submit(batch)
             waiting = store.archive_waiting()
+            if request.mono >= self._archive_retry_at:
+                copies = request.complete and not waiting and not archiver.busy
+                for handover in store.handover(archiver.placing, copies=copies):
+                    archiver.submit(handover)
+                if not archiver.busy and not copies:
+                    for batch in store.archive_work(self.archive_file_rows, archiver.busy):
+                        archiver.submit(batch)
+            lacking = store.archive_lacking()
         except StoreError as exc:  # a durable file's rows are deleted at a later step (written again, the same)
             log.warning("archive step failed", extra={"error": str(exc)})
-            return ArchiveState(0, len(archiver.busy), f"the store: {exc}")
+            return ArchiveState(0, len(archiver.busy) + len(archiver.placing), f"the store: {exc}")
         metrics.archive_waiting.set(waiting)
-        return ArchiveState(waiting, len(archiver.busy), self._archive_failing)
+        return ArchiveState(waiting, len(archiver.busy) + len(archiver.placing), self._archive_failing, lacking)

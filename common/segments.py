@@ -144,6 +144,15 @@ class SegmentLog:
         # ago before `_written_from`, and dropped from the page cache before `_dropped_to`.
         self._writing_from = self._written_from = self._dropped_to = 0
 
+    @classmethod
+    def read_only(cls, directory: Path, *, damaged: type[Exception] = SegmentDamaged) -> "SegmentLog":
+        """A log read where it lies, records by location only (`read_many`):
+        nothing made, nothing opened to write (a copy kept elsewhere, as an
+        archive's)."""
+        log = cls.__new__(cls)
+        log.directory, log.damaged = directory, damaged
+        return log
+
     # -- files ----------------------------------------------------------------
     def path(self, number: int) -> Path:
         return self.directory / f"{_PREFIX}{number:08d}{_SUFFIX}"
@@ -159,6 +168,10 @@ class SegmentLog:
         """Delete a finished segment."""
         self.path(number).unlink(missing_ok=True)
         self._closed_sizes.pop(number, None)
+
+    def closed_size(self, number: int) -> int:
+        """A finished segment's size."""
+        return self._closed_sizes[number]
 
     def bytes_on_disk(self) -> int:
         """Without listing the directory: the broker asks five times a second."""

@@ -1,5 +1,7 @@
 """The archive (broker/archive.py): what the broker deletes is first written
-to Parquet files that pyarrow reads as one table, durably, once.
+to Parquet files that pyarrow reads as one table (the facts and where each
+record lies), durably, once; the segment files holding the records follow
+it whole, and `export_archive` turns it into the dataset with every token.
 
 The store and archiver tests drive a `MergeEngine` into a real `Store`
 marked for the archive, without sockets; the last test runs a broker
@@ -19,8 +21,9 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from broker_helpers import end_msg, turn_msg  # noqa: E402
 
-from rollstream.broker.archive import SCHEMA_KEY, SCHEMA_VERSION, Archiver  # noqa: E402
+from rollstream.broker.archive import ARCHIVE_SCHEMA_KEY, ARCHIVE_SCHEMA_VERSION, Archiver, segments_of  # noqa: E402
 from rollstream.broker.engine import EngineSettings, MergeEngine, TrainedAt  # noqa: E402
+from rollstream.broker.export import export_archive  # noqa: E402
 from rollstream.broker.recovery import rebuild  # noqa: E402
 from rollstream.broker.store import Archiving, Store  # noqa: E402
 from rollstream.common.jobs import DEFAULT_JOB  # noqa: E402
@@ -52,11 +55,45 @@ def write_all(archiver: Archiver, store: Store, rows: int = 1024) -> list:
 
 def archive_once(root: Path, store: Store, rows: int = 1024) -> list:
     """An archiver under `root` writes every file the store hands out, then stops; the outcomes."""
-    archiver = Archiver(root, store, store.store_id)
+    archiver = Archiver(root, store.store_id)
     try:
         return write_all(archiver, store, rows)
     finally:
         archiver.close()
+
+
+def place_all(archiver: Archiver, store: Store, *, copies: bool) -> list:
+    """Place every segment the store hands over, as the broker's archive step does; the outcomes."""
+    outcomes = []
+    for handover in store.handover(archiver.placing, copies=copies):
+        archiver.submit(handover)
+    while archiver.placing:
+        for outcome in archiver.finished():
+            assert outcome.error is None, outcome.error
+            store.handed_over(outcome.handover)
+            outcomes.append(outcome)
+    return outcomes
+
+
+def archive_all(root: Path, store: Store, *, copies: bool = True) -> None:
+    """Everything the store lets go of into the archive under `root`: its
+    files written and their rows deleted, then the segments placed (those
+    still in use copied, with `copies`, as when a run ends)."""
+    archiver = Archiver(root, store.store_id)
+    try:
+        for outcome in write_all(archiver, store):
+            assert outcome.error is None, outcome.error
+            store.archived(outcome.number)
+        place_all(archiver, store, copies=copies)
+    finally:
+        archiver.close()
+
+
+def dataset(root: Path, out: Path) -> dict[str, dict]:
+    """The archive under `root` exported with every token (`rollstream export --archive`), by trajectory id."""
+    exported = export_archive(root, out)
+    assert exported.skipped == 0, f"{exported.skipped} rows' records are not in the archive"
+    return {row["trajectory_id"]: row for row in pq.read_table(out).to_pylist()}
 
 
 def read(root: Path) -> dict[str, dict]:
@@ -82,8 +119,18 @@ def test_a_committed_trajectory_is_archived_whole_then_deleted_and_its_id_stays_
     assert outcome.error is None and outcome.rows == 1
     assert outcome.path == tmp_path / "archive" / f"job={DEFAULT_JOB}" / "outcome=delivered" / \
         f"{store.store_id}-{outcome.number:08d}.parquet"
-    assert pq.read_schema(outcome.path).metadata[SCHEMA_KEY] == str(SCHEMA_VERSION).encode()
-    row = read(tmp_path / "archive")["t"]
+    assert pq.read_schema(outcome.path).metadata[ARCHIVE_SCHEMA_KEY] == str(ARCHIVE_SCHEMA_VERSION).encode()
+    facts = read(tmp_path / "archive")["t"]
+    assert [(r["turn"], r["segment"], r["at"].timestamp()) for r in facts["records"]] == [(0, 1, 1000.0), (1, 1, 1000.0)]
+    assert "tokens" not in facts, "the broker writes the facts and where the records lie, never the payload again"
+    store.archived(outcome.number)
+    assert store.archive_waiting() == 0
+    assert store.segments.to_move == [1] and (tmp_path / "data" / "segments" / "seg-00000001.log").exists(), \
+        "the segment holding its records is finished and kept for the archive, not deleted"
+    archive_all(tmp_path / "archive", store)
+    assert not (tmp_path / "data" / "segments" / "seg-00000001.log").exists()
+    assert (segments_of(tmp_path / "archive", store.store_id) / "seg-00000001.log").exists(), "moved whole"
+    row = dataset(tmp_path / "archive", tmp_path / "dataset.parquet")["t"]
     assert row["job"] == DEFAULT_JOB and row["run"] is None and row["producer"] == "p0"
     assert row["prompt_tokens"] == [1, 2, 3]
     assert row["tokens"] == [10, 11, 7, 8, 13], "sampled, forced, sampled"
@@ -98,8 +145,6 @@ def test_a_committed_trajectory_is_archived_whole_then_deleted_and_its_id_stays_
     assert row["deliveries"] == 1
     assert row["first_turn_at"].timestamp() == 1000.0 and row["first_delivered_at"].timestamp() == 1001.0
     assert row["committed_at"].timestamp() == 1002.0
-    store.archived(outcome.number)
-    assert store.archive_waiting() == 0
     store.close()
     store, engine = opened(tmp_path / "data")
     assert "t" in engine.dedup and "t" not in engine.entries, "archived: deleted, its id remembered"
@@ -190,7 +235,7 @@ def test_pruned_dead_letters_are_archived_with_their_reason_only_when_asked(tmp_
 def test_supports_of_many_rows_stay_each_rows_own():
     """Rows with and without supports side by side: each row's ids and
     offsets are its own (offsets from 0), a row without supports null."""
-    from rollstream.broker.archive import archive_table
+    from rollstream.broker.archive import dataset_table
     from rollstream.broker.store import StoredTrajectory
     from rollstream.common.trajectory import Trajectory, Turn
 
@@ -203,7 +248,7 @@ def test_supports_of_many_rows_stay_each_rows_own():
     plain.append_turn(Turn.build([7], [-1.0]))
     again = Trajectory("n", [3])
     again.append_turn(Turn.build([8], [-1.0], supports=[[8, 1, 2]]))
-    table = archive_table([(stored("m"), with_mask), (stored("p"), plain), (stored("n"), again)])
+    table = dataset_table([(stored("m"), with_mask), (stored("p"), plain), (stored("n"), again)])
     assert table.column("mask_ids").to_pylist() == [[5, 9, 6], None, [8, 1, 2]]
     assert table.column("mask_offsets").to_pylist() == [[0, 2, 3], None, [0, 3]]
     assert table.column("tokens").to_pylist() == [[5, 6], [7], [8]]
@@ -244,8 +289,9 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_then_the_res
                 trained.update({tid: (step, position) for position, tid in enumerate(batch.trajectory_ids)})
                 consumer.sealed(step)
             consumer.flush(10)
-        def archived(expected: set[str]) -> bool:
-            return (broker.status().get("archive", {}).get("waiting") == 0 and archive.exists()
+        def archived(expected: set[str], lacking: int | None = None) -> bool:
+            state = broker.status().get("archive", {})
+            return (state.get("waiting") == 0 and lacking in (None, state.get("lacking")) and archive.exists()
                     and set(read(archive)) == expected)
 
         # The seal of step 3 reclaims through step 2, the second-latest checkpoint.
@@ -255,9 +301,10 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_then_the_res
         ended = subprocess.run([*cli, "end-run", "--admin", broker.admin, run], capture_output=True, text=True,
                                timeout=60)
         assert ended.returncode == 0 and "2 trained trajectories reclaimed" in ended.stdout, ended.stdout + ended.stderr
-        wait_for(lambda: archived(set(trained)), timeout=60, what="the archive to hold the whole run")
+        wait_for(lambda: archived(set(trained), lacking=0), timeout=60,
+                 what="the archive to hold the whole run, the records in segments still in use copied")
         reclaimed = set(trained)
-        rows = read(archive)
+        rows = dataset(archive, tmp_path / "dataset.parquet")
         for tid, row in rows.items():
             sent = next(r for r in rollouts if r.trajectory_id == tid)
             assert (row["step"], row["position"], row["epoch"], row["outcome"]) == (*trained[tid], 0, "trained")
@@ -267,15 +314,17 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_then_the_res
         assert broker.status()["counters"].get("archive_rows", 0) == len(reclaimed)
         shown = subprocess.run([*cli, "status", "--admin", broker.admin],
                                capture_output=True, text=True, timeout=60)
-        assert "archive              0 waiting, 0 file(s) being written" in shown.stdout, shown.stdout + shown.stderr
+        assert "archive              0 waiting, 0 file(s) being written, 0 segment(s) it lacks" in shown.stdout, \
+            shown.stdout + shown.stderr
     finally:
         broker.__exit__(None, None, None)
         shutil.rmtree(broker.directory, ignore_errors=True)
 
 
-def test_duckdb_and_hugging_face_datasets_read_the_archive_as_pyarrow_does(tmp_path):
+def test_duckdb_and_hugging_face_datasets_read_the_archive_and_its_export_as_pyarrow_does(tmp_path):
     """The recipes of docs/archive.md: DuckDB over the Hive-partitioned
-    files, Hugging Face `datasets` over the same directory."""
+    files and over the dataset exported from them, Hugging Face `datasets`
+    over both."""
     duckdb = pytest.importorskip("duckdb", reason="reading the archive with DuckDB needs the analysis extra")
     datasets = pytest.importorskip("datasets", reason="reading the archive with datasets needs the analysis extra")
     store, engine = opened(tmp_path / "data")
@@ -284,21 +333,27 @@ def test_duckdb_and_hugging_face_datasets_read_the_archive_as_pyarrow_does(tmp_p
     store.commit(engine.trained("a", TrainedAt("run-1", "lin-1", 1, 0), 5.0))
     store.commit(engine.delivered("b", 6.0))
     store.commit(engine.seal("run-1", "lin-1", 1, 1, 7.0))
-    for outcome in archive_once(tmp_path / "archive", store):
-        store.archived(outcome.number)
+    archive_all(tmp_path / "archive", store)
     store.close()
-    root = tmp_path / "archive"
+    root, exported = tmp_path / "archive", tmp_path / "dataset.parquet"
+    facts = {tid: (row["outcome"], row["step"]) for tid, row in read(root).items()}
+    assert facts == {"a": ("trained", 1), "b": ("delivered", None)}
     expected = {tid: (row["outcome"], row["step"], row["tokens"], row["mask_ids"], row["mask_offsets"])
-                for tid, row in read(root).items()}
+                for tid, row in dataset(root, exported).items()}
     assert expected == {"a": ("trained", 1, [5, 6], [5, 1, 6], [0, 2, 3]), "b": ("delivered", None, [7], [7], [0, 1])}
-    found = duckdb.sql(f"SELECT trajectory_id, outcome, step, tokens, mask_ids, mask_offsets FROM read_parquet("
-                       f"'{root}/**/*.parquet', hive_partitioning = true) ORDER BY trajectory_id").fetchall()
-    assert {tid: (outcome, step, list(tokens), list(ids), list(offsets)) for tid, outcome, step, tokens, ids, offsets
-            in found} == expected
+    found = duckdb.sql(f"SELECT trajectory_id, outcome, step FROM read_parquet('{root}/**/*.parquet', "
+                       "hive_partitioning = true) ORDER BY trajectory_id").fetchall()
+    assert {tid: (outcome, step) for tid, outcome, step in found} == facts
     trained = duckdb.sql(f"SELECT trajectory_id FROM read_parquet('{root}/**/*.parquet', hive_partitioning = true) "
                          "WHERE outcome = 'trained' AND step = 1").fetchall()
     assert trained == [("a",)]
-    loaded = datasets.load_dataset("parquet", data_dir=str(root), split="train")
+    found = duckdb.sql(f"SELECT trajectory_id, outcome, step, tokens, mask_ids, mask_offsets FROM read_parquet("
+                       f"'{exported}') ORDER BY trajectory_id").fetchall()
+    assert {tid: (outcome, step, list(tokens), list(ids), list(offsets)) for tid, outcome, step, tokens, ids, offsets
+            in found} == expected
+    loaded = datasets.load_dataset("parquet", data_files=f"{root}/**/*.parquet", split="train")
+    assert {row["trajectory_id"]: (row["outcome"], row["step"]) for row in loaded} == facts
+    loaded = datasets.load_dataset("parquet", data_files=str(exported), split="train")
     assert {row["trajectory_id"]: (row["outcome"], row["step"], row["tokens"], row["mask_ids"], row["mask_offsets"])
             for row in loaded} == expected
 
@@ -328,9 +383,72 @@ def test_the_store_hands_out_a_few_files_at_a_time_and_the_same_ones_until_they_
     for tid in "abcde":
         store.commit(engine.delivered(tid, 2.0))
     handed = store.archive_work(1, files=2)
-    assert [[t.trajectory_id for t in batch.trajectories] for batch in handed] == [["a"], ["b"]]
+    assert [batch.ids for batch in handed] == [["a"], ["b"]]
     assert [b.number for b in store.archive_work(1, busy={handed[0].number}, files=2)] == [handed[1].number,
                                                                                           handed[1].number + 1]
     store.archived(handed[0].number)
     assert [b.number for b in store.archive_work(1, files=5)] == [n + handed[0].number for n in (1, 2, 3, 4)]
+    store.close()
+
+
+def test_a_segment_still_in_use_is_copied_when_asked_and_moved_once_no_row_refers_to_it(tmp_path):
+    """Two trajectories' records share a segment: the one committed is
+    archived while the other is still queued. Without copies, the archive
+    lacks its records (export skips the row and says so); a copy (a run
+    ended) brings them; once the other goes too, the segment moves whole."""
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [m for tid in ("a", "b") for m in (turn_msg(tid, 0, [5, 6], [[5], [6, 1]]), end_msg(tid))])
+    store.commit(engine.delivered("a", 2.0))
+    archive_all(tmp_path / "archive", store, copies=False)
+    assert store.archive_lacking() == 1 and store.segments.to_move == []
+    assert export_archive(tmp_path / "archive", tmp_path / "none.parquet").skipped == 1
+    archive_all(tmp_path / "archive", store, copies=True)
+    assert store.archive_lacking() == 0
+    assert dataset(tmp_path / "archive", tmp_path / "a.parquet")["a"]["mask_ids"] == [5, 6, 1]
+    assert (tmp_path / "data" / "segments" / "seg-00000001.log").exists(), "a copy: the store keeps its own"
+    store.commit(engine.delivered("b", 3.0))
+    archive_all(tmp_path / "archive", store, copies=False)
+    assert not (tmp_path / "data" / "segments" / "seg-00000001.log").exists() and store.segments.kept == set()
+    assert sorted(dataset(tmp_path / "archive", tmp_path / "ab.parquet")) == ["a", "b"]
+    store.close()
+    store, engine = opened(tmp_path / "data")
+    assert store.segments.kept == set() and store.archive_lacking() == 0, "what the archive took is forgotten durably"
+    store.close()
+
+
+def test_a_segment_moved_before_a_crash_is_found_in_the_archive_at_the_next_start(tmp_path):
+    """Killed after a segment's rename but before the store forgot it: the
+    next start hands it over again and the archive takes it as placed."""
+    from rollstream.broker.archive import place_segment
+
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [turn_msg("a", 0), end_msg("a")])
+    store.commit(engine.delivered("a", 2.0))
+    for outcome in archive_once(tmp_path / "archive", store):
+        store.archived(outcome.number)
+    (handover,) = store.handover()
+    place_segment(handover, segments_of(tmp_path / "archive", store.store_id))  # then the broker died
+    store.close()
+    store, engine = opened(tmp_path / "data")
+    assert [h.number for h in store.handover()] == [handover.number]
+    archive_all(tmp_path / "archive", store)
+    assert store.segments.kept == set()
+    assert dataset(tmp_path / "archive", tmp_path / "a.parquet")["a"]["tokens"] == [10]
+    store.close()
+
+
+def test_the_archiver_writes_a_file_without_reading_a_record(tmp_path, monkeypatch):
+    """The broker's CPU: archiving never reads, decodes or encodes a payload again."""
+    import rollstream.broker.store as store_module
+
+    def refuse(*args):
+        raise AssertionError("the archiver read a record")
+
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [turn_msg("a", 0), end_msg("a")])
+    store.commit(engine.delivered("a", 2.0))
+    monkeypatch.setattr(store_module, "read_turn_records", refuse)
+    monkeypatch.setattr(store_module.Segments, "read_many", refuse)
+    (outcome,) = archive_once(tmp_path / "archive", store)
+    assert outcome.error is None and outcome.rows == 1
     store.close()

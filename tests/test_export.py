@@ -129,7 +129,7 @@ def test_a_stopped_store_exports_every_trajectory_with_data_as_it_was_sent_with_
     result = export(tmp_path / "data", tmp_path / "all.parquet")
     assert (result.rows, result.skipped) == (len(sent), 0)
     assert result.nbytes == (tmp_path / "all.parquet").stat().st_size
-    assert pq.read_schema(tmp_path / "all.parquet") == export_module.SCHEMA
+    assert pq.read_schema(tmp_path / "all.parquet") == export_module.DATASET_SCHEMA
     rows = rows_of(tmp_path / "all.parquet")
     assert {tid: row["outcome"] for tid, row in rows.items()} == OUTCOMES
     for tid, row in rows.items():
@@ -193,12 +193,12 @@ def test_a_bad_path_is_refused_naming_its_rule_expected_and_actual(tmp_path):
          ["holds state.sqlite and segments/", f"expected a file at {tmp_path / 'empty' / 'state.sqlite'}",
           "found nothing"]),
         (["--data-dir", data, "--out", str(tmp_path / "data" / "o.parquet")],
-         ["writes nothing in the data directory", "expected a path outside"]),
+         ["writes nothing in what it reads", "expected a path outside"]),
         (["--data-dir", data, "--out", str(tmp_path / "missing" / "o.parquet")],
          ["the output's directory must exist", f"expected a directory at {tmp_path / 'missing'}", "found nothing"]),
         (["--data-dir", data, "--out", str(tmp_path / "empty")], ["writes one file", "got the directory"]),
         (["--data-dir", data, "--out", str(tmp_path / "data"), "--format", "miles"],
-         ["writes nothing in the data directory"]),
+         ["writes nothing in what it reads"]),
     ]
     for args, words in cases:
         result = run_cli(*args)
@@ -218,7 +218,7 @@ def test_a_store_of_another_schema_version_is_refused_naming_both(tmp_path):
     db.commit()
     db.close()
     result = run_cli("--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "o.parquet"))
-    assert result.exit_code == 1 and "export reads stores of schema version 9, this one has 8" in result.output, \
+    assert result.exit_code == 1 and "export reads stores of schema version 10, this one has 8" in result.output, \
         result.output
 
 

@@ -11,7 +11,7 @@ pytest.importorskip("pyarrow", reason="history reads the archive's Parquet files
 
 from broker_helpers import end_msg, turn_msg  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
-from test_archive import archive_once, opened, produce  # noqa: E402
+from test_archive import archive_all, opened, produce  # noqa: E402
 
 from rollstream.app.cli import main  # noqa: E402
 from rollstream.app.history import History  # noqa: E402
@@ -19,25 +19,28 @@ from rollstream.broker.engine import TrainedAt  # noqa: E402
 from rollstream.common.errors import InvalidInput  # noqa: E402
 
 
-def a_run(tmp_path, *, archive: bool = True):
+def a_run(tmp_path, *, archive: bool = True, copies: bool = True):
     """Three trajectories of producer p0 trained by run R: b and a at step
     1 (positions 0, 1), c at step 2, sampled at versions 0 and 1; d of
     producer p1 trained at step 1 by another run S. With `archive`, all of
-    it is archived (the runs ended); the data directory stays either way."""
+    it is archived (the runs ended; without `copies`, a queued trajectory
+    keeps their segment in the store's use, so the archive lacks their
+    records); the data directory stays either way."""
     store, engine = opened(tmp_path / "data")
     produce(engine, store, [turn_msg("a", 0, [5], [[5, 6]], weight_version="0"), end_msg("a", reward=1.0),
                             turn_msg("b", 0, [7], weight_version="0"),
                             turn_msg("b", 1, [8], weight_version="1"), end_msg("b", reward=0.0),
                             turn_msg("c", 0, [9], weight_version="1"), end_msg("c", reward=0.5)], wall=100.0)
     produce(engine, store, [turn_msg("d", 0, [3], weight_version="0"), end_msg("d")], producer="p1", wall=101.0)
+    if not copies:
+        produce(engine, store, [turn_msg("e", 0), end_msg("e")], wall=101.0)
     for tid, at in (("b", TrainedAt("R", "L", 1, 0, 0)), ("a", TrainedAt("R", "L", 1, 1, 0)),
                     ("c", TrainedAt("R", "L", 2, 0, 0)), ("d", TrainedAt("S", "M", 1, 0, 0))):
         engine.sent(tid, 102.0)
         store.commit(engine.trained(tid, at, 103.0))
     if archive:
         store.commit(engine.end_run("R", 104.0) + engine.end_run("S", 104.0))
-        for outcome in archive_once(tmp_path / "archive", store):
-            store.archived(outcome.number)
+        archive_all(tmp_path / "archive", store, copies=copies)
     store.close()
 
 
@@ -93,3 +96,18 @@ def test_the_command_refuses_a_question_it_cannot_answer_with_the_rule(tmp_path)
     assert both.exit_code == 2 and "expected exactly one of --archive and --data-dir" in both.output
     unknown = runner.invoke(main, ["history", *archive, "--step", "9", "--run", "R"])
     assert unknown.exit_code == 1 and "it holds steps 1 to 2" in unknown.output, unknown.output
+
+
+def test_an_archive_and_the_dataset_exported_from_it_answer_alike_and_missing_records_are_said(tmp_path):
+    from rollstream.broker.export import export_archive
+
+    a_run(tmp_path / "whole")
+    export_archive(tmp_path / "whole" / "archive", tmp_path / "dataset.parquet")
+    answers = [[(r["trajectory_id"], r["weight_versions"], r["staleness"]) for r in History(source).step(1, run="R")]
+               for source in (tmp_path / "whole" / "archive", tmp_path / "dataset.parquet")]
+    assert answers[0] == answers[1] == [("b", ["0", "1"], 1), ("a", ["0"], 1)]
+    a_run(tmp_path / "lacking", copies=False)
+    rows = History(tmp_path / "lacking" / "archive").step(1, run="R")
+    assert [(r["trajectory_id"], r["weight_versions"], r["staleness"]) for r in rows] == [("b", [], None),
+                                                                                          ("a", [], None)]
+    assert all("not in the archive yet" in r["lacking"] for r in rows), "what the archive lacks is said, not guessed"

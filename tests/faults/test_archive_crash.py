@@ -1,9 +1,10 @@
 """The archive across broker crashes: a real broker process with
 `--archive`, SIGKILLed while it archives what a consumer that deletes on
 commit committed, restarted on the same data directory; the archive ends
-with every committed trajectory once (docs/archive.md: a file's number is
-fixed before it is written, so a file cut short or written but not yet
-deleted from the store is written again, replacing itself)."""
+with every committed trajectory once, its records whole (docs/archive.md:
+a file's number is fixed before it is written, so a file cut short or
+written but not yet deleted from the store is written again, replacing
+itself; a segment moved but not yet forgotten is found moved)."""
 from __future__ import annotations
 
 import shutil
@@ -20,6 +21,9 @@ from waiting import wait_for
 from rollstream.consumer.client import Consumer
 
 ds = pytest.importorskip("pyarrow.dataset", reason="the archive needs the archive extra (pyarrow)")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from rollstream.broker.export import export_archive  # noqa: E402
 
 # How long a reply or a state may take on a machine running other work: a
 # bound on a failing wait, not a timing assertion.
@@ -106,6 +110,15 @@ def test_a_broker_killed_while_it_archives_loses_no_row_and_writes_none_twice(tm
         assert not lost, f"rule 'nothing committed is lost' broken: expected every committed one archived, lost {lost}"
         assert {r["trajectory_id"] for r in rows} == set(committed) == {r.trajectory_id for r in rollouts}
         assert {r["outcome"] for r in rows} == {"delivered"}, "deleted on commit: delivered"
+        # Every row's records: its segments moved (or copied, a run ended) into the archive, each record whole.
+        wait_for(lambda: broker.status().get("archive", {}).get("lacking") == 0, PATIENCE,
+                 "the archive to hold the segments of what it archived")
+        exported = export_archive(archive, tmp_path / "dataset.parquet")
+        assert (exported.rows, exported.skipped) == (TRAJECTORIES, 0)
+        sent = {r.trajectory_id: r for r in rollouts}
+        for row in pq.read_table(tmp_path / "dataset.parquet", columns=["trajectory_id", "mask_ids"]).to_pylist():
+            merged = sent[row["trajectory_id"]].merged()
+            assert row["mask_ids"] == merged.arrays()["mask_ids"].tolist(), row["trajectory_id"]
         left = sorted(str(p.relative_to(archive)) for p in archive.rglob(".*"))
         assert not left, f"every file cut short is written again in its place: expected no hidden file left, got {left}"
         print(f"hidden files at each kill: {hidden_at_kill}")

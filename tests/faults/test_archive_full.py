@@ -20,6 +20,9 @@ from waiting import wait_for
 from rollstream.consumer.client import Consumer
 
 ds = pytest.importorskip("pyarrow.dataset", reason="the archive needs the archive extra (pyarrow)")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from rollstream.broker.export import export_archive  # noqa: E402
 
 # A bound on a failing wait on a busy machine, not a timing assertion.
 PATIENCE = 120.0
@@ -82,7 +85,15 @@ def test_a_full_archive_disk_leaves_the_broker_serving_and_every_row_kept_until_
                      "the archive to catch up once there is room")
             counts = archived_ids(archive)
             assert set(counts) == set(committed) and set(counts.values()) == {1}, counts
+            # The segments holding their records follow (moved across file systems: copied, then deleted).
+            wait_for(lambda: broker.status().get("archive", {}).get("lacking") == 0, PATIENCE,
+                     "the archive to hold the segments of what it archived")
             assert broker.status()["archive"]["failing"] is None
+            exported = export_archive(archive, tmp_path / "dataset.parquet")
+            assert exported.skipped == 0 and exported.rows == len(committed)
+            sent = {r.trajectory_id: r for r in rollouts}
+            for row in pq.read_table(tmp_path / "dataset.parquet", columns=["trajectory_id", "tokens"]).to_pylist():
+                assert row["tokens"] == sent[row["trajectory_id"]].merged().arrays()["tokens"].tolist()
         finally:
             if consumer is not None:
                 consumer.close()
