@@ -102,7 +102,7 @@ class History:
             raise InvalidInput(f"step {step} was trained by more than one run in {self.where}: expected --job/--run "
                                f"to name one of {sorted(runs, key=str)}")
         for row in rows:
-            versions = sorted({span["version"] for span in row.pop("weight_version_spans") or ()})
+            versions = sorted({span["version"] for spans in row.pop("weight_version_spans") or () for span in spans})
             oldest = oldest_version(versions)
             row.update(weight_versions=versions, staleness=None if oldest is None else step - oldest)
         return sorted(rows, key=lambda row: row["position"])

@@ -238,6 +238,8 @@ def replay(passes: list, epoch: str, ablation: str | None, archive: bool = False
             broker._drive(broker.core.deliver(now))
             if i % HOUSEKEEP_EVERY_PASSES == HOUSEKEEP_EVERY_PASSES - 1:
                 _housekeep(broker)
+        broker._store_io.archive_linger = 0.0  # what lingers for a fuller file is written now (the segments in use
+        # are not copied, as a run's end would: once a run, that is no part of a steady state's cost)
         _housekeep(broker)
         while broker.core.archive is not None and (broker.core.archive.waiting or broker.core.archive.writing):
             while not broker._archiver.settled():

@@ -116,7 +116,8 @@ ARCHIVE_SCHEMA = pa.schema([*_IDENTITY, *_ENDING, *_TIMES, ("ended", pa.bool_())
 DATASET_SCHEMA = pa.schema([
     *_IDENTITY, ("status", pa.string()), ("turns", pa.int32()), ("response_length", pa.int32()),
     *((name, pa.list_(pa.from_numpy_dtype(ARRAYS[name].dtype))) for name in ARCHIVED_ARRAYS),
-    ("forced_spans", pa.list_(_SPAN)), *_ENDING, ("weight_version_spans", pa.list_(_VERSION_SPAN)), *_TIMES,
+    ("forced_spans", pa.list_(_SPAN)), *_ENDING, ("weight_versions", pa.list_(pa.string())),
+    ("weight_version_spans", pa.list_(pa.list_(_VERSION_SPAN))), *_TIMES,
 ], metadata={DATASET_SCHEMA_KEY: str(DATASET_SCHEMA_VERSION).encode()})
 # What a dataset adds to the facts: read from the records, merged.
 MERGED_COLUMNS = tuple(name for name in DATASET_SCHEMA.names if name not in ARCHIVE_SCHEMA.names)
@@ -270,8 +271,9 @@ def dataset_table(rows: Sequence[tuple[StoredTrajectory, Trajectory]]) -> pa.Tab
         "response_length": [t.response_length for t in merged],
         **{name: _lists(name, [a.get(name) for a in arrays]) for name in ARCHIVED_ARRAYS},
         "forced_spans": [[{"start": a, "end": b} for a, b in t.forced_spans] for t in merged],
-        "weight_version_spans": [[{"version": v, "start": a, "end": b} for spans in t.weight_version_spans
-                                  for v, a, b in spans] for t in merged],
+        "weight_versions": [list(t.weight_versions) for t in merged],
+        "weight_version_spans": [[[{"version": v, "start": a, "end": b} for v, a, b in spans]
+                                  for spans in t.weight_version_spans] for t in merged],
     }
     return pa.Table.from_pydict({name: columns[name] for name in DATASET_SCHEMA.names}, schema=DATASET_SCHEMA)
 

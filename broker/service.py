@@ -105,7 +105,7 @@ class BrokerService:
         self._metrics_server = None
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="rollstream-checker")  # see CHECK_AHEAD_FROM_BYTES
         self._store_io = StoreIO(self.store, settings.data_dir, self.metrics,
-                                 archive_file_rows=settings.archive_file_rows)
+                                 archive_file_rows=settings.archive_file_rows, archive_linger=settings.archive_linger)
         self._performers: Performers = dict([*self._store_io.performers.items(), Send.answered_by(self._send)])
 
     def _disk_reserve(self) -> int:

@@ -102,6 +102,9 @@ class BrokerSettings:
                          "pyarrow). Unset: no archive.")
     archive_dead_letters: bool = flag(False, "Archive pruned dead letters too, with their reason.")
     archive_file_rows: int = count(1024, "Most trajectories per archive file.", "trajectories", high=1_000_000)
+    archive_linger: float = seconds(30.0, "Seconds trajectories may wait for the archive before a file smaller than "
+                                          "archive_file_rows is written (fewer, fuller files; a run's end writes at "
+                                          "once).", above=False, high=86_400.0)
     archive_compression: str = choice("zstd", "Compression of the archive's Parquet files: zstd is the smallest, none "
                                               "costs the least CPU.", ("zstd", "lz4", "snappy", "none"))
     disk_reserve_bytes: int | None = size(

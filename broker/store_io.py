@@ -56,9 +56,10 @@ class StoreIO:
     `performers` maps each request type to its method."""
 
     def __init__(self, store: Store, data_dir: str | os.PathLike, metrics: BrokerMetrics, *,
-                 archiver: Archiving | None = None, archive_file_rows: int = 1024):
+                 archiver: Archiving | None = None, archive_file_rows: int = 1024, archive_linger: float = 0.0):
         self.store, self.data_dir, self.metrics = store, data_dir, metrics
-        self.archiver, self.archive_file_rows = archiver, archive_file_rows
+        self.archiver, self.archive_file_rows, self.archive_linger = archiver, archive_file_rows, archive_linger
+        self._waiting_since: float | None = None  # when trajectories last began to wait for the archive
         self._archive_failing: str | None = None
         self._archive_retry_at = 0.0
         self.performers: Performers = dict([
@@ -129,7 +130,10 @@ class StoreIO:
         """Delete the rows of each archive file now durable and let go of
         each segment now in the archive, then hand the archiver the next
         segments and files (not before `ARCHIVE_RETRY_EVERY` after a
-        failure: a full archive disk is tried again, not hammered). What
+        failure: a full archive disk is tried again, not hammered). Files
+        are handed out once a whole file's rows wait, or what waits has
+        waited `archive_linger`, or a run ended (`request.complete`): each
+        file costs a fixed amount, so fuller files cost less per row. What
         failed stays in the store, counted and reported. Copies of segments
         in use (`request.complete`) are handed out only while no file is
         written or waits, and no file while they are made: a file finished
@@ -155,13 +159,20 @@ class StoreIO:
                 metrics.inc(metrics.archive_bytes, outcome.nbytes)
                 self._archive_failing = None
             waiting = store.archive_waiting()
+            if not waiting:
+                self._waiting_since = None
+            elif self._waiting_since is None:
+                self._waiting_since = request.mono
             if request.mono >= self._archive_retry_at:
                 copies = request.complete and not waiting and not archiver.busy
                 for handover in store.handover(archiver.placing, copies=copies):
                     archiver.submit(handover)
-                if not archiver.busy and not copies:
+                due = (waiting >= self.archive_file_rows or request.complete or self._waiting_since is not None
+                       and request.mono - self._waiting_since >= self.archive_linger)
+                if not archiver.busy and not copies and due:
                     for batch in store.archive_work(self.archive_file_rows, archiver.busy):
                         archiver.submit(batch)
+                    self._waiting_since = request.mono  # what comes after lingers afresh
             lacking = store.archive_lacking()
         except StoreError as exc:  # a durable file's rows are deleted at a later step (written again, the same)
             log.warning("archive step failed", extra={"error": str(exc)})

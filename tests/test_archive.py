@@ -138,8 +138,9 @@ def test_a_committed_trajectory_is_archived_whole_then_deleted_and_its_id_stays_
     assert row["mask_ids"] == [10, 12, 11, 7, 8, 13, 14, 15] and row["mask_offsets"] == [0, 2, 3, 4, 5, 8], \
         "each token's support, a forced one's itself"
     assert row["forced_spans"] == [{"start": 2, "end": 4}]
-    assert row["weight_version_spans"] == [{"version": "step-3", "start": 0, "end": 2},
-                                           {"version": "step-4", "start": 4, "end": 5}]
+    assert row["weight_versions"] == ["step-3", "step-4"]
+    assert row["weight_version_spans"] == [[{"version": "step-3", "start": 0, "end": 2}],
+                                           [{"version": "step-4", "start": 4, "end": 5}]]
     assert (row["reward"], json.loads(row["reward_json"]), json.loads(row["metadata_json"])) == (0.5, 0.5, {"env": "math"})
     assert (row["outcome"], row["status"], row["turns"], row["response_length"]) == ("delivered", "completed", 2, 5)
     assert row["deliveries"] == 1
@@ -275,7 +276,7 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_then_the_res
 
     archive = tmp_path / "archive"
     broker = BrokerProcess(Path(tempfile.mkdtemp(prefix="rsa", dir="/tmp")), archive=str(archive),
-                           heartbeat_interval=0.2).start()
+                           archive_linger=0, heartbeat_interval=0.2).start()
     try:
         rollouts = [sized_rollout(f"r{i}", 2, 3 + i) for i in range(6)]
         send_rollouts(broker.producer, rollouts)
@@ -452,3 +453,38 @@ def test_the_archiver_writes_a_file_without_reading_a_record(tmp_path, monkeypat
     (outcome,) = archive_once(tmp_path / "archive", store)
     assert outcome.error is None and outcome.rows == 1
     store.close()
+
+
+def test_a_file_waits_to_be_fuller_until_it_lingered_or_the_run_ended(tmp_path):
+    """Rows fewer than a file's wait `archive_linger` (each file costs the
+    broker a fixed amount); a whole file's rows, the linger passed, or a
+    run's end (`complete`) hand it out."""
+    from rollstream.broker.core import ArchiveStep
+    from rollstream.broker.metrics import BrokerMetrics
+    from rollstream.broker.store_io import StoreIO
+
+    store, engine = opened(tmp_path / "data")
+    archiver = Archiver(tmp_path / "archive", store.store_id)
+    io = StoreIO(store, tmp_path / "data", BrokerMetrics(), archiver=archiver, archive_file_rows=3, archive_linger=30.0)
+
+    def step(mono: float, complete: bool = False):
+        state = io.archive_step(ArchiveStep(mono, complete))
+        while not archiver.settled():
+            pass
+        return state
+
+    try:
+        produce(engine, store, [m for tid in "abcdefg" for m in (turn_msg(tid, 0), end_msg(tid))])
+        store.commit(engine.delivered("a", 2.0))
+        assert step(100.0).writing == 0 and step(129.0).writing == 0, "one row: it lingers"
+        assert step(130.0).writing == 1, "the linger passed"
+        assert step(131.0).waiting == 0
+        for tid in "bcd":
+            store.commit(engine.delivered(tid, 3.0))
+        assert step(132.0).writing == 1, "a whole file's rows go at once"
+        assert step(133.0).waiting == 0
+        store.commit(engine.delivered("e", 4.0))
+        assert step(134.0).writing == 0 and step(135.0, complete=True).writing == 1, "a run's end writes at once"
+    finally:
+        archiver.close()
+        store.close()

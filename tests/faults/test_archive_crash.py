@@ -74,7 +74,7 @@ def test_a_broker_killed_while_it_archives_loses_no_row_and_writes_none_twice(tm
     archive = tmp_path / "archive"
     # ipc:// paths must stay short: the broker's directory is under /tmp, not pytest's deeper tmp_path.
     broker = BrokerProcess(Path(tempfile.mkdtemp(prefix="rsk", dir="/tmp")), archive=str(archive),
-                           archive_file_rows=4, heartbeat_interval=0.2, trajectory_ttl=2).start()
+                           archive_file_rows=4, archive_linger=0, heartbeat_interval=0.2, trajectory_ttl=2).start()
     consumer = None
     try:
         send_rollouts(broker.producer, rollouts)  # every turn and end acknowledged durably

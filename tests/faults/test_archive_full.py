@@ -53,7 +53,8 @@ def test_a_full_archive_disk_leaves_the_broker_serving_and_every_row_kept_until_
     rollouts = [make_rollout(rng, f"t{i:03d}", turns=2, max_len=64, max_support=32) for i in range(FIRST + LATER)]
     with tmpfs(tmp_path / "archive", "96k") as archive:
         broker = BrokerProcess(Path(tempfile.mkdtemp(prefix="rsf", dir="/tmp")), archive=str(archive),
-                               archive_file_rows=8, heartbeat_interval=0.2, trajectory_ttl=2).start()
+                               archive_file_rows=8, archive_linger=0, heartbeat_interval=0.2,
+                               trajectory_ttl=2).start()
         consumer = None
         try:
             send_rollouts(broker.producer, rollouts[:FIRST])
