@@ -1,7 +1,7 @@
 """`rollstream demo --archive`: the demo's broker archives what it deletes,
 the demo ends the trainer's run and waits for the archive, which then holds
 exactly what the surviving lineage trained, checked against the ledgers
-the end-to-end checker reads."""
+the end-to-end checker reads, every token of it as the trainer got it."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 ds = pytest.importorskip("pyarrow.dataset", reason="the archive needs the archive extra (pyarrow)")
+pq = pytest.importorskip("pyarrow.parquet")
 
-from rollstream.common.checker import read_records, surviving_commits  # noqa: E402
+from rollstream.broker.export import export_archive  # noqa: E402
+from rollstream.common.checker import delivered_digest, read_records, surviving_commits  # noqa: E402
 
 
 def demo(*args: str) -> dict:
@@ -90,6 +92,12 @@ def matches_the_surviving_lineage(root: Path, kept: Path, summary: dict) -> list
                                          if through >= commit["step"]}
         assert row["lineage"] in allowed, f"{tid} trained at step {commit['step']}: expected lineage in " \
                                           f"{sorted(allowed)}, got {row['lineage']}"
+    # Every token as the trainer got it: the archive exported with its records, each row's content digest the
+    # one the trainer's ledger recorded at its commit.
+    exported = export_archive(root, root.parent / "dataset.parquet")
+    assert (exported.rows, exported.skipped) == (len(want), 0), exported
+    for row in pq.read_table(root.parent / "dataset.parquet").to_pylist():
+        assert delivered_digest(row) == want[row["trajectory_id"]]["digest"], row["trajectory_id"]
     shown = summary["archive"]
     assert (shown["dir"], shown["runs"], shown["rows"]) == (str(root), [run], len(want)), shown
     assert shown["reclaimed_at_end"] > 0, "the run's end must reclaim the steps no seal reclaimed"
