@@ -180,6 +180,26 @@ class Consumer:
         self._thread = threading.Thread(target=self._run, name=f"rollstream-consumer-{self.consumer_id}", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def from_archive(cls, path: str | os.PathLike, *, job: str = DEFAULT_JOB, run: str | None = None,
+                     steps: Sequence[int] | None = None, order: str = "as_trained", seed: int | None = None,
+                     batch_size: int | None = None, **options) -> "Consumer":
+        """A consumer that hands out a run's trained batches again from a
+        dataset `rollstream export` wrote (of a broker's archive, or of its
+        data directory), with this class's validation, commits,
+        `state_dict` and resume, over no socket (consumer/offline.py):
+        `order="as_trained"` gives the recorded batches step by step, each
+        as the live run's trainer got it; `"shuffled"` deals the selected
+        trajectories (groups whole) into batches of `batch_size` in an order
+        `seed` fixes, each once. `run` names the run when the dataset holds
+        several, `steps` an inclusive range of its steps. `options`: this
+        class's (`device`, `vocab_size`, `ledger`, `resume`, `world_size`,
+        `unit`, ...). Iteration ends after the last batch."""
+        from .offline import from_archive
+
+        return from_archive(path, job=job, run=run, steps=steps, order=order, seed=seed, batch_size=batch_size,
+                            **options)
+
     # -- the trainer's side ---------------------------------------------------
     def __iter__(self) -> "Consumer":
         return self

@@ -1,0 +1,140 @@
+"""Offline replay (consumer/offline.py, `Consumer.from_archive`): a live
+run's archive, exported, hands a trainer the same batches again, each
+batch's trajectories in order with the content digests the live trainer's
+ledger recorded; shuffled, each row once in an order its seed repeats; a
+resume from a replay's own checkpoint hands back the same batches first."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyarrow", reason="offline replay reads a dataset (the archive extra)")
+
+from broker_process import BrokerProcess  # noqa: E402
+from consumer_helpers import VOCAB, make_rollout, send_rollouts  # noqa: E402
+from waiting import wait_for  # noqa: E402
+
+from rollstream.broker.export import export_archive  # noqa: E402
+from rollstream.common.admin import AdminClient  # noqa: E402
+from rollstream.common.checker import read_records  # noqa: E402
+from rollstream.common.errors import InvalidInput  # noqa: E402
+from rollstream.consumer import Consumer  # noqa: E402
+
+STEPS, BATCH = 6, 4
+
+
+@pytest.fixture(scope="module")
+def a_run(tmp_path_factory):
+    """A live run: 24 trajectories (groups of 2, supports, forced tokens)
+    trained by a checkpointing consumer in 6 steps of 4, sealed each step;
+    its run ended, the archive exported. (dataset, run, the live ledger's
+    commits by step: [(id, digest)] in batch order)."""
+    work = tmp_path_factory.mktemp("run")
+    rng = np.random.default_rng(53)
+    rollouts = [make_rollout(rng, f"t{i:02d}", turns=2, max_len=12, max_support=8) for i in range(STEPS * BATCH)]
+    for i, rollout in enumerate(rollouts):
+        rollout.group = (f"g{i // 2:02d}", 2)
+        rollout.sample_index = i % 2
+    archive = work / "archive"
+    broker = BrokerProcess(Path(tempfile.mkdtemp(prefix="rso", dir="/tmp")), archive=str(archive), archive_linger=0,
+                           heartbeat_interval=0.2).start()
+    try:
+        send_rollouts(broker.producer, rollouts)
+        with Consumer(broker.consumer, batch_size=BATCH, vocab_size=VOCAB, ledger=work / "live.jsonl") as consumer:
+            run = consumer.position.run
+            for _ in range(STEPS):
+                batch = consumer.next_batch(timeout=60)
+                consumer.commit(batch)
+                consumer.sealed(consumer.position.step)
+            consumer.flush(60)
+        with AdminClient(broker.admin) as admin:
+            admin.end_run(run)
+
+        def whole() -> bool:  # every row archived (the counter), and nothing of it left to write or copy
+            status = broker.status()
+            archive = status.get("archive") or {}
+            return (status["counters"].get("archive_rows") == STEPS * BATCH
+                    and (archive.get("waiting"), archive.get("writing"), archive.get("lacking")) == (0, 0, 0))
+
+        wait_for(whole, timeout=60, what="the archive to hold the whole run")
+    finally:
+        broker.__exit__(None, None, None)
+        shutil.rmtree(broker.directory, ignore_errors=True)
+    exported = export_archive(archive, work / "run.parquet")
+    assert (exported.rows, exported.skipped) == (STEPS * BATCH, 0)
+    commits: dict[int, list] = defaultdict(list)
+    for record in sorted((r for r in read_records([work / "live.jsonl"]) if r["kind"] == "committed"),
+                         key=lambda r: (r["step"], r["position"])):
+        commits[record["step"]].append((record["id"], record["digest"]))
+    assert sorted(commits) == list(range(1, STEPS + 1))
+    return work / "run.parquet", run, dict(commits)
+
+
+def replayed(consumer: Consumer, *, commit_through: int | None = None) -> dict[int, list]:
+    """Every batch the consumer hands out, committed (through step `commit_through` only, when given): by step, its
+    (id, digest) in batch order."""
+    out = {}
+    for batch in consumer:
+        step = consumer._core.commit_step(batch.seq)
+        out[step] = list(zip(batch.trajectory_ids, batch.content_digests()))
+        if commit_through is not None and step > commit_through:
+            break
+        consumer.commit(batch)
+    return out
+
+
+def test_an_exported_run_replays_its_batches_as_the_live_trainer_got_them(a_run):
+    dataset, run, commits = a_run
+    with Consumer.from_archive(dataset, vocab_size=VOCAB) as consumer:
+        assert replayed(consumer) == commits, "every step's trajectories, in order, with the live ledger's digests"
+        assert consumer.position.step == STEPS
+    with Consumer.from_archive(dataset, run=run, steps=(2, 4), vocab_size=VOCAB) as consumer:
+        assert replayed(consumer) == {step: commits[step] for step in (2, 3, 4)}
+
+
+def test_a_shuffled_replay_holds_each_row_once_in_an_order_its_seed_repeats(a_run):
+    dataset, _, commits = a_run
+    orders = {}
+    for seed in (7, 7, 8):
+        with Consumer.from_archive(dataset, order="shuffled", seed=seed, batch_size=6, vocab_size=VOCAB) as consumer:
+            batches = replayed(consumer)
+        ids = [tid for step in sorted(batches) for tid, _ in batches[step]]
+        assert sorted(ids) == sorted(tid for batch in commits.values() for tid, _ in batch), "each row once"
+        assert [len(batches[step]) for step in sorted(batches)] == [6, 6, 6, 6]
+        for batch in batches.values():  # groups stay whole
+            groups = {tid: int(tid[1:]) // 2 for tid, _ in batch}
+            assert all(sum(1 for g in groups.values() if g == group) == 2 for group in groups.values())
+        digests = {tid: digest for batch in commits.values() for tid, digest in batch}
+        assert all(digest == digests[tid] for batch in batches.values() for tid, digest in batch)
+        orders.setdefault(seed, []).append(ids)
+    assert orders[7][0] == orders[7][1], "the same seed, the same order"
+    assert orders[8][0] != orders[7][0], "another seed, another order"
+
+
+def test_a_resumed_replay_hands_back_the_batches_after_its_checkpoint_first(a_run):
+    dataset, _, commits = a_run
+    with Consumer.from_archive(dataset, vocab_size=VOCAB) as consumer:
+        first = replayed(consumer, commit_through=3)  # trained steps 1-3, checkpointed at 3, took step 4 and died
+        consumer.sealed(3)
+        state = consumer.state_dict()
+    assert sorted(first) == [1, 2, 3, 4] and state["step"] == 3
+    with Consumer.from_archive(dataset, vocab_size=VOCAB, resume=state) as consumer:
+        again = replayed(consumer)
+    assert again == {step: commits[step] for step in (4, 5, 6)} and again[4] == first[4]
+
+
+def test_a_selection_the_dataset_cannot_give_is_refused_naming_the_rule(a_run, tmp_path):
+    dataset, run, _ = a_run
+    with pytest.raises(InvalidInput, match=r"no trajectory of job 'default' run 'nope' was trained in .*: expected"):
+        Consumer.from_archive(dataset, run="nope")
+    with pytest.raises(InvalidInput, match=r"expected an integer seed and batch_size >= 1, got seed=None"):
+        Consumer.from_archive(dataset, order="shuffled", batch_size=4)
+    with pytest.raises(InvalidInput, match=r"order must be one of \('as_trained', 'shuffled'\), got 'random'"):
+        Consumer.from_archive(dataset, order="random")
+    with pytest.raises(InvalidInput, match=r"expected a Parquet file or directory at .*, found nothing"):
+        Consumer.from_archive(tmp_path / "missing.parquet")
