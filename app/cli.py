@@ -178,10 +178,15 @@ def _archive_extra(ctx: click.Context, param: click.Parameter, archive: str | No
               "this directory (docs/archive.md; needs the archive extra); once the trainer stops, its run is ended, "
               "so the archive holds all it trained, and the demo waits (within --timeout) until nothing waits for "
               "the archive. The summary says how many rows of the run it holds. Kept after the demo.")
+@click.option("--replay", type=click.Path(exists=True, resolve_path=True), default=None, callback=_archive_extra,
+              help="--train: train a fresh model again on the batches a run trained, from its archive (a directory "
+              "--archive kept) or a dataset `rollstream export` wrote, offline, as trained (Consumer.from_archive; "
+              "--steps: through that step), and print its weights' digest, which equals the run's "
+              "(docs/training.md; needs the archive extra).")
 @click.option("--json", "as_json", is_flag=True, help="Also print the summary's figures as one JSON line after the "
               "table, with the checker's counts and `ok` (with --train, also the rules the run `failed`).")
 def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int | None, group_filter: str | None,
-         device: str, archive: str | None, **options) -> None:
+         device: str, archive: str | None, replay: str | None, **options) -> None:
     """Run the whole pipeline on loopback with embedded defaults: a broker,
     synthetic producers and a trainer of --dp-size ranks that validates,
     takes a mock step and commits every batch, with live progress, a
@@ -194,6 +199,13 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int |
 
     from .harness import ArchiveBehind
 
+    if replay is not None:
+        if not train:
+            raise click.UsageError("--replay trains again: expected it with --train")
+        summary = _retrain(replay, steps, device)
+        if as_json:
+            click.echo(json.dumps(summary))
+        return
     try:
         summary = _run_demo(train, steps, plot, max_staleness, group_filter, device, archive, options)
     except ArchiveBehind as exc:
@@ -202,6 +214,22 @@ def demo(train: bool, steps: int, plot: str, as_json: bool, max_staleness: int |
         click.echo(json.dumps(summary))
     if not summary["ok"]:
         raise SystemExit(1)
+
+
+def _retrain(source: str, steps: int, device: str) -> dict:
+    """`demo --train --replay`: the run's batches trained again offline; its summary, shown as a few lines."""
+    from rollstream.common.errors import InvalidInput
+
+    from .train_demo import retrain_from_archive
+
+    try:
+        summary = retrain_from_archive(source, steps=steps, device=device, progress=click.echo)
+    except InvalidInput as exc:
+        raise click.BadParameter(str(exc), param_hint="--replay") from None
+    click.echo(f"trained again offline on {summary['steps']} steps of {source}: weights digest "
+               f"{summary['weights_digest']}, replay max |diff| over the support "
+               f"{summary['replay_max_abs_diff_support']}")
+    return summary
 
 
 def _run_demo(train: bool, steps: int, plot: str, max_staleness: int | None, group_filter: str | None, device: str,

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from rollstream.common.checker import broker_backlog, check, read_records
 from rollstream.common.clock import Clock
@@ -350,21 +351,12 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
                 if batch is None:
                     break
                 step += 1
-                replayed = replay(batch, versions, temperature)
-                log.replayed(step, replayed)
-                log.rewards.append(float(batch.rewards.mean()))
-                log.staleness += batch_staleness(batch, step - 1)
-                staleness = token_staleness(batch, step - 1)  # the trainer's version is still step - 1
-                log.token_staleness.append(staleness[batch.loss_mask.bool() & (staleness >= 0)].cpu().numpy())
-                optimizer.zero_grad()
-                loss = policy_loss(model, batch, temperature, step - 1)
-                loss.backward()
-                optimizer.step()
+                loss, replayed = train_step(model, optimizer, batch, step, versions, log, temperature)
                 consumer.commit(batch, step, policy_version=step)
                 label = consumer.version_label(step)  # `e1:12` after a resume: not the abandoned lineage's step 12
                 versions.add(label, model)
                 save_weights(model, weights, label)
-                progress(progress_line(step, steps, log.rewards[-1], loss.item(), replayed))
+                progress(progress_line(step, steps, log.rewards[-1], loss, replayed))
                 if step % checkpoint_every == 0:
                     checkpoint = {"model": copy.deepcopy(model.state_dict()),
                                   "optimizer": copy.deepcopy(optimizer.state_dict()),
@@ -392,6 +384,7 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
             archived = archive_summary(archive, sorted(runs), end_runs(node, runs, timeout))
         kept = node.work if keep_data else None
     summary = log.summary(step)
+    summary["weights_digest"] = weights_digest(model)
     summary.update(report.summary())
     summary["left_at_broker"] = len(report.unseen)  # acked, durable, still to deliver when the run stopped
     reasons = Counter(item["reason"].partition(":")[0] for item in dead)
@@ -410,6 +403,80 @@ def run_train_demo(*, steps: int = 60, producers: int = 2, group_size: int = 4, 
         summary["plot"] = _plot(log, plot)
     summary["failed"] = failures(summary, discarded_on_purpose(max_staleness, group_filter, chaos=chaos))
     summary["ok"] = not summary["failed"]
+    return summary
+
+
+def train_step(model: TinyLM, optimizer: torch.optim.Optimizer, batch: Batch, step: int, versions: WeightVersions,
+               log: TrainingLog, temperature: float) -> tuple[float, Replay]:
+    """Step `step` on `batch`: its replay against the weights that sampled
+    it joins `log`, then one policy-gradient step (the trainer's version is
+    still `step - 1`). Returns the loss and the replay."""
+    replayed = replay(batch, versions, temperature)
+    log.replayed(step, replayed)
+    log.rewards.append(float(batch.rewards.mean()))
+    log.staleness += batch_staleness(batch, step - 1)
+    staleness = token_staleness(batch, step - 1)
+    log.token_staleness.append(staleness[batch.loss_mask.bool() & (staleness >= 0)].cpu().numpy())
+    optimizer.zero_grad()
+    loss = policy_loss(model, batch, temperature, step - 1)
+    loss.backward()
+    optimizer.step()
+    return loss.item(), replayed
+
+
+def weights_digest(model: TinyLM) -> str:
+    """A digest of the model's weights, bit for bit (two runs that trained alike give the same)."""
+    digest = xxhash.xxh3_64()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def retrain_from_archive(source: str, *, steps: int | None = None, learning_rate: float = 3e-3, seed: int = 0,
+                         temperature: float = 1.0, device: str = "cpu", progress=print) -> dict:
+    """Train a fresh model, as `run_train_demo` does with the same
+    arguments, on the batches a demo run trained, from its archive (a
+    broker's, exported first) or a dataset `rollstream export` wrote
+    (`Consumer.from_archive`, as trained, through `steps` when given): no
+    producer or broker. Each step's weights take the label the run gave
+    them (its step, and its lineage epoch), so the batches' weight versions
+    replay against them. The summary: the steps, the replay's figures and
+    `weights_digest`, equal to the run's when both trained alike."""
+    import tempfile
+    from pathlib import Path
+
+    from rollstream.broker.archive import is_archive
+    from rollstream.broker.export import export_archive
+    from rollstream.common.versions import version_label
+
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    model = TinyLM(seed=seed).to(device)
+    versions = WeightVersions(model.config, device=device)
+    versions.add("step-0", model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
+    log = TrainingLog()
+    step = 0
+    with tempfile.TemporaryDirectory(prefix="rollstream-retrain-") as work:
+        dataset = Path(source)
+        if dataset.is_dir() and is_archive(dataset):
+            dataset = Path(work) / "run.parquet"
+            export_archive(source, dataset)
+        selected = None if steps is None else (1, steps)
+        consumer = Consumer.from_archive(dataset, steps=selected, vocab_size=VOCAB, device=device)
+        with consumer:
+            epochs = consumer.rows.epochs
+            for batch in consumer:
+                recorded = consumer.step_of(batch)
+                assert recorded is not None  # a replay commits at the steps it replays
+                step = recorded
+                loss, replayed = train_step(model, optimizer, batch, step, versions, log, temperature)
+                consumer.commit(batch)
+                versions.add(version_label(step, epochs.get(step) or 0), model)
+                progress(progress_line(step, steps or step, log.rewards[-1], loss, replayed))
+    summary = log.summary(step)
+    summary.update(weights_digest=weights_digest(model), source=str(source))
     return summary
 
 

@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 from dataclasses import replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import zmq
 
@@ -43,6 +43,9 @@ from .core import ConsumerClosed, ConsumerCore, Form, HandOut, Wait
 from .position import TrainingPosition
 from .stream import UploadStream
 from .validate import checked_batch
+
+if TYPE_CHECKING:
+    from .offline import ArchiveConsumer
 
 __all__ = ["Consumer", "ConsumerClosed"]
 
@@ -183,7 +186,7 @@ class Consumer:
     @classmethod
     def from_archive(cls, path: str | os.PathLike, *, job: str = DEFAULT_JOB, run: str | None = None,
                      steps: Sequence[int] | None = None, order: str = "as_trained", seed: int | None = None,
-                     batch_size: int | None = None, **options) -> "Consumer":
+                     batch_size: int | None = None, **options) -> "ArchiveConsumer":
         """A consumer that hands out a run's trained batches again from a
         dataset `rollstream export` wrote (of a broker's archive, or of its
         data directory), with this class's validation, commits,
@@ -294,6 +297,13 @@ class Consumer:
             self._wake()
         if policy_version is not None:
             self.set_policy_version(policy_version)
+
+    def step_of(self, batch: Batch) -> int | None:
+        """The step a commit of `batch` would record now: a batch handed
+        back by a resume (or an offline replay) keeps its own, a new one is
+        the next; None when commits delete."""
+        with self._lock:
+            return self._core.commit_step(batch.seq)
 
     def sealed(self, step: int) -> None:
         """The checkpoint saved after step `step` is durable: brokers may

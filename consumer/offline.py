@@ -45,7 +45,7 @@ from .position import STATE_FORMAT
 
 ORDERS = ("as_trained", "shuffled")
 _ARRAY_COLUMNS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets")
-_COLUMNS = ("trajectory_id", "job", "run", "step", "position", "group_id", "group_size", "sample_index", "status",
+_COLUMNS = ("trajectory_id", "job", "run", "epoch", "step", "position", "group_id", "group_size", "sample_index", "status",
             "turns", "gap_turn", "gap_field", "reward_json", "metadata_json", "weight_versions", "weight_version_spans",
             *_ARRAY_COLUMNS)
 _ARCHIVE_KEY, _DATASET_KEY = b"rollstream:archive_schema", b"rollstream:dataset_schema"
@@ -98,11 +98,20 @@ class ArchivedRows:
         self._facts = {name: table.column(name).to_pylist() for name in _COLUMNS if name not in _ARRAY_COLUMNS}
         self._arrays = {name: _ragged(table.column(name), name) for name in _ARRAY_COLUMNS}
         recorded = sorted(range(table.num_rows), key=lambda i: (self._facts["step"][i], self._facts["position"][i]))
-        self.batches = self._recorded(recorded) if order == "as_trained" else self._dealt(
-            recorded, np.random.default_rng(seed), batch_size, unit, first_step=1 if steps is None else steps[0])
+        if order == "as_trained":
+            self.batches = self._recorded(recorded)
+        else:
+            assert batch_size is not None  # checked above
+            self.batches = self._dealt(recorded, np.random.default_rng(seed), batch_size, unit,
+                                       first_step=1 if steps is None else steps[0])
 
     def __len__(self) -> int:
         return sum(len(rows) for _, rows in self.batches)
+
+    @property
+    def epochs(self) -> dict[int, int | None]:
+        """Each recorded step's lineage epoch, as the run trained it (None: not known)."""
+        return dict(zip(self._facts["step"], self._facts["epoch"]))
 
     def _recorded(self, rows: list[int]) -> list[tuple[int, list[int]]]:
         """The batches as trained: each step's rows by position (a position held twice is refused)."""
@@ -261,7 +270,7 @@ def _encoded(kind: str, fields: dict) -> list:
 class ArchiveConsumer(Consumer):
     """A `Consumer` whose one broker is an `ArchiveServer` in this process
     (`Consumer.from_archive`). Iteration ends once every batch of the
-    selection was handed out."""
+    selection was handed out. `rows`: what it replays."""
 
     def __init__(self, rows: ArchivedRows, *, resume: dict | None = None, world_size: int | None = None,
                  job: str = DEFAULT_JOB, ahead: int = AHEAD, **options):
@@ -324,6 +333,8 @@ def from_archive(path: str | os.PathLike, *, job: str = DEFAULT_JOB, run: str | 
                  batch_size: int | None = None, unit: str = "trajectory", ahead: int = AHEAD,
                  **options) -> ArchiveConsumer:
     """`Consumer.from_archive`: see its docstring."""
-    rows = ArchivedRows(path, job=job, run=run, steps=None if steps is None else tuple(steps), order=order, seed=seed,
-                        batch_size=batch_size, unit=unit)
+    if steps is not None and len(steps) != 2:
+        raise InvalidInput(f"steps is an inclusive range (first, last) of steps >= 0, got {steps!r}")
+    rows = ArchivedRows(path, job=job, run=run, steps=None if steps is None else (steps[0], steps[1]), order=order,
+                        seed=seed, batch_size=batch_size, unit=unit)
     return ArchiveConsumer(rows, job=job, ahead=ahead, batch_size=batch_size, unit=unit, **options)

@@ -182,3 +182,21 @@ def test_an_archive_that_does_not_catch_up_in_time_is_an_error_naming_what_waits
     assert result.exit_code == 1 and "Error: the archive must hold what runs ['r'] trained" in result.output, \
         result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.slow
+def test_a_train_demo_trained_again_from_its_archive_reaches_the_same_weights(tmp_path):
+    """`rollstream demo --train --archive DIR`, then `rollstream demo --train
+    --replay DIR`: a fresh model trained offline on the archived batches,
+    step by step as the run trained them, ends with the run's weights, bit
+    for bit (CPU, one thread); through fewer steps, with others."""
+    root = tmp_path / "archive"
+    live = demo("--train", "--steps", "8", "--producers", "1", "--group-size", "2", "--batch-size", "2", "--plot", "",
+                "--archive", str(root))
+    shutil.rmtree(live["data_kept_in"], ignore_errors=True)
+    assert live["ok"], live["failed"]
+    again = demo("--train", "--replay", str(root), "--steps", "8")
+    assert (again["steps"], again["weights_digest"]) == (8, live["weights_digest"])
+    assert again["replay_max_abs_diff_support"] == live["replay_max_abs_diff_support"]
+    fewer = demo("--train", "--replay", str(root), "--steps", "5")
+    assert fewer["steps"] == 5 and fewer["weights_digest"] != live["weights_digest"]

@@ -80,7 +80,7 @@ def replayed(consumer: Consumer, *, commit_through: int | None = None) -> dict[i
     (id, digest) in batch order."""
     out = {}
     for batch in consumer:
-        step = consumer._core.commit_step(batch.seq)
+        step = consumer.step_of(batch)
         out[step] = list(zip(batch.trajectory_ids, batch.content_digests()))
         if commit_through is not None and step > commit_through:
             break
