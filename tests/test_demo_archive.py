@@ -16,6 +16,7 @@ import pytest
 ds = pytest.importorskip("pyarrow.dataset", reason="the archive needs the archive extra (pyarrow)")
 pq = pytest.importorskip("pyarrow.parquet")
 
+from rollstream.app.history import History  # noqa: E402
 from rollstream.broker.export import export_archive  # noqa: E402
 from rollstream.common.checker import delivered_digest, read_records, surviving_commits  # noqa: E402
 
@@ -186,15 +187,25 @@ def test_an_archive_that_does_not_catch_up_in_time_is_an_error_naming_what_waits
 
 @pytest.mark.slow
 def test_a_train_demo_trained_again_from_its_archive_reaches_the_same_weights(tmp_path):
-    """`rollstream demo --train --archive DIR`, then `rollstream demo --train
-    --replay DIR`: a fresh model trained offline on the archived batches,
-    step by step as the run trained them, ends with the run's weights, bit
-    for bit (CPU, one thread); through fewer steps, with others."""
+    """`rollstream demo --train --archive DIR`, then `rollstream history
+    --archive DIR --step N`, which lists what the trainer's ledger says step
+    N trained, in batch order, and `rollstream demo --train --replay DIR`: a
+    fresh model trained offline on the archived batches, step by step as
+    the run trained them, ends with the run's weights, bit for bit (CPU,
+    one thread); through fewer steps, with others."""
     root = tmp_path / "archive"
     live = demo("--train", "--steps", "8", "--producers", "1", "--group-size", "2", "--batch-size", "2", "--plot", "",
                 "--archive", str(root))
-    shutil.rmtree(live["data_kept_in"], ignore_errors=True)
-    assert live["ok"], live["failed"]
+    try:
+        assert live["ok"], live["failed"]
+        commits = [r for r in read_records([Path(live["data_kept_in"]) / "ledgers"]) if r["kind"] == "committed"]
+    finally:
+        shutil.rmtree(live["data_kept_in"], ignore_errors=True)
+    # `rollstream history` over the archive agrees with the trainer's ledger, step by step, in batch order.
+    history = History(root)
+    for step in range(1, 9):
+        ledger = [r["id"] for r in sorted((r for r in commits if r["step"] == step), key=lambda r: r["position"])]
+        assert [row["trajectory_id"] for row in history.step(step)] == ledger and len(ledger) == 4, step
     again = demo("--train", "--replay", str(root), "--steps", "8")
     assert (again["steps"], again["weights_digest"]) == (8, live["weights_digest"])
     assert again["replay_max_abs_diff_support"] == live["replay_max_abs_diff_support"]

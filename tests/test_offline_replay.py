@@ -138,3 +138,25 @@ def test_a_selection_the_dataset_cannot_give_is_refused_naming_the_rule(a_run, t
         Consumer.from_archive(dataset, order="random")
     with pytest.raises(InvalidInput, match=r"expected a Parquet file or directory at .*, found nothing"):
         Consumer.from_archive(tmp_path / "missing.parquet")
+
+
+def test_a_distributed_consumer_shards_an_offline_replay(a_run):
+    """The replay as a data-parallel trainer takes it: `DistributedConsumer`
+    over the offline consumer (a one-rank gloo world here), every shard the
+    batch's trajectories with the live ledger's digests, committed."""
+    import torch.distributed as dist
+
+    from rollstream.consumer import DistributedConsumer
+
+    dataset, _, commits = a_run
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with Consumer.from_archive(dataset, vocab_size=VOCAB) as client:
+            trainer = DistributedConsumer(client)
+            got = {}
+            for shard in trainer:
+                got[client.step_of(shard)] = list(zip(shard.trajectory_ids, shard.content_digests()))
+                trainer.commit(shard)
+            assert got == commits and client.state_dict()["world_size"] == 1
+    finally:
+        dist.destroy_process_group()
