@@ -32,7 +32,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
 import os
 import queue
 import threading
@@ -41,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -53,6 +51,7 @@ from rollstream.common.segments import SegmentLog
 from rollstream.common.trajectory import Trajectory
 
 from .engine import State, TrainedAt
+from .facts import as_json, as_number, left_as, outcome_of
 from .recovery import load_trajectory
 from .store import (
     ARCHIVE_COLUMNS,
@@ -123,25 +122,6 @@ DATASET_SCHEMA = pa.schema([
 MERGED_COLUMNS = tuple(name for name in DATASET_SCHEMA.names if name not in ARCHIVE_SCHEMA.names)
 
 
-# What a row the broker still holds reports (`rollstream export`): its state, an ended one as `queued`.
-_HELD_OUTCOMES = {State.OPEN: "open", State.SCORING: "scoring", State.ENDED: "queued", State.TRAINED: "trained",
-                  State.DEAD: "dead", State.LEFT: "left"}
-
-
-def _left_as(dead_reason: str | None, trained_run: str | None) -> str:
-    """How an archived trajectory left the broker: dead, trained at a step, or delivered (deleted on commit)."""
-    if dead_reason is not None:
-        return "dead"
-    return "trained" if trained_run is not None else "delivered"
-
-
-def outcome_of(stored: StoredTrajectory) -> str:
-    """How an archiving row left the broker (`_left_as`); a row still held reports its state."""
-    if stored.state != State.ARCHIVING:
-        return _HELD_OUTCOMES[stored.state]
-    return _left_as(stored.dead_reason, None if stored.trained is None else stored.trained.run)
-
-
 def file_path(root: Path, job: str, outcome: str, store_id: str, number: int) -> Path:
     """Where archive file `number` goes: under its rows' job and outcome (`Store.archive_work` keeps them apart)."""
     return root / f"job={job}" / f"outcome={outcome}" / f"{store_id}-{number:08d}.parquet"
@@ -164,20 +144,6 @@ def _times(seconds: Sequence[float | None]) -> pa.Array:
     return pa.array([None if s is None else int(s * 1_000_000) for s in seconds], pa.int64()).cast(_TIME)
 
 
-_JSON = msgspec.json.Encoder(enc_hook=repr, order="sorted")  # what JSON cannot hold, as its repr
-
-
-def _json(value: Any) -> str | None:
-    return None if value is None else _JSON.encode(value).decode()
-
-
-def _number(value: Any) -> float | None:
-    """A reward as a number, where it is one (a structured reward stays in `reward_json`)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
-
-
 def _facts(stored: Sequence[StoredTrajectory]) -> dict[str, Any]:
     """The columns the store's rows give, one value per trajectory."""
     trained = [s.trained for s in stored]
@@ -197,9 +163,9 @@ def _facts(stored: Sequence[StoredTrajectory]) -> dict[str, Any]:
         "dead_reason": [s.dead_reason for s in stored],
         "gap_turn": [None if s.gap is None else s.gap[0] for s in stored],
         "gap_field": [None if s.gap is None else s.gap[1] for s in stored],
-        "reward": [_number(s.reward) for s in stored],
-        "reward_json": [_json(s.reward) for s in stored],
-        "metadata_json": [_json(s.metadata) for s in stored],
+        "reward": [as_number(s.reward) for s in stored],
+        "reward_json": [as_json(s.reward) for s in stored],
+        "metadata_json": [as_json(s.metadata) for s in stored],
         "first_turn_at": _times([s.turns[0].at if s.turns else None for s in stored]),
         "ended_at": _times([s.turns[-1].at if s.turns else None for s in stored]),
         "first_delivered_at": _times([s.first_delivered_at for s in stored]),
@@ -243,11 +209,11 @@ def archive_table(batch: ArchiveBatch, store_id: str) -> pa.Table:
         "position": c["trained_position"],
         "group_id": [None if gid is None else wire_id(gid) for gid in c["group_id"]],
         "group_size": c["group_size"], "sample_index": c["sample_index"], "producer": c["producer"],
-        "outcome": [_left_as(dead, run) for dead, run in zip(c["dead_reason"], trained)],
+        "outcome": [left_as(dead, run) for dead, run in zip(c["dead_reason"], trained)],
         "dead_reason": c["dead_reason"],
         "gap_turn": c["gap_turn"], "gap_field": c["gap_field"],
-        "reward": [_number(r) for r in rewards], "reward_json": [_json(r) for r in rewards],
-        "metadata_json": [_json(_unpacked(blob)) for blob in c["metadata"]],
+        "reward": [as_number(r) for r in rewards], "reward_json": [as_json(r) for r in rewards],
+        "metadata_json": [as_json(_unpacked(blob)) for blob in c["metadata"]],
         "first_turn_at": _times([turns[a][5] if b > a else None for a, b in spans]),
         "ended_at": _times([turns[b - 1][5] if b > a else None for a, b in spans]),
         "first_delivered_at": _times(c["first_delivered_at"]), "committed_at": _times(c["committed_at"]),

@@ -192,6 +192,16 @@ class ReadBack(Request[Trajectory | StoreError]):
 
 
 @dataclass(slots=True)
+class ReadHistory(Request[list[dict] | StoreError]):
+    """Read held trajectories' rows for the admin `history` answer, with
+    what their records hold, as the archive's columns (`history_row`,
+    broker/facts.py). Answer: one row per id, in order, or the
+    `StoreError` that kept them from being read."""
+
+    trajectory_ids: list[str]
+
+
+@dataclass(slots=True)
 class Reload(Request[Rebuilt]):
     """Read everything the store holds, to roll memory back to it. Answer: `Rebuilt`."""
 
@@ -973,6 +983,9 @@ class BrokerCore:
             self.archive_completing = True
             log.info("run ended", extra={"run": message["run"], "reclaimed": reclaimed})
             return encode(ADMIN_REPLIES, "run_ended", {"run": message["run"], "reclaimed": reclaimed, **seq})
+        if message.type == "history":
+            fields = yield from self._history(message)
+            return encode(ADMIN_REPLIES, "history", {**fields, **seq})
         if message.type == "dead_letters":
             items = [{**item, "trajectory_id": wire_id(item["trajectory_id"]), "job": job_of(item["trajectory_id"])}
                      for item in self.engine.dead_letters(message.get("limit", 100), message.get("pruned", False))]
@@ -990,6 +1003,56 @@ class BrokerCore:
         for tid in revived:
             log.info("dead letter revived", extra={"trajectory_id": tid, "job": job})
         return encode(ADMIN_REPLIES, "requeued", {"trajectory_ids": revived, **seq})
+
+    def _history(self, message: Message) -> Steps[dict]:
+        """The admin `history` answer: the rows of what the broker holds of
+        a step (trained there, by `run` of `job` when named) or of a
+        trajectory (in `job`, or in every job holding or remembering it);
+        what it let go of is named, never guessed: the runs that reclaimed
+        through the step, the jobs that remember the trajectory's id."""
+        engine = self.engine
+        job = message.get("job")
+        fields: dict[str, Any] = {"held": len(engine.entries)}
+        if "step" in message.fields:
+            step, run = message["step"], message.get("run")
+
+            def ran(key: str) -> bool:  # a run's key (its job's, as a trainer's hello named it) is the one asked for
+                return (job is None or job_of(key) == job) and (run is None or wire_id(key) == run)
+
+            keys, steps = [], []
+            for key, entry in engine.trained_entries.items():
+                if entry.trained is not None and ran(entry.trained.run):
+                    steps.append(entry.trained.step)
+                    if entry.trained.step == step:
+                        keys.append(key)
+            if steps:
+                fields["steps"] = [min(steps), max(steps)]
+            reclaimed = [{"job": job_of(key), "run": wire_id(key), "through": state.reclaimed}
+                         for key, state in engine.runs.items() if state.reclaimed >= step and ran(key)]
+            if reclaimed:
+                fields["reclaimed"] = reclaimed
+        else:
+            tid = message["trajectory_id"]
+            if job is not None:
+                keys = [job_key(job, tid)]
+            else:  # every job's: its id alone is the default job's key, another job's ends in U+001F and the id
+                keyed = SEPARATOR + tid
+                keys = list(dict.fromkeys(key for known in (engine.entries, engine.dedup) for key in known
+                                          if key == tid or key.endswith(keyed)))
+            let_go = []
+            for key in keys:
+                if key not in engine.entries and key in engine.dedup:
+                    gone = {"job": job_of(key), "trajectory_id": tid}
+                    if key in engine.pruned:  # a dead letter whose data was pruned
+                        gone["reason"], gone["at"] = engine.pruned[key]
+                    let_go.append(gone)
+            keys = [key for key in keys if key in engine.entries]
+            if let_go:
+                fields["let_go"] = let_go
+        rows = (yield from ReadHistory(keys)) if keys else []
+        if isinstance(rows, StoreError):
+            raise RemoteProtocolError("unavailable", f"the broker cannot read the rows asked for now; retry later ({rows})")
+        return {"rows": rows, **fields}
 
     def status(self, now: Clock) -> dict:
         counts = self.engine.counts()

@@ -26,7 +26,7 @@ import sqlite3
 import struct
 import uuid
 import zlib
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +73,8 @@ SCHEMA_VERSION = 10  # 2: turn digests are XXH3-128; 3: an applied turn's digest
 # 9: a trajectory's producer, its deliveries, commit time and lineage epoch, and the archive file it waits for;
 # 10: the segments holding archived records, which go to the archive instead of being deleted
 _READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10)  # an older store is upgraded in place (`Store._upgrade`)
+
+_IDS_PER_QUERY = 500  # ids bound in one `IN (...)`, well under SQLite's limit on a statement's variables
 
 # A turn this large (long top-p supports) is written ahead on the writer
 # thread; smaller ones are written inline by their commit, where handing them
@@ -663,6 +665,22 @@ class Store:
         if not found:
             raise StoreCorrupted(f"{self.db_path}: trajectory {trajectory_id!r} is held by the broker but has no row")
         return found[0]
+
+    def load_many(self, trajectory_ids: Sequence[str]) -> list[StoredTrajectory]:
+        """These trajectories' rows, checked as at start-up, in the order
+        asked (an admin answer reads a few, not the whole store); one without
+        a row is `StoreCorrupted`, as in `load_one`."""
+        found: dict[str, StoredTrajectory] = {}
+        ids = list(dict.fromkeys(trajectory_ids))
+        with _unavailable_on_failure(f"cannot read {len(ids)} trajectories from {self.db_path}"):
+            for i in range(0, len(ids), _IDS_PER_QUERY):
+                chunk = ids[i : i + _IDS_PER_QUERY]
+                where = f"WHERE id IN ({', '.join('?' * len(chunk))})"
+                found.update((s.trajectory_id, s) for s in self._load_trajectories(where, tuple(chunk)))
+        missing = [tid for tid in ids if tid not in found]
+        if missing:
+            raise StoreCorrupted(f"{self.db_path}: trajectories {missing[:5]!r} are held by the broker but have no row")
+        return [found[tid] for tid in ids]
 
     def _load_trajectories(self, where: str = "", args: tuple = (), *,
                            damaged: dict[str, str] | None = None) -> list[StoredTrajectory]:

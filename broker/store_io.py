@@ -8,6 +8,7 @@ import os
 from typing import Protocol
 
 from rollstream.common.clock import Clock
+from rollstream.common.errors import ProtocolError
 from rollstream.common.trajectory import Trajectory
 
 from .core import (
@@ -21,11 +22,13 @@ from .core import (
     PruneDedup,
     ReadBack,
     ReadDigests,
+    ReadHistory,
     Reload,
 )
+from .facts import history_row
 from .metrics import BrokerMetrics
 from .recovery import Rebuilt, load_trajectory, rebuild
-from .store import ArchiveBatch, ArchiveOutcome, HandoverOutcome, SegmentHandover, Store, StoreError
+from .store import ArchiveBatch, ArchiveOutcome, HandoverOutcome, SegmentHandover, Store, StoreCorrupted, StoreError
 
 log = logging.getLogger("rollstream.broker")
 
@@ -50,8 +53,8 @@ def free_space(directory: str | os.PathLike) -> int:
 
 
 class StoreIO:
-    """Answers `Commit`, `ReadDigests`, `ReadBack`, `Reload`, `Probe`,
-    `PruneDedup`, `MeasureDisk`, `Checkpoint` and `ArchiveStep`
+    """Answers `Commit`, `ReadDigests`, `ReadBack`, `ReadHistory`, `Reload`,
+    `Probe`, `PruneDedup`, `MeasureDisk`, `Checkpoint` and `ArchiveStep`
     (broker/core.py) from `store` and its `archiver` (None: no archive);
     `performers` maps each request type to its method."""
 
@@ -64,7 +67,8 @@ class StoreIO:
         self._archive_retry_at = 0.0
         self.performers: Performers = dict([
             Commit.answered_by(self.commit), ReadDigests.answered_by(self.read_digests),
-            ReadBack.answered_by(self.read_back), Reload.answered_by(self.reload), Probe.answered_by(self.probe),
+            ReadBack.answered_by(self.read_back), ReadHistory.answered_by(self.read_history),
+            Reload.answered_by(self.reload), Probe.answered_by(self.probe),
             PruneDedup.answered_by(self.prune_dedup), MeasureDisk.answered_by(self.measure_disk),
             Checkpoint.answered_by(self.checkpoint), ArchiveStep.answered_by(self.archive_step),
         ])
@@ -95,6 +99,18 @@ class StoreIO:
             return load_trajectory(self.store, self.store.load_one(request.trajectory_id))
         except StoreError as exc:
             return exc
+
+    def read_history(self, request: ReadHistory) -> list[dict] | StoreError:
+        """The rows asked for; each one's records are read (for its weight
+        versions, status and length) only where it has any."""
+        store = self.store
+        try:
+            return [history_row(stored, load_trajectory(store, stored) if any(t.location for t in stored.turns) else None)
+                    for stored in store.load_many(request.trajectory_ids)]
+        except StoreError as exc:
+            return exc
+        except ProtocolError as exc:  # a stored turn the merge refuses: the store's damage, not the asker's
+            return StoreCorrupted(f"a trajectory asked for cannot be read back: {exc}")
 
     def reload(self, _request: Reload) -> Rebuilt:
         return rebuild(self.store.reload(), self.store)

@@ -110,6 +110,14 @@ class AdminClient:
         archives, with an archive) all the run trained; how many."""
         return self._call("end_run", {"run": run})["reclaimed"]
 
+    def history(self, *, step: int | None = None, trajectory_id: str | None = None, job: str | None = None,
+                run: str | None = None) -> dict:
+        """What the broker holds of `step` (trained there) or of one
+        trajectory: the `history` reply's fields (`rows` with the archive's
+        column names, and what it let go of; docs/protocol.md §5)."""
+        asked = {"step": step, "trajectory_id": trajectory_id, "job": job, "run": run}
+        return dict(self._call("history", {name: value for name, value in asked.items() if value is not None}).fields)
+
     def close(self) -> None:
         if self._watch is not None:
             self._watch.close()

@@ -308,6 +308,23 @@ def run_pair(header, arrays) -> str | None:
     return None
 
 
+def one_question(header, arrays) -> str | None:
+    asked = [name for name in ("step", "trajectory_id") if name in header]
+    if len(asked) != 1:
+        return f"a history request asks one question: expected exactly one of step and trajectory_id, got {asked or 'neither'}"
+    if "run" in header and "step" not in header:
+        return "run names the run that trained a step: expected it with step, got it with trajectory_id"
+    return None
+
+
+def _is_maps(value) -> bool:
+    return isinstance(value, list) and all(isinstance(item, dict) and all(isinstance(k, str) for k in item) for item in value)
+
+
+def _is_step_range(value) -> bool:
+    return _is_step_pair(value) and value[0] <= value[1]
+
+
 # -- the catalogue ------------------------------------------------------------
 _SEQ = {"seq": INT}
 _TURN_ARRAYS = ("prompt_tokens", "loss_mask", *MASK_ARRAYS, "forced_tokens", *CONTEXT_REPLAY_ARRAYS)
@@ -431,7 +448,28 @@ ADMIN_REQUESTS = _schema(
     MessageSpec("dead_letters", {}, {"seq": INT, "limit": POSITIVE, "pruned": BOOL}),
     MessageSpec("requeue", {"trajectory_ids": ID_LIST}, {**_SEQ, "job": JOB}),
     MessageSpec("end_run", {"run": TEXT}, _SEQ),
+    MessageSpec("history", {}, {"seq": INT, "step": STORED_COUNT, "trajectory_id": ID, "job": JOB, "run": TEXT},
+                rules=(one_question,)),
 )
+# A history reply's rows: maps with the archive's column names (docs/archive.md), times as Unix seconds.
+ROWS = Kind("a list of maps with string keys", _is_maps)
+STEP_RANGE = Kind("a [first, last] pair of steps with first <= last", _is_step_range)
+
+
+def _is_reclaimed(value) -> bool:
+    return _is_maps(value) and all(set(item) == {"job", "run", "through"} and isinstance(item["job"], str)
+                                   and isinstance(item["run"], str) and _is_int(item["through"]) for item in value)
+
+
+def _is_let_go(value) -> bool:
+    return _is_maps(value) and all(
+        {"job", "trajectory_id"} <= set(item) <= {"job", "trajectory_id", "reason", "at"}
+        and isinstance(item["job"], str) and isinstance(item["trajectory_id"], str)
+        and isinstance(item.get("reason", ""), str) and _is_number(item.get("at", 0)) for item in value)
+
+
+RECLAIMED = Kind("a list of maps {job: string, run: string, through: integer}", _is_reclaimed)
+LET_GO = Kind("a list of maps {job: string, trajectory_id: string, reason?: string, at?: number}", _is_let_go)
 
 # The status reply's `ready` and `ready_by_job` are the older names of `queued` and `queued_by_job`, sent beside
 # them for one version so that an older `rollstream status` or `top` still reads the reply.
@@ -458,6 +496,8 @@ ADMIN_REPLIES = _schema(
     MessageSpec("dead_letters", {"items": LIST}, _SEQ),
     MessageSpec("requeued", {"trajectory_ids": TEXT_LIST}, _SEQ),
     MessageSpec("run_ended", {"run": TEXT, "reclaimed": COUNT}, _SEQ),
+    MessageSpec("history", {"rows": ROWS, "held": COUNT},
+                {"seq": INT, "steps": STEP_RANGE, "reclaimed": RECLAIMED, "let_go": LET_GO}),
     _NACK,
 )
 
