@@ -1,6 +1,6 @@
-"""What happened to a run's data, from its archive or a broker's data
-directory (docs/archive.md): the trajectories a step trained, in batch
-order, and one trajectory's story.
+"""What happened to a run's data, from its archive, a broker's data
+directory or a live broker (docs/archive.md): the trajectories a step
+trained, in batch order, and one trajectory's story.
 
 The answers come from the archive's rows: over an archive, pyarrow's
 dataset API reads only the columns asked and prunes files and row groups by
@@ -8,11 +8,14 @@ its partition keys and statistics, and what the rows' records hold (the
 weight versions, the turns) is read back for the rows an answer shows only;
 over an exported dataset, from its columns; over a data directory, the rows
 the question needs are exported first (`rollstream export`'s snapshot, read
-only, a running broker never held up). What the rows do not hold is said,
-never guessed.
+only, a running broker never held up); over a live broker, from the rows
+its admin `history` request answers with the archive's column names, so
+each source's answers read alike. What the rows do not hold, or what the
+broker let go of, is said, never guessed.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -21,7 +24,9 @@ from typing import Any
 
 import click
 
+from rollstream.common.curve import curve_client_options
 from rollstream.common.errors import InvalidInput
+from rollstream.common.jobs import DEFAULT_JOB
 from rollstream.common.versions import oldest_version
 
 # The columns a step's answer shows, and a trajectory's (every one but the arrays).
@@ -97,15 +102,7 @@ class History:
         if not rows:
             raise InvalidInput(f"no trajectory trained at step {step}{_scope(job, run)} in {self.where}: expected a "
                                f"step it holds, {self._steps_held(job, run)}")
-        runs = {(row["job"], row["run"]) for row in rows}
-        if len(runs) > 1:
-            raise InvalidInput(f"step {step} was trained by more than one run in {self.where}: expected --job/--run "
-                               f"to name one of {sorted(runs, key=str)}")
-        for row in rows:
-            versions = sorted({span["version"] for spans in row.pop("weight_version_spans") or () for span in spans})
-            oldest = oldest_version(versions)
-            row.update(weight_versions=versions, staleness=None if oldest is None else step - oldest)
-        return sorted(rows, key=lambda row: row["position"])
+        return _batch_order(rows, step, self.where)
 
     def trajectory(self, trajectory_id: str, *, job: str | None = None) -> dict:
         """One trajectory's story, from its arrival to its leaving the
@@ -135,6 +132,20 @@ class History:
         return f"it holds steps {bounds['min']} to {bounds['max']}"
 
 
+def _batch_order(rows: list[dict], step: int, where: str) -> list[dict]:
+    """A step's rows (of one run) in batch order, each with the weight
+    versions that sampled it and its staleness (the step less the oldest)."""
+    runs = {(row["job"], row["run"]) for row in rows}
+    if len(runs) > 1:
+        raise InvalidInput(f"step {step} was trained by more than one run in {where}: expected --job/--run "
+                           f"to name one of {sorted(runs, key=str)}")
+    for row in rows:
+        versions = sorted({span["version"] for spans in row.pop("weight_version_spans") or () for span in spans})
+        oldest = oldest_version(versions)
+        row.update(weight_versions=versions, staleness=None if oldest is None else step - oldest)
+    return sorted(rows, key=lambda row: row["position"])
+
+
 def _trained(job: str | None, run: str | None):
     """The filter of the trained rows of `job` and `run` (either None: any)."""
     import pyarrow.dataset as ds
@@ -151,8 +162,22 @@ def _scope(job: str | None, run: str | None) -> str:
     return "".join(f" of {kind} {value!r}" for kind, value in (("job", job), ("run", run)) if value is not None)
 
 
-def story(row: Mapping[str, Any]) -> dict:
-    """A trajectory's row as what happened to it, in order."""
+# How a row a live broker holds stands, where it has not left (its `outcome`, as `rollstream export` names states).
+HELD_STANDING = {"open": "held open (turns still arriving)", "scoring": "held, its reward awaited",
+                 "queued": "held, queued for delivery", "left": "held as a group member that left (no data)",
+                 "trained": "held until a seal after its step reclaims it",
+                 "dead": "held as a dead letter (until revived, or pruned)"}
+
+
+def _job(job: str) -> str:
+    """A job as an answer names it: the default job goes unsaid."""
+    return "" if job == DEFAULT_JOB else _scope(job, None)
+
+
+def story(row: Mapping[str, Any], *, held: bool = False) -> dict:
+    """A trajectory's row as what happened to it, in order: to its leaving
+    the broker and the archive, or (`held`: a live broker's row) to where
+    it stands now."""
     events: list[dict] = []
 
     def event(what: str, at: Any, **details: Any) -> None:
@@ -161,21 +186,106 @@ def story(row: Mapping[str, Any]) -> dict:
     event("first turn arrived", row["first_turn_at"], producer=row["producer"])
     if row["gap_turn"] is not None:
         event("cut at a replay gap", None, turn=row["gap_turn"], field=row["gap_field"])
-    event("ended", row["ended_at"], turns=row["turns"], response_length=row["response_length"], status=row["status"],
-          reward=json.loads(row["reward_json"]) if row["reward_json"] is not None else None)
+    outcome = row["outcome"]
+    reward = json.loads(row["reward_json"]) if row["reward_json"] is not None else None
+    if held and outcome == "open":
+        event("last turn arrived", row["ended_at"], turns=row["turns"], response_length=row["response_length"])
+    else:
+        event("ended", row["ended_at"], turns=row["turns"], response_length=row["response_length"],
+              status=row["status"], reward=reward)
     if row["first_delivered_at"] is not None:
         event("first delivered", row["first_delivered_at"], deliveries=row["deliveries"])
-    if row["outcome"] == "dead":
+    if outcome == "dead":
         event("dead-lettered", row["dead_at"], reason=row["dead_reason"])
-    elif row["outcome"] == "trained":
+    elif outcome == "trained":
         event("trained", row["committed_at"], run=row["run"], lineage=row["lineage"], epoch=row["epoch"],
               step=row["step"], position=row["position"])
-    else:
+    elif not held:
         event("committed (deleted on commit)", row["committed_at"])
-    event("archived", None)
+    if held:
+        event(HELD_STANDING.get(outcome, f"held, {outcome}"), None)
+    else:
+        event("archived", None)
+    keeper = "the broker" if held else "the archive"
     return {"trajectory_id": row["trajectory_id"], "job": row["job"], "group_id": row["group_id"],
-            "sample_index": row["sample_index"], "outcome": row["outcome"], "events": events,
-            "not_recorded": ["each lease and requeue (the archive records the first delivery and the count)"]}
+            "sample_index": row["sample_index"], "outcome": outcome, "events": events,
+            "not_recorded": [f"each lease and requeue ({keeper} records the first delivery and the count)"]}
+
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+_TIMES = ("first_turn_at", "ended_at", "first_delivered_at", "committed_at", "dead_at")
+
+
+def _timestamp(seconds: float | None) -> datetime.datetime | None:
+    """Unix seconds as the archive keeps a time: UTC, whole microseconds."""
+    return None if seconds is None else _EPOCH + datetime.timedelta(microseconds=int(seconds * 1_000_000))
+
+
+class LiveHistory:
+    """The same questions to a live broker, over its admin socket (the
+    `history` request, docs/protocol.md §5): what it holds now, as the
+    archive's rows, so the answers read as `History`'s. What it let go of
+    (reclaimed, deleted on commit, a pruned dead letter) is said, never
+    guessed: its row is in the archive, where the broker keeps one. The
+    CURVE keys are `AdminClient`'s."""
+
+    def __init__(self, endpoint: str, *, timeout: float = 5.0, curve_secret_key: str | None = None,
+                 curve_server_key: str | None = None):
+        self.endpoint = endpoint
+        self.where = f"the broker at {endpoint}"
+        self._client = dict(timeout=timeout, curve_secret_key=curve_secret_key, curve_server_key=curve_server_key)
+
+    def _ask(self, **question: Any) -> dict:
+        from rollstream.common.admin import AdminClient
+
+        with AdminClient(self.endpoint, **self._client) as admin:  # type: ignore[arg-type]
+            return admin.history(**question)
+
+    @staticmethod
+    def _row(row: Mapping[str, Any], columns: tuple[str, ...]) -> dict:
+        return {name: _timestamp(row[name]) if name in _TIMES else row[name] for name in columns}
+
+    def step(self, step: int, *, job: str | None = None, run: str | None = None) -> list[dict]:
+        """As `History.step`, of the trajectories the broker still holds as
+        trained at `step`; none: `InvalidInput` naming the steps it holds
+        and the runs whose steps through this one it let go of."""
+        if type(step) is not int or step < 0:
+            raise InvalidInput(f"a step is an integer >= 0, got {step!r}")
+        reply = self._ask(step=step, job=job, run=run)
+        rows = [self._row(row, STEP_COLUMNS) for row in reply["rows"]]
+        if not rows:
+            held = ("it holds steps {} to {}".format(*reply["steps"]) if "steps" in reply
+                    else "and it holds no trained trajectory")
+            let_go = "".join(f"; it let go of what run {r['run']!r}{_job(r['job'])}"
+                             f" trained through step {r['through']}" for r in reply.get("reclaimed", ()))
+            raise InvalidInput(f"no trajectory trained at step {step}{_scope(job, run)} is held by {self.where}: "
+                               f"expected a step it holds, {held}{let_go}"
+                               + (" (with an archive, their rows are in it: rollstream history --archive DIR)"
+                                  if let_go else ""))
+        return _batch_order(rows, step, self.where)
+
+    def trajectory(self, trajectory_id: str, *, job: str | None = None) -> dict:
+        """As `History.trajectory`, to where it stands in the broker now.
+        Raises `InvalidInput` when the broker let go of it (saying so) or
+        neither holds nor remembers it."""
+        reply = self._ask(trajectory_id=trajectory_id, job=job)
+        rows, let_go = reply["rows"], reply.get("let_go", [])
+        jobs = sorted([row["job"] for row in rows] + [gone["job"] for gone in let_go])
+        if len(jobs) > 1:
+            raise InvalidInput(f"trajectory {trajectory_id!r} is in {len(jobs)} jobs of {self.where}: expected --job "
+                               f"to name one of {jobs}")
+        if rows:
+            return story(self._row(rows[0], STORY_COLUMNS), held=True)
+        if let_go:
+            gone = let_go[0]
+            pruned = "" if "reason" not in gone else f" (a dead letter, {gone['reason']}, whose data was pruned)"
+            raise InvalidInput(f"trajectory {trajectory_id!r}{_job(gone['job'])}: {self.where} let go of "
+                               f"it{pruned} (trained and reclaimed, deleted on commit, or a pruned dead letter) and "
+                               "remembers only its id: expected one it holds; with --archive DIR its row is in the "
+                               "archive, where the broker keeps one (`rollstream broker --archive`)")
+        raise InvalidInput(f"trajectory {trajectory_id!r}{_scope(job, None)} is neither held nor remembered by "
+                           f"{self.where}: expected one it holds (it holds {reply['held']} trajectories) or let go "
+                           "of within its dedup window")
 
 
 def of_data_dir(data_dir: str | Path, work: str | Path, *, steps: tuple[int, int] | None = None,
@@ -206,27 +316,47 @@ def _table(rows: Iterable[Mapping[str, Any]], columns: tuple[str, ...]) -> None:
               "or a file `rollstream export` wrote.")
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False), help="A broker's data directory, stopped "
               "or running (read only).")
+@click.option("--admin", "endpoint", default=None, help="A live broker's admin endpoint: what it holds now.")
+@click.option("--endpoints-file", type=click.Path(dir_okay=False),
+              help="Read the admin endpoint from the file a broker's --endpoints-file names (instead of --admin).")
+@click.option("--timeout", type=click.FloatRange(min=0.0, min_open=True), default=5.0, show_default=True,
+              help="Seconds to wait for a live broker.")
+@curve_client_options
 @click.option("--step", type=click.IntRange(min=0), help="The trajectories trained at this step, in batch order.")
 @click.option("--trajectory", "trajectory_id", help="One trajectory's story.")
 @click.option("--job", default=None, help="The job (when the archive holds several).")
 @click.option("--run", default=None, help="The trainer's run (when several trained the step).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of a table.")
-def history(archive: str | None, data_dir: str | None, step: int | None, trajectory_id: str | None, job: str | None,
-            run: str | None, as_json: bool) -> None:
+def history(archive: str | None, data_dir: str | None, endpoint: str | None, endpoints_file: str | None,
+            timeout: float, curve_secret_key: str | None, curve_server_key: str | None, step: int | None,
+            trajectory_id: str | None, job: str | None, run: str | None, as_json: bool) -> None:
     """What happened to the run's data: the trajectories a step trained
-    (--step) or one trajectory's story (--trajectory), from an archive or a
-    broker's data directory."""
-    if (archive is None) == (data_dir is None):
-        raise click.UsageError("history reads one source: expected exactly one of --archive and --data-dir")
+    (--step) or one trajectory's story (--trajectory), from an archive, a
+    broker's data directory or a live broker."""
+    from rollstream.common.admin import AdminError, read_endpoints_file
+    from rollstream.common.curve import CurveError
+
+    sources = [name for name, given in (("--archive", archive), ("--data-dir", data_dir), ("--admin", endpoint),
+                                        ("--endpoints-file", endpoints_file)) if given is not None]
+    if len(sources) != 1:
+        raise click.UsageError("history reads one source: expected exactly one of --archive, --data-dir, --admin and "
+                               f"--endpoints-file, got {' and '.join(sources) or 'none'}")
     if (step is None) == (trajectory_id is None):
         raise click.UsageError("history answers one question: expected exactly one of --step and --trajectory")
     try:
         with tempfile.TemporaryDirectory(prefix="rollstream-history-") as work:
-            source = History(archive) if archive is not None else of_data_dir(
-                data_dir, work, steps=None if step is None else (step, step), job=job)  # type: ignore[arg-type]
+            source: History | LiveHistory
+            if archive is not None:
+                source = History(archive)
+            elif data_dir is not None:
+                source = of_data_dir(data_dir, work, steps=None if step is None else (step, step), job=job)
+            else:
+                source = LiveHistory(endpoint or read_endpoints_file(endpoints_file)["admin"],  # type: ignore[arg-type]
+                                     timeout=timeout, curve_secret_key=curve_secret_key,
+                                     curve_server_key=curve_server_key)
             answer: Any = (source.step(step, job=job, run=run) if step is not None
                            else source.trajectory(trajectory_id, job=job))  # type: ignore[arg-type]
-    except InvalidInput as exc:
+    except (InvalidInput, AdminError, CurveError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(answer, default=str))

@@ -93,7 +93,8 @@ def test_the_command_refuses_a_question_it_cannot_answer_with_the_rule(tmp_path)
     neither = runner.invoke(main, ["history", *archive])
     assert neither.exit_code == 2 and "expected exactly one of --step and --trajectory" in neither.output
     both = runner.invoke(main, ["history", *archive, "--data-dir", str(tmp_path / "data"), "--step", "1"])
-    assert both.exit_code == 2 and "expected exactly one of --archive and --data-dir" in both.output
+    assert both.exit_code == 2 and ("expected exactly one of --archive, --data-dir, --admin and --endpoints-file, got "
+                                    "--archive and --data-dir") in both.output
     unknown = runner.invoke(main, ["history", *archive, "--step", "9", "--run", "R"])
     assert unknown.exit_code == 1 and "it holds steps 1 to 2" in unknown.output, unknown.output
 
