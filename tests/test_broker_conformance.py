@@ -459,6 +459,50 @@ def test_a_checkpointing_session_trains_seals_and_resumes_and_a_broker_restart_s
         assert (resume["type"], resume["code"]) == ("nack", "checkpoint_gone")
 
 
+def test_an_admin_history_request_answers_rows_names_what_was_let_go_of_and_refuses_two_questions(broker):
+    """docs/protocol.md §5, `history`, from a raw admin peer: a step is
+    answered with the rows of what the broker holds trained there (the
+    archive's column names, times as Unix seconds), a trajectory with its
+    row; once a seal reclaimed them, the step names the run reclaimed
+    through it and the trajectory the job that remembers its id; a request
+    asking both is refused `schema`, naming the rule."""
+    producer = Peer(broker.producer)
+    producer.call(frames("hello", producer_id="raw", seq=0))
+    for k, tid in enumerate(["a", "b"]):
+        assert producer.call(turn(2 * k + 1, tid, 0, [10], [[10, 4]], prompt=[1], weight_version="3"))[0]["applied"]
+        assert producer.call(frames("end", seq=2 * k + 2, trajectory_id=tid, reward=0.5))[0]["applied"]
+    trainer = Peer(broker.consumer)
+    trainer.call(frames("hello", consumer_id="t", run="R", lineage="L"))
+    trainer.sock.send_multipart(frames("credit", n=2, unit="trajectory"))
+    leases = dict((h["trajectory_id"], h["lease"]) for h, _ in (trainer.recv() for _ in range(2)))
+    reply, _ = trainer.call(frames("ack", leases=[leases["b"], leases["a"]], trajectory_ids=["b", "a"], step=4,
+                                   positions=[0, 1]))
+    assert reply["type"] == "acked"
+
+    admin = Peer(broker.admin)
+    answer, _ = admin.call(frames("history", step=4, seq=21))
+    assert (answer["type"], answer["seq"], answer["held"], answer["steps"]) == ("history", 21, 2, [4, 4])
+    rows = sorted(answer["rows"], key=lambda row: row["position"])
+    assert [(r["trajectory_id"], r["job"], r["run"], r["step"], r["position"], r["producer"], r["outcome"], r["reward"])
+            for r in rows] == [("b", "default", "R", 4, 0, "raw", "trained", 0.5), ("a", "default", "R", 4, 1, "raw",
+                                                                                   "trained", 0.5)]
+    assert rows[0]["weight_version_spans"] == [[{"version": "3", "start": 0, "end": 1}]]
+    assert isinstance(rows[0]["first_turn_at"], float) and rows[0]["committed_at"] >= rows[0]["first_turn_at"]
+    answer, _ = admin.call(frames("history", trajectory_id="a", job="default", seq=22))
+    assert [(r["trajectory_id"], r["deliveries"], r["turns"]) for r in answer["rows"]] == [("a", 1, 1)]
+
+    assert trainer.call(frames("seal", step=4, keep=1))[0]["reclaimed"] == 2
+    answer, _ = admin.call(frames("history", step=4))
+    assert (answer["rows"], answer["reclaimed"], "steps" in answer) == ([], [{"job": "default", "run": "R",
+                                                                              "through": 4}], False)
+    answer, _ = admin.call(frames("history", trajectory_id="a"))
+    assert (answer["rows"], answer["let_go"]) == ([], [{"job": "default", "trajectory_id": "a"}])
+
+    refused, _ = admin.call(frames("history", step=4, trajectory_id="a", seq=23))
+    assert (refused["type"], refused["code"], refused["seq"]) == ("nack", "schema", 23)
+    assert "expected exactly one of step and trajectory_id" in refused["message"], refused["message"]
+
+
 def test_two_jobs_keep_their_ids_apart_and_spans_place_each_version(broker):
     producer = Peer(broker.producer)
     welcome, _ = producer.call(frames("hello", producer_id="eval-peer", job="eval"))
