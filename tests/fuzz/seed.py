@@ -160,6 +160,9 @@ def admin() -> dict[str, bytes]:
         "requeue": encode(ADMIN_REQUESTS, "requeue", {"seq": 3, "trajectory_ids": ["dead", "ready", "unknown"]}),
         "requeue-job": encode(ADMIN_REQUESTS, "requeue", {"trajectory_ids": ["dead"], "job": "eval"}),
         "end-run": encode(ADMIN_REQUESTS, "end_run", {"seq": 4, "run": "R"}),
+        "history-step": encode(ADMIN_REQUESTS, "history", {"seq": 5, "step": 1, "run": "R", "job": "default"}),
+        "history-trajectory": encode(ADMIN_REQUESTS, "history", {"seq": 6, "trajectory_id": "ready"}),
+        "history-dead": encode(ADMIN_REQUESTS, "history", {"trajectory_id": "dead", "job": "default"}),
     }
     seeds = {f"request-{name}": join_frames(frames) for name, frames in requests.items()}
     core = targets.admin_core()
@@ -167,6 +170,9 @@ def admin() -> dict[str, bytes]:
         for reply in targets.drive(core.admin_request(b"admin", [], decode(frames, ADMIN_REQUESTS), None, targets.at(2.0))):
             seeds[f"reply-{name}"] = join_frames(reply.frames)
     seeds["reply-nack"] = join_frames(encode(ADMIN_REPLIES, "nack", {"code": "schema", "message": "unknown type"}))
+    seeds["reply-history-let-go"] = join_frames(encode(ADMIN_REPLIES, "history", {
+        "rows": [], "held": 2, "steps": [1, 3], "reclaimed": [{"job": "default", "run": "R", "through": 2}],
+        "let_go": [{"job": "eval", "trajectory_id": "a", "reason": "refused", "at": 1.5}], "seq": 7}))
     seeds["endpoints-file"] = json.dumps({"producer": "tcp://127.0.0.1:5555", "consumer": "tcp://127.0.0.1:5556",
                                           "admin": "tcp://127.0.0.1:5557"}).encode()
     return seeds
@@ -252,6 +258,17 @@ def store() -> dict[str, bytes]:
     }
 
 
+def archive() -> dict[str, bytes]:
+    root, segment_name = targets.archive_template()
+    _, _, payloads = targets.store_template()
+    segment = (root / segment_name).read_bytes()
+    return {
+        "raw-segment": raw_input(segment),
+        "framed": framed_input(payloads),
+        "raw-cut-short": raw_input(segment[: len(segment) // 2]),
+    }
+
+
 def settings_toml() -> dict[str, bytes]:
     systemd = ROOT / "deploy" / "systemd"
     return {
@@ -275,7 +292,7 @@ SCHEMAS = {"producer_to_broker": PRODUCER_TO_BROKER, "split_batch": PRODUCER_TO_
 SEEDS = {"producer_to_broker": producer_to_broker, "split_batch": split_batch, "consumer_to_broker": consumer_to_broker,
          "broker_to_producer": broker_to_producer, "broker_to_consumer": broker_to_consumer, "admin": admin,
          "miles_session": miles_session, "spool": spool, "segments": segments, "store": store,
-         "settings_toml": settings_toml}
+         "archive": archive, "settings_toml": settings_toml}
 
 
 def main() -> None:

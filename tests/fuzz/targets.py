@@ -33,12 +33,23 @@ import numpy as np
 
 from rollstream.broker import core as broker_core
 from rollstream.broker.cli import broker as broker_command
-from rollstream.broker.core import BrokerCore, Checkpoint, Commit, MeasureDisk, Probe, PruneDedup, Send, Sent
-from rollstream.broker.engine import OPEN, EngineSettings, MergeEngine
+from rollstream.broker.core import (
+    BrokerCore,
+    Checkpoint,
+    Commit,
+    MeasureDisk,
+    Probe,
+    PruneDedup,
+    ReadHistory,
+    Send,
+    Sent,
+)
+from rollstream.broker.engine import OPEN, EngineSettings, MergeEngine, State
+from rollstream.broker.facts import history_row
 from rollstream.broker.metrics import BrokerMetrics
 from rollstream.broker.recovery import Rebuilt, load_trajectory, rebuild
 from rollstream.broker.settings import BrokerSettings
-from rollstream.broker.store import Store, StoreError
+from rollstream.broker.store import Store, StoredTrajectory, StoreError
 from rollstream.common.admin import AdminError, read_endpoints_file
 from rollstream.common.clock import Clock
 from rollstream.common.codec import crc32_of, decode, decode_header, encode, encode_batch, split_batch
@@ -181,22 +192,31 @@ def scratch(name: str) -> Path:
     return path
 
 
-def _open_fds() -> int | None:
+def _open_fds(unless: Callable[[str], bool] | None = None) -> int | None:
+    """The process's open descriptors, but those whose target `unless` names."""
     try:
-        return len(os.listdir("/proc/self/fd"))
+        names = os.listdir("/proc/self/fd")
     except OSError:  # no /proc: not counted
         return None
+    if unless is None:
+        return len(names)
+    count = 0
+    for name in names:
+        with contextlib.suppress(OSError):  # closed meanwhile
+            count += not unless(os.readlink(f"/proc/self/fd/{name}"))
+    return count
 
 
 @contextlib.contextmanager
-def leaves_nothing_open(what: str) -> Iterator[None]:
+def leaves_nothing_open(what: str, unless: Callable[[str], bool] | None = None) -> Iterator[None]:
     """Asserts that the block, however it ends, closes every file it opened
-    (a refused file or record must not leak its descriptor: an owner retries)."""
-    before = _open_fds()
+    (a refused file or record must not leak its descriptor: an owner retries),
+    but those whose path `unless` names."""
+    before = _open_fds(unless)
     try:
         yield
     finally:
-        after = _open_fds()
+        after = _open_fds(unless)
         if before is not None and after is not None and after > before:
             raise AssertionError(f"{what} left {after - before} file descriptor(s) open")
 
@@ -312,9 +332,15 @@ def at(t: float) -> Clock:
 
 
 # What a healthy store answers the core's requests; it never reads (no performer).
+def _read_history(request: ReadHistory) -> list[dict]:
+    """A row per trajectory asked for, as a store's would read (an ended one with a reward, no records)."""
+    return [history_row(StoredTrajectory(tid, State.ENDED, None, None, None, 0.0, b"", {"acc": 1.0}, None, 0, None,
+                                         None, None, producer="p"), None) for tid in request.trajectory_ids]
+
+
 _HEALTHY_STORE: dict[type, Callable] = {Commit: lambda request: None, Probe: lambda request: True,
                                         PruneDedup: lambda request: None, Checkpoint: lambda request: None,
-                                        MeasureDisk: lambda request: (0, 1 << 40)}
+                                        MeasureDisk: lambda request: (0, 1 << 40), ReadHistory: _read_history}
 
 
 def drive(steps) -> list[Send]:
@@ -543,6 +569,87 @@ def store(data: bytes) -> None:
             opened.close()
 
 
+# The archive the archive target damages: the store template's ended trajectories, delivered and committed, so
+# their rows and a copy of the segment holding their records went to the archive; written once per process.
+_ARCHIVE_TEMPLATE: list[tuple[Path, str]] = []
+
+
+def archive_template() -> tuple[Path, str]:
+    """The template archive's directory and its segment file's path in it."""
+    if not _ARCHIVE_TEMPLATE:
+        from rollstream.broker.archive import Archiver, segments_of
+        from rollstream.broker.store import Archiving
+
+        template, _, _ = store_template()
+        data = scratch("archive-template-data")
+        shutil.copytree(template, data, dirs_exist_ok=True)
+        root = scratch("archive-template")
+        made = Store(data, archive=Archiving())
+        engine = MergeEngine(EngineSettings())
+        engine.restore(*rebuild(made.open(), made).engine_state())
+        for tid in ("done", "g0"):
+            made.commit(engine.delivered(tid, 2.0))
+        store_id = made.store_id
+        archiver = Archiver(root, store_id)
+        try:
+            for batch in made.archive_work(1024):
+                archiver.submit(batch)
+            while archiver.busy:
+                for outcome in archiver.finished():
+                    if outcome.error is not None:
+                        raise AssertionError(f"the archive template's file must be written: {outcome.error}")
+                    made.archived(outcome.number)
+            for handover in made.handover(copies=True):
+                archiver.submit(handover)
+            while archiver.placing:
+                for placed in archiver.finished():
+                    made.handed_over(placed.handover)
+        finally:
+            archiver.close()
+            made.close()
+        (segment,) = segments_of(root, store_id).glob("seg-*.log")
+        _ARCHIVE_TEMPLATE.append((root, str(segment.relative_to(root))))
+        _read_archive(root)  # pyarrow starts its thread pools (and their descriptors) once, here
+    return _ARCHIVE_TEMPLATE[0]
+
+
+def archive(data: bytes) -> None:
+    """A broker's archive with its segment file replaced as the store
+    target replaces the store's (raw, or framed: the input's frames as the
+    template's records' payloads, their CRCs right), then exported to a
+    dataset (every row's records read back and merged) and asked for a
+    trajectory's story, as `rollstream history` asks."""
+    template, segment_name = archive_template()
+    _, located, payloads = store_template()
+    root = scratch("archive")
+    shutil.copytree(template, root, dirs_exist_ok=True)
+    given = FileInput.read(data)
+    segment = root / segment_name
+    if given.framed:
+        given_payloads = split_frames(given.content)
+        content = bytearray(segment.read_bytes())
+        for i, (offset, length) in enumerate(located):
+            if offset + length <= len(content):
+                payload = given_payloads[i][:length].ljust(length, b"\0") if i < len(given_payloads) else payloads[i]
+                content[offset - HEADER.size : offset + length] = record(payload)
+        segment.write_bytes(content)
+    else:
+        segment.write_bytes(given.content)
+    # pyarrow's I/O threads close the Parquet files they read on their own schedule: only the rest is counted.
+    with leaves_nothing_open("exporting an archive", unless=lambda path: path.endswith(".parquet")):
+        _read_archive(root)
+
+
+def _read_archive(root: Path) -> None:
+    """What readers do with an archive: export it (every row's records read
+    back and merged) and ask for a trajectory's story."""
+    from rollstream.app.history import History
+    from rollstream.broker.export import export_archive
+
+    export_archive(root, scratch("archive-out") / "run.parquet")
+    History(root).trajectory("done")
+
+
 # -- settings ------------------------------------------------------------------------
 _BROKER_KEYS = {f.name for f in fields(BrokerSettings)}
 _PRODUCER_KEYS = {f.name for f in fields(ProducerSettings)}
@@ -587,6 +694,9 @@ TARGETS: dict[str, Target] = {target.name: target for target in (
     # StoreError: what the store's files hold is damaged (or unreadable); RemoteProtocolError: a record read back
     # that the merge refuses (broker/recovery.py, load_trajectory).
     Target("store", store, (StoreError, RemoteProtocolError)),
+    # The same of an archive's segment read back; InvalidInput: a row the archive holds whose records it lacks
+    # (cut off by the input) is skipped by an export, and asked for by history, said so.
+    Target("archive", archive, (StoreError, RemoteProtocolError, InvalidInput)),
     Target("settings_toml", settings_toml, (ConfigError,)),
 )}
 
