@@ -240,3 +240,16 @@ def test_a_live_broker_answers_as_its_data_directory_and_then_its_archive_do_and
     finally:
         broker.__exit__(None, None, None)
         shutil.rmtree(broker.directory, ignore_errors=True)
+
+
+def test_the_command_reads_one_source_and_names_an_endpoints_file_it_cannot_use(tmp_path):
+    from click.testing import CliRunner
+
+    from rollstream.app.cli import main
+
+    runner = CliRunner()
+    both = runner.invoke(main, ["history", "--admin", "ipc:///nowhere", "--data-dir", str(tmp_path), "--step", "1"])
+    assert both.exit_code == 2 and ("expected exactly one of --archive, --data-dir, --admin and --endpoints-file, got "
+                                    "--data-dir and --admin") in both.output, both.output
+    missing = runner.invoke(main, ["history", "--endpoints-file", str(tmp_path / "endpoints.json"), "--step", "1"])
+    assert missing.exit_code == 1 and f"endpoints file {tmp_path / 'endpoints.json'} does not exist" in missing.output
