@@ -150,7 +150,7 @@ def _facts(stored: Sequence[StoredTrajectory]) -> dict[str, Any]:
     return {
         "trajectory_id": [wire_id(s.trajectory_id) for s in stored],
         "job": [job_of(s.trajectory_id) for s in stored],
-        "run": [t and t.run for t in trained],
+        "run": [None if t is None else wire_id(t.run) for t in trained],
         "lineage": [t and t.lineage for t in trained],
         "epoch": [t and t.epoch for t in trained],
         "step": [t and t.step for t in trained],
@@ -205,7 +205,8 @@ def archive_table(batch: ArchiveBatch, store_id: str) -> pa.Table:
     columns: dict[str, Any] = {
         "trajectory_id": [wire_id(tid) for tid in c["id"]],
         "job": [job_of(tid) for tid in c["id"]],
-        "run": trained, "lineage": c["trained_lineage"], "epoch": c["trained_epoch"], "step": c["trained_step"],
+        "run": [None if run is None else wire_id(run) for run in trained], "lineage": c["trained_lineage"],
+        "epoch": c["trained_epoch"], "step": c["trained_step"],
         "position": c["trained_position"],
         "group_id": [None if gid is None else wire_id(gid) for gid in c["group_id"]],
         "group_size": c["group_size"], "sample_index": c["sample_index"], "producer": c["producer"],
@@ -453,8 +454,8 @@ def stored_of(row: Mapping[str, Any]) -> StoredTrajectory:
     """The store's view of an archive row (`ARCHIVE_SCHEMA`), as
     `load_trajectory` and `dataset_table` take it."""
     job = row["job"]
-    trained = None if row["run"] is None else TrainedAt(row["run"], row["lineage"], row["step"], row["position"],
-                                                        row["epoch"])
+    trained = None if row["run"] is None else TrainedAt(job_key(job, row["run"]), row["lineage"], row["step"],
+                                                        row["position"], row["epoch"])
 
     def seconds(value) -> float | None:
         return None if value is None else value.timestamp()

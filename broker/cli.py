@@ -157,13 +157,23 @@ def requeue(endpoint: str, timeout: float, job: str | None, curve_secret_key: st
     click.echo(f"requeued {len(done)} of {len(trajectory_ids)}: {' '.join(done)}")
 
 
+def _job_name(ctx: click.Context, param: click.Parameter, job: str | None) -> str | None:
+    from rollstream.common.jobs import JOB_PATTERN, is_job
+
+    if job is not None and not is_job(job):
+        raise click.BadParameter(f"a job name must match {JOB_PATTERN} (letters, digits, '.', '_', '-'; at most 64), "
+                                 f"got {job!r}")
+    return job
+
+
 @click.command("end-run")
 @click.option("--admin", "endpoint", default="tcp://127.0.0.1:5557", show_default=True, help="The broker's admin endpoint.")
 @click.option("--timeout", type=click.FloatRange(min=0.0, min_open=True), default=5.0, show_default=True,
               help="Seconds to wait for the broker.")
+@click.option("--job", default=None, callback=_job_name, help="The run's job (default: the default job).")
 @curve_client_options
 @click.argument("run")
-def end_run(endpoint: str, timeout: float, curve_secret_key: str | None, curve_server_key: str | None,
+def end_run(endpoint: str, timeout: float, job: str | None, curve_secret_key: str | None, curve_server_key: str | None,
             run: str) -> None:
     """Tell the broker that trainer run RUN is over: it reclaims everything
     the run trained, the last steps no seal reclaimed included (archived
@@ -174,7 +184,7 @@ def end_run(endpoint: str, timeout: float, curve_secret_key: str | None, curve_s
     try:
         with AdminClient(endpoint, timeout=timeout, curve_secret_key=curve_secret_key,
                          curve_server_key=curve_server_key) as admin:
-            reclaimed = admin.end_run(run)
+            reclaimed = admin.end_run(run, job=job)
     except (AdminError, CurveError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"run {run} ended: {reclaimed} trained trajectories reclaimed")
@@ -244,15 +254,6 @@ def _wall_time(ctx: click.Context, param: click.Parameter, text: str | None) -> 
     if not math.isfinite(seconds):
         raise click.BadParameter(f"epoch seconds must be a finite number, got {text!r}")
     return seconds
-
-
-def _job_name(ctx: click.Context, param: click.Parameter, job: str | None) -> str | None:
-    from rollstream.common.jobs import JOB_PATTERN, is_job
-
-    if job is not None and not is_job(job):
-        raise click.BadParameter(f"a job name must match {JOB_PATTERN} (letters, digits, '.', '_', '-'; at most 64), "
-                                 f"got {job!r}")
-    return job
 
 
 @click.command()

@@ -976,7 +976,7 @@ class BrokerCore:
         if message.type == "status":
             return encode(ADMIN_REPLIES, "status", {**self.status(now), **seq})
         if message.type == "end_run":
-            effects = self.engine.end_run(message["run"], now.wall)
+            effects = self.engine.end_run(job_key(message.get("job", DEFAULT_JOB), message["run"]), now.wall)
             if not (yield from self._commit(effects)):
                 raise RemoteProtocolError("unavailable", "the broker cannot persist right now; retry later")
             reclaimed = self._count_reclaimed(effects, "delivered")

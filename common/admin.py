@@ -105,10 +105,11 @@ class AdminClient:
             fields["job"] = job
         return self._call("requeue", fields)["trajectory_ids"]
 
-    def end_run(self, run: str) -> int:
-        """Tell the broker that trainer run `run` is over: it reclaims (and
-        archives, with an archive) all the run trained; how many."""
-        return self._call("end_run", {"run": run})["reclaimed"]
+    def end_run(self, run: str, *, job: str | None = None) -> int:
+        """Tell the broker that trainer run `run` (of `job`; None: the
+        default job) is over: it reclaims (and archives, with an archive)
+        all the run trained; how many."""
+        return self._call("end_run", {"run": run, **({} if job is None else {"job": job})})["reclaimed"]
 
     def history(self, *, step: int | None = None, trajectory_id: str | None = None, job: str | None = None,
                 run: str | None = None) -> dict:

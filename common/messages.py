@@ -447,7 +447,7 @@ ADMIN_REQUESTS = _schema(
     MessageSpec("status", {}, _SEQ),
     MessageSpec("dead_letters", {}, {"seq": INT, "limit": POSITIVE, "pruned": BOOL}),
     MessageSpec("requeue", {"trajectory_ids": ID_LIST}, {**_SEQ, "job": JOB}),
-    MessageSpec("end_run", {"run": TEXT}, _SEQ),
+    MessageSpec("end_run", {"run": TEXT}, {**_SEQ, "job": JOB}),
     MessageSpec("history", {}, {"seq": INT, "step": STORED_COUNT, "trajectory_id": ID, "job": JOB, "run": TEXT},
                 rules=(one_question,)),
 )

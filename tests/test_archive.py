@@ -488,3 +488,25 @@ def test_a_file_waits_to_be_fuller_until_it_lingered_or_the_run_ended(tmp_path):
     finally:
         archiver.close()
         store.close()
+
+
+def test_a_run_of_another_job_is_archived_under_the_name_its_trainer_gave_it(tmp_path):
+    """The store keys a job's runs apart (`eval` U+001F `R`); the archive, its
+    export and history name the run `R` in job `eval`, as the trainer does."""
+    from rollstream.app.history import History
+    from rollstream.common.jobs import job_key
+
+    store, engine = opened(tmp_path / "data")
+    from rollstream.broker.core import BrokerCore
+
+    produce(engine, store, [BrokerCore.keyed(m) for m in (turn_msg("a", 0, job="eval"), end_msg("a", job="eval"))])
+    run = job_key("eval", "R")
+    store.commit(engine.trained(job_key("eval", "a"), TrainedAt(run, "L", 1, 0, 0), 2.0))
+    store.commit(engine.end_run(run, 3.0))
+    archive_all(tmp_path / "archive", store)
+    store.close()
+    (facts,) = read(tmp_path / "archive").values()
+    assert (facts["job"], facts["run"], facts["step"]) == ("eval", "R", 1)
+    (row,) = dataset(tmp_path / "archive", tmp_path / "dataset.parquet").values()
+    assert (row["job"], row["run"]) == ("eval", "R")
+    assert [r["trajectory_id"] for r in History(tmp_path / "archive").step(1, job="eval", run="R")] == ["a"]

@@ -253,3 +253,30 @@ def test_the_command_reads_one_source_and_names_an_endpoints_file_it_cannot_use(
                                     "--data-dir and --admin") in both.output, both.output
     missing = runner.invoke(main, ["history", "--endpoints-file", str(tmp_path / "endpoints.json"), "--step", "1"])
     assert missing.exit_code == 1 and f"endpoints file {tmp_path / 'endpoints.json'} does not exist" in missing.output
+
+
+def test_a_run_of_another_job_ends_by_its_own_name_with_its_job(tmp_path):
+    """`end_run {run, job}`: a run of job `eval` keeps the name its trainer
+    gave it; without its job the request names the default job's run R,
+    which trained nothing here."""
+    node = Node(tmp_path)
+    try:
+        node.produce([turn_msg("a", 0, seq=1, job="eval"), end_msg("a", seq=2, job="eval")], 1.0)
+        node.consume([("hello", {"consumer_id": "t", "run": "R", "lineage": "L", "job": "eval"})], 2.0)
+        [delivery] = [d for d in node.consume([("credit", {"n": 1, "unit": "trajectory"})], 2.0) if d.type == "deliver"]
+        node.consume([("ack", {"leases": [delivery["lease"]], "trajectory_ids": ["a"], "step": 1, "positions": [0]})],
+                     3.0)
+
+        def end_run(**fields) -> int:
+            request = decode(encode(ADMIN_REQUESTS, "end_run", {"seq": 5, **fields}), ADMIN_REQUESTS)
+            [reply] = node.run(node.core.admin_request(b"op", [], request, None, at(4.0)))
+            answer = decode(reply.frames, ADMIN_REPLIES)
+            assert (answer.type, answer["run"]) == ("run_ended", "R"), answer
+            return answer["reclaimed"]
+
+        assert end_run(run="R") == 0, "the default job's run R trained nothing"
+        assert end_run(run="R", job="eval") == 1
+        [rows] = [node.history(trajectory_id="a", job="eval")["let_go"]]
+        assert rows == [{"job": "eval", "trajectory_id": "a"}]
+    finally:
+        node.store.close()
