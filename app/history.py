@@ -51,21 +51,23 @@ class History:
     """Questions to the rows of one archive (a directory of the broker's
     archive files) or of a dataset `rollstream export` wrote."""
 
-    def __init__(self, root: str | Path, *, where: str | None = None):
+    def __init__(self, root: str | Path, *, where: str | None = None, held: bool = False):
         from rollstream.broker.archive import ArchiveReader, is_archive
 
         self.root = Path(root)
         self.where = where or str(self.root)  # what the answers name as their source
+        self.held = held  # the rows are what a broker holds now (a data directory's), not what it let go of
         if not self.root.exists():
             raise InvalidInput(f"an archive is a directory of Parquet files or one file: expected one at {self.root}, "
                                "found nothing")
         self._data = _dataset(self.root)
         self._archive = ArchiveReader(self.root) if self.root.is_dir() and is_archive(self.root) else None
 
-    def _rows(self, condition, columns: tuple[str, ...]) -> list[dict]:
+    def _rows(self, condition, columns: tuple[str, ...], *, arrivals: bool = False) -> list[dict]:
         """The rows `condition` picks, with `columns`: from a dataset's
         columns, or from an archive's, what it merges read back from the
-        rows' records (None where the archive lacks them, said in `lacking`)."""
+        rows' records (None where the archive lacks them, said in `lacking`)
+        and, with `arrivals`, each stored turn's arrival (`turn_arrivals`)."""
         from rollstream.broker.archive import MERGED_COLUMNS, dataset_table, stored_of
 
         if self._archive is None:
@@ -74,17 +76,22 @@ class History:
         facts = [name for name in columns if name not in MERGED_COLUMNS]
         if not merged:
             return self._data.to_table(columns=facts, filter=condition).to_pylist()
-        answers = []
+        answers, loaded = [], []
         for row in self._data.to_table(filter=condition).to_pylist():  # the few rows an answer shows, whole
             stored = stored_of(row)
             trajectory = self._archive.load(stored, row["store_id"])
             answer = {name: row[name] for name in facts}
+            if arrivals:
+                answer["turn_arrivals"] = [{"turn": r["turn"], "at": r["at"]} for r in row["records"]]
             if trajectory is None:
                 answer.update(dict.fromkeys(merged), lacking=LACKING)
             else:
-                answer.update({name: values[0] for name, values in
-                               dataset_table([(stored, trajectory)]).select(merged).to_pydict().items()})
+                loaded.append((answer, stored, trajectory))
             answers.append(answer)
+        if loaded:  # what the records hold, merged, in one table
+            columns = dataset_table([(stored, trajectory) for _, stored, trajectory in loaded]).select(merged).to_pydict()
+            for i, (answer, _, _) in enumerate(loaded):
+                answer.update({name: values[i] for name, values in columns.items()})
         return answers
 
     def step(self, step: int, *, job: str | None = None, run: str | None = None) -> list[dict]:
@@ -112,7 +119,7 @@ class History:
         condition = ds.field("trajectory_id") == trajectory_id
         if job is not None:
             condition &= ds.field("job") == job
-        rows = self._rows(condition, STORY_COLUMNS)
+        rows = self._rows(condition, STORY_COLUMNS, arrivals=True)
         if not rows:
             raise InvalidInput(f"trajectory {trajectory_id!r}{_scope(job, None)} is not in {self.where}: expected "
                                "one the archive holds (a trajectory is archived once the broker lets go of it: "
@@ -120,7 +127,7 @@ class History:
         if len(rows) > 1:
             raise InvalidInput(f"trajectory {trajectory_id!r} is in {len(rows)} jobs of {self.where}: expected --job "
                                f"to name one of {sorted(row['job'] for row in rows)}")
-        return story(rows[0])
+        return story(rows[0], held=self.held)
 
     def _steps_held(self, job: str | None, run: str | None) -> str:
         import pyarrow.compute as pc
@@ -184,6 +191,9 @@ def story(row: Mapping[str, Any], *, held: bool = False) -> dict:
         events.append({"event": what, "at": None if at is None else at.isoformat(), **details})
 
     event("first turn arrived", row["first_turn_at"], producer=row["producer"])
+    arrivals = row.get("turn_arrivals")  # an archive's rows: each stored turn's arrival
+    for arrival in (arrivals or ())[1:]:
+        event("turn arrived", arrival["at"], turn=arrival["turn"])
     if row["gap_turn"] is not None:
         event("cut at a replay gap", None, turn=row["gap_turn"], field=row["gap_field"])
     outcome = row["outcome"]
@@ -207,9 +217,12 @@ def story(row: Mapping[str, Any], *, held: bool = False) -> dict:
     else:
         event("archived", None)
     keeper = "the broker" if held else "the archive"
+    not_recorded = [f"each lease and requeue ({keeper} records the first delivery and the count)"]
+    if arrivals is None:
+        not_recorded.append("each later turn's arrival (a broker's archive keeps it; this source keeps the first and "
+                            "the last)")
     return {"trajectory_id": row["trajectory_id"], "job": row["job"], "group_id": row["group_id"],
-            "sample_index": row["sample_index"], "outcome": outcome, "events": events,
-            "not_recorded": [f"each lease and requeue ({keeper} records the first delivery and the count)"]}
+            "sample_index": row["sample_index"], "outcome": outcome, "events": events, "not_recorded": not_recorded}
 
 
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
@@ -298,7 +311,7 @@ def of_data_dir(data_dir: str | Path, work: str | Path, *, steps: tuple[int, int
     selection = Selection(job=job, steps=steps) if steps is not None else Selection(job=job, trained=True,
                                                                                    queued=True, dead_letters=True)
     export(data_dir, out, selection)
-    return History(out, where=f"the data directory {data_dir}")
+    return History(out, where=f"the data directory {data_dir}", held=True)
 
 
 def _table(rows: Iterable[Mapping[str, Any]], columns: tuple[str, ...]) -> None:

@@ -61,11 +61,12 @@ def test_a_step_answers_its_trajectories_in_batch_order_with_producer_versions_s
 def test_a_trajectory_s_story_runs_from_its_first_turn_to_the_step_that_trained_it(tmp_path):
     a_run(tmp_path)
     told = History(tmp_path / "archive").trajectory("b")
-    assert [e["event"] for e in told["events"]] == ["first turn arrived", "ended", "first delivered", "trained",
-                                                    "archived"]
-    trained = told["events"][3]
+    assert [e["event"] for e in told["events"]] == ["first turn arrived", "turn arrived", "ended", "first delivered",
+                                                    "trained", "archived"]
+    assert told["events"][1]["turn"] == 1, "an archive keeps each turn's arrival"
+    trained = told["events"][4]
     assert (trained["run"], trained["lineage"], trained["step"], trained["position"]) == ("R", "L", 1, 0)
-    assert told["events"][0]["producer"] == "p0" and told["events"][1]["reward"] == 0.0
+    assert told["events"][0]["producer"] == "p0" and told["events"][2]["reward"] == 0.0
     assert told["not_recorded"], "what the archive does not hold is said"
     with pytest.raises(InvalidInput, match=r"trajectory 'zz' is not in .*: expected one the archive holds"):
         History(tmp_path / "archive").trajectory("zz")
@@ -84,6 +85,8 @@ def test_the_command_answers_from_an_archive_and_from_a_data_directory_alike(tmp
     result = runner.invoke(main, ["history", "--data-dir", str(tmp_path / "held" / "data"), "--trajectory", "c",
                                   "--json"])
     assert result.exit_code == 0 and json.loads(result.output)["outcome"] == "trained", result.output
+    told = json.loads(result.output)["events"]
+    assert told[-1]["event"] == "held until a seal after its step reclaims it", "a data directory's row is held, not archived"
 
 
 def test_the_command_refuses_a_question_it_cannot_answer_with_the_rule(tmp_path):
