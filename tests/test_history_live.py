@@ -230,9 +230,14 @@ def test_a_live_broker_answers_as_its_data_directory_and_then_its_archive_do_and
 
         with AdminClient(broker.admin) as admin:
             assert admin.end_run(run) == 2
-        wait_for(lambda: broker.status().get("archive", {}).get("waiting") == 0 and
-                 broker.status()["archive"].get("lacking") == 0 and let_go(lambda: live.trajectory(last)),
-                 timeout=60, what="the archive to hold the whole run")
+
+        def archived_whole() -> bool:  # every row written (the counter: the status's archive may predate the end)
+            status = broker.status()
+            archive_state = status.get("archive") or {}
+            return (status["counters"].get("archive_rows", 0) == len(trained)
+                    and (archive_state.get("waiting"), archive_state.get("writing"), archive_state.get("lacking")) == (0, 0, 0))
+
+        wait_for(archived_whole, timeout=60, what="the archive to hold the whole run")
         archived = History(archive)
         assert archived.step(3) == step, "the archive answers step 3 as the live broker did"
         story = archived.trajectory(last)
