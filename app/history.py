@@ -217,7 +217,9 @@ def story(row: Mapping[str, Any], *, held: bool = False) -> dict:
     else:
         event("archived", None)
     keeper = "the broker" if held else "the archive"
-    not_recorded = [f"each lease and requeue ({keeper} records the first delivery and the count)"]
+    not_recorded = [f"each lease and requeue ({keeper} records the first delivery and the count)",
+                    "the seal that reclaimed it (what it was trained at is recorded: a seal of a later step, or the "
+                    "run's end, let it go)"]
     if arrivals is None:
         not_recorded.append("each later turn's arrival (a broker's archive keeps it; this source keeps the first and "
                             "the last)")
