@@ -37,6 +37,7 @@ from pathlib import Path
 
 from pipeline import split_turns, workload
 from procs import parse_args
+from stores import applied
 
 from rollstream.broker.engine import EngineSettings, MergeEngine, TrainedAt
 from rollstream.broker.store import Store
@@ -93,11 +94,7 @@ def build_store(data_dir: Path, trajectories: int) -> float:
                 effects, tids = [], []
                 for i, sample in enumerate(samples[batch : batch + COMMIT_EVERY], first + batch):
                     tid = f"t{i:07d}"
-                    for message in _messages(tid, sample):
-                        reply = engine.handle(message, wall, producer="bench")
-                        if reply.error is not None:
-                            raise RuntimeError(f"the engine refused a bench frame of {tid}: {reply.error}")
-                        effects += reply.effects
+                    effects += applied(engine, tid, _messages(tid, sample), wall, "bench")
                     tids.append(tid)
                 store.commit(effects)
                 engine.saved()

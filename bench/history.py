@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 from procs import parse_args
+from stores import applied
 
 from rollstream.broker.archive import Archiver
 from rollstream.broker.engine import EngineSettings, MergeEngine, TrainedAt
@@ -137,11 +138,7 @@ def build_archive(data_dir: Path, root: Path, trajectories: int, batch: int) -> 
             effects, tids = [], []
             for i in range(first, min(first + batch, trajectories)):
                 tid, producer, messages = _messages(i, step, rng)
-                for message in messages:
-                    reply = engine.handle(message, wall, producer=producer)
-                    if reply.error is not None:
-                        raise RuntimeError(f"the engine refused a bench frame of {tid}: {reply.error}")
-                    effects += reply.effects
+                effects += applied(engine, tid, messages, wall, producer)
                 tids.append(tid)
             store.commit(effects)
             engine.saved()
@@ -246,7 +243,7 @@ def main() -> None:
                 reused.append((wall, cpu))
             for tid in ids:
                 wall, cpu, told = timed(lambda tid=tid: History(root).trajectory(tid))
-                if told["trajectory_id"] != tid or told["events"][3]["event"] != "trained":
+                if told["trajectory_id"] != tid or "trained" not in [event["event"] for event in told["events"]]:
                     raise RuntimeError(f"the story of {tid} is not its own: {told}")
                 stories.append((wall, cpu))
             commands.append(command_seconds(root, steps[rep % len(steps)]))

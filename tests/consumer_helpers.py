@@ -127,6 +127,25 @@ def send_rollouts(endpoint: str, rollouts, **kw) -> None:
         producer.close()
 
 
+def train_sealing(endpoint: str, steps: int, batch_size: int, **options) -> tuple[str, dict[str, tuple[int, int]]]:
+    """A checkpointing consumer (`options`: more of `Consumer`'s) trains
+    `steps` batches of `batch_size`, sealing after each, and flushes: its
+    run, and each trajectory's (step, position)."""
+    from rollstream.consumer import Consumer
+
+    trained = {}
+    with Consumer(endpoint, batch_size=batch_size, vocab_size=VOCAB, **options) as consumer:
+        run = consumer.position.run
+        for _ in range(steps):
+            batch = consumer.next_batch(timeout=60)
+            consumer.commit(batch)
+            step = consumer.position.step
+            trained.update({tid: (step, position) for position, tid in enumerate(batch.trajectory_ids)})
+            consumer.sealed(step)
+        consumer.flush(60)
+    return run, trained
+
+
 class RawProducer:
     """A producer from raw zmq + msgpack: hello, then turn and end frames with `seq`."""
 

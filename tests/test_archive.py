@@ -268,11 +268,9 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_then_the_res
     import tempfile
 
     from broker_process import BrokerProcess
-    from consumer_helpers import VOCAB, send_rollouts
+    from consumer_helpers import send_rollouts, train_sealing
     from test_consumer_tokens import sized_rollout
     from waiting import wait_for
-
-    from rollstream.consumer import Consumer
 
     archive = tmp_path / "archive"
     broker = BrokerProcess(Path(tempfile.mkdtemp(prefix="rsa", dir="/tmp")), archive=str(archive),
@@ -280,16 +278,7 @@ def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_then_the_res
     try:
         rollouts = [sized_rollout(f"r{i}", 2, 3 + i) for i in range(6)]
         send_rollouts(broker.producer, rollouts)
-        trained = {}
-        with Consumer(broker.consumer, batch_size=2, vocab_size=VOCAB, keep_checkpoints=2) as consumer:
-            run = consumer.position.run
-            for _ in range(3):
-                batch = consumer.next_batch(timeout=30)
-                consumer.commit(batch)
-                step = consumer.position.step
-                trained.update({tid: (step, position) for position, tid in enumerate(batch.trajectory_ids)})
-                consumer.sealed(step)
-            consumer.flush(10)
+        run, trained = train_sealing(broker.consumer, 3, 2, keep_checkpoints=2)
         def archived(expected: set[str], lacking: int | None = None) -> bool:
             state = broker.status().get("archive", {})
             return (state.get("waiting") == 0 and lacking in (None, state.get("lacking")) and archive.exists()

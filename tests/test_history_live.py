@@ -167,7 +167,7 @@ def test_a_live_broker_answers_as_its_data_directory_and_then_its_archive_do_and
 
     from broker_process import BrokerProcess
     from click.testing import CliRunner
-    from consumer_helpers import VOCAB, Rollout, send_rollouts
+    from consumer_helpers import Rollout, send_rollouts, train_sealing
     from waiting import wait_for
 
     from rollstream.app.cli import main
@@ -175,7 +175,6 @@ def test_a_live_broker_answers_as_its_data_directory_and_then_its_archive_do_and
     from rollstream.common.admin import AdminClient
     from rollstream.common.errors import InvalidInput
     from rollstream.common.trajectory import Turn
-    from rollstream.consumer import Consumer
 
     def rollout(i: int) -> Rollout:
         turns = [Turn.build(np.arange(1, 3 + i), np.full(2 + i, -0.5), supports=[[t] for t in range(1, 3 + i)],
@@ -187,15 +186,8 @@ def test_a_live_broker_answers_as_its_data_directory_and_then_its_archive_do_and
                            archive_linger=0, heartbeat_interval=0.2).start()
     try:
         send_rollouts(broker.producer, [rollout(i) for i in range(6)])
-        trained = {}
-        with Consumer(broker.consumer, batch_size=2, vocab_size=VOCAB, keep_checkpoints=2) as consumer:
-            run = consumer.position.run
-            for _ in range(3):
-                batch = consumer.next_batch(timeout=30)
-                consumer.commit(batch)
-                trained.update({tid: consumer.position.step for tid in batch.trajectory_ids})
-                consumer.sealed(consumer.position.step)
-            consumer.flush(10)
+        run, at = train_sealing(broker.consumer, 3, 2, keep_checkpoints=2)
+        trained = {tid: step for tid, (step, _) in at.items()}
         live = LiveHistory(broker.admin)
         first, last = (next(tid for tid, step in trained.items() if step == s) for s in (1, 3))
 

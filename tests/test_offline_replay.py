@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("pyarrow", reason="offline replay reads a dataset (the archive extra)")
 
 from broker_process import BrokerProcess  # noqa: E402
-from consumer_helpers import VOCAB, make_rollout, send_rollouts  # noqa: E402
+from consumer_helpers import VOCAB, make_rollout, send_rollouts, train_sealing  # noqa: E402
 from waiting import wait_for  # noqa: E402
 
 from rollstream.broker.export import export_archive  # noqa: E402
@@ -45,13 +45,7 @@ def a_run(tmp_path_factory):
                            heartbeat_interval=0.2).start()
     try:
         send_rollouts(broker.producer, rollouts)
-        with Consumer(broker.consumer, batch_size=BATCH, vocab_size=VOCAB, ledger=work / "live.jsonl") as consumer:
-            run = consumer.position.run
-            for _ in range(STEPS):
-                batch = consumer.next_batch(timeout=60)
-                consumer.commit(batch)
-                consumer.sealed(consumer.position.step)
-            consumer.flush(60)
+        run, _ = train_sealing(broker.consumer, STEPS, BATCH, ledger=work / "live.jsonl")
         with AdminClient(broker.admin) as admin:
             admin.end_run(run)
 
