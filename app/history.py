@@ -89,9 +89,9 @@ class History:
                 loaded.append((answer, stored, trajectory))
             answers.append(answer)
         if loaded:  # what the records hold, merged, in one table
-            columns = dataset_table([(stored, trajectory) for _, stored, trajectory in loaded]).select(merged).to_pydict()
+            built = dataset_table([(stored, trajectory) for _, stored, trajectory in loaded]).select(merged).to_pydict()
             for i, (answer, _, _) in enumerate(loaded):
-                answer.update({name: values[i] for name, values in columns.items()})
+                answer.update({name: values[i] for name, values in built.items()})
         return answers
 
     def step(self, step: int, *, job: str | None = None, run: str | None = None) -> list[dict]:
