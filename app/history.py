@@ -25,7 +25,7 @@ from typing import Any
 import click
 
 from rollstream.common.curve import curve_client_options
-from rollstream.common.errors import InvalidInput
+from rollstream.common.errors import ExtraMissing, InvalidInput
 from rollstream.common.jobs import DEFAULT_JOB
 from rollstream.common.versions import oldest_version
 
@@ -52,7 +52,10 @@ class History:
     archive files) or of a dataset `rollstream export` wrote."""
 
     def __init__(self, root: str | Path, *, where: str | None = None, held: bool = False):
-        from rollstream.broker.archive import ArchiveReader, is_archive
+        try:
+            from rollstream.broker.archive import ArchiveReader, is_archive
+        except ImportError:
+            raise ExtraMissing("pyarrow", "archive", "history over an archive or a data directory") from None
 
         self.root = Path(root)
         self.where = where or str(self.root)  # what the answers name as their source
@@ -307,7 +310,10 @@ def of_data_dir(data_dir: str | Path, work: str | Path, *, steps: tuple[int, int
                 job: str | None = None) -> History:
     """A `History` of what a broker's data directory holds now (trained at
     `steps` only, when given), exported under `work` first."""
-    from rollstream.broker.export import Selection, export
+    try:
+        from rollstream.broker.export import Selection, export
+    except ImportError:
+        raise ExtraMissing("pyarrow", "archive", "history over a data directory") from None
 
     out = Path(work) / "rows.parquet"
     selection = Selection(job=job, steps=steps) if steps is not None else Selection(job=job, trained=True,
@@ -371,7 +377,7 @@ def history(archive: str | None, data_dir: str | None, endpoint: str | None, end
                                      curve_server_key=curve_server_key)
             answer: Any = (source.step(step, job=job, run=run) if step is not None
                            else source.trajectory(trajectory_id, job=job))  # type: ignore[arg-type]
-    except (InvalidInput, AdminError, CurveError) as exc:
+    except (InvalidInput, ExtraMissing, AdminError, CurveError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(answer, default=str))

@@ -33,7 +33,7 @@ import numpy as np
 from rollstream.common.clock import Clock
 from rollstream.common.codec import decode
 from rollstream.common.contract import ARRAYS
-from rollstream.common.errors import InvalidInput
+from rollstream.common.errors import ExtraMissing, InvalidInput
 from rollstream.common.jobs import DEFAULT_JOB
 from rollstream.common.messages import BROKER_TO_CONSUMER
 from rollstream.common.trajectory import Gap, Trajectory
@@ -59,7 +59,10 @@ class ArchivedRows:
     def __init__(self, path: str | os.PathLike, *, job: str = DEFAULT_JOB, run: str | None = None,
                  steps: tuple[int, int] | None = None, order: str = "as_trained", seed: int | None = None,
                  batch_size: int | None = None, unit: str = "trajectory"):
-        import pyarrow.dataset as ds
+        try:
+            import pyarrow.dataset as ds
+        except ImportError:
+            raise ExtraMissing("pyarrow", "archive", "an offline replay (it reads Parquet)") from None
 
         if order not in ORDERS:
             raise InvalidInput(f"order must be one of {ORDERS}, got {order!r}")

@@ -154,3 +154,20 @@ def test_a_distributed_consumer_shards_an_offline_replay(a_run):
             assert got == commits and client.state_dict()["world_size"] == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_without_pyarrow_the_replay_and_history_name_the_extra(monkeypatch, tmp_path):
+    import sys
+
+    from click.testing import CliRunner
+
+    from rollstream.app.cli import main
+    from rollstream.common.errors import ExtraMissing
+
+    monkeypatch.setitem(sys.modules, "pyarrow.dataset", None)  # importing it fails, as where it is not installed
+    monkeypatch.setitem(sys.modules, "rollstream.broker.archive", None)
+    with pytest.raises(ExtraMissing, match=r"an offline replay .* needs the 'pyarrow' package.*rollstream\[archive\]"):
+        Consumer.from_archive(tmp_path / "run.parquet")
+    result = CliRunner().invoke(main, ["history", "--archive", str(tmp_path), "--step", "1"])
+    assert result.exit_code == 1 and "history over an archive or a data directory needs the 'pyarrow' package" in \
+        result.output, result.output
