@@ -19,9 +19,13 @@ pyarrow included. `export_mb_per_s` is the Parquet file's bytes over those
 seconds, median of `--reps` (with the spread, min and max);
 `export_peak_rss_mb` the largest peak of any rep. The targets (issue 52)
 are at least 200 MB/s and at most 512 MiB; the figures are printed, never
-judged. The last line is one JSON object.
+judged. `--from-archive` also ends the run on a copy of the store with
+an archive (`--archive`: its rows' facts written, its segments moved) and
+exports that archive too, in the same reps (`export_archive_*`: the
+records read from the archive's segments and merged, as
+`rollstream export --archive` does). The last line is one JSON object.
 
-    .venv/bin/python bench/export.py [--trajectories 2000] [--reps 3] [--formats parquet,miles]
+    .venv/bin/python bench/export.py [--trajectories 2000] [--reps 3] [--formats parquet,miles] [--from-archive]
 """
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ from procs import parse_args
 from stores import applied
 
 from rollstream.broker.engine import EngineSettings, MergeEngine, TrainedAt
-from rollstream.broker.store import Store
+from rollstream.broker.recovery import rebuild
+from rollstream.broker.store import Archiving, Store
 from rollstream.common.codec import decode, encode
 from rollstream.common.messages import PRODUCER_TO_BROKER
 from rollstream.common.trajectory import Turn
@@ -57,11 +62,11 @@ FORMATS = ("parquet", "miles")
 CHILD = """
 import json, resource, sys, time
 import pyarrow
-from rollstream.broker.export import export
+from rollstream.broker.export import export, export_archive
 pyarrow.Table.from_pydict({"warm": [0]})
-data_dir, out, fmt = sys.argv[1:4]
+source, out, fmt, kind = sys.argv[1:5]
 start = time.perf_counter()
-result = export(data_dir, out, fmt=fmt)
+result = (export if kind == "store" else export_archive)(source, out, fmt=fmt)
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "rows": result.rows, "bytes": result.nbytes, "skipped": result.skipped,
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
@@ -106,14 +111,49 @@ def build_store(data_dir: Path, trajectories: int) -> float:
     return time.perf_counter() - start
 
 
+def build_archive(data_dir: Path, archive: Path) -> float:
+    """End the bench's run on the store at `data_dir` with an archive at
+    `archive`: every trajectory's facts written, its segments placed; the
+    seconds."""
+    from rollstream.broker.archive import Archiver  # pyarrow, as the broker imports it with --archive
+
+    start = time.perf_counter()
+    store = Store(data_dir, archive=Archiving())
+    engine = MergeEngine(EngineSettings())
+    engine.restore(*rebuild(store.open(), store).engine_state())
+    archiver = Archiver(archive, store.store_id)
+    try:
+        store.commit(engine.end_run("bench-run", time.time()))
+        while store.archive_waiting():
+            for batch in store.archive_work(1024, archiver.busy):
+                archiver.submit(batch)
+            while not archiver.settled():
+                time.sleep(0.01)
+            for outcome in archiver.finished():
+                if outcome.error is not None:
+                    raise RuntimeError(f"the bench's archive could not be written: {outcome.error}")
+                store.archived(outcome.number)
+        for handover in store.handover(copies=True):
+            archiver.submit(handover)
+        while not archiver.settled():
+            time.sleep(0.01)
+        for placed in archiver.finished():
+            store.handed_over(placed.handover)
+    finally:
+        archiver.close()
+        store.close()
+    return time.perf_counter() - start
+
+
 def store_bytes(data_dir: Path) -> int:
     return sum(p.stat().st_size for p in data_dir.rglob("*") if p.is_file())
 
 
-def run_export(data_dir: Path, out: Path, fmt: str) -> dict:
-    """One export in a child process: its seconds, rows, bytes written and peak RSS."""
-    done = subprocess.run([sys.executable, "-c", CHILD, str(data_dir), str(out), fmt], capture_output=True, text=True,
-                          check=False)
+def run_export(source: Path, out: Path, fmt: str, kind: str = "store") -> dict:
+    """One export (of a data directory, or `kind="archive"` of an archive) in
+    a child process: its seconds, rows, bytes written and peak RSS."""
+    done = subprocess.run([sys.executable, "-c", CHILD, str(source), str(out), fmt, kind], capture_output=True,
+                          text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the export child failed ({done.returncode}):\n{done.stderr[-3000:]}")
     figures = json.loads(done.stdout.strip().splitlines()[-1])
@@ -129,6 +169,7 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=100_000, help="trajectories in the store (8 turns each)")
     parser.add_argument("--reps", type=int, default=3, help="exports of each format")
     parser.add_argument("--formats", default="parquet", help=f"comma-separated, of {list(FORMATS)}")
+    parser.add_argument("--from-archive", action="store_true", help="also export the run's archive (parquet)")
     args = parse_args(parser, SMOKE)
     formats = [name for name in args.formats.split(",") if name]
     if not formats or set(formats) - set(FORMATS):
@@ -139,22 +180,29 @@ def main() -> None:
         built = build_store(data_dir, args.trajectories)
         size = store_bytes(data_dir)
         print(f"built a store of {args.trajectories} trajectories of {TURNS} turns: {size / 1e9:.2f} GB in {built:.1f} s")
-        runs: dict[str, list[dict]] = {fmt: [] for fmt in formats}
+        sources = [("store", fmt, data_dir) for fmt in formats]
+        if args.from_archive:
+            shutil.copytree(data_dir, root / "ended")
+            archived = build_archive(root / "ended", root / "archive")
+            print(f"ended the run with an archive in {archived:.1f} s")
+            sources.append(("archive", "parquet", root / "archive"))
+        runs: dict[str, list[dict]] = {f"{kind}:{fmt}": [] for kind, fmt, _ in sources}
         for rep in range(args.reps):
-            for fmt in formats:
-                figures = run_export(data_dir, root / f"out-{fmt}", fmt)
-                if figures["rows"] != args.trajectories:
-                    raise RuntimeError(f"an export of a stopped store wrote {figures['rows']} rows, expected "
-                                       f"{args.trajectories}")
-                runs[fmt].append(figures)
+            for kind, fmt, source in sources:
+                figures = run_export(source, root / f"out-{kind}-{fmt}", fmt, kind)
+                if (figures["rows"], figures["skipped"]) != (args.trajectories, 0):
+                    raise RuntimeError(f"an export of a stopped {kind} wrote {figures['rows']} rows and skipped "
+                                       f"{figures['skipped']}, expected {args.trajectories} and 0")
+                runs[f"{kind}:{fmt}"].append(figures)
             print(f"rep {rep}: " + "  ".join(
                 f"{fmt} {r[-1]['bytes'] / r[-1]['seconds'] / 1e6:.0f} MB/s in {r[-1]['seconds']:.2f} s, "
                 f"peak RSS {r[-1]['peak_rss'] / 2**20:.0f} MiB" for fmt, r in runs.items()))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     summary: dict = {}
-    for fmt, reps in runs.items():
-        prefix = "export" if fmt == "parquet" else f"export_{fmt}"
+    for name, reps in runs.items():
+        kind, fmt = name.split(":")
+        prefix = "export" + ("" if kind == "store" else f"_{kind}") + ("" if fmt == "parquet" else f"_{fmt}")
         rates = [r["bytes"] / r["seconds"] / 1e6 for r in reps]
         summary.update({
             f"{prefix}_mb_per_s": round(statistics.median(rates), 1),
