@@ -115,7 +115,7 @@ def build_archive(data_dir: Path, archive: Path) -> float:
     """End the bench's run on the store at `data_dir` with an archive at
     `archive`: every trajectory's facts written, its segments placed; the
     seconds."""
-    from rollstream.broker.archive import Archiver  # pyarrow, as the broker imports it with --archive
+    from rollstream.broker.archive import Archiver, archive_stopped  # pyarrow, as a broker with --archive imports it
 
     start = time.perf_counter()
     store = Store(data_dir, archive=Archiving())
@@ -124,21 +124,7 @@ def build_archive(data_dir: Path, archive: Path) -> float:
     archiver = Archiver(archive, store.store_id)
     try:
         store.commit(engine.end_run("bench-run", time.time()))
-        while store.archive_waiting():
-            for batch in store.archive_work(1024, archiver.busy):
-                archiver.submit(batch)
-            while not archiver.settled():
-                time.sleep(0.01)
-            for outcome in archiver.finished():
-                if outcome.error is not None:
-                    raise RuntimeError(f"the bench's archive could not be written: {outcome.error}")
-                store.archived(outcome.number)
-        for handover in store.handover(copies=True):
-            archiver.submit(handover)
-        while not archiver.settled():
-            time.sleep(0.01)
-        for placed in archiver.finished():
-            store.handed_over(placed.handover)
+        archive_stopped(store, archiver)
     finally:
         archiver.close()
         store.close()

@@ -35,6 +35,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollstream.common.contract import ARRAYS
-from rollstream.common.errors import InvalidInput
+from rollstream.common.errors import InvalidInput, RollstreamError
 from rollstream.common.jobs import job_key, job_of, wire_id
 from rollstream.common.segments import SegmentLog
 from rollstream.common.trajectory import Trajectory
@@ -60,6 +61,7 @@ from .store import (
     ArchiveOutcome,
     HandoverOutcome,
     SegmentHandover,
+    Store,
     StoreCorrupted,
     StoredTrajectory,
     StoredTurn,
@@ -420,6 +422,41 @@ class Archiver:
                 self._done.put(ArchiveOutcome(work.number, len(work.rows), nbytes, path))
             except Exception as exc:  # the batch stays in the store, handed out again
                 self._done.put(ArchiveOutcome(work.number, error=exc))
+
+
+class ArchiveFailed(RollstreamError, RuntimeError):
+    """An archive file or segment could not be written (`archive_stopped`;
+    a running broker keeps what failed and tries again)."""
+
+    code = "unavailable"
+
+
+def archive_stopped(store: Store, archiver: Archiver, *, copies: bool = True) -> None:
+    """All at once what the broker's archive steps do over many passes,
+    for a store no broker runs (a bench, a test): every file its archiving
+    rows make written and the rows deleted, then its segments placed (those
+    still in use copied, with `copies`). A file or segment that cannot be
+    written is raised (`ArchiveFailed`)."""
+    while store.archive_waiting():
+        for batch in store.archive_work(1024, archiver.busy):
+            archiver.submit(batch)
+        _settle(archiver, store)
+    for handover in store.handover(archiver.placing, copies=copies):
+        archiver.submit(handover)
+    _settle(archiver, store)
+
+
+def _settle(archiver: Archiver, store: Store) -> None:
+    """Wait for what `archiver` holds and apply each outcome to `store`."""
+    while not archiver.settled():
+        time.sleep(0.001)
+    for outcome in archiver.finished():
+        if outcome.error is not None:
+            raise ArchiveFailed(f"{outcome.what} could not be written: {outcome.error}") from outcome.error
+        if isinstance(outcome, HandoverOutcome):
+            store.handed_over(outcome.handover)
+        else:
+            store.archived(outcome.number)
 
 
 def is_archive(root: Path) -> bool:

@@ -21,7 +21,13 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from broker_helpers import end_msg, turn_msg  # noqa: E402
 
-from rollstream.broker.archive import ARCHIVE_SCHEMA_KEY, ARCHIVE_SCHEMA_VERSION, Archiver, segments_of  # noqa: E402
+from rollstream.broker.archive import (  # noqa: E402
+    ARCHIVE_SCHEMA_KEY,
+    ARCHIVE_SCHEMA_VERSION,
+    Archiver,
+    archive_stopped,
+    segments_of,
+)
 from rollstream.broker.engine import EngineSettings, MergeEngine, TrainedAt  # noqa: E402
 from rollstream.broker.export import export_archive  # noqa: E402
 from rollstream.broker.recovery import rebuild  # noqa: E402
@@ -62,29 +68,13 @@ def archive_once(root: Path, store: Store, rows: int = 1024) -> list:
         archiver.close()
 
 
-def place_all(archiver: Archiver, store: Store, *, copies: bool) -> list:
-    """Place every segment the store hands over, as the broker's archive step does; the outcomes."""
-    outcomes = []
-    for handover in store.handover(archiver.placing, copies=copies):
-        archiver.submit(handover)
-    while archiver.placing:
-        for outcome in archiver.finished():
-            assert outcome.error is None, outcome.error
-            store.handed_over(outcome.handover)
-            outcomes.append(outcome)
-    return outcomes
-
-
 def archive_all(root: Path, store: Store, *, copies: bool = True) -> None:
     """Everything the store lets go of into the archive under `root`: its
     files written and their rows deleted, then the segments placed (those
     still in use copied, with `copies`, as when a run ends)."""
     archiver = Archiver(root, store.store_id)
     try:
-        for outcome in write_all(archiver, store):
-            assert outcome.error is None, outcome.error
-            store.archived(outcome.number)
-        place_all(archiver, store, copies=copies)
+        archive_stopped(store, archiver, copies=copies)
     finally:
         archiver.close()
 
@@ -499,3 +489,17 @@ def test_a_run_of_another_job_is_archived_under_the_name_its_trainer_gave_it(tmp
     (row,) = dataset(tmp_path / "archive", tmp_path / "dataset.parquet").values()
     assert (row["job"], row["run"]) == ("eval", "R")
     assert [r["trajectory_id"] for r in History(tmp_path / "archive").step(1, job="eval", run="R")] == ["a"]
+
+
+def test_archiving_a_stopped_store_raises_what_could_not_be_written_and_keeps_its_rows(tmp_path):
+    from rollstream.broker.archive import ArchiveFailed
+
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [turn_msg("a", 0), end_msg("a")])
+    store.commit(engine.delivered("a", 2.0))
+    blocked = tmp_path / "archive"
+    blocked.write_text("a file where the archive's directory should be")
+    with pytest.raises(ArchiveFailed, match=r"archive file \d+ could not be written: .*"):
+        archive_all(blocked, store)
+    assert store.archive_waiting() == 1, "what failed stays in the store"
+    store.close()

@@ -577,7 +577,7 @@ _ARCHIVE_TEMPLATE: list[tuple[Path, str]] = []
 def archive_template() -> tuple[Path, str]:
     """The template archive's directory and its segment file's path in it."""
     if not _ARCHIVE_TEMPLATE:
-        from rollstream.broker.archive import Archiver, segments_of
+        from rollstream.broker.archive import Archiver, archive_stopped, segments_of
         from rollstream.broker.store import Archiving
 
         template, _, _ = store_template()
@@ -592,18 +592,7 @@ def archive_template() -> tuple[Path, str]:
         store_id = made.store_id
         archiver = Archiver(root, store_id)
         try:
-            for batch in made.archive_work(1024):
-                archiver.submit(batch)
-            while archiver.busy:
-                for outcome in archiver.finished():
-                    if outcome.error is not None:
-                        raise AssertionError(f"the archive template's file must be written: {outcome.error}")
-                    made.archived(outcome.number)
-            for handover in made.handover(copies=True):
-                archiver.submit(handover)
-            while archiver.placing:
-                for placed in archiver.finished():
-                    made.handed_over(placed.handover)
+            archive_stopped(made, archiver)
         finally:
             archiver.close()
             made.close()
