@@ -45,7 +45,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollstream.common.contract import ARRAYS
+from rollstream.common.contract import ARRAYS, CONTEXT_REPLAY_ARRAYS
 from rollstream.common.errors import InvalidInput, RollstreamError
 from rollstream.common.jobs import job_key, job_of, wire_id
 from rollstream.common.segments import SegmentLog
@@ -88,6 +88,8 @@ _RECORD = pa.struct([("turn", pa.int32()), ("segment", pa.int64()), ("offset", p
 # (CSR: a row's `mask_offsets` start at 0, token i's ids are mask_ids[offsets[i]:offsets[i + 1]]), which costs the
 # writer a fraction of what a list of lists per token does.
 ARCHIVED_ARRAYS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets")
+# The context replay arrays (routed experts, indexer top-k; N-D): each row's values flattened, and its shape beside.
+SHAPED_ARRAYS = CONTEXT_REPLAY_ARRAYS
 # Columns a reader filters on: only these get statistics (and the small text ones dictionaries), which the large
 # array columns would pay for on every value.
 FILTERED = ("trajectory_id", "job", "run", "lineage", "step", "position", "outcome", "producer", "first_turn_at",
@@ -117,6 +119,8 @@ ARCHIVE_SCHEMA = pa.schema([*_IDENTITY, *_ENDING, *_TIMES, ("ended", pa.bool_())
 DATASET_SCHEMA = pa.schema([
     *_IDENTITY, ("status", pa.string()), ("turns", pa.int32()), ("response_length", pa.int32()),
     *((name, pa.list_(pa.from_numpy_dtype(ARRAYS[name].dtype))) for name in ARCHIVED_ARRAYS),
+    *(field for name in SHAPED_ARRAYS
+      for field in ((name, pa.list_(pa.from_numpy_dtype(ARRAYS[name].dtype))), (f"{name}_shape", pa.list_(pa.int64())))),
     ("forced_spans", pa.list_(_SPAN)), *_ENDING, ("weight_versions", pa.list_(pa.string())),
     ("weight_version_spans", pa.list_(pa.list_(_VERSION_SPAN))), *_TIMES,
 ], metadata={DATASET_SCHEMA_KEY: str(DATASET_SCHEMA_VERSION).encode()})
@@ -239,6 +243,10 @@ def dataset_table(rows: Sequence[tuple[StoredTrajectory, Trajectory]]) -> pa.Tab
         "turns": [t.turns for t in merged],
         "response_length": [t.response_length for t in merged],
         **{name: _lists(name, [a.get(name) for a in arrays]) for name in ARCHIVED_ARRAYS},
+        **{name: _lists(name, [None if a.get(name) is None else np.ravel(a[name]) for a in arrays])
+           for name in SHAPED_ARRAYS},
+        **{f"{name}_shape": [None if a.get(name) is None else list(np.shape(a[name])) for a in arrays]
+           for name in SHAPED_ARRAYS},
         "forced_spans": [[{"start": a, "end": b} for a, b in t.forced_spans] for t in merged],
         "weight_versions": [list(t.weight_versions) for t in merged],
         "weight_version_spans": [[[{"version": v, "start": a, "end": b} for v, a, b in spans]

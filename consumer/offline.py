@@ -32,7 +32,7 @@ import numpy as np
 
 from rollstream.common.clock import Clock
 from rollstream.common.codec import decode
-from rollstream.common.contract import ARRAYS
+from rollstream.common.contract import ARRAYS, CONTEXT_REPLAY_ARRAYS
 from rollstream.common.errors import ExtraMissing, InvalidInput
 from rollstream.common.jobs import DEFAULT_JOB
 from rollstream.common.messages import BROKER_TO_CONSUMER
@@ -44,10 +44,11 @@ from .core import ConsumerClosed, Form
 from .position import STATE_FORMAT
 
 ORDERS = ("as_trained", "shuffled")
-_ARRAY_COLUMNS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets")
+_ARRAY_COLUMNS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets",
+                  *CONTEXT_REPLAY_ARRAYS)
 _COLUMNS = ("trajectory_id", "job", "run", "epoch", "step", "position", "group_id", "group_size", "sample_index", "status",
             "turns", "gap_turn", "gap_field", "reward_json", "metadata_json", "weight_versions", "weight_version_spans",
-            *_ARRAY_COLUMNS)
+            *_ARRAY_COLUMNS, *(f"{name}_shape" for name in CONTEXT_REPLAY_ARRAYS))
 _ARCHIVE_KEY, _DATASET_KEY = b"rollstream:archive_schema", b"rollstream:dataset_schema"
 AHEAD = 2  # steps delivered ahead of the last one trained: what the trainer waits for is already here
 
@@ -156,6 +157,9 @@ class ArchivedRows:
         """Row `row` as the trajectory a broker delivered."""
         facts = self._facts
         arrays = {name: values(row) for name, values in self._arrays.items() if values(row) is not None}
+        for name in CONTEXT_REPLAY_ARRAYS:  # kept flat beside their shape
+            if name in arrays:
+                arrays[name] = arrays[name].reshape(facts[f"{name}_shape"][row])
         gap = None if facts["gap_turn"][row] is None else Gap(facts["gap_turn"][row], facts["gap_field"][row])
         spans = facts["weight_version_spans"][row] or []
         trajectory = Trajectory.from_arrays(

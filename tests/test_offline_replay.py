@@ -171,3 +171,31 @@ def test_without_pyarrow_the_replay_and_history_name_the_extra(monkeypatch, tmp_
     result = CliRunner().invoke(main, ["history", "--archive", str(tmp_path), "--step", "1"])
     assert result.exit_code == 1 and "history over an archive or a data directory needs the 'pyarrow' package" in \
         result.output, result.output
+
+
+def test_the_context_replay_arrays_go_through_the_archive_and_the_replay(tmp_path):
+    """A turn's routed experts (N-D: kept flat beside their shape in the
+    dataset) come back to the trainer as the live batch had them: the
+    replayed batch's digest, which covers them, is the merged trajectory's."""
+    from broker_helpers import end_msg, turn_msg
+    from test_archive import archive_all, opened, produce
+
+    from rollstream.broker.engine import TrainedAt
+    from rollstream.common.checker import delivered_digest
+    from rollstream.common.trajectory import Trajectory, Turn
+
+    experts = np.arange(2 * 3 * 2, dtype=np.int32).reshape(2, 3, 2)  # prompt + response tokens, layers, top-k
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [turn_msg("a", 0, [5], [[5, 6]], prompt=(1,), routed_experts=experts), end_msg("a")])
+    store.commit(engine.trained("a", TrainedAt("R", "L", 1, 0, 0), 2.0))
+    store.commit(engine.end_run("R", 3.0))
+    archive_all(tmp_path / "archive", store)
+    store.close()
+    export_archive(tmp_path / "archive", tmp_path / "run.parquet")
+    reference = Trajectory("a", np.array([1], np.int32))
+    reference.append_turn(Turn.build([5], [-0.5], supports=[[5, 6]], routed_experts=experts))
+    with Consumer.from_archive(tmp_path / "run.parquet", vocab_size=VOCAB) as consumer:
+        (batch,) = list(consumer)
+    assert batch.content_digests() == [delivered_digest(reference.arrays())]
+    assert delivered_digest({**reference.arrays(), "routed_experts": None}) != batch.content_digests()[0], \
+        "the digest covers the routed experts"
