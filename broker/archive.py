@@ -52,7 +52,7 @@ from rollstream.common.segments import SegmentLog
 from rollstream.common.trajectory import Trajectory
 
 from .engine import State, TrainedAt
-from .facts import as_json, as_number, left_as, outcome_of
+from .facts import TIMES, as_json, as_number, fact_row, left_as
 from .recovery import load_trajectory
 from .store import (
     ARCHIVE_COLUMNS,
@@ -124,6 +124,8 @@ DATASET_SCHEMA = pa.schema([
     ("forced_spans", pa.list_(_SPAN)), *_ENDING, ("weight_versions", pa.list_(pa.string())),
     ("weight_version_spans", pa.list_(pa.list_(_VERSION_SPAN))), *_TIMES,
 ], metadata={DATASET_SCHEMA_KEY: str(DATASET_SCHEMA_VERSION).encode()})
+# What `fact_row` gives: every fact but the end's metadata.
+_FACT_ROW_COLUMNS = tuple(name for name, _ in (*_IDENTITY, *_ENDING, *_TIMES) if name != "metadata_json")
 # What a dataset adds to the facts: read from the records, merged.
 MERGED_COLUMNS = tuple(name for name in DATASET_SCHEMA.names if name not in ARCHIVE_SCHEMA.names)
 
@@ -151,34 +153,13 @@ def _times(seconds: Sequence[float | None]) -> pa.Array:
 
 
 def _facts(stored: Sequence[StoredTrajectory]) -> dict[str, Any]:
-    """The columns the store's rows give, one value per trajectory."""
-    trained = [s.trained for s in stored]
-    return {
-        "trajectory_id": [wire_id(s.trajectory_id) for s in stored],
-        "job": [job_of(s.trajectory_id) for s in stored],
-        "run": [None if t is None else wire_id(t.run) for t in trained],
-        "lineage": [t and t.lineage for t in trained],
-        "epoch": [t and t.epoch for t in trained],
-        "step": [t and t.step for t in trained],
-        "position": [t and t.position for t in trained],
-        "group_id": [None if s.group_id is None else wire_id(s.group_id) for s in stored],
-        "group_size": [s.group_size for s in stored],
-        "sample_index": [s.sample_index for s in stored],
-        "producer": [s.producer for s in stored],
-        "outcome": [outcome_of(s) for s in stored],
-        "dead_reason": [s.dead_reason for s in stored],
-        "gap_turn": [None if s.gap is None else s.gap[0] for s in stored],
-        "gap_field": [None if s.gap is None else s.gap[1] for s in stored],
-        "reward": [as_number(s.reward) for s in stored],
-        "reward_json": [as_json(s.reward) for s in stored],
-        "metadata_json": [as_json(s.metadata) for s in stored],
-        "first_turn_at": _times([s.turns[0].at if s.turns else None for s in stored]),
-        "ended_at": _times([s.turns[-1].at if s.turns else None for s in stored]),
-        "first_delivered_at": _times([s.first_delivered_at for s in stored]),
-        "committed_at": _times([s.committed_at for s in stored]),
-        "dead_at": _times([s.dead_at for s in stored]),
-        "deliveries": [s.deliveries for s in stored],
-    }
+    """The columns the store's rows give (`fact_row`, and the end's
+    metadata), one value per trajectory."""
+    rows = [fact_row(s) for s in stored]
+    columns: dict[str, Any] = {name: [row[name] for row in rows] for name in _FACT_ROW_COLUMNS}
+    columns.update({name: _times(columns[name]) for name in TIMES})
+    columns["metadata_json"] = [as_json(s.metadata) for s in stored]
+    return columns
 
 
 def _unpacked(blob: bytes | None) -> Any:
@@ -535,9 +516,6 @@ class ArchiveReader:
         self.dataset = ds.dataset(self.root, format="parquet", partitioning="hive")
         self._records: dict[str, _ArchivedRecords] = {}
         self.lacking = 0  # rows `load` found whose records the archive does not hold yet
-
-    def rows(self, condition=None, columns: Sequence[str] | None = None) -> pa.Table:
-        return self.dataset.to_table(columns=list(columns) if columns else None, filter=condition)
 
     def batches(self, condition=None) -> Iterator[list[tuple[StoredTrajectory, str]]]:
         """The rows `condition` picks, a record batch at a time, as the

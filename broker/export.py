@@ -47,8 +47,9 @@ from rollstream.common.mask import SamplingMask
 from rollstream.common.miles import DEFAULT_FIELDS, FIELDS_WITH_MASK, encode_session_samples
 from rollstream.common.trajectory import Trajectory
 
-from .archive import DATASET_SCHEMA, ArchiveReader, dataset_table, outcome_of, writer_options
+from .archive import DATASET_SCHEMA, ArchiveReader, dataset_table, writer_options
 from .engine import State
+from .facts import outcome_of
 from .recovery import load_trajectory
 from .store import SCHEMA_VERSION, Segments, Store, StoreCorrupted, StoredTrajectory, StoreUnavailable
 

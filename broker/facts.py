@@ -49,10 +49,11 @@ def as_number(value: Any) -> float | None:
     return None
 
 
-def history_row(stored: StoredTrajectory, merged: Trajectory | None) -> dict[str, Any]:
-    """One held trajectory as the archive's columns (times as Unix seconds),
-    with what its records hold (`merged`; None: it has no record, and those
-    columns are None). The run is named as its job names it (its wire id)."""
+def fact_row(stored: StoredTrajectory) -> dict[str, Any]:
+    """What the store's rows say of one trajectory, by the archive's column
+    names (times as Unix seconds; its end's metadata aside, which the
+    archive keeps and the history answer leaves out). The run is named as
+    its job names it (its wire id)."""
     trained = stored.trained
     return {
         "trajectory_id": wire_id(stored.trajectory_id),
@@ -78,6 +79,15 @@ def history_row(stored: StoredTrajectory, merged: Trajectory | None) -> dict[str
         "committed_at": stored.committed_at,
         "dead_at": stored.dead_at,
         "deliveries": stored.deliveries,
+    }
+
+
+def history_row(stored: StoredTrajectory, merged: Trajectory | None) -> dict[str, Any]:
+    """One held trajectory as the archive's columns (`fact_row`), with what
+    its records hold (`merged`; None: it has no record, and those columns
+    are None)."""
+    return {
+        **fact_row(stored),
         "status": None if merged is None else merged.status,
         "turns": None if merged is None else merged.turns,
         "response_length": None if merged is None else merged.response_length,
