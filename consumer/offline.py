@@ -109,9 +109,6 @@ class ArchivedRows:
             self.batches = self._dealt(recorded, np.random.default_rng(seed), batch_size, unit,
                                        first_step=1 if steps is None else steps[0])
 
-    def __len__(self) -> int:
-        return sum(len(rows) for _, rows in self.batches)
-
     @property
     def epochs(self) -> dict[int, int | None]:
         """Each recorded step's lineage epoch, as the run trained it (None: not known)."""
