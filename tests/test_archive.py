@@ -24,6 +24,7 @@ from broker_helpers import end_msg, turn_msg  # noqa: E402
 from rollstream.broker.archive import (  # noqa: E402
     ARCHIVE_SCHEMA_KEY,
     ARCHIVE_SCHEMA_VERSION,
+    ArchiveFailed,
     Archiver,
     archive_stopped,
     segments_of,
@@ -195,6 +196,9 @@ def test_an_archive_that_cannot_be_written_keeps_every_row_until_it_can(tmp_path
     (failed,) = archive_once(blocked, store)
     assert isinstance(failed.error, OSError) and failed.path is None
     assert store.archive_waiting() == 1
+    with pytest.raises(ArchiveFailed, match=r"archive file \d+ could not be written: .*"):
+        archive_all(blocked, store)  # a stopped store's archiving raises what it could not write
+    assert store.archive_waiting() == 1, "what failed stays in the store"
     store.close()
     store, engine = opened(tmp_path / "data")  # a restart meanwhile keeps it too
     assert store.archive_waiting() == 1 and "a" in engine.dedup
@@ -489,17 +493,3 @@ def test_a_run_of_another_job_is_archived_under_the_name_its_trainer_gave_it(tmp
     (row,) = dataset(tmp_path / "archive", tmp_path / "dataset.parquet").values()
     assert (row["job"], row["run"]) == ("eval", "R")
     assert [r["trajectory_id"] for r in History(tmp_path / "archive").step(1, job="eval", run="R")] == ["a"]
-
-
-def test_archiving_a_stopped_store_raises_what_could_not_be_written_and_keeps_its_rows(tmp_path):
-    from rollstream.broker.archive import ArchiveFailed
-
-    store, engine = opened(tmp_path / "data")
-    produce(engine, store, [turn_msg("a", 0), end_msg("a")])
-    store.commit(engine.delivered("a", 2.0))
-    blocked = tmp_path / "archive"
-    blocked.write_text("a file where the archive's directory should be")
-    with pytest.raises(ArchiveFailed, match=r"archive file \d+ could not be written: .*"):
-        archive_all(blocked, store)
-    assert store.archive_waiting() == 1, "what failed stays in the store"
-    store.close()
