@@ -48,8 +48,10 @@ from .engine import (
     DeadLetter,
     DeliveryUnit,
     EngineSettings,
+    Entry,
     Forget,
     MergeEngine,
+    Producer,
     StoredDigests,
     TrainedAt,
 )
@@ -264,6 +266,7 @@ class _Answer:
     ack: dict | None = None  # sent as `ack` (or within `acks`) if the commit succeeds
     message: Message | None = None
     pong: dict | None = None  # a ping's answer, sent with what the read left to `admit`
+    read_open: Entry | None = None  # a `read_open`'s trajectory, read (back, when shed) once the read committed
 
 
 def batched_acks(answers: list[_Answer], batch_acks: Collection[bytes], grant: Callable[[bytes], int]) -> dict[bytes, dict]:
@@ -295,6 +298,19 @@ def batched_acks(answers: list[_Answer], batch_acks: Collection[bytes], grant: C
 def _seq(message: Message) -> dict:
     """A reply's `seq`: the request's, when it had one."""
     return {"seq": message["seq"]} if "seq" in message.fields else {}
+
+
+def _open_entry(entry: Entry, trajectory: Trajectory | None = None) -> dict[str, Any]:
+    """How a trajectory handed back to its producer stands, with its ids as
+    the producer named them."""
+    trajectory = trajectory or entry.trajectory
+    state = "scoring" if entry.state == SCORING else "terminal" if trajectory is not None and trajectory.terminal else "open"
+    fields: dict[str, Any] = {"trajectory_id": wire_id(entry.trajectory_id), "next_turn": entry.next_turn, "state": state}
+    if entry.group_id is not None:
+        fields.update(group_id=wire_id(entry.group_id), group_size=entry.group_size)
+    if entry.sample_index is not None:
+        fields["sample_index"] = entry.sample_index
+    return fields
 
 
 def _wire_ids(trajectory: Trajectory) -> dict[str, str]:
@@ -335,7 +351,9 @@ class BrokerCore:
         self.producers: dict[bytes, float] = {}  # producer connection -> when last heard (monotonic)
         self.last_producer_frame = -math.inf  # when any producer was last heard (monotonic)
         self.producer_jobs: dict[bytes, str] = {}  # producer connection -> the job its hello named
-        self.producer_ids: dict[bytes, str] = {}  # producer connection -> the producer id its hello named
+        self.producer_ids: dict[bytes, Producer] = {}  # producer connection -> the producer its hello named
+        self.producer_keys: dict[bytes, str] = {}  # under CURVE: producer connection -> its key's fingerprint
+        self.handed_back: set[str] = set()  # listed to a restarted producer, until it says what it does with them
         self.producer_live_for = producer_live_for(s.heartbeat_interval)
         self.unavailable = False  # writes fail: producer frames are refused until a probe succeeds
         self.reads_failed = False  # a trajectory could not be read back: deliveries wait for the probe too
@@ -520,6 +538,8 @@ class BrokerCore:
             answers.append(answer)
         committed = yield from self._commit(effects)
         if committed:
+            if self.handed_back:
+                self._count_resumed(answers)
             self.metrics.count_effects(effects)
             self.metrics.count_outcomes((answer.message.type, answer.ack) for answer in answers
                                         if answer.ack is not None and answer.message is not None)
@@ -531,7 +551,9 @@ class BrokerCore:
         batch_acks = self.hellos.batch_acks
         for answer in answers:
             frames = answer.frames
-            if answer.pong is not None:  # after the read: a pong never names room its turns took
+            if answer.read_open is not None:
+                frames = yield from self._open_trajectory(answer)
+            elif answer.pong is not None:  # after the read: a pong never names room its turns took
                 frames = encode(BROKER_TO_PRODUCER, "pong", {**answer.pong, **self._job_fields(answer.identity)})
             elif answer.ack is not None:
                 if not committed:
@@ -556,11 +578,13 @@ class BrokerCore:
             log.info("producer connected", extra={"producer_id": message["producer_id"]})
             self._count_live_producers(now.mono)
             self.producer_jobs[identity] = message.get("job", DEFAULT_JOB)
-            self.producer_ids[identity] = message["producer_id"]
+            self.producer_ids[identity] = Producer(message["producer_id"], self.producer_keys.get(identity))
             fields = self.hellos.welcome_producer(identity, message.fields, self.grants.grant(identity))
             return _Answer(identity, encode(BROKER_TO_PRODUCER, "welcome", {**fields, **self._job_fields(identity)}))
         if message.type == "ping":
             return _Answer(identity, pong={"seq": message["seq"], "window": self.grants.grant(identity)})
+        if message.type in ("list_open", "read_open"):
+            return self._hand_back(identity, message)
         if self.unavailable:
             error = RemoteProtocolError("unavailable", "the broker cannot persist right now; resend later", seq=message["seq"])
             return _Answer(identity, self._refuse("producer", error, message))
@@ -585,6 +609,77 @@ class BrokerCore:
         if SEPARATOR in ack["trajectory_id"]:  # the producer's own id, not the broker's key
             ack = {**ack, "trajectory_id": wire_id(ack["trajectory_id"])}
         return _Answer(identity, ack=ack, message=message)
+
+    def _hand_back(self, identity: bytes, message: Message) -> _Answer:
+        """A producer's own open trajectories, listed (`list_open`) or one of
+        them with its content so far (`read_open`): what a restarted producer
+        continues (docs/protocol.md §3, "Open trajectories handed back")."""
+        producer = self.producer_ids.get(identity)
+        if producer is None:
+            error = RemoteProtocolError("schema", f"rule 'a {message.type} follows the connection's hello' not met: "
+                                                  "expected a hello naming the producer first, got none", seq=message["seq"])
+            return _Answer(identity, self._refuse("producer", error, message))
+        job = self.producer_jobs.get(identity, DEFAULT_JOB)
+        if message.type == "list_open":
+            entries = self.engine.open_of(producer, job)
+            self.handed_back.update(entry.trajectory_id for entry in entries)
+            self.metrics.inc(self.metrics.resumed, len(entries), action="listed")
+            listed = [_open_entry(entry) for entry in entries]
+            return _Answer(identity, encode(BROKER_TO_PRODUCER, "open_list", {"seq": message["seq"], "trajectories": listed}))
+        tid = job_key(job, message["trajectory_id"])
+        entry = self.engine.entries.get(tid)
+        if entry is None or entry.producer != producer or entry.state not in (OPEN, SCORING):
+            error = RemoteProtocolError("unknown_trajectory", f"rule 'a producer reads back its own open trajectories' "
+                                        f"not met: {message['trajectory_id']!r} is not open at this broker for producer "
+                                        f"{producer.producer_id!r} in job {job!r}", seq=message["seq"])
+            return _Answer(identity, self._refuse("producer", error, message))
+        return _Answer(identity, message=message, read_open=entry)
+
+    def _open_trajectory(self, answer: _Answer) -> Steps[list]:
+        """The `open_trajectory` answering a `read_open`: the trajectory's
+        arrays so far, read back from the store when it was shed."""
+        entry, message = answer.read_open, answer.message
+        assert entry is not None and message is not None  # a `read_open`'s answer is made with both
+        trajectory = entry.trajectory
+        if trajectory is None or trajectory.is_shed:
+            read = yield from ReadBack(entry.trajectory_id)
+            if isinstance(read, StoreError):
+                error = RemoteProtocolError("unavailable", f"the broker cannot read {message['trajectory_id']!r} back "
+                                                           f"now; ask again later ({read})", seq=message["seq"])
+                return self._refuse("producer", error, message)
+            trajectory = read
+        fields = {"seq": message["seq"], **_open_entry(entry, trajectory)}
+        fields.pop("group_id", None), fields.pop("group_size", None), fields.pop("sample_index", None)
+        if trajectory.status is not None:
+            fields["status"] = trajectory.status
+        fields["forced_spans"] = [list(span) for span in trajectory.forced_spans]
+        fields["weight_version_spans"] = [list(span) for spans in trajectory.weight_version_spans for span in spans]
+        arrays = {"prompt_tokens": trajectory.prompt_tokens, "tokens": trajectory.tokens,
+                  "log_probs": trajectory.log_probs, "loss_mask": trajectory.loss_mask}
+        mask = trajectory.mask
+        if mask is not None:
+            arrays.update(mask_ids=mask.ids, mask_offsets=mask.offsets)
+        return encode(BROKER_TO_PRODUCER, "open_trajectory", fields, arrays)
+
+    def _count_resumed(self, answers: list[_Answer]) -> None:
+        """What restarted producers did with the trajectories handed back to
+        them, once durable: a turn, end or reward applied continued one; an
+        abort restarted it (`again`) or gave it up."""
+        for answer in answers:
+            message, ack = answer.message, answer.ack
+            if message is None or ack is None or message["trajectory_id"] not in self.handed_back:
+                continue
+            if not ack["applied"] or ack.get("duplicate"):
+                continue
+            self.handed_back.discard(message["trajectory_id"])
+            action = ("continued" if message.type != "abort" else "restarted" if message.get("again") else "aborted")
+            self.metrics.inc(self.metrics.resumed, action=action)
+
+    def connection_key(self, identity: bytes, fingerprint: str) -> None:
+        """Under CURVE: producer connection `identity` authenticated with the
+        key of `fingerprint`; its trajectories are handed back over that key
+        alone."""
+        self.producer_keys[identity] = fingerprint
 
     def _job_fields(self, identity: bytes) -> dict:
         """What a producer's welcome, pongs and acks tell it of its job:
@@ -611,6 +706,7 @@ class BrokerCore:
         self.producers.pop(identity, None)
         self.producer_jobs.pop(identity, None)
         self.producer_ids.pop(identity, None)
+        self.producer_keys.pop(identity, None)
         self.hellos.forget_producer(identity)
         self.grants.forget(identity)
 
@@ -818,6 +914,8 @@ class BrokerCore:
         effects = [e for s in settling for e in s.effects]
         committed = yield from self._commit(effects)
         if committed:
+            if self.handed_back:
+                self._count_resumed(answers)
             self.metrics.count_effects(effects)
         for s in settling:
             if not committed:
@@ -1084,6 +1182,7 @@ class BrokerCore:
             **({"policies": self._policies()} if self.freshness.policies else {}),
             **({"starving": starving} if (starving := self.starvation.active()) else {}),
             **({} if self.archive is None else {"archive": self.archive._asdict()}),
+            **({"resumed": resumed} if (resumed := self.metrics.resumed_counts()) else {}),
         }
 
     def _policies(self) -> dict:

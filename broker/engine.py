@@ -81,6 +81,7 @@ class OpenTrajectory:
     at: float
     replaces: bool = False  # a LEFT marker of the same id exists (a brand-new id has nothing to clear)
     producer: str | None = None  # the producer id its first turn came from (its hello's)
+    producer_key: str | None = None  # the CURVE key fingerprint of that producer's connection (None: no CURVE)
 
 
 class PutTurn(NamedTuple):
@@ -259,6 +260,14 @@ class Reply(NamedTuple):
 
 
 # -- state --------------------------------------------------------------------
+class Producer(NamedTuple):
+    """Who opened a trajectory: its producer's id, and under CURVE the key
+    fingerprint of that producer's connection (None without CURVE)."""
+
+    producer_id: str
+    key: str | None = None
+
+
 @dataclass
 class Entry:
     trajectory_id: str
@@ -282,6 +291,7 @@ class Entry:
     reward: Any = None  # once ended, as its end gave it (what group filters judge)
     first_delivered_at: float | None = None  # wall time it was first sent to a consumer (`sent`)
     deliveries: int = 0  # times it was sent
+    producer: Producer | None = None  # who opened it: handed back to that producer alone (`open_of`)
 
     @property
     def next_turn(self) -> int:
@@ -371,13 +381,16 @@ class MergeEngine:
 
     # -- producer messages --------------------------------------------------
     def handle(self, message: Message, wall: float, stored: StoredDigests = NOTHING_STORED, *,
-               producer: str | None = None) -> Reply:
+               producer: Producer | str | None = None) -> Reply:
         """Apply one decoded `turn`, `end`, `abort` or `reward` at wall time `wall`
-        from `producer` (its hello's id, recorded with a new trajectory).
+        from `producer` (its hello's id, and its key under CURVE, recorded
+        with a new trajectory).
         `stored` holds the digests `stored_digests_needed` named, read from
         the store (None: the read failed, and a resend that needs it is
         refused `unavailable`)."""
         kind = message.type
+        if isinstance(producer, str):
+            producer = Producer(producer)
         if kind not in ("turn", "end", "abort", "reward"):
             raise InvalidInput(f"the merge engine takes turn, end, abort and reward messages, got {kind!r}")
         tid = message["trajectory_id"]
@@ -420,7 +433,7 @@ class MergeEngine:
                 needed.append((tid, index))
         return needed
 
-    def _turn(self, message: Message, wall: float, stored: StoredDigests, producer: str | None) -> tuple[dict, tuple]:
+    def _turn(self, message: Message, wall: float, stored: StoredDigests, producer: Producer | None) -> tuple[dict, tuple]:
         tid, index = message["trajectory_id"], message["turn"]
         entry = self.entries.get(tid)
         if entry is None or entry.state == LEFT:
@@ -464,7 +477,7 @@ class MergeEngine:
         self._touch_group(entry, wall)
         return _ack(message, outcome.applied, reason=outcome.reason), effects
 
-    def _start(self, message: Message, wall: float, replaces: bool, producer: str | None) -> tuple[dict, tuple]:
+    def _start(self, message: Message, wall: float, replaces: bool, producer: Producer | None) -> tuple[dict, tuple]:
         tid = message["trajectory_id"]
         group_id, group_size = message.get("group_id"), message.get("group_size")
         if group_id is not None:
@@ -480,7 +493,7 @@ class MergeEngine:
         outcome = traj.append_turn(turn_from_message(message))  # raises, changing nothing, when refused
         digest = self._digest_unless_applied(message, 0, outcome.applied)
         entry = Entry(tid, OPEN, group_id, group_size, message.get("sample_index"), [(digest, outcome.applied, outcome.reason)],
-                      updated_at=wall, stored_bytes=sum(map(len, message.frames)))
+                      updated_at=wall, stored_bytes=sum(map(len, message.frames)), producer=producer)
         if outcome.applied:
             self._versions(entry, message)
         if replaces:
@@ -494,7 +507,8 @@ class MergeEngine:
             self._set_member(group, tid, OPEN)
             self._touch_group(entry, wall)
         effects = (
-            OpenTrajectory(tid, group_id, group_size, entry.sample_index, wall, replaces, producer),
+            OpenTrajectory(tid, group_id, group_size, entry.sample_index, wall, replaces,
+                           *(producer if producer is not None else ())),
             PutTurn(tid, 0, digest, outcome.applied, outcome.reason, message, wall),
         )
         return _ack(message, outcome.applied, reason=outcome.reason), effects
@@ -621,8 +635,12 @@ class MergeEngine:
         keep = entry.group_id is not None
         self._remove(tid)
         if keep:
-            self._add(Entry(tid, LEFT, entry.group_id, entry.group_size, entry.sample_index, updated_at=wall))
-            self._member_done(entry, LEFT, wall)
+            self._add(Entry(tid, LEFT, entry.group_id, entry.group_size, entry.sample_index, updated_at=wall,
+                            producer=entry.producer))
+            if message.get("again"):  # produced again from turn 0: its group waits for it as for an open member
+                self._touch_group(entry, wall)
+            else:
+                self._member_done(entry, LEFT, wall)
         return _ack(message, True), (DropTrajectory(tid, keep),)
 
     # -- groups -------------------------------------------------------------
@@ -708,7 +726,8 @@ class MergeEngine:
             for _, entry in _idle_since(index, wall - ttl):
                 self._give_up(entry, reason, wall)
         for group_id, group in _idle_since(self._idle_groups, wall - ttl):
-            if OPEN in group.members.values() or SCORING in group.members.values():  # its frames touch its group
+            if any(getattr(self.entries.get(tid), "state", None) in (OPEN, SCORING) for tid, state in group.members.items()
+                   if state in (OPEN, SCORING)):  # its frames touch its group (not one aborted to go again)
                 continue
             self._make_deliverable(group_id, group, wall)  # members that never started count as left
         expiry = self._dedup_expiry
@@ -1168,6 +1187,14 @@ class MergeEngine:
         """The oldest ordered policy version among `trajectory_ids` (a unit's version)."""
         versions = [v for v in (self.entries[tid].version for tid in trajectory_ids) if v is not None]
         return min(versions, default=None)
+
+    def open_of(self, producer: Producer, job: str) -> list[Entry]:
+        """The trajectories `producer` opened in `job` that may still be
+        finished: open (a terminal one may still end) or ended waiting for
+        its reward; what a restarted producer is handed back. Under CURVE
+        only those opened over the same key."""
+        return [entry for entries in (self._open, self._scoring) for entry in entries.values()
+                if entry.producer == producer and job_of(entry.trajectory_id) == job]
 
     def dead_letters(self, limit: int, pruned: bool = False) -> list[dict]:
         """The oldest `limit` dead letters; with `pruned`, those pruned (data

@@ -2,7 +2,8 @@
 negotiated (docs/protocol.md §3, §4), sans-I/O.
 
 A producer may ask for batched acknowledgements, say it sends frame
-batches and say it reads a job's branch as `branch`;
+batches, say it reads a job's branch as `branch` and ask whether the
+broker hands back its open trajectories (`lists_open`);
 a consumer says which `deliver` layouts it reads and whether it wants
 queued counts. Each choice holds for its
 connection until the next hello. The service asks `welcome_producer` /
@@ -54,6 +55,8 @@ class Hellos:
             self.reads_branch.discard(identity)
         if "job" in hello:  # echoed: this broker keeps jobs apart (the job travels on each frame)
             fields["job"] = hello["job"]
+        if hello.get("lists_open"):  # echoed: this broker hands a producer back its open trajectories
+            fields["lists_open"] = True
         return fields
 
     def forget_producer(self, identity: bytes) -> None:

@@ -60,6 +60,8 @@ class BrokerMetrics(Metrics):
                                       "abandoned, by what was done with them (abandoned_lineage)", ("action",))
         self.dead_pruned = self.counter("dead_letters_pruned", "Dead letters deleted, oldest first, to keep them "
                                         "within max_dead_letter_bytes, by reason", ("reason",))
+        self.resumed = self.counter("resumed", "Trajectories handed back to a restarted producer (listed), and what it "
+                                    "did with them: continued, restarted (from turn 0) or aborted", ("action",))
         self.admission_waits = self.counter("admission_waits", "Turns opening a trajectory told to wait by the "
                                             "staleness capacity (resent by their producer)")
         self.commit_seconds = self.histogram(
@@ -79,6 +81,10 @@ class BrokerMetrics(Metrics):
             "ack_seconds", "Time from reading a batch of producer frames to sending its acks (decode, check, merge, "
             "commit), once per batch", (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
         )
+
+    def resumed_counts(self) -> dict[str, int]:
+        """`resumed` by action, for `status` (empty until a producer was handed any back)."""
+        return {action: int(value) for (action,), value in sorted(self.resumed.values.items())}
 
     def count_outcomes(self, acked: Iterable[tuple[str, Mapping]]) -> None:
         """Frames by type and outcome (`acked`: each acked message's type and

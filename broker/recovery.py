@@ -18,7 +18,7 @@ from rollstream.common.trajectory import Gap, Trajectory
 from rollstream.common.versions import trajectory_sampled, trajectory_version
 from rollstream.common.wire import turn_from_message
 
-from .engine import ARCHIVING, OPEN, Entry, Run
+from .engine import ARCHIVING, OPEN, Entry, Producer, Run
 from .staleness import Policy
 from .store import Recovered, Store, StoreCorrupted, StoredTrajectory
 
@@ -106,6 +106,7 @@ def rebuild(recovered: Recovered, store: Store) -> Rebuilt:
             sampled=(stored.sampled if trajectory is None
                      else trajectory_sampled(trajectory, epochs.get(job_of(stored.trajectory_id), 0))),
             reward=stored.reward,
+            producer=None if stored.producer is None else Producer(stored.producer, stored.producer_key),
         )
         entries.append(entry)
     order = {t.trajectory_id: t.ready_seq or 0 for t in recovered.trajectories if t.state != ARCHIVING}

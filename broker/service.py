@@ -338,6 +338,8 @@ class BrokerService:
         job, `BrokerCore.keyed`): a large turn's content check starts ahead,
         and a turn's frames go to the writer."""
         message = self.core.keyed(message)
+        if message.type == "hello" and self.curve is not None:  # its trajectories are handed back over this key alone
+            self.core.connection_key(identity, self.curve.users["producer"].get(identity, "-"))
         received.append((identity, message, None))
         if message.type == "turn":
             if size >= CHECK_AHEAD_FROM_BYTES:

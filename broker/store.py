@@ -65,14 +65,15 @@ from .staleness import Policy, SetPolicy
 
 log = logging.getLogger("rollstream.broker")
 
-SCHEMA_VERSION = 10  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
+SCHEMA_VERSION = 11  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
 # 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`); 5: trained trajectories and runs;
 # 6: an ended trajectory's ordered policy version, each job's published policy, and the `scoring` state;
 # 7: what sampled an ended trajectory (lineage epochs and steps), and each job's ancestry (its branches);
 # 8: a pruned dead letter's reason and time, kept with its remembered id;
 # 9: a trajectory's producer, its deliveries, commit time and lineage epoch, and the archive file it waits for;
-# 10: the segments holding archived records, which go to the archive instead of being deleted
-_READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10)  # an older store is upgraded in place (`Store._upgrade`)
+# 10: the segments holding archived records, which go to the archive instead of being deleted;
+# 11: the CURVE key its producer connected with, to which its producer alone is handed it back
+_READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10, 11)  # an older store is upgraded in place (`Store._upgrade`)
 
 _IDS_PER_QUERY = 500  # ids bound in one `IN (...)`, well under SQLite's limit on a statement's variables
 
@@ -107,6 +108,7 @@ CREATE TABLE IF NOT EXISTS trajectories (
     version INTEGER,
     sampled BLOB,
     producer TEXT,
+    producer_key TEXT,
     first_delivered_at REAL,
     deliveries INTEGER,
     committed_at REAL,
@@ -137,13 +139,13 @@ CREATE TABLE IF NOT EXISTS policies (job TEXT PRIMARY KEY, version INTEGER NOT N
 _ADDED_COLUMNS = {"trajectories": ("trained_run TEXT", "trained_lineage TEXT", "trained_step INTEGER",
                                    "trained_position INTEGER", "version INTEGER", "sampled BLOB", "producer TEXT",
                                    "first_delivered_at REAL", "deliveries INTEGER", "committed_at REAL",
-                                   "archive_file INTEGER", "trained_epoch INTEGER"),
+                                   "archive_file INTEGER", "trained_epoch INTEGER", "producer_key TEXT"),
                   "policies": ("branches BLOB",), "dedup": ("dead_reason TEXT", "dead_at REAL")}
 
 
 # States are stored as `State`'s values, written into the statements once.
-_OPEN = ("INSERT OR REPLACE INTO trajectories (id, state, group_id, group_size, sample_index, updated_at, producer) "
-         f"VALUES (?, '{State.OPEN}', ?, ?, ?, ?, ?)")
+_OPEN = ("INSERT OR REPLACE INTO trajectories (id, state, group_id, group_size, sample_index, updated_at, producer, "
+         f"producer_key) VALUES (?, '{State.OPEN}', ?, ?, ?, ?, ?, ?)")
 _END = ("UPDATE trajectories SET state=?, updated_at=?, end_digest=?, reward=?, metadata=?, ready_seq=?, "
         "end_crc=?, version=?, sampled=? WHERE id=?")
 
@@ -287,6 +289,7 @@ class StoredTrajectory:
     version: int | None = None  # ended: its oldest turn's ordered policy version
     sampled: Sampled = ()  # ended: the lineage epochs and steps whose weights sampled it
     producer: str | None = None  # the producer id its first turn came from (unknown before schema 9)
+    producer_key: str | None = None  # the CURVE key fingerprint of that producer's connection (None: no CURVE)
     first_delivered_at: float | None = None
     deliveries: int = 0
     committed_at: float | None = None
@@ -690,12 +693,13 @@ class Store:
         rows = {}
         for row in self.db.execute(
             "SELECT id, state, group_id, group_size, sample_index, updated_at, end_digest, reward, metadata, "
-            "ready_seq, gap_turn, gap_field, dead_reason, dead_at, end_crc, version, sampled, producer, "
+            "ready_seq, gap_turn, gap_field, dead_reason, dead_at, end_crc, version, sampled, producer, producer_key, "
             "first_delivered_at, deliveries, committed_at, archive_file, trained_run, trained_lineage, trained_step, "
             "trained_position, trained_epoch FROM trajectories " + where, args
         ):
             (tid, state, gid, gsize, sidx, updated, end_digest, reward, metadata, ready_seq, gap_turn, gap_field,
-             dead_reason, dead_at, end_crc, version, sampled, producer, first_delivered_at, deliveries, committed_at,
+             dead_reason, dead_at, end_crc, version, sampled, producer, producer_key, first_delivered_at, deliveries,
+             committed_at,
              archive_file, *trained) = row
             error = None
             if state not in _STATE_VALUES:
@@ -716,8 +720,8 @@ class Store:
                 TrainedAt(*trained) if state == State.TRAINED or (state == State.ARCHIVING and trained[0] is not None)
                 else None, version=version,
                 sampled=tuple(map(tuple, msgpack.unpackb(sampled))) if sampled else (), producer=producer,
-                first_delivered_at=first_delivered_at, deliveries=deliveries or 0, committed_at=committed_at,
-                archive_file=archive_file,
+                producer_key=producer_key, first_delivered_at=first_delivered_at, deliveries=deliveries or 0,
+                committed_at=committed_at, archive_file=archive_file,
             )
         turn_where = where.replace("WHERE id", "WHERE trajectory_id")
         for tid, turn, digest, applied, reason, seg, off, length, at in self.db.execute(
@@ -884,7 +888,7 @@ class Store:
                 rows.turns.append(self._turn_row(effect, next(stored) if effect.message is not None else None))
             case OpenTrajectory(replaces=False):
                 rows.opens.append((effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at,
-                                   effect.producer))
+                                   effect.producer, effect.producer_key))
             case EndTrajectory():
                 reward, metadata = msgpack.packb(effect.reward), msgpack.packb(effect.metadata)
                 rows.ends.append((State.SCORING if effect.scoring else State.ENDED, effect.at, effect.digest, reward,
@@ -900,7 +904,7 @@ class Store:
                 rows.execute(db, records_gone)
                 records_gone += _delete_turns(db, [effect.trajectory_id])
                 db.execute(_OPEN, (effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at,
-                                   effect.producer))
+                                   effect.producer, effect.producer_key))
             case MarkGap():
                 rows.execute(db, records_gone)
                 db.execute("UPDATE trajectories SET gap_turn=?, gap_field=? WHERE id=?",

@@ -239,6 +239,30 @@ def _schema(name: str, *specs: MessageSpec) -> Schema:
     return Schema(name, {spec.type: spec for spec in specs}, fast, structs)
 
 
+# Where an open trajectory stands, as the broker hands it back to its producer (docs/protocol.md §3): turns may
+# follow (`open`), none may but the end may (`terminal`: a truncated or aborted turn, or a replay gap, cut it), or it
+# ended and waits for its reward (`scoring`).
+OPEN_STATES = ("open", "terminal", "scoring")
+OPEN_STATE = Kind(f"one of {list(OPEN_STATES)}", lambda v: v in OPEN_STATES, Literal[OPEN_STATES])
+
+
+def _is_open_entry(value) -> bool:
+    return (isinstance(value, dict) and {"trajectory_id", "next_turn", "state"} <= set(value)
+            <= {"trajectory_id", "next_turn", "state", "group_id", "group_size", "sample_index"}
+            and _is_id(value["trajectory_id"]) and _is_int(value["next_turn"]) and value["next_turn"] >= 0
+            and value["state"] in OPEN_STATES and _is_id(value.get("group_id", "g"))
+            and _is_int(value.get("group_size", 1)) and value.get("group_size", 1) > 0
+            and _is_int(value.get("sample_index", 0)) and value.get("sample_index", 0) >= 0)
+
+
+OPEN_ENTRIES = Kind("a list of maps {trajectory_id, next_turn: non-negative integer, state: one of "
+                    f"{list(OPEN_STATES)}, group_id?, group_size?: positive integer, sample_index?: non-negative integer}}",
+                    lambda v: isinstance(v, list) and all(map(_is_open_entry, v)))
+TOKEN_RANGES = Kind("a list of [start, end] pairs with 0 <= start <= end",
+                    lambda v: isinstance(v, list) and all(isinstance(r, list) and len(r) == 2 and _is_int(r[0])
+                                                          and _is_int(r[1]) and 0 <= r[0] <= r[1] for r in v))
+
+
 # -- cross-field rules --------------------------------------------------------
 def mask_pair(header, arrays) -> str | None:
     ids, offsets = MASK_ARRAYS
@@ -334,7 +358,8 @@ _NACK = MessageSpec("nack", {"code": TEXT, "message": ANY_TEXT}, {"seq": INT, "e
 PRODUCER_TO_BROKER = _schema(
     "producer->broker",
     MessageSpec("hello", {"producer_id": TEXT},
-                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB, "reads_branch": BOOL}),
+                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB, "reads_branch": BOOL,
+                 "lists_open": BOOL}),
     MessageSpec(
         "turn",
         {"seq": INT, "trajectory_id": ID, "turn": COUNT, "status": STATUS},
@@ -354,9 +379,11 @@ PRODUCER_TO_BROKER = _schema(
     ),
     MessageSpec("end", {"seq": INT, "trajectory_id": ID}, {"reward": REWARD, "metadata": MAP, "turns": COUNT, "job": JOB}),
     MessageSpec("reward", {"seq": INT, "trajectory_id": ID, "reward": REWARD}, {"job": JOB}),
-    MessageSpec("abort", {"seq": INT, "trajectory_id": ID, "reason": ANY_TEXT}, {"job": JOB}),
+    MessageSpec("abort", {"seq": INT, "trajectory_id": ID, "reason": ANY_TEXT}, {"job": JOB, "again": BOOL}),
     MessageSpec("ping", {"seq": INT}),
     MessageSpec("batch", {"messages": BATCHED_MESSAGES}, body=True),
+    MessageSpec("list_open", {"seq": INT}),
+    MessageSpec("read_open", {"seq": INT, "trajectory_id": ID}),
 )
 # What a `batch` may carry: the frames a producer keeps until settled.
 BATCHABLE_TYPES = ("turn", "end", "abort", "reward")
@@ -366,7 +393,7 @@ BROKER_TO_PRODUCER = _schema(
     "broker->producer",
     MessageSpec("welcome", {"broker_id": TEXT, "max_message_bytes": POSITIVE, "window": POSITIVE},
                 {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB, "admit": COUNT,
-                 "reads_branch": BOOL, "branch": BRANCH, "lineage": BRANCH}),
+                 "reads_branch": BOOL, "branch": BRANCH, "lineage": BRANCH, "lists_open": BOOL}),
     MessageSpec(
         "ack",
         {"seq": INT, "trajectory_id": TEXT, "applied": BOOL},
@@ -376,6 +403,11 @@ BROKER_TO_PRODUCER = _schema(
                 {"outcomes": OUTCOMES, "window": POSITIVE, "admit": COUNT, "branch": BRANCH, "lineage": BRANCH}),
     _NACK,
     MessageSpec("pong", {"seq": INT}, {"window": POSITIVE, "admit": COUNT, "branch": BRANCH, "lineage": BRANCH}),
+    MessageSpec("open_list", {"seq": INT, "trajectories": OPEN_ENTRIES}),
+    MessageSpec("open_trajectory", {"seq": INT, "trajectory_id": TEXT, "next_turn": COUNT, "state": OPEN_STATE},
+                {"status": STATUS, "forced_spans": TOKEN_RANGES, "weight_version_spans": SPANS},
+                arrays=("prompt_tokens", "tokens", "log_probs", "loss_mask"), optional_arrays=MASK_ARRAYS,
+                rules=(mask_pair,)),
 )
 
 CONSUMER_TO_BROKER = _schema(
@@ -491,7 +523,7 @@ ADMIN_REPLIES = _schema(
         {"seq": INT, "endpoints": MAP, "unsealed": COUNT, "unsealed_bytes": COUNT, "oldest_unsealed_step": COUNT,
          "policies": MAP, "starving": MAP, "scoring": COUNT, "awaiting_group": COUNT, "max_memory_bytes": COUNT,
          "max_disk_bytes": COUNT, "ack_seconds": MAP, "queued": COUNT, "queued_by_job": MAP, "ready_by_job": MAP,
-         "archive": MAP},
+         "archive": MAP, "resumed": MAP},
     ),
     MessageSpec("dead_letters", {"items": LIST}, _SEQ),
     MessageSpec("requeued", {"trajectory_ids": TEXT_LIST}, _SEQ),

@@ -37,8 +37,9 @@ def reward_msg(tid, reward, seq=300, job=None):
     return decode(encode(PRODUCER_TO_BROKER, "reward", fields), PRODUCER_TO_BROKER)
 
 
-def abort_msg(tid, seq=200, reason="retry"):
-    return decode(encode(PRODUCER_TO_BROKER, "abort", {"seq": seq, "trajectory_id": tid, "reason": reason}), PRODUCER_TO_BROKER)
+def abort_msg(tid, seq=200, reason="retry", again=None):
+    fields = {"seq": seq, "trajectory_id": tid, "reason": reason, **({} if again is None else {"again": again})}
+    return decode(encode(PRODUCER_TO_BROKER, "abort", fields), PRODUCER_TO_BROKER)
 
 
 def handle_with_store(engine, store, message, wall):

@@ -652,3 +652,60 @@ def test_queued_counts_reach_a_consumer_that_asks_and_no_other(broker):
     counted.sock.send_multipart(frames("credit", n=4, unit="trajectory"))
     revoked, _ = counted.call(frames("revoke", seq=9))
     assert revoked == {"v": 1, "type": "revoked", "queued": 0, "seq": 9}
+
+
+def test_a_restarted_producer_is_handed_back_its_own_open_trajectories_with_their_content(tmp_path):
+    """The broker lists a producer's open trajectories to a connection whose
+    hello names the same producer id and job, and sends one's content so far:
+    prompt, merged tokens with forced ones, supports, spans of each version.
+    Another producer, or the same id in another job, gets none of them; an
+    abort with `again` keeps a group member waited for, and the broker
+    counts what the producer did with what it was handed back."""
+    with BrokerProcess(tmp_path, vocab_size=1000, window=8) as b:
+        first = Peer(b.producer)
+        first.call(frames("hello", producer_id="p1", seq=0))
+        group = dict(group_id="g", group_size=2)
+        first.call(turn(1, "a", 0, [5, 6], supports=[[5, 9], [6]], forced=[7], prompt=[1, 2], weight_version="3",
+                        sample_index=0, **group))
+        first.call(turn(2, "a", 1, [8], supports=[[8]], weight_version="4"))
+        first.call(turn(3, "b", 0, [5], supports=[[5]], prompt=[1, 2], sample_index=1, status="truncated", **group))
+        first.call(turn(4, "c", 0, [5], prompt=[3], job="other"))
+        other = Peer(b.producer)
+        other.call(frames("hello", producer_id="p2", seq=0))
+        other.call(turn(1, "d", 0, [5], prompt=[3]))
+        first.sock.close()
+
+        again = Peer(b.producer)
+        welcome, _ = again.call(frames("hello", producer_id="p1", seq=0, lists_open=True))
+        assert welcome["lists_open"] is True
+        listed, _ = again.call(frames("list_open", seq=1))
+        assert listed["type"] == "open_list" and listed["seq"] == 1
+        assert sorted(listed["trajectories"], key=lambda t: t["trajectory_id"]) == [
+            {"trajectory_id": "a", "next_turn": 2, "state": "open", "group_id": "g", "group_size": 2, "sample_index": 0},
+            {"trajectory_id": "b", "next_turn": 1, "state": "terminal", "group_id": "g", "group_size": 2,
+             "sample_index": 1},
+        ]
+        header, bufs = again.call(frames("read_open", seq=2, trajectory_id="a"))
+        assert header["type"] == "open_trajectory" and header["next_turn"] == 2 and header["state"] == "open"
+        arrays = {name: np.frombuffer(buf, dtype=dtype) for (name, dtype, _), buf in zip(header["arrays"], bufs)}
+        assert arrays["prompt_tokens"].tolist() == [1, 2]
+        assert arrays["tokens"].tolist() == [5, 6, 7, 8]
+        assert arrays["loss_mask"].tolist() == [1, 1, 0, 1]
+        assert arrays["mask_ids"].tolist() == [5, 9, 6, 7, 8] and arrays["mask_offsets"].tolist() == [0, 2, 3, 4, 5]
+        assert header["forced_spans"] == [[2, 3]]
+        assert header["weight_version_spans"] == [["3", 0, 2], ["4", 3, 4]]
+        refused, _ = again.call(frames("read_open", seq=3, trajectory_id="d"))
+        assert (refused["type"], refused["code"], refused["seq"]) == ("nack", "unknown_trajectory", 3)
+
+        # `b` is restarted: aborted with `again`, its group waits for it; `a` continues.
+        assert again.call(frames("abort", seq=4, trajectory_id="b", reason="restart", again=True))[0]["applied"] is True
+        assert again.call(turn(5, "a", 2, [9], supports=[[9]]))[0]["applied"] is True
+        assert again.call(frames("end", seq=6, trajectory_id="a", reward=1.0, turns=3))[0]["applied"] is True
+        assert again.call(turn(7, "b", 0, [5], supports=[[5]], prompt=[1, 2], sample_index=1, **group))[0]["applied"]
+        assert again.call(frames("end", seq=8, trajectory_id="b", reward=0.0, turns=1))[0]["applied"] is True
+        admin = Peer(b.admin)
+        status, _ = admin.call(frames("status", seq=1))
+        assert status["resumed"] == {"listed": 2, "continued": 1, "restarted": 1}
+        other_job = Peer(b.producer)
+        other_job.call(frames("hello", producer_id="p1", seq=0, job="other", lists_open=True))
+        assert [t["trajectory_id"] for t in other_job.call(frames("list_open", seq=1))[0]["trajectories"]] == ["c"]

@@ -4,6 +4,7 @@ docs/semantics.md §3-§5."""
 import pytest
 from broker_helpers import abort_msg, end_msg, reward_msg, turn_msg
 
+from rollstream.broker.core import BrokerCore
 from rollstream.broker.engine import (
     DEAD,
     ENDED,
@@ -17,6 +18,7 @@ from rollstream.broker.engine import (
     GroupDeliverable,
     MergeEngine,
     OpenTrajectory,
+    Producer,
     PutTurn,
     Revive,
 )
@@ -398,3 +400,48 @@ def test_a_frame_of_an_expired_trajectory_is_answered_expired_not_duplicate():
     engine.expire(20.0)
     reply = engine.handle(end_msg("t", seq=2), 21.0)
     assert reply.fields["applied"] is False and reply.fields["reason"] == "expired" and "duplicate" not in reply.fields
+
+
+@pytest.mark.parametrize("again", [False, True])
+def test_an_abort_to_go_again_keeps_a_group_waiting_for_its_member(again):
+    """A member aborted to be produced again from turn 0 (`again`) is waited
+    for like an open one; aborted for good, it leaves and its group goes
+    out without it."""
+    engine = MergeEngine()
+    engine.handle(turn_msg("a", 0, group=("G", 2)), wall=1)
+    engine.handle(turn_msg("b", 0, group=("G", 2)), wall=1)
+    assert engine.handle(abort_msg("b", again=again), wall=2).fields["applied"] is True
+    engine.handle(end_msg("a"), wall=3)
+    if not again:
+        assert list(engine.queued_units) == [DeliveryUnit(("a",), "G", 2, 1)]
+        return
+    assert not engine.queued_units
+    assert engine.expire(wall=2 + engine.settings.trajectory_ttl - 1) == [] and not engine.queued_units
+    engine.handle(turn_msg("b", 0, group=("G", 2)), wall=4)
+    engine.handle(end_msg("b", seq=101), wall=5)
+    assert list(engine.queued_units) == [DeliveryUnit(("a", "b"), "G", 2, 0)]
+
+
+def test_an_aborted_member_to_go_again_that_never_comes_back_lets_its_group_go_at_the_ttl():
+    engine = MergeEngine()
+    engine.handle(turn_msg("a", 0, group=("G", 2)), wall=1)
+    engine.handle(turn_msg("b", 0, group=("G", 2)), wall=1)
+    engine.handle(abort_msg("b", again=True), wall=2)
+    engine.handle(end_msg("a"), wall=3)
+    engine.expire(wall=3 + engine.settings.trajectory_ttl + 1)
+    assert list(engine.queued_units) == [DeliveryUnit(("a",), "G", 2, 1)]
+
+
+def test_a_producer_is_handed_back_only_what_it_opened_in_its_job():
+    engine = MergeEngine()
+    engine.handle(turn_msg("a", 0), wall=1, producer=Producer("p1"))
+    engine.handle(turn_msg("b", 0), wall=1, producer=Producer("p1", "key-1"))
+    engine.handle(turn_msg("c", 0), wall=1, producer=Producer("p2"))
+    engine.handle(BrokerCore.keyed(turn_msg("d", 0, job="other")), wall=1, producer=Producer("p1"))
+    engine.handle(turn_msg("e", 0), wall=1, producer=Producer("p1"))
+    engine.handle(end_msg("e"), wall=2)
+    engine.handle(turn_msg("f", 0), wall=1, producer=Producer("p1"))
+    engine.handle(end_msg("f", reward=None), wall=2)
+    assert [e.trajectory_id for e in engine.open_of(Producer("p1"), DEFAULT_JOB)] == ["a", "f"]
+    assert [e.trajectory_id for e in engine.open_of(Producer("p1", "key-1"), DEFAULT_JOB)] == ["b"]
+    assert [e.trajectory_id for e in engine.open_of(Producer("p1"), "other")] == ["other\x1fd"]

@@ -285,12 +285,14 @@ def test_replay_arrays_survive(tmp_path, store):
     store2.close()
 
 
-@pytest.mark.parametrize("version", [2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("version", [2, 3, 4, 5, 6, 7, 8, 9, 10])
 def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_checked(tmp_path, version):
     store = Store(tmp_path / "data")
     store.open()
     drive(MergeEngine(), store, [turn_msg("t", 0, weight_version="step-3"), end_msg("t", reward=0.25, metadata={"k": 1})])
-    store.db.execute("DROP TABLE archive_segments")  # as versions 2-9 stored it
+    store.db.execute("ALTER TABLE trajectories DROP COLUMN producer_key")  # as versions 2-10 stored it
+    if version < 10:
+        store.db.execute("DROP TABLE archive_segments")  # as versions 2-9 stored it
     if version < 9:
         store.db.execute("DROP INDEX trajectories_archiving")  # as versions 2-8 stored it
         for column in ("producer", "first_delivered_at", "deliveries", "committed_at", "archive_file", "trained_epoch"):
@@ -325,7 +327,8 @@ def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_chec
     assert recovered.policies == ({"default": Policy(4, 1, 8, 1.0)} if version == 6 else {})
     assert recovered.dedup == {"gone": 5000.0} and recovered.pruned == {}
     assert (ended.producer, ended.first_delivered_at, ended.deliveries, ended.archive_file) == (None, None, 0, None)
-    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 10
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 11
+    assert ended.producer_key is None
     assert store.db.execute("SELECT COUNT(*) FROM archive_segments").fetchone()[0] == 0, "the table is made"
     store.db.execute("UPDATE trajectories SET reward=? WHERE id='t'", (msgpack.packb(0.75),))
     store.db.execute("UPDATE meta SET value=1 WHERE key='schema_version'")
