@@ -914,8 +914,6 @@ class BrokerCore:
         effects = [e for s in settling for e in s.effects]
         committed = yield from self._commit(effects)
         if committed:
-            if self.handed_back:
-                self._count_resumed(answers)
             self.metrics.count_effects(effects)
         for s in settling:
             if not committed:
