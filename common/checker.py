@@ -19,6 +19,17 @@ step it resumed from, and so on back. A trajectory trained twice there is
 an abandoned lineage and again in the surviving one is `replayed`, which
 is how it must be.
 
+A producer issuing trajectories from numbered prompts (each as a group of
+samples) also writes `issued` (`prompt`, `sample`, `id`) per trajectory it
+starts, again under the same id when it continues or restarts one after its
+own restart. Trajectory figures cannot see a prompt that never trained (a
+group none of whose trajectories was acked) or a sample issued again under
+a new id and trained twice, so prompts get their own: `prompts_skipped`
+(no trajectory of it trained and none dead-lettered for a reason the run
+chose, `CHOSEN_DEAD_REASONS`; `prompts_unseen` while the broker has a
+backlog) and `prompts_duplicated` (a sample trained more than once across
+its ids). A group trained short (a member given up) is neither.
+
 The digests are computed here from docs/semantics.md §3-§4 alone (forced tokens
 get log-prob 0, loss 0 and a singleton support; a replay gap cuts the
 trajectory after the last fully captured turn's sampled tokens; nothing is
@@ -260,8 +271,9 @@ def read_records(paths: Iterable[str | os.PathLike]) -> list[dict]:
 
 @dataclass
 class Report:
-    """The checker's verdict. Each list names trajectories; all must be
-    empty (and dead letters only those a scenario expects)."""
+    """The checker's verdict. Each list names trajectories (the `prompts_`
+    ones, prompt keys); all must be empty (and dead letters only those a
+    scenario expects)."""
 
     acked: int = 0
     committed: int = 0
@@ -276,15 +288,23 @@ class Report:
     replayed: int = 0  # commits by abandoned lineages of trajectories the surviving one trained again
     resumed_from_step: int | None = None  # the latest resume's checkpoint step
     replayed_batches_identical: bool | None = None  # each batch trained again as it was trained first (None: none was)
+    prompts: int = 0  # distinct prompts judged: those with `issued` records, and those `check` was told to expect
+    prompts_skipped: list[str] = field(default_factory=list)  # no trajectory trained, none dropped by the run's choice
+    prompts_duplicated: list[str] = field(default_factory=list)  # a sample trained more than once across its ids
+    prompts_unseen: list[str] = field(default_factory=list)  # not trained yet while the broker has a backlog
 
     PROBLEMS = ("lost", "duplicated", "partial", "corrupted", "unseen")
+    # Counted only when prompts were judged: a run without `issued` records reads as before.
+    PROMPT_PROBLEMS = ("prompts_skipped", "prompts_duplicated", "prompts_unseen")
 
     def counts(self) -> dict[str, int]:
-        return {name: len(getattr(self, name)) for name in self.PROBLEMS}
+        names = self.PROBLEMS + (self.PROMPT_PROBLEMS if self.prompts else ())
+        return {name: len(getattr(self, name)) for name in names}
 
     def ok(self, expected_dead_reasons: Iterable[str] = ()) -> bool:
-        """Nothing lost, duplicated, partial, corrupted or unseen, and no
-        acked trajectory dead-lettered for a reason not expected."""
+        """Nothing lost, duplicated, partial, corrupted or unseen, no prompt
+        skipped, duplicated or unseen, and no acked trajectory dead-lettered
+        for a reason not expected."""
         allowed = set(expected_dead_reasons)
         return not any(self.counts().values()) and all(reason in allowed for reason in self.dead_lettered)
 
@@ -294,7 +314,11 @@ class Report:
     def summary(self) -> dict[str, Any]:
         return {"acked": self.acked, "committed": self.committed, **self.counts(),
                 "dead_lettered": dict(self.dead_lettered), "redelivered": self.redelivered,
-                "unacked_committed": self.unacked_committed, **self.lineage()}
+                "unacked_committed": self.unacked_committed, **self.lineage(), **self.prompt_figures()}
+
+    def prompt_figures(self) -> dict[str, int]:
+        """The prompt figures, zeros included (`summary()` always has them; `counts()` only once prompts were judged)."""
+        return {"prompts": self.prompts, **{name: len(getattr(self, name)) for name in self.PROMPT_PROBLEMS}}
 
     def lineage(self) -> dict[str, Any]:
         """The lineage figures (`lineage_lost`, `lineage_duplicated`: the
@@ -309,6 +333,14 @@ class Report:
 BACKLOG_KEYS = ("queued", "leased", "scoring", "awaiting_group")
 
 
+# The dead-letter reasons that are the run's own choices (a group filter, a
+# staleness bound, an abandoned lineage's samples): a prompt one of whose
+# trajectories was dropped for one was judged, not skipped. Others (`expired`,
+# `reward_expired`, `unreadable`, ...) are failures and do not excuse a prompt.
+# A reason is matched by its part before any `:` (`filtered:zero_variance`).
+CHOSEN_DEAD_REASONS = frozenset({"filtered", "stale", "abandoned"})
+
+
 def broker_backlog(status: Mapping[str, Any]) -> int:
     """The trajectories a broker's `status` says it still has to deliver
     (`BACKLOG_KEYS`), the `broker_backlog` that `check` takes."""
@@ -316,17 +348,19 @@ def broker_backlog(status: Mapping[str, Any]) -> int:
 
 
 def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[str, Any]] = (), *,
-          broker_backlog: int = 0) -> Report:
+          broker_backlog: int = 0, prompts: Iterable[str] | None = None) -> Report:
     """Join ledger records with the broker's dead letters (`trajectory_id`,
     `reason`). An acked trajectory neither committed nor dead-lettered is
     `unseen` while the broker still has trajectories to deliver
     (`broker_backlog`, from its status by `broker_backlog()`) and `lost`
-    once it has none."""
+    once it has none. `prompts`: the prompt keys the run was to issue (one
+    with no `issued` record is skipped); None judges only the issued ones."""
     sent: dict[str, Mapping[str, Any]] = {}
     acked: set[str] = set()
     handed: Counter = Counter()
     committed: dict[str, list[Mapping[str, Any]]] = {}
     resumes: dict[str, Mapping[str, Any]] = {}
+    issued: dict[str, dict[int, set[str]]] = {str(key): {} for key in prompts or ()}
     for record in records:
         kind = record.get("kind")
         if kind == "resumed":
@@ -343,6 +377,8 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
             handed[tid] += 1
         elif kind == "committed":
             committed.setdefault(tid, []).append(record)
+        elif kind == "issued":
+            issued.setdefault(str(record["prompt"]), {}).setdefault(record["sample"], set()).add(tid)
     dead = {item["trajectory_id"]: item.get("reason") or "unknown" for item in dead_letters}
     report = Report(acked=len(acked), committed=len(committed))
     trained = _surviving(committed, resumes, report)
@@ -369,7 +405,27 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
             break
     report.unacked_committed = sum(1 for tid in committed if tid not in acked)
     report.redelivered = sum(max(0, count - len(committed.get(tid, ()))) for tid, count in handed.items())
+    _judge_prompts(issued, trained, dead, broker_backlog, report)
     return report
+
+
+def _judge_prompts(issued: Mapping[str, Mapping[int, set[str]]], trained: Counter, dead: Mapping[str, str],
+                   broker_backlog: int, report: Report) -> None:
+    """Set the report's prompt figures from the ids issued per prompt and
+    sample, with `trained` as `check` counts it (the surviving lineage)."""
+    report.prompts = len(issued)
+    for key in sorted(issued):
+        samples = issued[key]
+        if any(sum(trained[tid] for tid in ids) > 1 for ids in samples.values()):
+            report.prompts_duplicated.append(key)
+        ids = set().union(*samples.values())
+        if any(trained[tid] for tid in ids):
+            continue
+        if any(dead.get(tid, "").partition(":")[0] in CHOSEN_DEAD_REASONS for tid in ids):
+            continue
+        # A prompt every issued trajectory of which was dead-lettered cannot come any more, backlog or not.
+        may_come = not ids or any(tid not in dead for tid in ids)
+        (report.prompts_unseen if broker_backlog and may_come else report.prompts_skipped).append(key)
 
 
 def _surviving(committed: Mapping[str, list[Mapping[str, Any]]], resumes: Mapping[str, Mapping[str, Any]],

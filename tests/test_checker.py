@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollstream.common.checker import (
+    CHOSEN_DEAD_REASONS,
     ContentDigest,
     Ledger,
     LedgerReader,
@@ -218,7 +219,8 @@ def test_client_ledgers_over_a_live_broker_check_clean(tmp_path):
     assert report.summary() == {"acked": 6, "committed": 6, "lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0,
                                 "unseen": 0, "dead_lettered": {}, "redelivered": 0, "unacked_committed": 0,
                                 "lineage_lost": 0, "lineage_duplicated": 0, "replayed": 0, "resumed_from_step": None,
-                                "replayed_batches_identical": None}
+                                "replayed_batches_identical": None, "prompts": 0, "prompts_skipped": 0,
+                                "prompts_duplicated": 0, "prompts_unseen": 0}
     committed = [r for r in records if r["kind"] == "committed"]
     assert [r["gap"] for r in committed if r["id"] == "t5"] == [[2, "mask"]]
     assert json.loads((tmp_path / "producer.jsonl").read_text().splitlines()[0])["kind"] == "sent"
@@ -270,3 +272,113 @@ def test_a_brokers_backlog_counts_its_queue_under_either_name():
     assert broker_backlog({"queued": 3, "ready": 3, "leased": 1, "scoring": 2, "awaiting_group": 1}) == 7
     assert broker_backlog({"ready": 3, "leased": 1}) == 4
     assert broker_backlog({"queued": 0, "ready": 5}) == 0  # the new name wins where both are sent
+
+
+def prompt_run(tmp_path, issued, trained=(), dead=(), given_up=(), **kwargs):
+    """A run issuing trajectories from prompts: `issued` is (prompt, sample,
+    id) per `issued` record, each id but those `given_up` (aborted after a
+    producer restart: issued, nothing more) is sent and acked, `trained` ids
+    are committed once per mention, `dead` maps ids to their dead-letter
+    reason."""
+    prompt, records = sent(EXAMPLE_6)
+    good = expected(prompt, records).digest
+    ids = [tid for tid in dict.fromkeys(tid for _, _, tid in issued) if tid not in given_up]
+    records_ = ledger_records(
+        tmp_path,
+        issued=[{"prompt": key, "sample": j, "id": tid, "producer": "p0"} for key, j, tid in issued],
+        sent=[{"id": tid, "prompt": prompt, "turns": [list(r) for r in records]} for tid in ids],
+        acked=[{"id": tid, "applied": True} for tid in ids],
+        committed=[{"id": tid, "digest": good, "gap": None} for tid in trained],
+    )
+    return check(records_, [{"trajectory_id": tid, "reason": reason} for tid, reason in dict(dead).items()], **kwargs)
+
+
+def test_the_chosen_dead_reasons_are_the_runs_own():
+    assert CHOSEN_DEAD_REASONS == {"filtered", "stale", "abandoned"}
+
+
+def test_prompts_whose_group_never_trained_are_skipped_unless_the_run_dropped_them(tmp_path):
+    issued = [("1", 0, "1a"), ("1", 1, "1b"),  # both trained: fine
+              ("2", 0, "2a"), ("2", 1, "2b"),  # neither trained nor dead-lettered: skipped
+              ("3", 0, "3a"),  # dead-lettered `expired` only: skipped (not the run's choice)
+              ("4", 0, "4a"), ("4", 1, "4b"),  # one filtered, one expired: the run chose, not skipped
+              ("5", 0, "5a"),  # dropped as stale: not skipped
+              ("6", 0, "6a"),  # sampled by an abandoned lineage: not skipped
+              ("7", 0, "7a"),  # dead-lettered `reward_expired`: skipped
+              ("8", 0, "8a"), ("8", 1, "8b"), ("8", 2, "8c"),  # 8b given up after a restart: trained short, fine
+              ("9", 0, "9a"), ("9", 0, "9a"), ("9", 1, "9b")]  # 9a issued again under its id (a restart): fine
+    report = prompt_run(tmp_path, issued, trained=["1a", "1b", "8a", "8c", "9a", "9b"],
+                        dead={"3a": "expired", "4a": "filtered:zero_variance", "4b": "expired", "5a": "stale",
+                              "6a": "abandoned", "7a": "reward_expired"},
+                        given_up=["8b"], prompts=["1", "2", "3", "4", "5", "6", "7", "8", "9", "10"])  # 10: never issued
+    assert report.prompts == 10
+    assert report.prompts_skipped == ["10", "2", "3", "7"]
+    assert report.prompts_duplicated == [] and report.prompts_unseen == []
+    assert not report.ok(["expired", "filtered:zero_variance", "stale", "abandoned", "reward_expired"])
+    assert report.lost == ["2a", "2b"] and report.acked == 14  # 15 ids issued, 8b never sent
+    assert report.counts() == {"lost": 2, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0,
+                               "prompts_skipped": 4, "prompts_duplicated": 0, "prompts_unseen": 0}
+    summary = report.summary()
+    assert (summary["prompts"], summary["prompts_skipped"], summary["prompts_duplicated"]) == (10, 4, 0)
+
+
+def test_a_sample_trained_under_two_ids_duplicates_its_prompt(tmp_path):
+    issued = [("a", 0, "a0"), ("a", 0, "a0-again"), ("a", 1, "a1"),  # sample 0 issued twice, both trained
+              ("b", 0, "b0"), ("b", 0, "b0"), ("b", 1, "b1"),  # the same id twice (a restart), trained once
+              ("c", 0, "c0"), ("c", 0, "c0-again"),  # issued twice, only one of them trained
+              ("d", 0, "d0")]  # one id trained twice
+    report = prompt_run(tmp_path, issued, trained=["a0", "a0-again", "a1", "b0", "b1", "c0-again", "d0", "d0"])
+    assert report.prompts == 4
+    assert report.prompts_duplicated == ["a", "d"]
+    assert report.prompts_skipped == [] and report.duplicated == ["d0"] and report.lost == ["c0"]
+    assert report.line() == ("lost 1  duplicated 1  partial 0  corrupted 0  unseen 0  "
+                             "prompts_skipped 0  prompts_duplicated 2  prompts_unseen 0")
+    assert not report.ok()
+
+
+def test_a_clean_prompt_run_is_ok(tmp_path):
+    issued = [("0", 0, "x"), ("0", 1, "y"), ("0", 0, "x"), ("1", 0, "z")]
+    report = prompt_run(tmp_path, issued, trained=["x", "y", "z"], prompts=["0", "1"])
+    assert report.ok() and report.prompts == 2
+    assert report.counts() == {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0,
+                               "prompts_skipped": 0, "prompts_duplicated": 0, "prompts_unseen": 0}
+
+
+def test_without_prompts_the_report_reads_as_before(tmp_path):
+    report = prompt_run(tmp_path, [], prompts=None)
+    assert report.prompts == 0 and report.ok()
+    assert report.counts() == {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
+    assert report.line() == "lost 0  duplicated 0  partial 0  corrupted 0  unseen 0"
+
+
+def test_an_untrained_prompt_is_unseen_while_the_broker_has_a_backlog(tmp_path):
+    issued = [("1", 0, "1a"), ("2", 0, "2a"), ("3", 0, "3a"), ("4", 0, "4a")]
+    kwargs = {"trained": ["1a"], "dead": {"3a": "expired", "4a": "filtered"}, "prompts": ["1", "2", "3", "4", "5"]}
+    waiting = prompt_run(tmp_path / "waiting", issued, broker_backlog=2, **kwargs)
+    # 2a may still be delivered and 5 still issued; 3a is dead-lettered, so 3 can no longer come.
+    assert (waiting.prompts_unseen, waiting.prompts_skipped) == (["2", "5"], ["3"])
+    assert not waiting.ok(["expired", "filtered"])
+    drained = prompt_run(tmp_path / "drained", issued, **kwargs)
+    assert (drained.prompts_unseen, drained.prompts_skipped) == ([], ["2", "3", "5"])
+
+
+def test_a_prompt_trained_only_by_an_abandoned_lineage_is_skipped(tmp_path):
+    """L1 trains p's only trajectory at step 2 and q's at step 1, and dies; L2 resumes from checkpoint 1."""
+    prompt, records = sent(EXAMPLE_6)
+    good = expected(prompt, records).digest
+
+    def commit(tid, lineage, step):
+        return {"id": tid, "digest": good, "gap": None, "run": "R", "lineage": lineage, "step": step, "position": 0}
+
+    records_ = ledger_records(
+        tmp_path,
+        issued=[{"prompt": "p", "sample": 0, "id": "p0", "producer": "x"},
+                {"prompt": "q", "sample": 0, "id": "q0", "producer": "x"}],
+        sent=[{"id": tid, "prompt": prompt, "turns": [list(r) for r in records]} for tid in ("p0", "q0")],
+        acked=[{"id": tid, "applied": True} for tid in ("p0", "q0")],
+        committed=[commit("q0", "L1", 1), commit("p0", "L1", 2), commit("x0", "L2", 2)],
+        resumed=[{"run": "R", "lineage": "L2", "parent": "L1", "from_step": 1}],
+    )
+    report = check(records_)
+    assert report.lost == ["p0"]
+    assert report.prompts_skipped == ["p"] and report.prompts_duplicated == []
