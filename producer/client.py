@@ -57,6 +57,7 @@ from rollstream.common.wire import encode_turn
 
 from .errors import ProducerClosed, Refused
 from .metrics import ProducerMetrics
+from .resume import Prefix, Resumable
 from .session import Draft, ProducerSession, TrajectoryDigests
 from .spool import Spool
 from .window import ABORT, END, REWARD, TURN, Receipt, Settled
@@ -189,6 +190,10 @@ class _Intake:
     def ping(self) -> list:
         with self.lock:  # a ping takes the next seq, as senders do
             return self.session.ping()
+
+    def query(self, kind: str, fields: dict) -> tuple[int, list]:
+        with self.lock:  # a query takes the next seq, as senders do
+            return self.session.query(kind, fields)
 
     def wake(self) -> None:
         """Room may have appeared: blocking senders look again."""
@@ -367,6 +372,55 @@ class AsyncProducer:
         except TimeoutError:
             return False
         return True
+
+    async def open_trajectories(self, timeout: float | None = None) -> list[Resumable] | None:
+        """The trajectories this producer (its id, in its job, under CURVE
+        over its key) has open at the broker, to continue after a restart;
+        None when the broker does not hand them back. Ask once the spool's
+        resends have settled (`flush`), so that what is listed is all the
+        broker holds. Raises `TimedOut` after `timeout`."""
+        async with asyncio.timeout(timeout):
+            await self._until(lambda: self._session.lists_open is not None)  # the welcome came
+            if not self._session.lists_open:
+                return None
+            reply = await self._ask("list_open", {})
+        return [Resumable.from_wire(entry) for entry in reply["trajectories"]]
+
+    async def read_prefix(self, trajectory_id: str, timeout: float | None = None) -> Prefix:
+        """One of `open_trajectories`' content so far, as the broker merged
+        it. Raises `Refused` (`unknown_trajectory`: not open there for this
+        producer) or `TimedOut` after `timeout`."""
+        async with asyncio.timeout(timeout):
+            reply = await self._ask("read_open", {"trajectory_id": trajectory_id})
+        if reply.type == "nack":
+            raise Refused(reply["code"], reply["message"], kind="read_open", trajectory_id=trajectory_id, seq=reply["seq"])
+        return Prefix.from_message(reply)
+
+    async def _ask(self, kind: str, fields: dict):
+        """Send a query and wait for the reply that answers it (sent again
+        after a reconnect, with the resends)."""
+        seq, frames = self._intake.query(kind, fields)
+        self._send_now(frames)
+        answers = self._session.answers
+        try:
+            await self._until(lambda: seq in answers)
+        finally:
+            self._session.queries.pop(seq, None)
+        return answers.pop(seq)
+
+    def resume(self, resumable: Resumable, prompt_tokens, *, earlier: Sequence[Turn] = (),
+               metadata: Mapping[str, Any] | None = None) -> "AsyncTrajectoryHandle":
+        """A handle continuing a trajectory the broker handed back: its next
+        turn goes under `resumable.next_turn`. `earlier`: the turns it holds
+        (`Prefix.turns`, or as the source produces them again), recorded in
+        the ledger as sent, so the `end`'s record covers the whole trajectory."""
+        handle = AsyncTrajectoryHandle(self, resumable.trajectory_id, prompt_tokens, group_id=resumable.group_id,
+                                       group_size=resumable.group_size, sample_index=resumable.sample_index,
+                                       metadata=metadata)
+        if self.ledger is not None:
+            handle.digests.earlier(list(earlier), resumable.next_turn)
+        handle.next_turn = resumable.next_turn
+        return handle
 
     async def admitted(self, timeout: float | None = None) -> bool:
         """Wait until the broker admits one more new trajectory (its
@@ -580,6 +634,8 @@ class AsyncProducer:
         if settled:
             self._intake.settle(settled, now)
             self._changed.set()
+        elif reply.type in ("welcome", "open_list", "open_trajectory", "nack"):  # `open_trajectories` waiters look again
+            self._changed.set()
         elif session.window.limit > limit:  # a larger grant: senders waiting for room look again
             self._intake.wake()
             self._changed.set()
@@ -627,6 +683,8 @@ class AsyncProducer:
             hello = self._session.connected()
             if hello is not None:
                 self._send_now(hello)
+                for frames in list(self._session.queries.values()):  # their answers may be lost with the connection
+                    self._send_now(frames)
                 self._pump()
 
 
@@ -693,9 +751,10 @@ class _TrajectoryHandle:
     def _reward_draft(self, reward) -> Draft:
         return reward_draft(self, reward, self.producer.job)
 
-    def _abort_draft(self, reason: str) -> Draft:
+    def _abort_draft(self, reason: str, again: bool = False) -> Draft:
         frames = encode(PRODUCER_TO_BROKER, "abort", {"trajectory_id": self.trajectory_id, "reason": reason,
-                                                      **self._job_field()}, numbered=False)
+                                                      **({"again": True} if again else {}), **self._job_field()},
+                        numbered=False)
         return Draft(ABORT, self, self.next_turn, lambda _: frames)
 
     def _job_field(self) -> dict[str, str]:
@@ -778,9 +837,11 @@ class AsyncTrajectoryHandle(_TrajectoryHandle):
         """`end`, then wait for the broker's receipt (raises `Refused`)."""
         return await (await self.end(reward, metadata))
 
-    async def abort(self, reason: str = "") -> asyncio.Future:
-        """Discard the trajectory at the broker; the next turn starts it afresh."""
-        return await self._send(self._abort_draft(reason))
+    async def abort(self, reason: str = "", *, again: bool = False) -> asyncio.Future:
+        """Discard the trajectory at the broker; the next turn starts it
+        afresh. `again`: it will be produced again from turn 0 under the same
+        id, and its group waits for it meanwhile."""
+        return await self._send(self._abort_draft(reason, again))
 
 
 # -- the blocking client ---------------------------------------------------------

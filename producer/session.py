@@ -64,6 +64,21 @@ class TrajectoryDigests:
         self._after.append(after)
         self._records.append(record)
 
+    def earlier(self, turns: list[Turn], next_turn: int) -> None:
+        """The turns the broker already holds of a resumed trajectory, sent
+        by an earlier run of this producer: recorded as sent, the last
+        record repeated up to `next_turn` where fewer turns came back
+        (turns merged at the broker without forced tokens between them)."""
+        for index, turn in enumerate(turns):
+            self.turn(index, turn)
+        if not self._after:
+            self._after.append(ContentDigest(self.prompt_tokens))
+        while self._records and len(self._records) < next_turn:
+            last = self._records[-1]
+            self._records.append(TurnRecord(last.status, last.carries, last.after_forced, last.after_forced))
+            self._after.append(self._after[-1].copy())
+        del self._after[next_turn + 1:], self._records[next_turn:]
+
     def sent(self, turns: int) -> tuple[str, list[list]]:
         """The prompt's digest and the records of the first `turns` turns, for an `end`'s `sent` record."""
         prompt = self._after[0] if self._after else ContentDigest(self.prompt_tokens)
@@ -138,6 +153,10 @@ class ProducerSession:
         self._ping_seq = 0  # the seq of the ping `ping` built last
         self._connected_before = False
         self._next_overdue_report = 0.0
+        self.lists_open: bool | None = None  # whether the broker hands back open trajectories; None until its welcome
+        # seq -> a `list_open` or `read_open` awaiting its answer (sent again after a reconnect)
+        self.queries: dict[int, list] = {}
+        self.answers: dict[int, Any] = {}  # seq -> the reply that answered one of them
 
     @property
     def unsettled(self) -> int:
@@ -280,6 +299,7 @@ class ProducerSession:
         if self.batch_frames:
             fields["batch_frames"] = True
         fields["reads_branch"] = True
+        fields["lists_open"] = True
         self.batch_bytes = 0
         return encode(PRODUCER_TO_BROKER, "hello", fields)
 
@@ -353,8 +373,14 @@ class ProducerSession:
                                    f"{reply.get('job')!r}); a broker of this version does")
             if self.batch_frames and reply.get("batch_frames"):
                 self.batch_bytes = min(BATCH_UP_TO_BYTES, reply["max_message_bytes"])
+            self.lists_open = bool(reply.get("lists_open"))
             log.info(f"broker {reply['broker_id']} welcomed us: window {window.limit}",
                      extra={"broker_id": reply["broker_id"], "window": window.limit})
+        elif kind in ("open_list", "open_trajectory") or (kind == "nack" and reply.get("seq") in self.queries):
+            if self.queries.pop(reply["seq"], None) is not None:
+                self.answers[reply["seq"]] = reply
+            else:
+                self.metrics.inc(self.metrics.ignored)
         elif kind == "nack" and "seq" not in reply.fields:
             self.metrics.inc(self.metrics.ignored)
             log.warning(f"broker refused a message it could not read: {reply['code']}: {reply['message']}",
@@ -430,6 +456,15 @@ class ProducerSession:
         self._ping_seq = seq = self.next_seq
         self.next_seq = seq + 1
         return encode(PRODUCER_TO_BROKER, "ping", {"seq": seq})
+
+    def query(self, kind: str, fields: dict[str, Any]) -> tuple[int, list]:
+        """*Shared* (it takes the next seq). A `list_open` or `read_open` to
+        send now: its seq, whose answer `received` puts in `answers`, and its
+        frames (kept in `queries`, to send again after a reconnect)."""
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        frames = self.queries[seq] = encode(PRODUCER_TO_BROKER, kind, {"seq": seq, **fields})
+        return seq, frames
 
     def pinged(self, now: float) -> None:
         """The ping `ping` built went out at `now`: its pong will show what was answered before it."""
