@@ -17,9 +17,21 @@ import torch
 from rollstream.common.errors import InvalidInput
 from rollstream.common.mask import SamplingMask
 from rollstream.producer.client import AsyncProducer, AsyncTrajectoryHandle
+from rollstream.producer.resume import SCORING, TERMINAL
 from rollstream.producer.sampler import Sampled, SamplingParams, sample
 from rollstream.producer.settings import ProducerSettings
-from rollstream.producer.source import ABORTED, ENDED, STOPPING, Job, SourceSettingsError, drive, jobs, retrieve, run_id
+from rollstream.producer.source import (
+    ABORTED,
+    ENDED,
+    PREFIX,
+    STOPPING,
+    Job,
+    Prompts,
+    SourceSettingsError,
+    drive,
+    job_rng,
+    retrieve,
+)
 
 from .tiny_lm import TinyLM, load_weights
 
@@ -123,16 +135,17 @@ class WeightsWatch:
 
 class ModelSource:
     """The `model` source: multi-turn rollouts sampled from a `TinyLM`,
-    each turn tagged with the weight version it was sampled with."""
+    each turn tagged with the weight version it was sampled with. A
+    trajectory handed back after a restart goes on from its prefix."""
+
+    continues = PREFIX
 
     def __init__(self, settings: ProducerSettings, producer_id: str):
         # Episodes generate on threads of their own, each with a model this
         # small: one intra-op thread apiece, not a pool per call.
         torch.set_num_threads(1)
         self.settings = settings
-        self.rng = np.random.default_rng(settings.seed)
         self.params = SamplingParams(settings.temperature, settings.top_k, settings.top_p, settings.min_p)
-        self.run_id = run_id(producer_id)
         self.weights = WeightsWatch(settings.model_weights, settings.seed)
         self.environment = TargetEnvironment(settings.tool_tokens)
         config = self.weights.model.config
@@ -143,19 +156,25 @@ class ModelSource:
                              f"the model's max_len={config.max_len}, got {length}")
         if config.vocab_size > s.vocab_size:
             raise SourceSettingsError(f"vocab_size must be at least the model's {config.vocab_size}, got {s.vocab_size}")
-
-    def prompts(self):
-        vocab = self.weights.model.config.vocab_size
-        while True:
-            yield self.rng.integers(0, vocab, size=self.settings.prompt_tokens, dtype=np.int32), None
+        vocab = config.vocab_size
+        self.prompts = (Prompts.from_file(s.prompts) if s.prompts is not None else Prompts.drawn(
+            lambda rng: rng.integers(0, vocab, size=s.prompt_tokens, dtype=np.int32), s.seed,
+            f"{s.prompt_tokens} tokens over {vocab} ids"))
 
     async def episode(self, traj: AsyncTrajectoryHandle, job: Job, stopping: asyncio.Event) -> str:
         s = self.settings
-        rng = np.random.default_rng([s.seed, job.sample_index])  # generation runs on a thread: an episode's own
-        context, sampled = job.prompt_tokens, []
-        self.weights.refresh()  # one version for the whole trajectory: a trainer replays it with those weights
+        rng = job_rng(s.seed, job)  # generation runs on a thread: an episode's own
+        context, sampled, start = job.prompt_tokens, [], 0
+        if job.resumable is not None and job.prefix is not None:
+            context, sampled, start = job.prefix.context, [job.prefix.sampled_tokens()], job.resumable.next_turn
+            if job.resumable.state == SCORING:
+                retrieve(await traj.reward(self.environment.reward(sampled[0])))
+                return ENDED
+            if job.resumable.state == TERMINAL:
+                start = s.turns
+        self.weights.refresh()  # one version for what it samples now: a trainer replays each token with its weights
         model, version = self.weights.model, self.weights.version
-        for index in range(s.turns):
+        for index in range(start, s.turns):
             if stopping.is_set():
                 retrieve(await traj.abort(STOPPING))
                 return ABORTED
@@ -169,6 +188,4 @@ class ModelSource:
         return ENDED
 
     async def run(self, producer: AsyncProducer, stopping: asyncio.Event) -> None:
-        s = self.settings
-        await drive(producer, jobs(self.prompts(), self.run_id, s.group_size, s.trajectories), self.episode,
-                    concurrency=s.concurrency, rate=s.rate, stopping=stopping)
+        await drive(producer, self.settings, self.prompts, self.episode, stopping=stopping, continues=self.continues)

@@ -27,7 +27,7 @@ import concurrent.futures
 import logging
 import os
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -711,6 +711,20 @@ class _TrajectoryHandle:
                                                   "group_size": group_size, "sample_index": sample_index})
         self.next_turn = 0
         self.digests = TrajectoryDigests(self.prompt_tokens)  # for the ledger, when the producer keeps one
+        # Called once, just before its `end` or final `abort` is submitted (a daemon source's prompt cursor).
+        self.finishing: Callable[[], None] | None = None
+
+    def earlier(self, turns: Sequence[Turn]) -> None:
+        """The turns of a resumed trajectory the broker already holds, as
+        its source produced them again: recorded in the ledger as sent
+        (see `AsyncProducer.resume`); nothing is sent."""
+        if self.producer.ledger is not None:
+            self.digests.earlier(list(turns), self.next_turn)
+
+    def _finish(self) -> None:
+        finishing, self.finishing = self.finishing, None
+        if finishing is not None:
+            finishing()
 
     def _turn_draft(self, turn: Turn, metadata: Mapping[str, Any] | None) -> Draft:
         """The turn's fields are checked here, once; its frame is then encoded
@@ -827,6 +841,7 @@ class AsyncTrajectoryHandle(_TrajectoryHandle):
         without one (`None`): the broker then holds it until `reward`
         brings it. The `end` says how many turns were sent, so the broker
         refuses it (`out_of_order`) rather than end the trajectory short of one."""
+        self._finish()
         return await self._send(self._end_draft(reward, metadata))
 
     async def reward(self, reward) -> asyncio.Future:
@@ -841,6 +856,8 @@ class AsyncTrajectoryHandle(_TrajectoryHandle):
         """Discard the trajectory at the broker; the next turn starts it
         afresh. `again`: it will be produced again from turn 0 under the same
         id, and its group waits for it meanwhile."""
+        if not again:
+            self._finish()
         return await self._send(self._abort_draft(reason, again))
 
 
@@ -948,6 +965,7 @@ class TrajectoryHandle(_TrajectoryHandle):
 
     def end(self, reward=None, metadata: Mapping[str, Any] | None = None, *,
             timeout: float | None = None) -> concurrent.futures.Future:
+        self._finish()
         return self.producer.submit_blocking(self._end_draft(reward, metadata), timeout)
 
     def reward(self, reward, *, timeout: float | None = None) -> concurrent.futures.Future:
@@ -958,5 +976,7 @@ class TrajectoryHandle(_TrajectoryHandle):
         """`end`, then wait up to `timeout` for the receipt (raises `Refused`)."""
         return self.end(reward, metadata, timeout=timeout).result(timeout)
 
-    def abort(self, reason: str = "", *, timeout: float | None = None) -> concurrent.futures.Future:
-        return self.producer.submit_blocking(self._abort_draft(reason), timeout)
+    def abort(self, reason: str = "", *, again: bool = False, timeout: float | None = None) -> concurrent.futures.Future:
+        if not again:
+            self._finish()
+        return self.producer.submit_blocking(self._abort_draft(reason, again), timeout)

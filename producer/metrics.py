@@ -25,4 +25,6 @@ class ProducerMetrics(Metrics):
             (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0),
         )
         self.trajectories = self.counter("trajectories", "Trajectories a source finished, by how", ("outcome",))
+        self.resumed = self.counter("resumed", "Trajectories a restarted daemon found open at its broker, by what it did "
+                                    "with them (on_restart): continued, restarted (from turn 0) or aborted", ("action",))
         self.tokens = self.counter("tokens", "Response tokens submitted, sampled or forced", ("kind",))

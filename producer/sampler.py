@@ -104,9 +104,11 @@ class ZipfLogits:
                                                                  candidates)
         self._log_rank = np.log(np.arange(1, candidates + 1, dtype=np.float64))
 
-    def __call__(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """`(logits [n, C], candidate_ids [n, C])` for `n` positions."""
-        sharpness = 0.8 + self.rng.gamma(2.0, 0.8, size=(n, 1))
-        noise = self.rng.standard_normal(size=(n, self.candidates), dtype=np.float32)
+    def __call__(self, n: int, rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`(logits [n, C], candidate_ids [n, C])` for `n` positions, drawn
+        from `rng` (default: the one it was made with)."""
+        rng = self.rng if rng is None else rng
+        sharpness = 0.8 + rng.gamma(2.0, 0.8, size=(n, 1))
+        noise = rng.standard_normal(size=(n, self.candidates), dtype=np.float32)
         logits = -sharpness * self._log_rank + 0.3 * noise
-        return logits, self._windows[self.rng.integers(0, self.vocab_size, size=n)]
+        return logits, self._windows[rng.integers(0, self.vocab_size, size=n)]

@@ -32,6 +32,9 @@ from rollstream.common.jobs import JOB_PATTERN
 
 from .sources import source_names
 
+# What a restarted daemon does with the trajectories it had open at its broker (`on_restart`, producer/source.py).
+ON_RESTART = ("continue", "restart", "abort")
+
 
 @dataclass
 class ProducerSettings:
@@ -107,8 +110,13 @@ class ProducerSettings:
     sglang_url: str = setting("http://127.0.0.1:30000", URL, "Base URL of the SGLang-compatible server "
                                                              "(POST {url}/generate).", schemes=("http", "https"))
     sglang_timeout: float = seconds(600.0, "Seconds one /generate call may take.")
-    prompts: str | None = setting(None, FILE, "sglang: JSON-lines file of prompts ({\"input_ids\": [...]} per line); "
-                                              "default: random prompts.")
+    prompts: str | None = setting(None, FILE, "JSON-lines file of prompts ({\"input_ids\": [...]} per line): each is "
+                                              "issued once (group_size samples), the run ends when all are done; "
+                                              "default: random prompts drawn from --seed.")
+    on_restart: str = choice(
+        "continue", "What a restarted daemon does with the trajectories it had open at its broker (needs --spool-dir): "
+                    "continue them from where they stood, restart them from turn 0, or abort them (their groups go "
+                    "on without them). A source that cannot continue one restarts it.", ON_RESTART)
     # model (the source the `rollstream` command registers: rollstream.app.model_source)
     model_weights: str | None = setting(None, PATH, "model: a TinyLM safetensors file, reloaded whenever it changes; "
                                                     "until it exists, weights from --seed.")

@@ -14,7 +14,6 @@ import json
 import logging
 import threading
 import urllib.request
-from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -23,8 +22,9 @@ from rollstream.common.errors import InvalidInput
 from rollstream.common.ingest import status_from_finish_reason
 
 from .client import AsyncProducer, AsyncTrajectoryHandle
+from .resume import SCORING, TERMINAL
 from .settings import ProducerSettings
-from .source import ABORTED, ENDED, STOPPING, Job, drive, jobs, retrieve, run_id
+from .source import ABORTED, ENDED, PREFIX, STOPPING, Job, Prompts, drive, retrieve
 from .synthetic import around
 
 log = logging.getLogger("rollstream.producer")
@@ -89,9 +89,10 @@ def output_ids(response: Mapping[str, Any]) -> list[int]:
 
 
 class SGLangSource:
+    continues = PREFIX  # from the prompt and every token so far, which the next request's input is anyway
+
     def __init__(self, settings: ProducerSettings, producer_id: str):
         self.settings = settings
-        self.rng = np.random.default_rng(settings.seed)
         self.tool = EchoTool(settings.vocab_size, settings.tool_tokens)
         self.url = settings.sglang_url.rstrip("/") + "/generate"
         self.sampling_params = {
@@ -101,22 +102,10 @@ class SGLangSource:
             "min_p": settings.min_p,
             "max_new_tokens": settings.response_tokens,
         }
-        self.run_id = run_id(producer_id)
-
-    def prompts(self):
-        """Prompts of the `prompts` JSON-lines file (`{"input_ids": [...],
-        "metadata": {...}}` per line, read once), else random ones forever."""
-        if self.settings.prompts is None:
-            while True:
-                size = around(self.rng, self.settings.prompt_tokens)
-                yield self.rng.integers(0, self.settings.vocab_size - 2, size=size, dtype=np.int32), None
-        with Path(self.settings.prompts).open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    record = json.loads(line)
-                    if not isinstance(record, dict) or "input_ids" not in record:
-                        raise InvalidInput(f"{self.settings.prompts}:{number}: expected an object with input_ids")
-                    yield np.asarray(record["input_ids"], dtype=np.int32), record.get("metadata")
+        s = settings
+        self.prompts = (Prompts.from_file(s.prompts) if s.prompts is not None else Prompts.drawn(
+            lambda rng: rng.integers(0, s.vocab_size - 2, size=around(rng, s.prompt_tokens), dtype=np.int32), s.seed,
+            f"{s.prompt_tokens} tokens over {s.vocab_size - 2} ids"))
 
     def generate(self, input_ids: list[int]) -> dict:
         """One blocking `/generate` call."""
@@ -129,8 +118,15 @@ class SGLangSource:
 
     async def episode(self, traj: AsyncTrajectoryHandle, job: Job, stopping: asyncio.Event) -> str:
         context = [int(t) for t in job.prompt_tokens]
-        status = "completed"
-        for index in range(self.settings.turns):
+        status, start, forced = "completed", 0, None
+        if job.resumable is not None and job.prefix is not None:  # the tool's state is the transcript: the context
+            context, start, status = job.prefix.context.tolist(), job.resumable.next_turn, job.prefix.status or status
+            if job.resumable.state == SCORING:
+                retrieve(await traj.reward(self.tool.reward(status)))
+                return ENDED
+            if job.resumable.state == TERMINAL:
+                start = self.settings.turns
+        for index in range(start, self.settings.turns):
             if stopping.is_set():
                 retrieve(await traj.abort(STOPPING))
                 return ABORTED
@@ -153,6 +149,4 @@ class SGLangSource:
         return ENDED
 
     async def run(self, producer: AsyncProducer, stopping: asyncio.Event) -> None:
-        s = self.settings
-        await drive(producer, jobs(self.prompts(), self.run_id, s.group_size, s.trajectories), self.episode,
-                    concurrency=s.concurrency, rate=s.rate, stopping=stopping)
+        await drive(producer, self.settings, self.prompts, self.episode, stopping=stopping, continues=self.continues)

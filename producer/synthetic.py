@@ -12,20 +12,28 @@ version as the trainer labels it (`12`, `e1:12`; read as each trajectory
 starts), with `reward_levels`
 rewards can tie within a group, and with `late_reward_rate` a trajectory
 sometimes ends without its reward, which follows later, as a slow verifier's.
+
+Everything a trajectory draws (lengths, tokens, aborts, its reward) comes
+from a stream of its own, seeded by the seed, its prompt and its sample
+(`job_rng`): a daemon killed mid-trajectory continues it with the turns it
+would have drawn anyway, so kills change no length.
 """
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from rollstream.common.trajectory import Turn
 from rollstream.common.versions import ordered_version
 
 from .client import AsyncProducer, AsyncTrajectoryHandle
-from .sampler import SamplingParams, ZipfLogits, sample
+from .resume import SCORING
+from .sampler import Sampled, SamplingParams, ZipfLogits, sample
 from .settings import ProducerSettings
-from .source import ABORTED, ENDED, STOPPING, Job, drive, jobs, retrieve, run_id
+from .source import ABORTED, AGAIN, ENDED, STOPPING, Job, Prompts, drive, job_rng, retrieve
 
 RETRY = "retried by the source"
 
@@ -35,23 +43,34 @@ def around(rng: np.random.Generator, mean: int) -> int:
     return max(1, int(rng.integers(mean - mean // 2, mean + mean // 2 + 1)))
 
 
+class Scripted(NamedTuple):
+    """One turn of a synthetic trajectory, drawn before it is sent."""
+
+    drawn: Sampled
+    forced: np.ndarray | None
+    aborted: bool
+
+    def turn(self) -> Turn:
+        return Turn.build(self.drawn.tokens, self.drawn.log_probs, mask=None if self.aborted else self.drawn.mask,
+                          forced_tokens=self.forced, status="aborted" if self.aborted else "completed")
+
+
 class SyntheticSource:
+    continues = AGAIN  # every draw of a trajectory comes from its own stream (`job_rng`)
+
     def __init__(self, settings: ProducerSettings, producer_id: str):
         self.settings = settings
-        self.rng = np.random.default_rng(settings.seed)
-        self.logits = ZipfLogits(settings.vocab_size, self.rng)
+        self.logits = ZipfLogits(settings.vocab_size, np.random.default_rng(settings.seed))
         self.params = SamplingParams(settings.temperature, settings.top_k, settings.top_p, settings.min_p)
-        self.run_id = run_id(producer_id)
+        s = settings
+        self.prompts = (Prompts.from_file(s.prompts) if s.prompts is not None else Prompts.drawn(
+            lambda rng: rng.integers(0, s.vocab_size, size=around(rng, s.prompt_tokens), dtype=np.int32), s.seed,
+            f"{s.prompt_tokens} tokens over {s.vocab_size} ids"))
 
-    def prompts(self):
-        s = self.settings
-        while True:
-            yield self.rng.integers(0, s.vocab_size, size=around(self.rng, s.prompt_tokens), dtype=np.int32), None
-
-    def turn(self, tokens: int):
+    def turn(self, rng: np.random.Generator, tokens: int) -> Sampled:
         """One engine call: `tokens` positions sampled from synthetic logits."""
-        logits, ids = self.logits(tokens)
-        return sample(logits, self.params, self.rng, ids)
+        logits, ids = self.logits(tokens, rng)
+        return sample(logits, self.params, rng, ids)
 
     def version(self) -> str | None:
         """The `weight_version` the trainer labels its weights with now
@@ -65,44 +84,65 @@ class SyntheticSource:
             return "0"
         return label if ordered_version(label) is not None else "0"  # (being replaced: the initial weights)
 
-    def reward(self, version: str | None) -> float:
+    def reward(self, rng: np.random.Generator, version: str | None) -> float:
         """Continuous, or with `reward_levels` one of that many levels over
         [0, 1] whose top (1.0) grows likelier as the policy version rises
         (1 - 2^-(v+1): a policy learning), so more and more groups tie."""
         levels = self.settings.reward_levels
         if levels < 2:
-            return float(self.rng.random())
+            return float(rng.random())
         step = ordered_version(version) or 0
-        if self.rng.random() < 1 - 0.5 ** (step + 1):
+        if rng.random() < 1 - 0.5 ** (step + 1):
             return 1.0
-        return float(self.rng.integers(levels - 1)) / (levels - 1)
+        return float(rng.integers(levels - 1)) / (levels - 1)
+
+    def script(self, rng: np.random.Generator) -> list[Scripted]:
+        """Every turn of a trajectory, drawn in order from its stream: the
+        same turns whenever it is produced, continued or not."""
+        s = self.settings
+        script = []
+        for index in range(s.turns):
+            drawn = self.turn(rng, around(rng, s.response_tokens))
+            aborted = index > 0 and rng.random() < s.abort_rate
+            last = aborted or index == s.turns - 1
+            forced = None if last else rng.integers(0, s.vocab_size, size=around(rng, s.tool_tokens), dtype=np.int32)
+            script.append(Scripted(drawn, forced, aborted))
+            if aborted:
+                break
+        return script
 
     async def episode(self, traj: AsyncTrajectoryHandle, job: Job, stopping: asyncio.Event) -> str:
         s = self.settings
-        version = self.version()  # one version for the whole trajectory, as an engine samples it
+        rng = job_rng(s.seed, job)
+        version = self.version()  # one version for what it samples now, as an engine samples it
+        start = 0 if job.resumable is None else job.resumable.next_turn
         # A rollout retried after its first turn. Not a group member: an `abort` makes
         # a member leave its group (protocol.md, Groups), which may then become deliverable.
-        if job.group_id is None and s.turns > 1 and self.rng.random() < s.retry_rate:
-            drawn = self.turn(around(self.rng, s.response_tokens))
-            retrieve(await traj.turn(drawn.tokens, drawn.log_probs, mask=drawn.mask, weight_version=version))
-            retrieve(await traj.abort(RETRY))  # discarded at the broker: the trajectory starts again from turn 0
-        for index in range(s.turns):
+        if job.group_id is None and s.turns > 1 and rng.random() < s.retry_rate:
+            retried = self.turn(rng, around(rng, s.response_tokens))
+            if start == 0:
+                retrieve(await traj.turn(retried.tokens, retried.log_probs, mask=retried.mask, weight_version=version))
+            # discarded at the broker: the trajectory starts again from turn 0 (continued, what it held is discarded too)
+            retrieve(await traj.abort(RETRY, again=True))
+            start = 0
+        script = self.script(rng)
+        late = bool(s.late_reward_rate) and rng.random() < s.late_reward_rate  # no draw when off: seeded runs unchanged
+        reward = self.reward(rng, version)
+        traj.earlier([scripted.turn() for scripted in script[:start]])
+        if job.resumable is not None and job.resumable.state == SCORING:
+            retrieve(await traj.reward(reward))
+            return ENDED
+        for index in range(start, len(script)):
             if stopping.is_set():
                 retrieve(await traj.abort(STOPPING))
                 return ABORTED
-            drawn = self.turn(around(self.rng, s.response_tokens))
-            aborted = index > 0 and self.rng.random() < s.abort_rate
-            last = aborted or index == s.turns - 1
-            forced = None if last else self.rng.integers(0, s.vocab_size, size=around(self.rng, s.tool_tokens),
-                                                         dtype=np.int32)
+            drawn, forced, aborted = script[index]
             retrieve(await traj.turn(drawn.tokens, drawn.log_probs, mask=None if aborted else drawn.mask,
                                      forced_tokens=forced, status="aborted" if aborted else "completed",
                                      weight_version=version))
-            if aborted:
-                break
-            await asyncio.sleep(0 if last else s.tool_seconds)  # the tool's time; replies and other episodes go meanwhile
-        reward = self.reward(version)
-        if s.late_reward_rate and self.rng.random() < s.late_reward_rate:  # no draw when off: seeded runs unchanged
+            if forced is not None:
+                await asyncio.sleep(s.tool_seconds)  # the tool's time; replies and other episodes go meanwhile
+        if late:
             retrieve(await traj.end())  # scoring at the broker until the reward follows
             await asyncio.sleep(s.late_reward_seconds)
             retrieve(await traj.reward(reward))
@@ -111,7 +151,4 @@ class SyntheticSource:
         return ENDED
 
     async def run(self, producer: AsyncProducer, stopping: asyncio.Event) -> None:
-        s = self.settings
-        await drive(producer, jobs(self.prompts(), self.run_id, s.group_size, s.trajectories), self.episode,
-                    concurrency=s.concurrency, rate=s.rate, stopping=stopping)
-
+        await drive(producer, self.settings, self.prompts, self.episode, stopping=stopping, continues=self.continues)

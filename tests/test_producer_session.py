@@ -118,9 +118,26 @@ def gauge(s, name):
 # -- the handshake and what it negotiated --------------------------------------------------
 def test_the_hello_asks_for_what_the_producer_was_configured_with():
     assert decode(session().hello(), PRODUCER_TO_BROKER).fields == {
-        "producer_id": "p", "batch_acks": True, "batch_frames": True, "reads_branch": True}
+        "producer_id": "p", "batch_acks": True, "batch_frames": True, "reads_branch": True, "lists_open": True}
     assert decode(session(batch_acks=False, batch_frames=False).hello(), PRODUCER_TO_BROKER).fields == {
-        "producer_id": "p", "reads_branch": True}
+        "producer_id": "p", "reads_branch": True, "lists_open": True}
+
+
+def test_a_query_is_answered_by_its_seq_and_a_broker_that_lists_nothing_says_so():
+    s = session()
+    assert s.lists_open is None  # until the welcome
+    s.received(welcome(lists_open=True), 0.0)
+    assert s.lists_open is True
+    seq, frames = s.query("list_open", {})
+    assert decode(frames, PRODUCER_TO_BROKER).fields == {"seq": seq}
+    s.received(decode(encode(BROKER_TO_PRODUCER, "open_list", {"seq": seq + 7, "trajectories": []}),
+                      BROKER_TO_PRODUCER), 0.0)
+    assert s.answers == {} and seq in s.queries  # another seq answers nothing of ours
+    s.received(decode(encode(BROKER_TO_PRODUCER, "open_list", {"seq": seq, "trajectories": []}), BROKER_TO_PRODUCER), 0.0)
+    assert s.answers[seq]["trajectories"] == [] and seq not in s.queries
+    older = session()
+    older.received(welcome(), 0.0)
+    assert older.lists_open is False
 
 
 def test_the_trainers_branch_is_read_as_branch_or_from_an_older_broker_as_lineage():

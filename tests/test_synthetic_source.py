@@ -25,12 +25,12 @@ def test_the_version_is_the_label_the_trainer_last_wrote(tmp_path):
 
 
 def test_rewards_in_levels_reach_the_top_more_often_as_the_version_rises(tmp_path):
-    levels = source(tmp_path, reward_levels=3, seed=1)
-    early = [levels.reward("step-0") for _ in range(4000)]
-    late = [levels.reward("step-4") for _ in range(4000)]
+    levels, rng = source(tmp_path, reward_levels=3, seed=1), np.random.default_rng(1)
+    early = [levels.reward(rng, "step-0") for _ in range(4000)]
+    late = [levels.reward(rng, "step-4") for _ in range(4000)]
     assert set(early) == {0.0, 0.5, 1.0}
     # the top level with chance 1 - 2^-(v+1): 0.5 at version 0, 0.97 at version 4
     assert abs(np.mean(np.array(early) == 1.0) - 0.5) < 0.03
     assert abs(np.mean(np.array(late) == 1.0) - 0.96875) < 0.01
-    continuous = source(tmp_path).reward(None)
+    continuous = source(tmp_path).reward(rng, None)
     assert 0.0 <= continuous < 1.0 and continuous not in (0.0, 0.5, 1.0)
