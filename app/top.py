@@ -137,6 +137,7 @@ class Row:
     disk: tuple[int, int | None] = (0, None)
     latency: Latency | None = None
     refusals: tuple[Refusal, ...] = ()
+    resumed: Mapping[str, int] | None = None  # what restarted producers did with what they had open (`status`)
 
 
 def _sum(counters: Mapping[str, float], prefixes: tuple[str, ...] | str) -> float:
@@ -203,6 +204,7 @@ class Top:
                   status.get("max_disk_bytes")),
             latency=window_latency,
             refusals=_ordered(refusals),
+            resumed=status.get("resumed"),
         )
 
 
@@ -248,6 +250,8 @@ def total(rows: Sequence[Row]) -> Row:
         disk=budget("disk"),
         latency=latency,
         refusals=_ordered(list(merged.values())),
+        resumed={action: sum((row.resumed or {}).get(action, 0) for row in answered) for action in RESUMED}
+        if any(row.resumed for row in answered) else None,
     )
 
 
@@ -267,10 +271,13 @@ COLUMNS = (Column("broker", "broker", folds=True), Column("frames/s", "fr/s"), C
            Column("traj out/s", "out/s"), Column("in bytes/s", "in B/s"), Column("open", "open"),
            Column("waiting", "wait"), Column("queued", "queued"), Column("leased", "leased"), Column("dead", "dead"),
            Column("producers", "prod"), Column("consumers", "cons"), Column("memory", "mem"), Column("disk", "disk"),
-           Column("ack latency", "ack p99"), Column("refusals (latest first)", "refusals", folds=True))
+           Column("ack latency", "ack p99"), Column("refusals (latest first)", "refusals", folds=True),
+           Column("producer restarts", "restarts", folds=True))
 # The columns in the order they are kept as a terminal narrows: what an operator needs first, then the rest.
 FIRST_NEEDED = ("broker", "traj in/s", "traj out/s", "queued", "memory", "disk", "ack latency", "refusals (latest first)")
-THEN = ("consumers", "producers", "frames/s", "waiting", "leased", "dead", "in bytes/s", "open")
+THEN = ("consumers", "producers", "frames/s", "waiting", "leased", "dead", "in bytes/s", "open", "producer restarts")
+# What restarted producers did with the trajectories they had open (`resumed` in `status`).
+RESUMED = ("continued", "restarted", "aborted")
 PRIORITY = FIRST_NEEDED + THEN
 GAP = 2  # characters between two columns as `table` draws them: a space of padding and the rule's gap
 WHOLE_TEXT = 24  # the first needed text is unfolded up to this wide before more columns are taken
@@ -336,7 +343,16 @@ def cells(row: Row, brief: bool = False) -> dict[str, str]:
             **{name: str(queues.get(name, 0)) for name in ("queued", "leased", "dead")},
             "producers": str(row.producers), "consumers": str(row.consumers),
             "memory": budget(*row.memory), "disk": budget(*row.disk), "ack latency": latency,
-            "refusals (latest first)": ("\n" if brief else ", ").join(refusals) or "-"}
+            "refusals (latest first)": ("\n" if brief else ", ").join(refusals) or "-",
+            "producer restarts": _resumed(row.resumed, brief)}
+
+
+def _resumed(resumed: Mapping[str, int] | None, brief: bool) -> str:
+    """`12 continued, 1 restarted, 0 aborted` (`12/1/0` brief); `-` before any restart."""
+    if not resumed or not any(resumed.get(action, 0) for action in RESUMED):
+        return "-"
+    counts = [int(resumed.get(action, 0)) for action in RESUMED]
+    return "/".join(map(str, counts)) if brief else ", ".join(f"{n} {action}" for n, action in zip(counts, RESUMED))
 
 
 def fold(text: str, width: int) -> str:

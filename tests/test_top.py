@@ -146,7 +146,12 @@ def test_cells_show_rates_budgets_latency_and_refusals_and_name_an_unreachable_b
                           "in bytes/s": "3.9K/s", "open": "1", "waiting": "11", "queued": "2", "leased": "3", "dead": "4",
                           "producers": "1", "consumers": "2", "memory": "1.0K/4.0K 25%", "disk": "2.0K/8.0K 25%",
                           "ack latency": "5ms p99<=10ms",
-                          "refusals (latest first)": "producer.unavailable 4 (+2), consumer.stale_lease 1 (+1)"}
+                          "refusals (latest first)": "producer.unavailable 4 (+2), consumer.stale_lease 1 (+1)",
+                          "producer restarts": "-"}
+    restarted = Row("b", resumed={"listed": 14, "continued": 12, "restarted": 1, "aborted": 0})
+    assert cells(restarted)["producer restarts"] == "12 continued, 1 restarted, 0 aborted"
+    assert cells(restarted, brief=True)["producer restarts"] == "12/1/0"
+    assert total([restarted, restarted, Row("c", resumed=None)]).resumed == {"continued": 24, "restarted": 2, "aborted": 0}
     # a narrow terminal's: budgets as a share, the p99 alone, a refusal a line
     assert cells(row, brief=True) == cells(row) | {
         "memory": "25%", "disk": "25%", "ack latency": "<=10ms",
@@ -250,7 +255,8 @@ def drawn(rows: list[Row], width: int) -> str:
     (120, ["broker", "fr/s", "in/s", "out/s", "wait", "queued", "prod", "cons", "mem", "disk", "ack p99", "refusals"]),
     # every column; the refusals stay a line each: on one line, the unreachable broker's reason leaves no room
     (250, ["broker", "frames/s", "traj in/s", "traj out/s", "in bytes/s", "open", "waiting", "queued", "leased", "dead",
-           "producers", "consumers", "memory", "disk", "ack latency", "refusals"]),
+           "producers", "consumers", "memory", "disk", "ack latency", "refusals",
+           "producer restarts"]),
 ])
 def test_a_terminals_width_shows_the_columns_that_fit_by_priority_with_every_cell_whole(width, headers):
     shown = layout([*LAYOUT_ROWS, total(LAYOUT_ROWS)], width)
