@@ -11,11 +11,11 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 import zmq
+from engines import FakeSGLang, episode_turns
 from waiting import wait_for
 
 from rollstream.common import SamplingMask
@@ -631,84 +631,16 @@ def test_sigterm_stops_cleanly_leaving_nothing_open(tmp_path):
     assert not [p for p in spool.iterdir() if p.name.startswith("seg-")]
 
 
-class FakeSGLang:
-    """A local stand-in for SGLang's /generate: answers in its response shape
-    (output_ids, meta_info with the sampling mask and log-probs) and records
-    every call. Every fifth call stops at the length limit."""
-
-    def __init__(self, vocab_size):
-        self.vocab_size = vocab_size
-        self.calls = []
-        self.lock = threading.Lock()
-        self.rng = np.random.default_rng(11)
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                reply = json.dumps(fake.generate(self.path, body)).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def generate(self, path, body):
-        assert path == "/generate" and body["return_sampling_mask"] is True
-        with self.lock:
-            n = body["sampling_params"]["max_new_tokens"]
-            out = self.rng.integers(0, self.vocab_size - 2, size=n).tolist()
-            supports = [[t] + self.rng.integers(0, self.vocab_size - 2, size=int(self.rng.integers(0, 4))).tolist()
-                        for t in out]
-            log_probs = (-self.rng.random(n)).tolist()
-            finish = "length" if len(self.calls) % 5 == 4 else "stop"
-            self.calls.append({"input_ids": body["input_ids"], "out": out, "supports": supports,
-                               "log_probs": log_probs, "finish": finish})
-        return {"text": "", "output_ids": out,
-                "meta_info": {"finish_reason": {"type": finish}, "output_token_sampling_mask": supports,
-                              "output_token_sampling_logprobs": log_probs, "weight_version": "7",
-                              "prompt_tokens": len(body["input_ids"]), "completion_tokens": n}}
-
-
-def episode_turns(calls, prompt, full):
-    """The turns of one delivered trajectory, rebuilt from the recorded calls:
-    each next call's input is the previous input, its output, then the forced
-    tool tokens."""
-    turns, context = [], list(prompt)
-    while True:
-        step = [c for c in calls if c["input_ids"] == context and full[len(context):len(context) + len(c["out"])] == c["out"]]
-        if not step:
-            return turns
-        call = step[0]
-        turns.append({"tokens": call["out"], "supports": call["supports"], "log_probs": call["log_probs"],
-                      "finish": call["finish"], "forced": []})
-        context = context + call["out"]
-        following = [c["input_ids"] for c in calls if len(c["input_ids"]) > len(context)
-                     and c["input_ids"][:len(context)] == context and full[:len(c["input_ids"])] == c["input_ids"]]
-        if following:
-            turns[-1]["forced"] = following[0][len(context):]
-            context = following[0]
-
-
 @pytest.mark.slow
 def test_the_sglang_daemon_drives_a_generate_endpoint_with_its_tool(tmp_path):
-    fake = FakeSGLang(vocab_size=1000)
-    try:
-        with Broker(tmp_path) as broker:
-            process = daemon(broker, "--source", "sglang", "--sglang-url", fake.url, "--trajectories", "4",
-                             "--group-size", "2", "--turns", "3", "--response-tokens", "4", "--tool-tokens", "2",
-                             "--prompt-tokens", "6", "--vocab-size", "1000", "--concurrency", "2")
-            finish(process)
-            got, _ = drain(broker, 4)
-    finally:
-        fake.server.shutdown()
+    # Answers are a function of the request: with seed 20, the daemon's prompts end one group completed after three
+    # turns and one truncated after two.
+    with FakeSGLang(vocab_size=1000, seed=20) as fake, Broker(tmp_path) as broker:
+        process = daemon(broker, "--source", "sglang", "--sglang-url", fake.url, "--trajectories", "4",
+                         "--group-size", "2", "--turns", "3", "--response-tokens", "4", "--tool-tokens", "2",
+                         "--prompt-tokens", "6", "--vocab-size", "1000", "--concurrency", "2")
+        finish(process)
+        got, _ = drain(broker, 4)
     used = 0
     for traj in got.values():
         turns = episode_turns(fake.calls, traj.prompt_tokens.tolist(), traj.prompt_tokens.tolist() + traj.tokens.tolist())
@@ -722,6 +654,7 @@ def test_the_sglang_daemon_drives_a_generate_endpoint_with_its_tool(tmp_path):
         assert traj.reward == (1.0 if turns[-1]["finish"] == "stop" else 0.0)
         assert traj.weight_versions == ["7"] * len(turns)
     assert used == len(fake.calls)  # every engine call became a turn
+    assert {t.status for t in got.values()} == {"completed", "truncated"}  # both ends covered (the seed chosen so)
 
 
 @pytest.mark.slow
