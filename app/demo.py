@@ -48,7 +48,7 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
                          f"expected a multiple of {group_size}, got {trajectories}")
     plan = producers * trajectories
     faults = Chaos() if chaos else None
-    broker_args = (*(("--trajectory-ttl", "3", "--heartbeat-interval", "0.5") if chaos else ()),
+    broker_args = (*(("--trajectory-ttl", "15", "--heartbeat-interval", "0.5") if chaos else ()),
                    *(("--max-staleness", str(max_staleness)) if max_staleness is not None else ()),
                    *(("--group-filters", group_filter) if group_filter else ()),
                    *(("--archive", archive) if archive is not None else ()))
@@ -64,11 +64,14 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
             pipeline.add_producer(i, trajectories=trajectories, turns=turns, group_size=group_size,
                                   abort_rate=abort_rate, retry_rate=retry_rate,
                                   extra=(*versions, "--reward-levels", "2", "--late-reward-rate", str(late_reward_rate),
-                                         *(("--rate", "12", "--heartbeat-interval", "0.5") if chaos else ())))
+                                         # under chaos a tool call takes a while: a killed producer has trajectories
+                                         # open mid-way, which its restart continues
+                                         *(("--rate", "12", "--heartbeat-interval", "0.5", "--tool-seconds", "0.2")
+                                           if chaos else ())))
 
         def each() -> None:
             if faults is not None:
-                inject_due(faults, pipeline, plan, group_size)
+                inject_due(faults, pipeline, plan)
             if show is not None:
                 show(pipeline.counts, faults.done if faults else [])
 
@@ -85,8 +88,7 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
     # A producer killed while its verifier was still scoring: the reward never comes.
     expected = discarded_on_purpose(max_staleness, group_filter, chaos=chaos, rewards_expire=chaos and late_reward_rate > 0)
     summary = _summary(pipeline.records, report, pipeline.dead, seconds, drained=drained, faults=faults,
-                       dp_size=dp_size, retried=pipeline.counts.retried, late_rewards=pipeline.counts.late_rewards,
-                       kept=work if keep_data else None, expected_dead=expected)
+                       dp_size=dp_size, counts=pipeline.counts, kept=work if keep_data else None, expected_dead=expected)
     return summary if archive is None else {**summary, "archive": archived}
 
 
@@ -126,7 +128,7 @@ def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
 
 
 def _summary(records: list[dict], report, dead: list[dict], seconds: float, *, drained: bool, faults: Chaos | None,
-             dp_size: int, retried: int, late_rewards: int, kept: Path | None, expected_dead: set[str]) -> dict[str, Any]:
+             dp_size: int, counts: Counts, kept: Path | None, expected_dead: set[str]) -> dict[str, Any]:
     committed: dict[str, dict] = {}
     for record in records:
         if record["kind"] == "committed":
@@ -144,12 +146,13 @@ def _summary(records: list[dict], report, dead: list[dict], seconds: float, *, d
         "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0,
         "dp_size": dp_size,
         "replay_gaps": dict(Counter(r["gap"][1] for r in committed.values() if r.get("gap"))),
-        "retried": retried,
+        "retried": counts.retried,
+        "continued": counts.continued,
         "dead_letters": dict(Counter(item.get("reason") or "unknown" for item in dead)),
         "stale_dropped": sum(1 for item in dead if item.get("reason") == "stale"),
         "filtered": sum(1 for item in dead if (item.get("reason") or "").startswith("filtered:")),
         "abandoned": sum(1 for item in dead if item.get("reason") == "abandoned"),
-        "late_rewards": late_rewards,
+        "late_rewards": counts.late_rewards,
         "csr_bytes": csr_bytes,
         "padded_bytes": 4 * TOP_K * tokens,
         "ack_latency_p50_s": ack_p50,
@@ -241,6 +244,9 @@ def summary_table(summary: dict[str, Any]):
                         f"{summary['abandoned']} (on purpose: counted, not lost)"),
         ("faults injected", ", ".join(summary["faults"]) or "none"),
         ("redelivered", f"{summary['redelivered']} hand-outs again after a lost consumer"),
+        ("producer restart", f"{summary['continued']} open trajectories continued where they stood"),
+        ("prompts", f"{summary['prompts']} issued, {summary['prompts_skipped']} skipped, "
+                    f"{summary['prompts_duplicated']} trained twice"),
         ("resumed", "never" if summary["resumed_from_step"] is None else
                     f"from the checkpoint of step {summary['resumed_from_step']}: {batches_again(summary)}; "
                     f"lineage lost {summary['lineage_lost']}, duplicated {summary['lineage_duplicated']}"),
@@ -248,6 +254,8 @@ def summary_table(summary: dict[str, Any]):
     ]
     if not summary["retried"]:
         rows = [row for row in rows if row[0] != "retried"]
+    if "producer" not in summary["faults"]:
+        rows = [row for row in rows if row[0] != "producer restart"]
     if not summary["stale_dropped"] and not summary["filtered"] and not summary["abandoned"]:
         rows = [row for row in rows if row[0] != "thrown away"]
     if "archive" in summary:

@@ -101,7 +101,7 @@ class LoopbackNode:
         self.broker = self._start("broker", "--producer-endpoint", endpoints["producer"], "--consumer-endpoint",
                                   endpoints["consumer"], "--admin-endpoint", endpoints["admin"], "--endpoints-file",
                                   endpoints_file, "--data-dir", str(self.work / "data"), "--vocab-size",
-                                  str(self.vocab_size), "--metrics-port", "0", "--log-level", "warning",
+                                  str(self.vocab_size), "--metrics-port", "0", "--log-level", "info",
                                   *self.broker_args)
         secret, server = self.admin_keys
         status = self._answering(60.0)
@@ -157,7 +157,7 @@ class LoopbackNode:
     def producer(self, *args: str) -> int:
         """Start a producer daemon of this node with `args`; its index."""
         args = ("producer", "--broker-endpoint", self.endpoints["producer"], "--vocab-size", str(self.vocab_size),
-                "--metrics-port", "0", "--log-level", "warning", *args)
+                "--metrics-port", "0", "--log-level", "info", *args)
         self._producers.append((self._start(*args), args))
         self.producer_starts += 1
         return len(self._producers) - 1
@@ -174,6 +174,10 @@ class LoopbackNode:
         self._producers[index] = (self._start(*args, *more_args), args)
         self.producer_starts += 1
         self._killed.discard(index)
+
+    @property
+    def producer_count(self) -> int:
+        return len(self._producers)
 
     @property
     def producers_exited(self) -> bool:
@@ -312,18 +316,21 @@ class Chaos:
     so far (so it lands during the run whatever the machine's speed)."""
 
     broker_kills_at: tuple[float, ...] = (0.15, 0.4, 0.65)
-    producer_kill_at: float | None = 0.3  # producer 0 is killed and restarted with its spool
+    # producer 0 is killed once it sent this share of its plan, in the middle of a trajectory, and restarted with its
+    # spool: it continues what it had open
+    producer_kill_at: float | None = 0.3
     trainer_kill_before_commit: int = 2  # the source rank dies just before this commit (0: never)
     # ... and, restarted from its checkpoint, right after this commit of its new lineage (0: never): between a
     # commit and the next checkpoint, so the next start resumes and trains the batches since again
     trainer_kill_after_commit: int = 2
     done: list[str] = field(default_factory=list)  # the faults injected, in order
 
-    def due(self, acked_share: float) -> list[str]:
-        """Faults due now and not yet injected."""
+    def due(self, acked_share: float, producer_share: float) -> list[str]:
+        """Faults due now and not yet injected: the broker's by the share of
+        the plan acked, the producer's by the share of its own plan it sent."""
         due = [f"broker-{i}" for i, share in enumerate(self.broker_kills_at)
                if acked_share >= share and f"broker-{i}" not in self.done]
-        if self.producer_kill_at is not None and acked_share >= self.producer_kill_at and "producer" not in self.done:
+        if self.producer_kill_at is not None and producer_share >= self.producer_kill_at and "producer" not in self.done:
             due.append("producer")
         return due
 
@@ -339,6 +346,7 @@ class Counts:
     committed: int = 0
     retried: int = 0  # trajectories discarded by an `abort` and produced again (not a stage)
     late_rewards: int = 0  # rewards that came after their trajectory's end (not a stage)
+    continued: int = 0  # trajectories a restarted producer took up where they stood, as its ledger says (not a stage)
 
 
 class Pipeline:
@@ -404,6 +412,8 @@ class Pipeline:
                     self._committed_step = record["step"]
             elif kind == "sealed":
                 self._sealed_step = record["step"]
+            elif kind == "taken_up" and record["action"] == "continue":
+                counts.continued += 1
             elif kind == "resumed":
                 self._resumes += 1
                 self._committed_step = self._sealed_step = record["from_step"]
@@ -467,6 +477,15 @@ class Pipeline:
         self.poll()
         self.dead = self.node.dead_letters()
         return check(self.records, self.dead, broker_backlog=self.backlog)
+
+
+def _progress(pipeline: Pipeline, producer_id: str) -> tuple[int, bool]:
+    """How many trajectories the producer's ledger shows it ended (sent),
+    and whether it shows one it issued and has not ended yet."""
+    records = pipeline.records
+    ended = {r["id"] for r in records if r["kind"] == "sent" and r["producer"] == producer_id}
+    return len(ended), any(r["kind"] == "issued" and r["producer"] == producer_id and r["id"] not in ended
+                           for r in records)
 
 
 class _BrokerCounters:
@@ -537,28 +556,26 @@ def archived_rows(directory: str | Path, runs: Iterable[str]) -> int:
     return archive.count_rows(filter=ds.field("run").isin(wanted))
 
 
-def inject_due(faults: Chaos, pipeline: Pipeline, plan: int, group_size: int) -> None:
+def inject_due(faults: Chaos, pipeline: Pipeline, plan: int) -> None:
     """Inject the faults now due; restart what they killed."""
     node = pipeline.node
-    for fault in faults.due(pipeline.counts.acked / plan):
+    sent, under_way = _progress(pipeline, "demo-producer-0")
+    for fault in faults.due(pipeline.counts.acked / plan, sent / (plan / node.producer_count)):
         if fault.startswith("broker"):
             node.kill_broker()
             node.restart_broker()
         else:
+            if not under_way:
+                continue  # killed while it has trajectories under way, which its restart takes up
             node.kill_producer(0)
-            sent = sum(1 for r in pipeline.records if r["kind"] == "sent" and r.get("producer") == "demo-producer-0")
-            left = max(1, _planned(node, 0) - sent)
-            # the rest of its plan in whole groups, under the same id and spool: its spooled frames go first
-            node.restart_producer(0, "--trajectories", str(-(-left // group_size) * group_size))
+            # under the same id and spool: its spooled frames go first, then what it had open goes on, and its
+            # prompt cursor issues the rest of its plan
+            node.restart_producer(0)
         faults.done.append(fault)
     if pipeline.trainer.lost:
         first = "trainer-source" not in faults.done
         faults.done.append("trainer-source" if first else "trainer-resumed")
         pipeline.trainer.restart(die_after_commit=faults.trainer_kill_after_commit if first else 0)
 
-
-def _planned(node: LoopbackNode, index: int) -> int:
-    _, args = node._producers[index]
-    return int(args[args.index("--trajectories") + 1])
 
 

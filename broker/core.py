@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Callable, Collection, Generator, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -51,6 +52,7 @@ from .engine import (
     Entry,
     Forget,
     MergeEngine,
+    OpenTrajectory,
     Producer,
     StoredDigests,
     TrainedAt,
@@ -354,6 +356,9 @@ class BrokerCore:
         self.producer_ids: dict[bytes, Producer] = {}  # producer connection -> the producer its hello named
         self.producer_keys: dict[bytes, str] = {}  # under CURVE: producer connection -> its key's fingerprint
         self.handed_back: set[str] = set()  # listed to a restarted producer, until it says what it does with them
+        # Per producer connection: trajectories its frames opened before its hello (resent on a new connection, they
+        # may come first), named its producer's once the hello comes; at most the frames one may have in flight.
+        self.unnamed: dict[bytes, deque[str]] = {}
         self.producer_live_for = producer_live_for(s.heartbeat_interval)
         self.unavailable = False  # writes fail: producer frames are refused until a probe succeeds
         self.reads_failed = False  # a trajectory could not be read back: deliveries wait for the probe too
@@ -578,7 +583,8 @@ class BrokerCore:
             log.info("producer connected", extra={"producer_id": message["producer_id"]})
             self._count_live_producers(now.mono)
             self.producer_jobs[identity] = message.get("job", DEFAULT_JOB)
-            self.producer_ids[identity] = Producer(message["producer_id"], self.producer_keys.get(identity))
+            named = self.producer_ids[identity] = Producer(message["producer_id"], self.producer_keys.get(identity))
+            effects.extend(self.engine.name_producer(self.unnamed.pop(identity, ()), named))
             fields = self.hellos.welcome_producer(identity, message.fields, self.grants.grant(identity))
             return _Answer(identity, encode(BROKER_TO_PRODUCER, "welcome", {**fields, **self._job_fields(identity)}))
         if message.type == "ping":
@@ -597,7 +603,10 @@ class BrokerCore:
             if waits:
                 self.metrics.inc(self.metrics.admission_waits)
             return _Answer(identity, self._refuse("producer", error, message, quiet=waits))
-        reply = self.engine.handle(message, now.wall, stored, producer=self.producer_ids.get(identity))
+        producer = self.producer_ids.get(identity)
+        reply = self.engine.handle(message, now.wall, stored, producer=producer)
+        if producer is None and reply.effects and isinstance(reply.effects[0], OpenTrajectory):
+            self.unnamed.setdefault(identity, deque(maxlen=self.settings.max_in_flight)).append(message["trajectory_id"])
         if reply.error is not None:
             key = (message["trajectory_id"], message.get("turn"))
             if key in unread:  # the digest to compare a resend with could not be read
@@ -707,6 +716,7 @@ class BrokerCore:
         self.producer_jobs.pop(identity, None)
         self.producer_ids.pop(identity, None)
         self.producer_keys.pop(identity, None)
+        self.unnamed.pop(identity, None)
         self.hellos.forget_producer(identity)
         self.grants.forget(identity)
 

@@ -100,6 +100,16 @@ class PutTurn(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class NameProducer:
+    """Who opened a trajectory, learnt after its first turn: frames resent on
+    a new connection may come before that connection's hello."""
+
+    trajectory_id: str
+    producer: str
+    producer_key: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class MarkGap:
     """A replay gap cut the trajectory here."""
 
@@ -230,7 +240,7 @@ class SealRun:
 # What the engine (and `Freshness`, a job's policy) asks to be made durable, in order; the store and the
 # service's counters each dispatch on it with one `match`.
 Effect = (OpenTrajectory | PutTurn | MarkGap | EndTrajectory | DropTrajectory | DeadLetter | Revive | GroupDeliverable
-          | CloseGroup | Forget | MarkTrained | SealRun | SetPolicy | SetReward)
+          | CloseGroup | Forget | MarkTrained | SealRun | SetPolicy | SetReward | NameProducer)
 
 
 # -- deliverable units --------------------------------------------------------
@@ -1187,6 +1197,17 @@ class MergeEngine:
         """The oldest ordered policy version among `trajectory_ids` (a unit's version)."""
         versions = [v for v in (self.entries[tid].version for tid in trajectory_ids) if v is not None]
         return min(versions, default=None)
+
+    def name_producer(self, trajectory_ids: Iterable[str], producer: Producer) -> list:
+        """Those of `trajectory_ids` opened before their connection's hello
+        named `producer` (and not ended meanwhile by another) are its."""
+        effects = []
+        for tid in trajectory_ids:
+            entry = self.entries.get(tid)
+            if entry is not None and entry.producer is None and entry.state in (OPEN, SCORING, LEFT):
+                entry.producer = producer
+                effects.append(NameProducer(tid, *producer))
+        return effects
 
     def open_of(self, producer: Producer, job: str) -> list[Entry]:
         """The trajectories `producer` opened in `job` that may still be

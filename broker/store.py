@@ -52,6 +52,7 @@ from .engine import (
     GroupDeliverable,
     MarkGap,
     MarkTrained,
+    NameProducer,
     OpenTrajectory,
     PutTurn,
     Revive,
@@ -905,6 +906,10 @@ class Store:
                 records_gone += _delete_turns(db, [effect.trajectory_id])
                 db.execute(_OPEN, (effect.trajectory_id, effect.group_id, effect.group_size, effect.sample_index, effect.at,
                                    effect.producer, effect.producer_key))
+            case NameProducer():
+                rows.execute(db, records_gone)
+                db.execute("UPDATE trajectories SET producer=?, producer_key=? WHERE id=?",
+                           (effect.producer, effect.producer_key, effect.trajectory_id))
             case MarkGap():
                 rows.execute(db, records_gone)
                 db.execute("UPDATE trajectories SET gap_turn=?, gap_field=? WHERE id=?",

@@ -36,7 +36,9 @@ class SourceSettingsError(InvalidInput):
 
 @dataclass(frozen=True)
 class Job:
-    """One trajectory to produce: sample `sample_index` of prompt `prompt`.
+    """One trajectory to produce: sample `member` of prompt `prompt`
+    (`sample_index` counts samples over the run: prompt times group size
+    plus member).
     `resumable`: the broker holds it open from an earlier run of this
     producer, to continue from `resumable.next_turn` (with `prefix`, its
     content so far, for a source that continues from content)."""
@@ -48,6 +50,7 @@ class Job:
     group_size: int | None = None
     metadata: dict[str, Any] | None = None
     prompt: int = 0
+    member: int = 0
     resumable: Resumable | None = None
     prefix: Prefix | None = None
 
@@ -66,9 +69,12 @@ class Prompts:
         """`{"input_ids": [...], "metadata": {...}}` per line (blank lines skipped)."""
         raw = Path(path).read_bytes()
         prompts = []
-        for number, line in enumerate(raw.decode("utf-8").splitlines(), 1):
+        for number, line in enumerate(raw.decode("utf-8").split("\n"), 1):  # not splitlines: JSON may hold U+2028
             if line.strip():
-                record = json.loads(line)
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    raise InvalidInput(f"{path}:{number}: expected a JSON object per line, got {line[:80]!r}: {exc}") from None
                 if not isinstance(record, dict) or "input_ids" not in record:
                     raise InvalidInput(f"{path}:{number}: expected an object with input_ids, got {line[:80]!r}")
                 prompts.append((np.asarray(record["input_ids"], dtype=np.int32), record.get("metadata")))
@@ -104,13 +110,13 @@ class Plan:
             return None
         prompt, metadata = drawn
         grouped = self.group_size > 1
-        return Job(self.cursor.trajectory_id(sample), prompt, sample[1],
+        return Job(self.cursor.trajectory_id(sample), prompt, sample[0] * self.group_size + sample[1],
                    self.cursor.group_id(sample[0]) if grouped else None, self.group_size if grouped else None, metadata,
-                   sample[0], resumable, prefix)
+                   sample[0], sample[1], resumable, prefix)
 
     def jobs(self, first: list[Job]) -> Iterator[Job]:
         yield from first
-        taken = {(job.prompt, job.sample_index) for job in first}
+        taken = {(job.prompt, job.member) for job in first}
         for sample in sorted(self.cursor.outstanding - taken):
             job = self.job(sample)
             if job is not None:
@@ -216,9 +222,11 @@ async def _hand_back(producer: AsyncProducer, plan: Plan, on_restart: str, conti
                 retrieve(await handle.abort("producer restarted: produced again from turn 0", again=True))
                 first.append(replace(job, resumable=None))
             else:
-                plan.cursor.finished((job.prompt, job.sample_index))
+                plan.cursor.finished((job.prompt, job.member))
                 retrieve(await handle.abort("producer restarted: given up (on_restart = abort)"))
         metrics.inc(metrics.resumed, action=action)
+        if producer.ledger is not None:
+            producer.ledger.write("taken_up", id=resumable.trajectory_id, action=action, producer=producer.producer_id)
     log.info(f"producer restarted: {len(listed)} trajectories open at the broker, {len(first)} of them to produce "
              f"(on_restart = {on_restart})", extra={"open": len(listed), "on_restart": on_restart})
     return first
@@ -233,7 +241,7 @@ async def _run_jobs(producer: AsyncProducer, plan: Plan, todo: Iterator[Job], ep
         for job in todo:  # one shared iterator: each job goes to one worker
             if stopping.is_set():
                 return
-            sample = (job.prompt, job.sample_index)
+            sample = (job.prompt, job.member)
             if job.resumable is None:
                 await pacer.wait()
                 await producer.admitted()  # under a staleness bound: sample only what the broker will take
@@ -245,7 +253,7 @@ async def _run_jobs(producer: AsyncProducer, plan: Plan, todo: Iterator[Job], ep
                                        earlier=() if job.prefix is None else job.prefix.turns())
             cursor.issued(sample)
             if ledger is not None:
-                ledger.write("issued", prompt=str(job.prompt), sample=job.sample_index, id=job.trajectory_id,
+                ledger.write("issued", prompt=cursor.group_id(job.prompt), sample=job.member, id=job.trajectory_id,
                              producer=producer.producer_id)
             traj.finishing = lambda sample=sample: cursor.finished(sample)
             outcome = await episode(traj, job, stopping)

@@ -709,3 +709,20 @@ def test_a_restarted_producer_is_handed_back_its_own_open_trajectories_with_thei
         other_job = Peer(b.producer)
         other_job.call(frames("hello", producer_id="p1", seq=0, job="other", lists_open=True))
         assert [t["trajectory_id"] for t in other_job.call(frames("list_open", seq=1))[0]["trajectories"]] == ["c"]
+
+
+def test_trajectories_opened_before_a_connections_hello_are_its_producers(tmp_path):
+    """Frames resent on a new connection may come before its hello (ZeroMQ
+    sends what was queued as soon as it reconnects): what they opened is
+    handed back to the producer the hello then names, after a broker
+    restart too."""
+    with BrokerProcess(tmp_path, vocab_size=1000, window=8) as b:
+        peer = Peer(b.producer)
+        assert peer.call(turn(1, "early", 0, [5], prompt=[1]))[0]["applied"] is True
+        peer.call(frames("hello", producer_id="p1", seq=2, lists_open=True))
+        assert [t["trajectory_id"] for t in peer.call(frames("list_open", seq=3))[0]["trajectories"]] == ["early"]
+        b.kill()
+        b.start()
+        again = Peer(b.producer)
+        again.call(frames("hello", producer_id="p1", seq=0, lists_open=True))
+        assert [t["trajectory_id"] for t in again.call(frames("list_open", seq=1))[0]["trajectories"]] == ["early"]

@@ -363,7 +363,7 @@ def test_compaction_with_little_outstanding_keeps_the_file_short(tmp_path, monke
 # -- Plan ------------------------------------------------------------------------
 
 def described(jobs) -> list[tuple]:
-    return [(job.prompt, job.sample_index, job.trajectory_id, job.group_id, job.group_size, int(job.prompt_tokens[0]))
+    return [(job.prompt, job.member, job.trajectory_id, job.group_id, job.group_size, int(job.prompt_tokens[0]))
             for job in jobs]
 
 
@@ -371,6 +371,7 @@ def test_plan_yields_every_sample_of_every_prompt_in_order():
     cursor = PromptCursor(None, "prod", prompts="three", group_size=2)
     s = cursor.stem
     jobs = list(Plan(three_prompts(), cursor, group_size=2, limit=0).jobs(first=[]))
+    assert [job.sample_index for job in jobs] == [0, 1, 2, 3, 4, 5]  # over the run: prompt times group size plus member
     assert described(jobs) == [
         (0, 0, f"{s}-0-0", f"{s}-0", 2, 0),
         (0, 1, f"{s}-0-1", f"{s}-0", 2, 0),
@@ -400,7 +401,7 @@ def test_plan_of_single_samples_has_no_groups():
 def test_plan_stops_at_the_limit(limit, samples):
     cursor = PromptCursor(None, "prod", prompts="three", group_size=2)
     jobs = Plan(three_prompts(), cursor, group_size=2, limit=limit).jobs(first=[])
-    assert [(job.prompt, job.sample_index) for job in jobs] == samples
+    assert [(job.prompt, job.member) for job in jobs] == samples
 
 
 def test_plan_job_past_the_last_prompt_is_none():
@@ -440,7 +441,7 @@ def test_plan_yields_the_outstanding_sorted(tmp_path):
     cursor = kept(tmp_path, prompts="seven", group_size=2)
     assert cursor.next == (6, 1)
     jobs = Plan(seven, cursor, group_size=2, limit=0).jobs(first=[])
-    assert [(job.prompt, job.sample_index) for job in jobs] == [(0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (5, 1), (6, 1)]
+    assert [(job.prompt, job.member) for job in jobs] == [(0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (5, 1), (6, 1)]
     cursor.close()
 
 
@@ -454,7 +455,7 @@ def test_plan_yields_handed_back_jobs_first_and_not_again(tmp_path):
     handed_back = plan.job((1, 0))
     assert isinstance(handed_back, Job)
     jobs = plan.jobs(first=[handed_back])
-    assert [(job.prompt, job.sample_index) for job in jobs] == [(1, 0), (0, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
+    assert [(job.prompt, job.member) for job in jobs] == [(1, 0), (0, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
     cursor.close()
 
 
@@ -469,7 +470,7 @@ def test_plan_after_a_restore_with_all_issued_yields_only_the_outstanding(tmp_pa
     cursor = kept(tmp_path)
     assert cursor.next == (3, 0)
     jobs = Plan(three_prompts(), cursor, group_size=2, limit=0).jobs(first=[])
-    assert [(job.prompt, job.sample_index) for job in jobs] == [(1, 1)]
+    assert [(job.prompt, job.member) for job in jobs] == [(1, 1)]
     cursor.close()
 
 
@@ -481,7 +482,7 @@ def test_plan_with_a_limit_after_a_restore(tmp_path):
     first.close()
     cursor = kept(tmp_path)
     jobs = Plan(three_prompts(), cursor, group_size=2, limit=3).jobs(first=[])
-    assert [(job.prompt, job.sample_index) for job in jobs] == [(0, 0), (1, 0)]
+    assert [(job.prompt, job.member) for job in jobs] == [(0, 0), (1, 0)]
     cursor.close()
 
 

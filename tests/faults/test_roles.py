@@ -60,7 +60,7 @@ def test_repeated_broker_kills_under_load_from_several_producers():
     faults = Chaos(broker_kills_at=(0.1, 0.25, 0.4, 0.55, 0.7, 0.85), producer_kill_at=None, trainer_kill_before_commit=0)
     with LoopbackNode("rs-fault-", VOCAB, broker_args=FAST_BROKER) as node:
         pipeline = started(node, producers=3, trajectories=16, extra=("--rate", "8"))
-        drained = pipeline.run(240, lambda: inject_due(faults, pipeline, 48, 4))
+        drained = pipeline.run(240, lambda: inject_due(faults, pipeline, 48))
         report = finished(pipeline, drained)
     assert len(faults.done) == 6
     assert report.acked == report.committed == 48
@@ -208,7 +208,7 @@ def test_a_killed_producer_resends_its_spool_and_an_abandoned_trajectory_expires
         pipeline = started(node, producers=2, trajectories=24, extra=("--rate", "8", "--tool-seconds", "0.3"))
 
         def each() -> None:
-            inject_due(faults, pipeline, 48, 4)
+            inject_due(faults, pipeline, 48)
             kill_for_good(pipeline)
 
         drained = pipeline.run(240, each)
@@ -227,7 +227,7 @@ def test_a_trainer_source_killed_before_commit_hands_its_leases_on():
     faults = Chaos(broker_kills_at=(), producer_kill_at=None, trainer_kill_before_commit=1, trainer_kill_after_commit=0)
     with LoopbackNode("rs-fault-", VOCAB, broker_args=FAST_BROKER) as node:
         pipeline = started(node, producers=1, trajectories=16, dp_size=2, die_before_commit=1)
-        drained = pipeline.run(240, lambda: inject_due(faults, pipeline, 16, 4))
+        drained = pipeline.run(240, lambda: inject_due(faults, pipeline, 16))
         report = finished(pipeline, drained)
     assert faults.done == ["trainer-source"]
     assert report.redelivered >= 1 and report.acked == report.committed == 16
