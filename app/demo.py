@@ -66,7 +66,7 @@ def run_demo(*, producers: int = 2, trajectories: int = 24, turns: int = 3, grou
                                   extra=(*versions, "--reward-levels", "2", "--late-reward-rate", str(late_reward_rate),
                                          # under chaos a tool call takes a while: a killed producer has trajectories
                                          # open mid-way, which its restart continues
-                                         *(("--rate", "12", "--heartbeat-interval", "0.5", "--tool-seconds", "0.2")
+                                         *(("--rate", "5", "--heartbeat-interval", "0.5", "--tool-seconds", "0.2")
                                            if chaos else ())))
 
         def each() -> None:

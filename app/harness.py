@@ -396,9 +396,20 @@ class Pipeline:
         # poll reads (or later) may have written acks this poll missed and sent trajectories its status missed.
         node = self.node
         self._exited_before_poll = node.producer_starts if node.producers_exited else None
+        self.read_records()
+        self.status = _status(self.node)
+        counters = self._counters.update(self.status)
+        counts = self.counts
+        counts.merged = counters["frames.end.applied"]
+        # trained by the trainer: gone, or kept as trained until a checkpoint is sealed
+        counts.delivered = counters["trajectories.delivered"] + (self.status or {}).get("unsealed", 0)
+        counts.retried = counters["trajectories.aborted"]
+        counts.late_rewards = counters["frames.reward.applied"]
+
+    def read_records(self) -> None:
+        """Read what the ledgers gained since, and count it."""
         new = self._reader.read_new()
         self.records += new
-        self.status = _status(self.node)
         counts = self.counts
         for record in new:
             kind = record["kind"]
@@ -418,12 +429,6 @@ class Pipeline:
                 self._resumes += 1
                 self._committed_step = self._sealed_step = record["from_step"]
         counts.acked, counts.committed = len(self._acked), len(self._committed)
-        counters = self._counters.update(self.status)
-        counts.merged = counters["frames.end.applied"]
-        # trained by the trainer: gone, or kept as trained until a checkpoint is sealed
-        counts.delivered = counters["trajectories.delivered"] + (self.status or {}).get("unsealed", 0)
-        counts.retried = counters["trajectories.aborted"]
-        counts.late_rewards = counters["frames.reward.applied"]
 
     @property
     def idle(self) -> bool:
@@ -559,13 +564,14 @@ def archived_rows(directory: str | Path, runs: Iterable[str]) -> int:
 def inject_due(faults: Chaos, pipeline: Pipeline, plan: int) -> None:
     """Inject the faults now due; restart what they killed."""
     node = pipeline.node
-    sent, under_way = _progress(pipeline, "demo-producer-0")
+    sent, _ = _progress(pipeline, "demo-producer-0")
     for fault in faults.due(pipeline.counts.acked / plan, sent / (plan / node.producer_count)):
         if fault.startswith("broker"):
             node.kill_broker()
             node.restart_broker()
         else:
-            if not under_way:
+            pipeline.read_records()  # as the ledger stands now (a broker restart may have come first)
+            if not _progress(pipeline, "demo-producer-0")[1]:
                 continue  # killed while it has trajectories under way, which its restart takes up
             node.kill_producer(0)
             # under the same id and spool: its spooled frames go first, then what it had open goes on, and its
