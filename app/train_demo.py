@@ -127,29 +127,32 @@ class Replay:
     support_diffs: np.ndarray  # |masked_log_probs - rollout| per sampled token replayed
     full_diffs: np.ndarray  # |full-vocabulary log-prob - rollout| per sampled token replayed
     truncated: np.ndarray  # per sampled token replayed: its support is smaller than the vocabulary
-    replayed: int  # trajectories replayed (one weight version, still kept)
-    skipped: int  # trajectories not replayed (several versions, or one no longer kept)
+    replayed: int  # trajectories replayed (every weight version that sampled them still kept)
+    skipped: int  # trajectories not replayed whole (a version that sampled them no longer kept, or no spans)
     worst: tuple[float, str] | None = None  # the largest support difference and the version replayed with
 
 
 @torch.no_grad()
 def replay(batch: Batch, versions: WeightVersions, temperature: float) -> Replay:
     """Recompute every sampled token's log-prob both ways with the weights
-    named by its trajectory's (single) weight version: one forward pass per
-    version, over the trajectories it sampled, and one copy to the host."""
+    that sampled it: one forward pass per weight version, over the
+    trajectories it sampled tokens of, keeping those tokens (a trajectory
+    continued after its producer restarted spans versions), and one copy
+    to the host per version."""
     by_version: dict[str, list[int]] = {}
-    skipped = 0
-    for i, names in enumerate(batch.weight_versions):
-        if len(set(names)) == 1:
-            by_version.setdefault(names[0], []).append(i)
-        else:
-            skipped += 1
+    skipped: set[int] = set()
+    for i, (names, spans) in enumerate(zip(batch.weight_versions, batch.weight_version_spans)):
+        if len(set(names)) > 1 and not any(spans):  # which token which weights sampled is not known
+            skipped.add(i)
+            continue
+        for name in dict.fromkeys(names):
+            by_version.setdefault(name, []).append(i)
     support, full, truncated = [], [], []
     worst: tuple[float, str] | None = None
     for version, samples in by_version.items():
         model = versions.model(version)
         if model is None:
-            skipped += len(samples)
+            skipped.update(samples)
             continue
         part = batch.select(samples)
         logits = response_logits(model, part)
@@ -158,16 +161,34 @@ def replay(batch: Batch, versions: WeightVersions, temperature: float) -> Replay
         scaled = logits / temperature  # float32: only the token's log-prob is kept, not a [R, V] log-softmax
         whole = scaled.gather(1, part.response_tokens.long()[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
         cut = (part.support_sizes() < logits.shape[1]).to(masked.dtype)
+        mine = part.loss_mask.bool() & torch.as_tensor(sampled_by(part, version), device=part.loss_mask.device)
         # Differences of float32 values, taken on the host in float64: exact, so a replay that matches reads 0.
         masked_host, whole_host, rollout, cut_host = (
-            torch.stack([masked, whole, part.log_probs, cut])[:, part.loss_mask.bool()].cpu().numpy().astype(np.float64))
+            torch.stack([masked, whole, part.log_probs, cut])[:, mine].cpu().numpy().astype(np.float64))
         support.append(np.abs(masked_host - rollout))
         full.append(np.abs(whole_host - rollout))
         truncated.append(cut_host == 1)
         if support[-1].size and (worst is None or float(support[-1].max()) > worst[0]):
             worst = (float(support[-1].max()), version)
     return Replay(_concat(support, np.float64), _concat(full, np.float64), _concat(truncated, bool),
-                  len(batch) - skipped, skipped, worst)
+                  len(batch) - len(skipped), len(skipped), worst)
+
+
+def sampled_by(batch: Batch, version: str) -> np.ndarray:
+    """bool [R] on the host: the response tokens weights `version` sampled,
+    by the spans the broker delivered (a trajectory without spans: all of
+    it when it names `version` alone)."""
+    out = np.zeros(int(batch.lengths["response"].sum()), dtype=bool)
+    base = 0
+    for names, turns, length in zip(batch.weight_versions, batch.weight_version_spans, batch.lengths["response"].tolist()):
+        spans = [span for spans in turns for span in spans]
+        if not spans:
+            out[base:base + length] = set(names) == {version}
+        for text, start, end in spans:
+            if text == version:
+                out[base + start:base + end] = True
+        base += length
+    return out
 
 
 def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:

@@ -50,23 +50,32 @@ STARVED = {**PASSING, **dict.fromkeys(("reward_first", "reward_last", "replay_ma
            "dead_lettered": {"filtered:min_members": 8}, "filtered": 8, "discarded_share": 1.0}
 
 
-def sampled_batch(models: dict[str, TinyLM], versions: list[tuple[str, ...]]) -> Batch:
-    """A batch of one trajectory per entry of `versions` (its turns' weight
-    versions), each sampled token's log-prob what its first version's model
-    gives over its support, computed the plain way: a forward pass per
-    trajectory."""
+def sampled_batch(models: dict[str, TinyLM], versions: list[tuple[str, ...]], spans: bool = True) -> Batch:
+    """A batch of one trajectory per entry of `versions` (the weight versions
+    that sampled it, in order): its response cut into that many equal spans,
+    each sampled token's log-prob what its span's model gives over its
+    support, computed the plain way: a forward pass per trajectory and
+    version. Without `spans` the deliveries name the versions alone (a
+    broker older than spans)."""
     rng = np.random.default_rng(7)
     out = []
     for i, names in enumerate(versions):
         d = writable(delivery(make_rollout(rng, f"t{i}", turns=len(names), vocab=SMALL.vocab_size,
                                            sample_index=i).merged()))
         prompt, response = d.arrays["prompt_tokens"], d.arrays["tokens"]
-        with torch.no_grad():
-            logits = models[names[0]].eval()(torch.as_tensor(np.r_[prompt, response]).long()[None])[0, len(prompt) - 1:-1]
-            logp = masked_log_probs(logits, response, torch.as_tensor(d.arrays["mask_ids"]),
-                                    torch.as_tensor(d.arrays["mask_offsets"])).numpy()
+        bounds = np.linspace(0, len(response), len(names) + 1).astype(int).tolist()
+        logp = np.zeros(len(response), np.float32)
+        for name, start, end in zip(names, bounds, bounds[1:]):
+            with torch.no_grad():
+                logits = models[name].eval()(torch.as_tensor(np.r_[prompt, response]).long()[None])[0, len(prompt) - 1:-1]
+                logp[start:end] = masked_log_probs(logits, response, torch.as_tensor(d.arrays["mask_ids"]),
+                                                   torch.as_tensor(d.arrays["mask_offsets"])).numpy()[start:end]
         d.arrays["log_probs"] = np.where(d.arrays["loss_mask"] == 1, logp, 0).astype(np.float32)
-        out.append(Delivery(d.trajectory_id, {**d.fields, "weight_versions": list(names)}, d.arrays, d.broker))
+        fields = {**d.fields, "weight_versions": list(names)}
+        fields.pop("weight_version_spans", None)
+        if spans:
+            fields["weight_version_spans"] = [[[name, start, end]] for name, start, end in zip(names, bounds, bounds[1:])]
+        out.append(Delivery(d.trajectory_id, fields, d.arrays, d.broker))
     return Batch.from_deliveries(out, device="cpu")
 
 
@@ -135,13 +144,26 @@ def test_replay_takes_one_forward_pass_per_weight_version_and_matches_the_sample
     batch = sampled_batch(models, [("a",), ("b", "b"), ("a", "a"), ("a", "b"), ("gone",)])
     calls = counted_forwards(monkeypatch)
     result = replay(batch, versions, temperature=1.0)
-    assert [rows for rows, _ in calls] == [2, 1]  # version a's two trajectories together, then b's
-    assert (result.replayed, result.skipped) == (3, 2)  # two versions in one trajectory; a version no longer kept
-    sampled = int(sum(batch.select([i]).loss_mask.sum() for i in range(3)))
+    # version a's three trajectories together (the last sampled partly by b, as one continued after its producer
+    # restarted), then b's two; the version no longer kept is skipped
+    assert [rows for rows, _ in calls] == [3, 2]
+    assert (result.replayed, result.skipped) == (4, 1)
+    sampled = int(sum(batch.select([i]).loss_mask.sum() for i in range(4)))
     assert result.support_diffs.size == result.full_diffs.size == result.truncated.size == sampled
     assert result.support_diffs.max() < 1e-6 and result.worst is not None and result.worst[1] in ("a", "b")
     # supports of at most 5 of 50 ids: truncated, so the full vocabulary's log-prob is visibly off
     assert result.truncated.all() and result.full_diffs.min() > 1e-2
+
+
+def test_a_trajectory_of_several_versions_without_spans_cannot_be_replayed_and_is_skipped():
+    models = {"a": TinyLM(SMALL, seed=1), "b": TinyLM(SMALL, seed=2)}
+    versions = WeightVersions(SMALL)
+    for name in ("a", "b"):
+        versions.add(name, models[name])
+    batch = sampled_batch(models, [("a",), ("a", "b")], spans=False)
+    result = replay(batch, versions, temperature=1.0)
+    assert (result.replayed, result.skipped) == (1, 1)
+    assert result.support_diffs.size == int(batch.select([0]).loss_mask.sum()) and result.support_diffs.max() < 1e-6
 
 
 def test_the_policy_loss_takes_one_forward_pass_for_the_whole_batch(monkeypatch):
