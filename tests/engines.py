@@ -37,6 +37,9 @@ class FakeSGLang:
         self.weight_version = weight_version
         self.calls: list[dict[str, Any]] = []
         self.lock = threading.Lock()
+        self.held_from: int | None = None  # with `hold`: requests after this many answers wait for `release`
+        self.holding = threading.Event()  # set once a request waits
+        self.released = threading.Event()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -76,6 +79,12 @@ class FakeSGLang:
         answers it and records the call (input, tokens, supports, log-probs,
         finish reason)."""
         assert path == "/generate" and body["return_sampling_mask"] is True
+        with self.lock:
+            held = self.held_from is not None and len(self.calls) >= self.held_from
+        if held:  # an engine that is slow to answer: its client waits mid-trajectory meanwhile
+            self.holding.set()
+            self.released.wait()
+            return {"error": "released unanswered"}
         response = self.answer(body["input_ids"], body["sampling_params"]["max_new_tokens"])
         meta = response["meta_info"]
         with self.lock:
@@ -84,6 +93,17 @@ class FakeSGLang:
                                "log_probs": meta["output_token_sampling_logprobs"],
                                "finish": meta["finish_reason"]["type"]})
         return response
+
+    def hold(self, after: int) -> None:
+        """Answer `after` requests in all, then keep the next ones waiting
+        (unanswered, unrecorded) until `release`."""
+        self.held_from = after
+
+    def release(self) -> None:
+        """Stop holding: the waiting requests get an unusable answer, later ones a real one."""
+        with self.lock:
+            self.held_from = None
+        self.released.set()
 
     def close(self) -> None:
         """Stops serving and closes the listening socket."""

@@ -2,11 +2,15 @@
 (docs/protocol.md §3, "Open trajectories handed back"): the client's
 listing, prefix read and resumed handle against a live broker."""
 import asyncio
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import zmq
 from broker_process import BrokerProcess
+from engines import FakeSGLang
 
 from rollstream.common.checker import TurnRecord, delivered_digest, expected, read_records
 from rollstream.common.codec import decode, encode
@@ -111,3 +115,59 @@ def test_another_producer_id_is_handed_back_nothing(tmp_path):
                 return await producer.open_trajectories(timeout=30)
 
         assert asyncio.run(other()) == []
+
+
+def sglang_daemon(broker, fake, work, *extra):
+    command = [sys.executable, "-m", "rollstream.app.cli", "producer", "--source", "sglang", "--sglang-url", fake.url,
+               "--broker-endpoint", broker.producer, "--metrics-port", "0", "--producer-id", "engine",
+               "--spool-dir", str(work / "spool"), "--prompts", str(work / "prompts.jsonl"), "--group-size", "2",
+               "--turns", "3", "--response-tokens", "4", "--tool-tokens", "2", "--vocab-size", "1000",
+               "--concurrency", "1", *extra]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(work / "producer.log", "ab"))
+
+
+def by_sample(trajectories):
+    """Delivered trajectories by their prompt and sample (the end of their ids: the run token differs)."""
+    return {tid.rsplit("-", 2)[-2:][0] + "-" + tid.rsplit("-", 1)[-1]: t for tid, t in trajectories.items()}
+
+
+@pytest.mark.slow
+def test_the_sglang_source_continues_a_trajectory_from_its_prefix_byte_for_byte(tmp_path):
+    """Against a stand-in whose answers are a function of the request: a run
+    without a kill, then one killed while a later turn's request waits at the
+    engine. The restarted daemon's request carries the trajectory's prefix
+    (the prompt and every token so far), and every merged trajectory is
+    byte-identical to the run without the kill."""
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    runs = {}
+    for name in ("whole", "killed"):
+        work = tmp_path / name
+        work.mkdir()
+        (work / "prompts.jsonl").write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
+        with FakeSGLang(vocab_size=1000, seed=20) as fake, BrokerProcess(work / "broker", vocab_size=1000) as broker:
+            if name == "killed":  # held at the first request of a later turn the whole run made
+                later = next(i for i, call in enumerate(runs["whole"][1]) if len(call["input_ids"]) > 5 and i > 1)
+                fake.hold(after=later)
+                process = sglang_daemon(broker, fake, work)
+                assert fake.holding.wait(60), "the daemon never reached the held request"
+                process.kill()
+                process.wait(60)
+                fake.release()
+                answered = len(fake.calls)
+            process = sglang_daemon(broker, fake, work)
+            assert process.wait(120) == 0, (work / "producer.log").read_text()
+            runs[name] = (by_sample(deliveries(broker, 4)), list(fake.calls), broker.status())
+            if name == "killed":
+                assert broker.status()["resumed"] == {"listed": 1, "continued": 1}
+                # the first request after the restart goes on from the prefix, as the whole run's did
+                assert fake.calls[answered]["input_ids"] == runs["whole"][1][later]["input_ids"]
+    whole, killed = runs["whole"][0], runs["killed"][0]
+    assert sorted(whole) == sorted(killed) == ["0-0", "0-1", "1-0", "1-1"]
+    for sample, trajectory in whole.items():
+        other = killed[sample]
+        for name in ("prompt_tokens", "tokens", "log_probs", "loss_mask"):
+            assert getattr(trajectory, name).tobytes() == getattr(other, name).tobytes(), (sample, name)
+        assert trajectory.mask.ids.tobytes() == other.mask.ids.tobytes()
+        assert trajectory.mask.offsets.tobytes() == other.mask.offsets.tobytes()
+        assert (trajectory.status, trajectory.reward, trajectory.weight_versions) == \
+            (other.status, other.reward, other.weight_versions)
