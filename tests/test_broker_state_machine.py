@@ -35,7 +35,7 @@ from rollstream.broker.store_io import StoreIO
 from rollstream.common.clock import Clock
 from rollstream.common.codec import decode, decode_header, encode
 from rollstream.common.jobs import DEFAULT_JOB, job_key, job_of
-from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER
+from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
 from rollstream.common.validation import Violation
 from rollstream.consumer.core import ConsumerCore, Form, HandOut, Refill
 
@@ -79,6 +79,8 @@ class Broker(RuleBasedStateMachine):
         self.epoch = 0  # its lineage epoch (a resume starts the next)
         self.branches: list[list[int]] = []  # [epoch, step resumed from] per resume
         self.sampled: dict[str, set[tuple[int, int]]] = {tid: set() for tid in TRAJECTORIES}  # applied turns' weights
+        self.applied: dict[str, list[int]] = {tid: [] for tid in TRAJECTORIES}  # the tokens of its applied turns
+        self.named = False  # the producer's connection said hello
 
     def teardown(self):
         self.store.close()
@@ -174,7 +176,9 @@ class Broker(RuleBasedStateMachine):
         if ack is not None and ack["applied"] and not ack.get("duplicate"):
             if index == 0:
                 self.sampled[tid] = set()
+                self.applied[tid] = []
             self.sampled[tid].add((self.epoch, self.version))
+            self.applied[tid] += ids
             self.turns[tid] += 1
 
     @rule(group=st.sampled_from(sorted(GROUPS)))
@@ -203,11 +207,40 @@ class Broker(RuleBasedStateMachine):
             if ack is not None and ack["applied"] and ack["trajectory_id"] == tid:
                 self.ended_elsewhere.add(job_key("eval", tid))
 
-    @rule(tid=st.sampled_from(TRAJECTORIES))
-    def abort(self, tid):
-        ack = self._produce(abort_msg(tid))
+    @rule(tid=st.sampled_from(TRAJECTORIES), again=st.booleans())
+    def abort(self, tid, again):
+        ack = self._produce(abort_msg(tid, again=again))
         if ack is not None and ack["applied"]:
             self.turns[tid] = 0
+
+    @rule()
+    def producer_says_hello(self):
+        """Its connection names the producer (frames sent before are its too)."""
+        self._run(self.core.producer_read([(PRODUCER, decode(encode(PRODUCER_TO_BROKER, "hello", {
+            "producer_id": "p", "seq": 0, "lists_open": True}), PRODUCER_TO_BROKER), None)], self.clock))
+        self.named = True
+
+    @rule(read=st.booleans())
+    def a_restarted_producer_is_handed_back_what_it_has_open(self, read):
+        """What a restarted producer is listed: every trajectory it has open
+        that the broker has not given up, at the turn it reached, with the
+        tokens of its applied turns; nothing ended."""
+        if not self.named:
+            return
+        (listed,) = self._run(self.core.producer_read([(PRODUCER, decode(encode(PRODUCER_TO_BROKER, "list_open", {
+            "seq": 1}), PRODUCER_TO_BROKER), None)], self.clock))
+        entries = {item["trajectory_id"]: item for item in listed["trajectories"]}
+        given_up = {tid for tid, entry in self.core.engine.entries.items() if entry.state == DEAD}
+        expected = {tid for tid in TRAJECTORIES if self.turns[tid] and tid not in self.ended and tid not in given_up}
+        assert set(entries) == expected
+        for tid in expected:
+            assert entries[tid]["next_turn"] == self.turns[tid]
+            if read:
+                (content,) = self._run(self.core.producer_read([(PRODUCER, decode(encode(
+                    PRODUCER_TO_BROKER, "read_open", {"seq": 2, "trajectory_id": tid}), PRODUCER_TO_BROKER), None)],
+                    self.clock))
+                assert content.type == "open_trajectory", content.fields
+                assert content.arrays["tokens"].tolist() == self.applied[tid]
 
     # -- the consumer -----------------------------------------------------------
     @rule(read_back_fails=st.booleans())
