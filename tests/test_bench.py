@@ -60,3 +60,32 @@ def test_the_gpu_script_on_a_machine_without_cuda_says_why_it_skipped_in_its_one
     assert list(figures) == ["skipped"], figures
     assert figures["skipped"].startswith("no CUDA device: expected torch.cuda.is_available() to be True, got False "
                                          "(torch "), figures
+
+
+@pytest.mark.slow
+def test_restart_bias_smoke_trains_what_run_a_trained_when_restarts_continue_and_less_when_they_abort():
+    """bench/restart_bias.py --smoke: B (killed, `--on-restart continue`)
+    trains every trajectory of A with the very same content, so its length
+    ratios are exactly 1; C (`--on-restart abort`) trains all but those it
+    gave up, each unchanged. C's ratios are not checked: at this size which
+    trajectories a kill finds open decides them."""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "restart_bias.py"), "--smoke"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"restart_bias.py --smoke exited {run.returncode}:\n{run.stderr[-3000:]}"
+    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    assert (figures["prompts"], figures["group_size"]) == (12, 2), figures
+    runs = figures["runs"]
+    assert set(runs) == {"A", "B", "C"}, runs
+    for name, kept in runs.items():
+        assert {"trained", "mean", "p90", "kills", "resumed", "trained_twice"} <= set(kept), (name, kept)
+        assert kept["trained_twice"] == 0, (name, kept)
+    a, b, c = runs["A"], runs["B"], runs["C"]
+    assert (a["kills"], a["resumed"], a["trained"]) == (0, {}, 24), a
+    assert b["kills"] >= 1 and c["kills"] >= 1, (b, c)
+    assert sum(b["listed_at_restarts"]) == b["resumed"]["listed"] == b["resumed"]["continued"] >= 1, b
+    assert (b["trained"], b["missing_from_a"], b["differing_from_a"]) == (24, 0, 0), b
+    assert (b["mean"], b["p90"], b["mean_ratio"], b["p90_ratio"]) == (a["mean"], a["p90"], 1.0, 1.0), b
+    assert sum(c["listed_at_restarts"]) == c["resumed"]["listed"] == c["resumed"]["aborted"] >= 1, c
+    assert (c["trained"], c["missing_from_a"], c["differing_from_a"]) == (24 - c["resumed"]["aborted"],
+                                                                           c["resumed"]["aborted"], 0), c
+    assert 0 < c["mean_ratio"] and 0 < c["p90_ratio"], c
