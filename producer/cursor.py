@@ -73,9 +73,10 @@ class PromptCursor:
         None when it is not one of this cursor's ids."""
         stem, _, rest = trajectory_id.rpartition("-")
         stem, _, prompt = stem.rpartition("-")
-        if stem != self.stem or not (prompt.isdigit() and rest.isdigit()):
+        if stem != self.stem or not (prompt.isascii() and prompt.isdigit() and rest.isascii() and rest.isdigit()):
             return None
-        return int(prompt), int(rest)
+        sample = (int(prompt), int(rest))
+        return sample if self.trajectory_id(sample) == trajectory_id else None  # as it writes them: no leading zeros
 
     def after(self, sample: Sample) -> Sample:
         prompt, index = sample
@@ -134,34 +135,52 @@ class PromptCursor:
     # -- restoring ---------------------------------------------------------------
     def _read(self, prompts: str) -> str:
         assert self.path is not None
-        lines = self.path.read_text(encoding="utf-8").split("\n")
-        if lines and lines[-1] == "":
+        lines = self.path.read_bytes().split(b"\n")
+        if lines and lines[-1] == b"":
             lines.pop()
         records = []
         for number, line in enumerate(lines, 1):
             try:
-                records.append(json.loads(line))
-            except ValueError:
+                records.append(json.loads(line.decode("utf-8")))
+            except ValueError:  # (a UnicodeDecodeError is one)
                 if number == len(lines):  # torn by a crash mid-write: never acted on
                     break
                 raise CursorError(f"{self.path}:{number}: rule 'every line is a JSON record' not met: got {line[:80]!r}; "
                                   "the cursor is damaged (move it away to start the prompts over)") from None
-        if not records or not {"run", "prompts", "group_size", "next", "outstanding"} <= set(records[0]):
+        if not records or not isinstance(records[0], dict) or \
+                not {"run", "prompts", "group_size", "next", "outstanding"} <= set(records[0]):
             raise CursorError(f"{self.path}: rule 'the first line is the cursor's header' not met: got "
                               f"{records[0] if records else 'an empty file'!r:.120}")
         header = records[0]
+        if not isinstance(header["run"], str) or not header["run"]:
+            raise CursorError(f"{self.path}:1: rule 'the run token is a non-empty string' not met: got {header['run']!r:.80}")
         for name, want in (("prompts", prompts), ("group_size", self.group_size)):
             if header[name] != want:
                 raise CursorError(f"{self.path}: the prompt cursor was kept for {name} {header[name]!r}, this run has "
                                   f"{want!r}: expected the same prompts and group size to go on from it (use a new "
                                   "spool directory for a new run)")
-        self.next = (header["next"][0], header["next"][1])
-        self.outstanding = {(p, j) for p, j in header["outstanding"]}
-        for record in records[1:]:
-            if "i" in record:
-                sample = (record["i"][0], record["i"][1])
+        self.next = _sample(header["next"], self.path, 1)
+        if not isinstance(header["outstanding"], list):
+            raise CursorError(f"{self.path}:1: rule 'outstanding is a list of samples' not met: got "
+                              f"{header['outstanding']!r:.80}")
+        self.outstanding = {_sample(sample, self.path, 1) for sample in header["outstanding"]}
+        for number, record in enumerate(records[1:], 2):
+            if not isinstance(record, dict) or len(record) != 1 or not {"i", "d"} >= set(record):
+                raise CursorError(f"{self.path}:{number}: rule 'a line after the header is {{\"i\": [p, j]}} or "
+                                  f"{{\"d\": [p, j]}}' not met: got {record!r:.80}")
+            ((kind, value),) = record.items()
+            sample = _sample(value, self.path, number)
+            if kind == "i":
                 self.outstanding.add(sample)
                 self.next = max(self.next, self.after(sample))
-            elif "d" in record:
-                self.outstanding.discard((record["d"][0], record["d"][1]))
+            else:
+                self.outstanding.discard(sample)
         return str(header["run"])
+
+
+def _sample(value: Any, path: Path, line: int) -> Sample:
+    """A (prompt, sample) pair read from the cursor file, or `CursorError`."""
+    if not (isinstance(value, list) and len(value) == 2 and all(type(n) is int and n >= 0 for n in value)):
+        raise CursorError(f"{path}:{line}: rule 'a sample is [prompt, sample], two non-negative integers' not met: "
+                          f"got {value!r:.80}")
+    return value[0], value[1]

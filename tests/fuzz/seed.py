@@ -63,6 +63,10 @@ def producer_to_broker() -> dict[str, bytes]:
         "reward": encode(p2b, "reward", {"seq": 6, "trajectory_id": "t", "reward": 0.25}),
         "abort": encode(p2b, "abort", {"seq": 7, "trajectory_id": "t", "reason": "retry"}),
         "ping": encode(p2b, "ping", {"seq": 8}),
+        "hello-lists-open": encode(p2b, "hello", {"producer_id": "p-1", "seq": 0, "lists_open": True}),
+        "list-open": encode(p2b, "list_open", {"seq": 9}),
+        "read-open": encode(p2b, "read_open", {"seq": 10, "trajectory_id": "t"}),
+        "abort-again": encode(p2b, "abort", {"seq": 11, "trajectory_id": "t", "reason": "restart", "again": True}),
         "batch": encode_batch([turn_frames("t", 0, 1), encode(p2b, "end", {"seq": 2, "trajectory_id": "t", "reward": 1})]),
     }
     return {name: join_frames(frames) for name, frames in seeds.items()}
@@ -118,6 +122,15 @@ def broker_to_producer() -> dict[str, bytes]:
                                                   {"seq": 4, "applied": True, "duplicate": True}]}),
         "nack": encode(b2p, "nack", {"code": "out_of_order", "message": "resend turn 1 first", "seq": 5, "expected": 1}),
         "pong": encode(b2p, "pong", {"seq": 6, "window": 32}),
+        "open-list": encode(b2p, "open_list", {"seq": 7, "trajectories": [
+            {"trajectory_id": "t", "next_turn": 2, "state": "open", "group_id": "g", "group_size": 2, "sample_index": 1},
+            {"trajectory_id": "u", "next_turn": 1, "state": "scoring"}]}),
+        "open-trajectory": encode(b2p, "open_trajectory", {
+            "seq": 8, "trajectory_id": "t", "next_turn": 2, "state": "open", "status": "completed",
+            "forced_spans": [[2, 3]], "weight_version_spans": [["3", 0, 2], ["4", 3, 4]]}, {
+            "prompt_tokens": np.array([1, 2], np.int32), "tokens": np.array([5, 6, 7, 8], np.int32),
+            "log_probs": np.array([-0.5, -0.25, 0.0, -1.0], np.float32), "loss_mask": np.array([1, 1, 0, 1], np.uint8),
+            "mask_ids": np.array([5, 9, 6, 7, 8], np.int32), "mask_offsets": np.array([0, 2, 3, 4, 5], np.int64)}),
     }
     return {name: join_frames(frames) for name, frames in seeds.items()}
 
@@ -234,6 +247,14 @@ def spool() -> dict[str, bytes]:
     }
 
 
+def cursor() -> dict[str, bytes]:
+    header = {"run": "0a1b2c3d", "prompts": targets.CURSOR_PROMPTS, "group_size": 2, "next": [3, 0],
+              "outstanding": [[1, 1], [2, 0]]}
+    lines = [json.dumps(header), '{"i":[3,0]}', '{"d":[1,1]}', '{"i":[3,1]}', '{"d":[3,0]}']
+    return {"header": (lines[0] + "\n").encode(), "records": ("\n".join(lines) + "\n").encode(),
+            "torn-last-line": ("\n".join(lines) + "\n" + '{"i":[4').encode()}
+
+
 def segments() -> dict[str, bytes]:
     files, payloads = _spool_files()
     _, _, store_payloads = targets.store_template()
@@ -291,7 +312,7 @@ SCHEMAS = {"producer_to_broker": PRODUCER_TO_BROKER, "split_batch": PRODUCER_TO_
 
 SEEDS = {"producer_to_broker": producer_to_broker, "split_batch": split_batch, "consumer_to_broker": consumer_to_broker,
          "broker_to_producer": broker_to_producer, "broker_to_consumer": broker_to_consumer, "admin": admin,
-         "miles_session": miles_session, "spool": spool, "segments": segments, "store": store,
+         "miles_session": miles_session, "spool": spool, "cursor": cursor, "segments": segments, "store": store,
          "archive": archive, "settings_toml": settings_toml}
 
 

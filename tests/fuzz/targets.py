@@ -70,6 +70,8 @@ from rollstream.common.trajectory import Turn
 from rollstream.common.validation import check_message_arrays, messages_content_valid
 from rollstream.common.wire import encode_turn, trajectory_from_deliver, turn_from_message
 from rollstream.producer.cli import producer as producer_command
+from rollstream.producer.cursor import FILE as CURSOR_FILE
+from rollstream.producer.cursor import CursorError, PromptCursor
 from rollstream.producer.miles_samples import turns_from_miles_samples
 from rollstream.producer.settings import ProducerSettings
 from rollstream.producer.spool import Spool, SpoolError
@@ -436,6 +438,7 @@ def _write_segments(directory: Path, files: list[bytes]) -> None:
 
 
 SPOOL_OWNER = "fuzz-producer"
+CURSOR_PROMPTS = "fuzz prompts"  # what the target's cursor is kept for
 
 
 def spool(data: bytes) -> None:
@@ -452,6 +455,20 @@ def spool(data: bytes) -> None:
                 pass
         finally:
             opened.close()
+
+
+def cursor(data: bytes) -> None:
+    """A producer's prompt cursor file (the spool directory's `CURSOR`) as a
+    restarted daemon reads it: restored or refused, and written anew."""
+    directory = scratch("cursor")
+    (directory / CURSOR_FILE).write_bytes(data)
+    with leaves_nothing_open("restoring a prompt cursor"):
+        kept = PromptCursor(directory, SPOOL_OWNER, prompts=CURSOR_PROMPTS, group_size=2)
+        kept.close()
+        again = PromptCursor(directory, SPOOL_OWNER, prompts=CURSOR_PROMPTS, group_size=2)
+        again.close()
+    assert (again.stem, again.next, again.outstanding) == (kept.stem, kept.next, kept.outstanding), \
+        "a cursor written anew restores as it was"
 
 
 def segments(data: bytes) -> None:
@@ -679,6 +696,7 @@ TARGETS: dict[str, Target] = {target.name: target for target in (
     # decode_session_samples: InvalidInput (MissingTensor is one); a mask it rebuilds refuses as SamplingMask does.
     Target("miles_session", miles_session, (InvalidInput, ProtocolError)),
     Target("spool", spool, (SpoolError,)),
+    Target("cursor", cursor, (CursorError,)),
     Target("segments", segments, (SegmentDamaged,)),
     # StoreError: what the store's files hold is damaged (or unreadable); RemoteProtocolError: a record read back
     # that the merge refuses (broker/recovery.py, load_trajectory).
