@@ -36,7 +36,7 @@ from rollstream.common.curve import (
     load_public_key,
 )
 from rollstream.consumer import Consumer
-from rollstream.producer import Producer
+from rollstream.producer import Producer, Refused
 
 NAMES = ("broker", "producer", "consumer", "admin", "stranger")
 
@@ -404,3 +404,33 @@ def test_a_key_removed_at_sighup_cuts_off_its_open_connections(broker, keys):
     counted = refusals(broker)
     assert counted.get("curve_refused.consumer.revoked", 0) >= 1 and counted.get("curve_refused.producer.revoked", 0) >= 1
     assert "was removed since it connected" in broker.log()
+
+
+def test_open_trajectories_are_handed_back_over_the_key_that_opened_them_alone(broker, keys):
+    """Under CURVE a producer id does not open another key's trajectories: a
+    connection with another allowed key naming the same producer id is
+    listed none of them, and cannot read one."""
+    import asyncio
+
+    from rollstream.producer import AsyncProducer
+
+    shutil.copy(keys / "stranger.key", Path(broker.flags["curve_producers"]))
+    broker.proc.send_signal(signal.SIGHUP)  # the stranger's key is allowed too from now on
+
+    async def run(name: str, open_one: bool):
+        async with AsyncProducer(broker.producer, "p-same", reply_timeout=60.0, **client_keys(keys, name)) as producer:
+            if open_one:
+                traj = producer.trajectory("k1", np.array([1, 2], np.int32))
+                await (await traj.turn([5], [-0.5], supports=[[5]]))
+            listed = await producer.open_trajectories(timeout=30)
+            try:
+                await producer.read_prefix("k1", timeout=30)
+                read = True
+            except Refused as refused:
+                read = refused.code
+            return [r.trajectory_id for r in listed], read
+
+    assert asyncio.run(run("producer", open_one=True)) == (["k1"], True)
+    wait_for(lambda: "the producer socket allows 2 client keys" in broker.log(), timeout=60, what="the reload")
+    assert asyncio.run(run("stranger", open_one=False)) == ([], "unknown_trajectory")
+    assert asyncio.run(run("producer", open_one=False)) == (["k1"], True)
