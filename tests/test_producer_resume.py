@@ -11,8 +11,9 @@ import pytest
 import zmq
 from broker_process import BrokerProcess
 from engines import FakeSGLang
+from waiting import wait_for
 
-from rollstream.common.checker import TurnRecord, delivered_digest, expected, read_records
+from rollstream.common.checker import TurnRecord, check, delivered_digest, expected, read_records
 from rollstream.common.codec import decode, encode
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
 from rollstream.common.wire import trajectory_from_deliver
@@ -171,3 +172,44 @@ def test_the_sglang_source_continues_a_trajectory_from_its_prefix_byte_for_byte(
         assert trajectory.mask.offsets.tobytes() == other.mask.offsets.tobytes()
         assert (trajectory.status, trajectory.reward, trajectory.weight_versions) == \
             (other.status, other.reward, other.weight_versions)
+
+
+@pytest.mark.slow
+def test_the_model_source_continues_what_a_killed_daemon_had_open_and_the_checker_reads_zero(tmp_path):
+    """The `model` source (the demo LM) killed while trajectories are open:
+    its restart continues them from their prefix, every trajectory comes
+    out whole (three turns of exactly eight tokens, four tool tokens
+    between), and the producer's and the consumer's ledgers check clean."""
+    from rollstream.consumer import Consumer
+
+    work = tmp_path / "work"
+    work.mkdir()
+    with BrokerProcess(tmp_path / "broker", vocab_size=4096) as broker:
+        def daemon(run):
+            command = [sys.executable, "-m", "rollstream.app.cli", "producer", "--source", "model",
+                       "--broker-endpoint", broker.producer, "--metrics-port", "0", "--producer-id", "lm",
+                       "--spool-dir", str(work / "spool"), "--trajectories", "8", "--group-size", "2", "--turns", "3",
+                       "--response-tokens", "8", "--tool-tokens", "4", "--prompt-tokens", "8", "--vocab-size", "4096",
+                       "--concurrency", "2", "--seed", "1", "--ledger", str(work / f"producer-{run}.jsonl")]
+            return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(work / f"producer-{run}.log", "wb"))
+
+        first = daemon(0)
+        try:
+            wait_for(lambda: broker.status()["counters"].get("frames.turn.applied", 0) >= 4 and broker.status()["open"],
+                     timeout=120, what="trajectories open mid-way")
+        finally:
+            first.kill()
+            first.wait(60)
+        assert daemon(1).wait(180) == 0, (work / "producer-1.log").read_text()
+        with Consumer(broker.consumer, batch_size=2, vocab_size=4096, ledger=work / "consumer.jsonl") as consumer:
+            lengths = []
+            for _ in range(4):
+                batch = consumer.next_batch(timeout=60)
+                lengths += batch.response_lengths.tolist()
+                consumer.commit(batch)
+            consumer.flush(60)
+        status = broker.status()
+        report = check(read_records([work]), broker.dead_letters(), broker_backlog=status["queued"])
+    assert status["resumed"]["continued"] >= 1 and status["resumed"]["listed"] == status["resumed"]["continued"]
+    assert lengths == [3 * 8 + 2 * 4] * 8
+    assert report.ok() and (report.committed, report.prompts, report.prompts_skipped) == (8, 4, [])
