@@ -204,32 +204,44 @@ async def _hand_back(producer: AsyncProducer, plan: Plan, on_restart: str, conti
     for resumable in listed:
         sample = plan.cursor.sample_of(resumable.trajectory_id)
         job = None if sample is None else plan.job(sample, resumable)
-        action = on_restart if continues is not None or on_restart == ABORT else RESTART
-        if job is None or (resumable.state == SCORING and action != CONTINUE):
-            action = ABORT if resumable.state != SCORING else CONTINUE
-        if job is None:  # not one of this run's ids (an earlier spool's, or another source's): nothing continues it
-            if resumable.state != SCORING:
-                handle = producer.resume(resumable, np.zeros(0, np.int32))
-                retrieve(await handle.abort("producer restarted: not one of its prompts"))
-                metrics.inc(metrics.resumed, action=ABORT)
+        action = _restart_action(resumable, job is not None, on_restart, continues)
+        if action is None:
             continue
         if action == CONTINUE:
+            assert job is not None  # only one of its prompts is continued
             prefix = await producer.read_prefix(resumable.trajectory_id) if continues == PREFIX else None
             first.append(replace(job, prefix=prefix))
         else:
-            handle = producer.resume(resumable, job.prompt_tokens)
+            handle = producer.resume(resumable, np.zeros(0, np.int32) if job is None else job.prompt_tokens)
             if action == RESTART:
+                assert job is not None  # only one of its prompts is produced again
                 retrieve(await handle.abort("producer restarted: produced again from turn 0", again=True))
                 first.append(replace(job, resumable=None))
             else:
-                plan.cursor.finished((job.prompt, job.member))
-                retrieve(await handle.abort("producer restarted: given up (on_restart = abort)"))
+                if job is not None:
+                    plan.cursor.finished((job.prompt, job.member))
+                retrieve(await handle.abort("producer restarted: given up" if job is not None else
+                                            "producer restarted: not one of its prompts"))
         metrics.inc(metrics.resumed, action=action)
         if producer.ledger is not None:
             producer.ledger.write("taken_up", id=resumable.trajectory_id, action=action, producer=producer.producer_id)
     log.info(f"producer restarted: {len(listed)} trajectories open at the broker, {len(first)} of them to produce "
              f"(on_restart = {on_restart})", extra={"open": len(listed), "on_restart": on_restart})
     return first
+
+
+def _restart_action(resumable: Resumable, ours: bool, on_restart: str, continues: str | None) -> str | None:
+    """What a restart does with a trajectory the broker handed back: one
+    ended without its reward (`scoring`) can only get its reward (None: not
+    one of this run's prompts, it is left to expire); one that is not of
+    this run's prompts (an earlier spool's, another source's) nothing
+    continues, so it is aborted; else `on_restart`, a restart where the
+    source cannot continue."""
+    if resumable.state == SCORING:
+        return CONTINUE if ours else None
+    if not ours:
+        return ABORT
+    return RESTART if on_restart == CONTINUE and continues is None else on_restart
 
 
 async def _run_jobs(producer: AsyncProducer, plan: Plan, todo: Iterator[Job], episode: Episode, *, concurrency: int,

@@ -551,3 +551,20 @@ def test_drawn_prompts_are_the_same_for_the_same_seed_and_index():
     assert one.identity == two.identity
     assert "7" in one.identity and "eight tokens" in one.identity
     assert Prompts.drawn(draw, 8, "eight tokens").identity != one.identity
+
+
+@pytest.mark.parametrize("state, ours, on_restart, continues, action", [
+    ("open", True, "continue", "prefix", "continue"),
+    ("terminal", True, "continue", "again", "continue"),
+    ("open", True, "continue", None, "restart"),  # a source that cannot continue restarts
+    ("open", True, "restart", "prefix", "restart"),
+    ("open", True, "abort", None, "abort"),
+    ("open", False, "continue", "prefix", "abort"),  # not one of this run's prompts: nothing continues it
+    ("scoring", True, "abort", None, "continue"),  # ended: only its reward can follow, whatever on_restart says
+    ("scoring", False, "continue", "prefix", None),  # ended and not ours: left alone
+])
+def test_what_a_restart_does_with_a_trajectory_handed_back(state, ours, on_restart, continues, action):
+    from rollstream.producer.resume import Resumable
+    from rollstream.producer.source import _restart_action
+
+    assert _restart_action(Resumable("t", 1, state), ours, on_restart, continues) == action

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from broker_process import BrokerProcess
 from waiting import wait_for
 
@@ -18,6 +19,7 @@ from rollstream.common.checker import check, read_records
 from rollstream.consumer import Consumer
 
 PROMPTS, GROUP, KILLS = 24, 4, 10
+DONE = {"continue": "continued", "restart": "restarted"}  # what the broker counts a restart did, by on_restart
 VOCAB = 1000
 
 
@@ -28,13 +30,13 @@ def write_prompts(path: Path, count: int) -> None:
             out.write(json.dumps({"input_ids": rng.integers(0, VOCAB, size=int(rng.integers(4, 12))).tolist()}) + "\n")
 
 
-def daemon(broker: BrokerProcess, work: Path, run: int, *extra: str) -> subprocess.Popen:
+def daemon(broker: BrokerProcess, work: Path, run: int, on_restart: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "rollstream.app.cli", "producer", "--source", "synthetic",
                "--broker-endpoint", broker.producer, "--metrics-port", "0", "--producer-id", "roller",
                "--spool-dir", str(work / "spool"), "--prompts", str(work / "prompts.jsonl"),
                "--group-size", str(GROUP), "--turns", "4", "--response-tokens", "12", "--tool-tokens", "3",
                "--tool-seconds", "0.05", "--vocab-size", str(VOCAB), "--concurrency", "8", "--seed", "3",
-               "--ledger", str(work / f"producer-{run}.jsonl"), *extra]
+               "--ledger", str(work / f"producer-{run}.jsonl"), "--on-restart", on_restart]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(work / f"producer-{run}.log", "wb"))
 
 
@@ -48,14 +50,17 @@ def listed_at_start(work: Path, run: int) -> int:
     return int(found.group(1)) if found else 0
 
 
-def test_producer_daemons_killed_mid_trajectory_continue_and_train_every_prompt_once(tmp_path):
+@pytest.mark.parametrize("on_restart, kills", [("continue", KILLS), ("restart", 3)])
+def test_producer_daemons_killed_mid_trajectory_continue_and_train_every_prompt_once(tmp_path, on_restart, kills):
+    """Continued where they stood, or produced again from turn 0 (their
+    groups waiting for them): every prompt's group trained once either way."""
     work = tmp_path / "work"
     work.mkdir()
     write_prompts(work / "prompts.jsonl", PROMPTS)
     with BrokerProcess(tmp_path / "broker", vocab_size=VOCAB) as broker:
-        for run in range(KILLS):
+        for run in range(kills):
             before = applied_turns(broker)
-            process = daemon(broker, work, run)
+            process = daemon(broker, work, run, on_restart)
             try:
                 # Killed once it sent more turns and has trajectories open mid-way, whichever process answers first.
                 wait_for(lambda: process.poll() is None and applied_turns(broker) >= before + 12
@@ -63,8 +68,8 @@ def test_producer_daemons_killed_mid_trajectory_continue_and_train_every_prompt_
             finally:
                 process.send_signal(signal.SIGKILL)
                 process.wait(timeout=60)
-        last = daemon(broker, work, KILLS)
-        assert last.wait(timeout=300) == 0, (work / f"producer-{KILLS}.log").read_text()
+        last = daemon(broker, work, kills, on_restart)
+        assert last.wait(timeout=300) == 0, (work / f"producer-{kills}.log").read_text()
         consumer_ledger = tmp_path / "consumer.jsonl"
         with Consumer(broker.consumer, batch_size=GROUP, vocab_size=VOCAB, ledger=consumer_ledger) as consumer:
             for _ in range(PROMPTS):
@@ -76,9 +81,9 @@ def test_producer_daemons_killed_mid_trajectory_continue_and_train_every_prompt_
     assert report.ok(), report.summary()
     assert report.counts() == dict.fromkeys(report.counts(), 0)
     assert (report.prompts, report.committed) == (PROMPTS, PROMPTS * GROUP)
-    listed = [listed_at_start(work, run) for run in range(1, KILLS + 1)]
+    listed = [listed_at_start(work, run) for run in range(1, kills + 1)]
     resumed = status["resumed"]
-    assert resumed["listed"] == sum(listed) == resumed["continued"], (listed, resumed)
-    assert sum(1 for n in listed if n) >= KILLS // 2, listed  # most kills left trajectories open mid-way
+    assert resumed["listed"] == sum(listed) == resumed[DONE[on_restart]], (listed, resumed)
+    assert sum(1 for n in listed if n) >= kills // 2, listed  # most kills left trajectories open mid-way
     committed = [r for r in records if r["kind"] == "committed"]
     assert len({r["id"] for r in committed}) == PROMPTS * GROUP
