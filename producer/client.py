@@ -27,7 +27,7 @@ import concurrent.futures
 import logging
 import os
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -414,13 +414,7 @@ class AsyncProducer:
         turn goes under `resumable.next_turn`. `earlier`: the turns it holds
         (`Prefix.turns`, or as the source produces them again), recorded in
         the ledger as sent, so the `end`'s record covers the whole trajectory."""
-        handle = AsyncTrajectoryHandle(self, resumable.trajectory_id, prompt_tokens, group_id=resumable.group_id,
-                                       group_size=resumable.group_size, sample_index=resumable.sample_index,
-                                       metadata=metadata)
-        if self.ledger is not None:
-            handle.digests.earlier(list(earlier), resumable.next_turn)
-        handle.next_turn = resumable.next_turn
-        return handle
+        return _taken_up(AsyncTrajectoryHandle, self, resumable, prompt_tokens, earlier, metadata)
 
     async def admitted(self, timeout: float | None = None) -> bool:
         """Wait until the broker admits one more new trajectory (its
@@ -861,6 +855,20 @@ class AsyncTrajectoryHandle(_TrajectoryHandle):
         return await self._send(self._abort_draft(reason, again))
 
 
+H = TypeVar("H", bound=_TrajectoryHandle)
+
+
+def _taken_up(kind: type[H], producer: AsyncProducer, resumable: Resumable, prompt_tokens, earlier: Sequence[Turn],
+              metadata: Mapping[str, Any] | None) -> H:
+    """A handle of `kind` going on with a trajectory its broker handed back,
+    its earlier turns recorded in the ledger as sent."""
+    handle = kind(producer, resumable.trajectory_id, prompt_tokens, group_id=resumable.group_id,
+                  group_size=resumable.group_size, sample_index=resumable.sample_index, metadata=metadata)
+    handle.next_turn = resumable.next_turn
+    handle.earlier(earlier)
+    return handle
+
+
 # -- the blocking client ---------------------------------------------------------
 class Producer:
     """The blocking producer: same arguments and vocabulary as
@@ -922,6 +930,19 @@ class Producer:
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._run(self._async.flush(timeout))
+
+    def open_trajectories(self, timeout: float | None = None) -> list[Resumable] | None:
+        """As `AsyncProducer.open_trajectories`."""
+        return self._run(self._async.open_trajectories(timeout))
+
+    def read_prefix(self, trajectory_id: str, timeout: float | None = None) -> Prefix:
+        """As `AsyncProducer.read_prefix`."""
+        return self._run(self._async.read_prefix(trajectory_id, timeout))
+
+    def resume(self, resumable: Resumable, prompt_tokens, *, earlier: Sequence[Turn] = (),
+               metadata: Mapping[str, Any] | None = None) -> "TrajectoryHandle":
+        """As `AsyncProducer.resume`."""
+        return _taken_up(TrajectoryHandle, self._async, resumable, prompt_tokens, earlier, metadata)
 
     def close(self, timeout: float | None = 10.0) -> int:
         if self._loop.is_closed():

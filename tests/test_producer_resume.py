@@ -213,3 +213,20 @@ def test_the_model_source_continues_what_a_killed_daemon_had_open_and_the_checke
     assert status["resumed"]["continued"] >= 1 and status["resumed"]["listed"] == status["resumed"]["continued"]
     assert lengths == [3 * 8 + 2 * 4] * 8
     assert report.ok() and (report.committed, report.prompts, report.prompts_skipped) == (8, 4, [])
+
+
+def test_the_blocking_producer_lists_reads_and_continues_too(tmp_path):
+    from rollstream.producer import Producer
+
+    with BrokerProcess(tmp_path, vocab_size=1000) as broker:
+        asyncio.run(first_run(broker.producer))
+        with Producer(broker.producer, "p1") as producer:
+            listed = {r.trajectory_id: r for r in producer.open_trajectories(timeout=30)}
+            assert sorted(listed) == ["a", "b", "c"]
+            prefix = producer.read_prefix("a", timeout=30)
+            a = producer.resume(listed["a"], prefix.prompt_tokens, earlier=prefix.turns())
+            assert a.next_turn == 2
+            assert a.turn([9], [-0.5], supports=[[9]]).result(30).applied
+            assert a.end(1.0).result(30).applied
+            assert producer.resume(listed["b"], PROMPT).end(0.0).result(30).applied
+        assert deliveries(broker, 2)["a"].tokens.tolist() == [5, 6, 7, 8, 4, 4, 9]
