@@ -361,6 +361,7 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
     committed: dict[str, list[Mapping[str, Any]]] = {}
     resumes: dict[str, Mapping[str, Any]] = {}
     issued: dict[str, dict[int, set[str]]] = {str(key): {} for key in prompts or ()}
+    given_up: set[str] = set()  # trajectories a restarted producer gave up (its ledger's `taken_up` with action abort)
     for record in records:
         kind = record.get("kind")
         if kind == "resumed":
@@ -379,6 +380,8 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
             committed.setdefault(tid, []).append(record)
         elif kind == "issued":
             issued.setdefault(str(record["prompt"]), {}).setdefault(record["sample"], set()).add(tid)
+        elif kind == "taken_up" and record.get("action") == "abort":
+            given_up.add(tid)
     dead = {item["trajectory_id"]: item.get("reason") or "unknown" for item in dead_letters}
     report = Report(acked=len(acked), committed=len(committed))
     trained = _surviving(committed, resumes, report)
@@ -405,14 +408,16 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
             break
     report.unacked_committed = sum(1 for tid in committed if tid not in acked)
     report.redelivered = sum(max(0, count - len(committed.get(tid, ()))) for tid, count in handed.items())
-    _judge_prompts(issued, trained, dead, broker_backlog, report)
+    _judge_prompts(issued, trained, dead, given_up, broker_backlog, report)
     return report
 
 
 def _judge_prompts(issued: Mapping[str, Mapping[int, set[str]]], trained: Counter, dead: Mapping[str, str],
-                   broker_backlog: int, report: Report) -> None:
+                   given_up: set[str], broker_backlog: int, report: Report) -> None:
     """Set the report's prompt figures from the ids issued per prompt and
-    sample, with `trained` as `check` counts it (the surviving lineage)."""
+    sample, with `trained` as `check` counts it (the surviving lineage). A
+    trajectory a restarted producer gave up (`on_restart = abort`) was
+    thrown away by the run's choice, as a chosen dead letter is."""
     report.prompts = len(issued)
     for key in sorted(issued):
         samples = issued[key]
@@ -421,7 +426,7 @@ def _judge_prompts(issued: Mapping[str, Mapping[int, set[str]]], trained: Counte
         ids = set().union(*samples.values())
         if any(trained[tid] for tid in ids):
             continue
-        if any(dead.get(tid, "").partition(":")[0] in CHOSEN_DEAD_REASONS for tid in ids):
+        if any(dead.get(tid, "").partition(":")[0] in CHOSEN_DEAD_REASONS or tid in given_up for tid in ids):
             continue
         # A prompt every issued trajectory of which was dead-lettered cannot come any more, backlog or not.
         may_come = not ids or any(tid not in dead for tid in ids)

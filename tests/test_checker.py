@@ -274,7 +274,7 @@ def test_a_brokers_backlog_counts_its_queue_under_either_name():
     assert broker_backlog({"queued": 0, "ready": 5}) == 0  # the new name wins where both are sent
 
 
-def prompt_run(tmp_path, issued, trained=(), dead=(), given_up=(), **kwargs):
+def prompt_run(tmp_path, issued, trained=(), dead=(), given_up=(), taken_up=(), **kwargs):
     """A run issuing trajectories from prompts: `issued` is (prompt, sample,
     id) per `issued` record, each id but those `given_up` (aborted after a
     producer restart: issued, nothing more) is sent and acked, `trained` ids
@@ -289,8 +289,18 @@ def prompt_run(tmp_path, issued, trained=(), dead=(), given_up=(), **kwargs):
         sent=[{"id": tid, "prompt": prompt, "turns": [list(r) for r in records]} for tid in ids],
         acked=[{"id": tid, "applied": True} for tid in ids],
         committed=[{"id": tid, "digest": good, "gap": None} for tid in trained],
+        taken_up=[{"id": tid, "action": action, "producer": "p0"} for tid, action in taken_up],
     )
     return check(records_, [{"trajectory_id": tid, "reason": reason} for tid, reason in dict(dead).items()], **kwargs)
+
+
+def test_a_prompt_a_restarted_producer_gave_up_by_its_on_restart_is_not_skipped(tmp_path):
+    """`on_restart = abort` throws what was open away by the run's choice;
+    continued or restarted ones must still be trained."""
+    issued = [("1", 0, "1a"), ("2", 0, "2a"), ("3", 0, "3a")]
+    report = prompt_run(tmp_path, issued, given_up=("1a", "2a", "3a"),
+                        taken_up=[("1a", "abort"), ("2a", "continue"), ("3a", "restart")])
+    assert report.prompts_skipped == ["2", "3"]
 
 
 def test_the_chosen_dead_reasons_are_the_runs_own():
