@@ -22,6 +22,17 @@ def kept(directory, *, prompts="three", group_size=2, producer_id="prod") -> Pro
     return PromptCursor(directory, producer_id, prompts=prompts, group_size=group_size)
 
 
+def recorded(directory, *, issued, finished=()) -> PromptCursor:
+    """A kept cursor that issued and then finished those samples, closed."""
+    cursor = kept(directory)
+    for sample in issued:
+        cursor.issued(sample)
+    for sample in finished:
+        cursor.finished(sample)
+    cursor.close()
+    return cursor
+
+
 def lines_of(directory) -> list[str]:
     return (directory / FILE).read_text(encoding="utf-8").splitlines()
 
@@ -124,11 +135,7 @@ def test_a_new_cursor_writes_its_header(tmp_path):
 
 
 def test_issued_and_finished_lines_are_appended(tmp_path):
-    cursor = kept(tmp_path)
-    cursor.issued((0, 0))
-    cursor.issued((0, 1))
-    cursor.finished((0, 0))
-    cursor.close()
+    recorded(tmp_path, issued=[(0, 0), (0, 1)], finished=[(0, 0)])
     assert lines_of(tmp_path)[1:] == ['{"i":[0,0]}', '{"i":[0,1]}', '{"d":[0,0]}']
 
 
@@ -152,11 +159,7 @@ def test_a_restored_cursor_goes_on_where_the_last_one_stopped(tmp_path):
 
 
 def test_restoring_twice_keeps_the_state(tmp_path):
-    first = kept(tmp_path)
-    first.issued((0, 0))
-    first.issued((0, 1))
-    first.finished((0, 1))
-    first.close()
+    first = recorded(tmp_path, issued=[(0, 0), (0, 1)], finished=[(0, 1)])
     kept(tmp_path).close()  # restored and written anew, nothing issued
     third = kept(tmp_path)
     assert third.restored is True and third.stem == first.stem
@@ -165,11 +168,7 @@ def test_restoring_twice_keeps_the_state(tmp_path):
 
 
 def test_a_restored_cursor_compacts_the_file_into_its_header(tmp_path):
-    first = kept(tmp_path)
-    first.issued((0, 0))
-    first.issued((0, 1))
-    first.finished((0, 0))
-    first.close()
+    recorded(tmp_path, issued=[(0, 0), (0, 1)], finished=[(0, 0)])
     kept(tmp_path).close()
     lines = lines_of(tmp_path)
     assert len(lines) == 1
@@ -475,11 +474,7 @@ def test_plan_after_a_restore_with_all_issued_yields_only_the_outstanding(tmp_pa
 
 
 def test_plan_with_a_limit_after_a_restore(tmp_path):
-    first = kept(tmp_path)
-    first.issued((0, 0))
-    first.issued((0, 1))
-    first.finished((0, 1))
-    first.close()
+    recorded(tmp_path, issued=[(0, 0), (0, 1)], finished=[(0, 1)])
     cursor = kept(tmp_path)
     jobs = Plan(three_prompts(), cursor, group_size=2, limit=3).jobs(first=[])
     assert [(job.prompt, job.member) for job in jobs] == [(0, 0), (1, 0)]
