@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+from consumer_helpers import CLEAN
 
 
 def demo(*args: str) -> tuple[str, dict]:
@@ -14,7 +15,6 @@ def demo(*args: str) -> tuple[str, dict]:
     return out, json.loads(out.strip().splitlines()[-1])
 
 
-CLEAN = {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import textwrap
 
 import numpy as np
 from broker_process import BrokerProcess
-from consumer_helpers import VOCAB, RawProducer, make_rollout
+from consumer_helpers import VOCAB, RawProducer, clean, make_rollout
 from waiting import wait_for
 
 from rollstream.consumer.client import Consumer
@@ -86,7 +86,6 @@ def test_a_commit_after_a_broker_restart_settles_by_id_so_a_killed_trainer_gets_
 # -- the trainer's checkpoint: real pipelines (rollstream.app.harness) ----------------------------------------------
 FAST_BROKER = ("--heartbeat-interval", "0.5")
 FAST_PRODUCER = ("--heartbeat-interval", "0.5", "--heartbeat-timeout", "2")
-CLEAN = {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
 
 
 def checkpointed_run(*, trajectories: int, broker_kill_at: float | None = None, **trainer_faults):
@@ -115,7 +114,7 @@ def checkpointed_run(*, trajectories: int, broker_kill_at: float | None = None, 
         drained = pipeline.run(240, inject)
         report = pipeline.finish()
     assert drained, f"not drained: status {pipeline.status}, counts {pipeline.counts}"
-    assert report.counts() == CLEAN, report.summary()
+    assert report.counts() == clean(report), report.summary()
     return report, done
 
 

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 
+from consumer_helpers import clean
 from waiting import wait_for
 
 from rollstream.app.harness import VOCAB, Chaos, LoopbackNode, Pipeline, inject_due
@@ -20,7 +21,6 @@ from rollstream.app.harness import VOCAB, Chaos, LoopbackNode, Pipeline, inject_
 FAST_BROKER = ("--heartbeat-interval", "0.5")  # consumers count as lost after 1.5 s of silence
 SHORT_TTL = ("--trajectory-ttl", "3")  # abandoned trajectories expire soon (longer than any cut or stop here)
 FAST_PRODUCER = ("--heartbeat-interval", "0.5", "--heartbeat-timeout", "2")
-CLEAN = {"lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 0}
 PRODUCER_LOST_BROKER = " silent for "  # a producer's warning once the broker has been silent past its heartbeat timeout
 
 
@@ -52,7 +52,7 @@ def finished(pipeline: Pipeline, drained: bool):
     """The checker's report, after asserting the run drained."""
     report = pipeline.finish()
     assert drained, f"not drained: status {pipeline.status}, counts {pipeline.counts}"
-    assert report.counts() == CLEAN, report.summary()
+    assert report.counts() == clean(report), report.summary()
     return report
 
 
@@ -220,7 +220,7 @@ def test_a_killed_producer_resends_its_spool_and_an_abandoned_trajectory_expires
     # A producer SIGKILLed after the broker durably acked an `end` but before it wrote `acked` to its ledger
     # leaves that trajectory committed with no ack record (the checker's `unacked_committed`); producer 1 is
     # never restarted to read the ack again, so that happens whenever its kill lands in that window.
-    assert report.counts() == CLEAN and report.committed == report.acked + report.unacked_committed, report.summary()
+    assert report.counts() == clean(report) and report.committed == report.acked + report.unacked_committed, report.summary()
 
 
 def test_a_trainer_source_killed_before_commit_hands_its_leases_on():
