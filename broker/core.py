@@ -302,12 +302,15 @@ def _seq(message: Message) -> dict:
     return {"seq": message["seq"]} if "seq" in message.fields else {}
 
 
-def _open_entry(entry: Entry, trajectory: Trajectory | None = None) -> dict[str, Any]:
-    """How a trajectory handed back to its producer stands, with its ids as
-    the producer named them."""
-    trajectory = trajectory or entry.trajectory
+def _standing(entry: Entry, trajectory: Trajectory | None) -> dict[str, Any]:
+    """Where a trajectory handed back to its producer stands, its id as the producer named it."""
     state = "scoring" if entry.state == SCORING else "terminal" if trajectory is not None and trajectory.terminal else "open"
-    fields: dict[str, Any] = {"trajectory_id": wire_id(entry.trajectory_id), "next_turn": entry.next_turn, "state": state}
+    return {"trajectory_id": wire_id(entry.trajectory_id), "next_turn": entry.next_turn, "state": state}
+
+
+def _open_entry(entry: Entry) -> dict[str, Any]:
+    """An `open_list` entry: where it stands and its identity in its group."""
+    fields = _standing(entry, entry.trajectory)
     if entry.group_id is not None:
         fields.update(group_id=wire_id(entry.group_id), group_size=entry.group_size)
     if entry.sample_index is not None:
@@ -657,8 +660,7 @@ class BrokerCore:
                                                            f"now; ask again later ({read})", seq=message["seq"])
                 return self._refuse("producer", error, message)
             trajectory = read
-        fields = {"seq": message["seq"], **_open_entry(entry, trajectory)}
-        fields.pop("group_id", None), fields.pop("group_size", None), fields.pop("sample_index", None)
+        fields = {"seq": message["seq"], **_standing(entry, trajectory)}
         if trajectory.status is not None:
             fields["status"] = trajectory.status
         fields["forced_spans"] = [list(span) for span in trajectory.forced_spans]
