@@ -37,11 +37,11 @@ SMOKE = {"seconds": 1.0}  # the sizes of --smoke
 
 def synthetic_rate(settings: ProducerSettings, seconds: float) -> tuple[float, float]:
     """(turns/s, sampled tokens/s) of the synthetic sampler alone."""
-    source = SyntheticSource(settings, "bench")
+    source, rng = SyntheticSource(settings, "bench"), np.random.default_rng(settings.seed)
     turns = tokens = 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
-        tokens += len(source.turn(around(source.rng, settings.response_tokens)).tokens)
+        tokens += len(source.turn(rng, around(rng, settings.response_tokens)).tokens)
         turns += 1
     elapsed = time.perf_counter() - start
     return turns / elapsed, tokens / elapsed
@@ -49,11 +49,11 @@ def synthetic_rate(settings: ProducerSettings, seconds: float) -> tuple[float, f
 
 def turn_pool(settings: ProducerSettings, size: int):
     """Pre-generated turns (tokens, log-probs, mask, forced) to send repeatedly."""
-    source = SyntheticSource(settings, "bench")
+    source, rng = SyntheticSource(settings, "bench"), np.random.default_rng(settings.seed)
     pool = []
     for _ in range(size):
-        drawn = source.turn(around(source.rng, settings.response_tokens))
-        forced = source.rng.integers(0, settings.vocab_size, size=settings.tool_tokens, dtype=np.int32)
+        drawn = source.turn(rng, around(rng, settings.response_tokens))
+        forced = rng.integers(0, settings.vocab_size, size=settings.tool_tokens, dtype=np.int32)
         pool.append((drawn, forced))
     return pool
 
