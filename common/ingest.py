@@ -3,7 +3,8 @@
 SGLang, asked with `return_sampling_mask`, returns for each generated token
 its support (`meta_info["output_token_sampling_mask"]`, a list of id lists)
 and the log-probability under the truncated distribution
-(`meta_info["output_token_sampling_logprobs"]`).
+(`meta_info["output_token_sampling_logprobs"]`); with its weight-version
+spans, which weights sampled which of them (`meta_info["weight_versions"]`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ FINISH_REASON_STATUS = {"stop": "completed", "length": "truncated", "abort": "ab
 
 SUPPORTS_KEY = "output_token_sampling_mask"
 LOG_PROBS_KEY = "output_token_sampling_logprobs"
+# SGLang's per-token weight versions: [{"version", "start", "end"}] over the output tokens, contiguous from 0, the
+# newest last (its `weight_version` is the last one's, where a rollstream turn's is its first span's).
+SPANS_KEY = "weight_versions"
 
 
 def status_from_finish_reason(meta_info: Mapping[str, Any]) -> str:
@@ -64,7 +68,12 @@ def turn_from_sglang(
     for name, values in ((SUPPORTS_KEY, supports), (LOG_PROBS_KEY, log_probs)):
         if values is not None and len(values) != n:
             raise LocalProtocolError("misaligned", f"{name} has {len(values)} entries, {n} tokens were sampled")
-    if weight_version is None and meta_info.get("weight_version") is not None:
+    spans = None if weight_version is not None else sglang_spans(meta_info, n)
+    if spans:
+        weight_version = spans[0][0]
+        if len(spans) == 1 and spans[0][1:] == (0, n):  # one version over the turn: the turn's own
+            spans = None
+    elif weight_version is None and meta_info.get("weight_version") is not None:
         weight_version = str(meta_info["weight_version"])
     return Turn.build(
         output_ids,
@@ -74,5 +83,22 @@ def turn_from_sglang(
         forced_tokens=forced_tokens,
         status=status,
         weight_version=weight_version,
+        weight_version_spans=spans or None,
         vocab_size=vocab_size,
     )
+
+
+def sglang_spans(meta_info: Mapping[str, Any], tokens: int) -> list[tuple[str, int, int]] | None:
+    """SGLang's per-token weight versions (`meta_info["weight_versions"]`) as
+    rollstream's (version, start, end) spans, empty ones left out; None when
+    it sent none. Their order and bounds are checked where the turn is
+    built (`Turn.build`)."""
+    value = meta_info.get(SPANS_KEY)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+            isinstance(span, Mapping) and {"version", "start", "end"} <= set(span)
+            and type(span["start"]) is int and type(span["end"]) is int for span in value):
+        raise LocalProtocolError("schema", f"rule 'meta_info.{SPANS_KEY} is a list of {{version, start, end}} with "
+                                           f"integer bounds' not met: got {value!r:.200}")
+    return [(str(span["version"]), span["start"], span["end"]) for span in value if span["end"] > span["start"]]

@@ -35,6 +35,27 @@ def test_sglang_response_becomes_a_turn():
     assert turn.log_probs.dtype == np.float32
 
 
+def test_sglang_weight_version_spans_become_the_turns_spans_its_first_version_the_turns():
+    """SGLang names the newest version `weight_version` and places each over
+    output tokens in `weight_versions`; a rollstream turn's version is its
+    first span's, and an empty span (SGLang keeps one at 0) is left out."""
+    m = {**meta([[5], [6], [7]], [-0.1, -0.2, -0.3]), "weight_version": "13",
+         "weight_versions": [{"version": "12", "start": 0, "end": 2}, {"version": "13", "start": 2, "end": 3}]}
+    turn = turn_from_sglang([5, 6, 7], m)
+    assert (turn.weight_version, turn.weight_version_spans) == ("12", (("12", 0, 2), ("13", 2, 3)))
+    one = {**m, "weight_versions": [{"version": "13", "start": 0, "end": 3}]}
+    assert (turn_from_sglang([5, 6, 7], one).weight_version, turn_from_sglang([5, 6, 7], one).weight_version_spans) == \
+        ("13", None)  # one version over the whole turn: the turn's own, no spans
+    empty = {**meta([], [], "abort"), "weight_version": "13", "weight_versions": [{"version": "13", "start": 0, "end": 0}]}
+    assert turn_from_sglang([], empty, require_mask=False).weight_version == "13"
+    with pytest.raises(ProtocolError) as bad:
+        turn_from_sglang([5, 6, 7], {**m, "weight_versions": [["12", 0, 3]]})
+    assert bad.value.code == "schema" and "meta_info.weight_versions is a list of {version, start, end}" in str(bad.value)
+    with pytest.raises(ProtocolError) as beyond:  # spans past the sampled tokens
+        turn_from_sglang([5, 6, 7], {**m, "weight_versions": [{"version": "12", "start": 0, "end": 5}]})
+    assert beyond.value.code == "misaligned"
+
+
 @pytest.mark.parametrize(
     "tokens, m, code",
     [
