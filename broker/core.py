@@ -32,7 +32,7 @@ from rollstream.common.contract import LIVENESS_INTERVALS
 from rollstream.common.errors import ProtocolError, RemoteProtocolError
 from rollstream.common.failures import FailureLimit, internal_error, log_internal
 from rollstream.common.jobs import DEFAULT_JOB, SEPARATOR, job_key, job_of, wire_id
-from rollstream.common.messages import ADMIN_REPLIES, BROKER_TO_CONSUMER, BROKER_TO_PRODUCER
+from rollstream.common.messages import ADMIN_REPLIES, BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, OPEN_STATES
 from rollstream.common.trajectory import Trajectory
 from rollstream.common.versions import Ancestry
 from rollstream.common.wire import encode_deliver
@@ -302,9 +302,14 @@ def _seq(message: Message) -> dict:
     return {"seq": message["seq"]} if "seq" in message.fields else {}
 
 
+# Where a handed-back trajectory stands (docs/protocol.md §3): turns may follow, only its end, or only its reward.
+STANDING_OPEN, STANDING_TERMINAL, STANDING_SCORING = OPEN_STATES
+
+
 def _standing(entry: Entry, trajectory: Trajectory | None) -> dict[str, Any]:
     """Where a trajectory handed back to its producer stands, its id as the producer named it."""
-    state = "scoring" if entry.state == SCORING else "terminal" if trajectory is not None and trajectory.terminal else "open"
+    state = (STANDING_SCORING if entry.state == SCORING else
+             STANDING_TERMINAL if trajectory is not None and trajectory.terminal else STANDING_OPEN)
     return {"trajectory_id": wire_id(entry.trajectory_id), "next_turn": entry.next_turn, "state": state}
 
 
@@ -634,6 +639,8 @@ class BrokerCore:
         job = self.producer_jobs.get(identity, DEFAULT_JOB)
         if message.type == "list_open":
             entries = self.engine.open_of(producer, job)
+            # Those listed before that no restarted producer went on with and the broker no longer holds are let go.
+            self.handed_back = {tid for tid in self.handed_back if tid in self.engine.entries}
             self.handed_back.update(entry.trajectory_id for entry in entries)
             self.metrics.inc(self.metrics.resumed, len(entries), action="listed")
             listed = [_open_entry(entry) for entry in entries]

@@ -391,7 +391,7 @@ class MergeEngine:
 
     # -- producer messages --------------------------------------------------
     def handle(self, message: Message, wall: float, stored: StoredDigests = NOTHING_STORED, *,
-               producer: Producer | str | None = None) -> Reply:
+               producer: Producer | None = None) -> Reply:
         """Apply one decoded `turn`, `end`, `abort` or `reward` at wall time `wall`
         from `producer` (its hello's id, and its key under CURVE, recorded
         with a new trajectory).
@@ -399,8 +399,6 @@ class MergeEngine:
         the store (None: the read failed, and a resend that needs it is
         refused `unavailable`)."""
         kind = message.type
-        if isinstance(producer, str):
-            producer = Producer(producer)
         if kind not in ("turn", "end", "abort", "reward"):
             raise InvalidInput(f"the merge engine takes turn, end, abort and reward messages, got {kind!r}")
         tid = message["trajectory_id"]
@@ -645,8 +643,7 @@ class MergeEngine:
         keep = entry.group_id is not None
         self._remove(tid)
         if keep:
-            self._add(Entry(tid, LEFT, entry.group_id, entry.group_size, entry.sample_index, updated_at=wall,
-                            producer=entry.producer))
+            self._add(Entry(tid, LEFT, entry.group_id, entry.group_size, entry.sample_index, updated_at=wall))
             if message.get("again"):  # produced again from turn 0: its group waits for it as for an open member
                 self._touch_group(entry, wall)
             else:
@@ -1200,11 +1197,11 @@ class MergeEngine:
 
     def name_producer(self, trajectory_ids: Iterable[str], producer: Producer) -> list:
         """Those of `trajectory_ids` opened before their connection's hello
-        named `producer` (and not ended meanwhile by another) are its."""
+        named `producer` (and not ended meanwhile) are its."""
         effects = []
         for tid in trajectory_ids:
             entry = self.entries.get(tid)
-            if entry is not None and entry.producer is None and entry.state in (OPEN, SCORING, LEFT):
+            if entry is not None and entry.producer is None and entry.state in (OPEN, SCORING):
                 entry.producer = producer
                 effects.append(NameProducer(tid, *producer))
         return effects

@@ -11,10 +11,11 @@ import numpy as np
 
 from rollstream.common.codec import Message
 from rollstream.common.mask import SamplingMask
+from rollstream.common.messages import OPEN_STATES
 from rollstream.common.trajectory import Turn
 
-# How a handed-back trajectory stands at its broker.
-OPEN, TERMINAL, SCORING = "open", "terminal", "scoring"
+# How a handed-back trajectory stands at its broker (`Resumable.state`).
+OPEN, TERMINAL, SCORING = OPEN_STATES
 
 
 @dataclass(frozen=True)

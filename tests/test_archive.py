@@ -29,7 +29,7 @@ from rollstream.broker.archive import (  # noqa: E402
     archive_stopped,
     segments_of,
 )
-from rollstream.broker.engine import EngineSettings, MergeEngine, TrainedAt  # noqa: E402
+from rollstream.broker.engine import EngineSettings, MergeEngine, Producer, TrainedAt  # noqa: E402
 from rollstream.broker.export import export_archive  # noqa: E402
 from rollstream.broker.recovery import rebuild  # noqa: E402
 from rollstream.broker.store import Archiving, Store  # noqa: E402
@@ -45,7 +45,7 @@ def opened(path: Path, **archive) -> tuple[Store, MergeEngine]:
 
 def produce(engine: MergeEngine, store: Store, messages, producer: str = "p0", wall: float = 1.0) -> None:
     for message in messages:
-        reply = engine.handle(message, wall, producer=producer)
+        reply = engine.handle(message, wall, producer=Producer(producer))
         assert reply.error is None, reply.error
         store.commit(list(reply.effects))
 

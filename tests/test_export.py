@@ -24,7 +24,7 @@ from click.testing import CliRunner  # noqa: E402
 from rollstream.broker import export as export_module  # noqa: E402
 from rollstream.broker.cli import export as export_command  # noqa: E402
 from rollstream.broker.core import BrokerCore  # noqa: E402
-from rollstream.broker.engine import EngineSettings, MergeEngine, TrainedAt  # noqa: E402
+from rollstream.broker.engine import EngineSettings, MergeEngine, Producer, TrainedAt  # noqa: E402
 from rollstream.broker.export import Selection, export  # noqa: E402
 from rollstream.broker.recovery import rebuild  # noqa: E402
 from rollstream.broker.store import Archiving, Store, StoreCorrupted  # noqa: E402
@@ -79,7 +79,7 @@ class Sent:
 
     @staticmethod
     def _apply(engine: MergeEngine, store: Store, message, wall: float) -> None:
-        reply = engine.handle(BrokerCore.keyed(message), wall, producer="p0")
+        reply = engine.handle(BrokerCore.keyed(message), wall, producer=Producer("p0"))
         assert reply.error is None, reply.error
         store.commit(list(reply.effects))
 
