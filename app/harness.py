@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Sequence
@@ -101,7 +101,7 @@ class LoopbackNode:
         self.broker = self._start("broker", "--producer-endpoint", endpoints["producer"], "--consumer-endpoint",
                                   endpoints["consumer"], "--admin-endpoint", endpoints["admin"], "--endpoints-file",
                                   endpoints_file, "--data-dir", str(self.work / "data"), "--vocab-size",
-                                  str(self.vocab_size), "--metrics-port", "0", "--log-level", "info",
+                                  str(self.vocab_size), "--metrics-port", "0", "--log-level", "warning",
                                   *self.broker_args)
         secret, server = self.admin_keys
         status = self._answering(60.0)
@@ -157,7 +157,7 @@ class LoopbackNode:
     def producer(self, *args: str) -> int:
         """Start a producer daemon of this node with `args`; its index."""
         args = ("producer", "--broker-endpoint", self.endpoints["producer"], "--vocab-size", str(self.vocab_size),
-                "--metrics-port", "0", "--log-level", "info", *args)
+                "--metrics-port", "0", "--log-level", "warning", *args)
         self._producers.append((self._start(*args), args))
         self.producer_starts += 1
         return len(self._producers) - 1
@@ -373,6 +373,9 @@ class Pipeline:
         # `node.producer_starts` when the last poll began with every producer exited, else None (see `idle`).
         self._exited_before_poll: int | None = None
         self._committed: set[str] = set()
+        # Per producer id, as its ledger says: the trajectories it ended (sent), and those it issued and has not ended.
+        self.ended: defaultdict[str, set[str]] = defaultdict(set)
+        self.under_way: defaultdict[str, set[str]] = defaultdict(set)
         self._resumes = 0  # trainer starts that resumed from a checkpoint (each restart does: there is one at step 0)
         # The source rank's last committed and last sealed step (a resume goes back to its checkpoint's): the
         # trainer seals every step, so a commit not yet sealed is one a restart may have to train again.
@@ -415,6 +418,8 @@ class Pipeline:
             kind = record["kind"]
             if kind == "sent":
                 counts.produced += 1
+                self.ended[record["producer"]].add(record["id"])
+                self.under_way[record["producer"]].discard(record["id"])
             elif kind == "acked" and (record["applied"] or record.get("duplicate")):
                 self._acked.add(record["id"])
             elif kind == "committed":
@@ -425,6 +430,8 @@ class Pipeline:
                 self._sealed_step = record["step"]
             elif kind == "taken_up" and record["action"] == "continue":
                 counts.continued += 1
+            elif kind == "issued" and record["id"] not in self.ended[record["producer"]]:
+                self.under_way[record["producer"]].add(record["id"])
             elif kind == "resumed":
                 self._resumes += 1
                 self._committed_step = self._sealed_step = record["from_step"]
@@ -482,15 +489,6 @@ class Pipeline:
         self.poll()
         self.dead = self.node.dead_letters()
         return check(self.records, self.dead, broker_backlog=self.backlog)
-
-
-def _progress(pipeline: Pipeline, producer_id: str) -> tuple[int, bool]:
-    """How many trajectories the producer's ledger shows it ended (sent),
-    and whether it shows one it issued and has not ended yet."""
-    records = pipeline.records
-    ended = {r["id"] for r in records if r["kind"] == "sent" and r["producer"] == producer_id}
-    return len(ended), any(r["kind"] == "issued" and r["producer"] == producer_id and r["id"] not in ended
-                           for r in records)
 
 
 class _BrokerCounters:
@@ -564,14 +562,14 @@ def archived_rows(directory: str | Path, runs: Iterable[str]) -> int:
 def inject_due(faults: Chaos, pipeline: Pipeline, plan: int) -> None:
     """Inject the faults now due; restart what they killed."""
     node = pipeline.node
-    sent, _ = _progress(pipeline, "demo-producer-0")
+    sent = len(pipeline.ended["demo-producer-0"])
     for fault in faults.due(pipeline.counts.acked / plan, sent / (plan / node.producer_count)):
         if fault.startswith("broker"):
             node.kill_broker()
             node.restart_broker()
         else:
             pipeline.read_records()  # as the ledger stands now (a broker restart may have come first)
-            if not _progress(pipeline, "demo-producer-0")[1]:
+            if not pipeline.under_way["demo-producer-0"]:
                 continue  # killed while it has trajectories under way, which its restart takes up
             node.kill_producer(0)
             # under the same id and spool: its spooled frames go first, then what it had open goes on, and its

@@ -85,10 +85,12 @@ class PromptCursor:
     # -- recording ---------------------------------------------------------------
     def issued(self, sample: Sample) -> None:
         """`sample` is about to send its first frame."""
-        self.outstanding.add(sample)
-        if sample >= self.next:
-            self.next = self.after(sample)
+        self._issue(sample)
         self._append({"i": list(sample)})
+
+    def _issue(self, sample: Sample) -> None:
+        self.outstanding.add(sample)
+        self.next = max(self.next, self.after(sample))
 
     def finished(self, sample: Sample) -> None:
         """`sample` is about to send its `end` (or gives up): it is not issued again."""
@@ -171,8 +173,7 @@ class PromptCursor:
             ((kind, value),) = record.items()
             sample = _sample(value, self.path, number)
             if kind == "i":
-                self.outstanding.add(sample)
-                self.next = max(self.next, self.after(sample))
+                self._issue(sample)
             else:
                 self.outstanding.discard(sample)
         return str(header["run"])

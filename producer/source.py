@@ -110,9 +110,13 @@ class Plan:
             return None
         prompt, metadata = drawn
         grouped = self.group_size > 1
-        return Job(self.cursor.trajectory_id(sample), prompt, sample[0] * self.group_size + sample[1],
+        return Job(self.cursor.trajectory_id(sample), prompt, self._index(sample),
                    self.cursor.group_id(sample[0]) if grouped else None, self.group_size if grouped else None, metadata,
                    sample[0], sample[1], resumable, prefix)
+
+    def _index(self, sample: Sample) -> int:
+        """Where `sample` falls among the run's samples (its `sample_index`)."""
+        return sample[0] * self.group_size + sample[1]
 
     def jobs(self, first: list[Job]) -> Iterator[Job]:
         yield from first
@@ -122,7 +126,7 @@ class Plan:
             if job is not None:
                 yield job
         sample = self.cursor.next
-        while not self.limit or sample[0] * self.group_size + sample[1] < self.limit:
+        while not self.limit or self._index(sample) < self.limit:
             job = self.job(sample)
             if job is None:
                 return

@@ -50,9 +50,13 @@ class Scripted(NamedTuple):
     forced: np.ndarray | None
     aborted: bool
 
+    def options(self) -> dict:
+        """Its supports, forced tokens and status, as a turn takes them (an aborted turn comes without supports)."""
+        return {"mask": None if self.aborted else self.drawn.mask, "forced_tokens": self.forced,
+                "status": "aborted" if self.aborted else "completed"}
+
     def turn(self) -> Turn:
-        return Turn.build(self.drawn.tokens, self.drawn.log_probs, mask=None if self.aborted else self.drawn.mask,
-                          forced_tokens=self.forced, status="aborted" if self.aborted else "completed")
+        return Turn.build(self.drawn.tokens, self.drawn.log_probs, **self.options())
 
 
 class SyntheticSource:
@@ -136,11 +140,10 @@ class SyntheticSource:
             if stopping.is_set():
                 retrieve(await traj.abort(STOPPING))
                 return ABORTED
-            drawn, forced, aborted = script[index]
-            retrieve(await traj.turn(drawn.tokens, drawn.log_probs, mask=None if aborted else drawn.mask,
-                                     forced_tokens=forced, status="aborted" if aborted else "completed",
-                                     weight_version=version))
-            if forced is not None:
+            scripted = script[index]
+            retrieve(await traj.turn(scripted.drawn.tokens, scripted.drawn.log_probs, weight_version=version,
+                                     **scripted.options()))
+            if scripted.forced is not None:
                 await asyncio.sleep(s.tool_seconds)  # the tool's time; replies and other episodes go meanwhile
         if late:
             retrieve(await traj.end())  # scoring at the broker until the reward follows
