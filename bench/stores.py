@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from rollstream.broker.engine import MergeEngine
+from rollstream.broker.engine import MergeEngine, Producer
 from rollstream.common.codec import Message
 
 
@@ -12,7 +12,7 @@ def applied(engine: MergeEngine, tid: str, messages: Iterable[Message], wall: fl
     refusal is an error (a bench's frames are all valid)."""
     effects: list = []
     for message in messages:
-        reply = engine.handle(message, wall, producer=producer)
+        reply = engine.handle(message, wall, producer=Producer(producer))
         if reply.error is not None:
             raise RuntimeError(f"the engine refused a bench frame of {tid}: {reply.error}")
         effects += reply.effects

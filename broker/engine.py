@@ -516,7 +516,7 @@ class MergeEngine:
             self._touch_group(entry, wall)
         effects = (
             OpenTrajectory(tid, group_id, group_size, entry.sample_index, wall, replaces,
-                           *(producer if producer is not None else ())),
+                           None if producer is None else producer.producer_id, None if producer is None else producer.key),
             PutTurn(tid, 0, digest, outcome.applied, outcome.reason, message, wall),
         )
         return _ack(message, outcome.applied, reason=outcome.reason), effects
@@ -1203,7 +1203,7 @@ class MergeEngine:
             entry = self.entries.get(tid)
             if entry is not None and entry.producer is None and entry.state in (OPEN, SCORING):
                 entry.producer = producer
-                effects.append(NameProducer(tid, *producer))
+                effects.append(NameProducer(tid, producer.producer_id, producer.key))
         return effects
 
     def open_of(self, producer: Producer, job: str) -> list[Entry]:
