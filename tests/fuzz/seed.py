@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import targets  # noqa: E402  (a sibling module, found through the line above)
-from targets import framed_input, join_frames, raw_input, turn_frames  # noqa: E402
+from engines import FakeSGLang, FakeVLLM  # noqa: E402  (tests/engines.py, the engines' stand-ins)
+from targets import BITSET, engine_reply, framed_input, join_frames, raw_input, turn_frames  # noqa: E402
 
 from rollstream.common.codec import decode, encode, encode_batch  # noqa: E402
 from rollstream.common.mask import SamplingMask  # noqa: E402
@@ -219,6 +220,44 @@ def miles_session() -> dict[str, bytes]:
     }
 
 
+def _sglang_request(chat: bool, *, full: bool = False) -> tuple[str, dict]:
+    """The path and body the sglang source posts (producer/sglang.py), top-k off."""
+    sampler = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0}
+    if chat:
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": ""}], "input_ids": [1, 2, 3], **sampler,
+                                        "max_tokens": 6, "return_sampling_mask": True, "return_meta_info": True,
+                                        "return_token_ids": True, "logprobs": full}
+    return "/generate", {"input_ids": [1, 2, 3], "sampling_params": {**sampler, "max_new_tokens": 6},
+                         "return_sampling_mask": True, "return_logprob": full}
+
+
+def engine_replies() -> dict[str, bytes]:
+    """The stand-ins' replies (tests/engines.py), each as the decoder it goes to takes it."""
+    seeds = {}
+    with FakeSGLang(targets.VOCAB) as sglang, FakeSGLang(targets.VOCAB, cap=4, overflow_share=1.0) as refusing, \
+            FakeSGLang(targets.VOCAB, cap=4, overflow_share=1.0, overflow_as="status") as aborting, \
+            FakeVLLM(targets.VOCAB) as vllm:
+        seeds["generate"] = engine_reply("sglang_generate", sglang.answer([1, 2, 3], 6))
+        seeds["generate-full-log-probs"] = engine_reply("sglang_generate", sglang.serve(*_sglang_request(False, full=True))[1])
+        seeds["generate-overflow-abort"] = engine_reply("sglang_generate", aborting.serve(*_sglang_request(False))[1])
+        seeds["chat"] = engine_reply("sglang_chat", sglang.serve(*_sglang_request(True))[1])
+        seeds["chat-full-log-probs"] = engine_reply("sglang_chat", sglang.serve(*_sglang_request(True, full=True))[1])
+        seeds["chat-overflow-abort"] = engine_reply("sglang_chat", aborting.serve(*_sglang_request(True))[1])
+        seeds["error-generate-overflow"] = engine_reply("engine_error", refusing.serve(*_sglang_request(False))[1])
+        seeds["error-chat-overflow"] = engine_reply("engine_error", refusing.serve(*_sglang_request(True))[1])
+        seeds["error-other"] = engine_reply("engine_error", {"object": "error", "message": "prompt too long", "code": 400})
+        seeds["vllm"] = engine_reply("vllm_choice", vllm.choice(vllm.draw([1, 2, 3], 6, 8)))
+        sglang.version_change = vllm.version_change = ("8", 2)
+        seeds["generate-weights-updated"] = engine_reply("sglang_generate", sglang.answer([4, 5], 5))
+        seeds["vllm-weights-updated"] = engine_reply("vllm_choice", vllm.choice(vllm.draw([4, 5], 5, 8)))
+        seeds["bitset"] = engine_reply(BITSET, vllm.completion_output([1, 2, 3], 4, mask="bitset").sampling_mask)
+    seeds["weight-versions-maps"] = engine_reply("weight_versions", [{"version": "7", "start": 0, "end": 3},
+                                                                     {"version": "8", "start": 3, "end": 5}])
+    seeds["weight-versions-arrays"] = engine_reply("weight_versions", [["7", 0, 3], ["7", 3, 3], ["8", 3, 5]])
+    seeds["bitset-small"] = engine_reply(BITSET, [[0b101, 0], [0, 0x80]])
+    return seeds
+
+
 def _spool_files() -> tuple[list[bytes], list[bytes]]:
     """A real spool's segment files (frames appended, some settled) and its records' payloads."""
     with tempfile.TemporaryDirectory() as directory:
@@ -312,8 +351,8 @@ SCHEMAS = {"producer_to_broker": PRODUCER_TO_BROKER, "split_batch": PRODUCER_TO_
 
 SEEDS = {"producer_to_broker": producer_to_broker, "split_batch": split_batch, "consumer_to_broker": consumer_to_broker,
          "broker_to_producer": broker_to_producer, "broker_to_consumer": broker_to_consumer, "admin": admin,
-         "miles_session": miles_session, "spool": spool, "cursor": cursor, "segments": segments, "store": store,
-         "archive": archive, "settings_toml": settings_toml}
+         "miles_session": miles_session, "engine_replies": engine_replies, "spool": spool, "cursor": cursor,
+         "segments": segments, "store": store, "archive": archive, "settings_toml": settings_toml}
 
 
 def main() -> None:

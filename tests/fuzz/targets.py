@@ -10,7 +10,8 @@ frames (`split_frames`). The file targets read a first byte of options
 records whose headers and CRCs are right (`framed`: each frame a record's
 payload), so the fuzzer reaches the payload parsers behind the CRC. The
 miles target reads the bytes as one session payload, the settings target as
-one TOML file.
+one TOML file, the engine-reply target a first byte picking the decoder
+and the reply's JSON (`engine_replies`).
 
 Each target runs here without atheris too: tests/fuzz/test_fuzz_targets.py
 replays the corpus and the regression inputs through `run_target`, and
@@ -21,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
+import json
 import os
 import shutil
 import struct
@@ -54,7 +56,16 @@ from rollstream.common.admin import AdminError, read_endpoints_file
 from rollstream.common.clock import Clock
 from rollstream.common.codec import crc32_of, decode, decode_header, encode, encode_batch, split_batch
 from rollstream.common.config import ConfigError, load_toml
-from rollstream.common.errors import InvalidInput, ProtocolError, RemoteProtocolError
+from rollstream.common.errors import InvalidInput, ProtocolError, RemoteProtocolError, SupportOverflow
+from rollstream.common.ingest import (
+    engine_spans,
+    overflow_from_error,
+    sampled_ids,
+    turn_from_sglang,
+    turn_from_sglang_chat,
+    turn_from_vllm,
+)
+from rollstream.common.mask import SamplingMask
 from rollstream.common.messages import (
     ADMIN_REPLIES,
     ADMIN_REQUESTS,
@@ -430,6 +441,103 @@ def miles_session(data: bytes) -> None:
                 turns_from_miles_samples(session.samples, vocab_size=vocab)
 
 
+# -- engine replies ------------------------------------------------------------------
+def _aligned(turn: Turn) -> None:
+    """What every turn an engine's reply decodes to must hold: one log-prob
+    (and support, and full log-prob, where it has them) per sampled token."""
+    n = len(turn.tokens)
+    lengths = {"log_probs": len(turn.log_probs), "mask": None if turn.mask is None else len(turn.mask),
+               "full_log_probs": None if turn.full_log_probs is None else len(turn.full_log_probs)}
+    wrong = {name: length for name, length in lengths.items() if length is not None and length != n}
+    assert not wrong, f"a decoded turn of {n} tokens has {wrong}"
+
+
+def _sglang_generate(reply) -> None:
+    """A `/generate` reply, read as the sglang source reads it: its ids, then its meta_info."""
+    if isinstance(reply, dict) and isinstance(reply.get("meta_info"), dict):  # what the decoders' Mapping types ask
+        for vocab in (None, VOCAB):
+            _aligned(turn_from_sglang(sampled_ids(reply), reply["meta_info"], vocab_size=vocab))
+
+
+def _sglang_chat(reply) -> None:
+    """A `/v1/chat/completions` reply asked with `return_meta_info`."""
+    if isinstance(reply, dict):
+        for vocab in (None, VOCAB):
+            _aligned(turn_from_sglang_chat(reply, vocab_size=vocab))
+
+
+def _vllm_choice(choice) -> None:
+    """One choice of vLLM's `/inference/v1/generate` (any value: the decoder reads a non-mapping's attributes)."""
+    for vocab in (None, VOCAB):
+        _aligned(turn_from_vllm(choice, vocab_size=vocab))
+
+
+def _engine_error(body) -> None:
+    """An HTTP 400's body (or an abort's finish_reason): an overflow, with the numbers the message gave, or another refusal."""
+    overflow = overflow_from_error(body)
+    assert overflow is None or (isinstance(overflow, SupportOverflow) and all(
+        value is None or type(value) is int for value in (overflow.support, overflow.cap))), \
+        f"overflow_from_error gave {overflow!r} (support and cap are ints or None)"
+
+
+def _weight_versions(value) -> None:
+    """A reply's `weight_versions`: spans of a string version and int bounds, empty ones left out."""
+    spans = engine_spans(value, "weight_versions")
+    assert (spans is None) == (value is None), f"engine_spans gave {spans!r} for {value!r:.80}"
+    assert all(type(v) is str and type(s) is int and type(e) is int and e > s for v, s, e in spans or ()), \
+        f"engine_spans gave {spans!r:.200}"
+
+
+# How the engine_replies target reads the bytes after its first: a JSON reply, passed to one decoder.
+ENGINE_REPLIES: dict[str, Callable[[object], None]] = {
+    "sglang_generate": _sglang_generate, "sglang_chat": _sglang_chat, "vllm_choice": _vllm_choice,
+    "engine_error": _engine_error, "weight_versions": _weight_versions}
+# The kind of input whose bytes are bitset rows, not JSON: one byte of row width minus one, then the rows.
+BITSET = "bitset"
+ENGINE_INPUTS = (*ENGINE_REPLIES, BITSET)
+
+
+def engine_reply(kind: str, content) -> bytes:
+    """An engine_replies input: `kind` (of `ENGINE_INPUTS`) and its JSON
+    value, or for `BITSET` a uint8 array of rows."""
+    if kind == BITSET:
+        rows = np.asarray(content, np.uint8)
+        return bytes([ENGINE_INPUTS.index(kind), rows.shape[1] - 1]) + rows.tobytes()
+    return bytes([ENGINE_INPUTS.index(kind)]) + json.dumps(content).encode()
+
+
+def _bitset(data: bytes) -> None:
+    """Packed support rows as vLLM hands them on the GPU: each row's
+    set bits, least significant first, are its support."""
+    width = data[0] + 1 if data else 1
+    body = data[1:]
+    rows = np.frombuffer(body[: len(body) // width * width], np.uint8).reshape(-1, width)
+    mask = SamplingMask.from_bitset(rows)
+    bits = np.unpackbits(rows, axis=1, bitorder="little")
+    sizes, counts = mask.support_sizes, bits.sum(axis=1)
+    assert np.array_equal(sizes, counts), f"supports of {sizes.tolist()} ids from rows of {counts.tolist()} bits"
+    assert bits[np.repeat(np.arange(len(mask)), sizes), mask.ids].all(), "a support holds an id whose bit is not set"
+
+
+def engine_replies(data: bytes) -> None:
+    """An inference engine's HTTP reply, as a producer's engine sources
+    decode it: the first byte picks the decoder (`ENGINE_INPUTS`, modulo
+    their count), the rest is its JSON (a turn decoded without and with a
+    vocabulary, and aligned; bytes that are not JSON never reach a decoder:
+    `post_json` refuses them), or `BITSET` rows."""
+    if not data:
+        return
+    kind = ENGINE_INPUTS[data[0] % len(ENGINE_INPUTS)]
+    if kind == BITSET:
+        _bitset(data[1:])
+        return
+    try:
+        reply = json.loads(data[1:])
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+        return
+    ENGINE_REPLIES[kind](reply)
+
+
 # -- files ---------------------------------------------------------------------------
 def _write_segments(directory: Path, files: list[bytes]) -> None:
     log = SegmentLog(directory, 1 << 20)
@@ -695,6 +803,9 @@ TARGETS: dict[str, Target] = {target.name: target for target in (
     Target("admin", admin, (ProtocolError, AdminError)),
     # decode_session_samples: InvalidInput (MissingTensor is one); a mask it rebuilds refuses as SamplingMask does.
     Target("miles_session", miles_session, (InvalidInput, ProtocolError)),
+    # The ingest decoders refuse a reply with LocalProtocolError (a rule broken), InvalidInput (an unknown
+    # finish_reason) or SupportOverflow (the engine's own refusal of an outgrown support).
+    Target("engine_replies", engine_replies, (ProtocolError, InvalidInput, SupportOverflow)),
     Target("spool", spool, (SpoolError,)),
     Target("cursor", cursor, (CursorError,)),
     Target("segments", segments, (SegmentDamaged,)),
@@ -721,7 +832,46 @@ class NotFixedYet:
 
 
 # By regression input (target/name). Once a fix lands, its input passes, the replay test says so, and the entry goes.
-NOT_FIXED_YET: dict[str, NotFixedYet] = {}
+NOT_FIXED_YET: dict[str, NotFixedYet] = {
+    "engine_replies/vllm-logprob-entry-without-its-logprob": NotFixedYet(
+        "a logprobs.content entry with a token_id and no logprob raises KeyError, not LocalProtocolError",
+        "KeyError", "common/ingest.py:_vllm_log_probs"),
+    "engine_replies/vllm-logprobs-a-number": NotFixedYet(
+        "logprobs that are neither a mapping with a content list nor a list raise TypeError (len)",
+        "TypeError", "common/ingest.py:_vllm_log_probs"),
+    "engine_replies/vllm-token-ids-a-number": NotFixedYet(
+        "token_ids that are not a list raise TypeError (list(ids))", "TypeError", "common/ingest.py:turn_from_vllm"),
+    "engine_replies/vllm-support-a-number": NotFixedYet(
+        "a sampling_mask list holding a number, not an id list, raises TypeError in SamplingMask.from_supports (len)",
+        "TypeError", "common/mask.py:from_supports"),
+    "engine_replies/sglang-finish-reason-a-list": NotFixedYet(
+        "a finish_reason (or its type) that is a list or a mapping raises TypeError (unhashable) in the table look-up",
+        "TypeError", "common/ingest.py:status_from_finish_reason"),
+    "engine_replies/sglang-output-ids-a-number": NotFixedYet(
+        "output_ids (response_token_ids in chat) that are not a list raise TypeError (len)",
+        "TypeError", "common/ingest.py:turn_from_sglang"),
+    "engine_replies/sglang-logprob-entry-without-its-id": NotFixedYet(
+        "an output_token_logprobs entry shorter than [log-prob, id] read for the sampled ids raises IndexError",
+        "IndexError", "common/ingest.py:<listcomp>"),
+    "engine_replies/sglang-logprob-entry-a-number": NotFixedYet(
+        "an output_token_logprobs entry that is not a list, read for the sampled ids, raises TypeError",
+        "TypeError", "common/ingest.py:<listcomp>"),
+    "engine_replies/sglang-logprob-entry-a-mapping": NotFixedYet(
+        "an output_token_logprobs entry that is a mapping, read for the sampled ids, raises KeyError (entry[1])",
+        "KeyError", "common/ingest.py:<listcomp>"),
+    "engine_replies/sglang-output-token-logprobs-a-number": NotFixedYet(
+        "output_token_logprobs that are not a list, read for the sampled ids, raise TypeError",
+        "TypeError", "common/ingest.py:sampled_ids"),
+    "engine_replies/sglang-full-log-prob-a-string": NotFixedYet(
+        "an output_token_logprobs log-prob that is not a number raises ValueError from np.array",
+        "ValueError", "common/ingest.py:_sglang_full_log_probs"),
+    "engine_replies/sglang-log-probs-ragged": NotFixedYet(
+        "log-probs holding a list (a ragged array) raise numpy's ValueError from as_numpy in Turn.build",
+        "ValueError", "common/mask.py:as_numpy"),
+    "engine_replies/error-support-size-past-the-int-digits-limit": NotFixedYet(
+        "a refusal whose support size has more than 4300 digits raises int()'s ValueError",
+        "ValueError", "common/ingest.py:overflow_from_error"),
+}
 
 
 def run_target(name: str, data: bytes) -> None:
