@@ -28,7 +28,7 @@ from typing import Any, Generic, NamedTuple, NewType, TypeVar
 
 from rollstream.common.clock import Clock
 from rollstream.common.codec import Message, encode, encode_error
-from rollstream.common.contract import LIVENESS_INTERVALS
+from rollstream.common.contract import LIVENESS_INTERVALS, TOKEN_LOG_PROB_ARRAYS
 from rollstream.common.errors import ProtocolError, RemoteProtocolError
 from rollstream.common.failures import FailureLimit, internal_error, log_internal
 from rollstream.common.jobs import DEFAULT_JOB, SEPARATOR, job_key, job_of, wire_id
@@ -677,6 +677,9 @@ class BrokerCore:
         mask = trajectory.mask
         if mask is not None:
             arrays.update(mask_ids=mask.ids, mask_offsets=mask.offsets)
+        for name in TOKEN_LOG_PROB_ARRAYS:
+            if trajectory.carries(name):
+                arrays[name] = getattr(trajectory, name)
         return encode(BROKER_TO_PRODUCER, "open_trajectory", fields, arrays)
 
     def _count_resumed(self, answers: list[_Answer]) -> None:

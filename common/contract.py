@@ -50,6 +50,7 @@ ARRAYS: dict[str, ArraySpec] = {
     "tokens": ArraySpec(_INT32, 1),
     "forced_tokens": ArraySpec(_INT32, 1),
     "log_probs": ArraySpec(_FLOAT32, 1),
+    "full_log_probs": ArraySpec(_FLOAT32, 1),
     "loss_mask": ArraySpec(_UINT8, 1),
     "mask_ids": ArraySpec(_INT32, 1),
     "mask_offsets": ArraySpec(_INT64, 1),
@@ -68,9 +69,15 @@ LOG_PROB_TOLERANCE = 2.0**-10
 # trajectory keeps the latest, whose first dimension must not shrink.
 CONTEXT_REPLAY_ARRAYS = ("routed_experts", "indexer_topk")
 
+# Optional per-token log-probs beside `log_probs` (which is under the
+# sampler's truncated distribution): one entry per sampled token, 0.0 at a
+# forced token, each kept by the log-prob rule. `full_log_probs` is the
+# sampled token's log-prob under the engine's whole vocabulary.
+TOKEN_LOG_PROB_ARRAYS = ("full_log_probs",)
+
 # Replay fields in the order a gap reports them: "mask" is the
 # `mask_ids` + `mask_offsets` pair.
-REPLAY_FIELDS = ("mask", *CONTEXT_REPLAY_ARRAYS)
+REPLAY_FIELDS = ("mask", *CONTEXT_REPLAY_ARRAYS, *TOKEN_LOG_PROB_ARRAYS)
 MASK_ARRAYS = ("mask_ids", "mask_offsets")
 
 # Token-id arrays whose values must lie in [0, vocab_size).

@@ -16,7 +16,16 @@ from typing import Annotated, Any, Callable, Literal, Mapping, Union
 
 import msgspec
 
-from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, MASK_ARRAYS, PROTOCOL_VERSION, REPLAY_FIELDS, STATUSES, CreditUnit
+from .contract import (
+    ARRAYS,
+    CONTEXT_REPLAY_ARRAYS,
+    MASK_ARRAYS,
+    PROTOCOL_VERSION,
+    REPLAY_FIELDS,
+    STATUSES,
+    TOKEN_LOG_PROB_ARRAYS,
+    CreditUnit,
+)
 from .jobs import JOB_PATTERN, SEPARATOR, is_job
 
 
@@ -351,8 +360,9 @@ def _is_step_range(value) -> bool:
 
 # -- the catalogue ------------------------------------------------------------
 _SEQ = {"seq": INT}
-_TURN_ARRAYS = ("prompt_tokens", "loss_mask", *MASK_ARRAYS, "forced_tokens", *CONTEXT_REPLAY_ARRAYS)
-_DELIVER_ARRAYS = (*MASK_ARRAYS, *CONTEXT_REPLAY_ARRAYS)
+_TURN_ARRAYS = ("prompt_tokens", "loss_mask", *MASK_ARRAYS, "forced_tokens", *CONTEXT_REPLAY_ARRAYS,
+                *TOKEN_LOG_PROB_ARRAYS)
+_DELIVER_ARRAYS = (*MASK_ARRAYS, *CONTEXT_REPLAY_ARRAYS, *TOKEN_LOG_PROB_ARRAYS)
 _NACK = MessageSpec("nack", {"code": TEXT, "message": ANY_TEXT}, {"seq": INT, "expected": COUNT, "leases": TEXT_LIST})
 
 PRODUCER_TO_BROKER = _schema(
@@ -406,8 +416,8 @@ BROKER_TO_PRODUCER = _schema(
     MessageSpec("open_list", {"seq": INT, "trajectories": OPEN_ENTRIES}),
     MessageSpec("open_trajectory", {"seq": INT, "trajectory_id": TEXT, "next_turn": COUNT, "state": OPEN_STATE},
                 {"status": STATUS, "forced_spans": TOKEN_RANGES, "weight_version_spans": SPANS},
-                arrays=("prompt_tokens", "tokens", "log_probs", "loss_mask"), optional_arrays=MASK_ARRAYS,
-                rules=(mask_pair,)),
+                arrays=("prompt_tokens", "tokens", "log_probs", "loss_mask"),
+                optional_arrays=(*MASK_ARRAYS, *TOKEN_LOG_PROB_ARRAYS), rules=(mask_pair,)),
 )
 
 CONSUMER_TO_BROKER = _schema(

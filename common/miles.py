@@ -27,6 +27,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from .contract import TOKEN_LOG_PROB_ARRAYS
 from .errors import InvalidInput, InvalidType
 from .mask import SamplingMask
 from .trajectory import Trajectory
@@ -329,6 +330,8 @@ def _carry_unknown(samples: list[dict], sample_metas: Sequence[Mapping[str, Any]
 # -- train data ------------------------------------------------------------
 MASK_KEYS = ("rollout_sampling_mask_ids", "rollout_sampling_mask_offsets")
 REPLAY_KEYS = {"rollout_routed_experts": "routed_experts", "rollout_indexer_topk": "indexer_topk"}
+# The per-token log-prob arrays beyond `log_probs`, as `rollout_log_probs` is named (metrics average them as they do it).
+TOKEN_LOG_PROB_KEYS = {f"rollout_{name}": name for name in TOKEN_LOG_PROB_ARRAYS}
 # Per-sample payload, never averaged into metrics.
 PAYLOAD_KEYS = frozenset(MASK_KEYS) | frozenset(REPLAY_KEYS) | {"weight_versions"}
 
@@ -337,6 +340,7 @@ TRAIN_DTYPES: dict[str, np.dtype] = {  # miles' rollout-data dtypes
     "response_lengths": np.dtype(np.int64),
     "loss_masks": np.dtype(np.int32),
     "rollout_log_probs": np.dtype(np.float32),
+    **dict.fromkeys(TOKEN_LOG_PROB_KEYS, np.dtype(np.float32)),
     "sample_indices": np.dtype(np.int64),
     "truncated": np.dtype(np.int64),
     "rollout_ids": np.dtype(np.int64),
@@ -388,10 +392,11 @@ def to_train_data(trajectories: Sequence[Trajectory], *, strict_replay: bool = F
 
     Per-sample keys are lists of arrays with miles' dtypes; `tokens` is the
     prompt followed by the response. The whole-batch rule applies to the
-    mask: all samples carry it, or none does. A replay field follows miles'
-    rule: present when the first sample carries it, with a None row for a
-    sample that does not (`strict_replay` refuses such a batch instead,
-    naming the sample). A sample without a `sample_index` gets its batch
+    mask: all samples carry it, or none does. A replay field (the context
+    replay arrays, and `full_log_probs` as `rollout_full_log_probs`) follows
+    miles' rule: present when the first sample carries it, with a None row
+    for a sample that does not (`strict_replay` refuses such a batch
+    instead, naming the sample). A sample without a `sample_index` gets its batch
     position.
     """
     indices = [t.sample_index if t.sample_index is not None else i for i, t in enumerate(trajectories)]
@@ -418,7 +423,7 @@ def to_train_data(trajectories: Sequence[Trajectory], *, strict_replay: bool = F
             ids.append(mask.ids)
             offsets.append(mask.offsets)
         data["rollout_sampling_mask_ids"], data["rollout_sampling_mask_offsets"] = ids, offsets
-    for key, name in REPLAY_KEYS.items():
+    for key, name in {**REPLAY_KEYS, **TOKEN_LOG_PROB_KEYS}.items():
         rows = [getattr(t, name) for t in trajectories]
         if strict_replay:
             check_whole_batch_rule([row is not None for row in rows], indices, statuses, field=name)

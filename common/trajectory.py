@@ -17,7 +17,7 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 
 from .buffers import GrowableArray, constant_run, counting_run
-from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, STATUSES, TERMINAL_STATUSES
+from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, STATUSES, TERMINAL_STATUSES, TOKEN_LOG_PROB_ARRAYS
 from .errors import InvalidInput, InvalidState, InvalidType, LocalProtocolError
 from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, as_int_array, as_numpy, frozen, list_as_array, owned
 from .validation import RULE_ALIGNED, check_message_arrays, check_message_structure
@@ -135,6 +135,7 @@ class Turn(NamedTuple):
     forced_tokens: np.ndarray = EMPTY_TOKENS
     routed_experts: np.ndarray | None = None
     indexer_topk: np.ndarray | None = None
+    full_log_probs: np.ndarray | None = None  # each sampled token's log-prob under the whole vocabulary
     status: str = "completed"
     weight_version: str | None = None
     mask_ids_crc32: int | None = None  # the CRC-32 of `mask.ids`' bytes, when a decoder verified it
@@ -156,6 +157,7 @@ class Turn(NamedTuple):
         forced_tokens=None,
         routed_experts=None,
         indexer_topk=None,
+        full_log_probs=None,
         status: str = "completed",
         weight_version: str | None = None,
         weight_version_spans=None,
@@ -170,6 +172,9 @@ class Turn(NamedTuple):
         frame encodes and lines up), leaving the content rules to whoever
         receives it. The support comes as a `SamplingMask`, as CSR arrays
         `mask_ids` + `mask_offsets`, or as `supports` (one id list per token).
+        `log_probs` are under the sampler's truncated distribution;
+        `full_log_probs`, when the engine reports them, under the whole
+        vocabulary's, kept by the same rules.
 
         Lists are converted; numpy arrays whose dtype fits are copied, or
         with `borrow` taken as they are (no copy: the caller leaves them
@@ -181,13 +186,15 @@ class Turn(NamedTuple):
         if (borrow and mask is None and supports is None and forced_tokens is None and routed_experts is None
                 and indexer_topk is None and _taken_as_is(tokens, TOKEN_DTYPE) and _taken_as_is(log_probs, LOG_PROB_DTYPE)
                 and (loss_mask is None or _taken_as_is(loss_mask, LOSS_MASK_DTYPE))
+                and (full_log_probs is None or _taken_as_is(full_log_probs, LOG_PROB_DTYPE))
                 and (mask_ids is None if mask_offsets is None
                      else _taken_as_is(mask_ids, IDS_DTYPE) and _taken_as_is(mask_offsets, OFFSETS_DTYPE))
                 and status in STATUSES):
             # The producer's common call: arrays already of the contract's dtypes, borrowed as they are.
             turn = cls(tokens, log_probs, loss_mask,
                        None if mask_ids is None else SamplingMask._wrap(mask_ids, mask_offsets), EMPTY_TOKENS,
-                       status=status, weight_version=weight_version, weight_version_spans=weight_version_spans)
+                       full_log_probs=full_log_probs, status=status, weight_version=weight_version,
+                       weight_version_spans=weight_version_spans)
             return turn._checked(check_content, vocab_size)
         if (mask is not None) + (supports is not None) + (mask_ids is not None) > 1:
             given = [name for name, value in (("mask", mask), ("supports", supports), ("mask_ids", mask_ids))
@@ -219,6 +226,8 @@ class Turn(NamedTuple):
                            else take(forced_tokens, as_int_array(forced_tokens, TOKEN_DTYPE, "forced_tokens"))),
             routed_experts=None if routed_experts is None else take(routed_experts, _as_replay(routed_experts, "routed_experts")),
             indexer_topk=None if indexer_topk is None else take(indexer_topk, _as_replay(indexer_topk, "indexer_topk")),
+            full_log_probs=None if full_log_probs is None else take(full_log_probs,
+                                                                    _as_float_array(full_log_probs, "full_log_probs")),
             status=status,
             weight_version=weight_version,
             weight_version_spans=weight_version_spans,
@@ -246,19 +255,11 @@ class Turn(NamedTuple):
         mask = None
         if "mask_ids" in arrays:
             mask = SamplingMask._wrap(arrays["mask_ids"], arrays["mask_offsets"])
-        return cls(
-            tokens=arrays["tokens"],
-            log_probs=arrays["log_probs"],
-            loss_mask=arrays.get("loss_mask"),
-            mask=mask,
-            forced_tokens=arrays.get("forced_tokens", EMPTY_TOKENS),
-            routed_experts=arrays.get("routed_experts"),
-            indexer_topk=arrays.get("indexer_topk"),
-            status=status,
-            weight_version=weight_version,
-            mask_ids_crc32=None if crcs is None else crcs.get("mask_ids"),
-            weight_version_spans=None if weight_version_spans is None else tuple(map(tuple, weight_version_spans)),
-        )
+        # Positional, in field order: the broker makes one per frame, and a keyword call matches every name.
+        return cls(arrays["tokens"], arrays["log_probs"], arrays.get("loss_mask"), mask,
+                   arrays.get("forced_tokens", EMPTY_TOKENS), arrays.get("routed_experts"), arrays.get("indexer_topk"),
+                   arrays.get("full_log_probs"), status, weight_version, None if crcs is None else crcs.get("mask_ids"),
+                   None if weight_version_spans is None else tuple(map(tuple, weight_version_spans)))
 
     def carries(self, replay_field: str) -> bool:
         return getattr(self, replay_field) is not None
@@ -285,7 +286,22 @@ class Turn(NamedTuple):
             out["routed_experts"] = self.routed_experts
         if self.indexer_topk is not None:
             out["indexer_topk"] = self.indexer_topk
+        if self.full_log_probs is not None:
+            out["full_log_probs"] = self.full_log_probs
         return out
+
+
+def _with_forced_zeros(turns: list[Turn], name: str, zeros: np.ndarray) -> list[np.ndarray]:
+    """Per-token log-prob array `name` of `turns`, each turn's sampled
+    tokens' then 0.0 for its forced tokens, as `log_probs` is merged. A turn
+    without it has no sampled tokens (`append_turn` cut a gap otherwise)."""
+    parts = []
+    for turn in turns:
+        values = getattr(turn, name)
+        parts.append(zeros[: len(turn.tokens)] if values is None else values)
+        if turn.forced_tokens.size:
+            parts.append(zeros[: turn.forced_tokens.size])
+    return parts
 
 
 class _MaskBuffer:
@@ -376,6 +392,7 @@ class Trajectory:
         self._log_probs.truncate(0)
         self._mask: _MaskBuffer | None = None
         self._context: dict[str, np.ndarray] = {}
+        self._token_log_probs: dict[str, GrowableArray] = {}  # the `TOKEN_LOG_PROB_ARRAYS` it carries
         self._sampled_end = 0  # end of the last applied turn's sampled tokens
         self._terminal = False
         self.turns = 0
@@ -409,6 +426,7 @@ class Trajectory:
         if self._mask is not None:
             self._mask = _MaskBuffer()
         self._context = {name: _shape_of(array) for name, array in self._context.items()}
+        self._token_log_probs = {name: GrowableArray(LOG_PROB_DTYPE) for name in self._token_log_probs}
         self.is_shed = True
 
     @property
@@ -426,6 +444,14 @@ class Trajectory:
     def log_probs(self) -> np.ndarray:
         self._write_pending()
         return self._log_probs.view()
+
+    @property
+    def full_log_probs(self) -> np.ndarray | None:
+        """Each response token's log-prob under the whole vocabulary (0.0 at
+        forced tokens), or None when the trajectory does not carry them."""
+        self._write_pending()
+        buffer = self._token_log_probs.get("full_log_probs")
+        return None if buffer is None else buffer.view()
 
     @property
     def has_mask(self) -> bool:
@@ -464,7 +490,7 @@ class Trajectory:
     def carries(self, replay_field: str) -> bool:
         if replay_field == "mask":
             return self._mask is not None
-        return replay_field in self._context
+        return replay_field in self._context or replay_field in self._token_log_probs
 
     def arrays(self, *, parts_from: int | None = None) -> dict[str, np.ndarray | list[np.ndarray]]:
         """Read-only views under contract names; valid until the next change.
@@ -486,6 +512,8 @@ class Trajectory:
             "loss_mask": read(self._loss_mask),
             "log_probs": read(self._log_probs),
         }
+        for name, buffer in self._token_log_probs.items():
+            out[name] = read(buffer)
         if self._mask is not None:
             out["mask_ids"], out["mask_offsets"] = read(self._mask.ids), self._mask.offsets.view()
         out.update(self._context)
@@ -494,7 +522,7 @@ class Trajectory:
     @property
     def nbytes(self) -> int:
         """Bytes of its arrays, counted without writing queued appends."""
-        buffers = [self._tokens, self._loss_mask, self._log_probs]
+        buffers = [self._tokens, self._loss_mask, self._log_probs, *self._token_log_probs.values()]
         if self._mask is not None:
             buffers += [self._mask.ids, self._mask.offsets]
         context = 0 if self.is_shed else sum(array.nbytes for array in self._context.values())
@@ -504,6 +532,8 @@ class Trajectory:
         """What a pending turn adds to the buffers once written."""
         forced = turn.forced_tokens.size
         total = (len(turn.tokens) + forced) * _PER_TOKEN_BYTES
+        if self._token_log_probs:
+            total += (len(turn.tokens) + forced) * LOG_PROB_DTYPE.itemsize * len(self._token_log_probs)
         if self._mask is not None:
             total += (len(turn.tokens) + forced) * OFFSETS_DTYPE.itemsize + forced * IDS_DTYPE.itemsize
             total += 0 if turn.mask is None else turn.mask.ids.nbytes
@@ -533,6 +563,8 @@ class Trajectory:
         self._tokens.extend_many(tokens)
         self._log_probs.extend_many(log_probs)
         self._loss_mask.extend_many(loss_mask)
+        for name, buffer in self._token_log_probs.items():
+            buffer.extend_many(_with_forced_zeros(pending, name, zero_log_probs))
         if self._mask is not None:
             self._mask.append_turns(pending)
 
@@ -561,6 +593,12 @@ class Trajectory:
                 "misaligned",
                 f"rule '{RULE_ALIGNED}' violated: trajectory {self.trajectory_id!r} carries a sampling mask, "
                 f"{len(tokens)} sampled tokens without supports would misalign it",
+            )
+        if self._token_log_probs:
+            raise LocalProtocolError(
+                "misaligned",
+                f"rule '{RULE_ALIGNED}' violated: trajectory {self.trajectory_id!r} carries {list(self._token_log_probs)}, "
+                f"{len(tokens)} sampled tokens without them would misalign it (append them with `append_turn`)",
             )
         self._queue(Turn(owned(tokens, tokens), owned(log_probs, log_probs),
                          loss_mask=None if loss_mask is None else owned(loss_mask, loss_mask), mask=mask))
@@ -591,7 +629,7 @@ class Trajectory:
             raise LocalProtocolError("misaligned", "rule 'weight_version_spans lie within the turn's sampled tokens' "
                                                    f"violated: expected ends <= {len(turn.tokens)}, got {list(spans)}")
         if (turn.mask is None) == (self._mask is None) and not self._context and turn.routed_experts is None \
-                and turn.indexer_topk is None:
+                and turn.indexer_topk is None and turn.full_log_probs is None and not self._token_log_probs:
             return self._apply(turn)  # the common case: the turn carries what the trajectory carries
         carried = [self.carries(name) for name in REPLAY_FIELDS]
         brought = [turn.carries(name) for name in REPLAY_FIELDS]
@@ -620,6 +658,9 @@ class Trajectory:
         for name in CONTEXT_REPLAY_ARRAYS:
             if getattr(turn, name) is not None:
                 self._context[name] = _shape_of(getattr(turn, name)) if self.is_shed else getattr(turn, name)
+        for name in TOKEN_LOG_PROB_ARRAYS:  # started while the response is empty (a later start was refused above)
+            if getattr(turn, name) is not None and name not in self._token_log_probs:
+                self._token_log_probs[name] = GrowableArray(LOG_PROB_DTYPE)
         return self._apply(turn)
 
     def _apply(self, turn: Turn) -> TurnOutcome:
@@ -660,6 +701,8 @@ class Trajectory:
         self._tokens.truncate(length)
         self._loss_mask.truncate(length)
         self._log_probs.truncate(length)
+        for buffer in self._token_log_probs.values():
+            buffer.truncate(length)
         if self._mask is not None:
             self._mask.truncate(length)
         self._sampled_end = min(self._sampled_end, length)
@@ -669,7 +712,7 @@ class Trajectory:
         """Every per-token field has `response_length` entries."""
         self._write_pending()
         n = self.response_length
-        for name, arr in (("loss_mask", self._loss_mask), ("log_probs", self._log_probs)):
+        for name, arr in (("loss_mask", self._loss_mask), ("log_probs", self._log_probs), *self._token_log_probs.items()):
             if len(arr) != n:
                 raise LocalProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: {name} has {len(arr)} entries, "
                                                        f"response_length is {n}")
@@ -717,6 +760,10 @@ class Trajectory:
         traj._log_probs.extend(arrays["log_probs"])
         if "mask_ids" in arrays:
             traj._mask = _MaskBuffer(arrays["mask_ids"], arrays["mask_offsets"])
+        for name in TOKEN_LOG_PROB_ARRAYS:
+            if name in arrays:
+                traj._token_log_probs[name] = GrowableArray(LOG_PROB_DTYPE)
+                traj._token_log_probs[name].extend(arrays[name])
         for name in CONTEXT_REPLAY_ARRAYS:
             if name in arrays:
                 traj._context[name] = frozen(np.array(arrays[name]))

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .buffers import join_contiguous
-from .contract import LOG_PROB_TOLERANCE, NACK_CODES
+from .contract import LOG_PROB_TOLERANCE, NACK_CODES, TOKEN_LOG_PROB_ARRAYS
 from .errors import InvalidInput, LocalProtocolError, RollstreamError
 
 RULE_ALIGNED = "per-token fields aligned (one entry per response token)"
@@ -44,18 +44,21 @@ RULE_TOKEN_VOCAB = "token ids in [0, vocab_size)"
 RULE_LOSS_MASK = "loss_mask values in {0, 1}"
 RULE_WHOLE_BATCH = "every sample of a batch carries the field or none does"
 RULE_FORCED_SINGLETON = "forced tokens (loss_mask 0, log_prob 0.0) have the singleton support [token]"
-RULE_LOG_PROBS = f"log_probs are finite and <= 0 (within {LOG_PROB_TOLERANCE} for rounding)"
+# One log-prob rule, named per field it keeps: `log_probs` and each optional per-token log-prob array.
+LOG_PROB_RULES = {name: f"{name} are finite and <= 0 (within {LOG_PROB_TOLERANCE} for rounding)"
+                  for name in ("log_probs", *TOKEN_LOG_PROB_ARRAYS)}
+RULE_LOG_PROBS = LOG_PROB_RULES["log_probs"]
 
 
 def _log_probs_broken(values):
-    """Whether any of `values` (non-empty, numpy or torch) breaks
-    `RULE_LOG_PROBS`, as one flag where they live: two reductions, and a
-    NaN makes both NaN, which neither comparison passes."""
+    """Whether any of `values` (non-empty, numpy or torch) breaks the
+    log-prob rule (`LOG_PROB_RULES`), as one flag where they live: two
+    reductions, and a NaN makes both NaN, which neither comparison passes."""
     return ~((values.max() <= LOG_PROB_TOLERANCE) & (values.min() > -np.inf))
 
 
 def _breaks_log_prob_rule(values):
-    """Per entry, whether it breaks `RULE_LOG_PROBS` (NaN passes neither comparison)."""
+    """Per entry, whether it breaks the log-prob rule (NaN passes neither comparison)."""
     return ~((values <= LOG_PROB_TOLERANCE) & (values > -np.inf))
 
 
@@ -540,6 +543,7 @@ def packed_violations(
     vocab_size: int | None = None,
     loss_mask=None,
     log_probs=None,
+    token_log_probs: Mapping[str, Any] | None = None,
     marks_forced: bool = True,
 ) -> list[Violation]:
     """Every rule each sample of a packed batch breaks (empty when valid).
@@ -547,7 +551,9 @@ def packed_violations(
     Without a mask only the token ids and the loss mask are checked.
     `mask_lengths`, when given, is each sample's mask length and is checked
     against `response_lengths`; otherwise only the totals are compared.
-    `log_probs`, when given, must keep `RULE_LOG_PROBS`. In merged
+    `log_probs`, when given, must keep `RULE_LOG_PROBS`, and each array of
+    `token_log_probs` (by name: `full_log_probs`) its rule of
+    `LOG_PROB_RULES`, one entry per token as well. In merged
     trajectories (`marks_forced`), `log_probs` with `loss_mask` and a mask
     also mark the forced tokens (loss 0 and log-prob exactly 0.0,
     semantics.md §3), whose supports must be singletons (the in-support rule
@@ -558,7 +564,7 @@ def packed_violations(
     (`locate_violations`) only when a flag is set.
     """
     options = dict(mask_lengths=mask_lengths, vocab_size=vocab_size, loss_mask=loss_mask, log_probs=log_probs,
-                   marks_forced=marks_forced)
+                   token_log_probs=token_log_probs, marks_forced=marks_forced)
     if Verdict(packed_flags(tokens, response_lengths, mask_ids, mask_offsets, **options)).passed():
         return []
     return locate_violations(tokens, response_lengths, mask_ids, mask_offsets, **options)
@@ -584,9 +590,12 @@ class Verdict:
         return not bool(self._host.any())
 
 
-def _structure_problem(total: int, response_lengths_host, mask_offsets, mask_lengths, loss_mask, log_probs) -> bool:
+def _structure_problem(total: int, response_lengths_host, mask_offsets, mask_lengths, loss_mask, log_probs,
+                       token_log_probs) -> bool:
     """Whether a packed batch's shapes break a rule (host facts alone)."""
     if any(values is not None and len(values) != total for values in (loss_mask, log_probs)):
+        return True
+    if token_log_probs and any(len(values) != total for values in token_log_probs.values()):
         return True
     if mask_offsets is None:
         return False
@@ -615,6 +624,7 @@ def packed_flags(
     vocab_size: int | None = None,
     loss_mask=None,
     log_probs=None,
+    token_log_probs: Mapping[str, Any] | None = None,
     marks_forced: bool = True,
 ):
     """`packed_violations`' checks as flags, one per check, set when it
@@ -626,7 +636,7 @@ def packed_flags(
     alone, as it always has."""
     ops = _ops_for(tokens)
     lengths_host, total = _packed_total(ops, tokens, response_lengths)
-    if _structure_problem(total, lengths_host, mask_offsets, mask_lengths, loss_mask, log_probs):
+    if _structure_problem(total, lengths_host, mask_offsets, mask_lengths, loss_mask, log_probs, token_log_probs):
         return ops.flags([True], tokens)
     flags: list[Any] = []
     if mask_offsets is not None:
@@ -643,6 +653,8 @@ def packed_flags(
             flags.append((loss_mask.min() < 0) | (loss_mask.max() > 1))
         if log_probs is not None:
             flags.append(_log_probs_broken(log_probs))
+        if token_log_probs:
+            flags += [_log_probs_broken(values) for values in token_log_probs.values()]
     return ops.flags(flags, tokens)
 
 
@@ -707,6 +719,7 @@ def locate_violations(
     vocab_size: int | None = None,
     loss_mask=None,
     log_probs=None,
+    token_log_probs: Mapping[str, Any] | None = None,
     marks_forced: bool = True,
 ) -> list[Violation]:
     """`packed_violations` without its verdict: the search for each failing
@@ -715,7 +728,8 @@ def locate_violations(
     ops = _ops_for(tokens)
     lengths_host, total = _packed_total(ops, tokens, response_lengths)
     cu_host = _cumsum0(lengths_host)
-    for name, values in (("loss_mask", loss_mask), ("log_probs", log_probs)):
+    log_prob_arrays = {"log_probs": log_probs, **(token_log_probs or {})}
+    for name, values in (("loss_mask", loss_mask), *log_prob_arrays.items()):
         if values is not None and len(values) != total:
             return [Violation(RULE_ALIGNED, 0, None, 1, f"{name} has {len(values)} entries, expected {total}")]
 
@@ -777,13 +791,19 @@ def locate_violations(
         loss_host = ops.to_host(loss_mask)
         bad_loss = np.flatnonzero((loss_host != 0) & (loss_host != 1))
         found += _group_by_sample(RULE_LOSS_MASK, bad_loss, cu_host, lambda g: f"loss_mask is {int(loss_host[g])}")
-    if log_probs is not None and total and bool(_log_probs_broken(log_probs)):
-        log_probs_host = ops.to_host(log_probs)
-        found += _group_by_sample(
-            RULE_LOG_PROBS, ops.to_host(ops.nonzero(_breaks_log_prob_rule(log_probs))), cu_host,
-            lambda g: f"log_prob is {float(log_probs_host[g])}, expected finite and <= {LOG_PROB_TOLERANCE}",
-        )
+    for name, values in log_prob_arrays.items():
+        if values is not None and total and bool(_log_probs_broken(values)):
+            found += _log_prob_violations(ops, name, values, cu_host)
     return found
+
+
+def _log_prob_violations(ops, name: str, values, cu_host) -> list[Violation]:
+    """`name`'s rule of `LOG_PROB_RULES` per sample, at its first broken entry."""
+    host = ops.to_host(values)
+    return _group_by_sample(
+        LOG_PROB_RULES[name], ops.to_host(ops.nonzero(_breaks_log_prob_rule(values))), cu_host,
+        lambda g: f"{name.removesuffix('s')} is {float(host[g])}, expected finite and <= {LOG_PROB_TOLERANCE}",
+    )
 
 
 def pack_csr(ids_list: Sequence[np.ndarray], offsets_list: Sequence[np.ndarray],
@@ -866,7 +886,7 @@ RULE_CODES = {
     RULE_TOKEN_VOCAB: "out_of_vocab",
     RULE_LOSS_MASK: "invalid_value",
     RULE_FORCED_SINGLETON: "mask_invalid",
-    RULE_LOG_PROBS: "invalid_value",
+    **dict.fromkeys(LOG_PROB_RULES.values(), "invalid_value"),
 }
 _CODE_ORDER = {code: i for i, code in enumerate(NACK_CODES)}
 
@@ -885,6 +905,9 @@ def _join(parts: list[np.ndarray]) -> np.ndarray:
 
 
 _MIN, _MAX, _ALL = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce
+# The broker's fast check runs per frame and names the one optional per-token log-prob array itself: a loop over
+# the table would cost every frame without it. Unpacked, so a second entry in the table fails here, at import.
+(_FULL_LOG_PROBS,) = TOKEN_LOG_PROB_ARRAYS
 
 
 def _tokens_in_supports(tokens: np.ndarray, ids: np.ndarray, offsets: np.ndarray) -> bool:
@@ -944,6 +967,11 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
         log_prob, loss_mask = arrays.get("log_probs"), arrays.get("loss_mask")
         if (log_prob is not None and len(log_prob) != n) or (loss_mask is not None and len(loss_mask) != n):
             return False
+        if _FULL_LOG_PROBS in arrays:  # kept by the log-prob rule: checked with the log_probs
+            full_log_prob = arrays[_FULL_LOG_PROBS]
+            if len(full_log_prob) != n:
+                return False
+            log_probs.append(full_log_prob)
         message_ids, message_offsets = arrays.get("mask_ids"), arrays.get("mask_offsets")
         if message_offsets is None:
             plain.append(message_tokens)  # no support to imply their vocabulary check
@@ -998,7 +1026,7 @@ def check_message_structure(arrays: Mapping[str, np.ndarray]) -> None:
     content rules."""
     tokens = arrays["tokens"]
     n = len(tokens)
-    for name in ("log_probs", "loss_mask"):
+    for name in ("log_probs", "loss_mask", *TOKEN_LOG_PROB_ARRAYS):
         values = arrays.get(name)
         if values is not None and len(values) != n:
             raise LocalProtocolError("misaligned",
@@ -1032,7 +1060,8 @@ def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | 
     n = len(tokens)
     found = packed_violations(
         tokens, [n], arrays.get("mask_ids"), arrays.get("mask_offsets"),
-        vocab_size=vocab_size, loss_mask=arrays.get("loss_mask"), log_probs=arrays.get("log_probs"), marks_forced=False,
+        vocab_size=vocab_size, loss_mask=arrays.get("loss_mask"), log_probs=arrays.get("log_probs"),
+        token_log_probs={name: arrays[name] for name in TOKEN_LOG_PROB_ARRAYS if name in arrays}, marks_forced=False,
     )
     for name in ("prompt_tokens", "forced_tokens"):
         values = arrays.get(name)

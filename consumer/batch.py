@@ -2,11 +2,12 @@
 
 Samples lie end to end. `tokens` holds each sample's prompt then response
 (`cu_seqlens` bounds them, as variable-length attention wants); the
-per-response-token fields (`response_tokens`, `loss_mask`, `log_probs`) and
-the whole batch's sampling mask (one CSR, `mask_offsets` over all response
-tokens) are packed on the response axis, bounded by `response_cu`. Replay
-captures (`routed_experts`, `indexer_topk`) are packed along their first
-dimension. Host-side per-sample facts (ids, statuses, gaps, ...) are tuples,
+per-response-token fields (`response_tokens`, `loss_mask`, `log_probs`,
+`full_log_probs` when the samples carry them) and the whole batch's
+sampling mask (one CSR, `mask_offsets` over all response tokens) are packed
+on the response axis, bounded by `response_cu`. Replay captures
+(`routed_experts`, `indexer_topk`) are packed along their first dimension.
+Host-side per-sample facts (ids, statuses, gaps, ...) are tuples,
 and the per-sample lengths of every packed field are kept on the host too,
 so selecting, concatenating and shipping a batch never waits on the device.
 """
@@ -21,11 +22,12 @@ import numpy.typing as npt
 import torch
 
 from rollstream.common.checker import Ledger, delivered_digest
-from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS
+from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS, TOKEN_LOG_PROB_ARRAYS
 from rollstream.common.errors import InvalidInput, InvalidType, OutOfRange, RemoteProtocolError
 from rollstream.common.miles import (
     MASK_KEYS,
     REPLAY_KEYS,
+    TOKEN_LOG_PROB_KEYS,
     TRAIN_DTYPES,
     metric_view,
     rollout_keys,
@@ -46,6 +48,7 @@ RAGGED = {
     "response_tokens": "response",
     "loss_mask": "response",
     "log_probs": "response",
+    **dict.fromkeys(TOKEN_LOG_PROB_ARRAYS, "response"),
     "mask_ids": "mask_ids",
     **{name: name for name in CONTEXT_REPLAY_ARRAYS},
 }
@@ -210,7 +213,10 @@ class Batch:
     prompt_lengths: torch.Tensor  # int64 [S]
     response_lengths: torch.Tensor  # int64 [S]
     loss_mask: torch.Tensor  # uint8 [R]
-    log_probs: torch.Tensor  # float32 [R]
+    log_probs: torch.Tensor  # float32 [R], under the sampler's truncated distribution
+    # float32 [R], under the whole vocabulary's (0.0 at forced tokens); None unless every sample carries them, which
+    # the whole-batch rule makes a batch's samples do or none (`validate.sample_violations`)
+    full_log_probs: torch.Tensor | None
     rewards: torch.Tensor  # float32 [S]
     sample_indices: torch.Tensor  # int64 [S]
     group_index: torch.Tensor  # int64 [S], group number within the batch
@@ -252,6 +258,9 @@ class Batch:
             "loss_mask": concat_to_device([a["loss_mask"] for a in arrays], np.uint8, device),
             "log_probs": concat_to_device([a["log_probs"] for a in arrays], np.float32, device),
         }
+        for name in TOKEN_LOG_PROB_ARRAYS:
+            if arrays and name in arrays[0]:
+                ragged[name] = concat_to_device([a[name] for a in arrays], np.float32, device)
         mask_offsets = None
         if arrays and "mask_ids" in arrays[0]:
             lengths["mask_ids"] = np.array([len(a["mask_ids"]) for a in arrays], dtype=np.int64)
@@ -306,6 +315,7 @@ class Batch:
             response_cu=bounds["response_cu"],
             loss_mask=ragged["loss_mask"],
             log_probs=ragged["log_probs"],
+            full_log_probs=ragged.get("full_log_probs"),
             group_index=bounds["group_index"],
             mask_ids=ragged.get("mask_ids"),
             mask_offsets=mask_offsets,
@@ -336,6 +346,9 @@ class Batch:
     def ragged(self) -> dict[str, torch.Tensor]:
         """Every packed field present, by name."""
         out = {name: getattr(self, name) for name in ("tokens", "response_tokens", "loss_mask", "log_probs")}
+        for name in TOKEN_LOG_PROB_ARRAYS:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         if self.mask_ids is not None:
             out["mask_ids"] = self.mask_ids
         out.update(self.replay)
@@ -564,6 +577,8 @@ class Batch:
             "response_lengths": cast(self.response_lengths, "response_lengths"),
             "loss_masks": loss_masks,
             "rollout_log_probs": self._split(cast(self.log_probs, "rollout_log_probs"), "response"),
+            **{key: self._split(cast(getattr(self, name), key), "response")
+               for key, name in TOKEN_LOG_PROB_KEYS.items() if getattr(self, name) is not None},
             "rewards": rewards,
             "sample_indices": cast(self.sample_indices, "sample_indices"),
         }

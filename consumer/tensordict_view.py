@@ -6,7 +6,8 @@ only when called, so the consumer works without it.
 The layout: batch_size [S], on the batch's device, no padding anywhere.
 
 - Every packed field of `Batch.ragged()` (`tokens`, `response_tokens`,
-  `loss_mask`, `log_probs`, `mask_ids`, the replay captures) is a nested
+  `loss_mask`, `log_probs`, `full_log_probs`, `mask_ids`, the replay
+  captures) is a nested
   tensor with layout=torch.jagged whose values are the batch's own tensor,
   not a copy: `td["log_probs"][i]` is sample i's. Fields on one axis share
   one offsets tensor, so `td["log_probs"] * td["loss_mask"]` works;
@@ -41,7 +42,8 @@ if TYPE_CHECKING:
     from tensordict import TensorDict
 
 EXTRA = "tensordict"
-# What `to_tensordict` always writes; `mask_ids` with `mask_offsets` and the replay captures come when the batch has them.
+# What `to_tensordict` always writes; `mask_ids` with `mask_offsets`, `full_log_probs` and the replay captures come
+# when the batch has them.
 REQUIRED = ("tokens", "response_tokens", "loss_mask", "log_probs", *PER_SAMPLE, *HOST_FIELDS, "seq", "token_budget")
 
 

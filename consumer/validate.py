@@ -7,7 +7,8 @@ in one vectorised pass over the packed batch on its device, through
 `rollstream.common.validation.packed_violations`: strictly increasing
 offsets, each sampled token inside its support, forced tokens as singleton
 supports, ids and tokens in `[0, vocab_size)`, loss mask in {0, 1}, log-probs
-finite and <= 0 within rounding (`RULE_LOG_PROBS`).
+(and `full_log_probs`, when the batch carries them) finite and <= 0 within
+rounding (`LOG_PROB_RULES`).
 
 A delivery does not say which tokens were forced, so they are recognised the
 way the merge model writes them (docs/semantics.md §3): loss mask 0 and log-prob
@@ -28,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS
+from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, TOKEN_LOG_PROB_ARRAYS
 from rollstream.common.validation import (
     RULE_ALIGNED,
     RULE_NONEMPTY_OFFSETS,
@@ -50,8 +51,10 @@ from .batch import Batch
 RULE_REPLAY_SHAPE = "replay arrays of a batch share their trailing shape"
 
 
-def _carries(arrays, replay_field: str) -> bool:
-    return ("mask_ids" if replay_field == "mask" else replay_field) in arrays
+def _carried(arrays: Sequence, replay_field: str) -> np.ndarray:
+    """Per delivery, whether it carries `replay_field` (one membership test each, no call per delivery)."""
+    name = "mask_ids" if replay_field == "mask" else replay_field
+    return np.array([name in a for a in arrays], dtype=bool)
 
 
 def sample_violations(deliveries: Sequence[Delivery]) -> list[Violation]:
@@ -71,7 +74,7 @@ def sample_violations(deliveries: Sequence[Delivery]) -> list[Violation]:
         got = np.array([len(a[name]) for a in arrays], dtype=np.int64)
         flag(RULE_ALIGNED, got != n, lambda s: f"{name} has {got[s]} entries, tokens has {n[s]}")
 
-    masked = np.array([_carries(a, "mask") for a in arrays], dtype=bool)
+    masked = _carried(arrays, "mask")
     rows = np.array([len(a["mask_offsets"]) if m else 1 for a, m in zip(arrays, masked)], dtype=np.int64)
     flag(RULE_NONEMPTY_OFFSETS, rows == 0, lambda s: "mask_offsets is empty")
     filled = masked & (rows > 0)
@@ -89,13 +92,22 @@ def sample_violations(deliveries: Sequence[Delivery]) -> list[Violation]:
              lambda s: f"{name} has shape {list(arrays[s][name].shape)}, expected [k, {', '.join(map(str, reference or ()))}]")
 
     for replay_field in REPLAY_FIELDS:
-        present = np.array([_carries(a, replay_field) for a in arrays], dtype=bool)
+        present = _carried(arrays, replay_field)
         if present.any():
             flag(RULE_WHOLE_BATCH, ~present, lambda s: whole_batch_problem(
                 "sampling mask" if replay_field == "mask" else replay_field, s,
                 fields[s].get("sample_index", s), fields[s]["status"],
             ))
+            if replay_field in TOKEN_LOG_PROB_ARRAYS:
+                got = np.array([len(a[replay_field]) if p else k for a, p, k in zip(arrays, present, n)], dtype=np.int64)
+                flag(RULE_ALIGNED, got != n, lambda s: f"{replay_field} has {got[s]} entries, tokens has {n[s]}")
     return sorted(found, key=lambda v: v.sample)
+
+
+def _token_log_probs(batch: Batch) -> dict:
+    """The batch's per-token log-prob arrays beyond `log_probs`, as the shared checks take them."""
+    return {name: _on_device_array(getattr(batch, name)) for name in TOKEN_LOG_PROB_ARRAYS
+            if getattr(batch, name) is not None}
 
 
 def _on_device_array(tensor):
@@ -112,7 +124,7 @@ def batch_verdict(batch: Batch, *, vocab_size: int | None = None) -> Verdict:
     return Verdict(
         packed_flags(view(batch.response_tokens), batch.lengths["response"], view(batch.mask_ids),
                      view(batch.mask_offsets), vocab_size=vocab_size, loss_mask=view(batch.loss_mask),
-                     log_probs=view(batch.log_probs)),
+                     log_probs=view(batch.log_probs), token_log_probs=_token_log_probs(batch)),
         # Prompt tokens feed the embedding too.
         packed_flags(view(batch.tokens), batch.lengths["sequence"], vocab_size=vocab_size),
     )
@@ -133,6 +145,7 @@ def batch_violations(batch: Batch, *, vocab_size: int | None = None, verdict: Ve
         vocab_size=vocab_size,
         loss_mask=view(batch.loss_mask),
         log_probs=view(batch.log_probs),
+        token_log_probs=_token_log_probs(batch),
     )
     # Response tokens were checked above (a sample's first out-of-vocab token is in its prompt, or none is).
     prompt = batch.lengths["prompt"]

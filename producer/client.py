@@ -802,17 +802,21 @@ class AsyncTrajectoryHandle(_TrajectoryHandle):
 
     async def turn(self, tokens, log_probs, *, mask: SamplingMask | None = None, supports=None, mask_ids=None,
                    mask_offsets=None, loss_mask=None, forced_tokens=None, routed_experts=None, indexer_topk=None,
-                   status: str = "completed", weight_version: str | None = None,
+                   full_log_probs=None, status: str = "completed", weight_version: str | None = None,
                    metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
         """Send the next turn: the sampled tokens with their log-probs and
         supports (`mask`, `mask_ids` + `mask_offsets` as CSR arrays, or
         `supports` as one id list per token), then the forced tokens the
-        environment appended after them. Arrays of the contract dtypes are
-        sent as they are (not copied): leave them unchanged until settled."""
+        environment appended after them. `log_probs` are under the
+        sampler's truncated distribution; `full_log_probs`, when the engine
+        reports them, under the whole vocabulary's (a trajectory whose
+        first turn carries them carries them on every turn: one without
+        them is a replay gap). Arrays of the contract dtypes are sent as
+        they are (not copied): leave them unchanged until settled."""
         turn = self._build(tokens, log_probs, dict(
             mask=mask, supports=supports, mask_ids=mask_ids, mask_offsets=mask_offsets, loss_mask=loss_mask,
-            forced_tokens=forced_tokens, routed_experts=routed_experts, indexer_topk=indexer_topk, status=status,
-            weight_version=weight_version))
+            forced_tokens=forced_tokens, routed_experts=routed_experts, indexer_topk=indexer_topk,
+            full_log_probs=full_log_probs, status=status, weight_version=weight_version))
         return await self._send(self._turn_draft(turn, metadata))
 
     async def turn_and_wait(self, tokens, log_probs, **options) -> Receipt:

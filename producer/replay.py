@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from rollstream.common.contract import TOKEN_LOG_PROB_ARRAYS
 from rollstream.common.errors import InvalidInput
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.mask import SamplingMask
@@ -36,7 +37,7 @@ log = logging.getLogger("rollstream.producer")
 
 EVENT_TYPES = ("turn", "end", "abort")
 _IDENTITY = ("group_id", "group_size", "sample_index")
-_NATIVE_ARRAYS = ("loss_mask", "forced_tokens", "routed_experts", "indexer_topk")
+_NATIVE_ARRAYS = ("loss_mask", "forced_tokens", "routed_experts", "indexer_topk", *TOKEN_LOG_PROB_ARRAYS)
 
 
 class ReplayError(InvalidInput):

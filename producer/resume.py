@@ -43,7 +43,8 @@ class Resumable:
 class Prefix:
     """An open trajectory's content as its broker merged it: the prompt and
     the response so far (sampled and forced tokens, their log-probs, loss
-    mask and supports), where each turn's forced tokens lie and which
+    mask and supports, and their full-vocabulary log-probs when it carries
+    them), where each turn's forced tokens lie and which
     weights sampled which tokens, in response positions. The arrays are
     the producer's own (copied from the reply)."""
 
@@ -58,6 +59,7 @@ class Prefix:
     mask: SamplingMask | None
     forced_spans: tuple[tuple[int, int], ...]
     weight_version_spans: tuple[tuple[str, int, int], ...]
+    full_log_probs: np.ndarray | None = None
 
     @classmethod
     def from_message(cls, message: Message) -> "Prefix":
@@ -66,7 +68,8 @@ class Prefix:
         return cls(message["trajectory_id"], message["next_turn"], message["state"], message.get("status"),
                    arrays["prompt_tokens"], arrays["tokens"], arrays["log_probs"], arrays["loss_mask"], mask,
                    tuple((start, end) for start, end in message.get("forced_spans", ())),
-                   tuple((version, start, end) for version, start, end in message.get("weight_version_spans", ())))
+                   tuple((version, start, end) for version, start, end in message.get("weight_version_spans", ())),
+                   arrays.get("full_log_probs"))
 
     @property
     def context(self) -> np.ndarray:
@@ -88,8 +91,9 @@ class Prefix:
                 offsets = self.mask.offsets[start:forced_start + 1]
                 mask = SamplingMask(self.mask.ids[offsets[0]:offsets[-1]], offsets - offsets[0])
             versions = [v for v, a, b in self.weight_version_spans if a < forced_start and b > start]
+            full = None if self.full_log_probs is None else self.full_log_probs[start:forced_start]
             turns.append(Turn.build(self.tokens[start:forced_start], self.log_probs[start:forced_start],
-                                    loss_mask=self.loss_mask[start:forced_start], mask=mask,
+                                    loss_mask=self.loss_mask[start:forced_start], mask=mask, full_log_probs=full,
                                     forced_tokens=self.tokens[forced_start:forced_end],
                                     weight_version=versions[0] if versions else None))
             start = forced_end

@@ -50,8 +50,9 @@ class Rollout:
 
 
 def make_rollout(rng: np.random.Generator, tid: str, *, turns: int = 2, mask: bool = True, max_len: int = 6,
-                 max_support: int = 5, vocab: int = VOCAB, **identity) -> Rollout:
-    """Random turns: each sampled token inside a random support, forced tokens between turns."""
+                 max_support: int = 5, vocab: int = VOCAB, full: bool = False, **identity) -> Rollout:
+    """Random turns: each sampled token inside a random support, forced tokens between turns; with `full`,
+    each turn's full-vocabulary log-probs (below its truncated ones)."""
     built = []
     for k in range(turns):
         n = int(rng.integers(1, max_len + 1))
@@ -65,7 +66,8 @@ def make_rollout(rng: np.random.Generator, tid: str, *, turns: int = 2, mask: bo
                 supports.append(others)
         forced = rng.integers(0, vocab, size=int(rng.integers(0, 4))) if k < turns - 1 else None
         log_probs = -rng.exponential(size=n) - 1e-3
-        built.append(Turn.build(tokens, log_probs, supports=supports, forced_tokens=forced))
+        full_log_probs = log_probs - rng.exponential(size=n) if full else None
+        built.append(Turn.build(tokens, log_probs, supports=supports, forced_tokens=forced, full_log_probs=full_log_probs))
     prompt = rng.integers(0, vocab, size=int(rng.integers(1, 6))).astype(np.int32)
     return Rollout(tid, prompt, built, reward=float(rng.normal()), **identity)
 

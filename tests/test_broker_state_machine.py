@@ -19,6 +19,7 @@ the lineage in force abandoned sampled."""
 import shutil
 import tempfile
 
+import numpy as np
 import pytest
 from broker_helpers import abort_msg, end_msg, turn_msg
 from hypothesis import settings
@@ -80,6 +81,10 @@ class Broker(RuleBasedStateMachine):
         self.branches: list[list[int]] = []  # [epoch, step resumed from] per resume
         self.sampled: dict[str, set[tuple[int, int]]] = {tid: set() for tid in TRAJECTORIES}  # applied turns' weights
         self.applied: dict[str, list[int]] = {tid: [] for tid in TRAJECTORIES}  # the tokens of its applied turns
+        # The full-vocabulary log-probs of its applied turns, or None when its first turn brought none (a replay
+        # field: turn 0 decides), and whether a later turn without them cut it at a replay gap.
+        self.full: dict[str, list[float] | None] = dict.fromkeys(TRAJECTORIES)
+        self.gapped: set[str] = set()
         self.named = False  # the producer's connection said hello
 
     def teardown(self):
@@ -165,21 +170,37 @@ class Broker(RuleBasedStateMachine):
         self._run(self.core.deliver(self.clock), fail_read=read_back_fails)
 
     # -- producers ------------------------------------------------------------
-    @rule(tid=st.sampled_from(TRAJECTORIES), tokens=st.integers(1, 3), store_fails=st.booleans())
-    def turn(self, tid, tokens, store_fails=False):
+    @rule(tid=st.sampled_from(TRAJECTORIES), tokens=st.integers(1, 3), store_fails=st.booleans(), full=st.booleans())
+    def turn(self, tid, tokens, store_fails=False, full=False):
+        """A turn, with its tokens' full-vocabulary log-probs or without: one
+        without them where the trajectory carries them is a replay gap,
+        which consumes the turn and ends its turns."""
         index = self.turns[tid]
         ids = list(range(10, 10 + tokens))
+        full_log_probs = [-t / 64 for t in ids] if full else None
         label = f"step-{self.version}" if self.epoch == 0 else f"e{self.epoch}:step-{self.version}"
         message = turn_msg(tid, index, ids, [[t] for t in ids], group=GROUP_OF.get(tid), seq=index,
-                           weight_version=label)
+                           weight_version=label, full_log_probs=full_log_probs)
+        carried = self.full[tid] is not None and index > 0
         ack = self._produce(message, store_fails)
-        if ack is not None and ack["applied"] and not ack.get("duplicate"):
-            if index == 0:
-                self.sampled[tid] = set()
-                self.applied[tid] = []
-            self.sampled[tid].add((self.epoch, self.version))
-            self.applied[tid] += ids
-            self.turns[tid] += 1
+        if ack is None or ack.get("duplicate"):
+            return
+        if not ack["applied"]:
+            if ack.get("reason") == "replay_gap" and tid not in self.gapped:
+                assert carried and not full, f"{tid} cut at turn {index}, which lacks no field it carries"
+                self.gapped.add(tid)
+                self.turns[tid] += 1  # the turn that revealed the gap counts as consumed
+            return
+        assert tid not in self.gapped and (index == 0 or carried == full), f"{tid}: turn {index} applied"
+        if index == 0:
+            self.sampled[tid] = set()
+            self.applied[tid] = []
+            self.full[tid] = [] if full else None
+        self.sampled[tid].add((self.epoch, self.version))
+        self.applied[tid] += ids
+        if full_log_probs is not None:
+            self.full[tid] += full_log_probs
+        self.turns[tid] += 1
 
     @rule(group=st.sampled_from(sorted(GROUPS)))
     def group_finishes(self, group):
@@ -212,6 +233,7 @@ class Broker(RuleBasedStateMachine):
         ack = self._produce(abort_msg(tid, again=again))
         if ack is not None and ack["applied"]:
             self.turns[tid] = 0
+            self.gapped.discard(tid)
 
     @rule()
     def producer_says_hello(self):
@@ -241,6 +263,10 @@ class Broker(RuleBasedStateMachine):
                     self.clock))
                 assert content.type == "open_trajectory", content.fields
                 assert content.arrays["tokens"].tolist() == self.applied[tid]
+                full = content.arrays.get("full_log_probs")
+                assert (None if full is None else full.tolist()) == (
+                    None if self.full[tid] is None else np.array(self.full[tid], np.float32).tolist())
+                assert content["state"] == ("terminal" if tid in self.gapped else "open")
 
     # -- the consumer -----------------------------------------------------------
     @rule(read_back_fails=st.booleans())

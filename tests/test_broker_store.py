@@ -14,6 +14,7 @@ from rollstream.broker.engine import DeliveryUnit, EngineSettings, MergeEngine
 from rollstream.broker.recovery import load_trajectory, rebuild
 from rollstream.broker.staleness import Policy
 from rollstream.broker.store import Store, StoreCorrupted, StoreError
+from rollstream.common.trajectory import Gap
 
 
 def drive(engine, store, messages, wall=1.0):
@@ -285,12 +286,32 @@ def test_replay_arrays_survive(tmp_path, store):
     store2.close()
 
 
-@pytest.mark.parametrize("version", [2, 3, 4, 5, 6, 7, 8, 9, 10])
+def test_full_log_probs_and_a_gap_at_them_survive_a_restart(tmp_path, store):
+    """Read back from the turn records (as an evicted or restarted
+    trajectory is): every value byte for byte, 0.0 at the forced token, and
+    a turn without them cut as a replay gap naming them."""
+    engine = MergeEngine(EngineSettings())
+    full = np.array([-0.25, -1.5], np.float32)
+    drive(engine, store, [turn_msg("a", 0, [1, 2], forced=[3], full_log_probs=full),
+                          turn_msg("a", 1, [4], full_log_probs=[-0.125]), end_msg("a"),
+                          turn_msg("b", 0, [1], forced=[7], full_log_probs=[-0.5]), turn_msg("b", 1, [2]),
+                          end_msg("b", seq=101)])
+    store.close()
+    store2, _, _ = reopen(tmp_path / "data")
+    a = load_trajectory(store2, store2.load_one("a"))
+    assert a.full_log_probs.tobytes() == np.array([-0.25, -1.5, 0.0, -0.125], np.float32).tobytes()
+    b = load_trajectory(store2, store2.load_one("b"))
+    assert b.gap == Gap(1, "full_log_probs") and b.tokens.tolist() == [1] and b.full_log_probs.tolist() == [-0.5]
+    store2.close()
+
+
+@pytest.mark.parametrize("version", [2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
 def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_checked(tmp_path, version):
     store = Store(tmp_path / "data")
     store.open()
     drive(MergeEngine(), store, [turn_msg("t", 0, weight_version="step-3"), end_msg("t", reward=0.25, metadata={"k": 1})])
-    store.db.execute("ALTER TABLE trajectories DROP COLUMN producer_key")  # as versions 2-10 stored it
+    if version < 11:
+        store.db.execute("ALTER TABLE trajectories DROP COLUMN producer_key")  # as versions 2-10 stored it
     if version < 10:
         store.db.execute("DROP TABLE archive_segments")  # as versions 2-9 stored it
     if version < 9:
@@ -327,13 +348,13 @@ def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_chec
     assert recovered.policies == ({"default": Policy(4, 1, 8, 1.0)} if version == 6 else {})
     assert recovered.dedup == {"gone": 5000.0} and recovered.pruned == {}
     assert (ended.producer, ended.first_delivered_at, ended.deliveries, ended.archive_file) == (None, None, 0, None)
-    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 11
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 12
     assert ended.producer_key is None
     assert store.db.execute("SELECT COUNT(*) FROM archive_segments").fetchone()[0] == 0, "the table is made"
     store.db.execute("UPDATE trajectories SET reward=? WHERE id='t'", (msgpack.packb(0.75),))
     store.db.execute("UPDATE meta SET value=1 WHERE key='schema_version'")
     store.close()
-    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4 or 5 or 6 or 7 or 8 or 9 or 10"):
+    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4 .* or 10 or 11 or 12$"):
         Store(tmp_path / "data").open()
     store = Store(tmp_path / "data")
     store.db.execute("UPDATE meta SET value=6 WHERE key='schema_version'")

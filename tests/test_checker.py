@@ -25,11 +25,13 @@ from rollstream.common.checker import (
 from rollstream.common.trajectory import Trajectory, Turn
 
 
-def hand_merged(prompt, tokens, log_probs, loss_mask, ids=None, offsets=None) -> dict:
+def hand_merged(prompt, tokens, log_probs, loss_mask, ids=None, offsets=None, full_log_probs=None) -> dict:
     arrays = {"prompt_tokens": np.array(prompt, np.int32), "tokens": np.array(tokens, np.int32),
               "log_probs": np.array(log_probs, np.float32), "loss_mask": np.array(loss_mask, np.uint8)}
     if ids is not None:
         arrays["mask_ids"], arrays["mask_offsets"] = np.array(ids, np.int32), np.array(offsets, np.int64)
+    if full_log_probs is not None:
+        arrays["full_log_probs"] = np.array(full_log_probs, np.float32)
     return arrays
 
 
@@ -65,6 +67,32 @@ def test_the_digest_of_sent_turns_is_that_of_the_trajectory_merged_by_hand():
     assert delivered_digest(moved) != want.digest
 
 
+def test_full_log_probs_are_vouched_for_and_a_trajectory_without_them_digests_as_before():
+    """Forced tokens get full log-prob 0 as they get log-prob 0; a changed
+    value or one left out is a different digest. Without them, a
+    trajectory's digest is the one ledgers written before they existed hold."""
+    prompt, records = sent(EXAMPLE_6)
+    assert expected(prompt, records).digest == "fd992b3fe16ba848e8cb3e5b62961111"
+    turns = [Turn.build([10], [-0.1], supports=[[10, 4]], forced_tokens=[20, 21], full_log_probs=[-0.3]),
+             Turn.build([30], [-0.2], supports=[[30, 7, 8]], full_log_probs=[-0.4])]
+    prompt, records = sent(turns)
+    want = expected(prompt, records)
+    merged = hand_merged([1, 2, 3], [10, 20, 21, 30], [-0.1, 0, 0, -0.2], [1, 0, 0, 1],
+                         [10, 4, 20, 21, 30, 7, 8], [0, 2, 3, 4, 7], [-0.3, 0, 0, -0.4])
+    assert records[0].carries == ("mask", "full_log_probs") and delivered_digest(merged) == want.digest
+    changed = {**merged, "full_log_probs": np.array([-0.3, 0, 0, -0.41], np.float32)}
+    assert delivered_digest(changed) != want.digest
+    assert delivered_digest({k: v for k, v in merged.items() if k != "full_log_probs"}) != want.digest
+
+
+def test_a_turn_without_full_log_probs_is_expected_as_a_replay_gap_naming_them():
+    turns = [Turn.build([10], [-0.1], forced_tokens=[20], full_log_probs=[-0.3]), Turn.build([30], [-0.2])]
+    prompt, records = sent(turns)
+    want = expected(prompt, records)
+    assert want.gap == (1, "full_log_probs")
+    assert want.digest == delivered_digest(hand_merged([1, 2, 3], [10], [-0.1], [1], full_log_probs=[-0.3]))
+
+
 def test_a_replay_gap_expects_the_last_full_turn_without_its_trailing_forced_tokens():
     """SEMANTICS example 7: the aborted turn without a mask cuts the trajectory after turn 0's sampled tokens."""
     turns = [Turn.build([10], [-0.1], supports=[[10, 4]], forced_tokens=[20, 21]),
@@ -89,18 +117,20 @@ supports_strategy = st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=4
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(supports_strategy, st.lists(st.integers(0, 50), max_size=3), st.booleans()),
+@given(st.lists(st.tuples(supports_strategy, st.lists(st.integers(0, 50), max_size=3), st.booleans(), st.booleans()),
                 min_size=1, max_size=4),
-       st.sampled_from(["completed", "aborted"]))
-def test_the_merge_engines_trajectory_has_the_digest_the_checker_expects(shapes, last_status):
+       st.sampled_from(["completed", "aborted"]), st.booleans())
+def test_the_merge_engines_trajectory_has_the_digest_the_checker_expects(shapes, last_status, full):
     """The checker models SEMANTICS independently; the library's merge must agree with it."""
     turns = []
-    for index, (supports, forced, keeps_mask) in enumerate(shapes):
+    for index, (supports, forced, keeps_mask, keeps_full) in enumerate(shapes):
         status = last_status if index == len(shapes) - 1 else "completed"
         tokens = [support[-1] for support in supports]
         has_mask = keeps_mask or index == 0
+        has_full = full and (keeps_full or index == 0)
         turns.append(Turn.build(tokens, [-0.5] * len(tokens), supports=supports if has_mask else None,
-                                forced_tokens=forced or None, status=status))
+                                forced_tokens=forced or None, status=status,
+                                full_log_probs=[-1.0 - t / 64 for t in tokens] if has_full else None))
     prompt, records = sent(turns, prompt=(7, 8))
     traj = Trajectory("t", [7, 8])
     for turn in turns:
@@ -109,6 +139,8 @@ def test_the_merge_engines_trajectory_has_the_digest_the_checker_expects(shapes,
               "loss_mask": traj.loss_mask}
     if traj.mask is not None:
         arrays["mask_ids"], arrays["mask_offsets"] = traj.mask.ids, traj.mask.offsets
+    if traj.full_log_probs is not None:
+        arrays["full_log_probs"] = traj.full_log_probs
     want = expected(prompt, records)
     assert delivered_digest(arrays) == want.digest
     assert (None if traj.gap is None else (traj.gap.turn, traj.gap.field)) == want.gap

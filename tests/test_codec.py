@@ -185,11 +185,15 @@ def test_shape_byte_length_and_rank():
         ({"tokens": [10], "log_probs": [-0.1], "forced_tokens": [-5]}, "out_of_vocab"),
         ({"tokens": [10], "log_probs": [-0.1], "loss_mask": [2]}, "invalid_value"),
         ({"tokens": [10], "log_probs": [float("nan")]}, "invalid_value"),
+        ({"tokens": [10, 11], "log_probs": [-0.1, -0.1], "full_log_probs": [-0.2]}, "misaligned"),
+        ({"tokens": [10], "log_probs": [-0.1], "full_log_probs": [float("nan")]}, "invalid_value"),
+        ({"tokens": [10], "log_probs": [-0.1], "full_log_probs": [0.5]}, "invalid_value"),
+        ({"tokens": [10], "log_probs": [-0.1], "full_log_probs": [float("-inf")]}, "invalid_value"),
     ],
 )
 def test_content_codes(arrays, code):
     dtypes = {"tokens": "<i4", "log_probs": "<f4", "loss_mask": "u1",
-              "mask_ids": "<i4", "mask_offsets": "<i8", "forced_tokens": "<i4"}
+              "mask_ids": "<i4", "mask_offsets": "<i8", "forced_tokens": "<i4", "full_log_probs": "<f4"}
     typed = {"prompt_tokens": np.array([1], "<i4")}
     typed.update({name: np.array(values, dtypes[name]) for name, values in arrays.items()})
     assert code_of(raw_turn(arrays=typed)).code == code
@@ -224,6 +228,27 @@ def test_turn_round_trip_through_helpers():
     back = turn_from_message(message)
     assert back.mask == t.mask and back.forced_tokens.tolist() == [20]
     assert back.routed_experts.shape == (3, 2, 2) and back.routed_experts.sum() == 66
+
+
+@pytest.mark.parametrize("packed, crc", [(False, False), (True, True), (False, True)])
+def test_full_log_probs_cross_every_array_message_byte_for_byte(packed, crc):
+    """A turn's, a delivery's and an open trajectory's `full_log_probs`
+    come back as sent, read-only and in the contract dtype."""
+    full = np.array([-0.125, -7.5], np.float32)
+    t = Turn.build([10, 11], [-0.1, -0.2], supports=[[10, 4], [11]], forced_tokens=[20], full_log_probs=full)
+    frames = encode_turn("t", 0, t, seq=1, prompt_tokens=np.array([1], np.int32), crc=crc, may_pack=packed)
+    back = turn_from_message(decode(frames, PRODUCER_TO_BROKER))
+    assert back.full_log_probs.tobytes() == full.tobytes() and not back.full_log_probs.flags.writeable
+    traj = Trajectory("t", [1])
+    traj.append_turn(back)
+    traj.reward = 0.5
+    message = decode(encode_deliver(traj, "l", may_pack=packed), BROKER_TO_CONSUMER)
+    assert message.arrays["full_log_probs"].tobytes() == np.array([-0.125, -7.5, 0.0], np.float32).tobytes()
+    opened = decode(encode(BROKER_TO_PRODUCER, "open_trajectory", {
+        "seq": 2, "trajectory_id": "t", "next_turn": 1, "state": "open"}, {
+        **{name: traj.arrays()[name] for name in ("prompt_tokens", "tokens", "log_probs", "loss_mask")},
+        "full_log_probs": traj.full_log_probs}), BROKER_TO_PRODUCER)
+    assert opened.arrays["full_log_probs"].tobytes() == traj.full_log_probs.tobytes()
 
 
 def test_deliver_round_trip():

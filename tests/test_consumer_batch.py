@@ -32,10 +32,11 @@ def batch_of(trajectories, **kw):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6), mask=st.booleans())
-def test_packed_batch_matches_the_merged_trajectories(seed, n, mask):
-    trajectories = [r.merged() for r in rollouts(seed, n, mask=mask)]
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6), mask=st.booleans(), full=st.booleans())
+def test_packed_batch_matches_the_merged_trajectories(seed, n, mask, full):
+    trajectories = [r.merged() for r in rollouts(seed, n, mask=mask, full=full)]
     batch = batch_of(trajectories)
+    assert (batch.full_log_probs is not None) == full
     assert batch.cu_seqlens.dtype == torch.int32 and batch.mask_offsets is None or batch.mask_offsets.dtype == torch.int64
     for i, t in enumerate(trajectories):
         view = batch.sample(i)
@@ -43,6 +44,8 @@ def test_packed_batch_matches_the_merged_trajectories(seed, n, mask):
         assert view["response_tokens"].tolist() == t.tokens.tolist()
         assert view["loss_mask"].tolist() == t.loss_mask.tolist()
         assert view["log_probs"].tolist() == t.log_probs.tolist()
+        if full:  # packed on the response axis, each sample's values byte for byte
+            assert view["full_log_probs"].numpy().tobytes() == t.full_log_probs.tobytes()
         if mask:
             assert view["mask_ids"].tolist() == t.mask.ids.tolist()
             assert view["mask_offsets"].tolist() == t.mask.offsets.tolist()
@@ -54,12 +57,12 @@ def test_packed_batch_matches_the_merged_trajectories(seed, n, mask):
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5), mask=st.booleans())
-def test_train_data_equals_the_miles_conversion(seed, n, mask):
-    trajectories = [r.merged() for r in rollouts(seed, n, mask=mask)]
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5), mask=st.booleans(), full=st.booleans())
+def test_train_data_equals_the_miles_conversion(seed, n, mask, full):
+    trajectories = [r.merged() for r in rollouts(seed, n, mask=mask, full=full)]
     ours = batch_of(trajectories).to_train_data()
     reference = to_train_data(trajectories)
-    assert ours.keys() == reference.keys()
+    assert ours.keys() == reference.keys() and ("rollout_full_log_probs" in ours) == full
     for key, expected in reference.items():
         got = ours[key]
         if isinstance(expected, list) and expected and isinstance(expected[0], np.ndarray):
@@ -114,9 +117,10 @@ def test_replay_arrays_travel_with_their_samples():
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 7), pieces=st.integers(1, 3), mask=st.booleans())
-def test_select_and_concat_reassemble_the_batch(seed, n, pieces, mask):
-    batch = batch_of([r.merged() for r in rollouts(seed, n, mask=mask)])
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 7), pieces=st.integers(1, 3), mask=st.booleans(),
+       full=st.booleans())
+def test_select_and_concat_reassemble_the_batch(seed, n, pieces, mask, full):
+    batch = batch_of([r.merged() for r in rollouts(seed, n, mask=mask, full=full)])
     order = np.random.default_rng(seed).permutation(n)
     cuts = np.array_split(order, pieces)
     joined = Batch.concat([batch.select(cut) for cut in cuts])
@@ -124,11 +128,14 @@ def test_select_and_concat_reassemble_the_batch(seed, n, pieces, mask):
     assert_same_batch(restored, batch)
 
 
-def test_shard_wire_format_round_trips():
-    batch = batch_of([r.merged() for r in rollouts(5, 5)])
+@pytest.mark.parametrize("full", [False, True])
+def test_shard_wire_format_round_trips(full):
+    batch = batch_of([r.merged() for r in rollouts(5, 5, full=full)])
     header, payload = encode_shard(batch.select([4, 1, 2]))
     assert payload.dtype == torch.uint8
-    assert_same_batch(decode_shard(header, payload.clone()), batch.select([4, 1, 2]))
+    shard = decode_shard(header, payload.clone())
+    assert_same_batch(shard, batch.select([4, 1, 2]))
+    assert (shard.full_log_probs is not None) == full
 
 
 # -- partitions ---------------------------------------------------------------

@@ -140,6 +140,23 @@ def test_the_round_trip_of_a_batch_without_masks():
 
 
 @needs_tensordict
+def test_full_log_probs_are_jagged_on_the_response_axis_and_come_back():
+    a = Trajectory("a", [1, 2], sample_index=0)
+    a.append_turn(Turn.build([10, 11], [-0.5, -0.25], forced_tokens=[7], full_log_probs=[-0.75, -2.5]))
+    a.append_turn(Turn.build([12], [-0.125], full_log_probs=[-0.375]))
+    b = Trajectory("b", [3], sample_index=1)
+    b.append_turn(Turn.build([20], [-1.0], full_log_probs=[-1.5]))
+    a.reward, b.reward = 1.0, 0.0
+    batch = Batch.from_deliveries([delivery(a), delivery(b)])
+    td = batch.to_tensordict()
+    assert [td["full_log_probs"][i].tolist() for i in range(2)] == [[-0.75, -2.5, 0.0, -0.375], [-1.5]]
+    assert [row.tolist() for row in td["full_log_probs"] - td["log_probs"]] == [[-0.25, -2.25, 0.0, -0.25], [-0.5]]
+    back = Batch.from_tensordict(td[1:])
+    assert back.full_log_probs.tolist() == [-1.5] and back.trajectory_ids == ("b",)
+    assert "full_log_probs" not in masked_batch().to_tensordict().keys()
+
+
+@needs_tensordict
 def test_an_indexed_sliced_or_concatenated_tensordict_is_a_batch_of_those_samples():
     batch = masked_batch()
     td = batch.to_tensordict()

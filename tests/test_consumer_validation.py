@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from rollstream.common.mask import SamplingMask
 from rollstream.common.trajectory import Trajectory, Turn
 from rollstream.common.validation import (
+    LOG_PROB_RULES,
     RULE_ALIGNED,
     RULE_FORCED_SINGLETON,
     RULE_IN_SUPPORT,
@@ -87,8 +88,15 @@ def corrupt(kind, d, draw):
     if kind == "offsets_end":
         return writable(d, mask_ids=np.array(a["mask_ids"][:-1])), RULE_OFFSETS_END, None
     if kind == "misaligned":
-        name = draw(st.sampled_from(["loss_mask", "log_probs", "mask_offsets"]))
+        name = draw(st.sampled_from(["loss_mask", "log_probs", "mask_offsets", "full_log_probs"]))
         return writable(d, **{name: np.array(a[name][:-1])}), RULE_ALIGNED, None
+    if kind == "full_log_prob_value":
+        full = np.array(a["full_log_probs"])
+        full[p] = draw(st.sampled_from([np.nan, np.inf, -np.inf, 0.5]))
+        return writable(d, full_log_probs=full), LOG_PROB_RULES["full_log_probs"], p
+    if kind == "missing_full_log_probs":
+        stripped = {k: v for k, v in a.items() if k != "full_log_probs"}
+        return type(d)(d.trajectory_id, d.fields, stripped, d.broker, d.leases), RULE_WHOLE_BATCH, None
     if kind == "prompt_out_of_vocab":
         prompt = np.array(a["prompt_tokens"])
         prompt[draw(st.integers(0, len(prompt) - 1))] = VOCAB + 1
@@ -102,14 +110,15 @@ def corrupt(kind, d, draw):
 KINDS = [
     "token_outside_support", "mask_id_out_of_vocab", "token_out_of_vocab", "loss_mask_value", "empty_support",
     "log_prob_value", "forced_not_singleton", "offsets_start", "offsets_end", "misaligned", "prompt_out_of_vocab",
-    "missing_mask",
+    "missing_mask", "full_log_prob_value", "missing_full_log_probs",
 ]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), size=st.integers(2, 6), kind=st.sampled_from(KINDS), data=st.data())
 def test_every_corruption_is_caught_with_trajectory_and_position(backend, seed, size, kind, data):
-    batch = deliveries(np.random.default_rng(seed), size)
+    """On batches carrying `full_log_probs` as well (every sample, as the whole-batch rule has it)."""
+    batch = deliveries(np.random.default_rng(seed), size, full=True)
     victim = data.draw(st.integers(0, size - 1))
     batch[victim], rule, position = corrupt(kind, batch[victim], data.draw)
     _, found, packed = checked_batch(batch, vocab_size=VOCAB)
@@ -120,9 +129,10 @@ def test_every_corruption_is_caught_with_trajectory_and_position(backend, seed, 
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**32 - 1), size=st.integers(1, 6), mask=st.booleans(), turns=st.integers(1, 4))
-def test_valid_batches_pass(backend, seed, size, mask, turns):
-    batch_deliveries = deliveries(np.random.default_rng(seed), size, mask=mask, turns=turns)
+@given(seed=st.integers(0, 2**32 - 1), size=st.integers(1, 6), mask=st.booleans(), turns=st.integers(1, 4),
+       full=st.booleans())
+def test_valid_batches_pass(backend, seed, size, mask, turns, full):
+    batch_deliveries = deliveries(np.random.default_rng(seed), size, mask=mask, turns=turns, full=full)
     batch, found, packed = checked_batch(batch_deliveries, vocab_size=VOCAB)
     assert found == [] and packed == list(range(size))
     validate_batch(batch, vocab_size=VOCAB)
@@ -157,6 +167,21 @@ def test_whole_batch_rule_names_position_sample_index_and_status():
     assert "position 1" in text and "sample_index=9" in text and "status=completed" in text
     with pytest.raises(ValueError):  # BatchValidationError is the ValueError docs/semantics.md §6 asks for
         raise BatchValidationError(found, ["a", "b"])
+
+
+def test_a_batch_mixing_samples_with_and_without_full_log_probs_refuses_those_without():
+    """The whole-batch rule of a replay field: a trainer never gets a batch
+    whose `full_log_probs` cover some samples only."""
+    rng = np.random.default_rng(4)
+    with_full = delivery(make_rollout(rng, "a", sample_index=8, full=True).merged())
+    without = delivery(make_rollout(rng, "b", sample_index=9).merged())
+    batch, found, packed = checked_batch([with_full, without], vocab_size=VOCAB)
+    (violation,) = found
+    assert (violation.rule, violation.sample, packed) == (RULE_WHOLE_BATCH, 1, [0])
+    assert "carries a full_log_probs but the sample at position 1 (sample_index=9, status=completed)" in violation.detail
+    assert batch.full_log_probs is not None and len(batch) == 1
+    alone, found, _ = checked_batch([without], vocab_size=VOCAB)
+    assert found == [] and alone.full_log_probs is None and "rollout_full_log_probs" not in alone.to_train_data()
 
 
 def test_forced_tokens_from_the_merge_model_pass():

@@ -12,6 +12,7 @@ from rollstream.common.contract import LOG_PROB_TOLERANCE
 from rollstream.common.errors import LocalProtocolError
 from rollstream.common.trajectory import Turn
 from rollstream.common.validation import (
+    LOG_PROB_RULES,
     RULE_CODES,
     RULE_LOG_PROBS,
     RULE_MASK_VOCAB,
@@ -39,7 +40,8 @@ def _messages(draw):
     """One turn's arrays, often valid, often not: supports with repeated and
     out-of-vocabulary ids, empty supports, offsets that do not start at 0
     or end at the ids' length, tokens outside their supports, loss masks of
-    2, log-probs of 0.0, a rounding above it, +0.5, -inf, +inf and NaN."""
+    2, log-probs (and full log-probs, sometimes one too many or too few) of
+    0.0, a rounding above it, +0.5, -inf, +inf and NaN."""
     n = draw(st.integers(0, 4))
     supports = [draw(st.lists(_IDS, min_size=0 if draw(st.integers(0, 9)) == 0 else 1, max_size=3)) for _ in range(n)]
     tokens = [draw(st.sampled_from(s)) if s and draw(st.integers(0, 7)) else draw(_IDS) for s in supports]
@@ -47,6 +49,10 @@ def _messages(draw):
     if draw(st.booleans()):
         arrays["log_probs"] = np.array(draw(st.lists(st.sampled_from([-0.5, 0.0, 0.0, -np.inf, 1e-6, 0.5, np.inf, np.nan]),
                                                      min_size=n, max_size=n)), np.float32)
+    if draw(st.booleans()):
+        size = max(0, n + draw(st.sampled_from([0, 0, 0, 0, 1, -1])))
+        arrays["full_log_probs"] = np.array(draw(st.lists(st.sampled_from([-0.5, 0.0, -np.inf, 1e-6, 0.5, np.inf, np.nan]),
+                                                          min_size=size, max_size=size)), np.float32)
     if draw(st.booleans()):
         arrays["loss_mask"] = np.array(draw(st.lists(st.sampled_from([0, 1, 0, 1, 0, 1, 2]), min_size=n, max_size=n)), np.uint8)
     if draw(st.booleans()):
@@ -70,8 +76,10 @@ def _nothing_wrong(arrays, vocab_size):
     offsets = arrays.get("mask_offsets")
     if offsets is not None and (len(offsets) != len(tokens) + 1 or offsets[0] != 0 or offsets[-1] != len(arrays["mask_ids"])):
         return False  # CSR framing packed_violations takes as given (check_message_structure's rules)
+    full = {"full_log_probs": arrays["full_log_probs"]} if "full_log_probs" in arrays else None
     found = packed_violations(tokens, [len(tokens)], arrays.get("mask_ids"), offsets, vocab_size=vocab_size,
-                              loss_mask=arrays.get("loss_mask"), log_probs=arrays.get("log_probs"), marks_forced=False)
+                              loss_mask=arrays.get("loss_mask"), log_probs=arrays.get("log_probs"), token_log_probs=full,
+                              marks_forced=False)
     for name in ("prompt_tokens", "forced_tokens"):
         values = arrays.get(name)
         if values is not None:
@@ -106,19 +114,25 @@ def test_a_sampled_token_with_loss_0_and_log_prob_0_may_have_a_wide_support():
 _ABOVE_TOLERANCE = float(np.nextafter(np.float32(LOG_PROB_TOLERANCE), np.float32(1)))
 
 
-def _log_prob_verdicts(log_prob: float) -> dict[str, str | None]:
-    """The rule each check names for a turn whose last log-prob is `log_prob`
-    (None: it passes), on every path a log-prob meets. Its last token has
-    loss 0 and a singleton support, so read in a merged trajectory it is a
-    forced token when the log-prob is exactly 0.0."""
+def _log_prob_verdicts(log_prob: float, field: str) -> dict[str, str | None]:
+    """The rule each check names for a turn whose last log-prob of `field`
+    (`log_probs` or `full_log_probs`) is `log_prob` (None: it passes), on
+    every path a log-prob meets. Its last token has loss 0 and a singleton
+    support, so read in a merged trajectory it is a forced token when the
+    log-prob is exactly 0.0."""
     torch = pytest.importorskip("torch")
-    tokens, log_probs = np.array([2, 3], np.int32), np.array([-0.25, log_prob], np.float32)
+    rule = LOG_PROB_RULES[field]
+    tokens, tested = np.array([2, 3], np.int32), np.array([-0.25, log_prob], np.float32)
     loss_mask, ids, offsets = np.array([1, 0], np.uint8), np.array([2, 5, 3], np.int32), np.array([0, 2, 3], np.int64)
-    arrays = {"tokens": tokens, "log_probs": log_probs, "loss_mask": loss_mask, "mask_ids": ids, "mask_offsets": offsets}
-    valid = {**arrays, "log_probs": np.array([-0.25, -1.0], np.float32)}
+    log_probs = tested if field == "log_probs" else np.array([-0.25, 0.0], np.float32)
+    full = {} if field == "log_probs" else {"full_log_probs": tested}
+    arrays = {"tokens": tokens, "log_probs": log_probs, "loss_mask": loss_mask, "mask_ids": ids, "mask_offsets": offsets,
+              **full}
+    valid = {**arrays, field: np.array([-0.25, -1.0], np.float32)}
     verdicts: dict[str, str | None] = {}
     try:
-        Turn.build(tokens.tolist(), log_probs.tolist(), supports=[[2, 5], [3]], loss_mask=loss_mask, vocab_size=VOCAB)
+        Turn.build(tokens.tolist(), log_probs.tolist(), supports=[[2, 5], [3]], loss_mask=loss_mask, vocab_size=VOCAB,
+                   full_log_probs=full.get("full_log_probs"))
         verdicts["producer"] = None
     except LocalProtocolError as error:
         verdicts["producer"] = f"{error.code}: {error.message}"
@@ -128,35 +142,39 @@ def _log_prob_verdicts(log_prob: float) -> dict[str, str | None]:
     except LocalProtocolError as error:
         verdicts["broker, explained"] = f"{error.code}: {error.message}"
     for name, batch in (("broker, fast", [arrays]), ("broker, fast, packed with others", [valid, arrays, valid])):
-        verdicts[name] = None if messages_content_valid(batch, VOCAB) else RULE_LOG_PROBS
+        verdicts[name] = None if messages_content_valid(batch, VOCAB) else rule
     for name, convert in (("consumer, numpy", np.asarray), ("consumer, torch", torch.from_numpy)):
         packed = [convert(a) for a in (tokens, np.array([2]), ids, offsets)]
-        options = dict(vocab_size=VOCAB, loss_mask=convert(loss_mask), log_probs=convert(log_probs))
-        verdicts[f"{name}, verdict"] = None if Verdict(packed_flags(*packed, **options)).passed() else RULE_LOG_PROBS
+        options = dict(vocab_size=VOCAB, loss_mask=convert(loss_mask), log_probs=convert(log_probs),
+                       token_log_probs={key: convert(values) for key, values in full.items()})
+        verdicts[f"{name}, verdict"] = None if Verdict(packed_flags(*packed, **options)).passed() else rule
         located = locate_violations(*packed, **options)
         verdicts[f"{name}, located"] = "; ".join(f"{v.rule} at {v.position}: {v.detail}" for v in located) or None
     return verdicts
 
 
+@pytest.mark.parametrize("field, value", [("log_probs", "log_prob"), ("full_log_probs", "full_log_prob")])
 @pytest.mark.parametrize("log_prob, passes", [
     (0.5, False), (np.inf, False), (-np.inf, False), (np.nan, False), (_ABOVE_TOLERANCE, False),
     (1e-6, True), (0.0, True), (-0.0, True), (LOG_PROB_TOLERANCE, True), (-80.0, True),
 ], ids=["+0.5", "+inf", "-inf", "NaN", "past-tolerance", "+1e-6", "0.0", "-0.0", "tolerance", "-80"])
-def test_producer_broker_and_consumer_apply_one_log_prob_rule(log_prob, passes):
+def test_producer_broker_and_consumer_apply_one_log_prob_rule(log_prob, passes, field, value):
     """A log-prob a rounding above 0 passes everywhere; one past the
     tolerance, infinite or NaN is refused everywhere, under the one rule
-    with its one reply code; a forced token's exact 0.0 passes."""
-    verdicts = _log_prob_verdicts(log_prob)
+    with its one reply code; a forced token's exact 0.0 passes. The full
+    log-probs are kept by the same rule, named for them."""
+    rule = LOG_PROB_RULES[field]
+    verdicts = _log_prob_verdicts(log_prob, field)
     if passes:
         assert verdicts == dict.fromkeys(verdicts), verdicts
         return
-    assert all(found is not None and RULE_LOG_PROBS in found for found in verdicts.values()), verdicts
-    code = RULE_CODES[RULE_LOG_PROBS]
-    assert code == "invalid_value"
+    assert all(found is not None and rule in found for found in verdicts.values()), verdicts
+    code = RULE_CODES[rule]
+    assert code == "invalid_value" and (rule == RULE_LOG_PROBS) == (field == "log_probs")
     for role in ("producer", "broker, explained"):
-        assert verdicts[role].startswith(f"{code}: rule '{RULE_LOG_PROBS}' violated at token 1: log_prob is "), verdicts
+        assert verdicts[role].startswith(f"{code}: rule '{rule}' violated at token 1: {value} is "), verdicts
     for role in ("consumer, numpy, located", "consumer, torch, located"):
-        assert verdicts[role] == f"{RULE_LOG_PROBS} at 1: log_prob is {float(np.float32(log_prob))}, " \
+        assert verdicts[role] == f"{rule} at 1: {value} is {float(np.float32(log_prob))}, " \
                                  f"expected finite and <= {LOG_PROB_TOLERANCE}", verdicts
 
 

@@ -218,7 +218,7 @@ def test_a_store_of_another_schema_version_is_refused_naming_both(tmp_path):
     db.commit()
     db.close()
     result = run_cli("--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "o.parquet"))
-    assert result.exit_code == 1 and "export reads stores of schema version 11, this one has 8" in result.output, \
+    assert result.exit_code == 1 and "export reads stores of schema version 12, this one has 8" in result.output, \
         result.output
 
 

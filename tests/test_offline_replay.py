@@ -199,3 +199,37 @@ def test_the_context_replay_arrays_go_through_the_archive_and_the_replay(tmp_pat
     assert batch.content_digests() == [delivered_digest(reference.arrays())]
     assert delivered_digest({**reference.arrays(), "routed_experts": None}) != batch.content_digests()[0], \
         "the digest covers the routed experts"
+
+
+def test_full_log_probs_go_through_the_dataset_and_the_replay_and_an_older_dataset_replays_without_them(tmp_path):
+    """The dataset (schema version 2) holds each row's `full_log_probs`,
+    null for a row without them; the replayed batch carries them as the
+    live one did. A version 1 dataset, which has no such column, replays
+    as before."""
+    import pyarrow.parquet as pq
+    from broker_helpers import end_msg, turn_msg
+    from test_archive import archive_all, opened, produce
+
+    from rollstream.broker.archive import DATASET_SCHEMA_KEY
+    from rollstream.broker.engine import TrainedAt
+
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [turn_msg("a", 0, [5], [[5, 6]], forced=[7], prompt=(1,), full_log_probs=[-2.5]),
+                            turn_msg("a", 1, [8], [[8]], full_log_probs=[-0.25]), end_msg("a")])
+    store.commit(engine.trained("a", TrainedAt("R", "L", 1, 0, 0), 2.0))
+    store.commit(engine.end_run("R", 3.0))
+    archive_all(tmp_path / "archive", store)
+    store.close()
+    export_archive(tmp_path / "archive", tmp_path / "run.parquet")
+    table = pq.read_table(tmp_path / "run.parquet")
+    assert table.column("full_log_probs").to_pylist() == [[-2.5, 0.0, -0.25]]
+    assert table.schema.metadata[DATASET_SCHEMA_KEY] == b"2"
+    with Consumer.from_archive(tmp_path / "run.parquet", vocab_size=VOCAB) as consumer:
+        (batch,) = list(consumer)
+    assert batch.full_log_probs.tolist() == [-2.5, 0.0, -0.25]
+    older = table.drop_columns(["full_log_probs"])
+    pq.write_table(older.replace_schema_metadata({**table.schema.metadata, DATASET_SCHEMA_KEY: b"1"}),
+                   tmp_path / "v1.parquet")
+    with Consumer.from_archive(tmp_path / "v1.parquet", vocab_size=VOCAB) as consumer:
+        (batch,) = list(consumer)
+    assert batch.full_log_probs is None and batch.log_probs.tolist() == [-0.5, 0.0, -0.5]

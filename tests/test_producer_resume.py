@@ -107,6 +107,38 @@ def test_a_restarted_producer_lists_reads_and_continues_its_open_trajectories(tm
         assert expected(sent["prompt"], [TurnRecord(*t) for t in sent["turns"]]).digest == delivered_digest(a.arrays())
 
 
+def test_a_prefix_hands_back_full_log_probs_and_the_continued_trajectory_keeps_them(tmp_path):
+    """`open_trajectory` carries the merged `full_log_probs` (0.0 at forced
+    tokens); the prefix's turns carry their own, so the continued
+    trajectory is delivered with every value sent and the ledger of the
+    second run vouches for it."""
+    with BrokerProcess(tmp_path, vocab_size=1000) as broker:
+        async def first():
+            async with AsyncProducer(broker.producer, "p1") as producer:
+                a = producer.trajectory("a", PROMPT)
+                await a.turn([5, 6], [-0.5, -0.25], supports=[[5, 9], [6]], forced_tokens=[7],
+                             full_log_probs=[-1.5, -0.75])
+                assert await producer.flush(30)
+
+        async def second():
+            async with AsyncProducer(broker.producer, "p1", ledger=tmp_path / "second.jsonl") as producer:
+                (listed,) = await producer.open_trajectories(timeout=30)
+                prefix = await producer.read_prefix("a", timeout=30)
+                assert prefix.full_log_probs.tolist() == [-1.5, -0.75, 0.0]
+                assert [t.full_log_probs.tolist() for t in prefix.turns()] == [[-1.5, -0.75]]
+                a = producer.resume(listed, prefix.prompt_tokens, earlier=prefix.turns())
+                await a.turn([8], [-0.5], supports=[[8]], full_log_probs=[-0.625])
+                await a.end(1.0)
+                assert await producer.flush(30)
+
+        asyncio.run(first())
+        asyncio.run(second())
+        (a,) = deliveries(broker, 1).values()
+    assert a.full_log_probs.tobytes() == np.array([-1.5, -0.75, 0.0, -0.625], np.float32).tobytes()
+    (sent,) = [r for r in read_records([tmp_path / "second.jsonl"]) if r["kind"] == "sent"]
+    assert expected(sent["prompt"], [TurnRecord(*t) for t in sent["turns"]]).digest == delivered_digest(a.arrays())
+
+
 def test_another_producer_id_is_handed_back_nothing(tmp_path):
     with BrokerProcess(tmp_path, vocab_size=1000) as broker:
         asyncio.run(first_run(broker.producer))

@@ -127,6 +127,7 @@ class TurnSpec:
     routed: np.ndarray | None
     status: str
     weight_version: str | None
+    full: list | None = None  # full-vocabulary log-probs
 
     def build(self) -> Turn:
         return Turn.build(
@@ -136,6 +137,7 @@ class TurnSpec:
             loss_mask=None if self.loss_mask is None else np.array(self.loss_mask, np.uint8),
             forced_tokens=self.forced,
             routed_experts=self.routed,
+            full_log_probs=self.full,
             status=self.status,
             weight_version=self.weight_version,
         )
@@ -146,12 +148,13 @@ class TurnSpec:
             self.with_mask and "mask" not in fields,
             None if "routed_experts" in fields else self.routed,
             self.status, self.weight_version,
+            None if "full_log_probs" in fields else self.full,
         )
 
 
 @st.composite
 def turn_specs(draw, *, mask=st.booleans(), status=st.sampled_from(STATUSES), routed_k=st.none() | st.integers(0, 3),
-               max_tokens=5, min_tokens=0):
+               max_tokens=5, min_tokens=0, full=st.booleans()):
     supports = draw(st.lists(vocab_support, min_size=min_tokens, max_size=max_tokens))
     tokens = [draw(st.sampled_from(s)) for s in supports]
     n = len(tokens)
@@ -160,20 +163,23 @@ def turn_specs(draw, *, mask=st.booleans(), status=st.sampled_from(STATUSES), ro
     forced = draw(st.lists(st.integers(0, VOCAB - 1), max_size=4))
     k = draw(routed_k)
     routed = None if k is None else draw(np_arrays(np.dtype("<i4"), (k, 2, 3)))
+    full_log_probs = draw(st.lists(log_prob, min_size=n, max_size=n)) if draw(full) else None
     return TurnSpec(
         supports, tokens, log_probs, loss_mask, forced, draw(mask), routed, draw(status),
-        draw(st.none() | st.text(max_size=4)),
+        draw(st.none() | st.text(max_size=4)), full_log_probs,
     )
 
 
 @st.composite
-def turn_sequences(draw, *, mask: bool, routed: bool, min_turns=1, max_turns=5, last_status=st.sampled_from(STATUSES)):
+def turn_sequences(draw, *, mask: bool, routed: bool, min_turns=1, max_turns=5, last_status=st.sampled_from(STATUSES),
+                   full: bool = False):
     """Turns that all apply: completed except maybe the last, one presence
     pattern for the replay fields, routed_experts' first dim never shrinking."""
     n = draw(st.integers(min_turns, max_turns))
     ks = sorted(draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))) if routed else [None] * n
     specs = [
-        draw(turn_specs(mask=st.just(mask), status=st.just("completed") if i < n - 1 else last_status, routed_k=st.just(k)))
+        draw(turn_specs(mask=st.just(mask), status=st.just("completed") if i < n - 1 else last_status, routed_k=st.just(k),
+                        full=st.just(full)))
         for i, k in enumerate(ks)
     ]
     return specs
@@ -186,15 +192,17 @@ class Expected:
     log_probs: np.ndarray
     supports: list
     mask: SamplingMask
+    full_log_probs: np.ndarray | None
 
 
 def whole_build(specs, *, drop_last_forced=False) -> Expected:
     """The whole trajectory built at once (docs/semantics.md §4), with numpy lists."""
-    tokens, loss, lps, supports, parts = [], [], [], [], []
+    tokens, loss, lps, supports, parts, full = [], [], [], [], [], []
     for i, s in enumerate(specs):
         tokens += s.tokens
         loss += s.loss_mask if s.loss_mask is not None else [1] * len(s.tokens)
         lps += s.log_probs
+        full += s.full or []
         supports += s.supports
         parts.append(SamplingMask.from_supports(s.supports))
         if drop_last_forced and i == len(specs) - 1:
@@ -202,10 +210,12 @@ def whole_build(specs, *, drop_last_forced=False) -> Expected:
         tokens += s.forced
         loss += [0] * len(s.forced)
         lps += [0.0] * len(s.forced)
+        full += [0.0] * len(s.forced)
         supports += [[t] for t in s.forced]
         parts.append(SamplingMask.singletons(np.array(s.forced, np.int32)))
     return Expected(
-        np.array(tokens, "<i4"), np.array(loss, "u1"), np.array(lps, "<f4"), supports, SamplingMask.concatenate(parts)
+        np.array(tokens, "<i4"), np.array(loss, "u1"), np.array(lps, "<f4"), supports, SamplingMask.concatenate(parts),
+        np.array(full, "<f4") if specs and specs[0].full is not None else None,
     )
 
 
@@ -231,6 +241,10 @@ def assert_trajectory_is(traj: Trajectory, exp: Expected, *, with_mask: bool) ->
         assert len(traj.mask) == traj.response_length
     else:
         assert traj.mask is None
+    if exp.full_log_probs is None:
+        assert traj.full_log_probs is None
+    else:
+        assert_same_array(traj.full_log_probs, exp.full_log_probs)
     traj.validate()
 
 
@@ -474,6 +488,8 @@ def expected_turn_arrays(spec: TurnSpec, prompt) -> dict:
     out["forced_tokens"] = np.array(spec.forced, "<i4")
     if spec.routed is not None:
         out["routed_experts"] = spec.routed
+    if spec.full is not None:
+        out["full_log_probs"] = np.array(spec.full, "<f4")
     if prompt is not None:
         out["prompt_tokens"] = prompt
     return out
@@ -553,6 +569,10 @@ def test_turn_message_round_trips_fields_and_array_bytes(msg, crc, packed):
         assert back.routed_experts is None
     else:
         assert_same_array(back.routed_experts, spec.routed)
+    if spec.full is None:
+        assert back.full_log_probs is None
+    else:
+        assert_same_array(back.full_log_probs, expected["full_log_probs"])
 
 
 def _reversed_maps(value):
@@ -605,12 +625,13 @@ def test_content_digest_distinguishes_a_map_from_a_list_of_pairs(meta_a, meta_b)
 @st.composite
 def trajectories(draw):
     """A merged trajectory (specs, how it was built), sometimes cut by a gap."""
-    with_mask, routed = draw(st.booleans()), draw(st.booleans())
-    specs = draw(turn_sequences(mask=with_mask, routed=routed, max_turns=4))
+    with_mask, routed, full = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
+    specs = draw(turn_sequences(mask=with_mask, routed=routed, max_turns=4, full=full))
     gap_spec = None
-    if (with_mask or routed) and specs[-1].status == "completed" and draw(st.booleans()):
-        missing = ("mask",) if with_mask else ("routed_experts",)
-        gap_spec = draw(turn_specs(mask=st.just(with_mask), routed_k=st.just(None))).without(missing)
+    carried = [name for name, has in (("mask", with_mask), ("routed_experts", routed), ("full_log_probs", full)) if has]
+    if carried and specs[-1].status == "completed" and draw(st.booleans()):
+        gap_spec = draw(turn_specs(mask=st.just(with_mask), routed_k=st.just(None), full=st.just(full)))
+        gap_spec = gap_spec.without(carried[:1])
     return specs, with_mask, routed, gap_spec
 
 
@@ -641,7 +662,8 @@ def test_deliver_round_trips_a_merged_trajectory(built, reward, lease, meta, pac
     assert_trajectory_is(back, exp, with_mask=with_mask)
     assert_same_array(back.prompt_tokens, np.array([1, 2, 3], "<i4"))
     assert back.status == specs[-1].status
-    assert back.gap == (None if gap_spec is None else Gap(len(specs), "mask" if with_mask else "routed_experts"))
+    gap_field = "mask" if with_mask else "routed_experts" if routed else "full_log_probs"
+    assert back.gap == (None if gap_spec is None else Gap(len(specs), gap_field))
     assert back.weight_versions == [s.weight_version for s in specs if s.weight_version is not None]
     assert back.turns == len(specs)
     assert back.reward == reward and back.metadata == meta
@@ -654,11 +676,11 @@ def test_deliver_round_trips_a_merged_trajectory(built, reward, lease, meta, pac
 # == 4. merging turns ===============================================================
 @pytest.mark.slow
 @prop(150)
-@given(data=st.data(), with_mask=st.booleans(), routed=st.booleans())
-def test_merging_turns_one_by_one_equals_building_the_whole_trajectory(data, with_mask, routed):
+@given(data=st.data(), with_mask=st.booleans(), routed=st.booleans(), full=st.booleans())
+def test_merging_turns_one_by_one_equals_building_the_whole_trajectory(data, with_mask, routed, full):
     """§4: response = sampled ++ forced per turn; forced tokens get loss 0,
-    log-prob 0.0 and singleton supports; status is the last turn's."""
-    specs = data.draw(turn_sequences(mask=with_mask, routed=routed))
+    log-prob 0.0 (full log-prob 0.0 too) and singleton supports; status is the last turn's."""
+    specs = data.draw(turn_sequences(mask=with_mask, routed=routed, full=full))
     traj = merge(specs, read_after=data.draw(st.sets(st.integers(0, len(specs) - 1))))
     exp = whole_build(specs)
     assert_trajectory_is(traj, exp, with_mask=with_mask)
@@ -671,7 +693,7 @@ def test_merging_turns_one_by_one_equals_building_the_whole_trajectory(data, wit
     assert traj.terminal == (specs[-1].status != "completed")
     if traj.terminal:
         # After a truncated/aborted turn nothing more is applied, and nothing changes.
-        later = data.draw(turn_specs(mask=st.just(with_mask)))
+        later = data.draw(turn_specs(mask=st.just(with_mask), full=st.just(full)))
         assert traj.append_turn(later.build()) == TurnOutcome(False, "after_terminal")
         assert_trajectory_is(traj, exp, with_mask=with_mask)
 
@@ -692,13 +714,15 @@ def test_mask_after_unmasked_tokens_is_refused_and_changes_nothing(first, second
 # == 5. replay gaps ===================================================================
 @st.composite
 def gap_scenarios(draw):
-    carried = draw(st.sampled_from([("mask",), ("routed_experts",), ("mask", "routed_experts")]))
-    with_mask, routed = "mask" in carried, "routed_experts" in carried
-    captured = draw(turn_sequences(mask=with_mask, routed=routed, max_turns=4, last_status=st.just("completed")))
+    carried = draw(st.sampled_from([("mask",), ("routed_experts",), ("full_log_probs",), ("mask", "routed_experts"),
+                                    ("mask", "full_log_probs"), ("mask", "routed_experts", "full_log_probs")]))
+    with_mask, routed, full = "mask" in carried, "routed_experts" in carried, "full_log_probs" in carried
+    captured = draw(turn_sequences(mask=with_mask, routed=routed, max_turns=4, last_status=st.just("completed"),
+                                   full=full))
     missing = draw(st.sampled_from([m for r in range(1, len(carried) + 1) for m in itertools.combinations(carried, r)]))
     # The gap turn's own routed_experts (when it still has them) must not shrink.
     k = None if captured[-1].routed is None else draw(st.integers(captured[-1].routed.shape[0], 4))
-    gap_turn = draw(turn_specs(mask=st.just(with_mask), routed_k=st.just(k))).without(missing)
+    gap_turn = draw(turn_specs(mask=st.just(with_mask), routed_k=st.just(k), full=st.just(full))).without(missing)
     later = draw(st.lists(turn_specs(), max_size=3))
     return captured, carried, missing, gap_turn, later
 
@@ -776,7 +800,7 @@ def test_a_shed_trajectory_merges_exactly_as_the_whole_one_and_replays_to_it(spe
 # Contract facts restated from docs/protocol.md §2 (not read from the code under test).
 ITEMSIZE = {
     "prompt_tokens": 4, "tokens": 4, "forced_tokens": 4, "log_probs": 4, "loss_mask": 1,
-    "mask_ids": 4, "mask_offsets": 8, "routed_experts": 4, "indexer_topk": 4,
+    "mask_ids": 4, "mask_offsets": 8, "routed_experts": 4, "indexer_topk": 4, "full_log_probs": 4,
 }
 MULTI_DIM = {"routed_experts", "indexer_topk"}
 CONTENT_CODES = {"misaligned", "mask_invalid", "out_of_vocab", "invalid_value"}

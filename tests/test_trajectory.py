@@ -336,6 +336,14 @@ def test_turn_build_checks_what_a_broker_would():
     (dict(weight_version_spans=[("v1", 0, 1)], weight_version="v0"), "schema",
      r"rule 'a turn's weight_version is its first span's' violated: expected 'v1', got 'v0'"),
     (dict(weight_version_spans=[]), "schema", "rule 'weight_version_spans are non-empty versions"),
+    (dict(full_log_probs=[-0.5, -0.25]), "misaligned",
+     r"rule 'per-token fields aligned \(one entry per response token\)' violated: full_log_probs has 2 entries, tokens has 1"),
+    *((dict(full_log_probs=[bad]), "invalid_value",
+       rf"rule 'full_log_probs are finite and <= 0 \(within 0.0009765625 for rounding\)' violated at token 0: "
+       rf"full_log_prob is {bad}, expected finite and <= 0.0009765625")
+      for bad in (float("nan"), float("inf"), float("-inf"), 0.5, 2.0**-9)),
+    (dict(full_log_probs=["a"]), "dtype", "full_log_probs must hold real numbers, got dtype <U1"),
+    (dict(full_log_probs=[[-0.5]]), "shape", r"full_log_probs must be 1-D, got shape \(1, 1\)"),
 ], ids=lambda v: None if isinstance(v, dict) else str(v))
 def test_every_refusal_of_turn_build_is_a_protocol_error_naming_the_callers_field(kwargs, code, text):
     """docs/data-model.md: `Turn.build` refuses with the code a broker would
@@ -344,6 +352,73 @@ def test_every_refusal_of_turn_build_is_a_protocol_error_naming_the_callers_fiel
     with pytest.raises(ProtocolError, match=text) as err:
         Turn.build(given.pop("tokens"), given.pop("log_probs"), **given)
     assert err.value.code == code
+
+
+def test_full_log_probs_are_kept_as_log_probs_are():
+    """Within the rounding tolerance above 0 they are taken, as log-probs
+    are; a borrowed array of the contract dtype is the turn's own; without
+    content checks only their alignment is checked."""
+    assert Turn.build([1], [-0.5], full_log_probs=[2.0**-11]).full_log_probs.tolist() == [2.0**-11]
+    borrowed = np.array([-0.25, -0.5], np.float32)
+    tokens, log_probs = np.array([1, 2], np.int32), np.array([-0.5, -0.5], np.float32)
+    assert Turn.build(tokens, log_probs, full_log_probs=borrowed, borrow=True).full_log_probs is borrowed
+    assert Turn.build(tokens, log_probs, full_log_probs=[np.nan, 1.0], check_content=False).carries("full_log_probs")
+    with pytest.raises(ProtocolError, match="full_log_probs has 1 entries, tokens has 2") as err:
+        Turn.build(tokens, log_probs, full_log_probs=[-0.5], check_content=False)
+    assert err.value.code == "misaligned"
+    assert not Turn.build(tokens, log_probs).carries("full_log_probs")
+
+
+def test_full_log_probs_merge_per_response_position_with_zero_at_forced_tokens():
+    traj = Trajectory("t", [1])
+    first, second = np.array([-0.25, -3.5], np.float32), np.array([-1.0e-7], np.float32)
+    traj.append_turn(turn([10, 11], [[10, 4], [11]], forced=[20, 21], full_log_probs=first))
+    traj.append_turn(turn([30], [[30]], forced=[22], full_log_probs=second))
+    expected = np.concatenate([first, np.zeros(2, np.float32), second, np.zeros(1, np.float32)])
+    assert traj.full_log_probs.dtype == np.float32 and traj.full_log_probs.tobytes() == expected.tobytes()
+    assert traj.log_probs.tolist() == [-0.5, -0.5, 0.0, 0.0, -0.5, 0.0]
+    assert traj.arrays()["full_log_probs"].tobytes() == expected.tobytes()
+    assert traj.nbytes == sum(a.nbytes for a in traj.arrays().values())
+    copy = Trajectory.from_arrays("t", traj.arrays(), status=traj.status, turns=traj.turns)
+    assert copy.full_log_probs.tobytes() == expected.tobytes() and copy.carries("full_log_probs")
+    traj.reward = 1.0
+    back = trajectory_from_deliver(decode(encode_deliver(traj, "l"), BROKER_TO_CONSUMER))
+    assert back.full_log_probs.tobytes() == expected.tobytes()
+    traj.strip_last_output_tokens(2)
+    assert traj.full_log_probs.tolist() == [-0.25, -3.5, 0.0, 0.0]
+    traj.reset_for_retry()
+    assert traj.full_log_probs is None and not traj.carries("full_log_probs")
+    assert Trajectory("u", [1]).full_log_probs is None
+
+
+def test_a_turn_without_full_log_probs_is_a_replay_gap_where_the_trajectory_carries_them():
+    """Turn 0 decides, as for the mask: a later turn lacking them cuts the
+    trajectory after the last turn's sampled tokens (also once shed)."""
+    for shed in (False, True):
+        traj = Trajectory("t", [1])
+        traj.append_turn(turn([10, 11], forced=[20], full_log_probs=[-0.5, -0.75]))
+        if shed:
+            traj.shed()
+        assert traj.append_turn(turn([12], forced=[21])) == TurnOutcome(False, "replay_gap")
+        assert traj.gap == Gap(1, "full_log_probs") and traj.response_length == 2 and traj.terminal
+        if not shed:
+            assert traj.tokens.tolist() == [10, 11] and traj.full_log_probs.tolist() == [-0.5, -0.75]
+            traj.validate()
+
+
+def test_full_log_probs_missing_then_present_is_mask_presence_unless_the_response_is_empty():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10]))
+    with pytest.raises(ProtocolError, match="turn 1 of 't' carries full_log_probs but the 1 response tokens") as err:
+        traj.append_turn(turn([11], full_log_probs=[-0.5]))
+    assert err.value.code == "mask_presence" and traj.turns == 1 and traj.full_log_probs is None
+    late = Trajectory("u", [1])
+    late.append_turn(turn([]))
+    late.append_turn(turn([7], forced=[8], full_log_probs=[-0.5]))
+    assert late.full_log_probs.tolist() == [-0.5, 0.0]
+    with pytest.raises(ProtocolError, match="carries \\['full_log_probs'\\], 1 sampled tokens without them") as err:
+        late.append_sampled(np.array([1], np.int32), np.array([-1.0], np.float32), None, None)
+    assert err.value.code == "misaligned"
 
 
 def test_nbytes_counts_every_array_without_writing_queued_appends():

@@ -30,7 +30,7 @@ MAX_HEADER_DEPTH = 32  # protocol.md §2: a header nested deeper is malformed
 # protocol.md §2's array table: wire dtype of each name.
 CONTRACT = {"prompt_tokens": "int32", "tokens": "int32", "forced_tokens": "int32", "log_probs": "float32",
             "loss_mask": "uint8", "mask_ids": "int32", "mask_offsets": "int64", "routed_experts": "int32",
-            "indexer_topk": "int32"}
+            "indexer_topk": "int32", "full_log_probs": "float32"}
 NUMPY = {"int32": "<i4", "int64": "<i8", "float32": "<f4", "uint8": "u1"}
 OTHER_DTYPES = ("int64", "int32", "float32", "float64", "uint8", "int16", "bool", "<i4", "i4", "int32 ")
 UNCHECKED = "unchecked"  # a reply whose seq cannot be known (random bytes, flipped headers)
@@ -255,7 +255,7 @@ class ProducerFuzz(Fuzz):
         self._oversize: Message | None = None
 
     # -- valid traffic ----------------------------------------------------------
-    def turn_arrays(self, n: int, forced: int) -> dict:
+    def turn_arrays(self, n: int, forced: int, full_log_probs: bool) -> dict:
         vocab = self.vocab_size
         tokens = self.rng.integers(0, vocab, n).astype(np.int32)
         supports = []
@@ -269,6 +269,8 @@ class ProducerFuzz(Fuzz):
                   "mask_offsets": np.concatenate([[0], np.cumsum([len(s) for s in supports])]).astype(np.int64)}
         if forced:
             arrays["forced_tokens"] = self.rng.integers(0, vocab, forced).astype(np.int32)
+        if full_log_probs:  # below the truncated distribution's: the whole vocabulary shares the mass
+            arrays["full_log_probs"] = arrays["log_probs"] - self.rng.random(n, dtype=np.float32)
         return arrays
 
     def valid_trajectory(self) -> list[tuple[str, Message]]:
@@ -278,11 +280,12 @@ class ProducerFuzz(Fuzz):
         traj = self.expected[tid] = Trajectory(tid, float(np.float32(self.rng.standard_normal())))
         turns = int(self.rng.integers(1, 4))
         prompt = self.rng.integers(0, self.vocab_size, int(self.rng.integers(1, 6))).astype(np.int32)
-        tokens, loss, log_probs, ids, lengths = [], [], [], [], []
+        tokens, loss, log_probs, ids, lengths, full = [], [], [], [], [], []
         messages = []
+        carries_full = bool(self.rng.random() < 0.5)  # every turn of the trajectory, or none (a replay field)
         for index in range(turns):
             n = int(self.rng.integers(1, 9))
-            arrays = self.turn_arrays(n, int(self.rng.integers(0, 3)))
+            arrays = self.turn_arrays(n, int(self.rng.integers(0, 3)), carries_full)
             forced = arrays.get("forced_tokens", np.zeros(0, np.int32))
             if index == 0:
                 arrays["prompt_tokens"] = prompt
@@ -292,12 +295,15 @@ class ProducerFuzz(Fuzz):
             tokens += [arrays["tokens"], forced]
             loss += [np.ones(n, np.uint8), np.zeros(len(forced), np.uint8)]
             log_probs += [arrays["log_probs"], np.zeros(len(forced), np.float32)]
+            full += [arrays.get("full_log_probs", np.zeros(0, np.float32)), np.zeros(len(forced), np.float32)]
             ids += [arrays["mask_ids"], forced]
             lengths += [np.diff(arrays["mask_offsets"]), np.ones(len(forced), np.int64)]
         traj.turns = turns
         traj.arrays = {"prompt_tokens": prompt, "tokens": np.concatenate(tokens), "loss_mask": np.concatenate(loss),
                        "log_probs": np.concatenate(log_probs), "mask_ids": np.concatenate(ids),
                        "mask_offsets": np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)}
+        if carries_full:
+            traj.arrays["full_log_probs"] = np.concatenate(full)
         messages.append((tid, Message("end", {"seq": 0, "trajectory_id": tid, "reward": traj.reward, "turns": turns})))
         return messages
 
@@ -320,7 +326,7 @@ class ProducerFuzz(Fuzz):
         """A well-formed turn of a trajectory nobody started: a turn > 0 is
         refused `out_of_order` once every other rule passes."""
         n = int(self.rng.integers(1, 9))
-        arrays = self.turn_arrays(n, int(self.rng.integers(0, 3)))
+        arrays = self.turn_arrays(n, int(self.rng.integers(0, 3)), bool(self.rng.random() < 0.5))
         index = int(self.rng.integers(1, 6)) if index is None else index
         fields = {"seq": self.next_seq(), "trajectory_id": self.name("fz"), "turn": index, "status": "completed"}
         return Message("turn", fields, arrays, crc=self.rng.random() < 0.6, packed=self.rng.random() < 0.3)
@@ -334,7 +340,17 @@ class ProducerFuzz(Fuzz):
         a = turn.arrays
         n = len(a["tokens"])
         offsets, ids = a["mask_offsets"].copy(), a["mask_ids"].copy()
-        choice = int(self.rng.integers(10))
+        choice = int(self.rng.integers(12))
+        if choice >= 10:  # the optional per-token log-probs, when the turn carries them
+            if "full_log_probs" not in a:
+                return self.content_damage(turn)
+            if choice == 10:
+                a["full_log_probs"] = a["full_log_probs"][:-1]
+                return "misaligned_full_log_probs", "misaligned"
+            full = a["full_log_probs"].copy()
+            full[int(self.rng.integers(n))] = self.pick([np.nan, np.inf, -np.inf, 0.5])
+            a["full_log_probs"] = full
+            return "full_log_prob_value", "invalid_value"
         if choice == 0:
             offsets[0] = 1
             a["mask_offsets"] = offsets
