@@ -12,7 +12,7 @@ from .errors import (
     RemoteProtocolError,
     RollstreamError,
 )
-from .ingest import turn_from_sglang
+from .ingest import turn_from_sglang, turn_from_sglang_chat, turn_from_vllm
 from .mask import SamplingMask
 from .trajectory import Gap, Trajectory, Turn, TurnOutcome
 from .validation import BatchValidationError, Violation, packed_violations
@@ -45,4 +45,6 @@ __all__ = [
     "encode_error",
     "packed_violations",
     "turn_from_sglang",
+    "turn_from_sglang_chat",
+    "turn_from_vllm",
 ]

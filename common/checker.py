@@ -378,7 +378,9 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
     committed: dict[str, list[Mapping[str, Any]]] = {}
     resumes: dict[str, Mapping[str, Any]] = {}
     issued: dict[str, dict[int, set[str]]] = {str(key): {} for key in prompts or ()}
-    given_up: set[str] = set()  # trajectories a restarted producer gave up (its ledger's `taken_up` with action abort)
+    # Trajectories their producer chose to give up: at a restart (`taken_up` with action abort) or for a reason its
+    # source names (`given_up`, a support overflow)
+    given_up: set[str] = set()
     for record in records:
         kind = record.get("kind")
         if kind == "resumed":
@@ -397,7 +399,7 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
             committed.setdefault(tid, []).append(record)
         elif kind == "issued":
             issued.setdefault(str(record["prompt"]), {}).setdefault(record["sample"], set()).add(tid)
-        elif kind == "taken_up" and record.get("action") == "abort":
+        elif kind == "given_up" or kind == "taken_up" and record.get("action") == "abort":
             given_up.add(tid)
     dead = {item["trajectory_id"]: item.get("reason") or "unknown" for item in dead_letters}
     report = Report(acked=len(acked), committed=len(committed))

@@ -36,6 +36,7 @@ LOCAL_CODES = (
     "spool_unusable", # a producer's spool belongs to another, is locked, of another format, or damaged
     "window_full",    # the resend window holds its limit of unsettled frames
     "missing_extra",  # a call needs an optional dependency (an extra) that is not installed
+    "support_overflow",  # an engine refused a request: a sampled token's support exceeded its cap
 )
 
 # Whether the same request, made again unchanged, may later succeed. A
@@ -77,6 +78,7 @@ RETRIABLE: dict[str, bool] = {
     "spool_unusable": False,
     "window_full": True,
     "missing_extra": False,
+    "support_overflow": False,
 }
 
 
@@ -132,6 +134,19 @@ class ExtraMissing(RollstreamError, ImportError):
         super().__init__(f"{needed_by} needs the {module!r} package, which is not installed: "
                          f"pip install 'rollstream[{extra}]'")
         self.name = module
+
+
+class SupportOverflow(RollstreamError, ValueError):
+    """An engine refused a request because a sampled token's support grew
+    past its cap (SGLang's `--sampling-mask-max-tokens`), before the token
+    was committed: the same request fails again; a narrower sampler may not.
+    `support` and `cap` are what the engine said, None where it did not."""
+
+    code = "support_overflow"
+
+    def __init__(self, message: str, *, support: int | None = None, cap: int | None = None):
+        super().__init__(message)
+        self.support, self.cap = support, cap
 
 
 class InvalidState(RollstreamError, RuntimeError):

@@ -1,36 +1,102 @@
-"""Turning an inference engine's response into a checked `Turn`.
+"""Turning an inference engine's reply into a checked `Turn`.
 
 SGLang, asked with `return_sampling_mask`, returns for each generated token
 its support (`meta_info["output_token_sampling_mask"]`, a list of id lists)
 and the log-probability under the truncated distribution
-(`meta_info["output_token_sampling_logprobs"]`); with its weight-version
-spans, which weights sampled which of them (`meta_info["weight_versions"]`).
+(`meta_info["output_token_sampling_logprobs"]`); asked with
+`return_logprob`, also the log-probability under the full distribution
+(`meta_info["output_token_logprobs"]`, `[log-prob, id, text]` per token);
+with its weight-version spans, which weights sampled which of them
+(`meta_info["weight_versions"]`). `/v1/chat/completions` asked with
+`return_meta_info` puts the same `meta_info` in each choice.
+
+vLLM, started with `--return-sampling-mask`, puts the supports on each
+completion output (`sampling_mask`: one id list per token, in CSR form in
+its first release) and, from its token-in/token-out `/inference/v1/generate`,
+in each JSON choice; its `logprobs` are then over the processed (truncated)
+distribution.
+
+Every field of the reply is carried, used, or refused naming the rule:
+none is dropped without a word (docs/producer.md lists them).
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
-from .errors import InvalidInput, LocalProtocolError
+import numpy as np
+
+from .errors import InvalidInput, LocalProtocolError, SupportOverflow
+from .mask import SamplingMask
 from .trajectory import Turn
 
-# SGLang's finish_reason.type → the turn status docs/semantics.md uses.
-FINISH_REASON_STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+# An engine's finish reason → the turn status docs/semantics.md uses. `tool_calls` is the chat endpoints' name of a
+# stop at which a tool parser found calls.
+FINISH_REASON_STATUS = {"stop": "completed", "tool_calls": "completed", "length": "truncated", "abort": "aborted"}
 
 SUPPORTS_KEY = "output_token_sampling_mask"
 LOG_PROBS_KEY = "output_token_sampling_logprobs"
-# SGLang's per-token weight versions: [{"version", "start", "end"}] over the output tokens, contiguous from 0, the
-# newest last (its `weight_version` is the last one's, where a rollstream turn's is its first span's).
+SUPPORTS_LENGTH_KEY = "output_token_sampling_mask_length"
+FULL_LOG_PROBS_KEY = "output_token_logprobs"
+# Per-token weight versions: [{"version", "start", "end"}] over the output tokens, contiguous from 0, the newest last
+# (SGLang's `weight_version` is the last one's, where a rollstream turn's is its first span's).
 SPANS_KEY = "weight_versions"
+# meta_info fields that hold per-token data a turn built here does not carry: refused rather than dropped.
+UNCARRIED_KEYS = {
+    "output_top_logprobs": "the top log-probs of each position (ask without top_logprobs_num)",
+    "output_token_ids_logprobs": "log-probs of chosen ids at each position (ask without token_ids_logprob)",
+    "routed_experts": "routed experts (decode them and pass routed_experts= to Turn.build)",
+    "hidden_states": "hidden states (ask without return_hidden_states)",
+}
+
+# What an engine's refusal says when a support outgrew its cap (SGLang: a 400 BadRequestError, or an abort whose
+# finish_reason carries status_code 400), and where its numbers are.
+_OVERFLOW_WORDS = re.compile(r"exceed|overflow|cutoff ties|max[-_ ]tokens|limit", re.IGNORECASE)
+_MASK_WORDS = re.compile(r"sampling[-_ ]mask|support", re.IGNORECASE)
+_SUPPORT_SIZE = re.compile(r"support(?: size)?(?: of)?\D{0,12}?(\d{1,18})\b", re.IGNORECASE)
+_CAP = re.compile(r"(?:max[-_ ]tokens|limit|cap|maximum)\D{0,12}?(\d{1,18})\b", re.IGNORECASE)
+
+
+def _listed(value, where: str) -> list | tuple:
+    """`value` when it is a list (a JSON array); else the rule broken."""
+    if not isinstance(value, (list, tuple)):
+        raise LocalProtocolError("schema", f"rule '{where} is a list' not met: got {type(value).__name__} {value!r:.80}")
+    return value
 
 
 def status_from_finish_reason(meta_info: Mapping[str, Any]) -> str:
+    """The turn status of a reply's `finish_reason` (SGLang's `{"type": ...}`
+    or a bare string); a reply that names none completed."""
     reason = meta_info.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, Mapping) else reason
     if kind is None:
         return "completed"
-    if kind not in FINISH_REASON_STATUS:
-        raise InvalidInput(f"unknown finish_reason {kind!r}; expected one of {sorted(FINISH_REASON_STATUS)}")
+    if not isinstance(kind, str) or kind not in FINISH_REASON_STATUS:
+        raise InvalidInput(f"rule 'finish_reason is one of {sorted(FINISH_REASON_STATUS)}' not met: got {kind!r}")
     return FINISH_REASON_STATUS[kind]
+
+
+def overflow_from_error(error: Any) -> SupportOverflow | None:
+    """The `SupportOverflow` an engine's refusal describes, or None when it
+    is another refusal. `error` is an HTTP 400's JSON body
+    (`{"error": {"message"}}` or `{"object": "error", "message", "code"}`),
+    or an abort's `finish_reason` (`{"type": "abort", "status_code": 400,
+    "message"}`). The support size and the cap are read from the message
+    where it gives them."""
+    if not isinstance(error, Mapping):
+        return None
+    inner = error.get("error")
+    if isinstance(inner, Mapping):
+        error = inner
+    message = error.get("message")
+    code = error.get("status_code", error.get("code", 400))
+    if not isinstance(message, str) or code not in (400, "400"):
+        return None
+    if not (_MASK_WORDS.search(message) and _OVERFLOW_WORDS.search(message)):
+        return None
+    support, cap = _SUPPORT_SIZE.search(message), _CAP.search(message)
+    return SupportOverflow(f"the engine refused the request: a sampled token's support outgrew its cap: {message}",
+                           support=int(support.group(1)) if support else None, cap=int(cap.group(1)) if cap else None)
 
 
 def turn_from_sglang(
@@ -49,16 +115,26 @@ def turn_from_sglang(
     Checks, vectorised, that there is one support and one log-prob per
     sampled token, that every support is non-empty and holds its sampled
     token, and (with `vocab_size`) that every id is in the vocabulary.
+    `output_token_logprobs`, when the request asked for them, become the
+    turn's `full_log_probs` (their ids must be the sampled ones).
     An aborted response (`finish_reason` abort) may come without supports,
     and, when it sampled nothing, without log-probs: an engine abort
     returns neither. It gives an `aborted` turn without a mask, which cuts
     a trajectory that carries one at a replay gap (docs/semantics.md example 7).
+    An abort that reports a support overflow raises `SupportOverflow`.
     With `require_mask=False` any response without supports does the same.
     """
+    overflow = overflow_from_error(meta_info.get("finish_reason"))
+    if overflow is not None:
+        raise overflow
+    for key, what in UNCARRIED_KEYS.items():
+        if meta_info.get(key):
+            raise LocalProtocolError("schema", f"rule 'meta_info fields a turn does not carry are refused, not dropped' "
+                                               f"not met: meta_info.{key} holds {what}")
     status = status or status_from_finish_reason(meta_info)
     supports = meta_info.get(SUPPORTS_KEY)
     log_probs = meta_info.get(LOG_PROBS_KEY)
-    n = len(output_ids)
+    n = len(_listed(output_ids, "output_ids"))
     if supports is None and require_mask and status != "aborted":
         raise LocalProtocolError("mask_invalid", f"response has no {SUPPORTS_KEY}; request it with return_sampling_mask")
     if log_probs is None:
@@ -66,39 +142,211 @@ def turn_from_sglang(
             raise LocalProtocolError("misaligned", f"response has no {LOG_PROBS_KEY} for its {n} sampled tokens")
         log_probs = ()
     for name, values in ((SUPPORTS_KEY, supports), (LOG_PROBS_KEY, log_probs)):
-        if values is not None and len(values) != n:
+        if values is not None and len(_listed(values, f"meta_info.{name}")) != n:
             raise LocalProtocolError("misaligned", f"{name} has {len(values)} entries, {n} tokens were sampled")
-    spans = None if weight_version is not None else sglang_spans(meta_info, n)
+    length = meta_info.get(SUPPORTS_LENGTH_KEY)
+    if supports is not None and length is not None and length != n:
+        raise LocalProtocolError("misaligned", f"rule '{SUPPORTS_LENGTH_KEY} counts the supports' not met: expected "
+                                               f"{n}, got {length!r}")
+    spans = None if weight_version is not None else engine_spans(meta_info.get(SPANS_KEY), f"meta_info.{SPANS_KEY}")
+    if not spans and weight_version is None and meta_info.get("weight_version") is not None:
+        weight_version = str(meta_info["weight_version"])
+    return _built(output_ids, log_probs, spans, supports=supports, full_log_probs=_sglang_full_log_probs(
+        meta_info.get(FULL_LOG_PROBS_KEY), output_ids), loss_mask=loss_mask, forced_tokens=forced_tokens,
+        status=status, weight_version=weight_version, vocab_size=vocab_size)
+
+
+def sglang_chat_output(response: Mapping[str, Any], choice: int = 0) -> tuple[list[int], Mapping[str, Any]]:
+    """The sampled ids and the `meta_info` of one choice of a
+    `/v1/chat/completions` response asked with `return_meta_info` (and
+    `return_token_ids`, or `logprobs`, for the ids): what `turn_from_sglang`
+    takes. The choice's `finish_reason` stands in when its meta_info has
+    none, and the response's `metadata` weight versions when it has none."""
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not 0 <= choice < len(choices) or not isinstance(choices[choice], Mapping):
+        raise LocalProtocolError("schema", f"rule 'a chat response has choice {choice}' not met: got choices "
+                                           f"{choices!r:.120}")
+    picked = choices[choice]
+    meta_info = picked.get("meta_info")
+    if not isinstance(meta_info, Mapping):
+        raise LocalProtocolError("schema", "rule 'each chat choice carries meta_info' not met (ask with "
+                                           f"return_meta_info): got {meta_info!r:.80}")
+    meta_info = dict(meta_info)
+    if meta_info.get("finish_reason") is None and picked.get("finish_reason") is not None:
+        meta_info["finish_reason"] = picked["finish_reason"]
+    metadata = response.get("metadata")
+    if isinstance(metadata, Mapping):
+        for key in (SPANS_KEY, "weight_version"):
+            if meta_info.get(key) is None and metadata.get(key) is not None:
+                meta_info[key] = metadata[key]
+    return sampled_ids({"output_ids": picked.get("response_token_ids", meta_info.get("output_ids")),
+                        "meta_info": meta_info}), meta_info
+
+
+def turn_from_sglang_chat(response: Mapping[str, Any], *, choice: int = 0, **options) -> Turn:
+    """A `Turn` from one `/v1/chat/completions` response asked with
+    `return_meta_info` and `return_sampling_mask` (`sglang_chat_output`,
+    then `turn_from_sglang` with `options`)."""
+    return turn_from_sglang(*sglang_chat_output(response, choice), **options)
+
+
+def sampled_ids(response: Mapping[str, Any]) -> list[int]:
+    """The generated ids of an SGLang response: `output_ids`, or the ids in
+    `meta_info.output_token_logprobs` (`[logprob, id, text]` entries)."""
+    if response.get("output_ids") is not None:
+        return response["output_ids"]
+    meta_info = response.get("meta_info")
+    entries = meta_info.get(FULL_LOG_PROBS_KEY) if isinstance(meta_info, Mapping) else None
+    if entries is None:
+        raise LocalProtocolError("schema", "rule 'a response names its sampled ids' not met: it has neither output_ids "
+                                           f"(response_token_ids in chat) nor meta_info.{FULL_LOG_PROBS_KEY}")
+    return [entry[1] for entry in _log_prob_entries(entries)]
+
+
+def _log_prob_entries(entries) -> list:
+    """`output_token_logprobs` checked to be `[log-prob, id, ...]` per token,
+    the log-prob a number or null."""
+    if not isinstance(entries, list) or not all(
+            isinstance(e, (list, tuple)) and len(e) >= 2 and (e[0] is None or _is_number(e[0]))
+            for e in entries):
+        raise LocalProtocolError("schema", f"rule 'meta_info.{FULL_LOG_PROBS_KEY} is [log-prob, id, text] per token' "
+                                           f"not met: got {entries!r:.120}")
+    return entries
+
+
+def _sglang_full_log_probs(entries, output_ids) -> np.ndarray | None:
+    """`output_token_logprobs` (`[log-prob, id, text]` per token) as an
+    array, after checking that they are the sampled tokens'."""
+    if entries is None:
+        return None
+    ids = [e[1] for e in _log_prob_entries(entries)]
+    if ids != list(output_ids):
+        raise LocalProtocolError("misaligned", f"rule '{FULL_LOG_PROBS_KEY} belong to the sampled tokens' not "
+                                               f"met: expected ids {list(output_ids)!r:.120}, got {ids!r:.120}")
+    return np.array([np.nan if e[0] is None else e[0] for e in entries], dtype=np.float32)
+
+
+def turn_from_vllm(
+    output,
+    *,
+    forced_tokens=None,
+    loss_mask=None,
+    status: str | None = None,
+    weight_version: str | None = None,
+    vocab_size: int | None = None,
+    require_mask: bool = True,
+) -> Turn:
+    """A `Turn` from one vLLM completion with its sampling mask: a
+    `CompletionOutput` (`token_ids`, `logprobs` as one `{id: Logprob}` per
+    token, `finish_reason`, `sampling_mask`) or one choice of the JSON
+    `/inference/v1/generate` returns (`token_ids`, `logprobs.content`,
+    `finish_reason`, `sampling_mask`, `weight_versions`). The mask may be
+    one id list per token, CSR (`token_ids` flat with `offsets`), or vLLM's
+    in-engine bitset (uint8 rows of ceil(V/8) bytes, least significant bit
+    first). The log-probs are vLLM's, over the processed distribution that
+    mask replay requires (`logprobs_mode=processed_logprobs`). The same
+    checks as `turn_from_sglang` apply."""
+    read = output.get if isinstance(output, Mapping) else lambda key: getattr(output, key, None)
+    if read("routed_experts") is not None:
+        raise LocalProtocolError("schema", "rule 'fields a turn does not carry are refused, not dropped' not met: the "
+                                           "output holds routed_experts (decode them and pass routed_experts= to "
+                                           "Turn.build)")
+    ids = read("token_ids")
+    if ids is None:
+        raise LocalProtocolError("schema", "rule 'a vLLM output names its sampled token_ids' not met: got none")
+    ids = list(_listed(ids, "token_ids"))
+    status = status or status_from_finish_reason({"finish_reason": read("finish_reason")})
+    mask = _vllm_mask(read("sampling_mask"))
+    if mask is None and require_mask and status != "aborted":
+        raise LocalProtocolError("mask_invalid", "the output has no sampling_mask; start vLLM with "
+                                                 "--return-sampling-mask")
+    log_probs = _vllm_log_probs(read("logprobs"), ids)
+    spans = None if weight_version is not None else engine_spans(read(SPANS_KEY), SPANS_KEY)
+    return _built(ids, log_probs, spans, mask=mask, loss_mask=loss_mask, forced_tokens=forced_tokens, status=status,
+                  weight_version=weight_version, vocab_size=vocab_size)
+
+
+def _vllm_mask(mask) -> SamplingMask | None:
+    if mask is None:
+        return None
+    if isinstance(mask, (list, tuple)):  # the JSON form: one id list per token
+        return SamplingMask.from_supports(mask)
+    offsets = getattr(mask, "offsets", None)
+    token_ids = getattr(mask, "token_ids", None)
+    if offsets is not None:
+        return SamplingMask(token_ids, offsets)
+    if token_ids is not None:
+        return SamplingMask.from_supports(token_ids)
+    bits = np.asarray(mask)
+    if bits.ndim == 2 and bits.dtype == np.uint8:
+        return SamplingMask.from_bitset(bits)
+    raise LocalProtocolError("schema", "rule 'a vLLM sampling_mask is id lists, CSR (token_ids, offsets) or uint8 "
+                                       f"bitset rows' not met: got {type(mask).__name__} {mask!r:.80}")
+
+
+def _vllm_log_probs(logprobs, ids: list[int]) -> list:
+    """The sampled tokens' log-probs from vLLM's `logprobs`: JSON
+    `{"content": [{"token_id", "logprob"}]}` or one `{id: Logprob}` per token."""
+    if logprobs is None:
+        if ids:
+            raise LocalProtocolError("misaligned", f"the output has no logprobs for its {len(ids)} sampled tokens; ask "
+                                                   "with sampling_params.logprobs=0")
+        return []
+    entries = _listed(logprobs.get("content") if isinstance(logprobs, Mapping) else logprobs, "logprobs.content")
+    if len(entries) != len(ids):
+        raise LocalProtocolError("misaligned", f"logprobs has {len(entries)} entries, {len(ids)} tokens were sampled")
+    out = []
+    for position, (token, entry) in enumerate(zip(ids, entries)):
+        if isinstance(entry, Mapping) and "token_id" in entry:  # the JSON form
+            if entry["token_id"] != token:
+                raise LocalProtocolError("misaligned", f"rule 'logprobs belong to the sampled tokens' not met at position "
+                                                       f"{position}: expected id {token}, got {entry['token_id']}")
+            out.append(entry.get("logprob"))
+        elif isinstance(entry, Mapping) and isinstance(token, int) and token in entry:  # {id: Logprob}
+            value = entry[token]
+            out.append(getattr(value, "logprob", value))
+        else:
+            raise LocalProtocolError("misaligned", f"rule 'logprobs belong to the sampled tokens' not met at position "
+                                                   f"{position}: no log-prob for sampled id {token} in {entry!r:.80}")
+    if not all(map(_is_number, out)):
+        raise LocalProtocolError("schema", f"rule 'each log-prob is a number' not met: got {out!r:.120}")
+    return out
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _built(ids, log_probs, spans, *, weight_version, **turn) -> Turn:
+    """`Turn.build` with an engine's spans: the turn's version is the first
+    span's, and spans that say no more than one version over the turn go."""
     if spans:
         weight_version = spans[0][0]
-        if len(spans) == 1 and spans[0][1:] == (0, n):  # one version over the turn: the turn's own
+        if len(spans) == 1 and spans[0][1:] == (0, len(ids)):
             spans = None
-    elif weight_version is None and meta_info.get("weight_version") is not None:
-        weight_version = str(meta_info["weight_version"])
-    return Turn.build(
-        output_ids,
-        log_probs,
-        supports=supports,
-        loss_mask=loss_mask,
-        forced_tokens=forced_tokens,
-        status=status,
-        weight_version=weight_version,
-        weight_version_spans=spans or None,
-        vocab_size=vocab_size,
-    )
+    return Turn.build(ids, log_probs, weight_version=weight_version, weight_version_spans=spans or None, **turn)
 
 
-def sglang_spans(meta_info: Mapping[str, Any], tokens: int) -> list[tuple[str, int, int]] | None:
-    """SGLang's per-token weight versions (`meta_info["weight_versions"]`) as
-    rollstream's (version, start, end) spans, empty ones left out; None when
-    it sent none. Their order and bounds are checked where the turn is
-    built (`Turn.build`)."""
-    value = meta_info.get(SPANS_KEY)
+def engine_spans(value, where: str) -> list[tuple[str, int, int]] | None:
+    """An engine's per-token weight versions (SGLang's and vLLM's
+    `weight_versions`: `{"version", "start", "end"}` maps, `[version,
+    start, end]` arrays, or objects with those attributes) as rollstream's
+    (version, start, end) spans, empty ones left out; None when it sent
+    none. Their order and bounds are checked where the turn is built
+    (`Turn.build`)."""
     if value is None:
         return None
+    triples = []
+    for span in value if isinstance(value, list) else ():
+        if isinstance(span, Mapping):
+            triple: tuple[Any, ...] = (span.get("version"), span.get("start"), span.get("end"))
+        elif isinstance(span, (list, tuple)) and len(span) == 3:
+            triple = tuple(span)
+        else:
+            triple = (getattr(span, "version", None), getattr(span, "start", None), getattr(span, "end", None))
+        triples.append(triple)
     if not isinstance(value, list) or not all(
-            isinstance(span, Mapping) and {"version", "start", "end"} <= set(span)
-            and type(span["start"]) is int and type(span["end"]) is int for span in value):
-        raise LocalProtocolError("schema", f"rule 'meta_info.{SPANS_KEY} is a list of {{version, start, end}} with "
-                                           f"integer bounds' not met: got {value!r:.200}")
-    return [(str(span["version"]), span["start"], span["end"]) for span in value if span["end"] > span["start"]]
+            v is not None and type(s) is int and type(e) is int for v, s, e in triples):
+        raise LocalProtocolError("schema", f"rule '{where} is a list of {{version, start, end}} with integer bounds' "
+                                           f"not met: got {value!r:.200}")
+    return [(str(v), int(s), int(e)) for v, s, e in triples if e > s]

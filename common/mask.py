@@ -26,7 +26,11 @@ def as_numpy(values) -> np.ndarray:
     """A numpy view of a numpy array, torch tensor (moved to host) or sequence."""
     if hasattr(values, "detach"):
         values = values.detach().cpu().numpy()
-    return np.asarray(values)
+    try:
+        return np.asarray(values)
+    except ValueError:  # a ragged or mixed sequence
+        raise LocalProtocolError("shape", "rule 'arrays are rectangular' violated: got a sequence numpy cannot make "
+                                          f"one array of: {values!r:.80}") from None
 
 
 @functools.cache
@@ -163,7 +167,11 @@ class SamplingMask:
         """One support (a sequence of integer ids) per token, converted as
         `as_int_array` converts any list: a float, complex or str id is
         refused, never truncated."""
-        sizes = np.fromiter(map(len, supports), dtype=OFFSETS_DTYPE, count=len(supports))
+        try:
+            sizes = np.fromiter(map(len, supports), dtype=OFFSETS_DTYPE, count=len(supports))
+        except TypeError:
+            raise LocalProtocolError("shape", "rule 'supports are one id list per token' violated: got "
+                                              f"{supports!r:.80}") from None
         flat: list = []
         collections.deque(map(flat.extend, supports), 0)  # about twice as fast as list(itertools.chain(...))
         return cls._from_sizes(owned(as_int_array(flat, IDS_DTYPE, "supports"), flat), sizes, "supports", "supports")
@@ -193,6 +201,19 @@ class SamplingMask:
             )
         _refuse_negative_ids(ids, offsets, ids_name)
         return cls._wrap(frozen(ids), frozen(offsets))
+
+    @classmethod
+    def from_bitset(cls, bits) -> "SamplingMask":
+        """One packed row per token: uint8 `[tokens, ceil(V / 8)]`, id `j`
+        set when bit `j % 8` (least significant first) of byte `j // 8` is
+        (the form vLLM packs wide supports in on the GPU)."""
+        rows = as_numpy(bits)
+        if rows.ndim != 2 or rows.dtype != np.uint8:
+            raise LocalProtocolError("shape", "rule 'a bitset mask is uint8 [tokens, bytes]' violated: got "
+                                              f"{rows.dtype} of shape {tuple(rows.shape)}")
+        token, ids = np.nonzero(np.unpackbits(rows, axis=1, bitorder="little"))
+        sizes = np.bincount(token, minlength=rows.shape[0]).astype(OFFSETS_DTYPE)
+        return cls._from_sizes(ids.astype(IDS_DTYPE), sizes, "bitset rows", "bitset")
 
     @classmethod
     def singletons(cls, tokens) -> "SamplingMask":

@@ -27,4 +27,8 @@ class ProducerMetrics(Metrics):
         self.trajectories = self.counter("trajectories", "Trajectories a source finished, by how", ("outcome",))
         self.resumed = self.counter("resumed", "Trajectories a restarted daemon found open at its broker, by what it did "
                                     "with them (on_restart): continued, restarted (from turn 0) or aborted", ("action",))
+        self.support_overflows = self.counter(
+            "support_overflows", "Engine calls refused because a sampled token's support outgrew the engine's cap, by "
+            "what the source did: narrowed (asked again with half the top-k) or gave_up (the trajectory aborted)",
+            ("action",))
         self.tokens = self.counter("tokens", "Response tokens submitted, sampled or forced", ("kind",))

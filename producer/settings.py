@@ -34,12 +34,15 @@ from .sources import source_names
 
 # What a restarted daemon does with the trajectories it had open at its broker (`on_restart`, producer/source.py).
 ON_RESTART = ("continue", "restart", "abort")
+# The SGLang endpoints the sglang source drives (`sglang_api`).
+SGLANG_APIS = ("generate", "chat")
 
 
 @dataclass
 class ProducerSettings:
     source: str = choice(
-        "synthetic", "synthetic: sampled load; sglang: drive an SGLang /generate endpoint; replay: recorded turns; "
+        "synthetic", "synthetic: sampled load; sglang: drive an SGLang server; vllm: drive a vLLM server; replay: "
+                     "recorded turns; "
                      "model (registered by the `rollstream` command): sample from a small torch LM "
                      "(rollstream.app.tiny_lm).", source_names)
     broker_endpoint: str = endpoint("tcp://127.0.0.1:5555", "The node broker's producer endpoint.", binds=False)
@@ -106,10 +109,26 @@ class ProducerSettings:
     late_reward_rate: float = share(0.0, "Synthetic: chance that a trajectory ends without its reward and sends it "
                                          "late_reward_seconds later (a slow verifier).")
     late_reward_seconds: float = seconds(0.5, "Synthetic: how long a late reward takes.", above=False)
-    # sglang
-    sglang_url: str = setting("http://127.0.0.1:30000", URL, "Base URL of the SGLang-compatible server "
-                                                             "(POST {url}/generate).", schemes=("http", "https"))
-    sglang_timeout: float = seconds(600.0, "Seconds one /generate call may take.")
+    # engines (sglang, vllm)
+    sglang_url: str = setting("http://127.0.0.1:30000", URL, "Base URL of the SGLang server (POST {url}/generate, or "
+                                                             "{url}/v1/chat/completions with sglang_api = chat).",
+                              schemes=("http", "https"))
+    sglang_timeout: float = seconds(600.0, "Seconds one SGLang call may take.")
+    sglang_api: str = choice("generate", "The SGLang endpoint the sglang source drives: generate (/generate) or chat "
+                                         "(/v1/chat/completions with return_meta_info; the context goes as input_ids).",
+                             SGLANG_APIS)
+    vllm_url: str = setting("http://127.0.0.1:8000", URL, "Base URL of the vLLM server, started with "
+                                                          "--return-sampling-mask (POST {url}/inference/v1/generate).",
+                            schemes=("http", "https"))
+    vllm_timeout: float = seconds(600.0, "Seconds one vLLM call may take.")
+    full_log_probs: bool = flag(False, "sglang: also ask for each sampled token's log-prob under the full distribution "
+                                       "(return_logprob) and carry it as the turn's full_log_probs.")
+    overflow_retries: int = count(0, "sglang, vllm: times a turn whose support outgrew the engine's cap is asked again "
+                                     "with half the top-k; then (0: at once) the trajectory is given up "
+                                     "(support_overflow).", "retries", low=0, high=16)
+    sampling_mask_cap: int = count(4096, "sglang, vllm: the engine's cap on a support (SGLang's "
+                                         "--sampling-mask-max-tokens), for the narrowed top-k and the log when the "
+                                         "engine's refusal does not say it.", "token ids", high=1 << 24)
     prompts: str | None = setting(None, FILE, "JSON-lines file of prompts ({\"input_ids\": [...]} per line): each is "
                                               "issued once (group_size samples), the run ends when all are done; "
                                               "default: random prompts drawn from --seed.")

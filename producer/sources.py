@@ -1,6 +1,6 @@
 """The producer daemon's sources by name: what `--source NAME` runs.
 
-The producer ships `synthetic`, `sglang` and `replay`. A layer above the
+The producer ships `synthetic`, `sglang`, `vllm` and `replay`. A layer above the
 producer adds its own with `register_source` before the daemon's command
 runs: the `rollstream` command (`rollstream.app.cli`) adds `model`, which
 samples from the app layer's small torch LM. The producer itself never
@@ -45,13 +45,19 @@ def _sglang() -> SourceFactory:
     return SGLangSource
 
 
+def _vllm() -> SourceFactory:
+    from .vllm import VLLMSource
+
+    return VLLMSource
+
+
 def _replay() -> SourceFactory:
     from .replay import ReplaySource
 
     return ReplaySource
 
 
-_LOADERS: dict[str, SourceLoader] = {"synthetic": _synthetic, "sglang": _sglang, "replay": _replay}
+_LOADERS: dict[str, SourceLoader] = {"synthetic": _synthetic, "sglang": _sglang, "vllm": _vllm, "replay": _replay}
 
 
 def register_source(name: str, load: SourceLoader) -> None:

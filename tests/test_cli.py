@@ -238,14 +238,14 @@ def test_the_rollstream_command_adds_the_model_source_to_the_producer_daemon():
     name registered by nobody is refused naming every registered source."""
     help_text = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "producer", "--help"], capture_output=True,
                                text=True, timeout=60, check=True).stdout
-    assert "[synthetic|sglang|replay|model]" in help_text
+    assert "[synthetic|sglang|vllm|replay|model]" in help_text
     checked = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "producer", "--source", "model",
                               "--check-config"], capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0 and "configuration ok" in checked.stdout, checked.stderr
     unknown = subprocess.run([sys.executable, "-m", "rollstream.app.cli", "producer", "--source", "nope",
                               "--check-config"], capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 2
-    assert ("source must be one of 'synthetic', 'sglang', 'replay', 'model', got 'nope' (flag --source) "
+    assert ("source must be one of 'synthetic', 'sglang', 'vllm', 'replay', 'model', got 'nope' (flag --source) "
             "[rule: choice]") in unknown.stderr
 
 
@@ -260,7 +260,7 @@ def test_the_producer_alone_knows_only_its_own_sources():
         "assert not any(name.startswith('rollstream.app') for name in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
-    assert out.strip() == "source must be one of 'synthetic', 'sglang', 'replay', got 'model' [rule: choice]"
+    assert out.strip() == "source must be one of 'synthetic', 'sglang', 'vllm', 'replay', got 'model' [rule: choice]"
 
 
 def test_help_lists_every_command_without_loading_torch():

@@ -27,7 +27,8 @@ def test_the_same_request_gets_the_same_answer_in_the_sglang_shape():
     assert fake.calls[0] == fake.calls[2] and fake.calls[0]["input_ids"] == PROMPT
     meta = first["meta_info"]
     assert set(meta) == {"finish_reason", "output_token_sampling_mask", "output_token_sampling_logprobs",
-                         "weight_version", "prompt_tokens", "completion_tokens"}
+                         "output_token_sampling_mask_length", "weight_version", "weight_versions", "prompt_tokens",
+                         "completion_tokens", "cached_tokens"}
     assert meta["weight_version"] == "7" and later["meta_info"]["weight_version"] == "8"
     assert later["output_ids"] == first["output_ids"]
     assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == len(first["output_ids"]) == 8

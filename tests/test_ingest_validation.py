@@ -49,7 +49,7 @@ def test_sglang_weight_version_spans_become_the_turns_spans_its_first_version_th
     empty = {**meta([], [], "abort"), "weight_version": "13", "weight_versions": [{"version": "13", "start": 0, "end": 0}]}
     assert turn_from_sglang([], empty, require_mask=False).weight_version == "13"
     with pytest.raises(ProtocolError) as bad:
-        turn_from_sglang([5, 6, 7], {**m, "weight_versions": [["12", 0, 3]]})
+        turn_from_sglang([5, 6, 7], {**m, "weight_versions": [["12", 0]]})
     assert bad.value.code == "schema" and "meta_info.weight_versions is a list of {version, start, end}" in str(bad.value)
     with pytest.raises(ProtocolError) as beyond:  # spans past the sampled tokens
         turn_from_sglang([5, 6, 7], {**m, "weight_versions": [{"version": "12", "start": 0, "end": 5}]})

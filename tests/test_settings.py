@@ -311,7 +311,7 @@ def test_a_client_connects_to_a_host_and_port_a_broker_binds_any(tmp_path):
 
 def test_a_choice_from_a_registry_lists_what_is_registered_when_asked():
     declared = setting_of(next(f for f in fields_of(ProducerSettings) if f.name == "source"))
-    assert {"synthetic", "sglang", "replay"} <= set(declared.names())
+    assert {"synthetic", "sglang", "vllm", "replay"} <= set(declared.names())
     with pytest.raises(click.BadParameter, match=r"one of .*'synthetic'.*, got 'nope'"):
         declared.accept("nope")
 

@@ -70,7 +70,8 @@ class Result:
 def dictionary(target: str) -> list[bytes]:
     """Tokens for libFuzzer's mutations: the names the target's format
     uses (message types, fields, arrays and dtypes as msgpack strings;
-    settings keys), so a mutation can put a known name in place."""
+    settings keys; an engine reply's JSON keys), so a mutation can put a
+    known name in place."""
     import msgpack
 
     from rollstream.common import contract, messages
@@ -84,6 +85,15 @@ def dictionary(target: str) -> list[bytes]:
 
         names = {f.name for settings in (BrokerSettings, ProducerSettings) for f in fields(settings)}
         return [name.encode() for name in sorted(names)] + [b"[broker]", b"[producer]", b"GiB", b"true", b'"', b"="]
+    if target == "engine_replies":
+        from rollstream.common import ingest
+
+        keys = {"output_ids", "meta_info", "choices", "metadata", "token_ids", "logprobs", "content", "token_id",
+                "logprob", "sampling_mask", "finish_reason", "type", "message", "status_code", "code", "error",
+                "response_token_ids", "version", "start", "end", "weight_version", ingest.SUPPORTS_KEY,
+                ingest.LOG_PROBS_KEY, ingest.SUPPORTS_LENGTH_KEY, ingest.FULL_LOG_PROBS_KEY, ingest.SPANS_KEY,
+                *ingest.FINISH_REASON_STATUS, *ingest.UNCARRIED_KEYS}
+        return [f'"{key}"'.encode() for key in sorted(keys)] + [b"sampling mask", b"exceeds", b"support of", b"null"]
     if target in ("miles_session", "spool", "segments", "store"):
         return []
     words = set(ENVELOPE_KEYS) | set(contract.ARRAYS) | {spec.dtype.name for spec in contract.ARRAYS.values()}

@@ -832,46 +832,7 @@ class NotFixedYet:
 
 
 # By regression input (target/name). Once a fix lands, its input passes, the replay test says so, and the entry goes.
-NOT_FIXED_YET: dict[str, NotFixedYet] = {
-    "engine_replies/vllm-logprob-entry-without-its-logprob": NotFixedYet(
-        "a logprobs.content entry with a token_id and no logprob raises KeyError, not LocalProtocolError",
-        "KeyError", "common/ingest.py:_vllm_log_probs"),
-    "engine_replies/vllm-logprobs-a-number": NotFixedYet(
-        "logprobs that are neither a mapping with a content list nor a list raise TypeError (len)",
-        "TypeError", "common/ingest.py:_vllm_log_probs"),
-    "engine_replies/vllm-token-ids-a-number": NotFixedYet(
-        "token_ids that are not a list raise TypeError (list(ids))", "TypeError", "common/ingest.py:turn_from_vllm"),
-    "engine_replies/vllm-support-a-number": NotFixedYet(
-        "a sampling_mask list holding a number, not an id list, raises TypeError in SamplingMask.from_supports (len)",
-        "TypeError", "common/mask.py:from_supports"),
-    "engine_replies/sglang-finish-reason-a-list": NotFixedYet(
-        "a finish_reason (or its type) that is a list or a mapping raises TypeError (unhashable) in the table look-up",
-        "TypeError", "common/ingest.py:status_from_finish_reason"),
-    "engine_replies/sglang-output-ids-a-number": NotFixedYet(
-        "output_ids (response_token_ids in chat) that are not a list raise TypeError (len)",
-        "TypeError", "common/ingest.py:turn_from_sglang"),
-    "engine_replies/sglang-logprob-entry-without-its-id": NotFixedYet(
-        "an output_token_logprobs entry shorter than [log-prob, id] read for the sampled ids raises IndexError",
-        "IndexError", "common/ingest.py:<listcomp>"),
-    "engine_replies/sglang-logprob-entry-a-number": NotFixedYet(
-        "an output_token_logprobs entry that is not a list, read for the sampled ids, raises TypeError",
-        "TypeError", "common/ingest.py:<listcomp>"),
-    "engine_replies/sglang-logprob-entry-a-mapping": NotFixedYet(
-        "an output_token_logprobs entry that is a mapping, read for the sampled ids, raises KeyError (entry[1])",
-        "KeyError", "common/ingest.py:<listcomp>"),
-    "engine_replies/sglang-output-token-logprobs-a-number": NotFixedYet(
-        "output_token_logprobs that are not a list, read for the sampled ids, raise TypeError",
-        "TypeError", "common/ingest.py:sampled_ids"),
-    "engine_replies/sglang-full-log-prob-a-string": NotFixedYet(
-        "an output_token_logprobs log-prob that is not a number raises ValueError from np.array",
-        "ValueError", "common/ingest.py:_sglang_full_log_probs"),
-    "engine_replies/sglang-log-probs-ragged": NotFixedYet(
-        "log-probs holding a list (a ragged array) raise numpy's ValueError from as_numpy in Turn.build",
-        "ValueError", "common/mask.py:as_numpy"),
-    "engine_replies/error-support-size-past-the-int-digits-limit": NotFixedYet(
-        "a refusal whose support size has more than 4300 digits raises int()'s ValueError",
-        "ValueError", "common/ingest.py:overflow_from_error"),
-}
+NOT_FIXED_YET: dict[str, NotFixedYet] = {}
 
 
 def run_target(name: str, data: bytes) -> None:

@@ -1,0 +1,237 @@
+"""Engine replies as the engines send them today, from the stand-ins of
+tests/engines.py: SGLang's /generate and chat with return_meta_info (the
+full log-probs, weight-version spans and support overflows of its sampling
+mask contract), vLLM's output objects and its /inference/v1/generate JSON
+(the mask as id lists, CSR or bitset). Supports come out byte-equal to the
+engine's CSR; what a turn does not carry is refused with the rule."""
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from engines import FakeSGLang, FakeVLLM
+
+from rollstream.common import ProtocolError, SamplingMask
+from rollstream.common.errors import InvalidInput, SupportOverflow
+from rollstream.common.ingest import (
+    engine_spans,
+    overflow_from_error,
+    sglang_chat_output,
+    turn_from_sglang,
+    turn_from_sglang_chat,
+    turn_from_vllm,
+)
+
+PROMPT = [5, 17, 3, 250, 9, 41]
+VOCAB = 1000
+
+
+def post(url, body):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def generate(fake, input_ids=PROMPT, n=8, **more):
+    return post(fake.url + "/generate", {"input_ids": input_ids, "return_sampling_mask": True,
+                                         "sampling_params": {"max_new_tokens": n, "top_k": more.pop("top_k", 20)},
+                                         **more})
+
+
+def chat(fake, input_ids=PROMPT, n=8, **more):
+    return post(fake.url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": ""}], "input_ids": input_ids, "max_tokens": n,
+        "top_k": more.pop("top_k", 20), "return_sampling_mask": True, "return_meta_info": True,
+        "return_token_ids": True, **more})
+
+
+def engine_csr(supports):
+    """The engine's supports as CSR bytes: ids in the engine's order, int32, and int64 offsets."""
+    flat = [t for s in supports for t in s]
+    return np.asarray(flat, "<i4").tobytes(), np.cumsum([0, *map(len, supports)], dtype="<i8").tobytes()
+
+
+def csr_bytes(mask):
+    return mask.ids.tobytes(), mask.offsets.tobytes()
+
+
+def test_sglang_generate_and_chat_give_the_same_turn_with_supports_byte_equal_to_the_engines():
+    with FakeSGLang(VOCAB) as fake:
+        _, generated = generate(fake)
+        _, chatted = chat(fake)
+    (call, _), supports = fake.calls, fake.calls[0]["supports"]
+    from_generate = turn_from_sglang(generated["output_ids"], generated["meta_info"], vocab_size=VOCAB)
+    from_chat = turn_from_sglang_chat(chatted, vocab_size=VOCAB)
+    for turn in (from_generate, from_chat):
+        assert csr_bytes(turn.mask) == engine_csr(supports)
+        assert turn.tokens.tolist() == call["out"] and turn.log_probs.tobytes() == np.float32(call["log_probs"]).tobytes()
+        assert turn.weight_version == "7" and turn.weight_version_spans is None  # one span over the turn is its version
+        assert turn.full_log_probs is None  # not asked for
+    assert chatted["choices"][0]["prompt_token_ids"] == PROMPT
+
+
+def test_sglang_full_log_probs_are_carried_when_asked_for_and_must_be_the_sampled_tokens():
+    with FakeSGLang(VOCAB) as fake:
+        _, generated = generate(fake, return_logprob=True)
+        _, chatted = chat(fake, logprobs=True)
+    expected = np.float32(fake.calls[0]["full_log_probs"]).tobytes()
+    assert turn_from_sglang(generated["output_ids"], generated["meta_info"]).full_log_probs.tobytes() == expected
+    assert turn_from_sglang_chat(chatted).full_log_probs.tobytes() == expected
+    entries = generated["meta_info"]["output_token_logprobs"]
+    wrong = dict(generated["meta_info"], output_token_logprobs=[[entries[0][0], entries[0][1] + 1, None], *entries[1:]])
+    with pytest.raises(ProtocolError, match="output_token_logprobs belong to the sampled tokens") as info:
+        turn_from_sglang(generated["output_ids"], wrong)
+    assert info.value.code == "misaligned"
+    above = dict(generated["meta_info"], output_token_logprobs=[[0.5, entries[0][1], None], *entries[1:]])
+    with pytest.raises(ProtocolError) as info:
+        turn_from_sglang(generated["output_ids"], above)
+    assert info.value.code == "invalid_value" and "full_log_probs" in str(info.value)
+
+
+def test_sglang_spans_become_per_token_versions_in_generate_and_chat():
+    with FakeSGLang(VOCAB) as fake:
+        fake.version_change = ("8", 3)
+        _, generated = generate(fake)
+        _, chatted = chat(fake)
+    assert generated["meta_info"]["weight_version"] == "8"  # SGLang names the newest
+    for turn in (turn_from_sglang(generated["output_ids"], generated["meta_info"]), turn_from_sglang_chat(chatted)):
+        assert turn.weight_version == "7" and turn.weight_version_spans == (("7", 0, 3), ("8", 3, 8))
+
+
+def test_engine_spans_take_maps_arrays_and_objects_and_refuse_anything_else():
+    class Span:
+        version, start, end = "5", 0, 2
+
+    assert engine_spans([{"version": 4, "start": 0, "end": 2}, ["5", 2, 2], Span()], "x") == [("4", 0, 2), ("5", 0, 2)]
+    for bad in ({"version": "4"}, [["4", 0]], [{"version": "4", "start": 0.0, "end": 2}], [None]):
+        with pytest.raises(ProtocolError, match="rule 'where is a list of {version, start, end}") as info:
+            engine_spans(bad, "where")
+        assert info.value.code == "schema"
+
+
+@pytest.mark.parametrize("api", ["generate", "chat"])
+@pytest.mark.parametrize("form", ["400", "status"])
+def test_an_overflow_as_a_400_or_in_the_reply_names_the_support_and_the_cap(api, form):
+    with FakeSGLang(VOCAB, cap=16, overflow_share=1.0, overflow_as=form) as fake:
+        status, reply = (generate if api == "generate" else chat)(fake, top_k=20)
+        narrowed_status, narrowed = (generate if api == "generate" else chat)(fake, top_k=8)
+    (refused,) = fake.refused
+    assert narrowed_status == 200 and len(fake.calls) == 1  # a top-k under the cap does not overflow
+    if form == "400":
+        assert status == 400
+        overflow = overflow_from_error(reply)
+    else:
+        assert status == 200
+        with pytest.raises(SupportOverflow) as info:
+            if api == "generate":
+                turn_from_sglang(reply["output_ids"], reply["meta_info"])
+            else:
+                turn_from_sglang_chat(reply)
+        overflow = info.value
+    assert isinstance(overflow, SupportOverflow) and overflow.code == "support_overflow"
+    assert (overflow.support, overflow.cap) == (refused["support"], 16)
+    assert "cutoff ties" in str(overflow)
+
+
+def test_other_refusals_are_not_overflows():
+    assert overflow_from_error({"error": {"message": "input_ids must not be empty"}}) is None
+    assert overflow_from_error({"object": "error", "message": "sampling mask capture failed: invalid", "code": 500}) is None
+    assert overflow_from_error({"type": "stop"}) is None and overflow_from_error("length") is None
+
+
+@pytest.mark.parametrize("key", ["output_top_logprobs", "routed_experts", "hidden_states"])
+def test_per_token_fields_a_turn_does_not_carry_are_refused_not_dropped(key):
+    fake = FakeSGLang(VOCAB)
+    fake.close()
+    answer = fake.answer(PROMPT, 4)
+    meta = dict(answer["meta_info"], **{key: [[1.0]] * 4})
+    with pytest.raises(ProtocolError, match=f"refused, not dropped.*meta_info.{key}") as info:
+        turn_from_sglang(answer["output_ids"], meta)
+    assert info.value.code == "schema"
+
+
+def test_a_support_count_that_disagrees_is_refused():
+    fake = FakeSGLang(VOCAB)
+    fake.close()
+    answer = fake.answer(PROMPT, 4)
+    with pytest.raises(ProtocolError, match="output_token_sampling_mask_length counts the supports.*expected 4, got 5"):
+        turn_from_sglang(answer["output_ids"], dict(answer["meta_info"], output_token_sampling_mask_length=5))
+
+
+def test_a_chat_response_without_meta_info_is_refused_with_the_rule():
+    with FakeSGLang(VOCAB) as fake:
+        _, chatted = chat(fake)
+    del chatted["choices"][0]["meta_info"]
+    with pytest.raises(ProtocolError, match="each chat choice carries meta_info.*return_meta_info"):
+        sglang_chat_output(chatted)
+    with pytest.raises(ProtocolError, match="has choice 1"):
+        sglang_chat_output(chatted, 1)
+
+
+@pytest.mark.parametrize("form", ["lists", "csr"])
+def test_vllm_output_objects_give_supports_byte_equal_to_the_engines_csr(form):
+    fake = FakeVLLM(VOCAB)
+    fake.close()
+    output = fake.completion_output(PROMPT, 8, form)
+    turn = turn_from_vllm(output, vocab_size=VOCAB)
+    answer = fake.draw(PROMPT, 8)
+    assert csr_bytes(turn.mask) == engine_csr(answer.supports)
+    assert turn.tokens.tolist() == answer.out and turn.log_probs.tobytes() == np.float32(answer.log_probs).tobytes()
+    assert turn.status == {"stop": "completed", "length": "truncated"}[answer.finish]
+
+
+def test_a_vllm_bitset_gives_each_support_as_a_set_in_id_order():
+    fake = FakeVLLM(VOCAB)
+    fake.close()
+    turn = turn_from_vllm(fake.completion_output(PROMPT, 8, "bitset"), vocab_size=VOCAB)
+    assert csr_bytes(turn.mask) == engine_csr([sorted(s) for s in fake.draw(PROMPT, 8).supports])
+
+
+def test_vllm_server_json_gives_supports_byte_equal_and_its_spans():
+    with FakeVLLM(VOCAB) as fake:
+        fake.version_change = ("v2", 5)
+        status, reply = post(fake.url + "/inference/v1/generate", {
+            "token_ids": PROMPT, "sampling_params": {"max_tokens": 8, "logprobs": 0, "top_k": 20}})
+    assert status == 200
+    turn = turn_from_vllm(reply["choices"][0], vocab_size=VOCAB)
+    (call,) = fake.calls
+    assert csr_bytes(turn.mask) == engine_csr(call["supports"]) and turn.tokens.tolist() == call["out"]
+    assert turn.weight_version == "7" and turn.weight_version_spans == (("7", 0, 5), ("v2", 5, 8))
+
+
+def test_vllm_refusals_name_the_rule():
+    fake = FakeVLLM(VOCAB)
+    fake.close()
+    choice = fake.choice(fake.draw(PROMPT, 4))
+    content = choice["logprobs"]["content"]
+    cases = [
+        (dict(choice, logprobs={"content": [dict(content[0], token_id=content[0]["token_id"] + 1), *content[1:]]}),
+         "misaligned", "logprobs belong to the sampled tokens' not met at position 0: expected id"),
+        (dict(choice, logprobs=None), "misaligned", "no logprobs for its 4 sampled tokens.*logprobs=0"),
+        (dict(choice, sampling_mask=None), "mask_invalid", "--return-sampling-mask"),
+        (dict(choice, sampling_mask=choice["sampling_mask"][:3]), "misaligned", "mask covers 3 tokens, tokens has 4"),
+        (dict(choice, routed_experts="AAAA"), "schema", "refused, not dropped.*routed_experts"),
+        (dict(choice, sampling_mask="bits"), "schema", "id lists, CSR .* or uint8 bitset rows"),
+    ]
+    for bad, code, message in cases:
+        with pytest.raises(ProtocolError, match=message) as info:
+            turn_from_vllm(bad, vocab_size=VOCAB)
+        assert info.value.code == code, (code, info.value)
+    with pytest.raises(InvalidInput, match=r"finish_reason is one of .* got 'error'"):
+        turn_from_vllm(dict(choice, finish_reason="error"))
+    aborted = turn_from_vllm(dict(choice, finish_reason="abort", sampling_mask=None))
+    assert aborted.status == "aborted" and aborted.mask is None
+
+
+def test_a_bitset_mask_is_uint8_rows():
+    rows = np.packbits(np.eye(3, 16, dtype=np.uint8), axis=1, bitorder="little")
+    assert SamplingMask.from_bitset(rows) == SamplingMask.from_supports([[0], [1], [2]])
+    with pytest.raises(ProtocolError, match="a bitset mask is uint8 \\[tokens, bytes\\]") as info:
+        SamplingMask.from_bitset(rows.astype(np.int32))
+    assert info.value.code == "shape"
+    with pytest.raises(ProtocolError, match="non-empty support"):
+        SamplingMask.from_bitset(np.zeros((2, 2), np.uint8))
