@@ -109,7 +109,7 @@ class LibraryTraffic(threading.Thread):
                     if handle is None:
                         handle = self.producer.trajectory(tid, a["prompt_tokens"])
                     handle.turn(a["tokens"], a["log_probs"], mask_ids=a["mask_ids"], mask_offsets=a["mask_offsets"],
-                                forced_tokens=a.get("forced_tokens"))
+                                forced_tokens=a.get("forced_tokens"), full_log_probs=a.get("full_log_probs"))
         except Exception as exc:  # reported in the figures, never silently lost
             self.errors.append(repr(exc))
 

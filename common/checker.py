@@ -102,7 +102,8 @@ class ContentDigest:
         streams[_TOKENS].update(_raw(tokens, "tokens"))
         streams[_LOG_PROBS].update(_raw(log_probs, "log_probs"))
         for name, values in (token_log_probs or {}).items():
-            self._token_log_probs.setdefault(name, xxhash.xxh3_64()).update(_raw(values, name))
+            if values is not None:  # not carried (a dataset row holds None where a trajectory has none)
+                self._token_log_probs.setdefault(name, xxhash.xxh3_64()).update(_raw(values, name))
         streams[_LOSS].update(b"\x01" * n if loss_mask is None else _raw(loss_mask, "loss_mask"))
         if mask_offsets is not None:
             self.has_mask = True
@@ -153,7 +154,7 @@ def delivered_digest(arrays: Mapping[str, Any]) -> str:
     digest = ContentDigest(arrays["prompt_tokens"])
     digest.add_sampled(arrays["tokens"], arrays["log_probs"], arrays["loss_mask"], arrays.get("mask_ids"),
                        arrays.get("mask_offsets"), {name: arrays.get(name) for name in CONTEXT_REPLAY_ARRAYS},
-                       {name: arrays[name] for name in TOKEN_LOG_PROB_ARRAYS if name in arrays})
+                       {name: arrays.get(name) for name in TOKEN_LOG_PROB_ARRAYS})
     return digest.hexdigest()
 
 
