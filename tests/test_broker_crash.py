@@ -50,24 +50,28 @@ def expected_arrays(prompt, turns):
 class Producer(threading.Thread):
     """Windowed sender that resends every unacked frame, in order, whenever
     replies stop coming (as after a broker crash), and holds each `end`
-    until its trajectory's turns are settled, as docs/protocol.md asks."""
+    until its trajectory's turns are settled, as docs/protocol.md asks.
+    It starts no trajectory past the first `allowed` (the test raises it),
+    so a kill lands before the stream ends however slow the test's thread is."""
 
     def __init__(self, endpoint, work):
         super().__init__(daemon=True)
         self.endpoint, self.work = endpoint, work
         self.acked_ends: set[str] = set()
         self.errors: list[str] = []
+        self.allowed = len(work)
 
     def frames(self):
         seq = 0
-        for tid, (prompt, turns) in self.work.items():
+        for number, (tid, (prompt, turns)) in enumerate(self.work.items()):
             for index, (sampled, supports, forced) in enumerate(turns):
                 turn = Turn.build(sampled, [-0.25] * len(sampled), supports=supports, forced_tokens=forced or None)
                 extra = {"prompt_tokens": np.array(prompt, np.int32)} if index == 0 else {}
                 seq += 1
-                yield seq, tid, encode_turn(tid, index, turn, seq=seq, **extra), False
+                yield seq, tid, encode_turn(tid, index, turn, seq=seq, **extra), False, number if index == 0 else None
             seq += 1
-            yield seq, tid, encode(PRODUCER_TO_BROKER, "end", {"seq": seq, "trajectory_id": tid, "reward": float(len(tid))}), True
+            end = encode(PRODUCER_TO_BROKER, "end", {"seq": seq, "trajectory_id": tid, "reward": float(len(tid))})
+            yield seq, tid, end, True, None
 
     def run(self):
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -83,7 +87,10 @@ class Producer(threading.Thread):
                 if item is None:
                     exhausted = True
                     break
-                seq, tid, frames, is_end = item
+                seq, tid, frames, is_end, starts = item
+                if starts is not None and starts >= self.allowed:  # not yet: the test has a kill to make first
+                    held = item
+                    break
                 if is_end and any(t == tid for t, _ in pending.values()):
                     # the producer duty (docs/protocol.md): an end goes once every earlier frame of its
                     # trajectory is settled, or a turn lost in a crash could be overtaken by it
@@ -158,15 +165,18 @@ def test_broker_sigkill_loses_nothing_acked(tmp_path, flags):
     work = workload()
     broker = BrokerProcess(tmp_path, lease_timeout=3.0, **flags).start()
     producer, consumer = Producer(broker.producer, work), Consumer(broker.consumer)
+    producer.allowed = TRAJECTORIES // 4 + WINDOW // TURNS
     producer.start()
     consumer.start()
     try:
         for progress in (TRAJECTORIES // 4, TRAJECTORIES // 2):  # kill mid-stream, twice
+            producer.allowed = progress + WINDOW // TURNS
             wait_for(lambda: len(producer.acked_ends) >= progress, 60, f"{progress} acked ends", interval=0.005)
             assert len(producer.acked_ends) < TRAJECTORIES
             broker.kill()
             time.sleep(0.2)  # down a moment, as after a crash, before it restarts (start waits until it answers)
             broker.start()
+        producer.allowed = TRAJECTORIES
         producer.join(60)
         assert not producer.is_alive(), "producer did not finish"
         deadline = time.monotonic() + 60
