@@ -137,10 +137,10 @@ class EngineSource(abc.ABC):
     def turn(self, reply: Any, forced_tokens: np.ndarray | None) -> Turn:
         """The checked turn of the reply, followed by `forced_tokens`."""
 
-    def narrower(self, top_k: int, overflow: SupportOverflow) -> int:
+    @staticmethod
+    def narrower(top_k: int, cap: int) -> int:
         """The top-k of the next try after an overflow: half the one that
         overflowed, or half the cap when it was off or above the cap."""
-        cap = overflow.cap or self.settings.sampling_mask_cap
         return max(1, (top_k if 0 < top_k <= cap else cap) // 2)
 
     async def call(self, traj: AsyncTrajectoryHandle, context: list[int]) -> Any | None:
@@ -155,13 +155,13 @@ class EngineSource(abc.ABC):
                 retry = attempt < self.settings.overflow_retries
                 action = "narrowed" if retry else "gave_up"
                 metrics.inc(metrics.support_overflows, action=action)
-                narrowed = self.narrower(top_k, overflow) if retry else None
+                cap = overflow.cap or self.settings.sampling_mask_cap  # the engine's, where its refusal says it
+                narrowed = self.narrower(top_k, cap) if retry else None
                 log.warning(f"support overflow: a sampled token's support of {overflow.support or 'unknown'} ids "
-                            f"outgrew the cap of {overflow.cap or self.settings.sampling_mask_cap}; "
+                            f"outgrew the cap of {cap}; "
                             + (f"asking again with top_k {narrowed}" if retry else "giving the trajectory up"),
-                            extra={"trajectory_id": traj.trajectory_id, "support": overflow.support,
-                                   "cap": overflow.cap or self.settings.sampling_mask_cap, "top_k": top_k,
-                                   "action": action})
+                            extra={"trajectory_id": traj.trajectory_id, "support": overflow.support, "cap": cap,
+                                   "top_k": top_k, "action": action})
                 if narrowed is None:
                     break
                 top_k = narrowed
