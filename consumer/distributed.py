@@ -19,6 +19,7 @@ client was closed meanwhile, else `SourceRankFailed`).
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from typing import Sequence
 
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rollstream.common.checker import Ledger
+from rollstream.common.clock import Clock
 from rollstream.common.errors import InvalidInput, InvalidState, RemoteProtocolError, RollstreamError
 from rollstream.common.trajectory import Gap
 
@@ -39,6 +41,8 @@ from .sharding import STRATEGIES, partition_batch, rank_tokens, token_imbalance
 _SHARD, _STOP, _FAILED = 0, 1, 2
 _ALIGN = 8  # every tensor starts 8-byte aligned in the payload
 _DTYPES = {str(dtype): dtype for dtype in (torch.int32, torch.int64, torch.uint8, torch.float32)}
+_LET_GO_PATIENCE = 10.0  # seconds a collective waits for gloo to let go of its tensors
+_LET_GO_POLL = 0.0001
 
 
 def encode_shard(batch: Batch, rank_tokens: Sequence[int] = ()) -> tuple[bytes, torch.Tensor]:
@@ -99,6 +103,25 @@ def _shard_of(doc: dict, payload: torch.Tensor) -> Batch:
 # The gloo side group of each data group, built once: a consumer made again over the same group (every
 # epoch, say) shares it rather than leaves one more group behind. Gone with the data group.
 _SIDE_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _let_go(tensors: Sequence[torch.Tensor]) -> None:
+    """Wait until the gloo worker thread that ran a collective has dropped
+    its references to `tensors`. A collective returns as soon as its result
+    is in, while the worker still holds the tensors; dropped by Python first,
+    they are freed later on the worker, which must take the GIL to do it, and
+    at interpreter exit that aborts the process. Kept until the worker lets
+    go, they are freed here. The wait is bounded: past it, the tensors are
+    freed as before."""
+    deadline = Clock.monotonic() + _LET_GO_PATIENCE
+    while any(_holders(tensor) > 1 for tensor in tensors) and Clock.monotonic() < deadline:
+        time.sleep(_LET_GO_POLL)
+
+
+def _holders(tensor: torch.Tensor) -> int:
+    """How many references the tensor's storage-and-shape object has: this
+    Python tensor's one, plus one per view or C++ holder."""
+    return tensor._use_count()  # type: ignore[attr-defined]  # torch's stubs omit it
 
 
 def _backend_for(group, device_type: str) -> str | None:
@@ -273,6 +296,7 @@ class DistributedConsumer:
         mine = len(pack_tokens(shard.lengths["sequence"].tolist(), max_tokens))
         most = torch.tensor([mine], dtype=torch.int64)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.metadata_group)
+        _let_go([most])
         return shard.micro_batches(max_tokens, pad_to=int(most))
 
     def _others(self) -> list[int]:
@@ -379,6 +403,7 @@ class DistributedConsumer:
         mine = torch.tensor([value], dtype=torch.int64)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine, group=self.metadata_group)
+        _let_go([mine, *gathered])
         values = [int(v) for v in gathered]
         if len(set(values)) != 1:
             raise InvalidState(f"{problem} {values}, expected all {value}{unit}")
@@ -407,10 +432,12 @@ class DistributedConsumer:
             packed = msgpack.packb(value, use_bin_type=True)
             size[0] = len(packed)
         dist.broadcast(size, self._global(self.src), group=self.metadata_group)
+        _let_go([size])
         data = (torch.frombuffer(bytearray(packed), dtype=torch.uint8) if self.rank == self.src
                 else torch.empty(int(size), dtype=torch.uint8))
         if int(size):
             dist.broadcast(data, self._global(self.src), group=self.metadata_group)
+            _let_go([data])
         return msgpack.unpackb(bytes(data.numpy()), raw=False)
 
     def close(self) -> None:

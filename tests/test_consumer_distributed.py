@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -542,6 +543,85 @@ def test_the_source_rank_shard_lands_on_the_device_every_other_rank_gets(one_ran
         assert_same_batch(shard, batch)
     shards.commit(shard, step=1)
     assert shards.client.committed == [[batch.seq, 1]]
+
+
+class WorkerClock:
+    """Stands in for `time` and `Clock` in the consumer's module: each sleep is the gloo
+    worker getting the CPU, and it drops the references it still held."""
+
+    def __init__(self):
+        self.held: list[torch.Tensor] = []  # views the "worker" keeps of a collective's tensors
+        self.sleeps = 0
+
+    def monotonic(self):
+        return time.monotonic()
+
+    def sleep(self, seconds):
+        self.sleeps += 1
+        self.held.clear()
+
+
+def test_each_collective_waits_for_gloo_to_let_go_of_its_tensors(one_rank, monkeypatch):
+    """Gloo's worker thread drops a collective's tensors after the collective
+    returns; freed on that thread at interpreter exit, they abort the process.
+    Here every collective's tensors stay held (as the worker does) until the
+    consumer pauses: the consumer must not return while any is still held."""
+    from rollstream.consumer import DistributedConsumer, distributed
+
+    clock = WorkerClock()
+    monkeypatch.setattr(distributed, "time", clock)
+    monkeypatch.setattr(distributed, "Clock", clock)
+    calls = []
+
+    def holding(name):
+        real = getattr(one_rank, name)
+
+        def call(*args, **kwargs):
+            assert clock.held == [], f"{calls[-1]} returned while gloo still held its tensors"
+            real(*args, **kwargs)
+            tensors = [t for arg in args for t in (arg if isinstance(arg, list) else [arg])
+                       if isinstance(t, torch.Tensor)]
+            clock.held.extend(t.view(-1) for t in tensors)
+            calls.append(name)
+        return call
+
+    for name in ("broadcast", "all_gather", "all_reduce"):
+        monkeypatch.setattr(one_rank, name, holding(name))
+    batch = known_batches(seed=6)[0]
+    shards = DistributedConsumer(StandInClient([batch], 1))
+    shard = shards.next_shard()
+    shards.micro_batches(shard, MICRO_TOKENS)
+    shards.commit(shard, step=1)
+    assert shards.state_dict()["step"] == 1
+    assert {"broadcast", "all_gather", "all_reduce"} <= set(calls)
+    assert clock.held == [], f"{calls[-1]} returned while gloo still held its tensors"
+    assert clock.sleeps >= len(calls)
+
+
+def test_a_tensor_gloo_never_lets_go_holds_a_collective_no_longer_than_the_patience(monkeypatch):
+    from rollstream.consumer import distributed
+
+    class StuckClock(WorkerClock):
+        def __init__(self):
+            super().__init__()
+            self.now = 0.0
+
+        def monotonic(self):
+            return self.now
+
+        def sleep(self, seconds):
+            self.sleeps += 1
+            self.now += seconds
+
+    clock = StuckClock()
+    monkeypatch.setattr(distributed, "time", clock)
+    monkeypatch.setattr(distributed, "Clock", clock)
+    tensor = torch.zeros(2)
+    stuck = tensor.view(-1)
+    distributed._let_go([tensor])
+    assert tensor._use_count() > 1 and stuck.shape == (2,)  # still held: the wait gave up
+    assert clock.now >= distributed._LET_GO_PATIENCE
+    assert clock.sleeps == pytest.approx(distributed._LET_GO_PATIENCE / distributed._LET_GO_POLL, rel=0.01)
 
 
 def decode_shard_on(batch, device: str):
