@@ -7,7 +7,7 @@ loop, as validated, packed batches on the GPU, sharded to trainer ranks.
 - `validate_batch` / `batch_violations`: one vectorised pass on the device.
 - `DistributedConsumer`: one source rank, shards to the others (the others
   raise `SourceRankFailed` when the source's `next_batch` fails).
-- `dense_support_mask` / `masked_log_probs`: trainer primitives.
+- `dense_support_mask` / `masked_log_probs` / `support_kl`: trainer primitives.
 
 Names load on first use: `rollstream --help` and `rollstream consume --help`
 import no torch.
@@ -27,6 +27,7 @@ _EXPORTS = {
     "SourceRankFailed": ".distributed",
     "dense_support_mask": ".primitives",
     "masked_log_probs": ".primitives",
+    "support_kl": ".primitives",
     "STRATEGIES": ".sharding",
     "partition": ".sharding",
     "partition_batch": ".sharding",

@@ -1,17 +1,17 @@
 """Trainer primitives over the batch's CSR sampling mask (docs/semantics.md §6).
 
 Rows of `logits` are response tokens: `positions[r]` is the row's token
-position in the mask (for a `Batch`, on its response axis). Both primitives
+position in the mask (for a `Batch`, on its response axis). The primitives
 run as a few gathers and scatters on the logits' device, with no loop over
 tokens or rows; every shape follows from the number of support ids the rows
 cover (ids outside a rank's vocab slice are masked, never dropped).
 
-Neither reads a device value back on the common call, `positions` omitted
+None reads a device value back on the common call, `positions` omitted
 with one row per mask token: the count is then `len(mask_ids)`. Otherwise
 the count and the positions' bounds (checked) come from the host when the
 offsets and the positions are host tensors, else from one device read.
 
-Both always refuse arguments of the wrong type, dtype, rank or length:
+All always refuse arguments of the wrong type, dtype, rank or length:
 those are host facts, free to read. The mask's content is another matter:
 a `Batch` from the `Consumer` was validated already, so only `check=True`
 checks it (for masks from elsewhere), with batch validation's own rules
@@ -26,6 +26,7 @@ import numbers
 import torch
 from torch.autograd.function import once_differentiable
 
+from rollstream.common.contract import LOG_PROB_TOLERANCE
 from rollstream.common.errors import InvalidInput, InvalidType
 from rollstream.common.validation import (
     RULE_IN_SUPPORT,
@@ -46,6 +47,9 @@ from .batch import ranges_index
 _INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 # Mask ids travel as int32 (docs/protocol.md): no vocabulary is larger than int32's largest value.
 _ID_RANGE = 2**31 - 1
+# The rules `mask_log_probs` keeps, worded as batch validation words them for the field.
+RULE_MASK_LOG_PROBS = f"mask_log_probs are finite and <= 0 (within {LOG_PROB_TOLERANCE} for rounding)"
+RULE_MASK_LOG_PROBS_ALIGNED = "per-support-id fields aligned with mask_ids (one entry per support id)"
 # The argument each of the mask's own rules is about.
 _ARGUMENT = {
     RULE_OFFSETS_START: "mask_offsets", RULE_OFFSETS_END: "mask_offsets", RULE_NONEMPTY_SUPPORT: "mask_offsets",
@@ -69,16 +73,18 @@ def _rows_and_columns(logits) -> tuple[int, int]:
     return rows, columns
 
 
-def _integers(name: str, values, why: str) -> torch.Tensor:
-    """`values` as a tensor where it lies, refused unless its dtype is an integer one."""
+def _typed(name: str, values, why: str, *, floating: bool = False) -> torch.Tensor:
+    """`values` as a tensor where it lies, refused unless its dtype is an
+    integer one (a floating-point one with `floating`)."""
+    kind = "a floating-point" if floating else "an integer"
     try:
         tensor = torch.as_tensor(values)
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise InvalidType(f"{name} must be an integer tensor ({why}), got {type(values).__name__} ({exc})") from None
-    if isinstance(values, (list, tuple)) and not tensor.numel():  # an empty list has no dtype; torch makes it float
+        raise InvalidType(f"{name} must be {kind} tensor ({why}), got {type(values).__name__} ({exc})") from None
+    if isinstance(values, (list, tuple)) and not tensor.numel() and not floating:  # torch makes an empty list float
         tensor = tensor.long()
-    if tensor.dtype not in _INTEGERS:
-        raise InvalidType(f"{name} must be an integer tensor ({why}), got {tensor.dtype}")
+    if not (tensor.is_floating_point() if floating else tensor.dtype in _INTEGERS):
+        raise InvalidType(f"{name} must be {kind} tensor ({why}), got {tensor.dtype}")
     return tensor
 
 
@@ -95,8 +101,8 @@ def _mask_arguments(mask_ids, mask_offsets, positions, rows: int):
     """The mask's ids and offsets and the rows' positions (None: row r is
     mask token r) as tensors, refused where a dtype, a rank or a length
     cannot be right."""
-    ids = _integers("mask_ids", mask_ids, "support ids index the vocabulary")
-    offsets = _integers("mask_offsets", mask_offsets, "offsets index mask_ids")
+    ids = _typed("mask_ids", mask_ids, "support ids index the vocabulary")
+    offsets = _typed("mask_offsets", mask_offsets, "offsets index mask_ids")
     for name, tensor, layout in (("mask_ids", ids, "every support's ids end to end"),
                                  ("mask_offsets", offsets, "N + 1 offsets for N tokens")):
         if tensor.dim() != 1:
@@ -108,7 +114,18 @@ def _mask_arguments(mask_ids, mask_offsets, positions, rows: int):
             raise InvalidInput(f"mask_offsets must have one entry more than logits has rows when positions is omitted "
                                f"(row r is mask token r): expected {rows + 1}, got {len(offsets)}")
         return ids, offsets, None
-    return ids, offsets, _one_per_row("positions", _integers("positions", positions, "rows' tokens in the mask"), rows)
+    return ids, offsets, _one_per_row("positions", _typed("positions", positions, "rows' tokens in the mask"), rows)
+
+
+def _log_probs_per_id(mask_log_probs, ids: torch.Tensor) -> torch.Tensor:
+    """`mask_log_probs` as a float tensor, refused unless it holds one entry per mask id (a host fact)."""
+    values = _typed("mask_log_probs", mask_log_probs, "the sampler's log-prob of each support id", floating=True)
+    if values.dim() != 1:
+        raise InvalidInput(f"mask_log_probs must be 1-D (aligned with mask_ids), got shape {tuple(values.shape)}")
+    if len(values) != len(ids):
+        raise InvalidInput(f"mask_log_probs: rule '{RULE_MASK_LOG_PROBS_ALIGNED}' violated: expected {len(ids)} "
+                           f"(len(mask_ids)), got {len(values)}")
+    return values
 
 
 def _checked_temperature(temperature) -> None:
@@ -148,20 +165,24 @@ def _vocabulary(columns: int, tp_rank, tp_group=None, vocab_size=None) -> tuple[
     return _ID_RANGE, f"int32's range: a vocab slice at tp_rank {tp_rank} without tp_group knows no whole vocabulary"
 
 
-def _support_entries(ids, offsets, positions, rows: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For every support id of the rows: its row and the id (int64, on
-    `device`); and the rows' supports among those entries, as offsets. The
-    offsets are bounded into the ids first, so that unchecked ones give
-    meaningless entries but never index past the ids (nor have torch write
-    past an output it sized from them)."""
+def _support_entries(ids, offsets, positions, rows: int, device,
+                     along=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """For every support id of the rows: its row, the id (int64, on
+    `device`) and, with `along` (values aligned with the ids), its value;
+    and the rows' supports among those entries, as offsets. The offsets are
+    bounded into the ids first, so that unchecked ones give meaningless
+    entries but never index past the ids (nor have torch write past an
+    output it sized from them)."""
     empty = torch.zeros(0, dtype=torch.int64, device=device)
     if not rows:
-        return empty, empty, torch.zeros(1, dtype=torch.int64, device=device)
+        values = None if along is None else along[:0].to(device)
+        return empty, empty, values, torch.zeros(1, dtype=torch.int64, device=device)
     if positions is None:  # row r is token r: an id's row is the count of supports begun before it, the ids stay in order
         offsets = offsets.to(device, torch.int64, non_blocking=True).clamp(0, len(ids))
         begun = torch.zeros(len(ids) + 1, dtype=torch.int64, device=device)
         begun.index_add_(0, offsets[1:-1], torch.ones(rows - 1, dtype=torch.int64, device=device))
-        return begun.cumsum(0)[: len(ids)], ids.to(device, non_blocking=True).long(), offsets
+        values = None if along is None else along.to(device, non_blocking=True)
+        return begun.cumsum(0)[: len(ids)], ids.to(device, non_blocking=True).long(), values, offsets
     n_tokens = len(offsets) - 1
     # Host offsets and positions size the expansion on the host; otherwise on the device.
     on_host = offsets.device.type == "cpu" and positions.device.type == "cpu"
@@ -177,47 +198,77 @@ def _support_entries(ids, offsets, positions, rows: int, device) -> tuple[torch.
     starts, sizes = starts.to(device, non_blocking=True), sizes.to(device, non_blocking=True)
     owner = torch.repeat_interleave(torch.arange(rows, device=device), sizes, output_size=total)
     entry_offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
-    return owner, ids.to(device, non_blocking=True)[ranges_index(starts, sizes, total)].long(), entry_offsets
+    index = ranges_index(starts, sizes, total)
+    values = None if along is None else along.to(device, non_blocking=True)[index]
+    return owner, ids.to(device, non_blocking=True)[index].long(), values, entry_offsets
 
 
-def _entries(ids, offsets, positions, rows: int, device, *, vocab=None, tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_support_entries`' rows and ids; with `vocab` (`check=True`), refused
-    unless the mask keeps its own rules and the rows' `tokens`, where
-    given, lie inside their supports."""
-    owner, entry_ids, entry_offsets = _support_entries(ids, offsets, positions, rows, device)
+def _entries(ids, offsets, positions, rows: int, device, *, vocab=None, tokens=None,
+             log_probs=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`_support_entries`' rows and ids, and each entry's value of
+    `log_probs` (one per mask id) where given; with `vocab`
+    (`check=True`), refused unless the mask keeps its own rules, the rows'
+    `tokens`, where given, lie inside their supports, and the log-probs
+    keep the log-prob rule."""
+    owner, entry_ids, entry_log_probs, entry_offsets = _support_entries(ids, offsets, positions, rows, device, log_probs)
     if vocab is not None:
         _require_content(ids.to(device, non_blocking=True), offsets.to(device, torch.int64, non_blocking=True), vocab,
-                         None if tokens is None else (tokens, positions, entry_ids, entry_offsets))
-    return owner, entry_ids
+                         None if tokens is None else (tokens, positions, entry_ids, entry_offsets),
+                         None if log_probs is None else log_probs.to(device, non_blocking=True))
+    return owner, entry_ids, entry_log_probs
 
 
-def _require_content(ids, offsets, vocab: tuple[int, str], rows=None) -> None:
+def _require_content(ids, offsets, vocab: tuple[int, str], rows=None, log_probs=None) -> None:
     """`check=True`: the mask's own rules as batch validation's flags
     (`csr_flags`) and, with `rows` (the rows' tokens and positions, their
     support entries and each row's offsets into those), each token inside
-    its support, computed where the logits live and read back once by a
-    `Verdict`. A broken rule is then located, reading freely, and raised
-    naming its argument, the rule, the expected and the actual value: the
-    mask's rules first, as the rows' supports mean nothing when they fail."""
+    its support, and with `log_probs` (one per mask id) the log-prob rule,
+    computed where the logits live and read back once by a `Verdict`. A
+    broken rule is then located, reading freely, and raised naming its
+    argument, the rule, the expected and the actual value: the mask's rules
+    first, as the rows' supports mean nothing when they fail."""
     bound, source = vocab
     flags = [csr_flags(ids, offsets, bound)]
+    outside = broken = None
     if rows is not None:
-        tokens, positions, entry_ids, entry_offsets = rows
+        tokens, _, entry_ids, entry_offsets = rows
         outside = ~inside_support(tokens, entry_ids, entry_offsets)
         flags.append(outside.any().reshape(1))
+    if log_probs is not None:  # a NaN passes neither comparison
+        broken = ~((log_probs <= LOG_PROB_TOLERANCE) & (log_probs > -math.inf))
+        flags.append(broken.any().reshape(1))
     if Verdict(*flags).passed():
         return
     found = locate_csr_violations(ids, offsets, bound)
     if found:
         raise _refusal(found[0], source)
+    if outside is not None and bool(outside.any()):
+        raise _outside_refusal(outside, rows, ids, offsets)
+    raise _log_prob_refusal(broken, log_probs, ids, offsets)
+
+
+def _outside_refusal(outside, rows, ids, offsets) -> InvalidInput:
+    """The first row whose token lies outside its support."""
+    tokens, positions, _, _ = rows
     bad = torch.nonzero(outside)[:, 0]
     row = int(bad[0])
     token, position = int(tokens[row]), row if positions is None else int(positions[row])
     start, end = (int(offset) for offset in offsets[position : position + 2])
     support = f"{ids[start : min(end, start + 8)].tolist()}{'...' if end - start > 8 else ''}"
     more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-    raise InvalidInput(f"tokens: rule '{RULE_IN_SUPPORT}' violated at row {row}: token {token} is not in its support "
-                       f"{support} (mask token {position}){more}")
+    return InvalidInput(f"tokens: rule '{RULE_IN_SUPPORT}' violated at row {row}: token {token} is not in its support "
+                        f"{support} (mask token {position}){more}")
+
+
+def _log_prob_refusal(broken, log_probs, ids, offsets) -> InvalidInput:
+    """The first mask id whose log-prob breaks the rule (the offsets keep the CSR rules)."""
+    bad = torch.nonzero(broken)[:, 0]
+    entry = int(bad[0])
+    position = int(torch.searchsorted(offsets, bad[:1], right=True)[0]) - 1
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    return InvalidInput(f"mask_log_probs: rule '{RULE_MASK_LOG_PROBS}' violated at mask token {position}: "
+                        f"mask_log_prob is {float(log_probs[entry])} (support id {int(ids[entry])}, entry {entry}), "
+                        f"expected finite and <= {LOG_PROB_TOLERANCE}{more}")
 
 
 def _refusal(violation: Violation, source: str) -> InvalidInput:
@@ -242,7 +293,7 @@ def dense_support_mask(logits: torch.Tensor, mask_ids, mask_offsets, positions, 
     rows, vocab_local = _rows_and_columns(logits)
     vocab = _vocabulary(vocab_local, tp_rank, vocab_size=vocab_size)
     ids, offsets, positions = _mask_arguments(mask_ids, mask_offsets, positions, rows)
-    owner, ids = _entries(ids, offsets, positions, rows, logits.device, vocab=vocab if check else None)
+    owner, ids, _ = _entries(ids, offsets, positions, rows, logits.device, vocab=vocab if check else None)
     columns, inside = _in_slice(ids, tp_rank, vocab_local)
     cells = rows * vocab_local  # ids outside the slice all land on one spare cell past the end
     flat = torch.zeros(cells + 1, dtype=torch.bool, device=logits.device)
@@ -298,29 +349,108 @@ def masked_log_probs(
     _checked_temperature(temperature)
     vocab = _vocabulary(vocab_local, tp_rank, tp_group, vocab_size)
     device = logits.device
-    tokens = _one_per_row("tokens", _integers("tokens", tokens, "token ids index the vocabulary"), rows)
+    tokens = _one_per_row("tokens", _typed("tokens", tokens, "token ids index the vocabulary"), rows)
     tokens = tokens.to(device, torch.int64, non_blocking=True)
     ids, offsets, positions = _mask_arguments(mask_ids, mask_offsets, positions, rows)
-    owner, ids = _entries(ids, offsets, positions, rows, device, vocab=vocab if check else None, tokens=tokens)
+    owner, ids, _ = _entries(ids, offsets, positions, rows, device, vocab=vocab if check else None, tokens=tokens)
     # The support entries, then one entry per row for its token.
     entry_rows = torch.cat([owner, torch.arange(rows, device=device)])
     columns, inside = _in_slice(torch.cat([ids, tokens]), tp_rank, vocab_local)
     return _LogProbOverSupport.apply(logits, entry_rows, columns, inside, ids == tokens[owner], temperature, tp_group)
 
 
-class _LogProbOverSupport(torch.autograd.Function):
-    """The masked log-prob from gathered entries. Its backward scatters one
-    gradient per entry into a zeroed tensor like the logits: a dense float32
-    gradient per gather would be twice the logits' bytes at bf16.
+def support_kl(
+    logits: torch.Tensor,
+    mask_ids,
+    mask_offsets,
+    mask_log_probs,
+    positions=None,
+    *,
+    temperature: float = 1.0,
+    tp_rank: int = 0,
+    tp_group=None,
+    check: bool = False,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """`KL(sampler || trainer)` over each row's support, differentiable in
+    `logits`: how far the trainer's truncated distribution has drifted from
+    the one the sampler drew from, over every id it could have emitted, not
+    only the sampled one.
+
+    The sampler's distribution is `mask_log_probs` (one per mask id, a
+    constant) renormalised over the row's support, so log-probs that sum to
+    less than 1 there give the same result; the trainer's is
+    `softmax(logits / T)` restricted to the support and renormalised:
+
+        KL = sum_i p_s(i) (log p_s(i) - log p_t(i))
+           = sum_i p_s(i) log p_s(i) - sum_i p_s(i) z_i/T + logsumexp_i z_i/T
+
+    Its gradient in `z_i` is `(p_t(i) - p_s(i)) / T`. An id the sampler
+    gives no mass adds nothing; a row with an empty support (which batch
+    validation refuses) gives 0.
+
+    Entries, tensor parallelism, memory, device reads and `check` follow
+    `masked_log_probs`: under `tp_group` each rank keeps its slice's ids
+    (the others are -inf to it) and the trainer's maximum, sum of
+    exponentials and `sum_i p_s(i) z_i/T` are all-reduced, while the
+    sampler's terms, held whole by every rank, are not. `check=True` also
+    checks that `mask_log_probs` are finite and at most
+    `LOG_PROB_TOLERANCE`, in the same one device read; their dtype (a float
+    one) and their length (`len(mask_ids)`) are host facts, always checked.
+    """
+    rows, vocab_local = _rows_and_columns(logits)
+    _checked_temperature(temperature)
+    vocab = _vocabulary(vocab_local, tp_rank, tp_group, vocab_size)
+    ids, offsets, positions = _mask_arguments(mask_ids, mask_offsets, positions, rows)
+    log_probs = _log_probs_per_id(mask_log_probs, ids)
+    owner, ids, sampler = _entries(ids, offsets, positions, rows, logits.device, vocab=vocab if check else None,
+                                   log_probs=log_probs)
+    columns, inside = _in_slice(ids, tp_rank, vocab_local)
+    return _SupportKL.apply(logits, owner, columns, inside, sampler, temperature, tp_group)
+
+
+def _row_peak(values: torch.Tensor, owner: torch.Tensor, rows: int, group=None) -> torch.Tensor:
+    """Each row's largest entry, over `group`'s ranks when given: the shift
+    that keeps exp() in range (the closed-form backwards do not depend on it)."""
+    peak = torch.full((rows,), float("-inf"), dtype=values.dtype, device=values.device)
+    peak = peak.scatter_reduce(0, owner, values, "amax")
+    if group is not None:
+        torch.distributed.all_reduce(peak, torch.distributed.ReduceOp.MAX, group=group)
+    return peak
+
+
+class _GradientPerEntry(torch.autograd.Function):
+    """The primitives' shared backward: each forward saves one gradient per
+    gathered entry (`_save`), which the backward scales by its row's
+    incoming gradient and scatters into a zeroed tensor like the logits; a
+    dense float32 gradient per gather would be twice the logits' bytes at bf16.
+
+    Under a group the forward's sums are all-reduced and the backward is the
+    identity for them: every rank computes the same result from the summed
+    values, so each already holds the full gradient of its own share
+    (Megatron's reduce-from-parallel-region)."""
+
+    @staticmethod
+    def _save(ctx, logits, entry_rows, columns, shares) -> None:
+        ctx.save_for_backward(entry_rows, columns, shares)
+        ctx.logits_like = (logits.shape, logits.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        entry_rows, columns, shares = ctx.saved_tensors
+        shape, dtype = ctx.logits_like
+        entries = (grad[entry_rows] * shares).to(dtype)
+        logits_grad = torch.zeros(shape, dtype=dtype, device=grad.device)
+        return logits_grad.index_put_((entry_rows, columns), entries, accumulate=True), None, None, None, None, None, None
+
+
+class _LogProbOverSupport(_GradientPerEntry):
+    """The masked log-prob from gathered entries.
 
     The token's own cell gets one entry, `(1 - p_y) / T`, so that the
     difference is taken in float32 before the cast (two entries summed in
-    bf16 would lose `1 - p_y` when `p_y` is near 1); its support entries get 0.
-
-    Under a group the forward's sums are all-reduced and the backward is the
-    identity for them: every rank computes the same loss from the summed
-    values, so each already holds the full gradient of its own share
-    (Megatron's reduce-from-parallel-region)."""
+    bf16 would lose `1 - p_y` when `p_y` is near 1); its support entries get 0."""
 
     @staticmethod
     def forward(ctx, logits, entry_rows, columns, inside, at_token, temperature, group):
@@ -331,10 +461,7 @@ class _LogProbOverSupport(torch.autograd.Function):
         gathered = logits[entry_rows, columns].to(work) / temperature
         support = torch.where(inside[:count], gathered[:count], float("-inf"))
         token = torch.where(inside[count:], gathered[count:], 0.0)
-        # The shift only keeps exp() in range; the closed-form backward below does not depend on it.
-        peak = torch.full((rows,), float("-inf"), dtype=work, device=logits.device).scatter_reduce(0, owner, support, "amax")
-        if group is not None:
-            torch.distributed.all_reduce(peak, torch.distributed.ReduceOp.MAX, group=group)
+        peak = _row_peak(support, owner, rows, group)
         exps = torch.exp(support - peak[owner])
         totals = torch.stack([torch.zeros_like(peak).index_add(0, owner, exps), token])
         if group is not None:
@@ -343,15 +470,41 @@ class _LogProbOverSupport(torch.autograd.Function):
         probs = exps / sums[owner]
         token_prob = torch.zeros_like(peak).index_add(0, owner, torch.where(at_token, probs, 0.0))
         shares = torch.cat([torch.where(at_token, 0.0, -probs), torch.where(inside[count:], 1 - token_prob, 0.0)])
-        ctx.save_for_backward(entry_rows, columns, shares / temperature)
-        ctx.logits_like = (logits.shape, logits.dtype)
+        _GradientPerEntry._save(ctx, logits, entry_rows, columns, shares / temperature)
         return token - (torch.log(sums) + peak)
 
+
+class _SupportKL(_GradientPerEntry):
+    """The support KL from gathered entries. The trainer's logits are taken
+    relative to its row's peak, so that no term grows with the logits'
+    scale (only with the KL and the support's size) and rounding stays small
+    beside the result; each entry's gradient, `p_t - p_s`, is one
+    difference taken in float32 before the cast."""
+
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        entry_rows, columns, shares = ctx.saved_tensors
-        shape, dtype = ctx.logits_like
-        entries = (grad[entry_rows] * shares).to(dtype)
-        logits_grad = torch.zeros(shape, dtype=dtype, device=grad.device)
-        return logits_grad.index_put_((entry_rows, columns), entries, accumulate=True), None, None, None, None, None, None
+    def forward(ctx, logits, owner, columns, inside, sampler, temperature, group):
+        rows = logits.shape[0]
+        work = torch.promote_types(logits.dtype, torch.float32)
+        zeros = torch.zeros(rows, dtype=work, device=logits.device)
+        # The sampler's distribution over each whole support: every rank holds it, nothing to reduce.
+        sampler = sampler.to(work)
+        sampler_peak = _row_peak(sampler, owner, rows)
+        sampler_exps = torch.exp(sampler - sampler_peak[owner])
+        sampler_sums = zeros.index_add(0, owner, sampler_exps)
+        p_s = sampler_exps / sampler_sums[owner]
+        log_p_s = sampler - (sampler_peak + torch.log(sampler_sums))[owner]
+        weighted = p_s > 0  # 0 log 0 is 0, and so is 0 times a -inf logit
+        # The trainer's, over the ids of this rank's slice, reduced over the group.
+        trainer = torch.where(inside, logits[owner, columns].to(work) / temperature, float("-inf"))
+        shifted = trainer - _row_peak(trainer, owner, rows, group)[owner]
+        exps = torch.exp(shifted)
+        cross = torch.where(inside & weighted, p_s * shifted, 0.0)
+        totals = torch.stack([zeros.index_add(0, owner, exps), zeros.index_add(0, owner, cross)])
+        if group is not None:
+            torch.distributed.all_reduce(totals, group=group)
+        sums, cross_sums = totals
+        own = zeros.index_add(0, owner, torch.where(weighted, p_s * log_p_s, 0.0))
+        shares = torch.where(inside, exps / sums[owner] - p_s, 0.0)
+        _GradientPerEntry._save(ctx, logits, owner, columns, shares / temperature)
+        has_support = torch.zeros(rows, dtype=torch.bool, device=logits.device).index_fill_(0, owner, True)
+        return torch.where(has_support, own - cross_sums + torch.log(sums), 0.0)

@@ -1,6 +1,7 @@
-"""Trainer primitives: the dense vocab-shard mask and the masked,
-temperature-scaled log-prob (docs/semantics.md §6), against direct definitions;
-what they allocate at a real vocabulary, and that they read nothing back."""
+"""Trainer primitives: the dense vocab-shard mask, the masked,
+temperature-scaled log-prob (docs/semantics.md §6) and the KL from the
+sampler to the trainer over the support, against direct definitions; what
+they allocate at a real vocabulary, and that they read nothing back."""
 import itertools
 import math
 import threading
@@ -16,9 +17,10 @@ from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rollstream.common.contract import LOG_PROB_TOLERANCE
 from rollstream.common.errors import InvalidInput, InvalidType
 from rollstream.common.mask import SamplingMask
-from rollstream.consumer import dense_support_mask, masked_log_probs
+from rollstream.consumer import dense_support_mask, masked_log_probs, support_kl
 
 REAL_VOCAB = 151_936  # Qwen2's
 
@@ -63,6 +65,27 @@ def dense_reference(logits, supports, positions, tokens, temperature):
         inside[row, supports[position]] = True
     scaled = (logits.double() / temperature).masked_fill(~inside, float("-inf"))
     return torch.log_softmax(scaled, -1)[torch.arange(len(tokens)), tokens]
+
+
+def dense_kl_reference(logits, supports, positions, sampler, temperature):
+    """KL(sampler || trainer) per row in float64, from dense `[rows, vocab]`
+    distributions built one row at a time: the sampler's log-probs
+    (`sampler[p]`, support p's in its ids' order) and the trainer's scaled
+    logits, each -inf off the row's support, then log-softmaxed over the
+    vocabulary. Differentiable in `logits`."""
+    inside = torch.zeros(logits.shape, dtype=torch.bool)
+    given = torch.full(logits.shape, float("-inf"), dtype=torch.float64)
+    for row, position in enumerate(positions):
+        inside[row, supports[position]] = True
+        given[row, supports[position]] = torch.as_tensor(sampler[position], dtype=torch.float64)
+    log_sampler = torch.log_softmax(given, -1)
+    log_trainer = torch.log_softmax((logits.double() / temperature).masked_fill(~inside, float("-inf")), -1)
+    return (log_sampler.exp() * torch.where(inside, log_sampler - log_trainer, 0.0)).sum(-1)
+
+
+def per_support(values, offsets):
+    """A flat array of one value per mask id, as one list per support."""
+    return [values[start:end].tolist() for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
 
 
 class Allocations(TorchDispatchMode):
@@ -221,41 +244,50 @@ def test_values_and_gradients_match_a_dense_float64_reference(dtype, temperature
         torch.testing.assert_close(grad.double(), exact.grad, atol=tolerance / 10, rtol=0)
 
 
+@pytest.mark.parametrize("primitive", ["masked_log_probs", "support_kl"])
 @pytest.mark.parametrize("tp_size", [1, 8])
-def test_allocates_little_beyond_the_logits_and_their_gradient(tp_size):
-    """At a real vocabulary with bf16 logits, what the log-prob allocates,
-    forward and backward, but for the logits' own gradient, peaks under half
-    the bytes of (each rank's slice of) the logits; a float32 copy of them
-    alone would be twice. The rows are few, so that it runs on a CPU."""
+def test_allocates_little_beyond_the_logits_and_their_gradient(tp_size, primitive):
+    """At a real vocabulary with bf16 logits, what the log-prob (and the
+    support KL) allocates, forward and backward, but for the logits' own
+    gradient, peaks under half the bytes of (each rank's slice of) the
+    logits; a float32 copy of them alone would be twice. The rows are few,
+    so that it runs on a CPU."""
     rows, temperature = 64, 0.7
     rng = np.random.default_rng(11)
     supports = [rng.choice(REAL_VOCAB, size=int(rng.integers(20, 51)), replace=False).tolist() for _ in range(rows)]
     tokens = [support[int(rng.integers(len(support)))] for support in supports]
     ids, offsets = csr(supports)
     logits = torch.randn(rows, REAL_VOCAB, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    sampler = -torch.rand(len(ids), generator=torch.Generator().manual_seed(11)) * 5
     local = REAL_VOCAB // tp_size
 
     def rank(k, group):
         mine = logits[:, k * local : (k + 1) * local].clone().requires_grad_()
         with Allocations() as allocations:
-            values = masked_log_probs(mine, tokens, ids, offsets, temperature=temperature, tp_rank=k, tp_group=group)
+            if primitive == "support_kl":
+                values = support_kl(mine, ids, offsets, sampler, temperature=temperature, tp_rank=k, tp_group=group)
+            else:
+                values = masked_log_probs(mine, tokens, ids, offsets, temperature=temperature, tp_rank=k, tp_group=group)
             values.sum().backward()
         return values.detach(), allocations.peak_bytes(leaving_out=mine.grad) / (mine.numel() * mine.element_size())
 
     results = on_ranks(tp_size, rank)
     fractions = [fraction for _, fraction in results]
     assert max(fractions) < 0.5, f"peak allocations as a fraction of each rank's logits: {fractions}"
-    expected = torch.stack([
-        logits[r, token].double() / temperature - torch.logsumexp(logits[r, support].double() / temperature, 0)
-        for r, (token, support) in enumerate(zip(tokens, supports))
-    ])
+    if primitive == "support_kl":
+        expected = dense_kl_reference(logits, supports, range(rows), per_support(sampler, offsets), temperature)
+    else:
+        expected = torch.stack([
+            logits[r, token].double() / temperature - torch.logsumexp(logits[r, support].double() / temperature, 0)
+            for r, (token, support) in enumerate(zip(tokens, supports))
+        ])
     for values, _ in results:
         torch.testing.assert_close(values.double(), expected, atol=1e-4, rtol=0)
 
 
 def test_nothing_is_read_back_when_the_rows_are_the_masks_tokens():
     """`positions` omitted with one row per mask token (a batch's response
-    axis): both primitives run, forward and backward, on the meta device,
+    axis): the primitives run, forward and backward, on the meta device,
     which holds no values, so nothing waits on a value read back from the
     GPU. With `positions` on the device, the entry count is read back once."""
     rng = np.random.default_rng(3)
@@ -266,6 +298,9 @@ def test_nothing_is_read_back_when_the_rows_are_the_masks_tokens():
     masked_log_probs(logits, tokens, ids, offsets, temperature=0.8).sum().backward()
     assert logits.grad.shape == logits.shape and logits.grad.dtype == logits.dtype
     assert dense_support_mask(logits, ids, offsets, None).shape == logits.shape
+    logits.grad = None
+    support_kl(logits, ids, offsets, torch.empty(len(ids), device="meta"), temperature=0.8).sum().backward()
+    assert logits.grad.shape == logits.shape and logits.grad.dtype == logits.dtype
     with pytest.raises(NotImplementedError, match="meta"):
         masked_log_probs(logits, tokens, ids, offsets, torch.arange(12, device="meta"))
 
@@ -280,17 +315,22 @@ def test_primitives_on_the_gpu_match_the_cpu():
     on_cpu = masked_log_probs(logits, tokens, ids, offsets, temperature=0.8)
     on_gpu = masked_log_probs(logits.cuda(), tokens, ids.cuda(), offsets.cuda(), temperature=0.8)
     assert torch.allclose(on_gpu.cpu(), on_cpu, atol=1e-5)
+    sampler = -torch.rand(len(ids), generator=torch.Generator().manual_seed(8)) * 4
+    on_cpu = support_kl(logits, ids, offsets, sampler, temperature=0.8)
+    on_gpu = support_kl(logits.cuda(), ids.cuda(), offsets.cuda(), sampler.cuda(), temperature=0.8)
+    assert torch.allclose(on_gpu.cpu(), on_cpu, atol=1e-5)
     dense = dense_support_mask(logits.cuda()[:, 32:], ids.cuda(), offsets.cuda(), torch.arange(32).cuda(), tp_rank=1)
     assert torch.equal(dense.cpu(), dense_support_mask(logits[:, 32:], ids, offsets, torch.arange(32), tp_rank=1))
     # With every input on the GPU and one row per mask token, nothing synchronizes with the host.
     on_gpu = logits.cuda().requires_grad_()
-    tokens, ids, offsets = torch.tensor(tokens).cuda(), ids.cuda(), offsets.cuda()
+    tokens, ids, offsets, sampler = torch.tensor(tokens).cuda(), ids.cuda(), offsets.cuda(), sampler.cuda()
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
         masked_log_probs(on_gpu, tokens, ids, offsets, temperature=0.8).sum().backward()
         dense_support_mask(on_gpu, ids, offsets, None)
+        support_kl(on_gpu, ids, offsets, sampler, temperature=0.8).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode(previous)
 
@@ -340,11 +380,28 @@ LOG_PROB_ONLY = [
     (lambda t: dict(temperature=torch.tensor(1.0)), InvalidType, "temperature must be a number .* got torch.float32"),
 ]
 
+def kl_call(arguments):
+    return support_kl(**{"mask_log_probs": -torch.rand(len(arguments["mask_ids"].reshape(-1)))}
+                      | {k: v for k, v in arguments.items() if k != "tokens"})
+
+
+KL_ONLY = [
+    (lambda t: dict(mask_log_probs=[-1, -2, -1, -3, 0]), InvalidType,
+     r"mask_log_probs must be a floating-point tensor \(the sampler's log-prob of each support id\), got torch.int64"),
+    (lambda t: dict(mask_log_probs="x"), InvalidType, "mask_log_probs must be a floating-point tensor .* got str"),
+    (lambda t: dict(mask_log_probs=torch.zeros(1, 5)), InvalidInput, r"mask_log_probs must be 1-D .* got shape \(1, 5\)"),
+    (lambda t: dict(mask_log_probs=torch.zeros(4)), InvalidInput,
+     r"mask_log_probs: rule 'per-support-id fields aligned with mask_ids \(one entry per support id\)' violated: "
+     r"expected 5 \(len\(mask_ids\)\), got 4"),
+    (lambda t: dict(mask_log_probs=[]), InvalidInput, r"mask_log_probs: rule 'per-support-id .* expected 5 .* got 0"),
+]
+
 
 @pytest.mark.parametrize("check", [False, True])
 @pytest.mark.parametrize(("call", "change", "error", "message"), [
     *[(log_prob_call, *case) for case in BAD_ARGUMENTS + LOG_PROB_ONLY],
     *[(dense_call, *case) for case in BAD_ARGUMENTS],
+    *[(kl_call, *case) for case in BAD_ARGUMENTS + [c for c in LOG_PROB_ONLY if "temperature" in c[2]] + KL_ONLY],
 ])
 def test_bad_arguments_are_refused_naming_the_argument(call, change, error, message, check):
     """Types, ranks and lengths are checked on every call, `check` or not."""
@@ -386,6 +443,7 @@ def test_unchecked_content_is_the_callers_promise(change, positions):
     tokens, ids, offsets = changed.get("tokens", tokens), changed.get("ids", ids), changed.get("offsets", offsets)
     assert masked_log_probs(logits, tokens, ids, offsets, positions).shape == (3,)
     assert dense_support_mask(logits, ids, offsets, positions).shape == (3, 4)
+    assert support_kl(logits, ids, offsets, -torch.rand(len(ids)), positions).shape == (3,)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -405,6 +463,8 @@ def test_check_refuses_broken_content_naming_the_rule(change, rule, detail, posi
     if "tokens" not in change:
         with pytest.raises(InvalidInput, match=f"{rule}.*{detail}"):
             dense_support_mask(logits, ids, offsets, positions, check=True)
+        with pytest.raises(InvalidInput, match=f"{rule}.*{detail}"):  # before the log-probs, NaN or not
+            support_kl(logits, ids, offsets, torch.full((len(ids),), math.nan, device=device), positions, check=True)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -474,3 +534,183 @@ def test_a_slice_computed_alone_checks_ids_against_the_vocabulary_it_is_given():
         masked_log_probs(logits, tokens, ids, offsets, tp_rank=1, check=True, vocab_size=5)
     with pytest.raises(InvalidType, match=r"vocab_size must be an int"):
         masked_log_probs(logits, tokens, ids, offsets, check=True, vocab_size=12.0)
+
+
+def test_support_kl_worked_example():
+    """Logits [2, 1, 0, -1], support {0, 2}, a sampler even over it: the
+    trainer's restricted distribution is softmax([2, 0]), and the KL from
+    the even one is `ln(e^2 + 1) - 1 - ln 2`."""
+    ids, offsets = csr([[0, 2]])
+    got = support_kl(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), ids, offsets, [math.log(0.5)] * 2)
+    assert float(got) == pytest.approx(math.log(math.e**2 + 1) - 1 - math.log(2), abs=1e-6)
+    assert float(got) == pytest.approx(0.4338, abs=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems(), st.floats(0.25, 4.0), st.integers(0, 2**31 - 1))
+def test_support_kl_matches_its_dense_definition_with_gradient(problem, temperature, seed):
+    """Values and gradients against the dense float64 KL, for rows picked by
+    `positions` (in any order, some twice) and for one row per mask token."""
+    vocab, supports, positions = problem
+    gen = torch.Generator().manual_seed(seed)
+    ids, offsets = csr(supports)
+    sampler = torch.randn(len(ids), generator=gen, dtype=torch.float64) * 2 - 3  # summing to anything over a support
+    for rows in (positions, None):
+        picked = list(range(len(supports))) if rows is None else rows
+        logits = torch.randn(len(picked), vocab, generator=gen, dtype=torch.float64).requires_grad_()
+        got = support_kl(logits, ids, offsets, sampler, rows, temperature=temperature)
+        reference = dense_kl_reference(logits, supports, picked, per_support(sampler, offsets), temperature)
+        torch.testing.assert_close(got, reference, atol=1e-12, rtol=1e-12)
+        assert (got >= -1e-12).all()
+        if picked:
+            weights = torch.rand(len(picked), generator=gen, dtype=torch.float64)
+            (grad,) = torch.autograd.grad((got * weights).sum(), logits)
+            (expected_grad,) = torch.autograd.grad((reference * weights).sum(), logits)
+            torch.testing.assert_close(grad, expected_grad, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_support_kl_sharded_matches_unsharded_and_the_dense_reference(dtype, temperature, tp_size):
+    """Each rank of a tensor-parallel group, holding its vocab slice, gets
+    the same KL as the whole vocabulary computed at once, to the dtype's
+    rounding, and the slices' gradients put together are the whole's; both
+    against the dense float64 KL of the same (rounded) logits. Row 0's
+    trainer puts nearly all its mass on one id the sampler gives little."""
+    rng = np.random.default_rng(6)
+    vocab = 48
+    supports = [rng.choice(vocab, size=n, replace=False).tolist() for n in (1, 5, 12, 8, 2, 1, 9, 3, 6, 4)]
+    positions = [3, 0, 9, 9, 5, 1, 7, 2, 8, 4, 6, 0]  # every token, two of them twice
+    ids, offsets = csr(supports)
+    gen = torch.Generator().manual_seed(6)
+    sampler = torch.randn(len(ids), generator=gen) - 2
+    logits = torch.randn(len(positions), vocab, generator=gen, dtype=torch.float64) * 2
+    logits[0, supports[3][0]] += 10
+    logits = logits.to(dtype)
+    weights = torch.rand(len(positions), generator=gen, dtype=torch.float64)
+    exact = logits.to(torch.float64, copy=True).requires_grad_()
+    expected = dense_kl_reference(exact, supports, positions, per_support(sampler, offsets), temperature)
+    (expected * weights).sum().backward()
+
+    def run(tp):
+        local = vocab // tp
+
+        def rank(k, group):
+            mine = logits[:, k * local : (k + 1) * local].clone().requires_grad_()
+            values = support_kl(mine, ids, offsets, sampler, positions, temperature=temperature, tp_rank=k, tp_group=group)
+            (values * weights.to(values.dtype)).sum().backward()
+            return values.detach(), mine.grad
+
+        results = on_ranks(tp, rank)
+        return [values for values, _ in results], torch.cat([grad for _, grad in results], 1)
+
+    (whole,), whole_grad = run(1)
+    sharded, grad = run(tp_size)
+    assert grad.dtype == dtype
+    for values in sharded:
+        torch.testing.assert_close(values, whole, atol=1e-12 if dtype == torch.float64 else 1e-6, rtol=0)
+    torch.testing.assert_close(grad, whole_grad, atol=1e-12 if dtype == torch.float64 else None,
+                               rtol=0 if dtype == torch.float64 else None)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(whole.double(), expected.detach(), atol=tolerance, rtol=0)
+    if dtype == torch.bfloat16:  # within two bf16 steps of the exact gradient rounded to bf16
+        torch.testing.assert_close(grad.double(), exact.grad.to(dtype).double(), atol=1e-9, rtol=2**-6)
+    else:
+        torch.testing.assert_close(grad.double(), exact.grad, atol=tolerance / 10, rtol=0)
+
+
+@pytest.mark.parametrize("positions", [None, [2, 0, 2]], ids=["rows-are-tokens", "positions"])
+def test_support_kl_gradient_passes_gradcheck(positions):
+    ids, offsets = csr([[0, 2, 3], [1, 4], [4, 0, 1, 2]])
+    sampler = torch.tensor([-0.3, -1.9, -2.5, -0.1, -4.0, -1.0, -1.2, -0.7, -3.3], dtype=torch.float64)
+    logits = torch.randn(3, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda z: support_kl(z, ids, offsets, sampler, positions, temperature=0.7), (logits,))
+
+
+def test_support_kl_does_not_need_renormalised_sampler_log_probs():
+    """Log-probs short of summing to 1 over a support (a sampler that
+    reports them before renormalising) give the KL of the renormalised ones."""
+    rng = np.random.default_rng(9)
+    supports = [rng.choice(30, size=int(rng.integers(1, 9)), replace=False).tolist() for _ in range(10)]
+    ids, offsets = csr(supports)
+    raw = torch.randn(len(ids), generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    owner = torch.repeat_interleave(torch.arange(len(supports)), offsets.diff())
+    renormalised = raw - torch.stack([torch.logsumexp(raw[owner == row], 0) for row in range(len(supports))])[owner]
+    mass = torch.from_numpy(rng.uniform(0.05, 1.0, len(supports)))  # what each support kept of the whole vocabulary
+    short = renormalised + torch.log(mass)[owner]
+    logits = torch.randn(len(supports), 30, dtype=torch.float64, requires_grad=True)
+    expected = support_kl(logits, ids, offsets, renormalised, temperature=0.8, check=True)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), logits)
+    for given_log_probs, check in ((short, True), (raw, False)):  # raw: any values at all, the rule's or not
+        got = support_kl(logits, ids, offsets, given_log_probs, temperature=0.8, check=check)
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+        (grad,) = torch.autograd.grad(got.sum(), logits)
+        torch.testing.assert_close(grad, expected_grad, atol=1e-12, rtol=0)
+
+
+def test_support_kl_is_zero_where_sampler_and_trainer_agree():
+    """The sampler's log-probs the trainer's own restricted ones, at a large
+    logit scale: the KL's three terms cancel to rounding, and so does its gradient."""
+    supports = [[0, 3, 5], [1, 2], [7], [6, 4, 0, 2]]
+    ids, offsets = csr(supports)
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(2)) * 30
+    temperature = 0.7
+    sampler = torch.cat([torch.log_softmax(logits[row, support].double() / temperature, 0)
+                         for row, support in enumerate(supports)]).float()
+    logits.requires_grad_()
+    got = support_kl(logits, ids, offsets, sampler, temperature=temperature)
+    torch.testing.assert_close(got, torch.zeros(4), atol=2e-5, rtol=0)
+    got.sum().backward()
+    torch.testing.assert_close(logits.grad, torch.zeros(4, 8), atol=1e-5, rtol=0)
+
+
+def test_support_kl_of_an_empty_support_is_zero():
+    """An empty support (which batch validation and `check=True` refuse)
+    has nothing to diverge over: 0, and no gradient reaches its row."""
+    ids, offsets = torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([0, 2, 2, 3])
+    logits = torch.randn(3, 4, requires_grad=True)
+    got = support_kl(logits, ids, offsets, torch.tensor([-0.5, -1.0, -0.2]))
+    assert float(got[1].detach()) == 0.0 and torch.isfinite(got).all() and (got[[0, 2]] >= 0).all()
+    got.sum().backward()
+    assert torch.equal(logits.grad[1], torch.zeros(4)) and torch.isfinite(logits.grad).all()
+    with pytest.raises(InvalidInput, match=INCREASING + " at mask token 1"):
+        support_kl(logits, ids, offsets, torch.tensor([-0.5, -1.0, -0.2]), check=True)
+
+
+
+LOG_PROB_RULE = (r"mask_log_probs: rule 'mask_log_probs are finite and <= 0 \(within 0.0009765625 for rounding\)' "
+                 r"violated")
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("positions", [None, [2, 1]], ids=["rows-are-tokens", "positions"])
+@pytest.mark.parametrize(("value", "shown"), [(math.nan, "nan"), (0.5, "0.5"), (math.inf, "inf"), (-math.inf, "-inf")])
+def test_check_refuses_broken_mask_log_probs_naming_the_rule(value, shown, positions, device):
+    """`check=True` refuses a sampler log-prob that is not finite or lies
+    above 0 by more than rounding, naming the argument, the rule, where it
+    is, the expected and the actual value; every mask id's, whether a row
+    uses it or not. Unchecked, it is the caller's promise: a value, no refusal."""
+    logits, _, ids, offsets = (t.to(device) for t in three_tokens())  # supports {0, 2}, {1, 3}, {2}
+    if positions is not None:
+        logits, positions = logits[:2], torch.tensor(positions, device=device)
+    log_probs = torch.tensor([-0.5, -1.0, -0.1, -2.0, 0.0], device=device)
+    log_probs[3] = value  # mask token 1's second id, 3
+    with pytest.raises(InvalidInput, match=rf"{LOG_PROB_RULE} at mask token 1: mask_log_prob is {shown} "
+                                           rf"\(support id 3, entry 3\), expected finite and <= {LOG_PROB_TOLERANCE}$"):
+        support_kl(logits, ids, offsets, log_probs, positions, check=True)
+    log_probs[0] = math.nan
+    with pytest.raises(InvalidInput, match=rf"{LOG_PROB_RULE} at mask token 0: mask_log_prob is nan .* \(and 1 more\)$"):
+        support_kl(logits, ids, offsets, log_probs, positions, check=True)
+    assert support_kl(logits, ids, offsets, log_probs, positions).shape == (len(logits),)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_check_passes_sampler_log_probs_within_rounding_and_changes_no_value(device):
+    """A log-prob a hair above 0, up to `LOG_PROB_TOLERANCE` (an engine's
+    rounding of a near-certain id), keeps the rule."""
+    logits, _, ids, offsets = (t.to(device) for t in three_tokens())
+    log_probs = torch.tensor([-0.5, -1.0, LOG_PROB_TOLERANCE, -2.0, 1e-6], device=device)
+    checked = support_kl(logits, ids, offsets, log_probs, check=True, temperature=0.9)
+    assert torch.equal(checked, support_kl(logits, ids, offsets, log_probs, temperature=0.9))
+    assert float(checked[2]) == 0.0  # a singleton support: both distributions are certain of its id

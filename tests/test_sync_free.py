@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollstream.consumer import Batch, checked_batch, validate_batch
 from rollstream.consumer import validate as validate_module
-from rollstream.consumer.primitives import dense_support_mask, masked_log_probs
+from rollstream.consumer.primitives import dense_support_mask, masked_log_probs, support_kl
 from rollstream.consumer.sharding import partition_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,6 +217,12 @@ def test_train_data_reads_nothing(device, monkeypatch):
     assert scalar_reads(found) <= 1
 
 
+def _sampler_log_probs(batch: Batch) -> torch.Tensor:
+    """A sampler's log-prob per mask id, on the batch's device, short of summing to 1 over each support."""
+    generator = torch.Generator().manual_seed(0)
+    return (-4 * torch.rand(len(batch.mask_ids), generator=generator)).to(batch.mask_ids.device)
+
+
 def test_primitives_read_nothing_over_a_batchs_response_axis_and_once_for_positions_on_the_device(device, monkeypatch):
     """Rows that are the mask's tokens in order (a batch's response axis,
     `positions` omitted): forward and backward read nothing. Rows picked by
@@ -228,6 +234,11 @@ def test_primitives_read_nothing_over_a_batchs_response_axis_and_once_for_positi
         masked_log_probs(logits, batch.response_tokens, batch.mask_ids, batch.mask_offsets).sum().backward()
         dense_support_mask(logits, batch.mask_ids, batch.mask_offsets, None)
     assert_no_reads(found)
+    sampler = _sampler_log_probs(batch)
+    with host_reads(monkeypatch) as found:
+        support_kl(logits, batch.mask_ids, batch.mask_offsets, sampler, temperature=0.8).sum().backward()
+    assert_no_reads(found)
+    assert not found, found  # not even an allowed one
     positions = torch.arange(rows, device=device)
     with host_reads(monkeypatch) as found:
         masked_log_probs(logits, batch.response_tokens, batch.mask_ids, batch.mask_offsets, positions)
@@ -242,9 +253,11 @@ def test_checked_primitives_read_the_verdict_once(device, monkeypatch):
     batch = Batch.from_deliveries(_deliveries(), device=device)
     rows = len(batch.response_tokens)
     logits = torch.randn(rows, VOCAB, device=device, requires_grad=True)
+    sampler = _sampler_log_probs(batch)
     for call in (lambda: masked_log_probs(logits, batch.response_tokens, batch.mask_ids, batch.mask_offsets,
                                           check=True).sum().backward(),
-                 lambda: dense_support_mask(logits, batch.mask_ids, batch.mask_offsets, None, check=True)):
+                 lambda: dense_support_mask(logits, batch.mask_ids, batch.mask_offsets, None, check=True),
+                 lambda: support_kl(logits, batch.mask_ids, batch.mask_offsets, sampler, check=True).sum().backward()):
         with host_reads(monkeypatch) as found:
             call()
         assert_no_reads(found)
