@@ -52,7 +52,7 @@ ZERO_COPY_SEND_ABOVE = 1 << 19
 CHECK_AHEAD_FROM_BYTES = 1 << 20
 
 
-def _content_error(arrays, vocab_size: int | None) -> Exception | None:
+def _content_error(arrays, vocab_size: int | None, normalized: bool = False) -> Exception | None:
     """The first content rule a received turn's arrays break, anything
     else the check raised (the caller refuses the turn as `internal`), or
     None.
@@ -61,7 +61,7 @@ def _content_error(arrays, vocab_size: int | None) -> Exception | None:
     thread for the others. Affects: nothing; it reads the turn's arrays,
     which nothing writes, with scratch buffers of its own thread."""
     try:
-        check_message_arrays(arrays, vocab_size=vocab_size)
+        check_message_arrays(arrays, vocab_size=vocab_size, mask_log_probs_normalized=normalized)
     except ProtocolError as error:
         return error.as_remote()
     except Exception as exc:  # a failure no rule foresaw costs this turn alone
@@ -343,7 +343,8 @@ class BrokerService:
         received.append((identity, message, None))
         if message.type == "turn":
             if size >= CHECK_AHEAD_FROM_BYTES:
-                checks[len(received) - 1] = self._checker.submit(_content_error, message.arrays, self.settings.vocab_size)
+                checks[len(received) - 1] = self._checker.submit(_content_error, message.arrays, self.settings.vocab_size,
+                                                                 message.get("mask_log_probs_normalized", False))
             if self.core.writes_ahead(message):
                 self.store.write_ahead(message)  # on the writer thread while the read is checked and merged
 
@@ -361,8 +362,9 @@ class BrokerService:
                 valid = messages_content_valid([message.arrays for message in turns.values()], vocab)
             except Exception:  # each turn checked alone then finds the one that raises
                 valid = False
-            if not valid:
-                outcomes = {i: _content_error(message.arrays, vocab) for i, message in turns.items()}
+            # A turn whose support log-probs are said to be renormalised is checked alone for it too.
+            outcomes = {i: _content_error(message.arrays, vocab, message.get("mask_log_probs_normalized", False))
+                        for i, message in turns.items() if not valid or message.get("mask_log_probs_normalized")}
         outcomes.update((i, check.result()) for i, check in checks.items())
         for i, error in outcomes.items():
             if error is not None:

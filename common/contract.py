@@ -54,6 +54,7 @@ ARRAYS: dict[str, ArraySpec] = {
     "loss_mask": ArraySpec(_UINT8, 1),
     "mask_ids": ArraySpec(_INT32, 1),
     "mask_offsets": ArraySpec(_INT64, 1),
+    "mask_log_probs": ArraySpec(_FLOAT32, 1),
     "routed_experts": ArraySpec(_INT32, None, 1),
     "indexer_topk": ArraySpec(_INT32, None, 1),
 }
@@ -75,9 +76,14 @@ CONTEXT_REPLAY_ARRAYS = ("routed_experts", "indexer_topk")
 # sampled token's log-prob under the engine's whole vocabulary.
 TOKEN_LOG_PROB_ARRAYS = ("full_log_probs",)
 
+# Optional arrays with one entry per support id, aligned with `mask_ids`
+# (a forced token's singleton gets 0.0). `mask_log_probs` is the sampler's
+# log-prob of every id it could have emitted, kept by the log-prob rule.
+SUPPORT_LOG_PROB_ARRAYS = ("mask_log_probs",)
+
 # Replay fields in the order a gap reports them: "mask" is the
 # `mask_ids` + `mask_offsets` pair.
-REPLAY_FIELDS = ("mask", *CONTEXT_REPLAY_ARRAYS, *TOKEN_LOG_PROB_ARRAYS)
+REPLAY_FIELDS = ("mask", *CONTEXT_REPLAY_ARRAYS, *TOKEN_LOG_PROB_ARRAYS, *SUPPORT_LOG_PROB_ARRAYS)
 MASK_ARRAYS = ("mask_ids", "mask_offsets")
 
 # Token-id arrays whose values must lie in [0, vocab_size).

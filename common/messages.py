@@ -23,6 +23,7 @@ from .contract import (
     PROTOCOL_VERSION,
     REPLAY_FIELDS,
     STATUSES,
+    SUPPORT_LOG_PROB_ARRAYS,
     TOKEN_LOG_PROB_ARRAYS,
     CreditUnit,
 )
@@ -277,6 +278,10 @@ def mask_pair(header, arrays) -> str | None:
     ids, offsets = MASK_ARRAYS
     if (ids in arrays) != (offsets in arrays):
         return f"mask_ids and mask_offsets travel together; only {ids if ids in arrays else offsets} is present"
+    if ids not in arrays:
+        beside = [name for name in SUPPORT_LOG_PROB_ARRAYS if name in arrays]
+        if beside:
+            return f"{beside[0]} travels with mask_ids and mask_offsets, which are absent"
     return None
 
 
@@ -361,8 +366,8 @@ def _is_step_range(value) -> bool:
 # -- the catalogue ------------------------------------------------------------
 _SEQ = {"seq": INT}
 _TURN_ARRAYS = ("prompt_tokens", "loss_mask", *MASK_ARRAYS, "forced_tokens", *CONTEXT_REPLAY_ARRAYS,
-                *TOKEN_LOG_PROB_ARRAYS)
-_DELIVER_ARRAYS = (*MASK_ARRAYS, *CONTEXT_REPLAY_ARRAYS, *TOKEN_LOG_PROB_ARRAYS)
+                *TOKEN_LOG_PROB_ARRAYS, *SUPPORT_LOG_PROB_ARRAYS)
+_DELIVER_ARRAYS = (*MASK_ARRAYS, *CONTEXT_REPLAY_ARRAYS, *TOKEN_LOG_PROB_ARRAYS, *SUPPORT_LOG_PROB_ARRAYS)
 _NACK = MessageSpec("nack", {"code": TEXT, "message": ANY_TEXT}, {"seq": INT, "expected": COUNT, "leases": TEXT_LIST})
 
 PRODUCER_TO_BROKER = _schema(
@@ -379,6 +384,7 @@ PRODUCER_TO_BROKER = _schema(
             "sample_index": STORED_COUNT,
             "weight_version": ANY_TEXT,
             "weight_version_spans": SPANS,
+            "mask_log_probs_normalized": BOOL,
             "metadata": MAP,
             "job": JOB,
         },
@@ -417,7 +423,7 @@ BROKER_TO_PRODUCER = _schema(
     MessageSpec("open_trajectory", {"seq": INT, "trajectory_id": TEXT, "next_turn": COUNT, "state": OPEN_STATE},
                 {"status": STATUS, "forced_spans": TOKEN_RANGES, "weight_version_spans": SPANS},
                 arrays=("prompt_tokens", "tokens", "log_probs", "loss_mask"),
-                optional_arrays=(*MASK_ARRAYS, *TOKEN_LOG_PROB_ARRAYS), rules=(mask_pair,)),
+                optional_arrays=(*MASK_ARRAYS, *TOKEN_LOG_PROB_ARRAYS, *SUPPORT_LOG_PROB_ARRAYS), rules=(mask_pair,)),
 )
 
 CONSUMER_TO_BROKER = _schema(

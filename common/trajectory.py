@@ -17,10 +17,17 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 
 from .buffers import GrowableArray, constant_run, counting_run
-from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, STATUSES, TERMINAL_STATUSES, TOKEN_LOG_PROB_ARRAYS
+from .contract import (
+    ARRAYS,
+    CONTEXT_REPLAY_ARRAYS,
+    REPLAY_FIELDS,
+    STATUSES,
+    TERMINAL_STATUSES,
+    TOKEN_LOG_PROB_ARRAYS,
+)
 from .errors import InvalidInput, InvalidState, InvalidType, LocalProtocolError
 from .mask import IDS_DTYPE, OFFSETS_DTYPE, SamplingMask, as_int_array, as_numpy, frozen, list_as_array, owned
-from .validation import RULE_ALIGNED, check_message_arrays, check_message_structure
+from .validation import RULE_ALIGNED, RULE_SUPPORT_ALIGNED, check_message_arrays, check_message_structure
 
 TOKEN_DTYPE = ARRAYS["tokens"].dtype
 LOG_PROB_DTYPE = ARRAYS["log_probs"].dtype
@@ -136,12 +143,14 @@ class Turn(NamedTuple):
     routed_experts: np.ndarray | None = None
     indexer_topk: np.ndarray | None = None
     full_log_probs: np.ndarray | None = None  # each sampled token's log-prob under the whole vocabulary
+    mask_log_probs: np.ndarray | None = None  # the sampler's log-prob of each support id, aligned with mask.ids
     status: str = "completed"
     weight_version: str | None = None
     mask_ids_crc32: int | None = None  # the CRC-32 of `mask.ids`' bytes, when a decoder verified it
     # Where the weights changed within the turn: (version, start, end) over its sampled tokens, in
     # token order, the first being `weight_version`; None: one version over all of them.
     weight_version_spans: tuple[tuple[str, int, int], ...] | None = None
+    mask_log_probs_normalized: bool = False  # the sender says each support's probabilities sum to 1
 
     @classmethod
     def build(
@@ -158,6 +167,8 @@ class Turn(NamedTuple):
         routed_experts=None,
         indexer_topk=None,
         full_log_probs=None,
+        mask_log_probs=None,
+        mask_log_probs_normalized: bool = False,
         status: str = "completed",
         weight_version: str | None = None,
         weight_version_spans=None,
@@ -174,7 +185,9 @@ class Turn(NamedTuple):
         `mask_ids` + `mask_offsets`, or as `supports` (one id list per token).
         `log_probs` are under the sampler's truncated distribution;
         `full_log_probs`, when the engine reports them, under the whole
-        vocabulary's, kept by the same rules.
+        vocabulary's, kept by the same rules. `mask_log_probs` are the
+        sampler's log-probs of every support id, aligned with the ids; with
+        `mask_log_probs_normalized` each support's must sum to 1.
 
         Lists are converted; numpy arrays whose dtype fits are copied, or
         with `borrow` taken as they are (no copy: the caller leaves them
@@ -187,14 +200,16 @@ class Turn(NamedTuple):
                 and indexer_topk is None and _taken_as_is(tokens, TOKEN_DTYPE) and _taken_as_is(log_probs, LOG_PROB_DTYPE)
                 and (loss_mask is None or _taken_as_is(loss_mask, LOSS_MASK_DTYPE))
                 and (full_log_probs is None or _taken_as_is(full_log_probs, LOG_PROB_DTYPE))
+                and (mask_log_probs is None or _taken_as_is(mask_log_probs, LOG_PROB_DTYPE))
                 and (mask_ids is None if mask_offsets is None
                      else _taken_as_is(mask_ids, IDS_DTYPE) and _taken_as_is(mask_offsets, OFFSETS_DTYPE))
                 and status in STATUSES):
             # The producer's common call: arrays already of the contract's dtypes, borrowed as they are.
             turn = cls(tokens, log_probs, loss_mask,
                        None if mask_ids is None else SamplingMask._wrap(mask_ids, mask_offsets), EMPTY_TOKENS,
-                       full_log_probs=full_log_probs, status=status, weight_version=weight_version,
-                       weight_version_spans=weight_version_spans)
+                       full_log_probs=full_log_probs, mask_log_probs=mask_log_probs, status=status,
+                       weight_version=weight_version, weight_version_spans=weight_version_spans,
+                       mask_log_probs_normalized=bool(mask_log_probs_normalized))
             return turn._checked(check_content, vocab_size)
         if (mask is not None) + (supports is not None) + (mask_ids is not None) > 1:
             given = [name for name, value in (("mask", mask), ("supports", supports), ("mask_ids", mask_ids))
@@ -228,9 +243,12 @@ class Turn(NamedTuple):
             indexer_topk=None if indexer_topk is None else take(indexer_topk, _as_replay(indexer_topk, "indexer_topk")),
             full_log_probs=None if full_log_probs is None else take(full_log_probs,
                                                                     _as_float_array(full_log_probs, "full_log_probs")),
+            mask_log_probs=None if mask_log_probs is None else take(mask_log_probs,
+                                                                    _as_float_array(mask_log_probs, "mask_log_probs")),
             status=status,
             weight_version=weight_version,
             weight_version_spans=weight_version_spans,
+            mask_log_probs_normalized=bool(mask_log_probs_normalized),
         )
         if mask_ids is None and mask is not None and len(mask) != turn.tokens.size:
             # Named as the caller gave it: the frame's rule would name mask_offsets, which the caller never passed.
@@ -242,7 +260,7 @@ class Turn(NamedTuple):
         """This turn, once its arrays pass every rule of one frame (or, with
         `check_content=False`, the rules that need no pass over them)."""
         if check_content:
-            check_message_arrays(self.arrays(), vocab_size=vocab_size)
+            check_message_arrays(self.arrays(), vocab_size=vocab_size, mask_log_probs_normalized=self.mask_log_probs_normalized)
         else:
             check_message_structure(self.arrays())
         return self
@@ -258,7 +276,8 @@ class Turn(NamedTuple):
         # Positional, in field order: the broker makes one per frame, and a keyword call matches every name.
         return cls(arrays["tokens"], arrays["log_probs"], arrays.get("loss_mask"), mask,
                    arrays.get("forced_tokens", EMPTY_TOKENS), arrays.get("routed_experts"), arrays.get("indexer_topk"),
-                   arrays.get("full_log_probs"), status, weight_version, None if crcs is None else crcs.get("mask_ids"),
+                   arrays.get("full_log_probs"), arrays.get("mask_log_probs"), status, weight_version,
+                   None if crcs is None else crcs.get("mask_ids"),
                    None if weight_version_spans is None else tuple(map(tuple, weight_version_spans)))
 
     def carries(self, replay_field: str) -> bool:
@@ -288,6 +307,8 @@ class Turn(NamedTuple):
             out["indexer_topk"] = self.indexer_topk
         if self.full_log_probs is not None:
             out["full_log_probs"] = self.full_log_probs
+        if self.mask_log_probs is not None:
+            out["mask_log_probs"] = self.mask_log_probs
         return out
 
 
@@ -305,11 +326,18 @@ def _with_forced_zeros(turns: list[Turn], name: str, zeros: np.ndarray) -> list[
 
 
 class _MaskBuffer:
-    """The growing CSR of a trajectory: ids and offsets in geometric buffers."""
+    """The growing CSR of a trajectory: ids and offsets in geometric buffers,
+    and the support's log-probs beside the ids when it carries them."""
 
-    def __init__(self, ids: np.ndarray | None = None, offsets: np.ndarray = _LEADING_ZERO):
+    def __init__(self, ids: np.ndarray | None = None, offsets: np.ndarray = _LEADING_ZERO,
+                 log_probs: np.ndarray | None = None, *, with_log_probs: bool = False):
         self.ids = GrowableArray(IDS_DTYPE)
         self.offsets = GrowableArray(OFFSETS_DTYPE)
+        self.log_probs: GrowableArray | None = None
+        if with_log_probs or log_probs is not None:
+            self.log_probs = GrowableArray(LOG_PROB_DTYPE)
+            if log_probs is not None:
+                self.log_probs.extend(log_probs)
         if ids is not None:
             self.ids.extend(ids)
         self.offsets.extend(offsets)
@@ -321,7 +349,7 @@ class _MaskBuffer:
         """Each turn's supports, then its forced tokens' singletons. The
         first turn of an empty mask brings its offsets whole, leading 0
         included, so a one-turn trajectory's CSR is that turn's own arrays."""
-        ids, offsets, shifts, crcs = [], [], [], []
+        ids, offsets, shifts, crcs, log_probs = [], [], [], [], []
         base = len(self.ids)
         first = base == 0 and len(self.offsets) == 1 and turns[0].mask is not None
         for turn in turns:
@@ -336,6 +364,8 @@ class _MaskBuffer:
                     offsets.append(turn.mask.offsets[1:])  # the last offset is len(ids)
                 shifts.append(base)
                 base += len(turn.mask.ids)
+                if self.log_probs is not None:  # every turn with supports brings them (`append_turn` cut a gap else)
+                    log_probs.append(turn.mask_log_probs)
             forced = turn.forced_tokens
             if forced.size:
                 ids.append(forced)
@@ -343,11 +373,18 @@ class _MaskBuffer:
                 offsets.append(counting_run(forced.size, OFFSETS_DTYPE))
                 shifts.append(base)
                 base += forced.size
+                if self.log_probs is not None:  # a forced token's singleton is certain
+                    log_probs.append(constant_run(0.0, forced.size, LOG_PROB_DTYPE))
         self.ids.extend_many(ids, crcs=crcs)
         self.offsets.extend_many(offsets, shifts)
+        if self.log_probs is not None:
+            self.log_probs.extend_many(log_probs)
 
     def truncate(self, n_tokens: int) -> None:
-        self.ids.truncate(int(self.offsets.view()[n_tokens]))
+        n_ids = int(self.offsets.view()[n_tokens])
+        self.ids.truncate(n_ids)
+        if self.log_probs is not None:
+            self.log_probs.truncate(n_ids)
         self.offsets.truncate(n_tokens + 1)
 
 
@@ -424,7 +461,7 @@ class Trajectory:
         self._tokens, self._loss_mask, self._log_probs = (
             GrowableArray(TOKEN_DTYPE), GrowableArray(LOSS_MASK_DTYPE), GrowableArray(LOG_PROB_DTYPE))
         if self._mask is not None:
-            self._mask = _MaskBuffer()
+            self._mask = _MaskBuffer(with_log_probs=self._mask.log_probs is not None)
         self._context = {name: _shape_of(array) for name, array in self._context.items()}
         self._token_log_probs = {name: GrowableArray(LOG_PROB_DTYPE) for name in self._token_log_probs}
         self.is_shed = True
@@ -452,6 +489,16 @@ class Trajectory:
         self._write_pending()
         buffer = self._token_log_probs.get("full_log_probs")
         return None if buffer is None else buffer.view()
+
+    @property
+    def mask_log_probs(self) -> np.ndarray | None:
+        """The sampler's log-prob of every support id, aligned with the
+        mask's ids (0.0 for a forced token's singleton), or None when the
+        trajectory does not carry them."""
+        self._write_pending()
+        if self._mask is None or self._mask.log_probs is None:
+            return None
+        return self._mask.log_probs.view()
 
     @property
     def has_mask(self) -> bool:
@@ -490,6 +537,8 @@ class Trajectory:
     def carries(self, replay_field: str) -> bool:
         if replay_field == "mask":
             return self._mask is not None
+        if replay_field == "mask_log_probs":
+            return self._mask is not None and self._mask.log_probs is not None
         return replay_field in self._context or replay_field in self._token_log_probs
 
     def arrays(self, *, parts_from: int | None = None) -> dict[str, np.ndarray | list[np.ndarray]]:
@@ -516,6 +565,8 @@ class Trajectory:
             out[name] = read(buffer)
         if self._mask is not None:
             out["mask_ids"], out["mask_offsets"] = read(self._mask.ids), self._mask.offsets.view()
+            if self._mask.log_probs is not None:
+                out["mask_log_probs"] = read(self._mask.log_probs)
         out.update(self._context)
         return out
 
@@ -525,6 +576,8 @@ class Trajectory:
         buffers = [self._tokens, self._loss_mask, self._log_probs, *self._token_log_probs.values()]
         if self._mask is not None:
             buffers += [self._mask.ids, self._mask.offsets]
+            if self._mask.log_probs is not None:
+                buffers.append(self._mask.log_probs)
         context = 0 if self.is_shed else sum(array.nbytes for array in self._context.values())
         return self.prompt_tokens.nbytes + sum(buffer.nbytes for buffer in buffers) + context + self._pending_bytes
 
@@ -536,7 +589,10 @@ class Trajectory:
             total += (len(turn.tokens) + forced) * LOG_PROB_DTYPE.itemsize * len(self._token_log_probs)
         if self._mask is not None:
             total += (len(turn.tokens) + forced) * OFFSETS_DTYPE.itemsize + forced * IDS_DTYPE.itemsize
-            total += 0 if turn.mask is None else turn.mask.ids.nbytes
+            ids = forced + (0 if turn.mask is None else turn.mask.ids.size)
+            total += (ids - forced) * IDS_DTYPE.itemsize
+            if self._mask.log_probs is not None:
+                total += ids * LOG_PROB_DTYPE.itemsize
         return total
 
     def _write_pending(self) -> None:
@@ -569,10 +625,10 @@ class Trajectory:
             self._mask.append_turns(pending)
 
     # -- building (docs/semantics.md §3) -----------------------------------------
-    def start_mask(self) -> None:
+    def start_mask(self) -> "_MaskBuffer":
         """Begin carrying supports; only before any response token exists."""
         if self._mask is not None:
-            return
+            return self._mask
         if self.response_length:
             raise LocalProtocolError(
                 "mask_presence",
@@ -580,6 +636,7 @@ class Trajectory:
                 f"already has {self.response_length} tokens without supports",
             )
         self._mask = _MaskBuffer()
+        return self._mask
 
     def append_sampled(
         self, tokens: np.ndarray, log_probs: np.ndarray, loss_mask: np.ndarray | None, mask: SamplingMask | None
@@ -629,7 +686,8 @@ class Trajectory:
             raise LocalProtocolError("misaligned", "rule 'weight_version_spans lie within the turn's sampled tokens' "
                                                    f"violated: expected ends <= {len(turn.tokens)}, got {list(spans)}")
         if (turn.mask is None) == (self._mask is None) and not self._context and turn.routed_experts is None \
-                and turn.indexer_topk is None and turn.full_log_probs is None and not self._token_log_probs:
+                and turn.indexer_topk is None and turn.full_log_probs is None and not self._token_log_probs \
+                and turn.mask_log_probs is None and (self._mask is None or self._mask.log_probs is None):
             return self._apply(turn)  # the common case: the turn carries what the trajectory carries
         carried = [self.carries(name) for name in REPLAY_FIELDS]
         brought = [turn.carries(name) for name in REPLAY_FIELDS]
@@ -654,7 +712,9 @@ class Trajectory:
             self.cut_at_gap(Gap(self.turns, missing[0]))
             return TurnOutcome(False, "replay_gap")
         if turn.mask is not None:
-            self.start_mask()
+            mask = self.start_mask()
+            if turn.mask_log_probs is not None and mask.log_probs is None:  # started with the response empty
+                mask.log_probs = GrowableArray(LOG_PROB_DTYPE)
         for name in CONTEXT_REPLAY_ARRAYS:
             if getattr(turn, name) is not None:
                 self._context[name] = _shape_of(getattr(turn, name)) if self.is_shed else getattr(turn, name)
@@ -719,6 +779,9 @@ class Trajectory:
         if self._mask is not None and len(self._mask) != n:
             raise LocalProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: mask covers {len(self._mask)} tokens, "
                                                    f"response_length is {n}")
+        if self._mask is not None and self._mask.log_probs is not None and len(self._mask.log_probs) != len(self._mask.ids):
+            raise LocalProtocolError("misaligned", f"rule '{RULE_SUPPORT_ALIGNED}' violated: mask_log_probs has "
+                                                   f"{len(self._mask.log_probs)} entries, mask_ids has {len(self._mask.ids)}")
         past = [span for spans in self.weight_version_spans for span in spans if span[2] > n]
         if past:
             raise LocalProtocolError("misaligned", f"rule 'weight_version_spans lie within the response' violated: "
@@ -759,7 +822,7 @@ class Trajectory:
         traj._loss_mask.extend(arrays["loss_mask"])
         traj._log_probs.extend(arrays["log_probs"])
         if "mask_ids" in arrays:
-            traj._mask = _MaskBuffer(arrays["mask_ids"], arrays["mask_offsets"])
+            traj._mask = _MaskBuffer(arrays["mask_ids"], arrays["mask_offsets"], arrays.get("mask_log_probs"))
         for name in TOKEN_LOG_PROB_ARRAYS:
             if name in arrays:
                 traj._token_log_probs[name] = GrowableArray(LOG_PROB_DTYPE)

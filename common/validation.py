@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .buffers import join_contiguous
-from .contract import LOG_PROB_TOLERANCE, NACK_CODES, TOKEN_LOG_PROB_ARRAYS
+from .contract import LOG_PROB_TOLERANCE, NACK_CODES, SUPPORT_LOG_PROB_ARRAYS, TOKEN_LOG_PROB_ARRAYS
 from .errors import InvalidInput, LocalProtocolError, RollstreamError
 
 RULE_ALIGNED = "per-token fields aligned (one entry per response token)"
@@ -44,10 +44,13 @@ RULE_TOKEN_VOCAB = "token ids in [0, vocab_size)"
 RULE_LOSS_MASK = "loss_mask values in {0, 1}"
 RULE_WHOLE_BATCH = "every sample of a batch carries the field or none does"
 RULE_FORCED_SINGLETON = "forced tokens (loss_mask 0, log_prob 0.0) have the singleton support [token]"
-# One log-prob rule, named per field it keeps: `log_probs` and each optional per-token log-prob array.
+# One log-prob rule, named per field it keeps: `log_probs` and each optional log-prob array.
 LOG_PROB_RULES = {name: f"{name} are finite and <= 0 (within {LOG_PROB_TOLERANCE} for rounding)"
-                  for name in ("log_probs", *TOKEN_LOG_PROB_ARRAYS)}
+                  for name in ("log_probs", *TOKEN_LOG_PROB_ARRAYS, *SUPPORT_LOG_PROB_ARRAYS)}
 RULE_LOG_PROBS = LOG_PROB_RULES["log_probs"]
+RULE_SUPPORT_ALIGNED = "per-support-id fields aligned with mask_ids (one entry per support id)"
+RULE_SUPPORT_NORMALIZED = (f"each support's probabilities sum to 1 (within {LOG_PROB_TOLERANCE}) "
+                           "when mask_log_probs_normalized")
 
 
 def _log_probs_broken(values):
@@ -544,6 +547,7 @@ def packed_violations(
     loss_mask=None,
     log_probs=None,
     token_log_probs: Mapping[str, Any] | None = None,
+    support_log_probs: Mapping[str, Any] | None = None,
     marks_forced: bool = True,
 ) -> list[Violation]:
     """Every rule each sample of a packed batch breaks (empty when valid).
@@ -553,7 +557,9 @@ def packed_violations(
     against `response_lengths`; otherwise only the totals are compared.
     `log_probs`, when given, must keep `RULE_LOG_PROBS`, and each array of
     `token_log_probs` (by name: `full_log_probs`) its rule of
-    `LOG_PROB_RULES`, one entry per token as well. In merged
+    `LOG_PROB_RULES`, one entry per token as well, and each array of
+    `support_log_probs` (`mask_log_probs`) its rule, one entry per support
+    id (`RULE_SUPPORT_ALIGNED`). In merged
     trajectories (`marks_forced`), `log_probs` with `loss_mask` and a mask
     also mark the forced tokens (loss 0 and log-prob exactly 0.0,
     semantics.md §3), whose supports must be singletons (the in-support rule
@@ -564,7 +570,7 @@ def packed_violations(
     (`locate_violations`) only when a flag is set.
     """
     options = dict(mask_lengths=mask_lengths, vocab_size=vocab_size, loss_mask=loss_mask, log_probs=log_probs,
-                   token_log_probs=token_log_probs, marks_forced=marks_forced)
+                   token_log_probs=token_log_probs, support_log_probs=support_log_probs, marks_forced=marks_forced)
     if Verdict(packed_flags(tokens, response_lengths, mask_ids, mask_offsets, **options)).passed():
         return []
     return locate_violations(tokens, response_lengths, mask_ids, mask_offsets, **options)
@@ -590,12 +596,15 @@ class Verdict:
         return not bool(self._host.any())
 
 
-def _structure_problem(total: int, response_lengths_host, mask_offsets, mask_lengths, loss_mask, log_probs,
-                       token_log_probs) -> bool:
+def _structure_problem(total: int, response_lengths_host, mask_ids, mask_offsets, mask_lengths, loss_mask, log_probs,
+                       token_log_probs, support_log_probs) -> bool:
     """Whether a packed batch's shapes break a rule (host facts alone)."""
     if any(values is not None and len(values) != total for values in (loss_mask, log_probs)):
         return True
     if token_log_probs and any(len(values) != total for values in token_log_probs.values()):
+        return True
+    if support_log_probs and any(mask_ids is None or len(values) != len(mask_ids)
+                                 for values in support_log_probs.values()):
         return True
     if mask_offsets is None:
         return False
@@ -625,6 +634,7 @@ def packed_flags(
     loss_mask=None,
     log_probs=None,
     token_log_probs: Mapping[str, Any] | None = None,
+    support_log_probs: Mapping[str, Any] | None = None,
     marks_forced: bool = True,
 ):
     """`packed_violations`' checks as flags, one per check, set when it
@@ -636,7 +646,8 @@ def packed_flags(
     alone, as it always has."""
     ops = _ops_for(tokens)
     lengths_host, total = _packed_total(ops, tokens, response_lengths)
-    if _structure_problem(total, lengths_host, mask_offsets, mask_lengths, loss_mask, log_probs, token_log_probs):
+    if _structure_problem(total, lengths_host, mask_ids, mask_offsets, mask_lengths, loss_mask, log_probs,
+                          token_log_probs, support_log_probs):
         return ops.flags([True], tokens)
     flags: list[Any] = []
     if mask_offsets is not None:
@@ -655,6 +666,8 @@ def packed_flags(
             flags.append(_log_probs_broken(log_probs))
         if token_log_probs:
             flags += [_log_probs_broken(values) for values in token_log_probs.values()]
+    if support_log_probs and mask_ids is not None and len(mask_ids):
+        flags += [_log_probs_broken(values) for values in support_log_probs.values()]
     return ops.flags(flags, tokens)
 
 
@@ -720,6 +733,7 @@ def locate_violations(
     loss_mask=None,
     log_probs=None,
     token_log_probs: Mapping[str, Any] | None = None,
+    support_log_probs: Mapping[str, Any] | None = None,
     marks_forced: bool = True,
 ) -> list[Violation]:
     """`packed_violations` without its verdict: the search for each failing
@@ -732,6 +746,11 @@ def locate_violations(
     for name, values in (("loss_mask", loss_mask), *log_prob_arrays.items()):
         if values is not None and len(values) != total:
             return [Violation(RULE_ALIGNED, 0, None, 1, f"{name} has {len(values)} entries, expected {total}")]
+    n_ids = 0 if mask_ids is None else len(mask_ids)
+    for name, values in (support_log_probs or {}).items():
+        if mask_ids is None or len(values) != n_ids:
+            said = "no sampling mask" if mask_ids is None else f"mask_ids has {n_ids}"
+            return [Violation(RULE_SUPPORT_ALIGNED, 0, None, 1, f"{name} has {len(values)} entries, {said}")]
 
     tokens_host = None
 
@@ -794,6 +813,9 @@ def locate_violations(
     for name, values in log_prob_arrays.items():
         if values is not None and total and bool(_log_probs_broken(values)):
             found += _log_prob_violations(ops, name, values, cu_host)
+    for name, values in (support_log_probs or {}).items():
+        if n_ids and mask_offsets is not None and bool(_log_probs_broken(values)):
+            found += _support_log_prob_violations(ops, name, values, mask_offsets, cu_host)
     return found
 
 
@@ -803,6 +825,20 @@ def _log_prob_violations(ops, name: str, values, cu_host) -> list[Violation]:
     return _group_by_sample(
         LOG_PROB_RULES[name], ops.to_host(ops.nonzero(_breaks_log_prob_rule(values))), cu_host,
         lambda g: f"{name.removesuffix('s')} is {float(host[g])}, expected finite and <= {LOG_PROB_TOLERANCE}",
+    )
+
+
+def _support_log_prob_violations(ops, name: str, values, offsets, cu_host) -> list[Violation]:
+    """`name`'s rule of `LOG_PROB_RULES` per sample, at the first token
+    whose support holds a broken entry."""
+    host = ops.to_host(values)
+    bad = ops.to_host(ops.nonzero(_breaks_log_prob_rule(values)))
+    token_of_entry = np.searchsorted(ops.to_host(offsets), bad, side="right") - 1
+    first_bad = dict(zip(token_of_entry[::-1].tolist(), host[bad[::-1]].tolist()))  # the first entry wins
+    return _group_by_sample(
+        LOG_PROB_RULES[name], np.unique(token_of_entry), cu_host,
+        lambda g: f"its support holds a {name.removesuffix('s')} of {first_bad[g]}, expected finite and "
+                  f"<= {LOG_PROB_TOLERANCE}",
     )
 
 
@@ -887,6 +923,8 @@ RULE_CODES = {
     RULE_LOSS_MASK: "invalid_value",
     RULE_FORCED_SINGLETON: "mask_invalid",
     **dict.fromkeys(LOG_PROB_RULES.values(), "invalid_value"),
+    RULE_SUPPORT_ALIGNED: "misaligned",
+    RULE_SUPPORT_NORMALIZED: "invalid_value",
 }
 _CODE_ORDER = {code: i for i, code in enumerate(NACK_CODES)}
 
@@ -908,6 +946,7 @@ _MIN, _MAX, _ALL = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce
 # The broker's fast check runs per frame and names the one optional per-token log-prob array itself: a loop over
 # the table would cost every frame without it. Unpacked, so a second entry in the table fails here, at import.
 (_FULL_LOG_PROBS,) = TOKEN_LOG_PROB_ARRAYS
+(_MASK_LOG_PROBS,) = SUPPORT_LOG_PROB_ARRAYS
 
 
 def _tokens_in_supports(tokens: np.ndarray, ids: np.ndarray, offsets: np.ndarray) -> bool:
@@ -973,6 +1012,11 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
                 return False
             log_probs.append(full_log_prob)
         message_ids, message_offsets = arrays.get("mask_ids"), arrays.get("mask_offsets")
+        if _MASK_LOG_PROBS in arrays:  # kept by the log-prob rule too, one per support id
+            mask_log_prob = arrays[_MASK_LOG_PROBS]
+            if message_ids is None or len(mask_log_prob) != len(message_ids):
+                return False
+            log_probs.append(mask_log_prob)
         if message_offsets is None:
             plain.append(message_tokens)  # no support to imply their vocabulary check
         else:
@@ -1018,6 +1062,21 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
     return log_prob is None or not len(log_prob) or not _log_probs_broken(log_prob)
 
 
+def _check_supports_normalized(arrays: Mapping[str, np.ndarray]) -> None:
+    """`RULE_SUPPORT_NORMALIZED` over a message whose other rules hold: the
+    first token whose support's probabilities do not sum to 1."""
+    values, offsets = arrays.get(_MASK_LOG_PROBS), arrays.get("mask_offsets")
+    if values is None or offsets is None or len(offsets) < 2:
+        return
+    sums = np.add.reduceat(np.exp(values.astype(np.float64)), offsets[:-1])
+    bad = np.flatnonzero(np.abs(sums - 1.0) > LOG_PROB_TOLERANCE)
+    if bad.size:
+        at = int(bad[0])
+        raise LocalProtocolError("invalid_value", f"rule '{RULE_SUPPORT_NORMALIZED}' violated at token {at}: expected "
+                                                  f"its {int(offsets[at + 1] - offsets[at])} probabilities to sum to 1, "
+                                                  f"got {float(sums[at]):.6g}")
+
+
 def check_message_structure(arrays: Mapping[str, np.ndarray]) -> None:
     """The rules of one message that need no pass over its arrays: per-token
     fields aligned with the tokens, mask offsets one longer than the tokens,
@@ -1032,6 +1091,13 @@ def check_message_structure(arrays: Mapping[str, np.ndarray]) -> None:
             raise LocalProtocolError("misaligned",
                                      f"rule '{RULE_ALIGNED}' violated: {name} has {len(values)} entries, tokens has {n}")
     offsets = arrays.get("mask_offsets")
+    for name in SUPPORT_LOG_PROB_ARRAYS:
+        values = arrays.get(name)
+        n_ids = 0 if offsets is None else len(arrays["mask_ids"])
+        if values is not None and (offsets is None or len(values) != n_ids):
+            said = "no sampling mask" if offsets is None else f"mask_ids has {n_ids}"
+            raise LocalProtocolError("misaligned", f"rule '{RULE_SUPPORT_ALIGNED}' violated: {name} has "
+                                                   f"{len(values)} entries, {said}")
     if offsets is None:
         return
     if len(offsets) != n + 1:
@@ -1044,7 +1110,8 @@ def check_message_structure(arrays: Mapping[str, np.ndarray]) -> None:
                                             f"got {int(offsets[-1])}")
 
 
-def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | None = None) -> None:
+def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | None = None,
+                         mask_log_probs_normalized: bool = False) -> None:
     """Content rules for the token arrays of one `turn` or `deliver` message.
 
     Raises the `LocalProtocolError` of the first failing rule in protocol
@@ -1052,8 +1119,12 @@ def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | 
     a receiver of the arrays turns it into a `RemoteProtocolError`.
     `arrays` must already have contract dtypes and ranks. Valid arrays take
     the fast path; the per-rule search below only runs to explain a failure.
+    With `mask_log_probs_normalized` (the sender says its `mask_log_probs`
+    are renormalised over each support) their probabilities must sum to 1.
     """
     if messages_content_valid([arrays], vocab_size):
+        if mask_log_probs_normalized:
+            _check_supports_normalized(arrays)
         return
     check_message_structure(arrays)
     tokens = arrays["tokens"]
@@ -1062,6 +1133,7 @@ def check_message_arrays(arrays: Mapping[str, np.ndarray], *, vocab_size: int | 
         tokens, [n], arrays.get("mask_ids"), arrays.get("mask_offsets"),
         vocab_size=vocab_size, loss_mask=arrays.get("loss_mask"), log_probs=arrays.get("log_probs"),
         token_log_probs={name: arrays[name] for name in TOKEN_LOG_PROB_ARRAYS if name in arrays}, marks_forced=False,
+        support_log_probs={name: arrays[name] for name in SUPPORT_LOG_PROB_ARRAYS if name in arrays},
     )
     for name in ("prompt_tokens", "forced_tokens"):
         values = arrays.get(name)

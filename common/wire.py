@@ -43,6 +43,8 @@ def encode_turn(
         fields["weight_version"] = turn.weight_version
     if turn.weight_version_spans is not None:
         fields["weight_version_spans"] = [list(span) for span in turn.weight_version_spans]
+    if turn.mask_log_probs_normalized:
+        fields["mask_log_probs_normalized"] = True
     if metadata is not None:
         fields["metadata"] = metadata
     if job is not None:
