@@ -344,6 +344,18 @@ def test_turn_build_checks_what_a_broker_would():
       for bad in (float("nan"), float("inf"), float("-inf"), 0.5, 2.0**-9)),
     (dict(full_log_probs=["a"]), "dtype", "full_log_probs must hold real numbers, got dtype <U1"),
     (dict(full_log_probs=[[-0.5]]), "shape", r"full_log_probs must be 1-D, got shape \(1, 1\)"),
+    (dict(supports=[[1, 4]], mask_log_probs=[-0.5]), "misaligned",
+     r"rule 'per-support-id fields aligned with mask_ids \(one entry per support id\)' violated: mask_log_probs has 1 "
+     r"entries, mask_ids has 2"),
+    (dict(mask_log_probs=[-0.5]), "misaligned", "mask_log_probs has 1 entries, no sampling mask"),
+    *((dict(supports=[[1, 4]], mask_log_probs=[-0.5, bad]), "invalid_value",
+       rf"rule 'mask_log_probs are finite and <= 0 \(within 0.0009765625 for rounding\)' violated at token 0: "
+       rf"its support holds a mask_log_prob of {bad}, expected finite and <= 0.0009765625")
+      for bad in (float("nan"), float("inf"), float("-inf"), 0.5, 2.0**-9)),
+    (dict(supports=[[1, 4]], mask_log_probs=[-0.1, -0.1], mask_log_probs_normalized=True), "invalid_value",
+     r"rule 'each support's probabilities sum to 1 \(within 0.0009765625\) when mask_log_probs_normalized' violated "
+     r"at token 0: expected its 2 probabilities to sum to 1, got 1.80967"),
+    (dict(supports=[[1, 4]], mask_log_probs=["a", "b"]), "dtype", "mask_log_probs must hold real numbers, got dtype <U1"),
 ], ids=lambda v: None if isinstance(v, dict) else str(v))
 def test_every_refusal_of_turn_build_is_a_protocol_error_naming_the_callers_field(kwargs, code, text):
     """docs/data-model.md: `Turn.build` refuses with the code a broker would
@@ -419,6 +431,76 @@ def test_full_log_probs_missing_then_present_is_mask_presence_unless_the_respons
     with pytest.raises(ProtocolError, match="carries \\['full_log_probs'\\], 1 sampled tokens without them") as err:
         late.append_sampled(np.array([1], np.int32), np.array([-1.0], np.float32), None, None)
     assert err.value.code == "misaligned"
+
+
+def test_example_11_mask_log_probs_merge_beside_the_ids_with_zero_for_forced_singletons():
+    """docs/semantics.md §8 example 11, then the arrays' round trips,
+    truncation and retry."""
+    traj = Trajectory("t", [1])
+    first, second = np.array([-0.1, -2.4], np.float32), np.array([-0.5, -0.9], np.float32)
+    traj.append_turn(turn([10], [[10, 4]], forced=[20], mask_log_probs=first))
+    traj.append_turn(turn([30], [[30, 7]], mask_log_probs=second))
+    expected = np.array([-0.1, -2.4, 0.0, -0.5, -0.9], np.float32)
+    assert traj.mask.ids.tolist() == [10, 4, 20, 30, 7]
+    assert traj.mask_log_probs.dtype == np.float32 and traj.mask_log_probs.tobytes() == expected.tobytes()
+    assert traj.arrays()["mask_log_probs"].tobytes() == expected.tobytes() and traj.carries("mask_log_probs")
+    assert traj.nbytes == sum(a.nbytes for a in traj.arrays().values())
+    copy = Trajectory.from_arrays("t", traj.arrays(), status=traj.status, turns=traj.turns)
+    assert copy.mask_log_probs.tobytes() == expected.tobytes() and copy.carries("mask_log_probs")
+    traj.reward = 1.0
+    back = trajectory_from_deliver(decode(encode_deliver(traj, "l"), BROKER_TO_CONSUMER))
+    assert back.mask_log_probs.tobytes() == expected.tobytes()
+    traj.strip_last_output_tokens(1)
+    assert traj.mask_log_probs.tolist() == pytest.approx([-0.1, -2.4, 0.0]) and traj.mask.ids.tolist() == [10, 4, 20]
+    traj.validate()
+    traj.reset_for_retry()
+    assert traj.mask_log_probs is None and not traj.carries("mask_log_probs")
+    assert Trajectory("u", [1]).mask_log_probs is None
+
+
+def test_mask_log_probs_travel_in_the_turn_frame_with_the_renormalised_flag():
+    sent = turn([10], [[10, 4]], mask_log_probs=np.log([0.75, 0.25]), mask_log_probs_normalized=True)
+    got = turn_from_message(decode(encode_turn("t", 0, sent, seq=1, prompt_tokens=np.array([1], np.int32)),
+                                   PRODUCER_TO_BROKER))
+    assert got.mask_log_probs.tobytes() == sent.mask_log_probs.tobytes() and got.mask_log_probs.dtype == np.float32
+    header = decode(encode_turn("t", 0, sent, seq=1, prompt_tokens=np.array([1], np.int32)), PRODUCER_TO_BROKER)
+    assert header.get("mask_log_probs_normalized") is True
+    plain = decode(encode_turn("t", 0, turn([10], [[10]]), seq=1, prompt_tokens=np.array([1], np.int32)),
+                   PRODUCER_TO_BROKER)
+    assert plain.get("mask_log_probs_normalized") is None and "mask_log_probs" not in plain.arrays
+
+
+def test_mask_log_probs_summing_to_one_pass_the_sum_rule_within_the_tolerance():
+    near = np.log(np.array([0.5, 0.25, 0.25 + 2.0**-12]))
+    assert Turn.build([1], [-0.5], supports=[[1, 2, 3]], mask_log_probs=near,
+                      mask_log_probs_normalized=True).mask_log_probs_normalized
+    # Not said renormalised: any support-mass below 1 is taken (the sampler's log-probs under the whole distribution).
+    assert Turn.build([1], [-0.5], supports=[[1, 2]], mask_log_probs=[-3.0, -4.0]).carries("mask_log_probs")
+
+
+def test_a_turn_without_mask_log_probs_is_a_replay_gap_where_the_trajectory_carries_them():
+    for shed in (False, True):
+        traj = Trajectory("t", [1])
+        traj.append_turn(turn([10], [[10, 4]], forced=[20], mask_log_probs=[-0.5, -1.5]))
+        if shed:
+            traj.shed()
+        assert traj.append_turn(turn([12], [[12]], forced=[21])) == TurnOutcome(False, "replay_gap")
+        assert traj.gap == Gap(1, "mask_log_probs") and traj.response_length == 1 and traj.terminal
+        if not shed:
+            assert traj.mask_log_probs.tolist() == [-0.5, -1.5] and traj.mask.ids.tolist() == [10, 4]
+            traj.validate()
+
+
+def test_mask_log_probs_missing_then_present_is_mask_presence_unless_the_response_is_empty():
+    traj = Trajectory("t", [1])
+    traj.append_turn(turn([10], [[10]]))
+    with pytest.raises(ProtocolError, match="turn 1 of 't' carries mask_log_probs but the 1 response tokens") as err:
+        traj.append_turn(turn([11], [[11]], mask_log_probs=[-0.5]))
+    assert err.value.code == "mask_presence" and traj.turns == 1 and traj.mask_log_probs is None
+    late = Trajectory("u", [1])
+    late.append_turn(turn([]))
+    late.append_turn(turn([7], [[7, 9]], forced=[8], mask_log_probs=[-0.5, -1.0]))
+    assert late.mask_log_probs.tolist() == [-0.5, -1.0, 0.0]
 
 
 def test_nbytes_counts_every_array_without_writing_queued_appends():
