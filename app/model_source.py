@@ -64,13 +64,15 @@ def _by_row(drawn: list[Sampled], rows: int) -> list[Sampled]:
     """Per-step samples (one entry per row each) regrouped per row: the
     support ids reordered from (step, row) to (row, step) in one stable sort."""
     sizes = np.stack([np.diff(step.mask.offsets) for step in drawn], axis=1)  # [rows, steps]
-    ids = np.concatenate([step.mask.ids for step in drawn])
     owner = np.concatenate([np.repeat(np.arange(rows), sizes[:, i]) for i in range(len(drawn))])
-    ids = ids[np.argsort(owner, kind="stable")]  # within a row the steps stay in order
+    by_row = np.argsort(owner, kind="stable")  # within a row the steps stay in order
+    ids = np.concatenate([step.mask.ids for step in drawn])[by_row]
+    support_log_probs = np.concatenate([step.mask_log_probs for step in drawn])[by_row]
     bounds = np.concatenate([[0], np.cumsum(sizes.sum(axis=1))])
     tokens = np.stack([step.tokens for step in drawn], axis=1)
     log_probs = np.stack([step.log_probs for step in drawn], axis=1)
-    return [Sampled(tokens[r], log_probs[r], SamplingMask.from_lengths(ids[bounds[r]:bounds[r + 1]], sizes[r]))
+    return [Sampled(tokens[r], log_probs[r], SamplingMask.from_lengths(ids[bounds[r]:bounds[r + 1]], sizes[r]),
+                    support_log_probs[bounds[r]:bounds[r + 1]])
             for r in range(rows)]
 
 

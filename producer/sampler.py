@@ -40,11 +40,14 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Sampled:
-    """One sampled token per row, its truncated log-prob and its support."""
+    """One sampled token per row, its truncated log-prob and its support,
+    with the truncated log-prob of every support id (renormalised over the
+    support: each support's probabilities sum to 1)."""
 
     tokens: np.ndarray  # int32 [n]
     log_probs: np.ndarray  # float32 [n]
     mask: SamplingMask
+    mask_log_probs: np.ndarray  # float32, aligned with mask.ids
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
@@ -82,8 +85,11 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     rows = np.arange(n)
     sorted_ids = np.take_along_axis(np.asarray(candidate_ids), order, axis=1)
     mask = SamplingMask.from_lengths(sorted_ids[keep].astype(np.int32), sizes)
-    log_probs = np.log(kept[rows, choice]) - np.log(total)
-    return Sampled(sorted_ids[rows, choice].astype(np.int32), log_probs.astype(np.float32), mask)
+    log_total = np.log(total)
+    log_probs = np.log(kept[rows, choice]) - log_total
+    support_log_probs = np.log(kept[keep]) - np.repeat(log_total, sizes)  # row-major, as the mask's ids
+    return Sampled(sorted_ids[rows, choice].astype(np.int32), log_probs.astype(np.float32), mask,
+                   support_log_probs.astype(np.float32))
 
 
 class ZipfLogits:

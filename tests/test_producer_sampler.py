@@ -53,6 +53,11 @@ def test_supports_match_the_reference_and_hold_their_tokens(params):
         assert token in support, f"position {t}: sampled {token} outside its support"
         expected = math.log(probs[token] / sum(probs[i] for i in support))
         assert out.log_probs[t] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+        lo, hi = int(out.mask.offsets[t]), int(out.mask.offsets[t + 1])
+        mass = sum(probs[i] for i in support)
+        assert out.mask_log_probs[lo:hi].tolist() == pytest.approx([math.log(probs[i] / mass) for i in support],
+                                                                   rel=1e-5, abs=1e-6), f"position {t}"
+    assert out.mask_log_probs.dtype == np.float32 and len(out.mask_log_probs) == len(out.mask.ids)
 
 
 def test_dense_logits_use_column_numbers_as_token_ids():

@@ -65,6 +65,11 @@ def test_rows_of_a_group_get_their_own_supports_in_step_order():
             support = turn.mask.ids[turn.mask.offsets[step]:turn.mask.offsets[step + 1]]
             top = torch.topk(logits[step], 8).indices.numpy()
             assert set(support) <= set(top) and turn.tokens[step] in support
+            # each support id's log-prob is the trainer's, renormalised over that support
+            scaled = logits[step].double()[torch.tensor(support.tolist())]
+            expected = torch.log_softmax(scaled, dim=0).numpy()
+            got = turn.mask_log_probs[turn.mask.offsets[step]:turn.mask.offsets[step + 1]]
+            np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
 
 def test_generation_is_reproducible_from_the_seeds_and_rejects_bad_input():
