@@ -29,12 +29,14 @@ from torch.autograd.function import once_differentiable
 from rollstream.common.contract import LOG_PROB_TOLERANCE
 from rollstream.common.errors import InvalidInput, InvalidType
 from rollstream.common.validation import (
+    LOG_PROB_RULES,
     RULE_IN_SUPPORT,
     RULE_MASK_VOCAB,
     RULE_NONEMPTY_OFFSETS,
     RULE_NONEMPTY_SUPPORT,
     RULE_OFFSETS_END,
     RULE_OFFSETS_START,
+    RULE_SUPPORT_ALIGNED,
     Verdict,
     Violation,
     csr_flags,
@@ -47,9 +49,6 @@ from .batch import ranges_index
 _INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 # Mask ids travel as int32 (docs/protocol.md): no vocabulary is larger than int32's largest value.
 _ID_RANGE = 2**31 - 1
-# The rules `mask_log_probs` keeps, worded as batch validation words them for the field.
-RULE_MASK_LOG_PROBS = f"mask_log_probs are finite and <= 0 (within {LOG_PROB_TOLERANCE} for rounding)"
-RULE_MASK_LOG_PROBS_ALIGNED = "per-support-id fields aligned with mask_ids (one entry per support id)"
 # The argument each of the mask's own rules is about.
 _ARGUMENT = {
     RULE_OFFSETS_START: "mask_offsets", RULE_OFFSETS_END: "mask_offsets", RULE_NONEMPTY_SUPPORT: "mask_offsets",
@@ -123,7 +122,7 @@ def _log_probs_per_id(mask_log_probs, ids: torch.Tensor) -> torch.Tensor:
     if values.dim() != 1:
         raise InvalidInput(f"mask_log_probs must be 1-D (aligned with mask_ids), got shape {tuple(values.shape)}")
     if len(values) != len(ids):
-        raise InvalidInput(f"mask_log_probs: rule '{RULE_MASK_LOG_PROBS_ALIGNED}' violated: expected {len(ids)} "
+        raise InvalidInput(f"mask_log_probs: rule '{RULE_SUPPORT_ALIGNED}' violated: expected {len(ids)} "
                            f"(len(mask_ids)), got {len(values)}")
     return values
 
@@ -266,7 +265,7 @@ def _log_prob_refusal(broken, log_probs, ids, offsets) -> InvalidInput:
     entry = int(bad[0])
     position = int(torch.searchsorted(offsets, bad[:1], right=True)[0]) - 1
     more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-    return InvalidInput(f"mask_log_probs: rule '{RULE_MASK_LOG_PROBS}' violated at mask token {position}: "
+    return InvalidInput(f"mask_log_probs: rule '{LOG_PROB_RULES['mask_log_probs']}' violated at mask token {position}: "
                         f"mask_log_prob is {float(log_probs[entry])} (support id {int(ids[entry])}, entry {entry}), "
                         f"expected finite and <= {LOG_PROB_TOLERANCE}{more}")
 
