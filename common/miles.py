@@ -3,7 +3,9 @@
 The session payload (docs/semantics.md §7) is one safetensors blob: a rank-1
 uint8 `_samples_meta` tensor holding compact UTF-8 JSON, plus `{field}.{i}`
 tensors per sample and the mask as `rollout_sampling_mask.ids.{i}` /
-`.offsets.{i}`. The field table, its order, its defaults and its nulls are
+`.offsets.{i}`, with the sampler's log-prob of each support id beside them as
+`.logprobs.{i}` (float32, one per id) when the mask carries them: a decoded
+sample holds those as `mask_log_probs`. The field table, its order, its defaults and its nulls are
 miles' as of the commit `MILES_COMMIT` names, so what `encode_session_samples`
 writes is byte-identical to what miles' encoder writes for the same samples,
 and miles' decoder reads it. The mask crosses only when the caller asks for
@@ -27,11 +29,11 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from .contract import TOKEN_LOG_PROB_ARRAYS
+from .contract import SUPPORT_LOG_PROB_ARRAYS, TOKEN_LOG_PROB_ARRAYS
 from .errors import InvalidInput, InvalidType
 from .mask import SamplingMask
 from .trajectory import Trajectory
-from .validation import check_whole_batch_rule
+from .validation import RULE_SUPPORT_ALIGNED, check_whole_batch_rule
 
 MILES_COMMIT = "sii-avalanche/miles@4d412b5"  # the tree whose codec, defaults and train data these match
 
@@ -75,6 +77,11 @@ SESSION_FIELDS: dict[str, SessionField] = {
     "reward": SessionField("json", default=lambda: None),  # the second version of the wire only
 }
 MASK_FIELD = "rollout_sampling_mask"
+# The sample key of the mask's support log-probs (miles keeps them on its mask, as `logprobs`): float32, aligned with
+# the mask's ids, crossing as `rollout_sampling_mask.logprobs.{i}` beside them. Unpacked: a second support log-prob
+# array in the contract would need a wire name of its own, so it fails here, at import.
+(MASK_LOG_PROBS,) = SUPPORT_LOG_PROB_ARRAYS
+_MASK_LOG_PROBS_SPEC = SessionField("tensor", np.dtype("<f4"))
 REWARD_FIELD = "reward"
 DEFAULT_FIELDS = tuple(name for name in SESSION_FIELDS if name not in (MASK_FIELD, REWARD_FIELD))
 FIELDS_WITH_MASK = (*DEFAULT_FIELDS, MASK_FIELD)
@@ -150,8 +157,9 @@ def encode_session_samples(
     lacks, or holds as None, as miles' default for it; `response_length`
     and `status` are required), tensor fields that are None as null markers
     (the top-k fields not at all, as miles leaves them out). Pass
-    `FIELDS_WITH_MASK` to send the mask; `unknown` are the specs of fields
-    a decoded payload carried (`SessionSamples.unknown`)."""
+    `FIELDS_WITH_MASK` to send the mask, with a sample's `mask_log_probs`
+    (one per mask id) beside it when the sample holds them; `unknown` are
+    the specs of fields a decoded payload carried (`SessionSamples.unknown`)."""
     specs = _specs(fields, unknown or {})
     tensors: dict[str, np.ndarray] = {}
     metas = []
@@ -170,6 +178,9 @@ def encode_session_samples(
                     continue  # an unknown field this sample did not carry
                 meta[name] = value
             elif value is None:
+                if spec.codec == "mask" and sample.get(MASK_LOG_PROBS) is not None:
+                    raise InvalidInput(f"sample {i} holds {MASK_LOG_PROBS} but no {name}: the support log-probs "
+                                       "cross beside the mask's ids")
                 if not spec.left_out_when_none and (name in SESSION_FIELDS or name in sample):
                     nulls.append(name)
             elif spec.codec == "mask":
@@ -177,6 +188,11 @@ def encode_session_samples(
                     raise InvalidType(f"{name} of sample {i} must be a SamplingMask, got {type(value).__name__}")
                 tensors[f"{name}.ids.{i}"] = np.ascontiguousarray(value.ids)
                 tensors[f"{name}.offsets.{i}"] = np.ascontiguousarray(value.offsets)
+                log_probs = sample.get(MASK_LOG_PROBS)
+                if log_probs is not None:
+                    log_probs = _wire_tensor(MASK_LOG_PROBS, i, log_probs, _MASK_LOG_PROBS_SPEC)
+                    _check_support_aligned(log_probs, value.ids, i)
+                    tensors[f"{name}.logprobs.{i}"] = log_probs
             else:
                 tensors[f"{name}.{i}"] = _wire_tensor(name, i, value, spec)
         meta["nulls"] = nulls
@@ -195,6 +211,12 @@ def _take(tensors: dict, key: str, name: str, dtype: np.dtype | None, i: int) ->
     if dtype is not None and arr.dtype != dtype:
         raise InvalidInput(f"{name} must have dtype {dtype.name}, got {arr.dtype} (tensor {key!r}; never converted)")
     return arr
+
+
+def _check_support_aligned(log_probs: np.ndarray, ids: np.ndarray, i: int) -> None:
+    if log_probs.ndim != 1 or len(log_probs) != len(ids):
+        raise InvalidInput(f"{MASK_LOG_PROBS} of sample {i}: rule '{RULE_SUPPORT_ALIGNED}' violated: expected "
+                           f"{len(ids)} entries (one per mask id), got shape {list(log_probs.shape)}")
 
 
 def _carries_mask(tensors: Mapping[str, Any], sample_metas: Sequence[Mapping[str, Any]]) -> bool:
@@ -221,7 +243,9 @@ def _unknown_tensors(tensors: Mapping[str, np.ndarray], n: int) -> dict[tuple[st
 def decode_session_samples(payload: bytes, *, fields: Sequence[str] | None = None) -> SessionSamples:
     """Strictly decode a session payload: wrong dtypes, missing promised
     tensors (`MissingTensor`, a `KeyError` too) and tensors no sample can
-    refer to are errors. A known JSON field a sample lacks gets its default
+    refer to are errors; so are a mask's support log-probs (`.logprobs.{i}`,
+    a sample's `mask_log_probs`) unless float32 and one per id
+    (`RULE_SUPPORT_ALIGNED`). A known JSON field a sample lacks gets its default
     (`SessionField.default`); one without a default is an error. Fields this
     codec does not know are carried (`SessionSamples.unknown`).
 
@@ -282,6 +306,10 @@ def decode_session_samples(payload: bytes, *, fields: Sequence[str] | None = Non
                     raise InvalidInput(f"{name} must use int32 ids and int64 offsets, got {ids.dtype} and "
                                        f"{offsets.dtype} (sample {i}; never converted)")
                 sample[name] = SamplingMask(ids, offsets)
+                if f"{name}.logprobs.{i}" in tensors:  # the support's log-probs, when the mask carries them
+                    log_probs = _take(tensors, f"{name}.logprobs.{i}", f"{name} logprobs", _MASK_LOG_PROBS_SPEC.dtype, i)
+                    _check_support_aligned(log_probs, ids, i)
+                    sample[MASK_LOG_PROBS] = log_probs
             elif spec.left_out_when_none and f"{name}.{i}" not in tensors:
                 sample[name] = None  # left out by an encoder that did not collect it
             else:
@@ -332,8 +360,11 @@ MASK_KEYS = ("rollout_sampling_mask_ids", "rollout_sampling_mask_offsets")
 REPLAY_KEYS = {"rollout_routed_experts": "routed_experts", "rollout_indexer_topk": "indexer_topk"}
 # The per-token log-prob arrays beyond `log_probs`, as `rollout_log_probs` is named (metrics average them as they do it).
 TOKEN_LOG_PROB_KEYS = {f"rollout_{name}": name for name in TOKEN_LOG_PROB_ARRAYS}
+# The per-support-id log-prob arrays beside the mask's keys (`rollout_sampling_mask_log_probs`): per sample, aligned
+# with its `rollout_sampling_mask_ids`. Payload of the mask, as its ids are.
+SUPPORT_LOG_PROB_KEYS = {f"rollout_sampling_{name}": name for name in SUPPORT_LOG_PROB_ARRAYS}
 # Per-sample payload, never averaged into metrics.
-PAYLOAD_KEYS = frozenset(MASK_KEYS) | frozenset(REPLAY_KEYS) | {"weight_versions"}
+PAYLOAD_KEYS = frozenset(MASK_KEYS) | frozenset(REPLAY_KEYS) | frozenset(SUPPORT_LOG_PROB_KEYS) | {"weight_versions"}
 
 TRAIN_DTYPES: dict[str, np.dtype] = {  # miles' rollout-data dtypes
     "tokens": np.dtype(np.int32),
@@ -347,6 +378,7 @@ TRAIN_DTYPES: dict[str, np.dtype] = {  # miles' rollout-data dtypes
     "rollout_mask_sums": np.dtype(np.int64),
     "rollout_sampling_mask_ids": np.dtype(np.int32),
     "rollout_sampling_mask_offsets": np.dtype(np.int64),
+    **dict.fromkeys(SUPPORT_LOG_PROB_KEYS, np.dtype(np.float32)),
     "rollout_routed_experts": np.dtype(np.int32),
     "rollout_indexer_topk": np.dtype(np.int32),
 }
@@ -393,11 +425,12 @@ def to_train_data(trajectories: Sequence[Trajectory], *, strict_replay: bool = F
     Per-sample keys are lists of arrays with miles' dtypes; `tokens` is the
     prompt followed by the response. The whole-batch rule applies to the
     mask: all samples carry it, or none does. A replay field (the context
-    replay arrays, and `full_log_probs` as `rollout_full_log_probs`) follows
-    miles' rule: present when the first sample carries it, with a None row
-    for a sample that does not (`strict_replay` refuses such a batch
-    instead, naming the sample). A sample without a `sample_index` gets its batch
-    position.
+    replay arrays, `full_log_probs` as `rollout_full_log_probs`, and
+    `mask_log_probs` as `rollout_sampling_mask_log_probs`, each sample's
+    aligned with its `rollout_sampling_mask_ids`) follows miles' rule:
+    present when the first sample carries it, with a None row for a sample
+    that does not (`strict_replay` refuses such a batch instead, naming the
+    sample). A sample without a `sample_index` gets its batch position.
     """
     indices = [t.sample_index if t.sample_index is not None else i for i, t in enumerate(trajectories)]
     statuses = [t.status for t in trajectories]
@@ -423,7 +456,7 @@ def to_train_data(trajectories: Sequence[Trajectory], *, strict_replay: bool = F
             ids.append(mask.ids)
             offsets.append(mask.offsets)
         data["rollout_sampling_mask_ids"], data["rollout_sampling_mask_offsets"] = ids, offsets
-    for key, name in {**REPLAY_KEYS, **TOKEN_LOG_PROB_KEYS}.items():
+    for key, name in {**REPLAY_KEYS, **TOKEN_LOG_PROB_KEYS, **SUPPORT_LOG_PROB_KEYS}.items():
         rows = [getattr(t, name) for t in trajectories]
         if strict_replay:
             check_whole_batch_rule([row is not None for row in rows], indices, statuses, field=name)

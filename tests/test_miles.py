@@ -1,6 +1,7 @@
 """miles interop: the session samples payload (docs/semantics.md §7) and train
 data (§6), checked against an independent reading of the format."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -11,11 +12,13 @@ from rollstream.common.miles import (
     DEFAULT_FIELDS,
     FIELDS_WITH_MASK,
     MASK_KEYS,
+    PAYLOAD_KEYS,
     decode_session_samples,
     encode_session_samples,
     metric_view,
     to_train_data,
 )
+from rollstream.common.validation import RULE_SUPPORT_ALIGNED
 
 
 def sample(mask=True, **overrides):
@@ -78,6 +81,8 @@ def miles_payload(samples, session_metadata, empty_reason=None, *, mask=False, l
             else:
                 tensors[f"rollout_sampling_mask.ids.{i}"] = s["rollout_sampling_mask"].ids
                 tensors[f"rollout_sampling_mask.offsets.{i}"] = s["rollout_sampling_mask"].offsets
+                if s.get("mask_log_probs") is not None:  # miles' mask with its support logprobs: float32 beside the ids
+                    tensors[f"rollout_sampling_mask.logprobs.{i}"] = np.asarray(s["mask_log_probs"], np.float32)
         meta["nulls"] = nulls
         metas.append(meta)
     doc = json.dumps({"samples": metas, "session_metadata": session_metadata, "empty_reason": empty_reason},
@@ -157,6 +162,64 @@ def test_mask_crosses_only_on_request():
     assert decoded.samples[0]["rollout_sampling_mask"] == SamplingMask.from_supports([[10, 3], [20]])
     assert "rollout_sampling_mask" not in decode_session_samples(
         encode_session_samples([sample()], {}), fields=DEFAULT_FIELDS).samples[0]
+
+
+# One float32 per id of sample()'s mask ([[10, 3], [20]]), as miles' mask carries them (`logprobs`).
+SUPPORT_LOG_PROBS = np.array([-0.25, -1.5, 0.0], np.float32)
+
+
+def test_the_masks_support_log_probs_decode_and_write_back_byte_identical_to_what_miles_writes():
+    """A mask with its support log-probs, one without them, and no mask: the
+    payload is miles' byte for byte, each sample's `mask_log_probs` come back
+    float32 as they went, and the decoded payload encodes to the same bytes."""
+    samples = [sample(mask_log_probs=SUPPORT_LOG_PROBS), sample(), sample(mask=False)]
+    payload = encode_session_samples(samples, {"sid": "s"}, fields=FIELDS_WITH_MASK)
+    assert payload == miles_payload(samples, {"sid": "s"}, mask=True)
+    assert safetensors.numpy.load(payload)["rollout_sampling_mask.logprobs.0"].dtype == np.float32
+    decoded = decode_session_samples(payload)
+    first, second, third = decoded.samples
+    assert first["rollout_sampling_mask"] == SamplingMask.from_supports([[10, 3], [20]])
+    assert first["mask_log_probs"].dtype == np.float32
+    assert first["mask_log_probs"].tobytes() == SUPPORT_LOG_PROBS.tobytes()
+    assert "mask_log_probs" not in second and "mask_log_probs" not in third
+    assert decoded.encode() == payload
+    assert decode_session_samples(payload, fields=FIELDS_WITH_MASK).encode() == payload
+    # a float64 list that fits float32 unchanged is written as miles writes it
+    assert encode_session_samples([sample(mask_log_probs=SUPPORT_LOG_PROBS.tolist())], {}, fields=FIELDS_WITH_MASK) == \
+        miles_payload([sample(mask_log_probs=SUPPORT_LOG_PROBS)], {}, mask=True)
+
+
+def test_support_log_probs_misaligned_with_their_mask_are_refused_naming_the_rule():
+    payload = encode_session_samples([sample(), sample(mask_log_probs=SUPPORT_LOG_PROBS)], {}, fields=FIELDS_WITH_MASK)
+    key = "rollout_sampling_mask.logprobs.1"
+    short = _resave(payload, lambda t: t.__setitem__(key, t[key][:-1].copy()))
+    expected = (rf"mask_log_probs of sample 1: rule '{re.escape(RULE_SUPPORT_ALIGNED)}' violated: expected 3 entries "
+                r"\(one per mask id\), got shape \[2\]")
+    with pytest.raises(ValueError, match=expected):
+        decode_session_samples(short)
+    with pytest.raises(ValueError, match=expected):
+        encode_session_samples([sample(), sample(mask_log_probs=SUPPORT_LOG_PROBS[:-1])], {}, fields=FIELDS_WITH_MASK)
+    wide = _resave(payload, lambda t: t.__setitem__(key, np.tile(t[key], (2, 1))))
+    with pytest.raises(ValueError, match=r"got shape \[2, 3\]"):
+        decode_session_samples(wide)
+    double = _resave(payload, lambda t: t.__setitem__(key, t[key].astype(np.float64)))
+    with pytest.raises(ValueError, match=r"rollout_sampling_mask logprobs must have dtype float32, got float64 \(tensor "
+                                         r"'rollout_sampling_mask.logprobs.1'; never converted\)"):
+        decode_session_samples(double)
+
+
+def test_support_log_probs_without_their_mask_are_refused():
+    """On the wire they are part of the mask: beside a null mask, or with
+    the mask not read, they are tensors no sample refers to."""
+    masked = encode_session_samples([sample(mask_log_probs=SUPPORT_LOG_PROBS)], {}, fields=FIELDS_WITH_MASK)
+    with pytest.raises(ValueError, match=r"payload carries unreferenced tensors: .*'rollout_sampling_mask.logprobs.0'"):
+        decode_session_samples(masked, fields=DEFAULT_FIELDS)
+    nulled = encode_session_samples([sample(mask=False)], {}, fields=FIELDS_WITH_MASK)
+    stray = _resave(nulled, lambda t: t.__setitem__("rollout_sampling_mask.logprobs.0", SUPPORT_LOG_PROBS))
+    with pytest.raises(ValueError, match=r"unreferenced tensors: \['rollout_sampling_mask.logprobs.0'\]"):
+        decode_session_samples(stray)
+    with pytest.raises(ValueError, match=r"sample 0 holds mask_log_probs but no rollout_sampling_mask"):
+        encode_session_samples([sample(mask=False, mask_log_probs=SUPPORT_LOG_PROBS)], {}, fields=FIELDS_WITH_MASK)
 
 
 def test_round_trip_with_nulls():
@@ -255,10 +318,11 @@ def test_decode_invalid_mask_is_an_error():
         decode_session_samples(bad, fields=FIELDS_WITH_MASK)
 
 
-def _traj(i, mask=True, status="completed", sample_index=None, routed=False, metadata=None):
+def _traj(i, mask=True, status="completed", sample_index=None, routed=False, metadata=None, support=False):
     traj = Trajectory(f"t{i}", [1, 2], sample_index=8 + i if sample_index is None else sample_index, metadata=metadata)
     traj.append_turn(Turn.build([10], [-0.5], supports=[[10, 4]] if mask else None, forced_tokens=[7], status=status,
-                                routed_experts=np.full((3, 1, 1), i, np.int32) if routed else None))
+                                routed_experts=np.full((3, 1, 1), i, np.int32) if routed else None,
+                                mask_log_probs=[-0.5, -0.25 * i - 1] if support else None))
     traj.reward = float(i)
     return traj
 
@@ -293,6 +357,23 @@ def test_a_replay_field_follows_miles_rule_or_the_whole_batch_rule_when_strict()
     assert "rollout_routed_experts" not in to_train_data([_traj(0), _traj(1, routed=True)])  # miles: the first decides
     with pytest.raises(ValueError, match=r"routed_experts.*position 1 \(sample_index=9"):
         to_train_data([_traj(0, routed=True), _traj(1)], strict_replay=True)
+
+
+def test_train_data_carries_each_samples_support_log_probs_beside_its_mask_ids():
+    """float32, one per id of the sample's `rollout_sampling_mask_ids` (the
+    forced token's singleton 0.0), as miles hands them to the trainer; payload,
+    never averaged; a replay field, so miles' rule (or, strict, the
+    whole-batch rule) decides a batch where some samples lack them."""
+    data = to_train_data([_traj(0, support=True), _traj(1, support=True)])
+    assert [ids.tolist() for ids in data["rollout_sampling_mask_ids"]] == [[10, 4, 7]] * 2
+    assert [v.tolist() for v in data["rollout_sampling_mask_log_probs"]] == [[-0.5, -1.0, 0.0], [-0.5, -1.25, 0.0]]
+    assert all(v.dtype == np.float32 for v in data["rollout_sampling_mask_log_probs"])
+    assert "rollout_sampling_mask_log_probs" in PAYLOAD_KEYS and "rollout_sampling_mask_log_probs" not in metric_view(data)
+    assert "rollout_sampling_mask_log_probs" not in to_train_data([_traj(0), _traj(1)])
+    mixed = to_train_data([_traj(0, support=True), _traj(1)])
+    assert mixed["rollout_sampling_mask_log_probs"][1] is None
+    with pytest.raises(ValueError, match=r"mask_log_probs.*position 1 \(sample_index=9"):
+        to_train_data([_traj(0, support=True), _traj(1)], strict_replay=True)
 
 
 def test_example_9_whole_batch_rule_names_the_sample():
