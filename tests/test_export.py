@@ -27,7 +27,7 @@ from rollstream.broker.core import BrokerCore  # noqa: E402
 from rollstream.broker.engine import EngineSettings, MergeEngine, Producer, TrainedAt  # noqa: E402
 from rollstream.broker.export import Selection, export  # noqa: E402
 from rollstream.broker.recovery import rebuild  # noqa: E402
-from rollstream.broker.store import Archiving, Store, StoreCorrupted  # noqa: E402
+from rollstream.broker.store import SCHEMA_VERSION, Archiving, Store, StoreCorrupted  # noqa: E402
 from rollstream.common.codec import decode  # noqa: E402
 from rollstream.common.jobs import job_key  # noqa: E402
 from rollstream.common.messages import PRODUCER_TO_BROKER  # noqa: E402
@@ -218,8 +218,8 @@ def test_a_store_of_another_schema_version_is_refused_naming_both(tmp_path):
     db.commit()
     db.close()
     result = run_cli("--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "o.parquet"))
-    assert result.exit_code == 1 and "export reads stores of schema version 12, this one has 8" in result.output, \
-        result.output
+    assert result.exit_code == 1 and f"export reads stores of schema version {SCHEMA_VERSION}, this one has 8" in \
+        result.output, result.output
 
 
 def test_the_miles_format_round_trips_through_decode_session_samples_and_the_replay_merge(tmp_path):
