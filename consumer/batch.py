@@ -5,7 +5,8 @@ Samples lie end to end. `tokens` holds each sample's prompt then response
 per-response-token fields (`response_tokens`, `loss_mask`, `log_probs`,
 `full_log_probs` when the samples carry them) and the whole batch's
 sampling mask (one CSR, `mask_offsets` over all response tokens) are packed
-on the response axis, bounded by `response_cu`. Replay captures
+on the response axis, bounded by `response_cu`; `mask_log_probs`, when the
+samples carry them, lie beside `mask_ids`, one per support id. Replay captures
 (`routed_experts`, `indexer_topk`) are packed along their first dimension.
 Host-side per-sample facts (ids, statuses, gaps, ...) are tuples,
 and the per-sample lengths of every packed field are kept on the host too,
@@ -22,11 +23,12 @@ import numpy.typing as npt
 import torch
 
 from rollstream.common.checker import Ledger, delivered_digest
-from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS, TOKEN_LOG_PROB_ARRAYS
+from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS, SUPPORT_LOG_PROB_ARRAYS, TOKEN_LOG_PROB_ARRAYS
 from rollstream.common.errors import InvalidInput, InvalidType, OutOfRange, RemoteProtocolError
 from rollstream.common.miles import (
     MASK_KEYS,
     REPLAY_KEYS,
+    SUPPORT_LOG_PROB_KEYS,
     TOKEN_LOG_PROB_KEYS,
     TRAIN_DTYPES,
     metric_view,
@@ -50,6 +52,7 @@ RAGGED = {
     "log_probs": "response",
     **dict.fromkeys(TOKEN_LOG_PROB_ARRAYS, "response"),
     "mask_ids": "mask_ids",
+    **dict.fromkeys(SUPPORT_LOG_PROB_ARRAYS, "mask_ids"),  # one per support id, beside the ids
     **{name: name for name in CONTEXT_REPLAY_ARRAYS},
 }
 PER_SAMPLE = ("prompt_lengths", "response_lengths", "rewards", "sample_indices")
@@ -222,6 +225,9 @@ class Batch:
     group_index: torch.Tensor  # int64 [S], group number within the batch
     mask_ids: torch.Tensor | None  # int32 [M]
     mask_offsets: torch.Tensor | None  # int64 [R + 1]
+    # float32 [M], aligned with `mask_ids`: the sampler's log-prob of each support id (0.0 for a forced token's
+    # singleton); None unless every sample carries them (the whole-batch rule, as `full_log_probs`)
+    mask_log_probs: torch.Tensor | None
     replay: dict[str, torch.Tensor]  # routed_experts / indexer_topk, packed along dim 0
     lengths: dict[str, np.ndarray]  # host per-sample length of each packed field
     trajectory_ids: tuple[str, ...]
@@ -268,6 +274,9 @@ class Batch:
             offsets, offsets_view = _host_buffer((int(response.sum()) + 1,), torch.int64, device)
             pack_csr([a["mask_ids"] for a in arrays], [a["mask_offsets"] for a in arrays], out=(ids_view, offsets_view))
             ragged["mask_ids"], mask_offsets = _upload(ids, device), _upload(offsets, device)
+            for name in SUPPORT_LOG_PROB_ARRAYS:  # laid out as the ids are: sample after sample
+                if name in arrays[0]:
+                    ragged[name] = concat_to_device([a[name] for a in arrays], np.float32, device)
         for name in CONTEXT_REPLAY_ARRAYS:
             if arrays and name in arrays[0]:
                 parts = [a[name] for a in arrays]
@@ -319,6 +328,7 @@ class Batch:
             group_index=bounds["group_index"],
             mask_ids=ragged.get("mask_ids"),
             mask_offsets=mask_offsets,
+            mask_log_probs=ragged.get("mask_log_probs"),
             replay={name: ragged[name] for name in CONTEXT_REPLAY_ARRAYS if name in ragged},
             lengths=lengths,
             **per_sample,
@@ -351,6 +361,9 @@ class Batch:
                 out[name] = getattr(self, name)
         if self.mask_ids is not None:
             out["mask_ids"] = self.mask_ids
+            for name in SUPPORT_LOG_PROB_ARRAYS:
+                if getattr(self, name) is not None:
+                    out[name] = getattr(self, name)
         out.update(self.replay)
         return out
 
@@ -559,7 +572,9 @@ class Batch:
     def to_train_data(self) -> dict[str, Any]:
         """miles' rollout data dict (docs/semantics.md §6) with miles' dtypes:
         per-sample lists of tensors on this batch's device (views where the
-        dtype already matches), `tokens` being prompt then response."""
+        dtype already matches), `tokens` being prompt then response. The
+        support log-probs, when carried, are `rollout_sampling_mask_log_probs`:
+        per sample, one per id of its `rollout_sampling_mask_ids`."""
 
         def cast(values: torch.Tensor, key: str) -> torch.Tensor:
             return values.to(torch_dtype(TRAIN_DTYPES[key]))
@@ -592,6 +607,9 @@ class Batch:
             mask_ids, _ = self._masks()
             data[ids_key] = self._split(cast(mask_ids, ids_key), "mask_ids")
             data[offsets_key] = [cast(o, offsets_key) for o in self.sample_mask_offsets()]
+            for key, name in SUPPORT_LOG_PROB_KEYS.items():  # each sample's beside its ids, as miles hands them over
+                if getattr(self, name) is not None:
+                    data[key] = self._split(cast(getattr(self, name), key), "mask_ids")
         for key, name in REPLAY_KEYS.items():
             if name in self.replay:
                 data[key] = self._split(cast(self.replay[name], key), name)

@@ -30,8 +30,10 @@ import torch.distributed as dist
 
 from rollstream.common.checker import Ledger
 from rollstream.common.clock import Clock
+from rollstream.common.contract import SUPPORT_LOG_PROB_ARRAYS
 from rollstream.common.errors import InvalidInput, InvalidState, RemoteProtocolError, RollstreamError
 from rollstream.common.trajectory import Gap
+from rollstream.common.validation import RULE_SUPPORT_ALIGNED
 
 from .batch import PER_SAMPLE, Batch, pack_tokens, same_device, spans_of
 from .client import ConsumerClosed
@@ -46,7 +48,9 @@ _LET_GO_POLL = 0.0001
 
 
 def encode_shard(batch: Batch, rank_tokens: Sequence[int] = ()) -> tuple[bytes, torch.Tensor]:
-    """The header and the payload (uint8, on the batch's device) of a batch;
+    """The header and the payload (uint8, on the batch's device) of a batch:
+    every packed field of `Batch.ragged()` (`mask_log_probs` beside
+    `mask_ids`, when carried), the per-sample tensors and the mask offsets;
     the header also carries the tokens every rank got of the whole batch."""
     tensors = {f"ragged.{name}": values for name, values in batch.ragged().items()}
     tensors.update({f"sample.{name}": getattr(batch, name) for name in PER_SAMPLE})
@@ -95,6 +99,12 @@ def _shard_of(doc: dict, payload: torch.Tensor) -> Batch:
     host["leases"] = tuple(tuple(v) for v in host["leases"])
     ragged = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith("ragged.")}
     per_sample = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith("sample.")}
+    for name in SUPPORT_LOG_PROB_ARRAYS:  # one per support id: a shard's must lie beside its mask ids
+        ids = ragged.get("mask_ids")
+        if name in ragged and (ids is None or ragged[name].shape != ids.shape):
+            beside = "the shard has no mask_ids" if ids is None else f"mask_ids has shape {list(ids.shape)}"
+            raise RemoteProtocolError("misaligned", f"rule '{RULE_SUPPORT_ALIGNED}' violated: shard tensor {name!r} has "
+                                                    f"shape {list(ragged[name].shape)}, {beside}")
     lengths = {key: np.array(values, dtype=np.int64) for key, values in doc["lengths"].items()}
     return Batch._assemble(doc["seq"], payload.device, ragged, per_sample, tensors.get("mask_offsets"), lengths, host,
                            doc["token_budget"])

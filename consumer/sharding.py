@@ -1,7 +1,8 @@
 """Partitioning a batch's samples across data-parallel ranks.
 
 Each strategy returns, per rank, the batch positions it gets (ascending);
-`Batch.select` then carries every per-sample field, mask included.
+`Batch.select` then carries every per-sample field, mask included (with
+the support log-probs beside its ids, when the batch carries them).
 - `round_robin`: sample `i` to rank `i % ranks`.
 - `balanced`: Karmarkar–Karp largest differencing over total (prompt +
   response) lengths with equal counts per rank (counts differ by at most one

@@ -6,11 +6,13 @@ only when called, so the consumer works without it.
 The layout: batch_size [S], on the batch's device, no padding anywhere.
 
 - Every packed field of `Batch.ragged()` (`tokens`, `response_tokens`,
-  `loss_mask`, `log_probs`, `full_log_probs`, `mask_ids`, the replay
-  captures) is a nested
+  `loss_mask`, `log_probs`, `full_log_probs`, `mask_ids`, `mask_log_probs`,
+  the replay captures) is a nested
   tensor with layout=torch.jagged whose values are the batch's own tensor,
   not a copy: `td["log_probs"][i]` is sample i's. Fields on one axis share
-  one offsets tensor, so `td["log_probs"] * td["loss_mask"]` works;
+  one offsets tensor, so `td["log_probs"] * td["loss_mask"]` works (and
+  `td["mask_log_probs"]` shares `td["mask_ids"]`'s: entry j of sample i is
+  the log-prob of id `td["mask_ids"][i][j]`);
   `td["tokens"].offsets()` is `cu_seqlens` as int64.
 - `mask_offsets` (with `mask_ids`, when the batch carries masks) is each
   sample's own CSR over its `mask_ids`, as `Batch.sample` gives it:
@@ -42,8 +44,8 @@ if TYPE_CHECKING:
     from tensordict import TensorDict
 
 EXTRA = "tensordict"
-# What `to_tensordict` always writes; `mask_ids` with `mask_offsets`, `full_log_probs` and the replay captures come
-# when the batch has them.
+# What `to_tensordict` always writes; `mask_ids` with `mask_offsets` (and `mask_log_probs`), `full_log_probs` and the
+# replay captures come when the batch has them.
 REQUIRED = ("tokens", "response_tokens", "loss_mask", "log_probs", *PER_SAMPLE, *HOST_FIELDS, "seq", "token_budget")
 
 
@@ -123,6 +125,10 @@ def batch_fields(td: TensorDict) -> dict[str, Any]:
         if name in keys:
             ragged[name], got = _packed(td, name)
             aligned(name, axis, got)
+    beside = [name for name, axis in RAGGED.items() if axis == "mask_ids" and name != "mask_ids" and name in ragged]
+    if beside and "mask_ids" not in ragged:
+        raise InvalidInput(f"a batch's TensorDict holds {beside[0]!r} beside 'mask_ids' and 'mask_offsets', which it "
+                           "lacks (one entry per support id needs the supports)")
     mask_offsets = None
     if "mask_ids" in ragged:
         local, counts = _packed(td, "mask_offsets")

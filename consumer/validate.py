@@ -7,8 +7,10 @@ in one vectorised pass over the packed batch on its device, through
 `rollstream.common.validation.packed_violations`: strictly increasing
 offsets, each sampled token inside its support, forced tokens as singleton
 supports, ids and tokens in `[0, vocab_size)`, loss mask in {0, 1}, log-probs
-(and `full_log_probs`, when the batch carries them) finite and <= 0 within
-rounding (`LOG_PROB_RULES`).
+(and `full_log_probs` and `mask_log_probs`, when the batch carries them)
+finite and <= 0 within rounding (`LOG_PROB_RULES`). `mask_log_probs` hold
+one entry per support id (`RULE_SUPPORT_ALIGNED`), checked per sample on
+the host before packing, as the per-token fields' lengths are.
 
 A delivery does not say which tokens were forced, so they are recognised the
 way the merge model writes them (docs/semantics.md §3): loss mask 0 and log-prob
@@ -29,12 +31,13 @@ from typing import Sequence
 
 import numpy as np
 
-from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, TOKEN_LOG_PROB_ARRAYS
+from rollstream.common.contract import CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, SUPPORT_LOG_PROB_ARRAYS, TOKEN_LOG_PROB_ARRAYS
 from rollstream.common.validation import (
     RULE_ALIGNED,
     RULE_NONEMPTY_OFFSETS,
     RULE_OFFSETS_END,
     RULE_OFFSETS_START,
+    RULE_SUPPORT_ALIGNED,
     RULE_TOKEN_VOCAB,
     RULE_WHOLE_BATCH,
     BatchValidationError,
@@ -101,12 +104,24 @@ def sample_violations(deliveries: Sequence[Delivery]) -> list[Violation]:
             if replay_field in TOKEN_LOG_PROB_ARRAYS:
                 got = np.array([len(a[replay_field]) if p else k for a, p, k in zip(arrays, present, n)], dtype=np.int64)
                 flag(RULE_ALIGNED, got != n, lambda s: f"{replay_field} has {got[s]} entries, tokens has {n[s]}")
+            elif replay_field in SUPPORT_LOG_PROB_ARRAYS:  # one per support id, so a sample without a mask has none
+                ids = np.array([len(a["mask_ids"]) if m else 0 for a, m in zip(arrays, masked)], dtype=np.int64)
+                got = np.array([len(a[replay_field]) if p else k for a, p, k in zip(arrays, present, ids)], dtype=np.int64)
+                flag(RULE_SUPPORT_ALIGNED, present & ~masked, lambda s: f"{replay_field} has {got[s]} entries, no sampling mask")
+                flag(RULE_SUPPORT_ALIGNED, masked & (got != ids),
+                     lambda s: f"{replay_field} has {got[s]} entries, mask_ids has {ids[s]}")
     return sorted(found, key=lambda v: v.sample)
 
 
 def _token_log_probs(batch: Batch) -> dict:
     """The batch's per-token log-prob arrays beyond `log_probs`, as the shared checks take them."""
     return {name: _on_device_array(getattr(batch, name)) for name in TOKEN_LOG_PROB_ARRAYS
+            if getattr(batch, name) is not None}
+
+
+def _support_log_probs(batch: Batch) -> dict:
+    """The batch's per-support-id log-prob arrays (beside `mask_ids`), as the shared checks take them."""
+    return {name: _on_device_array(getattr(batch, name)) for name in SUPPORT_LOG_PROB_ARRAYS
             if getattr(batch, name) is not None}
 
 
@@ -124,7 +139,8 @@ def batch_verdict(batch: Batch, *, vocab_size: int | None = None) -> Verdict:
     return Verdict(
         packed_flags(view(batch.response_tokens), batch.lengths["response"], view(batch.mask_ids),
                      view(batch.mask_offsets), vocab_size=vocab_size, loss_mask=view(batch.loss_mask),
-                     log_probs=view(batch.log_probs), token_log_probs=_token_log_probs(batch)),
+                     log_probs=view(batch.log_probs), token_log_probs=_token_log_probs(batch),
+                     support_log_probs=_support_log_probs(batch)),
         # Prompt tokens feed the embedding too.
         packed_flags(view(batch.tokens), batch.lengths["sequence"], vocab_size=vocab_size),
     )
@@ -146,6 +162,7 @@ def batch_violations(batch: Batch, *, vocab_size: int | None = None, verdict: Ve
         loss_mask=view(batch.loss_mask),
         log_probs=view(batch.log_probs),
         token_log_probs=_token_log_probs(batch),
+        support_log_probs=_support_log_probs(batch),
     )
     # Response tokens were checked above (a sample's first out-of-vocab token is in its prompt, or none is).
     prompt = batch.lengths["prompt"]

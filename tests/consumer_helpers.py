@@ -50,9 +50,11 @@ class Rollout:
 
 
 def make_rollout(rng: np.random.Generator, tid: str, *, turns: int = 2, mask: bool = True, max_len: int = 6,
-                 max_support: int = 5, vocab: int = VOCAB, full: bool = False, **identity) -> Rollout:
+                 max_support: int = 5, vocab: int = VOCAB, full: bool = False, mask_log_probs: bool = False,
+                 **identity) -> Rollout:
     """Random turns: each sampled token inside a random support, forced tokens between turns; with `full`,
-    each turn's full-vocabulary log-probs (below its truncated ones)."""
+    each turn's full-vocabulary log-probs (below its truncated ones); with `mask_log_probs` (and `mask`), each
+    support's log-probs (a log-softmax over it, float32, one per support id)."""
     built = []
     for k in range(turns):
         n = int(rng.integers(1, max_len + 1))
@@ -67,9 +69,19 @@ def make_rollout(rng: np.random.Generator, tid: str, *, turns: int = 2, mask: bo
         forced = rng.integers(0, vocab, size=int(rng.integers(0, 4))) if k < turns - 1 else None
         log_probs = -rng.exponential(size=n) - 1e-3
         full_log_probs = log_probs - rng.exponential(size=n) if full else None
-        built.append(Turn.build(tokens, log_probs, supports=supports, forced_tokens=forced, full_log_probs=full_log_probs))
+        support_log_probs = None
+        if mask_log_probs:
+            support_log_probs = np.concatenate([log_softmax(rng.normal(size=len(support))) for support in supports])
+        built.append(Turn.build(tokens, log_probs, supports=supports, forced_tokens=forced, full_log_probs=full_log_probs,
+                                mask_log_probs=support_log_probs))
     prompt = rng.integers(0, vocab, size=int(rng.integers(1, 6))).astype(np.int32)
     return Rollout(tid, prompt, built, reward=float(rng.normal()), **identity)
+
+
+def log_softmax(values: np.ndarray) -> np.ndarray:
+    """float32 log-probabilities over `values` (each <= 0, summing to 1 as probabilities)."""
+    shifted = values - values.max()
+    return (shifted - np.log(np.exp(shifted).sum())).astype(np.float32)
 
 
 def replaying_trajectories(rng: np.random.Generator, n: int = 3) -> list[Trajectory]:
@@ -106,6 +118,10 @@ def assert_same_batch(a: Batch, b: Batch):
     assert (a.mask_offsets is None) == (b.mask_offsets is None)
     if a.has_mask:
         assert torch.equal(a.mask_offsets, b.mask_offsets)
+    for name in ("full_log_probs", "mask_log_probs"):  # by field, not only as `ragged()` lists them
+        assert (getattr(a, name) is None) == (getattr(b, name) is None), name
+        if getattr(a, name) is not None:
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
     for name in ("trajectory_ids", "statuses", "gaps", "group_ids", "raw_rewards", "metadata", "weight_versions",
                  "weight_version_spans", "leases"):
         assert getattr(a, name) == getattr(b, name), name

@@ -2,6 +2,7 @@
 shard wire format, checked against the reference merge model and miles
 conversion in rollstream.common and against brute force."""
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from consumer_helpers import assert_same_batch, delivery, make_rollout, replayin
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollstream.common.errors import RemoteProtocolError
 from rollstream.common.miles import MASK_KEYS, to_train_data
 from rollstream.common.trajectory import Trajectory, Turn
 from rollstream.consumer import Batch, partition
@@ -32,11 +34,14 @@ def batch_of(trajectories, **kw):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6), mask=st.booleans(), full=st.booleans())
-def test_packed_batch_matches_the_merged_trajectories(seed, n, mask, full):
-    trajectories = [r.merged() for r in rollouts(seed, n, mask=mask, full=full)]
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6), mask=st.booleans(), full=st.booleans(),
+       support=st.booleans())
+def test_packed_batch_matches_the_merged_trajectories(seed, n, mask, full, support):
+    support = support and mask  # the support log-probs lie beside a mask's ids
+    trajectories = [r.merged() for r in rollouts(seed, n, mask=mask, full=full, mask_log_probs=support)]
     batch = batch_of(trajectories)
     assert (batch.full_log_probs is not None) == full
+    assert (batch.mask_log_probs is not None) == support
     assert batch.cu_seqlens.dtype == torch.int32 and batch.mask_offsets is None or batch.mask_offsets.dtype == torch.int64
     for i, t in enumerate(trajectories):
         view = batch.sample(i)
@@ -49,20 +54,32 @@ def test_packed_batch_matches_the_merged_trajectories(seed, n, mask, full):
         if mask:
             assert view["mask_ids"].tolist() == t.mask.ids.tolist()
             assert view["mask_offsets"].tolist() == t.mask.offsets.tolist()
+        if support:  # packed beside the ids, each sample's values byte for byte (0.0 at forced tokens' singletons)
+            assert view["mask_log_probs"].numpy().tobytes() == t.mask_log_probs.tobytes()
         assert int(batch.sample_indices[i]) == t.sample_index and float(batch.rewards[i]) == pytest.approx(t.reward)
     assert torch.equal(batch.tokens[batch.response_index()], batch.response_tokens)
     if mask:  # the whole batch is one CSR over every response token
         assert batch.mask_ids.dtype == torch.int32 and len(batch.mask_offsets) == int(batch.response_lengths.sum()) + 1
         assert batch.mask_offsets[-1] == len(batch.mask_ids)
+    if support:
+        assert batch.mask_log_probs.dtype == torch.float32 and batch.mask_log_probs.shape == batch.mask_ids.shape
+        assert batch.mask_log_probs.device == batch.device
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5), mask=st.booleans(), full=st.booleans())
-def test_train_data_equals_the_miles_conversion(seed, n, mask, full):
-    trajectories = [r.merged() for r in rollouts(seed, n, mask=mask, full=full)]
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5), mask=st.booleans(), full=st.booleans(),
+       support=st.booleans())
+def test_train_data_equals_the_miles_conversion(seed, n, mask, full, support):
+    support = support and mask
+    trajectories = [r.merged() for r in rollouts(seed, n, mask=mask, full=full, mask_log_probs=support)]
     ours = batch_of(trajectories).to_train_data()
     reference = to_train_data(trajectories)
     assert ours.keys() == reference.keys() and ("rollout_full_log_probs" in ours) == full
+    assert ("rollout_sampling_mask_log_probs" in ours) == support
+    if support:  # each sample's as its mask ids are laid out: one float32 per id, byte for byte
+        for got, ids, t in zip(ours["rollout_sampling_mask_log_probs"], ours["rollout_sampling_mask_ids"], trajectories):
+            assert got.dtype == torch.float32 and got.shape == ids.shape
+            assert got.cpu().numpy().tobytes() == t.mask_log_probs.tobytes()
     for key, expected in reference.items():
         got = ours[key]
         if isinstance(expected, list) and expected and isinstance(expected[0], np.ndarray):
@@ -93,10 +110,10 @@ def test_train_data_weight_versions_place_each_turn_in_absolute_positions_as_mil
 
 
 def test_metrics_never_reduce_the_mask():
-    trajectories = [r.merged() for r in rollouts(7, 4)]
+    trajectories = [r.merged() for r in rollouts(7, 4, mask_log_probs=True)]
     batch = batch_of(trajectories)
     metrics = batch.metrics()
-    assert not any(key.startswith(prefix) for key in metrics for prefix in MASK_KEYS)
+    assert not any(key.startswith(prefix) for key in metrics for prefix in (*MASK_KEYS, "rollout_sampling_mask"))
     rewards = [t.reward for t in trajectories]
     assert metrics["rewards/mean"] == pytest.approx(np.mean(rewards), rel=1e-6)
     assert metrics["samples"] == 4
@@ -118,9 +135,9 @@ def test_replay_arrays_travel_with_their_samples():
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 7), pieces=st.integers(1, 3), mask=st.booleans(),
-       full=st.booleans())
-def test_select_and_concat_reassemble_the_batch(seed, n, pieces, mask, full):
-    batch = batch_of([r.merged() for r in rollouts(seed, n, mask=mask, full=full)])
+       full=st.booleans(), support=st.booleans())
+def test_select_and_concat_reassemble_the_batch(seed, n, pieces, mask, full, support):
+    batch = batch_of([r.merged() for r in rollouts(seed, n, mask=mask, full=full, mask_log_probs=support and mask)])
     order = np.random.default_rng(seed).permutation(n)
     cuts = np.array_split(order, pieces)
     joined = Batch.concat([batch.select(cut) for cut in cuts])
@@ -128,14 +145,45 @@ def test_select_and_concat_reassemble_the_batch(seed, n, pieces, mask, full):
     assert_same_batch(restored, batch)
 
 
-@pytest.mark.parametrize("full", [False, True])
-def test_shard_wire_format_round_trips(full):
-    batch = batch_of([r.merged() for r in rollouts(5, 5, full=full)])
+@pytest.mark.parametrize("full, support", [(False, False), (True, False), (False, True)])
+def test_shard_wire_format_round_trips(full, support):
+    batch = batch_of([r.merged() for r in rollouts(5, 5, full=full, mask_log_probs=support)])
     header, payload = encode_shard(batch.select([4, 1, 2]))
     assert payload.dtype == torch.uint8
     shard = decode_shard(header, payload.clone())
     assert_same_batch(shard, batch.select([4, 1, 2]))
     assert (shard.full_log_probs is not None) == full
+    assert (shard.mask_log_probs is not None) == support
+    if support:  # beside each sample's own mask ids, as it left
+        for k, i in enumerate([4, 1, 2]):
+            assert torch.equal(shard.sample(k)["mask_log_probs"], batch.sample(i)["mask_log_probs"])
+            assert len(shard.sample(k)["mask_log_probs"]) == len(shard.sample(k)["mask_ids"])
+
+
+def test_a_shard_whose_support_log_probs_miss_its_mask_ids_is_refused_naming_the_rule():
+    import msgpack
+
+    from rollstream.common.validation import RULE_SUPPORT_ALIGNED
+
+    header, payload = encode_shard(batch_of([r.merged() for r in rollouts(5, 3, mask_log_probs=True)]))
+    doc = msgpack.unpackb(header, raw=False)
+    entry = next(e for e in doc["tensors"] if e[0] == "ragged.mask_log_probs")
+    entry[2] = [entry[2][0] - 1]  # one entry short of the ids
+    with pytest.raises(RemoteProtocolError, match=re.escape(f"rule '{RULE_SUPPORT_ALIGNED}' violated: shard tensor "
+                                                            f"'mask_log_probs' has shape [{entry[2][0]}], mask_ids has shape")):
+        decode_shard(msgpack.packb(doc, use_bin_type=True), payload)
+
+
+def test_micro_batches_carry_their_samples_support_log_probs():
+    batch = batch_of([r.merged() for r in rollouts(9, 6, mask_log_probs=True)])
+    micro = batch.micro_batches(12, pad_to=8)
+    assert len(micro) == 8 and all(m.mask_log_probs is not None for m in micro)
+    for m in micro:
+        assert m.mask_log_probs.shape == m.mask_ids.shape and m.mask_log_probs.dtype == torch.float32
+        for k, position in enumerate(m.positions):
+            assert torch.equal(m.sample(k)["mask_log_probs"], batch.sample(position)["mask_log_probs"])
+    joined = Batch.concat(micro)
+    assert_same_batch(joined.select(np.argsort(np.array(joined.positions))), batch)
 
 
 # -- partitions ---------------------------------------------------------------

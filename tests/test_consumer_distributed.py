@@ -34,7 +34,8 @@ SPIED = ("send", "isend", "recv", "irecv", "broadcast", "all_gather", "all_gathe
 
 
 def known_batches(seed: int):
-    """The batches rank 0 serves: grouped and ungrouped samples with masks."""
+    """The batches rank 0 serves: grouped and ungrouped samples with masks,
+    the second batch's with their support log-probs beside them."""
     from consumer_helpers import delivery, make_rollout
 
     from rollstream.consumer import Batch
@@ -45,7 +46,8 @@ def known_batches(seed: int):
         trajectories = []
         for i in range(9):
             group = (f"g{seq}-{i // 3}", 3) if i < 6 else None
-            trajectories.append(make_rollout(rng, f"b{seq}-t{i}", sample_index=i, group=group, turns=3).merged())
+            trajectories.append(make_rollout(rng, f"b{seq}-t{i}", sample_index=i, group=group, turns=3,
+                                             mask_log_probs=seq == 1).merged())
         out.append(Batch.from_deliveries([delivery(t) for t in trajectories], seq=seq, device="cpu"))  # gloo's
     return out
 
@@ -313,6 +315,10 @@ def assert_delivered(reports: list[dict], tmp_path: Path) -> None:
                                            dtype=torch.uint8)
                 shards.append(decode_shard(header, payload))
             assert sorted(p for s in shards for p in s.positions) == list(range(len(batch)))
+            for shard in shards:  # the support log-probs cross beside each shard's own mask ids
+                assert (shard.mask_log_probs is not None) == (batch.mask_log_probs is not None) == (batch.seq == 1)
+                if shard.mask_log_probs is not None:
+                    assert shard.mask_log_probs.shape == shard.mask_ids.shape
             if strategy != "group":
                 assert max(map(len, shards)) - min(map(len, shards)) <= 1
             else:  # every group on one rank

@@ -307,3 +307,66 @@ def test_full_log_probs_reach_the_trainer_byte_for_byte_and_the_checker_vouches_
     report = check(read_records([tmp_path]), node.dead_letters(), broker_backlog=node.status()["queued"])
     summary = report.summary()
     assert (summary["acked"], summary["committed"], summary["corrupted"], summary["partial"]) == (4, 4, 0, 0), summary
+
+
+def test_mask_log_probs_reach_the_trainer_byte_for_byte_beside_their_ids_and_the_checker_vouches_for_them(
+        brokers, tmp_path):
+    """The producer client sends each support's log-probs with every turn
+    (renormalised, as it says; one trajectory's last turn without them: cut
+    at a replay gap); the trainer's batch, its train data and its shards
+    carry exactly the values sent beside each sample's mask ids, 0.0 for a
+    forced token's singleton, and the end-to-end checker finds every commit
+    byte-equal to what was acked."""
+    import asyncio
+
+    from consumer_helpers import log_softmax
+
+    from rollstream.common.checker import check, read_records
+    from rollstream.consumer.distributed import decode_shard, encode_shard
+    from rollstream.consumer.sharding import partition_batch
+    from rollstream.producer import AsyncProducer
+
+    node = brokers()
+    rng = np.random.default_rng(6)
+    sent: dict[str, np.ndarray] = {}
+
+    async def produce_supports():
+        async with AsyncProducer(node.producer, "support", ledger=tmp_path / "producer.jsonl") as producer:
+            for i in range(4):
+                traj = producer.trajectory(f"m{i}", np.array([1, 2], np.int32))
+                parts = []
+                for index in range(2):
+                    tokens = rng.integers(0, VOCAB - 4, 3, dtype=np.int32)
+                    supports = [[int(t), *range(int(t) + 1, int(t) + 1 + int(rng.integers(0, 4)))] for t in tokens]
+                    values = [log_softmax(rng.normal(size=len(support))) for support in supports]
+                    flat = np.concatenate(values)
+                    gap = i == 3 and index == 1
+                    await traj.turn(tokens, np.array([v[0] for v in values]), supports=supports, forced_tokens=[5, 6],
+                                    mask_log_probs=None if gap else flat, mask_log_probs_normalized=not gap)
+                    if not gap:
+                        parts += [flat, np.zeros(2, np.float32)]  # a forced token's singleton is certain
+                sent[f"m{i}"] = np.concatenate(parts[:-1] if i == 3 else parts)  # a gap drops the forced tokens
+                await traj.end_and_wait(1.0)
+
+    asyncio.run(produce_supports())
+    with Consumer(node.consumer, batch_size=4, vocab_size=VOCAB, ledger=tmp_path / "consumer.jsonl") as consumer:
+        batch = consumer.next_batch(timeout=20)
+        assert batch.mask_log_probs is not None and batch.mask_log_probs.dtype == torch.float32
+        assert batch.mask_log_probs.shape == batch.mask_ids.shape and batch.full_log_probs is None
+        data = batch.to_train_data()
+        for i, tid in enumerate(batch.trajectory_ids):
+            want = sent[tid].tobytes()
+            assert batch.sample(i)["mask_log_probs"].cpu().numpy().tobytes() == want
+            assert data["rollout_sampling_mask_log_probs"][i].cpu().numpy().tobytes() == want
+            assert data["rollout_sampling_mask_log_probs"][i].shape == data["rollout_sampling_mask_ids"][i].shape
+        assert batch.gaps[batch.trajectory_ids.index("m3")].field == "mask_log_probs"
+        for part in partition_batch(batch, 2):
+            header, payload = encode_shard(batch.select(part))
+            shard = decode_shard(header, payload.clone())
+            assert [shard.sample(k)["mask_log_probs"].cpu().numpy().tobytes() for k in range(len(shard))] == \
+                [sent[batch.trajectory_ids[p]].tobytes() for p in part]
+        consumer.commit(batch)
+        consumer.flush(20)
+    report = check(read_records([tmp_path]), node.dead_letters(), broker_backlog=node.status()["queued"])
+    summary = report.summary()
+    assert (summary["acked"], summary["committed"], summary["corrupted"], summary["partial"]) == (4, 4, 0, 0), summary

@@ -157,6 +157,42 @@ def test_full_log_probs_are_jagged_on_the_response_axis_and_come_back():
 
 
 @needs_tensordict
+def test_mask_log_probs_are_jagged_beside_the_mask_ids_and_come_back():
+    """One entry per support id, sharing `mask_ids`' offsets (a forced
+    token's singleton 0.0); indexed, sliced or concatenated they stay beside
+    their ids; written out from the turns built here."""
+    a = Trajectory("a", [1, 2], sample_index=0)
+    a.append_turn(Turn.build([10, 11], [-0.5, -0.25], supports=[[10, 4], [11]], forced_tokens=[7],
+                             mask_log_probs=[-0.5, -1.0, 0.0]))
+    a.append_turn(Turn.build([12], [-0.125], supports=[[12, 13, 14]], mask_log_probs=[-0.125, -2.5, -3.0]))
+    b = Trajectory("b", [3], sample_index=1)
+    b.append_turn(Turn.build([20], [-1.0], supports=[[20, 21]], mask_log_probs=[-1.0, -0.75]))
+    a.reward, b.reward = 1.0, 0.0
+    batch = Batch.from_deliveries([delivery(a), delivery(b)])
+    td = batch.to_tensordict()
+    assert td.get("mask_log_probs").layout == torch.jagged
+    assert td.get("mask_log_probs").offsets().data_ptr() == td.get("mask_ids").offsets().data_ptr()
+    assert td.get("mask_log_probs").values().data_ptr() == batch.mask_log_probs.data_ptr()
+    assert [td["mask_ids"][i].tolist() for i in range(2)] == [[10, 4, 11, 7, 12, 13, 14], [20, 21]]
+    assert [td["mask_log_probs"][i].tolist() for i in range(2)] == [[-0.5, -1.0, 0.0, 0.0, -0.125, -2.5, -3.0],
+                                                                     [-1.0, -0.75]]
+    back = Batch.from_tensordict(td[[1, 0]])
+    assert back.mask_log_probs.tolist() == [-1.0, -0.75, -0.5, -1.0, 0.0, 0.0, -0.125, -2.5, -3.0]
+    assert_same_batch(back, batch.select([1, 0]))
+    assert_same_batch(Batch.from_tensordict(torch.cat([td[1:], td[:1]])), batch.select([1, 0]))
+    assert "mask_log_probs" not in masked_batch().to_tensordict().keys()
+    without_ids = td.exclude("mask_ids", "mask_offsets")
+    with pytest.raises(InvalidInput, match="holds 'mask_log_probs' beside 'mask_ids' and 'mask_offsets', which it lacks"):
+        Batch.from_tensordict(without_ids)
+    short = td.clone()
+    short["mask_log_probs"] = torch.nested.nested_tensor_from_jagged(td.get("mask_log_probs").values()[:-1],
+                                                                     torch.tensor([0, 7, 8]))
+    with pytest.raises(InvalidInput, match=r"'mask_log_probs' on the mask_ids axis.*expected per sample \[7, 2\], "
+                                           r"got \[7, 1\]"):
+        Batch.from_tensordict(short)
+
+
+@needs_tensordict
 def test_an_indexed_sliced_or_concatenated_tensordict_is_a_batch_of_those_samples():
     batch = masked_batch()
     td = batch.to_tensordict()

@@ -2,6 +2,8 @@
 names the right trajectory, position and rule; valid batches pass. Runs the
 shared checks both on numpy views (the CPU path) and as torch ops (the path
 a GPU takes)."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,7 @@ from rollstream.common.validation import (
     RULE_NONEMPTY_SUPPORT,
     RULE_OFFSETS_END,
     RULE_OFFSETS_START,
+    RULE_SUPPORT_ALIGNED,
     RULE_TOKEN_VOCAB,
     RULE_WHOLE_BATCH,
     BatchValidationError,
@@ -38,13 +41,17 @@ def backend(request, monkeypatch):
 
 
 def _with_support(d, p, support):
-    """Replace token p's support in a delivery's CSR."""
+    """Replace token p's support in a delivery's CSR (its support log-probs too, when it carries them: -1.0 each)."""
     ids, offsets = d.arrays["mask_ids"], d.arrays["mask_offsets"]
     lo, hi = offsets[p], offsets[p + 1]
     new_ids = np.concatenate([ids[:lo], np.asarray(support, np.int32), ids[hi:]]).astype(np.int32)
     new_offsets = offsets.copy()
     new_offsets[p + 1 :] += len(support) - (hi - lo)
-    return writable(d, mask_ids=new_ids, mask_offsets=new_offsets)
+    beside = {}
+    if "mask_log_probs" in d.arrays:
+        values = d.arrays["mask_log_probs"]
+        beside["mask_log_probs"] = np.concatenate([values[:lo], np.full(len(support), -1.0, np.float32), values[hi:]])
+    return writable(d, mask_ids=new_ids, mask_offsets=new_offsets, **beside)
 
 
 def corrupt(kind, d, draw):
@@ -85,8 +92,9 @@ def corrupt(kind, d, draw):
         shifted = np.array(offsets)
         shifted[0] = draw(st.integers(1, 3))
         return writable(d, mask_offsets=shifted), RULE_OFFSETS_START, None
-    if kind == "offsets_end":
-        return writable(d, mask_ids=np.array(a["mask_ids"][:-1])), RULE_OFFSETS_END, None
+    if kind == "offsets_end":  # one id short (and its log-prob: the offsets alone are wrong)
+        return writable(d, mask_ids=np.array(a["mask_ids"][:-1]), mask_log_probs=np.array(a["mask_log_probs"][:-1])), \
+            RULE_OFFSETS_END, None
     if kind == "misaligned":
         name = draw(st.sampled_from(["loss_mask", "log_probs", "mask_offsets", "full_log_probs"]))
         return writable(d, **{name: np.array(a[name][:-1])}), RULE_ALIGNED, None
@@ -97,12 +105,23 @@ def corrupt(kind, d, draw):
     if kind == "missing_full_log_probs":
         stripped = {k: v for k, v in a.items() if k != "full_log_probs"}
         return type(d)(d.trajectory_id, d.fields, stripped, d.broker, d.leases), RULE_WHOLE_BATCH, None
+    if kind == "mask_log_prob_value":  # one entry of token p's support: the rule names token p
+        values = np.array(a["mask_log_probs"])
+        values[draw(st.integers(int(offsets[p]), int(offsets[p + 1]) - 1))] = draw(
+            st.sampled_from([np.nan, np.inf, -np.inf, 0.5]))
+        return writable(d, mask_log_probs=values), LOG_PROB_RULES["mask_log_probs"], p
+    if kind == "mask_log_probs_misaligned":
+        cut = draw(st.integers(1, len(a["mask_log_probs"])))
+        return writable(d, mask_log_probs=np.array(a["mask_log_probs"][:-cut])), RULE_SUPPORT_ALIGNED, None
+    if kind == "missing_mask_log_probs":
+        stripped = {k: v for k, v in a.items() if k != "mask_log_probs"}
+        return type(d)(d.trajectory_id, d.fields, stripped, d.broker, d.leases), RULE_WHOLE_BATCH, None
     if kind == "prompt_out_of_vocab":
         prompt = np.array(a["prompt_tokens"])
         prompt[draw(st.integers(0, len(prompt) - 1))] = VOCAB + 1
         return writable(d, prompt_tokens=prompt), RULE_TOKEN_VOCAB, None
     if kind == "missing_mask":
-        stripped = {k: v for k, v in a.items() if k not in ("mask_ids", "mask_offsets")}
+        stripped = {k: v for k, v in a.items() if k not in ("mask_ids", "mask_offsets", "mask_log_probs")}
         return type(d)(d.trajectory_id, d.fields, stripped, d.broker, d.leases), RULE_WHOLE_BATCH, None
     raise AssertionError(kind)
 
@@ -110,15 +129,16 @@ def corrupt(kind, d, draw):
 KINDS = [
     "token_outside_support", "mask_id_out_of_vocab", "token_out_of_vocab", "loss_mask_value", "empty_support",
     "log_prob_value", "forced_not_singleton", "offsets_start", "offsets_end", "misaligned", "prompt_out_of_vocab",
-    "missing_mask", "full_log_prob_value", "missing_full_log_probs",
+    "missing_mask", "full_log_prob_value", "missing_full_log_probs", "mask_log_prob_value", "mask_log_probs_misaligned",
+    "missing_mask_log_probs",
 ]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), size=st.integers(2, 6), kind=st.sampled_from(KINDS), data=st.data())
 def test_every_corruption_is_caught_with_trajectory_and_position(backend, seed, size, kind, data):
-    """On batches carrying `full_log_probs` as well (every sample, as the whole-batch rule has it)."""
-    batch = deliveries(np.random.default_rng(seed), size, full=True)
+    """On batches carrying `full_log_probs` and `mask_log_probs` as well (every sample, as the whole-batch rule has it)."""
+    batch = deliveries(np.random.default_rng(seed), size, full=True, mask_log_probs=True)
     victim = data.draw(st.integers(0, size - 1))
     batch[victim], rule, position = corrupt(kind, batch[victim], data.draw)
     _, found, packed = checked_batch(batch, vocab_size=VOCAB)
@@ -130,9 +150,10 @@ def test_every_corruption_is_caught_with_trajectory_and_position(backend, seed, 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), size=st.integers(1, 6), mask=st.booleans(), turns=st.integers(1, 4),
-       full=st.booleans())
-def test_valid_batches_pass(backend, seed, size, mask, turns, full):
-    batch_deliveries = deliveries(np.random.default_rng(seed), size, mask=mask, turns=turns, full=full)
+       full=st.booleans(), support=st.booleans())
+def test_valid_batches_pass(backend, seed, size, mask, turns, full, support):
+    batch_deliveries = deliveries(np.random.default_rng(seed), size, mask=mask, turns=turns, full=full,
+                                  mask_log_probs=support and mask)
     batch, found, packed = checked_batch(batch_deliveries, vocab_size=VOCAB)
     assert found == [] and packed == list(range(size))
     validate_batch(batch, vocab_size=VOCAB)
@@ -184,6 +205,72 @@ def test_a_batch_mixing_samples_with_and_without_full_log_probs_refuses_those_wi
     assert found == [] and alone.full_log_probs is None and "rollout_full_log_probs" not in alone.to_train_data()
 
 
+def test_a_batch_mixing_samples_with_and_without_mask_log_probs_refuses_those_without():
+    """The whole-batch rule holds the support log-probs too: refused naming
+    the rule, the field and the sample; a batch of samples without them has
+    none, and its train data no key for them."""
+    rng = np.random.default_rng(4)
+    with_them = delivery(make_rollout(rng, "a", sample_index=8, mask_log_probs=True).merged())
+    without = delivery(make_rollout(rng, "b", sample_index=9).merged())
+    batch, found, packed = checked_batch([without, with_them], vocab_size=VOCAB)
+    (violation,) = found
+    assert (violation.rule, violation.sample, packed) == (RULE_WHOLE_BATCH, 0, [1])
+    assert "carries a mask_log_probs but the sample at position 0 (sample_index=9, status=completed)" in violation.detail
+    assert batch.mask_log_probs is not None and len(batch) == 1 and batch.trajectory_ids == ("a",)
+    with pytest.raises(BatchValidationError, match=r"sample 0 \(b\).*" + re.escape(RULE_WHOLE_BATCH)):
+        raise BatchValidationError(found, ["b", "a"])
+    alone, found, _ = checked_batch([without], vocab_size=VOCAB)
+    assert found == [] and alone.mask_log_probs is None and "rollout_sampling_mask_log_probs" not in alone.to_train_data()
+
+
+def test_support_log_probs_misaligned_with_their_mask_ids_are_refused_naming_the_rule_and_the_sample():
+    """Checked per sample before packing: the others are packed, each beside its own ids."""
+    rng = np.random.default_rng(10)
+    batch = deliveries(rng, 4, mask_log_probs=True)
+    short = batch[2].arrays["mask_log_probs"][:-1]
+    batch[2] = writable(batch[2], mask_log_probs=np.array(short))
+    packed_batch, found, packed = checked_batch(batch, vocab_size=VOCAB)
+    assert [(v.rule, v.sample, v.position) for v in found] == [(RULE_SUPPORT_ALIGNED, 2, None)] and packed == [0, 1, 3]
+    assert found[0].detail == f"mask_log_probs has {len(short)} entries, mask_ids has {len(short) + 1}"
+    assert "sample 2 (t2)" in str(BatchValidationError(found, [d.trajectory_id for d in batch]))
+    for k, i in enumerate(packed):
+        assert packed_batch.sample(k)["mask_log_probs"].numpy().tobytes() == batch[i].arrays["mask_log_probs"].tobytes()
+
+
+def test_support_log_probs_without_a_mask_are_refused_naming_the_rule():
+    rng = np.random.default_rng(8)
+    d = delivery(make_rollout(rng, "a", mask_log_probs=True).merged())
+    stripped = {k: v for k, v in d.arrays.items() if k not in ("mask_ids", "mask_offsets")}
+    _, found, packed = checked_batch([type(d)(d.trajectory_id, d.fields, stripped, d.broker, d.leases)])
+    assert [(v.rule, v.sample) for v in found] == [(RULE_SUPPORT_ALIGNED, 0)] and packed == []
+    assert found[0].detail == f"mask_log_probs has {len(d.arrays['mask_log_probs'])} entries, no sampling mask"
+
+
+def test_a_broken_support_log_prob_is_named_with_its_sample_and_token(backend):
+    """NaN, or above 0 beyond the tolerance, anywhere in a support: refused
+    naming the log-prob rule of `mask_log_probs`, the trajectory and the
+    token whose support holds it; within the tolerance it passes."""
+    from rollstream.common.contract import LOG_PROB_TOLERANCE
+
+    rng = np.random.default_rng(9)
+    batch = deliveries(rng, 3, mask_log_probs=True)
+    offsets = batch[1].arrays["mask_offsets"]
+    values = np.array(batch[1].arrays["mask_log_probs"])
+    values[offsets[2] + 0] = np.nan
+    values[offsets[3]] = 2 * LOG_PROB_TOLERANCE
+    batch[1] = writable(batch[1], mask_log_probs=values)
+    rounding = np.array(batch[2].arrays["mask_log_probs"])
+    rounding[-1] = LOG_PROB_TOLERANCE / 2
+    batch[2] = writable(batch[2], mask_log_probs=rounding)
+    with pytest.raises(BatchValidationError) as err:
+        validate_batch(Batch.from_deliveries(batch), vocab_size=VOCAB)
+    (violation,) = err.value.violations
+    rule = LOG_PROB_RULES["mask_log_probs"]
+    assert (violation.rule, violation.sample, violation.position, violation.count) == (rule, 1, 2, 2)
+    assert "its support holds a mask_log_prob of nan" in violation.detail
+    assert re.search(rf"sample 1 \(t1\) token 2.*{re.escape(rule)}", str(err.value))
+
+
 def test_forced_tokens_from_the_merge_model_pass():
     """Forced tokens between turns are singletons with loss 0 and log-prob 0.0."""
     rng = np.random.default_rng(5)
@@ -227,3 +314,21 @@ def test_gpu_batch_is_validated_on_the_device():
     validate_batch(clean, vocab_size=VOCAB)
     cpu = checked_batch([batch[i] for i in (0, 1, 3, 4)], device="cpu")[0]
     assert torch.equal(clean.mask_ids.cpu(), cpu.mask_ids) and torch.equal(clean.mask_offsets.cpu(), cpu.mask_offsets)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: the support log-probs packed and checked on CUDA")
+def test_gpu_batch_carries_and_checks_the_support_log_probs_on_the_device():
+    rng = np.random.default_rng(11)
+    batch = deliveries(rng, 5, mask_log_probs=True)
+    values = np.array(batch[2].arrays["mask_log_probs"])
+    values[batch[2].arrays["mask_offsets"][1]] = np.nan  # token 1's support
+    batch[2] = writable(batch[2], mask_log_probs=values)
+    packed_batch, found, _ = checked_batch(batch, device="cuda", vocab_size=VOCAB)
+    assert packed_batch.mask_log_probs.is_cuda and packed_batch.mask_log_probs.shape == packed_batch.mask_ids.shape
+    assert [(v.rule, v.sample, v.position) for v in found] == [(LOG_PROB_RULES["mask_log_probs"], 2, 1)]
+    clean = packed_batch.select([0, 1, 3, 4])
+    validate_batch(clean, vocab_size=VOCAB)
+    data = clean.to_train_data()
+    for k, i in enumerate((0, 1, 3, 4)):
+        got = data["rollout_sampling_mask_log_probs"][k]
+        assert got.is_cuda and got.cpu().numpy().tobytes() == batch[i].arrays["mask_log_probs"].tobytes()
