@@ -183,6 +183,7 @@ class ModelSource:
             drawn = (await asyncio.to_thread(generate, model, context[None], s.response_tokens, self.params, rng))[0]
             forced = None if index == s.turns - 1 else self.environment.answer(drawn.tokens)
             retrieve(await traj.turn(drawn.tokens, drawn.log_probs, mask=drawn.mask, forced_tokens=forced,
+                                     mask_log_probs=drawn.mask_log_probs, mask_log_probs_normalized=True,
                                      weight_version=version))
             sampled.append(drawn.tokens)
             context = np.concatenate([context, drawn.tokens, *([] if forced is None else [forced])])

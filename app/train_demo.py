@@ -6,7 +6,10 @@ sampled token's log-prob from the weights it was sampled with, (a) over the
 transported support with `masked_log_probs` and (b) over the whole
 vocabulary, and compares both with what the sampler reported: (a) agrees to
 float tolerance, (b) is lower by the log of the support's probability mass,
-the bias a trainer that ignores the support would carry. It then takes a
+the bias a trainer that ignores the support would carry. The producers also
+send every support id's log-prob (`mask_log_probs`), and `support_kl`
+measures the divergence of the replayed distribution over each support from
+the sampler's: float rounding alone. It then takes a
 GRPO-style policy-gradient step (group-normalised advantages, the importance
 ratio against the rollout's truncated log-probs, clipped, each token weighted
 down by how many versions its weights lag the trainer's: `batch.token_versions`),
@@ -55,7 +58,7 @@ from rollstream.common.errors import TimedOut
 from rollstream.common.versions import oldest_version
 from rollstream.consumer.batch import Batch, cumsum0, to_device
 from rollstream.consumer.client import Consumer
-from rollstream.consumer.primitives import masked_log_probs
+from rollstream.consumer.primitives import masked_log_probs, support_kl
 
 from .demo import archive_line, archive_summary, batches_again, checker_counts, discarded_on_purpose
 from .harness import LoopbackNode, end_runs
@@ -66,6 +69,9 @@ STALENESS_DECAY = 0.5  # a sampled token's weight in the loss is this to the pow
 # The replay bound: float32 logits against the sampler's float64 stay orders of magnitude inside it,
 # while a replay with other weights or another temperature is off by far more.
 REPLAY_TOLERANCE = 1e-4
+# The bound on the KL over a support between the replay and the sampler: rounding of log-probs within
+# REPLAY_TOLERANCE moves it by about half their squared spread, far below this.
+REPLAY_KL_TOLERANCE = 1e-6
 # From this many steps the reward must have risen: the first and last steps' windows (`TrainingLog.summary`)
 # are then five batches each and far apart; in a shorter run they are a batch or two, mostly noise.
 LEARNING_STEPS = 20
@@ -126,6 +132,7 @@ class Replay:
 
     support_diffs: np.ndarray  # |masked_log_probs - rollout| per sampled token replayed
     full_diffs: np.ndarray  # |full-vocabulary log-prob - rollout| per sampled token replayed
+    support_kls: np.ndarray  # KL(sampler || replay) over each replayed token's support, where the batch carries it
     truncated: np.ndarray  # per sampled token replayed: its support is smaller than the vocabulary
     replayed: int  # trajectories replayed (every weight version that sampled them still kept)
     skipped: int  # trajectories not replayed whole (a version that sampled them no longer kept, or no spans)
@@ -147,7 +154,7 @@ def replay(batch: Batch, versions: WeightVersions, temperature: float) -> Replay
             continue
         for name in dict.fromkeys(names):
             by_version.setdefault(name, []).append(i)
-    support, full, truncated = [], [], []
+    support, full, kls, truncated = [], [], [], []
     worst: tuple[float, str] | None = None
     for version, samples in by_version.items():
         model = versions.model(version)
@@ -167,11 +174,14 @@ def replay(batch: Batch, versions: WeightVersions, temperature: float) -> Replay
             torch.stack([masked, whole, part.log_probs, cut])[:, mine].cpu().numpy().astype(np.float64))
         support.append(np.abs(masked_host - rollout))
         full.append(np.abs(whole_host - rollout))
+        if part.mask_log_probs is not None:
+            kls.append(support_kl(logits, part.mask_ids, part.mask_offsets, part.mask_log_probs,
+                                  temperature=temperature)[mine].cpu().numpy().astype(np.float64))
         truncated.append(cut_host == 1)
         if support[-1].size and (worst is None or float(support[-1].max()) > worst[0]):
             worst = (float(support[-1].max()), version)
-    return Replay(_concat(support, np.float64), _concat(full, np.float64), _concat(truncated, bool),
-                  len(batch) - len(skipped), len(skipped), worst)
+    return Replay(_concat(support, np.float64), _concat(full, np.float64), _concat(kls, np.float64),
+                  _concat(truncated, bool), len(batch) - len(skipped), len(skipped), worst)
 
 
 def sampled_by(batch: Batch, version: str) -> np.ndarray:
@@ -250,6 +260,7 @@ class TrainingLog:
     token_staleness: list[np.ndarray] = field(default_factory=list)  # per sampled token of a known version, the same
     support_diffs: list[np.ndarray] = field(default_factory=list)
     full_diffs: list[np.ndarray] = field(default_factory=list)
+    support_kls: list[np.ndarray] = field(default_factory=list)
     truncated: list[np.ndarray] = field(default_factory=list)
     skipped: int = 0
     worst: dict | None = None  # the largest support difference replayed: its step and weight version
@@ -258,6 +269,7 @@ class TrainingLog:
         """One batch's replay joins the figures."""
         self.support_diffs.append(replay.support_diffs)
         self.full_diffs.append(replay.full_diffs)
+        self.support_kls.append(replay.support_kls)
         self.truncated.append(replay.truncated)
         self.skipped += replay.skipped
         if replay.worst is not None and (self.worst is None or replay.worst[0] > self.worst["diff"]):
@@ -266,6 +278,7 @@ class TrainingLog:
     def summary(self, steps: int) -> dict:
         support = np.concatenate(self.support_diffs) if self.support_diffs else np.zeros(0)
         full = np.concatenate(self.full_diffs) if self.full_diffs else np.zeros(0)
+        kls = _concat(self.support_kls, np.float64)
         truncated = np.concatenate(self.truncated) if self.truncated else np.zeros(0, bool)
         tokens = _concat(self.token_staleness, np.int64)
         window = max(1, min(5, len(self.rewards) // 4))
@@ -275,6 +288,7 @@ class TrainingLog:
             "reward_last": round(float(np.mean(self.rewards[-window:])), 4) if self.rewards else None,
             "replay_max_abs_diff_support": float(support.max()) if support.size else None,
             "replay_mean_abs_diff_full": float(full.mean()) if full.size else None,
+            "replay_max_support_kl": float(kls.max()) if kls.size else None,
             "replay_tokens": int(support.size),
             "truncated_share": round(float(truncated.mean()), 4) if truncated.size else None,
             "full_diff_min_where_truncated": float(full[truncated].min()) if truncated.any() else None,
@@ -531,6 +545,10 @@ def failures(summary: dict, expected_dead: set[str]) -> list[str]:
     elif worst is not None and not worst <= REPLAY_TOLERANCE:  # NaN breaks it too
         broken.append(f"replay bound: expected every sampled token's log-prob replayed over its support within "
                       f"{REPLAY_TOLERANCE:g} of the sampler's, got {worst:.3g} (replay_worst {summary['replay_worst']})")
+    kl = summary["replay_max_support_kl"]
+    if kl is not None and not kl <= REPLAY_KL_TOLERANCE:  # NaN breaks it too
+        broken.append(f"replay bound: expected the KL from the sampler's distribution over each support to the "
+                      f"replay's within {REPLAY_KL_TOLERANCE:g}, got {kl:.3g}")
     first, last = summary["reward_first"], summary["reward_last"]
     if first is not None and not (0 <= first <= 1 and 0 <= last <= 1):
         broken.append(f"reward: expected a share of sampled tokens in [0, 1], got {first} first and {last} last")
@@ -551,12 +569,15 @@ def _plot(log: TrainingLog, path: str) -> str | None:
     except ImportError:
         return None
     support, full = _concat(log.support_diffs, np.float64), _concat(log.full_diffs, np.float64)
+    kls = _concat(log.support_kls, np.float64)
     figure, (errors, rewards, staleness) = plt.subplots(1, 3, figsize=(16, 4))
     floor = 1e-12  # a difference of exactly 0 on a log axis
     errors.semilogy(np.maximum(full, floor), ".", markersize=2, label="full vocabulary")
     errors.semilogy(np.maximum(support, floor), ".", markersize=2, label="over the transported support")
-    errors.set(xlabel="sampled token (by batch, then weight version)", ylabel="|recomputed - rollout log-prob|",
-               title="replaying the sampler's distribution")
+    if kls.size:
+        errors.semilogy(np.maximum(kls, floor), ".", markersize=2, label="KL(sampler || replay) over the support")
+    errors.set(xlabel="sampled token (by batch, then weight version)",
+               ylabel="|recomputed - rollout log-prob|, KL (nats)", title="replaying the sampler's distribution")
     errors.legend(loc="lower center", bbox_to_anchor=(0.5, 0.08))  # between the two bands and the exact zeros
     rewards.plot(range(1, len(log.rewards) + 1), log.rewards)
     rewards.set(xlabel="step", ylabel="mean reward of the batch", title="reward")
@@ -581,6 +602,7 @@ def summary_table(summary: dict) -> str:
         ("reward, first / last", f"{number(summary['reward_first'], '.3f')} / {number(summary['reward_last'], '.3f')}"),
         ("replay max |diff|, over the support", number(summary["replay_max_abs_diff_support"], ".2e")),
         ("replay mean |diff|, full vocabulary", number(summary["replay_mean_abs_diff_full"], ".4f")),
+        ("replay max KL from the sampler, over the support", number(summary["replay_max_support_kl"], ".2e")),
         ("sampled tokens replayed", summary["replay_tokens"]),
         ("share of them with a truncated support", number(summary["truncated_share"], ".3f")),
         ("staleness in weight versions, mean / max",

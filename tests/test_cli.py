@@ -102,7 +102,7 @@ def test_demo_refuses_cuda_where_torch_sees_none_before_anything_starts(monkeypa
 @pytest.mark.slow
 def test_demo_train_exits_1_when_its_replay_is_broken(monkeypatch, tmp_path):
     """The trainer replays at twice the sampler's temperature: every
-    replayed log-prob misses, the run fails the replay bound alone (the
+    replayed log-prob misses, the run fails the replay bounds alone (the
     checker finds nothing), says so in its table and its JSON line, and
     exits 1."""
     from click.testing import CliRunner
@@ -118,8 +118,10 @@ def test_demo_train_exits_1_when_its_replay_is_broken(monkeypatch, tmp_path):
     *shown, line = result.output.strip().splitlines()
     summary = json.loads(line)
     assert not summary["ok"] and {key: summary[key] for key in CLEAN} == {**CLEAN, "unseen": summary["unseen"]}
-    assert [reason.partition(":")[0] for reason in summary["failed"]] == ["replay bound"], summary["failed"]
-    assert shown[-1].split(maxsplit=1) == ["verdict", f"FAILED: {summary['failed'][0]}"], shown
+    # both replay bounds: each token's log-prob, and the KL over each support the producers sent log-probs for
+    assert [reason.partition(":")[0] for reason in summary["failed"]] == ["replay bound"] * 2, summary["failed"]
+    assert "the KL from the sampler's distribution" in summary["failed"][1]
+    assert shown[-1].split(maxsplit=1) == ["verdict", f"FAILED: {'; '.join(summary['failed'])}"], shown
 
 
 def fake_train_demo(monkeypatch, summary: dict) -> list[dict]:

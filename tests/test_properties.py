@@ -1335,3 +1335,52 @@ def test_segment_any_on_long_segments_skips_the_empty_ones():
     flags[100] = True  # the first flag of the segment after an empty one
     offsets = np.array([0, 0, 100, 100, 200], dtype=np.int64)
     assert validation._NumpyOps.segment_any(flags, offsets).tolist() == [False, False, False, True]
+
+
+# == the support's log-probs, producer to trainer ==========================================
+@st.composite
+def supported_turns(draw):
+    """One turn's sampled tokens with supports and the sampler's log-prob of
+    every support id, renormalised over each support or not, and its forced
+    tokens."""
+    supports = draw(st.lists(vocab_support, max_size=5))
+    tokens = [draw(st.sampled_from(s)) for s in supports]
+    normalized = draw(st.booleans())
+    values = []
+    for support in supports:
+        raw = draw(st.lists(st.floats(-20.0, 0.0, width=32), min_size=len(support), max_size=len(support)))
+        if normalized:  # log-softmax over the support, in float64, then float32 as an engine sends them
+            shift = max(raw)
+            raw = [v - shift - math.log(sum(math.exp(w - shift) for w in raw)) for v in raw]
+        values += raw
+    forced = draw(st.lists(st.integers(0, VOCAB - 1), max_size=3))
+    return tokens, supports, np.array(values, "<f4"), normalized, forced
+
+
+@prop(60)
+@given(turns=st.lists(supported_turns(), min_size=1, max_size=4), packed=st.booleans())
+def test_mask_log_probs_reach_the_trainer_byte_for_byte(turns, packed):
+    """Each turn as the producer builds and sends it, as the broker decodes
+    and merges it, the trajectory as the broker delivers it and the consumer
+    batches it: `to_train_data()["rollout_sampling_mask_log_probs"]` holds
+    the bytes the producer sent, 0.0 for each forced token's singleton."""
+    import torch
+    from consumer_helpers import delivery
+
+    from rollstream.consumer import Batch
+
+    merged = Trajectory("t", np.array([1, 2], np.int32))
+    expected = []
+    for index, (tokens, supports, values, normalized, forced) in enumerate(turns):
+        sent = Turn.build(tokens, [-0.5] * len(tokens), supports=supports, mask_log_probs=values,
+                          mask_log_probs_normalized=normalized, forced_tokens=forced or None)
+        frames = encode_turn("t", index, sent, seq=index, prompt_tokens=np.array([1, 2], np.int32) if index == 0 else None)
+        received = decode(frames, PRODUCER_TO_BROKER)
+        assert received.get("mask_log_probs_normalized", False) is normalized
+        assert merged.append_turn(turn_from_message(received)) == TurnOutcome(True)
+        expected += [values, np.zeros(len(forced), "<f4")]
+    merged.reward = 1.0
+    batch = Batch.from_deliveries([delivery(merged, may_pack=packed)], seq=0, device="cpu")
+    (got,) = batch.to_train_data()["rollout_sampling_mask_log_probs"]
+    assert got.dtype == torch.float32 and got.numpy().tobytes() == np.concatenate(expected).tobytes()
+    assert batch.mask_log_probs.numpy().tobytes() == np.concatenate(expected).tobytes()

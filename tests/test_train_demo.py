@@ -32,7 +32,7 @@ SMALL = TinyLMConfig(vocab_size=50, d_model=8, layers=1, heads=2, max_len=32)
 # the real one's keys).
 PASSING = {
     "steps": 3, "reward_first": 0.0625, "reward_last": 0.0677, "replay_max_abs_diff_support": 9.5e-07,
-    "replay_mean_abs_diff_full": 3.99, "replay_tokens": 576, "truncated_share": 1.0,
+    "replay_mean_abs_diff_full": 3.99, "replay_max_support_kl": 2.1e-12, "replay_tokens": 576, "truncated_share": 1.0,
     "full_diff_min_where_truncated": 3.83, "staleness_mean": 0.583, "staleness_max": 1, "token_staleness_mean": 0.583,
     "token_staleness_max": 1, "skipped_trajectories": 0, "replay_worst": {"diff": 9.5e-07, "version": "step-0", "step": 1},
     "acked": 13, "committed": 12, "lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 1,
@@ -43,7 +43,8 @@ PASSING = {
 }
 # A run whose broker said it starved before the first batch: no figure of the steps has a value.
 STARVED = {**PASSING, **dict.fromkeys(("reward_first", "reward_last", "replay_max_abs_diff_support",
-                                       "replay_mean_abs_diff_full", "truncated_share", "full_diff_min_where_truncated",
+                                       "replay_mean_abs_diff_full", "replay_max_support_kl", "truncated_share",
+                                       "full_diff_min_where_truncated",
                                        "staleness_mean", "staleness_max", "token_staleness_mean",
                                        "token_staleness_max", "replay_worst")),
            "steps": 0, "replay_tokens": 0, "group_filter": "min_members:3", "starved": "filtered",
@@ -198,6 +199,10 @@ def test_a_run_with_nothing_broken_passes_whatever_it_was_asked_to_throw_away_or
      "replay bound: expected every sampled token's log-prob replayed over its support within 0.0001 of the "
      "sampler's, got 0.25 (replay_worst {'diff': 9.5e-07, 'version': 'step-0', 'step': 1})"),
     ({"replay_max_abs_diff_support": float("nan")}, "replay bound: expected every sampled token's log-prob"),
+    ({"replay_max_support_kl": 0.03},
+     "replay bound: expected the KL from the sampler's distribution over each support to the replay's within 1e-06, "
+     "got 0.03"),
+    ({"replay_max_support_kl": float("nan")}, "replay bound: expected the KL from the sampler's distribution"),
     ({"replay_tokens": 0, "replay_max_abs_diff_support": None},
      "replay bound: expected sampled tokens replayed in 3 steps, got none"),
     ({"reward_last": float("nan")}, "reward: expected a share of sampled tokens in [0, 1], got 0.0625 first and nan last"),
@@ -252,6 +257,8 @@ def test_a_short_training_run_replays_exactly_over_the_support_and_not_over_the_
     # the full-vocabulary log-prob is off by the log of the support's mass, wherever it was truncated
     assert summary["full_diff_min_where_truncated"] > 1e-3
     assert summary["replay_mean_abs_diff_full"] > 100 * summary["replay_max_abs_diff_support"]
+    # the producers sent every support id's log-prob: the replay's distribution over each support is the sampler's
+    assert -1e-9 < summary["replay_max_support_kl"] < 1e-6  # KL is >= 0 up to rounding
     assert 0.0 <= summary["reward_first"] <= 1.0 and 0.0 <= summary["reward_last"] <= 1.0
     assert summary["staleness_max"] >= 0
     # per token from the spans, per trajectory from its turns' versions: the oldest token is its oldest turn's
@@ -262,6 +269,7 @@ def test_a_short_training_run_replays_exactly_over_the_support_and_not_over_the_
     pytest.importorskip("matplotlib")
     assert summary["plot"] == str(plot) and plot.stat().st_size > 1000
     assert "replay max |diff|, over the support" in summary_table(summary)
+    assert "replay max KL from the sampler, over the support" in summary_table(summary)
 
 
 @pytest.mark.slow
