@@ -44,7 +44,7 @@ import pyarrow.parquet as pq
 from rollstream.common.errors import InternalError, InvalidInput
 from rollstream.common.jobs import DEFAULT_JOB, SEPARATOR, job_of, wire_id
 from rollstream.common.mask import SamplingMask
-from rollstream.common.miles import DEFAULT_FIELDS, FIELDS_WITH_MASK, encode_session_samples
+from rollstream.common.miles import DEFAULT_FIELDS, FIELDS_WITH_MASK, MASK_LOG_PROBS, encode_session_samples
 from rollstream.common.trajectory import Trajectory
 
 from .archive import DATASET_SCHEMA, ArchiveReader, dataset_table, writer_options
@@ -441,6 +441,7 @@ def miles_payload(stored: StoredTrajectory, trajectory: Trajectory) -> bytes:
     prompt = trajectory.prompt_tokens
     tokens = np.concatenate([prompt, trajectory.tokens]).astype(np.int64)
     loss_mask, log_probs, mask = trajectory.loss_mask, trajectory.log_probs, trajectory.mask
+    support_log_probs = trajectory.mask_log_probs  # aligned with the mask's ids, when carried
     metadata = _json_safe(trajectory.metadata)
     replay = {"rollout_routed_experts": trajectory.routed_experts, "rollout_indexer_topk": trajectory.indexer_topk}
     bounds = _sample_bounds(trajectory.forced_spans, trajectory.response_length)
@@ -459,6 +460,8 @@ def miles_payload(stored: StoredTrajectory, trajectory: Trajectory) -> bytes:
             **{name: None if array is None else array[: context - 1].astype(np.int32, copy=False)
                for name, array in replay.items()},
         })
+        if mask is not None and support_log_probs is not None:
+            samples[-1][MASK_LOG_PROBS] = support_log_probs[mask.offsets[start]:mask.offsets[end]]
     trained = stored.trained
     session = {
         "trajectory_id": wire_id(stored.trajectory_id), "job": job_of(stored.trajectory_id),

@@ -33,11 +33,11 @@ import numpy as np
 from rollstream.common.contract import STATUSES
 from rollstream.common.errors import InvalidInput
 from rollstream.common.mask import SamplingMask, as_numpy
-from rollstream.common.miles import SESSION_FIELDS
+from rollstream.common.miles import MASK_LOG_PROBS, SESSION_FIELDS
 from rollstream.common.trajectory import Turn
 
 _REPLAY = {"rollout_sampling_mask": "mask", "rollout_routed_experts": "routed_experts",
-           "rollout_indexer_topk": "indexer_topk"}
+           "rollout_indexer_topk": "indexer_topk", "rollout_sampling_mask.logprobs": "mask_log_probs"}
 
 
 class MilesMergeError(InvalidInput):
@@ -63,6 +63,7 @@ class _Sample:
     loss_mask: Any
     log_probs: Any
     mask: SamplingMask | None
+    mask_log_probs: np.ndarray | None  # the support's log-probs, aligned with mask.ids
     routed_experts: np.ndarray | None
     indexer_topk: np.ndarray | None
     status: str
@@ -96,6 +97,15 @@ def _mask(value: Any, index: int) -> SamplingMask | None:
     except TypeError:
         raise MilesMergeError(f"sample {index}: rollout_sampling_mask must be a sampling mask or a list of supports, "
                               f"got {type(value).__name__}") from None
+
+
+def _mask_log_probs(sample: Any, mask_value: Any) -> np.ndarray | None:
+    """The support's log-probs: a decoded sample's `mask_log_probs`, or those
+    miles keeps on its mask object (`logprobs`)."""
+    values = _field(sample, MASK_LOG_PROBS)
+    if values is None:
+        values = getattr(mask_value, "logprobs", None)
+    return None if values is None else as_numpy(values)
 
 
 def _status(value: Any, index: int) -> str:
@@ -153,13 +163,15 @@ def _read(sample: Any, index: int) -> list[_Sample]:
         raise MilesMergeError(f"sample {index}: rule 'response_length is a count of tokens' violated: expected an "
                               f"integer, got {type(length).__name__} {length!r:.80}") from None
     replay = {name: _field(sample, name) for name in ("rollout_routed_experts", "rollout_indexer_topk")}
+    mask_value = _field(sample, "rollout_sampling_mask")
     whole = _Sample(
         index=index,
         tokens=tokens,
         response_length=response_length,
         loss_mask=_field(sample, "loss_mask"),
         log_probs=_field(sample, "rollout_log_probs"),
-        mask=_mask(_field(sample, "rollout_sampling_mask"), index),
+        mask=_mask(mask_value, index),
+        mask_log_probs=_mask_log_probs(sample, mask_value),
         routed_experts=None if replay["rollout_routed_experts"] is None else as_numpy(replay["rollout_routed_experts"]),
         indexer_topk=None if replay["rollout_indexer_topk"] is None else as_numpy(replay["rollout_indexer_topk"]),
         status=_status(_field(sample, "status"), index),
@@ -204,6 +216,8 @@ def _split(s: _Sample, calls: list[list[tuple[str, int, int]]]) -> list[_Sample]
             loss_mask=None if s.loss_mask is None else s.loss_mask[begin:end],
             log_probs=None if s.log_probs is None else s.log_probs[begin:end],
             mask=None if s.mask is None else _mask_slice(s.mask, begin, end),
+            mask_log_probs=(None if s.mask is None or s.mask_log_probs is None
+                            else s.mask_log_probs[s.mask.offsets[begin]:s.mask.offsets[end]]),
             routed_experts=None if s.routed_experts is None else s.routed_experts[rows],
             indexer_topk=None if s.indexer_topk is None else s.indexer_topk[rows],
             status=s.status if call == len(calls) - 1 else "completed",
@@ -225,11 +239,15 @@ def _check_observation(s: _Sample, begin: int, end: int) -> None:
     loss = [1] * n if s.loss_mask is None else [int(v) for v in np.asarray(s.loss_mask[begin:end])]  # miles' default
     log_probs = [0.0] * n if s.log_probs is None else [float(v) for v in np.asarray(s.log_probs[begin:end])]
     supports = None if s.mask is None else [s.mask[t].tolist() for t in range(begin, end)]
+    certain = (None if s.mask is None or s.mask_log_probs is None
+               else [float(v) for v in s.mask_log_probs[s.mask.offsets[begin]:s.mask.offsets[end]]])
     own = [[int(t)] for t in s.response[begin:end]]
-    if loss != [0] * n or log_probs != [0.0] * n or supports not in (None, own):
+    if loss != [0] * n or log_probs != [0.0] * n or supports not in (None, own) or certain not in (None, [0.0] * n):
         expected, got = f"loss_mask {[0] * n}, log-probs {[0.0] * n}", f"loss_mask {loss}, log-probs {log_probs}"
         if supports is not None:
             expected, got = f"{expected}, supports {own}", f"{got}, supports {supports}"
+        if certain is not None:
+            expected, got = f"{expected}, support log-probs {[0.0] * n}", f"{got}, support log-probs {certain}"
         raise MilesMergeError(f"sample {s.index}: rule 'the tokens between two engine calls of a sample are an "
                               f"observation (loss_mask 0, log-prob 0.0, each token its own support)' violated at "
                               f"response positions [{begin}, {end}): expected {expected}, got {got}")
@@ -250,6 +268,9 @@ def _validate(s: _Sample) -> None:
     for name, values in (("rollout_routed_experts", s.routed_experts), ("rollout_indexer_topk", s.indexer_topk)):
         if values is not None and len(values) != len(s.tokens) - 1:
             raise fail(f"len({name}) == len(tokens) - 1", len(s.tokens) - 1, len(values))
+    if s.mask_log_probs is not None and (s.mask is None or len(s.mask_log_probs) != len(s.mask.ids)):
+        raise fail("len(rollout_sampling_mask.logprobs) == len(rollout_sampling_mask.ids)",
+                   "no log-probs without a mask" if s.mask is None else len(s.mask.ids), len(s.mask_log_probs))
 
 
 def _gap(a: _Sample, b: _Sample) -> bool:
@@ -279,7 +300,8 @@ def _observation(a: _Sample, b: _Sample) -> np.ndarray:
 
 def _turn(s: _Sample, forced: np.ndarray | None, vocab_size: int | None) -> Turn:
     log_probs = np.zeros(s.response_length) if s.log_probs is None else s.log_probs  # miles' default
-    return Turn.build(s.response, log_probs, mask=s.mask, loss_mask=s.loss_mask, forced_tokens=forced,
+    return Turn.build(s.response, log_probs, mask=s.mask, mask_log_probs=s.mask_log_probs, loss_mask=s.loss_mask,
+                      forced_tokens=forced,
                       routed_experts=s.routed_experts, indexer_topk=s.indexer_topk, status=s.status,
                       weight_version=s.weight_version, weight_version_spans=s.weight_version_spans,
                       vocab_size=vocab_size)
@@ -306,5 +328,6 @@ def turns_from_miles_samples(samples: Sequence[Any], *, vocab_size: int | None =
         turns.append(_turn(acc, _observation(acc, b), vocab_size))
         acc = b
     turns.append(_turn(acc, None, vocab_size))
-    unknown = sorted({name for sample in samples if isinstance(sample, Mapping) for name in sample} - set(SESSION_FIELDS))
+    unknown = sorted({name for sample in samples if isinstance(sample, Mapping) for name in sample}
+                     - {*SESSION_FIELDS, MASK_LOG_PROBS})
     return MilesTurns(prompt, turns, dropped=len(samples) - acc.index - 1, unknown_fields=tuple(unknown))

@@ -47,8 +47,9 @@ def opened(path: Path, **store) -> tuple[Store, MergeEngine]:
 
 
 def random_turns(rng: np.random.Generator, count: int, *, versions: bool = False, forced_after_last: bool = False,
-                 forced_between: bool = True) -> list[Turn]:
-    """Turns whose tokens lie in their supports, forced tokens between them."""
+                 forced_between: bool = True, support_log_probs: bool = False) -> list[Turn]:
+    """Turns whose tokens lie in their supports, forced tokens between them;
+    with `support_log_probs`, the sampler's log-prob of every support id."""
     turns = []
     for k in range(count):
         n = int(rng.integers(1, 7))
@@ -56,8 +57,10 @@ def random_turns(rng: np.random.Generator, count: int, *, versions: bool = False
         supports = [[int(t), *rng.integers(0, VOCAB, int(rng.integers(0, 4))).tolist()] for t in tokens]
         forced = rng.integers(0, VOCAB, int(rng.integers(1, 4))) \
             if (k < count - 1 and forced_between) or (k == count - 1 and forced_after_last) else None
+        ids = sum(map(len, supports))
         turns.append(Turn.build(tokens, -rng.exponential(size=n) - 1e-3, supports=supports, forced_tokens=forced,
-                                weight_version=f"v{k}" if versions else None))
+                                weight_version=f"v{k}" if versions else None,
+                                mask_log_probs=-rng.exponential(size=ids) if support_log_probs else None))
     return turns
 
 
@@ -236,6 +239,9 @@ def test_the_miles_format_round_trips_through_decode_session_samples_and_the_rep
         "trailing": Sent(engine, store, "trailing", random_turns(rng, 2, forced_after_last=True), reward=2.5),
         "adjacent": Sent(engine, store, "adjacent", random_turns(rng, 3, versions=True, forced_between=False),
                          reward={"score": 3}),
+        "supported": Sent(engine, store, "supported", random_turns(rng, 3, forced_after_last=True, support_log_probs=True)),
+        "supported-adjacent": Sent(engine, store, "supported-adjacent",
+                                   random_turns(rng, 3, versions=True, forced_between=False, support_log_probs=True)),
     }
     store.commit(engine.trained("plain", TrainedAt("run-1", "lin-1", 4, 2), 2000.0))
     store.close()
@@ -260,6 +266,10 @@ def test_the_miles_format_round_trips_through_decode_session_samples_and_the_rep
             assert getattr(replayed, name).tolist() == getattr(merged, name).tolist(), (meta["trajectory_id"], name)
         assert replayed.mask.ids.tolist() == merged.mask.ids.tolist()
         assert replayed.mask.offsets.tolist() == merged.mask.offsets.tolist()
+        if merged.mask_log_probs is None:
+            assert replayed.mask_log_probs is None, meta["trajectory_id"]
+        else:  # the support's log-probs cross as miles' rollout_sampling_mask.logprobs, byte for byte
+            assert replayed.mask_log_probs.tobytes() == merged.mask_log_probs.tobytes(), meta["trajectory_id"]
         assert replayed.weight_versions == merged.weight_versions
         assert replayed.weight_version_spans == merged.weight_version_spans
     by_id = {decode_session_samples(p.read_bytes()).session_metadata["trajectory_id"]: p for p in files}

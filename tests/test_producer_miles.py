@@ -89,6 +89,25 @@ def test_merged_result_equals_miles_merge():
     assert traj.log_probs.tolist() == [-0.5, -0.5, 0.0, 0.0, -0.5, 0.0, -0.5, -0.5]
 
 
+def test_the_support_log_probs_go_with_each_turn_from_the_sample_key_or_miles_mask():
+    """A decoded sample's `mask_log_probs`, or the `logprobs` miles keeps on
+    its mask object, become each turn's; a turn without them after turns
+    with them is the gap the broker records, so that turn is sent alone."""
+    lp = [np.array([-0.25, -1.5, 0.0], np.float32), np.array([-0.5, -1.0, -2.0], np.float32),
+          np.array([0.0, -0.75, -0.125], np.float32)]
+    samples = three_turns({i: {"mask_log_probs": lp[i]} for i in range(3)})
+    out = turns_from_miles_samples(samples)
+    assert [t.mask_log_probs.tobytes() for t in out.turns] == [v.tobytes() for v in lp]
+    assert out.unknown_fields == ()
+    objects = [SimpleNamespace(**s) for s in three_turns()]
+    for s, supports, values in zip(objects, (S0, S1, S2), lp):
+        mask = SamplingMask.from_supports(supports)
+        s.rollout_sampling_mask = SimpleNamespace(_ids=mask.ids.copy(), _offsets=mask.offsets.copy(), logprobs=values)
+    assert [t.mask_log_probs.tobytes() for t in turns_from_miles_samples(objects).turns] == [v.tobytes() for v in lp]
+    gap = turns_from_miles_samples(three_turns({0: {"mask_log_probs": lp[0]}, 2: {"mask_log_probs": lp[2]}}))
+    assert len(gap.turns) == 2 and gap.turns[1].mask_log_probs is None and gap.dropped == 1
+
+
 def test_objects_enums_and_miles_masks_are_accepted():
     status = SimpleNamespace(value="completed")  # miles' Sample.Status.COMPLETED
     samples = [SimpleNamespace(**s) for s in three_turns()]
@@ -256,6 +275,10 @@ def test_a_single_sample_is_one_turn():
      r"got dict"),
     ([sample(PROMPT + R0, R0, S0, weight_versions={"version": "7"})],
      r"sample 0: rule 'weight_versions holds one list of spans per engine call' violated: expected a list, got dict"),
+    ([sample(PROMPT + R0, R0, S0, mask_log_probs=np.zeros(2, np.float32)),
+      sample(PROMPT + R0 + OBS0 + R1, R1, S1, mask_log_probs=np.zeros(3, np.float32))],
+     r"sample 0: rule 'len\(rollout_sampling_mask.logprobs\) == len\(rollout_sampling_mask.ids\)' violated: "
+     r"expected 3, got 2"),
     ([], "no samples"),
 ])
 def test_miles_merge_errors(samples, match):
