@@ -3,7 +3,11 @@
 SGLang, asked with `return_sampling_mask`, returns for each generated token
 its support (`meta_info["output_token_sampling_mask"]`, a list of id lists)
 and the log-probability under the truncated distribution
-(`meta_info["output_token_sampling_logprobs"]`); asked with
+(`meta_info["output_token_sampling_logprobs"]`: the sampled token's, a
+number per token; asked with `sampling_logprobs_mode="support"`, every
+support id's, a list per token aligned with its support, the sampler's
+post-filter weights renormalised over the support, which become the turn's
+`mask_log_probs`); asked with
 `return_logprob`, also the log-probability under the full distribution
 (`meta_info["output_token_logprobs"]`, `[log-prob, id, text]` per token);
 with its weight-version spans, which weights sampled which of them
@@ -21,14 +25,16 @@ none is dropped without a word (docs/producer.md lists them).
 """
 from __future__ import annotations
 
+import collections
 import re
 from typing import Any, Mapping
 
 import numpy as np
 
 from .errors import InvalidInput, LocalProtocolError, SupportOverflow
-from .mask import SamplingMask
-from .trajectory import Turn
+from .mask import SamplingMask, as_int_array
+from .trajectory import LOG_PROB_DTYPE, TOKEN_DTYPE, Turn
+from .validation import RULE_SUPPORT_ALIGNED
 
 # An engine's finish reason → the turn status docs/semantics.md uses. `tool_calls` is the chat endpoints' name of a
 # stop at which a tool parser found calls.
@@ -37,6 +43,9 @@ FINISH_REASON_STATUS = {"stop": "completed", "tool_calls": "completed", "length"
 SUPPORTS_KEY = "output_token_sampling_mask"
 LOG_PROBS_KEY = "output_token_sampling_logprobs"
 SUPPORTS_LENGTH_KEY = "output_token_sampling_mask_length"
+# SGLang's bounded mask mode: a support past the engine's cap was cut to its highest-weight ids, so the log-probs of
+# what is left (each over the whole support) sum to less than 1.
+TRUNCATED_KEY = "output_token_sampling_mask_truncated"
 FULL_LOG_PROBS_KEY = "output_token_logprobs"
 # Per-token weight versions: [{"version", "start", "end"}] over the output tokens, contiguous from 0, the newest last
 # (SGLang's `weight_version` is the last one's, where a rollstream turn's is its first span's).
@@ -117,6 +126,12 @@ def turn_from_sglang(
     token, and (with `vocab_size`) that every id is in the vocabulary.
     `output_token_logprobs`, when the request asked for them, become the
     turn's `full_log_probs` (their ids must be the sampled ones).
+    `output_token_sampling_logprobs` as one list per token (asked with
+    `sampling_logprobs_mode="support"`) become the turn's `mask_log_probs`,
+    flattened in the mask's order, each list as long as its support; the
+    sampled id's entry is the token's log-prob. SGLang renormalises them
+    over the support, so the turn says so (`mask_log_probs_normalized`)
+    unless the reply says a support was cut to the engine's cap.
     An aborted response (`finish_reason` abort) may come without supports,
     and, when it sampled nothing, without log-probs: an engine abort
     returns neither. It gives an `aborted` turn without a mask, which cuts
@@ -151,9 +166,68 @@ def turn_from_sglang(
     spans = None if weight_version is not None else engine_spans(meta_info.get(SPANS_KEY), f"meta_info.{SPANS_KEY}")
     if not spans and weight_version is None and meta_info.get("weight_version") is not None:
         weight_version = str(meta_info["weight_version"])
-    return _built(output_ids, log_probs, spans, supports=supports, full_log_probs=_sglang_full_log_probs(
+    mask: dict[str, Any] = {"supports": supports}
+    if _per_support(log_probs):
+        mask = _sglang_support_log_probs(output_ids, supports, log_probs)
+        log_probs = mask.pop("log_probs")
+        mask["mask_log_probs_normalized"] = not _truthy(meta_info.get(TRUNCATED_KEY))
+    return _built(output_ids, log_probs, spans, **mask, full_log_probs=_sglang_full_log_probs(
         meta_info.get(FULL_LOG_PROBS_KEY), output_ids), loss_mask=loss_mask, forced_tokens=forced_tokens,
         status=status, weight_version=weight_version, vocab_size=vocab_size)
+
+
+def _per_support(log_probs) -> bool:
+    """Whether `output_token_sampling_logprobs` are SGLang's support mode
+    (a list per token) rather than a number per token; refused when some
+    are lists and some are not."""
+    lists = sum(isinstance(row, (list, tuple)) for row in log_probs)
+    if 0 < lists < len(log_probs):
+        raise LocalProtocolError("schema", f"rule 'meta_info.{LOG_PROBS_KEY} is a number per token, or a list per "
+                                           f"token (sampling_logprobs_mode support)' not met: {lists} of "
+                                           f"{len(log_probs)} entries are lists")
+    return lists > 0
+
+
+def _truthy(flag) -> bool:
+    """A reply's flag given once or per token: whether any is set."""
+    return any(map(bool, flag)) if isinstance(flag, (list, tuple)) else bool(flag)
+
+
+def _sglang_support_log_probs(output_ids, supports, rows) -> dict[str, Any]:
+    """SGLang's per-support log-probs (`rows`: one list per token, aligned
+    with that token's support) as the turn's `mask` and `mask_log_probs`
+    (float32, in the mask's CSR order), and `log_probs`: each sampled id's
+    entry (0.0 for a token its support lacks, which the in-support rule then refuses)."""
+    if supports is None:
+        raise LocalProtocolError("mask_invalid", f"rule 'per-support log-probs come with their supports' not met: "
+                                                 f"meta_info.{LOG_PROBS_KEY} holds lists but there is no {SUPPORTS_KEY}")
+    mask = SamplingMask.from_supports(supports)
+    sizes = np.diff(mask.offsets)
+    got = np.fromiter(map(len, rows), dtype=sizes.dtype, count=len(rows))
+    if not np.array_equal(got, sizes):
+        t = int(np.flatnonzero(got != sizes)[0])
+        raise LocalProtocolError("misaligned", f"rule '{RULE_SUPPORT_ALIGNED}' violated at token {t}: "
+                                               f"{LOG_PROBS_KEY}[{t}] has {int(got[t])} entries, expected "
+                                               f"{int(sizes[t])} (its support's ids)")
+    flat: list = []
+    collections.deque(map(flat.extend, rows), 0)
+    if not all(map(_is_number, flat)):
+        bad = next(value for value in flat if not _is_number(value))
+        raise LocalProtocolError("schema", f"rule 'each of meta_info.{LOG_PROBS_KEY}'s log-probs is a number' not "
+                                           f"met: got {bad!r:.40}")
+    try:
+        with np.errstate(over="ignore"):  # past float32's range: infinite, which the log-prob rule refuses
+            values = np.asarray(flat, dtype=LOG_PROB_DTYPE)
+    except OverflowError:  # an integer past even a double's range
+        raise LocalProtocolError("schema", f"rule 'each of meta_info.{LOG_PROBS_KEY}'s log-probs is a number a float "
+                                           f"holds' not met: got {max(flat, key=abs)!r:.40}") from None
+    tokens = as_int_array(output_ids, TOKEN_DTYPE, "output_ids")
+    owner = np.repeat(np.arange(sizes.size), sizes)
+    at = np.flatnonzero(mask.ids == tokens[owner])  # one support per token: checked by the caller
+    found, first = np.unique(owner[at], return_index=True)  # a duplicated id: its first entry
+    log_probs = np.zeros(sizes.size, dtype=LOG_PROB_DTYPE)
+    log_probs[found] = values[at[first]]
+    return {"mask": mask, "mask_log_probs": values, "log_probs": log_probs}
 
 
 def sglang_chat_output(response: Mapping[str, Any], choice: int = 0) -> tuple[list[int], Mapping[str, Any]]:

@@ -802,7 +802,8 @@ class AsyncTrajectoryHandle(_TrajectoryHandle):
 
     async def turn(self, tokens, log_probs, *, mask: SamplingMask | None = None, supports=None, mask_ids=None,
                    mask_offsets=None, loss_mask=None, forced_tokens=None, routed_experts=None, indexer_topk=None,
-                   full_log_probs=None, status: str = "completed", weight_version: str | None = None,
+                   full_log_probs=None, mask_log_probs=None, mask_log_probs_normalized: bool = False,
+                   status: str = "completed", weight_version: str | None = None,
                    metadata: Mapping[str, Any] | None = None) -> asyncio.Future:
         """Send the next turn: the sampled tokens with their log-probs and
         supports (`mask`, `mask_ids` + `mask_offsets` as CSR arrays, or
@@ -811,12 +812,19 @@ class AsyncTrajectoryHandle(_TrajectoryHandle):
         sampler's truncated distribution; `full_log_probs`, when the engine
         reports them, under the whole vocabulary's (a trajectory whose
         first turn carries them carries them on every turn: one without
-        them is a replay gap). Arrays of the contract dtypes are sent as
-        they are (not copied): leave them unchanged until settled."""
+        them is a replay gap). `mask_log_probs`, when the engine reports
+        them, are the sampler's log-prob of every support id, one per id
+        in the mask's order (a replay field too); with
+        `mask_log_probs_normalized` each support's probabilities must sum
+        to 1 (the broker checks it; with `check_content`, so does this call,
+        before the turn is sent). Arrays of the contract
+        dtypes are sent as they are (not copied): leave them unchanged
+        until settled."""
         turn = self._build(tokens, log_probs, dict(
             mask=mask, supports=supports, mask_ids=mask_ids, mask_offsets=mask_offsets, loss_mask=loss_mask,
             forced_tokens=forced_tokens, routed_experts=routed_experts, indexer_topk=indexer_topk,
-            full_log_probs=full_log_probs, status=status, weight_version=weight_version))
+            full_log_probs=full_log_probs, mask_log_probs=mask_log_probs,
+            mask_log_probs_normalized=mask_log_probs_normalized, status=status, weight_version=weight_version))
         return await self._send(self._turn_draft(turn, metadata))
 
     async def turn_and_wait(self, tokens, log_probs, **options) -> Receipt:

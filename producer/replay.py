@@ -21,7 +21,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from rollstream.common.contract import TOKEN_LOG_PROB_ARRAYS
+from rollstream.common.contract import SUPPORT_LOG_PROB_ARRAYS, TOKEN_LOG_PROB_ARRAYS
 from rollstream.common.errors import InvalidInput
 from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.mask import SamplingMask
@@ -37,7 +37,8 @@ log = logging.getLogger("rollstream.producer")
 
 EVENT_TYPES = ("turn", "end", "abort")
 _IDENTITY = ("group_id", "group_size", "sample_index")
-_NATIVE_ARRAYS = ("loss_mask", "forced_tokens", "routed_experts", "indexer_topk", *TOKEN_LOG_PROB_ARRAYS)
+_NATIVE_ARRAYS = ("loss_mask", "forced_tokens", "routed_experts", "indexer_topk", *TOKEN_LOG_PROB_ARRAYS,
+                  *SUPPORT_LOG_PROB_ARRAYS)
 
 
 class ReplayError(InvalidInput):
@@ -64,9 +65,12 @@ def turn_of(event: Mapping[str, Any], vocab_size: int | None) -> Turn:
     if "mask_ids" in event or "mask_offsets" in event:
         mask = SamplingMask(event["mask_ids"], event["mask_offsets"])
     arrays: dict[str, Any] = {name: np.asarray(event[name]) for name in _NATIVE_ARRAYS if event.get(name) is not None}
+    normalized = event.get("mask_log_probs_normalized", False)
+    if not isinstance(normalized, bool):
+        raise ReplayError(f"rule 'mask_log_probs_normalized is true or false' not met: got {normalized!r:.80}")
     return Turn.build(event["tokens"], event["log_probs"], mask=mask, supports=event.get("supports"),
                       status=event.get("status", "completed"), weight_version=event.get("weight_version"),
-                      vocab_size=vocab_size, **arrays)
+                      mask_log_probs_normalized=normalized, vocab_size=vocab_size, **arrays)
 
 
 def jsonl_events(path: Path) -> Iterator[tuple[str, dict]]:

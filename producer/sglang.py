@@ -4,7 +4,9 @@ and stream its replies as turns, over `/generate` or, with
 (token in, token out: the context goes as `input_ids`, so the trajectory is
 exactly the tokens the engine saw). With `full_log_probs` it also asks for
 `return_logprob` (`logprobs` in chat) and carries each sampled token's
-log-prob under the full distribution. The episode is `EngineSource`'s."""
+log-prob under the full distribution; with `mask_log_probs` it asks for
+`sampling_logprobs_mode = support` and carries every support id's log-prob.
+The episode is `EngineSource`'s."""
 from __future__ import annotations
 
 from typing import Any
@@ -50,6 +52,8 @@ class SGLangSource(EngineSource):
                     "return_sampling_mask": True}
             if s.full_log_probs:
                 body["return_logprob"] = True
+        if s.mask_log_probs:
+            body["sampling_logprobs_mode"] = "support"  # a list of log-probs per token, one per support id
         reply = post_json(self.url, body, s.sglang_timeout)
         reply = reply[0] if isinstance(reply, list) else reply
         if self.chat:

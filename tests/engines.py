@@ -39,6 +39,24 @@ class Answer:
     full_log_probs: list[float]
     finish: str
     overflow: int | None = None
+    # Asked for every support id's log-prob (SGLang's sampling_logprobs_mode support): one list per token aligned with
+    # its support, renormalised over it; `log_probs` are then the sampled ids' entries.
+    support_log_probs: list[list[float]] | None = None
+
+    def with_support_log_probs(self) -> "Answer":
+        """This answer as SGLang's support mode gives it: the sampled id
+        (first in its support) keeps its probability, the others share what
+        is left evenly; a singleton's one entry is 0.0."""
+        rows = []
+        for support, lp in zip(self.supports, self.log_probs):
+            if len(support) == 1:
+                rows.append([0.0])
+                continue
+            p = min(float(np.exp(lp)), 1.0 - 1e-6)
+            rest = float(np.log((1.0 - p) / (len(support) - 1)))
+            rows.append([float(np.log(p)), *[rest] * (len(support) - 1)])
+        return Answer(self.out, self.supports, [row[0] for row in rows], self.full_log_probs, self.finish, self.overflow,
+                      rows)
 
 
 class FakeEngine:
@@ -134,7 +152,7 @@ class FakeEngine:
             else:
                 self.calls.append({"input_ids": input_ids, "out": answer.out, "supports": answer.supports,
                                    "log_probs": answer.log_probs, "full_log_probs": answer.full_log_probs,
-                                   "finish": answer.finish})
+                                   "support_log_probs": answer.support_log_probs, "finish": answer.finish})
 
     def hold(self, after: int) -> None:
         """Answer `after` requests in all, then keep the next ones waiting
@@ -164,7 +182,9 @@ class FakeSGLang(FakeEngine):
     """SGLang with `return_sampling_mask`: `/generate` answers `output_ids`
     and `meta_info` (the supports, their log-probs and count, the finish
     reason, the weight version and its spans, token counts; with
-    `return_logprob` also `output_token_logprobs`); `/v1/chat/completions`
+    `return_logprob` also `output_token_logprobs`; with
+    `sampling_logprobs_mode` `support` the log-probs are one list per token,
+    every support id's); `/v1/chat/completions`
     with `return_meta_info` puts that meta_info in its choice, with
     `response_token_ids` and `prompt_token_ids`. An overflow is a 400 or,
     with `overflow_as = "status"`, an abort in the reply's finish reason."""
@@ -175,8 +195,9 @@ class FakeSGLang(FakeEngine):
 
     def meta_info(self, input_ids: list[int], answer: Answer, *, full: bool, text: bool) -> dict[str, Any]:
         n = len(answer.out)
+        sampling_log_probs = answer.log_probs if answer.support_log_probs is None else answer.support_log_probs
         meta = {"finish_reason": {"type": answer.finish}, "output_token_sampling_mask": answer.supports,
-                "output_token_sampling_logprobs": answer.log_probs, "output_token_sampling_mask_length": n,
+                "output_token_sampling_logprobs": sampling_log_probs, "output_token_sampling_mask_length": n,
                 "weight_version": self.spans(n)[-1]["version"], "weight_versions": self.spans(n),
                 "prompt_tokens": len(input_ids), "completion_tokens": n, "cached_tokens": 0}
         if full:
@@ -184,10 +205,12 @@ class FakeSGLang(FakeEngine):
                                              for lp, t in zip(answer.full_log_probs, answer.out)]
         return meta
 
-    def answer(self, input_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+    def answer(self, input_ids: list[int], max_new_tokens: int, sampling_logprobs_mode: str = "selected") -> dict[str, Any]:
         """The /generate response to `input_ids` with `max_new_tokens`,
         without recording a call."""
         answer = self.draw(input_ids, max_new_tokens)
+        if sampling_logprobs_mode == "support":
+            answer = answer.with_support_log_probs()
         return {"text": "", "output_ids": answer.out,
                 "meta_info": self.meta_info(input_ids, answer, full=False, text=False)}
 
@@ -203,6 +226,10 @@ class FakeSGLang(FakeEngine):
             max_new_tokens = sampler["max_new_tokens"]
         input_ids = body["input_ids"]
         answer = self.draw(input_ids, max_new_tokens, sampler.get("top_k", -1))
+        mode = body.get("sampling_logprobs_mode", "selected")
+        assert mode in ("selected", "support"), mode
+        if mode == "support":
+            answer = answer.with_support_log_probs()
         self.record(input_ids, answer)
         if answer.overflow is not None:
             message = self.overflow_message(answer)
@@ -324,7 +351,8 @@ def episode_turns(calls: list[dict[str, Any]], prompt: list[int], full: list[int
             return turns
         call = step[0]
         turns.append({"tokens": call["out"], "supports": call["supports"], "log_probs": call["log_probs"],
-                      "full_log_probs": call["full_log_probs"], "finish": call["finish"], "forced": []})
+                      "full_log_probs": call["full_log_probs"], "support_log_probs": call.get("support_log_probs"),
+                      "finish": call["finish"], "forced": []})
         context = context + call["out"]
         following = [c["input_ids"] for c in calls if len(c["input_ids"]) > len(context)
                      and c["input_ids"][:len(context)] == context and full[:len(c["input_ids"])] == c["input_ids"]]

@@ -235,3 +235,69 @@ def test_a_bitset_mask_is_uint8_rows():
     assert info.value.code == "shape"
     with pytest.raises(ProtocolError, match="non-empty support"):
         SamplingMask.from_bitset(np.zeros((2, 2), np.uint8))
+
+
+def flat_f32(rows):
+    return np.asarray([x for row in rows for x in row], "<f4").tobytes()
+
+
+def test_sglang_support_log_probs_become_the_turns_mask_log_probs_said_renormalised():
+    """Asked with `sampling_logprobs_mode` `support`, SGLang's
+    `output_token_sampling_logprobs` hold one list per token, every support
+    id's log-prob renormalised over the support: they become the turn's
+    `mask_log_probs` in the mask's order, the turn says they sum to 1, and
+    each token's log-prob is its sampled id's entry."""
+    with FakeSGLang(VOCAB) as fake:
+        _, generated = generate(fake, sampling_logprobs_mode="support")
+        _, chatted = chat(fake, sampling_logprobs_mode="support")
+        _, plain = generate(fake, input_ids=[*PROMPT, 1])
+    call = fake.calls[0]
+    assert any(len(s) > 1 for s in call["supports"]) and any(len(s) == 1 for s in call["supports"])
+    for turn in (turn_from_sglang(generated["output_ids"], generated["meta_info"], vocab_size=VOCAB),
+                 turn_from_sglang_chat(chatted, vocab_size=VOCAB)):
+        assert csr_bytes(turn.mask) == engine_csr(call["supports"])
+        assert turn.mask_log_probs.dtype == np.float32 and turn.mask_log_probs.tobytes() == flat_f32(
+            call["support_log_probs"])
+        assert turn.mask_log_probs_normalized
+        assert turn.log_probs.tobytes() == np.float32([row[0] for row in call["support_log_probs"]]).tobytes()
+        assert turn.log_probs.tobytes() == np.float32(call["log_probs"]).tobytes()
+    selected = turn_from_sglang(plain["output_ids"], plain["meta_info"])  # the default mode: a number per token
+    assert selected.mask_log_probs is None and not selected.mask_log_probs_normalized
+
+
+def test_support_log_probs_that_break_a_rule_are_refused_with_it():
+    fake = FakeSGLang(VOCAB)
+    fake.close()
+    answer = fake.answer(PROMPT, 8, sampling_logprobs_mode="support")
+    ids, meta = answer["output_ids"], answer["meta_info"]
+    rows = meta["output_token_sampling_logprobs"]
+    wide = next(i for i, s in enumerate(meta["output_token_sampling_mask"]) if len(s) > 1)
+    short = [*rows[:wide], rows[wide][:-1], *rows[wide + 1:]]
+    with pytest.raises(ProtocolError, match=(
+            rf"rule 'per-support-id fields aligned with mask_ids \(one entry per support id\)' violated at token "
+            rf"{wide}: output_token_sampling_logprobs\[{wide}\] has {len(rows[wide]) - 1} entries, expected "
+            rf"{len(rows[wide])}")) as info:
+        turn_from_sglang(ids, dict(meta, output_token_sampling_logprobs=short))
+    assert info.value.code == "misaligned"
+    halved = [*rows[:wide], [x - 0.7 for x in rows[wide]], *rows[wide + 1:]]  # half the probability: no longer sums to 1
+    with pytest.raises(ProtocolError, match=rf"each support's probabilities sum to 1 .* at token {wide}") as info:
+        turn_from_sglang(ids, dict(meta, output_token_sampling_logprobs=halved))
+    assert info.value.code == "invalid_value"
+    cut = turn_from_sglang(ids, dict(meta, output_token_sampling_logprobs=halved,
+                                     output_token_sampling_mask_truncated=True))  # SGLang's bounded mode cut a support
+    assert not cut.mask_log_probs_normalized and cut.mask_log_probs.tobytes() == flat_f32(halved)
+    mixed = [rows[0][0], *rows[1:]]
+    with pytest.raises(ProtocolError, match="a number per token, or a list per token .* 7 of 8 entries are lists") as info:
+        turn_from_sglang(ids, dict(meta, output_token_sampling_logprobs=mixed))
+    assert info.value.code == "schema"
+    with pytest.raises(ProtocolError, match="log-probs is a number' not met: got None") as info:
+        turn_from_sglang(ids, dict(meta, output_token_sampling_logprobs=[[None] * len(rows[0]), *rows[1:]]))
+    assert info.value.code == "schema"
+    without = {k: v for k, v in meta.items() if k != "output_token_sampling_mask"}
+    with pytest.raises(ProtocolError, match="per-support log-probs come with their supports") as info:
+        turn_from_sglang(ids, without, require_mask=False)
+    assert info.value.code == "mask_invalid"
+    above = [*rows[:wide], [rows[wide][0], 0.5, *rows[wide][2:]], *rows[wide + 1:]]  # an id the token is not
+    with pytest.raises(ProtocolError, match="mask_log_probs are finite and <= 0") as info:
+        turn_from_sglang(ids, dict(meta, output_token_sampling_logprobs=above))
+    assert info.value.code == "invalid_value"

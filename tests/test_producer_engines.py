@@ -56,18 +56,23 @@ def expected_arrays(fake, batch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["vllm", "sglang-chat"])
+@pytest.mark.parametrize("engine", ["vllm", "sglang-chat", "sglang-support"])
 def test_an_engine_source_runs_end_to_end_and_the_checker_reads_zero(tmp_path, engine):
+    """`sglang-support`: chat asked for every support id's log-prob too
+    (`--mask-log-probs`), which the turns carry said renormalised, so the
+    broker holds each to the sum rule."""
     work = tmp_path / "work"
     work.mkdir()
     fake = FakeVLLM(VOCAB, seed=20) if engine == "vllm" else FakeSGLang(VOCAB, seed=20)
     source = (["--source", "vllm", "--vllm-url", fake.url] if engine == "vllm" else
-              ["--source", "sglang", "--sglang-api", "chat", "--sglang-url", fake.url, "--full-log-probs", "true"])
+              ["--source", "sglang", "--sglang-api", "chat", "--sglang-url", fake.url, "--full-log-probs", "true",
+               "--mask-log-probs", str(engine == "sglang-support").lower()])
     with fake, BrokerProcess(tmp_path / "broker", vocab_size=VOCAB) as broker:
         run_daemon(broker, work, *source)
         delivered, report = consume_all(broker, work)
     assert report.ok(), report
     assert report.committed == len(delivered) == TRAJECTORIES and not fake.refused
+    assert {call["support_log_probs"] is not None for call in fake.calls} == {engine == "sglang-support"}
     used = 0
     for batch in delivered:
         turns, ids, full = expected_arrays(fake, batch)

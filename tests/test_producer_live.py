@@ -20,7 +20,7 @@ from waiting import wait_for
 
 from rollstream.common import SamplingMask
 from rollstream.common.codec import decode, encode
-from rollstream.common.errors import ClientFailed
+from rollstream.common.errors import ClientFailed, LocalProtocolError
 from rollstream.common.messages import (
     ADMIN_REPLIES,
     ADMIN_REQUESTS,
@@ -39,6 +39,7 @@ from rollstream.common.miles import (
 )
 from rollstream.common.wire import trajectory_from_deliver
 from rollstream.producer import AsyncProducer, Producer, Receipt, Refused
+from rollstream.producer.replay import ReplayError, turn_of
 from rollstream.producer.session import BEFORE_WELCOME_WINDOW
 
 PATIENCE = 90.0  # seconds before a wait gives up (only ever reached when something hangs)
@@ -237,6 +238,56 @@ def test_a_refusal_raises_with_its_code_and_an_end_of_the_unknown_is_refused(tmp
     assert (refused.code, refused.trajectory_id, refused.turn, refused.kind) == ("out_of_vocab", "t-vocab", 0, "turn")
     assert "out_of_vocab" in str(refused) and "1000" in refused.message
     assert (abort.applied, abort.reason) == (False, "unknown_trajectory")
+
+
+@pytest.mark.slow
+def test_mask_log_probs_arrive_beside_their_ids_and_supports_said_renormalised_must_sum_to_one(tmp_path):
+    """`turn(mask_log_probs=)`: one log-prob per support id, merged beside
+    the mask's ids (0.0 at a forced token's singleton), from the async and
+    the blocking client. A turn that says its supports are renormalised
+    while one is not is refused: by the broker, or with `check_content`
+    at the call, before anything is sent (Turn.build's LocalProtocolError)."""
+    half = float(np.log(0.5))
+    bad = dict(supports=[[10, 4]], mask_log_probs=[half, -2.0], mask_log_probs_normalized=True)  # 0.5 + 0.135
+
+    async def main(broker):
+        async with AsyncProducer(broker.endpoints["producer"], "p-support") as producer:
+            traj = producer.trajectory("m-1", [1, 2])
+            receipts = [await f for f in [
+                await traj.turn([10, 11], [half, 0.0], supports=[[10, 4], [11]], mask_log_probs=[half, half, 0.0],
+                                mask_log_probs_normalized=True, forced_tokens=[20]),
+                # Not said renormalised, so not held to the sum rule (these sum to 1.05).
+                await traj.turn([30], [-0.25], mask_ids=np.int32([30, 7, 8]), mask_offsets=np.int64([0, 3]),
+                                mask_log_probs=np.float32([-0.25, -1.5, -3.0])),
+                await traj.end(1.0),
+            ]]
+            refused_turn = await producer.trajectory("m-2", [1]).turn([10], [half], **bad)
+            with pytest.raises(Refused) as refused:
+                await refused_turn
+            return receipts, refused.value
+
+    with Broker(tmp_path) as broker:
+        receipts, refused = asyncio.run(main(broker))
+        with Producer(broker.endpoints["producer"], "p-support-checked", check_content=True) as producer:
+            traj = producer.trajectory("m-3", [1])
+            with pytest.raises(LocalProtocolError) as local:
+                traj.turn([10], [half], **bad)
+            assert traj.next_turn == 0 and producer.unsettled == 0  # nothing was sent
+            blocking = [traj.turn([10], [half], supports=[[10, 4]], mask_log_probs=[half, half],
+                                  mask_log_probs_normalized=True).result(PATIENCE), traj.end(0.5).result(PATIENCE)]
+        got, deliveries = drain(broker, 2)
+    assert all(r.applied for r in receipts + blocking) and deliveries == 2
+    assert (refused.code, refused.trajectory_id, refused.turn) == ("invalid_value", "m-2", 0)
+    assert "each support's probabilities sum to 1" in refused.message and "got 0.635" in refused.message
+    assert local.value.code == "invalid_value"
+    assert "rule 'each support's probabilities sum to 1" in str(local.value) and "got 0.635" in str(local.value)
+    merged = got["m-1"]
+    assert merged.tokens.tolist() == [10, 11, 20, 30]
+    assert merged.mask.ids.tolist() == [10, 4, 11, 20, 30, 7, 8]
+    assert merged.mask_log_probs.dtype == np.float32
+    assert merged.mask_log_probs.tobytes() == np.float32([half, half, 0.0, 0.0, -0.25, -1.5, -3.0]).tobytes()
+    assert got["m-3"].mask_log_probs.tobytes() == np.float32([half, half]).tobytes()
+    assert "m-2" not in got
 
 
 @pytest.mark.slow
@@ -632,13 +683,18 @@ def test_sigterm_stops_cleanly_leaving_nothing_open(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_sglang_daemon_drives_a_generate_endpoint_with_its_tool(tmp_path):
+@pytest.mark.parametrize("mask_log_probs", [False, True])
+def test_the_sglang_daemon_drives_a_generate_endpoint_with_its_tool(tmp_path, mask_log_probs):
+    """With `--mask-log-probs` the daemon asks for every support id's
+    log-prob (sampling_logprobs_mode support) and the trajectories carry
+    them, 0.0 at the tool's forced tokens."""
     # Answers are a function of the request: with seed 20, the daemon's prompts end one group completed after three
     # turns and one truncated after two.
     with FakeSGLang(vocab_size=1000, seed=20) as fake, Broker(tmp_path) as broker:
         process = daemon(broker, "--source", "sglang", "--sglang-url", fake.url, "--trajectories", "4",
                          "--group-size", "2", "--turns", "3", "--response-tokens", "4", "--tool-tokens", "2",
-                         "--prompt-tokens", "6", "--vocab-size", "1000", "--concurrency", "2")
+                         "--prompt-tokens", "6", "--vocab-size", "1000", "--concurrency", "2",
+                         "--mask-log-probs", str(mask_log_probs).lower())
         finish(process)
         got, _ = drain(broker, 4)
     used = 0
@@ -653,6 +709,12 @@ def test_the_sglang_daemon_drives_a_generate_endpoint_with_its_tool(tmp_path):
         assert traj.status == ("truncated" if turns[-1]["finish"] == "length" else "completed")
         assert traj.reward == (1.0 if turns[-1]["finish"] == "stop" else 0.0)
         assert traj.weight_versions == ["7"] * len(turns)
+        if mask_log_probs:
+            expected = [x for turn in turns for x in [*(x for row in turn["support_log_probs"] for x in row),
+                                                      *[0.0] * len(turn["forced"])]]
+            assert traj.mask_log_probs.tobytes() == np.asarray(expected, "<f4").tobytes()
+        else:
+            assert traj.mask_log_probs is None
     assert used == len(fake.calls)  # every engine call became a turn
     assert {t.status for t in got.values()} == {"completed", "truncated"}  # both ends covered (the seed chosen so)
 
@@ -674,6 +736,14 @@ def test_the_replay_daemon_streams_jsonl_and_miles_payloads(tmp_path):
         {"type": "turn", "trajectory_id": "r-2", "prompt_tokens": [5], "tokens": [52], "log_probs": [-0.5],
          "supports": [[52]]},
         {"type": "end", "trajectory_id": "r-2", "reward": {"score": 1}},
+        # Every support id's log-prob: native (said renormalised), then as SGLang's support mode sends them.
+        {"type": "turn", "trajectory_id": "r-3", "prompt_tokens": [5], "tokens": [61], "log_probs": [float(np.log(0.75))],
+         "supports": [[60, 61]], "mask_log_probs": [float(np.log(0.25)), float(np.log(0.75))],
+         "mask_log_probs_normalized": True, "forced_tokens": [62]},
+        {"type": "turn", "trajectory_id": "r-3", "output_ids": [70],
+         "meta_info": {"output_token_sampling_mask": [[70, 71]],
+                       "output_token_sampling_logprobs": [[float(np.log(0.625)), float(np.log(0.375))]]}},
+        {"type": "end", "trajectory_id": "r-3", "reward": 1.0},
     ]
     (recordings / "a.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
     samples = [
@@ -688,8 +758,8 @@ def test_the_replay_daemon_streams_jsonl_and_miles_payloads(tmp_path):
     (recordings / "b.safetensors").write_bytes(payload)
     with Broker(tmp_path) as broker:
         finish(daemon(broker, "--source", "replay", "--replay-path", str(recordings), "--vocab-size", "1000"))
-        got, deliveries = drain(broker, 3)
-    assert deliveries == 3
+        got, deliveries = drain(broker, 4)
+    assert deliveries == 4
     r1 = got["r-1"]
     assert r1.prompt_tokens.tolist() == [1, 2]
     assert as_lists(r1) == expected_merge([
@@ -699,12 +769,27 @@ def test_the_replay_daemon_streams_jsonl_and_miles_payloads(tmp_path):
     assert (r1.status, r1.reward, r1.weight_versions, r1.metadata["source"]) == ("truncated", 2.0, ["v1"], "test")
     r2 = got["r-2"]  # the aborted attempt is gone; the retry is what arrives
     assert r2.tokens.tolist() == [52] and r2.reward == {"score": 1} and r2.turns == 1
+    assert r1.mask_log_probs is None
+    r3 = got["r-3"]
+    assert r3.tokens.tolist() == [61, 62, 70] and r3.mask.ids.tolist() == [60, 61, 62, 70, 71]
+    assert r3.mask_log_probs.tobytes() == np.float32(np.log([0.25, 0.75, 1.0, 0.625, 0.375])).tobytes()
+    assert r3.log_probs.tobytes() == np.float32(np.log([0.75, 1.0, 0.625])).tobytes()
     m1 = got["m-1"]
     assert m1.prompt_tokens.tolist() == [7, 8] and m1.reward == 3.0
     assert as_lists(m1) == expected_merge([
         {"tokens": [60], "supports": [[60, 61]], "log_probs": [-0.75], "forced": [70, 71]},
         {"tokens": [80], "supports": [[80]], "log_probs": [-0.5]},
     ])
+
+
+def test_a_recorded_turn_says_renormalised_with_true_or_false_and_is_held_to_it():
+    event = {"tokens": [61], "log_probs": [-0.5], "supports": [[60, 61]], "mask_log_probs": [-1.0, -0.5]}
+    assert not turn_of(event, None).mask_log_probs_normalized
+    with pytest.raises(ReplayError, match="rule 'mask_log_probs_normalized is true or false' not met: got 'yes'"):
+        turn_of(dict(event, mask_log_probs_normalized="yes"), None)
+    with pytest.raises(LocalProtocolError, match="each support's probabilities sum to 1") as info:  # 0.37 + 0.61
+        turn_of(dict(event, mask_log_probs_normalized=True), None)
+    assert info.value.code == "invalid_value"
 
 
 @pytest.mark.slow
