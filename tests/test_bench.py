@@ -89,3 +89,25 @@ def test_restart_bias_smoke_trains_what_run_a_trained_when_restarts_continue_and
     assert (c["trained"], c["missing_from_a"], c["differing_from_a"]) == (24 - c["resumed"]["aborted"],
                                                                            c["resumed"]["aborted"], 0), c
     assert 0 < c["mean_ratio"] and 0 < c["p90_ratio"], c
+
+
+@pytest.mark.slow
+def test_wire_bytes_smoke_counts_four_bytes_per_support_id_for_mask_log_probs_on_the_wire_and_in_the_store():
+    """bench/wire_bytes.py --smoke: `mask_log_probs` add one float32 per
+    support id (and a flag in each turn's header) to every token, on the
+    wire and in the store; a store record is its frames as they arrived,
+    with a few bytes of its own."""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "wire_bytes.py"), "--smoke"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"wire_bytes.py --smoke exited {run.returncode}:\n{run.stderr[-3000:]}"
+    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    assert figures["prime_rl_mask_wire_reference"] == 32 and figures["trajectories"] == 2, figures
+    for name in ("prime_rl", "pipeline"):
+        workload = figures[name]
+        support, without, with_ = (workload[key] for key in ("support", "without_mask_log_probs", "with_mask_log_probs"))
+        assert support["tokens"] == 10_000 and support["mean"] > 1, workload
+        added = workload["mask_log_probs_wire"]
+        assert 4 * support["mean"] - 0.05 <= added < 4 * support["mean"] + 1, workload
+        assert 0 < with_["store"] - with_["wire"] < 1 and 0 < without["store"] - without["wire"] < 1, workload
+        assert workload["mask_wire"] < without["wire"], workload
+    assert figures["prime_rl"]["support"]["median"] == 2 and 0.4 < figures["prime_rl"]["support"]["single_share"] < 0.55
