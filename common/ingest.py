@@ -46,6 +46,8 @@ SUPPORTS_LENGTH_KEY = "output_token_sampling_mask_length"
 # SGLang's bounded mask mode: a support past the engine's cap was cut to its highest-weight ids, so the log-probs of
 # what is left (each over the whole support) sum to less than 1.
 TRUNCATED_KEY = "output_token_sampling_mask_truncated"
+# A miles fork's SGLang: each support id's log-prob, renormalised over the support, beside the per-token ones.
+SUPPORT_LOG_PROBS_KEY = "output_token_sampling_mask_logprobs"
 FULL_LOG_PROBS_KEY = "output_token_logprobs"
 # Per-token weight versions: [{"version", "start", "end"}] over the output tokens, contiguous from 0, the newest last
 # (SGLang's `weight_version` is the last one's, where a rollstream turn's is its first span's).
@@ -168,9 +170,17 @@ def turn_from_sglang(
         weight_version = str(meta_info["weight_version"])
     mask: dict[str, Any] = {"supports": supports}
     if _per_support(log_probs):
-        mask = _sglang_support_log_probs(output_ids, supports, log_probs)
+        mask = _sglang_support_log_probs(output_ids, supports, log_probs, LOG_PROBS_KEY)
         log_probs = mask.pop("log_probs")
         mask["mask_log_probs_normalized"] = not _truthy(meta_info.get(TRUNCATED_KEY))
+    elif meta_info.get(SUPPORT_LOG_PROBS_KEY) is not None:
+        rows = _listed(meta_info[SUPPORT_LOG_PROBS_KEY], f"meta_info.{SUPPORT_LOG_PROBS_KEY}")
+        if len(rows) != n:
+            raise LocalProtocolError("misaligned", f"{SUPPORT_LOG_PROBS_KEY} has {len(rows)} entries, {n} tokens were "
+                                                   f"sampled")
+        mask = _sglang_support_log_probs(output_ids, supports, rows, SUPPORT_LOG_PROBS_KEY)
+        del mask["log_probs"]  # the tokens' own come from output_token_sampling_logprobs
+        mask["mask_log_probs_normalized"] = True
     return _built(output_ids, log_probs, spans, **mask, full_log_probs=_sglang_full_log_probs(
         meta_info.get(FULL_LOG_PROBS_KEY), output_ids), loss_mask=loss_mask, forced_tokens=forced_tokens,
         status=status, weight_version=weight_version, vocab_size=vocab_size)
@@ -193,33 +203,33 @@ def _truthy(flag) -> bool:
     return any(map(bool, flag)) if isinstance(flag, (list, tuple)) else bool(flag)
 
 
-def _sglang_support_log_probs(output_ids, supports, rows) -> dict[str, Any]:
-    """SGLang's per-support log-probs (`rows`: one list per token, aligned
+def _sglang_support_log_probs(output_ids, supports, rows, key: str) -> dict[str, Any]:
+    """SGLang's per-support log-probs (`rows`, meta_info's `key`: one list per token, aligned
     with that token's support) as the turn's `mask` and `mask_log_probs`
     (float32, in the mask's CSR order), and `log_probs`: each sampled id's
     entry (0.0 for a token its support lacks, which the in-support rule then refuses)."""
     if supports is None:
         raise LocalProtocolError("mask_invalid", f"rule 'per-support log-probs come with their supports' not met: "
-                                                 f"meta_info.{LOG_PROBS_KEY} holds lists but there is no {SUPPORTS_KEY}")
+                                                 f"meta_info.{key} holds lists but there is no {SUPPORTS_KEY}")
     mask = SamplingMask.from_supports(supports)
     sizes = np.diff(mask.offsets)
     got = np.fromiter(map(len, rows), dtype=sizes.dtype, count=len(rows))
     if not np.array_equal(got, sizes):
         t = int(np.flatnonzero(got != sizes)[0])
         raise LocalProtocolError("misaligned", f"rule '{RULE_SUPPORT_ALIGNED}' violated at token {t}: "
-                                               f"{LOG_PROBS_KEY}[{t}] has {int(got[t])} entries, expected "
+                                               f"{key}[{t}] has {int(got[t])} entries, expected "
                                                f"{int(sizes[t])} (its support's ids)")
     flat: list = []
     collections.deque(map(flat.extend, rows), 0)
     if not all(map(_is_number, flat)):
         bad = next(value for value in flat if not _is_number(value))
-        raise LocalProtocolError("schema", f"rule 'each of meta_info.{LOG_PROBS_KEY}'s log-probs is a number' not "
+        raise LocalProtocolError("schema", f"rule 'each of meta_info.{key}'s log-probs is a number' not "
                                            f"met: got {bad!r:.40}")
     try:
         with np.errstate(over="ignore"):  # past float32's range: infinite, which the log-prob rule refuses
             values = np.asarray(flat, dtype=LOG_PROB_DTYPE)
     except OverflowError:  # an integer past even a double's range
-        raise LocalProtocolError("schema", f"rule 'each of meta_info.{LOG_PROBS_KEY}'s log-probs is a number a float "
+        raise LocalProtocolError("schema", f"rule 'each of meta_info.{key}'s log-probs is a number a float "
                                            f"holds' not met: got {max(flat, key=abs)!r:.40}") from None
     tokens = as_int_array(output_ids, TOKEN_DTYPE, "output_ids")
     owner = np.repeat(np.arange(sizes.size), sizes)

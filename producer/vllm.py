@@ -7,7 +7,8 @@ stream its choices as turns. The episode is `EngineSource`'s.
 vLLM's mask replay needs a bounded sampler: it refuses `top_k <= 0` and
 `temperature <= 0`, so the source refuses them at start. Its log-probs are
 over the processed (truncated) distribution, so `full_log_probs` has
-nothing to carry here and is refused too."""
+nothing to carry here and is refused too, as is `mask_log_probs`: vLLM
+reports no log-prob per support id."""
 from __future__ import annotations
 
 from typing import Any
@@ -36,6 +37,10 @@ class VLLMSource(EngineSource):
             raise SourceSettingsError("rule 'full_log_probs comes from an engine that reports them' not met: vLLM's "
                                       "mask replay reports log-probs over the processed distribution only "
                                       "(leave full_log_probs off with --source vllm)")
+        if settings.mask_log_probs:
+            raise SourceSettingsError("rule 'mask_log_probs comes from an engine that reports them' not met: vLLM's "
+                                      "mask replay reports no log-prob per support id (leave mask_log_probs off with "
+                                      "--source vllm)")
         super().__init__(settings, producer_id)
         self.url = settings.vllm_url.rstrip("/") + GENERATE_PATH
 

@@ -87,3 +87,17 @@ def test_past_its_retries_the_trajectory_is_given_up_as_support_overflow(retries
     assert traj.producer.ledger.records == [{"kind": "given_up", "id": "t-1", "reason": "support_overflow",
                                              "producer": "p"}]
     assert "support of 5000 ids outgrew the cap of 16; giving the trajectory up" in caplog.text
+
+
+@pytest.mark.parametrize("asked, rule", [
+    (dict(top_k=0), "vLLM's sampling mask needs top_k > 0 and temperature > 0"),
+    (dict(full_log_probs=True), "full_log_probs comes from an engine that reports them"),
+    (dict(mask_log_probs=True), "mask_log_probs comes from an engine that reports them"),
+])
+def test_the_vllm_source_refuses_at_start_what_vllm_cannot_report(asked, rule):
+    from rollstream.producer.source import SourceSettingsError
+    from rollstream.producer.vllm import VLLMSource
+
+    settings = ProducerSettings(**{"top_k": 20, "vocab_size": 100, **asked})
+    with pytest.raises(SourceSettingsError, match=f"rule '{rule}' not met"):
+        VLLMSource(settings, "p")

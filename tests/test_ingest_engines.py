@@ -265,6 +265,30 @@ def test_sglang_support_log_probs_become_the_turns_mask_log_probs_said_renormali
     assert selected.mask_log_probs is None and not selected.mask_log_probs_normalized
 
 
+def test_a_miles_forks_support_log_probs_beside_the_per_token_ones_become_the_turns_mask_log_probs():
+    """One miles fork's SGLang keeps `output_token_sampling_logprobs` a
+    number per token and sends each support's renormalised log-probs as
+    `output_token_sampling_mask_logprobs`: carried, said renormalised,
+    checked against the supports like support mode's."""
+    fake = FakeSGLang(VOCAB)
+    fake.close()
+    answer = fake.answer(PROMPT, 8, sampling_logprobs_mode="support")
+    ids, meta = answer["output_ids"], dict(answer["meta_info"])
+    rows = meta["output_token_sampling_logprobs"]
+    per_token = [float(np.float32(row[0])) for row in rows]  # the fake puts the sampled id first
+    fork = dict(meta, output_token_sampling_logprobs=per_token, output_token_sampling_mask_logprobs=rows)
+    turn = turn_from_sglang(ids, fork, vocab_size=VOCAB)
+    assert turn.mask_log_probs.tobytes() == flat_f32(rows) and turn.mask_log_probs_normalized
+    assert turn.log_probs.tobytes() == np.float32(per_token).tobytes()
+    with pytest.raises(ProtocolError, match="output_token_sampling_mask_logprobs has 7 entries, 8 tokens were sampled"):
+        turn_from_sglang(ids, dict(fork, output_token_sampling_mask_logprobs=rows[1:]))
+    wide = next(i for i, s in enumerate(meta["output_token_sampling_mask"]) if len(s) > 1)
+    short = [*rows[:wide], rows[wide][:-1], *rows[wide + 1:]]
+    with pytest.raises(ProtocolError, match=rf"output_token_sampling_mask_logprobs\[{wide}\] has") as info:
+        turn_from_sglang(ids, dict(fork, output_token_sampling_mask_logprobs=short))
+    assert info.value.code == "misaligned"
+
+
 def test_support_log_probs_that_break_a_rule_are_refused_with_it():
     fake = FakeSGLang(VOCAB)
     fake.close()
