@@ -45,7 +45,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollstream.common.contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, TOKEN_LOG_PROB_ARRAYS
+from rollstream.common.contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, SUPPORT_LOG_PROB_ARRAYS, TOKEN_LOG_PROB_ARRAYS
 from rollstream.common.errors import InvalidInput, RollstreamError
 from rollstream.common.jobs import job_key, job_of, wire_id
 from rollstream.common.segments import SegmentLog
@@ -74,7 +74,7 @@ log = logging.getLogger("rollstream.broker")
 # Each file's schema and its version, in its key-value metadata; docs/archive.md says what each version holds.
 ARCHIVE_SCHEMA_VERSION = 2  # 1 held every token; 2 holds the facts and where the records lie
 ARCHIVE_SCHEMA_KEY = b"rollstream:archive_schema"
-DATASET_SCHEMA_VERSION = 2  # 2 adds the per-token log-prob arrays (`full_log_probs`)
+DATASET_SCHEMA_VERSION = 3  # 2 adds per-token log-prob arrays (`full_log_probs`), 3 per-support-id ones (`mask_log_probs`)
 DATASET_SCHEMA_KEY = b"rollstream:dataset_schema"
 SEGMENTS = "_segments"  # the archive's segment files: `_` makes the Parquet readers skip them
 
@@ -86,9 +86,10 @@ _RECORD = pa.struct([("turn", pa.int32()), ("segment", pa.int64()), ("offset", p
 
 # The trajectory's arrays, one list per row in the contract's dtype; the supports as the contract carries them
 # (CSR: a row's `mask_offsets` start at 0, token i's ids are mask_ids[offsets[i]:offsets[i + 1]]), which costs the
-# writer a fraction of what a list of lists per token does. The optional per-token log-probs are null for a row
-# without them.
-ARCHIVED_ARRAYS = ("prompt_tokens", "tokens", "log_probs", *TOKEN_LOG_PROB_ARRAYS, "loss_mask", "mask_ids", "mask_offsets")
+# writer a fraction of what a list of lists per token does. The optional per-token log-probs, and the optional
+# per-support-id ones (aligned with the row's `mask_ids`), are null for a row without them.
+ARCHIVED_ARRAYS = ("prompt_tokens", "tokens", "log_probs", *TOKEN_LOG_PROB_ARRAYS, "loss_mask", "mask_ids", "mask_offsets",
+                   *SUPPORT_LOG_PROB_ARRAYS)
 # The context replay arrays (routed experts, indexer top-k; N-D): each row's values flattened, and its shape beside.
 SHAPED_ARRAYS = CONTEXT_REPLAY_ARRAYS
 # Columns a reader filters on: only these get statistics (and the small text ones dictionaries), which the large

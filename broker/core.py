@@ -28,7 +28,7 @@ from typing import Any, Generic, NamedTuple, NewType, TypeVar
 
 from rollstream.common.clock import Clock
 from rollstream.common.codec import Message, encode, encode_error
-from rollstream.common.contract import LIVENESS_INTERVALS, TOKEN_LOG_PROB_ARRAYS
+from rollstream.common.contract import LIVENESS_INTERVALS, SUPPORT_LOG_PROB_ARRAYS, TOKEN_LOG_PROB_ARRAYS
 from rollstream.common.errors import ProtocolError, RemoteProtocolError
 from rollstream.common.failures import FailureLimit, internal_error, log_internal
 from rollstream.common.jobs import DEFAULT_JOB, SEPARATOR, job_key, job_of, wire_id
@@ -677,7 +677,7 @@ class BrokerCore:
         mask = trajectory.mask
         if mask is not None:
             arrays.update(mask_ids=mask.ids, mask_offsets=mask.offsets)
-        for name in TOKEN_LOG_PROB_ARRAYS:
+        for name in (*TOKEN_LOG_PROB_ARRAYS, *SUPPORT_LOG_PROB_ARRAYS):
             if trajectory.carries(name):
                 arrays[name] = getattr(trajectory, name)
         return encode(BROKER_TO_PRODUCER, "open_trajectory", fields, arrays)

@@ -66,7 +66,7 @@ from .staleness import Policy, SetPolicy
 
 log = logging.getLogger("rollstream.broker")
 
-SCHEMA_VERSION = 12  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
+SCHEMA_VERSION = 13  # 2: turn digests are XXH3-128; 3: an applied turn's digest is empty, its record stands for it;
 # 4: an ended trajectory's row carries a CRC-32 of its end (`end_crc`); 5: trained trajectories and runs;
 # 6: an ended trajectory's ordered policy version, each job's published policy, and the `scoring` state;
 # 7: what sampled an ended trajectory (lineage epochs and steps), and each job's ancestry (its branches);
@@ -74,8 +74,9 @@ SCHEMA_VERSION = 12  # 2: turn digests are XXH3-128; 3: an applied turn's digest
 # 9: a trajectory's producer, its deliveries, commit time and lineage epoch, and the archive file it waits for;
 # 10: the segments holding archived records, which go to the archive instead of being deleted;
 # 11: the CURVE key its producer connected with, to which its producer alone is handed it back;
-# 12: turn records may carry `full_log_probs` and a gap may name it, which a broker before it cannot read
-_READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)  # an older store is upgraded in place (`Store._upgrade`)
+# 12: turn records may carry `full_log_probs` and a gap may name it, which a broker before it cannot read;
+# 13: turn records may carry `mask_log_probs` and a gap may name it, which a broker before it cannot read
+_READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)  # an older store is upgraded in place (`Store._upgrade`)
 
 _IDS_PER_QUERY = 500  # ids bound in one `IN (...)`, well under SQLite's limit on a statement's variables
 

@@ -51,7 +51,7 @@ import numpy as np
 import xxhash
 
 from .clock import Clock
-from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, TOKEN_LOG_PROB_ARRAYS
+from .contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, REPLAY_FIELDS, SUPPORT_LOG_PROB_ARRAYS, TOKEN_LOG_PROB_ARRAYS
 from .messages import status_count
 
 # The digest's streams: each is the field's values over the whole trajectory,
@@ -59,6 +59,8 @@ from .messages import status_count
 _STREAMS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "support_sizes", "mask_ids")
 _TOKENS, _LOG_PROBS, _LOSS, _SIZES, _IDS = range(1, 6)
 _SIZE_DTYPE = ARRAYS["mask_offsets"].dtype
+# The optional log-prob arrays, each digested in a stream of its own, in this order.
+_LOG_PROB_ARRAYS = (*TOKEN_LOG_PROB_ARRAYS, *SUPPORT_LOG_PROB_ARRAYS)
 
 
 def _raw(values, name: str) -> memoryview:
@@ -71,18 +73,20 @@ class ContentDigest:
     """A streaming digest of a trajectory's content as docs/semantics.md merges
     it: feed the prompt, then each turn's sampled tokens and its forced
     tokens, in order. `copy` forks it (a turn sent again after a refusal
-    goes on from the state before it). A per-token log-prob array beyond
-    `log_probs` (`TOKEN_LOG_PROB_ARRAYS`) gets a stream of its own from the
-    first turn that carries it, and a trajectory without one digests as
-    before there were any."""
+    goes on from the state before it). An optional log-prob array beyond
+    `log_probs` (per token, `TOKEN_LOG_PROB_ARRAYS`, or per support id,
+    `SUPPORT_LOG_PROB_ARRAYS`) gets a stream of its own from the first turn
+    that carries it, and a trajectory without one digests as before there
+    were any. A forced token adds 0.0 to each: its log-prob, and its
+    singleton support's."""
 
-    __slots__ = ("_streams", "has_mask", "_replay", "_token_log_probs")
+    __slots__ = ("_streams", "has_mask", "_replay", "_log_prob_streams")
 
     def __init__(self, prompt_tokens=None):
         self._streams = [xxhash.xxh3_64() for _ in _STREAMS]
         self.has_mask = False
         self._replay = b""  # the latest turn's context replay arrays (the merged trajectory keeps those)
-        self._token_log_probs = {}  # name -> its stream, for those carried
+        self._log_prob_streams = {}  # name -> its stream, for the optional log-prob arrays carried
         if prompt_tokens is not None:
             self._streams[0].update(_raw(prompt_tokens, "prompt_tokens"))
 
@@ -90,20 +94,21 @@ class ContentDigest:
         other = ContentDigest.__new__(ContentDigest)
         other._streams = [stream.copy() for stream in self._streams]
         other.has_mask, other._replay = self.has_mask, self._replay
-        other._token_log_probs = {name: stream.copy() for name, stream in self._token_log_probs.items()}
+        other._log_prob_streams = {name: stream.copy() for name, stream in self._log_prob_streams.items()}
         return other
 
     def add_sampled(self, tokens, log_probs, loss_mask=None, mask_ids=None, mask_offsets=None,
-                    replay: Mapping[str, Any] | None = None, token_log_probs: Mapping[str, Any] | None = None) -> None:
+                    replay: Mapping[str, Any] | None = None, log_prob_arrays: Mapping[str, Any] | None = None) -> None:
         """One turn's sampled tokens; `loss_mask` None means every one trains;
-        `token_log_probs` the turn's arrays of `TOKEN_LOG_PROB_ARRAYS` by name."""
+        `log_prob_arrays` the turn's arrays of `TOKEN_LOG_PROB_ARRAYS` (one
+        per token) and `SUPPORT_LOG_PROB_ARRAYS` (one per support id) by name."""
         streams = self._streams
         n = len(tokens)
         streams[_TOKENS].update(_raw(tokens, "tokens"))
         streams[_LOG_PROBS].update(_raw(log_probs, "log_probs"))
-        for name, values in (token_log_probs or {}).items():
+        for name, values in (log_prob_arrays or {}).items():
             if values is not None:  # not carried (a dataset row holds None where a trajectory has none)
-                self._token_log_probs.setdefault(name, xxhash.xxh3_64()).update(_raw(values, name))
+                self._log_prob_streams.setdefault(name, xxhash.xxh3_64()).update(_raw(values, name))
         streams[_LOSS].update(b"\x01" * n if loss_mask is None else _raw(loss_mask, "loss_mask"))
         if mask_offsets is not None:
             self.has_mask = True
@@ -119,7 +124,9 @@ class ContentDigest:
             self._replay = kept.digest()
 
     def add_forced(self, forced_tokens) -> None:
-        """Forced tokens: log-prob 0, loss 0, a singleton support each when the trajectory carries a mask."""
+        """Forced tokens: log-prob 0, loss 0, a singleton support each when
+        the trajectory carries a mask (its one id's log-prob 0 when it
+        carries those)."""
         n = len(forced_tokens)
         if not n:
             return
@@ -127,7 +134,7 @@ class ContentDigest:
         raw = _raw(forced_tokens, "tokens")
         streams[_TOKENS].update(raw)
         streams[_LOG_PROBS].update(bytes(ARRAYS["log_probs"].dtype.itemsize * n))
-        for name, stream in self._token_log_probs.items():
+        for name, stream in self._log_prob_streams.items():  # one entry per forced token either way
             stream.update(bytes(ARRAYS[name].dtype.itemsize * n))
         streams[_LOSS].update(bytes(n))
         if self.has_mask:
@@ -139,22 +146,22 @@ class ContentDigest:
         for stream in self._streams:
             whole.update(stream.digest())
         whole.update(self._replay)
-        for name in TOKEN_LOG_PROB_ARRAYS:
-            if name in self._token_log_probs:
+        for name in _LOG_PROB_ARRAYS:
+            if name in self._log_prob_streams:
                 whole.update(name.encode())
-                whole.update(self._token_log_probs[name].digest())
+                whole.update(self._log_prob_streams[name].digest())
         return whole.hexdigest()
 
 
 def delivered_digest(arrays: Mapping[str, Any]) -> str:
     """The digest of a delivered trajectory's arrays (contract names:
     `prompt_tokens`, `tokens` for the response, `log_probs`, `loss_mask`,
-    and `mask_ids` + `mask_offsets`, the replay arrays and the per-token
+    and `mask_ids` + `mask_offsets`, the replay arrays and the optional
     log-prob arrays it carries)."""
     digest = ContentDigest(arrays["prompt_tokens"])
     digest.add_sampled(arrays["tokens"], arrays["log_probs"], arrays["loss_mask"], arrays.get("mask_ids"),
                        arrays.get("mask_offsets"), {name: arrays.get(name) for name in CONTEXT_REPLAY_ARRAYS},
-                       {name: arrays.get(name) for name in TOKEN_LOG_PROB_ARRAYS})
+                       {name: arrays.get(name) for name in _LOG_PROB_ARRAYS})
     return digest.hexdigest()
 
 
@@ -176,7 +183,7 @@ def turn_record(before: ContentDigest, turn) -> tuple[TurnRecord, ContentDigest]
     after.add_sampled(turn.tokens, turn.log_probs, turn.loss_mask, None if mask is None else mask._ids,
                       None if mask is None else mask._offsets,
                       {name: getattr(turn, name) for name in CONTEXT_REPLAY_ARRAYS},
-                      {name: getattr(turn, name) for name in TOKEN_LOG_PROB_ARRAYS if getattr(turn, name) is not None})
+                      {name: getattr(turn, name) for name in _LOG_PROB_ARRAYS})
     sampled = after.hexdigest()
     after.add_forced(turn.forced_tokens)
     carries = tuple(name for name in REPLAY_FIELDS if turn.carries(name))

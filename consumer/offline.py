@@ -32,7 +32,7 @@ import numpy as np
 
 from rollstream.common.clock import Clock
 from rollstream.common.codec import decode
-from rollstream.common.contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, TOKEN_LOG_PROB_ARRAYS
+from rollstream.common.contract import ARRAYS, CONTEXT_REPLAY_ARRAYS, SUPPORT_LOG_PROB_ARRAYS, TOKEN_LOG_PROB_ARRAYS
 from rollstream.common.errors import ExtraMissing, InvalidInput
 from rollstream.common.jobs import DEFAULT_JOB
 from rollstream.common.messages import BROKER_TO_CONSUMER
@@ -45,7 +45,9 @@ from .position import STATE_FORMAT
 
 ORDERS = ("as_trained", "shuffled")
 _ARRAY_COLUMNS = ("prompt_tokens", "tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets",
-                  *CONTEXT_REPLAY_ARRAYS, *TOKEN_LOG_PROB_ARRAYS)
+                  *CONTEXT_REPLAY_ARRAYS, *TOKEN_LOG_PROB_ARRAYS, *SUPPORT_LOG_PROB_ARRAYS)
+# Columns a dataset of an older schema version lacks: version 1 the per-token log-probs, 1 and 2 the per-support-id ones.
+_LATER_COLUMNS = (*TOKEN_LOG_PROB_ARRAYS, *SUPPORT_LOG_PROB_ARRAYS)
 _COLUMNS = ("trajectory_id", "job", "run", "epoch", "step", "position", "group_id", "group_size", "sample_index", "status",
             "turns", "gap_turn", "gap_field", "reward_json", "metadata_json", "weight_versions", "weight_version_spans",
             *_ARRAY_COLUMNS, *(f"{name}_shape" for name in CONTEXT_REPLAY_ARRAYS))
@@ -89,8 +91,8 @@ class ArchivedRows:
             condition &= ds.field("run") == run
         if steps is not None:
             condition &= (ds.field("step") >= steps[0]) & (ds.field("step") <= steps[1])
-        # A dataset of schema version 1 predates the per-token log-prob columns: its rows have none.
-        columns = [name for name in _COLUMNS if name not in TOKEN_LOG_PROB_ARRAYS or name in data.schema.names]
+        # A dataset of an older schema version predates some log-prob columns: its rows have none of them.
+        columns = [name for name in _COLUMNS if name not in _LATER_COLUMNS or name in data.schema.names]
         table = data.to_table(columns=columns, filter=condition)
         runs = sorted(set(table.column("run").to_pylist()))
         if not runs:

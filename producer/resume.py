@@ -43,10 +43,10 @@ class Resumable:
 class Prefix:
     """An open trajectory's content as its broker merged it: the prompt and
     the response so far (sampled and forced tokens, their log-probs, loss
-    mask and supports, and their full-vocabulary log-probs when it carries
-    them), where each turn's forced tokens lie and which
-    weights sampled which tokens, in response positions. The arrays are
-    the producer's own (copied from the reply)."""
+    mask and supports, and their full-vocabulary log-probs and the
+    supports' log-probs when it carries them), where each turn's forced
+    tokens lie and which weights sampled which tokens, in response
+    positions. The arrays are the producer's own (copied from the reply)."""
 
     trajectory_id: str
     next_turn: int
@@ -60,6 +60,7 @@ class Prefix:
     forced_spans: tuple[tuple[int, int], ...]
     weight_version_spans: tuple[tuple[str, int, int], ...]
     full_log_probs: np.ndarray | None = None
+    mask_log_probs: np.ndarray | None = None  # aligned with `mask.ids` (0.0 for a forced token's singleton)
 
     @classmethod
     def from_message(cls, message: Message) -> "Prefix":
@@ -69,7 +70,7 @@ class Prefix:
                    arrays["prompt_tokens"], arrays["tokens"], arrays["log_probs"], arrays["loss_mask"], mask,
                    tuple((start, end) for start, end in message.get("forced_spans", ())),
                    tuple((version, start, end) for version, start, end in message.get("weight_version_spans", ())),
-                   arrays.get("full_log_probs"))
+                   arrays.get("full_log_probs"), arrays.get("mask_log_probs"))
 
     @property
     def context(self) -> np.ndarray:
@@ -86,14 +87,17 @@ class Prefix:
             bounds.append((len(self.tokens), len(self.tokens)))
         turns, start = [], 0
         for forced_start, forced_end in bounds:
-            mask = None
+            mask = support_log_probs = None
             if self.mask is not None:
                 offsets = self.mask.offsets[start:forced_start + 1]
                 mask = SamplingMask(self.mask.ids[offsets[0]:offsets[-1]], offsets - offsets[0])
+                if self.mask_log_probs is not None:  # one per id of the sampled tokens' supports
+                    support_log_probs = self.mask_log_probs[offsets[0]:offsets[-1]]
             versions = [v for v, a, b in self.weight_version_spans if a < forced_start and b > start]
             full = None if self.full_log_probs is None else self.full_log_probs[start:forced_start]
             turns.append(Turn.build(self.tokens[start:forced_start], self.log_probs[start:forced_start],
                                     loss_mask=self.loss_mask[start:forced_start], mask=mask, full_log_probs=full,
+                                    mask_log_probs=support_log_probs,
                                     forced_tokens=self.tokens[forced_start:forced_end],
                                     weight_version=versions[0] if versions else None))
             start = forced_end

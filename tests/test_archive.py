@@ -250,6 +250,56 @@ def test_supports_of_many_rows_stay_each_rows_own():
     assert np.array_equal(table.column("prompt_tokens").combine_chunks().values.to_numpy(), [1, 2, 3])
 
 
+def test_mask_log_probs_of_many_rows_stay_aligned_with_each_rows_mask_ids():
+    """Dataset schema version 3: a nullable `mask_log_probs` column of
+    float32 lists, each row's one entry per id of its `mask_ids` (0.0 at a
+    forced token's singleton); null for a row with supports but without
+    them and for a row without supports."""
+    from rollstream.broker.archive import DATASET_SCHEMA, DATASET_SCHEMA_KEY, DATASET_SCHEMA_VERSION, dataset_table
+    from rollstream.broker.store import StoredTrajectory
+    from rollstream.common.trajectory import Trajectory, Turn
+
+    def stored(tid):
+        return StoredTrajectory(tid, "ended", None, None, None, 0.0, None, None, None, None, None, None, None)
+
+    carried = Trajectory("c", [1])
+    carried.append_turn(Turn.build([5, 6], [-1.0, -1.0], supports=[[5, 9], [6]], forced_tokens=[3],
+                                   mask_log_probs=[-1.0, -0.5, -0.25]))
+    carried.append_turn(Turn.build([8], [-1.0], supports=[[8, 1, 2]], mask_log_probs=[-0.125, -2.0, -4.0]))
+    masked = Trajectory("m", [2])
+    masked.append_turn(Turn.build([7], [-1.0], supports=[[7, 4]]))
+    plain = Trajectory("p", [3])
+    plain.append_turn(Turn.build([7], [-1.0]))
+    table = dataset_table([(stored("c"), carried), (stored("m"), masked), (stored("p"), plain)])
+    assert DATASET_SCHEMA_VERSION == 3 and table.schema.metadata[DATASET_SCHEMA_KEY] == b"3"
+    field = DATASET_SCHEMA.field("mask_log_probs")
+    assert field.type == pa.list_(pa.float32()) and field.nullable
+    assert table.column("mask_ids").to_pylist() == [[5, 9, 6, 3, 8, 1, 2], [7, 4], None]
+    assert table.column("mask_log_probs").to_pylist() == [[-1.0, -0.5, -0.25, 0.0, -0.125, -2.0, -4.0], None, None]
+    for ids, values in zip(table.column("mask_ids").to_pylist(), table.column("mask_log_probs").to_pylist()):
+        assert values is None or len(values) == len(ids)
+
+
+def test_an_archived_trajectorys_mask_log_probs_come_back_in_the_export_and_a_gap_at_them_is_named(tmp_path):
+    """Merged again from the archived records: the supports' log-probs of
+    the turns applied, and a turn without them cut as a replay gap naming
+    them."""
+    store, engine = opened(tmp_path / "data")
+    produce(engine, store, [turn_msg("a", 0, [5], [[5, 6]], forced=[7], mask_log_probs=[-0.25, -2.0]),
+                            turn_msg("a", 1, [8], [[8, 2]], mask_log_probs=[-0.5, -1.5]), end_msg("a"),
+                            turn_msg("g", 0, [5], [[5, 6]], forced=[7], mask_log_probs=[-0.25, -2.0]),
+                            turn_msg("g", 1, [8], [[8, 2]]), end_msg("g", seq=101)])
+    for position, tid in enumerate(("a", "g")):
+        store.commit(engine.trained(tid, TrainedAt("R", "L", 1, position, 0), 2.0))
+    store.commit(engine.end_run("R", 3.0))
+    archive_all(tmp_path / "archive", store)
+    store.close()
+    rows = dataset(tmp_path / "archive", tmp_path / "run.parquet")
+    assert rows["a"]["mask_ids"] == [5, 6, 7, 8, 2] and rows["a"]["mask_log_probs"] == [-0.25, -2.0, 0.0, -0.5, -1.5]
+    assert (rows["g"]["gap_turn"], rows["g"]["gap_field"]) == (1, "mask_log_probs")
+    assert rows["g"]["mask_ids"] == [5, 6] and rows["g"]["mask_log_probs"] == [-0.25, -2.0]
+
+
 def test_a_live_broker_archives_what_its_trainer_trained_and_sealed_then_the_rest_once_the_run_ends(tmp_path):
     """`rollstream broker --archive DIR`, a producer, a checkpointing
     consumer that seals every step (keeping two checkpoints): what the

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from rollstream.broker.core import PROBE_EVERY, BrokerCore, Commit, ReadBack, Send, Sent, drive
-from rollstream.broker.engine import DEAD, ENDED, TRAINED
+from rollstream.broker.engine import DEAD, ENDED, OPEN, TRAINED
 from rollstream.broker.metrics import BrokerMetrics
 from rollstream.broker.recovery import rebuild
 from rollstream.broker.settings import BrokerSettings
@@ -37,6 +37,7 @@ from rollstream.common.clock import Clock
 from rollstream.common.codec import decode, decode_header, encode
 from rollstream.common.jobs import DEFAULT_JOB, job_key, job_of
 from rollstream.common.messages import BROKER_TO_CONSUMER, BROKER_TO_PRODUCER, CONSUMER_TO_BROKER, PRODUCER_TO_BROKER
+from rollstream.common.trajectory import Gap
 from rollstream.common.validation import Violation
 from rollstream.consumer.core import ConsumerCore, Form, HandOut, Refill
 
@@ -81,10 +82,13 @@ class Broker(RuleBasedStateMachine):
         self.branches: list[list[int]] = []  # [epoch, step resumed from] per resume
         self.sampled: dict[str, set[tuple[int, int]]] = {tid: set() for tid in TRAJECTORIES}  # applied turns' weights
         self.applied: dict[str, list[int]] = {tid: [] for tid in TRAJECTORIES}  # the tokens of its applied turns
-        # The full-vocabulary log-probs of its applied turns, or None when its first turn brought none (a replay
-        # field: turn 0 decides), and whether a later turn without them cut it at a replay gap.
+        # The full-vocabulary log-probs of its applied turns, and its supports' log-probs (one per support id), each
+        # None when its first turn brought none (replay fields: turn 0 decides); whether a later turn without one
+        # cut it at a replay gap; and the forced tokens its last applied turn ended with (a gap cuts them off).
         self.full: dict[str, list[float] | None] = dict.fromkeys(TRAJECTORIES)
+        self.support: dict[str, list[float] | None] = dict.fromkeys(TRAJECTORIES)
         self.gapped: set[str] = set()
+        self.forced_tail: dict[str, int] = dict.fromkeys(TRAJECTORIES, 0)
         self.named = False  # the producer's connection said hello
 
     def teardown(self):
@@ -146,8 +150,11 @@ class Broker(RuleBasedStateMachine):
     def clock(self):
         return Clock(self.now, self.now)
 
-    def _produce(self, message, store_fails=False):
+    def _produce(self, message, store_fails=False, refusals=None):
+        """The `ack` of `message`, or None; its `nack`s go to `refusals` when given."""
         replies = self._run(self.core.producer_read([(PRODUCER, message, None)], self.clock), fail_commit=store_fails)
+        if refusals is not None:
+            refusals += [reply for reply in replies if reply.type == "nack"]
         acks = [reply for reply in replies if reply.type in ("ack", "acks")]
         return acks[0] if acks and acks[0].type == "ack" else None
 
@@ -170,36 +177,65 @@ class Broker(RuleBasedStateMachine):
         self._run(self.core.deliver(self.clock), fail_read=read_back_fails)
 
     # -- producers ------------------------------------------------------------
-    @rule(tid=st.sampled_from(TRAJECTORIES), tokens=st.integers(1, 3), store_fails=st.booleans(), full=st.booleans())
-    def turn(self, tid, tokens, store_fails=False, full=False):
-        """A turn, with its tokens' full-vocabulary log-probs or without: one
-        without them where the trajectory carries them is a replay gap,
-        which consumes the turn and ends its turns."""
+    @rule(tid=st.sampled_from(TRAJECTORIES), tokens=st.integers(1, 3), store_fails=st.booleans(), full=st.booleans(),
+          support=st.booleans(), forced=st.booleans())
+    def turn(self, tid, tokens, store_fails=False, full=False, support=False, forced=False):
+        """A turn, with its tokens' full-vocabulary log-probs or without, with
+        its supports' log-probs (two ids each) or without, and with a forced
+        token after its sampled ones or without: one without a field the
+        trajectory carries is a replay gap, which consumes the turn, ends its
+        turns and cuts the forced tokens of the turn before; one bringing a
+        field its applied turns lack is refused `mask_presence`."""
         index = self.turns[tid]
         ids = list(range(10, 10 + tokens))
+        supports = [[t, t + 20] for t in ids]
         full_log_probs = [-t / 64 for t in ids] if full else None
+        mask_log_probs = [-i / 32 for s in supports for i in s] if support else None
+        forced_tokens = [30] if forced else []
         label = f"step-{self.version}" if self.epoch == 0 else f"e{self.epoch}:step-{self.version}"
-        message = turn_msg(tid, index, ids, [[t] for t in ids], group=GROUP_OF.get(tid), seq=index,
-                           weight_version=label, full_log_probs=full_log_probs)
-        carried = self.full[tid] is not None and index > 0
-        ack = self._produce(message, store_fails)
+        message = turn_msg(tid, index, ids, supports, forced=forced_tokens or None, group=GROUP_OF.get(tid), seq=index,
+                           weight_version=label, full_log_probs=full_log_probs, mask_log_probs=mask_log_probs)
+        carried = {"full_log_probs": self.full[tid] is not None and index > 0,
+                   "mask_log_probs": self.support[tid] is not None and index > 0}
+        brought = {"full_log_probs": full, "mask_log_probs": support}
+        entry = self.core.engine.entries.get(tid)
+        extends = (index > 0 and not self.core.unavailable and entry is not None and entry.state == OPEN
+                   and index == entry.next_turn and entry.trajectory is not None and not entry.trajectory.terminal)
+        starting = [name for name in ("full_log_probs", "mask_log_probs") if extends and brought[name] and not carried[name]]
+        refusals: list = []
+        ack = self._produce(message, store_fails, refusals)
+        presence = [r for r in refusals if r["code"] == "mask_presence"]
+        if starting:  # a later start: refused before anything is stored
+            assert ack is None and len(presence) == 1, (tid, index, starting, refusals)
+            assert f"carries {starting[0]} but the" in presence[0]["message"], presence[0]["message"]
+            return
+        assert not presence, (tid, index, presence)
         if ack is None or ack.get("duplicate"):
             return
         if not ack["applied"]:
             if ack.get("reason") == "replay_gap" and tid not in self.gapped:
-                assert carried and not full, f"{tid} cut at turn {index}, which lacks no field it carries"
+                assert any(carried[name] and not brought[name] for name in carried), \
+                    f"{tid} cut at turn {index}, which lacks no field it carries"
                 self.gapped.add(tid)
                 self.turns[tid] += 1  # the turn that revealed the gap counts as consumed
+                cut = self.forced_tail[tid]  # the merged trajectory ends with the last turn's sampled tokens
+                for kept in (self.applied[tid], self.full[tid], self.support[tid]):
+                    if kept is not None and cut:
+                        del kept[-cut:]
             return
-        assert tid not in self.gapped and (index == 0 or carried == full), f"{tid}: turn {index} applied"
+        assert tid not in self.gapped and (index == 0 or carried == brought), f"{tid}: turn {index} applied"
         if index == 0:
             self.sampled[tid] = set()
             self.applied[tid] = []
             self.full[tid] = [] if full else None
+            self.support[tid] = [] if support else None
         self.sampled[tid].add((self.epoch, self.version))
-        self.applied[tid] += ids
+        self.applied[tid] += ids + forced_tokens
         if full_log_probs is not None:
-            self.full[tid] += full_log_probs
+            self.full[tid] += full_log_probs + [0.0] * len(forced_tokens)
+        if mask_log_probs is not None:  # a forced token's singleton support is certain
+            self.support[tid] += mask_log_probs + [0.0] * len(forced_tokens)
+        self.forced_tail[tid] = len(forced_tokens)
         self.turns[tid] += 1
 
     @rule(group=st.sampled_from(sorted(GROUPS)))
@@ -266,6 +302,10 @@ class Broker(RuleBasedStateMachine):
                 full = content.arrays.get("full_log_probs")
                 assert (None if full is None else full.tolist()) == (
                     None if self.full[tid] is None else np.array(self.full[tid], np.float32).tolist())
+                support = content.arrays.get("mask_log_probs")
+                assert (None if support is None else support.tolist()) == (
+                    None if self.support[tid] is None else np.array(self.support[tid], np.float32).tolist())
+                assert support is None or len(support) == len(content.arrays["mask_ids"])
                 assert content["state"] == ("terminal" if tid in self.gapped else "open")
 
     # -- the consumer -----------------------------------------------------------
@@ -445,3 +485,93 @@ def test_an_ack_and_a_seal_in_one_batch_whose_seal_cannot_commit_lose_nothing():
             machine.every_ended_trajectory_is_in_exactly_one_place()
     finally:
         machine.teardown()
+
+
+@pytest.mark.parametrize("memory", [1 << 30, 1], ids=["held", "evicted"])
+def test_supports_log_probs_are_handed_back_cut_at_a_gap_naming_them_and_a_later_start_is_refused(memory):
+    """The machine's steps, each checked as it checks them, through what a
+    draw may not reach: a trajectory carrying its supports' log-probs (0.0
+    at each forced token's singleton) is handed back with them, then cut
+    at a turn without them (a gap naming them, the forced token before it
+    cut off too); one whose first turn brought none is refused
+    `mask_presence` when a later turn brings them, and goes on without."""
+    machine = Broker()
+    machine.start(memory=memory, checkpointed=False)
+    read = ("a_restarted_producer_is_handed_back_what_it_has_open", {"read": True})
+    steps = [("producer_says_hello", {}),
+             ("turn", {"tid": "s0", "tokens": 2, "support": True, "forced": True}), read,
+             ("turn", {"tid": "s0", "tokens": 1, "support": True, "forced": True}), read,
+             ("turn", {"tid": "s0", "tokens": 1, "support": False}), read,
+             ("turn", {"tid": "a0", "tokens": 1, "forced": True}),
+             ("turn", {"tid": "a0", "tokens": 1, "support": True}), read,
+             ("turn", {"tid": "a0", "tokens": 1}), read]
+    try:
+        for name, arguments in steps:
+            getattr(machine, name)(**arguments)
+            machine.every_ended_trajectory_is_in_exactly_one_place()
+        assert machine.gapped == {"s0"} and machine.core.engine.entries["s0"].trajectory.gap == Gap(2, "mask_log_probs")
+        assert machine.applied["s0"] == [10, 11, 30, 10]
+        assert machine.support["s0"] == [-10 / 32, -30 / 32, -11 / 32, -31 / 32, 0.0, -10 / 32, -30 / 32]
+        assert (machine.turns["a0"], machine.support["a0"], machine.applied["a0"]) == (2, None, [10, 30, 10])
+    finally:
+        machine.teardown()
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["checked-with-the-read", "checked-ahead"])
+def test_a_turn_saying_its_supports_log_probs_are_renormalised_is_refused_when_they_do_not_sum_to_1(tmp_path, monkeypatch,
+                                                                                                  ahead):
+    """The service's content check (`_check_content`, or the check ahead of
+    the read for a large turn): in one read, a turn that says its supports'
+    log-probs are renormalised and whose second support's probabilities sum
+    to 0.75 is refused `invalid_value` naming the rule and the token; the
+    turns beside it, one renormalised and the same values not said to be,
+    are applied."""
+    import zmq
+
+    import rollstream.broker.service as service_module
+    from rollstream.broker.service import BrokerService
+    from rollstream.broker.settings import BrokerSettings
+    from rollstream.common.trajectory import Turn
+    from rollstream.common.validation import RULE_SUPPORT_NORMALIZED
+    from rollstream.common.wire import encode_turn
+
+    if ahead:  # every turn is large enough to be checked on the checker's thread
+        monkeypatch.setattr(service_module, "CHECK_AHEAD_FROM_BYTES", 0)
+    half, quarter = float(np.log(np.float32(0.5))), float(np.log(np.float32(0.25)))
+    supports = [[5, 6], [7, 8, 9]]
+
+    def frames(tid, seq, values, normalized):
+        turn = Turn.build([5, 7], [half, half], supports=supports, mask_log_probs=values,
+                          mask_log_probs_normalized=normalized, check_content=False)
+        return encode_turn(tid, 0, turn, seq=seq, prompt_tokens=np.array([1, 2], np.int32))
+
+    short = [half, half, half, quarter, -8.0]  # token 1's support: 0.5 + 0.25 + e**-8
+    context = zmq.Context()
+    service = BrokerService(BrokerSettings(producer_endpoint="inproc://p", consumer_endpoint="inproc://c",
+                                           admin_endpoint="inproc://a", data_dir=str(tmp_path / "data"),
+                                           metrics_port=0, vocab_size=1000), context=context)
+    service.start()
+    sock = context.socket(zmq.DEALER)
+    try:
+        sock.connect("inproc://p")
+        for message in (frames("good", 1, [half, half, half, quarter, quarter], True), frames("bad", 2, short, True),
+                        frames("unsaid", 3, short, False)):
+            sock.send_multipart(message)
+        replies: dict[int, object] = {}
+        for _ in range(1000):
+            service.run_once(timeout_ms=10)
+            while sock.poll(0):
+                reply = decode(sock.recv_multipart(), BROKER_TO_PRODUCER)
+                replies[reply["seq"]] = reply
+            if len(replies) == 3:
+                break
+        assert [(replies[seq].type, replies[seq].get("applied")) for seq in (1, 3)] == [("ack", True)] * 2, replies
+        refused = replies[2]
+        assert (refused.type, refused["code"]) == ("nack", "invalid_value"), refused
+        assert refused["message"].startswith(f"rule '{RULE_SUPPORT_NORMALIZED}' violated at token 1: expected its 3 "
+                                             "probabilities to sum to 1, got 0.75"), refused["message"]
+        assert set(service.core.engine.entries) == {"good", "unsaid"}
+    finally:
+        sock.close(linger=0)
+        service.close()
+        context.term()

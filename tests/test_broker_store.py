@@ -305,7 +305,53 @@ def test_full_log_probs_and_a_gap_at_them_survive_a_restart(tmp_path, store):
     store2.close()
 
 
-@pytest.mark.parametrize("version", [2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+def test_mask_log_probs_and_a_gap_at_them_survive_a_restart(tmp_path, store):
+    """Read back from the turn records: every support id's log-prob byte for
+    byte beside its id, 0.0 at a forced token's singleton, a turn that said
+    them renormalised read back as any other, and a turn without them cut
+    as a replay gap naming them."""
+    engine = MergeEngine(EngineSettings())
+    half = float(np.log(np.float32(0.5)))
+    drive(engine, store, [turn_msg("a", 0, [1, 2], [[1, 5], [2]], forced=[3], mask_log_probs=[-0.25, -1.5, -0.0625]),
+                          turn_msg("a", 1, [4], [[4, 6]], mask_log_probs=[half, half], mask_log_probs_normalized=True),
+                          end_msg("a"),
+                          turn_msg("b", 0, [1], [[1, 9]], forced=[7], mask_log_probs=[-0.5, -1.0]),
+                          turn_msg("b", 1, [2], [[2]]), end_msg("b", seq=101)])
+    store.close()
+    store2, _, _ = reopen(tmp_path / "data")
+    a = load_trajectory(store2, store2.load_one("a"))
+    assert a.mask.ids.tolist() == [1, 5, 2, 3, 4, 6]
+    assert a.mask_log_probs.tobytes() == np.array([-0.25, -1.5, -0.0625, 0.0, half, half], np.float32).tobytes()
+    b = load_trajectory(store2, store2.load_one("b"))
+    assert b.gap == Gap(1, "mask_log_probs") and b.tokens.tolist() == [1]
+    assert b.mask.ids.tolist() == [1, 9] and b.mask_log_probs.tolist() == [-0.5, -1.0]
+    store2.close()
+
+
+def test_a_version_12_store_is_upgraded_and_its_trajectories_go_on_beside_ones_with_mask_log_probs(tmp_path, store):
+    """A store a version 12 broker wrote (no record of it can hold
+    `mask_log_probs`) opens as version 13 with its trajectories whole: one
+    open there goes on without them, and one started after the upgrade
+    carries them across the next restart."""
+    engine = MergeEngine(EngineSettings())
+    drive(engine, store, [turn_msg("old", 0, [1], [[1, 5]], forced=[3], full_log_probs=[-0.5])])
+    store.db.execute("UPDATE meta SET value=12 WHERE key='schema_version'")
+    store.close()
+    store2, engine2, _ = reopen(tmp_path / "data")
+    assert store2.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 13
+    drive(engine2, store2, [turn_msg("old", 1, [2], [[2]], full_log_probs=[-0.25]), end_msg("old"),
+                            turn_msg("new", 0, [4], [[4, 8]], mask_log_probs=[-0.125, -2.25]), end_msg("new", seq=101)])
+    store2.close()
+    store3, _, _ = reopen(tmp_path / "data")
+    old = load_trajectory(store3, store3.load_one("old"))
+    assert old.gap is None and old.tokens.tolist() == [1, 3, 2] and old.mask_log_probs is None
+    assert old.full_log_probs.tolist() == [-0.5, 0.0, -0.25] and not old.carries("mask_log_probs")
+    new = load_trajectory(store3, store3.load_one("new"))
+    assert new.mask_log_probs.tolist() == [-0.125, -2.25] and new.carries("mask_log_probs")
+    store3.close()
+
+
+@pytest.mark.parametrize("version", [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
 def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_checked(tmp_path, version):
     store = Store(tmp_path / "data")
     store.open()
@@ -348,13 +394,13 @@ def test_an_older_store_opens_and_becomes_the_current_version_with_its_ends_chec
     assert recovered.policies == ({"default": Policy(4, 1, 8, 1.0)} if version == 6 else {})
     assert recovered.dedup == {"gone": 5000.0} and recovered.pruned == {}
     assert (ended.producer, ended.first_delivered_at, ended.deliveries, ended.archive_file) == (None, None, 0, None)
-    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 12
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == 13
     assert ended.producer_key is None
     assert store.db.execute("SELECT COUNT(*) FROM archive_segments").fetchone()[0] == 0, "the table is made"
     store.db.execute("UPDATE trajectories SET reward=? WHERE id='t'", (msgpack.packb(0.75),))
     store.db.execute("UPDATE meta SET value=1 WHERE key='schema_version'")
     store.close()
-    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4 .* or 10 or 11 or 12$"):
+    with pytest.raises(StoreCorrupted, match="schema version 1, this broker reads 2 or 3 or 4 .* or 10 or 11 or 12 or 13$"):
         Store(tmp_path / "data").open()
     store = Store(tmp_path / "data")
     store.db.execute("UPDATE meta SET value=6 WHERE key='schema_version'")

@@ -25,13 +25,16 @@ from rollstream.common.checker import (
 from rollstream.common.trajectory import Trajectory, Turn
 
 
-def hand_merged(prompt, tokens, log_probs, loss_mask, ids=None, offsets=None, full_log_probs=None) -> dict:
+def hand_merged(prompt, tokens, log_probs, loss_mask, ids=None, offsets=None, full_log_probs=None,
+                mask_log_probs=None) -> dict:
     arrays = {"prompt_tokens": np.array(prompt, np.int32), "tokens": np.array(tokens, np.int32),
               "log_probs": np.array(log_probs, np.float32), "loss_mask": np.array(loss_mask, np.uint8)}
     if ids is not None:
         arrays["mask_ids"], arrays["mask_offsets"] = np.array(ids, np.int32), np.array(offsets, np.int64)
     if full_log_probs is not None:
         arrays["full_log_probs"] = np.array(full_log_probs, np.float32)
+    if mask_log_probs is not None:
+        arrays["mask_log_probs"] = np.array(mask_log_probs, np.float32)
     return arrays
 
 
@@ -93,6 +96,48 @@ def test_a_turn_without_full_log_probs_is_expected_as_a_replay_gap_naming_them()
     assert want.digest == delivered_digest(hand_merged([1, 2, 3], [10], [-0.1], [1], full_log_probs=[-0.3]))
 
 
+def test_mask_log_probs_are_vouched_for_in_a_stream_of_their_own():
+    """Each support id's log-prob, beside its id; a forced token's singleton
+    gets 0 as its log-prob does. A changed value, two swapped within a
+    support, or the array left out is a different digest; the same bytes as
+    `full_log_probs` instead are too (a stream of its own). A trajectory
+    without them digests as before they existed, with or without
+    `full_log_probs` (what ledgers already written hold)."""
+    prompt, records = sent(EXAMPLE_6)
+    assert expected(prompt, records).digest == "fd992b3fe16ba848e8cb3e5b62961111"
+    full_only = [Turn.build([10], [-0.1], supports=[[10, 4]], forced_tokens=[20, 21], full_log_probs=[-0.3]),
+                 Turn.build([30], [-0.2], supports=[[30, 7, 8]], full_log_probs=[-0.4])]
+    prompt, records = sent(full_only)
+    assert expected(prompt, records).digest == "a49001f234bc825beece8e610ca4f92b"
+    turns = [Turn.build([10], [-0.1], supports=[[10, 4]], forced_tokens=[20, 21], mask_log_probs=[-0.1, -2.5]),
+             Turn.build([30], [-0.2], supports=[[30, 7, 8]], mask_log_probs=[-0.2, -1.75, -3.0])]
+    prompt, records = sent(turns)
+    want = expected(prompt, records)
+    merged = hand_merged([1, 2, 3], [10, 20, 21, 30], [-0.1, 0, 0, -0.2], [1, 0, 0, 1], [10, 4, 20, 21, 30, 7, 8],
+                         [0, 2, 3, 4, 7], mask_log_probs=[-0.1, -2.5, 0, 0, -0.2, -1.75, -3.0])
+    assert records[0].carries == ("mask", "mask_log_probs") and delivered_digest(merged) == want.digest
+    for values in ([-0.1, -2.5, 0, 0, -0.2, -1.75, -3.01], [-0.1, -2.5, 0, 0, -0.2, -3.0, -1.75],
+                   [-0.1, -2.5, -1e-3, 0, -0.2, -1.75, -3.0]):
+        assert delivered_digest({**merged, "mask_log_probs": np.array(values, np.float32)}) != want.digest, values
+    assert delivered_digest({k: v for k, v in merged.items() if k != "mask_log_probs"}) != want.digest
+    assert delivered_digest({**merged, "mask_log_probs": None}) != want.digest
+    singletons = [Turn.build([10, 11], [-0.1, -0.2], supports=[[10], [11]], mask_log_probs=[-0.5, -0.25])]
+    as_full = [Turn.build([10, 11], [-0.1, -0.2], supports=[[10], [11]], full_log_probs=[-0.5, -0.25])]
+    assert expected(*sent(singletons)).digest != expected(*sent(as_full)).digest
+
+
+def test_a_turn_without_mask_log_probs_is_expected_as_a_replay_gap_naming_them():
+    """Its mask alone is not enough: the trajectory is cut after turn 0's
+    sampled tokens, their supports and those supports' log-probs."""
+    turns = [Turn.build([10], [-0.1], supports=[[10, 4]], forced_tokens=[20], mask_log_probs=[-0.1, -2.5]),
+             Turn.build([30], [-0.2], supports=[[30]])]
+    prompt, records = sent(turns)
+    want = expected(prompt, records)
+    assert records[1].carries == ("mask",) and want.gap == (1, "mask_log_probs")
+    assert want.digest == delivered_digest(hand_merged([1, 2, 3], [10], [-0.1], [1], [10, 4], [0, 2],
+                                                       mask_log_probs=[-0.1, -2.5]))
+
+
 def test_a_replay_gap_expects_the_last_full_turn_without_its_trailing_forced_tokens():
     """SEMANTICS example 7: the aborted turn without a mask cuts the trajectory after turn 0's sampled tokens."""
     turns = [Turn.build([10], [-0.1], supports=[[10, 4]], forced_tokens=[20, 21]),
@@ -119,18 +164,24 @@ supports_strategy = st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=4
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(supports_strategy, st.lists(st.integers(0, 50), max_size=3), st.booleans(), st.booleans()),
                 min_size=1, max_size=4),
-       st.sampled_from(["completed", "aborted"]), st.booleans())
-def test_the_merge_engines_trajectory_has_the_digest_the_checker_expects(shapes, last_status, full):
-    """The checker models SEMANTICS independently; the library's merge must agree with it."""
+       st.sampled_from(["completed", "aborted"]), st.booleans(), st.booleans(), st.integers(1, 4))
+def test_the_merge_engines_trajectory_has_the_digest_the_checker_expects(shapes, last_status, full, support_log_probs,
+                                                                         without_them):
+    """The checker models SEMANTICS independently; the library's merge must
+    agree with it, the supports' log-probs (0.0 at forced tokens' singletons)
+    and a gap at them (turn `without_them` lacks them) included."""
     turns = []
     for index, (supports, forced, keeps_mask, keeps_full) in enumerate(shapes):
         status = last_status if index == len(shapes) - 1 else "completed"
         tokens = [support[-1] for support in supports]
         has_mask = keeps_mask or index == 0
         has_full = full and (keeps_full or index == 0)
+        has_support_log_probs = support_log_probs and has_mask and index != without_them
         turns.append(Turn.build(tokens, [-0.5] * len(tokens), supports=supports if has_mask else None,
                                 forced_tokens=forced or None, status=status,
-                                full_log_probs=[-1.0 - t / 64 for t in tokens] if has_full else None))
+                                full_log_probs=[-1.0 - t / 64 for t in tokens] if has_full else None,
+                                mask_log_probs=[-0.25 - i / 32 for s in supports for i in s]
+                                if has_support_log_probs else None))
     prompt, records = sent(turns, prompt=(7, 8))
     traj = Trajectory("t", [7, 8])
     for turn in turns:
@@ -141,6 +192,8 @@ def test_the_merge_engines_trajectory_has_the_digest_the_checker_expects(shapes,
         arrays["mask_ids"], arrays["mask_offsets"] = traj.mask.ids, traj.mask.offsets
     if traj.full_log_probs is not None:
         arrays["full_log_probs"] = traj.full_log_probs
+    if traj.mask_log_probs is not None:
+        arrays["mask_log_probs"] = traj.mask_log_probs
     want = expected(prompt, records)
     assert delivered_digest(arrays) == want.digest
     assert (None if traj.gap is None else (traj.gap.turn, traj.gap.field)) == want.gap

@@ -40,8 +40,10 @@ def _messages(draw):
     """One turn's arrays, often valid, often not: supports with repeated and
     out-of-vocabulary ids, empty supports, offsets that do not start at 0
     or end at the ids' length, tokens outside their supports, loss masks of
-    2, log-probs (and full log-probs, sometimes one too many or too few) of
-    0.0, a rounding above it, +0.5, -inf, +inf and NaN."""
+    2, log-probs (and full log-probs, sometimes one too many or too few, and
+    the supports' log-probs, sometimes one too many or too few for the
+    support ids or without a mask at all) of 0.0, a rounding above it,
+    +0.5, -inf, +inf and NaN."""
     n = draw(st.integers(0, 4))
     supports = [draw(st.lists(_IDS, min_size=0 if draw(st.integers(0, 9)) == 0 else 1, max_size=3)) for _ in range(n)]
     tokens = [draw(st.sampled_from(s)) if s and draw(st.integers(0, 7)) else draw(_IDS) for s in supports]
@@ -63,6 +65,11 @@ def _messages(draw):
         if draw(st.integers(0, 7)) == 0:
             offsets[-1] -= 1
         arrays["mask_ids"], arrays["mask_offsets"] = np.array(ids, np.int32), offsets.astype(np.int64)
+    if draw(st.booleans()):
+        n_ids = sum(map(len, supports)) if "mask_ids" in arrays or draw(st.integers(0, 3)) else draw(st.integers(0, 2))
+        size = max(0, n_ids + draw(st.sampled_from([0, 0, 0, 0, 1, -1])))
+        arrays["mask_log_probs"] = np.array(draw(st.lists(st.sampled_from([-0.5, 0.0, -np.inf, 1e-6, 0.5, np.inf, np.nan]),
+                                                          min_size=size, max_size=size)), np.float32)
     for name in ("prompt_tokens", "forced_tokens"):
         if draw(st.booleans()):
             arrays[name] = np.array(draw(st.lists(_IDS, max_size=2)), np.int32)
@@ -77,9 +84,10 @@ def _nothing_wrong(arrays, vocab_size):
     if offsets is not None and (len(offsets) != len(tokens) + 1 or offsets[0] != 0 or offsets[-1] != len(arrays["mask_ids"])):
         return False  # CSR framing packed_violations takes as given (check_message_structure's rules)
     full = {"full_log_probs": arrays["full_log_probs"]} if "full_log_probs" in arrays else None
+    supports = {"mask_log_probs": arrays["mask_log_probs"]} if "mask_log_probs" in arrays else None
     found = packed_violations(tokens, [len(tokens)], arrays.get("mask_ids"), offsets, vocab_size=vocab_size,
                               loss_mask=arrays.get("loss_mask"), log_probs=arrays.get("log_probs"), token_log_probs=full,
-                              marks_forced=False)
+                              support_log_probs=supports, marks_forced=False)
     for name in ("prompt_tokens", "forced_tokens"):
         values = arrays.get(name)
         if values is not None:
@@ -116,23 +124,24 @@ _ABOVE_TOLERANCE = float(np.nextafter(np.float32(LOG_PROB_TOLERANCE), np.float32
 
 def _log_prob_verdicts(log_prob: float, field: str) -> dict[str, str | None]:
     """The rule each check names for a turn whose last log-prob of `field`
-    (`log_probs` or `full_log_probs`) is `log_prob` (None: it passes), on
-    every path a log-prob meets. Its last token has loss 0 and a singleton
-    support, so read in a merged trajectory it is a forced token when the
-    log-prob is exactly 0.0."""
+    (`log_probs`, `full_log_probs`, or `mask_log_probs`: its last support
+    id's) is `log_prob` (None: it passes), on every path a log-prob meets.
+    Its last token has loss 0 and a singleton support, so read in a merged
+    trajectory it is a forced token when the log-prob is exactly 0.0."""
     torch = pytest.importorskip("torch")
     rule = LOG_PROB_RULES[field]
     tokens, tested = np.array([2, 3], np.int32), np.array([-0.25, log_prob], np.float32)
     loss_mask, ids, offsets = np.array([1, 0], np.uint8), np.array([2, 5, 3], np.int32), np.array([0, 2, 3], np.int64)
     log_probs = tested if field == "log_probs" else np.array([-0.25, 0.0], np.float32)
-    full = {} if field == "log_probs" else {"full_log_probs": tested}
+    full = {"full_log_probs": tested} if field == "full_log_probs" else {}
+    supports = {"mask_log_probs": np.array([-0.25, -1.5, log_prob], np.float32)} if field == "mask_log_probs" else {}
     arrays = {"tokens": tokens, "log_probs": log_probs, "loss_mask": loss_mask, "mask_ids": ids, "mask_offsets": offsets,
-              **full}
-    valid = {**arrays, field: np.array([-0.25, -1.0], np.float32)}
+              **full, **supports}
+    valid = {**arrays, field: np.array([-0.25, -1.0, -1.0][: len(arrays[field])], np.float32)}
     verdicts: dict[str, str | None] = {}
     try:
         Turn.build(tokens.tolist(), log_probs.tolist(), supports=[[2, 5], [3]], loss_mask=loss_mask, vocab_size=VOCAB,
-                   full_log_probs=full.get("full_log_probs"))
+                   full_log_probs=full.get("full_log_probs"), mask_log_probs=supports.get("mask_log_probs"))
         verdicts["producer"] = None
     except LocalProtocolError as error:
         verdicts["producer"] = f"{error.code}: {error.message}"
@@ -146,14 +155,16 @@ def _log_prob_verdicts(log_prob: float, field: str) -> dict[str, str | None]:
     for name, convert in (("consumer, numpy", np.asarray), ("consumer, torch", torch.from_numpy)):
         packed = [convert(a) for a in (tokens, np.array([2]), ids, offsets)]
         options = dict(vocab_size=VOCAB, loss_mask=convert(loss_mask), log_probs=convert(log_probs),
-                       token_log_probs={key: convert(values) for key, values in full.items()})
+                       token_log_probs={key: convert(values) for key, values in full.items()},
+                       support_log_probs={key: convert(values) for key, values in supports.items()})
         verdicts[f"{name}, verdict"] = None if Verdict(packed_flags(*packed, **options)).passed() else rule
         located = locate_violations(*packed, **options)
         verdicts[f"{name}, located"] = "; ".join(f"{v.rule} at {v.position}: {v.detail}" for v in located) or None
     return verdicts
 
 
-@pytest.mark.parametrize("field, value", [("log_probs", "log_prob"), ("full_log_probs", "full_log_prob")])
+@pytest.mark.parametrize("field, value", [("log_probs", "log_prob is "), ("full_log_probs", "full_log_prob is "),
+                                          ("mask_log_probs", "its support holds a mask_log_prob of ")])
 @pytest.mark.parametrize("log_prob, passes", [
     (0.5, False), (np.inf, False), (-np.inf, False), (np.nan, False), (_ABOVE_TOLERANCE, False),
     (1e-6, True), (0.0, True), (-0.0, True), (LOG_PROB_TOLERANCE, True), (-80.0, True),
@@ -162,7 +173,8 @@ def test_producer_broker_and_consumer_apply_one_log_prob_rule(log_prob, passes, 
     """A log-prob a rounding above 0 passes everywhere; one past the
     tolerance, infinite or NaN is refused everywhere, under the one rule
     with its one reply code; a forced token's exact 0.0 passes. The full
-    log-probs are kept by the same rule, named for them."""
+    log-probs and the supports' log-probs are kept by the same rule, named
+    for them."""
     rule = LOG_PROB_RULES[field]
     verdicts = _log_prob_verdicts(log_prob, field)
     if passes:
@@ -172,9 +184,9 @@ def test_producer_broker_and_consumer_apply_one_log_prob_rule(log_prob, passes, 
     code = RULE_CODES[rule]
     assert code == "invalid_value" and (rule == RULE_LOG_PROBS) == (field == "log_probs")
     for role in ("producer", "broker, explained"):
-        assert verdicts[role].startswith(f"{code}: rule '{rule}' violated at token 1: {value} is "), verdicts
+        assert verdicts[role].startswith(f"{code}: rule '{rule}' violated at token 1: {value}"), verdicts
     for role in ("consumer, numpy, located", "consumer, torch, located"):
-        assert verdicts[role] == f"{rule} at 1: {value} is {float(np.float32(log_prob))}, " \
+        assert verdicts[role] == f"{rule} at 1: {value}{float(np.float32(log_prob))}, " \
                                  f"expected finite and <= {LOG_PROB_TOLERANCE}", verdicts
 
 
@@ -227,3 +239,43 @@ def test_a_vocabulary_past_the_ids_dtype_leaves_only_negative_ids_outside(backen
     values[1] = -1
     found = packed_violations(*(convert(a) for a in (values, np.array([3]), values, offsets)), vocab_size=vocab_size)
     assert [(v.rule, v.position, v.count) for v in found] == [(RULE_MASK_VOCAB, 1, 1), (RULE_TOKEN_VOCAB, 1, 1)], found
+
+
+@pytest.mark.parametrize("may_pack", [False, True], ids=["frame-per-array", "packed"])
+def test_the_turn_side_digest_is_the_delivered_trajectorys_with_mask_log_probs_forced_tokens_included(may_pack):
+    """The producer's digest of the turns it sends (`turn_record`) is the
+    consumer's of the trajectory the broker merged and delivered: turn
+    frames decoded and checked as the broker does (one saying its supports'
+    log-probs renormalised, checked for that too), merged, sent as a
+    `deliver` and rebuilt. Each forced token's singleton carries 0.0."""
+    from rollstream.common.checker import ContentDigest, delivered_digest, expected, turn_record
+    from rollstream.common.codec import decode
+    from rollstream.common.messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
+    from rollstream.common.trajectory import Trajectory
+    from rollstream.common.wire import encode_deliver, encode_turn, trajectory_from_deliver, turn_from_message
+
+    half = float(np.log(np.float32(0.5)))
+    turns = [Turn.build([2, 3], [-0.25, -0.5], supports=[[2, 5], [3, 1, 4]], forced_tokens=[6, 7],
+                        mask_log_probs=[-0.25, -1.5, -0.5, -2.0, -3.0], vocab_size=VOCAB),
+             Turn.build([4], [-0.75], supports=[[4, 0]], forced_tokens=[1], mask_log_probs=[half, half],
+                        mask_log_probs_normalized=True, vocab_size=VOCAB),
+             Turn.build([5], [0.0], supports=[[5]], mask_log_probs=[0.0], vocab_size=VOCAB)]
+    prompt = np.array([1, 2], np.int32)
+    digest, records = ContentDigest(prompt), []
+    merged = Trajectory("t", prompt)
+    for index, turn in enumerate(turns):
+        record, digest = turn_record(digest, turn)
+        records.append(record)
+        message = decode(encode_turn("t", index, turn, seq=index, prompt_tokens=prompt if index == 0 else None,
+                                     may_pack=may_pack), PRODUCER_TO_BROKER)
+        check_message_arrays(message.arrays, vocab_size=VOCAB,
+                             mask_log_probs_normalized=message.get("mask_log_probs_normalized", False))
+        assert merged.append_turn(turn_from_message(message)).applied
+    merged.reward = 1.0
+    want = expected(ContentDigest(prompt).hexdigest(), records)
+    delivered = trajectory_from_deliver(decode(encode_deliver(merged, "L", may_pack=may_pack), BROKER_TO_CONSUMER))
+    assert delivered.mask.ids.tolist() == [2, 5, 3, 1, 4, 6, 7, 4, 0, 1, 5]
+    assert delivered.mask_log_probs.tolist() == np.array([-0.25, -1.5, -0.5, -2.0, -3.0, 0.0, 0.0, half, half, 0.0, 0.0],
+                                                         np.float32).tolist()
+    assert want.gap is None and delivered_digest(delivered.arrays()) == want.digest
+    assert delivered_digest({**delivered.arrays(), "mask_log_probs": None}) != want.digest

@@ -202,7 +202,7 @@ def test_the_context_replay_arrays_go_through_the_archive_and_the_replay(tmp_pat
 
 
 def test_full_log_probs_go_through_the_dataset_and_the_replay_and_an_older_dataset_replays_without_them(tmp_path):
-    """The dataset (schema version 2) holds each row's `full_log_probs`,
+    """The dataset (schema version 2 on) holds each row's `full_log_probs`,
     null for a row without them; the replayed batch carries them as the
     live one did. A version 1 dataset, which has no such column, replays
     as before."""
@@ -223,7 +223,7 @@ def test_full_log_probs_go_through_the_dataset_and_the_replay_and_an_older_datas
     export_archive(tmp_path / "archive", tmp_path / "run.parquet")
     table = pq.read_table(tmp_path / "run.parquet")
     assert table.column("full_log_probs").to_pylist() == [[-2.5, 0.0, -0.25]]
-    assert table.schema.metadata[DATASET_SCHEMA_KEY] == b"2"
+    assert table.schema.metadata[DATASET_SCHEMA_KEY] == b"3"
     with Consumer.from_archive(tmp_path / "run.parquet", vocab_size=VOCAB) as consumer:
         (batch,) = list(consumer)
     assert batch.full_log_probs.tolist() == [-2.5, 0.0, -0.25]
@@ -233,3 +233,65 @@ def test_full_log_probs_go_through_the_dataset_and_the_replay_and_an_older_datas
     with Consumer.from_archive(tmp_path / "v1.parquet", vocab_size=VOCAB) as consumer:
         (batch,) = list(consumer)
     assert batch.full_log_probs is None and batch.log_probs.tolist() == [-0.5, 0.0, -0.5]
+
+
+def test_mask_log_probs_go_through_the_dataset_and_the_replay_and_older_datasets_replay_without_them(tmp_path):
+    """The dataset (schema version 3) holds each row's `mask_log_probs`
+    aligned with its `mask_ids` (0.0 at a forced token's singleton), null
+    for a row without them; the replay's deliveries carry them, with the
+    digest the producer's turns had. Version 2 and 1 datasets, which have
+    no such column, replay as before."""
+    import pyarrow.parquet as pq
+    from broker_helpers import end_msg, turn_msg
+    from test_archive import archive_all, opened, produce
+
+    from rollstream.broker.archive import DATASET_SCHEMA_KEY
+    from rollstream.broker.engine import TrainedAt
+    from rollstream.common.checker import ContentDigest, delivered_digest, expected, turn_record
+    from rollstream.common.codec import decode
+    from rollstream.common.messages import BROKER_TO_CONSUMER
+    from rollstream.common.wire import trajectory_from_deliver, turn_from_message
+    from rollstream.consumer.offline import ArchivedRows, ArchiveServer
+
+    store, engine = opened(tmp_path / "data")
+    sent = [turn_msg("a", 0, [5], [[5, 6]], forced=[7], prompt=(1,), mask_log_probs=[-0.25, -2.0]),
+            turn_msg("a", 1, [8], [[8, 2, 3]], mask_log_probs=[-0.5, -1.5, -3.0])]
+    produce(engine, store, [*sent, end_msg("a"), turn_msg("b", 0, [4], [[4, 1]], prompt=(1,)), end_msg("b", seq=101)])
+    store.commit(engine.trained("a", TrainedAt("R", "L", 1, 0, 0), 2.0))
+    store.commit(engine.trained("b", TrainedAt("R", "L", 2, 0, 0), 2.0))  # a batch's samples carry it or none do
+    store.commit(engine.end_run("R", 3.0))
+    archive_all(tmp_path / "archive", store)
+    store.close()
+    export_archive(tmp_path / "archive", tmp_path / "run.parquet")
+    table = pq.read_table(tmp_path / "run.parquet").sort_by("trajectory_id")
+    assert table.schema.metadata[DATASET_SCHEMA_KEY] == b"3"
+    assert table.column("mask_ids").to_pylist() == [[5, 6, 7, 8, 2, 3], [4, 1]]
+    assert table.column("mask_log_probs").to_pylist() == [[-0.25, -2.0, 0.0, -0.5, -1.5, -3.0], None]
+
+    digest, records = ContentDigest(np.array([1], np.int32)), []
+    for message in sent:
+        record, digest = turn_record(digest, turn_from_message(message))
+        records.append(record)
+    want = expected(ContentDigest(np.array([1], np.int32)).hexdigest(), records).digest
+    server = ArchiveServer(ArchivedRows(tmp_path / "run.parquet"))
+    server.answer("hello", {})
+    replies = [decode(frames, BROKER_TO_CONSUMER) for frames in server.answer("resume", {"step": 0})]
+    delivered = {m["trajectory_id"]: trajectory_from_deliver(m) for m in replies if m.type == "deliver"}
+    assert delivered["a"].mask_log_probs.tolist() == [-0.25, -2.0, 0.0, -0.5, -1.5, -3.0]
+    assert delivered["b"].mask_log_probs is None and not delivered["b"].carries("mask_log_probs")
+    assert delivered_digest(delivered["a"].arrays()) == want
+
+    with Consumer.from_archive(tmp_path / "run.parquet", vocab_size=VOCAB) as consumer:
+        assert [list(batch.trajectory_ids) for batch in consumer] == [["a"], ["b"]]
+    for version, dropped in ((b"2", ["mask_log_probs"]), (b"1", ["mask_log_probs", "full_log_probs"])):
+        older = table.drop_columns(dropped)
+        path = tmp_path / f"v{version.decode()}.parquet"
+        pq.write_table(older.replace_schema_metadata({**table.schema.metadata, DATASET_SCHEMA_KEY: version}), path)
+        rows = ArchivedRows(path)
+        replayed = {rows.trajectory_id(row): rows.trajectory(row) for row in range(2)}
+        assert replayed["a"].mask.ids.tolist() == [5, 6, 7, 8, 2, 3] and replayed["a"].mask_log_probs is None
+        assert replayed["b"].mask_log_probs is None and replayed["a"].full_log_probs is None
+        with Consumer.from_archive(path, vocab_size=VOCAB) as consumer:
+            batches = list(consumer)
+        assert [list(batch.trajectory_ids) for batch in batches] == [["a"], ["b"]]
+        assert batches[0].log_probs.tolist() == [-0.5, 0.0, -0.5]

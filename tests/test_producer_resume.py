@@ -16,6 +16,7 @@ from waiting import wait_for
 from rollstream.common.checker import TurnRecord, check, delivered_digest, expected, read_records
 from rollstream.common.codec import decode, encode
 from rollstream.common.messages import BROKER_TO_CONSUMER, CONSUMER_TO_BROKER
+from rollstream.common.trajectory import Turn
 from rollstream.common.wire import trajectory_from_deliver
 from rollstream.producer import AsyncProducer, Refused
 from rollstream.producer.resume import Resumable
@@ -137,6 +138,49 @@ def test_a_prefix_hands_back_full_log_probs_and_the_continued_trajectory_keeps_t
     assert a.full_log_probs.tobytes() == np.array([-1.5, -0.75, 0.0, -0.625], np.float32).tobytes()
     (sent,) = [r for r in read_records([tmp_path / "second.jsonl"]) if r["kind"] == "sent"]
     assert expected(sent["prompt"], [TurnRecord(*t) for t in sent["turns"]]).digest == delivered_digest(a.arrays())
+
+
+def test_a_prefix_hands_back_mask_log_probs_and_the_continued_trajectory_keeps_them(tmp_path):
+    """`open_trajectory` carries the merged `mask_log_probs` beside the
+    mask's ids (0.0 at each forced token's singleton); each of the prefix's
+    turns carries its own supports' share of them, so the continued
+    trajectory is delivered with every value sent and the ledger of the
+    second run vouches for it."""
+    quarter, rest = float(np.log(np.float32(0.25))), float(np.log(np.float32(0.75)))
+    with BrokerProcess(tmp_path, vocab_size=1000) as broker:
+        async def first():
+            async with AsyncProducer(broker.producer, "p1") as producer:
+                a = producer.trajectory("a", PROMPT)
+                await a.send(Turn.build([5, 6], [-0.5, -0.25], supports=[[5, 9], [6]], forced_tokens=[7],
+                                        mask_log_probs=[-0.25, -1.5, -0.0625]))
+                await a.send(Turn.build([8], [-0.5], supports=[[8, 2]], forced_tokens=[4, 4],
+                                        mask_log_probs=[-0.5, -1.0]))
+                assert await producer.flush(30)
+
+        async def second():
+            async with AsyncProducer(broker.producer, "p1", ledger=tmp_path / "second.jsonl") as producer:
+                (listed,) = await producer.open_trajectories(timeout=30)
+                prefix = await producer.read_prefix("a", timeout=30)
+                assert prefix.mask.ids.tolist() == [5, 9, 6, 7, 8, 2, 4, 4]
+                assert prefix.mask_log_probs.tolist() == [-0.25, -1.5, -0.0625, 0.0, -0.5, -1.0, 0.0, 0.0]
+                earlier = prefix.turns()
+                assert [t.mask.ids.tolist() for t in earlier] == [[5, 9, 6], [8, 2]]
+                assert [t.mask_log_probs.tolist() for t in earlier] == [[-0.25, -1.5, -0.0625], [-0.5, -1.0]]
+                a = producer.resume(listed, prefix.prompt_tokens, earlier=earlier)
+                await a.send(Turn.build([3], [-0.25], supports=[[3, 1]], mask_log_probs=[quarter, rest],
+                                        mask_log_probs_normalized=True))
+                await a.end(1.0)
+                assert await producer.flush(30)
+
+        asyncio.run(first())
+        asyncio.run(second())
+        (a,) = deliveries(broker, 1).values()
+    assert a.mask.ids.tolist() == [5, 9, 6, 7, 8, 2, 4, 4, 3, 1]
+    assert a.mask_log_probs.tobytes() == np.array([-0.25, -1.5, -0.0625, 0.0, -0.5, -1.0, 0.0, 0.0, quarter, rest],
+                                                  np.float32).tobytes()
+    (sent,) = [r for r in read_records([tmp_path / "second.jsonl"]) if r["kind"] == "sent"]
+    assert expected(sent["prompt"], [TurnRecord(*t) for t in sent["turns"]]).digest == delivered_digest(a.arrays())
+    assert delivered_digest({**a.arrays(), "mask_log_probs": None}) != delivered_digest(a.arrays())
 
 
 def test_another_producer_id_is_handed_back_nothing(tmp_path):

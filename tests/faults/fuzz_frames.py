@@ -30,7 +30,7 @@ MAX_HEADER_DEPTH = 32  # protocol.md §2: a header nested deeper is malformed
 # protocol.md §2's array table: wire dtype of each name.
 CONTRACT = {"prompt_tokens": "int32", "tokens": "int32", "forced_tokens": "int32", "log_probs": "float32",
             "loss_mask": "uint8", "mask_ids": "int32", "mask_offsets": "int64", "routed_experts": "int32",
-            "indexer_topk": "int32", "full_log_probs": "float32"}
+            "indexer_topk": "int32", "full_log_probs": "float32", "mask_log_probs": "float32"}
 NUMPY = {"int32": "<i4", "int64": "<i8", "float32": "<f4", "uint8": "u1"}
 OTHER_DTYPES = ("int64", "int32", "float32", "float64", "uint8", "int16", "bool", "<i4", "i4", "int32 ")
 UNCHECKED = "unchecked"  # a reply whose seq cannot be known (random bytes, flipped headers)
@@ -255,7 +255,7 @@ class ProducerFuzz(Fuzz):
         self._oversize: Message | None = None
 
     # -- valid traffic ----------------------------------------------------------
-    def turn_arrays(self, n: int, forced: int, full_log_probs: bool) -> dict:
+    def turn_arrays(self, n: int, forced: int, full_log_probs: bool, mask_log_probs: bool = False) -> dict:
         vocab = self.vocab_size
         tokens = self.rng.integers(0, vocab, n).astype(np.int32)
         supports = []
@@ -271,7 +271,19 @@ class ProducerFuzz(Fuzz):
             arrays["forced_tokens"] = self.rng.integers(0, vocab, forced).astype(np.int32)
         if full_log_probs:  # below the truncated distribution's: the whole vocabulary shares the mass
             arrays["full_log_probs"] = arrays["log_probs"] - self.rng.random(n, dtype=np.float32)
+        if mask_log_probs:  # one per support id, beside the ids
+            arrays["mask_log_probs"] = -self.rng.random(len(arrays["mask_ids"]), dtype=np.float32) * 5
         return arrays
+
+    def renormalised(self, turn: Message) -> None:
+        """Its supports' log-probs made each support's distribution (protocol.md
+        §2: probabilities that sum to 1), said so in the header."""
+        a = turn.arrays
+        offsets = a["mask_offsets"]
+        values = np.exp(a["mask_log_probs"].astype(np.float64))
+        sums = np.repeat(np.add.reduceat(values, offsets[:-1]), np.diff(offsets))
+        a["mask_log_probs"] = np.minimum(np.log(values / sums), 0.0).astype(np.float32)
+        turn.header["mask_log_probs_normalized"] = True
 
     def valid_trajectory(self) -> list[tuple[str, Message]]:
         """A new valid trajectory's messages (turns, then its end), recorded
@@ -280,22 +292,27 @@ class ProducerFuzz(Fuzz):
         traj = self.expected[tid] = Trajectory(tid, float(np.float32(self.rng.standard_normal())))
         turns = int(self.rng.integers(1, 4))
         prompt = self.rng.integers(0, self.vocab_size, int(self.rng.integers(1, 6))).astype(np.int32)
-        tokens, loss, log_probs, ids, lengths, full = [], [], [], [], [], []
+        tokens, loss, log_probs, ids, lengths, full, support = [], [], [], [], [], [], []
         messages = []
         carries_full = bool(self.rng.random() < 0.5)  # every turn of the trajectory, or none (a replay field)
+        carries_support = bool(self.rng.random() < 0.5)  # the supports' log-probs: a replay field too
         for index in range(turns):
             n = int(self.rng.integers(1, 9))
-            arrays = self.turn_arrays(n, int(self.rng.integers(0, 3)), carries_full)
+            arrays = self.turn_arrays(n, int(self.rng.integers(0, 3)), carries_full, carries_support)
             forced = arrays.get("forced_tokens", np.zeros(0, np.int32))
             if index == 0:
                 arrays["prompt_tokens"] = prompt
             fields = {"seq": 0, "trajectory_id": tid, "turn": index, "status": "completed"}
-            messages.append((tid, Message("turn", fields, arrays, crc=self.rng.random() < 0.7,
-                                          packed=self.rng.random() < 0.4)))
+            turn = Message("turn", fields, arrays, crc=self.rng.random() < 0.7, packed=self.rng.random() < 0.4)
+            if carries_support and self.rng.random() < 0.5:
+                self.renormalised(turn)
+            messages.append((tid, turn))
             tokens += [arrays["tokens"], forced]
             loss += [np.ones(n, np.uint8), np.zeros(len(forced), np.uint8)]
             log_probs += [arrays["log_probs"], np.zeros(len(forced), np.float32)]
             full += [arrays.get("full_log_probs", np.zeros(0, np.float32)), np.zeros(len(forced), np.float32)]
+            # A forced token's singleton support is certain: log-prob 0.0.
+            support += [turn.arrays.get("mask_log_probs", np.zeros(0, np.float32)), np.zeros(len(forced), np.float32)]
             ids += [arrays["mask_ids"], forced]
             lengths += [np.diff(arrays["mask_offsets"]), np.ones(len(forced), np.int64)]
         traj.turns = turns
@@ -304,6 +321,8 @@ class ProducerFuzz(Fuzz):
                        "mask_offsets": np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)}
         if carries_full:
             traj.arrays["full_log_probs"] = np.concatenate(full)
+        if carries_support:
+            traj.arrays["mask_log_probs"] = np.concatenate(support)
         messages.append((tid, Message("end", {"seq": 0, "trajectory_id": tid, "reward": traj.reward, "turns": turns})))
         return messages
 
@@ -326,10 +345,14 @@ class ProducerFuzz(Fuzz):
         """A well-formed turn of a trajectory nobody started: a turn > 0 is
         refused `out_of_order` once every other rule passes."""
         n = int(self.rng.integers(1, 9))
-        arrays = self.turn_arrays(n, int(self.rng.integers(0, 3)), bool(self.rng.random() < 0.5))
+        arrays = self.turn_arrays(n, int(self.rng.integers(0, 3)), bool(self.rng.random() < 0.5),
+                                  bool(self.rng.random() < 0.5))
         index = int(self.rng.integers(1, 6)) if index is None else index
         fields = {"seq": self.next_seq(), "trajectory_id": self.name("fz"), "turn": index, "status": "completed"}
-        return Message("turn", fields, arrays, crc=self.rng.random() < 0.6, packed=self.rng.random() < 0.3)
+        turn = Message("turn", fields, arrays, crc=self.rng.random() < 0.6, packed=self.rng.random() < 0.3)
+        if "mask_log_probs" in arrays and self.rng.random() < 0.5:
+            self.renormalised(turn)
+        return turn
 
     def fz_end(self) -> Message:
         return Message("end", {"seq": self.next_seq(), "trajectory_id": self.name("fz"), "reward": 1.0})
@@ -340,7 +363,25 @@ class ProducerFuzz(Fuzz):
         a = turn.arrays
         n = len(a["tokens"])
         offsets, ids = a["mask_offsets"].copy(), a["mask_ids"].copy()
-        choice = int(self.rng.integers(12))
+        choice = int(self.rng.integers(15))
+        if choice >= 12:  # the supports' log-probs (one per support id), when the turn carries them
+            if "mask_log_probs" not in a:
+                return self.content_damage(turn)
+            support = a["mask_log_probs"].copy()
+            if choice == 12:
+                a["mask_log_probs"] = support[:-1] if self.rng.random() < 0.5 else np.append(support, np.float32(-1.0))
+                return "misaligned_mask_log_probs", "misaligned"
+            if choice == 13:
+                support[int(self.rng.integers(len(support)))] = self.pick([np.nan, np.inf, -np.inf, 0.5])
+                a["mask_log_probs"] = support
+                return "mask_log_prob_value", "invalid_value"
+            i = int(self.rng.integers(n))  # said renormalised, token i's support sums to less than 1
+            if not turn.header.get("mask_log_probs_normalized"):
+                self.renormalised(turn)
+            support = a["mask_log_probs"].copy()
+            support[offsets[i]:offsets[i + 1]] -= np.float32(0.5)
+            a["mask_log_probs"] = support
+            return "mask_log_probs_not_normalized", "invalid_value"
         if choice >= 10:  # the optional per-token log-probs, when the turn carries them
             if "full_log_probs" not in a:
                 return self.content_damage(turn)
@@ -357,6 +398,8 @@ class ProducerFuzz(Fuzz):
             return "csr_offsets_start", "mask_invalid"
         if choice == 1:
             a["mask_ids"] = np.append(ids, np.int32(0))  # offsets[-1] != len(mask_ids)
+            if "mask_log_probs" in a:  # still one per id: misaligned is checked first
+                a["mask_log_probs"] = np.append(a["mask_log_probs"], np.float32(-1.0))
             return "csr_offsets_end", "mask_invalid"
         if choice == 2:
             if n < 2:
@@ -405,8 +448,12 @@ class ProducerFuzz(Fuzz):
             end.header[key] = value
             return Sent("field_kind", end.frames(), [nack("schema", end.header["seq"])])
         turn = self.fz_turn()
+        if "mask_log_probs" in turn.arrays and self.rng.random() < 0.2:  # protocol.md §3: they travel with the mask
+            del turn.arrays["mask_ids"], turn.arrays["mask_offsets"]
+            return Sent("mask_log_probs_without_mask", turn.frames(), [nack("schema", turn.header["seq"])])
         key, value = self.pick([("seq", "7"), ("trajectory_id", ""), ("trajectory_id", 7), ("turn", -1),
                                 ("turn", "1"), ("status", "done"), ("weight_version", 5), ("metadata", "x"),
+                                ("mask_log_probs_normalized", 1), ("mask_log_probs_normalized", "yes"),
                                 ("group_size", 0), ("group_size", 2**63), ("sample_index", 2**64 - 1)])
         if key in ("group_size", "sample_index"):  # turn 0 may carry them: the value itself is wrong
             turn.header["turn"] = 0

@@ -46,10 +46,12 @@ ROOT = HERE.parent.parent
 
 def producer_to_broker() -> dict[str, bytes]:
     p2b = PRODUCER_TO_BROKER
+    half, quarter = np.log(np.float32(0.5)), np.log(np.float32(0.25))  # each support's probabilities sum to 1
     full = Turn.build([10, 11, 12], [-0.5, -0.25, 0.0], supports=[[10, 3], [11], [12, 4, 5]], loss_mask=[1, 1, 0],
                       forced_tokens=[20, 21], routed_experts=np.arange(12, dtype=np.int32).reshape(3, 2, 2),
-                      indexer_topk=np.zeros((3, 2), np.int32), full_log_probs=[-0.75, -1.5, -0.125], weight_version="v2",
-                      weight_version_spans=[("v2", 0, 2), ("v3", 2, 3)])
+                      indexer_topk=np.zeros((3, 2), np.int32), full_log_probs=[-0.75, -1.5, -0.125],
+                      mask_log_probs=[half, half, 0.0, half, quarter, quarter], mask_log_probs_normalized=True,
+                      weight_version="v2", weight_version_spans=[("v2", 0, 2), ("v3", 2, 3)])
     seeds = {
         "hello": encode(p2b, "hello", {"producer_id": "p-1", "seq": 0, "batch_acks": True, "batch_frames": True,
                                       "job": "eval"}),
@@ -132,7 +134,8 @@ def broker_to_producer() -> dict[str, bytes]:
             "prompt_tokens": np.array([1, 2], np.int32), "tokens": np.array([5, 6, 7, 8], np.int32),
             "log_probs": np.array([-0.5, -0.25, 0.0, -1.0], np.float32), "loss_mask": np.array([1, 1, 0, 1], np.uint8),
             "mask_ids": np.array([5, 9, 6, 7, 8], np.int32), "mask_offsets": np.array([0, 2, 3, 4, 5], np.int64),
-            "full_log_probs": np.array([-0.75, -0.5, 0.0, -1.25], np.float32)}),
+            "full_log_probs": np.array([-0.75, -0.5, 0.0, -1.25], np.float32),
+            "mask_log_probs": np.array([-0.25, -1.5, -0.5, 0.0, -0.75], np.float32)}),
     }
     return {name: join_frames(frames) for name, frames in seeds.items()}
 
@@ -141,8 +144,10 @@ def _trajectory() -> Trajectory:
     trajectory = Trajectory("t", np.array([1, 2, 3], np.int32), group_id="g", group_size=2, sample_index=1,
                             metadata={"task": "math"})
     trajectory.append_turn(Turn.build([10, 11], [-0.5, -0.25], supports=[[10, 4], [11]], forced_tokens=[20, 21],
-                                      full_log_probs=[-0.75, -0.5], weight_version="v1"))
-    trajectory.append_turn(Turn.build([12], [-1.0], supports=[[12, 5, 6]], full_log_probs=[-1.25], weight_version="v2"))
+                                      full_log_probs=[-0.75, -0.5], mask_log_probs=[-0.5, -1.25, -0.25],
+                                      weight_version="v1"))
+    trajectory.append_turn(Turn.build([12], [-1.0], supports=[[12, 5, 6]], full_log_probs=[-1.25],
+                                      mask_log_probs=[-1.0, -0.75, -2.5], weight_version="v2"))
     trajectory.reward = {"acc": 1.0}
     return trajectory
 
