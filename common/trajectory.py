@@ -364,8 +364,8 @@ class _MaskBuffer:
                     offsets.append(turn.mask.offsets[1:])  # the last offset is len(ids)
                 shifts.append(base)
                 base += len(turn.mask.ids)
-                if self.log_probs is not None:  # every turn with supports brings them (`append_turn` cut a gap else)
-                    log_probs.append(turn.mask_log_probs)
+                if self.log_probs is not None:  # a turn without them sampled nothing (`append_turn` cut a gap else)
+                    log_probs.append(EMPTY_LOG_PROBS if turn.mask_log_probs is None else turn.mask_log_probs)
             forced = turn.forced_tokens
             if forced.size:
                 ids.append(forced)

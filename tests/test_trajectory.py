@@ -501,6 +501,11 @@ def test_mask_log_probs_missing_then_present_is_mask_presence_unless_the_respons
     late.append_turn(turn([]))
     late.append_turn(turn([7], [[7, 9]], forced=[8], mask_log_probs=[-0.5, -1.0]))
     assert late.mask_log_probs.tolist() == [-0.5, -1.0, 0.0]
+    empty_mask = Trajectory("v", [1])  # an empty first turn with a mask but without them, still pending
+    empty_mask.append_turn(turn([], []))
+    empty_mask.append_turn(turn([5], [[5, 6]], mask_log_probs=[-0.5, -1.0]))
+    assert empty_mask.mask_log_probs.tolist() == [-0.5, -1.0] and empty_mask.mask.ids.tolist() == [5, 6]
+    empty_mask.validate()
 
 
 def test_nbytes_counts_every_array_without_writing_queued_appends():
