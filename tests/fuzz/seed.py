@@ -217,6 +217,9 @@ def miles_session() -> dict[str, bytes]:
              _miles_sample(t2, [50, 51], [[50], [51, 9]], status="truncated")]
     return {
         "three-turns-with-mask": encode_session_samples(turns, {"sid": "s"}, fields=FIELDS_WITH_MASK),
+        "three-turns-with-mask-log-probs": encode_session_samples(
+            [{**turn, "mask_log_probs": np.linspace(-2.0, 0.0, len(turn["rollout_sampling_mask"].ids), dtype=np.float32)}
+             for turn in turns], {"sid": "s"}, fields=FIELDS_WITH_MASK),
         "three-turns": encode_session_samples(turns, {"sid": "s"}),
         "with-reward": encode_session_samples([{**turns[0], "reward": 1.0}], None, fields=FIELDS_WITH_REWARD),
         "replay-arrays": encode_session_samples(
@@ -248,6 +251,8 @@ def engine_replies() -> dict[str, bytes]:
         seeds["generate-overflow-abort"] = engine_reply("sglang_generate", aborting.serve(*_sglang_request(False))[1])
         seeds["chat"] = engine_reply("sglang_chat", sglang.serve(*_sglang_request(True))[1])
         seeds["chat-full-log-probs"] = engine_reply("sglang_chat", sglang.serve(*_sglang_request(True, full=True))[1])
+        seeds["generate-support-log-probs"] = engine_reply(
+            "sglang_generate", sglang.answer([1, 2, 3], 6, sampling_logprobs_mode="support"))
         seeds["chat-overflow-abort"] = engine_reply("sglang_chat", aborting.serve(*_sglang_request(True))[1])
         seeds["error-generate-overflow"] = engine_reply("engine_error", refusing.serve(*_sglang_request(False))[1])
         seeds["error-chat-overflow"] = engine_reply("engine_error", refusing.serve(*_sglang_request(True))[1])
