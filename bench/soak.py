@@ -109,7 +109,9 @@ class LibraryTraffic(threading.Thread):
                     if handle is None:
                         handle = self.producer.trajectory(tid, a["prompt_tokens"])
                     handle.turn(a["tokens"], a["log_probs"], mask_ids=a["mask_ids"], mask_offsets=a["mask_offsets"],
-                                forced_tokens=a.get("forced_tokens"), full_log_probs=a.get("full_log_probs"))
+                                forced_tokens=a.get("forced_tokens"), full_log_probs=a.get("full_log_probs"),
+                                mask_log_probs=a.get("mask_log_probs"),
+                                mask_log_probs_normalized=message.header.get("mask_log_probs_normalized", False))
         except Exception as exc:  # reported in the figures, never silently lost
             self.errors.append(repr(exc))
 
