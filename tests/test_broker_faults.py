@@ -585,9 +585,9 @@ def test_large_turns_are_checked_ahead_on_their_own_thread_and_refused_by_rule(t
     checked = []
     real = service_module._content_error
 
-    def recording(arrays, vocab_size):
+    def recording(arrays, vocab_size, normalized=False):
         checked.append((len(arrays["mask_ids"]), threading.current_thread().name))
-        return real(arrays, vocab_size)
+        return real(arrays, vocab_size, normalized)
 
     monkeypatch.setattr(service_module, "_content_error", recording)
     small_bad = encode_turn("small-bad", 0, Turn.build([5], [-0.5], supports=[[6, 7]], check_content=False),
