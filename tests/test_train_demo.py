@@ -237,11 +237,11 @@ def test_the_table_shows_no_raw_none_and_its_verdict_last(summary):
 
 
 def test_a_progress_line_fits_80_columns():
-    extreme = Replay(support_diffs=np.array([1.2345e-12]), full_diffs=np.array([12.3456]), truncated=np.array([True]),
-                     replayed=1, skipped=0)
+    extreme = Replay(support_diffs=np.array([1.2345e-12]), full_diffs=np.array([12.3456]), support_kls=np.array([3e-9]),
+                     truncated=np.array([True]), replayed=1, skipped=0)
     line = progress_line(9999, 9999, 0.999, -99.9999, extreme)
     assert len(line) <= 80 and line.startswith("step 9999/9999  reward 0.999"), (len(line), line)
-    nothing = Replay(np.zeros(0), np.zeros(0), np.zeros(0, bool), 0, 3)  # every trajectory skipped
+    nothing = Replay(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0, bool), 0, 3)  # every trajectory skipped
     assert progress_line(1, 3, 0.5, 0.0, nothing).endswith("|diff| support nan, full nan")
 
 
