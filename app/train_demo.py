@@ -69,9 +69,10 @@ STALENESS_DECAY = 0.5  # a sampled token's weight in the loss is this to the pow
 # The replay bound: float32 logits against the sampler's float64 stay orders of magnitude inside it,
 # while a replay with other weights or another temperature is off by far more.
 REPLAY_TOLERANCE = 1e-4
-# The bound on the KL over a support between the replay and the sampler: rounding of log-probs within
-# REPLAY_TOLERANCE moves it by about half their squared spread, far below this.
-REPLAY_KL_TOLERANCE = 1e-6
+# The bound on the KL over a support between the replay and the sampler: with the same weights it is float32
+# rounding of a difference of terms the size of the logits, while another temperature or other weights give
+# orders of magnitude more.
+REPLAY_KL_TOLERANCE = 1e-4
 # From this many steps the reward must have risen: the first and last steps' windows (`TrainingLog.summary`)
 # are then five batches each and far apart; in a shorter run they are a batch or two, mostly noise.
 LEARNING_STEPS = 20

@@ -200,7 +200,7 @@ def test_a_run_with_nothing_broken_passes_whatever_it_was_asked_to_throw_away_or
      "sampler's, got 0.25 (replay_worst {'diff': 9.5e-07, 'version': 'step-0', 'step': 1})"),
     ({"replay_max_abs_diff_support": float("nan")}, "replay bound: expected every sampled token's log-prob"),
     ({"replay_max_support_kl": 0.03},
-     "replay bound: expected the KL from the sampler's distribution over each support to the replay's within 1e-06, "
+     "replay bound: expected the KL from the sampler's distribution over each support to the replay's within 0.0001, "
      "got 0.03"),
     ({"replay_max_support_kl": float("nan")}, "replay bound: expected the KL from the sampler's distribution"),
     ({"replay_tokens": 0, "replay_max_abs_diff_support": None},
@@ -258,7 +258,7 @@ def test_a_short_training_run_replays_exactly_over_the_support_and_not_over_the_
     assert summary["full_diff_min_where_truncated"] > 1e-3
     assert summary["replay_mean_abs_diff_full"] > 100 * summary["replay_max_abs_diff_support"]
     # the producers sent every support id's log-prob: the replay's distribution over each support is the sampler's
-    assert -1e-9 < summary["replay_max_support_kl"] < 1e-6  # KL is >= 0 up to rounding
+    assert -1e-6 < summary["replay_max_support_kl"] < 1e-4  # KL is >= 0 up to float32 rounding
     assert 0.0 <= summary["reward_first"] <= 1.0 and 0.0 <= summary["reward_last"] <= 1.0
     assert summary["staleness_max"] >= 0
     # per token from the spans, per trajectory from its turns' versions: the oldest token is its oldest turn's
