@@ -603,14 +603,24 @@ def _structure_problem(total: int, response_lengths_host, mask_ids, mask_offsets
         return True
     if token_log_probs and any(len(values) != total for values in token_log_probs.values()):
         return True
-    if support_log_probs and any(mask_ids is None or len(values) != len(mask_ids)
-                                 for values in support_log_probs.values()):
+    if support_log_probs and any(_support_misalignment(name, values, mask_ids)
+                                 for name, values in support_log_probs.items()):
         return True
     if mask_offsets is None:
         return False
     if mask_lengths is not None and not np.array_equal(np.asarray(mask_lengths), response_lengths_host):
         return True
     return len(mask_offsets) != total + 1
+
+
+def _support_misalignment(name: str, values, mask_ids) -> str | None:
+    """How `values` (one per support id) break `RULE_SUPPORT_ALIGNED`
+    beside `mask_ids` (None: no mask), or None when they keep it."""
+    if mask_ids is None:
+        return f"{name} has {len(values)} entries, no sampling mask"
+    if len(values) != len(mask_ids):
+        return f"{name} has {len(values)} entries, mask_ids has {len(mask_ids)}"
+    return None
 
 
 def _packed_total(ops, tokens, response_lengths) -> tuple[np.ndarray, int]:
@@ -748,9 +758,9 @@ def locate_violations(
             return [Violation(RULE_ALIGNED, 0, None, 1, f"{name} has {len(values)} entries, expected {total}")]
     n_ids = 0 if mask_ids is None else len(mask_ids)
     for name, values in (support_log_probs or {}).items():
-        if mask_ids is None or len(values) != n_ids:
-            said = "no sampling mask" if mask_ids is None else f"mask_ids has {n_ids}"
-            return [Violation(RULE_SUPPORT_ALIGNED, 0, None, 1, f"{name} has {len(values)} entries, {said}")]
+        problem = _support_misalignment(name, values, mask_ids)
+        if problem:
+            return [Violation(RULE_SUPPORT_ALIGNED, 0, None, 1, problem)]
 
     tokens_host = None
 
@@ -1093,11 +1103,9 @@ def check_message_structure(arrays: Mapping[str, np.ndarray]) -> None:
     offsets = arrays.get("mask_offsets")
     for name in SUPPORT_LOG_PROB_ARRAYS:
         values = arrays.get(name)
-        n_ids = 0 if offsets is None else len(arrays["mask_ids"])
-        if values is not None and (offsets is None or len(values) != n_ids):
-            said = "no sampling mask" if offsets is None else f"mask_ids has {n_ids}"
-            raise LocalProtocolError("misaligned", f"rule '{RULE_SUPPORT_ALIGNED}' violated: {name} has "
-                                                   f"{len(values)} entries, {said}")
+        problem = None if values is None else _support_misalignment(name, values, arrays.get("mask_ids"))
+        if problem:
+            raise LocalProtocolError("misaligned", f"rule '{RULE_SUPPORT_ALIGNED}' violated: {problem}")
     if offsets is None:
         return
     if len(offsets) != n + 1:
