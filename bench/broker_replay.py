@@ -21,6 +21,15 @@ phase's share is 1 - (that replay's CPU / the full replay's). Run under
 `valgrind --tool=callgrind` with `--reps 1 --ablate ''` it gives
 instruction counts, which repeat to within a fraction of a percent.
 
+Beside the CPU figure, one more full replay counts the function calls
+(Python's and builtins', by `cProfile`) the serving thread makes per
+producer frame: `calls_per_frame` does not move with the machine's load,
+so a change can be judged on a busy machine. With `--instructions` the
+full replay is also run once more in a process of its own under
+`valgrind --tool=callgrind`, counting the instructions of that replay
+alone (every thread, the store writer's too; the warm-up replay before it
+not counted): `replay_instructions_per_frame`.
+
 `--seal-every N` records a checkpointing consumer that seals every N
 batches (its seals reclaim what it trained); `--archive` then also replays,
 interleaved with the full replay in every rep, into a broker with an
@@ -29,27 +38,27 @@ archive thread's CPU too, and a housekeeping pass every
 `HOUSEKEEP_EVERY_PASSES` passes in both, as a live broker's loop runs one):
 `archive_ratio` is that replay's CPU over the full one's (medians; its
 spread, the lowest and highest ratio of one rep's pair). With
-`--instructions` each kind is also replayed once more in a process of its
-own under `valgrind --tool=callgrind`, counting the instructions of that
-replay alone (every thread, the archive's too; the warm-up replay before it
-not counted): `archive_instructions_ratio` holds still where the CPU
-figures move with the machine's load.
+`--instructions` the archive replay's instructions are counted too:
+`archive_instructions_ratio` holds still where the CPU figures move with
+the machine's load.
 
 The last line is one JSON object. `--smoke` records 8 samples and replays
 them once.
 
     .venv/bin/python bench/broker_replay.py [--samples 64] [--reps 5] [--ablate check,store,deliver]
-        [--seal-every 2 --archive]
+        [--instructions] [--seal-every 2 --archive]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import gc
 import json
 import multiprocessing as mp
 import os
+import pstats
 import re
 import statistics
 import subprocess
@@ -57,6 +66,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -216,10 +226,12 @@ def _housekeep(broker: ReplayedBroker) -> None:
     broker._drive(broker.core.finish_housekeeping(now))
 
 
-def replay(passes: list, epoch: str, ablation: str | None, archive: bool = False, counted: bool = False) -> float:
+def replay(passes: list, epoch: str, ablation: str | None, archive: bool = False,
+           counting: Callable[[bool], None] | None = None) -> float:
     """CPU seconds of one replay into a fresh broker, `ablation` stubbed
     out; with `archive`, into a broker with an archive, until it holds all
-    it was given; `counted`: callgrind counts what the CPU figure counts."""
+    it was given; `counting(True)` and `counting(False)` bracket what the
+    CPU figure counts (a counter of instructions or calls)."""
     stub = ABLATIONS[ablation]() if ablation else contextlib.nullcontext()
     with tempfile.TemporaryDirectory(prefix="rollstream-replay-") as data_dir, stub:
         broker = ReplayedBroker(_settings(data_dir, f"{data_dir}/archive" if archive else None))
@@ -228,8 +240,8 @@ def replay(passes: list, epoch: str, ablation: str | None, archive: bool = False
         tune_garbage_collector()  # as `rollstream broker` does once started (the archive's pyarrow imported)
         broker.core.dispatcher._epoch = epoch  # the recorded acks name the recording broker's leases
         serve = {"producer": broker._serve_producers, "consumer": broker._serve_consumers}
-        if counted:
-            _collecting(True)
+        if counting:
+            counting(True)
         cpu = time.process_time()
         for i, (name, messages) in enumerate(passes):
             broker.queue.extend(messages)
@@ -247,8 +259,8 @@ def replay(passes: list, epoch: str, ablation: str | None, archive: bool = False
             _housekeep(broker)
         broker.store.wait_writes()
         cpu = time.process_time() - cpu
-        if counted:
-            _collecting(False)
+        if counting:
+            counting(False)
         archived = int(broker.metrics.totals.get("archive_rows", 0))
         broker.close()
         gc.unfreeze()
@@ -266,7 +278,7 @@ def main() -> None:
     parser.add_argument("--seal-every", type=int, default=0, help="the recorded consumer seals every N batches (0: never)")
     parser.add_argument("--archive", action="store_true", help="also replay into a broker with an archive")
     parser.add_argument("--instructions", action="store_true",
-                        help="with --archive: also count each kind's instructions under callgrind")
+                        help="also count the replay's instructions under callgrind (each kind's, with --archive)")
     parser.add_argument("--replay-file", help=argparse.SUPPRESS)  # a process under callgrind: replay this recording
     parser.add_argument("--kind", choices=["full", "archive"], help=argparse.SUPPRESS)
     args = parse_args(parser, SMOKE)
@@ -301,11 +313,13 @@ def main() -> None:
         summary.update(replay_archive_us_per_frame=round(archived / frames * 1e6, 1),
                        archive_ratio=round(archived / full, 3),
                        archive_ratio_spread=[round(min(paired), 3), round(max(paired), 3)])
-    if args.archive and args.instructions:
-        counted = {kind: _instructions(passes, epoch, kind) for kind in ("full", "archive")}
-        summary.update(replay_instructions_per_frame=round(counted["full"] / frames),
-                       archive_instructions_per_frame=round(counted["archive"] / frames),
-                       archive_instructions_ratio=round(counted["archive"] / counted["full"], 3))
+    summary["calls_per_frame"] = round(_calls(passes, epoch) / frames, 1)
+    if args.instructions:
+        counted = {kind: _instructions(passes, epoch, kind) for kind in ("full", "archive") if kind == "full" or args.archive}
+        summary["replay_instructions_per_frame"] = round(counted["full"] / frames)
+        if args.archive:
+            summary.update(archive_instructions_per_frame=round(counted["archive"] / frames),
+                           archive_instructions_ratio=round(counted["archive"] / counted["full"], 3))
     summary.update(frames=frames, reps=args.reps, seal_every=args.seal_every)
     print(json.dumps(summary))
 
@@ -316,13 +330,22 @@ def _collecting(on: bool) -> None:
                    capture_output=True)
 
 
+def _calls(passes: list, epoch: str) -> int:
+    """The function calls (Python's and builtins') one full replay makes on
+    the serving thread, counted by `cProfile`: a figure the machine's load
+    does not move (the store writer's thread is not counted)."""
+    profile = cProfile.Profile()
+    replay(passes, epoch, None, counting=lambda on: profile.enable() if on else profile.disable())
+    return sum(calls for _, calls, *_ in pstats.Stats(profile).stats.values())  # type: ignore[attr-defined]
+
+
 def _replay_counted(path: str, archive: bool) -> None:
     """Under callgrind (counting off at start): a warm-up replay, then one counted."""
     with open(path, "rb") as f:
         passes, epoch = msgpack.unpackb(f.read(), use_list=True)
     passes = [(name, messages) for name, messages in passes]
     replay(passes, epoch, None, archive=archive)
-    replay(passes, epoch, None, archive=archive, counted=True)
+    replay(passes, epoch, None, archive=archive, counting=_collecting)
 
 
 def _instructions(passes: list, epoch: str, kind: str) -> int:
