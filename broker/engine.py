@@ -334,9 +334,10 @@ class EngineSettings:
 
 
 def _ack(message: Message, applied: bool, *, reason: str | None = None, duplicate: bool = False) -> dict:
-    fields = {"seq": message["seq"], "trajectory_id": message["trajectory_id"], "applied": applied}
-    if "turn" in message.fields:
-        fields["turn"] = message["turn"]
+    given = message.fields
+    fields = {"seq": given["seq"], "trajectory_id": given["trajectory_id"], "applied": applied}
+    if "turn" in given:
+        fields["turn"] = given["turn"]
     if reason is not None:
         fields["reason"] = reason
     if duplicate:
@@ -401,7 +402,7 @@ class MergeEngine:
         kind = message.type
         if kind not in ("turn", "end", "abort", "reward"):
             raise InvalidInput(f"the merge engine takes turn, end, abort and reward messages, got {kind!r}")
-        tid = message["trajectory_id"]
+        tid = message.fields["trajectory_id"]
         entry = self.entries.get(tid)
         if entry is not None and entry.state == DEAD and entry.dead_reason in GIVEN_UP:
             # Not a duplicate of anything applied: the producer must not count its end (or reward) as taken.
@@ -434,7 +435,8 @@ class MergeEngine:
         for message in messages:
             if message.type != "turn":
                 continue
-            tid, index = message["trajectory_id"], message["turn"]
+            fields = message.fields
+            tid, index = fields["trajectory_id"], fields["turn"]
             entry = entries.get(tid)
             if (entry is not None and entry.state not in (LEFT, TRAINED) and index < entry.next_turn
                     and entry.outcomes[index][0] is None and (tid, index) not in unsaved):
@@ -442,7 +444,8 @@ class MergeEngine:
         return needed
 
     def _turn(self, message: Message, wall: float, stored: StoredDigests, producer: Producer | None) -> tuple[dict, tuple]:
-        tid, index = message["trajectory_id"], message["turn"]
+        fields = message.fields
+        tid, index = fields["trajectory_id"], fields["turn"]
         entry = self.entries.get(tid)
         if entry is None or entry.state == LEFT:
             if index != 0:
@@ -534,7 +537,7 @@ class MergeEngine:
         for it after that); the digest of one that was consumed unapplied,
         which is stored nowhere else."""
         if applied:
-            self._unsaved[(message["trajectory_id"], index)] = message
+            self._unsaved[(message.fields["trajectory_id"], index)] = message
             return None
         return content_digest(message)
 

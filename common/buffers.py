@@ -2,11 +2,14 @@
 capacity doubles, so a 1,000-turn trajectory is never re-concatenated."""
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from .errors import InvalidInput
 
 _RUNS: dict[tuple, np.ndarray] = {}  # shared read-only runs, by dtype and kind
+NBYTES = operator.attrgetter("nbytes")  # an array's (or a buffer's) size in bytes, for `sum(map(NBYTES, ...))`
 
 
 def _shared_run(key: tuple, count: int) -> np.ndarray:
@@ -57,7 +60,7 @@ class Pieces(list):
     def large(self, each: int) -> bool:
         """Several pieces, of at least `each` bytes on average: worth sending
         a frame per piece rather than joining them first."""
-        return len(self) > 1 and sum(piece.nbytes for piece in self) >= each * len(self)
+        return len(self) > 1 and sum(map(NBYTES, self)) >= each * len(self)
 
 
 class GrowableArray:
@@ -176,4 +179,4 @@ class GrowableArray:
 
     @property
     def nbytes(self) -> int:
-        return len(self) * self._buf.itemsize
+        return (self._len + self._queued) * self._buf.itemsize

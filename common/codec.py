@@ -10,6 +10,7 @@ anywhere: arrays never enter msgpack.
 from __future__ import annotations
 
 import math
+import operator
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
@@ -49,22 +50,20 @@ class Message:
     received frames (when decoded: a store keeps them verbatim). Treated as
     immutable; a plain slotted class because one is made per frame."""
 
-    __slots__ = ("type", "fields", "arrays", "frames", "crc32", "array_crcs")
+    __slots__ = ("type", "fields", "arrays", "frames", "crc32", "array_crcs", "get")
 
     def __init__(self, type: str, fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray], frames: tuple = (),
                  crc32: int | None = None, array_crcs: Mapping[str, int] | None = None):
         self.type, self.fields, self.arrays, self.frames = type, fields, arrays, frames
         self.crc32 = crc32  # the CRC of its array frames, when decoding verified one
         self.array_crcs = array_crcs  # then also the CRC of each array of `CRC_KEPT_FROM_BYTES` or more, by name
+        self.get: Callable[..., Any] = fields.get  # `get(name, default=None)`: the fields' own, one call on hot paths
 
     def __repr__(self) -> str:
         return f"Message({self.type!r}, fields={dict(self.fields)!r}, arrays={sorted(self.arrays)})"
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.fields.get(name, default)
 
 
 def _buffer(frame) -> bytes | memoryview:
@@ -260,7 +259,7 @@ def _array_entry(name: str, contract, arr, parts: list | None) -> list:
         return [name, contract.wire_name, list(arr.shape)]
     if contract.ndim != 1:
         raise LocalProtocolError("shape", f"array {name!r} is {contract.rank_rule()}: only a 1-D array travels in parts")
-    return [name, contract.wire_name, [sum(len(part) for part in parts)]]
+    return [name, contract.wire_name, [sum(map(len, parts))]]
 
 
 def _check_part(name: str, contract, part) -> np.ndarray:
@@ -603,6 +602,16 @@ def decode(
     from the store)."""
     if not frames:
         raise RemoteProtocolError("malformed", "empty message: expected a header frame")
+    if len(frames) == 2 and schema.fast is not None:
+        decoded = _decoded_packed(frames, schema, max_message_bytes)
+        if decoded is not None:
+            spec, message = decoded
+            if spec.content and check_content:
+                try:
+                    _check_content(message.arrays, message.fields, vocab_size)
+                except ProtocolError as error:
+                    raise error.as_remote().with_seq(message.fields.get("seq")) from None
+            return message
     buffers = [_buffer(frame) for frame in frames]
     plain = _plain_header(schema, buffers[0])
     if plain is None:
@@ -745,16 +754,109 @@ def _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes,
         raise RemoteProtocolError("shape", shape_error)
 
     if spec.content and check_content:
-        check_message_arrays(arrays, vocab_size=vocab_size)
-        length = fields.get("response_length")
-        if length is not None and length != len(arrays["tokens"]):
-            raise RemoteProtocolError(
-                "misaligned", f"rule '{RULE_ALIGNED}' violated: response_length is {length}, tokens has {len(arrays['tokens'])}"
-            )
+        _check_content(arrays, fields, vocab_size)
     array_crcs = None
     if kept is not None and not packed and spans is None:  # frame i + 1 is entry i's array, whole
         array_crcs = {entries[i][0]: own for i, own in kept.items()}
     return Message(spec.type, fields, arrays, tuple(buffers), crc, array_crcs)
+
+
+def _check_content(arrays: Mapping[str, np.ndarray], fields: Mapping[str, Any], vocab_size: int | None) -> None:
+    """The content rules of a message's arrays and its response length."""
+    check_message_arrays(arrays, vocab_size=vocab_size)
+    length = fields.get("response_length")
+    if length is not None and length != len(arrays["tokens"]):
+        raise RemoteProtocolError(
+            "misaligned", f"rule '{RULE_ALIGNED}' violated: response_length is {length}, tokens has {len(arrays['tokens'])}"
+        )
+
+
+# A packed layout `_decoded_packed` has seen, by header struct and (name, dtype) pairs: each array's numpy dtype
+# and item size, with the set of names; None for a layout it leaves to the checked way (it breaks a rule there).
+_PACKED_LAYOUTS: dict[tuple, tuple[tuple, frozenset] | None] = {}
+# Per header struct: its field names in the struct's order (`msgspec.structs.astuple`'s), the envelope left out,
+# and where the fields it reads raw are among them.
+_STRUCT_FIELDS: dict[type, tuple[tuple[str, ...], tuple[int, ...]]] = {}
+_NAME_AND_DTYPE = operator.itemgetter(0, 1)
+
+
+def _packed_layout(spec: MessageSpec, key: tuple) -> tuple[tuple, frozenset] | None:
+    """What decoding a packed layout needs, once each rule `decode` checks of
+    the layout alone holds: known names listed once, the type's allowed and
+    required arrays, wire dtypes, and 1-D arrays (any other rank, and any
+    rule broken, is left to the checked way)."""
+    names = frozenset(name for name, _ in key)
+    if spec.body or len(names) != len(key) or not names <= spec.array_names or not spec.required_arrays <= names:
+        return None
+    decoding = []
+    for name, dtype in key:
+        wire, array_dtype, itemsize, contract = _DECODING[name]
+        if dtype != wire or contract.ndim != 1:
+            return None
+        decoding.append((array_dtype, itemsize))
+    return tuple(decoding), names
+
+
+def _struct_fields(header_type: type, raw: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    names = header_type.__struct_fields__[1:-3]  # type: ignore[attr-defined]  # v first; arrays, crc32, packed last
+    return names, tuple(i for i, name in enumerate(names) if name in raw)
+
+
+def _decoded_packed(frames: Sequence, schema: Schema, max_message_bytes: int) -> tuple[MessageSpec, Message] | None:
+    """The common message and its spec, decoded with the fewest steps: a
+    header msgspec checks whole (no field it reads raw is set), its arrays
+    packed in one frame in a layout seen before (`_packed_layout`), its
+    size and CRC right. None for anything else, which `decode` then decodes
+    the checked way, refusing it naming the rule: both accept the same
+    messages."""
+    head, body = frames
+    try:
+        header = schema.fast.decode(head)  # type: ignore[union-attr]  # the caller checked it is there
+    except (msgspec.MsgspecError, RecursionError):
+        return None
+    entries = header.arrays
+    if not header.packed or not entries:
+        return None
+    header_type = type(header)
+    spec, _, raw = schema.fast_specs[header_type]
+    try:
+        names_in_order, raw_at = _STRUCT_FIELDS[header_type]
+    except KeyError:
+        names_in_order, raw_at = _STRUCT_FIELDS[header_type] = _struct_fields(header_type, raw)
+    values = msgspec.structs.astuple(header)
+    unset = msgspec.UNSET
+    for i in raw_at:
+        if values[i + 1] is not unset:
+            return None
+    key = (header_type, tuple(map(_NAME_AND_DTYPE, entries)))
+    try:
+        layout = _PACKED_LAYOUTS[key]
+    except KeyError:
+        layout = _PACKED_LAYOUTS[key] = _packed_layout(spec, key[1])
+    if layout is None:
+        return None
+    decoding, names = layout
+    fields = {name: value for name, value in zip(names_in_order, values[1:-3]) if value is not unset}
+    for rule in spec.rules:
+        if rule(fields, names):
+            return None
+    head, view = _buffer(head), _buffer(body)
+    if len(head) + len(view) > max_message_bytes:
+        return None
+    crc = values[-2]
+    if crc is not unset and _crc32_update(view) != crc:
+        return None
+    arrays, start, frombuffer = {}, 0, np.frombuffer
+    try:
+        for (name, _, (length,)), (dtype, itemsize) in zip(entries, decoding):
+            end = start + itemsize * length
+            arrays[name] = frombuffer(view[start:end], dtype)
+            start = end
+    except ValueError:  # a shape of another rank, or a frame too short for the layout
+        return None
+    if start != len(view):
+        return None
+    return spec, Message(spec.type, fields, arrays, (head, view), None if crc is unset else crc)
 
 
 def _canonical(value):
@@ -798,3 +900,4 @@ def content_digest(message: Message, *, ignore: tuple[str, ...] = ("seq",)) -> b
 _DTYPE_STRINGS = {name: spec.dtype.str for name, spec in ARRAYS.items()}
 # Per array name, what decoding compares and builds with (looked up once per array).
 _DECODING = {name: (spec.wire_name, spec.dtype, spec.dtype.itemsize, spec) for name, spec in ARRAYS.items()}
+

@@ -16,7 +16,7 @@ from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
-from .buffers import GrowableArray, constant_run, counting_run
+from .buffers import NBYTES, GrowableArray, constant_run, counting_run
 from .contract import (
     ARRAYS,
     CONTEXT_REPLAY_ARRAYS,
@@ -578,8 +578,8 @@ class Trajectory:
             buffers += [self._mask.ids, self._mask.offsets]
             if self._mask.log_probs is not None:
                 buffers.append(self._mask.log_probs)
-        context = 0 if self.is_shed else sum(array.nbytes for array in self._context.values())
-        return self.prompt_tokens.nbytes + sum(buffer.nbytes for buffer in buffers) + context + self._pending_bytes
+        context = 0 if self.is_shed or not self._context else sum(map(NBYTES, self._context.values()))
+        return self.prompt_tokens.nbytes + sum(map(NBYTES, buffers)) + context + self._pending_bytes
 
     def _written_bytes(self, turn: Turn) -> int:
         """What a pending turn adds to the buffers once written."""

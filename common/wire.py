@@ -59,7 +59,7 @@ def encode_turn(
 def turn_from_message(message: Message) -> Turn:
     """The `Turn` a decoded `turn` message carries (arrays stay zero-copy,
     with the CRCs decoding verified of its large ones)."""
-    return Turn.from_arrays(message.arrays, status=message["status"], weight_version=message.get("weight_version"),
+    return Turn.from_arrays(message.arrays, status=message.fields["status"], weight_version=message.get("weight_version"),
                             weight_version_spans=message.get("weight_version_spans"), crcs=message.array_crcs)
 
 

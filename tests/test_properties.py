@@ -1090,7 +1090,24 @@ def edited_messages(draw):
             header.pop(name, None)
         else:
             header[name] = draw(boundary_values | header_values)
-    return schema, [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+    entries = header.get("arrays")
+    if type(entries) is list and entries and all(type(e) is list and len(e) == 3 for e in entries) and draw(st.booleans()):
+        at = draw(st.integers(0, len(entries) - 1))
+        entries[at] = draw(edited_entries(entries[at], entries[-1][0]))
+    frames = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+    if len(frames) > 1 and draw(st.integers(0, 3)) == 0:  # a body a byte short or a byte long
+        frames[-1] = bytes(frames[-1])[:-1] if draw(st.booleans()) else bytes(frames[-1]) + b"\0"
+    return schema, frames
+
+
+def edited_entries(entry, other_name):
+    """An array entry renamed (to `other_name`, listed too, or an unknown
+    name), given another dtype, or another shape (rank or length)."""
+    name, dtype, shape = entry
+    return st.sampled_from([
+        [other_name, dtype, shape], ["newer_array", dtype, shape], [name, "int64", shape], [name, "float16", shape],
+        [name, dtype, [*shape, 1]], [name, dtype, []], [name, dtype, [shape[0] + 1] if shape else [1]],
+    ])
 
 
 def decode_outcome(frames, schema):
