@@ -18,7 +18,13 @@ vLLM, started with `--return-sampling-mask`, puts the supports on each
 completion output (`sampling_mask`: one id list per token, in CSR form in
 its first release) and, from its token-in/token-out `/inference/v1/generate`,
 in each JSON choice; its `logprobs` are then over the processed (truncated)
-distribution.
+distribution. Started with `--return-sampling-mask-logprobs` too, it pairs
+each support with its ids' log-probs renormalised over it
+(`sampling_mask_logprobs`, a list per token aligned with its support, or
+one array aligned with a CSR mask's ids), which become the turn's
+`mask_log_probs`. It fails a request it cannot answer so with
+`finish_reason` `error` (a top-k boundary tie that keeps more than top_k
+tokens), which is refused.
 
 Every field of the reply is carried, used, or refused naming the rule:
 none is dropped without a word (docs/producer.md lists them).
@@ -34,7 +40,7 @@ import numpy as np
 from .errors import InvalidInput, LocalProtocolError, SupportOverflow
 from .mask import SamplingMask, as_int_array
 from .trajectory import LOG_PROB_DTYPE, TOKEN_DTYPE, Turn
-from .validation import RULE_SUPPORT_ALIGNED
+from .validation import RULE_ALIGNED, RULE_SUPPORT_ALIGNED
 
 # An engine's finish reason → the turn status docs/semantics.md uses. `tool_calls` is the chat endpoints' name of a
 # stop at which a tool parser found calls.
@@ -48,6 +54,8 @@ SUPPORTS_LENGTH_KEY = "output_token_sampling_mask_length"
 TRUNCATED_KEY = "output_token_sampling_mask_truncated"
 # A miles fork's SGLang: each support id's log-prob, renormalised over the support, beside the per-token ones.
 SUPPORT_LOG_PROBS_KEY = "output_token_sampling_mask_logprobs"
+# vLLM started with --return-sampling-mask-logprobs: each support id's log-prob, renormalised over the support.
+VLLM_SUPPORT_LOG_PROBS_KEY = "sampling_mask_logprobs"
 FULL_LOG_PROBS_KEY = "output_token_logprobs"
 # Per-token weight versions: [{"version", "start", "end"}] over the output tokens, contiguous from 0, the newest last
 # (SGLang's `weight_version` is the last one's, where a rollstream turn's is its first span's).
@@ -83,7 +91,9 @@ def status_from_finish_reason(meta_info: Mapping[str, Any]) -> str:
     if kind is None:
         return "completed"
     if not isinstance(kind, str) or kind not in FINISH_REASON_STATUS:
-        raise InvalidInput(f"rule 'finish_reason is one of {sorted(FINISH_REASON_STATUS)}' not met: got {kind!r}")
+        cause = (": the engine failed the request (vLLM does so when a top-k boundary tie keeps more than top_k tokens, "
+                 "which its paired sampling-mask log-probs cannot hold)") if kind == "error" else ""
+        raise InvalidInput(f"rule 'finish_reason is one of {sorted(FINISH_REASON_STATUS)}' not met: got {kind!r}{cause}")
     return FINISH_REASON_STATUS[kind]
 
 
@@ -169,18 +179,18 @@ def turn_from_sglang(
     if not spans and weight_version is None and meta_info.get("weight_version") is not None:
         weight_version = str(meta_info["weight_version"])
     mask: dict[str, Any] = {"supports": supports}
-    if _per_support(log_probs):
-        mask = _sglang_support_log_probs(output_ids, supports, log_probs, LOG_PROBS_KEY)
-        log_probs = mask.pop("log_probs")
-        mask["mask_log_probs_normalized"] = not _truthy(meta_info.get(TRUNCATED_KEY))
-    elif meta_info.get(SUPPORT_LOG_PROBS_KEY) is not None:
-        rows = _listed(meta_info[SUPPORT_LOG_PROBS_KEY], f"meta_info.{SUPPORT_LOG_PROBS_KEY}")
-        if len(rows) != n:
-            raise LocalProtocolError("misaligned", f"{SUPPORT_LOG_PROBS_KEY} has {len(rows)} entries, {n} tokens were "
-                                                   f"sampled")
-        mask = _sglang_support_log_probs(output_ids, supports, rows, SUPPORT_LOG_PROBS_KEY)
-        del mask["log_probs"]  # the tokens' own come from output_token_sampling_logprobs
-        mask["mask_log_probs_normalized"] = True
+    per_support = _per_support(log_probs)
+    if per_support or meta_info.get(SUPPORT_LOG_PROBS_KEY) is not None:
+        key = LOG_PROBS_KEY if per_support else SUPPORT_LOG_PROBS_KEY
+        rows = log_probs if per_support else _listed(meta_info[key], f"meta_info.{key}")
+        support = _sglang_mask(supports, key)
+        mask_log_probs, sampled = _support_log_probs(as_int_array(output_ids, TOKEN_DTYPE, "output_ids"), support, rows,
+                                                     key, "meta_info.")
+        if per_support:  # else the tokens' own log-probs are output_token_sampling_logprobs' numbers
+            log_probs = sampled
+        # Only support mode says a support was cut to the engine's cap, which leaves its probabilities short of 1.
+        mask = {"mask": support, "mask_log_probs": mask_log_probs,
+                "mask_log_probs_normalized": not (per_support and _truthy(meta_info.get(TRUNCATED_KEY)))}
     return _built(output_ids, log_probs, spans, **mask, full_log_probs=_sglang_full_log_probs(
         meta_info.get(FULL_LOG_PROBS_KEY), output_ids), loss_mask=loss_mask, forced_tokens=forced_tokens,
         status=status, weight_version=weight_version, vocab_size=vocab_size)
@@ -203,16 +213,46 @@ def _truthy(flag) -> bool:
     return any(map(bool, flag)) if isinstance(flag, (list, tuple)) else bool(flag)
 
 
-def _sglang_support_log_probs(output_ids, supports, rows, key: str) -> dict[str, Any]:
-    """SGLang's per-support log-probs (`rows`, meta_info's `key`: one list per token, aligned
-    with that token's support) as the turn's `mask` and `mask_log_probs`
-    (float32, in the mask's CSR order), and `log_probs`: each sampled id's
-    entry (0.0 for a token its support lacks, which the in-support rule then refuses)."""
+def _sglang_mask(supports, key: str) -> SamplingMask:
+    """The mask per-support log-probs (meta_info's `key`) are aligned with."""
     if supports is None:
         raise LocalProtocolError("mask_invalid", f"rule 'per-support log-probs come with their supports' not met: "
                                                  f"meta_info.{key} holds lists but there is no {SUPPORTS_KEY}")
-    mask = SamplingMask.from_supports(supports)
+    return SamplingMask.from_supports(supports)
+
+
+def _support_log_probs(tokens: np.ndarray, mask: SamplingMask, rows, key: str, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """An engine's per-support log-probs (`rows`: its field `key`, named
+    `where` + `key` in the rules) as the turn's `mask_log_probs`, float32 in
+    the mask's CSR order, and each sampled id's entry (0.0 for a token its
+    support lacks, which the in-support rule then refuses), which may serve
+    as the tokens' log-probs. `rows` are one list per token, each as long as
+    its support, or (not a list) one array aligned with the mask's ids.
+    SGLang and vLLM share it, so both are held to the same rules. `tokens`
+    are the sampled ids, already integers (named as their engine names them)."""
     sizes = np.diff(mask.offsets)
+    if sizes.size != tokens.size:
+        raise LocalProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: mask covers {sizes.size} tokens, tokens "
+                                               f"has {tokens.size}")
+    values = _row_log_probs(rows, sizes, key, where) if isinstance(rows, (list, tuple)) else _flat_log_probs(
+        rows, mask.ids.size, key, where)
+    owner = np.repeat(np.arange(sizes.size), sizes)
+    at = np.flatnonzero(mask.ids == tokens[owner])
+    found, first = np.unique(owner[at], return_index=True)  # a duplicated id: its first entry
+    sampled = np.zeros(sizes.size, dtype=LOG_PROB_DTYPE)
+    sampled[found] = values[at[first]]
+    return values, sampled
+
+
+def _row_log_probs(rows: list | tuple, sizes: np.ndarray, key: str, where: str) -> np.ndarray:
+    """One list of log-probs per token, each as long as its support (`sizes`), flattened to float32."""
+    if len(rows) != sizes.size:
+        raise LocalProtocolError("misaligned", f"rule '{RULE_ALIGNED}' violated: {key} has {len(rows)} entries, "
+                                               f"{sizes.size} tokens were sampled")
+    t = next((t for t, row in enumerate(rows) if not isinstance(row, (list, tuple, np.ndarray))), None)
+    if t is not None:
+        raise LocalProtocolError("schema", f"rule '{where}{key} is one list per token' not met: {key}[{t}] is "
+                                           f"{type(rows[t]).__name__} {rows[t]!r:.40}")
     got = np.fromiter(map(len, rows), dtype=sizes.dtype, count=len(rows))
     if not np.array_equal(got, sizes):
         t = int(np.flatnonzero(got != sizes)[0])
@@ -223,21 +263,28 @@ def _sglang_support_log_probs(output_ids, supports, rows, key: str) -> dict[str,
     collections.deque(map(flat.extend, rows), 0)
     if not all(map(_is_number, flat)):
         bad = next(value for value in flat if not _is_number(value))
-        raise LocalProtocolError("schema", f"rule 'each of meta_info.{key}'s log-probs is a number' not "
+        raise LocalProtocolError("schema", f"rule 'each of {where}{key}'s log-probs is a number' not "
                                            f"met: got {bad!r:.40}")
     try:
         with np.errstate(over="ignore"):  # past float32's range: infinite, which the log-prob rule refuses
-            values = np.asarray(flat, dtype=LOG_PROB_DTYPE)
+            return np.asarray(flat, dtype=LOG_PROB_DTYPE)
     except OverflowError:  # an integer past even a double's range
-        raise LocalProtocolError("schema", f"rule 'each of meta_info.{key}'s log-probs is a number a float "
+        raise LocalProtocolError("schema", f"rule 'each of {where}{key}'s log-probs is a number a float "
                                            f"holds' not met: got {max(flat, key=abs)!r:.40}") from None
-    tokens = as_int_array(output_ids, TOKEN_DTYPE, "output_ids")
-    owner = np.repeat(np.arange(sizes.size), sizes)
-    at = np.flatnonzero(mask.ids == tokens[owner])  # one support per token: checked by the caller
-    found, first = np.unique(owner[at], return_index=True)  # a duplicated id: its first entry
-    log_probs = np.zeros(sizes.size, dtype=LOG_PROB_DTYPE)
-    log_probs[found] = values[at[first]]
-    return {"mask": mask, "mask_log_probs": values, "log_probs": log_probs}
+
+
+def _flat_log_probs(array, count: int, key: str, where: str) -> np.ndarray:
+    """One array of log-probs aligned with the mask's `count` ids, as float32."""
+    values = np.asarray(array)
+    if values.ndim != 1 or values.dtype.kind not in "fiu":
+        raise LocalProtocolError("schema", f"rule '{where}{key} is one list per token, or one array of numbers aligned "
+                                           f"with the mask's ids' not met: got {type(array).__name__} of "
+                                           f"{values.dtype} and shape {values.shape}")
+    if values.size != count:
+        raise LocalProtocolError("misaligned", f"rule '{RULE_SUPPORT_ALIGNED}' violated: {key} has {values.size} "
+                                               f"entries, expected {count} (the mask's ids)")
+    with np.errstate(over="ignore"):  # past float32's range: infinite, which the log-prob rule refuses
+        return values.astype(LOG_PROB_DTYPE)
 
 
 def sglang_chat_output(response: Mapping[str, Any], choice: int = 0) -> tuple[list[int], Mapping[str, Any]]:
@@ -328,8 +375,13 @@ def turn_from_vllm(
     one id list per token, CSR (`token_ids` flat with `offsets`), or vLLM's
     in-engine bitset (uint8 rows of ceil(V/8) bytes, least significant bit
     first). The log-probs are vLLM's, over the processed distribution that
-    mask replay requires (`logprobs_mode=processed_logprobs`). The same
-    checks as `turn_from_sglang` apply."""
+    mask replay requires (`logprobs_mode=processed_logprobs`). Its
+    `sampling_mask_logprobs` (`--return-sampling-mask-logprobs`: one list
+    per token, each as long as its support, or one array aligned with a
+    CSR mask's ids) become the turn's `mask_log_probs`, said renormalised
+    over the support as vLLM computes them; without `logprobs`, their
+    sampled ids' entries are the tokens' log-probs. The same checks as
+    `turn_from_sglang` apply."""
     read = output.get if isinstance(output, Mapping) else lambda key: getattr(output, key, None)
     if read("routed_experts") is not None:
         raise LocalProtocolError("schema", "rule 'fields a turn does not carry are refused, not dropped' not met: the "
@@ -344,10 +396,19 @@ def turn_from_vllm(
     if mask is None and require_mask and status != "aborted":
         raise LocalProtocolError("mask_invalid", "the output has no sampling_mask; start vLLM with "
                                                  "--return-sampling-mask")
-    log_probs = _vllm_log_probs(read("logprobs"), ids)
+    logprobs, rows = read("logprobs"), read(VLLM_SUPPORT_LOG_PROBS_KEY)
+    mask_log_probs = sampled = None
+    if rows is not None:
+        if mask is None:
+            raise LocalProtocolError("mask_invalid", f"rule 'per-support log-probs come with their supports' not met: "
+                                                     f"the output holds {VLLM_SUPPORT_LOG_PROBS_KEY} but no sampling_mask")
+        tokens = as_int_array(ids, TOKEN_DTYPE, "token_ids")
+        mask_log_probs, sampled = _support_log_probs(tokens, mask, rows, VLLM_SUPPORT_LOG_PROBS_KEY, "")
+    log_probs = sampled if sampled is not None and logprobs is None else _vllm_log_probs(logprobs, ids)
     spans = None if weight_version is not None else engine_spans(read(SPANS_KEY), SPANS_KEY)
-    return _built(ids, log_probs, spans, mask=mask, loss_mask=loss_mask, forced_tokens=forced_tokens, status=status,
-                  weight_version=weight_version, vocab_size=vocab_size)
+    return _built(ids, log_probs, spans, mask=mask, mask_log_probs=mask_log_probs,
+                  mask_log_probs_normalized=mask_log_probs is not None, loss_mask=loss_mask, forced_tokens=forced_tokens,
+                  status=status, weight_version=weight_version, vocab_size=vocab_size)
 
 
 def _vllm_mask(mask) -> SamplingMask | None:

@@ -1,8 +1,9 @@
 """Turns from vLLM started with --return-sampling-mask, without a server: one
-JSON choice of its token-in/token-out `/inference/v1/generate`, and an
-in-process `CompletionOutput` whose mask comes as id lists, as CSR and as
-the engine's packed bitset, all three giving the same supports; merged into
-one trajectory. The replies are literal, so what each field becomes can be
+JSON choice of its token-in/token-out `/inference/v1/generate` (and one with
+the support log-probs --return-sampling-mask-logprobs pairs the mask with),
+and an in-process `CompletionOutput` whose mask comes as id lists, as CSR
+and as the engine's packed bitset, all three giving the same supports;
+merged into one trajectory. The replies are literal, so what each field becomes can be
 read off; the checks below hold the printed lines (and the README) to it.
 With --url, one real request to that server instead.
 
@@ -28,6 +29,9 @@ CHOICE = {"index": 0, "finish_reason": "stop", "token_ids": [40, 41, 42],
                                    {"token_id": 42, "logprob": -1.1}]},  # over the processed (truncated) distribution
           "sampling_mask": [[40, 3], [41], [42, 7, 9]],                  # each sampled token's support
           "weight_versions": [{"version": "7", "start": 0, "end": 2}, {"version": "8", "start": 2, "end": 3}]}
+# Started also with --return-sampling-mask-logprobs (top_k <= 2048): each support's ids' log-probs, renormalised over it,
+# in its order (probabilities 3/4 1/4, 1, 1/2 1/4 1/4); asked without logprobs, the sampled ids' entries are the tokens'.
+PAIRED = dict(CHOICE, logprobs=None, sampling_mask_logprobs=[[-0.2877, -1.3863], [0.0], [-0.6931, -1.3863, -1.3863]])
 
 
 # The fields of vLLM's output objects that a turn is built from.
@@ -67,6 +71,8 @@ def from_replies() -> None:
     """The literal replies: what each field of theirs becomes."""
     first = turn_from_vllm(CHOICE, forced_tokens=[60, 61])
     print(first.mask[2], first.weight_version, first.weight_version_spans)  # [42  7  9] 7 (('7', 0, 2), ('8', 2, 3))
+    paired = turn_from_vllm(PAIRED)
+    print(paired.mask_log_probs, paired.log_probs)  # [-0.2877 -1.3863  0.     -0.6931 -1.3863 -1.3863] [-0.2877  0.     -0.6931]
 
     supports = [[50, 2], [51, 6, 5]]
     masks = [SupportLists(supports), CsrSupports([50, 2, 51, 6, 5], [0, 2, 5]), bitset(supports)]
@@ -84,6 +90,8 @@ def from_replies() -> None:
 
     assert first.mask[2].tolist() == [42, 7, 9] and first.weight_version == "7"
     assert first.weight_version_spans == (("7", 0, 2), ("8", 2, 3))
+    assert paired.mask_log_probs.tolist() == np.float32([-0.2877, -1.3863, 0, -0.6931, -1.3863, -1.3863]).tolist()
+    assert paired.mask_log_probs_normalized and paired.log_probs.tolist() == np.float32([-0.2877, 0, -0.6931]).tolist()
     assert all([set(t.mask[k].tolist()) for k in range(2)] == [set(s) for s in supports] for t in (lists, csr, bits))
     assert bits.mask[1].tolist() == [5, 6, 51]
     assert traj.tokens.tolist() == [40, 41, 42, 60, 61, 50, 51] and traj.status == "truncated"

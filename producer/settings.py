@@ -123,9 +123,10 @@ class ProducerSettings:
     vllm_timeout: float = seconds(600.0, "Seconds one vLLM call may take.")
     full_log_probs: bool = flag(False, "sglang: also ask for each sampled token's log-prob under the full distribution "
                                        "(return_logprob) and carry it as the turn's full_log_probs.")
-    mask_log_probs: bool = flag(False, "sglang: also ask for every support id's log-prob (sampling_logprobs_mode "
-                                       "support) and carry them as the turn's mask_log_probs, renormalised over each "
-                                       "support as SGLang reports them.")
+    mask_log_probs: bool = flag(False, "sglang, vllm: also carry every support id's log-prob as the turn's "
+                                       "mask_log_probs, renormalised over each support as the engine reports them "
+                                       "(sglang: asked with sampling_logprobs_mode support; vllm: the server started "
+                                       "with --return-sampling-mask-logprobs, top_k at most 2048).")
     overflow_retries: int = count(0, "sglang, vllm: times a turn whose support outgrew the engine's cap is asked again "
                                      "with half the top-k; then (0: at once) the trajectory is given up "
                                      "(support_overflow).", "retries", low=0, high=16)

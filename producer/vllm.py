@@ -7,16 +7,19 @@ stream its choices as turns. The episode is `EngineSource`'s.
 vLLM's mask replay needs a bounded sampler: it refuses `top_k <= 0` and
 `temperature <= 0`, so the source refuses them at start. Its log-probs are
 over the processed (truncated) distribution, so `full_log_probs` has
-nothing to carry here and is refused too, as is `mask_log_probs`: vLLM
-reports no log-prob per support id."""
+nothing to carry here and is refused too. With `mask_log_probs` the server
+must pair each support with its ids' log-probs
+(`--return-sampling-mask-logprobs`, which takes `top_k <= 2048`, so a
+larger one is refused at start); a reply without them aborts its
+trajectory, as an unusable reply does."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
-from rollstream.common.errors import InvalidInput
-from rollstream.common.ingest import status_from_finish_reason, turn_from_vllm
+from rollstream.common.errors import InvalidInput, LocalProtocolError
+from rollstream.common.ingest import VLLM_SUPPORT_LOG_PROBS_KEY, status_from_finish_reason, turn_from_vllm
 from rollstream.common.trajectory import Turn
 
 from .engine import EngineSource, post_json
@@ -24,6 +27,7 @@ from .settings import ProducerSettings
 from .source import SourceSettingsError
 
 GENERATE_PATH = "/inference/v1/generate"
+MASK_LOG_PROBS_TOP_K = 2048  # the largest top_k vLLM takes with --return-sampling-mask-logprobs
 
 
 class VLLMSource(EngineSource):
@@ -37,10 +41,9 @@ class VLLMSource(EngineSource):
             raise SourceSettingsError("rule 'full_log_probs comes from an engine that reports them' not met: vLLM's "
                                       "mask replay reports log-probs over the processed distribution only "
                                       "(leave full_log_probs off with --source vllm)")
-        if settings.mask_log_probs:
-            raise SourceSettingsError("rule 'mask_log_probs comes from an engine that reports them' not met: vLLM's "
-                                      "mask replay reports no log-prob per support id (leave mask_log_probs off with "
-                                      "--source vllm)")
+        if settings.mask_log_probs and settings.top_k > MASK_LOG_PROBS_TOP_K:
+            raise SourceSettingsError(f"rule 'vLLM's paired sampling-mask log-probs need top_k <= {MASK_LOG_PROBS_TOP_K}' "
+                                      f"not met: got top_k {settings.top_k} with mask_log_probs")
         super().__init__(settings, producer_id)
         self.url = settings.vllm_url.rstrip("/") + GENERATE_PATH
 
@@ -59,4 +62,9 @@ class VLLMSource(EngineSource):
         return reply["token_ids"], status_from_finish_reason(reply)
 
     def turn(self, reply: Any, forced_tokens: np.ndarray | None) -> Turn:
+        if self.settings.mask_log_probs and reply.get("sampling_mask") is not None and \
+                reply.get(VLLM_SUPPORT_LOG_PROBS_KEY) is None:  # else the turn would go without them, unnoticed
+            raise LocalProtocolError("schema", f"rule 'with mask_log_probs a reply's sampling_mask comes with its "
+                                               f"{VLLM_SUPPORT_LOG_PROBS_KEY}' not met: expected them, got none (start "
+                                               f"vLLM with --return-sampling-mask-logprobs)")
         return turn_from_vllm(reply, forced_tokens=forced_tokens, vocab_size=self.settings.vocab_size)

@@ -39,14 +39,16 @@ class Answer:
     full_log_probs: list[float]
     finish: str
     overflow: int | None = None
-    # Asked for every support id's log-prob (SGLang's sampling_logprobs_mode support): one list per token aligned with
-    # its support, renormalised over it; `log_probs` are then the sampled ids' entries.
+    # Asked for every support id's log-prob (SGLang's sampling_logprobs_mode support, vLLM's
+    # --return-sampling-mask-logprobs): one list per token aligned with its support, renormalised over it; `log_probs`
+    # are then the sampled ids' entries.
     support_log_probs: list[list[float]] | None = None
 
     def with_support_log_probs(self) -> "Answer":
-        """This answer as SGLang's support mode gives it: the sampled id
-        (first in its support) keeps its probability, the others share what
-        is left evenly; a singleton's one entry is 0.0."""
+        """This answer as an engine asked for every support id's log-prob
+        gives it: the sampled id (first in its support) keeps its
+        probability, the others share what is left evenly; a singleton's one
+        entry is 0.0."""
         rows = []
         for support, lp in zip(self.supports, self.log_probs):
             if len(support) == 1:
@@ -291,6 +293,7 @@ class VLLMCompletionOutput:
     stop_reason: int | str | None = None
     sampling_mask: Any = None
     weight_versions: list[Any] | None = field(default=None)
+    sampling_mask_logprobs: Any = None
 
 
 class FakeVLLM(FakeEngine):
@@ -299,7 +302,21 @@ class FakeVLLM(FakeEngine):
     (`content`: the sampled token's log-prob over the processed
     distribution), `sampling_mask` (one id list per token) and
     `weight_versions`; `completion_output` gives the same answer as the
-    engine's output object, its mask as id lists, CSR or packed bits."""
+    engine's output object, its mask as id lists, CSR or packed bits.
+
+    With `sampling_mask_logprobs` (the server's
+    `--return-sampling-mask-logprobs`) each answer also pairs every support
+    with its ids' log-probs renormalised over it (SGLang's support mode's,
+    `Answer.with_support_log_probs`), whose sampled ids' entries are then
+    its `logprobs`."""
+
+    def __init__(self, vocab_size: int, *, sampling_mask_logprobs: bool = False, **options):
+        super().__init__(vocab_size, **options)
+        self.sampling_mask_logprobs = sampling_mask_logprobs
+
+    def draw(self, input_ids: list[int], max_new_tokens: int, top_k: int = 0) -> Answer:
+        answer = super().draw(input_ids, max_new_tokens, top_k)
+        return answer.with_support_log_probs() if self.sampling_mask_logprobs else answer
 
     def serve(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         assert path == "/inference/v1/generate", path
@@ -314,15 +331,21 @@ class FakeVLLM(FakeEngine):
     def choice(self, answer: Answer) -> dict[str, Any]:
         content = [{"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []}
                    for t, lp in zip(answer.out, answer.log_probs)]
-        return {"index": 0, "finish_reason": answer.finish, "token_ids": answer.out, "routed_experts": None,
-                "logprobs": {"content": content}, "sampling_mask": answer.supports,
-                "weight_versions": self.spans(len(answer.out))}
+        choice = {"index": 0, "finish_reason": answer.finish, "token_ids": answer.out, "routed_experts": None,
+                  "logprobs": {"content": content}, "sampling_mask": answer.supports,
+                  "weight_versions": self.spans(len(answer.out))}
+        if answer.support_log_probs is not None:
+            choice["sampling_mask_logprobs"] = answer.support_log_probs
+        return choice
 
     def completion_output(self, input_ids: list[int], max_tokens: int, mask: str = "lists") -> VLLMCompletionOutput:
         """The engine's output object for the request, its mask as `lists`,
         `csr` or `bitset` (uint8 rows of ceil(V/8) bytes, bit j % 8 of byte
-        j // 8 for id j)."""
+        j // 8 for id j). Its `sampling_mask_logprobs`, when asked for, are
+        one list per token beside lists, else one float32 array aligned with
+        the mask's ids (a bitset's in id order)."""
         answer = self.draw(input_ids, max_tokens)
+        rows = answer.support_log_probs
         if mask == "lists":
             sampling_mask: Any = VLLMSamplingMask(answer.supports)
         elif mask == "csr":
@@ -333,10 +356,13 @@ class FakeVLLM(FakeEngine):
             for row, support in enumerate(answer.supports):
                 dense[row, support] = 1
             sampling_mask = np.packbits(dense, axis=1, bitorder="little")
+            if rows is not None:
+                rows = [np.asarray(row)[np.argsort(support)].tolist() for row, support in zip(rows, answer.supports)]
+        paired = rows if rows is None or mask == "lists" else np.asarray([x for row in rows for x in row], np.float32)
         logprobs = [{t: VLLMLogprob(lp, 1), (t + 1) % self.vocab_size: VLLMLogprob(lp - 1.0, 2)}
                     for t, lp in zip(answer.out, answer.log_probs)]
         return VLLMCompletionOutput(0, "", answer.out, float(sum(answer.log_probs)), logprobs, answer.finish,
-                                    sampling_mask=sampling_mask)
+                                    sampling_mask=sampling_mask, sampling_mask_logprobs=paired)
 
 
 def episode_turns(calls: list[dict[str, Any]], prompt: list[int], full: list[int]) -> list[dict[str, Any]]:

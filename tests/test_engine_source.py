@@ -6,12 +6,14 @@ the ledger."""
 import asyncio
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from rollstream.common.errors import SupportOverflow
 from rollstream.producer.engine import EngineSource
 from rollstream.producer.metrics import ProducerMetrics
 from rollstream.producer.settings import ProducerSettings
+from rollstream.producer.source import ABORTED
 
 
 class Refusing(EngineSource):
@@ -44,16 +46,24 @@ class Ledger:
 
 
 def handle():
-    aborts = []
+    """A trajectory handle that records its aborts (returned) and its sent turns (`sent`)."""
+    aborts, sent = [], []
 
-    async def abort(reason):
-        aborts.append(reason)
+    def done():
         future = asyncio.get_running_loop().create_future()
         future.set_result(None)
         return future
 
+    async def abort(reason):
+        aborts.append(reason)
+        return done()
+
+    async def send(turn):
+        sent.append(turn)
+        return done()
+
     producer = SimpleNamespace(metrics=ProducerMetrics(), ledger=Ledger(), producer_id="p")
-    return SimpleNamespace(producer=producer, trajectory_id="t-1", abort=abort), aborts
+    return SimpleNamespace(producer=producer, trajectory_id="t-1", abort=abort, send=send, sent=sent), aborts
 
 
 def counted(traj, action):
@@ -92,12 +102,38 @@ def test_past_its_retries_the_trajectory_is_given_up_as_support_overflow(retries
 @pytest.mark.parametrize("asked, rule", [
     (dict(top_k=0), "vLLM's sampling mask needs top_k > 0 and temperature > 0"),
     (dict(full_log_probs=True), "full_log_probs comes from an engine that reports them"),
-    (dict(mask_log_probs=True), "mask_log_probs comes from an engine that reports them"),
+    (dict(mask_log_probs=True, top_k=2049), r"vLLM's paired sampling-mask log-probs need top_k <= 2048' not met: got "
+                                            r"top_k 2049 with mask_log_probs"),
 ])
 def test_the_vllm_source_refuses_at_start_what_vllm_cannot_report(asked, rule):
     from rollstream.producer.source import SourceSettingsError
     from rollstream.producer.vllm import VLLMSource
 
     settings = ProducerSettings(**{"top_k": 20, "vocab_size": 100, **asked})
-    with pytest.raises(SourceSettingsError, match=f"rule '{rule}' not met"):
+    with pytest.raises(SourceSettingsError, match=f"rule '{rule}"):
         VLLMSource(settings, "p")
+    VLLMSource(ProducerSettings(mask_log_probs=True, top_k=2048, vocab_size=100), "p")  # the largest top_k it takes
+
+
+def test_a_vllm_reply_without_the_paired_log_probs_asked_for_aborts_its_trajectory(caplog):
+    """With `mask_log_probs`, a reply from a server started without
+    `--return-sampling-mask-logprobs` is refused naming the flag, and the
+    episode aborts the trajectory and logs it, rather than sending turns
+    without them."""
+    from engines import FakeVLLM
+
+    from rollstream.producer.source import Job
+    from rollstream.producer.vllm import VLLMSource
+
+    with FakeVLLM(100) as fake:
+        settings = ProducerSettings(mask_log_probs=True, top_k=20, vocab_size=100, response_tokens=4, turns=2,
+                                    vllm_url=fake.url)
+        source = VLLMSource(settings, "p")
+        traj, aborts = handle()
+        job = Job("t-1", np.arange(6, dtype=np.int32), 0)
+        assert asyncio.run(source.episode(traj, job, asyncio.Event())) == ABORTED
+    assert len(fake.calls) == 1 and len(aborts) == 1 and not traj.sent
+    flag = "start vLLM with --return-sampling-mask-logprobs"
+    assert aborts[0].startswith("vLLM call failed: schema: rule 'with mask_log_probs a reply's sampling_mask comes with its "
+                                "sampling_mask_logprobs' not met: expected them, got none") and flag in aborts[0]
+    assert "the vLLM call failed; aborting the trajectory" in caplog.text

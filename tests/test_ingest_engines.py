@@ -2,8 +2,9 @@
 tests/engines.py: SGLang's /generate and chat with return_meta_info (the
 full log-probs, weight-version spans and support overflows of its sampling
 mask contract), vLLM's output objects and its /inference/v1/generate JSON
-(the mask as id lists, CSR or bitset). Supports come out byte-equal to the
-engine's CSR; what a turn does not carry is refused with the rule."""
+(the mask as id lists, CSR or bitset, and its paired per-support log-probs).
+Supports come out byte-equal to the engine's CSR; what a turn does not carry
+is refused with the rule."""
 import json
 import urllib.error
 import urllib.request
@@ -221,7 +222,8 @@ def test_vllm_refusals_name_the_rule():
         with pytest.raises(ProtocolError, match=message) as info:
             turn_from_vllm(bad, vocab_size=VOCAB)
         assert info.value.code == code, (code, info.value)
-    with pytest.raises(InvalidInput, match=r"finish_reason is one of .* got 'error'"):
+    with pytest.raises(InvalidInput, match=r"finish_reason is one of .* got 'error': the engine failed the request "
+                                           r"\(vLLM does so when a top-k boundary tie keeps more than top_k tokens"):
         turn_from_vllm(dict(choice, finish_reason="error"))
     aborted = turn_from_vllm(dict(choice, finish_reason="abort", sampling_mask=None))
     assert aborted.status == "aborted" and aborted.mask is None
@@ -325,3 +327,85 @@ def test_support_log_probs_that_break_a_rule_are_refused_with_it():
     with pytest.raises(ProtocolError, match="mask_log_probs are finite and <= 0") as info:
         turn_from_sglang(ids, dict(meta, output_token_sampling_logprobs=above))
     assert info.value.code == "invalid_value"
+
+
+def test_vllm_paired_log_probs_become_the_turns_mask_log_probs_said_renormalised():
+    """Started with `--return-sampling-mask-logprobs`, vLLM's choice pairs
+    each support with `sampling_mask_logprobs`: they become the turn's
+    `mask_log_probs` in the mask's order, said to sum to 1; without
+    `logprobs` the sampled ids' entries are the tokens' log-probs."""
+    with FakeVLLM(VOCAB, sampling_mask_logprobs=True) as fake, FakeVLLM(VOCAB) as plain:
+        replies = [post(engine.url + "/inference/v1/generate", {
+            "token_ids": PROMPT, "sampling_params": {"max_tokens": 8, "logprobs": 0, "top_k": 20}})[1]
+            for engine in (fake, plain)]
+    (call,) = fake.calls
+    assert any(len(s) > 1 for s in call["supports"]) and any(len(s) == 1 for s in call["supports"])
+    choice = replies[0]["choices"][0]
+    for turn in (turn_from_vllm(choice, vocab_size=VOCAB), turn_from_vllm(dict(choice, logprobs=None), vocab_size=VOCAB)):
+        assert csr_bytes(turn.mask) == engine_csr(call["supports"])
+        assert turn.mask_log_probs.dtype == np.float32 and turn.mask_log_probs.tobytes() == flat_f32(
+            call["support_log_probs"])
+        assert turn.mask_log_probs_normalized
+        assert turn.log_probs.tobytes() == np.float32(call["log_probs"]).tobytes()
+        assert turn.log_probs.tobytes() == np.float32([row[0] for row in call["support_log_probs"]]).tobytes()
+    sums = np.add.reduceat(np.exp(turn.mask_log_probs.astype(np.float64)), turn.mask.offsets[:-1])
+    assert np.allclose(sums, 1.0, atol=1e-5), sums
+    without = turn_from_vllm(replies[1]["choices"][0], vocab_size=VOCAB)  # a server started without the flag
+    assert without.mask_log_probs is None and not without.mask_log_probs_normalized
+
+
+@pytest.mark.parametrize("form", ["lists", "csr", "bitset"])
+def test_vllm_output_objects_pair_log_probs_aligned_with_the_masks_ids(form):
+    """Beside id lists, one list per token; beside CSR or a bitset, one
+    array aligned with the mask's ids (a bitset's in id order)."""
+    fake = FakeVLLM(VOCAB, sampling_mask_logprobs=True)
+    fake.close()
+    output = fake.completion_output(PROMPT, 8, form)
+    assert isinstance(output.sampling_mask_logprobs, list if form == "lists" else np.ndarray)
+    answer = fake.draw(PROMPT, 8)
+    order = [np.argsort(s) if form == "bitset" else range(len(s)) for s in answer.supports]
+    supports = [[s[i] for i in at] for s, at in zip(answer.supports, order)]
+    rows = [[row[i] for i in at] for row, at in zip(answer.support_log_probs, order)]
+    turn = turn_from_vllm(output, vocab_size=VOCAB)
+    assert csr_bytes(turn.mask) == engine_csr(supports)
+    assert turn.mask_log_probs.tobytes() == flat_f32(rows) and turn.mask_log_probs_normalized
+    assert turn.log_probs.tobytes() == np.float32(answer.log_probs).tobytes()
+
+
+def test_vllm_paired_log_probs_that_break_a_rule_are_refused_with_it():
+    fake = FakeVLLM(VOCAB, sampling_mask_logprobs=True)
+    fake.close()
+    choice = fake.choice(fake.draw(PROMPT, 8))
+    rows, supports = choice["sampling_mask_logprobs"], choice["sampling_mask"]
+    wide = next(i for i, s in enumerate(supports) if len(s) > 1)
+    short = [*rows[:wide], rows[wide][:-1], *rows[wide + 1:]]
+    halved = [*rows[:wide], [x - 0.7 for x in rows[wide]], *rows[wide + 1:]]
+    csr = fake.completion_output(PROMPT, 8, "csr")
+    flat = csr.sampling_mask_logprobs
+    cases = [
+        (dict(choice, sampling_mask_logprobs=short), "misaligned",
+         rf"rule 'per-support-id fields aligned with mask_ids \(one entry per support id\)' violated at token {wide}: "
+         rf"sampling_mask_logprobs\[{wide}\] has {len(rows[wide]) - 1} entries, expected {len(rows[wide])}"),
+        (dict(choice, sampling_mask_logprobs=rows[1:]), "misaligned",
+         r"rule 'per-token fields aligned .*' violated: sampling_mask_logprobs has 7 entries, 8 tokens were sampled"),
+        (dict(choice, sampling_mask_logprobs=[[None] * len(rows[0]), *rows[1:]]), "schema",
+         "rule 'each of sampling_mask_logprobs's log-probs is a number' not met: got None"),
+        (dict(choice, sampling_mask_logprobs=[rows[0][0], *rows[1:]]), "schema",
+         r"rule 'sampling_mask_logprobs is one list per token' not met: sampling_mask_logprobs\[0\] is float"),
+        (dict(choice, sampling_mask_logprobs=halved), "invalid_value",  # said renormalised: the sum rule is checked
+         rf"each support's probabilities sum to 1 .* at token {wide}"),
+        (dict(choice, sampling_mask=None, finish_reason="abort"), "mask_invalid",
+         "rule 'per-support log-probs come with their supports' not met: the output holds sampling_mask_logprobs but no "
+         "sampling_mask"),
+        (dict(choice, sampling_mask=supports[:7], sampling_mask_logprobs=rows[:7]), "misaligned",
+         "mask covers 7 tokens, tokens has 8"),
+        (dict(vars(csr), sampling_mask_logprobs=flat[:-1]), "misaligned",
+         rf"violated: sampling_mask_logprobs has {flat.size - 1} entries, expected {flat.size} \(the mask's ids\)"),
+        (dict(vars(csr), sampling_mask_logprobs=flat.reshape(1, -1)), "schema",
+         r"sampling_mask_logprobs is one list per token, or one array of numbers aligned with the mask's ids' not met: "
+         r"got ndarray of float32 and shape \(1, \d+\)"),
+    ]
+    for bad, code, message in cases:
+        with pytest.raises(ProtocolError, match=message) as info:
+            turn_from_vllm(bad, vocab_size=VOCAB)
+        assert info.value.code == code, (code, info.value)

@@ -1,5 +1,6 @@
 """The producer daemon's engine sources end to end against the stand-ins of
-tests/engines.py: `--source vllm`, `--source sglang --sglang-api chat`, and
+tests/engines.py: `--source vllm`, `--source sglang --sglang-api chat`, each
+with and without every support id's log-prob (`--mask-log-probs`), and
 support overflows (a 400 or an abort in the reply) that give a trajectory
 up or narrow its sampler; a broker and a consumer in between, and the
 end-to-end checker reading the producer's and the consumer's ledgers."""
@@ -44,44 +45,53 @@ def consume_all(broker, work):
 
 
 def expected_arrays(fake, batch):
-    """A delivered one-trajectory batch's mask ids and full log-probs as the
-    engine's calls give them: each turn's supports and log-probs, then
-    singletons and 0.0 for the tool's forced tokens."""
+    """A delivered one-trajectory batch's mask ids, full log-probs and
+    per-support log-probs (when the engine sent them) as the engine's calls
+    give them: each turn's supports and log-probs, then singletons and 0.0
+    for the tool's forced tokens."""
     prompt_length = int(batch.prompt_lengths[0])
     prompt = batch.tokens[:prompt_length].tolist()
     turns = episode_turns(fake.calls, prompt, prompt + batch.response_tokens.tolist())
     ids = [t for turn in turns for t in [*(i for s in turn["supports"] for i in s), *turn["forced"]]]
     full = [x for turn in turns for x in [*turn["full_log_probs"], *[0.0] * len(turn["forced"])]]
-    return turns, np.asarray(ids, "<i4").tobytes(), np.asarray(full, "<f4").tobytes()
+    paired = [x for turn in turns for x in [*(x for row in turn["support_log_probs"] or () for x in row),
+                                            *[0.0] * len(turn["forced"])]]
+    return turns, np.asarray(ids, "<i4").tobytes(), np.asarray(full, "<f4").tobytes(), np.asarray(paired, "<f4").tobytes()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["vllm", "sglang-chat", "sglang-support"])
+@pytest.mark.parametrize("engine", ["vllm", "vllm-support", "sglang-chat", "sglang-support"])
 def test_an_engine_source_runs_end_to_end_and_the_checker_reads_zero(tmp_path, engine):
-    """`sglang-support`: chat asked for every support id's log-prob too
-    (`--mask-log-probs`), which the turns carry said renormalised, so the
-    broker holds each to the sum rule."""
+    """`-support`: the engine also sent every support id's log-prob
+    (`--mask-log-probs`; vLLM started with `--return-sampling-mask-logprobs`),
+    which the turns carry said renormalised, so the broker holds each to the
+    sum rule, and the trainer gets them byte-equal to the engine's."""
     work = tmp_path / "work"
     work.mkdir()
-    fake = FakeVLLM(VOCAB, seed=20) if engine == "vllm" else FakeSGLang(VOCAB, seed=20)
-    source = (["--source", "vllm", "--vllm-url", fake.url] if engine == "vllm" else
-              ["--source", "sglang", "--sglang-api", "chat", "--sglang-url", fake.url, "--full-log-probs", "true",
-               "--mask-log-probs", str(engine == "sglang-support").lower()])
+    vllm, support = engine.startswith("vllm"), engine.endswith("-support")
+    fake = FakeVLLM(VOCAB, seed=20, sampling_mask_logprobs=support) if vllm else FakeSGLang(VOCAB, seed=20)
+    flag = ["--mask-log-probs", str(support).lower()]
+    source = (["--source", "vllm", "--vllm-url", fake.url, *flag] if vllm else
+              ["--source", "sglang", "--sglang-api", "chat", "--sglang-url", fake.url, "--full-log-probs", "true", *flag])
     with fake, BrokerProcess(tmp_path / "broker", vocab_size=VOCAB) as broker:
         run_daemon(broker, work, *source)
         delivered, report = consume_all(broker, work)
     assert report.ok(), report
     assert report.committed == len(delivered) == TRAJECTORIES and not fake.refused
-    assert {call["support_log_probs"] is not None for call in fake.calls} == {engine == "sglang-support"}
+    assert {call["support_log_probs"] is not None for call in fake.calls} == {support}
     used = 0
     for batch in delivered:
-        turns, ids, full = expected_arrays(fake, batch)
+        turns, ids, full, paired = expected_arrays(fake, batch)
         used += len(turns)
         assert turns and batch.mask_ids.numpy().tobytes() == ids  # the supports, byte-equal to the engine's
-        if engine == "vllm":
+        if vllm:
             assert batch.full_log_probs is None
         else:
             assert batch.full_log_probs.numpy().tobytes() == full
+        if support:  # the engine's rows, byte-equal, then 0.0 for each forced token's singleton
+            assert batch.mask_log_probs.numpy().tobytes() == paired
+        else:
+            assert batch.mask_log_probs is None
     assert used == len(fake.calls)  # every engine call became a turn
 
 
