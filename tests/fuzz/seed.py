@@ -245,7 +245,7 @@ def engine_replies() -> dict[str, bytes]:
     seeds = {}
     with FakeSGLang(targets.VOCAB) as sglang, FakeSGLang(targets.VOCAB, cap=4, overflow_share=1.0) as refusing, \
             FakeSGLang(targets.VOCAB, cap=4, overflow_share=1.0, overflow_as="status") as aborting, \
-            FakeVLLM(targets.VOCAB) as vllm:
+            FakeVLLM(targets.VOCAB) as vllm, FakeVLLM(targets.VOCAB, sampling_mask_logprobs=True) as paired:
         seeds["generate"] = engine_reply("sglang_generate", sglang.answer([1, 2, 3], 6))
         seeds["generate-full-log-probs"] = engine_reply("sglang_generate", sglang.serve(*_sglang_request(False, full=True))[1])
         seeds["generate-overflow-abort"] = engine_reply("sglang_generate", aborting.serve(*_sglang_request(False))[1])
@@ -258,6 +258,7 @@ def engine_replies() -> dict[str, bytes]:
         seeds["error-chat-overflow"] = engine_reply("engine_error", refusing.serve(*_sglang_request(True))[1])
         seeds["error-other"] = engine_reply("engine_error", {"object": "error", "message": "prompt too long", "code": 400})
         seeds["vllm"] = engine_reply("vllm_choice", vllm.choice(vllm.draw([1, 2, 3], 6, 8)))
+        seeds["vllm-support-log-probs"] = engine_reply("vllm_choice", paired.choice(paired.draw([1, 2, 3], 6, 8)))
         sglang.version_change = vllm.version_change = ("8", 2)
         seeds["generate-weights-updated"] = engine_reply("sglang_generate", sglang.answer([4, 5], 5))
         seeds["vllm-weights-updated"] = engine_reply("vllm_choice", vllm.choice(vllm.draw([4, 5], 5, 8)))
