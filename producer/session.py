@@ -202,6 +202,11 @@ class ProducerSession:
         self.next_seq = seq + 1
         frames = [number_header(draft.frames[0], seq), *draft.frames[1:]]
         item = HeldFrame(seq, kind, handle.trajectory_id, frames, draft.index if kind == TURN else None)
+        # The ledger before the spool: a process killed between the two leaves an end recorded `sent` that no spool
+        # holds (its trajectory stays open at the broker, to be handed back and ended again), never a spooled end
+        # that the next run resends and records `acked` with no record of what it carries.
+        if self.ledger is not None:
+            self._record(draft, self.ledger)
         spool = self.spool
         direct = spool is None or (not spool.backlog and self.in_memory < self.window.limit)
         if spool is not None:
@@ -210,8 +215,6 @@ class ProducerSession:
             self.intake.append(item)
             self.in_memory += 1
         self.pending[seq] = (future, now, handle if kind == TURN else None)
-        if self.ledger is not None:
-            self._record(draft, self.ledger)
         handle.next_turn = draft.index + 1 if kind == TURN else 0 if kind == ABORT else handle.next_turn
         sampled, forced = draft.tokens
         if sampled or forced:

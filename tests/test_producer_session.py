@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 
-from rollstream.common.checker import ContentDigest, Ledger, turn_record
+from rollstream.common.checker import ContentDigest, Ledger, check, read_records, turn_record
 from rollstream.common.codec import decode, encode, split_batch
 from rollstream.common.errors import InvalidInput, InvalidState, Refused, RemoteProtocolError
 from rollstream.common.messages import BROKER_TO_PRODUCER, PRODUCER_TO_BROKER
@@ -21,6 +21,7 @@ from rollstream.producer.session import (
     ProducerSession,
     TrajectoryDigests,
 )
+from rollstream.producer.spool import Spool
 from rollstream.producer.window import Receipt
 
 PROMPT = np.array([1, 2], dtype=np.int32)
@@ -332,6 +333,71 @@ def test_the_ledger_records_the_corrected_turn_in_place_of_the_refused_one(tmp_p
     assert (sent["kind"], sent["id"], sent["producer"]) == ("sent", "t", "p")
     assert sent["prompt"] == ContentDigest(PROMPT).hexdigest()
     assert sent["turns"] == json.loads(json.dumps([record0, record1]))  # as JSON keeps them
+
+
+# -- a kill as an end is taken ----------------------------------------------------------------------
+class Killed(BaseException):
+    """The process was killed at this write (SIGKILL): nothing after it ran."""
+
+
+def killed(*args, **kwargs):
+    raise Killed
+
+
+def applied(s, now=1.0):
+    """Transmit until nothing more goes, the broker applying each message; what went, in order."""
+    went = []
+    while sent := [message for out in transmit(s, now) for message in (out if isinstance(out, list) else [out])]:
+        went += sent
+        for _, seq, tid, _ in sent:
+            settle(s, ack(seq, tid), now)
+    return went
+
+
+@pytest.mark.parametrize("killed_at", ["ledger", "spool"])
+def test_a_producer_killed_as_it_takes_an_end_leaves_no_end_acked_that_its_ledger_never_recorded(tmp_path, monkeypatch,
+                                                                                                  killed_at):
+    """Killed at either write of an accepted `end` (its `sent` record, its
+    spool record), the next run of the producer resends what its spool
+    holds; an end it did not resend stays open at the broker, which hands
+    the trajectory back, and that run ends it. Either way the checker finds
+    the trained trajectory as the ledgers say it was sent."""
+    def run(number):
+        s = session(window=8)
+        s.use_spool(Spool(tmp_path / "spool", "p", max_bytes=1 << 20))
+        s.ledger = Ledger(tmp_path / f"run-{number}.jsonl")
+        s.received(welcome(), float(number))
+        return s
+
+    first, handle, turns = run(0), Handle("t"), [a_turn(5), a_turn(7)]
+    accept(first, *map(handle.turn, turns))
+    target, write = {"ledger": (first.ledger, "write"), "spool": (first.spool, "append")}[killed_at]
+    monkeypatch.setattr(target, write, killed)
+    with pytest.raises(Killed):
+        accept(first, handle.end())
+    first.spool.close()  # what its death leaves of it
+    first.ledger.close()
+
+    second = run(1)
+    second.fill_window()
+    resent = applied(second)
+    if not any(message[0] == "end" for message in resent):  # open at the broker with both turns: handed back, ended
+        resumed = Handle("t")
+        resumed.next_turn = len(turns)
+        resumed.digests.earlier(turns, len(turns))
+        accept(second, resumed.end())
+        applied(second)
+    second.spool.close()
+    second.ledger.close()
+
+    after = ContentDigest(PROMPT)
+    for turn in turns:
+        _, after = turn_record(after, turn)
+    records = read_records(sorted(tmp_path.glob("run-*.jsonl")))
+    report = check([*records, {"kind": "committed", "id": "t", "digest": after.hexdigest(), "gap": None}])
+    assert (report.acked, report.corrupted) == (1, []), (
+        f"rule 'an end acked after a restart is one a ledger recorded sent' not met: expected t acked and not corrupted, "
+        f"got acked {report.acked}, corrupted {report.corrupted} (the next run resent {resent}; ledgers: {records})")
 
 
 # -- liveness and overdue frames ---------------------------------------------------------------------
