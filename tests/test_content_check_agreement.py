@@ -49,14 +49,17 @@ def _messages(draw):
     tokens = [draw(st.sampled_from(s)) if s and draw(st.integers(0, 7)) else draw(_IDS) for s in supports]
     arrays = {"tokens": np.array(tokens, np.int32)}
     if draw(st.booleans()):
+        size = max(0, n + draw(st.sampled_from([0, 0, 0, 0, 0, 0, 1, -1])))
         arrays["log_probs"] = np.array(draw(st.lists(st.sampled_from([-0.5, 0.0, 0.0, -np.inf, 1e-6, 0.5, np.inf, np.nan]),
-                                                     min_size=n, max_size=n)), np.float32)
+                                                     min_size=size, max_size=size)), np.float32)
     if draw(st.booleans()):
         size = max(0, n + draw(st.sampled_from([0, 0, 0, 0, 1, -1])))
         arrays["full_log_probs"] = np.array(draw(st.lists(st.sampled_from([-0.5, 0.0, -np.inf, 1e-6, 0.5, np.inf, np.nan]),
                                                           min_size=size, max_size=size)), np.float32)
     if draw(st.booleans()):
-        arrays["loss_mask"] = np.array(draw(st.lists(st.sampled_from([0, 1, 0, 1, 0, 1, 2]), min_size=n, max_size=n)), np.uint8)
+        size = max(0, n + draw(st.sampled_from([0, 0, 0, 0, 0, 0, 1, -1])))
+        arrays["loss_mask"] = np.array(draw(st.lists(st.sampled_from([0, 1, 0, 1, 0, 1, 2]), min_size=size, max_size=size)),
+                                       np.uint8)
     if draw(st.booleans()):
         ids = [i for s in supports for i in s]
         offsets = np.cumsum([0, *map(len, supports)])
@@ -64,6 +67,8 @@ def _messages(draw):
             offsets[0] += 1
         if draw(st.integers(0, 7)) == 0:
             offsets[-1] -= 1
+        if draw(st.integers(0, 9)) == 0:  # an entry too many or too few
+            offsets = np.append(offsets, offsets[-1]) if draw(st.booleans()) or len(offsets) < 2 else offsets[1:]
         arrays["mask_ids"], arrays["mask_offsets"] = np.array(ids, np.int32), offsets.astype(np.int64)
     if draw(st.booleans()):
         n_ids = sum(map(len, supports)) if "mask_ids" in arrays or draw(st.integers(0, 3)) else draw(st.integers(0, 2))
@@ -83,6 +88,8 @@ def _nothing_wrong(arrays, vocab_size):
     offsets = arrays.get("mask_offsets")
     if offsets is not None and (len(offsets) != len(tokens) + 1 or offsets[0] != 0 or offsets[-1] != len(arrays["mask_ids"])):
         return False  # CSR framing packed_violations takes as given (check_message_structure's rules)
+    if any(name in arrays and len(arrays[name]) != len(tokens) for name in ("log_probs", "loss_mask")):
+        return False  # alignment too
     full = {"full_log_probs": arrays["full_log_probs"]} if "full_log_probs" in arrays else None
     supports = {"mask_log_probs": arrays["mask_log_probs"]} if "mask_log_probs" in arrays else None
     found = packed_violations(tokens, [len(tokens)], arrays.get("mask_ids"), offsets, vocab_size=vocab_size,
