@@ -22,7 +22,6 @@ entries).
 """
 from __future__ import annotations
 
-import operator
 import sys
 import threading
 from dataclasses import dataclass
@@ -989,88 +988,78 @@ _GROUP_IDS = 1 << 17
 def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: int | None = None) -> bool:
     """Whether every message of `batch` passes every content rule.
 
-    Checked column by column: each array name's parts gathered across the
-    messages at once, their lengths compared as arrays, and the packed
-    arrays of a bounded group of messages (`_GROUP_IDS` support ids)
-    checked with a fixed handful of whole-array numpy calls, so a message
-    adds no Python step of its own (the broker runs this on every read of
-    frames; a group of one is not packed at all). False only says that some
-    message fails; `check_message_arrays` then finds which rule, per message.
+    The messages' arrays are packed end to end, a bounded group of
+    messages at a time (`_GROUP_IDS`), and each group is checked with a fixed handful of
+    whole-array numpy calls, so the per-message cost is a few Python
+    comparisons (the broker runs this on every batch of frames; a group of
+    one is not packed at all). False only says that some message fails;
+    `check_message_arrays` then finds which rule, per message.
     """
-    if len(batch) == 1:
-        return _group_content_valid(batch, vocab_size)
-    sizes = _lengths([arrays["mask_ids"] if "mask_ids" in arrays else _NO_IDS for arrays in batch])
-    ends = np.flatnonzero(np.diff(np.cumsum(sizes) // _GROUP_IDS, prepend=0)) + 1  # a group ends where one fills
-    start = 0
-    for end in [*ends.tolist(), len(batch)]:
-        if end > start and not _group_content_valid(batch[start:end], vocab_size):
-            return False
-        start = end
+    start, held = 0, 0
+    for end, arrays in enumerate(batch, 1):
+        ids = arrays.get("mask_ids")
+        held += 0 if ids is None else len(ids)
+        if held >= _GROUP_IDS or end == len(batch):
+            if not _group_content_valid(batch[start:end], vocab_size):
+                return False
+            start, held = end, 0
     return True
 
 
-_NO_IDS = np.empty(0, dtype=np.int32)
-_FIRST, _LAST = operator.itemgetter(0), operator.itemgetter(-1)
-
-
-def _lengths(parts: list) -> np.ndarray:
-    """Each part's length, as an int64 array."""
-    return np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
-
-
-def _column(batch: Sequence[Mapping[str, np.ndarray]], name: str) -> tuple[list, list[int]]:
-    """The messages' arrays called `name`, and the positions of the messages that carry one."""
-    where = [i for i, arrays in enumerate(batch) if name in arrays]
-    return [batch[i][name] for i in where], where
-
-
 def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: int | None) -> bool:
-    tokens = [arrays["tokens"] for arrays in batch]
-    n = _lengths(tokens)
-    log_probs = []
-    for name in ("log_probs", "loss_mask", _FULL_LOG_PROBS):  # one entry per sampled token
-        parts, where = _column(batch, name)
-        if parts and not np.array_equal(_lengths(parts), n[where]):
+    tokens, ids, offsets, shifts, sizes, plain = [], [], [], [], [], []
+    loss_masks, log_probs, other_ids = [], [], []
+    base = 0
+    for arrays in batch:
+        message_tokens = arrays["tokens"]
+        n = len(message_tokens)
+        log_prob, loss_mask = arrays.get("log_probs"), arrays.get("loss_mask")
+        if (log_prob is not None and len(log_prob) != n) or (loss_mask is not None and len(loss_mask) != n):
             return False
-        if name != "loss_mask":
-            log_probs += parts
-    loss_masks = _column(batch, "loss_mask")[0]
-    ids, with_ids = _column(batch, "mask_ids")
-    id_counts = np.full(len(batch), -1, dtype=np.int64)
-    id_counts[with_ids] = _lengths(ids)
-    support_log_probs, where = _column(batch, _MASK_LOG_PROBS)  # one per support id, with the ids
-    if support_log_probs and not np.array_equal(_lengths(support_log_probs), id_counts[where]):
-        return False
-    log_probs += support_log_probs
-    offsets, with_offsets = _column(batch, "mask_offsets")
-    plain = tokens
-    packed_ids = None
-    if offsets:
-        counts = id_counts[with_offsets]
-        if (not np.array_equal(_lengths(offsets), n[with_offsets] + 1) or _MIN(counts) < 0
-                or np.fromiter(map(_FIRST, offsets), np.int64, len(offsets)).any()
-                or not np.array_equal(np.fromiter(map(_LAST, offsets), np.int64, len(offsets)), counts)):
-            return False
-        if len(offsets) < len(batch):  # no support to imply their vocabulary check
-            carried = set(with_offsets)
-            plain = [t for i, t in enumerate(tokens) if i not in carried]
+        if _FULL_LOG_PROBS in arrays:  # kept by the log-prob rule: checked with the log_probs
+            full_log_prob = arrays[_FULL_LOG_PROBS]
+            if len(full_log_prob) != n:
+                return False
+            log_probs.append(full_log_prob)
+        message_ids, message_offsets = arrays.get("mask_ids"), arrays.get("mask_offsets")
+        if _MASK_LOG_PROBS in arrays:  # kept by the log-prob rule too, one per support id
+            mask_log_prob = arrays[_MASK_LOG_PROBS]
+            if message_ids is None or len(mask_log_prob) != len(message_ids):
+                return False
+            log_probs.append(mask_log_prob)
+        if message_offsets is None:
+            plain.append(message_tokens)  # no support to imply their vocabulary check
         else:
-            plain = []
-        sampled = [i for i in with_offsets if n[i]]  # a turn that sampled nothing has no support to check
-        if len(sampled) == 1:
-            packed_ids = batch[sampled[0]]["mask_ids"]
-            if not _tokens_in_supports(tokens[sampled[0]], packed_ids, batch[sampled[0]]["mask_offsets"]):
+            if (message_ids is None or len(message_offsets) != n + 1 or message_offsets[0] != 0
+                    or message_offsets[-1] != len(message_ids)):
                 return False
-        elif sampled:
-            sizes, counts = n[sampled], id_counts[sampled]
-            packed_ids = _join([batch[i]["mask_ids"] for i in sampled])
-            packed_offsets = np.empty(int(sizes.sum()) + 1, dtype=np.int64)
-            packed_offsets[0] = 0
-            np.add(_join([batch[i]["mask_offsets"][1:] for i in sampled]), (np.cumsum(counts) - counts).repeat(sizes),
-                   out=packed_offsets[1:])
-            if not _tokens_in_supports(_join([tokens[i] for i in sampled]), packed_ids, packed_offsets):
-                return False
-    other_ids = _column(batch, "prompt_tokens")[0] + _column(batch, "forced_tokens")[0]
+            if n:
+                tokens.append(message_tokens)
+                ids.append(message_ids)
+                offsets.append(message_offsets)
+                shifts.append(base)
+                sizes.append(n)
+                base += len(message_ids)
+        for name in ("prompt_tokens", "forced_tokens"):
+            if arrays.get(name) is not None:
+                other_ids.append(arrays[name])
+        if loss_mask is not None:
+            loss_masks.append(loss_mask)
+        if log_prob is not None:
+            log_probs.append(log_prob)
+    packed_ids = None
+    if len(tokens) == 1:
+        packed_ids = ids[0]
+        if not _tokens_in_supports(tokens[0], packed_ids, offsets[0]):
+            return False
+    elif tokens:
+        packed_ids = _join(ids)
+        packed_offsets = np.empty(sum(sizes) + 1, dtype=np.int64)
+        packed_offsets[0] = 0
+        np.add(_join([o[1:] for o in offsets]), np.asarray(shifts, dtype=np.int64).repeat(sizes),
+               out=packed_offsets[1:])
+        if not _tokens_in_supports(_join(tokens), packed_ids, packed_offsets):
+            return False
     bound = 2**31 if vocab_size is None else vocab_size  # negative int32 ids read as uint32 are >= 2**31
     # Sampled tokens with a support lie inside it, so the support ids stand for them.
     for values in (packed_ids, _concat(plain), _concat(other_ids)):
