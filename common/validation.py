@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 import threading
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -425,13 +426,47 @@ def csr_problem(ids, offsets) -> str | None:
     return f"sampling mask rule '{v.rule}' violated{where}: {v.detail}"
 
 
+_native: ModuleType | None
+try:  # the support check compiled (common/_native.c), built with the package where a C compiler is at hand
+    from . import _native
+except ImportError:  # pragma: no cover - a build without one checks with numpy
+    _native = None
+_INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
+
+
+def _compiled_inside(tokens, ids, offsets):
+    """`inside_support` in one compiled pass, for numpy arrays or CPU torch
+    tensors of the contract dtypes (int32 tokens and ids, int64 offsets); None
+    for anything else."""
+    torch = None
+    if type(tokens) is not np.ndarray:
+        torch = sys.modules.get("torch")
+        if torch is None or not all(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in (tokens, ids, offsets)):
+            return None
+        tokens, ids, offsets = tokens.numpy(), ids.numpy(), offsets.numpy()
+    elif type(ids) is not np.ndarray or type(offsets) is not np.ndarray:
+        return None
+    if tokens.dtype != _INT32 or ids.dtype != _INT32 or offsets.dtype != _INT64:
+        return None
+    inside = np.empty(len(tokens), dtype=bool)
+    _native.inside_support(np.ascontiguousarray(tokens), np.ascontiguousarray(ids),  # type: ignore[union-attr]
+                           np.ascontiguousarray(offsets), inside)
+    return inside if torch is None else torch.from_numpy(inside)
+
+
 def inside_support(tokens, ids, offsets, sizes=None):
     """Per token, whether `tokens[t]` is in `ids[offsets[t]:offsets[t+1]]`.
 
     One pass over the ids: compare each id with its own token, then OR the
-    hits of each support (no per-token loop, no padding). The offsets must
-    already satisfy the CSR rules.
+    hits of each support (no per-token loop, no padding); compiled
+    (`_native`) for numpy arrays of the contract dtypes when the package was
+    built with it. The offsets must already satisfy the CSR rules (where
+    they do not, the answer means nothing, but nothing is read out of range).
     """
+    if _native is not None:
+        inside = _compiled_inside(tokens, ids, offsets)
+        if inside is not None:
+            return inside
     ops = _ops_for(tokens)
     if sizes is None:
         sizes = offsets[1:] - offsets[:-1]

@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {
     ("common/validation.py", "Verdict.passed"): "the verdict: the one read that says whether a batch broke any rule",
     ("consumer/batch.py", "_host_buffer"): "the numpy view of a host staging buffer, filled before its upload",
+    ("common/validation.py", "_compiled_inside"): "numpy views of CPU tensors for the compiled support check (it takes "
+                                                  "no tensor on another device)",
     ("consumer/batch.py", "Batch.to_train_data"): "miles' rewards, rollout ids and loss-mask sums are host lists: "
                                                    "one read for the three",
 }
@@ -265,6 +267,7 @@ def test_checked_primitives_read_the_verdict_once(device, monkeypatch):
     positions = torch.arange(rows, device=device)
     with host_reads(monkeypatch) as found:
         masked_log_probs(logits, batch.response_tokens, batch.mask_ids, batch.mask_offsets, positions, check=True)
+    found = [r for r in found if not r.where.endswith(" in _compiled_inside")]  # views of CPU tensors (ALLOWED)
     assert {r.where.split(" in ")[-1] for r in found} == {"_support_entries", "Verdict.passed"}, found
     assert len({r.where for r in found if r.what.startswith("Tensor.")}) == 2, found
 

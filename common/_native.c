@@ -1,0 +1,111 @@
+/* The support check in one pass, where numpy needs several (spread the
+ * tokens over the ids, compare, count hits per support): for each sampled
+ * token, whether its support (a row of a CSR mask) holds it.
+ *
+ * Optional: `common/validation.py` falls back to numpy when this module is
+ * not built. Inputs come from peers, so every offset is bounds-checked
+ * before it indexes anything; arrays of the wrong kind or length raise
+ * ValueError naming the rule.
+ * Buffers only (no numpy headers): the module builds with a C compiler and
+ * Python's own headers. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* A buffer of `itemsize`-byte items of one of the struct `kinds` (signed
+ * integers "ilq", bytes "?bB"), native order, in C order, one dimension. */
+static int
+get_vector(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *kinds, int writable, const char *name)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_ND | PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    const char *format = view->format ? view->format : "B";
+    if (format[0] == '@' || format[0] == '=')
+        format++;
+    if (view->ndim != 1 || view->itemsize != itemsize || strlen(format) != 1 || !strchr(kinds, format[0])) {
+        PyErr_Format(PyExc_ValueError, "rule '%s is a 1-D array of %zd-byte items of kind \"%s\"' not met: got %d "
+                     "dimension(s) of %zd-byte items of format \"%s\"", name, itemsize, kinds, view->ndim, view->itemsize,
+                     view->format ? view->format : "B");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(inside_support_doc,
+"inside_support(tokens, ids, offsets, out)\n\n"
+"out[t] = 1 when tokens[t] is among ids[offsets[t]:offsets[t+1]], else 0\n"
+"(0 too where that support breaks a CSR rule: it starts below 0, ends\n"
+"before it starts or past the ids). tokens and ids: int32; offsets: int64,\n"
+"one more than the tokens; out: one byte per token, written.");
+
+static PyObject *
+inside_support(PyObject *self, PyObject *args)
+{
+    PyObject *tokens_obj, *ids_obj, *offsets_obj, *out_obj;
+    Py_buffer tokens, ids, offsets, out;
+    PyObject *result = NULL;
+
+    if (!PyArg_ParseTuple(args, "OOOO:inside_support", &tokens_obj, &ids_obj, &offsets_obj, &out_obj))
+        return NULL;
+    if (get_vector(tokens_obj, &tokens, 4, "ilq", 0, "tokens") < 0)
+        return NULL;
+    if (get_vector(ids_obj, &ids, 4, "ilq", 0, "ids") < 0)
+        goto release_tokens;
+    if (get_vector(offsets_obj, &offsets, 8, "ilq", 0, "offsets") < 0)
+        goto release_ids;
+    if (get_vector(out_obj, &out, 1, "?bB", 1, "out") < 0)
+        goto release_offsets;
+
+    Py_ssize_t n = tokens.shape[0], n_ids = ids.shape[0];
+    if (offsets.shape[0] != n + 1 || out.shape[0] != n) {
+        PyErr_Format(PyExc_ValueError, "rule 'offsets has one entry more than the tokens, out one per token' not met: "
+                     "%zd tokens, %zd offsets, %zd out", n, offsets.shape[0], out.shape[0]);
+        goto release_out;
+    }
+    const int32_t *token = (const int32_t *)tokens.buf, *id = (const int32_t *)ids.buf;
+    const int64_t *offset = (const int64_t *)offsets.buf;
+    uint8_t *inside = (uint8_t *)out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t t = 0; t < n; t++) {
+        int64_t start = offset[t], end = offset[t + 1];
+        uint8_t hit = 0;
+        if (start >= 0 && start <= end && end <= (int64_t)n_ids) {  /* a support that breaks a CSR rule holds nothing */
+            int32_t want = token[t];
+            for (int64_t i = start; i < end; i++) {
+                if (id[i] == want) {
+                    hit = 1;
+                    break;
+                }
+            }
+        }
+        inside[t] = hit;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+release_out:
+    PyBuffer_Release(&out);
+release_offsets:
+    PyBuffer_Release(&offsets);
+release_ids:
+    PyBuffer_Release(&ids);
+release_tokens:
+    PyBuffer_Release(&tokens);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"inside_support", inside_support, METH_VARARGS, inside_support_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native", "Compiled passes numpy takes several for (optional).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,77 @@
+"""The compiled support check (common/_native.c) against the numpy one it
+stands in for: the same answer on every valid mask, nothing read out of range
+on broken offsets, and the arrays it takes checked. Both paths run here: the
+numpy one with the compiled module set aside."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollstream.common import validation
+
+native = pytest.importorskip("rollstream.common._native", reason="built without a C compiler: numpy checks alone")
+
+
+def numpy_inside(tokens, ids, offsets):
+    """`inside_support` with the compiled module set aside."""
+    compiled, validation._native = validation._native, None
+    try:
+        return validation.inside_support(tokens, ids, offsets)
+    finally:
+        validation._native = compiled
+
+
+@st.composite
+def masks(draw):
+    """Supports (some empty, ids repeated) and tokens mostly inside them."""
+    supports = draw(st.lists(st.lists(st.integers(-3, 40), max_size=6), max_size=12))
+    tokens = [draw(st.sampled_from(s)) if s and draw(st.booleans()) else draw(st.integers(-3, 40)) for s in supports]
+    offsets = np.cumsum([0, *map(len, supports)]).astype(np.int64)
+    return (np.array(tokens, np.int32), np.array([i for s in supports for i in s], np.int32), offsets)
+
+
+@settings(max_examples=300, deadline=None)
+@given(masks())
+def test_the_compiled_check_answers_as_numpy_on_every_valid_mask(mask):
+    tokens, ids, offsets = mask
+    expected = [bool(tokens[t] in ids[offsets[t]:offsets[t + 1]]) for t in range(len(tokens))]
+    assert validation.inside_support(tokens, ids, offsets).tolist() == expected
+    if len(tokens) and (np.diff(offsets) > 0).all():  # numpy's path takes non-empty supports only
+        assert numpy_inside(tokens, ids, offsets).tolist() == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(masks(), st.lists(st.tuples(st.integers(0, 12), st.integers(-2**40, 2**40)), min_size=1, max_size=3))
+def test_broken_offsets_read_nothing_out_of_range_and_their_supports_hold_nothing(mask, edits):
+    tokens, ids, offsets = mask
+    offsets = offsets.copy()
+    for at, value in edits:
+        offsets[at % len(offsets)] = value
+    out = np.ones(len(tokens), dtype=bool)
+    native.inside_support(tokens, ids, offsets, out)
+    for t in range(len(tokens)):
+        start, end = int(offsets[t]), int(offsets[t + 1])
+        if not 0 <= start <= end <= len(ids):
+            assert not out[t]
+        else:
+            assert out[t] == (tokens[t] in ids[start:end])
+
+
+@pytest.mark.parametrize("tokens, ids, offsets, out, words", [
+    (np.zeros(2, np.int64), np.zeros(1, np.int32), np.zeros(3, np.int64), np.zeros(2, bool), "tokens is a 1-D array of 4-byte"),
+    (np.zeros(2, np.int32), np.zeros(1, np.float32), np.zeros(3, np.int64), np.zeros(2, bool), "ids is a 1-D array"),
+    (np.zeros(2, np.int32), np.zeros(1, np.int32), np.zeros(3, np.float64), np.zeros(2, bool), "offsets is a 1-D array"),
+    (np.zeros(2, np.int32), np.zeros(1, np.int32), np.zeros((3, 1), np.int64), np.zeros(2, bool), "got 2 dimension(s)"),
+    (np.zeros(2, np.int32), np.zeros(1, np.int32), np.zeros(2, np.int64), np.zeros(2, bool), "2 tokens, 2 offsets, 2 out"),
+    (np.zeros(2, np.int32), np.zeros(1, np.int32), np.zeros(3, np.int64), np.zeros(1, bool), "2 tokens, 3 offsets, 1 out"),
+])
+def test_arrays_of_the_wrong_kind_or_length_are_refused_naming_the_rule(tokens, ids, offsets, out, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        native.inside_support(tokens, ids, offsets, out)
+
+
+def test_a_read_only_out_is_refused():
+    out = np.zeros(1, bool)
+    out.flags.writeable = False
+    with pytest.raises((ValueError, BufferError)):
+        native.inside_support(np.zeros(1, np.int32), np.zeros(1, np.int32), np.array([0, 1], np.int64), out)
