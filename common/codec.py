@@ -840,12 +840,13 @@ def _decoded_packed(frames: Sequence, schema: Schema, max_message_bytes: int) ->
     for rule in spec.rules:
         if rule(fields, names):
             return None
-    head, view = _buffer(head), _buffer(body)
-    if len(head) + len(view) > max_message_bytes:
+    head, body = _buffer(head), _buffer(body)
+    if len(head) + len(body) > max_message_bytes:
         return None
     crc = values[-2]
-    if crc is not unset and _crc32_update(view) != crc:
+    if crc is not unset and _crc32_update(body) != crc:
         return None
+    view = body if type(body) is memoryview else memoryview(body)  # slices of bytes would be copies
     arrays, start, frombuffer = {}, 0, np.frombuffer
     try:
         for (name, _, (length,)), (dtype, itemsize) in zip(entries, decoding):
@@ -856,7 +857,7 @@ def _decoded_packed(frames: Sequence, schema: Schema, max_message_bytes: int) ->
         return None
     if start != len(view):
         return None
-    return spec, Message(spec.type, fields, arrays, (head, view), None if crc is unset else crc)
+    return spec, Message(spec.type, fields, arrays, (head, body), None if crc is unset else crc)
 
 
 def _canonical(value):

@@ -71,6 +71,21 @@ def test_raw_peer_message_decodes_zero_copy():
     assert np.shares_memory(message.arrays["tokens"], np.frombuffer(frames[2], np.uint8))
 
 
+@pytest.mark.parametrize("as_type", [bytes, memoryview, bytearray])
+def test_a_packed_message_decodes_zero_copy_whatever_buffer_its_frame_is(as_type):
+    """Its arrays are read-only views of the frame it arrived in (a batch's
+    carried frames are bytes: slicing those would copy every array)."""
+    turn = Turn.build([5, 6, 7], [-0.1, -0.2, -0.3], supports=[[5], [6, 1], [7]], loss_mask=[1, 0, 1])
+    header, body = encode_turn("b", 1, turn, seq=4, crc=True, may_pack=True)
+    frame = as_type(bytes(body))
+    message = decode([header, frame], PRODUCER_TO_BROKER)
+    whole = np.frombuffer(frame, np.uint8)
+    for name, array in message.arrays.items():
+        assert np.shares_memory(array, whole), name
+        assert not array.flags.writeable, name
+    assert message.arrays["mask_ids"].tolist() == [5, 6, 1, 7]
+
+
 def test_unknown_header_keys_are_ignored():
     message = decode(raw_turn({"future_field": [1, 2]}), PRODUCER_TO_BROKER)
     assert "future_field" not in message.fields
