@@ -95,8 +95,74 @@ release_tokens:
     return result;
 }
 
+PyDoc_STRVAR(supports_hold_tokens_doc,
+"supports_hold_tokens(tokens, ids, offsets, bound) -> bool\n\n"
+"For lists of messages' arrays (tokens and ids int32, offsets int64): whether\n"
+"every message's offsets run from 0 to its ids' end, strictly increasing\n"
+"(no support empty), each token lies in its support, and every id is in\n"
+"[0, bound). One pass over each message's ids, none of them joined.");
+
+static PyObject *
+supports_hold_tokens(PyObject *self, PyObject *args)
+{
+    PyObject *tokens_list, *ids_list, *offsets_list;
+    long long bound;
+
+    if (!PyArg_ParseTuple(args, "O!O!O!L:supports_hold_tokens", &PyList_Type, &tokens_list, &PyList_Type, &ids_list,
+                          &PyList_Type, &offsets_list, &bound))
+        return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(tokens_list);
+    if (PyList_GET_SIZE(ids_list) != count || PyList_GET_SIZE(offsets_list) != count) {
+        PyErr_Format(PyExc_ValueError, "rule 'one tokens, ids and offsets array per message' not met: got %zd, %zd "
+                     "and %zd", count, PyList_GET_SIZE(ids_list), PyList_GET_SIZE(offsets_list));
+        return NULL;
+    }
+    int holds = 1;
+    for (Py_ssize_t m = 0; m < count && holds; m++) {
+        Py_buffer tokens, ids, offsets;
+        if (get_vector(PyList_GET_ITEM(tokens_list, m), &tokens, 4, "ilq", 0, "tokens") < 0)
+            return NULL;
+        if (get_vector(PyList_GET_ITEM(ids_list, m), &ids, 4, "ilq", 0, "ids") < 0) {
+            PyBuffer_Release(&tokens);
+            return NULL;
+        }
+        if (get_vector(PyList_GET_ITEM(offsets_list, m), &offsets, 8, "ilq", 0, "offsets") < 0) {
+            PyBuffer_Release(&ids);
+            PyBuffer_Release(&tokens);
+            return NULL;
+        }
+        Py_ssize_t n = tokens.shape[0], n_ids = ids.shape[0];
+        const int32_t *token = (const int32_t *)tokens.buf, *id = (const int32_t *)ids.buf;
+        const int64_t *offset = (const int64_t *)offsets.buf;
+        if (offsets.shape[0] != n + 1 || offset[0] != 0 || offset[n] != (int64_t)n_ids)
+            holds = 0;
+        uint32_t largest = 0;  /* a negative id reads as at least 2**31 */
+        for (Py_ssize_t i = 0; i < n_ids; i++)
+            largest = (uint32_t)id[i] > largest ? (uint32_t)id[i] : largest;
+        if (n_ids && (unsigned long long)largest >= (unsigned long long)bound)
+            holds = 0;
+        for (Py_ssize_t t = 0; t < n && holds; t++) {
+            int64_t start = offset[t], end = offset[t + 1];
+            if (end <= start || end > (int64_t)n_ids) {  /* start >= 0: offset[0] is, and each end was checked */
+                holds = 0;
+                break;
+            }
+            int32_t want = token[t];
+            int64_t i = start;
+            while (i < end && id[i] != want)
+                i++;
+            holds = i < end;
+        }
+        PyBuffer_Release(&offsets);
+        PyBuffer_Release(&ids);
+        PyBuffer_Release(&tokens);
+    }
+    return PyBool_FromLong(holds);
+}
+
 static PyMethodDef methods[] = {
     {"inside_support", inside_support, METH_VARARGS, inside_support_doc},
+    {"supports_hold_tokens", supports_hold_tokens, METH_VARARGS, supports_hold_tokens_doc},
     {NULL, NULL, 0, NULL},
 };
 

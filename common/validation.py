@@ -1082,22 +1082,11 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
             loss_masks.append(loss_mask)
         if log_prob is not None:
             log_probs.append(log_prob)
-    packed_ids = None
-    if len(tokens) == 1:
-        packed_ids = ids[0]
-        if not _tokens_in_supports(tokens[0], packed_ids, offsets[0]):
-            return False
-    elif tokens:
-        packed_ids = _join(ids)
-        packed_offsets = np.empty(sum(sizes) + 1, dtype=np.int64)
-        packed_offsets[0] = 0
-        np.add(_join([o[1:] for o in offsets]), np.asarray(shifts, dtype=np.int64).repeat(sizes),
-               out=packed_offsets[1:])
-        if not _tokens_in_supports(_join(tokens), packed_ids, packed_offsets):
-            return False
     bound = 2**31 if vocab_size is None else vocab_size  # negative int32 ids read as uint32 are >= 2**31
     # Sampled tokens with a support lie inside it, so the support ids stand for them.
-    for values in (packed_ids, _concat(plain), _concat(other_ids)):
+    if tokens and not _supports_valid(tokens, ids, offsets, shifts, sizes, bound):
+        return False
+    for values in (_concat(plain), _concat(other_ids)):
         if values is not None and len(values) and _MAX(values.view(np.uint32)) >= bound:
             return False
     loss_mask = _concat(loss_masks)
@@ -1105,6 +1094,31 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
         return False
     log_prob = _concat(log_probs)
     return log_prob is None or not len(log_prob) or not _log_probs_broken(log_prob)
+
+
+def _supports_valid(tokens: list, ids: list, offsets: list, shifts: list[int], sizes: list[int], bound: int) -> bool:
+    """Whether each message's sampled tokens lie in their non-empty supports
+    and every support id is below `bound` (messages whose offsets frame their
+    ids: `shifts` are where each one's ids start once packed, `sizes` its
+    tokens): one compiled pass over the parts where it is built (arrays of
+    other dtypes refuse it), else numpy's over them packed."""
+    if _native is not None:
+        try:
+            return _native.supports_hold_tokens(tokens, ids, offsets, bound)
+        except ValueError:  # not the contract's dtypes: numpy's way takes them
+            pass
+    if len(tokens) == 1:
+        packed_ids = ids[0]
+        if not _tokens_in_supports(tokens[0], packed_ids, offsets[0]):
+            return False
+    else:
+        packed_ids = _join(ids)
+        packed_offsets = np.empty(sum(sizes) + 1, dtype=np.int64)
+        packed_offsets[0] = 0
+        np.add(_join([o[1:] for o in offsets]), np.asarray(shifts, dtype=np.int64).repeat(sizes), out=packed_offsets[1:])
+        if not _tokens_in_supports(_join(tokens), packed_ids, packed_offsets):
+            return False
+    return not (len(packed_ids) and _MAX(packed_ids.view(np.uint32)) >= bound)
 
 
 def _check_supports_normalized(arrays: Mapping[str, np.ndarray]) -> None:

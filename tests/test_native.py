@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_content_check_agreement import VOCAB, _messages
 
 from rollstream.common import validation
 
@@ -75,3 +76,53 @@ def test_a_read_only_out_is_refused():
     out.flags.writeable = False
     with pytest.raises((ValueError, BufferError)):
         native.inside_support(np.zeros(1, np.int32), np.zeros(1, np.int32), np.array([0, 1], np.int64), out)
+
+
+def _reference_holds(tokens, ids, offsets, bound):
+    """`supports_hold_tokens`' rules, message by message, in plain Python."""
+    for message_tokens, message_ids, message_offsets in zip(tokens, ids, offsets):
+        n = len(message_tokens)
+        if len(message_offsets) != n + 1 or message_offsets[0] != 0 or message_offsets[-1] != len(message_ids):
+            return False
+        if any(not 0 <= int(i) < bound for i in message_ids):
+            return False
+        for t in range(n):
+            start, end = int(message_offsets[t]), int(message_offsets[t + 1])
+            if not start < end <= len(message_ids) or message_tokens[t] not in message_ids[start:end]:
+                return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(masks(), max_size=4), st.sampled_from([8, 41, 2**31]),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12), st.integers(-3, 60)), max_size=2))
+def test_the_compiled_group_check_answers_as_the_rules_do(messages, bound, edits):
+    """Valid messages, and some with an offset changed (framing, order,
+    range), against a plain reference; ids past `bound` or negative fail."""
+    tokens, ids, offsets = ([m[k] for m in messages] for k in range(3))
+    offsets = [o.copy() for o in offsets]
+    for which, at, value in edits:
+        if offsets:
+            chosen = offsets[which % len(offsets)]
+            chosen[at % len(chosen)] = value
+    assert native.supports_hold_tokens(tokens, ids, offsets, bound) == _reference_holds(tokens, ids, offsets, bound)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_messages(), min_size=1, max_size=5), st.sampled_from([VOCAB, None]))
+def test_the_content_check_answers_alike_with_and_without_the_compiled_passes(batch, vocab_size):
+    compiled = validation.messages_content_valid(batch, vocab_size)
+    saved, validation._native = validation._native, None
+    try:
+        assert validation.messages_content_valid(batch, vocab_size) == compiled
+    finally:
+        validation._native = saved
+
+
+def test_parts_of_other_dtypes_are_refused_and_the_content_check_takes_them_with_numpy():
+    with pytest.raises(ValueError, match="tokens is a 1-D array of 4-byte"):
+        native.supports_hold_tokens([np.array([1], np.int64)], [np.array([1], np.int32)], [np.array([0, 1], np.int64)], 8)
+    arrays = {"tokens": np.array([1, 2], np.int64), "mask_ids": np.array([1, 2], np.int32),
+              "mask_offsets": np.array([0, 1, 2], np.int64)}
+    assert validation.messages_content_valid([arrays, arrays], 8)
+    assert not validation.messages_content_valid([arrays, {**arrays, "tokens": np.array([2, 2], np.int64)}], 8)
