@@ -51,8 +51,10 @@ path's processes (producer, actors, raylet, gcs_server), with Ray's other
 helpers reported apart. Without it, only rollstream runs.
 
 Printed per mode: seconds, MB/s, tokens/s, CPU seconds of the producer
-process(es), of the broker's main thread and of the consumer process (and
-that split by thread: the trainer's, the consumer's I/O thread, ZeroMQ's),
+process(es), of the broker's main thread (and per frame, of every broker
+thread: the store writer's, the checks ahead, ZeroMQ's) and of the
+consumer process (and that split by thread: the trainer's, the consumer's
+I/O thread, ZeroMQ's),
 peak RSS of each, p50/p99 latency from a trajectory's `end` being handed to the
 producer to its batch being committed, whether every delivered
 trajectory was byte-equal to what was sent, exactly once, and the tokens per
@@ -88,7 +90,7 @@ from typing import Any
 
 import numpy as np
 from peers.tq_workload import make_samples, response_length, with_tokens_in_support
-from procs import Broker, parse_args, peak_rss, thread_cpu
+from procs import Broker, parse_args, peak_rss, process_times, thread_cpu
 
 from rollstream.common.checker import check, read_records
 
@@ -299,13 +301,14 @@ class Rollstream:
         """One rep: saturated, or paced at `rate` trajectories/s in all (each
         producer offers its share's part) with the consumer taking what has
         arrived after `partial_after` seconds."""
-        broker_cpu = thread_cpu(self.broker.pid, self.broker.pid)
+        broker_cpu, broker_all = thread_cpu(self.broker.pid, self.broker.pid), process_times(self.broker.pid)
         self.consumer.send((tag, self.samples, partial_after))
         for conn, share in zip(self.producers, self.shares):
             conn.send((tag, rate and rate * len(share) / self.samples))
         sent = [conn.recv() for conn in self.producers]
         got = self.consumer.recv()
         broker_cpu = thread_cpu(self.broker.pid, self.broker.pid) - broker_cpu
+        broker_all = (process_times(self.broker.pid) - broker_all).cpu
         first = min(s["first"] for s in sent)
         last = max(got["committed"].values())
         ends = {tid: at for s in sent for tid, at in s["ends"].items()}
@@ -315,6 +318,7 @@ class Rollstream:
         verified = got["digests"].keys() == want.keys() and all(
             digests == [want[tid]] for tid, digests in got["digests"].items())
         return {"seconds": last - first, "producer_cpu": sum(s["cpu"] for s in sent), "broker_cpu": broker_cpu,
+                "broker_all_cpu": broker_all,
                 "consumer_cpu": got["cpu"], "consumer_threads": got["threads"], "frames": frames,
                 "p50": latencies[len(latencies) // 2], "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
                 "verified": verified,
@@ -473,13 +477,15 @@ def main() -> None:
               f"{med(key, 'producer_cpu'):>10.3f}{med(key, 'broker_cpu'):>8.3f}{med(key, 'consumer_cpu'):>7.3f}"
               f"{med(key, 'p50'):>8.3f}{statistics.median(r['p99'] for r in reps):>8.3f}{total_rss:>9.0f}  {verified}")
         print(f"{'':<14}frames {frames}, producer {med(key, 'producer_cpu') / frames * 1e6:.0f} µs/frame, "
-              f"broker main thread {med(key, 'broker_cpu') / frames * 1e6:.0f} µs/frame; peak RSS MiB "
+              f"broker main thread {med(key, 'broker_cpu') / frames * 1e6:.0f} µs/frame, every thread "
+              f"{med(key, 'broker_all_cpu') / frames * 1e6:.0f} µs/frame; peak RSS MiB "
               + ", ".join(f"{name} {value / 2**20:.0f}" for name, value in rss[key].items()))
         summary[f"rs_stream_s_{key}"] = round(seconds, 4)
         if tq_seconds:
             summary[f"rs_vs_tq_{key}"] = round(summary["tq_stream_s"] / seconds, 3)
         summary[f"producer_us_per_frame_{key}"] = round(med(key, "producer_cpu") / frames * 1e6, 1)
         summary[f"broker_us_per_frame_{key}"] = round(med(key, "broker_cpu") / frames * 1e6, 1)
+        summary[f"broker_all_threads_us_per_frame_{key}"] = round(med(key, "broker_all_cpu") / frames * 1e6, 1)
         summary[f"consumer_cpu_s_{key}"] = round(med(key, "consumer_cpu"), 3)
         by_thread = {role: round(statistics.median(r["consumer_threads"][role] for r in reps), 4)
                      for role in reps[0]["consumer_threads"]}
