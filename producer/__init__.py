@@ -3,8 +3,9 @@
 - `AsyncProducer` / `Producer`: asyncio and blocking clients with the same
   vocabulary (`trajectory(...)`, `turn`, `sglang`, `send`, `end`, `abort`):
   a resend window, heartbeats and an optional disk spool underneath.
-- `Receipt` (a durable ack; `applied: false` outcomes are reported here) and
-  `Refused` (a nack, with its code).
+- `Receipt` (a durable ack; `applied: false` outcomes are reported here),
+  `Refused` (a nack, with its code) and `Halted` (a call on a halting handle
+  whose trajectory a refusal gave up).
 - `turns_from_miles_samples`: miles per-turn samples as turns.
 - `ProducerSession` (the conduct toward the broker) and `ResendWindow`
   (what is unsettled and what goes again): the sans-I/O cores the clients
@@ -24,6 +25,7 @@ _EXPORTS = {
     "ProducerSession": ".session",
     "Refused": ".errors",
     "ProducerClosed": ".errors",
+    "Halted": ".errors",
     "MilesMergeError": ".miles_samples",
     "turns_from_miles_samples": ".miles_samples",
 }

@@ -77,6 +77,8 @@ def _reward(value: Any) -> Any:
 class _ById:
     """A trajectory known only by its id (a reward sent for it): what a draft needs of a handle."""
 
+    halted = None  # no handle of its own halts
+
     def __init__(self, trajectory_id: str):
         check_values(PRODUCER_TO_BROKER, "reward", {"trajectory_id": trajectory_id})
         self.trajectory_id = trajectory_id
@@ -216,7 +218,7 @@ class _Intake:
         with self.lock:
             futures = self.session.abandon()
             for future in futures:
-                if not future.done():
+                if future is not None and not future.done():
                     future.set_exception(ProducerClosed(why))
         return len(futures)
 
@@ -687,7 +689,17 @@ class _TrajectoryHandle:
     turn goes under, and the drafts its calls become. `next_turn` counts
     from 0; the producer's session advances it as each frame is accepted,
     sets it to 0 after an `abort` (a retry), and moves it back to a refused
-    turn's index (anything but `conflict`): send the corrected turn next."""
+    turn's index (anything but `conflict`): send the corrected turn next.
+
+    A handle that `halts` (set it before its first call; the daemon's
+    sources run on such handles) is for a caller that sends its turns
+    without waiting for their receipts: a turn it sends after a refusal it
+    has not looked at would otherwise go under the refused turn's index,
+    and the broker would hold a trajectory other than the one it sent. At
+    the first refusal of one of its turns or of its end the producer gives
+    the trajectory up instead: it aborts it (the reason names the refusal),
+    records it `given_up` in the ledger, logs and counts it
+    (`given_up_total{code}`), and every later call raises `Halted`."""
 
     def __init__(self, producer: AsyncProducer, trajectory_id: str, prompt_tokens, *, group_id: str | None,
                  group_size: int | None, sample_index: int | None, metadata: Mapping[str, Any] | None):
@@ -707,6 +719,8 @@ class _TrajectoryHandle:
         self.digests = TrajectoryDigests(self.prompt_tokens)  # for the ledger, when the producer keeps one
         # Called once, just before its `end` or final `abort` is submitted (a daemon source's prompt cursor).
         self.finishing: Callable[[], None] | None = None
+        self.halts = False
+        self.halted: Refused | None = None  # the refusal that gave a halting handle's trajectory up
 
     def earlier(self, turns: Sequence[Turn]) -> None:
         """The turns of a resumed trajectory the broker already holds, as
@@ -759,7 +773,10 @@ class _TrajectoryHandle:
     def _reward_draft(self, reward) -> Draft:
         return reward_draft(self, reward, self.producer.job)
 
-    def _abort_draft(self, reason: str, again: bool = False) -> Draft:
+    def abort_draft(self, reason: str, again: bool = False) -> Draft:
+        """Its `abort` (without `again`, the final one: `finishing` is called)."""
+        if not again:
+            self._finish()
         frames = encode(PRODUCER_TO_BROKER, "abort", {"trajectory_id": self.trajectory_id, "reason": reason,
                                                       **({"again": True} if again else {}), **self._job_field()},
                         numbered=False)
@@ -782,7 +799,8 @@ class AsyncTrajectoryHandle(_TrajectoryHandle):
     """Sends one trajectory's turns, end or abort, in order. Turn indices
     count from 0; after `abort` the next turn is turn 0 again (a retry).
     After a refused turn (anything but `conflict`) `next_turn` is that
-    turn's index again: send the corrected turn next."""
+    turn's index again: send the corrected turn next (a handle that
+    `halts` gives its trajectory up instead)."""
 
     def __init__(self, producer: AsyncProducer, trajectory_id: str, prompt_tokens, *, group_id: str | None,
                  group_size: int | None, sample_index: int | None, metadata: Mapping[str, Any] | None):
@@ -862,9 +880,7 @@ class AsyncTrajectoryHandle(_TrajectoryHandle):
         """Discard the trajectory at the broker; the next turn starts it
         afresh. `again`: it will be produced again from turn 0 under the same
         id, and its group waits for it meanwhile."""
-        if not again:
-            self._finish()
-        return await self._send(self._abort_draft(reason, again))
+        return await self._send(self.abort_draft(reason, again))
 
 
 H = TypeVar("H", bound=_TrajectoryHandle)
@@ -1010,6 +1026,4 @@ class TrajectoryHandle(_TrajectoryHandle):
         return self.end(reward, metadata, timeout=timeout).result(timeout)
 
     def abort(self, reason: str = "", *, again: bool = False, timeout: float | None = None) -> concurrent.futures.Future:
-        if not again:
-            self._finish()
-        return self.producer.submit_blocking(self._abort_draft(reason, again), timeout)
+        return self.producer.submit_blocking(self.abort_draft(reason, again), timeout)

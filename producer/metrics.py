@@ -31,4 +31,7 @@ class ProducerMetrics(Metrics):
             "support_overflows", "Engine calls refused because a sampled token's support outgrew the engine's cap, by "
             "what the source did: narrowed (asked again with half the top-k) or gave_up (the trajectory aborted)",
             ("action",))
+        self.given_up = self.counter(
+            "given_up", "Trajectories of halting handles given up because the broker refused one of their turns or "
+            "their end (aborted, `given_up` in the ledger), by the refusal's code", ("code",))
         self.tokens = self.counter("tokens", "Response tokens submitted, sampled or forced", ("kind",))

@@ -8,7 +8,8 @@ everything in order behind a fresh hello after a reconnect, and which frames
 go out next, batched. It numbers the drafts the trajectory handles submit
 (encoding one again when a refusal rewound its handle meanwhile), keeps them
 until a reply settles them (the intake, the optional spool, the
-`ResendWindow`), and rewinds the handle of a refused turn.
+`ResendWindow`), and rewinds the handle of a refused turn, or, for a handle
+that halts, gives its trajectory up: aborts it and takes nothing more of it.
 
 It reads no clock, owns no socket and runs no loop: its facade
 (`client.AsyncProducer`) passes the time in, sends what `transmit` hands its
@@ -31,6 +32,7 @@ from rollstream.common.jobs import DEFAULT_JOB, check_job
 from rollstream.common.messages import PRODUCER_TO_BROKER
 from rollstream.common.trajectory import Turn
 
+from .errors import Halted
 from .metrics import ProducerMetrics
 from .spool import Spool, record_bytes
 from .window import ABORT, END, TURN, Heartbeat, HeldFrame, Receipt, ResendWindow, Settled, batch_runs
@@ -91,6 +93,11 @@ class DraftSource(Protocol):
     trajectory_id: str
     next_turn: int  # the index the handle's next turn goes under: advanced on acceptance, rewound after a refusal
     digests: TrajectoryDigests
+    halts: bool  # a refusal of one of its turns or of its end gives its trajectory up (`ProducerSession.settle`)
+    halted: Refused | None  # the refusal that gave it up: nothing more of it is accepted
+
+    def abort_draft(self, reason: str, again: bool = False) -> Draft:
+        """Its `abort`; without `again`, the final one."""
 
 
 class Draft:
@@ -193,8 +200,11 @@ class ProducerSession:
         """*Shared.* Number the draft and keep it until settled (in the spool,
         and in the intake while memory has room), register its `future` and
         move its handle on. A draft whose handle a refusal rewound since it
-        was encoded is encoded again under the rewound index."""
+        was encoded is encoded again under the rewound index; one whose
+        handle a refusal halted raises `Halted`, and nothing changes."""
         handle, kind = draft.handle, draft.kind
+        if handle.halted is not None:
+            raise Halted(handle.trajectory_id, handle.halted, kind)
         if kind != ABORT and handle.next_turn != draft.index:
             draft.index = handle.next_turn
             draft.frames = draft.encode(draft.index)
@@ -214,7 +224,7 @@ class ProducerSession:
         if direct:
             self.intake.append(item)
             self.in_memory += 1
-        self.pending[seq] = (future, now, handle if kind == TURN else None)
+        self.pending[seq] = (future, now, handle if kind in (TURN, END) else None)
         handle.next_turn = draft.index + 1 if kind == TURN else 0 if kind == ABORT else handle.next_turn
         sampled, forced = draft.tokens
         if sampled or forced:
@@ -253,8 +263,10 @@ class ProducerSession:
         memory, count their outcomes (with a ledger, an `end`'s `acked`
         record) and rewind the handle of a refused turn to that turn, so the
         corrected turn goes under the same index (not after `conflict`: the
-        broker's turn stands). Returns each future with its outcome, to
-        resolve outside the lock (a blocking future runs its callbacks there)."""
+        broker's turn stands); a handle that halts gives its trajectory up
+        at the first refusal of a turn or its end (`_give_up`). Returns each
+        future with its outcome, to resolve outside the lock (a blocking
+        future runs its callbacks there)."""
         outcomes: Counter = Counter()
         resolved = []
         observe = self.metrics.ack_latency.observe
@@ -269,6 +281,8 @@ class ProducerSession:
             if isinstance(outcome, Refused):
                 if handle is not None and item.turn is not None and outcome.code != "conflict":
                     handle.next_turn = min(handle.next_turn, item.turn)
+                if handle is not None and handle.halts and handle.halted is None:
+                    self._give_up(handle, outcome, now)
             else:
                 outcomes["duplicate" if outcome.duplicate else "applied" if outcome.applied
                          else outcome.reason or "not_applied"] += 1
@@ -281,9 +295,28 @@ class ProducerSession:
             self.metrics.acked.add(count, label)
         return resolved
 
+    def _give_up(self, handle: DraftSource, refused: Refused, now: float) -> None:
+        """A halting handle's turn or end was refused: whatever it sends
+        next would not follow what the broker holds (a later turn would take
+        the refused one's index), so its trajectory is given up: recorded
+        `given_up` in the ledger, then its final abort accepted (it goes once
+        every earlier frame of the trajectory is settled: an end accepted
+        before is refused first, the broker holding fewer turns than it
+        counts), and nothing more of it is accepted (`Halted`)."""
+        tid = handle.trajectory_id
+        reason = f"{refused.kind}{'' if refused.turn is None else f' {refused.turn}'} refused: {refused.code}"
+        if self.ledger is not None:  # before the abort is spooled, as an end's `sent` record is
+            self.ledger.write("given_up", id=tid, reason=reason, producer=self.producer_id)
+        self.accept(handle.abort_draft(reason), None, now)
+        handle.halted = refused
+        self.metrics.inc(self.metrics.given_up, code=refused.code)
+        log.warning(f"gave {tid!r} up: {refused}; aborting it, nothing more of it is sent",
+                    extra={"trajectory_id": tid, "code": refused.code, "reason": reason})
+
     def abandon(self) -> list:
         """*Shared.* The producer closes: forget every unsettled frame (a
-        spool keeps its records); returns their futures."""
+        spool keeps its records); returns their futures (None: a give-up's
+        abort, which no caller awaits)."""
         futures = [future for future, _, _ in self.pending.values()]
         self.pending.clear()
         self.intake.clear()

@@ -20,6 +20,7 @@ from rollstream.common.errors import InvalidInput
 
 from .client import AsyncProducer, AsyncTrajectoryHandle
 from .cursor import PromptCursor, Sample
+from .errors import Halted
 from .resume import SCORING, Prefix, Resumable
 from .settings import ON_RESTART, ProducerSettings
 
@@ -150,7 +151,8 @@ class Pacer:
 
 def retrieve(future: asyncio.Future) -> None:
     """Episodes do not await their frames' futures (the client logs and
-    counts refusals); this marks their exceptions as seen."""
+    counts refusals, and gives a trajectory up at one: `drive`'s handles
+    halt); this marks their exceptions as seen."""
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
@@ -167,11 +169,15 @@ async def drive(producer: AsyncProducer, settings: ProducerSettings, prompts: Pr
                 stopping: asyncio.Event, continues: str | None) -> None:
     """Run `episode` for every job of the run (`Plan`), `concurrency` at a
     time, starting at most `rate` per second, until the jobs run out or
-    `stopping` is set. An episode returns `ENDED` or `ABORTED`. First, once
-    the spool's resends have settled, what the broker holds open from an
-    earlier run of this producer is continued, restarted or given up
-    (`on_restart`; `continues` says how the source continues one, None: it
-    cannot, so it restarts them)."""
+    `stopping` is set. An episode returns `ENDED` or `ABORTED`. Its handle
+    halts, so it need not wait for its turns' receipts: a refusal of one of
+    its turns or of its end gives the trajectory up (the producer aborts it
+    and records it `given_up`), and the episode's next call on the handle
+    raises `Halted`, which ends it as `ABORTED`. First, once the spool's
+    resends have settled, what the broker holds open from an earlier run of
+    this producer is continued, restarted or given up (`on_restart`;
+    `continues` says how the source continues one, None: it cannot, so it
+    restarts them)."""
     s = settings
     if s.spool_dir is None:
         log.warning("no spool directory: a restarted daemon cannot know which prompts it issued, so it starts them "
@@ -272,7 +278,11 @@ async def _run_jobs(producer: AsyncProducer, plan: Plan, todo: Iterator[Job], ep
                 ledger.write("issued", prompt=cursor.group_id(job.prompt), sample=job.member, id=job.trajectory_id,
                              producer=producer.producer_id)
             traj.finishing = lambda sample=sample: cursor.finished(sample)
-            outcome = await episode(traj, job, stopping)
+            traj.halts = True
+            try:
+                outcome = await episode(traj, job, stopping)
+            except Halted:  # the producer gave the trajectory up at a refusal (logged, counted, in the ledger)
+                outcome = ABORTED
             metrics.inc(metrics.trajectories, outcome=outcome)
 
     await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))

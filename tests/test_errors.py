@@ -35,7 +35,7 @@ from rollstream.common.errors import (
 )
 from rollstream.common.validation import Violation
 from rollstream.consumer import ConsumerClosed
-from rollstream.producer import ProducerClosed
+from rollstream.producer import Halted, ProducerClosed
 
 
 def test_the_table_has_one_row_per_code():
@@ -47,6 +47,7 @@ def test_the_table_has_one_row_per_code():
     ProtocolError("schema", "no such field"),
     Refused("dtype", "float64", kind="turn", trajectory_id="t", turn=0, seq=1),
     ProducerClosed("closed before the ack"),
+    Halted("t", Refused("internal", "a bug", kind="turn", trajectory_id="t", turn=1, seq=2), "turn"),
     ConsumerClosed("the consumer is closed"),
     ClientFailed("producer 'p'", OSError("gone")),
     BatchValidationError([Violation("support", 0, 1, 1, "id 3 not in support")]),

@@ -13,6 +13,7 @@ from rollstream.common.errors import InvalidInput, InvalidState, Refused, Remote
 from rollstream.common.messages import BROKER_TO_PRODUCER, PRODUCER_TO_BROKER
 from rollstream.common.trajectory import Turn
 from rollstream.common.wire import encode_turn
+from rollstream.producer.errors import Halted
 from rollstream.producer.metrics import ProducerMetrics
 from rollstream.producer.session import (
     BATCH_UP_TO_BYTES,
@@ -50,12 +51,13 @@ def a_turn(token=5):
 
 class Handle:
     """What a trajectory handle gives the session: its id, its next turn, its
-    digests, and drafts encoded as the real handles encode them."""
+    digests, whether it halts, and drafts encoded as the real handles encode them."""
 
-    def __init__(self, trajectory_id):
+    def __init__(self, trajectory_id, halts=False):
         self.trajectory_id = trajectory_id
         self.next_turn = 0
         self.digests = TrajectoryDigests(PROMPT)
+        self.halts, self.halted = halts, None
 
     def turn(self, turn=None):
         turn = turn or a_turn()
@@ -70,6 +72,11 @@ class Handle:
             return encode(PRODUCER_TO_BROKER, "end", {"trajectory_id": self.trajectory_id, "reward": reward,
                                                       "turns": turns}, numbered=False)
         return Draft("end", self, self.next_turn, encode_at)
+
+    def abort_draft(self, reason="", again=False):
+        frames = encode(PRODUCER_TO_BROKER, "abort", {"trajectory_id": self.trajectory_id, "reason": reason,
+                                                      **({"again": True} if again else {})}, numbered=False)
+        return Draft("abort", self, self.next_turn, lambda _: frames)
 
 
 def accept(s, *drafts, now=0.0):
@@ -333,6 +340,74 @@ def test_the_ledger_records_the_corrected_turn_in_place_of_the_refused_one(tmp_p
     assert (sent["kind"], sent["id"], sent["producer"]) == ("sent", "t", "p")
     assert sent["prompt"] == ContentDigest(PROMPT).hexdigest()
     assert sent["turns"] == json.loads(json.dumps([record0, record1]))  # as JSON keeps them
+
+
+# -- a halting handle gives its trajectory up at a refusal ------------------------------------------------
+@pytest.mark.parametrize("refused_seq, reason", [(2, "turn 1 refused: internal"), (4, "end refused: internal")])
+def test_a_halting_handle_gives_its_trajectory_up_at_a_refusal_even_behind_the_end_it_took_before(tmp_path, refused_seq,
+                                                                                                   reason):
+    """Its three turns and its end are taken before any reply, as a source
+    that does not wait for receipts sends them. A refused turn (the broker
+    then refuses the later turn and the end: it holds fewer turns than the
+    end counts) or a refused end gives the trajectory up: `given_up` in the
+    ledger, a final abort once everything before it settled, and nothing
+    more of it taken."""
+    s = session(window=8)
+    s.ledger = Ledger(tmp_path / "ledger.jsonl")
+    s.received(welcome(), 0.0)
+    handle = Handle("t", halts=True)
+    accept(s, handle.turn(a_turn(5)), handle.turn(a_turn(7)), handle.turn(a_turn(9)), handle.end())
+    went = []
+
+    def send(frames):
+        went.append(decode(frames, PRODUCER_TO_BROKER, check_content=False))
+        return True
+    answered = 0
+    while True:  # as the facade pumps: into the window, out, then the broker's answers
+        s.fill_window()
+        s.transmit(1.0, send)
+        if answered == len(went):
+            break
+        for message in went[answered:]:
+            seq = message["seq"]
+            code = "internal" if seq == refused_seq else "out_of_order" if refused_seq < seq < 5 else None
+            settle(s, ack(seq, "t") if code is None else reply("nack", seq=seq, code=code, message="no"))
+            answered += 1
+    assert [summary(message) for message in went] == [
+        ("turn", 1, "t", 0), ("turn", 2, "t", 1), ("turn", 3, "t", 2), ("end", 4, "t", 3), ("abort", 5, "t", None)]
+    assert went[-1]["reason"] == reason and "again" not in went[-1].fields
+    assert handle.halted.code == "internal" and s.metrics.totals["given_up.internal"] == 1
+    s.ledger.close()
+    records = read_records([tmp_path / "ledger.jsonl"])
+    assert [(r["kind"], r["id"]) for r in records] == [("sent", "t"), ("given_up", "t")]
+    assert records[1]["reason"] == reason
+    with pytest.raises(Halted) as halted:
+        accept(s, handle.turn())
+    assert str(halted.value) == (
+        f"rule 'a halting handle sends nothing after a refusal' not met: {handle.halted}, so the producer gave 't' up; "
+        "expected no further frame of it, got a 'turn' frame")
+    assert halted.value.refused is handle.halted and s.next_seq == 6 and s.unsettled == 0  # nothing of it taken
+
+
+@pytest.mark.parametrize("code", ["mask_invalid", "conflict"])
+def test_a_turn_a_halting_handle_made_before_a_refusal_is_not_taken_under_another_index(code):
+    """The draft made while turn 1 was in flight would go under turn 1's
+    index once its refusal rewound the handle (or, after a `conflict`,
+    after a turn the broker holds and this producer never sent): a halting
+    handle refuses it instead, behind the give-up's abort."""
+    s = session()
+    s.received(welcome(), 0.0)
+    handle = Handle("t", halts=True)
+    accept(s, handle.turn(), handle.turn(a_turn(7)))
+    made_before = handle.turn(a_turn(9))
+    transmit(s)
+    settle(s, reply("nack", seq=2, code=code, message="turn 1 refused"))
+    with pytest.raises(Halted) as halted:
+        accept(s, made_before)
+    assert halted.value.refused.code == code and s.next_seq == 4  # seq 3 is the abort
+    settle(s, ack(1, "t"))
+    s.fill_window()
+    assert transmit(s) == [("abort", 3, "t", None)]
 
 
 # -- a kill as an end is taken ----------------------------------------------------------------------
