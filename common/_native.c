@@ -33,6 +33,17 @@ get_vector(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *kind
     return 0;
 }
 
+/* Whether `want` is among id[start:end] (bounds checked by the caller). */
+static inline int
+holds_token(const int32_t *id, int64_t start, int64_t end, int32_t want)
+{
+    for (int64_t i = start; i < end; i++) {
+        if (id[i] == want)
+            return 1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(inside_support_doc,
 "inside_support(tokens, ids, offsets, out)\n\n"
 "out[t] = 1 when tokens[t] is among ids[offsets[t]:offsets[t+1]], else 0\n"
@@ -70,17 +81,8 @@ inside_support(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t t = 0; t < n; t++) {
         int64_t start = offset[t], end = offset[t + 1];
-        uint8_t hit = 0;
-        if (start >= 0 && start <= end && end <= (int64_t)n_ids) {  /* a support that breaks a CSR rule holds nothing */
-            int32_t want = token[t];
-            for (int64_t i = start; i < end; i++) {
-                if (id[i] == want) {
-                    hit = 1;
-                    break;
-                }
-            }
-        }
-        inside[t] = hit;
+        /* a support that breaks a CSR rule holds nothing */
+        inside[t] = start >= 0 && start <= end && end <= (int64_t)n_ids && holds_token(id, start, end, token[t]);
     }
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
@@ -147,11 +149,7 @@ supports_hold_tokens(PyObject *self, PyObject *args)
                 holds = 0;
                 break;
             }
-            int32_t want = token[t];
-            int64_t i = start;
-            while (i < end && id[i] != want)
-                i++;
-            holds = i < end;
+            holds = holds_token(id, start, end, token[t]);
         }
         PyBuffer_Release(&offsets);
         PyBuffer_Release(&ids);
