@@ -774,9 +774,6 @@ def _check_content(arrays: Mapping[str, np.ndarray], fields: Mapping[str, Any], 
 # A packed layout `_decoded_packed` has seen, by header struct and (name, dtype) pairs: each array's numpy dtype
 # and item size, with the set of names; None for a layout it leaves to the checked way (it breaks a rule there).
 _PACKED_LAYOUTS: dict[tuple, tuple[tuple, frozenset] | None] = {}
-# Per header struct: its field names in the struct's order (`msgspec.structs.astuple`'s), the envelope left out,
-# and where the fields it reads raw are among them.
-_STRUCT_FIELDS: dict[type, tuple[tuple[str, ...], tuple[int, ...]]] = {}
 _NAME_AND_DTYPE = operator.itemgetter(0, 1)
 
 
@@ -797,11 +794,6 @@ def _packed_layout(spec: MessageSpec, key: tuple) -> tuple[tuple, frozenset] | N
     return tuple(decoding), names
 
 
-def _struct_fields(header_type: type, raw: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    names = header_type.__struct_fields__[1:-3]  # type: ignore[attr-defined]  # v first; arrays, crc32, packed last
-    return names, tuple(i for i, name in enumerate(names) if name in raw)
-
-
 def _decoded_packed(frames: Sequence, schema: Schema, max_message_bytes: int) -> tuple[MessageSpec, Message] | None:
     """The common message and its spec, decoded with the fewest steps: a
     header msgspec checks whole (no field it reads raw is set), its arrays
@@ -818,15 +810,10 @@ def _decoded_packed(frames: Sequence, schema: Schema, max_message_bytes: int) ->
     if not header.packed or not entries:
         return None
     header_type = type(header)
-    spec, _, raw = schema.fast_specs[header_type]
-    try:
-        names_in_order, raw_at = _STRUCT_FIELDS[header_type]
-    except KeyError:
-        names_in_order, raw_at = _STRUCT_FIELDS[header_type] = _struct_fields(header_type, raw)
-    values = msgspec.structs.astuple(header)
+    spec, names, raw = schema.fast_specs[header_type]
     unset = msgspec.UNSET
-    for i in raw_at:
-        if values[i + 1] is not unset:
+    for name in raw:
+        if getattr(header, name) is not unset:
             return None
     key = (header_type, tuple(map(_NAME_AND_DTYPE, entries)))
     try:
@@ -835,15 +822,16 @@ def _decoded_packed(frames: Sequence, schema: Schema, max_message_bytes: int) ->
         layout = _PACKED_LAYOUTS[key] = _packed_layout(spec, key[1])
     if layout is None:
         return None
-    decoding, names = layout
-    fields = {name: value for name, value in zip(names_in_order, values[1:-3]) if value is not unset}
+    decoding, array_names = layout
+    values = msgspec.structs.astuple(header)  # v first, then the fields in `names`' order, then the arrays' envelope
+    fields = {name: value for name, value in zip(names, values[1:]) if value is not unset}
     for rule in spec.rules:
-        if rule(fields, names):
+        if rule(fields, array_names):
             return None
     head, body = _buffer(head), _buffer(body)
     if len(head) + len(body) > max_message_bytes:
         return None
-    crc = values[-2]
+    crc = header.crc32
     if crc is not unset and _crc32_update(body) != crc:
         return None
     view = body if type(body) is memoryview else memoryview(body)  # slices of bytes would be copies

@@ -201,7 +201,8 @@ class Schema:
     name: str
     specs: Mapping[str, MessageSpec]
     fast: msgspec.msgpack.Decoder | None = None
-    # Per header struct: its spec, its fields, and the kinds of those it reads raw (`header_struct`).
+    # Per header struct: its spec, its fields in the struct's order (`msgspec.structs.astuple`'s, the envelope left
+    # out), and the kinds of those it reads raw (`header_struct`).
     fast_specs: Mapping[type, tuple[MessageSpec, tuple[str, ...], Mapping[str, Kind]]] = field(default_factory=dict)
 
 
@@ -244,7 +245,7 @@ def _schema(name: str, *specs: MessageSpec) -> Schema:
         assert not unknown, f"{spec.type}: arrays {unknown} are not in the contract table"
         assert not set(spec.kinds) & ENVELOPE_KEYS, f"{spec.type}: a field is named like an envelope key"
         struct, raw = header_struct(spec)
-        structs[struct] = (spec, tuple(spec.kinds), raw)
+        structs[struct] = (spec, tuple(name for name in struct.__struct_fields__ if name in spec.kinds), raw)
     fast = msgspec.msgpack.Decoder(Union[tuple(structs)]) if structs else None
     return Schema(name, {spec.type: spec for spec in specs}, fast, structs)
 
