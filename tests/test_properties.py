@@ -1091,7 +1091,8 @@ def edited_messages(draw):
         else:
             header[name] = draw(boundary_values | header_values)
     entries = header.get("arrays")
-    if type(entries) is list and entries and all(type(e) is list and len(e) == 3 for e in entries) and draw(st.booleans()):
+    if (type(entries) is list and entries and all(type(e) is list and len(e) == 3 and type(e[2]) is list for e in entries)
+            and draw(st.booleans())):  # entries as encoding wrote them (an edit above may have set others)
         at = draw(st.integers(0, len(entries) - 1))
         entries[at] = draw(edited_entries(entries[at], entries[-1][0]))
     frames = [msgpack.packb(header, use_bin_type=True), *frames[1:]]
