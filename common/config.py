@@ -117,6 +117,7 @@ INTEGER, NUMBER, BYTES, PORT, FLAG, CHOICE, TEXT, ENDPOINT, URL = (
 DIRECTORY, FOLDER, FILE, EXISTING, PATH, OUTPUT_FILE = (
     "directory", "existing directory", "file", "existing path", "path", "output file")
 NUMERIC = (INTEGER, NUMBER, BYTES, PORT)
+PATH_KINDS = (DIRECTORY, FOLDER, FILE, EXISTING, PATH, OUTPUT_FILE)
 TOML_TYPES = {INTEGER: (int,), NUMBER: (int, float), BYTES: (int,), PORT: (int,), FLAG: (bool,)}
 METAVARS = {INTEGER: "INTEGER", NUMBER: "NUMBER", BYTES: "SIZE", PORT: "PORT", FLAG: "BOOLEAN", TEXT: "TEXT",
             ENDPOINT: "ENDPOINT", URL: "URL", DIRECTORY: "DIRECTORY", FOLDER: "DIRECTORY", FILE: "FILE", EXISTING: "PATH",
@@ -283,6 +284,16 @@ class Setting:
         if self.kind == URL:
             scheme, sep, rest = value.partition("://")
             return None if sep and scheme in self.schemes and rest else ("scheme", repr(value))
+        if self.kind in PATH_KINDS:
+            try:
+                return self._path_breaks(value)
+            except OSError as error:
+                return "usable path", f"{value!r}, which the system refuses: {error.strerror}"
+        return None
+
+    def _path_breaks(self, value: str) -> tuple[str, str] | None:
+        """The rule a path value breaks, or None; a path the system cannot
+        even look up (a name too long) raises OSError."""
         if self.kind == DIRECTORY:
             return _directory_problem(Path(value))
         if self.kind == FOLDER:
@@ -299,9 +310,7 @@ class Setting:
             if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
                 return "writable file", f"{value!r}, whose folder {str(folder)!r} is {_what_is(folder, 'not writable')}"
             return None
-        if self.kind == PATH:
-            return ("not a directory", f"{value!r}, a directory") if Path(value).is_dir() else None
-        return None
+        return ("not a directory", f"{value!r}, a directory") if Path(value).is_dir() else None
 
 
 ENDPOINT_FORMS = {"tcp": "tcp://HOST:PORT", "ipc": "ipc://PATH", "inproc": "inproc://NAME"}

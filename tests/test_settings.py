@@ -30,6 +30,7 @@ from rollstream.common.config import (
     NUMBER,
     OUTPUT_FILE,
     PATH,
+    PATH_KINDS,
     PORT,
     TEXT,
     URL,
@@ -55,6 +56,9 @@ NOT_SETTINGS = {"help", "config", "check_config", "log_format"}
 # A value each kind refuses, whatever the field's range (a range's own bounds are tried apart).
 KIND_REFUSES = {CHOICE: "no-such-choice", FLAG: "maybe", ENDPOINT: "http://x:1", URL: "ftp://x",
                 INTEGER: "many", NUMBER: "soon", BYTES: "lots", PORT: "http"}
+
+# A file name longer than any file system allows: the system refuses to look it up at all.
+NAME_TOO_LONG = "n" * 300
 
 
 def fields_of(settings_cls) -> list[dataclasses.Field]:
@@ -137,6 +141,8 @@ def refused_values(declared: Setting, tmp_path: Path) -> list[str]:
     values += {DIRECTORY: [str(a_file), str(a_file / "below")], FOLDER: [str(missing), str(a_file)],
                FILE: [str(missing), str(tmp_path)], EXISTING: [str(missing)], PATH: [str(tmp_path)],
                OUTPUT_FILE: [str(tmp_path), str(missing)]}.get(declared.kind, [])
+    if declared.kind in PATH_KINDS:
+        values.append(str(tmp_path / NAME_TOO_LONG))
     if declared.kind == TEXT and declared.pattern:
         values.append("not a name!")
     return values
@@ -146,6 +152,8 @@ def rule_of(declared: Setting, value: str) -> str:
     """The rule a refused value breaks, as the problem names it."""
     if value == KIND_REFUSES.get(declared.kind) or value.startswith("-") and declared.kind == BYTES:
         return {CHOICE: "choice", ENDPOINT: "scheme", URL: "scheme"}.get(declared.kind, "type")
+    if value.endswith(NAME_TOO_LONG):
+        return "usable path"
     return {INTEGER: "range", NUMBER: "range", BYTES: "range", PORT: "range", TEXT: "pattern",
             DIRECTORY: "writable directory", FOLDER: "existing directory", FILE: "existing file",
             EXISTING: "existing path", PATH: "not a directory", OUTPUT_FILE: "writable file"}[declared.kind]
