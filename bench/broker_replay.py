@@ -76,7 +76,6 @@ from pipeline import VOCAB, split_turns, workload
 from procs import parse_args
 
 from rollstream.broker.cli import tune_garbage_collector
-from rollstream.broker.core import Sent
 from rollstream.broker.service import BrokerService
 from rollstream.broker.settings import BrokerSettings
 from rollstream.broker.store import Store
@@ -86,11 +85,17 @@ SMOKE = {"samples": 8, "reps": 1}  # the sizes of --smoke
 HOUSEKEEP_EVERY_PASSES = 16
 TURNS = 8
 ANY_PORT = "tcp://127.0.0.1:0"
+try:  # what a send the replay drops answers: an older broker (a baseline the figures compare with) took a bool
+    from rollstream.broker.core import Sent
+    SEND_TAKEN: object = Sent.TAKEN
+except ImportError:
+    SEND_TAKEN = True
 
 
 def _settings(data_dir: str, archive: str | None = None) -> BrokerSettings:
+    archiving = {} if archive is None else {"archive": archive}  # an older broker has no archive setting
     return BrokerSettings(producer_endpoint=ANY_PORT, consumer_endpoint=ANY_PORT, admin_endpoint=ANY_PORT,
-                          data_dir=data_dir, metrics_port=0, vocab_size=VOCAB, archive=archive)
+                          data_dir=data_dir, metrics_port=0, vocab_size=VOCAB, **archiving)
 
 
 class RecordingBroker(BrokerService):
@@ -130,8 +135,8 @@ class ReplayedBroker(BrokerService):
             raise zmq.Again()
         return self.queue.popleft()
 
-    def _send(self, request) -> Sent:
-        return Sent.TAKEN
+    def _send(self, request):
+        return SEND_TAKEN
 
 
 def _producer_main(endpoint: str, samples: int) -> None:
@@ -223,7 +228,8 @@ ABLATIONS = {"check": _passing_check, "store": _idle_store, "deliver": _empty_de
 def _housekeep(broker: ReplayedBroker) -> None:
     now = Clock.read()
     broker._drive(broker.core.housekeeping(now))
-    broker._drive(broker.core.finish_housekeeping(now))
+    if hasattr(broker.core, "finish_housekeeping"):  # an older broker's pass was one
+        broker._drive(broker.core.finish_housekeeping(now))
 
 
 def replay(passes: list, epoch: str, ablation: str | None, archive: bool = False,
@@ -250,10 +256,10 @@ def replay(passes: list, epoch: str, ablation: str | None, archive: bool = False
             broker._drive(broker.core.deliver(now))
             if i % HOUSEKEEP_EVERY_PASSES == HOUSEKEEP_EVERY_PASSES - 1:
                 _housekeep(broker)
-        broker._store_io.archive_linger = 0.0  # what lingers for a fuller file is written now (the segments in use
-        # are not copied, as a run's end would: once a run, that is no part of a steady state's cost)
+        if archive:  # what lingers for a fuller file is written now (the segments in use are not copied, as a
+            broker._store_io.archive_linger = 0.0  # run's end would: once a run, that is no part of a steady state's cost)
         _housekeep(broker)
-        while broker.core.archive is not None and (broker.core.archive.waiting or broker.core.archive.writing):
+        while archive and (broker.core.archive.waiting or broker.core.archive.writing):
             while not broker._archiver.settled():
                 time.sleep(0.001)  # the archive thread writes; its CPU counts, the wait's does not
             _housekeep(broker)
