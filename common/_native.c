@@ -33,11 +33,38 @@ get_vector(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *kind
     return 0;
 }
 
-/* Whether `want` is among id[start:end] (bounds checked by the caller). */
+#if defined(__GNUC__) || defined(__clang__)
+/* Eight ids compared per step, as two vectors of four (a width every 64-bit
+ * CPU has: SSE2, NEON), with no branch on where in its support the token
+ * lies, which is where a scan that stops at the token mispredicts. */
+#define LANES 8
+typedef int32_t four_ids_t __attribute__((vector_size(4 * sizeof(int32_t))));
+static const four_ids_t low_lanes = {0, 1, 2, 3}, high_lanes = {4, 5, 6, 7};
+#endif
+
+/* Whether `want` is among id[start:end] (bounds checked by the caller: 0 <=
+ * start <= end <= n_ids). A step reads LANES ids only where all of them lie
+ * inside the n_ids ids; the lanes past `end` are masked off. */
 static inline int
-holds_token(const int32_t *id, int64_t start, int64_t end, int32_t want)
+holds_token(const int32_t *id, int64_t start, int64_t end, int64_t n_ids, int32_t want)
 {
-    for (int64_t i = start; i < end; i++) {
+    int64_t i = start;
+#ifdef LANES
+    const four_ids_t wanted = {want, want, want, want};
+    for (; i < end && i + LANES <= n_ids; i += LANES) {
+        four_ids_t low, high;
+        memcpy(&low, id + i, sizeof low);
+        memcpy(&high, id + i + 4, sizeof high);
+        int32_t left = end - i < LANES ? (int32_t)(end - i) : LANES;
+        const four_ids_t within = {left, left, left, left};
+        four_ids_t hit = ((low == wanted) & (low_lanes < within)) | ((high == wanted) & (high_lanes < within));
+        uint64_t folded[2];
+        memcpy(folded, &hit, sizeof folded);
+        if (folded[0] | folded[1])
+            return 1;
+    }
+#endif
+    for (; i < end; i++) {
         if (id[i] == want)
             return 1;
     }
@@ -82,7 +109,7 @@ inside_support(PyObject *self, PyObject *args)
     for (Py_ssize_t t = 0; t < n; t++) {
         int64_t start = offset[t], end = offset[t + 1];
         /* a support that breaks a CSR rule holds nothing */
-        inside[t] = start >= 0 && start <= end && end <= (int64_t)n_ids && holds_token(id, start, end, token[t]);
+        inside[t] = start >= 0 && start <= end && end <= (int64_t)n_ids && holds_token(id, start, end, n_ids, token[t]);
     }
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
@@ -149,7 +176,7 @@ supports_hold_tokens(PyObject *self, PyObject *args)
                 holds = 0;
                 break;
             }
-            holds = holds_token(id, start, end, token[t]);
+            holds = holds_token(id, start, end, n_ids, token[t]);
         }
         PyBuffer_Release(&offsets);
         PyBuffer_Release(&ids);
