@@ -29,6 +29,7 @@ from rollstream.common.miles import decode_session_samples
 from rollstream.common.trajectory import Turn
 
 from .client import AsyncProducer, AsyncTrajectoryHandle
+from .errors import Halted
 from .miles_samples import turns_from_miles_samples
 from .settings import ProducerSettings
 from .source import ABORTED, ENDED, STOPPING, Pacer, retrieve
@@ -110,11 +111,18 @@ def miles_payload(path: Path, vocab_size: int | None):
 
 
 class ReplaySource:
+    """Sends recorded trajectories in file and line order. Its handles halt,
+    as `drive`'s do: the broker's refusal of a turn or an end gives that
+    trajectory up (aborted, `given_up` in the ledger), and the rest of its
+    recorded attempt is skipped, up to and including the attempt's own end
+    or abort; the other trajectories go on."""
+
     def __init__(self, settings: ProducerSettings, producer_id: str):
         if not settings.replay_path:
             raise ReplayError("the replay source needs replay_path (a .jsonl/.safetensors file or a directory)")
         self.settings = settings
         self.files = recorded_files(settings.replay_path)
+        self.given_up: set[str] = set()  # recorded attempts a refusal gave up, whose events are skipped
 
     async def run(self, producer: AsyncProducer, stopping: asyncio.Event) -> None:
         pacer = Pacer(self.settings.rate)
@@ -126,8 +134,7 @@ class ReplaySource:
                     return
                 if path.suffix == ".safetensors":
                     await pacer.wait()
-                    await self._send_payload(producer, path)
-                    metrics.inc(metrics.trajectories, outcome=ENDED)
+                    metrics.inc(metrics.trajectories, outcome=await self._send_payload(producer, path))
                     continue
                 for where, event in jsonl_events(path):
                     if stopping.is_set():
@@ -137,17 +144,24 @@ class ReplaySource:
                         metrics.inc(metrics.trajectories, outcome=outcome)
         finally:
             for traj in open_.values():  # recordings cut short, or stopping: do not leave them open
-                retrieve(await traj.abort(STOPPING if stopping.is_set() else "replay ended without end"))
+                if traj.halted is None:  # (a halted one was aborted when the refusal gave it up)
+                    retrieve(await traj.abort(STOPPING if stopping.is_set() else "replay ended without end"))
                 metrics.inc(metrics.trajectories, outcome=ABORTED)
 
-    async def _send_payload(self, producer: AsyncProducer, path: Path) -> None:
+    async def _send_payload(self, producer: AsyncProducer, path: Path) -> str:
+        """Send a miles payload's trajectory whole; its outcome."""
         converted, session = miles_payload(path, producer.vocab_size)
         identity = {name: session[name] for name in _IDENTITY if session.get(name) is not None}
         reward = session.get("reward", self.settings.default_reward)
-        trajectory_id = str(session.get("trajectory_id") or path.stem)
-        for future in await producer.send_trajectory(trajectory_id, converted.prompt_tokens, converted.turns, reward,
-                                                     **identity):
-            retrieve(future)
+        traj = producer.trajectory(str(session.get("trajectory_id") or path.stem), converted.prompt_tokens, **identity)
+        traj.halts = True
+        try:
+            for turn in converted.turns:
+                retrieve(await traj.send(turn))
+            retrieve(await traj.end(reward))
+        except Halted:  # a refusal gave it up (logged, counted, in the ledger)
+            return ABORTED
+        return ENDED
 
     async def _send_event(self, producer: AsyncProducer, open_: dict[str, AsyncTrajectoryHandle], where: str,
                           event: dict, pacer: Pacer) -> str | None:
@@ -155,6 +169,10 @@ class ReplaySource:
         tid = event["trajectory_id"]
         traj = open_.get(tid)
         kind = event["type"]
+        if traj is None and tid in self.given_up:  # the rest of an attempt a refusal gave up
+            if kind != "turn":
+                self.given_up.discard(tid)
+            return None
         if traj is None:
             if kind != "turn":
                 raise ReplayError(f"{where}: {kind} for trajectory {tid!r}, which has no open turn before it")
@@ -166,19 +184,26 @@ class ReplaySource:
                                            **{name: event.get(name) for name in _IDENTITY})
             except (TypeError, ValueError) as exc:
                 raise ReplayError(f"{where}: cannot open trajectory {tid!r}: {exc}") from None
+            traj.halts = True
             open_[tid] = traj
-        if kind == "turn":
-            if event.get("turn", traj.next_turn) != traj.next_turn:
-                raise ReplayError(f"{where}: turn of {tid!r} must be {traj.next_turn} (line order), got {event['turn']}")
-            try:
-                turn = turn_of(event, producer.vocab_size)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ReplayError(f"{where}: turn {traj.next_turn} of {tid!r} is not a valid turn: {exc!r}") from None
-            retrieve(await traj.send(turn, metadata=None if traj.next_turn == 0 else event.get("metadata")))
-            return None
-        del open_[tid]
-        if kind == "end":
-            retrieve(await traj.end(event.get("reward", self.settings.default_reward), event.get("metadata")))
-            return ENDED
-        retrieve(await traj.abort(event.get("reason", "")))
-        return ABORTED
+        try:
+            if kind == "turn":
+                if event.get("turn", traj.next_turn) != traj.next_turn:
+                    raise ReplayError(f"{where}: turn of {tid!r} must be {traj.next_turn} (line order), "
+                                      f"got {event['turn']}")
+                try:
+                    turn = turn_of(event, producer.vocab_size)
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise ReplayError(f"{where}: turn {traj.next_turn} of {tid!r} is not a valid turn: {exc!r}") from None
+                retrieve(await traj.send(turn, metadata=None if traj.next_turn == 0 else event.get("metadata")))
+                return None
+            del open_[tid]
+            if kind == "end":
+                retrieve(await traj.end(event.get("reward", self.settings.default_reward), event.get("metadata")))
+                return ENDED
+            retrieve(await traj.abort(event.get("reason", "")))
+            return ABORTED
+        except Halted:  # a refusal gave the trajectory up (logged, counted, in the ledger)
+            if open_.pop(tid, None) is not None:  # its attempt's later events are skipped
+                self.given_up.add(tid)
+            return ABORTED

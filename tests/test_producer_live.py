@@ -782,6 +782,47 @@ def test_the_replay_daemon_streams_jsonl_and_miles_payloads(tmp_path):
     ])
 
 
+@pytest.mark.slow
+def test_a_recorded_trajectory_the_broker_refuses_is_given_up_and_the_replay_goes_on(tmp_path):
+    """The broker's vocabulary is smaller than the producer's: a recorded
+    turn with an id past it is refused. That trajectory (a line recording's,
+    then a payload's) is given up, aborted and in the ledger; the rest of
+    its recorded attempt is skipped, its retry after the recorded abort is
+    sent, and the replay goes on to the others."""
+    recordings = tmp_path / "recorded"
+    recordings.mkdir()
+    events = [
+        {"type": "turn", "trajectory_id": "bad", "prompt_tokens": [1], "tokens": [5000], "log_probs": [-0.5],
+         "supports": [[5000]]},
+        {"type": "turn", "trajectory_id": "bad", "tokens": [7], "log_probs": [-0.5], "supports": [[7]]},
+        {"type": "abort", "trajectory_id": "bad", "reason": "retry"},
+        {"type": "turn", "trajectory_id": "bad", "prompt_tokens": [1], "tokens": [8], "log_probs": [-0.5],
+         "supports": [[8, 9]]},
+        {"type": "end", "trajectory_id": "bad", "reward": 1.0},
+        {"type": "turn", "trajectory_id": "good", "prompt_tokens": [2], "tokens": [10], "log_probs": [-0.5],
+         "supports": [[10]]},
+        {"type": "end", "trajectory_id": "good", "reward": 2.0},
+    ]
+    (recordings / "a.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+    sample = {"tokens": np.array([7, 8, 5001], np.int64), "response_length": 1, "loss_mask": np.ones(1, np.uint8),
+              "rollout_log_probs": np.array([-0.75]), "rollout_sampling_mask": SamplingMask.from_supports([[5001]]),
+              "status": "completed", "weight_versions": [], "metadata": {}}
+    payload = encode_session_samples([sample], {"trajectory_id": "bad-payload", "reward": 3.0}, fields=FIELDS_WITH_MASK)
+    (recordings / "b.safetensors").write_bytes(payload)
+    ledger = tmp_path / "ledger.jsonl"
+    with Broker(tmp_path, "--vocab-size", "1000") as broker:
+        err = finish(daemon(broker, "--source", "replay", "--replay-path", str(recordings), "--ledger", str(ledger)))
+        got, _ = drain(broker, 2)
+        status = broker.status()
+    assert set(got) == {"bad", "good"} and "Traceback" not in err
+    assert got["bad"].tokens.tolist() == [8] and got["bad"].reward == 1.0  # the retry, not the refused attempt
+    assert got["good"].tokens.tolist() == [10]
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    given_up = {(r["id"], r["reason"]) for r in records if r["kind"] == "given_up"}
+    assert given_up == {("bad", "turn 0 refused: out_of_vocab"), ("bad-payload", "turn 0 refused: out_of_vocab")}
+    assert status["open"] == 0
+
+
 def test_a_recorded_turn_says_renormalised_with_true_or_false_and_is_held_to_it():
     event = {"tokens": [61], "log_probs": [-0.5], "supports": [[60, 61]], "mask_log_probs": [-1.0, -0.5]}
     assert not turn_of(event, None).mask_log_probs_normalized
