@@ -216,9 +216,14 @@ def _truthy(flag) -> bool:
 def _sglang_mask(supports, key: str) -> SamplingMask:
     """The mask per-support log-probs (meta_info's `key`) are aligned with."""
     if supports is None:
-        raise LocalProtocolError("mask_invalid", f"rule 'per-support log-probs come with their supports' not met: "
-                                                 f"meta_info.{key} holds lists but there is no {SUPPORTS_KEY}")
+        raise _unpaired_log_probs(f"meta_info.{key} holds lists but there is no {SUPPORTS_KEY}")
     return SamplingMask.from_supports(supports)
+
+
+def _unpaired_log_probs(got: str) -> LocalProtocolError:
+    """The refusal of an engine reply whose per-support log-probs come
+    without the supports they are aligned with (`got`: what it holds)."""
+    return LocalProtocolError("mask_invalid", f"rule 'per-support log-probs come with their supports' not met: {got}")
 
 
 def _support_log_probs(tokens: np.ndarray, mask: SamplingMask, rows, key: str, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -400,8 +405,7 @@ def turn_from_vllm(
     mask_log_probs = sampled = None
     if rows is not None:
         if mask is None:
-            raise LocalProtocolError("mask_invalid", f"rule 'per-support log-probs come with their supports' not met: "
-                                                     f"the output holds {VLLM_SUPPORT_LOG_PROBS_KEY} but no sampling_mask")
+            raise _unpaired_log_probs(f"the output holds {VLLM_SUPPORT_LOG_PROBS_KEY} but no sampling_mask")
         tokens = as_int_array(ids, TOKEN_DTYPE, "token_ids")
         mask_log_probs, sampled = _support_log_probs(tokens, mask, rows, VLLM_SUPPORT_LOG_PROBS_KEY, "")
     log_probs = sampled if sampled is not None and logprobs is None else _vllm_log_probs(logprobs, ids)
