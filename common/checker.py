@@ -308,6 +308,9 @@ class Report:
     corrupted: list[str] = field(default_factory=list)  # delivered bytes differ from what was acked
     unseen: list[str] = field(default_factory=list)  # acked, still neither delivered nor dead-lettered
     dead_lettered: Counter = field(default_factory=Counter)  # acked trajectories dead-lettered, by reason
+    # Trajectories their producer gave up, by its reason: a refusal of one of their frames ("turn 2 refused:
+    # out_of_vocab"), a support overflow, or `ON_RESTART_ABORT`. Shown, not failed: the producer chose.
+    given_up: Counter = field(default_factory=Counter)
     redelivered: int = 0  # hand-outs to the trainer beyond the committed one (a consumer died before committing)
     unacked_committed: int = 0  # committed with no ack recorded (a producer killed before it read the ack)
     replayed: int = 0  # commits by abandoned lineages of trajectories the surviving one trained again
@@ -338,7 +341,7 @@ class Report:
 
     def summary(self) -> dict[str, Any]:
         return {"acked": self.acked, "committed": self.committed, **self.counts(),
-                "dead_lettered": dict(self.dead_lettered), "redelivered": self.redelivered,
+                "dead_lettered": dict(self.dead_lettered), "given_up": dict(self.given_up), "redelivered": self.redelivered,
                 "unacked_committed": self.unacked_committed, **self.lineage(), **self.prompt_figures()}
 
     def prompt_figures(self) -> dict[str, int]:
@@ -364,6 +367,8 @@ BACKLOG_KEYS = ("queued", "leased", "scoring", "awaiting_group")
 # `reward_expired`, `unreadable`, ...) are failures and do not excuse a prompt.
 # A reason is matched by its part before any `:` (`filtered:zero_variance`).
 CHOSEN_DEAD_REASONS = frozenset({"filtered", "stale", "abandoned"})
+# The reason `Report.given_up` counts a trajectory under that a restarted producer aborted (`on_restart = abort`).
+ON_RESTART_ABORT = "on_restart abort"
 
 
 def broker_backlog(status: Mapping[str, Any]) -> int:
@@ -388,7 +393,7 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
     issued: dict[str, dict[int, set[str]]] = {str(key): {} for key in prompts or ()}
     # Trajectories their producer chose to give up: at a restart (`taken_up` with action abort) or for a reason its
     # source names (`given_up`, a support overflow)
-    given_up: set[str] = set()
+    given_up: dict[str, str] = {}  # by id, the reason
     for record in records:
         kind = record.get("kind")
         if kind == "resumed":
@@ -407,10 +412,12 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
             committed.setdefault(tid, []).append(record)
         elif kind == "issued":
             issued.setdefault(str(record["prompt"]), {}).setdefault(record["sample"], set()).add(tid)
-        elif kind == "given_up" or kind == "taken_up" and record.get("action") == "abort":
-            given_up.add(tid)
+        elif kind == "given_up":
+            given_up[tid] = str(record.get("reason") or "unknown")
+        elif kind == "taken_up" and record.get("action") == "abort":
+            given_up[tid] = ON_RESTART_ABORT
     dead = {item["trajectory_id"]: item.get("reason") or "unknown" for item in dead_letters}
-    report = Report(acked=len(acked), committed=len(committed))
+    report = Report(acked=len(acked), committed=len(committed), given_up=Counter(given_up.values()))
     trained = _surviving(committed, resumes, report)
     for tid in sorted(acked):
         deliveries = committed.get(tid)
@@ -440,7 +447,7 @@ def check(records: Iterable[Mapping[str, Any]], dead_letters: Iterable[Mapping[s
 
 
 def _judge_prompts(issued: Mapping[str, Mapping[int, set[str]]], trained: Counter, dead: Mapping[str, str],
-                   given_up: set[str], broker_backlog: int, report: Report) -> None:
+                   given_up: Mapping[str, str], broker_backlog: int, report: Report) -> None:
     """Set the report's prompt figures from the ids issued per prompt and
     sample, with `trained` as `check` counts it (the surviving lineage). A
     trajectory a restarted producer gave up (`on_restart = abort`) was

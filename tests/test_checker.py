@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from rollstream.common.checker import (
     CHOSEN_DEAD_REASONS,
+    ON_RESTART_ABORT,
     ContentDigest,
     Ledger,
     LedgerReader,
@@ -302,7 +303,7 @@ def test_client_ledgers_over_a_live_broker_check_clean(tmp_path):
     finally:
         broker.__exit__(None, None, None)
     assert report.summary() == {"acked": 6, "committed": 6, "lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0,
-                                "unseen": 0, "dead_lettered": {}, "redelivered": 0, "unacked_committed": 0,
+                                "unseen": 0, "dead_lettered": {}, "given_up": {}, "redelivered": 0, "unacked_committed": 0,
                                 "lineage_lost": 0, "lineage_duplicated": 0, "replayed": 0, "resumed_from_step": None,
                                 "replayed_batches_identical": None, "prompts": 0, "prompts_skipped": 0,
                                 "prompts_duplicated": 0, "prompts_unseen": 0}
@@ -386,6 +387,24 @@ def test_a_prompt_a_restarted_producer_gave_up_by_its_on_restart_is_not_skipped(
     report = prompt_run(tmp_path, issued, given_up=("1a", "2a", "3a"),
                         taken_up=[("1a", "abort"), ("2a", "continue"), ("3a", "restart")])
     assert report.prompts_skipped == ["2", "3"]
+
+
+def test_trajectories_given_up_are_counted_by_reason_beside_a_clean_verdict(tmp_path):
+    """A producer's give-ups (a refusal, a support overflow, `on_restart =
+    abort`) are its choices: the report shows them by reason, and they fail
+    nothing."""
+    records_ = ledger_records(
+        tmp_path,
+        given_up=[{"id": "a", "reason": "turn 0 refused: out_of_vocab", "producer": "p0"},
+                  {"id": "b", "reason": "turn 2 refused: out_of_vocab", "producer": "p0"},
+                  {"id": "c", "reason": "turn 1 refused: out_of_vocab", "producer": "p0"},
+                  {"id": "d", "reason": "support_overflow", "producer": "p0"}],
+        taken_up=[{"id": "e", "action": "abort", "producer": "p0"}, {"id": "f", "action": "continue", "producer": "p0"}],
+    )
+    report = check(records_)
+    assert report.given_up == {"turn 0 refused: out_of_vocab": 1, "turn 2 refused: out_of_vocab": 1,
+                               "turn 1 refused: out_of_vocab": 1, "support_overflow": 1, ON_RESTART_ABORT: 1}
+    assert report.summary()["given_up"] == dict(report.given_up) and report.ok()
 
 
 def test_the_chosen_dead_reasons_are_the_runs_own():

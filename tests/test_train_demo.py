@@ -36,8 +36,8 @@ PASSING = {
     "full_diff_min_where_truncated": 3.83, "staleness_mean": 0.583, "staleness_max": 1, "token_staleness_mean": 0.583,
     "token_staleness_max": 1, "skipped_trajectories": 0, "replay_worst": {"diff": 9.5e-07, "version": "step-0", "step": 1},
     "acked": 13, "committed": 12, "lost": 0, "duplicated": 0, "partial": 0, "corrupted": 0, "unseen": 1,
-    "dead_lettered": {}, "redelivered": 0, "unacked_committed": 0, "lineage_lost": 0, "lineage_duplicated": 0,
-    "replayed": 0, "resumed_from_step": None, "replayed_batches_identical": None, "left_at_broker": 1,
+    "dead_lettered": {}, "given_up": {}, "redelivered": 0, "unacked_committed": 0, "lineage_lost": 0,
+    "lineage_duplicated": 0, "replayed": 0, "resumed_from_step": None, "replayed_batches_identical": None, "left_at_broker": 1,
     "max_staleness": None, "group_filter": None, "stale_dropped": 0, "filtered": 0, "abandoned": 0,
     "discarded_share": 0.0, "starved": None, "seconds": 3.3, "failed": [], "ok": True,
 }
