@@ -670,8 +670,9 @@ def test_sigterm_stops_cleanly_leaving_nothing_open(tmp_path):
     trajectory at the broker."""
     spool = tmp_path / "spool"
     with Broker(tmp_path) as broker:
+        # A shutdown allowed to wait as long as a busy machine may need: the test is of a clean stop, not of its timeout.
         process = daemon(broker, "--trajectories", "0", "--rate", "40", "--turns", "4", "--vocab-size", "5000",
-                         "--spool-dir", str(spool), "--producer-id", "p-term")
+                         "--spool-dir", str(spool), "--producer-id", "p-term", "--shutdown-timeout", str(PATIENCE / 2))
         wait_for_line(process.stderr, "producer daemon running")
         wait_for(lambda: broker.status()["queued"] >= 3, PATIENCE, "three trajectories ready at the broker")
         process.send_signal(signal.SIGTERM)
