@@ -556,14 +556,23 @@ def _plain_header(schema: Schema, frame) -> tuple[MessageSpec, dict, list, int |
         value = getattr(header, name)
         if value is not unset:
             fields[name] = value
+    if not _raw_fields_read(fields, raw):
+        return None
+    crc = header.crc32
+    return spec, fields, header.arrays, None if crc is unset else crc, header.packed
+
+
+def _raw_fields_read(fields: dict, raw: Mapping[str, Any]) -> bool:
+    """Each field of `fields` msgspec kept raw (`raw`: their kinds) read in
+    place as the checked way reads it; False when one is unreadable or not
+    of its kind (the checked way then refuses it, naming the rule)."""
     for name, kind in raw.items():
         if name in fields:
             value = _raw_value(fields[name])
             if value is _UNREADABLE or not kind.accepts(value):
-                return None
+                return False
             fields[name] = value
-    crc = header.crc32
-    return spec, fields, header.arrays, None if crc is unset else crc, header.packed
+    return True
 
 
 _UNREADABLE = object()
@@ -796,7 +805,8 @@ def _packed_layout(spec: MessageSpec, key: tuple) -> tuple[tuple, frozenset] | N
 
 def _decoded_packed(frames: Sequence, schema: Schema, max_message_bytes: int) -> tuple[MessageSpec, Message] | None:
     """The common message and its spec, decoded with the fewest steps: a
-    header msgspec checks whole (no field it reads raw is set), its arrays
+    header msgspec checks (the fields it keeps raw, a delivery's metadata
+    say, read as the checked way reads them), its arrays
     packed in one frame in a layout seen before (`_packed_layout`), its
     size and CRC right. None for anything else, which `decode` then decodes
     the checked way, refusing it naming the rule: both accept the same
@@ -812,9 +822,6 @@ def _decoded_packed(frames: Sequence, schema: Schema, max_message_bytes: int) ->
     header_type = type(header)
     spec, names, raw = schema.fast_specs[header_type]
     unset = msgspec.UNSET
-    for name in raw:
-        if getattr(header, name) is not unset:
-            return None
     key = (header_type, tuple(map(_NAME_AND_DTYPE, entries)))
     try:
         layout = _PACKED_LAYOUTS[key]
@@ -825,6 +832,8 @@ def _decoded_packed(frames: Sequence, schema: Schema, max_message_bytes: int) ->
     decoding, array_names = layout
     values = msgspec.structs.astuple(header)  # v first, then the fields in `names`' order, then the arrays' envelope
     fields = {name: value for name, value in zip(names, values[1:]) if value is not unset}
+    if raw and not _raw_fields_read(fields, raw):
+        return None
     for rule in spec.rules:
         if rule(fields, array_names):
             return None

@@ -1074,11 +1074,19 @@ plain_headers = st.sampled_from([
 
 @st.composite
 def edited_messages(draw):
-    """A real message (a turn with its arrays, or a header-only one), its
-    header then edited: keys set to values of any kind, removed, or added."""
-    if draw(st.booleans()):
+    """A real message (a turn with its arrays, a delivery packed with its
+    metadata and reward, or a header-only one), its header then edited:
+    keys set to values of any kind, removed, or added."""
+    kind = draw(st.sampled_from(["turn", "deliver", "header"]))
+    if kind == "turn":
         frames, _ = draw(encoded_turns())
         schema = PRODUCER_TO_BROKER
+    elif kind == "deliver":
+        specs, _, _, _ = draw(trajectories())
+        traj = merge(specs)
+        traj.reward, traj.metadata = draw(st.sampled_from([1.0, {"score": 2}])), draw(metadata_st)
+        frames = [bytes(f) for f in encode_deliver(traj, "e-1", may_pack=True)]
+        schema = BROKER_TO_CONSUMER
     else:
         schema, header = draw(plain_headers)
         frames = [msgpack.packb(header, use_bin_type=True)]
