@@ -695,3 +695,22 @@ def test_a_batch_body_may_carry_a_crc_and_decoding_checks_it():
     frames = _batch_with(crc32=zlib.crc32(bytes(_batch_with()[1])))
     assert decode(frames, PRODUCER_TO_BROKER).type == "batch"
     assert code_of(_batch_with(crc32=1)).code == "crc_mismatch"
+
+
+def test_the_common_packed_messages_take_the_fast_decoder_raw_fields_and_all():
+    """A delivery always carries its metadata and reward, fields msgspec
+    keeps raw, and a first turn may carry metadata: the fast decoder reads
+    them (a message it gives up on costs a second header decode and the
+    checked path; every delivery did, unnoticed, until this held)."""
+    from rollstream.common import codec
+
+    traj = Trajectory("t", [1, 2])
+    traj.append_turn(Turn.build([10, 11], [-0.1, -0.2], supports=[[10, 4], [11]]))
+    traj.reward, traj.metadata = {"score": 1.0}, {"env": "math", "tags": ["a"]}
+    deliver = encode_deliver(traj, "e-1", may_pack=True)
+    turn = encode_turn("t", 0, Turn.build([10], [-0.1], supports=[[10]]), seq=3, prompt_tokens=np.array([1, 2], "<i4"),
+                       metadata={"env": "math"}, crc=True, may_pack=True)
+    for frames, schema, metadata in ((deliver, BROKER_TO_CONSUMER, traj.metadata), (turn, PRODUCER_TO_BROKER, {"env": "math"})):
+        decoded = codec._decoded_packed(frames, schema, 1 << 30)
+        assert decoded is not None, schema.name
+        assert decoded[1].fields["metadata"] == metadata and decoded[1].fields == decode(frames, schema).fields
