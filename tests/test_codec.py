@@ -701,7 +701,7 @@ def test_the_common_packed_messages_take_the_fast_decoder_raw_fields_and_all():
     """A delivery always carries its metadata and reward, fields msgspec
     keeps raw, and a first turn may carry metadata: the fast decoder reads
     them (a message it gives up on costs a second header decode and the
-    checked path; every delivery did, unnoticed, until this held)."""
+    checked path, and nothing else would show it)."""
     from rollstream.common import codec
 
     traj = Trajectory("t", [1, 2])
