@@ -310,6 +310,7 @@ class Setting:
             if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
                 return "writable file", f"{value!r}, whose folder {str(folder)!r} is {_what_is(folder, 'not writable')}"
             return None
+        assert self.kind == PATH, self.kind  # the last of PATH_KINDS
         return ("not a directory", f"{value!r}, a directory") if Path(value).is_dir() else None
 
 
