@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import resource
-from collections import deque
 from typing import Callable
 
 import zmq
@@ -129,72 +128,45 @@ def _parts_after(sock: zmq.Socket, frame: zmq.Frame | None, flags: int, frames: 
 
 
 def send_frames(sock: zmq.Socket, frames: list, *, identity: bytes | None = None,
-                zero_copy_above: int | None = None, track_last: bool = False) -> zmq.MessageTracker | None:
+                zero_copy_above: int | None = None) -> None:
     """Send one message without blocking, part by part through the compiled
     send, cheaper per part than `send_multipart` (docs/performance.md). Parts are copied
     into ZeroMQ, except those larger than `zero_copy_above` bytes, which are
     handed over by reference (the caller keeps them unchanged until sent).
-    With `track_last`, the last part goes by reference whatever its size,
-    and the tracker returned says when ZeroMQ is done with it (its buffer
-    may then be written again). Raises `zmq.Again` when the queue is full
-    (only ever at the first part: a message goes whole or not at all) and
-    `zmq.ZMQError` otherwise."""
+    Raises `zmq.Again` when the queue is full (only ever at the first part:
+    a message goes whole or not at all) and `zmq.ZMQError` otherwise."""
     if identity is not None:
         _send_part(sock, identity, _SEND_MORE)
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         flags = _SEND_MORE if i < last else zmq.NOBLOCK
-        if track_last and i == last:
-            return _send_part(sock, frame, flags, copy=False, track=True)
         if zero_copy_above is None or len(frame) <= zero_copy_above:
             _send_part(sock, frame, flags)
         else:
             _send_part(sock, frame, flags, copy=False)
-    return None
 
 
-class SendBuffers:
-    """Buffers a message's last frame is written into and then sent from by
-    reference (`send_frames(track_last=True)`), each written again only once
-    ZeroMQ is done with it. A fresh buffer of a few MB per message is a fresh
-    `mmap` whose pages fault in every time (docs/performance.md); these keep
-    theirs. At most `keep` idle buffers are kept; sizes round up to
-    `GRANULE` so one serves the next message of about its size."""
+class SendBuffer:
+    """The buffer a producer writes each batch's body into before ZeroMQ
+    copies it out (`send_frames` without `zero_copy_above`), so it is written
+    again for the next batch at once. A fresh body of up to a MiB per batch
+    is a fresh `mmap` whose pages fault in every time; this one keeps its
+    pages. Handing the body over by reference instead costs a wake-up of
+    pyzmq's collector thread per batch, more than the copy
+    (docs/performance.md). It grows in steps of `GRANULE` to the largest
+    body asked for."""
 
     GRANULE = 1 << 20
 
-    def __init__(self, keep: int = 4):
-        self.keep = keep
-        self._idle: list[bytearray] = []
-        self._sending: deque[tuple[bytearray, zmq.MessageTracker]] = deque()
-        self._lent: bytearray | None = None  # taken, not yet sent
+    def __init__(self):
+        self._buffer = bytearray()
 
     def take(self, size: int) -> memoryview:
-        """A writable view of `size` bytes, of an idle buffer if one fits."""
-        while self._sending and self._sending[0][1].done:
-            self._idle.append(self._sending.popleft()[0])
-        fitting = [buffer for buffer in self._idle if len(buffer) >= size]
-        if fitting:
-            buffer = min(fitting, key=len)
-            self._idle.remove(buffer)
-        else:
-            buffer = bytearray(-(-max(size, 1) // self.GRANULE) * self.GRANULE)
-        del self._idle[self.keep:]
-        self._lent = buffer
-        return memoryview(buffer)[:size]
+        """A writable view of `size` bytes at the buffer's start."""
+        if len(self._buffer) < size:
+            self._buffer = bytearray(-(-size // self.GRANULE) * self.GRANULE)
+        return memoryview(self._buffer)[:size]
 
     def holds(self, frame) -> bool:
-        """Whether `frame` is a view of the buffer taken last (not yet sent)."""
-        return self._lent is not None and type(frame) is memoryview and frame.obj is self._lent
-
-    def sending(self, tracker: zmq.MessageTracker) -> None:
-        """The buffer taken last went out by reference: idle again once `tracker` is done."""
-        assert self._lent is not None  # only after a `take`
-        self._sending.append((self._lent, tracker))
-        self._lent = None
-
-    def unsent(self) -> None:
-        """The buffer taken last was not sent: idle again now."""
-        assert self._lent is not None  # only after a `take`
-        self._idle.append(self._lent)
-        self._lent = None
+        """Whether `frame` is a view of this buffer (to be sent by copy)."""
+        return type(frame) is memoryview and frame.obj is self._buffer

@@ -50,7 +50,7 @@ from rollstream.common.ingest import turn_from_sglang
 from rollstream.common.jobs import DEFAULT_JOB
 from rollstream.common.mask import SamplingMask, as_int_array, owned
 from rollstream.common.messages import BROKER_TO_PRODUCER, PRODUCER_TO_BROKER
-from rollstream.common.sockets import SendBuffers, recv_parts, send_frames, tune
+from rollstream.common.sockets import SendBuffer, recv_parts, send_frames, tune
 from rollstream.common.trajectory import TOKEN_DTYPE, Turn
 from rollstream.common.validation import check_message_arrays
 from rollstream.common.wire import encode_turn
@@ -272,7 +272,7 @@ class AsyncProducer:
         self.send_burst = send_burst
         self.pack_arrays = pack_arrays
         self.metrics = ProducerMetrics()
-        self._send_buffers = SendBuffers()  # batches' bodies, used again once sent
+        self._send_buffer = SendBuffer()  # every batch's body, written again for the next
         self._session = ProducerSession(  # checks the settings before any file is opened
             producer_id, endpoint, metrics=self.metrics, now=Clock.monotonic(), window=window,
             reply_timeout=reply_timeout, retry_delay=retry_delay, heartbeat_interval=heartbeat_interval,
@@ -558,20 +558,16 @@ class AsyncProducer:
 
     def _send_now(self, frames: list) -> bool:
         """Hand frames to the socket without waiting; False if its queue is
-        full. Large arrays go zero-copy (the session keeps them until settled),
-        and so does a batch's body, from one of `_send_buffers`."""
+        full. Large arrays go zero-copy (the session keeps them until
+        settled); a batch's body is copied out of `_send_buffer`, which the
+        next batch writes again."""
         if self._sock is None:
             raise InternalError("frames are sent only between start and close")
-        pooled = self._send_buffers.holds(frames[-1])
+        batched = self._send_buffer.holds(frames[-1])
         try:
-            tracker = send_frames(self._sock, frames, zero_copy_above=_ZERO_COPY_ABOVE, track_last=pooled)
+            send_frames(self._sock, frames, zero_copy_above=None if batched else _ZERO_COPY_ABOVE)
         except zmq.Again:
-            if pooled:
-                self._send_buffers.unsent()
             return False
-        if pooled:
-            assert tracker is not None  # a tracked send returns its tracker
-            self._send_buffers.sending(tracker)
         return True
 
     def _pump(self, *, look_again: bool = True) -> None:
@@ -581,7 +577,7 @@ class AsyncProducer:
         if self._sock is None:  # closed
             return
         self._intake.fill_window()
-        self._session.transmit(Clock.monotonic(), self._send_now, self._send_buffers.take)
+        self._session.transmit(Clock.monotonic(), self._send_now, self._send_buffer.take)
         if look_again:
             self._read_soon()
 
