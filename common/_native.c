@@ -1,6 +1,8 @@
 /* The support check in one pass, where numpy needs several (spread the
  * tokens over the ids, compare, count hits per support): for each sampled
- * token, whether its support (a row of a CSR mask) holds it.
+ * token, whether its support (a row of a CSR mask) holds it. And a batch
+ * of messages' content rules in one call, one pass over each array, where
+ * numpy joins the batch's arrays and reduces each join.
  *
  * Optional: `common/validation.py` falls back to numpy when this module is
  * not built. Inputs come from peers, so every offset is bounds-checked
@@ -11,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 /* A buffer of `itemsize`-byte items of one of the struct `kinds` (signed
@@ -124,70 +127,185 @@ release_tokens:
     return result;
 }
 
-PyDoc_STRVAR(supports_hold_tokens_doc,
-"supports_hold_tokens(tokens, ids, offsets, bound) -> bool\n\n"
-"For lists of messages' arrays (tokens and ids int32, offsets int64): whether\n"
-"every message's offsets run from 0 to its ids' end, strictly increasing\n"
-"(no support empty), each token lies in its support, and every id is in\n"
-"[0, bound). One pass over each message's ids, none of them joined.");
+/* Whether each of `n` ids, read as unsigned (a negative one as at least
+ * 2**31), is below `bound`. Up to a bound of 2**31 that is two signed
+ * compares an id with no early exit, which compile to vector compares. */
+static int
+ids_below(const int32_t *id, Py_ssize_t n, long long bound)
+{
+    if (bound <= 0)
+        return n == 0;
+    if (bound > (long long)INT32_MAX + 1) {  /* some negative ids are below it too */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if ((long long)(uint32_t)id[i] >= bound)
+                return 0;
+        }
+        return 1;
+    }
+    const int32_t last = (int32_t)(bound - 1);
+    int outside = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        outside |= (id[i] < 0) | (id[i] > last);
+    return !outside;
+}
+
+static int
+buffer_ids_below(const Py_buffer *ids, long long bound)
+{
+    return ids_below((const int32_t *)ids->buf, ids->shape[0], bound);
+}
+
+/* Whether a message's CSR supports frame its ids and hold its tokens: the
+ * offsets run from 0 to the ids' end, strictly increasing (no support
+ * empty), each token lies in its support, and every id is in [0, bound). */
+static int
+supports_hold(const Py_buffer *tokens, const Py_buffer *ids, const Py_buffer *offsets, long long bound)
+{
+    Py_ssize_t n = tokens->shape[0], n_ids = ids->shape[0];
+    const int32_t *token = (const int32_t *)tokens->buf, *id = (const int32_t *)ids->buf;
+    const int64_t *offset = (const int64_t *)offsets->buf;
+    if (offsets->shape[0] != n + 1 || offset[0] != 0 || offset[n] != (int64_t)n_ids)
+        return 0;
+    if (!ids_below(id, n_ids, bound))
+        return 0;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        int64_t start = offset[t], end = offset[t + 1];
+        if (end <= start || end > (int64_t)n_ids)  /* start >= 0: offset[0] is, and each end was checked */
+            return 0;
+        if (!holds_token(id, start, end, n_ids, token[t]))
+            return 0;
+    }
+    return 1;
+}
+
+/* Whether every log-prob is at most `tolerance` and above -inf (a NaN is
+ * neither). No early exit: the loop compiles to vector compares. */
+static int
+log_probs_hold(const Py_buffer *values, double tolerance)
+{
+    const float *value = (const float *)values->buf;
+    float most = (float)tolerance;  /* the largest float at most `tolerance`: the same test as in double */
+    if ((double)most > tolerance)
+        most = nextafterf(most, -INFINITY);
+    int held = 1;
+    for (Py_ssize_t i = 0; i < values->shape[0]; i++)
+        held &= (value[i] <= most) & (value[i] > -INFINITY);
+    return held;
+}
+
+/* Whether every loss-mask flag is 0 or 1 (vector compares, as above). */
+static int
+flags_hold(const Py_buffer *flags)
+{
+    const uint8_t *flag = (const uint8_t *)flags->buf;
+    uint8_t high = 0;
+    for (Py_ssize_t i = 0; i < flags->shape[0]; i++)
+        high |= flag[i];
+    return high <= 1;
+}
+
+/* A message's arrays by role, in the order `messages_content_valid` is given their names. */
+enum { TOKENS, LOG_PROBS, LOSS_MASK, FULL_LOG_PROBS, MASK_IDS, MASK_OFFSETS, MASK_LOG_PROBS, PROMPT_TOKENS,
+       FORCED_TOKENS, ROLES };
+static const struct { Py_ssize_t itemsize; const char *kinds; } role_kinds[ROLES] = {
+    {4, "ilq"}, {4, "f"}, {1, "B"}, {4, "f"}, {4, "ilq"}, {8, "ilq"}, {4, "f"}, {4, "ilq"}, {4, "ilq"},
+};
+
+/* The content rules of one message whose arrays are `held` (the others absent). */
+static int
+message_valid(const Py_buffer *view, const int *held, long long bound, double tolerance)
+{
+    Py_ssize_t n = view[TOKENS].shape[0];
+    if ((held[LOG_PROBS] && view[LOG_PROBS].shape[0] != n) || (held[LOSS_MASK] && view[LOSS_MASK].shape[0] != n)
+            || (held[FULL_LOG_PROBS] && view[FULL_LOG_PROBS].shape[0] != n))
+        return 0;
+    if (held[MASK_LOG_PROBS] && (!held[MASK_IDS] || view[MASK_LOG_PROBS].shape[0] != view[MASK_IDS].shape[0]))
+        return 0;
+    if (held[MASK_OFFSETS]) {  /* sampled tokens lie in their supports, so the support ids stand for them */
+        if (!held[MASK_IDS] || !supports_hold(&view[TOKENS], &view[MASK_IDS], &view[MASK_OFFSETS], bound))
+            return 0;
+    } else if (!buffer_ids_below(&view[TOKENS], bound)) {
+        return 0;
+    }
+    if ((held[PROMPT_TOKENS] && !buffer_ids_below(&view[PROMPT_TOKENS], bound))
+            || (held[FORCED_TOKENS] && !buffer_ids_below(&view[FORCED_TOKENS], bound)))
+        return 0;
+    if (held[LOSS_MASK] && !flags_hold(&view[LOSS_MASK]))
+        return 0;
+    return !(held[LOG_PROBS] && !log_probs_hold(&view[LOG_PROBS], tolerance))
+        && !(held[FULL_LOG_PROBS] && !log_probs_hold(&view[FULL_LOG_PROBS], tolerance))
+        && !(held[MASK_LOG_PROBS] && !log_probs_hold(&view[MASK_LOG_PROBS], tolerance));
+}
+
+PyDoc_STRVAR(messages_content_valid_doc,
+"messages_content_valid(batch, names, bound, tolerance) -> bool\n\n"
+"Whether every message of `batch` (a list of dicts of arrays) keeps the\n"
+"content rules: its per-token arrays as long as its tokens, its supports\n"
+"framing their ids and holding its tokens, every id in [0, bound), loss-mask\n"
+"flags 0 or 1, log-probs at most `tolerance` and above -inf. `names` are\n"
+"the dict keys of tokens, log_probs, loss_mask, full_log_probs, mask_ids,\n"
+"mask_offsets, mask_log_probs, prompt_tokens and forced_tokens, in that\n"
+"order; a key absent (or None) is an array the message does not carry.\n"
+"One pass over each array, none joined. An array not of its contract's\n"
+"dtype raises ValueError naming it (numpy's check takes those).");
 
 static PyObject *
-supports_hold_tokens(PyObject *self, PyObject *args)
+messages_content_valid(PyObject *self, PyObject *args)
 {
-    PyObject *tokens_list, *ids_list, *offsets_list;
+    PyObject *batch, *names;
     long long bound;
+    double tolerance;
 
-    if (!PyArg_ParseTuple(args, "O!O!O!L:supports_hold_tokens", &PyList_Type, &tokens_list, &PyList_Type, &ids_list,
-                          &PyList_Type, &offsets_list, &bound))
+    if (!PyArg_ParseTuple(args, "O!O!Ld:messages_content_valid", &PyList_Type, &batch, &PyTuple_Type, &names, &bound,
+                          &tolerance))
         return NULL;
-    Py_ssize_t count = PyList_GET_SIZE(tokens_list);
-    if (PyList_GET_SIZE(ids_list) != count || PyList_GET_SIZE(offsets_list) != count) {
-        PyErr_Format(PyExc_ValueError, "rule 'one tokens, ids and offsets array per message' not met: got %zd, %zd "
-                     "and %zd", count, PyList_GET_SIZE(ids_list), PyList_GET_SIZE(offsets_list));
+    if (PyTuple_GET_SIZE(names) != ROLES) {
+        PyErr_Format(PyExc_ValueError, "rule 'one name per array role' not met: expected %d names, got %zd", ROLES,
+                     PyTuple_GET_SIZE(names));
         return NULL;
     }
-    int holds = 1;
-    for (Py_ssize_t m = 0; m < count && holds; m++) {
-        Py_buffer tokens, ids, offsets;
-        if (get_vector(PyList_GET_ITEM(tokens_list, m), &tokens, 4, "ilq", 0, "tokens") < 0)
-            return NULL;
-        if (get_vector(PyList_GET_ITEM(ids_list, m), &ids, 4, "ilq", 0, "ids") < 0) {
-            PyBuffer_Release(&tokens);
-            return NULL;
-        }
-        if (get_vector(PyList_GET_ITEM(offsets_list, m), &offsets, 8, "ilq", 0, "offsets") < 0) {
-            PyBuffer_Release(&ids);
-            PyBuffer_Release(&tokens);
+    int valid = 1;
+    for (Py_ssize_t m = 0; m < PyList_GET_SIZE(batch) && valid; m++) {
+        PyObject *arrays = PyList_GET_ITEM(batch, m);
+        if (!PyDict_Check(arrays)) {
+            PyErr_Format(PyExc_ValueError, "rule 'a message's arrays are a dict' not met: got %s",
+                         Py_TYPE(arrays)->tp_name);
             return NULL;
         }
-        Py_ssize_t n = tokens.shape[0], n_ids = ids.shape[0];
-        const int32_t *token = (const int32_t *)tokens.buf, *id = (const int32_t *)ids.buf;
-        const int64_t *offset = (const int64_t *)offsets.buf;
-        if (offsets.shape[0] != n + 1 || offset[0] != 0 || offset[n] != (int64_t)n_ids)
-            holds = 0;
-        uint32_t largest = 0;  /* a negative id reads as at least 2**31 */
-        for (Py_ssize_t i = 0; i < n_ids; i++)
-            largest = (uint32_t)id[i] > largest ? (uint32_t)id[i] : largest;
-        if (n_ids && (unsigned long long)largest >= (unsigned long long)bound)
-            holds = 0;
-        for (Py_ssize_t t = 0; t < n && holds; t++) {
-            int64_t start = offset[t], end = offset[t + 1];
-            if (end <= start || end > (int64_t)n_ids) {  /* start >= 0: offset[0] is, and each end was checked */
-                holds = 0;
-                break;
+        Py_buffer view[ROLES];
+        int held[ROLES] = {0}, failed = 0;
+        for (int r = 0; r < ROLES && !failed; r++) {
+            PyObject *name = PyTuple_GET_ITEM(names, r);
+            PyObject *value = PyDict_GetItemWithError(arrays, name);
+            if (value == NULL && PyErr_Occurred()) {
+                failed = 1;
+            } else if (value == NULL || value == Py_None) {
+                if (r == TOKENS) {
+                    PyErr_Format(PyExc_ValueError, "rule 'every message has tokens' not met: message %zd has none", m);
+                    failed = 1;
+                }
+            } else if (get_vector(value, &view[r], role_kinds[r].itemsize, role_kinds[r].kinds, 0,
+                                  PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : "an array") < 0) {
+                failed = 1;
+            } else {
+                held[r] = 1;
             }
-            holds = holds_token(id, start, end, n_ids, token[t]);
         }
-        PyBuffer_Release(&offsets);
-        PyBuffer_Release(&ids);
-        PyBuffer_Release(&tokens);
+        if (!failed)
+            valid = message_valid(view, held, bound, tolerance);
+        for (int r = 0; r < ROLES; r++) {
+            if (held[r])
+                PyBuffer_Release(&view[r]);
+        }
+        if (failed)
+            return NULL;
     }
-    return PyBool_FromLong(holds);
+    return PyBool_FromLong(valid);
 }
 
 static PyMethodDef methods[] = {
     {"inside_support", inside_support, METH_VARARGS, inside_support_doc},
-    {"supports_hold_tokens", supports_hold_tokens, METH_VARARGS, supports_hold_tokens_doc},
+    {"messages_content_valid", messages_content_valid, METH_VARARGS, messages_content_valid_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1020,28 +1020,41 @@ def _offsets_out_of_range(offsets: np.ndarray, n_ids: int) -> bool:
 _GROUP_IDS = 1 << 17
 
 
+# The arrays `_native.messages_content_valid` reads, by role, in its order.
+_CONTENT_ROLES = ("tokens", "log_probs", "loss_mask", _FULL_LOG_PROBS, "mask_ids", "mask_offsets", _MASK_LOG_PROBS,
+                  "prompt_tokens", "forced_tokens")
+
+
 def messages_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: int | None = None) -> bool:
     """Whether every message of `batch` passes every content rule.
 
-    The messages' arrays are packed end to end, a bounded group of
-    messages at a time (`_GROUP_IDS`), and each group is checked with a fixed handful of
-    whole-array numpy calls, so the per-message cost is a few Python
-    comparisons (the broker runs this on every batch of frames; a group of
-    one is not packed at all). False only says that some message fails;
-    `check_message_arrays` then finds which rule, per message.
+    Compiled (`_native`), one call reads each array of the batch once, in
+    place. Otherwise the messages' arrays are packed end to end, a bounded
+    group of messages at a time (`_GROUP_IDS`), and each group is checked
+    with a fixed handful of whole-array numpy calls, so the per-message cost
+    is a few Python comparisons (the broker runs this on every batch of
+    frames; a group of one is not packed at all). False only says that
+    some message fails; `check_message_arrays` then finds which rule, per
+    message.
     """
+    bound = 2**31 if vocab_size is None else vocab_size  # negative int32 ids read as uint32 are >= 2**31
+    if _native is not None and type(batch) is list:
+        try:
+            return _native.messages_content_valid(batch, _CONTENT_ROLES, bound, LOG_PROB_TOLERANCE)
+        except (ValueError, TypeError, BufferError):  # an array not of its contract's dtype: numpy's way takes it
+            pass
     start, held = 0, 0
     for end, arrays in enumerate(batch, 1):
         ids = arrays.get("mask_ids")
         held += 0 if ids is None else len(ids)
         if held >= _GROUP_IDS or end == len(batch):
-            if not _group_content_valid(batch[start:end], vocab_size):
+            if not _group_content_valid(batch[start:end], bound):
                 return False
             start, held = end, 0
     return True
 
 
-def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: int | None) -> bool:
+def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], bound: int) -> bool:
     tokens, ids, offsets, shifts, sizes, plain = [], [], [], [], [], []
     loss_masks, log_probs, other_ids = [], [], []
     base = 0
@@ -1082,7 +1095,6 @@ def _group_content_valid(batch: Sequence[Mapping[str, np.ndarray]], vocab_size: 
             loss_masks.append(loss_mask)
         if log_prob is not None:
             log_probs.append(log_prob)
-    bound = 2**31 if vocab_size is None else vocab_size  # negative int32 ids read as uint32 are >= 2**31
     # Sampled tokens with a support lie inside it, so the support ids stand for them.
     if tokens and not _supports_valid(tokens, ids, offsets, shifts, sizes, bound):
         return False
@@ -1100,13 +1112,7 @@ def _supports_valid(tokens: list, ids: list, offsets: list, shifts: list[int], s
     """Whether each message's sampled tokens lie in their non-empty supports
     and every support id is below `bound` (messages whose offsets frame their
     ids: `shifts` are where each one's ids start once packed, `sizes` its
-    tokens): one compiled pass over the parts where it is built (arrays of
-    other dtypes refuse it), else numpy's over them packed."""
-    if _native is not None:
-        try:
-            return _native.supports_hold_tokens(tokens, ids, offsets, bound)
-        except ValueError:  # not the contract's dtypes: numpy's way takes them
-            pass
+    tokens), with numpy over them packed."""
     if len(tokens) == 1:
         packed_ids = ids[0]
         if not _tokens_in_supports(tokens[0], packed_ids, offsets[0]):

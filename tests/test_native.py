@@ -1,7 +1,8 @@
-"""The compiled support check (common/_native.c) against the numpy one it
-stands in for: the same answer on every valid mask, nothing read out of range
-on broken offsets, and the arrays it takes checked. Both paths run here: the
-numpy one with the compiled module set aside."""
+"""The compiled checks (common/_native.c) against the numpy ones they
+stand in for: the same answer on every valid mask and on every content rule
+broken, nothing read out of range on broken offsets, and the arrays they
+take checked. Both paths run here: the numpy one with the compiled module
+set aside."""
 import shutil
 
 import numpy as np
@@ -88,7 +89,7 @@ def test_a_read_only_out_is_refused():
 
 
 def _reference_holds(tokens, ids, offsets, bound):
-    """`supports_hold_tokens`' rules, message by message, in plain Python."""
+    """The support rules the compiled content check applies, message by message, in plain Python."""
     for message_tokens, message_ids, message_offsets in zip(tokens, ids, offsets):
         n = len(message_tokens)
         if len(message_offsets) != n + 1 or message_offsets[0] != 0 or message_offsets[-1] != len(message_ids):
@@ -102,10 +103,14 @@ def _reference_holds(tokens, ids, offsets, bound):
     return True
 
 
+def _compiled(batch, bound):
+    return native.messages_content_valid(batch, validation._CONTENT_ROLES, bound, validation.LOG_PROB_TOLERANCE)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(masks(), max_size=4), st.sampled_from([8, 41, 2**31]),
        st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12), st.integers(-3, 60)), max_size=2))
-def test_the_compiled_group_check_answers_as_the_rules_do(messages, bound, edits):
+def test_the_compiled_support_rules_answer_as_the_rules_do(messages, bound, edits):
     """Valid messages, and some with an offset changed (framing, order,
     range), against a plain reference; ids past `bound` or negative fail."""
     tokens, ids, offsets = ([m[k] for m in messages] for k in range(3))
@@ -114,7 +119,46 @@ def test_the_compiled_group_check_answers_as_the_rules_do(messages, bound, edits
         if offsets:
             chosen = offsets[which % len(offsets)]
             chosen[at % len(chosen)] = value
-    assert native.supports_hold_tokens(tokens, ids, offsets, bound) == _reference_holds(tokens, ids, offsets, bound)
+    batch = [{"tokens": t, "mask_ids": i, "mask_offsets": o} for t, i, o in zip(tokens, ids, offsets)]
+    assert _compiled(batch, bound) == _reference_holds(tokens, ids, offsets, bound)
+
+
+@pytest.mark.parametrize("change, holds", [
+    ({}, True),
+    ({"log_probs": np.array([-0.5, -1.0, 0.0009], np.float32)}, True),  # within the rounding tolerance
+    ({"log_probs": np.array([-0.5, -1.0, 0.01], np.float32)}, False),
+    ({"log_probs": np.array([-0.5, np.nan, -1.0], np.float32)}, False),
+    ({"log_probs": np.array([-0.5, -np.inf, -1.0], np.float32)}, False),
+    ({"log_probs": np.array([-0.5, -1.0], np.float32)}, False),  # one short
+    ({"loss_mask": np.array([1, 0, 2], np.uint8)}, False),
+    ({"loss_mask": np.array([1, 0], np.uint8)}, False),
+    ({"full_log_probs": np.array([-1.0, -2.0, -3.0], np.float32)}, True),
+    ({"full_log_probs": np.array([-1.0, -2.0, np.nan], np.float32)}, False),
+    ({"full_log_probs": np.array([-1.0, -2.0], np.float32)}, False),
+    ({"mask_log_probs": np.full(4, -0.5, np.float32)}, True),
+    ({"mask_log_probs": np.array([-0.5, -0.5, 0.5, -0.5], np.float32)}, False),
+    ({"mask_log_probs": np.full(3, -0.5, np.float32)}, False),  # one per support id
+    ({"prompt_tokens": np.array([0, 7], np.int32)}, True),
+    ({"prompt_tokens": np.array([0, 8], np.int32)}, False),  # past the vocabulary
+    ({"forced_tokens": np.array([-1], np.int32)}, False),  # negative
+    ({"forced_tokens": np.array([3], np.int32)}, True),
+    ({"mask_ids": None, "mask_offsets": None, "tokens": np.array([1, 7, 2], np.int32)}, True),  # no supports
+    ({"mask_ids": None, "mask_offsets": None, "tokens": np.array([1, 8, 2], np.int32)}, False),
+    ({"mask_ids": None}, False),  # offsets without ids
+    ({"mask_offsets": np.array([0, 1, 3, 3], np.int64)}, False),  # an empty support
+])
+def test_each_content_rule_is_kept_compiled_as_numpy_keeps_it(change, holds):
+    arrays = {"tokens": np.array([1, 4, 2], np.int32), "mask_ids": np.array([1, 4, 5, 2], np.int32),
+              "mask_offsets": np.array([0, 1, 3, 4], np.int64), "log_probs": np.array([-0.5, -1.0, 0.0], np.float32),
+              "loss_mask": np.ones(3, np.uint8)}
+    arrays.update(change)
+    arrays = {name: value for name, value in arrays.items() if value is not None}
+    assert _compiled([arrays], 8) is holds
+    saved, validation._native = validation._native, None
+    try:
+        assert validation.messages_content_valid([arrays], 8) is holds
+    finally:
+        validation._native = saved
 
 
 @settings(max_examples=200, deadline=None)
@@ -128,9 +172,27 @@ def test_the_content_check_answers_alike_with_and_without_the_compiled_passes(ba
         validation._native = saved
 
 
-def test_parts_of_other_dtypes_are_refused_and_the_content_check_takes_them_with_numpy():
+@pytest.mark.parametrize("ids, bound, holds", [
+    ([0, 7], 8, True), ([0, 8], 8, False), ([-1], 2**31, False), ([2**31 - 1], 2**31, True),
+    ([-1], 2**32, True), ([-1], 2**32 - 1, False),  # read as unsigned: 2**32 - 1
+    ([], 0, True), ([0], 0, False),
+])
+def test_ids_are_read_as_unsigned_against_any_bound(ids, bound, holds):
+    arrays = {"tokens": np.array(ids, np.int32)}
+    assert _compiled([arrays], bound) is holds
+    saved, validation._native = validation._native, None
+    try:
+        assert validation._group_content_valid([arrays], bound) is holds
+    finally:
+        validation._native = saved
+
+
+def test_arrays_of_other_dtypes_are_refused_and_the_content_check_takes_them_with_numpy():
     with pytest.raises(ValueError, match="tokens is a 1-D array of 4-byte"):
-        native.supports_hold_tokens([np.array([1], np.int64)], [np.array([1], np.int32)], [np.array([0, 1], np.int64)], 8)
+        _compiled([{"tokens": np.array([1], np.int64), "mask_ids": np.array([1], np.int32),
+                    "mask_offsets": np.array([0, 1], np.int64)}], 8)
+    with pytest.raises(ValueError, match="every message has tokens"):
+        _compiled([{"mask_ids": np.array([1], np.int32)}], 8)
     arrays = {"tokens": np.array([1, 2], np.int64), "mask_ids": np.array([1, 2], np.int32),
               "mask_offsets": np.array([0, 1, 2], np.int64)}
     assert validation.messages_content_valid([arrays, arrays], 8)
