@@ -374,6 +374,58 @@ def test_a_batch_is_handled_as_its_messages_one_after_another_each_answered_by_i
     assert arrays["mask_ids"] == [10, 4, 11, 12, 13]
 
 
+def test_a_mixed_batch_is_answered_frame_by_frame_as_if_each_came_alone(tmp_path):
+    """One batch of good, duplicate, conflicting, out-of-order, malformed,
+    corrupted and out-of-vocabulary frames over two trajectories: each is
+    answered by its own reply, in order, as docs/protocol.md answers it
+    alone (the refused ones change nothing: what follows them is judged
+    against what was applied), and the trajectory delivered holds exactly
+    the applied turns."""
+    with BrokerProcess(tmp_path, vocab_size=1000) as broker:
+        producer = Peer(broker.producer)
+        welcome, _ = producer.call(frames("hello", producer_id="mixed", batch_frames=True))
+        assert welcome["batch_frames"] is True
+        corrupted = turn(9, "m2", 1, [14], [[14]])
+        corrupted[1] = b"\x0f" + corrupted[1][1:]  # tokens changed after the CRC was taken
+        producer.sock.send_multipart(batch(
+            turn(1, "m1", 0, [10, 11], [[10, 4], [11]], prompt=[1, 2]),
+            packed(turn(2, "m1", 1, [12], [[12]])),
+            packed(turn(3, "m1", 1, [12], [[12]])),  # the same turn again
+            turn(4, "m1", 1, [13], [[13]]),  # turn 1 again, other content
+            turn(5, "m1", 3, [15], [[15]]),  # turn 2 is next
+            [b"\xc1not msgpack"],  # no header to read, not even its seq
+            turn(6, "m2", 0, [5000], [[5000]], prompt=[1]),  # outside vocab 1000
+            turn(7, "m2", 0, [20], [[20, 21]], prompt=[3]),  # turn 0 again: the refused one was never applied
+            turn(8, "m2", 2, [22], [[22]]),  # turn 1 is next
+            corrupted,
+            turn(10, "m1", 2, [16, 17], [[16], [17, 3]]),  # the conflict changed nothing: turn 2 is next
+            frames("end", seq=11, trajectory_id="m1", reward=1.0, turns=3),
+            frames("end", seq=12, trajectory_id="m2", reward=0.5, turns=1)))
+        replies = [producer.recv()[0] for _ in range(13)]
+    expected = [
+        ("ack", 1, True, None), ("ack", 2, True, None), ("ack", 3, True, None), ("nack", 4, None, "conflict"),
+        ("nack", 5, None, "out_of_order"), ("nack", None, None, "malformed"), ("nack", 6, None, "out_of_vocab"),
+        ("ack", 7, True, None), ("nack", 8, None, "out_of_order"), ("nack", 9, None, "crc_mismatch"),
+        ("ack", 10, True, None), ("ack", 11, True, None), ("ack", 12, True, None),
+    ]
+    assert [(r["type"], r.get("seq"), r.get("applied"), r.get("code")) for r in replies] == expected, replies
+    assert replies[2].get("duplicate") is True and "duplicate" not in replies[1]
+    assert replies[4]["expected"] == 2 and replies[8]["expected"] == 1
+    with BrokerProcess(tmp_path, vocab_size=1000) as broker:  # what was applied, read back after a restart
+        delivered = {}
+        consumer = Peer(broker.consumer)
+        consumer.call(frames("hello", consumer_id="mixed-reader"))
+        consumer.sock.send_multipart(frames("credit", n=2, unit="trajectory"))
+        for _ in range(2):
+            header, bufs = consumer.recv()
+            assert header["type"] == "deliver"
+            delivered[header["trajectory_id"]] = unpack(header, bufs)
+    assert delivered["m1"]["prompt_tokens"] == [1, 2] and delivered["m1"]["tokens"] == [10, 11, 12, 16, 17]
+    assert delivered["m1"]["mask_ids"] == [10, 4, 11, 12, 16, 17, 3]
+    assert delivered["m2"]["prompt_tokens"] == [3] and delivered["m2"]["tokens"] == [20]
+    assert delivered["m2"]["mask_ids"] == [20, 21]
+
+
 def test_a_batch_that_cannot_be_read_is_refused_whole_and_applies_nothing(broker):
     producer = Peer(broker.producer)
     producer.call(frames("hello", producer_id="broken-batch"))
