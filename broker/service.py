@@ -336,7 +336,8 @@ class BrokerService:
               checks: dict[int, Future]) -> None:
         """A decoded message into the read under way (its ids keyed by its
         job, `BrokerCore.keyed`): a large turn's content check starts ahead,
-        and a turn's frames go to the writer."""
+        and its frames go to the writer (the store writes smaller ones at
+        the commit, so the core is not asked about those)."""
         message = self.core.keyed(message)
         if message.type == "hello" and self.curve is not None:  # its trajectories are handed back over this key alone
             self.core.connection_key(identity, self.curve.users["producer"].get(identity, "-"))
@@ -345,7 +346,7 @@ class BrokerService:
             if size >= CHECK_AHEAD_FROM_BYTES:
                 checks[len(received) - 1] = self._checker.submit(_content_error, message.arrays, self.settings.vocab_size,
                                                                  message.get("mask_log_probs_normalized", False))
-            if self.core.writes_ahead(message):
+            if size >= self.store.write_ahead_from and self.core.writes_ahead(message):
                 self.store.write_ahead(message)  # on the writer thread while the read is checked and merged
 
     def _check_content(self, received: list[Received], checks: dict[int, Future]) -> None:
