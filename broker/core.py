@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Generator, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Generic, NamedTuple, NewType, TypeVar
+from typing import Any, Generic, NamedTuple, NewType, TypeVar, cast
 
 from rollstream.common.clock import Clock
 from rollstream.common.codec import Message, encode, encode_error
@@ -54,6 +54,7 @@ from .engine import (
     MergeEngine,
     OpenTrajectory,
     Producer,
+    Reply,
     StoredDigests,
     TrainedAt,
 )
@@ -541,14 +542,11 @@ class BrokerCore:
             stored = {key: None if isinstance(value, StoreError) else value for key, value in read.items()}
         answers: list[_Answer] = []
         effects: list = []
-        for identity, message, error in received:
-            try:
-                answer = self._producer_message(identity, message, error, now, stored, unread, effects)
-            except Exception as exc:  # a failure no rule foresaw costs this message alone
-                assert message is not None  # a received error is refused without raising
-                failure = self.failed_inside("producer", identity, exc, message.type, message.frames, now.mono)
-                answer = _Answer(identity, self._refuse("producer", failure, message))
-            answers.append(answer)
+        start = 0
+        while start < len(received):
+            end = self._stretch_end(received, start)
+            answers += self._answer_stretch(received[start:end], now, stored, unread, effects)
+            start = end
         committed = yield from self._commit(effects)
         if committed:
             if self.handed_back:
@@ -582,8 +580,72 @@ class BrokerCore:
                 self.producer_gone(answer.identity)
         self._apply_memory_budget()
 
-    def _producer_message(self, identity: bytes, message: Message | None, error: ProtocolError | None, now: Clock,
-                          stored: StoredDigests, unread: Mapping, effects: list) -> _Answer:
+    def _stretch_end(self, received: list[Received], start: int) -> int:
+        """Where the turn stretch from `start` ends: the messages from `start`
+        up to the one returned are decoded turns of one connection and
+        trajectory, none but the first a turn 0, which the engine then
+        handles together (`MergeEngine.handle_turns`). Only while the disk
+        lets everything in:
+        then whether each may enter does not hang on the turns before it
+        (`disk_lets_in`), and is asked of all of them first."""
+        identity, message, error = received[start]
+        end = start + 1
+        if message is None or error is not None or message.type != "turn" or not self.disk.everything:
+            return end
+        tid = message.fields["trajectory_id"]
+        while end < len(received):
+            identity_next, message_next, error_next = received[end]
+            if (identity_next != identity or message_next is None or error_next is not None
+                    or message_next.type != "turn" or message_next.fields["trajectory_id"] != tid
+                    or message_next.fields["turn"] == 0):
+                break
+            end += 1
+        return end
+
+    def _answer_stretch(self, stretch: list[Received], now: Clock, stored: StoredDigests, unread: Mapping,
+                        effects: list) -> list[_Answer]:
+        """The answers to one message, or to a turn stretch (`_stretch_end`):
+        each is first asked whether it may enter, then those that may go to
+        the engine, together."""
+        answered: list[_Answer | None] = []
+        for identity, message, error in stretch:
+            try:
+                answered.append(self._answered_before_merging(identity, message, error, now, effects))
+            except Exception as exc:  # a failure no rule foresaw costs this message alone
+                answered.append(self._failed_answer(identity, message, exc, now))
+        taken = [i for i, answer in enumerate(answered) if answer is None]
+        if taken:
+            identity = stretch[taken[0]][0]
+            messages = [stretch[i][1] for i in taken]
+            producer = self.producer_ids.get(identity)
+            replies: list[Reply | Exception]
+            if len(messages) > 1:
+                replies = self.engine.handle_turns(messages, now.wall, stored, producer=producer)  # type: ignore[arg-type]
+            else:
+                try:
+                    replies = [self.engine.handle(messages[0], now.wall, stored, producer=producer)]  # type: ignore[arg-type]
+                except Exception as exc:
+                    replies = [exc]
+            for i, message, reply in zip(taken, messages, replies):
+                try:
+                    if isinstance(reply, Exception):
+                        raise reply
+                    answered[i] = self._merged(identity, message, reply, unread, effects)  # type: ignore[arg-type]
+                except Exception as exc:
+                    answered[i] = self._failed_answer(identity, message, exc, now)
+        return cast(list[_Answer], answered)  # every message answered
+
+    def _failed_answer(self, identity: bytes, message: Message | None, exc: Exception, now: Clock) -> _Answer:
+        """The refusal of a message whose handling raised what no rule foresaw."""
+        assert message is not None  # a received error is refused without raising
+        failure = self.failed_inside("producer", identity, exc, message.type, message.frames, now.mono)
+        return _Answer(identity, self._refuse("producer", failure, message))
+
+    def _answered_before_merging(self, identity: bytes, message: Message | None, error: ProtocolError | None,
+                                 now: Clock, effects: list) -> _Answer | None:
+        """The answer to a producer message that the merge engine does not
+        take (a hello, a ping, a question, a refusal), its effects added to
+        the read's; None for one it takes."""
         if error is not None:
             return _Answer(identity, self._refuse("producer", error, message))
         assert message is not None  # one that failed to decode is received with its error
@@ -611,9 +673,12 @@ class BrokerCore:
             if waits:
                 self.metrics.inc(self.metrics.admission_waits)
             return _Answer(identity, self._refuse("producer", error, message, quiet=waits))
-        producer = self.producer_ids.get(identity)
-        reply = self.engine.handle(message, now.wall, stored, producer=producer)
-        if producer is None and reply.effects and isinstance(reply.effects[0], OpenTrajectory):
+        return None
+
+    def _merged(self, identity: bytes, message: Message, reply: Reply, unread: Mapping, effects: list) -> _Answer:
+        """The answer to a message the merge engine handled, its effects
+        added to the read's."""
+        if self.producer_ids.get(identity) is None and reply.effects and isinstance(reply.effects[0], OpenTrajectory):
             self.unnamed.setdefault(identity, deque(maxlen=self.settings.max_in_flight)).append(message["trajectory_id"])
         if reply.error is not None:
             key = (message["trajectory_id"], message.get("turn"))

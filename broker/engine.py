@@ -385,6 +385,7 @@ class MergeEngine:
         # Each job's lineage epoch now (`Freshness.epochs`, shared): a version that names none is of it.
         self.epochs: Mapping[str, int] = {}
         self._effects: list = []  # effects of the call in progress
+        self._continuing: Entry | None = None  # the entry the call in progress appends turns to (`_continued`)
 
     def _drain(self, *first) -> tuple:
         effects, self._effects = (*first, *self._effects), []
@@ -399,6 +400,34 @@ class MergeEngine:
         `stored` holds the digests `stored_digests_needed` named, read from
         the store (None: the read failed, and a resend that needs it is
         refused `unavailable`)."""
+        try:
+            return self._handle(message, wall, stored, producer)
+        finally:
+            if self._continuing is not None:
+                self._continued(wall)
+
+    def handle_turns(self, messages: list[Message], wall: float, stored: StoredDigests = NOTHING_STORED, *,
+                     producer: Producer | None = None) -> list[Reply | Exception]:
+        """`handle` each of consecutive `turn`s of one trajectory, in order,
+        each answered as `handle` answers it alone; the trajectory's indexes
+        (expiry and eviction order, the bytes it holds, its group's clock)
+        are brought up to date once, after the last, instead of per turn. A
+        failure no rule foresaw is given back in its message's place, and
+        the turns after it are handled on."""
+        results: list[Reply | Exception] = []
+        try:
+            for message in messages:
+                try:
+                    results.append(self._handle(message, wall, stored, producer))
+                except Exception as exc:
+                    self._effects.clear()
+                    results.append(exc)
+        finally:
+            if self._continuing is not None:
+                self._continued(wall)
+        return results
+
+    def _handle(self, message: Message, wall: float, stored: StoredDigests, producer: Producer | None) -> Reply:
         kind = message.type
         if kind not in ("turn", "end", "abort", "reward"):
             raise InvalidInput(f"the merge engine takes turn, end, abort and reward messages, got {kind!r}")
@@ -473,11 +502,10 @@ class MergeEngine:
             self._versions(entry, message)
         digest = self._digest_unless_applied(message, index, outcome.applied)
         entry.outcomes.append((digest, outcome.applied, outcome.reason))
-        entry.updated_at = wall
-        self._open.move_to_end(tid)
-        if tid in self._resident_open:
-            self._resident_open.move_to_end(tid)
-        self._grow(entry, traj)  # a gap can also shrink it
+        if self._continuing is not entry:
+            if self._continuing is not None:
+                self._continued(wall)
+            self._continuing = entry  # its indexes follow once the call is done (`_continued`)
         effects: tuple[Effect, ...] = (
             PutTurn(tid, index, digest, outcome.applied, outcome.reason, message if outcome.applied else None, wall),
         )
@@ -485,8 +513,22 @@ class MergeEngine:
             gap = traj.gap
             assert gap is not None  # `append_turn` cut it there
             effects += (MarkGap(tid, gap),)
-        self._touch_group(entry, wall)
         return _ack(message, outcome.applied, reason=outcome.reason), effects
+
+    def _continued(self, wall: float) -> None:
+        """The indexes of the open entry turns were just appended to, as they
+        are after its latest turn: continued at `wall`, last in expiry and
+        eviction order, its bytes counted again (a gap can also shrink them)
+        and its group touched."""
+        entry, self._continuing = self._continuing, None
+        assert entry is not None and entry.trajectory is not None  # set by `_turn` for an open, held entry
+        tid = entry.trajectory_id
+        entry.updated_at = wall
+        self._open.move_to_end(tid)
+        if tid in self._resident_open:
+            self._resident_open.move_to_end(tid)
+        self._grow(entry, entry.trajectory)
+        self._touch_group(entry, wall)
 
     def _start(self, message: Message, wall: float, replaces: bool, producer: Producer | None) -> tuple[dict, tuple]:
         tid = message["trajectory_id"]

@@ -3,6 +3,8 @@ idempotence, merge, group, TTL and dedup rule of docs/protocol.md §3 and
 docs/semantics.md §3-§5."""
 import pytest
 from broker_helpers import abort_msg, end_msg, reward_msg, turn_msg
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollstream.broker.core import BrokerCore
 from rollstream.broker.engine import (
@@ -218,6 +220,23 @@ def test_idle_open_trajectory_expires_to_dead_letters(engine):
     late = ack(engine.handle(turn_msg("t", 1), wall=151))
     assert (late["applied"], late["reason"]) == (False, "expired") and "duplicate" not in late
     assert engine.revive("t", wall=152) == []  # never delivered as if complete
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_each_applied_turn_restarts_its_trajectory_s_idle_clock(engine, together):
+    """Continued at 80, "t" is idle from 80 (trajectory_ttl 100), behind
+    "u", which is expired first although it started after "t"; alike
+    whether its turns come one by one or as a stretch (`handle_turns`)."""
+    engine.handle(turn_msg("t", 0), wall=1)
+    engine.handle(turn_msg("u", 0), wall=50)
+    later = [turn_msg("t", 1), turn_msg("t", 2, (11,))]
+    if together:
+        assert all(reply.fields["applied"] for reply in engine.handle_turns(later, wall=80))
+    else:
+        assert all(engine.handle(message, wall=80).fields["applied"] for message in later)
+    assert engine.expire(wall=160) == [DeadLetter("u", "expired", 160, dedup_until=1160.0)]
+    assert engine.entries["t"].state == "open"
+    assert engine.expire(wall=181) == [DeadLetter("t", "expired", 181, dedup_until=1181.0)]
 
 
 def test_dead_letter_and_revive(engine):
@@ -445,3 +464,46 @@ def test_a_producer_is_handed_back_only_what_it_opened_in_its_job():
     assert [e.trajectory_id for e in engine.open_of(Producer("p1"), DEFAULT_JOB)] == ["a", "f"]
     assert [e.trajectory_id for e in engine.open_of(Producer("p1", "key-1"), DEFAULT_JOB)] == ["b"]
     assert [e.trajectory_id for e in engine.open_of(Producer("p1"), "other")] == ["other\x1fd"]
+
+
+def _engine_state(engine: MergeEngine) -> dict:
+    """What the per-turn index updates leave behind: expiry and eviction
+    order, bytes held, entries' clocks and outcomes, groups' clocks."""
+    return {
+        "open": list(engine._open), "resident_open": list(engine._resident_open),
+        "idle_groups": list(engine._idle_groups), "bytes": engine.bytes_in_memory,
+        "entries": {tid: (e.state, e.updated_at, e.held, e.stored_bytes, e.version, e.outcomes)
+                    for tid, e in engine.entries.items()},
+        "groups": {gid: (g.updated_at, dict(g.members)) for gid, g in engine.groups.items()},
+    }
+
+
+def _reply_summary(reply) -> tuple:
+    return (reply.fields, None if reply.error is None else (reply.error.code, str(reply.error)),
+            [(type(effect).__name__, getattr(effect, "turn", None)) for effect in reply.effects])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 3), st.lists(st.tuples(st.integers(0, 6), st.sampled_from(["same", "other", "aborted"])),
+                                   min_size=1, max_size=8))
+def test_a_turn_stretch_is_answered_and_leaves_the_engine_as_turn_by_turn_handling_does(applied_before, sent):
+    """`handle_turns` against `handle` called per turn on an engine in the
+    same state: the same replies and effects per turn, and the same
+    indexes after the stretch (turns in order, resent, conflicting, out of
+    order, terminal, for a trajectory in a group beside another one)."""
+    def content(index, variant):
+        tokens = (10 + index,) if variant == "same" else (40 + index,)
+        return turn_msg("t", index, tokens, supports=[list(tokens)], group=("g", 2), seq=index,
+                        status="aborted" if variant == "aborted" else "completed")
+
+    engines = [MergeEngine(), MergeEngine()]
+    for engine in engines:
+        engine.handle(turn_msg("other", 0, group=("g", 2)), 5.0)
+        for index in range(applied_before):
+            engine.handle(content(index, "same"), 10.0 + index)
+        engine.handle(turn_msg("other", 1), 20.0)  # "t" is no longer the latest continued
+    messages = [content(index, variant) for index, variant in sent]
+    one_by_one = [engines[0].handle(message, 30.0) for message in messages]
+    together = engines[1].handle_turns(messages, 30.0)
+    assert [_reply_summary(reply) for reply in together] == [_reply_summary(reply) for reply in one_by_one]
+    assert _engine_state(engines[1]) == _engine_state(engines[0])
