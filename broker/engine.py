@@ -568,6 +568,9 @@ class MergeEngine:
 
     def _versions(self, entry: Entry, message: Message) -> None:
         """An applied turn's versions join its entry's oldest step and what sampled it."""
+        fields = message.fields
+        if "weight_version" not in fields and "weight_version_spans" not in fields:
+            return  # sampled by weights it does not name
         versions = [v for v in map(parse_version, turn_versions(message)) if v is not None]
         if versions:
             oldest = min(v.step for v in versions)

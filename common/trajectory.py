@@ -22,6 +22,7 @@ from .contract import (
     CONTEXT_REPLAY_ARRAYS,
     REPLAY_FIELDS,
     STATUSES,
+    SUPPORT_LOG_PROB_ARRAYS,
     TERMINAL_STATUSES,
     TOKEN_LOG_PROB_ARRAYS,
 )
@@ -125,6 +126,10 @@ def _checked_spans(spans, weight_version: str | None, tokens) -> tuple[str, tupl
         raise LocalProtocolError("schema", f"rule 'a turn's weight_version is its first span's' violated: expected "
                                            f"{out[0][0]!r}, got {weight_version!r}")
     return out[0][0], out
+
+
+# The arrays of a turn that carries no replay field but its mask (`Turn.from_arrays`).
+_PLAIN_TURN_ARRAYS = frozenset(ARRAYS).difference(CONTEXT_REPLAY_ARRAYS, TOKEN_LOG_PROB_ARRAYS, SUPPORT_LOG_PROB_ARRAYS)
 
 
 class Turn(NamedTuple):
@@ -274,6 +279,11 @@ class Turn(NamedTuple):
         if "mask_ids" in arrays:
             mask = SamplingMask._wrap(arrays["mask_ids"], arrays["mask_offsets"])
         # Positional, in field order: the broker makes one per frame, and a keyword call matches every name.
+        if arrays.keys() <= _PLAIN_TURN_ARRAYS:  # the common turn: no lookup of the arrays it cannot carry
+            return cls(arrays["tokens"], arrays["log_probs"], arrays["loss_mask"] if "loss_mask" in arrays else None,
+                       mask, arrays["forced_tokens"] if "forced_tokens" in arrays else EMPTY_TOKENS, None, None, None,
+                       None, status, weight_version, None if crcs is None else crcs.get("mask_ids"),
+                       None if weight_version_spans is None else tuple(map(tuple, weight_version_spans)))
         return cls(arrays["tokens"], arrays["log_probs"], arrays.get("loss_mask"), mask,
                    arrays.get("forced_tokens", EMPTY_TOKENS), arrays.get("routed_experts"), arrays.get("indexer_topk"),
                    arrays.get("full_log_probs"), arrays.get("mask_log_probs"), status, weight_version,
