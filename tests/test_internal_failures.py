@@ -33,10 +33,12 @@ class Bug(RuntimeError):
     """What a bug raises: no rule of the protocol names it."""
 
 
-def failing_for(original, tid: str):
-    """`original`, raising `Bug` when handed a message of trajectory `tid`."""
+def failing_for(original, tid: str, turn: int | None = None):
+    """`original` (the engine's `_handle`, which handles each message,
+    alone or in a turn stretch), raising `Bug` when handed a message of
+    trajectory `tid` (its turn `turn` only, when given)."""
     def handle(message, *args, **kwargs):
-        if message.fields.get("trajectory_id") == tid:
+        if message.fields.get("trajectory_id") == tid and turn in (None, message.fields.get("turn")):
             raise Bug(f"injected while handling {tid}")
         return original(message, *args, **kwargs)
     return handle
@@ -75,7 +77,7 @@ def test_the_digest_names_the_frames_and_their_boundaries():
 # -- the broker's core ------------------------------------------------------------------
 def test_a_turn_whose_merge_raises_is_refused_alone_and_the_rest_of_its_batch_is_acked(caplog):
     broker = core()
-    broker.engine.handle = failing_for(broker.engine.handle, "b")
+    broker.engine._handle = failing_for(broker.engine._handle, "b")
     batch = [turn_msg("a", 0, seq=1), turn_msg("b", 0, seq=2), turn_msg("c", 0, seq=3)]
     with caplog.at_level(logging.ERROR, logger="rollstream.broker"):
         _, replies = produce(broker, P, batch, t=0.0)
@@ -91,9 +93,26 @@ def test_a_turn_whose_merge_raises_is_refused_alone_and_the_rest_of_its_batch_is
     assert ack.type == "ack"
 
 
+def test_a_turn_of_a_stretch_whose_merge_raises_is_refused_alone_and_the_stretch_goes_on():
+    """Turns 0-3 of one trajectory in one read go to the engine together
+    (a turn stretch); turn 1 raising costs turn 1 alone: turn 0 is acked,
+    turn 2 is then out of order (turn 1 was never applied) and so is turn 3,
+    and a resent turn 1 is merged."""
+    broker = core()
+    broker.engine._handle = failing_for(broker.engine._handle, "s", turn=1)
+    batch = [turn_msg("s", i, seq=i + 1) for i in range(4)]
+    _, replies = produce(broker, P, batch, t=0.0)
+    assert [(r.type, r["seq"], r.get("code")) for r in replies] == [
+        ("ack", 1, None), ("nack", 2, "internal"), ("nack", 3, "out_of_order"), ("nack", 4, "out_of_order")]
+    assert replies[2]["expected"] == 1 and broker.metrics.totals["internal_errors.producer"] == 1
+    del broker.engine._handle  # the engine's own again
+    _, [ack] = produce(broker, P, [turn_msg("s", 1, seq=5)], t=1.0)
+    assert ack.type == "ack" and ack["applied"] is True
+
+
 def test_a_connection_whose_messages_keep_failing_is_limited_and_others_are_not():
     broker = core()
-    broker.engine.handle = failing_for(broker.engine.handle, "bad")
+    broker.engine._handle = failing_for(broker.engine._handle, "bad")
     allowed = broker.failures.allowed
     for i in range(allowed + 1):
         assert broker.limited("producer", P, float(i)) is None
@@ -226,7 +245,7 @@ def test_a_content_check_that_raises_refuses_that_turn_alone(service, monkeypatc
 
 
 def test_a_limited_producer_connection_is_answered_unread(service, monkeypatch):
-    monkeypatch.setattr(service.core.engine, "handle", failing_for(service.core.engine.handle, "bad"))
+    monkeypatch.setattr(service.core.engine, "_handle", failing_for(service.core.engine._handle, "bad"))
     sock = producer_socket(service)
     allowed = service.core.failures.allowed
     for seq in range(allowed + 1):

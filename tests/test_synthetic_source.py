@@ -79,7 +79,7 @@ def test_a_turn_the_broker_refuses_gives_its_trajectory_up_and_no_later_turn_tak
         gate.set()
     trajectories = 3
     with threaded_broker(tmp_path, vocab_size=1000) as (service, _thread, context):
-        original = service.core.engine.handle
+        original = service.core.engine._handle  # every message's, alone or in a turn stretch
 
         def handle(message, *args, **kwargs):  # on the broker's thread
             if message.type == "turn" and message.get("turn") == 1 and not refused:
@@ -88,7 +88,7 @@ def test_a_turn_the_broker_refuses_gives_its_trajectory_up_and_no_later_turn_tak
                 raise Bug(f"injected while handling turn 1 of {message['trajectory_id']}")
             return original(message, *args, **kwargs)
 
-        service.core.engine.handle = handle
+        service.core.engine._handle = handle
         settings = ProducerSettings(vocab_size=1000, trajectories=trajectories, turns=3, prompt_tokens=6,
                                     response_tokens=6, tool_tokens=2, concurrency=1, seed=7, window=window)
         synthetic = SyntheticSource(settings, "roller")
