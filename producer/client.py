@@ -55,7 +55,7 @@ from rollstream.common.trajectory import TOKEN_DTYPE, Turn
 from rollstream.common.validation import check_message_arrays
 from rollstream.common.wire import encode_turn
 
-from .errors import ProducerClosed, Refused
+from .errors import Halted, ProducerClosed, Refused
 from .metrics import ProducerMetrics
 from .resume import Prefix, Resumable
 from .session import Draft, ProducerSession, TrajectoryDigests
@@ -67,6 +67,14 @@ log = logging.getLogger("rollstream.producer")
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum arithmetic costs more than the call
 _ZERO_COPY_ABOVE = 65536  # bytes: smaller frames are cheaper to copy than to hand over (pyzmq's own threshold)
+
+
+def retrieve(future: asyncio.Future) -> None:
+    """Mark `future`'s exception as seen once it has one, for a frame whose
+    outcome nobody awaits (a refusal is logged and counted by the client,
+    and gives up the trajectory of a handle that halts): asyncio warns of
+    an exception never retrieved."""
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _reward(value: Any) -> Any:
@@ -504,12 +512,24 @@ class AsyncProducer:
         return await self.submit(reward_draft(_ById(trajectory_id), reward, self.job))
 
     async def send_trajectory(self, trajectory_id: str, prompt_tokens, turns: Sequence[Turn], reward, *,
-                              metadata: Mapping[str, Any] | None = None, **identity) -> list[asyncio.Future]:
+                              metadata: Mapping[str, Any] | None = None, halts: bool = False,
+                              **identity) -> list[asyncio.Future]:
         """Send a whole trajectory: every turn, then `end(reward)`. Returns the
-        futures of all its frames (turns first, then the end)."""
+        futures of all its frames (turns first, then the end). With `halts`,
+        on a handle that halts: a refusal gives the trajectory up, and a call
+        after it raises `Halted` (the futures of the frames before it left
+        to the give-up, which logs and counts the refusal)."""
         traj = self.trajectory(trajectory_id, prompt_tokens, metadata=metadata, **identity)
-        futures = [await traj.send(turn) for turn in turns]
-        futures.append(await traj.end(reward))
+        traj.halts = halts
+        futures: list[asyncio.Future] = []
+        try:
+            for turn in turns:
+                futures.append(await traj.send(turn))
+            futures.append(await traj.end(reward))
+        except Halted:
+            for future in futures:  # nobody awaits them now: their outcome is the give-up's
+                retrieve(future)
+            raise
         return futures
 
     # The handles' way in (applications call the handles): a draft is accepted
@@ -948,8 +968,11 @@ class Producer:
         return self._async.submit_blocking(reward_draft(_ById(trajectory_id), reward, self._async.job), timeout)
 
     def send_trajectory(self, trajectory_id: str, prompt_tokens, turns: Sequence[Turn], reward, *,
-                        metadata: Mapping[str, Any] | None = None, **identity) -> list[concurrent.futures.Future]:
+                        metadata: Mapping[str, Any] | None = None, halts: bool = False,
+                        **identity) -> list[concurrent.futures.Future]:
+        """As `AsyncProducer.send_trajectory`."""
         traj = self.trajectory(trajectory_id, prompt_tokens, metadata=metadata, **identity)
+        traj.halts = halts
         return [*(traj.send(turn) for turn in turns), traj.end(reward)]
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -30,10 +30,10 @@ from rollstream.common.errors import SupportOverflow
 from rollstream.common.ingest import overflow_from_error
 from rollstream.common.trajectory import Turn
 
-from .client import AsyncProducer, AsyncTrajectoryHandle
+from .client import AsyncProducer, AsyncTrajectoryHandle, retrieve
 from .resume import SCORING, TERMINAL
 from .settings import ProducerSettings
-from .source import ABORTED, ENDED, PREFIX, STOPPING, Job, Prompts, drive, retrieve
+from .source import ABORTED, ENDED, PREFIX, STOPPING, Job, Prompts, drive
 from .synthetic import around
 
 log = logging.getLogger("rollstream.producer")

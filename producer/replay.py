@@ -28,11 +28,11 @@ from rollstream.common.mask import SamplingMask
 from rollstream.common.miles import decode_session_samples
 from rollstream.common.trajectory import Turn
 
-from .client import AsyncProducer, AsyncTrajectoryHandle
+from .client import AsyncProducer, AsyncTrajectoryHandle, retrieve
 from .errors import Halted
 from .miles_samples import turns_from_miles_samples
 from .settings import ProducerSettings
-from .source import ABORTED, ENDED, STOPPING, Pacer, retrieve
+from .source import ABORTED, ENDED, STOPPING, Pacer
 
 log = logging.getLogger("rollstream.producer")
 
@@ -153,14 +153,14 @@ class ReplaySource:
         converted, session = miles_payload(path, producer.vocab_size)
         identity = {name: session[name] for name in _IDENTITY if session.get(name) is not None}
         reward = session.get("reward", self.settings.default_reward)
-        traj = producer.trajectory(str(session.get("trajectory_id") or path.stem), converted.prompt_tokens, **identity)
-        traj.halts = True
         try:
-            for turn in converted.turns:
-                retrieve(await traj.send(turn))
-            retrieve(await traj.end(reward))
+            futures = await producer.send_trajectory(str(session.get("trajectory_id") or path.stem),
+                                                     converted.prompt_tokens, converted.turns, reward, halts=True,
+                                                     **identity)
         except Halted:  # a refusal gave it up (logged, counted, in the ledger)
             return ABORTED
+        for future in futures:
+            retrieve(future)
         return ENDED
 
     async def _send_event(self, producer: AsyncProducer, open_: dict[str, AsyncTrajectoryHandle], where: str,

@@ -18,7 +18,7 @@ import xxhash
 from rollstream.common.clock import Clock
 from rollstream.common.errors import InvalidInput
 
-from .client import AsyncProducer, AsyncTrajectoryHandle
+from .client import AsyncProducer, AsyncTrajectoryHandle, retrieve
 from .cursor import PromptCursor, Sample
 from .errors import Halted
 from .resume import SCORING, Prefix, Resumable
@@ -147,13 +147,6 @@ class Pacer:
             now = Clock.monotonic()
             self._next = max(self._next + self.interval, now)
             await asyncio.sleep(self._next - now)
-
-
-def retrieve(future: asyncio.Future) -> None:
-    """Episodes do not await their frames' futures (the client logs and
-    counts refusals, and gives a trajectory up at one: `drive`'s handles
-    halt); this marks their exceptions as seen."""
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 Episode = Callable[[AsyncTrajectoryHandle, Job, asyncio.Event], Awaitable[str]]

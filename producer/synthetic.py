@@ -29,11 +29,11 @@ import numpy as np
 from rollstream.common.trajectory import Turn
 from rollstream.common.versions import ordered_version
 
-from .client import AsyncProducer, AsyncTrajectoryHandle
+from .client import AsyncProducer, AsyncTrajectoryHandle, retrieve
 from .resume import SCORING
 from .sampler import Sampled, SamplingParams, ZipfLogits, sample
 from .settings import ProducerSettings
-from .source import ABORTED, AGAIN, ENDED, STOPPING, Job, Prompts, drive, job_rng, retrieve
+from .source import ABORTED, AGAIN, ENDED, STOPPING, Job, Prompts, drive, job_rng
 
 RETRY = "retried by the source"
 

@@ -3,6 +3,7 @@ merging exactly as docs/semantics.md says, broker and producer crashes, the
 spool, backpressure, and the daemon's sources. Deliveries are read with a
 raw zmq DEALER; expected trajectories are built here from plain lists."""
 import asyncio
+import contextlib
 import json
 import os
 import select
@@ -37,8 +38,9 @@ from rollstream.common.miles import (
     decode_session_samples,
     encode_session_samples,
 )
+from rollstream.common.trajectory import Turn
 from rollstream.common.wire import trajectory_from_deliver
-from rollstream.producer import AsyncProducer, Producer, Receipt, Refused
+from rollstream.producer import AsyncProducer, Halted, Producer, Receipt, Refused
 from rollstream.producer.replay import ReplayError, turn_of
 from rollstream.producer.session import BEFORE_WELCOME_WINDOW
 
@@ -238,6 +240,43 @@ def test_a_refusal_raises_with_its_code_and_an_end_of_the_unknown_is_refused(tmp
     assert (refused.code, refused.trajectory_id, refused.turn, refused.kind) == ("out_of_vocab", "t-vocab", 0, "turn")
     assert "out_of_vocab" in str(refused) and "1000" in refused.message
     assert (abort.applied, abort.reason) == (False, "unknown_trajectory")
+
+
+@pytest.mark.parametrize("client", ["async", "blocking"])
+def test_a_whole_trajectory_sent_on_a_handle_that_halts_is_given_up_at_a_refusal(tmp_path, client):
+    """`send_trajectory(halts=True)`, from either client: turn 0 is outside
+    the broker's vocabulary, so the trajectory is given up (aborted,
+    `given_up` in the ledger), never its turn 1 taken as turn 0. Whether the
+    call itself raised `Halted` hangs on when the refusal came back, which
+    the test does not control. A trajectory sent after it goes through."""
+    bad = [Turn.build([5000], [-0.5], supports=[[5000]]), Turn.build([7], [-0.5], supports=[[7]])]
+    good = [Turn.build([8], [-0.5], supports=[[8, 9]])]
+    ledger = tmp_path / "ledger.jsonl"
+
+    async def send_async(endpoint):
+        async with AsyncProducer(endpoint, "p-halts", ledger=str(ledger)) as producer:
+            with contextlib.suppress(Halted):
+                await producer.send_trajectory("bad", [1], bad, 1.0, halts=True)
+            return [await future for future in await producer.send_trajectory("good", [2], good, 2.0, halts=True)]
+
+    with Broker(tmp_path, "--vocab-size", "1000") as broker:
+        endpoint = broker.endpoints["producer"]
+        if client == "async":
+            receipts = asyncio.run(send_async(endpoint))
+        else:
+            with Producer(endpoint, "p-halts", ledger=str(ledger)) as producer:
+                with contextlib.suppress(Halted):
+                    producer.send_trajectory("bad", [1], bad, 1.0, halts=True)
+                receipts = [future.result(PATIENCE) for future in producer.send_trajectory("good", [2], good, 2.0,
+                                                                                           halts=True)]
+                assert producer.flush(PATIENCE)
+        got, _ = drain(broker, 1)
+        status = broker.status()
+    assert all(receipt.applied for receipt in receipts) and set(got) == {"good"}
+    assert got["good"].tokens.tolist() == [8]
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert {(r["id"], r["reason"]) for r in records if r["kind"] == "given_up"} == {("bad", "turn 0 refused: out_of_vocab")}
+    assert status["open"] == 0
 
 
 @pytest.mark.slow
