@@ -544,7 +544,7 @@ class BrokerCore:
         effects: list = []
         start = 0
         while start < len(received):
-            end = self._stretch_end(received, start)
+            end = self._stretch_end(received, start) if not unread else start + 1
             answers += self._answer_stretch(received[start:end], now, stored, unread, effects)
             start = end
         committed = yield from self._commit(effects)
@@ -584,10 +584,11 @@ class BrokerCore:
         """Where the turn stretch from `start` ends: the messages from `start`
         up to the one returned are decoded turns of one connection and
         trajectory, none but the first a turn 0, which the engine then
-        handles together (`MergeEngine.handle_turns`). Only while the disk
-        lets everything in:
-        then whether each may enter does not hang on the turns before it
-        (`disk_lets_in`), and is asked of all of them first."""
+        handles together (`MergeEngine.handle_turns`). Whether each may
+        enter is asked of all of them first, so only while that does not
+        hang on the turns before it: while the disk lets everything in
+        (`disk_lets_in`), and in a read whose resends' digests were all read
+        (a failed read stops the store for the messages after it: `_merged`)."""
         identity, message, error = received[start]
         end = start + 1
         if message is None or error is not None or message.type != "turn" or not self.disk.everything:
