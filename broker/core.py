@@ -631,7 +631,7 @@ class BrokerCore:
                 try:
                     if isinstance(reply, Exception):
                         raise reply
-                    answered[i] = self._merged(identity, message, reply, unread, effects)  # type: ignore[arg-type]
+                    answered[i] = self._merged(identity, producer, message, reply, unread, effects)  # type: ignore[arg-type]
                 except Exception as exc:
                     answered[i] = self._failed_answer(identity, message, exc, now)
         return cast(list[_Answer], answered)  # every message answered
@@ -676,10 +676,11 @@ class BrokerCore:
             return _Answer(identity, self._refuse("producer", error, message, quiet=waits))
         return None
 
-    def _merged(self, identity: bytes, message: Message, reply: Reply, unread: Mapping, effects: list) -> _Answer:
-        """The answer to a message the merge engine handled, its effects
-        added to the read's."""
-        if self.producer_ids.get(identity) is None and reply.effects and isinstance(reply.effects[0], OpenTrajectory):
+    def _merged(self, identity: bytes, producer: Producer | None, message: Message, reply: Reply, unread: Mapping,
+                effects: list) -> _Answer:
+        """The answer to a message the merge engine handled for `producer`
+        (None before its hello), its effects added to the read's."""
+        if producer is None and reply.effects and isinstance(reply.effects[0], OpenTrajectory):
             self.unnamed.setdefault(identity, deque(maxlen=self.settings.max_in_flight)).append(message["trajectory_id"])
         if reply.error is not None:
             key = (message["trajectory_id"], message.get("turn"))
