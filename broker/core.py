@@ -619,14 +619,7 @@ class BrokerCore:
             identity = stretch[taken[0]][0]
             messages = [stretch[i][1] for i in taken]
             producer = self.producer_ids.get(identity)
-            replies: list[Reply | Exception]
-            if len(messages) > 1:
-                replies = self.engine.handle_turns(messages, now.wall, stored, producer=producer)  # type: ignore[arg-type]
-            else:
-                try:
-                    replies = [self.engine.handle(messages[0], now.wall, stored, producer=producer)]  # type: ignore[arg-type]
-                except Exception as exc:
-                    replies = [exc]
+            replies = self.engine.handle_turns(messages, now.wall, stored, producer=producer)  # type: ignore[arg-type]
             for i, message, reply in zip(taken, messages, replies):
                 try:
                     if isinstance(reply, Exception):

@@ -408,19 +408,18 @@ class MergeEngine:
 
     def handle_turns(self, messages: list[Message], wall: float, stored: StoredDigests = NOTHING_STORED, *,
                      producer: Producer | None = None) -> list[Reply | Exception]:
-        """`handle` each of consecutive `turn`s of one trajectory, in order,
-        each answered as `handle` answers it alone; the trajectory's indexes
-        (expiry and eviction order, the bytes it holds, its group's clock)
-        are brought up to date once, after the last, instead of per turn. A
-        failure no rule foresaw is given back in its message's place, and
-        the turns after it are handled on."""
+        """`handle` each of `messages` (one message, or consecutive `turn`s of
+        one trajectory), in order, each answered as `handle` answers it
+        alone; the trajectory's indexes (expiry and eviction order, the bytes
+        it holds, its group's clock) are brought up to date once, after the
+        last, instead of per turn. A failure no rule foresaw is given back in
+        its message's place, and the messages after it are handled on."""
         results: list[Reply | Exception] = []
         try:
             for message in messages:
                 try:
                     results.append(self._handle(message, wall, stored, producer))
                 except Exception as exc:
-                    self._effects.clear()
                     results.append(exc)
         finally:
             if self._continuing is not None:
@@ -453,6 +452,9 @@ class MergeEngine:
         except ProtocolError as error:
             self._effects.clear()
             return Reply(error=error.as_remote().with_seq(message["seq"]))
+        except Exception:
+            self._effects.clear()  # a failure no rule foresaw leaves none of its effects to the next message
+            raise
         return Reply(fields, effects=self._drain(*effects))
 
     def stored_digests_needed(self, messages: Iterable[Message]) -> list[tuple[str, int]]:
@@ -502,10 +504,7 @@ class MergeEngine:
             self._versions(entry, message)
         digest = self._digest_unless_applied(message, index, outcome.applied)
         entry.outcomes.append((digest, outcome.applied, outcome.reason))
-        if self._continuing is not entry:
-            if self._continuing is not None:
-                self._continued(wall)
-            self._continuing = entry  # its indexes follow once the call is done (`_continued`)
+        self._continuing = entry  # its indexes follow once the call is done (`_continued`)
         effects: tuple[Effect, ...] = (
             PutTurn(tid, index, digest, outcome.applied, outcome.reason, message if outcome.applied else None, wall),
         )

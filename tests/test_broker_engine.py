@@ -6,6 +6,7 @@ from broker_helpers import abort_msg, end_msg, reward_msg, turn_msg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollstream.broker import engine as engine_module
 from rollstream.broker.core import BrokerCore
 from rollstream.broker.engine import (
     DEAD,
@@ -507,3 +508,28 @@ def test_a_turn_stretch_is_answered_and_leaves_the_engine_as_turn_by_turn_handli
     together = engines[1].handle_turns(messages, 30.0)
     assert [_reply_summary(reply) for reply in together] == [_reply_summary(reply) for reply in one_by_one]
     assert _engine_state(engines[1]) == _engine_state(engines[0])
+
+
+class Unforeseen(Exception):
+    """A failure no rule foresaw (a bug), raised on purpose."""
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_failure_no_rule_foresaw_leaves_none_of_its_effects_to_the_next_message(engine, monkeypatch, together):
+    """The end completing a group queues the group's effect, then its filter
+    raises: the next message's effects are its own, alone or in a stretch."""
+    engine.handle(turn_msg("g1", 0, group=("g", 1)), wall=1)
+
+    def failing(*args):
+        raise Unforeseen("a group filter failed")
+
+    monkeypatch.setattr(engine_module, "first_dropping", failing)
+    if together:
+        [failed] = engine.handle_turns([end_msg("g1")], wall=2)
+        assert isinstance(failed, Unforeseen)
+    else:
+        with pytest.raises(Unforeseen):
+            engine.handle(end_msg("g1"), wall=2)
+    monkeypatch.undo()
+    reply = engine.handle(turn_msg("next", 0), wall=3)
+    assert [type(effect) for effect in reply.effects] == [OpenTrajectory, PutTurn]
