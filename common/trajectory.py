@@ -130,6 +130,7 @@ def _checked_spans(spans, weight_version: str | None, tokens) -> tuple[str, tupl
 
 # The arrays of a turn that carries no replay field but its mask (`Turn.from_arrays`).
 _PLAIN_TURN_ARRAYS = frozenset(ARRAYS).difference(CONTEXT_REPLAY_ARRAYS, TOKEN_LOG_PROB_ARRAYS, SUPPORT_LOG_PROB_ARRAYS)
+_NO_REPLAY_ARRAYS = (None, None, None, None)  # its routed_experts, indexer_topk, full_log_probs, mask_log_probs
 
 
 class Turn(NamedTuple):
@@ -278,15 +279,15 @@ class Turn(NamedTuple):
         mask = None
         if "mask_ids" in arrays:
             mask = SamplingMask._wrap(arrays["mask_ids"], arrays["mask_offsets"])
-        # Positional, in field order: the broker makes one per frame, and a keyword call matches every name.
+        replay: tuple[np.ndarray | None, ...]
         if arrays.keys() <= _PLAIN_TURN_ARRAYS:  # the common turn: no lookup of the arrays it cannot carry
-            return cls(arrays["tokens"], arrays["log_probs"], arrays["loss_mask"] if "loss_mask" in arrays else None,
-                       mask, arrays["forced_tokens"] if "forced_tokens" in arrays else EMPTY_TOKENS, None, None, None,
-                       None, status, weight_version, None if crcs is None else crcs.get("mask_ids"),
-                       None if weight_version_spans is None else tuple(map(tuple, weight_version_spans)))
-        return cls(arrays["tokens"], arrays["log_probs"], arrays.get("loss_mask"), mask,
-                   arrays.get("forced_tokens", EMPTY_TOKENS), arrays.get("routed_experts"), arrays.get("indexer_topk"),
-                   arrays.get("full_log_probs"), arrays.get("mask_log_probs"), status, weight_version,
+            replay = _NO_REPLAY_ARRAYS
+        else:
+            get = arrays.get
+            replay = (get("routed_experts"), get("indexer_topk"), get("full_log_probs"), get("mask_log_probs"))
+        # Positional, in field order: the broker makes one per frame, and a keyword call matches every name.
+        return cls(arrays["tokens"], arrays["log_probs"], arrays["loss_mask"] if "loss_mask" in arrays else None, mask,
+                   arrays["forced_tokens"] if "forced_tokens" in arrays else EMPTY_TOKENS, *replay, status, weight_version,
                    None if crcs is None else crcs.get("mask_ids"),
                    None if weight_version_spans is None else tuple(map(tuple, weight_version_spans)))
 
