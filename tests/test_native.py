@@ -3,6 +3,7 @@ stand in for: the same answer on every valid mask and on every content rule
 broken, nothing read out of range on broken offsets, and the arrays they
 take checked. Both paths run here: the numpy one with the compiled module
 set aside."""
+import contextlib
 import shutil
 
 import numpy as np
@@ -22,13 +23,20 @@ except ImportError:
     pytest.skip("built without a C compiler: numpy checks alone", allow_module_level=True)
 
 
-def numpy_inside(tokens, ids, offsets):
-    """`inside_support` with the compiled module set aside."""
+@contextlib.contextmanager
+def numpy_only():
+    """The compiled module set aside: validation takes its numpy paths."""
     compiled, validation._native = validation._native, None
     try:
-        return validation.inside_support(tokens, ids, offsets)
+        yield
     finally:
         validation._native = compiled
+
+
+def numpy_inside(tokens, ids, offsets):
+    """`inside_support` with the compiled module set aside."""
+    with numpy_only():
+        return validation.inside_support(tokens, ids, offsets)
 
 
 @st.composite
@@ -154,22 +162,16 @@ def test_each_content_rule_is_kept_compiled_as_numpy_keeps_it(change, holds):
     arrays.update(change)
     arrays = {name: value for name, value in arrays.items() if value is not None}
     assert _compiled([arrays], 8) is holds
-    saved, validation._native = validation._native, None
-    try:
+    with numpy_only():
         assert validation.messages_content_valid([arrays], 8) is holds
-    finally:
-        validation._native = saved
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(_messages(), min_size=1, max_size=5), st.sampled_from([VOCAB, None]))
 def test_the_content_check_answers_alike_with_and_without_the_compiled_passes(batch, vocab_size):
     compiled = validation.messages_content_valid(batch, vocab_size)
-    saved, validation._native = validation._native, None
-    try:
+    with numpy_only():
         assert validation.messages_content_valid(batch, vocab_size) == compiled
-    finally:
-        validation._native = saved
 
 
 @pytest.mark.parametrize("ids, bound, holds", [
@@ -180,11 +182,7 @@ def test_the_content_check_answers_alike_with_and_without_the_compiled_passes(ba
 def test_ids_are_read_as_unsigned_against_any_bound(ids, bound, holds):
     arrays = {"tokens": np.array(ids, np.int32)}
     assert _compiled([arrays], bound) is holds
-    saved, validation._native = validation._native, None
-    try:
-        assert validation._group_content_valid([arrays], bound) is holds
-    finally:
-        validation._native = saved
+    assert validation._group_content_valid([arrays], bound) is holds  # numpy's way
 
 
 def test_arrays_of_other_dtypes_are_refused_and_the_content_check_takes_them_with_numpy():
