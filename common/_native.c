@@ -37,33 +37,53 @@ get_vector(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *kind
 }
 
 #if defined(__GNUC__) || defined(__clang__)
-/* Eight ids compared per step, as two vectors of four (a width every 64-bit
- * CPU has: SSE2, NEON), with no branch on where in its support the token
- * lies, which is where a scan that stops at the token mispredicts. */
+/* Ids are compared four to a vector (a width every 64-bit CPU has: SSE2,
+ * NEON). Most supports are short, and where in its support the token lies
+ * is random, so a scan that stops at the token mispredicts: the first
+ * FIRST_IDS ids of a support are compared whatever the support's size, the
+ * lanes past its end masked off, with no branch until the answer. Only a
+ * longer support goes on, LANES ids a step. */
+#define FOUR 4
 #define LANES 8
-typedef int32_t four_ids_t __attribute__((vector_size(4 * sizeof(int32_t))));
-static const four_ids_t low_lanes = {0, 1, 2, 3}, high_lanes = {4, 5, 6, 7};
+#define FIRST_IDS 16
+typedef int32_t four_ids_t __attribute__((vector_size(FOUR * sizeof(int32_t))));
+
+/* Whether `want` is among the `count` ids from `id` (count <= width), read
+ * as `width` ids, all of which lie inside the array. */
+static inline int
+window_holds(const int32_t *id, int32_t count, int32_t width, int32_t want)
+{
+    const four_ids_t wanted = {want, want, want, want}, within = {count, count, count, count}, step = {FOUR, FOUR, FOUR, FOUR};
+    four_ids_t lane = {0, 1, 2, 3}, hit = {0, 0, 0, 0};
+    for (int32_t k = 0; k < width; k += FOUR) {
+        four_ids_t ids;
+        memcpy(&ids, id + k, sizeof ids);
+        hit |= (ids == wanted) & (lane < within);
+        lane += step;
+    }
+    uint64_t folded[2];
+    memcpy(folded, &hit, sizeof folded);
+    return (folded[0] | folded[1]) != 0;
+}
 #endif
 
 /* Whether `want` is among id[start:end] (bounds checked by the caller: 0 <=
- * start <= end <= n_ids). A step reads LANES ids only where all of them lie
- * inside the n_ids ids; the lanes past `end` are masked off. */
+ * start <= end <= n_ids). A window reads ids only where all of them lie
+ * inside the n_ids ids; its lanes past `end` are masked off. */
 static inline int
 holds_token(const int32_t *id, int64_t start, int64_t end, int64_t n_ids, int32_t want)
 {
     int64_t i = start;
 #ifdef LANES
-    const four_ids_t wanted = {want, want, want, want};
+    if (i + FIRST_IDS <= n_ids) {
+        int64_t size = end - i;
+        int found = window_holds(id + i, size < FIRST_IDS ? (int32_t)size : FIRST_IDS, FIRST_IDS, want);
+        if (found || size <= FIRST_IDS)
+            return found;
+        i += FIRST_IDS;
+    }
     for (; i < end && i + LANES <= n_ids; i += LANES) {
-        four_ids_t low, high;
-        memcpy(&low, id + i, sizeof low);
-        memcpy(&high, id + i + 4, sizeof high);
-        int32_t left = end - i < LANES ? (int32_t)(end - i) : LANES;
-        const four_ids_t within = {left, left, left, left};
-        four_ids_t hit = ((low == wanted) & (low_lanes < within)) | ((high == wanted) & (high_lanes < within));
-        uint64_t folded[2];
-        memcpy(folded, &hit, sizeof folded);
-        if (folded[0] | folded[1])
+        if (window_holds(id + i, end - i < LANES ? (int32_t)(end - i) : LANES, LANES, want))
             return 1;
     }
 #endif
