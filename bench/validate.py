@@ -11,8 +11,11 @@ loss mask and log-probs); the seed runs `seed_validate_batch` (offset checks
 and a per-token membership test over Python lists). The two are timed in
 alternation, so both see the same load on a shared machine; the ratio
 compares their best runs (the least disturbed), medians are printed beside.
-Packing the batch (done once per batch anyway, for the trainer) is timed
-separately. With CUDA present, validating a batch of at least
+Packing and validating the batch as the consumer does
+(`Batch.checked_from_deliveries`: on the CPU each sample is checked as it
+is packed, in one compiled pass)
+is timed separately, in alternation with packing first and validating the
+packed batch after. With CUDA present, validating a batch of at least
 `--gpu-tokens` (1M) tokens on the GPU, and packing and uploading it, are
 timed too: by CUDA events recorded around each run on the stream (a
 host-side clock would count the launch queue, not the work), after
@@ -36,7 +39,7 @@ import torch
 from peers import seed_path
 from procs import parse_args
 
-from rollstream.consumer import Batch, Delivery, batch_violations
+from rollstream.consumer import Batch, Delivery, batch_violations, checked_batch
 
 VOCAB = 151_936
 SMOKE = {"trajectories": 4, "repeat": 2, "gpu_tokens": 50_000, "gpu_repeat": 3, "gpu_warmup": 1}  # the sizes of --smoke
@@ -113,16 +116,30 @@ def main() -> None:
         seed_runs.append(timed(lambda: seed_path.seed_validate_batch(masks, sampled), 1)[0])
     ours, ours_median = min(ours_runs), statistics.median(ours_runs)
     seed, seed_median = min(seed_runs), statistics.median(seed_runs)
-    packed, packed_median = timed(
-        lambda: batch_violations(Batch.from_deliveries(deliveries, device="cpu"), vocab_size=VOCAB), args.repeat
-    )
+    # The consumer's way (`Batch.checked_from_deliveries`: on the CPU each sample checked as it is packed) against
+    # packing first and checking the packed batch after, in alternation.
+    assert checked_batch(deliveries, device="cpu", vocab_size=VOCAB)[1] == []
+
+    def pack_checking() -> None:
+        packed, seen_valid = Batch.checked_from_deliveries(deliveries, device="cpu", vocab_size=VOCAB)
+        assert seen_valid or batch_violations(packed, vocab_size=VOCAB) == []
+
+    checked_runs, then_runs = [], []
+    for _ in range(args.repeat):
+        checked_runs.append(timed(pack_checking, 1)[0])
+        then_runs.append(timed(lambda: batch_violations(Batch.from_deliveries(deliveries, device="cpu"),
+                                                        vocab_size=VOCAB), 1)[0])
+    packed, packed_median = min(checked_runs), statistics.median(checked_runs)
+    then, then_median = min(then_runs), statistics.median(then_runs)
     ratio = seed / ours
     print(f"batch: {len(deliveries)} trajectories, {tokens:,} response tokens, {ids:,} support ids")
     print("                               best      median")
     print(f"seed per-sample validation:   {seed * 1e3:8.2f} ms {seed_median * 1e3:8.2f} ms")
     print(f"rollstream batch validation:  {ours * 1e3:8.2f} ms {ours_median * 1e3:8.2f} ms  "
           f"({tokens / ours / 1e6:.1f} M tokens/s, {ids / ours / 1e6:.1f} M ids/s, cpu)")
-    print(f"rollstream pack + validate:   {packed * 1e3:8.2f} ms {packed_median * 1e3:8.2f} ms")
+    print(f"rollstream pack + validate:   {packed * 1e3:8.2f} ms {packed_median * 1e3:8.2f} ms  (checked as packed)")
+    print(f"  pack, then validate:        {then * 1e3:8.2f} ms {then_median * 1e3:8.2f} ms  "
+          f"(ratio {packed_median / then_median:.2f} median to median)")
     print(f"validation speed-up over the seed: {ratio:.1f}x best to best, {seed_median / ours_median:.1f}x median "
           "to median (target 15x)")
     figures = {
@@ -133,6 +150,8 @@ def main() -> None:
         "validate_s": ours,
         "seed_validate_s": seed,
         "pack_validate_s": packed,
+        "pack_then_validate_s": then,
+        "pack_validate_ratio": round(packed_median / then_median, 3),
         "tokens": tokens,
         "ids": ids,
     }

@@ -323,9 +323,223 @@ messages_content_valid(PyObject *self, PyObject *args)
     return PyBool_FromLong(valid);
 }
 
+/* The arrays `pack_checked` reads from each sample, by role, in the order it is given their names. */
+enum { SAMPLE_TOKENS, SAMPLE_LOG_PROBS, SAMPLE_LOSS_MASK, SAMPLE_IDS, SAMPLE_OFFSETS, SAMPLE_PROMPT, SAMPLE_ROLES };
+static const struct { Py_ssize_t itemsize; const char *kinds; } sample_kinds[SAMPLE_ROLES] = {
+    {4, "ilq"}, {4, "f"}, {1, "B"}, {4, "ilq"}, {8, "ilq"}, {4, "ilq"},
+};
+/* And what it writes, in the order it is given them. */
+enum { OUT_SEQUENCES, OUT_TOKENS, OUT_LOG_PROBS, OUT_LOSS_MASK, OUT_IDS, OUT_OFFSETS, OUTS };
+static const struct { Py_ssize_t itemsize; const char *kinds; const char *name; } out_kinds[OUTS] = {
+    {4, "ilq", "sequences out"}, {4, "ilq", "tokens out"}, {4, "f", "log_probs out"}, {1, "B", "loss_mask out"},
+    {4, "ilq", "mask_ids out"}, {8, "ilq", "mask_offsets out"},
+};
+
+/* One sample's views; `masked` when it carries a sampling mask. */
+typedef struct { Py_buffer view[SAMPLE_ROLES]; int held[SAMPLE_ROLES]; } sample_t;
+
+static void
+release_sample(sample_t *sample)
+{
+    for (int r = 0; r < SAMPLE_ROLES; r++) {
+        if (sample->held[r])
+            PyBuffer_Release(&sample->view[r]);
+        sample->held[r] = 0;
+    }
+}
+
+/* Sample `m`'s arrays, its aligned lengths checked (what packing needs to
+ * stay inside `outs`); -1 with ValueError naming the rule otherwise. */
+static int
+get_sample(PyObject *arrays, PyObject *names, int masked, Py_ssize_t m, sample_t *sample)
+{
+    memset(sample->held, 0, sizeof sample->held);
+    if (!PyDict_Check(arrays)) {
+        PyErr_Format(PyExc_ValueError, "rule 'a sample's arrays are a dict' not met: got %s", Py_TYPE(arrays)->tp_name);
+        return -1;
+    }
+    for (int r = 0; r < SAMPLE_ROLES; r++) {
+        if (!masked && (r == SAMPLE_IDS || r == SAMPLE_OFFSETS))
+            continue;
+        PyObject *name = PyTuple_GET_ITEM(names, r);
+        PyObject *value = PyDict_GetItemWithError(arrays, name);
+        if (value == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "rule 'every sample carries the arrays packed' not met: sample %zd has no %S",
+                             m, name);
+            release_sample(sample);
+            return -1;
+        }
+        if (get_vector(value, &sample->view[r], sample_kinds[r].itemsize, sample_kinds[r].kinds, 0,
+                       PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : "an array") < 0) {
+            release_sample(sample);
+            return -1;
+        }
+        sample->held[r] = 1;
+    }
+    Py_ssize_t n = sample->view[SAMPLE_TOKENS].shape[0];
+    if (sample->view[SAMPLE_LOG_PROBS].shape[0] != n || sample->view[SAMPLE_LOSS_MASK].shape[0] != n
+            || (masked && sample->view[SAMPLE_OFFSETS].shape[0] != n + 1)) {
+        PyErr_Format(PyExc_ValueError, "rule 'a sample's per-token arrays align with its tokens' not met: sample %zd "
+                     "has %zd tokens", m, n);
+        release_sample(sample);
+        return -1;
+    }
+    return 0;
+}
+
+/* Whether a sample's supports keep the CSR rules, hold its tokens, and are
+ * singletons where it marks a token forced (loss mask 0, log-prob exactly 0). */
+static int
+sample_supports_hold(const sample_t *sample)
+{
+    Py_ssize_t n = sample->view[SAMPLE_TOKENS].shape[0], n_ids = sample->view[SAMPLE_IDS].shape[0];
+    const int32_t *token = (const int32_t *)sample->view[SAMPLE_TOKENS].buf, *id = (const int32_t *)sample->view[SAMPLE_IDS].buf;
+    const int64_t *offset = (const int64_t *)sample->view[SAMPLE_OFFSETS].buf;
+    const uint8_t *loss = (const uint8_t *)sample->view[SAMPLE_LOSS_MASK].buf;
+    const float *log_prob = (const float *)sample->view[SAMPLE_LOG_PROBS].buf;
+    if (offset[0] != 0 || offset[n] != (int64_t)n_ids)
+        return 0;
+    int held = 1;  /* accumulated with no early exit: a branch per token on it would mispredict */
+    for (Py_ssize_t t = 0; t < n; t++) {
+        int64_t start = offset[t], end = offset[t + 1];
+        if (end <= start || end > (int64_t)n_ids)  /* start >= 0: offset[0] is, and each end was checked */
+            return 0;
+        held &= holds_token(id, start, end, n_ids, token[t]);
+        held &= !((loss[t] == 0) & (log_prob[t] == 0.0f) & (end - start != 1));
+    }
+    return held;
+}
+
+/* Copy one sample into the outputs at `at` (sequence, token and id
+ * positions), its offsets moved past the ids before it, then check it while
+ * its bytes are in cache. */
+static int
+pack_sample(const sample_t *sample, char **out, Py_ssize_t at[3], int masked, long long bound, double tolerance)
+{
+    const Py_buffer *v = sample->view;
+    Py_ssize_t n = v[SAMPLE_TOKENS].shape[0], prompt = v[SAMPLE_PROMPT].shape[0];
+    int32_t *sequences = (int32_t *)out[OUT_SEQUENCES] + at[0];
+    memcpy(sequences, v[SAMPLE_PROMPT].buf, 4 * prompt);
+    memcpy(sequences + prompt, v[SAMPLE_TOKENS].buf, 4 * n);
+    memcpy((int32_t *)out[OUT_TOKENS] + at[1], v[SAMPLE_TOKENS].buf, 4 * n);
+    memcpy((float *)out[OUT_LOG_PROBS] + at[1], v[SAMPLE_LOG_PROBS].buf, 4 * n);
+    memcpy((uint8_t *)out[OUT_LOSS_MASK] + at[1], v[SAMPLE_LOSS_MASK].buf, n);
+    int valid = buffer_ids_below(&v[SAMPLE_PROMPT], bound) && flags_hold(&v[SAMPLE_LOSS_MASK])
+        && log_probs_hold(&v[SAMPLE_LOG_PROBS], tolerance);
+    if (masked) {
+        Py_ssize_t n_ids = v[SAMPLE_IDS].shape[0];
+        memcpy((int32_t *)out[OUT_IDS] + at[2], v[SAMPLE_IDS].buf, 4 * n_ids);
+        const int64_t *offset = (const int64_t *)v[SAMPLE_OFFSETS].buf;
+        int64_t *offsets = (int64_t *)out[OUT_OFFSETS] + at[1] + 1, base = (int64_t)at[2];
+        for (Py_ssize_t t = 0; t < n; t++)
+            offsets[t] = offset[t + 1] + base;
+        /* tokens inside supports of ids below the bound are below it too */
+        valid = valid && buffer_ids_below(&v[SAMPLE_IDS], bound) && sample_supports_hold(sample);
+        at[2] += n_ids;
+    } else {
+        valid = valid && buffer_ids_below(&v[SAMPLE_TOKENS], bound);
+    }
+    at[0] += prompt + n;
+    at[1] += n;
+    return valid;
+}
+
+PyDoc_STRVAR(pack_checked_doc,
+"pack_checked(samples, names, outs, bound, tolerance) -> bool\n\n"
+"Lay `samples` (a list of dicts of arrays) end to end into `outs`, a tuple of\n"
+"writable arrays: every sample's prompt and response tokens, its response\n"
+"tokens, log-probs, loss mask, support ids, and offsets after a leading 0,\n"
+"each moved past the ids before it (the last two None when the samples\n"
+"carry no sampling mask). `names` are the keys of tokens, log_probs,\n"
+"loss_mask, mask_ids, mask_offsets and prompt_tokens, in that order. Returns\n"
+"whether every sample keeps the per-token rules, checked as each is copied:\n"
+"supports framing their ids, strictly increasing, holding their tokens and\n"
+"singletons at forced tokens (loss mask 0, log-prob 0); ids and prompt tokens\n"
+"in [0, bound); loss-mask flags 0 or 1; log-probs at most `tolerance` and\n"
+"above -inf. ValueError names the rule when an array is of another kind,\n"
+"a sample's arrays do not align or the outputs are not exactly their size;\n"
+"nothing is then written.");
+
+static PyObject *
+pack_checked(PyObject *self, PyObject *args)
+{
+    PyObject *samples, *names, *outs;
+    long long bound;
+    double tolerance;
+
+    if (!PyArg_ParseTuple(args, "O!O!O!Ld:pack_checked", &PyList_Type, &samples, &PyTuple_Type, &names, &PyTuple_Type,
+                          &outs, &bound, &tolerance))
+        return NULL;
+    if (PyTuple_GET_SIZE(names) != SAMPLE_ROLES || PyTuple_GET_SIZE(outs) != OUTS) {
+        PyErr_Format(PyExc_ValueError, "rule 'one name per array role, one output per packed array' not met: expected %d "
+                     "names and %d outputs, got %zd and %zd", SAMPLE_ROLES, OUTS, PyTuple_GET_SIZE(names),
+                     PyTuple_GET_SIZE(outs));
+        return NULL;
+    }
+    int masked = PyTuple_GET_ITEM(outs, OUT_IDS) != Py_None;
+    Py_ssize_t count = PyList_GET_SIZE(samples);
+    sample_t *sample = PyMem_Calloc(count ? count : 1, sizeof(sample_t));
+    Py_buffer out[OUTS];
+    int held_out[OUTS] = {0}, failed = 0, valid = 1;
+    Py_ssize_t got = 0, need[OUTS] = {0};
+    if (sample == NULL)
+        return PyErr_NoMemory();
+    for (; got < count && !failed; got++) {
+        if (get_sample(PyList_GET_ITEM(samples, got), names, masked, got, &sample[got]) < 0) {
+            failed = 1;
+            break;
+        }
+        Py_ssize_t n = sample[got].view[SAMPLE_TOKENS].shape[0];
+        need[OUT_SEQUENCES] += sample[got].view[SAMPLE_PROMPT].shape[0] + n;
+        need[OUT_TOKENS] += n;
+        need[OUT_IDS] += masked ? sample[got].view[SAMPLE_IDS].shape[0] : 0;
+    }
+    need[OUT_LOG_PROBS] = need[OUT_LOSS_MASK] = need[OUT_TOKENS];
+    need[OUT_OFFSETS] = need[OUT_TOKENS] + 1;
+    for (int r = 0; r < OUTS && !failed; r++) {
+        if (!masked && (r == OUT_IDS || r == OUT_OFFSETS))
+            continue;
+        if (get_vector(PyTuple_GET_ITEM(outs, r), &out[r], out_kinds[r].itemsize, out_kinds[r].kinds, 1,
+                       out_kinds[r].name) < 0) {
+            failed = 1;
+        } else {
+            held_out[r] = 1;
+            if (out[r].shape[0] != need[r]) {
+                PyErr_Format(PyExc_ValueError, "rule 'each output is exactly the size of what is packed into it' not met: "
+                             "%s has %zd entries, expected %zd", out_kinds[r].name, out[r].shape[0], need[r]);
+                failed = 1;
+            }
+        }
+    }
+    if (!failed) {
+        char *buf[OUTS] = {0};
+        for (int r = 0; r < OUTS; r++)
+            buf[r] = held_out[r] ? (char *)out[r].buf : NULL;
+        Py_ssize_t at[3] = {0, 0, 0};
+        Py_BEGIN_ALLOW_THREADS
+        if (masked)
+            ((int64_t *)buf[OUT_OFFSETS])[0] = 0;
+        for (Py_ssize_t m = 0; m < count; m++)
+            valid &= pack_sample(&sample[m], buf, at, masked, bound, tolerance);
+        Py_END_ALLOW_THREADS
+    }
+    for (int r = 0; r < OUTS; r++) {
+        if (held_out[r])
+            PyBuffer_Release(&out[r]);
+    }
+    for (Py_ssize_t m = 0; m < got; m++)
+        release_sample(&sample[m]);
+    PyMem_Free(sample);
+    if (failed)
+        return NULL;
+    return PyBool_FromLong(valid);
+}
+
 static PyMethodDef methods[] = {
     {"inside_support", inside_support, METH_VARARGS, inside_support_doc},
     {"messages_content_valid", messages_content_valid, METH_VARARGS, messages_content_valid_doc},
+    {"pack_checked", pack_checked, METH_VARARGS, pack_checked_doc},
     {NULL, NULL, 0, NULL},
 };
 

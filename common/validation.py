@@ -909,6 +909,33 @@ def pack_csr(ids_list: Sequence[np.ndarray], offsets_list: Sequence[np.ndarray],
     return ids, offsets
 
 
+# The arrays `_native.pack_checked` reads from each sample, by role, in its order.
+_SAMPLE_ROLES = ("tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets", "prompt_tokens")
+
+
+def pack_checked(samples: Sequence[Mapping[str, np.ndarray]], out: Sequence[np.ndarray | None],
+                 vocab_size: int | None = None) -> bool | None:
+    """Lay samples end to end into `out` (sequences: each sample's prompt
+    then response tokens; response tokens; log-probs; loss mask; support ids
+    and offsets as `pack_csr` lays them, both None for samples without a
+    mask) and check `packed_flags`' rules on each sample while its bytes are
+    in cache, instead of a pass over the packed batch per rule afterwards
+    (each sample's offsets run from 0 to its ids' end as well, a rule the
+    packed offsets no longer show). True when every rule holds; False when
+    one does not (the check of the packed batch then names it, or the
+    consumer's per-sample check already did); None, with nothing written,
+    where the compiled module cannot pack them (not built, an array of
+    another dtype, or arrays that do not align: the caller packs them its
+    own way)."""
+    if _native is None or type(samples) is not list:
+        return None
+    bound = 2**31 if vocab_size is None else vocab_size  # negative int32 ids read as uint32 are >= 2**31
+    try:
+        return _native.pack_checked(samples, _SAMPLE_ROLES, tuple(out), bound, LOG_PROB_TOLERANCE)
+    except (ValueError, TypeError, BufferError):
+        return None
+
+
 def validate_samples(
     tokens: Sequence[np.ndarray],
     masks: Sequence[tuple[np.ndarray, np.ndarray]],

@@ -36,7 +36,7 @@ from rollstream.common.miles import (
     weight_version_calls,
 )
 from rollstream.common.trajectory import Gap
-from rollstream.common.validation import pack_csr
+from rollstream.common.validation import pack_checked, pack_csr
 from rollstream.common.versions import ordered_version
 
 from .assembly import Delivery
@@ -199,6 +199,46 @@ def pack_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return [sorted(positions) for positions in groups]
 
 
+# Log-probs a sample may carry beside `log_probs`: `pack_checked` leaves their rule to the packed batch's check.
+_LOG_PROBS_BESIDE = (*TOKEN_LOG_PROB_ARRAYS, *SUPPORT_LOG_PROB_ARRAYS)
+# What `pack_checked` writes, in its order.
+_PACKED_CHECKED_OUT = ("tokens", "response_tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets")
+
+
+def _packed_per_token(arrays: Sequence[Mapping[str, np.ndarray]], lengths: Mapping[str, np.ndarray], masked: bool,
+                      device: torch.device) -> dict[str, torch.Tensor]:
+    """The per-token arrays every sample carries, each laid end to end on
+    `device` (the support ids and offsets by `pack_csr`)."""
+    sequences = [part for a in arrays for part in (a["prompt_tokens"], a["tokens"])]
+    ragged = {
+        "tokens": concat_to_device(sequences, np.int32, device),
+        "response_tokens": concat_to_device([a["tokens"] for a in arrays], np.int32, device),
+        "loss_mask": concat_to_device([a["loss_mask"] for a in arrays], np.uint8, device),
+        "log_probs": concat_to_device([a["log_probs"] for a in arrays], np.float32, device),
+    }
+    if masked:
+        ids, ids_view = _host_buffer((int(lengths["mask_ids"].sum()),), torch.int32, device)
+        offsets, offsets_view = _host_buffer((int(lengths["response"].sum()) + 1,), torch.int64, device)
+        pack_csr([a["mask_ids"] for a in arrays], [a["mask_offsets"] for a in arrays], out=(ids_view, offsets_view))
+        ragged["mask_ids"], ragged["mask_offsets"] = _upload(ids, device), _upload(offsets, device)
+    return ragged
+
+
+def _packed_checked(arrays: list[Mapping[str, np.ndarray]], lengths: Mapping[str, np.ndarray], masked: bool,
+                    vocab_size: int | None) -> tuple[dict[str, torch.Tensor], bool] | None:
+    """`_packed_per_token` on the CPU by `pack_checked`, with whether every
+    sample kept the per-token rules; None where it cannot pack them."""
+    sequence, response = int(lengths["sequence"].sum()), int(lengths["response"].sum())
+    ragged = {"tokens": torch.empty(sequence, dtype=torch.int32), "response_tokens": torch.empty(response, dtype=torch.int32),
+              "log_probs": torch.empty(response, dtype=torch.float32), "loss_mask": torch.empty(response, dtype=torch.uint8)}
+    if masked:
+        ragged["mask_ids"] = torch.empty(int(lengths["mask_ids"].sum()), dtype=torch.int32)
+        ragged["mask_offsets"] = torch.empty(response + 1, dtype=torch.int64)
+    out = [ragged[name].numpy() if name in ragged else None for name in _PACKED_CHECKED_OUT]
+    valid = pack_checked(arrays, out, vocab_size)
+    return None if valid is None else (ragged, valid)
+
+
 @dataclass(frozen=True, eq=False)
 class Batch:
     """Packed samples on `device`; see the module docstring for the layout.
@@ -252,28 +292,41 @@ class Batch:
         """Pack deliveries whose per-sample structure is already checked
         (`validate.sample_violations`): aligned fields, well-formed offsets,
         every sample carrying the same replay fields."""
-        device = as_device(device)
+        return cls._packed(deliveries, as_device(device), seq, reward_key, check=False)[0]
+
+    @classmethod
+    def checked_from_deliveries(
+        cls, deliveries: Sequence[Delivery], *, device=None, seq: int = 0, reward_key: str | None = None,
+        vocab_size: int | None = None,
+    ) -> tuple["Batch", bool]:
+        """`from_deliveries`, and whether every per-token rule the check of the
+        packed batch applies (`validate.batch_verdict`) was seen to hold while
+        packing: on the CPU, for samples carrying no log-probs beyond
+        `log_probs`, each sample is checked as it is copied, in one compiled
+        pass (`pack_checked`). False says only that it was not seen: the
+        packed batch is then checked as usual."""
+        return cls._packed(deliveries, as_device(device), seq, reward_key, check=True, vocab_size=vocab_size)
+
+    @classmethod
+    def _packed(cls, deliveries: Sequence[Delivery], device: torch.device, seq: int, reward_key: str | None, *,
+                check: bool, vocab_size: int | None = None) -> tuple["Batch", bool]:
+        """The batch, and whether packing saw every per-token rule kept (asked only with `check`)."""
         arrays = [d.arrays for d in deliveries]
         prompt = np.array([len(a["prompt_tokens"]) for a in arrays], dtype=np.int64)
         response = np.array([len(a["tokens"]) for a in arrays], dtype=np.int64)
         lengths = {"prompt": prompt, "response": response, "sequence": prompt + response}
-        sequences = [part for a in arrays for part in (a["prompt_tokens"], a["tokens"])]
-        ragged = {
-            "tokens": concat_to_device(sequences, np.int32, device),
-            "response_tokens": concat_to_device([a["tokens"] for a in arrays], np.int32, device),
-            "loss_mask": concat_to_device([a["loss_mask"] for a in arrays], np.uint8, device),
-            "log_probs": concat_to_device([a["log_probs"] for a in arrays], np.float32, device),
-        }
+        masked = bool(arrays) and "mask_ids" in arrays[0]
+        if masked:
+            lengths["mask_ids"] = np.array([len(a["mask_ids"]) for a in arrays], dtype=np.int64)
+        packed = None
+        if check and device.type == "cpu" and arrays and not any(name in arrays[0] for name in _LOG_PROBS_BESIDE):
+            packed = _packed_checked(arrays, lengths, masked, vocab_size)
+        ragged, seen_valid = packed or (_packed_per_token(arrays, lengths, masked, device), False)
+        mask_offsets = ragged.pop("mask_offsets", None)
         for name in TOKEN_LOG_PROB_ARRAYS:
             if arrays and name in arrays[0]:
                 ragged[name] = concat_to_device([a[name] for a in arrays], np.float32, device)
-        mask_offsets = None
-        if arrays and "mask_ids" in arrays[0]:
-            lengths["mask_ids"] = np.array([len(a["mask_ids"]) for a in arrays], dtype=np.int64)
-            ids, ids_view = _host_buffer((int(lengths["mask_ids"].sum()),), torch.int32, device)
-            offsets, offsets_view = _host_buffer((int(response.sum()) + 1,), torch.int64, device)
-            pack_csr([a["mask_ids"] for a in arrays], [a["mask_offsets"] for a in arrays], out=(ids_view, offsets_view))
-            ragged["mask_ids"], mask_offsets = _upload(ids, device), _upload(offsets, device)
+        if masked:
             for name in SUPPORT_LOG_PROB_ARRAYS:  # laid out as the ids are: sample after sample
                 if name in arrays[0]:
                     ragged[name] = concat_to_device([a[name] for a in arrays], np.float32, device)
@@ -304,7 +357,7 @@ class Batch:
         uploaded = to_device_together({**host_per_sample, **_bounds(lengths, host)}, device)
         per_sample = {name: uploaded.pop(name) for name in host_per_sample}
         per_sample["rewards"] = to_device(rewards, device)
-        return cls._assemble(seq, device, ragged, per_sample, mask_offsets, lengths, host, bounds=uploaded)
+        return cls._assemble(seq, device, ragged, per_sample, mask_offsets, lengths, host, bounds=uploaded), seen_valid
 
     @classmethod
     def _assemble(cls, seq, device, ragged, per_sample, mask_offsets, lengths, host,

@@ -18,12 +18,16 @@ exactly 0.0. A sampled token kept out of the loss whose reported log-prob
 rounds to exactly 0.0 while its support holds several ids would be flagged
 too; it cannot affect training, but it is reported rather than guessed away.
 
-On the CPU the per-token pass runs on numpy views of the batch's
-tensors (zero-copy; numpy's element-wise passes and gathers are faster than
-torch's there, and torch's prefix sums are used on numpy buffers where they
-win); on a GPU it runs as torch ops that reduce every check to a flag on
-the device (`batch_verdict`), so a valid batch costs one host read, and
-failing positions are searched only when a flag is set.
+On the CPU, where the compiled module is built and the samples carry no
+log-probs beyond `log_probs`, packing checks each sample as it copies it
+(`Batch.checked_from_deliveries`), while its bytes are in cache, and the
+packed batch is checked only when that saw a rule broken. Otherwise the
+per-token pass runs on numpy views of the batch's tensors (zero-copy;
+numpy's element-wise passes and gathers are faster than torch's there, and
+torch's prefix sums are used on numpy buffers where they win); on a GPU it
+runs as torch ops that reduce every check to a flag on the device
+(`batch_verdict`), so a valid batch costs one host read, and failing
+positions are searched only when a flag is set.
 """
 from __future__ import annotations
 
@@ -190,11 +194,14 @@ def checked_batch(
 ) -> tuple[Batch, list[Violation], list[int]]:
     """Both stages. Returns the batch of every packable delivery, each
     violation with `sample` = its position in `deliveries`, and for each
-    batch sample the position of its delivery."""
+    batch sample the position of its delivery. The packed batch's check is
+    spared where packing saw every sample keep its rules
+    (`Batch.checked_from_deliveries`)."""
     found = sample_violations(deliveries)
     unpackable = {v.sample for v in found}
     packed = [i for i in range(len(deliveries)) if i not in unpackable]
-    batch = Batch.from_deliveries([deliveries[i] for i in packed], device=device, seq=seq, reward_key=reward_key)
-    for v in batch_violations(batch, vocab_size=vocab_size):
+    batch, seen_valid = Batch.checked_from_deliveries([deliveries[i] for i in packed], device=device, seq=seq,
+                                                      reward_key=reward_key, vocab_size=vocab_size)
+    for v in [] if seen_valid else batch_violations(batch, vocab_size=vocab_size):
         found.append(Violation(v.rule, packed[v.sample], v.position, v.count, v.detail))
     return batch, sorted(found, key=lambda v: v.sample), packed

@@ -11,6 +11,7 @@ from consumer_helpers import VOCAB, deliveries, delivery, make_rollout, writable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rollstream.common import validation as validation_module
 from rollstream.common.mask import SamplingMask
 from rollstream.common.trajectory import Trajectory, Turn
 from rollstream.common.validation import (
@@ -93,10 +94,11 @@ def corrupt(kind, d, draw):
         shifted[0] = draw(st.integers(1, 3))
         return writable(d, mask_offsets=shifted), RULE_OFFSETS_START, None
     if kind == "offsets_end":  # one id short (and its log-prob: the offsets alone are wrong)
-        return writable(d, mask_ids=np.array(a["mask_ids"][:-1]), mask_log_probs=np.array(a["mask_log_probs"][:-1])), \
-            RULE_OFFSETS_END, None
+        beside = {"mask_log_probs": np.array(a["mask_log_probs"][:-1])} if "mask_log_probs" in a else {}
+        return writable(d, mask_ids=np.array(a["mask_ids"][:-1]), **beside), RULE_OFFSETS_END, None
     if kind == "misaligned":
-        name = draw(st.sampled_from(["loss_mask", "log_probs", "mask_offsets", "full_log_probs"]))
+        name = draw(st.sampled_from([name for name in ("loss_mask", "log_probs", "mask_offsets", "full_log_probs")
+                                     if name in a]))
         return writable(d, **{name: np.array(a[name][:-1])}), RULE_ALIGNED, None
     if kind == "full_log_prob_value":
         full = np.array(a["full_log_probs"])
@@ -146,6 +148,46 @@ def test_every_corruption_is_caught_with_trajectory_and_position(backend, seed, 
     assert any(v.rule == rule and v.position == position for v in found), (rule, position, found)
     error = BatchValidationError(found, [d.trajectory_id for d in batch])
     assert batch[victim].trajectory_id in str(error) and rule in str(error)
+
+
+# The corruptions a batch without `full_log_probs` and `mask_log_probs` can carry: on the CPU, packing checks
+# such a batch itself (`Batch.checked_from_deliveries`), and the packed batch is checked only when it saw a rule broken.
+PLAIN_KINDS = [
+    "token_outside_support", "mask_id_out_of_vocab", "token_out_of_vocab", "loss_mask_value", "empty_support",
+    "log_prob_value", "forced_not_singleton", "offsets_start", "offsets_end", "misaligned", "prompt_out_of_vocab",
+    "missing_mask",
+]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), size=st.integers(2, 6), kind=st.sampled_from(PLAIN_KINDS), data=st.data())
+def test_every_corruption_of_a_batch_packing_checks_is_caught_with_trajectory_and_position(seed, size, kind, data):
+    batch = deliveries(np.random.default_rng(seed), size)
+    victim = data.draw(st.integers(0, size - 1))
+    batch[victim], rule, position = corrupt(kind, batch[victim], data.draw)
+    _, found, packed = checked_batch(batch, vocab_size=VOCAB)
+    assert {v.sample for v in found} == {victim}, found
+    assert any(v.rule == rule and v.position == position for v in found), (rule, position, found)
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_packing_on_the_cpu_checks_a_plain_batch_itself_and_packs_it_as_from_deliveries_does(mask):
+    """What spares the packed batch's check, and only where packing saw the
+    rules kept: a support missing its token is seen, and a batch carrying
+    log-probs beside `log_probs` is left to the packed check."""
+    batch = deliveries(np.random.default_rng(8), 4, mask=mask)
+    packed, seen_valid = Batch.checked_from_deliveries(batch, vocab_size=VOCAB)
+    assert seen_valid is (validation_module._native is not None)
+    plain = Batch.from_deliveries(batch)
+    for name in ("tokens", "response_tokens", "loss_mask", "log_probs", "mask_ids", "mask_offsets"):
+        got, expected = getattr(packed, name), getattr(plain, name)
+        assert (got is None and expected is None) or (got.dtype == expected.dtype and torch.equal(got, expected)), name
+    tokens = np.array(batch[2].arrays["tokens"])
+    tokens[1] = VOCAB + 1
+    broken = [*batch[:2], writable(batch[2], tokens=tokens), batch[3]]
+    assert Batch.checked_from_deliveries(broken, vocab_size=VOCAB)[1] is False
+    full = deliveries(np.random.default_rng(8), 4, mask=mask, full=True)
+    assert Batch.checked_from_deliveries(full, vocab_size=VOCAB)[1] is False
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

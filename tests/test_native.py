@@ -195,3 +195,94 @@ def test_arrays_of_other_dtypes_are_refused_and_the_content_check_takes_them_wit
               "mask_offsets": np.array([0, 1, 2], np.int64)}
     assert validation.messages_content_valid([arrays, arrays], 8)
     assert not validation.messages_content_valid([arrays, {**arrays, "tokens": np.array([2, 2], np.int64)}], 8)
+
+
+@st.composite
+def samples(draw):
+    """Samples as deliveries carry them, keeping every rule (forced tokens:
+    loss 0, log-prob 0.0, a singleton support), then up to two values
+    changed, which may break one."""
+    supports = draw(st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=20), max_size=10))
+    forced = [len(s) == 1 and draw(st.booleans()) for s in supports]
+    arrays = {
+        "prompt_tokens": np.array(draw(st.lists(st.integers(0, 40), max_size=4)), np.int32),
+        "tokens": np.array([draw(st.sampled_from(s)) for s in supports], np.int32),
+        "log_probs": np.array([0.0 if f else draw(st.sampled_from([-2.0, -0.5, -0.0])) for f in forced], np.float32),
+        "loss_mask": np.array([0 if f else draw(st.sampled_from([0, 1])) for f in forced], np.uint8),
+        "mask_ids": np.array([i for s in supports for i in s], np.int32),
+        "mask_offsets": np.cumsum([0, *map(len, supports)]).astype(np.int64),
+    }
+    changes = {"prompt_tokens": [-1, 41], "tokens": [-1, 41, 3], "log_probs": [0.0, 0.01, np.nan, -np.inf],
+               "loss_mask": [0, 2], "mask_ids": [-1, 41, 7], "mask_offsets": [-1, 0, 3, 10**12]}
+    for name in draw(st.lists(st.sampled_from(sorted(changes)), max_size=2)):
+        if len(arrays[name]):
+            arrays[name] = arrays[name].copy()
+            arrays[name][draw(st.integers(0, len(arrays[name]) - 1))] = draw(st.sampled_from(changes[name]))
+    return arrays
+
+
+def _packed_with_numpy(batch, vocab_size):
+    """The batch packed by `np.concatenate` and `pack_csr`, and whether it
+    is valid: the packed batch's verdict (`packed_flags`, as the consumer
+    checks it) and each sample's offsets framing its ids."""
+    with numpy_only():
+        ids, offsets = validation.pack_csr([a["mask_ids"] for a in batch], [a["mask_offsets"] for a in batch])
+        tokens = np.concatenate([np.empty(0, np.int32), *(a["tokens"] for a in batch)])
+        sequences = np.concatenate([np.empty(0, np.int32), *(part for a in batch for part in (a["prompt_tokens"], a["tokens"]))])
+        log_probs = np.concatenate([np.empty(0, np.float32), *(a["log_probs"] for a in batch)])
+        loss_mask = np.concatenate([np.empty(0, np.uint8), *(a["loss_mask"] for a in batch)])
+        response = np.array([len(a["tokens"]) for a in batch], np.int64)
+        sequence = np.array([len(a["prompt_tokens"]) + len(a["tokens"]) for a in batch], np.int64)
+        verdict = validation.Verdict(
+            validation.packed_flags(tokens, response, ids, offsets, vocab_size=vocab_size, loss_mask=loss_mask,
+                                    log_probs=log_probs),
+            validation.packed_flags(sequences, sequence, vocab_size=vocab_size))
+    # Each sample's own offsets run from 0 to its ids' end (the consumer checks that before packing:
+    # `validate.sample_violations`), which the packed offsets no longer show.
+    framed = all(a["mask_offsets"][0] == 0 and a["mask_offsets"][-1] == len(a["mask_ids"]) for a in batch)
+    return [sequences, tokens, log_probs, loss_mask, ids, offsets], verdict.passed() and framed
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(samples(), max_size=4), st.sampled_from([41, 30, None]))
+def test_packing_checked_lays_samples_out_as_numpy_and_agrees_with_the_packed_check(batch, vocab_size):
+    expected, valid = _packed_with_numpy(batch, vocab_size)
+    out = [np.full(len(array), 99, array.dtype) for array in expected]
+    assert validation.pack_checked(batch, out, vocab_size) is valid
+    for got, want in zip(out, expected):
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()  # bytes: NaN log-probs compare too
+
+
+def test_samples_without_a_mask_are_packed_checked_too():
+    batch = [{"prompt_tokens": np.array([1], np.int32), "tokens": np.array([2, 40], np.int32),
+              "log_probs": np.array([-1.0, -0.5], np.float32), "loss_mask": np.array([1, 1], np.uint8)}]
+    out = [np.empty(3, np.int32), np.empty(2, np.int32), np.empty(2, np.float32), np.empty(2, np.uint8), None, None]
+    assert validation.pack_checked(batch, out, 41) is True
+    assert out[0].tolist() == [1, 2, 40] and out[1].tolist() == [2, 40] and out[3].tolist() == [1, 1]
+    assert validation.pack_checked(batch, out, 40) is False  # token 40 is past a vocabulary of 40
+
+
+def test_samples_packing_checked_cannot_take_are_refused_naming_the_rule_with_nothing_written():
+    sample = {"prompt_tokens": np.array([1], np.int32), "tokens": np.array([2], np.int32),
+              "log_probs": np.array([-1.0], np.float32), "loss_mask": np.array([1], np.uint8),
+              "mask_ids": np.array([2], np.int32), "mask_offsets": np.array([0, 1], np.int64)}
+
+    def outs(sequences=2, ids=1):
+        return [np.full(sequences, 7, np.int32), np.full(1, 7, np.int32), np.full(1, 7, np.float32), np.full(1, 7, np.uint8),
+                np.full(ids, 7, np.int32), np.full(2, 7, np.int64)]
+
+    cases = [
+        ([sample, {**sample, "log_probs": np.array([-1.0, -1.0], np.float32)}], outs(4, 2), "align with its tokens"),
+        ([sample, {**sample, "mask_offsets": np.array([0], np.int64)}], outs(4, 2), "align with its tokens"),
+        ([sample, {k: v for k, v in sample.items() if k != "loss_mask"}], outs(4, 2), "carries the arrays packed"),
+        ([{**sample, "tokens": np.array([2], np.int64)}], outs(), "tokens is a 1-D array of 4-byte"),
+        ([sample], outs(3), "exactly the size"),
+        ([sample], outs(ids=2), "exactly the size"),
+    ]
+    for batch, out, rule in cases:
+        with pytest.raises(ValueError, match=rule):
+            native.pack_checked(batch, validation._SAMPLE_ROLES, tuple(out), 41, validation.LOG_PROB_TOLERANCE)
+        assert all(o is None or (o == 7).all() for o in out)  # nothing written
+        assert validation.pack_checked(batch, out, 41) is None  # the caller packs them its own way
+    with numpy_only():
+        assert validation.pack_checked([sample], outs(), 41) is None
