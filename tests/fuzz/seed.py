@@ -152,6 +152,14 @@ def _trajectory() -> Trajectory:
     return trajectory
 
 
+def _plain_trajectory() -> Trajectory:
+    trajectory = Trajectory("p", np.array([1, 2], np.int32))
+    trajectory.append_turn(Turn.build([10, 11], [-0.5, -0.25], supports=[[10, 4], [11]], forced_tokens=[20]))
+    trajectory.append_turn(Turn.build([12], [-1.0], supports=[[12, 5, 6]]))
+    trajectory.reward = 1.0
+    return trajectory
+
+
 def broker_to_consumer() -> dict[str, bytes]:
     b2c = BROKER_TO_CONSUMER
     trajectory = _trajectory()
@@ -161,6 +169,8 @@ def broker_to_consumer() -> dict[str, bytes]:
                                           "queued": 3, "max_unsealed_bytes": 1 << 30, "job": "eval"}),
         "deliver": encode_deliver(trajectory, "lease-1", group_left=0, delivery_count=1, queued=2),
         "deliver-packed": encode_deliver(trajectory, "lease-2", may_pack=True, replay=True),
+        # No log-probs beside `log_probs` and a plain reward: a consumer on the CPU checks it as it packs it.
+        "deliver-plain": encode_deliver(_plain_trajectory(), "lease-3", may_pack=True),
         "acked": encode(b2c, "acked", {"leases": ["lease-1"]}),
         "nacked": encode(b2c, "nacked", {"leases": ["lease-2"], "seq": 3}),
         "queued": encode(b2c, "queued", {"n": 4}),

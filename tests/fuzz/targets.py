@@ -80,6 +80,9 @@ from rollstream.common.segments import HEADER, MAGIC, SegmentDamaged, SegmentLog
 from rollstream.common.trajectory import Turn
 from rollstream.common.validation import check_message_arrays, messages_content_valid
 from rollstream.common.wire import encode_turn, trajectory_from_deliver, turn_from_message
+from rollstream.consumer.assembly import Delivery
+from rollstream.consumer.batch import Batch
+from rollstream.consumer.validate import batch_violations, sample_violations
 from rollstream.producer.cli import producer as producer_command
 from rollstream.producer.cursor import FILE as CURSOR_FILE
 from rollstream.producer.cursor import CursorError, PromptCursor
@@ -333,10 +336,27 @@ def broker_to_consumer(data: bytes) -> None:
             if message.type == "deliver":
                 trajectory_from_deliver(message)
     try:
-        decode(frames, BROKER_TO_CONSUMER, check_content=False)
+        message = decode(frames, BROKER_TO_CONSUMER, check_content=False)
     except RemoteProtocolError:
         with contextlib.suppress(RemoteProtocolError):
             decode_header(frames[0])
+    else:
+        if message.type == "deliver":
+            _consumer_checks(message)
+
+
+def _consumer_checks(message) -> None:
+    """A delivery through the consumer's batch checks (consumer/validate.py):
+    the per-sample structure, then packing, which checks each sample as it
+    copies it where it can; what it saw valid the packed batch's check must
+    find valid too. (Its reward is set to a number: a map would need the
+    trainer's `reward_key`, which is not what is checked here.)"""
+    delivery = Delivery(message["trajectory_id"], {**message.fields, "reward": 0.0}, message.arrays, 0)
+    if sample_violations([delivery]):
+        return
+    batch, seen_valid = Batch.checked_from_deliveries([delivery], vocab_size=VOCAB)
+    found = batch_violations(batch, vocab_size=VOCAB)
+    assert not (seen_valid and found), f"packing saw a delivery keep every rule the packed check finds broken: {found}"
 
 
 # -- admin ---------------------------------------------------------------------------
