@@ -169,7 +169,7 @@ def gather_index(starts: np.ndarray, lengths: np.ndarray, device: torch.device) 
 
 
 def reward_value(reward, reward_key: str | None, trajectory_id: str) -> float:
-    if isinstance(reward, Mapping):
+    if type(reward) is not float and isinstance(reward, Mapping):  # the common float skips typing's slow isinstance
         if reward_key is None or reward_key not in reward:
             raise InvalidInput(
                 f"trajectory {trajectory_id!r} has a map reward with keys {sorted(reward)}; expected a number, "
