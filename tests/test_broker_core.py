@@ -3,8 +3,11 @@ sockets, store or clock: what it asks for, in which order, and what goes out.
 The whole state machine runs in tests/test_broker_state_machine.py; these
 are the rules that live between the cores."""
 from broker_helpers import drive, end_msg, housekeep, turn_msg
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from rollstream.broker.core import BrokerCore, Commit, Probe, ReadDigests, Reload, Send, Sent, producer_live_for
+from rollstream.broker.engine import PutTurn
 from rollstream.broker.metrics import BrokerMetrics
 from rollstream.broker.recovery import Rebuilt
 from rollstream.broker.settings import BrokerSettings
@@ -255,3 +258,66 @@ def test_a_consumer_that_asks_is_told_what_waits_queued_in_its_welcome_deliverie
     assert revoked.type == "revoked" and revoked["queued"] == 3 and revoked["seq"] == 4
     # The credit granted in the same batch went with the revoke: nothing was delivered.
     assert broker.dispatcher.consumers[C].trajectory_credit == 0 and broker.dispatcher.queued_in("default") == 3
+
+
+# -- turn stretches -------------------------------------------------------------------------
+_ITEMS = st.tuples(st.sampled_from([P, Q]), st.sampled_from(["a", "b"]), st.sampled_from(["turn", "turn", "turn", "end", "ping"]),
+                   st.integers(0, 3), st.integers(0, 1))
+
+
+def _answered(reads, *, stretches: bool, reads_fail: bool, **settings) -> tuple[list, dict]:
+    """Every reply the core sends for `reads` (each a list of (connection,
+    trajectory, kind, turn index, content variant)), read after read, and
+    the trajectories it holds after: with turn stretches, or with each
+    message handed to the engine alone. With `reads_fail`, the store cannot
+    read a stored digest back."""
+    broker = core(**settings)
+    if not stretches:
+        broker._stretch_end = lambda received, start: start + 1
+    stored: dict[tuple[str, int], bytes] = {}  # what a store would read back: each committed turn's digest
+
+    def commit(request: Commit) -> None:
+        for effect in request.effects:
+            if isinstance(effect, PutTurn):
+                stored[(effect.trajectory_id, effect.turn)] = effect.digest or content_digest(effect.message)
+
+    answered, seq = [], 0
+    for t, read in enumerate(reads):
+        received = []
+        for identity, tid, kind, index, variant in read:
+            seq += 1
+            if kind == "turn":
+                message = turn_msg(tid, index, tokens=(10 + variant,), seq=seq)
+            elif kind == "end":
+                message = end_msg(tid, seq=seq, turns=index + 1)
+            else:
+                message = decode(encode(PRODUCER_TO_BROKER, "ping", {"seq": seq}), PRODUCER_TO_BROKER)
+            broker.frame_arrived(identity, 4096, float(t))
+            received.append((identity, message, None))
+        asked = drive(broker.producer_read(received, at(float(t))), Commit=commit,
+                      ReadDigests=lambda request: {key: StoreUnavailable("cannot read") if reads_fail else stored[key]
+                                                   for key in request.keys})
+        answered.append([(r.identity, decode(r.frames, BROKER_TO_PRODUCER).fields) for r in asked
+                         if isinstance(r, Send) and r.socket == "producer"])
+    held = {tid: (entry.state, entry.next_turn, [applied for _, applied, _ in entry.outcomes])
+            for tid, entry in broker.engine.entries.items()}
+    return answered, held
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(_ITEMS, max_size=8), max_size=4), st.sampled_from([64 << 30, 16_000]), st.booleans())
+# A resend whose digest cannot be read, then the next turn: the store stops before that turn.
+@example([[(P, "a", "turn", 0, 0), (P, "a", "turn", 1, 0)], [(P, "a", "turn", 1, 0), (P, "a", "turn", 2, 0)]], 64 << 30, True)
+# Turns of one trajectory from two connections, one after the other.
+@example([[(P, "a", "turn", 0, 0), (Q, "a", "turn", 1, 0)]], 64 << 30, False)
+def test_a_read_is_answered_alike_with_turn_stretches_and_with_each_message_alone(reads, max_disk_bytes, reads_fail):
+    """Whether a message may enter is asked of a whole stretch before the
+    engine merges it, so a stretch must form only where that cannot depend
+    on the turns before it (`BrokerCore._stretch_end`): reads of turns in
+    and out of order, resends with the same and other content, ends and
+    pings from two connections, under a disk budget that runs out as they
+    arrive, and with a store that cannot read a resend's digest back (which
+    stops the store for the rest of the read), are answered reply for reply
+    and leave the same trajectories."""
+    settings_ = {"max_disk_bytes": max_disk_bytes, "reads_fail": reads_fail}
+    assert _answered(reads, stretches=True, **settings_) == _answered(reads, stretches=False, **settings_)
