@@ -323,19 +323,23 @@ messages_content_valid(PyObject *self, PyObject *args)
     return PyBool_FromLong(valid);
 }
 
-/* The arrays `pack_checked` reads from each sample, by role, in the order it is given their names. */
-enum { SAMPLE_TOKENS, SAMPLE_LOG_PROBS, SAMPLE_LOSS_MASK, SAMPLE_IDS, SAMPLE_OFFSETS, SAMPLE_PROMPT, SAMPLE_ROLES };
+/* The arrays `pack_checked` reads from each sample, by role, in the order it is given their names: the last
+ * two (log-probs over the whole vocabulary, one per token; the support's, one per id) only when it writes them. */
+enum { SAMPLE_TOKENS, SAMPLE_LOG_PROBS, SAMPLE_LOSS_MASK, SAMPLE_IDS, SAMPLE_OFFSETS, SAMPLE_PROMPT, SAMPLE_FULL_LOG_PROBS,
+       SAMPLE_MASK_LOG_PROBS, SAMPLE_ROLES };
 static const struct { Py_ssize_t itemsize; const char *kinds; } sample_kinds[SAMPLE_ROLES] = {
-    {4, "ilq"}, {4, "f"}, {1, "B"}, {4, "ilq"}, {8, "ilq"}, {4, "ilq"},
+    {4, "ilq"}, {4, "f"}, {1, "B"}, {4, "ilq"}, {8, "ilq"}, {4, "ilq"}, {4, "f"}, {4, "f"},
 };
 /* And what it writes, in the order it is given them. */
-enum { OUT_SEQUENCES, OUT_TOKENS, OUT_LOG_PROBS, OUT_LOSS_MASK, OUT_IDS, OUT_OFFSETS, OUTS };
+enum { OUT_SEQUENCES, OUT_TOKENS, OUT_LOG_PROBS, OUT_LOSS_MASK, OUT_IDS, OUT_OFFSETS, OUT_FULL_LOG_PROBS,
+       OUT_MASK_LOG_PROBS, OUTS };
 static const struct { Py_ssize_t itemsize; const char *kinds; const char *name; } out_kinds[OUTS] = {
     {4, "ilq", "sequences out"}, {4, "ilq", "tokens out"}, {4, "f", "log_probs out"}, {1, "B", "loss_mask out"},
-    {4, "ilq", "mask_ids out"}, {8, "ilq", "mask_offsets out"},
+    {4, "ilq", "mask_ids out"}, {8, "ilq", "mask_offsets out"}, {4, "f", "full_log_probs out"},
+    {4, "f", "mask_log_probs out"},
 };
 
-/* One sample's views; `masked` when it carries a sampling mask. */
+/* One sample's views, those of the roles `wanted` held. */
 typedef struct { Py_buffer view[SAMPLE_ROLES]; int held[SAMPLE_ROLES]; } sample_t;
 
 static void
@@ -348,10 +352,11 @@ release_sample(sample_t *sample)
     }
 }
 
-/* Sample `m`'s arrays, its aligned lengths checked (what packing needs to
- * stay inside `outs`); -1 with ValueError naming the rule otherwise. */
+/* Sample `m`'s arrays of the `wanted` roles, its aligned lengths checked
+ * (what packing needs to stay inside `outs`); -1 with ValueError naming the
+ * rule otherwise. */
 static int
-get_sample(PyObject *arrays, PyObject *names, int masked, Py_ssize_t m, sample_t *sample)
+get_sample(PyObject *arrays, PyObject *names, const int *wanted, Py_ssize_t m, sample_t *sample)
 {
     memset(sample->held, 0, sizeof sample->held);
     if (!PyDict_Check(arrays)) {
@@ -359,7 +364,7 @@ get_sample(PyObject *arrays, PyObject *names, int masked, Py_ssize_t m, sample_t
         return -1;
     }
     for (int r = 0; r < SAMPLE_ROLES; r++) {
-        if (!masked && (r == SAMPLE_IDS || r == SAMPLE_OFFSETS))
+        if (!wanted[r])
             continue;
         PyObject *name = PyTuple_GET_ITEM(names, r);
         PyObject *value = PyDict_GetItemWithError(arrays, name);
@@ -377,11 +382,14 @@ get_sample(PyObject *arrays, PyObject *names, int masked, Py_ssize_t m, sample_t
         }
         sample->held[r] = 1;
     }
-    Py_ssize_t n = sample->view[SAMPLE_TOKENS].shape[0];
-    if (sample->view[SAMPLE_LOG_PROBS].shape[0] != n || sample->view[SAMPLE_LOSS_MASK].shape[0] != n
-            || (masked && sample->view[SAMPLE_OFFSETS].shape[0] != n + 1)) {
-        PyErr_Format(PyExc_ValueError, "rule 'a sample's per-token arrays align with its tokens' not met: sample %zd "
-                     "has %zd tokens", m, n);
+    const Py_buffer *v = sample->view;
+    Py_ssize_t n = v[SAMPLE_TOKENS].shape[0];
+    if (v[SAMPLE_LOG_PROBS].shape[0] != n || v[SAMPLE_LOSS_MASK].shape[0] != n
+            || (wanted[SAMPLE_OFFSETS] && v[SAMPLE_OFFSETS].shape[0] != n + 1)
+            || (wanted[SAMPLE_FULL_LOG_PROBS] && v[SAMPLE_FULL_LOG_PROBS].shape[0] != n)
+            || (wanted[SAMPLE_MASK_LOG_PROBS] && v[SAMPLE_MASK_LOG_PROBS].shape[0] != v[SAMPLE_IDS].shape[0])) {
+        PyErr_Format(PyExc_ValueError, "rule 'a sample's per-token and per-id arrays align with its tokens and ids' not "
+                     "met: sample %zd has %zd tokens", m, n);
         release_sample(sample);
         return -1;
     }
@@ -415,7 +423,7 @@ sample_supports_hold(const sample_t *sample)
  * positions), its offsets moved past the ids before it, then check it while
  * its bytes are in cache. */
 static int
-pack_sample(const sample_t *sample, char **out, Py_ssize_t at[3], int masked, long long bound, double tolerance)
+pack_sample(const sample_t *sample, char **out, Py_ssize_t at[3], long long bound, double tolerance)
 {
     const Py_buffer *v = sample->view;
     Py_ssize_t n = v[SAMPLE_TOKENS].shape[0], prompt = v[SAMPLE_PROMPT].shape[0];
@@ -427,9 +435,17 @@ pack_sample(const sample_t *sample, char **out, Py_ssize_t at[3], int masked, lo
     memcpy((uint8_t *)out[OUT_LOSS_MASK] + at[1], v[SAMPLE_LOSS_MASK].buf, n);
     int valid = buffer_ids_below(&v[SAMPLE_PROMPT], bound) && flags_hold(&v[SAMPLE_LOSS_MASK])
         && log_probs_hold(&v[SAMPLE_LOG_PROBS], tolerance);
-    if (masked) {
+    if (sample->held[SAMPLE_FULL_LOG_PROBS]) {
+        memcpy((float *)out[OUT_FULL_LOG_PROBS] + at[1], v[SAMPLE_FULL_LOG_PROBS].buf, 4 * n);
+        valid = valid && log_probs_hold(&v[SAMPLE_FULL_LOG_PROBS], tolerance);
+    }
+    if (sample->held[SAMPLE_IDS]) {
         Py_ssize_t n_ids = v[SAMPLE_IDS].shape[0];
         memcpy((int32_t *)out[OUT_IDS] + at[2], v[SAMPLE_IDS].buf, 4 * n_ids);
+        if (sample->held[SAMPLE_MASK_LOG_PROBS]) {
+            memcpy((float *)out[OUT_MASK_LOG_PROBS] + at[2], v[SAMPLE_MASK_LOG_PROBS].buf, 4 * n_ids);
+            valid = valid && log_probs_hold(&v[SAMPLE_MASK_LOG_PROBS], tolerance);
+        }
         const int64_t *offset = (const int64_t *)v[SAMPLE_OFFSETS].buf;
         int64_t *offsets = (int64_t *)out[OUT_OFFSETS] + at[1] + 1, base = (int64_t)at[2];
         for (Py_ssize_t t = 0; t < n; t++)
@@ -450,14 +466,16 @@ PyDoc_STRVAR(pack_checked_doc,
 "Lay `samples` (a list of dicts of arrays) end to end into `outs`, a tuple of\n"
 "writable arrays: every sample's prompt and response tokens, its response\n"
 "tokens, log-probs, loss mask, support ids, and offsets after a leading 0,\n"
-"each moved past the ids before it (the last two None when the samples\n"
-"carry no sampling mask). `names` are the keys of tokens, log_probs,\n"
-"loss_mask, mask_ids, mask_offsets and prompt_tokens, in that order. Returns\n"
+"each moved past the ids before it (both None when the samples carry no\n"
+"sampling mask), its full_log_probs and mask_log_probs (each None when the\n"
+"samples carry none). `names` are the keys of tokens, log_probs, loss_mask,\n"
+"mask_ids, mask_offsets, prompt_tokens, full_log_probs and mask_log_probs,\n"
+"in that order. Returns\n"
 "whether every sample keeps the per-token rules, checked as each is copied:\n"
 "supports framing their ids, strictly increasing, holding their tokens and\n"
 "singletons at forced tokens (loss mask 0, log-prob 0); ids and prompt tokens\n"
-"in [0, bound); loss-mask flags 0 or 1; log-probs at most `tolerance` and\n"
-"above -inf. ValueError names the rule when an array is of another kind,\n"
+"in [0, bound); loss-mask flags 0 or 1; every log-prob at most `tolerance`\n"
+"and above -inf. ValueError names the rule when an array is of another kind,\n"
 "a sample's arrays do not align or the outputs are not exactly their size;\n"
 "nothing is then written.");
 
@@ -477,7 +495,19 @@ pack_checked(PyObject *self, PyObject *args)
                      PyTuple_GET_SIZE(outs));
         return NULL;
     }
-    int masked = PyTuple_GET_ITEM(outs, OUT_IDS) != Py_None;
+    int wanted_out[OUTS], wanted[SAMPLE_ROLES];
+    for (int r = 0; r < OUTS; r++)
+        wanted_out[r] = PyTuple_GET_ITEM(outs, r) != Py_None;
+    if (wanted_out[OUT_IDS] != wanted_out[OUT_OFFSETS] || (wanted_out[OUT_MASK_LOG_PROBS] && !wanted_out[OUT_IDS])) {
+        PyErr_SetString(PyExc_ValueError, "rule 'support ids, offsets and support log-probs are packed together' not met: "
+                        "mask_ids out and mask_offsets out must both be given or both None, and mask_log_probs out only "
+                        "with them");
+        return NULL;
+    }
+    wanted[SAMPLE_TOKENS] = wanted[SAMPLE_LOG_PROBS] = wanted[SAMPLE_LOSS_MASK] = wanted[SAMPLE_PROMPT] = 1;
+    wanted[SAMPLE_IDS] = wanted[SAMPLE_OFFSETS] = wanted_out[OUT_IDS];
+    wanted[SAMPLE_FULL_LOG_PROBS] = wanted_out[OUT_FULL_LOG_PROBS];
+    wanted[SAMPLE_MASK_LOG_PROBS] = wanted_out[OUT_MASK_LOG_PROBS];
     Py_ssize_t count = PyList_GET_SIZE(samples);
     sample_t *sample = PyMem_Calloc(count ? count : 1, sizeof(sample_t));
     Py_buffer out[OUTS];
@@ -486,19 +516,20 @@ pack_checked(PyObject *self, PyObject *args)
     if (sample == NULL)
         return PyErr_NoMemory();
     for (; got < count && !failed; got++) {
-        if (get_sample(PyList_GET_ITEM(samples, got), names, masked, got, &sample[got]) < 0) {
+        if (get_sample(PyList_GET_ITEM(samples, got), names, wanted, got, &sample[got]) < 0) {
             failed = 1;
             break;
         }
         Py_ssize_t n = sample[got].view[SAMPLE_TOKENS].shape[0];
         need[OUT_SEQUENCES] += sample[got].view[SAMPLE_PROMPT].shape[0] + n;
         need[OUT_TOKENS] += n;
-        need[OUT_IDS] += masked ? sample[got].view[SAMPLE_IDS].shape[0] : 0;
+        need[OUT_IDS] += wanted[SAMPLE_IDS] ? sample[got].view[SAMPLE_IDS].shape[0] : 0;
     }
-    need[OUT_LOG_PROBS] = need[OUT_LOSS_MASK] = need[OUT_TOKENS];
+    need[OUT_LOG_PROBS] = need[OUT_LOSS_MASK] = need[OUT_FULL_LOG_PROBS] = need[OUT_TOKENS];
     need[OUT_OFFSETS] = need[OUT_TOKENS] + 1;
+    need[OUT_MASK_LOG_PROBS] = need[OUT_IDS];
     for (int r = 0; r < OUTS && !failed; r++) {
-        if (!masked && (r == OUT_IDS || r == OUT_OFFSETS))
+        if (!wanted_out[r])
             continue;
         if (get_vector(PyTuple_GET_ITEM(outs, r), &out[r], out_kinds[r].itemsize, out_kinds[r].kinds, 1,
                        out_kinds[r].name) < 0) {
@@ -518,10 +549,10 @@ pack_checked(PyObject *self, PyObject *args)
             buf[r] = held_out[r] ? (char *)out[r].buf : NULL;
         Py_ssize_t at[3] = {0, 0, 0};
         Py_BEGIN_ALLOW_THREADS
-        if (masked)
+        if (wanted_out[OUT_OFFSETS])
             ((int64_t *)buf[OUT_OFFSETS])[0] = 0;
         for (Py_ssize_t m = 0; m < count; m++)
-            valid &= pack_sample(&sample[m], buf, at, masked, bound, tolerance);
+            valid &= pack_sample(&sample[m], buf, at, bound, tolerance);
         Py_END_ALLOW_THREADS
     }
     for (int r = 0; r < OUTS; r++) {

@@ -909,8 +909,11 @@ def pack_csr(ids_list: Sequence[np.ndarray], offsets_list: Sequence[np.ndarray],
     return ids, offsets
 
 
+(_FULL_LOG_PROBS,) = TOKEN_LOG_PROB_ARRAYS
+(_MASK_LOG_PROBS,) = SUPPORT_LOG_PROB_ARRAYS
 # The arrays `_native.pack_checked` reads from each sample, by role, in its order.
-_SAMPLE_ROLES = ("tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets", "prompt_tokens")
+_SAMPLE_ROLES = ("tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets", "prompt_tokens", _FULL_LOG_PROBS,
+                 _MASK_LOG_PROBS)
 
 
 def pack_checked(samples: Sequence[Mapping[str, np.ndarray]], out: Sequence[np.ndarray | None],
@@ -918,7 +921,8 @@ def pack_checked(samples: Sequence[Mapping[str, np.ndarray]], out: Sequence[np.n
     """Lay samples end to end into `out` (sequences: each sample's prompt
     then response tokens; response tokens; log-probs; loss mask; support ids
     and offsets as `pack_csr` lays them, both None for samples without a
-    mask) and check `packed_flags`' rules on each sample while its bytes are
+    mask; full_log_probs and mask_log_probs, each None for samples without
+    them) and check `packed_flags`' rules on each sample while its bytes are
     in cache, instead of a pass over the packed batch per rule afterwards
     (each sample's offsets run from 0 to its ids' end as well, a rule the
     packed offsets no longer show). True when every rule holds; False when
@@ -1017,8 +1021,6 @@ def _join(parts: list[np.ndarray]) -> np.ndarray:
 _MIN, _MAX, _ALL = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce
 # The broker's fast check runs per frame and names the one optional per-token log-prob array itself: a loop over
 # the table would cost every frame without it. Unpacked, so a second entry in the table fails here, at import.
-(_FULL_LOG_PROBS,) = TOKEN_LOG_PROB_ARRAYS
-(_MASK_LOG_PROBS,) = SUPPORT_LOG_PROB_ARRAYS
 
 
 def _tokens_in_supports(tokens: np.ndarray, ids: np.ndarray, offsets: np.ndarray) -> bool:

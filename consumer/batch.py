@@ -199,16 +199,16 @@ def pack_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return [sorted(positions) for positions in groups]
 
 
-# Log-probs a sample may carry beside `log_probs`: `pack_checked` leaves their rule to the packed batch's check.
-_LOG_PROBS_BESIDE = (*TOKEN_LOG_PROB_ARRAYS, *SUPPORT_LOG_PROB_ARRAYS)
+_CPU = torch.device("cpu")
 # What `pack_checked` writes, in its order.
-_PACKED_CHECKED_OUT = ("tokens", "response_tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets")
+_PACKED_CHECKED_OUT = ("tokens", "response_tokens", "log_probs", "loss_mask", "mask_ids", "mask_offsets",
+                       *TOKEN_LOG_PROB_ARRAYS, *SUPPORT_LOG_PROB_ARRAYS)
 
 
 def _packed_per_token(arrays: Sequence[Mapping[str, np.ndarray]], lengths: Mapping[str, np.ndarray], masked: bool,
                       device: torch.device) -> dict[str, torch.Tensor]:
-    """The per-token arrays every sample carries, each laid end to end on
-    `device` (the support ids and offsets by `pack_csr`)."""
+    """The per-token and per-id arrays the samples carry, each laid end to
+    end on `device` (the support ids and offsets by `pack_csr`)."""
     sequences = [part for a in arrays for part in (a["prompt_tokens"], a["tokens"])]
     ragged = {
         "tokens": concat_to_device(sequences, np.int32, device),
@@ -221,6 +221,9 @@ def _packed_per_token(arrays: Sequence[Mapping[str, np.ndarray]], lengths: Mappi
         offsets, offsets_view = _host_buffer((int(lengths["response"].sum()) + 1,), torch.int64, device)
         pack_csr([a["mask_ids"] for a in arrays], [a["mask_offsets"] for a in arrays], out=(ids_view, offsets_view))
         ragged["mask_ids"], ragged["mask_offsets"] = _upload(ids, device), _upload(offsets, device)
+    for name in (*TOKEN_LOG_PROB_ARRAYS, *(SUPPORT_LOG_PROB_ARRAYS if masked else ())):  # the support's as the ids
+        if arrays and name in arrays[0]:
+            ragged[name] = concat_to_device([a[name] for a in arrays], np.float32, device)
     return ragged
 
 
@@ -229,14 +232,16 @@ def _packed_checked(arrays: list[Mapping[str, np.ndarray]], lengths: Mapping[str
     """`_packed_per_token` on the CPU by `pack_checked`, with whether every
     sample kept the per-token rules; None where it cannot pack them."""
     sequence, response = int(lengths["sequence"].sum()), int(lengths["response"].sum())
-    ragged = {"tokens": torch.empty(sequence, dtype=torch.int32), "response_tokens": torch.empty(response, dtype=torch.int32),
-              "log_probs": torch.empty(response, dtype=torch.float32), "loss_mask": torch.empty(response, dtype=torch.uint8)}
+    ids = int(lengths["mask_ids"].sum()) if masked else 0
+    sizes = {"tokens": (sequence, torch.int32), "response_tokens": (response, torch.int32),
+             "log_probs": (response, torch.float32), "loss_mask": (response, torch.uint8)}
     if masked:
-        ragged["mask_ids"] = torch.empty(int(lengths["mask_ids"].sum()), dtype=torch.int32)
-        ragged["mask_offsets"] = torch.empty(response + 1, dtype=torch.int64)
-    out = [ragged[name].numpy() if name in ragged else None for name in _PACKED_CHECKED_OUT]
-    valid = pack_checked(arrays, out, vocab_size)
-    return None if valid is None else (ragged, valid)
+        sizes.update(mask_ids=(ids, torch.int32), mask_offsets=(response + 1, torch.int64))
+        sizes.update((name, (ids, torch.float32)) for name in SUPPORT_LOG_PROB_ARRAYS if name in arrays[0])
+    sizes.update((name, (response, torch.float32)) for name in TOKEN_LOG_PROB_ARRAYS if name in arrays[0])
+    buffers = {name: _host_buffer((size,), dtype, _CPU) for name, (size, dtype) in sizes.items()}
+    valid = pack_checked(arrays, [buffers[name][1] if name in buffers else None for name in _PACKED_CHECKED_OUT], vocab_size)
+    return None if valid is None else ({name: host for name, (host, _) in buffers.items()}, valid)
 
 
 @dataclass(frozen=True, eq=False)
@@ -301,10 +306,9 @@ class Batch:
     ) -> tuple["Batch", bool]:
         """`from_deliveries`, and whether every per-token rule the check of the
         packed batch applies (`validate.batch_verdict`) was seen to hold while
-        packing: on the CPU, for samples carrying no log-probs beyond
-        `log_probs`, each sample is checked as it is copied, in one compiled
-        pass (`pack_checked`). False says only that it was not seen: the
-        packed batch is then checked as usual."""
+        packing: on the CPU each sample is checked as it is copied, in one
+        compiled pass (`pack_checked`). False says only that it was not seen:
+        the packed batch is then checked as usual."""
         return cls._packed(deliveries, as_device(device), seq, reward_key, check=True, vocab_size=vocab_size)
 
     @classmethod
@@ -319,17 +323,10 @@ class Batch:
         if masked:
             lengths["mask_ids"] = np.array([len(a["mask_ids"]) for a in arrays], dtype=np.int64)
         packed = None
-        if check and device.type == "cpu" and arrays and not any(name in arrays[0] for name in _LOG_PROBS_BESIDE):
+        if check and device.type == "cpu" and arrays:
             packed = _packed_checked(arrays, lengths, masked, vocab_size)
         ragged, seen_valid = packed or (_packed_per_token(arrays, lengths, masked, device), False)
         mask_offsets = ragged.pop("mask_offsets", None)
-        for name in TOKEN_LOG_PROB_ARRAYS:
-            if arrays and name in arrays[0]:
-                ragged[name] = concat_to_device([a[name] for a in arrays], np.float32, device)
-        if masked:
-            for name in SUPPORT_LOG_PROB_ARRAYS:  # laid out as the ids are: sample after sample
-                if name in arrays[0]:
-                    ragged[name] = concat_to_device([a[name] for a in arrays], np.float32, device)
         for name in CONTEXT_REPLAY_ARRAYS:
             if arrays and name in arrays[0]:
                 parts = [a[name] for a in arrays]

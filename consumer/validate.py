@@ -18,8 +18,8 @@ exactly 0.0. A sampled token kept out of the loss whose reported log-prob
 rounds to exactly 0.0 while its support holds several ids would be flagged
 too; it cannot affect training, but it is reported rather than guessed away.
 
-On the CPU, where the compiled module is built and the samples carry no
-log-probs beyond `log_probs`, packing checks each sample as it copies it
+On the CPU, where the compiled module is built, packing checks each
+sample as it copies it
 (`Batch.checked_from_deliveries`), while its bytes are in cache, and the
 packed batch is checked only when that saw a rule broken. Otherwise the
 per-token pass runs on numpy views of the batch's tensors (zero-copy;

@@ -150,8 +150,8 @@ def test_every_corruption_is_caught_with_trajectory_and_position(backend, seed, 
     assert batch[victim].trajectory_id in str(error) and rule in str(error)
 
 
-# The corruptions a batch without `full_log_probs` and `mask_log_probs` can carry: on the CPU, packing checks
-# such a batch itself (`Batch.checked_from_deliveries`), and the packed batch is checked only when it saw a rule broken.
+# The corruptions a batch without `full_log_probs` and `mask_log_probs` can carry (packing checks a batch with them
+# too: the test above runs on such batches).
 PLAIN_KINDS = [
     "token_outside_support", "mask_id_out_of_vocab", "token_out_of_vocab", "loss_mask_value", "empty_support",
     "log_prob_value", "forced_not_singleton", "offsets_start", "offsets_end", "misaligned", "prompt_out_of_vocab",
@@ -173,8 +173,8 @@ def test_every_corruption_of_a_batch_packing_checks_is_caught_with_trajectory_an
 @pytest.mark.parametrize("mask", [True, False])
 def test_packing_on_the_cpu_checks_a_plain_batch_itself_and_packs_it_as_from_deliveries_does(mask):
     """What spares the packed batch's check, and only where packing saw the
-    rules kept: a support missing its token is seen, and a batch carrying
-    log-probs beside `log_probs` is left to the packed check."""
+    rules kept: a token past the vocabulary is seen; a batch carrying
+    log-probs beside `log_probs` is packed and checked the same way."""
     batch = deliveries(np.random.default_rng(8), 4, mask=mask)
     packed, seen_valid = Batch.checked_from_deliveries(batch, vocab_size=VOCAB)
     assert seen_valid is (validation_module._native is not None)
@@ -186,8 +186,13 @@ def test_packing_on_the_cpu_checks_a_plain_batch_itself_and_packs_it_as_from_del
     tokens[1] = VOCAB + 1
     broken = [*batch[:2], writable(batch[2], tokens=tokens), batch[3]]
     assert Batch.checked_from_deliveries(broken, vocab_size=VOCAB)[1] is False
-    full = deliveries(np.random.default_rng(8), 4, mask=mask, full=True)
-    assert Batch.checked_from_deliveries(full, vocab_size=VOCAB)[1] is False
+    full = deliveries(np.random.default_rng(8), 4, mask=mask, full=True, mask_log_probs=mask)
+    packed, seen_valid = Batch.checked_from_deliveries(full, vocab_size=VOCAB)
+    assert seen_valid is (validation_module._native is not None)
+    plain = Batch.from_deliveries(full)
+    for name in ("full_log_probs", "mask_log_probs"):
+        got, expected = getattr(packed, name), getattr(plain, name)
+        assert (got is None and expected is None) or torch.equal(got, expected), name
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -198,10 +198,11 @@ def test_arrays_of_other_dtypes_are_refused_and_the_content_check_takes_them_wit
 
 
 @st.composite
-def samples(draw):
+def samples(draw, full=False, support=False):
     """Samples as deliveries carry them, keeping every rule (forced tokens:
-    loss 0, log-prob 0.0, a singleton support), then up to two values
-    changed, which may break one."""
+    loss 0, log-prob 0.0, a singleton support), with `full_log_probs` and
+    `mask_log_probs` when asked, then up to two values changed, which may
+    break one."""
     supports = draw(st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=20), max_size=10))
     forced = [len(s) == 1 and draw(st.booleans()) for s in supports]
     arrays = {
@@ -212,8 +213,14 @@ def samples(draw):
         "mask_ids": np.array([i for s in supports for i in s], np.int32),
         "mask_offsets": np.cumsum([0, *map(len, supports)]).astype(np.int64),
     }
+    if full:
+        arrays["full_log_probs"] = np.array([draw(st.sampled_from([-3.0, -0.0])) for _ in supports], np.float32)
+    if support:
+        arrays["mask_log_probs"] = np.full(len(arrays["mask_ids"]), -1.5, np.float32)
     changes = {"prompt_tokens": [-1, 41], "tokens": [-1, 41, 3], "log_probs": [0.0, 0.01, np.nan, -np.inf],
-               "loss_mask": [0, 2], "mask_ids": [-1, 41, 7], "mask_offsets": [-1, 0, 3, 10**12]}
+               "loss_mask": [0, 2], "mask_ids": [-1, 41, 7], "mask_offsets": [-1, 0, 3, 10**12],
+               "full_log_probs": [0.01, np.nan, -np.inf], "mask_log_probs": [0.5, np.nan, -np.inf]}
+    changes = {name: values for name, values in changes.items() if name in arrays}
     for name in draw(st.lists(st.sampled_from(sorted(changes)), max_size=2)):
         if len(arrays[name]):
             arrays[name] = arrays[name].copy()
@@ -233,30 +240,36 @@ def _packed_with_numpy(batch, vocab_size):
         loss_mask = np.concatenate([np.empty(0, np.uint8), *(a["loss_mask"] for a in batch)])
         response = np.array([len(a["tokens"]) for a in batch], np.int64)
         sequence = np.array([len(a["prompt_tokens"]) + len(a["tokens"]) for a in batch], np.int64)
+        beside = {name: np.concatenate([np.empty(0, np.float32), *(a[name] for a in batch)]) if batch and name in batch[0]
+                  else None for name in ("full_log_probs", "mask_log_probs")}
+        full, support = beside["full_log_probs"], beside["mask_log_probs"]
         verdict = validation.Verdict(
             validation.packed_flags(tokens, response, ids, offsets, vocab_size=vocab_size, loss_mask=loss_mask,
-                                    log_probs=log_probs),
+                                    log_probs=log_probs, token_log_probs=None if full is None else {"full_log_probs": full},
+                                    support_log_probs=None if support is None else {"mask_log_probs": support}),
             validation.packed_flags(sequences, sequence, vocab_size=vocab_size))
     # Each sample's own offsets run from 0 to its ids' end (the consumer checks that before packing:
     # `validate.sample_violations`), which the packed offsets no longer show.
     framed = all(a["mask_offsets"][0] == 0 and a["mask_offsets"][-1] == len(a["mask_ids"]) for a in batch)
-    return [sequences, tokens, log_probs, loss_mask, ids, offsets], verdict.passed() and framed
+    return [sequences, tokens, log_probs, loss_mask, ids, offsets, full, support], verdict.passed() and framed
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(samples(), max_size=4), st.sampled_from([41, 30, None]))
+@given(st.tuples(st.booleans(), st.booleans()).flatmap(lambda carried: st.lists(samples(*carried), max_size=4)),
+       st.sampled_from([41, 30, None]))
 def test_packing_checked_lays_samples_out_as_numpy_and_agrees_with_the_packed_check(batch, vocab_size):
     expected, valid = _packed_with_numpy(batch, vocab_size)
-    out = [np.full(len(array), 99, array.dtype) for array in expected]
+    out = [None if array is None else np.full(len(array), 99, array.dtype) for array in expected]
     assert validation.pack_checked(batch, out, vocab_size) is valid
     for got, want in zip(out, expected):
-        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()  # bytes: NaN log-probs compare too
+        assert (got is None and want is None) or (got.dtype == want.dtype and got.tobytes() == want.tobytes())  # NaN too
 
 
 def test_samples_without_a_mask_are_packed_checked_too():
     batch = [{"prompt_tokens": np.array([1], np.int32), "tokens": np.array([2, 40], np.int32),
               "log_probs": np.array([-1.0, -0.5], np.float32), "loss_mask": np.array([1, 1], np.uint8)}]
-    out = [np.empty(3, np.int32), np.empty(2, np.int32), np.empty(2, np.float32), np.empty(2, np.uint8), None, None]
+    out = [np.empty(3, np.int32), np.empty(2, np.int32), np.empty(2, np.float32), np.empty(2, np.uint8), None, None,
+           None, None]
     assert validation.pack_checked(batch, out, 41) is True
     assert out[0].tolist() == [1, 2, 40] and out[1].tolist() == [2, 40] and out[3].tolist() == [1, 1]
     assert validation.pack_checked(batch, out, 40) is False  # token 40 is past a vocabulary of 40
@@ -267,9 +280,10 @@ def test_samples_packing_checked_cannot_take_are_refused_naming_the_rule_with_no
               "log_probs": np.array([-1.0], np.float32), "loss_mask": np.array([1], np.uint8),
               "mask_ids": np.array([2], np.int32), "mask_offsets": np.array([0, 1], np.int64)}
 
-    def outs(sequences=2, ids=1):
+    def outs(sequences=2, ids=1, support=None):
         return [np.full(sequences, 7, np.int32), np.full(1, 7, np.int32), np.full(1, 7, np.float32), np.full(1, 7, np.uint8),
-                np.full(ids, 7, np.int32), np.full(2, 7, np.int64)]
+                np.full(ids, 7, np.int32), np.full(2, 7, np.int64), None,
+                None if support is None else np.full(support, 7, np.float32)]
 
     cases = [
         ([sample, {**sample, "log_probs": np.array([-1.0, -1.0], np.float32)}], outs(4, 2), "align with its tokens"),
@@ -278,6 +292,10 @@ def test_samples_packing_checked_cannot_take_are_refused_naming_the_rule_with_no
         ([{**sample, "tokens": np.array([2], np.int64)}], outs(), "tokens is a 1-D array of 4-byte"),
         ([sample], outs(3), "exactly the size"),
         ([sample], outs(ids=2), "exactly the size"),
+        ([{**sample, "mask_log_probs": np.array([-1.0, -1.0], np.float32)}], outs(support=1), "align with its tokens and ids"),
+        ([sample], outs(support=1), "carries the arrays packed"),
+        ([{**sample, "mask_log_probs": np.array([-1.0], np.float32)}], [*outs()[:4], None, None, None, np.full(1, 7, np.float32)],
+         "packed together"),
     ]
     for batch, out, rule in cases:
         with pytest.raises(ValueError, match=rule):
@@ -286,3 +304,32 @@ def test_samples_packing_checked_cannot_take_are_refused_naming_the_rule_with_no
         assert validation.pack_checked(batch, out, 41) is None  # the caller packs them its own way
     with numpy_only():
         assert validation.pack_checked([sample], outs(), 41) is None
+
+
+@pytest.mark.parametrize("change, holds", [
+    ({}, True),
+    ({"full_log_probs": np.array([-1.0, -0.0], np.float32)}, True),
+    ({"full_log_probs": np.array([-1.0, np.nan], np.float32)}, False),
+    ({"full_log_probs": np.array([0.01, -1.0], np.float32)}, False),
+    ({"mask_log_probs": np.array([-0.5, -0.5, -1.0], np.float32)}, True),
+    ({"mask_log_probs": np.array([-0.5, 0.5, -1.0], np.float32)}, False),
+    ({"mask_log_probs": np.array([-np.inf, -0.5, -1.0], np.float32)}, False),
+    ({"log_probs": np.array([-0.5, np.nan], np.float32)}, False),
+    ({"loss_mask": np.array([1, 2], np.uint8)}, False),
+    ({"loss_mask": np.array([1, 0], np.uint8), "log_probs": np.array([-0.5, 0.0], np.float32)}, False),  # forced, 2 ids
+    ({"prompt_tokens": np.array([8], np.int32)}, False),
+    ({"mask_ids": np.array([1, 4, 8], np.int32)}, False),
+    ({"tokens": np.array([1, 5], np.int32)}, False),  # 5 is not in its support
+])
+def test_each_rule_packing_checks_is_kept_as_the_packed_check_keeps_it(change, holds):
+    """Each rule alone, on a sample with every array packing takes, against
+    numpy's packing and packed check."""
+    sample = {"prompt_tokens": np.array([3], np.int32), "tokens": np.array([1, 4], np.int32),
+              "log_probs": np.array([-0.5, -1.0], np.float32), "loss_mask": np.ones(2, np.uint8),
+              "mask_ids": np.array([1, 4, 2], np.int32), "mask_offsets": np.array([0, 1, 3], np.int64),
+              "full_log_probs": np.array([-1.0, -2.0], np.float32), "mask_log_probs": np.full(3, -0.5, np.float32)}
+    sample.update(change)
+    expected, valid = _packed_with_numpy([sample], 8)
+    assert valid is holds  # the reference agrees with the case
+    out = [np.full(len(array), 99, array.dtype) for array in expected]
+    assert validation.pack_checked([sample], out, 8) is holds

@@ -29,6 +29,7 @@ import torch
 from consumer_helpers import VOCAB, deliveries
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rollstream.common import validation
 from rollstream.consumer import Batch, checked_batch, validate_batch
 from rollstream.consumer import validate as validate_module
 from rollstream.consumer.primitives import dense_support_mask, masked_log_probs, support_kl
@@ -199,7 +200,9 @@ def test_validating_a_valid_batch_reads_once(device, monkeypatch):
         _, violations, _ = checked_batch(items, device=device, vocab_size=VOCAB)
     assert violations == []
     assert_no_reads(found)
-    assert scalar_reads(found) == 1
+    # On the CPU with the compiled module, packing checked every sample as it copied it: no verdict to read.
+    packing_checks = torch.device(device).type == "cpu" and validation._native is not None
+    assert scalar_reads(found) == (0 if packing_checks else 1)
 
 
 def test_sharding_reads_nothing(device, monkeypatch):

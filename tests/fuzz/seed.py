@@ -169,7 +169,7 @@ def broker_to_consumer() -> dict[str, bytes]:
                                           "queued": 3, "max_unsealed_bytes": 1 << 30, "job": "eval"}),
         "deliver": encode_deliver(trajectory, "lease-1", group_left=0, delivery_count=1, queued=2),
         "deliver-packed": encode_deliver(trajectory, "lease-2", may_pack=True, replay=True),
-        # No log-probs beside `log_probs` and a plain reward: a consumer on the CPU checks it as it packs it.
+        # Without log-probs beside `log_probs`, and with a number for its reward, as most runs send them.
         "deliver-plain": encode_deliver(_plain_trajectory(), "lease-3", may_pack=True),
         "acked": encode(b2c, "acked", {"leases": ["lease-1"]}),
         "nacked": encode(b2c, "nacked", {"leases": ["lease-2"], "seq": 3}),
