@@ -175,27 +175,39 @@ buffer_ids_below(const Py_buffer *ids, long long bound)
     return ids_below((const int32_t *)ids->buf, ids->shape[0], bound);
 }
 
-/* Whether a message's CSR supports frame its ids and hold its tokens: the
- * offsets run from 0 to the ids' end, strictly increasing (no support
- * empty), each token lies in its support, and every id is in [0, bound). */
-static int
-supports_hold(const Py_buffer *tokens, const Py_buffer *ids, const Py_buffer *offsets, long long bound)
+/* Whether CSR supports frame `n_ids` ids (offsets from 0 to the ids' end,
+ * strictly increasing: no support empty) and each holds its token; with
+ * `loss` and `log_prob` given, also whether each token marked forced (loss
+ * mask 0, log-prob exactly 0) has a singleton support. That test is
+ * accumulated with no branch: one on each of its three parts mispredicts. */
+static inline int
+supports_hold(const int32_t *token, Py_ssize_t n, const int32_t *id, Py_ssize_t n_ids, const int64_t *offset,
+              const uint8_t *loss, const float *log_prob)
 {
-    Py_ssize_t n = tokens->shape[0], n_ids = ids->shape[0];
-    const int32_t *token = (const int32_t *)tokens->buf, *id = (const int32_t *)ids->buf;
-    const int64_t *offset = (const int64_t *)offsets->buf;
-    if (offsets->shape[0] != n + 1 || offset[0] != 0 || offset[n] != (int64_t)n_ids)
+    if (offset[0] != 0 || offset[n] != (int64_t)n_ids)
         return 0;
-    if (!ids_below(id, n_ids, bound))
-        return 0;
+    int unforced = 1;
     for (Py_ssize_t t = 0; t < n; t++) {
         int64_t start = offset[t], end = offset[t + 1];
         if (end <= start || end > (int64_t)n_ids)  /* start >= 0: offset[0] is, and each end was checked */
             return 0;
         if (!holds_token(id, start, end, n_ids, token[t]))
             return 0;
+        if (loss != NULL)
+            unforced &= !((loss[t] == 0) & (log_prob[t] == 0.0f) & (end - start != 1));
     }
-    return 1;
+    return unforced;
+}
+
+/* Whether a message's CSR supports frame its ids and hold its tokens, and
+ * every id is in [0, bound). */
+static int
+message_supports_hold(const Py_buffer *tokens, const Py_buffer *ids, const Py_buffer *offsets, long long bound)
+{
+    Py_ssize_t n = tokens->shape[0];
+    return offsets->shape[0] == n + 1 && ids_below((const int32_t *)ids->buf, ids->shape[0], bound)
+        && supports_hold((const int32_t *)tokens->buf, n, (const int32_t *)ids->buf, ids->shape[0],
+                         (const int64_t *)offsets->buf, NULL, NULL);
 }
 
 /* Whether every log-prob is at most `tolerance` and above -inf (a NaN is
@@ -242,7 +254,7 @@ message_valid(const Py_buffer *view, const int *held, long long bound, double to
     if (held[MASK_LOG_PROBS] && (!held[MASK_IDS] || view[MASK_LOG_PROBS].shape[0] != view[MASK_IDS].shape[0]))
         return 0;
     if (held[MASK_OFFSETS]) {  /* sampled tokens lie in their supports, so the support ids stand for them */
-        if (!held[MASK_IDS] || !supports_hold(&view[TOKENS], &view[MASK_IDS], &view[MASK_OFFSETS], bound))
+        if (!held[MASK_IDS] || !message_supports_hold(&view[TOKENS], &view[MASK_IDS], &view[MASK_OFFSETS], bound))
             return 0;
     } else if (!buffer_ids_below(&view[TOKENS], bound)) {
         return 0;
@@ -396,29 +408,6 @@ get_sample(PyObject *arrays, PyObject *names, const int *wanted, Py_ssize_t m, s
     return 0;
 }
 
-/* Whether a sample's supports keep the CSR rules, hold its tokens, and are
- * singletons where it marks a token forced (loss mask 0, log-prob exactly 0). */
-static int
-sample_supports_hold(const sample_t *sample)
-{
-    Py_ssize_t n = sample->view[SAMPLE_TOKENS].shape[0], n_ids = sample->view[SAMPLE_IDS].shape[0];
-    const int32_t *token = (const int32_t *)sample->view[SAMPLE_TOKENS].buf, *id = (const int32_t *)sample->view[SAMPLE_IDS].buf;
-    const int64_t *offset = (const int64_t *)sample->view[SAMPLE_OFFSETS].buf;
-    const uint8_t *loss = (const uint8_t *)sample->view[SAMPLE_LOSS_MASK].buf;
-    const float *log_prob = (const float *)sample->view[SAMPLE_LOG_PROBS].buf;
-    if (offset[0] != 0 || offset[n] != (int64_t)n_ids)
-        return 0;
-    int held = 1;  /* accumulated with no early exit: a branch per token on it would mispredict */
-    for (Py_ssize_t t = 0; t < n; t++) {
-        int64_t start = offset[t], end = offset[t + 1];
-        if (end <= start || end > (int64_t)n_ids)  /* start >= 0: offset[0] is, and each end was checked */
-            return 0;
-        held &= holds_token(id, start, end, n_ids, token[t]);
-        held &= !((loss[t] == 0) & (log_prob[t] == 0.0f) & (end - start != 1));
-    }
-    return held;
-}
-
 /* Copy one sample into the outputs at `at` (sequence, token and id
  * positions), its offsets moved past the ids before it, then check it while
  * its bytes are in cache. */
@@ -451,7 +440,9 @@ pack_sample(const sample_t *sample, char **out, Py_ssize_t at[3], long long boun
         for (Py_ssize_t t = 0; t < n; t++)
             offsets[t] = offset[t + 1] + base;
         /* tokens inside supports of ids below the bound are below it too */
-        valid = valid && buffer_ids_below(&v[SAMPLE_IDS], bound) && sample_supports_hold(sample);
+        valid = valid && buffer_ids_below(&v[SAMPLE_IDS], bound)
+            && supports_hold((const int32_t *)v[SAMPLE_TOKENS].buf, n, (const int32_t *)v[SAMPLE_IDS].buf, n_ids, offset,
+                             (const uint8_t *)v[SAMPLE_LOSS_MASK].buf, (const float *)v[SAMPLE_LOG_PROBS].buf);
         at[2] += n_ids;
     } else {
         valid = valid && buffer_ids_below(&v[SAMPLE_TOKENS], bound);
