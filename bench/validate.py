@@ -13,9 +13,8 @@ alternation, so both see the same load on a shared machine; the ratio
 compares their best runs (the least disturbed), medians are printed beside.
 Packing and validating the batch as the consumer does
 (`Batch.checked_from_deliveries`: on the CPU each sample is checked as it
-is packed, in one compiled pass)
-is timed separately, in alternation with packing first and validating the
-packed batch after. With CUDA present, validating a batch of at least
+is packed, in one compiled pass) is timed separately, in alternation with
+packing first and validating the packed batch after. With CUDA present, validating a batch of at least
 `--gpu-tokens` (1M) tokens on the GPU, and packing and uploading it, are
 timed too: by CUDA events recorded around each run on the stream (a
 host-side clock would count the launch queue, not the work), after

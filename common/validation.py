@@ -909,6 +909,9 @@ def pack_csr(ids_list: Sequence[np.ndarray], offsets_list: Sequence[np.ndarray],
     return ids, offsets
 
 
+# The fast checks (the broker's per frame, packing's per sample) name the one optional per-token log-prob array
+# and the one per-id array themselves: a loop over the table would cost every frame without them. Unpacked, so a
+# second entry in the table fails here, at import.
 (_FULL_LOG_PROBS,) = TOKEN_LOG_PROB_ARRAYS
 (_MASK_LOG_PROBS,) = SUPPORT_LOG_PROB_ARRAYS
 # The arrays `_native.pack_checked` reads from each sample, by role, in its order.
@@ -1019,8 +1022,6 @@ def _join(parts: list[np.ndarray]) -> np.ndarray:
 
 
 _MIN, _MAX, _ALL = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce
-# The broker's fast check runs per frame and names the one optional per-token log-prob array itself: a loop over
-# the table would cost every frame without it. Unpacked, so a second entry in the table fails here, at import.
 
 
 def _tokens_in_supports(tokens: np.ndarray, ids: np.ndarray, offsets: np.ndarray) -> bool:

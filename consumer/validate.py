@@ -19,9 +19,9 @@ rounds to exactly 0.0 while its support holds several ids would be flagged
 too; it cannot affect training, but it is reported rather than guessed away.
 
 On the CPU, where the compiled module is built, packing checks each
-sample as it copies it
-(`Batch.checked_from_deliveries`), while its bytes are in cache, and the
-packed batch is checked only when that saw a rule broken. Otherwise the
+sample as it copies it (`Batch.checked_from_deliveries`), while its bytes
+are in cache, and the packed batch is checked only when that saw a rule
+broken. Otherwise the
 per-token pass runs on numpy views of the batch's tensors (zero-copy;
 numpy's element-wise passes and gathers are faster than torch's there, and
 torch's prefix sums are used on numpy buffers where they win); on a GPU it
