@@ -16,6 +16,20 @@
 #include <math.h>
 #include <string.h>
 
+/* The checks' loops are written for any vector width. The compiler's
+ * default x86-64 target stops at SSE2's 128-bit vectors, so on x86-64 with
+ * glibc the functions that run them are also built for AVX2, and the build
+ * the CPU can run is picked at load time. Elsewhere, or built with
+ * WIDE_VECTORS defined empty, they are built once, for the target. */
+#if !defined(WIDE_VECTORS) && defined(__x86_64__) && defined(__GLIBC__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define WIDE_VECTORS __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef WIDE_VECTORS
+#define WIDE_VECTORS
+#endif
+
 /* A buffer of `itemsize`-byte items of one of the struct `kinds` (signed
  * integers "ilq", bytes "?bB"), native order, in C order, one dimension. */
 static int
@@ -244,6 +258,7 @@ static const struct { Py_ssize_t itemsize; const char *kinds; } role_kinds[ROLES
 };
 
 /* The content rules of one message whose arrays are `held` (the others absent). */
+WIDE_VECTORS
 static int
 message_valid(const Py_buffer *view, const int *held, long long bound, double tolerance)
 {
@@ -411,6 +426,7 @@ get_sample(PyObject *arrays, PyObject *names, const int *wanted, Py_ssize_t m, s
 /* Copy one sample into the outputs at `at` (sequence, token and id
  * positions), its offsets moved past the ids before it, then check it while
  * its bytes are in cache. */
+WIDE_VECTORS
 static int
 pack_sample(const sample_t *sample, char **out, Py_ssize_t at[3], long long bound, double tolerance)
 {

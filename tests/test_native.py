@@ -2,9 +2,19 @@
 stand in for: the same answer on every valid mask and on every content rule
 broken, nothing read out of range on broken offsets, and the arrays they
 take checked. Both paths run here: the numpy one with the compiled module
-set aside."""
+set aside. Where the installed module carries an AVX2 build of its loops
+beside the default one (picked at load time), a second build holding the
+default alone answers alike."""
 import contextlib
+import functools
+import importlib.util
+import shlex
 import shutil
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -333,3 +343,45 @@ def test_each_rule_packing_checks_is_kept_as_the_packed_check_keeps_it(change, h
     assert valid is holds  # the reference agrees with the case
     out = [np.full(len(array), 99, array.dtype) for array in expected]
     assert validation.pack_checked([sample], out, 8) is holds
+
+
+@functools.cache
+def plain_build() -> ModuleType:
+    """`_native.c` built again with `WIDE_VECTORS` empty: its loops for the
+    compiler's default target alone, the build a CPU without AVX2 runs
+    where the installed module picks its AVX2 build at load time."""
+    source = Path(validation.__file__).with_name("_native.c")
+    if not source.exists():
+        pytest.skip(f"the module's source is not installed beside it: {source}")
+    built = Path(tempfile.mkdtemp(prefix="rollstream-native-")) / f"_native{sysconfig.get_config_var('EXT_SUFFIX')}"
+    command = [*shlex.split(sysconfig.get_config_var("CC")), "-shared", "-fPIC", *shlex.split(sysconfig.get_config_var("CFLAGS")),
+               "-DWIDE_VECTORS=", f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(built)]
+    subprocess.run(command, check=True, capture_output=True)
+    spec = importlib.util.spec_from_file_location("_native", built)  # its init function is named for `_native`
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    shutil.rmtree(built.parent)  # loaded: the file is no longer needed
+    return module
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_messages(), min_size=1, max_size=5), st.lists(masks(), max_size=3), st.sampled_from([8, 41, VOCAB]))
+def test_the_default_target_build_checks_content_as_the_installed_one(batch, supports, bound):
+    batch = batch + [{"tokens": t, "mask_ids": i, "mask_offsets": o} for t, i, o in supports]
+    for messages in (batch, batch[-1:]):
+        assert plain_build().messages_content_valid(messages, validation._CONTENT_ROLES, bound, validation.LOG_PROB_TOLERANCE) \
+            is _compiled(messages, bound)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.tuples(st.booleans(), st.booleans()).flatmap(lambda carried: st.lists(samples(*carried), max_size=4)),
+       st.sampled_from([41, 30]))
+def test_the_default_target_build_packs_and_checks_as_the_installed_one(batch, bound):
+    expected, _ = _packed_with_numpy(batch, bound)
+    outs = [[None if array is None else np.full(len(array), 99, array.dtype) for array in expected] for _ in range(2)]
+    answers = [build.pack_checked(batch, validation._SAMPLE_ROLES, tuple(out), bound, validation.LOG_PROB_TOLERANCE)
+               for build, out in zip((plain_build(), native), outs)]
+    assert answers[0] is answers[1]
+    for plain, installed in zip(*outs):
+        assert (plain is None and installed is None) or plain.tobytes() == installed.tobytes()
