@@ -115,6 +115,7 @@ PyDoc_STRVAR(inside_support_doc,
 "before it starts or past the ids). tokens and ids: int32; offsets: int64,\n"
 "one more than the tokens; out: one byte per token, written.");
 
+WIDE_VECTORS
 static PyObject *
 inside_support(PyObject *self, PyObject *args)
 {

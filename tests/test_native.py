@@ -367,11 +367,16 @@ def plain_build() -> ModuleType:
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(_messages(), min_size=1, max_size=5), st.lists(masks(), max_size=3), st.sampled_from([8, 41, VOCAB]))
-def test_the_default_target_build_checks_content_as_the_installed_one(batch, supports, bound):
+def test_the_default_target_build_checks_content_and_supports_as_the_installed_one(batch, supports, bound):
     batch = batch + [{"tokens": t, "mask_ids": i, "mask_offsets": o} for t, i, o in supports]
     for messages in (batch, batch[-1:]):
         assert plain_build().messages_content_valid(messages, validation._CONTENT_ROLES, bound, validation.LOG_PROB_TOLERANCE) \
             is _compiled(messages, bound)
+    for tokens, ids, offsets in supports:
+        outs = [np.full(len(tokens), 7, np.uint8) for _ in range(2)]
+        for build, out in zip((plain_build(), native), outs):
+            build.inside_support(tokens, ids, offsets, out)
+        assert outs[0].tolist() == outs[1].tolist()
 
 
 @settings(max_examples=200, deadline=None)
