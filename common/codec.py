@@ -843,16 +843,14 @@ def _decoded_packed(frames: Sequence, schema: Schema, max_message_bytes: int) ->
     crc = header.crc32
     if crc is not unset and _crc32_update(body) != crc:
         return None
-    view = body if type(body) is memoryview else memoryview(body)  # slices of bytes would be copies
     arrays, start, frombuffer = {}, 0, np.frombuffer
     try:
         for (name, _, (length,)), (dtype, itemsize) in zip(entries, decoding):
-            end = start + itemsize * length
-            arrays[name] = frombuffer(view[start:end], dtype)
-            start = end
-    except ValueError:  # a shape of another rank, or a frame too short for the layout
+            arrays[name] = frombuffer(body, dtype, length, start)  # a view at `start`: no slice of the body made
+            start += itemsize * length
+    except (ValueError, OverflowError):  # a shape of another rank, or a frame too short for the layout
         return None
-    if start != len(view):
+    if start != len(body):
         return None
     return spec, Message(spec.type, fields, arrays, (head, body), None if crc is unset else crc)
 

@@ -714,3 +714,13 @@ def test_the_common_packed_messages_take_the_fast_decoder_raw_fields_and_all():
         decoded = codec._decoded_packed(frames, schema, 1 << 30)
         assert decoded is not None, schema.name
         assert decoded[1].fields["metadata"] == metadata and decoded[1].fields == decode(frames, schema).fields
+
+
+@pytest.mark.parametrize("length", [2**62, 2**63, 2**64 - 1])
+def test_a_packed_array_longer_than_any_buffer_is_refused_naming_its_shape(length):
+    header, body = raw_packed_turn()
+    fields = msgpack.unpackb(header)
+    fields["arrays"] = [[name, dtype, [length if name == "tokens" else size]] for name, dtype, (size,) in fields["arrays"]]
+    with pytest.raises(ProtocolError) as err:
+        decode([msgpack.packb(fields), body], PRODUCER_TO_BROKER)
+    assert err.value.code == "shape" and err.value.seq == 7
