@@ -273,22 +273,35 @@ def _check_part(name: str, contract, part) -> np.ndarray:
 
 
 _WIDEST_FIRST = {name: -spec.dtype.itemsize for name, spec in ARRAYS.items()}
+# By the names packed, in the order given: (name, contract) in their order in the body. Callers give a few orders.
+_PACKING_ORDERS: dict[tuple, list] = {}
+_PACKING_ORDERS_KEPT = 64
 
 
 def _packed_frames(header: dict, arrays: Mapping[str, Any], crc: bool) -> list:
     """`[header, body]`: every array (the pieces of one given as a list, in
     order) end to end in one frame, widest items first so each starts
     aligned, joined in one pass, and the CRC read over the joined bytes."""
+    names = tuple(arrays)
+    order = _PACKING_ORDERS.get(names)
+    if order is None:
+        if len(_PACKING_ORDERS) >= _PACKING_ORDERS_KEPT:
+            _PACKING_ORDERS.clear()
+        order = _PACKING_ORDERS[names] = [(name, ARRAYS[name]) for name in sorted(names, key=_WIDEST_FIRST.__getitem__)]
     entries, pieces = [], []
-    for name in sorted(arrays, key=_WIDEST_FIRST.__getitem__):
-        arr, contract = arrays[name], ARRAYS[name]
+    for name, contract in order:
+        arr = arrays[name]
+        if type(arr) is np.ndarray and arr.dtype is contract.dtype and arr.ndim == contract.ndim:  # the common case
+            pieces.append(arr)
+            entries.append([name, contract.wire_name, list(arr.shape)])
+            continue
         parts = arr if isinstance(arr, list) else None
-        for part in (arr,) if parts is None else parts:
-            if type(part) is not np.ndarray or part.dtype is not contract.dtype or part.ndim != contract.ndim:
-                _check_part(name, contract, part)  # the exact dtype object and rank are the common case
-            pieces.append(part if part.flags.c_contiguous else np.ascontiguousarray(part))
+        pieces += [_check_part(name, contract, part) for part in ((arr,) if parts is None else parts)]
         entries.append(_array_entry(name, contract, arr, parts))
-    body = b"".join(pieces)  # type: ignore[arg-type]  # arrays are buffers: numpy types __buffer__ only from Python 3.12
+    try:
+        body = b"".join(pieces)  # type: ignore[arg-type]  # arrays are buffers: numpy types __buffer__ only from Python 3.12
+    except (BufferError, TypeError):  # a piece not contiguous is not bytes-like
+        body = b"".join(np.ascontiguousarray(piece) for piece in pieces)  # type: ignore[misc]
     header["arrays"] = entries
     if crc:
         header["crc32"] = _crc32_update(body)

@@ -724,3 +724,17 @@ def test_a_packed_array_longer_than_any_buffer_is_refused_naming_its_shape(lengt
     with pytest.raises(ProtocolError) as err:
         decode([msgpack.packb(fields), body], PRODUCER_TO_BROKER)
     assert err.value.code == "shape" and err.value.seq == 7
+
+
+def test_packing_takes_strided_arrays_and_pieces_as_their_contiguous_forms():
+    tokens, log_probs = np.arange(20, dtype=np.int32)[::2], np.linspace(-1, 0, 20, dtype=np.float32)[::-2]
+    ids = np.arange(30, dtype=np.int32)
+    arrays = {"tokens": tokens, "log_probs": log_probs, "mask_ids": Pieces([ids[:12:2], ids[20:]], [None, None]),
+              "mask_offsets": np.arange(11, dtype=np.int64).reshape(11, 1)[:, 0]}
+    joined = {"tokens": tokens.copy(), "log_probs": log_probs.copy(), "mask_ids": np.concatenate([ids[:12:2], ids[20:]]),
+              "mask_offsets": np.arange(11, dtype=np.int64)}
+    fields = {"trajectory_id": "t", "turn": 1, "status": "completed", "seq": 3}
+    got = encode(PRODUCER_TO_BROKER, "turn", fields, arrays, crc=True, packed=True)
+    assert got == encode(PRODUCER_TO_BROKER, "turn", fields, joined, crc=True, packed=True)
+    assert {name: array.tolist() for name, array in decode(got, PRODUCER_TO_BROKER, check_content=False).arrays.items()} == \
+        {name: array.tolist() for name, array in joined.items()}
