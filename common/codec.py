@@ -296,7 +296,10 @@ def _packed_frames(header: dict, arrays: Mapping[str, Any], crc: bool) -> list:
             entries.append([name, contract.wire_name, list(arr.shape)])
             continue
         parts = arr if isinstance(arr, list) else None
-        pieces += [_check_part(name, contract, part) for part in ((arr,) if parts is None else parts)]
+        for part in (arr,) if parts is None else parts:
+            if type(part) is not np.ndarray or part.dtype is not contract.dtype or part.ndim != contract.ndim:
+                _check_part(name, contract, part)
+            pieces.append(part)
         entries.append(_array_entry(name, contract, arr, parts))
     try:
         body = b"".join(pieces)  # type: ignore[arg-type]  # arrays are buffers: numpy types __buffer__ only from Python 3.12
