@@ -35,9 +35,8 @@ class Hellos:
     def welcome_producer(self, identity: bytes, hello: Mapping[str, Any], window: int) -> dict[str, Any]:
         """The welcome's fields for a producer's hello, granting `window`
         frames in flight: batched acks when asked for, word that this
-        broker reads frame batches (and batches of parts) when the producer
-        sends them, and that it names a job's branch `branch` when the
-        producer reads that name."""
+        broker reads frame batches when the producer sends them, and that it
+        names a job's branch `branch` when the producer reads that name."""
         fields: dict[str, Any] = {"broker_id": self.broker_id, "max_message_bytes": self.max_message_bytes,
                                   "window": window}
         if "seq" in hello:
@@ -49,8 +48,6 @@ class Hellos:
             self.batch_acks.discard(identity)
         if hello.get("batch_frames"):
             fields["batch_frames"] = True
-        if hello.get("batch_parts"):  # echoed: this broker reads a batch's frames as parts of their own too
-            fields["batch_parts"] = True
         if hello.get("reads_branch"):
             self.reads_branch.add(identity)
             fields["reads_branch"] = True

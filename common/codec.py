@@ -317,21 +317,14 @@ BATCH_ALIGN = 8  # every frame of a batched message starts at a multiple of this
 _PADDING = bytes(BATCH_ALIGN)
 
 
-def encode_batch(messages: Sequence[list], body: Callable[[int], memoryview] | None = None, *,
-                 parts: bool = False) -> list:
+def encode_batch(messages: Sequence[list], body: Callable[[int], memoryview] | None = None) -> list:
     """`[header, body]` of one `batch` carrying `messages` (each an encoded
     message's frames, numbered) in order: their headers in the batch's
     header, every later frame end to end in the body, each padded to start
     at a multiple of `BATCH_ALIGN` so the arrays in it stay aligned. One
     copy of those frames; one message for both ZeroMQ ends to handle. With
     `body`, the body is written into the writable buffer `body(size)` gives
-    (one used again, say), not a new one. With `parts`, `[header, *frames]`:
-    each later frame a part of its own, as it is (nothing copied here), so
-    the receiver gets each in a buffer of its own and copies none out."""
-    if parts:
-        entries = [[frames[0], [memoryview(frame).nbytes for frame in frames[1:]]] for frames in messages]
-        header = {"v": PROTOCOL_VERSION, "type": "batch", "messages": entries, "parts": True}
-        return [_PACKERS.pack(header), *(frame for frames in messages for frame in frames[1:])]
+    (one used again, say), not a new one."""
     entries, pieces, offset = [], [], 0
     for frames in messages:
         lengths = []
@@ -374,12 +367,9 @@ def batched_size(frames: list) -> int:
 
 def split_batch(batch: Message) -> list[list]:
     """The messages a decoded `batch` carries, each as its frames (header
-    first), in order. A body's frames are copied out each into its own
-    buffer, so keeping one message keeps none of the rest; parts already are
-    (`encode_batch`). Raises `RemoteProtocolError("shape")` when the body,
-    or the parts, are not exactly the frames listed."""
-    if batch.get("parts"):
-        return _split_parts(batch["messages"], batch.frames[1:])
+    first), in order. Each frame is copied into its own buffer, so keeping
+    one message keeps none of the rest. Raises `RemoteProtocolError("shape")`
+    when the body is not exactly the frames listed."""
     body = memoryview(batch.frames[1])
     messages: list[list] = []
     offset = 0
@@ -396,28 +386,6 @@ def split_batch(batch: Message) -> list[list]:
         messages.append(frames)
     if offset != len(body):
         raise RemoteProtocolError("shape", f"the batched messages take {offset} bytes, the body has {len(body)}")
-    return messages
-
-
-def _split_parts(listed: list, parts: Sequence) -> list[list]:
-    """The messages a batch of parts carries: each header with the parts
-    its lengths list, which must be exactly the parts that follow."""
-    messages: list[list] = []
-    start = 0
-    for header, lengths in listed:
-        end = start + len(lengths)
-        frames = [header, *parts[start:end]]
-        if len(frames) != end - start + 1:
-            raise RemoteProtocolError("shape", f"batch message {len(messages)} lists {len(lengths)} part(s) from part "
-                                               f"{start}, the batch has {len(parts)}")
-        for at, (frame, size) in enumerate(zip(frames[1:], lengths), start):
-            if len(frame) != size:
-                raise RemoteProtocolError("shape", f"batch message {len(messages)} lists part {at} as {size} bytes, "
-                                                   f"it has {len(frame)}")
-        messages.append(frames)
-        start = end
-    if start != len(parts):
-        raise RemoteProtocolError("shape", f"the batched messages list {start} part(s), the batch has {len(parts)}")
     return messages
 
 
@@ -559,16 +527,15 @@ def _check_array_name(name: str, seen: set) -> None:
     seen.add(name)
 
 
-def _array_frame_count(spec: MessageSpec, frame_count: int, entries, parts: Any = False) -> int:
+def _array_frame_count(spec: MessageSpec, frame_count: int, entries) -> int:
     """How many of a message's frames the array rules count: all of them,
-    but for a type with a body, which lists no arrays and has exactly one
-    body frame, or with `parts` one frame per part it carries (which
-    `split_batch` checks against what it lists)."""
+    but for a type with a body frame, which must have exactly that one
+    and list no arrays."""
     if not spec.body:
         return frame_count
     if entries:
         raise _remote_schema_error(f"a {spec.type} lists no arrays: what it carries is in its body frame")
-    if frame_count != 2 and parts is not True:
+    if frame_count != 2:
         raise _remote_schema_error(f"a {spec.type} is a header and one body frame, this one has {frame_count - 1} frame(s) "
                             "after its header")
     return 1
@@ -686,8 +653,8 @@ def decode(
             seen: set = set()
             for name, _, _ in entries:
                 _check_array_name(name, seen)
-            _check_arrays_and_rules(spec, fields, _frame_count_checked(
-                seen, _array_frame_count(spec, len(buffers), entries, fields.get("parts")), packed))
+            _check_arrays_and_rules(spec, fields,
+                                    _frame_count_checked(seen, _array_frame_count(spec, len(buffers), entries), packed))
         return _decode_body(spec, fields, entries, crc, packed, buffers, max_message_bytes, vocab_size, check_content,
                             spans)
     except ProtocolError as error:
@@ -734,8 +701,7 @@ def _checked_header(header: dict, frame_count: int, schema: Schema) -> tuple[Mes
     packed = header.get("packed", False)
     if type(packed) is not bool:
         raise _remote_schema_error(f"packed must be a boolean, got {type(packed).__name__} {packed!r:.40}")
-    entries, array_names, spans = _array_entries(
-        header, _array_frame_count(spec, frame_count, header.get("arrays"), header.get("parts")), packed)
+    entries, array_names, spans = _array_entries(header, _array_frame_count(spec, frame_count, header.get("arrays")), packed)
     fields = _check_fields(spec, header, array_names)
     crc = header.get("crc32")
     if crc is not None and not CRC32.accepts(crc):

@@ -179,7 +179,7 @@ class MessageSpec:
     optional_arrays: tuple[str, ...] = ()
     rules: tuple[Rule, ...] = ()  # cross-field schema rules: return a problem or None
     content: bool = False  # token arrays get the content checks (docs/protocol.md §2)
-    body: bool = False  # opaque frames follow the header instead of array frames (a `batch`: one, or one per part)
+    body: bool = False  # one opaque frame follows the header instead of array frames (a `batch`)
     # Derived once: the codec consults these on every message.
     kinds: Mapping[str, Kind] = field(init=False)
     array_names: frozenset = field(init=False)
@@ -374,7 +374,7 @@ _NACK = MessageSpec("nack", {"code": TEXT, "message": ANY_TEXT}, {"seq": INT, "e
 PRODUCER_TO_BROKER = _schema(
     "producer->broker",
     MessageSpec("hello", {"producer_id": TEXT},
-                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "batch_parts": BOOL, "job": JOB, "reads_branch": BOOL,
+                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB, "reads_branch": BOOL,
                  "lists_open": BOOL}),
     MessageSpec(
         "turn",
@@ -398,7 +398,7 @@ PRODUCER_TO_BROKER = _schema(
     MessageSpec("reward", {"seq": INT, "trajectory_id": ID, "reward": REWARD}, {"job": JOB}),
     MessageSpec("abort", {"seq": INT, "trajectory_id": ID, "reason": ANY_TEXT}, {"job": JOB, "again": BOOL}),
     MessageSpec("ping", {"seq": INT}),
-    MessageSpec("batch", {"messages": BATCHED_MESSAGES}, {"parts": BOOL}, body=True),
+    MessageSpec("batch", {"messages": BATCHED_MESSAGES}, body=True),
     MessageSpec("list_open", {"seq": INT}),
     MessageSpec("read_open", {"seq": INT, "trajectory_id": ID}),
 )
@@ -409,7 +409,7 @@ BATCHABLE_TYPES = ("turn", "end", "abort", "reward")
 BROKER_TO_PRODUCER = _schema(
     "broker->producer",
     MessageSpec("welcome", {"broker_id": TEXT, "max_message_bytes": POSITIVE, "window": POSITIVE},
-                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "batch_parts": BOOL, "job": JOB, "admit": COUNT,
+                {"seq": INT, "batch_acks": BOOL, "batch_frames": BOOL, "job": JOB, "admit": COUNT,
                  "reads_branch": BOOL, "branch": BRANCH, "lineage": BRANCH, "lists_open": BOOL}),
     MessageSpec(
         "ack",

@@ -139,7 +139,6 @@ class ProducerSession:
         self.batch_frames = batch_frames
         self.send_burst = send_burst
         self.batch_bytes = 0  # how large a batch may be: 0 until a welcome says the broker reads them
-        self.batch_parts = False  # whether the broker reads a batch's frames as parts of their own (its welcome says)
         self.window_setting = window
         # Until the welcome says how many frames this connection may have in
         # flight, a few: hundreds of producers starting at once would
@@ -335,10 +334,9 @@ class ProducerSession:
             fields["batch_acks"] = True
         if self.batch_frames:
             fields["batch_frames"] = True
-            fields["batch_parts"] = True
         fields["reads_branch"] = True
         fields["lists_open"] = True
-        self.batch_bytes, self.batch_parts = 0, False
+        self.batch_bytes = 0
         return encode(PRODUCER_TO_BROKER, "hello", fields)
 
     def connected(self) -> list | None:
@@ -361,16 +359,14 @@ class ProducerSession:
                  body: Callable[[int], memoryview] | None = None) -> None:
         """Hand `send` every frame that may go now, in order: frames due
         together as batches once the welcome allowed them (`batch_runs`),
-        others alone, a batch's frames as parts of their own where the broker
-        reads them so, else its body written into `body(size)` when given
+        others alone, a batch's body written into `body(size)` when given
         (`encode_batch`). Stops at the first message `send` refuses (False)."""
         window, metrics = self.window, self.metrics
         due = window.due(now)
         runs = ([[item] for item in due] if not self.batch_bytes or len(due) < 2 else
                 batch_runs(due, max_items=self.send_burst, max_bytes=self.batch_bytes, item_max_bytes=PACK_UP_TO_BYTES))
         for run in runs:
-            if not send(run[0].frames if len(run) == 1 else
-                        encode_batch([item.frames for item in run], body, parts=self.batch_parts)):
+            if not send(run[0].frames if len(run) == 1 else encode_batch([item.frames for item in run], body)):
                 break
             for item in run:
                 if item.attempts == 0:
@@ -413,7 +409,6 @@ class ProducerSession:
                                    f"{reply.get('job')!r}); a broker of this version does")
             if self.batch_frames and reply.get("batch_frames"):
                 self.batch_bytes = min(BATCH_UP_TO_BYTES, reply["max_message_bytes"])
-                self.batch_parts = bool(reply.get("batch_parts"))
             self.lists_open = bool(reply.get("lists_open"))
             log.info(f"broker {reply['broker_id']} welcomed us: window {window.limit}",
                      extra={"broker_id": reply["broker_id"], "window": window.limit})

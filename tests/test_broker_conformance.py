@@ -347,9 +347,9 @@ def test_packed_turns_are_read_and_packed_deliveries_go_to_consumers_that_ask(br
     assert unpack(header, bufs)["tokens"] == long
 
 
-def batch(*messages, parts=False):
+def batch(*messages):
     """Messages in one `batch` (the fuzz's raw builder, also free of rollstream imports)."""
-    return batch_frames(list(messages), parts)
+    return batch_frames(list(messages))
 
 
 def test_a_batch_is_handled_as_its_messages_one_after_another_each_answered_by_its_seq(broker):
@@ -374,19 +374,17 @@ def test_a_batch_is_handled_as_its_messages_one_after_another_each_answered_by_i
     assert arrays["mask_ids"] == [10, 4, 11, 12, 13]
 
 
-@pytest.mark.parametrize("parts", [False, True])
-def test_a_mixed_batch_is_answered_frame_by_frame_as_if_each_came_alone(tmp_path, parts):
+def test_a_mixed_batch_is_answered_frame_by_frame_as_if_each_came_alone(tmp_path):
     """One batch of good, duplicate, conflicting, out-of-order, malformed,
     corrupted and out-of-vocabulary frames over two trajectories: each is
     answered by its own reply, in order, as docs/protocol.md answers it
     alone (the refused ones change nothing: what follows them is judged
     against what was applied), and the trajectory delivered holds exactly
-    the applied turns. Alike whether the batch carries its frames in one
-    body or as parts."""
+    the applied turns."""
     with BrokerProcess(tmp_path, vocab_size=1000) as broker:
         producer = Peer(broker.producer)
-        welcome, _ = producer.call(frames("hello", producer_id="mixed", batch_frames=True, batch_parts=parts))
-        assert welcome["batch_frames"] is True and welcome.get("batch_parts", False) is parts
+        welcome, _ = producer.call(frames("hello", producer_id="mixed", batch_frames=True))
+        assert welcome["batch_frames"] is True
         corrupted = turn(9, "m2", 1, [14], [[14]])
         corrupted[1] = b"\x0f" + corrupted[1][1:]  # tokens changed after the CRC was taken
         producer.sock.send_multipart(batch(
@@ -402,7 +400,7 @@ def test_a_mixed_batch_is_answered_frame_by_frame_as_if_each_came_alone(tmp_path
             corrupted,
             turn(10, "m1", 2, [16, 17], [[16], [17, 3]]),  # the conflict changed nothing: turn 2 is next
             frames("end", seq=11, trajectory_id="m1", reward=1.0, turns=3),
-            frames("end", seq=12, trajectory_id="m2", reward=0.5, turns=1), parts=parts))
+            frames("end", seq=12, trajectory_id="m2", reward=0.5, turns=1)))
         replies = [producer.recv()[0] for _ in range(13)]
     expected = [
         ("ack", 1, True, None), ("ack", 2, True, None), ("ack", 3, True, None), ("nack", 4, None, "conflict"),
@@ -438,12 +436,6 @@ def test_a_batch_that_cannot_be_read_is_refused_whole_and_applies_nothing(broker
     assert (reply["type"], reply["code"], reply["expected"]) == ("nack", "out_of_order", 0), reply  # turn 0 never applied
     reply, _ = producer.call(turn(4, "c2", 0, [10], [[10]], prompt=[1]))
     assert reply["type"] == "ack" and reply["applied"] is True and "duplicate" not in reply
-    parts = batch(turn(5, "c2", 1, [11], [[11]]), turn(6, "c2", 2, [12], [[12]]), parts=True)
-    for broken in (parts[:-1], [*parts, b"\0"], [*parts[:-1], parts[-1][:-1]]):  # a part missing, one extra, one short
-        reply, _ = producer.call(broken)
-        assert reply["type"] == "nack" and reply["code"] == "shape" and "seq" not in reply, reply
-    reply, _ = producer.call(turn(7, "c2", 2, [12], [[12]]))
-    assert (reply["type"], reply["code"], reply["expected"]) == ("nack", "out_of_order", 1), reply  # turn 1 never applied
 
 
 @pytest.mark.slow

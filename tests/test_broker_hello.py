@@ -19,13 +19,6 @@ def test_a_producer_gets_batched_acks_only_while_its_latest_hello_asks():
     assert not h.batch_acks
 
 
-def test_a_producer_asking_whether_batches_of_parts_are_read_is_told_they_are():
-    h = hellos()
-    welcome = h.welcome_producer(b"p", {"producer_id": "p", "batch_frames": True, "batch_parts": True}, 16)
-    assert welcome["batch_frames"] is True and welcome["batch_parts"] is True
-    assert "batch_parts" not in h.welcome_producer(b"p", {"producer_id": "p", "batch_frames": True}, 16)
-
-
 def test_a_consumer_reads_the_layouts_its_hello_named_and_dropped_connections_are_forgotten():
     h = hellos()
     assert h.welcome_consumer(b"c1", {"consumer_id": "c", "packed_arrays": True, "seq": 2}, live=[b"c1"]) == {

@@ -691,31 +691,6 @@ def test_a_batch_body_that_is_not_its_frames_is_a_shape_error(change, words):
     assert err.value.code == "shape" and words in err.value.message
 
 
-def test_a_batch_of_parts_carries_each_frame_as_it_is_and_splits_as_a_body_does():
-    messages = _batchable()
-    parts = encode_batch(messages, parts=True)
-    header = msgpack.unpackb(parts[0])
-    assert header["parts"] is True and [m[1] for m in header["messages"]] == [[len(f) for f in m[1:]] for m in messages]
-    assert parts[1:] == [frame for message in messages for frame in message[1:]]  # the frames themselves, not copies
-    assert all(a is b for a, b in zip(parts[1:], (frame for message in messages for frame in message[1:])))
-    carried = split_batch(decode(parts, PRODUCER_TO_BROKER))
-    assert [[bytes(f) for f in m] for m in carried] == [[bytes(f) for f in m] for m in messages]
-    ends = [m for m in messages if len(m) == 1]
-    assert split_batch(decode(encode_batch(ends, parts=True), PRODUCER_TO_BROKER)) == ends  # its header alone
-
-
-@pytest.mark.parametrize("change, words", [
-    (lambda parts: parts[:-1], "the batch has"),
-    (lambda parts: [*parts, b"\0"], "the batched messages list"),
-    (lambda parts: [*parts[:-1], parts[-1][:-1]], "as 4 bytes, it has 3"),
-])
-def test_parts_that_are_not_the_frames_listed_are_a_shape_error(change, words):
-    frames = change(encode_batch(_batchable(), parts=True))
-    with pytest.raises(ProtocolError) as err:
-        split_batch(decode(frames, PRODUCER_TO_BROKER))
-    assert err.value.code == "shape" and words in err.value.message, err.value.message
-
-
 def test_a_batch_body_may_carry_a_crc_and_decoding_checks_it():
     frames = _batch_with(crc32=zlib.crc32(bytes(_batch_with()[1])))
     assert decode(frames, PRODUCER_TO_BROKER).type == "batch"

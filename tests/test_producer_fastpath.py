@@ -132,7 +132,7 @@ def test_the_library_asks_for_batched_acks_and_settles_each_frame_from_them():
     receipts, turn_indices, end = asyncio.run(main())
     context.destroy(linger=0)
     assert broker.hello.fields == {"producer_id": "p-batched", "batch_acks": True, "batch_frames": True,
-                                   "batch_parts": True, "reads_branch": True, "lists_open": True}
+                                   "reads_branch": True, "lists_open": True}
     assert turn_indices == [0, 1, 2] and end["turns"] == 3
     assert [(r.kind, r.turn, r.applied, r.reason) for r in receipts] == [
         ("turn", 0, True, None), ("turn", 1, False, "replay_gap"), ("turn", 2, True, None), ("end", None, True, None)]

@@ -126,8 +126,7 @@ def gauge(s, name):
 # -- the handshake and what it negotiated --------------------------------------------------
 def test_the_hello_asks_for_what_the_producer_was_configured_with():
     assert decode(session().hello(), PRODUCER_TO_BROKER).fields == {
-        "producer_id": "p", "batch_acks": True, "batch_frames": True, "batch_parts": True, "reads_branch": True,
-        "lists_open": True}
+        "producer_id": "p", "batch_acks": True, "batch_frames": True, "reads_branch": True, "lists_open": True}
     assert decode(session(batch_acks=False, batch_frames=False).hello(), PRODUCER_TO_BROKER).fields == {
         "producer_id": "p", "reads_branch": True, "lists_open": True}
 
@@ -193,24 +192,6 @@ def test_frames_ready_together_go_as_one_batch_only_once_the_welcome_allows_it()
         s.received(welcome(batch_frames=batch_frames), 0.0)
         accept(s, *(Handle(tid).turn() for tid in "abc"))
         assert transmit(s) == expected
-
-
-def test_a_batch_goes_as_parts_only_to_a_broker_whose_welcome_reads_them():
-    for parts in (False, True):
-        s = session()
-        s.received(welcome(batch_frames=True, **({"batch_parts": True} if parts else {})), 0.0)
-        assert s.batch_parts is parts
-        accept(s, *(Handle(tid).turn() for tid in "ab"))
-        went = []
-        s.transmit(1.0, lambda frames: went.append(frames) or True)
-        (frames,) = went
-        batch = decode(frames, PRODUCER_TO_BROKER)
-        carried = sum(len(lengths) for _, lengths in batch["messages"])
-        assert batch.get("parts", False) is parts and len(frames) == (1 + carried if parts else 2) and carried > 2
-        assert [summary(decode(carried, PRODUCER_TO_BROKER)) for carried in split_batch(batch)] == [
-            ("turn", 1, "a", 0), ("turn", 2, "b", 0)]
-    s.hello()  # a new connection: a body again until its welcome says otherwise
-    assert not s.batch_parts
 
 
 def test_a_message_the_socket_refuses_stops_the_run_and_goes_next_time():

@@ -170,15 +170,10 @@ def header_verdict(raw: bytes) -> Expect:
     return nack(ALL_CODES - {"malformed", "version"}, seq)
 
 
-def batch_frames(messages: list[list], parts: bool = False) -> list:
+def batch_frames(messages: list[list]) -> list:
     """One `batch` (protocol.md §3) carrying `messages`: their headers with
     the lengths of their frames, the frames end to end in the body, each at
-    a multiple of 8; with `parts`, each frame a part of its own after the
-    header."""
-    if parts:
-        entries = [[message[0], [len(frame) for frame in message[1:]]] for message in messages]
-        return [msgpack.packb({"v": 1, "type": "batch", "messages": entries, "parts": True}),
-                *(frame for message in messages for frame in message[1:])]
+    a multiple of 8."""
     entries, body = [], b""
     for message in messages:
         lengths = []

@@ -88,8 +88,6 @@ def split_batch() -> dict[str, bytes]:
         "ends-only": encode_batch(ends),
         "one-turn": encode_batch(turns[:1]),
         "carries-a-ping": encode_batch([turns[0], encode(p2b, "ping", {"seq": 9})]),
-        "parts-turns-and-ends": encode_batch([turns[0], ends[0], turns[2], ends[1], ends[2]], parts=True),
-        "parts-ends-only": encode_batch(ends, parts=True),
     }
     return {name: join_frames(frames) for name, frames in seeds.items()}
 
