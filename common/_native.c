@@ -2,10 +2,12 @@
  * tokens over the ids, compare, count hits per support): for each sampled
  * token, whether its support (a row of a CSR mask) holds it. And a batch
  * of messages' content rules in one call, one pass over each array, where
- * numpy joins the batch's arrays and reduces each join.
+ * numpy joins the batch's arrays and reduces each join. And a delivery's
+ * turns merged into its frame in one pass, where Python builds a list of
+ * pieces per array, turn by turn, for numpy to join.
  *
- * Optional: `common/validation.py` falls back to numpy when this module is
- * not built. Inputs come from peers, so every offset is bounds-checked
+ * Optional: `common/validation.py` and `common/trajectory.py` fall back to
+ * numpy when this module is not built. Inputs come from peers, so every offset is bounds-checked
  * before it indexes anything; arrays of the wrong kind or length raise
  * ValueError naming the rule.
  * Buffers only (no numpy headers): the module builds with a C compiler and
@@ -575,10 +577,239 @@ pack_checked(PyObject *self, PyObject *args)
     return PyBool_FromLong(valid);
 }
 
+/* What `merge_turns` reads from each turn, by role. */
+enum { TURN_TOKENS, TURN_LOG_PROBS, TURN_LOSS_MASK, TURN_FORCED, TURN_IDS, TURN_OFFSETS, TURN_ROLES };
+static const struct { Py_ssize_t itemsize; const char *kinds; const char *name; } turn_kinds[TURN_ROLES] = {
+    {4, "ilq", "tokens"}, {4, "f", "log_probs"}, {1, "B", "loss_mask"}, {4, "ilq", "forced_tokens"},
+    {4, "ilq", "mask.ids"}, {8, "ilq", "mask.offsets"},
+};
+/* And what it writes, in the order it is given them. */
+enum { MERGED_TOKENS, MERGED_LOG_PROBS, MERGED_LOSS_MASK, MERGED_IDS, MERGED_OFFSETS, MERGED };
+static const struct { Py_ssize_t itemsize; const char *kinds; const char *name; } merged_kinds[MERGED] = {
+    {4, "ilq", "tokens out"}, {4, "f", "log_probs out"}, {1, "B", "loss_mask out"}, {4, "ilq", "mask_ids out"},
+    {8, "ilq", "mask_offsets out"},
+};
+
+typedef struct { Py_buffer view[TURN_ROLES]; int held[TURN_ROLES]; } turn_t;
+
+static void
+release_turn(turn_t *turn)
+{
+    for (int r = 0; r < TURN_ROLES; r++) {
+        if (turn->held[r])
+            PyBuffer_Release(&turn->view[r]);
+        turn->held[r] = 0;
+    }
+}
+
+/* Role `r` of a turn from `value` (a new reference, released here); None leaves it unheld. */
+static int
+get_turn_role(PyObject *value, turn_t *turn, int r)
+{
+    if (value == NULL)
+        return -1;
+    int failed = 0;
+    if (value != Py_None) {
+        failed = get_vector(value, &turn->view[r], turn_kinds[r].itemsize, turn_kinds[r].kinds, 0, turn_kinds[r].name) < 0;
+        turn->held[r] = !failed;
+    }
+    Py_DECREF(value);
+    return failed ? -1 : 0;
+}
+
+/* Turn `m`'s arrays (`fields`: the tuple positions of its tokens, log_probs,
+ * loss_mask, mask and forced_tokens; its mask's ids and offsets read by
+ * `mask_names` when `supports`), their lengths checked against each other. */
+static int
+get_turn(PyObject *item, const Py_ssize_t *fields, PyObject *mask_names, int supports, Py_ssize_t m, turn_t *turn)
+{
+    memset(turn->held, 0, sizeof turn->held);
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) <= fields[4]) {
+        PyErr_Format(PyExc_ValueError, "rule 'a turn is a tuple holding every field merged' not met: turn %zd is %s", m,
+                     Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    static const int roles[4] = {TURN_TOKENS, TURN_LOG_PROBS, TURN_LOSS_MASK, TURN_FORCED};
+    static const int at[4] = {0, 1, 2, 4};
+    for (int k = 0; k < 4; k++) {
+        PyObject *value = PyTuple_GET_ITEM(item, fields[at[k]]);
+        Py_INCREF(value);
+        if ((roles[k] != TURN_LOSS_MASK && value == Py_None) || get_turn_role(value, turn, roles[k]) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "rule 'a turn has its %s' not met: turn %zd has None", turn_kinds[roles[k]].name, m);
+            if (value == Py_None)
+                Py_DECREF(value);
+            release_turn(turn);
+            return -1;
+        }
+    }
+    PyObject *mask = PyTuple_GET_ITEM(item, fields[3]);
+    if (mask != Py_None && !supports) {
+        PyErr_Format(PyExc_ValueError, "rule 'turns carry supports as their trajectory does' not met: turn %zd has a mask, "
+                     "the trajectory none", m);
+        release_turn(turn);
+        return -1;
+    }
+    if (mask != Py_None && (get_turn_role(PyObject_GetAttr(mask, PyTuple_GET_ITEM(mask_names, 0)), turn, TURN_IDS) < 0
+                            || get_turn_role(PyObject_GetAttr(mask, PyTuple_GET_ITEM(mask_names, 1)), turn, TURN_OFFSETS) < 0)) {
+        release_turn(turn);
+        return -1;
+    }
+    const Py_buffer *v = turn->view;
+    Py_ssize_t n = v[TURN_TOKENS].shape[0];
+    if (v[TURN_LOG_PROBS].shape[0] != n || (turn->held[TURN_LOSS_MASK] && v[TURN_LOSS_MASK].shape[0] != n)
+            || (mask != Py_None && (!turn->held[TURN_IDS] || !turn->held[TURN_OFFSETS] || v[TURN_OFFSETS].shape[0] != n + 1))
+            || (mask == Py_None && supports && n != 0)) {
+        PyErr_Format(PyExc_ValueError, "rule 'a turn's per-token arrays and supports align with its tokens' not met: "
+                     "turn %zd has %zd tokens", m, n);
+        release_turn(turn);
+        return -1;
+    }
+    return 0;
+}
+
+/* Append one turn at `at` (token and id positions): its sampled tokens,
+ * then its forced ones, each a singleton support. */
+static void
+merge_turn(const turn_t *turn, char **out, Py_ssize_t at[2], int first)
+{
+    const Py_buffer *v = turn->view;
+    Py_ssize_t n = v[TURN_TOKENS].shape[0], forced = v[TURN_FORCED].shape[0], t = at[0];
+    memcpy((int32_t *)out[MERGED_TOKENS] + t, v[TURN_TOKENS].buf, 4 * n);
+    memcpy((int32_t *)out[MERGED_TOKENS] + t + n, v[TURN_FORCED].buf, 4 * forced);
+    memcpy((float *)out[MERGED_LOG_PROBS] + t, v[TURN_LOG_PROBS].buf, 4 * n);
+    memset((float *)out[MERGED_LOG_PROBS] + t + n, 0, 4 * forced);  /* all-zero bits: 0.0f */
+    if (turn->held[TURN_LOSS_MASK])
+        memcpy((uint8_t *)out[MERGED_LOSS_MASK] + t, v[TURN_LOSS_MASK].buf, n);
+    else
+        memset((uint8_t *)out[MERGED_LOSS_MASK] + t, 1, n);
+    memset((uint8_t *)out[MERGED_LOSS_MASK] + t + n, 0, forced);
+    if (out[MERGED_IDS] != NULL) {
+        int64_t base = (int64_t)at[1], *offsets = (int64_t *)out[MERGED_OFFSETS] + t + 1;
+        if (turn->held[TURN_IDS]) {
+            Py_ssize_t n_ids = v[TURN_IDS].shape[0];
+            const int64_t *offset = (const int64_t *)v[TURN_OFFSETS].buf;
+            memcpy((int32_t *)out[MERGED_IDS] + at[1], v[TURN_IDS].buf, 4 * n_ids);
+            if (first)
+                offsets[-1] = offset[0];
+            for (Py_ssize_t k = 0; k < n; k++)
+                offsets[k] = offset[k + 1] + base;
+            base += n_ids;
+        }
+        memcpy((int32_t *)out[MERGED_IDS] + base, v[TURN_FORCED].buf, 4 * forced);
+        for (Py_ssize_t k = 0; k < forced; k++)
+            offsets[n + k] = base + k + 1;
+        at[1] = (Py_ssize_t)base + forced;
+    }
+    at[0] = t + n + forced;
+}
+
+PyDoc_STRVAR(merge_turns_doc,
+"merge_turns(turns, fields, mask_names, outs)\n\n"
+"Write the response arrays of `turns` (tuples; `fields`: the positions of\n"
+"their tokens, log_probs, loss_mask, mask and forced_tokens) end to end\n"
+"into `outs`, a tuple of writable arrays: tokens, log-probs, loss mask,\n"
+"support ids and offsets (both None for turns without supports). Each\n"
+"turn's sampled tokens come first, then its forced ones, which have log-prob\n"
+"0, loss 0 and a singleton support; a turn without a loss mask trains every\n"
+"sampled token. Offsets continue from the ids before, after a leading 0 (the\n"
+"first turn's own first offset where it has a mask); a mask's ids and\n"
+"offsets are its attributes named by `mask_names`. ValueError names the rule\n"
+"when an array is of another kind, a turn's arrays do not align or an output\n"
+"is not exactly its size; nothing is then written.");
+
+static PyObject *
+merge_turns(PyObject *self, PyObject *args)
+{
+    PyObject *turns, *field_tuple, *mask_names, *outs;
+
+    if (!PyArg_ParseTuple(args, "O!O!O!O!:merge_turns", &PyList_Type, &turns, &PyTuple_Type, &field_tuple, &PyTuple_Type,
+                          &mask_names, &PyTuple_Type, &outs))
+        return NULL;
+    Py_ssize_t fields[5];
+    if (PyTuple_GET_SIZE(field_tuple) != 5 || PyTuple_GET_SIZE(mask_names) != 2 || PyTuple_GET_SIZE(outs) != MERGED) {
+        PyErr_Format(PyExc_ValueError, "rule 'five field positions, two mask attribute names, %d outputs' not met: got "
+                     "%zd, %zd and %zd", MERGED, PyTuple_GET_SIZE(field_tuple), PyTuple_GET_SIZE(mask_names),
+                     PyTuple_GET_SIZE(outs));
+        return NULL;
+    }
+    for (int k = 0; k < 5; k++) {
+        fields[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(field_tuple, k));
+        if (fields[k] == -1 && PyErr_Occurred())
+            return NULL;
+        if (fields[k] < 0) {
+            PyErr_Format(PyExc_ValueError, "rule 'field positions are at least 0' not met: got %zd", fields[k]);
+            return NULL;
+        }
+    }
+    int supports = PyTuple_GET_ITEM(outs, MERGED_IDS) != Py_None;
+    if (supports != (PyTuple_GET_ITEM(outs, MERGED_OFFSETS) != Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "rule 'support ids and offsets are merged together' not met: mask_ids out and "
+                        "mask_offsets out must both be given or both None");
+        return NULL;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(turns);
+    turn_t *turn = PyMem_Calloc(count ? count : 1, sizeof(turn_t));
+    if (turn == NULL)
+        return PyErr_NoMemory();
+    Py_buffer out[MERGED];
+    int held_out[MERGED] = {0}, failed = 0;
+    Py_ssize_t got = 0, need[MERGED] = {0};
+    for (; got < count; got++) {
+        if (get_turn(PyList_GET_ITEM(turns, got), fields, mask_names, supports, got, &turn[got]) < 0) {
+            failed = 1;
+            break;
+        }
+        Py_ssize_t forced = turn[got].view[TURN_FORCED].shape[0];
+        need[MERGED_TOKENS] += turn[got].view[TURN_TOKENS].shape[0] + forced;
+        need[MERGED_IDS] += (turn[got].held[TURN_IDS] ? turn[got].view[TURN_IDS].shape[0] : 0) + forced;
+    }
+    need[MERGED_LOG_PROBS] = need[MERGED_LOSS_MASK] = need[MERGED_TOKENS];
+    need[MERGED_OFFSETS] = need[MERGED_TOKENS] + 1;
+    for (int r = 0; r < MERGED && !failed; r++) {
+        if (PyTuple_GET_ITEM(outs, r) == Py_None)
+            continue;
+        if (get_vector(PyTuple_GET_ITEM(outs, r), &out[r], merged_kinds[r].itemsize, merged_kinds[r].kinds, 1,
+                       merged_kinds[r].name) < 0) {
+            failed = 1;
+        } else {
+            held_out[r] = 1;
+            if (out[r].shape[0] != need[r]) {
+                PyErr_Format(PyExc_ValueError, "rule 'each output is exactly the size of what is merged into it' not met: "
+                             "%s has %zd entries, expected %zd", merged_kinds[r].name, out[r].shape[0], need[r]);
+                failed = 1;
+            }
+        }
+    }
+    if (!failed) {
+        char *buf[MERGED] = {0};
+        for (int r = 0; r < MERGED; r++)
+            buf[r] = held_out[r] ? (char *)out[r].buf : NULL;
+        Py_ssize_t at[2] = {0, 0};
+        Py_BEGIN_ALLOW_THREADS
+        if (supports)
+            ((int64_t *)buf[MERGED_OFFSETS])[0] = 0;
+        for (Py_ssize_t m = 0; m < count; m++)
+            merge_turn(&turn[m], buf, at, m == 0);
+        Py_END_ALLOW_THREADS
+    }
+    for (int r = 0; r < MERGED; r++) {
+        if (held_out[r])
+            PyBuffer_Release(&out[r]);
+    }
+    for (Py_ssize_t m = 0; m < got; m++)
+        release_turn(&turn[m]);
+    PyMem_Free(turn);
+    if (failed)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"inside_support", inside_support, METH_VARARGS, inside_support_doc},
     {"messages_content_valid", messages_content_valid, METH_VARARGS, messages_content_valid_doc},
     {"pack_checked", pack_checked, METH_VARARGS, pack_checked_doc},
+    {"merge_turns", merge_turns, METH_VARARGS, merge_turns_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import operator
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import msgpack
 import msgspec
@@ -197,7 +197,7 @@ def encode(
     schema: Schema,
     mtype: str,
     fields: Mapping[str, Any] | None = None,
-    arrays: Mapping[str, np.ndarray | list[np.ndarray]] | None = None,
+    arrays: "Mapping[str, np.ndarray | list[np.ndarray]] | PackedBody | None" = None,
     *,
     crc: bool = False,
     checked: bool = True,
@@ -220,14 +220,17 @@ def encode(
     frame's size before it numbers it. `packed=True` sends every array in
     one frame, `[header, arrays]`, widest items first (docs/protocol.md §2):
     one copy of the arrays, and one frame for each side to handle instead of
-    one per array.
+    one per array. A `PackedBody` its holder has written goes as that frame.
     """
     spec = _spec(schema, mtype)
     fields = fields or {}
     arrays = arrays or {}
     if checked:
-        _check_fields(spec, fields if numbered else {**fields, "seq": 0}, frozenset(arrays))
+        _check_fields(spec, fields if numbered else {**fields, "seq": 0},
+                      frozenset(arrays.arrays if isinstance(arrays, PackedBody) else arrays))
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": mtype, **fields}
+    if isinstance(arrays, PackedBody):
+        return _finished_body(header, arrays, crc)
     if not arrays:
         return [_PACKERS.pack(header)]
     if packed:
@@ -278,16 +281,22 @@ _PACKING_ORDERS: dict[tuple, list] = {}
 _PACKING_ORDERS_KEPT = 64
 
 
-def _packed_frames(header: dict, arrays: Mapping[str, Any], crc: bool) -> list:
-    """`[header, body]`: every array (the pieces of one given as a list, in
-    order) end to end in one frame, widest items first so each starts
-    aligned, joined in one pass, and the CRC read over the joined bytes."""
-    names = tuple(arrays)
+def _packing_order(names: tuple) -> list:
+    """`(name, contract)` of each of `names` in the order a packed body holds
+    them: widest items first, so that each array starts aligned."""
     order = _PACKING_ORDERS.get(names)
     if order is None:
         if len(_PACKING_ORDERS) >= _PACKING_ORDERS_KEPT:
             _PACKING_ORDERS.clear()
         order = _PACKING_ORDERS[names] = [(name, ARRAYS[name]) for name in sorted(names, key=_WIDEST_FIRST.__getitem__)]
+    return order
+
+
+def _packed_frames(header: dict, arrays: Mapping[str, Any], crc: bool) -> list:
+    """`[header, body]`: every array (the pieces of one given as a list, in
+    order) end to end in one frame, widest items first so each starts
+    aligned, joined in one pass, and the CRC read over the joined bytes."""
+    order = _packing_order(tuple(arrays))
     entries, pieces = [], []
     for name, contract in order:
         arr = arrays[name]
@@ -310,6 +319,45 @@ def _packed_frames(header: dict, arrays: Mapping[str, Any], crc: bool) -> list:
         header["crc32"] = _crc32_update(body)
     header["packed"] = True
     return [_PACKERS.pack(header), body]
+
+
+class PackedBody(NamedTuple):
+    """A packed frame's body laid out before its arrays are written
+    (`packed_body`): whoever holds them in pieces writes each straight into
+    its place, one copy, then `encode` sends it."""
+
+    body: bytearray
+    arrays: dict[str, np.ndarray]  # by name, a writable view of its place in `body`
+    entries: list  # the header's `[name, dtype, shape]` of each, in the body's order
+
+
+def packed_body(shapes: Mapping[str, tuple]) -> PackedBody:
+    """A zeroed body for arrays of these shapes, laid out as `encode` packs
+    them (the same order of names gives the same bytes)."""
+    layout, size = [], 0
+    for name, contract in _packing_order(tuple(shapes)):
+        shape = shapes[name]
+        if len(shape) != contract.ndim and not contract.rank_ok(len(shape)):
+            raise LocalProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {list(shape)}")
+        count = shape[0] if len(shape) == 1 else math.prod(shape)
+        layout.append((name, contract, shape, count, size))
+        size += count * contract.dtype.itemsize
+    body = bytearray(size)
+    arrays, entries = {}, []
+    for name, contract, shape, count, offset in layout:
+        view = np.frombuffer(body, contract.dtype, count, offset)
+        arrays[name] = view if len(shape) == 1 else view.reshape(shape)
+        entries.append([name, contract.wire_name, list(shape)])
+    return PackedBody(body, arrays, entries)
+
+
+def _finished_body(header: dict, packed: PackedBody, crc: bool) -> list:
+    """`[header, body]` of a body its holder has written (`packed_body`)."""
+    header["arrays"] = packed.entries
+    if crc:
+        header["crc32"] = _crc32_update(packed.body)
+    header["packed"] = True
+    return [_PACKERS.pack(header), packed.body]
 
 
 # -- batches (docs/protocol.md §3, batched frames) ---------------------------------

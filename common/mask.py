@@ -252,15 +252,9 @@ class SamplingMask:
         end = int(self._offsets[n])
         return SamplingMask._wrap(self._ids[:end], self._offsets[: n + 1])
 
-    @property
-    def ids(self) -> np.ndarray:
-        """All supports concatenated (read-only int32 view)."""
-        return self._ids
-
-    @property
-    def offsets(self) -> np.ndarray:
-        """`N + 1` support boundaries (read-only int64 view)."""
-        return self._offsets
+    # Read-only properties whose getters are compiled (a turn's mask is read several times a frame).
+    ids = property(operator.attrgetter("_ids"), doc="All supports concatenated (read-only int32 view).")
+    offsets = property(operator.attrgetter("_offsets"), doc="`N + 1` support boundaries (read-only int64 view).")
 
     @property
     def support_sizes(self) -> np.ndarray:

@@ -12,6 +12,7 @@ once, at delivery.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
@@ -42,6 +43,12 @@ def _shape_of(array: np.ndarray) -> np.ndarray:
     trajectory checks context shapes against it)."""
     return np.broadcast_to(np.zeros(1, array.dtype), array.shape)
 
+
+_native: ModuleType | None
+try:  # `merge_into`'s compiled pass (common/_native.c)
+    from . import _native
+except ImportError:  # pragma: no cover - a build without one writes the turns with numpy
+    _native = None
 
 EMPTY_TOKENS = frozen(np.empty(0, TOKEN_DTYPE))
 _LEADING_ZERO = frozen(np.zeros(1, OFFSETS_DTYPE))
@@ -336,6 +343,11 @@ def _with_forced_zeros(turns: list[Turn], name: str, zeros: np.ndarray) -> list[
     return parts
 
 
+# What `merge_into` reads of each pending turn: the tuple positions of its merged fields, its mask's attributes.
+_MERGED_TURN_FIELDS = tuple(map(Turn._fields.index, ("tokens", "log_probs", "loss_mask", "mask", "forced_tokens")))
+_MASK_ATTRIBUTES = ("ids", "offsets")
+
+
 class _MaskBuffer:
     """The growing CSR of a trajectory: ids and offsets in geometric buffers,
     and the support's log-probs beside the ids when it carries them."""
@@ -435,6 +447,7 @@ class Trajectory:
         self._pending: list[Turn] = []  # merged turns whose arrays are not written yet
         self._pending_length = 0
         self._pending_bytes = 0  # what they will add once written
+        self._pending_ids = 0  # the support ids they will add (with a mask)
         self._tokens.truncate(0)
         self._loss_mask.truncate(0)
         self._log_probs.truncate(0)
@@ -468,7 +481,7 @@ class Trajectory:
             return
         self._shed_length = self.response_length
         self.prompt_tokens = EMPTY_TOKENS
-        self._pending, self._pending_length, self._pending_bytes = [], 0, 0
+        self._pending, self._pending_length, self._pending_bytes, self._pending_ids = [], 0, 0, 0
         self._tokens, self._loss_mask, self._log_probs = (
             GrowableArray(TOKEN_DTYPE), GrowableArray(LOSS_MASK_DTYPE), GrowableArray(LOG_PROB_DTYPE))
         if self._mask is not None:
@@ -592,19 +605,53 @@ class Trajectory:
         context = 0 if self.is_shed or not self._context else sum(map(NBYTES, self._context.values()))
         return self.prompt_tokens.nbytes + sum(map(NBYTES, buffers)) + context + self._pending_bytes
 
-    def _written_bytes(self, turn: Turn) -> int:
-        """What a pending turn adds to the buffers once written."""
+    def _count_pending(self, turn: Turn) -> None:
+        """Count a pending turn: its tokens, the support ids and the bytes it
+        adds to the buffers once written."""
         forced = turn.forced_tokens.size
-        total = (len(turn.tokens) + forced) * _PER_TOKEN_BYTES
+        length = len(turn.tokens) + forced
+        total = length * _PER_TOKEN_BYTES
         if self._token_log_probs:
-            total += (len(turn.tokens) + forced) * LOG_PROB_DTYPE.itemsize * len(self._token_log_probs)
+            total += length * LOG_PROB_DTYPE.itemsize * len(self._token_log_probs)
         if self._mask is not None:
-            total += (len(turn.tokens) + forced) * OFFSETS_DTYPE.itemsize + forced * IDS_DTYPE.itemsize
             ids = forced + (0 if turn.mask is None else turn.mask.ids.size)
-            total += (ids - forced) * IDS_DTYPE.itemsize
+            total += length * OFFSETS_DTYPE.itemsize + ids * IDS_DTYPE.itemsize
             if self._mask.log_probs is not None:
                 total += ids * LOG_PROB_DTYPE.itemsize
-        return total
+            self._pending_ids += ids
+        self._pending_length += length
+        self._pending_bytes += total
+
+    def merged_shapes(self) -> dict[str, tuple] | None:
+        """The shape of each array `arrays()` would give, in its order, when
+        `merge_into` can write them: the response is still only its pending
+        turns, two or more (a trajectory read for the first time, as at its
+        delivery: one turn's arrays are read as they are), carrying no replay
+        field but its supports (context arrays aside). None otherwise, or
+        without the compiled module."""
+        mask = self._mask
+        if _native is None or len(self._pending) < 2 or len(self._tokens) or self._token_log_probs or self.is_shed \
+                or (mask is not None and (mask.log_probs is not None or len(mask.ids))):
+            return None
+        length = self._pending_length
+        shapes = {"prompt_tokens": self.prompt_tokens.shape, "tokens": (length,), "loss_mask": (length,),
+                  "log_probs": (length,)}
+        if mask is not None:
+            shapes["mask_ids"], shapes["mask_offsets"] = (self._pending_ids,), (length + 1,)
+        for name, array in self._context.items():
+            shapes[name] = array.shape
+        return shapes
+
+    def merge_into(self, out: Mapping[str, np.ndarray]) -> None:
+        """Write every array into `out` (writable arrays of `merged_shapes`):
+        the pending turns' in one compiled pass, as `arrays()` would join
+        them, leaving them pending."""
+        _native.merge_turns(self._pending, _MERGED_TURN_FIELDS, _MASK_ATTRIBUTES,  # type: ignore[union-attr]
+                            (out["tokens"], out["log_probs"], out["loss_mask"], out.get("mask_ids"),
+                             out.get("mask_offsets")))
+        out["prompt_tokens"][...] = self.prompt_tokens
+        for name, array in self._context.items():
+            out[name][...] = array
 
     def _write_pending(self) -> None:
         """Append the pending turns' arrays: one call per array for all of
@@ -614,7 +661,7 @@ class Trajectory:
         if not pending:
             return
         longest = self._pending_length  # no turn has more sampled or forced tokens
-        self._pending, self._pending_length, self._pending_bytes = [], 0, 0
+        self._pending, self._pending_length, self._pending_bytes, self._pending_ids = [], 0, 0, 0
         ones, zeros = constant_run(1, longest, LOSS_MASK_DTYPE), constant_run(0, longest, LOSS_MASK_DTYPE)
         zero_log_probs = constant_run(0.0, longest, LOG_PROB_DTYPE)
         tokens, log_probs, loss_mask = [], [], []
@@ -683,8 +730,7 @@ class Trajectory:
             self._shed_length += len(turn.tokens) + turn.forced_tokens.size
             return
         self._pending.append(turn)
-        self._pending_length += len(turn.tokens) + turn.forced_tokens.size
-        self._pending_bytes += self._written_bytes(turn)
+        self._count_pending(turn)
 
     # -- merging (docs/semantics.md §4) -----------------------------------------
     def append_turn(self, turn: Turn) -> TurnOutcome:

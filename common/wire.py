@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .buffers import Pieces
-from .codec import PACK_DELIVERY_UP_TO_BYTES, SPLIT_FROM_BYTES, Message, encode, worth_packing
+from .codec import PACK_DELIVERY_UP_TO_BYTES, SPLIT_FROM_BYTES, Message, encode, packed_body, worth_packing
 from .errors import LocalProtocolError
 from .messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
 from .trajectory import Gap, Trajectory, Turn
@@ -94,6 +94,12 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
         fields["weight_version_spans"] = [[list(span) for span in spans] for spans in trajectory.weight_version_spans]
     fields.update(extra)
     if may_pack:
+        shapes = trajectory.merged_shapes()
+        if shapes is not None and not (may_split and trajectory.nbytes >= 2 * SPLIT_FROM_BYTES):
+            # Held in pieces: written in place, one copy (no array can average SPLIT_FROM_BYTES over its pieces).
+            packed = packed_body(shapes)
+            trajectory.merge_into(packed.arrays)
+            return encode(BROKER_TO_CONSUMER, "deliver", fields, packed, crc=True)
         pieces = trajectory.arrays(parts_from=0)  # every array still held in pieces as the list of them
         held = [array for array in pieces.values() if isinstance(array, Pieces)]
         split = may_split and any(array.large(SPLIT_FROM_BYTES) for array in held)

@@ -1,7 +1,8 @@
 """The compiled checks (common/_native.c) against the numpy ones they
 stand in for: the same answer on every valid mask and on every content rule
 broken, nothing read out of range on broken offsets, and the arrays they
-take checked. Both paths run here: the numpy one with the compiled module
+take checked. The compiled merge of a delivery's turns against the numpy
+join it stands in for: the same bytes sent. Both paths run here: the numpy one with the compiled module
 set aside. Where the installed module carries an AVX2 build of its loops
 beside the default one (picked at load time), a second build holding the
 default alone answers alike."""
@@ -22,7 +23,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_content_check_agreement import VOCAB, _messages
 
+from rollstream.common import trajectory as trajectory_module
 from rollstream.common import validation
+from rollstream.common.codec import decode, encode, packed_body
+from rollstream.common.errors import LocalProtocolError
+from rollstream.common.messages import BROKER_TO_CONSUMER
+from rollstream.common.trajectory import Trajectory, Turn
+from rollstream.common.wire import encode_deliver, trajectory_from_deliver
 
 try:
     from rollstream.common import _native as native
@@ -390,3 +397,132 @@ def test_the_default_target_build_packs_and_checks_as_the_installed_one(batch, b
     assert answers[0] is answers[1]
     for plain, installed in zip(*outs):
         assert (plain is None and installed is None) or plain.tobytes() == installed.tobytes()
+
+
+@contextlib.contextmanager
+def turns_joined_with_numpy():
+    """The compiled merge set aside: a delivery joins the turns' arrays with numpy, as `arrays()` reads them."""
+    compiled, trajectory_module._native = trajectory_module._native, None
+    try:
+        yield
+    finally:
+        trajectory_module._native = compiled
+
+
+@st.composite
+def merged_turns(draw):
+    """A trajectory's turns: with supports or none, loss masks given or not,
+    forced tokens after some, forced-only turns (first too, without
+    supports), or a context array that grows with the turns."""
+    supported, context = draw(st.booleans()), draw(st.booleans())
+    turns, covered = [], 0
+    count = draw(st.integers(1, 6))
+    for index in range(6 - count, 6):
+        forced = np.array(draw(st.lists(st.integers(0, 40), max_size=4)), np.int32)
+        sampled = any(type(turn) is not tuple for turn in turns)  # supports are carried from the first token on
+        if not context and (sampled or not supported) and index < 5 and draw(st.integers(0, 4)) == 0:
+            turns.append(("forced", forced))  # not last: the last turn gives the trajectory its status
+            continue
+        n = draw(st.integers(1 if supported else 0, 9))
+        supports = [draw(st.lists(st.integers(0, 40), min_size=1, max_size=12)) for _ in range(n)]
+        tokens = np.array([draw(st.sampled_from(s)) for s in supports] if supported
+                          else draw(st.lists(st.integers(0, 40), min_size=n, max_size=n)), np.int32)
+        loss = np.array(draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)), np.uint8) if draw(st.booleans()) else None
+        covered += n + len(forced)
+        experts = np.full((covered, 2, 1), index, np.int32) if context else None
+        turns.append(Turn.build(tokens, np.linspace(-2.0, -0.1, n).astype(np.float32), loss_mask=loss,
+                                supports=supports if supported else None, forced_tokens=forced, routed_experts=experts))
+    return turns
+
+
+def _trajectory(turns) -> Trajectory:
+    trajectory = Trajectory("t", np.arange(3, dtype=np.int32), group_id="g", group_size=1, sample_index=0)
+    trajectory.reward = 1.0
+    for turn in turns:
+        if type(turn) is tuple:  # ("forced", tokens): a `Turn` is a named tuple
+            trajectory.append_forced(turn[1])
+        else:
+            trajectory.append_turn(turn)
+    return trajectory
+
+
+@settings(max_examples=300, deadline=None)
+@given(merged_turns(), st.booleans())
+def test_a_delivery_merged_compiled_is_the_delivery_joined_with_numpy_byte_for_byte(turns, may_split):
+    merged = _trajectory(turns)
+    assert (merged.merged_shapes() is not None) is (len(turns) > 1)
+    compiled = encode_deliver(merged, "lease", may_pack=True, may_split=may_split)
+    with turns_joined_with_numpy():
+        joined = _trajectory(turns)
+        assert joined.merged_shapes() is None
+        expected = encode_deliver(joined, "lease", may_pack=True, may_split=may_split)
+    assert [bytes(frame) for frame in compiled] == [bytes(frame) for frame in expected]
+    assert len(merged._pending) == len(turns) or len(turns) == 1  # merging wrote nothing into the trajectory's buffers
+    delivered = trajectory_from_deliver(decode(compiled, BROKER_TO_CONSUMER))
+    for name, array in joined.arrays().items():
+        np.testing.assert_array_equal(delivered.arrays()[name], array)
+
+
+def test_trajectories_merging_cannot_take_are_joined_with_numpy():
+    turn = Turn.build(np.array([5], np.int32), np.array([-1.0], np.float32), supports=[[5, 6]])
+    logged = turn._replace(mask_log_probs=np.array([-0.5, -1.0], np.float32))
+    full = Turn.build(np.array([5], np.int32), np.array([-1.0], np.float32), full_log_probs=np.array([-1.5], np.float32))
+    read = _trajectory([turn, turn])
+    read.arrays()  # its turns are written into its buffers: nothing is pending
+    again = _trajectory([turn, turn])
+    again.arrays()
+    again.append_turn(turn)
+    again.append_turn(turn)  # written turns, then pending ones
+    shed = _trajectory([turn, turn])
+    shed.shed()
+    cases = {"read": read, "written then pending": again, "shed": shed, "support log-probs": _trajectory([logged, logged]),
+             "full log-probs": _trajectory([full, full]), "one turn": _trajectory([turn]), "no turn": Trajectory("t")}
+    assert {case: trajectory.merged_shapes() for case, trajectory in cases.items()} == dict.fromkeys(cases)
+    assert _trajectory([turn, turn]).merged_shapes() == {"prompt_tokens": (3,), "tokens": (2,), "loss_mask": (2,),
+                                                         "log_probs": (2,), "mask_ids": (4,), "mask_offsets": (3,)}
+
+
+def test_turns_merging_cannot_take_are_refused_naming_the_rule_with_nothing_written():
+    fields, names = trajectory_module._MERGED_TURN_FIELDS, trajectory_module._MASK_ATTRIBUTES
+    turn = Turn.build(np.array([5], np.int32), np.array([-1.0], np.float32), supports=[[5, 6]],
+                      forced_tokens=np.array([9], np.int32))
+
+    def outs(tokens=2, ids=3, supports=True):
+        return (np.full(tokens, 7, np.int32), np.full(tokens, 7, np.float32), np.full(tokens, 7, np.uint8),
+                np.full(ids, 7, np.int32) if supports else None, np.full(tokens + 1, 7, np.int64) if supports else None)
+
+    cases = [
+        ([turn], outs(3, 4), "exactly the size"),
+        ([turn], outs(ids=2), "exactly the size"),
+        ([turn._replace(log_probs=np.array([-1.0, -2.0], np.float32))], outs(), "align with its tokens"),
+        ([turn._replace(mask=None)], outs(), "align with its tokens"),  # sampled tokens without the supports carried
+        ([turn], outs(supports=False), "carry supports as their trajectory does"),
+        ([turn._replace(tokens=turn.tokens.astype(np.int64))], outs(), "tokens is a 1-D array of 4-byte"),
+        ([turn._replace(log_probs=None)], outs(), "has its log_probs"),
+        ([turn, "a turn"], outs(4, 6), "is a tuple"),
+        ([turn], (*outs()[:3], outs()[3], None), "merged together"),
+    ]
+    for turns, out, rule in cases:
+        with pytest.raises(ValueError, match=rule):
+            native.merge_turns(turns, fields, names, out)
+        assert all(o is None or (o == 7).all() for o in out)  # nothing written
+    out = outs()
+    native.merge_turns([turn], fields, names, out)
+    assert [o.tolist() for o in out] == [[5, 9], [-1.0, 0.0], [1, 0], [5, 6, 9], [0, 2, 3]]
+
+
+def test_a_written_packed_body_is_sent_as_encode_packs_the_same_arrays():
+    arrays = {"prompt_tokens": np.arange(3, dtype=np.int32), "tokens": np.array([4, 5], np.int32),
+              "loss_mask": np.array([1, 0], np.uint8), "log_probs": np.array([-1.0, 0.0], np.float32),
+              "mask_ids": np.array([4, 5, 6], np.int32), "mask_offsets": np.array([0, 2, 3], np.int64),
+              "routed_experts": np.ones((5, 2, 1), np.int32)}
+    packed = packed_body({name: array.shape for name, array in arrays.items()})
+    for name, array in arrays.items():
+        packed.arrays[name][...] = array
+    fields = {"lease": "l", "trajectory_id": "t", "status": "completed", "reward": 1.0, "response_length": 2,
+              "weight_versions": [], "metadata": {}}
+    expected = encode(BROKER_TO_CONSUMER, "deliver", fields, arrays, crc=True, packed=True)
+    assert [bytes(f) for f in encode(BROKER_TO_CONSUMER, "deliver", fields, packed, crc=True)] == \
+        [bytes(f) for f in expected]
+    with pytest.raises(LocalProtocolError, match="shape"):
+        packed_body({"tokens": (2, 1)})
