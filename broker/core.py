@@ -552,8 +552,8 @@ class BrokerCore:
             if self.handed_back:
                 self._count_resumed(answers)
             self.metrics.count_effects(effects)
-            self.metrics.count_outcomes((answer.message.type, answer.ack) for answer in answers
-                                        if answer.ack is not None and answer.message is not None)
+            self.metrics.count_outcomes([(answer.message.type, answer.ack) for answer in answers
+                                         if answer.ack is not None and answer.message is not None])
             for identity, acks in batched_acks(answers, self.hellos.batch_acks, self.grants.grant).items():
                 acks.update(self._job_fields(identity))
                 sent = yield from Send("producer", identity, encode(BROKER_TO_PRODUCER, "acks", acks, checked=False))

@@ -90,8 +90,8 @@ class BrokerMetrics(Metrics):
         """Frames by type and outcome (`acked`: each acked message's type and
         ack fields), once their batch is durable; one counter update per
         kind of outcome, not per frame."""
-        outcomes = Counter((kind, "duplicate" if ack.get("duplicate") else
-                            "applied" if ack["applied"] else ack.get("reason", "not_applied")) for kind, ack in acked)
+        outcomes = Counter([(kind, "duplicate" if "duplicate" in ack and ack["duplicate"] else
+                             "applied" if ack["applied"] else ack.get("reason", "not_applied")) for kind, ack in acked])
         for (kind, outcome), count in outcomes.items():
             self.inc(self.frames, count, type=kind, outcome=outcome)
 

@@ -326,14 +326,15 @@ class PackedBody(NamedTuple):
     (`packed_body`): whoever holds them in pieces writes each straight into
     its place, one copy, then `encode` sends it."""
 
-    body: bytearray
+    body: np.ndarray  # bytes, not zeroed: every one of them is an array's, to be written
     arrays: dict[str, np.ndarray]  # by name, a writable view of its place in `body`
     entries: list  # the header's `[name, dtype, shape]` of each, in the body's order
 
 
 def packed_body(shapes: Mapping[str, tuple]) -> PackedBody:
-    """A zeroed body for arrays of these shapes, laid out as `encode` packs
-    them (the same order of names gives the same bytes)."""
+    """A body for arrays of these shapes, laid out as `encode` packs them
+    (the same order of names gives the same bytes). Not zeroed: its holder
+    writes every array."""
     layout, size = [], 0
     for name, contract in _packing_order(tuple(shapes)):
         shape = shapes[name]
@@ -342,7 +343,7 @@ def packed_body(shapes: Mapping[str, tuple]) -> PackedBody:
         count = shape[0] if len(shape) == 1 else math.prod(shape)
         layout.append((name, contract, shape, count, size))
         size += count * contract.dtype.itemsize
-    body = bytearray(size)
+    body = np.empty(size, np.uint8)
     arrays, entries = {}, []
     for name, contract, shape, count, offset in layout:
         view = np.frombuffer(body, contract.dtype, count, offset)
