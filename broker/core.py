@@ -490,11 +490,15 @@ class BrokerCore:
         they are read (it will be merged unless refused)."""
         return not self.unavailable and self.disk_lets_in(message) and self._fresh_refusal(message) is None
 
+    def _fresh_refusals_possible(self) -> bool:
+        """Whether `Freshness` may keep a turn out: a job has a bound."""
+        return bool(self.freshness.policies) or self.freshness.max_staleness is not None
+
     def _fresh_refusal(self, message: Message) -> RemoteProtocolError | None:
         """Why `Freshness` keeps a turn out: a version without an order
         under a bound, or a new trajectory over its job's capacity (resent
         later: the trainer frees room as it trains)."""
-        if message.type != "turn" or (not self.freshness.policies and self.freshness.max_staleness is None):
+        if message.type != "turn" or not self._fresh_refusals_possible():
             return None
         job = message.get("job", DEFAULT_JOB)
         spans = message.get("weight_version_spans") or ()
@@ -608,12 +612,16 @@ class BrokerCore:
         """The answers to one message, or to a turn stretch (`_stretch_end`):
         each is first asked whether it may enter, then those that may go to
         the engine, together."""
-        answered: list[_Answer | None] = []
-        for identity, message, error in stretch:
-            try:
-                answered.append(self._answered_before_merging(identity, message, error, now, effects))
-            except Exception as exc:  # a failure no rule foresaw costs this message alone
-                answered.append(self._failed_answer(identity, message, exc, now))
+        answered: list[_Answer | None]
+        if len(stretch) > 1 and not self.unavailable and not self._fresh_refusals_possible():
+            answered = [None] * len(stretch)  # decoded turns the disk lets in (`_stretch_end`): all may enter
+        else:
+            answered = []
+            for identity, message, error in stretch:
+                try:
+                    answered.append(self._answered_before_merging(identity, message, error, now, effects))
+                except Exception as exc:  # a failure no rule foresaw costs this message alone
+                    answered.append(self._failed_answer(identity, message, exc, now))
         taken = [i for i, answer in enumerate(answered) if answer is None]
         if taken:
             identity = stretch[taken[0]][0]

@@ -286,8 +286,8 @@ def _answered(reads, *, stretches: bool, reads_fail: bool, **settings) -> tuple[
         received = []
         for identity, tid, kind, index, variant in read:
             seq += 1
-            if kind == "turn":
-                message = turn_msg(tid, index, tokens=(10 + variant,), seq=seq)
+            if kind == "turn":  # the second variant's version has no order: a staleness bound refuses it
+                message = turn_msg(tid, index, tokens=(10 + variant,), seq=seq, weight_version=("3", "draft")[variant])
             elif kind == "end":
                 message = end_msg(tid, seq=seq, turns=index + 1)
             else:
@@ -305,19 +305,25 @@ def _answered(reads, *, stretches: bool, reads_fail: bool, **settings) -> tuple[
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(_ITEMS, max_size=8), max_size=4), st.sampled_from([64 << 30, 16_000]), st.booleans())
+@given(st.lists(st.lists(_ITEMS, max_size=8), max_size=4), st.sampled_from([64 << 30, 16_000]), st.booleans(),
+       st.sampled_from([None, 2]))
 # A resend whose digest cannot be read, then the next turn: the store stops before that turn.
-@example([[(P, "a", "turn", 0, 0), (P, "a", "turn", 1, 0)], [(P, "a", "turn", 1, 0), (P, "a", "turn", 2, 0)]], 64 << 30, True)
+@example([[(P, "a", "turn", 0, 0), (P, "a", "turn", 1, 0)], [(P, "a", "turn", 1, 0), (P, "a", "turn", 2, 0)]], 64 << 30, True,
+         None)
 # Turns of one trajectory from two connections, one after the other.
-@example([[(P, "a", "turn", 0, 0), (Q, "a", "turn", 1, 0)]], 64 << 30, False)
-def test_a_read_is_answered_alike_with_turn_stretches_and_with_each_message_alone(reads, max_disk_bytes, reads_fail):
+@example([[(P, "a", "turn", 0, 0), (Q, "a", "turn", 1, 0)]], 64 << 30, False, None)
+# Under a staleness bound, a stretch's second turn names a version without an order.
+@example([[(P, "a", "turn", 0, 0), (P, "a", "turn", 1, 0), (P, "a", "turn", 2, 1)]], 64 << 30, False, 2)
+def test_a_read_is_answered_alike_with_turn_stretches_and_with_each_message_alone(reads, max_disk_bytes, reads_fail,
+                                                                                    max_staleness):
     """Whether a message may enter is asked of a whole stretch before the
     engine merges it, so a stretch must form only where that cannot depend
     on the turns before it (`BrokerCore._stretch_end`): reads of turns in
     and out of order, resends with the same and other content, ends and
     pings from two connections, under a disk budget that runs out as they
-    arrive, and with a store that cannot read a resend's digest back (which
-    stops the store for the rest of the read), are answered reply for reply
-    and leave the same trajectories."""
-    settings_ = {"max_disk_bytes": max_disk_bytes, "reads_fail": reads_fail}
+    arrive, with a store that cannot read a resend's digest back (which
+    stops the store for the rest of the read), and under a staleness bound
+    that refuses a turn whose version has no order, are answered reply for
+    reply and leave the same trajectories."""
+    settings_ = {"max_disk_bytes": max_disk_bytes, "reads_fail": reads_fail, "max_staleness": max_staleness}
     assert _answered(reads, stretches=True, **settings_) == _answered(reads, stretches=False, **settings_)
