@@ -335,21 +335,24 @@ def packed_body(shapes: Mapping[str, tuple]) -> PackedBody:
     """A body for arrays of these shapes, laid out as `encode` packs them
     (the same order of names gives the same bytes). Not zeroed: its holder
     writes every array."""
-    layout, size = [], 0
-    for name, contract in _packing_order(tuple(shapes)):
+    order = _packing_order(tuple(shapes))
+    offsets: list[tuple[int, int]] = []
+    size = 0
+    for name, contract in order:
         shape = shapes[name]
-        if len(shape) != contract.ndim and not contract.rank_ok(len(shape)):
-            raise LocalProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape {list(shape)}")
-        count = shape[0] if len(shape) == 1 else math.prod(shape)
-        layout.append((name, contract, shape, count, size))
+        try:
+            (count,) = shape  # the common case, 1-D
+        except ValueError:
+            if not contract.rank_ok(len(shape)):
+                raise LocalProtocolError("shape", f"array {name!r} must be {contract.rank_rule()}, got shape "
+                                                  f"{list(shape)}") from None
+            count = math.prod(shape)
+        offsets += ((size, count),)
         size += count * contract.dtype.itemsize
     body = np.empty(size, np.uint8)
-    arrays, entries = {}, []
-    for name, contract, shape, count, offset in layout:
-        view = np.frombuffer(body, contract.dtype, count, offset)
-        arrays[name] = view if len(shape) == 1 else view.reshape(shape)
-        entries.append([name, contract.wire_name, list(shape)])
-    return PackedBody(body, arrays, entries)
+    arrays = {name: np.frombuffer(body, contract.dtype, count, offset).reshape(shapes[name])
+              for (name, contract), (offset, count) in zip(order, offsets)}
+    return PackedBody(body, arrays, [[name, contract.wire_name, list(shapes[name])] for name, contract in order])
 
 
 def _finished_body(header: dict, packed: PackedBody, crc: bool) -> list:

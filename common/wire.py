@@ -95,9 +95,9 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
     fields.update(extra)
     if may_pack:
         shapes = trajectory.merged_shapes()
-        if shapes is not None and not (may_split and trajectory.nbytes >= 2 * SPLIT_FROM_BYTES):
+        packed = None if shapes is None else packed_body(shapes)
+        if packed is not None and not (may_split and packed.body.nbytes >= 2 * SPLIT_FROM_BYTES):
             # Held in pieces: written in place, one copy (no array can average SPLIT_FROM_BYTES over its pieces).
-            packed = packed_body(shapes)
             trajectory.merge_into(packed.arrays)
             return encode(BROKER_TO_CONSUMER, "deliver", fields, packed, crc=True)
         pieces = trajectory.arrays(parts_from=0)  # every array still held in pieces as the list of them
