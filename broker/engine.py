@@ -483,7 +483,8 @@ class MergeEngine:
                 raise RemoteProtocolError("out_of_order", f"trajectory {tid!r} is unknown; expected turn 0, got {index}",
                                           expected=0)
             return self._start(message, wall, entry is not None, producer)
-        if index < entry.next_turn:
+        next_turn = len(entry.outcomes)  # `entry.next_turn`
+        if index < next_turn:
             earlier, applied, reason = entry.outcomes[index]
             if (earlier if earlier is not None else self._applied_digest(tid, index, stored)) != content_digest(message):
                 raise RemoteProtocolError("conflict", f"turn {index} of {tid!r} was already received with different content")
@@ -494,10 +495,9 @@ class MergeEngine:
         assert traj is not None  # an open entry always holds its trajectory (at most shed)
         if traj.terminal:
             return _ack(message, False, reason="replay_gap" if traj.gap else "after_terminal"), ()
-        if index > entry.next_turn:
-            raise RemoteProtocolError(
-                "out_of_order", f"turn {index} of {tid!r} arrived before turn {entry.next_turn}", expected=entry.next_turn
-            )
+        if index > next_turn:
+            raise RemoteProtocolError("out_of_order", f"turn {index} of {tid!r} arrived before turn {next_turn}",
+                                      expected=next_turn)
         outcome = traj.append_turn(turn_from_message(message))
         if outcome.applied:
             entry.stored_bytes += sum(map(len, message.frames))

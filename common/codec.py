@@ -905,7 +905,10 @@ def _decoded_packed(frames: Sequence, schema: Schema, max_message_bytes: int) ->
     for rule in spec.rules:
         if rule(fields, array_names):
             return None
-    head, body = _buffer(head), _buffer(body)
+    if type(head) is not bytes:  # a batched message's frames are (`split_batch`)
+        head = _buffer(head)
+    if type(body) is not bytes:
+        body = _buffer(body)
     if len(head) + len(body) > max_message_bytes:
         return None
     crc = header.crc32
