@@ -52,6 +52,43 @@ get_vector(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *kind
     return 0;
 }
 
+/* An array's expected items (`itemsize` bytes of one of the struct `kinds`) and its name in messages. */
+typedef struct { Py_ssize_t itemsize; const char *kinds; const char *name; } kind_t;
+
+/* The items of `outs` (a tuple of `n`, of `kinds`) that are not None, as
+ * writable vectors of exactly `need[r]` entries each; -1 with ValueError
+ * naming the rule otherwise. `held[r]` marks those taken, for
+ * `release_views` either way. */
+static int
+get_outputs(PyObject *outs, int n, const kind_t *kinds, const Py_ssize_t *need, Py_buffer *out, int *held)
+{
+    for (int r = 0; r < n; r++) {
+        PyObject *item = PyTuple_GET_ITEM(outs, r);
+        if (item == Py_None)
+            continue;
+        if (get_vector(item, &out[r], kinds[r].itemsize, kinds[r].kinds, 1, kinds[r].name) < 0)
+            return -1;
+        held[r] = 1;
+        if (out[r].shape[0] != need[r]) {
+            PyErr_Format(PyExc_ValueError, "rule 'each output is exactly the size of what is written into it' not met: "
+                         "%s has %zd entries, expected %zd", kinds[r].name, out[r].shape[0], need[r]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Release the views of `view` (`n` of them) that `held` marks, and unmark them. */
+static void
+release_views(int n, Py_buffer *view, int *held)
+{
+    for (int r = 0; r < n; r++) {
+        if (held[r])
+            PyBuffer_Release(&view[r]);
+        held[r] = 0;
+    }
+}
+
 #if defined(__GNUC__) || defined(__clang__)
 /* Ids are compared four to a vector (a width every 64-bit CPU has: SSE2,
  * NEON). Most supports are short, and where in its support the token lies
@@ -363,7 +400,7 @@ static const struct { Py_ssize_t itemsize; const char *kinds; } sample_kinds[SAM
 /* And what it writes, in the order it is given them. */
 enum { OUT_SEQUENCES, OUT_TOKENS, OUT_LOG_PROBS, OUT_LOSS_MASK, OUT_IDS, OUT_OFFSETS, OUT_FULL_LOG_PROBS,
        OUT_MASK_LOG_PROBS, OUTS };
-static const struct { Py_ssize_t itemsize; const char *kinds; const char *name; } out_kinds[OUTS] = {
+static const kind_t out_kinds[OUTS] = {
     {4, "ilq", "sequences out"}, {4, "ilq", "tokens out"}, {4, "f", "log_probs out"}, {1, "B", "loss_mask out"},
     {4, "ilq", "mask_ids out"}, {8, "ilq", "mask_offsets out"}, {4, "f", "full_log_probs out"},
     {4, "f", "mask_log_probs out"},
@@ -371,16 +408,6 @@ static const struct { Py_ssize_t itemsize; const char *kinds; const char *name; 
 
 /* One sample's views, those of the roles `wanted` held. */
 typedef struct { Py_buffer view[SAMPLE_ROLES]; int held[SAMPLE_ROLES]; } sample_t;
-
-static void
-release_sample(sample_t *sample)
-{
-    for (int r = 0; r < SAMPLE_ROLES; r++) {
-        if (sample->held[r])
-            PyBuffer_Release(&sample->view[r]);
-        sample->held[r] = 0;
-    }
-}
 
 /* Sample `m`'s arrays of the `wanted` roles, its aligned lengths checked
  * (what packing needs to stay inside `outs`); -1 with ValueError naming the
@@ -402,12 +429,12 @@ get_sample(PyObject *arrays, PyObject *names, const int *wanted, Py_ssize_t m, s
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_ValueError, "rule 'every sample carries the arrays packed' not met: sample %zd has no %S",
                              m, name);
-            release_sample(sample);
+            release_views(SAMPLE_ROLES, sample->view, sample->held);
             return -1;
         }
         if (get_vector(value, &sample->view[r], sample_kinds[r].itemsize, sample_kinds[r].kinds, 0,
                        PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : "an array") < 0) {
-            release_sample(sample);
+            release_views(SAMPLE_ROLES, sample->view, sample->held);
             return -1;
         }
         sample->held[r] = 1;
@@ -420,7 +447,7 @@ get_sample(PyObject *arrays, PyObject *names, const int *wanted, Py_ssize_t m, s
             || (wanted[SAMPLE_MASK_LOG_PROBS] && v[SAMPLE_MASK_LOG_PROBS].shape[0] != v[SAMPLE_IDS].shape[0])) {
         PyErr_Format(PyExc_ValueError, "rule 'a sample's per-token and per-id arrays align with its tokens and ids' not "
                      "met: sample %zd has %zd tokens", m, n);
-        release_sample(sample);
+        release_views(SAMPLE_ROLES, sample->view, sample->held);
         return -1;
     }
     return 0;
@@ -538,21 +565,8 @@ pack_checked(PyObject *self, PyObject *args)
     need[OUT_LOG_PROBS] = need[OUT_LOSS_MASK] = need[OUT_FULL_LOG_PROBS] = need[OUT_TOKENS];
     need[OUT_OFFSETS] = need[OUT_TOKENS] + 1;
     need[OUT_MASK_LOG_PROBS] = need[OUT_IDS];
-    for (int r = 0; r < OUTS && !failed; r++) {
-        if (!wanted_out[r])
-            continue;
-        if (get_vector(PyTuple_GET_ITEM(outs, r), &out[r], out_kinds[r].itemsize, out_kinds[r].kinds, 1,
-                       out_kinds[r].name) < 0) {
-            failed = 1;
-        } else {
-            held_out[r] = 1;
-            if (out[r].shape[0] != need[r]) {
-                PyErr_Format(PyExc_ValueError, "rule 'each output is exactly the size of what is packed into it' not met: "
-                             "%s has %zd entries, expected %zd", out_kinds[r].name, out[r].shape[0], need[r]);
-                failed = 1;
-            }
-        }
-    }
+    if (!failed)
+        failed = get_outputs(outs, OUTS, out_kinds, need, out, held_out) < 0;
     if (!failed) {
         char *buf[OUTS] = {0};
         for (int r = 0; r < OUTS; r++)
@@ -565,12 +579,9 @@ pack_checked(PyObject *self, PyObject *args)
             valid &= pack_sample(&sample[m], buf, at, bound, tolerance);
         Py_END_ALLOW_THREADS
     }
-    for (int r = 0; r < OUTS; r++) {
-        if (held_out[r])
-            PyBuffer_Release(&out[r]);
-    }
+    release_views(OUTS, out, held_out);
     for (Py_ssize_t m = 0; m < got; m++)
-        release_sample(&sample[m]);
+        release_views(SAMPLE_ROLES, sample[m].view, sample[m].held);
     PyMem_Free(sample);
     if (failed)
         return NULL;
@@ -579,28 +590,18 @@ pack_checked(PyObject *self, PyObject *args)
 
 /* What `merge_turns` reads from each turn, by role. */
 enum { TURN_TOKENS, TURN_LOG_PROBS, TURN_LOSS_MASK, TURN_FORCED, TURN_IDS, TURN_OFFSETS, TURN_ROLES };
-static const struct { Py_ssize_t itemsize; const char *kinds; const char *name; } turn_kinds[TURN_ROLES] = {
+static const kind_t turn_kinds[TURN_ROLES] = {
     {4, "ilq", "tokens"}, {4, "f", "log_probs"}, {1, "B", "loss_mask"}, {4, "ilq", "forced_tokens"},
     {4, "ilq", "mask.ids"}, {8, "ilq", "mask.offsets"},
 };
 /* And what it writes, in the order it is given them. */
 enum { MERGED_TOKENS, MERGED_LOG_PROBS, MERGED_LOSS_MASK, MERGED_IDS, MERGED_OFFSETS, MERGED };
-static const struct { Py_ssize_t itemsize; const char *kinds; const char *name; } merged_kinds[MERGED] = {
+static const kind_t merged_kinds[MERGED] = {
     {4, "ilq", "tokens out"}, {4, "f", "log_probs out"}, {1, "B", "loss_mask out"}, {4, "ilq", "mask_ids out"},
     {8, "ilq", "mask_offsets out"},
 };
 
 typedef struct { Py_buffer view[TURN_ROLES]; int held[TURN_ROLES]; } turn_t;
-
-static void
-release_turn(turn_t *turn)
-{
-    for (int r = 0; r < TURN_ROLES; r++) {
-        if (turn->held[r])
-            PyBuffer_Release(&turn->view[r]);
-        turn->held[r] = 0;
-    }
-}
 
 /* Role `r` of a turn from `value` (a new reference, released here); None leaves it unheld. */
 static int
@@ -639,7 +640,7 @@ get_turn(PyObject *item, const Py_ssize_t *fields, PyObject *mask_names, int sup
                 PyErr_Format(PyExc_ValueError, "rule 'a turn has its %s' not met: turn %zd has None", turn_kinds[roles[k]].name, m);
             if (value == Py_None)
                 Py_DECREF(value);
-            release_turn(turn);
+            release_views(TURN_ROLES, turn->view, turn->held);
             return -1;
         }
     }
@@ -647,12 +648,12 @@ get_turn(PyObject *item, const Py_ssize_t *fields, PyObject *mask_names, int sup
     if (mask != Py_None && !supports) {
         PyErr_Format(PyExc_ValueError, "rule 'turns carry supports as their trajectory does' not met: turn %zd has a mask, "
                      "the trajectory none", m);
-        release_turn(turn);
+        release_views(TURN_ROLES, turn->view, turn->held);
         return -1;
     }
     if (mask != Py_None && (get_turn_role(PyObject_GetAttr(mask, PyTuple_GET_ITEM(mask_names, 0)), turn, TURN_IDS) < 0
                             || get_turn_role(PyObject_GetAttr(mask, PyTuple_GET_ITEM(mask_names, 1)), turn, TURN_OFFSETS) < 0)) {
-        release_turn(turn);
+        release_views(TURN_ROLES, turn->view, turn->held);
         return -1;
     }
     const Py_buffer *v = turn->view;
@@ -662,7 +663,7 @@ get_turn(PyObject *item, const Py_ssize_t *fields, PyObject *mask_names, int sup
             || (mask == Py_None && supports && n != 0)) {
         PyErr_Format(PyExc_ValueError, "rule 'a turn's per-token arrays and supports align with its tokens' not met: "
                      "turn %zd has %zd tokens", m, n);
-        release_turn(turn);
+        release_views(TURN_ROLES, turn->view, turn->held);
         return -1;
     }
     return 0;
@@ -766,21 +767,8 @@ merge_turns(PyObject *self, PyObject *args)
     }
     need[MERGED_LOG_PROBS] = need[MERGED_LOSS_MASK] = need[MERGED_TOKENS];
     need[MERGED_OFFSETS] = need[MERGED_TOKENS] + 1;
-    for (int r = 0; r < MERGED && !failed; r++) {
-        if (PyTuple_GET_ITEM(outs, r) == Py_None)
-            continue;
-        if (get_vector(PyTuple_GET_ITEM(outs, r), &out[r], merged_kinds[r].itemsize, merged_kinds[r].kinds, 1,
-                       merged_kinds[r].name) < 0) {
-            failed = 1;
-        } else {
-            held_out[r] = 1;
-            if (out[r].shape[0] != need[r]) {
-                PyErr_Format(PyExc_ValueError, "rule 'each output is exactly the size of what is merged into it' not met: "
-                             "%s has %zd entries, expected %zd", merged_kinds[r].name, out[r].shape[0], need[r]);
-                failed = 1;
-            }
-        }
-    }
+    if (!failed)
+        failed = get_outputs(outs, MERGED, merged_kinds, need, out, held_out) < 0;
     if (!failed) {
         char *buf[MERGED] = {0};
         for (int r = 0; r < MERGED; r++)
@@ -793,12 +781,9 @@ merge_turns(PyObject *self, PyObject *args)
             merge_turn(&turn[m], buf, at, m == 0);
         Py_END_ALLOW_THREADS
     }
-    for (int r = 0; r < MERGED; r++) {
-        if (held_out[r])
-            PyBuffer_Release(&out[r]);
-    }
+    release_views(MERGED, out, held_out);
     for (Py_ssize_t m = 0; m < got; m++)
-        release_turn(&turn[m]);
+        release_views(TURN_ROLES, turn[m].view, turn[m].held);
     PyMem_Free(turn);
     if (failed)
         return NULL;

@@ -41,13 +41,18 @@ except ImportError:
 
 
 @contextlib.contextmanager
-def numpy_only():
-    """The compiled module set aside: validation takes its numpy paths."""
-    compiled, validation._native = validation._native, None
+def compiled_set_aside(module: ModuleType):
+    """`module` without the compiled module: it takes its numpy paths."""
+    compiled, module._native = module._native, None  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        validation._native = compiled
+        module._native = compiled  # type: ignore[attr-defined]
+
+
+def numpy_only():
+    """The compiled checks set aside: validation takes its numpy paths."""
+    return compiled_set_aside(validation)
 
 
 def numpy_inside(tokens, ids, offsets):
@@ -399,14 +404,9 @@ def test_the_default_target_build_packs_and_checks_as_the_installed_one(batch, b
         assert (plain is None and installed is None) or plain.tobytes() == installed.tobytes()
 
 
-@contextlib.contextmanager
 def turns_joined_with_numpy():
     """The compiled merge set aside: a delivery joins the turns' arrays with numpy, as `arrays()` reads them."""
-    compiled, trajectory_module._native = trajectory_module._native, None
-    try:
-        yield
-    finally:
-        trajectory_module._native = compiled
+    return compiled_set_aside(trajectory_module)
 
 
 @st.composite
