@@ -483,7 +483,7 @@ class MergeEngine:
                 raise RemoteProtocolError("out_of_order", f"trajectory {tid!r} is unknown; expected turn 0, got {index}",
                                           expected=0)
             return self._start(message, wall, entry is not None, producer)
-        next_turn = len(entry.outcomes)  # `entry.next_turn`
+        next_turn = entry.next_turn
         if index < next_turn:
             earlier, applied, reason = entry.outcomes[index]
             if (earlier if earlier is not None else self._applied_digest(tid, index, stored)) != content_digest(message):

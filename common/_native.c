@@ -603,29 +603,29 @@ static const kind_t merged_kinds[MERGED] = {
 
 typedef struct { Py_buffer view[TURN_ROLES]; int held[TURN_ROLES]; } turn_t;
 
-/* Role `r` of a turn from `value` (a new reference, released here); None leaves it unheld. */
+/* Role `r` of a turn from `value` (borrowed); None leaves it unheld. */
 static int
 get_turn_role(PyObject *value, turn_t *turn, int r)
 {
-    if (value == NULL)
+    if (value == Py_None)
+        return 0;
+    if (get_vector(value, &turn->view[r], turn_kinds[r].itemsize, turn_kinds[r].kinds, 0, turn_kinds[r].name) < 0)
         return -1;
-    int failed = 0;
-    if (value != Py_None) {
-        failed = get_vector(value, &turn->view[r], turn_kinds[r].itemsize, turn_kinds[r].kinds, 0, turn_kinds[r].name) < 0;
-        turn->held[r] = !failed;
-    }
-    Py_DECREF(value);
-    return failed ? -1 : 0;
+    turn->held[r] = 1;
+    return 0;
 }
 
 /* Turn `m`'s arrays (`fields`: the tuple positions of its tokens, log_probs,
- * loss_mask, mask and forced_tokens; its mask's ids and offsets read by
- * `mask_names` when `supports`), their lengths checked against each other. */
+ * loss_mask, mask and forced_tokens, none past `last_field`; its mask's ids
+ * and offsets read by `mask_names` when `supports`), their lengths checked
+ * against each other; -1 with ValueError naming the rule otherwise, nothing
+ * held. */
 static int
-get_turn(PyObject *item, const Py_ssize_t *fields, PyObject *mask_names, int supports, Py_ssize_t m, turn_t *turn)
+get_turn(PyObject *item, const Py_ssize_t *fields, Py_ssize_t last_field, PyObject *mask_names, int supports,
+         Py_ssize_t m, turn_t *turn)
 {
     memset(turn->held, 0, sizeof turn->held);
-    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) <= fields[4]) {
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) <= last_field) {
         PyErr_Format(PyExc_ValueError, "rule 'a turn is a tuple holding every field merged' not met: turn %zd is %s", m,
                      Py_TYPE(item)->tp_name);
         return -1;
@@ -634,12 +634,12 @@ get_turn(PyObject *item, const Py_ssize_t *fields, PyObject *mask_names, int sup
     static const int at[4] = {0, 1, 2, 4};
     for (int k = 0; k < 4; k++) {
         PyObject *value = PyTuple_GET_ITEM(item, fields[at[k]]);
-        Py_INCREF(value);
-        if ((roles[k] != TURN_LOSS_MASK && value == Py_None) || get_turn_role(value, turn, roles[k]) < 0) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "rule 'a turn has its %s' not met: turn %zd has None", turn_kinds[roles[k]].name, m);
-            if (value == Py_None)
-                Py_DECREF(value);
+        if (roles[k] != TURN_LOSS_MASK && value == Py_None) {
+            PyErr_Format(PyExc_ValueError, "rule 'a turn has its %s' not met: turn %zd has None", turn_kinds[roles[k]].name, m);
+            release_views(TURN_ROLES, turn->view, turn->held);
+            return -1;
+        }
+        if (get_turn_role(value, turn, roles[k]) < 0) {
             release_views(TURN_ROLES, turn->view, turn->held);
             return -1;
         }
@@ -651,10 +651,14 @@ get_turn(PyObject *item, const Py_ssize_t *fields, PyObject *mask_names, int sup
         release_views(TURN_ROLES, turn->view, turn->held);
         return -1;
     }
-    if (mask != Py_None && (get_turn_role(PyObject_GetAttr(mask, PyTuple_GET_ITEM(mask_names, 0)), turn, TURN_IDS) < 0
-                            || get_turn_role(PyObject_GetAttr(mask, PyTuple_GET_ITEM(mask_names, 1)), turn, TURN_OFFSETS) < 0)) {
-        release_views(TURN_ROLES, turn->view, turn->held);
-        return -1;
+    for (int k = 0; k < 2 && mask != Py_None; k++) {  /* its ids, then its offsets */
+        PyObject *value = PyObject_GetAttr(mask, PyTuple_GET_ITEM(mask_names, k));
+        int failed = value == NULL || get_turn_role(value, turn, TURN_IDS + k) < 0;
+        Py_XDECREF(value);
+        if (failed) {
+            release_views(TURN_ROLES, turn->view, turn->held);
+            return -1;
+        }
     }
     const Py_buffer *v = turn->view;
     Py_ssize_t n = v[TURN_TOKENS].shape[0];
@@ -734,6 +738,7 @@ merge_turns(PyObject *self, PyObject *args)
                      PyTuple_GET_SIZE(outs));
         return NULL;
     }
+    Py_ssize_t last_field = 0;
     for (int k = 0; k < 5; k++) {
         fields[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(field_tuple, k));
         if (fields[k] == -1 && PyErr_Occurred())
@@ -742,6 +747,7 @@ merge_turns(PyObject *self, PyObject *args)
             PyErr_Format(PyExc_ValueError, "rule 'field positions are at least 0' not met: got %zd", fields[k]);
             return NULL;
         }
+        last_field = fields[k] > last_field ? fields[k] : last_field;
     }
     int supports = PyTuple_GET_ITEM(outs, MERGED_IDS) != Py_None;
     if (supports != (PyTuple_GET_ITEM(outs, MERGED_OFFSETS) != Py_None)) {
@@ -757,7 +763,7 @@ merge_turns(PyObject *self, PyObject *args)
     int held_out[MERGED] = {0}, failed = 0;
     Py_ssize_t got = 0, need[MERGED] = {0};
     for (; got < count; got++) {
-        if (get_turn(PyList_GET_ITEM(turns, got), fields, mask_names, supports, got, &turn[got]) < 0) {
+        if (get_turn(PyList_GET_ITEM(turns, got), fields, last_field, mask_names, supports, got, &turn[got]) < 0) {
             failed = 1;
             break;
         }

@@ -230,7 +230,7 @@ def encode(
                       frozenset(arrays.arrays if isinstance(arrays, PackedBody) else arrays))
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": mtype, **fields}
     if isinstance(arrays, PackedBody):
-        return _finished_body(header, arrays, crc)
+        return _packed_message(header, arrays.entries, arrays.body, crc)
     if not arrays:
         return [_PACKERS.pack(header)]
     if packed:
@@ -314,11 +314,7 @@ def _packed_frames(header: dict, arrays: Mapping[str, Any], crc: bool) -> list:
         body = b"".join(pieces)  # type: ignore[arg-type]  # arrays are buffers: numpy types __buffer__ only from Python 3.12
     except (BufferError, TypeError):  # a piece not contiguous is not bytes-like
         body = b"".join(np.ascontiguousarray(piece) for piece in pieces)  # type: ignore[misc]
-    header["arrays"] = entries
-    if crc:
-        header["crc32"] = _crc32_update(body)
-    header["packed"] = True
-    return [_PACKERS.pack(header), body]
+    return _packed_message(header, entries, body, crc)
 
 
 class PackedBody(NamedTuple):
@@ -355,13 +351,14 @@ def packed_body(shapes: Mapping[str, tuple]) -> PackedBody:
     return PackedBody(body, arrays, [[name, contract.wire_name, list(shapes[name])] for name, contract in order])
 
 
-def _finished_body(header: dict, packed: PackedBody, crc: bool) -> list:
-    """`[header, body]` of a body its holder has written (`packed_body`)."""
-    header["arrays"] = packed.entries
+def _packed_message(header: dict, entries: list, body, crc: bool) -> list:
+    """`[header, body]` of a packed message whose arrays, listed in
+    `entries`, lie in `body`, the CRC read over its bytes."""
+    header["arrays"] = entries
     if crc:
-        header["crc32"] = _crc32_update(packed.body)
+        header["crc32"] = _crc32_update(body)
     header["packed"] = True
-    return [_PACKERS.pack(header), packed.body]
+    return [_PACKERS.pack(header), body]
 
 
 # -- batches (docs/protocol.md §3, batched frames) ---------------------------------

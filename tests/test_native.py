@@ -506,6 +506,12 @@ def test_turns_merging_cannot_take_are_refused_naming_the_rule_with_nothing_writ
         with pytest.raises(ValueError, match=rule):
             native.merge_turns(turns, fields, names, out)
         assert all(o is None or (o == 7).all() for o in out)  # nothing written
+    for k in range(5):  # a field position past the turn's tuple, in each place
+        past = tuple(len(Turn._fields) if i == k else position for i, position in enumerate(fields))
+        out = outs()
+        with pytest.raises(ValueError, match="holding every field merged"):
+            native.merge_turns([turn], past, names, out)
+        assert all(o is None or (o == 7).all() for o in out)
     out = outs()
     native.merge_turns([turn], fields, names, out)
     assert [o.tolist() for o in out] == [[5, 9], [-1.0, 0.0], [1, 0], [5, 6, 9], [0, 2, 3]]
