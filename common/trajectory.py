@@ -625,12 +625,11 @@ class Trajectory:
     def merged_shapes(self) -> dict[str, tuple] | None:
         """The shape of each array `arrays()` would give, in its order, when
         `merge_into` can write them: the response is still only its pending
-        turns, two or more (a trajectory read for the first time, as at its
-        delivery: one turn's arrays are read as they are), carrying no replay
-        field but its supports (context arrays aside). None otherwise, or
-        without the compiled module."""
+        turns (a trajectory read for the first time, as at its delivery),
+        carrying no replay field but its supports (context arrays aside).
+        None otherwise, or without the compiled module."""
         mask = self._mask
-        if _native is None or len(self._pending) < 2 or len(self._tokens) or self._token_log_probs or self.is_shed \
+        if _native is None or not self._pending or len(self._tokens) or self._token_log_probs or self.is_shed \
                 or (mask is not None and (mask.log_probs is not None or len(mask.ids))):
             return None
         length = self._pending_length
@@ -641,6 +640,11 @@ class Trajectory:
         for name, array in self._context.items():
             shapes[name] = array.shape
         return shapes
+
+    @property
+    def pending_turns(self) -> int:
+        """Turns merged since its arrays were last written (`merge_into` reads them, writing nothing)."""
+        return len(self._pending)
 
     def merge_into(self, out: Mapping[str, np.ndarray]) -> None:
         """Write every array into `out` (writable arrays of `merged_shapes`):
@@ -742,10 +746,16 @@ class Trajectory:
         if spans is not None and spans[-1][2] > len(turn.tokens):
             raise LocalProtocolError("misaligned", "rule 'weight_version_spans lie within the turn's sampled tokens' "
                                                    f"violated: expected ends <= {len(turn.tokens)}, got {list(spans)}")
-        if (turn.mask is None) == (self._mask is None) and not self._context and turn.routed_experts is None \
-                and turn.indexer_topk is None and turn.full_log_probs is None and not self._token_log_probs \
-                and turn.mask_log_probs is None and (self._mask is None or self._mask.log_probs is None):
-            return self._apply(turn)  # the common case: the turn carries what the trajectory carries
+        if not self._context and turn.routed_experts is None and turn.indexer_topk is None \
+                and turn.full_log_probs is None and not self._token_log_probs and turn.mask_log_probs is None \
+                and (self._mask is None or self._mask.log_probs is None):
+            # The common cases: the turn carries what the trajectory carries, or brings the supports a
+            # trajectory with no response token yet starts with.
+            if (turn.mask is None) == (self._mask is None):
+                return self._apply(turn)
+            if self._mask is None and not self.response_length:
+                self.start_mask()
+                return self._apply(turn)
         carried = [self.carries(name) for name in REPLAY_FIELDS]
         brought = [turn.carries(name) for name in REPLAY_FIELDS]
         if carried != brought:  # a field starts or goes missing

@@ -96,8 +96,10 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
     if may_pack:
         shapes = trajectory.merged_shapes()
         packed = None if shapes is None else packed_body(shapes)
-        if packed is not None and not (may_split and packed.body.nbytes >= 2 * SPLIT_FROM_BYTES):
-            # Held in pieces: written in place, one copy (no array can average SPLIT_FROM_BYTES over its pieces).
+        if packed is not None and (packed.body.nbytes <= PACK_DELIVERY_UP_TO_BYTES if trajectory.pending_turns == 1
+                                   else not (may_split and packed.body.nbytes >= 2 * SPLIT_FROM_BYTES)):
+            # Written in place, one copy: one turn's arrays as `worth_packing` packs them (larger ones go a frame
+            # each, as they arrived); several turns' from their pieces (no array averages SPLIT_FROM_BYTES over them).
             trajectory.merge_into(packed.arrays)
             return encode(BROKER_TO_CONSUMER, "deliver", fields, packed, crc=True)
         pieces = trajectory.arrays(parts_from=0)  # every array still held in pieces as the list of them

@@ -450,14 +450,14 @@ def _trajectory(turns) -> Trajectory:
 @given(merged_turns(), st.booleans())
 def test_a_delivery_merged_compiled_is_the_delivery_joined_with_numpy_byte_for_byte(turns, may_split):
     merged = _trajectory(turns)
-    assert (merged.merged_shapes() is not None) is (len(turns) > 1)
+    assert merged.merged_shapes() is not None
     compiled = encode_deliver(merged, "lease", may_pack=True, may_split=may_split)
     with turns_joined_with_numpy():
         joined = _trajectory(turns)
         assert joined.merged_shapes() is None
         expected = encode_deliver(joined, "lease", may_pack=True, may_split=may_split)
     assert [bytes(frame) for frame in compiled] == [bytes(frame) for frame in expected]
-    assert len(merged._pending) == len(turns) or len(turns) == 1  # merging wrote nothing into the trajectory's buffers
+    assert merged.pending_turns == len(turns)  # merging wrote nothing into the trajectory's buffers
     delivered = trajectory_from_deliver(decode(compiled, BROKER_TO_CONSUMER))
     for name, array in joined.arrays().items():
         np.testing.assert_array_equal(delivered.arrays()[name], array)
@@ -476,10 +476,12 @@ def test_trajectories_merging_cannot_take_are_joined_with_numpy():
     shed = _trajectory([turn, turn])
     shed.shed()
     cases = {"read": read, "written then pending": again, "shed": shed, "support log-probs": _trajectory([logged, logged]),
-             "full log-probs": _trajectory([full, full]), "one turn": _trajectory([turn]), "no turn": Trajectory("t")}
+             "full log-probs": _trajectory([full, full]), "no turn": Trajectory("t")}
     assert {case: trajectory.merged_shapes() for case, trajectory in cases.items()} == dict.fromkeys(cases)
     assert _trajectory([turn, turn]).merged_shapes() == {"prompt_tokens": (3,), "tokens": (2,), "loss_mask": (2,),
                                                          "log_probs": (2,), "mask_ids": (4,), "mask_offsets": (3,)}
+    assert _trajectory([turn]).merged_shapes() == {"prompt_tokens": (3,), "tokens": (1,), "loss_mask": (1,),
+                                                   "log_probs": (1,), "mask_ids": (2,), "mask_offsets": (2,)}
 
 
 def test_turns_merging_cannot_take_are_refused_naming_the_rule_with_nothing_written():

@@ -46,7 +46,7 @@ def test_example_8_missing_then_present_is_refused_and_changes_nothing():
     traj.append_turn(turn([10], None, forced=[5]))
     with pytest.raises(ProtocolError) as err:
         traj.append_turn(turn([30], [[30]]))
-    assert err.value.code == "mask_presence"
+    assert err.value.code == "mask_presence" and "(missing, then present)" in err.value.message
     assert traj.tokens.tolist() == [10, 5] and not traj.has_mask and traj.turns == 1
 
 
