@@ -2,7 +2,8 @@
 figures that hold still where a live pipeline's move with the machine's load.
 
 First a real run: TransferQueue's workload (`bench/pipeline.py`'s samples,
-each sent as 8 turns of 625 tokens by an `AsyncProducer`, then `end`) goes
+each sent as `--turns` turns, 8 of 625 tokens by default, by an
+`AsyncProducer`, then `end`) goes
 through a `BrokerService` in this process to a `Consumer` (batches of 32,
 committed), the producer and the consumer in processes of their own; every
 message the broker reads is kept, with the serving pass that read it. Then
@@ -45,7 +46,7 @@ the machine's load.
 The last line is one JSON object. `--smoke` records 8 samples and replays
 them once.
 
-    .venv/bin/python bench/broker_replay.py [--samples 64] [--reps 5] [--ablate check,store,deliver]
+    .venv/bin/python bench/broker_replay.py [--samples 64] [--turns 8] [--reps 5] [--ablate check,store,deliver]
         [--instructions] [--seal-every 2 --archive]
 """
 from __future__ import annotations
@@ -83,7 +84,7 @@ from rollstream.common.clock import Clock
 
 SMOKE = {"samples": 8, "reps": 1}  # the sizes of --smoke
 HOUSEKEEP_EVERY_PASSES = 16
-TURNS = 8
+TURNS = 8  # by default, as `bench/pipeline.py`'s `t8`
 ANY_PORT = "tcp://127.0.0.1:0"
 try:  # what a send the replay drops answers: an older broker (a baseline the figures compare with) took a bool
     from rollstream.broker.core import Sent
@@ -139,7 +140,7 @@ class ReplayedBroker(BrokerService):
         return SEND_TAKEN
 
 
-def _producer_main(endpoint: str, samples: int) -> None:
+def _producer_main(endpoint: str, samples: int, turns: int) -> None:
     from rollstream.producer import AsyncProducer
 
     data = workload(samples)
@@ -148,7 +149,7 @@ def _producer_main(endpoint: str, samples: int) -> None:
         async with AsyncProducer(endpoint, "replay-producer") as producer:
             for i, sample in enumerate(data):
                 trajectory = producer.trajectory(f"t{i}", sample["prompt_tokens"])
-                for part in split_turns(sample, TURNS):
+                for part in split_turns(sample, turns):
                     await trajectory.turn(part["tokens"], part["log_probs"], loss_mask=part["loss_mask"],
                                           mask_ids=part["mask_ids"], mask_offsets=part["mask_offsets"])
                 await trajectory.end(0.0)
@@ -172,14 +173,14 @@ def _consumer_main(endpoint: str, samples: int, seal_every: int) -> None:
         consumer.flush(60)
 
 
-def record(samples: int, seal_every: int) -> tuple[list, str]:
+def record(samples: int, seal_every: int, turns: int = TURNS) -> tuple[list, str]:
     """A real run's reads, by pass, and the lease prefix its broker gave
     (the recorded acks name leases by it)."""
     with tempfile.TemporaryDirectory(prefix="rollstream-replay-") as data_dir:
         broker = RecordingBroker(_settings(data_dir))
         broker.start()
         ctx = mp.get_context("spawn")
-        children = [ctx.Process(target=_producer_main, args=(broker.endpoints["producer"], samples)),
+        children = [ctx.Process(target=_producer_main, args=(broker.endpoints["producer"], samples, turns)),
                     ctx.Process(target=_consumer_main, args=(broker.endpoints["consumer"], samples, seal_every))]
         for child in children:
             child.start()
@@ -278,7 +279,8 @@ def replay(passes: list, epoch: str, ablation: str | None, archive: bool = False
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=64, help="trajectories recorded (8 turns each)")
+    parser.add_argument("--samples", type=int, default=64, help="trajectories recorded")
+    parser.add_argument("--turns", type=int, default=TURNS, help="turns each trajectory is sent as (1 to 5000)")
     parser.add_argument("--reps", type=int, default=5, help="replays of each kind")
     parser.add_argument("--ablate", default="check,store,deliver", help="phases to stub out, comma-separated ('' for none)")
     parser.add_argument("--seal-every", type=int, default=0, help="the recorded consumer seals every N batches (0: never)")
@@ -296,9 +298,11 @@ def main() -> None:
     if unknown:
         parser.error(f"--ablate takes {sorted(ABLATIONS)}, got {unknown}")
 
-    passes, epoch = record(args.samples, args.seal_every)
+    if not 1 <= args.turns <= 5000:  # a sample's 5,000 response tokens cut into turns of at least one token each
+        parser.error(f"--turns must be in [1, 5000], got {args.turns}")
+    passes, epoch = record(args.samples, args.seal_every, args.turns)
     frames = producer_frames(passes)
-    print(f"recorded {args.samples} trajectories of {TURNS} turns: {frames} producer frames in {len(passes)} passes")
+    print(f"recorded {args.samples} trajectories of {args.turns} turns: {frames} producer frames in {len(passes)} passes")
     cpu: dict[str | None, list[float]] = {None: [], **{name: [] for name in ablations},
                                           **({"archive": []} if args.archive else {})}
     if args.archive:  # pyarrow's first write loads what later ones reuse, as a long-running broker's would
@@ -326,7 +330,7 @@ def main() -> None:
         if args.archive:
             summary.update(archive_instructions_per_frame=round(counted["archive"] / frames),
                            archive_instructions_ratio=round(counted["archive"] / counted["full"], 3))
-    summary.update(frames=frames, reps=args.reps, seal_every=args.seal_every)
+    summary.update(frames=frames, turns=args.turns, reps=args.reps, seal_every=args.seal_every)
     print(json.dumps(summary))
 
 

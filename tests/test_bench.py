@@ -48,6 +48,20 @@ def test_each_bench_script_runs_at_its_smoke_size_and_ends_with_its_json_line(sc
     assert isinstance(figures, dict) and figures, figures
 
 
+@pytest.mark.slow
+def test_the_replay_records_one_turn_trajectories_and_refuses_a_turn_count_out_of_range():
+    script = str(ROOT / "bench" / "broker_replay.py")
+    run = subprocess.run([sys.executable, script, "--smoke", "--turns", "1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    assert figures["turns"] == 1 and figures["frames"] >= 2 * 8, figures  # a turn and an end per trajectory, and a hello
+    for turns in ("0", "5001"):
+        refused = subprocess.run([sys.executable, script, "--turns", turns], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=120)
+        assert refused.returncode == 2 and f"--turns must be in [1, 5000], got {turns}" in refused.stderr, refused.stderr
+
+
 def test_the_gpu_script_on_a_machine_without_cuda_says_why_it_skipped_in_its_one_json_line():
     """With no CUDA device visible it installs and runs nothing: its whole
     output is the JSON line with the reason, and it exits 0."""
