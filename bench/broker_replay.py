@@ -58,11 +58,8 @@ import cProfile
 import gc
 import json
 import multiprocessing as mp
-import os
 import pstats
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,7 +71,7 @@ from unittest import mock
 import msgpack
 import zmq
 from pipeline import VOCAB, split_turns, workload
-from procs import parse_args
+from procs import callgrind_counting, callgrind_instructions, parse_args
 
 from rollstream.broker.cli import tune_garbage_collector
 from rollstream.broker.service import BrokerService
@@ -334,12 +331,6 @@ def main() -> None:
     print(json.dumps(summary))
 
 
-def _collecting(on: bool) -> None:
-    """Turn callgrind's counting of this process on or off."""
-    subprocess.run(["callgrind_control", "-i", "on" if on else "off", str(os.getpid())], check=True,
-                   capture_output=True)
-
-
 def _calls(passes: list, epoch: str) -> int:
     """The function calls (Python's and builtins') one full replay makes on
     the serving thread, counted by `cProfile`: a figure the machine's load
@@ -355,7 +346,7 @@ def _replay_counted(path: str, archive: bool) -> None:
         passes, epoch = msgpack.unpackb(f.read(), use_list=True)
     passes = [(name, messages) for name, messages in passes]
     replay(passes, epoch, None, archive=archive)
-    replay(passes, epoch, None, archive=archive, counting=_collecting)
+    replay(passes, epoch, None, archive=archive, counting=callgrind_counting)
 
 
 def _instructions(passes: list, epoch: str, kind: str) -> int:
@@ -363,13 +354,7 @@ def _instructions(passes: list, epoch: str, kind: str) -> int:
     with tempfile.TemporaryDirectory(prefix="rollstream-replay-") as work:
         recording = Path(work) / "recording.msgpack"
         recording.write_bytes(msgpack.packb([passes, epoch]))
-        done = subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={work}/cg.out",
-                               sys.executable, __file__, "--replay-file", str(recording), "--kind", kind],
-                              capture_output=True, text=True, check=False)
-        found = re.search(r"Collected : (\d+)", done.stderr)
-        if done.returncode != 0 or found is None:
-            raise RuntimeError(f"the {kind} replay under callgrind failed (exit {done.returncode}): {done.stderr[-2000:]}")
-        return int(found.group(1))
+        return callgrind_instructions([sys.executable, __file__, "--replay-file", str(recording), "--kind", kind], work)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -91,6 +92,26 @@ class Broker:
         self.process.terminate()
         self.process.wait(60)
         shutil.rmtree(self.data, ignore_errors=True)
+
+
+def callgrind_counting(on: bool) -> None:
+    """Turn callgrind's counting of this process on or off (a process started
+    by `callgrind_instructions`)."""
+    subprocess.run(["callgrind_control", "-i", "on" if on else "off", str(os.getpid())], check=True,
+                   capture_output=True)
+
+
+def callgrind_instructions(command: list[str], work: str) -> int:
+    """The instructions `command` counts between its `callgrind_counting`
+    calls, run under `valgrind --tool=callgrind` with counting off at
+    start; its profile goes to the folder `work`."""
+    done = subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                           f"--callgrind-out-file={work}/callgrind.out", *command],
+                          capture_output=True, text=True, check=False)
+    found = re.search(r"Collected : (\d+)", done.stderr)
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(f"{command[1:3]} under callgrind failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return int(found.group(1))
 
 
 def parse_args(parser: argparse.ArgumentParser, smoke: dict) -> argparse.Namespace:

@@ -62,6 +62,24 @@ def test_the_replay_records_one_turn_trajectories_and_refuses_a_turn_count_out_o
         assert refused.returncode == 2 and f"--turns must be in [1, 5000], got {turns}" in refused.stderr, refused.stderr
 
 
+@pytest.mark.slow
+def test_the_consumer_replay_counts_a_delivery_per_trajectory_and_refuses_sizes_out_of_range():
+    script = str(ROOT / "bench" / "consumer_replay.py")
+    run = subprocess.run([sys.executable, script, "--smoke", "--turns", "2"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    # 8 trajectories of 2 turns: one delivery each, besides the welcome and whatever else the broker said
+    assert figures["deliveries"] == 8 and figures["messages"] > 8 and figures["turns"] == 2, figures
+    assert figures["calls_per_delivery"] > 0 and figures["consumer_us_per_delivery"] > 0, figures
+    for flag, value, rule in (("--turns", "0", "--turns must be in [1, 5000], got 0"),
+                              ("--samples", "0", "--samples must be in [1, 4096], got 0"),
+                              ("--reps", "0", "--reps must be in [1, 1000], got 0")):
+        refused = subprocess.run([sys.executable, script, flag, value], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=120)
+        assert refused.returncode == 2 and rule in refused.stderr, refused.stderr
+
+
 def test_the_gpu_script_on_a_machine_without_cuda_says_why_it_skipped_in_its_one_json_line():
     """With no CUDA device visible it installs and runs nothing: its whole
     output is the JSON line with the reason, and it exits 0."""
