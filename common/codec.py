@@ -361,6 +361,24 @@ def _packed_message(header: dict, entries: list, body, crc: bool) -> list:
     return [_PACKERS.pack(header), body]
 
 
+def encode_arrived(schema: Schema, mtype: str, fields: Mapping[str, Any], arrived: Message) -> list | None:
+    """Frames of a message carrying the arrays `arrived` (a decoded message)
+    came with, as the frames they came in: sent by reference, neither copied
+    nor read again, under the CRC decoding verified. None when they cannot
+    go so: no verified CRC (a record read back), or an array that came in
+    parts, joined on arrival."""
+    arrays, frames = arrived.arrays, arrived.frames
+    if arrived.crc32 is None or not arrays or (len(frames) != 1 + len(arrays) and len(frames) != 2):
+        return None
+    _check_fields(_spec(schema, mtype), fields, frozenset(arrays))
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": mtype, **fields,
+                              "arrays": [[name, _DECODING[name][0], list(arr.shape)] for name, arr in arrays.items()],
+                              "crc32": arrived.crc32}
+    if len(frames) != 1 + len(arrays):  # all of them in one frame, in the listed order
+        header["packed"] = True
+    return [_PACKERS.pack(header), *frames[1:]]
+
+
 # -- batches (docs/protocol.md §3, batched frames) ---------------------------------
 BATCH_ALIGN = 8  # every frame of a batched message starts at a multiple of this in the body
 _PADDING = bytes(BATCH_ALIGN)

@@ -19,6 +19,7 @@ ZMQ_DEFAULT_MAX_SOCKETS = 1023  # libzmq's sockets per context, unless raised be
 # thresholds) costs more than sending a small frame.
 _send_part = getattr(zmq.backend, "Socket", zmq.Socket).send
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
+_RECEIVED_FRAME = zmq.Frame  # what a receive without copying gives
 
 
 def tune(
@@ -132,15 +133,21 @@ def send_frames(sock: zmq.Socket, frames: list, *, identity: bytes | None = None
     """Send one message without blocking, part by part through the compiled
     send, cheaper per part than `send_multipart` (docs/performance.md). Parts are copied
     into ZeroMQ, except those larger than `zero_copy_above` bytes, which are
-    handed over by reference (the caller keeps them unchanged until sent).
-    Raises `zmq.Again` when the queue is full (only ever at the first part:
-    a message goes whole or not at all) and `zmq.ZMQError` otherwise."""
+    handed over by reference (the caller keeps them unchanged until sent),
+    and a received frame forwarded whole (a view of all of a `zmq.Frame`),
+    whose bytes ZeroMQ shares: neither copied nor handed to pyzmq's
+    collector thread. Raises `zmq.Again` when the queue is full (only ever
+    at the first part: a message goes whole or not at all) and
+    `zmq.ZMQError` otherwise."""
     if identity is not None:
         _send_part(sock, identity, _SEND_MORE)
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         flags = _SEND_MORE if i < last else zmq.NOBLOCK
-        if zero_copy_above is None or len(frame) <= zero_copy_above:
+        if type(frame) is memoryview and type(received := frame.obj) is _RECEIVED_FRAME \
+                and frame.nbytes == len(received):
+            _send_part(sock, received, flags)
+        elif zero_copy_above is None or len(frame) <= zero_copy_above:
             _send_part(sock, frame, flags)
         else:
             _send_part(sock, frame, flags, copy=False)

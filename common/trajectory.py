@@ -164,6 +164,9 @@ class Turn(NamedTuple):
     # token order, the first being `weight_version`; None: one version over all of them.
     weight_version_spans: tuple[tuple[str, int, int], ...] | None = None
     mask_log_probs_normalized: bool = False  # the sender says each support's probabilities sum to 1
+    # The decoded message (`codec.Message`) that brought this first turn and its prompt, with its arrays'
+    # verified CRC: while the turn is all its trajectory holds, a delivery forwards those frames as they are.
+    arrived: Any = None
 
     @classmethod
     def build(
@@ -280,9 +283,10 @@ class Turn(NamedTuple):
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray], *, status: str, weight_version: str | None = None,
-                    weight_version_spans=None, crcs: Mapping[str, int] | None = None) -> "Turn":
+                    weight_version_spans=None, crcs: Mapping[str, int] | None = None, arrived: Any = None) -> "Turn":
         """Trusted: arrays a decoder has already checked (contract names),
-        with the CRCs it verified of some of them (`Message.array_crcs`)."""
+        with the CRCs it verified of some of them (`Message.array_crcs`),
+        and the message they arrived in (`arrived`)."""
         mask = None
         if "mask_ids" in arrays:
             mask = SamplingMask._wrap(arrays["mask_ids"], arrays["mask_offsets"])
@@ -296,7 +300,7 @@ class Turn(NamedTuple):
         return cls(arrays["tokens"], arrays["log_probs"], arrays["loss_mask"] if "loss_mask" in arrays else None, mask,
                    arrays["forced_tokens"] if "forced_tokens" in arrays else EMPTY_TOKENS, *replay, status, weight_version,
                    None if crcs is None else crcs.get("mask_ids"),
-                   None if weight_version_spans is None else tuple(map(tuple, weight_version_spans)))
+                   None if weight_version_spans is None else tuple(map(tuple, weight_version_spans)), False, arrived)
 
     def carries(self, replay_field: str) -> bool:
         return getattr(self, replay_field) is not None
@@ -640,6 +644,21 @@ class Trajectory:
         for name, array in self._context.items():
             shapes[name] = array.shape
         return shapes
+
+    @property
+    def arrived_whole(self) -> Any:
+        """The message that brought the whole trajectory, its prompt and its
+        one turn (`Turn.arrived`), when its arrays are that message's
+        unchanged: nothing written or shed since, no forced token, and the
+        turn's loss mask given, not filled in. None otherwise."""
+        if len(self._pending) != 1 or len(self._tokens) or self.is_shed or self.gap is not None or self._context \
+                or self._token_log_probs or (self._mask is not None and self._mask.log_probs is not None):
+            return None
+        turn = self._pending[0]
+        if turn.arrived is None or turn.forced_tokens.size or turn.loss_mask is None or turn.routed_experts is not None \
+                or turn.indexer_topk is not None or turn.full_log_probs is not None or turn.mask_log_probs is not None:
+            return None
+        return turn.arrived
 
     @property
     def pending_turns(self) -> int:

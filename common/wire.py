@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .buffers import Pieces
-from .codec import PACK_DELIVERY_UP_TO_BYTES, SPLIT_FROM_BYTES, Message, encode, packed_body, worth_packing
+from .codec import PACK_DELIVERY_UP_TO_BYTES, SPLIT_FROM_BYTES, Message, encode, encode_arrived, packed_body, worth_packing
 from .errors import LocalProtocolError
 from .messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
 from .trajectory import Gap, Trajectory, Turn
@@ -60,7 +60,8 @@ def turn_from_message(message: Message) -> Turn:
     """The `Turn` a decoded `turn` message carries (arrays stay zero-copy,
     with the CRCs decoding verified of its large ones)."""
     return Turn.from_arrays(message.arrays, status=message.fields["status"], weight_version=message.get("weight_version"),
-                            weight_version_spans=message.get("weight_version_spans"), crcs=message.array_crcs)
+                            weight_version_spans=message.get("weight_version_spans"), crcs=message.array_crcs,
+                            arrived=message if "prompt_tokens" in message.arrays else None)
 
 
 _IDENTITY = ("group_id", "group_size", "sample_index")
@@ -73,7 +74,9 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
     unjoined, `SPLIT_FROM_BYTES`; otherwise, with `may_pack`, its arrays go
     in one frame when they are `PACK_DELIVERY_UP_TO_BYTES` at most, or when
     some are held in pieces, which a frame per array would join first: the
-    pieces are then copied once, into that frame).
+    pieces are then copied once, into that frame). With `may_pack`, a
+    trajectory one message brought whole (`Trajectory.arrived_whole`) goes
+    as the frames that message came in, by reference, whatever their size.
 
     `extra` adds optional header fields such as `group_left` or
     `delivery_count`."""
@@ -93,6 +96,10 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
     if trajectory.weight_version_spans:
         fields["weight_version_spans"] = [[list(span) for span in spans] for spans in trajectory.weight_version_spans]
     fields.update(extra)
+    if may_pack and (arrived := trajectory.arrived_whole) is not None:
+        frames = encode_arrived(BROKER_TO_CONSUMER, "deliver", fields, arrived)
+        if frames is not None:  # one turn, as it arrived: by reference, whatever its size
+            return frames
     if may_pack:
         shapes = trajectory.merged_shapes()
         packed = None if shapes is None else packed_body(shapes)

@@ -1,9 +1,11 @@
 """Trajectory merging and lifecycle: docs/semantics.md §3-§5, examples 6-8."""
+from unittest import mock
+
 import msgpack
 import numpy as np
 import pytest
 
-from rollstream.common import ProtocolError, SamplingMask, Trajectory, Turn
+from rollstream.common import ProtocolError, SamplingMask, Trajectory, Turn, sockets
 from rollstream.common.buffers import GrowableArray, constant_run
 from rollstream.common.codec import decode
 from rollstream.common.messages import BROKER_TO_CONSUMER, PRODUCER_TO_BROKER
@@ -604,3 +606,81 @@ def test_a_delivery_is_packed_from_its_pieces_or_when_small_unless_they_travel_u
     assert len(encode_deliver(_in_turns(75_000, turns=1), "lease", may_pack=True, may_split=True)) == 2
     whole = encode_deliver(_in_turns(150_000, turns=1), "lease", may_pack=True, may_split=True)
     assert len(whole) == 1 + 6 and decode(whole, BROKER_TO_CONSUMER).arrays["mask_ids"].tolist() == list(range(150_000))
+
+
+def _arrived(ids: int, *, pack: bool = False, loss_mask: bool = True, forced: bool = False) -> tuple:
+    """A first turn of 10 tokens whose supports hold `ids` ids, as a broker
+    decodes it (its arrays CRC'd, its prompt carried, packed or a frame per
+    array), and the trajectory it starts there."""
+    per = ids // 10
+    turn = Turn.build(np.arange(0, ids, per, dtype=np.int32), np.full(10, -0.5, np.float32),
+                      mask_ids=np.arange(ids, dtype=np.int32), mask_offsets=np.arange(0, ids + 1, per, dtype=np.int64),
+                      loss_mask=np.ones(10, np.uint8) if loss_mask else None,
+                      forced_tokens=np.array([7], np.int32) if forced else None)
+    message = decode(encode_turn("t", 0, turn, seq=1, prompt_tokens=np.array([1, 2], np.int32), crc=True, may_pack=pack),
+                     PRODUCER_TO_BROKER)
+    traj = Trajectory("t", message.arrays["prompt_tokens"])
+    traj.append_turn(turn_from_message(message))
+    traj.reward = 1.0
+    return message, traj
+
+
+def _delivered_arrays(frames: list) -> dict:
+    return {name: array.tolist() for name, array in decode(frames, BROKER_TO_CONSUMER).arrays.items()}
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_trajectory_one_message_brought_whole_is_delivered_in_the_frames_it_came_in(pack):
+    message, traj = _arrived(20_000 if not pack else 1_000, pack=pack)
+    frames = encode_deliver(traj, "lease", may_pack=True, may_split=True)
+    assert len(frames) == len(message.frames) and all(sent is got for sent, got in zip(frames[1:], message.frames[1:]))
+    header = msgpack.unpackb(frames[0])
+    assert header["crc32"] == message.crc32 and header.get("packed", False) is pack
+    # What the consumer reads is what the merge would have sent: the trajectory read the long way round.
+    merged = Trajectory.from_arrays("t", traj.arrays(), status=traj.status, turns=1)
+    merged.reward = 1.0
+    assert traj.arrived_whole is None  # read: its turn is written into its arrays
+    assert _delivered_arrays(frames) == _delivered_arrays(encode_deliver(merged, "lease", may_pack=True))
+
+
+@pytest.mark.parametrize("change", ["no loss mask", "forced tokens", "a second turn", "shed", "consumer reads no packing"])
+def test_a_trajectory_its_message_does_not_hold_as_delivered_is_merged_as_before(change):
+    message, traj = _arrived(20_000, loss_mask=change != "no loss mask", forced=change == "forced tokens")
+    if change == "a second turn":
+        traj.append_turn(Turn.build(np.array([3], np.int32), np.array([-0.5], np.float32), mask_ids=np.array([3], np.int32),
+                                    mask_offsets=np.array([0, 1], np.int64), loss_mask=np.ones(1, np.uint8)))
+    if change == "shed":
+        traj.shed()
+        assert traj.arrived_whole is None
+        return
+    assert traj.arrived_whole is None or change == "consumer reads no packing"
+    frames = encode_deliver(traj, "lease", may_pack=change != "consumer reads no packing", may_split=True)
+    assert not any(sent is got for sent in frames[1:] for got in message.frames[1:])
+    arrays = _delivered_arrays(frames)
+    assert arrays["prompt_tokens"] == [1, 2] and len(arrays["loss_mask"]) == len(arrays["tokens"])
+    if change == "forced tokens":
+        assert arrays["tokens"][-1] == 7 and arrays["loss_mask"][-1] == 0
+    if change == "no loss mask":
+        assert arrays["loss_mask"] == [1] * 10
+
+
+def test_a_frame_forwarded_whole_goes_by_reference_and_a_part_of_one_is_copied():
+    import zmq
+
+    from rollstream.common.sockets import send_frames
+
+    context = zmq.Context()
+    try:
+        a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+        a.bind("inproc://forwarding")
+        b.connect("inproc://forwarding")
+        a.send(bytes(range(256)) * 100)
+        received = b.recv(copy=False)
+        view = received.buffer
+        with mock.patch("rollstream.common.sockets._send_part", wraps=sockets._send_part) as sent:
+            send_frames(b, [view, view[1:]])
+        assert sent.call_args_list[0].args[1] is received  # the frame itself: ZeroMQ shares its bytes
+        assert type(sent.call_args_list[1].args[1]) is memoryview  # a part of one: copied
+        assert a.recv_multipart() == [bytes(range(256)) * 100, (bytes(range(256)) * 100)[1:]]
+    finally:
+        context.destroy(linger=0)
