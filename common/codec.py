@@ -694,8 +694,8 @@ def decode(
     from the store)."""
     if not frames:
         raise RemoteProtocolError("malformed", "empty message: expected a header frame")
-    if len(frames) == 2 and schema.fast is not None:
-        decoded = _decoded_packed(frames, schema, max_message_bytes)
+    if len(frames) >= 2 and schema.fast is not None:
+        decoded = _decoded_fast(frames, schema, max_message_bytes)
         if decoded is not None:
             spec, message = decoded
             if spec.content and check_content:
@@ -863,14 +863,14 @@ def _check_content(arrays: Mapping[str, np.ndarray], fields: Mapping[str, Any], 
         )
 
 
-# A packed layout `_decoded_packed` has seen, by header struct and (name, dtype) pairs: each array's numpy dtype
+# An array layout `_decoded_fast` has seen, by header struct and (name, dtype) pairs: each array's numpy dtype
 # and item size, with the set of names; None for a layout it leaves to the checked way (it breaks a rule there).
-_PACKED_LAYOUTS: dict[tuple, tuple[tuple, frozenset] | None] = {}
+_ARRAY_LAYOUTS: dict[tuple, tuple[tuple, frozenset] | None] = {}
 _NAME_AND_DTYPE = operator.itemgetter(0, 1)
 
 
-def _packed_layout(spec: MessageSpec, key: tuple) -> tuple[tuple, frozenset] | None:
-    """What decoding a packed layout needs, once each rule `decode` checks of
+def _array_layout(spec: MessageSpec, key: tuple) -> tuple[tuple, frozenset] | None:
+    """What decoding an array layout needs, once each rule `decode` checks of
     the layout alone holds: known names listed once, the type's allowed and
     required arrays, wire dtypes, and 1-D arrays (any other rank, and any
     rule broken, is left to the checked way)."""
@@ -886,30 +886,31 @@ def _packed_layout(spec: MessageSpec, key: tuple) -> tuple[tuple, frozenset] | N
     return tuple(decoding), names
 
 
-def _decoded_packed(frames: Sequence, schema: Schema, max_message_bytes: int) -> tuple[MessageSpec, Message] | None:
+def _decoded_fast(frames: Sequence, schema: Schema, max_message_bytes: int) -> tuple[MessageSpec, Message] | None:
     """The common message and its spec, decoded with the fewest steps: a
     header msgspec checks (the fields it keeps raw, a delivery's metadata
-    say, read as the checked way reads them), its arrays
-    packed in one frame in a layout seen before (`_packed_layout`), its
+    say, read as the checked way reads them), its arrays in a layout seen
+    before (`_packed_layout`), packed in one frame or a frame each, its
     size and CRC right. None for anything else, which `decode` then decodes
     the checked way, refusing it naming the rule: both accept the same
     messages."""
-    head, body = frames
+    head = frames[0]
     try:
         header = schema.fast.decode(head)  # type: ignore[union-attr]  # the caller checked it is there
     except (msgspec.MsgspecError, RecursionError):
         return None
     entries = header.arrays
-    if not header.packed or not entries:
+    packed = header.packed
+    if not entries or len(frames) != (2 if packed else 1 + len(entries)):
         return None
     header_type = type(header)
     spec, names, raw = schema.fast_specs[header_type]
     unset = msgspec.UNSET
     key = (header_type, tuple(map(_NAME_AND_DTYPE, entries)))
     try:
-        layout = _PACKED_LAYOUTS[key]
+        layout = _ARRAY_LAYOUTS[key]
     except KeyError:
-        layout = _PACKED_LAYOUTS[key] = _packed_layout(spec, key[1])
+        layout = _ARRAY_LAYOUTS[key] = _array_layout(spec, key[1])
     if layout is None:
         return None
     decoding, array_names = layout
@@ -922,23 +923,41 @@ def _decoded_packed(frames: Sequence, schema: Schema, max_message_bytes: int) ->
             return None
     if type(head) is not bytes:  # a batched message's frames are (`split_batch`)
         head = _buffer(head)
-    if type(body) is not bytes:
-        body = _buffer(body)
-    if len(head) + len(body) > max_message_bytes:
+    crc, frombuffer = header.crc32, np.frombuffer
+    arrays: dict[str, np.ndarray] = {}
+    if packed:
+        body = frames[1]
+        if type(body) is not bytes:
+            body = _buffer(body)
+        if len(head) + len(body) > max_message_bytes or (crc is not unset and _crc32_update(body) != crc):
+            return None
+        start = 0
+        try:
+            for (name, _, (length,)), (dtype, itemsize) in zip(entries, decoding):
+                arrays[name] = frombuffer(body, dtype, length, start)  # a view at `start`: no slice of the body made
+                start += itemsize * length
+        except (ValueError, OverflowError):  # a shape of another rank, or a frame too short for the layout
+            return None
+        if start != len(body):
+            return None
+        return spec, Message(spec.type, fields, arrays, (head, body), None if crc is unset else crc)
+    buffers = [frame if type(frame) is bytes else _buffer(frame) for frame in frames[1:]]
+    if len(head) + sum(map(len, buffers)) > max_message_bytes:
         return None
-    crc = header.crc32
-    if crc is not unset and _crc32_update(body) != crc:
-        return None
-    arrays, start, frombuffer = {}, 0, np.frombuffer
+    kept = None
+    if crc is not unset:
+        actual, kept = _crc32_keeping_large(buffers)
+        if actual != crc:
+            return None
     try:
-        for (name, _, (length,)), (dtype, itemsize) in zip(entries, decoding):
-            arrays[name] = frombuffer(body, dtype, length, start)  # a view at `start`: no slice of the body made
-            start += itemsize * length
-    except (ValueError, OverflowError):  # a shape of another rank, or a frame too short for the layout
+        for (name, _, (length,)), (dtype, itemsize), buf in zip(entries, decoding, buffers):
+            if len(buf) != itemsize * length:
+                return None
+            arrays[name] = frombuffer(buf, dtype, length)
+    except (ValueError, OverflowError):  # a shape of another rank, or an entry that lists its frames
         return None
-    if start != len(body):
-        return None
-    return spec, Message(spec.type, fields, arrays, (head, body), None if crc is unset else crc)
+    array_crcs = None if kept is None else {entries[i][0]: own for i, own in kept.items()}
+    return spec, Message(spec.type, fields, arrays, (head, *buffers), None if crc is unset else crc, array_crcs)
 
 
 def _canonical(value):

@@ -711,7 +711,7 @@ def test_the_common_packed_messages_take_the_fast_decoder_raw_fields_and_all():
     turn = encode_turn("t", 0, Turn.build([10], [-0.1], supports=[[10]]), seq=3, prompt_tokens=np.array([1, 2], "<i4"),
                        metadata={"env": "math"}, crc=True, may_pack=True)
     for frames, schema, metadata in ((deliver, BROKER_TO_CONSUMER, traj.metadata), (turn, PRODUCER_TO_BROKER, {"env": "math"})):
-        decoded = codec._decoded_packed(frames, schema, 1 << 30)
+        decoded = codec._decoded_fast(frames, schema, 1 << 30)
         assert decoded is not None, schema.name
         assert decoded[1].fields["metadata"] == metadata and decoded[1].fields == decode(frames, schema).fields
 

@@ -1074,8 +1074,9 @@ plain_headers = st.sampled_from([
 
 @st.composite
 def edited_messages(draw):
-    """A real message (a turn with its arrays, a delivery packed with its
-    metadata and reward, or a header-only one), its header then edited:
+    """A real message (a turn with its arrays, a delivery with its metadata
+    and reward, either packed or a frame per array, or a header-only one),
+    its header then edited:
     keys set to values of any kind, removed, or added."""
     kind = draw(st.sampled_from(["turn", "deliver", "header"]))
     if kind == "turn":
@@ -1085,7 +1086,7 @@ def edited_messages(draw):
         specs, _, _, _ = draw(trajectories())
         traj = merge(specs)
         traj.reward, traj.metadata = draw(st.sampled_from([1.0, {"score": 2}])), draw(metadata_st)
-        frames = [bytes(f) for f in encode_deliver(traj, "e-1", may_pack=True)]
+        frames = [bytes(f) for f in encode_deliver(traj, "e-1", may_pack=draw(st.booleans()))]
         schema = BROKER_TO_CONSUMER
     else:
         schema, header = draw(plain_headers)
