@@ -5,6 +5,7 @@ import logging
 import resource
 from typing import Callable
 
+import numpy as np
 import zmq
 
 from .contract import LIVENESS_INTERVALS
@@ -134,9 +135,8 @@ def send_frames(sock: zmq.Socket, frames: list, *, identity: bytes | None = None
     send, cheaper per part than `send_multipart` (docs/performance.md). Parts are copied
     into ZeroMQ, except those larger than `zero_copy_above` bytes, which are
     handed over by reference (the caller keeps them unchanged until sent),
-    and a received frame forwarded whole (a view of all of a `zmq.Frame`),
-    whose bytes ZeroMQ shares: neither copied nor handed to pyzmq's
-    collector thread. Raises `zmq.Again` when the queue is full (only ever
+    and a received frame forwarded whole (`_whole_received`), whose bytes
+    ZeroMQ shares: neither copied nor handed to pyzmq's collector thread. Raises `zmq.Again` when the queue is full (only ever
     at the first part: a message goes whole or not at all) and
     `zmq.ZMQError` otherwise."""
     if identity is not None:
@@ -144,13 +144,22 @@ def send_frames(sock: zmq.Socket, frames: list, *, identity: bytes | None = None
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         flags = _SEND_MORE if i < last else zmq.NOBLOCK
-        if type(frame) is memoryview and type(received := frame.obj) is _RECEIVED_FRAME \
-                and frame.nbytes == len(received):
+        if type(frame) is memoryview and (received := _whole_received(frame)) is not None:
             _send_part(sock, received, flags)
         elif zero_copy_above is None or len(frame) <= zero_copy_above:
             _send_part(sock, frame, flags)
         else:
             _send_part(sock, frame, flags, copy=False)
+
+
+def _whole_received(view: memoryview) -> zmq.Frame | None:
+    """The received frame `view` shows all of, if any: a view of a
+    `zmq.Frame`, or of an array decoding made over all of one (a turn's
+    array sent a frame each, a delivery's piece that travels unjoined)."""
+    owner = view.obj
+    if type(owner) is np.ndarray and type(owner.base) is memoryview:  # `np.frombuffer` over the frame's view
+        owner = owner.base.obj
+    return owner if type(owner) is _RECEIVED_FRAME and view.nbytes == len(owner) else None
 
 
 class SendBuffer:
