@@ -631,7 +631,8 @@ def _delivered_arrays(frames: list) -> dict:
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_a_trajectory_one_message_brought_whole_is_delivered_in_the_frames_it_came_in(pack):
-    message, traj = _arrived(20_000 if not pack else 1_000, pack=pack)
+    # Packed (4 KB of ids), or a frame per array of more than PACK_DELIVERY_UP_TO_BYTES (600 KB of ids).
+    message, traj = _arrived(150_000 if not pack else 1_000, pack=pack)
     frames = encode_deliver(traj, "lease", may_pack=True, may_split=True)
     assert len(frames) == len(message.frames) and all(sent is got for sent, got in zip(frames[1:], message.frames[1:]))
     header = msgpack.unpackb(frames[0])
@@ -643,9 +644,11 @@ def test_a_trajectory_one_message_brought_whole_is_delivered_in_the_frames_it_ca
     assert _delivered_arrays(frames) == _delivered_arrays(encode_deliver(merged, "lease", may_pack=True))
 
 
-@pytest.mark.parametrize("change", ["no loss mask", "forced tokens", "a second turn", "shed", "consumer reads no packing"])
+@pytest.mark.parametrize("change", ["no loss mask", "forced tokens", "a second turn", "shed", "consumer reads no packing",
+                                    "a frame per array of packing size"])
 def test_a_trajectory_its_message_does_not_hold_as_delivered_is_merged_as_before(change):
-    message, traj = _arrived(20_000, loss_mask=change != "no loss mask", forced=change == "forced tokens")
+    message, traj = _arrived(20_000 if change == "a frame per array of packing size" else 150_000,
+                             loss_mask=change != "no loss mask", forced=change == "forced tokens")
     if change == "a second turn":
         traj.append_turn(Turn.build(np.array([3], np.int32), np.array([-0.5], np.float32), mask_ids=np.array([3], np.int32),
                                     mask_offsets=np.array([0, 1], np.int64), loss_mask=np.ones(1, np.uint8)))
@@ -653,9 +656,11 @@ def test_a_trajectory_its_message_does_not_hold_as_delivered_is_merged_as_before
         traj.shed()
         assert traj.arrived_whole is None
         return
-    assert traj.arrived_whole is None or change == "consumer reads no packing"
+    assert traj.arrived_whole is None or change in ("consumer reads no packing", "a frame per array of packing size")
     frames = encode_deliver(traj, "lease", may_pack=change != "consumer reads no packing", may_split=True)
     assert not any(sent is got for sent in frames[1:] for got in message.frames[1:])
+    if change == "a frame per array of packing size":  # 80 KB of ids: one frame costs the consumer less
+        assert len(frames) == 2 and msgpack.unpackb(frames[0])["packed"] is True
     arrays = _delivered_arrays(frames)
     assert arrays["prompt_tokens"] == [1, 2] and len(arrays["loss_mask"]) == len(arrays["tokens"])
     if change == "forced tokens":
