@@ -48,36 +48,38 @@ def test_each_bench_script_runs_at_its_smoke_size_and_ends_with_its_json_line(sc
     assert isinstance(figures, dict) and figures, figures
 
 
+def _smoke_figures(script: str, *args: str) -> dict:
+    """The last JSON line of `script --smoke args`, which must exit 0."""
+    run = subprocess.run([sys.executable, script, "--smoke", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _refuses(script: str, flag: str, value: str, rule: str) -> None:
+    """`script flag value` exits 2 naming `rule`."""
+    refused = subprocess.run([sys.executable, script, flag, value], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and rule in refused.stderr, refused.stderr
+
+
 @pytest.mark.slow
 def test_the_replay_records_one_turn_trajectories_and_refuses_a_turn_count_out_of_range():
     script = str(ROOT / "bench" / "broker_replay.py")
-    run = subprocess.run([sys.executable, script, "--smoke", "--turns", "1"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    figures = _smoke_figures(script, "--turns", "1")
     assert figures["turns"] == 1 and figures["frames"] >= 2 * 8, figures  # a turn and an end per trajectory, and a hello
     for turns in ("0", "5001"):
-        refused = subprocess.run([sys.executable, script, "--turns", turns], cwd=ROOT, capture_output=True, text=True,
-                                 timeout=120)
-        assert refused.returncode == 2 and f"--turns must be in [1, 5000], got {turns}" in refused.stderr, refused.stderr
+        _refuses(script, "--turns", turns, f"--turns must be in [1, 5000], got {turns}")
 
 
 @pytest.mark.slow
 def test_the_consumer_replay_counts_a_delivery_per_trajectory_and_refuses_sizes_out_of_range():
     script = str(ROOT / "bench" / "consumer_replay.py")
-    run = subprocess.run([sys.executable, script, "--smoke", "--turns", "2"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    figures = _smoke_figures(script, "--turns", "2")
     # 8 trajectories of 2 turns: one delivery each, besides the welcome and whatever else the broker said
     assert figures["deliveries"] == 8 and figures["messages"] > 8 and figures["turns"] == 2, figures
     assert figures["calls_per_delivery"] > 0 and figures["consumer_us_per_delivery"] > 0, figures
-    for flag, value, rule in (("--turns", "0", "--turns must be in [1, 5000], got 0"),
-                              ("--samples", "0", "--samples must be in [1, 4096], got 0"),
-                              ("--reps", "0", "--reps must be in [1, 1000], got 0")):
-        refused = subprocess.run([sys.executable, script, flag, value], cwd=ROOT, capture_output=True, text=True,
-                                 timeout=120)
-        assert refused.returncode == 2 and rule in refused.stderr, refused.stderr
+    for flag, rule in (("--turns", "--turns must be in [1, 5000], got 0"), ("--samples", "--samples must be in [1, 4096], got 0"),
+                       ("--reps", "--reps must be in [1, 1000], got 0")):
+        _refuses(script, flag, "0", rule)
 
 
 def test_the_gpu_script_on_a_machine_without_cuda_says_why_it_skipped_in_its_one_json_line():

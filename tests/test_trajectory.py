@@ -4,6 +4,7 @@ from unittest import mock
 import msgpack
 import numpy as np
 import pytest
+import zmq
 
 from rollstream.common import ProtocolError, SamplingMask, Trajectory, Turn, sockets
 from rollstream.common.buffers import GrowableArray, constant_run
@@ -669,57 +670,48 @@ def test_a_trajectory_its_message_does_not_hold_as_delivered_is_merged_as_before
         assert arrays["loss_mask"] == [1] * 10
 
 
-def test_a_frame_forwarded_whole_goes_by_reference_and_a_part_of_one_is_copied():
-    import zmq
-
-    from rollstream.common.sockets import send_frames
-
+@pytest.fixture
+def pair():
+    """Two connected sockets: what one sends the other receives as a broker does, a frame per part."""
     context = zmq.Context()
-    try:
-        a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
-        a.bind("inproc://forwarding")
-        b.connect("inproc://forwarding")
-        a.send(bytes(range(256)) * 100)
-        received = b.recv(copy=False)
-        view = received.buffer
-        whole, part = np.frombuffer(view, np.int32), np.frombuffer(view, np.int32, 10, 4)  # arrays decoding makes
-        with mock.patch("rollstream.common.sockets._send_part", wraps=sockets._send_part) as sent:
-            send_frames(b, [view, view[1:], whole.data.cast("B"), part.data.cast("B")])
-        assert sent.call_args_list[0].args[1] is received  # the frame itself: ZeroMQ shares its bytes
-        assert type(sent.call_args_list[1].args[1]) is memoryview  # a part of one: copied
-        assert sent.call_args_list[2].args[1] is received  # an array over all of it: the frame
-        assert type(sent.call_args_list[3].args[1]) is memoryview
-        data = bytes(range(256)) * 100
-        assert a.recv_multipart() == [data, data[1:], data, data[4:44]]
-    finally:
-        context.destroy(linger=0)
+    a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    a.bind("inproc://trajectory-tests")
+    b.connect("inproc://trajectory-tests")
+    yield a, b
+    context.destroy(linger=0)
 
 
-def test_the_pieces_a_delivery_sends_unjoined_are_the_frames_its_turns_came_in():
-    import zmq
+def test_a_frame_forwarded_whole_goes_by_reference_and_a_part_of_one_is_copied(pair):
+    a, b = pair
+    a.send(bytes(range(256)) * 100)
+    received = b.recv(copy=False)
+    view = received.buffer
+    whole, part = np.frombuffer(view, np.int32), np.frombuffer(view, np.int32, 10, 4)  # arrays decoding makes
+    with mock.patch("rollstream.common.sockets._send_part", wraps=sockets._send_part) as sent:
+        sockets.send_frames(b, [view, view[1:], whole.data.cast("B"), part.data.cast("B")])
+    assert sent.call_args_list[0].args[1] is received  # the frame itself: ZeroMQ shares its bytes
+    assert type(sent.call_args_list[1].args[1]) is memoryview  # a part of one: copied
+    assert sent.call_args_list[2].args[1] is received  # an array over all of it: the frame
+    assert type(sent.call_args_list[3].args[1]) is memoryview
+    data = bytes(range(256)) * 100
+    assert a.recv_multipart() == [data, data[1:], data, data[4:44]]
 
-    from rollstream.common.sockets import _whole_received, recv_parts
 
-    context = zmq.Context()
-    try:
-        a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
-        a.bind("inproc://pieces")
-        b.connect("inproc://pieces")
-        traj, came_in = None, []
-        for index in range(2):  # two turns of 280 KB of ids each: over SPLIT_FROM_BYTES, they travel unjoined
-            turn = Turn.build(np.arange(0, 70_000, 7_000, dtype=np.int32), np.full(10, -0.5, np.float32),
-                              mask_ids=np.arange(70_000, dtype=np.int32),
-                              mask_offsets=np.arange(0, 70_001, 7_000, dtype=np.int64), loss_mask=np.ones(10, np.uint8))
-            a.send_multipart(encode_turn("t", index, turn, seq=index + 1, crc=True,
-                                         prompt_tokens=np.array([1, 2], np.int32) if index == 0 else None))
-            message = decode(recv_parts(b, 0), PRODUCER_TO_BROKER)
-            traj = traj or Trajectory("t", message.arrays["prompt_tokens"])
-            traj.append_turn(turn_from_message(message))
-            came_in.append(message.arrays["mask_ids"].base.obj)  # the received frame its ids are a view of
-        traj.reward = 1.0
-        frames = encode_deliver(traj, "lease", may_pack=True, may_split=True)
-        forwarded = [_whole_received(frame) for frame in frames[1:] if type(frame) is memoryview]
-        assert all(any(frame is received for frame in forwarded) for received in came_in)
-        assert decode(frames, BROKER_TO_CONSUMER).arrays["mask_ids"].tolist() == list(range(70_000)) * 2
-    finally:
-        context.destroy(linger=0)
+def test_the_pieces_a_delivery_sends_unjoined_are_the_frames_its_turns_came_in(pair):
+    a, b = pair
+    traj, came_in = None, []
+    for index in range(2):  # two turns of 280 KB of ids each: over SPLIT_FROM_BYTES, they travel unjoined
+        turn = Turn.build(np.arange(0, 70_000, 7_000, dtype=np.int32), np.full(10, -0.5, np.float32),
+                          mask_ids=np.arange(70_000, dtype=np.int32),
+                          mask_offsets=np.arange(0, 70_001, 7_000, dtype=np.int64), loss_mask=np.ones(10, np.uint8))
+        a.send_multipart(encode_turn("t", index, turn, seq=index + 1, crc=True,
+                                     prompt_tokens=np.array([1, 2], np.int32) if index == 0 else None))
+        message = decode(sockets.recv_parts(b, 0), PRODUCER_TO_BROKER)
+        traj = traj or Trajectory("t", message.arrays["prompt_tokens"])
+        traj.append_turn(turn_from_message(message))
+        came_in.append(message.arrays["mask_ids"].base.obj)  # the received frame its ids are a view of
+    traj.reward = 1.0
+    frames = encode_deliver(traj, "lease", may_pack=True, may_split=True)
+    forwarded = [sockets._whole_received(frame) for frame in frames[1:] if type(frame) is memoryview]
+    assert all(any(frame is received for frame in forwarded) for received in came_in)
+    assert decode(frames, BROKER_TO_CONSUMER).arrays["mask_ids"].tolist() == list(range(70_000)) * 2
