@@ -890,7 +890,7 @@ def _decoded_fast(frames: Sequence, schema: Schema, max_message_bytes: int) -> t
     """The common message and its spec, decoded with the fewest steps: a
     header msgspec checks (the fields it keeps raw, a delivery's metadata
     say, read as the checked way reads them), its arrays in a layout seen
-    before (`_packed_layout`), packed in one frame or a frame each, its
+    before (`_array_layout`), packed in one frame or a frame each, its
     size and CRC right. None for anything else, which `decode` then decodes
     the checked way, refusing it naming the rule: both accept the same
     messages."""

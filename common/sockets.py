@@ -136,9 +136,9 @@ def send_frames(sock: zmq.Socket, frames: list, *, identity: bytes | None = None
     into ZeroMQ, except those larger than `zero_copy_above` bytes, which are
     handed over by reference (the caller keeps them unchanged until sent),
     and a received frame forwarded whole (`_whole_received`), whose bytes
-    ZeroMQ shares: neither copied nor handed to pyzmq's collector thread. Raises `zmq.Again` when the queue is full (only ever
-    at the first part: a message goes whole or not at all) and
-    `zmq.ZMQError` otherwise."""
+    ZeroMQ shares: neither copied nor handed to pyzmq's collector thread.
+    Raises `zmq.Again` when the queue is full (only ever at the first part:
+    a message goes whole or not at all) and `zmq.ZMQError` otherwise."""
     if identity is not None:
         _send_part(sock, identity, _SEND_MORE)
     last = len(frames) - 1

@@ -654,9 +654,10 @@ class Trajectory:
         if len(self._pending) != 1 or len(self._tokens) or self.is_shed or self.gap is not None or self._context \
                 or self._token_log_probs or (self._mask is not None and self._mask.log_probs is not None):
             return None
+        # A turn's replay arrays other than its supports show above: a first turn carrying any starts its context
+        # arrays, token log-probs or support log-probs (`append_turn`).
         turn = self._pending[0]
-        if turn.arrived is None or turn.forced_tokens.size or turn.loss_mask is None or turn.routed_experts is not None \
-                or turn.indexer_topk is not None or turn.full_log_probs is not None or turn.mask_log_probs is not None:
+        if turn.forced_tokens.size or turn.loss_mask is None:
             return None
         return turn.arrived
 

@@ -75,9 +75,9 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
     in one frame when they are `PACK_DELIVERY_UP_TO_BYTES` at most, or when
     some are held in pieces, which a frame per array would join first: the
     pieces are then copied once, into that frame). With `may_pack`, a
-    trajectory one message brought whole (`Trajectory.arrived_whole`) packed,
-    or a frame per array of more than `PACK_DELIVERY_UP_TO_BYTES`, goes as
-    the frames that message came in, by reference.
+    trajectory one message brought whole (`Trajectory.arrived_whole`) packed
+    within `PACK_DELIVERY_UP_TO_BYTES`, or a frame per array beyond it, goes
+    as the frames that message came in, by reference.
 
     `extra` adds optional header fields such as `group_left` or
     `delivery_count`."""
@@ -98,10 +98,10 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
         fields["weight_version_spans"] = [[list(span) for span in spans] for spans in trajectory.weight_version_spans]
     fields.update(extra)
     if may_pack and (arrived := trajectory.arrived_whole) is not None and (
-            len(arrived.frames) == 2 or sum(map(len, arrived.frames[1:])) > PACK_DELIVERY_UP_TO_BYTES):
-        # One turn in the layout the rule below gives it anyway, packed or a frame per array, as it arrived: by
-        # reference. A frame per array of less is packed below: one frame costs the consumer less than packing it
-        # costs the broker.
+            (len(arrived.frames) == 2) == (sum(map(len, arrived.frames[1:])) <= PACK_DELIVERY_UP_TO_BYTES)):
+        # One turn that arrived in the layout the rule below gives it anyway (packed up to the packing size, a frame
+        # per array beyond it): as it arrived, by reference. Otherwise it goes below: one frame costs the consumer
+        # less than packing costs the broker.
         frames = encode_arrived(BROKER_TO_CONSUMER, "deliver", fields, arrived)
         if frames is not None:
             return frames

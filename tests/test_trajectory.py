@@ -1,4 +1,5 @@
 """Trajectory merging and lifecycle: docs/semantics.md §3-§5, examples 6-8."""
+from contextlib import nullcontext
 from unittest import mock
 
 import msgpack
@@ -609,17 +610,19 @@ def test_a_delivery_is_packed_from_its_pieces_or_when_small_unless_they_travel_u
     assert len(whole) == 1 + 6 and decode(whole, BROKER_TO_CONSUMER).arrays["mask_ids"].tolist() == list(range(150_000))
 
 
-def _arrived(ids: int, *, pack: bool = False, loss_mask: bool = True, forced: bool = False) -> tuple:
-    """A first turn of 10 tokens whose supports hold `ids` ids, as a broker
-    decodes it (its arrays CRC'd, its prompt carried, packed or a frame per
-    array), and the trajectory it starts there."""
+def _arrived(ids: int, *, pack: bool = False, loss_mask: bool = True, forced: bool = False, **replay) -> tuple:
+    """A first turn of 10 tokens whose supports hold `ids` ids (and the
+    `replay` arrays), as a broker decodes it (its arrays CRC'd, its prompt
+    carried, packed when `pack` and `worth_packing` agree, or `pack="always"`,
+    else a frame per array), and the trajectory it starts there."""
     per = ids // 10
     turn = Turn.build(np.arange(0, ids, per, dtype=np.int32), np.full(10, -0.5, np.float32),
                       mask_ids=np.arange(ids, dtype=np.int32), mask_offsets=np.arange(0, ids + 1, per, dtype=np.int64),
                       loss_mask=np.ones(10, np.uint8) if loss_mask else None,
-                      forced_tokens=np.array([7], np.int32) if forced else None)
-    message = decode(encode_turn("t", 0, turn, seq=1, prompt_tokens=np.array([1, 2], np.int32), crc=True, may_pack=pack),
-                     PRODUCER_TO_BROKER)
+                      forced_tokens=np.array([7], np.int32) if forced else None, **replay)
+    with mock.patch("rollstream.common.wire.worth_packing", lambda arrays: True) if pack == "always" else nullcontext():
+        frames = encode_turn("t", 0, turn, seq=1, prompt_tokens=np.array([1, 2], np.int32), crc=True, may_pack=bool(pack))
+    message = decode(frames, PRODUCER_TO_BROKER)
     traj = Trajectory("t", message.arrays["prompt_tokens"])
     traj.append_turn(turn_from_message(message))
     traj.reward = 1.0
@@ -645,11 +648,18 @@ def test_a_trajectory_one_message_brought_whole_is_delivered_in_the_frames_it_ca
     assert _delivered_arrays(frames) == _delivered_arrays(encode_deliver(merged, "lease", may_pack=True))
 
 
+REPLAY_CHANGES = {"full log-probs": {"full_log_probs": np.full(10, -0.5, np.float32)},
+                  "support log-probs": {"mask_log_probs": np.full(150_000, -10.0, np.float32)},
+                  "routed experts": {"routed_experts": np.zeros((12, 2), np.int32)}}
+
+
 @pytest.mark.parametrize("change", ["no loss mask", "forced tokens", "a second turn", "shed", "consumer reads no packing",
-                                    "a frame per array of packing size"])
+                                    "a frame per array of packing size", "packed over the packing size", *REPLAY_CHANGES])
 def test_a_trajectory_its_message_does_not_hold_as_delivered_is_merged_as_before(change):
     message, traj = _arrived(20_000 if change == "a frame per array of packing size" else 150_000,
-                             loss_mask=change != "no loss mask", forced=change == "forced tokens")
+                             loss_mask=change != "no loss mask", forced=change == "forced tokens",
+                             pack="always" if change == "packed over the packing size" else False,
+                             **REPLAY_CHANGES.get(change, {}))
     if change == "a second turn":
         traj.append_turn(Turn.build(np.array([3], np.int32), np.array([-0.5], np.float32), mask_ids=np.array([3], np.int32),
                                     mask_offsets=np.array([0, 1], np.int64), loss_mask=np.ones(1, np.uint8)))
@@ -657,7 +667,8 @@ def test_a_trajectory_its_message_does_not_hold_as_delivered_is_merged_as_before
         traj.shed()
         assert traj.arrived_whole is None
         return
-    assert traj.arrived_whole is None or change in ("consumer reads no packing", "a frame per array of packing size")
+    assert traj.arrived_whole is None or change in ("consumer reads no packing", "a frame per array of packing size",
+                                                    "packed over the packing size")
     frames = encode_deliver(traj, "lease", may_pack=change != "consumer reads no packing", may_split=True)
     assert not any(sent is got for sent in frames[1:] for got in message.frames[1:])
     if change == "a frame per array of packing size":  # 80 KB of ids: one frame costs the consumer less
