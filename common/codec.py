@@ -184,6 +184,17 @@ def _crc32_keeping_large(buffers: Sequence) -> tuple[int, dict[int, int] | None]
     return crc, kept
 
 
+def crc32_joined(parts: Sequence[tuple[int, int]]) -> int | None:
+    """The CRC-32 of buffers end to end, from each one's `(crc, nbytes)`,
+    none of them read; None where CRCs cannot be combined (zlib alone)."""
+    if _crc32_combine is None:
+        return None
+    value = 0
+    for crc, size in parts:
+        value = _crc32_combine(value, crc, size)
+    return value
+
+
 def crc32_continued(head: Sequence, tail: Sequence, tail_crc: int | None) -> int:
     """`crc32_of([*head, *tail])`; given `tail_crc`, the CRC of `tail` (a
     received message's verified `crc32`), without reading `tail` again."""
@@ -230,7 +241,7 @@ def encode(
                       frozenset(arrays.arrays if isinstance(arrays, PackedBody) else arrays))
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": mtype, **fields}
     if isinstance(arrays, PackedBody):
-        return _packed_message(header, arrays.entries, arrays.body, crc)
+        return _packed_message(header, arrays.entries, arrays.body, crc, arrays.crcs)
     if not arrays:
         return [_PACKERS.pack(header)]
     if packed:
@@ -325,6 +336,7 @@ class PackedBody(NamedTuple):
     body: np.ndarray  # bytes, not zeroed: every one of them is an array's, to be written
     arrays: dict[str, np.ndarray]  # by name, a writable view of its place in `body`
     entries: list  # the header's `[name, dtype, shape]` of each, in the body's order
+    crcs: dict[str, int]  # by name, the CRC-32 its writer knows of an array's bytes (verified on arrival): not read
 
 
 def packed_body(shapes: Mapping[str, tuple]) -> PackedBody:
@@ -348,17 +360,37 @@ def packed_body(shapes: Mapping[str, tuple]) -> PackedBody:
     body = np.empty(size, np.uint8)
     arrays = {name: np.frombuffer(body, contract.dtype, count, offset).reshape(shapes[name])
               for (name, contract), (offset, count) in zip(order, offsets)}
-    return PackedBody(body, arrays, [[name, contract.wire_name, list(shapes[name])] for name, contract in order])
+    return PackedBody(body, arrays, [[name, contract.wire_name, list(shapes[name])] for name, contract in order], {})
 
 
-def _packed_message(header: dict, entries: list, body, crc: bool) -> list:
+def _packed_message(header: dict, entries: list, body, crc: bool, known: Mapping[str, int] | None = None) -> list:
     """`[header, body]` of a packed message whose arrays, listed in
-    `entries`, lie in `body`, the CRC read over its bytes."""
+    `entries`, lie in `body`, the CRC read over its bytes but those of the
+    arrays whose CRC `known` gives, which it combines instead."""
     header["arrays"] = entries
     if crc:
-        header["crc32"] = _crc32_update(body)
+        header["crc32"] = (_crc32_update(body) if not known or _crc32_combine is None else
+                           _packed_crc(entries, body, known, _crc32_combine))
     header["packed"] = True
     return [_PACKERS.pack(header), body]
+
+
+def _packed_crc(entries: list, body, known: Mapping[str, int], combine: Callable[[int, int, int], int]) -> int:
+    """The CRC-32 of a packed `body`: each run of arrays not in `known` read
+    in one call, each array in it combined from its known CRC. Combined,
+    the CRC still tells a consumer whether the bytes it got are those
+    verified on arrival, copies on the way included."""
+    value = start = read_from = 0
+    for name, _, shape in entries:
+        size = _DECODING[name][2] * math.prod(shape)
+        own = known.get(name)
+        if own is not None:
+            if start > read_from:
+                value = _crc32_update(body[read_from:start], value)
+            value = combine(value, own, size)
+            read_from = start + size
+        start += size
+    return _crc32_update(body[read_from:start], value) if start > read_from else value
 
 
 def encode_arrived(schema: Schema, mtype: str, fields: Mapping[str, Any], arrived: Message) -> list | None:

@@ -18,6 +18,7 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 
 from .buffers import NBYTES, GrowableArray, constant_run, counting_run
+from .codec import crc32_joined
 from .contract import (
     ARRAYS,
     CONTEXT_REPLAY_ARRAYS,
@@ -644,6 +645,27 @@ class Trajectory:
         for name, array in self._context.items():
             shapes[name] = array.shape
         return shapes
+
+    def merged_crcs(self) -> dict[str, int]:
+        """The CRC-32 of each array `merge_into` writes that follows from
+        CRCs verified on arrival, by name: those the message that brought
+        the whole trajectory kept (`arrived_whole`: its arrays are the
+        trajectory's); else the support ids', when each pending turn's
+        arrived in a frame of its own, checked (a large one:
+        `Turn.mask_ids_crc32`), and no forced token adds one (`merge_into`
+        writes those ids as they arrived, end to end). Empty otherwise."""
+        arrived = self.arrived_whole
+        if arrived is not None:
+            return dict(arrived.array_crcs or {})
+        if self._mask is None or len(self._mask.ids):
+            return {}
+        parts = []
+        for turn in self._pending:
+            if turn.forced_tokens.size or turn.mask is None or turn.mask_ids_crc32 is None:
+                return {}
+            parts.append((turn.mask_ids_crc32, turn.mask.ids.nbytes))
+        value = crc32_joined(parts)
+        return {} if value is None else {"mask_ids": value}
 
     @property
     def arrived_whole(self) -> Any:

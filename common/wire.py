@@ -113,6 +113,7 @@ def encode_deliver(trajectory: Trajectory, lease: str, *, may_pack: bool = False
             # Written in place, one copy: one turn's arrays as `worth_packing` packs them (larger ones go a frame
             # each, as they arrived); several turns' from their pieces (no array averages SPLIT_FROM_BYTES over them).
             trajectory.merge_into(packed.arrays)
+            packed.crcs.update(trajectory.merged_crcs())
             return encode(BROKER_TO_CONSUMER, "deliver", fields, packed, crc=True)
         pieces = trajectory.arrays(parts_from=0)  # every array still held in pieces as the list of them
         held = [array for array in pieces.values() if isinstance(array, Pieces)]

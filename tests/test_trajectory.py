@@ -1,4 +1,5 @@
 """Trajectory merging and lifecycle: docs/semantics.md §3-§5, examples 6-8."""
+import zlib
 from contextlib import nullcontext
 from unittest import mock
 
@@ -679,6 +680,52 @@ def test_a_trajectory_its_message_does_not_hold_as_delivered_is_merged_as_before
         assert arrays["tokens"][-1] == 7 and arrays["loss_mask"][-1] == 0
     if change == "no loss mask":
         assert arrays["loss_mask"] == [1] * 10
+
+
+@pytest.mark.parametrize("turns, damaged", [(1, "mask_ids"), (1, "mask_offsets"), (2, "mask_ids")])
+def test_a_packed_delivery_combines_the_crcs_its_arrays_arrived_with(turns, damaged):
+    """Arrays that arrived a frame each, their CRCs verified, go into a
+    packed delivery under those CRCs, combined rather than read again
+    (every such array of a trajectory one message brought whole, the
+    support ids of several turns): bytes changed between arrival and
+    delivery are caught where it is decoded."""
+    tokens = np.arange(10_000, dtype=np.int32)  # 80 KB of offsets and of ids: each keeps its own CRC on arrival
+    turn = Turn.build(tokens, np.full(10_000, -0.5, np.float32), mask_ids=np.repeat(tokens, 2),
+                      mask_offsets=np.arange(0, 20_001, 2, dtype=np.int64), loss_mask=np.ones(10_000, np.uint8))
+    traj, kept = None, {}
+    for index in range(turns):
+        frames = encode_turn("t", index, turn, seq=index + 1, crc=True,
+                             prompt_tokens=np.array([1, 2], np.int32) if index == 0 else None)
+        names = [entry[0] for entry in msgpack.unpackb(frames[0])["arrays"]]
+        for name in ("mask_ids", "mask_offsets"):
+            kept[name] = frames[1 + names.index(name)] = bytearray(frames[1 + names.index(name)])
+        message = decode(frames, PRODUCER_TO_BROKER)
+        assert {"mask_ids", "mask_offsets"} <= set(message.array_crcs)
+        traj = traj or Trajectory("t", message.arrays["prompt_tokens"])
+        traj.append_turn(turn_from_message(message))
+    traj.reward = 1.0
+    assert set(traj.merged_crcs()) == ({"mask_ids", "mask_offsets"} if turns == 1 else {"mask_ids"})
+    frames = encode_deliver(traj, "lease", may_pack=True, may_split=True)
+    assert len(frames) == 2 and msgpack.unpackb(frames[0])["crc32"] == zlib.crc32(frames[1])
+    assert _delivered_arrays(frames)["mask_ids"] == np.repeat(tokens, 2).tolist() * turns
+
+    kept[damaged][8:12] = (3).to_bytes(4, "little")  # a changed id or offset after its CRC was verified
+    damaged_frames = encode_deliver(traj, "lease", may_pack=True, may_split=True)
+    with pytest.raises(ProtocolError) as caught:
+        decode(damaged_frames, BROKER_TO_CONSUMER)
+    assert caught.value.code == "crc_mismatch"
+
+
+def test_a_delivery_reads_the_crc_of_ids_whose_arrival_crc_does_not_cover_them():
+    """Forced tokens' singletons among the ids, or ids that came packed (no
+    CRC of their own): the delivery's CRC is read over the bytes sent."""
+    for forced in (False, True):
+        message, traj = _arrived(1_000, pack=not forced, forced=forced)
+        traj.append_turn(Turn.build(np.array([3], np.int32), np.array([-0.5], np.float32),
+                                    mask_ids=np.array([3], np.int32), mask_offsets=np.array([0, 1], np.int64)))
+        assert traj.merged_crcs() == {}
+        frames = encode_deliver(traj, "lease", may_pack=True)
+        assert msgpack.unpackb(frames[0])["crc32"] == zlib.crc32(frames[1])
 
 
 @pytest.fixture
