@@ -232,24 +232,28 @@ buffer_ids_below(const Py_buffer *ids, long long bound)
 /* Whether CSR supports frame `n_ids` ids (offsets from 0 to the ids' end,
  * strictly increasing: no support empty) and each holds its token; with
  * `loss` and `log_prob` given, also whether each token marked forced (loss
- * mask 0, log-prob exactly 0) has a singleton support. That test is
- * accumulated with no branch: one on each of its three parts mispredicts. */
+ * mask 0, log-prob exactly 0) has a singleton support. That test is a pass
+ * of its own once the supports hold, accumulated with no branch (one on
+ * each of its three parts mispredicts): it compiles to vector compares,
+ * where inside the scan's loop it cost more than the scan. */
 static inline int
 supports_hold(const int32_t *token, Py_ssize_t n, const int32_t *id, Py_ssize_t n_ids, const int64_t *offset,
               const uint8_t *loss, const float *log_prob)
 {
     if (offset[0] != 0 || offset[n] != (int64_t)n_ids)
         return 0;
-    int unforced = 1;
     for (Py_ssize_t t = 0; t < n; t++) {
         int64_t start = offset[t], end = offset[t + 1];
         if (end <= start || end > (int64_t)n_ids)  /* start >= 0: offset[0] is, and each end was checked */
             return 0;
         if (!holds_token(id, start, end, n_ids, token[t]))
             return 0;
-        if (loss != NULL)
-            unforced &= !((loss[t] == 0) & (log_prob[t] == 0.0f) & (end - start != 1));
     }
+    if (loss == NULL)
+        return 1;
+    int unforced = 1;
+    for (Py_ssize_t t = 0; t < n; t++)
+        unforced &= !((loss[t] == 0) & (log_prob[t] == 0.0f) & (offset[t + 1] - offset[t] != 1));
     return unforced;
 }
 
